@@ -1,0 +1,309 @@
+//! The run config: YAML as the user wrote it, read into raw sections, then
+//! validated in one pure step that reports every problem of the file at once,
+//! each with its path and line.
+//!
+//! The doc comments on the validated types are the user documentation of the
+//! config file.
+
+mod env;
+pub mod path;
+mod raw;
+mod validate;
+mod yaml;
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::{Map, Value};
+
+pub use env::Vars;
+pub use evalfleet_mock::MockSettings;
+pub use yaml::{Document, YamlError};
+
+/// The replacement for a secret written literally in a config, wherever the
+/// config is stored or shown.
+pub const MASK: &str = "***";
+
+/// A value that must never be printed, logged, stored or exported: an API key
+/// or a credential header.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+
+    /// The secret itself, for the one place that sends it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(MASK)
+    }
+}
+
+/// A validated run config.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The run's name; run ids start with it.
+    pub name: String,
+    pub dataset: DatasetConfig,
+    /// The endpoints that serve the run (at least one).
+    pub endpoints: Vec<EndpointConfig>,
+    pub task: TaskConfig,
+    pub retry: RetryPolicy,
+    pub timeouts: Timeouts,
+    pub writer: WriterSettings,
+    /// After the first Ctrl-C, how long in-flight calls may take to finish
+    /// before they are abandoned (their items stay pending). Default `30s`.
+    pub shutdown_grace: Duration,
+    /// The SQLite store, resolved against the current directory (like
+    /// `--store`), so `evalfleet resume`, `status` and `export` find it from
+    /// the same place. Default `runs/evalfleet.db`.
+    pub store: Option<PathBuf>,
+}
+
+/// `dataset:` where items come from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DatasetConfig {
+    /// The file, resolved against the config file's directory.
+    pub path: PathBuf,
+    /// `jsonl` or `csv`; by default from the file's extension (`.jsonl`,
+    /// `.ndjson`, `.csv`).
+    pub format: DatasetFormat,
+    /// The field that holds each item's id. Without it an item's id is a hash
+    /// of its content, which is stable across shuffles, samples and resumes.
+    pub id_field: Option<String>,
+    /// A deterministic sample: the same `n` and `seed` pick the same items.
+    pub sample: Option<Sample>,
+    /// Record a malformed line as a failed item and go on, instead of refusing
+    /// the dataset. Default `false`.
+    pub skip_invalid: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DatasetFormat {
+    Jsonl,
+    Csv,
+}
+
+impl DatasetFormat {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Jsonl => "jsonl",
+            Self::Csv => "csv",
+        }
+    }
+}
+
+/// `sample: {n, seed}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sample {
+    /// How many items to take (all of them when the dataset has fewer).
+    pub n: u64,
+    /// Seed of the choice. Default 0.
+    pub seed: u64,
+}
+
+/// `endpoints[]`: one OpenAI-compatible server.
+#[derive(Debug, Clone)]
+pub struct EndpointConfig {
+    /// A unique name (letters, digits, `-`, `_`, `.`).
+    pub name: String,
+    /// The model name sent in each request.
+    pub model: String,
+    pub kind: EndpointKind,
+    /// Calls in flight at once. Default 16.
+    pub concurrency: u32,
+    /// Per-attempt timeout for this endpoint; default `timeouts.attempt`.
+    pub timeout: Option<Duration>,
+    /// `Authorization: Bearer` key. A secret: never stored or shown.
+    pub api_key: Option<Secret>,
+    /// Extra HTTP headers sent as they are; values are treated as secrets.
+    pub headers: Vec<(String, Secret)>,
+    /// Extra body fields merged over `task.params` and passed through untouched
+    /// (e.g. vLLM's `top_k`, `chat_template_kwargs`).
+    pub params: Map<String, Value>,
+}
+
+/// `kind:` and what it needs.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EndpointKind {
+    /// The built-in mock, started inside the run; behaviour under `mock:`.
+    Mock(Box<MockSettings>),
+    /// A server someone else runs, at `base_url` (e.g. `http://host:8000/v1`).
+    External { base_url: String },
+}
+
+impl EndpointKind {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Mock(_) => "mock",
+            Self::External { .. } => "external",
+        }
+    }
+}
+
+/// `task:` how an item becomes a request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaskConfig {
+    /// Chat messages; each `content` is a minijinja template over the item's
+    /// fields (`{{ question }}`).
+    pub messages: Vec<MessageTemplate>,
+    /// Generation parameters sent with every request (`max_tokens`,
+    /// `temperature`, ...).
+    pub params: Map<String, Value>,
+    /// Stream responses (SSE), which measures time to first token. Default
+    /// `false`.
+    pub stream: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MessageTemplate {
+    /// `system`, `developer`, `user`, `assistant` or `tool`.
+    pub role: String,
+    pub content: String,
+}
+
+/// `retry:` how failed attempts are retried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Attempts per item in one session, the first included. Default 5.
+    pub max_attempts: u32,
+    /// Backoff before the first retry; it doubles each time, with full jitter.
+    /// Default `500ms`.
+    pub backoff_base: Duration,
+    /// The longest backoff. Default `30s`.
+    pub backoff_max: Duration,
+}
+
+/// `timeouts:`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    /// One call, from send to the last byte. Default `300s`.
+    pub attempt: Duration,
+    /// An item from its first attempt to its result, retries included; when
+    /// passed, the item fails. Default `1h`.
+    pub item: Duration,
+}
+
+/// `writer:` how results are committed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriterSettings {
+    /// Results per transaction, at most. Default 512.
+    pub batch_size: usize,
+    /// Longest wait before a partial batch is committed. Default `200ms`.
+    pub flush_interval: Duration,
+}
+
+/// Command-line settings that replace the file's.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Overrides {
+    /// `--n-sample N`.
+    pub sample_n: Option<u64>,
+    /// `--seed S`.
+    pub sample_seed: Option<u64>,
+}
+
+/// A config with what a run stores of it.
+#[derive(Debug, Clone)]
+pub struct LoadedConfig {
+    pub config: Config,
+    /// The document before `${VAR}` expansion, with CLI overrides applied and
+    /// literal secrets masked: what the store keeps, and what `resume` reads.
+    pub snapshot: Value,
+    /// The directory relative paths were resolved against.
+    pub dir: PathBuf,
+}
+
+/// One problem in a config.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// The line in the file, when the config came from one.
+    pub line: Option<usize>,
+    /// What is wrong, starting with the path (`endpoints[1].concurrency: ...`).
+    pub message: String,
+}
+
+/// A config that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}:{}:{}: invalid YAML: {}", path.display(), error.line, error.column, error.message)]
+    Yaml { path: PathBuf, error: YamlError },
+    #[error("{}", render_problems(origin, problems))]
+    Invalid { origin: String, problems: Vec<Problem> },
+}
+
+impl ConfigError {
+    /// The problems, for callers that show them their own way.
+    pub fn problems(&self) -> Vec<Problem> {
+        match self {
+            Self::Invalid { problems, .. } => problems.clone(),
+            Self::Yaml { error, .. } => vec![Problem {
+                line: Some(error.line),
+                message: format!("invalid YAML: {}", error.message),
+            }],
+            Self::Read { .. } => vec![Problem {
+                line: None,
+                message: self.to_string(),
+            }],
+        }
+    }
+}
+
+fn render_problems(origin: &str, problems: &[Problem]) -> String {
+    let mut out = match problems.len() {
+        1 => format!("{origin} has 1 problem:"),
+        n => format!("{origin} has {n} problems:"),
+    };
+    for problem in problems {
+        out.push_str("\n  ");
+        match problem.line {
+            Some(line) => out.push_str(&format!("{origin}:{line}: {}", problem.message)),
+            None => out.push_str(&problem.message),
+        }
+    }
+    out
+}
+
+/// Reads, expands and validates a config file.
+pub fn load_file(file: &Path, overrides: Overrides) -> Result<LoadedConfig, ConfigError> {
+    let text = std::fs::read_to_string(file).map_err(|source| ConfigError::Read {
+        path: file.to_owned(),
+        source,
+    })?;
+    let document = yaml::parse(&text).map_err(|error| ConfigError::Yaml {
+        path: file.to_owned(),
+        error,
+    })?;
+    let dir = file
+        .parent()
+        .map(|p| if p.as_os_str().is_empty() { Path::new(".") } else { p })
+        .unwrap_or(Path::new("."));
+    let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.to_owned());
+    validate::load(document, &dir, overrides, file.display().to_string())
+}
+
+/// Rebuilds a config from a stored snapshot, expanding `${VAR}` again from the
+/// environment and the `.env` in `dir`.
+pub fn load_snapshot(snapshot: &Value, dir: &Path) -> Result<LoadedConfig, ConfigError> {
+    let document = Document {
+        value: snapshot.clone(),
+        lines: Default::default(),
+    };
+    validate::load(document, dir, Overrides::default(), "the stored config".to_owned())
+}
+
+#[cfg(test)]
+mod tests;

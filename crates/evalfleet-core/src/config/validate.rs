@@ -1,0 +1,500 @@
+//! Raw sections to a validated [`Config`], collecting every problem.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::{Map, Value, json};
+
+use super::env::{self, Vars};
+use super::raw::{self, RawConfig, RawDataset, RawEndpoint, RawProblem, RawRetry, RawTask, RawTimeouts, RawWriter};
+use super::{
+    Config, ConfigError, DatasetConfig, DatasetFormat, Document, EndpointConfig, EndpointKind, LoadedConfig, MASK,
+    MessageTemplate, MockSettings, Overrides, Problem, RetryPolicy, Sample, Secret, TaskConfig, Timeouts,
+    WriterSettings, path,
+};
+
+/// Body fields evalfleet sets itself; `params` may not override them.
+const RESERVED_PARAMS: [&str; 4] = ["model", "messages", "stream", "stream_options"];
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+const MAX_CONCURRENCY: u64 = 100_000;
+
+pub(super) fn load(
+    mut document: Document,
+    dir: &Path,
+    overrides: Overrides,
+    origin: String,
+) -> Result<LoadedConfig, ConfigError> {
+    let mut problems: Vec<RawProblem> = Vec::new();
+    if document.value.is_null() {
+        document.value = Value::Object(Map::new());
+    }
+    if !document.value.is_object() {
+        return Err(invalid(
+            origin,
+            &document,
+            vec![(String::new(), "the config must be a mapping of keys to values".to_owned())],
+        ));
+    }
+    apply_overrides(&mut document.value, overrides, &mut problems);
+    let snapshot = masked(&document.value);
+
+    let mut value = document.value.clone();
+    match Vars::load(dir) {
+        Ok(vars) => {
+            let mut unresolved = Vec::new();
+            env::interpolate(&mut value, "", &vars, &mut unresolved);
+            problems.extend(unresolved.into_iter().map(|u| {
+                let message = format!("{}: {}", u.path, u.message);
+                (u.path, message)
+            }));
+        }
+        Err(message) => problems.push((String::new(), message)),
+    }
+
+    let config = raw::section::<RawConfig>(&value, "", &mut problems)
+        .and_then(|raw| validate(raw, dir, &mut problems));
+    match config {
+        Some(config) if problems.is_empty() => Ok(LoadedConfig {
+            config,
+            snapshot,
+            dir: dir.to_owned(),
+        }),
+        _ => Err(invalid(origin, &document, problems)),
+    }
+}
+
+fn invalid(origin: String, document: &Document, problems: Vec<RawProblem>) -> ConfigError {
+    let mut seen = HashSet::new();
+    let mut out: Vec<Problem> = problems
+        .into_iter()
+        .filter(|(_, message)| seen.insert(message.clone()))
+        .map(|(at, message)| Problem {
+            line: document.line_of(&at),
+            message,
+        })
+        .collect();
+    out.sort_by_key(|p| p.line.unwrap_or(0));
+    ConfigError::Invalid { origin, problems: out }
+}
+
+fn apply_overrides(value: &mut Value, overrides: Overrides, problems: &mut Vec<RawProblem>) {
+    if overrides.sample_n.is_none() && overrides.sample_seed.is_none() {
+        return;
+    }
+    let Some(root) = value.as_object_mut() else { return };
+    let dataset = root.entry("dataset").or_insert_with(|| json!({}));
+    let Some(dataset) = dataset.as_object_mut() else { return };
+    let sample = dataset.entry("sample").or_insert_with(|| json!({}));
+    let Some(sample) = sample.as_object_mut() else { return };
+    if let Some(n) = overrides.sample_n {
+        sample.insert("n".to_owned(), json!(n));
+    }
+    if let Some(seed) = overrides.sample_seed {
+        sample.insert("seed".to_owned(), json!(seed));
+    }
+    if !sample.contains_key("n") {
+        problems.push((
+            "dataset.sample".to_owned(),
+            "--seed picks a sample, so it needs --n-sample (or dataset.sample.n)".to_owned(),
+        ));
+    }
+}
+
+/// The document with every literal secret replaced by [`MASK`]; references to
+/// variables (`${KEY}`) are kept, since they hold no secret.
+fn masked(value: &Value) -> Value {
+    let mut out = value.clone();
+    let mask = |v: &mut Value| {
+        if let Value::String(s) = v
+            && !env::has_reference(s)
+        {
+            *s = MASK.to_owned();
+        }
+    };
+    if let Some(endpoints) = out.get_mut("endpoints").and_then(Value::as_array_mut) {
+        for endpoint in endpoints {
+            if let Some(key) = endpoint.get_mut("api_key") {
+                mask(key);
+            }
+            if let Some(headers) = endpoint.get_mut("headers").and_then(Value::as_object_mut) {
+                headers.values_mut().for_each(mask);
+            }
+        }
+    }
+    out
+}
+
+fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Option<Config> {
+    let mut p = Problems(problems);
+    let name = match raw.name {
+        Some(name) if !name.trim().is_empty() => Some(name),
+        Some(_) => p.push("name", "must not be empty"),
+        None => p.push("name", "is required (a name for the run)"),
+    };
+    let dataset = match &raw.dataset {
+        Some(value) => raw::section::<RawDataset>(value, "dataset", p.0).and_then(|d| dataset(d, dir, &mut p)),
+        None => p.push("dataset", "is required (dataset.path names the items' file)"),
+    };
+    let endpoints = match &raw.endpoints {
+        Some(Value::Array(items)) if !items.is_empty() => endpoints(items, &mut p),
+        Some(Value::Array(_)) => p.push("endpoints", "must list at least one endpoint"),
+        Some(_) => p.push("endpoints", "must be a list of endpoints"),
+        None => p.push("endpoints", "is required (at least one endpoint)"),
+    };
+    let task = match &raw.task {
+        Some(value) => raw::section::<RawTask>(value, "task", p.0).and_then(|t| task(t, &mut p)),
+        None => p.push("task", "is required (task.messages says what to send)"),
+    };
+    let retry = match &raw.retry {
+        Some(value) => raw::section::<RawRetry>(value, "retry", p.0).and_then(|r| retry(r, &mut p)),
+        None => retry(RawRetry::default(), &mut p),
+    };
+    let timeouts = match &raw.timeouts {
+        Some(value) => raw::section::<RawTimeouts>(value, "timeouts", p.0).and_then(|t| timeouts(t, &mut p)),
+        None => timeouts(RawTimeouts::default(), &mut p),
+    };
+    let writer = match &raw.writer {
+        Some(value) => raw::section::<RawWriter>(value, "writer", p.0).and_then(|w| writer(w, &mut p)),
+        None => writer(RawWriter::default(), &mut p),
+    };
+    let shutdown_grace = p.duration("shutdown_grace", raw.shutdown_grace.as_deref(), "30s");
+    let store = match raw.store {
+        Some(s) if s.trim().is_empty() => p.push("store", "must not be empty"),
+        other => Some(other.map(Into::into)),
+    };
+    Some(Config {
+        name: name?,
+        dataset: dataset?,
+        endpoints: endpoints?,
+        task: task?,
+        retry: retry?,
+        timeouts: timeouts?,
+        writer: writer?,
+        shutdown_grace: shutdown_grace?,
+        store: store?,
+    })
+}
+
+/// Collects problems; `push` returns `None` so that a field can be
+/// `Some(value)` or a recorded problem in one expression.
+struct Problems<'a>(&'a mut Vec<RawProblem>);
+
+impl Problems<'_> {
+    fn push<T>(&mut self, at: &str, message: impl std::fmt::Display) -> Option<T> {
+        self.0.push((at.to_owned(), format!("{at}: {message}")));
+        None
+    }
+
+    fn duration(&mut self, at: &str, text: Option<&str>, default: &str) -> Option<Duration> {
+        let text = text.unwrap_or(default);
+        match humantime::parse_duration(text) {
+            Ok(d) if d.is_zero() => self.push(at, "must be longer than zero"),
+            Ok(d) => Some(d),
+            Err(_) => self.push(at, format!("expected a duration like 500ms, 30s or 5m, got '{text}'")),
+        }
+    }
+}
+
+fn dataset(raw: RawDataset, dir: &Path, p: &mut Problems<'_>) -> Option<DatasetConfig> {
+    let path = match raw.path.as_deref() {
+        None => p.push("dataset.path", "is required"),
+        Some(s) if s.trim().is_empty() => p.push("dataset.path", "must not be empty"),
+        Some(s) => {
+            let resolved = dir.join(s);
+            if resolved.is_file() {
+                Some(resolved)
+            } else {
+                p.push("dataset.path", format!("no such file: {}", resolved.display()))
+            }
+        }
+    };
+    let format = match raw.format.as_deref() {
+        Some("jsonl") => Some(DatasetFormat::Jsonl),
+        Some("csv") => Some(DatasetFormat::Csv),
+        Some(other) => p.push("dataset.format", format!("must be 'jsonl' or 'csv', got '{other}'")),
+        None => match raw
+            .path
+            .as_deref()
+            .and_then(|s| Path::new(s).extension())
+            .and_then(|e| e.to_str())
+            .map(str::to_ascii_lowercase)
+            .as_deref()
+        {
+            Some("jsonl" | "ndjson") => Some(DatasetFormat::Jsonl),
+            Some("csv") => Some(DatasetFormat::Csv),
+            _ if raw.path.is_none() => None,
+            _ => p.push(
+                "dataset.format",
+                "cannot tell the format from the file's extension; set format: jsonl or csv",
+            ),
+        },
+    };
+    let id_field = match raw.id_field {
+        Some(f) if f.is_empty() => p.push("dataset.id_field", "must not be empty"),
+        other => Some(other),
+    };
+    let sample = match raw.sample {
+        Some(s) => match s.n {
+            Some(0) => p.push("dataset.sample.n", "must be at least 1, got 0"),
+            Some(n) => Some(Some(Sample {
+                n,
+                seed: s.seed.unwrap_or(0),
+            })),
+            None => p.push("dataset.sample.n", "is required in a sample"),
+        },
+        None => Some(None),
+    };
+    Some(DatasetConfig {
+        path: path?,
+        format: format?,
+        id_field: id_field?,
+        sample: sample?,
+        skip_invalid: raw.skip_invalid.unwrap_or(false),
+    })
+}
+
+fn endpoints(items: &[Value], p: &mut Problems<'_>) -> Option<Vec<EndpointConfig>> {
+    let mut out = Vec::with_capacity(items.len());
+    let mut names: Vec<(String, usize)> = Vec::new();
+    let mut complete = true;
+    for (i, value) in items.iter().enumerate() {
+        let at = path::index("endpoints", i);
+        let parsed = raw::section::<RawEndpoint>(value, &at, p.0).and_then(|raw| endpoint(raw, &at, p));
+        match parsed {
+            Some(endpoint) => {
+                if let Some((_, first)) = names.iter().find(|(n, _)| *n == endpoint.name) {
+                    p.push::<()>(
+                        &path::key(&at, "name"),
+                        format!("'{}' is already the name of endpoints[{first}]", endpoint.name),
+                    );
+                    complete = false;
+                }
+                names.push((endpoint.name.clone(), i));
+                out.push(endpoint);
+            }
+            None => complete = false,
+        }
+    }
+    complete.then_some(out)
+}
+
+fn endpoint(raw: RawEndpoint, at: &str, p: &mut Problems<'_>) -> Option<EndpointConfig> {
+    let field = |name: &str| path::key(at, name);
+    let name = match raw.name {
+        None => p.push(&field("name"), "is required"),
+        Some(n) if n.is_empty() => p.push(&field("name"), "must not be empty"),
+        Some(n) if !n.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) => p.push(
+            &field("name"),
+            format!("'{n}' may hold only letters, digits, '-', '_' and '.'"),
+        ),
+        Some(n) => Some(n),
+    };
+    let model = match raw.model {
+        None if raw.kind.as_deref() == Some("mock") => Some("mock".to_owned()),
+        None => p.push(&field("model"), "is required (the model name sent in requests)"),
+        Some(m) if m.is_empty() => p.push(&field("model"), "must not be empty"),
+        Some(m) => Some(m),
+    };
+    let kind = match raw.kind.as_deref() {
+        None => p.push(&field("kind"), "is required: mock or external"),
+        Some("mock") => {
+            if raw.base_url.is_some() {
+                p.push::<()>(
+                    &field("base_url"),
+                    "is not used by a mock endpoint (it is started inside the run)",
+                );
+            }
+            let settings = match &raw.mock {
+                Some(value) => raw::section::<MockSettings>(value, &field("mock"), p.0),
+                None => Some(MockSettings::default()),
+            };
+            settings.and_then(|settings| {
+                let before = p.0.len();
+                for (name, message) in settings.problems() {
+                    p.push::<()>(&path::key(&field("mock"), name), message);
+                }
+                (p.0.len() == before).then(|| EndpointKind::Mock(Box::new(settings)))
+            })
+        }
+        Some("external") => {
+            if raw.mock.is_some() {
+                p.push::<()>(&field("mock"), "is only for endpoints of kind 'mock'");
+            }
+            match raw.base_url {
+                None => p.push(&field("base_url"), "is required for an external endpoint (e.g. http://host:8000/v1)"),
+                Some(url) => match reqwest::Url::parse(&url) {
+                    Ok(parsed) if matches!(parsed.scheme(), "http" | "https") && parsed.has_host() => {
+                        Some(EndpointKind::External {
+                            base_url: url.trim_end_matches('/').to_owned(),
+                        })
+                    }
+                    Ok(_) => p.push(&field("base_url"), format!("must be an http(s) URL, got '{url}'")),
+                    Err(err) => p.push(&field("base_url"), format!("is not a URL ({err}): '{url}'")),
+                },
+            }
+        }
+        Some(kind @ ("local" | "remote")) => p.push(
+            &field("kind"),
+            format!("'{kind}' endpoints (engines evalfleet starts) are not available yet; use 'external' or 'mock'"),
+        ),
+        Some(other) => p.push(&field("kind"), format!("must be 'mock' or 'external', got '{other}'")),
+    };
+    let concurrency = match raw.concurrency {
+        None => Some(16),
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(0) => p.push(&field("concurrency"), "must be at least 1, got 0"),
+            Some(c) if c > MAX_CONCURRENCY => {
+                p.push(&field("concurrency"), format!("must be at most {MAX_CONCURRENCY}, got {c}"))
+            }
+            Some(c) => u32::try_from(c).ok(),
+            None => p.push(&field("concurrency"), format!("must be a whole number of at least 1, got {n}")),
+        },
+        Some(Value::String(s)) if s == "adaptive" => p.push(
+            &field("concurrency"),
+            "'adaptive' is not available yet; give a number of calls in flight",
+        ),
+        Some(other) => p.push(&field("concurrency"), format!("must be a whole number, got {other}")),
+    };
+    let timeout = match raw.timeout.as_deref() {
+        Some(text) => p.duration(&field("timeout"), Some(text), "").map(Some),
+        None => Some(None),
+    };
+    let api_key = match raw.api_key {
+        Some(key) if key == MASK => p.push(
+            &field("api_key"),
+            "was written literally in the config, so it was not stored; write it as ${VAR}, or resume with --config FILE",
+        ),
+        Some(key) if key.is_empty() => p.push(&field("api_key"), "is empty (is its variable set to nothing?)"),
+        other => Some(other.map(Secret::new)),
+    };
+    let mut headers = Vec::new();
+    let mut headers_ok = true;
+    for (name, value) in raw.headers.unwrap_or_default() {
+        let at = path::key(&field("headers"), &name);
+        if reqwest::header::HeaderName::from_bytes(name.as_bytes()).is_err() {
+            headers_ok = p.push::<()>(&at, "is not a valid HTTP header name").is_some();
+        } else if value == MASK {
+            headers_ok = p
+                .push::<()>(&at, "was written literally in the config, so it was not stored; write it as ${VAR}, or resume with --config FILE")
+                .is_some();
+        } else if reqwest::header::HeaderValue::from_str(&value).is_err() {
+            headers_ok = p.push::<()>(&at, "is not a valid HTTP header value").is_some();
+        } else {
+            headers.push((name, Secret::new(value)));
+        }
+    }
+    let params = params(raw.params, &field("params"), p);
+    Some(EndpointConfig {
+        name: name?,
+        model: model?,
+        kind: kind?,
+        concurrency: concurrency?,
+        timeout: timeout?,
+        api_key: api_key?,
+        headers: headers_ok.then_some(headers)?,
+        params: params?,
+    })
+}
+
+fn params(raw: Option<Map<String, Value>>, at: &str, p: &mut Problems<'_>) -> Option<Map<String, Value>> {
+    let raw = raw.unwrap_or_default();
+    let mut ok = true;
+    for key in RESERVED_PARAMS {
+        if raw.contains_key(key) {
+            ok = p
+                .push::<()>(&path::key(at, key), "is set by evalfleet and cannot be given in params")
+                .is_some();
+        }
+    }
+    ok.then_some(raw)
+}
+
+fn task(raw: RawTask, p: &mut Problems<'_>) -> Option<TaskConfig> {
+    let messages = match raw.messages {
+        None => p.push("task.messages", "is required (the chat messages to send)"),
+        Some(list) if list.is_empty() => p.push("task.messages", "must hold at least one message"),
+        Some(list) => {
+            let mut out = Vec::with_capacity(list.len());
+            let mut ok = true;
+            let checker = minijinja::Environment::new();
+            for (i, message) in list.into_iter().enumerate() {
+                let at = path::index("task.messages", i);
+                let role = match message.role {
+                    Some(role) if ROLES.contains(&role.as_str()) => Some(role),
+                    Some(role) => p.push(
+                        &path::key(&at, "role"),
+                        format!("must be one of {}, got '{role}'", ROLES.join(", ")),
+                    ),
+                    None => p.push(&path::key(&at, "role"), "is required"),
+                };
+                let content = match message.content {
+                    Some(content) => match checker.template_from_str(&content) {
+                        Ok(_) => Some(content),
+                        Err(err) => p.push(&path::key(&at, "content"), format!("is not a valid template: {err}")),
+                    },
+                    None => p.push(&path::key(&at, "content"), "is required"),
+                };
+                match (role, content) {
+                    (Some(role), Some(content)) => out.push(MessageTemplate { role, content }),
+                    _ => ok = false,
+                }
+            }
+            ok.then_some(out)
+        }
+    };
+    let params = params(raw.params, "task.params", p);
+    Some(TaskConfig {
+        messages: messages?,
+        params: params?,
+        stream: raw.stream.unwrap_or(false),
+    })
+}
+
+fn retry(raw: RawRetry, p: &mut Problems<'_>) -> Option<RetryPolicy> {
+    let max_attempts = match raw.max_attempts {
+        Some(0) => p.push("retry.max_attempts", "must be at least 1, got 0"),
+        other => Some(other.unwrap_or(5)),
+    };
+    let backoff_base = p.duration("retry.backoff_base", raw.backoff_base.as_deref(), "500ms");
+    let backoff_max = p.duration("retry.backoff_max", raw.backoff_max.as_deref(), "30s");
+    if let (Some(base), Some(max)) = (backoff_base, backoff_max)
+        && max < base
+    {
+        return p.push(
+            "retry.backoff_max",
+            format!(
+                "must not be shorter than retry.backoff_base ({} < {})",
+                humantime::format_duration(max),
+                humantime::format_duration(base)
+            ),
+        );
+    }
+    Some(RetryPolicy {
+        max_attempts: max_attempts?,
+        backoff_base: backoff_base?,
+        backoff_max: backoff_max?,
+    })
+}
+
+fn timeouts(raw: RawTimeouts, p: &mut Problems<'_>) -> Option<Timeouts> {
+    let attempt = p.duration("timeouts.attempt", raw.attempt.as_deref(), "300s");
+    let item = p.duration("timeouts.item", raw.item.as_deref(), "1h");
+    Some(Timeouts {
+        attempt: attempt?,
+        item: item?,
+    })
+}
+
+fn writer(raw: RawWriter, p: &mut Problems<'_>) -> Option<WriterSettings> {
+    let batch_size = match raw.batch_size {
+        Some(0) => p.push("writer.batch_size", "must be at least 1, got 0"),
+        Some(n) if n > 100_000 => p.push("writer.batch_size", format!("must be at most 100000, got {n}")),
+        other => Some(other.unwrap_or(512)),
+    };
+    let flush_interval = p.duration("writer.flush_interval", raw.flush_interval.as_deref(), "200ms");
+    Some(WriterSettings {
+        batch_size: batch_size?,
+        flush_interval: flush_interval?,
+    })
+}
