@@ -1,4 +1,13 @@
 //! evalfleet's engine: the config, dataset readers, templates, the OpenAI
 //! client, the fleet of endpoints, the run pipeline and the store traits.
 
+pub mod client;
 pub mod config;
+pub mod dataset;
+pub mod fingerprint;
+pub mod fleet;
+pub mod pipeline;
+pub mod run;
+pub mod store;
+pub mod summary;
+pub mod template;

@@ -121,7 +121,9 @@ impl Bucket {
             self.tokens -= 1.0;
             Ok(())
         } else {
-            Err(Duration::from_secs_f64((1.0 - self.tokens) / self.per_second))
+            Err(Duration::from_secs_f64(
+                (1.0 - self.tokens) / self.per_second,
+            ))
         }
     }
 }
@@ -320,7 +322,11 @@ fn tokens(text: &str) -> Vec<&str> {
 }
 
 /// The answer's tokens for a prompt, and its finish reason.
-fn answer(settings: &MockSettings, prompt: &str, max_tokens: Option<u32>) -> (Vec<String>, &'static str) {
+fn answer(
+    settings: &MockSettings,
+    prompt: &str,
+    max_tokens: Option<u32>,
+) -> (Vec<String>, &'static str) {
     let source = tokens(prompt);
     let mut out: Vec<String> = match settings.output_tokens {
         None => source.iter().map(|t| (*t).to_owned()).collect(),
@@ -328,7 +334,10 @@ fn answer(settings: &MockSettings, prompt: &str, max_tokens: Option<u32>) -> (Ve
             let n = n as usize;
             (0..n)
                 .map(|i| {
-                    let token = source.get(i % source.len().max(1)).copied().unwrap_or("token");
+                    let token = source
+                        .get(i % source.len().max(1))
+                        .copied()
+                        .unwrap_or("token");
                     if i + 1 < n && !token.ends_with(char::is_whitespace) {
                         format!("{token} ")
                     } else {
@@ -505,7 +514,8 @@ async fn chat(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
         let include_usage = request.stream_options.is_some_and(|o| o.include_usage);
         stream_reply(state, reply, include_usage, held)
     } else {
-        let total = state.settings.latency + state.settings.itl * (reply.tokens.len().saturating_sub(1) as u32);
+        let total = state.settings.latency
+            + state.settings.itl * (reply.tokens.len().saturating_sub(1) as u32);
         tokio::time::sleep(total).await;
         whole_reply(&state, reply, held)
     }
@@ -572,7 +582,8 @@ fn whole_reply(state: &Arc<MockState>, reply: Reply, held: Held) -> Response {
     let bytes = serde_json::to_vec(&body).unwrap_or_default();
     if reply.truncate {
         let half = Bytes::copy_from_slice(&bytes[..bytes.len() / 2]);
-        let parts: Vec<io::Result<Bytes>> = vec![Ok(half), Err(io::Error::other("truncated by the mock"))];
+        let parts: Vec<io::Result<Bytes>> =
+            vec![Ok(half), Err(io::Error::other("truncated by the mock"))];
         let body = Body::from_stream(HoldStream {
             inner: stream::iter(parts),
             _held: held,
@@ -620,7 +631,11 @@ fn stream_reply(state: Arc<MockState>, reply: Reply, include_usage: bool, held: 
             match step {
                 Step::Role => {
                     let bytes = reply.chunk(json!({"role": "assistant", "content": ""}), None);
-                    let next = if reply.tokens.is_empty() { Step::Finish } else { Step::Token(0) };
+                    let next = if reply.tokens.is_empty() {
+                        Step::Finish
+                    } else {
+                        Step::Token(0)
+                    };
                     Some((Ok(bytes), (next, reply, state)))
                 }
                 Step::Token(i) => {
@@ -632,7 +647,11 @@ fn stream_reply(state: Arc<MockState>, reply: Reply, include_usage: bool, held: 
                     }
                     tokio::time::sleep(if i == 0 { latency } else { itl }).await;
                     let bytes = reply.chunk(json!({"content": reply.tokens[i]}), None);
-                    let next = if i + 1 < reply.tokens.len() { Step::Token(i + 1) } else { Step::Finish };
+                    let next = if i + 1 < reply.tokens.len() {
+                        Step::Token(i + 1)
+                    } else {
+                        Step::Finish
+                    };
                     Some((Ok(bytes), (next, reply, state)))
                 }
                 Step::Finish => {
@@ -640,7 +659,11 @@ fn stream_reply(state: Arc<MockState>, reply: Reply, include_usage: bool, held: 
                         tokio::time::sleep(latency).await;
                     }
                     let bytes = reply.chunk(json!({}), Some(reply.finish_reason));
-                    let next = if include_usage { Step::Usage } else { Step::Done };
+                    let next = if include_usage {
+                        Step::Usage
+                    } else {
+                        Step::Done
+                    };
                     Some((Ok(bytes), (next, reply, state)))
                 }
                 Step::Usage => {
@@ -656,7 +679,10 @@ fn stream_reply(state: Arc<MockState>, reply: Reply, include_usage: bool, held: 
                 }
                 Step::Done => {
                     state.stats.completed.fetch_add(1, Ordering::Relaxed);
-                    Some((Ok(Bytes::from_static(b"data: [DONE]\n\n")), (Step::End, reply, state)))
+                    Some((
+                        Ok(Bytes::from_static(b"data: [DONE]\n\n")),
+                        (Step::End, reply, state),
+                    ))
                 }
                 Step::End => None,
             }

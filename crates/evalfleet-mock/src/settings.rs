@@ -147,13 +147,18 @@ impl MockSettings {
     /// Whether any decision depends on how often a prompt was seen (so the
     /// server must count prompts).
     pub fn needs_prompt_counts(&self) -> bool {
-        self.fail_first > 0 || self.error_rate > 0.0 || self.hang_rate > 0.0 || self.truncate_rate > 0.0
+        self.fail_first > 0
+            || self.error_rate > 0.0
+            || self.hang_rate > 0.0
+            || self.truncate_rate > 0.0
     }
 }
 
 fn duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
     let text = String::deserialize(deserializer)?;
     humantime::parse_duration(&text).map_err(|err| {
-        serde::de::Error::custom(format!("expected a duration like 250ms or 2s, got '{text}' ({err})"))
+        serde::de::Error::custom(format!(
+            "expected a duration like 250ms or 2s, got '{text}' ({err})"
+        ))
     })
 }

@@ -1,14 +1,6 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! Store implementations of [`evalfleet_core::store::Store`]: SQLite, the
+//! embedded default (PostgreSQL, for runs shared by many workers, comes later).
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+mod sqlite;
 
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
-}
+pub use sqlite::SqliteStore;

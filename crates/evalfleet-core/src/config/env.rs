@@ -23,7 +23,8 @@ impl Vars {
         if !file.exists() {
             return Ok(Self::default());
         }
-        let iter = dotenvy::from_path_iter(&file).map_err(|err| format!("{}: {err}", file.display()))?;
+        let iter =
+            dotenvy::from_path_iter(&file).map_err(|err| format!("{}: {err}", file.display()))?;
         let mut dotenv = HashMap::new();
         for entry in iter {
             let (key, value) = entry.map_err(|err| format!("{}: {err}", file.display()))?;
@@ -38,7 +39,9 @@ impl Vars {
     }
 
     fn get(&self, name: &str) -> Option<String> {
-        std::env::var(name).ok().or_else(|| self.dotenv.get(name).cloned())
+        std::env::var(name)
+            .ok()
+            .or_else(|| self.dotenv.get(name).cloned())
     }
 }
 
@@ -58,17 +61,13 @@ pub fn has_reference(text: &str) -> bool {
 /// that cannot be resolved.
 pub fn interpolate(value: &mut Value, at: &str, vars: &Vars, problems: &mut Vec<Unresolved>) {
     match value {
-        Value::String(text) => {
-            if text.contains('$') {
-                match expand(text, vars) {
-                    Ok(expanded) => *text = expanded,
-                    Err(message) => problems.push(Unresolved {
-                        path: at.to_owned(),
-                        message,
-                    }),
-                }
-            }
-        }
+        Value::String(text) if text.contains('$') => match expand(text, vars) {
+            Ok(expanded) => *text = expanded,
+            Err(message) => problems.push(Unresolved {
+                path: at.to_owned(),
+                message,
+            }),
+        },
         Value::Array(items) => {
             for (i, item) in items.iter_mut().enumerate() {
                 interpolate(item, &path::index(at, i), vars, problems);
@@ -102,7 +101,9 @@ fn expand(text: &str, vars: &Vars) -> Result<String, String> {
                 None => (inner, None),
             };
             if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-                return Err(format!("'${{{inner}}}' is not a variable reference: names are letters, digits and '_'"));
+                return Err(format!(
+                    "'${{{inner}}}' is not a variable reference: names are letters, digits and '_'"
+                ));
             }
             match (vars.get(name), default) {
                 (Some(value), _) => out.push_str(&value),
@@ -128,7 +129,10 @@ mod tests {
     use super::*;
 
     fn vars() -> Vars {
-        Vars::from_map(HashMap::from([("EF_TEST_KEY".to_owned(), "sk-1".to_owned())]))
+        Vars::from_map(HashMap::from([(
+            "EF_TEST_KEY".to_owned(),
+            "sk-1".to_owned(),
+        )]))
     }
 
     #[test]
@@ -136,7 +140,10 @@ mod tests {
         let v = vars();
         assert_eq!(expand("Bearer ${EF_TEST_KEY}", &v).unwrap(), "Bearer sk-1");
         assert_eq!(expand("${EF_TEST_NOPE:-x}", &v).unwrap(), "x");
-        assert_eq!(expand("$${EF_TEST_KEY} $5", &v).unwrap(), "${EF_TEST_KEY} $5");
+        assert_eq!(
+            expand("$${EF_TEST_KEY} $5", &v).unwrap(),
+            "${EF_TEST_KEY} $5"
+        );
         let err = expand("${EF_TEST_NOPE}", &v).unwrap_err();
         assert!(err.contains("EF_TEST_NOPE"), "{err}");
         assert!(expand("${unclosed", &v).is_err());
@@ -144,7 +151,8 @@ mod tests {
 
     #[test]
     fn every_unresolved_reference_is_reported_with_its_path() {
-        let mut value = serde_json::json!({"a": ["${EF_TEST_X1}", "ok"], "b": {"c": "${EF_TEST_X2}"}});
+        let mut value =
+            serde_json::json!({"a": ["${EF_TEST_X1}", "ok"], "b": {"c": "${EF_TEST_X2}"}});
         let mut problems = Vec::new();
         interpolate(&mut value, "", &vars(), &mut problems);
         let paths: Vec<_> = problems.iter().map(|p| p.path.as_str()).collect();

@@ -242,7 +242,10 @@ pub enum ConfigError {
     #[error("{}:{}:{}: invalid YAML: {}", path.display(), error.line, error.column, error.message)]
     Yaml { path: PathBuf, error: YamlError },
     #[error("{}", render_problems(origin, problems))]
-    Invalid { origin: String, problems: Vec<Problem> },
+    Invalid {
+        origin: String,
+        problems: Vec<Problem>,
+    },
 }
 
 impl ConfigError {
@@ -289,7 +292,13 @@ pub fn load_file(file: &Path, overrides: Overrides) -> Result<LoadedConfig, Conf
     })?;
     let dir = file
         .parent()
-        .map(|p| if p.as_os_str().is_empty() { Path::new(".") } else { p })
+        .map(|p| {
+            if p.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                p
+            }
+        })
         .unwrap_or(Path::new("."));
     let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.to_owned());
     validate::load(document, &dir, overrides, file.display().to_string())
@@ -302,7 +311,12 @@ pub fn load_snapshot(snapshot: &Value, dir: &Path) -> Result<LoadedConfig, Confi
         value: snapshot.clone(),
         lines: Default::default(),
     };
-    validate::load(document, dir, Overrides::default(), "the stored config".to_owned())
+    validate::load(
+        document,
+        dir,
+        Overrides::default(),
+        "the stored config".to_owned(),
+    )
 }
 
 #[cfg(test)]

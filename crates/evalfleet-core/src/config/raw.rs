@@ -90,7 +90,11 @@ pub struct RawWriter {
 
 /// Deserialises `value` (found at `at`) as `T`, recording unknown keys and a
 /// type error, each with its full path. Returns `None` on a type error.
-pub fn section<T: DeserializeOwned>(value: &Value, at: &str, problems: &mut Vec<RawProblem>) -> Option<T> {
+pub fn section<T: DeserializeOwned>(
+    value: &Value,
+    at: &str,
+    problems: &mut Vec<RawProblem>,
+) -> Option<T> {
     let mut unknown = Vec::new();
     let result: Result<T, _> = {
         let mut record = |p: serde_ignored::Path<'_>| unknown.push(ignored_path(at, &p));
@@ -102,7 +106,11 @@ pub fn section<T: DeserializeOwned>(value: &Value, at: &str, problems: &mut Vec<
             Some(cut) => (key_path[..cut].to_owned(), key_path[cut + 1..].to_owned()),
             None => (String::new(), key_path.clone()),
         };
-        let place = if parent.is_empty() { "config".to_owned() } else { parent };
+        let place = if parent.is_empty() {
+            "config".to_owned()
+        } else {
+            parent
+        };
         problems.push((key_path, format!("{place}: unknown key '{key}'")));
     }
     match result {
@@ -127,7 +135,9 @@ pub fn section<T: DeserializeOwned>(value: &Value, at: &str, problems: &mut Vec<
 fn ignored_path(at: &str, p: &serde_ignored::Path<'_>) -> String {
     match p {
         serde_ignored::Path::Root => at.to_owned(),
-        serde_ignored::Path::Seq { parent, index } => path::index(&ignored_path(at, parent), *index),
+        serde_ignored::Path::Seq { parent, index } => {
+            path::index(&ignored_path(at, parent), *index)
+        }
         serde_ignored::Path::Map { parent, key } => path::key(&ignored_path(at, parent), key),
         serde_ignored::Path::Some { parent }
         | serde_ignored::Path::NewtypeStruct { parent }
@@ -148,7 +158,10 @@ mod tests {
         let paths: Vec<_> = problems.iter().map(|(p, _)| p.as_str()).collect();
         assert!(paths.contains(&"dataset.colour"), "{problems:?}");
         assert!(paths.contains(&"dataset.sample.n"), "{problems:?}");
-        let unknown = problems.iter().find(|(p, _)| p == "dataset.colour").unwrap();
+        let unknown = problems
+            .iter()
+            .find(|(p, _)| p == "dataset.colour")
+            .unwrap();
         assert_eq!(unknown.1, "dataset: unknown key 'colour'");
     }
 }

@@ -48,11 +48,17 @@ fn a_good_config_validates_with_defaults() {
     assert_eq!(config.endpoints[0].model, "mock");
     assert_eq!(config.endpoints[0].concurrency, 4);
     assert_eq!(config.endpoints[1].concurrency, 16);
-    assert_eq!(config.endpoints[1].api_key.as_ref().unwrap().expose(), "sk-from-dotenv");
+    assert_eq!(
+        config.endpoints[1].api_key.as_ref().unwrap().expose(),
+        "sk-from-dotenv"
+    );
     assert_eq!(config.retry.max_attempts, 5);
     assert_eq!(config.writer.batch_size, 512);
     assert!(!config.task.stream);
-    assert!(!format!("{config:?}").contains("sk-from-dotenv"), "Debug must mask secrets");
+    assert!(
+        !format!("{config:?}").contains("sk-from-dotenv"),
+        "Debug must mask secrets"
+    );
 }
 
 #[test]
@@ -68,8 +74,13 @@ fn the_snapshot_keeps_references_and_masks_literal_secrets() {
 
     // Resuming from the snapshot expands the reference again, and refuses the
     // masked literal with a message that says what to do.
-    let err = load_snapshot(&loaded.snapshot, &loaded.dir).unwrap_err().to_string();
-    assert!(err.contains("endpoints[1].headers.X-Org: was written literally"), "{err}");
+    let err = load_snapshot(&loaded.snapshot, &loaded.dir)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("endpoints[1].headers.X-Org: was written literally"),
+        "{err}"
+    );
     assert!(!err.contains("api_key"), "{err}");
 }
 
@@ -111,22 +122,40 @@ retry:
     };
     assert_eq!(find("dataset: unknown key 'colour'").line, Some(4));
     assert_eq!(find("dataset.path: no such file").line, Some(3));
-    assert_eq!(find("endpoints[1].concurrency: must be at least 1, got 0").line, Some(13));
+    assert_eq!(
+        find("endpoints[1].concurrency: must be at least 1, got 0").line,
+        Some(13)
+    );
     assert_eq!(find("endpoints[1]: unknown key 'colour'").line, Some(14));
     assert_eq!(find("task.messages[0].role: must be one of").line, Some(17));
-    assert_eq!(find("task.messages[0].content: is not a valid template").line, Some(17));
+    assert_eq!(
+        find("task.messages[0].content: is not a valid template").line,
+        Some(17)
+    );
     assert_eq!(find("retry.max_attempts: invalid type").line, Some(19));
     assert_eq!(problems.len(), 7, "{problems:#?}");
     let text = err.to_string();
-    assert!(text.starts_with(&format!("{} has 7 problems:", file.display())), "{text}");
+    assert!(
+        text.starts_with(&format!("{} has 7 problems:", file.display())),
+        "{text}"
+    );
 }
 
 #[test]
 fn a_missing_variable_is_named() {
     let dir = dir_with_dataset();
-    let file = write(dir.path(), "run.yaml", &GOOD.replace("EF_CFG_TEST_KEY", "EF_CFG_TEST_UNSET_VAR"));
-    let err = load_file(&file, Overrides::default()).unwrap_err().to_string();
-    assert!(err.contains("endpoints[1].api_key: environment variable EF_CFG_TEST_UNSET_VAR is not set"), "{err}");
+    let file = write(
+        dir.path(),
+        "run.yaml",
+        &GOOD.replace("EF_CFG_TEST_KEY", "EF_CFG_TEST_UNSET_VAR"),
+    );
+    let err = load_file(&file, Overrides::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("endpoints[1].api_key: environment variable EF_CFG_TEST_UNSET_VAR is not set"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -135,7 +164,10 @@ fn yaml_syntax_errors_name_file_and_line() {
     let file = write(dir.path(), "broken.yaml", "name: x\ndataset: [1, 2\n");
     let err = load_file(&file, Overrides::default()).unwrap_err();
     assert!(matches!(err, ConfigError::Yaml { .. }), "{err:?}");
-    assert!(err.to_string().starts_with(&format!("{}:", file.display())), "{err}");
+    assert!(
+        err.to_string().starts_with(&format!("{}:", file.display())),
+        "{err}"
+    );
 }
 
 #[test]
@@ -151,6 +183,9 @@ fn overrides_pick_a_sample_and_are_kept_in_the_snapshot() {
         },
     )
     .unwrap();
-    assert_eq!(loaded.config.dataset.sample, Some(Sample { n: 10, seed: 7 }));
+    assert_eq!(
+        loaded.config.dataset.sample,
+        Some(Sample { n: 10, seed: 7 })
+    );
     assert_eq!(loaded.snapshot["dataset"]["sample"]["n"], 10);
 }

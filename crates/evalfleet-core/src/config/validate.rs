@@ -7,11 +7,13 @@ use std::time::Duration;
 use serde_json::{Map, Value, json};
 
 use super::env::{self, Vars};
-use super::raw::{self, RawConfig, RawDataset, RawEndpoint, RawProblem, RawRetry, RawTask, RawTimeouts, RawWriter};
+use super::raw::{
+    self, RawConfig, RawDataset, RawEndpoint, RawProblem, RawRetry, RawTask, RawTimeouts, RawWriter,
+};
 use super::{
-    Config, ConfigError, DatasetConfig, DatasetFormat, Document, EndpointConfig, EndpointKind, LoadedConfig, MASK,
-    MessageTemplate, MockSettings, Overrides, Problem, RetryPolicy, Sample, Secret, TaskConfig, Timeouts,
-    WriterSettings, path,
+    Config, ConfigError, DatasetConfig, DatasetFormat, Document, EndpointConfig, EndpointKind,
+    LoadedConfig, MASK, MessageTemplate, MockSettings, Overrides, Problem, RetryPolicy, Sample,
+    Secret, TaskConfig, Timeouts, WriterSettings, path,
 };
 
 /// Body fields evalfleet sets itself; `params` may not override them.
@@ -33,7 +35,10 @@ pub(super) fn load(
         return Err(invalid(
             origin,
             &document,
-            vec![(String::new(), "the config must be a mapping of keys to values".to_owned())],
+            vec![(
+                String::new(),
+                "the config must be a mapping of keys to values".to_owned(),
+            )],
         ));
     }
     apply_overrides(&mut document.value, overrides, &mut problems);
@@ -75,18 +80,27 @@ fn invalid(origin: String, document: &Document, problems: Vec<RawProblem>) -> Co
         })
         .collect();
     out.sort_by_key(|p| p.line.unwrap_or(0));
-    ConfigError::Invalid { origin, problems: out }
+    ConfigError::Invalid {
+        origin,
+        problems: out,
+    }
 }
 
 fn apply_overrides(value: &mut Value, overrides: Overrides, problems: &mut Vec<RawProblem>) {
     if overrides.sample_n.is_none() && overrides.sample_seed.is_none() {
         return;
     }
-    let Some(root) = value.as_object_mut() else { return };
+    let Some(root) = value.as_object_mut() else {
+        return;
+    };
     let dataset = root.entry("dataset").or_insert_with(|| json!({}));
-    let Some(dataset) = dataset.as_object_mut() else { return };
+    let Some(dataset) = dataset.as_object_mut() else {
+        return;
+    };
     let sample = dataset.entry("sample").or_insert_with(|| json!({}));
-    let Some(sample) = sample.as_object_mut() else { return };
+    let Some(sample) = sample.as_object_mut() else {
+        return;
+    };
     if let Some(n) = overrides.sample_n {
         sample.insert("n".to_owned(), json!(n));
     }
@@ -133,8 +147,13 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
         None => p.push("name", "is required (a name for the run)"),
     };
     let dataset = match &raw.dataset {
-        Some(value) => raw::section::<RawDataset>(value, "dataset", p.0).and_then(|d| dataset(d, dir, &mut p)),
-        None => p.push("dataset", "is required (dataset.path names the items' file)"),
+        Some(value) => {
+            raw::section::<RawDataset>(value, "dataset", p.0).and_then(|d| dataset(d, dir, &mut p))
+        }
+        None => p.push(
+            "dataset",
+            "is required (dataset.path names the items' file)",
+        ),
     };
     let endpoints = match &raw.endpoints {
         Some(Value::Array(items)) if !items.is_empty() => endpoints(items, &mut p),
@@ -151,11 +170,15 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
         None => retry(RawRetry::default(), &mut p),
     };
     let timeouts = match &raw.timeouts {
-        Some(value) => raw::section::<RawTimeouts>(value, "timeouts", p.0).and_then(|t| timeouts(t, &mut p)),
+        Some(value) => {
+            raw::section::<RawTimeouts>(value, "timeouts", p.0).and_then(|t| timeouts(t, &mut p))
+        }
         None => timeouts(RawTimeouts::default(), &mut p),
     };
     let writer = match &raw.writer {
-        Some(value) => raw::section::<RawWriter>(value, "writer", p.0).and_then(|w| writer(w, &mut p)),
+        Some(value) => {
+            raw::section::<RawWriter>(value, "writer", p.0).and_then(|w| writer(w, &mut p))
+        }
         None => writer(RawWriter::default(), &mut p),
     };
     let shutdown_grace = p.duration("shutdown_grace", raw.shutdown_grace.as_deref(), "30s");
@@ -191,7 +214,10 @@ impl Problems<'_> {
         match humantime::parse_duration(text) {
             Ok(d) if d.is_zero() => self.push(at, "must be longer than zero"),
             Ok(d) => Some(d),
-            Err(_) => self.push(at, format!("expected a duration like 500ms, 30s or 5m, got '{text}'")),
+            Err(_) => self.push(
+                at,
+                format!("expected a duration like 500ms, 30s or 5m, got '{text}'"),
+            ),
         }
     }
 }
@@ -205,14 +231,20 @@ fn dataset(raw: RawDataset, dir: &Path, p: &mut Problems<'_>) -> Option<DatasetC
             if resolved.is_file() {
                 Some(resolved)
             } else {
-                p.push("dataset.path", format!("no such file: {}", resolved.display()))
+                p.push(
+                    "dataset.path",
+                    format!("no such file: {}", resolved.display()),
+                )
             }
         }
     };
     let format = match raw.format.as_deref() {
         Some("jsonl") => Some(DatasetFormat::Jsonl),
         Some("csv") => Some(DatasetFormat::Csv),
-        Some(other) => p.push("dataset.format", format!("must be 'jsonl' or 'csv', got '{other}'")),
+        Some(other) => p.push(
+            "dataset.format",
+            format!("must be 'jsonl' or 'csv', got '{other}'"),
+        ),
         None => match raw
             .path
             .as_deref()
@@ -260,13 +292,17 @@ fn endpoints(items: &[Value], p: &mut Problems<'_>) -> Option<Vec<EndpointConfig
     let mut complete = true;
     for (i, value) in items.iter().enumerate() {
         let at = path::index("endpoints", i);
-        let parsed = raw::section::<RawEndpoint>(value, &at, p.0).and_then(|raw| endpoint(raw, &at, p));
+        let parsed =
+            raw::section::<RawEndpoint>(value, &at, p.0).and_then(|raw| endpoint(raw, &at, p));
         match parsed {
             Some(endpoint) => {
                 if let Some((_, first)) = names.iter().find(|(n, _)| *n == endpoint.name) {
                     p.push::<()>(
                         &path::key(&at, "name"),
-                        format!("'{}' is already the name of endpoints[{first}]", endpoint.name),
+                        format!(
+                            "'{}' is already the name of endpoints[{first}]",
+                            endpoint.name
+                        ),
                     );
                     complete = false;
                 }
@@ -284,15 +320,24 @@ fn endpoint(raw: RawEndpoint, at: &str, p: &mut Problems<'_>) -> Option<Endpoint
     let name = match raw.name {
         None => p.push(&field("name"), "is required"),
         Some(n) if n.is_empty() => p.push(&field("name"), "must not be empty"),
-        Some(n) if !n.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) => p.push(
-            &field("name"),
-            format!("'{n}' may hold only letters, digits, '-', '_' and '.'"),
-        ),
+        Some(n)
+            if !n
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) =>
+        {
+            p.push(
+                &field("name"),
+                format!("'{n}' may hold only letters, digits, '-', '_' and '.'"),
+            )
+        }
         Some(n) => Some(n),
     };
     let model = match raw.model {
         None if raw.kind.as_deref() == Some("mock") => Some("mock".to_owned()),
-        None => p.push(&field("model"), "is required (the model name sent in requests)"),
+        None => p.push(
+            &field("model"),
+            "is required (the model name sent in requests)",
+        ),
         Some(m) if m.is_empty() => p.push(&field("model"), "must not be empty"),
         Some(m) => Some(m),
     };
@@ -344,17 +389,24 @@ fn endpoint(raw: RawEndpoint, at: &str, p: &mut Problems<'_>) -> Option<Endpoint
         None => Some(16),
         Some(Value::Number(n)) => match n.as_u64() {
             Some(0) => p.push(&field("concurrency"), "must be at least 1, got 0"),
-            Some(c) if c > MAX_CONCURRENCY => {
-                p.push(&field("concurrency"), format!("must be at most {MAX_CONCURRENCY}, got {c}"))
-            }
+            Some(c) if c > MAX_CONCURRENCY => p.push(
+                &field("concurrency"),
+                format!("must be at most {MAX_CONCURRENCY}, got {c}"),
+            ),
             Some(c) => u32::try_from(c).ok(),
-            None => p.push(&field("concurrency"), format!("must be a whole number of at least 1, got {n}")),
+            None => p.push(
+                &field("concurrency"),
+                format!("must be a whole number of at least 1, got {n}"),
+            ),
         },
         Some(Value::String(s)) if s == "adaptive" => p.push(
             &field("concurrency"),
             "'adaptive' is not available yet; give a number of calls in flight",
         ),
-        Some(other) => p.push(&field("concurrency"), format!("must be a whole number, got {other}")),
+        Some(other) => p.push(
+            &field("concurrency"),
+            format!("must be a whole number, got {other}"),
+        ),
     };
     let timeout = match raw.timeout.as_deref() {
         Some(text) => p.duration(&field("timeout"), Some(text), "").map(Some),
@@ -373,13 +425,17 @@ fn endpoint(raw: RawEndpoint, at: &str, p: &mut Problems<'_>) -> Option<Endpoint
     for (name, value) in raw.headers.unwrap_or_default() {
         let at = path::key(&field("headers"), &name);
         if reqwest::header::HeaderName::from_bytes(name.as_bytes()).is_err() {
-            headers_ok = p.push::<()>(&at, "is not a valid HTTP header name").is_some();
+            headers_ok = p
+                .push::<()>(&at, "is not a valid HTTP header name")
+                .is_some();
         } else if value == MASK {
             headers_ok = p
                 .push::<()>(&at, "was written literally in the config, so it was not stored; write it as ${VAR}, or resume with --config FILE")
                 .is_some();
         } else if reqwest::header::HeaderValue::from_str(&value).is_err() {
-            headers_ok = p.push::<()>(&at, "is not a valid HTTP header value").is_some();
+            headers_ok = p
+                .push::<()>(&at, "is not a valid HTTP header value")
+                .is_some();
         } else {
             headers.push((name, Secret::new(value)));
         }
@@ -397,13 +453,20 @@ fn endpoint(raw: RawEndpoint, at: &str, p: &mut Problems<'_>) -> Option<Endpoint
     })
 }
 
-fn params(raw: Option<Map<String, Value>>, at: &str, p: &mut Problems<'_>) -> Option<Map<String, Value>> {
+fn params(
+    raw: Option<Map<String, Value>>,
+    at: &str,
+    p: &mut Problems<'_>,
+) -> Option<Map<String, Value>> {
     let raw = raw.unwrap_or_default();
     let mut ok = true;
     for key in RESERVED_PARAMS {
         if raw.contains_key(key) {
             ok = p
-                .push::<()>(&path::key(at, key), "is set by evalfleet and cannot be given in params")
+                .push::<()>(
+                    &path::key(at, key),
+                    "is set by evalfleet and cannot be given in params",
+                )
                 .is_some();
         }
     }
@@ -431,7 +494,10 @@ fn task(raw: RawTask, p: &mut Problems<'_>) -> Option<TaskConfig> {
                 let content = match message.content {
                     Some(content) => match checker.template_from_str(&content) {
                         Ok(_) => Some(content),
-                        Err(err) => p.push(&path::key(&at, "content"), format!("is not a valid template: {err}")),
+                        Err(err) => p.push(
+                            &path::key(&at, "content"),
+                            format!("is not a valid template: {err}"),
+                        ),
                     },
                     None => p.push(&path::key(&at, "content"), "is required"),
                 };
@@ -489,10 +555,17 @@ fn timeouts(raw: RawTimeouts, p: &mut Problems<'_>) -> Option<Timeouts> {
 fn writer(raw: RawWriter, p: &mut Problems<'_>) -> Option<WriterSettings> {
     let batch_size = match raw.batch_size {
         Some(0) => p.push("writer.batch_size", "must be at least 1, got 0"),
-        Some(n) if n > 100_000 => p.push("writer.batch_size", format!("must be at most 100000, got {n}")),
+        Some(n) if n > 100_000 => p.push(
+            "writer.batch_size",
+            format!("must be at most 100000, got {n}"),
+        ),
         other => Some(other.unwrap_or(512)),
     };
-    let flush_interval = p.duration("writer.flush_interval", raw.flush_interval.as_deref(), "200ms");
+    let flush_interval = p.duration(
+        "writer.flush_interval",
+        raw.flush_interval.as_deref(),
+        "200ms",
+    );
     Some(WriterSettings {
         batch_size: batch_size?,
         flush_interval: flush_interval?,

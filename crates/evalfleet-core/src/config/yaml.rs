@@ -67,7 +67,11 @@ pub fn parse(text: &str) -> Result<Document, YamlError> {
     Ok(Document { value, lines })
 }
 
-fn convert(node: &MarkedYaml<'_>, at: &str, lines: &mut HashMap<String, usize>) -> Result<Value, YamlError> {
+fn convert(
+    node: &MarkedYaml<'_>,
+    at: &str,
+    lines: &mut HashMap<String, usize>,
+) -> Result<Value, YamlError> {
     let error = |message: String| YamlError {
         line: node.span.start.line(),
         column: node.span.start.col() + 1,
@@ -111,7 +115,11 @@ fn convert(node: &MarkedYaml<'_>, at: &str, lines: &mut HashMap<String, usize>) 
             Value::Object(out)
         }
         YamlData::Tagged(_, inner) => convert(inner, at, lines)?,
-        YamlData::Alias(_) => return Err(error("YAML aliases are not supported in config files".to_owned())),
+        YamlData::Alias(_) => {
+            return Err(error(
+                "YAML aliases are not supported in config files".to_owned(),
+            ));
+        }
         YamlData::BadValue => return Err(error("this value cannot be read".to_owned())),
     })
 }
@@ -134,7 +142,8 @@ mod tests {
 
     #[test]
     fn lines_point_at_keys_and_elements() {
-        let doc = parse("name: x\nendpoints:\n  - name: a\n    concurrency: 0\n  - name: b\n").unwrap();
+        let doc =
+            parse("name: x\nendpoints:\n  - name: a\n    concurrency: 0\n  - name: b\n").unwrap();
         assert_eq!(doc.lines["name"], 1);
         assert_eq!(doc.lines["endpoints[0]"], 3);
         assert_eq!(doc.lines["endpoints[0].concurrency"], 4);

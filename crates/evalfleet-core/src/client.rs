@@ -1,0 +1,592 @@
+//! The OpenAI chat completions client: non-streaming and streaming (SSE with
+//! `stream_options.include_usage`), per-attempt telemetry, and errors that
+//! say their class so that retry logic never parses messages.
+
+use std::sync::Once;
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use eventsource_stream::Eventsource;
+use futures_util::StreamExt;
+use reqwest::header::{
+    AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER,
+};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use serde_json::{Map, Value};
+use tokio::time::Instant;
+
+use crate::config::EndpointConfig;
+
+/// How an error bears on what to do next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorClass {
+    /// A transient failure (connection refused or reset, 500, 502, 504): retry.
+    Retryable,
+    /// The endpoint is overloaded or rate-limiting (429, 503, 408, timeouts):
+    /// retry later, and send it less.
+    BackPressure,
+    /// The request itself is wrong (other 4xx): retrying will not help.
+    Fatal,
+    /// The endpoint answered something that is not a valid completion
+    /// (unparseable, truncated): retry.
+    BadResponse,
+}
+
+impl ErrorClass {
+    pub fn is_retryable(self) -> bool {
+        !matches!(self, Self::Fatal)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Retryable => "retryable",
+            Self::BackPressure => "back_pressure",
+            Self::Fatal => "fatal",
+            Self::BadResponse => "bad_response",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Self> {
+        [
+            Self::Retryable,
+            Self::BackPressure,
+            Self::Fatal,
+            Self::BadResponse,
+        ]
+        .into_iter()
+        .find(|c| c.as_str() == text)
+    }
+}
+
+/// Why a call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error("cannot connect: {0}")]
+    Connect(#[source] reqwest::Error),
+    #[error("no answer within {}", humantime::format_duration(*.0))]
+    Timeout(Duration),
+    #[error("HTTP {status}: {message}")]
+    Status {
+        status: u16,
+        message: String,
+        retry_after: Option<Duration>,
+    },
+    #[error("the connection failed: {0}")]
+    Transport(#[source] reqwest::Error),
+    #[error("bad response: {0}")]
+    BadResponse(String),
+    #[error("the response ended before the answer was complete")]
+    Truncated,
+}
+
+impl CallError {
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            Self::Connect(_) | Self::Transport(_) => ErrorClass::Retryable,
+            Self::Timeout(_) => ErrorClass::BackPressure,
+            Self::Status { status, .. } => match *status {
+                408 | 429 | 503 => ErrorClass::BackPressure,
+                400..=499 => ErrorClass::Fatal,
+                _ => ErrorClass::Retryable,
+            },
+            Self::BadResponse(_) | Self::Truncated => ErrorClass::BadResponse,
+        }
+    }
+
+    /// How long the endpoint asked us to wait (`Retry-After`, `retry-after-ms`).
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Self::Status { retry_after, .. } => *retry_after,
+            _ => None,
+        }
+    }
+
+    pub fn http_status(&self) -> Option<u16> {
+        match self {
+            Self::Status { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+/// A successful answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    pub content: String,
+    pub finish_reason: Option<String>,
+    pub prompt_tokens: Option<u64>,
+    pub completion_tokens: Option<u64>,
+    pub http_status: u16,
+}
+
+/// When an attempt happened. Latencies are from the moment the request was
+/// sent; TTFT only for streams.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timing {
+    /// Wall-clock time the request was sent.
+    pub sent_at: SystemTime,
+    /// Send to the first content token (streaming only).
+    pub ttft: Option<Duration>,
+    /// Send to the last byte (or to the failure).
+    pub latency: Duration,
+}
+
+impl Timing {
+    /// TPOT = (E2E - TTFT) / (completion_tokens - 1), as vLLM's benchmark
+    /// defines it; only for streams with more than one token.
+    pub fn tpot(&self, completion_tokens: Option<u64>) -> Option<Duration> {
+        let ttft = self.ttft?;
+        let tokens = completion_tokens?;
+        if tokens < 2 {
+            return None;
+        }
+        Some(self.latency.saturating_sub(ttft) / (tokens - 1) as u32)
+    }
+}
+
+/// One call's outcome with its timing.
+#[derive(Debug)]
+pub struct CallOutcome {
+    pub result: Result<Completion, CallError>,
+    pub timing: Timing,
+}
+
+/// A client for one endpoint.
+#[derive(Clone)]
+pub struct ChatClient {
+    http: reqwest::Client,
+    completions_url: String,
+    models_url: String,
+    headers: HeaderMap,
+    /// `{"model":"NAME","messages":` — the body up to the messages.
+    body_head: Bytes,
+    /// `,"param":value,...,"stream":...}` — the body after the messages.
+    body_tail: Bytes,
+    stream: bool,
+}
+
+/// Bodies of error responses are read up to this size for their message.
+const ERROR_BODY_LIMIT: usize = 8 * 1024;
+
+/// Installs the TLS crypto provider once per process.
+fn install_crypto() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // Fails only when another provider was installed first, which is fine.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
+/// Builds the HTTP client shared by an endpoint's calls.
+pub fn http_client(pool_size: usize) -> Result<reqwest::Client, reqwest::Error> {
+    install_crypto();
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(pool_size)
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(10))
+        .build()
+}
+
+impl ChatClient {
+    /// A client for `endpoint` at `base_url`, sending `task_params` overlaid
+    /// with the endpoint's own `params`.
+    pub fn new(
+        endpoint: &EndpointConfig,
+        base_url: &str,
+        task_params: &Map<String, Value>,
+        stream: bool,
+    ) -> Result<Self, String> {
+        let http = http_client(endpoint.concurrency as usize).map_err(|err| err.to_string())?;
+        let mut headers = HeaderMap::new();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        if let Some(key) = &endpoint.api_key {
+            headers.insert(
+                AUTHORIZATION,
+                secret_header(&format!("Bearer {}", key.expose()))?,
+            );
+        }
+        for (name, value) in &endpoint.headers {
+            let name = HeaderName::from_bytes(name.as_bytes()).map_err(|err| err.to_string())?;
+            headers.insert(name, secret_header(value.expose())?);
+        }
+        let mut params = task_params.clone();
+        params.extend(endpoint.params.clone());
+        let model = serde_json::to_string(&endpoint.model).map_err(|err| err.to_string())?;
+        let head = format!("{{\"model\":{model},\"messages\":");
+        let mut tail = String::new();
+        for (key, value) in &params {
+            tail.push(',');
+            tail.push_str(&serde_json::to_string(key).map_err(|err| err.to_string())?);
+            tail.push(':');
+            tail.push_str(&serde_json::to_string(value).map_err(|err| err.to_string())?);
+        }
+        if stream {
+            tail.push_str(",\"stream\":true,\"stream_options\":{\"include_usage\":true}}");
+        } else {
+            tail.push_str(",\"stream\":false}");
+        }
+        let base = base_url.trim_end_matches('/');
+        Ok(Self {
+            http,
+            completions_url: format!("{base}/chat/completions"),
+            models_url: format!("{base}/models"),
+            headers,
+            body_head: Bytes::from(head),
+            body_tail: Bytes::from(tail),
+            stream,
+        })
+    }
+
+    /// The request body for these messages.
+    pub fn body(&self, messages: &RawValue) -> Vec<u8> {
+        let json = messages.get().as_bytes();
+        let mut body = Vec::with_capacity(self.body_head.len() + json.len() + self.body_tail.len());
+        body.extend_from_slice(&self.body_head);
+        body.extend_from_slice(json);
+        body.extend_from_slice(&self.body_tail);
+        body
+    }
+
+    /// Sends one chat completion request.
+    pub async fn complete(&self, messages: &RawValue) -> CallOutcome {
+        let sent_at = SystemTime::now();
+        let started = Instant::now();
+        let mut ttft = None;
+        let result = self.call(messages, started, &mut ttft).await;
+        CallOutcome {
+            result,
+            timing: Timing {
+                sent_at,
+                ttft,
+                latency: started.elapsed(),
+            },
+        }
+    }
+
+    async fn call(
+        &self,
+        messages: &RawValue,
+        started: Instant,
+        ttft: &mut Option<Duration>,
+    ) -> Result<Completion, CallError> {
+        let response = self
+            .http
+            .post(&self.completions_url)
+            .headers(self.headers.clone())
+            .body(self.body(messages))
+            .send()
+            .await
+            .map_err(request_error)?;
+        let status = response.status();
+        if !status.is_success() {
+            return Err(status_error(response).await);
+        }
+        if self.stream {
+            read_stream(response, started, ttft).await
+        } else {
+            let bytes = response.bytes().await.map_err(body_error)?;
+            parse_completion(&bytes, status.as_u16())
+        }
+    }
+
+    /// `GET /models`: the model ids the endpoint serves.
+    pub async fn models(&self) -> Result<Vec<String>, CallError> {
+        let response = self
+            .http
+            .get(&self.models_url)
+            .headers(self.headers.clone())
+            .send()
+            .await
+            .map_err(request_error)?;
+        if !response.status().is_success() {
+            return Err(status_error(response).await);
+        }
+        let bytes = response.bytes().await.map_err(body_error)?;
+        #[derive(Deserialize)]
+        struct Models {
+            data: Vec<Model>,
+        }
+        #[derive(Deserialize)]
+        struct Model {
+            id: String,
+        }
+        let models: Models = serde_json::from_slice(&bytes)
+            .map_err(|err| CallError::BadResponse(format!("not a model list: {err}")))?;
+        Ok(models.data.into_iter().map(|m| m.id).collect())
+    }
+}
+
+fn secret_header(value: &str) -> Result<HeaderValue, String> {
+    let mut header = HeaderValue::from_str(value)
+        .map_err(|_| "a header value is not valid in HTTP".to_owned())?;
+    header.set_sensitive(true);
+    Ok(header)
+}
+
+fn request_error(err: reqwest::Error) -> CallError {
+    if err.is_connect() {
+        CallError::Connect(err)
+    } else {
+        CallError::Transport(err)
+    }
+}
+
+fn body_error(err: reqwest::Error) -> CallError {
+    if err.is_decode() {
+        CallError::BadResponse(err.to_string())
+    } else {
+        CallError::Truncated
+    }
+}
+
+async fn status_error(response: reqwest::Response) -> CallError {
+    let status = response.status().as_u16();
+    let retry_after = retry_after(response.headers());
+    let mut body = Vec::new();
+    let mut stream = response.bytes_stream();
+    while let Some(Ok(chunk)) = stream.next().await {
+        body.extend_from_slice(&chunk);
+        if body.len() >= ERROR_BODY_LIMIT {
+            body.truncate(ERROR_BODY_LIMIT);
+            break;
+        }
+    }
+    CallError::Status {
+        status,
+        message: error_message(&body),
+        retry_after,
+    }
+}
+
+/// The message of an error body: OpenAI's `error.message` when present.
+fn error_message(body: &[u8]) -> String {
+    if let Ok(value) = serde_json::from_slice::<Value>(body) {
+        let message = value
+            .pointer("/error/message")
+            .or_else(|| value.get("message"))
+            .or_else(|| value.get("detail"))
+            .and_then(Value::as_str);
+        if let Some(message) = message {
+            return message.to_owned();
+        }
+    }
+    let text = String::from_utf8_lossy(body);
+    let text = text.trim();
+    if text.is_empty() {
+        "(no message)".to_owned()
+    } else {
+        text.chars().take(300).collect()
+    }
+}
+
+/// `retry-after-ms` (milliseconds), or `Retry-After` in seconds or as an
+/// HTTP date.
+pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    if let Some(ms) = headers
+        .get("retry-after-ms")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|ms| ms.is_finite() && *ms >= 0.0)
+    {
+        return Some(Duration::from_secs_f64(ms / 1000.0));
+    }
+    let text = headers.get(RETRY_AFTER)?.to_str().ok()?.trim();
+    if let Ok(seconds) = text.parse::<f64>() {
+        return (seconds.is_finite() && seconds >= 0.0).then(|| Duration::from_secs_f64(seconds));
+    }
+    let date = httpdate::parse_http_date(text).ok()?;
+    Some(
+        date.duration_since(SystemTime::now())
+            .unwrap_or(Duration::ZERO),
+    )
+}
+
+#[derive(Deserialize)]
+struct Usage {
+    prompt_tokens: Option<u64>,
+    completion_tokens: Option<u64>,
+}
+
+fn parse_completion(bytes: &[u8], status: u16) -> Result<Completion, CallError> {
+    #[derive(Deserialize)]
+    struct Response {
+        choices: Vec<Choice>,
+        usage: Option<Usage>,
+    }
+    #[derive(Deserialize)]
+    struct Choice {
+        message: ChoiceMessage,
+        finish_reason: Option<String>,
+    }
+    #[derive(Deserialize)]
+    struct ChoiceMessage {
+        content: Option<String>,
+    }
+    let response: Response = serde_json::from_slice(bytes)
+        .map_err(|err| CallError::BadResponse(format!("not a chat completion: {err}")))?;
+    let choice = response
+        .choices
+        .into_iter()
+        .next()
+        .ok_or_else(|| CallError::BadResponse("the completion has no choices".to_owned()))?;
+    Ok(Completion {
+        content: choice.message.content.unwrap_or_default(),
+        finish_reason: choice.finish_reason,
+        prompt_tokens: response.usage.as_ref().and_then(|u| u.prompt_tokens),
+        completion_tokens: response.usage.as_ref().and_then(|u| u.completion_tokens),
+        http_status: status,
+    })
+}
+
+async fn read_stream(
+    response: reqwest::Response,
+    started: Instant,
+    ttft: &mut Option<Duration>,
+) -> Result<Completion, CallError> {
+    #[derive(Deserialize)]
+    struct Chunk {
+        #[serde(default)]
+        choices: Vec<ChunkChoice>,
+        usage: Option<Usage>,
+        error: Option<Value>,
+    }
+    #[derive(Deserialize)]
+    struct ChunkChoice {
+        #[serde(default)]
+        delta: Option<Delta>,
+        finish_reason: Option<String>,
+    }
+    #[derive(Deserialize)]
+    struct Delta {
+        content: Option<String>,
+        reasoning_content: Option<String>,
+    }
+
+    let status = response.status().as_u16();
+    let mut events = response.bytes_stream().eventsource();
+    let mut content = String::new();
+    let mut finish_reason = None;
+    let mut usage = None;
+    let mut done = false;
+    while let Some(event) = events.next().await {
+        let event = event.map_err(|err| match err {
+            eventsource_stream::EventStreamError::Transport(_) => CallError::Truncated,
+            other => CallError::BadResponse(format!("invalid event stream: {other}")),
+        })?;
+        let data = event.data.trim();
+        if data == "[DONE]" {
+            done = true;
+            break;
+        }
+        if data.is_empty() {
+            continue;
+        }
+        let chunk: Chunk = serde_json::from_str(data)
+            .map_err(|err| CallError::BadResponse(format!("invalid stream chunk: {err}")))?;
+        if let Some(error) = chunk.error {
+            let message = error
+                .get("message")
+                .and_then(Value::as_str)
+                .map_or_else(|| error.to_string(), str::to_owned);
+            return Err(CallError::BadResponse(format!(
+                "error in stream: {message}"
+            )));
+        }
+        for choice in chunk.choices {
+            if let Some(delta) = choice.delta {
+                let piece = delta.content.unwrap_or_default();
+                let thinking = delta.reasoning_content.unwrap_or_default();
+                if ttft.is_none() && !(piece.is_empty() && thinking.is_empty()) {
+                    *ttft = Some(started.elapsed());
+                }
+                content.push_str(&piece);
+            }
+            if choice.finish_reason.is_some() {
+                finish_reason = choice.finish_reason;
+            }
+        }
+        if chunk.usage.is_some() {
+            usage = chunk.usage;
+        }
+    }
+    if !done && finish_reason.is_none() {
+        return Err(CallError::Truncated);
+    }
+    Ok(Completion {
+        content,
+        finish_reason,
+        prompt_tokens: usage.as_ref().and_then(|u| u.prompt_tokens),
+        completion_tokens: usage.as_ref().and_then(|u| u.completion_tokens),
+        http_status: status,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classes_follow_status_codes() {
+        let status = |status| CallError::Status {
+            status,
+            message: String::new(),
+            retry_after: None,
+        };
+        assert_eq!(status(429).class(), ErrorClass::BackPressure);
+        assert_eq!(status(503).class(), ErrorClass::BackPressure);
+        assert_eq!(status(408).class(), ErrorClass::BackPressure);
+        assert_eq!(status(500).class(), ErrorClass::Retryable);
+        assert_eq!(status(502).class(), ErrorClass::Retryable);
+        assert_eq!(status(400).class(), ErrorClass::Fatal);
+        assert_eq!(status(401).class(), ErrorClass::Fatal);
+        assert_eq!(CallError::Truncated.class(), ErrorClass::BadResponse);
+        assert_eq!(
+            CallError::Timeout(Duration::from_secs(1)).class(),
+            ErrorClass::BackPressure
+        );
+        assert!(!ErrorClass::Fatal.is_retryable());
+        assert_eq!(
+            ErrorClass::parse("back_pressure"),
+            Some(ErrorClass::BackPressure)
+        );
+    }
+
+    #[test]
+    fn retry_after_reads_seconds_milliseconds_and_dates() {
+        let mut headers = HeaderMap::new();
+        headers.insert(RETRY_AFTER, HeaderValue::from_static("3"));
+        assert_eq!(retry_after(&headers), Some(Duration::from_secs(3)));
+        headers.insert("retry-after-ms", HeaderValue::from_static("250"));
+        assert_eq!(retry_after(&headers), Some(Duration::from_millis(250)));
+        let mut headers = HeaderMap::new();
+        let later = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(120));
+        headers.insert(RETRY_AFTER, HeaderValue::from_str(&later).unwrap());
+        let wait = retry_after(&headers).unwrap();
+        assert!(
+            wait > Duration::from_secs(100) && wait <= Duration::from_secs(120),
+            "{wait:?}"
+        );
+    }
+
+    #[test]
+    fn error_messages_come_from_openai_error_bodies() {
+        assert_eq!(
+            error_message(br#"{"error": {"message": "slow down"}}"#),
+            "slow down"
+        );
+        assert_eq!(error_message(b"plain text"), "plain text");
+        assert_eq!(error_message(b""), "(no message)");
+    }
+
+    #[test]
+    fn tpot_follows_the_vllm_definition() {
+        let timing = Timing {
+            sent_at: SystemTime::now(),
+            ttft: Some(Duration::from_millis(100)),
+            latency: Duration::from_millis(1100),
+        };
+        assert_eq!(timing.tpot(Some(11)), Some(Duration::from_millis(100)));
+        assert_eq!(timing.tpot(Some(1)), None);
+    }
+}

@@ -1,0 +1,110 @@
+//! What determines a run's results: the dataset's content and how it is read,
+//! and the task. A resume is refused when any of it changed; the endpoints
+//! and their concurrency may change freely.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crate::config::Config;
+use crate::dataset::write_canonical;
+
+/// How the dataset is read into items.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DatasetOptions {
+    pub format: String,
+    pub id_field: Option<String>,
+    pub sample_n: Option<u64>,
+    pub sample_seed: Option<u64>,
+    pub skip_invalid: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Fingerprint {
+    /// SHA-256 of the dataset file.
+    pub dataset_sha256: String,
+    pub dataset_options: DatasetOptions,
+    /// SHA-256 of `task.messages` (canonical JSON).
+    pub messages_sha256: String,
+    /// SHA-256 of `task.params` (canonical JSON).
+    pub params_sha256: String,
+}
+
+fn canonical_sha256(value: &Value) -> String {
+    let mut out = Vec::new();
+    write_canonical(value, &mut out);
+    hex::encode(Sha256::digest(&out))
+}
+
+impl Fingerprint {
+    /// The fingerprint of `config` over a dataset whose content hashes to
+    /// `dataset_sha256`.
+    pub fn new(config: &Config, dataset_sha256: String) -> Self {
+        let messages: Vec<Value> = config
+            .task
+            .messages
+            .iter()
+            .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+            .collect();
+        let dataset = &config.dataset;
+        Self {
+            dataset_sha256,
+            dataset_options: DatasetOptions {
+                format: dataset.format.as_str().to_owned(),
+                id_field: dataset.id_field.clone(),
+                sample_n: dataset.sample.map(|s| s.n),
+                sample_seed: dataset.sample.map(|s| s.seed),
+                skip_invalid: dataset.skip_invalid,
+            },
+            messages_sha256: canonical_sha256(&Value::Array(messages)),
+            params_sha256: canonical_sha256(&Value::Object(config.task.params.clone())),
+        }
+    }
+
+    /// A short digest of the whole fingerprint.
+    pub fn digest(&self) -> String {
+        let value = serde_json::to_value(self).unwrap_or(Value::Null);
+        canonical_sha256(&value)[..16].to_owned()
+    }
+
+    /// What differs between the stored fingerprint (`self`) and `current`,
+    /// in words; empty when they match.
+    pub fn differences(&self, current: &Self) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.dataset_sha256 != current.dataset_sha256 {
+            out.push(format!(
+                "the dataset's content changed (sha256 {} -> {})",
+                &self.dataset_sha256[..12.min(self.dataset_sha256.len())],
+                &current.dataset_sha256[..12.min(current.dataset_sha256.len())]
+            ));
+        }
+        let (a, b) = (&self.dataset_options, &current.dataset_options);
+        let mut option = |name: &str, old: String, new: String| {
+            if old != new {
+                out.push(format!("dataset.{name} changed ({old} -> {new})"));
+            }
+        };
+        option("format", a.format.clone(), b.format.clone());
+        option("id_field", show(&a.id_field), show(&b.id_field));
+        option("sample.n", show(&a.sample_n), show(&b.sample_n));
+        option("sample.seed", show(&a.sample_seed), show(&b.sample_seed));
+        option(
+            "skip_invalid",
+            a.skip_invalid.to_string(),
+            b.skip_invalid.to_string(),
+        );
+        if self.messages_sha256 != current.messages_sha256 {
+            out.push("task.messages changed".to_owned());
+        }
+        if self.params_sha256 != current.params_sha256 {
+            out.push("task.params changed".to_owned());
+        }
+        out
+    }
+}
+
+fn show<T: ToString>(value: &Option<T>) -> String {
+    value
+        .as_ref()
+        .map_or_else(|| "unset".to_owned(), ToString::to_string)
+}

@@ -1,0 +1,307 @@
+//! Creating and resuming runs: registering a dataset's items, checking that a
+//! resumed run still has the same dataset and task, and running a session
+//! from start to its stored status.
+
+use std::sync::Arc;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Config, LoadedConfig};
+use crate::dataset::{DatasetError, RowReader, Scanner, hash_file, sample_key};
+use crate::fingerprint::Fingerprint;
+use crate::fleet::Endpoint;
+use crate::pipeline::{self, PipelineError, Progress, Session};
+use crate::store::{
+    CreateRunError, Event, ItemSource, NewItem, NewRun, RunIdentity, RunRecord, RunStatus,
+    StateCounts, Store, StoreError, now_ms,
+};
+use crate::template::Templates;
+
+/// The items of a dataset, read once, for [`Store::create_run`].
+pub struct DatasetItems<'a> {
+    config: &'a Config,
+    templates: &'a Templates,
+    scanner: Option<Scanner>,
+    seq: u64,
+}
+
+impl<'a> DatasetItems<'a> {
+    /// Opens the dataset; for CSV, checks the templates against its columns
+    /// before reading any row.
+    pub fn open(config: &'a Config, templates: &'a Templates) -> Result<Self, CreateRunError> {
+        let scanner = Scanner::open(&config.dataset)?;
+        if let Some(columns) = scanner.columns() {
+            let columns = columns.iter().cloned().collect();
+            templates.check_fields(&columns, "the CSV header")?;
+        }
+        Ok(Self {
+            config,
+            templates,
+            scanner: Some(scanner),
+            seq: 0,
+        })
+    }
+}
+
+impl ItemSource for DatasetItems<'_> {
+    fn next_item(&mut self) -> Result<Option<NewItem>, CreateRunError> {
+        let Some(scanner) = self.scanner.as_mut() else {
+            return Ok(None);
+        };
+        let Some(row) = scanner.next_row()? else {
+            return Ok(None);
+        };
+        let dataset = &self.config.dataset;
+        if let Some(message) = &row.invalid
+            && !dataset.skip_invalid
+        {
+            return Err(DatasetError::Row {
+                path: dataset.path.clone(),
+                line: row.line,
+                message: format!(
+                    "{message} (set dataset.skip_invalid: true to record such rows as failed items)"
+                ),
+            }
+            .into());
+        }
+        self.seq += 1;
+        Ok(Some(NewItem {
+            sample_key: sample_key(dataset.sample.map_or(0, |s| s.seed), &row.id),
+            item_id: row.id,
+            seq: self.seq,
+            line: row.line,
+            offset: row.offset,
+            invalid: row.invalid,
+        }))
+    }
+
+    fn finish(&mut self) -> Result<RunIdentity, CreateRunError> {
+        let Some(scanner) = self.scanner.take() else {
+            return Err(CreateRunError::Store(StoreError::Invariant(
+                "the dataset was finished twice".to_owned(),
+            )));
+        };
+        let csv = scanner.columns().is_some();
+        let summary = scanner.finish();
+        if !csv && self.seq > 0 && summary.fields.len() < 4096 {
+            self.templates
+                .check_fields(&summary.fields, "no row of the dataset")?;
+        }
+        Ok(RunIdentity {
+            fingerprint: Fingerprint::new(self.config, summary.identity.sha256.clone()),
+            dataset: summary.identity,
+            sample_n: self.config.dataset.sample.map(|s| s.n),
+        })
+    }
+
+    fn path(&self) -> String {
+        self.config.dataset.path.display().to_string()
+    }
+}
+
+/// Creates a run: registers every item of the dataset (or the sample) in one
+/// transaction, so that a bad dataset leaves nothing behind.
+pub fn create(
+    store: &mut dyn Store,
+    loaded: &LoadedConfig,
+    templates: &Templates,
+    run_id: &str,
+) -> Result<RunRecord, CreateRunError> {
+    let mut items = DatasetItems::open(&loaded.config, templates)?;
+    let run = NewRun {
+        run_id: run_id.to_owned(),
+        name: loaded.config.name.clone(),
+        config: loaded.snapshot.clone(),
+        config_dir: loaded.dir.display().to_string(),
+        created_at_ms: now_ms(),
+    };
+    store.create_run(&run, &mut items)
+}
+
+/// Why a run cannot be resumed with this config.
+#[derive(Debug, thiserror::Error)]
+pub enum ResumeError {
+    #[error(
+        "run '{run_id}' cannot be resumed: what determines its results changed:\n  - {}",
+        changes.join("\n  - ")
+    )]
+    Changed {
+        run_id: String,
+        changes: Vec<String>,
+    },
+    #[error("cannot check the dataset {}: {source}", path.display())]
+    Dataset {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Checks that `config` would give the stored run the same results: the same
+/// dataset content and reading options, the same task.
+pub fn check_resume(record: &RunRecord, config: &Config) -> Result<(), ResumeError> {
+    let path = &config.dataset.path;
+    let same_file = if record.dataset.path == *path {
+        record.dataset.matches(path)
+    } else {
+        // Another path (the dataset moved): compare content.
+        hash_file(path).map(|sha| sha == record.dataset.sha256)
+    }
+    .map_err(|source| ResumeError::Dataset {
+        path: path.clone(),
+        source,
+    })?;
+    let dataset_sha = if same_file {
+        record.dataset.sha256.clone()
+    } else {
+        hash_file(path).map_err(|source| ResumeError::Dataset {
+            path: path.clone(),
+            source,
+        })?
+    };
+    let current = Fingerprint::new(config, dataset_sha);
+    let changes = record.fingerprint.differences(&current);
+    if changes.is_empty() {
+        Ok(())
+    } else {
+        Err(ResumeError::Changed {
+            run_id: record.run_id.clone(),
+            changes,
+        })
+    }
+}
+
+/// How a session ended, as the CLI reports it.
+#[derive(Debug, Clone)]
+pub struct SessionReport {
+    pub status: RunStatus,
+    pub counts: StateCounts,
+    pub message: Option<String>,
+}
+
+/// Everything a session needs besides its stores.
+pub struct SessionPlan {
+    pub run_id: String,
+    pub config: Arc<Config>,
+    pub templates: Arc<Templates>,
+    pub endpoints: Vec<Arc<Endpoint>>,
+    pub retry_failed: bool,
+}
+
+/// The live counters of a session about to run, for a progress display.
+pub struct Prepared {
+    pub progress: Arc<Progress>,
+    session: u32,
+    pending: u64,
+}
+
+/// Marks the run running and counts its items, before the session starts.
+pub fn prepare(store: &mut dyn Store, plan: &SessionPlan) -> Result<Prepared, StoreError> {
+    let start = store.begin_session(&plan.run_id, plan.retry_failed)?;
+    let counts = start.counts;
+    let endpoints: Vec<&str> = plan.endpoints.iter().map(|e| e.name.as_str()).collect();
+    let message = if start.session == 1 {
+        format!(
+            "Run started with endpoints {}; {} items.",
+            endpoints.join(", "),
+            counts.total()
+        )
+    } else {
+        format!(
+            "Session {} started with endpoints {}; {} items pending{}.",
+            start.session,
+            endpoints.join(", "),
+            counts.pending,
+            if start.reset > 0 {
+                format!(" ({} failed items to retry)", start.reset)
+            } else {
+                String::new()
+            }
+        )
+    };
+    store.add_event(
+        &plan.run_id,
+        &Event {
+            at_ms: now_ms(),
+            kind: "session_started".to_owned(),
+            endpoint: None,
+            message,
+        },
+    )?;
+    Ok(Prepared {
+        progress: Arc::new(Progress::new(
+            counts.total(),
+            counts.done,
+            counts.failed,
+            &plan.endpoints,
+        )),
+        session: start.session,
+        pending: counts.pending,
+    })
+}
+
+/// Runs a prepared session and stores how it ended.
+pub async fn run_session(
+    plan: SessionPlan,
+    prepared: Prepared,
+    writer_store: Box<dyn Store>,
+    reader_store: Box<dyn Store>,
+    stop: CancellationToken,
+) -> Result<SessionReport, PipelineError> {
+    let rows = RowReader::open(&plan.config.dataset)?;
+    let run_id = plan.run_id.clone();
+    let session = Session {
+        run_id: plan.run_id,
+        session: prepared.session,
+        config: plan.config,
+        templates: plan.templates,
+        endpoints: plan.endpoints,
+        pending: prepared.pending,
+    };
+    let end = pipeline::execute(
+        session,
+        writer_store,
+        reader_store,
+        rows,
+        prepared.progress,
+        stop.clone(),
+    )
+    .await?;
+    let mut store = end.store;
+    let counts = store.counts(&run_id)?;
+    let (status, kind, message) = if counts.pending == 0 {
+        (RunStatus::Finished, "finished", None)
+    } else if stop.is_cancelled() {
+        (
+            RunStatus::Interrupted,
+            "interrupted",
+            Some(format!(
+                "interrupted by the user with {} items pending",
+                counts.pending
+            )),
+        )
+    } else {
+        (
+            RunStatus::Interrupted,
+            "interrupted",
+            Some(format!("stopped with {} items pending", counts.pending)),
+        )
+    };
+    store.set_status(&run_id, status, message.as_deref())?;
+    store.add_event(
+        &run_id,
+        &Event {
+            at_ms: now_ms(),
+            kind: kind.to_owned(),
+            endpoint: None,
+            message: message.clone().unwrap_or_else(|| {
+                format!("Finished: {} done, {} failed.", counts.done, counts.failed)
+            }),
+        },
+    )?;
+    Ok(SessionReport {
+        status,
+        counts,
+        message,
+    })
+}

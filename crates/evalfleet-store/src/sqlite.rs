@@ -1,0 +1,791 @@
+//! The embedded store: one SQLite file in WAL mode. Results, item states and
+//! attempts are committed together, one transaction per batch, with
+//! `synchronous = FULL`, so a committed result survives a crash or a power
+//! loss and an uncommitted one is simply still pending.
+
+use std::collections::HashMap;
+use std::fs::{File, TryLockError};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use evalfleet_core::client::ErrorClass;
+use evalfleet_core::dataset::DatasetIdentity;
+use evalfleet_core::fingerprint::Fingerprint;
+use evalfleet_core::store::{
+    AttemptSample, Batch, CreateRunError, Event, ExportError, ExportRow, ItemSource, NewRun,
+    PendingItem, RunGuard, RunRecord, RunStatus, SessionStart, StateCounts, Store, StoreError,
+    now_ms,
+};
+use rusqlite::{
+    Connection, ErrorCode, OptionalExtension, Transaction, TransactionBehavior, params,
+};
+
+const SCHEMA_VERSION: i64 = 1;
+
+const SCHEMA: &str = r#"
+CREATE TABLE runs (
+    rid         INTEGER PRIMARY KEY,
+    run_id      TEXT NOT NULL UNIQUE,
+    name        TEXT NOT NULL,
+    status      TEXT NOT NULL,
+    created_at  INTEGER NOT NULL,
+    updated_at  INTEGER NOT NULL,
+    config      TEXT NOT NULL,
+    config_dir  TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    digest      TEXT NOT NULL,
+    dataset     TEXT NOT NULL,
+    total       INTEGER NOT NULL,
+    sessions    INTEGER NOT NULL DEFAULT 0,
+    message     TEXT
+);
+CREATE TABLE items (
+    rid        INTEGER NOT NULL REFERENCES runs(rid),
+    item_id    TEXT NOT NULL,
+    seq        INTEGER NOT NULL,
+    line       INTEGER NOT NULL,
+    offset     INTEGER NOT NULL,
+    sample_key INTEGER NOT NULL,
+    state      TEXT NOT NULL CHECK (state IN ('pending', 'done', 'failed')),
+    invalid    TEXT,
+    PRIMARY KEY (rid, item_id)
+) WITHOUT ROWID;
+CREATE INDEX items_by_state ON items (rid, state, seq);
+CREATE TABLE results (
+    rid               INTEGER NOT NULL REFERENCES runs(rid),
+    item_id           TEXT NOT NULL,
+    status            TEXT NOT NULL CHECK (status IN ('done', 'failed')),
+    output            TEXT,
+    error             TEXT,
+    endpoint          TEXT,
+    model             TEXT,
+    attempts          INTEGER NOT NULL,
+    latency_ms        REAL,
+    ttft_ms           REAL,
+    tpot_ms           REAL,
+    prompt_tokens     INTEGER,
+    completion_tokens INTEGER,
+    finish_reason     TEXT,
+    item              TEXT,
+    finished_at       INTEGER NOT NULL,
+    PRIMARY KEY (rid, item_id)
+);
+CREATE TABLE attempts (
+    rid               INTEGER NOT NULL REFERENCES runs(rid),
+    item_id           TEXT NOT NULL,
+    attempt           INTEGER NOT NULL,
+    session           INTEGER NOT NULL,
+    endpoint          TEXT NOT NULL,
+    model             TEXT NOT NULL,
+    sent_at           INTEGER NOT NULL,
+    latency_ms        REAL NOT NULL,
+    ttft_ms           REAL,
+    tpot_ms           REAL,
+    prompt_tokens     INTEGER,
+    completion_tokens INTEGER,
+    finish_reason     TEXT,
+    http_status       INTEGER,
+    error_class       TEXT,
+    error             TEXT,
+    PRIMARY KEY (rid, item_id, attempt)
+);
+CREATE TABLE events (
+    rid      INTEGER NOT NULL REFERENCES runs(rid),
+    at       INTEGER NOT NULL,
+    kind     TEXT NOT NULL,
+    endpoint TEXT,
+    message  TEXT NOT NULL
+);
+CREATE INDEX events_by_run ON events (rid, at);
+"#;
+
+/// A SQLite store file.
+pub struct SqliteStore {
+    conn: Connection,
+    path: PathBuf,
+    rids: HashMap<String, i64>,
+}
+
+fn db_err(context: &str) -> impl Fn(rusqlite::Error) -> StoreError + '_ {
+    move |err| StoreError::backend(context, err)
+}
+
+fn json_err(context: &str) -> impl Fn(serde_json::Error) -> StoreError + '_ {
+    move |err| StoreError::backend(context, err)
+}
+
+impl SqliteStore {
+    /// Opens the store at `path`, creating it (and its directory) when absent.
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|err| {
+                StoreError::backend(
+                    format!("cannot create the store's directory {}", dir.display()),
+                    err,
+                )
+            })?;
+        }
+        let conn = Connection::open(path).map_err(|err| {
+            StoreError::backend(format!("cannot open store {}", path.display()), err)
+        })?;
+        Self::init(conn, path)
+    }
+
+    /// Opens a store that must already exist.
+    pub fn open_existing(path: &Path) -> Result<Self, StoreError> {
+        if !path.is_file() {
+            return Err(StoreError::Backend {
+                message: format!(
+                    "no store at {} (pass --store PATH to name another)",
+                    path.display()
+                ),
+                source: None,
+            });
+        }
+        Self::open(path)
+    }
+
+    fn init(conn: Connection, path: &Path) -> Result<Self, StoreError> {
+        conn.busy_timeout(Duration::from_secs(30))
+            .map_err(db_err("cannot set the busy timeout"))?;
+        conn.pragma_update(None, "journal_mode", "WAL")
+            .map_err(db_err("cannot switch the store to WAL mode"))?;
+        conn.pragma_update(None, "synchronous", "FULL")
+            .map_err(db_err("cannot set synchronous mode"))?;
+        conn.pragma_update(None, "foreign_keys", "ON")
+            .map_err(db_err("cannot enable foreign keys"))?;
+        let version: i64 = conn
+            .query_row("PRAGMA user_version", [], |row| row.get(0))
+            .map_err(db_err("cannot read the schema version"))?;
+        match version {
+            0 => {
+                conn.execute_batch(&format!(
+                    "BEGIN IMMEDIATE; {SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;"
+                ))
+                .or_else(|err| {
+                    // Another process may have created the schema meanwhile.
+                    let now: i64 = conn
+                        .query_row("PRAGMA user_version", [], |row| row.get(0))
+                        .map_err(db_err("cannot read the schema version"))?;
+                    if now == SCHEMA_VERSION {
+                        Ok(())
+                    } else {
+                        Err(StoreError::backend("cannot create the store's tables", err))
+                    }
+                })?;
+            }
+            SCHEMA_VERSION => {}
+            newer => {
+                return Err(StoreError::Backend {
+                    message: format!(
+                        "{} has schema version {newer}, newer than this evalfleet understands ({SCHEMA_VERSION})",
+                        path.display()
+                    ),
+                    source: None,
+                });
+            }
+        }
+        Ok(Self {
+            conn,
+            path: path.to_owned(),
+            rids: HashMap::new(),
+        })
+    }
+
+    /// The store's file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn rid(&mut self, run_id: &str) -> Result<i64, StoreError> {
+        if let Some(rid) = self.rids.get(run_id) {
+            return Ok(*rid);
+        }
+        let rid: i64 = self
+            .conn
+            .query_row("SELECT rid FROM runs WHERE run_id = ?1", [run_id], |row| {
+                row.get(0)
+            })
+            .optional()
+            .map_err(db_err("cannot look up the run"))?
+            .ok_or_else(|| StoreError::NoSuchRun(run_id.to_owned()))?;
+        self.rids.insert(run_id.to_owned(), rid);
+        Ok(rid)
+    }
+
+    fn lock_path(&self, run_id: &str) -> PathBuf {
+        let mut dir = self.path.as_os_str().to_owned();
+        dir.push(".locks");
+        PathBuf::from(dir).join(format!("{run_id}.lock"))
+    }
+
+    fn try_lock(&self, run_id: &str) -> Result<Option<File>, StoreError> {
+        let path = self.lock_path(run_id);
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|err| {
+                StoreError::backend(format!("cannot create {}", dir.display()), err)
+            })?;
+        }
+        let file = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|err| {
+                StoreError::backend(format!("cannot open lock file {}", path.display()), err)
+            })?;
+        match file.try_lock() {
+            Ok(()) => Ok(Some(file)),
+            Err(TryLockError::WouldBlock) => Ok(None),
+            Err(TryLockError::Error(err)) => Err(StoreError::backend(
+                format!("cannot lock {}", path.display()),
+                err,
+            )),
+        }
+    }
+}
+
+fn register(
+    tx: &Transaction<'_>,
+    rid: i64,
+    items: &mut dyn ItemSource,
+) -> Result<(), CreateRunError> {
+    let mut insert = tx
+        .prepare_cached(
+            "INSERT INTO items (rid, item_id, seq, line, offset, sample_key, state, invalid)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'pending', ?7)",
+        )
+        .map_err(db_err("cannot prepare the item insert"))?;
+    while let Some(item) = items.next_item()? {
+        let inserted = insert.execute(params![
+            rid,
+            item.item_id,
+            item.seq as i64,
+            item.line as i64,
+            item.offset as i64,
+            item.sample_key,
+            item.invalid,
+        ]);
+        match inserted {
+            Ok(_) => {}
+            Err(rusqlite::Error::SqliteFailure(failure, _))
+                if failure.code == ErrorCode::ConstraintViolation =>
+            {
+                let first_line: i64 = tx
+                    .query_row(
+                        "SELECT line FROM items WHERE rid = ?1 AND item_id = ?2",
+                        params![rid, item.item_id],
+                        |row| row.get(0),
+                    )
+                    .map_err(db_err("cannot look up a duplicate item"))?;
+                return Err(CreateRunError::DuplicateId {
+                    path: items.path(),
+                    id: item.item_id,
+                    first_line: first_line as u64,
+                    second_line: item.line,
+                });
+            }
+            Err(err) => return Err(StoreError::backend("cannot register an item", err).into()),
+        }
+    }
+    Ok(())
+}
+
+fn status_of(text: &str) -> Result<RunStatus, StoreError> {
+    RunStatus::parse(text)
+        .ok_or_else(|| StoreError::Invariant(format!("unknown run status '{text}'")))
+}
+
+const RUN_COLUMNS: &str = "run_id, name, status, created_at, updated_at, config, config_dir, fingerprint, dataset, \
+                           total, sessions, message";
+
+fn run_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<RawRun> {
+    Ok(RawRun {
+        run_id: row.get(0)?,
+        name: row.get(1)?,
+        status: row.get(2)?,
+        created_at: row.get(3)?,
+        updated_at: row.get(4)?,
+        config: row.get(5)?,
+        config_dir: row.get(6)?,
+        fingerprint: row.get(7)?,
+        dataset: row.get(8)?,
+        total: row.get(9)?,
+        sessions: row.get(10)?,
+        message: row.get(11)?,
+    })
+}
+
+struct RawRun {
+    run_id: String,
+    name: String,
+    status: String,
+    created_at: i64,
+    updated_at: i64,
+    config: String,
+    config_dir: String,
+    fingerprint: String,
+    dataset: String,
+    total: i64,
+    sessions: i64,
+    message: Option<String>,
+}
+
+impl RawRun {
+    fn decode(self) -> Result<RunRecord, StoreError> {
+        Ok(RunRecord {
+            status: status_of(&self.status)?,
+            config: serde_json::from_str(&self.config)
+                .map_err(json_err("the stored config is not JSON"))?,
+            fingerprint: serde_json::from_str::<Fingerprint>(&self.fingerprint)
+                .map_err(json_err("the stored fingerprint cannot be read"))?,
+            dataset: serde_json::from_str::<DatasetIdentity>(&self.dataset)
+                .map_err(json_err("the stored dataset identity cannot be read"))?,
+            run_id: self.run_id,
+            name: self.name,
+            created_at_ms: self.created_at,
+            updated_at_ms: self.updated_at,
+            config_dir: self.config_dir,
+            total: self.total as u64,
+            sessions: self.sessions as u32,
+            message: self.message,
+        })
+    }
+}
+
+fn opt_u64(value: Option<u64>) -> Option<i64> {
+    value.map(|v| v as i64)
+}
+
+impl Store for SqliteStore {
+    fn create_run(
+        &mut self,
+        run: &NewRun,
+        items: &mut dyn ItemSource,
+    ) -> Result<RunRecord, CreateRunError> {
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(db_err("cannot begin the run's transaction"))?;
+        let exists: bool = tx
+            .query_row(
+                "SELECT EXISTS (SELECT 1 FROM runs WHERE run_id = ?1)",
+                [&run.run_id],
+                |row| row.get(0),
+            )
+            .map_err(db_err("cannot check the run id"))?;
+        if exists {
+            return Err(CreateRunError::RunExists(run.run_id.clone()));
+        }
+        let config =
+            serde_json::to_string(&run.config).map_err(json_err("cannot encode the config"))?;
+        tx.execute(
+            "INSERT INTO runs (run_id, name, status, created_at, updated_at, config, config_dir, fingerprint, digest,
+                               dataset, total)
+             VALUES (?1, ?2, 'running', ?3, ?3, ?4, ?5, '', '', '', 0)",
+            params![run.run_id, run.name, run.created_at_ms, config, run.config_dir],
+        )
+        .map_err(db_err("cannot insert the run"))?;
+        let rid = tx.last_insert_rowid();
+        register(&tx, rid, items)?;
+        let identity = items.finish()?;
+        if let Some(n) = identity.sample_n {
+            tx.execute(
+                "DELETE FROM items WHERE rid = ?1 AND item_id NOT IN (
+                     SELECT item_id FROM items WHERE rid = ?1 ORDER BY sample_key, item_id LIMIT ?2)",
+                params![rid, n as i64],
+            )
+            .map_err(db_err("cannot take the sample"))?;
+        }
+        tx.execute(
+            "UPDATE items SET state = 'failed' WHERE rid = ?1 AND invalid IS NOT NULL",
+            [rid],
+        )
+        .map_err(db_err("cannot mark invalid rows"))?;
+        tx.execute(
+            "INSERT INTO results (rid, item_id, status, error, attempts, finished_at)
+             SELECT rid, item_id, 'failed', 'invalid dataset row (line ' || line || '): ' || invalid, 0, ?2
+             FROM items WHERE rid = ?1 AND invalid IS NOT NULL",
+            params![rid, now_ms()],
+        )
+        .map_err(db_err("cannot record invalid rows"))?;
+        let total: i64 = tx
+            .query_row("SELECT COUNT(*) FROM items WHERE rid = ?1", [rid], |row| {
+                row.get(0)
+            })
+            .map_err(db_err("cannot count items"))?;
+        let fingerprint = serde_json::to_string(&identity.fingerprint)
+            .map_err(json_err("cannot encode the fingerprint"))?;
+        let dataset = serde_json::to_string(&identity.dataset)
+            .map_err(json_err("cannot encode the dataset"))?;
+        tx.execute(
+            "UPDATE runs SET fingerprint = ?2, digest = ?3, dataset = ?4, total = ?5 WHERE rid = ?1",
+            params![rid, fingerprint, identity.fingerprint.digest(), dataset, total],
+        )
+        .map_err(db_err("cannot update the run"))?;
+        tx.commit().map_err(db_err("cannot commit the new run"))?;
+        self.rids.insert(run.run_id.clone(), rid);
+        Ok(self.run(&run.run_id)?)
+    }
+
+    fn run(&mut self, run_id: &str) -> Result<RunRecord, StoreError> {
+        self.conn
+            .query_row(
+                &format!("SELECT {RUN_COLUMNS} FROM runs WHERE run_id = ?1"),
+                [run_id],
+                run_from_row,
+            )
+            .optional()
+            .map_err(db_err("cannot read the run"))?
+            .ok_or_else(|| StoreError::NoSuchRun(run_id.to_owned()))?
+            .decode()
+    }
+
+    fn runs(&mut self) -> Result<Vec<RunRecord>, StoreError> {
+        let mut stmt = self
+            .conn
+            .prepare(&format!(
+                "SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at DESC, rid DESC"
+            ))
+            .map_err(db_err("cannot list runs"))?;
+        let rows = stmt
+            .query_map([], run_from_row)
+            .map_err(db_err("cannot list runs"))?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(db_err("cannot list runs"))?;
+        rows.into_iter().map(RawRun::decode).collect()
+    }
+
+    fn lock_run(&mut self, run_id: &str) -> Result<RunGuard, StoreError> {
+        match self.try_lock(run_id)? {
+            Some(file) => Ok(RunGuard(Box::new(file))),
+            None => Err(StoreError::RunBusy(run_id.to_owned())),
+        }
+    }
+
+    fn is_run_active(&mut self, run_id: &str) -> Result<bool, StoreError> {
+        Ok(self.try_lock(run_id)?.is_none())
+    }
+
+    fn begin_session(
+        &mut self,
+        run_id: &str,
+        retry_failed: bool,
+    ) -> Result<SessionStart, StoreError> {
+        let rid = self.rid(run_id)?;
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(db_err("cannot begin a session"))?;
+        let mut reset = 0;
+        if retry_failed {
+            tx.execute(
+                "DELETE FROM results WHERE rid = ?1 AND item_id IN (
+                     SELECT item_id FROM items WHERE rid = ?1 AND state = 'failed' AND invalid IS NULL)",
+                [rid],
+            )
+            .map_err(db_err("cannot reset failed items"))?;
+            reset = tx
+                .execute(
+                    "UPDATE items SET state = 'pending' WHERE rid = ?1 AND state = 'failed' AND invalid IS NULL",
+                    [rid],
+                )
+                .map_err(db_err("cannot reset failed items"))? as u64;
+        }
+        tx.execute(
+            "UPDATE runs SET status = 'running', sessions = sessions + 1, updated_at = ?2, message = NULL
+             WHERE rid = ?1",
+            params![rid, now_ms()],
+        )
+        .map_err(db_err("cannot start the session"))?;
+        let session: i64 = tx
+            .query_row("SELECT sessions FROM runs WHERE rid = ?1", [rid], |row| {
+                row.get(0)
+            })
+            .map_err(db_err("cannot read the session"))?;
+        tx.commit()
+            .map_err(db_err("cannot commit the session start"))?;
+        Ok(SessionStart {
+            session: session as u32,
+            reset,
+            counts: self.counts(run_id)?,
+        })
+    }
+
+    fn pending_items(
+        &mut self,
+        run_id: &str,
+        after_seq: Option<u64>,
+        limit: usize,
+    ) -> Result<Vec<PendingItem>, StoreError> {
+        let rid = self.rid(run_id)?;
+        let mut stmt = self
+            .conn
+            .prepare_cached(
+                "SELECT i.item_id, i.seq, i.line, i.offset,
+                        (SELECT COUNT(*) FROM attempts a WHERE a.rid = i.rid AND a.item_id = i.item_id)
+                 FROM items i
+                 WHERE i.rid = ?1 AND i.state = 'pending' AND i.seq > ?2
+                 ORDER BY i.seq LIMIT ?3",
+            )
+            .map_err(db_err("cannot read pending items"))?;
+        let after = after_seq.map_or(-1, |s| s as i64);
+        stmt.query_map(params![rid, after, limit as i64], |row| {
+            Ok(PendingItem {
+                item_id: row.get(0)?,
+                seq: row.get::<_, i64>(1)? as u64,
+                line: row.get::<_, i64>(2)? as u64,
+                offset: row.get::<_, i64>(3)? as u64,
+                prior_attempts: row.get::<_, i64>(4)? as u32,
+            })
+        })
+        .map_err(db_err("cannot read pending items"))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(db_err("cannot read pending items"))
+    }
+
+    fn commit(&mut self, run_id: &str, batch: &Batch) -> Result<(), StoreError> {
+        let rid = self.rid(run_id)?;
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(db_err("cannot begin a batch"))?;
+        {
+            let mut attempt = tx
+                .prepare_cached(
+                    "INSERT INTO attempts (rid, item_id, attempt, session, endpoint, model, sent_at, latency_ms,
+                         ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, http_status,
+                         error_class, error)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
+                )
+                .map_err(db_err("cannot prepare the attempt insert"))?;
+            for a in &batch.attempts {
+                attempt
+                    .execute(params![
+                        rid,
+                        a.item_id,
+                        a.attempt,
+                        a.session,
+                        a.endpoint,
+                        a.model,
+                        a.sent_at_ms,
+                        a.latency_ms,
+                        a.ttft_ms,
+                        a.tpot_ms,
+                        opt_u64(a.prompt_tokens),
+                        opt_u64(a.completion_tokens),
+                        a.finish_reason,
+                        a.http_status,
+                        a.error_class.map(ErrorClass::as_str),
+                        a.error,
+                    ])
+                    .map_err(db_err("cannot record an attempt"))?;
+            }
+            let mut state = tx
+                .prepare_cached("UPDATE items SET state = ?3 WHERE rid = ?1 AND item_id = ?2 AND state = 'pending'")
+                .map_err(db_err("cannot prepare the state update"))?;
+            let mut result = tx
+                .prepare_cached(
+                    "INSERT INTO results (rid, item_id, status, output, error, endpoint, model, attempts,
+                         latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, item,
+                         finished_at)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
+                )
+                .map_err(db_err("cannot prepare the result insert"))?;
+            for r in &batch.results {
+                let changed = state
+                    .execute(params![rid, r.item_id, r.status.as_str()])
+                    .map_err(db_err("cannot update an item's state"))?;
+                if changed != 1 {
+                    return Err(StoreError::Invariant(format!(
+                        "item '{}' of run '{run_id}' got a second result",
+                        r.item_id
+                    )));
+                }
+                result
+                    .execute(params![
+                        rid,
+                        r.item_id,
+                        r.status.as_str(),
+                        r.output,
+                        r.error,
+                        r.endpoint,
+                        r.model,
+                        r.attempts,
+                        r.latency_ms,
+                        r.ttft_ms,
+                        r.tpot_ms,
+                        opt_u64(r.prompt_tokens),
+                        opt_u64(r.completion_tokens),
+                        r.finish_reason,
+                        r.item,
+                        r.finished_at_ms,
+                    ])
+                    .map_err(db_err("cannot record a result"))?;
+            }
+        }
+        tx.execute(
+            "UPDATE runs SET updated_at = ?2 WHERE rid = ?1",
+            params![rid, now_ms()],
+        )
+        .map_err(db_err("cannot update the run"))?;
+        tx.commit().map_err(db_err("cannot commit a batch"))
+    }
+
+    fn set_status(
+        &mut self,
+        run_id: &str,
+        status: RunStatus,
+        message: Option<&str>,
+    ) -> Result<(), StoreError> {
+        let rid = self.rid(run_id)?;
+        self.conn
+            .execute(
+                "UPDATE runs SET status = ?2, message = ?3, updated_at = ?4 WHERE rid = ?1",
+                params![rid, status.as_str(), message, now_ms()],
+            )
+            .map_err(db_err("cannot set the run's status"))?;
+        Ok(())
+    }
+
+    fn counts(&mut self, run_id: &str) -> Result<StateCounts, StoreError> {
+        let rid = self.rid(run_id)?;
+        let mut stmt = self
+            .conn
+            .prepare_cached("SELECT state, COUNT(*) FROM items WHERE rid = ?1 GROUP BY state")
+            .map_err(db_err("cannot count items"))?;
+        let mut counts = StateCounts::default();
+        let rows = stmt
+            .query_map([rid], |row| {
+                Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?))
+            })
+            .map_err(db_err("cannot count items"))?;
+        for row in rows {
+            let (state, n) = row.map_err(db_err("cannot count items"))?;
+            match state.as_str() {
+                "pending" => counts.pending = n as u64,
+                "done" => counts.done = n as u64,
+                "failed" => counts.failed = n as u64,
+                other => {
+                    return Err(StoreError::Invariant(format!(
+                        "unknown item state '{other}'"
+                    )));
+                }
+            }
+        }
+        Ok(counts)
+    }
+
+    fn add_event(&mut self, run_id: &str, event: &Event) -> Result<(), StoreError> {
+        let rid = self.rid(run_id)?;
+        self.conn
+            .execute(
+                "INSERT INTO events (rid, at, kind, endpoint, message) VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![rid, event.at_ms, event.kind, event.endpoint, event.message],
+            )
+            .map_err(db_err("cannot record an event"))?;
+        Ok(())
+    }
+
+    fn events(&mut self, run_id: &str) -> Result<Vec<Event>, StoreError> {
+        let rid = self.rid(run_id)?;
+        let mut stmt = self
+            .conn
+            .prepare(
+                "SELECT at, kind, endpoint, message FROM events WHERE rid = ?1 ORDER BY at, rowid",
+            )
+            .map_err(db_err("cannot read events"))?;
+        stmt.query_map([rid], |row| {
+            Ok(Event {
+                at_ms: row.get(0)?,
+                kind: row.get(1)?,
+                endpoint: row.get(2)?,
+                message: row.get(3)?,
+            })
+        })
+        .map_err(db_err("cannot read events"))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(db_err("cannot read events"))
+    }
+
+    fn scan_attempts(
+        &mut self,
+        run_id: &str,
+        each: &mut dyn FnMut(AttemptSample),
+    ) -> Result<(), StoreError> {
+        let rid = self.rid(run_id)?;
+        let mut stmt = self
+            .conn
+            .prepare(
+                "SELECT endpoint, latency_ms, ttft_ms, tpot_ms, completion_tokens, error_class
+                 FROM attempts WHERE rid = ?1",
+            )
+            .map_err(db_err("cannot read attempts"))?;
+        let mut rows = stmt.query([rid]).map_err(db_err("cannot read attempts"))?;
+        while let Some(row) = rows.next().map_err(db_err("cannot read attempts"))? {
+            let class: Option<String> = row.get(5).map_err(db_err("cannot read attempts"))?;
+            each(AttemptSample {
+                endpoint: row.get(0).map_err(db_err("cannot read attempts"))?,
+                latency_ms: row.get(1).map_err(db_err("cannot read attempts"))?,
+                ttft_ms: row.get(2).map_err(db_err("cannot read attempts"))?,
+                tpot_ms: row.get(3).map_err(db_err("cannot read attempts"))?,
+                completion_tokens: row
+                    .get::<_, Option<i64>>(4)
+                    .map_err(db_err("cannot read attempts"))?
+                    .map(|t| t as u64),
+                error_class: class.as_deref().and_then(ErrorClass::parse),
+            });
+        }
+        Ok(())
+    }
+
+    fn export(
+        &mut self,
+        run_id: &str,
+        each: &mut dyn FnMut(ExportRow) -> std::io::Result<()>,
+    ) -> Result<(), ExportError> {
+        let rid = self.rid(run_id)?;
+        let mut stmt = self
+            .conn
+            .prepare(
+                "SELECT r.item_id, r.status, r.output, r.error, r.endpoint, r.model, r.attempts, r.latency_ms,
+                        r.ttft_ms, r.tpot_ms, r.prompt_tokens, r.completion_tokens, r.item
+                 FROM results r JOIN items i ON i.rid = r.rid AND i.item_id = r.item_id
+                 WHERE r.rid = ?1 ORDER BY i.seq",
+            )
+            .map_err(db_err("cannot export"))?;
+        let mut rows = stmt.query([rid]).map_err(db_err("cannot export"))?;
+        while let Some(row) = rows.next().map_err(db_err("cannot export"))? {
+            let get_err = db_err("cannot export");
+            let item: Option<String> = row.get(12).map_err(&get_err)?;
+            let item = match item {
+                Some(text) => {
+                    serde_json::from_str(&text).map_err(json_err("a stored item is not JSON"))?
+                }
+                None => serde_json::Value::Null,
+            };
+            each(ExportRow {
+                item_id: row.get(0).map_err(&get_err)?,
+                status: row.get(1).map_err(&get_err)?,
+                output: row.get(2).map_err(&get_err)?,
+                error: row.get(3).map_err(&get_err)?,
+                endpoint: row.get(4).map_err(&get_err)?,
+                model: row.get(5).map_err(&get_err)?,
+                attempts: row.get(6).map_err(&get_err)?,
+                latency_ms: row.get(7).map_err(&get_err)?,
+                ttft_ms: row.get(8).map_err(&get_err)?,
+                tpot_ms: row.get(9).map_err(&get_err)?,
+                prompt_tokens: row
+                    .get::<_, Option<i64>>(10)
+                    .map_err(&get_err)?
+                    .map(|t| t as u64),
+                completion_tokens: row
+                    .get::<_, Option<i64>>(11)
+                    .map_err(&get_err)?
+                    .map(|t| t as u64),
+                item,
+            })?;
+        }
+        Ok(())
+    }
+}

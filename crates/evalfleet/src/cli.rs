@@ -1,0 +1,187 @@
+//! The command line, as given (clap parses and checks shapes only; commands
+//! resolve and validate the rest).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use evalfleet_mock::MockSettings;
+
+/// Run large LLM evaluation and batch-inference jobs across a fleet of
+/// OpenAI-compatible endpoints, durably and fast.
+///
+/// Exit codes: 0 every item done; 1 the run finished with failed items (or an
+/// unexpected error); 2 bad usage, config or input; 130 interrupted (resumable).
+#[derive(Debug, Parser)]
+#[command(name = "evalfleet", version, propagate_version = true)]
+pub struct Cli {
+    /// More logging (-v debug, -vv trace). EVALFLEET_LOG (e.g.
+    /// `info,evalfleet_core=debug`) overrides it.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    pub verbose: u8,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Answer every item of a dataset over the configured endpoints and store the results.
+    ///
+    /// The run is registered in the store first (every item with its id), then
+    /// answered with as many calls in flight as the endpoints allow. Ctrl-C stops
+    /// taking items, lets calls in flight finish (up to `shutdown_grace`) and marks
+    /// the run interrupted; `evalfleet resume RUN_ID` finishes it.
+    #[command(
+        after_help = "Example:\n  evalfleet run examples/quickstart.yaml\n  evalfleet run eval.yaml --n-sample 200 --seed 1 --store runs/test.db"
+    )]
+    Run(RunArgs),
+
+    /// Finish an interrupted or crashed run: every item not yet done is answered, each exactly once.
+    ///
+    /// The stored config is used (API keys are read again from the environment);
+    /// --config gives a new one, whose endpoints and concurrency may differ but
+    /// whose dataset and task must not.
+    #[command(
+        after_help = "Example:\n  evalfleet resume quickstart-20261122-101500-3fa2\n  evalfleet resume RUN_ID --retry-failed --config eval-more-gpus.yaml"
+    )]
+    Resume(ResumeArgs),
+
+    /// List the runs in a store.
+    #[command(after_help = "Example:\n  evalfleet runs --store runs/evalfleet.db")]
+    Runs(StoreArgs),
+
+    /// Summarise a run: items by state, attempts and latency per endpoint, events (works while it runs).
+    #[command(
+        after_help = "Example:\n  evalfleet status quickstart-20261122-101500-3fa2\n  evalfleet status RUN_ID --json"
+    )]
+    Status(StatusArgs),
+
+    /// Write a run's results as JSONL or CSV, in dataset order.
+    #[command(
+        after_help = "Example:\n  evalfleet export RUN_ID --format jsonl -o results.jsonl\n  evalfleet export RUN_ID --format csv > results.csv"
+    )]
+    Export(ExportArgs),
+
+    /// Validate a config and probe every endpoint (reachable, models served, latency).
+    #[command(after_help = "Example:\n  evalfleet check examples/quickstart.yaml")]
+    Check(CheckArgs),
+
+    /// Serve the built-in OpenAI-compatible mock endpoint; prints the address it listens on.
+    #[command(
+        after_help = "Example:\n  evalfleet mock --bind 127.0.0.1:8000 --latency 200ms --error-rate 0.05\n  evalfleet mock --rpm 600 --output-tokens 64 --itl 10ms"
+    )]
+    Mock(MockArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct StoreArgs {
+    /// The SQLite store [default: runs/evalfleet.db, or $EVALFLEET_STORE]
+    #[arg(long)]
+    pub store: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// The run's YAML config.
+    pub config: PathBuf,
+
+    /// The SQLite store [default: the config's `store`, $EVALFLEET_STORE, or runs/evalfleet.db]
+    #[arg(long)]
+    pub store: Option<PathBuf>,
+
+    /// The run's id [default: NAME-DATE-TIME-XXXX]
+    #[arg(long)]
+    pub run_id: Option<String>,
+
+    /// Answer a deterministic sample of N items.
+    #[arg(long, value_name = "N")]
+    pub n_sample: Option<u64>,
+
+    /// The sample's seed.
+    #[arg(long, value_name = "S")]
+    pub seed: Option<u64>,
+
+    /// Answer yes to every question.
+    #[arg(short = 'y', long = "yes")]
+    pub yes: bool,
+
+    #[command(flatten)]
+    pub output: OutputArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct OutputArgs {
+    /// No progress display.
+    #[arg(short, long)]
+    pub quiet: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ResumeArgs {
+    /// The run to finish.
+    pub run_id: String,
+
+    /// The SQLite store [default: runs/evalfleet.db, or $EVALFLEET_STORE]
+    #[arg(long)]
+    pub store: Option<PathBuf>,
+
+    /// Also answer again the items that failed.
+    #[arg(long)]
+    pub retry_failed: bool,
+
+    /// Use this config instead of the stored one (its dataset and task must match the run's).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+
+    #[command(flatten)]
+    pub output: OutputArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    pub run_id: String,
+
+    #[command(flatten)]
+    pub store: StoreArgs,
+
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum ExportFormat {
+    Jsonl,
+    Csv,
+}
+
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    pub run_id: String,
+
+    #[command(flatten)]
+    pub store: StoreArgs,
+
+    #[arg(long, value_enum)]
+    pub format: ExportFormat,
+
+    /// Write here (atomically) instead of to standard output.
+    #[arg(short, long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct CheckArgs {
+    pub config: PathBuf,
+}
+
+#[derive(Debug, Args)]
+pub struct MockArgs {
+    /// Address to listen on (port 0: any free port).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub bind: SocketAddr,
+
+    #[command(flatten)]
+    pub settings: MockSettings,
+}

@@ -1,0 +1,319 @@
+//! `evalfleet runs`, `status` and `export`: reading a store, also while a run
+//! is writing to it.
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::io::{self, BufWriter, Write};
+use std::path::Path;
+
+use anyhow::Context;
+use evalfleet_core::store::{ExportRow, RunRecord, RunStatus, StateCounts, Store};
+use evalfleet_core::summary::{self, EndpointSummary, Percentiles};
+use evalfleet_store::SqliteStore;
+use serde_json::{Value, json};
+
+use super::{store_path, timestamp};
+use crate::EXIT_OK;
+use crate::cli::{ExportArgs, ExportFormat, StatusArgs, StoreArgs};
+
+/// What a stored status means now: a `running` run whose process is gone
+/// crashed or was killed.
+fn status_text(store: &mut SqliteStore, run: &RunRecord) -> anyhow::Result<(String, bool)> {
+    let active = store.is_run_active(&run.run_id)?;
+    let text = match (run.status, active) {
+        (RunStatus::Running, false) => {
+            "stopped (its process ended without finishing: resume it)".to_owned()
+        }
+        (status, _) => status.to_string(),
+    };
+    Ok((text, active))
+}
+
+pub fn runs(args: StoreArgs) -> anyhow::Result<u8> {
+    let path = store_path(args.store, None);
+    let mut store = SqliteStore::open_existing(&path)?;
+    let runs = store.runs()?;
+    if runs.is_empty() {
+        eprintln!("No runs in {}.", path.display());
+        return Ok(EXIT_OK);
+    }
+    let mut rows = vec![[
+        "RUN".to_owned(),
+        "NAME".to_owned(),
+        "STATUS".to_owned(),
+        "DONE".to_owned(),
+        "FAILED".to_owned(),
+        "PENDING".to_owned(),
+        "CREATED".to_owned(),
+    ]];
+    for run in &runs {
+        let counts = store.counts(&run.run_id)?;
+        let (status, _) = status_text(&mut store, run)?;
+        let status = status.split(' ').next().unwrap_or_default().to_owned();
+        rows.push([
+            run.run_id.clone(),
+            run.name.clone(),
+            status,
+            counts.done.to_string(),
+            counts.failed.to_string(),
+            counts.pending.to_string(),
+            timestamp(run.created_at_ms),
+        ]);
+    }
+    print_table(&rows);
+    Ok(EXIT_OK)
+}
+
+fn print_table<const N: usize>(rows: &[[String; N]]) {
+    let mut widths = [0usize; N];
+    for row in rows {
+        for (i, cell) in row.iter().enumerate() {
+            widths[i] = widths[i].max(cell.chars().count());
+        }
+    }
+    let mut out = io::stdout().lock();
+    for row in rows {
+        let line: Vec<String> = row
+            .iter()
+            .enumerate()
+            .map(|(i, cell)| format!("{cell:<width$}", width = widths[i]))
+            .collect();
+        let _ = writeln!(out, "{}", line.join("  ").trim_end());
+    }
+}
+
+fn percentiles(p: &Option<Percentiles>) -> String {
+    match p {
+        Some(p) => format!("{:.0}/{:.0}/{:.0}", p.p50, p.p90, p.p99),
+        None => "-".to_owned(),
+    }
+}
+
+pub fn status(args: StatusArgs) -> anyhow::Result<u8> {
+    let path = store_path(args.store.store, None);
+    let mut store = SqliteStore::open_existing(&path)?;
+    let run = store.run(&args.run_id)?;
+    let counts = store.counts(&args.run_id)?;
+    let (status, active) = status_text(&mut store, &run)?;
+    let endpoints = summary::endpoints(&mut store, &args.run_id)?;
+    let events = store.events(&args.run_id)?;
+    if args.json {
+        let value = json!({
+            "run_id": run.run_id,
+            "name": run.name,
+            "status": run.status,
+            "active": active,
+            "message": run.message,
+            "created_at": timestamp(run.created_at_ms),
+            "updated_at": timestamp(run.updated_at_ms),
+            "sessions": run.sessions,
+            "total": run.total,
+            "counts": counts,
+            "dataset": {"path": run.dataset.path, "sha256": run.dataset.sha256},
+            "fingerprint": run.fingerprint.digest(),
+            "endpoints": endpoints,
+            "events": events,
+        });
+        println!("{}", serde_json::to_string_pretty(&value)?);
+        return Ok(EXIT_OK);
+    }
+    print_status(&run, &status, counts, &endpoints);
+    let mut out = io::stdout().lock();
+    if !events.is_empty() {
+        let _ = writeln!(out, "\nevents (last 10 of {}):", events.len());
+        for event in events.iter().rev().take(10).rev() {
+            let _ = writeln!(out, "  {}  {}", timestamp(event.at_ms), event.message);
+        }
+    }
+    Ok(EXIT_OK)
+}
+
+fn print_status(run: &RunRecord, status: &str, counts: StateCounts, endpoints: &[EndpointSummary]) {
+    let mut out = io::stdout().lock();
+    let _ = writeln!(out, "run          {} ({})", run.run_id, run.name);
+    let _ = writeln!(out, "status       {status}");
+    if let Some(message) = &run.message {
+        let _ = writeln!(out, "             {message}");
+    }
+    let _ = writeln!(
+        out,
+        "items        {} total: {} done, {} failed, {} pending",
+        run.total, counts.done, counts.failed, counts.pending
+    );
+    let _ = writeln!(
+        out,
+        "dataset      {} (sha256 {})",
+        run.dataset.path.display(),
+        &run.dataset.sha256[..12.min(run.dataset.sha256.len())]
+    );
+    let _ = writeln!(out, "fingerprint  {}", run.fingerprint.digest());
+    let _ = writeln!(
+        out,
+        "created      {}   updated {}   sessions {}",
+        timestamp(run.created_at_ms),
+        timestamp(run.updated_at_ms),
+        run.sessions
+    );
+    drop(out);
+    if endpoints.is_empty() {
+        return;
+    }
+    println!();
+    let mut rows = vec![[
+        "ENDPOINT".to_owned(),
+        "ATTEMPTS".to_owned(),
+        "OK".to_owned(),
+        "RETRYABLE".to_owned(),
+        "BACKPRESSURE".to_owned(),
+        "BAD_RESPONSE".to_owned(),
+        "FATAL".to_owned(),
+        "LATENCY_MS p50/p90/p99".to_owned(),
+        "TTFT_MS p50/p90/p99".to_owned(),
+        "TPOT_MS p50/p90/p99".to_owned(),
+    ]];
+    for e in endpoints {
+        let errors = |class: evalfleet_core::client::ErrorClass| {
+            e.errors
+                .get(class.as_str())
+                .copied()
+                .unwrap_or(0)
+                .to_string()
+        };
+        let [retryable, back_pressure, bad_response, fatal] = summary::ERROR_CLASSES.map(errors);
+        rows.push([
+            e.endpoint.clone(),
+            e.attempts.to_string(),
+            e.successes.to_string(),
+            retryable,
+            back_pressure,
+            bad_response,
+            fatal,
+            percentiles(&e.latency_ms),
+            percentiles(&e.ttft_ms),
+            percentiles(&e.tpot_ms),
+        ]);
+    }
+    print_table(&rows);
+}
+
+/// The fixed columns of an export row, in the contract's order.
+const COLUMNS: [&str; 12] = [
+    "item_id",
+    "status",
+    "output",
+    "error",
+    "endpoint",
+    "model",
+    "attempts",
+    "latency_ms",
+    "ttft_ms",
+    "tpot_ms",
+    "prompt_tokens",
+    "completion_tokens",
+];
+
+pub fn export(args: ExportArgs) -> anyhow::Result<u8> {
+    let path = store_path(args.store.store.clone(), None);
+    let mut store = SqliteStore::open_existing(&path)?;
+    store.run(&args.run_id)?;
+    match &args.output {
+        Some(file) => {
+            let tmp = temp_path(file);
+            let result = File::create(&tmp)
+                .with_context(|| format!("cannot create {}", tmp.display()))
+                .and_then(|f| {
+                    let mut writer = BufWriter::new(f);
+                    write_export(&mut store, &args, &mut writer)?;
+                    writer.flush()?;
+                    writer.get_ref().sync_all()?;
+                    Ok(())
+                })
+                .and_then(|()| {
+                    std::fs::rename(&tmp, file)
+                        .with_context(|| format!("cannot write {}", file.display()))
+                });
+            if result.is_err() {
+                let _ = std::fs::remove_file(&tmp);
+            }
+            result?;
+        }
+        None => {
+            let mut writer = BufWriter::new(io::stdout().lock());
+            write_export(&mut store, &args, &mut writer)?;
+            writer.flush()?;
+        }
+    }
+    Ok(EXIT_OK)
+}
+
+fn temp_path(file: &Path) -> std::path::PathBuf {
+    let mut name = file.as_os_str().to_owned();
+    name.push(".partial");
+    name.into()
+}
+
+fn write_export(
+    store: &mut SqliteStore,
+    args: &ExportArgs,
+    out: &mut dyn Write,
+) -> anyhow::Result<()> {
+    match args.format {
+        ExportFormat::Jsonl => {
+            store.export(&args.run_id, &mut |row| {
+                serde_json::to_writer(&mut *out, &row).map_err(io::Error::other)?;
+                out.write_all(b"\n")
+            })?;
+        }
+        ExportFormat::Csv => {
+            // A first pass finds every item field, so that each becomes a column.
+            let mut fields = BTreeSet::new();
+            store.export(&args.run_id, &mut |row| {
+                if let Value::Object(item) = &row.item {
+                    fields.extend(item.keys().cloned());
+                }
+                Ok(())
+            })?;
+            let mut csv = csv::Writer::from_writer(out);
+            let header: Vec<String> = COLUMNS
+                .iter()
+                .map(|c| (*c).to_owned())
+                .chain(fields.iter().map(|f| format!("item.{f}")))
+                .collect();
+            csv.write_record(&header)?;
+            store.export(&args.run_id, &mut |row| {
+                csv.write_record(csv_record(&row, &fields))
+                    .map_err(io::Error::other)
+            })?;
+            csv.flush()?;
+        }
+    }
+    Ok(())
+}
+
+fn csv_record(row: &ExportRow, fields: &BTreeSet<String>) -> Vec<String> {
+    let opt = |v: &Option<String>| v.clone().unwrap_or_default();
+    let num = |v: Option<f64>| v.map(|x| format!("{x:.3}")).unwrap_or_default();
+    let int = |v: Option<u64>| v.map(|x| x.to_string()).unwrap_or_default();
+    let mut record = vec![
+        row.item_id.clone(),
+        row.status.clone(),
+        opt(&row.output),
+        opt(&row.error),
+        opt(&row.endpoint),
+        opt(&row.model),
+        row.attempts.to_string(),
+        num(row.latency_ms),
+        num(row.ttft_ms),
+        num(row.tpot_ms),
+        int(row.prompt_tokens),
+        int(row.completion_tokens),
+    ];
+    for field in fields {
+        record.push(match row.item.get(field) {
+            None | Some(Value::Null) => String::new(),
+            Some(Value::String(s)) => s.clone(),
+            Some(other) => other.to_string(),
+        });
+    }
+    record
+}

@@ -1,0 +1,54 @@
+//! `evalfleet mock`: the mock endpoint as a server of its own.
+
+use std::io::Write;
+use std::sync::Arc;
+
+use evalfleet_mock::Stats;
+use tokio::net::TcpListener;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio_util::sync::CancellationToken;
+
+use crate::cli::MockArgs;
+use crate::{EXIT_OK, UsageError};
+
+pub async fn mock(args: MockArgs) -> anyhow::Result<u8> {
+    let problems = args.settings.problems();
+    if !problems.is_empty() {
+        let text: Vec<String> = problems
+            .into_iter()
+            .map(|(f, m)| format!("--{}: {m}", f.replace('_', "-")))
+            .collect();
+        return Err(UsageError(text.join("\n")).into());
+    }
+    let listener = TcpListener::bind(args.bind)
+        .await
+        .map_err(|err| UsageError(format!("cannot listen on {}: {err}", args.bind)))?;
+    let addr = listener.local_addr()?;
+    // The first line of stdout is the base URL, for scripts.
+    println!("http://{addr}/v1");
+    std::io::stdout().flush()?;
+    tracing::info!(
+        "Mock endpoint serving model '{}' on http://{addr}/v1.",
+        args.settings.model
+    );
+
+    let shutdown = CancellationToken::new();
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut terminate = signal(SignalKind::terminate())?;
+    let stop = shutdown.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
+        }
+        stop.cancel();
+    });
+    evalfleet_mock::serve(
+        listener,
+        args.settings,
+        Arc::new(Stats::default()),
+        shutdown,
+    )
+    .await?;
+    Ok(EXIT_OK)
+}

@@ -1,0 +1,46 @@
+//! The commands, one module each (`runs`, `status` and `export` share
+//! `inspect`).
+
+pub mod check;
+pub mod inspect;
+pub mod mock;
+pub mod run;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, UNIX_EPOCH};
+
+use crate::UsageError;
+
+/// Where the store is when nothing says otherwise.
+pub const DEFAULT_STORE: &str = "runs/evalfleet.db";
+
+/// `--store`, else the config's `store`, else `$EVALFLEET_STORE`, else
+/// [`DEFAULT_STORE`]; all relative to the current directory.
+pub fn store_path(flag: Option<PathBuf>, config: Option<&Path>) -> PathBuf {
+    flag.or_else(|| config.map(Path::to_owned))
+        .or_else(|| std::env::var_os("EVALFLEET_STORE").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_STORE))
+}
+
+/// Run ids name files (lock files), so they are kept to a safe alphabet.
+pub fn validate_run_id(id: String) -> Result<String, UsageError> {
+    let valid = !id.is_empty()
+        && id.len() <= 120
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        && !id.starts_with(['.', '-']);
+    if valid {
+        Ok(id)
+    } else {
+        Err(UsageError(format!(
+            "--run-id '{id}': use 1 to 120 letters, digits, '-', '_' or '.', not starting with '.' or '-'"
+        )))
+    }
+}
+
+/// A stored timestamp as RFC 3339 (UTC, seconds).
+pub fn timestamp(ms: i64) -> String {
+    let time = UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64);
+    humantime::format_rfc3339_seconds(time).to_string()
+}

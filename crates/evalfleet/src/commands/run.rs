@@ -1,0 +1,300 @@
+//! `evalfleet run` and `evalfleet resume`.
+
+use std::hash::BuildHasher;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use evalfleet_core::config::{self, Config, LoadedConfig, Overrides};
+use evalfleet_core::pipeline::PipelineError;
+use evalfleet_core::run::{self, SessionPlan, SessionReport};
+use evalfleet_core::store::{RunStatus, Store};
+use evalfleet_core::template::Templates;
+use evalfleet_store::SqliteStore;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio_util::sync::CancellationToken;
+
+use super::{store_path, validate_run_id};
+use crate::cli::{ResumeArgs, RunArgs};
+use crate::fleet::Fleet;
+use crate::ui;
+use crate::{EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK};
+
+pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
+    let started = Instant::now();
+    let overrides = Overrides {
+        sample_n: args.n_sample,
+        sample_seed: args.seed,
+    };
+    let loaded = config::load_file(&args.config, overrides)?;
+    let templates = Templates::compile(&loaded.config.task)?;
+    let store_path = store_path(args.store, loaded.config.store.as_deref());
+    let run_id = match args.run_id {
+        Some(id) => validate_run_id(id)?,
+        None => new_run_id(&loaded.config.name),
+    };
+
+    let existed = store_path.exists();
+    let mut store = SqliteStore::open(&store_path)?;
+    let guard = store.lock_run(&run_id)?;
+    let created =
+        tokio::task::block_in_place(|| run::create(&mut store, &loaded, &templates, &run_id));
+    let record = match created {
+        Ok(record) => record,
+        Err(err) => {
+            drop(guard);
+            drop(store);
+            if !existed {
+                remove_store(&store_path);
+            }
+            return Err(err.into());
+        }
+    };
+    tracing::info!(
+        "Run {run_id}: {} items registered in {} ({:.1}s).",
+        record.total,
+        store_path.display(),
+        started.elapsed().as_secs_f64()
+    );
+    println!("{run_id}");
+    let LoadedConfig { config, .. } = loaded;
+    execute(
+        store_path,
+        store,
+        guard_box(guard),
+        run_id,
+        config,
+        templates,
+        false,
+        args.output.quiet,
+    )
+    .await
+}
+
+pub async fn resume(args: ResumeArgs) -> anyhow::Result<u8> {
+    let store_path = store_path(args.store, None);
+    let mut store = SqliteStore::open_existing(&store_path)?;
+    let record = store.run(&args.run_id)?;
+    let guard = store.lock_run(&args.run_id)?;
+    let loaded = match &args.config {
+        Some(file) => config::load_file(file, Overrides::default())?,
+        None => config::load_snapshot(&record.config, Path::new(&record.config_dir))?,
+    };
+    run::check_resume(&record, &loaded.config)?;
+    let counts = store.counts(&args.run_id)?;
+    if counts.pending == 0 && !(args.retry_failed && counts.failed > 0) {
+        if record.status != RunStatus::Finished {
+            store.set_status(&args.run_id, RunStatus::Finished, None)?;
+        }
+        ui::note(&format!(
+            "Run {} has no pending items ({} done, {} failed); nothing to resume{}.",
+            args.run_id,
+            counts.done,
+            counts.failed,
+            if counts.failed > 0 {
+                " (--retry-failed answers the failed ones again)"
+            } else {
+                ""
+            }
+        ));
+        return Ok(if counts.failed > 0 {
+            EXIT_FAILED
+        } else {
+            EXIT_OK
+        });
+    }
+    let templates = Templates::compile(&loaded.config.task)?;
+    execute(
+        store_path,
+        store,
+        guard_box(guard),
+        args.run_id,
+        loaded.config,
+        templates,
+        args.retry_failed,
+        args.output.quiet,
+    )
+    .await
+}
+
+fn guard_box(guard: evalfleet_core::store::RunGuard) -> Box<dyn Send> {
+    Box::new(guard)
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn execute(
+    store_path: PathBuf,
+    mut store: SqliteStore,
+    _guard: Box<dyn Send>,
+    run_id: String,
+    config: Config,
+    templates: Templates,
+    retry_failed: bool,
+    quiet: bool,
+) -> anyhow::Result<u8> {
+    let started = Instant::now();
+    let grace = config.shutdown_grace;
+    let fleet = Fleet::start(&config).await?;
+    let plan = SessionPlan {
+        run_id: run_id.clone(),
+        config: Arc::new(config),
+        templates: Arc::new(templates),
+        endpoints: fleet.endpoints.clone(),
+        retry_failed,
+    };
+    let prepared = run::prepare(&mut store, &plan)?;
+    let pending_at_start =
+        prepared.progress.total - prepared.progress.done_before - prepared.progress.failed_before;
+    let display = ui::Display::start(
+        prepared.progress.clone(),
+        fleet.limits(),
+        ui::Mode::pick(quiet),
+    );
+    let stop = CancellationToken::new();
+    let signals = tokio::spawn(watch_signals(stop.clone(), grace, run_id.clone()));
+    let reader_store = SqliteStore::open(&store_path)?;
+    let result = run::run_session(
+        plan,
+        prepared,
+        Box::new(store),
+        Box::new(reader_store),
+        stop,
+    )
+    .await;
+    display.finish().await;
+    signals.abort();
+    fleet.stop().await;
+
+    let report = match result {
+        Ok(report) => report,
+        Err(err) => {
+            let message = format!("stopped by an error: {err}");
+            if let Ok(mut store) = SqliteStore::open(&store_path) {
+                let _ = store.set_status(&run_id, RunStatus::Interrupted, Some(&message));
+            }
+            return Err(match err {
+                PipelineError::Dataset(err) => anyhow::Error::new(err).context(format!(
+                    "run {run_id} stopped; fix the dataset or resume with the original file"
+                )),
+                other => anyhow::Error::new(other).context(format!("run {run_id} stopped")),
+            });
+        }
+    };
+    Ok(conclude(
+        &run_id,
+        &store_path,
+        &report,
+        started.elapsed(),
+        pending_at_start,
+    ))
+}
+
+fn conclude(
+    run_id: &str,
+    store_path: &Path,
+    report: &SessionReport,
+    elapsed: Duration,
+    pending_at_start: u64,
+) -> u8 {
+    let counts = report.counts;
+    let answered = pending_at_start.saturating_sub(counts.pending);
+    let rate = answered as f64 / elapsed.as_secs_f64().max(1e-9);
+    let store_flag = if store_path == Path::new(super::DEFAULT_STORE) {
+        String::new()
+    } else {
+        format!(" --store {}", store_path.display())
+    };
+    match report.status {
+        RunStatus::Finished => {
+            ui::note(&format!(
+                "Run {run_id} finished: {} done, {} failed; {answered} items in {:.1}s ({rate:.1} items/s).\n\
+                 Results: evalfleet export {run_id}{store_flag} --format jsonl",
+                counts.done,
+                counts.failed,
+                elapsed.as_secs_f64()
+            ));
+            if counts.failed > 0 {
+                EXIT_FAILED
+            } else {
+                EXIT_OK
+            }
+        }
+        RunStatus::Interrupted | RunStatus::Running => {
+            ui::note(&format!(
+                "Run {run_id} interrupted: {} done, {} failed, {} pending. Resume: evalfleet resume {run_id}{store_flag}",
+                counts.done, counts.failed, counts.pending
+            ));
+            EXIT_INTERRUPTED
+        }
+    }
+}
+
+/// First SIGINT or SIGTERM: stop taking items and let calls in flight finish.
+/// Second: exit at once (committed results are safe; the run is resumable).
+async fn watch_signals(stop: CancellationToken, grace: Duration, run_id: String) {
+    let (Ok(mut interrupt), Ok(mut terminate)) = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) else {
+        tracing::warn!("Cannot listen for Ctrl-C; stop the run with SIGKILL and resume it.");
+        return;
+    };
+    tokio::select! {
+        _ = interrupt.recv() => {}
+        _ = terminate.recv() => {}
+    }
+    ui::note(&format!(
+        "Stopping: no new items; calls in flight may finish for up to {}. Press Ctrl-C again to abort at once.",
+        humantime::format_duration(grace)
+    ));
+    stop.cancel();
+    tokio::select! {
+        _ = interrupt.recv() => {}
+        _ = terminate.recv() => {}
+    }
+    ui::note(&format!(
+        "Aborted. Committed results are safe; finish with: evalfleet resume {run_id}"
+    ));
+    std::process::exit(i32::from(EXIT_INTERRUPTED));
+}
+
+/// `NAME-YYYYMMDD-HHMMSS-XXXX`, with the name reduced to letters, digits and `-`.
+fn new_run_id(name: &str) -> String {
+    let mut slug: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    slug = slug.trim_matches('-').chars().take(40).collect();
+    if slug.is_empty() {
+        slug.push_str("run");
+    }
+    let stamp: String = humantime::format_rfc3339_seconds(SystemTime::now())
+        .to_string()
+        .chars()
+        .filter(char::is_ascii_digit)
+        .collect();
+    let (date, time) = stamp.split_at(8.min(stamp.len()));
+    let noise = std::hash::RandomState::new().hash_one(SystemTime::now()) & 0xffff;
+    format!("{slug}-{date}-{time}-{noise:04x}")
+}
+
+fn remove_store(path: &Path) {
+    for suffix in ["", "-wal", "-shm"] {
+        let mut file = path.as_os_str().to_owned();
+        file.push(suffix);
+        let _ = std::fs::remove_file(PathBuf::from(file));
+    }
+    let mut locks = path.as_os_str().to_owned();
+    locks.push(".locks");
+    let _ = std::fs::remove_dir_all(PathBuf::from(locks));
+    if let Some(dir) = path.parent() {
+        // Only removes the directory when it is empty (we may have made it).
+        let _ = std::fs::remove_dir(dir);
+    }
+}
