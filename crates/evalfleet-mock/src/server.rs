@@ -338,7 +338,9 @@ fn answer(
                         .get(i % source.len().max(1))
                         .copied()
                         .unwrap_or("token");
-                    if i + 1 < n && !token.ends_with(char::is_whitespace) {
+                    if i + 1 == n {
+                        token.trim_end().to_owned()
+                    } else if !token.ends_with(char::is_whitespace) {
                         format!("{token} ")
                     } else {
                         token.to_owned()
@@ -350,6 +352,9 @@ fn answer(
     match max_tokens {
         Some(max) if out.len() > max as usize => {
             out.truncate(max as usize);
+            if let Some(last) = out.last_mut() {
+                last.truncate(last.trim_end().len());
+            }
             (out, "length")
         }
         _ => (out, "stop"),
