@@ -757,7 +757,7 @@ mod tests {
         assert_eq!(out.concat(), "x y x y x");
         assert_eq!(reason, "stop");
         let (out, reason) = answer(&settings, "x y", Some(2));
-        assert_eq!(out.concat(), "x y ");
+        assert_eq!(out.concat(), "x y");
         assert_eq!(reason, "length");
     }
 }
