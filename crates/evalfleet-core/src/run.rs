@@ -32,7 +32,7 @@ impl<'a> DatasetItems<'a> {
         let scanner = Scanner::open(&config.dataset)?;
         if let Some(columns) = scanner.columns() {
             let columns = columns.iter().cloned().collect();
-            templates.check_fields(&columns, "the CSV header")?;
+            templates.check_fields(&columns, "the CSV header does not have")?;
         }
         Ok(Self {
             config,
@@ -85,7 +85,7 @@ impl ItemSource for DatasetItems<'_> {
         let summary = scanner.finish();
         if !csv && self.seq > 0 && summary.fields.len() < 4096 {
             self.templates
-                .check_fields(&summary.fields, "no row of the dataset")?;
+                .check_fields(&summary.fields, "no row of the dataset has")?;
         }
         Ok(RunIdentity {
             fingerprint: Fingerprint::new(self.config, summary.identity.sha256.clone()),

@@ -67,8 +67,13 @@ impl Templates {
     }
 
     /// Checks the templates against the fields a dataset has, so that a typo
-    /// is found before the first call rather than once per item.
-    pub fn check_fields(&self, fields: &BTreeSet<String>, what: &str) -> Result<(), TemplateError> {
+    /// is found before the first call rather than once per item. `source`
+    /// completes "which ..." in the message (`no row of the dataset has`).
+    pub fn check_fields(
+        &self,
+        fields: &BTreeSet<String>,
+        source: &str,
+    ) -> Result<(), TemplateError> {
         let missing: Vec<&str> = self
             .variables
             .iter()
@@ -82,7 +87,7 @@ impl Templates {
         Err(TemplateError {
             path: "task.messages".to_owned(),
             message: format!(
-                "the templates refer to {}, which {what} does not have (it has: {})",
+                "the templates refer to {}, which {source} (fields: {})",
                 quoted(&missing),
                 known.join(", ")
             ),
@@ -187,12 +192,13 @@ mod tests {
         let t = Templates::compile(&task(&["{{ questoin }}"])).unwrap();
         let fields = BTreeSet::from(["question".to_owned()]);
         let err = t
-            .check_fields(&fields, "the dataset")
+            .check_fields(&fields, "no row of the dataset has")
             .unwrap_err()
             .to_string();
-        assert!(
-            err.contains("'questoin'") && err.contains("has: question"),
-            "{err}"
+        assert_eq!(
+            err,
+            "task.messages: the templates refer to 'questoin', which no row of the dataset has \
+             (fields: question)"
         );
     }
 

@@ -16,7 +16,8 @@ use axum::extract::State;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::Response;
 use axum::routing::{get, post};
-use futures_util::stream;
+use axum::serve::ListenerExt;
+use futures_util::{StreamExt, stream};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
@@ -179,6 +180,11 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> io::Result<()> {
     let router = app(settings, stats, shutdown.clone());
+    // Streams are many small writes; without TCP_NODELAY each can wait for
+    // the client's delayed ACK.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, router)
         .with_graceful_shutdown(async move { shutdown.cancelled().await })
         .await
@@ -521,8 +527,21 @@ async fn chat(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
     } else {
         let total = state.settings.latency
             + state.settings.itl * (reply.tokens.len().saturating_sub(1) as u32);
-        tokio::time::sleep(total).await;
+        if !pause(&state, total).await {
+            return error_response(StatusCode::SERVICE_UNAVAILABLE, "mock shutting down");
+        }
         whole_reply(&state, reply, held)
+    }
+}
+
+/// Waits `duration`, or less if the mock shuts down (then `false`).
+async fn pause(state: &MockState, duration: Duration) -> bool {
+    if duration.is_zero() {
+        return true;
+    }
+    tokio::select! {
+        () = tokio::time::sleep(duration) => true,
+        () = state.shutdown.cancelled() => false,
     }
 }
 
@@ -587,10 +606,9 @@ fn whole_reply(state: &Arc<MockState>, reply: Reply, held: Held) -> Response {
     let bytes = serde_json::to_vec(&body).unwrap_or_default();
     if reply.truncate {
         let half = Bytes::copy_from_slice(&bytes[..bytes.len() / 2]);
-        let parts: Vec<io::Result<Bytes>> =
-            vec![Ok(half), Err(io::Error::other("truncated by the mock"))];
+        let parts = stream::once(async move { Ok(half) }).chain(stream::once(cut_off()));
         let body = Body::from_stream(HoldStream {
-            inner: stream::iter(parts),
+            inner: Box::pin(parts),
             _held: held,
         });
         return with_content_type(Response::new(body), "application/json");
@@ -598,6 +616,16 @@ fn whole_reply(state: &Arc<MockState>, reply: Reply, held: Held) -> Response {
     state.stats.completed.fetch_add(1, Ordering::Relaxed);
     drop(held);
     with_content_type(Response::new(Body::from(bytes)), "application/json")
+}
+
+/// How long a cut-off response waits after its last bytes before the
+/// connection drops, so that those bytes reach the client first.
+const CUT_DELAY: Duration = Duration::from_millis(5);
+
+/// The end of a truncated response: the connection drops.
+async fn cut_off() -> io::Result<Bytes> {
+    tokio::time::sleep(CUT_DELAY).await;
+    Err(io::Error::other("truncated by the mock"))
 }
 
 /// A body stream that keeps the request's slots until the body ends.
@@ -645,12 +673,11 @@ fn stream_reply(state: Arc<MockState>, reply: Reply, include_usage: bool, held: 
                 }
                 Step::Token(i) => {
                     if reply.truncate && i == cut_at {
-                        return Some((
-                            Err(io::Error::other("truncated by the mock")),
-                            (Step::End, reply, state),
-                        ));
+                        return Some((cut_off().await, (Step::End, reply, state)));
                     }
-                    tokio::time::sleep(if i == 0 { latency } else { itl }).await;
+                    if !pause(&state, if i == 0 { latency } else { itl }).await {
+                        return None;
+                    }
                     let bytes = reply.chunk(json!({"content": reply.tokens[i]}), None);
                     let next = if i + 1 < reply.tokens.len() {
                         Step::Token(i + 1)
@@ -660,8 +687,8 @@ fn stream_reply(state: Arc<MockState>, reply: Reply, include_usage: bool, held: 
                     Some((Ok(bytes), (next, reply, state)))
                 }
                 Step::Finish => {
-                    if reply.tokens.is_empty() {
-                        tokio::time::sleep(latency).await;
+                    if reply.tokens.is_empty() && !pause(&state, latency).await {
+                        return None;
                     }
                     let bytes = reply.chunk(json!({}), Some(reply.finish_reason));
                     let next = if include_usage {
@@ -707,10 +734,12 @@ fn stream_reply(state: Arc<MockState>, reply: Reply, include_usage: bool, held: 
 fn rate_limited(state: &MockState, wait: Duration) -> Response {
     state.stats.rate_limited.fetch_add(1, Ordering::Relaxed);
     let mut response = error_response(StatusCode::TOO_MANY_REQUESTS, "rate limit exceeded");
+    // `Retry-After` holds whole seconds; `retry-after-ms` (as OpenAI and Azure
+    // send it) the exact wait.
     let seconds = wait.as_secs_f64().ceil().max(1.0) as u64;
-    response
-        .headers_mut()
-        .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+    let headers = response.headers_mut();
+    headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+    headers.insert("retry-after-ms", HeaderValue::from(wait.as_millis() as u64));
     response
 }
 

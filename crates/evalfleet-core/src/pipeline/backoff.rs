@@ -38,18 +38,9 @@ mod tests {
 
     #[test]
     fn the_ceiling_doubles_and_is_capped() {
-        assert_eq!(
-            delay(&POLICY, 1, None, 1.0),
-            Duration::from_millis(100)
-        );
-        assert_eq!(
-            delay(&POLICY, 3, None, 1.0),
-            Duration::from_millis(400)
-        );
-        assert_eq!(
-            delay(&POLICY, 20, None, 1.0),
-            Duration::from_secs(1)
-        );
+        assert_eq!(delay(&POLICY, 1, None, 1.0), Duration::from_millis(100));
+        assert_eq!(delay(&POLICY, 3, None, 1.0), Duration::from_millis(400));
+        assert_eq!(delay(&POLICY, 20, None, 1.0), Duration::from_secs(1));
         assert_eq!(delay(&POLICY, 3, None, 0.5), Duration::from_millis(200));
         assert_eq!(delay(&POLICY, 3, None, 0.0), Duration::ZERO);
     }

@@ -1,0 +1,185 @@
+//! The process is killed or interrupted at any moment; a resume finishes the
+//! run with every item exactly once.
+
+use evalfleet_core::store::{RunStatus, Store};
+use evalfleet_mock::MockSettings;
+use tokio::io::AsyncBufReadExt;
+
+use crate::util::{Env, by_id, config, external, mock, ms, signal, wait_until};
+
+const ITEMS: usize = 3000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_at_several_points_then_resume_gives_the_export_of_a_clean_run() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", ITEMS);
+    let server = mock(MockSettings {
+        latency: ms(15),
+        ..MockSettings::default()
+    })
+    .await;
+    let extra = "writer: { batch_size: 64, flush_interval: 50ms }";
+    env.write(
+        "run.yaml",
+        &config(&dataset, &external("gpu", &server, 24), extra),
+    );
+
+    let clean = env
+        .evalfleet(&["run", "run.yaml", "-q", "--run-id", "clean"])
+        .await;
+    assert_eq!(clean.code, Some(0), "{}", clean.stderr);
+    let clean = by_id(&env.export("clean").await);
+    assert_eq!(clean.len(), ITEMS);
+
+    // First session: killed once some results are committed.
+    let mut child = env.spawn(&["run", "run.yaml", "-q", "--run-id", "killed"]);
+    let counts = |env: &Env| env.store().counts("killed").map(|c| c.done).unwrap_or(0);
+    wait_until(ms(30_000), "300 items are done", || counts(&env) >= 300).await;
+    child.kill().await.unwrap();
+    let after_first = env.counts("killed");
+    assert!(
+        after_first.pending > 0,
+        "killed too late to test anything: {after_first:?}"
+    );
+    let stored = env.store().run("killed").unwrap();
+    assert_eq!(
+        stored.status,
+        RunStatus::Running,
+        "a killed run cannot have marked itself"
+    );
+    let status = env.evalfleet(&["status", "killed"]).await;
+    assert!(
+        status.stdout.contains("stopped (its process ended"),
+        "{}",
+        status.stdout
+    );
+
+    // Second session: resumed, killed again further on.
+    let mut child = env.spawn(&["resume", "killed", "-q"]);
+    wait_until(ms(30_000), "1800 items are done", || counts(&env) >= 1800).await;
+    child.kill().await.unwrap();
+    let after_second = env.counts("killed");
+    assert!(after_second.done >= after_first.done);
+    assert!(
+        after_second.pending > 0,
+        "killed too late: {after_second:?}"
+    );
+
+    // Third session: finishes.
+    let done = env.evalfleet(&["resume", "killed", "-q"]).await;
+    assert_eq!(done.code, Some(0), "{}", done.stderr);
+    let resumed = by_id(&env.export("killed").await);
+    assert_eq!(resumed.len(), ITEMS, "every item exactly once");
+    for (id, row) in &clean {
+        let other = &resumed[id];
+        assert_eq!(row["status"], other["status"], "{id}");
+        assert_eq!(row["output"], other["output"], "{id}");
+        assert_eq!(row["item"], other["item"], "{id}");
+    }
+    let record = env.store().run("killed").unwrap();
+    assert_eq!(record.status, RunStatus::Finished);
+    assert_eq!(record.sessions, 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctrl_c_keeps_results_in_flight_marks_the_run_interrupted_and_resume_finishes_it() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 200);
+    let server = mock(MockSettings {
+        latency: ms(300),
+        ..MockSettings::default()
+    })
+    .await;
+    env.write(
+        "run.yaml",
+        &config(&dataset, &external("gpu", &server, 8), ""),
+    );
+    let mut child = env.spawn(&["run", "run.yaml", "-q", "--run-id", "stopped"]);
+    wait_until(
+        ms(20_000),
+        "16 calls are answered and 8 more in flight",
+        || {
+            let stats = server.stats();
+            stats.completed >= 16 && stats.in_flight == 8
+        },
+    )
+    .await;
+    signal(&child, "INT").await;
+    let status = child.wait().await.unwrap();
+    assert_eq!(status.code(), Some(130));
+
+    let counts = env.counts("stopped");
+    let answered = server.stats().completed;
+    assert_eq!(
+        counts.done, answered,
+        "every answered call (in flight at Ctrl-C too) is stored"
+    );
+    assert!(counts.pending > 0);
+    let record = env.store().run("stopped").unwrap();
+    assert_eq!(record.status, RunStatus::Interrupted);
+    assert!(record.message.unwrap().contains("interrupted by the user"));
+
+    let resumed = env.evalfleet(&["resume", "stopped", "-q"]).await;
+    assert_eq!(resumed.code, Some(0), "{}", resumed.stderr);
+    let rows = by_id(&env.export("stopped").await);
+    assert_eq!(rows.len(), 200);
+    assert_eq!(server.stats().completed, 200, "no item was answered twice");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_ctrl_c_aborts_at_once_and_another_fleet_finishes_the_run() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 50);
+    let stuck = mock(MockSettings {
+        latency: ms(60_000),
+        ..MockSettings::default()
+    })
+    .await;
+    env.write(
+        "run.yaml",
+        &config(&dataset, &external("stuck", &stuck, 4), ""),
+    );
+    let mut child = env.spawn(&["run", "run.yaml", "-q", "--run-id", "aborted"]);
+    let stderr = child.stderr.take().unwrap();
+    let mut lines = tokio::io::BufReader::new(stderr).lines();
+    wait_until(ms(20_000), "4 calls are in flight", || {
+        stuck.stats().in_flight == 4
+    })
+    .await;
+    signal(&child, "INT").await;
+    loop {
+        let line = lines
+            .next_line()
+            .await
+            .unwrap()
+            .expect("the run says it is stopping");
+        if line.contains("Press Ctrl-C again") {
+            break;
+        }
+    }
+    let started = std::time::Instant::now();
+    signal(&child, "INT").await;
+    let status = child.wait().await.unwrap();
+    assert_eq!(status.code(), Some(130));
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(10),
+        "the second Ctrl-C did not abort at once"
+    );
+    assert_eq!(stuck.stats().completed, 0);
+    assert_eq!(env.counts("aborted").pending, 50);
+
+    // The endpoint set may change between sessions: a new config with a
+    // working endpoint finishes the run.
+    let working = mock(MockSettings::default()).await;
+    env.write(
+        "fixed.yaml",
+        &config(&dataset, &external("working", &working, 4), ""),
+    );
+    let resumed = env
+        .evalfleet(&["resume", "aborted", "-q", "--config", "fixed.yaml"])
+        .await;
+    assert_eq!(resumed.code, Some(0), "{}", resumed.stderr);
+    let rows = by_id(&env.export("aborted").await);
+    assert_eq!(rows.len(), 50);
+    assert!(rows.values().all(|r| r["endpoint"] == "working"));
+}

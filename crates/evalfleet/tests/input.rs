@@ -1,0 +1,355 @@
+//! Bad input: configs, datasets, templates, changed runs and secrets. Each
+//! gets its message with its place, exit code 2, and writes nothing.
+
+use evalfleet_mock::MockSettings;
+
+use crate::util::{Env, by_id, config, external, mock};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_config_reports_every_problem_with_its_line_and_writes_nothing() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 3);
+    env.write(
+        "bad.yaml",
+        &format!(
+            "name: demo\n\
+             dataset:\n  path: {}\n\
+             endpoints:\n\
+             \x20 - name: a\n    kind: mock\n    concurrency: 0\n\
+             \x20 - name: b\n    kind: external\n    model: m\n    colour: red\n\
+             task:\n  messages:\n    - {{ role: user, content: \"{{{{ question }}}}\" }}\n\
+             retry: {{ max_attempts: 0 }}\n",
+            dataset.display()
+        ),
+    );
+    let ran = env.evalfleet(&["run", "bad.yaml"]).await;
+    assert_eq!(ran.code, Some(2), "{}", ran.stderr);
+    for expected in [
+        "bad.yaml:7: endpoints[0].concurrency: must be at least 1, got 0",
+        "bad.yaml:8: endpoints[1].base_url: is required",
+        "bad.yaml:11: endpoints[1]: unknown key 'colour'",
+        "bad.yaml:15: retry.max_attempts: must be at least 1, got 0",
+    ] {
+        assert!(
+            ran.stderr.contains(expected),
+            "missing {expected:?} in:\n{}",
+            ran.stderr
+        );
+    }
+    assert!(ran.stderr.contains("has 4 problems"), "{}", ran.stderr);
+    assert!(
+        !env.path("runs").exists(),
+        "a bad config must write nothing"
+    );
+
+    let check = env.evalfleet(&["check", "bad.yaml"]).await;
+    assert_eq!(check.code, Some(2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_dataset_line_is_named_and_nothing_is_written() {
+    let env = Env::new();
+    let server = mock(MockSettings::default()).await;
+    let dataset = env.write(
+        "items.jsonl",
+        "{\"id\": 1, \"question\": \"a\"}\n{\"id\": 2, \"question\": \"b\"}\n{\"id\": 3, \"question\": \n",
+    );
+    env.write(
+        "run.yaml",
+        &config(&dataset, &external("only", &server, 2), ""),
+    );
+    let ran = env.evalfleet(&["run", "run.yaml"]).await;
+    assert_eq!(ran.code, Some(2), "{}", ran.stderr);
+    assert!(
+        ran.stderr.contains("items.jsonl:3: invalid JSON"),
+        "{}",
+        ran.stderr
+    );
+    assert!(
+        ran.stderr.contains("skip_invalid"),
+        "the message says how to go on: {}",
+        ran.stderr
+    );
+    assert!(
+        !env.path("runs").exists(),
+        "a bad dataset must write nothing"
+    );
+    assert_eq!(server.stats().requests, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_id_names_both_lines() {
+    let env = Env::new();
+    let server = mock(MockSettings::default()).await;
+    let dataset = env.write(
+        "items.jsonl",
+        "{\"id\": \"x\", \"question\": \"a\"}\n{\"id\": \"y\", \"question\": \"b\"}\n\n{\"id\": \"x\", \"question\": \"c\"}\n",
+    );
+    env.write(
+        "run.yaml",
+        &config(&dataset, &external("only", &server, 2), ""),
+    );
+    let ran = env.evalfleet(&["run", "run.yaml"]).await;
+    assert_eq!(ran.code, Some(2), "{}", ran.stderr);
+    assert!(
+        ran.stderr
+            .contains("items.jsonl:4: duplicate item id 'x' (first on line 1)"),
+        "{}",
+        ran.stderr
+    );
+    assert!(!env.path("runs").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_csv_row_with_the_wrong_number_of_fields_is_named() {
+    let env = Env::new();
+    let server = mock(MockSettings::default()).await;
+    let dataset = env.write("items.csv", "id,question\n1,a\n2,b,extra\n");
+    env.write(
+        "run.yaml",
+        &config(&dataset, &external("only", &server, 2), ""),
+    );
+    let ran = env.evalfleet(&["run", "run.yaml"]).await;
+    assert_eq!(ran.code, Some(2), "{}", ran.stderr);
+    assert!(
+        ran.stderr
+            .contains("items.csv:3: expected 2 fields like the header row, found 3"),
+        "{}",
+        ran.stderr
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_skip_invalid_bad_rows_become_failed_items_and_the_run_goes_on() {
+    let env = Env::new();
+    let server = mock(MockSettings::default()).await;
+    let dataset = env.write(
+        "items.jsonl",
+        "{\"id\": \"a\", \"question\": \"q1\"}\nnot json\n[1, 2]\n{\"id\": \"b\", \"question\": \"q2\"}\n",
+    );
+    let text = config(&dataset, &external("only", &server, 2), "")
+        .replace("id_field: id", "id_field: id\n  skip_invalid: true");
+    env.write("run.yaml", &text);
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(
+        ran.code,
+        Some(1),
+        "a run with failed items exits 1: {}",
+        ran.stderr
+    );
+    let rows = by_id(&env.export(&ran.run_id()).await);
+    assert_eq!(rows.len(), 4);
+    assert_eq!(rows["a"]["status"], "done");
+    assert_eq!(rows["b"]["status"], "done");
+    let bad = &rows["line:2"];
+    assert_eq!(bad["status"], "failed");
+    assert!(
+        bad["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("invalid dataset row (line 2): invalid JSON"),
+        "{bad}"
+    );
+    assert_eq!(
+        rows["line:3"]["error"],
+        "invalid dataset row (line 3): expected a JSON object, got an array"
+    );
+    assert_eq!(server.stats().requests, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_field_no_row_has_is_refused_before_any_call() {
+    let env = Env::new();
+    let server = mock(MockSettings::default()).await;
+    let dataset = env.dataset("items.jsonl", 5);
+    let text = config(&dataset, &external("only", &server, 2), "")
+        .replace("{{ question }}", "{{ questoin }}");
+    env.write("run.yaml", &text);
+    let ran = env.evalfleet(&["run", "run.yaml"]).await;
+    assert_eq!(ran.code, Some(2), "{}", ran.stderr);
+    assert!(
+        ran.stderr.contains(
+            "task.messages: the templates refer to 'questoin', which no row of the dataset has (fields: id, question)"
+        ),
+        "{}",
+        ran.stderr
+    );
+    assert_eq!(server.stats().requests, 0);
+    assert!(!env.path("runs").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_item_missing_a_field_fails_alone_with_the_reason() {
+    let env = Env::new();
+    let server = mock(MockSettings::default()).await;
+    let dataset = env.write(
+        "items.jsonl",
+        "{\"id\": \"a\", \"question\": \"q1\"}\n{\"id\": \"b\", \"prompt\": \"q2\"}\n",
+    );
+    env.write(
+        "run.yaml",
+        &config(&dataset, &external("only", &server, 2), ""),
+    );
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
+    let rows = by_id(&env.export(&ran.run_id()).await);
+    assert_eq!(rows["a"]["status"], "done");
+    assert_eq!(
+        rows["b"]["error"],
+        "template: task.messages[0].content: this item has no field 'question'"
+    );
+    assert_eq!(server.stats().requests, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resume_refuses_a_changed_dataset_or_task_and_says_what_changed() {
+    let env = Env::new();
+    let stuck = mock(MockSettings {
+        error_rate: 1.0,
+        error_status: 503,
+        ..MockSettings::default()
+    })
+    .await;
+    let dataset = env.dataset("items.jsonl", 5);
+    let extra = "retry: { max_attempts: 1 }";
+    env.write(
+        "run.yaml",
+        &config(&dataset, &external("only", &stuck, 2), extra),
+    );
+    let ran = env
+        .evalfleet(&["run", "run.yaml", "-q", "--run-id", "r1"])
+        .await;
+    assert_eq!(ran.code, Some(1));
+
+    let changed_task = config(&dataset, &external("only", &stuck, 2), extra)
+        .replace("{{ question }}", "Q: {{ question }}");
+    env.write("changed.yaml", &changed_task);
+    let refused = env
+        .evalfleet(&["resume", "r1", "--retry-failed", "--config", "changed.yaml"])
+        .await;
+    assert_eq!(refused.code, Some(2), "{}", refused.stderr);
+    assert!(
+        refused.stderr.contains("task.messages changed"),
+        "{}",
+        refused.stderr
+    );
+
+    std::fs::write(&dataset, "{\"id\": \"z\", \"question\": \"new\"}\n").unwrap();
+    let refused = env.evalfleet(&["resume", "r1", "--retry-failed"]).await;
+    assert_eq!(refused.code, Some(2), "{}", refused.stderr);
+    assert!(
+        refused.stderr.contains("the dataset's content changed"),
+        "{}",
+        refused.stderr
+    );
+    assert_eq!(
+        env.counts("r1").failed,
+        5,
+        "a refused resume changes nothing"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_failed_answers_failed_items_again() {
+    let env = Env::new();
+    let flaky = mock(MockSettings {
+        fail_first: 1,
+        ..MockSettings::default()
+    })
+    .await;
+    let dataset = env.dataset("items.jsonl", 8);
+    env.write(
+        "run.yaml",
+        &config(
+            &dataset,
+            &external("only", &flaky, 2),
+            "retry: { max_attempts: 1 }",
+        ),
+    );
+    let ran = env
+        .evalfleet(&["run", "run.yaml", "-q", "--run-id", "r"])
+        .await;
+    assert_eq!(ran.code, Some(1));
+    assert_eq!(env.counts("r").failed, 8);
+    let nothing = env.evalfleet(&["resume", "r"]).await;
+    assert_eq!(nothing.code, Some(1));
+    assert!(
+        nothing.stderr.contains("nothing to resume"),
+        "{}",
+        nothing.stderr
+    );
+    let again = env
+        .evalfleet(&["resume", "r", "-q", "--retry-failed"])
+        .await;
+    assert_eq!(again.code, Some(0), "{}", again.stderr);
+    let rows = by_id(&env.export("r").await);
+    assert!(
+        rows.values()
+            .all(|r| r["status"] == "done" && r["attempts"] == 2),
+        "{rows:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secrets_reach_neither_the_store_nor_the_export_nor_the_logs() {
+    let env = Env::new();
+    let server = mock(MockSettings {
+        fail_first: 1,
+        ..MockSettings::default()
+    })
+    .await;
+    let dataset = env.dataset("items.jsonl", 5);
+    let endpoint = format!(
+        "  - name: hosted\n    kind: external\n    base_url: \"{}\"\n    model: m\n    api_key: ${{EF_TEST_API_KEY}}\n    headers: {{ X-Org-Token: literal-header-secret-42 }}\n",
+        server.base_url()
+    );
+    env.write(
+        "run.yaml",
+        &config(&dataset, &endpoint, "retry: { backoff_base: 5ms }"),
+    );
+    let ran = env
+        .command(&["run", "run.yaml", "-v", "--run-id", "s"])
+        .env("EF_TEST_API_KEY", "sk-env-secret-1234567")
+        .output()
+        .await
+        .unwrap();
+    let ran: crate::util::Ran = ran.into();
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let mut stored = Vec::new();
+    for suffix in ["", "-wal"] {
+        let mut name = env.store_path().into_os_string();
+        name.push(suffix);
+        if let Ok(bytes) = std::fs::read(&name) {
+            stored.extend(bytes);
+        }
+    }
+    let stored = String::from_utf8_lossy(&stored);
+    let export = env
+        .evalfleet(&["export", "s", "--format", "jsonl"])
+        .await
+        .stdout;
+    let status = env.evalfleet(&["status", "s", "--json"]).await.stdout;
+    for secret in ["sk-env-secret-1234567", "literal-header-secret-42"] {
+        assert!(!stored.contains(secret), "{secret} is in the store");
+        assert!(!export.contains(secret), "{secret} is in the export");
+        assert!(!status.contains(secret), "{secret} is in the status");
+        assert!(!ran.stderr.contains(secret), "{secret} is in the logs");
+        assert!(!ran.stdout.contains(secret), "{secret} is on stdout");
+    }
+    assert!(
+        stored.contains("${EF_TEST_API_KEY}"),
+        "the reference is kept for resume"
+    );
+
+    // The literal header was not stored, so resuming from the stored config
+    // asks for it again.
+    let resumed = env.evalfleet(&["resume", "s"]).await;
+    assert_eq!(resumed.code, Some(2), "{}", resumed.stderr);
+    assert!(
+        resumed
+            .stderr
+            .contains("endpoints[0].headers.X-Org-Token: was written literally in the config"),
+        "{}",
+        resumed.stderr
+    );
+}

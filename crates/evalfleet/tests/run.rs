@@ -1,0 +1,264 @@
+//! Runs that go well: several endpoints, both dataset formats, streaming and
+//! not, sampling, status, the commands' help.
+
+use evalfleet_mock::MockSettings;
+use serde_json::Value;
+
+use crate::util::{Env, by_id, config, external, mock, ms, wait_until};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_endpoints_of_different_speeds_answer_every_item_and_the_faster_serves_more() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 300);
+    let fast = mock(MockSettings {
+        latency: ms(5),
+        ..MockSettings::default()
+    })
+    .await;
+    let slow = mock(MockSettings {
+        latency: ms(60),
+        ..MockSettings::default()
+    })
+    .await;
+    let endpoints = external("fast", &fast, 4) + &external("slow", &slow, 4);
+    env.write(
+        "run.yaml",
+        &config(&dataset, &endpoints, "")
+            .replace("max_tokens: 64 }", "max_tokens: 64 }\n  stream: true"),
+    );
+
+    let ran = env.evalfleet(&["run", "run.yaml", "--quiet"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let run_id = ran.run_id();
+    let rows = by_id(&env.export(&run_id).await);
+    assert_eq!(rows.len(), 300);
+    let mut served = std::collections::BTreeMap::<String, u64>::new();
+    for (id, row) in &rows {
+        assert_eq!(row["status"], "done", "{id}: {row}");
+        assert_eq!(
+            row["output"], row["item"]["question"],
+            "{id}'s answer belongs to another item"
+        );
+        assert!(
+            row["ttft_ms"].as_f64().is_some(),
+            "streamed answers have a TTFT: {row}"
+        );
+        *served
+            .entry(row["endpoint"].as_str().unwrap().to_owned())
+            .or_default() += 1;
+    }
+    assert!(
+        served["fast"] > 2 * served["slow"],
+        "the faster endpoint should take most items: {served:?}"
+    );
+    assert_eq!(fast.stats().requests + slow.stats().requests, 300);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_csv_dataset_is_answered_without_streaming() {
+    let env = Env::new();
+    let mut text = "id,question,level\n".to_owned();
+    for i in 0..40 {
+        text.push_str(&format!("c{i},\"what, exactly, is {i}?\",easy\n"));
+    }
+    let dataset = env.write("items.csv", &text);
+    let server = mock(MockSettings::default()).await;
+    env.write(
+        "run.yaml",
+        &config(&dataset, &external("only", &server, 8), ""),
+    );
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let rows = by_id(&env.export(&ran.run_id()).await);
+    assert_eq!(rows.len(), 40);
+    assert_eq!(rows["c7"]["output"], "what, exactly, is 7?");
+    assert_eq!(rows["c7"]["item"]["level"], "easy");
+    assert_eq!(
+        rows["c7"]["ttft_ms"],
+        Value::Null,
+        "no TTFT without streaming"
+    );
+
+    let csv = env
+        .evalfleet(&["export", &ran.run_id(), "--format", "csv"])
+        .await;
+    let header = csv.stdout.lines().next().unwrap();
+    assert!(header.starts_with("item_id,status,output,error,endpoint,model,attempts,latency_ms"));
+    assert!(
+        header.ends_with("item.id,item.level,item.question"),
+        "{header}"
+    );
+    assert_eq!(csv.stdout.lines().count(), 41);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sample_is_the_same_for_the_same_seed_and_differs_for_another() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 200);
+    let server = mock(MockSettings::default()).await;
+    env.write(
+        "run.yaml",
+        &config(&dataset, &external("only", &server, 8), ""),
+    );
+    let mut samples = Vec::new();
+    for seed in ["1", "1", "2"] {
+        let ran = env
+            .evalfleet(&["run", "run.yaml", "-q", "--n-sample", "25", "--seed", seed])
+            .await;
+        assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+        let ids: Vec<String> = by_id(&env.export(&ran.run_id()).await)
+            .into_keys()
+            .collect();
+        assert_eq!(ids.len(), 25);
+        samples.push(ids);
+    }
+    assert_eq!(samples[0], samples[1]);
+    assert_ne!(samples[0], samples[2]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_summarises_a_run_while_it_runs_and_after() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 60);
+    let server = mock(MockSettings {
+        latency: ms(100),
+        ..MockSettings::default()
+    })
+    .await;
+    env.write(
+        "run.yaml",
+        &config(&dataset, &external("gpu", &server, 2), ""),
+    );
+    let mut child = env.spawn(&["run", "run.yaml", "-q", "--run-id", "watched"]);
+    let store_path = env.store_path();
+    wait_until(ms(10_000), "some results are committed", || {
+        store_path.exists()
+            && evalfleet_store::SqliteStore::open_existing(&store_path)
+                .ok()
+                .and_then(|mut s| evalfleet_core::store::Store::counts(&mut s, "watched").ok())
+                .is_some_and(|c| c.done > 0)
+    })
+    .await;
+    let live = env.evalfleet(&["status", "watched", "--json"]).await;
+    assert_eq!(live.code, Some(0), "{}", live.stderr);
+    let live: Value = serde_json::from_str(&live.stdout).unwrap();
+    assert_eq!(live["status"], "running");
+    assert_eq!(live["active"], true);
+    assert_eq!(live["total"], 60);
+
+    let status = child.wait().await.unwrap();
+    assert_eq!(status.code(), Some(0));
+    let after = env.evalfleet(&["status", "watched"]).await;
+    assert!(
+        after.stdout.contains("status       finished"),
+        "{}",
+        after.stdout
+    );
+    assert!(
+        after
+            .stdout
+            .contains("60 total: 60 done, 0 failed, 0 pending"),
+        "{}",
+        after.stdout
+    );
+    assert!(
+        after
+            .stdout
+            .lines()
+            .any(|l| l.starts_with("gpu ") && l.contains(" 60 ")),
+        "{}",
+        after.stdout
+    );
+    let runs = env.evalfleet(&["runs"]).await;
+    assert!(
+        runs.stdout
+            .lines()
+            .any(|l| l.starts_with("watched") && l.contains("finished")),
+        "{}",
+        runs.stdout
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_probes_every_endpoint_and_says_which_are_unreachable() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 3);
+    let server = mock(MockSettings {
+        model: "m".to_owned(),
+        ..MockSettings::default()
+    })
+    .await;
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_url = format!("http://{}/v1", closed.local_addr().unwrap());
+    drop(closed);
+    let endpoints = external("alive", &server, 2)
+        + &format!("  - {{ name: dead, kind: external, base_url: \"{dead_url}\", model: m }}\n")
+        + "  - { name: builtin, kind: mock }\n";
+    env.write("run.yaml", &config(&dataset, &endpoints, ""));
+    let ran = env.evalfleet(&["check", "run.yaml"]).await;
+    assert_eq!(ran.code, Some(1), "{}\n{}", ran.stdout, ran.stderr);
+    let line = |name: &str| {
+        ran.stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("endpoint     {name} ")))
+            .unwrap_or_else(|| panic!("no line for {name}: {}", ran.stdout))
+            .to_owned()
+    };
+    assert!(line("alive").contains("reachable in"), "{}", ran.stdout);
+    assert!(line("alive").contains("serves m"), "{}", ran.stdout);
+    assert!(
+        line("dead").contains("unreachable: cannot connect"),
+        "{}",
+        ran.stdout
+    );
+    assert!(line("builtin").contains("reachable in"), "{}", ran.stdout);
+    assert!(ran.stdout.contains("3 rows, 0 invalid"), "{}", ran.stdout);
+    assert!(!env.store_path().exists(), "check must not write a store");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_command_explains_itself_with_an_example() {
+    let env = Env::new();
+    for command in ["run", "resume", "runs", "status", "export", "check", "mock"] {
+        let ran = env.evalfleet(&[command, "--help"]).await;
+        assert_eq!(ran.code, Some(0), "{command}: {}", ran.stderr);
+        assert!(
+            ran.stdout.contains("Example:"),
+            "{command} --help has no example:\n{}",
+            ran.stdout
+        );
+        assert!(
+            ran.stdout.contains(&format!("evalfleet {command}")),
+            "{command}: {}",
+            ran.stdout
+        );
+    }
+    let top = env.evalfleet(&["--help"]).await;
+    assert!(top.stdout.contains("130 interrupted"), "{}", top.stdout);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mock_command_prints_its_address_and_serves_models() {
+    let env = Env::new();
+    let mut child = env.spawn(&["mock", "--model", "tiny", "--latency", "10ms"]);
+    let stdout = child.stdout.take().unwrap();
+    let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
+    let url = lines.next_line().await.unwrap().unwrap();
+    assert!(
+        url.starts_with("http://127.0.0.1:") && url.ends_with("/v1"),
+        "{url}"
+    );
+    let client = evalfleet_core::client::http_client(1).unwrap();
+    let body = client
+        .get(format!("{url}/models"))
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+    let models: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(models["data"][0]["id"], "tiny");
+    crate::util::signal(&child, "TERM").await;
+    assert_eq!(child.wait().await.unwrap().code(), Some(0));
+}

@@ -1,0 +1,8 @@
+//! End-to-end tests of the `evalfleet` binary: real processes, real mock
+//! servers on 127.0.0.1:0, real SQLite files.
+
+mod crash;
+mod failures;
+mod input;
+mod run;
+mod util;

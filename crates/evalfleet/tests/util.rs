@@ -1,0 +1,198 @@
+//! Test helpers: a temporary working directory, the real `evalfleet` binary,
+//! mock endpoints on 127.0.0.1:0 and the store the binary writes.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+use std::time::Duration;
+
+use evalfleet_core::store::{StateCounts, Store};
+use evalfleet_mock::{MockServer, MockSettings};
+use evalfleet_store::SqliteStore;
+use serde_json::Value;
+use tokio::process::{Child, Command};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_evalfleet");
+
+/// A working directory for one test; the binary runs in it.
+pub struct Env {
+    pub dir: tempfile::TempDir,
+}
+
+/// What a finished command printed and returned.
+pub struct Ran {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl From<Output> for Ran {
+    fn from(out: Output) -> Self {
+        Self {
+            code: out.status.code(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+}
+
+impl Ran {
+    /// The run id the `run` command prints as its one line of stdout.
+    pub fn run_id(&self) -> String {
+        self.stdout
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_owned()
+    }
+}
+
+impl Env {
+    pub fn new() -> Self {
+        Self {
+            dir: tempfile::tempdir().expect("a temporary directory"),
+        }
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    pub fn write(&self, name: &str, text: &str) -> PathBuf {
+        let path = self.path(name);
+        std::fs::write(&path, text).expect("write a test file");
+        path
+    }
+
+    /// A JSONL dataset of `n` items `{id, question}`; the mock echoes the
+    /// question, so each answer names its item.
+    pub fn dataset(&self, name: &str, n: usize) -> PathBuf {
+        let mut text = String::new();
+        for i in 0..n {
+            text.push_str(&format!(
+                "{{\"id\": \"item-{i:05}\", \"question\": \"question {i} of {n}\"}}\n"
+            ));
+        }
+        self.write(name, &text)
+    }
+
+    pub fn command(&self, args: &[&str]) -> Command {
+        let mut command = Command::new(BIN);
+        command
+            .args(args)
+            .current_dir(self.dir.path())
+            .env_remove("EVALFLEET_STORE")
+            .env_remove("EVALFLEET_LOG")
+            .kill_on_drop(true);
+        command
+    }
+
+    pub async fn evalfleet(&self, args: &[&str]) -> Ran {
+        self.command(args)
+            .output()
+            .await
+            .expect("the evalfleet binary runs")
+            .into()
+    }
+
+    /// Starts the binary without waiting for it.
+    pub fn spawn(&self, args: &[&str]) -> Child {
+        self.command(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("the evalfleet binary starts")
+    }
+
+    pub fn store_path(&self) -> PathBuf {
+        self.path("runs/evalfleet.db")
+    }
+
+    pub fn store(&self) -> SqliteStore {
+        SqliteStore::open_existing(&self.store_path()).expect("the store exists")
+    }
+
+    pub fn counts(&self, run_id: &str) -> StateCounts {
+        self.store().counts(run_id).expect("the run's counts")
+    }
+
+    /// The JSONL export of a run, one value per line.
+    pub async fn export(&self, run_id: &str) -> Vec<Value> {
+        let ran = self
+            .evalfleet(&["export", run_id, "--format", "jsonl"])
+            .await;
+        assert_eq!(ran.code, Some(0), "export failed: {}", ran.stderr);
+        ran.stdout
+            .lines()
+            .map(|line| serde_json::from_str(line).expect("an export line is JSON"))
+            .collect()
+    }
+}
+
+/// A config with `endpoints` (YAML list items, already indented) over
+/// `dataset`, echoing the question.
+pub fn config(dataset: &Path, endpoints: &str, extra: &str) -> String {
+    format!(
+        "name: test\n\
+         dataset:\n  path: {}\n  id_field: id\n\
+         endpoints:\n{endpoints}\n\
+         task:\n  messages:\n    - {{ role: user, content: \"{{{{ question }}}}\" }}\n  params: {{ max_tokens: 64 }}\n\
+         {extra}\n",
+        dataset.display()
+    )
+}
+
+/// An `external` endpoint entry pointing at `mock`.
+pub fn external(name: &str, mock: &MockServer, concurrency: u32) -> String {
+    format!(
+        "  - {{ name: {name}, kind: external, base_url: \"{}\", model: m, concurrency: {concurrency} }}\n",
+        mock.base_url()
+    )
+}
+
+pub async fn mock(settings: MockSettings) -> MockServer {
+    MockServer::start_local(settings)
+        .await
+        .expect("a mock endpoint starts")
+}
+
+pub fn ms(ms: u64) -> Duration {
+    Duration::from_millis(ms)
+}
+
+/// Polls `condition` every 20 ms until it holds, failing after `limit`.
+pub async fn wait_until(limit: Duration, what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + limit;
+    while !condition() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting until {what}"
+        );
+        tokio::time::sleep(ms(20)).await;
+    }
+}
+
+/// Export rows by item id, checking that no id appears twice.
+pub fn by_id(rows: &[Value]) -> BTreeMap<String, Value> {
+    let mut out = BTreeMap::new();
+    for row in rows {
+        let id = row["item_id"].as_str().expect("an item id").to_owned();
+        assert!(
+            out.insert(id.clone(), row.clone()).is_none(),
+            "item {id} exported twice"
+        );
+    }
+    out
+}
+
+/// Sends a signal to a child with the system's `kill`.
+pub async fn signal(child: &Child, name: &str) {
+    let pid = child.id().expect("the child is running").to_string();
+    let status = Command::new("kill")
+        .args([&format!("-{name}"), &pid])
+        .status()
+        .await
+        .expect("kill runs");
+    assert!(status.success(), "kill -{name} {pid} failed");
+}
