@@ -1,6 +1,9 @@
 //! End-to-end tests of the `evalfleet` binary: real processes, real mock
 //! servers on 127.0.0.1:0, real SQLite files.
 
+// Test helpers fail loudly; that is their job.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod crash;
 mod failures;
 mod input;
