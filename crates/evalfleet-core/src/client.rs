@@ -156,9 +156,8 @@ pub struct CallOutcome {
 #[derive(Clone)]
 pub struct ChatClient {
     http: reqwest::Client,
-    completions_url: String,
-    models_url: String,
-    headers: HeaderMap,
+    completions_url: reqwest::Url,
+    models_url: reqwest::Url,
     /// `{"model":"NAME","messages":` — the body up to the messages.
     body_head: Bytes,
     /// `,"param":value,...,"stream":...}` — the body after the messages.
@@ -178,14 +177,18 @@ fn install_crypto() {
     });
 }
 
-/// Builds the HTTP client shared by an endpoint's calls.
+/// An HTTP client for probes and tests.
 pub fn http_client(pool_size: usize) -> Result<reqwest::Client, reqwest::Error> {
+    http_builder(pool_size).build()
+}
+
+/// The settings of every HTTP client evalfleet makes.
+fn http_builder(pool_size: usize) -> reqwest::ClientBuilder {
     install_crypto();
     reqwest::Client::builder()
         .pool_max_idle_per_host(pool_size)
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(10))
-        .build()
 }
 
 impl ChatClient {
@@ -197,7 +200,6 @@ impl ChatClient {
         task_params: &Map<String, Value>,
         stream: bool,
     ) -> Result<Self, String> {
-        let http = http_client(endpoint.concurrency as usize).map_err(|err| err.to_string())?;
         let mut headers = HeaderMap::new();
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         if let Some(key) = &endpoint.api_key {
@@ -210,6 +212,10 @@ impl ChatClient {
             let name = HeaderName::from_bytes(name.as_bytes()).map_err(|err| err.to_string())?;
             headers.insert(name, secret_header(value.expose())?);
         }
+        let http = http_builder(endpoint.concurrency as usize)
+            .default_headers(headers)
+            .build()
+            .map_err(|err| err.to_string())?;
         let mut params = task_params.clone();
         params.extend(endpoint.params.clone());
         let model = serde_json::to_string(&endpoint.model).map_err(|err| err.to_string())?;
@@ -227,11 +233,14 @@ impl ChatClient {
             tail.push_str(",\"stream\":false}");
         }
         let base = base_url.trim_end_matches('/');
+        let url = |path: &str| {
+            reqwest::Url::parse(&format!("{base}/{path}"))
+                .map_err(|err| format!("{base}/{path}: {err}"))
+        };
         Ok(Self {
             http,
-            completions_url: format!("{base}/chat/completions"),
-            models_url: format!("{base}/models"),
-            headers,
+            completions_url: url("chat/completions")?,
+            models_url: url("models")?,
             body_head: Bytes::from(head),
             body_tail: Bytes::from(tail),
             stream,
@@ -272,8 +281,7 @@ impl ChatClient {
     ) -> Result<Completion, CallError> {
         let response = self
             .http
-            .post(&self.completions_url)
-            .headers(self.headers.clone())
+            .post(self.completions_url.clone())
             .body(self.body(messages))
             .send()
             .await
@@ -294,8 +302,7 @@ impl ChatClient {
     pub async fn models(&self) -> Result<Vec<String>, CallError> {
         let response = self
             .http
-            .get(&self.models_url)
-            .headers(self.headers.clone())
+            .get(self.models_url.clone())
             .send()
             .await
             .map_err(request_error)?;

@@ -517,6 +517,18 @@ impl RowReader {
     /// The row that starts at `offset` (on `line`), checked against the id the
     /// scan gave it: a different id means the file changed since.
     pub fn read(&mut self, offset: u64, line: u64, expected_id: &str) -> Result<Row, DatasetError> {
+        self.read_with_json(offset, line, expected_id)
+            .map(|(row, _)| row)
+    }
+
+    /// Like [`RowReader::read`], with the row as JSON text too (for JSONL,
+    /// the line itself, without parsing it twice).
+    pub fn read_with_json(
+        &mut self,
+        offset: u64,
+        line: u64,
+        expected_id: &str,
+    ) -> Result<(Row, String), DatasetError> {
         let row_err = |message: String| DatasetError::Row {
             path: self.path.clone(),
             line,
@@ -526,7 +538,7 @@ impl RowReader {
             path: self.path.clone(),
             source,
         };
-        let row = match &mut self.inner {
+        let (row, json) = match &mut self.inner {
             RowSource::Jsonl {
                 reader,
                 position,
@@ -543,7 +555,9 @@ impl RowReader {
                 buf.clear();
                 let n = reader.read_until(b'\n', buf).map_err(read_err)?;
                 *position = offset + n as u64;
-                parse_jsonl(buf).map_err(row_err)?
+                let row = parse_jsonl(buf).map_err(row_err)?;
+                let json = String::from_utf8_lossy(buf.trim_ascii()).into_owned();
+                (row, json)
             }
             RowSource::Csv {
                 reader,
@@ -558,7 +572,11 @@ impl RowReader {
                         .map_err(|err| read_err(io::Error::other(err.to_string())))?;
                 }
                 match reader.read_record(record) {
-                    Ok(true) => csv_row(headers, record),
+                    Ok(true) => {
+                        let row = csv_row(headers, record);
+                        let json = serde_json::to_string(&row).unwrap_or_default();
+                        (row, json)
+                    }
                     Ok(false) => return Err(row_err("the file ends before this row".to_owned())),
                     Err(err) => return Err(row_err(csv_message(&err))),
                 }
@@ -570,7 +588,7 @@ impl RowReader {
                 "this row's id is now '{id}', not '{expected_id}': the dataset changed after the run started"
             )));
         }
-        Ok(row)
+        Ok((row, json))
     }
 }
 

@@ -50,7 +50,9 @@ CREATE TABLE items (
     invalid    TEXT,
     PRIMARY KEY (rid, item_id)
 ) WITHOUT ROWID;
-CREATE INDEX items_by_state ON items (rid, state, seq);
+-- Only pending items are indexed: finishing one deletes its entry, and a
+-- resume finds the first pending item at once.
+CREATE INDEX items_pending ON items (rid, seq) WHERE state = 'pending';
 CREATE TABLE results (
     rid               INTEGER NOT NULL REFERENCES runs(rid),
     item_id           TEXT NOT NULL,
@@ -69,7 +71,7 @@ CREATE TABLE results (
     item              TEXT,
     finished_at       INTEGER NOT NULL,
     PRIMARY KEY (rid, item_id)
-);
+) WITHOUT ROWID;
 CREATE TABLE attempts (
     rid               INTEGER NOT NULL REFERENCES runs(rid),
     item_id           TEXT NOT NULL,
@@ -88,7 +90,7 @@ CREATE TABLE attempts (
     error_class       TEXT,
     error             TEXT,
     PRIMARY KEY (rid, item_id, attempt)
-);
+) WITHOUT ROWID;
 CREATE TABLE events (
     rid      INTEGER NOT NULL REFERENCES runs(rid),
     at       INTEGER NOT NULL,
@@ -104,6 +106,8 @@ pub struct SqliteStore {
     conn: Connection,
     path: PathBuf,
     rids: HashMap<String, i64>,
+    /// Whether a run had attempts when this connection first looked.
+    had_attempts: HashMap<i64, bool>,
 }
 
 fn db_err(context: &str) -> impl Fn(rusqlite::Error) -> StoreError + '_ {
@@ -154,6 +158,9 @@ impl SqliteStore {
             .map_err(db_err("cannot set synchronous mode"))?;
         conn.pragma_update(None, "foreign_keys", "ON")
             .map_err(db_err("cannot enable foreign keys"))?;
+        // 32 MiB of page cache: the writer's batches touch the same pages.
+        conn.pragma_update(None, "cache_size", -32_768)
+            .map_err(db_err("cannot set the cache size"))?;
         let version: i64 = conn
             .query_row("PRAGMA user_version", [], |row| row.get(0))
             .map_err(db_err("cannot read the schema version"))?;
@@ -189,6 +196,7 @@ impl SqliteStore {
             conn,
             path: path.to_owned(),
             rids: HashMap::new(),
+            had_attempts: HashMap::new(),
         })
     }
 
@@ -519,15 +527,39 @@ impl Store for SqliteStore {
         limit: usize,
     ) -> Result<Vec<PendingItem>, StoreError> {
         let rid = self.rid(run_id)?;
+        // Counting earlier attempts costs a lookup per item; a run without
+        // attempts (a first session) skips it. Asked once per connection, so
+        // this session's own attempts never count as earlier ones.
+        let had_attempts = match self.had_attempts.get(&rid) {
+            Some(had) => *had,
+            None => {
+                let had: bool = self
+                    .conn
+                    .query_row(
+                        "SELECT EXISTS (SELECT 1 FROM attempts WHERE rid = ?1)",
+                        [rid],
+                        |row| row.get(0),
+                    )
+                    .map_err(db_err("cannot read attempts"))?;
+                self.had_attempts.insert(rid, had);
+                had
+            }
+        };
+        let sql = if had_attempts {
+            "SELECT i.item_id, i.seq, i.line, i.offset,
+                    (SELECT COUNT(*) FROM attempts a WHERE a.rid = i.rid AND a.item_id = i.item_id)
+             FROM items i
+             WHERE i.rid = ?1 AND i.state = 'pending' AND i.seq > ?2
+             ORDER BY i.seq LIMIT ?3"
+        } else {
+            "SELECT i.item_id, i.seq, i.line, i.offset, 0
+             FROM items i
+             WHERE i.rid = ?1 AND i.state = 'pending' AND i.seq > ?2
+             ORDER BY i.seq LIMIT ?3"
+        };
         let mut stmt = self
             .conn
-            .prepare_cached(
-                "SELECT i.item_id, i.seq, i.line, i.offset,
-                        (SELECT COUNT(*) FROM attempts a WHERE a.rid = i.rid AND a.item_id = i.item_id)
-                 FROM items i
-                 WHERE i.rid = ?1 AND i.state = 'pending' AND i.seq > ?2
-                 ORDER BY i.seq LIMIT ?3",
-            )
+            .prepare_cached(sql)
             .map_err(db_err("cannot read pending items"))?;
         let after = after_seq.map_or(-1, |s| s as i64);
         stmt.query_map(params![rid, after, limit as i64], |row| {

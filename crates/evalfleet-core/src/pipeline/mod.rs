@@ -277,7 +277,7 @@ async fn dispatch(shared: Arc<Shared>, endpoint: Arc<Endpoint>) {
         };
         shared
             .tracker
-            .spawn(attempt(shared.clone(), endpoint.clone(), item, permit).in_current_span());
+            .spawn(attempt(shared.clone(), endpoint.clone(), item, permit));
     }
 }
 

@@ -51,10 +51,9 @@ impl Reader {
             };
             after = Some(last.seq);
             for pending in page {
-                let row = self
-                    .rows
-                    .read(pending.offset, pending.line, &pending.item_id)?;
-                let item_json = serde_json::to_string(&row).unwrap_or_default();
+                let (row, item_json) =
+                    self.rows
+                        .read_with_json(pending.offset, pending.line, &pending.item_id)?;
                 let delivered = match self.templates.render_json(&row) {
                     Ok(messages) => {
                         let item = WorkItem {
@@ -65,12 +64,17 @@ impl Reader {
                             attempts: 0,
                             first_sent: None,
                         };
-                        runtime.block_on(async {
-                            tokio::select! {
-                                sent = self.queue.send(item) => sent.is_ok(),
-                                () = self.halt.cancelled() => false,
-                            }
-                        })
+                        match self.queue.try_send(item) {
+                            Ok(()) => true,
+                            Err(mpsc::error::TrySendError::Closed(_)) => false,
+                            // The fleet is busy: wait for room, or for the end.
+                            Err(mpsc::error::TrySendError::Full(item)) => runtime.block_on(async {
+                                tokio::select! {
+                                    sent = self.queue.send(item) => sent.is_ok(),
+                                    () = self.halt.cancelled() => false,
+                                }
+                            }),
+                        }
                     }
                     Err(message) => {
                         let result = ResultRecord {

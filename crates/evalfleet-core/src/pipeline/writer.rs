@@ -1,18 +1,25 @@
 //! The one writer: it owns the store during a session and commits attempts
-//! and results in batches, one transaction each, at a size or an interval,
-//! whichever comes first. While one batch is being committed (on a blocking
-//! thread) the next one fills.
+//! and results in batches, one transaction each, when a batch reaches its
+//! size or its oldest entry has waited the flush interval.
+//!
+//! Commits run on a blocking thread, and the writer keeps receiving while one
+//! is in flight: what arrives meanwhile goes into the next transaction (group
+//! commit), so a slow `fsync` makes batches larger instead of stalling every
+//! call. Only past [`GROUP_LIMIT`] batches' worth do senders wait.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
+use tokio::task::JoinSet;
 use tokio::time::{Instant, sleep_until};
 
 use super::Progress;
 use crate::config::WriterSettings;
 use crate::store::{AttemptRecord, Batch, ResultRecord, Store, StoreError};
+
+/// How many batches' worth may wait while a commit is in flight.
+const GROUP_LIMIT: usize = 16;
 
 /// What an attempt task hands to the writer.
 #[derive(Debug)]
@@ -21,50 +28,10 @@ pub struct Outcome {
     pub result: Option<ResultRecord>,
 }
 
-type Flush = JoinHandle<(Box<dyn Store>, Result<u64, StoreError>)>;
+type Committed = (Box<dyn Store>, Result<u64, StoreError>);
 
-struct Writer {
-    run_id: Arc<str>,
-    progress: Arc<Progress>,
-    idle: Option<Box<dyn Store>>,
-    flushing: Option<Flush>,
-}
-
-impl Writer {
-    /// Waits for the batch being committed, if any, and takes the store back.
-    async fn settle(&mut self) -> Result<(), StoreError> {
-        if let Some(flush) = self.flushing.take() {
-            let (store, result) = flush.await.map_err(|err| {
-                StoreError::Invariant(format!("the writer's commit task failed: {err}"))
-            })?;
-            self.idle = Some(store);
-            let committed = result?;
-            self.progress
-                .committed
-                .fetch_add(committed, Ordering::Relaxed);
-        }
-        Ok(())
-    }
-
-    async fn flush(&mut self, batch: Batch) -> Result<(), StoreError> {
-        if batch.is_empty() {
-            return Ok(());
-        }
-        self.settle().await?;
-        let Some(mut store) = self.idle.take() else {
-            return Err(StoreError::Invariant(
-                "the writer lost its store".to_owned(),
-            ));
-        };
-        let run_id = self.run_id.clone();
-        self.flushing = Some(tokio::task::spawn_blocking(move || {
-            let result = store
-                .commit(&run_id, &batch)
-                .map(|()| batch.results.len() as u64);
-            (store, result)
-        }));
-        Ok(())
-    }
+fn size(batch: &Batch) -> usize {
+    batch.results.len().max(batch.attempts.len())
 }
 
 /// Runs until every sender is dropped, then commits what is left and gives
@@ -76,41 +43,52 @@ pub async fn run(
     settings: WriterSettings,
     progress: Arc<Progress>,
 ) -> Result<Box<dyn Store>, StoreError> {
-    let mut writer = Writer {
-        run_id,
-        progress,
-        idle: Some(store),
-        flushing: None,
-    };
+    let mut idle = Some(store);
+    let mut committing: JoinSet<Committed> = JoinSet::new();
     let mut batch = Batch::default();
-    let mut deadline: Option<Instant> = None;
+    // When the oldest uncommitted entry must be committed.
+    let mut due: Option<Instant> = None;
+    let mut open = true;
     loop {
-        let next = match deadline {
-            Some(at) => tokio::select! {
-                outcome = inbox.recv() => outcome,
-                () = sleep_until(at) => {
-                    deadline = None;
-                    writer.flush(std::mem::take(&mut batch)).await?;
-                    continue;
-                }
-            },
-            None => inbox.recv().await,
-        };
-        let Some(outcome) = next else { break };
-        batch.attempts.extend(outcome.attempt);
-        batch.results.extend(outcome.result);
-        if batch.results.len() >= settings.batch_size || batch.attempts.len() >= settings.batch_size
+        let ready = size(&batch) >= settings.batch_size
+            || due.is_some_and(|at| at <= Instant::now())
+            || !open;
+        if !batch.is_empty()
+            && ready
+            && let Some(mut store) = idle.take()
         {
-            deadline = None;
-            writer.flush(std::mem::take(&mut batch)).await?;
-        } else if deadline.is_none() {
-            deadline = Some(Instant::now() + settings.flush_interval);
+            let batch = std::mem::take(&mut batch);
+            due = None;
+            let run_id = run_id.clone();
+            committing.spawn_blocking(move || {
+                let result = store
+                    .commit(&run_id, &batch)
+                    .map(|()| batch.results.len() as u64);
+                (store, result)
+            });
+            continue;
+        }
+        if !open && batch.is_empty() && committing.is_empty() {
+            break;
+        }
+        let room = size(&batch) < settings.batch_size * GROUP_LIMIT;
+        tokio::select! {
+            outcome = inbox.recv(), if open && room => match outcome {
+                Some(outcome) => {
+                    batch.attempts.extend(outcome.attempt);
+                    batch.results.extend(outcome.result);
+                    due.get_or_insert_with(|| Instant::now() + settings.flush_interval);
+                }
+                None => open = false,
+            },
+            Some(joined) = committing.join_next() => {
+                let (store, result) = joined
+                    .map_err(|err| StoreError::Invariant(format!("the writer's commit task failed: {err}")))?;
+                idle = Some(store);
+                progress.committed.fetch_add(result?, Ordering::Relaxed);
+            }
+            () = sleep_until(due.unwrap_or_else(Instant::now)), if due.is_some() && idle.is_some() => {}
         }
     }
-    writer.flush(batch).await?;
-    writer.settle().await?;
-    writer
-        .idle
-        .take()
-        .ok_or_else(|| StoreError::Invariant("the writer lost its store".to_owned()))
+    idle.ok_or_else(|| StoreError::Invariant("the writer lost its store".to_owned()))
 }
