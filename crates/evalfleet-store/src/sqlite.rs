@@ -17,7 +17,7 @@ use evalfleet_core::store::{
     now_ms,
 };
 use rusqlite::{
-    Connection, ErrorCode, OptionalExtension, Transaction, TransactionBehavior, params,
+    Connection, ErrorCode, OpenFlags, OptionalExtension, Transaction, TransactionBehavior, params,
 };
 
 const SCHEMA_VERSION: i64 = 1;
@@ -129,7 +129,13 @@ impl SqliteStore {
                 )
             })?;
         }
-        let conn = Connection::open(path).map_err(|err| {
+        // Each connection is used by one thread at a time, so SQLite's own
+        // per-call mutex is not needed.
+        let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
+            | OpenFlags::SQLITE_OPEN_CREATE
+            | OpenFlags::SQLITE_OPEN_URI
+            | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        let conn = Connection::open_with_flags(path, flags).map_err(|err| {
             StoreError::backend(format!("cannot open store {}", path.display()), err)
         })?;
         Self::init(conn, path)

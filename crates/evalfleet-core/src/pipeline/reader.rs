@@ -38,6 +38,26 @@ pub struct Reader {
 }
 
 impl Reader {
+    /// Queues one item. When the queue is full, waits until half of it is
+    /// free, so that this thread wakes once per many items, not once per item.
+    fn deliver(&self, item: WorkItem, runtime: &Handle) -> bool {
+        let item = match self.queue.try_send(item) {
+            Ok(()) => return true,
+            Err(mpsc::error::TrySendError::Closed(_)) => return false,
+            Err(mpsc::error::TrySendError::Full(item)) => item,
+        };
+        let room = (self.queue.max_capacity() / 2).max(1);
+        let freed = runtime.block_on(async {
+            tokio::select! {
+                // The permits are dropped at once: only this thread sends
+                // fresh items, so the room they held stays free for it.
+                permits = self.queue.reserve_many(room) => permits.is_ok(),
+                () = self.halt.cancelled() => false,
+            }
+        });
+        freed && self.queue.try_send(item).is_ok()
+    }
+
     /// Reads until every pending item was queued or `halt` is cancelled.
     pub fn run(mut self, runtime: Handle) -> Result<(), ReaderError> {
         let mut after = None;
@@ -64,17 +84,7 @@ impl Reader {
                             attempts: 0,
                             first_sent: None,
                         };
-                        match self.queue.try_send(item) {
-                            Ok(()) => true,
-                            Err(mpsc::error::TrySendError::Closed(_)) => false,
-                            // The fleet is busy: wait for room, or for the end.
-                            Err(mpsc::error::TrySendError::Full(item)) => runtime.block_on(async {
-                                tokio::select! {
-                                    sent = self.queue.send(item) => sent.is_ok(),
-                                    () = self.halt.cancelled() => false,
-                                }
-                            }),
-                        }
+                        self.deliver(item, &runtime)
                     }
                     Err(message) => {
                         let result = ResultRecord {
