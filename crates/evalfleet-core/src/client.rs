@@ -189,6 +189,9 @@ fn http_builder(pool_size: usize) -> reqwest::ClientBuilder {
         .pool_max_idle_per_host(pool_size)
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(10))
+        // An API answers where it is asked; a redirect of a POST is a
+        // misconfigured base URL, better reported than followed.
+        .redirect(reqwest::redirect::Policy::none())
 }
 
 impl ChatClient {

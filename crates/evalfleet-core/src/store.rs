@@ -218,7 +218,8 @@ pub struct PendingItem {
 /// One call to one endpoint.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AttemptRecord {
-    pub item_id: String,
+    /// The item's `seq`.
+    pub seq: u64,
     /// 1-based, counted over every session of the run.
     pub attempt: u32,
     pub session: u32,
@@ -239,6 +240,7 @@ pub struct AttemptRecord {
 /// An item's terminal outcome.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ResultRecord {
+    pub seq: u64,
     pub item_id: String,
     pub status: ItemStatus,
     pub output: Option<String>,

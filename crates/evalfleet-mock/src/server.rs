@@ -41,6 +41,7 @@ pub struct Stats {
     in_flight: AtomicU64,
     max_in_flight: AtomicU64,
     model_listings: AtomicU64,
+    first_request_at_ms: AtomicU64,
 }
 
 /// A copy of [`Stats`] at one moment.
@@ -66,6 +67,9 @@ pub struct StatsSnapshot {
     pub max_in_flight: u64,
     /// `GET /v1/models` requests.
     pub model_listings: u64,
+    /// When the first chat completion request arrived, in milliseconds since
+    /// the Unix epoch (0: none yet). Benchmarks time start-up with it.
+    pub first_request_at_ms: u64,
 }
 
 impl Stats {
@@ -83,6 +87,7 @@ impl Stats {
             in_flight: load(&self.in_flight),
             max_in_flight: load(&self.max_in_flight),
             model_listings: load(&self.model_listings),
+            first_request_at_ms: load(&self.first_request_at_ms),
         }
     }
 }
@@ -425,7 +430,15 @@ struct Held {
 }
 
 async fn chat(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
-    state.stats.requests.fetch_add(1, Ordering::Relaxed);
+    if state.stats.requests.fetch_add(1, Ordering::Relaxed) == 0 {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        state
+            .stats
+            .first_request_at_ms
+            .store(now, Ordering::Relaxed);
+    }
     let in_flight = InFlight::enter(&state);
     let request: ChatRequest = match serde_json::from_slice(&body) {
         Ok(request) => request,

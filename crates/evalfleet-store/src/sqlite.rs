@@ -22,6 +22,11 @@ use rusqlite::{
 
 const SCHEMA_VERSION: i64 = 1;
 
+/// Items, results and attempts are keyed by the item's `seq` (its place in
+/// the dataset): items are registered and mostly finished in that order, so
+/// these clustered tables grow at their ends. Item ids have a narrow unique
+/// index of their own. (CHECK constraints use `OR`, not `IN (...)`, which
+/// would build a temporary table for every row written.)
 const SCHEMA: &str = r#"
 CREATE TABLE runs (
     rid         INTEGER PRIMARY KEY,
@@ -41,22 +46,24 @@ CREATE TABLE runs (
 );
 CREATE TABLE items (
     rid        INTEGER NOT NULL REFERENCES runs(rid),
-    item_id    TEXT NOT NULL,
     seq        INTEGER NOT NULL,
+    item_id    TEXT NOT NULL,
     line       INTEGER NOT NULL,
     offset     INTEGER NOT NULL,
     sample_key INTEGER NOT NULL,
-    state      TEXT NOT NULL CHECK (state IN ('pending', 'done', 'failed')),
+    state      TEXT NOT NULL CHECK (state = 'pending' OR state = 'done' OR state = 'failed'),
     invalid    TEXT,
-    PRIMARY KEY (rid, item_id)
+    PRIMARY KEY (rid, seq)
 ) WITHOUT ROWID;
+CREATE UNIQUE INDEX items_by_id ON items (rid, item_id);
 -- Only pending items are indexed: finishing one deletes its entry, and a
 -- resume finds the first pending item at once.
 CREATE INDEX items_pending ON items (rid, seq) WHERE state = 'pending';
 CREATE TABLE results (
     rid               INTEGER NOT NULL REFERENCES runs(rid),
+    seq               INTEGER NOT NULL,
     item_id           TEXT NOT NULL,
-    status            TEXT NOT NULL CHECK (status IN ('done', 'failed')),
+    status            TEXT NOT NULL CHECK (status = 'done' OR status = 'failed'),
     output            TEXT,
     error             TEXT,
     endpoint          TEXT,
@@ -70,11 +77,11 @@ CREATE TABLE results (
     finish_reason     TEXT,
     item              TEXT,
     finished_at       INTEGER NOT NULL,
-    PRIMARY KEY (rid, item_id)
+    PRIMARY KEY (rid, seq)
 ) WITHOUT ROWID;
 CREATE TABLE attempts (
     rid               INTEGER NOT NULL REFERENCES runs(rid),
-    item_id           TEXT NOT NULL,
+    seq               INTEGER NOT NULL,
     attempt           INTEGER NOT NULL,
     session           INTEGER NOT NULL,
     endpoint          TEXT NOT NULL,
@@ -89,7 +96,7 @@ CREATE TABLE attempts (
     http_status       INTEGER,
     error_class       TEXT,
     error             TEXT,
-    PRIMARY KEY (rid, item_id, attempt)
+    PRIMARY KEY (rid, seq, attempt)
 ) WITHOUT ROWID;
 CREATE TABLE events (
     rid      INTEGER NOT NULL REFERENCES runs(rid),
@@ -405,8 +412,8 @@ impl Store for SqliteStore {
         let identity = items.finish()?;
         if let Some(n) = identity.sample_n {
             tx.execute(
-                "DELETE FROM items WHERE rid = ?1 AND item_id NOT IN (
-                     SELECT item_id FROM items WHERE rid = ?1 ORDER BY sample_key, item_id LIMIT ?2)",
+                "DELETE FROM items WHERE rid = ?1 AND seq NOT IN (
+                     SELECT seq FROM items WHERE rid = ?1 ORDER BY sample_key, item_id LIMIT ?2)",
                 params![rid, n as i64],
             )
             .map_err(db_err("cannot take the sample"))?;
@@ -417,8 +424,8 @@ impl Store for SqliteStore {
         )
         .map_err(db_err("cannot mark invalid rows"))?;
         tx.execute(
-            "INSERT INTO results (rid, item_id, status, error, attempts, finished_at)
-             SELECT rid, item_id, 'failed', 'invalid dataset row (line ' || line || '): ' || invalid, 0, ?2
+            "INSERT INTO results (rid, seq, item_id, status, error, attempts, finished_at)
+             SELECT rid, seq, item_id, 'failed', 'invalid dataset row (line ' || line || '): ' || invalid, 0, ?2
              FROM items WHERE rid = ?1 AND invalid IS NOT NULL",
             params![rid, now_ms()],
         )
@@ -494,8 +501,8 @@ impl Store for SqliteStore {
         let mut reset = 0;
         if retry_failed {
             tx.execute(
-                "DELETE FROM results WHERE rid = ?1 AND item_id IN (
-                     SELECT item_id FROM items WHERE rid = ?1 AND state = 'failed' AND invalid IS NULL)",
+                "DELETE FROM results WHERE rid = ?1 AND seq IN (
+                     SELECT seq FROM items WHERE rid = ?1 AND state = 'failed' AND invalid IS NULL)",
                 [rid],
             )
             .map_err(db_err("cannot reset failed items"))?;
@@ -553,7 +560,7 @@ impl Store for SqliteStore {
         };
         let sql = if had_attempts {
             "SELECT i.item_id, i.seq, i.line, i.offset,
-                    (SELECT COUNT(*) FROM attempts a WHERE a.rid = i.rid AND a.item_id = i.item_id)
+                    (SELECT COUNT(*) FROM attempts a WHERE a.rid = i.rid AND a.seq = i.seq)
              FROM items i
              WHERE i.rid = ?1 AND i.state = 'pending' AND i.seq > ?2
              ORDER BY i.seq LIMIT ?3"
@@ -591,7 +598,7 @@ impl Store for SqliteStore {
         {
             let mut attempt = tx
                 .prepare_cached(
-                    "INSERT INTO attempts (rid, item_id, attempt, session, endpoint, model, sent_at, latency_ms,
+                    "INSERT INTO attempts (rid, seq, attempt, session, endpoint, model, sent_at, latency_ms,
                          ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, http_status,
                          error_class, error)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
@@ -601,7 +608,7 @@ impl Store for SqliteStore {
                 attempt
                     .execute(params![
                         rid,
-                        a.item_id,
+                        a.seq as i64,
                         a.attempt,
                         a.session,
                         a.endpoint,
@@ -620,19 +627,21 @@ impl Store for SqliteStore {
                     .map_err(db_err("cannot record an attempt"))?;
             }
             let mut state = tx
-                .prepare_cached("UPDATE items SET state = ?3 WHERE rid = ?1 AND item_id = ?2 AND state = 'pending'")
+                .prepare_cached(
+                    "UPDATE items SET state = ?3 WHERE rid = ?1 AND seq = ?2 AND state = 'pending'",
+                )
                 .map_err(db_err("cannot prepare the state update"))?;
             let mut result = tx
                 .prepare_cached(
-                    "INSERT INTO results (rid, item_id, status, output, error, endpoint, model, attempts,
+                    "INSERT INTO results (rid, seq, item_id, status, output, error, endpoint, model, attempts,
                          latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, item,
                          finished_at)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)",
                 )
                 .map_err(db_err("cannot prepare the result insert"))?;
             for r in &batch.results {
                 let changed = state
-                    .execute(params![rid, r.item_id, r.status.as_str()])
+                    .execute(params![rid, r.seq as i64, r.status.as_str()])
                     .map_err(db_err("cannot update an item's state"))?;
                 if changed != 1 {
                     return Err(StoreError::Invariant(format!(
@@ -643,6 +652,7 @@ impl Store for SqliteStore {
                 result
                     .execute(params![
                         rid,
+                        r.seq as i64,
                         r.item_id,
                         r.status.as_str(),
                         r.output,
@@ -788,8 +798,7 @@ impl Store for SqliteStore {
             .prepare(
                 "SELECT r.item_id, r.status, r.output, r.error, r.endpoint, r.model, r.attempts, r.latency_ms,
                         r.ttft_ms, r.tpot_ms, r.prompt_tokens, r.completion_tokens, r.item
-                 FROM results r JOIN items i ON i.rid = r.rid AND i.item_id = r.item_id
-                 WHERE r.rid = ?1 ORDER BY i.seq",
+                 FROM results r WHERE r.rid = ?1 ORDER BY r.seq",
             )
             .map_err(db_err("cannot export"))?;
         let mut rows = stmt.query([rid]).map_err(db_err("cannot export"))?;

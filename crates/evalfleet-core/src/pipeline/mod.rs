@@ -337,7 +337,7 @@ async fn attempt(shared: Arc<Shared>, endpoint: Arc<Endpoint>, mut item: WorkIte
     };
     let tpot = timing.tpot(completion_tokens);
     let record = AttemptRecord {
-        item_id: item.item_id.clone(),
+        seq: item.seq,
         attempt: attempts,
         session: shared.session,
         endpoint: endpoint.name.clone(),
@@ -355,6 +355,7 @@ async fn attempt(shared: Arc<Shared>, endpoint: Arc<Endpoint>, mut item: WorkIte
     };
     let result_record =
         |status: ItemStatus, output: Option<String>, error: Option<String>| ResultRecord {
+            seq: item.seq,
             item_id: item.item_id.clone(),
             status,
             output,

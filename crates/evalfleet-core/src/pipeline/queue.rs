@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 #[derive(Debug)]
 pub struct WorkItem {
     pub item_id: String,
+    pub seq: u64,
     /// The rendered chat messages, as JSON.
     pub messages: Box<RawValue>,
     /// The input row, as JSON, stored with the result.

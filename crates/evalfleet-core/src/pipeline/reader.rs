@@ -78,6 +78,7 @@ impl Reader {
                     Ok(messages) => {
                         let item = WorkItem {
                             item_id: pending.item_id,
+                            seq: pending.seq,
                             messages,
                             item_json,
                             prior_attempts: pending.prior_attempts,
@@ -88,6 +89,7 @@ impl Reader {
                     }
                     Err(message) => {
                         let result = ResultRecord {
+                            seq: pending.seq,
                             item_id: pending.item_id,
                             status: ItemStatus::Failed,
                             output: None,
