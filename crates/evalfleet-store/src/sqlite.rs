@@ -12,9 +12,9 @@ use evalfleet_core::client::ErrorClass;
 use evalfleet_core::dataset::DatasetIdentity;
 use evalfleet_core::fingerprint::Fingerprint;
 use evalfleet_core::store::{
-    AttemptSample, Batch, CreateRunError, Event, ExportError, ExportRow, ItemSource, NewRun,
-    PendingItem, RunGuard, RunRecord, RunStatus, SessionStart, StateCounts, Store, StoreError,
-    now_ms,
+    AttemptSample, Batch, CreateRunError, Event, ExportError, ExportRow, ItemSource, ItemStatus,
+    NewRun, PendingItem, RunGuard, RunRecord, RunStatus, SessionStart, StateCounts, Store,
+    StoreError, now_ms,
 };
 use rusqlite::{
     Connection, ErrorCode, OpenFlags, OptionalExtension, Transaction, TransactionBehavior, params,
@@ -42,6 +42,10 @@ CREATE TABLE runs (
     dataset     TEXT NOT NULL,
     total       INTEGER NOT NULL,
     sessions    INTEGER NOT NULL DEFAULT 0,
+    -- Items done and failed, kept in the same transactions that change item
+    -- states, so that counting a run does not read its items.
+    done        INTEGER NOT NULL DEFAULT 0,
+    failed      INTEGER NOT NULL DEFAULT 0,
     message     TEXT
 );
 CREATE TABLE items (
@@ -171,8 +175,9 @@ impl SqliteStore {
             .map_err(db_err("cannot set synchronous mode"))?;
         conn.pragma_update(None, "foreign_keys", "ON")
             .map_err(db_err("cannot enable foreign keys"))?;
-        // 32 MiB of page cache: the writer's batches touch the same pages.
-        conn.pragma_update(None, "cache_size", -32_768)
+        // 8 MiB of page cache per connection: batches append near the end of
+        // their tables, so the pages they touch are few and recent.
+        conn.pragma_update(None, "cache_size", -8_192)
             .map_err(db_err("cannot set the cache size"))?;
         let version: i64 = conn
             .query_row("PRAGMA user_version", [], |row| row.get(0))
@@ -440,8 +445,16 @@ impl Store for SqliteStore {
         let dataset = serde_json::to_string(&identity.dataset)
             .map_err(json_err("cannot encode the dataset"))?;
         tx.execute(
-            "UPDATE runs SET fingerprint = ?2, digest = ?3, dataset = ?4, total = ?5 WHERE rid = ?1",
-            params![rid, fingerprint, identity.fingerprint.digest(), dataset, total],
+            "UPDATE runs SET fingerprint = ?2, digest = ?3, dataset = ?4, total = ?5,
+                 failed = (SELECT COUNT(*) FROM items WHERE rid = ?1 AND state = 'failed')
+             WHERE rid = ?1",
+            params![
+                rid,
+                fingerprint,
+                identity.fingerprint.digest(),
+                dataset,
+                total
+            ],
         )
         .map_err(db_err("cannot update the run"))?;
         tx.commit().map_err(db_err("cannot commit the new run"))?;
@@ -514,9 +527,10 @@ impl Store for SqliteStore {
                 .map_err(db_err("cannot reset failed items"))? as u64;
         }
         tx.execute(
-            "UPDATE runs SET status = 'running', sessions = sessions + 1, updated_at = ?2, message = NULL
+            "UPDATE runs SET status = 'running', sessions = sessions + 1, updated_at = ?2, message = NULL,
+                 failed = failed - ?3
              WHERE rid = ?1",
-            params![rid, now_ms()],
+            params![rid, now_ms(), reset as i64],
         )
         .map_err(db_err("cannot start the session"))?;
         let session: i64 = tx
@@ -672,9 +686,15 @@ impl Store for SqliteStore {
                     .map_err(db_err("cannot record a result"))?;
             }
         }
+        let failed = batch
+            .results
+            .iter()
+            .filter(|r| r.status == ItemStatus::Failed)
+            .count() as i64;
+        let done = batch.results.len() as i64 - failed;
         tx.execute(
-            "UPDATE runs SET updated_at = ?2 WHERE rid = ?1",
-            params![rid, now_ms()],
+            "UPDATE runs SET updated_at = ?2, done = done + ?3, failed = failed + ?4 WHERE rid = ?1",
+            params![rid, now_ms(), done, failed],
         )
         .map_err(db_err("cannot update the run"))?;
         tx.commit().map_err(db_err("cannot commit a batch"))
@@ -698,30 +718,24 @@ impl Store for SqliteStore {
 
     fn counts(&mut self, run_id: &str) -> Result<StateCounts, StoreError> {
         let rid = self.rid(run_id)?;
-        let mut stmt = self
+        let (total, done, failed): (i64, i64, i64) = self
             .conn
-            .prepare_cached("SELECT state, COUNT(*) FROM items WHERE rid = ?1 GROUP BY state")
-            .map_err(db_err("cannot count items"))?;
-        let mut counts = StateCounts::default();
-        let rows = stmt
-            .query_map([rid], |row| {
-                Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?))
+            .prepare_cached("SELECT total, done, failed FROM runs WHERE rid = ?1")
+            .and_then(|mut stmt| {
+                stmt.query_row([rid], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))
             })
             .map_err(db_err("cannot count items"))?;
-        for row in rows {
-            let (state, n) = row.map_err(db_err("cannot count items"))?;
-            match state.as_str() {
-                "pending" => counts.pending = n as u64,
-                "done" => counts.done = n as u64,
-                "failed" => counts.failed = n as u64,
-                other => {
-                    return Err(StoreError::Invariant(format!(
-                        "unknown item state '{other}'"
-                    )));
-                }
-            }
+        let pending = total - done - failed;
+        if pending < 0 {
+            return Err(StoreError::Invariant(format!(
+                "run '{run_id}' counts {done} done and {failed} failed of {total} items"
+            )));
         }
-        Ok(counts)
+        Ok(StateCounts {
+            pending: pending as u64,
+            done: done as u64,
+            failed: failed as u64,
+        })
     }
 
     fn add_event(&mut self, run_id: &str, event: &Event) -> Result<(), StoreError> {

@@ -1,0 +1,294 @@
+//! The SQLite store on real files: registration, exactly-once commits, counts,
+//! resume bookkeeping and export order.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::Path;
+
+use evalfleet_core::dataset::DatasetIdentity;
+use evalfleet_core::fingerprint::{DatasetOptions, Fingerprint};
+use evalfleet_core::store::{
+    AttemptRecord, Batch, CreateRunError, ItemSource, ItemStatus, NewItem, NewRun, ResultRecord,
+    RunIdentity, RunStatus, StateCounts, Store, StoreError,
+};
+use evalfleet_store::SqliteStore;
+
+struct Items {
+    items: std::vec::IntoIter<NewItem>,
+    sample_n: Option<u64>,
+}
+
+fn items(ids: &[&str], sample_n: Option<u64>) -> Items {
+    let items: Vec<NewItem> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| NewItem {
+            item_id: (*id).to_owned(),
+            seq: i as u64 + 1,
+            line: i as u64 + 1,
+            offset: i as u64 * 10,
+            sample_key: evalfleet_core::dataset::sample_key(1, id),
+            invalid: id.starts_with("bad").then(|| "broken row".to_owned()),
+        })
+        .collect();
+    Items {
+        items: items.into_iter(),
+        sample_n,
+    }
+}
+
+impl ItemSource for Items {
+    fn next_item(&mut self) -> Result<Option<NewItem>, CreateRunError> {
+        Ok(self.items.next())
+    }
+
+    fn finish(&mut self) -> Result<RunIdentity, CreateRunError> {
+        Ok(RunIdentity {
+            fingerprint: Fingerprint {
+                dataset_sha256: "0".repeat(64),
+                dataset_options: DatasetOptions {
+                    format: "jsonl".to_owned(),
+                    id_field: None,
+                    sample_n: self.sample_n,
+                    sample_seed: None,
+                    skip_invalid: true,
+                },
+                messages_sha256: String::new(),
+                params_sha256: String::new(),
+            },
+            dataset: DatasetIdentity {
+                path: "data.jsonl".into(),
+                size: 0,
+                mtime_ns: 0,
+                sha256: "0".repeat(64),
+            },
+            sample_n: self.sample_n,
+        })
+    }
+
+    fn path(&self) -> String {
+        "data.jsonl".to_owned()
+    }
+}
+
+fn new_run(id: &str) -> NewRun {
+    NewRun {
+        run_id: id.to_owned(),
+        name: "test".to_owned(),
+        config: serde_json::json!({"name": "test"}),
+        config_dir: ".".to_owned(),
+        created_at_ms: 1,
+    }
+}
+
+fn result(seq: u64, id: &str, status: ItemStatus) -> ResultRecord {
+    ResultRecord {
+        seq,
+        item_id: id.to_owned(),
+        status,
+        output: Some(format!("answer {id}")),
+        error: None,
+        endpoint: Some("e".to_owned()),
+        model: Some("m".to_owned()),
+        attempts: 1,
+        latency_ms: Some(1.0),
+        ttft_ms: None,
+        tpot_ms: None,
+        prompt_tokens: Some(1),
+        completion_tokens: Some(1),
+        finish_reason: Some("stop".to_owned()),
+        item: Some(format!("{{\"id\": \"{id}\"}}")),
+        finished_at_ms: 1,
+    }
+}
+
+fn attempt(seq: u64, number: u32) -> AttemptRecord {
+    AttemptRecord {
+        seq,
+        attempt: number,
+        session: 1,
+        endpoint: "e".to_owned(),
+        model: "m".to_owned(),
+        sent_at_ms: 1,
+        latency_ms: 1.0,
+        ttft_ms: None,
+        tpot_ms: None,
+        prompt_tokens: None,
+        completion_tokens: None,
+        finish_reason: None,
+        http_status: Some(500),
+        error_class: Some(evalfleet_core::client::ErrorClass::Retryable),
+        error: Some("HTTP 500".to_owned()),
+    }
+}
+
+/// Counts item states the slow way, to check the stored counters.
+fn recount(path: &Path, run_id: &str) -> StateCounts {
+    let conn = rusqlite::Connection::open(path).unwrap();
+    let mut counts = StateCounts::default();
+    let mut stmt = conn
+        .prepare(
+            "SELECT i.state, COUNT(*) FROM items i JOIN runs r ON r.rid = i.rid
+             WHERE r.run_id = ?1 GROUP BY i.state",
+        )
+        .unwrap();
+    for row in stmt
+        .query_map([run_id], |r| {
+            Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64))
+        })
+        .unwrap()
+    {
+        let (state, n) = row.unwrap();
+        match state.as_str() {
+            "pending" => counts.pending = n,
+            "done" => counts.done = n,
+            _ => counts.failed = n,
+        }
+    }
+    counts
+}
+
+#[test]
+fn a_duplicate_id_undoes_the_whole_registration() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.db");
+    let mut store = SqliteStore::open(&path).unwrap();
+    let err = store
+        .create_run(&new_run("r"), &mut items(&["a", "b", "a"], None))
+        .unwrap_err();
+    match err {
+        CreateRunError::DuplicateId {
+            id,
+            first_line,
+            second_line,
+            ..
+        } => assert_eq!((id.as_str(), first_line, second_line), ("a", 1, 3)),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(store.run("r"), Err(StoreError::NoSuchRun(_))));
+    assert!(store.runs().unwrap().is_empty());
+}
+
+#[test]
+fn commits_are_exactly_once_and_counters_match_a_recount() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.db");
+    let mut store = SqliteStore::open(&path).unwrap();
+    let run = store
+        .create_run(
+            &new_run("r"),
+            &mut items(&["a", "bad1", "b", "c", "d"], None),
+        )
+        .unwrap();
+    assert_eq!(run.total, 5);
+    assert_eq!(run.status, RunStatus::Running);
+    assert_eq!(store.counts("r").unwrap(), recount(&path, "r"));
+    assert_eq!(
+        store.counts("r").unwrap().failed,
+        1,
+        "the invalid row is a failed item"
+    );
+
+    let start = store.begin_session("r", false).unwrap();
+    assert_eq!(start.session, 1);
+    let batch = Batch {
+        attempts: vec![attempt(1, 1)],
+        results: vec![
+            result(1, "a", ItemStatus::Done),
+            result(3, "b", ItemStatus::Failed),
+        ],
+    };
+    store.commit("r", &batch).unwrap();
+    assert_eq!(
+        store.counts("r").unwrap(),
+        StateCounts {
+            pending: 2,
+            done: 1,
+            failed: 2
+        }
+    );
+    assert_eq!(store.counts("r").unwrap(), recount(&path, "r"));
+
+    // A second result for an item is refused, and nothing of its batch stays.
+    let again = Batch {
+        attempts: vec![attempt(4, 1)],
+        results: vec![
+            result(4, "c", ItemStatus::Done),
+            result(1, "a", ItemStatus::Done),
+        ],
+    };
+    assert!(matches!(
+        store.commit("r", &again),
+        Err(StoreError::Invariant(_))
+    ));
+    assert_eq!(store.counts("r").unwrap(), recount(&path, "r"));
+    assert_eq!(store.counts("r").unwrap().pending, 2);
+
+    // Pending items come in order, with their earlier attempts counted by a
+    // new connection (a new session).
+    let mut reader = SqliteStore::open(&path).unwrap();
+    let pending = reader.pending_items("r", None, 10).unwrap();
+    let seqs: Vec<u64> = pending.iter().map(|p| p.seq).collect();
+    assert_eq!(seqs, vec![4, 5]);
+    assert_eq!(pending[0].prior_attempts, 0);
+    assert_eq!(reader.pending_items("r", Some(4), 10).unwrap().len(), 1);
+
+    // --retry-failed puts failed items back (not invalid rows).
+    let start = store.begin_session("r", true).unwrap();
+    assert_eq!(start.reset, 1);
+    assert_eq!(start.session, 2);
+    assert_eq!(store.counts("r").unwrap(), recount(&path, "r"));
+    assert_eq!(store.counts("r").unwrap().pending, 3);
+
+    let mut rows = Vec::new();
+    store
+        .export("r", &mut |row| {
+            rows.push((row.item_id, row.status));
+            Ok(())
+        })
+        .unwrap();
+    let expected = [("a", "done"), ("bad1", "failed")].map(|(a, b)| (a.to_owned(), b.to_owned()));
+    assert_eq!(rows, expected);
+}
+
+#[test]
+fn a_sample_keeps_the_items_with_the_smallest_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.db");
+    let mut store = SqliteStore::open(&path).unwrap();
+    let ids: Vec<String> = (0..50).map(|i| format!("id{i}")).collect();
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    let run = store
+        .create_run(&new_run("r"), &mut items(&refs, Some(7)))
+        .unwrap();
+    assert_eq!(run.total, 7);
+    let mut expected: Vec<(i64, &str)> = refs
+        .iter()
+        .map(|id| (evalfleet_core::dataset::sample_key(1, id), *id))
+        .collect();
+    expected.sort();
+    let mut expected: Vec<&str> = expected.into_iter().take(7).map(|(_, id)| id).collect();
+    expected.sort();
+    let mut kept: Vec<String> = store
+        .pending_items("r", None, 100)
+        .unwrap()
+        .into_iter()
+        .map(|p| p.item_id)
+        .collect();
+    kept.sort();
+    assert_eq!(kept, expected);
+}
+
+#[test]
+fn a_run_lock_is_exclusive_and_released_on_drop() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.db");
+    let mut first = SqliteStore::open(&path).unwrap();
+    let mut second = SqliteStore::open(&path).unwrap();
+    let guard = first.lock_run("r").unwrap();
+    assert!(matches!(second.lock_run("r"), Err(StoreError::RunBusy(_))));
+    assert!(second.is_run_active("r").unwrap());
+    drop(guard);
+    assert!(!second.is_run_active("r").unwrap());
+    assert!(second.lock_run("r").is_ok());
+}
