@@ -353,30 +353,33 @@ async fn attempt(shared: Arc<Shared>, endpoint: Arc<Endpoint>, mut item: WorkIte
         error_class: result.as_ref().err().map(CallError::class),
         error: result.as_ref().err().map(ToString::to_string),
     };
-    let result_record =
-        |status: ItemStatus, output: Option<String>, error: Option<String>| ResultRecord {
-            seq: item.seq,
-            item_id: item.item_id.clone(),
-            status,
-            output,
-            error,
-            endpoint: Some(endpoint.name.clone()),
-            model: Some(endpoint.model.clone()),
-            attempts,
-            latency_ms: Some(ms(timing.latency)),
-            ttft_ms: timing.ttft.map(ms),
-            tpot_ms: tpot.map(ms),
-            prompt_tokens,
-            completion_tokens,
-            finish_reason: finish_reason.clone(),
-            item: Some(item.item_json.clone()),
-            finished_at_ms: unix_ms(SystemTime::now()),
-        };
+    // The item ends here: its id and input row move into the result.
+    let result_record = |item: WorkItem,
+                         status: ItemStatus,
+                         output: Option<String>,
+                         error: Option<String>| ResultRecord {
+        seq: item.seq,
+        item_id: item.item_id,
+        status,
+        output,
+        error,
+        endpoint: Some(endpoint.name.clone()),
+        model: Some(endpoint.model.clone()),
+        attempts,
+        latency_ms: Some(ms(timing.latency)),
+        ttft_ms: timing.ttft.map(ms),
+        tpot_ms: tpot.map(ms),
+        prompt_tokens,
+        completion_tokens,
+        finish_reason: finish_reason.clone(),
+        item: Some(item.item_json),
+        finished_at_ms: unix_ms(SystemTime::now()),
+    };
 
     let err = match result {
         Ok(Completion { content, .. }) => {
             counters.successes.fetch_add(1, Ordering::Relaxed);
-            let done = result_record(ItemStatus::Done, Some(content), None);
+            let done = result_record(item, ItemStatus::Done, Some(content), None);
             if shared
                 .send(Outcome {
                     attempt: Some(record),
@@ -432,7 +435,7 @@ async fn attempt(shared: Arc<Shared>, endpoint: Arc<Endpoint>, mut item: WorkIte
             return;
         }
     };
-    let failed = result_record(ItemStatus::Failed, None, Some(reason));
+    let failed = result_record(item, ItemStatus::Failed, None, Some(reason));
     if shared
         .send(Outcome {
             attempt: Some(record),
