@@ -4,6 +4,7 @@
     python3 bench/run.py w1 [--items 100000] [--rounds 3]
     python3 bench/run.py w2 [--rounds 3] [--n 10,50,200,1000]
     python3 bench/run.py w5 [--items 1000000]
+    python3 bench/run.py startup [--items 100] [--rounds 5]
 
 Each workload builds the release binary (unless --no-build), runs the mock
 endpoint pinned to core 0 and the client pinned to core 1, measures a
@@ -285,9 +286,30 @@ def w5(args, work):
     )
 
 
+def startup(args, work):
+    """From the command to the first request the endpoint sees."""
+    dataset = os.path.join(work, "startup.jsonl")
+    write_dataset(dataset, args.items)
+    port = free_port()
+    config = os.path.join(work, "startup.yaml")
+    write_config(config, dataset, f"http://127.0.0.1:{port}/v1", 8)
+    times = []
+    for i in range(args.rounds):
+        mock = Mock(port=port)
+        t0 = time.time()
+        run = evalfleet(["run", config, "--store", os.path.join(work, f"startup-{i}.db"), "-q"], work)
+        first = mock.stats()["first_request_at_ms"] / 1000.0
+        mock.stop()
+        assert run["done"] == args.items, run
+        times.append((first - t0) * 1000.0)
+    result = {"workload": "start-up", "items": args.items, "ms": times, "median_ms": statistics.median(times)}
+    print(json.dumps(result, indent=2))
+    print(f"\n| start-up | {args.items} items, new store | {result['median_ms']:.0f} ms (runs: {', '.join(f'{t:.0f}' for t in times)}) |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("workload", choices=["w1", "w2", "w5"])
+    parser.add_argument("workload", choices=["w1", "w2", "w5", "startup"])
     parser.add_argument("--no-build", action="store_true")
     parser.add_argument("--items", type=int)
     parser.add_argument("--rounds", type=int, default=3)
@@ -306,9 +328,13 @@ def main():
             w1(args, work)
         elif args.workload == "w2":
             w2(args, work)
-        else:
+        elif args.workload == "w5":
             args.items = args.items or 1_000_000
             w5(args, work)
+        else:
+            args.items = args.items or 100
+            args.rounds = max(args.rounds, 5)
+            startup(args, work)
     finally:
         if not args.keep:
             subprocess.run(["rm", "-rf", work])
