@@ -25,6 +25,8 @@ pub enum StoreError {
     },
     #[error("no run '{0}' in this store")]
     NoSuchRun(String),
+    #[error("no store at {} (pass --store PATH to name another)", .0.display())]
+    NoStore(std::path::PathBuf),
     #[error("run '{0}' is in progress in another process")]
     RunBusy(String),
     #[error("store invariant broken: {0}")]

@@ -155,13 +155,7 @@ impl SqliteStore {
     /// Opens a store that must already exist.
     pub fn open_existing(path: &Path) -> Result<Self, StoreError> {
         if !path.is_file() {
-            return Err(StoreError::Backend {
-                message: format!(
-                    "no store at {} (pass --store PATH to name another)",
-                    path.display()
-                ),
-                source: None,
-            });
+            return Err(StoreError::NoStore(path.to_owned()));
         }
         Self::open(path)
     }

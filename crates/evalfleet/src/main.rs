@@ -46,7 +46,7 @@ fn is_bad_input(err: &anyhow::Error) -> bool {
             )
             || matches!(
                 cause.downcast_ref::<StoreError>(),
-                Some(StoreError::NoSuchRun(_) | StoreError::RunBusy(_))
+                Some(StoreError::NoSuchRun(_) | StoreError::NoStore(_) | StoreError::RunBusy(_))
             )
     })
 }

@@ -275,9 +275,11 @@ async fn dispatch(shared: Arc<Shared>, endpoint: Arc<Endpoint>) {
         let Some(item) = shared.queue.next(&shared.halt).await else {
             return;
         };
+        // A debug span costs nothing unless debug logging is on.
+        let span = tracing::debug_span!("item", id = %item.item_id, attempt = item.prior_attempts + item.attempts + 1);
         shared
             .tracker
-            .spawn(attempt(shared.clone(), endpoint.clone(), item, permit));
+            .spawn(attempt(shared.clone(), endpoint.clone(), item, permit).instrument(span));
     }
 }
 
@@ -413,7 +415,7 @@ async fn attempt(shared: Arc<Shared>, endpoint: Arc<Endpoint>, mut item: WorkIte
                 humantime::format_duration(shared.item_timeout)
             )
         } else {
-            tracing::debug!(item = %item.item_id, attempt = attempts, error = %err, "Retrying in {wait:?}.");
+            tracing::debug!(error = %err, "Retrying in {wait:?}.");
             let sent = shared
                 .send(Outcome {
                     attempt: Some(record),

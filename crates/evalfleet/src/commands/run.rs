@@ -13,6 +13,7 @@ use evalfleet_core::template::Templates;
 use evalfleet_store::SqliteStore;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::{store_path, validate_run_id};
 use crate::cli::{ResumeArgs, RunArgs};
@@ -153,6 +154,7 @@ async fn execute(
     let stop = CancellationToken::new();
     let signals = tokio::spawn(watch_signals(stop.clone(), grace, run_id.clone()));
     let reader_store = SqliteStore::open(&store_path)?;
+    let span = tracing::info_span!("run", id = %run_id);
     let result = run::run_session(
         plan,
         prepared,
@@ -160,6 +162,7 @@ async fn execute(
         Box::new(reader_store),
         stop,
     )
+    .instrument(span)
     .await;
     display.finish().await;
     signals.abort();
