@@ -186,12 +186,9 @@ impl Scanner {
                 line: 0,
             },
             DatasetFormat::Csv => {
-                let mut reader = csv::ReaderBuilder::new()
-                    .buffer_capacity(BUFFER)
-                    .from_reader(hashing);
-                let headers = csv_headers(&path, &mut reader)?;
+                let (reader, headers) = open_csv(&path, hashing)?;
                 Scan::Csv {
-                    reader: Box::new(reader),
+                    reader,
                     headers,
                     record: csv::StringRecord::new(),
                 }
@@ -340,6 +337,18 @@ fn json_kind(value: &Value) -> &'static str {
         Value::Array(_) => "an array",
         Value::Object(_) => "an object",
     }
+}
+
+/// A CSV reader over `input`, with its header row read and checked.
+fn open_csv<R: Read>(
+    path: &Path,
+    input: R,
+) -> Result<(Box<csv::Reader<R>>, Vec<String>), DatasetError> {
+    let mut reader = csv::ReaderBuilder::new()
+        .buffer_capacity(BUFFER)
+        .from_reader(input);
+    let headers = csv_headers(path, &mut reader)?;
+    Ok((Box::new(reader), headers))
 }
 
 fn csv_headers<R: Read>(
@@ -496,12 +505,9 @@ impl RowReader {
                 buf: Vec::new(),
             },
             DatasetFormat::Csv => {
-                let mut reader = csv::ReaderBuilder::new()
-                    .buffer_capacity(BUFFER)
-                    .from_reader(file);
-                let headers = csv_headers(&path, &mut reader)?;
+                let (reader, headers) = open_csv(&path, file)?;
                 RowSource::Csv {
-                    reader: Box::new(reader),
+                    reader,
                     headers,
                     record: csv::StringRecord::new(),
                 }
