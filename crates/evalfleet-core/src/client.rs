@@ -17,6 +17,7 @@ use serde_json::{Map, Value};
 use tokio::time::Instant;
 
 use crate::config::EndpointConfig;
+use crate::fleet::rate::{Quota, parse_reset};
 
 /// How an error bears on what to do next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -150,6 +151,8 @@ impl Timing {
 pub struct CallOutcome {
     pub result: Result<Completion, CallError>,
     pub timing: Timing,
+    /// The quota the response reported (`x-ratelimit-*`), if any.
+    pub quota: Option<Quota>,
 }
 
 /// A client for one endpoint.
@@ -215,7 +218,7 @@ impl ChatClient {
             let name = HeaderName::from_bytes(name.as_bytes()).map_err(|err| err.to_string())?;
             headers.insert(name, secret_header(value.expose())?);
         }
-        let http = http_builder(endpoint.concurrency as usize)
+        let http = http_builder(endpoint.max_concurrency())
             .default_headers(headers)
             .build()
             .map_err(|err| err.to_string())?;
@@ -265,7 +268,8 @@ impl ChatClient {
         let sent_at = SystemTime::now();
         let started = Instant::now();
         let mut ttft = None;
-        let result = self.call(messages, started, &mut ttft).await;
+        let mut quota = None;
+        let result = self.call(messages, started, &mut ttft, &mut quota).await;
         CallOutcome {
             result,
             timing: Timing {
@@ -273,6 +277,7 @@ impl ChatClient {
                 ttft,
                 latency: started.elapsed(),
             },
+            quota,
         }
     }
 
@@ -281,6 +286,7 @@ impl ChatClient {
         messages: &RawValue,
         started: Instant,
         ttft: &mut Option<Duration>,
+        quota: &mut Option<Quota>,
     ) -> Result<Completion, CallError> {
         let response = self
             .http
@@ -289,6 +295,7 @@ impl ChatClient {
             .send()
             .await
             .map_err(request_error)?;
+        *quota = quota_headers(response.headers());
         let status = response.status();
         if !status.is_success() {
             return Err(status_error(response).await);
@@ -388,6 +395,22 @@ fn error_message(body: &[u8]) -> String {
     } else {
         text.chars().take(300).collect()
     }
+}
+
+/// The `x-ratelimit-*` headers of a response (OpenAI's names).
+pub fn quota_headers(headers: &HeaderMap) -> Option<Quota> {
+    let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    let number = |name: &str| text(name).and_then(|v| v.trim().parse::<u64>().ok());
+    let reset = |name: &str| text(name).and_then(parse_reset);
+    let quota = Quota {
+        limit_requests: number("x-ratelimit-limit-requests"),
+        remaining_requests: number("x-ratelimit-remaining-requests"),
+        reset_requests: reset("x-ratelimit-reset-requests"),
+        limit_tokens: number("x-ratelimit-limit-tokens"),
+        remaining_tokens: number("x-ratelimit-remaining-tokens"),
+        reset_tokens: reset("x-ratelimit-reset-tokens"),
+    };
+    (!quota.is_empty()).then_some(quota)
 }
 
 /// `retry-after-ms` (milliseconds), or `Retry-After` in seconds or as an

@@ -10,6 +10,7 @@ use crate::config::{Config, LoadedConfig};
 use crate::dataset::{DatasetError, RowReader, Scanner, hash_file, sample_key};
 use crate::fingerprint::Fingerprint;
 use crate::fleet::Endpoint;
+use crate::fleet::runtime::FleetHandle;
 use crate::pipeline::{self, PipelineError, Progress, Session};
 use crate::store::{
     CreateRunError, Event, ItemSource, NewItem, NewRun, RunIdentity, RunRecord, RunStatus,
@@ -185,6 +186,7 @@ pub struct SessionPlan {
     pub config: Arc<Config>,
     pub templates: Arc<Templates>,
     pub endpoints: Vec<Arc<Endpoint>>,
+    pub fleet: FleetHandle,
     pub retry_failed: bool,
 }
 
@@ -256,6 +258,7 @@ pub async fn run_session(
         config: plan.config,
         templates: plan.templates,
         endpoints: plan.endpoints,
+        fleet: plan.fleet.clone(),
         pending: prepared.pending,
     };
     let end = pipeline::execute(
@@ -271,6 +274,12 @@ pub async fn run_session(
     let counts = store.counts(&run_id)?;
     let (status, kind, message) = if counts.pending == 0 {
         (RunStatus::Finished, "finished", None)
+    } else if let Some(reason) = plan.fleet.exhausted_reason() {
+        (
+            RunStatus::Interrupted,
+            "interrupted",
+            Some(format!("{reason} {} items pending.", counts.pending)),
+        )
     } else if stop.is_cancelled() {
         (
             RunStatus::Interrupted,

@@ -302,6 +302,9 @@ pub struct AttemptSample {
     pub tpot_ms: Option<f64>,
     pub completion_tokens: Option<u64>,
     pub error_class: Option<ErrorClass>,
+    /// The attempt did not succeed (with a class, an error; without one, a
+    /// call moved to another endpoint).
+    pub failed: bool,
 }
 
 /// A lifecycle fact stored with a run.
@@ -316,6 +319,22 @@ pub struct Event {
 /// Held while a process runs a run; released when dropped (or when the
 /// process dies).
 pub struct RunGuard(pub Box<dyn Send>);
+
+/// A request to change the fleet of a running run (`evalfleet fleet`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FleetChange {
+    /// `add` or `remove`.
+    pub action: String,
+    pub endpoint: String,
+    pub at_ms: i64,
+}
+
+/// The endpoints of a run as its process last wrote them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EndpointStates {
+    pub updated_at_ms: i64,
+    pub endpoints: Vec<crate::fleet::EndpointSnapshot>,
+}
 
 pub trait Store: Send {
     /// Creates a run and registers its items in one transaction: on any error
@@ -378,6 +397,26 @@ pub trait Store: Send {
         run_id: &str,
         each: &mut dyn FnMut(AttemptSample),
     ) -> Result<(), StoreError>;
+
+    /// Replaces the run's endpoint snapshots.
+    fn put_endpoint_states(
+        &mut self,
+        run_id: &str,
+        states: &[crate::fleet::EndpointSnapshot],
+    ) -> Result<(), StoreError>;
+
+    /// The run's endpoint snapshots, if its process wrote any.
+    fn endpoint_states(&mut self, run_id: &str) -> Result<Option<EndpointStates>, StoreError>;
+
+    /// Records a fleet change for the running process to apply.
+    fn request_fleet_change(
+        &mut self,
+        run_id: &str,
+        change: &FleetChange,
+    ) -> Result<(), StoreError>;
+
+    /// The fleet changes not yet taken, oldest first; marks them taken.
+    fn take_fleet_changes(&mut self, run_id: &str) -> Result<Vec<FleetChange>, StoreError>;
 
     /// Calls `each` for every result, in dataset order; stops at its first
     /// error.

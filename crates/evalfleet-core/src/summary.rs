@@ -83,6 +83,7 @@ impl Accumulator {
         self.attempts += 1;
         match sample.error_class {
             Some(class) => *self.errors.entry(class.as_str().to_owned()).or_insert(0) += 1,
+            None if sample.failed => *self.errors.entry(MOVED.to_owned()).or_insert(0) += 1,
             None => {
                 self.successes += 1;
                 self.latency.record(sample.latency_ms);
@@ -129,6 +130,10 @@ pub fn endpoints(store: &mut dyn Store, run_id: &str) -> Result<Vec<EndpointSumm
         })
         .collect())
 }
+
+/// What summaries call calls moved to another endpoint when theirs stopped
+/// taking items (not an error of the call).
+pub const MOVED: &str = "moved";
 
 /// The error classes in the order reports show them.
 pub const ERROR_CLASSES: [ErrorClass; 4] = [

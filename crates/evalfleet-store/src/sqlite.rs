@@ -11,10 +11,11 @@ use std::time::Duration;
 use evalfleet_core::client::ErrorClass;
 use evalfleet_core::dataset::DatasetIdentity;
 use evalfleet_core::fingerprint::Fingerprint;
+use evalfleet_core::fleet::EndpointSnapshot;
 use evalfleet_core::store::{
-    AttemptSample, Batch, CreateRunError, Event, ExportError, ExportRow, ItemSource, ItemStatus,
-    NewRun, PendingItem, RunGuard, RunRecord, RunStatus, SessionStart, StateCounts, Store,
-    StoreError, now_ms,
+    AttemptSample, Batch, CreateRunError, EndpointStates, Event, ExportError, ExportRow,
+    FleetChange, ItemSource, ItemStatus, NewRun, PendingItem, RunGuard, RunRecord, RunStatus,
+    SessionStart, StateCounts, Store, StoreError, now_ms,
 };
 use rusqlite::{
     Connection, ErrorCode, OpenFlags, OptionalExtension, Transaction, TransactionBehavior, params,
@@ -110,6 +111,23 @@ CREATE TABLE events (
     message  TEXT NOT NULL
 );
 CREATE INDEX events_by_run ON events (rid, at);
+-- What the running process last knew of each endpoint (for `status`).
+CREATE TABLE endpoint_states (
+    rid        INTEGER NOT NULL REFERENCES runs(rid),
+    endpoint   TEXT NOT NULL,
+    snapshot   TEXT NOT NULL,
+    updated_at INTEGER NOT NULL,
+    PRIMARY KEY (rid, endpoint)
+);
+-- `evalfleet fleet add|remove`, for the running process to apply.
+CREATE TABLE fleet_changes (
+    id       INTEGER PRIMARY KEY,
+    rid      INTEGER NOT NULL REFERENCES runs(rid),
+    at       INTEGER NOT NULL,
+    action   TEXT NOT NULL CHECK (action = 'add' OR action = 'remove'),
+    endpoint TEXT NOT NULL,
+    taken    INTEGER NOT NULL DEFAULT 0
+);
 "#;
 
 /// A SQLite store file.
@@ -773,7 +791,8 @@ impl Store for SqliteStore {
         let mut stmt = self
             .conn
             .prepare(
-                "SELECT endpoint, latency_ms, ttft_ms, tpot_ms, completion_tokens, error_class
+                "SELECT endpoint, latency_ms, ttft_ms, tpot_ms, completion_tokens, error_class,
+                        error IS NOT NULL
                  FROM attempts WHERE rid = ?1",
             )
             .map_err(db_err("cannot read attempts"))?;
@@ -790,9 +809,118 @@ impl Store for SqliteStore {
                     .map_err(db_err("cannot read attempts"))?
                     .map(|t| t as u64),
                 error_class: class.as_deref().and_then(ErrorClass::parse),
+                failed: row.get(6).map_err(db_err("cannot read attempts"))?,
             });
         }
         Ok(())
+    }
+
+    fn put_endpoint_states(
+        &mut self,
+        run_id: &str,
+        states: &[EndpointSnapshot],
+    ) -> Result<(), StoreError> {
+        let rid = self.rid(run_id)?;
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(db_err("cannot store endpoint states"))?;
+        {
+            let mut upsert = tx
+                .prepare_cached(
+                    "INSERT INTO endpoint_states (rid, endpoint, snapshot, updated_at) VALUES (?1, ?2, ?3, ?4)
+                     ON CONFLICT (rid, endpoint) DO UPDATE SET snapshot = ?3, updated_at = ?4",
+                )
+                .map_err(db_err("cannot store endpoint states"))?;
+            let now = now_ms();
+            for state in states {
+                let json = serde_json::to_string(state)
+                    .map_err(json_err("cannot encode an endpoint state"))?;
+                upsert
+                    .execute(params![rid, state.endpoint, json, now])
+                    .map_err(db_err("cannot store endpoint states"))?;
+            }
+        }
+        tx.commit().map_err(db_err("cannot store endpoint states"))
+    }
+
+    fn endpoint_states(&mut self, run_id: &str) -> Result<Option<EndpointStates>, StoreError> {
+        let rid = self.rid(run_id)?;
+        let mut stmt = self
+            .conn
+            .prepare(
+                "SELECT snapshot, updated_at FROM endpoint_states WHERE rid = ?1 ORDER BY endpoint",
+            )
+            .map_err(db_err("cannot read endpoint states"))?;
+        let rows = stmt
+            .query_map([rid], |row| {
+                Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?))
+            })
+            .map_err(db_err("cannot read endpoint states"))?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(db_err("cannot read endpoint states"))?;
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        let updated_at_ms = rows.iter().map(|(_, at)| *at).max().unwrap_or(0);
+        let endpoints = rows
+            .into_iter()
+            .map(|(json, _)| {
+                serde_json::from_str(&json)
+                    .map_err(json_err("a stored endpoint state cannot be read"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Some(EndpointStates {
+            updated_at_ms,
+            endpoints,
+        }))
+    }
+
+    fn request_fleet_change(
+        &mut self,
+        run_id: &str,
+        change: &FleetChange,
+    ) -> Result<(), StoreError> {
+        let rid = self.rid(run_id)?;
+        self.conn
+            .execute(
+                "INSERT INTO fleet_changes (rid, at, action, endpoint) VALUES (?1, ?2, ?3, ?4)",
+                params![rid, change.at_ms, change.action, change.endpoint],
+            )
+            .map_err(db_err("cannot record the fleet change"))?;
+        Ok(())
+    }
+
+    fn take_fleet_changes(&mut self, run_id: &str) -> Result<Vec<FleetChange>, StoreError> {
+        let rid = self.rid(run_id)?;
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(db_err("cannot read fleet changes"))?;
+        let changes = {
+            let mut stmt = tx
+                .prepare_cached("SELECT at, action, endpoint FROM fleet_changes WHERE rid = ?1 AND taken = 0 ORDER BY id")
+                .map_err(db_err("cannot read fleet changes"))?;
+            stmt.query_map([rid], |row| {
+                Ok(FleetChange {
+                    at_ms: row.get(0)?,
+                    action: row.get(1)?,
+                    endpoint: row.get(2)?,
+                })
+            })
+            .map_err(db_err("cannot read fleet changes"))?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(db_err("cannot read fleet changes"))?
+        };
+        if !changes.is_empty() {
+            tx.execute(
+                "UPDATE fleet_changes SET taken = 1 WHERE rid = ?1 AND taken = 0",
+                [rid],
+            )
+            .map_err(db_err("cannot mark fleet changes"))?;
+        }
+        tx.commit().map_err(db_err("cannot read fleet changes"))?;
+        Ok(changes)
     }
 
     fn export(

@@ -67,6 +67,19 @@ pub enum Command {
     #[command(after_help = "Example:\n  evalfleet check examples/quickstart.yaml")]
     Check(CheckArgs),
 
+    /// Add an endpoint to a running run, or take one out (its calls in flight move to the others).
+    ///
+    /// The endpoint must be one of the run's configured endpoints; the running
+    /// process applies the change within a second.
+    #[command(
+        after_help = "Example:\n  evalfleet fleet add RUN_ID gpu2\n  evalfleet fleet remove RUN_ID azure"
+    )]
+    Fleet(FleetArgs),
+
+    /// Run one engine command so that it never outlives its run (internal).
+    #[command(hide = true)]
+    Supervise(crate::commands::supervise::SuperviseArgs),
+
     /// Serve the built-in OpenAI-compatible mock endpoint; prints the address it listens on.
     #[command(
         after_help = "Example:\n  evalfleet mock --bind 127.0.0.1:8000 --latency 200ms --error-rate 0.05\n  evalfleet mock --rpm 600 --output-tokens 64 --itl 10ms"
@@ -102,9 +115,17 @@ pub struct RunArgs {
     #[arg(long, value_name = "S")]
     pub seed: Option<u64>,
 
-    /// Answer yes to every question.
+    /// Answer yes to every question (e.g. start an engine on a GPU someone else is using).
     #[arg(short = 'y', long = "yes")]
     pub yes: bool,
+
+    /// Only these configured endpoints take part (the others stay idle; `fleet add` brings them in).
+    #[arg(long, value_delimiter = ',', value_name = "NAME,...")]
+    pub endpoints: Vec<String>,
+
+    /// Show what each endpoint would run (engines, tunnels, commands) and exit.
+    #[arg(long)]
+    pub dry_run: bool,
 
     #[command(flatten)]
     pub output: OutputArgs,
@@ -133,6 +154,14 @@ pub struct ResumeArgs {
     /// Use this config instead of the stored one (its dataset and task must match the run's).
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
+
+    /// Only these configured endpoints take part.
+    #[arg(long, value_delimiter = ',', value_name = "NAME,...")]
+    pub endpoints: Vec<String>,
+
+    /// Answer yes to every question.
+    #[arg(short = 'y', long = "yes")]
+    pub yes: bool,
 
     #[command(flatten)]
     pub output: OutputArgs,
@@ -169,6 +198,30 @@ pub struct ExportArgs {
     /// Write here (atomically) instead of to standard output.
     #[arg(short, long, value_name = "FILE")]
     pub output: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct FleetArgs {
+    #[command(subcommand)]
+    pub action: FleetAction,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum FleetAction {
+    /// Bring a configured endpoint into the run.
+    Add(FleetTarget),
+    /// Take an endpoint out of the run.
+    Remove(FleetTarget),
+}
+
+#[derive(Debug, Args)]
+pub struct FleetTarget {
+    pub run_id: String,
+    /// The endpoint's name in the run's config.
+    pub endpoint: String,
+
+    #[command(flatten)]
+    pub store: StoreArgs,
 }
 
 #[derive(Debug, Args)]

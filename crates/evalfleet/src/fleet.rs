@@ -1,67 +1,198 @@
-//! Bringing up a run's endpoints: `mock` endpoints are started inside this
-//! process on a free port; `external` ones are used where they are.
+//! The binary's part of the fleet: the in-process mock server, the
+//! supervisor program, the GPU check before engines start, and `--dry-run`.
 
+use std::future::Future;
+use std::io::{IsTerminal, Write};
+use std::path::Path;
+use std::pin::Pin;
 use std::sync::Arc;
 
-use anyhow::Context;
-use evalfleet_core::client::ChatClient;
-use evalfleet_core::config::{Config, EndpointConfig, EndpointKind};
-use evalfleet_core::fleet::Endpoint;
+use evalfleet_core::config::{Config, EndpointKind, MockSettings};
+use evalfleet_core::fleet::engine::{Launcher, RemoteCommands, shell_join};
+use evalfleet_core::fleet::gpu::{self, GpuReport};
+use evalfleet_core::fleet::runtime::{FleetOptions, GpuPolicy, MockGuard, MockStarter};
 use evalfleet_mock::MockServer;
 
-/// The endpoints of a session, and the mock servers it runs.
-pub struct Fleet {
-    pub endpoints: Vec<Arc<Endpoint>>,
-    mocks: Vec<MockServer>,
+use crate::UsageError;
+
+/// Starts `kind: mock` endpoints inside this process.
+pub struct InProcessMocks;
+
+impl MockStarter for InProcessMocks {
+    fn start(
+        &self,
+        settings: MockSettings,
+    ) -> Pin<Box<dyn Future<Output = std::io::Result<(String, MockGuard)>> + Send>> {
+        Box::pin(async move {
+            let server = MockServer::start_local(settings).await?;
+            let url = server.base_url();
+            Ok((url, Box::new(server) as MockGuard))
+        })
+    }
 }
 
-/// Where an endpoint is reached, starting its mock when it is one.
-pub async fn base_url(
-    endpoint: &EndpointConfig,
-    mocks: &mut Vec<MockServer>,
-) -> anyhow::Result<String> {
-    Ok(match &endpoint.kind {
-        EndpointKind::Mock(settings) => {
-            let server = MockServer::start_local((**settings).clone())
-                .await
-                .with_context(|| {
-                    format!("cannot start the mock for endpoint '{}'", endpoint.name)
-                })?;
-            let url = server.base_url();
-            mocks.push(server);
-            url
+/// The endpoints that take part: `--endpoints`, checked against the config.
+pub fn active(config: &Config, names: &[String]) -> Result<Option<Vec<String>>, UsageError> {
+    if names.is_empty() {
+        return Ok(None);
+    }
+    let known: Vec<&str> = config.endpoints.iter().map(|e| e.name.as_str()).collect();
+    for name in names {
+        if !known.contains(&name.as_str()) {
+            return Err(UsageError(format!(
+                "--endpoints: no endpoint '{name}' in the config (it has: {})",
+                known.join(", ")
+            )));
         }
-        EndpointKind::External { base_url } => base_url.clone(),
+    }
+    Ok(Some(names.to_vec()))
+}
+
+pub fn options(
+    config: &Config,
+    store: &Path,
+    run_id: &str,
+    active: Option<Vec<String>>,
+    gpu_policy: GpuPolicy,
+) -> anyhow::Result<FleetOptions> {
+    let log_dir = store
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+        .join(run_id);
+    Ok(FleetOptions {
+        launcher: Launcher {
+            program: std::env::current_exe()?,
+            log_dir,
+        },
+        mocks: Arc::new(InProcessMocks),
+        active,
+        gpu_policy,
+        no_endpoint_timeout: config.timeouts.no_endpoint,
     })
 }
 
-impl Fleet {
-    pub async fn start(config: &Config) -> anyhow::Result<Self> {
-        let mut mocks = Vec::new();
-        let mut endpoints = Vec::with_capacity(config.endpoints.len());
-        for endpoint in &config.endpoints {
-            let url = base_url(endpoint, &mut mocks).await?;
-            let client = ChatClient::new(endpoint, &url, &config.task.params, config.task.stream)
-                .map_err(|err| anyhow::anyhow!("endpoint '{}': {err}", endpoint.name))?;
-            endpoints.push(Arc::new(Endpoint::new(
-                endpoint,
-                client,
-                config.timeouts.attempt,
-            )));
+/// Before engines start: GPUs that someone else is using are refused, or
+/// asked about on a terminal, unless `-y`.
+pub async fn check_gpus(
+    config: &Config,
+    active: Option<&[String]>,
+    yes: bool,
+) -> anyhow::Result<GpuPolicy> {
+    let wanted: Vec<(&str, &str, u64)> = config
+        .endpoints
+        .iter()
+        .filter(|e| active.is_none_or(|names| names.contains(&e.name)))
+        .filter_map(|e| match &e.kind {
+            EndpointKind::Local(engine) => engine
+                .gpu
+                .as_deref()
+                .map(|gpu| (e.name.as_str(), gpu, engine.gpu_memory_threshold_mb)),
+            _ => None,
+        })
+        .collect();
+    if wanted.is_empty() {
+        return Ok(GpuPolicy::Refuse);
+    }
+    let report = gpu::report().await;
+    if let GpuReport::Unavailable(why) = &report {
+        tracing::warn!("Cannot check the GPUs before starting engines: {why}.");
+        return Ok(GpuPolicy::Refuse);
+    }
+    let mut busy = Vec::new();
+    for (name, devices, threshold) in wanted {
+        for why in gpu::busy(&report, devices, threshold) {
+            busy.push(format!("{name}: {why}"));
         }
-        Ok(Self { endpoints, mocks })
     }
-
-    /// The endpoints' concurrency limits, in order.
-    pub fn limits(&self) -> Vec<usize> {
-        self.endpoints.iter().map(|e| e.limit.current()).collect()
+    if busy.is_empty() || yes {
+        return Ok(if yes {
+            GpuPolicy::Allow
+        } else {
+            GpuPolicy::Refuse
+        });
     }
+    let list = busy.join("\n  ");
+    if std::io::stdin().is_terminal() && std::io::stderr().is_terminal() {
+        eprint!(
+            "Someone else is using a GPU an engine would start on:\n  {list}\nStart anyway? [y/N] "
+        );
+        std::io::stderr().flush()?;
+        let mut answer = String::new();
+        std::io::stdin().read_line(&mut answer)?;
+        if matches!(answer.trim(), "y" | "Y" | "yes") {
+            return Ok(GpuPolicy::Allow);
+        }
+    }
+    Err(UsageError(format!(
+        "refusing to start engines on GPUs someone else is using:\n  {list}\n(-y starts them anyway)"
+    ))
+    .into())
+}
 
-    /// Stops the mocks this process started.
-    pub async fn stop(self) {
-        for mock in self.mocks {
-            if let Err(err) = mock.shutdown().await {
-                tracing::warn!("A mock endpoint did not stop cleanly: {err}.");
+/// `--dry-run`: what each endpoint would run, without running anything.
+pub fn dry_run(config: &Config) {
+    for endpoint in &config.endpoints {
+        println!("endpoint {} ({}):", endpoint.name, endpoint.kind.name());
+        match &endpoint.kind {
+            EndpointKind::Mock(_) => println!("  a mock endpoint inside the run"),
+            EndpointKind::External {
+                base_url,
+                start_cmd,
+                stop_cmd,
+            } => {
+                println!("  base_url: {base_url}");
+                if let Some(command) = start_cmd {
+                    println!("  at start: sh -c {}", shell_join(&[command]));
+                }
+                if let Some(command) = stop_cmd {
+                    println!("  at end:   sh -c {}", shell_join(&[command]));
+                }
+            }
+            EndpointKind::Local(engine) => {
+                let port = engine
+                    .port
+                    .map_or_else(|| "PORT".to_owned(), |p| p.to_string());
+                println!("  start:    {}", engine.render(&endpoint.model, &port));
+                if engine.port.is_none() {
+                    println!("  port:     PORT is a free port, chosen at start");
+                }
+                if let Some(gpu) = &engine.gpu {
+                    println!("  env:      CUDA_VISIBLE_DEVICES={gpu}");
+                }
+                for (key, _) in &engine.env {
+                    println!("  env:      {key}=***");
+                }
+                println!(
+                    "  ready:    GET http://127.0.0.1:PORT{}",
+                    engine.health_path()
+                );
+                println!(
+                    "  stop:     SIGTERM to its process group, SIGKILL after {}",
+                    humantime::format_duration(engine.stop_grace)
+                );
+            }
+            EndpointKind::Remote(remote) => {
+                let remote_port = remote.engine.port.unwrap_or(8000);
+                let local_port = remote
+                    .local_port
+                    .map_or_else(|| "PORT".to_owned(), |p| p.to_string());
+                let commands =
+                    RemoteCommands::new(remote, &endpoint.model, remote_port, &local_port);
+                let mask = |argv: &[String]| {
+                    let mut line = shell_join(argv);
+                    for (_, value) in &remote.engine.env {
+                        line = line.replace(value.expose(), "***");
+                    }
+                    line
+                };
+                println!("  start:    {}", mask(&commands.start));
+                println!("  tunnel:   {}", mask(&commands.tunnel));
+                println!(
+                    "  ready:    GET http://127.0.0.1:{local_port}{}",
+                    remote.engine.health_path()
+                );
+                println!("  stop:     {}", mask(&commands.stop));
             }
         }
     }

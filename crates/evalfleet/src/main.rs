@@ -82,6 +82,8 @@ fn main() -> ExitCode {
             Command::Export(args) => commands::inspect::export(args),
             Command::Check(args) => commands::check::check(args).await,
             Command::Mock(args) => commands::mock::mock(args).await,
+            Command::Fleet(args) => commands::inspect::fleet(args),
+            Command::Supervise(args) => commands::supervise::supervise(args).await,
         }
     });
     // Calls abandoned at shutdown must not hold the process open.

@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use evalfleet_core::fleet::{Endpoint, Phase};
 use evalfleet_core::pipeline::Progress;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tokio_util::sync::CancellationToken;
@@ -114,18 +115,27 @@ struct Snapshot {
     in_flight: String,
 }
 
-fn snapshot(progress: &Progress, limits: &[usize]) -> Snapshot {
+fn snapshot(progress: &Progress, endpoints: &[Arc<Endpoint>]) -> Snapshot {
     let done = progress.done.load(Ordering::Relaxed);
     let failed = progress.failed.load(Ordering::Relaxed);
-    let in_flight = progress
-        .endpoints
+    let in_flight = endpoints
         .iter()
-        .zip(limits)
-        .map(|((name, counters), limit)| {
-            format!(
-                "{name} {}/{limit}",
-                counters.in_flight.load(Ordering::Relaxed)
-            )
+        .filter(|e| e.phase() != Phase::Idle)
+        .map(|e| {
+            let mut text = format!(
+                "{} {}/{}",
+                e.name,
+                e.counters.in_flight.load(Ordering::Relaxed),
+                e.limit.current()
+            );
+            if !e.accepting() {
+                let state = match e.phase() {
+                    Phase::Ready => e.breaker_state().as_str(),
+                    other => other.as_str(),
+                };
+                text.push_str(&format!(" ({state})"));
+            }
+            text
         })
         .collect::<Vec<_>>()
         .join(", ");
@@ -138,13 +148,13 @@ fn snapshot(progress: &Progress, limits: &[usize]) -> Snapshot {
 }
 
 impl Display {
-    /// Starts showing `progress`; `limits` are the endpoints' concurrency.
-    pub fn start(progress: Arc<Progress>, limits: Vec<usize>, mode: Mode) -> Self {
+    /// Starts showing `progress` and the endpoints' limits as they move.
+    pub fn start(progress: Arc<Progress>, endpoints: Vec<Arc<Endpoint>>, mode: Mode) -> Self {
         let stop = CancellationToken::new();
         let task = match mode {
             Mode::Quiet => None,
-            Mode::Bar => Some(tokio::spawn(bar(progress, limits, stop.clone()))),
-            Mode::Lines => Some(tokio::spawn(lines(progress, limits, stop.clone()))),
+            Mode::Bar => Some(tokio::spawn(bar(progress, endpoints, stop.clone()))),
+            Mode::Lines => Some(tokio::spawn(lines(progress, endpoints, stop.clone()))),
         };
         Self { stop, task }
     }
@@ -158,7 +168,7 @@ impl Display {
     }
 }
 
-async fn bar(progress: Arc<Progress>, limits: Vec<usize>, stop: CancellationToken) {
+async fn bar(progress: Arc<Progress>, endpoints: Vec<Arc<Endpoint>>, stop: CancellationToken) {
     let start = progress.done_before + progress.failed_before;
     let bar =
         ProgressBar::with_draw_target(Some(progress.total), ProgressDrawTarget::stderr_with_hz(10))
@@ -175,7 +185,7 @@ async fn bar(progress: Arc<Progress>, limits: Vec<usize>, stop: CancellationToke
             _ = tick.tick() => false,
             () = stop.cancelled() => true,
         };
-        let s = snapshot(&progress, &limits);
+        let s = snapshot(&progress, &endpoints);
         bar.set_position(s.ended);
         bar.set_message(format!(
             "| failed {} | retries {} | in flight {}",
@@ -189,7 +199,7 @@ async fn bar(progress: Arc<Progress>, limits: Vec<usize>, stop: CancellationToke
     *BAR.lock().unwrap_or_else(PoisonError::into_inner) = None;
 }
 
-async fn lines(progress: Arc<Progress>, limits: Vec<usize>, stop: CancellationToken) {
+async fn lines(progress: Arc<Progress>, endpoints: Vec<Arc<Endpoint>>, stop: CancellationToken) {
     let started = Instant::now();
     let first = progress.done_before + progress.failed_before;
     let mut tick = tokio::time::interval(Duration::from_secs(5));
@@ -199,7 +209,7 @@ async fn lines(progress: Arc<Progress>, limits: Vec<usize>, stop: CancellationTo
             _ = tick.tick() => false,
             () = stop.cancelled() => true,
         };
-        let s = snapshot(&progress, &limits);
+        let s = snapshot(&progress, &endpoints);
         let rate = (s.ended - first) as f64 / started.elapsed().as_secs_f64().max(1e-9);
         let left = progress.total.saturating_sub(s.ended);
         let eta = if rate > 0.0 {

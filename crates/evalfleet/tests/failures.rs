@@ -4,7 +4,7 @@
 use evalfleet_core::store::Store;
 use evalfleet_mock::MockSettings;
 
-use crate::util::{Env, by_id, config, external, mock, ms};
+use crate::util::{Env, NO_HEALTH, by_id, config, external, external_with, mock, ms};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transient_errors_are_retried_until_every_item_is_done() {
@@ -37,10 +37,12 @@ async fn transient_errors_are_retried_until_every_item_is_done() {
         ..MockSettings::default()
     })
     .await;
-    let endpoints = external("bursts", &bursts, 4)
-        + &external("quota", &quota, 4)
-        + &external("hangs", &hangs, 4)
-        + &external("cut", &cut, 4);
+    // Health is out of the way: each call's failure must be on record with
+    // its class, which moving calls off an unhealthy endpoint would blur.
+    let endpoints = external_with("bursts", &bursts, 4, NO_HEALTH)
+        + &external_with("quota", &quota, 4, NO_HEALTH)
+        + &external_with("hangs", &hangs, 4, NO_HEALTH)
+        + &external_with("cut", &cut, 4, NO_HEALTH);
     let extra = "retry: { max_attempts: 20, backoff_base: 10ms, backoff_max: 100ms }\n\
                  timeouts: { attempt: 300ms }";
     let text = config(&dataset, &endpoints, extra)
@@ -101,7 +103,11 @@ async fn an_item_fails_with_its_reason_once_its_attempts_run_out() {
     let extra = "retry: { max_attempts: 3, backoff_base: 5ms, backoff_max: 20ms }";
     env.write(
         "run.yaml",
-        &config(&dataset, &external("broken", &broken, 4), extra),
+        &config(
+            &dataset,
+            &external_with("broken", &broken, 4, NO_HEALTH),
+            extra,
+        ),
     );
     let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
     assert_eq!(
@@ -166,7 +172,11 @@ async fn the_item_deadline_bounds_retries() {
                  timeouts: { attempt: 100ms, item: 450ms }";
     env.write(
         "run.yaml",
-        &config(&dataset, &external("hanging", &hanging, 4), extra),
+        &config(
+            &dataset,
+            &external_with("hanging", &hanging, 4, NO_HEALTH),
+            extra,
+        ),
     );
     let started = std::time::Instant::now();
     let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;

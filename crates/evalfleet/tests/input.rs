@@ -3,7 +3,7 @@
 
 use evalfleet_mock::MockSettings;
 
-use crate::util::{Env, by_id, config, external, mock};
+use crate::util::{Env, NO_HEALTH, by_id, config, external, external_with, mock};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_malformed_config_reports_every_problem_with_its_line_and_writes_nothing() {
@@ -262,7 +262,7 @@ async fn retry_failed_answers_failed_items_again() {
         "run.yaml",
         &config(
             &dataset,
-            &external("only", &flaky, 2),
+            &external_with("only", &flaky, 2, NO_HEALTH),
             "retry: { max_attempts: 1 }",
         ),
     );

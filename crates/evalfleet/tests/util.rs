@@ -145,11 +145,25 @@ pub fn config(dataset: &Path, endpoints: &str, extra: &str) -> String {
 
 /// An `external` endpoint entry pointing at `mock`.
 pub fn external(name: &str, mock: &MockServer, concurrency: u32) -> String {
+    external_with(name, mock, concurrency, "")
+}
+
+/// The same, with more keys (`extra` is `key: value, ...`).
+pub fn external_with(name: &str, mock: &MockServer, concurrency: u32, extra: &str) -> String {
+    let extra = if extra.is_empty() {
+        String::new()
+    } else {
+        format!(", {extra}")
+    };
     format!(
-        "  - {{ name: {name}, kind: external, base_url: \"{}\", model: m, concurrency: {concurrency} }}\n",
+        "  - {{ name: {name}, kind: external, base_url: \"{}\", model: m, concurrency: {concurrency}{extra} }}\n",
         mock.base_url()
     )
 }
+
+/// Health settings that never mark an endpoint unhealthy, for tests about
+/// something else.
+pub const NO_HEALTH: &str = "health: { max_failures: 1000000 }";
 
 pub async fn mock(settings: MockSettings) -> MockServer {
     MockServer::start_local(settings)

@@ -5,6 +5,7 @@
 //! The doc comments on the validated types are the user documentation of the
 //! config file.
 
+mod endpoint;
 mod env;
 pub mod path;
 mod raw;
@@ -17,9 +18,10 @@ use std::time::Duration;
 
 use serde_json::{Map, Value};
 
+pub use endpoint::{EndpointConfig, EndpointKind, Engine, HealthSettings, Preset, Remote};
 pub use env::Vars;
 pub use evalfleet_mock::MockSettings;
-pub use yaml::{Document, YamlError};
+pub use yaml::{Document, YamlError, parse as parse_yaml};
 
 /// The replacement for a secret written literally in a config, wherever the
 /// config is stored or shown.
@@ -110,45 +112,6 @@ pub struct Sample {
     pub seed: u64,
 }
 
-/// `endpoints[]`: one OpenAI-compatible server.
-#[derive(Debug, Clone)]
-pub struct EndpointConfig {
-    /// A unique name (letters, digits, `-`, `_`, `.`).
-    pub name: String,
-    /// The model name sent in each request.
-    pub model: String,
-    pub kind: EndpointKind,
-    /// Calls in flight at once. Default 16.
-    pub concurrency: u32,
-    /// Per-attempt timeout for this endpoint; default `timeouts.attempt`.
-    pub timeout: Option<Duration>,
-    /// `Authorization: Bearer` key. A secret: never stored or shown.
-    pub api_key: Option<Secret>,
-    /// Extra HTTP headers sent as they are; values are treated as secrets.
-    pub headers: Vec<(String, Secret)>,
-    /// Extra body fields merged over `task.params` and passed through untouched
-    /// (e.g. vLLM's `top_k`, `chat_template_kwargs`).
-    pub params: Map<String, Value>,
-}
-
-/// `kind:` and what it needs.
-#[derive(Debug, Clone, PartialEq)]
-pub enum EndpointKind {
-    /// The built-in mock, started inside the run; behaviour under `mock:`.
-    Mock(Box<MockSettings>),
-    /// A server someone else runs, at `base_url` (e.g. `http://host:8000/v1`).
-    External { base_url: String },
-}
-
-impl EndpointKind {
-    pub fn name(&self) -> &'static str {
-        match self {
-            Self::Mock(_) => "mock",
-            Self::External { .. } => "external",
-        }
-    }
-}
-
 /// `task:` how an item becomes a request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TaskConfig {
@@ -190,6 +153,10 @@ pub struct Timeouts {
     /// An item from its first attempt to its result, retries included; when
     /// passed, the item fails. Default `1h`.
     pub item: Duration,
+    /// How long the run waits with no endpoint able to take items (all
+    /// unhealthy, or none taking part) before it stops, interrupted and
+    /// resumable. Default `10m`.
+    pub no_endpoint: Duration,
 }
 
 /// `writer:` how results are committed.

@@ -2,8 +2,6 @@
 //! of a file and the validator can report every problem at once. Unknown keys
 //! are collected (not silently ignored) while deserialising.
 
-use std::collections::BTreeMap;
-
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
@@ -43,20 +41,6 @@ pub struct RawSample {
 }
 
 #[derive(Debug, Default, Deserialize)]
-pub struct RawEndpoint {
-    pub name: Option<String>,
-    pub kind: Option<String>,
-    pub model: Option<String>,
-    pub base_url: Option<String>,
-    pub api_key: Option<String>,
-    pub concurrency: Option<Value>,
-    pub timeout: Option<String>,
-    pub headers: Option<BTreeMap<String, String>>,
-    pub params: Option<Map<String, Value>>,
-    pub mock: Option<Value>,
-}
-
-#[derive(Debug, Default, Deserialize)]
 pub struct RawTask {
     pub messages: Option<Vec<RawMessage>>,
     pub params: Option<Map<String, Value>>,
@@ -80,6 +64,7 @@ pub struct RawRetry {
 pub struct RawTimeouts {
     pub attempt: Option<String>,
     pub item: Option<String>,
+    pub no_endpoint: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

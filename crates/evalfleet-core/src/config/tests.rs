@@ -1,6 +1,8 @@
 use std::io::Write;
+use std::time::Duration;
 
 use super::*;
+use crate::fleet::{AimdSettings, LimitMode};
 
 fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     let path = dir.join(name);
@@ -46,8 +48,13 @@ fn a_good_config_validates_with_defaults() {
     assert_eq!(config.dataset.format, DatasetFormat::Jsonl);
     assert!(config.dataset.path.is_absolute());
     assert_eq!(config.endpoints[0].model, "mock");
-    assert_eq!(config.endpoints[0].concurrency, 4);
-    assert_eq!(config.endpoints[1].concurrency, 16);
+    assert_eq!(config.endpoints[0].concurrency, LimitMode::Fixed(4));
+    assert_eq!(
+        config.endpoints[1].concurrency,
+        LimitMode::Adaptive(AimdSettings::default()),
+        "adaptive is the default"
+    );
+    assert_eq!(config.endpoints[1].health, HealthSettings::default());
     assert_eq!(
         config.endpoints[1].api_key.as_ref().unwrap().expose(),
         "sk-from-dotenv"
@@ -188,4 +195,125 @@ fn overrides_pick_a_sample_and_are_kept_in_the_snapshot() {
         Some(Sample { n: 10, seed: 7 })
     );
     assert_eq!(loaded.snapshot["dataset"]["sample"]["n"], 10);
+}
+
+const ENGINES: &str = r#"
+name: fleet
+dataset:
+  path: items.jsonl
+endpoints:
+  - name: gpu0
+    kind: local
+    preset: vllm
+    model: Qwen/Qwen3-4B
+    args: "--max-model-len 8192"
+    gpu: 0
+    env: { HF_TOKEN: literal-hf-token }
+    concurrency: { min: 2, max: 128, initial: 16 }
+    health: { interval: 2s, max_failures: 2 }
+  - name: box2
+    kind: remote
+    host: me@box2
+    command: "python3 -m mymodel --port {port}"
+    model: m
+    port: 9000
+  - name: hosted
+    kind: external
+    base_url: https://api.example.invalid/v1
+    model: m
+    rpm: 600
+    tpm: 100000
+    concurrency: 32
+task:
+  messages:
+    - { role: user, content: "{{ question }}" }
+"#;
+
+#[test]
+fn engines_presets_limits_and_health_validate() {
+    let dir = dir_with_dataset();
+    let file = write(dir.path(), "run.yaml", ENGINES);
+    let loaded = load_file(&file, Overrides::default()).unwrap();
+    let [gpu0, box2, hosted] = &loaded.config.endpoints[..] else {
+        panic!("three endpoints")
+    };
+    let EndpointKind::Local(engine) = &gpu0.kind else {
+        panic!("local")
+    };
+    assert_eq!(engine.preset, Some(Preset::Vllm));
+    assert_eq!(
+        engine.render(&gpu0.model, 8001),
+        "vllm serve Qwen/Qwen3-4B --host 127.0.0.1 --port 8001 --max-model-len 8192"
+    );
+    assert_eq!(engine.gpu.as_deref(), Some("0"));
+    assert_eq!(engine.restarts, 3);
+    assert_eq!(gpu0.health.interval, Duration::from_secs(2));
+    assert_eq!(gpu0.health.max_failures, 2);
+    assert_eq!(
+        gpu0.concurrency,
+        LimitMode::Adaptive(AimdSettings {
+            initial: 16,
+            min: 2,
+            max: 128,
+            ..AimdSettings::default()
+        })
+    );
+    let EndpointKind::Remote(remote) = &box2.kind else {
+        panic!("remote")
+    };
+    assert_eq!(remote.session, "evalfleet-box2");
+    assert_eq!(
+        remote.engine.render(&box2.model, 9000),
+        "python3 -m mymodel --port 9000"
+    );
+    assert_eq!((hosted.rpm, hosted.tpm), (Some(600), Some(100_000)));
+    assert!(
+        !loaded.snapshot.to_string().contains("literal-hf-token"),
+        "env values are secrets"
+    );
+}
+
+#[test]
+fn keys_of_another_kind_and_missing_engine_parts_are_reported() {
+    let dir = dir_with_dataset();
+    let file = write(
+        dir.path(),
+        "bad.yaml",
+        r#"name: fleet
+dataset:
+  path: items.jsonl
+endpoints:
+  - name: a
+    kind: external
+    base_url: http://127.0.0.1:9/v1
+    model: m
+    preset: vllm
+  - name: b
+    kind: local
+    model: m
+  - name: c
+    kind: remote
+    model: m
+    command: "serve {modle}"
+  - name: d
+    kind: mock
+    concurrency: { min: 4, max: 2 }
+    health: { path: models }
+task:
+  messages:
+    - { role: user, content: "{{ question }}" }
+"#,
+    );
+    let err = load_file(&file, Overrides::default()).unwrap_err();
+    let text = err.to_string();
+    for expected in [
+        "bad.yaml:9: endpoints[0].preset: is only for endpoints of kind local or remote",
+        "bad.yaml:10: endpoints[1].preset: is required without a command",
+        "bad.yaml:13: endpoints[2].host: is required for a remote endpoint",
+        "endpoints[2].command: has unknown placeholder {modle}",
+        "endpoints[3].concurrency.max: must be between min (4)",
+        "endpoints[3].health.path: must start with '/'",
+    ] {
+        assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
+    }
 }

@@ -8,18 +8,17 @@ use serde_json::{Map, Value, json};
 
 use super::env::{self, Vars};
 use super::raw::{
-    self, RawConfig, RawDataset, RawEndpoint, RawProblem, RawRetry, RawTask, RawTimeouts, RawWriter,
+    self, RawConfig, RawDataset, RawProblem, RawRetry, RawTask, RawTimeouts, RawWriter,
 };
 use super::{
-    Config, ConfigError, DatasetConfig, DatasetFormat, Document, EndpointConfig, EndpointKind,
-    LoadedConfig, MASK, MessageTemplate, MockSettings, Overrides, Problem, RetryPolicy, Sample,
-    Secret, TaskConfig, Timeouts, WriterSettings, path,
+    Config, ConfigError, DatasetConfig, DatasetFormat, Document, LoadedConfig, MASK,
+    MessageTemplate, Overrides, Problem, RetryPolicy, Sample, TaskConfig, Timeouts, WriterSettings,
+    endpoint, path,
 };
 
 /// Body fields evalfleet sets itself; `params` may not override them.
 const RESERVED_PARAMS: [&str; 4] = ["model", "messages", "stream", "stream_options"];
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
-const MAX_CONCURRENCY: u64 = 100_000;
 
 pub(super) fn load(
     mut document: Document,
@@ -131,8 +130,10 @@ fn masked(value: &Value) -> Value {
             if let Some(key) = endpoint.get_mut("api_key") {
                 mask(key);
             }
-            if let Some(headers) = endpoint.get_mut("headers").and_then(Value::as_object_mut) {
-                headers.values_mut().for_each(mask);
+            for secrets in ["headers", "env"] {
+                if let Some(values) = endpoint.get_mut(secrets).and_then(Value::as_object_mut) {
+                    values.values_mut().for_each(mask);
+                }
             }
         }
     }
@@ -156,7 +157,7 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
         ),
     };
     let endpoints = match &raw.endpoints {
-        Some(Value::Array(items)) if !items.is_empty() => endpoints(items, &mut p),
+        Some(Value::Array(items)) if !items.is_empty() => endpoint::endpoints(items, &mut p),
         Some(Value::Array(_)) => p.push("endpoints", "must list at least one endpoint"),
         Some(_) => p.push("endpoints", "must be a list of endpoints"),
         None => p.push("endpoints", "is required (at least one endpoint)"),
@@ -201,15 +202,20 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
 
 /// Collects problems; `push` returns `None` so that a field can be
 /// `Some(value)` or a recorded problem in one expression.
-struct Problems<'a>(&'a mut Vec<RawProblem>);
+pub(super) struct Problems<'a>(pub(super) &'a mut Vec<RawProblem>);
 
 impl Problems<'_> {
-    fn push<T>(&mut self, at: &str, message: impl std::fmt::Display) -> Option<T> {
+    pub(super) fn push<T>(&mut self, at: &str, message: impl std::fmt::Display) -> Option<T> {
         self.0.push((at.to_owned(), format!("{at}: {message}")));
         None
     }
 
-    fn duration(&mut self, at: &str, text: Option<&str>, default: &str) -> Option<Duration> {
+    pub(super) fn duration(
+        &mut self,
+        at: &str,
+        text: Option<&str>,
+        default: &str,
+    ) -> Option<Duration> {
         let text = text.unwrap_or(default);
         match humantime::parse_duration(text) {
             Ok(d) if d.is_zero() => self.push(at, "must be longer than zero"),
@@ -286,174 +292,7 @@ fn dataset(raw: RawDataset, dir: &Path, p: &mut Problems<'_>) -> Option<DatasetC
     })
 }
 
-fn endpoints(items: &[Value], p: &mut Problems<'_>) -> Option<Vec<EndpointConfig>> {
-    let mut out = Vec::with_capacity(items.len());
-    let mut names: Vec<(String, usize)> = Vec::new();
-    let mut complete = true;
-    for (i, value) in items.iter().enumerate() {
-        let at = path::index("endpoints", i);
-        let parsed =
-            raw::section::<RawEndpoint>(value, &at, p.0).and_then(|raw| endpoint(raw, &at, p));
-        match parsed {
-            Some(endpoint) => {
-                if let Some((_, first)) = names.iter().find(|(n, _)| *n == endpoint.name) {
-                    p.push::<()>(
-                        &path::key(&at, "name"),
-                        format!(
-                            "'{}' is already the name of endpoints[{first}]",
-                            endpoint.name
-                        ),
-                    );
-                    complete = false;
-                }
-                names.push((endpoint.name.clone(), i));
-                out.push(endpoint);
-            }
-            None => complete = false,
-        }
-    }
-    complete.then_some(out)
-}
-
-fn endpoint(raw: RawEndpoint, at: &str, p: &mut Problems<'_>) -> Option<EndpointConfig> {
-    let field = |name: &str| path::key(at, name);
-    let name = match raw.name {
-        None => p.push(&field("name"), "is required"),
-        Some(n) if n.is_empty() => p.push(&field("name"), "must not be empty"),
-        Some(n)
-            if !n
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) =>
-        {
-            p.push(
-                &field("name"),
-                format!("'{n}' may hold only letters, digits, '-', '_' and '.'"),
-            )
-        }
-        Some(n) => Some(n),
-    };
-    let model = match raw.model {
-        None if raw.kind.as_deref() == Some("mock") => Some("mock".to_owned()),
-        None => p.push(
-            &field("model"),
-            "is required (the model name sent in requests)",
-        ),
-        Some(m) if m.is_empty() => p.push(&field("model"), "must not be empty"),
-        Some(m) => Some(m),
-    };
-    let kind = match raw.kind.as_deref() {
-        None => p.push(&field("kind"), "is required: mock or external"),
-        Some("mock") => {
-            if raw.base_url.is_some() {
-                p.push::<()>(
-                    &field("base_url"),
-                    "is not used by a mock endpoint (it is started inside the run)",
-                );
-            }
-            let settings = match &raw.mock {
-                Some(value) => raw::section::<MockSettings>(value, &field("mock"), p.0),
-                None => Some(MockSettings::default()),
-            };
-            settings.and_then(|settings| {
-                let before = p.0.len();
-                for (name, message) in settings.problems() {
-                    p.push::<()>(&path::key(&field("mock"), name), message);
-                }
-                (p.0.len() == before).then(|| EndpointKind::Mock(Box::new(settings)))
-            })
-        }
-        Some("external") => {
-            if raw.mock.is_some() {
-                p.push::<()>(&field("mock"), "is only for endpoints of kind 'mock'");
-            }
-            match raw.base_url {
-                None => p.push(&field("base_url"), "is required for an external endpoint (e.g. http://host:8000/v1)"),
-                Some(url) => match reqwest::Url::parse(&url) {
-                    Ok(parsed) if matches!(parsed.scheme(), "http" | "https") && parsed.has_host() => {
-                        Some(EndpointKind::External {
-                            base_url: url.trim_end_matches('/').to_owned(),
-                        })
-                    }
-                    Ok(_) => p.push(&field("base_url"), format!("must be an http(s) URL, got '{url}'")),
-                    Err(err) => p.push(&field("base_url"), format!("is not a URL ({err}): '{url}'")),
-                },
-            }
-        }
-        Some(kind @ ("local" | "remote")) => p.push(
-            &field("kind"),
-            format!("'{kind}' endpoints (engines evalfleet starts) are not available yet; use 'external' or 'mock'"),
-        ),
-        Some(other) => p.push(&field("kind"), format!("must be 'mock' or 'external', got '{other}'")),
-    };
-    let concurrency = match raw.concurrency {
-        None => Some(16),
-        Some(Value::Number(n)) => match n.as_u64() {
-            Some(0) => p.push(&field("concurrency"), "must be at least 1, got 0"),
-            Some(c) if c > MAX_CONCURRENCY => p.push(
-                &field("concurrency"),
-                format!("must be at most {MAX_CONCURRENCY}, got {c}"),
-            ),
-            Some(c) => u32::try_from(c).ok(),
-            None => p.push(
-                &field("concurrency"),
-                format!("must be a whole number of at least 1, got {n}"),
-            ),
-        },
-        Some(Value::String(s)) if s == "adaptive" => p.push(
-            &field("concurrency"),
-            "'adaptive' is not available yet; give a number of calls in flight",
-        ),
-        Some(other) => p.push(
-            &field("concurrency"),
-            format!("must be a whole number, got {other}"),
-        ),
-    };
-    let timeout = match raw.timeout.as_deref() {
-        Some(text) => p.duration(&field("timeout"), Some(text), "").map(Some),
-        None => Some(None),
-    };
-    let api_key = match raw.api_key {
-        Some(key) if key == MASK => p.push(
-            &field("api_key"),
-            "was written literally in the config, so it was not stored; write it as ${VAR}, or resume with --config FILE",
-        ),
-        Some(key) if key.is_empty() => p.push(&field("api_key"), "is empty (is its variable set to nothing?)"),
-        other => Some(other.map(Secret::new)),
-    };
-    let mut headers = Vec::new();
-    let mut headers_ok = true;
-    for (name, value) in raw.headers.unwrap_or_default() {
-        let at = path::key(&field("headers"), &name);
-        if reqwest::header::HeaderName::from_bytes(name.as_bytes()).is_err() {
-            headers_ok = p
-                .push::<()>(&at, "is not a valid HTTP header name")
-                .is_some();
-        } else if value == MASK {
-            headers_ok = p
-                .push::<()>(&at, "was written literally in the config, so it was not stored; write it as ${VAR}, or resume with --config FILE")
-                .is_some();
-        } else if reqwest::header::HeaderValue::from_str(&value).is_err() {
-            headers_ok = p
-                .push::<()>(&at, "is not a valid HTTP header value")
-                .is_some();
-        } else {
-            headers.push((name, Secret::new(value)));
-        }
-    }
-    let params = params(raw.params, &field("params"), p);
-    Some(EndpointConfig {
-        name: name?,
-        model: model?,
-        kind: kind?,
-        concurrency: concurrency?,
-        timeout: timeout?,
-        api_key: api_key?,
-        headers: headers_ok.then_some(headers)?,
-        params: params?,
-    })
-}
-
-fn params(
+pub(super) fn params(
     raw: Option<Map<String, Value>>,
     at: &str,
     p: &mut Problems<'_>,
@@ -546,9 +385,11 @@ fn retry(raw: RawRetry, p: &mut Problems<'_>) -> Option<RetryPolicy> {
 fn timeouts(raw: RawTimeouts, p: &mut Problems<'_>) -> Option<Timeouts> {
     let attempt = p.duration("timeouts.attempt", raw.attempt.as_deref(), "300s");
     let item = p.duration("timeouts.item", raw.item.as_deref(), "1h");
+    let no_endpoint = p.duration("timeouts.no_endpoint", raw.no_endpoint.as_deref(), "10m");
     Some(Timeouts {
         attempt: attempt?,
         item: item?,
+        no_endpoint: no_endpoint?,
     })
 }
 

@@ -23,10 +23,11 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-use crate::client::{CallError, Completion, Timing};
+use crate::client::{CallError, CallOutcome, ChatClient, Completion, ErrorClass, Timing};
 use crate::config::{Config, RetryPolicy};
 use crate::dataset::{DatasetError, RowReader};
-use crate::fleet::{Endpoint, EndpointCounters, Permit};
+use crate::fleet::runtime::FleetHandle;
+use crate::fleet::{Endpoint, EndpointCounters, Permit, Signal};
 use crate::store::{AttemptRecord, ItemStatus, ResultRecord, Store, StoreError};
 use crate::template::Templates;
 use queue::{WorkItem, WorkQueue};
@@ -88,6 +89,8 @@ pub struct Session {
     pub config: Arc<Config>,
     pub templates: Arc<Templates>,
     pub endpoints: Vec<Arc<Endpoint>>,
+    /// The fleet, to report health changes and learn when it is exhausted.
+    pub fleet: FleetHandle,
     /// Pending items when the session began.
     pub pending: u64,
 }
@@ -123,15 +126,19 @@ struct Shared {
     session: u32,
     retry: RetryPolicy,
     item_timeout: Duration,
+    /// Completion tokens a call may use, for estimating its token cost.
+    max_tokens: u64,
     queue: WorkQueue,
     writer: mpsc::Sender<Outcome>,
-    /// Stop taking items: everything is done, or the user asked, or a part failed.
+    /// Stop taking items: everything is done, the user asked, the fleet is
+    /// exhausted, or a part failed.
     halt: CancellationToken,
     /// Abandon calls in flight (the grace period is over, or a part failed).
     abort: CancellationToken,
     tracker: TaskTracker,
     outstanding: AtomicU64,
     progress: Arc<Progress>,
+    fleet: FleetHandle,
 }
 
 impl Shared {
@@ -154,8 +161,24 @@ impl Shared {
     }
 }
 
-/// Runs one session until every pending item has ended or `stop` is
-/// cancelled (and in-flight calls have finished or the grace period is over).
+/// The completion tokens a call may use: `max_tokens` (or
+/// `max_completion_tokens`) from the task, else a guess.
+fn max_tokens(config: &Config) -> u64 {
+    ["max_completion_tokens", "max_tokens"]
+        .iter()
+        .find_map(|key| {
+            config
+                .task
+                .params
+                .get(*key)
+                .and_then(serde_json::Value::as_u64)
+        })
+        .unwrap_or(256)
+}
+
+/// Runs one session until every pending item has ended, `stop` is cancelled
+/// (and in-flight calls have finished or the grace period is over), or the
+/// fleet has no endpoint left.
 pub async fn execute(
     session: Session,
     writer_store: Box<dyn Store>,
@@ -166,7 +189,11 @@ pub async fn execute(
 ) -> Result<SessionEnd, PipelineError> {
     let run_id: Arc<str> = Arc::from(session.run_id.as_str());
     let config = session.config.clone();
-    let total_slots: usize = session.endpoints.iter().map(|e| e.limit.current()).sum();
+    let total_slots: usize = session
+        .endpoints
+        .iter()
+        .map(|e| e.config.max_concurrency())
+        .sum();
     let (fresh_tx, fresh_rx) = mpsc::channel(total_slots.clamp(64, 16_384));
     let (writer_tx, writer_rx) = mpsc::channel(config.writer.batch_size.clamp(1024, 65_536) * 2);
     let halt = stop.child_token();
@@ -195,6 +222,7 @@ pub async fn execute(
         session: session.session,
         retry: config.retry,
         item_timeout: config.timeouts.item,
+        max_tokens: max_tokens(&config),
         queue: WorkQueue::new(fresh_rx),
         writer: writer_tx,
         halt: halt.clone(),
@@ -202,6 +230,7 @@ pub async fn execute(
         tracker: TaskTracker::new(),
         outstanding: AtomicU64::new(session.pending),
         progress: progress.clone(),
+        fleet: session.fleet.clone(),
     });
     if session.pending == 0 {
         halt.cancel();
@@ -236,10 +265,21 @@ pub async fn execute(
             .tracker
             .spawn(dispatch(shared.clone(), endpoint.clone()).instrument(span));
     }
+    {
+        // No endpoint left: stop like a Ctrl-C (calls in flight may finish).
+        let (exhausted, halt) = (session.fleet.exhausted(), halt.clone());
+        shared.tracker.spawn(async move {
+            tokio::select! {
+                () = exhausted.cancelled() => halt.cancel(),
+                () = halt.cancelled() => {}
+            }
+        });
+    }
 
     halt.cancelled().await;
     shared.tracker.close();
-    if stop.is_cancelled() && shared.outstanding.load(Ordering::Acquire) > 0 {
+    let interrupted = stop.is_cancelled() || session.fleet.exhausted().is_cancelled();
+    if interrupted && shared.outstanding.load(Ordering::Acquire) > 0 {
         tokio::select! {
             () = shared.tracker.wait() => {}
             () = tokio::time::sleep(config.shutdown_grace) => {
@@ -264,23 +304,61 @@ pub async fn execute(
     Ok(SessionEnd { store, remaining })
 }
 
-/// One endpoint's dispatcher: each free slot takes the next item.
+/// One endpoint's dispatcher: while the endpoint takes items, each free slot
+/// takes the next item once the endpoint's rate limits allow a call.
 async fn dispatch(shared: Arc<Shared>, endpoint: Arc<Endpoint>) {
     loop {
+        if !endpoint.wait_accepting(&shared.halt).await {
+            return;
+        }
         let permit = tokio::select! {
             biased;
             () = shared.halt.cancelled() => return,
             permit = endpoint.limit.acquire() => permit,
         };
+        if !endpoint.accepting() {
+            continue;
+        }
         let Some(item) = shared.queue.next(&shared.halt).await else {
             return;
         };
+        let cost = item.messages.get().len() as u64 / 4 + shared.max_tokens;
+        tokio::select! {
+            biased;
+            // The item stays pending for a resume.
+            () = shared.halt.cancelled() => return,
+            () = endpoint.rate.acquire(cost) => {}
+        }
+        let client = match endpoint.client() {
+            Some(client) if endpoint.accepting() => client,
+            _ => {
+                // It stopped taking items while this one waited: another
+                // endpoint takes it.
+                shared.queue.retry(item);
+                continue;
+            }
+        };
         // A debug span costs nothing unless debug logging is on.
-        let span = tracing::debug_span!("item", id = %item.item_id, attempt = item.prior_attempts + item.attempts + 1);
+        let span = tracing::debug_span!("item", id = %item.item_id, attempt = item.number());
+        let call = Call {
+            endpoint: endpoint.clone(),
+            client,
+            permit,
+            cost,
+        };
         shared
             .tracker
-            .spawn(attempt(shared.clone(), endpoint.clone(), item, permit).instrument(span));
+            .spawn(attempt(shared.clone(), call, item).instrument(span));
     }
+}
+
+/// What an attempt holds of its endpoint.
+struct Call {
+    endpoint: Arc<Endpoint>,
+    client: Arc<ChatClient>,
+    permit: Permit,
+    /// The token cost taken from the endpoint's rate limits.
+    cost: u64,
 }
 
 /// Milliseconds, to the microsecond.
@@ -293,11 +371,49 @@ fn unix_ms(time: SystemTime) -> i64 {
         .map_or(0, |d| d.as_millis() as i64)
 }
 
+/// What a call's outcome says to the concurrency controller: only round
+/// trips of successful calls, and back pressure (including refused
+/// connections).
+fn signal(result: &Result<Completion, CallError>, timing: &Timing) -> Signal {
+    match result {
+        Ok(_) => Signal::Success(timing.ttft.unwrap_or(timing.latency)),
+        Err(CallError::Connect(_)) => Signal::BackPressure,
+        Err(err) if err.class() == ErrorClass::BackPressure => Signal::BackPressure,
+        Err(_) => Signal::Neutral,
+    }
+}
+
+/// What a call's outcome says about the endpoint's health: `None` when it
+/// says nothing (the endpoint is up but said no: 4xx, 429, 503).
+fn health(result: &Result<Completion, CallError>) -> Option<bool> {
+    match result {
+        Ok(_) => Some(true),
+        Err(
+            CallError::Connect(_)
+            | CallError::Transport(_)
+            | CallError::Timeout(_)
+            | CallError::Truncated
+            | CallError::BadResponse(_),
+        ) => Some(false),
+        Err(CallError::Status { status, .. }) => {
+            (*status >= 500 && *status != 503).then_some(false)
+        }
+    }
+}
+
 /// One call for one item, and what follows from its outcome.
-async fn attempt(shared: Arc<Shared>, endpoint: Arc<Endpoint>, mut item: WorkItem, permit: Permit) {
+async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
+    let Call {
+        endpoint,
+        client,
+        permit,
+        cost,
+    } = call;
     let counters = endpoint.counters.clone();
     counters.in_flight.fetch_add(1, Ordering::Relaxed);
     counters.attempts.fetch_add(1, Ordering::Relaxed);
+    endpoint.started();
+    let number = item.number();
     item.attempts += 1;
     let now = Instant::now();
     let first = *item.first_sent.get_or_insert(now);
@@ -306,17 +422,64 @@ async fn attempt(shared: Arc<Shared>, endpoint: Arc<Endpoint>, mut item: WorkIte
         .min(shared.item_timeout.saturating_sub(now - first))
         .max(Duration::from_millis(1));
     let sent_at = SystemTime::now();
-    let outcome = tokio::select! {
+    let evicted = endpoint.eviction();
+    enum Ended {
+        Abandoned,
+        Evicted,
+        Answered(Box<Result<CallOutcome, tokio::time::error::Elapsed>>),
+    }
+    let ended = tokio::select! {
         biased;
-        () = shared.abort.cancelled() => None,
-        timed = tokio::time::timeout(limit, endpoint.client.complete(&item.messages)) => Some(timed),
+        () = shared.abort.cancelled() => Ended::Abandoned,
+        () = evicted.cancelled() => Ended::Evicted,
+        timed = tokio::time::timeout(limit, client.complete(&item.messages)) => Ended::Answered(Box::new(timed)),
     };
-    drop(permit);
     counters.in_flight.fetch_sub(1, Ordering::Relaxed);
-    // Abandoned at shutdown: nothing is recorded and the item stays pending.
-    let Some(timed) = outcome else { return };
-    let (result, timing) = match timed {
-        Ok(outcome) => (outcome.result, outcome.timing),
+    let timed = match ended {
+        // Abandoned at shutdown: nothing is recorded and the item stays pending.
+        Ended::Abandoned => return,
+        Ended::Evicted => {
+            // Not the item's fault: the attempt is recorded but does not
+            // count against its budget, and another endpoint takes it now.
+            drop(permit);
+            item.attempts -= 1;
+            item.moved += 1;
+            let record = AttemptRecord {
+                seq: item.seq,
+                attempt: number,
+                session: shared.session,
+                endpoint: endpoint.name.clone(),
+                model: endpoint.model.clone(),
+                sent_at_ms: unix_ms(sent_at),
+                latency_ms: ms(sent_at.elapsed().unwrap_or_default()),
+                ttft_ms: None,
+                tpot_ms: None,
+                prompt_tokens: None,
+                completion_tokens: None,
+                finish_reason: None,
+                http_status: None,
+                error_class: None,
+                error: Some(format!(
+                    "moved to another endpoint: {} stopped taking items",
+                    endpoint.name
+                )),
+            };
+            if shared
+                .send(Outcome {
+                    attempt: Some(record),
+                    result: None,
+                })
+                .await
+                && !shared.halt.is_cancelled()
+            {
+                shared.queue.retry(item);
+            }
+            return;
+        }
+        Ended::Answered(timed) => timed,
+    };
+    let (result, timing, quota) = match *timed {
+        Ok(outcome) => (outcome.result, outcome.timing, outcome.quota),
         Err(_) => (
             Err(CallError::Timeout(limit)),
             Timing {
@@ -324,8 +487,52 @@ async fn attempt(shared: Arc<Shared>, endpoint: Arc<Endpoint>, mut item: WorkIte
                 ttft: None,
                 latency: limit,
             },
+            None,
         ),
     };
+
+    // What the outcome teaches the fleet.
+    if let Some(decision) = permit.finish(signal(&result, &timing)) {
+        tracing::debug!(
+            "Concurrency limit {} -> {} ({}).",
+            decision.from,
+            decision.to,
+            decision.reason.as_str()
+        );
+    }
+    let transition = endpoint.on_call(health(&result));
+    if transition.is_some() {
+        let why = result
+            .as_ref()
+            .err()
+            .map_or_else(String::new, ToString::to_string);
+        shared.fleet.call_transition(&endpoint, transition, &why);
+    }
+    let now = Instant::now();
+    match &result {
+        Ok(completion) => {
+            endpoint.rate.on_success(now);
+            if let (Some(prompt), Some(completion)) =
+                (completion.prompt_tokens, completion.completion_tokens)
+            {
+                endpoint.rate.correct(cost, prompt + completion);
+            }
+        }
+        Err(err)
+            if err.http_status() == Some(429)
+                || (err.http_status() == Some(503) && err.retry_after().is_some()) =>
+        {
+            for event in endpoint.rate.on_rate_limited(now, err.retry_after()) {
+                shared.fleet.rate_event(&endpoint, event);
+            }
+        }
+        Err(_) => {}
+    }
+    if let Some(quota) = &quota
+        && let Some(event) = endpoint.rate.observe(now, quota)
+    {
+        shared.fleet.rate_event(&endpoint, event);
+    }
 
     let attempts = item.prior_attempts + item.attempts;
     let (completion_tokens, prompt_tokens, finish_reason, status) = match &result {
@@ -340,7 +547,7 @@ async fn attempt(shared: Arc<Shared>, endpoint: Arc<Endpoint>, mut item: WorkIte
     let tpot = timing.tpot(completion_tokens);
     let record = AttemptRecord {
         seq: item.seq,
-        attempt: attempts,
+        attempt: number,
         session: shared.session,
         endpoint: endpoint.name.clone(),
         model: endpoint.model.clone(),
@@ -367,7 +574,7 @@ async fn attempt(shared: Arc<Shared>, endpoint: Arc<Endpoint>, mut item: WorkIte
         error,
         endpoint: Some(endpoint.name.clone()),
         model: Some(endpoint.model.clone()),
-        attempts,
+        attempts: item.prior_attempts + item.attempts + item.moved,
         latency_ms: Some(ms(timing.latency)),
         ttft_ms: timing.ttft.map(ms),
         tpot_ms: tpot.map(ms),

@@ -18,11 +18,21 @@ pub struct WorkItem {
     pub item_json: String,
     /// Attempts made in earlier sessions.
     pub prior_attempts: u32,
-    /// Attempts made in this session.
+    /// Attempts made in this session (the ones that count against
+    /// `retry.max_attempts`).
     pub attempts: u32,
+    /// Calls moved to another endpoint because theirs stopped taking items.
+    pub moved: u32,
     /// When its first attempt in this session was sent (the item deadline
     /// counts from here).
     pub first_sent: Option<Instant>,
+}
+
+impl WorkItem {
+    /// The number of the next attempt, over every session.
+    pub fn number(&self) -> u32 {
+        self.prior_attempts + self.attempts + self.moved + 1
+    }
 }
 
 struct Receivers {

@@ -1,16 +1,29 @@
-//! `evalfleet check`: is this config ready for a long run?
+//! `evalfleet check`: is this config and this fleet ready for a long run?
 
 use std::time::{Duration, Instant};
 
 use evalfleet_core::client::ChatClient;
-use evalfleet_core::config::{self, Overrides};
+use evalfleet_core::config::{self, EndpointConfig, EndpointKind, Overrides};
 use evalfleet_core::dataset::Scanner;
+use evalfleet_core::fleet::gpu::{self, GpuReport};
+use evalfleet_core::fleet::runtime::MockStarter;
+use evalfleet_core::fleet::{LimitMode, runtime::health_url};
 use evalfleet_core::template::Templates;
 
-use crate::fleet::base_url;
+use crate::fleet::InProcessMocks;
 use crate::{EXIT_FAILED, EXIT_OK};
 
 const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
+
+fn concurrency(endpoint: &EndpointConfig) -> String {
+    match endpoint.concurrency {
+        LimitMode::Fixed(n) => format!("concurrency {n}"),
+        LimitMode::Adaptive(s) => format!(
+            "adaptive concurrency {}..{} from {}",
+            s.min, s.max, s.initial
+        ),
+    }
+}
 
 pub async fn check(args: crate::cli::CheckArgs) -> anyhow::Result<u8> {
     let loaded = config::load_file(&args.config, Overrides::default())?;
@@ -60,56 +73,145 @@ pub async fn check(args: crate::cli::CheckArgs) -> anyhow::Result<u8> {
         ready = false;
     }
 
-    let mut mocks = Vec::new();
+    let gpus = if config
+        .endpoints
+        .iter()
+        .any(|e| matches!(e.kind, EndpointKind::Local(_)))
+    {
+        let report = gpu::report().await;
+        print_gpus(&report);
+        Some(report)
+    } else {
+        None
+    };
+
+    let mut guards = Vec::new();
     for endpoint in &config.endpoints {
-        let url = base_url(endpoint, &mut mocks).await?;
-        let client = ChatClient::new(endpoint, &url, &config.task.params, config.task.stream)
-            .map_err(|err| anyhow::anyhow!("endpoint '{}': {err}", endpoint.name))?;
-        let started = Instant::now();
-        let probe = tokio::time::timeout(PROBE_TIMEOUT, client.models()).await;
-        let latency = started.elapsed().as_secs_f64() * 1000.0;
-        let line = match probe {
-            Ok(Ok(models)) => {
-                let serves = models.contains(&endpoint.model);
-                if !serves {
-                    ready = false;
-                }
-                format!(
-                    "reachable in {latency:.0} ms; serves {}{}",
-                    if models.is_empty() {
-                        "no models".to_owned()
-                    } else {
-                        models.join(", ")
-                    },
-                    if serves {
-                        String::new()
-                    } else {
-                        format!(" (NOT the configured model '{}')", endpoint.model)
-                    }
-                )
-            }
-            Ok(Err(err)) => {
-                ready = false;
-                format!("unreachable: {err}")
-            }
-            Err(_) => {
-                ready = false;
-                format!(
-                    "unreachable: no answer within {}",
-                    humantime::format_duration(PROBE_TIMEOUT)
-                )
-            }
-        };
-        println!(
-            "endpoint     {} ({}, {}, concurrency {}): {line}",
+        let head = format!(
+            "endpoint     {} ({}, {})",
             endpoint.name,
             endpoint.kind.name(),
-            url,
-            endpoint.concurrency
+            concurrency(endpoint)
         );
+        let url = match &endpoint.kind {
+            EndpointKind::Mock(settings) => {
+                let (url, guard) = InProcessMocks.start((**settings).clone()).await?;
+                guards.push(guard);
+                url
+            }
+            EndpointKind::External { base_url, .. } => base_url.clone(),
+            EndpointKind::Local(engine) => {
+                let port = engine
+                    .port
+                    .map_or_else(|| "PORT".to_owned(), |p| p.to_string());
+                println!(
+                    "{head}: started by the run: {}",
+                    engine.render(&endpoint.model, &port)
+                );
+                if let (Some(devices), Some(report)) = (&engine.gpu, &gpus) {
+                    let busy = gpu::busy(report, devices, engine.gpu_memory_threshold_mb);
+                    if busy.is_empty() {
+                        println!(
+                            "             GPU {devices} is free enough (threshold {} MB)",
+                            engine.gpu_memory_threshold_mb
+                        );
+                    } else {
+                        ready = false;
+                        for why in busy {
+                            println!("             BUSY: {why} (the run refuses it without -y)");
+                        }
+                    }
+                }
+                continue;
+            }
+            EndpointKind::Remote(remote) => {
+                println!(
+                    "{head}: started by the run on {} in tmux session {} (`evalfleet run --dry-run` shows the commands)",
+                    remote.host, remote.session
+                );
+                continue;
+            }
+        };
+        let line = probe(endpoint, &url, config, &mut ready).await;
+        println!("{head}, {url}: {line}");
     }
-    for mock in mocks {
-        let _ = mock.shutdown().await;
-    }
+    drop(guards);
     Ok(if ready { EXIT_OK } else { EXIT_FAILED })
+}
+
+async fn probe(
+    endpoint: &EndpointConfig,
+    url: &str,
+    config: &config::Config,
+    ready: &mut bool,
+) -> String {
+    let client = match ChatClient::new(endpoint, url, &config.task.params, config.task.stream) {
+        Ok(client) => client,
+        Err(err) => {
+            *ready = false;
+            return format!("cannot make a client: {err}");
+        }
+    };
+    let started = Instant::now();
+    let probe = tokio::time::timeout(PROBE_TIMEOUT, client.models()).await;
+    let latency = started.elapsed().as_secs_f64() * 1000.0;
+    match probe {
+        Ok(Ok(models)) => {
+            let serves = models.contains(&endpoint.model);
+            if !serves {
+                *ready = false;
+            }
+            format!(
+                "reachable in {latency:.0} ms; serves {}{}; health probe {}",
+                if models.is_empty() {
+                    "no models".to_owned()
+                } else {
+                    models.join(", ")
+                },
+                if serves {
+                    String::new()
+                } else {
+                    format!(" (NOT the configured model '{}')", endpoint.model)
+                },
+                health_url(endpoint, url)
+            )
+        }
+        Ok(Err(err)) => {
+            *ready = false;
+            format!("unreachable: {err}")
+        }
+        Err(_) => {
+            *ready = false;
+            format!(
+                "unreachable: no answer within {}",
+                humantime::format_duration(PROBE_TIMEOUT)
+            )
+        }
+    }
+}
+
+fn print_gpus(report: &GpuReport) {
+    match report {
+        GpuReport::Unavailable(why) => println!("gpus         {why}"),
+        GpuReport::Gpus { gpus, processes } => {
+            if gpus.is_empty() {
+                println!("gpus         nvidia-smi lists no GPU");
+            }
+            for gpu in gpus {
+                println!(
+                    "gpu          {} {}: {} of {} MB in use",
+                    gpu.index, gpu.name, gpu.memory_used_mb, gpu.memory_total_mb
+                );
+                for p in processes.iter().filter(|p| p.gpu_uuid == gpu.uuid) {
+                    println!(
+                        "             pid {} {}{}",
+                        p.pid,
+                        p.name,
+                        p.used_memory_mb
+                            .map_or_else(String::new, |mb| format!(" ({mb} MB)"))
+                    );
+                }
+            }
+        }
+    }
 }

@@ -7,14 +7,16 @@ use std::io::{self, BufWriter, Write};
 use std::path::Path;
 
 use anyhow::Context;
-use evalfleet_core::store::{ExportRow, RunRecord, RunStatus, StateCounts, Store};
+use evalfleet_core::store::{
+    EndpointStates, ExportRow, FleetChange, RunRecord, RunStatus, StateCounts, Store,
+};
 use evalfleet_core::summary::{self, EndpointSummary, Percentiles};
 use evalfleet_store::SqliteStore;
 use serde_json::{Value, json};
 
 use super::{store_path, timestamp};
-use crate::EXIT_OK;
-use crate::cli::{ExportArgs, ExportFormat, StatusArgs, StoreArgs};
+use crate::cli::{ExportArgs, ExportFormat, FleetAction, FleetArgs, StatusArgs, StoreArgs};
+use crate::{EXIT_OK, UsageError};
 
 /// What a stored status means now: a `running` run whose process is gone
 /// crashed or was killed.
@@ -96,6 +98,7 @@ pub fn status(args: StatusArgs) -> anyhow::Result<u8> {
     let counts = store.counts(&args.run_id)?;
     let (status, active) = status_text(&mut store, &run)?;
     let endpoints = summary::endpoints(&mut store, &args.run_id)?;
+    let states = store.endpoint_states(&args.run_id)?;
     let events = store.events(&args.run_id)?;
     if args.json {
         let value = json!({
@@ -112,12 +115,17 @@ pub fn status(args: StatusArgs) -> anyhow::Result<u8> {
             "dataset": {"path": run.dataset.path, "sha256": run.dataset.sha256},
             "fingerprint": run.fingerprint.digest(),
             "endpoints": endpoints,
+            "endpoint_states": states.as_ref().map(|s| json!({
+                "updated_at": timestamp(s.updated_at_ms),
+                "live": active,
+                "endpoints": s.endpoints,
+            })),
             "events": events,
         });
         println!("{}", serde_json::to_string_pretty(&value)?);
         return Ok(EXIT_OK);
     }
-    print_status(&run, &status, counts, &endpoints);
+    print_status(&run, &status, counts, &endpoints, states.as_ref(), active);
     let mut out = io::stdout().lock();
     if !events.is_empty() {
         let _ = writeln!(out, "\nevents (last 10 of {}):", events.len());
@@ -128,7 +136,14 @@ pub fn status(args: StatusArgs) -> anyhow::Result<u8> {
     Ok(EXIT_OK)
 }
 
-fn print_status(run: &RunRecord, status: &str, counts: StateCounts, endpoints: &[EndpointSummary]) {
+fn print_status(
+    run: &RunRecord,
+    status: &str,
+    counts: StateCounts,
+    endpoints: &[EndpointSummary],
+    states: Option<&EndpointStates>,
+    active: bool,
+) {
     let mut out = io::stdout().lock();
     let _ = writeln!(out, "run          {} ({})", run.run_id, run.name);
     let _ = writeln!(out, "status       {status}");
@@ -155,45 +170,132 @@ fn print_status(run: &RunRecord, status: &str, counts: StateCounts, endpoints: &
         run.sessions
     );
     drop(out);
-    if endpoints.is_empty() {
+    let mut names: Vec<&str> = endpoints.iter().map(|e| e.endpoint.as_str()).collect();
+    if let Some(states) = states {
+        for state in &states.endpoints {
+            if !names.contains(&state.endpoint.as_str()) {
+                names.push(&state.endpoint);
+            }
+        }
+    }
+    if names.is_empty() {
         return;
     }
     println!();
+    if let Some(states) = states {
+        println!(
+            "endpoints ({} {})",
+            if active {
+                "live, as of"
+            } else {
+                "as last seen at"
+            },
+            timestamp(states.updated_at_ms)
+        );
+    }
     let mut rows = vec![[
         "ENDPOINT".to_owned(),
+        "STATE".to_owned(),
+        "LIMIT".to_owned(),
+        "IN_FLIGHT".to_owned(),
+        "REQ/MIN".to_owned(),
         "ATTEMPTS".to_owned(),
         "OK".to_owned(),
         "RETRYABLE".to_owned(),
         "BACKPRESSURE".to_owned(),
         "BAD_RESPONSE".to_owned(),
         "FATAL".to_owned(),
+        "MOVED".to_owned(),
         "LATENCY_MS p50/p90/p99".to_owned(),
         "TTFT_MS p50/p90/p99".to_owned(),
         "TPOT_MS p50/p90/p99".to_owned(),
     ]];
-    for e in endpoints {
+    for name in names {
+        let summary = endpoints.iter().find(|e| e.endpoint == name);
+        let state = states.and_then(|s| s.endpoints.iter().find(|e| e.endpoint == name));
         let errors = |class: evalfleet_core::client::ErrorClass| {
-            e.errors
-                .get(class.as_str())
-                .copied()
+            summary
+                .and_then(|e| e.errors.get(class.as_str()).copied())
                 .unwrap_or(0)
                 .to_string()
         };
         let [retryable, back_pressure, bad_response, fatal] = summary::ERROR_CLASSES.map(errors);
+        let dash = || "-".to_owned();
         rows.push([
-            e.endpoint.clone(),
-            e.attempts.to_string(),
-            e.successes.to_string(),
+            name.to_owned(),
+            state.map_or_else(dash, |s| s.state.clone()),
+            state.map_or_else(dash, |s| {
+                format!("{}{}", s.limit, if s.adaptive { " (adaptive)" } else { "" })
+            }),
+            state.map_or_else(dash, |s| s.in_flight.to_string()),
+            state.map_or_else(dash, |s| s.requests_per_minute.to_string()),
+            summary.map_or_else(|| "0".to_owned(), |e| e.attempts.to_string()),
+            summary.map_or_else(|| "0".to_owned(), |e| e.successes.to_string()),
             retryable,
             back_pressure,
             bad_response,
             fatal,
-            percentiles(&e.latency_ms),
-            percentiles(&e.ttft_ms),
-            percentiles(&e.tpot_ms),
+            summary
+                .and_then(|e| e.errors.get(summary::MOVED).copied())
+                .unwrap_or(0)
+                .to_string(),
+            percentiles(&summary.and_then(|e| e.latency_ms)),
+            percentiles(&summary.and_then(|e| e.ttft_ms)),
+            percentiles(&summary.and_then(|e| e.tpot_ms)),
         ]);
     }
     print_table(&rows);
+}
+
+/// `evalfleet fleet add|remove`: asks the running process to change its
+/// fleet.
+pub fn fleet(args: FleetArgs) -> anyhow::Result<u8> {
+    let (action, target) = match args.action {
+        FleetAction::Add(target) => ("add", target),
+        FleetAction::Remove(target) => ("remove", target),
+    };
+    let path = store_path(target.store.store, None);
+    let mut store = SqliteStore::open_existing(&path)?;
+    let run = store.run(&target.run_id)?;
+    let configured: Vec<String> = run
+        .config
+        .get("endpoints")
+        .and_then(Value::as_array)
+        .map(|list| {
+            list.iter()
+                .filter_map(|e| e.get("name").and_then(Value::as_str).map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default();
+    if !configured.contains(&target.endpoint) {
+        return Err(UsageError(format!(
+            "run {} has no endpoint '{}' in its config (it has: {})",
+            target.run_id,
+            target.endpoint,
+            configured.join(", ")
+        ))
+        .into());
+    }
+    if !store.is_run_active(&target.run_id)? {
+        return Err(UsageError(format!(
+            "run {} is not running; choose its endpoints when you resume it: evalfleet resume {} --endpoints ...",
+            target.run_id, target.run_id
+        ))
+        .into());
+    }
+    store.request_fleet_change(
+        &target.run_id,
+        &FleetChange {
+            action: action.to_owned(),
+            endpoint: target.endpoint.clone(),
+            at_ms: evalfleet_core::store::now_ms(),
+        },
+    )?;
+    println!(
+        "Asked run {} to {action} endpoint {}; it applies it within a second (see `evalfleet status {}`).",
+        target.run_id, target.endpoint, target.run_id
+    );
+    Ok(EXIT_OK)
 }
 
 /// The fixed columns of an export row, in the contract's order.

@@ -5,6 +5,7 @@ pub mod check;
 pub mod inspect;
 pub mod mock;
 pub mod run;
+pub mod supervise;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, UNIX_EPOCH};

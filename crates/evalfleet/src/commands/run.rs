@@ -6,9 +6,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use evalfleet_core::config::{self, Config, LoadedConfig, Overrides};
+use evalfleet_core::fleet::runtime::{Fleet, GpuPolicy};
 use evalfleet_core::pipeline::PipelineError;
 use evalfleet_core::run::{self, SessionPlan, SessionReport};
-use evalfleet_core::store::{RunStatus, Store};
+use evalfleet_core::store::{RunGuard, RunStatus, Store};
 use evalfleet_core::template::Templates;
 use evalfleet_store::SqliteStore;
 use tokio::signal::unix::{SignalKind, signal};
@@ -17,7 +18,7 @@ use tracing::Instrument;
 
 use super::{store_path, validate_run_id};
 use crate::cli::{ResumeArgs, RunArgs};
-use crate::fleet::Fleet;
+use crate::fleet;
 use crate::ui;
 use crate::{EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK};
 
@@ -28,7 +29,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
         sample_seed: args.seed,
     };
     let loaded = config::load_file(&args.config, overrides)?;
+    if args.dry_run {
+        fleet::dry_run(&loaded.config);
+        return Ok(EXIT_OK);
+    }
     let templates = Templates::compile(&loaded.config.task)?;
+    let active = fleet::active(&loaded.config, &args.endpoints)?;
+    let gpu_policy = fleet::check_gpus(&loaded.config, active.as_deref(), args.yes).await?;
     let store_path = store_path(args.store, loaded.config.store.as_deref());
     let run_id = match args.run_id {
         Some(id) => validate_run_id(id)?,
@@ -59,16 +66,18 @@ pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
     );
     println!("{run_id}");
     let LoadedConfig { config, .. } = loaded;
-    execute(
+    execute(Session {
         store_path,
         store,
-        guard_box(guard),
+        _guard: guard,
         run_id,
         config,
         templates,
-        false,
-        args.output.quiet,
-    )
+        retry_failed: false,
+        quiet: args.output.quiet,
+        active,
+        gpu_policy,
+    })
     .await
 }
 
@@ -105,50 +114,70 @@ pub async fn resume(args: ResumeArgs) -> anyhow::Result<u8> {
         });
     }
     let templates = Templates::compile(&loaded.config.task)?;
-    execute(
+    let active = fleet::active(&loaded.config, &args.endpoints)?;
+    let gpu_policy = fleet::check_gpus(&loaded.config, active.as_deref(), args.yes).await?;
+    execute(Session {
         store_path,
         store,
-        guard_box(guard),
-        args.run_id,
-        loaded.config,
+        _guard: guard,
+        run_id: args.run_id,
+        config: loaded.config,
         templates,
-        args.retry_failed,
-        args.output.quiet,
-    )
+        retry_failed: args.retry_failed,
+        quiet: args.output.quiet,
+        active,
+        gpu_policy,
+    })
     .await
 }
 
-fn guard_box(guard: evalfleet_core::store::RunGuard) -> Box<dyn Send> {
-    Box::new(guard)
-}
-
-#[allow(clippy::too_many_arguments)]
-async fn execute(
+/// Everything a session of `run` or `resume` needs.
+struct Session {
     store_path: PathBuf,
-    mut store: SqliteStore,
-    _guard: Box<dyn Send>,
+    store: SqliteStore,
+    /// The run's lock, held until the session ends.
+    _guard: RunGuard,
     run_id: String,
     config: Config,
     templates: Templates,
     retry_failed: bool,
     quiet: bool,
-) -> anyhow::Result<u8> {
+    active: Option<Vec<String>>,
+    gpu_policy: GpuPolicy,
+}
+
+async fn execute(session: Session) -> anyhow::Result<u8> {
+    let Session {
+        store_path,
+        mut store,
+        _guard,
+        run_id,
+        config,
+        templates,
+        retry_failed,
+        quiet,
+        active,
+        gpu_policy,
+    } = session;
     let started = Instant::now();
     let grace = config.shutdown_grace;
-    let fleet = Fleet::start(&config).await?;
+    let options = fleet::options(&config, &store_path, &run_id, active, gpu_policy)?;
+    let mut fleet = Fleet::new(&config, options);
     let plan = SessionPlan {
         run_id: run_id.clone(),
         config: Arc::new(config),
         templates: Arc::new(templates),
         endpoints: fleet.endpoints.clone(),
+        fleet: fleet.handle(),
         retry_failed,
     };
     let prepared = run::prepare(&mut store, &plan)?;
+    fleet.start(&run_id, Box::new(SqliteStore::open(&store_path)?));
     let pending_at_start =
         prepared.progress.total - prepared.progress.done_before - prepared.progress.failed_before;
     let display = ui::Display::start(
         prepared.progress.clone(),
-        fleet.limits(),
+        fleet.endpoints.clone(),
         ui::Mode::pick(quiet),
     );
     let stop = CancellationToken::new();
@@ -224,8 +253,14 @@ fn conclude(
         }
         RunStatus::Interrupted | RunStatus::Running => {
             ui::note(&format!(
-                "Run {run_id} interrupted: {} done, {} failed, {} pending. Resume: evalfleet resume {run_id}{store_flag}",
-                counts.done, counts.failed, counts.pending
+                "Run {run_id} interrupted{}: {} done, {} failed, {} pending. Resume: evalfleet resume {run_id}{store_flag}",
+                report
+                    .message
+                    .as_deref()
+                    .map_or_else(String::new, |m| format!(" ({m})")),
+                counts.done,
+                counts.failed,
+                counts.pending
             ));
             EXIT_INTERRUPTED
         }

@@ -1,0 +1,824 @@
+//! `endpoints[]`: what each endpoint is, how it is reached, started, limited
+//! and watched. The doc comments are the user documentation of these keys.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+use super::raw;
+use super::validate::{Problems, params};
+use super::{MASK, MockSettings, Secret, path};
+use crate::fleet::{AimdSettings, LimitMode};
+
+/// `endpoints[]`: one OpenAI-compatible server.
+#[derive(Debug, Clone)]
+pub struct EndpointConfig {
+    /// A unique name (letters, digits, `-`, `_`, `.`).
+    pub name: String,
+    /// The model name sent in each request (and, for engines evalfleet
+    /// starts, the model it serves).
+    pub model: String,
+    pub kind: EndpointKind,
+    /// `adaptive` (the default: evalfleet finds the limit itself), a number of
+    /// calls in flight (fixed), or `{min, max, initial, decrease_ratio}`
+    /// (adaptive within bounds).
+    pub concurrency: LimitMode,
+    /// Requests per minute allowed (a token bucket); unset: no limit.
+    pub rpm: Option<u32>,
+    /// Tokens (prompt + completion) per minute allowed; the cost of a call is
+    /// estimated before it and corrected from its `usage` after.
+    pub tpm: Option<u64>,
+    /// Per-attempt timeout for this endpoint; default `timeouts.attempt`.
+    pub timeout: Option<Duration>,
+    /// `Authorization: Bearer` key. A secret: never stored or shown.
+    pub api_key: Option<Secret>,
+    /// Extra HTTP headers sent as they are; values are treated as secrets.
+    pub headers: Vec<(String, Secret)>,
+    /// Extra body fields merged over `task.params` and passed through untouched
+    /// (e.g. vLLM's `top_k`, `chat_template_kwargs`).
+    pub params: Map<String, Value>,
+    pub health: HealthSettings,
+}
+
+impl EndpointConfig {
+    /// The most calls this endpoint may ever have in flight.
+    pub fn max_concurrency(&self) -> usize {
+        match self.concurrency {
+            LimitMode::Fixed(n) => n,
+            LimitMode::Adaptive(settings) => settings.max,
+        }
+    }
+}
+
+/// `health:` how an endpoint is watched. A monitor probes it every
+/// `interval`; failed calls count too. After `max_failures` failures in a row
+/// it is unhealthy and gets no new items (its calls in flight go to other
+/// endpoints); after `recover_after` successes it is healthy again.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HealthSettings {
+    /// The probe's path on the server (`/v1/models`); default: `models` under
+    /// the base URL.
+    pub path: Option<String>,
+    /// Default `5s`.
+    pub interval: Duration,
+    /// Default `10s`.
+    pub timeout: Duration,
+    /// Default 3.
+    pub max_failures: u32,
+    /// Default 2.
+    pub recover_after: u32,
+}
+
+impl Default for HealthSettings {
+    fn default() -> Self {
+        Self {
+            path: None,
+            interval: Duration::from_secs(5),
+            timeout: Duration::from_secs(10),
+            max_failures: 3,
+            recover_after: 2,
+        }
+    }
+}
+
+/// `kind:` and what it needs.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EndpointKind {
+    /// The built-in mock, started inside the run; behaviour under `mock:`.
+    Mock(Box<MockSettings>),
+    /// A server someone else runs, at `base_url` (e.g. `http://host:8000/v1`);
+    /// `start_cmd` and `stop_cmd` (shell commands, e.g. `ssh host ...`) run at
+    /// the start and the end of the run when given.
+    External {
+        base_url: String,
+        start_cmd: Option<String>,
+        stop_cmd: Option<String>,
+    },
+    /// An engine evalfleet starts on this machine and stops at the end.
+    Local(Box<Engine>),
+    /// An engine evalfleet starts on another host over SSH, in a tmux
+    /// session, reached through a forwarded port.
+    Remote(Box<Remote>),
+}
+
+impl EndpointKind {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Mock(_) => "mock",
+            Self::External { .. } => "external",
+            Self::Local(_) => "local",
+            Self::Remote(_) => "remote",
+        }
+    }
+
+    /// The engine evalfleet manages, if any.
+    pub fn engine(&self) -> Option<&Engine> {
+        match self {
+            Self::Local(engine) => Some(engine),
+            Self::Remote(remote) => Some(&remote.engine),
+            _ => None,
+        }
+    }
+}
+
+/// Launch presets: the command, where its API lives, and how readiness shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Preset {
+    Vllm,
+    Sglang,
+    LlamaCpp,
+    Ollama,
+}
+
+impl Preset {
+    const ALL: [(&'static str, Preset); 4] = [
+        ("vllm", Preset::Vllm),
+        ("sglang", Preset::Sglang),
+        ("llama.cpp", Preset::LlamaCpp),
+        ("ollama", Preset::Ollama),
+    ];
+
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.iter().find(|(n, _)| *n == name).map(|(_, p)| *p)
+    }
+
+    pub fn name(self) -> &'static str {
+        Self::ALL
+            .iter()
+            .find(|(_, p)| *p == self)
+            .map_or("?", |(n, _)| n)
+    }
+
+    /// The command template.
+    pub fn command(self) -> &'static str {
+        match self {
+            Self::Vllm => "vllm serve {model} --host 127.0.0.1 --port {port} {args}",
+            Self::Sglang => {
+                "python3 -m sglang.launch_server --model-path {model} --host 127.0.0.1 --port {port} {args}"
+            }
+            Self::LlamaCpp => "llama-server --model {model} --host 127.0.0.1 --port {port} {args}",
+            Self::Ollama => "OLLAMA_HOST=127.0.0.1:{port} ollama serve {args}",
+        }
+    }
+
+    /// The path that answers once the engine can serve.
+    pub fn health_path(self) -> &'static str {
+        match self {
+            Self::LlamaCpp => "/health",
+            Self::Vllm | Self::Sglang | Self::Ollama => "/v1/models",
+        }
+    }
+
+    /// Engines load models for minutes.
+    pub fn startup_timeout(self) -> Duration {
+        match self {
+            Self::Vllm | Self::Sglang => Duration::from_secs(20 * 60),
+            Self::LlamaCpp | Self::Ollama => Duration::from_secs(10 * 60),
+        }
+    }
+}
+
+/// An engine evalfleet starts (`kind: local`, and the remote part of
+/// `kind: remote`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Engine {
+    /// `vllm`, `sglang`, `llama.cpp` or `ollama`: the command, the health path
+    /// and the start-up timeout come from it.
+    pub preset: Option<Preset>,
+    /// The command, run by `sh -c` after `{model}`, `{port}`, `{args}` and
+    /// `{gpu}` are filled in; default: the preset's.
+    pub command: String,
+    /// Extra arguments for the preset's command (`{args}`).
+    pub args: String,
+    /// The port it listens on; default: a free one (local) or 8000 (remote).
+    pub port: Option<u16>,
+    /// `CUDA_VISIBLE_DEVICES` for it (`0`, or `0,1`).
+    pub gpu: Option<String>,
+    /// Environment variables for it; values are treated as secrets.
+    pub env: Vec<(String, Secret)>,
+    /// How long it may take to become ready. Default: the preset's, or `10m`.
+    pub startup_timeout: Duration,
+    /// Between SIGTERM and SIGKILL when it is stopped. Default `30s`.
+    pub stop_grace: Duration,
+    /// How many times it is restarted when it dies or stays unhealthy, before
+    /// it is left out of the run. Default 3.
+    pub restarts: u32,
+    /// The wait before a restart. Default `30s`.
+    pub restart_delay: Duration,
+    /// Refuse to start on a GPU that already has more than this many MB in
+    /// use (someone else's work); `-y` starts anyway. Default 1024.
+    pub gpu_memory_threshold_mb: u64,
+}
+
+impl Engine {
+    /// The command with its placeholders filled in (`port` may be a
+    /// placeholder of its own, for showing the command).
+    pub fn render(&self, model: &str, port: impl std::fmt::Display) -> String {
+        fill(
+            &self.command,
+            model,
+            &port.to_string(),
+            &self.args,
+            self.gpu.as_deref(),
+        )
+    }
+
+    /// The health path on the engine's server.
+    pub fn health_path(&self) -> &str {
+        self.preset.map_or("/v1/models", Preset::health_path)
+    }
+}
+
+/// `kind: remote`: an engine on another host, started in a tmux session over
+/// SSH and reached through `ssh -L`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Remote {
+    /// The SSH destination (`user@gpu-box`).
+    pub host: String,
+    /// The SSH program. Default `ssh`.
+    pub ssh: String,
+    /// Options before the destination (`["-p", "2222"]`).
+    pub ssh_options: Vec<String>,
+    /// The tmux session's name. Default `evalfleet-NAME`.
+    pub session: String,
+    /// The port on this machine that forwards to the engine. Default: a free
+    /// one.
+    pub local_port: Option<u16>,
+    pub engine: Engine,
+}
+
+const PLACEHOLDERS: [&str; 4] = ["model", "port", "args", "gpu"];
+
+fn fill(template: &str, model: &str, port: &str, args: &str, gpu: Option<&str>) -> String {
+    template
+        .replace("{model}", model)
+        .replace("{port}", port)
+        .replace("{args}", args)
+        .replace("{gpu}", gpu.unwrap_or(""))
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// `{word}` placeholders that are not ours (a typo), ignoring JSON braces.
+fn unknown_placeholders(template: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = template;
+    while let Some(open) = rest.find('{') {
+        let after = &rest[open + 1..];
+        let Some(close) = after.find('}') else { break };
+        let word = &after[..close];
+        if !word.is_empty()
+            && word.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+            && !PLACEHOLDERS.contains(&word)
+        {
+            out.push(format!("{{{word}}}"));
+        }
+        rest = &after[close..];
+    }
+    out
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub(super) struct RawEndpoint {
+    name: Option<String>,
+    kind: Option<String>,
+    model: Option<String>,
+    base_url: Option<String>,
+    api_key: Option<String>,
+    concurrency: Option<Value>,
+    rpm: Option<u32>,
+    tpm: Option<u64>,
+    timeout: Option<String>,
+    headers: Option<BTreeMap<String, String>>,
+    params: Option<Map<String, Value>>,
+    mock: Option<Value>,
+    health: Option<Value>,
+    start_cmd: Option<String>,
+    stop_cmd: Option<String>,
+    preset: Option<String>,
+    command: Option<String>,
+    args: Option<String>,
+    port: Option<u16>,
+    gpu: Option<Value>,
+    env: Option<BTreeMap<String, String>>,
+    startup_timeout: Option<String>,
+    stop_grace: Option<String>,
+    restarts: Option<u32>,
+    restart_delay: Option<String>,
+    gpu_memory_threshold_mb: Option<u64>,
+    host: Option<String>,
+    ssh: Option<String>,
+    ssh_options: Option<Vec<String>>,
+    session: Option<String>,
+    local_port: Option<u16>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct RawHealth {
+    path: Option<String>,
+    interval: Option<String>,
+    timeout: Option<String>,
+    max_failures: Option<u32>,
+    recover_after: Option<u32>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct RawAdaptive {
+    min: Option<usize>,
+    max: Option<usize>,
+    initial: Option<usize>,
+    decrease_ratio: Option<f64>,
+}
+
+const MAX_CONCURRENCY: u64 = 100_000;
+
+pub(super) fn endpoints(items: &[Value], p: &mut Problems<'_>) -> Option<Vec<EndpointConfig>> {
+    let mut out = Vec::with_capacity(items.len());
+    let mut names: Vec<(String, usize)> = Vec::new();
+    let mut complete = true;
+    for (i, value) in items.iter().enumerate() {
+        let at = path::index("endpoints", i);
+        let parsed =
+            raw::section::<RawEndpoint>(value, &at, p.0).and_then(|raw| endpoint(raw, &at, p));
+        match parsed {
+            Some(endpoint) => {
+                if let Some((_, first)) = names.iter().find(|(n, _)| *n == endpoint.name) {
+                    p.push::<()>(
+                        &path::key(&at, "name"),
+                        format!(
+                            "'{}' is already the name of endpoints[{first}]",
+                            endpoint.name
+                        ),
+                    );
+                    complete = false;
+                }
+                names.push((endpoint.name.clone(), i));
+                out.push(endpoint);
+            }
+            None => complete = false,
+        }
+    }
+    complete.then_some(out)
+}
+
+/// Keys that only some kinds use.
+const KIND_KEYS: [(&str, &[&str]); 16] = [
+    ("base_url", &["external"]),
+    ("start_cmd", &["external"]),
+    ("stop_cmd", &["external"]),
+    ("mock", &["mock"]),
+    ("preset", &["local", "remote"]),
+    ("command", &["local", "remote"]),
+    ("args", &["local", "remote"]),
+    ("port", &["local", "remote"]),
+    ("gpu", &["local", "remote"]),
+    ("env", &["local", "remote"]),
+    ("startup_timeout", &["local", "remote"]),
+    ("stop_grace", &["local", "remote"]),
+    ("restarts", &["local", "remote"]),
+    ("restart_delay", &["local", "remote"]),
+    ("gpu_memory_threshold_mb", &["local"]),
+    ("host", &["remote"]),
+];
+
+const REMOTE_KEYS: [&str; 4] = ["ssh", "ssh_options", "session", "local_port"];
+
+fn present(raw: &RawEndpoint, key: &str) -> bool {
+    match key {
+        "base_url" => raw.base_url.is_some(),
+        "start_cmd" => raw.start_cmd.is_some(),
+        "stop_cmd" => raw.stop_cmd.is_some(),
+        "mock" => raw.mock.is_some(),
+        "preset" => raw.preset.is_some(),
+        "command" => raw.command.is_some(),
+        "args" => raw.args.is_some(),
+        "port" => raw.port.is_some(),
+        "gpu" => raw.gpu.is_some(),
+        "env" => raw.env.is_some(),
+        "startup_timeout" => raw.startup_timeout.is_some(),
+        "stop_grace" => raw.stop_grace.is_some(),
+        "restarts" => raw.restarts.is_some(),
+        "restart_delay" => raw.restart_delay.is_some(),
+        "gpu_memory_threshold_mb" => raw.gpu_memory_threshold_mb.is_some(),
+        "host" => raw.host.is_some(),
+        "ssh" => raw.ssh.is_some(),
+        "ssh_options" => raw.ssh_options.is_some(),
+        "session" => raw.session.is_some(),
+        "local_port" => raw.local_port.is_some(),
+        _ => false,
+    }
+}
+
+fn endpoint(raw: RawEndpoint, at: &str, p: &mut Problems<'_>) -> Option<EndpointConfig> {
+    let field = |name: &str| path::key(at, name);
+    let name = match raw.name.clone() {
+        None => p.push(&field("name"), "is required"),
+        Some(n) if n.is_empty() => p.push(&field("name"), "must not be empty"),
+        Some(n)
+            if !n
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) =>
+        {
+            p.push(
+                &field("name"),
+                format!("'{n}' may hold only letters, digits, '-', '_' and '.'"),
+            )
+        }
+        Some(n) => Some(n),
+    };
+    let kind_name = raw.kind.clone();
+    let model = match raw.model.clone() {
+        None if kind_name.as_deref() == Some("mock") => Some("mock".to_owned()),
+        None => p.push(
+            &field("model"),
+            "is required (the model name sent in requests)",
+        ),
+        Some(m) if m.is_empty() => p.push(&field("model"), "must not be empty"),
+        Some(m) => Some(m),
+    };
+
+    // Keys that do not belong to this kind.
+    if let Some(kind) = kind_name.as_deref() {
+        for (key, kinds) in KIND_KEYS {
+            if present(&raw, key) && !kinds.contains(&kind) {
+                p.push::<()>(
+                    &field(key),
+                    format!("is only for endpoints of kind {}", kinds.join(" or ")),
+                );
+            }
+        }
+        for key in REMOTE_KEYS {
+            if present(&raw, key) && kind != "remote" {
+                p.push::<()>(&field(key), "is only for endpoints of kind remote");
+            }
+        }
+    }
+
+    let kind = match kind_name.as_deref() {
+        None => p.push(
+            &field("kind"),
+            "is required: mock, external, local or remote",
+        ),
+        Some("mock") => {
+            let settings = match &raw.mock {
+                Some(value) => raw::section::<MockSettings>(value, &field("mock"), p.0),
+                None => Some(MockSettings::default()),
+            };
+            settings.and_then(|settings| {
+                let before = p.0.len();
+                for (name, message) in settings.problems() {
+                    p.push::<()>(&path::key(&field("mock"), name), message);
+                }
+                (p.0.len() == before).then(|| EndpointKind::Mock(Box::new(settings)))
+            })
+        }
+        Some("external") => match &raw.base_url {
+            None => p.push(
+                &field("base_url"),
+                "is required for an external endpoint (e.g. http://host:8000/v1)",
+            ),
+            Some(url) => {
+                base_url(url, &field("base_url"), p).map(|base_url| EndpointKind::External {
+                    base_url,
+                    start_cmd: raw.start_cmd.clone(),
+                    stop_cmd: raw.stop_cmd.clone(),
+                })
+            }
+        },
+        Some("local") => {
+            engine(&raw, at, p, 1024).map(|engine| EndpointKind::Local(Box::new(engine)))
+        }
+        Some("remote") => {
+            let host = match raw.host.as_deref() {
+                None => p.push(
+                    &field("host"),
+                    "is required for a remote endpoint (user@host)",
+                ),
+                Some(h) if h.trim().is_empty() || h.starts_with('-') => p.push(
+                    &field("host"),
+                    format!("must be an SSH destination like user@host, got '{h}'"),
+                ),
+                Some(h) => Some(h.to_owned()),
+            };
+            let engine = engine(&raw, at, p, 0);
+            match (host, engine) {
+                (Some(host), Some(engine)) => Some(EndpointKind::Remote(Box::new(Remote {
+                    host,
+                    ssh: raw.ssh.clone().unwrap_or_else(|| "ssh".to_owned()),
+                    ssh_options: raw.ssh_options.clone().unwrap_or_default(),
+                    session: raw.session.clone().unwrap_or_else(|| {
+                        format!("evalfleet-{}", raw.name.as_deref().unwrap_or("engine"))
+                    }),
+                    local_port: raw.local_port,
+                    engine,
+                }))),
+                _ => None,
+            }
+        }
+        Some(other) => p.push(
+            &field("kind"),
+            format!("must be mock, external, local or remote, got '{other}'"),
+        ),
+    };
+
+    let concurrency = concurrency(raw.concurrency.as_ref(), &field("concurrency"), p);
+    let rpm = match raw.rpm {
+        Some(0) => p.push(&field("rpm"), "must be at least 1, got 0"),
+        other => Some(other),
+    };
+    let tpm = match raw.tpm {
+        Some(0) => p.push(&field("tpm"), "must be at least 1, got 0"),
+        other => Some(other),
+    };
+    let timeout = match raw.timeout.as_deref() {
+        Some(text) => p.duration(&field("timeout"), Some(text), "").map(Some),
+        None => Some(None),
+    };
+    let api_key = match raw.api_key {
+        Some(key) if key == MASK => p.push(
+            &field("api_key"),
+            "was written literally in the config, so it was not stored; write it as ${VAR}, or resume with --config FILE",
+        ),
+        Some(key) if key.is_empty() => p.push(&field("api_key"), "is empty (is its variable set to nothing?)"),
+        other => Some(other.map(Secret::new)),
+    };
+    let headers = secrets(raw.headers.clone(), &field("headers"), p, |name| {
+        reqwest::header::HeaderName::from_bytes(name.as_bytes()).is_ok()
+    })
+    .and_then(|headers| {
+        let mut ok = true;
+        for (name, value) in &headers {
+            if reqwest::header::HeaderValue::from_str(value.expose()).is_err() {
+                ok = p
+                    .push::<()>(
+                        &path::key(&field("headers"), name),
+                        "is not a valid HTTP header value",
+                    )
+                    .is_some();
+            }
+        }
+        ok.then_some(headers)
+    });
+    let params = params(raw.params.clone(), &field("params"), p);
+    let health = match &raw.health {
+        Some(value) => raw::section::<RawHealth>(value, &field("health"), p.0)
+            .and_then(|h| health(h, &field("health"), p)),
+        None => Some(HealthSettings::default()),
+    };
+    Some(EndpointConfig {
+        name: name?,
+        model: model?,
+        kind: kind?,
+        concurrency: concurrency?,
+        rpm: rpm?,
+        tpm: tpm?,
+        timeout: timeout?,
+        api_key: api_key?,
+        headers: headers?,
+        params: params?,
+        health: health?,
+    })
+}
+
+fn base_url(url: &str, at: &str, p: &mut Problems<'_>) -> Option<String> {
+    match reqwest::Url::parse(url) {
+        Ok(parsed) if matches!(parsed.scheme(), "http" | "https") && parsed.has_host() => {
+            Some(url.trim_end_matches('/').to_owned())
+        }
+        Ok(_) => p.push(at, format!("must be an http(s) URL, got '{url}'")),
+        Err(err) => p.push(at, format!("is not a URL ({err}): '{url}'")),
+    }
+}
+
+/// Named values treated as secrets (headers, environment variables).
+fn secrets(
+    raw: Option<BTreeMap<String, String>>,
+    at: &str,
+    p: &mut Problems<'_>,
+    valid_name: impl Fn(&str) -> bool,
+) -> Option<Vec<(String, Secret)>> {
+    let mut out = Vec::new();
+    let mut ok = true;
+    for (name, value) in raw.unwrap_or_default() {
+        let item = path::key(at, &name);
+        if !valid_name(&name) {
+            ok = p.push::<()>(&item, "is not a valid name").is_some();
+        } else if value == MASK {
+            ok = p
+                .push::<()>(
+                    &item,
+                    "was written literally in the config, so it was not stored; write it as ${VAR}, or resume with --config FILE",
+                )
+                .is_some();
+        } else {
+            out.push((name, Secret::new(value)));
+        }
+    }
+    ok.then_some(out)
+}
+
+fn concurrency(raw: Option<&Value>, at: &str, p: &mut Problems<'_>) -> Option<LimitMode> {
+    let adaptive = AimdSettings::default();
+    match raw {
+        None => Some(LimitMode::Adaptive(adaptive)),
+        Some(Value::String(s)) if s == "adaptive" => Some(LimitMode::Adaptive(adaptive)),
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(0) => p.push(at, "must be at least 1, got 0"),
+            Some(c) if c > MAX_CONCURRENCY => {
+                p.push(at, format!("must be at most {MAX_CONCURRENCY}, got {c}"))
+            }
+            Some(c) => Some(LimitMode::Fixed(c as usize)),
+            None => p.push(at, format!("must be a whole number of at least 1, got {n}")),
+        },
+        Some(value @ Value::Object(_)) => {
+            let raw = raw::section::<RawAdaptive>(value, at, p.0)?;
+            let min = raw.min.unwrap_or(adaptive.min);
+            let max = raw.max.unwrap_or(adaptive.max.max(min));
+            // Not `clamp`: min and max are not checked yet.
+            let initial = raw
+                .initial
+                .unwrap_or(adaptive.initial.max(min).min(max.max(min)));
+            let ratio = raw.decrease_ratio.unwrap_or(adaptive.decrease_ratio);
+            let before = p.0.len();
+            if min == 0 {
+                p.push::<()>(&path::key(at, "min"), "must be at least 1, got 0");
+            }
+            if max < min || max as u64 > MAX_CONCURRENCY {
+                p.push::<()>(
+                    &path::key(at, "max"),
+                    format!("must be between min ({min}) and {MAX_CONCURRENCY}, got {max}"),
+                );
+            }
+            if !(min..=max).contains(&initial) {
+                p.push::<()>(
+                    &path::key(at, "initial"),
+                    format!("must be between min ({min}) and max ({max}), got {initial}"),
+                );
+            }
+            if !(ratio > 0.0 && ratio < 1.0) {
+                p.push::<()>(
+                    &path::key(at, "decrease_ratio"),
+                    format!("must be between 0 and 1, got {ratio}"),
+                );
+            }
+            (p.0.len() == before).then_some(LimitMode::Adaptive(AimdSettings {
+                initial,
+                min,
+                max,
+                decrease_ratio: ratio,
+                ..adaptive
+            }))
+        }
+        Some(other) => p.push(
+            at,
+            format!("must be 'adaptive', a whole number, or {{min, max, initial}}, got {other}"),
+        ),
+    }
+}
+
+fn health(raw: RawHealth, at: &str, p: &mut Problems<'_>) -> Option<HealthSettings> {
+    let defaults = HealthSettings::default();
+    let field = |name: &str| path::key(at, name);
+    let path = match raw.path {
+        Some(path) if !path.starts_with('/') => {
+            p.push(&field("path"), format!("must start with '/', got '{path}'"))
+        }
+        other => Some(other),
+    };
+    let interval = p.duration(&field("interval"), raw.interval.as_deref(), "5s");
+    let timeout = p.duration(&field("timeout"), raw.timeout.as_deref(), "10s");
+    let max_failures = match raw.max_failures {
+        Some(0) => p.push(&field("max_failures"), "must be at least 1, got 0"),
+        other => Some(other.unwrap_or(defaults.max_failures)),
+    };
+    let recover_after = match raw.recover_after {
+        Some(0) => p.push(&field("recover_after"), "must be at least 1, got 0"),
+        other => Some(other.unwrap_or(defaults.recover_after)),
+    };
+    Some(HealthSettings {
+        path: path?,
+        interval: interval?,
+        timeout: timeout?,
+        max_failures: max_failures?,
+        recover_after: recover_after?,
+    })
+}
+
+/// The engine part of `local` and `remote` endpoints.
+fn engine(
+    raw: &RawEndpoint,
+    at: &str,
+    p: &mut Problems<'_>,
+    default_threshold: u64,
+) -> Option<Engine> {
+    let field = |name: &str| path::key(at, name);
+    let preset = match raw.preset.as_deref() {
+        None => Some(None),
+        Some(name) => match Preset::parse(name) {
+            Some(preset) => Some(Some(preset)),
+            None => p.push(
+                &field("preset"),
+                format!("must be vllm, sglang, llama.cpp or ollama, got '{name}'"),
+            ),
+        },
+    };
+    let command = match (&raw.command, preset) {
+        (Some(command), _) if command.trim().is_empty() => {
+            p.push(&field("command"), "must not be empty")
+        }
+        (Some(command), _) => {
+            let unknown = unknown_placeholders(command);
+            if unknown.is_empty() {
+                Some(command.clone())
+            } else {
+                p.push(
+                    &field("command"),
+                    format!(
+                        "has unknown placeholder {} (known: {{model}}, {{port}}, {{args}}, {{gpu}})",
+                        unknown.join(", ")
+                    ),
+                )
+            }
+        }
+        (None, Some(Some(preset))) => Some(preset.command().to_owned()),
+        (None, Some(None)) => p.push(
+            &field("preset"),
+            "is required without a command: vllm, sglang, llama.cpp or ollama (or give command)",
+        ),
+        (None, None) => None,
+    };
+    let gpu = match &raw.gpu {
+        None => Some(None),
+        Some(Value::Number(n)) if n.is_u64() => Some(Some(n.to_string())),
+        Some(Value::String(s))
+            if !s.is_empty() && s.split(',').all(|g| g.trim().parse::<u32>().is_ok()) =>
+        {
+            Some(Some(s.replace(' ', "")))
+        }
+        Some(other) => p.push(
+            &field("gpu"),
+            format!("must be a GPU index or a list like \"0,1\", got {other}"),
+        ),
+    };
+    let env = secrets(raw.env.clone(), &field("env"), p, |name| {
+        !name.is_empty()
+            && !name.starts_with(|c: char| c.is_ascii_digit())
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+    });
+    let preset_timeout = preset
+        .flatten()
+        .map_or(Duration::from_secs(600), Preset::startup_timeout);
+    let startup_timeout = match raw.startup_timeout.as_deref() {
+        Some(text) => p.duration(&field("startup_timeout"), Some(text), ""),
+        None => Some(preset_timeout),
+    };
+    let stop_grace = p.duration(&field("stop_grace"), raw.stop_grace.as_deref(), "30s");
+    let restart_delay = p.duration(&field("restart_delay"), raw.restart_delay.as_deref(), "30s");
+    if raw.port == Some(0) {
+        p.push::<()>(
+            &field("port"),
+            "must be a port number, got 0 (leave it out for a free port)",
+        );
+    }
+    Some(Engine {
+        preset: preset?,
+        command: command?,
+        args: raw.args.clone().unwrap_or_default(),
+        port: raw.port.filter(|port| *port > 0),
+        gpu: gpu?,
+        env: env?,
+        startup_timeout: startup_timeout?,
+        stop_grace: stop_grace?,
+        restarts: raw.restarts.unwrap_or(3),
+        restart_delay: restart_delay?,
+        gpu_memory_threshold_mb: raw
+            .gpu_memory_threshold_mb
+            .unwrap_or(default_threshold.max(1024)),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commands_fill_placeholders_and_unknown_ones_are_found() {
+        assert_eq!(
+            fill(
+                "vllm serve {model} --port {port} {args}",
+                "m",
+                "8001",
+                "",
+                None
+            ),
+            "vllm serve m --port 8001"
+        );
+        assert_eq!(
+            unknown_placeholders("run {modle} --x '{\"a\": 1}' {port}"),
+            vec!["{modle}"]
+        );
+    }
+}

@@ -1,0 +1,181 @@
+//! An endpoint's health as a circuit breaker, with all its state here.
+//!
+//! Closed: the endpoint takes items. `max_failures` failures in a row (health
+//! probes, or calls that failed for the endpoint's sake: refused connections,
+//! timeouts, 5xx) open it: it takes no new items. While open, only probes run;
+//! the first probe that succeeds half-opens it, and `recover_after` probes in
+//! a row that succeed close it again. A failure while half-open opens it.
+//! Needing several of each keeps a flaky endpoint from flapping.
+
+/// The breaker's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BreakerState {
+    Closed,
+    Open,
+    HalfOpen,
+}
+
+impl BreakerState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Closed => "healthy",
+            Self::Open => "unhealthy",
+            Self::HalfOpen => "recovering",
+        }
+    }
+}
+
+/// What an observation did to the breaker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transition {
+    /// Closed or half-open to open: stop sending, move calls in flight away.
+    Opened,
+    /// Open to half-open: a probe answered.
+    HalfOpened,
+    /// Back to closed: take items again.
+    Closed,
+}
+
+#[derive(Debug, Clone)]
+pub struct Breaker {
+    state: BreakerState,
+    failures: u32,
+    successes: u32,
+    max_failures: u32,
+    recover_after: u32,
+}
+
+impl Breaker {
+    pub fn new(max_failures: u32, recover_after: u32) -> Self {
+        Self {
+            state: BreakerState::Closed,
+            failures: 0,
+            successes: 0,
+            max_failures: max_failures.max(1),
+            recover_after: recover_after.max(1),
+        }
+    }
+
+    pub fn state(&self) -> BreakerState {
+        self.state
+    }
+
+    /// Whether calls may be sent.
+    pub fn admits(&self) -> bool {
+        self.state == BreakerState::Closed
+    }
+
+    /// A health probe's result.
+    pub fn probe(&mut self, ok: bool) -> Option<Transition> {
+        match (self.state, ok) {
+            (BreakerState::Closed, true) => {
+                self.failures = 0;
+                None
+            }
+            (BreakerState::Closed, false) => self.fail(),
+            (BreakerState::Open, true) => {
+                self.state = BreakerState::HalfOpen;
+                self.successes = 1;
+                self.close_if_recovered().or(Some(Transition::HalfOpened))
+            }
+            (BreakerState::Open, false) => None,
+            (BreakerState::HalfOpen, true) => {
+                self.successes += 1;
+                self.close_if_recovered()
+            }
+            (BreakerState::HalfOpen, false) => self.open(),
+        }
+    }
+
+    /// A call's result, as far as the endpoint's health goes: `Some(true)`
+    /// succeeded, `Some(false)` failed for the endpoint's sake, `None` says
+    /// nothing (a 4xx, a 429: the endpoint is up).
+    pub fn call(&mut self, healthy: Option<bool>) -> Option<Transition> {
+        match (self.state, healthy?) {
+            (BreakerState::Closed, true) => {
+                self.failures = 0;
+                None
+            }
+            (BreakerState::Closed, false) => self.fail(),
+            // Calls finishing after the breaker opened say nothing new.
+            (BreakerState::Open | BreakerState::HalfOpen, _) => None,
+        }
+    }
+
+    /// Opens the breaker whatever its counts (the engine's process died).
+    pub fn trip(&mut self) -> Option<Transition> {
+        if self.state == BreakerState::Open {
+            None
+        } else {
+            self.open()
+        }
+    }
+
+    /// Back to closed with clean counts (a restarted engine became ready).
+    pub fn reset(&mut self) -> Option<Transition> {
+        let was = self.state;
+        *self = Self::new(self.max_failures, self.recover_after);
+        (was != BreakerState::Closed).then_some(Transition::Closed)
+    }
+
+    fn fail(&mut self) -> Option<Transition> {
+        self.failures += 1;
+        if self.failures >= self.max_failures {
+            self.open()
+        } else {
+            None
+        }
+    }
+
+    fn open(&mut self) -> Option<Transition> {
+        self.state = BreakerState::Open;
+        self.failures = 0;
+        self.successes = 0;
+        Some(Transition::Opened)
+    }
+
+    fn close_if_recovered(&mut self) -> Option<Transition> {
+        if self.successes >= self.recover_after {
+            self.state = BreakerState::Closed;
+            self.failures = 0;
+            self.successes = 0;
+            Some(Transition::Closed)
+        } else {
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failures_in_a_row_open_and_successes_in_a_row_close() {
+        let mut b = Breaker::new(3, 2);
+        assert_eq!(b.probe(false), None);
+        assert_eq!(b.call(Some(false)), None);
+        assert_eq!(b.call(Some(true)), None, "a success resets the count");
+        assert_eq!(b.probe(false), None);
+        assert_eq!(b.call(Some(false)), None);
+        assert_eq!(b.probe(false), Some(Transition::Opened));
+        assert!(!b.admits());
+        assert_eq!(b.call(Some(true)), None, "late calls do not close it");
+        assert_eq!(b.probe(true), Some(Transition::HalfOpened));
+        assert!(!b.admits());
+        assert_eq!(b.probe(true), Some(Transition::Closed));
+        assert!(b.admits());
+    }
+
+    #[test]
+    fn a_failure_while_half_open_opens_again_and_neutral_calls_count_for_nothing() {
+        let mut b = Breaker::new(1, 3);
+        assert_eq!(b.call(None), None);
+        assert_eq!(b.call(Some(false)), Some(Transition::Opened));
+        assert_eq!(b.probe(true), Some(Transition::HalfOpened));
+        assert_eq!(b.probe(false), Some(Transition::Opened));
+        assert_eq!(b.state(), BreakerState::Open);
+        assert_eq!(b.trip(), None, "already open");
+        assert_eq!(b.reset(), Some(Transition::Closed));
+    }
+}

@@ -1,0 +1,385 @@
+//! The endpoints of a run as the scheduler sees them, and the fleet that
+//! looks after them.
+//!
+//! Control logic lives in types with no HTTP in them: the concurrency
+//! controller ([`aimd`], driving [`limit`]), the circuit breaker
+//! ([`breaker`]) and rate limits ([`rate`]). [`Endpoint`] puts them together
+//! with a client; [`runtime`] starts, watches, restarts and stops endpoints.
+
+pub mod aimd;
+pub mod breaker;
+pub mod engine;
+pub mod gpu;
+pub mod limit;
+pub mod rate;
+pub mod runtime;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+pub use aimd::{AimdSettings, Decision, Reason, Signal};
+pub use breaker::{Breaker, BreakerState, Transition};
+pub use limit::{ConcurrencyLimit, LimitMode, Permit};
+pub use rate::{Quota, RateEvent, RateLimiter};
+
+use crate::client::{ChatClient, ErrorClass};
+use crate::config::EndpointConfig;
+
+/// Counters of one endpoint in this session.
+#[derive(Debug, Default)]
+pub struct EndpointCounters {
+    pub in_flight: AtomicU64,
+    pub attempts: AtomicU64,
+    pub successes: AtomicU64,
+    errors: [AtomicU64; 4],
+    /// Calls started in each of the last 60 seconds (a ring by second).
+    minute: Mutex<Minute>,
+}
+
+#[derive(Debug)]
+struct Minute {
+    counts: [u32; 60],
+    second: u64,
+}
+
+impl Default for Minute {
+    fn default() -> Self {
+        Self {
+            counts: [0; 60],
+            second: 0,
+        }
+    }
+}
+
+impl EndpointCounters {
+    pub fn error(&self, class: ErrorClass) {
+        self.errors[class_index(class)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn errors(&self, class: ErrorClass) -> u64 {
+        self.errors[class_index(class)].load(Ordering::Relaxed)
+    }
+
+    /// Counts a call started `at` seconds since some fixed origin.
+    fn started(&self, second: u64) {
+        let mut minute = self.minute.lock().unwrap_or_else(PoisonError::into_inner);
+        Self::roll(&mut minute, second);
+        minute.counts[(second % 60) as usize] += 1;
+    }
+
+    fn roll(minute: &mut Minute, second: u64) {
+        if second > minute.second {
+            for s in (minute.second + 1)..=second.min(minute.second + 60) {
+                minute.counts[(s % 60) as usize] = 0;
+            }
+            minute.second = second;
+        }
+    }
+
+    /// Calls started in the last 60 seconds.
+    pub fn per_minute(&self, second: u64) -> u64 {
+        let mut minute = self.minute.lock().unwrap_or_else(PoisonError::into_inner);
+        Self::roll(&mut minute, second);
+        minute.counts.iter().map(|c| u64::from(*c)).sum()
+    }
+}
+
+fn class_index(class: ErrorClass) -> usize {
+    match class {
+        ErrorClass::Retryable => 0,
+        ErrorClass::BackPressure => 1,
+        ErrorClass::Fatal => 2,
+        ErrorClass::BadResponse => 3,
+    }
+}
+
+/// Where an endpoint is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Configured but not taking part (`--endpoints`, `fleet remove`).
+    Idle,
+    /// Being started (an engine loading, a start command running).
+    Starting,
+    /// Up: takes items while its breaker is closed.
+    Ready,
+    /// An engine being restarted.
+    Restarting,
+    /// Out of the run (its restarts are spent, or it could not start).
+    Excluded,
+}
+
+impl Phase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Idle => "idle",
+            Self::Starting => "starting",
+            Self::Ready => "ready",
+            Self::Restarting => "restarting",
+            Self::Excluded => "excluded",
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Status {
+    phase: Phase,
+    breaker: Breaker,
+    base_url: Option<String>,
+    pid: Option<u32>,
+    restarts: u32,
+    /// When the breaker last opened (for restarting engines that stay
+    /// unhealthy).
+    unhealthy_since: Option<Instant>,
+}
+
+/// What `status` shows of an endpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EndpointSnapshot {
+    pub endpoint: String,
+    pub kind: String,
+    /// `idle`, `starting`, `healthy`, `unhealthy`, `recovering`,
+    /// `restarting` or `excluded`.
+    pub state: String,
+    pub limit: usize,
+    pub adaptive: bool,
+    pub in_flight: u64,
+    /// Calls started in the last minute.
+    pub requests_per_minute: u64,
+    pub errors: std::collections::BTreeMap<String, u64>,
+    pub base_url: Option<String>,
+    pub pid: Option<u32>,
+    pub restarts: u32,
+    /// The request rate learned from 429s, per second.
+    pub learned_rate: Option<f64>,
+}
+
+/// An endpoint taking part in a run.
+pub struct Endpoint {
+    pub name: String,
+    pub model: String,
+    pub config: EndpointConfig,
+    pub limit: Arc<ConcurrencyLimit>,
+    pub rate: RateLimiter,
+    pub counters: Arc<EndpointCounters>,
+    /// Per-attempt timeout.
+    pub timeout: Duration,
+    client: RwLock<Option<Arc<ChatClient>>>,
+    status: Mutex<Status>,
+    accepting: watch::Sender<bool>,
+    evict: Mutex<CancellationToken>,
+    origin: Instant,
+    /// Pauses the endpoint's quota asked for (counted for the event log).
+    pub quota_pauses: AtomicU64,
+}
+
+impl Endpoint {
+    pub fn new(config: &EndpointConfig, default_timeout: Duration) -> Self {
+        let now = Instant::now();
+        Self {
+            name: config.name.clone(),
+            model: config.model.clone(),
+            limit: ConcurrencyLimit::new(config.concurrency),
+            rate: RateLimiter::new(config.rpm, config.tpm, now),
+            counters: Arc::new(EndpointCounters::default()),
+            timeout: config.timeout.unwrap_or(default_timeout),
+            client: RwLock::new(None),
+            status: Mutex::new(Status {
+                phase: Phase::Idle,
+                breaker: Breaker::new(config.health.max_failures, config.health.recover_after),
+                base_url: None,
+                pid: None,
+                restarts: 0,
+                unhealthy_since: None,
+            }),
+            accepting: watch::channel(false).0,
+            evict: Mutex::new(CancellationToken::new()),
+            origin: now,
+            quota_pauses: AtomicU64::new(0),
+            config: config.clone(),
+        }
+    }
+
+    fn status(&self) -> std::sync::MutexGuard<'_, Status> {
+        self.status.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The client, once the endpoint's server is known.
+    pub fn client(&self) -> Option<Arc<ChatClient>> {
+        self.client
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    pub fn set_client(&self, client: ChatClient, base_url: String, pid: Option<u32>) {
+        *self.client.write().unwrap_or_else(PoisonError::into_inner) = Some(Arc::new(client));
+        let mut status = self.status();
+        status.base_url = Some(base_url);
+        status.pid = pid;
+    }
+
+    pub fn phase(&self) -> Phase {
+        self.status().phase
+    }
+
+    pub fn breaker_state(&self) -> BreakerState {
+        self.status().breaker.state()
+    }
+
+    pub fn base_url(&self) -> Option<String> {
+        self.status().base_url.clone()
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.status().pid
+    }
+
+    pub fn restarts(&self) -> u32 {
+        self.status().restarts
+    }
+
+    pub fn count_restart(&self) -> u32 {
+        let mut status = self.status();
+        status.restarts += 1;
+        status.restarts
+    }
+
+    /// How long the breaker has been open, if it is.
+    pub fn unhealthy_for(&self, now: Instant) -> Option<Duration> {
+        self.status()
+            .unhealthy_since
+            .map(|since| now.saturating_duration_since(since))
+    }
+
+    /// Whether the endpoint takes items now.
+    pub fn accepting(&self) -> bool {
+        *self.accepting.borrow()
+    }
+
+    /// Waits until the endpoint takes items; `false` if `stop` came first.
+    pub async fn wait_accepting(&self, stop: &CancellationToken) -> bool {
+        let mut rx = self.accepting.subscribe();
+        tokio::select! {
+            result = rx.wait_for(|accepting| *accepting) => result.is_ok(),
+            () = stop.cancelled() => false,
+        }
+    }
+
+    /// Changes whenever the endpoint starts or stops taking items.
+    pub fn changes(&self) -> watch::Receiver<bool> {
+        self.accepting.subscribe()
+    }
+
+    /// Cancelled when the endpoint's calls in flight must move elsewhere.
+    pub fn eviction(&self) -> CancellationToken {
+        self.evict
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn evict_in_flight(&self) {
+        let mut evict = self.evict.lock().unwrap_or_else(PoisonError::into_inner);
+        evict.cancel();
+        *evict = CancellationToken::new();
+    }
+
+    /// Recomputes whether items may be sent, evicting calls in flight when
+    /// they may not.
+    fn update(&self, status: &mut Status) {
+        let accepting = status.phase == Phase::Ready && status.breaker.admits();
+        let was = self.accepting.send_replace(accepting);
+        if was && !accepting {
+            self.evict_in_flight();
+        }
+    }
+
+    /// Moves to `phase`.
+    pub fn set_phase(&self, phase: Phase) {
+        let mut status = self.status();
+        status.phase = phase;
+        if phase == Phase::Ready {
+            status.breaker.reset();
+            status.unhealthy_since = None;
+        }
+        self.update(&mut status);
+    }
+
+    fn apply(&self, status: &mut Status, transition: Option<Transition>) -> Option<Transition> {
+        match transition {
+            Some(Transition::Opened) => status.unhealthy_since = Some(Instant::now()),
+            Some(Transition::Closed) => status.unhealthy_since = None,
+            _ => {}
+        }
+        self.update(status);
+        transition
+    }
+
+    /// A health probe's result.
+    pub fn on_probe(&self, ok: bool) -> Option<Transition> {
+        let mut status = self.status();
+        let transition = status.breaker.probe(ok);
+        self.apply(&mut status, transition)
+    }
+
+    /// A call's result as far as health goes (see [`Breaker::call`]).
+    pub fn on_call(&self, healthy: Option<bool>) -> Option<Transition> {
+        let mut status = self.status();
+        let transition = status.breaker.call(healthy);
+        self.apply(&mut status, transition)
+    }
+
+    /// The engine died: unhealthy at once.
+    pub fn trip(&self) -> Option<Transition> {
+        let mut status = self.status();
+        let transition = status.breaker.trip();
+        self.apply(&mut status, transition)
+    }
+
+    /// Counts a call as started now.
+    pub fn started(&self) {
+        self.counters.started(
+            Instant::now()
+                .saturating_duration_since(self.origin)
+                .as_secs(),
+        );
+    }
+
+    pub fn snapshot(&self) -> EndpointSnapshot {
+        let status = self.status();
+        let state = match status.phase {
+            Phase::Ready => status.breaker.state().as_str(),
+            other => other.as_str(),
+        };
+        let errors = crate::summary::ERROR_CLASSES
+            .iter()
+            .map(|class| (class.as_str().to_owned(), self.counters.errors(*class)))
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        EndpointSnapshot {
+            endpoint: self.name.clone(),
+            kind: self.config.kind.name().to_owned(),
+            state: state.to_owned(),
+            limit: self.limit.current(),
+            adaptive: self.limit.is_adaptive(),
+            in_flight: self.limit.in_flight() as u64,
+            requests_per_minute: self.counters.per_minute(
+                Instant::now()
+                    .saturating_duration_since(self.origin)
+                    .as_secs(),
+            ),
+            errors,
+            base_url: status.base_url.clone(),
+            pid: status.pid,
+            restarts: status.restarts,
+            learned_rate: self.rate.learned_rate(),
+        }
+    }
+}

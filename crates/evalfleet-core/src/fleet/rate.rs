@@ -1,0 +1,415 @@
+//! An endpoint's rate limits: requests and tokens per minute, and the pauses
+//! the endpoint asks for.
+//!
+//! - `rpm` and `tpm` are token buckets holding one second's worth. A call's
+//!   token cost is estimated before it is sent and corrected from its `usage`
+//!   afterwards (the bucket may go into debt, which later calls repay).
+//! - `Retry-After` on a 429 pauses the whole endpoint until then, not only
+//!   the item; `x-ratelimit-remaining-*` near zero pauses it until the
+//!   matching `x-ratelimit-reset-*`. Pausing costs one wait instead of a
+//!   string of 429s.
+//! - With no `rpm` given, a 429 teaches a request rate: the rate calls
+//!   succeeded at just before it, a little below. Each further 429 lowers it
+//!   (at most once a second); every quiet second raises it by 1%, so it keeps
+//!   probing just under the quota.
+//!
+//! Time is passed in, so this runs on paused time in tests.
+
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// A quota a response reported (`x-ratelimit-*` headers).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Quota {
+    pub limit_requests: Option<u64>,
+    pub remaining_requests: Option<u64>,
+    pub reset_requests: Option<Duration>,
+    pub limit_tokens: Option<u64>,
+    pub remaining_tokens: Option<u64>,
+    pub reset_tokens: Option<Duration>,
+}
+
+impl Quota {
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
+/// The rate learned from 429s starts this far below the rate seen.
+const LEARNED_START: f64 = 0.95;
+/// Each further 429 multiplies the learned rate by this.
+const LEARNED_CUT: f64 = 0.95;
+/// Each quiet second multiplies it by this.
+const LEARNED_PROBE: f64 = 1.01;
+/// Success counts kept for learning, one slot per second.
+const WINDOW: usize = 4;
+
+#[derive(Debug, Clone)]
+struct Bucket {
+    per_second: f64,
+    capacity: f64,
+    level: f64,
+    last: Instant,
+}
+
+impl Bucket {
+    fn per_minute(per_minute: f64, now: Instant) -> Self {
+        Self::per_second(per_minute / 60.0, now)
+    }
+
+    fn per_second(per_second: f64, now: Instant) -> Self {
+        let capacity = per_second.max(1.0);
+        Self {
+            per_second,
+            capacity,
+            level: capacity,
+            last: now,
+        }
+    }
+
+    fn refill(&mut self, now: Instant) {
+        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
+        self.level = (self.level + elapsed * self.per_second).min(self.capacity);
+        self.last = now;
+    }
+
+    /// How long until `cost` may be taken (a cost above the capacity waits
+    /// for a full bucket and leaves it in debt).
+    fn wait(&mut self, now: Instant, cost: f64) -> Duration {
+        self.refill(now);
+        let need = cost.min(self.capacity);
+        if self.level >= need {
+            Duration::ZERO
+        } else {
+            Duration::from_secs_f64((need - self.level) / self.per_second)
+        }
+    }
+
+    fn set_rate(&mut self, now: Instant, per_second: f64) {
+        self.refill(now);
+        self.per_second = per_second;
+        self.capacity = per_second.max(1.0);
+        self.level = self.level.min(self.capacity);
+    }
+}
+
+#[derive(Debug)]
+struct Learned {
+    bucket: Bucket,
+    last_change: Instant,
+}
+
+#[derive(Debug)]
+struct State {
+    requests: Option<Bucket>,
+    tokens: Option<Bucket>,
+    paused_until: Option<Instant>,
+    learned: Option<Learned>,
+    /// Successes per second over the last few seconds, to learn from.
+    successes: [u32; WINDOW],
+    second: Instant,
+}
+
+/// What changed, for the endpoint's event log.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RateEvent {
+    /// Sending is paused until then.
+    Paused(Duration),
+    /// A request rate was learned or lowered (requests per second).
+    Learned(f64),
+}
+
+#[derive(Debug)]
+pub struct RateLimiter {
+    state: Mutex<State>,
+}
+
+impl RateLimiter {
+    pub fn new(rpm: Option<u32>, tpm: Option<u64>, now: Instant) -> Self {
+        Self {
+            state: Mutex::new(State {
+                requests: rpm.map(|r| Bucket::per_minute(f64::from(r), now)),
+                tokens: tpm.map(|t| Bucket::per_minute(t as f64, now)),
+                paused_until: None,
+                learned: None,
+                successes: [0; WINDOW],
+                second: now,
+            }),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// How long to wait before a call costing `tokens` may go; zero means it
+    /// may go now, and its cost has been taken.
+    pub fn try_take(&self, now: Instant, tokens: u64) -> Duration {
+        let mut state = self.state();
+        let mut wait = state
+            .paused_until
+            .map_or(Duration::ZERO, |until| until.saturating_duration_since(now));
+        if let Some(bucket) = state.requests.as_mut() {
+            wait = wait.max(bucket.wait(now, 1.0));
+        }
+        if let Some(learned) = state.learned.as_mut() {
+            wait = wait.max(learned.bucket.wait(now, 1.0));
+        }
+        if let Some(bucket) = state.tokens.as_mut() {
+            wait = wait.max(bucket.wait(now, tokens as f64));
+        }
+        if wait.is_zero() {
+            if let Some(bucket) = state.requests.as_mut() {
+                bucket.level -= 1.0;
+            }
+            if let Some(learned) = state.learned.as_mut() {
+                learned.bucket.level -= 1.0;
+            }
+            if let Some(bucket) = state.tokens.as_mut() {
+                bucket.level -= tokens as f64;
+            }
+        }
+        wait
+    }
+
+    /// Waits until a call costing `tokens` may go, and takes its cost.
+    pub async fn acquire(&self, tokens: u64) {
+        loop {
+            let wait = self.try_take(Instant::now(), tokens);
+            if wait.is_zero() {
+                return;
+            }
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    /// Corrects a call's token cost once its usage is known.
+    pub fn correct(&self, estimated: u64, actual: u64) {
+        if let Some(bucket) = self.state().tokens.as_mut() {
+            bucket.level -= actual as f64 - estimated as f64;
+        }
+    }
+
+    /// Pauses sending until `until` (a later pause wins).
+    fn pause(state: &mut State, now: Instant, wait: Duration) -> Option<RateEvent> {
+        let until = now + wait;
+        if state.paused_until.is_some_and(|p| p >= until) {
+            return None;
+        }
+        state.paused_until = Some(until);
+        Some(RateEvent::Paused(wait))
+    }
+
+    fn roll(state: &mut State, now: Instant) {
+        let seconds = now.saturating_duration_since(state.second).as_secs() as usize;
+        if seconds == 0 {
+            return;
+        }
+        for _ in 0..seconds.min(WINDOW) {
+            state.successes.rotate_right(1);
+            state.successes[0] = 0;
+        }
+        state.second += Duration::from_secs(seconds as u64);
+    }
+
+    /// A successful call.
+    pub fn on_success(&self, now: Instant) {
+        let mut state = self.state();
+        Self::roll(&mut state, now);
+        state.successes[0] += 1;
+        if let Some(learned) = state.learned.as_mut()
+            && now.saturating_duration_since(learned.last_change) >= Duration::from_secs(1)
+        {
+            let rate = learned.bucket.per_second * LEARNED_PROBE;
+            learned.bucket.set_rate(now, rate);
+            learned.last_change = now;
+        }
+    }
+
+    /// A 429 (or a 503 with `Retry-After`).
+    pub fn on_rate_limited(&self, now: Instant, retry_after: Option<Duration>) -> Vec<RateEvent> {
+        let mut state = self.state();
+        Self::roll(&mut state, now);
+        let mut events = Vec::new();
+        if let Some(wait) = retry_after {
+            events.extend(Self::pause(&mut state, now, wait));
+        }
+        if state.requests.is_some() {
+            // The user said what the quota is; trust it and the pauses.
+            return events;
+        }
+        match state.learned.as_mut() {
+            None => {
+                // Calls succeeded at this rate just before the quota said no.
+                let full_seconds = &state.successes[1..];
+                let seen = full_seconds
+                    .iter()
+                    .copied()
+                    .max()
+                    .unwrap_or(0)
+                    .max(state.successes[0]);
+                let rate = (f64::from(seen) * LEARNED_START).max(0.5);
+                state.learned = Some(Learned {
+                    bucket: Bucket::per_second(rate, now),
+                    last_change: now,
+                });
+                events.push(RateEvent::Learned(rate));
+            }
+            Some(learned) => {
+                if now.saturating_duration_since(learned.last_change) >= Duration::from_secs(1) {
+                    let rate = (learned.bucket.per_second * LEARNED_CUT).max(0.1);
+                    learned.bucket.set_rate(now, rate);
+                    learned.last_change = now;
+                    events.push(RateEvent::Learned(rate));
+                }
+            }
+        }
+        events
+    }
+
+    /// A response's quota headers: when one is nearly spent, pause until it
+    /// resets.
+    pub fn observe(&self, now: Instant, quota: &Quota) -> Option<RateEvent> {
+        let nearly_spent = |remaining: Option<u64>, limit: Option<u64>| match remaining {
+            Some(remaining) => remaining <= limit.map_or(0, |l| l / 100),
+            None => false,
+        };
+        let mut wait = Duration::ZERO;
+        if nearly_spent(quota.remaining_requests, quota.limit_requests) {
+            wait = wait.max(quota.reset_requests.unwrap_or_default());
+        }
+        if nearly_spent(quota.remaining_tokens, quota.limit_tokens) {
+            wait = wait.max(quota.reset_tokens.unwrap_or_default());
+        }
+        if wait.is_zero() {
+            return None;
+        }
+        Self::pause(&mut self.state(), now, wait)
+    }
+
+    /// The learned request rate, per second.
+    pub fn learned_rate(&self) -> Option<f64> {
+        self.state().learned.as_ref().map(|l| l.bucket.per_second)
+    }
+}
+
+/// A reset time in OpenAI's format (`1s`, `6m0s`, `20ms`, `1m30.5s`), or plain
+/// seconds.
+pub fn parse_reset(text: &str) -> Option<Duration> {
+    let text = text.trim();
+    if let Ok(seconds) = text.parse::<f64>() {
+        return (seconds.is_finite() && seconds >= 0.0).then(|| Duration::from_secs_f64(seconds));
+    }
+    let mut total = 0.0;
+    let mut rest = text;
+    while !rest.is_empty() {
+        let number_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
+        let value: f64 = rest[..number_len].parse().ok()?;
+        rest = &rest[number_len..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let scale = match &rest[..unit_len] {
+            "h" => 3600.0,
+            "m" => 60.0,
+            "s" => 1.0,
+            "ms" => 1e-3,
+            "us" | "µs" => 1e-6,
+            "ns" => 1e-9,
+            _ => return None,
+        };
+        total += value * scale;
+        rest = &rest[unit_len..];
+    }
+    (total.is_finite() && total >= 0.0).then(|| Duration::from_secs_f64(total))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resets_parse_in_openai_format() {
+        assert_eq!(parse_reset("1s"), Some(Duration::from_secs(1)));
+        assert_eq!(parse_reset("6m0s"), Some(Duration::from_secs(360)));
+        assert_eq!(parse_reset("20ms"), Some(Duration::from_millis(20)));
+        assert_eq!(parse_reset("1m30.5s"), Some(Duration::from_millis(90_500)));
+        assert_eq!(parse_reset("2.5"), Some(Duration::from_millis(2500)));
+        assert_eq!(parse_reset("soon"), None);
+    }
+
+    #[test]
+    fn rpm_paces_requests() {
+        let t0 = Instant::now();
+        let limiter = RateLimiter::new(Some(120), None, t0);
+        // Two a second: the bucket holds two, then one every 500 ms.
+        assert_eq!(limiter.try_take(t0, 0), Duration::ZERO);
+        assert_eq!(limiter.try_take(t0, 0), Duration::ZERO);
+        assert_eq!(limiter.try_take(t0, 0), Duration::from_millis(500));
+        assert_eq!(
+            limiter.try_take(t0 + Duration::from_millis(500), 0),
+            Duration::ZERO
+        );
+    }
+
+    #[test]
+    fn tokens_are_estimated_then_corrected() {
+        let t0 = Instant::now();
+        let limiter = RateLimiter::new(None, Some(6000), t0);
+        // 100 tokens a second; a 100-token call goes, then the bucket is empty.
+        assert_eq!(limiter.try_take(t0, 100), Duration::ZERO);
+        assert_eq!(limiter.try_take(t0, 50), Duration::from_millis(500));
+        // It used only 50: 50 more may go now.
+        limiter.correct(100, 50);
+        assert_eq!(limiter.try_take(t0, 50), Duration::ZERO);
+    }
+
+    #[test]
+    fn retry_after_and_spent_quotas_pause_the_endpoint() {
+        let t0 = Instant::now();
+        let limiter = RateLimiter::new(Some(6000), None, t0);
+        limiter.on_rate_limited(t0, Some(Duration::from_secs(2)));
+        assert_eq!(limiter.try_take(t0, 0), Duration::from_secs(2));
+        let quota = Quota {
+            limit_requests: Some(1000),
+            remaining_requests: Some(3),
+            reset_requests: Some(Duration::from_secs(5)),
+            ..Quota::default()
+        };
+        assert_eq!(
+            limiter.observe(t0, &quota),
+            Some(RateEvent::Paused(Duration::from_secs(5)))
+        );
+        assert_eq!(
+            limiter.try_take(t0 + Duration::from_secs(1), 0),
+            Duration::from_secs(4)
+        );
+    }
+
+    #[test]
+    fn a_rate_is_learned_from_429s_and_probed_upward() {
+        let t0 = Instant::now();
+        let limiter = RateLimiter::new(None, None, t0);
+        // Ten calls a second succeed, then a 429.
+        for i in 0..20 {
+            limiter.on_success(t0 + Duration::from_millis(i * 100));
+        }
+        let events = limiter.on_rate_limited(t0 + Duration::from_millis(2000), None);
+        assert_eq!(events, vec![RateEvent::Learned(9.5)]);
+        // A second 429 within the second changes nothing; after it, one does.
+        assert!(
+            limiter
+                .on_rate_limited(t0 + Duration::from_millis(2500), None)
+                .is_empty()
+        );
+        let cut = limiter.on_rate_limited(t0 + Duration::from_millis(3100), None);
+        assert_eq!(cut, vec![RateEvent::Learned(9.5 * 0.95)]);
+        limiter.on_success(t0 + Duration::from_millis(4200));
+        let probed = limiter.learned_rate().unwrap();
+        assert!((probed - 9.5 * 0.95 * 1.01).abs() < 1e-9, "{probed}");
+    }
+}

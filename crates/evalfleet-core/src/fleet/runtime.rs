@@ -1,0 +1,923 @@
+//! The fleet at run time: each endpoint that takes part has a keeper task
+//! that starts it (a mock, a start command, an engine and its readiness),
+//! probes its health, restarts an engine that dies or stays unhealthy (up to
+//! `restarts` times, `restart_delay` apart) and leaves it out after that.
+//! A housekeeping task stores lifecycle events and endpoint snapshots, and
+//! applies `evalfleet fleet add|remove` requests. When no endpoint is left,
+//! or none could take items for `timeouts.no_endpoint`, the fleet says it is
+//! exhausted and the run stops, resumable.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use serde_json::{Map, Value};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::engine::{
+    Launcher, RemoteCommands, Supervised, free_port, run_argv, run_shell, shell_join,
+};
+use super::gpu::{self, GpuReport};
+use super::{Endpoint, Phase, RateEvent, Transition};
+use crate::client::{ChatClient, http_client};
+use crate::config::{Config, EndpointConfig, EndpointKind, Engine, MockSettings};
+use crate::store::{Event, FleetChange, Store, StoreError, now_ms};
+
+/// Keeps an in-process mock alive while held.
+pub type MockGuard = Box<dyn Send + Sync>;
+
+/// Starts `kind: mock` endpoints (the binary has the server).
+pub trait MockStarter: Send + Sync {
+    #[allow(clippy::type_complexity)]
+    fn start(
+        &self,
+        settings: MockSettings,
+    ) -> Pin<Box<dyn Future<Output = std::io::Result<(String, MockGuard)>> + Send>>;
+}
+
+/// Whether an engine may start on a GPU someone else is using.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuPolicy {
+    /// Refuse (the endpoint is left out, saying why).
+    Refuse,
+    /// Start anyway (`-y`, or the user said yes).
+    Allow,
+}
+
+/// How a fleet is run.
+#[derive(Clone)]
+pub struct FleetOptions {
+    pub launcher: Launcher,
+    pub mocks: Arc<dyn MockStarter>,
+    /// The endpoints that take part from the start (`--endpoints`); `None`:
+    /// all of them.
+    pub active: Option<Vec<String>>,
+    pub gpu_policy: GpuPolicy,
+    /// How long the run may have no endpoint able to take items.
+    pub no_endpoint_timeout: Duration,
+}
+
+/// A lifecycle fact about an endpoint.
+#[derive(Debug, Clone)]
+struct FleetEvent {
+    endpoint: String,
+    kind: &'static str,
+    message: String,
+}
+
+struct Shared {
+    options: FleetOptions,
+    task_params: Map<String, Value>,
+    stream: bool,
+    events: mpsc::UnboundedSender<FleetEvent>,
+    exhausted: CancellationToken,
+    reason: Mutex<Option<String>>,
+    keepers: Mutex<HashMap<String, CancellationToken>>,
+    tracker: TaskTracker,
+    gpus: tokio::sync::OnceCell<GpuReport>,
+}
+
+impl Shared {
+    fn event(&self, endpoint: &Endpoint, kind: &'static str, message: String) {
+        match kind {
+            "unhealthy" | "died" | "excluded" | "start_failed" => {
+                tracing::warn!(endpoint = %endpoint.name, "{message}");
+            }
+            _ => tracing::info!(endpoint = %endpoint.name, "{message}"),
+        }
+        let _ = self.events.send(FleetEvent {
+            endpoint: endpoint.name.clone(),
+            kind,
+            message,
+        });
+    }
+
+    fn exhaust(&self, reason: String) {
+        let mut slot = self.reason.lock().unwrap_or_else(PoisonError::into_inner);
+        if slot.is_none() {
+            tracing::warn!("{reason}");
+            *slot = Some(reason);
+        }
+        self.exhausted.cancel();
+    }
+}
+
+/// The run's endpoints and the tasks that look after them.
+pub struct Fleet {
+    pub endpoints: Vec<Arc<Endpoint>>,
+    shared: Arc<Shared>,
+    events: Option<mpsc::UnboundedReceiver<FleetEvent>>,
+    stop: CancellationToken,
+}
+
+impl Fleet {
+    pub fn new(config: &Config, options: FleetOptions) -> Self {
+        let endpoints = config
+            .endpoints
+            .iter()
+            .map(|e| Arc::new(Endpoint::new(e, config.timeouts.attempt)))
+            .collect();
+        let (events, receiver) = mpsc::unbounded_channel();
+        Self {
+            endpoints,
+            shared: Arc::new(Shared {
+                options,
+                task_params: config.task.params.clone(),
+                stream: config.task.stream,
+                events,
+                exhausted: CancellationToken::new(),
+                reason: Mutex::new(None),
+                keepers: Mutex::new(HashMap::new()),
+                tracker: TaskTracker::new(),
+                gpus: tokio::sync::OnceCell::new(),
+            }),
+            events: Some(receiver),
+            stop: CancellationToken::new(),
+        }
+    }
+
+    /// Starts the endpoints that take part and the housekeeping, which keeps
+    /// `store` (its own connection) for events, snapshots and fleet changes.
+    pub fn start(&mut self, run_id: &str, store: Box<dyn Store>) {
+        for endpoint in &self.endpoints {
+            let active = self
+                .shared
+                .options
+                .active
+                .as_ref()
+                .is_none_or(|names| names.contains(&endpoint.name));
+            if active {
+                activate(&self.shared, endpoint, &self.stop);
+            }
+        }
+        if let Some(events) = self.events.take() {
+            let housekeeping = housekeep(
+                self.shared.clone(),
+                self.endpoints.clone(),
+                run_id.to_owned(),
+                store,
+                events,
+                self.stop.clone(),
+            );
+            self.shared.tracker.spawn(housekeeping);
+        }
+    }
+
+    /// Cancelled when no endpoint is left to take items.
+    pub fn exhausted(&self) -> CancellationToken {
+        self.shared.exhausted.clone()
+    }
+
+    /// Why the fleet is exhausted.
+    pub fn exhausted_reason(&self) -> Option<String> {
+        self.shared
+            .reason
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Stops every endpoint (engines, tunnels, stop commands) and waits for
+    /// the housekeeping to store the last events.
+    pub async fn stop(self) {
+        self.stop.cancel();
+        self.shared.tracker.close();
+        self.shared.tracker.wait().await;
+    }
+}
+
+fn activate(shared: &Arc<Shared>, endpoint: &Arc<Endpoint>, fleet_stop: &CancellationToken) {
+    let mut keepers = shared
+        .keepers
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    if keepers.contains_key(&endpoint.name) {
+        return;
+    }
+    let stop = fleet_stop.child_token();
+    keepers.insert(endpoint.name.clone(), stop.clone());
+    drop(keepers);
+    endpoint.set_phase(Phase::Starting);
+    let span = tracing::info_span!("endpoint", name = %endpoint.name);
+    shared.tracker.spawn(tracing::Instrument::instrument(
+        keep(shared.clone(), endpoint.clone(), stop),
+        span,
+    ));
+}
+
+fn deactivate(shared: &Shared, endpoint: &Endpoint) -> bool {
+    let keeper = shared
+        .keepers
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .remove(&endpoint.name);
+    match keeper {
+        Some(stop) => {
+            stop.cancel();
+            true
+        }
+        None => false,
+    }
+}
+
+/// A URL's scheme, host and port.
+fn origin(url: &str) -> String {
+    match reqwest::Url::parse(url) {
+        Ok(parsed) => parsed.origin().ascii_serialization(),
+        Err(_) => url.to_owned(),
+    }
+}
+
+/// Where an endpoint is probed.
+pub fn health_url(config: &EndpointConfig, base_url: &str) -> String {
+    let path = config
+        .health
+        .path
+        .clone()
+        .or_else(|| config.kind.engine().map(|e| e.health_path().to_owned()));
+    match path {
+        Some(path) => format!("{}{path}", origin(base_url)),
+        None => format!("{}/models", base_url.trim_end_matches('/')),
+    }
+}
+
+/// One health probe: `GET` answered with 2xx within the timeout.
+async fn probe(http: &reqwest::Client, url: &str, timeout: Duration) -> Result<(), String> {
+    match tokio::time::timeout(timeout, http.get(url).send()).await {
+        Err(_) => Err(format!(
+            "no answer within {}",
+            humantime::format_duration(timeout)
+        )),
+        Ok(Err(err)) if err.is_connect() => Err("connection refused".to_owned()),
+        Ok(Err(err)) => Err(err.to_string()),
+        Ok(Ok(response)) if response.status().is_success() => Ok(()),
+        Ok(Ok(response)) => Err(format!("HTTP {}", response.status().as_u16())),
+    }
+}
+
+/// Makes the endpoint's client for `base_url` and marks it ready.
+fn serve(
+    shared: &Shared,
+    endpoint: &Endpoint,
+    base_url: &str,
+    pid: Option<u32>,
+) -> Result<(), String> {
+    let client = ChatClient::new(
+        &endpoint.config,
+        base_url,
+        &shared.task_params,
+        shared.stream,
+    )?;
+    endpoint.set_client(client, base_url.to_owned(), pid);
+    endpoint.set_phase(Phase::Ready);
+    Ok(())
+}
+
+/// What ended a stretch of serving.
+enum Ended {
+    Stopped,
+    /// The process ended (managed engines).
+    Died(String),
+    /// Unhealthy for longer than allowed (managed engines).
+    StayedUnhealthy,
+}
+
+/// Probes the endpoint every `interval` while it serves, until stopped, the
+/// process dies, or (when `restart_after` is set) it stays unhealthy.
+async fn watch(
+    shared: &Shared,
+    endpoint: &Endpoint,
+    base_url: &str,
+    stop: &CancellationToken,
+    mut process: Option<&mut Supervised>,
+    restart_after: Option<Duration>,
+) -> Ended {
+    let health = &endpoint.config.health;
+    let url = health_url(&endpoint.config, base_url);
+    let Ok(http) = http_client(1) else {
+        return Ended::Died("cannot build an HTTP client for probes".to_owned());
+    };
+    // While unhealthy it is probed five times as often, so that it comes
+    // back soon after it recovers; a change of state probes at once.
+    let recovering = (health.interval / 5).max(Duration::from_millis(100));
+    let mut changes = endpoint.changes();
+    loop {
+        let next = if endpoint.breaker_state() == super::BreakerState::Closed {
+            health.interval
+        } else {
+            recovering
+        };
+        let exited = async {
+            match process.as_mut() {
+                Some(process) => process.wait().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = stop.cancelled() => return Ended::Stopped,
+            status = exited => {
+                let how = match status {
+                    Ok(status) => format!("exited ({status})"),
+                    Err(err) => format!("could not be watched ({err})"),
+                };
+                return Ended::Died(how);
+            }
+            () = tokio::time::sleep(next) => {}
+            _ = changes.changed() => {}
+        }
+        let result = probe(&http, &url, health.timeout).await;
+        let transition = endpoint.on_probe(result.is_ok());
+        report_transition(shared, endpoint, transition, result.err());
+        if let (Some(after), Some(for_how_long)) =
+            (restart_after, endpoint.unhealthy_for(Instant::now()))
+            && for_how_long >= after
+        {
+            return Ended::StayedUnhealthy;
+        }
+    }
+}
+
+fn report_transition(
+    shared: &Shared,
+    endpoint: &Endpoint,
+    transition: Option<Transition>,
+    why: Option<String>,
+) {
+    match transition {
+        Some(Transition::Opened) => shared.event(
+            endpoint,
+            "unhealthy",
+            format!(
+                "Endpoint {} is unhealthy ({}); its calls in flight move to other endpoints.",
+                endpoint.name,
+                why.unwrap_or_else(|| "calls failed".to_owned())
+            ),
+        ),
+        Some(Transition::HalfOpened) => shared.event(
+            endpoint,
+            "recovering",
+            format!(
+                "Endpoint {} answers probes again; waiting for it to stay up.",
+                endpoint.name
+            ),
+        ),
+        Some(Transition::Closed) => shared.event(
+            endpoint,
+            "recovered",
+            format!(
+                "Endpoint {} is healthy again and takes items.",
+                endpoint.name
+            ),
+        ),
+        None => {}
+    }
+}
+
+/// What the pipeline holds of the fleet: to report what calls did to
+/// endpoints, and to learn when no endpoint is left.
+#[derive(Clone)]
+pub struct FleetHandle(Arc<Shared>);
+
+impl FleetHandle {
+    /// A call changed the endpoint's health.
+    pub fn call_transition(&self, endpoint: &Endpoint, transition: Option<Transition>, why: &str) {
+        report_transition(&self.0, endpoint, transition, Some(why.to_owned()));
+    }
+
+    /// A call paused the endpoint or taught it a rate.
+    pub fn rate_event(&self, endpoint: &Endpoint, event: RateEvent) {
+        match event {
+            RateEvent::Paused(wait) => {
+                endpoint.quota_pauses.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tracing::debug!(endpoint = %endpoint.name, "Paused for {wait:?} by the endpoint's quota.");
+            }
+            RateEvent::Learned(rate) => self.0.event(
+                endpoint,
+                "quota",
+                format!(
+                    "Endpoint {} answers 429: sending at most {rate:.2} requests/s (learned from its answers).",
+                    endpoint.name
+                ),
+            ),
+        }
+    }
+
+    pub fn exhausted(&self) -> CancellationToken {
+        self.0.exhausted.clone()
+    }
+
+    pub fn exhausted_reason(&self) -> Option<String> {
+        self.0
+            .reason
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+}
+
+impl Fleet {
+    pub fn handle(&self) -> FleetHandle {
+        FleetHandle(self.shared.clone())
+    }
+}
+
+async fn keep(shared: Arc<Shared>, endpoint: Arc<Endpoint>, stop: CancellationToken) {
+    let config = endpoint.config.clone();
+    match &config.kind {
+        EndpointKind::Mock(settings) => {
+            let started = shared.options.mocks.start((**settings).clone()).await;
+            match started {
+                Ok((url, guard)) => {
+                    if let Err(err) = serve(&shared, &endpoint, &url, None) {
+                        exclude(&shared, &endpoint, format!("cannot reach its mock: {err}"));
+                        return;
+                    }
+                    watch(&shared, &endpoint, &url, &stop, None, None).await;
+                    drop(guard);
+                }
+                Err(err) => {
+                    exclude(&shared, &endpoint, format!("its mock did not start: {err}"));
+                    return;
+                }
+            }
+        }
+        EndpointKind::External {
+            base_url,
+            start_cmd,
+            stop_cmd,
+        } => {
+            if let Some(command) = start_cmd {
+                match run_shell(command, Duration::from_secs(600)).await {
+                    Ok(()) => shared.event(
+                        &endpoint,
+                        "started",
+                        format!("Ran start_cmd of {}.", endpoint.name),
+                    ),
+                    Err(err) => {
+                        exclude(&shared, &endpoint, format!("its start_cmd failed: {err}"));
+                        return;
+                    }
+                }
+            }
+            if let Err(err) = serve(&shared, &endpoint, base_url, None) {
+                exclude(&shared, &endpoint, err);
+                return;
+            }
+            watch(&shared, &endpoint, base_url, &stop, None, None).await;
+            if let Some(command) = stop_cmd {
+                match run_shell(command, Duration::from_secs(120)).await {
+                    Ok(()) => shared.event(
+                        &endpoint,
+                        "stopped",
+                        format!("Ran stop_cmd of {}.", endpoint.name),
+                    ),
+                    Err(err) => shared.event(
+                        &endpoint,
+                        "stop_failed",
+                        format!("stop_cmd of {} failed: {err}", endpoint.name),
+                    ),
+                }
+            }
+        }
+        EndpointKind::Local(_) | EndpointKind::Remote(_) => {
+            keep_engine(&shared, &endpoint, &stop).await;
+        }
+    }
+    if endpoint.phase() != Phase::Excluded {
+        endpoint.set_phase(Phase::Idle);
+    }
+}
+
+fn exclude(shared: &Shared, endpoint: &Endpoint, why: String) {
+    endpoint.set_phase(Phase::Excluded);
+    shared.event(
+        endpoint,
+        "excluded",
+        format!("Endpoint {} is left out of the run: {why}.", endpoint.name),
+    );
+}
+
+/// An engine that is up: its process (for remote ones, the tunnel) and URL.
+struct Running {
+    process: Supervised,
+    base_url: String,
+}
+
+async fn launch(shared: &Shared, endpoint: &Endpoint, local_port: u16) -> Result<Running, String> {
+    let launcher = &shared.options.launcher;
+    let base_url = format!("http://127.0.0.1:{local_port}/v1");
+    match &endpoint.config.kind {
+        EndpointKind::Local(engine) => {
+            let command = engine.render(&endpoint.model, local_port);
+            let mut env: Vec<(String, String)> = engine
+                .env
+                .iter()
+                .map(|(k, v)| (k.clone(), v.expose().to_owned()))
+                .collect();
+            if let Some(gpu) = &engine.gpu {
+                env.push(("CUDA_VISIBLE_DEVICES".to_owned(), gpu.clone()));
+            }
+            let process = launcher
+                .spawn(&endpoint.name, &command, &env, None, engine.stop_grace)
+                .await
+                .map_err(|err| format!("cannot start `{command}`: {err}"))?;
+            Ok(Running { process, base_url })
+        }
+        EndpointKind::Remote(remote) => {
+            let remote_port = remote.engine.port.unwrap_or(8000);
+            let commands = RemoteCommands::new(remote, &endpoint.model, remote_port, local_port);
+            run_argv(&commands.start, Duration::from_secs(120))
+                .await
+                .map_err(|err| format!("`{}` failed: {err}", shell_join(&commands.start)))?;
+            let tunnel = shell_join(&commands.tunnel);
+            let process = launcher
+                .spawn(
+                    &format!("{}-tunnel", endpoint.name),
+                    &tunnel,
+                    &[],
+                    Some(&shell_join(&commands.stop)),
+                    remote.engine.stop_grace,
+                )
+                .await
+                .map_err(|err| format!("cannot start the tunnel `{tunnel}`: {err}"))?;
+            Ok(Running { process, base_url })
+        }
+        _ => Err("not an engine".to_owned()),
+    }
+}
+
+/// Waits until the engine answers its health path, it exits, the start-up
+/// timeout passes, or the run stops.
+async fn ready(
+    endpoint: &Endpoint,
+    running: &mut Running,
+    timeout: Duration,
+    stop: &CancellationToken,
+) -> Result<(), String> {
+    let url = health_url(&endpoint.config, &running.base_url);
+    let http = http_client(1).map_err(|err| err.to_string())?;
+    let deadline = Instant::now() + timeout;
+    let mut last = "not started".to_owned();
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return Err("the run is stopping".to_owned()),
+            status = running.process.wait() => {
+                return Err(format!(
+                    "it exited before it was ready ({}); see {}",
+                    status.map_or_else(|e| e.to_string(), |s| s.to_string()),
+                    running.process.log.display()
+                ));
+            }
+            () = tokio::time::sleep_until(deadline) => {
+                return Err(format!(
+                    "not ready within {} (last probe: {last}); see {}",
+                    humantime::format_duration(timeout),
+                    running.process.log.display()
+                ));
+            }
+            _ = tick.tick() => {}
+        }
+        match probe(&http, &url, Duration::from_secs(5)).await {
+            Ok(()) => return Ok(()),
+            Err(err) => last = err,
+        }
+    }
+}
+
+async fn keep_engine(shared: &Shared, endpoint: &Endpoint, stop: &CancellationToken) {
+    let Some(engine) = endpoint.config.kind.engine().cloned() else {
+        return;
+    };
+    let requested_port = match &endpoint.config.kind {
+        EndpointKind::Remote(remote) => remote.local_port,
+        _ => engine.port,
+    };
+    let local_port = match requested_port.map_or_else(free_port, Ok) {
+        Ok(port) => port,
+        Err(err) => {
+            exclude(shared, endpoint, format!("no free port: {err}"));
+            return;
+        }
+    };
+    if let (EndpointKind::Local(_), Some(devices)) = (&endpoint.config.kind, &engine.gpu)
+        && let Some(why) = gpu_refusal(shared, &engine, devices).await
+    {
+        exclude(shared, endpoint, why);
+        return;
+    }
+    loop {
+        let phase = if endpoint.restarts() == 0 {
+            Phase::Starting
+        } else {
+            Phase::Restarting
+        };
+        endpoint.set_phase(phase);
+        let started = Instant::now();
+        let ended = match launch(shared, endpoint, local_port).await {
+            Err(err) => Err(err),
+            Ok(mut running) => {
+                shared.event(
+                    endpoint,
+                    "started",
+                    format!(
+                        "Started {} (pid {}, log {}).",
+                        endpoint.name,
+                        running
+                            .process
+                            .pid
+                            .map_or_else(|| "?".to_owned(), |p| p.to_string()),
+                        running.process.log.display()
+                    ),
+                );
+                match ready(endpoint, &mut running, engine.startup_timeout, stop).await {
+                    Err(err) => {
+                        running.process.stop(engine.stop_grace).await;
+                        Err(err)
+                    }
+                    Ok(()) => match serve(shared, endpoint, &running.base_url, running.process.pid)
+                    {
+                        Err(err) => {
+                            running.process.stop(engine.stop_grace).await;
+                            Err(err)
+                        }
+                        Ok(()) => {
+                            shared.event(
+                                endpoint,
+                                "ready",
+                                format!(
+                                    "Endpoint {} is ready at {} ({:.1}s).",
+                                    endpoint.name,
+                                    running.base_url,
+                                    started.elapsed().as_secs_f64()
+                                ),
+                            );
+                            let url = running.base_url.clone();
+                            let ended = watch(
+                                shared,
+                                endpoint,
+                                &url,
+                                stop,
+                                Some(&mut running.process),
+                                Some(engine.restart_delay),
+                            )
+                            .await;
+                            if let Ended::Died(how) = &ended {
+                                endpoint.trip();
+                                shared.event(
+                                    endpoint,
+                                    "died",
+                                    format!("Engine of {} {how}.", endpoint.name),
+                                );
+                            } else if let Ended::StayedUnhealthy = ended {
+                                shared.event(
+                                    endpoint,
+                                    "unhealthy",
+                                    format!(
+                                        "Endpoint {} stayed unhealthy for {}; restarting it.",
+                                        endpoint.name,
+                                        humantime::format_duration(engine.restart_delay)
+                                    ),
+                                );
+                            }
+                            endpoint.set_phase(Phase::Restarting);
+                            running.process.stop(engine.stop_grace).await;
+                            Ok(ended)
+                        }
+                    },
+                }
+            }
+        };
+        match ended {
+            Ok(Ended::Stopped) => {
+                shared.event(endpoint, "stopped", format!("Stopped {}.", endpoint.name));
+                return;
+            }
+            Err(_) if stop.is_cancelled() => return,
+            Err(err) => shared.event(
+                endpoint,
+                "start_failed",
+                format!("{} did not start: {err}", endpoint.name),
+            ),
+            Ok(_) => {}
+        }
+        let restarts = endpoint.count_restart();
+        if restarts > engine.restarts {
+            exclude(
+                shared,
+                endpoint,
+                format!("it failed again after {} restarts", engine.restarts),
+            );
+            return;
+        }
+        shared.event(
+            endpoint,
+            "restarting",
+            format!(
+                "Restarting {} in {} (restart {restarts} of {}).",
+                endpoint.name,
+                humantime::format_duration(engine.restart_delay),
+                engine.restarts
+            ),
+        );
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(engine.restart_delay) => {}
+        }
+    }
+}
+
+async fn gpu_refusal(shared: &Shared, engine: &Engine, devices: &str) -> Option<String> {
+    let report = shared.gpus.get_or_init(gpu::report).await;
+    let busy = gpu::busy(report, devices, engine.gpu_memory_threshold_mb);
+    if busy.is_empty() {
+        return None;
+    }
+    match shared.options.gpu_policy {
+        GpuPolicy::Allow => {
+            tracing::warn!("Starting on a busy GPU as asked: {}.", busy.join("; "));
+            None
+        }
+        GpuPolicy::Refuse => Some(format!("{} (run with -y to start anyway)", busy.join("; "))),
+    }
+}
+
+/// Every second: fleet changes, snapshots, events, and whether any endpoint
+/// is left.
+async fn housekeep(
+    shared: Arc<Shared>,
+    endpoints: Vec<Arc<Endpoint>>,
+    run_id: String,
+    store: Box<dyn Store>,
+    mut events: mpsc::UnboundedReceiver<FleetEvent>,
+    stop: CancellationToken,
+) {
+    let mut store = Some(store);
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut limits: HashMap<String, usize> = HashMap::new();
+    let mut ticks: u64 = 0;
+    let mut unavailable_since: Option<Instant> = None;
+    loop {
+        let stopping = tokio::select! {
+            _ = tick.tick() => false,
+            () = stop.cancelled() => true,
+        };
+        ticks += 1;
+        let mut pending: Vec<FleetEvent> = Vec::new();
+        while let Ok(event) = events.try_recv() {
+            pending.push(event);
+        }
+        // Limit changes, summarised every 5 seconds.
+        if ticks.is_multiple_of(5) || stopping {
+            for endpoint in &endpoints {
+                let now = endpoint.limit.current();
+                let before = limits.insert(endpoint.name.clone(), now);
+                if endpoint.limit.is_adaptive() && before.is_some_and(|b| b != now) {
+                    let verb = if before < Some(now) { "raised" } else { "cut" };
+                    let message = format!(
+                        "Concurrency limit of {} {verb} from {} to {now}.",
+                        endpoint.name,
+                        before.unwrap_or(now)
+                    );
+                    tracing::info!(endpoint = %endpoint.name, "{message}");
+                    pending.push(FleetEvent {
+                        endpoint: endpoint.name.clone(),
+                        kind: "limit",
+                        message,
+                    });
+                }
+            }
+        }
+        let snapshots: Vec<_> = endpoints.iter().map(|e| e.snapshot()).collect();
+        let Some(mut owned) = store.take() else {
+            return;
+        };
+        let id = run_id.clone();
+        let result = tokio::task::spawn_blocking(move || {
+            let mut outcome: Result<Vec<FleetChange>, StoreError> = Ok(Vec::new());
+            for event in &pending {
+                if let Err(err) = owned.add_event(
+                    &id,
+                    &Event {
+                        at_ms: now_ms(),
+                        kind: event.kind.to_owned(),
+                        endpoint: Some(event.endpoint.clone()),
+                        message: event.message.clone(),
+                    },
+                ) {
+                    outcome = Err(err);
+                }
+            }
+            if let Err(err) = owned.put_endpoint_states(&id, &snapshots) {
+                outcome = Err(err);
+            }
+            if outcome.is_ok() {
+                outcome = owned.take_fleet_changes(&id);
+            }
+            (owned, outcome)
+        })
+        .await;
+        let changes = match result {
+            Ok((owned, outcome)) => {
+                store = Some(owned);
+                match outcome {
+                    Ok(changes) => changes,
+                    Err(err) => {
+                        tracing::warn!("Cannot store the fleet's state: {err}.");
+                        Vec::new()
+                    }
+                }
+            }
+            Err(err) => {
+                tracing::warn!("The fleet's housekeeping failed: {err}.");
+                return;
+            }
+        };
+        if stopping {
+            return;
+        }
+        for change in changes {
+            apply(&shared, &endpoints, &change, &stop);
+        }
+        check_exhausted(&shared, &endpoints, &mut unavailable_since);
+    }
+}
+
+fn apply(
+    shared: &Arc<Shared>,
+    endpoints: &[Arc<Endpoint>],
+    change: &FleetChange,
+    stop: &CancellationToken,
+) {
+    let Some(endpoint) = endpoints.iter().find(|e| e.name == change.endpoint) else {
+        tracing::warn!(
+            "Fleet change for unknown endpoint '{}' ignored.",
+            change.endpoint
+        );
+        return;
+    };
+    match change.action.as_str() {
+        "add" => {
+            if endpoint.phase() == Phase::Excluded {
+                endpoint.set_phase(Phase::Idle);
+            }
+            activate(shared, endpoint, stop);
+            shared.event(
+                endpoint,
+                "added",
+                format!("Endpoint {} joined the run.", endpoint.name),
+            );
+        }
+        "remove" => {
+            if deactivate(shared, endpoint) {
+                endpoint.set_phase(Phase::Idle);
+                shared.event(
+                    endpoint,
+                    "removed",
+                    format!(
+                        "Endpoint {} left the run; its calls in flight move to others.",
+                        endpoint.name
+                    ),
+                );
+            }
+        }
+        other => tracing::warn!("Unknown fleet change '{other}' ignored."),
+    }
+}
+
+fn check_exhausted(shared: &Shared, endpoints: &[Arc<Endpoint>], since: &mut Option<Instant>) {
+    let phases: Vec<Phase> = endpoints.iter().map(|e| e.phase()).collect();
+    let coming = phases
+        .iter()
+        .any(|p| matches!(p, Phase::Starting | Phase::Restarting | Phase::Ready));
+    if !coming && phases.contains(&Phase::Excluded) && !phases.contains(&Phase::Idle) {
+        let left: Vec<&str> = endpoints.iter().map(|e| e.name.as_str()).collect();
+        shared.exhaust(format!(
+            "No endpoint is left: {} left out of the run (see `evalfleet status` for why).",
+            left.join(", ")
+        ));
+        return;
+    }
+    let serving = endpoints.iter().any(|e| e.accepting());
+    let starting = phases
+        .iter()
+        .any(|p| matches!(p, Phase::Starting | Phase::Restarting));
+    if serving || starting {
+        *since = None;
+        return;
+    }
+    let since = *since.get_or_insert_with(Instant::now);
+    let timeout = shared.options.no_endpoint_timeout;
+    if since.elapsed() >= timeout {
+        shared.exhaust(format!(
+            "No endpoint could take items for {}.",
+            humantime::format_duration(timeout)
+        ));
+    }
+}
