@@ -22,8 +22,10 @@ pub struct EndpointConfig {
     pub model: String,
     pub kind: EndpointKind,
     /// `adaptive` (the default: evalfleet finds the limit itself), a number of
-    /// calls in flight (fixed), or `{min, max, initial, decrease_ratio}`
-    /// (adaptive within bounds).
+    /// calls in flight (fixed), or `{min, max, initial, decrease_ratio,
+    /// rtt_tolerance}` (adaptive within bounds; defaults 1, 1024, 8, 0.7 and
+    /// 0.2: how far round trips may rise above their unloaded level before the
+    /// limit is cut).
     pub concurrency: LimitMode,
     /// Requests per minute allowed (a token bucket); unset: no limit.
     pub rpm: Option<u32>,
@@ -331,6 +333,7 @@ struct RawAdaptive {
     max: Option<usize>,
     initial: Option<usize>,
     decrease_ratio: Option<f64>,
+    rtt_tolerance: Option<f64>,
 }
 
 const MAX_CONCURRENCY: u64 = 100_000;
@@ -642,6 +645,7 @@ fn concurrency(raw: Option<&Value>, at: &str, p: &mut Problems<'_>) -> Option<Li
                 .initial
                 .unwrap_or(adaptive.initial.max(min).min(max.max(min)));
             let ratio = raw.decrease_ratio.unwrap_or(adaptive.decrease_ratio);
+            let tolerance = raw.rtt_tolerance.unwrap_or(adaptive.rtt_tolerance);
             let before = p.0.len();
             if min == 0 {
                 p.push::<()>(&path::key(at, "min"), "must be at least 1, got 0");
@@ -664,11 +668,18 @@ fn concurrency(raw: Option<&Value>, at: &str, p: &mut Problems<'_>) -> Option<Li
                     format!("must be between 0 and 1, got {ratio}"),
                 );
             }
+            if !(tolerance >= 0.0 && tolerance.is_finite()) {
+                p.push::<()>(
+                    &path::key(at, "rtt_tolerance"),
+                    format!("must be a fraction of at least 0 (0.2: 20%), got {tolerance}"),
+                );
+            }
             (p.0.len() == before).then_some(LimitMode::Adaptive(AimdSettings {
                 initial,
                 min,
                 max,
                 decrease_ratio: ratio,
+                rtt_tolerance: tolerance,
                 ..adaptive
             }))
         }

@@ -15,20 +15,29 @@
 //!   in slow start (until the first decrease), so that a large limit is
 //!   reached in a few round trips instead of hundreds.
 //!
-//! The baseline is a moving mean and deviation of interval RTTs. It follows
-//! slowly while RTT is raised, so that a lasting change of workload (longer
-//! answers) is absorbed instead of cutting the limit forever.
+//! The baseline follows the lower envelope of interval RTTs: it falls at once
+//! when round trips get shorter and rises only slowly, and not at all while
+//! they are raised, so a queue that grows one call at a time is not absorbed
+//! into it. Its deviation measures the noise between intervals, not the
+//! drift of a growing queue. A rise must be
+//! clear by both measures: k deviations and `rtt_tolerance` of the baseline
+//! (engines batch: a call gets somewhat slower as more run beside it, well
+//! before anything queues). A lasting change of workload (longer answers)
+//! still moves the baseline, slowly.
 
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-/// A rise must exceed this fraction of the baseline as well as k deviations.
-const RISE_TOLERANCE: f64 = 0.05;
-/// Weight of a new interval in the baseline.
-const ALPHA: f64 = 0.3;
-/// Weight while RTT is raised.
-const ALPHA_RAISED: f64 = 0.05;
+/// Weight of a shorter interval RTT in the baseline (it falls fast).
+const ALPHA_DOWN: f64 = 0.5;
+/// Weight of a longer one that is not a rise (it climbs slowly).
+const ALPHA_UP: f64 = 0.01;
+/// Weight of a new interval in the deviation.
+const ALPHA_DEVIATION: f64 = 0.3;
+/// Weight of a raised interval RTT in the baseline: a lasting change of
+/// workload is absorbed over a few dozen intervals.
+const ALPHA_RAISED: f64 = 0.02;
 /// The interval before any RTT is known.
 const FIRST_INTERVAL: Duration = Duration::from_millis(100);
 
@@ -43,6 +52,8 @@ pub struct AimdSettings {
     pub decrease_ratio: f64,
     /// How many deviations above its baseline an RTT must rise.
     pub rtt_deviation_k: f64,
+    /// And by how much of the baseline (0.2: 20%).
+    pub rtt_tolerance: f64,
 }
 
 impl Default for AimdSettings {
@@ -53,6 +64,7 @@ impl Default for AimdSettings {
             max: 1024,
             decrease_ratio: 0.7,
             rtt_deviation_k: 2.0,
+            rtt_tolerance: 0.2,
         }
     }
 }
@@ -114,6 +126,9 @@ pub struct Aimd {
     back_pressure: bool,
     reached: bool,
     baseline: Option<Baseline>,
+    /// The previous interval's mean RTT (the deviation measures the noise
+    /// between intervals, not the drift of a growing queue).
+    previous: Option<f64>,
 }
 
 impl Aimd {
@@ -131,6 +146,7 @@ impl Aimd {
             back_pressure: false,
             reached: false,
             baseline: None,
+            previous: None,
         }
     }
 
@@ -179,7 +195,8 @@ impl Aimd {
         } else if let (Some(current), Some(base)) = (current, self.baseline)
             && current
                 > base.mean
-                    + (settings.rtt_deviation_k * base.deviation).max(RISE_TOLERANCE * base.mean)
+                    + (settings.rtt_deviation_k * base.deviation)
+                        .max(settings.rtt_tolerance * base.mean)
         {
             rose = true;
             self.slow_start = false;
@@ -202,19 +219,32 @@ impl Aimd {
                     mean: current,
                     deviation: 0.0,
                 },
+                Some(base) if rose => Baseline {
+                    mean: base.mean + ALPHA_RAISED * (current - base.mean),
+                    deviation: base.deviation,
+                },
                 Some(base) => {
-                    let alpha = if rose { ALPHA_RAISED } else { ALPHA };
+                    let alpha = if current < base.mean {
+                        ALPHA_DOWN
+                    } else {
+                        ALPHA_UP
+                    };
+                    let noise = self.previous.map_or(0.0, |p| (current - p).abs());
                     Baseline {
                         mean: base.mean + alpha * (current - base.mean),
-                        deviation: base.deviation
-                            + alpha * ((current - base.mean).abs() - base.deviation),
+                        deviation: base.deviation + ALPHA_DEVIATION * (noise - base.deviation),
                     }
                 }
             });
+            self.previous = Some(current);
         }
+        // One decision per round trip as it is now: after a cut, the calls
+        // that queued before it must come back before the next decision.
         let interval = self
             .baseline
-            .map_or(FIRST_INTERVAL, |b| Duration::from_secs_f64(b.mean))
+            .map_or(FIRST_INTERVAL, |b| {
+                Duration::from_secs_f64(b.mean.max(current.unwrap_or(0.0)))
+            })
             .clamp(Duration::from_millis(1), Duration::from_secs(30));
         self.interval_end = now + interval;
         self.samples = 0;
@@ -245,6 +275,7 @@ mod tests {
             max: 64,
             decrease_ratio: 0.7,
             rtt_deviation_k: 2.0,
+            rtt_tolerance: 0.2,
         }
     }
 
