@@ -185,11 +185,10 @@ async fn simulate(scenario: &Scenario) -> Outcome {
         let latencies = latencies.clone();
         tokio::spawn(async move {
             let (signal, rtt) = sim.call().await;
-            if Instant::now() >= half && Instant::now() < end {
-                if let Signal::Success(_) = signal {
-                    completed.fetch_add(1, Ordering::Relaxed);
-                    latencies.lock().unwrap().push(rtt);
-                }
+            let now = Instant::now();
+            if now >= half && now < end && matches!(signal, Signal::Success(_)) {
+                completed.fetch_add(1, Ordering::Relaxed);
+                latencies.lock().unwrap().push(rtt);
             }
             permit.finish(signal);
         });
