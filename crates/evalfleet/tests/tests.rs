@@ -6,6 +6,7 @@
 
 mod crash;
 mod failures;
+mod fleet;
 mod input;
 mod run;
 mod util;

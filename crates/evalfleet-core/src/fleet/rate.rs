@@ -8,10 +8,13 @@
 //!   the item; `x-ratelimit-remaining-*` near zero pauses it until the
 //!   matching `x-ratelimit-reset-*`. Pausing costs one wait instead of a
 //!   string of 429s.
-//! - With no `rpm` given, a 429 teaches a request rate: the rate calls
-//!   succeeded at just before it, a little below. Each further 429 lowers it
-//!   (at most once a second); every quiet second raises it by 1%, so it keeps
-//!   probing just under the quota.
+//! - With no `rpm` given, a 429 teaches a request rate: the higher of the
+//!   rate calls succeeded at just before it and one call per `Retry-After`
+//!   (a token bucket that has just run out asks to wait one token's time).
+//!   Until the next 429 it probes upward fast (+25% a quiet second); after
+//!   that each 429 lowers it (at most once a second) by 5%, or to what got
+//!   through in the last second when that is lower, and every quiet second
+//!   raises it by 1%, so it keeps probing just under the quota.
 //!
 //! Time is passed in, so this runs on paused time in tests.
 
@@ -37,11 +40,13 @@ impl Quota {
     }
 }
 
-/// The rate learned from 429s starts this far below the rate seen.
+/// The learned rate starts this far below its estimate.
 const LEARNED_START: f64 = 0.95;
 /// Each further 429 multiplies the learned rate by this.
 const LEARNED_CUT: f64 = 0.95;
-/// Each quiet second multiplies it by this.
+/// Each quiet second multiplies it by this, before the second 429...
+const LEARNED_PROBE_FAST: f64 = 1.25;
+/// ...and by this after.
 const LEARNED_PROBE: f64 = 1.01;
 /// Success counts kept for learning, one slot per second.
 const WINDOW: usize = 4;
@@ -52,20 +57,36 @@ struct Bucket {
     capacity: f64,
     level: f64,
     last: Instant,
+    /// The seconds' worth of calls it holds when full.
+    burst: f64,
 }
+
+/// A configured quota allows a second's worth at once.
+const CONFIGURED_BURST: f64 = 1.0;
+/// A learned one paces closely: 20 ms' worth (at least one call).
+const LEARNED_BURST: f64 = 0.02;
 
 impl Bucket {
     fn per_minute(per_minute: f64, now: Instant) -> Self {
-        Self::per_second(per_minute / 60.0, now)
-    }
-
-    fn per_second(per_second: f64, now: Instant) -> Self {
-        let capacity = per_second.max(1.0);
+        let per_second = per_minute / 60.0;
+        let capacity = (per_second * CONFIGURED_BURST).max(1.0);
         Self {
             per_second,
             capacity,
             level: capacity,
             last: now,
+            burst: CONFIGURED_BURST,
+        }
+    }
+
+    /// Starts empty: it begins where the endpoint just said no.
+    fn learned(per_second: f64, now: Instant) -> Self {
+        Self {
+            per_second,
+            capacity: (per_second * LEARNED_BURST).max(1.0),
+            level: 0.0,
+            last: now,
+            burst: LEARNED_BURST,
         }
     }
 
@@ -90,7 +111,7 @@ impl Bucket {
     fn set_rate(&mut self, now: Instant, per_second: f64) {
         self.refill(now);
         self.per_second = per_second;
-        self.capacity = per_second.max(1.0);
+        self.capacity = (per_second * self.burst).max(1.0);
         self.level = self.level.min(self.capacity);
     }
 }
@@ -99,6 +120,8 @@ impl Bucket {
 struct Learned {
     bucket: Bucket,
     last_change: Instant,
+    /// Probing fast: no 429 since the rate was first learned.
+    fast: bool,
 }
 
 #[derive(Debug)]
@@ -110,6 +133,7 @@ struct State {
     /// Successes per second over the last few seconds, to learn from.
     successes: [u32; WINDOW],
     second: Instant,
+    created: Instant,
 }
 
 /// What changed, for the endpoint's event log.
@@ -136,6 +160,7 @@ impl RateLimiter {
                 learned: None,
                 successes: [0; WINDOW],
                 second: now,
+                created: now,
             }),
         }
     }
@@ -222,7 +247,12 @@ impl RateLimiter {
         if let Some(learned) = state.learned.as_mut()
             && now.saturating_duration_since(learned.last_change) >= Duration::from_secs(1)
         {
-            let rate = learned.bucket.per_second * LEARNED_PROBE;
+            let probe = if learned.fast {
+                LEARNED_PROBE_FAST
+            } else {
+                LEARNED_PROBE
+            };
+            let rate = learned.bucket.per_second * probe;
             learned.bucket.set_rate(now, rate);
             learned.last_change = now;
         }
@@ -240,28 +270,45 @@ impl RateLimiter {
             // The user said what the quota is; trust it and the pauses.
             return events;
         }
+        // What got through in the last full second.
+        let through = f64::from(state.successes[1]);
         match state.learned.as_mut() {
             None => {
                 // Calls succeeded at this rate just before the quota said no.
-                let full_seconds = &state.successes[1..];
-                let seen = full_seconds
-                    .iter()
-                    .copied()
-                    .max()
-                    .unwrap_or(0)
-                    .max(state.successes[0]);
-                let rate = (f64::from(seen) * LEARNED_START).max(0.5);
+                let seen: u32 = state.successes.iter().sum();
+                let span = now
+                    .saturating_duration_since(state.created)
+                    .min(Duration::from_secs(WINDOW as u64))
+                    .max(Duration::from_secs(1));
+                let succeeded = f64::from(seen) / span.as_secs_f64();
+                // A bucket that just ran out asks to wait for one token.
+                let per_token = retry_after
+                    .filter(|w| !w.is_zero() && *w <= Duration::from_secs(1))
+                    .map_or(0.0, |w| 1.0 / w.as_secs_f64());
+                // Both tend to overestimate (a partly refilled bucket asks for
+                // less than a token's time), so start a little below; a
+                // precise Retry-After is near the quota already, so probe up
+                // slowly from it.
+                let rate = (succeeded.max(per_token) * LEARNED_START).max(0.5);
                 state.learned = Some(Learned {
-                    bucket: Bucket::per_second(rate, now),
+                    bucket: Bucket::learned(rate, now),
                     last_change: now,
+                    fast: per_token <= succeeded,
                 });
                 events.push(RateEvent::Learned(rate));
             }
             Some(learned) => {
                 if now.saturating_duration_since(learned.last_change) >= Duration::from_secs(1) {
-                    let rate = (learned.bucket.per_second * LEARNED_CUT).max(0.1);
+                    // While paced above the quota, what got through in the last
+                    // full second is the quota.
+                    let mut rate = learned.bucket.per_second * LEARNED_CUT;
+                    if through > 0.0 {
+                        rate = rate.min(through.max(learned.bucket.per_second * 0.5));
+                    }
+                    let rate = rate.max(0.1);
                     learned.bucket.set_rate(now, rate);
                     learned.last_change = now;
+                    learned.fast = false;
                     events.push(RateEvent::Learned(rate));
                 }
             }
@@ -287,6 +334,13 @@ impl RateLimiter {
             return None;
         }
         Self::pause(&mut self.state(), now, wait)
+    }
+
+    /// Whether calls are paced (by `rpm`, or by a learned rate): then a 429
+    /// says the pace is a little high, not that too many calls are in flight.
+    pub fn paces(&self) -> bool {
+        let state = self.state();
+        state.requests.is_some() || state.learned.is_some()
     }
 
     /// The learned request rate, per second.
@@ -394,22 +448,51 @@ mod tests {
     fn a_rate_is_learned_from_429s_and_probed_upward() {
         let t0 = Instant::now();
         let limiter = RateLimiter::new(None, None, t0);
-        // Ten calls a second succeed, then a 429.
+        // Ten calls a second succeed for two seconds, then a 429.
         for i in 0..20 {
             limiter.on_success(t0 + Duration::from_millis(i * 100));
         }
         let events = limiter.on_rate_limited(t0 + Duration::from_millis(2000), None);
         assert_eq!(events, vec![RateEvent::Learned(9.5)]);
-        // A second 429 within the second changes nothing; after it, one does.
+        // A quiet second: it probes upward fast.
+        limiter.on_success(t0 + Duration::from_millis(3100));
+        assert_eq!(limiter.learned_rate(), Some(9.5 * 1.25));
+        // A 429 within a second of a change changes nothing.
         assert!(
             limiter
-                .on_rate_limited(t0 + Duration::from_millis(2500), None)
+                .on_rate_limited(t0 + Duration::from_millis(3500), None)
                 .is_empty()
         );
-        let cut = limiter.on_rate_limited(t0 + Duration::from_millis(3100), None);
-        assert_eq!(cut, vec![RateEvent::Learned(9.5 * 0.95)]);
-        limiter.on_success(t0 + Duration::from_millis(4200));
+        // In the next second 11 calls get through (and the rate is probed up
+        // once more, at 4160 ms); a 429 a second later brings the rate down
+        // to what got through.
+        for i in 0..11 {
+            limiter.on_success(t0 + Duration::from_millis(4000 + i * 80));
+        }
+        assert_eq!(limiter.learned_rate(), Some(9.5 * 1.25 * 1.25));
+        let cut = limiter.on_rate_limited(t0 + Duration::from_millis(5200), None);
+        assert_eq!(cut, vec![RateEvent::Learned(11.0)]);
+        // Probing is slow now.
+        limiter.on_success(t0 + Duration::from_millis(6300));
         let probed = limiter.learned_rate().unwrap();
-        assert!((probed - 9.5 * 0.95 * 1.01).abs() < 1e-9, "{probed}");
+        assert!((probed - 11.0 * 1.01).abs() < 1e-9, "{probed}");
+    }
+
+    #[test]
+    fn a_precise_retry_after_gives_the_quota_at_once() {
+        let t0 = Instant::now();
+        let limiter = RateLimiter::new(None, None, t0);
+        limiter.on_success(t0);
+        let events = limiter.on_rate_limited(
+            t0 + Duration::from_millis(10),
+            Some(Duration::from_millis(50)),
+        );
+        assert_eq!(
+            events,
+            vec![
+                RateEvent::Paused(Duration::from_millis(50)),
+                RateEvent::Learned(19.0)
+            ]
+        );
     }
 }

@@ -65,6 +65,7 @@ pub struct FleetOptions {
 /// A lifecycle fact about an endpoint.
 #[derive(Debug, Clone)]
 struct FleetEvent {
+    at_ms: i64,
     endpoint: String,
     kind: &'static str,
     message: String,
@@ -85,12 +86,11 @@ struct Shared {
 impl Shared {
     fn event(&self, endpoint: &Endpoint, kind: &'static str, message: String) {
         match kind {
-            "unhealthy" | "died" | "excluded" | "start_failed" => {
-                tracing::warn!(endpoint = %endpoint.name, "{message}");
-            }
-            _ => tracing::info!(endpoint = %endpoint.name, "{message}"),
+            "unhealthy" | "died" | "excluded" | "start_failed" => tracing::warn!("{message}"),
+            _ => tracing::info!("{message}"),
         }
         let _ = self.events.send(FleetEvent {
+            at_ms: now_ms(),
             endpoint: endpoint.name.clone(),
             kind,
             message,
@@ -112,7 +112,10 @@ pub struct Fleet {
     pub endpoints: Vec<Arc<Endpoint>>,
     shared: Arc<Shared>,
     events: Option<mpsc::UnboundedReceiver<FleetEvent>>,
+    /// Stops the endpoints' keepers.
     stop: CancellationToken,
+    /// Stops the housekeeping, once the keepers are done.
+    housekeeping: Option<(CancellationToken, tokio::task::JoinHandle<()>)>,
 }
 
 impl Fleet {
@@ -138,6 +141,7 @@ impl Fleet {
             }),
             events: Some(receiver),
             stop: CancellationToken::new(),
+            housekeeping: None,
         }
     }
 
@@ -156,15 +160,17 @@ impl Fleet {
             }
         }
         if let Some(events) = self.events.take() {
+            let done = CancellationToken::new();
             let housekeeping = housekeep(
                 self.shared.clone(),
                 self.endpoints.clone(),
                 run_id.to_owned(),
                 store,
                 events,
+                done.clone(),
                 self.stop.clone(),
             );
-            self.shared.tracker.spawn(housekeeping);
+            self.housekeeping = Some((done, tokio::spawn(housekeeping)));
         }
     }
 
@@ -182,12 +188,16 @@ impl Fleet {
             .clone()
     }
 
-    /// Stops every endpoint (engines, tunnels, stop commands) and waits for
-    /// the housekeeping to store the last events.
+    /// Stops every endpoint (engines, tunnels, stop commands), then lets the
+    /// housekeeping store the last events and states.
     pub async fn stop(self) {
         self.stop.cancel();
         self.shared.tracker.close();
         self.shared.tracker.wait().await;
+        if let Some((done, task)) = self.housekeeping {
+            done.cancel();
+            let _ = task.await;
+        }
     }
 }
 
@@ -756,6 +766,7 @@ async fn housekeep(
     store: Box<dyn Store>,
     mut events: mpsc::UnboundedReceiver<FleetEvent>,
     stop: CancellationToken,
+    fleet_stop: CancellationToken,
 ) {
     let mut store = Some(store);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -785,8 +796,9 @@ async fn housekeep(
                         endpoint.name,
                         before.unwrap_or(now)
                     );
-                    tracing::info!(endpoint = %endpoint.name, "{message}");
+                    tracing::info!("{message}");
                     pending.push(FleetEvent {
+                        at_ms: now_ms(),
                         endpoint: endpoint.name.clone(),
                         kind: "limit",
                         message,
@@ -805,7 +817,7 @@ async fn housekeep(
                 if let Err(err) = owned.add_event(
                     &id,
                     &Event {
-                        at_ms: now_ms(),
+                        at_ms: event.at_ms,
                         kind: event.kind.to_owned(),
                         endpoint: Some(event.endpoint.clone()),
                         message: event.message.clone(),
@@ -843,7 +855,7 @@ async fn housekeep(
             return;
         }
         for change in changes {
-            apply(&shared, &endpoints, &change, &stop);
+            apply(&shared, &endpoints, &change, &fleet_stop);
         }
         check_exhausted(&shared, &endpoints, &mut unavailable_since);
     }

@@ -491,8 +491,18 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
         ),
     };
 
-    // What the outcome teaches the fleet.
-    if let Some(decision) = permit.finish(signal(&result, &timing)) {
+    // What the outcome teaches the fleet. Once calls are paced, a 429 means
+    // the pace is a little high, not that too many calls are in flight.
+    let rate_limited = result.as_ref().err().is_some_and(|err| {
+        err.http_status() == Some(429)
+            || (err.http_status() == Some(503) && err.retry_after().is_some())
+    });
+    let signal = if rate_limited && endpoint.rate.paces() {
+        Signal::Neutral
+    } else {
+        signal(&result, &timing)
+    };
+    if let Some(decision) = permit.finish(signal) {
         tracing::debug!(
             "Concurrency limit {} -> {} ({}).",
             decision.from,
@@ -518,10 +528,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
                 endpoint.rate.correct(cost, prompt + completion);
             }
         }
-        Err(err)
-            if err.http_status() == Some(429)
-                || (err.http_status() == Some(503) && err.retry_after().is_some()) =>
-        {
+        Err(err) if rate_limited => {
             for event in endpoint.rate.on_rate_limited(now, err.retry_after()) {
                 shared.fleet.rate_event(&endpoint, event);
             }

@@ -193,6 +193,8 @@ async fn execute(session: Session) -> anyhow::Result<u8> {
     )
     .instrument(span)
     .await;
+    // The rate counts the session, not the time engines take to stop.
+    let elapsed = started.elapsed();
     display.finish().await;
     signals.abort();
     fleet.stop().await;
@@ -216,7 +218,7 @@ async fn execute(session: Session) -> anyhow::Result<u8> {
         &run_id,
         &store_path,
         &report,
-        started.elapsed(),
+        elapsed,
         pending_at_start,
     ))
 }

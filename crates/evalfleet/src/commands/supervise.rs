@@ -54,9 +54,39 @@ fn signal_group(pgid: u32, signal: libc::c_int) {
     }
 }
 
-/// Whether any process of group `pgid` is still alive.
-#[allow(unsafe_code)]
+/// Whether any process of group `pgid` is still running. Zombies do not
+/// count: an orphan that died waits for init to reap it, which may take a
+/// while, and it runs nothing meanwhile.
 fn group_alive(pgid: u32) -> bool {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return group_exists(pgid);
+    };
+    entries.flatten().any(|entry| {
+        let is_pid = entry
+            .file_name()
+            .to_str()
+            .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()));
+        if !is_pid {
+            return false;
+        }
+        // /proc/PID/stat: "pid (comm) state ppid pgrp ..."; comm may hold
+        // spaces and parentheses, so read after its last ')'.
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            return false;
+        };
+        let Some((_, rest)) = stat.rsplit_once(") ") else {
+            return false;
+        };
+        let mut fields = rest.split_whitespace();
+        let state = fields.next();
+        let group = fields.nth(1).and_then(|g| g.parse::<u32>().ok());
+        group == Some(pgid) && state != Some("Z")
+    })
+}
+
+/// Whether group `pgid` exists (where /proc cannot be read).
+#[allow(unsafe_code)]
+fn group_exists(pgid: u32) -> bool {
     let Ok(pgid) = libc::pid_t::try_from(pgid) else {
         return false;
     };
@@ -65,6 +95,7 @@ fn group_alive(pgid: u32) -> bool {
 }
 
 pub async fn supervise(args: SuperviseArgs) -> anyhow::Result<u8> {
+    let fail = i32::from(EXIT_FAILED);
     let command = args.command.join(" ");
     let mut child = Command::new("sh")
         .arg("-c")
@@ -119,7 +150,7 @@ pub async fn supervise(args: SuperviseArgs) -> anyhow::Result<u8> {
         signal_group(pid, libc::SIGKILL);
     }
     let code = match exited {
-        Some(Ok(status)) => status.code().unwrap_or(EXIT_FAILED as i32),
+        Some(Ok(status)) => status.code().unwrap_or(fail),
         _ => child.wait().await.ok().and_then(|s| s.code()).unwrap_or(0),
     };
     if let Some(on_exit) = &args.on_exit {
@@ -134,5 +165,7 @@ pub async fn supervise(args: SuperviseArgs) -> anyhow::Result<u8> {
             Err(_) => eprintln!("evalfleet supervise: on-exit `{on_exit}` timed out"),
         }
     }
-    Ok(u8::try_from(code).unwrap_or(EXIT_FAILED))
+    // Exit now: the runtime's shutdown would wait for the blocking read of
+    // stdin, and the run watches this process's exit to learn the engine died.
+    std::process::exit(code)
 }
