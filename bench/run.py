@@ -5,6 +5,8 @@
     python3 bench/run.py w2 [--rounds 3] [--n 10,50,200,1000]
     python3 bench/run.py w5 [--items 1000000]
     python3 bench/run.py startup [--items 100] [--rounds 5]
+    python3 bench/run.py w3 [--items 6000] [--rpm 6000] [--rounds 3]
+    python3 bench/run.py w4 [--items 12000] [--capacity 32] [--rounds 3]
 
 Each workload builds the release binary (unless --no-build), runs the mock
 endpoint pinned to core 0 and the client pinned to core 1, measures a
@@ -84,7 +86,7 @@ def write_config(path, dataset, url, concurrency, stream=False):
             f"name: bench\n"
             f"dataset: {{ path: {dataset}, id_field: id }}\n"
             f"endpoints:\n"
-            f"  - {{ name: mock, kind: external, base_url: \"{url}\", model: m, concurrency: {concurrency} }}\n"
+            f"  - {{ name: mock, kind: external, base_url: \"{url}\", model: m, concurrency: {json.dumps(concurrency)} }}\n"
             f"task:\n"
             f"  messages: [ {{ role: user, content: \"{{{{ question }}}}\" }} ]\n"
             f"  params: {{ max_tokens: 64 }}\n"
@@ -307,9 +309,122 @@ def startup(args, work):
     print(f"\n| start-up | {args.items} items, new store | {result['median_ms']:.0f} ms (runs: {', '.join(f'{t:.0f}' for t in times)}) |")
 
 
+def status(run_id, db, cwd):
+    out = subprocess.run([BIN, "status", run_id, "--store", db, "--json"], cwd=cwd, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def w3(args, work):
+    """A quota of R requests a minute (bursts of one second's worth), 429 with
+    Retry-After beyond it; evalfleet with its default adaptive settings."""
+    dataset = os.path.join(work, "w3.jsonl")
+    write_dataset(dataset, args.items)
+    burst = max(1, args.rpm // 60)
+    ideal = (args.items - burst) / (args.rpm / 60.0)
+    rounds = []
+    for i in range(args.rounds):
+        mock = Mock("--rpm", str(args.rpm), "--burst", str(burst), "--latency", "100ms")
+        config = os.path.join(work, f"w3-{i}.yaml")
+        write_config(config, dataset, mock.url, "adaptive")
+        run = evalfleet(["run", config, "--store", os.path.join(work, f"w3-{i}.db"), "-q"], work)
+        stats = mock.stats()
+        mock.stop()
+        assert run["done"] == args.items, run
+        round_ = {
+            "seconds": run["seconds"],
+            "time_over_ideal": run["seconds"] / ideal,
+            "rate_limited": stats["rate_limited"],
+            "completed": stats["completed"],
+            "per_success": stats["rate_limited"] / stats["completed"],
+            "rss_mb": run["rss_mb"],
+        }
+        rounds.append(round_)
+        print(json.dumps(round_), file=sys.stderr)
+    med = lambda k: statistics.median(r[k] for r in rounds)
+    result = {
+        "workload": "W3",
+        "items": args.items,
+        "rpm": args.rpm,
+        "burst": burst,
+        "ideal_seconds": ideal,
+        "time_over_ideal_median": med("time_over_ideal"),
+        "per_success_median": med("per_success"),
+        "rounds": rounds,
+    }
+    print(json.dumps(result, indent=2))
+    print(
+        f"\n| W3 | {args.items} items, {args.rpm} rpm (bursts of {burst}), 100 ms per call | ideal {ideal:.1f} s "
+        f"| {result['time_over_ideal_median']:.3f} x ideal, {result['per_success_median']:.4f} 429s per success |"
+    )
+
+
+def w4(args, work):
+    """A backend that serves K at once and queues the rest (no 429 ever);
+    evalfleet with its default adaptive settings."""
+    latency = 0.2
+    dataset = os.path.join(work, "w4.jsonl")
+    write_dataset(dataset, args.items)
+    ideal = args.capacity / latency
+    # The unloaded latency: one call at a time.
+    mock = Mock("--capacity", str(args.capacity), "--latency", "200ms")
+    probe = os.path.join(work, "w4-probe.jsonl")
+    write_dataset(probe, 50)
+    config = os.path.join(work, "w4-probe.yaml")
+    write_config(config, probe, mock.url, 1)
+    evalfleet(["run", config, "--store", os.path.join(work, "w4-probe.db"), "-q", "--run-id", "probe"], work)
+    unloaded = status("probe", os.path.join(work, "w4-probe.db"), work)["endpoints"][0]["latency_ms"]["p50"]
+    mock.stop()
+    rounds = []
+    for i in range(args.rounds):
+        mock = Mock("--capacity", str(args.capacity), "--latency", "200ms")
+        config = os.path.join(work, f"w4-{i}.yaml")
+        write_config(config, dataset, mock.url, "adaptive")
+        db = os.path.join(work, f"w4-{i}.db")
+        run = evalfleet(["run", config, "--store", db, "-q", "--run-id", f"w4-{i}"], work)
+        stats = mock.stats()
+        mock.stop()
+        assert run["done"] == args.items, run
+        summary = status(f"w4-{i}", db, work)
+        limits = [
+            int(m.split(" to ")[1].rstrip("."))
+            for m in (e["message"] for e in summary["events"] if e["kind"] == "limit")
+        ]
+        half = limits[len(limits) // 2 :] or limits
+        round_ = {
+            "items_per_s": run["rate"],
+            "throughput_over_ideal": run["rate"] / ideal,
+            "p50_ms": summary["endpoints"][0]["latency_ms"]["p50"],
+            "p50_over_unloaded": summary["endpoints"][0]["latency_ms"]["p50"] / unloaded,
+            "limit_second_half": [min(half), max(half)] if half else None,
+            "mock_max_in_flight": stats["max_in_flight"],
+            "rate_limited": stats["rate_limited"],
+        }
+        rounds.append(round_)
+        print(json.dumps(round_), file=sys.stderr)
+    med = lambda k: statistics.median(r[k] for r in rounds)
+    result = {
+        "workload": "W4",
+        "items": args.items,
+        "capacity": args.capacity,
+        "latency_ms": latency * 1000,
+        "unloaded_p50_ms": unloaded,
+        "ideal_items_per_s": ideal,
+        "throughput_over_ideal_median": med("throughput_over_ideal"),
+        "p50_over_unloaded_median": med("p50_over_unloaded"),
+        "rounds": rounds,
+    }
+    print(json.dumps(result, indent=2))
+    print(
+        f"\n| W4 | {args.items} items, K = {args.capacity}, L = 200 ms | ideal {ideal:.0f} items/s, unloaded p50 {unloaded:.0f} ms "
+        f"| {100 * result['throughput_over_ideal_median']:.1f}% of K/L, p50 {result['p50_over_unloaded_median']:.2f} x unloaded |"
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("workload", choices=["w1", "w2", "w5", "startup"])
+    parser.add_argument("workload", choices=["w1", "w2", "w3", "w4", "w5", "startup"])
+    parser.add_argument("--rpm", type=int, default=6000, help="W3: the quota")
+    parser.add_argument("--capacity", type=int, default=32, help="W4: calls served at once")
     parser.add_argument("--no-build", action="store_true")
     parser.add_argument("--items", type=int)
     parser.add_argument("--rounds", type=int, default=3)
@@ -328,6 +443,12 @@ def main():
             w1(args, work)
         elif args.workload == "w2":
             w2(args, work)
+        elif args.workload == "w3":
+            args.items = args.items or 6000
+            w3(args, work)
+        elif args.workload == "w4":
+            args.items = args.items or 12000
+            w4(args, work)
         elif args.workload == "w5":
             args.items = args.items or 1_000_000
             w5(args, work)

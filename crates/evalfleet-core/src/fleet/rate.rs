@@ -11,8 +11,8 @@
 //! - With no `rpm` given, a 429 teaches a request rate: the higher of the
 //!   rate calls succeeded at just before it and one call per `Retry-After`
 //!   (a token bucket that has just run out asks to wait one token's time).
-//!   Until the next 429 it probes upward fast (+25% a quiet second); after
-//!   that each 429 lowers it (at most once a second) by 5%, or to what got
+//!   Until the next 429 it probes upward fast (+5% a quiet second from a
+//!   precise Retry-After, +25% without); after that each 429 lowers it (at most once a second) by 5%, or to what got
 //!   through in the last second when that is lower, and every quiet second
 //!   raises it by 1%, so it keeps probing just under the quota.
 //!
@@ -42,11 +42,16 @@ impl Quota {
 
 /// The learned rate starts this far below its estimate.
 const LEARNED_START: f64 = 0.95;
-/// Each further 429 multiplies the learned rate by this.
+/// Each further 429 multiplies the learned rate by this...
 const LEARNED_CUT: f64 = 0.95;
-/// Each quiet second multiplies it by this, before the second 429...
+/// ...or sets it this far below what got through in the last second.
+const LEARNED_UNDER: f64 = 0.98;
+/// Each quiet second multiplies it by this until its first cut, when the
+/// first estimate came without a precise Retry-After...
 const LEARNED_PROBE_FAST: f64 = 1.25;
-/// ...and by this after.
+/// ...or by this when it came with one (near the quota already)...
+const LEARNED_PROBE_NEAR: f64 = 1.05;
+/// ...and by this after the first cut.
 const LEARNED_PROBE: f64 = 1.01;
 /// Success counts kept for learning, one slot per second.
 const WINDOW: usize = 4;
@@ -119,9 +124,12 @@ impl Bucket {
 #[derive(Debug)]
 struct Learned {
     bucket: Bucket,
+    /// The last change up or down: probes come a second apart.
     last_change: Instant,
-    /// Probing fast: no 429 since the rate was first learned.
-    fast: bool,
+    /// The last cut: cuts come a second apart (a burst of 429s is one).
+    last_cut: Instant,
+    /// How a quiet second raises the rate now.
+    probe: f64,
 }
 
 #[derive(Debug)]
@@ -247,12 +255,7 @@ impl RateLimiter {
         if let Some(learned) = state.learned.as_mut()
             && now.saturating_duration_since(learned.last_change) >= Duration::from_secs(1)
         {
-            let probe = if learned.fast {
-                LEARNED_PROBE_FAST
-            } else {
-                LEARNED_PROBE
-            };
-            let rate = learned.bucket.per_second * probe;
+            let rate = learned.bucket.per_second * learned.probe;
             learned.bucket.set_rate(now, rate);
             learned.last_change = now;
         }
@@ -281,34 +284,44 @@ impl RateLimiter {
                     .min(Duration::from_secs(WINDOW as u64))
                     .max(Duration::from_secs(1));
                 let succeeded = f64::from(seen) / span.as_secs_f64();
-                // A bucket that just ran out asks to wait for one token.
+                // A bucket that just ran out asks to wait for one token. A
+                // whole second is too coarse to say more than "slow down".
                 let per_token = retry_after
-                    .filter(|w| !w.is_zero() && *w <= Duration::from_secs(1))
-                    .map_or(0.0, |w| 1.0 / w.as_secs_f64());
-                // Both tend to overestimate (a partly refilled bucket asks for
-                // less than a token's time), so start a little below; a
-                // precise Retry-After is near the quota already, so probe up
-                // slowly from it.
-                let rate = (succeeded.max(per_token) * LEARNED_START).max(0.5);
+                    .filter(|w| !w.is_zero() && *w < Duration::from_secs(1))
+                    .map(|w| 1.0 / w.as_secs_f64());
+                // Both are upper bounds (the successes include a first burst,
+                // a partly refilled bucket asks for less than a token's time),
+                // so take the lower, a little below. With a precise
+                // Retry-After it is near the quota already and probes up by
+                // 5% a second until its first cut; without, by 25%.
+                let estimate = per_token.map_or(succeeded, |p| p.min(succeeded));
+                let rate = (estimate * LEARNED_START).max(0.5);
                 state.learned = Some(Learned {
                     bucket: Bucket::learned(rate, now),
                     last_change: now,
-                    fast: per_token <= succeeded,
+                    last_cut: now,
+                    probe: if per_token.is_some() {
+                        LEARNED_PROBE_NEAR
+                    } else {
+                        LEARNED_PROBE_FAST
+                    },
                 });
                 events.push(RateEvent::Learned(rate));
             }
             Some(learned) => {
-                if now.saturating_duration_since(learned.last_change) >= Duration::from_secs(1) {
+                if now.saturating_duration_since(learned.last_cut) >= Duration::from_secs(1) {
                     // While paced above the quota, what got through in the last
                     // full second is the quota.
                     let mut rate = learned.bucket.per_second * LEARNED_CUT;
                     if through > 0.0 {
-                        rate = rate.min(through.max(learned.bucket.per_second * 0.5));
+                        rate = rate
+                            .min((through * LEARNED_UNDER).max(learned.bucket.per_second * 0.5));
                     }
                     let rate = rate.max(0.1);
                     learned.bucket.set_rate(now, rate);
                     learned.last_change = now;
-                    learned.fast = false;
+                    learned.last_cut = now;
+                    learned.probe = LEARNED_PROBE;
                     events.push(RateEvent::Learned(rate));
                 }
             }
@@ -457,32 +470,37 @@ mod tests {
         // A quiet second: it probes upward fast.
         limiter.on_success(t0 + Duration::from_millis(3100));
         assert_eq!(limiter.learned_rate(), Some(9.5 * 1.25));
-        // A 429 within a second of a change changes nothing.
+        // A 429 within a second of the last cut (the first 429, at 2000 ms)
+        // changes nothing.
         assert!(
             limiter
-                .on_rate_limited(t0 + Duration::from_millis(3500), None)
+                .on_rate_limited(t0 + Duration::from_millis(2900), None)
                 .is_empty()
         );
         // In the next second 11 calls get through (and the rate is probed up
-        // once more, at 4160 ms); a 429 a second later brings the rate down
-        // to what got through.
+        // once more, at 4160 ms); a 429 brings the rate down to what got
+        // through, even right after a probe.
         for i in 0..11 {
             limiter.on_success(t0 + Duration::from_millis(4000 + i * 80));
         }
         assert_eq!(limiter.learned_rate(), Some(9.5 * 1.25 * 1.25));
-        let cut = limiter.on_rate_limited(t0 + Duration::from_millis(5200), None);
-        assert_eq!(cut, vec![RateEvent::Learned(11.0)]);
+        let cut = limiter.on_rate_limited(t0 + Duration::from_millis(5100), None);
+        assert_eq!(cut, vec![RateEvent::Learned(11.0 * 0.98)]);
         // Probing is slow now.
         limiter.on_success(t0 + Duration::from_millis(6300));
         let probed = limiter.learned_rate().unwrap();
-        assert!((probed - 11.0 * 1.01).abs() < 1e-9, "{probed}");
+        assert!((probed - 11.0 * 0.98 * 1.01).abs() < 1e-9, "{probed}");
     }
 
     #[test]
     fn a_precise_retry_after_gives_the_quota_at_once() {
         let t0 = Instant::now();
         let limiter = RateLimiter::new(None, None, t0);
-        limiter.on_success(t0);
+        // A burst of 30 went through, then the bucket said one token takes
+        // 50 ms: the quota is 20 a second, not 30.
+        for _ in 0..30 {
+            limiter.on_success(t0);
+        }
         let events = limiter.on_rate_limited(
             t0 + Duration::from_millis(10),
             Some(Duration::from_millis(50)),

@@ -443,7 +443,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
             // count against its budget, and another endpoint takes it now.
             drop(permit);
             item.attempts -= 1;
-            item.moved += 1;
+            item.excused += 1;
             let record = AttemptRecord {
                 seq: item.seq,
                 attempt: number,
@@ -581,7 +581,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
         error,
         endpoint: Some(endpoint.name.clone()),
         model: Some(endpoint.model.clone()),
-        attempts: item.prior_attempts + item.attempts + item.moved,
+        attempts: item.prior_attempts + item.attempts + item.excused,
         latency_ms: Some(ms(timing.latency)),
         ttft_ms: timing.ttft.map(ms),
         tpot_ms: tpot.map(ms),
@@ -612,6 +612,12 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
 
     let class = err.class();
     counters.error(class);
+    if rate_limited {
+        // The endpoint paces the run; the item did nothing wrong. Its
+        // deadline bounds how long it may wait.
+        item.attempts -= 1;
+        item.excused += 1;
+    }
     let reason = if !class.is_retryable() {
         err.to_string()
     } else if item.attempts >= shared.retry.max_attempts {

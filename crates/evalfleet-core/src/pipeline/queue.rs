@@ -21,8 +21,10 @@ pub struct WorkItem {
     /// Attempts made in this session (the ones that count against
     /// `retry.max_attempts`).
     pub attempts: u32,
-    /// Calls moved to another endpoint because theirs stopped taking items.
-    pub moved: u32,
+    /// Calls that do not count against `retry.max_attempts`: moved to
+    /// another endpoint because theirs stopped taking items, or refused by a
+    /// rate limit (bounded by the item's deadline instead).
+    pub excused: u32,
     /// When its first attempt in this session was sent (the item deadline
     /// counts from here).
     pub first_sent: Option<Instant>,
@@ -31,7 +33,7 @@ pub struct WorkItem {
 impl WorkItem {
     /// The number of the next attempt, over every session.
     pub fn number(&self) -> u32 {
-        self.prior_attempts + self.attempts + self.moved + 1
+        self.prior_attempts + self.attempts + self.excused + 1
     }
 }
 

@@ -83,7 +83,7 @@ impl Reader {
                             item_json,
                             prior_attempts: pending.prior_attempts,
                             attempts: 0,
-                            moved: 0,
+                            excused: 0,
                             first_sent: None,
                         };
                         self.deliver(item, &runtime)
