@@ -128,6 +128,8 @@ struct Learned {
     last_change: Instant,
     /// The last cut: cuts come a second apart (a burst of 429s is one).
     last_cut: Instant,
+    /// When the rate was first learned.
+    since: Instant,
     /// How a quiet second raises the rate now.
     probe: f64,
 }
@@ -289,17 +291,26 @@ impl RateLimiter {
                 let per_token = retry_after
                     .filter(|w| !w.is_zero() && *w < Duration::from_secs(1))
                     .map(|w| 1.0 / w.as_secs_f64());
-                // Both are upper bounds (the successes include a first burst,
-                // a partly refilled bucket asks for less than a token's time),
-                // so take the lower, a little below. With a precise
-                // Retry-After it is near the quota already and probes up by
-                // 5% a second until its first cut; without, by 25%.
-                let estimate = per_token.map_or(succeeded, |p| p.min(succeeded));
+                // Once there are a few seconds of history, both are upper
+                // bounds (the successes include a first burst, a partly
+                // refilled bucket asks for less than a token's time), so take
+                // the lower, a little below; before that the successes say
+                // little. With a precise Retry-After it is near the quota
+                // already and probes up by 5% a second until its first cut;
+                // without, by 25%.
+                let history =
+                    now.saturating_duration_since(state.created) >= Duration::from_secs(2);
+                let estimate = match per_token {
+                    Some(p) if history => p.min(succeeded),
+                    Some(p) => p,
+                    None => succeeded,
+                };
                 let rate = (estimate * LEARNED_START).max(0.5);
                 state.learned = Some(Learned {
                     bucket: Bucket::learned(rate, now),
                     last_change: now,
                     last_cut: now,
+                    since: now,
                     probe: if per_token.is_some() {
                         LEARNED_PROBE_NEAR
                     } else {
@@ -309,7 +320,19 @@ impl RateLimiter {
                 events.push(RateEvent::Learned(rate));
             }
             Some(learned) => {
-                if now.saturating_duration_since(learned.last_cut) >= Duration::from_secs(1) {
+                // In the first second each precise Retry-After is another
+                // upper bound of the quota: keep the tightest.
+                let tighter = retry_after
+                    .filter(|w| !w.is_zero() && *w < Duration::from_secs(1))
+                    .map(|w| LEARNED_START / w.as_secs_f64())
+                    .filter(|r| *r < learned.bucket.per_second);
+                if let Some(rate) = tighter
+                    && now.saturating_duration_since(learned.since) < Duration::from_secs(1)
+                {
+                    learned.bucket.set_rate(now, rate.max(0.5));
+                    events.push(RateEvent::Learned(rate.max(0.5)));
+                } else if now.saturating_duration_since(learned.last_cut) >= Duration::from_secs(1)
+                {
                     // While paced above the quota, what got through in the last
                     // full second is the quota.
                     let mut rate = learned.bucket.per_second * LEARNED_CUT;
@@ -512,5 +535,25 @@ mod tests {
                 RateEvent::Learned(19.0)
             ]
         );
+    }
+
+    #[test]
+    fn in_the_first_second_a_longer_retry_after_tightens_the_rate() {
+        let t0 = Instant::now();
+        let limiter = RateLimiter::new(None, None, t0);
+        limiter.on_rate_limited(t0, Some(Duration::from_millis(10)));
+        assert_eq!(limiter.learned_rate(), Some(95.0));
+        let events = limiter.on_rate_limited(
+            t0 + Duration::from_millis(30),
+            Some(Duration::from_millis(50)),
+        );
+        assert_eq!(events.last(), Some(&RateEvent::Learned(19.0)));
+        // A shorter one says nothing new; after the first second they are
+        // cuts, one a second.
+        limiter.on_rate_limited(
+            t0 + Duration::from_millis(60),
+            Some(Duration::from_millis(20)),
+        );
+        assert_eq!(limiter.learned_rate(), Some(19.0));
     }
 }
