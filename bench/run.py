@@ -8,6 +8,11 @@
     python3 bench/run.py w3 [--items 6000] [--rpm 6000] [--rounds 3]
     python3 bench/run.py w4 [--items 12000] [--capacity 32] [--rounds 3]
 
+W3 and W4 also run the peers with --peers DIR, where DIR holds
+venv/bin/inspect (pip install inspect-ai openai) and
+node/node_modules/.bin/promptfoo (npm install promptfoo); each runs once
+with its default settings against a fresh mock like ours.
+
 Each workload builds the release binary (unless --no-build), runs the mock
 endpoint pinned to core 0 and the client pinned to core 1, measures a
 reference in the same run, and prints the figures as JSON and as a Markdown
@@ -309,6 +314,90 @@ def startup(args, work):
     print(f"\n| start-up | {args.items} items, new store | {result['median_ms']:.0f} ms (runs: {', '.join(f'{t:.0f}' for t in times)}) |")
 
 
+INSPECT_TASK = """
+import os
+from inspect_ai import Task, task
+from inspect_ai.dataset import FieldSpec, json_dataset
+from inspect_ai.solver import generate
+
+@task
+def bench():
+    return Task(
+        dataset=json_dataset(os.environ["BENCH_DATASET"], FieldSpec(input="question", id="id")),
+        solver=generate(),
+    )
+"""
+
+
+def inspect_peer(peers, dataset, url, work):
+    """inspect-ai with its defaults (adaptive connections, its retries)."""
+    task = os.path.join(work, "inspect_task.py")
+    with open(task, "w") as f:
+        f.write(INSPECT_TASK)
+    exe = os.path.join(peers, "venv", "bin", "inspect")
+    env = dict(os.environ, BENCH_DATASET=dataset, MOCK_BASE_URL=url, MOCK_API_KEY="none", INSPECT_DISPLAY="none")
+    cmd = [exe, "eval", os.path.basename(task), "--model", "openai-api/mock/m", "--max-tokens", "64", "--log-dir", os.path.join(work, "inspect-logs")]
+    return peer_process(cmd, env, work), version([exe, "--version"])
+
+
+def promptfoo_peer(peers, dataset, url, work):
+    """promptfoo with its defaults (-j 4, its adaptive concurrency and retries), cache off."""
+    tests = os.path.join(work, "promptfoo_tests.csv")
+    with open(dataset) as src, open(tests, "w") as out:
+        out.write("question\n")
+        for line in src:
+            out.write(json.loads(line)["question"] + "\n")
+    config = os.path.join(work, "promptfooconfig.yaml")
+    with open(config, "w") as f:
+        f.write(
+            'prompts: ["{{question}}"]\n'
+            f"providers:\n  - id: openai:chat:m\n    config: {{ apiBaseUrl: \"{url}\", apiKey: none, max_tokens: 64 }}\n"
+            f"tests: file://{tests}\n"
+        )
+    exe = os.path.join(peers, "node", "node_modules", ".bin", "promptfoo")
+    env = dict(
+        os.environ,
+        PROMPTFOO_CONFIG_DIR=os.path.join(work, "promptfoo-home"),
+        PROMPTFOO_DISABLE_TELEMETRY="1",
+        PROMPTFOO_DISABLE_UPDATE="1",
+        PROMPTFOO_CACHE_ENABLED="false",
+    )
+    cmd = [exe, "eval", "-c", config, "--no-cache", "--no-progress-bar", "--no-table", "--no-write"]
+    return peer_process(cmd, env, work), version([exe, "--version"])
+
+
+def peer_process(cmd, env, cwd):
+    """Runs a peer on the client core; its wall time and peak RSS."""
+    cmd = ["taskset", "-c", CLIENT_CORE, "/usr/bin/time", "-f", "TIME %e %U %S %M", *cmd]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    out = {"code": proc.returncode}
+    for line in proc.stderr.splitlines():
+        if line.startswith("TIME "):
+            wall, user, sys_, rss = line.split()[1:]
+            out.update(wall=float(wall), cpu=float(user) + float(sys_), rss_mb=int(rss) / 1024)
+    if proc.returncode != 0:
+        print(f"{cmd[6]} exited with {proc.returncode}: {proc.stderr[-1500:]}{proc.stdout[-1500:]}", file=sys.stderr)
+    return out
+
+
+def served_span(stats):
+    """Seconds from the first request the mock saw to its last full answer."""
+    return (stats["last_completed_at_ms"] - stats["first_request_at_ms"]) / 1000.0
+
+
+def run_peers(args, mock_args, dataset, work, figures):
+    """Each peer once against a fresh mock; `figures(stats, proc)` makes its row."""
+    peers = {}
+    for name, driver in (("inspect-ai", inspect_peer), ("promptfoo", promptfoo_peer)):
+        mock = Mock(*mock_args)
+        proc, ver = driver(args.peers, dataset, mock.url, work)
+        stats = mock.stats()
+        mock.stop()
+        peers[name] = {"version": ver, "wall": proc.get("wall"), "exit": proc["code"], **figures(stats)}
+        print(json.dumps({name: peers[name]}), file=sys.stderr)
+    return peers
+
+
 def status(run_id, db, cwd):
     out = subprocess.run([BIN, "status", run_id, "--store", db, "--json"], cwd=cwd, capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
@@ -332,6 +421,7 @@ def w3(args, work):
         assert run["done"] == args.items, run
         round_ = {
             "seconds": run["seconds"],
+            "served_span": served_span(stats),
             "time_over_ideal": run["seconds"] / ideal,
             "rate_limited": stats["rate_limited"],
             "completed": stats["completed"],
@@ -351,6 +441,20 @@ def w3(args, work):
         "per_success_median": med("per_success"),
         "rounds": rounds,
     }
+    if args.peers:
+        result["peers"] = run_peers(
+            args,
+            ["--rpm", str(args.rpm), "--burst", str(burst), "--latency", "100ms"],
+            dataset,
+            work,
+            lambda stats: {
+                "completed": stats["completed"],
+                "served_span": served_span(stats),
+                "span_over_ideal": served_span(stats) / ideal,
+                "rate_limited": stats["rate_limited"],
+                "per_success": stats["rate_limited"] / max(1, stats["completed"]),
+            },
+        )
     print(json.dumps(result, indent=2))
     print(
         f"\n| W3 | {args.items} items, {args.rpm} rpm (bursts of {burst}), 100 ms per call | ideal {ideal:.1f} s "
@@ -373,6 +477,7 @@ def w4(args, work):
     write_config(config, probe, mock.url, 1)
     evalfleet(["run", config, "--store", os.path.join(work, "w4-probe.db"), "-q", "--run-id", "probe"], work)
     unloaded = status("probe", os.path.join(work, "w4-probe.db"), work)["endpoints"][0]["latency_ms"]["p50"]
+    unloaded_served = mock.stats()["served_p50_ms"]
     mock.stop()
     rounds = []
     for i in range(args.rounds):
@@ -395,6 +500,8 @@ def w4(args, work):
             "throughput_over_ideal": run["rate"] / ideal,
             "p50_ms": summary["endpoints"][0]["latency_ms"]["p50"],
             "p50_over_unloaded": summary["endpoints"][0]["latency_ms"]["p50"] / unloaded,
+            "served_p50_ms": stats["served_p50_ms"],
+            "served_span_items_per_s": stats["completed"] / served_span(stats),
             "limit_second_half": [min(half), max(half)] if half else None,
             "mock_max_in_flight": stats["max_in_flight"],
             "rate_limited": stats["rate_limited"],
@@ -408,11 +515,28 @@ def w4(args, work):
         "capacity": args.capacity,
         "latency_ms": latency * 1000,
         "unloaded_p50_ms": unloaded,
+        "unloaded_served_p50_ms": unloaded_served,
         "ideal_items_per_s": ideal,
         "throughput_over_ideal_median": med("throughput_over_ideal"),
         "p50_over_unloaded_median": med("p50_over_unloaded"),
         "rounds": rounds,
     }
+    if args.peers:
+        result["peers"] = run_peers(
+            args,
+            ["--capacity", str(args.capacity), "--latency", "200ms"],
+            dataset,
+            work,
+            lambda stats: {
+                "completed": stats["completed"],
+                "items_per_s": stats["completed"] / served_span(stats),
+                "throughput_over_ideal": stats["completed"] / served_span(stats) / ideal,
+                "served_p50_ms": stats["served_p50_ms"],
+                "p50_over_unloaded": stats["served_p50_ms"] / unloaded_served,
+                "mock_max_in_flight": stats["max_in_flight"],
+                "rate_limited": stats["rate_limited"],
+            },
+        )
     print(json.dumps(result, indent=2))
     print(
         f"\n| W4 | {args.items} items, K = {args.capacity}, L = 200 ms | ideal {ideal:.0f} items/s, unloaded p50 {unloaded:.0f} ms "
@@ -432,6 +556,7 @@ def main():
     parser.add_argument("--n", default="10,50,200,1000", help="W2: concurrency levels")
     parser.add_argument("--waves", type=int, default=20, help="W2: items per concurrency slot")
     parser.add_argument("--keep", action="store_true", help="keep the working directory")
+    parser.add_argument("--peers", help="W3, W4: also run inspect-ai and promptfoo installed under this directory")
     args = parser.parse_args()
     if not args.no_build:
         build()

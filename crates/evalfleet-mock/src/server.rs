@@ -29,7 +29,7 @@ use crate::settings::MockSettings;
 
 /// Counters kept by a running mock. Tests read them to count what reached the
 /// endpoint; `GET /mock/stats` serves them as JSON.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Stats {
     requests: AtomicU64,
     completed: AtomicU64,
@@ -42,6 +42,33 @@ pub struct Stats {
     max_in_flight: AtomicU64,
     model_listings: AtomicU64,
     first_request_at_ms: AtomicU64,
+    last_completed_at_ms: AtomicU64,
+    /// Served latencies: bucket `i` counts responses that took `i` ms from
+    /// arrival to their last byte; the last bucket holds everything longer.
+    served_ms: Box<[AtomicU64]>,
+}
+
+/// Served latencies above this many milliseconds share the last bucket.
+const SERVED_BUCKETS: usize = 60_000;
+
+impl Default for Stats {
+    fn default() -> Self {
+        Self {
+            requests: AtomicU64::new(0),
+            completed: AtomicU64::new(0),
+            injected_errors: AtomicU64::new(0),
+            rate_limited: AtomicU64::new(0),
+            hung: AtomicU64::new(0),
+            truncated: AtomicU64::new(0),
+            bad_requests: AtomicU64::new(0),
+            in_flight: AtomicU64::new(0),
+            max_in_flight: AtomicU64::new(0),
+            model_listings: AtomicU64::new(0),
+            first_request_at_ms: AtomicU64::new(0),
+            last_completed_at_ms: AtomicU64::new(0),
+            served_ms: (0..=SERVED_BUCKETS).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
 }
 
 /// A copy of [`Stats`] at one moment.
@@ -70,6 +97,22 @@ pub struct StatsSnapshot {
     /// When the first chat completion request arrived, in milliseconds since
     /// the Unix epoch (0: none yet). Benchmarks time start-up with it.
     pub first_request_at_ms: u64,
+    /// When the last request answered in full finished, in milliseconds
+    /// since the Unix epoch (0: none yet).
+    pub last_completed_at_ms: u64,
+    /// The median time from a request's arrival to its last byte, over the
+    /// requests answered in full, in whole milliseconds (0: none yet).
+    /// Benchmarks compare clients by it: it includes time queued at the
+    /// server.
+    pub served_p50_ms: u64,
+    /// The 99th percentile of the same.
+    pub served_p99_ms: u64,
+}
+
+fn unix_now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 impl Stats {
@@ -88,7 +131,40 @@ impl Stats {
             max_in_flight: load(&self.max_in_flight),
             model_listings: load(&self.model_listings),
             first_request_at_ms: load(&self.first_request_at_ms),
+            last_completed_at_ms: load(&self.last_completed_at_ms),
+            served_p50_ms: self.served_quantile(0.5),
+            served_p99_ms: self.served_quantile(0.99),
         }
+    }
+
+    /// A request answered in full, `arrived` when it came in.
+    fn completed(&self, arrived: Instant) {
+        self.completed.fetch_add(1, Ordering::Relaxed);
+        let ms = (arrived.elapsed().as_millis() as usize).min(SERVED_BUCKETS);
+        self.served_ms[ms].fetch_add(1, Ordering::Relaxed);
+        self.last_completed_at_ms
+            .fetch_max(unix_now_ms(), Ordering::Relaxed);
+    }
+
+    fn served_quantile(&self, q: f64) -> u64 {
+        let counts: Vec<u64> = self
+            .served_ms
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .collect();
+        let total: u64 = counts.iter().sum();
+        if total == 0 {
+            return 0;
+        }
+        let rank = ((q * total as f64).ceil() as u64).max(1);
+        let mut seen = 0;
+        for (ms, count) in counts.iter().enumerate() {
+            seen += count;
+            if seen >= rank {
+                return ms as u64;
+            }
+        }
+        SERVED_BUCKETS as u64
     }
 }
 
@@ -430,14 +506,12 @@ struct Held {
 }
 
 async fn chat(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
+    let arrived = Instant::now();
     if state.stats.requests.fetch_add(1, Ordering::Relaxed) == 0 {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
         state
             .stats
             .first_request_at_ms
-            .store(now, Ordering::Relaxed);
+            .store(unix_now_ms(), Ordering::Relaxed);
     }
     let in_flight = InFlight::enter(&state);
     let request: ChatRequest = match serde_json::from_slice(&body) {
@@ -530,6 +604,7 @@ async fn chat(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
         finish_reason,
         prompt_tokens,
         truncate,
+        arrived,
     };
     if truncate {
         state.stats.truncated.fetch_add(1, Ordering::Relaxed);
@@ -572,6 +647,7 @@ struct Reply {
     finish_reason: &'static str,
     prompt_tokens: usize,
     truncate: bool,
+    arrived: Instant,
 }
 
 impl Reply {
@@ -626,7 +702,7 @@ fn whole_reply(state: &Arc<MockState>, reply: Reply, held: Held) -> Response {
         });
         return with_content_type(Response::new(body), "application/json");
     }
-    state.stats.completed.fetch_add(1, Ordering::Relaxed);
+    state.stats.completed(reply.arrived);
     drop(held);
     with_content_type(Response::new(Body::from(bytes)), "application/json")
 }
@@ -723,7 +799,7 @@ fn stream_reply(state: Arc<MockState>, reply: Reply, include_usage: bool, held: 
                     Some((Ok(bytes), (Step::Done, reply, state)))
                 }
                 Step::Done => {
-                    state.stats.completed.fetch_add(1, Ordering::Relaxed);
+                    state.stats.completed(reply.arrived);
                     Some((
                         Ok(Bytes::from_static(b"data: [DONE]\n\n")),
                         (Step::End, reply, state),
