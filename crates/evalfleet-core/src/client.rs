@@ -32,6 +32,9 @@ pub enum ErrorClass {
     /// The endpoint answered something that is not a valid completion
     /// (unparseable, truncated): retry.
     BadResponse,
+    /// The call succeeded but its answer could not be parsed or failed the
+    /// task's schema: the model was asked again.
+    InvalidAnswer,
 }
 
 impl ErrorClass {
@@ -45,6 +48,7 @@ impl ErrorClass {
             Self::BackPressure => "back_pressure",
             Self::Fatal => "fatal",
             Self::BadResponse => "bad_response",
+            Self::InvalidAnswer => "invalid_answer",
         }
     }
 
@@ -54,6 +58,7 @@ impl ErrorClass {
             Self::BackPressure,
             Self::Fatal,
             Self::BadResponse,
+            Self::InvalidAnswer,
         ]
         .into_iter()
         .find(|c| c.as_str() == text)

@@ -4,6 +4,7 @@
 pub mod client;
 pub mod config;
 pub mod dataset;
+pub mod eval;
 pub mod fingerprint;
 pub mod fleet;
 pub mod pipeline;

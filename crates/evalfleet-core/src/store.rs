@@ -260,6 +260,40 @@ pub struct ResultRecord {
     /// The input row, as JSON text.
     pub item: Option<String>,
     pub finished_at_ms: i64,
+    /// What checking and scoring made of the answer.
+    pub judged: Judged,
+}
+
+/// The parsed answer, its check and its scores, as stored with a result.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Judged {
+    /// The extracted answer as JSON text (`None`: not parsed, or the task
+    /// has no parser).
+    pub parsed: Option<String>,
+    /// `ok`, `unparsed` or `invalid`; `None` when the task checks nothing.
+    pub verdict: Option<String>,
+    /// Why the answer is not valid.
+    pub check_error: Option<String>,
+    /// Metric key → item score, as a JSON object's text.
+    pub scores: Option<String>,
+    /// Re-asks made.
+    pub reasks: u32,
+}
+
+impl Judged {
+    pub fn new(
+        checked: &crate::eval::Checked,
+        scores: &serde_json::Map<String, Value>,
+        reasks: u32,
+    ) -> Self {
+        Self {
+            parsed: checked.parsed.as_ref().map(ToString::to_string),
+            verdict: Some(checked.verdict().to_owned()),
+            check_error: checked.error.clone(),
+            scores: (!scores.is_empty()).then(|| Value::Object(scores.clone()).to_string()),
+            reasks,
+        }
+    }
 }
 
 /// What one transaction commits.
@@ -291,6 +325,27 @@ pub struct ExportRow {
     pub prompt_tokens: Option<u64>,
     pub completion_tokens: Option<u64>,
     pub item: Value,
+    /// The extracted answer (JSON), when the task parses answers.
+    pub parsed: Option<Value>,
+    /// Whether the answer parsed and met the schema, when the task checks.
+    pub valid: Option<bool>,
+    /// Metric key → item score.
+    pub scores: Option<Value>,
+}
+
+/// A stored result, as `evalfleet score` and `report` read it.
+#[derive(Debug, Clone)]
+pub struct StoredResult {
+    pub seq: u64,
+    pub item_id: String,
+    /// The item failed (no answer).
+    pub failed: bool,
+    pub output: Option<String>,
+    pub endpoint: Option<String>,
+    pub model: Option<String>,
+    /// The input row, as JSON text.
+    pub item: Option<String>,
+    pub judged: Judged,
 }
 
 /// The part of an attempt that status summaries need.
@@ -420,6 +475,22 @@ pub trait Store: Send {
 
     /// Calls `each` for every result, in dataset order; stops at its first
     /// error.
+    /// Every result of a run, in dataset order.
+    fn scan_results(
+        &mut self,
+        run_id: &str,
+        each: &mut dyn FnMut(StoredResult),
+    ) -> Result<(), StoreError>;
+
+    /// Replaces results' parsing, checks and scores, and the run's stored
+    /// config, in one transaction (`evalfleet score`).
+    fn put_judged(
+        &mut self,
+        run_id: &str,
+        judged: &[(u64, Judged)],
+        config: &Value,
+    ) -> Result<(), StoreError>;
+
     fn export(
         &mut self,
         run_id: &str,

@@ -159,6 +159,7 @@ mod tests {
                 .collect(),
             params: Default::default(),
             stream: false,
+            eval: Default::default(),
         }
     }
 

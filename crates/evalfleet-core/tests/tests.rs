@@ -1,5 +1,7 @@
-//! Integration tests of the core: control logic on paused time.
+//! Integration tests of the core: control logic on paused time, and metrics
+//! against the numbers of reference implementations.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod concurrency;
+mod metric_vectors;

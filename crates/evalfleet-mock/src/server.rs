@@ -219,6 +219,9 @@ struct MockState {
     capacity: Option<Arc<Semaphore>>,
     shutdown: CancellationToken,
     next_id: AtomicU64,
+    /// Scripted answers by first user message, or why they could not be
+    /// read (then every request gets a 500 saying so).
+    answers: Result<HashMap<String, Vec<String>>, String>,
 }
 
 /// The mock's router, for tests that call it without a socket.
@@ -234,7 +237,12 @@ pub fn app(settings: MockSettings, stats: Arc<Stats>, shutdown: CancellationToke
     let capacity = settings
         .capacity
         .map(|k| Arc::new(Semaphore::new(k as usize)));
+    let answers = settings
+        .answers
+        .as_deref()
+        .map_or_else(|| Ok(HashMap::new()), crate::settings::load_answers);
     let state = Arc::new(MockState {
+        answers,
         settings,
         stats,
         prompt_counts: Mutex::new(HashMap::new()),
@@ -594,7 +602,31 @@ async fn chat(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
     };
 
     let max_tokens = request.max_completion_tokens.or(request.max_tokens);
-    let (tokens, finish_reason) = answer(&state.settings, &last_user, max_tokens);
+    let scripted = match &state.answers {
+        Err(err) => return error_response(StatusCode::INTERNAL_SERVER_ERROR, err),
+        Ok(answers) if !answers.is_empty() => {
+            let first_user = request
+                .messages
+                .iter()
+                .find(|m| m.role == "user")
+                .map(|m| message_text(&m.content));
+            let asked = request.messages.iter().filter(|m| m.role == "assistant").count();
+            first_user
+                .and_then(|u| answers.get(&u))
+                .and_then(|replies| replies.get(asked.min(replies.len() - 1)))
+        }
+        Ok(_) => None,
+    };
+    let (tokens, finish_reason) = match scripted {
+        Some(text) => {
+            let settings = MockSettings {
+                output_tokens: None,
+                ..MockSettings::default()
+            };
+            answer(&settings, text, max_tokens)
+        }
+        None => answer(&state.settings, &last_user, max_tokens),
+    };
     let prompt_tokens = tokens_in(&request.messages);
     let id = state.next_id.fetch_add(1, Ordering::Relaxed);
     let reply = Reply {

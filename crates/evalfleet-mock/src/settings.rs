@@ -85,6 +85,14 @@ pub struct MockSettings {
     /// Seed of every random decision.
     #[cfg_attr(feature = "cli", arg(long, default_value_t = 0))]
     pub seed: u64,
+
+    /// Scripted answers: a JSONL file of `{"prompt": ..., "replies": [...]}`.
+    /// A request whose first user message is a `prompt` gets `replies[k]`,
+    /// where k is the number of assistant messages in the request (so a
+    /// re-ask gets the next reply; past the end, the last). Other requests
+    /// are answered as usual.
+    #[cfg_attr(feature = "cli", arg(long, value_name = "FILE"))]
+    pub answers: Option<std::path::PathBuf>,
 }
 
 impl Default for MockSettings {
@@ -105,6 +113,7 @@ impl Default for MockSettings {
             hang_rate: 0.0,
             truncate_rate: 0.0,
             seed: 0,
+            answers: None,
         }
     }
 }
@@ -141,6 +150,11 @@ impl MockSettings {
         if self.burst == 0 {
             out.push(("burst", "must be at least 1, got 0".to_owned()));
         }
+        if let Some(path) = &self.answers
+            && let Err(err) = load_answers(path)
+        {
+            out.push(("answers", err));
+        }
         out
     }
 
@@ -161,4 +175,32 @@ fn duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::E
             "expected a duration like 250ms or 2s, got '{text}' ({err})"
         ))
     })
+}
+
+/// Reads a scripted-answers file (see [`MockSettings::answers`]): first user
+/// message → replies.
+pub fn load_answers(
+    path: &std::path::Path,
+) -> Result<std::collections::HashMap<String, Vec<String>>, String> {
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Line {
+        prompt: String,
+        replies: Vec<String>,
+    }
+    let text = std::fs::read_to_string(path)
+        .map_err(|err| format!("cannot read {}: {err}", path.display()))?;
+    let mut out = std::collections::HashMap::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let parsed: Line = serde_json::from_str(line)
+            .map_err(|err| format!("{}:{}: {err}", path.display(), i + 1))?;
+        if parsed.replies.is_empty() {
+            return Err(format!("{}:{}: replies is empty", path.display(), i + 1));
+        }
+        out.insert(parsed.prompt, parsed.replies);
+    }
+    Ok(out)
 }

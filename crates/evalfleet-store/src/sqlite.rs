@@ -14,14 +14,14 @@ use evalfleet_core::fingerprint::Fingerprint;
 use evalfleet_core::fleet::EndpointSnapshot;
 use evalfleet_core::store::{
     AttemptSample, Batch, CreateRunError, EndpointStates, Event, ExportError, ExportRow,
-    FleetChange, ItemSource, ItemStatus, NewRun, PendingItem, RunGuard, RunRecord, RunStatus,
-    SessionStart, StateCounts, Store, StoreError, now_ms,
+    FleetChange, ItemSource, ItemStatus, Judged, NewRun, PendingItem, RunGuard, RunRecord, RunStatus,
+    SessionStart, StateCounts, Store, StoreError, StoredResult, now_ms,
 };
 use rusqlite::{
     Connection, ErrorCode, OpenFlags, OptionalExtension, Transaction, TransactionBehavior, params,
 };
 
-const SCHEMA_VERSION: i64 = 1;
+const SCHEMA_VERSION: i64 = 2;
 
 /// Items, results and attempts are keyed by the item's `seq` (its place in
 /// the dataset): items are registered and mostly finished in that order, so
@@ -82,6 +82,12 @@ CREATE TABLE results (
     finish_reason     TEXT,
     item              TEXT,
     finished_at       INTEGER NOT NULL,
+    -- Checking and scoring (schema 2); `evalfleet score` rewrites them.
+    parsed            TEXT,
+    verdict           TEXT,
+    check_error       TEXT,
+    scores            TEXT,
+    reasks            INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (rid, seq)
 ) WITHOUT ROWID;
 CREATE TABLE attempts (
@@ -129,6 +135,15 @@ CREATE TABLE fleet_changes (
     taken    INTEGER NOT NULL DEFAULT 0
 );
 "#;
+
+/// From schema 1: the columns of checking and scoring.
+const MIGRATE_1_TO_2: &str = "
+ALTER TABLE results ADD COLUMN parsed TEXT;
+ALTER TABLE results ADD COLUMN verdict TEXT;
+ALTER TABLE results ADD COLUMN check_error TEXT;
+ALTER TABLE results ADD COLUMN scores TEXT;
+ALTER TABLE results ADD COLUMN reasks INTEGER NOT NULL DEFAULT 0;
+";
 
 /// A SQLite store file.
 pub struct SqliteStore {
@@ -208,6 +223,22 @@ impl SqliteStore {
                         Ok(())
                     } else {
                         Err(StoreError::backend("cannot create the store's tables", err))
+                    }
+                })?;
+            }
+            1 => {
+                conn.execute_batch(&format!(
+                    "BEGIN IMMEDIATE; {MIGRATE_1_TO_2} PRAGMA user_version = 2; COMMIT;"
+                ))
+                .or_else(|err| {
+                    // Another process may have migrated it meanwhile.
+                    let now: i64 = conn
+                        .query_row("PRAGMA user_version", [], |row| row.get(0))
+                        .map_err(db_err("cannot read the schema version"))?;
+                    if now == SCHEMA_VERSION {
+                        Ok(())
+                    } else {
+                        Err(StoreError::backend("cannot upgrade the store's tables", err))
                     }
                 })?;
             }
@@ -661,8 +692,9 @@ impl Store for SqliteStore {
                 .prepare_cached(
                     "INSERT INTO results (rid, seq, item_id, status, output, error, endpoint, model, attempts,
                          latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, item,
-                         finished_at)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)",
+                         finished_at, parsed, verdict, check_error, scores, reasks)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17,
+                             ?18, ?19, ?20, ?21, ?22)",
                 )
                 .map_err(db_err("cannot prepare the result insert"))?;
             for r in &batch.results {
@@ -694,6 +726,11 @@ impl Store for SqliteStore {
                         r.finish_reason,
                         r.item,
                         r.finished_at_ms,
+                        r.judged.parsed,
+                        r.judged.verdict,
+                        r.judged.check_error,
+                        r.judged.scores,
+                        r.judged.reasks,
                     ])
                     .map_err(db_err("cannot record a result"))?;
             }
@@ -933,7 +970,8 @@ impl Store for SqliteStore {
             .conn
             .prepare(
                 "SELECT r.item_id, r.status, r.output, r.error, r.endpoint, r.model, r.attempts, r.latency_ms,
-                        r.ttft_ms, r.tpot_ms, r.prompt_tokens, r.completion_tokens, r.item
+                        r.ttft_ms, r.tpot_ms, r.prompt_tokens, r.completion_tokens, r.item,
+                        r.parsed, r.verdict, r.scores
                  FROM results r WHERE r.rid = ?1 ORDER BY r.seq",
             )
             .map_err(db_err("cannot export"))?;
@@ -967,8 +1005,99 @@ impl Store for SqliteStore {
                     .map_err(&get_err)?
                     .map(|t| t as u64),
                 item,
+                parsed: json_column(row.get(13).map_err(&get_err)?)?,
+                valid: row
+                    .get::<_, Option<String>>(14)
+                    .map_err(&get_err)?
+                    .map(|v| v == "ok"),
+                scores: json_column(row.get(15).map_err(&get_err)?)?,
             })?;
         }
         Ok(())
     }
+
+    fn scan_results(
+        &mut self,
+        run_id: &str,
+        each: &mut dyn FnMut(StoredResult),
+    ) -> Result<(), StoreError> {
+        let rid = self.rid(run_id)?;
+        let err = db_err("cannot read results");
+        let mut stmt = self
+            .conn
+            .prepare(
+                "SELECT seq, item_id, status, output, endpoint, model, item, parsed, verdict,
+                        check_error, scores, reasks
+                 FROM results WHERE rid = ?1 ORDER BY seq",
+            )
+            .map_err(&err)?;
+        let mut rows = stmt.query([rid]).map_err(&err)?;
+        while let Some(row) = rows.next().map_err(&err)? {
+            let status: String = row.get(2).map_err(&err)?;
+            each(StoredResult {
+                seq: row.get::<_, i64>(0).map_err(&err)? as u64,
+                item_id: row.get(1).map_err(&err)?,
+                failed: status == "failed",
+                output: row.get(3).map_err(&err)?,
+                endpoint: row.get(4).map_err(&err)?,
+                model: row.get(5).map_err(&err)?,
+                item: row.get(6).map_err(&err)?,
+                judged: Judged {
+                    parsed: row.get(7).map_err(&err)?,
+                    verdict: row.get(8).map_err(&err)?,
+                    check_error: row.get(9).map_err(&err)?,
+                    scores: row.get(10).map_err(&err)?,
+                    reasks: row.get(11).map_err(&err)?,
+                },
+            });
+        }
+        Ok(())
+    }
+
+    fn put_judged(
+        &mut self,
+        run_id: &str,
+        judged: &[(u64, Judged)],
+        config: &serde_json::Value,
+    ) -> Result<(), StoreError> {
+        let rid = self.rid(run_id)?;
+        let err = db_err("cannot store new scores");
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(&err)?;
+        {
+            let mut update = tx
+                .prepare_cached(
+                    "UPDATE results SET parsed = ?3, verdict = ?4, check_error = ?5, scores = ?6
+                     WHERE rid = ?1 AND seq = ?2",
+                )
+                .map_err(&err)?;
+            for (seq, j) in judged {
+                update
+                    .execute(params![
+                        rid,
+                        *seq as i64,
+                        j.parsed,
+                        j.verdict,
+                        j.check_error,
+                        j.scores
+                    ])
+                    .map_err(&err)?;
+            }
+            let config = serde_json::to_string(config).map_err(json_err("cannot store the config"))?;
+            tx.execute(
+                "UPDATE runs SET config = ?2, updated_at = ?3 WHERE rid = ?1",
+                params![rid, config, now_ms()],
+            )
+            .map_err(&err)?;
+        }
+        tx.commit().map_err(&err)
+    }
+}
+
+/// A column holding JSON text, parsed.
+fn json_column(text: Option<String>) -> Result<Option<serde_json::Value>, StoreError> {
+    text.map(|t| serde_json::from_str(&t).map_err(json_err("a stored value is not JSON")))
+        .transpose()
 }

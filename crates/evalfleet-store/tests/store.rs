@@ -8,7 +8,7 @@ use std::path::Path;
 use evalfleet_core::dataset::DatasetIdentity;
 use evalfleet_core::fingerprint::{DatasetOptions, Fingerprint};
 use evalfleet_core::store::{
-    AttemptRecord, Batch, CreateRunError, ItemSource, ItemStatus, NewItem, NewRun, ResultRecord,
+    AttemptRecord, Batch, CreateRunError, ItemSource, ItemStatus, Judged, NewItem, NewRun, ResultRecord,
     RunIdentity, RunStatus, StateCounts, Store, StoreError,
 };
 use evalfleet_store::SqliteStore;
@@ -99,6 +99,7 @@ fn result(seq: u64, id: &str, status: ItemStatus) -> ResultRecord {
         finish_reason: Some("stop".to_owned()),
         item: Some(format!("{{\"id\": \"{id}\"}}")),
         finished_at_ms: 1,
+        judged: Judged::default(),
     }
 }
 

@@ -76,6 +76,27 @@ pub enum Command {
     )]
     Fleet(FleetArgs),
 
+    /// Parse, check and score a run's stored answers again, without calling any model.
+    ///
+    /// Uses the run's stored config, or the task's parse/schema/metrics from
+    /// --config (which then become the run's); --metrics recomputes only those
+    /// metrics and keeps the others' stored scores.
+    #[command(
+        after_help = "Example:\n  evalfleet score RUN_ID --config eval-with-f1.yaml\n  evalfleet score RUN_ID --metrics exact_match"
+    )]
+    Score(ScoreArgs),
+
+    /// Report a run's scores overall and by category, with uncertainty, and its per-endpoint telemetry.
+    ///
+    /// Prints a table and writes metrics_summary.csv, metrics_detailed.csv and
+    /// summary.json (under reports/RUN_ID/ beside the store, or --out).
+    #[command(after_help = "Example:\n  evalfleet report RUN_ID\n  evalfleet report RUN_ID --by subject,level --out reports/gsm8k")]
+    Report(ReportArgs),
+
+    /// Put runs side by side: per metric and category, each against the first, paired on the same items.
+    #[command(after_help = "Example:\n  evalfleet compare RUN_A RUN_B\n  evalfleet compare RUN_A RUN_B RUN_C --by category --json")]
+    Compare(CompareArgs),
+
     /// Run one engine command so that it never outlives its run (internal).
     #[command(hide = true)]
     Supervise(crate::commands::supervise::SuperviseArgs),
@@ -237,4 +258,58 @@ pub struct MockArgs {
 
     #[command(flatten)]
     pub settings: MockSettings,
+}
+
+#[derive(Debug, Args)]
+pub struct ScoreArgs {
+    pub run_id: String,
+
+    #[command(flatten)]
+    pub store: StoreArgs,
+
+    /// Take task.parse, task.schema, task.max_reasks and task.metrics from this config
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+
+    /// Recompute only these metrics (names or keys); the others keep their scores
+    #[arg(long, value_delimiter = ',', value_name = "NAME,...")]
+    pub metrics: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    pub run_id: String,
+
+    #[command(flatten)]
+    pub store: StoreArgs,
+
+    /// Item fields to group by (each combination of their values is a category)
+    #[arg(long, value_delimiter = ',', value_name = "FIELD,...")]
+    pub by: Vec<String>,
+
+    /// Where the CSV and JSON files go [default: reports/RUN_ID beside the store]
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+
+    /// Print the JSON summary instead of tables
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct CompareArgs {
+    /// Two or more runs; each is compared with the first
+    #[arg(required = true, num_args = 2..)]
+    pub runs: Vec<String>,
+
+    #[command(flatten)]
+    pub store: StoreArgs,
+
+    /// Item fields to group by
+    #[arg(long, value_delimiter = ',', value_name = "FIELD,...")]
+    pub by: Vec<String>,
+
+    /// Print JSON instead of a table
+    #[arg(long)]
+    pub json: bool,
 }

@@ -83,6 +83,9 @@ fn main() -> ExitCode {
             Command::Check(args) => commands::check::check(args).await,
             Command::Mock(args) => commands::mock::mock(args).await,
             Command::Fleet(args) => commands::inspect::fleet(args),
+            Command::Score(args) => commands::report::score(args),
+            Command::Report(args) => commands::report::report(args),
+            Command::Compare(args) => commands::report::compare(args),
             Command::Supervise(args) => commands::supervise::supervise(args).await,
         }
     });

@@ -7,6 +7,7 @@
 
 mod endpoint;
 mod env;
+mod eval;
 pub mod path;
 mod raw;
 mod validate;
@@ -124,6 +125,9 @@ pub struct TaskConfig {
     /// Stream responses (SSE), which measures time to first token. Default
     /// `false`.
     pub stream: bool,
+    /// `parse`, `schema` / `schema_file`, `max_reasks`,
+    /// `structured_output` and `metrics`: what is done with the answer.
+    pub eval: crate::eval::EvalSpec,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

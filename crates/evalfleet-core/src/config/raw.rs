@@ -45,6 +45,12 @@ pub struct RawTask {
     pub messages: Option<Vec<RawMessage>>,
     pub params: Option<Map<String, Value>>,
     pub stream: Option<bool>,
+    pub parse: Option<Value>,
+    pub schema: Option<Value>,
+    pub schema_file: Option<String>,
+    pub max_reasks: Option<u32>,
+    pub structured_output: Option<bool>,
+    pub metrics: Option<Vec<Value>>,
 }
 
 #[derive(Debug, Default, Deserialize)]

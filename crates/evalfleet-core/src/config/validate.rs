@@ -163,7 +163,7 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
         None => p.push("endpoints", "is required (at least one endpoint)"),
     };
     let task = match &raw.task {
-        Some(value) => raw::section::<RawTask>(value, "task", p.0).and_then(|t| task(t, &mut p)),
+        Some(value) => raw::section::<RawTask>(value, "task", p.0).and_then(|t| task(t, dir, &mut p)),
         None => p.push("task", "is required (task.messages says what to send)"),
     };
     let retry = match &raw.retry {
@@ -312,7 +312,7 @@ pub(super) fn params(
     ok.then_some(raw)
 }
 
-fn task(raw: RawTask, p: &mut Problems<'_>) -> Option<TaskConfig> {
+fn task(raw: RawTask, dir: &Path, p: &mut Problems<'_>) -> Option<TaskConfig> {
     let messages = match raw.messages {
         None => p.push("task.messages", "is required (the chat messages to send)"),
         Some(list) if list.is_empty() => p.push("task.messages", "must hold at least one message"),
@@ -349,10 +349,39 @@ fn task(raw: RawTask, p: &mut Problems<'_>) -> Option<TaskConfig> {
         }
     };
     let params = params(raw.params, "task.params", p);
+    let eval = super::eval::eval(
+        super::eval::RawEval {
+            parse: raw.parse,
+            schema: raw.schema,
+            schema_file: raw.schema_file,
+            max_reasks: raw.max_reasks,
+            structured_output: raw.structured_output,
+            metrics: raw.metrics,
+        },
+        dir,
+        p,
+    );
+    let mut params = params?;
+    let eval = eval?;
+    if eval.structured_output
+        && let Some(schema) = &eval.schema
+    {
+        if params.contains_key("response_format") {
+            return p.push(
+                "task.structured_output",
+                "cannot be used with task.params.response_format (it sets that itself)",
+            );
+        }
+        params.insert(
+            "response_format".to_owned(),
+            json!({"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": true}}),
+        );
+    }
     Some(TaskConfig {
         messages: messages?,
-        params: params?,
+        params,
         stream: raw.stream.unwrap_or(false),
+        eval,
     })
 }
 

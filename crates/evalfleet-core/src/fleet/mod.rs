@@ -95,7 +95,9 @@ fn class_index(class: ErrorClass) -> usize {
         ErrorClass::Retryable => 0,
         ErrorClass::BackPressure => 1,
         ErrorClass::Fatal => 2,
-        ErrorClass::BadResponse => 3,
+        // A re-asked answer is not a failed call; were it counted, it would
+        // be as an unusable response.
+        ErrorClass::BadResponse | ErrorClass::InvalidAnswer => 3,
     }
 }
 

@@ -28,7 +28,8 @@ use crate::config::{Config, RetryPolicy};
 use crate::dataset::{DatasetError, RowReader};
 use crate::fleet::runtime::FleetHandle;
 use crate::fleet::{Endpoint, EndpointCounters, Permit, Signal};
-use crate::store::{AttemptRecord, ItemStatus, ResultRecord, Store, StoreError};
+use crate::eval::{Checked, Evaluator};
+use crate::store::{AttemptRecord, ItemStatus, Judged, ResultRecord, Store, StoreError};
 use crate::template::Templates;
 use queue::{WorkItem, WorkQueue};
 use reader::{Reader, ReaderError};
@@ -139,6 +140,9 @@ struct Shared {
     outstanding: AtomicU64,
     progress: Arc<Progress>,
     fleet: FleetHandle,
+    /// Parsing, checking and scoring of answers; `None` when the task has
+    /// none (the answer is stored as it is).
+    eval: Option<Arc<Evaluator>>,
 }
 
 impl Shared {
@@ -218,7 +222,15 @@ pub async fn execute(
         })
     };
 
+    let eval = if config.task.eval.checks() || !config.task.eval.metrics.is_empty() {
+        Some(Arc::new(
+            Evaluator::new(&config.task.eval).map_err(PipelineError::Internal)?,
+        ))
+    } else {
+        None
+    };
     let shared = Arc::new(Shared {
+        eval,
         session: session.session,
         retry: config.retry,
         item_timeout: config.timeouts.item,
@@ -590,12 +602,31 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
         finish_reason: finish_reason.clone(),
         item: Some(item.item_json),
         finished_at_ms: unix_ms(SystemTime::now()),
+        judged: Judged {
+            reasks: item.reasks,
+            ..Judged::default()
+        },
     };
 
     let err = match result {
         Ok(Completion { content, .. }) => {
             counters.successes.fetch_add(1, Ordering::Relaxed);
-            let done = result_record(item, ItemStatus::Done, Some(content), None);
+            let mut judged = None;
+            if let Some(eval) = &shared.eval {
+                let checked = eval.check(&content);
+                if !checked.valid && item.reasks < eval.spec().max_reasks {
+                    reask(&shared, eval, item, record, content, &checked).await;
+                    return;
+                }
+                let row: serde_json::Value =
+                    serde_json::from_str(&item.item_json).unwrap_or_default();
+                let scores = eval.score(&checked, &row);
+                judged = Some(Judged::new(&checked, &scores, item.reasks));
+            }
+            let mut done = result_record(item, ItemStatus::Done, Some(content), None);
+            if let Some(judged) = judged {
+                done.judged = judged;
+            }
             if shared
                 .send(Outcome {
                     attempt: Some(record),
@@ -666,5 +697,43 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
         .await
     {
         shared.ended(ItemStatus::Failed);
+    }
+}
+
+/// Asks again after an answer that could not be parsed or failed its
+/// schema: the answer and what was wrong with it join the conversation, and
+/// the item goes back to the queue at once. The call succeeded, so this does
+/// not count against the item's attempts.
+async fn reask(
+    shared: &Arc<Shared>,
+    eval: &Evaluator,
+    mut item: WorkItem,
+    mut record: AttemptRecord,
+    answer: String,
+    checked: &Checked,
+) {
+    let why = checked.error.clone().unwrap_or_default();
+    record.error_class = Some(ErrorClass::InvalidAnswer);
+    record.error = Some(format!("re-asked: {why}"));
+    let mut messages: Vec<serde_json::Value> =
+        serde_json::from_str(item.messages.get()).unwrap_or_default();
+    messages.push(serde_json::json!({"role": "assistant", "content": answer}));
+    messages.push(serde_json::json!({"role": "user", "content": eval.reask_message(checked)}));
+    let Ok(raw) = serde_json::value::to_raw_value(&messages) else {
+        return;
+    };
+    item.messages = raw;
+    item.reasks += 1;
+    item.attempts -= 1;
+    item.excused += 1;
+    let sent = shared
+        .send(Outcome {
+            attempt: Some(record),
+            result: None,
+        })
+        .await;
+    if sent && !shared.halt.is_cancelled() {
+        shared.progress.retries.fetch_add(1, Ordering::Relaxed);
+        shared.queue.retry(item);
     }
 }

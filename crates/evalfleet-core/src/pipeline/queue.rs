@@ -25,6 +25,9 @@ pub struct WorkItem {
     /// another endpoint because theirs stopped taking items, or refused by a
     /// rate limit (bounded by the item's deadline instead).
     pub excused: u32,
+    /// Times the model was asked again after an answer that could not be
+    /// used.
+    pub reasks: u32,
     /// When its first attempt in this session was sent (the item deadline
     /// counts from here).
     pub first_sent: Option<Instant>,

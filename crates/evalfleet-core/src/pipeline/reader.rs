@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use super::queue::WorkItem;
 use super::writer::Outcome;
 use crate::dataset::{DatasetError, RowReader};
-use crate::store::{ItemStatus, ResultRecord, Store, StoreError, now_ms};
+use crate::store::{Judged, ItemStatus, ResultRecord, Store, StoreError, now_ms};
 use crate::template::Templates;
 
 const PAGE: usize = 512;
@@ -84,6 +84,7 @@ impl Reader {
                             prior_attempts: pending.prior_attempts,
                             attempts: 0,
                             excused: 0,
+                            reasks: 0,
                             first_sent: None,
                         };
                         self.deliver(item, &runtime)
@@ -106,6 +107,7 @@ impl Reader {
                             finish_reason: None,
                             item: Some(item_json),
                             finished_at_ms: now_ms(),
+                            judged: Judged::default(),
                         };
                         let sent = runtime.block_on(self.writer.send(Outcome {
                             attempt: None,

@@ -66,7 +66,7 @@ pub fn runs(args: StoreArgs) -> anyhow::Result<u8> {
     Ok(EXIT_OK)
 }
 
-fn print_table<const N: usize>(rows: &[[String; N]]) {
+pub(crate) fn print_table<const N: usize>(rows: &[[String; N]]) {
     let mut widths = [0usize; N];
     for row in rows {
         for (i, cell) in row.iter().enumerate() {
@@ -84,7 +84,7 @@ fn print_table<const N: usize>(rows: &[[String; N]]) {
     }
 }
 
-fn percentiles(p: &Option<Percentiles>) -> String {
+pub(crate) fn percentiles(p: &Option<Percentiles>) -> String {
     match p {
         Some(p) => format!("{:.0}/{:.0}/{:.0}", p.p50, p.p90, p.p99),
         None => "-".to_owned(),
@@ -299,7 +299,7 @@ pub fn fleet(args: FleetArgs) -> anyhow::Result<u8> {
 }
 
 /// The fixed columns of an export row, in the contract's order.
-const COLUMNS: [&str; 12] = [
+const COLUMNS: [&str; 15] = [
     "item_id",
     "status",
     "output",
@@ -312,6 +312,9 @@ const COLUMNS: [&str; 12] = [
     "tpot_ms",
     "prompt_tokens",
     "completion_tokens",
+    "parsed",
+    "valid",
+    "scores",
 ];
 
 pub fn export(args: ExportArgs) -> anyhow::Result<u8> {
@@ -392,6 +395,15 @@ fn write_export(
     Ok(())
 }
 
+/// A JSON value in a CSV cell: strings as they are, the rest as JSON.
+fn json_cell(value: Option<&Value>) -> String {
+    match value {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(s)) => s.clone(),
+        Some(other) => other.to_string(),
+    }
+}
+
 fn csv_record(row: &ExportRow, fields: &BTreeSet<String>) -> Vec<String> {
     let opt = |v: &Option<String>| v.clone().unwrap_or_default();
     let num = |v: Option<f64>| v.map(|x| format!("{x:.3}")).unwrap_or_default();
@@ -409,6 +421,9 @@ fn csv_record(row: &ExportRow, fields: &BTreeSet<String>) -> Vec<String> {
         num(row.tpot_ms),
         int(row.prompt_tokens),
         int(row.completion_tokens),
+        json_cell(row.parsed.as_ref()),
+        row.valid.map(|v| v.to_string()).unwrap_or_default(),
+        json_cell(row.scores.as_ref()),
     ];
     for field in fields {
         record.push(match row.item.get(field) {

@@ -4,6 +4,7 @@
 pub mod check;
 pub mod inspect;
 pub mod mock;
+pub mod report;
 pub mod run;
 pub mod supervise;
 

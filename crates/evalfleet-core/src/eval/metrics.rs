@@ -1,0 +1,388 @@
+//! The metric registry: named, versioned metrics with declared parameters.
+//! `docs/metrics.md` gives each one's exact definition; a change of
+//! definition is a new version, so stored scores keep their meaning.
+
+use regex::Regex;
+use serde_json::{Map, Value, json};
+
+use super::text::{self, Normalize};
+
+/// What the registry knows of a metric.
+pub struct MetricInfo {
+    pub name: &'static str,
+    pub version: u32,
+    pub params: &'static [&'static str],
+    pub higher_is_better: bool,
+    pub summary: &'static str,
+}
+
+/// Every built-in metric.
+pub const REGISTRY: &[MetricInfo] = &[
+    MetricInfo { name: "exact_match", version: 1, params: &["normalize", "ignore_case"], higher_is_better: true, summary: "1 when the answer equals a reference after normalisation" },
+    MetricInfo { name: "contains", version: 1, params: &["normalize", "ignore_case"], higher_is_better: true, summary: "1 when a reference occurs in the answer after normalisation" },
+    MetricInfo { name: "regex_match", version: 1, params: &["pattern"], higher_is_better: true, summary: "1 when the answer matches the pattern" },
+    MetricInfo { name: "f1", version: 1, params: &[], higher_is_better: true, summary: "SQuAD token F1, the best over the references" },
+    MetricInfo { name: "numeric_match", version: 1, params: &["tolerance", "relative_tolerance"], higher_is_better: true, summary: "1 when the answer's last number is within tolerance of the reference's" },
+    MetricInfo { name: "choice_accuracy", version: 1, params: &[], higher_is_better: true, summary: "1 when the chosen letter is the reference letter (or index)" },
+    MetricInfo { name: "cer", version: 1, params: &[], higher_is_better: false, summary: "character edits over reference characters (jiwer's definition)" },
+    MetricInfo { name: "wer", version: 1, params: &[], higher_is_better: false, summary: "word edits over reference words (jiwer's definition)" },
+    MetricInfo { name: "anls", version: 1, params: &["threshold"], higher_is_better: true, summary: "1 - normalised Levenshtein distance when below the threshold, else 0; the best over the references" },
+    MetricInfo { name: "json_field_match", version: 1, params: &["fields"], higher_is_better: true, summary: "the share of the reference's fields the answer has equal; precision and recall over keys" },
+    MetricInfo { name: "classification", version: 1, params: &["labels", "ignore_case"], higher_is_better: true, summary: "1 when the label equals the reference's; per-class and macro/micro P/R/F1 in aggregates" },
+];
+
+/// How a metric is computed, with its parameters.
+#[derive(Debug, Clone)]
+pub enum Kind {
+    ExactMatch { normalize: Normalize, ignore_case: bool },
+    Contains { normalize: Normalize, ignore_case: bool },
+    RegexMatch { pattern: Regex },
+    F1,
+    Numeric { tolerance: f64, relative: f64 },
+    Choice,
+    Cer,
+    Wer,
+    Anls { threshold: f64 },
+    JsonFields { fields: Option<Vec<String>> },
+    Classification { labels: Option<Vec<String>>, ignore_case: bool },
+}
+
+/// A metric as a task configures it.
+#[derive(Debug, Clone)]
+pub struct Metric {
+    /// The key its scores are stored under: `as`, else `name@version`.
+    pub key: String,
+    pub name: &'static str,
+    pub version: u32,
+    pub kind: Kind,
+    pub higher_is_better: bool,
+}
+
+fn param<'a>(params: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
+    params.get(key)
+}
+
+fn bool_param(params: &Map<String, Value>, key: &str, default: bool) -> Result<bool, String> {
+    match param(params, key) {
+        None => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(other) => Err(format!("{key} must be true or false, got {other}")),
+    }
+}
+
+fn number_param(params: &Map<String, Value>, key: &str, default: f64) -> Result<f64, String> {
+    match param(params, key) {
+        None => Ok(default),
+        Some(Value::Number(n)) => n
+            .as_f64()
+            .filter(|v| *v >= 0.0)
+            .ok_or_else(|| format!("{key} must be a number of at least 0, got {n}")),
+        Some(other) => Err(format!("{key} must be a number, got {other}")),
+    }
+}
+
+fn strings_param(params: &Map<String, Value>, key: &str) -> Result<Option<Vec<String>>, String> {
+    match param(params, key) {
+        None => Ok(None),
+        Some(Value::Array(list)) if !list.is_empty() => list
+            .iter()
+            .map(|v| {
+                v.as_str()
+                    .map(str::to_owned)
+                    .ok_or_else(|| format!("{key} must be a list of strings, got {v}"))
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some),
+        Some(other) => Err(format!("{key} must be a non-empty list of strings, got {other}")),
+    }
+}
+
+fn normalize_param(params: &Map<String, Value>) -> Result<Normalize, String> {
+    match param(params, "normalize") {
+        None => Ok(Normalize::Strip),
+        Some(Value::String(s)) => Normalize::parse(s)
+            .ok_or_else(|| format!("normalize must be none, strip or squad, got '{s}'")),
+        Some(other) => Err(format!("normalize must be none, strip or squad, got {other}")),
+    }
+}
+
+impl Metric {
+    /// Looks `name` (`exact_match` or `exact_match@1`) up in the registry
+    /// and checks its parameters.
+    pub fn build(name: &str, params: &Map<String, Value>, key: Option<String>) -> Result<Self, String> {
+        let (base, version) = match name.split_once('@') {
+            Some((base, v)) => (
+                base,
+                Some(v.parse::<u32>().map_err(|_| format!("'{name}': the version after @ must be a number"))?),
+            ),
+            None => (name, None),
+        };
+        let known: Vec<&str> = REGISTRY.iter().map(|m| m.name).collect();
+        let info = REGISTRY.iter().find(|m| m.name == base).ok_or_else(|| {
+            format!("unknown metric '{base}' (known: {})", known.join(", "))
+        })?;
+        if let Some(v) = version
+            && v != info.version
+        {
+            return Err(format!("{base} has no version {v} (this evalfleet has version {})", info.version));
+        }
+        if let Some(unknown) = params.keys().find(|k| !info.params.contains(&k.as_str())) {
+            return Err(if info.params.is_empty() {
+                format!("{base} takes no parameters, got '{unknown}'")
+            } else {
+                format!("{base} has no parameter '{unknown}' (it takes: {})", info.params.join(", "))
+            });
+        }
+        let kind = match base {
+            "exact_match" => Kind::ExactMatch { normalize: normalize_param(params)?, ignore_case: bool_param(params, "ignore_case", false)? },
+            "contains" => Kind::Contains { normalize: normalize_param(params)?, ignore_case: bool_param(params, "ignore_case", false)? },
+            "regex_match" => {
+                let pattern = match param(params, "pattern") {
+                    Some(Value::String(p)) => Regex::new(p).map_err(|e| format!("pattern is not a valid regex: {e}"))?,
+                    _ => return Err("regex_match needs a pattern".to_owned()),
+                };
+                Kind::RegexMatch { pattern }
+            }
+            "f1" => Kind::F1,
+            "numeric_match" => Kind::Numeric { tolerance: number_param(params, "tolerance", 1e-6)?, relative: number_param(params, "relative_tolerance", 0.0)? },
+            "choice_accuracy" => Kind::Choice,
+            "cer" => Kind::Cer,
+            "wer" => Kind::Wer,
+            "anls" => {
+                let threshold = number_param(params, "threshold", 0.5)?;
+                if threshold > 1.0 {
+                    return Err(format!("threshold must be between 0 and 1, got {threshold}"));
+                }
+                Kind::Anls { threshold }
+            }
+            "json_field_match" => Kind::JsonFields { fields: strings_param(params, "fields")? },
+            "classification" => Kind::Classification { labels: strings_param(params, "labels")?, ignore_case: bool_param(params, "ignore_case", true)? },
+            _ => return Err(format!("unknown metric '{base}'")),
+        };
+        Ok(Self {
+            key: key.unwrap_or_else(|| format!("{}@{}", info.name, info.version)),
+            name: info.name,
+            version: info.version,
+            kind,
+            higher_is_better: info.higher_is_better,
+        })
+    }
+
+    /// Whether the reference is JSON (an object to compare fields with).
+    pub fn wants_json_reference(&self) -> bool {
+        matches!(self.kind, Kind::JsonFields { .. })
+    }
+
+    /// The value an item with no usable answer (failed, unparsed, invalid)
+    /// counts as in a mean: the worst score.
+    pub fn missing(&self) -> f64 {
+        if self.higher_is_better { 0.0 } else { 1.0 }
+    }
+
+    /// Scores one parsed answer against its references: an object with
+    /// `value` and, for some metrics, what aggregates need.
+    pub fn score(&self, answer: &Value, references: &[Value]) -> Value {
+        let text = as_text(answer);
+        let refs: Vec<String> = references.iter().map(as_text).collect();
+        let best = |f: &dyn Fn(&str) -> f64| refs.iter().map(|r| f(r)).fold(0.0, f64::max);
+        match &self.kind {
+            Kind::ExactMatch { normalize, ignore_case } => {
+                let a = normalize.apply(&text, *ignore_case);
+                json!({"value": best(&|r| f64::from(u8::from(normalize.apply(r, *ignore_case) == a)))})
+            }
+            Kind::Contains { normalize, ignore_case } => {
+                let a = normalize.apply(&text, *ignore_case);
+                json!({"value": best(&|r| f64::from(u8::from(a.contains(&normalize.apply(r, *ignore_case)))))})
+            }
+            Kind::RegexMatch { pattern } => json!({"value": f64::from(u8::from(pattern.is_match(&text)))}),
+            Kind::F1 => json!({"value": best(&|r| text::token_f1(&text, r))}),
+            Kind::Numeric { tolerance, relative } => {
+                let value = text::last_number(&text).map_or(0.0, |a| {
+                    best(&|r| {
+                        text::last_number(r).map_or(0.0, |b| {
+                            let allowed = tolerance.max(relative * b.abs());
+                            f64::from(u8::from((a - b).abs() <= allowed))
+                        })
+                    })
+                });
+                json!({"value": value})
+            }
+            Kind::Choice => {
+                let chosen = text.trim().to_ascii_uppercase();
+                json!({"value": best(&|r| f64::from(u8::from(choice_letter(r) == chosen)))})
+            }
+            Kind::Cer | Kind::Wer => {
+                // One reference: the first.
+                let reference = refs.first().map_or("", String::as_str);
+                let (edits, length) = if matches!(self.kind, Kind::Cer) {
+                    text::char_edits(reference, &text)
+                } else {
+                    text::word_edits(reference, &text)
+                };
+                let value = if length == 0 {
+                    f64::from(u8::from(edits > 0))
+                } else {
+                    edits as f64 / length as f64
+                };
+                json!({"value": value, "edits": edits, "length": length})
+            }
+            Kind::Anls { threshold } => {
+                let a = text::anls_normalize(&text);
+                json!({"value": best(&|r| {
+                    let nl = text::normalized_levenshtein(&a, &text::anls_normalize(r));
+                    if nl < *threshold { 1.0 - nl } else { 0.0 }
+                })})
+            }
+            Kind::JsonFields { fields } => json_fields(answer, references.first(), fields.as_deref()),
+            Kind::Classification { labels, ignore_case } => {
+                let norm = |s: &str| if *ignore_case { s.trim().to_lowercase() } else { s.trim().to_owned() };
+                let predicted = norm(&text);
+                let reference = norm(refs.first().map_or("", String::as_str));
+                let predicted = match labels {
+                    Some(labels) if !labels.iter().any(|l| norm(l) == predicted) => "(other)".to_owned(),
+                    _ => predicted,
+                };
+                json!({"value": f64::from(u8::from(predicted == reference)), "predicted": predicted, "reference": reference})
+            }
+        }
+    }
+}
+
+/// A JSON value as text: strings as they are, anything else as JSON.
+pub fn as_text(value: &Value) -> String {
+    match value {
+        Value::String(s) => s.clone(),
+        Value::Null => String::new(),
+        other => other.to_string(),
+    }
+}
+
+/// A reference letter: itself, or a 0-based index turned into a letter.
+fn choice_letter(reference: &str) -> String {
+    let r = reference.trim();
+    match r.parse::<u32>() {
+        Ok(i) if i < 26 => char::from(b'A' + i as u8).to_string(),
+        _ => r.trim_matches(|c| matches!(c, '(' | ')' | '.')).to_ascii_uppercase(),
+    }
+}
+
+/// Leaves of a JSON value by path: `a.b`, `list[0].c`.
+pub fn flatten(value: &Value, prefix: &str, out: &mut Vec<(String, Value)>) {
+    match value {
+        Value::Object(map) if !map.is_empty() => {
+            for (k, v) in map {
+                let path = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                flatten(v, &path, out);
+            }
+        }
+        Value::Array(list) if !list.is_empty() => {
+            for (i, v) in list.iter().enumerate() {
+                flatten(v, &format!("{prefix}[{i}]"), out);
+            }
+        }
+        leaf => out.push((prefix.to_owned(), leaf.clone())),
+    }
+}
+
+fn same_leaf(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Number(x), Value::Number(y)) => x.as_f64() == y.as_f64(),
+        (Value::String(x), Value::String(y)) => x.trim() == y.trim(),
+        _ => a == b,
+    }
+}
+
+fn json_fields(answer: &Value, reference: Option<&Value>, fields: Option<&[String]>) -> Value {
+    let mut got = Vec::new();
+    flatten(answer, "", &mut got);
+    let mut want = Vec::new();
+    if let Some(reference) = reference {
+        flatten(reference, "", &mut want);
+    }
+    let keep = |path: &str| {
+        fields.is_none_or(|f| f.iter().any(|p| path == p || path.starts_with(&format!("{p}.")) || path.starts_with(&format!("{p}["))))
+    };
+    got.retain(|(p, _)| keep(p));
+    want.retain(|(p, _)| keep(p));
+    let lookup = |list: &[(String, Value)], path: &str| list.iter().find(|(p, _)| p == path).map(|(_, v)| v.clone());
+    let tp = want
+        .iter()
+        .filter(|(p, v)| lookup(&got, p).is_some_and(|g| same_leaf(&g, v)))
+        .count();
+    let fp = got.len() - tp;
+    let fn_ = want.len() - tp;
+    let value = if want.is_empty() { f64::from(u8::from(got.is_empty())) } else { tp as f64 / want.len() as f64 };
+    json!({"value": value, "tp": tp, "fp": fp, "fn": fn_})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn metric(name: &str, params: Value) -> Metric {
+        Metric::build(name, params.as_object().unwrap(), None).unwrap()
+    }
+
+    fn value(score: &Value) -> f64 {
+        score["value"].as_f64().unwrap()
+    }
+
+    #[test]
+    fn unknown_names_versions_and_parameters_are_refused() {
+        let none = Map::new();
+        assert!(Metric::build("bleu", &none, None).unwrap_err().contains("unknown metric 'bleu'"));
+        assert!(Metric::build("exact_match@2", &none, None).unwrap_err().contains("no version 2"));
+        let params = json!({"colour": 1});
+        let err = Metric::build("f1", params.as_object().unwrap(), None).unwrap_err();
+        assert_eq!(err, "f1 takes no parameters, got 'colour'");
+        assert_eq!(Metric::build("exact_match@1", &none, None).unwrap().key, "exact_match@1");
+    }
+
+    #[test]
+    fn numeric_match_ignores_separators_and_units() {
+        let m = metric("numeric_match", json!({}));
+        assert_eq!(value(&m.score(&json!("1,234"), &[json!("1234")])), 1.0);
+        assert_eq!(value(&m.score(&json!("$18 dollars"), &[json!("18")])), 1.0);
+        assert_eq!(value(&m.score(&json!("17"), &[json!("18")])), 0.0);
+        let loose = metric("numeric_match", json!({"relative_tolerance": 0.01}));
+        assert_eq!(value(&loose.score(&json!("100.5"), &[json!("100")])), 1.0);
+    }
+
+    #[test]
+    fn anls_at_the_threshold_scores_zero() {
+        let m = metric("anls", json!({}));
+        // "ab" vs "cd": distance 1.0; "abcd" vs "abxy": exactly 0.5.
+        assert_eq!(value(&m.score(&json!("abxy"), &[json!("abcd")])), 0.0);
+        let s = value(&m.score(&json!("abcx"), &[json!("abcd")]));
+        assert!((s - 0.75).abs() < 1e-12);
+        // Case and surrounding or repeated whitespace do not count.
+        assert_eq!(value(&m.score(&json!("  Hello   World"), &[json!("x"), json!("hello world")])), 1.0);
+    }
+
+    #[test]
+    fn json_fields_count_nested_paths() {
+        let m = metric("json_field_match", json!({}));
+        let want = json!({"name": "Ann", "address": {"city": "Oslo", "zip": "0150"}, "tags": ["a", "b"]});
+        let got = json!({"name": "Ann", "address": {"city": "Bergen", "zip": "0150"}, "tags": ["a"], "extra": 1});
+        let s = m.score(&got, &[want]);
+        // Right: name, address.zip, tags[0]; wrong: city; missing: tags[1].
+        assert!((value(&s) - 3.0 / 5.0).abs() < 1e-12);
+        assert_eq!((s["tp"].as_u64(), s["fp"].as_u64(), s["fn"].as_u64()), (Some(3), Some(2), Some(2)));
+    }
+
+    #[test]
+    fn choices_match_letters_or_indices() {
+        let m = metric("choice_accuracy", json!({}));
+        assert_eq!(value(&m.score(&json!("C"), &[json!("C")])), 1.0);
+        assert_eq!(value(&m.score(&json!("C"), &[json!(2)])), 1.0);
+        assert_eq!(value(&m.score(&json!("B"), &[json!("(C)")])), 0.0);
+    }
+
+    #[test]
+    fn classification_folds_unknown_labels() {
+        let m = metric("classification", json!({"labels": ["pos", "neg"]}));
+        let s = m.score(&json!("Neutral"), &[json!("neg")]);
+        assert_eq!(s["predicted"], "(other)");
+        assert_eq!(value(&m.score(&json!(" POS "), &[json!("pos")])), 1.0);
+    }
+}

@@ -1,0 +1,242 @@
+//! What happens to a model's text after the call: the answer is parsed,
+//! checked against a JSON Schema, and scored by the task's metrics.
+//! Nothing here calls a model, so `evalfleet score` can run it again on
+//! stored outputs.
+
+pub mod aggregate;
+pub mod metrics;
+pub mod parse;
+pub mod stats;
+pub mod text;
+
+use minijinja::{Environment, UndefinedBehavior};
+use serde_json::{Map, Value};
+
+pub use metrics::Metric;
+pub use parse::Parser;
+
+/// One metric of `task.metrics`, with the template of its reference.
+#[derive(Debug, Clone)]
+pub struct MetricSpec {
+    pub metric: Metric,
+    /// A template over the item's fields (`{{ answer }}`); when it renders
+    /// a JSON list, each element is a reference.
+    pub reference: Option<String>,
+}
+
+/// The checking and scoring part of a task (`task.parse`, `task.schema`,
+/// `task.max_reasks`, `task.structured_output`, `task.metrics`).
+#[derive(Debug, Clone)]
+pub struct EvalSpec {
+    pub parser: Parser,
+    pub schema: Option<Value>,
+    pub max_reasks: u32,
+    pub structured_output: bool,
+    pub metrics: Vec<MetricSpec>,
+}
+
+/// Compared by their definitions (a regex by its pattern).
+impl PartialEq for EvalSpec {
+    fn eq(&self, other: &Self) -> bool {
+        format!("{self:?}") == format!("{other:?}")
+    }
+}
+
+impl Default for EvalSpec {
+    fn default() -> Self {
+        Self {
+            parser: Parser::Whole,
+            schema: None,
+            max_reasks: 0,
+            structured_output: false,
+            metrics: Vec::new(),
+        }
+    }
+}
+
+impl EvalSpec {
+    /// Whether an answer can be found wanting (and then re-asked).
+    pub fn checks(&self) -> bool {
+        !matches!(self.parser, Parser::Whole) || self.schema.is_some()
+    }
+}
+
+/// The outcome of checking one answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checked {
+    /// The extracted answer; `None` when it could not be parsed.
+    pub parsed: Option<Value>,
+    /// Parsed and, with a schema, valid.
+    pub valid: bool,
+    /// Why not, when not.
+    pub error: Option<String>,
+}
+
+impl Checked {
+    /// `ok`, `unparsed` or `invalid`.
+    pub fn verdict(&self) -> &'static str {
+        match (&self.parsed, self.valid) {
+            (_, true) => "ok",
+            (None, false) => "unparsed",
+            (Some(_), false) => "invalid",
+        }
+    }
+}
+
+/// A compiled [`EvalSpec`].
+pub struct Evaluator {
+    spec: EvalSpec,
+    schema: Option<jsonschema::Validator>,
+    env: Environment<'static>,
+}
+
+impl Evaluator {
+    /// Compiles the schema and the reference templates.
+    pub fn new(spec: &EvalSpec) -> Result<Self, String> {
+        let schema = spec
+            .schema
+            .as_ref()
+            .map(|s| jsonschema::validator_for(s).map_err(|e| format!("task.schema is not a valid JSON Schema: {e}")))
+            .transpose()?;
+        let mut env = Environment::new();
+        env.set_undefined_behavior(UndefinedBehavior::SemiStrict);
+        for (i, m) in spec.metrics.iter().enumerate() {
+            if let Some(reference) = &m.reference {
+                env.add_template_owned(format!("task.metrics[{i}].reference"), reference.clone())
+                    .map_err(|e| format!("task.metrics[{i}].reference: {e}"))?;
+            }
+        }
+        Ok(Self {
+            spec: spec.clone(),
+            schema,
+            env,
+        })
+    }
+
+    pub fn spec(&self) -> &EvalSpec {
+        &self.spec
+    }
+
+    pub fn metrics(&self) -> impl Iterator<Item = &Metric> {
+        self.spec.metrics.iter().map(|m| &m.metric)
+    }
+
+    /// Parses `text` and checks it against the schema.
+    pub fn check(&self, text: &str) -> Checked {
+        let parsed = match self.spec.parser.parse(text) {
+            Ok(parsed) => parsed,
+            Err(error) => {
+                return Checked {
+                    parsed: None,
+                    valid: false,
+                    error: Some(error),
+                };
+            }
+        };
+        if let Some(schema) = &self.schema {
+            let errors: Vec<String> = schema
+                .iter_errors(&parsed)
+                .take(5)
+                .map(|e| {
+                    let at = e.instance_path().to_string();
+                    if at.is_empty() { e.to_string() } else { format!("at {at}: {e}") }
+                })
+                .collect();
+            if !errors.is_empty() {
+                return Checked {
+                    parsed: Some(parsed),
+                    valid: false,
+                    error: Some(format!("does not match the schema: {}", errors.join("; "))),
+                };
+            }
+        }
+        Checked {
+            parsed: Some(parsed),
+            valid: true,
+            error: None,
+        }
+    }
+
+    /// Scores a valid answer against the item (`item_json`: the input row):
+    /// metric key → its item score. A metric whose reference cannot be
+    /// rendered for this item scores `{"error": ...}`.
+    pub fn score(&self, checked: &Checked, item: &Value) -> Map<String, Value> {
+        let mut out = Map::new();
+        let Some(answer) = checked.parsed.as_ref().filter(|_| checked.valid) else {
+            return out;
+        };
+        for (i, m) in self.spec.metrics.iter().enumerate() {
+            let score = match self.references(i, m, item) {
+                Ok(references) => m.metric.score(answer, &references),
+                Err(error) => serde_json::json!({ "error": error }),
+            };
+            out.insert(m.metric.key.clone(), score);
+        }
+        out
+    }
+
+    fn references(&self, i: usize, m: &MetricSpec, item: &Value) -> Result<Vec<Value>, String> {
+        if m.reference.is_none() {
+            return Ok(Vec::new());
+        }
+        let name = format!("task.metrics[{i}].reference");
+        let rendered = self
+            .env
+            .get_template(&name)
+            .and_then(|t| t.render(&minijinja::Value::from(minijinja::value::Serde(item))))
+            .map_err(|e| format!("{name}: {e}"))?;
+        let trimmed = rendered.trim();
+        if m.metric.wants_json_reference() {
+            return serde_json::from_str::<Value>(trimmed)
+                .map(|v| vec![v])
+                .map_err(|e| format!("{name}: the reference is not JSON: {e}"));
+        }
+        if trimmed.starts_with('[')
+            && let Ok(Value::Array(list)) = serde_json::from_str::<Value>(trimmed)
+        {
+            return Ok(list);
+        }
+        Ok(vec![Value::String(rendered)])
+    }
+
+    /// Checks and scores a stored output again (`evalfleet score`); `keep`
+    /// holds stored scores of metrics not recomputed.
+    pub fn judge(
+        &self,
+        output: &str,
+        item: &Value,
+        reasks: u32,
+        only: Option<&[String]>,
+        keep: Option<&Map<String, Value>>,
+    ) -> crate::store::Judged {
+        let checked = self.check(output);
+        let mut scores = self.score(&checked, item);
+        if let Some(only) = only {
+            scores.retain(|k, _| only.contains(k));
+            if let Some(keep) = keep {
+                for (k, v) in keep {
+                    if !only.contains(k) {
+                        scores.entry(k.clone()).or_insert_with(|| v.clone());
+                    }
+                }
+            }
+        }
+        crate::store::Judged::new(&checked, &scores, reasks)
+    }
+
+    /// The user message of a re-ask: what was wrong with the answer.
+    pub fn reask_message(&self, checked: &Checked) -> String {
+        let why = checked.error.as_deref().unwrap_or("it is not valid");
+        let mut message = format!("Your answer could not be used: {why}.");
+        if self.spec.parser.is_json() {
+            message.push_str(" Reply again with only the corrected JSON.");
+            if let Some(schema) = &self.spec.schema {
+                message.push_str(" It must match this JSON Schema: ");
+                message.push_str(&schema.to_string());
+            }
+        } else {
+            message.push_str(" Reply again in the required format.");
+        }
+        message
+    }
+}

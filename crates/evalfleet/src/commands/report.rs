@@ -1,0 +1,464 @@
+//! `evalfleet score`, `report` and `compare`: what the stored answers are
+//! worth. None of them calls a model.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use evalfleet_core::config::{self, LoadedConfig, Overrides};
+use evalfleet_core::eval::aggregate::{self, Row, Summary};
+use evalfleet_core::eval::{Evaluator, stats};
+use evalfleet_core::store::{Judged, RunRecord, Store, StoredResult};
+use evalfleet_core::summary::{self, EndpointSummary};
+use evalfleet_store::SqliteStore;
+use serde_json::{Map, Value, json};
+
+use super::inspect::{percentiles, print_table};
+use super::store_path;
+use crate::cli::{CompareArgs, ReportArgs, ScoreArgs};
+use crate::{EXIT_OK, UsageError};
+
+/// The task keys `score --config` takes from the new config.
+const EVAL_KEYS: [&str; 6] = [
+    "parse",
+    "schema",
+    "schema_file",
+    "max_reasks",
+    "structured_output",
+    "metrics",
+];
+
+fn stored_config(run: &RunRecord) -> anyhow::Result<LoadedConfig> {
+    config::load_snapshot(&run.config, Path::new(&run.config_dir))
+        .with_context(|| format!("the stored config of run {} cannot be used", run.run_id))
+}
+
+fn evaluator(loaded: &LoadedConfig) -> anyhow::Result<Evaluator> {
+    Evaluator::new(&loaded.config.task.eval).map_err(|e| UsageError(e).into())
+}
+
+/// `evalfleet score`: parses, checks and scores the stored outputs again.
+pub fn score(args: ScoreArgs) -> anyhow::Result<u8> {
+    let path = store_path(args.store.store, None);
+    let mut store = SqliteStore::open_existing(&path)?;
+    let run = store.run(&args.run_id)?;
+    if store.is_run_active(&args.run_id)? {
+        return Err(UsageError(format!(
+            "run {} is running; score it when it has stopped",
+            args.run_id
+        ))
+        .into());
+    }
+    // The stored config, with the task's checking and scoring taken from
+    // --config when given.
+    let mut snapshot = run.config.clone();
+    if let Some(file) = &args.config {
+        let new = config::load_file(file, Overrides::default())?;
+        let task = snapshot
+            .get_mut("task")
+            .and_then(Value::as_object_mut)
+            .context("the stored config has no task")?;
+        for key in EVAL_KEYS {
+            task.remove(key);
+            if let Some(value) = new.snapshot.get("task").and_then(|t| t.get(key)) {
+                task.insert(key.to_owned(), value.clone());
+            }
+        }
+        // A schema file is read now and stored inline: the stored config
+        // must not depend on where the new file was.
+        if task.remove("schema_file").is_some()
+            && let Some(schema) = &new.config.task.eval.schema
+        {
+            task.insert("schema".to_owned(), schema.clone());
+        }
+    }
+    let loaded = config::load_snapshot(&snapshot, Path::new(&run.config_dir))?;
+    let eval = evaluator(&loaded)?;
+    let keys: Vec<String> = eval.metrics().map(|m| m.key.clone()).collect();
+    let only = if args.metrics.is_empty() {
+        None
+    } else {
+        let mut chosen = Vec::new();
+        for name in &args.metrics {
+            let found: Vec<&String> = keys
+                .iter()
+                .filter(|k| *k == name || k.split('@').next() == Some(name.as_str()))
+                .collect();
+            if found.is_empty() {
+                return Err(UsageError(format!(
+                    "--metrics: '{name}' is not among the task's metrics ({})",
+                    keys.join(", ")
+                ))
+                .into());
+            }
+            chosen.extend(found.into_iter().cloned());
+        }
+        Some(chosen)
+    };
+    let mut judged: Vec<(u64, Judged)> = Vec::new();
+    let mut bad_rows = 0u64;
+    store.scan_results(&args.run_id, &mut |r: StoredResult| {
+        if r.failed {
+            return;
+        }
+        let item: Value = r
+            .item
+            .as_deref()
+            .and_then(|t| serde_json::from_str(t).ok())
+            .unwrap_or_else(|| {
+                bad_rows += 1;
+                Value::Null
+            });
+        let keep: Option<Map<String, Value>> = r
+            .judged
+            .scores
+            .as_deref()
+            .and_then(|s| serde_json::from_str(s).ok());
+        let output = r.output.as_deref().unwrap_or("");
+        let new = eval.judge(output, &item, r.judged.reasks, only.as_deref(), keep.as_ref());
+        judged.push((r.seq, new));
+    })?;
+    store.put_judged(&args.run_id, &judged, &snapshot)?;
+    let valid = judged.iter().filter(|(_, j)| j.verdict.as_deref() != Some("unparsed") && j.verdict.as_deref() != Some("invalid")).count();
+    eprintln!(
+        "Scored {} answers of run {} ({} usable) with {}; no model was called.",
+        judged.len(),
+        args.run_id,
+        valid,
+        if keys.is_empty() { "no metrics".to_owned() } else { keys.join(", ") }
+    );
+    if bad_rows > 0 {
+        eprintln!("warning: {bad_rows} stored items are not JSON; their references could not be rendered.");
+    }
+    Ok(EXIT_OK)
+}
+
+/// Everything a report says about one run.
+struct Scored {
+    run: RunRecord,
+    eval: Evaluator,
+    results: Vec<StoredResult>,
+}
+
+fn load(store: &mut SqliteStore, run_id: &str) -> anyhow::Result<Scored> {
+    let run = store.run(run_id)?;
+    let loaded = stored_config(&run)?;
+    let eval = evaluator(&loaded)?;
+    let mut results = Vec::new();
+    store.scan_results(run_id, &mut |r| results.push(r))?;
+    Ok(Scored { run, eval, results })
+}
+
+fn item_value(r: &StoredResult) -> Value {
+    r.item
+        .as_deref()
+        .and_then(|t| serde_json::from_str(t).ok())
+        .unwrap_or(Value::Null)
+}
+
+/// The category of an item for `--by`: its fields' values joined by ` / `.
+fn group_of(item: &Value, by: &[String]) -> String {
+    if by.is_empty() {
+        return "all".to_owned();
+    }
+    by.iter()
+        .map(|f| match item.get(f) {
+            None | Some(Value::Null) => "(none)".to_owned(),
+            Some(Value::String(s)) => s.clone(),
+            Some(other) => other.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join(" / ")
+}
+
+fn rows(scored: &Scored, by: &[String]) -> Vec<Row> {
+    scored
+        .results
+        .iter()
+        .map(|r| Row {
+            failed: r.failed,
+            verdict: r.judged.verdict.clone(),
+            scores: r
+                .judged
+                .scores
+                .as_deref()
+                .and_then(|s| serde_json::from_str(s).ok())
+                .unwrap_or_default(),
+            group: group_of(&item_value(r), by),
+        })
+        .collect()
+}
+
+/// Structural fidelity: valid on the first try, after re-asks, or not.
+fn fidelity(results: &[StoredResult]) -> Value {
+    let (mut first, mut later, mut unparsed, mut invalid, mut unchecked, mut failed) = (0, 0, 0, 0, 0, 0);
+    for r in results {
+        match (r.failed, r.judged.verdict.as_deref()) {
+            (true, _) => failed += 1,
+            (false, Some("ok")) if r.judged.reasks == 0 => first += 1,
+            (false, Some("ok")) => later += 1,
+            (false, Some("unparsed")) => unparsed += 1,
+            (false, Some("invalid")) => invalid += 1,
+            (false, _) => unchecked += 1,
+        }
+    }
+    json!({
+        "valid_first_try": first,
+        "valid_after_reasks": later,
+        "unparsed": unparsed,
+        "invalid": invalid,
+        "not_checked": unchecked,
+        "failed": failed,
+    })
+}
+
+fn fmt(v: f64) -> String {
+    if v.is_nan() { "-".to_owned() } else { format!("{v:.4}") }
+}
+
+fn endpoint_json(e: &EndpointSummary) -> Value {
+    let busy_s = e.latency_ms.map_or(0.0, |p| p.mean * p.count as f64 / 1000.0);
+    json!({
+        "endpoint": e.endpoint,
+        "attempts": e.attempts,
+        "successes": e.successes,
+        "errors": e.errors,
+        "completion_tokens": e.completion_tokens,
+        "tokens_per_second_per_call": if busy_s > 0.0 { e.completion_tokens as f64 / busy_s } else { 0.0 },
+        "latency_ms": e.latency_ms,
+        "ttft_ms": e.ttft_ms,
+        "tpot_ms": e.tpot_ms,
+    })
+}
+
+/// `evalfleet report`: a table in the terminal, and CSV and JSON files.
+pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
+    let path = store_path(args.store.store, None);
+    let mut store = SqliteStore::open_existing(&path)?;
+    let scored = load(&mut store, &args.run_id)?;
+    let metrics: Vec<_> = scored.eval.metrics().cloned().collect();
+    let rows = rows(&scored, &args.by);
+    let summaries = aggregate::summarize(&metrics, &rows);
+    let endpoints = summary::endpoints(&mut store, &args.run_id)?;
+    let fidelity = fidelity(&scored.results);
+    let models: BTreeMap<String, u64> = scored.results.iter().fold(BTreeMap::new(), |mut m, r| {
+        *m.entry(r.model.clone().unwrap_or_else(|| "-".to_owned())).or_insert(0) += 1;
+        m
+    });
+
+    let dir = args.out.clone().unwrap_or_else(|| {
+        path.parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."))
+            .join("reports")
+            .join(&args.run_id)
+    });
+    fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    write_summary_csv(&dir.join("metrics_summary.csv"), &summaries)?;
+    write_detailed_csv(&dir.join("metrics_detailed.csv"), &scored, &metrics, &args.by)?;
+    let summary_json = json!({
+        "run_id": scored.run.run_id,
+        "name": scored.run.name,
+        "items": scored.run.total,
+        "models": models,
+        "group_by": args.by,
+        "fidelity": fidelity,
+        "metrics": summaries,
+        "endpoints": endpoints.iter().map(endpoint_json).collect::<Vec<_>>(),
+    });
+    let json_path = dir.join("summary.json");
+    fs::write(&json_path, serde_json::to_vec_pretty(&summary_json)?)
+        .with_context(|| format!("cannot write {}", json_path.display()))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&summary_json)?);
+        return Ok(EXIT_OK);
+    }
+
+    println!("Run {} ({} items; model {})", scored.run.run_id, scored.run.total, models.keys().cloned().collect::<Vec<_>>().join(", "));
+    if metrics.is_empty() {
+        println!("\nNo metrics: add task.metrics to the config and run `evalfleet score {} --config FILE`.", scored.run.run_id);
+    } else {
+        let mut table = vec![[
+            "METRIC", "GROUP", "N", "MEAN", "±SE", "95% CI", "SCORED", "FAILED", "UNPARSED", "INVALID",
+        ]
+        .map(str::to_owned)];
+        for s in &summaries {
+            table.push([
+                s.metric.clone(),
+                s.group.clone(),
+                s.n.to_string(),
+                fmt(s.estimate.mean),
+                fmt(s.estimate.stderr),
+                format!("{} – {}", fmt(s.estimate.ci_low), fmt(s.estimate.ci_high)),
+                s.scored.to_string(),
+                s.failed.to_string(),
+                s.unparsed.to_string(),
+                s.invalid.to_string(),
+            ]);
+        }
+        println!();
+        print_table(&table);
+        for s in summaries.iter().filter(|s| s.group == "all" && !s.extra.is_null()) {
+            println!("\n{} (all): {}", s.metric, s.extra);
+        }
+    }
+    println!("\nAnswers: {fidelity}");
+    let mut table = vec![["ENDPOINT", "ATTEMPTS", "OK", "ERRORS", "TOK/S/CALL", "LATENCY_MS p50/p90/p99", "TTFT_MS p50/p90/p99", "TPOT_MS p50/p90/p99"].map(str::to_owned)];
+    for e in &endpoints {
+        let j = endpoint_json(e);
+        table.push([
+            e.endpoint.clone(),
+            e.attempts.to_string(),
+            e.successes.to_string(),
+            if e.errors.is_empty() { "-".to_owned() } else { e.errors.iter().map(|(k, v)| format!("{k}:{v}")).collect::<Vec<_>>().join(" ") },
+            format!("{:.1}", j["tokens_per_second_per_call"].as_f64().unwrap_or(0.0)),
+            percentiles(&e.latency_ms),
+            percentiles(&e.ttft_ms),
+            percentiles(&e.tpot_ms),
+        ]);
+    }
+    println!();
+    print_table(&table);
+    println!("\nWrote {}, metrics_summary.csv and metrics_detailed.csv in {}", "summary.json", dir.display());
+    Ok(EXIT_OK)
+}
+
+fn write_summary_csv(path: &PathBuf, summaries: &[Summary]) -> anyhow::Result<()> {
+    let mut csv = csv::Writer::from_path(path).with_context(|| format!("cannot write {}", path.display()))?;
+    csv.write_record(["metric", "group", "n", "mean", "stderr", "ci_low", "ci_high", "mean_scored", "scored", "failed", "unparsed", "invalid", "errors", "extra"])?;
+    for s in summaries {
+        csv.write_record([
+            s.metric.clone(),
+            s.group.clone(),
+            s.n.to_string(),
+            s.estimate.mean.to_string(),
+            s.estimate.stderr.to_string(),
+            s.estimate.ci_low.to_string(),
+            s.estimate.ci_high.to_string(),
+            s.mean_scored.to_string(),
+            s.scored.to_string(),
+            s.failed.to_string(),
+            s.unparsed.to_string(),
+            s.invalid.to_string(),
+            s.errors.to_string(),
+            if s.extra.is_null() { String::new() } else { s.extra.to_string() },
+        ])?;
+    }
+    csv.flush()?;
+    Ok(())
+}
+
+fn write_detailed_csv(path: &PathBuf, scored: &Scored, metrics: &[evalfleet_core::eval::Metric], by: &[String]) -> anyhow::Result<()> {
+    let mut csv = csv::Writer::from_path(path).with_context(|| format!("cannot write {}", path.display()))?;
+    let mut header: Vec<String> = ["item_id", "group", "status", "verdict", "reasks", "parsed", "check_error"].map(str::to_owned).to_vec();
+    header.extend(metrics.iter().map(|m| m.key.clone()));
+    csv.write_record(&header)?;
+    for r in &scored.results {
+        let scores: Map<String, Value> = r.judged.scores.as_deref().and_then(|s| serde_json::from_str(s).ok()).unwrap_or_default();
+        let mut record = vec![
+            r.item_id.clone(),
+            group_of(&item_value(r), by),
+            if r.failed { "failed" } else { "done" }.to_owned(),
+            r.judged.verdict.clone().unwrap_or_default(),
+            r.judged.reasks.to_string(),
+            r.judged.parsed.clone().unwrap_or_default(),
+            r.judged.check_error.clone().unwrap_or_default(),
+        ];
+        for m in metrics {
+            record.push(scores.get(&m.key).and_then(|s| s.get("value")).and_then(Value::as_f64).map(|v| v.to_string()).unwrap_or_default());
+        }
+        csv.write_record(&record)?;
+    }
+    csv.flush()?;
+    Ok(())
+}
+
+/// `evalfleet compare`: runs side by side per metric and category, each
+/// against the first on the items they share.
+pub fn compare(args: CompareArgs) -> anyhow::Result<u8> {
+    if args.runs.len() < 2 {
+        return Err(UsageError("compare needs at least two runs".to_owned()).into());
+    }
+    let path = store_path(args.store.store, None);
+    let mut store = SqliteStore::open_existing(&path)?;
+    let runs: Vec<Scored> = args.runs.iter().map(|id| load(&mut store, id)).collect::<anyhow::Result<_>>()?;
+    let base = &runs[0];
+    let keys: Vec<evalfleet_core::eval::Metric> = base
+        .eval
+        .metrics()
+        .filter(|m| runs[1..].iter().all(|r| r.eval.metrics().any(|o| o.key == m.key)))
+        .cloned()
+        .collect();
+    if keys.is_empty() {
+        return Err(UsageError("the runs share no metric (compare uses the metrics every run has)".to_owned()).into());
+    }
+    // Per run: item id → (group, value per metric, missing as the worst).
+    let value_of = |r: &StoredResult, m: &evalfleet_core::eval::Metric| -> f64 {
+        if r.failed || matches!(r.judged.verdict.as_deref(), Some("unparsed" | "invalid")) {
+            return m.missing();
+        }
+        r.judged
+            .scores
+            .as_deref()
+            .and_then(|s| serde_json::from_str::<Value>(s).ok())
+            .and_then(|s| s.get(&m.key).and_then(|v| v.get("value")).and_then(Value::as_f64))
+            .unwrap_or_else(|| m.missing())
+    };
+    let indexed: Vec<HashMap<&str, &StoredResult>> = runs
+        .iter()
+        .map(|r| r.results.iter().map(|x| (x.item_id.as_str(), x)).collect())
+        .collect();
+    let mut out = Vec::new();
+    let mut table = vec![["METRIC", "GROUP", "RUN", "N", "MEAN", "DIFF vs FIRST", "95% CI", "p (bootstrap)", "p (McNemar)"].map(str::to_owned)];
+    for m in &keys {
+        for (i, run) in runs.iter().enumerate().skip(1) {
+            // Items both runs answered, grouped.
+            let mut groups: BTreeMap<String, (Vec<f64>, Vec<f64>)> = BTreeMap::new();
+            for r in &base.results {
+                if let Some(other) = indexed[i].get(r.item_id.as_str()) {
+                    let group = group_of(&item_value(r), &args.by);
+                    let (va, vb) = (value_of(r, m), value_of(other, m));
+                    let all = groups.entry("all".to_owned()).or_default();
+                    all.0.push(va);
+                    all.1.push(vb);
+                    if group != "all" {
+                        let entry = groups.entry(group).or_default();
+                        entry.0.push(va);
+                        entry.1.push(vb);
+                    }
+                }
+            }
+            for (group, (a, b)) in &groups {
+                let p = stats::paired(a, b, 17);
+                let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+                if i == 1 {
+                    table.push([m.key.clone(), group.clone(), base.run.run_id.clone(), a.len().to_string(), fmt(mean(a)), "-".into(), "-".into(), "-".into(), "-".into()]);
+                }
+                table.push([
+                    m.key.clone(),
+                    group.clone(),
+                    run.run.run_id.clone(),
+                    b.len().to_string(),
+                    fmt(mean(b)),
+                    format!("{:+.4}", p.diff),
+                    format!("{} – {}", fmt(p.ci_low), fmt(p.ci_high)),
+                    fmt(p.p_bootstrap),
+                    p.p_mcnemar.map_or_else(|| "-".to_owned(), fmt),
+                ]);
+                out.push(json!({
+                    "metric": m.key, "group": group, "a": base.run.run_id, "b": run.run.run_id,
+                    "n": a.len(), "mean_a": mean(a), "mean_b": mean(b), "paired": p,
+                }));
+            }
+        }
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        print_table(&table);
+        let _ = std::io::stdout().flush();
+    }
+    Ok(EXIT_OK)
+}
