@@ -261,6 +261,7 @@ pub async fn run_session(
         fleet: plan.fleet.clone(),
         pending: prepared.pending,
     };
+    let cache = session.config.cache;
     let end = pipeline::execute(
         session,
         writer_store,
@@ -271,6 +272,15 @@ pub async fn run_session(
     )
     .await?;
     let mut store = end.store;
+    if cache.mode.writes() && (cache.ttl.is_some() || cache.max_entries.is_some()) {
+        let before = cache
+            .ttl
+            .map(|ttl| now_ms() - i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX));
+        let gone = store.cache_evict(before, cache.max_entries)?;
+        if gone > 0 {
+            tracing::info!("Evicted {gone} cached answers (cache.ttl / cache.max_entries).");
+        }
+    }
     let counts = store.counts(&run_id)?;
     let (status, kind, message) = if counts.pending == 0 {
         (RunStatus::Finished, "finished", None)

@@ -237,6 +237,8 @@ pub struct AttemptRecord {
     pub http_status: Option<u16>,
     pub error_class: Option<ErrorClass>,
     pub error: Option<String>,
+    /// Answered from the cache (no endpoint was called).
+    pub cached: bool,
 }
 
 /// An item's terminal outcome.
@@ -301,12 +303,26 @@ impl Judged {
 pub struct Batch {
     pub attempts: Vec<AttemptRecord>,
     pub results: Vec<ResultRecord>,
+    /// Answers for the cache.
+    pub cache: Vec<crate::cache::CacheEntry>,
 }
 
 impl Batch {
     pub fn is_empty(&self) -> bool {
-        self.attempts.is_empty() && self.results.is_empty()
+        self.attempts.is_empty() && self.results.is_empty() && self.cache.is_empty()
     }
+}
+
+/// What `evalfleet cache stats` shows.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct CacheStats {
+    pub entries: u64,
+    /// Bytes of cached answers.
+    pub content_bytes: u64,
+    pub oldest_ms: Option<i64>,
+    pub newest_ms: Option<i64>,
+    /// Attempts answered from the cache, over every run of the store.
+    pub hits: u64,
 }
 
 /// A row of `evalfleet export`, in the column order of the export contract.
@@ -475,6 +491,26 @@ pub trait Store: Send {
 
     /// Calls `each` for every result, in dataset order; stops at its first
     /// error.
+    /// The cached answer for `key`, if stored at or after `since_ms`.
+    fn cache_get(
+        &mut self,
+        key: &str,
+        since_ms: i64,
+    ) -> Result<Option<crate::cache::CacheEntry>, StoreError>;
+
+    /// Drops entries older than `before_ms`, then the oldest beyond
+    /// `max_entries`; returns how many went.
+    fn cache_evict(
+        &mut self,
+        before_ms: Option<i64>,
+        max_entries: Option<u64>,
+    ) -> Result<u64, StoreError>;
+
+    fn cache_stats(&mut self) -> Result<CacheStats, StoreError>;
+
+    /// Empties the cache; returns how many entries went.
+    fn cache_clear(&mut self) -> Result<u64, StoreError>;
+
     /// Every result of a run, in dataset order.
     fn scan_results(
         &mut self,

@@ -7,7 +7,10 @@ use evalfleet_core::eval::{Metric, text};
 use serde_json::{Map, Value, json};
 
 fn vectors() -> Value {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/metric_vectors.json");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/metric_vectors.json"
+    );
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
@@ -49,8 +52,14 @@ fn wer_and_cer_agree_with_jiwer() {
         let hypothesis = &case["hypothesis"];
         let w = wer.score(hypothesis, std::slice::from_ref(&reference));
         let c = cer.score(hypothesis, std::slice::from_ref(&reference));
-        assert!(close(w["value"].as_f64().unwrap(), case["wer"].as_f64().unwrap()), "WER of {case}: got {w}");
-        assert!(close(c["value"].as_f64().unwrap(), case["cer"].as_f64().unwrap()), "CER of {case}: got {c}");
+        assert!(
+            close(w["value"].as_f64().unwrap(), case["wer"].as_f64().unwrap()),
+            "WER of {case}: got {w}"
+        );
+        assert!(
+            close(c["value"].as_f64().unwrap(), case["cer"].as_f64().unwrap()),
+            "CER of {case}: got {c}"
+        );
         word_edits += w["edits"].as_u64().unwrap();
         words += w["length"].as_u64().unwrap();
         char_edits += c["edits"].as_u64().unwrap();
@@ -58,17 +67,30 @@ fn wer_and_cer_agree_with_jiwer() {
     }
     // jiwer's corpus figures pool edits over all references, as our
     // aggregates' `pooled` does.
-    assert!(close(word_edits as f64 / words as f64, v["jiwer"]["corpus_wer"].as_f64().unwrap()));
-    assert!(close(char_edits as f64 / chars as f64, v["jiwer"]["corpus_cer"].as_f64().unwrap()));
+    assert!(close(
+        word_edits as f64 / words as f64,
+        v["jiwer"]["corpus_wer"].as_f64().unwrap()
+    ));
+    assert!(close(
+        char_edits as f64 / chars as f64,
+        v["jiwer"]["corpus_cer"].as_f64().unwrap()
+    ));
 }
 
 #[test]
 fn pass_at_k_agrees_with_the_humaneval_estimator() {
     let v = vectors();
     for case in v["pass_at_k"].as_array().unwrap() {
-        let (n, c, k) = (case["n"].as_u64().unwrap(), case["c"].as_u64().unwrap(), case["k"].as_u64().unwrap());
+        let (n, c, k) = (
+            case["n"].as_u64().unwrap(),
+            case["c"].as_u64().unwrap(),
+            case["k"].as_u64().unwrap(),
+        );
         let got = pass_at_k(n, c, k);
-        assert!(close(got, case["pass_at_k"].as_f64().unwrap()), "pass@{k} of n={n}, c={c}: got {got}");
+        assert!(
+            close(got, case["pass_at_k"].as_f64().unwrap()),
+            "pass@{k} of n={n}, c={c}: got {got}"
+        );
     }
 }
 
@@ -76,5 +98,8 @@ fn pass_at_k_agrees_with_the_humaneval_estimator() {
 fn squad_normaliser_is_the_one_the_vectors_exercise() {
     // The vectors include punctuation inside words, repeated articles and
     // accents; the normaliser keeps non-ASCII letters.
-    assert_eq!(text::squad_normalize("Théâtre de l'Odéon"), "théâtre de lodéon");
+    assert_eq!(
+        text::squad_normalize("Théâtre de l'Odéon"),
+        "théâtre de lodéon"
+    );
 }

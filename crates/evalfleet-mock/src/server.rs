@@ -610,7 +610,11 @@ async fn chat(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
                 .iter()
                 .find(|m| m.role == "user")
                 .map(|m| message_text(&m.content));
-            let asked = request.messages.iter().filter(|m| m.role == "assistant").count();
+            let asked = request
+                .messages
+                .iter()
+                .filter(|m| m.role == "assistant")
+                .count();
             first_user
                 .and_then(|u| answers.get(&u))
                 .and_then(|replies| replies.get(asked.min(replies.len() - 1)))

@@ -8,14 +8,15 @@ use std::fs::{File, TryLockError};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use evalfleet_core::cache::CacheEntry;
 use evalfleet_core::client::ErrorClass;
 use evalfleet_core::dataset::DatasetIdentity;
 use evalfleet_core::fingerprint::Fingerprint;
 use evalfleet_core::fleet::EndpointSnapshot;
 use evalfleet_core::store::{
-    AttemptSample, Batch, CreateRunError, EndpointStates, Event, ExportError, ExportRow,
-    FleetChange, ItemSource, ItemStatus, Judged, NewRun, PendingItem, RunGuard, RunRecord, RunStatus,
-    SessionStart, StateCounts, Store, StoreError, StoredResult, now_ms,
+    AttemptSample, Batch, CacheStats, CreateRunError, EndpointStates, Event, ExportError,
+    ExportRow, FleetChange, ItemSource, ItemStatus, Judged, NewRun, PendingItem, RunGuard,
+    RunRecord, RunStatus, SessionStart, StateCounts, Store, StoreError, StoredResult, now_ms,
 };
 use rusqlite::{
     Connection, ErrorCode, OpenFlags, OptionalExtension, Transaction, TransactionBehavior, params,
@@ -107,8 +108,23 @@ CREATE TABLE attempts (
     http_status       INTEGER,
     error_class       TEXT,
     error             TEXT,
+    cached            INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (rid, seq, attempt)
 ) WITHOUT ROWID;
+-- Answers by the SHA-256 of their request (schema 2), shared by every run
+-- of the store; rowid order is insertion order, so eviction takes the
+-- oldest first.
+CREATE TABLE cache (
+    key               TEXT NOT NULL UNIQUE,
+    content           TEXT NOT NULL,
+    endpoint          TEXT NOT NULL,
+    model             TEXT NOT NULL,
+    prompt_tokens     INTEGER,
+    completion_tokens INTEGER,
+    finish_reason     TEXT,
+    latency_ms        REAL NOT NULL,
+    created_at        INTEGER NOT NULL
+);
 CREATE TABLE events (
     rid      INTEGER NOT NULL REFERENCES runs(rid),
     at       INTEGER NOT NULL,
@@ -143,6 +159,18 @@ ALTER TABLE results ADD COLUMN verdict TEXT;
 ALTER TABLE results ADD COLUMN check_error TEXT;
 ALTER TABLE results ADD COLUMN scores TEXT;
 ALTER TABLE results ADD COLUMN reasks INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE attempts ADD COLUMN cached INTEGER NOT NULL DEFAULT 0;
+CREATE TABLE cache (
+    key               TEXT NOT NULL UNIQUE,
+    content           TEXT NOT NULL,
+    endpoint          TEXT NOT NULL,
+    model             TEXT NOT NULL,
+    prompt_tokens     INTEGER,
+    completion_tokens INTEGER,
+    finish_reason     TEXT,
+    latency_ms        REAL NOT NULL,
+    created_at        INTEGER NOT NULL
+);
 ";
 
 /// A SQLite store file.
@@ -238,7 +266,10 @@ impl SqliteStore {
                     if now == SCHEMA_VERSION {
                         Ok(())
                     } else {
-                        Err(StoreError::backend("cannot upgrade the store's tables", err))
+                        Err(StoreError::backend(
+                            "cannot upgrade the store's tables",
+                            err,
+                        ))
                     }
                 })?;
             }
@@ -657,8 +688,8 @@ impl Store for SqliteStore {
                 .prepare_cached(
                     "INSERT INTO attempts (rid, seq, attempt, session, endpoint, model, sent_at, latency_ms,
                          ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, http_status,
-                         error_class, error)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
+                         error_class, error, cached)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)",
                 )
                 .map_err(db_err("cannot prepare the attempt insert"))?;
             for a in &batch.attempts {
@@ -680,8 +711,32 @@ impl Store for SqliteStore {
                         a.http_status,
                         a.error_class.map(ErrorClass::as_str),
                         a.error,
+                        a.cached,
                     ])
                     .map_err(db_err("cannot record an attempt"))?;
+            }
+            if !batch.cache.is_empty() {
+                let mut put = tx
+                    .prepare_cached(
+                        "INSERT OR REPLACE INTO cache (key, content, endpoint, model, prompt_tokens,
+                             completion_tokens, finish_reason, latency_ms, created_at)
+                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+                    )
+                    .map_err(db_err("cannot prepare the cache insert"))?;
+                for c in &batch.cache {
+                    put.execute(params![
+                        c.key,
+                        c.content,
+                        c.endpoint,
+                        c.model,
+                        opt_u64(c.prompt_tokens),
+                        opt_u64(c.completion_tokens),
+                        c.finish_reason,
+                        c.latency_ms,
+                        c.created_at_ms,
+                    ])
+                    .map_err(db_err("cannot store a cached answer"))?;
+                }
             }
             let mut state = tx
                 .prepare_cached(
@@ -1016,6 +1071,92 @@ impl Store for SqliteStore {
         Ok(())
     }
 
+    fn cache_get(&mut self, key: &str, since_ms: i64) -> Result<Option<CacheEntry>, StoreError> {
+        let err = db_err("cannot read the cache");
+        self.conn
+            .prepare_cached(
+                "SELECT content, endpoint, model, prompt_tokens, completion_tokens, finish_reason,
+                        latency_ms, created_at
+                 FROM cache WHERE key = ?1 AND created_at >= ?2",
+            )
+            .map_err(&err)?
+            .query_row(params![key, since_ms], |row| {
+                Ok(CacheEntry {
+                    key: key.to_owned(),
+                    content: row.get(0)?,
+                    endpoint: row.get(1)?,
+                    model: row.get(2)?,
+                    prompt_tokens: row.get::<_, Option<i64>>(3)?.map(|t| t as u64),
+                    completion_tokens: row.get::<_, Option<i64>>(4)?.map(|t| t as u64),
+                    finish_reason: row.get(5)?,
+                    latency_ms: row.get(6)?,
+                    created_at_ms: row.get(7)?,
+                })
+            })
+            .optional()
+            .map_err(&err)
+    }
+
+    fn cache_evict(
+        &mut self,
+        before_ms: Option<i64>,
+        max_entries: Option<u64>,
+    ) -> Result<u64, StoreError> {
+        let err = db_err("cannot evict from the cache");
+        let mut gone = 0;
+        if let Some(before) = before_ms {
+            gone += self
+                .conn
+                .execute("DELETE FROM cache WHERE created_at < ?1", [before])
+                .map_err(&err)? as u64;
+        }
+        if let Some(max) = max_entries {
+            gone += self
+                .conn
+                .execute(
+                    "DELETE FROM cache WHERE rowid IN (SELECT rowid FROM cache ORDER BY rowid
+                     LIMIT max(0, (SELECT COUNT(*) FROM cache) - ?1))",
+                    [max as i64],
+                )
+                .map_err(&err)? as u64;
+        }
+        Ok(gone)
+    }
+
+    fn cache_stats(&mut self) -> Result<CacheStats, StoreError> {
+        let err = db_err("cannot read the cache");
+        let (entries, content_bytes, oldest_ms, newest_ms): (i64, i64, Option<i64>, Option<i64>) = self
+            .conn
+            .query_row(
+                "SELECT COUNT(*), COALESCE(SUM(length(CAST(content AS BLOB))), 0), MIN(created_at), MAX(created_at) FROM cache",
+                [],
+                |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?)),
+            )
+            .map_err(&err)?;
+        let hits: i64 = self
+            .conn
+            .query_row(
+                "SELECT COUNT(*) FROM attempts WHERE cached = 1",
+                [],
+                |row| row.get(0),
+            )
+            .map_err(&err)?;
+        Ok(CacheStats {
+            entries: entries as u64,
+            content_bytes: content_bytes as u64,
+            oldest_ms,
+            newest_ms,
+            hits: hits as u64,
+        })
+    }
+
+    fn cache_clear(&mut self) -> Result<u64, StoreError> {
+        self.conn
+            .execute("DELETE FROM cache", [])
+            .map(|n| n as u64)
+            .map_err(db_err("cannot clear the cache"))
+    }
+
     fn scan_results(
         &mut self,
         run_id: &str,
@@ -1085,7 +1226,8 @@ impl Store for SqliteStore {
                     ])
                     .map_err(&err)?;
             }
-            let config = serde_json::to_string(config).map_err(json_err("cannot store the config"))?;
+            let config =
+                serde_json::to_string(config).map_err(json_err("cannot store the config"))?;
             tx.execute(
                 "UPDATE runs SET config = ?2, updated_at = ?3 WHERE rid = ?1",
                 params![rid, config, now_ms()],

@@ -5,11 +5,12 @@
 
 use std::path::Path;
 
+use evalfleet_core::cache::CacheEntry;
 use evalfleet_core::dataset::DatasetIdentity;
 use evalfleet_core::fingerprint::{DatasetOptions, Fingerprint};
 use evalfleet_core::store::{
-    AttemptRecord, Batch, CreateRunError, ItemSource, ItemStatus, Judged, NewItem, NewRun, ResultRecord,
-    RunIdentity, RunStatus, StateCounts, Store, StoreError,
+    AttemptRecord, Batch, CreateRunError, ItemSource, ItemStatus, Judged, NewItem, NewRun,
+    ResultRecord, RunIdentity, RunStatus, StateCounts, Store, StoreError,
 };
 use evalfleet_store::SqliteStore;
 
@@ -120,7 +121,72 @@ fn attempt(seq: u64, number: u32) -> AttemptRecord {
         http_status: Some(500),
         error_class: Some(evalfleet_core::client::ErrorClass::Retryable),
         error: Some("HTTP 500".to_owned()),
+        cached: false,
     }
+}
+
+fn cache_entry(key: &str, created_at_ms: i64) -> CacheEntry {
+    CacheEntry {
+        key: key.to_owned(),
+        content: format!("answer for {key}"),
+        endpoint: "e".to_owned(),
+        model: "m".to_owned(),
+        prompt_tokens: Some(3),
+        completion_tokens: Some(4),
+        finish_reason: Some("stop".to_owned()),
+        latency_ms: 12.5,
+        created_at_ms,
+    }
+}
+
+#[test]
+fn the_cache_answers_by_key_honours_age_and_evicts_the_oldest() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store.db");
+    let mut store = SqliteStore::open(&path).unwrap();
+    store
+        .create_run(&new_run("r"), &mut items(&["a"], None))
+        .unwrap();
+    store.begin_session("r", false).unwrap();
+    let entries: Vec<CacheEntry> = (0..5)
+        .map(|i| cache_entry(&format!("k{i}"), 1000 + i))
+        .collect();
+    store
+        .commit(
+            "r",
+            &Batch {
+                attempts: vec![],
+                results: vec![],
+                cache: entries.clone(),
+            },
+        )
+        .unwrap();
+    drop(store);
+    let mut store = SqliteStore::open(&path).unwrap();
+    assert_eq!(
+        store.cache_get("k2", 0).unwrap(),
+        Some(entries[2].clone()),
+        "it survives a reopen"
+    );
+    assert_eq!(store.cache_get("nope", 0).unwrap(), None);
+    assert_eq!(
+        store.cache_get("k2", 1003).unwrap(),
+        None,
+        "older than the ttl allows"
+    );
+    assert_eq!(store.cache_evict(None, Some(3)).unwrap(), 2);
+    assert_eq!(
+        store.cache_get("k0", 0).unwrap(),
+        None,
+        "the oldest went first"
+    );
+    assert_eq!(store.cache_get("k1", 0).unwrap(), None);
+    assert!(store.cache_get("k2", 0).unwrap().is_some());
+    assert_eq!(store.cache_evict(Some(1004), None).unwrap(), 2);
+    let stats = store.cache_stats().unwrap();
+    assert_eq!((stats.entries, stats.oldest_ms), (1, Some(1004)));
+    assert_eq!(store.cache_clear().unwrap(), 1);
+    assert_eq!(store.cache_stats().unwrap().entries, 0);
 }
 
 /// Counts item states the slow way, to check the stored counters.
@@ -198,6 +264,7 @@ fn commits_are_exactly_once_and_counters_match_a_recount() {
             result(1, "a", ItemStatus::Done),
             result(3, "b", ItemStatus::Failed),
         ],
+        cache: vec![],
     };
     store.commit("r", &batch).unwrap();
     assert_eq!(
@@ -217,11 +284,17 @@ fn commits_are_exactly_once_and_counters_match_a_recount() {
             result(4, "c", ItemStatus::Done),
             result(1, "a", ItemStatus::Done),
         ],
+        cache: vec![cache_entry("k-again", 1)],
     };
     assert!(matches!(
         store.commit("r", &again),
         Err(StoreError::Invariant(_))
     ));
+    assert_eq!(
+        store.cache_stats().unwrap().entries,
+        0,
+        "its cache entry is undone too"
+    );
     assert_eq!(store.counts("r").unwrap(), recount(&path, "r"));
     assert_eq!(store.counts("r").unwrap().pending, 2);
 

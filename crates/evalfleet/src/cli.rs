@@ -90,12 +90,22 @@ pub enum Command {
     ///
     /// Prints a table and writes metrics_summary.csv, metrics_detailed.csv and
     /// summary.json (under reports/RUN_ID/ beside the store, or --out).
-    #[command(after_help = "Example:\n  evalfleet report RUN_ID\n  evalfleet report RUN_ID --by subject,level --out reports/gsm8k")]
+    #[command(
+        after_help = "Example:\n  evalfleet report RUN_ID\n  evalfleet report RUN_ID --by subject,level --out reports/gsm8k"
+    )]
     Report(ReportArgs),
 
     /// Put runs side by side: per metric and category, each against the first, paired on the same items.
-    #[command(after_help = "Example:\n  evalfleet compare RUN_A RUN_B\n  evalfleet compare RUN_A RUN_B RUN_C --by category --json")]
+    #[command(
+        after_help = "Example:\n  evalfleet compare RUN_A RUN_B\n  evalfleet compare RUN_A RUN_B RUN_C --by category --json"
+    )]
     Compare(CompareArgs),
+
+    /// Show or empty the response cache of a store.
+    #[command(
+        after_help = "Example:\n  evalfleet cache stats\n  evalfleet cache clear --store runs/shared.db"
+    )]
+    Cache(CacheArgs),
 
     /// Run one engine command so that it never outlives its run (internal).
     #[command(hide = true)]
@@ -312,4 +322,25 @@ pub struct CompareArgs {
     /// Print JSON instead of a table
     #[arg(long)]
     pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct CacheArgs {
+    #[command(subcommand)]
+    pub action: CacheAction,
+
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum CacheAction {
+    /// Entries, their size and age, and how many attempts the cache answered
+    Stats {
+        /// Print JSON
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete every entry
+    Clear,
 }

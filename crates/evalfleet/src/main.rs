@@ -86,6 +86,7 @@ fn main() -> ExitCode {
             Command::Score(args) => commands::report::score(args),
             Command::Report(args) => commands::report::report(args),
             Command::Compare(args) => commands::report::compare(args),
+            Command::Cache(args) => commands::report::cache(args),
             Command::Supervise(args) => commands::supervise::supervise(args).await,
         }
     });

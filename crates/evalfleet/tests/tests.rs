@@ -9,4 +9,5 @@ mod failures;
 mod fleet;
 mod input;
 mod run;
+mod trust;
 mod util;

@@ -19,7 +19,8 @@ pub(super) struct RawEval {
     pub metrics: Option<Vec<Value>>,
 }
 
-const PARSERS: &str = "whole, json, choice, {regex: PATTERN, group: N, match: first|last} or {choice: LETTERS}";
+const PARSERS: &str =
+    "whole, json, choice, {regex: PATTERN, group: N, match: first|last} or {choice: LETTERS}";
 
 pub(super) fn eval(raw: RawEval, dir: &Path, p: &mut Problems<'_>) -> Option<EvalSpec> {
     let parser = match raw.parse {
@@ -27,14 +28,23 @@ pub(super) fn eval(raw: RawEval, dir: &Path, p: &mut Problems<'_>) -> Option<Eva
         Some(value) => parser(&value, p),
     };
     let schema = match (raw.schema, raw.schema_file) {
-        (Some(_), Some(_)) => p.push("task.schema_file", "cannot be given with task.schema (choose one)"),
+        (Some(_), Some(_)) => p.push(
+            "task.schema_file",
+            "cannot be given with task.schema (choose one)",
+        ),
         (Some(schema), None) => check_schema("task.schema", schema, p),
         (None, Some(file)) => {
             let resolved = dir.join(&file);
             match std::fs::read_to_string(&resolved) {
-                Err(err) => p.push("task.schema_file", format!("cannot read {}: {err}", resolved.display())),
+                Err(err) => p.push(
+                    "task.schema_file",
+                    format!("cannot read {}: {err}", resolved.display()),
+                ),
                 Ok(text) => match serde_json::from_str::<Value>(&text) {
-                    Err(err) => p.push("task.schema_file", format!("{} is not JSON: {err}", resolved.display())),
+                    Err(err) => p.push(
+                        "task.schema_file",
+                        format!("{} is not JSON: {err}", resolved.display()),
+                    ),
                     Ok(schema) => check_schema("task.schema_file", schema, p),
                 },
             }
@@ -53,7 +63,10 @@ pub(super) fn eval(raw: RawEval, dir: &Path, p: &mut Problems<'_>) -> Option<Eva
     let checks = !matches!(parser, Parser::Whole);
     let structured_output = raw.structured_output.unwrap_or(false);
     if structured_output && schema.is_none() {
-        return p.push("task.structured_output", "needs task.schema (the schema to send)");
+        return p.push(
+            "task.structured_output",
+            "needs task.schema (the schema to send)",
+        );
     }
     Some(EvalSpec {
         parser,
@@ -77,27 +90,45 @@ fn parser(value: &Value, p: &mut Problems<'_>) -> Option<Parser> {
         Value::String(s) => match s.as_str() {
             "whole" => Some(Parser::Whole),
             "json" => Some(Parser::Json),
-            "choice" => Some(Parser::Choice { choices: default_choices() }),
-            other => p.push("task.parse", format!("must be one of {PARSERS}, got '{other}'")),
+            "choice" => Some(Parser::Choice {
+                choices: default_choices(),
+            }),
+            other => p.push(
+                "task.parse",
+                format!("must be one of {PARSERS}, got '{other}'"),
+            ),
         },
         Value::Object(map) => {
             if let Some(pattern) = map.get("regex") {
-                if let Some(unknown) = map.keys().find(|k| !["regex", "group", "match"].contains(&k.as_str())) {
-                    return p.push(&path::key("task.parse", unknown), "unknown key (regex takes group and match)");
+                if let Some(unknown) = map
+                    .keys()
+                    .find(|k| !["regex", "group", "match"].contains(&k.as_str()))
+                {
+                    return p.push(
+                        &path::key("task.parse", unknown),
+                        "unknown key (regex takes group and match)",
+                    );
                 }
                 let Some(pattern) = pattern.as_str() else {
                     return p.push("task.parse.regex", "must be a string");
                 };
                 let pattern = match Regex::new(pattern) {
                     Ok(re) => re,
-                    Err(err) => return p.push("task.parse.regex", format!("is not a valid regex: {err}")),
+                    Err(err) => {
+                        return p.push("task.parse.regex", format!("is not a valid regex: {err}"));
+                    }
                 };
                 let groups = pattern.captures_len() - 1;
                 let group = match map.get("group") {
                     None => usize::from(groups > 0),
                     Some(g) => match g.as_u64() {
                         Some(g) if g as usize <= groups => g as usize,
-                        _ => return p.push("task.parse.group", format!("must be a group of the pattern (0 to {groups}), got {g}")),
+                        _ => {
+                            return p.push(
+                                "task.parse.group",
+                                format!("must be a group of the pattern (0 to {groups}), got {g}"),
+                            );
+                        }
                     },
                 };
                 let first = match map.get("match").and_then(Value::as_str) {
@@ -106,22 +137,34 @@ fn parser(value: &Value, p: &mut Problems<'_>) -> Option<Parser> {
                     Some("last") => false,
                     _ => return p.push("task.parse.match", "must be first or last"),
                 };
-                Some(Parser::Regex { pattern, group, first })
+                Some(Parser::Regex {
+                    pattern,
+                    group,
+                    first,
+                })
             } else if let Some(letters) = map.get("choice") {
                 if map.len() > 1 {
                     return p.push("task.parse", "choice takes no other key");
                 }
                 match letters.as_str() {
                     Some(l) if !l.is_empty() && l.chars().all(|c| c.is_ascii_uppercase()) => {
-                        Some(Parser::Choice { choices: l.chars().collect() })
+                        Some(Parser::Choice {
+                            choices: l.chars().collect(),
+                        })
                     }
-                    _ => p.push("task.parse.choice", "must be upper-case letters, e.g. ABCDE"),
+                    _ => p.push(
+                        "task.parse.choice",
+                        "must be upper-case letters, e.g. ABCDE",
+                    ),
                 }
             } else {
                 p.push("task.parse", format!("must be one of {PARSERS}"))
             }
         }
-        other => p.push("task.parse", format!("must be one of {PARSERS}, got {other}")),
+        other => p.push(
+            "task.parse",
+            format!("must be one of {PARSERS}, got {other}"),
+        ),
     }
 }
 
@@ -139,7 +182,10 @@ fn metrics(list: Vec<Value>, p: &mut Problems<'_>) -> Option<Vec<MetricSpec>> {
                     Some(Value::String(name)) => name,
                     _ => {
                         ok = false;
-                        p.push::<()>(&path::key(&at, "name"), "is required (a metric, e.g. exact_match)");
+                        p.push::<()>(
+                            &path::key(&at, "name"),
+                            "is required (a metric, e.g. exact_match)",
+                        );
                         continue;
                     }
                 };
@@ -149,7 +195,10 @@ fn metrics(list: Vec<Value>, p: &mut Problems<'_>) -> Option<Vec<MetricSpec>> {
                     Some(Value::Number(n)) => Some(n.to_string()),
                     Some(_) => {
                         ok = false;
-                        p.push::<()>(&path::key(&at, "reference"), "must be a template string, e.g. \"{{ answer }}\"");
+                        p.push::<()>(
+                            &path::key(&at, "reference"),
+                            "must be a template string, e.g. \"{{ answer }}\"",
+                        );
                         continue;
                     }
                 };
@@ -166,7 +215,10 @@ fn metrics(list: Vec<Value>, p: &mut Problems<'_>) -> Option<Vec<MetricSpec>> {
             }
             other => {
                 ok = false;
-                p.push::<()>(&at, format!("must be a metric name or a mapping with name, got {other}"));
+                p.push::<()>(
+                    &at,
+                    format!("must be a metric name or a mapping with name, got {other}"),
+                );
                 continue;
             }
         };
@@ -174,7 +226,10 @@ fn metrics(list: Vec<Value>, p: &mut Problems<'_>) -> Option<Vec<MetricSpec>> {
             && let Err(err) = checker.template_from_str(reference)
         {
             ok = false;
-            p.push::<()>(&path::key(&at, "reference"), format!("is not a valid template: {err}"));
+            p.push::<()>(
+                &path::key(&at, "reference"),
+                format!("is not a valid template: {err}"),
+            );
             continue;
         }
         match Metric::build(&name, &params, key) {
@@ -185,13 +240,26 @@ fn metrics(list: Vec<Value>, p: &mut Problems<'_>) -> Option<Vec<MetricSpec>> {
             Ok(metric) => {
                 if !keys.insert(metric.key.clone()) {
                     ok = false;
-                    p.push::<()>(&at, format!("'{}' is listed twice (give one of them another key with as:)", metric.key));
+                    p.push::<()>(
+                        &at,
+                        format!(
+                            "'{}' is listed twice (give one of them another key with as:)",
+                            metric.key
+                        ),
+                    );
                     continue;
                 }
-                let needs_reference = !matches!(metric.kind, crate::eval::metrics::Kind::RegexMatch { .. });
+                let needs_reference =
+                    !matches!(metric.kind, crate::eval::metrics::Kind::RegexMatch { .. });
                 if needs_reference && reference.is_none() {
                     ok = false;
-                    p.push::<()>(&path::key(&at, "reference"), format!("is required for {} (e.g. \"{{{{ answer }}}}\")", metric.name));
+                    p.push::<()>(
+                        &path::key(&at, "reference"),
+                        format!(
+                            "is required for {} (e.g. \"{{{{ answer }}}}\")",
+                            metric.name
+                        ),
+                    );
                     continue;
                 }
                 out.push(MetricSpec { metric, reference });

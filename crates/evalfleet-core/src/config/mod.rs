@@ -62,6 +62,9 @@ pub struct Config {
     pub retry: RetryPolicy,
     pub timeouts: Timeouts,
     pub writer: WriterSettings,
+    /// `cache: {mode, ttl, max_entries}`: answers stored by request, in the
+    /// run's store. Default mode `off`.
+    pub cache: crate::cache::CacheSettings,
     /// After the first Ctrl-C, how long in-flight calls may take to finish
     /// before they are abandoned (their items stay pending). Default `30s`.
     pub shutdown_grace: Duration,

@@ -21,6 +21,7 @@ pub struct RawConfig {
     pub retry: Option<Value>,
     pub timeouts: Option<Value>,
     pub writer: Option<Value>,
+    pub cache: Option<Value>,
     pub shutdown_grace: Option<String>,
     pub store: Option<String>,
 }
@@ -77,6 +78,13 @@ pub struct RawTimeouts {
 pub struct RawWriter {
     pub batch_size: Option<usize>,
     pub flush_interval: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct RawCache {
+    pub mode: Option<String>,
+    pub ttl: Option<String>,
+    pub max_entries: Option<u64>,
 }
 
 /// Deserialises `value` (found at `at`) as `T`, recording unknown keys and a

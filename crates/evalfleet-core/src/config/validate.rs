@@ -163,7 +163,9 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
         None => p.push("endpoints", "is required (at least one endpoint)"),
     };
     let task = match &raw.task {
-        Some(value) => raw::section::<RawTask>(value, "task", p.0).and_then(|t| task(t, dir, &mut p)),
+        Some(value) => {
+            raw::section::<RawTask>(value, "task", p.0).and_then(|t| task(t, dir, &mut p))
+        }
         None => p.push("task", "is required (task.messages says what to send)"),
     };
     let retry = match &raw.retry {
@@ -182,11 +184,32 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
         }
         None => writer(RawWriter::default(), &mut p),
     };
+    let cache = match &raw.cache {
+        Some(value) => {
+            raw::section::<raw::RawCache>(value, "cache", p.0).and_then(|c| cache(c, &mut p))
+        }
+        None => Some(crate::cache::CacheSettings::default()),
+    };
     let shutdown_grace = p.duration("shutdown_grace", raw.shutdown_grace.as_deref(), "30s");
     let store = match raw.store {
         Some(s) if s.trim().is_empty() => p.push("store", "must not be empty"),
         other => Some(other.map(Into::into)),
     };
+    if let (Some(endpoints), Some(cache)) = (&endpoints, &cache)
+        && cache.mode != crate::cache::CacheMode::Off
+        && let Some(first) = endpoints.first()
+        && let Some(other) = endpoints
+            .iter()
+            .find(|e| e.model != first.model || e.params != first.params)
+    {
+        return p.push(
+            "cache",
+            format!(
+                "endpoints {} and {} send different requests (model or params), so a cached answer would stand for either; give them the same model and params, or set cache.mode: off",
+                first.name, other.name
+            ),
+        );
+    }
     Some(Config {
         name: name?,
         dataset: dataset?,
@@ -195,8 +218,35 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
         retry: retry?,
         timeouts: timeouts?,
         writer: writer?,
+        cache: cache?,
         shutdown_grace: shutdown_grace?,
         store: store?,
+    })
+}
+
+fn cache(raw: raw::RawCache, p: &mut Problems<'_>) -> Option<crate::cache::CacheSettings> {
+    use crate::cache::{CacheMode, CacheSettings};
+    let mode = match raw.mode.as_deref() {
+        None => Some(CacheMode::ReadWrite),
+        Some(text) => CacheMode::parse(text).or_else(|| {
+            p.push(
+                "cache.mode",
+                format!("must be read_write, read, write or off, got '{text}'"),
+            )
+        }),
+    };
+    let ttl = match raw.ttl {
+        None => Some(None),
+        Some(text) => p.duration("cache.ttl", Some(&text), "0s").map(Some),
+    };
+    let max_entries = match raw.max_entries {
+        Some(0) => p.push("cache.max_entries", "must be at least 1, got 0"),
+        other => Some(other),
+    };
+    Some(CacheSettings {
+        mode: mode?,
+        ttl: ttl?,
+        max_entries: max_entries?,
     })
 }
 

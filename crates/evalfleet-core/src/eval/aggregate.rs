@@ -145,7 +145,11 @@ fn ratio(a: u64, b: u64) -> f64 {
 }
 
 fn f1(p: f64, r: f64) -> f64 {
-    if p + r == 0.0 { 0.0 } else { 2.0 * p * r / (p + r) }
+    if p + r == 0.0 {
+        0.0
+    } else {
+        2.0 * p * r / (p + r)
+    }
 }
 
 fn extra(metric: &Metric, scores: &[&Value]) -> Value {
@@ -175,9 +179,19 @@ fn classification(scores: &[&Value]) -> Value {
         let (reference, predicted) = (label("reference"), label("predicted"));
         labels.insert(reference.clone());
         labels.insert(predicted.clone());
-        *matrix.entry(reference).or_default().entry(predicted).or_default() += 1;
+        *matrix
+            .entry(reference)
+            .or_default()
+            .entry(predicted)
+            .or_default() += 1;
     }
-    let cell = |r: &str, p: &str| matrix.get(r).and_then(|row| row.get(p)).copied().unwrap_or(0);
+    let cell = |r: &str, p: &str| {
+        matrix
+            .get(r)
+            .and_then(|row| row.get(p))
+            .copied()
+            .unwrap_or(0)
+    };
     let mut per_class = Map::new();
     let (mut macro_p, mut macro_r, mut macro_f, mut classes) = (0.0, 0.0, 0.0, 0u32);
     let (mut tp_all, mut total) = (0u64, 0u64);
@@ -195,7 +209,10 @@ fn classification(scores: &[&Value]) -> Value {
             macro_f += f1(p, r);
             classes += 1;
         }
-        per_class.insert(label.clone(), json!({ "precision": p, "recall": r, "f1": f1(p, r), "support": actual }));
+        per_class.insert(
+            label.clone(),
+            json!({ "precision": p, "recall": r, "f1": f1(p, r), "support": actual }),
+        );
     }
     let k = f64::from(classes.max(1));
     let micro = ratio(tp_all, total);
@@ -216,7 +233,12 @@ mod tests {
         if let Some(v) = value {
             scores.insert(key.to_owned(), json!({ "value": v }));
         }
-        Row { failed: verdict == "failed", verdict: (verdict != "failed").then(|| verdict.to_owned()), scores, group: group.to_owned() }
+        Row {
+            failed: verdict == "failed",
+            verdict: (verdict != "failed").then(|| verdict.to_owned()),
+            scores,
+            group: group.to_owned(),
+        }
     }
 
     #[test]
@@ -234,7 +256,17 @@ mod tests {
         let s = summarize(&[m], &rows);
         assert_eq!(s.len(), 3);
         let all = &s[0];
-        assert_eq!((all.group.as_str(), all.n, all.scored, all.failed, all.unparsed, all.invalid), ("all", 6, 3, 1, 1, 1));
+        assert_eq!(
+            (
+                all.group.as_str(),
+                all.n,
+                all.scored,
+                all.failed,
+                all.unparsed,
+                all.invalid
+            ),
+            ("all", 6, 3, 1, 1, 1)
+        );
         assert!((all.estimate.mean - 2.0 / 6.0).abs() < 1e-12);
         assert!((all.mean_scored - 2.0 / 3.0).abs() < 1e-12);
         assert_eq!((s[1].group.as_str(), s[1].n), ("a", 2));
@@ -245,10 +277,20 @@ mod tests {
     fn classification_reports_per_class_and_macro_figures() {
         let params = json!({});
         let m = Metric::build("classification", params.as_object().unwrap(), None).unwrap();
-        let pairs = [("pos", "pos"), ("pos", "neg"), ("neg", "neg"), ("neg", "neg")];
+        let pairs = [
+            ("pos", "pos"),
+            ("pos", "neg"),
+            ("neg", "neg"),
+            ("neg", "neg"),
+        ];
         let rows: Vec<Row> = pairs
             .iter()
-            .map(|(p, r)| Row { failed: false, verdict: Some("ok".into()), scores: Map::from_iter([(m.key.clone(), m.score(&json!(p), &[json!(r)]))]), group: "all".into() })
+            .map(|(p, r)| Row {
+                failed: false,
+                verdict: Some("ok".into()),
+                scores: Map::from_iter([(m.key.clone(), m.score(&json!(p), &[json!(r)]))]),
+                group: "all".into(),
+            })
             .collect();
         let s = &summarize(&[m], &rows)[0];
         let extra = &s.extra;

@@ -18,33 +18,117 @@ pub struct MetricInfo {
 
 /// Every built-in metric.
 pub const REGISTRY: &[MetricInfo] = &[
-    MetricInfo { name: "exact_match", version: 1, params: &["normalize", "ignore_case"], higher_is_better: true, summary: "1 when the answer equals a reference after normalisation" },
-    MetricInfo { name: "contains", version: 1, params: &["normalize", "ignore_case"], higher_is_better: true, summary: "1 when a reference occurs in the answer after normalisation" },
-    MetricInfo { name: "regex_match", version: 1, params: &["pattern"], higher_is_better: true, summary: "1 when the answer matches the pattern" },
-    MetricInfo { name: "f1", version: 1, params: &[], higher_is_better: true, summary: "SQuAD token F1, the best over the references" },
-    MetricInfo { name: "numeric_match", version: 1, params: &["tolerance", "relative_tolerance"], higher_is_better: true, summary: "1 when the answer's last number is within tolerance of the reference's" },
-    MetricInfo { name: "choice_accuracy", version: 1, params: &[], higher_is_better: true, summary: "1 when the chosen letter is the reference letter (or index)" },
-    MetricInfo { name: "cer", version: 1, params: &[], higher_is_better: false, summary: "character edits over reference characters (jiwer's definition)" },
-    MetricInfo { name: "wer", version: 1, params: &[], higher_is_better: false, summary: "word edits over reference words (jiwer's definition)" },
-    MetricInfo { name: "anls", version: 1, params: &["threshold"], higher_is_better: true, summary: "1 - normalised Levenshtein distance when below the threshold, else 0; the best over the references" },
-    MetricInfo { name: "json_field_match", version: 1, params: &["fields"], higher_is_better: true, summary: "the share of the reference's fields the answer has equal; precision and recall over keys" },
-    MetricInfo { name: "classification", version: 1, params: &["labels", "ignore_case"], higher_is_better: true, summary: "1 when the label equals the reference's; per-class and macro/micro P/R/F1 in aggregates" },
+    MetricInfo {
+        name: "exact_match",
+        version: 1,
+        params: &["normalize", "ignore_case"],
+        higher_is_better: true,
+        summary: "1 when the answer equals a reference after normalisation",
+    },
+    MetricInfo {
+        name: "contains",
+        version: 1,
+        params: &["normalize", "ignore_case"],
+        higher_is_better: true,
+        summary: "1 when a reference occurs in the answer after normalisation",
+    },
+    MetricInfo {
+        name: "regex_match",
+        version: 1,
+        params: &["pattern"],
+        higher_is_better: true,
+        summary: "1 when the answer matches the pattern",
+    },
+    MetricInfo {
+        name: "f1",
+        version: 1,
+        params: &[],
+        higher_is_better: true,
+        summary: "SQuAD token F1, the best over the references",
+    },
+    MetricInfo {
+        name: "numeric_match",
+        version: 1,
+        params: &["tolerance", "relative_tolerance"],
+        higher_is_better: true,
+        summary: "1 when the answer's last number is within tolerance of the reference's",
+    },
+    MetricInfo {
+        name: "choice_accuracy",
+        version: 1,
+        params: &[],
+        higher_is_better: true,
+        summary: "1 when the chosen letter is the reference letter (or index)",
+    },
+    MetricInfo {
+        name: "cer",
+        version: 1,
+        params: &[],
+        higher_is_better: false,
+        summary: "character edits over reference characters (jiwer's definition)",
+    },
+    MetricInfo {
+        name: "wer",
+        version: 1,
+        params: &[],
+        higher_is_better: false,
+        summary: "word edits over reference words (jiwer's definition)",
+    },
+    MetricInfo {
+        name: "anls",
+        version: 1,
+        params: &["threshold"],
+        higher_is_better: true,
+        summary: "1 - normalised Levenshtein distance when below the threshold, else 0; the best over the references",
+    },
+    MetricInfo {
+        name: "json_field_match",
+        version: 1,
+        params: &["fields"],
+        higher_is_better: true,
+        summary: "the share of the reference's fields the answer has equal; precision and recall over keys",
+    },
+    MetricInfo {
+        name: "classification",
+        version: 1,
+        params: &["labels", "ignore_case"],
+        higher_is_better: true,
+        summary: "1 when the label equals the reference's; per-class and macro/micro P/R/F1 in aggregates",
+    },
 ];
 
 /// How a metric is computed, with its parameters.
 #[derive(Debug, Clone)]
 pub enum Kind {
-    ExactMatch { normalize: Normalize, ignore_case: bool },
-    Contains { normalize: Normalize, ignore_case: bool },
-    RegexMatch { pattern: Regex },
+    ExactMatch {
+        normalize: Normalize,
+        ignore_case: bool,
+    },
+    Contains {
+        normalize: Normalize,
+        ignore_case: bool,
+    },
+    RegexMatch {
+        pattern: Regex,
+    },
     F1,
-    Numeric { tolerance: f64, relative: f64 },
+    Numeric {
+        tolerance: f64,
+        relative: f64,
+    },
     Choice,
     Cer,
     Wer,
-    Anls { threshold: f64 },
-    JsonFields { fields: Option<Vec<String>> },
-    Classification { labels: Option<Vec<String>>, ignore_case: bool },
+    Anls {
+        threshold: f64,
+    },
+    JsonFields {
+        fields: Option<Vec<String>>,
+    },
+    Classification {
+        labels: Option<Vec<String>>,
+        ignore_case: bool,
+    },
 }
 
 /// A metric as a task configures it.
@@ -93,7 +177,9 @@ fn strings_param(params: &Map<String, Value>, key: &str) -> Result<Option<Vec<St
             })
             .collect::<Result<Vec<_>, _>>()
             .map(Some),
-        Some(other) => Err(format!("{key} must be a non-empty list of strings, got {other}")),
+        Some(other) => Err(format!(
+            "{key} must be a non-empty list of strings, got {other}"
+        )),
     }
 }
 
@@ -102,61 +188,95 @@ fn normalize_param(params: &Map<String, Value>) -> Result<Normalize, String> {
         None => Ok(Normalize::Strip),
         Some(Value::String(s)) => Normalize::parse(s)
             .ok_or_else(|| format!("normalize must be none, strip or squad, got '{s}'")),
-        Some(other) => Err(format!("normalize must be none, strip or squad, got {other}")),
+        Some(other) => Err(format!(
+            "normalize must be none, strip or squad, got {other}"
+        )),
     }
 }
 
 impl Metric {
     /// Looks `name` (`exact_match` or `exact_match@1`) up in the registry
     /// and checks its parameters.
-    pub fn build(name: &str, params: &Map<String, Value>, key: Option<String>) -> Result<Self, String> {
+    pub fn build(
+        name: &str,
+        params: &Map<String, Value>,
+        key: Option<String>,
+    ) -> Result<Self, String> {
         let (base, version) = match name.split_once('@') {
             Some((base, v)) => (
                 base,
-                Some(v.parse::<u32>().map_err(|_| format!("'{name}': the version after @ must be a number"))?),
+                Some(
+                    v.parse::<u32>()
+                        .map_err(|_| format!("'{name}': the version after @ must be a number"))?,
+                ),
             ),
             None => (name, None),
         };
         let known: Vec<&str> = REGISTRY.iter().map(|m| m.name).collect();
-        let info = REGISTRY.iter().find(|m| m.name == base).ok_or_else(|| {
-            format!("unknown metric '{base}' (known: {})", known.join(", "))
-        })?;
+        let info = REGISTRY
+            .iter()
+            .find(|m| m.name == base)
+            .ok_or_else(|| format!("unknown metric '{base}' (known: {})", known.join(", ")))?;
         if let Some(v) = version
             && v != info.version
         {
-            return Err(format!("{base} has no version {v} (this evalfleet has version {})", info.version));
+            return Err(format!(
+                "{base} has no version {v} (this evalfleet has version {})",
+                info.version
+            ));
         }
         if let Some(unknown) = params.keys().find(|k| !info.params.contains(&k.as_str())) {
             return Err(if info.params.is_empty() {
                 format!("{base} takes no parameters, got '{unknown}'")
             } else {
-                format!("{base} has no parameter '{unknown}' (it takes: {})", info.params.join(", "))
+                format!(
+                    "{base} has no parameter '{unknown}' (it takes: {})",
+                    info.params.join(", ")
+                )
             });
         }
         let kind = match base {
-            "exact_match" => Kind::ExactMatch { normalize: normalize_param(params)?, ignore_case: bool_param(params, "ignore_case", false)? },
-            "contains" => Kind::Contains { normalize: normalize_param(params)?, ignore_case: bool_param(params, "ignore_case", false)? },
+            "exact_match" => Kind::ExactMatch {
+                normalize: normalize_param(params)?,
+                ignore_case: bool_param(params, "ignore_case", false)?,
+            },
+            "contains" => Kind::Contains {
+                normalize: normalize_param(params)?,
+                ignore_case: bool_param(params, "ignore_case", false)?,
+            },
             "regex_match" => {
                 let pattern = match param(params, "pattern") {
-                    Some(Value::String(p)) => Regex::new(p).map_err(|e| format!("pattern is not a valid regex: {e}"))?,
+                    Some(Value::String(p)) => {
+                        Regex::new(p).map_err(|e| format!("pattern is not a valid regex: {e}"))?
+                    }
                     _ => return Err("regex_match needs a pattern".to_owned()),
                 };
                 Kind::RegexMatch { pattern }
             }
             "f1" => Kind::F1,
-            "numeric_match" => Kind::Numeric { tolerance: number_param(params, "tolerance", 1e-6)?, relative: number_param(params, "relative_tolerance", 0.0)? },
+            "numeric_match" => Kind::Numeric {
+                tolerance: number_param(params, "tolerance", 1e-6)?,
+                relative: number_param(params, "relative_tolerance", 0.0)?,
+            },
             "choice_accuracy" => Kind::Choice,
             "cer" => Kind::Cer,
             "wer" => Kind::Wer,
             "anls" => {
                 let threshold = number_param(params, "threshold", 0.5)?;
                 if threshold > 1.0 {
-                    return Err(format!("threshold must be between 0 and 1, got {threshold}"));
+                    return Err(format!(
+                        "threshold must be between 0 and 1, got {threshold}"
+                    ));
                 }
                 Kind::Anls { threshold }
             }
-            "json_field_match" => Kind::JsonFields { fields: strings_param(params, "fields")? },
-            "classification" => Kind::Classification { labels: strings_param(params, "labels")?, ignore_case: bool_param(params, "ignore_case", true)? },
+            "json_field_match" => Kind::JsonFields {
+                fields: strings_param(params, "fields")?,
+            },
+            "classification" => Kind::Classification {
+                labels: strings_param(params, "labels")?,
+                ignore_case: bool_param(params, "ignore_case", true)?,
+            },
             _ => return Err(format!("unknown metric '{base}'")),
         };
         Ok(Self {
@@ -186,17 +306,28 @@ impl Metric {
         let refs: Vec<String> = references.iter().map(as_text).collect();
         let best = |f: &dyn Fn(&str) -> f64| refs.iter().map(|r| f(r)).fold(0.0, f64::max);
         match &self.kind {
-            Kind::ExactMatch { normalize, ignore_case } => {
+            Kind::ExactMatch {
+                normalize,
+                ignore_case,
+            } => {
                 let a = normalize.apply(&text, *ignore_case);
                 json!({"value": best(&|r| f64::from(u8::from(normalize.apply(r, *ignore_case) == a)))})
             }
-            Kind::Contains { normalize, ignore_case } => {
+            Kind::Contains {
+                normalize,
+                ignore_case,
+            } => {
                 let a = normalize.apply(&text, *ignore_case);
                 json!({"value": best(&|r| f64::from(u8::from(a.contains(&normalize.apply(r, *ignore_case)))))})
             }
-            Kind::RegexMatch { pattern } => json!({"value": f64::from(u8::from(pattern.is_match(&text)))}),
+            Kind::RegexMatch { pattern } => {
+                json!({"value": f64::from(u8::from(pattern.is_match(&text)))})
+            }
             Kind::F1 => json!({"value": best(&|r| text::token_f1(&text, r))}),
-            Kind::Numeric { tolerance, relative } => {
+            Kind::Numeric {
+                tolerance,
+                relative,
+            } => {
                 let value = text::last_number(&text).map_or(0.0, |a| {
                     best(&|r| {
                         text::last_number(r).map_or(0.0, |b| {
@@ -233,13 +364,26 @@ impl Metric {
                     if nl < *threshold { 1.0 - nl } else { 0.0 }
                 })})
             }
-            Kind::JsonFields { fields } => json_fields(answer, references.first(), fields.as_deref()),
-            Kind::Classification { labels, ignore_case } => {
-                let norm = |s: &str| if *ignore_case { s.trim().to_lowercase() } else { s.trim().to_owned() };
+            Kind::JsonFields { fields } => {
+                json_fields(answer, references.first(), fields.as_deref())
+            }
+            Kind::Classification {
+                labels,
+                ignore_case,
+            } => {
+                let norm = |s: &str| {
+                    if *ignore_case {
+                        s.trim().to_lowercase()
+                    } else {
+                        s.trim().to_owned()
+                    }
+                };
                 let predicted = norm(&text);
                 let reference = norm(refs.first().map_or("", String::as_str));
                 let predicted = match labels {
-                    Some(labels) if !labels.iter().any(|l| norm(l) == predicted) => "(other)".to_owned(),
+                    Some(labels) if !labels.iter().any(|l| norm(l) == predicted) => {
+                        "(other)".to_owned()
+                    }
                     _ => predicted,
                 };
                 json!({"value": f64::from(u8::from(predicted == reference)), "predicted": predicted, "reference": reference})
@@ -262,7 +406,9 @@ fn choice_letter(reference: &str) -> String {
     let r = reference.trim();
     match r.parse::<u32>() {
         Ok(i) if i < 26 => char::from(b'A' + i as u8).to_string(),
-        _ => r.trim_matches(|c| matches!(c, '(' | ')' | '.')).to_ascii_uppercase(),
+        _ => r
+            .trim_matches(|c| matches!(c, '(' | ')' | '.'))
+            .to_ascii_uppercase(),
     }
 }
 
@@ -271,7 +417,11 @@ pub fn flatten(value: &Value, prefix: &str, out: &mut Vec<(String, Value)>) {
     match value {
         Value::Object(map) if !map.is_empty() => {
             for (k, v) in map {
-                let path = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                let path = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
                 flatten(v, &path, out);
             }
         }
@@ -300,18 +450,30 @@ fn json_fields(answer: &Value, reference: Option<&Value>, fields: Option<&[Strin
         flatten(reference, "", &mut want);
     }
     let keep = |path: &str| {
-        fields.is_none_or(|f| f.iter().any(|p| path == p || path.starts_with(&format!("{p}.")) || path.starts_with(&format!("{p}["))))
+        fields.is_none_or(|f| {
+            f.iter().any(|p| {
+                path == p
+                    || path.starts_with(&format!("{p}."))
+                    || path.starts_with(&format!("{p}["))
+            })
+        })
     };
     got.retain(|(p, _)| keep(p));
     want.retain(|(p, _)| keep(p));
-    let lookup = |list: &[(String, Value)], path: &str| list.iter().find(|(p, _)| p == path).map(|(_, v)| v.clone());
+    let lookup = |list: &[(String, Value)], path: &str| {
+        list.iter().find(|(p, _)| p == path).map(|(_, v)| v.clone())
+    };
     let tp = want
         .iter()
         .filter(|(p, v)| lookup(&got, p).is_some_and(|g| same_leaf(&g, v)))
         .count();
     let fp = got.len() - tp;
     let fn_ = want.len() - tp;
-    let value = if want.is_empty() { f64::from(u8::from(got.is_empty())) } else { tp as f64 / want.len() as f64 };
+    let value = if want.is_empty() {
+        f64::from(u8::from(got.is_empty()))
+    } else {
+        tp as f64 / want.len() as f64
+    };
     json!({"value": value, "tp": tp, "fp": fp, "fn": fn_})
 }
 
@@ -330,12 +492,23 @@ mod tests {
     #[test]
     fn unknown_names_versions_and_parameters_are_refused() {
         let none = Map::new();
-        assert!(Metric::build("bleu", &none, None).unwrap_err().contains("unknown metric 'bleu'"));
-        assert!(Metric::build("exact_match@2", &none, None).unwrap_err().contains("no version 2"));
+        assert!(
+            Metric::build("bleu", &none, None)
+                .unwrap_err()
+                .contains("unknown metric 'bleu'")
+        );
+        assert!(
+            Metric::build("exact_match@2", &none, None)
+                .unwrap_err()
+                .contains("no version 2")
+        );
         let params = json!({"colour": 1});
         let err = Metric::build("f1", params.as_object().unwrap(), None).unwrap_err();
         assert_eq!(err, "f1 takes no parameters, got 'colour'");
-        assert_eq!(Metric::build("exact_match@1", &none, None).unwrap().key, "exact_match@1");
+        assert_eq!(
+            Metric::build("exact_match@1", &none, None).unwrap().key,
+            "exact_match@1"
+        );
     }
 
     #[test]
@@ -356,18 +529,28 @@ mod tests {
         let s = value(&m.score(&json!("abcx"), &[json!("abcd")]));
         assert!((s - 0.75).abs() < 1e-12);
         // Case and surrounding or repeated whitespace do not count.
-        assert_eq!(value(&m.score(&json!("  Hello   World"), &[json!("x"), json!("hello world")])), 1.0);
+        assert_eq!(
+            value(&m.score(
+                &json!("  Hello   World"),
+                &[json!("x"), json!("hello world")]
+            )),
+            1.0
+        );
     }
 
     #[test]
     fn json_fields_count_nested_paths() {
         let m = metric("json_field_match", json!({}));
-        let want = json!({"name": "Ann", "address": {"city": "Oslo", "zip": "0150"}, "tags": ["a", "b"]});
+        let want =
+            json!({"name": "Ann", "address": {"city": "Oslo", "zip": "0150"}, "tags": ["a", "b"]});
         let got = json!({"name": "Ann", "address": {"city": "Bergen", "zip": "0150"}, "tags": ["a"], "extra": 1});
         let s = m.score(&got, &[want]);
         // Right: name, address.zip, tags[0]; wrong: city; missing: tags[1].
         assert!((value(&s) - 3.0 / 5.0).abs() < 1e-12);
-        assert_eq!((s["tp"].as_u64(), s["fp"].as_u64(), s["fn"].as_u64()), (Some(3), Some(2), Some(2)));
+        assert_eq!(
+            (s["tp"].as_u64(), s["fp"].as_u64(), s["fn"].as_u64()),
+            (Some(3), Some(2), Some(2))
+        );
     }
 
     #[test]

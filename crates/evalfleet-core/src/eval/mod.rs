@@ -96,7 +96,10 @@ impl Evaluator {
         let schema = spec
             .schema
             .as_ref()
-            .map(|s| jsonschema::validator_for(s).map_err(|e| format!("task.schema is not a valid JSON Schema: {e}")))
+            .map(|s| {
+                jsonschema::validator_for(s)
+                    .map_err(|e| format!("task.schema is not a valid JSON Schema: {e}"))
+            })
             .transpose()?;
         let mut env = Environment::new();
         env.set_undefined_behavior(UndefinedBehavior::SemiStrict);
@@ -139,7 +142,11 @@ impl Evaluator {
                 .take(5)
                 .map(|e| {
                     let at = e.instance_path().to_string();
-                    if at.is_empty() { e.to_string() } else { format!("at {at}: {e}") }
+                    if at.is_empty() {
+                        e.to_string()
+                    } else {
+                        format!("at {at}: {e}")
+                    }
                 })
                 .collect();
             if !errors.is_empty() {
@@ -183,7 +190,7 @@ impl Evaluator {
         let rendered = self
             .env
             .get_template(&name)
-            .and_then(|t| t.render(&minijinja::Value::from(minijinja::value::Serde(item))))
+            .and_then(|t| t.render(minijinja::Value::from(minijinja::value::Serde(item))))
             .map_err(|e| format!("{name}: {e}"))?;
         let trimmed = rendered.trim();
         if m.metric.wants_json_reference() {

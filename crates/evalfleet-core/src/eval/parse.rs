@@ -150,7 +150,10 @@ mod tests {
         let p = regex(r"#### (-?[\d,]+)");
         assert_eq!(p.parse("so 3+4 = 7\n#### 7").unwrap(), json!("7"));
         assert_eq!(p.parse("#### -1,200").unwrap(), json!("-1,200"));
-        assert_eq!(p.parse("The answer is 7").unwrap_err(), "no match for /#### (-?[\\d,]+)/");
+        assert_eq!(
+            p.parse("The answer is 7").unwrap_err(),
+            "no match for /#### (-?[\\d,]+)/"
+        );
     }
 
     #[test]
@@ -159,10 +162,21 @@ mod tests {
         let fenced = "Here:\n```json\n{\"a\": [1, 2]}\n```\nDone.";
         assert_eq!(Parser::Json.parse(fenced).unwrap(), json!({"a": [1, 2]}));
         let inline = "The result is {\"name\": \"x\", \"n\": 2} as asked.";
-        assert_eq!(Parser::Json.parse(inline).unwrap(), json!({"name": "x", "n": 2}));
+        assert_eq!(
+            Parser::Json.parse(inline).unwrap(),
+            json!({"name": "x", "n": 2})
+        );
         let broken = "{\"a\": 1,";
-        assert!(Parser::Json.parse(broken).unwrap_err().contains("nothing from it parses"));
-        assert_eq!(Parser::Json.parse("plain text").unwrap_err(), "no JSON in the answer");
+        assert!(
+            Parser::Json
+                .parse(broken)
+                .unwrap_err()
+                .contains("nothing from it parses")
+        );
+        assert_eq!(
+            Parser::Json.parse("plain text").unwrap_err(),
+            "no JSON in the answer"
+        );
     }
 
     #[test]
@@ -172,7 +186,10 @@ mod tests {
         };
         assert_eq!(p.parse("(b)").unwrap(), json!("B"));
         assert_eq!(p.parse("C.").unwrap(), json!("C"));
-        assert_eq!(p.parse("A is tempting, but the answer is (D).").unwrap(), json!("D"));
+        assert_eq!(
+            p.parse("A is tempting, but the answer is (D).").unwrap(),
+            json!("D")
+        );
         assert_eq!(p.parse("I pick B because...").unwrap(), json!("B"));
         assert!(p.parse("I am not sure").is_err());
         assert!(p.parse("E").is_err());

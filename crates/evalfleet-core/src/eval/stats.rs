@@ -18,7 +18,12 @@ pub const RESAMPLES: usize = 1000;
 pub fn estimate(values: &[f64], seed: u64) -> Estimate {
     let n = values.len();
     if n == 0 {
-        return Estimate { mean: f64::NAN, stderr: f64::NAN, ci_low: f64::NAN, ci_high: f64::NAN };
+        return Estimate {
+            mean: f64::NAN,
+            stderr: f64::NAN,
+            ci_low: f64::NAN,
+            ci_high: f64::NAN,
+        };
     }
     let mean = values.iter().sum::<f64>() / n as f64;
     let stderr = if n < 2 {
@@ -27,13 +32,24 @@ pub fn estimate(values: &[f64], seed: u64) -> Estimate {
         let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
         (var / n as f64).sqrt()
     };
-    let (ci_low, ci_high) = bootstrap(n, seed, |pick| (0..n).map(|_| values[pick()]).sum::<f64>() / n as f64);
-    Estimate { mean, stderr, ci_low, ci_high }
+    let (ci_low, ci_high) = bootstrap(n, seed, |pick| {
+        (0..n).map(|_| values[pick()]).sum::<f64>() / n as f64
+    });
+    Estimate {
+        mean,
+        stderr,
+        ci_low,
+        ci_high,
+    }
 }
 
 /// The 2.5th and 97.5th percentiles of `statistic` over resamples of `n`
 /// indices drawn with replacement.
-fn bootstrap(n: usize, seed: u64, statistic: impl Fn(&mut dyn FnMut() -> usize) -> f64) -> (f64, f64) {
+fn bootstrap(
+    n: usize,
+    seed: u64,
+    statistic: impl Fn(&mut dyn FnMut() -> usize) -> f64,
+) -> (f64, f64) {
     let mut rng = fastrand::Rng::with_seed(seed);
     let mut stats: Vec<f64> = (0..RESAMPLES)
         .map(|_| statistic(&mut || rng.usize(0..n)))
@@ -63,7 +79,11 @@ pub struct Paired {
 pub fn paired(a: &[f64], b: &[f64], seed: u64) -> Paired {
     let n = a.len().min(b.len());
     let d: Vec<f64> = (0..n).map(|i| b[i] - a[i]).collect();
-    let diff = if n == 0 { f64::NAN } else { d.iter().sum::<f64>() / n as f64 };
+    let diff = if n == 0 {
+        f64::NAN
+    } else {
+        d.iter().sum::<f64>() / n as f64
+    };
     let mut below = 0usize;
     let mut above = 0usize;
     let (ci_low, ci_high) = if n == 0 {
@@ -79,7 +99,11 @@ pub fn paired(a: &[f64], b: &[f64], seed: u64) -> Paired {
         let at = |q: f64| means[((q * (RESAMPLES - 1) as f64).round() as usize).min(RESAMPLES - 1)];
         (at(0.025), at(0.975))
     };
-    let p_bootstrap = if n == 0 { f64::NAN } else { (2.0 * below.min(above) as f64 / RESAMPLES as f64).min(1.0) };
+    let p_bootstrap = if n == 0 {
+        f64::NAN
+    } else {
+        (2.0 * below.min(above) as f64 / RESAMPLES as f64).min(1.0)
+    };
     let binary = a[..n].iter().chain(&b[..n]).all(|v| *v == 0.0 || *v == 1.0);
     let a_only = (0..n).filter(|&i| a[i] == 1.0 && b[i] == 0.0).count() as u64;
     let b_only = (0..n).filter(|&i| a[i] == 0.0 && b[i] == 1.0).count() as u64;
@@ -140,7 +164,11 @@ mod tests {
         assert!((e.stderr - 0.25).abs() < 1e-12);
         assert!(e.ci_low <= e.mean && e.mean <= e.ci_high);
         assert!(e.ci_low >= 0.0 && e.ci_high <= 1.0);
-        assert_eq!(estimate(&values, 7), e, "a fixed seed gives the same interval");
+        assert_eq!(
+            estimate(&values, 7),
+            e,
+            "a fixed seed gives the same interval"
+        );
     }
 
     #[test]

@@ -15,7 +15,10 @@ static ARTICLES: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"\b(a|an|the)\b"
 /// articles a/an/the as whole words, collapse whitespace.
 pub fn squad_normalize(text: &str) -> String {
     let lower = text.to_lowercase();
-    let no_punct: String = lower.chars().filter(|c| !c.is_ascii_punctuation()).collect();
+    let no_punct: String = lower
+        .chars()
+        .filter(|c| !c.is_ascii_punctuation())
+        .collect();
     let no_articles = ARTICLES.replace_all(&no_punct, " ");
     no_articles.split_whitespace().collect::<Vec<_>>().join(" ")
 }
@@ -143,7 +146,10 @@ mod tests {
 
     #[test]
     fn squad_normalizer_drops_articles_punctuation_and_space() {
-        assert_eq!(squad_normalize("  The  Denver, Broncos! "), "denver broncos");
+        assert_eq!(
+            squad_normalize("  The  Denver, Broncos! "),
+            "denver broncos"
+        );
         assert_eq!(squad_normalize("Thearticle"), "thearticle");
         assert_eq!(squad_normalize("l'Odéon"), "lodéon");
     }

@@ -23,12 +23,13 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+use crate::cache::CacheEntry;
 use crate::client::{CallError, CallOutcome, ChatClient, Completion, ErrorClass, Timing};
 use crate::config::{Config, RetryPolicy};
 use crate::dataset::{DatasetError, RowReader};
+use crate::eval::{Checked, Evaluator};
 use crate::fleet::runtime::FleetHandle;
 use crate::fleet::{Endpoint, EndpointCounters, Permit, Signal};
-use crate::eval::{Checked, Evaluator};
 use crate::store::{AttemptRecord, ItemStatus, Judged, ResultRecord, Store, StoreError};
 use crate::template::Templates;
 use queue::{WorkItem, WorkQueue};
@@ -143,6 +144,9 @@ struct Shared {
     /// Parsing, checking and scoring of answers; `None` when the task has
     /// none (the answer is stored as it is).
     eval: Option<Arc<Evaluator>>,
+    /// The request identity answers are cached under, when the run writes
+    /// the cache.
+    cache_writes: Option<String>,
 }
 
 impl Shared {
@@ -229,7 +233,23 @@ pub async fn execute(
     } else {
         None
     };
+    let identity = session
+        .endpoints
+        .first()
+        .map(|e| crate::cache::identity(&e.config.model, &config.task.params, &e.config.params, 0));
+    let cache_reads = match (&identity, config.cache.mode.reads()) {
+        (Some(identity), true) => Some(Arc::new(reader::CacheReads {
+            identity: identity.clone(),
+            since_ms: config.cache.ttl.map_or(0, |ttl| {
+                crate::store::now_ms() - i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX)
+            }),
+            eval: eval.clone(),
+            hits: AtomicU64::new(0),
+        })),
+        _ => None,
+    };
     let shared = Arc::new(Shared {
+        cache_writes: identity.filter(|_| config.cache.mode.writes()),
         eval,
         session: session.session,
         retry: config.retry,
@@ -259,6 +279,8 @@ pub async fn execute(
             writer: shared.writer.clone(),
             halt: halt.clone(),
             on_terminal: Arc::new(move |status| ended.ended(status)),
+            cache: cache_reads.clone(),
+            session: session.session,
         };
         let runtime = tokio::runtime::Handle::current();
         let halt = halt.clone();
@@ -475,11 +497,13 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
                     "moved to another endpoint: {} stopped taking items",
                     endpoint.name
                 )),
+                cached: false,
             };
             if shared
                 .send(Outcome {
                     attempt: Some(record),
                     result: None,
+                    cache: None,
                 })
                 .await
                 && !shared.halt.is_cancelled()
@@ -580,6 +604,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
         http_status: status,
         error_class: result.as_ref().err().map(CallError::class),
         error: result.as_ref().err().map(ToString::to_string),
+        cached: false,
     };
     // The item ends here: its id and input row move into the result.
     let result_record = |item: WorkItem,
@@ -611,11 +636,22 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
     let err = match result {
         Ok(Completion { content, .. }) => {
             counters.successes.fetch_add(1, Ordering::Relaxed);
+            let cache = shared.cache_writes.as_ref().map(|identity| CacheEntry {
+                key: crate::cache::key(identity, &item.messages),
+                content: content.clone(),
+                endpoint: endpoint.name.clone(),
+                model: endpoint.model.clone(),
+                prompt_tokens,
+                completion_tokens,
+                finish_reason: finish_reason.clone(),
+                latency_ms: ms(timing.latency),
+                created_at_ms: crate::store::now_ms(),
+            });
             let mut judged = None;
             if let Some(eval) = &shared.eval {
                 let checked = eval.check(&content);
                 if !checked.valid && item.reasks < eval.spec().max_reasks {
-                    reask(&shared, eval, item, record, content, &checked).await;
+                    reask(&shared, eval, item, record, content, &checked, cache).await;
                     return;
                 }
                 let row: serde_json::Value =
@@ -631,6 +667,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
                 .send(Outcome {
                     attempt: Some(record),
                     result: Some(done),
+                    cache,
                 })
                 .await
             {
@@ -671,6 +708,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
                 .send(Outcome {
                     attempt: Some(record),
                     result: None,
+                    cache: None,
                 })
                 .await;
             if !sent || shared.halt.is_cancelled() {
@@ -693,6 +731,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
         .send(Outcome {
             attempt: Some(record),
             result: Some(failed),
+            cache: None,
         })
         .await
     {
@@ -711,6 +750,7 @@ async fn reask(
     mut record: AttemptRecord,
     answer: String,
     checked: &Checked,
+    cache: Option<CacheEntry>,
 ) {
     let why = checked.error.clone().unwrap_or_default();
     record.error_class = Some(ErrorClass::InvalidAnswer);
@@ -730,6 +770,7 @@ async fn reask(
         .send(Outcome {
             attempt: Some(record),
             result: None,
+            cache,
         })
         .await;
     if sent && !shared.halt.is_cancelled() {

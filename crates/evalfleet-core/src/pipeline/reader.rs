@@ -12,7 +12,8 @@ use tokio_util::sync::CancellationToken;
 use super::queue::WorkItem;
 use super::writer::Outcome;
 use crate::dataset::{DatasetError, RowReader};
-use crate::store::{Judged, ItemStatus, ResultRecord, Store, StoreError, now_ms};
+use crate::eval::Evaluator;
+use crate::store::{AttemptRecord, ItemStatus, Judged, ResultRecord, Store, StoreError, now_ms};
 use crate::template::Templates;
 
 const PAGE: usize = 512;
@@ -33,8 +34,32 @@ pub struct Reader {
     pub queue: mpsc::Sender<WorkItem>,
     pub writer: mpsc::Sender<Outcome>,
     pub halt: CancellationToken,
-    /// Called when an item ends here (its template could not be rendered).
+    /// Called when an item ends here (its template could not be rendered,
+    /// or the cache answered it).
     pub on_terminal: Arc<dyn Fn(ItemStatus) + Send + Sync>,
+    /// Cache lookups, when the run reads the cache.
+    pub cache: Option<Arc<CacheReads>>,
+    pub session: u32,
+}
+
+/// What the reader needs to answer items from the cache.
+pub struct CacheReads {
+    pub identity: String,
+    /// Entries stored before this are too old (`cache.ttl`).
+    pub since_ms: i64,
+    pub eval: Option<Arc<Evaluator>>,
+    pub hits: std::sync::atomic::AtomicU64,
+}
+
+/// How far the cache took an item.
+enum Cached {
+    /// Not at all, or part of a re-ask conversation: the item goes on to
+    /// the endpoints.
+    Go(WorkItem),
+    /// Answered: the item ended here.
+    Done,
+    /// The writer is gone.
+    Stopped,
 }
 
 impl Reader {
@@ -56,6 +81,125 @@ impl Reader {
             }
         });
         freed && self.queue.try_send(item).is_ok()
+    }
+
+    /// Answers `item` from the cache as far as it can: a stored answer is
+    /// checked like a fresh one, and a re-ask is looked up in turn.
+    fn answer_from_cache(&mut self, mut item: WorkItem) -> Result<Cached, ReaderError> {
+        let Some(cache) = &self.cache else {
+            return Ok(Cached::Go(item));
+        };
+        loop {
+            let key = crate::cache::key(&cache.identity, &item.messages);
+            let Some(hit) = self.store.cache_get(&key, cache.since_ms)? else {
+                return Ok(Cached::Go(item));
+            };
+            cache
+                .hits
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let checked = cache
+                .eval
+                .as_ref()
+                .map(|eval| (eval, eval.check(&hit.content)));
+            let reask = checked
+                .as_ref()
+                .is_some_and(|(eval, c)| !c.valid && item.reasks < eval.spec().max_reasks);
+            let attempt = AttemptRecord {
+                seq: item.seq,
+                attempt: item.number(),
+                session: self.session,
+                endpoint: hit.endpoint.clone(),
+                model: hit.model.clone(),
+                sent_at_ms: now_ms(),
+                latency_ms: 0.0,
+                ttft_ms: None,
+                tpot_ms: None,
+                prompt_tokens: hit.prompt_tokens,
+                completion_tokens: hit.completion_tokens,
+                finish_reason: hit.finish_reason.clone(),
+                http_status: None,
+                error_class: reask.then_some(crate::client::ErrorClass::InvalidAnswer),
+                error: if reask {
+                    checked
+                        .as_ref()
+                        .and_then(|(_, c)| c.error.as_ref())
+                        .map(|e| format!("re-asked: {e}"))
+                } else {
+                    None
+                },
+                cached: true,
+            };
+            // Cached attempts do not count against the item's budget.
+            item.excused += 1;
+            if let Some((eval, checked)) = checked.as_ref().filter(|_| reask) {
+                let mut messages: Vec<serde_json::Value> =
+                    serde_json::from_str(item.messages.get()).unwrap_or_default();
+                messages.push(serde_json::json!({"role": "assistant", "content": hit.content}));
+                messages.push(
+                    serde_json::json!({"role": "user", "content": eval.reask_message(checked)}),
+                );
+                match serde_json::value::to_raw_value(&messages) {
+                    Ok(raw) => item.messages = raw,
+                    Err(_) => return Ok(Cached::Go(item)),
+                }
+                item.reasks += 1;
+                if self
+                    .writer
+                    .blocking_send(Outcome {
+                        attempt: Some(attempt),
+                        result: None,
+                        cache: None,
+                    })
+                    .is_err()
+                {
+                    return Ok(Cached::Stopped);
+                }
+                continue;
+            }
+            let judged = match &checked {
+                Some((eval, checked)) => {
+                    let row: serde_json::Value =
+                        serde_json::from_str(&item.item_json).unwrap_or_default();
+                    Judged::new(checked, &eval.score(checked, &row), item.reasks)
+                }
+                None => Judged {
+                    reasks: item.reasks,
+                    ..Judged::default()
+                },
+            };
+            let result = ResultRecord {
+                seq: item.seq,
+                item_id: item.item_id,
+                status: ItemStatus::Done,
+                output: Some(hit.content),
+                error: None,
+                endpoint: Some(hit.endpoint),
+                model: Some(hit.model),
+                attempts: item.prior_attempts + item.attempts + item.excused,
+                latency_ms: Some(0.0),
+                ttft_ms: None,
+                tpot_ms: None,
+                prompt_tokens: hit.prompt_tokens,
+                completion_tokens: hit.completion_tokens,
+                finish_reason: hit.finish_reason,
+                item: Some(item.item_json),
+                finished_at_ms: now_ms(),
+                judged,
+            };
+            if self
+                .writer
+                .blocking_send(Outcome {
+                    attempt: Some(attempt),
+                    result: Some(result),
+                    cache: None,
+                })
+                .is_err()
+            {
+                return Ok(Cached::Stopped);
+            }
+            (self.on_terminal)(ItemStatus::Done);
+            return Ok(Cached::Done);
+        }
     }
 
     /// Reads until every pending item was queued or `halt` is cancelled.
@@ -87,7 +231,11 @@ impl Reader {
                             reasks: 0,
                             first_sent: None,
                         };
-                        self.deliver(item, &runtime)
+                        match self.answer_from_cache(item)? {
+                            Cached::Go(item) => self.deliver(item, &runtime),
+                            Cached::Done => true,
+                            Cached::Stopped => false,
+                        }
                     }
                     Err(message) => {
                         let result = ResultRecord {
@@ -112,6 +260,7 @@ impl Reader {
                         let sent = runtime.block_on(self.writer.send(Outcome {
                             attempt: None,
                             result: Some(result),
+                            cache: None,
                         }));
                         if sent.is_ok() {
                             (self.on_terminal)(ItemStatus::Failed);

@@ -26,6 +26,8 @@ const GROUP_LIMIT: usize = 16;
 pub struct Outcome {
     pub attempt: Option<AttemptRecord>,
     pub result: Option<ResultRecord>,
+    /// A successful answer for the cache.
+    pub cache: Option<crate::cache::CacheEntry>,
 }
 
 type Committed = (Box<dyn Store>, Result<u64, StoreError>);
@@ -77,6 +79,7 @@ pub async fn run(
                 Some(outcome) => {
                     batch.attempts.extend(outcome.attempt);
                     batch.results.extend(outcome.result);
+                    batch.cache.extend(outcome.cache);
                     due.get_or_insert_with(|| Instant::now() + settings.flush_interval);
                 }
                 None => open = false,

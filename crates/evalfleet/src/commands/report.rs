@@ -17,7 +17,7 @@ use serde_json::{Map, Value, json};
 
 use super::inspect::{percentiles, print_table};
 use super::store_path;
-use crate::cli::{CompareArgs, ReportArgs, ScoreArgs};
+use crate::cli::{CacheAction, CacheArgs, CompareArgs, ReportArgs, ScoreArgs};
 use crate::{EXIT_OK, UsageError};
 
 /// The task keys `score --config` takes from the new config.
@@ -117,20 +117,37 @@ pub fn score(args: ScoreArgs) -> anyhow::Result<u8> {
             .as_deref()
             .and_then(|s| serde_json::from_str(s).ok());
         let output = r.output.as_deref().unwrap_or("");
-        let new = eval.judge(output, &item, r.judged.reasks, only.as_deref(), keep.as_ref());
+        let new = eval.judge(
+            output,
+            &item,
+            r.judged.reasks,
+            only.as_deref(),
+            keep.as_ref(),
+        );
         judged.push((r.seq, new));
     })?;
     store.put_judged(&args.run_id, &judged, &snapshot)?;
-    let valid = judged.iter().filter(|(_, j)| j.verdict.as_deref() != Some("unparsed") && j.verdict.as_deref() != Some("invalid")).count();
+    let valid = judged
+        .iter()
+        .filter(|(_, j)| {
+            j.verdict.as_deref() != Some("unparsed") && j.verdict.as_deref() != Some("invalid")
+        })
+        .count();
     eprintln!(
         "Scored {} answers of run {} ({} usable) with {}; no model was called.",
         judged.len(),
         args.run_id,
         valid,
-        if keys.is_empty() { "no metrics".to_owned() } else { keys.join(", ") }
+        if keys.is_empty() {
+            "no metrics".to_owned()
+        } else {
+            keys.join(", ")
+        }
     );
     if bad_rows > 0 {
-        eprintln!("warning: {bad_rows} stored items are not JSON; their references could not be rendered.");
+        eprintln!(
+            "warning: {bad_rows} stored items are not JSON; their references could not be rendered."
+        );
     }
     Ok(EXIT_OK)
 }
@@ -193,7 +210,8 @@ fn rows(scored: &Scored, by: &[String]) -> Vec<Row> {
 
 /// Structural fidelity: valid on the first try, after re-asks, or not.
 fn fidelity(results: &[StoredResult]) -> Value {
-    let (mut first, mut later, mut unparsed, mut invalid, mut unchecked, mut failed) = (0, 0, 0, 0, 0, 0);
+    let (mut first, mut later, mut unparsed, mut invalid, mut unchecked, mut failed) =
+        (0, 0, 0, 0, 0, 0);
     for r in results {
         match (r.failed, r.judged.verdict.as_deref()) {
             (true, _) => failed += 1,
@@ -215,11 +233,17 @@ fn fidelity(results: &[StoredResult]) -> Value {
 }
 
 fn fmt(v: f64) -> String {
-    if v.is_nan() { "-".to_owned() } else { format!("{v:.4}") }
+    if v.is_nan() {
+        "-".to_owned()
+    } else {
+        format!("{v:.4}")
+    }
 }
 
 fn endpoint_json(e: &EndpointSummary) -> Value {
-    let busy_s = e.latency_ms.map_or(0.0, |p| p.mean * p.count as f64 / 1000.0);
+    let busy_s = e
+        .latency_ms
+        .map_or(0.0, |p| p.mean * p.count as f64 / 1000.0);
     json!({
         "endpoint": e.endpoint,
         "attempts": e.attempts,
@@ -244,7 +268,8 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
     let endpoints = summary::endpoints(&mut store, &args.run_id)?;
     let fidelity = fidelity(&scored.results);
     let models: BTreeMap<String, u64> = scored.results.iter().fold(BTreeMap::new(), |mut m, r| {
-        *m.entry(r.model.clone().unwrap_or_else(|| "-".to_owned())).or_insert(0) += 1;
+        *m.entry(r.model.clone().unwrap_or_else(|| "-".to_owned()))
+            .or_insert(0) += 1;
         m
     });
 
@@ -257,7 +282,12 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
     });
     fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     write_summary_csv(&dir.join("metrics_summary.csv"), &summaries)?;
-    write_detailed_csv(&dir.join("metrics_detailed.csv"), &scored, &metrics, &args.by)?;
+    write_detailed_csv(
+        &dir.join("metrics_detailed.csv"),
+        &scored,
+        &metrics,
+        &args.by,
+    )?;
     let summary_json = json!({
         "run_id": scored.run.run_id,
         "name": scored.run.name,
@@ -276,14 +306,25 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
         return Ok(EXIT_OK);
     }
 
-    println!("Run {} ({} items; model {})", scored.run.run_id, scored.run.total, models.keys().cloned().collect::<Vec<_>>().join(", "));
+    println!(
+        "Run {} ({} items; model {})",
+        scored.run.run_id,
+        scored.run.total,
+        models.keys().cloned().collect::<Vec<_>>().join(", ")
+    );
     if metrics.is_empty() {
-        println!("\nNo metrics: add task.metrics to the config and run `evalfleet score {} --config FILE`.", scored.run.run_id);
+        println!(
+            "\nNo metrics: add task.metrics to the config and run `evalfleet score {} --config FILE`.",
+            scored.run.run_id
+        );
     } else {
-        let mut table = vec![[
-            "METRIC", "GROUP", "N", "MEAN", "±SE", "95% CI", "SCORED", "FAILED", "UNPARSED", "INVALID",
-        ]
-        .map(str::to_owned)];
+        let mut table = vec![
+            [
+                "METRIC", "GROUP", "N", "MEAN", "±SE", "95% CI", "SCORED", "FAILED", "UNPARSED",
+                "INVALID",
+            ]
+            .map(str::to_owned),
+        ];
         for s in &summaries {
             table.push([
                 s.metric.clone(),
@@ -300,20 +341,46 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
         }
         println!();
         print_table(&table);
-        for s in summaries.iter().filter(|s| s.group == "all" && !s.extra.is_null()) {
+        for s in summaries
+            .iter()
+            .filter(|s| s.group == "all" && !s.extra.is_null())
+        {
             println!("\n{} (all): {}", s.metric, s.extra);
         }
     }
     println!("\nAnswers: {fidelity}");
-    let mut table = vec![["ENDPOINT", "ATTEMPTS", "OK", "ERRORS", "TOK/S/CALL", "LATENCY_MS p50/p90/p99", "TTFT_MS p50/p90/p99", "TPOT_MS p50/p90/p99"].map(str::to_owned)];
+    let mut table = vec![
+        [
+            "ENDPOINT",
+            "ATTEMPTS",
+            "OK",
+            "ERRORS",
+            "TOK/S/CALL",
+            "LATENCY_MS p50/p90/p99",
+            "TTFT_MS p50/p90/p99",
+            "TPOT_MS p50/p90/p99",
+        ]
+        .map(str::to_owned),
+    ];
     for e in &endpoints {
         let j = endpoint_json(e);
         table.push([
             e.endpoint.clone(),
             e.attempts.to_string(),
             e.successes.to_string(),
-            if e.errors.is_empty() { "-".to_owned() } else { e.errors.iter().map(|(k, v)| format!("{k}:{v}")).collect::<Vec<_>>().join(" ") },
-            format!("{:.1}", j["tokens_per_second_per_call"].as_f64().unwrap_or(0.0)),
+            if e.errors.is_empty() {
+                "-".to_owned()
+            } else {
+                e.errors
+                    .iter()
+                    .map(|(k, v)| format!("{k}:{v}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            },
+            format!(
+                "{:.1}",
+                j["tokens_per_second_per_call"].as_f64().unwrap_or(0.0)
+            ),
             percentiles(&e.latency_ms),
             percentiles(&e.ttft_ms),
             percentiles(&e.tpot_ms),
@@ -321,13 +388,32 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
     }
     println!();
     print_table(&table);
-    println!("\nWrote {}, metrics_summary.csv and metrics_detailed.csv in {}", "summary.json", dir.display());
+    println!(
+        "\nWrote summary.json, metrics_summary.csv and metrics_detailed.csv in {}",
+        dir.display()
+    );
     Ok(EXIT_OK)
 }
 
 fn write_summary_csv(path: &PathBuf, summaries: &[Summary]) -> anyhow::Result<()> {
-    let mut csv = csv::Writer::from_path(path).with_context(|| format!("cannot write {}", path.display()))?;
-    csv.write_record(["metric", "group", "n", "mean", "stderr", "ci_low", "ci_high", "mean_scored", "scored", "failed", "unparsed", "invalid", "errors", "extra"])?;
+    let mut csv =
+        csv::Writer::from_path(path).with_context(|| format!("cannot write {}", path.display()))?;
+    csv.write_record([
+        "metric",
+        "group",
+        "n",
+        "mean",
+        "stderr",
+        "ci_low",
+        "ci_high",
+        "mean_scored",
+        "scored",
+        "failed",
+        "unparsed",
+        "invalid",
+        "errors",
+        "extra",
+    ])?;
     for s in summaries {
         csv.write_record([
             s.metric.clone(),
@@ -343,20 +429,45 @@ fn write_summary_csv(path: &PathBuf, summaries: &[Summary]) -> anyhow::Result<()
             s.unparsed.to_string(),
             s.invalid.to_string(),
             s.errors.to_string(),
-            if s.extra.is_null() { String::new() } else { s.extra.to_string() },
+            if s.extra.is_null() {
+                String::new()
+            } else {
+                s.extra.to_string()
+            },
         ])?;
     }
     csv.flush()?;
     Ok(())
 }
 
-fn write_detailed_csv(path: &PathBuf, scored: &Scored, metrics: &[evalfleet_core::eval::Metric], by: &[String]) -> anyhow::Result<()> {
-    let mut csv = csv::Writer::from_path(path).with_context(|| format!("cannot write {}", path.display()))?;
-    let mut header: Vec<String> = ["item_id", "group", "status", "verdict", "reasks", "parsed", "check_error"].map(str::to_owned).to_vec();
+fn write_detailed_csv(
+    path: &PathBuf,
+    scored: &Scored,
+    metrics: &[evalfleet_core::eval::Metric],
+    by: &[String],
+) -> anyhow::Result<()> {
+    let mut csv =
+        csv::Writer::from_path(path).with_context(|| format!("cannot write {}", path.display()))?;
+    let mut header: Vec<String> = [
+        "item_id",
+        "group",
+        "status",
+        "verdict",
+        "reasks",
+        "parsed",
+        "check_error",
+    ]
+    .map(str::to_owned)
+    .to_vec();
     header.extend(metrics.iter().map(|m| m.key.clone()));
     csv.write_record(&header)?;
     for r in &scored.results {
-        let scores: Map<String, Value> = r.judged.scores.as_deref().and_then(|s| serde_json::from_str(s).ok()).unwrap_or_default();
+        let scores: Map<String, Value> = r
+            .judged
+            .scores
+            .as_deref()
+            .and_then(|s| serde_json::from_str(s).ok())
+            .unwrap_or_default();
         let mut record = vec![
             r.item_id.clone(),
             group_of(&item_value(r), by),
@@ -367,7 +478,14 @@ fn write_detailed_csv(path: &PathBuf, scored: &Scored, metrics: &[evalfleet_core
             r.judged.check_error.clone().unwrap_or_default(),
         ];
         for m in metrics {
-            record.push(scores.get(&m.key).and_then(|s| s.get("value")).and_then(Value::as_f64).map(|v| v.to_string()).unwrap_or_default());
+            record.push(
+                scores
+                    .get(&m.key)
+                    .and_then(|s| s.get("value"))
+                    .and_then(Value::as_f64)
+                    .map(|v| v.to_string())
+                    .unwrap_or_default(),
+            );
         }
         csv.write_record(&record)?;
     }
@@ -383,16 +501,27 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<u8> {
     }
     let path = store_path(args.store.store, None);
     let mut store = SqliteStore::open_existing(&path)?;
-    let runs: Vec<Scored> = args.runs.iter().map(|id| load(&mut store, id)).collect::<anyhow::Result<_>>()?;
+    let runs: Vec<Scored> = args
+        .runs
+        .iter()
+        .map(|id| load(&mut store, id))
+        .collect::<anyhow::Result<_>>()?;
     let base = &runs[0];
     let keys: Vec<evalfleet_core::eval::Metric> = base
         .eval
         .metrics()
-        .filter(|m| runs[1..].iter().all(|r| r.eval.metrics().any(|o| o.key == m.key)))
+        .filter(|m| {
+            runs[1..]
+                .iter()
+                .all(|r| r.eval.metrics().any(|o| o.key == m.key))
+        })
         .cloned()
         .collect();
     if keys.is_empty() {
-        return Err(UsageError("the runs share no metric (compare uses the metrics every run has)".to_owned()).into());
+        return Err(UsageError(
+            "the runs share no metric (compare uses the metrics every run has)".to_owned(),
+        )
+        .into());
     }
     // Per run: item id → (group, value per metric, missing as the worst).
     let value_of = |r: &StoredResult, m: &evalfleet_core::eval::Metric| -> f64 {
@@ -403,7 +532,11 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<u8> {
             .scores
             .as_deref()
             .and_then(|s| serde_json::from_str::<Value>(s).ok())
-            .and_then(|s| s.get(&m.key).and_then(|v| v.get("value")).and_then(Value::as_f64))
+            .and_then(|s| {
+                s.get(&m.key)
+                    .and_then(|v| v.get("value"))
+                    .and_then(Value::as_f64)
+            })
             .unwrap_or_else(|| m.missing())
     };
     let indexed: Vec<HashMap<&str, &StoredResult>> = runs
@@ -411,7 +544,20 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<u8> {
         .map(|r| r.results.iter().map(|x| (x.item_id.as_str(), x)).collect())
         .collect();
     let mut out = Vec::new();
-    let mut table = vec![["METRIC", "GROUP", "RUN", "N", "MEAN", "DIFF vs FIRST", "95% CI", "p (bootstrap)", "p (McNemar)"].map(str::to_owned)];
+    let mut table = vec![
+        [
+            "METRIC",
+            "GROUP",
+            "RUN",
+            "N",
+            "MEAN",
+            "DIFF vs FIRST",
+            "95% CI",
+            "p (bootstrap)",
+            "p (McNemar)",
+        ]
+        .map(str::to_owned),
+    ];
     for m in &keys {
         for (i, run) in runs.iter().enumerate().skip(1) {
             // Items both runs answered, grouped.
@@ -434,7 +580,17 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<u8> {
                 let p = stats::paired(a, b, 17);
                 let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
                 if i == 1 {
-                    table.push([m.key.clone(), group.clone(), base.run.run_id.clone(), a.len().to_string(), fmt(mean(a)), "-".into(), "-".into(), "-".into(), "-".into()]);
+                    table.push([
+                        m.key.clone(),
+                        group.clone(),
+                        base.run.run_id.clone(),
+                        a.len().to_string(),
+                        fmt(mean(a)),
+                        "-".into(),
+                        "-".into(),
+                        "-".into(),
+                        "-".into(),
+                    ]);
                 }
                 table.push([
                     m.key.clone(),
@@ -459,6 +615,33 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<u8> {
     } else {
         print_table(&table);
         let _ = std::io::stdout().flush();
+    }
+    Ok(EXIT_OK)
+}
+
+/// `evalfleet cache stats|clear`.
+pub fn cache(args: CacheArgs) -> anyhow::Result<u8> {
+    let path = store_path(args.store.store, None);
+    let mut store = SqliteStore::open_existing(&path)?;
+    match args.action {
+        CacheAction::Stats { json } => {
+            let stats = store.cache_stats()?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&stats)?);
+            } else {
+                println!("store:    {}", path.display());
+                println!("entries:  {}", stats.entries);
+                println!("answers:  {:.1} MB", stats.content_bytes as f64 / 1e6);
+                let when = |ms: Option<i64>| ms.map_or_else(|| "-".to_owned(), super::timestamp);
+                println!("oldest:   {}", when(stats.oldest_ms));
+                println!("newest:   {}", when(stats.newest_ms));
+                println!("hits:     {} attempts answered from the cache", stats.hits);
+            }
+        }
+        CacheAction::Clear => {
+            let gone = store.cache_clear()?;
+            println!("Deleted {gone} cached answers from {}.", path.display());
+        }
     }
     Ok(EXIT_OK)
 }

@@ -1,0 +1,134 @@
+//! The response cache: a successful answer stored under the SHA-256 of the
+//! canonical request, so that the same request in a later run (or a resume)
+//! is answered without calling any endpoint. Errors are never stored.
+
+use std::time::Duration;
+
+use serde_json::value::RawValue;
+use serde_json::{Map, Value, json};
+use sha2::{Digest, Sha256};
+
+/// `cache.mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CacheMode {
+    /// Look answers up and store new ones.
+    ReadWrite,
+    /// Look up only.
+    Read,
+    /// Store only (refresh a cache without reading it).
+    Write,
+    /// Neither (the default).
+    #[default]
+    Off,
+}
+
+impl CacheMode {
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "read_write" => Some(Self::ReadWrite),
+            "read" => Some(Self::Read),
+            "write" => Some(Self::Write),
+            "off" => Some(Self::Off),
+            _ => None,
+        }
+    }
+
+    pub fn reads(self) -> bool {
+        matches!(self, Self::ReadWrite | Self::Read)
+    }
+
+    pub fn writes(self) -> bool {
+        matches!(self, Self::ReadWrite | Self::Write)
+    }
+}
+
+/// `cache:` in a config.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct CacheSettings {
+    pub mode: CacheMode,
+    /// Entries older than this are not used (and are evicted first).
+    pub ttl: Option<Duration>,
+    /// The most entries kept; the oldest go first.
+    pub max_entries: Option<u64>,
+}
+
+/// One stored answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CacheEntry {
+    /// Hex SHA-256 of the request.
+    pub key: String,
+    pub content: String,
+    /// The endpoint that answered, and its model.
+    pub endpoint: String,
+    pub model: String,
+    pub prompt_tokens: Option<u64>,
+    pub completion_tokens: Option<u64>,
+    pub finish_reason: Option<String>,
+    pub latency_ms: f64,
+    pub created_at_ms: i64,
+}
+
+/// What a request is, for the cache, apart from its messages: the model,
+/// the generation parameters (the task's, with the endpoint's over them)
+/// and the sample index. The text is canonical JSON (keys sorted), so equal
+/// requests give equal keys whatever order a config lists them in.
+pub fn identity(
+    model: &str,
+    task_params: &Map<String, Value>,
+    endpoint_params: &Map<String, Value>,
+    sample: u32,
+) -> String {
+    let mut params = task_params.clone();
+    for (k, v) in endpoint_params {
+        params.insert(k.clone(), v.clone());
+    }
+    // serde_json's map is ordered by key: this is canonical.
+    json!({ "model": model, "params": params, "sample": sample }).to_string()
+}
+
+/// The key of a request: SHA-256 over its identity and its messages.
+pub fn key(identity: &str, messages: &RawValue) -> String {
+    let mut hasher = Sha256::new();
+    hasher.update(identity.as_bytes());
+    hasher.update([0]);
+    hasher.update(messages.get().as_bytes());
+    hex::encode(hasher.finalize())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_depend_on_every_part_of_the_request_and_nothing_else() {
+        let params = |v: Value| v.as_object().unwrap().clone();
+        let task = params(json!({"temperature": 0, "max_tokens": 64}));
+        let same = params(json!({"max_tokens": 64, "temperature": 0}));
+        let none = Map::new();
+        let messages =
+            RawValue::from_string(r#"[{"role":"user","content":"hi"}]"#.to_owned()).unwrap();
+        let other =
+            RawValue::from_string(r#"[{"role":"user","content":"ho"}]"#.to_owned()).unwrap();
+        let a = key(&identity("m", &task, &none, 0), &messages);
+        assert_eq!(
+            a,
+            key(&identity("m", &same, &none, 0), &messages),
+            "key order does not matter"
+        );
+        assert_ne!(a, key(&identity("m2", &task, &none, 0), &messages));
+        assert_ne!(
+            a,
+            key(&identity("m", &task, &none, 1), &messages),
+            "samples are distinct"
+        );
+        assert_ne!(
+            a,
+            key(
+                &identity("m", &task, &params(json!({"temperature": 1})), 0),
+                &messages
+            )
+        );
+        assert_ne!(a, key(&identity("m", &task, &none, 0), &other));
+        assert_eq!(a.len(), 64);
+    }
+}

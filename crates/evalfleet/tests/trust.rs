@@ -1,0 +1,263 @@
+//! Results users can trust: answers parsed, checked, re-asked when
+//! malformed, scored, reported and rescored without calling a model.
+
+use std::path::Path;
+
+use evalfleet_mock::MockSettings;
+use serde_json::{Value, json};
+
+use crate::util::{Env, external, mock};
+
+const GSM8K: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../../shared/data/gsm8k-test.jsonl"
+);
+
+/// The first `n` GSM8K questions with their final answers, or `None` (and a
+/// note saying so) when the dataset is absent.
+fn gsm8k(n: usize) -> Option<Vec<(Value, String)>> {
+    let Ok(text) = std::fs::read_to_string(GSM8K) else {
+        eprintln!("skipped: {GSM8K} is absent");
+        return None;
+    };
+    Some(
+        text.lines()
+            .take(n)
+            .map(|line| {
+                let row: Value = serde_json::from_str(line).unwrap();
+                let answer = row["answer"].as_str().unwrap();
+                let last = answer.rsplit("#### ").next().unwrap().trim().to_owned();
+                (row, last)
+            })
+            .collect(),
+    )
+}
+
+fn gsm8k_config(dataset: &Path, endpoints: &str, metrics: &str) -> String {
+    format!(
+        "name: gsm8k\n\
+         dataset: {{ path: {} }}\n\
+         endpoints:\n{endpoints}\n\
+         task:\n\
+         \x20 messages:\n\
+         \x20   - {{ role: system, content: \"Solve it. End with #### and the number.\" }}\n\
+         \x20   - {{ role: user, content: \"{{{{ question }}}}\" }}\n\
+         \x20 params: {{ max_tokens: 512 }}\n\
+         \x20 parse: {{ regex: \"#### (-?[\\\\d,.]+)\" }}\n\
+         \x20 max_reasks: 2\n\
+         \x20 metrics:\n{metrics}\n\
+         cache: {{ mode: read_write }}\n",
+        dataset.display()
+    )
+}
+
+const ACCURACY: &str = "    - { name: numeric_match, as: accuracy, reference: \"{{ answer | split('#### ') | last }}\" }";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gsm8k_accuracy_is_the_known_fraction_and_malformed_answers_are_reasked() {
+    let Some(items) = gsm8k(200) else { return };
+    let env = Env::new();
+    let dataset = env.path("gsm8k.jsonl");
+    let mut script = String::new();
+    let mut lines = String::new();
+    // By position: 0 wrong, 1 malformed then right, 2 always malformed, 3
+    // and 4 right. So 3/5 are right, 1/5 recovered by a re-ask and 1/5
+    // unparsed after two re-asks.
+    for (i, (row, answer)) in items.iter().enumerate() {
+        lines.push_str(&format!("{row}\n"));
+        let number: f64 = answer.replace(',', "").parse().unwrap();
+        let right = format!("Let me think. The total is {answer}.\n#### {answer}");
+        let replies = match i % 5 {
+            0 => vec![format!("It is {}.\n#### {}", number + 1.0, number + 1.0)],
+            1 => vec![format!("I believe it is about {answer}."), right],
+            2 => vec!["I cannot tell.".to_owned()],
+            _ => vec![right],
+        };
+        script.push_str(&format!(
+            "{}\n",
+            json!({"prompt": row["question"], "replies": replies})
+        ));
+    }
+    std::fs::write(&dataset, lines).unwrap();
+    let answers = env.write("answers.jsonl", &script);
+    let server = mock(MockSettings {
+        answers: Some(answers),
+        ..MockSettings::default()
+    })
+    .await;
+    env.write(
+        "run.yaml",
+        &gsm8k_config(&dataset, &external("m", &server, 16), ACCURACY),
+    );
+
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let run_id = ran.run_id();
+    let n = items.len() as u64;
+    let fifth = n / 5;
+    // One call each, one re-ask for the recovered, two for the hopeless.
+    assert_eq!(server.stats().completed, n + fifth + 2 * fifth);
+
+    let report = env
+        .evalfleet(&["report", &run_id, "--json", "--out", "report"])
+        .await;
+    assert_eq!(report.code, Some(0), "{}", report.stderr);
+    let summary: Value = serde_json::from_str(&report.stdout).unwrap();
+    let overall = &summary["metrics"][0];
+    assert_eq!(overall["metric"], "accuracy");
+    assert_eq!(overall["group"], "all");
+    assert_eq!(overall["n"], n);
+    assert!(
+        (overall["mean"].as_f64().unwrap() - 0.6).abs() < 1e-12,
+        "{overall}"
+    );
+    assert_eq!(overall["unparsed"], fifth);
+    assert_eq!(overall["scored"], n - fifth);
+    let ci = (
+        overall["ci_low"].as_f64().unwrap(),
+        overall["ci_high"].as_f64().unwrap(),
+    );
+    assert!(
+        ci.0 < 0.6 && 0.6 < ci.1,
+        "the interval holds the mean: {ci:?}"
+    );
+    let fidelity = &summary["fidelity"];
+    assert_eq!(fidelity["valid_first_try"], 3 * fifth);
+    assert_eq!(fidelity["valid_after_reasks"], fifth);
+    assert_eq!(fidelity["unparsed"], fifth);
+    for file in [
+        "metrics_summary.csv",
+        "metrics_detailed.csv",
+        "summary.json",
+    ] {
+        assert!(env.path("report").join(file).is_file(), "{file} is written");
+    }
+    let detailed = std::fs::read_to_string(env.path("report/metrics_detailed.csv")).unwrap();
+    assert_eq!(detailed.lines().count() as u64, n + 1);
+
+    // The export row carries what was parsed, whether it was valid and the
+    // scores; the unparsed keep their reason.
+    let rows = env.export(&run_id).await;
+    let recovered = &rows[1];
+    assert_eq!(recovered["valid"], true);
+    assert_eq!(recovered["scores"]["accuracy"]["value"], 1.0);
+    assert_eq!(recovered["attempts"], 2);
+    let hopeless = &rows[2];
+    assert_eq!(hopeless["valid"], false);
+    assert_eq!(hopeless["parsed"], Value::Null);
+    assert_eq!(hopeless["status"], "done");
+    let status = env.evalfleet(&["status", &run_id, "--json"]).await;
+    let status: Value = serde_json::from_str(&status.stdout).unwrap();
+    assert_eq!(
+        status["endpoints"][0]["errors"]["invalid_answer"],
+        3 * fifth
+    );
+
+    // The same run again is answered entirely from the cache, re-asks
+    // included, with the same figures.
+    let calls = server.stats().requests;
+    let again = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(again.code, Some(0), "{}", again.stderr);
+    assert_eq!(
+        server.stats().requests,
+        calls,
+        "no call reached the endpoint"
+    );
+    let report = env
+        .evalfleet(&["report", &again.run_id(), "--json", "--out", "report2"])
+        .await;
+    let cached: Value = serde_json::from_str(&report.stdout).unwrap();
+    assert_eq!(cached["metrics"][0]["mean"], summary["metrics"][0]["mean"]);
+    assert_eq!(cached["fidelity"], summary["fidelity"]);
+    let stats = env.evalfleet(&["cache", "stats", "--json"]).await;
+    let stats: Value = serde_json::from_str(&stats.stdout).unwrap();
+    assert_eq!(
+        stats["entries"],
+        n + fifth + 2 * fifth,
+        "one entry per distinct request"
+    );
+    assert_eq!(stats["hits"], n + fifth + 2 * fifth);
+
+    // A metric added after the run: rescoring changes the report and calls
+    // no model.
+    let calls = server.stats().requests;
+    let more = format!(
+        "{ACCURACY}\n    - {{ name: exact_match, reference: \"{{{{ answer | split('#### ') | last }}}}\" }}"
+    );
+    env.write(
+        "more.yaml",
+        &gsm8k_config(&dataset, &external("m", &server, 16), &more),
+    );
+    let scored = env
+        .evalfleet(&["score", &run_id, "--config", "more.yaml"])
+        .await;
+    assert_eq!(scored.code, Some(0), "{}", scored.stderr);
+    let report = env
+        .evalfleet(&["report", &run_id, "--json", "--out", "report"])
+        .await;
+    let summary: Value = serde_json::from_str(&report.stdout).unwrap();
+    let keys: Vec<&str> = summary["metrics"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["metric"].as_str().unwrap())
+        .collect();
+    assert_eq!(keys, ["accuracy", "exact_match@1"]);
+    // Answers with a comma ("1,200") are numerically right but not exactly
+    // equal to the reference ("1200"), so exact match is at most accuracy.
+    let em = summary["metrics"][1]["mean"].as_f64().unwrap();
+    assert!(em <= 0.6 && em > 0.3, "{em}");
+    assert_eq!(server.stats().requests, calls, "rescoring calls no model");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_answers_are_checked_against_the_schema_and_reasked() {
+    let env = Env::new();
+    let dataset = env.write(
+        "people.jsonl",
+        &(0..6)
+            .map(|i| format!("{}\n", json!({"id": format!("p{i}"), "question": format!("Person {i}?"), "age": 20 + i})))
+            .collect::<String>(),
+    );
+    // Even items answer valid JSON at once; odd ones first give an age as
+    // a string (the schema refuses it), then fix it.
+    let script: String = (0..6)
+        .map(|i| {
+            let good = format!("```json\n{{\"name\": \"P{i}\", \"age\": {}}}\n```", 20 + i);
+            let replies = if i % 2 == 0 {
+                vec![good]
+            } else {
+                vec![format!("{{\"name\": \"P{i}\", \"age\": \"old\"}}"), good]
+            };
+            format!(
+                "{}\n",
+                json!({"prompt": format!("Person {i}?"), "replies": replies})
+            )
+        })
+        .collect();
+    let answers = env.write("answers.jsonl", &script);
+    let server = mock(MockSettings {
+        answers: Some(answers),
+        ..MockSettings::default()
+    })
+    .await;
+    let text = crate::util::config(
+        &dataset,
+        &external("m", &server, 4),
+        "  schema: { type: object, required: [name, age], properties: { age: { type: integer } } }\n\
+         \x20 metrics:\n\
+         \x20   - { name: json_field_match, reference: '{\"age\": {{ age }}}' }",
+    );
+    env.write("run.yaml", &text);
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let rows = crate::util::by_id(&env.export(&ran.run_id()).await);
+    for i in 0..6 {
+        let row = &rows[&format!("p{i}")];
+        assert_eq!(row["valid"], true, "{row}");
+        assert_eq!(row["parsed"]["age"], 20 + i);
+        assert_eq!(row["scores"]["json_field_match@1"]["value"], 1.0);
+        assert_eq!(row["attempts"], if i % 2 == 0 { 1 } else { 2 });
+    }
+    assert_eq!(server.stats().completed, 9);
+}
