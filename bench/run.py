@@ -7,6 +7,7 @@
     python3 bench/run.py startup [--items 100] [--rounds 5]
     python3 bench/run.py w3 [--items 6000] [--rpm 6000] [--rounds 3]
     python3 bench/run.py w4 [--items 12000] [--capacity 32] [--rounds 3]
+    python3 bench/run.py w6 [--items 200000] [--rounds 3]
 
 W3 and W4 also run the peers with --peers DIR, where DIR holds
 venv/bin/inspect (pip install inspect-ai openai) and
@@ -544,9 +545,53 @@ def w4(args, work):
     )
 
 
+def w6(args, work):
+    """The same run again with every answer in the cache. Reference: the
+    first run (W1's work: every item a call to the mock, answers stored and
+    cached)."""
+    dataset = os.path.join(work, "w6.jsonl")
+    write_dataset(dataset, args.items)
+    rounds = []
+    for i in range(args.rounds):
+        mock = Mock()
+        config = os.path.join(work, f"w6-{i}.yaml")
+        write_config(config, dataset, mock.url, args.concurrency)
+        with open(config, "a") as f:
+            f.write("cache: { mode: read_write }\n")
+        db = os.path.join(work, f"w6-{i}.db")
+        first = evalfleet(["run", config, "--store", db, "-q"], work)
+        calls = mock.stats()["requests"]
+        cached = evalfleet(["run", config, "--store", db, "-q"], work)
+        again = mock.stats()["requests"] - calls
+        mock.stop()
+        assert first["done"] == args.items and cached["done"] == args.items, (first, cached)
+        round_ = {
+            "first_items_per_s": first["rate"],
+            "cached_items_per_s": cached["rate"],
+            "cached_wall_s": cached["wall"],
+            "cached_rss_mb": cached["rss_mb"],
+            "calls_in_cached_run": again,
+        }
+        rounds.append(round_)
+        print(json.dumps(round_), file=sys.stderr)
+    med = lambda k: statistics.median(r[k] for r in rounds)
+    result = {
+        "workload": "W6",
+        "items": args.items,
+        "first_items_per_s_median": med("first_items_per_s"),
+        "cached_items_per_s_median": med("cached_items_per_s"),
+        "rounds": rounds,
+    }
+    print(json.dumps(result, indent=2))
+    print(
+        f"\n| W6 | {args.items} items, every answer cached | first run {result['first_items_per_s_median']:.0f} items/s "
+        f"| {result['cached_items_per_s_median']:.0f} items/s, {max(r['calls_in_cached_run'] for r in rounds)} calls |"
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("workload", choices=["w1", "w2", "w3", "w4", "w5", "startup"])
+    parser.add_argument("workload", choices=["w1", "w2", "w3", "w4", "w5", "w6", "startup"])
     parser.add_argument("--rpm", type=int, default=6000, help="W3: the quota")
     parser.add_argument("--capacity", type=int, default=32, help="W4: calls served at once")
     parser.add_argument("--no-build", action="store_true")
@@ -574,6 +619,9 @@ def main():
         elif args.workload == "w4":
             args.items = args.items or 12000
             w4(args, work)
+        elif args.workload == "w6":
+            args.items = args.items or 200_000
+            w6(args, work)
         elif args.workload == "w5":
             args.items = args.items or 1_000_000
             w5(args, work)
