@@ -329,8 +329,9 @@ pub struct CacheArgs {
     #[command(subcommand)]
     pub action: CacheAction,
 
-    #[command(flatten)]
-    pub store: StoreArgs,
+    /// The SQLite store [default: runs/evalfleet.db, or $EVALFLEET_STORE]
+    #[arg(long, global = true)]
+    pub store: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]

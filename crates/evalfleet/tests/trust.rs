@@ -169,7 +169,16 @@ async fn gsm8k_accuracy_is_the_known_fraction_and_malformed_answers_are_reasked(
     let cached: Value = serde_json::from_str(&report.stdout).unwrap();
     assert_eq!(cached["metrics"][0]["mean"], summary["metrics"][0]["mean"]);
     assert_eq!(cached["fidelity"], summary["fidelity"]);
-    let stats = env.evalfleet(&["cache", "stats", "--json"]).await;
+    let store = env.store_path();
+    let stats = env
+        .evalfleet(&[
+            "cache",
+            "stats",
+            "--json",
+            "--store",
+            store.to_str().unwrap(),
+        ])
+        .await;
     let stats: Value = serde_json::from_str(&stats.stdout).unwrap();
     assert_eq!(
         stats["entries"],

@@ -34,7 +34,7 @@ use crate::store::{AttemptRecord, ItemStatus, Judged, ResultRecord, Store, Store
 use crate::template::Templates;
 use queue::{WorkItem, WorkQueue};
 use reader::{Reader, ReaderError};
-use writer::Outcome;
+use writer::{Message, Outcome};
 
 /// Live counters of a session, read by progress displays.
 pub struct Progress {
@@ -131,7 +131,7 @@ struct Shared {
     /// Completion tokens a call may use, for estimating its token cost.
     max_tokens: u64,
     queue: WorkQueue,
-    writer: mpsc::Sender<Outcome>,
+    writer: mpsc::Sender<Message>,
     /// Stop taking items: everything is done, the user asked, the fleet is
     /// exhausted, or a part failed.
     halt: CancellationToken,
@@ -160,7 +160,7 @@ impl Shared {
     /// Hands an outcome to the writer; if the writer is gone (it failed), the
     /// session stops.
     async fn send(&self, outcome: Outcome) -> bool {
-        if self.writer.send(outcome).await.is_err() {
+        if self.writer.send(Message::One(outcome)).await.is_err() {
             self.halt.cancel();
             self.abort.cancel();
             return false;
@@ -281,6 +281,8 @@ pub async fn execute(
             on_terminal: Arc::new(move |status| ended.ended(status)),
             cache: cache_reads.clone(),
             session: session.session,
+            hits: Vec::new(),
+            ended: 0,
         };
         let runtime = tokio::runtime::Handle::current();
         let halt = halt.clone();

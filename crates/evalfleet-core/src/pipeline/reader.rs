@@ -10,7 +10,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::queue::WorkItem;
-use super::writer::Outcome;
+use super::writer::{Message, Outcome};
 use crate::dataset::{DatasetError, RowReader};
 use crate::eval::Evaluator;
 use crate::store::{AttemptRecord, ItemStatus, Judged, ResultRecord, Store, StoreError, now_ms};
@@ -32,7 +32,7 @@ pub struct Reader {
     pub run_id: Arc<str>,
     pub templates: Arc<Templates>,
     pub queue: mpsc::Sender<WorkItem>,
-    pub writer: mpsc::Sender<Outcome>,
+    pub writer: mpsc::Sender<Message>,
     pub halt: CancellationToken,
     /// Called when an item ends here (its template could not be rendered,
     /// or the cache answered it).
@@ -40,6 +40,10 @@ pub struct Reader {
     /// Cache lookups, when the run reads the cache.
     pub cache: Option<Arc<CacheReads>>,
     pub session: u32,
+    /// Outcomes of cache hits not yet handed to the writer, and how many
+    /// items they end.
+    pub hits: Vec<Outcome>,
+    pub ended: u64,
 }
 
 /// What the reader needs to answer items from the cache.
@@ -56,10 +60,8 @@ enum Cached {
     /// Not at all, or part of a re-ask conversation: the item goes on to
     /// the endpoints.
     Go(WorkItem),
-    /// Answered: the item ended here.
+    /// Answered: the item ended here (its outcome is buffered).
     Done,
-    /// The writer is gone.
-    Stopped,
 }
 
 impl Reader {
@@ -143,17 +145,11 @@ impl Reader {
                     Err(_) => return Ok(Cached::Go(item)),
                 }
                 item.reasks += 1;
-                if self
-                    .writer
-                    .blocking_send(Outcome {
-                        attempt: Some(attempt),
-                        result: None,
-                        cache: None,
-                    })
-                    .is_err()
-                {
-                    return Ok(Cached::Stopped);
-                }
+                self.hits.push(Outcome {
+                    attempt: Some(attempt),
+                    result: None,
+                    cache: None,
+                });
                 continue;
             }
             let judged = match &checked {
@@ -186,27 +182,37 @@ impl Reader {
                 finished_at_ms: now_ms(),
                 judged,
             };
-            if self
-                .writer
-                .blocking_send(Outcome {
-                    attempt: Some(attempt),
-                    result: Some(result),
-                    cache: None,
-                })
-                .is_err()
-            {
-                return Ok(Cached::Stopped);
-            }
-            (self.on_terminal)(ItemStatus::Done);
+            self.hits.push(Outcome {
+                attempt: Some(attempt),
+                result: Some(result),
+                cache: None,
+            });
+            self.ended += 1;
             return Ok(Cached::Done);
         }
+    }
+
+    /// Hands the buffered cache hits to the writer, then counts their items
+    /// as ended (in that order: the run may end as soon as they are).
+    fn flush_hits(&mut self) -> bool {
+        if self.hits.is_empty() {
+            return true;
+        }
+        let hits = std::mem::take(&mut self.hits);
+        if self.writer.blocking_send(Message::Many(hits)).is_err() {
+            return false;
+        }
+        for _ in 0..std::mem::take(&mut self.ended) {
+            (self.on_terminal)(ItemStatus::Done);
+        }
+        true
     }
 
     /// Reads until every pending item was queued or `halt` is cancelled.
     pub fn run(mut self, runtime: Handle) -> Result<(), ReaderError> {
         let mut after = None;
         loop {
-            if self.halt.is_cancelled() {
+            if !self.flush_hits() || self.halt.is_cancelled() {
                 return Ok(());
             }
             let page = self.store.pending_items(&self.run_id, after, PAGE)?;
@@ -232,9 +238,10 @@ impl Reader {
                             first_sent: None,
                         };
                         match self.answer_from_cache(item)? {
-                            Cached::Go(item) => self.deliver(item, &runtime),
+                            // The attempts of a partly cached conversation
+                            // are stored before the item goes on.
+                            Cached::Go(item) => self.flush_hits() && self.deliver(item, &runtime),
                             Cached::Done => true,
-                            Cached::Stopped => false,
                         }
                     }
                     Err(message) => {
@@ -257,11 +264,11 @@ impl Reader {
                             finished_at_ms: now_ms(),
                             judged: Judged::default(),
                         };
-                        let sent = runtime.block_on(self.writer.send(Outcome {
+                        let sent = runtime.block_on(self.writer.send(Message::One(Outcome {
                             attempt: None,
                             result: Some(result),
                             cache: None,
-                        }));
+                        })));
                         if sent.is_ok() {
                             (self.on_terminal)(ItemStatus::Failed);
                         }
@@ -269,6 +276,7 @@ impl Reader {
                     }
                 };
                 if !delivered {
+                    self.flush_hits();
                     return Ok(());
                 }
             }

@@ -30,6 +30,24 @@ pub struct Outcome {
     pub cache: Option<crate::cache::CacheEntry>,
 }
 
+/// What the writer receives: one outcome (an attempt task), or many at
+/// once (the reader's cache hits, a page at a time, so that the writer
+/// wakes once per page rather than once per item).
+// `One` is the hot path (every call); boxing it would cost an allocation
+// per call, and channel slots were this size before `Many` existed.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+pub enum Message {
+    One(Outcome),
+    Many(Vec<Outcome>),
+}
+
+fn add(batch: &mut Batch, outcome: Outcome) {
+    batch.attempts.extend(outcome.attempt);
+    batch.results.extend(outcome.result);
+    batch.cache.extend(outcome.cache);
+}
+
 type Committed = (Box<dyn Store>, Result<u64, StoreError>);
 
 fn size(batch: &Batch) -> usize {
@@ -39,7 +57,7 @@ fn size(batch: &Batch) -> usize {
 /// Runs until every sender is dropped, then commits what is left and gives
 /// the store back.
 pub async fn run(
-    mut inbox: mpsc::Receiver<Outcome>,
+    mut inbox: mpsc::Receiver<Message>,
     store: Box<dyn Store>,
     run_id: Arc<str>,
     settings: WriterSettings,
@@ -76,10 +94,11 @@ pub async fn run(
         let room = size(&batch) < settings.batch_size * GROUP_LIMIT;
         tokio::select! {
             outcome = inbox.recv(), if open && room => match outcome {
-                Some(outcome) => {
-                    batch.attempts.extend(outcome.attempt);
-                    batch.results.extend(outcome.result);
-                    batch.cache.extend(outcome.cache);
+                Some(message) => {
+                    match message {
+                        Message::One(outcome) => add(&mut batch, outcome),
+                        Message::Many(outcomes) => outcomes.into_iter().for_each(|o| add(&mut batch, o)),
+                    }
                     due.get_or_insert_with(|| Instant::now() + settings.flush_interval);
                 }
                 None => open = false,

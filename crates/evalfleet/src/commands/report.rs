@@ -621,7 +621,7 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<u8> {
 
 /// `evalfleet cache stats|clear`.
 pub fn cache(args: CacheArgs) -> anyhow::Result<u8> {
-    let path = store_path(args.store.store, None);
+    let path = store_path(args.store, None);
     let mut store = SqliteStore::open_existing(&path)?;
     match args.action {
         CacheAction::Stats { json } => {
