@@ -43,9 +43,13 @@ impl CacheMode {
 }
 
 /// `cache:` in a config.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct CacheSettings {
     pub mode: CacheMode,
+    /// A file of its own for the cache (shared by runs of several stores),
+    /// relative to the current directory like `store`; default: the run's
+    /// store.
+    pub path: Option<std::path::PathBuf>,
     /// Entries older than this are not used (and are evicted first).
     pub ttl: Option<Duration>,
     /// The most entries kept; the oldest go first.

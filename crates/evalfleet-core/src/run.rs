@@ -261,7 +261,7 @@ pub async fn run_session(
         fleet: plan.fleet.clone(),
         pending: prepared.pending,
     };
-    let cache = session.config.cache;
+    let cache = session.config.cache.clone();
     let end = pipeline::execute(
         session,
         writer_store,

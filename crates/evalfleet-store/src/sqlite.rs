@@ -180,6 +180,9 @@ pub struct SqliteStore {
     rids: HashMap<String, i64>,
     /// Whether a run had attempts when this connection first looked.
     had_attempts: HashMap<i64, bool>,
+    /// The database holding the cache table: `main`, or `cache_file` when
+    /// a cache file of its own is attached.
+    cache_db: &'static str,
 }
 
 fn db_err(context: &str) -> impl Fn(rusqlite::Error) -> StoreError + '_ {
@@ -289,7 +292,29 @@ impl SqliteStore {
             path: path.to_owned(),
             rids: HashMap::new(),
             had_attempts: HashMap::new(),
+            cache_db: "main",
         })
+    }
+
+    /// Keeps the cache in `path` (another store file, created when absent)
+    /// instead of this store, so that runs of several stores share it.
+    pub fn use_cache_file(&mut self, path: &Path) -> Result<(), StoreError> {
+        // Opening it as a store creates it with the cache table.
+        drop(Self::open(path)?);
+        let name = path.to_str().ok_or_else(|| StoreError::Backend {
+            message: format!("the cache file's name is not UTF-8: {}", path.display()),
+            source: None,
+        })?;
+        self.conn
+            .execute("ATTACH DATABASE ?1 AS cache_file", [name])
+            .map_err(|err| {
+                StoreError::backend(
+                    format!("cannot attach the cache file {}", path.display()),
+                    err,
+                )
+            })?;
+        self.cache_db = "cache_file";
+        Ok(())
     }
 
     /// The store's file.
@@ -679,6 +704,7 @@ impl Store for SqliteStore {
 
     fn commit(&mut self, run_id: &str, batch: &Batch) -> Result<(), StoreError> {
         let rid = self.rid(run_id)?;
+        let cache_db = self.cache_db;
         let tx = self
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
@@ -717,11 +743,12 @@ impl Store for SqliteStore {
             }
             if !batch.cache.is_empty() {
                 let mut put = tx
-                    .prepare_cached(
-                        "INSERT OR REPLACE INTO cache (key, content, endpoint, model, prompt_tokens,
+                    .prepare_cached(&format!(
+                        "INSERT OR REPLACE INTO {db}.cache (key, content, endpoint, model, prompt_tokens,
                              completion_tokens, finish_reason, latency_ms, created_at)
                          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
-                    )
+                        db = cache_db
+                    ))
                     .map_err(db_err("cannot prepare the cache insert"))?;
                 for c in &batch.cache {
                     put.execute(params![
@@ -1074,11 +1101,12 @@ impl Store for SqliteStore {
     fn cache_get(&mut self, key: &str, since_ms: i64) -> Result<Option<CacheEntry>, StoreError> {
         let err = db_err("cannot read the cache");
         self.conn
-            .prepare_cached(
+            .prepare_cached(&format!(
                 "SELECT content, endpoint, model, prompt_tokens, completion_tokens, finish_reason,
                         latency_ms, created_at
-                 FROM cache WHERE key = ?1 AND created_at >= ?2",
-            )
+                 FROM {db}.cache WHERE key = ?1 AND created_at >= ?2",
+                db = self.cache_db
+            ))
             .map_err(&err)?
             .query_row(params![key, since_ms], |row| {
                 Ok(CacheEntry {
@@ -1107,15 +1135,24 @@ impl Store for SqliteStore {
         if let Some(before) = before_ms {
             gone += self
                 .conn
-                .execute("DELETE FROM cache WHERE created_at < ?1", [before])
+                .execute(
+                    &format!(
+                        "DELETE FROM {db}.cache WHERE created_at < ?1",
+                        db = self.cache_db
+                    ),
+                    [before],
+                )
                 .map_err(&err)? as u64;
         }
         if let Some(max) = max_entries {
             gone += self
                 .conn
                 .execute(
-                    "DELETE FROM cache WHERE rowid IN (SELECT rowid FROM cache ORDER BY rowid
-                     LIMIT max(0, (SELECT COUNT(*) FROM cache) - ?1))",
+                    &format!(
+                        "DELETE FROM {db}.cache WHERE rowid IN (SELECT rowid FROM {db}.cache ORDER BY rowid
+                         LIMIT max(0, (SELECT COUNT(*) FROM {db}.cache) - ?1))",
+                        db = self.cache_db
+                    ),
                     [max as i64],
                 )
                 .map_err(&err)? as u64;
@@ -1128,7 +1165,10 @@ impl Store for SqliteStore {
         let (entries, content_bytes, oldest_ms, newest_ms): (i64, i64, Option<i64>, Option<i64>) = self
             .conn
             .query_row(
-                "SELECT COUNT(*), COALESCE(SUM(length(CAST(content AS BLOB))), 0), MIN(created_at), MAX(created_at) FROM cache",
+                &format!(
+                    "SELECT COUNT(*), COALESCE(SUM(length(CAST(content AS BLOB))), 0), MIN(created_at), MAX(created_at) FROM {db}.cache",
+                    db = self.cache_db
+                ),
                 [],
                 |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?)),
             )
@@ -1152,7 +1192,7 @@ impl Store for SqliteStore {
 
     fn cache_clear(&mut self) -> Result<u64, StoreError> {
         self.conn
-            .execute("DELETE FROM cache", [])
+            .execute(&format!("DELETE FROM {db}.cache", db = self.cache_db), [])
             .map(|n| n as u64)
             .map_err(db_err("cannot clear the cache"))
     }

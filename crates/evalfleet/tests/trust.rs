@@ -270,3 +270,47 @@ async fn json_answers_are_checked_against_the_schema_and_reasked() {
     }
     assert_eq!(server.stats().completed, 9);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_file_of_its_own_serves_runs_of_another_store() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 30);
+    let server = mock(MockSettings::default()).await;
+    let cache = env.path("shared-cache.db");
+    let text = crate::util::config(
+        &dataset,
+        &external("m", &server, 4),
+        &format!("cache: {{ path: \"{}\" }}", cache.display()),
+    );
+    env.write("run.yaml", &text);
+    let first = env
+        .evalfleet(&["run", "run.yaml", "-q", "--store", "a.db"])
+        .await;
+    assert_eq!(first.code, Some(0), "{}", first.stderr);
+    assert_eq!(server.stats().completed, 30);
+    let second = env
+        .evalfleet(&["run", "run.yaml", "-q", "--store", "b.db"])
+        .await;
+    assert_eq!(second.code, Some(0), "{}", second.stderr);
+    assert_eq!(
+        server.stats().requests,
+        30,
+        "the second store's run made no call"
+    );
+    let stats = env
+        .evalfleet(&[
+            "cache",
+            "stats",
+            "--json",
+            "--store",
+            cache.to_str().unwrap(),
+        ])
+        .await;
+    let stats: Value = serde_json::from_str(&stats.stdout).unwrap();
+    assert_eq!(stats["entries"], 30);
+    let a = env
+        .evalfleet(&["cache", "stats", "--json", "--store", "a.db"])
+        .await;
+    let a: Value = serde_json::from_str(&a.stdout).unwrap();
+    assert_eq!(a["entries"], 0, "the run's own store holds no cache entry");
+}

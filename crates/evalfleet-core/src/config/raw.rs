@@ -83,6 +83,7 @@ pub struct RawWriter {
 #[derive(Debug, Default, Deserialize)]
 pub struct RawCache {
     pub mode: Option<String>,
+    pub path: Option<String>,
     pub ttl: Option<String>,
     pub max_entries: Option<u64>,
 }

@@ -243,7 +243,12 @@ fn cache(raw: raw::RawCache, p: &mut Problems<'_>) -> Option<crate::cache::Cache
         Some(0) => p.push("cache.max_entries", "must be at least 1, got 0"),
         other => Some(other),
     };
+    let path = match raw.path {
+        Some(p2) if p2.trim().is_empty() => p.push("cache.path", "must not be empty"),
+        other => Some(other.map(Into::into)),
+    };
     Some(CacheSettings {
+        path: path?,
         mode: mode?,
         ttl: ttl?,
         max_entries: max_entries?,

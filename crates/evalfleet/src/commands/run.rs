@@ -172,6 +172,15 @@ async fn execute(session: Session) -> anyhow::Result<u8> {
         retry_failed,
     };
     let prepared = run::prepare(&mut store, &plan)?;
+    let cache_file = plan
+        .config
+        .cache
+        .path
+        .clone()
+        .filter(|_| plan.config.cache.mode != evalfleet_core::cache::CacheMode::Off);
+    if let Some(file) = &cache_file {
+        store.use_cache_file(file)?;
+    }
     fleet.start(&run_id, Box::new(SqliteStore::open(&store_path)?));
     let pending_at_start =
         prepared.progress.total - prepared.progress.done_before - prepared.progress.failed_before;
@@ -182,7 +191,10 @@ async fn execute(session: Session) -> anyhow::Result<u8> {
     );
     let stop = CancellationToken::new();
     let signals = tokio::spawn(watch_signals(stop.clone(), grace, run_id.clone()));
-    let reader_store = SqliteStore::open(&store_path)?;
+    let mut reader_store = SqliteStore::open(&store_path)?;
+    if let Some(file) = &cache_file {
+        reader_store.use_cache_file(file)?;
+    }
     let span = tracing::info_span!("run", id = %run_id);
     let result = run::run_session(
         plan,
