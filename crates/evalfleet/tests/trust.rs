@@ -314,3 +314,105 @@ async fn a_cache_file_of_its_own_serves_runs_of_another_store() {
     let a: Value = serde_json::from_str(&a.stdout).unwrap();
     assert_eq!(a["entries"], 0, "the run's own store holds no cache entry");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_llm_judge_scores_answers_through_its_own_endpoint_and_cache() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 6);
+    let rows: Vec<Value> = std::fs::read_to_string(&dataset)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    // The answering mock echoes the question; the judge gives item k the
+    // score 2k out of 10, and the last item a reply with no score (an error
+    // of that item's score, counted as such).
+    let script: String = rows
+        .iter()
+        .enumerate()
+        .map(|(k, row)| {
+            let q = row["question"].as_str().unwrap();
+            let prompt = format!("Question: {q}\nAnswer: {q}\nRate it.");
+            let reply = if k == 5 {
+                "No idea.".to_owned()
+            } else {
+                format!("Reasonable.\nScore: {}", 2 * k)
+            };
+            format!("{}\n", json!({"prompt": prompt, "replies": [reply]}))
+        })
+        .collect();
+    let answers = env.write("judge.jsonl", &script);
+    let answering = mock(MockSettings::default()).await;
+    let judging = mock(MockSettings {
+        answers: Some(answers),
+        ..MockSettings::default()
+    })
+    .await;
+    let endpoints = external("m", &answering, 4)
+        + &format!(
+            "  - {{ name: judge, kind: external, role: judge, base_url: \"{}\", model: m, concurrency: 2 }}\n",
+            judging.base_url()
+        );
+    let text = crate::util::config(
+        &dataset,
+        &endpoints,
+        "  metrics:\n\
+         \x20   - { name: llm_judge, as: quality, endpoint: judge, rubric: \"Question: {{ question }}\\nAnswer: {{ answer }}\\nRate it.\" }\n\
+         cache: { mode: read_write }",
+    );
+    env.write("run.yaml", &text);
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert_eq!(answering.stats().completed, 6, "the judge takes no items");
+    assert_eq!(judging.stats().completed, 6, "one judge call per item");
+    let rows = crate::util::by_id(&env.export(&ran.run_id()).await);
+    let quality = |row: &Value| row["scores"]["quality"].clone();
+    for (k, row) in rows.values().enumerate() {
+        if k < 5 {
+            assert_eq!(
+                quality(row)["value"].as_f64().unwrap(),
+                2.0 * k as f64 / 10.0,
+                "{row}"
+            );
+            assert_eq!(row["attempts"], 2, "the answer and its judge call");
+        } else {
+            assert!(
+                quality(row)["error"].as_str().unwrap().contains("no score"),
+                "{row}"
+            );
+        }
+    }
+    let report = env
+        .evalfleet(&["report", &ran.run_id(), "--json", "--out", "r1"])
+        .await;
+    let summary: Value = serde_json::from_str(&report.stdout).unwrap();
+    let q = &summary["metrics"][0];
+    assert_eq!(
+        (q["n"].as_u64(), q["scored"].as_u64(), q["errors"].as_u64()),
+        (Some(6), Some(5), Some(1))
+    );
+    assert!(
+        (q["mean"].as_f64().unwrap() - 2.0 / 6.0).abs() < 1e-12,
+        "{q}"
+    );
+
+    // Again: the answers and the judge's replies come from the cache.
+    let again = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(again.code, Some(0), "{}", again.stderr);
+    assert_eq!(
+        (answering.stats().requests, judging.stats().requests),
+        (6, 6)
+    );
+    let cached = crate::util::by_id(&env.export(&again.run_id()).await);
+    for (id, row) in &rows {
+        assert_eq!(quality(&cached[id]), quality(row));
+    }
+    // Rescoring reads the judge's replies from the cache too.
+    let scored = env.evalfleet(&["score", &ran.run_id()]).await;
+    assert_eq!(scored.code, Some(0), "{}", scored.stderr);
+    let rescored = crate::util::by_id(&env.export(&ran.run_id()).await);
+    for (id, row) in &rows {
+        assert_eq!(quality(&rescored[id]), quality(row));
+    }
+    assert_eq!(judging.stats().requests, 6);
+}

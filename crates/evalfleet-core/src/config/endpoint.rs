@@ -42,6 +42,9 @@ pub struct EndpointConfig {
     /// (e.g. vLLM's `top_k`, `chat_template_kwargs`).
     pub params: Map<String, Value>,
     pub health: HealthSettings,
+    /// `role: judge`: the endpoint answers `llm_judge` metrics and takes no
+    /// items (`role: items`, the default, is the opposite).
+    pub judge: bool,
 }
 
 impl EndpointConfig {
@@ -316,6 +319,7 @@ pub(super) struct RawEndpoint {
     ssh_options: Option<Vec<String>>,
     session: Option<String>,
     local_port: Option<u16>,
+    role: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -571,7 +575,16 @@ fn endpoint(raw: RawEndpoint, at: &str, p: &mut Problems<'_>) -> Option<Endpoint
             .and_then(|h| health(h, &field("health"), p)),
         None => Some(HealthSettings::default()),
     };
+    let judge = match raw.role.as_deref() {
+        None | Some("items") => Some(false),
+        Some("judge") => Some(true),
+        Some(other) => p.push(
+            &field("role"),
+            format!("must be items or judge, got '{other}'"),
+        ),
+    };
     Some(EndpointConfig {
+        judge: judge?,
         name: name?,
         model: model?,
         kind: kind?,

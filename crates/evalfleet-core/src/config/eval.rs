@@ -249,8 +249,21 @@ fn metrics(list: Vec<Value>, p: &mut Problems<'_>) -> Option<Vec<MetricSpec>> {
                     );
                     continue;
                 }
-                let needs_reference =
-                    !matches!(metric.kind, crate::eval::metrics::Kind::RegexMatch { .. });
+                let needs_reference = !matches!(
+                    metric.kind,
+                    crate::eval::metrics::Kind::RegexMatch { .. }
+                        | crate::eval::metrics::Kind::Judge { .. }
+                );
+                if let crate::eval::metrics::Kind::Judge { rubric, .. } = &metric.kind
+                    && let Err(err) = checker.template_from_str(rubric)
+                {
+                    ok = false;
+                    p.push::<()>(
+                        &path::key(&at, "rubric"),
+                        format!("is not a valid template: {err}"),
+                    );
+                    continue;
+                }
                 if needs_reference && reference.is_none() {
                     ok = false;
                     p.push::<()>(

@@ -195,11 +195,41 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
         Some(s) if s.trim().is_empty() => p.push("store", "must not be empty"),
         other => Some(other.map(Into::into)),
     };
+    if let Some(endpoints) = &endpoints {
+        if endpoints.iter().all(|e| e.judge) {
+            return p.push(
+                "endpoints",
+                "must hold at least one endpoint that answers items (not role: judge)",
+            );
+        }
+        if let Some(task) = &task {
+            for (i, m) in task.eval.metrics.iter().enumerate() {
+                if let crate::eval::metrics::Kind::Judge { endpoint, .. } = &m.metric.kind {
+                    match endpoints.iter().find(|e| &e.name == endpoint) {
+                        Some(e) if e.judge => {}
+                        Some(_) => {
+                            return p.push(
+                                &format!("task.metrics[{i}].endpoint"),
+                                format!("endpoint '{endpoint}' answers items; give it role: judge to use it as a judge"),
+                            );
+                        }
+                        None => {
+                            return p.push(
+                                &format!("task.metrics[{i}].endpoint"),
+                                format!("no endpoint is named '{endpoint}'"),
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
     if let (Some(endpoints), Some(cache)) = (&endpoints, &cache)
         && cache.mode != crate::cache::CacheMode::Off
-        && let Some(first) = endpoints.first()
+        && let Some(first) = endpoints.iter().find(|e| !e.judge)
         && let Some(other) = endpoints
             .iter()
+            .filter(|e| !e.judge)
             .find(|e| e.model != first.model || e.params != first.params)
     {
         return p.push(

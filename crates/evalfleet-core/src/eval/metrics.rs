@@ -95,6 +95,13 @@ pub const REGISTRY: &[MetricInfo] = &[
         higher_is_better: true,
         summary: "1 when the label equals the reference's; per-class and macro/micro P/R/F1 in aggregates",
     },
+    MetricInfo {
+        name: "llm_judge",
+        version: 1,
+        params: &["endpoint", "rubric", "score_regex", "scale"],
+        higher_is_better: true,
+        summary: "a judge endpoint's score for the answer, from a rubric, scaled to 0..1",
+    },
 ];
 
 /// How a metric is computed, with its parameters.
@@ -129,7 +136,18 @@ pub enum Kind {
         labels: Option<Vec<String>>,
         ignore_case: bool,
     },
+    /// Scored by a call to a judge endpoint (see `Evaluator::judge_requests`).
+    Judge {
+        endpoint: String,
+        rubric: String,
+        pattern: Regex,
+        low: f64,
+        high: f64,
+    },
 }
+
+/// The default `score_regex` of `llm_judge`: `Score: 7`, `score = **0.5**`.
+pub const JUDGE_SCORE: &str = r"(?i)score\s*[:=]\s*\**\s*(-?\d+(?:\.\d+)?)";
 
 /// A metric as a task configures it.
 #[derive(Debug, Clone)]
@@ -273,6 +291,49 @@ impl Metric {
             "json_field_match" => Kind::JsonFields {
                 fields: strings_param(params, "fields")?,
             },
+            "llm_judge" => {
+                let text = |key: &str| match param(params, key) {
+                    Some(Value::String(s)) if !s.trim().is_empty() => Ok(s.clone()),
+                    _ => Err(format!("llm_judge needs {key} (a string)")),
+                };
+                let endpoint = text("endpoint")?;
+                let rubric = text("rubric")?;
+                let pattern = match param(params, "score_regex") {
+                    None => Regex::new(JUDGE_SCORE).map_err(|e| e.to_string())?,
+                    Some(Value::String(p)) => Regex::new(p)
+                        .map_err(|e| format!("score_regex is not a valid regex: {e}"))?,
+                    Some(other) => {
+                        return Err(format!("score_regex must be a string, got {other}"));
+                    }
+                };
+                if pattern.captures_len() < 2 {
+                    return Err("score_regex needs a capture group around the number".to_owned());
+                }
+                let (low, high) = match param(params, "scale") {
+                    None => (0.0, 10.0),
+                    Some(Value::Array(pair)) if pair.len() == 2 => {
+                        match (pair[0].as_f64(), pair[1].as_f64()) {
+                            (Some(l), Some(h)) if h > l => (l, h),
+                            _ => {
+                                return Err(
+                                    "scale must be [lowest, highest] with highest > lowest"
+                                        .to_owned(),
+                                );
+                            }
+                        }
+                    }
+                    Some(other) => {
+                        return Err(format!("scale must be [lowest, highest], got {other}"));
+                    }
+                };
+                Kind::Judge {
+                    endpoint,
+                    rubric,
+                    pattern,
+                    low,
+                    high,
+                }
+            }
             "classification" => Kind::Classification {
                 labels: strings_param(params, "labels")?,
                 ignore_case: bool_param(params, "ignore_case", true)?,
@@ -367,6 +428,7 @@ impl Metric {
             Kind::JsonFields { fields } => {
                 json_fields(answer, references.first(), fields.as_deref())
             }
+            Kind::Judge { .. } => json!({"error": "scored by its judge endpoint"}),
             Kind::Classification {
                 labels,
                 ignore_case,
@@ -387,6 +449,31 @@ impl Metric {
                     _ => predicted,
                 };
                 json!({"value": f64::from(u8::from(predicted == reference)), "predicted": predicted, "reference": reference})
+            }
+        }
+    }
+}
+
+impl Metric {
+    /// A judge's reply as a score: the last match of `score_regex`, scaled
+    /// from `scale` to 0..1 (clamped), or why there is none.
+    pub fn judge_score(&self, reply: &str) -> Value {
+        let Kind::Judge {
+            pattern, low, high, ..
+        } = &self.kind
+        else {
+            return json!({"error": "not a judge metric"});
+        };
+        let raw = pattern
+            .captures_iter(reply)
+            .last()
+            .and_then(|c| c.get(1))
+            .and_then(|m| m.as_str().parse::<f64>().ok());
+        match raw {
+            Some(raw) => json!({"value": ((raw - low) / (high - low)).clamp(0.0, 1.0), "raw": raw}),
+            None => {
+                let excerpt: String = reply.chars().take(200).collect();
+                json!({"error": format!("the judge's reply has no score matching /{}/: {excerpt}", pattern.as_str())})
             }
         }
     }
@@ -559,6 +646,31 @@ mod tests {
         assert_eq!(value(&m.score(&json!("C"), &[json!("C")])), 1.0);
         assert_eq!(value(&m.score(&json!("C"), &[json!(2)])), 1.0);
         assert_eq!(value(&m.score(&json!("B"), &[json!("(C)")])), 0.0);
+    }
+
+    #[test]
+    fn judge_replies_become_scaled_scores() {
+        let m = metric(
+            "llm_judge",
+            json!({"endpoint": "j", "rubric": "Rate {{ answer }}", "scale": [1, 5]}),
+        );
+        assert_eq!(m.judge_score("Fine work.\nScore: 4")["value"], 0.75);
+        assert_eq!(m.judge_score("score = **5**")["value"], 1.0);
+        assert!(
+            m.judge_score("I like it")["error"]
+                .as_str()
+                .unwrap()
+                .contains("no score")
+        );
+        assert!(
+            Metric::build(
+                "llm_judge",
+                json!({"rubric": "x"}).as_object().unwrap(),
+                None
+            )
+            .unwrap_err()
+            .contains("needs endpoint")
+        );
     }
 
     #[test]

@@ -83,6 +83,17 @@ impl Checked {
     }
 }
 
+/// One call a judge metric needs.
+#[derive(Debug)]
+pub struct JudgeRequest {
+    /// The metric's key.
+    pub key: String,
+    /// The judge endpoint's name.
+    pub endpoint: String,
+    /// The messages, or why the rubric could not be rendered.
+    pub messages: Result<Box<serde_json::value::RawValue>, String>,
+}
+
 /// A compiled [`EvalSpec`].
 pub struct Evaluator {
     spec: EvalSpec,
@@ -107,6 +118,10 @@ impl Evaluator {
             if let Some(reference) = &m.reference {
                 env.add_template_owned(format!("task.metrics[{i}].reference"), reference.clone())
                     .map_err(|e| format!("task.metrics[{i}].reference: {e}"))?;
+            }
+            if let metrics::Kind::Judge { rubric, .. } = &m.metric.kind {
+                env.add_template_owned(format!("task.metrics[{i}].rubric"), rubric.clone())
+                    .map_err(|e| format!("task.metrics[{i}].rubric: {e}"))?;
             }
         }
         Ok(Self {
@@ -173,6 +188,9 @@ impl Evaluator {
             return out;
         };
         for (i, m) in self.spec.metrics.iter().enumerate() {
+            if matches!(m.metric.kind, metrics::Kind::Judge { .. }) {
+                continue;
+            }
             let score = match self.references(i, m, item) {
                 Ok(references) => m.metric.score(answer, &references),
                 Err(error) => serde_json::json!({ "error": error }),
@@ -206,8 +224,10 @@ impl Evaluator {
         Ok(vec![Value::String(rendered)])
     }
 
-    /// Checks and scores a stored output again (`evalfleet score`); `keep`
-    /// holds stored scores of metrics not recomputed.
+    /// Checks and scores a stored output again (`evalfleet score`). Judge
+    /// metrics take their judge's reply from `lookup` (the cache); without
+    /// one, a stored score is kept. With `only`, the other metrics keep their
+    /// stored scores (`keep`).
     pub fn judge(
         &self,
         output: &str,
@@ -215,9 +235,22 @@ impl Evaluator {
         reasks: u32,
         only: Option<&[String]>,
         keep: Option<&Map<String, Value>>,
+        lookup: &mut dyn FnMut(&JudgeRequest) -> Option<String>,
     ) -> crate::store::Judged {
         let checked = self.check(output);
         let mut scores = self.score(&checked, item);
+        for request in self.judge_requests(&checked, item) {
+            let score = match lookup(&request) {
+                Some(reply) => self.judge_score(&request.key, &reply),
+                None => match keep.and_then(|k| k.get(&request.key)) {
+                    Some(stored) => stored.clone(),
+                    None => {
+                        serde_json::json!({"error": "not judged: no cached reply of its judge (judge metrics are scored during a run)"})
+                    }
+                },
+            };
+            scores.insert(request.key, score);
+        }
         if let Some(only) = only {
             scores.retain(|k, _| only.contains(k));
             if let Some(keep) = keep {
@@ -229,6 +262,65 @@ impl Evaluator {
             }
         }
         crate::store::Judged::new(&checked, &scores, reasks)
+    }
+
+    /// Whether any metric is scored by a judge endpoint.
+    pub fn has_judges(&self) -> bool {
+        self.metrics()
+            .any(|m| matches!(m.kind, metrics::Kind::Judge { .. }))
+    }
+
+    /// The calls the judge metrics need for a valid answer: the rubric
+    /// rendered over the item's fields, `answer` and `reference`, as one
+    /// user message.
+    pub fn judge_requests(&self, checked: &Checked, item: &Value) -> Vec<JudgeRequest> {
+        let Some(answer) = checked.parsed.as_ref().filter(|_| checked.valid) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for (i, m) in self.spec.metrics.iter().enumerate() {
+            let metrics::Kind::Judge { endpoint, .. } = &m.metric.kind else {
+                continue;
+            };
+            let mut context = match item {
+                Value::Object(map) => map.clone(),
+                _ => Map::new(),
+            };
+            context.insert("answer".to_owned(), Value::String(metrics::as_text(answer)));
+            let reference = self
+                .references(i, m, item)
+                .ok()
+                .and_then(|r| r.first().map(metrics::as_text));
+            if let Some(reference) = reference {
+                context.insert("reference".to_owned(), Value::String(reference));
+            }
+            let name = format!("task.metrics[{i}].rubric");
+            let request = self
+                .env
+                .get_template(&name)
+                .and_then(|t| t.render(minijinja::Value::from(minijinja::value::Serde(&context))))
+                .map_err(|e| format!("{name}: {e}"))
+                .and_then(|text| {
+                    serde_json::value::to_raw_value(
+                        &serde_json::json!([{"role": "user", "content": text}]),
+                    )
+                    .map_err(|e| e.to_string())
+                });
+            out.push(JudgeRequest {
+                key: m.metric.key.clone(),
+                endpoint: endpoint.clone(),
+                messages: request,
+            });
+        }
+        out
+    }
+
+    /// The score of judge metric `key` from its judge's reply.
+    pub fn judge_score(&self, key: &str, reply: &str) -> Value {
+        self.metrics().find(|m| m.key == key).map_or_else(
+            || serde_json::json!({"error": "no such metric"}),
+            |m| m.judge_score(reply),
+        )
     }
 
     /// The user message of a re-ask: what was wrong with the answer.

@@ -27,13 +27,14 @@ use crate::cache::CacheEntry;
 use crate::client::{CallError, CallOutcome, ChatClient, Completion, ErrorClass, Timing};
 use crate::config::{Config, RetryPolicy};
 use crate::dataset::{DatasetError, RowReader};
-use crate::eval::{Checked, Evaluator};
+use crate::eval::{Checked, Evaluator, JudgeRequest};
 use crate::fleet::runtime::FleetHandle;
 use crate::fleet::{Endpoint, EndpointCounters, Permit, Signal};
 use crate::store::{AttemptRecord, ItemStatus, Judged, ResultRecord, Store, StoreError};
 use crate::template::Templates;
 use queue::{WorkItem, WorkQueue};
 use reader::{Reader, ReaderError};
+use std::collections::HashMap;
 use writer::{Message, Outcome};
 
 /// Live counters of a session, read by progress displays.
@@ -147,6 +148,9 @@ struct Shared {
     /// The request identity answers are cached under, when the run writes
     /// the cache.
     cache_writes: Option<String>,
+    /// Judge endpoints by name, with the identity their replies are cached
+    /// under.
+    judges: HashMap<String, (Arc<Endpoint>, String)>,
 }
 
 impl Shared {
@@ -233,10 +237,20 @@ pub async fn execute(
     } else {
         None
     };
-    let identity = session
+    let judges: HashMap<String, (Arc<Endpoint>, String)> = session
         .endpoints
-        .first()
-        .map(|e| crate::cache::identity(&e.config.model, &config.task.params, &e.config.params, 0));
+        .iter()
+        .filter(|e| e.config.judge)
+        .map(|e| {
+            let identity =
+                crate::cache::identity(&e.config.model, &config.task.params, &e.config.params, 0);
+            (e.name.clone(), (e.clone(), identity))
+        })
+        .collect();
+    let identity =
+        session.endpoints.iter().find(|e| !e.config.judge).map(|e| {
+            crate::cache::identity(&e.config.model, &config.task.params, &e.config.params, 0)
+        });
     let cache_reads = match (&identity, config.cache.mode.reads()) {
         (Some(identity), true) => Some(Arc::new(reader::CacheReads {
             identity: identity.clone(),
@@ -245,10 +259,15 @@ pub async fn execute(
             }),
             eval: eval.clone(),
             hits: AtomicU64::new(0),
+            judges: judges
+                .iter()
+                .map(|(name, (_, identity))| (name.clone(), identity.clone()))
+                .collect(),
         })),
         _ => None,
     };
     let shared = Arc::new(Shared {
+        judges,
         cache_writes: identity.filter(|_| config.cache.mode.writes()),
         eval,
         session: session.session,
@@ -295,7 +314,8 @@ pub async fn execute(
         })
     };
 
-    for endpoint in &session.endpoints {
+    // Judge endpoints take no items: attempts call them for judge metrics.
+    for endpoint in session.endpoints.iter().filter(|e| !e.config.judge) {
         let span = tracing::info_span!("endpoint", name = %endpoint.name);
         shared
             .tracker
@@ -658,7 +678,15 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
                 }
                 let row: serde_json::Value =
                     serde_json::from_str(&item.item_json).unwrap_or_default();
-                let scores = eval.score(&checked, &row);
+                let mut scores = eval.score(&checked, &row);
+                for request in eval.judge_requests(&checked, &row) {
+                    let key = request.key.clone();
+                    let Some(score) = judge(&shared, &mut item, request, eval).await else {
+                        // Abandoned at shutdown: the item stays pending.
+                        return;
+                    };
+                    scores.insert(key, score);
+                }
                 judged = Some(Judged::new(&checked, &scores, item.reasks));
             }
             let mut done = result_record(item, ItemStatus::Done, Some(content), None);
@@ -739,6 +767,151 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
     {
         shared.ended(ItemStatus::Failed);
     }
+}
+
+/// One judge metric's call for an item: the judge endpoint's limits and rate
+/// apply, each call is an attempt of the item (not counted against its
+/// budget), a reply is cached like any answer, and failures are retried up
+/// to `retry.max_attempts`. `None`: abandoned at shutdown.
+async fn judge(
+    shared: &Arc<Shared>,
+    item: &mut WorkItem,
+    request: JudgeRequest,
+    eval: &Evaluator,
+) -> Option<serde_json::Value> {
+    let messages = match request.messages {
+        Ok(messages) => messages,
+        Err(error) => return Some(serde_json::json!({ "error": error })),
+    };
+    let Some((endpoint, identity)) = shared.judges.get(&request.endpoint) else {
+        return Some(
+            serde_json::json!({ "error": format!("no judge endpoint '{}' in this run", request.endpoint) }),
+        );
+    };
+    let mut last_error = String::from("it never answered");
+    for tries in 1..=shared.retry.max_attempts {
+        let permit = tokio::select! {
+            biased;
+            () = shared.abort.cancelled() => return None,
+            permit = endpoint.limit.acquire() => permit,
+        };
+        let cost = messages.get().len() as u64 / 4 + shared.max_tokens;
+        tokio::select! {
+            biased;
+            () = shared.abort.cancelled() => return None,
+            () = endpoint.rate.acquire(cost) => {}
+        }
+        let Some(client) = endpoint.client() else {
+            last_error = format!("judge endpoint {} is not running", endpoint.name);
+            tokio::select! {
+                () = shared.abort.cancelled() => return None,
+                () = tokio::time::sleep(backoff::delay(&shared.retry, tries, None, fastrand::f64())) => {}
+            }
+            continue;
+        };
+        let sent_at = SystemTime::now();
+        let timed = tokio::select! {
+            biased;
+            () = shared.abort.cancelled() => return None,
+            timed = tokio::time::timeout(endpoint.timeout, client.complete(&messages)) => timed,
+        };
+        let (result, timing) = match timed {
+            Ok(outcome) => (outcome.result, outcome.timing),
+            Err(_) => (
+                Err(CallError::Timeout(endpoint.timeout)),
+                Timing {
+                    sent_at,
+                    ttft: None,
+                    latency: endpoint.timeout,
+                },
+            ),
+        };
+        permit.finish(signal(&result, &timing));
+        let transition = endpoint.on_call(health(&result));
+        if transition.is_some() {
+            let why = result
+                .as_ref()
+                .err()
+                .map_or_else(String::new, ToString::to_string);
+            shared.fleet.call_transition(endpoint, transition, &why);
+        }
+        let (prompt_tokens, completion_tokens, finish_reason, status) = match &result {
+            Ok(c) => (
+                c.prompt_tokens,
+                c.completion_tokens,
+                c.finish_reason.clone(),
+                Some(c.http_status),
+            ),
+            Err(err) => (None, None, None, err.http_status()),
+        };
+        let record = AttemptRecord {
+            seq: item.seq,
+            attempt: item.number(),
+            session: shared.session,
+            endpoint: endpoint.name.clone(),
+            model: endpoint.model.clone(),
+            sent_at_ms: unix_ms(timing.sent_at),
+            latency_ms: ms(timing.latency),
+            ttft_ms: timing.ttft.map(ms),
+            tpot_ms: timing.tpot(completion_tokens).map(ms),
+            prompt_tokens,
+            completion_tokens,
+            finish_reason: finish_reason.clone(),
+            http_status: status,
+            error_class: result.as_ref().err().map(CallError::class),
+            error: result.as_ref().err().map(ToString::to_string),
+            cached: false,
+        };
+        item.excused += 1;
+        match result {
+            Ok(completion) => {
+                let cache = shared.cache_writes.as_ref().map(|_| CacheEntry {
+                    key: crate::cache::key(identity, &messages),
+                    content: completion.content.clone(),
+                    endpoint: endpoint.name.clone(),
+                    model: endpoint.model.clone(),
+                    prompt_tokens,
+                    completion_tokens,
+                    finish_reason,
+                    latency_ms: ms(timing.latency),
+                    created_at_ms: crate::store::now_ms(),
+                });
+                if !shared
+                    .send(Outcome {
+                        attempt: Some(record),
+                        result: None,
+                        cache,
+                    })
+                    .await
+                {
+                    return None;
+                }
+                return Some(eval.judge_score(&request.key, &completion.content));
+            }
+            Err(err) => {
+                if !shared
+                    .send(Outcome {
+                        attempt: Some(record),
+                        result: None,
+                        cache: None,
+                    })
+                    .await
+                {
+                    return None;
+                }
+                last_error = err.to_string();
+                if !err.class().is_retryable() {
+                    break;
+                }
+                let wait = backoff::delay(&shared.retry, tries, err.retry_after(), fastrand::f64());
+                tokio::select! {
+                    () = shared.abort.cancelled() => return None,
+                    () = tokio::time::sleep(wait) => {}
+                }
+            }
+        }
+    }
+    Some(serde_json::json!({ "error": format!("the judge failed: {last_error}") }))
 }
 
 /// Asks again after an answer that could not be parsed or failed its

@@ -53,6 +53,8 @@ pub struct CacheReads {
     pub since_ms: i64,
     pub eval: Option<Arc<Evaluator>>,
     pub hits: std::sync::atomic::AtomicU64,
+    /// Judge endpoints' cache identities, by name.
+    pub judges: std::collections::HashMap<String, String>,
 }
 
 /// How far the cache took an item.
@@ -156,7 +158,36 @@ impl Reader {
                 Some((eval, checked)) => {
                     let row: serde_json::Value =
                         serde_json::from_str(&item.item_json).unwrap_or_default();
-                    Judged::new(checked, &eval.score(checked, &row), item.reasks)
+                    let mut scores = eval.score(checked, &row);
+                    for request in eval.judge_requests(checked, &row) {
+                        let reply = match (&request.messages, cache.judges.get(&request.endpoint)) {
+                            (Ok(messages), Some(identity)) => self.store.cache_get(
+                                &crate::cache::key(identity, messages),
+                                cache.since_ms,
+                            )?,
+                            _ => None,
+                        };
+                        match reply {
+                            Some(reply) => {
+                                scores.insert(
+                                    request.key.clone(),
+                                    eval.judge_score(&request.key, &reply.content),
+                                );
+                            }
+                            // The judge's reply is not cached: the item goes
+                            // to the endpoints (its answer is asked again, then
+                            // judged).
+                            None => {
+                                self.hits.push(Outcome {
+                                    attempt: Some(attempt),
+                                    result: None,
+                                    cache: None,
+                                });
+                                return Ok(Cached::Go(item));
+                            }
+                        }
+                    }
+                    Judged::new(checked, &scores, item.reasks)
                 }
                 None => Judged {
                     reasks: item.reasks,

@@ -97,12 +97,31 @@ pub fn score(args: ScoreArgs) -> anyhow::Result<u8> {
         }
         Some(chosen)
     };
-    let mut judged: Vec<(u64, Judged)> = Vec::new();
-    let mut bad_rows = 0u64;
+    // Judge metrics read their judge's replies from the cache.
+    let judge_identities: HashMap<String, String> = loaded
+        .config
+        .endpoints
+        .iter()
+        .filter(|e| e.judge)
+        .map(|e| {
+            let identity =
+                evalfleet_core::cache::identity(&e.model, &loaded.config.task.params, &e.params, 0);
+            (e.name.clone(), identity)
+        })
+        .collect();
+    if let Some(file) = &loaded.config.cache.path {
+        store.use_cache_file(file)?;
+    }
+    let mut stored: Vec<StoredResult> = Vec::new();
     store.scan_results(&args.run_id, &mut |r: StoredResult| {
-        if r.failed {
-            return;
+        if !r.failed {
+            stored.push(r);
         }
+    })?;
+    let mut judged: Vec<(u64, Judged)> = Vec::with_capacity(stored.len());
+    let mut bad_rows = 0u64;
+    let mut lookup_error = None;
+    for r in &stored {
         let item: Value = r
             .item
             .as_deref()
@@ -123,9 +142,23 @@ pub fn score(args: ScoreArgs) -> anyhow::Result<u8> {
             r.judged.reasks,
             only.as_deref(),
             keep.as_ref(),
+            &mut |request| {
+                let identity = judge_identities.get(&request.endpoint)?;
+                let messages = request.messages.as_ref().ok()?;
+                match store.cache_get(&evalfleet_core::cache::key(identity, messages), 0) {
+                    Ok(hit) => hit.map(|h| h.content),
+                    Err(err) => {
+                        lookup_error.get_or_insert(err);
+                        None
+                    }
+                }
+            },
         );
         judged.push((r.seq, new));
-    })?;
+    }
+    if let Some(err) = lookup_error {
+        return Err(err.into());
+    }
     store.put_judged(&args.run_id, &judged, &snapshot)?;
     let valid = judged
         .iter()
