@@ -111,20 +111,6 @@ CREATE TABLE attempts (
     cached            INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (rid, seq, attempt)
 ) WITHOUT ROWID;
--- Answers by the SHA-256 of their request (schema 2), shared by every run
--- of the store; rowid order is insertion order, so eviction takes the
--- oldest first.
-CREATE TABLE cache (
-    key               TEXT NOT NULL UNIQUE,
-    content           TEXT NOT NULL,
-    endpoint          TEXT NOT NULL,
-    model             TEXT NOT NULL,
-    prompt_tokens     INTEGER,
-    completion_tokens INTEGER,
-    finish_reason     TEXT,
-    latency_ms        REAL NOT NULL,
-    created_at        INTEGER NOT NULL
-);
 CREATE TABLE events (
     rid      INTEGER NOT NULL REFERENCES runs(rid),
     at       INTEGER NOT NULL,
@@ -152,14 +138,10 @@ CREATE TABLE fleet_changes (
 );
 "#;
 
-/// From schema 1: the columns of checking and scoring.
-const MIGRATE_1_TO_2: &str = "
-ALTER TABLE results ADD COLUMN parsed TEXT;
-ALTER TABLE results ADD COLUMN verdict TEXT;
-ALTER TABLE results ADD COLUMN check_error TEXT;
-ALTER TABLE results ADD COLUMN scores TEXT;
-ALTER TABLE results ADD COLUMN reasks INTEGER NOT NULL DEFAULT 0;
-ALTER TABLE attempts ADD COLUMN cached INTEGER NOT NULL DEFAULT 0;
+/// Answers by the SHA-256 of their request (schema 2), shared by every run
+/// of the store; rowid order is insertion order, so eviction takes the
+/// oldest first.
+const CACHE_TABLE: &str = "
 CREATE TABLE cache (
     key               TEXT NOT NULL UNIQUE,
     content           TEXT NOT NULL,
@@ -172,6 +154,38 @@ CREATE TABLE cache (
     created_at        INTEGER NOT NULL
 );
 ";
+
+/// From schema 1: the columns of checking and scoring (and [`CACHE_TABLE`]).
+const MIGRATE_1_TO_2: &str = "
+ALTER TABLE results ADD COLUMN parsed TEXT;
+ALTER TABLE results ADD COLUMN verdict TEXT;
+ALTER TABLE results ADD COLUMN check_error TEXT;
+ALTER TABLE results ADD COLUMN scores TEXT;
+ALTER TABLE results ADD COLUMN reasks INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE attempts ADD COLUMN cached INTEGER NOT NULL DEFAULT 0;
+";
+
+/// Runs the `sql` parts and sets the schema version, in one transaction; another
+/// process may have done the same meanwhile, which is fine.
+fn schema_step(conn: &Connection, sql: &[&str], what: &str) -> Result<(), StoreError> {
+    let sql = sql.concat();
+    conn.execute_batch(&format!(
+        "BEGIN IMMEDIATE; {sql} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;"
+    ))
+    .or_else(|err| {
+        let now: i64 = conn
+            .query_row("PRAGMA user_version", [], |row| row.get(0))
+            .map_err(db_err("cannot read the schema version"))?;
+        if now == SCHEMA_VERSION {
+            Ok(())
+        } else {
+            Err(StoreError::backend(
+                format!("cannot {what} the store's tables"),
+                err,
+            ))
+        }
+    })
+}
 
 /// A SQLite store file.
 pub struct SqliteStore {
@@ -241,41 +255,8 @@ impl SqliteStore {
             .query_row("PRAGMA user_version", [], |row| row.get(0))
             .map_err(db_err("cannot read the schema version"))?;
         match version {
-            0 => {
-                conn.execute_batch(&format!(
-                    "BEGIN IMMEDIATE; {SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;"
-                ))
-                .or_else(|err| {
-                    // Another process may have created the schema meanwhile.
-                    let now: i64 = conn
-                        .query_row("PRAGMA user_version", [], |row| row.get(0))
-                        .map_err(db_err("cannot read the schema version"))?;
-                    if now == SCHEMA_VERSION {
-                        Ok(())
-                    } else {
-                        Err(StoreError::backend("cannot create the store's tables", err))
-                    }
-                })?;
-            }
-            1 => {
-                conn.execute_batch(&format!(
-                    "BEGIN IMMEDIATE; {MIGRATE_1_TO_2} PRAGMA user_version = 2; COMMIT;"
-                ))
-                .or_else(|err| {
-                    // Another process may have migrated it meanwhile.
-                    let now: i64 = conn
-                        .query_row("PRAGMA user_version", [], |row| row.get(0))
-                        .map_err(db_err("cannot read the schema version"))?;
-                    if now == SCHEMA_VERSION {
-                        Ok(())
-                    } else {
-                        Err(StoreError::backend(
-                            "cannot upgrade the store's tables",
-                            err,
-                        ))
-                    }
-                })?;
-            }
+            0 => schema_step(&conn, &[SCHEMA, CACHE_TABLE], "create")?,
+            1 => schema_step(&conn, &[MIGRATE_1_TO_2, CACHE_TABLE], "upgrade")?,
             SCHEMA_VERSION => {}
             newer => {
                 return Err(StoreError::Backend {

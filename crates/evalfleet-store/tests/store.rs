@@ -366,3 +366,86 @@ fn a_run_lock_is_exclusive_and_released_on_drop() {
     assert!(!second.is_run_active("r").unwrap());
     assert!(second.lock_run("r").is_ok());
 }
+
+#[test]
+fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("old.db");
+    let mut store = SqliteStore::open(&path).unwrap();
+    store
+        .create_run(&new_run("r"), &mut items(&["a", "b"], None))
+        .unwrap();
+    store.begin_session("r", false).unwrap();
+    store
+        .commit(
+            "r",
+            &Batch {
+                attempts: vec![attempt(1, 1)],
+                results: vec![result(1, "a", ItemStatus::Done)],
+                cache: vec![],
+            },
+        )
+        .unwrap();
+    drop(store);
+    // Back to schema 1: what earlier versions of evalfleet wrote.
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    conn.execute_batch(
+        "DROP TABLE cache;
+         ALTER TABLE results DROP COLUMN parsed;
+         ALTER TABLE results DROP COLUMN verdict;
+         ALTER TABLE results DROP COLUMN check_error;
+         ALTER TABLE results DROP COLUMN scores;
+         ALTER TABLE results DROP COLUMN reasks;
+         ALTER TABLE attempts DROP COLUMN cached;
+         PRAGMA user_version = 1;",
+    )
+    .unwrap();
+    drop(conn);
+
+    let mut store = SqliteStore::open(&path).unwrap();
+    let mut rows = Vec::new();
+    store
+        .export("r", &mut |row| {
+            rows.push(row);
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].output.as_deref(), Some("answer a"));
+    assert_eq!(
+        (
+            rows[0].parsed.clone(),
+            rows[0].valid,
+            rows[0].scores.clone()
+        ),
+        (None, None, None)
+    );
+    assert_eq!(
+        store.cache_stats().unwrap().entries,
+        0,
+        "the cache table exists"
+    );
+    store
+        .commit(
+            "r",
+            &Batch {
+                attempts: vec![],
+                results: vec![result(2, "b", ItemStatus::Done)],
+                cache: vec![cache_entry("k", 1)],
+            },
+        )
+        .unwrap();
+    assert_eq!(
+        store.counts("r").unwrap(),
+        StateCounts {
+            pending: 0,
+            done: 2,
+            failed: 0
+        }
+    );
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    let version: i64 = conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, 2);
+}

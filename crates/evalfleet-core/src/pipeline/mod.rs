@@ -600,34 +600,13 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
     }
 
     let attempts = item.prior_attempts + item.attempts;
-    let (completion_tokens, prompt_tokens, finish_reason, status) = match &result {
-        Ok(c) => (
-            c.completion_tokens,
-            c.prompt_tokens,
-            c.finish_reason.clone(),
-            Some(c.http_status),
-        ),
-        Err(err) => (None, None, None, err.http_status()),
-    };
+    let record = call_record(&shared, &endpoint, item.seq, number, &result, &timing);
+    let (prompt_tokens, completion_tokens, finish_reason) = (
+        record.prompt_tokens,
+        record.completion_tokens,
+        record.finish_reason.clone(),
+    );
     let tpot = timing.tpot(completion_tokens);
-    let record = AttemptRecord {
-        seq: item.seq,
-        attempt: number,
-        session: shared.session,
-        endpoint: endpoint.name.clone(),
-        model: endpoint.model.clone(),
-        sent_at_ms: unix_ms(timing.sent_at),
-        latency_ms: ms(timing.latency),
-        ttft_ms: timing.ttft.map(ms),
-        tpot_ms: tpot.map(ms),
-        prompt_tokens,
-        completion_tokens,
-        finish_reason: finish_reason.clone(),
-        http_status: status,
-        error_class: result.as_ref().err().map(CallError::class),
-        error: result.as_ref().err().map(ToString::to_string),
-        cached: false,
-    };
     // The item ends here: its id and input row move into the result.
     let result_record = |item: WorkItem,
                          status: ItemStatus,
@@ -769,6 +748,44 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
     }
 }
 
+/// The attempt record of one call.
+fn call_record(
+    shared: &Shared,
+    endpoint: &Endpoint,
+    seq: u64,
+    number: u32,
+    result: &Result<Completion, CallError>,
+    timing: &Timing,
+) -> AttemptRecord {
+    let (completion_tokens, prompt_tokens, finish_reason, status) = match result {
+        Ok(c) => (
+            c.completion_tokens,
+            c.prompt_tokens,
+            c.finish_reason.clone(),
+            Some(c.http_status),
+        ),
+        Err(err) => (None, None, None, err.http_status()),
+    };
+    AttemptRecord {
+        seq,
+        attempt: number,
+        session: shared.session,
+        endpoint: endpoint.name.clone(),
+        model: endpoint.model.clone(),
+        sent_at_ms: unix_ms(timing.sent_at),
+        latency_ms: ms(timing.latency),
+        ttft_ms: timing.ttft.map(ms),
+        tpot_ms: timing.tpot(completion_tokens).map(ms),
+        prompt_tokens,
+        completion_tokens,
+        finish_reason,
+        http_status: status,
+        error_class: result.as_ref().err().map(CallError::class),
+        error: result.as_ref().err().map(ToString::to_string),
+        cached: false,
+    }
+}
+
 /// One judge metric's call for an item: the judge endpoint's limits and rate
 /// apply, each call is an attempt of the item (not counted against its
 /// budget), a reply is cached like any answer, and failures are retried up
@@ -835,33 +852,12 @@ async fn judge(
                 .map_or_else(String::new, ToString::to_string);
             shared.fleet.call_transition(endpoint, transition, &why);
         }
-        let (prompt_tokens, completion_tokens, finish_reason, status) = match &result {
-            Ok(c) => (
-                c.prompt_tokens,
-                c.completion_tokens,
-                c.finish_reason.clone(),
-                Some(c.http_status),
-            ),
-            Err(err) => (None, None, None, err.http_status()),
-        };
-        let record = AttemptRecord {
-            seq: item.seq,
-            attempt: item.number(),
-            session: shared.session,
-            endpoint: endpoint.name.clone(),
-            model: endpoint.model.clone(),
-            sent_at_ms: unix_ms(timing.sent_at),
-            latency_ms: ms(timing.latency),
-            ttft_ms: timing.ttft.map(ms),
-            tpot_ms: timing.tpot(completion_tokens).map(ms),
-            prompt_tokens,
-            completion_tokens,
-            finish_reason: finish_reason.clone(),
-            http_status: status,
-            error_class: result.as_ref().err().map(CallError::class),
-            error: result.as_ref().err().map(ToString::to_string),
-            cached: false,
-        };
+        let record = call_record(shared, endpoint, item.seq, item.number(), &result, &timing);
+        let (prompt_tokens, completion_tokens, finish_reason) = (
+            record.prompt_tokens,
+            record.completion_tokens,
+            record.finish_reason.clone(),
+        );
         item.excused += 1;
         match result {
             Ok(completion) => {
