@@ -143,7 +143,7 @@ CREATE TABLE fleet_changes (
 /// oldest first.
 const CACHE_TABLE: &str = "
 CREATE TABLE cache (
-    key               TEXT NOT NULL UNIQUE,
+    key               BLOB NOT NULL UNIQUE, -- the SHA-256 itself (32 bytes)
     content           TEXT NOT NULL,
     endpoint          TEXT NOT NULL,
     model             TEXT NOT NULL,
@@ -727,7 +727,7 @@ impl Store for SqliteStore {
                     .prepare_cached(&format!(
                         "INSERT OR REPLACE INTO {db}.cache (key, content, endpoint, model, prompt_tokens,
                              completion_tokens, finish_reason, latency_ms, created_at)
-                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+                         VALUES (unhex(?1), ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
                         db = cache_db
                     ))
                     .map_err(db_err("cannot prepare the cache insert"))?;
@@ -1085,7 +1085,7 @@ impl Store for SqliteStore {
             .prepare_cached(&format!(
                 "SELECT content, endpoint, model, prompt_tokens, completion_tokens, finish_reason,
                         latency_ms, created_at
-                 FROM {db}.cache WHERE key = ?1 AND created_at >= ?2",
+                 FROM {db}.cache WHERE key = unhex(?1) AND created_at >= ?2",
                 db = self.cache_db
             ))
             .map_err(&err)?

@@ -125,10 +125,16 @@ fn attempt(seq: u64, number: u32) -> AttemptRecord {
     }
 }
 
-fn cache_entry(key: &str, created_at_ms: i64) -> CacheEntry {
+/// A cache key (hex SHA-256) named by `label`.
+fn k(label: &str) -> String {
+    let none = serde_json::value::RawValue::from_string("[]".to_owned()).unwrap();
+    evalfleet_core::cache::key(label, &none)
+}
+
+fn cache_entry(label: &str, created_at_ms: i64) -> CacheEntry {
     CacheEntry {
-        key: key.to_owned(),
-        content: format!("answer for {key}"),
+        key: k(label),
+        content: format!("answer for {label}"),
         endpoint: "e".to_owned(),
         model: "m".to_owned(),
         prompt_tokens: Some(3),
@@ -164,24 +170,24 @@ fn the_cache_answers_by_key_honours_age_and_evicts_the_oldest() {
     drop(store);
     let mut store = SqliteStore::open(&path).unwrap();
     assert_eq!(
-        store.cache_get("k2", 0).unwrap(),
+        store.cache_get(&k("k2"), 0).unwrap(),
         Some(entries[2].clone()),
         "it survives a reopen"
     );
-    assert_eq!(store.cache_get("nope", 0).unwrap(), None);
+    assert_eq!(store.cache_get(&k("nope"), 0).unwrap(), None);
     assert_eq!(
-        store.cache_get("k2", 1003).unwrap(),
+        store.cache_get(&k("k2"), 1003).unwrap(),
         None,
         "older than the ttl allows"
     );
     assert_eq!(store.cache_evict(None, Some(3)).unwrap(), 2);
     assert_eq!(
-        store.cache_get("k0", 0).unwrap(),
+        store.cache_get(&k("k0"), 0).unwrap(),
         None,
         "the oldest went first"
     );
-    assert_eq!(store.cache_get("k1", 0).unwrap(), None);
-    assert!(store.cache_get("k2", 0).unwrap().is_some());
+    assert_eq!(store.cache_get(&k("k1"), 0).unwrap(), None);
+    assert!(store.cache_get(&k("k2"), 0).unwrap().is_some());
     assert_eq!(store.cache_evict(Some(1004), None).unwrap(), 2);
     let stats = store.cache_stats().unwrap();
     assert_eq!((stats.entries, stats.oldest_ms), (1, Some(1004)));
