@@ -248,8 +248,10 @@ async fn an_engine_does_not_outlive_a_run_killed_with_sigkill() {
 async fn an_engine_that_keeps_failing_is_left_out_and_the_run_stops_resumable() {
     let env = Env::new();
     let dataset = env.dataset("items.jsonl", 10);
+    // A judge endpoint takes no items: it alone does not keep the run going.
     let endpoint = "  - name: broken\n    kind: local\n    command: \"exit 3\"\n    model: m\n    \
-                    restarts: 1\n    restart_delay: 100ms\n    startup_timeout: 5s\n";
+                    restarts: 1\n    restart_delay: 100ms\n    startup_timeout: 5s\n\
+                    \x20 - name: judge\n    kind: mock\n    role: judge\n    model: m\n";
     env.write("run.yaml", &config(&dataset, endpoint, ""));
     let ran = env
         .evalfleet(&["run", "run.yaml", "-q", "--run-id", "x"])
