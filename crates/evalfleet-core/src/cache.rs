@@ -72,29 +72,30 @@ pub struct CacheEntry {
     pub created_at_ms: i64,
 }
 
-/// What a request is, for the cache, apart from its messages: the model,
-/// the generation parameters (the task's, with the endpoint's over them)
-/// and the sample index. The text is canonical JSON (keys sorted), so equal
+/// What a request is, for the cache, apart from its messages and sample
+/// index: the model and the generation parameters (the task's, with the
+/// endpoint's over them). The text is canonical JSON (keys sorted), so equal
 /// requests give equal keys whatever order a config lists them in.
 pub fn identity(
     model: &str,
     task_params: &Map<String, Value>,
     endpoint_params: &Map<String, Value>,
-    sample: u32,
 ) -> String {
     let mut params = task_params.clone();
     for (k, v) in endpoint_params {
         params.insert(k.clone(), v.clone());
     }
     // serde_json's map is ordered by key: this is canonical.
-    json!({ "model": model, "params": params, "sample": sample }).to_string()
+    json!({ "model": model, "params": params }).to_string()
 }
 
-/// The key of a request: SHA-256 over its identity and its messages.
-pub fn key(identity: &str, messages: &RawValue) -> String {
+/// The key of a request: SHA-256 over its identity, its sample index (`n:
+/// K` samples of one item are distinct requests) and its messages.
+pub fn key(identity: &str, sample: u32, messages: &RawValue) -> String {
     let mut hasher = Sha256::new();
     hasher.update(identity.as_bytes());
     hasher.update([0]);
+    hasher.update(sample.to_le_bytes());
     hasher.update(messages.get().as_bytes());
     hex::encode(hasher.finalize())
 }
@@ -113,26 +114,15 @@ mod tests {
             RawValue::from_string(r#"[{"role":"user","content":"hi"}]"#.to_owned()).unwrap();
         let other =
             RawValue::from_string(r#"[{"role":"user","content":"ho"}]"#.to_owned()).unwrap();
-        let a = key(&identity("m", &task, &none, 0), &messages);
-        assert_eq!(
-            a,
-            key(&identity("m", &same, &none, 0), &messages),
-            "key order does not matter"
-        );
-        assert_ne!(a, key(&identity("m2", &task, &none, 0), &messages));
-        assert_ne!(
-            a,
-            key(&identity("m", &task, &none, 1), &messages),
-            "samples are distinct"
-        );
-        assert_ne!(
-            a,
-            key(
-                &identity("m", &task, &params(json!({"temperature": 1})), 0),
-                &messages
-            )
-        );
-        assert_ne!(a, key(&identity("m", &task, &none, 0), &other));
+        let a = key(&identity("m", &task, &none), 0, &messages);
+        let same_key = key(&identity("m", &same, &none), 0, &messages);
+        assert_eq!(a, same_key, "key order does not matter");
+        assert_ne!(a, key(&identity("m2", &task, &none), 0, &messages));
+        let sample = key(&identity("m", &task, &none), 1, &messages);
+        assert_ne!(a, sample, "samples are distinct");
+        let hot = params(json!({"temperature": 1}));
+        assert_ne!(a, key(&identity("m", &task, &hot), 0, &messages));
+        assert_ne!(a, key(&identity("m", &task, &none), 0, &other));
         assert_eq!(a.len(), 64);
     }
 }

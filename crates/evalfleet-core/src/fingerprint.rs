@@ -28,6 +28,19 @@ pub struct Fingerprint {
     pub messages_sha256: String,
     /// SHA-256 of `task.params` (canonical JSON).
     pub params_sha256: String,
+    /// `task.n` (left out when 1, so fingerprints stored before it existed
+    /// read the same).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub samples: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's signature
+fn is_one(n: &u32) -> bool {
+    *n == 1
 }
 
 fn canonical_sha256(value: &Value) -> String {
@@ -58,6 +71,7 @@ impl Fingerprint {
             },
             messages_sha256: canonical_sha256(&Value::Array(messages)),
             params_sha256: canonical_sha256(&Value::Object(config.task.params.clone())),
+            samples: config.task.samples,
         }
     }
 
@@ -98,6 +112,12 @@ impl Fingerprint {
         }
         if self.params_sha256 != current.params_sha256 {
             out.push("task.params changed".to_owned());
+        }
+        if self.samples != current.samples {
+            out.push(format!(
+                "task.n changed ({} -> {})",
+                self.samples, current.samples
+            ));
         }
         out
     }

@@ -24,6 +24,9 @@ pub struct DatasetItems<'a> {
     templates: &'a Templates,
     scanner: Option<Scanner>,
     seq: u64,
+    /// With `task.n` > 1: the row whose samples are being registered, and
+    /// the next sample's index.
+    repeating: Option<(NewItem, u32)>,
 }
 
 impl<'a> DatasetItems<'a> {
@@ -40,12 +43,59 @@ impl<'a> DatasetItems<'a> {
             templates,
             scanner: Some(scanner),
             seq: 0,
+            repeating: None,
         })
     }
 }
 
 impl ItemSource for DatasetItems<'_> {
     fn next_item(&mut self) -> Result<Option<NewItem>, CreateRunError> {
+        let samples = self.config.task.samples;
+        if samples == 1 {
+            return self.next_row();
+        }
+        // Each row becomes `samples` items: ID#0, ID#1, ...
+        let (row, k) = match self.repeating.take() {
+            Some((row, k)) if k < samples => (row, k),
+            _ => match self.next_row()? {
+                Some(row) => (row, 0),
+                None => return Ok(None),
+            },
+        };
+        if k > 0 {
+            self.seq += 1;
+        }
+        let item = NewItem {
+            item_id: sample_id(&row.item_id, k),
+            seq: if k == 0 { row.seq } else { self.seq },
+            ..row.clone()
+        };
+        self.repeating = Some((row, k + 1));
+        Ok(Some(item))
+    }
+
+    fn finish(&mut self) -> Result<RunIdentity, CreateRunError> {
+        self.finish_rows()
+    }
+
+    fn path(&self) -> String {
+        self.config.dataset.path.display().to_string()
+    }
+}
+
+/// The item id of sample `k` of a row.
+pub fn sample_id(row_id: &str, k: u32) -> String {
+    format!("{row_id}#{k}")
+}
+
+/// The row id and sample index of an item of a run with `task.n` > 1.
+pub fn split_sample_id(item_id: &str) -> Option<(&str, u32)> {
+    let (row, k) = item_id.rsplit_once('#')?;
+    Some((row, k.parse().ok()?))
+}
+
+impl DatasetItems<'_> {
+    fn next_row(&mut self) -> Result<Option<NewItem>, CreateRunError> {
         let Some(scanner) = self.scanner.as_mut() else {
             return Ok(None);
         };
@@ -76,7 +126,7 @@ impl ItemSource for DatasetItems<'_> {
         }))
     }
 
-    fn finish(&mut self) -> Result<RunIdentity, CreateRunError> {
+    fn finish_rows(&mut self) -> Result<RunIdentity, CreateRunError> {
         let Some(scanner) = self.scanner.take() else {
             return Err(CreateRunError::Store(StoreError::Invariant(
                 "the dataset was finished twice".to_owned(),
@@ -91,12 +141,14 @@ impl ItemSource for DatasetItems<'_> {
         Ok(RunIdentity {
             fingerprint: Fingerprint::new(self.config, summary.identity.sha256.clone()),
             dataset: summary.identity,
-            sample_n: self.config.dataset.sample.map(|s| s.n),
+            // A row's samples share its sample key, so a sample of n rows
+            // keeps n × K items.
+            sample_n: self
+                .config
+                .dataset
+                .sample
+                .map(|s| s.n * u64::from(self.config.task.samples)),
         })
-    }
-
-    fn path(&self) -> String {
-        self.config.dataset.path.display().to_string()
     }
 }
 

@@ -159,6 +159,7 @@ mod tests {
                 .collect(),
             params: Default::default(),
             stream: false,
+            samples: 1,
             eval: Default::default(),
         }
     }

@@ -221,7 +221,9 @@ struct MockState {
     next_id: AtomicU64,
     /// Scripted answers by first user message, or why they could not be
     /// read (then every request gets a 500 saying so).
-    answers: Result<HashMap<String, Vec<String>>, String>,
+    answers: Result<HashMap<String, crate::settings::Script>, String>,
+    /// Requests seen per scripted prompt (for `samples`).
+    scripted_seen: Mutex<HashMap<String, usize>>,
 }
 
 /// The mock's router, for tests that call it without a socket.
@@ -243,6 +245,7 @@ pub fn app(settings: MockSettings, stats: Arc<Stats>, shutdown: CancellationToke
         .map_or_else(|| Ok(HashMap::new()), crate::settings::load_answers);
     let state = Arc::new(MockState {
         answers,
+        scripted_seen: Mutex::new(HashMap::new()),
         settings,
         stats,
         prompt_counts: Mutex::new(HashMap::new()),
@@ -615,13 +618,25 @@ async fn chat(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
                 .iter()
                 .filter(|m| m.role == "assistant")
                 .count();
-            first_user
-                .and_then(|u| answers.get(&u))
-                .and_then(|replies| replies.get(asked.min(replies.len() - 1)))
+            first_user.and_then(|u| match answers.get(&u)? {
+                crate::settings::Script::Replies(replies) => {
+                    replies.get(asked.min(replies.len() - 1)).cloned()
+                }
+                crate::settings::Script::Samples(samples) => {
+                    let mut seen = state
+                        .scripted_seen
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    let i = seen.entry(u).or_insert(0);
+                    let reply = samples[*i % samples.len()].clone();
+                    *i += 1;
+                    Some(reply)
+                }
+            })
         }
         Ok(_) => None,
     };
-    let (tokens, finish_reason) = match scripted {
+    let (tokens, finish_reason) = match scripted.as_deref() {
         Some(text) => {
             let settings = MockSettings {
                 output_tokens: None,

@@ -86,11 +86,13 @@ pub struct MockSettings {
     #[cfg_attr(feature = "cli", arg(long, default_value_t = 0))]
     pub seed: u64,
 
-    /// Scripted answers: a JSONL file of `{"prompt": ..., "replies": [...]}`.
-    /// A request whose first user message is a `prompt` gets `replies[k]`,
-    /// where k is the number of assistant messages in the request (so a
-    /// re-ask gets the next reply; past the end, the last). Other requests
-    /// are answered as usual.
+    /// Scripted answers: a JSONL file of `{"prompt": ..., "replies": [...]}`
+    /// or `{"prompt": ..., "samples": [...]}`. A request whose first user
+    /// message is a `prompt` gets `replies[k]`, where k is the number of
+    /// assistant messages in the request (so a re-ask gets the next reply;
+    /// past the end, the last); with `samples`, the i-th request for that
+    /// prompt gets `samples[i mod len]` (repeated samples of one question).
+    /// Other requests are answered as usual.
     #[cfg_attr(feature = "cli", arg(long, value_name = "FILE"))]
     pub answers: Option<std::path::PathBuf>,
 }
@@ -177,16 +179,26 @@ fn duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::E
     })
 }
 
+/// Scripted answers for one prompt (see [`MockSettings::answers`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Script {
+    /// By the number of assistant messages in the request.
+    Replies(Vec<String>),
+    /// By how many requests for the prompt came before.
+    Samples(Vec<String>),
+}
+
 /// Reads a scripted-answers file (see [`MockSettings::answers`]): first user
-/// message → replies.
+/// message → its script.
 pub fn load_answers(
     path: &std::path::Path,
-) -> Result<std::collections::HashMap<String, Vec<String>>, String> {
+) -> Result<std::collections::HashMap<String, Script>, String> {
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
     struct Line {
         prompt: String,
-        replies: Vec<String>,
+        replies: Option<Vec<String>>,
+        samples: Option<Vec<String>>,
     }
     let text = std::fs::read_to_string(path)
         .map_err(|err| format!("cannot read {}: {err}", path.display()))?;
@@ -195,12 +207,19 @@ pub fn load_answers(
         if line.trim().is_empty() {
             continue;
         }
-        let parsed: Line = serde_json::from_str(line)
-            .map_err(|err| format!("{}:{}: {err}", path.display(), i + 1))?;
-        if parsed.replies.is_empty() {
-            return Err(format!("{}:{}: replies is empty", path.display(), i + 1));
-        }
-        out.insert(parsed.prompt, parsed.replies);
+        let at = || format!("{}:{}", path.display(), i + 1);
+        let parsed: Line = serde_json::from_str(line).map_err(|err| format!("{}: {err}", at()))?;
+        let script = match (parsed.replies, parsed.samples) {
+            (Some(r), None) if !r.is_empty() => Script::Replies(r),
+            (None, Some(s)) if !s.is_empty() => Script::Samples(s),
+            _ => {
+                return Err(format!(
+                    "{}: give a non-empty replies or samples list, not both",
+                    at()
+                ));
+            }
+        };
+        out.insert(parsed.prompt, script);
     }
     Ok(out)
 }

@@ -56,6 +56,7 @@ impl ItemSource for Items {
                 },
                 messages_sha256: String::new(),
                 params_sha256: String::new(),
+                samples: 1,
             },
             dataset: DatasetIdentity {
                 path: "data.jsonl".into(),
@@ -128,7 +129,7 @@ fn attempt(seq: u64, number: u32) -> AttemptRecord {
 /// A cache key (hex SHA-256) named by `label`.
 fn k(label: &str) -> String {
     let none = serde_json::value::RawValue::from_string("[]".to_owned()).unwrap();
-    evalfleet_core::cache::key(label, &none)
+    evalfleet_core::cache::key(label, 0, &none)
 }
 
 fn cache_entry(label: &str, created_at_ms: i64) -> CacheEntry {

@@ -416,3 +416,84 @@ async fn an_llm_judge_scores_answers_through_its_own_endpoint_and_cache() {
     }
     assert_eq!(judging.stats().requests, 6);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn samples_per_row_give_pass_at_k_and_a_majority_vote() {
+    let env = Env::new();
+    // Row r: its 4 samples are right c = r mod 5 times (first), then wrong.
+    let mut rows = String::new();
+    let mut script = String::new();
+    for r in 0..6 {
+        rows.push_str(&format!(
+            "{}\n",
+            json!({"id": format!("q{r}"), "question": format!("Q{r}?"), "answer": format!("A{r}")})
+        ));
+        let c = r % 5;
+        let samples: Vec<String> = (0..4)
+            .map(|k| {
+                if k < c {
+                    format!("A{r}")
+                } else {
+                    "W".to_owned()
+                }
+            })
+            .collect();
+        script.push_str(&format!(
+            "{}\n",
+            json!({"prompt": format!("Q{r}?"), "samples": samples})
+        ));
+    }
+    let dataset = env.write("rows.jsonl", &rows);
+    let answers = env.write("samples.jsonl", &script);
+    let server = mock(MockSettings {
+        answers: Some(answers),
+        ..MockSettings::default()
+    })
+    .await;
+    // One call at a time, so sample k of a row gets the mock's k-th reply.
+    let text = crate::util::config(
+        &dataset,
+        &external("m", &server, 1),
+        "  n: 4\n\
+         \x20 metrics: [ { name: exact_match, reference: \"{{ answer }}\" } ]\n\
+         cache: { mode: read_write }",
+    );
+    env.write("run.yaml", &text);
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert_eq!(server.stats().completed, 24, "4 distinct requests per row");
+    let exported = crate::util::by_id(&env.export(&ran.run_id()).await);
+    assert_eq!(exported.len(), 24);
+    assert_eq!(exported["q2#1"]["output"], "A2");
+    assert_eq!(exported["q2#2"]["output"], "W");
+
+    let report = env
+        .evalfleet(&["report", &ran.run_id(), "--json", "--out", "r"])
+        .await;
+    assert_eq!(report.code, Some(0), "{}", report.stderr);
+    let summary: Value = serde_json::from_str(&report.stdout).unwrap();
+    let samples = &summary["samples"];
+    assert_eq!(
+        (samples["n"].as_u64(), samples["rows"].as_u64()),
+        (Some(4), Some(6))
+    );
+    let em = &samples["metrics"][0];
+    let pass1 = em["pass_at"]["1"].as_f64().unwrap();
+    let pass4 = em["pass_at"]["4"].as_f64().unwrap();
+    assert!((pass1 - 10.0 / 24.0).abs() < 1e-12, "{em}");
+    assert!((pass4 - 4.0 / 6.0).abs() < 1e-12, "{em}");
+    // Majorities: W, W, tie A/W (A came first), A, A, W.
+    assert!(
+        (em["majority"].as_f64().unwrap() - 0.5).abs() < 1e-12,
+        "{em}"
+    );
+    // Each sample is its own cache entry: a second run makes no call and
+    // gets every sample's own answer back.
+    let again = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(again.code, Some(0), "{}", again.stderr);
+    assert_eq!(server.stats().requests, 24);
+    let cached = crate::util::by_id(&env.export(&again.run_id()).await);
+    for (id, row) in &exported {
+        assert_eq!(cached[id]["output"], row["output"], "{id}");
+    }
+}

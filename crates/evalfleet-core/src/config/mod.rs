@@ -128,6 +128,10 @@ pub struct TaskConfig {
     /// Stream responses (SSE), which measures time to first token. Default
     /// `false`.
     pub stream: bool,
+    /// `n`: samples per dataset row (default 1). With K > 1 each row becomes
+    /// K items, `ID#0` to `ID#K-1`, distinct requests (and cache keys) for
+    /// pass@k and majority votes; use a temperature above 0.
+    pub samples: u32,
     /// `parse`, `schema` / `schema_file`, `max_reasks`,
     /// `structured_output` and `metrics`: what is done with the answer.
     pub eval: crate::eval::EvalSpec,

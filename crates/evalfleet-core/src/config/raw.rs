@@ -46,6 +46,7 @@ pub struct RawTask {
     pub messages: Option<Vec<RawMessage>>,
     pub params: Option<Map<String, Value>>,
     pub stream: Option<bool>,
+    pub n: Option<u32>,
     pub parse: Option<Value>,
     pub schema: Option<Value>,
     pub schema_file: Option<String>,

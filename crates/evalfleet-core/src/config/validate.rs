@@ -462,10 +462,16 @@ fn task(raw: RawTask, dir: &Path, p: &mut Problems<'_>) -> Option<TaskConfig> {
             json!({"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": true}}),
         );
     }
+    let samples = match raw.n {
+        None => 1,
+        Some(n) if (1..=10_000).contains(&n) => n,
+        Some(n) => return p.push("task.n", format!("must be between 1 and 10000, got {n}")),
+    };
     Some(TaskConfig {
         messages: messages?,
         params,
         stream: raw.stream.unwrap_or(false),
+        samples,
         eval,
     })
 }

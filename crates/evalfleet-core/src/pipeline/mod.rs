@@ -243,13 +243,13 @@ pub async fn execute(
         .filter(|e| e.config.judge)
         .map(|e| {
             let identity =
-                crate::cache::identity(&e.config.model, &config.task.params, &e.config.params, 0);
+                crate::cache::identity(&e.config.model, &config.task.params, &e.config.params);
             (e.name.clone(), (e.clone(), identity))
         })
         .collect();
     let identity =
         session.endpoints.iter().find(|e| !e.config.judge).map(|e| {
-            crate::cache::identity(&e.config.model, &config.task.params, &e.config.params, 0)
+            crate::cache::identity(&e.config.model, &config.task.params, &e.config.params)
         });
     let cache_reads = match (&identity, config.cache.mode.reads()) {
         (Some(identity), true) => Some(Arc::new(reader::CacheReads {
@@ -300,6 +300,7 @@ pub async fn execute(
             on_terminal: Arc::new(move |status| ended.ended(status)),
             cache: cache_reads.clone(),
             session: session.session,
+            samples: config.task.samples,
             hits: Vec::new(),
             ended: 0,
         };
@@ -638,7 +639,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
         Ok(Completion { content, .. }) => {
             counters.successes.fetch_add(1, Ordering::Relaxed);
             let cache = shared.cache_writes.as_ref().map(|identity| CacheEntry {
-                key: crate::cache::key(identity, &item.messages),
+                key: crate::cache::key(identity, item.sample, &item.messages),
                 content: content.clone(),
                 endpoint: endpoint.name.clone(),
                 model: endpoint.model.clone(),
@@ -862,7 +863,7 @@ async fn judge(
         match result {
             Ok(completion) => {
                 let cache = shared.cache_writes.as_ref().map(|_| CacheEntry {
-                    key: crate::cache::key(identity, &messages),
+                    key: crate::cache::key(identity, 0, &messages),
                     content: completion.content.clone(),
                     endpoint: endpoint.name.clone(),
                     model: endpoint.model.clone(),

@@ -25,6 +25,8 @@ pub struct WorkItem {
     /// another endpoint because theirs stopped taking items, or refused by a
     /// rate limit (bounded by the item's deadline instead).
     pub excused: u32,
+    /// Which of the row's `task.n` samples this item is (0 when n is 1).
+    pub sample: u32,
     /// Times the model was asked again after an answer that could not be
     /// used.
     pub reasks: u32,

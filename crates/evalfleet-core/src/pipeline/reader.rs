@@ -40,6 +40,8 @@ pub struct Reader {
     /// Cache lookups, when the run reads the cache.
     pub cache: Option<Arc<CacheReads>>,
     pub session: u32,
+    /// `task.n`: with more than 1, item ids carry their sample index.
+    pub samples: u32,
     /// Outcomes of cache hits not yet handed to the writer, and how many
     /// items they end.
     pub hits: Vec<Outcome>,
@@ -94,7 +96,7 @@ impl Reader {
             return Ok(Cached::Go(item));
         };
         loop {
-            let key = crate::cache::key(&cache.identity, &item.messages);
+            let key = crate::cache::key(&cache.identity, item.sample, &item.messages);
             let Some(hit) = self.store.cache_get(&key, cache.since_ms)? else {
                 return Ok(Cached::Go(item));
             };
@@ -162,7 +164,7 @@ impl Reader {
                     for request in eval.judge_requests(checked, &row) {
                         let reply = match (&request.messages, cache.judges.get(&request.endpoint)) {
                             (Ok(messages), Some(identity)) => self.store.cache_get(
-                                &crate::cache::key(identity, messages),
+                                &crate::cache::key(identity, 0, messages),
                                 cache.since_ms,
                             )?,
                             _ => None,
@@ -252,12 +254,18 @@ impl Reader {
             };
             after = Some(last.seq);
             for pending in page {
+                // With `task.n` > 1 an item is `ROW#k`: sample k of row ROW.
+                let (row_id, sample) = match crate::run::split_sample_id(&pending.item_id) {
+                    Some((row, k)) if self.samples > 1 => (row, k),
+                    _ => (pending.item_id.as_str(), 0),
+                };
                 let (row, item_json) =
                     self.rows
-                        .read_with_json(pending.offset, pending.line, &pending.item_id)?;
+                        .read_with_json(pending.offset, pending.line, row_id)?;
                 let delivered = match self.templates.render_json(&row) {
                     Ok(messages) => {
                         let item = WorkItem {
+                            sample,
                             item_id: pending.item_id,
                             seq: pending.seq,
                             messages,

@@ -105,7 +105,7 @@ pub fn score(args: ScoreArgs) -> anyhow::Result<u8> {
         .filter(|e| e.judge)
         .map(|e| {
             let identity =
-                evalfleet_core::cache::identity(&e.model, &loaded.config.task.params, &e.params, 0);
+                evalfleet_core::cache::identity(&e.model, &loaded.config.task.params, &e.params);
             (e.name.clone(), identity)
         })
         .collect();
@@ -145,7 +145,7 @@ pub fn score(args: ScoreArgs) -> anyhow::Result<u8> {
             &mut |request| {
                 let identity = judge_identities.get(&request.endpoint)?;
                 let messages = request.messages.as_ref().ok()?;
-                match store.cache_get(&evalfleet_core::cache::key(identity, messages), 0) {
+                match store.cache_get(&evalfleet_core::cache::key(identity, 0, messages), 0) {
                     Ok(hit) => hit.map(|h| h.content),
                     Err(err) => {
                         lookup_error.get_or_insert(err);
@@ -321,7 +321,10 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
         &metrics,
         &args.by,
     )?;
+    let loaded = stored_config(&scored.run)?;
+    let samples = samples_summary(&scored, &metrics, loaded.config.task.samples);
     let summary_json = json!({
+        "samples": samples,
         "run_id": scored.run.run_id,
         "name": scored.run.name,
         "items": scored.run.total,
@@ -381,6 +384,18 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
             println!("\n{} (all): {}", s.metric, s.extra);
         }
     }
+    if let Some(list) = samples.get("metrics").and_then(Value::as_array) {
+        println!(
+            "\nSamples: {} per row over {} rows",
+            samples["n"], samples["rows"]
+        );
+        for m in list {
+            println!(
+                "  {}: pass@k {}  majority vote {}",
+                m["metric"], m["pass_at"], m["majority"]
+            );
+        }
+    }
     println!("\nAnswers: {fidelity}");
     let mut table = vec![
         [
@@ -426,6 +441,110 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
         dir.display()
     );
     Ok(EXIT_OK)
+}
+
+/// With `task.n` = K > 1: per metric, the unbiased pass@k over each row's
+/// K samples (for 0/1 metrics) and the score of the majority answer (the
+/// most frequent parsed answer among the row's valid samples; ties go to the
+/// one seen first), each averaged over rows.
+fn samples_summary(
+    scored: &Scored,
+    metrics: &[evalfleet_core::eval::Metric],
+    k_samples: u32,
+) -> Value {
+    if k_samples <= 1 {
+        return Value::Null;
+    }
+    // Row id → its samples, in order.
+    let mut rows: BTreeMap<&str, Vec<&StoredResult>> = BTreeMap::new();
+    for r in &scored.results {
+        let row = evalfleet_core::run::split_sample_id(&r.item_id)
+            .map_or(r.item_id.as_str(), |(row, _)| row);
+        rows.entry(row).or_default().push(r);
+    }
+    let value = |r: &StoredResult, m: &evalfleet_core::eval::Metric| -> Option<f64> {
+        if r.failed || r.judged.verdict.as_deref().is_some_and(|v| v != "ok") {
+            return None;
+        }
+        r.judged
+            .scores
+            .as_deref()
+            .and_then(|s| serde_json::from_str::<Value>(s).ok())
+            .and_then(|s| {
+                s.get(&m.key)
+                    .and_then(|v| v.get("value"))
+                    .and_then(Value::as_f64)
+            })
+    };
+    let ks: Vec<u64> = [1u64, 5, 10, 20, 50, 100]
+        .into_iter()
+        .filter(|k| *k < u64::from(k_samples))
+        .chain([u64::from(k_samples)])
+        .collect();
+    let mut out = Vec::new();
+    for m in metrics {
+        let per_row: Vec<Vec<f64>> = rows
+            .values()
+            .map(|samples| {
+                samples
+                    .iter()
+                    .map(|r| value(r, m).unwrap_or_else(|| m.missing()))
+                    .collect()
+            })
+            .collect();
+        let binary = per_row.iter().flatten().all(|v| *v == 0.0 || *v == 1.0);
+        let pass_at = if binary && m.higher_is_better {
+            let mut map = Map::new();
+            for &k in &ks {
+                let mean = per_row
+                    .iter()
+                    .map(|v| {
+                        stats::pass_at_k(
+                            v.len() as u64,
+                            v.iter().filter(|x| **x == 1.0).count() as u64,
+                            k.min(v.len() as u64),
+                        )
+                    })
+                    .sum::<f64>()
+                    / per_row.len().max(1) as f64;
+                map.insert(k.to_string(), json!(mean));
+            }
+            Value::Object(map)
+        } else {
+            Value::Null
+        };
+        let majority: Vec<f64> = rows
+            .values()
+            .map(|samples| {
+                let mut counts: Vec<(&str, usize, f64)> = Vec::new();
+                for r in samples {
+                    let (Some(parsed), Some(v)) = (
+                        r.judged.parsed.as_deref().or(r.output.as_deref()),
+                        value(r, m),
+                    ) else {
+                        continue;
+                    };
+                    match counts.iter_mut().find(|(p, _, _)| *p == parsed) {
+                        Some(entry) => entry.1 += 1,
+                        None => counts.push((parsed, 1, v)),
+                    }
+                }
+                let best = counts
+                    .iter()
+                    .fold(None::<&(&str, usize, f64)>, |best, c| match best {
+                        Some(b) if b.1 >= c.1 => Some(b),
+                        _ => Some(c),
+                    });
+                best.map_or_else(|| m.missing(), |b| b.2)
+            })
+            .collect();
+        out.push(json!({
+            "metric": m.key,
+            "pass_at": pass_at,
+            "majority": stats::estimate(&majority, 7).mean,
+        }));
+    }
+    json!({ "n": k_samples, "rows": rows.len(), "metrics": out })
 }
 
 fn write_summary_csv(path: &PathBuf, summaries: &[Summary]) -> anyhow::Result<()> {
