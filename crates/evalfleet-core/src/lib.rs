@@ -10,6 +10,7 @@ pub mod fingerprint;
 pub mod fleet;
 pub mod pipeline;
 pub mod run;
+pub mod sandbox;
 pub mod store;
 pub mod summary;
 pub mod template;

@@ -5,3 +5,4 @@
 
 mod concurrency;
 mod metric_vectors;
+mod sandbox;
