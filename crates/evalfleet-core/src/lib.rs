@@ -3,6 +3,7 @@
 
 pub mod cache;
 pub mod client;
+pub mod code;
 pub mod config;
 pub mod dataset;
 pub mod eval;

@@ -39,7 +39,10 @@ pub struct Limits {
 impl Default for Limits {
     fn default() -> Self {
         Self {
-            wall: Duration::from_secs(10),
+            // The CPU limit catches a busy loop; the wall clock, a program
+            // that waits. It is longer, so that a busy machine does not
+            // turn a slow-but-right program into a timeout.
+            wall: Duration::from_secs(30),
             cpu: Duration::from_secs(10),
             memory_mb: 1024,
             output_bytes: 1 << 20,
