@@ -240,6 +240,8 @@ pub struct SessionPlan {
     pub endpoints: Vec<Arc<Endpoint>>,
     pub fleet: FleetHandle,
     pub retry_failed: bool,
+    /// Where the code judge's sandboxes go.
+    pub sandbox_dir: std::path::PathBuf,
 }
 
 /// The live counters of a session about to run, for a progress display.
@@ -312,6 +314,7 @@ pub async fn run_session(
         endpoints: plan.endpoints,
         fleet: plan.fleet.clone(),
         pending: prepared.pending,
+        sandbox_dir: plan.sandbox_dir.clone(),
     };
     let cache = session.config.cache.clone();
     let end = pipeline::execute(

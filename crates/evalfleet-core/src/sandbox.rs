@@ -22,6 +22,14 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::Command;
 
+/// The namespace's first process: keeps the working directory (which may
+/// itself be under /tmp) at its path on /mnt, covers /tmp, /var/tmp and
+/// /dev/shm with private empty file systems, puts the working directory
+/// back, and runs the program; it reports a signal as 128 + its number.
+const SANDBOX_SHELL: &str = "w=$PWD; mount --bind \"$w\" /mnt && \
+    for d in /tmp /var/tmp /dev/shm; do [ -d $d ] && mount -t tmpfs -o size=64m,mode=1777 tmpfs $d; done; \
+    mkdir -p \"$w\" && mount --move /mnt \"$w\" && cd \"$w\" && \"$@\"; exit $?";
+
 /// What an execution may use.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Limits {
@@ -248,7 +256,7 @@ pub async fn run(
                 "--",
                 "sh",
                 "-c",
-                "for d in /tmp /var/tmp /dev/shm; do [ -d $d ] && mount -t tmpfs -o size=64m,mode=1777 tmpfs $d; done; \"$@\"; exit $?",
+                SANDBOX_SHELL,
                 "sandbox",
             ]
             .map(String::from),

@@ -280,6 +280,8 @@ pub struct Judged {
     pub scores: Option<String>,
     /// Re-asks made.
     pub reasks: u32,
+    /// The code judge's judgement, as JSON text.
+    pub judge: Option<String>,
 }
 
 impl Judged {
@@ -294,6 +296,7 @@ impl Judged {
             check_error: checked.error.clone(),
             scores: (!scores.is_empty()).then(|| Value::Object(scores.clone()).to_string()),
             reasks,
+            judge: None,
         }
     }
 }
@@ -347,6 +350,9 @@ pub struct ExportRow {
     pub valid: Option<bool>,
     /// Metric key → item score.
     pub scores: Option<Value>,
+    /// The code judge's judgement: verdict, passed/total, error counts,
+    /// failing tests.
+    pub judge: Option<Value>,
 }
 
 /// A stored result, as `evalfleet score` and `report` read it.

@@ -160,6 +160,7 @@ mod tests {
             params: Default::default(),
             stream: false,
             samples: 1,
+            code: None,
             eval: Default::default(),
         }
     }

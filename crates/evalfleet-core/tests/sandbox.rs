@@ -70,6 +70,28 @@ async fn hostile_programs_are_contained() {
     );
     assert_eq!(ok.stdout, b"hi\n");
 
+    // A working directory under /tmp stays visible, though /tmp is replaced.
+    let under_tmp = Workdir::new(
+        &std::env::temp_dir().join("evalfleet-sandbox-tests"),
+        &isolation,
+    )
+    .unwrap();
+    std::fs::write(
+        under_tmp.path().join("main.py"),
+        "print(open('main.py').read()[:5])",
+    )
+    .unwrap();
+    let argv = vec![PYTHON.to_owned(), "main.py".to_owned()];
+    let there = sandbox::run(&argv, under_tmp.path(), b"", &limits, &isolation)
+        .await
+        .unwrap();
+    assert_eq!(
+        there.stdout,
+        b"print\n",
+        "{}",
+        String::from_utf8_lossy(&there.stderr)
+    );
+
     // An infinite loop: the CPU limit ends it, well before the wall clock.
     let spin = python("while True:\n    pass\n", &limits, &isolation).await;
     if isolation.rlimits {

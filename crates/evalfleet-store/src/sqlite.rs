@@ -22,7 +22,7 @@ use rusqlite::{
     Connection, ErrorCode, OpenFlags, OptionalExtension, Transaction, TransactionBehavior, params,
 };
 
-const SCHEMA_VERSION: i64 = 2;
+const SCHEMA_VERSION: i64 = 3;
 
 /// Items, results and attempts are keyed by the item's `seq` (its place in
 /// the dataset): items are registered and mostly finished in that order, so
@@ -89,6 +89,8 @@ CREATE TABLE results (
     check_error       TEXT,
     scores            TEXT,
     reasks            INTEGER NOT NULL DEFAULT 0,
+    -- The code judge's judgement (schema 3).
+    judge             TEXT,
     PRIMARY KEY (rid, seq)
 ) WITHOUT ROWID;
 CREATE TABLE attempts (
@@ -154,6 +156,9 @@ CREATE TABLE cache (
     created_at        INTEGER NOT NULL
 );
 ";
+
+/// From schema 2: the code judge's column.
+const MIGRATE_2_TO_3: &str = "ALTER TABLE results ADD COLUMN judge TEXT;";
 
 /// From schema 1: the columns of checking and scoring (and [`CACHE_TABLE`]).
 const MIGRATE_1_TO_2: &str = "
@@ -256,7 +261,12 @@ impl SqliteStore {
             .map_err(db_err("cannot read the schema version"))?;
         match version {
             0 => schema_step(&conn, &[SCHEMA, CACHE_TABLE], "create")?,
-            1 => schema_step(&conn, &[MIGRATE_1_TO_2, CACHE_TABLE], "upgrade")?,
+            1 => schema_step(
+                &conn,
+                &[MIGRATE_1_TO_2, CACHE_TABLE, MIGRATE_2_TO_3],
+                "upgrade",
+            )?,
+            2 => schema_step(&conn, &[MIGRATE_2_TO_3], "upgrade")?,
             SCHEMA_VERSION => {}
             newer => {
                 return Err(StoreError::Backend {
@@ -755,9 +765,9 @@ impl Store for SqliteStore {
                 .prepare_cached(
                     "INSERT INTO results (rid, seq, item_id, status, output, error, endpoint, model, attempts,
                          latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, item,
-                         finished_at, parsed, verdict, check_error, scores, reasks)
+                         finished_at, parsed, verdict, check_error, scores, reasks, judge)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17,
-                             ?18, ?19, ?20, ?21, ?22)",
+                             ?18, ?19, ?20, ?21, ?22, ?23)",
                 )
                 .map_err(db_err("cannot prepare the result insert"))?;
             for r in &batch.results {
@@ -794,6 +804,7 @@ impl Store for SqliteStore {
                         r.judged.check_error,
                         r.judged.scores,
                         r.judged.reasks,
+                        r.judged.judge,
                     ])
                     .map_err(db_err("cannot record a result"))?;
             }
@@ -1034,7 +1045,7 @@ impl Store for SqliteStore {
             .prepare(
                 "SELECT r.item_id, r.status, r.output, r.error, r.endpoint, r.model, r.attempts, r.latency_ms,
                         r.ttft_ms, r.tpot_ms, r.prompt_tokens, r.completion_tokens, r.item,
-                        r.parsed, r.verdict, r.scores
+                        r.parsed, r.verdict, r.scores, r.judge
                  FROM results r WHERE r.rid = ?1 ORDER BY r.seq",
             )
             .map_err(db_err("cannot export"))?;
@@ -1074,6 +1085,7 @@ impl Store for SqliteStore {
                     .map_err(&get_err)?
                     .map(|v| v == "ok"),
                 scores: json_column(row.get(15).map_err(&get_err)?)?,
+                judge: json_column(row.get(16).map_err(&get_err)?)?,
             })?;
         }
         Ok(())
@@ -1189,7 +1201,7 @@ impl Store for SqliteStore {
             .conn
             .prepare(
                 "SELECT seq, item_id, status, output, endpoint, model, item, parsed, verdict,
-                        check_error, scores, reasks
+                        check_error, scores, reasks, judge
                  FROM results WHERE rid = ?1 ORDER BY seq",
             )
             .map_err(&err)?;
@@ -1210,6 +1222,7 @@ impl Store for SqliteStore {
                     check_error: row.get(9).map_err(&err)?,
                     scores: row.get(10).map_err(&err)?,
                     reasks: row.get(11).map_err(&err)?,
+                    judge: row.get(12).map_err(&err)?,
                 },
             });
         }
@@ -1231,7 +1244,8 @@ impl Store for SqliteStore {
         {
             let mut update = tx
                 .prepare_cached(
-                    "UPDATE results SET parsed = ?3, verdict = ?4, check_error = ?5, scores = ?6
+                    "UPDATE results SET parsed = ?3, verdict = ?4, check_error = ?5, scores = ?6,
+                         judge = COALESCE(?7, judge)
                      WHERE rid = ?1 AND seq = ?2",
                 )
                 .map_err(&err)?;
@@ -1243,7 +1257,8 @@ impl Store for SqliteStore {
                         j.parsed,
                         j.verdict,
                         j.check_error,
-                        j.scores
+                        j.scores,
+                        j.judge
                     ])
                     .map_err(&err)?;
             }

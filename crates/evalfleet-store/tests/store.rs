@@ -403,6 +403,7 @@ fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
          ALTER TABLE results DROP COLUMN check_error;
          ALTER TABLE results DROP COLUMN scores;
          ALTER TABLE results DROP COLUMN reasks;
+         ALTER TABLE results DROP COLUMN judge;
          ALTER TABLE attempts DROP COLUMN cached;
          PRAGMA user_version = 1;",
     )
@@ -454,5 +455,5 @@ fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
     let version: i64 = conn
         .query_row("PRAGMA user_version", [], |r| r.get(0))
         .unwrap();
-    assert_eq!(version, 2);
+    assert_eq!(version, 3);
 }

@@ -4,6 +4,7 @@
 // Test helpers fail loudly; that is their job.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod code;
 mod crash;
 mod failures;
 mod fleet;

@@ -253,6 +253,7 @@ fn metrics(list: Vec<Value>, p: &mut Problems<'_>) -> Option<Vec<MetricSpec>> {
                     metric.kind,
                     crate::eval::metrics::Kind::RegexMatch { .. }
                         | crate::eval::metrics::Kind::Judge { .. }
+                        | crate::eval::metrics::Kind::CodeAccepted
                 );
                 if let crate::eval::metrics::Kind::Judge { rubric, .. } = &metric.kind
                     && let Err(err) = checker.template_from_str(rubric)

@@ -132,6 +132,8 @@ pub struct TaskConfig {
     /// K items, `ID#0` to `ID#K-1`, distinct requests (and cache keys) for
     /// pass@k and majority votes; use a temperature above 0.
     pub samples: u32,
+    /// `code`: judge the answer as a program against the item's tests.
+    pub code: Option<crate::code::CodeSettings>,
     /// `parse`, `schema` / `schema_file`, `max_reasks`,
     /// `structured_output` and `metrics`: what is done with the answer.
     pub eval: crate::eval::EvalSpec,

@@ -53,6 +53,21 @@ pub struct RawTask {
     pub max_reasks: Option<u32>,
     pub structured_output: Option<bool>,
     pub metrics: Option<Vec<Value>>,
+    pub code: Option<Value>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct RawCode {
+    pub format: Option<String>,
+    pub language: Option<String>,
+    pub timeout: Option<String>,
+    pub wall_timeout: Option<String>,
+    pub memory_mb: Option<u64>,
+    pub output_bytes: Option<usize>,
+    pub early_exit: Option<bool>,
+    pub judge_concurrency: Option<usize>,
+    pub float_tolerance: Option<f64>,
+    pub python: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

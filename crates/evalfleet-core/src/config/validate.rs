@@ -254,6 +254,61 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
     })
 }
 
+fn code(value: &Value, p: &mut Problems<'_>) -> Option<crate::code::CodeSettings> {
+    use crate::code::{CodeSettings, Format};
+    let raw = raw::section::<raw::RawCode>(value, "task.code", p.0)?;
+    let format = match raw.format.as_deref() {
+        None => p.push("task.code.format", "is required: humaneval, mbpp or stdio"),
+        Some(f) => Format::parse(f).or_else(|| {
+            p.push(
+                "task.code.format",
+                format!("must be humaneval, mbpp or stdio, got '{f}'"),
+            )
+        }),
+    };
+    let language = match raw.language.as_deref() {
+        None | Some("python") => Some(()),
+        Some(other) => p.push(
+            "task.code.language",
+            format!("'{other}' is not supported yet (python is)"),
+        ),
+    };
+    let cpu = p.duration("task.code.timeout", raw.timeout.as_deref(), "10s");
+    let wall = match (&raw.wall_timeout, cpu) {
+        (Some(text), _) => p.duration("task.code.wall_timeout", Some(text), "30s"),
+        (None, Some(cpu)) => Some(cpu * 3),
+        (None, None) => None,
+    };
+    let cores = std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get);
+    let concurrency = match raw.judge_concurrency {
+        Some(0) => p.push("task.code.judge_concurrency", "must be at least 1, got 0"),
+        other => Some(other.unwrap_or(cores)),
+    };
+    let float_tolerance = match raw.float_tolerance {
+        Some(t) if t.is_nan() || t < 0.0 => p.push(
+            "task.code.float_tolerance",
+            format!("must be 0 or more, got {t}"),
+        ),
+        other => Some(other),
+    };
+    let defaults = crate::sandbox::Limits::default();
+    language?;
+    Some(CodeSettings {
+        format: format?,
+        limits: crate::sandbox::Limits {
+            wall: wall?,
+            cpu: cpu?,
+            memory_mb: raw.memory_mb.unwrap_or(defaults.memory_mb),
+            output_bytes: raw.output_bytes.unwrap_or(defaults.output_bytes),
+            ..defaults
+        },
+        early_exit: raw.early_exit.unwrap_or(false),
+        concurrency: concurrency?,
+        float_tolerance: float_tolerance?,
+        python: raw.python.unwrap_or_else(|| "python3".to_owned()),
+    })
+}
+
 fn cache(raw: raw::RawCache, p: &mut Problems<'_>) -> Option<crate::cache::CacheSettings> {
     use crate::cache::{CacheMode, CacheSettings};
     let mode = match raw.mode.as_deref() {
@@ -447,7 +502,20 @@ fn task(raw: RawTask, dir: &Path, p: &mut Problems<'_>) -> Option<TaskConfig> {
         p,
     );
     let mut params = params?;
-    let eval = eval?;
+    let mut eval = eval?;
+    // A code task is scored by its judge: `code_accepted` is always there.
+    if raw.code.is_some()
+        && !eval
+            .metrics
+            .iter()
+            .any(|m| matches!(m.metric.kind, crate::eval::metrics::Kind::CodeAccepted))
+        && let Ok(metric) = crate::eval::Metric::build("code_accepted", &Map::new(), None)
+    {
+        eval.metrics.push(crate::eval::MetricSpec {
+            metric,
+            reference: None,
+        });
+    }
     if eval.structured_output
         && let Some(schema) = &eval.schema
     {
@@ -467,11 +535,16 @@ fn task(raw: RawTask, dir: &Path, p: &mut Problems<'_>) -> Option<TaskConfig> {
         Some(n) if (1..=10_000).contains(&n) => n,
         Some(n) => return p.push("task.n", format!("must be between 1 and 10000, got {n}")),
     };
+    let code = match raw.code {
+        None => None,
+        Some(value) => Some(code(&value, p)?),
+    };
     Some(TaskConfig {
         messages: messages?,
         params,
         stream: raw.stream.unwrap_or(false),
         samples,
+        code,
         eval,
     })
 }

@@ -96,6 +96,13 @@ pub const REGISTRY: &[MetricInfo] = &[
         summary: "1 when the label equals the reference's; per-class and macro/micro P/R/F1 in aggregates",
     },
     MetricInfo {
+        name: "code_accepted",
+        version: 1,
+        params: &[],
+        higher_is_better: true,
+        summary: "1 when the code judge accepts the program (every test passes); with task.n samples, pass@k",
+    },
+    MetricInfo {
         name: "llm_judge",
         version: 1,
         params: &["endpoint", "rubric", "score_regex", "scale"],
@@ -136,6 +143,8 @@ pub enum Kind {
         labels: Option<Vec<String>>,
         ignore_case: bool,
     },
+    /// Set by the code judge (`task.code`).
+    CodeAccepted,
     /// Scored by a call to a judge endpoint (see `Evaluator::judge_requests`).
     Judge {
         endpoint: String,
@@ -291,6 +300,7 @@ impl Metric {
             "json_field_match" => Kind::JsonFields {
                 fields: strings_param(params, "fields")?,
             },
+            "code_accepted" => Kind::CodeAccepted,
             "llm_judge" => {
                 let text = |key: &str| match param(params, key) {
                     Some(Value::String(s)) if !s.trim().is_empty() => Ok(s.clone()),
@@ -429,6 +439,7 @@ impl Metric {
                 json_fields(answer, references.first(), fields.as_deref())
             }
             Kind::Judge { .. } => json!({"error": "scored by its judge endpoint"}),
+            Kind::CodeAccepted => json!({"error": "scored by the code judge"}),
             Kind::Classification {
                 labels,
                 ignore_case,

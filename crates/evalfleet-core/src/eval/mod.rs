@@ -188,7 +188,10 @@ impl Evaluator {
             return out;
         };
         for (i, m) in self.spec.metrics.iter().enumerate() {
-            if matches!(m.metric.kind, metrics::Kind::Judge { .. }) {
+            if matches!(
+                m.metric.kind,
+                metrics::Kind::Judge { .. } | metrics::Kind::CodeAccepted
+            ) {
                 continue;
             }
             let score = match self.references(i, m, item) {

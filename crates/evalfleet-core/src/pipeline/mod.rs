@@ -96,6 +96,47 @@ pub struct Session {
     pub fleet: FleetHandle,
     /// Pending items when the session began.
     pub pending: u64,
+    /// Where the code judge makes its sandbox directories (not under /tmp,
+    /// which the sandbox replaces).
+    pub sandbox_dir: std::path::PathBuf,
+}
+
+/// The code judge of a session.
+pub struct CodeJudge {
+    pub settings: crate::code::CodeSettings,
+    pub isolation: crate::sandbox::Isolation,
+    pub slots: Arc<tokio::sync::Semaphore>,
+    pub parent: std::path::PathBuf,
+}
+
+impl CodeJudge {
+    /// Judges `answer` as the program for `row`: the judgement as JSON, and
+    /// the `code_accepted` score.
+    pub async fn judge(
+        &self,
+        row: &serde_json::Value,
+        answer: &str,
+    ) -> (Option<String>, serde_json::Value) {
+        match crate::code::judge(
+            &self.settings,
+            &self.isolation,
+            &self.slots,
+            &self.parent,
+            row,
+            answer,
+        )
+        .await
+        {
+            Ok(j) => (
+                serde_json::to_string(&j).ok(),
+                serde_json::json!({"value": f64::from(u8::from(j.accepted)), "verdict": j.verdict.as_str(), "passed": j.passed, "total": j.total}),
+            ),
+            Err(error) => (
+                None,
+                serde_json::json!({"error": format!("the code judge failed: {error}")}),
+            ),
+        }
+    }
 }
 
 /// How a session ended.
@@ -151,6 +192,7 @@ struct Shared {
     /// Judge endpoints by name, with the identity their replies are cached
     /// under.
     judges: HashMap<String, (Arc<Endpoint>, String)>,
+    code: Option<Arc<CodeJudge>>,
 }
 
 impl Shared {
@@ -237,6 +279,19 @@ pub async fn execute(
     } else {
         None
     };
+    let code = match &config.task.code {
+        Some(settings) => {
+            let isolation = crate::sandbox::Isolation::detect().await;
+            tracing::info!("Code judge {}.", isolation.describe());
+            Some(Arc::new(CodeJudge {
+                settings: settings.clone(),
+                isolation,
+                slots: Arc::new(tokio::sync::Semaphore::new(settings.concurrency)),
+                parent: session.sandbox_dir.clone(),
+            }))
+        }
+        None => None,
+    };
     let judges: HashMap<String, (Arc<Endpoint>, String)> = session
         .endpoints
         .iter()
@@ -258,6 +313,7 @@ pub async fn execute(
                 crate::store::now_ms() - i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX)
             }),
             eval: eval.clone(),
+            code: code.clone(),
             hits: AtomicU64::new(0),
             judges: judges
                 .iter()
@@ -267,6 +323,7 @@ pub async fn execute(
         _ => None,
     };
     let shared = Arc::new(Shared {
+        code: code.clone(),
         judges,
         cache_writes: identity.filter(|_| config.cache.mode.writes()),
         eval,
@@ -667,7 +724,20 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
                     };
                     scores.insert(key, score);
                 }
-                judged = Some(Judged::new(&checked, &scores, item.reasks));
+                let mut judgement = None;
+                if let Some(code) = shared.code.as_ref().filter(|_| checked.valid) {
+                    let (json, score) = code.judge(&row, &content).await;
+                    judgement = json;
+                    if let Some(m) = eval
+                        .metrics()
+                        .find(|m| matches!(m.kind, crate::eval::metrics::Kind::CodeAccepted))
+                    {
+                        scores.insert(m.key.clone(), score);
+                    }
+                }
+                let mut j = Judged::new(&checked, &scores, item.reasks);
+                j.judge = judgement;
+                judged = Some(j);
             }
             let mut done = result_record(item, ItemStatus::Done, Some(content), None);
             if let Some(judged) = judged {

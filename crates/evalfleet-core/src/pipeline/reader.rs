@@ -54,6 +54,8 @@ pub struct CacheReads {
     /// Entries stored before this are too old (`cache.ttl`).
     pub since_ms: i64,
     pub eval: Option<Arc<Evaluator>>,
+    /// Cached answers of a code task are judged here too.
+    pub code: Option<Arc<super::CodeJudge>>,
     pub hits: std::sync::atomic::AtomicU64,
     /// Judge endpoints' cache identities, by name.
     pub judges: std::collections::HashMap<String, String>,
@@ -189,7 +191,22 @@ impl Reader {
                             }
                         }
                     }
-                    Judged::new(checked, &scores, item.reasks)
+                    let mut judgement = None;
+                    if let Some(code) = cache.code.as_ref().filter(|_| checked.valid) {
+                        // This thread is the runtime's blocking pool: it may wait.
+                        let (json, score) =
+                            Handle::current().block_on(code.judge(&row, &hit.content));
+                        judgement = json;
+                        if let Some(m) = eval
+                            .metrics()
+                            .find(|m| matches!(m.kind, crate::eval::metrics::Kind::CodeAccepted))
+                        {
+                            scores.insert(m.key.clone(), score);
+                        }
+                    }
+                    let mut j = Judged::new(checked, &scores, item.reasks);
+                    j.judge = judgement;
+                    j
                 }
                 None => Judged {
                     reasks: item.reasks,

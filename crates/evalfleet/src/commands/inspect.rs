@@ -299,7 +299,7 @@ pub fn fleet(args: FleetArgs) -> anyhow::Result<u8> {
 }
 
 /// The fixed columns of an export row, in the contract's order.
-const COLUMNS: [&str; 15] = [
+const COLUMNS: [&str; 16] = [
     "item_id",
     "status",
     "output",
@@ -315,6 +315,7 @@ const COLUMNS: [&str; 15] = [
     "parsed",
     "valid",
     "scores",
+    "judge",
 ];
 
 pub fn export(args: ExportArgs) -> anyhow::Result<u8> {
@@ -424,6 +425,7 @@ fn csv_record(row: &ExportRow, fields: &BTreeSet<String>) -> Vec<String> {
         json_cell(row.parsed.as_ref()),
         row.valid.map(|v| v.to_string()).unwrap_or_default(),
         json_cell(row.scores.as_ref()),
+        json_cell(row.judge.as_ref()),
     ];
     for field in fields {
         record.push(match row.item.get(field) {

@@ -323,7 +323,9 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
     )?;
     let loaded = stored_config(&scored.run)?;
     let samples = samples_summary(&scored, &metrics, loaded.config.task.samples);
+    let code_verdicts = code_verdicts(&scored, &args.by);
     let summary_json = json!({
+        "code_verdicts": code_verdicts,
         "samples": samples,
         "run_id": scored.run.run_id,
         "name": scored.run.name,
@@ -396,6 +398,12 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
             );
         }
     }
+    if let Some(groups) = code_verdicts.as_object().filter(|g| !g.is_empty()) {
+        println!("\nCode judge verdicts:");
+        for (group, counts) in groups {
+            println!("  {group}: {counts}");
+        }
+    }
     println!("\nAnswers: {fidelity}");
     let mut table = vec![
         [
@@ -441,6 +449,32 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
         dir.display()
     );
     Ok(EXIT_OK)
+}
+
+/// The code judge's problem verdicts, counted overall and per group.
+fn code_verdicts(scored: &Scored, by: &[String]) -> Value {
+    let mut groups: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
+    for r in &scored.results {
+        let Some(verdict) = r
+            .judged
+            .judge
+            .as_deref()
+            .and_then(|j| serde_json::from_str::<Value>(j).ok())
+            .and_then(|j| j.get("verdict").and_then(Value::as_str).map(str::to_owned))
+        else {
+            continue;
+        };
+        let group = group_of(&item_value(r), by);
+        *groups
+            .entry("all".to_owned())
+            .or_default()
+            .entry(verdict.clone())
+            .or_default() += 1;
+        if group != "all" {
+            *groups.entry(group).or_default().entry(verdict).or_default() += 1;
+        }
+    }
+    json!(groups)
 }
 
 /// With `task.n` = K > 1: per metric, the unbiased pass@k over each row's

@@ -170,6 +170,12 @@ async fn execute(session: Session) -> anyhow::Result<u8> {
         endpoints: fleet.endpoints.clone(),
         fleet: fleet.handle(),
         retry_failed,
+        sandbox_dir: store_path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(std::path::Path::new("."))
+            .join("sandbox")
+            .join(&run_id),
     };
     let prepared = run::prepare(&mut store, &plan)?;
     let cache_file = plan
