@@ -22,13 +22,14 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::Command;
 
-/// The namespace's first process: keeps the working directory (which may
-/// itself be under /tmp) at its path on /mnt, covers /tmp, /var/tmp and
-/// /dev/shm with private empty file systems, puts the working directory
-/// back, and runs the program; it reports a signal as 128 + its number.
-const SANDBOX_SHELL: &str = "w=$PWD; mount --bind \"$w\" /mnt && \
+/// The namespace's first process: puts the working directory at /mnt (so
+/// that it is reachable whatever the directories above it allow, and stays
+/// visible when /tmp is covered), covers /tmp, /var/tmp and /dev/shm with
+/// private empty file systems, and runs the program there; it reports a
+/// signal as 128 + its number.
+const SANDBOX_SHELL: &str = "mount --bind \"$PWD\" /mnt && \
     for d in /tmp /var/tmp /dev/shm; do [ -d $d ] && mount -t tmpfs -o size=64m,mode=1777 tmpfs $d; done; \
-    mkdir -p \"$w\" && mount --move /mnt \"$w\" && cd \"$w\" && \"$@\"; exit $?";
+    cd /mnt && \"$@\"; exit $?";
 
 /// What an execution may use.
 #[derive(Debug, Clone, Copy, PartialEq)]
