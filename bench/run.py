@@ -8,6 +8,7 @@
     python3 bench/run.py w3 [--items 6000] [--rpm 6000] [--rounds 3]
     python3 bench/run.py w4 [--items 12000] [--capacity 32] [--rounds 3]
     python3 bench/run.py w6 [--items 200000] [--rounds 3]
+    python3 bench/run.py j1 [--rounds 3]     # needs ../shared/data/humaneval.jsonl.gz
 
 W3 and W4 also run the peers with --peers DIR, where DIR holds
 venv/bin/inspect (pip install inspect-ai openai) and
@@ -100,9 +101,10 @@ def write_config(path, dataset, url, concurrency, stream=False):
         )
 
 
-def evalfleet(args, cwd):
-    """Runs the client on its core; returns its figures."""
-    cmd = ["taskset", "-c", CLIENT_CORE, "/usr/bin/time", "-f", "TIME %e %U %S %M", BIN, *args]
+def evalfleet(args, cwd, pin=True):
+    """Runs the client on its core (`pin`; else on every core); returns its
+    figures."""
+    cmd = (["taskset", "-c", CLIENT_CORE] if pin else []) + ["/usr/bin/time", "-f", "TIME %e %U %S %M", BIN, *args]
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     out = {"code": proc.returncode}
     for line in proc.stderr.splitlines():
@@ -589,9 +591,102 @@ def w6(args, work):
     )
 
 
+def j1(args, work):
+    """The code judge: HumanEval's 164 canonical solutions, answered by the
+    mock and judged in the sandbox, against the same programs run one after
+    another with python3; and one stdin/stdout problem with 200 tests against
+    running them one by one."""
+    import gzip
+
+    source = os.path.join(ROOT, "..", "shared", "data", "humaneval.jsonl.gz")
+    problems = [json.loads(line) for line in gzip.open(source, "rt")]
+    dataset = os.path.join(work, "humaneval.jsonl")
+    answers = os.path.join(work, "answers.jsonl")
+    with open(dataset, "w") as d, open(answers, "w") as a:
+        for p in problems:
+            d.write(json.dumps(p) + "\n")
+            a.write(json.dumps({"prompt": p["prompt"], "replies": ["```python\n" + p["canonical_solution"] + "\n```"]}) + "\n")
+    # The stdio problem: 200 tests of a program that doubles its input.
+    stdio = os.path.join(work, "stdio.jsonl")
+    program = "n = int(input())\nprint(2 * n)\n"
+    tests = [{"input": f"{i}\n", "output": f"{2 * i}\n"} for i in range(200)]
+    with open(stdio, "w") as f:
+        f.write(json.dumps({"id": "double", "question": "Double it.", "tests": tests}) + "\n")
+    stdio_answers = os.path.join(work, "stdio-answers.jsonl")
+    with open(stdio_answers, "w") as f:
+        f.write(json.dumps({"prompt": "Double it.", "replies": ["```python\n" + program + "```"]}) + "\n")
+    cores = os.cpu_count()
+
+    def serial_humaneval():
+        started = time.monotonic()
+        for i, p in enumerate(problems):
+            path = os.path.join(work, f"serial-{i}.py")
+            with open(path, "w") as f:
+                f.write(p["prompt"] + p["canonical_solution"] + "\n" + p["test"] + f"\ncheck({p['entry_point']})\n")
+            subprocess.run(["/usr/bin/python3", path], check=True, capture_output=True)
+        return time.monotonic() - started
+
+    def serial_stdio():
+        path = os.path.join(work, "double.py")
+        with open(path, "w") as f:
+            f.write(program)
+        started = time.monotonic()
+        for t in tests:
+            out = subprocess.run(["/usr/bin/python3", path], input=t["input"], capture_output=True, text=True, check=True)
+            assert out.stdout == t["output"]
+        return time.monotonic() - started
+
+    def judged(name, data, script, fmt, messages):
+        mock = Mock("--answers", script)
+        config = os.path.join(work, f"{name}.yaml")
+        with open(config, "w") as f:
+            f.write(
+                f"name: {name}\ndataset: {{ path: {data}, id_field: {'task_id' if fmt == 'humaneval' else 'id'} }}\n"
+                f"endpoints:\n  - {{ name: mock, kind: external, base_url: \"{mock.url}\", model: m, concurrency: 16 }}\n"
+                f"task:\n  messages: [ {{ role: user, content: \"{messages}\" }} ]\n  params: {{ max_tokens: 1024 }}\n"
+                f"  code: {{ format: {fmt} }}\n"
+            )
+        db = os.path.join(work, f"{name}.db")
+        # Not pinned: the judge's programs use every core, as the reference's
+        # share does.
+        run = evalfleet(["run", config, "--store", db, "-q", "--run-id", name], work, pin=False)
+        mock.stop()
+        report = subprocess.run([BIN, "report", name, "--store", db, "--json", "--out", os.path.join(work, name)], capture_output=True, text=True, check=True)
+        summary = json.loads(report.stdout)
+        return run, summary
+
+    rounds = []
+    for i in range(args.rounds):
+        serial = serial_humaneval()
+        run, summary = judged(f"he-{i}", dataset, answers, "humaneval", "{{ prompt }}")
+        accepted = summary["code_verdicts"]["all"].get("success", 0)
+        serial_io = serial_stdio()
+        io_run, io_summary = judged(f"io-{i}", stdio, stdio_answers, "stdio", "{{ question }}")
+        io_passed = json.loads(subprocess.run([BIN, "export", f"io-{i}", "--store", os.path.join(work, f"io-{i}.db"), "--format", "jsonl"], capture_output=True, text=True, check=True).stdout)["judge"]["passed"]
+        round_ = {
+            "serial_s": serial,
+            "evalfleet_s": run["seconds"],
+            "ratio_to_serial_over_cores": run["seconds"] / (serial / cores),
+            "accepted": accepted,
+            "stdio_serial_s": serial_io,
+            "stdio_evalfleet_s": io_run["seconds"],
+            "stdio_speedup": serial_io / io_run["seconds"],
+            "stdio_passed": io_passed,
+        }
+        rounds.append(round_)
+        print(json.dumps(round_), file=sys.stderr)
+    med = lambda k: statistics.median(r[k] for r in rounds)
+    result = {"workload": "J1", "cores": cores, "ratio_median": med("ratio_to_serial_over_cores"), "stdio_speedup_median": med("stdio_speedup"), "rounds": rounds}
+    print(json.dumps(result, indent=2))
+    print(
+        f"\n| J1 | 164 HumanEval canonical solutions | serial python3 {med('serial_s'):.2f} s / {cores} cores "
+        f"| {med('evalfleet_s'):.2f} s, {result['ratio_median']:.2f} x (serial / cores), {min(r['accepted'] for r in rounds)}/164 accepted |"
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("workload", choices=["w1", "w2", "w3", "w4", "w5", "w6", "startup"])
+    parser.add_argument("workload", choices=["w1", "w2", "w3", "w4", "w5", "w6", "j1", "startup"])
     parser.add_argument("--rpm", type=int, default=6000, help="W3: the quota")
     parser.add_argument("--capacity", type=int, default=32, help="W4: calls served at once")
     parser.add_argument("--no-build", action="store_true")
@@ -619,6 +714,8 @@ def main():
         elif args.workload == "w4":
             args.items = args.items or 12000
             w4(args, work)
+        elif args.workload == "j1":
+            j1(args, work)
         elif args.workload == "w6":
             args.items = args.items or 200_000
             w6(args, work)
