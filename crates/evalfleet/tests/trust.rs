@@ -8,16 +8,17 @@ use serde_json::{Value, json};
 
 use crate::util::{Env, external, mock};
 
-const GSM8K: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../../shared/data/gsm8k-test.jsonl"
-);
-
 /// The first `n` GSM8K questions with their final answers, or `None` (and a
-/// note saying so) when the dataset is absent.
+/// note saying so) when the dataset is absent (`../shared/data`, or
+/// `$EVALFLEET_TEST_DATA`).
 fn gsm8k(n: usize) -> Option<Vec<(Value, String)>> {
-    let Ok(text) = std::fs::read_to_string(GSM8K) else {
-        eprintln!("skipped: {GSM8K} is absent");
+    let dir = std::env::var_os("EVALFLEET_TEST_DATA").map_or_else(
+        || std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data")),
+        std::path::PathBuf::from,
+    );
+    let path = dir.join("gsm8k-test.jsonl");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        eprintln!("skipped: {} is absent", path.display());
         return None;
     };
     Some(

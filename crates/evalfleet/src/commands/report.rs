@@ -451,6 +451,23 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
     Ok(EXIT_OK)
 }
 
+/// A result's score for metric `m`; `None` when it failed, its answer was
+/// unparsed or invalid, or it has no such score.
+fn stored_value(r: &StoredResult, m: &evalfleet_core::eval::Metric) -> Option<f64> {
+    if r.failed || matches!(r.judged.verdict.as_deref(), Some("unparsed" | "invalid")) {
+        return None;
+    }
+    r.judged
+        .scores
+        .as_deref()
+        .and_then(|s| serde_json::from_str::<Value>(s).ok())
+        .and_then(|s| {
+            s.get(&m.key)
+                .and_then(|v| v.get("value"))
+                .and_then(Value::as_f64)
+        })
+}
+
 /// The code judge's problem verdicts, counted overall and per group.
 fn code_verdicts(scored: &Scored, by: &[String]) -> Value {
     let mut groups: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
@@ -496,20 +513,7 @@ fn samples_summary(
             .map_or(r.item_id.as_str(), |(row, _)| row);
         rows.entry(row).or_default().push(r);
     }
-    let value = |r: &StoredResult, m: &evalfleet_core::eval::Metric| -> Option<f64> {
-        if r.failed || r.judged.verdict.as_deref().is_some_and(|v| v != "ok") {
-            return None;
-        }
-        r.judged
-            .scores
-            .as_deref()
-            .and_then(|s| serde_json::from_str::<Value>(s).ok())
-            .and_then(|s| {
-                s.get(&m.key)
-                    .and_then(|v| v.get("value"))
-                    .and_then(Value::as_f64)
-            })
-    };
+    let value = stored_value;
     let ks: Vec<u64> = [1u64, 5, 10, 20, 50, 100]
         .into_iter()
         .filter(|k| *k < u64::from(k_samples))
@@ -711,19 +715,7 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<u8> {
     }
     // Per run: item id → (group, value per metric, missing as the worst).
     let value_of = |r: &StoredResult, m: &evalfleet_core::eval::Metric| -> f64 {
-        if r.failed || matches!(r.judged.verdict.as_deref(), Some("unparsed" | "invalid")) {
-            return m.missing();
-        }
-        r.judged
-            .scores
-            .as_deref()
-            .and_then(|s| serde_json::from_str::<Value>(s).ok())
-            .and_then(|s| {
-                s.get(&m.key)
-                    .and_then(|v| v.get("value"))
-                    .and_then(Value::as_f64)
-            })
-            .unwrap_or_else(|| m.missing())
+        stored_value(r, m).unwrap_or_else(|| m.missing())
     };
     let indexed: Vec<HashMap<&str, &StoredResult>> = runs
         .iter()
