@@ -249,12 +249,6 @@ fn metrics(list: Vec<Value>, p: &mut Problems<'_>) -> Option<Vec<MetricSpec>> {
                     );
                     continue;
                 }
-                let needs_reference = !matches!(
-                    metric.kind,
-                    crate::eval::metrics::Kind::RegexMatch { .. }
-                        | crate::eval::metrics::Kind::Judge { .. }
-                        | crate::eval::metrics::Kind::CodeAccepted
-                );
                 if let crate::eval::metrics::Kind::Judge { rubric, .. } = &metric.kind
                     && let Err(err) = checker.template_from_str(rubric)
                 {
@@ -265,7 +259,7 @@ fn metrics(list: Vec<Value>, p: &mut Problems<'_>) -> Option<Vec<MetricSpec>> {
                     );
                     continue;
                 }
-                if needs_reference && reference.is_none() {
+                if metric.needs_reference() && reference.is_none() {
                     ok = false;
                     p.push::<()>(
                         &path::key(&at, "reference"),

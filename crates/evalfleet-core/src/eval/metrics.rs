@@ -359,6 +359,17 @@ impl Metric {
         })
     }
 
+    /// Whether [`Metric::score`] computes it (not a judge endpoint or the
+    /// code judge).
+    pub fn scored_here(&self) -> bool {
+        !matches!(self.kind, Kind::Judge { .. } | Kind::CodeAccepted)
+    }
+
+    /// Whether the task must give it a reference.
+    pub fn needs_reference(&self) -> bool {
+        self.scored_here() && !matches!(self.kind, Kind::RegexMatch { .. })
+    }
+
     /// Whether the reference is JSON (an object to compare fields with).
     pub fn wants_json_reference(&self) -> bool {
         matches!(self.kind, Kind::JsonFields { .. })

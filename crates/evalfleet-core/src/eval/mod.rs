@@ -73,6 +73,11 @@ pub struct Checked {
 }
 
 impl Checked {
+    /// The error of an attempt whose answer was re-asked.
+    pub fn reask_note(&self) -> String {
+        format!("re-asked: {}", self.error.as_deref().unwrap_or_default())
+    }
+
     /// `ok`, `unparsed` or `invalid`.
     pub fn verdict(&self) -> &'static str {
         match (&self.parsed, self.valid) {
@@ -188,10 +193,7 @@ impl Evaluator {
             return out;
         };
         for (i, m) in self.spec.metrics.iter().enumerate() {
-            if matches!(
-                m.metric.kind,
-                metrics::Kind::Judge { .. } | metrics::Kind::CodeAccepted
-            ) {
+            if !m.metric.scored_here() {
                 continue;
             }
             let score = match self.references(i, m, item) {
@@ -324,6 +326,20 @@ impl Evaluator {
             || serde_json::json!({"error": "no such metric"}),
             |m| m.judge_score(reply),
         )
+    }
+
+    /// The conversation of a re-ask: `messages`, the answer, and what was
+    /// wrong with it.
+    pub fn reask_messages(
+        &self,
+        messages: &serde_json::value::RawValue,
+        answer: &str,
+        checked: &Checked,
+    ) -> Option<Box<serde_json::value::RawValue>> {
+        let mut list: Vec<Value> = serde_json::from_str(messages.get()).ok()?;
+        list.push(serde_json::json!({"role": "assistant", "content": answer}));
+        list.push(serde_json::json!({"role": "user", "content": self.reask_message(checked)}));
+        serde_json::value::to_raw_value(&list).ok()
     }
 
     /// The user message of a re-ask: what was wrong with the answer.

@@ -110,14 +110,16 @@ pub struct CodeJudge {
 }
 
 impl CodeJudge {
-    /// Judges `answer` as the program for `row`: the judgement as JSON, and
-    /// the `code_accepted` score.
+    /// Judges `answer` as the program for `row`: its `code_accepted` score
+    /// goes into `scores`, and the judgement comes back as JSON.
     pub async fn judge(
         &self,
+        eval: &Evaluator,
         row: &serde_json::Value,
         answer: &str,
-    ) -> (Option<String>, serde_json::Value) {
-        match crate::code::judge(
+        scores: &mut serde_json::Map<String, serde_json::Value>,
+    ) -> Option<String> {
+        let judged = crate::code::judge(
             &self.settings,
             &self.isolation,
             &self.slots,
@@ -125,8 +127,8 @@ impl CodeJudge {
             row,
             answer,
         )
-        .await
-        {
+        .await;
+        let (json, score) = match judged {
             Ok(j) => (
                 serde_json::to_string(&j).ok(),
                 serde_json::json!({"value": f64::from(u8::from(j.accepted)), "verdict": j.verdict.as_str(), "passed": j.passed, "total": j.total}),
@@ -135,7 +137,14 @@ impl CodeJudge {
                 None,
                 serde_json::json!({"error": format!("the code judge failed: {error}")}),
             ),
+        };
+        if let Some(m) = eval
+            .metrics()
+            .find(|m| matches!(m.kind, crate::eval::metrics::Kind::CodeAccepted))
+        {
+            scores.insert(m.key.clone(), score);
         }
+        json
     }
 }
 
@@ -314,7 +323,6 @@ pub async fn execute(
             }),
             eval: eval.clone(),
             code: code.clone(),
-            hits: AtomicU64::new(0),
             judges: judges
                 .iter()
                 .map(|(name, (_, identity))| (name.clone(), identity.clone()))
@@ -626,14 +634,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
             decision.reason.as_str()
         );
     }
-    let transition = endpoint.on_call(health(&result));
-    if transition.is_some() {
-        let why = result
-            .as_ref()
-            .err()
-            .map_or_else(String::new, ToString::to_string);
-        shared.fleet.call_transition(&endpoint, transition, &why);
-    }
+    observe_health(&shared, &endpoint, &result);
     let now = Instant::now();
     match &result {
         Ok(completion) => {
@@ -695,16 +696,9 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
     let err = match result {
         Ok(Completion { content, .. }) => {
             counters.successes.fetch_add(1, Ordering::Relaxed);
-            let cache = shared.cache_writes.as_ref().map(|identity| CacheEntry {
-                key: crate::cache::key(identity, item.sample, &item.messages),
-                content: content.clone(),
-                endpoint: endpoint.name.clone(),
-                model: endpoint.model.clone(),
-                prompt_tokens,
-                completion_tokens,
-                finish_reason: finish_reason.clone(),
-                latency_ms: ms(timing.latency),
-                created_at_ms: crate::store::now_ms(),
+            let cache = shared.cache_writes.as_ref().map(|identity| {
+                let key = crate::cache::key(identity, item.sample, &item.messages);
+                cache_entry(key, &content, &record)
             });
             let mut judged = None;
             if let Some(eval) = &shared.eval {
@@ -726,14 +720,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
                 }
                 let mut judgement = None;
                 if let Some(code) = shared.code.as_ref().filter(|_| checked.valid) {
-                    let (json, score) = code.judge(&row, &content).await;
-                    judgement = json;
-                    if let Some(m) = eval
-                        .metrics()
-                        .find(|m| matches!(m.kind, crate::eval::metrics::Kind::CodeAccepted))
-                    {
-                        scores.insert(m.key.clone(), score);
-                    }
+                    judgement = code.judge(eval, &row, &content, &mut scores).await;
                 }
                 let mut j = Judged::new(&checked, &scores, item.reasks);
                 j.judge = judgement;
@@ -816,6 +803,38 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
         .await
     {
         shared.ended(ItemStatus::Failed);
+    }
+}
+
+/// The cache entry of a successful call's answer.
+fn cache_entry(key: String, content: &str, record: &AttemptRecord) -> CacheEntry {
+    CacheEntry {
+        key,
+        content: content.to_owned(),
+        endpoint: record.endpoint.clone(),
+        model: record.model.clone(),
+        prompt_tokens: record.prompt_tokens,
+        completion_tokens: record.completion_tokens,
+        finish_reason: record.finish_reason.clone(),
+        latency_ms: record.latency_ms,
+        created_at_ms: crate::store::now_ms(),
+    }
+}
+
+/// What a call's outcome says of its endpoint's health; a change of state
+/// is reported to the fleet.
+fn observe_health(
+    shared: &Shared,
+    endpoint: &Arc<Endpoint>,
+    result: &Result<Completion, CallError>,
+) {
+    let transition = endpoint.on_call(health(result));
+    if transition.is_some() {
+        let why = result
+            .as_ref()
+            .err()
+            .map_or_else(String::new, ToString::to_string);
+        shared.fleet.call_transition(endpoint, transition, &why);
     }
 }
 
@@ -915,33 +934,17 @@ async fn judge(
             ),
         };
         permit.finish(signal(&result, &timing));
-        let transition = endpoint.on_call(health(&result));
-        if transition.is_some() {
-            let why = result
-                .as_ref()
-                .err()
-                .map_or_else(String::new, ToString::to_string);
-            shared.fleet.call_transition(endpoint, transition, &why);
-        }
+        observe_health(shared, endpoint, &result);
         let record = call_record(shared, endpoint, item.seq, item.number(), &result, &timing);
-        let (prompt_tokens, completion_tokens, finish_reason) = (
-            record.prompt_tokens,
-            record.completion_tokens,
-            record.finish_reason.clone(),
-        );
         item.excused += 1;
         match result {
             Ok(completion) => {
-                let cache = shared.cache_writes.as_ref().map(|_| CacheEntry {
-                    key: crate::cache::key(identity, 0, &messages),
-                    content: completion.content.clone(),
-                    endpoint: endpoint.name.clone(),
-                    model: endpoint.model.clone(),
-                    prompt_tokens,
-                    completion_tokens,
-                    finish_reason,
-                    latency_ms: ms(timing.latency),
-                    created_at_ms: crate::store::now_ms(),
+                let cache = shared.cache_writes.as_ref().map(|_| {
+                    cache_entry(
+                        crate::cache::key(identity, 0, &messages),
+                        &completion.content,
+                        &record,
+                    )
                 });
                 if !shared
                     .send(Outcome {
@@ -994,14 +997,9 @@ async fn reask(
     checked: &Checked,
     cache: Option<CacheEntry>,
 ) {
-    let why = checked.error.clone().unwrap_or_default();
     record.error_class = Some(ErrorClass::InvalidAnswer);
-    record.error = Some(format!("re-asked: {why}"));
-    let mut messages: Vec<serde_json::Value> =
-        serde_json::from_str(item.messages.get()).unwrap_or_default();
-    messages.push(serde_json::json!({"role": "assistant", "content": answer}));
-    messages.push(serde_json::json!({"role": "user", "content": eval.reask_message(checked)}));
-    let Ok(raw) = serde_json::value::to_raw_value(&messages) else {
+    record.error = Some(checked.reask_note());
+    let Some(raw) = eval.reask_messages(&item.messages, &answer, checked) else {
         return;
     };
     item.messages = raw;

@@ -56,7 +56,6 @@ pub struct CacheReads {
     pub eval: Option<Arc<Evaluator>>,
     /// Cached answers of a code task are judged here too.
     pub code: Option<Arc<super::CodeJudge>>,
-    pub hits: std::sync::atomic::AtomicU64,
     /// Judge endpoints' cache identities, by name.
     pub judges: std::collections::HashMap<String, String>,
 }
@@ -102,9 +101,6 @@ impl Reader {
             let Some(hit) = self.store.cache_get(&key, cache.since_ms)? else {
                 return Ok(Cached::Go(item));
             };
-            cache
-                .hits
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let checked = cache
                 .eval
                 .as_ref()
@@ -127,28 +123,18 @@ impl Reader {
                 finish_reason: hit.finish_reason.clone(),
                 http_status: None,
                 error_class: reask.then_some(crate::client::ErrorClass::InvalidAnswer),
-                error: if reask {
-                    checked
-                        .as_ref()
-                        .and_then(|(_, c)| c.error.as_ref())
-                        .map(|e| format!("re-asked: {e}"))
-                } else {
-                    None
-                },
+                error: checked
+                    .as_ref()
+                    .filter(|_| reask)
+                    .map(|(_, c)| c.reask_note()),
                 cached: true,
             };
             // Cached attempts do not count against the item's budget.
             item.excused += 1;
             if let Some((eval, checked)) = checked.as_ref().filter(|_| reask) {
-                let mut messages: Vec<serde_json::Value> =
-                    serde_json::from_str(item.messages.get()).unwrap_or_default();
-                messages.push(serde_json::json!({"role": "assistant", "content": hit.content}));
-                messages.push(
-                    serde_json::json!({"role": "user", "content": eval.reask_message(checked)}),
-                );
-                match serde_json::value::to_raw_value(&messages) {
-                    Ok(raw) => item.messages = raw,
-                    Err(_) => return Ok(Cached::Go(item)),
+                match eval.reask_messages(&item.messages, &hit.content, checked) {
+                    Some(raw) => item.messages = raw,
+                    None => return Ok(Cached::Go(item)),
                 }
                 item.reasks += 1;
                 self.hits.push(Outcome {
@@ -194,15 +180,12 @@ impl Reader {
                     let mut judgement = None;
                     if let Some(code) = cache.code.as_ref().filter(|_| checked.valid) {
                         // This thread is the runtime's blocking pool: it may wait.
-                        let (json, score) =
-                            Handle::current().block_on(code.judge(&row, &hit.content));
-                        judgement = json;
-                        if let Some(m) = eval
-                            .metrics()
-                            .find(|m| matches!(m.kind, crate::eval::metrics::Kind::CodeAccepted))
-                        {
-                            scores.insert(m.key.clone(), score);
-                        }
+                        judgement = Handle::current().block_on(code.judge(
+                            eval,
+                            &row,
+                            &hit.content,
+                            &mut scores,
+                        ));
                     }
                     let mut j = Judged::new(checked, &scores, item.reasks);
                     j.judge = judgement;
