@@ -7,27 +7,20 @@ use regex::Regex;
 use serde_json::{Map, Value};
 
 use super::path;
+use super::raw::RawTask;
 use super::validate::Problems;
 use crate::eval::{EvalSpec, Metric, MetricSpec, Parser};
-
-pub(super) struct RawEval {
-    pub parse: Option<Value>,
-    pub schema: Option<Value>,
-    pub schema_file: Option<String>,
-    pub max_reasks: Option<u32>,
-    pub structured_output: Option<bool>,
-    pub metrics: Option<Vec<Value>>,
-}
 
 const PARSERS: &str =
     "whole, json, choice, {regex: PATTERN, group: N, match: first|last} or {choice: LETTERS}";
 
-pub(super) fn eval(raw: RawEval, dir: &Path, p: &mut Problems<'_>) -> Option<EvalSpec> {
-    let parser = match raw.parse {
+/// Takes the task's checking and scoring keys out of `raw`.
+pub(super) fn eval(raw: &mut RawTask, dir: &Path, p: &mut Problems<'_>) -> Option<EvalSpec> {
+    let parser = match raw.parse.take() {
         None => Some(Parser::Whole),
         Some(value) => parser(&value, p),
     };
-    let schema = match (raw.schema, raw.schema_file) {
+    let schema = match (raw.schema.take(), raw.schema_file.take()) {
         (Some(_), Some(_)) => p.push(
             "task.schema_file",
             "cannot be given with task.schema (choose one)",
@@ -51,7 +44,7 @@ pub(super) fn eval(raw: RawEval, dir: &Path, p: &mut Problems<'_>) -> Option<Eva
         }
         (None, None) => Some(Value::Null),
     };
-    let metrics = metrics(raw.metrics.unwrap_or_default(), p);
+    let metrics = metrics(raw.metrics.take().unwrap_or_default(), p);
     let (parser, schema, metrics) = (parser?, schema?, metrics?);
     let schema = (!schema.is_null()).then_some(schema);
     let parser = match (&parser, &schema) {
@@ -189,27 +182,22 @@ fn metrics(list: Vec<Value>, p: &mut Problems<'_>) -> Option<Vec<MetricSpec>> {
                         continue;
                     }
                 };
-                let reference = match map.remove("reference") {
-                    None => None,
-                    Some(Value::String(r)) => Some(r),
-                    Some(Value::Number(n)) => Some(n.to_string()),
-                    Some(_) => {
-                        ok = false;
-                        p.push::<()>(
-                            &path::key(&at, "reference"),
-                            "must be a template string, e.g. \"{{ answer }}\"",
-                        );
-                        continue;
-                    }
+                let mut text = |key: &str, what: &str| match map.remove(key) {
+                    None => Ok(None),
+                    Some(Value::String(s)) => Ok(Some(s)),
+                    Some(Value::Number(n)) if key == "reference" => Ok(Some(n.to_string())),
+                    Some(_) => Err(p.push::<()>(&path::key(&at, key), what)),
                 };
-                let key = match map.remove("as") {
-                    None => None,
-                    Some(Value::String(k)) => Some(k),
-                    Some(_) => {
-                        ok = false;
-                        p.push::<()>(&path::key(&at, "as"), "must be a string");
-                        continue;
-                    }
+                let Ok(reference) = text(
+                    "reference",
+                    "must be a template string, e.g. \"{{ answer }}\"",
+                ) else {
+                    ok = false;
+                    continue;
+                };
+                let Ok(key) = text("as", "must be a string") else {
+                    ok = false;
+                    continue;
                 };
                 (name, reference, key, map)
             }

@@ -452,8 +452,8 @@ pub(super) fn params(
     ok.then_some(raw)
 }
 
-fn task(raw: RawTask, dir: &Path, p: &mut Problems<'_>) -> Option<TaskConfig> {
-    let messages = match raw.messages {
+fn task(mut raw: RawTask, dir: &Path, p: &mut Problems<'_>) -> Option<TaskConfig> {
+    let messages = match raw.messages.take() {
         None => p.push("task.messages", "is required (the chat messages to send)"),
         Some(list) if list.is_empty() => p.push("task.messages", "must hold at least one message"),
         Some(list) => {
@@ -488,19 +488,8 @@ fn task(raw: RawTask, dir: &Path, p: &mut Problems<'_>) -> Option<TaskConfig> {
             ok.then_some(out)
         }
     };
-    let params = params(raw.params, "task.params", p);
-    let eval = super::eval::eval(
-        super::eval::RawEval {
-            parse: raw.parse,
-            schema: raw.schema,
-            schema_file: raw.schema_file,
-            max_reasks: raw.max_reasks,
-            structured_output: raw.structured_output,
-            metrics: raw.metrics,
-        },
-        dir,
-        p,
-    );
+    let params = params(raw.params.take(), "task.params", p);
+    let eval = super::eval::eval(&mut raw, dir, p);
     let mut params = params?;
     let mut eval = eval?;
     // A code task is scored by its judge: `code_accepted` is always there.
