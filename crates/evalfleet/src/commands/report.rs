@@ -185,27 +185,51 @@ pub fn score(args: ScoreArgs) -> anyhow::Result<u8> {
     Ok(EXIT_OK)
 }
 
-/// Everything a report says about one run.
+/// Everything a report says about one run. Each result's stored JSON
+/// (its scores, its item's category) is read once, here.
 struct Scored {
     run: RunRecord,
     eval: Evaluator,
+    /// `task.n`.
+    samples: u32,
     results: Vec<StoredResult>,
+    /// Per result, in the same order: its scores by metric key.
+    scores: Vec<Map<String, Value>>,
+    /// Per result: its category for `--by`.
+    groups: Vec<String>,
 }
 
-fn load(store: &mut SqliteStore, run_id: &str) -> anyhow::Result<Scored> {
+fn load(store: &mut SqliteStore, run_id: &str, by: &[String]) -> anyhow::Result<Scored> {
     let run = store.run(run_id)?;
     let loaded = stored_config(&run)?;
     let eval = evaluator(&loaded)?;
     let mut results = Vec::new();
-    store.scan_results(run_id, &mut |r| results.push(r))?;
-    Ok(Scored { run, eval, results })
-}
-
-fn item_value(r: &StoredResult) -> Value {
-    r.item
-        .as_deref()
-        .and_then(|t| serde_json::from_str(t).ok())
-        .unwrap_or(Value::Null)
+    let mut scores = Vec::new();
+    let mut groups = Vec::new();
+    store.scan_results(run_id, &mut |r| {
+        let item: Value = r
+            .item
+            .as_deref()
+            .and_then(|t| serde_json::from_str(t).ok())
+            .unwrap_or(Value::Null);
+        groups.push(group_of(&item, by));
+        scores.push(
+            r.judged
+                .scores
+                .as_deref()
+                .and_then(|s| serde_json::from_str(s).ok())
+                .unwrap_or_default(),
+        );
+        results.push(r);
+    })?;
+    Ok(Scored {
+        run,
+        eval,
+        samples: loaded.config.task.samples,
+        results,
+        scores,
+        groups,
+    })
 }
 
 /// The category of an item for `--by`: its fields' values joined by ` / `.
@@ -223,20 +247,17 @@ fn group_of(item: &Value, by: &[String]) -> String {
         .join(" / ")
 }
 
-fn rows(scored: &Scored, by: &[String]) -> Vec<Row> {
+fn rows(scored: &Scored) -> Vec<Row> {
     scored
         .results
         .iter()
-        .map(|r| Row {
+        .zip(&scored.scores)
+        .zip(&scored.groups)
+        .map(|((r, scores), group)| Row {
             failed: r.failed,
             verdict: r.judged.verdict.clone(),
-            scores: r
-                .judged
-                .scores
-                .as_deref()
-                .and_then(|s| serde_json::from_str(s).ok())
-                .unwrap_or_default(),
-            group: group_of(&item_value(r), by),
+            scores: scores.clone(),
+            group: group.clone(),
         })
         .collect()
 }
@@ -294,9 +315,9 @@ fn endpoint_json(e: &EndpointSummary) -> Value {
 pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
     let path = store_path(args.store.store, None);
     let mut store = SqliteStore::open_existing(&path)?;
-    let scored = load(&mut store, &args.run_id)?;
+    let scored = load(&mut store, &args.run_id, &args.by)?;
     let metrics: Vec<_> = scored.eval.metrics().cloned().collect();
-    let rows = rows(&scored, &args.by);
+    let rows = rows(&scored);
     let summaries = aggregate::summarize(&metrics, &rows);
     let endpoints = summary::endpoints(&mut store, &args.run_id)?;
     let fidelity = fidelity(&scored.results);
@@ -315,15 +336,9 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
     });
     fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     write_summary_csv(&dir.join("metrics_summary.csv"), &summaries)?;
-    write_detailed_csv(
-        &dir.join("metrics_detailed.csv"),
-        &scored,
-        &metrics,
-        &args.by,
-    )?;
-    let loaded = stored_config(&scored.run)?;
-    let samples = samples_summary(&scored, &metrics, loaded.config.task.samples);
-    let code_verdicts = code_verdicts(&scored, &args.by);
+    write_detailed_csv(&dir.join("metrics_detailed.csv"), &scored, &metrics)?;
+    let samples = samples_summary(&scored, &metrics);
+    let code_verdicts = code_verdicts(&scored);
     let summary_json = json!({
         "code_verdicts": code_verdicts,
         "samples": samples,
@@ -453,25 +468,24 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
 
 /// A result's score for metric `m`; `None` when it failed, its answer was
 /// unparsed or invalid, or it has no such score.
-fn stored_value(r: &StoredResult, m: &evalfleet_core::eval::Metric) -> Option<f64> {
+fn stored_value(
+    r: &StoredResult,
+    scores: &Map<String, Value>,
+    m: &evalfleet_core::eval::Metric,
+) -> Option<f64> {
     if r.failed || matches!(r.judged.verdict.as_deref(), Some("unparsed" | "invalid")) {
         return None;
     }
-    r.judged
-        .scores
-        .as_deref()
-        .and_then(|s| serde_json::from_str::<Value>(s).ok())
-        .and_then(|s| {
-            s.get(&m.key)
-                .and_then(|v| v.get("value"))
-                .and_then(Value::as_f64)
-        })
+    scores
+        .get(&m.key)
+        .and_then(|v| v.get("value"))
+        .and_then(Value::as_f64)
 }
 
 /// The code judge's problem verdicts, counted overall and per group.
-fn code_verdicts(scored: &Scored, by: &[String]) -> Value {
+fn code_verdicts(scored: &Scored) -> Value {
     let mut groups: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
-    for r in &scored.results {
+    for (r, group) in scored.results.iter().zip(&scored.groups) {
         let Some(verdict) = r
             .judged
             .judge
@@ -481,14 +495,17 @@ fn code_verdicts(scored: &Scored, by: &[String]) -> Value {
         else {
             continue;
         };
-        let group = group_of(&item_value(r), by);
         *groups
             .entry("all".to_owned())
             .or_default()
             .entry(verdict.clone())
             .or_default() += 1;
         if group != "all" {
-            *groups.entry(group).or_default().entry(verdict).or_default() += 1;
+            *groups
+                .entry(group.clone())
+                .or_default()
+                .entry(verdict)
+                .or_default() += 1;
         }
     }
     json!(groups)
@@ -498,22 +515,19 @@ fn code_verdicts(scored: &Scored, by: &[String]) -> Value {
 /// K samples (for 0/1 metrics) and the score of the majority answer (the
 /// most frequent parsed answer among the row's valid samples; ties go to the
 /// one seen first), each averaged over rows.
-fn samples_summary(
-    scored: &Scored,
-    metrics: &[evalfleet_core::eval::Metric],
-    k_samples: u32,
-) -> Value {
+fn samples_summary(scored: &Scored, metrics: &[evalfleet_core::eval::Metric]) -> Value {
+    let k_samples = scored.samples;
     if k_samples <= 1 {
         return Value::Null;
     }
-    // Row id → its samples, in order.
-    let mut rows: BTreeMap<&str, Vec<&StoredResult>> = BTreeMap::new();
-    for r in &scored.results {
+    // Row id → its samples' positions, in order.
+    let mut rows: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+    for (at, r) in scored.results.iter().enumerate() {
         let row = evalfleet_core::run::split_sample_id(&r.item_id)
             .map_or(r.item_id.as_str(), |(row, _)| row);
-        rows.entry(row).or_default().push(r);
+        rows.entry(row).or_default().push(at);
     }
-    let value = stored_value;
+    let value = |at: &usize, m| stored_value(&scored.results[*at], &scored.scores[*at], m);
     let ks: Vec<u64> = [1u64, 5, 10, 20, 50, 100]
         .into_iter()
         .filter(|k| *k < u64::from(k_samples))
@@ -526,7 +540,7 @@ fn samples_summary(
             .map(|samples| {
                 samples
                     .iter()
-                    .map(|r| value(r, m).unwrap_or_else(|| m.missing()))
+                    .map(|sample| value(sample, m).unwrap_or_else(|| m.missing()))
                     .collect()
             })
             .collect();
@@ -555,10 +569,11 @@ fn samples_summary(
             .values()
             .map(|samples| {
                 let mut counts: Vec<(&str, usize, f64)> = Vec::new();
-                for r in samples {
+                for sample in samples {
+                    let r = &scored.results[*sample];
                     let (Some(parsed), Some(v)) = (
                         r.judged.parsed.as_deref().or(r.output.as_deref()),
-                        value(r, m),
+                        value(sample, m),
                     ) else {
                         continue;
                     };
@@ -634,7 +649,6 @@ fn write_detailed_csv(
     path: &PathBuf,
     scored: &Scored,
     metrics: &[evalfleet_core::eval::Metric],
-    by: &[String],
 ) -> anyhow::Result<()> {
     let mut csv =
         csv::Writer::from_path(path).with_context(|| format!("cannot write {}", path.display()))?;
@@ -651,16 +665,15 @@ fn write_detailed_csv(
     .to_vec();
     header.extend(metrics.iter().map(|m| m.key.clone()));
     csv.write_record(&header)?;
-    for r in &scored.results {
-        let scores: Map<String, Value> = r
-            .judged
-            .scores
-            .as_deref()
-            .and_then(|s| serde_json::from_str(s).ok())
-            .unwrap_or_default();
+    for ((r, scores), group) in scored
+        .results
+        .iter()
+        .zip(&scored.scores)
+        .zip(&scored.groups)
+    {
         let mut record = vec![
             r.item_id.clone(),
-            group_of(&item_value(r), by),
+            group.clone(),
             if r.failed { "failed" } else { "done" }.to_owned(),
             r.judged.verdict.clone().unwrap_or_default(),
             r.judged.reasks.to_string(),
@@ -694,7 +707,7 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<u8> {
     let runs: Vec<Scored> = args
         .runs
         .iter()
-        .map(|id| load(&mut store, id))
+        .map(|id| load(&mut store, id, &args.by))
         .collect::<anyhow::Result<_>>()?;
     let base = &runs[0];
     let keys: Vec<evalfleet_core::eval::Metric> = base
@@ -713,13 +726,20 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<u8> {
         )
         .into());
     }
-    // Per run: item id → (group, value per metric, missing as the worst).
-    let value_of = |r: &StoredResult, m: &evalfleet_core::eval::Metric| -> f64 {
-        stored_value(r, m).unwrap_or_else(|| m.missing())
+    // A result's value (missing as the worst), by run and position.
+    let value_of = |run: &Scored, at: usize, m: &evalfleet_core::eval::Metric| -> f64 {
+        stored_value(&run.results[at], &run.scores[at], m).unwrap_or_else(|| m.missing())
     };
-    let indexed: Vec<HashMap<&str, &StoredResult>> = runs
+    // Per run: item id → position.
+    let indexed: Vec<HashMap<&str, usize>> = runs
         .iter()
-        .map(|r| r.results.iter().map(|x| (x.item_id.as_str(), x)).collect())
+        .map(|r| {
+            r.results
+                .iter()
+                .enumerate()
+                .map(|(i, x)| (x.item_id.as_str(), i))
+                .collect()
+        })
         .collect();
     let mut out = Vec::new();
     let mut table = vec![
@@ -740,10 +760,10 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<u8> {
         for (i, run) in runs.iter().enumerate().skip(1) {
             // Items both runs answered, grouped.
             let mut groups: BTreeMap<String, (Vec<f64>, Vec<f64>)> = BTreeMap::new();
-            for r in &base.results {
-                if let Some(other) = indexed[i].get(r.item_id.as_str()) {
-                    let group = group_of(&item_value(r), &args.by);
-                    let (va, vb) = (value_of(r, m), value_of(other, m));
+            for (at, r) in base.results.iter().enumerate() {
+                if let Some(&other) = indexed[i].get(r.item_id.as_str()) {
+                    let group = base.groups[at].clone();
+                    let (va, vb) = (value_of(base, at, m), value_of(run, other, m));
                     let all = groups.entry("all".to_owned()).or_default();
                     all.0.push(va);
                     all.1.push(vb);
