@@ -684,9 +684,22 @@ def j1(args, work):
     )
 
 
+# Each workload and its default number of items.
+WORKLOADS = {
+    "w1": (w1, 100_000),
+    "w2": (w2, None),
+    "w3": (w3, 6000),
+    "w4": (w4, 12000),
+    "w5": (w5, 1_000_000),
+    "w6": (w6, 200_000),
+    "j1": (j1, None),
+    "startup": (startup, 100),
+}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("workload", choices=["w1", "w2", "w3", "w4", "w5", "w6", "j1", "startup"])
+    parser.add_argument("workload", choices=list(WORKLOADS))
     parser.add_argument("--rpm", type=int, default=6000, help="W3: the quota")
     parser.add_argument("--capacity", type=int, default=32, help="W4: calls served at once")
     parser.add_argument("--no-build", action="store_true")
@@ -703,29 +716,11 @@ def main():
     raise_fd_limit()
     work = tempfile.mkdtemp(prefix=f"evalfleet-{args.workload}-")
     try:
-        if args.workload == "w1":
-            args.items = args.items or 100_000
-            w1(args, work)
-        elif args.workload == "w2":
-            w2(args, work)
-        elif args.workload == "w3":
-            args.items = args.items or 6000
-            w3(args, work)
-        elif args.workload == "w4":
-            args.items = args.items or 12000
-            w4(args, work)
-        elif args.workload == "j1":
-            j1(args, work)
-        elif args.workload == "w6":
-            args.items = args.items or 200_000
-            w6(args, work)
-        elif args.workload == "w5":
-            args.items = args.items or 1_000_000
-            w5(args, work)
-        else:
-            args.items = args.items or 100
+        run, default_items = WORKLOADS[args.workload]
+        args.items = args.items or default_items
+        if args.workload == "startup":
             args.rounds = max(args.rounds, 5)
-            startup(args, work)
+        run(args, work)
     finally:
         if not args.keep:
             subprocess.run(["rm", "-rf", work])

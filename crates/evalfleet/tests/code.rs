@@ -6,20 +6,11 @@ use std::io::Read;
 use evalfleet_mock::MockSettings;
 use serde_json::{Value, json};
 
-use crate::util::{Env, external, mock};
+use crate::util::{Env, external, mock, shared_data};
 
 /// HumanEval's problems, or `None` (saying so) when the file is absent.
 fn humaneval() -> Option<Vec<Value>> {
-    let dir = std::env::var_os("EVALFLEET_TEST_DATA")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data"))
-        });
-    let path = dir.join("humaneval.jsonl.gz");
-    let Ok(file) = std::fs::File::open(&path) else {
-        eprintln!("skipped: {} is absent", path.display());
-        return None;
-    };
+    let file = std::fs::File::open(shared_data("humaneval.jsonl.gz")?).unwrap();
     let mut text = String::new();
     flate2::read::GzDecoder::new(file)
         .read_to_string(&mut text)

@@ -6,21 +6,13 @@ use std::path::Path;
 use evalfleet_mock::MockSettings;
 use serde_json::{Value, json};
 
-use crate::util::{Env, external, mock};
+use crate::util::{Env, cache_stats, external, mock, shared_data};
 
 /// The first `n` GSM8K questions with their final answers, or `None` (and a
 /// note saying so) when the dataset is absent (`../shared/data`, or
 /// `$EVALFLEET_TEST_DATA`).
 fn gsm8k(n: usize) -> Option<Vec<(Value, String)>> {
-    let dir = std::env::var_os("EVALFLEET_TEST_DATA").map_or_else(
-        || std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data")),
-        std::path::PathBuf::from,
-    );
-    let path = dir.join("gsm8k-test.jsonl");
-    let Ok(text) = std::fs::read_to_string(&path) else {
-        eprintln!("skipped: {} is absent", path.display());
-        return None;
-    };
+    let text = std::fs::read_to_string(shared_data("gsm8k-test.jsonl")?).unwrap();
     Some(
         text.lines()
             .take(n)
@@ -170,17 +162,7 @@ async fn gsm8k_accuracy_is_the_known_fraction_and_malformed_answers_are_reasked(
     let cached: Value = serde_json::from_str(&report.stdout).unwrap();
     assert_eq!(cached["metrics"][0]["mean"], summary["metrics"][0]["mean"]);
     assert_eq!(cached["fidelity"], summary["fidelity"]);
-    let store = env.store_path();
-    let stats = env
-        .evalfleet(&[
-            "cache",
-            "stats",
-            "--json",
-            "--store",
-            store.to_str().unwrap(),
-        ])
-        .await;
-    let stats: Value = serde_json::from_str(&stats.stdout).unwrap();
+    let stats = cache_stats(&env, &env.store_path()).await;
     assert_eq!(
         stats["entries"],
         n + fifth + 2 * fifth,
@@ -298,21 +280,9 @@ async fn a_cache_file_of_its_own_serves_runs_of_another_store() {
         30,
         "the second store's run made no call"
     );
-    let stats = env
-        .evalfleet(&[
-            "cache",
-            "stats",
-            "--json",
-            "--store",
-            cache.to_str().unwrap(),
-        ])
-        .await;
-    let stats: Value = serde_json::from_str(&stats.stdout).unwrap();
+    let stats = cache_stats(&env, &cache).await;
     assert_eq!(stats["entries"], 30);
-    let a = env
-        .evalfleet(&["cache", "stats", "--json", "--store", "a.db"])
-        .await;
-    let a: Value = serde_json::from_str(&a.stdout).unwrap();
+    let a = cache_stats(&env, std::path::Path::new("a.db")).await;
     assert_eq!(a["entries"], 0, "the run's own store holds no cache entry");
 }
 
