@@ -3,7 +3,6 @@
 
 pub mod cache;
 pub mod client;
-pub mod code;
 pub mod config;
 pub mod dataset;
 pub mod eval;
@@ -11,7 +10,8 @@ pub mod fingerprint;
 pub mod fleet;
 pub mod pipeline;
 pub mod run;
-pub mod sandbox;
 pub mod store;
 pub mod summary;
 pub mod template;
+
+pub use evalfleet_judge as judge;

@@ -3,7 +3,5 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod code_judge;
 mod concurrency;
 mod metric_vectors;
-mod sandbox;

@@ -36,6 +36,10 @@ fn is_bad_input(err: &anyhow::Error) -> bool {
             || cause.is::<TemplateError>()
             || cause.is::<ResumeError>()
             || matches!(
+                cause.downcast_ref::<evalfleet_core::judge::JudgeError>(),
+                Some(evalfleet_core::judge::JudgeError::Setup(_))
+            )
+            || matches!(
                 cause.downcast_ref::<CreateRunError>(),
                 Some(
                     CreateRunError::Dataset(_)

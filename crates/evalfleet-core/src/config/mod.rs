@@ -133,7 +133,7 @@ pub struct TaskConfig {
     /// pass@k and majority votes; use a temperature above 0.
     pub samples: u32,
     /// `code`: judge the answer as a program against the item's tests.
-    pub code: Option<crate::code::CodeSettings>,
+    pub code: Option<evalfleet_judge::CodeSettings>,
     /// `parse`, `schema` / `schema_file`, `max_reasks`,
     /// `structured_output` and `metrics`: what is done with the answer.
     pub eval: crate::eval::EvalSpec,

@@ -68,6 +68,20 @@ pub struct RawCode {
     pub judge_concurrency: Option<usize>,
     pub float_tolerance: Option<f64>,
     pub python: Option<String>,
+    pub compiler: Option<String>,
+    pub compile_timeout: Option<String>,
+    pub tests_field: Option<OneOrMany>,
+    pub backend: Option<String>,
+    pub sandbox_url: Option<String>,
+    pub sandbox_retries: Option<u32>,
+}
+
+/// A text, or a list of texts.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
 }
 
 #[derive(Debug, Default, Deserialize)]

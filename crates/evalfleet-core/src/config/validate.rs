@@ -254,8 +254,9 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
     })
 }
 
-fn code(value: &Value, p: &mut Problems<'_>) -> Option<crate::code::CodeSettings> {
-    use crate::code::{CodeSettings, Format};
+fn code(value: &Value, p: &mut Problems<'_>) -> Option<evalfleet_judge::CodeSettings> {
+    use evalfleet_judge::sandbox::Limits;
+    use evalfleet_judge::{Backend, CodeSettings, Format, Language};
     let raw = raw::section::<raw::RawCode>(value, "task.code", p.0)?;
     let format = match raw.format.as_deref() {
         None => p.push("task.code.format", "is required: humaneval, mbpp or stdio"),
@@ -267,11 +268,37 @@ fn code(value: &Value, p: &mut Problems<'_>) -> Option<crate::code::CodeSettings
         }),
     };
     let language = match raw.language.as_deref() {
-        None | Some("python") => Some(()),
-        Some(other) => p.push(
+        None => Some(Language::Python),
+        Some(text) => Language::parse(text).or_else(|| {
+            p.push(
+                "task.code.language",
+                format!("must be python, cpp or rust, got '{text}'"),
+            )
+        }),
+    };
+    if let (Some(language), Some(format)) = (language, format)
+        && language != Language::Python
+        && format != Format::Stdio
+    {
+        p.push::<()>(
             "task.code.language",
-            format!("'{other}' is not supported yet (python is)"),
+            format!(
+                "{} programs are judged on stdin/stdout tests (format: stdio); humaneval and mbpp tests are Python",
+                language.as_str()
+            ),
+        );
+    }
+    let tool = match (language, raw.python, raw.compiler) {
+        (_, Some(_), Some(_)) => p.push("task.code", "give python or compiler, not both"),
+        (Some(Language::Python), None, Some(_)) => p.push(
+            "task.code.compiler",
+            "python is interpreted: give the interpreter as python",
         ),
+        (Some(l), Some(_), None) if l != Language::Python => p.push(
+            "task.code.python",
+            format!("{} is compiled: give the compiler as compiler", l.as_str()),
+        ),
+        (_, python, compiler) => Some(python.or(compiler)),
     };
     let cpu = p.duration("task.code.timeout", raw.timeout.as_deref(), "10s");
     let wall = match (&raw.wall_timeout, cpu) {
@@ -279,10 +306,43 @@ fn code(value: &Value, p: &mut Problems<'_>) -> Option<crate::code::CodeSettings
         (None, Some(cpu)) => Some(cpu * 3),
         (None, None) => None,
     };
+    let compile_timeout = p.duration(
+        "task.code.compile_timeout",
+        raw.compile_timeout.as_deref(),
+        "30s",
+    );
+    let backend = match (raw.backend.as_deref(), raw.sandbox_url) {
+        (None | Some("local"), None) => Some(Backend::Local),
+        (None | Some("local"), Some(_)) => p.push(
+            "task.code.sandbox_url",
+            "is for backend: sandboxfusion (the backend is local)",
+        ),
+        (Some("sandboxfusion"), Some(url)) => match reqwest::Url::parse(&url) {
+            Ok(u) if matches!(u.scheme(), "http" | "https") => Some(Backend::SandboxFusion {
+                url,
+                retries: raw.sandbox_retries.unwrap_or(3),
+            }),
+            _ => p.push(
+                "task.code.sandbox_url",
+                format!("must be an http(s) URL like http://host:8080, got '{url}'"),
+            ),
+        },
+        (Some("sandboxfusion"), None) => p.push(
+            "task.code.sandbox_url",
+            "is required with backend: sandboxfusion (the server's address, like http://host:8080)",
+        ),
+        (Some(other), _) => p.push(
+            "task.code.backend",
+            format!("must be local or sandboxfusion, got '{other}'"),
+        ),
+    };
     let cores = std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get);
-    let concurrency = match raw.judge_concurrency {
-        Some(0) => p.push("task.code.judge_concurrency", "must be at least 1, got 0"),
-        other => Some(other.unwrap_or(cores)),
+    let concurrency = match (raw.judge_concurrency, &backend) {
+        (Some(0), _) => p.push("task.code.judge_concurrency", "must be at least 1, got 0"),
+        (Some(n), _) => Some(n),
+        // A remote sandbox has cores of its own.
+        (None, Some(Backend::SandboxFusion { .. })) => Some(32),
+        (None, _) => Some(cores),
     };
     let float_tolerance = match raw.float_tolerance {
         Some(t) if t.is_nan() || t < 0.0 => p.push(
@@ -291,21 +351,32 @@ fn code(value: &Value, p: &mut Problems<'_>) -> Option<crate::code::CodeSettings
         ),
         other => Some(other),
     };
-    let defaults = crate::sandbox::Limits::default();
-    language?;
+    let stdio_fields = match raw.tests_field {
+        None => Some(vec!["tests".to_owned()]),
+        Some(raw::OneOrMany::One(field)) => Some(vec![field]),
+        Some(raw::OneOrMany::Many(fields)) if fields.is_empty() => {
+            p.push("task.code.tests_field", "must name at least one field")
+        }
+        Some(raw::OneOrMany::Many(fields)) => Some(fields),
+    };
+    let defaults = Limits::default();
     Some(CodeSettings {
         format: format?,
-        limits: crate::sandbox::Limits {
+        language: language?,
+        tool: tool?,
+        limits: Limits {
             wall: wall?,
             cpu: cpu?,
             memory_mb: raw.memory_mb.unwrap_or(defaults.memory_mb),
             output_bytes: raw.output_bytes.unwrap_or(defaults.output_bytes),
             ..defaults
         },
+        compile_timeout: compile_timeout?,
         early_exit: raw.early_exit.unwrap_or(false),
         concurrency: concurrency?,
         float_tolerance: float_tolerance?,
-        python: raw.python.unwrap_or_else(|| "python3".to_owned()),
+        stdio_fields: stdio_fields?,
+        backend: backend?,
     })
 }
 

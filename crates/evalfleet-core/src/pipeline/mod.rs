@@ -103,31 +103,22 @@ pub struct Session {
 
 /// The code judge of a session.
 pub struct CodeJudge {
-    pub settings: crate::code::CodeSettings,
-    pub isolation: crate::sandbox::Isolation,
-    pub slots: Arc<tokio::sync::Semaphore>,
-    pub parent: std::path::PathBuf,
+    pub judge: evalfleet_judge::Judge,
 }
 
 impl CodeJudge {
-    /// Judges `answer` as the program for `row`: its `code_accepted` score
-    /// goes into `scores`, and the judgement comes back as JSON.
-    pub async fn judge(
+    /// What is stored of a valid answer judged as the program for `row`:
+    /// its scores with `code_accepted`, and the judgement as JSON.
+    pub async fn judged(
         &self,
         eval: &Evaluator,
+        checked: &Checked,
         row: &serde_json::Value,
         answer: &str,
-        scores: &mut serde_json::Map<String, serde_json::Value>,
-    ) -> Option<String> {
-        let judged = crate::code::judge(
-            &self.settings,
-            &self.isolation,
-            &self.slots,
-            &self.parent,
-            row,
-            answer,
-        )
-        .await;
+        mut scores: serde_json::Map<String, serde_json::Value>,
+        reasks: u32,
+    ) -> Judged {
+        let judged = self.judge.judge(row, answer).await;
         let (json, score) = match judged {
             Ok(j) => (
                 serde_json::to_string(&j).ok(),
@@ -144,7 +135,9 @@ impl CodeJudge {
         {
             scores.insert(m.key.clone(), score);
         }
-        json
+        let mut stored = Judged::new(checked, &scores, reasks);
+        stored.judge = json;
+        stored
     }
 }
 
@@ -162,6 +155,8 @@ pub enum PipelineError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Dataset(#[from] DatasetError),
+    #[error("the code judge cannot start")]
+    Judge(#[source] evalfleet_judge::JudgeError),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -257,6 +252,26 @@ pub async fn execute(
         .iter()
         .map(|e| e.config.max_concurrency())
         .sum();
+    // Whatever can fail at the start fails before anything runs.
+    let eval = if config.task.eval.checks() || !config.task.eval.metrics.is_empty() {
+        Some(Arc::new(
+            Evaluator::new(&config.task.eval).map_err(PipelineError::Internal)?,
+        ))
+    } else {
+        None
+    };
+    let code = match &config.task.code {
+        Some(settings) => {
+            let http = crate::client::http_client(settings.concurrency)
+                .map_err(|e| PipelineError::Internal(format!("an HTTP client: {e}")))?;
+            let judge = evalfleet_judge::Judge::new(settings.clone(), &session.sandbox_dir, http)
+                .await
+                .map_err(PipelineError::Judge)?;
+            tracing::info!("Code judge: {}.", judge.describe());
+            Some(Arc::new(CodeJudge { judge }))
+        }
+        None => None,
+    };
     let (fresh_tx, fresh_rx) = mpsc::channel(total_slots.clamp(64, 16_384));
     let (writer_tx, writer_rx) = mpsc::channel(config.writer.batch_size.clamp(1024, 65_536) * 2);
     let halt = stop.child_token();
@@ -281,26 +296,6 @@ pub async fn execute(
         })
     };
 
-    let eval = if config.task.eval.checks() || !config.task.eval.metrics.is_empty() {
-        Some(Arc::new(
-            Evaluator::new(&config.task.eval).map_err(PipelineError::Internal)?,
-        ))
-    } else {
-        None
-    };
-    let code = match &config.task.code {
-        Some(settings) => {
-            let isolation = crate::sandbox::Isolation::detect().await;
-            tracing::info!("Code judge {}.", isolation.describe());
-            Some(Arc::new(CodeJudge {
-                settings: settings.clone(),
-                isolation,
-                slots: Arc::new(tokio::sync::Semaphore::new(settings.concurrency)),
-                parent: session.sandbox_dir.clone(),
-            }))
-        }
-        None => None,
-    };
     let judges: HashMap<String, (Arc<Endpoint>, String)> = session
         .endpoints
         .iter()
@@ -322,6 +317,11 @@ pub async fn execute(
                 crate::store::now_ms() - i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX)
             }),
             eval: eval.clone(),
+            // Enough answers judged at once to keep the judge's slots busy.
+            judging: Arc::new(tokio::sync::Semaphore::new(
+                code.as_ref()
+                    .map_or(1, |c| c.judge.settings().concurrency.saturating_mul(2)),
+            )),
             code: code.clone(),
             judges: judges
                 .iter()
@@ -368,6 +368,8 @@ pub async fn execute(
             samples: config.task.samples,
             hits: Vec::new(),
             ended: 0,
+            tracker: shared.tracker.clone(),
+            abort: abort.clone(),
         };
         let runtime = tokio::runtime::Handle::current();
         let halt = halt.clone();
@@ -718,13 +720,13 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
                     };
                     scores.insert(key, score);
                 }
-                let mut judgement = None;
-                if let Some(code) = shared.code.as_ref().filter(|_| checked.valid) {
-                    judgement = code.judge(eval, &row, &content, &mut scores).await;
-                }
-                let mut j = Judged::new(&checked, &scores, item.reasks);
-                j.judge = judgement;
-                judged = Some(j);
+                judged = Some(match shared.code.as_ref().filter(|_| checked.valid) {
+                    Some(code) => {
+                        code.judged(eval, &checked, &row, &content, scores, item.reasks)
+                            .await
+                    }
+                    None => Judged::new(&checked, &scores, item.reasks),
+                });
             }
             let mut done = result_record(item, ItemStatus::Done, Some(content), None);
             if let Some(judged) = judged {

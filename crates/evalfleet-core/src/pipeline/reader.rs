@@ -6,8 +6,9 @@
 use std::sync::Arc;
 
 use tokio::runtime::Handle;
-use tokio::sync::mpsc;
+use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use super::queue::WorkItem;
 use super::writer::{Message, Outcome};
@@ -46,6 +47,10 @@ pub struct Reader {
     /// items they end.
     pub hits: Vec<Outcome>,
     pub ended: u64,
+    /// The session's tasks (cached code answers are judged in tasks of
+    /// their own), and its abort (abandons them).
+    pub tracker: TaskTracker,
+    pub abort: CancellationToken,
 }
 
 /// What the reader needs to answer items from the cache.
@@ -54,8 +59,10 @@ pub struct CacheReads {
     /// Entries stored before this are too old (`cache.ttl`).
     pub since_ms: i64,
     pub eval: Option<Arc<Evaluator>>,
-    /// Cached answers of a code task are judged here too.
+    /// Cached answers of a code task are judged too, in tasks of their
+    /// own, no more at once than `judging` allows.
     pub code: Option<Arc<super::CodeJudge>>,
+    pub judging: Arc<Semaphore>,
     /// Judge endpoints' cache identities, by name.
     pub judges: std::collections::HashMap<String, String>,
 }
@@ -67,6 +74,9 @@ enum Cached {
     Go(WorkItem),
     /// Answered: the item ended here (its outcome is buffered).
     Done,
+    /// Answered, and being judged as a program: the judging task hands its
+    /// outcome to the writer.
+    Judging,
 }
 
 impl Reader {
@@ -92,8 +102,12 @@ impl Reader {
 
     /// Answers `item` from the cache as far as it can: a stored answer is
     /// checked like a fresh one, and a re-ask is looked up in turn.
-    fn answer_from_cache(&mut self, mut item: WorkItem) -> Result<Cached, ReaderError> {
-        let Some(cache) = &self.cache else {
+    fn answer_from_cache(
+        &mut self,
+        mut item: WorkItem,
+        runtime: &Handle,
+    ) -> Result<Cached, ReaderError> {
+        let Some(cache) = self.cache.clone() else {
             return Ok(Cached::Go(item));
         };
         loop {
@@ -177,44 +191,24 @@ impl Reader {
                             }
                         }
                     }
-                    let mut judgement = None;
                     if let Some(code) = cache.code.as_ref().filter(|_| checked.valid) {
-                        // This thread is the runtime's blocking pool: it may wait.
-                        judgement = Handle::current().block_on(code.judge(
-                            eval,
-                            &row,
-                            &hit.content,
-                            &mut scores,
-                        ));
+                        let judging = JudgeLater {
+                            code: code.clone(),
+                            eval: (*eval).clone(),
+                            checked: checked.clone(),
+                            row,
+                            scores,
+                        };
+                        return Ok(self.judge_later(judging, item, hit, attempt, runtime));
                     }
-                    let mut j = Judged::new(checked, &scores, item.reasks);
-                    j.judge = judgement;
-                    j
+                    Judged::new(checked, &scores, item.reasks)
                 }
                 None => Judged {
                     reasks: item.reasks,
                     ..Judged::default()
                 },
             };
-            let result = ResultRecord {
-                seq: item.seq,
-                item_id: item.item_id,
-                status: ItemStatus::Done,
-                output: Some(hit.content),
-                error: None,
-                endpoint: Some(hit.endpoint),
-                model: Some(hit.model),
-                attempts: item.prior_attempts + item.attempts + item.excused,
-                latency_ms: Some(0.0),
-                ttft_ms: None,
-                tpot_ms: None,
-                prompt_tokens: hit.prompt_tokens,
-                completion_tokens: hit.completion_tokens,
-                finish_reason: hit.finish_reason,
-                item: Some(item.item_json),
-                finished_at_ms: now_ms(),
-                judged,
-            };
+            let result = cached_result(item, hit, judged);
             self.hits.push(Outcome {
                 attempt: Some(attempt),
                 result: Some(result),
@@ -223,6 +217,64 @@ impl Reader {
             self.ended += 1;
             return Ok(Cached::Done);
         }
+    }
+
+    /// Judges a cached answer in a task of its own, which hands the item's
+    /// outcome to the writer and counts it as ended. Waits while too many
+    /// are being judged.
+    fn judge_later(
+        &mut self,
+        judging: JudgeLater,
+        item: WorkItem,
+        hit: crate::cache::CacheEntry,
+        attempt: AttemptRecord,
+        runtime: &Handle,
+    ) -> Cached {
+        let Some(limit) = self.cache.as_ref().map(|c| c.judging.clone()) else {
+            return Cached::Done;
+        };
+        let permit = runtime.block_on(async {
+            tokio::select! {
+                permit = limit.acquire_owned() => permit.ok(),
+                () = self.halt.cancelled() => None,
+            }
+        });
+        let Some(permit) = permit else {
+            // Stopping: the item stays pending.
+            return Cached::Judging;
+        };
+        let (writer, on_terminal, abort) = (
+            self.writer.clone(),
+            self.on_terminal.clone(),
+            self.abort.clone(),
+        );
+        let task = async move {
+            let JudgeLater {
+                code,
+                eval,
+                checked,
+                row,
+                scores,
+            } = judging;
+            let reasks = item.reasks;
+            let answer = hit.content.clone();
+            let judged = tokio::select! {
+                judged = code.judged(&eval, &checked, &row, &answer, scores, reasks) => judged,
+                // Abandoned at shutdown: the item stays pending.
+                () = abort.cancelled() => return,
+            };
+            let outcome = Outcome {
+                attempt: Some(attempt),
+                result: Some(cached_result(item, hit, judged)),
+                cache: None,
+            };
+            if writer.send(Message::One(outcome)).await.is_ok() {
+                on_terminal(ItemStatus::Done);
+            }
+            drop(permit);
+        };
+        self.tracker.spawn_on(task, runtime);
+        Cached::Judging
     }
 
     /// Hands the buffered cache hits to the writer, then counts their items
@@ -276,11 +328,11 @@ impl Reader {
                             reasks: 0,
                             first_sent: None,
                         };
-                        match self.answer_from_cache(item)? {
+                        match self.answer_from_cache(item, &runtime)? {
                             // The attempts of a partly cached conversation
                             // are stored before the item goes on.
                             Cached::Go(item) => self.flush_hits() && self.deliver(item, &runtime),
-                            Cached::Done => true,
+                            Cached::Done | Cached::Judging => true,
                         }
                     }
                     Err(message) => {
@@ -320,5 +372,37 @@ impl Reader {
                 }
             }
         }
+    }
+}
+
+/// A cached answer to judge as a program.
+struct JudgeLater {
+    code: Arc<super::CodeJudge>,
+    eval: Arc<Evaluator>,
+    checked: crate::eval::Checked,
+    row: serde_json::Value,
+    scores: serde_json::Map<String, serde_json::Value>,
+}
+
+/// The result of an item answered from the cache.
+fn cached_result(item: WorkItem, hit: crate::cache::CacheEntry, judged: Judged) -> ResultRecord {
+    ResultRecord {
+        seq: item.seq,
+        item_id: item.item_id,
+        status: ItemStatus::Done,
+        output: Some(hit.content),
+        error: None,
+        endpoint: Some(hit.endpoint),
+        model: Some(hit.model),
+        attempts: item.prior_attempts + item.attempts + item.excused,
+        latency_ms: Some(0.0),
+        ttft_ms: None,
+        tpot_ms: None,
+        prompt_tokens: hit.prompt_tokens,
+        completion_tokens: hit.completion_tokens,
+        finish_reason: hit.finish_reason,
+        item: Some(item.item_json),
+        finished_at_ms: now_ms(),
+        judged,
     }
 }

@@ -1,0 +1,663 @@
+//! Runs untrusted programs (model-written code) on this machine, contained.
+//!
+//! Each execution runs in a fresh directory of its own, in its own process
+//! group, with a wall-clock timeout, a CPU-time limit (`RLIMIT_CPU`), a
+//! memory limit (`RLIMIT_AS`), caps on file size and processes, and a cap on
+//! output (past it the program is killed). Where this machine allows it
+//! (evalfleet runs as root):
+//! - each slot of the sandbox has a uid of its own, unused by anyone else
+//!   (claimed with a lock file, so that runs side by side do not share one):
+//!   a program can write only in its own directory (mode 700), cannot touch
+//!   another program or any of ours, its process limit is its own, and when
+//!   it ends every process of its uid is killed, wherever it went;
+//! - it enters a network namespace with no network at all, and a mount
+//!   namespace in which the whole tree is read-only, the shared temporary
+//!   directories are empty, and the sandbox's directory is seen at `/mnt`.
+//!   Both are made once, when the sandbox is made: entering them is two
+//!   system calls, where making them per execution cost milliseconds.
+//!
+//! The child enters all this with system calls between `fork` and `exec`
+//! (see `sys`), so an execution costs one process, the program itself.
+//! [`Sandbox::describe`] says what is and is not enforced.
+
+use std::ffi::CString;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::process::Command;
+use tokio::sync::{Semaphore, SemaphorePermit};
+
+use crate::sys::{self, ChildSetup, MountPlan, Namespaces, Rlimits};
+
+/// The first uid the sandbox gives its slots: far above the ranges that
+/// systems give people, services and containers' subordinate ids.
+pub const UID_BASE: u32 = 1_900_000_000;
+/// How many uids it may choose from.
+pub const UID_SPAN: u32 = 1 << 20;
+/// Directories where anyone may write, covered inside the mount namespace.
+const SHARED_WRITABLE: [&str; 5] = ["/tmp", "/var/tmp", "/dev/shm", "/dev/mqueue", "/run/lock"];
+
+/// What an execution may use.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Limits {
+    pub wall: Duration,
+    pub cpu: Duration,
+    pub memory_mb: u64,
+    /// Bytes of stdout plus stderr kept; past them the program is killed.
+    pub output_bytes: usize,
+    /// Largest file it may write, in bytes.
+    pub file_bytes: u64,
+    /// Processes (and threads) it may have at once (with its own uid).
+    pub processes: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            // The CPU limit catches a busy loop; the wall clock, a program
+            // that waits. It is longer, so that a busy machine does not
+            // turn a slow-but-right program into a timeout.
+            wall: Duration::from_secs(30),
+            cpu: Duration::from_secs(10),
+            memory_mb: 1024,
+            output_bytes: 1 << 20,
+            file_bytes: 16 << 20,
+            processes: 64,
+        }
+    }
+}
+
+/// What the sandbox enforces on this machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Isolation {
+    /// An empty network namespace and the read-only mount namespace.
+    pub namespaces: bool,
+    /// The tree outside the program's directory is read-only (else only
+    /// the shared temporary directories are covered).
+    pub read_only: bool,
+    /// Each slot runs programs as a uid of its own.
+    pub own_uids: bool,
+}
+
+impl Isolation {
+    /// What is enforced, in words, for logs and `evalfleet check`.
+    pub fn describe(&self) -> String {
+        let mut on = vec![
+            "own directory",
+            "process group",
+            "wall-clock timeout",
+            "output cap",
+            "CPU, memory, file-size and process limits",
+        ];
+        let mut off = Vec::new();
+        if self.own_uids {
+            on.push(
+                "a uid of its own per slot (its directory only, no signals to others; every process it starts is killed when it ends)",
+            );
+        } else {
+            off.push(
+                "a separate user (not root: programs run as this user, may write where it can, and a process that leaves its group outlives it)",
+            );
+        }
+        if self.namespaces {
+            on.push("no network (empty network namespace)");
+            on.push(if self.read_only {
+                "read-only file system but for its directory, empty /tmp (mount namespace)"
+            } else {
+                "empty read-only /tmp, /var/tmp and /dev/shm (mount namespace; the kernel cannot make the rest read-only)"
+            });
+        } else {
+            off.push("network isolation and a private file system view (namespaces need root)");
+        }
+        let mut text = format!("sandbox: {}", on.join(", "));
+        if !off.is_empty() {
+            text.push_str(&format!("; NOT enforced: {}", off.join("; ")));
+        }
+        text
+    }
+}
+
+/// How an execution ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    Exited(i32),
+    /// Killed by a signal (a crash, an abort).
+    Signaled(i32),
+    /// Past its CPU-time limit.
+    CpuLimit,
+    /// Past the wall-clock limit.
+    TimedOut,
+    /// Wrote more than `output_bytes`.
+    OutputLimit,
+}
+
+/// One execution's outcome.
+#[derive(Debug, Clone)]
+pub struct Execution {
+    pub ended: Ended,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    pub elapsed: Duration,
+}
+
+impl Execution {
+    pub fn success(&self) -> bool {
+        self.ended == Ended::Exited(0)
+    }
+
+    /// Whether it ran out of memory: Python's `MemoryError`, or a
+    /// failed allocation reported by the C++ or Rust runtime.
+    pub fn out_of_memory(&self) -> bool {
+        let err = String::from_utf8_lossy(&self.stderr);
+        err.contains("MemoryError")
+            || err.contains("std::bad_alloc")
+            || err.contains("memory allocation of")
+    }
+}
+
+/// A sandbox: its directory, its namespaces, and its slots.
+pub struct Sandbox {
+    root: PathBuf,
+    namespaces: Option<Namespaces>,
+    /// Free uids (with the lock files that claim them), one per slot.
+    uids: Option<Mutex<Vec<(u32, File)>>>,
+    slots: Semaphore,
+    /// Toolchain directories bound into the mount namespace: host path and
+    /// the path programs see.
+    binds: Vec<(PathBuf, PathBuf)>,
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        // Its working directories are gone with their executions; the
+        // mount points and the directory itself go now (when empty).
+        for (_, point) in &self.binds {
+            let _ = std::fs::remove_dir(point);
+        }
+        let _ = std::fs::remove_dir(&self.root);
+    }
+}
+
+/// A slot of the sandbox: one execution at a time, with its uid.
+pub struct Slot<'a> {
+    sandbox: &'a Sandbox,
+    uid: Option<(u32, File)>,
+    _permit: Option<SemaphorePermit<'a>>,
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        if let (Some(uid), Some(pool)) = (self.uid.take(), &self.sandbox.uids)
+            && let Ok(mut pool) = pool.lock()
+        {
+            pool.push(uid);
+        }
+    }
+}
+
+/// A fresh directory for one execution, removed when dropped.
+pub struct Workdir {
+    path: PathBuf,
+    inside: PathBuf,
+}
+
+impl Workdir {
+    /// Its path on this machine.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Its path as programs in the sandbox see it.
+    pub fn inside(&self) -> &Path {
+        &self.inside
+    }
+
+    /// Hands the directory and its regular files to root, readable and
+    /// executable by all, writable by none: a compiled program that every
+    /// test of a problem runs, and none may change. Anything else in it is
+    /// removed.
+    pub fn seal(&self) -> std::io::Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        for entry in std::fs::read_dir(&self.path)? {
+            let entry = entry?;
+            let path = entry.path();
+            if entry.file_type()?.is_file() {
+                std::os::unix::fs::lchown(&path, Some(0), Some(0))?;
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o555))?;
+            } else if entry.file_type()?.is_dir() {
+                std::fs::remove_dir_all(&path)?;
+            } else {
+                std::fs::remove_file(&path)?;
+            }
+        }
+        std::os::unix::fs::lchown(&self.path, Some(0), Some(0))?;
+        std::fs::set_permissions(&self.path, std::fs::Permissions::from_mode(0o755))
+    }
+}
+
+impl Drop for Workdir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+fn random_dir(parent: &Path, prefix: &str) -> std::io::Result<PathBuf> {
+    for _ in 0..16 {
+        let path = parent.join(format!("{prefix}-{:016x}", fastrand::u64(..)));
+        match std::fs::create_dir(&path) {
+            Ok(()) => return Ok(path),
+            Err(err) if err.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(err) => return Err(err),
+        }
+    }
+    Err(std::io::Error::other("cannot create a sandbox directory"))
+}
+
+/// Claims `count` uids no other sandbox on this machine holds: each is
+/// claimed by an exclusive lock on a file of its own, which the kernel lets
+/// go when the holder ends, however it ends.
+fn claim_uids(count: usize) -> std::io::Result<Vec<(u32, File)>> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join("evalfleet-sandbox-uids");
+    std::fs::create_dir_all(&dir)?;
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+    let mut claimed = Vec::with_capacity(count);
+    let start = fastrand::u32(..UID_SPAN);
+    for step in 0..UID_SPAN {
+        if claimed.len() == count {
+            break;
+        }
+        let uid = UID_BASE + (start + step) % UID_SPAN;
+        let file = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(dir.join(uid.to_string()))?;
+        if sys::try_lock(file.as_raw_fd())? {
+            claimed.push((uid, file));
+        }
+    }
+    if claimed.len() < count {
+        return Err(std::io::Error::other("no free sandbox uids"));
+    }
+    Ok(claimed)
+}
+
+impl Sandbox {
+    /// Makes a sandbox with `slots` executions at once, its directories
+    /// under `root` (created), and `toolchains` (host directories) readable
+    /// by its programs. It uses whatever isolation this machine allows and
+    /// checks, by running a program, that it works.
+    pub async fn new(root: &Path, slots: usize, toolchains: &[PathBuf]) -> std::io::Result<Self> {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::create_dir_all(root)?;
+        let root = root.canonicalize()?;
+        // Programs may pass through to their own directory, not list it.
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o711))?;
+        let root_user = sys::is_root();
+        let mut binds = Vec::new();
+        for (index, host) in toolchains.iter().enumerate() {
+            let point = root.join(format!(".toolchain-{index}"));
+            std::fs::create_dir_all(&point)?;
+            binds.push((host.clone(), point));
+        }
+        let namespaces = if root_user && Path::new("/mnt").is_dir() {
+            // Bound where programs see them: under /mnt.
+            let at: Vec<PathBuf> = binds
+                .iter()
+                .map(|(_, point)| {
+                    Path::new("/mnt").join(point.strip_prefix(&root).unwrap_or(point))
+                })
+                .collect();
+            let bind_refs: Vec<(&Path, &Path)> = binds
+                .iter()
+                .zip(&at)
+                .map(|((host, _), at)| (host.as_path(), at.as_path()))
+                .collect();
+            let covered: Vec<&Path> = SHARED_WRITABLE
+                .iter()
+                .map(Path::new)
+                .filter(|p| p.is_dir())
+                .collect();
+            match Namespaces::create(&MountPlan {
+                root: &root,
+                binds: &bind_refs,
+                covered: &covered,
+            }) {
+                Ok(ns) => Some(ns),
+                Err(err) => {
+                    tracing::warn!(
+                        "The sandbox cannot make namespaces here ({err}): programs will see the network and the file system."
+                    );
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let uids = if root_user {
+            match claim_uids(slots) {
+                Ok(uids) => Some(Mutex::new(uids)),
+                Err(err) => {
+                    tracing::warn!("The sandbox cannot claim uids of its own ({err}).");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let mut sandbox = Self {
+            root,
+            namespaces,
+            uids,
+            slots: Semaphore::new(slots),
+            binds,
+        };
+        // What the kernel refused only shows when a program runs: drop the
+        // parts that keep a trivial one from running, saying so.
+        loop {
+            let probe = sandbox.probe().await;
+            match probe {
+                Ok(()) => return Ok(sandbox),
+                Err(err) if sandbox.namespaces.is_some() => {
+                    tracing::warn!(
+                        "A program cannot run in the sandbox's namespaces ({err}); going on without them."
+                    );
+                    sandbox.namespaces = None;
+                }
+                Err(err) if sandbox.uids.is_some() => {
+                    tracing::warn!(
+                        "A program cannot run as the sandbox's own uid ({err}); going on as this user."
+                    );
+                    sandbox.uids = None;
+                }
+                Err(err) => return Err(err),
+            }
+        }
+    }
+
+    async fn probe(&self) -> std::io::Result<()> {
+        let slot = self.slot().await;
+        let dir = slot.workdir()?;
+        let argv = ["/bin/sh", "-c", "echo ok > probe && cat probe"].map(String::from);
+        let run = slot.run(&argv, &dir, b"", &Limits::default()).await?;
+        if run.success() && run.stdout == b"ok\n" {
+            Ok(())
+        } else {
+            Err(std::io::Error::other(format!(
+                "{:?}: {}",
+                run.ended,
+                String::from_utf8_lossy(&run.stderr).trim()
+            )))
+        }
+    }
+
+    pub fn isolation(&self) -> Isolation {
+        Isolation {
+            namespaces: self.namespaces.is_some(),
+            read_only: self.namespaces.as_ref().is_some_and(|ns| ns.read_only),
+            own_uids: self.uids.is_some(),
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        self.isolation().describe()
+    }
+
+    /// Where programs see `path`, a path under the sandbox's directory.
+    fn inside(&self, path: &Path) -> PathBuf {
+        match (&self.namespaces, path.strip_prefix(&self.root)) {
+            (Some(_), Ok(rest)) => Path::new("/mnt").join(rest),
+            _ => path.to_owned(),
+        }
+    }
+
+    /// Where programs see the `index`th toolchain given to [`Sandbox::new`].
+    pub fn toolchain(&self, index: usize) -> Option<PathBuf> {
+        let (host, point) = self.binds.get(index)?;
+        Some(if self.namespaces.is_some() {
+            self.inside(point)
+        } else {
+            host.clone()
+        })
+    }
+
+    /// Waits for a free slot.
+    pub async fn slot(&self) -> Slot<'_> {
+        // The semaphore is never closed: a permit always comes.
+        let permit = self.slots.acquire().await.ok();
+        let uid = self
+            .uids
+            .as_ref()
+            .and_then(|pool| pool.lock().ok().and_then(|mut pool| pool.pop()));
+        Slot {
+            sandbox: self,
+            uid,
+            _permit: permit,
+        }
+    }
+}
+
+impl Slot<'_> {
+    fn uid(&self) -> Option<u32> {
+        self.uid.as_ref().map(|(uid, _)| *uid)
+    }
+
+    /// A fresh directory that this slot's programs may write.
+    pub fn workdir(&self) -> std::io::Result<Workdir> {
+        use std::os::unix::fs::PermissionsExt;
+        let path = random_dir(&self.sandbox.root, "sbx")?;
+        let dir = Workdir {
+            inside: self.sandbox.inside(&path),
+            path,
+        };
+        if let Some(uid) = self.uid() {
+            std::os::unix::fs::chown(&dir.path, Some(uid), Some(uid))?;
+        }
+        std::fs::set_permissions(&dir.path, std::fs::Permissions::from_mode(0o700))?;
+        Ok(dir)
+    }
+
+    /// Runs `argv` in `dir` with `stdin`, within `limits`.
+    pub async fn run(
+        &self,
+        argv: &[String],
+        dir: &Workdir,
+        stdin: &[u8],
+        limits: &Limits,
+    ) -> std::io::Result<Execution> {
+        let Some(program) = argv.first() else {
+            return Err(std::io::Error::other("nothing to run"));
+        };
+        let mut command = Command::new(program);
+        command
+            .args(&argv[1..])
+            .env_clear()
+            .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+            .env("HOME", dir.inside())
+            .env("TMPDIR", dir.inside())
+            .env("LANG", "C.UTF-8")
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        let cpu = limits.cpu.as_secs().max(1);
+        ChildSetup {
+            namespaces: self
+                .sandbox
+                .namespaces
+                .as_ref()
+                .and_then(ChildSetup::namespaces),
+            cwd: CString::new(dir.inside().as_os_str().as_encoded_bytes())
+                .map_err(|_| std::io::Error::other("a directory's path holds a NUL byte"))?,
+            limits: Some(Rlimits {
+                // Soft limit: SIGXCPU; one second later the hard limit kills.
+                cpu_seconds: (cpu, cpu + 1),
+                address_space: limits.memory_mb.saturating_mul(1024 * 1024),
+                file_size: limits.file_bytes,
+                processes: u64::from(limits.processes),
+            }),
+            ids: self.uid().map(|uid| (uid, uid)),
+        }
+        .install(&mut command);
+        let started = Instant::now();
+        let mut child = command
+            .spawn()
+            .map_err(|e| std::io::Error::new(e.kind(), format!("cannot start '{program}': {e}")))?;
+        // Whatever happens to this future from here, what the program
+        // started is ended.
+        let mut reaper = Reaper {
+            pgid: child.id(),
+            uid: self.uid(),
+        };
+        let mut input = child.stdin.take();
+        let data = stdin.to_vec();
+        let feed = async move {
+            if let Some(input) = input.as_mut() {
+                // A program that does not read its input is not an error.
+                let _ = input.write_all(&data).await;
+            }
+            drop(input);
+        };
+        let (Some(out), Some(err)) = (child.stdout.take(), child.stderr.take()) else {
+            return Err(std::io::Error::other(
+                "the program's output pipes are missing",
+            ));
+        };
+        let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+        let outcome = tokio::time::timeout(limits.wall, async {
+            let io = async {
+                tokio::join!(
+                    collect(out, err, &mut stdout, &mut stderr, limits.output_bytes),
+                    feed
+                )
+                .0
+            };
+            tokio::pin!(io);
+            let status = tokio::select! {
+                over = &mut io => {
+                    if over {
+                        return None;
+                    }
+                    child.wait().await.ok()
+                }
+                status = child.wait() => {
+                    // It ended: so does what it left behind, which may hold
+                    // its output open. What is left in the pipes is read.
+                    reaper.reap();
+                    match tokio::time::timeout(DRAIN, &mut io).await {
+                        Ok(true) => return None,
+                        _ => status.ok(),
+                    }
+                }
+            };
+            Some(status)
+        })
+        .await;
+        let ended = match outcome {
+            Ok(None) => {
+                stdout.truncate(limits.output_bytes);
+                stderr.truncate(limits.output_bytes.saturating_sub(stdout.len()));
+                Ended::OutputLimit
+            }
+            Ok(Some(Some(status))) => {
+                use std::os::unix::process::ExitStatusExt;
+                match (status.code(), status.signal()) {
+                    (Some(code), _) => Ended::Exited(code),
+                    (None, Some(libc::SIGXCPU)) => Ended::CpuLimit,
+                    // The hard CPU limit sends SIGKILL to a program that
+                    // ignores SIGXCPU; a program that kills itself early
+                    // cannot have used its CPU time yet.
+                    (None, Some(libc::SIGKILL))
+                        if started.elapsed().mul_f64(cores()) >= limits.cpu =>
+                    {
+                        Ended::CpuLimit
+                    }
+                    (None, Some(signal)) => Ended::Signaled(signal),
+                    (None, None) => Ended::Signaled(0),
+                }
+            }
+            Ok(Some(None)) => Ended::Signaled(0),
+            Err(_) => Ended::TimedOut,
+        };
+        reaper.reap();
+        let _ = child.kill().await;
+        Ok(Execution {
+            ended,
+            stdout,
+            stderr,
+            elapsed: started.elapsed(),
+        })
+    }
+}
+
+/// How long output is still read after a program has ended and its
+/// processes were killed (only processes that left its group and uid, where
+/// the sandbox has no uid of its own, can hold the pipes longer).
+const DRAIN: Duration = Duration::from_secs(1);
+
+/// Reads both pipes to their end into `stdout` and `stderr`; `true` when
+/// they passed `cap` bytes together (and reading stopped).
+async fn collect(
+    mut out: tokio::process::ChildStdout,
+    mut err: tokio::process::ChildStderr,
+    stdout: &mut Vec<u8>,
+    stderr: &mut Vec<u8>,
+    cap: usize,
+) -> bool {
+    let (mut buf_o, mut buf_e) = ([0u8; 8192], [0u8; 8192]);
+    let (mut open_o, mut open_e) = (true, true);
+    while open_o || open_e {
+        tokio::select! {
+            n = out.read(&mut buf_o), if open_o => match n {
+                Ok(0) | Err(_) => open_o = false,
+                Ok(n) => stdout.extend_from_slice(&buf_o[..n]),
+            },
+            n = err.read(&mut buf_e), if open_e => match n {
+                Ok(0) | Err(_) => open_e = false,
+                Ok(n) => stderr.extend_from_slice(&buf_e[..n]),
+            },
+        }
+        if stdout.len() + stderr.len() > cap {
+            return true;
+        }
+    }
+    false
+}
+
+fn cores() -> f64 {
+    std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64)
+}
+
+/// Ends an execution's process group and every process of its uid.
+struct Reaper {
+    pgid: Option<u32>,
+    uid: Option<u32>,
+}
+
+impl Reaper {
+    /// Kills them now (once).
+    fn reap(&mut self) {
+        if let Some(pgid) = self.pgid.take() {
+            sys::kill_group(pgid);
+        }
+        if let Some(uid) = self.uid.take()
+            && let Err(err) = sys::kill_all_of(uid)
+        {
+            tracing::warn!("Could not end the processes of sandbox uid {uid}: {err}.");
+        }
+    }
+}
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        self.reap();
+    }
+}
