@@ -470,3 +470,30 @@ async fn a_quota_pauses_the_endpoint_instead_of_collecting_429s() {
     let state = &status["endpoint_states"]["endpoints"][0];
     assert!(state["learned_rate"].as_f64().is_some(), "{state}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_healthy_endpoint_is_probed_once_per_interval_not_in_a_loop() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 40);
+    let server = mock(MockSettings {
+        latency: ms(50),
+        ..MockSettings::default()
+    })
+    .await;
+    let endpoints = external_with("a", &server, 2, "health: { interval: 300ms, timeout: 1s }");
+    env.write("run.yaml", &config(&dataset, &endpoints, ""));
+    let started = std::time::Instant::now();
+    let ran = env
+        .evalfleet(&["run", "run.yaml", "-q", "--run-id", "p"])
+        .await;
+    let elapsed = started.elapsed();
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    // A probe or a call that leaves the endpoint as it was must not wake
+    // its prober: once found ready, one probe per interval.
+    let probes = server.stats().model_listings;
+    let most = elapsed.as_secs_f64() / 0.3 + 4.0;
+    assert!(
+        (probes as f64) <= most,
+        "{probes} probes in {elapsed:?} (at most {most:.0})"
+    );
+}

@@ -297,7 +297,14 @@ impl Endpoint {
     /// they may not.
     fn update(&self, status: &mut Status) {
         let accepting = status.phase == Phase::Ready && status.breaker.admits();
-        let was = self.accepting.send_replace(accepting);
+        // Watchers hear of a change only: a probe or a call that leaves it
+        // as it was must not wake the prober (which would probe at once,
+        // and so on, without end).
+        let mut was = accepting;
+        self.accepting.send_if_modified(|value| {
+            was = std::mem::replace(value, accepting);
+            was != accepting
+        });
         if was && !accepting {
             self.evict_in_flight();
         }
