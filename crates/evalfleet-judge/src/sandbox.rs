@@ -84,6 +84,13 @@ pub struct Isolation {
 }
 
 impl Isolation {
+    /// Everything the sandbox can enforce.
+    pub const ALL: Self = Self {
+        namespaces: true,
+        read_only: true,
+        own_uids: true,
+    };
+
     /// What is enforced, in words, for logs and `evalfleet check`.
     pub fn describe(&self) -> String {
         let mut on = vec![
@@ -257,6 +264,14 @@ fn random_dir(parent: &Path, prefix: &str) -> std::io::Result<PathBuf> {
     Err(std::io::Error::other("cannot create a sandbox directory"))
 }
 
+/// Whether everyone may pass through every directory above `path`.
+fn open_to_others(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    path.ancestors()
+        .skip(1)
+        .all(|dir| std::fs::metadata(dir).is_ok_and(|m| m.permissions().mode() & 0o001 != 0))
+}
+
 /// Claims `count` uids no other sandbox on this machine holds: each is
 /// claimed by an exclusive lock on a file of its own, which the kernel lets
 /// go when the holder ends, however it ends.
@@ -294,6 +309,17 @@ impl Sandbox {
     /// by its programs. It uses whatever isolation this machine allows and
     /// checks, by running a program, that it works.
     pub async fn new(root: &Path, slots: usize, toolchains: &[PathBuf]) -> std::io::Result<Self> {
+        Self::with(root, slots, toolchains, Isolation::ALL).await
+    }
+
+    /// The same, enforcing at most `wanted` (what this machine allows of
+    /// it): the degraded sandboxes of machines that allow less.
+    pub async fn with(
+        root: &Path,
+        slots: usize,
+        toolchains: &[PathBuf],
+        wanted: Isolation,
+    ) -> std::io::Result<Self> {
         use std::os::unix::fs::PermissionsExt;
         std::fs::create_dir_all(root)?;
         let root = root.canonicalize()?;
@@ -306,7 +332,7 @@ impl Sandbox {
             std::fs::create_dir_all(&point)?;
             binds.push((host.clone(), point));
         }
-        let namespaces = if root_user && Path::new("/mnt").is_dir() {
+        let namespaces = if root_user && wanted.namespaces && Path::new("/mnt").is_dir() {
             // Bound where programs see them: under /mnt.
             let at: Vec<PathBuf> = binds
                 .iter()
@@ -340,7 +366,7 @@ impl Sandbox {
         } else {
             None
         };
-        let uids = if root_user {
+        let uids = if root_user && wanted.own_uids {
             match claim_uids(slots) {
                 Ok(uids) => Some(Mutex::new(uids)),
                 Err(err) => {
@@ -350,6 +376,28 @@ impl Sandbox {
             }
         } else {
             None
+        };
+        // Without a mount namespace, programs reach their directories
+        // through the directories above: where those are closed to others,
+        // the sandbox moves to the shared temporary directory.
+        let root = if namespaces.is_none() && uids.is_some() && !open_to_others(&root) {
+            let moved = std::env::temp_dir()
+                .join("evalfleet-sandbox")
+                .join(format!("{:016x}", fastrand::u64(..)));
+            std::fs::create_dir_all(&moved)?;
+            std::fs::set_permissions(&moved, std::fs::Permissions::from_mode(0o711))?;
+            std::fs::set_permissions(
+                std::env::temp_dir().join("evalfleet-sandbox"),
+                std::fs::Permissions::from_mode(0o711),
+            )?;
+            tracing::info!(
+                "The sandbox's programs cannot pass through the directories above {}: their directories go under {} instead.",
+                root.display(),
+                moved.display()
+            );
+            moved
+        } else {
+            root
         };
         let mut sandbox = Self {
             root,
@@ -384,7 +432,11 @@ impl Sandbox {
     async fn probe(&self) -> std::io::Result<()> {
         let slot = self.slot().await;
         let dir = slot.workdir()?;
-        let argv = ["/bin/sh", "-c", "echo ok > probe && cat probe"].map(String::from);
+        // By its absolute path, as interpreters open their programs: every
+        // directory above it must let the program through.
+        let file = dir.inside().join("probe");
+        let script = format!("echo ok > '{0}' && cat '{0}'", file.display());
+        let argv = ["/bin/sh".to_owned(), "-c".to_owned(), script];
         let run = slot.run(&argv, &dir, b"", &Limits::default()).await?;
         if run.success() && run.stdout == b"ok\n" {
             Ok(())

@@ -264,28 +264,44 @@ impl ChildSetup {
 
 /// Kills every process of `uid` (a sandbox's own uid): whatever a program
 /// left behind, wherever it went (a new session, a new process group).
-/// A short-lived child takes the uid (only a process of that uid may signal
-/// them all at once, atomically with respect to their forks) and signals
-/// every process it may.
+/// Only a process of that uid may signal them all at once (atomically with
+/// respect to their forks), so a short-lived child takes the uid and
+/// signals every process it may. The child shares our memory and we wait
+/// while it runs (as `vfork`): nothing of our address space is copied.
 pub fn kill_all_of(uid: u32) -> io::Result<()> {
     if uid == 0 {
         return Err(io::Error::other("refusing to kill root's processes"));
     }
-    // SAFETY: the child makes only system calls and leaves with _exit; the
-    // parent waits for it.
+    extern "C" fn sweep(arg: *mut libc::c_void) -> libc::c_int {
+        let uid = arg as usize as libc::uid_t;
+        // SAFETY: raw system calls only: they change this task's own
+        // credentials (the C library's setresuid would change those of
+        // every thread it knows, which are the parent's).
+        unsafe {
+            if libc::syscall(libc::SYS_setresuid, uid, uid, uid) != 0 {
+                return 1;
+            }
+            if libc::syscall(libc::SYS_kill, -1, libc::SIGKILL) == 0 {
+                return 0;
+            }
+            // ESRCH: nothing was left, the usual case.
+            i32::from(*libc::__errno_location() != libc::ESRCH)
+        }
+    }
+    let mut stack = vec![0u8; 64 * 1024];
+    // SAFETY: the child runs `sweep` on its own stack (which outlives it:
+    // with CLONE_VFORK this thread waits until the child has exited) and
+    // touches nothing else of ours; `uid` travels in the argument pointer.
     unsafe {
-        let pid = libc::fork();
+        let top = stack.as_mut_ptr().add(stack.len());
+        let pid = libc::clone(
+            sweep,
+            top.cast(),
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            uid as usize as *mut libc::c_void,
+        );
         if pid == -1 {
             return Err(io::Error::last_os_error());
-        }
-        if pid == 0 {
-            if libc::setresuid(uid, uid, uid) != 0 {
-                libc::_exit(1);
-            }
-            let killed = libc::kill(-1, libc::SIGKILL) == 0;
-            // ESRCH: nothing was left, the usual case.
-            let none = io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
-            libc::_exit(if killed || none { 0 } else { 1 });
         }
         let mut status = 0;
         while libc::waitpid(pid, &raw mut status, 0) == -1 {

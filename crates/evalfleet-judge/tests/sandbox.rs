@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use evalfleet_judge::sandbox::{Ended, Execution, Limits, Sandbox, UID_BASE, UID_SPAN};
+use evalfleet_judge::sandbox::{Ended, Execution, Isolation, Limits, Sandbox, UID_BASE, UID_SPAN};
 
 const PYTHON: &str = "/usr/bin/python3";
 
@@ -269,4 +269,72 @@ async fn sandboxes_side_by_side_never_share_a_uid() {
         assert!((UID_BASE..UID_BASE + UID_SPAN).contains(&uid));
         assert!(seen.insert(uid), "uid {uid} given twice");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn degraded_sandboxes_say_what_they_do_not_enforce_and_still_run() {
+    if !Path::new(PYTHON).exists() {
+        eprintln!("skipped: {PYTHON} is absent");
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    // Its directory under one that others may not pass through.
+    let closed = parent("closed");
+    std::fs::create_dir_all(&closed).unwrap();
+    std::fs::set_permissions(&closed, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let limits = Limits {
+        wall: Duration::from_secs(4),
+        cpu: Duration::from_secs(1),
+        ..Limits::default()
+    };
+    let no_namespaces = Isolation {
+        namespaces: false,
+        read_only: false,
+        own_uids: true,
+    };
+    let sandbox = Sandbox::with(&closed.join("sbx"), 1, &[], no_namespaces)
+        .await
+        .unwrap();
+    let text = sandbox.describe();
+    assert!(text.contains("NOT enforced: network isolation"), "{text}");
+    // The program opens itself by its absolute path (Python does).
+    let run = python(
+        &sandbox,
+        "import os\nprint(open(os.path.abspath('main.py')).read()[:6])",
+        &limits,
+    )
+    .await;
+    assert_eq!(run.stdout, b"import\n", "{}", said(&run));
+    use std::os::unix::fs::MetadataExt;
+    let root = std::fs::metadata("/proc/self").unwrap().uid() == 0;
+    assert_eq!(
+        sandbox.isolation().own_uids,
+        root,
+        "as root, the sandbox keeps its uids by moving out of the closed directory"
+    );
+    if root {
+        let daemon = python(
+            &sandbox,
+            "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('parent done')\n",
+            &limits,
+        )
+        .await;
+        assert_eq!(daemon.ended, Ended::Exited(0), "{}", said(&daemon));
+        assert_eq!(none_left().await, Vec::<String>::new());
+    }
+
+    let nothing = Isolation {
+        namespaces: false,
+        read_only: false,
+        own_uids: false,
+    };
+    let sandbox = Sandbox::with(&parent("bare"), 1, &[], nothing)
+        .await
+        .unwrap();
+    let text = sandbox.describe();
+    assert!(text.contains("NOT enforced: a separate user"), "{text}");
+    let run = python(&sandbox, "print('still judged')", &limits).await;
+    assert_eq!(run.stdout, b"still judged\n", "{}", said(&run));
+    let spin = python(&sandbox, "while True:\n    pass\n", &limits).await;
+    assert_eq!(spin.ended, Ended::CpuLimit, "{}", said(&spin));
 }
