@@ -663,14 +663,17 @@ def j1(args, work):
         serial_io = serial_stdio()
         io_run, io_summary = judged(f"io-{i}", stdio, stdio_answers, "stdio", "{{ question }}")
         io_passed = json.loads(subprocess.run([BIN, "export", f"io-{i}", "--store", os.path.join(work, f"io-{i}.db"), "--format", "jsonl"], capture_output=True, text=True, check=True).stdout)["judge"]["passed"]
+        # The whole command's wall time: start-up, the calls, the judge's
+        # set-up and every program, as a user waits for it.
         round_ = {
             "serial_s": serial,
-            "evalfleet_s": run["seconds"],
-            "ratio_to_serial_over_cores": run["seconds"] / (serial / cores),
+            "evalfleet_s": run["wall"],
+            "evalfleet_cpu_s": run["cpu"],
+            "ratio_to_serial_over_cores": run["wall"] / (serial / cores),
             "accepted": accepted,
             "stdio_serial_s": serial_io,
-            "stdio_evalfleet_s": io_run["seconds"],
-            "stdio_speedup": serial_io / io_run["seconds"],
+            "stdio_evalfleet_s": io_run["wall"],
+            "stdio_speedup": serial_io / io_run["wall"],
             "stdio_passed": io_passed,
         }
         rounds.append(round_)

@@ -23,12 +23,12 @@
 use std::ffi::CString;
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::process::Command;
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::net::unix::pipe;
 use tokio::sync::{Semaphore, SemaphorePermit};
 
 use crate::sys::{self, ChildSetup, MountPlan, Namespaces, Rlimits};
@@ -526,29 +526,31 @@ impl Slot<'_> {
         let Some(program) = argv.first() else {
             return Err(std::io::Error::other("nothing to run"));
         };
-        let mut command = Command::new(program);
-        command
-            .args(&argv[1..])
-            .env_clear()
-            .env("PATH", "/usr/local/bin:/usr/bin:/bin")
-            .env("HOME", dir.inside())
-            .env("TMPDIR", dir.inside())
-            .env("LANG", "C.UTF-8")
-            .env("PYTHONDONTWRITEBYTECODE", "1")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true);
+        let cstring = |text: &[u8]| {
+            CString::new(text).map_err(|_| std::io::Error::other("an argument holds a NUL byte"))
+        };
+        let path = cstring(resolve(program)?.as_os_str().as_encoded_bytes())?;
+        let args = argv
+            .iter()
+            .map(|a| cstring(a.as_bytes()))
+            .collect::<std::io::Result<Vec<_>>>()?;
+        let inside = dir.inside().as_os_str().as_encoded_bytes();
+        let mut env = vec![
+            cstring(b"PATH=/usr/local/bin:/usr/bin:/bin")?,
+            cstring(b"LANG=C.UTF-8")?,
+            cstring(b"PYTHONDONTWRITEBYTECODE=1")?,
+        ];
+        for key in ["HOME", "TMPDIR"] {
+            env.push(cstring(&[key.as_bytes(), b"=", inside].concat())?);
+        }
         let cpu = limits.cpu.as_secs().max(1);
-        ChildSetup {
+        let setup = ChildSetup {
             namespaces: self
                 .sandbox
                 .namespaces
                 .as_ref()
                 .and_then(ChildSetup::namespaces),
-            cwd: CString::new(dir.inside().as_os_str().as_encoded_bytes())
-                .map_err(|_| std::io::Error::other("a directory's path holds a NUL byte"))?,
+            cwd: cstring(inside)?,
             limits: Some(Rlimits {
                 // Soft limit: SIGXCPU; one second later the hard limit kills.
                 cpu_seconds: (cpu, cpu + 1),
@@ -557,31 +559,29 @@ impl Slot<'_> {
                 processes: u64::from(limits.processes),
             }),
             ids: self.uid().map(|uid| (uid, uid)),
-        }
-        .install(&mut command);
+        };
         let started = Instant::now();
-        let mut child = command
-            .spawn()
+        let child = sys::spawn(&path, &args, &env, &setup)
             .map_err(|e| std::io::Error::new(e.kind(), format!("cannot start '{program}': {e}")))?;
+        let mut process = Process {
+            pid: child.pid,
+            reaped: false,
+        };
         // Whatever happens to this future from here, what the program
         // started is ended.
         let mut reaper = Reaper {
-            pgid: child.id(),
+            pgid: u32::try_from(child.pid).ok(),
             uid: self.uid(),
         };
-        let mut input = child.stdin.take();
+        let exit = sys::exit_watcher(child.pidfd)?;
+        let mut input = pipe::Sender::from_owned_fd_unchecked(child.stdin)?;
+        let out = pipe::Receiver::from_owned_fd_unchecked(child.stdout)?;
+        let err = pipe::Receiver::from_owned_fd_unchecked(child.stderr)?;
         let data = stdin.to_vec();
         let feed = async move {
-            if let Some(input) = input.as_mut() {
-                // A program that does not read its input is not an error.
-                let _ = input.write_all(&data).await;
-            }
+            // A program that does not read its input is not an error.
+            let _ = input.write_all(&data).await;
             drop(input);
-        };
-        let (Some(out), Some(err)) = (child.stdout.take(), child.stderr.take()) else {
-            return Err(std::io::Error::other(
-                "the program's output pipes are missing",
-            ));
         };
         let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
         let outcome = tokio::time::timeout(limits.wall, async {
@@ -598,9 +598,9 @@ impl Slot<'_> {
                     if over {
                         return None;
                     }
-                    child.wait().await.ok()
+                    process.wait(&exit).await.ok()
                 }
-                status = child.wait() => {
+                status = process.wait(&exit) => {
                     // It ended: so does what it left behind, which may hold
                     // its output open. What is left in the pipes is read.
                     reaper.reap();
@@ -619,34 +619,95 @@ impl Slot<'_> {
                 stderr.truncate(limits.output_bytes.saturating_sub(stdout.len()));
                 Ended::OutputLimit
             }
-            Ok(Some(Some(status))) => {
-                use std::os::unix::process::ExitStatusExt;
-                match (status.code(), status.signal()) {
-                    (Some(code), _) => Ended::Exited(code),
-                    (None, Some(libc::SIGXCPU)) => Ended::CpuLimit,
-                    // The hard CPU limit sends SIGKILL to a program that
-                    // ignores SIGXCPU; a program that kills itself early
-                    // cannot have used its CPU time yet.
-                    (None, Some(libc::SIGKILL))
-                        if started.elapsed().mul_f64(cores()) >= limits.cpu =>
-                    {
-                        Ended::CpuLimit
-                    }
-                    (None, Some(signal)) => Ended::Signaled(signal),
-                    (None, None) => Ended::Signaled(0),
+            Ok(Some(Some(status))) => match status {
+                (Some(code), _) => Ended::Exited(code),
+                (None, Some(libc::SIGXCPU)) => Ended::CpuLimit,
+                // The hard CPU limit sends SIGKILL to a program that
+                // ignores SIGXCPU; a program that kills itself early
+                // cannot have used its CPU time yet.
+                (None, Some(libc::SIGKILL)) if started.elapsed().mul_f64(cores()) >= limits.cpu => {
+                    Ended::CpuLimit
                 }
-            }
+                (None, Some(signal)) => Ended::Signaled(signal),
+                (None, None) => Ended::Signaled(0),
+            },
             Ok(Some(None)) => Ended::Signaled(0),
             Err(_) => Ended::TimedOut,
         };
         reaper.reap();
-        let _ = child.kill().await;
+        process.reap(&exit).await;
         Ok(Execution {
             ended,
             stdout,
             stderr,
             elapsed: started.elapsed(),
         })
+    }
+}
+
+/// Finds a program named without a directory on the sandbox's PATH (the
+/// same directories inside the sandbox as here).
+fn resolve(program: &str) -> std::io::Result<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    if program.contains('/') {
+        return Ok(PathBuf::from(program));
+    }
+    ["/usr/local/bin", "/usr/bin", "/bin"]
+        .iter()
+        .map(|dir| Path::new(dir).join(program))
+        .find(|path| {
+            std::fs::metadata(path)
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("no '{program}' in /usr/local/bin, /usr/bin or /bin"),
+            )
+        })
+}
+
+/// A started program: killed (with its group) and reaped when dropped.
+/// Until then it is not reaped, even once it has ended, so that its pid
+/// and process group cannot be anyone else's when they are signalled.
+struct Process {
+    pid: libc::pid_t,
+    reaped: bool,
+}
+
+impl Process {
+    /// Waits for its end: its exit code, or the signal that ended it.
+    async fn wait(
+        &self,
+        exit: &AsyncFd<std::os::fd::OwnedFd>,
+    ) -> std::io::Result<(Option<i32>, Option<i32>)> {
+        loop {
+            let mut ready = exit.readable().await?;
+            if let Some(status) = sys::peek_exit(self.pid)? {
+                return Ok(status);
+            }
+            ready.clear_ready();
+        }
+    }
+
+    /// Kills it (and its group), waits for its end, and reaps it.
+    async fn reap(&mut self, exit: &AsyncFd<std::os::fd::OwnedFd>) {
+        sys::kill_group(u32::try_from(self.pid).unwrap_or(0));
+        // Killed, it ends at once; the bound only keeps a process stuck in
+        // the kernel from holding us.
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.wait(exit)).await;
+        sys::reap(self.pid);
+        self.reaped = true;
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        if !self.reaped {
+            sys::kill_group(u32::try_from(self.pid).unwrap_or(0));
+            // Reaped now if it has ended, else by a later start.
+            sys::reap(self.pid);
+        }
     }
 }
 
@@ -658,8 +719,8 @@ const DRAIN: Duration = Duration::from_secs(1);
 /// Reads both pipes to their end into `stdout` and `stderr`; `true` when
 /// they passed `cap` bytes together (and reading stopped).
 async fn collect(
-    mut out: tokio::process::ChildStdout,
-    mut err: tokio::process::ChildStderr,
+    mut out: impl AsyncRead + Unpin,
+    mut err: impl AsyncRead + Unpin,
     stdout: &mut Vec<u8>,
     stderr: &mut Vec<u8>,
     cap: usize,

@@ -9,7 +9,7 @@
 
 use std::ffi::CString;
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::process::Stdio;
@@ -214,26 +214,38 @@ impl ChildSetup {
         Some(ns.raw())
     }
 
-    /// Runs in the child, between fork and exec.
-    fn enter(&self) -> io::Result<()> {
-        // SAFETY: system calls only, on strings and numbers prepared before
-        // the fork; the namespace handles are open (they are closed on exec,
-        // not before).
+    /// Runs in the child, before its `exec`. Raw system calls for the
+    /// credentials: the C library's wrappers would change those of every
+    /// thread it knows of, and the child shares our memory, threads' list
+    /// included.
+    ///
+    /// # Safety
+    /// Only in the child of [`spawn`].
+    unsafe fn enter(&self) -> Result<(), Stage> {
+        let step = |stage: Stage, ret: libc::c_long| if ret == -1 { Err(stage) } else { Ok(()) };
+        // SAFETY: system calls on strings and numbers prepared before the
+        // clone; the namespace handles are open until the exec.
         unsafe {
             if let Some((net, mnt)) = self.namespaces {
-                check(libc::setns(net, libc::CLONE_NEWNET))?;
+                step(
+                    Stage::Namespaces,
+                    libc::setns(net, libc::CLONE_NEWNET).into(),
+                )?;
                 // Entering a mount namespace moves the working directory to
                 // its root: the chdir comes after.
-                check(libc::setns(mnt, libc::CLONE_NEWNS))?;
+                step(
+                    Stage::Namespaces,
+                    libc::setns(mnt, libc::CLONE_NEWNS).into(),
+                )?;
             }
-            check(libc::chdir(self.cwd.as_ptr()))?;
+            step(Stage::Directory, libc::chdir(self.cwd.as_ptr()).into())?;
             if let Some(l) = self.limits {
                 let set = |resource, soft: u64, hard: u64| {
                     let limit = libc::rlimit {
                         rlim_cur: soft,
                         rlim_max: hard,
                     };
-                    check(libc::setrlimit(resource, &limit))
+                    step(Stage::Limits, libc::setrlimit(resource, &limit).into())
                 };
                 set(libc::RLIMIT_CPU, l.cpu_seconds.0, l.cpu_seconds.1)?;
                 set(libc::RLIMIT_AS, l.address_space, l.address_space)?;
@@ -242,24 +254,324 @@ impl ChildSetup {
                 set(libc::RLIMIT_CORE, 0, 0)?;
             }
             if let Some((uid, gid)) = self.ids {
-                check(libc::setgroups(0, std::ptr::null()))?;
-                check(libc::setresgid(gid, gid, gid))?;
-                check(libc::setresuid(uid, uid, uid))?;
+                let none: *const libc::gid_t = std::ptr::null();
+                step(Stage::User, libc::syscall(libc::SYS_setgroups, 0, none))?;
+                step(
+                    Stage::User,
+                    libc::syscall(libc::SYS_setresgid, gid, gid, gid),
+                )?;
+                step(
+                    Stage::User,
+                    libc::syscall(libc::SYS_setresuid, uid, uid, uid),
+                )?;
             }
             // No set-user-ID program can give it back what it gave up.
-            check(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))?;
+            step(
+                Stage::User,
+                libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0).into(),
+            )?;
         }
         Ok(())
     }
+}
 
-    /// Makes `command`'s child enter the sandbox before its `exec`.
-    pub fn install(self, command: &mut tokio::process::Command) {
-        // SAFETY: `enter` makes only async-signal-safe system calls on data
-        // prepared before the fork, and does not allocate.
-        unsafe {
-            command.pre_exec(move || self.enter());
+/// Where starting a program failed, reported by the child with its errno.
+#[derive(Debug, Clone, Copy)]
+#[repr(u8)]
+enum Stage {
+    Streams = 1,
+    Namespaces,
+    Directory,
+    Limits,
+    User,
+    Exec,
+}
+
+impl Stage {
+    fn describe(code: u8) -> &'static str {
+        match code {
+            1 => "cannot set up its standard streams",
+            2 => "cannot enter the sandbox's namespaces",
+            3 => "cannot enter its directory",
+            4 => "cannot set its limits",
+            5 => "cannot take the sandbox's uid",
+            _ => "cannot run it",
         }
     }
+}
+
+/// A started program: its pid, a pidfd to await its end, and our ends of
+/// its standard streams (non-blocking).
+pub struct Started {
+    pub pid: libc::pid_t,
+    pub pidfd: OwnedFd,
+    pub stdin: OwnedFd,
+    pub stdout: OwnedFd,
+    pub stderr: OwnedFd,
+}
+
+/// What the child reads: every pointer prepared, nothing to allocate.
+struct ChildArgs<'a> {
+    setup: &'a ChildSetup,
+    path: *const libc::c_char,
+    argv: *const *const libc::c_char,
+    envp: *const *const libc::c_char,
+    /// The child's ends: stdin, stdout, stderr; and the report pipe.
+    fds: [RawFd; 3],
+    report: RawFd,
+}
+
+extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: `arg` is the ChildArgs the parent keeps alive while it waits
+    // for this child's exec or exit (CLONE_VFORK); only system calls
+    // follow, and nothing allocates.
+    unsafe {
+        let args = &*arg.cast::<ChildArgs<'_>>();
+        let fail = |stage: Stage| -> libc::c_int {
+            let errno = *libc::__errno_location();
+            let mut message = [0u8; 5];
+            message[0] = stage as u8;
+            message[1..].copy_from_slice(&errno.to_ne_bytes());
+            libc::write(args.report, message.as_ptr().cast(), message.len());
+            libc::_exit(127)
+        };
+        for (target, fd) in args.fds.iter().enumerate() {
+            if libc::dup2(*fd, target as RawFd) == -1 {
+                return fail(Stage::Streams);
+            }
+        }
+        // Its own process group, which it leads: killed as one.
+        if libc::setpgid(0, 0) == -1 {
+            return fail(Stage::Streams);
+        }
+        // Our signal handlers must not run in it, nor our ignoring of
+        // SIGPIPE pass to it; then it may receive signals again.
+        for signal in 1..=64 {
+            if signal == libc::SIGKILL || signal == libc::SIGSTOP {
+                continue;
+            }
+            let mut old: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(signal, std::ptr::null(), &raw mut old) == 0
+                && (old.sa_sigaction != libc::SIG_IGN || signal == libc::SIGPIPE)
+                && old.sa_sigaction != libc::SIG_DFL
+            {
+                let mut default: libc::sigaction = std::mem::zeroed();
+                default.sa_sigaction = libc::SIG_DFL;
+                libc::sigaction(signal, &raw const default, std::ptr::null_mut());
+            }
+        }
+        let mut none: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&raw mut none);
+        libc::sigprocmask(libc::SIG_SETMASK, &raw const none, std::ptr::null_mut());
+        if let Err(stage) = args.setup.enter() {
+            return fail(stage);
+        }
+        libc::execve(args.path, args.argv, args.envp);
+        fail(Stage::Exec)
+    }
+}
+
+fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two descriptors into the array, which we own
+    // from here.
+    unsafe {
+        check(libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC))?;
+        Ok((OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])))
+    }
+}
+
+/// The same descriptor at a number above the standard streams' (which the
+/// child's `dup2` onto 0, 1 and 2 would otherwise overwrite).
+fn above_stdio(fd: OwnedFd) -> io::Result<OwnedFd> {
+    if fd.as_raw_fd() > 2 {
+        return Ok(fd);
+    }
+    // SAFETY: fcntl duplicates a descriptor we own into a new one.
+    unsafe {
+        let new = libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 3);
+        check(new)?;
+        Ok(OwnedFd::from_raw_fd(new))
+    }
+}
+
+fn nonblocking(fd: &OwnedFd) -> io::Result<()> {
+    // SAFETY: fcntl on a descriptor we own.
+    unsafe {
+        let flags = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
+        check(flags)?;
+        check(libc::fcntl(
+            fd.as_raw_fd(),
+            libc::F_SETFL,
+            flags | libc::O_NONBLOCK,
+        ))
+    }
+}
+
+/// Starts `path` with `argv` and `env` in the sandbox `setup` describes, as
+/// `posix_spawn` does: the child shares our memory until its `exec`, and
+/// this thread waits for that, so nothing of our address space is copied
+/// (a fork of this process costs about a millisecond per program).
+pub fn spawn(
+    path: &CString,
+    argv: &[CString],
+    env: &[CString],
+    setup: &ChildSetup,
+) -> io::Result<Started> {
+    let mut argv_ptrs: Vec<*const libc::c_char> = argv.iter().map(|a| a.as_ptr()).collect();
+    argv_ptrs.push(std::ptr::null());
+    let mut envp_ptrs: Vec<*const libc::c_char> = env.iter().map(|e| e.as_ptr()).collect();
+    envp_ptrs.push(std::ptr::null());
+    let (stdin_child, stdin_ours) = pipe()?;
+    let (stdout_ours, stdout_child) = pipe()?;
+    let (stderr_ours, stderr_child) = pipe()?;
+    let (report_ours, report_child) = pipe()?;
+    let (stdin_child, stdout_child, stderr_child, report_child) = (
+        above_stdio(stdin_child)?,
+        above_stdio(stdout_child)?,
+        above_stdio(stderr_child)?,
+        above_stdio(report_child)?,
+    );
+    let args = ChildArgs {
+        setup,
+        path: path.as_ptr(),
+        argv: argv_ptrs.as_ptr(),
+        envp: envp_ptrs.as_ptr(),
+        fds: [
+            stdin_child.as_raw_fd(),
+            stdout_child.as_raw_fd(),
+            stderr_child.as_raw_fd(),
+        ],
+        report: report_child.as_raw_fd(),
+    };
+    let mut stack = vec![0u8; 128 * 1024];
+    // SAFETY: the child runs `child_main` on its own stack and reads only
+    // `args`; both outlive it here, since CLONE_VFORK holds this thread
+    // until the child has called exec or exited. Our signals are blocked
+    // meanwhile, so that no handler of ours runs in the child before it
+    // has reset them.
+    let pid = unsafe {
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        let mut old: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&raw mut all);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &raw const all, &raw mut old);
+        let top = stack.as_mut_ptr().add(stack.len());
+        let pid = libc::clone(
+            child_main,
+            top.cast(),
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            std::ptr::from_ref(&args).cast_mut().cast(),
+        );
+        let err = io::Error::last_os_error();
+        libc::pthread_sigmask(libc::SIG_SETMASK, &raw const old, std::ptr::null_mut());
+        if pid == -1 {
+            return Err(err);
+        }
+        pid
+    };
+    drop((stdin_child, stdout_child, stderr_child, report_child));
+    let mut message = [0u8; 5];
+    // SAFETY: read into a buffer we own, from a descriptor we own.
+    let read = unsafe {
+        libc::read(
+            report_ours.as_raw_fd(),
+            message.as_mut_ptr().cast(),
+            message.len(),
+        )
+    };
+    if read == message.len() as isize {
+        reap(pid);
+        let errno = i32::from_ne_bytes([message[1], message[2], message[3], message[4]]);
+        let err = io::Error::from_raw_os_error(errno);
+        return Err(io::Error::new(
+            err.kind(),
+            format!("{}: {err}", Stage::describe(message[0])),
+        ));
+    }
+    // SAFETY: pidfd_open on our own child, not yet reaped (so its pid
+    // cannot have been reused).
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if pidfd == -1 {
+        let err = io::Error::last_os_error();
+        kill_group(u32::try_from(pid).unwrap_or(0));
+        reap(pid);
+        return Err(err);
+    }
+    // SAFETY: pidfd_open returned a new descriptor, ours from here.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as RawFd) };
+    for fd in [&stdin_ours, &stdout_ours, &stderr_ours] {
+        nonblocking(fd)?;
+    }
+    Ok(Started {
+        pid,
+        pidfd,
+        stdin: stdin_ours,
+        stdout: stdout_ours,
+        stderr: stderr_ours,
+    })
+}
+
+/// How a child ended (its exit code, or the signal that ended it), once
+/// it has (`None` while it runs). It is not reaped: it stays a zombie, its
+/// pid and process group ours to signal, until [`reap`].
+pub fn peek_exit(pid: libc::pid_t) -> io::Result<Option<(Option<i32>, Option<i32>)>> {
+    let Ok(id) = libc::id_t::try_from(pid) else {
+        return Err(io::Error::other("not a child's pid"));
+    };
+    // SAFETY: waitid on our own child, writing into a zeroed local.
+    unsafe {
+        let mut info: libc::siginfo_t = std::mem::zeroed();
+        check(libc::waitid(
+            libc::P_PID,
+            id,
+            &raw mut info,
+            libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+        ))?;
+        if info.si_pid() == 0 {
+            return Ok(None);
+        }
+        let status = info.si_status();
+        Ok(Some(match info.si_code {
+            libc::CLD_EXITED => (Some(status), None),
+            libc::CLD_KILLED | libc::CLD_DUMPED => (None, Some(status)),
+            _ => (None, None),
+        }))
+    }
+}
+
+/// Watches a pidfd: readable once its process has ended.
+pub fn exit_watcher(pidfd: OwnedFd) -> io::Result<tokio::io::unix::AsyncFd<OwnedFd>> {
+    // SAFETY: the descriptor is owned, open, and stays so (and the same)
+    // for as long as the AsyncFd owns it.
+    unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE)
+            .map_err(|e| e.into_parts().1)
+    }
+}
+
+fn try_wait(pid: libc::pid_t) -> io::Result<Option<libc::c_int>> {
+    let mut status = 0;
+    // SAFETY: waitpid on our own child, writing into a local.
+    let ret = unsafe { libc::waitpid(pid, &raw mut status, libc::WNOHANG) };
+    match ret {
+        -1 => Err(io::Error::last_os_error()),
+        0 => Ok(None),
+        _ => Ok(Some(status)),
+    }
+}
+
+/// Children that were killed but not yet reaped: each later spawn reaps
+/// those that have ended, so none stays a zombie for long.
+static ORPHANS: std::sync::Mutex<Vec<libc::pid_t>> = std::sync::Mutex::new(Vec::new());
+
+/// Reaps a child that is ending (it was killed, or failed to start), now
+/// if it has ended, else later.
+pub fn reap(pid: libc::pid_t) {
+    let mut orphans = ORPHANS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    orphans.push(pid);
+    orphans.retain(|&pid| matches!(try_wait(pid), Ok(None)));
 }
 
 /// Kills every process of `uid` (a sandbox's own uid): whatever a program

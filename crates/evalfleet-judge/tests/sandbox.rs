@@ -29,8 +29,25 @@ fn said(run: &Execution) -> String {
     )
 }
 
-/// Processes whose uid is one the sandbox gives its slots.
-fn sandbox_processes() -> Vec<String> {
+/// The uids of a sandbox's slots (all of them free when called).
+async fn uids_of(sandbox: &Sandbox, slots: usize) -> Vec<u32> {
+    use std::os::unix::fs::MetadataExt;
+    let mut taken = Vec::new();
+    for _ in 0..slots {
+        taken.push(sandbox.slot().await);
+    }
+    taken
+        .iter()
+        .map(|slot| {
+            std::fs::metadata(slot.workdir().unwrap().path())
+                .unwrap()
+                .uid()
+        })
+        .collect()
+}
+
+/// Processes whose uid is one of `uids`.
+fn sandbox_processes(uids: &[u32]) -> Vec<String> {
     std::fs::read_dir("/proc")
         .unwrap()
         .filter_map(Result::ok)
@@ -47,22 +64,22 @@ fn sandbox_processes() -> Vec<String> {
                 .find(|l| l.starts_with("Uid:"))
                 .and_then(|l| l.split_whitespace().nth(1))
                 .and_then(|uid| uid.parse::<u32>().ok())
-                .is_some_and(|uid| (UID_BASE..UID_BASE + UID_SPAN).contains(&uid))
+                .is_some_and(|uid| uids.contains(&uid))
         })
         .map(|status| status.lines().take(1).collect())
         .collect()
 }
 
-/// Waits (up to 5 s, polling) until no sandbox process is left: the kernel
-/// may take a moment to reap what was killed.
-async fn none_left() -> Vec<String> {
-    let mut left = sandbox_processes();
+/// Waits (up to 5 s, polling) until no process of `uids` is left: the
+/// kernel may take a moment to end what was killed.
+async fn none_left(uids: &[u32]) -> Vec<String> {
+    let mut left = sandbox_processes(uids);
     for _ in 0..50 {
         if left.is_empty() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
-        left = sandbox_processes();
+        left = sandbox_processes(uids);
     }
     left
 }
@@ -78,6 +95,7 @@ async fn hostile_programs_are_contained() {
         .unwrap();
     let isolation = sandbox.isolation();
     eprintln!("{}", sandbox.describe());
+    let uids = uids_of(&sandbox, 2).await;
     let limits = Limits {
         wall: Duration::from_secs(4),
         cpu: Duration::from_secs(1),
@@ -227,7 +245,7 @@ async fn hostile_programs_are_contained() {
             "{:?}",
             daemon.elapsed
         );
-        assert_eq!(none_left().await, Vec::<String>::new());
+        assert_eq!(none_left(&uids).await, Vec::<String>::new());
     }
 
     // A fork bomb: held by the process limit, and all of it gone after.
@@ -241,7 +259,7 @@ async fn hostile_programs_are_contained() {
     assert!(bomb.elapsed < Duration::from_secs(8), "{:?}", bomb.elapsed);
     if isolation.own_uids {
         assert_eq!(
-            none_left().await,
+            none_left(&uids).await,
             Vec::<String>::new(),
             "every process it started is gone"
         );
@@ -320,7 +338,8 @@ async fn degraded_sandboxes_say_what_they_do_not_enforce_and_still_run() {
         )
         .await;
         assert_eq!(daemon.ended, Ended::Exited(0), "{}", said(&daemon));
-        assert_eq!(none_left().await, Vec::<String>::new());
+        let uids = uids_of(&sandbox, 1).await;
+        assert_eq!(none_left(&uids).await, Vec::<String>::new());
     }
 
     let nothing = Isolation {
