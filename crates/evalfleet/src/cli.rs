@@ -277,13 +277,19 @@ pub struct ScoreArgs {
     #[command(flatten)]
     pub store: StoreArgs,
 
-    /// Take task.parse, task.schema, task.max_reasks and task.metrics from this config
+    /// Take task.parse, task.schema, task.max_reasks, task.metrics and task.code from this config
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
 
     /// Recompute only these metrics (names or keys); the others keep their scores
     #[arg(long, value_delimiter = ',', value_name = "NAME,...")]
     pub metrics: Vec<String>,
+
+    /// Run the code judge again over the stored answers (with task.code from
+    /// --config when given; a changed task.code implies it). Without it a
+    /// code task keeps its stored judgements.
+    #[arg(long)]
+    pub rejudge: bool,
 }
 
 #[derive(Debug, Args)]

@@ -87,7 +87,7 @@ fn main() -> ExitCode {
             Command::Check(args) => commands::check::check(args).await,
             Command::Mock(args) => commands::mock::mock(args).await,
             Command::Fleet(args) => commands::inspect::fleet(args),
-            Command::Score(args) => commands::report::score(args),
+            Command::Score(args) => commands::report::score(args).await,
             Command::Report(args) => commands::report::report(args),
             Command::Compare(args) => commands::report::compare(args),
             Command::Cache(args) => commands::report::cache(args),

@@ -122,3 +122,157 @@ async fn humaneval_answers_are_judged_in_the_run() {
         "{failing}"
     );
 }
+
+/// Stdin/stdout problems: "print a third of N". Half the answers round to
+/// 4 places where the tests want 6: wrong by exact text, right within a
+/// tolerance of 1e-3.
+fn thirds(
+    env: &Env,
+    language: &str,
+    right: &str,
+    rounded: &str,
+) -> (std::path::PathBuf, std::path::PathBuf) {
+    let mut problems = String::new();
+    let mut answers = String::new();
+    for i in 0..6 {
+        let tests: Vec<Value> = (1..=5)
+            .map(|n| json!({"input": format!("{n}\n"), "output": format!("{:.6}\n", n as f64 / 3.0)}))
+            .collect();
+        let question = format!("Problem {i}: print a third of N.");
+        problems.push_str(&format!(
+            "{}\n",
+            json!({"id": format!("p{i}"), "question": question, "tests": tests})
+        ));
+        let program = if i % 2 == 0 { right } else { rounded };
+        answers.push_str(&format!(
+            "{}\n",
+            json!({"prompt": question, "replies": [format!("```{language}\n{program}\n```")]})
+        ));
+    }
+    (
+        env.write("problems.jsonl", &problems),
+        env.write("answers.jsonl", &answers),
+    )
+}
+
+fn stdio_config(dataset: &std::path::Path, endpoints: &str, code: &str) -> String {
+    format!(
+        "name: thirds\n\
+         dataset: {{ path: {}, id_field: id }}\n\
+         endpoints:\n{endpoints}\n\
+         task:\n\
+         \x20 messages: [ {{ role: user, content: \"{{{{ question }}}}\" }} ]\n\
+         \x20 code: {{ format: stdio, {code} }}\n",
+        dataset.display()
+    )
+}
+
+async fn accepted_mean(env: &Env, run_id: &str) -> f64 {
+    let report = env
+        .evalfleet(&["report", run_id, "--json", "--out", "report"])
+        .await;
+    let summary: Value = serde_json::from_str(&report.stdout).unwrap();
+    summary["metrics"][0]["mean"].as_f64().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn score_keeps_judgements_and_rejudges_when_asked_or_when_task_code_changes() {
+    let env = Env::new();
+    let (dataset, answers) = thirds(
+        &env,
+        "python",
+        "print(f'{int(input()) / 3:.6f}')",
+        "print(f'{int(input()) / 3:.4f}')",
+    );
+    let server = mock(MockSettings {
+        answers: Some(answers),
+        ..MockSettings::default()
+    })
+    .await;
+    let endpoints = external("m", &server, 4);
+    env.write(
+        "run.yaml",
+        &stdio_config(&dataset, &endpoints, "timeout: 10s"),
+    );
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let run_id = ran.run_id();
+    assert_eq!(accepted_mean(&env, &run_id).await, 0.5);
+
+    // Scoring again keeps the judgements: no program runs.
+    let scored = env.evalfleet(&["score", &run_id]).await;
+    assert_eq!(scored.code, Some(0), "{}", scored.stderr);
+    assert!(!scored.stderr.contains("Judged"), "{}", scored.stderr);
+    assert_eq!(accepted_mean(&env, &run_id).await, 0.5);
+
+    // A tolerance in task.code: the answers are judged again.
+    env.write(
+        "tolerant.yaml",
+        &stdio_config(&dataset, &endpoints, "timeout: 10s, float_tolerance: 0.001"),
+    );
+    let scored = env
+        .evalfleet(&["score", &run_id, "--config", "tolerant.yaml"])
+        .await;
+    assert_eq!(scored.code, Some(0), "{}", scored.stderr);
+    assert!(
+        scored.stderr.contains("Judged 6 programs again"),
+        "{}",
+        scored.stderr
+    );
+    assert_eq!(accepted_mean(&env, &run_id).await, 1.0);
+    assert_eq!(server.stats().completed, 6, "no model was called again");
+
+    // --rejudge runs them again with the stored (now tolerant) settings.
+    let scored = env.evalfleet(&["score", &run_id, "--rejudge"]).await;
+    assert!(
+        scored.stderr.contains("Judged 6 programs again"),
+        "{}",
+        scored.stderr
+    );
+    let rows = env.export(&run_id).await;
+    assert!(
+        rows.iter().all(|r| r["judge"]["accepted"] == true),
+        "{rows:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cpp_answers_are_compiled_and_judged_in_the_run() {
+    let found = std::process::Command::new("g++").arg("--version").output();
+    if !found.is_ok_and(|o| o.status.success()) {
+        eprintln!("skipped: g++ is absent");
+        return;
+    }
+    let env = Env::new();
+    let (dataset, answers) = thirds(
+        &env,
+        "cpp",
+        "#include <cstdio>\nint main() { int n; std::scanf(\"%d\", &n); std::printf(\"%.6f\\n\", n / 3.0); }",
+        "int main() { return missing; }",
+    );
+    let server = mock(MockSettings {
+        answers: Some(answers),
+        ..MockSettings::default()
+    })
+    .await;
+    env.write(
+        "run.yaml",
+        &stdio_config(&dataset, &external("m", &server, 4), "language: cpp"),
+    );
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let report = env
+        .evalfleet(&["report", &ran.run_id(), "--json", "--out", "r"])
+        .await;
+    let summary: Value = serde_json::from_str(&report.stdout).unwrap();
+    assert_eq!(summary["metrics"][0]["mean"], 0.5);
+    assert_eq!(summary["code_verdicts"]["all"]["success"], 3);
+    assert_eq!(summary["code_verdicts"]["all"]["compile_error"], 3);
+    let rows = crate::util::by_id(&env.export(&ran.run_id()).await);
+    assert_eq!(rows["p0"]["judge"]["extraction"], "fenced_cpp");
+    assert_eq!(rows["p0"]["judge"]["compile"]["ok"], true);
+    let message = rows["p1"]["judge"]["test_case_errors"][0]["message"]
+        .as_str()
+        .unwrap();
+    assert!(message.contains("missing"), "{message}");
+}

@@ -317,3 +317,89 @@ task:
         assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
     }
 }
+
+#[test]
+fn a_code_task_is_checked_key_by_key() {
+    let dir = dir_with_dataset();
+    write(dir.path(), ".env", "EF_CFG_TEST_KEY=sk-from-dotenv\n");
+    let with_code = |code: &str| {
+        let file = write(
+            dir.path(),
+            "code.yaml",
+            &format!("{GOOD}  code: {{ {code} }}\n"),
+        );
+        load_file(&file, Overrides::default())
+    };
+    let messages = |code: &str| -> Vec<String> {
+        with_code(code)
+            .unwrap_err()
+            .problems()
+            .iter()
+            .map(|p| p.message.clone())
+            .collect()
+    };
+    let said = messages("format: humaneval, language: cpp, compiler: g++, python: python3");
+    assert!(
+        said.iter().any(
+            |m| m.contains("task.code.language: cpp programs are judged on stdin/stdout tests")
+        ),
+        "{said:?}"
+    );
+    assert!(
+        said.iter()
+            .any(|m| m.contains("give python or compiler, not both")),
+        "{said:?}"
+    );
+    let said = messages("format: stdio, language: cobol");
+    assert!(
+        said.iter()
+            .any(|m| m.contains("task.code.language: must be python, cpp or rust, got 'cobol'")),
+        "{said:?}"
+    );
+    let said = messages("format: stdio, backend: sandboxfusion");
+    assert!(
+        said.iter()
+            .any(|m| m.contains("task.code.sandbox_url: is required with backend: sandboxfusion")),
+        "{said:?}"
+    );
+    let said = messages("format: stdio, backend: sandboxfusion, sandbox_url: ftp://x");
+    assert!(
+        said.iter().any(|m| m.contains("must be an http(s) URL")),
+        "{said:?}"
+    );
+    let said = messages("format: stdio, sandbox_url: http://x:8080");
+    assert!(
+        said.iter()
+            .any(|m| m.contains("is for backend: sandboxfusion")),
+        "{said:?}"
+    );
+    let said = messages("format: stdio, tests_field: [], compile_timeout: soon");
+    assert!(
+        said.iter()
+            .any(|m| m.contains("task.code.tests_field: must name at least one field")),
+        "{said:?}"
+    );
+    assert!(
+        said.iter()
+            .any(|m| m.contains("task.code.compile_timeout: expected a duration")),
+        "{said:?}"
+    );
+
+    let config = with_code(
+        "format: stdio, language: rust, tests_field: [public_tests, private_tests], backend: sandboxfusion, sandbox_url: http://sandbox:8080, sandbox_retries: 5",
+    )
+    .unwrap()
+    .config;
+    let code = config.task.code.unwrap();
+    assert_eq!(code.language, evalfleet_judge::Language::Rust);
+    assert_eq!(code.stdio_fields, ["public_tests", "private_tests"]);
+    assert_eq!(
+        code.backend,
+        evalfleet_judge::Backend::SandboxFusion {
+            url: "http://sandbox:8080".to_owned(),
+            retries: 5
+        }
+    );
+    assert_eq!(code.concurrency, 32, "a remote sandbox's own default");
+    assert_eq!(code.compile_timeout, Duration::from_secs(30));
+}

@@ -256,6 +256,15 @@ impl Evaluator {
             };
             scores.insert(request.key, score);
         }
+        // The code judge's score stays as it was stored (it is judged
+        // again only on request: that runs every program again).
+        for m in self.metrics() {
+            if matches!(m.kind, metrics::Kind::CodeAccepted)
+                && let Some(stored) = keep.and_then(|k| k.get(&m.key))
+            {
+                scores.insert(m.key.clone(), stored.clone());
+            }
+        }
         if let Some(only) = only {
             scores.retain(|k, _| only.contains(k));
             if let Some(keep) = keep {

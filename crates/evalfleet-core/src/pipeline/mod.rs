@@ -118,17 +118,7 @@ impl CodeJudge {
         mut scores: serde_json::Map<String, serde_json::Value>,
         reasks: u32,
     ) -> Judged {
-        let judged = self.judge.judge(row, answer).await;
-        let (json, score) = match judged {
-            Ok(j) => (
-                serde_json::to_string(&j).ok(),
-                serde_json::json!({"value": f64::from(u8::from(j.accepted)), "verdict": j.verdict.as_str(), "passed": j.passed, "total": j.total}),
-            ),
-            Err(error) => (
-                None,
-                serde_json::json!({"error": format!("the code judge failed: {error}")}),
-            ),
-        };
+        let (json, score) = code_outcome(self.judge.judge(row, answer).await);
         if let Some(m) = eval
             .metrics()
             .find(|m| matches!(m.kind, crate::eval::metrics::Kind::CodeAccepted))
@@ -139,6 +129,43 @@ impl CodeJudge {
         stored.judge = json;
         stored
     }
+}
+
+/// What is stored of a judgement: the judgement as JSON, and the
+/// `code_accepted` score (its value, verdict and tests passed, or the
+/// judge's error).
+pub fn code_outcome(
+    judged: Result<evalfleet_judge::Judgement, evalfleet_judge::JudgeError>,
+) -> (Option<String>, serde_json::Value) {
+    match judged {
+        Ok(j) => (
+            serde_json::to_string(&j).ok(),
+            serde_json::json!({"value": f64::from(u8::from(j.accepted)), "verdict": j.verdict.as_str(), "passed": j.passed, "total": j.total}),
+        ),
+        Err(error) => (
+            None,
+            serde_json::json!({"error": format!("the code judge failed: {error}")}),
+        ),
+    }
+}
+
+/// Judges stored answers again (`evalfleet score --rejudge`): each
+/// `(seq, item, answer)` becomes `(seq, judgement, code_accepted score)`.
+/// Enough answers are judged at once to keep the judge's slots busy.
+pub async fn judge_again(
+    judge: &evalfleet_judge::Judge,
+    answers: Vec<(u64, serde_json::Value, String)>,
+) -> Vec<(u64, Option<String>, serde_json::Value)> {
+    use futures_util::StreamExt;
+    let at_once = judge.settings().concurrency.saturating_mul(2).max(1);
+    futures_util::stream::iter(answers)
+        .map(|(seq, item, answer)| async move {
+            let (json, score) = code_outcome(judge.judge(&item, &answer).await);
+            (seq, json, score)
+        })
+        .buffer_unordered(at_once)
+        .collect()
+        .await
 }
 
 /// How a session ended.

@@ -21,13 +21,14 @@ use crate::cli::{CacheAction, CacheArgs, CompareArgs, ReportArgs, ScoreArgs};
 use crate::{EXIT_OK, UsageError};
 
 /// The task keys `score --config` takes from the new config.
-const EVAL_KEYS: [&str; 6] = [
+const EVAL_KEYS: [&str; 7] = [
     "parse",
     "schema",
     "schema_file",
     "max_reasks",
     "structured_output",
     "metrics",
+    "code",
 ];
 
 fn stored_config(run: &RunRecord) -> anyhow::Result<LoadedConfig> {
@@ -39,8 +40,9 @@ fn evaluator(loaded: &LoadedConfig) -> anyhow::Result<Evaluator> {
     Evaluator::new(&loaded.config.task.eval).map_err(|e| UsageError(e).into())
 }
 
-/// `evalfleet score`: parses, checks and scores the stored outputs again.
-pub fn score(args: ScoreArgs) -> anyhow::Result<u8> {
+/// `evalfleet score`: parses, checks and scores the stored outputs again;
+/// with `--rejudge` (or a changed `task.code`), runs the code judge again.
+pub async fn score(args: ScoreArgs) -> anyhow::Result<u8> {
     let path = store_path(args.store.store, None);
     let mut store = SqliteStore::open_existing(&path)?;
     let run = store.run(&args.run_id)?;
@@ -74,8 +76,21 @@ pub fn score(args: ScoreArgs) -> anyhow::Result<u8> {
             task.insert("schema".to_owned(), schema.clone());
         }
     }
+    let code_changed = snapshot.get("task").and_then(|t| t.get("code"))
+        != run.config.get("task").and_then(|t| t.get("code"));
     let loaded = config::load_snapshot(&snapshot, Path::new(&run.config_dir))?;
     let eval = evaluator(&loaded)?;
+    let rejudge = match &loaded.config.task.code {
+        Some(_) => args.rejudge || code_changed,
+        None if args.rejudge => {
+            return Err(UsageError(format!(
+                "--rejudge: run {} has no code task (task.code)",
+                args.run_id
+            ))
+            .into());
+        }
+        None => false,
+    };
     let keys: Vec<String> = eval.metrics().map(|m| m.key.clone()).collect();
     let only = if args.metrics.is_empty() {
         None
@@ -158,6 +173,18 @@ pub fn score(args: ScoreArgs) -> anyhow::Result<u8> {
     }
     if let Some(err) = lookup_error {
         return Err(err.into());
+    }
+    let code_key = eval
+        .metrics()
+        .find(|m| matches!(m.kind, evalfleet_core::eval::metrics::Kind::CodeAccepted))
+        .map(|m| m.key.clone());
+    if rejudge && let (Some(settings), Some(key)) = (&loaded.config.task.code, code_key) {
+        let started = std::time::Instant::now();
+        let count = rejudge_code(settings, &key, &path, &args.run_id, &stored, &mut judged).await?;
+        eprintln!(
+            "Judged {count} programs again in {:.1} s.",
+            started.elapsed().as_secs_f64()
+        );
     }
     store.put_judged(&args.run_id, &judged, &snapshot)?;
     let valid = judged
@@ -309,6 +336,62 @@ fn endpoint_json(e: &EndpointSummary) -> Value {
         "ttft_ms": e.ttft_ms,
         "tpot_ms": e.tpot_ms,
     })
+}
+
+/// Runs the code judge again over the usable answers among `stored`, and
+/// puts each judgement and `code_accepted` score into `judged` (in the same
+/// order). Returns how many were judged.
+async fn rejudge_code(
+    settings: &evalfleet_core::judge::CodeSettings,
+    key: &str,
+    store_path: &Path,
+    run_id: &str,
+    stored: &[StoredResult],
+    judged: &mut [(u64, Judged)],
+) -> anyhow::Result<usize> {
+    let sandbox = store_path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+        .join("sandbox")
+        .join(format!("{run_id}-score"));
+    let http = evalfleet_core::client::http_client(settings.concurrency)?;
+    let judge = evalfleet_core::judge::Judge::new(settings.clone(), &sandbox, http).await?;
+    tracing::info!("Code judge: {}.", judge.describe());
+    let answers: Vec<(u64, Value, String)> = stored
+        .iter()
+        .zip(judged.iter())
+        .filter(|(_, (_, j))| j.verdict.as_deref() == Some("ok"))
+        .map(|(r, (seq, _))| {
+            let item = r
+                .item
+                .as_deref()
+                .and_then(|t| serde_json::from_str(t).ok())
+                .unwrap_or(Value::Null);
+            (*seq, item, r.output.clone().unwrap_or_default())
+        })
+        .collect();
+    let count = answers.len();
+    let again: HashMap<u64, (Option<String>, Value)> =
+        evalfleet_core::pipeline::judge_again(&judge, answers)
+            .await
+            .into_iter()
+            .map(|(seq, json, score)| (seq, (json, score)))
+            .collect();
+    for (seq, j) in judged.iter_mut() {
+        let Some((json, score)) = again.get(seq) else {
+            continue;
+        };
+        let mut scores: Map<String, Value> = j
+            .scores
+            .as_deref()
+            .and_then(|s| serde_json::from_str(s).ok())
+            .unwrap_or_default();
+        scores.insert(key.to_owned(), score.clone());
+        j.scores = Some(Value::Object(scores).to_string());
+        j.judge = json.clone();
+    }
+    Ok(count)
 }
 
 /// `evalfleet report`: a table in the terminal, and CSV and JSON files.
