@@ -276,3 +276,49 @@ async fn cpp_answers_are_compiled_and_judged_in_the_run() {
         .unwrap();
     assert!(message.contains("missing"), "{message}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_starts_the_judge_and_run_refuses_a_missing_compiler() {
+    let env = Env::new();
+    let (dataset, _) = thirds(&env, "python", "print(1)", "print(1)");
+    let endpoints = "  - { name: m, kind: mock }\n";
+    env.write("ok.yaml", &stdio_config(&dataset, endpoints, "timeout: 5s"));
+    let checked = env.evalfleet(&["check", "ok.yaml"]).await;
+    assert_eq!(
+        checked.code,
+        Some(0),
+        "{}{}",
+        checked.stdout,
+        checked.stderr
+    );
+    assert!(
+        checked
+            .stdout
+            .contains("code judge   python programs run; sandbox:"),
+        "{}",
+        checked.stdout
+    );
+
+    env.write(
+        "bad.yaml",
+        &stdio_config(
+            &dataset,
+            endpoints,
+            "language: cpp, compiler: /nonexistent/c++",
+        ),
+    );
+    let checked = env.evalfleet(&["check", "bad.yaml"]).await;
+    assert_eq!(checked.code, Some(1));
+    assert!(
+        checked
+            .stdout
+            .contains("code judge   NOT ready: a cpp program does not run")
+            && checked.stdout.contains("/nonexistent/c++"),
+        "{}",
+        checked.stdout
+    );
+    // A run stops at its start, saying why, with the exit code of bad input.
+    let ran = env.evalfleet(&["run", "bad.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(2), "{}", ran.stderr);
+    assert!(ran.stderr.contains("/nonexistent/c++"), "{}", ran.stderr);
+}

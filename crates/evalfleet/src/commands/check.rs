@@ -136,6 +136,31 @@ pub async fn check(args: crate::cli::CheckArgs) -> anyhow::Result<u8> {
         println!("{head}, {url}: {line}");
     }
     drop(guards);
+    if let Some(settings) = &config.task.code {
+        // The judge starts as a run starts it: its sandbox made, and a
+        // trivial program of the task's language run in it.
+        let dir = std::env::temp_dir().join(format!("evalfleet-check-{}", std::process::id()));
+        let line = match evalfleet_core::client::http_client(1) {
+            Ok(http) => match evalfleet_core::judge::Judge::new(settings.clone(), &dir, http).await
+            {
+                Ok(judge) => format!(
+                    "{} programs run; {}",
+                    settings.language.as_str(),
+                    judge.describe()
+                ),
+                Err(err) => {
+                    ready = false;
+                    format!("NOT ready: {err}")
+                }
+            },
+            Err(err) => {
+                ready = false;
+                format!("NOT ready: {err}")
+            }
+        };
+        let _ = std::fs::remove_dir_all(&dir);
+        println!("code judge   {line}");
+    }
     Ok(if ready { EXIT_OK } else { EXIT_FAILED })
 }
 
