@@ -71,7 +71,7 @@ fn dir(name: &str) -> PathBuf {
 }
 
 /// The tool a language needs, or a message that the test is skipped.
-fn have(program: &str) -> bool {
+pub fn have(program: &str) -> bool {
     let found = std::process::Command::new(program)
         .arg("--version")
         .output()

@@ -22,7 +22,7 @@ use evalfleet_judge::{Backend, Format, Judge, JudgeError, Language, Verdict};
 use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
 
-use crate::code_judge::{FLAWED_PYTHON, doubling_problem, http, settings};
+use crate::code_judge::{FLAWED_PYTHON, doubling_problem, have, http, settings};
 
 #[derive(Default)]
 struct Server {
@@ -82,9 +82,11 @@ fn reply(value: &Value) -> JsonReply {
 async fn run_code(State(server): State<Arc<Server>>, body: String) -> JsonReply {
     let request: Value = serde_json::from_str(&body).unwrap();
     server.calls.fetch_add(1, Ordering::SeqCst);
-    let failing = server.failing.load(Ordering::SeqCst);
-    if failing > 0 {
-        server.failing.store(failing - 1, Ordering::SeqCst);
+    let failed = server
+        .failing
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .is_ok();
+    if failed {
         return reply(
             &json!({"status": "SandboxError", "message": "executor pod lost", "run_result": null}),
         );
@@ -219,9 +221,7 @@ async fn sandboxfusion_gives_the_verdicts_the_local_sandbox_gives() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_compile_error_on_sandboxfusion_stops_the_problem() {
-    let found = std::process::Command::new("g++").arg("--version").output();
-    if !found.is_ok_and(|o| o.status.success()) {
-        eprintln!("skipped: g++ is absent");
+    if !have("g++") {
         return;
     }
     let server = Arc::new(Server::default());

@@ -3,10 +3,9 @@
 
 use std::io::Read;
 
-use evalfleet_mock::MockSettings;
 use serde_json::{Value, json};
 
-use crate::util::{Env, external, mock, shared_data};
+use crate::util::{Env, external, scripted, shared_data};
 
 /// HumanEval's problems, or `None` (saying so) when the file is absent.
 fn humaneval() -> Option<Vec<Value>> {
@@ -66,11 +65,7 @@ async fn humaneval_answers_are_judged_in_the_run() {
             )
         }),
     );
-    let server = mock(MockSettings {
-        answers: Some(right),
-        ..MockSettings::default()
-    })
-    .await;
+    let server = scripted(right).await;
     env.write("run.yaml", &config(&dataset, &external("m", &server, 8)));
     let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
     assert_eq!(ran.code, Some(0), "{}", ran.stderr);
@@ -91,11 +86,7 @@ async fn humaneval_answers_are_judged_in_the_run() {
         "wrong.jsonl",
         &script(&|_| "```python\n    return None\n```".to_owned()),
     );
-    let server = mock(MockSettings {
-        answers: Some(wrong),
-        ..MockSettings::default()
-    })
-    .await;
+    let server = scripted(wrong).await;
     env.write("wrong.yaml", &config(&dataset, &external("m", &server, 8)));
     let ran = env.evalfleet(&["run", "wrong.yaml", "-q"]).await;
     assert_eq!(ran.code, Some(0), "{}", ran.stderr);
@@ -184,11 +175,7 @@ async fn score_keeps_judgements_and_rejudges_when_asked_or_when_task_code_change
         "print(f'{int(input()) / 3:.6f}')",
         "print(f'{int(input()) / 3:.4f}')",
     );
-    let server = mock(MockSettings {
-        answers: Some(answers),
-        ..MockSettings::default()
-    })
-    .await;
+    let server = scripted(answers).await;
     let endpoints = external("m", &server, 4);
     env.write(
         "run.yaml",
@@ -250,11 +237,7 @@ async fn cpp_answers_are_compiled_and_judged_in_the_run() {
         "#include <cstdio>\nint main() { int n; std::scanf(\"%d\", &n); std::printf(\"%.6f\\n\", n / 3.0); }",
         "int main() { return missing; }",
     );
-    let server = mock(MockSettings {
-        answers: Some(answers),
-        ..MockSettings::default()
-    })
-    .await;
+    let server = scripted(answers).await;
     env.write(
         "run.yaml",
         &stdio_config(&dataset, &external("m", &server, 4), "language: cpp"),

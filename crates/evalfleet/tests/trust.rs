@@ -6,7 +6,7 @@ use std::path::Path;
 use evalfleet_mock::MockSettings;
 use serde_json::{Value, json};
 
-use crate::util::{Env, cache_stats, external, mock, shared_data};
+use crate::util::{Env, cache_stats, external, mock, scripted, shared_data};
 
 /// The first `n` GSM8K questions with their final answers, or `None` (and a
 /// note saying so) when the dataset is absent (`../shared/data`, or
@@ -73,11 +73,7 @@ async fn gsm8k_accuracy_is_the_known_fraction_and_malformed_answers_are_reasked(
     }
     std::fs::write(&dataset, lines).unwrap();
     let answers = env.write("answers.jsonl", &script);
-    let server = mock(MockSettings {
-        answers: Some(answers),
-        ..MockSettings::default()
-    })
-    .await;
+    let server = scripted(answers).await;
     env.write(
         "run.yaml",
         &gsm8k_config(&dataset, &external("m", &server, 16), ACCURACY),
@@ -228,11 +224,7 @@ async fn json_answers_are_checked_against_the_schema_and_reasked() {
         })
         .collect();
     let answers = env.write("answers.jsonl", &script);
-    let server = mock(MockSettings {
-        answers: Some(answers),
-        ..MockSettings::default()
-    })
-    .await;
+    let server = scripted(answers).await;
     let text = crate::util::config(
         &dataset,
         &external("m", &server, 4),
@@ -314,11 +306,7 @@ async fn an_llm_judge_scores_answers_through_its_own_endpoint_and_cache() {
         .collect();
     let answers = env.write("judge.jsonl", &script);
     let answering = mock(MockSettings::default()).await;
-    let judging = mock(MockSettings {
-        answers: Some(answers),
-        ..MockSettings::default()
-    })
-    .await;
+    let judging = scripted(answers).await;
     let endpoints = external("m", &answering, 4)
         + &format!(
             "  - {{ name: judge, kind: external, role: judge, base_url: \"{}\", model: m, concurrency: 2 }}\n",
@@ -416,11 +404,7 @@ async fn samples_per_row_give_pass_at_k_and_a_majority_vote() {
     }
     let dataset = env.write("rows.jsonl", &rows);
     let answers = env.write("samples.jsonl", &script);
-    let server = mock(MockSettings {
-        answers: Some(answers),
-        ..MockSettings::default()
-    })
-    .await;
+    let server = scripted(answers).await;
     // One call at a time, so sample k of a row gets the mock's k-th reply.
     let text = crate::util::config(
         &dataset,

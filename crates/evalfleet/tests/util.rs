@@ -171,6 +171,15 @@ pub async fn mock(settings: MockSettings) -> MockServer {
         .expect("a mock endpoint starts")
 }
 
+/// A mock that answers from a script (`MockSettings::answers`).
+pub async fn scripted(answers: PathBuf) -> MockServer {
+    mock(MockSettings {
+        answers: Some(answers),
+        ..MockSettings::default()
+    })
+    .await
+}
+
 pub fn ms(ms: u64) -> Duration {
     Duration::from_millis(ms)
 }
