@@ -224,6 +224,39 @@ async fn score_keeps_judgements_and_rejudges_when_asked_or_when_task_code_change
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_from_the_cache_are_judged_again_without_a_call() {
+    let env = Env::new();
+    let (dataset, answers) = thirds(
+        &env,
+        "python",
+        "print(f'{int(input()) / 3:.6f}')",
+        "print(f'{int(input()) / 3:.4f}')",
+    );
+    let server = scripted(answers).await;
+    let config = stdio_config(&dataset, &external("m", &server, 4), "timeout: 10s")
+        + "cache: { mode: read_write }\n";
+    env.write("run.yaml", &config);
+    let first = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(first.code, Some(0), "{}", first.stderr);
+    assert_eq!(server.stats().completed, 6);
+    let again = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(again.code, Some(0), "{}", again.stderr);
+    assert_eq!(
+        server.stats().completed,
+        6,
+        "every answer came from the cache"
+    );
+    assert_eq!(accepted_mean(&env, &again.run_id()).await, 0.5);
+    let rows = crate::util::by_id(&env.export(&again.run_id()).await);
+    assert_eq!(rows.len(), 6);
+    for (id, row) in &rows {
+        let even = id.trim_start_matches('p').parse::<u32>().unwrap() % 2 == 0;
+        assert_eq!(row["judge"]["accepted"], even, "{id}: {row}");
+        assert_eq!(row["judge"]["total"], 5);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cpp_answers_are_compiled_and_judged_in_the_run() {
     let found = std::process::Command::new("g++").arg("--version").output();
     if !found.is_ok_and(|o| o.status.success()) {
