@@ -342,14 +342,18 @@ struct RawAdaptive {
 
 const MAX_CONCURRENCY: u64 = 100_000;
 
-pub(super) fn endpoints(items: &[Value], p: &mut Problems<'_>) -> Option<Vec<EndpointConfig>> {
+pub(super) fn endpoints(
+    items: &[Value],
+    dir: &std::path::Path,
+    p: &mut Problems<'_>,
+) -> Option<Vec<EndpointConfig>> {
     let mut out = Vec::with_capacity(items.len());
     let mut names: Vec<(String, usize)> = Vec::new();
     let mut complete = true;
     for (i, value) in items.iter().enumerate() {
         let at = path::index("endpoints", i);
         let parsed =
-            raw::section::<RawEndpoint>(value, &at, p.0).and_then(|raw| endpoint(raw, &at, p));
+            raw::section::<RawEndpoint>(value, &at, p.0).and_then(|raw| endpoint(raw, &at, dir, p));
         match parsed {
             Some(endpoint) => {
                 if let Some((_, first)) = names.iter().find(|(n, _)| *n == endpoint.name) {
@@ -419,7 +423,12 @@ fn present(raw: &RawEndpoint, key: &str) -> bool {
     }
 }
 
-fn endpoint(raw: RawEndpoint, at: &str, p: &mut Problems<'_>) -> Option<EndpointConfig> {
+fn endpoint(
+    raw: RawEndpoint,
+    at: &str,
+    dir: &std::path::Path,
+    p: &mut Problems<'_>,
+) -> Option<EndpointConfig> {
     let field = |name: &str| path::key(at, name);
     let name = match raw.name.clone() {
         None => p.push(&field("name"), "is required"),
@@ -474,7 +483,9 @@ fn endpoint(raw: RawEndpoint, at: &str, p: &mut Problems<'_>) -> Option<Endpoint
                 Some(value) => raw::section::<MockSettings>(value, &field("mock"), p.0),
                 None => Some(MockSettings::default()),
             };
-            settings.and_then(|settings| {
+            settings.and_then(|mut settings| {
+                // Like every path of the config: relative to its file.
+                settings.answers = settings.answers.map(|answers| dir.join(answers));
                 let before = p.0.len();
                 for (name, message) in settings.problems() {
                     p.push::<()>(&path::key(&field("mock"), name), message);

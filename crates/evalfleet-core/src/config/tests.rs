@@ -403,3 +403,26 @@ fn a_code_task_is_checked_key_by_key() {
     assert_eq!(code.concurrency, 32, "a remote sandbox's own default");
     assert_eq!(code.compile_timeout, Duration::from_secs(30));
 }
+
+#[test]
+fn a_mock_answers_file_is_found_beside_the_config() {
+    let dir = dir_with_dataset();
+    write(
+        dir.path(),
+        "answers.jsonl",
+        "{\"prompt\": \"q\", \"replies\": [\"a\"]}\n",
+    );
+    let file = write(
+        dir.path(),
+        "run.yaml",
+        "name: demo\ndataset: { path: items.jsonl }\nendpoints:\n  - { name: m, kind: mock, mock: { answers: answers.jsonl } }\ntask:\n  messages: [ { role: user, content: \"{{ question }}\" } ]\n",
+    );
+    let config = load_file(&file, Overrides::default()).unwrap().config;
+    let EndpointKind::Mock(settings) = &config.endpoints[0].kind else {
+        panic!("a mock endpoint");
+    };
+    assert_eq!(
+        settings.answers.as_deref(),
+        Some(dir.path().join("answers.jsonl").as_path())
+    );
+}

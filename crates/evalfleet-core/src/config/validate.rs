@@ -157,7 +157,7 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
         ),
     };
     let endpoints = match &raw.endpoints {
-        Some(Value::Array(items)) if !items.is_empty() => endpoint::endpoints(items, &mut p),
+        Some(Value::Array(items)) if !items.is_empty() => endpoint::endpoints(items, dir, &mut p),
         Some(Value::Array(_)) => p.push("endpoints", "must list at least one endpoint"),
         Some(_) => p.push("endpoints", "must be a list of endpoints"),
         None => p.push("endpoints", "is required (at least one endpoint)"),
