@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
@@ -81,8 +81,9 @@ enum Runner {
 enum Prepared {
     /// A script, written with each test.
     Script,
-    /// Compiled here: the sealed directory holding `main`.
-    Built(Workdir),
+    /// Compiled here (in so many seconds): the sealed directory holding
+    /// `main`.
+    Built(Workdir, f64),
     /// Sent with each test to the remote sandbox.
     Remote,
 }
@@ -209,18 +210,20 @@ impl Judge {
         )
         .map_err(JudgeError::Problem)?;
         let total = cases.len();
-        let started = Instant::now();
         let prepared = match self.prepare(&program).await? {
             Ok(prepared) => prepared,
             Err(compilation) => {
                 return Ok(Judgement::not_compiled(total, extraction, compilation));
             }
         };
-        let compilation = matches!(prepared, Prepared::Built(_)).then(|| Compilation {
-            ok: true,
-            seconds: started.elapsed().as_secs_f64(),
-            message: None,
-        });
+        let compilation = match &prepared {
+            Prepared::Built(_, seconds) => Some(Compilation {
+                ok: true,
+                seconds: *seconds,
+                message: None,
+            }),
+            _ => None,
+        };
         self.run_tests(&prepared, &cases, extraction, compilation)
             .await
     }
@@ -317,7 +320,7 @@ impl Judge {
             }));
         }
         build.seal().map_err(JudgeError::Sandbox)?;
-        Ok(Ok(Prepared::Built(build)))
+        Ok(Ok(Prepared::Built(build, run.elapsed.as_secs_f64())))
     }
 
     /// Runs one test when a slot is free; `None` when `stop` was set by
@@ -336,7 +339,7 @@ impl Judge {
                 }
                 let dir = slot.workdir().map_err(JudgeError::Sandbox)?;
                 let argv = match prepared {
-                    Prepared::Built(build) => toolchain.run_argv(Some(build.inside())),
+                    Prepared::Built(build, _) => toolchain.run_argv(Some(build.inside())),
                     _ => {
                         std::fs::write(
                             dir.path().join(toolchain.language.source_file()),
