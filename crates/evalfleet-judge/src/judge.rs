@@ -195,6 +195,15 @@ impl Judge {
         }
     }
 
+    /// Whether the local sandbox lacks something it enforces where it can
+    /// (a run says so loudly).
+    pub fn degraded(&self) -> bool {
+        match &self.runner {
+            Runner::Local { sandbox, .. } => sandbox.isolation() != crate::sandbox::Isolation::ALL,
+            Runner::Remote { .. } => false,
+        }
+    }
+
     pub fn settings(&self) -> &CodeSettings {
         &self.settings
     }

@@ -294,7 +294,11 @@ pub async fn execute(
             let judge = evalfleet_judge::Judge::new(settings.clone(), &session.sandbox_dir, http)
                 .await
                 .map_err(PipelineError::Judge)?;
-            tracing::info!("Code judge: {}.", judge.describe());
+            if judge.degraded() {
+                tracing::warn!("Code judge: {}.", judge.describe());
+            } else {
+                tracing::info!("Code judge: {}.", judge.describe());
+            }
             Some(Arc::new(CodeJudge { judge }))
         }
         None => None,
