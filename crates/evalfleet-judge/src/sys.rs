@@ -1,9 +1,15 @@
 //! The sandbox's system calls, and the only unsafe code of the judge.
 //!
-//! What runs in a child between `fork` and `exec` may make only
+//! Children are made in two ways. The helper that makes the namespaces is a
+//! `std::process::Command` whose `pre_exec` hook sets them up in the forked
+//! child. Programs, and the short-lived child that kills what a program
+//! left, are `clone(CLONE_VM | CLONE_VFORK)` children: they share our memory
+//! (and our threads' C library state) until they `exec` or exit, while the
+//! calling thread waits. Either way the child may make only
 //! async-signal-safe calls and must not allocate (another thread of ours may
-//! have held the allocator's lock when we forked): everything it needs is
-//! prepared before, as C strings and plain numbers.
+//! hold the allocator's lock): everything it needs is prepared before, as C
+//! strings and plain numbers; and the shared-memory children change their
+//! credentials with raw system calls only.
 
 #![allow(unsafe_code)]
 
