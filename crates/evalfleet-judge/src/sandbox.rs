@@ -282,12 +282,13 @@ fn claim_uids(count: usize) -> std::io::Result<Vec<(u32, File)>> {
     std::fs::create_dir_all(&dir)?;
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
     let mut claimed = Vec::with_capacity(count);
-    let start = fastrand::u32(..UID_SPAN);
+    // The lowest free ones: the lock files are as many as the most slots
+    // ever held at once on this machine.
     for step in 0..UID_SPAN {
         if claimed.len() == count {
             break;
         }
-        let uid = UID_BASE + (start + step) % UID_SPAN;
+        let uid = UID_BASE + step;
         let file = File::options()
             .create(true)
             .truncate(false)
