@@ -102,13 +102,14 @@ pub struct Judge {
 
 impl Judge {
     /// Makes the judge: the sandbox under `dir` (or the client of the remote
-    /// one, over `http`), and checks that a trivial program of the task's
-    /// language runs there, so that a missing compiler or an unreachable
-    /// server stops the run at its start, not at every item.
+    /// one, over `http`, which a remote backend needs), and checks that a
+    /// trivial program of the task's language runs there, so that a missing
+    /// compiler or an unreachable server stops the run at its start, not at
+    /// every item.
     pub async fn new(
         settings: CodeSettings,
         dir: &Path,
-        http: reqwest::Client,
+        http: Option<reqwest::Client>,
     ) -> Result<Self, JudgeError> {
         let runner = match &settings.backend {
             Backend::Local => {
@@ -129,10 +130,15 @@ impl Judge {
                 }
                 Runner::Local { sandbox, toolchain }
             }
-            Backend::SandboxFusion { url, retries } => Runner::Remote {
-                fusion: Fusion::new(http, url, *retries),
-                slots: Semaphore::new(settings.concurrency),
-            },
+            Backend::SandboxFusion { url, retries } => {
+                let http = http.ok_or_else(|| {
+                    JudgeError::Setup("a SandboxFusion backend needs an HTTP client".to_owned())
+                })?;
+                Runner::Remote {
+                    fusion: Fusion::new(http, url, *retries),
+                    slots: Semaphore::new(settings.concurrency),
+                }
+            }
         };
         let judge = Self { settings, runner };
         judge.check().await?;

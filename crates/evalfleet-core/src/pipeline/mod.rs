@@ -101,12 +101,55 @@ pub struct Session {
     pub sandbox_dir: std::path::PathBuf,
 }
 
-/// The code judge of a session.
+/// The code judge of a run, with the bound on answers judged at once
+/// (enough to keep the judge's slots busy; more only holds rows in memory).
 pub struct CodeJudge {
     pub judge: evalfleet_judge::Judge,
+    backlog: Arc<tokio::sync::Semaphore>,
 }
 
 impl CodeJudge {
+    /// Starts the judge of `settings` with its sandbox under `dir` (an HTTP
+    /// client only for a remote sandbox), and says what it enforces.
+    pub async fn start(
+        settings: &evalfleet_judge::CodeSettings,
+        dir: &std::path::Path,
+    ) -> Result<Self, evalfleet_judge::JudgeError> {
+        let http = match settings.backend {
+            evalfleet_judge::Backend::SandboxFusion { .. } => Some(
+                crate::client::http_client(settings.concurrency).map_err(|e| {
+                    evalfleet_judge::JudgeError::Setup(format!("cannot make an HTTP client: {e}"))
+                })?,
+            ),
+            evalfleet_judge::Backend::Local => None,
+        };
+        let judge = evalfleet_judge::Judge::new(settings.clone(), dir, http).await?;
+        if judge.degraded() {
+            tracing::warn!("Code judge: {}.", judge.describe());
+        } else {
+            tracing::info!("Code judge: {}.", judge.describe());
+        }
+        let backlog = Arc::new(tokio::sync::Semaphore::new(backlog(settings)));
+        Ok(Self { judge, backlog })
+    }
+
+    /// Judges stored answers again (`evalfleet score --rejudge`): each
+    /// `(seq, item, answer)` becomes `(seq, judgement, code_accepted score)`.
+    pub async fn judge_again(
+        &self,
+        answers: Vec<(u64, serde_json::Value, String)>,
+    ) -> Vec<(u64, Option<String>, serde_json::Value)> {
+        use futures_util::StreamExt;
+        futures_util::stream::iter(answers)
+            .map(|(seq, item, answer)| async move {
+                let (json, score) = code_outcome(self.judge.judge(&item, &answer).await);
+                (seq, json, score)
+            })
+            .buffer_unordered(backlog(self.judge.settings()))
+            .collect()
+            .await
+    }
+
     /// What is stored of a valid answer judged as the program for `row`:
     /// its scores with `code_accepted`, and the judgement as JSON.
     pub async fn judged(
@@ -131,6 +174,12 @@ impl CodeJudge {
     }
 }
 
+/// How many answers are judged at once: enough to keep the judge's slots
+/// busy.
+fn backlog(settings: &evalfleet_judge::CodeSettings) -> usize {
+    settings.concurrency.saturating_mul(2).max(1)
+}
+
 /// What is stored of a judgement: the judgement as JSON, and the
 /// `code_accepted` score (its value, verdict and tests passed, or the
 /// judge's error).
@@ -147,25 +196,6 @@ pub fn code_outcome(
             serde_json::json!({"error": format!("the code judge failed: {error}")}),
         ),
     }
-}
-
-/// Judges stored answers again (`evalfleet score --rejudge`): each
-/// `(seq, item, answer)` becomes `(seq, judgement, code_accepted score)`.
-/// Enough answers are judged at once to keep the judge's slots busy.
-pub async fn judge_again(
-    judge: &evalfleet_judge::Judge,
-    answers: Vec<(u64, serde_json::Value, String)>,
-) -> Vec<(u64, Option<String>, serde_json::Value)> {
-    use futures_util::StreamExt;
-    let at_once = judge.settings().concurrency.saturating_mul(2).max(1);
-    futures_util::stream::iter(answers)
-        .map(|(seq, item, answer)| async move {
-            let (json, score) = code_outcome(judge.judge(&item, &answer).await);
-            (seq, json, score)
-        })
-        .buffer_unordered(at_once)
-        .collect()
-        .await
 }
 
 /// How a session ended.
@@ -288,19 +318,11 @@ pub async fn execute(
         None
     };
     let code = match &config.task.code {
-        Some(settings) => {
-            let http = crate::client::http_client(settings.concurrency)
-                .map_err(|e| PipelineError::Internal(format!("an HTTP client: {e}")))?;
-            let judge = evalfleet_judge::Judge::new(settings.clone(), &session.sandbox_dir, http)
+        Some(settings) => Some(Arc::new(
+            CodeJudge::start(settings, &session.sandbox_dir)
                 .await
-                .map_err(PipelineError::Judge)?;
-            if judge.degraded() {
-                tracing::warn!("Code judge: {}.", judge.describe());
-            } else {
-                tracing::info!("Code judge: {}.", judge.describe());
-            }
-            Some(Arc::new(CodeJudge { judge }))
-        }
+                .map_err(PipelineError::Judge)?,
+        )),
         None => None,
     };
     let (fresh_tx, fresh_rx) = mpsc::channel(total_slots.clamp(64, 16_384));
@@ -348,11 +370,6 @@ pub async fn execute(
                 crate::store::now_ms() - i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX)
             }),
             eval: eval.clone(),
-            // Enough answers judged at once to keep the judge's slots busy.
-            judging: Arc::new(tokio::sync::Semaphore::new(
-                code.as_ref()
-                    .map_or(1, |c| c.judge.settings().concurrency.saturating_mul(2)),
-            )),
             code: code.clone(),
             judges: judges
                 .iter()

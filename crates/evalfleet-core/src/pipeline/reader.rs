@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use tokio::runtime::Handle;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -60,9 +60,8 @@ pub struct CacheReads {
     pub since_ms: i64,
     pub eval: Option<Arc<Evaluator>>,
     /// Cached answers of a code task are judged too, in tasks of their
-    /// own, no more at once than `judging` allows.
+    /// own, no more at once than the judge's backlog allows.
     pub code: Option<Arc<super::CodeJudge>>,
-    pub judging: Arc<Semaphore>,
     /// Judge endpoints' cache identities, by name.
     pub judges: std::collections::HashMap<String, String>,
 }
@@ -107,7 +106,7 @@ impl Reader {
         mut item: WorkItem,
         runtime: &Handle,
     ) -> Result<Cached, ReaderError> {
-        let Some(cache) = self.cache.clone() else {
+        let Some(cache) = &self.cache else {
             return Ok(Cached::Go(item));
         };
         loop {
@@ -223,19 +222,16 @@ impl Reader {
     /// outcome to the writer and counts it as ended. Waits while too many
     /// are being judged.
     fn judge_later(
-        &mut self,
+        &self,
         judging: JudgeLater,
         item: WorkItem,
         hit: crate::cache::CacheEntry,
         attempt: AttemptRecord,
         runtime: &Handle,
     ) -> Cached {
-        let Some(limit) = self.cache.as_ref().map(|c| c.judging.clone()) else {
-            return Cached::Done;
-        };
         let permit = runtime.block_on(async {
             tokio::select! {
-                permit = limit.acquire_owned() => permit.ok(),
+                permit = judging.code.backlog.clone().acquire_owned() => permit.ok(),
                 () = self.halt.cancelled() => None,
             }
         });

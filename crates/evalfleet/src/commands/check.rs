@@ -8,6 +8,7 @@ use evalfleet_core::dataset::Scanner;
 use evalfleet_core::fleet::gpu::{self, GpuReport};
 use evalfleet_core::fleet::runtime::MockStarter;
 use evalfleet_core::fleet::{LimitMode, runtime::health_url};
+use evalfleet_core::pipeline::CodeJudge;
 use evalfleet_core::template::Templates;
 
 use crate::fleet::InProcessMocks;
@@ -140,19 +141,12 @@ pub async fn check(args: crate::cli::CheckArgs) -> anyhow::Result<u8> {
         // The judge starts as a run starts it: its sandbox made, and a
         // trivial program of the task's language run in it.
         let dir = std::env::temp_dir().join(format!("evalfleet-check-{}", std::process::id()));
-        let line = match evalfleet_core::client::http_client(1) {
-            Ok(http) => match evalfleet_core::judge::Judge::new(settings.clone(), &dir, http).await
-            {
-                Ok(judge) => format!(
-                    "{} programs run; {}",
-                    settings.language.as_str(),
-                    judge.describe()
-                ),
-                Err(err) => {
-                    ready = false;
-                    format!("NOT ready: {err}")
-                }
-            },
+        let line = match CodeJudge::start(settings, &dir).await {
+            Ok(code) => format!(
+                "{} programs run; {}",
+                settings.language.as_str(),
+                code.judge.describe()
+            ),
             Err(err) => {
                 ready = false;
                 format!("NOT ready: {err}")

@@ -24,6 +24,17 @@ pub fn store_path(flag: Option<PathBuf>, config: Option<&Path>) -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(DEFAULT_STORE))
 }
 
+/// Where the code judge of `name` (a run, or a run's rescoring) keeps its
+/// sandbox: `sandbox/NAME` beside the store.
+pub fn sandbox_dir(store: &Path, name: &str) -> PathBuf {
+    store
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+        .join("sandbox")
+        .join(name)
+}
+
 /// Run ids name files (lock files), so they are kept to a safe alphabet.
 pub fn validate_run_id(id: String) -> Result<String, UsageError> {
     let valid = !id.is_empty()

@@ -133,7 +133,14 @@ pub async fn score(args: ScoreArgs) -> anyhow::Result<u8> {
             stored.push(r);
         }
     })?;
+    let code_key = eval
+        .metrics()
+        .find(|m| matches!(m.kind, evalfleet_core::eval::metrics::Kind::CodeAccepted))
+        .map(|m| m.key.clone());
     let mut judged: Vec<(u64, Judged)> = Vec::with_capacity(stored.len());
+    // The usable answers of a code task to judge again: (place in
+    // `judged`, item, answer).
+    let mut programs: Vec<(u64, Value, String)> = Vec::new();
     let mut bad_rows = 0u64;
     let mut lookup_error = None;
     for r in &stored {
@@ -169,18 +176,19 @@ pub async fn score(args: ScoreArgs) -> anyhow::Result<u8> {
                 }
             },
         );
+        if rejudge && new.verdict.as_deref() == Some("ok") {
+            programs.push((judged.len() as u64, item, output.to_owned()));
+        }
         judged.push((r.seq, new));
     }
     if let Some(err) = lookup_error {
         return Err(err.into());
     }
-    let code_key = eval
-        .metrics()
-        .find(|m| matches!(m.kind, evalfleet_core::eval::metrics::Kind::CodeAccepted))
-        .map(|m| m.key.clone());
     if rejudge && let (Some(settings), Some(key)) = (&loaded.config.task.code, code_key) {
         let started = std::time::Instant::now();
-        let count = rejudge_code(settings, &key, &path, &args.run_id, &stored, &mut judged).await?;
+        let count = programs.len();
+        let sandbox = super::sandbox_dir(&path, &format!("{}-score", args.run_id));
+        rejudge_code(settings, &key, &sandbox, programs, &mut judged).await?;
         eprintln!(
             "Judged {count} programs again in {:.1} s.",
             started.elapsed().as_secs_f64()
@@ -338,48 +346,19 @@ fn endpoint_json(e: &EndpointSummary) -> Value {
     })
 }
 
-/// Runs the code judge again over the usable answers among `stored`, and
-/// puts each judgement and `code_accepted` score into `judged` (in the same
-/// order). Returns how many were judged.
+/// Runs the code judge again over `programs` (each with its place in
+/// `judged`), and puts each judgement and `code_accepted` score (`key`)
+/// into `judged`.
 async fn rejudge_code(
     settings: &evalfleet_core::judge::CodeSettings,
     key: &str,
-    store_path: &Path,
-    run_id: &str,
-    stored: &[StoredResult],
+    sandbox: &Path,
+    programs: Vec<(u64, Value, String)>,
     judged: &mut [(u64, Judged)],
-) -> anyhow::Result<usize> {
-    let sandbox = store_path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."))
-        .join("sandbox")
-        .join(format!("{run_id}-score"));
-    let http = evalfleet_core::client::http_client(settings.concurrency)?;
-    let judge = evalfleet_core::judge::Judge::new(settings.clone(), &sandbox, http).await?;
-    tracing::info!("Code judge: {}.", judge.describe());
-    let answers: Vec<(u64, Value, String)> = stored
-        .iter()
-        .zip(judged.iter())
-        .filter(|(_, (_, j))| j.verdict.as_deref() == Some("ok"))
-        .map(|(r, (seq, _))| {
-            let item = r
-                .item
-                .as_deref()
-                .and_then(|t| serde_json::from_str(t).ok())
-                .unwrap_or(Value::Null);
-            (*seq, item, r.output.clone().unwrap_or_default())
-        })
-        .collect();
-    let count = answers.len();
-    let again: HashMap<u64, (Option<String>, Value)> =
-        evalfleet_core::pipeline::judge_again(&judge, answers)
-            .await
-            .into_iter()
-            .map(|(seq, json, score)| (seq, (json, score)))
-            .collect();
-    for (seq, j) in judged.iter_mut() {
-        let Some((json, score)) = again.get(seq) else {
+) -> anyhow::Result<()> {
+    let code = evalfleet_core::pipeline::CodeJudge::start(settings, sandbox).await?;
+    for (place, json, score) in code.judge_again(programs).await {
+        let Some((_, j)) = usize::try_from(place).ok().and_then(|i| judged.get_mut(i)) else {
             continue;
         };
         let mut scores: Map<String, Value> = j
@@ -387,11 +366,11 @@ async fn rejudge_code(
             .as_deref()
             .and_then(|s| serde_json::from_str(s).ok())
             .unwrap_or_default();
-        scores.insert(key.to_owned(), score.clone());
+        scores.insert(key.to_owned(), score);
         j.scores = Some(Value::Object(scores).to_string());
-        j.judge = json.clone();
+        j.judge = json;
     }
-    Ok(count)
+    Ok(())
 }
 
 /// `evalfleet report`: a table in the terminal, and CSV and JSON files.

@@ -170,12 +170,7 @@ async fn execute(session: Session) -> anyhow::Result<u8> {
         endpoints: fleet.endpoints.clone(),
         fleet: fleet.handle(),
         retry_failed,
-        sandbox_dir: store_path
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(std::path::Path::new("."))
-            .join("sandbox")
-            .join(&run_id),
+        sandbox_dir: super::sandbox_dir(&store_path, &run_id),
     };
     let prepared = run::prepare(&mut store, &plan)?;
     let cache_file = plan
