@@ -168,13 +168,20 @@ impl Judge {
         };
         let stop = AtomicBool::new(false);
         match self.execute(&prepared, &case, &stop).await {
-            Ok(Some(Ran::Executed(run))) if run.success() && run.stdout == b"ok\n" => Ok(()),
-            Ok(Some(Ran::Executed(run))) => Err(failed(format!(
-                "it ended {:?}, saying {:?} {:?}",
-                run.ended,
-                code::excerpt(&run.stdout),
-                code::excerpt(&run.stderr)
-            ))),
+            Ok(Some(Ran::Executed(run))) => {
+                // Judged like any test, expecting `ok`.
+                let result = code::test_result(0, &run, case.expected.as_deref(), None);
+                if result.verdict == Verdict::Success {
+                    return Ok(());
+                }
+                Err(failed(format!(
+                    "{} ({:?}), saying {:?} {:?}",
+                    result.verdict.as_str(),
+                    run.ended,
+                    code::excerpt(&run.stdout),
+                    code::excerpt(&run.stderr)
+                )))
+            }
             Ok(Some(Ran::NotCompiled(message))) => Err(failed(message)),
             Ok(None) => Ok(()),
             Err(err) => Err(failed(err.to_string())),

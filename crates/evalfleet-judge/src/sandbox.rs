@@ -16,8 +16,9 @@
 //!   Both are made once, when the sandbox is made: entering them is two
 //!   system calls, where making them per execution cost milliseconds.
 //!
-//! The child enters all this with system calls between `fork` and `exec`
-//! (see `sys`), so an execution costs one process, the program itself.
+//! The child enters all this with system calls before its `exec`, and it
+//! shares our memory until then (as with `posix_spawn`; see `sys`), so an
+//! execution costs one process, the program itself, and no copy of ours.
 //! [`Sandbox::describe`] says what is and is not enforced.
 
 use std::ffi::CString;
@@ -232,10 +233,11 @@ impl Workdir {
         for entry in std::fs::read_dir(&self.path)? {
             let entry = entry?;
             let path = entry.path();
-            if entry.file_type()?.is_file() {
+            let kind = entry.file_type()?;
+            if kind.is_file() {
                 std::os::unix::fs::lchown(&path, Some(0), Some(0))?;
                 std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o555))?;
-            } else if entry.file_type()?.is_dir() {
+            } else if kind.is_dir() {
                 std::fs::remove_dir_all(&path)?;
             } else {
                 std::fs::remove_file(&path)?;
@@ -546,11 +548,7 @@ impl Slot<'_> {
         }
         let cpu = limits.cpu.as_secs().max(1);
         let setup = ChildSetup {
-            namespaces: self
-                .sandbox
-                .namespaces
-                .as_ref()
-                .and_then(ChildSetup::namespaces),
+            namespaces: self.sandbox.namespaces.as_ref().map(Namespaces::raw),
             cwd: cstring(inside)?,
             limits: Some(Rlimits {
                 // Soft limit: SIGXCPU; one second later the hard limit kills.

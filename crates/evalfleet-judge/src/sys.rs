@@ -20,15 +20,16 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::process::Stdio;
 
-fn check(ret: libc::c_int) -> io::Result<()> {
-    if ret == -1 {
+/// A system call's result: -1 is its errno.
+fn check(ret: impl Into<libc::c_long>) -> io::Result<()> {
+    if ret.into() == -1 {
         Err(io::Error::last_os_error())
     } else {
         Ok(())
     }
 }
 
-pub fn c_path(path: &Path) -> io::Result<CString> {
+fn c_path(path: &Path) -> io::Result<CString> {
     CString::new(path.as_os_str().as_bytes())
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a path holds a NUL byte"))
 }
@@ -164,7 +165,8 @@ impl Namespaces {
         })
     }
 
-    fn raw(&self) -> (RawFd, RawFd) {
+    /// The handles a child enters them with: network, mount.
+    pub fn raw(&self) -> (RawFd, RawFd) {
         (self.net.as_raw_fd(), self.mnt.as_raw_fd())
     }
 }
@@ -179,7 +181,7 @@ unsafe fn mount_setattr(
     // SAFETY: the arguments are what the system call takes: a directory fd
     // (the working directory), a path, flags, and the attribute's address
     // and size.
-    let ret = unsafe {
+    check(unsafe {
         libc::syscall(
             libc::SYS_mount_setattr,
             libc::AT_FDCWD,
@@ -188,12 +190,7 @@ unsafe fn mount_setattr(
             std::ptr::from_ref(attr),
             std::mem::size_of::<libc::mount_attr>(),
         )
-    };
-    if ret == -1 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(())
-    }
+    })
 }
 
 /// A resource limit: soft and hard.
@@ -216,10 +213,6 @@ pub struct ChildSetup {
 }
 
 impl ChildSetup {
-    pub fn namespaces(ns: &Namespaces) -> Option<(RawFd, RawFd)> {
-        Some(ns.raw())
-    }
-
     /// Runs in the child, before its `exec`. Raw system calls for the
     /// credentials: the C library's wrappers would change those of every
     /// thread it knows of, and the child shares our memory, threads' list
@@ -450,31 +443,9 @@ pub fn spawn(
         ],
         report: report_child.as_raw_fd(),
     };
-    let mut stack = vec![0u8; 128 * 1024];
-    // SAFETY: the child runs `child_main` on its own stack and reads only
-    // `args`; both outlive it here, since CLONE_VFORK holds this thread
-    // until the child has called exec or exited. Our signals are blocked
-    // meanwhile, so that no handler of ours runs in the child before it
-    // has reset them.
-    let pid = unsafe {
-        let mut all: libc::sigset_t = std::mem::zeroed();
-        let mut old: libc::sigset_t = std::mem::zeroed();
-        libc::sigfillset(&raw mut all);
-        libc::pthread_sigmask(libc::SIG_SETMASK, &raw const all, &raw mut old);
-        let top = stack.as_mut_ptr().add(stack.len());
-        let pid = libc::clone(
-            child_main,
-            top.cast(),
-            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
-            std::ptr::from_ref(&args).cast_mut().cast(),
-        );
-        let err = io::Error::last_os_error();
-        libc::pthread_sigmask(libc::SIG_SETMASK, &raw const old, std::ptr::null_mut());
-        if pid == -1 {
-            return Err(err);
-        }
-        pid
-    };
+    // SAFETY: `child_main` reads only `args`, which lives until the child
+    // has called exec or exited.
+    let pid = unsafe { clone_vfork(child_main, std::ptr::from_ref(&args).cast_mut().cast())? };
     drop((stdin_child, stdout_child, stderr_child, report_child));
     let mut message = [0u8; 5];
     // SAFETY: read into a buffer we own, from a descriptor we own.
@@ -606,32 +577,54 @@ pub fn kill_all_of(uid: u32) -> io::Result<()> {
             i32::from(*libc::__errno_location() != libc::ESRCH)
         }
     }
-    let mut stack = vec![0u8; 64 * 1024];
-    // SAFETY: the child runs `sweep` on its own stack (which outlives it:
-    // with CLONE_VFORK this thread waits until the child has exited) and
-    // touches nothing else of ours; `uid` travels in the argument pointer.
-    unsafe {
-        let top = stack.as_mut_ptr().add(stack.len());
-        let pid = libc::clone(
-            sweep,
-            top.cast(),
-            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
-            uid as usize as *mut libc::c_void,
-        );
-        if pid == -1 {
+    // SAFETY: `sweep` reads only its argument, the uid itself.
+    let pid = unsafe { clone_vfork(sweep, uid as usize as *mut libc::c_void)? };
+    let mut status = 0;
+    // SAFETY: waitpid on our own child, writing into a local.
+    while unsafe { libc::waitpid(pid, &raw mut status, 0) } == -1 {
+        if io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
             return Err(io::Error::last_os_error());
         }
-        let mut status = 0;
-        while libc::waitpid(pid, &raw mut status, 0) == -1 {
-            if io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
-                return Err(io::Error::last_os_error());
-            }
-        }
-        if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
-            Ok(())
-        } else {
-            Err(io::Error::other("could not signal the sandbox's processes"))
-        }
+    }
+    if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::other("could not signal the sandbox's processes"))
+    }
+}
+
+/// Runs `child(arg)` in a child that shares our memory, on a stack of its
+/// own, as `vfork` does: this thread waits until the child has called
+/// exec or exited, so nothing of our address space is copied. Our signals
+/// are blocked meanwhile, so that no handler of ours runs in the child
+/// (which resets them before it unblocks them).
+///
+/// # Safety
+/// `child` may make only async-signal-safe calls, must not allocate, must
+/// change credentials only with raw system calls, and may read only what
+/// `arg` points to, which must live until this returns.
+unsafe fn clone_vfork(
+    child: extern "C" fn(*mut libc::c_void) -> libc::c_int,
+    arg: *mut libc::c_void,
+) -> io::Result<libc::pid_t> {
+    let mut stack = vec![0u8; 128 * 1024];
+    // SAFETY: the stack outlives the child's use of it (CLONE_VFORK), and
+    // the signal masks are local sets.
+    unsafe {
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        let mut old: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&raw mut all);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &raw const all, &raw mut old);
+        let top = stack.as_mut_ptr().add(stack.len());
+        let pid = libc::clone(
+            child,
+            top.cast(),
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            arg,
+        );
+        let err = io::Error::last_os_error();
+        libc::pthread_sigmask(libc::SIG_SETMASK, &raw const old, std::ptr::null_mut());
+        if pid == -1 { Err(err) } else { Ok(pid) }
     }
 }
 
