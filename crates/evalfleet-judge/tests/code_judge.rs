@@ -71,6 +71,11 @@ fn dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name)
 }
 
+/// A judge on this machine's sandbox, under the test directory `name`.
+async fn local(settings: CodeSettings, name: &str) -> Judge {
+    Judge::new(settings, &dir(name), None).await.unwrap()
+}
+
 /// The tool a language needs, or a message that the test is skipped.
 pub fn have(program: &str) -> bool {
     let found = std::process::Command::new(program)
@@ -87,13 +92,7 @@ pub fn have(program: &str) -> bool {
 async fn humaneval_canonical_solutions_pass_and_wrong_ones_do_not() {
     let Some(problems) = humaneval() else { return };
     assert_eq!(problems.len(), 164);
-    let judge = Judge::new(
-        settings(Format::HumanEval, Language::Python),
-        &dir("humaneval"),
-        http(),
-    )
-    .await
-    .unwrap();
+    let judge = local(settings(Format::HumanEval, Language::Python), "humaneval").await;
     // Every problem at once: the judge's slots bound the executions.
     let right = join_all(problems.iter().map(|p| {
         let answer = format!(
@@ -139,13 +138,7 @@ async fn mbpp_canonical_solutions_pass_each_assert() {
     let problems: Vec<Value> =
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     assert_eq!(problems.len(), 427);
-    let judge = Judge::new(
-        settings(Format::Mbpp, Language::Python),
-        &dir("mbpp"),
-        http(),
-    )
-    .await
-    .unwrap();
+    let judge = local(settings(Format::Mbpp, Language::Python), "mbpp").await;
     let judged = join_all(
         problems
             .iter()
@@ -195,9 +188,7 @@ async fn stdio_tests_get_verdicts_and_the_worst_one_wins() {
     // machine loaded by the tests beside this one.
     settings.limits.wall = Duration::from_secs(8);
     settings.limits.cpu = Duration::from_secs(1);
-    let judge = Judge::new(settings.clone(), &dir("stdio"), http())
-        .await
-        .unwrap();
+    let judge = local(settings.clone(), "stdio").await;
     let item = doubling_problem(40);
     let j = judge.judge(&item, FLAWED_PYTHON).await.unwrap();
     assert!(!j.accepted);
@@ -227,9 +218,7 @@ async fn stdio_tests_get_verdicts_and_the_worst_one_wins() {
     // With early exit, a failure stops the problem's remaining tests.
     settings.early_exit = true;
     settings.concurrency = 1;
-    let judge = Judge::new(settings, &dir("stdio-early"), http())
-        .await
-        .unwrap();
+    let judge = local(settings, "stdio-early").await;
     let j = judge.judge(&item, FLAWED_PYTHON).await.unwrap();
     assert!(
         !j.accepted && j.passed + j.test_case_errors.len() < 41,
@@ -247,7 +236,7 @@ async fn cpp_programs_are_compiled_once_and_run_for_every_test() {
     let mut settings = settings(Format::Stdio, Language::Cpp);
     settings.limits.wall = Duration::from_secs(8);
     settings.limits.cpu = Duration::from_secs(1);
-    let judge = Judge::new(settings, &dir("cpp"), http()).await.unwrap();
+    let judge = local(settings, "cpp").await;
     let item = doubling_problem(60);
     let right = "Here it is:\n```cpp\n#include <iostream>\n#include <string>\nint main() { std::string s; std::cin >> s; if (s == \"x\") { std::cout << 0 << std::endl; return 0; } long n = std::stol(s); std::cout << n * 2 << std::endl; }\n```\n";
     let j = judge.judge(&item, right).await.unwrap();
@@ -284,13 +273,7 @@ async fn rust_programs_are_compiled_once_and_run_for_every_test() {
     if !have("rustc") {
         return;
     }
-    let judge = Judge::new(
-        settings(Format::Stdio, Language::Rust),
-        &dir("rust"),
-        http(),
-    )
-    .await
-    .unwrap();
+    let judge = local(settings(Format::Stdio, Language::Rust), "rust").await;
     let item = serde_json::json!({
         "tests": (0..20).map(|i| serde_json::json!({"input": format!("{i}\n"), "output": format!("{}\n", i * 2)})).collect::<Vec<_>>(),
     });
@@ -316,7 +299,7 @@ async fn rust_programs_are_compiled_once_and_run_for_every_test() {
 async fn a_missing_toolchain_stops_the_judge_at_its_start() {
     let mut settings = settings(Format::Stdio, Language::Cpp);
     settings.tool = Some("/nonexistent/g++".to_owned());
-    let err = Judge::new(settings, &dir("missing"), http())
+    let err = Judge::new(settings, &dir("missing"), None)
         .await
         .err()
         .unwrap();

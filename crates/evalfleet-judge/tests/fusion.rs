@@ -187,7 +187,7 @@ async fn sandboxfusion_gives_the_verdicts_the_local_sandbox_gives() {
     // The same problem judged here: the same verdicts.
     settings.backend = Backend::Local;
     settings.tool = Some("/usr/bin/python3".to_owned());
-    let local = Judge::new(settings, &dir, http()).await.unwrap();
+    let local = Judge::new(settings, &dir, None).await.unwrap();
     let here = local.judge(&item, FLAWED_PYTHON).await.unwrap();
     assert_eq!(here.error_type_counts, j.error_type_counts);
     let indices = |j: &evalfleet_judge::Judgement| {

@@ -3,6 +3,7 @@
 
 use std::io::Read;
 
+use evalfleet_mock::MockServer;
 use serde_json::{Value, json};
 
 use crate::util::{Env, external, scripted, shared_data};
@@ -158,6 +159,18 @@ fn stdio_config(dataset: &std::path::Path, endpoints: &str, code: &str) -> Strin
     )
 }
 
+/// The Python thirds (half of them rounded too far) and a mock that answers
+/// with them.
+async fn python_thirds(env: &Env) -> (std::path::PathBuf, MockServer) {
+    let (dataset, answers) = thirds(
+        env,
+        "python",
+        "print(f'{int(input()) / 3:.6f}')",
+        "print(f'{int(input()) / 3:.4f}')",
+    );
+    (dataset, scripted(answers).await)
+}
+
 async fn accepted_mean(env: &Env, run_id: &str) -> f64 {
     let report = env
         .evalfleet(&["report", run_id, "--json", "--out", "report"])
@@ -169,13 +182,7 @@ async fn accepted_mean(env: &Env, run_id: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn score_keeps_judgements_and_rejudges_when_asked_or_when_task_code_changes() {
     let env = Env::new();
-    let (dataset, answers) = thirds(
-        &env,
-        "python",
-        "print(f'{int(input()) / 3:.6f}')",
-        "print(f'{int(input()) / 3:.4f}')",
-    );
-    let server = scripted(answers).await;
+    let (dataset, server) = python_thirds(&env).await;
     let endpoints = external("m", &server, 4);
     env.write(
         "run.yaml",
@@ -226,13 +233,7 @@ async fn score_keeps_judgements_and_rejudges_when_asked_or_when_task_code_change
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_from_the_cache_are_judged_again_without_a_call() {
     let env = Env::new();
-    let (dataset, answers) = thirds(
-        &env,
-        "python",
-        "print(f'{int(input()) / 3:.6f}')",
-        "print(f'{int(input()) / 3:.4f}')",
-    );
-    let server = scripted(answers).await;
+    let (dataset, server) = python_thirds(&env).await;
     let config = stdio_config(&dataset, &external("m", &server, 4), "timeout: 10s")
         + "cache: { mode: read_write }\n";
     env.write("run.yaml", &config);

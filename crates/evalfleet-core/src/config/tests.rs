@@ -330,6 +330,12 @@ fn a_code_task_is_checked_key_by_key() {
         );
         load_file(&file, Overrides::default())
     };
+    let mentions = |said: &[String], needle: &str| {
+        assert!(
+            said.iter().any(|m| m.contains(needle)),
+            "{needle}: {said:?}"
+        );
+    };
     let messages = |code: &str| -> Vec<String> {
         with_code(code)
             .unwrap_err()
@@ -339,51 +345,28 @@ fn a_code_task_is_checked_key_by_key() {
             .collect()
     };
     let said = messages("format: humaneval, language: cpp, compiler: g++, python: python3");
-    assert!(
-        said.iter().any(
-            |m| m.contains("task.code.language: cpp programs are judged on stdin/stdout tests")
-        ),
-        "{said:?}"
+    mentions(
+        &said,
+        "task.code.language: cpp programs are judged on stdin/stdout tests",
     );
-    assert!(
-        said.iter()
-            .any(|m| m.contains("give python or compiler, not both")),
-        "{said:?}"
-    );
+    mentions(&said, "give python or compiler, not both");
     let said = messages("format: stdio, language: cobol");
-    assert!(
-        said.iter()
-            .any(|m| m.contains("task.code.language: must be python, cpp or rust, got 'cobol'")),
-        "{said:?}"
+    mentions(
+        &said,
+        "task.code.language: must be python, cpp or rust, got 'cobol'",
     );
     let said = messages("format: stdio, backend: sandboxfusion");
-    assert!(
-        said.iter()
-            .any(|m| m.contains("task.code.sandbox_url: is required with backend: sandboxfusion")),
-        "{said:?}"
+    mentions(
+        &said,
+        "task.code.sandbox_url: is required with backend: sandboxfusion",
     );
     let said = messages("format: stdio, backend: sandboxfusion, sandbox_url: ftp://x");
-    assert!(
-        said.iter().any(|m| m.contains("must be an http(s) URL")),
-        "{said:?}"
-    );
+    mentions(&said, "must be an http(s) URL");
     let said = messages("format: stdio, sandbox_url: http://x:8080");
-    assert!(
-        said.iter()
-            .any(|m| m.contains("is for backend: sandboxfusion")),
-        "{said:?}"
-    );
+    mentions(&said, "is for backend: sandboxfusion");
     let said = messages("format: stdio, tests_field: [], compile_timeout: soon");
-    assert!(
-        said.iter()
-            .any(|m| m.contains("task.code.tests_field: must name at least one field")),
-        "{said:?}"
-    );
-    assert!(
-        said.iter()
-            .any(|m| m.contains("task.code.compile_timeout: expected a duration")),
-        "{said:?}"
-    );
+    mentions(&said, "task.code.tests_field: must name at least one field");
+    mentions(&said, "task.code.compile_timeout: expected a duration");
 
     let config = with_code(
         "format: stdio, language: rust, tests_field: [public_tests, private_tests], backend: sandboxfusion, sandbox_url: http://sandbox:8080, sandbox_retries: 5",
