@@ -70,10 +70,7 @@ async fn humaneval_answers_are_judged_in_the_run() {
     env.write("run.yaml", &config(&dataset, &external("m", &server, 8)));
     let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
     assert_eq!(ran.code, Some(0), "{}", ran.stderr);
-    let report = env
-        .evalfleet(&["report", &ran.run_id(), "--json", "--out", "r"])
-        .await;
-    let summary: Value = serde_json::from_str(&report.stdout).unwrap();
+    let summary = report_of(&env, &ran.run_id()).await;
     let accepted = &summary["metrics"][0];
     assert_eq!(accepted["metric"], "code_accepted@1");
     assert_eq!(accepted["mean"], 1.0, "{accepted}");
@@ -91,10 +88,7 @@ async fn humaneval_answers_are_judged_in_the_run() {
     env.write("wrong.yaml", &config(&dataset, &external("m", &server, 8)));
     let ran = env.evalfleet(&["run", "wrong.yaml", "-q"]).await;
     assert_eq!(ran.code, Some(0), "{}", ran.stderr);
-    let report = env
-        .evalfleet(&["report", &ran.run_id(), "--json", "--out", "w"])
-        .await;
-    let summary: Value = serde_json::from_str(&report.stdout).unwrap();
+    let summary = report_of(&env, &ran.run_id()).await;
     assert_eq!(summary["metrics"][0]["mean"], 0.0);
     let verdicts = summary["code_verdicts"]["all"].as_object().unwrap();
     assert_eq!(
@@ -171,12 +165,18 @@ async fn python_thirds(env: &Env) -> (std::path::PathBuf, MockServer) {
     (dataset, scripted(answers).await)
 }
 
-async fn accepted_mean(env: &Env, run_id: &str) -> f64 {
+/// `report --json` of a run.
+async fn report_of(env: &Env, run_id: &str) -> Value {
     let report = env
         .evalfleet(&["report", run_id, "--json", "--out", "report"])
         .await;
-    let summary: Value = serde_json::from_str(&report.stdout).unwrap();
-    summary["metrics"][0]["mean"].as_f64().unwrap()
+    serde_json::from_str(&report.stdout).unwrap()
+}
+
+async fn accepted_mean(env: &Env, run_id: &str) -> f64 {
+    report_of(env, run_id).await["metrics"][0]["mean"]
+        .as_f64()
+        .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -278,10 +278,7 @@ async fn cpp_answers_are_compiled_and_judged_in_the_run() {
     );
     let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
     assert_eq!(ran.code, Some(0), "{}", ran.stderr);
-    let report = env
-        .evalfleet(&["report", &ran.run_id(), "--json", "--out", "r"])
-        .await;
-    let summary: Value = serde_json::from_str(&report.stdout).unwrap();
+    let summary = report_of(&env, &ran.run_id()).await;
     assert_eq!(summary["metrics"][0]["mean"], 0.5);
     assert_eq!(summary["code_verdicts"]["all"]["success"], 3);
     assert_eq!(summary["code_verdicts"]["all"]["compile_error"], 3);
