@@ -56,22 +56,6 @@ pub struct CacheSettings {
     pub max_entries: Option<u64>,
 }
 
-/// One stored answer.
-#[derive(Debug, Clone, PartialEq)]
-pub struct CacheEntry {
-    /// Hex SHA-256 of the request.
-    pub key: String,
-    pub content: String,
-    /// The endpoint that answered, and its model.
-    pub endpoint: String,
-    pub model: String,
-    pub prompt_tokens: Option<u64>,
-    pub completion_tokens: Option<u64>,
-    pub finish_reason: Option<String>,
-    pub latency_ms: f64,
-    pub created_at_ms: i64,
-}
-
 /// What a request is, for the cache, apart from its messages and sample
 /// index: the model and the generation parameters (the task's, with the
 /// endpoint's over them). The text is canonical JSON (keys sorted), so equal

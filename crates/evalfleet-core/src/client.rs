@@ -6,6 +6,7 @@ use std::sync::Once;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
+use evalfleet_types::ErrorClass;
 use eventsource_stream::Eventsource;
 use futures_util::StreamExt;
 use reqwest::header::{
@@ -17,53 +18,6 @@ use serde_json::{Map, Value};
 use tokio::time::Instant;
 
 use crate::config::EndpointConfig;
-use crate::fleet::rate::{Quota, parse_reset};
-
-/// How an error bears on what to do next.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ErrorClass {
-    /// A transient failure (connection refused or reset, 500, 502, 504): retry.
-    Retryable,
-    /// The endpoint is overloaded or rate-limiting (429, 503, 408, timeouts):
-    /// retry later, and send it less.
-    BackPressure,
-    /// The request itself is wrong (other 4xx): retrying will not help.
-    Fatal,
-    /// The endpoint answered something that is not a valid completion
-    /// (unparseable, truncated): retry.
-    BadResponse,
-    /// The call succeeded but its answer could not be parsed or failed the
-    /// task's schema: the model was asked again.
-    InvalidAnswer,
-}
-
-impl ErrorClass {
-    pub fn is_retryable(self) -> bool {
-        !matches!(self, Self::Fatal)
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Retryable => "retryable",
-            Self::BackPressure => "back_pressure",
-            Self::Fatal => "fatal",
-            Self::BadResponse => "bad_response",
-            Self::InvalidAnswer => "invalid_answer",
-        }
-    }
-
-    pub fn parse(text: &str) -> Option<Self> {
-        [
-            Self::Retryable,
-            Self::BackPressure,
-            Self::Fatal,
-            Self::BadResponse,
-            Self::InvalidAnswer,
-        ]
-        .into_iter()
-        .find(|c| c.as_str() == text)
-    }
-}
 
 /// Why a call failed.
 #[derive(Debug, thiserror::Error)]
@@ -149,6 +103,56 @@ impl Timing {
         }
         Some(self.latency.saturating_sub(ttft) / (tokens - 1) as u32)
     }
+}
+
+/// A quota a response reported (`x-ratelimit-*` headers).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Quota {
+    pub limit_requests: Option<u64>,
+    pub remaining_requests: Option<u64>,
+    pub reset_requests: Option<Duration>,
+    pub limit_tokens: Option<u64>,
+    pub remaining_tokens: Option<u64>,
+    pub reset_tokens: Option<Duration>,
+}
+
+impl Quota {
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
+/// A reset time in OpenAI's format (`1s`, `6m0s`, `20ms`, `1m30.5s`), or plain
+/// seconds.
+pub fn parse_reset(text: &str) -> Option<Duration> {
+    let text = text.trim();
+    if let Ok(seconds) = text.parse::<f64>() {
+        return (seconds.is_finite() && seconds >= 0.0).then(|| Duration::from_secs_f64(seconds));
+    }
+    let mut total = 0.0;
+    let mut rest = text;
+    while !rest.is_empty() {
+        let number_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
+        let value: f64 = rest[..number_len].parse().ok()?;
+        rest = &rest[number_len..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let scale = match &rest[..unit_len] {
+            "h" => 3600.0,
+            "m" => 60.0,
+            "s" => 1.0,
+            "ms" => 1e-3,
+            "us" | "µs" => 1e-6,
+            "ns" => 1e-9,
+            _ => return None,
+        };
+        total += value * scale;
+        rest = &rest[unit_len..];
+    }
+    (total.is_finite() && total >= 0.0).then(|| Duration::from_secs_f64(total))
 }
 
 /// One call's outcome with its timing.
@@ -584,10 +588,6 @@ mod tests {
             ErrorClass::BackPressure
         );
         assert!(!ErrorClass::Fatal.is_retryable());
-        assert_eq!(
-            ErrorClass::parse("back_pressure"),
-            Some(ErrorClass::BackPressure)
-        );
     }
 
     #[test]
@@ -615,6 +615,16 @@ mod tests {
         );
         assert_eq!(error_message(b"plain text"), "plain text");
         assert_eq!(error_message(b""), "(no message)");
+    }
+
+    #[test]
+    fn resets_parse_in_openai_format() {
+        assert_eq!(parse_reset("1s"), Some(Duration::from_secs(1)));
+        assert_eq!(parse_reset("6m0s"), Some(Duration::from_secs(360)));
+        assert_eq!(parse_reset("20ms"), Some(Duration::from_millis(20)));
+        assert_eq!(parse_reset("1m30.5s"), Some(Duration::from_millis(90_500)));
+        assert_eq!(parse_reset("2.5"), Some(Duration::from_millis(2500)));
+        assert_eq!(parse_reset("soon"), None);
     }
 
     #[test]

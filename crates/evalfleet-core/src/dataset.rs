@@ -598,6 +598,17 @@ impl RowReader {
     }
 }
 
+/// The item id of sample `k` of a row.
+pub fn sample_id(row_id: &str, k: u32) -> String {
+    format!("{row_id}#{k}")
+}
+
+/// The row id and sample index of an item of a run with `task.n` > 1.
+pub fn split_sample_id(item_id: &str) -> Option<(&str, u32)> {
+    let (row, k) = item_id.rsplit_once('#')?;
+    Some((row, k.parse().ok()?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

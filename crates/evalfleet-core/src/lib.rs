@@ -15,3 +15,4 @@ pub mod summary;
 pub mod template;
 
 pub use evalfleet_judge as judge;
+pub use evalfleet_types as types;

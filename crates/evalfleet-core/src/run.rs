@@ -7,16 +7,16 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, LoadedConfig};
-use crate::dataset::{DatasetError, RowReader, Scanner, hash_file, sample_key};
+use crate::dataset::{DatasetError, RowReader, Scanner, hash_file, sample_id, sample_key};
 use crate::fingerprint::Fingerprint;
 use crate::fleet::Endpoint;
 use crate::fleet::runtime::FleetHandle;
 use crate::pipeline::{self, PipelineError, Progress, Session};
 use crate::store::{
-    CreateRunError, Event, ItemSource, NewItem, NewRun, RunIdentity, RunRecord, RunStatus,
-    StateCounts, Store, StoreError, now_ms,
+    CreateRunError, ItemSource, NewItem, NewRun, RunIdentity, RunRecord, Store, StoreError,
 };
 use crate::template::Templates;
+use evalfleet_types::{Event, EventKind, RunStatus, StateCounts, now_ms};
 
 /// The items of a dataset, read once, for [`Store::create_run`].
 pub struct DatasetItems<'a> {
@@ -81,17 +81,6 @@ impl ItemSource for DatasetItems<'_> {
     fn path(&self) -> String {
         self.config.dataset.path.display().to_string()
     }
-}
-
-/// The item id of sample `k` of a row.
-pub fn sample_id(row_id: &str, k: u32) -> String {
-    format!("{row_id}#{k}")
-}
-
-/// The row id and sample index of an item of a run with `task.n` > 1.
-pub fn split_sample_id(item_id: &str) -> Option<(&str, u32)> {
-    let (row, k) = item_id.rsplit_once('#')?;
-    Some((row, k.parse().ok()?))
 }
 
 impl DatasetItems<'_> {
@@ -279,7 +268,7 @@ pub fn prepare(store: &mut dyn Store, plan: &SessionPlan) -> Result<Prepared, St
         &plan.run_id,
         &Event {
             at_ms: now_ms(),
-            kind: "session_started".to_owned(),
+            kind: EventKind::SessionStarted,
             endpoint: None,
             message,
         },
@@ -338,17 +327,17 @@ pub async fn run_session(
     }
     let counts = store.counts(&run_id)?;
     let (status, kind, message) = if counts.pending == 0 {
-        (RunStatus::Finished, "finished", None)
+        (RunStatus::Finished, EventKind::Finished, None)
     } else if let Some(reason) = plan.fleet.exhausted_reason() {
         (
             RunStatus::Interrupted,
-            "interrupted",
+            EventKind::Interrupted,
             Some(format!("{reason} {} items pending.", counts.pending)),
         )
     } else if stop.is_cancelled() {
         (
             RunStatus::Interrupted,
-            "interrupted",
+            EventKind::Interrupted,
             Some(format!(
                 "interrupted by the user with {} items pending",
                 counts.pending
@@ -357,7 +346,7 @@ pub async fn run_session(
     } else {
         (
             RunStatus::Interrupted,
-            "interrupted",
+            EventKind::Interrupted,
             Some(format!("stopped with {} items pending", counts.pending)),
         )
     };
@@ -366,7 +355,7 @@ pub async fn run_session(
         &run_id,
         &Event {
             at_ms: now_ms(),
-            kind: kind.to_owned(),
+            kind,
             endpoint: None,
             message: message.clone().unwrap_or_else(|| {
                 format!("Finished: {} done, {} failed.", counts.done, counts.failed)

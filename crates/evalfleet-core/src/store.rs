@@ -4,12 +4,14 @@
 //! commits results in batches, one transaction per batch. SQLite implements it
 //! in `evalfleet-store`; a PostgreSQL implementation sits beside it.
 
-use std::fmt;
-
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use serde_json::Value;
 
-use crate::client::ErrorClass;
+use evalfleet_types::{
+    Assessment, AttemptRecord, CacheEntry, EndpointSnapshot, ErrorClass, Event, FleetChange,
+    ItemStatus, ResultRecord, RunStatus, Scores, StateCounts,
+};
+
 use crate::dataset::{DatasetError, DatasetIdentity};
 use crate::fingerprint::Fingerprint;
 use crate::template::TemplateError;
@@ -65,56 +67,6 @@ pub enum CreateRunError {
     RunExists(String),
     #[error(transparent)]
     Store(#[from] StoreError),
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RunStatus {
-    /// A process is running it, or was when it died (see
-    /// [`Store::is_run_active`]).
-    Running,
-    /// Stopped before every item ended; resumable.
-    Interrupted,
-    /// Every item ended, done or failed.
-    Finished,
-}
-
-impl RunStatus {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Running => "running",
-            Self::Interrupted => "interrupted",
-            Self::Finished => "finished",
-        }
-    }
-
-    pub fn parse(text: &str) -> Option<Self> {
-        [Self::Running, Self::Interrupted, Self::Finished]
-            .into_iter()
-            .find(|s| s.as_str() == text)
-    }
-}
-
-impl fmt::Display for RunStatus {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ItemStatus {
-    Done,
-    Failed,
-}
-
-impl ItemStatus {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Done => "done",
-            Self::Failed => "failed",
-        }
-    }
 }
 
 /// A run about to be created.
@@ -182,20 +134,6 @@ pub struct RunRecord {
     pub message: Option<String>,
 }
 
-/// Item counts by state.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct StateCounts {
-    pub pending: u64,
-    pub done: u64,
-    pub failed: u64,
-}
-
-impl StateCounts {
-    pub fn total(&self) -> u64 {
-        self.pending + self.done + self.failed
-    }
-}
-
 /// The start of a session (a run or a resume).
 #[derive(Debug, Clone, Copy)]
 pub struct SessionStart {
@@ -217,97 +155,13 @@ pub struct PendingItem {
     pub prior_attempts: u32,
 }
 
-/// One call to one endpoint.
-#[derive(Debug, Clone, PartialEq)]
-pub struct AttemptRecord {
-    /// The item's `seq`.
-    pub seq: u64,
-    /// 1-based, counted over every session of the run.
-    pub attempt: u32,
-    pub session: u32,
-    pub endpoint: String,
-    pub model: String,
-    pub sent_at_ms: i64,
-    pub latency_ms: f64,
-    pub ttft_ms: Option<f64>,
-    pub tpot_ms: Option<f64>,
-    pub prompt_tokens: Option<u64>,
-    pub completion_tokens: Option<u64>,
-    pub finish_reason: Option<String>,
-    pub http_status: Option<u16>,
-    pub error_class: Option<ErrorClass>,
-    pub error: Option<String>,
-    /// Answered from the cache (no endpoint was called).
-    pub cached: bool,
-}
-
-/// An item's terminal outcome.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ResultRecord {
-    pub seq: u64,
-    pub item_id: String,
-    pub status: ItemStatus,
-    pub output: Option<String>,
-    pub error: Option<String>,
-    pub endpoint: Option<String>,
-    pub model: Option<String>,
-    /// Attempts made for the item, over every session.
-    pub attempts: u32,
-    pub latency_ms: Option<f64>,
-    pub ttft_ms: Option<f64>,
-    pub tpot_ms: Option<f64>,
-    pub prompt_tokens: Option<u64>,
-    pub completion_tokens: Option<u64>,
-    pub finish_reason: Option<String>,
-    /// The input row, as JSON text.
-    pub item: Option<String>,
-    pub finished_at_ms: i64,
-    /// What checking and scoring made of the answer.
-    pub judged: Judged,
-}
-
-/// The parsed answer, its check and its scores, as stored with a result.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Judged {
-    /// The extracted answer as JSON text (`None`: not parsed, or the task
-    /// has no parser).
-    pub parsed: Option<String>,
-    /// `ok`, `unparsed` or `invalid`; `None` when the task checks nothing.
-    pub verdict: Option<String>,
-    /// Why the answer is not valid.
-    pub check_error: Option<String>,
-    /// Metric key → item score, as a JSON object's text.
-    pub scores: Option<String>,
-    /// Re-asks made.
-    pub reasks: u32,
-    /// The code judge's judgement, as JSON text.
-    pub judge: Option<String>,
-}
-
-impl Judged {
-    pub fn new(
-        checked: &crate::eval::Checked,
-        scores: &serde_json::Map<String, Value>,
-        reasks: u32,
-    ) -> Self {
-        Self {
-            parsed: checked.parsed.as_ref().map(ToString::to_string),
-            verdict: Some(checked.verdict().to_owned()),
-            check_error: checked.error.clone(),
-            scores: (!scores.is_empty()).then(|| Value::Object(scores.clone()).to_string()),
-            reasks,
-            judge: None,
-        }
-    }
-}
-
 /// What one transaction commits.
 #[derive(Debug, Clone, Default)]
 pub struct Batch {
     pub attempts: Vec<AttemptRecord>,
     pub results: Vec<ResultRecord>,
     /// Answers for the cache.
-    pub cache: Vec<crate::cache::CacheEntry>,
+    pub cache: Vec<CacheEntry>,
 }
 
 impl Batch {
@@ -332,7 +186,7 @@ pub struct CacheStats {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ExportRow {
     pub item_id: String,
-    pub status: String,
+    pub status: ItemStatus,
     pub output: Option<String>,
     pub error: Option<String>,
     pub endpoint: Option<String>,
@@ -349,7 +203,7 @@ pub struct ExportRow {
     /// Whether the answer parsed and met the schema, when the task checks.
     pub valid: Option<bool>,
     /// Metric key → item score.
-    pub scores: Option<Value>,
+    pub scores: Option<Scores>,
     /// The code judge's judgement: verdict, passed/total, error counts,
     /// failing tests.
     pub judge: Option<Value>,
@@ -360,14 +214,13 @@ pub struct ExportRow {
 pub struct StoredResult {
     pub seq: u64,
     pub item_id: String,
-    /// The item failed (no answer).
-    pub failed: bool,
+    pub status: ItemStatus,
     pub output: Option<String>,
     pub endpoint: Option<String>,
     pub model: Option<String>,
     /// The input row, as JSON text.
     pub item: Option<String>,
-    pub judged: Judged,
+    pub assessment: Assessment,
 }
 
 /// The part of an attempt that status summaries need.
@@ -384,33 +237,15 @@ pub struct AttemptSample {
     pub failed: bool,
 }
 
-/// A lifecycle fact stored with a run.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Event {
-    pub at_ms: i64,
-    pub kind: String,
-    pub endpoint: Option<String>,
-    pub message: String,
-}
-
 /// Held while a process runs a run; released when dropped (or when the
 /// process dies).
 pub struct RunGuard(pub Box<dyn Send>);
-
-/// A request to change the fleet of a running run (`evalfleet fleet`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct FleetChange {
-    /// `add` or `remove`.
-    pub action: String,
-    pub endpoint: String,
-    pub at_ms: i64,
-}
 
 /// The endpoints of a run as its process last wrote them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EndpointStates {
     pub updated_at_ms: i64,
-    pub endpoints: Vec<crate::fleet::EndpointSnapshot>,
+    pub endpoints: Vec<EndpointSnapshot>,
 }
 
 pub trait Store: Send {
@@ -479,7 +314,7 @@ pub trait Store: Send {
     fn put_endpoint_states(
         &mut self,
         run_id: &str,
-        states: &[crate::fleet::EndpointSnapshot],
+        states: &[EndpointSnapshot],
     ) -> Result<(), StoreError>;
 
     /// The run's endpoint snapshots, if its process wrote any.
@@ -498,11 +333,7 @@ pub trait Store: Send {
     /// Calls `each` for every result, in dataset order; stops at its first
     /// error.
     /// The cached answer for `key`, if stored at or after `since_ms`.
-    fn cache_get(
-        &mut self,
-        key: &str,
-        since_ms: i64,
-    ) -> Result<Option<crate::cache::CacheEntry>, StoreError>;
+    fn cache_get(&mut self, key: &str, since_ms: i64) -> Result<Option<CacheEntry>, StoreError>;
 
     /// Drops entries older than `before_ms`, then the oldest beyond
     /// `max_entries`; returns how many went.
@@ -526,10 +357,10 @@ pub trait Store: Send {
 
     /// Replaces results' parsing, checks and scores, and the run's stored
     /// config, in one transaction (`evalfleet score`).
-    fn put_judged(
+    fn put_assessments(
         &mut self,
         run_id: &str,
-        judged: &[(u64, Judged)],
+        assessments: &[(u64, Assessment)],
         config: &Value,
     ) -> Result<(), StoreError>;
 
@@ -546,12 +377,4 @@ pub enum ExportError {
     Store(#[from] StoreError),
     #[error("cannot write the export: {0}")]
     Write(#[from] std::io::Error),
-}
-
-/// Milliseconds since the Unix epoch.
-pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
 }

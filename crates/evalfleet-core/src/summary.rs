@@ -7,7 +7,6 @@ use std::collections::BTreeMap;
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
-use crate::client::ErrorClass;
 use crate::store::{AttemptSample, Store, StoreError};
 
 /// Percentiles of one measure, in milliseconds.
@@ -134,11 +133,3 @@ pub fn endpoints(store: &mut dyn Store, run_id: &str) -> Result<Vec<EndpointSumm
 /// What summaries call calls moved to another endpoint when theirs stopped
 /// taking items (not an error of the call).
 pub const MOVED: &str = "moved";
-
-/// The error classes in the order reports show them.
-pub const ERROR_CLASSES: [ErrorClass; 4] = [
-    ErrorClass::Retryable,
-    ErrorClass::BackPressure,
-    ErrorClass::BadResponse,
-    ErrorClass::Fatal,
-];

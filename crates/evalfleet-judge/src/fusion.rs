@@ -11,6 +11,8 @@
 
 use std::time::Duration;
 
+use evalfleet_types::RetryPolicy;
+use evalfleet_types::retry::Retry;
 use serde::{Deserialize, Serialize};
 
 use crate::lang::Language;
@@ -99,7 +101,7 @@ pub enum RemoteRun {
 pub struct Fusion {
     http: reqwest::Client,
     url: String,
-    retries: u32,
+    retry: RetryPolicy,
 }
 
 impl Fusion {
@@ -110,7 +112,12 @@ impl Fusion {
         Self {
             http,
             url: format!("{}/run_code", base.trim_end_matches('/')),
-            retries,
+            // Exponential backoff with full jitter, from 400 ms.
+            retry: RetryPolicy {
+                max_attempts: retries.saturating_add(1),
+                backoff_base: Duration::from_millis(400),
+                backoff_max: Duration::from_millis(12_800),
+            },
         }
     }
 
@@ -143,18 +150,18 @@ impl Fusion {
         })?;
         // The server's own limits plus time for the call itself.
         let deadline = compile_timeout + limits.cpu + Duration::from_secs(60);
-        let mut tries = 0;
-        loop {
-            tries += 1;
-            match self.once(&body, deadline).await {
-                Err(err) if err.retryable() && tries <= self.retries => {
-                    // Exponential backoff with full jitter, from 200 ms.
-                    let ceiling = Duration::from_millis(200) * (1 << tries.min(6));
-                    tokio::time::sleep(ceiling.mul_f64(fastrand::f64())).await;
-                }
-                other => return other,
-            }
-        }
+        self.retry
+            .run(
+                || self.once(&body, deadline),
+                |err| {
+                    if err.retryable() {
+                        Retry::After(None)
+                    } else {
+                        Retry::Never
+                    }
+                },
+            )
+            .await
     }
 
     async fn once(&self, body: &[u8], deadline: Duration) -> Result<RemoteRun, FusionError> {

@@ -8,15 +8,16 @@ use std::fs::{File, TryLockError};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use evalfleet_core::cache::CacheEntry;
-use evalfleet_core::client::ErrorClass;
 use evalfleet_core::dataset::DatasetIdentity;
 use evalfleet_core::fingerprint::Fingerprint;
-use evalfleet_core::fleet::EndpointSnapshot;
 use evalfleet_core::store::{
-    AttemptSample, Batch, CacheStats, CreateRunError, EndpointStates, Event, ExportError,
-    ExportRow, FleetChange, ItemSource, ItemStatus, Judged, NewRun, PendingItem, RunGuard,
-    RunRecord, RunStatus, SessionStart, StateCounts, Store, StoreError, StoredResult, now_ms,
+    AttemptSample, Batch, CacheStats, CreateRunError, EndpointStates, ExportError, ExportRow,
+    ItemSource, NewRun, PendingItem, RunGuard, RunRecord, SessionStart, Store, StoreError,
+    StoredResult,
+};
+use evalfleet_types::{
+    Assessment, CacheEntry, EndpointSnapshot, ErrorClass, Event, EventKind, FleetAction,
+    FleetChange, ItemStatus, RunStatus, Scores, StateCounts, UnknownName, Verdict, now_ms,
 };
 use rusqlite::{
     Connection, ErrorCode, OpenFlags, OptionalExtension, Transaction, TransactionBehavior, params,
@@ -407,9 +408,68 @@ fn register(
     Ok(())
 }
 
+/// A stored name that this evalfleet does not know: the store was written
+/// by another version, or damaged.
+fn unknown(err: UnknownName) -> StoreError {
+    StoreError::Invariant(format!("the store holds an {err}"))
+}
+
 fn status_of(text: &str) -> Result<RunStatus, StoreError> {
-    RunStatus::parse(text)
-        .ok_or_else(|| StoreError::Invariant(format!("unknown run status '{text}'")))
+    RunStatus::parse(text).map_err(unknown)
+}
+
+/// An assessment's columns: parsed, verdict, check_error, scores, reasks,
+/// judge (each JSON as text).
+type AssessmentColumns<'a> = (
+    Option<String>,
+    Option<&'static str>,
+    Option<&'a str>,
+    Option<String>,
+    u32,
+    Option<String>,
+);
+
+fn assessment_columns(a: &Assessment) -> Result<AssessmentColumns<'_>, StoreError> {
+    let scores = if a.scores.is_empty() {
+        None
+    } else {
+        Some(serde_json::to_string(&a.scores).map_err(json_err("cannot encode scores"))?)
+    };
+    Ok((
+        a.parsed.as_ref().map(ToString::to_string),
+        a.verdict.map(Verdict::as_str),
+        a.check_error.as_deref(),
+        scores,
+        a.reasks,
+        a.code.as_ref().map(ToString::to_string),
+    ))
+}
+
+/// An assessment from its stored columns.
+fn assessment_of(
+    parsed: Option<String>,
+    verdict: Option<String>,
+    check_error: Option<String>,
+    scores: Option<String>,
+    reasks: u32,
+    judge: Option<String>,
+) -> Result<Assessment, StoreError> {
+    Ok(Assessment {
+        parsed: json_column(parsed)?,
+        verdict: verdict
+            .as_deref()
+            .map(Verdict::parse)
+            .transpose()
+            .map_err(unknown)?,
+        check_error,
+        scores: match scores {
+            Some(text) => serde_json::from_str::<Scores>(&text)
+                .map_err(json_err("stored scores cannot be read"))?,
+            None => Scores::new(),
+        },
+        reasks,
+        code: json_column(judge)?,
+    })
 }
 
 const RUN_COLUMNS: &str = "run_id, name, status, created_at, updated_at, config, config_dir, fingerprint, dataset, \
@@ -716,15 +776,15 @@ impl Store for SqliteStore {
                         a.seq as i64,
                         a.attempt,
                         a.session,
-                        a.endpoint,
-                        a.model,
+                        a.telemetry.endpoint,
+                        a.telemetry.model,
                         a.sent_at_ms,
-                        a.latency_ms,
-                        a.ttft_ms,
-                        a.tpot_ms,
-                        opt_u64(a.prompt_tokens),
-                        opt_u64(a.completion_tokens),
-                        a.finish_reason,
+                        a.telemetry.latency_ms,
+                        a.telemetry.ttft_ms,
+                        a.telemetry.tpot_ms,
+                        opt_u64(a.telemetry.prompt_tokens),
+                        opt_u64(a.telemetry.completion_tokens),
+                        a.telemetry.finish_reason,
                         a.http_status,
                         a.error_class.map(ErrorClass::as_str),
                         a.error,
@@ -780,6 +840,9 @@ impl Store for SqliteStore {
                         r.item_id
                     )));
                 }
+                let (parsed, verdict, check_error, scores, reasks, judge) =
+                    assessment_columns(&r.assessment)?;
+                let t = r.telemetry.as_ref();
                 result
                     .execute(params![
                         rid,
@@ -788,23 +851,23 @@ impl Store for SqliteStore {
                         r.status.as_str(),
                         r.output,
                         r.error,
-                        r.endpoint,
-                        r.model,
+                        t.map(|t| &t.endpoint),
+                        t.map(|t| &t.model),
                         r.attempts,
-                        r.latency_ms,
-                        r.ttft_ms,
-                        r.tpot_ms,
-                        opt_u64(r.prompt_tokens),
-                        opt_u64(r.completion_tokens),
-                        r.finish_reason,
+                        t.map(|t| t.latency_ms),
+                        t.and_then(|t| t.ttft_ms),
+                        t.and_then(|t| t.tpot_ms),
+                        opt_u64(t.and_then(|t| t.prompt_tokens)),
+                        opt_u64(t.and_then(|t| t.completion_tokens)),
+                        t.and_then(|t| t.finish_reason.as_ref()),
                         r.item,
                         r.finished_at_ms,
-                        r.judged.parsed,
-                        r.judged.verdict,
-                        r.judged.check_error,
-                        r.judged.scores,
-                        r.judged.reasks,
-                        r.judged.judge,
+                        parsed,
+                        verdict,
+                        check_error,
+                        scores,
+                        reasks,
+                        judge,
                     ])
                     .map_err(db_err("cannot record a result"))?;
             }
@@ -866,7 +929,13 @@ impl Store for SqliteStore {
         self.conn
             .execute(
                 "INSERT INTO events (rid, at, kind, endpoint, message) VALUES (?1, ?2, ?3, ?4, ?5)",
-                params![rid, event.at_ms, event.kind, event.endpoint, event.message],
+                params![
+                    rid,
+                    event.at_ms,
+                    event.kind.as_str(),
+                    event.endpoint,
+                    event.message
+                ],
             )
             .map_err(db_err("cannot record an event"))?;
         Ok(())
@@ -880,17 +949,28 @@ impl Store for SqliteStore {
                 "SELECT at, kind, endpoint, message FROM events WHERE rid = ?1 ORDER BY at, rowid",
             )
             .map_err(db_err("cannot read events"))?;
-        stmt.query_map([rid], |row| {
-            Ok(Event {
-                at_ms: row.get(0)?,
-                kind: row.get(1)?,
-                endpoint: row.get(2)?,
-                message: row.get(3)?,
+        let rows = stmt
+            .query_map([rid], |row| {
+                Ok((
+                    row.get::<_, i64>(0)?,
+                    row.get::<_, String>(1)?,
+                    row.get::<_, Option<String>>(2)?,
+                    row.get::<_, String>(3)?,
+                ))
             })
-        })
-        .map_err(db_err("cannot read events"))?
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(db_err("cannot read events"))
+            .map_err(db_err("cannot read events"))?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(db_err("cannot read events"))?;
+        rows.into_iter()
+            .map(|(at_ms, kind, endpoint, message)| {
+                Ok(Event {
+                    at_ms,
+                    kind: EventKind::parse(&kind).map_err(unknown)?,
+                    endpoint,
+                    message,
+                })
+            })
+            .collect()
     }
 
     fn scan_attempts(
@@ -919,7 +999,11 @@ impl Store for SqliteStore {
                     .get::<_, Option<i64>>(4)
                     .map_err(db_err("cannot read attempts"))?
                     .map(|t| t as u64),
-                error_class: class.as_deref().and_then(ErrorClass::parse),
+                error_class: class
+                    .as_deref()
+                    .map(ErrorClass::parse)
+                    .transpose()
+                    .map_err(unknown)?,
                 failed: row.get(6).map_err(db_err("cannot read attempts"))?,
             });
         }
@@ -996,7 +1080,7 @@ impl Store for SqliteStore {
         self.conn
             .execute(
                 "INSERT INTO fleet_changes (rid, at, action, endpoint) VALUES (?1, ?2, ?3, ?4)",
-                params![rid, change.at_ms, change.action, change.endpoint],
+                params![rid, change.at_ms, change.action.as_str(), change.endpoint],
             )
             .map_err(db_err("cannot record the fleet change"))?;
         Ok(())
@@ -1010,18 +1094,30 @@ impl Store for SqliteStore {
             .map_err(db_err("cannot read fleet changes"))?;
         let changes = {
             let mut stmt = tx
-                .prepare_cached("SELECT at, action, endpoint FROM fleet_changes WHERE rid = ?1 AND taken = 0 ORDER BY id")
+                .prepare_cached("SELECT id, at, action, endpoint FROM fleet_changes WHERE rid = ?1 AND taken = 0 ORDER BY id")
                 .map_err(db_err("cannot read fleet changes"))?;
-            stmt.query_map([rid], |row| {
-                Ok(FleetChange {
-                    at_ms: row.get(0)?,
-                    action: row.get(1)?,
-                    endpoint: row.get(2)?,
+            let rows = stmt
+                .query_map([rid], |row| {
+                    Ok((
+                        row.get::<_, i64>(0)?,
+                        row.get::<_, i64>(1)?,
+                        row.get::<_, String>(2)?,
+                        row.get::<_, String>(3)?,
+                    ))
                 })
-            })
-            .map_err(db_err("cannot read fleet changes"))?
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(db_err("cannot read fleet changes"))?
+                .map_err(db_err("cannot read fleet changes"))?
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(db_err("cannot read fleet changes"))?;
+            rows.into_iter()
+                .map(|(id, at_ms, action, endpoint)| {
+                    Ok(FleetChange {
+                        id,
+                        action: FleetAction::parse(&action).map_err(unknown)?,
+                        endpoint,
+                        at_ms,
+                    })
+                })
+                .collect::<Result<Vec<_>, StoreError>>()?
         };
         if !changes.is_empty() {
             tx.execute(
@@ -1059,9 +1155,11 @@ impl Store for SqliteStore {
                 }
                 None => serde_json::Value::Null,
             };
+            let status: String = row.get(1).map_err(&get_err)?;
+            let scores: Option<String> = row.get(15).map_err(&get_err)?;
             each(ExportRow {
                 item_id: row.get(0).map_err(&get_err)?,
-                status: row.get(1).map_err(&get_err)?,
+                status: ItemStatus::parse(&status).map_err(unknown)?,
                 output: row.get(2).map_err(&get_err)?,
                 error: row.get(3).map_err(&get_err)?,
                 endpoint: row.get(4).map_err(&get_err)?,
@@ -1084,7 +1182,12 @@ impl Store for SqliteStore {
                     .get::<_, Option<String>>(14)
                     .map_err(&get_err)?
                     .map(|v| v == "ok"),
-                scores: json_column(row.get(15).map_err(&get_err)?)?,
+                scores: scores
+                    .map(|text| {
+                        serde_json::from_str::<Scores>(&text)
+                            .map_err(json_err("stored scores cannot be read"))
+                    })
+                    .transpose()?,
                 judge: json_column(row.get(16).map_err(&get_err)?)?,
             })?;
         }
@@ -1211,28 +1314,28 @@ impl Store for SqliteStore {
             each(StoredResult {
                 seq: row.get::<_, i64>(0).map_err(&err)? as u64,
                 item_id: row.get(1).map_err(&err)?,
-                failed: status == "failed",
+                status: ItemStatus::parse(&status).map_err(unknown)?,
                 output: row.get(3).map_err(&err)?,
                 endpoint: row.get(4).map_err(&err)?,
                 model: row.get(5).map_err(&err)?,
                 item: row.get(6).map_err(&err)?,
-                judged: Judged {
-                    parsed: row.get(7).map_err(&err)?,
-                    verdict: row.get(8).map_err(&err)?,
-                    check_error: row.get(9).map_err(&err)?,
-                    scores: row.get(10).map_err(&err)?,
-                    reasks: row.get(11).map_err(&err)?,
-                    judge: row.get(12).map_err(&err)?,
-                },
+                assessment: assessment_of(
+                    row.get(7).map_err(&err)?,
+                    row.get(8).map_err(&err)?,
+                    row.get(9).map_err(&err)?,
+                    row.get(10).map_err(&err)?,
+                    row.get(11).map_err(&err)?,
+                    row.get(12).map_err(&err)?,
+                )?,
             });
         }
         Ok(())
     }
 
-    fn put_judged(
+    fn put_assessments(
         &mut self,
         run_id: &str,
-        judged: &[(u64, Judged)],
+        assessments: &[(u64, Assessment)],
         config: &serde_json::Value,
     ) -> Result<(), StoreError> {
         let rid = self.rid(run_id)?;
@@ -1249,16 +1352,17 @@ impl Store for SqliteStore {
                      WHERE rid = ?1 AND seq = ?2",
                 )
                 .map_err(&err)?;
-            for (seq, j) in judged {
+            for (seq, a) in assessments {
+                let (parsed, verdict, check_error, scores, _, judge) = assessment_columns(a)?;
                 update
                     .execute(params![
                         rid,
                         *seq as i64,
-                        j.parsed,
-                        j.verdict,
-                        j.check_error,
-                        j.scores,
-                        j.judge
+                        parsed,
+                        verdict,
+                        check_error,
+                        scores,
+                        judge
                     ])
                     .map_err(&err)?;
             }

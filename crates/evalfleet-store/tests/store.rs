@@ -5,14 +5,16 @@
 
 use std::path::Path;
 
-use evalfleet_core::cache::CacheEntry;
 use evalfleet_core::dataset::DatasetIdentity;
 use evalfleet_core::fingerprint::{DatasetOptions, Fingerprint};
 use evalfleet_core::store::{
-    AttemptRecord, Batch, CreateRunError, ItemSource, ItemStatus, Judged, NewItem, NewRun,
-    ResultRecord, RunIdentity, RunStatus, StateCounts, Store, StoreError,
+    Batch, CreateRunError, ItemSource, NewItem, NewRun, RunIdentity, Store, StoreError,
 };
 use evalfleet_store::SqliteStore;
+use evalfleet_types::{
+    Assessment, AttemptRecord, CacheEntry, ErrorClass, ItemStatus, ResultRecord, RunStatus,
+    StateCounts, Telemetry,
+};
 
 struct Items {
     items: std::vec::IntoIter<NewItem>,
@@ -90,18 +92,20 @@ fn result(seq: u64, id: &str, status: ItemStatus) -> ResultRecord {
         status,
         output: Some(format!("answer {id}")),
         error: None,
-        endpoint: Some("e".to_owned()),
-        model: Some("m".to_owned()),
+        telemetry: Some(Telemetry {
+            endpoint: "e".to_owned(),
+            model: "m".to_owned(),
+            latency_ms: 1.0,
+            ttft_ms: None,
+            tpot_ms: None,
+            prompt_tokens: Some(1),
+            completion_tokens: Some(1),
+            finish_reason: Some("stop".to_owned()),
+        }),
         attempts: 1,
-        latency_ms: Some(1.0),
-        ttft_ms: None,
-        tpot_ms: None,
-        prompt_tokens: Some(1),
-        completion_tokens: Some(1),
-        finish_reason: Some("stop".to_owned()),
         item: Some(format!("{{\"id\": \"{id}\"}}")),
         finished_at_ms: 1,
-        judged: Judged::default(),
+        assessment: Assessment::default(),
     }
 }
 
@@ -110,17 +114,15 @@ fn attempt(seq: u64, number: u32) -> AttemptRecord {
         seq,
         attempt: number,
         session: 1,
-        endpoint: "e".to_owned(),
-        model: "m".to_owned(),
         sent_at_ms: 1,
-        latency_ms: 1.0,
-        ttft_ms: None,
-        tpot_ms: None,
-        prompt_tokens: None,
-        completion_tokens: None,
-        finish_reason: None,
+        telemetry: Telemetry {
+            endpoint: "e".to_owned(),
+            model: "m".to_owned(),
+            latency_ms: 1.0,
+            ..Telemetry::default()
+        },
         http_status: Some(500),
-        error_class: Some(evalfleet_core::client::ErrorClass::Retryable),
+        error_class: Some(ErrorClass::Retryable),
         error: Some("HTTP 500".to_owned()),
         cached: false,
     }
@@ -324,7 +326,7 @@ fn commits_are_exactly_once_and_counters_match_a_recount() {
     let mut rows = Vec::new();
     store
         .export("r", &mut |row| {
-            rows.push((row.item_id, row.status));
+            rows.push((row.item_id, row.status.to_string()));
             Ok(())
         })
         .unwrap();

@@ -3,6 +3,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use evalfleet_mock::MockSettings;
@@ -109,7 +110,7 @@ pub enum Command {
 
     /// Run one engine command so that it never outlives its run (internal).
     #[command(hide = true)]
-    Supervise(crate::commands::supervise::SuperviseArgs),
+    Supervise(SuperviseArgs),
 
     /// Serve the built-in OpenAI-compatible mock endpoint; prints the address it listens on.
     #[command(
@@ -350,4 +351,25 @@ pub enum CacheAction {
     },
     /// Delete every entry
     Clear,
+}
+
+/// `evalfleet supervise` (internal): runs an engine's command in a process
+/// group of its own, which ends with the run.
+#[derive(Debug, clap::Args)]
+pub struct SuperviseArgs {
+    /// Where to write the command's pid once it runs.
+    #[arg(long)]
+    pub pid_file: PathBuf,
+
+    /// Between SIGTERM and SIGKILL.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
+    pub grace: Duration,
+
+    /// A shell command to run once the group has ended.
+    #[arg(long)]
+    pub on_exit: Option<String>,
+
+    /// The command, run by `sh -c`.
+    #[arg(last = true, required = true)]
+    pub command: Vec<String>,
 }

@@ -129,11 +129,7 @@ fn snapshot(progress: &Progress, endpoints: &[Arc<Endpoint>]) -> Snapshot {
                 e.limit.current()
             );
             if !e.accepting() {
-                let state = match e.phase() {
-                    Phase::Ready => e.breaker_state().as_str(),
-                    other => other.as_str(),
-                };
-                text.push_str(&format!(" ({state})"));
+                text.push_str(&format!(" ({})", e.state()));
             }
             text
         })

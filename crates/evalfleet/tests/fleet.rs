@@ -30,7 +30,7 @@ fn events(env: &Env, run_id: &str) -> Vec<(String, String)> {
         .events(run_id)
         .unwrap_or_default()
         .into_iter()
-        .map(|e| (e.kind, e.message))
+        .map(|e| (e.kind.to_string(), e.message))
         .collect()
 }
 
@@ -164,12 +164,12 @@ async fn a_hanging_endpoint_is_marked_unhealthy_in_time_and_routed_around() {
     let all = store.events("h").unwrap();
     let start = all
         .iter()
-        .find(|e| e.kind == "session_started")
+        .find(|e| e.kind.as_str() == "session_started")
         .unwrap()
         .at_ms;
     let unhealthy = all
         .iter()
-        .find(|e| e.kind == "unhealthy" && e.endpoint.as_deref() == Some("hang"))
+        .find(|e| e.kind.as_str() == "unhealthy" && e.endpoint.as_deref() == Some("hang"))
         .unwrap_or_else(|| panic!("hang was never marked unhealthy: {all:?}"));
     let after = unhealthy.at_ms - start;
     assert!(after < 1500, "marked unhealthy {after} ms after the start");

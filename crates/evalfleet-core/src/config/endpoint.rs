@@ -10,7 +10,6 @@ use serde_json::{Map, Value};
 use super::raw;
 use super::validate::{Problems, params};
 use super::{MASK, MockSettings, Secret, path};
-use crate::fleet::{AimdSettings, LimitMode};
 
 /// `endpoints[]`: one OpenAI-compatible server.
 #[derive(Debug, Clone)]
@@ -833,6 +832,42 @@ fn engine(
             .gpu_memory_threshold_mb
             .unwrap_or(default_threshold.max(1024)),
     })
+}
+
+/// The concurrency controller's settings (`concurrency: {min, max, initial,
+/// decrease_ratio, rtt_tolerance}`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AimdSettings {
+    /// The limit to start from.
+    pub initial: usize,
+    pub min: usize,
+    pub max: usize,
+    /// The factor a decrease multiplies by (0 < ratio < 1).
+    pub decrease_ratio: f64,
+    /// How many deviations above its baseline an RTT must rise.
+    pub rtt_deviation_k: f64,
+    /// And by how much of the baseline (0.2: 20%).
+    pub rtt_tolerance: f64,
+}
+
+impl Default for AimdSettings {
+    fn default() -> Self {
+        Self {
+            initial: 8,
+            min: 1,
+            max: 1024,
+            decrease_ratio: 0.7,
+            rtt_deviation_k: 2.0,
+            rtt_tolerance: 0.2,
+        }
+    }
+}
+
+/// `concurrency:` a fixed number of calls in flight, or adaptive.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LimitMode {
+    Fixed(usize),
+    Adaptive(AimdSettings),
 }
 
 #[cfg(test)]

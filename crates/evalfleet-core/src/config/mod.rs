@@ -19,9 +19,15 @@ use std::time::Duration;
 
 use serde_json::{Map, Value};
 
-pub use endpoint::{EndpointConfig, EndpointKind, Engine, HealthSettings, Preset, Remote};
+pub use endpoint::{
+    AimdSettings, EndpointConfig, EndpointKind, Engine, HealthSettings, LimitMode, Preset, Remote,
+};
 pub use env::Vars;
 pub use evalfleet_mock::MockSettings;
+/// `retry:` how failed attempts are retried: `max_attempts` (per item and
+/// session, the first included; default 5), `backoff_base` (default
+/// `500ms`), `backoff_max` (default `30s`).
+pub use evalfleet_types::RetryPolicy;
 pub use yaml::{Document, YamlError, parse as parse_yaml};
 
 /// The replacement for a secret written literally in a config, wherever the
@@ -144,18 +150,6 @@ pub struct MessageTemplate {
     /// `system`, `developer`, `user`, `assistant` or `tool`.
     pub role: String,
     pub content: String,
-}
-
-/// `retry:` how failed attempts are retried.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RetryPolicy {
-    /// Attempts per item in one session, the first included. Default 5.
-    pub max_attempts: u32,
-    /// Backoff before the first retry; it doubles each time, with full jitter.
-    /// Default `500ms`.
-    pub backoff_base: Duration,
-    /// The longest backoff. Default `30s`.
-    pub backoff_max: Duration,
 }
 
 /// `timeouts:`.

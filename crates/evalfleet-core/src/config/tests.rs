@@ -2,7 +2,6 @@ use std::io::Write;
 use std::time::Duration;
 
 use super::*;
-use crate::fleet::{AimdSettings, LimitMode};
 
 fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     let path = dir.join(name);

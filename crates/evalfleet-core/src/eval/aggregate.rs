@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use evalfleet_types::{Score, Scores, Verdict};
 use serde::Serialize;
 use serde_json::{Map, Value, json};
 
@@ -14,9 +15,9 @@ use super::stats::{self, Estimate};
 pub struct Row {
     /// The call failed (no answer).
     pub failed: bool,
-    /// `ok`, `unparsed` or `invalid` (done items).
-    pub verdict: Option<String>,
-    pub scores: Map<String, Value>,
+    /// Done items' verdicts.
+    pub verdict: Option<Verdict>,
+    pub scores: Scores,
     /// The item's category (`all` for the overall figure).
     pub group: String,
 }
@@ -71,23 +72,23 @@ fn one(metric: &Metric, group: &str, rows: &[&Row]) -> Summary {
     let (mut failed, mut unparsed, mut invalid, mut errors) = (0, 0, 0, 0);
     let mut values = Vec::with_capacity(rows.len());
     let mut scored_values = Vec::new();
-    let mut scored_items: Vec<&Value> = Vec::new();
+    let mut scored_items: Vec<&Score> = Vec::new();
     for row in rows {
         let score = if row.failed {
             failed += 1;
             None
         } else {
-            match row.verdict.as_deref() {
-                Some("unparsed") => {
+            match row.verdict {
+                Some(Verdict::Unparsed) => {
                     unparsed += 1;
                     None
                 }
-                Some("invalid") => {
+                Some(Verdict::Invalid) => {
                     invalid += 1;
                     None
                 }
                 _ => match row.scores.get(&metric.key) {
-                    Some(s) if s.get("value").and_then(Value::as_f64).is_some() => Some(s),
+                    Some(s) if s.value.is_some() => Some(s),
                     _ => {
                         errors += 1;
                         None
@@ -95,11 +96,11 @@ fn one(metric: &Metric, group: &str, rows: &[&Row]) -> Summary {
                 },
             }
         };
-        match score.and_then(|s| s.get("value").and_then(Value::as_f64)) {
-            Some(v) => {
+        match score.and_then(|s| s.value.map(|v| (s, v))) {
+            Some((s, v)) => {
                 values.push(v);
                 scored_values.push(v);
-                scored_items.push(score.unwrap_or(&Value::Null));
+                scored_items.push(s);
             }
             None => values.push(metric.missing()),
         }
@@ -136,10 +137,6 @@ fn seed_of(metric: &str, group: &str) -> u64 {
     h
 }
 
-fn count(score: &Value, key: &str) -> u64 {
-    score.get(key).and_then(Value::as_u64).unwrap_or(0)
-}
-
 fn ratio(a: u64, b: u64) -> f64 {
     if b == 0 { 0.0 } else { a as f64 / b as f64 }
 }
@@ -152,17 +149,17 @@ fn f1(p: f64, r: f64) -> f64 {
     }
 }
 
-fn extra(metric: &Metric, scores: &[&Value]) -> Value {
+fn extra(metric: &Metric, scores: &[&Score]) -> Value {
     match metric.kind {
         Kind::Cer | Kind::Wer => {
-            let edits: u64 = scores.iter().map(|s| count(s, "edits")).sum();
-            let length: u64 = scores.iter().map(|s| count(s, "length")).sum();
+            let edits: u64 = scores.iter().map(|s| s.count("edits")).sum();
+            let length: u64 = scores.iter().map(|s| s.count("length")).sum();
             json!({ "pooled": ratio(edits, length), "edits": edits, "reference_length": length })
         }
         Kind::JsonFields { .. } => {
-            let tp: u64 = scores.iter().map(|s| count(s, "tp")).sum();
-            let fp: u64 = scores.iter().map(|s| count(s, "fp")).sum();
-            let fn_: u64 = scores.iter().map(|s| count(s, "fn")).sum();
+            let tp: u64 = scores.iter().map(|s| s.count("tp")).sum();
+            let fp: u64 = scores.iter().map(|s| s.count("fp")).sum();
+            let fn_: u64 = scores.iter().map(|s| s.count("fn")).sum();
             let (p, r) = (ratio(tp, tp + fp), ratio(tp, tp + fn_));
             json!({ "precision": p, "recall": r, "f1": f1(p, r) })
         }
@@ -171,11 +168,11 @@ fn extra(metric: &Metric, scores: &[&Value]) -> Value {
     }
 }
 
-fn classification(scores: &[&Value]) -> Value {
+fn classification(scores: &[&Score]) -> Value {
     let mut matrix: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
     let mut labels: std::collections::BTreeSet<String> = Default::default();
     for s in scores {
-        let label = |k: &str| s.get(k).and_then(Value::as_str).unwrap_or("").to_owned();
+        let label = |k: &str| s.text(k).to_owned();
         let (reference, predicted) = (label("reference"), label("predicted"));
         labels.insert(reference.clone());
         labels.insert(predicted.clone());
@@ -229,13 +226,13 @@ mod tests {
     use super::*;
 
     fn row(value: Option<f64>, verdict: &str, group: &str, key: &str) -> Row {
-        let mut scores = Map::new();
+        let mut scores = Scores::new();
         if let Some(v) = value {
-            scores.insert(key.to_owned(), json!({ "value": v }));
+            scores.insert(key.to_owned(), Score::value(v));
         }
         Row {
             failed: verdict == "failed",
-            verdict: (verdict != "failed").then(|| verdict.to_owned()),
+            verdict: (verdict != "failed").then(|| Verdict::parse(verdict).unwrap()),
             scores,
             group: group.to_owned(),
         }
@@ -287,8 +284,11 @@ mod tests {
             .iter()
             .map(|(p, r)| Row {
                 failed: false,
-                verdict: Some("ok".into()),
-                scores: Map::from_iter([(m.key.clone(), m.score(&json!(p), &[json!(r)]))]),
+                verdict: Some(Verdict::Ok),
+                scores: Scores::from_iter([(
+                    m.key.clone(),
+                    Score::from_json(m.score(&json!(p), &[json!(r)])),
+                )]),
                 group: "all".into(),
             })
             .collect();

@@ -9,6 +9,7 @@ pub mod parse;
 pub mod stats;
 pub mod text;
 
+use evalfleet_types::{Assessment, Score, Scores, Verdict};
 use minijinja::{Environment, UndefinedBehavior};
 use serde_json::{Map, Value};
 
@@ -78,12 +79,23 @@ impl Checked {
         format!("re-asked: {}", self.error.as_deref().unwrap_or_default())
     }
 
-    /// `ok`, `unparsed` or `invalid`.
-    pub fn verdict(&self) -> &'static str {
+    pub fn verdict(&self) -> Verdict {
         match (&self.parsed, self.valid) {
-            (_, true) => "ok",
-            (None, false) => "unparsed",
-            (Some(_), false) => "invalid",
+            (_, true) => Verdict::Ok,
+            (None, false) => Verdict::Unparsed,
+            (Some(_), false) => Verdict::Invalid,
+        }
+    }
+
+    /// The assessment of an answer so checked, with its scores.
+    pub fn assessment(&self, scores: Scores, reasks: u32) -> Assessment {
+        Assessment {
+            parsed: self.parsed.clone(),
+            verdict: Some(self.verdict()),
+            check_error: self.error.clone(),
+            scores,
+            reasks,
+            code: None,
         }
     }
 }
@@ -187,8 +199,8 @@ impl Evaluator {
     /// Scores a valid answer against the item (`item_json`: the input row):
     /// metric key → its item score. A metric whose reference cannot be
     /// rendered for this item scores `{"error": ...}`.
-    pub fn score(&self, checked: &Checked, item: &Value) -> Map<String, Value> {
-        let mut out = Map::new();
+    pub fn score(&self, checked: &Checked, item: &Value) -> Scores {
+        let mut out = Scores::new();
         let Some(answer) = checked.parsed.as_ref().filter(|_| checked.valid) else {
             return out;
         };
@@ -197,8 +209,8 @@ impl Evaluator {
                 continue;
             }
             let score = match self.references(i, m, item) {
-                Ok(references) => m.metric.score(answer, &references),
-                Err(error) => serde_json::json!({ "error": error }),
+                Ok(references) => Score::from_json(m.metric.score(answer, &references)),
+                Err(error) => Score::error(error),
             };
             out.insert(m.metric.key.clone(), score);
         }
@@ -233,25 +245,25 @@ impl Evaluator {
     /// metrics take their judge's reply from `lookup` (the cache); without
     /// one, a stored score is kept. With `only`, the other metrics keep their
     /// stored scores (`keep`).
-    pub fn judge(
+    pub fn rescore(
         &self,
         output: &str,
         item: &Value,
         reasks: u32,
         only: Option<&[String]>,
-        keep: Option<&Map<String, Value>>,
+        keep: &Scores,
         lookup: &mut dyn FnMut(&JudgeRequest) -> Option<String>,
-    ) -> crate::store::Judged {
+    ) -> Assessment {
         let checked = self.check(output);
         let mut scores = self.score(&checked, item);
         for request in self.judge_requests(&checked, item) {
             let score = match lookup(&request) {
                 Some(reply) => self.judge_score(&request.key, &reply),
-                None => match keep.and_then(|k| k.get(&request.key)) {
+                None => match keep.get(&request.key) {
                     Some(stored) => stored.clone(),
-                    None => {
-                        serde_json::json!({"error": "not judged: no cached reply of its judge (judge metrics are scored during a run)"})
-                    }
+                    None => Score::error(
+                        "not judged: no cached reply of its judge (judge metrics are scored during a run)",
+                    ),
                 },
             };
             scores.insert(request.key, score);
@@ -260,22 +272,20 @@ impl Evaluator {
         // again only on request: that runs every program again).
         for m in self.metrics() {
             if matches!(m.kind, metrics::Kind::CodeAccepted)
-                && let Some(stored) = keep.and_then(|k| k.get(&m.key))
+                && let Some(stored) = keep.get(&m.key)
             {
                 scores.insert(m.key.clone(), stored.clone());
             }
         }
         if let Some(only) = only {
             scores.retain(|k, _| only.contains(k));
-            if let Some(keep) = keep {
-                for (k, v) in keep {
-                    if !only.contains(k) {
-                        scores.entry(k.clone()).or_insert_with(|| v.clone());
-                    }
+            for (k, v) in keep {
+                if !only.contains(k) {
+                    scores.entry(k.clone()).or_insert_with(|| v.clone());
                 }
             }
         }
-        crate::store::Judged::new(&checked, &scores, reasks)
+        checked.assessment(scores, reasks)
     }
 
     /// Whether any metric is scored by a judge endpoint.
@@ -330,10 +340,10 @@ impl Evaluator {
     }
 
     /// The score of judge metric `key` from its judge's reply.
-    pub fn judge_score(&self, key: &str, reply: &str) -> Value {
+    pub fn judge_score(&self, key: &str, reply: &str) -> Score {
         self.metrics().find(|m| m.key == key).map_or_else(
-            || serde_json::json!({"error": "no such metric"}),
-            |m| m.judge_score(reply),
+            || Score::error("no such metric"),
+            |m| Score::from_json(m.judge_score(reply)),
         )
     }
 

@@ -29,6 +29,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+pub use crate::config::AimdSettings;
+
 /// Weight of a shorter interval RTT in the baseline (it falls fast).
 const ALPHA_DOWN: f64 = 0.5;
 /// Weight of a longer one that is not a rise (it climbs slowly).
@@ -40,34 +42,6 @@ const ALPHA_DEVIATION: f64 = 0.3;
 const ALPHA_RAISED: f64 = 0.02;
 /// The interval before any RTT is known.
 const FIRST_INTERVAL: Duration = Duration::from_millis(100);
-
-/// The controller's settings.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AimdSettings {
-    /// The limit to start from.
-    pub initial: usize,
-    pub min: usize,
-    pub max: usize,
-    /// The factor a decrease multiplies by (0 < ratio < 1).
-    pub decrease_ratio: f64,
-    /// How many deviations above its baseline an RTT must rise.
-    pub rtt_deviation_k: f64,
-    /// And by how much of the baseline (0.2: 20%).
-    pub rtt_tolerance: f64,
-}
-
-impl Default for AimdSettings {
-    fn default() -> Self {
-        Self {
-            initial: 8,
-            min: 1,
-            max: 1024,
-            decrease_ratio: 0.7,
-            rtt_deviation_k: 2.0,
-            rtt_tolerance: 0.2,
-        }
-    }
-}
 
 /// What a finished call tells the controller.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

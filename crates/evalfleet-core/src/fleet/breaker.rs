@@ -15,16 +15,6 @@ pub enum BreakerState {
     HalfOpen,
 }
 
-impl BreakerState {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Closed => "healthy",
-            Self::Open => "unhealthy",
-            Self::HalfOpen => "recovering",
-        }
-    }
-}
-
 /// What an observation did to the breaker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Transition {

@@ -7,14 +7,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
-use super::aimd::{Aimd, AimdSettings, Decision, Signal};
-
-/// Fixed or adaptive.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum LimitMode {
-    Fixed(usize),
-    Adaptive(AimdSettings),
-}
+use super::aimd::{Aimd, Decision, Signal};
+pub use crate::config::LimitMode;
 
 #[derive(Debug)]
 struct State {

@@ -18,7 +18,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -28,7 +27,9 @@ pub use breaker::{Breaker, BreakerState, Transition};
 pub use limit::{ConcurrencyLimit, LimitMode, Permit};
 pub use rate::{Quota, RateEvent, RateLimiter};
 
-use crate::client::{ChatClient, ErrorClass};
+use evalfleet_types::{EndpointSnapshot, EndpointState, ErrorClass};
+
+use crate::client::ChatClient;
 use crate::config::EndpointConfig;
 
 /// Counters of one endpoint in this session.
@@ -102,8 +103,7 @@ fn class_index(class: ErrorClass) -> usize {
 }
 
 /// Where an endpoint is in its life.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
     /// Configured but not taking part (`--endpoints`, `fleet remove`).
     Idle,
@@ -117,18 +117,6 @@ pub enum Phase {
     Excluded,
 }
 
-impl Phase {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Idle => "idle",
-            Self::Starting => "starting",
-            Self::Ready => "ready",
-            Self::Restarting => "restarting",
-            Self::Excluded => "excluded",
-        }
-    }
-}
-
 #[derive(Debug)]
 struct Status {
     phase: Phase,
@@ -139,27 +127,6 @@ struct Status {
     /// When the breaker last opened (for restarting engines that stay
     /// unhealthy).
     unhealthy_since: Option<Instant>,
-}
-
-/// What `status` shows of an endpoint.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct EndpointSnapshot {
-    pub endpoint: String,
-    pub kind: String,
-    /// `idle`, `starting`, `healthy`, `unhealthy`, `recovering`,
-    /// `restarting` or `excluded`.
-    pub state: String,
-    pub limit: usize,
-    pub adaptive: bool,
-    pub in_flight: u64,
-    /// Calls started in the last minute.
-    pub requests_per_minute: u64,
-    pub errors: std::collections::BTreeMap<String, u64>,
-    pub base_url: Option<String>,
-    pub pid: Option<u32>,
-    pub restarts: u32,
-    /// The request rate learned from 429s, per second.
-    pub learned_rate: Option<f64>,
 }
 
 /// An endpoint taking part in a run.
@@ -361,21 +328,37 @@ impl Endpoint {
         );
     }
 
+    /// Where the endpoint stands, as `status` shows it.
+    pub fn state(&self) -> EndpointState {
+        Self::state_of(&self.status())
+    }
+
+    fn state_of(status: &Status) -> EndpointState {
+        match status.phase {
+            Phase::Idle => EndpointState::Idle,
+            Phase::Starting => EndpointState::Starting,
+            Phase::Ready => match status.breaker.state() {
+                BreakerState::Closed => EndpointState::Healthy,
+                BreakerState::Open => EndpointState::Unhealthy,
+                BreakerState::HalfOpen => EndpointState::Recovering,
+            },
+            Phase::Restarting => EndpointState::Restarting,
+            Phase::Excluded => EndpointState::Excluded,
+        }
+    }
+
     pub fn snapshot(&self) -> EndpointSnapshot {
         let status = self.status();
-        let state = match status.phase {
-            Phase::Ready => status.breaker.state().as_str(),
-            other => other.as_str(),
-        };
-        let errors = crate::summary::ERROR_CLASSES
+        let state = Self::state_of(&status);
+        let errors = ErrorClass::FAILURES
             .iter()
-            .map(|class| (class.as_str().to_owned(), self.counters.errors(*class)))
+            .map(|class| (*class, self.counters.errors(*class)))
             .filter(|(_, n)| *n > 0)
             .collect();
         EndpointSnapshot {
             endpoint: self.name.clone(),
             kind: self.config.kind.name().to_owned(),
-            state: state.to_owned(),
+            state,
             limit: self.limit.current(),
             adaptive: self.limit.is_adaptive(),
             in_flight: self.limit.in_flight() as u64,

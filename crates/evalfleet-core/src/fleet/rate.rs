@@ -23,22 +23,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-/// A quota a response reported (`x-ratelimit-*` headers).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Quota {
-    pub limit_requests: Option<u64>,
-    pub remaining_requests: Option<u64>,
-    pub reset_requests: Option<Duration>,
-    pub limit_tokens: Option<u64>,
-    pub remaining_tokens: Option<u64>,
-    pub reset_tokens: Option<Duration>,
-}
-
-impl Quota {
-    pub fn is_empty(&self) -> bool {
-        *self == Self::default()
-    }
-}
+pub use crate::client::Quota;
 
 /// The learned rate starts this far below its estimate.
 const LEARNED_START: f64 = 0.95;
@@ -385,52 +370,9 @@ impl RateLimiter {
     }
 }
 
-/// A reset time in OpenAI's format (`1s`, `6m0s`, `20ms`, `1m30.5s`), or plain
-/// seconds.
-pub fn parse_reset(text: &str) -> Option<Duration> {
-    let text = text.trim();
-    if let Ok(seconds) = text.parse::<f64>() {
-        return (seconds.is_finite() && seconds >= 0.0).then(|| Duration::from_secs_f64(seconds));
-    }
-    let mut total = 0.0;
-    let mut rest = text;
-    while !rest.is_empty() {
-        let number_len = rest
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .unwrap_or(rest.len());
-        let value: f64 = rest[..number_len].parse().ok()?;
-        rest = &rest[number_len..];
-        let unit_len = rest
-            .find(|c: char| c.is_ascii_digit() || c == '.')
-            .unwrap_or(rest.len());
-        let scale = match &rest[..unit_len] {
-            "h" => 3600.0,
-            "m" => 60.0,
-            "s" => 1.0,
-            "ms" => 1e-3,
-            "us" | "µs" => 1e-6,
-            "ns" => 1e-9,
-            _ => return None,
-        };
-        total += value * scale;
-        rest = &rest[unit_len..];
-    }
-    (total.is_finite() && total >= 0.0).then(|| Duration::from_secs_f64(total))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn resets_parse_in_openai_format() {
-        assert_eq!(parse_reset("1s"), Some(Duration::from_secs(1)));
-        assert_eq!(parse_reset("6m0s"), Some(Duration::from_secs(360)));
-        assert_eq!(parse_reset("20ms"), Some(Duration::from_millis(20)));
-        assert_eq!(parse_reset("1m30.5s"), Some(Duration::from_millis(90_500)));
-        assert_eq!(parse_reset("2.5"), Some(Duration::from_millis(2500)));
-        assert_eq!(parse_reset("soon"), None);
-    }
 
     #[test]
     fn rpm_paces_requests() {

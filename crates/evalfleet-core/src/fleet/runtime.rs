@@ -26,7 +26,9 @@ use super::gpu::{self, GpuReport};
 use super::{Endpoint, Phase, RateEvent, Transition};
 use crate::client::{ChatClient, http_client};
 use crate::config::{Config, EndpointConfig, EndpointKind, Engine, MockSettings};
-use crate::store::{Event, FleetChange, Store, StoreError, now_ms};
+use evalfleet_types::{Event, EventKind, FleetAction, FleetChange, now_ms};
+
+use crate::store::{Store, StoreError};
 
 /// Keeps an in-process mock alive while held.
 pub type MockGuard = Box<dyn Send + Sync>;
@@ -67,7 +69,7 @@ pub struct FleetOptions {
 struct FleetEvent {
     at_ms: i64,
     endpoint: String,
-    kind: &'static str,
+    kind: EventKind,
     message: String,
 }
 
@@ -84,10 +86,11 @@ struct Shared {
 }
 
 impl Shared {
-    fn event(&self, endpoint: &Endpoint, kind: &'static str, message: String) {
-        match kind {
-            "unhealthy" | "died" | "excluded" | "start_failed" => tracing::warn!("{message}"),
-            _ => tracing::info!("{message}"),
+    fn event(&self, endpoint: &Endpoint, kind: EventKind, message: String) {
+        if kind.is_warning() {
+            tracing::warn!("{message}");
+        } else {
+            tracing::info!("{message}");
         }
         let _ = self.events.send(FleetEvent {
             at_ms: now_ms(),
@@ -361,7 +364,7 @@ fn report_transition(
     match transition {
         Some(Transition::Opened) => shared.event(
             endpoint,
-            "unhealthy",
+            EventKind::Unhealthy,
             format!(
                 "Endpoint {} is unhealthy ({}); its calls in flight move to other endpoints.",
                 endpoint.name,
@@ -370,7 +373,7 @@ fn report_transition(
         ),
         Some(Transition::HalfOpened) => shared.event(
             endpoint,
-            "recovering",
+            EventKind::Recovering,
             format!(
                 "Endpoint {} answers probes again; waiting for it to stay up.",
                 endpoint.name
@@ -378,7 +381,7 @@ fn report_transition(
         ),
         Some(Transition::Closed) => shared.event(
             endpoint,
-            "recovered",
+            EventKind::Recovered,
             format!(
                 "Endpoint {} is healthy again and takes items.",
                 endpoint.name
@@ -408,7 +411,7 @@ impl FleetHandle {
             }
             RateEvent::Learned(rate) => self.0.event(
                 endpoint,
-                "quota",
+                EventKind::Quota,
                 format!(
                     "Endpoint {} answers 429: sending at most {rate:.2} requests/s (learned from its answers).",
                     endpoint.name
@@ -465,7 +468,7 @@ async fn keep(shared: Arc<Shared>, endpoint: Arc<Endpoint>, stop: CancellationTo
                 match run_shell(command, Duration::from_secs(600)).await {
                     Ok(()) => shared.event(
                         &endpoint,
-                        "started",
+                        EventKind::Started,
                         format!("Ran start_cmd of {}.", endpoint.name),
                     ),
                     Err(err) => {
@@ -483,12 +486,12 @@ async fn keep(shared: Arc<Shared>, endpoint: Arc<Endpoint>, stop: CancellationTo
                 match run_shell(command, Duration::from_secs(120)).await {
                     Ok(()) => shared.event(
                         &endpoint,
-                        "stopped",
+                        EventKind::Stopped,
                         format!("Ran stop_cmd of {}.", endpoint.name),
                     ),
                     Err(err) => shared.event(
                         &endpoint,
-                        "stop_failed",
+                        EventKind::StopFailed,
                         format!("stop_cmd of {} failed: {err}", endpoint.name),
                     ),
                 }
@@ -507,7 +510,7 @@ fn exclude(shared: &Shared, endpoint: &Endpoint, why: String) {
     endpoint.set_phase(Phase::Excluded);
     shared.event(
         endpoint,
-        "excluded",
+        EventKind::Excluded,
         format!("Endpoint {} is left out of the run: {why}.", endpoint.name),
     );
 }
@@ -634,7 +637,7 @@ async fn keep_engine(shared: &Shared, endpoint: &Endpoint, stop: &CancellationTo
             Ok(mut running) => {
                 shared.event(
                     endpoint,
-                    "started",
+                    EventKind::Started,
                     format!(
                         "Started {} (pid {}, log {}).",
                         endpoint.name,
@@ -659,7 +662,7 @@ async fn keep_engine(shared: &Shared, endpoint: &Endpoint, stop: &CancellationTo
                         Ok(()) => {
                             shared.event(
                                 endpoint,
-                                "ready",
+                                EventKind::Ready,
                                 format!(
                                     "Endpoint {} is ready at {} ({:.1}s).",
                                     endpoint.name,
@@ -681,13 +684,13 @@ async fn keep_engine(shared: &Shared, endpoint: &Endpoint, stop: &CancellationTo
                                 endpoint.trip();
                                 shared.event(
                                     endpoint,
-                                    "died",
+                                    EventKind::Died,
                                     format!("Engine of {} {how}.", endpoint.name),
                                 );
                             } else if let Ended::StayedUnhealthy = ended {
                                 shared.event(
                                     endpoint,
-                                    "unhealthy",
+                                    EventKind::Unhealthy,
                                     format!(
                                         "Endpoint {} stayed unhealthy for {}; restarting it.",
                                         endpoint.name,
@@ -705,13 +708,17 @@ async fn keep_engine(shared: &Shared, endpoint: &Endpoint, stop: &CancellationTo
         };
         match ended {
             Ok(Ended::Stopped) => {
-                shared.event(endpoint, "stopped", format!("Stopped {}.", endpoint.name));
+                shared.event(
+                    endpoint,
+                    EventKind::Stopped,
+                    format!("Stopped {}.", endpoint.name),
+                );
                 return;
             }
             Err(_) if stop.is_cancelled() => return,
             Err(err) => shared.event(
                 endpoint,
-                "start_failed",
+                EventKind::StartFailed,
                 format!("{} did not start: {err}", endpoint.name),
             ),
             Ok(_) => {}
@@ -727,7 +734,7 @@ async fn keep_engine(shared: &Shared, endpoint: &Endpoint, stop: &CancellationTo
         }
         shared.event(
             endpoint,
-            "restarting",
+            EventKind::Restarting,
             format!(
                 "Restarting {} in {} (restart {restarts} of {}).",
                 endpoint.name,
@@ -800,7 +807,7 @@ async fn housekeep(
                     pending.push(FleetEvent {
                         at_ms: now_ms(),
                         endpoint: endpoint.name.clone(),
-                        kind: "limit",
+                        kind: EventKind::Limit,
                         message,
                     });
                 }
@@ -818,7 +825,7 @@ async fn housekeep(
                     &id,
                     &Event {
                         at_ms: event.at_ms,
-                        kind: event.kind.to_owned(),
+                        kind: event.kind,
                         endpoint: Some(event.endpoint.clone()),
                         message: event.message.clone(),
                     },
@@ -874,24 +881,24 @@ fn apply(
         );
         return;
     };
-    match change.action.as_str() {
-        "add" => {
+    match change.action {
+        FleetAction::Add => {
             if endpoint.phase() == Phase::Excluded {
                 endpoint.set_phase(Phase::Idle);
             }
             activate(shared, endpoint, stop);
             shared.event(
                 endpoint,
-                "added",
+                EventKind::Added,
                 format!("Endpoint {} joined the run.", endpoint.name),
             );
         }
-        "remove" => {
+        FleetAction::Remove => {
             if deactivate(shared, endpoint) {
                 endpoint.set_phase(Phase::Idle);
                 shared.event(
                     endpoint,
-                    "removed",
+                    EventKind::Removed,
                     format!(
                         "Endpoint {} left the run; its calls in flight move to others.",
                         endpoint.name
@@ -899,7 +906,6 @@ fn apply(
                 );
             }
         }
-        other => tracing::warn!("Unknown fleet change '{other}' ignored."),
     }
 }
 

@@ -8,14 +8,13 @@
 //! `shutdown_grace` to finish; then the writer commits what it has and the
 //! store comes back. Items not finished stay pending for a resume.
 
-pub mod backoff;
 mod queue;
 mod reader;
 mod writer;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -23,14 +22,18 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-use crate::cache::CacheEntry;
-use crate::client::{CallError, CallOutcome, ChatClient, Completion, ErrorClass, Timing};
+use evalfleet_types::{
+    Assessment, AttemptRecord, CacheEntry, ErrorClass, ItemStatus, ResultRecord, Score, Scores,
+    Telemetry, ms, now_ms, unix_ms,
+};
+
+use crate::client::{CallError, CallOutcome, ChatClient, Completion, Timing};
 use crate::config::{Config, RetryPolicy};
 use crate::dataset::{DatasetError, RowReader};
 use crate::eval::{Checked, Evaluator, JudgeRequest};
 use crate::fleet::runtime::FleetHandle;
 use crate::fleet::{Endpoint, EndpointCounters, Permit, Signal};
-use crate::store::{AttemptRecord, ItemStatus, Judged, ResultRecord, Store, StoreError};
+use crate::store::{Store, StoreError};
 use crate::template::Templates;
 use queue::{WorkItem, WorkQueue};
 use reader::{Reader, ReaderError};
@@ -138,7 +141,7 @@ impl CodeJudge {
     pub async fn judge_again(
         &self,
         answers: Vec<(u64, serde_json::Value, String)>,
-    ) -> Vec<(u64, Option<String>, serde_json::Value)> {
+    ) -> Vec<(u64, Option<serde_json::Value>, Score)> {
         use futures_util::StreamExt;
         futures_util::stream::iter(answers)
             .map(|(seq, item, answer)| async move {
@@ -158,9 +161,9 @@ impl CodeJudge {
         checked: &Checked,
         row: &serde_json::Value,
         answer: &str,
-        mut scores: serde_json::Map<String, serde_json::Value>,
+        mut scores: Scores,
         reasks: u32,
-    ) -> Judged {
+    ) -> Assessment {
         let (json, score) = code_outcome(self.judge.judge(row, answer).await);
         if let Some(m) = eval
             .metrics()
@@ -168,8 +171,8 @@ impl CodeJudge {
         {
             scores.insert(m.key.clone(), score);
         }
-        let mut stored = Judged::new(checked, &scores, reasks);
-        stored.judge = json;
+        let mut stored = checked.assessment(scores, reasks);
+        stored.code = json;
         stored
     }
 }
@@ -185,15 +188,17 @@ fn backlog(settings: &evalfleet_judge::CodeSettings) -> usize {
 /// judge's error).
 pub fn code_outcome(
     judged: Result<evalfleet_judge::Judgement, evalfleet_judge::JudgeError>,
-) -> (Option<String>, serde_json::Value) {
+) -> (Option<serde_json::Value>, Score) {
     match judged {
         Ok(j) => (
-            serde_json::to_string(&j).ok(),
-            serde_json::json!({"value": f64::from(u8::from(j.accepted)), "verdict": j.verdict.as_str(), "passed": j.passed, "total": j.total}),
+            serde_json::to_value(&j).ok(),
+            Score::from_json(
+                serde_json::json!({"value": f64::from(u8::from(j.accepted)), "verdict": j.verdict.as_str(), "passed": j.passed, "total": j.total}),
+            ),
         ),
         Err(error) => (
             None,
-            serde_json::json!({"error": format!("the code judge failed: {error}")}),
+            Score::error(format!("the code judge failed: {error}")),
         ),
     }
 }
@@ -367,7 +372,7 @@ pub async fn execute(
         (Some(identity), true) => Some(Arc::new(reader::CacheReads {
             identity: identity.clone(),
             since_ms: config.cache.ttl.map_or(0, |ttl| {
-                crate::store::now_ms() - i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX)
+                now_ms() - i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX)
             }),
             eval: eval.clone(),
             code: code.clone(),
@@ -533,16 +538,6 @@ struct Call {
     cost: u64,
 }
 
-/// Milliseconds, to the microsecond.
-fn ms(duration: Duration) -> f64 {
-    duration.as_micros() as f64 / 1000.0
-}
-
-fn unix_ms(time: SystemTime) -> i64 {
-    time.duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
-}
-
 /// What a call's outcome says to the concurrency controller: only round
 /// trips of successful calls, and back pressure (including refused
 /// connections).
@@ -620,15 +615,13 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
                 seq: item.seq,
                 attempt: number,
                 session: shared.session,
-                endpoint: endpoint.name.clone(),
-                model: endpoint.model.clone(),
                 sent_at_ms: unix_ms(sent_at),
-                latency_ms: ms(sent_at.elapsed().unwrap_or_default()),
-                ttft_ms: None,
-                tpot_ms: None,
-                prompt_tokens: None,
-                completion_tokens: None,
-                finish_reason: None,
+                telemetry: Telemetry {
+                    endpoint: endpoint.name.clone(),
+                    model: endpoint.model.clone(),
+                    latency_ms: ms(sent_at.elapsed().unwrap_or_default()),
+                    ..Telemetry::default()
+                },
                 http_status: None,
                 error_class: None,
                 error: Some(format!(
@@ -710,12 +703,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
 
     let attempts = item.prior_attempts + item.attempts;
     let record = call_record(&shared, &endpoint, item.seq, number, &result, &timing);
-    let (prompt_tokens, completion_tokens, finish_reason) = (
-        record.prompt_tokens,
-        record.completion_tokens,
-        record.finish_reason.clone(),
-    );
-    let tpot = timing.tpot(completion_tokens);
+    let telemetry = record.telemetry.clone();
     // The item ends here: its id and input row move into the result.
     let result_record = |item: WorkItem,
                          status: ItemStatus,
@@ -726,20 +714,13 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
         status,
         output,
         error,
-        endpoint: Some(endpoint.name.clone()),
-        model: Some(endpoint.model.clone()),
+        telemetry: Some(telemetry.clone()),
         attempts: item.prior_attempts + item.attempts + item.excused,
-        latency_ms: Some(ms(timing.latency)),
-        ttft_ms: timing.ttft.map(ms),
-        tpot_ms: tpot.map(ms),
-        prompt_tokens,
-        completion_tokens,
-        finish_reason: finish_reason.clone(),
         item: Some(item.item_json),
-        finished_at_ms: unix_ms(SystemTime::now()),
-        judged: Judged {
+        finished_at_ms: now_ms(),
+        assessment: Assessment {
             reasks: item.reasks,
-            ..Judged::default()
+            ..Assessment::default()
         },
     };
 
@@ -773,12 +754,12 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
                         code.judged(eval, &checked, &row, &content, scores, item.reasks)
                             .await
                     }
-                    None => Judged::new(&checked, &scores, item.reasks),
+                    None => checked.assessment(scores, item.reasks),
                 });
             }
             let mut done = result_record(item, ItemStatus::Done, Some(content), None);
             if let Some(judged) = judged {
-                done.judged = judged;
+                done.assessment = judged;
             }
             if shared
                 .send(Outcome {
@@ -808,12 +789,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
     } else if item.attempts >= shared.retry.max_attempts {
         format!("gave up after {attempts} attempts: {err}")
     } else {
-        let wait = backoff::delay(
-            &shared.retry,
-            item.attempts,
-            err.retry_after(),
-            fastrand::f64(),
-        );
+        let wait = shared.retry.backoff(item.attempts, err.retry_after());
         if first.elapsed() + wait >= shared.item_timeout {
             format!(
                 "the item's deadline ({}) would pass before the next attempt: {err}",
@@ -858,16 +834,17 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
 
 /// The cache entry of a successful call's answer.
 fn cache_entry(key: String, content: &str, record: &AttemptRecord) -> CacheEntry {
+    let t = &record.telemetry;
     CacheEntry {
         key,
         content: content.to_owned(),
-        endpoint: record.endpoint.clone(),
-        model: record.model.clone(),
-        prompt_tokens: record.prompt_tokens,
-        completion_tokens: record.completion_tokens,
-        finish_reason: record.finish_reason.clone(),
-        latency_ms: record.latency_ms,
-        created_at_ms: crate::store::now_ms(),
+        endpoint: t.endpoint.clone(),
+        model: t.model.clone(),
+        prompt_tokens: t.prompt_tokens,
+        completion_tokens: t.completion_tokens,
+        finish_reason: t.finish_reason.clone(),
+        latency_ms: t.latency_ms,
+        created_at_ms: now_ms(),
     }
 }
 
@@ -910,15 +887,17 @@ fn call_record(
         seq,
         attempt: number,
         session: shared.session,
-        endpoint: endpoint.name.clone(),
-        model: endpoint.model.clone(),
         sent_at_ms: unix_ms(timing.sent_at),
-        latency_ms: ms(timing.latency),
-        ttft_ms: timing.ttft.map(ms),
-        tpot_ms: timing.tpot(completion_tokens).map(ms),
-        prompt_tokens,
-        completion_tokens,
-        finish_reason,
+        telemetry: Telemetry {
+            endpoint: endpoint.name.clone(),
+            model: endpoint.model.clone(),
+            latency_ms: ms(timing.latency),
+            ttft_ms: timing.ttft.map(ms),
+            tpot_ms: timing.tpot(completion_tokens).map(ms),
+            prompt_tokens,
+            completion_tokens,
+            finish_reason,
+        },
         http_status: status,
         error_class: result.as_ref().err().map(CallError::class),
         error: result.as_ref().err().map(ToString::to_string),
@@ -935,15 +914,16 @@ async fn judge(
     item: &mut WorkItem,
     request: JudgeRequest,
     eval: &Evaluator,
-) -> Option<serde_json::Value> {
+) -> Option<Score> {
     let messages = match request.messages {
         Ok(messages) => messages,
-        Err(error) => return Some(serde_json::json!({ "error": error })),
+        Err(error) => return Some(Score::error(error)),
     };
     let Some((endpoint, identity)) = shared.judges.get(&request.endpoint) else {
-        return Some(
-            serde_json::json!({ "error": format!("no judge endpoint '{}' in this run", request.endpoint) }),
-        );
+        return Some(Score::error(format!(
+            "no judge endpoint '{}' in this run",
+            request.endpoint
+        )));
     };
     let mut last_error = String::from("it never answered");
     for tries in 1..=shared.retry.max_attempts {
@@ -962,7 +942,7 @@ async fn judge(
             last_error = format!("judge endpoint {} is not running", endpoint.name);
             tokio::select! {
                 () = shared.abort.cancelled() => return None,
-                () = tokio::time::sleep(backoff::delay(&shared.retry, tries, None, fastrand::f64())) => {}
+                () = tokio::time::sleep(shared.retry.backoff(tries, None)) => {}
             }
             continue;
         };
@@ -1023,7 +1003,7 @@ async fn judge(
                 if !err.class().is_retryable() {
                     break;
                 }
-                let wait = backoff::delay(&shared.retry, tries, err.retry_after(), fastrand::f64());
+                let wait = shared.retry.backoff(tries, err.retry_after());
                 tokio::select! {
                     () = shared.abort.cancelled() => return None,
                     () = tokio::time::sleep(wait) => {}
@@ -1031,7 +1011,7 @@ async fn judge(
             }
         }
     }
-    Some(serde_json::json!({ "error": format!("the judge failed: {last_error}") }))
+    Some(Score::error(format!("the judge failed: {last_error}")))
 }
 
 /// Asks again after an answer that could not be parsed or failed its

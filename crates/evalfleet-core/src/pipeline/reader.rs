@@ -14,8 +14,11 @@ use super::queue::WorkItem;
 use super::writer::{Message, Outcome};
 use crate::dataset::{DatasetError, RowReader};
 use crate::eval::Evaluator;
-use crate::store::{AttemptRecord, ItemStatus, Judged, ResultRecord, Store, StoreError, now_ms};
+use crate::store::{Store, StoreError};
 use crate::template::Templates;
+use evalfleet_types::{
+    Assessment, AttemptRecord, CacheEntry, ErrorClass, ItemStatus, ResultRecord, Telemetry, now_ms,
+};
 
 const PAGE: usize = 512;
 
@@ -125,17 +128,10 @@ impl Reader {
                 seq: item.seq,
                 attempt: item.number(),
                 session: self.session,
-                endpoint: hit.endpoint.clone(),
-                model: hit.model.clone(),
                 sent_at_ms: now_ms(),
-                latency_ms: 0.0,
-                ttft_ms: None,
-                tpot_ms: None,
-                prompt_tokens: hit.prompt_tokens,
-                completion_tokens: hit.completion_tokens,
-                finish_reason: hit.finish_reason.clone(),
+                telemetry: cached_telemetry(&hit),
                 http_status: None,
-                error_class: reask.then_some(crate::client::ErrorClass::InvalidAnswer),
+                error_class: reask.then_some(ErrorClass::InvalidAnswer),
                 error: checked
                     .as_ref()
                     .filter(|_| reask)
@@ -200,11 +196,11 @@ impl Reader {
                         };
                         return Ok(self.judge_later(judging, item, hit, attempt, runtime));
                     }
-                    Judged::new(checked, &scores, item.reasks)
+                    checked.assessment(scores, item.reasks)
                 }
-                None => Judged {
+                None => Assessment {
                     reasks: item.reasks,
-                    ..Judged::default()
+                    ..Assessment::default()
                 },
             };
             let result = cached_result(item, hit, judged);
@@ -225,7 +221,7 @@ impl Reader {
         &self,
         judging: JudgeLater,
         item: WorkItem,
-        hit: crate::cache::CacheEntry,
+        hit: CacheEntry,
         attempt: AttemptRecord,
         runtime: &Handle,
     ) -> Cached {
@@ -303,7 +299,7 @@ impl Reader {
             after = Some(last.seq);
             for pending in page {
                 // With `task.n` > 1 an item is `ROW#k`: sample k of row ROW.
-                let (row_id, sample) = match crate::run::split_sample_id(&pending.item_id) {
+                let (row_id, sample) = match crate::dataset::split_sample_id(&pending.item_id) {
                     Some((row, k)) if self.samples > 1 => (row, k),
                     _ => (pending.item_id.as_str(), 0),
                 };
@@ -338,18 +334,11 @@ impl Reader {
                             status: ItemStatus::Failed,
                             output: None,
                             error: Some(format!("template: {message}")),
-                            endpoint: None,
-                            model: None,
+                            telemetry: None,
                             attempts: pending.prior_attempts,
-                            latency_ms: None,
-                            ttft_ms: None,
-                            tpot_ms: None,
-                            prompt_tokens: None,
-                            completion_tokens: None,
-                            finish_reason: None,
                             item: Some(item_json),
                             finished_at_ms: now_ms(),
-                            judged: Judged::default(),
+                            assessment: Assessment::default(),
                         };
                         let sent = runtime.block_on(self.writer.send(Message::One(Outcome {
                             attempt: None,
@@ -377,28 +366,35 @@ struct JudgeLater {
     eval: Arc<Evaluator>,
     checked: crate::eval::Checked,
     row: serde_json::Value,
-    scores: serde_json::Map<String, serde_json::Value>,
+    scores: evalfleet_types::Scores,
 }
 
-/// The result of an item answered from the cache.
-fn cached_result(item: WorkItem, hit: crate::cache::CacheEntry, judged: Judged) -> ResultRecord {
-    ResultRecord {
-        seq: item.seq,
-        item_id: item.item_id,
-        status: ItemStatus::Done,
-        output: Some(hit.content),
-        error: None,
-        endpoint: Some(hit.endpoint),
-        model: Some(hit.model),
-        attempts: item.prior_attempts + item.attempts + item.excused,
-        latency_ms: Some(0.0),
+/// What is recorded of a call answered from the cache: no time passed.
+fn cached_telemetry(hit: &CacheEntry) -> Telemetry {
+    Telemetry {
+        endpoint: hit.endpoint.clone(),
+        model: hit.model.clone(),
+        latency_ms: 0.0,
         ttft_ms: None,
         tpot_ms: None,
         prompt_tokens: hit.prompt_tokens,
         completion_tokens: hit.completion_tokens,
-        finish_reason: hit.finish_reason,
+        finish_reason: hit.finish_reason.clone(),
+    }
+}
+
+/// The result of an item answered from the cache.
+fn cached_result(item: WorkItem, hit: CacheEntry, assessment: Assessment) -> ResultRecord {
+    ResultRecord {
+        seq: item.seq,
+        item_id: item.item_id,
+        status: ItemStatus::Done,
+        telemetry: Some(cached_telemetry(&hit)),
+        output: Some(hit.content),
+        error: None,
+        attempts: item.prior_attempts + item.attempts + item.excused,
         item: Some(item.item_json),
         finished_at_ms: now_ms(),
-        judged,
+        assessment,
     }
 }

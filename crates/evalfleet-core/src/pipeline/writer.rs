@@ -16,7 +16,8 @@ use tokio::time::{Instant, sleep_until};
 
 use super::Progress;
 use crate::config::WriterSettings;
-use crate::store::{AttemptRecord, Batch, ResultRecord, Store, StoreError};
+use crate::store::{Batch, Store, StoreError};
+use evalfleet_types::{AttemptRecord, CacheEntry, ResultRecord};
 
 /// How many batches' worth may wait while a commit is in flight.
 const GROUP_LIMIT: usize = 16;
@@ -27,7 +28,7 @@ pub struct Outcome {
     pub attempt: Option<AttemptRecord>,
     pub result: Option<ResultRecord>,
     /// A successful answer for the cache.
-    pub cache: Option<crate::cache::CacheEntry>,
+    pub cache: Option<CacheEntry>,
 }
 
 /// What the writer receives: one outcome (an attempt task), or many at

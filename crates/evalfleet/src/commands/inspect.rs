@@ -7,15 +7,14 @@ use std::io::{self, BufWriter, Write};
 use std::path::Path;
 
 use anyhow::Context;
-use evalfleet_core::store::{
-    EndpointStates, ExportRow, FleetChange, RunRecord, RunStatus, StateCounts, Store,
-};
+use evalfleet_core::store::{EndpointStates, ExportRow, RunRecord, Store};
 use evalfleet_core::summary::{self, EndpointSummary, Percentiles};
+use evalfleet_core::types::{ErrorClass, FleetAction, FleetChange, RunStatus, StateCounts};
 use evalfleet_store::SqliteStore;
 use serde_json::{Value, json};
 
 use super::{store_path, timestamp};
-use crate::cli::{ExportArgs, ExportFormat, FleetAction, FleetArgs, StatusArgs, StoreArgs};
+use crate::cli::{ExportArgs, ExportFormat, FleetArgs, StatusArgs, StoreArgs};
 use crate::{EXIT_OK, UsageError};
 
 /// What a stored status means now: a `running` run whose process is gone
@@ -213,17 +212,17 @@ fn print_status(
     for name in names {
         let summary = endpoints.iter().find(|e| e.endpoint == name);
         let state = states.and_then(|s| s.endpoints.iter().find(|e| e.endpoint == name));
-        let errors = |class: evalfleet_core::client::ErrorClass| {
+        let errors = |class: ErrorClass| {
             summary
                 .and_then(|e| e.errors.get(class.as_str()).copied())
                 .unwrap_or(0)
                 .to_string()
         };
-        let [retryable, back_pressure, bad_response, fatal] = summary::ERROR_CLASSES.map(errors);
+        let [retryable, back_pressure, bad_response, fatal] = ErrorClass::FAILURES.map(errors);
         let dash = || "-".to_owned();
         rows.push([
             name.to_owned(),
-            state.map_or_else(dash, |s| s.state.clone()),
+            state.map_or_else(dash, |s| s.state.to_string()),
             state.map_or_else(dash, |s| {
                 format!("{}{}", s.limit, if s.adaptive { " (adaptive)" } else { "" })
             }),
@@ -251,8 +250,8 @@ fn print_status(
 /// fleet.
 pub fn fleet(args: FleetArgs) -> anyhow::Result<u8> {
     let (action, target) = match args.action {
-        FleetAction::Add(target) => ("add", target),
-        FleetAction::Remove(target) => ("remove", target),
+        crate::cli::FleetAction::Add(target) => (FleetAction::Add, target),
+        crate::cli::FleetAction::Remove(target) => (FleetAction::Remove, target),
     };
     let path = store_path(target.store.store, None);
     let mut store = SqliteStore::open_existing(&path)?;
@@ -286,9 +285,10 @@ pub fn fleet(args: FleetArgs) -> anyhow::Result<u8> {
     store.request_fleet_change(
         &target.run_id,
         &FleetChange {
-            action: action.to_owned(),
+            id: 0,
+            action,
             endpoint: target.endpoint.clone(),
-            at_ms: evalfleet_core::store::now_ms(),
+            at_ms: evalfleet_core::types::now_ms(),
         },
     )?;
     println!(
@@ -411,7 +411,7 @@ fn csv_record(row: &ExportRow, fields: &BTreeSet<String>) -> Vec<String> {
     let int = |v: Option<u64>| v.map(|x| x.to_string()).unwrap_or_default();
     let mut record = vec![
         row.item_id.clone(),
-        row.status.clone(),
+        row.status.to_string(),
         opt(&row.output),
         opt(&row.error),
         opt(&row.endpoint),
@@ -424,7 +424,10 @@ fn csv_record(row: &ExportRow, fields: &BTreeSet<String>) -> Vec<String> {
         int(row.completion_tokens),
         json_cell(row.parsed.as_ref()),
         row.valid.map(|v| v.to_string()).unwrap_or_default(),
-        json_cell(row.scores.as_ref()),
+        row.scores
+            .as_ref()
+            .map(|s| serde_json::to_string(s).unwrap_or_default())
+            .unwrap_or_default(),
         json_cell(row.judge.as_ref()),
     ];
     for field in fields {

@@ -10,8 +10,9 @@ use anyhow::Context;
 use evalfleet_core::config::{self, LoadedConfig, Overrides};
 use evalfleet_core::eval::aggregate::{self, Row, Summary};
 use evalfleet_core::eval::{Evaluator, stats};
-use evalfleet_core::store::{Judged, RunRecord, Store, StoredResult};
+use evalfleet_core::store::{RunRecord, Store, StoredResult};
 use evalfleet_core::summary::{self, EndpointSummary};
+use evalfleet_core::types::{Assessment, ItemStatus, Scores, Verdict};
 use evalfleet_store::SqliteStore;
 use serde_json::{Map, Value, json};
 
@@ -129,7 +130,7 @@ pub async fn score(args: ScoreArgs) -> anyhow::Result<u8> {
     }
     let mut stored: Vec<StoredResult> = Vec::new();
     store.scan_results(&args.run_id, &mut |r: StoredResult| {
-        if !r.failed {
+        if r.status == ItemStatus::Done {
             stored.push(r);
         }
     })?;
@@ -137,7 +138,7 @@ pub async fn score(args: ScoreArgs) -> anyhow::Result<u8> {
         .metrics()
         .find(|m| matches!(m.kind, evalfleet_core::eval::metrics::Kind::CodeAccepted))
         .map(|m| m.key.clone());
-    let mut judged: Vec<(u64, Judged)> = Vec::with_capacity(stored.len());
+    let mut judged: Vec<(u64, Assessment)> = Vec::with_capacity(stored.len());
     // The usable answers of a code task to judge again: (place in
     // `judged`, item, answer).
     let mut programs: Vec<(u64, Value, String)> = Vec::new();
@@ -152,18 +153,13 @@ pub async fn score(args: ScoreArgs) -> anyhow::Result<u8> {
                 bad_rows += 1;
                 Value::Null
             });
-        let keep: Option<Map<String, Value>> = r
-            .judged
-            .scores
-            .as_deref()
-            .and_then(|s| serde_json::from_str(s).ok());
         let output = r.output.as_deref().unwrap_or("");
-        let new = eval.judge(
+        let new = eval.rescore(
             output,
             &item,
-            r.judged.reasks,
+            r.assessment.reasks,
             only.as_deref(),
-            keep.as_ref(),
+            &r.assessment.scores,
             &mut |request| {
                 let identity = judge_identities.get(&request.endpoint)?;
                 let messages = request.messages.as_ref().ok()?;
@@ -176,7 +172,7 @@ pub async fn score(args: ScoreArgs) -> anyhow::Result<u8> {
                 }
             },
         );
-        if rejudge && new.verdict.as_deref() == Some("ok") {
+        if rejudge && new.verdict == Some(Verdict::Ok) {
             programs.push((judged.len() as u64, item, output.to_owned()));
         }
         judged.push((r.seq, new));
@@ -194,13 +190,8 @@ pub async fn score(args: ScoreArgs) -> anyhow::Result<u8> {
             started.elapsed().as_secs_f64()
         );
     }
-    store.put_judged(&args.run_id, &judged, &snapshot)?;
-    let valid = judged
-        .iter()
-        .filter(|(_, j)| {
-            j.verdict.as_deref() != Some("unparsed") && j.verdict.as_deref() != Some("invalid")
-        })
-        .count();
+    store.put_assessments(&args.run_id, &judged, &snapshot)?;
+    let valid = judged.iter().filter(|(_, j)| j.usable()).count();
     eprintln!(
         "Scored {} answers of run {} ({} usable) with {}; no model was called.",
         judged.len(),
@@ -229,7 +220,7 @@ struct Scored {
     samples: u32,
     results: Vec<StoredResult>,
     /// Per result, in the same order: its scores by metric key.
-    scores: Vec<Map<String, Value>>,
+    scores: Vec<Scores>,
     /// Per result: its category for `--by`.
     groups: Vec<String>,
 }
@@ -248,13 +239,7 @@ fn load(store: &mut SqliteStore, run_id: &str, by: &[String]) -> anyhow::Result<
             .and_then(|t| serde_json::from_str(t).ok())
             .unwrap_or(Value::Null);
         groups.push(group_of(&item, by));
-        scores.push(
-            r.judged
-                .scores
-                .as_deref()
-                .and_then(|s| serde_json::from_str(s).ok())
-                .unwrap_or_default(),
-        );
+        scores.push(r.assessment.scores.clone());
         results.push(r);
     })?;
     Ok(Scored {
@@ -289,8 +274,8 @@ fn rows(scored: &Scored) -> Vec<Row> {
         .zip(&scored.scores)
         .zip(&scored.groups)
         .map(|((r, scores), group)| Row {
-            failed: r.failed,
-            verdict: r.judged.verdict.clone(),
+            failed: r.status == ItemStatus::Failed,
+            verdict: r.assessment.verdict,
             scores: scores.clone(),
             group: group.clone(),
         })
@@ -302,13 +287,13 @@ fn fidelity(results: &[StoredResult]) -> Value {
     let (mut first, mut later, mut unparsed, mut invalid, mut unchecked, mut failed) =
         (0, 0, 0, 0, 0, 0);
     for r in results {
-        match (r.failed, r.judged.verdict.as_deref()) {
-            (true, _) => failed += 1,
-            (false, Some("ok")) if r.judged.reasks == 0 => first += 1,
-            (false, Some("ok")) => later += 1,
-            (false, Some("unparsed")) => unparsed += 1,
-            (false, Some("invalid")) => invalid += 1,
-            (false, _) => unchecked += 1,
+        match (r.status, r.assessment.verdict) {
+            (ItemStatus::Failed, _) => failed += 1,
+            (_, Some(Verdict::Ok)) if r.assessment.reasks == 0 => first += 1,
+            (_, Some(Verdict::Ok)) => later += 1,
+            (_, Some(Verdict::Unparsed)) => unparsed += 1,
+            (_, Some(Verdict::Invalid)) => invalid += 1,
+            (_, None) => unchecked += 1,
         }
     }
     json!({
@@ -354,21 +339,15 @@ async fn rejudge_code(
     key: &str,
     sandbox: &Path,
     programs: Vec<(u64, Value, String)>,
-    judged: &mut [(u64, Judged)],
+    judged: &mut [(u64, Assessment)],
 ) -> anyhow::Result<()> {
     let code = evalfleet_core::pipeline::CodeJudge::start(settings, sandbox).await?;
     for (place, json, score) in code.judge_again(programs).await {
         let Some((_, j)) = usize::try_from(place).ok().and_then(|i| judged.get_mut(i)) else {
             continue;
         };
-        let mut scores: Map<String, Value> = j
-            .scores
-            .as_deref()
-            .and_then(|s| serde_json::from_str(s).ok())
-            .unwrap_or_default();
-        scores.insert(key.to_owned(), score);
-        j.scores = Some(Value::Object(scores).to_string());
-        j.judge = json;
+        j.scores.insert(key.to_owned(), score);
+        j.code = json;
     }
     Ok(())
 }
@@ -532,16 +511,13 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
 /// unparsed or invalid, or it has no such score.
 fn stored_value(
     r: &StoredResult,
-    scores: &Map<String, Value>,
+    scores: &Scores,
     m: &evalfleet_core::eval::Metric,
 ) -> Option<f64> {
-    if r.failed || matches!(r.judged.verdict.as_deref(), Some("unparsed" | "invalid")) {
+    if r.status == ItemStatus::Failed || !r.assessment.usable() {
         return None;
     }
-    scores
-        .get(&m.key)
-        .and_then(|v| v.get("value"))
-        .and_then(Value::as_f64)
+    scores.get(&m.key).and_then(|s| s.value)
 }
 
 /// The code judge's problem verdicts, counted overall and per group.
@@ -549,10 +525,9 @@ fn code_verdicts(scored: &Scored) -> Value {
     let mut groups: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
     for (r, group) in scored.results.iter().zip(&scored.groups) {
         let Some(verdict) = r
-            .judged
-            .judge
-            .as_deref()
-            .and_then(|j| serde_json::from_str::<Value>(j).ok())
+            .assessment
+            .code
+            .as_ref()
             .and_then(|j| j.get("verdict").and_then(Value::as_str).map(str::to_owned))
         else {
             continue;
@@ -585,7 +560,7 @@ fn samples_summary(scored: &Scored, metrics: &[evalfleet_core::eval::Metric]) ->
     // Row id → its samples' positions, in order.
     let mut rows: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
     for (at, r) in scored.results.iter().enumerate() {
-        let row = evalfleet_core::run::split_sample_id(&r.item_id)
+        let row = evalfleet_core::dataset::split_sample_id(&r.item_id)
             .map_or(r.item_id.as_str(), |(row, _)| row);
         rows.entry(row).or_default().push(at);
     }
@@ -627,32 +602,36 @@ fn samples_summary(scored: &Scored, metrics: &[evalfleet_core::eval::Metric]) ->
         } else {
             Value::Null
         };
-        let majority: Vec<f64> = rows
-            .values()
-            .map(|samples| {
-                let mut counts: Vec<(&str, usize, f64)> = Vec::new();
-                for sample in samples {
-                    let r = &scored.results[*sample];
-                    let (Some(parsed), Some(v)) = (
-                        r.judged.parsed.as_deref().or(r.output.as_deref()),
-                        value(sample, m),
-                    ) else {
-                        continue;
-                    };
-                    match counts.iter_mut().find(|(p, _, _)| *p == parsed) {
-                        Some(entry) => entry.1 += 1,
-                        None => counts.push((parsed, 1, v)),
+        let majority: Vec<f64> =
+            rows.values()
+                .map(|samples| {
+                    let mut counts: Vec<(String, usize, f64)> = Vec::new();
+                    for sample in samples {
+                        let r = &scored.results[*sample];
+                        let (Some(parsed), Some(v)) = (
+                            r.assessment
+                                .parsed
+                                .as_ref()
+                                .map(ToString::to_string)
+                                .or_else(|| r.output.clone()),
+                            value(sample, m),
+                        ) else {
+                            continue;
+                        };
+                        match counts.iter_mut().find(|(p, _, _)| *p == parsed) {
+                            Some(entry) => entry.1 += 1,
+                            None => counts.push((parsed, 1, v)),
+                        }
                     }
-                }
-                let best = counts
-                    .iter()
-                    .fold(None::<&(&str, usize, f64)>, |best, c| match best {
-                        Some(b) if b.1 >= c.1 => Some(b),
-                        _ => Some(c),
-                    });
-                best.map_or_else(|| m.missing(), |b| b.2)
-            })
-            .collect();
+                    let best = counts
+                        .iter()
+                        .fold(None::<&(String, usize, f64)>, |best, c| match best {
+                            Some(b) if b.1 >= c.1 => Some(b),
+                            _ => Some(c),
+                        });
+                    best.map_or_else(|| m.missing(), |b| b.2)
+                })
+                .collect();
         out.push(json!({
             "metric": m.key,
             "pass_at": pass_at,
@@ -736,18 +715,24 @@ fn write_detailed_csv(
         let mut record = vec![
             r.item_id.clone(),
             group.clone(),
-            if r.failed { "failed" } else { "done" }.to_owned(),
-            r.judged.verdict.clone().unwrap_or_default(),
-            r.judged.reasks.to_string(),
-            r.judged.parsed.clone().unwrap_or_default(),
-            r.judged.check_error.clone().unwrap_or_default(),
+            r.status.to_string(),
+            r.assessment
+                .verdict
+                .map(|v| v.to_string())
+                .unwrap_or_default(),
+            r.assessment.reasks.to_string(),
+            r.assessment
+                .parsed
+                .as_ref()
+                .map(ToString::to_string)
+                .unwrap_or_default(),
+            r.assessment.check_error.clone().unwrap_or_default(),
         ];
         for m in metrics {
             record.push(
                 scores
                     .get(&m.key)
-                    .and_then(|s| s.get("value"))
-                    .and_then(Value::as_f64)
+                    .and_then(|s| s.value)
                     .map(|v| v.to_string())
                     .unwrap_or_default(),
             );

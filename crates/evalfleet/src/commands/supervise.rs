@@ -9,7 +9,6 @@
 //! ignored: Ctrl-C in a terminal reaches it too, and the run decides.
 //! Then it runs `--on-exit` (e.g. `ssh host tmux kill-session -t S`).
 
-use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -18,25 +17,7 @@ use tokio::process::Command;
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::EXIT_FAILED;
-
-#[derive(Debug, clap::Args)]
-pub struct SuperviseArgs {
-    /// Where to write the command's pid once it runs.
-    #[arg(long)]
-    pub pid_file: PathBuf,
-
-    /// Between SIGTERM and SIGKILL.
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
-    pub grace: Duration,
-
-    /// A shell command to run once the group has ended.
-    #[arg(long)]
-    pub on_exit: Option<String>,
-
-    /// The command, run by `sh -c`.
-    #[arg(last = true, required = true)]
-    pub command: Vec<String>,
-}
+use crate::cli::SuperviseArgs;
 
 /// Sends `signal` to every process of group `pgid`.
 #[allow(unsafe_code)]

@@ -1,0 +1,66 @@
+//! What a failed call means for what to do next.
+
+/// How an error bears on what to do next. Retry and concurrency logic read
+/// this; they never parse messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ErrorClass {
+    /// A transient failure (connection refused or reset, 500, 502, 504): retry.
+    Retryable,
+    /// The endpoint is overloaded or rate-limiting (429, 503, 408, timeouts):
+    /// retry later, and send it less.
+    BackPressure,
+    /// The request itself is wrong (other 4xx): retrying will not help.
+    Fatal,
+    /// The endpoint answered something that is not a valid completion
+    /// (unparseable, truncated): retry.
+    BadResponse,
+    /// The call succeeded but its answer could not be used (unparsed, or
+    /// not of the task's schema): the model was asked again.
+    InvalidAnswer,
+}
+
+crate::names!(ErrorClass, "error class", {
+    Retryable => "retryable",
+    BackPressure => "back_pressure",
+    Fatal => "fatal",
+    BadResponse => "bad_response",
+    InvalidAnswer => "invalid_answer",
+});
+
+impl ErrorClass {
+    /// The classes of failed calls, in the order reports show them (a
+    /// re-asked answer is not a failed call).
+    pub const FAILURES: [ErrorClass; 4] = [
+        ErrorClass::Retryable,
+        ErrorClass::BackPressure,
+        ErrorClass::BadResponse,
+        ErrorClass::Fatal,
+    ];
+
+    pub fn is_retryable(self) -> bool {
+        !matches!(self, Self::Fatal)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_unknown_names_are_refused() {
+        for class in ErrorClass::ALL {
+            assert_eq!(ErrorClass::parse(class.as_str()), Ok(*class));
+        }
+        assert_eq!(
+            ErrorClass::parse("back_pressure"),
+            Ok(ErrorClass::BackPressure)
+        );
+        let err = ErrorClass::parse("slow").unwrap_err();
+        assert_eq!(err.to_string(), "unknown error class 'slow'");
+        assert!(!ErrorClass::Fatal.is_retryable());
+        assert_eq!(
+            serde_json::to_string(&ErrorClass::InvalidAnswer).unwrap(),
+            "\"invalid_answer\""
+        );
+    }
+}

@@ -1,0 +1,120 @@
+//! What is stored of runs, items, calls and results.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Assessment, ErrorClass};
+
+/// Where a run stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunStatus {
+    /// A worker is running it, or was when it died.
+    Running,
+    /// Stopped before every item ended; resumable.
+    Interrupted,
+    /// Every item ended, done or failed.
+    Finished,
+}
+
+crate::names!(RunStatus, "run status", {
+    Running => "running",
+    Interrupted => "interrupted",
+    Finished => "finished",
+});
+
+/// An item's terminal state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ItemStatus {
+    Done,
+    Failed,
+}
+
+crate::names!(ItemStatus, "item status", {
+    Done => "done",
+    Failed => "failed",
+});
+
+/// Item counts by state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StateCounts {
+    pub pending: u64,
+    pub done: u64,
+    pub failed: u64,
+}
+
+impl StateCounts {
+    pub fn total(&self) -> u64 {
+        self.pending + self.done + self.failed
+    }
+}
+
+/// What was measured of one call (or, for a result, of the call that gave
+/// its answer).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Telemetry {
+    pub endpoint: String,
+    pub model: String,
+    /// Send to the last byte.
+    pub latency_ms: f64,
+    /// Send to the first content token (streams).
+    pub ttft_ms: Option<f64>,
+    /// (latency - TTFT) / (completion tokens - 1).
+    pub tpot_ms: Option<f64>,
+    pub prompt_tokens: Option<u64>,
+    pub completion_tokens: Option<u64>,
+    pub finish_reason: Option<String>,
+}
+
+/// One call to one endpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttemptRecord {
+    /// The item's `seq`.
+    pub seq: u64,
+    /// 1-based, counted over every session of the run.
+    pub attempt: u32,
+    pub session: u32,
+    pub sent_at_ms: i64,
+    pub telemetry: Telemetry,
+    pub http_status: Option<u16>,
+    /// `None` for a success, and for a call moved to another endpoint (its
+    /// `error` says so).
+    pub error_class: Option<ErrorClass>,
+    pub error: Option<String>,
+    /// Answered from the cache (no endpoint was called).
+    pub cached: bool,
+}
+
+/// An item's terminal outcome.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResultRecord {
+    pub seq: u64,
+    pub item_id: String,
+    pub status: ItemStatus,
+    pub output: Option<String>,
+    pub error: Option<String>,
+    /// The call that gave the answer (or the last that failed); `None` when
+    /// no call was made.
+    pub telemetry: Option<Telemetry>,
+    /// Calls made for the item, over every session (answered from the
+    /// cache included).
+    pub attempts: u32,
+    /// The input row, as JSON text.
+    pub item: Option<String>,
+    pub finished_at_ms: i64,
+    pub assessment: Assessment,
+}
+
+/// One stored answer of the response cache.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CacheEntry {
+    /// Hex SHA-256 of the request.
+    pub key: String,
+    pub content: String,
+    /// The endpoint that answered, and its model.
+    pub endpoint: String,
+    pub model: String,
+    pub prompt_tokens: Option<u64>,
+    pub completion_tokens: Option<u64>,
+    pub finish_reason: Option<String>,
+    pub latency_ms: f64,
+    pub created_at_ms: i64,
+}
