@@ -13,6 +13,7 @@ pub mod run;
 pub mod store;
 pub mod summary;
 pub mod template;
+pub mod worker;
 
 pub use evalfleet_judge as judge;
 pub use evalfleet_types as types;

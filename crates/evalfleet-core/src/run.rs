@@ -12,10 +12,12 @@ use crate::fingerprint::Fingerprint;
 use crate::fleet::Endpoint;
 use crate::fleet::runtime::FleetHandle;
 use crate::pipeline::{self, PipelineError, Progress, Session};
+use crate::store::WorkerInfo;
 use crate::store::{
     CreateRunError, ItemSource, NewItem, NewRun, RunIdentity, RunRecord, Store, StoreError,
 };
 use crate::template::Templates;
+use crate::worker;
 use evalfleet_types::{Event, EventKind, RunStatus, StateCounts, now_ms};
 
 /// The items of a dataset, read once, for [`Store::create_run`].
@@ -237,15 +239,34 @@ pub struct SessionPlan {
 pub struct Prepared {
     pub progress: Arc<Progress>,
     session: u32,
-    pending: u64,
+    worker: WorkerInfo,
 }
 
-/// Marks the run running and counts its items, before the session starts.
+/// Registers this process as a worker of the run (freeing the items of
+/// workers whose process is gone), marks the run running and counts its
+/// items, before the session starts.
 pub fn prepare(store: &mut dyn Store, plan: &SessionPlan) -> Result<Prepared, StoreError> {
-    let start = store.begin_session(&plan.run_id, plan.retry_failed)?;
+    let dead = worker::release_dead(store, &plan.run_id)?;
+    if dead > 0 {
+        tracing::info!(
+            "Freed the items of {dead} earlier worker(s) of run {} whose process is gone.",
+            plan.run_id
+        );
+    }
+    let others = worker::live_workers(store, &plan.run_id)?;
+    let mut me = worker::this_process(plan.config.timeouts.lease);
+    let start = store.begin_session(&plan.run_id, &mut me, plan.retry_failed)?;
     let counts = start.counts;
     let endpoints: Vec<&str> = plan.endpoints.iter().map(|e| e.name.as_str()).collect();
-    let message = if start.session == 1 {
+    let message = if !others.is_empty() {
+        format!(
+            "Session {} joined {} running worker(s) with endpoints {}; {} items pending.",
+            start.session,
+            others.len(),
+            endpoints.join(", "),
+            counts.pending
+        )
+    } else if start.session == 1 {
         format!(
             "Run started with endpoints {}; {} items.",
             endpoints.join(", "),
@@ -264,14 +285,17 @@ pub fn prepare(store: &mut dyn Store, plan: &SessionPlan) -> Result<Prepared, St
             }
         )
     };
-    store.add_event(
+    if !others.is_empty() {
+        tracing::info!("{message}");
+    }
+    store.add_events(
         &plan.run_id,
-        &Event {
+        &[Event {
             at_ms: now_ms(),
             kind: EventKind::SessionStarted,
             endpoint: None,
             message,
-        },
+        }],
     )?;
     Ok(Prepared {
         progress: Arc::new(Progress::new(
@@ -281,7 +305,7 @@ pub fn prepare(store: &mut dyn Store, plan: &SessionPlan) -> Result<Prepared, St
             &plan.endpoints,
         )),
         session: start.session,
-        pending: counts.pending,
+        worker: me,
     })
 }
 
@@ -302,7 +326,7 @@ pub async fn run_session(
         templates: plan.templates,
         endpoints: plan.endpoints,
         fleet: plan.fleet.clone(),
-        pending: prepared.pending,
+        worker: Arc::from(prepared.worker.worker.as_str()),
         sandbox_dir: plan.sandbox_dir.clone(),
     };
     let cache = session.config.cache.clone();
@@ -326,8 +350,30 @@ pub async fn run_session(
         }
     }
     let counts = store.counts(&run_id)?;
+    let others = worker::live_workers(&mut *store, &run_id)?;
     let (status, kind, message) = if counts.pending == 0 {
         (RunStatus::Finished, EventKind::Finished, None)
+    } else if !others.is_empty() {
+        // The run goes on in its other workers; it stays running.
+        let message = format!(
+            "this worker stopped with {} items pending; {} other worker(s) go on",
+            counts.pending,
+            others.len()
+        );
+        store.add_events(
+            &run_id,
+            &[Event {
+                at_ms: now_ms(),
+                kind: EventKind::Interrupted,
+                endpoint: None,
+                message: message.clone(),
+            }],
+        )?;
+        return Ok(SessionReport {
+            status: RunStatus::Running,
+            counts,
+            message: Some(message),
+        });
     } else if let Some(reason) = plan.fleet.exhausted_reason() {
         (
             RunStatus::Interrupted,
@@ -351,16 +397,16 @@ pub async fn run_session(
         )
     };
     store.set_status(&run_id, status, message.as_deref())?;
-    store.add_event(
+    store.add_events(
         &run_id,
-        &Event {
+        &[Event {
             at_ms: now_ms(),
             kind,
             endpoint: None,
             message: message.clone().unwrap_or_else(|| {
                 format!("Finished: {} done, {} failed.", counts.done, counts.failed)
             }),
-        },
+        }],
     )?;
     Ok(SessionReport {
         status,

@@ -1,8 +1,15 @@
-//! The store: runs, items and their state, attempts, results and events.
+//! The store: runs, the work queue of their items, attempts and results,
+//! the response cache, events and the fleet mailbox, each concern a trait of
+//! its own; [`Store`] is all of them, as a backend implements them.
 //!
-//! The trait is synchronous: a run gives its store to one writer thread, which
-//! commits results in batches, one transaction per batch. SQLite implements it
-//! in `evalfleet-store`; a PostgreSQL implementation sits beside it.
+//! The traits are synchronous: each thread of a session (the reader, the
+//! writer, the fleet's housekeeping) owns a connection of its own. Several
+//! workers (sessions, in one process or many) share a run through the work
+//! queue: each claims items for a lease, renews it while it works, and
+//! commits their results under it; a commit under a lease that has expired
+//! is refused, so every item gets exactly one result whoever answers it.
+//! SQLite implements them in `evalfleet-store`, opened by URL; PostgreSQL
+//! goes beside it.
 
 use serde::Serialize;
 use serde_json::Value;
@@ -29,8 +36,9 @@ pub enum StoreError {
     NoSuchRun(String),
     #[error("no store at {} (pass --store PATH to name another)", .0.display())]
     NoStore(std::path::PathBuf),
-    #[error("run '{0}' is in progress in another process")]
-    RunBusy(String),
+    /// `--store` (or `store:`) names no store this evalfleet can open.
+    #[error("--store: {0}")]
+    BadLocation(String),
     #[error("store invariant broken: {0}")]
     Invariant(String),
 }
@@ -104,7 +112,7 @@ pub struct RunIdentity {
     pub sample_n: Option<u64>,
 }
 
-/// Items for a new run, pulled by [`Store::create_run`] inside its
+/// Items for a new run, pulled by [`Runs::create_run`] inside its
 /// transaction.
 pub trait ItemSource {
     fn next_item(&mut self) -> Result<Option<NewItem>, CreateRunError>;
@@ -128,23 +136,42 @@ pub struct RunRecord {
     pub dataset: DatasetIdentity,
     /// Items in the run (after sampling).
     pub total: u64,
-    /// How many times the run was started (1 + resumes).
+    /// How many sessions worked on it (the run, resumes, workers that
+    /// joined).
     pub sessions: u32,
     /// Why it stopped, when it stopped early.
     pub message: Option<String>,
 }
 
-/// The start of a session (a run or a resume).
+/// The start of a session (a run, a resume, a worker joining).
 #[derive(Debug, Clone, Copy)]
 pub struct SessionStart {
-    /// 1 for the first run, 2 for the first resume, ...
+    /// 1 for the first run, 2 for the next session, ...
     pub session: u32,
     /// Failed items put back to pending (`--retry-failed`).
     pub reset: u64,
     pub counts: StateCounts,
 }
 
-/// An item still to be answered.
+/// A worker of a run: one session of one process, as it registered.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct WorkerInfo {
+    /// Unique among the run's workers.
+    pub worker: String,
+    pub session: u32,
+    pub host: String,
+    pub pid: u32,
+    /// When the process started, in the kernel's clock ticks since boot: with
+    /// the pid, it tells the process from a later one that got its pid.
+    pub process_start: u64,
+    pub started_at_ms: i64,
+    /// Its last renewal.
+    pub heartbeat_at_ms: i64,
+    /// How long its claims last without a renewal.
+    pub lease_ms: i64,
+}
+
+/// An item a worker claimed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PendingItem {
     pub item_id: String,
@@ -155,12 +182,34 @@ pub struct PendingItem {
     pub prior_attempts: u32,
 }
 
-/// What one transaction commits.
+/// A claim's id, unique in the store.
+pub type ClaimId = i64;
+
+/// Items a worker holds until its lease runs out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    pub id: ClaimId,
+    /// In `seq` order.
+    pub items: Vec<PendingItem>,
+}
+
+/// What a worker's request for items got.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claimed {
+    Items(Claim),
+    /// Every pending item is held by another worker's live lease: ask again
+    /// later (they finish, or their lease runs out).
+    HeldByOthers,
+    /// No pending item is left outside this worker's own claims.
+    Nothing,
+}
+
+/// What one transaction commits: attempts and results, each under the
+/// claim it was made for, and answers for the cache.
 #[derive(Debug, Clone, Default)]
 pub struct Batch {
-    pub attempts: Vec<AttemptRecord>,
-    pub results: Vec<ResultRecord>,
-    /// Answers for the cache.
+    pub attempts: Vec<(ClaimId, AttemptRecord)>,
+    pub results: Vec<(ClaimId, ResultRecord)>,
     pub cache: Vec<CacheEntry>,
 }
 
@@ -168,6 +217,17 @@ impl Batch {
     pub fn is_empty(&self) -> bool {
         self.attempts.is_empty() && self.results.is_empty() && self.cache.is_empty()
     }
+}
+
+/// What a commit stored.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Committed {
+    /// Results stored.
+    pub results: u64,
+    /// Items (`seq`) whose attempts and results were refused: their claim
+    /// is no longer this worker's (its lease ran out). Another worker
+    /// answers them.
+    pub refused: Vec<u64>,
 }
 
 /// What `evalfleet cache stats` shows.
@@ -178,7 +238,7 @@ pub struct CacheStats {
     pub content_bytes: u64,
     pub oldest_ms: Option<i64>,
     pub newest_ms: Option<i64>,
-    /// Attempts answered from the cache, over every run of the store.
+    /// Calls answered from the cache, over every run of the store.
     pub hits: u64,
 }
 
@@ -237,18 +297,15 @@ pub struct AttemptSample {
     pub failed: bool,
 }
 
-/// Held while a process runs a run; released when dropped (or when the
-/// process dies).
-pub struct RunGuard(pub Box<dyn Send>);
-
-/// The endpoints of a run as its process last wrote them.
+/// The endpoints of a run as its workers last wrote them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EndpointStates {
     pub updated_at_ms: i64,
     pub endpoints: Vec<EndpointSnapshot>,
 }
 
-pub trait Store: Send {
+/// Runs and their registration.
+pub trait Runs {
     /// Creates a run and registers its items in one transaction: on any error
     /// nothing is stored. A duplicate id is a [`CreateRunError::DuplicateId`].
     fn create_run(
@@ -262,33 +319,16 @@ pub trait Store: Send {
     /// Every run, newest first.
     fn runs(&mut self) -> Result<Vec<RunRecord>, StoreError>;
 
-    /// Takes the run's lock, or fails with [`StoreError::RunBusy`].
-    fn lock_run(&mut self, run_id: &str) -> Result<RunGuard, StoreError>;
-
-    /// Whether a live process holds the run's lock.
-    fn is_run_active(&mut self, run_id: &str) -> Result<bool, StoreError>;
-
-    /// Marks the run running and counts a new session; with `retry_failed`,
-    /// failed items (but not invalid rows) go back to pending and lose their
+    /// Marks the run running, counts a new session and registers `worker`
+    /// for it (its `session` is set here); with `retry_failed`, failed
+    /// items (but not invalid rows) go back to pending and lose their
     /// result.
     fn begin_session(
         &mut self,
         run_id: &str,
+        worker: &mut WorkerInfo,
         retry_failed: bool,
     ) -> Result<SessionStart, StoreError>;
-
-    /// Pending items after `after_seq`, in `seq` order.
-    fn pending_items(
-        &mut self,
-        run_id: &str,
-        after_seq: Option<u64>,
-        limit: usize,
-    ) -> Result<Vec<PendingItem>, StoreError>;
-
-    /// Commits attempts and results, and moves the results' items out of
-    /// pending, in one transaction. An item that is not pending is an
-    /// invariant error and nothing is committed.
-    fn commit(&mut self, run_id: &str, batch: &Batch) -> Result<(), StoreError>;
 
     fn set_status(
         &mut self,
@@ -299,10 +339,55 @@ pub trait Store: Send {
 
     fn counts(&mut self, run_id: &str) -> Result<StateCounts, StoreError>;
 
-    fn add_event(&mut self, run_id: &str, event: &Event) -> Result<(), StoreError>;
+    /// The run's registered workers, live or not (see
+    /// [`crate::run::live_workers`]).
+    fn workers(&mut self, run_id: &str) -> Result<Vec<WorkerInfo>, StoreError>;
+}
 
-    fn events(&mut self, run_id: &str) -> Result<Vec<Event>, StoreError>;
+/// The work queue: items handed out by claims with a lease.
+pub trait WorkQueue {
+    /// Claims up to `limit` pending items that no live lease holds, in `seq`
+    /// order from just after `after` (or from the start), for `lease`.
+    /// Expired claims of any worker are dropped first, so their items are
+    /// claimed again.
+    fn claim(
+        &mut self,
+        run_id: &str,
+        worker: &str,
+        after: Option<u64>,
+        limit: usize,
+        lease: std::time::Duration,
+    ) -> Result<Claimed, StoreError>;
 
+    /// Extends every live claim of `worker` (and its heartbeat) by `lease`
+    /// from now; returns how many claims it holds. A claim that already ran
+    /// out stays lost.
+    fn renew(
+        &mut self,
+        run_id: &str,
+        worker: &str,
+        lease: std::time::Duration,
+    ) -> Result<u64, StoreError>;
+
+    /// Commits attempts and results, and moves the results' items out of
+    /// pending, in one transaction. What was made under a claim that is no
+    /// longer `worker`'s and live is refused, not stored. A result for an
+    /// item of a live claim that is not pending is an invariant error and
+    /// nothing is committed. A claim whose items have all ended is dropped.
+    fn commit(
+        &mut self,
+        run_id: &str,
+        worker: &str,
+        batch: &Batch,
+    ) -> Result<Committed, StoreError>;
+
+    /// Ends `worker`'s part: its claims are dropped (their pending items are
+    /// free for others at once) and it is no longer registered.
+    fn release(&mut self, run_id: &str, worker: &str) -> Result<(), StoreError>;
+}
+
+/// Results and attempts, read back; and new assessments of stored answers.
+pub trait Results {
     /// Calls `each` for every attempt of the run.
     fn scan_attempts(
         &mut self,
@@ -310,30 +395,42 @@ pub trait Store: Send {
         each: &mut dyn FnMut(AttemptSample),
     ) -> Result<(), StoreError>;
 
-    /// Replaces the run's endpoint snapshots.
-    fn put_endpoint_states(
+    /// Every result of a run, in dataset order.
+    fn scan_results(
         &mut self,
         run_id: &str,
-        states: &[EndpointSnapshot],
+        each: &mut dyn FnMut(StoredResult),
     ) -> Result<(), StoreError>;
 
-    /// The run's endpoint snapshots, if its process wrote any.
-    fn endpoint_states(&mut self, run_id: &str) -> Result<Option<EndpointStates>, StoreError>;
-
-    /// Records a fleet change for the running process to apply.
-    fn request_fleet_change(
+    fn export(
         &mut self,
         run_id: &str,
-        change: &FleetChange,
+        each: &mut dyn FnMut(ExportRow) -> std::io::Result<()>,
+    ) -> Result<(), ExportError>;
+
+    /// Replaces results' assessments and the run's stored config, in one
+    /// transaction (`evalfleet score`).
+    fn put_assessments(
+        &mut self,
+        run_id: &str,
+        assessments: &[(u64, Assessment)],
+        config: &Value,
     ) -> Result<(), StoreError>;
+}
 
-    /// The fleet changes not yet taken, oldest first; marks them taken.
-    fn take_fleet_changes(&mut self, run_id: &str) -> Result<Vec<FleetChange>, StoreError>;
-
-    /// Calls `each` for every result, in dataset order; stops at its first
-    /// error.
+/// The response cache, shared by every run of the store (or kept in a file
+/// of its own).
+pub trait ResponseCache {
     /// The cached answer for `key`, if stored at or after `since_ms`.
     fn cache_get(&mut self, key: &str, since_ms: i64) -> Result<Option<CacheEntry>, StoreError>;
+
+    /// The cached answers for `keys` (one lookup for them all), in any
+    /// order.
+    fn cache_get_many(
+        &mut self,
+        keys: &[&str],
+        since_ms: i64,
+    ) -> Result<Vec<CacheEntry>, StoreError>;
 
     /// Drops entries older than `before_ms`, then the oldest beyond
     /// `max_entries`; returns how many went.
@@ -347,29 +444,52 @@ pub trait Store: Send {
 
     /// Empties the cache; returns how many entries went.
     fn cache_clear(&mut self) -> Result<u64, StoreError>;
-
-    /// Every result of a run, in dataset order.
-    fn scan_results(
-        &mut self,
-        run_id: &str,
-        each: &mut dyn FnMut(StoredResult),
-    ) -> Result<(), StoreError>;
-
-    /// Replaces results' parsing, checks and scores, and the run's stored
-    /// config, in one transaction (`evalfleet score`).
-    fn put_assessments(
-        &mut self,
-        run_id: &str,
-        assessments: &[(u64, Assessment)],
-        config: &Value,
-    ) -> Result<(), StoreError>;
-
-    fn export(
-        &mut self,
-        run_id: &str,
-        each: &mut dyn FnMut(ExportRow) -> std::io::Result<()>,
-    ) -> Result<(), ExportError>;
 }
+
+/// Lifecycle facts and what the workers last saw of their endpoints.
+pub trait Events {
+    fn add_events(&mut self, run_id: &str, events: &[Event]) -> Result<(), StoreError>;
+
+    fn events(&mut self, run_id: &str) -> Result<Vec<Event>, StoreError>;
+
+    /// Replaces the run's snapshots of these endpoints.
+    fn put_endpoint_states(
+        &mut self,
+        run_id: &str,
+        states: &[EndpointSnapshot],
+    ) -> Result<(), StoreError>;
+
+    /// The run's endpoint snapshots, if a worker wrote any.
+    fn endpoint_states(&mut self, run_id: &str) -> Result<Option<EndpointStates>, StoreError>;
+}
+
+/// Requests to change the fleet of a running run (`evalfleet fleet`),
+/// read by each of its workers.
+pub trait FleetMailbox {
+    /// Posts a change; returns it with its id.
+    fn request_fleet_change(
+        &mut self,
+        run_id: &str,
+        change: &FleetChange,
+    ) -> Result<FleetChange, StoreError>;
+
+    /// The changes posted after `after_id`, oldest first.
+    fn fleet_changes(
+        &mut self,
+        run_id: &str,
+        after_id: i64,
+    ) -> Result<Vec<FleetChange>, StoreError>;
+}
+
+/// The store's traits, to call their methods on a `dyn Store`.
+pub mod prelude {
+    pub use super::{Events, FleetMailbox, ResponseCache, Results, Runs, Store, WorkQueue};
+}
+
+/// Every concern of a store, as a backend implements them.
+pub trait Store: Runs + WorkQueue + Results + ResponseCache + Events + FleetMailbox + Send {}
+
+impl<T: Runs + WorkQueue + Results + ResponseCache + Events + FleetMailbox + Send> Store for T {}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExportError {

@@ -1,6 +1,165 @@
-//! Store implementations of [`evalfleet_core::store::Store`]: SQLite, the
-//! embedded default (PostgreSQL, for runs shared by many workers, comes later).
+//! Store backends of [`evalfleet_core::store::Store`], opened by URL: a
+//! path or `sqlite://PATH` is the embedded SQLite store (the default);
+//! `postgres://` will be one more arm. Nothing outside this crate names a
+//! backend's type.
 
 mod sqlite;
 
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use evalfleet_core::store::{Store, StoreError};
+
 pub use sqlite::SqliteStore;
+pub use sqlite::schema::VERSION as SQLITE_SCHEMA_VERSION;
+
+/// Where a store is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Location {
+    /// A SQLite file.
+    Sqlite(PathBuf),
+}
+
+impl Location {
+    /// A store from `--store`: a path, or a URL whose scheme names the
+    /// backend.
+    pub fn parse(text: &str) -> Result<Self, StoreError> {
+        let text = text.trim();
+        if text.is_empty() {
+            return Err(StoreError::BadLocation("the store is empty".to_owned()));
+        }
+        if let Some(path) = text
+            .strip_prefix("sqlite://")
+            .or_else(|| text.strip_prefix("sqlite:"))
+        {
+            if path.is_empty() {
+                return Err(StoreError::BadLocation(format!(
+                    "'{text}' names no file (sqlite://PATH)"
+                )));
+            }
+            return Ok(Self::Sqlite(PathBuf::from(path)));
+        }
+        if let Some((scheme, _)) = text.split_once("://") {
+            return Err(StoreError::BadLocation(match scheme {
+                "postgres" | "postgresql" => format!(
+                    "'{scheme}://' stores are not built into this evalfleet yet; use a SQLite file (a path or sqlite://PATH)"
+                ),
+                other => format!("unknown store scheme '{other}://' (a path or sqlite://PATH)"),
+            }));
+        }
+        Ok(Self::Sqlite(PathBuf::from(text)))
+    }
+
+    /// Whether a store is there already.
+    pub fn exists(&self) -> bool {
+        match self {
+            Self::Sqlite(path) => path.is_file(),
+        }
+    }
+
+    /// The directory for what a run keeps beside its store (engine logs,
+    /// sandboxes, reports).
+    pub fn dir(&self) -> PathBuf {
+        match self {
+            Self::Sqlite(path) => path
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(Path::new("."))
+                .to_owned(),
+        }
+    }
+
+    /// Whether this is the default location (`runs/evalfleet.db`), which
+    /// commands need not be told.
+    pub fn is(&self, path: &Path) -> bool {
+        matches!(self, Self::Sqlite(p) if p == path)
+    }
+}
+
+impl fmt::Display for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Sqlite(path) => write!(f, "{}", path.display()),
+        }
+    }
+}
+
+/// How a store is opened.
+#[derive(Debug, Clone, Default)]
+pub struct OpenOptions {
+    /// Create it when absent (else a missing store is
+    /// [`StoreError::NoStore`]).
+    pub create: bool,
+    /// Keep the response cache in this file instead (`cache.path`), shared
+    /// by the runs of several stores.
+    pub cache_file: Option<PathBuf>,
+}
+
+/// Opens the store at `location`: one connection, for one thread at a time.
+pub fn open(location: &Location, options: &OpenOptions) -> Result<Box<dyn Store>, StoreError> {
+    match location {
+        Location::Sqlite(path) => {
+            let mut store = if options.create {
+                SqliteStore::open(path)?
+            } else {
+                SqliteStore::open_existing(path)?
+            };
+            if let Some(file) = &options.cache_file {
+                store.use_cache_file(file)?;
+            }
+            Ok(Box::new(store))
+        }
+    }
+}
+
+/// Removes a store this process created and stored nothing in (a run whose
+/// registration failed), with what the backend keeps beside it; an empty
+/// directory it made goes too.
+pub fn remove(location: &Location) {
+    match location {
+        Location::Sqlite(path) => {
+            for suffix in ["", "-wal", "-shm"] {
+                let mut file = path.as_os_str().to_owned();
+                file.push(suffix);
+                let _ = std::fs::remove_file(PathBuf::from(file));
+            }
+            if let Some(dir) = path.parent() {
+                // Only removes the directory when it is empty.
+                let _ = std::fs::remove_dir(dir);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn locations_are_paths_or_urls_with_a_known_scheme() {
+        assert_eq!(
+            Location::parse("runs/a.db").unwrap(),
+            Location::Sqlite("runs/a.db".into())
+        );
+        assert_eq!(
+            Location::parse("sqlite:///tmp/a.db").unwrap(),
+            Location::Sqlite("/tmp/a.db".into())
+        );
+        assert_eq!(
+            Location::parse("sqlite://a.db").unwrap(),
+            Location::Sqlite("a.db".into())
+        );
+        let postgres = Location::parse("postgres://localhost/evals").unwrap_err();
+        assert!(
+            postgres.to_string().contains("not built into"),
+            "{postgres}"
+        );
+        assert!(Location::parse("redis://x").is_err());
+        assert!(Location::parse("sqlite://").is_err());
+        assert_eq!(
+            Location::parse("runs/a.db").unwrap().dir(),
+            PathBuf::from("runs")
+        );
+        assert_eq!(Location::parse("a.db").unwrap().dir(), PathBuf::from("."));
+    }
+}

@@ -7,8 +7,11 @@ use std::path::Path;
 
 use evalfleet_core::dataset::DatasetIdentity;
 use evalfleet_core::fingerprint::{DatasetOptions, Fingerprint};
+use std::time::Duration;
+
 use evalfleet_core::store::{
-    Batch, CreateRunError, ItemSource, NewItem, NewRun, RunIdentity, Store, StoreError,
+    Batch, ClaimId, Claimed, CreateRunError, ItemSource, NewItem, NewRun, ResponseCache, Results,
+    RunIdentity, Runs, StoreError, WorkQueue, WorkerInfo,
 };
 use evalfleet_store::SqliteStore;
 use evalfleet_types::{
@@ -128,6 +131,24 @@ fn attempt(seq: u64, number: u32) -> AttemptRecord {
     }
 }
 
+/// A worker of this process named `name`.
+fn worker(name: &str) -> WorkerInfo {
+    WorkerInfo {
+        worker: name.to_owned(),
+        ..evalfleet_core::worker::this_process(LEASE)
+    }
+}
+
+const LEASE: Duration = Duration::from_secs(60);
+
+/// Claims every pending item of `run_id` for `name`.
+fn claim_all(store: &mut SqliteStore, run_id: &str, name: &str) -> ClaimId {
+    match store.claim(run_id, name, None, 1000, LEASE).unwrap() {
+        Claimed::Items(claim) => claim.id,
+        other => panic!("nothing to claim: {other:?}"),
+    }
+}
+
 /// A cache key (hex SHA-256) named by `label`.
 fn k(label: &str) -> String {
     let none = serde_json::value::RawValue::from_string("[]".to_owned()).unwrap();
@@ -156,13 +177,14 @@ fn the_cache_answers_by_key_honours_age_and_evicts_the_oldest() {
     store
         .create_run(&new_run("r"), &mut items(&["a"], None))
         .unwrap();
-    store.begin_session("r", false).unwrap();
+    store.begin_session("r", &mut worker("w"), false).unwrap();
     let entries: Vec<CacheEntry> = (0..5)
         .map(|i| cache_entry(&format!("k{i}"), 1000 + i))
         .collect();
     store
         .commit(
             "r",
+            "w",
             &Batch {
                 attempts: vec![],
                 results: vec![],
@@ -265,17 +287,18 @@ fn commits_are_exactly_once_and_counters_match_a_recount() {
         "the invalid row is a failed item"
     );
 
-    let start = store.begin_session("r", false).unwrap();
+    let start = store.begin_session("r", &mut worker("w"), false).unwrap();
     assert_eq!(start.session, 1);
+    let claim = claim_all(&mut store, "r", "w");
     let batch = Batch {
-        attempts: vec![attempt(1, 1)],
+        attempts: vec![(claim, attempt(1, 1))],
         results: vec![
-            result(1, "a", ItemStatus::Done),
-            result(3, "b", ItemStatus::Failed),
+            (claim, result(1, "a", ItemStatus::Done)),
+            (claim, result(3, "b", ItemStatus::Failed)),
         ],
         cache: vec![],
     };
-    store.commit("r", &batch).unwrap();
+    store.commit("r", "w", &batch).unwrap();
     assert_eq!(
         store.counts("r").unwrap(),
         StateCounts {
@@ -288,15 +311,15 @@ fn commits_are_exactly_once_and_counters_match_a_recount() {
 
     // A second result for an item is refused, and nothing of its batch stays.
     let again = Batch {
-        attempts: vec![attempt(4, 1)],
+        attempts: vec![(claim, attempt(4, 1))],
         results: vec![
-            result(4, "c", ItemStatus::Done),
-            result(1, "a", ItemStatus::Done),
+            (claim, result(4, "c", ItemStatus::Done)),
+            (claim, result(1, "a", ItemStatus::Done)),
         ],
         cache: vec![cache_entry("k-again", 1)],
     };
     assert!(matches!(
-        store.commit("r", &again),
+        store.commit("r", "w", &again),
         Err(StoreError::Invariant(_))
     ));
     assert_eq!(
@@ -309,15 +332,23 @@ fn commits_are_exactly_once_and_counters_match_a_recount() {
 
     // Pending items come in order, with their earlier attempts counted by a
     // new connection (a new session).
+    store.release("r", "w").unwrap();
     let mut reader = SqliteStore::open(&path).unwrap();
-    let pending = reader.pending_items("r", None, 10).unwrap();
-    let seqs: Vec<u64> = pending.iter().map(|p| p.seq).collect();
+    let Claimed::Items(pending) = reader.claim("r", "w2", None, 10, LEASE).unwrap() else {
+        panic!("the released items are free");
+    };
+    let seqs: Vec<u64> = pending.items.iter().map(|p| p.seq).collect();
     assert_eq!(seqs, vec![4, 5]);
-    assert_eq!(pending[0].prior_attempts, 0);
-    assert_eq!(reader.pending_items("r", Some(4), 10).unwrap().len(), 1);
+    assert_eq!(pending.items[0].prior_attempts, 0);
+    reader.release("r", "w2").unwrap();
+    let Claimed::Items(after) = reader.claim("r", "w2", Some(4), 10, LEASE).unwrap() else {
+        panic!("item 5 is free");
+    };
+    assert_eq!(after.items.len(), 1);
+    reader.release("r", "w2").unwrap();
 
     // --retry-failed puts failed items back (not invalid rows).
-    let start = store.begin_session("r", true).unwrap();
+    let start = store.begin_session("r", &mut worker("w3"), true).unwrap();
     assert_eq!(start.reset, 1);
     assert_eq!(start.session, 2);
     assert_eq!(store.counts("r").unwrap(), recount(&path, "r"));
@@ -352,28 +383,107 @@ fn a_sample_keeps_the_items_with_the_smallest_keys() {
     expected.sort();
     let mut expected: Vec<&str> = expected.into_iter().take(7).map(|(_, id)| id).collect();
     expected.sort();
-    let mut kept: Vec<String> = store
-        .pending_items("r", None, 100)
-        .unwrap()
-        .into_iter()
-        .map(|p| p.item_id)
-        .collect();
+    let Claimed::Items(claim) = store.claim("r", "w", None, 100, LEASE).unwrap() else {
+        panic!("the sample is pending");
+    };
+    let mut kept: Vec<String> = claim.items.into_iter().map(|p| p.item_id).collect();
     kept.sort();
     assert_eq!(kept, expected);
 }
 
 #[test]
-fn a_run_lock_is_exclusive_and_released_on_drop() {
+fn a_claim_is_exclusive_while_its_lease_lasts_and_a_commit_under_a_lost_lease_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("s.db");
     let mut first = SqliteStore::open(&path).unwrap();
     let mut second = SqliteStore::open(&path).unwrap();
-    let guard = first.lock_run("r").unwrap();
-    assert!(matches!(second.lock_run("r"), Err(StoreError::RunBusy(_))));
-    assert!(second.is_run_active("r").unwrap());
-    drop(guard);
-    assert!(!second.is_run_active("r").unwrap());
-    assert!(second.lock_run("r").is_ok());
+    first
+        .create_run(&new_run("r"), &mut items(&["a", "b", "c", "d"], None))
+        .unwrap();
+    first.begin_session("r", &mut worker("one"), false).unwrap();
+    second
+        .begin_session("r", &mut worker("two"), false)
+        .unwrap();
+
+    // Claims are exclusive: one takes two items, the other the next two,
+    // then nothing is left for either.
+    let Claimed::Items(a) = first.claim("r", "one", None, 2, LEASE).unwrap() else {
+        panic!("items are pending");
+    };
+    let Claimed::Items(b) = second.claim("r", "two", None, 10, LEASE).unwrap() else {
+        panic!("items are pending");
+    };
+    let seqs = |c: &evalfleet_core::store::Claim| c.items.iter().map(|i| i.seq).collect::<Vec<_>>();
+    assert_eq!((seqs(&a), seqs(&b)), (vec![1, 2], vec![3, 4]));
+    assert_eq!(
+        second.claim("r", "two", None, 10, LEASE).unwrap(),
+        Claimed::HeldByOthers
+    );
+    assert_eq!(
+        first.claim("r", "one", Some(2), 10, LEASE).unwrap(),
+        Claimed::HeldByOthers
+    );
+
+    // A claim whose lease has run out is claimed again by another, and
+    // its old holder's commit is refused: only one result per item.
+    assert_eq!(second.renew("r", "two", Duration::ZERO).unwrap(), 1);
+    let Claimed::Items(taken) = first.claim("r", "one", None, 10, LEASE).unwrap() else {
+        panic!("the expired claim's items are free");
+    };
+    assert_eq!(seqs(&taken), vec![3, 4]);
+    let late = Batch {
+        attempts: vec![(b.id, attempt(3, 1))],
+        results: vec![(b.id, result(3, "c", ItemStatus::Done))],
+        cache: vec![],
+    };
+    let refused = second.commit("r", "two", &late).unwrap();
+    assert_eq!((refused.results, refused.refused), (0, vec![3]));
+    let on_time = Batch {
+        attempts: vec![(taken.id, attempt(3, 1))],
+        results: vec![
+            (a.id, result(1, "a", ItemStatus::Done)),
+            (taken.id, result(3, "c", ItemStatus::Done)),
+        ],
+        cache: vec![],
+    };
+    assert_eq!(first.commit("r", "one", &on_time).unwrap().results, 2);
+    assert_eq!(first.counts("r").unwrap(), recount(&path, "r"));
+    assert_eq!(first.counts("r").unwrap().done, 2);
+
+    // Releasing frees a worker's items at once.
+    assert_eq!(
+        second.claim("r", "two", None, 10, LEASE).unwrap(),
+        Claimed::HeldByOthers
+    );
+    first.release("r", "one").unwrap();
+    let Claimed::Items(rest) = second.claim("r", "two", None, 10, LEASE).unwrap() else {
+        panic!("released items are free");
+    };
+    assert_eq!(seqs(&rest), vec![2, 4]);
+    assert_eq!(
+        second
+            .workers("r")
+            .unwrap()
+            .iter()
+            .map(|w| w.worker.as_str())
+            .collect::<Vec<_>>(),
+        ["two"],
+        "a released worker is no longer registered"
+    );
+    let last = Batch {
+        attempts: vec![],
+        results: vec![
+            (rest.id, result(2, "b", ItemStatus::Done)),
+            (rest.id, result(4, "d", ItemStatus::Failed)),
+        ],
+        cache: vec![],
+    };
+    assert_eq!(second.commit("r", "two", &last).unwrap().results, 2);
+    assert_eq!(
+        second.claim("r", "two", None, 10, LEASE).unwrap(),
+        Claimed::Nothing
+    );
+    assert_eq!(second.counts("r").unwrap(), recount(&path, "r"));
 }
 
 #[test]
@@ -384,13 +494,15 @@ fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
     store
         .create_run(&new_run("r"), &mut items(&["a", "b"], None))
         .unwrap();
-    store.begin_session("r", false).unwrap();
+    store.begin_session("r", &mut worker("w"), false).unwrap();
+    let claim = claim_all(&mut store, "r", "w");
     store
         .commit(
             "r",
+            "w",
             &Batch {
-                attempts: vec![attempt(1, 1)],
-                results: vec![result(1, "a", ItemStatus::Done)],
+                attempts: vec![(claim, attempt(1, 1))],
+                results: vec![(claim, result(1, "a", ItemStatus::Done))],
                 cache: vec![],
             },
         )
@@ -399,7 +511,9 @@ fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
     // Back to schema 1: what earlier versions of evalfleet wrote.
     let conn = rusqlite::Connection::open(&path).unwrap();
     conn.execute_batch(
-        "DROP TABLE cache;
+        "DROP TABLE claims;
+         DROP TABLE workers;
+         DROP TABLE cache;
          ALTER TABLE results DROP COLUMN parsed;
          ALTER TABLE results DROP COLUMN verdict;
          ALTER TABLE results DROP COLUMN check_error;
@@ -435,12 +549,14 @@ fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
         0,
         "the cache table exists"
     );
+    let claim = claim_all(&mut store, "r", "w");
     store
         .commit(
             "r",
+            "w",
             &Batch {
                 attempts: vec![],
-                results: vec![result(2, "b", ItemStatus::Done)],
+                results: vec![(claim, result(2, "b", ItemStatus::Done))],
                 cache: vec![cache_entry("k", 1)],
             },
         )
@@ -457,5 +573,5 @@ fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
     let version: i64 = conn
         .query_row("PRAGMA user_version", [], |r| r.get(0))
         .unwrap();
-    assert_eq!(version, 3);
+    assert_eq!(version as usize, evalfleet_store::SQLITE_SCHEMA_VERSION);
 }

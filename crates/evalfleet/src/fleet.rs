@@ -3,7 +3,6 @@
 
 use std::future::Future;
 use std::io::{IsTerminal, Write};
-use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -50,16 +49,12 @@ pub fn active(config: &Config, names: &[String]) -> Result<Option<Vec<String>>, 
 
 pub fn options(
     config: &Config,
-    store: &Path,
+    store: &evalfleet_store::Location,
     run_id: &str,
     active: Option<Vec<String>>,
     gpu_policy: GpuPolicy,
 ) -> anyhow::Result<FleetOptions> {
-    let log_dir = store
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."))
-        .join(run_id);
+    let log_dir = store.dir().join(run_id);
     Ok(FleetOptions {
         launcher: Launcher {
             program: std::env::current_exe()?,

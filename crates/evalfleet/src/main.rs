@@ -50,7 +50,9 @@ fn is_bad_input(err: &anyhow::Error) -> bool {
             )
             || matches!(
                 cause.downcast_ref::<StoreError>(),
-                Some(StoreError::NoSuchRun(_) | StoreError::NoStore(_) | StoreError::RunBusy(_))
+                Some(
+                    StoreError::NoSuchRun(_) | StoreError::NoStore(_) | StoreError::BadLocation(_)
+                )
             )
     })
 }

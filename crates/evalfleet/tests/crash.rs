@@ -1,7 +1,7 @@
 //! The process is killed or interrupted at any moment; a resume finishes the
 //! run with every item exactly once.
 
-use evalfleet_core::store::Store;
+use evalfleet_core::store::prelude::*;
 use evalfleet_core::types::RunStatus;
 use evalfleet_mock::MockSettings;
 use tokio::io::AsyncBufReadExt;

@@ -1,7 +1,7 @@
 //! Endpoints that misbehave: 5xx bursts, 429 with Retry-After, hangs past
 //! the attempt timeout, truncated streams, and errors that never stop.
 
-use evalfleet_core::store::Store;
+use evalfleet_core::store::prelude::*;
 use evalfleet_mock::MockSettings;
 
 use crate::util::{Env, NO_HEALTH, by_id, config, external, external_with, mock, ms};

@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use evalfleet_core::store::Store;
+use evalfleet_core::store::prelude::*;
 use evalfleet_mock::MockSettings;
 use serde_json::Value;
 use tokio::process::{Child, Command};

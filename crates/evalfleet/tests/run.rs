@@ -135,7 +135,7 @@ async fn status_summarises_a_run_while_it_runs_and_after() {
         store_path.exists()
             && evalfleet_store::SqliteStore::open_existing(&store_path)
                 .ok()
-                .and_then(|mut s| evalfleet_core::store::Store::counts(&mut s, "watched").ok())
+                .and_then(|mut s| evalfleet_core::store::Runs::counts(&mut s, "watched").ok())
                 .is_some_and(|c| c.done > 0)
     })
     .await;

@@ -12,3 +12,4 @@ mod input;
 mod run;
 mod trust;
 mod util;
+mod workers;

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 use std::time::Duration;
 
-use evalfleet_core::store::Store;
+use evalfleet_core::store::prelude::*;
 use evalfleet_core::types::StateCounts;
 use evalfleet_mock::{MockServer, MockSettings};
 use evalfleet_store::SqliteStore;

@@ -164,6 +164,11 @@ pub struct Timeouts {
     /// unhealthy, or none taking part) before it stops, interrupted and
     /// resumable. Default `10m`.
     pub no_endpoint: Duration,
+    /// How long a worker's claim on items lasts unless renewed (it renews
+    /// every third of it while it lives). When a worker dies on another
+    /// host, its items go to the run's other workers after this; one on
+    /// this host that dies frees them at once. Default `30s`.
+    pub lease: Duration,
 }
 
 /// `writer:` how results are committed.

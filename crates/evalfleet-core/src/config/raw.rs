@@ -102,6 +102,7 @@ pub struct RawTimeouts {
     pub attempt: Option<String>,
     pub item: Option<String>,
     pub no_endpoint: Option<String>,
+    pub lease: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

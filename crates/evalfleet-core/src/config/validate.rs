@@ -639,10 +639,23 @@ fn timeouts(raw: RawTimeouts, p: &mut Problems<'_>) -> Option<Timeouts> {
     let attempt = p.duration("timeouts.attempt", raw.attempt.as_deref(), "300s");
     let item = p.duration("timeouts.item", raw.item.as_deref(), "1h");
     let no_endpoint = p.duration("timeouts.no_endpoint", raw.no_endpoint.as_deref(), "10m");
+    let lease = match p.duration("timeouts.lease", raw.lease.as_deref(), "30s") {
+        Some(lease) if lease < std::time::Duration::from_millis(300) => {
+            return p.push(
+                "timeouts.lease",
+                format!(
+                    "must be at least 300ms (a worker renews it a third of the way), got {}",
+                    humantime::format_duration(lease)
+                ),
+            );
+        }
+        other => other,
+    };
     Some(Timeouts {
         attempt: attempt?,
         item: item?,
         no_endpoint: no_endpoint?,
+        lease: lease?,
     })
 }
 

@@ -28,7 +28,7 @@ use crate::client::{ChatClient, http_client};
 use crate::config::{Config, EndpointConfig, EndpointKind, Engine, MockSettings};
 use evalfleet_types::{Event, EventKind, FleetAction, FleetChange, now_ms};
 
-use crate::store::{Store, StoreError};
+use crate::store::Store;
 
 /// Keeps an in-process mock alive while held.
 pub type MockGuard = Box<dyn Send + Sync>;
@@ -781,6 +781,8 @@ async fn housekeep(
     let mut limits: HashMap<String, usize> = HashMap::new();
     let mut ticks: u64 = 0;
     let mut unavailable_since: Option<Instant> = None;
+    // The last fleet change seen (`None` before the first look).
+    let mut mailbox: Option<i64> = None;
     loop {
         let stopping = tokio::select! {
             _ = tick.tick() => false,
@@ -818,27 +820,27 @@ async fn housekeep(
             return;
         };
         let id = run_id.clone();
+        let after = mailbox;
         let result = tokio::task::spawn_blocking(move || {
-            let mut outcome: Result<Vec<FleetChange>, StoreError> = Ok(Vec::new());
-            for event in &pending {
-                if let Err(err) = owned.add_event(
-                    &id,
-                    &Event {
-                        at_ms: event.at_ms,
-                        kind: event.kind,
-                        endpoint: Some(event.endpoint.clone()),
-                        message: event.message.clone(),
-                    },
-                ) {
-                    outcome = Err(err);
-                }
-            }
-            if let Err(err) = owned.put_endpoint_states(&id, &snapshots) {
-                outcome = Err(err);
-            }
-            if outcome.is_ok() {
-                outcome = owned.take_fleet_changes(&id);
-            }
+            let events: Vec<Event> = pending
+                .iter()
+                .map(|event| Event {
+                    at_ms: event.at_ms,
+                    kind: event.kind,
+                    endpoint: Some(event.endpoint.clone()),
+                    message: event.message.clone(),
+                })
+                .collect();
+            let outcome = owned
+                .add_events(&id, &events)
+                .and_then(|()| owned.put_endpoint_states(&id, &snapshots))
+                .and_then(|()| owned.fleet_changes(&id, after.unwrap_or(0)))
+                .map(|changes| {
+                    let seen = changes.last().map_or(after.unwrap_or(0), |c| c.id);
+                    // The first look only learns where the mailbox is:
+                    // changes posted before this session are not for it.
+                    (seen, if after.is_some() { changes } else { Vec::new() })
+                });
             (owned, outcome)
         })
         .await;
@@ -846,7 +848,10 @@ async fn housekeep(
             Ok((owned, outcome)) => {
                 store = Some(owned);
                 match outcome {
-                    Ok(changes) => changes,
+                    Ok((seen, changes)) => {
+                        mailbox = Some(seen);
+                        changes
+                    }
                     Err(err) => {
                         tracing::warn!("Cannot store the fleet's state: {err}.");
                         Vec::new()

@@ -97,8 +97,8 @@ pub struct Session {
     pub endpoints: Vec<Arc<Endpoint>>,
     /// The fleet, to report health changes and learn when it is exhausted.
     pub fleet: FleetHandle,
-    /// Pending items when the session began.
-    pub pending: u64,
+    /// This worker's id in the store.
+    pub worker: Arc<str>,
     /// Where the code judge makes its sandbox directories (not under /tmp,
     /// which the sandbox replaces).
     pub sandbox_dir: std::path::PathBuf,
@@ -207,8 +207,6 @@ pub fn code_outcome(
 pub struct SessionEnd {
     /// The store, back from the writer with everything committed.
     pub store: Box<dyn Store>,
-    /// Items still pending.
-    pub remaining: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -264,6 +262,12 @@ struct Shared {
 impl Shared {
     fn ended(&self, status: ItemStatus) {
         self.progress.ended(status);
+        self.release_one();
+    }
+
+    /// One item (or the reader's hold) is no longer outstanding; when none
+    /// is, the session is over.
+    fn release_one(&self) {
         if self.outstanding.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.halt.cancel();
         }
@@ -340,7 +344,11 @@ pub async fn execute(
         let task = writer::run(
             writer_rx,
             writer_store,
-            run_id.clone(),
+            writer::Worker {
+                run_id: run_id.clone(),
+                worker: session.worker.clone(),
+                lease: config.timeouts.lease,
+            },
             config.writer,
             progress.clone(),
         );
@@ -397,18 +405,22 @@ pub async fn execute(
         halt: halt.clone(),
         abort: abort.clone(),
         tracker: TaskTracker::new(),
-        outstanding: AtomicU64::new(session.pending),
+        // The reader holds one until it has claimed its last item.
+        outstanding: AtomicU64::new(1),
         progress: progress.clone(),
         fleet: session.fleet.clone(),
     });
-    if session.pending == 0 {
-        halt.cancel();
-    }
 
     let reader_task = {
         let ended = shared.clone();
+        let claimed = shared.clone();
         let reader = Reader {
             store: reader_store,
+            worker: session.worker.clone(),
+            lease: config.timeouts.lease,
+            on_claimed: Arc::new(move |n| {
+                claimed.outstanding.fetch_add(n, Ordering::AcqRel);
+            }),
             rows,
             run_id: run_id.clone(),
             templates: session.templates.clone(),
@@ -425,12 +437,14 @@ pub async fn execute(
             abort: abort.clone(),
         };
         let runtime = tokio::runtime::Handle::current();
-        let halt = halt.clone();
+        let (halt, done) = (halt.clone(), shared.clone());
         tokio::task::spawn_blocking(move || {
             let result = reader.run(runtime);
             if result.is_err() {
                 halt.cancel();
             }
+            // Nothing more to claim: the session ends with its last item.
+            done.release_one();
             result
         })
     };
@@ -472,13 +486,12 @@ pub async fn execute(
     let reader_result = reader_task
         .await
         .map_err(|err| PipelineError::Internal(format!("the reader failed: {err}")))?;
-    let remaining = shared.outstanding.load(Ordering::Acquire);
     drop(shared);
     let store = writer_task
         .await
         .map_err(|err| PipelineError::Internal(format!("the writer failed: {err}")))??;
     reader_result?;
-    Ok(SessionEnd { store, remaining })
+    Ok(SessionEnd { store })
 }
 
 /// One endpoint's dispatcher: while the endpoint takes items, each free slot
@@ -576,6 +589,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
         permit,
         cost,
     } = call;
+    let claim = item.claim;
     let counters = endpoint.counters.clone();
     counters.in_flight.fetch_add(1, Ordering::Relaxed);
     counters.attempts.fetch_add(1, Ordering::Relaxed);
@@ -632,6 +646,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
             };
             if shared
                 .send(Outcome {
+                    claim,
                     attempt: Some(record),
                     result: None,
                     cache: None,
@@ -763,6 +778,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
             }
             if shared
                 .send(Outcome {
+                    claim,
                     attempt: Some(record),
                     result: Some(done),
                     cache,
@@ -799,6 +815,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
             tracing::debug!(error = %err, "Retrying in {wait:?}.");
             let sent = shared
                 .send(Outcome {
+                    claim,
                     attempt: Some(record),
                     result: None,
                     cache: None,
@@ -822,6 +839,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: WorkItem) {
     let failed = result_record(item, ItemStatus::Failed, None, Some(reason));
     if shared
         .send(Outcome {
+            claim,
             attempt: Some(record),
             result: Some(failed),
             cache: None,
@@ -915,6 +933,7 @@ async fn judge(
     request: JudgeRequest,
     eval: &Evaluator,
 ) -> Option<Score> {
+    let claim = item.claim;
     let messages = match request.messages {
         Ok(messages) => messages,
         Err(error) => return Some(Score::error(error)),
@@ -978,6 +997,7 @@ async fn judge(
                 });
                 if !shared
                     .send(Outcome {
+                        claim,
                         attempt: Some(record),
                         result: None,
                         cache,
@@ -991,6 +1011,7 @@ async fn judge(
             Err(err) => {
                 if !shared
                     .send(Outcome {
+                        claim,
                         attempt: Some(record),
                         result: None,
                         cache: None,
@@ -1027,6 +1048,7 @@ async fn reask(
     checked: &Checked,
     cache: Option<CacheEntry>,
 ) {
+    let claim = item.claim;
     record.error_class = Some(ErrorClass::InvalidAnswer);
     record.error = Some(checked.reask_note());
     let Some(raw) = eval.reask_messages(&item.messages, &answer, checked) else {
@@ -1038,6 +1060,7 @@ async fn reask(
     item.excused += 1;
     let sent = shared
         .send(Outcome {
+            claim,
             attempt: Some(record),
             result: None,
             cache,

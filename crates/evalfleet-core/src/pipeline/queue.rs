@@ -7,9 +7,13 @@ use tokio::sync::{Mutex, mpsc};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::store::ClaimId;
+
 /// An item on its way through the pipeline.
 #[derive(Debug)]
 pub struct WorkItem {
+    /// The claim the item was handed out under: what it commits under.
+    pub claim: ClaimId,
     pub item_id: String,
     pub seq: u64,
     /// The rendered chat messages, as JSON.

@@ -14,13 +14,17 @@ use super::queue::WorkItem;
 use super::writer::{Message, Outcome};
 use crate::dataset::{DatasetError, RowReader};
 use crate::eval::Evaluator;
-use crate::store::{Store, StoreError};
+use crate::store::{ClaimId, Claimed, PendingItem, Store, StoreError};
 use crate::template::Templates;
 use evalfleet_types::{
     Assessment, AttemptRecord, CacheEntry, ErrorClass, ItemStatus, ResultRecord, Telemetry, now_ms,
 };
 
 const PAGE: usize = 512;
+
+/// How often a worker with nothing to claim looks again while others hold
+/// the run's last items.
+const OTHERS_POLL: std::time::Duration = std::time::Duration::from_millis(500);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReaderError {
@@ -32,6 +36,11 @@ pub enum ReaderError {
 
 pub struct Reader {
     pub store: Box<dyn Store>,
+    /// The worker it claims items for, and for how long.
+    pub worker: Arc<str>,
+    pub lease: std::time::Duration,
+    /// Counts claimed items as outstanding (before they are queued).
+    pub on_claimed: Arc<dyn Fn(u64) + Send + Sync>,
     pub rows: RowReader,
     pub run_id: Arc<str>,
     pub templates: Arc<Templates>,
@@ -147,6 +156,7 @@ impl Reader {
                 }
                 item.reasks += 1;
                 self.hits.push(Outcome {
+                    claim: item.claim,
                     attempt: Some(attempt),
                     result: None,
                     cache: None,
@@ -178,6 +188,7 @@ impl Reader {
                             // judged).
                             None => {
                                 self.hits.push(Outcome {
+                                    claim: item.claim,
                                     attempt: Some(attempt),
                                     result: None,
                                     cache: None,
@@ -203,8 +214,10 @@ impl Reader {
                     ..Assessment::default()
                 },
             };
+            let claim = item.claim;
             let result = cached_result(item, hit, judged);
             self.hits.push(Outcome {
+                claim,
                 attempt: Some(attempt),
                 result: Some(result),
                 cache: None,
@@ -256,6 +269,7 @@ impl Reader {
                 () = abort.cancelled() => return,
             };
             let outcome = Outcome {
+                claim: item.claim,
                 attempt: Some(attempt),
                 result: Some(cached_result(item, hit, judged)),
                 cache: None,
@@ -285,76 +299,110 @@ impl Reader {
         true
     }
 
-    /// Reads until every pending item was queued or `halt` is cancelled.
+    /// Claims and queues items until no pending item is left to claim or
+    /// `halt` is cancelled. While other workers hold every pending item it
+    /// waits for them, claiming what their leases leave behind.
     pub fn run(mut self, runtime: Handle) -> Result<(), ReaderError> {
         let mut after = None;
         loop {
             if !self.flush_hits() || self.halt.is_cancelled() {
                 return Ok(());
             }
-            let page = self.store.pending_items(&self.run_id, after, PAGE)?;
-            let Some(last) = page.last() else {
-                return Ok(());
-            };
-            after = Some(last.seq);
-            for pending in page {
-                // With `task.n` > 1 an item is `ROW#k`: sample k of row ROW.
-                let (row_id, sample) = match crate::dataset::split_sample_id(&pending.item_id) {
-                    Some((row, k)) if self.samples > 1 => (row, k),
-                    _ => (pending.item_id.as_str(), 0),
-                };
-                let (row, item_json) =
-                    self.rows
-                        .read_with_json(pending.offset, pending.line, row_id)?;
-                let delivered = match self.templates.render_json(&row) {
-                    Ok(messages) => {
-                        let item = WorkItem {
-                            sample,
-                            item_id: pending.item_id,
-                            seq: pending.seq,
-                            messages,
-                            item_json,
-                            prior_attempts: pending.prior_attempts,
-                            attempts: 0,
-                            excused: 0,
-                            reasks: 0,
-                            first_sent: None,
-                        };
-                        match self.answer_from_cache(item, &runtime)? {
-                            // The attempts of a partly cached conversation
-                            // are stored before the item goes on.
-                            Cached::Go(item) => self.flush_hits() && self.deliver(item, &runtime),
-                            Cached::Done | Cached::Judging => true,
+            let claim =
+                match self
+                    .store
+                    .claim(&self.run_id, &self.worker, after, PAGE, self.lease)?
+                {
+                    Claimed::Items(claim) => claim,
+                    Claimed::Nothing => return Ok(()),
+                    Claimed::HeldByOthers => {
+                        // Workers whose process is gone free their items now.
+                        crate::worker::release_dead(&mut *self.store, &self.run_id)?;
+                        let waited = runtime.block_on(async {
+                            tokio::select! {
+                                () = tokio::time::sleep(OTHERS_POLL) => true,
+                                () = self.halt.cancelled() => false,
+                            }
+                        });
+                        if !waited {
+                            return Ok(());
                         }
-                    }
-                    Err(message) => {
-                        let result = ResultRecord {
-                            seq: pending.seq,
-                            item_id: pending.item_id,
-                            status: ItemStatus::Failed,
-                            output: None,
-                            error: Some(format!("template: {message}")),
-                            telemetry: None,
-                            attempts: pending.prior_attempts,
-                            item: Some(item_json),
-                            finished_at_ms: now_ms(),
-                            assessment: Assessment::default(),
-                        };
-                        let sent = runtime.block_on(self.writer.send(Message::One(Outcome {
-                            attempt: None,
-                            result: Some(result),
-                            cache: None,
-                        })));
-                        if sent.is_ok() {
-                            (self.on_terminal)(ItemStatus::Failed);
-                        }
-                        sent.is_ok()
+                        after = None;
+                        continue;
                     }
                 };
-                if !delivered {
+            after = claim.items.last().map(|p| p.seq);
+            (self.on_claimed)(claim.items.len() as u64);
+            for pending in claim.items {
+                if !self.take(claim.id, pending, &runtime)? {
                     self.flush_hits();
                     return Ok(());
                 }
+            }
+        }
+    }
+
+    /// Reads one claimed item's row, renders its messages, and answers it
+    /// from the cache or queues it. `false`: stop reading.
+    fn take(
+        &mut self,
+        claim: ClaimId,
+        pending: PendingItem,
+        runtime: &Handle,
+    ) -> Result<bool, ReaderError> {
+        // With `task.n` > 1 an item is `ROW#k`: sample k of row ROW.
+        let (row_id, sample) = match crate::dataset::split_sample_id(&pending.item_id) {
+            Some((row, k)) if self.samples > 1 => (row, k),
+            _ => (pending.item_id.as_str(), 0),
+        };
+        let (row, item_json) = self
+            .rows
+            .read_with_json(pending.offset, pending.line, row_id)?;
+        match self.templates.render_json(&row) {
+            Ok(messages) => {
+                let item = WorkItem {
+                    claim,
+                    sample,
+                    item_id: pending.item_id,
+                    seq: pending.seq,
+                    messages,
+                    item_json,
+                    prior_attempts: pending.prior_attempts,
+                    attempts: 0,
+                    excused: 0,
+                    reasks: 0,
+                    first_sent: None,
+                };
+                Ok(match self.answer_from_cache(item, runtime)? {
+                    // The attempts of a partly cached conversation are
+                    // stored before the item goes on.
+                    Cached::Go(item) => self.flush_hits() && self.deliver(item, runtime),
+                    Cached::Done | Cached::Judging => true,
+                })
+            }
+            Err(message) => {
+                let result = ResultRecord {
+                    seq: pending.seq,
+                    item_id: pending.item_id,
+                    status: ItemStatus::Failed,
+                    output: None,
+                    error: Some(format!("template: {message}")),
+                    telemetry: None,
+                    attempts: pending.prior_attempts,
+                    item: Some(item_json),
+                    finished_at_ms: now_ms(),
+                    assessment: Assessment::default(),
+                };
+                let sent = runtime.block_on(self.writer.send(Message::One(Outcome {
+                    claim,
+                    attempt: None,
+                    result: Some(result),
+                    cache: None,
+                })));
+                if sent.is_ok() {
+                    (self.on_terminal)(ItemStatus::Failed);
+                }
+                Ok(sent.is_ok())
             }
         }
     }

@@ -10,13 +10,15 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+use std::time::Duration;
+
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio::time::{Instant, sleep_until};
 
 use super::Progress;
 use crate::config::WriterSettings;
-use crate::store::{Batch, Store, StoreError};
+use crate::store::{Batch, ClaimId, Store, StoreError};
 use evalfleet_types::{AttemptRecord, CacheEntry, ResultRecord};
 
 /// How many batches' worth may wait while a commit is in flight.
@@ -25,6 +27,8 @@ const GROUP_LIMIT: usize = 16;
 /// What an attempt task hands to the writer.
 #[derive(Debug)]
 pub struct Outcome {
+    /// The claim its item was handed out under.
+    pub claim: ClaimId,
     pub attempt: Option<AttemptRecord>,
     pub result: Option<ResultRecord>,
     /// A successful answer for the cache.
@@ -44,33 +48,62 @@ pub enum Message {
 }
 
 fn add(batch: &mut Batch, outcome: Outcome) {
-    batch.attempts.extend(outcome.attempt);
-    batch.results.extend(outcome.result);
+    let claim = outcome.claim;
+    batch.attempts.extend(outcome.attempt.map(|a| (claim, a)));
+    batch.results.extend(outcome.result.map(|r| (claim, r)));
     batch.cache.extend(outcome.cache);
 }
 
-type Committed = (Box<dyn Store>, Result<u64, StoreError>);
+/// What a blocking store task gives back: the store, and how many results
+/// it committed.
+type Returned = (Box<dyn Store>, Result<u64, StoreError>);
 
 fn size(batch: &Batch) -> usize {
     batch.results.len().max(batch.attempts.len())
 }
 
-/// Runs until every sender is dropped, then commits what is left and gives
-/// the store back.
+/// Whose work the writer commits, and how long its claims last.
+pub struct Worker {
+    pub run_id: Arc<str>,
+    pub worker: Arc<str>,
+    pub lease: Duration,
+}
+
+/// Runs until every sender is dropped, then commits what is left, releases
+/// the worker's claims and gives the store back. Meanwhile it renews the
+/// worker's lease every third of it.
 pub async fn run(
     mut inbox: mpsc::Receiver<Message>,
     store: Box<dyn Store>,
-    run_id: Arc<str>,
+    worker: Worker,
     settings: WriterSettings,
     progress: Arc<Progress>,
 ) -> Result<Box<dyn Store>, StoreError> {
+    let Worker {
+        run_id,
+        worker,
+        lease,
+    } = worker;
     let mut idle = Some(store);
-    let mut committing: JoinSet<Committed> = JoinSet::new();
+    let mut committing: JoinSet<Returned> = JoinSet::new();
     let mut batch = Batch::default();
     // When the oldest uncommitted entry must be committed.
     let mut due: Option<Instant> = None;
+    let renew_every = lease / 3;
+    let mut renew_at = Instant::now() + renew_every;
     let mut open = true;
     loop {
+        if renew_at <= Instant::now()
+            && let Some(mut store) = idle.take()
+        {
+            renew_at = Instant::now() + renew_every;
+            let (run_id, worker) = (run_id.clone(), worker.clone());
+            committing.spawn_blocking(move || {
+                let result = store.renew(&run_id, &worker, lease).map(|_| 0);
+                (store, result)
+            });
+            continue;
+        }
         let ready = size(&batch) >= settings.batch_size
             || due.is_some_and(|at| at <= Instant::now())
             || !open;
@@ -80,11 +113,17 @@ pub async fn run(
         {
             let batch = std::mem::take(&mut batch);
             due = None;
-            let run_id = run_id.clone();
+            let (run_id, worker) = (run_id.clone(), worker.clone());
             committing.spawn_blocking(move || {
-                let result = store
-                    .commit(&run_id, &batch)
-                    .map(|()| batch.results.len() as u64);
+                let result = store.commit(&run_id, &worker, &batch).map(|committed| {
+                    if !committed.refused.is_empty() {
+                        tracing::warn!(
+                            "{} items were refused: this worker's lease on them ran out, so another worker answers them.",
+                            committed.refused.len()
+                        );
+                    }
+                    committed.results
+                });
                 (store, result)
             });
             continue;
@@ -111,7 +150,19 @@ pub async fn run(
                 progress.committed.fetch_add(result?, Ordering::Relaxed);
             }
             () = sleep_until(due.unwrap_or_else(Instant::now)), if due.is_some() && idle.is_some() => {}
+            () = sleep_until(renew_at), if idle.is_some() => {}
         }
     }
-    idle.ok_or_else(|| StoreError::Invariant("the writer lost its store".to_owned()))
+    let mut store =
+        idle.ok_or_else(|| StoreError::Invariant("the writer lost its store".to_owned()))?;
+    committing.spawn_blocking(move || {
+        let result = store.release(&run_id, &worker).map(|()| 0);
+        (store, result)
+    });
+    let joined = committing.join_next().await;
+    let (store, released) = joined
+        .ok_or_else(|| StoreError::Invariant("the writer lost its store".to_owned()))?
+        .map_err(|err| StoreError::Invariant(format!("the writer's release failed: {err}")))?;
+    released?;
+    Ok(store)
 }

@@ -10,17 +10,17 @@ use anyhow::Context;
 use evalfleet_core::store::{EndpointStates, ExportRow, RunRecord, Store};
 use evalfleet_core::summary::{self, EndpointSummary, Percentiles};
 use evalfleet_core::types::{ErrorClass, FleetAction, FleetChange, RunStatus, StateCounts};
-use evalfleet_store::SqliteStore;
+use evalfleet_core::worker;
 use serde_json::{Value, json};
 
-use super::{store_path, timestamp};
+use super::{open_existing, timestamp};
 use crate::cli::{ExportArgs, ExportFormat, FleetArgs, StatusArgs, StoreArgs};
 use crate::{EXIT_OK, UsageError};
 
 /// What a stored status means now: a `running` run whose process is gone
 /// crashed or was killed.
-fn status_text(store: &mut SqliteStore, run: &RunRecord) -> anyhow::Result<(String, bool)> {
-    let active = store.is_run_active(&run.run_id)?;
+fn status_text(store: &mut dyn Store, run: &RunRecord) -> anyhow::Result<(String, bool)> {
+    let active = !worker::live_workers(store, &run.run_id)?.is_empty();
     let text = match (run.status, active) {
         (RunStatus::Running, false) => {
             "stopped (its process ended without finishing: resume it)".to_owned()
@@ -31,11 +31,10 @@ fn status_text(store: &mut SqliteStore, run: &RunRecord) -> anyhow::Result<(Stri
 }
 
 pub fn runs(args: StoreArgs) -> anyhow::Result<u8> {
-    let path = store_path(args.store, None);
-    let mut store = SqliteStore::open_existing(&path)?;
+    let (location, mut store) = open_existing(args.store)?;
     let runs = store.runs()?;
     if runs.is_empty() {
-        eprintln!("No runs in {}.", path.display());
+        eprintln!("No runs in {location}.");
         return Ok(EXIT_OK);
     }
     let mut rows = vec![[
@@ -49,7 +48,7 @@ pub fn runs(args: StoreArgs) -> anyhow::Result<u8> {
     ]];
     for run in &runs {
         let counts = store.counts(&run.run_id)?;
-        let (status, _) = status_text(&mut store, run)?;
+        let (status, _) = status_text(&mut *store, run)?;
         let status = status.split(' ').next().unwrap_or_default().to_owned();
         rows.push([
             run.run_id.clone(),
@@ -91,12 +90,11 @@ pub(crate) fn percentiles(p: &Option<Percentiles>) -> String {
 }
 
 pub fn status(args: StatusArgs) -> anyhow::Result<u8> {
-    let path = store_path(args.store.store, None);
-    let mut store = SqliteStore::open_existing(&path)?;
+    let (_, mut store) = open_existing(args.store.store)?;
     let run = store.run(&args.run_id)?;
     let counts = store.counts(&args.run_id)?;
-    let (status, active) = status_text(&mut store, &run)?;
-    let endpoints = summary::endpoints(&mut store, &args.run_id)?;
+    let (status, active) = status_text(&mut *store, &run)?;
+    let endpoints = summary::endpoints(&mut *store, &args.run_id)?;
     let states = store.endpoint_states(&args.run_id)?;
     let events = store.events(&args.run_id)?;
     if args.json {
@@ -253,8 +251,7 @@ pub fn fleet(args: FleetArgs) -> anyhow::Result<u8> {
         crate::cli::FleetAction::Add(target) => (FleetAction::Add, target),
         crate::cli::FleetAction::Remove(target) => (FleetAction::Remove, target),
     };
-    let path = store_path(target.store.store, None);
-    let mut store = SqliteStore::open_existing(&path)?;
+    let (_, mut store) = open_existing(target.store.store)?;
     let run = store.run(&target.run_id)?;
     let configured: Vec<String> = run
         .config
@@ -275,7 +272,7 @@ pub fn fleet(args: FleetArgs) -> anyhow::Result<u8> {
         ))
         .into());
     }
-    if !store.is_run_active(&target.run_id)? {
+    if worker::live_workers(&mut *store, &target.run_id)?.is_empty() {
         return Err(UsageError(format!(
             "run {} is not running; choose its endpoints when you resume it: evalfleet resume {} --endpoints ...",
             target.run_id, target.run_id
@@ -319,8 +316,7 @@ const COLUMNS: [&str; 16] = [
 ];
 
 pub fn export(args: ExportArgs) -> anyhow::Result<u8> {
-    let path = store_path(args.store.store.clone(), None);
-    let mut store = SqliteStore::open_existing(&path)?;
+    let (_, mut store) = open_existing(args.store.store.clone())?;
     store.run(&args.run_id)?;
     match &args.output {
         Some(file) => {
@@ -329,7 +325,7 @@ pub fn export(args: ExportArgs) -> anyhow::Result<u8> {
                 .with_context(|| format!("cannot create {}", tmp.display()))
                 .and_then(|f| {
                     let mut writer = BufWriter::new(f);
-                    write_export(&mut store, &args, &mut writer)?;
+                    write_export(&mut *store, &args, &mut writer)?;
                     writer.flush()?;
                     writer.get_ref().sync_all()?;
                     Ok(())
@@ -345,7 +341,7 @@ pub fn export(args: ExportArgs) -> anyhow::Result<u8> {
         }
         None => {
             let mut writer = BufWriter::new(io::stdout().lock());
-            write_export(&mut store, &args, &mut writer)?;
+            write_export(&mut *store, &args, &mut writer)?;
             writer.flush()?;
         }
     }
@@ -359,7 +355,7 @@ fn temp_path(file: &Path) -> std::path::PathBuf {
 }
 
 fn write_export(
-    store: &mut SqliteStore,
+    store: &mut dyn Store,
     args: &ExportArgs,
     out: &mut dyn Write,
 ) -> anyhow::Result<()> {

@@ -11,31 +11,49 @@ pub mod supervise;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, UNIX_EPOCH};
 
+use evalfleet_core::store::prelude::*;
+use evalfleet_store::{Location, OpenOptions};
+
 use crate::UsageError;
 
 /// Where the store is when nothing says otherwise.
 pub const DEFAULT_STORE: &str = "runs/evalfleet.db";
 
 /// `--store`, else the config's `store`, else `$EVALFLEET_STORE`, else
-/// [`DEFAULT_STORE`]; all relative to the current directory.
-pub fn store_path(flag: Option<PathBuf>, config: Option<&Path>) -> PathBuf {
-    flag.or_else(|| config.map(Path::to_owned))
+/// [`DEFAULT_STORE`]: a path (relative to the current directory) or a URL.
+pub fn store_location(flag: Option<PathBuf>, config: Option<&Path>) -> anyhow::Result<Location> {
+    let chosen = flag
+        .or_else(|| config.map(Path::to_owned))
         .or_else(|| std::env::var_os("EVALFLEET_STORE").map(PathBuf::from))
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_STORE))
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_STORE));
+    Ok(Location::parse(&chosen.to_string_lossy())?)
+}
+
+/// Opens an existing store (`--store`, ...), for commands that read runs.
+pub fn open_existing(flag: Option<PathBuf>) -> anyhow::Result<(Location, Box<dyn Store>)> {
+    let location = store_location(flag, None)?;
+    let store = evalfleet_store::open(&location, &OpenOptions::default())?;
+    Ok((location, store))
 }
 
 /// Where the code judge of `name` (a run, or a run's rescoring) keeps its
 /// sandbox: `sandbox/NAME` beside the store.
-pub fn sandbox_dir(store: &Path, name: &str) -> PathBuf {
-    store
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."))
-        .join("sandbox")
-        .join(name)
+pub fn sandbox_dir(store: &Location, name: &str) -> PathBuf {
+    store.dir().join("sandbox").join(name)
 }
 
-/// Run ids name files (lock files), so they are kept to a safe alphabet.
+/// What a command must be told to find this store again: nothing for the
+/// default one.
+pub fn store_flag(store: &Location) -> String {
+    if store.is(Path::new(DEFAULT_STORE)) {
+        String::new()
+    } else {
+        format!(" --store {store}")
+    }
+}
+
+/// Run ids name files (engine logs, sandboxes, reports), so they are kept to
+/// a safe alphabet.
 pub fn validate_run_id(id: String) -> Result<String, UsageError> {
     let valid = !id.is_empty()
         && id.len() <= 120

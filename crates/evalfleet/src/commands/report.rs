@@ -13,11 +13,10 @@ use evalfleet_core::eval::{Evaluator, stats};
 use evalfleet_core::store::{RunRecord, Store, StoredResult};
 use evalfleet_core::summary::{self, EndpointSummary};
 use evalfleet_core::types::{Assessment, ItemStatus, Scores, Verdict};
-use evalfleet_store::SqliteStore;
 use serde_json::{Map, Value, json};
 
 use super::inspect::{percentiles, print_table};
-use super::store_path;
+use super::open_existing;
 use crate::cli::{CacheAction, CacheArgs, CompareArgs, ReportArgs, ScoreArgs};
 use crate::{EXIT_OK, UsageError};
 
@@ -44,10 +43,10 @@ fn evaluator(loaded: &LoadedConfig) -> anyhow::Result<Evaluator> {
 /// `evalfleet score`: parses, checks and scores the stored outputs again;
 /// with `--rejudge` (or a changed `task.code`), runs the code judge again.
 pub async fn score(args: ScoreArgs) -> anyhow::Result<u8> {
-    let path = store_path(args.store.store, None);
-    let mut store = SqliteStore::open_existing(&path)?;
+    let location = super::store_location(args.store.store, None)?;
+    let mut store = evalfleet_store::open(&location, &evalfleet_store::OpenOptions::default())?;
     let run = store.run(&args.run_id)?;
-    if store.is_run_active(&args.run_id)? {
+    if !evalfleet_core::worker::live_workers(&mut *store, &args.run_id)?.is_empty() {
         return Err(UsageError(format!(
             "run {} is running; score it when it has stopped",
             args.run_id
@@ -126,7 +125,13 @@ pub async fn score(args: ScoreArgs) -> anyhow::Result<u8> {
         })
         .collect();
     if let Some(file) = &loaded.config.cache.path {
-        store.use_cache_file(file)?;
+        store = evalfleet_store::open(
+            &location,
+            &evalfleet_store::OpenOptions {
+                create: false,
+                cache_file: Some(file.clone()),
+            },
+        )?;
     }
     let mut stored: Vec<StoredResult> = Vec::new();
     store.scan_results(&args.run_id, &mut |r: StoredResult| {
@@ -183,7 +188,7 @@ pub async fn score(args: ScoreArgs) -> anyhow::Result<u8> {
     if rejudge && let (Some(settings), Some(key)) = (&loaded.config.task.code, code_key) {
         let started = std::time::Instant::now();
         let count = programs.len();
-        let sandbox = super::sandbox_dir(&path, &format!("{}-score", args.run_id));
+        let sandbox = super::sandbox_dir(&location, &format!("{}-score", args.run_id));
         rejudge_code(settings, &key, &sandbox, programs, &mut judged).await?;
         eprintln!(
             "Judged {count} programs again in {:.1} s.",
@@ -225,7 +230,7 @@ struct Scored {
     groups: Vec<String>,
 }
 
-fn load(store: &mut SqliteStore, run_id: &str, by: &[String]) -> anyhow::Result<Scored> {
+fn load(store: &mut dyn Store, run_id: &str, by: &[String]) -> anyhow::Result<Scored> {
     let run = store.run(run_id)?;
     let loaded = stored_config(&run)?;
     let eval = evaluator(&loaded)?;
@@ -354,13 +359,12 @@ async fn rejudge_code(
 
 /// `evalfleet report`: a table in the terminal, and CSV and JSON files.
 pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
-    let path = store_path(args.store.store, None);
-    let mut store = SqliteStore::open_existing(&path)?;
-    let scored = load(&mut store, &args.run_id, &args.by)?;
+    let (location, mut store) = open_existing(args.store.store)?;
+    let scored = load(&mut *store, &args.run_id, &args.by)?;
     let metrics: Vec<_> = scored.eval.metrics().cloned().collect();
     let rows = rows(&scored);
     let summaries = aggregate::summarize(&metrics, &rows);
-    let endpoints = summary::endpoints(&mut store, &args.run_id)?;
+    let endpoints = summary::endpoints(&mut *store, &args.run_id)?;
     let fidelity = fidelity(&scored.results);
     let models: BTreeMap<String, u64> = scored.results.iter().fold(BTreeMap::new(), |mut m, r| {
         *m.entry(r.model.clone().unwrap_or_else(|| "-".to_owned()))
@@ -368,13 +372,10 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
         m
     });
 
-    let dir = args.out.clone().unwrap_or_else(|| {
-        path.parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."))
-            .join("reports")
-            .join(&args.run_id)
-    });
+    let dir = args
+        .out
+        .clone()
+        .unwrap_or_else(|| location.dir().join("reports").join(&args.run_id));
     fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     write_summary_csv(&dir.join("metrics_summary.csv"), &summaries)?;
     write_detailed_csv(&dir.join("metrics_detailed.csv"), &scored, &metrics)?;
@@ -749,12 +750,11 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<u8> {
     if args.runs.len() < 2 {
         return Err(UsageError("compare needs at least two runs".to_owned()).into());
     }
-    let path = store_path(args.store.store, None);
-    let mut store = SqliteStore::open_existing(&path)?;
+    let (_, mut store) = open_existing(args.store.store)?;
     let runs: Vec<Scored> = args
         .runs
         .iter()
-        .map(|id| load(&mut store, id, &args.by))
+        .map(|id| load(&mut *store, id, &args.by))
         .collect::<anyhow::Result<_>>()?;
     let base = &runs[0];
     let keys: Vec<evalfleet_core::eval::Metric> = base
@@ -866,15 +866,14 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<u8> {
 
 /// `evalfleet cache stats|clear`.
 pub fn cache(args: CacheArgs) -> anyhow::Result<u8> {
-    let path = store_path(args.store, None);
-    let mut store = SqliteStore::open_existing(&path)?;
+    let (location, mut store) = open_existing(args.store)?;
     match args.action {
         CacheAction::Stats { json } => {
             let stats = store.cache_stats()?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&stats)?);
             } else {
-                println!("store:    {}", path.display());
+                println!("store:    {location}");
                 println!("entries:  {}", stats.entries);
                 println!("answers:  {:.1} MB", stats.content_bytes as f64 / 1e6);
                 let when = |ms: Option<i64>| ms.map_or_else(|| "-".to_owned(), super::timestamp);
@@ -885,7 +884,7 @@ pub fn cache(args: CacheArgs) -> anyhow::Result<u8> {
         }
         CacheAction::Clear => {
             let gone = store.cache_clear()?;
-            println!("Deleted {gone} cached answers from {}.", path.display());
+            println!("Deleted {gone} cached answers from {location}.");
         }
     }
     Ok(EXIT_OK)

@@ -1,7 +1,7 @@
 //! `evalfleet run` and `evalfleet resume`.
 
 use std::hash::BuildHasher;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -9,15 +9,15 @@ use evalfleet_core::config::{self, Config, LoadedConfig, Overrides};
 use evalfleet_core::fleet::runtime::{Fleet, GpuPolicy};
 use evalfleet_core::pipeline::PipelineError;
 use evalfleet_core::run::{self, SessionPlan, SessionReport};
-use evalfleet_core::store::{RunGuard, Store};
+use evalfleet_core::store::prelude::*;
 use evalfleet_core::template::Templates;
 use evalfleet_core::types::RunStatus;
-use evalfleet_store::SqliteStore;
+use evalfleet_store::{Location, OpenOptions};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::{store_path, validate_run_id};
+use super::{store_flag, store_location, validate_run_id};
 use crate::cli::{ResumeArgs, RunArgs};
 use crate::fleet;
 use crate::ui;
@@ -37,40 +37,42 @@ pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
     let templates = Templates::compile(&loaded.config.task)?;
     let active = fleet::active(&loaded.config, &args.endpoints)?;
     let gpu_policy = fleet::check_gpus(&loaded.config, active.as_deref(), args.yes).await?;
-    let store_path = store_path(args.store, loaded.config.store.as_deref());
+    let location = store_location(args.store, loaded.config.store.as_deref())?;
     let run_id = match args.run_id {
         Some(id) => validate_run_id(id)?,
         None => new_run_id(&loaded.config.name),
     };
 
-    let existed = store_path.exists();
-    let mut store = SqliteStore::open(&store_path)?;
-    let guard = store.lock_run(&run_id)?;
+    let existed = location.exists();
+    let mut store = evalfleet_store::open(
+        &location,
+        &OpenOptions {
+            create: true,
+            ..OpenOptions::default()
+        },
+    )?;
     let created =
-        tokio::task::block_in_place(|| run::create(&mut store, &loaded, &templates, &run_id));
+        tokio::task::block_in_place(|| run::create(&mut *store, &loaded, &templates, &run_id));
     let record = match created {
         Ok(record) => record,
         Err(err) => {
-            drop(guard);
             drop(store);
             if !existed {
-                remove_store(&store_path);
+                evalfleet_store::remove(&location);
             }
             return Err(err.into());
         }
     };
     tracing::info!(
-        "Run {run_id}: {} items registered in {} ({:.1}s).",
+        "Run {run_id}: {} items registered in {location} ({:.1}s).",
         record.total,
-        store_path.display(),
         started.elapsed().as_secs_f64()
     );
     println!("{run_id}");
     let LoadedConfig { config, .. } = loaded;
     execute(Session {
-        store_path,
+        location,
         store,
-        _guard: guard,
         run_id,
         config,
         templates,
@@ -83,10 +85,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
 }
 
 pub async fn resume(args: ResumeArgs) -> anyhow::Result<u8> {
-    let store_path = store_path(args.store, None);
-    let mut store = SqliteStore::open_existing(&store_path)?;
+    let location = store_location(args.store, None)?;
+    let mut store = evalfleet_store::open(&location, &OpenOptions::default())?;
     let record = store.run(&args.run_id)?;
-    let guard = store.lock_run(&args.run_id)?;
     let loaded = match &args.config {
         Some(file) => config::load_file(file, Overrides::default())?,
         None => config::load_snapshot(&record.config, Path::new(&record.config_dir))?,
@@ -118,9 +119,8 @@ pub async fn resume(args: ResumeArgs) -> anyhow::Result<u8> {
     let active = fleet::active(&loaded.config, &args.endpoints)?;
     let gpu_policy = fleet::check_gpus(&loaded.config, active.as_deref(), args.yes).await?;
     execute(Session {
-        store_path,
+        location,
         store,
-        _guard: guard,
         run_id: args.run_id,
         config: loaded.config,
         templates,
@@ -134,10 +134,8 @@ pub async fn resume(args: ResumeArgs) -> anyhow::Result<u8> {
 
 /// Everything a session of `run` or `resume` needs.
 struct Session {
-    store_path: PathBuf,
-    store: SqliteStore,
-    /// The run's lock, held until the session ends.
-    _guard: RunGuard,
+    location: Location,
+    store: Box<dyn Store>,
     run_id: String,
     config: Config,
     templates: Templates,
@@ -149,9 +147,8 @@ struct Session {
 
 async fn execute(session: Session) -> anyhow::Result<u8> {
     let Session {
-        store_path,
+        location,
         mut store,
-        _guard,
         run_id,
         config,
         templates,
@@ -162,7 +159,7 @@ async fn execute(session: Session) -> anyhow::Result<u8> {
     } = session;
     let started = Instant::now();
     let grace = config.shutdown_grace;
-    let options = fleet::options(&config, &store_path, &run_id, active, gpu_policy)?;
+    let options = fleet::options(&config, &location, &run_id, active, gpu_policy)?;
     let mut fleet = Fleet::new(&config, options);
     let plan = SessionPlan {
         run_id: run_id.clone(),
@@ -171,19 +168,25 @@ async fn execute(session: Session) -> anyhow::Result<u8> {
         endpoints: fleet.endpoints.clone(),
         fleet: fleet.handle(),
         retry_failed,
-        sandbox_dir: super::sandbox_dir(&store_path, &run_id),
+        sandbox_dir: super::sandbox_dir(&location, &run_id),
     };
-    let prepared = run::prepare(&mut store, &plan)?;
-    let cache_file = plan
-        .config
-        .cache
-        .path
-        .clone()
-        .filter(|_| plan.config.cache.mode != evalfleet_core::cache::CacheMode::Off);
-    if let Some(file) = &cache_file {
-        store.use_cache_file(file)?;
-    }
-    fleet.start(&run_id, Box::new(SqliteStore::open(&store_path)?));
+    let prepared = run::prepare(&mut *store, &plan)?;
+    // The writer's and the reader's connections use the cache.
+    let with_cache = OpenOptions {
+        create: false,
+        cache_file: plan
+            .config
+            .cache
+            .path
+            .clone()
+            .filter(|_| plan.config.cache.mode != evalfleet_core::cache::CacheMode::Off),
+    };
+    drop(store);
+    let store = evalfleet_store::open(&location, &with_cache)?;
+    fleet.start(
+        &run_id,
+        evalfleet_store::open(&location, &OpenOptions::default())?,
+    );
     let pending_at_start =
         prepared.progress.total - prepared.progress.done_before - prepared.progress.failed_before;
     let display = ui::Display::start(
@@ -193,20 +196,11 @@ async fn execute(session: Session) -> anyhow::Result<u8> {
     );
     let stop = CancellationToken::new();
     let signals = tokio::spawn(watch_signals(stop.clone(), grace, run_id.clone()));
-    let mut reader_store = SqliteStore::open(&store_path)?;
-    if let Some(file) = &cache_file {
-        reader_store.use_cache_file(file)?;
-    }
+    let reader_store = evalfleet_store::open(&location, &with_cache)?;
     let span = tracing::info_span!("run", id = %run_id);
-    let result = run::run_session(
-        plan,
-        prepared,
-        Box::new(store),
-        Box::new(reader_store),
-        stop,
-    )
-    .instrument(span)
-    .await;
+    let result = run::run_session(plan, prepared, store, reader_store, stop)
+        .instrument(span)
+        .await;
     // The rate counts the session, not the time engines take to stop.
     let elapsed = started.elapsed();
     display.finish().await;
@@ -217,7 +211,7 @@ async fn execute(session: Session) -> anyhow::Result<u8> {
         Ok(report) => report,
         Err(err) => {
             let message = format!("stopped by an error: {err}");
-            if let Ok(mut store) = SqliteStore::open(&store_path) {
+            if let Ok(mut store) = evalfleet_store::open(&location, &OpenOptions::default()) {
                 let _ = store.set_status(&run_id, RunStatus::Interrupted, Some(&message));
             }
             return Err(match err {
@@ -230,7 +224,7 @@ async fn execute(session: Session) -> anyhow::Result<u8> {
     };
     Ok(conclude(
         &run_id,
-        &store_path,
+        &location,
         &report,
         elapsed,
         pending_at_start,
@@ -239,7 +233,7 @@ async fn execute(session: Session) -> anyhow::Result<u8> {
 
 fn conclude(
     run_id: &str,
-    store_path: &Path,
+    location: &Location,
     report: &SessionReport,
     elapsed: Duration,
     pending_at_start: u64,
@@ -247,11 +241,7 @@ fn conclude(
     let counts = report.counts;
     let answered = pending_at_start.saturating_sub(counts.pending);
     let rate = answered as f64 / elapsed.as_secs_f64().max(1e-9);
-    let store_flag = if store_path == Path::new(super::DEFAULT_STORE) {
-        String::new()
-    } else {
-        format!(" --store {}", store_path.display())
-    };
+    let store_flag = store_flag(location);
     match report.status {
         RunStatus::Finished => {
             ui::note(&format!(
@@ -336,19 +326,4 @@ fn new_run_id(name: &str) -> String {
     let (date, time) = stamp.split_at(8.min(stamp.len()));
     let noise = std::hash::RandomState::new().hash_one(SystemTime::now()) & 0xffff;
     format!("{slug}-{date}-{time}-{noise:04x}")
-}
-
-fn remove_store(path: &Path) {
-    for suffix in ["", "-wal", "-shm"] {
-        let mut file = path.as_os_str().to_owned();
-        file.push(suffix);
-        let _ = std::fs::remove_file(PathBuf::from(file));
-    }
-    let mut locks = path.as_os_str().to_owned();
-    locks.push(".locks");
-    let _ = std::fs::remove_dir_all(PathBuf::from(locks));
-    if let Some(dir) = path.parent() {
-        // Only removes the directory when it is empty (we may have made it).
-        let _ = std::fs::remove_dir(dir);
-    }
 }

@@ -1,0 +1,189 @@
+//! Events, endpoint snapshots and the fleet mailbox.
+
+use evalfleet_core::store::{EndpointStates, Events, FleetMailbox, StoreError};
+use evalfleet_types::{EndpointSnapshot, Event, EventKind, FleetAction, FleetChange, now_ms};
+use rusqlite::{TransactionBehavior, params};
+
+use super::{SqliteStore, db_err, json_err, unknown};
+
+impl Events for SqliteStore {
+    fn add_events(&mut self, run_id: &str, events: &[Event]) -> Result<(), StoreError> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let rid = self.rid(run_id)?;
+        let err = db_err("cannot record an event");
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(&err)?;
+        {
+            let mut insert = tx
+                .prepare_cached(
+                    "INSERT INTO events (rid, at, kind, endpoint, message) VALUES (?1, ?2, ?3, ?4, ?5)",
+                )
+                .map_err(&err)?;
+            for event in events {
+                insert
+                    .execute(params![
+                        rid,
+                        event.at_ms,
+                        event.kind.as_str(),
+                        event.endpoint,
+                        event.message
+                    ])
+                    .map_err(&err)?;
+            }
+        }
+        tx.commit().map_err(&err)
+    }
+
+    fn events(&mut self, run_id: &str) -> Result<Vec<Event>, StoreError> {
+        let rid = self.rid(run_id)?;
+        let mut stmt = self
+            .conn
+            .prepare(
+                "SELECT at, kind, endpoint, message FROM events WHERE rid = ?1 ORDER BY at, rowid",
+            )
+            .map_err(db_err("cannot read events"))?;
+        let rows = stmt
+            .query_map([rid], |row| {
+                Ok((
+                    row.get::<_, i64>(0)?,
+                    row.get::<_, String>(1)?,
+                    row.get::<_, Option<String>>(2)?,
+                    row.get::<_, String>(3)?,
+                ))
+            })
+            .map_err(db_err("cannot read events"))?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(db_err("cannot read events"))?;
+        rows.into_iter()
+            .map(|(at_ms, kind, endpoint, message)| {
+                Ok(Event {
+                    at_ms,
+                    kind: EventKind::parse(&kind).map_err(unknown)?,
+                    endpoint,
+                    message,
+                })
+            })
+            .collect()
+    }
+
+    fn put_endpoint_states(
+        &mut self,
+        run_id: &str,
+        states: &[EndpointSnapshot],
+    ) -> Result<(), StoreError> {
+        let rid = self.rid(run_id)?;
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(db_err("cannot store endpoint states"))?;
+        {
+            let mut upsert = tx
+                .prepare_cached(
+                    "INSERT INTO endpoint_states (rid, endpoint, snapshot, updated_at) VALUES (?1, ?2, ?3, ?4)
+                     ON CONFLICT (rid, endpoint) DO UPDATE SET snapshot = ?3, updated_at = ?4",
+                )
+                .map_err(db_err("cannot store endpoint states"))?;
+            let now = now_ms();
+            for state in states {
+                let json = serde_json::to_string(state)
+                    .map_err(json_err("cannot encode an endpoint state"))?;
+                upsert
+                    .execute(params![rid, state.endpoint, json, now])
+                    .map_err(db_err("cannot store endpoint states"))?;
+            }
+        }
+        tx.commit().map_err(db_err("cannot store endpoint states"))
+    }
+
+    fn endpoint_states(&mut self, run_id: &str) -> Result<Option<EndpointStates>, StoreError> {
+        let rid = self.rid(run_id)?;
+        let mut stmt = self
+            .conn
+            .prepare(
+                "SELECT snapshot, updated_at FROM endpoint_states WHERE rid = ?1 ORDER BY endpoint",
+            )
+            .map_err(db_err("cannot read endpoint states"))?;
+        let rows = stmt
+            .query_map([rid], |row| {
+                Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?))
+            })
+            .map_err(db_err("cannot read endpoint states"))?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(db_err("cannot read endpoint states"))?;
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        let updated_at_ms = rows.iter().map(|(_, at)| *at).max().unwrap_or(0);
+        let endpoints = rows
+            .into_iter()
+            .map(|(json, _)| {
+                serde_json::from_str(&json)
+                    .map_err(json_err("a stored endpoint state cannot be read"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Some(EndpointStates {
+            updated_at_ms,
+            endpoints,
+        }))
+    }
+}
+
+impl FleetMailbox for SqliteStore {
+    fn request_fleet_change(
+        &mut self,
+        run_id: &str,
+        change: &FleetChange,
+    ) -> Result<FleetChange, StoreError> {
+        let rid = self.rid(run_id)?;
+        self.conn
+            .execute(
+                "INSERT INTO fleet_changes (rid, at, action, endpoint) VALUES (?1, ?2, ?3, ?4)",
+                params![rid, change.at_ms, change.action.as_str(), change.endpoint],
+            )
+            .map_err(db_err("cannot record the fleet change"))?;
+        Ok(FleetChange {
+            id: self.conn.last_insert_rowid(),
+            ..change.clone()
+        })
+    }
+
+    fn fleet_changes(
+        &mut self,
+        run_id: &str,
+        after_id: i64,
+    ) -> Result<Vec<FleetChange>, StoreError> {
+        let rid = self.rid(run_id)?;
+        let err = db_err("cannot read fleet changes");
+        let rows = self
+            .conn
+            .prepare_cached(
+                "SELECT id, at, action, endpoint FROM fleet_changes WHERE rid = ?1 AND id > ?2 ORDER BY id",
+            )
+            .map_err(&err)?
+            .query_map(params![rid, after_id], |row| {
+                Ok((
+                    row.get::<_, i64>(0)?,
+                    row.get::<_, i64>(1)?,
+                    row.get::<_, String>(2)?,
+                    row.get::<_, String>(3)?,
+                ))
+            })
+            .map_err(&err)?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(&err)?;
+        rows.into_iter()
+            .map(|(id, at_ms, action, endpoint)| {
+                Ok(FleetChange {
+                    id,
+                    action: FleetAction::parse(&action).map_err(unknown)?,
+                    endpoint,
+                    at_ms,
+                })
+            })
+            .collect()
+    }
+}

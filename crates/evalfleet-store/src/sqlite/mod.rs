@@ -1,0 +1,185 @@
+//! The embedded store: one SQLite file in WAL mode. Results, item states and
+//! attempts are committed together, one transaction per batch, with
+//! `synchronous = FULL`, so a committed result survives a crash or a power
+//! loss and an uncommitted one is simply still pending.
+//!
+//! Each concern of [`evalfleet_core::store`] is implemented in a module of
+//! its own: `runs`, `queue` (claims and commits), `results`, `cache` and
+//! `events` (with the fleet mailbox).
+
+mod cache;
+mod events;
+mod queue;
+mod results;
+mod runs;
+pub mod schema;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use evalfleet_core::store::StoreError;
+use evalfleet_types::UnknownName;
+use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior};
+
+/// A SQLite store file.
+pub struct SqliteStore {
+    conn: Connection,
+    path: PathBuf,
+    rids: HashMap<String, i64>,
+    /// The database holding the cache table: `main`, or `cache_file` when
+    /// a cache file of its own is attached.
+    cache_db: &'static str,
+}
+
+pub(crate) fn db_err(context: &str) -> impl Fn(rusqlite::Error) -> StoreError + '_ {
+    move |err| StoreError::backend(context, err)
+}
+
+pub(crate) fn json_err(context: &str) -> impl Fn(serde_json::Error) -> StoreError + '_ {
+    move |err| StoreError::backend(context, err)
+}
+
+/// A stored name that this evalfleet does not know: the store was written
+/// by another version, or damaged.
+pub(crate) fn unknown(err: UnknownName) -> StoreError {
+    StoreError::Invariant(format!("the store holds an {err}"))
+}
+
+pub(crate) fn opt_u64(value: Option<u64>) -> Option<i64> {
+    value.map(|v| v as i64)
+}
+
+/// A column holding JSON text, parsed.
+pub(crate) fn json_column(text: Option<String>) -> Result<Option<serde_json::Value>, StoreError> {
+    text.map(|t| serde_json::from_str(&t).map_err(json_err("a stored value is not JSON")))
+        .transpose()
+}
+
+impl SqliteStore {
+    /// Opens the store at `path`, creating it (and its directory) when absent.
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|err| {
+                StoreError::backend(
+                    format!("cannot create the store's directory {}", dir.display()),
+                    err,
+                )
+            })?;
+        }
+        // Each connection is used by one thread at a time, so SQLite's own
+        // per-call mutex is not needed.
+        let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
+            | OpenFlags::SQLITE_OPEN_CREATE
+            | OpenFlags::SQLITE_OPEN_URI
+            | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        let conn = Connection::open_with_flags(path, flags).map_err(|err| {
+            StoreError::backend(format!("cannot open store {}", path.display()), err)
+        })?;
+        Self::init(conn, path)
+    }
+
+    /// Opens a store that must already exist.
+    pub fn open_existing(path: &Path) -> Result<Self, StoreError> {
+        if !path.is_file() {
+            return Err(StoreError::NoStore(path.to_owned()));
+        }
+        Self::open(path)
+    }
+
+    fn init(mut conn: Connection, path: &Path) -> Result<Self, StoreError> {
+        conn.busy_timeout(Duration::from_secs(30))
+            .map_err(db_err("cannot set the busy timeout"))?;
+        conn.pragma_update(None, "journal_mode", "WAL")
+            .map_err(db_err("cannot switch the store to WAL mode"))?;
+        conn.pragma_update(None, "synchronous", "FULL")
+            .map_err(db_err("cannot set synchronous mode"))?;
+        conn.pragma_update(None, "foreign_keys", "ON")
+            .map_err(db_err("cannot enable foreign keys"))?;
+        // 8 MiB of page cache per connection: batches append near the end of
+        // their tables, so the pages they touch are few and recent.
+        conn.pragma_update(None, "cache_size", -8_192)
+            .map_err(db_err("cannot set the cache size"))?;
+        migrate(&mut conn, path)?;
+        Ok(Self {
+            conn,
+            path: path.to_owned(),
+            rids: HashMap::new(),
+            cache_db: "main",
+        })
+    }
+
+    /// Keeps the cache in `path` (another store file, created when absent)
+    /// instead of this store, so that runs of several stores share it.
+    pub fn use_cache_file(&mut self, path: &Path) -> Result<(), StoreError> {
+        // Opening it as a store creates it with the cache table.
+        drop(Self::open(path)?);
+        let name = path.to_str().ok_or_else(|| StoreError::Backend {
+            message: format!("the cache file's name is not UTF-8: {}", path.display()),
+            source: None,
+        })?;
+        self.conn
+            .execute("ATTACH DATABASE ?1 AS cache_file", [name])
+            .map_err(|err| {
+                StoreError::backend(
+                    format!("cannot attach the cache file {}", path.display()),
+                    err,
+                )
+            })?;
+        self.cache_db = "cache_file";
+        Ok(())
+    }
+
+    /// The store's file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn rid(&mut self, run_id: &str) -> Result<i64, StoreError> {
+        if let Some(rid) = self.rids.get(run_id) {
+            return Ok(*rid);
+        }
+        let rid: i64 = self
+            .conn
+            .query_row("SELECT rid FROM runs WHERE run_id = ?1", [run_id], |row| {
+                row.get(0)
+            })
+            .optional()
+            .map_err(db_err("cannot look up the run"))?
+            .ok_or_else(|| StoreError::NoSuchRun(run_id.to_owned()))?;
+        self.rids.insert(run_id.to_owned(), rid);
+        Ok(rid)
+    }
+}
+
+/// Brings the file's schema to [`schema::VERSION`]. Migrations take the
+/// write lock first; another process may have run them meanwhile, which is
+/// fine.
+fn migrate(conn: &mut Connection, path: &Path) -> Result<(), StoreError> {
+    conn.set_transaction_behavior(TransactionBehavior::Immediate);
+    let result = schema::migrations().to_latest(conn);
+    conn.set_transaction_behavior(TransactionBehavior::Deferred);
+    let Err(err) = result else {
+        return Ok(());
+    };
+    let version: i64 = conn
+        .query_row("PRAGMA user_version", [], |row| row.get(0))
+        .map_err(db_err("cannot read the schema version"))?;
+    if version > schema::VERSION as i64 {
+        return Err(StoreError::Backend {
+            message: format!(
+                "{} has schema version {version}, newer than this evalfleet understands ({})",
+                path.display(),
+                schema::VERSION
+            ),
+            source: None,
+        });
+    }
+    if version == schema::VERSION as i64 {
+        return Ok(());
+    }
+    Err(StoreError::backend(
+        format!("cannot bring the tables of {} up to date", path.display()),
+        err,
+    ))
+}

@@ -1,0 +1,446 @@
+//! The work queue: claims with a lease over ranges of pending items, and
+//! commits checked against them.
+//!
+//! A claim covers the pending items of `first_seq..=last_seq` that were not
+//! covered by another live claim when it was made (a range stops before
+//! the first item another live claim holds), so no pending item is in two
+//! live claims. Claims are a row per range, not per item: claiming, renewing
+//! and checking a commit cost the same for 10 items or 10,000.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
+
+use evalfleet_core::store::{
+    Batch, Claim, ClaimId, Claimed, Committed, PendingItem, StoreError, WorkQueue,
+};
+use evalfleet_types::{ErrorClass, ItemStatus, now_ms};
+use rusqlite::{Transaction, TransactionBehavior, params};
+
+use super::results::assessment_columns;
+use super::{SqliteStore, db_err, opt_u64};
+
+/// A live claim's range.
+#[derive(Debug, Clone, Copy)]
+struct Range {
+    first: u64,
+    last: u64,
+    mine: bool,
+}
+
+/// The live claim that covers `seq`, in `ranges` sorted by `first`.
+fn covering(ranges: &[Range], seq: u64) -> Option<Range> {
+    let at = ranges.partition_point(|r| r.first <= seq);
+    at.checked_sub(1)
+        .map(|i| ranges[i])
+        .filter(|r| r.last >= seq)
+}
+
+fn lease_until(now: i64, lease: Duration) -> i64 {
+    now.saturating_add(i64::try_from(lease.as_millis()).unwrap_or(i64::MAX))
+}
+
+/// What a scan for claimable items found.
+#[derive(Default)]
+struct Scan {
+    items: Vec<PendingItem>,
+    /// A pending item was skipped because another worker holds it.
+    held_by_others: bool,
+}
+
+/// Pending items after `after`, in order, up to `limit`, that no live
+/// claim covers and that follow one another without one in between.
+fn scan(
+    tx: &Transaction<'_>,
+    rid: i64,
+    ranges: &[Range],
+    after: Option<u64>,
+    limit: usize,
+) -> Result<Scan, StoreError> {
+    let err = db_err("cannot read pending items");
+    let mut stmt = tx
+        .prepare_cached(
+            "SELECT i.item_id, i.seq, i.line, i.offset,
+                    (SELECT COUNT(*) FROM attempts a WHERE a.rid = i.rid AND a.seq = i.seq)
+             FROM items i
+             WHERE i.rid = ?1 AND i.state = 'pending' AND i.seq > ?2
+             ORDER BY i.seq LIMIT ?3",
+        )
+        .map_err(&err)?;
+    let mut found = Scan::default();
+    let mut cursor = after.map_or(-1, |s| s as i64);
+    'pages: loop {
+        let page = stmt
+            .query_map(params![rid, cursor, limit as i64], |row| {
+                Ok(PendingItem {
+                    item_id: row.get(0)?,
+                    seq: row.get::<_, i64>(1)? as u64,
+                    line: row.get::<_, i64>(2)? as u64,
+                    offset: row.get::<_, i64>(3)? as u64,
+                    prior_attempts: row.get::<_, i64>(4)? as u32,
+                })
+            })
+            .map_err(&err)?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(&err)?;
+        if page.is_empty() {
+            return Ok(found);
+        }
+        for item in page {
+            match covering(ranges, item.seq) {
+                None => {
+                    found.items.push(item);
+                    if found.items.len() == limit {
+                        return Ok(found);
+                    }
+                }
+                // A claim is one range: it ends before an item someone holds.
+                Some(_) if !found.items.is_empty() => return Ok(found),
+                Some(range) => {
+                    found.held_by_others |= !range.mine;
+                    cursor = range.last as i64;
+                    continue 'pages;
+                }
+            }
+        }
+        cursor = found.items.last().map_or(cursor, |i| i.seq as i64);
+    }
+}
+
+impl WorkQueue for SqliteStore {
+    fn claim(
+        &mut self,
+        run_id: &str,
+        worker: &str,
+        after: Option<u64>,
+        limit: usize,
+        lease: Duration,
+    ) -> Result<Claimed, StoreError> {
+        let rid = self.rid(run_id)?;
+        let err = db_err("cannot claim items");
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(&err)?;
+        let now = now_ms();
+        tx.execute(
+            "DELETE FROM claims WHERE rid = ?1 AND lease_until <= ?2",
+            params![rid, now],
+        )
+        .map_err(&err)?;
+        let ranges: Vec<Range> = tx
+            .prepare_cached(
+                "SELECT first_seq, last_seq, worker FROM claims WHERE rid = ?1 ORDER BY first_seq",
+            )
+            .map_err(&err)?
+            .query_map([rid], |row| {
+                Ok(Range {
+                    first: row.get::<_, i64>(0)? as u64,
+                    last: row.get::<_, i64>(1)? as u64,
+                    mine: row.get::<_, String>(2)? == worker,
+                })
+            })
+            .map_err(&err)?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(&err)?;
+        let limit = limit.max(1);
+        let mut found = scan(&tx, rid, &ranges, after, limit)?;
+        if found.items.is_empty() && after.is_some() {
+            // Past the end: items before `after` may be free again (a lease
+            // ran out, a worker stopped, failed items were put back).
+            found = scan(&tx, rid, &ranges, None, limit)?;
+        }
+        let (Some(first), Some(last)) = (found.items.first(), found.items.last()) else {
+            tx.commit().map_err(&err)?;
+            return Ok(if found.held_by_others {
+                Claimed::HeldByOthers
+            } else {
+                Claimed::Nothing
+            });
+        };
+        tx.execute(
+            "INSERT INTO claims (rid, worker, first_seq, last_seq, lease_until) VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![rid, worker, first.seq as i64, last.seq as i64, lease_until(now, lease)],
+        )
+        .map_err(&err)?;
+        let id = tx.last_insert_rowid();
+        tx.commit().map_err(&err)?;
+        Ok(Claimed::Items(Claim {
+            id,
+            items: found.items,
+        }))
+    }
+
+    fn renew(&mut self, run_id: &str, worker: &str, lease: Duration) -> Result<u64, StoreError> {
+        let rid = self.rid(run_id)?;
+        let err = db_err("cannot renew the lease");
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(&err)?;
+        let now = now_ms();
+        let renewed = tx
+            .execute(
+                "UPDATE claims SET lease_until = ?4 WHERE rid = ?1 AND worker = ?2 AND lease_until > ?3",
+                params![rid, worker, now, lease_until(now, lease)],
+            )
+            .map_err(&err)?;
+        tx.execute(
+            "UPDATE workers SET heartbeat_at = ?3, lease_ms = ?4 WHERE rid = ?1 AND worker = ?2",
+            params![
+                rid,
+                worker,
+                now,
+                i64::try_from(lease.as_millis()).unwrap_or(i64::MAX)
+            ],
+        )
+        .map_err(&err)?;
+        tx.commit().map_err(&err)?;
+        Ok(renewed as u64)
+    }
+
+    fn commit(
+        &mut self,
+        run_id: &str,
+        worker: &str,
+        batch: &Batch,
+    ) -> Result<Committed, StoreError> {
+        let rid = self.rid(run_id)?;
+        let cache_db = self.cache_db;
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(db_err("cannot begin a batch"))?;
+        // This worker's live claims: what it may commit.
+        let mine: HashMap<ClaimId, (u64, u64)> = tx
+            .prepare_cached(
+                "SELECT claim_id, first_seq, last_seq FROM claims
+                 WHERE rid = ?1 AND worker = ?2 AND lease_until > ?3",
+            )
+            .map_err(db_err("cannot read claims"))?
+            .query_map(params![rid, worker, now_ms()], |row| {
+                Ok((
+                    row.get::<_, i64>(0)?,
+                    (row.get::<_, i64>(1)? as u64, row.get::<_, i64>(2)? as u64),
+                ))
+            })
+            .map_err(db_err("cannot read claims"))?
+            .collect::<Result<_, _>>()
+            .map_err(db_err("cannot read claims"))?;
+        let held = |claim: ClaimId, seq: u64| {
+            mine.get(&claim)
+                .is_some_and(|(first, last)| (*first..=*last).contains(&seq))
+        };
+        let mut refused = BTreeSet::new();
+        let mut touched = BTreeSet::new();
+        let mut done = 0i64;
+        let mut failed = 0i64;
+        {
+            let mut attempt = tx
+                .prepare_cached(
+                    "INSERT INTO attempts (rid, seq, attempt, session, endpoint, model, sent_at, latency_ms,
+                         ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, http_status,
+                         error_class, error, cached)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)",
+                )
+                .map_err(db_err("cannot prepare the attempt insert"))?;
+            for (claim, a) in &batch.attempts {
+                if !held(*claim, a.seq) {
+                    refused.insert(a.seq);
+                    continue;
+                }
+                let t = &a.telemetry;
+                attempt
+                    .execute(params![
+                        rid,
+                        a.seq as i64,
+                        a.attempt,
+                        a.session,
+                        t.endpoint,
+                        t.model,
+                        a.sent_at_ms,
+                        t.latency_ms,
+                        t.ttft_ms,
+                        t.tpot_ms,
+                        opt_u64(t.prompt_tokens),
+                        opt_u64(t.completion_tokens),
+                        t.finish_reason,
+                        a.http_status,
+                        a.error_class.map(ErrorClass::as_str),
+                        a.error,
+                        a.cached,
+                    ])
+                    .map_err(db_err("cannot record an attempt"))?;
+            }
+            if !batch.cache.is_empty() {
+                let mut put = tx
+                    .prepare_cached(&format!(
+                        "INSERT OR REPLACE INTO {db}.cache (key, content, endpoint, model, prompt_tokens,
+                             completion_tokens, finish_reason, latency_ms, created_at)
+                         VALUES (unhex(?1), ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+                        db = cache_db
+                    ))
+                    .map_err(db_err("cannot prepare the cache insert"))?;
+                for c in &batch.cache {
+                    put.execute(params![
+                        c.key,
+                        c.content,
+                        c.endpoint,
+                        c.model,
+                        opt_u64(c.prompt_tokens),
+                        opt_u64(c.completion_tokens),
+                        c.finish_reason,
+                        c.latency_ms,
+                        c.created_at_ms,
+                    ])
+                    .map_err(db_err("cannot store a cached answer"))?;
+                }
+            }
+            let mut state = tx
+                .prepare_cached(
+                    "UPDATE items SET state = ?3 WHERE rid = ?1 AND seq = ?2 AND state = 'pending'",
+                )
+                .map_err(db_err("cannot prepare the state update"))?;
+            let mut result = tx
+                .prepare_cached(
+                    "INSERT INTO results (rid, seq, item_id, status, output, error, endpoint, model, attempts,
+                         latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, item,
+                         finished_at, parsed, verdict, check_error, scores, reasks, judge)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17,
+                             ?18, ?19, ?20, ?21, ?22, ?23)",
+                )
+                .map_err(db_err("cannot prepare the result insert"))?;
+            for (claim, r) in &batch.results {
+                if !held(*claim, r.seq) {
+                    refused.insert(r.seq);
+                    continue;
+                }
+                let changed = state
+                    .execute(params![rid, r.seq as i64, r.status.as_str()])
+                    .map_err(db_err("cannot update an item's state"))?;
+                if changed != 1 {
+                    return Err(StoreError::Invariant(format!(
+                        "item '{}' of run '{run_id}' got a second result",
+                        r.item_id
+                    )));
+                }
+                let (parsed, verdict, check_error, scores, reasks, judge) =
+                    assessment_columns(&r.assessment)?;
+                let t = r.telemetry.as_ref();
+                result
+                    .execute(params![
+                        rid,
+                        r.seq as i64,
+                        r.item_id,
+                        r.status.as_str(),
+                        r.output,
+                        r.error,
+                        t.map(|t| &t.endpoint),
+                        t.map(|t| &t.model),
+                        r.attempts,
+                        t.map(|t| t.latency_ms),
+                        t.and_then(|t| t.ttft_ms),
+                        t.and_then(|t| t.tpot_ms),
+                        opt_u64(t.and_then(|t| t.prompt_tokens)),
+                        opt_u64(t.and_then(|t| t.completion_tokens)),
+                        t.and_then(|t| t.finish_reason.as_ref()),
+                        r.item,
+                        r.finished_at_ms,
+                        parsed,
+                        verdict,
+                        check_error,
+                        scores,
+                        reasks,
+                        judge,
+                    ])
+                    .map_err(db_err("cannot record a result"))?;
+                match r.status {
+                    ItemStatus::Done => done += 1,
+                    ItemStatus::Failed => failed += 1,
+                }
+                touched.insert(*claim);
+            }
+            // A claim whose items have all ended is of no more use.
+            let mut open = tx
+                .prepare_cached(
+                    "SELECT EXISTS (SELECT 1 FROM items
+                         WHERE rid = ?1 AND state = 'pending' AND seq BETWEEN ?2 AND ?3)",
+                )
+                .map_err(db_err("cannot check a claim"))?;
+            let mut drop_claim = tx
+                .prepare_cached("DELETE FROM claims WHERE claim_id = ?1")
+                .map_err(db_err("cannot drop a claim"))?;
+            for claim in touched {
+                let Some((first, last)) = mine.get(&claim) else {
+                    continue;
+                };
+                let pending: bool = open
+                    .query_row(params![rid, *first as i64, *last as i64], |row| row.get(0))
+                    .map_err(db_err("cannot check a claim"))?;
+                if !pending {
+                    drop_claim
+                        .execute([claim])
+                        .map_err(db_err("cannot drop a claim"))?;
+                }
+            }
+        }
+        if done + failed > 0 {
+            tx.execute(
+                "UPDATE runs SET updated_at = ?2, done = done + ?3, failed = failed + ?4 WHERE rid = ?1",
+                params![rid, now_ms(), done, failed],
+            )
+            .map_err(db_err("cannot update the run"))?;
+        }
+        tx.commit().map_err(db_err("cannot commit a batch"))?;
+        Ok(Committed {
+            results: (done + failed) as u64,
+            refused: refused.into_iter().collect(),
+        })
+    }
+
+    fn release(&mut self, run_id: &str, worker: &str) -> Result<(), StoreError> {
+        let rid = self.rid(run_id)?;
+        let err = db_err("cannot release the worker's claims");
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(&err)?;
+        tx.execute(
+            "DELETE FROM claims WHERE rid = ?1 AND worker = ?2",
+            params![rid, worker],
+        )
+        .map_err(&err)?;
+        tx.execute(
+            "DELETE FROM workers WHERE rid = ?1 AND worker = ?2",
+            params![rid, worker],
+        )
+        .map_err(&err)?;
+        tx.commit().map_err(&err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn covering_finds_the_range_of_a_seq() {
+        let ranges = [
+            Range {
+                first: 1,
+                last: 5,
+                mine: true,
+            },
+            Range {
+                first: 9,
+                last: 9,
+                mine: false,
+            },
+        ];
+        assert_eq!(covering(&ranges, 0).map(|r| r.first), None);
+        assert_eq!(covering(&ranges, 1).map(|r| r.first), Some(1));
+        assert_eq!(covering(&ranges, 5).map(|r| r.first), Some(1));
+        assert_eq!(covering(&ranges, 6).map(|r| r.first), None);
+        assert_eq!(covering(&ranges, 9).map(|r| r.mine), Some(false));
+        assert_eq!(covering(&ranges, 10).map(|r| r.first), None);
+    }
+}

@@ -1,0 +1,250 @@
+//! Results and attempts read back, and new assessments of stored answers.
+
+use evalfleet_core::store::{
+    AttemptSample, ExportError, ExportRow, Results, StoreError, StoredResult,
+};
+use evalfleet_types::{Assessment, ErrorClass, ItemStatus, Scores, Verdict, now_ms};
+use rusqlite::{TransactionBehavior, params};
+
+use super::{SqliteStore, db_err, json_column, json_err, unknown};
+
+/// An assessment's columns: parsed, verdict, check_error, scores, reasks,
+/// judge (each JSON as text).
+pub(crate) type AssessmentColumns<'a> = (
+    Option<String>,
+    Option<&'static str>,
+    Option<&'a str>,
+    Option<String>,
+    u32,
+    Option<String>,
+);
+
+pub(crate) fn assessment_columns(a: &Assessment) -> Result<AssessmentColumns<'_>, StoreError> {
+    let scores = if a.scores.is_empty() {
+        None
+    } else {
+        Some(serde_json::to_string(&a.scores).map_err(json_err("cannot encode scores"))?)
+    };
+    Ok((
+        a.parsed.as_ref().map(ToString::to_string),
+        a.verdict.map(Verdict::as_str),
+        a.check_error.as_deref(),
+        scores,
+        a.reasks,
+        a.code.as_ref().map(ToString::to_string),
+    ))
+}
+
+/// An assessment from its stored columns.
+fn assessment_of(
+    parsed: Option<String>,
+    verdict: Option<String>,
+    check_error: Option<String>,
+    scores: Option<String>,
+    reasks: u32,
+    judge: Option<String>,
+) -> Result<Assessment, StoreError> {
+    Ok(Assessment {
+        parsed: json_column(parsed)?,
+        verdict: verdict
+            .as_deref()
+            .map(Verdict::parse)
+            .transpose()
+            .map_err(unknown)?,
+        check_error,
+        scores: match scores {
+            Some(text) => serde_json::from_str::<Scores>(&text)
+                .map_err(json_err("stored scores cannot be read"))?,
+            None => Scores::new(),
+        },
+        reasks,
+        code: json_column(judge)?,
+    })
+}
+
+impl Results for SqliteStore {
+    fn scan_attempts(
+        &mut self,
+        run_id: &str,
+        each: &mut dyn FnMut(AttemptSample),
+    ) -> Result<(), StoreError> {
+        let rid = self.rid(run_id)?;
+        let mut stmt = self
+            .conn
+            .prepare(
+                "SELECT endpoint, latency_ms, ttft_ms, tpot_ms, completion_tokens, error_class,
+                        error IS NOT NULL
+                 FROM attempts WHERE rid = ?1",
+            )
+            .map_err(db_err("cannot read attempts"))?;
+        let mut rows = stmt.query([rid]).map_err(db_err("cannot read attempts"))?;
+        while let Some(row) = rows.next().map_err(db_err("cannot read attempts"))? {
+            let class: Option<String> = row.get(5).map_err(db_err("cannot read attempts"))?;
+            each(AttemptSample {
+                endpoint: row.get(0).map_err(db_err("cannot read attempts"))?,
+                latency_ms: row.get(1).map_err(db_err("cannot read attempts"))?,
+                ttft_ms: row.get(2).map_err(db_err("cannot read attempts"))?,
+                tpot_ms: row.get(3).map_err(db_err("cannot read attempts"))?,
+                completion_tokens: row
+                    .get::<_, Option<i64>>(4)
+                    .map_err(db_err("cannot read attempts"))?
+                    .map(|t| t as u64),
+                error_class: class
+                    .as_deref()
+                    .map(ErrorClass::parse)
+                    .transpose()
+                    .map_err(unknown)?,
+                failed: row.get(6).map_err(db_err("cannot read attempts"))?,
+            });
+        }
+        Ok(())
+    }
+
+    fn scan_results(
+        &mut self,
+        run_id: &str,
+        each: &mut dyn FnMut(StoredResult),
+    ) -> Result<(), StoreError> {
+        let rid = self.rid(run_id)?;
+        let err = db_err("cannot read results");
+        let mut stmt = self
+            .conn
+            .prepare(
+                "SELECT seq, item_id, status, output, endpoint, model, item, parsed, verdict,
+                        check_error, scores, reasks, judge
+                 FROM results WHERE rid = ?1 ORDER BY seq",
+            )
+            .map_err(&err)?;
+        let mut rows = stmt.query([rid]).map_err(&err)?;
+        while let Some(row) = rows.next().map_err(&err)? {
+            let status: String = row.get(2).map_err(&err)?;
+            each(StoredResult {
+                seq: row.get::<_, i64>(0).map_err(&err)? as u64,
+                item_id: row.get(1).map_err(&err)?,
+                status: ItemStatus::parse(&status).map_err(unknown)?,
+                output: row.get(3).map_err(&err)?,
+                endpoint: row.get(4).map_err(&err)?,
+                model: row.get(5).map_err(&err)?,
+                item: row.get(6).map_err(&err)?,
+                assessment: assessment_of(
+                    row.get(7).map_err(&err)?,
+                    row.get(8).map_err(&err)?,
+                    row.get(9).map_err(&err)?,
+                    row.get(10).map_err(&err)?,
+                    row.get(11).map_err(&err)?,
+                    row.get(12).map_err(&err)?,
+                )?,
+            });
+        }
+        Ok(())
+    }
+
+    fn export(
+        &mut self,
+        run_id: &str,
+        each: &mut dyn FnMut(ExportRow) -> std::io::Result<()>,
+    ) -> Result<(), ExportError> {
+        let rid = self.rid(run_id)?;
+        let mut stmt = self
+            .conn
+            .prepare(
+                "SELECT r.item_id, r.status, r.output, r.error, r.endpoint, r.model, r.attempts, r.latency_ms,
+                        r.ttft_ms, r.tpot_ms, r.prompt_tokens, r.completion_tokens, r.item,
+                        r.parsed, r.verdict, r.scores, r.judge
+                 FROM results r WHERE r.rid = ?1 ORDER BY r.seq",
+            )
+            .map_err(db_err("cannot export"))?;
+        let mut rows = stmt.query([rid]).map_err(db_err("cannot export"))?;
+        while let Some(row) = rows.next().map_err(db_err("cannot export"))? {
+            let get_err = db_err("cannot export");
+            let item: Option<String> = row.get(12).map_err(&get_err)?;
+            let item = match item {
+                Some(text) => {
+                    serde_json::from_str(&text).map_err(json_err("a stored item is not JSON"))?
+                }
+                None => serde_json::Value::Null,
+            };
+            let status: String = row.get(1).map_err(&get_err)?;
+            let scores: Option<String> = row.get(15).map_err(&get_err)?;
+            each(ExportRow {
+                item_id: row.get(0).map_err(&get_err)?,
+                status: ItemStatus::parse(&status).map_err(unknown)?,
+                output: row.get(2).map_err(&get_err)?,
+                error: row.get(3).map_err(&get_err)?,
+                endpoint: row.get(4).map_err(&get_err)?,
+                model: row.get(5).map_err(&get_err)?,
+                attempts: row.get(6).map_err(&get_err)?,
+                latency_ms: row.get(7).map_err(&get_err)?,
+                ttft_ms: row.get(8).map_err(&get_err)?,
+                tpot_ms: row.get(9).map_err(&get_err)?,
+                prompt_tokens: row
+                    .get::<_, Option<i64>>(10)
+                    .map_err(&get_err)?
+                    .map(|t| t as u64),
+                completion_tokens: row
+                    .get::<_, Option<i64>>(11)
+                    .map_err(&get_err)?
+                    .map(|t| t as u64),
+                item,
+                parsed: json_column(row.get(13).map_err(&get_err)?)?,
+                valid: row
+                    .get::<_, Option<String>>(14)
+                    .map_err(&get_err)?
+                    .map(|v| v == "ok"),
+                scores: scores
+                    .map(|text| {
+                        serde_json::from_str::<Scores>(&text)
+                            .map_err(json_err("stored scores cannot be read"))
+                    })
+                    .transpose()?,
+                judge: json_column(row.get(16).map_err(&get_err)?)?,
+            })?;
+        }
+        Ok(())
+    }
+
+    fn put_assessments(
+        &mut self,
+        run_id: &str,
+        assessments: &[(u64, Assessment)],
+        config: &serde_json::Value,
+    ) -> Result<(), StoreError> {
+        let rid = self.rid(run_id)?;
+        let err = db_err("cannot store new scores");
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(&err)?;
+        {
+            let mut update = tx
+                .prepare_cached(
+                    "UPDATE results SET parsed = ?3, verdict = ?4, check_error = ?5, scores = ?6,
+                         judge = COALESCE(?7, judge)
+                     WHERE rid = ?1 AND seq = ?2",
+                )
+                .map_err(&err)?;
+            for (seq, a) in assessments {
+                let (parsed, verdict, check_error, scores, _, judge) = assessment_columns(a)?;
+                update
+                    .execute(params![
+                        rid,
+                        *seq as i64,
+                        parsed,
+                        verdict,
+                        check_error,
+                        scores,
+                        judge
+                    ])
+                    .map_err(&err)?;
+            }
+            let config =
+                serde_json::to_string(config).map_err(json_err("cannot store the config"))?;
+            tx.execute(
+                "UPDATE runs SET config = ?2, updated_at = ?3 WHERE rid = ?1",
+                params![rid, config, now_ms()],
+            )
+            .map_err(&err)?;
+        }
+        tx.commit().map_err(&err)
+    }
+}

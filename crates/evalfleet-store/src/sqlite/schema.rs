@@ -1,0 +1,196 @@
+//! The SQLite schema, as the migrations that built it: each is applied once,
+//! in order, in one transaction with the others still to apply, and the file
+//! remembers how many were (`PRAGMA user_version`), so a store written by an
+//! earlier evalfleet is upgraded in place when it is opened.
+//!
+//! Items, results and attempts are keyed by the item's `seq` (its place in
+//! the dataset): items are registered and mostly finished in that order, so
+//! these clustered tables grow at their ends. Item ids have a narrow unique
+//! index of their own. CHECK constraints use `OR`, not `IN (...)`, which
+//! would build a temporary table for every row written.
+
+use rusqlite_migration::{M, Migrations};
+
+/// 1: runs, items, results, attempts, events, endpoint states and fleet
+/// changes.
+const RUNS: &str = r#"
+CREATE TABLE runs (
+    rid         INTEGER PRIMARY KEY,
+    run_id      TEXT NOT NULL UNIQUE,
+    name        TEXT NOT NULL,
+    status      TEXT NOT NULL,
+    created_at  INTEGER NOT NULL,
+    updated_at  INTEGER NOT NULL,
+    config      TEXT NOT NULL,
+    config_dir  TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    digest      TEXT NOT NULL,
+    dataset     TEXT NOT NULL,
+    total       INTEGER NOT NULL,
+    sessions    INTEGER NOT NULL DEFAULT 0,
+    -- Items done and failed, kept in the same transactions that change item
+    -- states, so that counting a run does not read its items.
+    done        INTEGER NOT NULL DEFAULT 0,
+    failed      INTEGER NOT NULL DEFAULT 0,
+    message     TEXT
+);
+CREATE TABLE items (
+    rid        INTEGER NOT NULL REFERENCES runs(rid),
+    seq        INTEGER NOT NULL,
+    item_id    TEXT NOT NULL,
+    line       INTEGER NOT NULL,
+    offset     INTEGER NOT NULL,
+    sample_key INTEGER NOT NULL,
+    state      TEXT NOT NULL CHECK (state = 'pending' OR state = 'done' OR state = 'failed'),
+    invalid    TEXT,
+    PRIMARY KEY (rid, seq)
+) WITHOUT ROWID;
+CREATE UNIQUE INDEX items_by_id ON items (rid, item_id);
+-- Only pending items are indexed: finishing one deletes its entry, and a
+-- claim finds the next pending items at once.
+CREATE INDEX items_pending ON items (rid, seq) WHERE state = 'pending';
+CREATE TABLE results (
+    rid               INTEGER NOT NULL REFERENCES runs(rid),
+    seq               INTEGER NOT NULL,
+    item_id           TEXT NOT NULL,
+    status            TEXT NOT NULL CHECK (status = 'done' OR status = 'failed'),
+    output            TEXT,
+    error             TEXT,
+    endpoint          TEXT,
+    model             TEXT,
+    attempts          INTEGER NOT NULL,
+    latency_ms        REAL,
+    ttft_ms           REAL,
+    tpot_ms           REAL,
+    prompt_tokens     INTEGER,
+    completion_tokens INTEGER,
+    finish_reason     TEXT,
+    item              TEXT,
+    finished_at       INTEGER NOT NULL,
+    PRIMARY KEY (rid, seq)
+) WITHOUT ROWID;
+CREATE TABLE attempts (
+    rid               INTEGER NOT NULL REFERENCES runs(rid),
+    seq               INTEGER NOT NULL,
+    attempt           INTEGER NOT NULL,
+    session           INTEGER NOT NULL,
+    endpoint          TEXT NOT NULL,
+    model             TEXT NOT NULL,
+    sent_at           INTEGER NOT NULL,
+    latency_ms        REAL NOT NULL,
+    ttft_ms           REAL,
+    tpot_ms           REAL,
+    prompt_tokens     INTEGER,
+    completion_tokens INTEGER,
+    finish_reason     TEXT,
+    http_status       INTEGER,
+    error_class       TEXT,
+    error             TEXT,
+    PRIMARY KEY (rid, seq, attempt)
+) WITHOUT ROWID;
+CREATE TABLE events (
+    rid      INTEGER NOT NULL REFERENCES runs(rid),
+    at       INTEGER NOT NULL,
+    kind     TEXT NOT NULL,
+    endpoint TEXT,
+    message  TEXT NOT NULL
+);
+CREATE INDEX events_by_run ON events (rid, at);
+-- What the running process last knew of each endpoint (for `status`).
+CREATE TABLE endpoint_states (
+    rid        INTEGER NOT NULL REFERENCES runs(rid),
+    endpoint   TEXT NOT NULL,
+    snapshot   TEXT NOT NULL,
+    updated_at INTEGER NOT NULL,
+    PRIMARY KEY (rid, endpoint)
+);
+-- `evalfleet fleet add|remove`, for the running process to apply.
+CREATE TABLE fleet_changes (
+    id       INTEGER PRIMARY KEY,
+    rid      INTEGER NOT NULL REFERENCES runs(rid),
+    at       INTEGER NOT NULL,
+    action   TEXT NOT NULL CHECK (action = 'add' OR action = 'remove'),
+    endpoint TEXT NOT NULL,
+    taken    INTEGER NOT NULL DEFAULT 0
+);
+"#;
+
+/// 2: checking and scoring of answers, and the response cache: answers by
+/// the SHA-256 of their request, shared by every run of the store; rowid
+/// order is insertion order, so eviction takes the oldest first.
+const ASSESSMENTS_AND_CACHE: &str = "
+ALTER TABLE results ADD COLUMN parsed TEXT;
+ALTER TABLE results ADD COLUMN verdict TEXT;
+ALTER TABLE results ADD COLUMN check_error TEXT;
+ALTER TABLE results ADD COLUMN scores TEXT;
+ALTER TABLE results ADD COLUMN reasks INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE attempts ADD COLUMN cached INTEGER NOT NULL DEFAULT 0;
+CREATE TABLE cache (
+    key               BLOB NOT NULL UNIQUE, -- the SHA-256 itself (32 bytes)
+    content           TEXT NOT NULL,
+    endpoint          TEXT NOT NULL,
+    model             TEXT NOT NULL,
+    prompt_tokens     INTEGER,
+    completion_tokens INTEGER,
+    finish_reason     TEXT,
+    latency_ms        REAL NOT NULL,
+    created_at        INTEGER NOT NULL
+);
+";
+
+/// 3: the code judge's judgement.
+const CODE_JUDGEMENT: &str = "ALTER TABLE results ADD COLUMN judge TEXT;";
+
+/// 4: workers sharing a run through claims with a lease. A claim holds the
+/// pending items of a range of `seq` until `lease_until`; no two live
+/// claims hold the same pending item. A worker registers with its process,
+/// so that `status` tells a live run from one whose process is gone.
+const WORKERS_AND_CLAIMS: &str = "
+CREATE TABLE workers (
+    rid           INTEGER NOT NULL REFERENCES runs(rid),
+    worker        TEXT NOT NULL,
+    session       INTEGER NOT NULL,
+    host          TEXT NOT NULL,
+    pid           INTEGER NOT NULL,
+    process_start INTEGER NOT NULL,
+    started_at    INTEGER NOT NULL,
+    heartbeat_at  INTEGER NOT NULL,
+    lease_ms      INTEGER NOT NULL,
+    PRIMARY KEY (rid, worker)
+);
+CREATE TABLE claims (
+    claim_id    INTEGER PRIMARY KEY,
+    rid         INTEGER NOT NULL REFERENCES runs(rid),
+    worker      TEXT NOT NULL,
+    first_seq   INTEGER NOT NULL,
+    last_seq    INTEGER NOT NULL,
+    lease_until INTEGER NOT NULL
+);
+CREATE INDEX claims_by_run ON claims (rid, first_seq);
+";
+
+/// The schema version a store has once every migration ran.
+pub const VERSION: usize = 4;
+
+pub fn migrations() -> Migrations<'static> {
+    Migrations::new(vec![
+        M::up(RUNS),
+        M::up(ASSESSMENTS_AND_CACHE),
+        M::up(CODE_JUDGEMENT),
+        M::up(WORKERS_AND_CLAIMS),
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_migrations_are_valid_and_end_at_the_version() {
+        assert!(super::migrations().validate().is_ok());
+        let mut conn = rusqlite::Connection::open_in_memory().unwrap();
+        super::migrations().to_latest(&mut conn).unwrap();
+        let version: i64 = conn
+            .query_row("PRAGMA user_version", [], |row| row.get(0))
+            .unwrap();
+        assert_eq!(version, super::VERSION as i64);
+    }
+}

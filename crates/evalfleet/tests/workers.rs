@@ -1,0 +1,167 @@
+//! Several workers share one run through the store: each claims items for a
+//! lease, and every item is answered and stored exactly once, whichever
+//! worker answers it, whether a worker dies or stalls past its lease.
+
+use std::collections::BTreeMap;
+
+use evalfleet_core::store::prelude::*;
+use evalfleet_core::types::RunStatus;
+use evalfleet_mock::MockSettings;
+
+use crate::util::{Env, by_id, config, external, mock, ms, signal, wait_until};
+
+const ITEMS: usize = 1200;
+
+/// Attempts stored per session of `run_id`.
+fn attempts_by_session(env: &Env, run_id: &str) -> BTreeMap<i64, i64> {
+    let conn = rusqlite::Connection::open(env.store_path()).unwrap();
+    conn.busy_timeout(std::time::Duration::from_secs(30))
+        .unwrap();
+    let mut stmt = conn
+        .prepare(
+            "SELECT a.session, COUNT(*) FROM attempts a JOIN runs r ON r.rid = a.rid
+             WHERE r.run_id = ?1 GROUP BY a.session",
+        )
+        .unwrap();
+    stmt.query_map([run_id], |row| Ok((row.get(0)?, row.get(1)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
+}
+
+/// Items done so far (0 before the run is registered).
+fn done(env: &Env, run_id: &str) -> u64 {
+    evalfleet_store::SqliteStore::open_existing(&env.store_path())
+        .and_then(|mut store| store.counts(run_id))
+        .map(|c| c.done)
+        .unwrap_or_default()
+}
+
+/// A config of `ITEMS` items, 4 calls at once, 20 ms each, leases of
+/// `lease`.
+async fn shared_run(env: &Env, lease: &str) -> evalfleet_mock::MockServer {
+    let dataset = env.dataset("items.jsonl", ITEMS);
+    let server = mock(MockSettings {
+        latency: ms(20),
+        ..MockSettings::default()
+    })
+    .await;
+    env.write(
+        "run.yaml",
+        &config(
+            &dataset,
+            &external("gpu", &server, 4),
+            &format!(
+                "timeouts: {{ lease: {lease} }}\nwriter: {{ batch_size: 32, flush_interval: 20ms }}"
+            ),
+        ),
+    );
+    server
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_share_one_sqlite_run_and_finish_it_exactly_once() {
+    let env = Env::new();
+    let server = shared_run(&env, "1s").await;
+    let mut first = env.spawn(&["run", "run.yaml", "-q", "--run-id", "shared"]);
+    wait_until(ms(30_000), "the first worker has answered 50 items", || {
+        done(&env, "shared") >= 50
+    })
+    .await;
+    let second = env.evalfleet(&["resume", "shared", "-q"]).await;
+    assert_eq!(second.code, Some(0), "{}", second.stderr);
+    let first = first.wait().await.unwrap();
+    assert_eq!(first.code(), Some(0));
+
+    let rows = by_id(&env.export("shared").await);
+    assert_eq!(rows.len(), ITEMS, "every item exactly once");
+    assert!(rows.values().all(|r| r["status"] == "done"));
+    assert_eq!(
+        server.stats().completed,
+        ITEMS as u64,
+        "no item was answered twice"
+    );
+    let sessions = attempts_by_session(&env, "shared");
+    assert_eq!(
+        sessions.len(),
+        2,
+        "both workers answered items: {sessions:?}"
+    );
+    assert_eq!(sessions.values().sum::<i64>(), ITEMS as i64);
+    let record = env.store().run("shared").unwrap();
+    assert_eq!(record.status, RunStatus::Finished);
+    assert_eq!(record.sessions, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_worker_loses_its_lease_and_its_late_results_are_refused() {
+    let env = Env::new();
+    let server = shared_run(&env, "1s").await;
+    let stalled = env.spawn(&["run", "run.yaml", "-q", "--run-id", "shared"]);
+    wait_until(ms(30_000), "the first worker has answered 50 items", || {
+        done(&env, "shared") >= 50
+    })
+    .await;
+    // Stopped, its process is alive but renews nothing: once its lease runs
+    // out, another worker takes its items, in flight ones included.
+    signal(&stalled, "STOP").await;
+    let stopped_at = done(&env, "shared");
+    let other = env.evalfleet(&["resume", "shared", "-q"]).await;
+    assert_eq!(other.code, Some(0), "{}", other.stderr);
+    assert_eq!(env.counts("shared").pending, 0);
+    // Woken, it finds its answers refused and nothing left to claim.
+    signal(&stalled, "CONT").await;
+    let late = stalled.wait_with_output().await.unwrap();
+    assert_eq!(late.status.code(), Some(0));
+    let said = String::from_utf8_lossy(&late.stderr);
+    assert!(
+        said.contains("lease on them ran out"),
+        "it says its late results were refused: {said}"
+    );
+
+    let rows = by_id(&env.export("shared").await);
+    assert_eq!(rows.len(), ITEMS, "every item exactly once");
+    assert!(rows.values().all(|r| r["status"] == "done"));
+    let sessions = attempts_by_session(&env, "shared");
+    assert_eq!(
+        sessions.values().sum::<i64>(),
+        ITEMS as i64,
+        "the late worker's attempts were refused with its results: {sessions:?}"
+    );
+    assert!(
+        sessions[&1] as u64 >= stopped_at,
+        "what it committed before it stalled stays: {sessions:?}"
+    );
+    assert!(server.stats().completed >= ITEMS as u64);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_workers_items_go_to_the_other_before_its_lease_runs_out() {
+    let env = Env::new();
+    // Leases far longer than the test: only knowing that the killed
+    // worker's process is gone frees its items.
+    let _server = shared_run(&env, "10m").await;
+    let mut killed = env.spawn(&["run", "run.yaml", "-q", "--run-id", "shared"]);
+    wait_until(ms(30_000), "the first worker has answered 50 items", || {
+        done(&env, "shared") >= 50
+    })
+    .await;
+    let mut other = env.spawn(&["resume", "shared", "-q"]);
+    wait_until(ms(30_000), "the second worker has joined", || {
+        attempts_by_session(&env, "shared").contains_key(&2)
+    })
+    .await;
+    killed.kill().await.unwrap();
+    let status = tokio::time::timeout(ms(120_000), other.wait())
+        .await
+        .expect("the other worker did not wait for the lease")
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+    let rows = by_id(&env.export("shared").await);
+    assert_eq!(rows.len(), ITEMS, "every item exactly once");
+    assert!(rows.values().all(|r| r["status"] == "done"));
+    assert_eq!(
+        env.store().run("shared").unwrap().status,
+        RunStatus::Finished
+    );
+}
