@@ -12,6 +12,7 @@ pub mod pipeline;
 pub mod run;
 pub mod store;
 pub mod summary;
+pub mod task;
 pub mod template;
 pub mod worker;
 

@@ -11,11 +11,12 @@ use crate::dataset::{DatasetError, RowReader, Scanner, hash_file, sample_id, sam
 use crate::fingerprint::Fingerprint;
 use crate::fleet::Endpoint;
 use crate::fleet::runtime::FleetHandle;
-use crate::pipeline::{self, PipelineError, Progress, Session};
+use crate::pipeline::{self, OpenStore, PipelineError, Progress, Session};
 use crate::store::WorkerInfo;
 use crate::store::{
     CreateRunError, ItemSource, NewItem, NewRun, RunIdentity, RunRecord, Store, StoreError,
 };
+use crate::task;
 use crate::template::Templates;
 use crate::worker;
 use evalfleet_types::{Event, EventKind, RunStatus, StateCounts, now_ms};
@@ -313,32 +314,24 @@ pub fn prepare(store: &mut dyn Store, plan: &SessionPlan) -> Result<Prepared, St
 pub async fn run_session(
     plan: SessionPlan,
     prepared: Prepared,
-    writer_store: Box<dyn Store>,
-    reader_store: Box<dyn Store>,
+    open: Arc<OpenStore>,
     stop: CancellationToken,
 ) -> Result<SessionReport, PipelineError> {
     let rows = RowReader::open(&plan.config.dataset)?;
     let run_id = plan.run_id.clone();
+    // Whatever can fail at the start fails before anything runs.
+    let task = task::start(&plan.config, plan.templates.clone(), &plan.sandbox_dir).await?;
     let session = Session {
         run_id: plan.run_id,
         session: prepared.session,
         config: plan.config,
-        templates: plan.templates,
+        task,
         endpoints: plan.endpoints,
         fleet: plan.fleet.clone(),
         worker: Arc::from(prepared.worker.worker.as_str()),
-        sandbox_dir: plan.sandbox_dir.clone(),
     };
     let cache = session.config.cache.clone();
-    let end = pipeline::execute(
-        session,
-        writer_store,
-        reader_store,
-        rows,
-        prepared.progress,
-        stop.clone(),
-    )
-    .await?;
+    let end = pipeline::execute(session, open, rows, prepared.progress, stop.clone()).await?;
     let mut store = end.store;
     if cache.mode.writes() && (cache.ttl.is_some() || cache.max_entries.is_some()) {
         let before = cache

@@ -339,8 +339,8 @@ pub trait Runs {
 
     fn counts(&mut self, run_id: &str) -> Result<StateCounts, StoreError>;
 
-    /// The run's registered workers, live or not (see
-    /// [`crate::run::live_workers`]).
+    /// The run's registered workers, live or not: whether each still lives
+    /// is for the reader to judge (by its process, or its heartbeat).
     fn workers(&mut self, run_id: &str) -> Result<Vec<WorkerInfo>, StoreError>;
 }
 

@@ -160,7 +160,7 @@ mod tests {
             params: Default::default(),
             stream: false,
             samples: 1,
-            code: None,
+            kind: crate::config::TaskKind::Chat,
             eval: Default::default(),
         }
     }

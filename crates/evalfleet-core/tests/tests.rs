@@ -2,6 +2,8 @@
 //! against the numbers of reference implementations.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+// Test helpers (stand-in servers) run outside any run's task tracker.
+#![allow(clippy::disallowed_methods)]
 
 mod concurrency;
 mod metric_vectors;

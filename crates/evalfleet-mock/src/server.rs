@@ -298,6 +298,9 @@ impl MockServer {
         let addr = listener.local_addr()?;
         let stats = Arc::new(Stats::default());
         let shutdown = CancellationToken::new();
+        // The server's task is owned by this handle: dropping it (or
+        // `stop`) shuts it down.
+        #[allow(clippy::disallowed_methods)]
         let task = tokio::spawn(serve(listener, settings, stats.clone(), shutdown.clone()));
         Ok(Self {
             addr,
@@ -619,8 +622,12 @@ async fn chat(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
                 .filter(|m| m.role == "assistant")
                 .count();
             first_user.and_then(|u| match answers.get(&u)? {
-                crate::settings::Script::Replies(replies) => {
-                    replies.get(asked.min(replies.len() - 1)).cloned()
+                crate::settings::Script::Replies { replies, hang_from } => {
+                    if hang_from.is_some_and(|from| asked >= from) {
+                        Some(None)
+                    } else {
+                        replies.get(asked.min(replies.len() - 1)).cloned().map(Some)
+                    }
                 }
                 crate::settings::Script::Samples(samples) => {
                     let mut seen = state
@@ -630,11 +637,21 @@ async fn chat(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
                     let i = seen.entry(u).or_insert(0);
                     let reply = samples[*i % samples.len()].clone();
                     *i += 1;
-                    Some(reply)
+                    Some(Some(reply))
                 }
             })
         }
         Ok(_) => None,
+    };
+    // A script that says to hang: no answer until the mock stops.
+    let scripted = match scripted {
+        Some(None) => {
+            state.stats.hung.fetch_add(1, Ordering::Relaxed);
+            state.shutdown.cancelled().await;
+            return error_response(StatusCode::SERVICE_UNAVAILABLE, "mock shutting down");
+        }
+        Some(Some(reply)) => Some(reply),
+        None => None,
     };
     let (tokens, finish_reason) = match scripted.as_deref() {
         Some(text) => {

@@ -90,9 +90,10 @@ pub struct MockSettings {
     /// or `{"prompt": ..., "samples": [...]}`. A request whose first user
     /// message is a `prompt` gets `replies[k]`, where k is the number of
     /// assistant messages in the request (so a re-ask gets the next reply;
-    /// past the end, the last); with `samples`, the i-th request for that
-    /// prompt gets `samples[i mod len]` (repeated samples of one question).
-    /// Other requests are answered as usual.
+    /// past the end, the last), and never an answer when k is at least the
+    /// line's `hang_from` (it hangs, as `hang_rate` does); with `samples`,
+    /// the i-th request for that prompt gets `samples[i mod len]` (repeated
+    /// samples of one question). Other requests are answered as usual.
     #[cfg_attr(feature = "cli", arg(long, value_name = "FILE"))]
     pub answers: Option<std::path::PathBuf>,
 }
@@ -182,8 +183,12 @@ fn duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::E
 /// Scripted answers for one prompt (see [`MockSettings::answers`]).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Script {
-    /// By the number of assistant messages in the request.
-    Replies(Vec<String>),
+    /// By the number of assistant messages in the request; from `hang_from`
+    /// of them on, no answer.
+    Replies {
+        replies: Vec<String>,
+        hang_from: Option<usize>,
+    },
     /// By how many requests for the prompt came before.
     Samples(Vec<String>),
 }
@@ -199,6 +204,7 @@ pub fn load_answers(
         prompt: String,
         replies: Option<Vec<String>>,
         samples: Option<Vec<String>>,
+        hang_from: Option<usize>,
     }
     let text = std::fs::read_to_string(path)
         .map_err(|err| format!("cannot read {}: {err}", path.display()))?;
@@ -210,11 +216,14 @@ pub fn load_answers(
         let at = || format!("{}:{}", path.display(), i + 1);
         let parsed: Line = serde_json::from_str(line).map_err(|err| format!("{}: {err}", at()))?;
         let script = match (parsed.replies, parsed.samples) {
-            (Some(r), None) if !r.is_empty() => Script::Replies(r),
-            (None, Some(s)) if !s.is_empty() => Script::Samples(s),
+            (Some(replies), None) if !replies.is_empty() => Script::Replies {
+                replies,
+                hang_from: parsed.hang_from,
+            },
+            (None, Some(s)) if !s.is_empty() && parsed.hang_from.is_none() => Script::Samples(s),
             _ => {
                 return Err(format!(
-                    "{}: give a non-empty replies or samples list, not both",
+                    "{}: give a non-empty replies or samples list, not both (hang_from goes with replies)",
                     at()
                 ));
             }

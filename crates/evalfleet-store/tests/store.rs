@@ -106,6 +106,7 @@ fn result(seq: u64, id: &str, status: ItemStatus) -> ResultRecord {
             finish_reason: Some("stop".to_owned()),
         }),
         attempts: 1,
+        cached: 0,
         item: Some(format!("{{\"id\": \"{id}\"}}")),
         finished_at_ms: 1,
         assessment: Assessment::default(),
@@ -127,7 +128,6 @@ fn attempt(seq: u64, number: u32) -> AttemptRecord {
         http_status: Some(500),
         error_class: Some(ErrorClass::Retryable),
         error: Some("HTTP 500".to_owned()),
-        cached: false,
     }
 }
 
@@ -521,6 +521,7 @@ fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
          ALTER TABLE results DROP COLUMN reasks;
          ALTER TABLE results DROP COLUMN judge;
          ALTER TABLE attempts DROP COLUMN cached;
+         ALTER TABLE results DROP COLUMN cached;
          PRAGMA user_version = 1;",
     )
     .unwrap();

@@ -64,7 +64,8 @@ pub struct Telemetry {
     pub finish_reason: Option<String>,
 }
 
-/// One call to one endpoint.
+/// One call to one endpoint (a call answered from the cache is not one:
+/// its item's result counts it).
 #[derive(Debug, Clone, PartialEq)]
 pub struct AttemptRecord {
     /// The item's `seq`.
@@ -79,8 +80,6 @@ pub struct AttemptRecord {
     /// `error` says so).
     pub error_class: Option<ErrorClass>,
     pub error: Option<String>,
-    /// Answered from the cache (no endpoint was called).
-    pub cached: bool,
 }
 
 /// An item's terminal outcome.
@@ -97,6 +96,8 @@ pub struct ResultRecord {
     /// Calls made for the item, over every session (answered from the
     /// cache included).
     pub attempts: u32,
+    /// Of those, calls answered from the cache (no endpoint was called).
+    pub cached: u32,
     /// The input row, as JSON text.
     pub item: Option<String>,
     pub finished_at_ms: i64,

@@ -147,6 +147,8 @@ impl Display {
     /// Starts showing `progress` and the endpoints' limits as they move.
     pub fn start(progress: Arc<Progress>, endpoints: Vec<Arc<Endpoint>>, mode: Mode) -> Self {
         let stop = CancellationToken::new();
+        // Outside the run's tasks: `finish` stops and awaits it.
+        #[allow(clippy::disallowed_methods)]
         let task = match mode {
             Mode::Quiet => None,
             Mode::Bar => Some(tokio::spawn(bar(progress, endpoints, stop.clone()))),

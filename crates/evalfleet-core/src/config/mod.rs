@@ -122,9 +122,12 @@ pub struct Sample {
     pub seed: u64,
 }
 
-/// `task:` how an item becomes a request.
+/// `task:` how an item becomes requests and a result.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TaskConfig {
+    /// `kind`: what the task does with an item (see [`TaskKind`]). Default
+    /// `code` when `task.code` is given, else `chat`.
+    pub kind: TaskKind,
     /// Chat messages; each `content` is a minijinja template over the item's
     /// fields (`{{ question }}`).
     pub messages: Vec<MessageTemplate>,
@@ -138,12 +141,59 @@ pub struct TaskConfig {
     /// K items, `ID#0` to `ID#K-1`, distinct requests (and cache keys) for
     /// pass@k and majority votes; use a temperature above 0.
     pub samples: u32,
-    /// `code`: judge the answer as a program against the item's tests.
-    pub code: Option<evalfleet_judge::CodeSettings>,
     /// `parse`, `schema` / `schema_file`, `max_reasks`,
     /// `structured_output` and `metrics`: what is done with the answer.
     pub eval: crate::eval::EvalSpec,
 }
+
+/// `task.kind`: a closed set, like an endpoint's `kind`; each kind is one
+/// module of the task layer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TaskKind {
+    /// One call (and re-asks of answers that cannot be used); the answer is
+    /// parsed, checked and scored, by LLM judges too.
+    Chat,
+    /// A chat whose answer is a program, judged against the item's tests
+    /// (`task.code`).
+    Code(evalfleet_judge::CodeSettings),
+    /// Ask, then ask the model to improve its answer (`task.refine`), then
+    /// check and score the last answer.
+    Refine(RefineSettings),
+}
+
+impl TaskKind {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Chat => "chat",
+            Self::Code(_) => "code",
+            Self::Refine(_) => "refine",
+        }
+    }
+
+    /// The code judge's settings, for a code task.
+    pub fn code(&self) -> Option<&evalfleet_judge::CodeSettings> {
+        match self {
+            Self::Code(settings) => Some(settings),
+            _ => None,
+        }
+    }
+}
+
+/// `task.refine:` how a refine task asks for a better answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RefineSettings {
+    /// The user message that asks for a better answer: a template over the
+    /// item's fields and `answer` (the answer so far). Default: "Review your
+    /// answer and improve it. Reply with the improved answer only, in the
+    /// same format."
+    pub prompt: String,
+    /// How many times to ask (each a call of its own). Default 1.
+    pub rounds: u32,
+}
+
+/// What a refine task asks when `task.refine.prompt` is not given.
+pub const REFINE_PROMPT: &str =
+    "Review your answer and improve it. Reply with the improved answer only, in the same format.";
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MessageTemplate {

@@ -43,6 +43,7 @@ pub struct RawSample {
 
 #[derive(Debug, Default, Deserialize)]
 pub struct RawTask {
+    pub kind: Option<String>,
     pub messages: Option<Vec<RawMessage>>,
     pub params: Option<Map<String, Value>>,
     pub stream: Option<bool>,
@@ -54,6 +55,13 @@ pub struct RawTask {
     pub structured_output: Option<bool>,
     pub metrics: Option<Vec<Value>>,
     pub code: Option<Value>,
+    pub refine: Option<Value>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct RawRefine {
+    pub prompt: Option<String>,
+    pub rounds: Option<u32>,
 }
 
 #[derive(Debug, Default, Deserialize)]

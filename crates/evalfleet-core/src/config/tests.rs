@@ -372,7 +372,7 @@ fn a_code_task_is_checked_key_by_key() {
     )
     .unwrap()
     .config;
-    let code = config.task.code.unwrap();
+    let code = config.task.kind.code().cloned().unwrap();
     assert_eq!(code.language, evalfleet_judge::Language::Rust);
     assert_eq!(code.stdio_fields, ["public_tests", "private_tests"]);
     assert_eq!(

@@ -12,8 +12,8 @@ use super::raw::{
 };
 use super::{
     Config, ConfigError, DatasetConfig, DatasetFormat, Document, LoadedConfig, MASK,
-    MessageTemplate, Overrides, Problem, RetryPolicy, Sample, TaskConfig, Timeouts, WriterSettings,
-    endpoint, path,
+    MessageTemplate, Overrides, Problem, RetryPolicy, Sample, TaskConfig, TaskKind, Timeouts,
+    WriterSettings, endpoint, path,
 };
 
 /// Body fields evalfleet sets itself; `params` may not override them.
@@ -564,7 +564,7 @@ fn task(mut raw: RawTask, dir: &Path, p: &mut Problems<'_>) -> Option<TaskConfig
     let mut params = params?;
     let mut eval = eval?;
     // A code task is scored by its judge: `code_accepted` is always there.
-    if raw.code.is_some()
+    if (raw.code.is_some() || raw.kind.as_deref() == Some("code"))
         && !eval
             .metrics
             .iter()
@@ -595,18 +595,80 @@ fn task(mut raw: RawTask, dir: &Path, p: &mut Problems<'_>) -> Option<TaskConfig
         Some(n) if (1..=10_000).contains(&n) => n,
         Some(n) => return p.push("task.n", format!("must be between 1 and 10000, got {n}")),
     };
-    let code = match raw.code {
-        None => None,
-        Some(value) => Some(code(&value, p)?),
-    };
+    let kind = task_kind(raw.kind.as_deref(), raw.code, raw.refine, p)?;
     Some(TaskConfig {
+        kind,
         messages: messages?,
         params,
         stream: raw.stream.unwrap_or(false),
         samples,
-        code,
         eval,
     })
+}
+
+/// `task.kind` with the settings of its kind (`task.code`, `task.refine`).
+fn task_kind(
+    kind: Option<&str>,
+    code: Option<Value>,
+    refine: Option<Value>,
+    p: &mut Problems<'_>,
+) -> Option<TaskKind> {
+    const KINDS: &str = "chat, code or refine";
+    let kind = match kind {
+        Some(kind) => kind,
+        None if code.is_some() => "code",
+        None if refine.is_some() => "refine",
+        None => "chat",
+    };
+    let misplaced = |key: &str, p: &mut Problems<'_>| {
+        p.push::<()>(
+            &format!("task.{key}"),
+            format!("belongs to kind: {key}, not kind: {kind}"),
+        )
+    };
+    if kind != "code" && code.is_some() {
+        misplaced("code", p);
+    }
+    if kind != "refine" && refine.is_some() {
+        misplaced("refine", p);
+    }
+    match kind {
+        "chat" => Some(TaskKind::Chat),
+        "code" => match code {
+            Some(value) => Some(TaskKind::Code(self::code(&value, p)?)),
+            None => p.push(
+                "task.code",
+                "is required with kind: code (how answers are judged as programs)",
+            ),
+        },
+        "refine" => {
+            let raw = match &refine {
+                Some(value) => raw::section::<raw::RawRefine>(value, "task.refine", p.0)?,
+                None => raw::RawRefine::default(),
+            };
+            let prompt = raw
+                .prompt
+                .unwrap_or_else(|| super::REFINE_PROMPT.to_owned());
+            if let Err(err) = minijinja::Environment::new().template_from_str(&prompt) {
+                return p.push(
+                    "task.refine.prompt",
+                    format!("is not a valid template: {err}"),
+                );
+            }
+            let rounds = match raw.rounds {
+                None => 1,
+                Some(n) if (1..=20).contains(&n) => n,
+                Some(n) => {
+                    return p.push(
+                        "task.refine.rounds",
+                        format!("must be between 1 and 20, got {n}"),
+                    );
+                }
+            };
+            Some(TaskKind::Refine(super::RefineSettings { prompt, rounds }))
+        }
+        other => p.push("task.kind", format!("must be {KINDS}, got '{other}'")),
+    }
 }
 
 fn retry(raw: RawRetry, p: &mut Problems<'_>) -> Option<RetryPolicy> {

@@ -11,7 +11,10 @@ pub mod text;
 
 use evalfleet_types::{Assessment, Score, Scores, Verdict};
 use minijinja::{Environment, UndefinedBehavior};
-use serde_json::{Map, Value};
+use serde_json::Value;
+
+/// An item's fields (a dataset row).
+type Row = serde_json::Map<String, Value>;
 
 pub use metrics::Metric;
 pub use parse::Parser;
@@ -199,7 +202,7 @@ impl Evaluator {
     /// Scores a valid answer against the item (`item_json`: the input row):
     /// metric key → its item score. A metric whose reference cannot be
     /// rendered for this item scores `{"error": ...}`.
-    pub fn score(&self, checked: &Checked, item: &Value) -> Scores {
+    pub fn score(&self, checked: &Checked, item: &Row) -> Scores {
         let mut out = Scores::new();
         let Some(answer) = checked.parsed.as_ref().filter(|_| checked.valid) else {
             return out;
@@ -217,7 +220,7 @@ impl Evaluator {
         out
     }
 
-    fn references(&self, i: usize, m: &MetricSpec, item: &Value) -> Result<Vec<Value>, String> {
+    fn references(&self, i: usize, m: &MetricSpec, item: &Row) -> Result<Vec<Value>, String> {
         if m.reference.is_none() {
             return Ok(Vec::new());
         }
@@ -248,7 +251,7 @@ impl Evaluator {
     pub fn rescore(
         &self,
         output: &str,
-        item: &Value,
+        item: &Row,
         reasks: u32,
         only: Option<&[String]>,
         keep: &Scores,
@@ -297,7 +300,7 @@ impl Evaluator {
     /// The calls the judge metrics need for a valid answer: the rubric
     /// rendered over the item's fields, `answer` and `reference`, as one
     /// user message.
-    pub fn judge_requests(&self, checked: &Checked, item: &Value) -> Vec<JudgeRequest> {
+    pub fn judge_requests(&self, checked: &Checked, item: &Row) -> Vec<JudgeRequest> {
         let Some(answer) = checked.parsed.as_ref().filter(|_| checked.valid) else {
             return Vec::new();
         };
@@ -306,10 +309,7 @@ impl Evaluator {
             let metrics::Kind::Judge { endpoint, .. } = &m.metric.kind else {
                 continue;
             };
-            let mut context = match item {
-                Value::Object(map) => map.clone(),
-                _ => Map::new(),
-            };
+            let mut context = item.clone();
             context.insert("answer".to_owned(), Value::String(metrics::as_text(answer)));
             let reference = self
                 .references(i, m, item)

@@ -8,6 +8,7 @@
 
 pub mod aimd;
 pub mod breaker;
+pub mod call;
 pub mod engine;
 pub mod gpu;
 pub mod limit;

@@ -117,8 +117,10 @@ pub struct Fleet {
     events: Option<mpsc::UnboundedReceiver<FleetEvent>>,
     /// Stops the endpoints' keepers.
     stop: CancellationToken,
-    /// Stops the housekeeping, once the keepers are done.
-    housekeeping: Option<(CancellationToken, tokio::task::JoinHandle<()>)>,
+    /// The housekeeping's tasks (apart from the keepers': it outlives them
+    /// to store their last events), and what stops it.
+    housekeeping: TaskTracker,
+    housekeeping_done: CancellationToken,
 }
 
 impl Fleet {
@@ -144,7 +146,8 @@ impl Fleet {
             }),
             events: Some(receiver),
             stop: CancellationToken::new(),
-            housekeeping: None,
+            housekeeping: TaskTracker::new(),
+            housekeeping_done: CancellationToken::new(),
         }
     }
 
@@ -163,17 +166,17 @@ impl Fleet {
             }
         }
         if let Some(events) = self.events.take() {
-            let done = CancellationToken::new();
             let housekeeping = housekeep(
                 self.shared.clone(),
                 self.endpoints.clone(),
                 run_id.to_owned(),
                 store,
                 events,
-                done.clone(),
+                self.housekeeping_done.clone(),
                 self.stop.clone(),
+                self.housekeeping.clone(),
             );
-            self.housekeeping = Some((done, tokio::spawn(housekeeping)));
+            self.housekeeping.spawn(housekeeping);
         }
     }
 
@@ -197,10 +200,9 @@ impl Fleet {
         self.stop.cancel();
         self.shared.tracker.close();
         self.shared.tracker.wait().await;
-        if let Some((done, task)) = self.housekeeping {
-            done.cancel();
-            let _ = task.await;
-        }
+        self.housekeeping_done.cancel();
+        self.housekeeping.close();
+        self.housekeeping.wait().await;
     }
 }
 
@@ -766,6 +768,7 @@ async fn gpu_refusal(shared: &Shared, engine: &Engine, devices: &str) -> Option<
 
 /// Every second: fleet changes, snapshots, events, and whether any endpoint
 /// is left.
+#[allow(clippy::too_many_arguments)]
 async fn housekeep(
     shared: Arc<Shared>,
     endpoints: Vec<Arc<Endpoint>>,
@@ -774,6 +777,7 @@ async fn housekeep(
     mut events: mpsc::UnboundedReceiver<FleetEvent>,
     stop: CancellationToken,
     fleet_stop: CancellationToken,
+    tracker: TaskTracker,
 ) {
     let mut store = Some(store);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -821,29 +825,30 @@ async fn housekeep(
         };
         let id = run_id.clone();
         let after = mailbox;
-        let result = tokio::task::spawn_blocking(move || {
-            let events: Vec<Event> = pending
-                .iter()
-                .map(|event| Event {
-                    at_ms: event.at_ms,
-                    kind: event.kind,
-                    endpoint: Some(event.endpoint.clone()),
-                    message: event.message.clone(),
-                })
-                .collect();
-            let outcome = owned
-                .add_events(&id, &events)
-                .and_then(|()| owned.put_endpoint_states(&id, &snapshots))
-                .and_then(|()| owned.fleet_changes(&id, after.unwrap_or(0)))
-                .map(|changes| {
-                    let seen = changes.last().map_or(after.unwrap_or(0), |c| c.id);
-                    // The first look only learns where the mailbox is:
-                    // changes posted before this session are not for it.
-                    (seen, if after.is_some() { changes } else { Vec::new() })
-                });
-            (owned, outcome)
-        })
-        .await;
+        let result = tracker
+            .spawn_blocking(move || {
+                let events: Vec<Event> = pending
+                    .iter()
+                    .map(|event| Event {
+                        at_ms: event.at_ms,
+                        kind: event.kind,
+                        endpoint: Some(event.endpoint.clone()),
+                        message: event.message.clone(),
+                    })
+                    .collect();
+                let outcome = owned
+                    .add_events(&id, &events)
+                    .and_then(|()| owned.put_endpoint_states(&id, &snapshots))
+                    .and_then(|()| owned.fleet_changes(&id, after.unwrap_or(0)))
+                    .map(|changes| {
+                        let seen = changes.last().map_or(after.unwrap_or(0), |c| c.id);
+                        // The first look only learns where the mailbox is:
+                        // changes posted before this session are not for it.
+                        (seen, if after.is_some() { changes } else { Vec::new() })
+                    });
+                (owned, outcome)
+            })
+            .await;
         let changes = match result {
             Ok((owned, outcome)) => {
                 store = Some(owned);

@@ -35,6 +35,28 @@ pub struct Outcome {
     pub cache: Option<CacheEntry>,
 }
 
+impl Outcome {
+    /// An attempt alone (its item goes on).
+    pub fn attempt(claim: ClaimId, attempt: AttemptRecord) -> Self {
+        Self {
+            claim,
+            attempt: Some(attempt),
+            result: None,
+            cache: None,
+        }
+    }
+
+    /// What an item carried from its last call, sent before it goes on.
+    pub fn carried(claim: ClaimId, carry: super::dispatch::Carry) -> Self {
+        Self {
+            claim,
+            attempt: carry.attempt,
+            result: None,
+            cache: carry.cache,
+        }
+    }
+}
+
 /// What the writer receives: one outcome (an attempt task), or many at
 /// once (the reader's cache hits, a page at a time, so that the writer
 /// wakes once per page rather than once per item).

@@ -122,7 +122,8 @@ impl ResponseCache for SqliteStore {
         let hits: i64 = self
             .conn
             .query_row(
-                "SELECT COUNT(*) FROM attempts WHERE cached = 1",
+                "SELECT (SELECT COUNT(*) FROM attempts WHERE cached = 1)
+                      + (SELECT COALESCE(SUM(cached), 0) FROM results)",
                 [],
                 |row| row.get(0),
             )

@@ -239,8 +239,8 @@ impl WorkQueue for SqliteStore {
                 .prepare_cached(
                     "INSERT INTO attempts (rid, seq, attempt, session, endpoint, model, sent_at, latency_ms,
                          ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, http_status,
-                         error_class, error, cached)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)",
+                         error_class, error)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
                 )
                 .map_err(db_err("cannot prepare the attempt insert"))?;
             for (claim, a) in &batch.attempts {
@@ -267,7 +267,6 @@ impl WorkQueue for SqliteStore {
                         a.http_status,
                         a.error_class.map(ErrorClass::as_str),
                         a.error,
-                        a.cached,
                     ])
                     .map_err(db_err("cannot record an attempt"))?;
             }
@@ -304,9 +303,9 @@ impl WorkQueue for SqliteStore {
                 .prepare_cached(
                     "INSERT INTO results (rid, seq, item_id, status, output, error, endpoint, model, attempts,
                          latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, item,
-                         finished_at, parsed, verdict, check_error, scores, reasks, judge)
+                         finished_at, parsed, verdict, check_error, scores, reasks, judge, cached)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17,
-                             ?18, ?19, ?20, ?21, ?22, ?23)",
+                             ?18, ?19, ?20, ?21, ?22, ?23, ?24)",
                 )
                 .map_err(db_err("cannot prepare the result insert"))?;
             for (claim, r) in &batch.results {
@@ -351,6 +350,7 @@ impl WorkQueue for SqliteStore {
                         scores,
                         reasks,
                         judge,
+                        r.cached,
                     ])
                     .map_err(db_err("cannot record a result"))?;
                 match r.status {

@@ -169,8 +169,12 @@ CREATE TABLE claims (
 CREATE INDEX claims_by_run ON claims (rid, first_seq);
 ";
 
+/// 5: calls answered from the cache are counted with their item's result,
+/// not stored as attempts of their own.
+const CACHED_CALLS: &str = "ALTER TABLE results ADD COLUMN cached INTEGER NOT NULL DEFAULT 0;";
+
 /// The schema version a store has once every migration ran.
-pub const VERSION: usize = 4;
+pub const VERSION: usize = 5;
 
 pub fn migrations() -> Migrations<'static> {
     Migrations::new(vec![
@@ -178,6 +182,7 @@ pub fn migrations() -> Migrations<'static> {
         M::up(ASSESSMENTS_AND_CACHE),
         M::up(CODE_JUDGEMENT),
         M::up(WORKERS_AND_CLAIMS),
+        M::up(CACHED_CALLS),
     ])
 }
 

@@ -8,7 +8,7 @@ use evalfleet_core::dataset::Scanner;
 use evalfleet_core::fleet::gpu::{self, GpuReport};
 use evalfleet_core::fleet::runtime::MockStarter;
 use evalfleet_core::fleet::{LimitMode, runtime::health_url};
-use evalfleet_core::pipeline::CodeJudge;
+use evalfleet_core::task::code::CodeJudge;
 use evalfleet_core::template::Templates;
 
 use crate::fleet::InProcessMocks;
@@ -137,7 +137,7 @@ pub async fn check(args: crate::cli::CheckArgs) -> anyhow::Result<u8> {
         println!("{head}, {url}: {line}");
     }
     drop(guards);
-    if let Some(settings) = &config.task.code {
+    if let Some(settings) = config.task.kind.code() {
         // The judge starts as a run starts it: its sandbox made, and a
         // trivial program of the task's language run in it.
         let dir = std::env::temp_dir().join(format!("evalfleet-check-{}", std::process::id()));

@@ -36,6 +36,9 @@ pub async fn mock(args: MockArgs) -> anyhow::Result<u8> {
     let mut interrupt = signal(SignalKind::interrupt())?;
     let mut terminate = signal(SignalKind::terminate())?;
     let stop = shutdown.clone();
+    // Outside any run: the signal watcher of `evalfleet mock`, which ends
+    // with the process.
+    #[allow(clippy::disallowed_methods)]
     tokio::spawn(async move {
         tokio::select! {
             _ = interrupt.recv() => {}

@@ -80,7 +80,7 @@ pub async fn score(args: ScoreArgs) -> anyhow::Result<u8> {
         != run.config.get("task").and_then(|t| t.get("code"));
     let loaded = config::load_snapshot(&snapshot, Path::new(&run.config_dir))?;
     let eval = evaluator(&loaded)?;
-    let rejudge = match &loaded.config.task.code {
+    let rejudge = match loaded.config.task.kind.code() {
         Some(_) => args.rejudge || code_changed,
         None if args.rejudge => {
             return Err(UsageError(format!(
@@ -150,13 +150,13 @@ pub async fn score(args: ScoreArgs) -> anyhow::Result<u8> {
     let mut bad_rows = 0u64;
     let mut lookup_error = None;
     for r in &stored {
-        let item: Value = r
+        let item: evalfleet_core::dataset::Row = r
             .item
             .as_deref()
             .and_then(|t| serde_json::from_str(t).ok())
             .unwrap_or_else(|| {
                 bad_rows += 1;
-                Value::Null
+                Map::new()
             });
         let output = r.output.as_deref().unwrap_or("");
         let new = eval.rescore(
@@ -178,14 +178,14 @@ pub async fn score(args: ScoreArgs) -> anyhow::Result<u8> {
             },
         );
         if rejudge && new.verdict == Some(Verdict::Ok) {
-            programs.push((judged.len() as u64, item, output.to_owned()));
+            programs.push((judged.len() as u64, Value::Object(item), output.to_owned()));
         }
         judged.push((r.seq, new));
     }
     if let Some(err) = lookup_error {
         return Err(err.into());
     }
-    if rejudge && let (Some(settings), Some(key)) = (&loaded.config.task.code, code_key) {
+    if rejudge && let (Some(settings), Some(key)) = (loaded.config.task.kind.code(), code_key) {
         let started = std::time::Instant::now();
         let count = programs.len();
         let sandbox = super::sandbox_dir(&location, &format!("{}-score", args.run_id));
@@ -346,7 +346,7 @@ async fn rejudge_code(
     programs: Vec<(u64, Value, String)>,
     judged: &mut [(u64, Assessment)],
 ) -> anyhow::Result<()> {
-    let code = evalfleet_core::pipeline::CodeJudge::start(settings, sandbox).await?;
+    let code = evalfleet_core::task::code::CodeJudge::start(settings, sandbox).await?;
     for (place, json, score) in code.judge_again(programs).await {
         let Some((_, j)) = usize::try_from(place).ok().and_then(|i| judged.get_mut(i)) else {
             continue;

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use evalfleet_core::config::{self, Config, LoadedConfig, Overrides};
 use evalfleet_core::fleet::runtime::{Fleet, GpuPolicy};
-use evalfleet_core::pipeline::PipelineError;
+use evalfleet_core::pipeline::{OpenStore, PipelineError};
 use evalfleet_core::run::{self, SessionPlan, SessionReport};
 use evalfleet_core::store::prelude::*;
 use evalfleet_core::template::Templates;
@@ -182,7 +182,10 @@ async fn execute(session: Session) -> anyhow::Result<u8> {
             .filter(|_| plan.config.cache.mode != evalfleet_core::cache::CacheMode::Off),
     };
     drop(store);
-    let store = evalfleet_store::open(&location, &with_cache)?;
+    let open: Arc<OpenStore> = {
+        let location = location.clone();
+        Arc::new(move || evalfleet_store::open(&location, &with_cache))
+    };
     fleet.start(
         &run_id,
         evalfleet_store::open(&location, &OpenOptions::default())?,
@@ -195,10 +198,11 @@ async fn execute(session: Session) -> anyhow::Result<u8> {
         ui::Mode::pick(quiet),
     );
     let stop = CancellationToken::new();
+    // Outside the run's tasks: aborted once the session has ended.
+    #[allow(clippy::disallowed_methods)]
     let signals = tokio::spawn(watch_signals(stop.clone(), grace, run_id.clone()));
-    let reader_store = evalfleet_store::open(&location, &with_cache)?;
     let span = tracing::info_span!("run", id = %run_id);
-    let result = run::run_session(plan, prepared, store, reader_store, stop)
+    let result = run::run_session(plan, prepared, open, stop)
         .instrument(span)
         .await;
     // The rate counts the session, not the time engines take to stop.

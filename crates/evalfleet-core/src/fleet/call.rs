@@ -1,0 +1,289 @@
+//! The one path of every model call: an item's answer, a re-ask, an LLM
+//! judge's call, a turn of a longer task all go the same way.
+//!
+//! An endpoint's dispatcher takes a slot of its [`ConcurrencyLimit`] when
+//! the endpoint takes calls ([`admit`]), then the next call waiting for it,
+//! then a token of its rate limits ([`pace`]); [`send`] makes the call under
+//! its timeout, classifies the outcome, and feeds it back to the limit (its
+//! round trip or back pressure), the breaker (health), the rate learner and
+//! quota pauses, and the endpoint's counters. [`Exchange::record`] is what
+//! the store keeps of it.
+//!
+//! [`ConcurrencyLimit`]: super::ConcurrencyLimit
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, SystemTime};
+
+use evalfleet_types::{AttemptRecord, ErrorClass, Telemetry, ms, unix_ms};
+use serde_json::value::RawValue;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::runtime::FleetHandle;
+use super::{Endpoint, Permit, Signal};
+use crate::client::{CallError, ChatClient, Completion, Timing};
+
+/// Waits until `endpoint` takes calls and one of its slots is free;
+/// `None` once `halt` is cancelled.
+pub async fn admit(endpoint: &Endpoint, halt: &CancellationToken) -> Option<Permit> {
+    loop {
+        if !endpoint.wait_accepting(halt).await {
+            return None;
+        }
+        let permit = tokio::select! {
+            biased;
+            () = halt.cancelled() => return None,
+            permit = endpoint.limit.acquire() => permit,
+        };
+        if endpoint.accepting() {
+            return Some(permit);
+        }
+    }
+}
+
+/// What a call of `messages` costs the endpoint's token budget: its prompt
+/// (about 4 bytes a token) and the completion it may use.
+pub fn cost(messages: &RawValue, max_tokens: u64) -> u64 {
+    messages.get().len() as u64 / 4 + max_tokens
+}
+
+/// Waits for a token of `endpoint`'s rate limits worth `cost`; `false` once
+/// `halt` is cancelled.
+pub async fn pace(endpoint: &Endpoint, cost: u64, halt: &CancellationToken) -> bool {
+    tokio::select! {
+        biased;
+        () = halt.cancelled() => false,
+        () = endpoint.rate.acquire(cost) => true,
+    }
+}
+
+/// What a call came to.
+pub enum Exchange {
+    /// Abandoned at shutdown: nothing is recorded of it.
+    Abandoned,
+    /// The endpoint stopped taking calls while this one was in flight: it
+    /// was cut off, through no fault of the call, to go elsewhere.
+    Moved { sent_at: SystemTime },
+    /// The endpoint answered, failed, or took too long.
+    Done {
+        result: Result<Completion, CallError>,
+        timing: Timing,
+        /// It said no because of its quota (429, or 503 with
+        /// `Retry-After`): the call did nothing wrong.
+        rate_limited: bool,
+    },
+}
+
+/// A call ready to go: the endpoint, its client, the slot it holds and the
+/// rate token it took.
+pub struct Call {
+    pub endpoint: Arc<Endpoint>,
+    pub client: Arc<ChatClient>,
+    pub permit: Permit,
+    /// The token cost taken from the endpoint's rate limits.
+    pub cost: u64,
+}
+
+/// Makes `call` with `messages` for at most `limit` (or until `abort`), and
+/// feeds what happened back to the endpoint and the fleet.
+pub async fn send(
+    call: Call,
+    messages: &RawValue,
+    limit: Duration,
+    abort: &CancellationToken,
+    fleet: &FleetHandle,
+) -> Exchange {
+    let Call {
+        endpoint,
+        client,
+        permit,
+        cost,
+    } = call;
+    let counters = &endpoint.counters;
+    counters.in_flight.fetch_add(1, Ordering::Relaxed);
+    counters.attempts.fetch_add(1, Ordering::Relaxed);
+    endpoint.started();
+    let sent_at = SystemTime::now();
+    let evicted = endpoint.eviction();
+    let ended = tokio::select! {
+        biased;
+        () = abort.cancelled() => None,
+        () = evicted.cancelled() => Some(None),
+        timed = tokio::time::timeout(limit, client.complete(messages)) => Some(Some(timed)),
+    };
+    counters.in_flight.fetch_sub(1, Ordering::Relaxed);
+    let timed = match ended {
+        None => return Exchange::Abandoned,
+        Some(None) => return Exchange::Moved { sent_at },
+        Some(Some(timed)) => timed,
+    };
+    let (result, timing, quota) = match timed {
+        Ok(outcome) => (outcome.result, outcome.timing, outcome.quota),
+        Err(_) => (
+            Err(CallError::Timeout(limit)),
+            Timing {
+                sent_at,
+                ttft: None,
+                latency: limit,
+            },
+            None,
+        ),
+    };
+
+    // What the outcome teaches the fleet. Once calls are paced, a 429 means
+    // the pace is a little high, not that too many calls are in flight.
+    let rate_limited = result.as_ref().err().is_some_and(|err| {
+        err.http_status() == Some(429)
+            || (err.http_status() == Some(503) && err.retry_after().is_some())
+    });
+    let signal = if rate_limited && endpoint.rate.paces() {
+        Signal::Neutral
+    } else {
+        signal(&result, &timing)
+    };
+    if let Some(decision) = permit.finish(signal) {
+        tracing::debug!(
+            "Concurrency limit {} -> {} ({}).",
+            decision.from,
+            decision.to,
+            decision.reason.as_str()
+        );
+    }
+    let transition = endpoint.on_call(health(&result));
+    if transition.is_some() {
+        let why = result
+            .as_ref()
+            .err()
+            .map_or_else(String::new, ToString::to_string);
+        fleet.call_transition(&endpoint, transition, &why);
+    }
+    let now = Instant::now();
+    match &result {
+        Ok(completion) => {
+            counters.successes.fetch_add(1, Ordering::Relaxed);
+            endpoint.rate.on_success(now);
+            if let (Some(prompt), Some(completion)) =
+                (completion.prompt_tokens, completion.completion_tokens)
+            {
+                endpoint.rate.correct(cost, prompt + completion);
+            }
+        }
+        Err(err) => {
+            counters.error(err.class());
+            if rate_limited {
+                for event in endpoint.rate.on_rate_limited(now, err.retry_after()) {
+                    fleet.rate_event(&endpoint, event);
+                }
+            }
+        }
+    }
+    if let Some(quota) = &quota
+        && let Some(event) = endpoint.rate.observe(now, quota)
+    {
+        fleet.rate_event(&endpoint, event);
+    }
+    Exchange::Done {
+        result,
+        timing,
+        rate_limited,
+    }
+}
+
+impl Exchange {
+    /// What the store keeps of this call to `endpoint`: attempt `number` of
+    /// item `seq` in `session` (`None` when it was abandoned).
+    pub fn record(
+        &self,
+        endpoint: &Endpoint,
+        seq: u64,
+        number: u32,
+        session: u32,
+    ) -> Option<AttemptRecord> {
+        let (sent_at, telemetry, http_status, error_class, error) = match self {
+            Self::Abandoned => return None,
+            Self::Moved { sent_at } => (
+                *sent_at,
+                Telemetry {
+                    endpoint: endpoint.name.clone(),
+                    model: endpoint.model.clone(),
+                    latency_ms: ms(sent_at.elapsed().unwrap_or_default()),
+                    ..Telemetry::default()
+                },
+                None,
+                None,
+                Some(format!(
+                    "moved to another endpoint: {} stopped taking items",
+                    endpoint.name
+                )),
+            ),
+            Self::Done { result, timing, .. } => {
+                let (completion_tokens, prompt_tokens, finish_reason, status) = match result {
+                    Ok(c) => (
+                        c.completion_tokens,
+                        c.prompt_tokens,
+                        c.finish_reason.clone(),
+                        Some(c.http_status),
+                    ),
+                    Err(err) => (None, None, None, err.http_status()),
+                };
+                (
+                    timing.sent_at,
+                    Telemetry {
+                        endpoint: endpoint.name.clone(),
+                        model: endpoint.model.clone(),
+                        latency_ms: ms(timing.latency),
+                        ttft_ms: timing.ttft.map(ms),
+                        tpot_ms: timing.tpot(completion_tokens).map(ms),
+                        prompt_tokens,
+                        completion_tokens,
+                        finish_reason,
+                    },
+                    status,
+                    result.as_ref().err().map(CallError::class),
+                    result.as_ref().err().map(ToString::to_string),
+                )
+            }
+        };
+        Some(AttemptRecord {
+            seq,
+            attempt: number,
+            session,
+            sent_at_ms: unix_ms(sent_at),
+            telemetry,
+            http_status,
+            error_class,
+            error,
+        })
+    }
+}
+
+/// What a call's outcome says to the concurrency controller: only round
+/// trips of successful calls, and back pressure (including refused
+/// connections).
+fn signal(result: &Result<Completion, CallError>, timing: &Timing) -> Signal {
+    match result {
+        Ok(_) => Signal::Success(timing.ttft.unwrap_or(timing.latency)),
+        Err(CallError::Connect(_)) => Signal::BackPressure,
+        Err(err) if err.class() == ErrorClass::BackPressure => Signal::BackPressure,
+        Err(_) => Signal::Neutral,
+    }
+}
+
+/// What a call's outcome says about the endpoint's health: `None` when it
+/// says nothing (the endpoint is up but said no: 4xx, 429, 503).
+fn health(result: &Result<Completion, CallError>) -> Option<bool> {
+    match result {
+        Ok(_) => Some(true),
+        Err(
+            CallError::Connect(_)
+            | CallError::Transport(_)
+            | CallError::Timeout(_)
+            | CallError::Truncated
+            | CallError::BadResponse(_),
+        ) => Some(false),
+        Err(CallError::Status { status, .. }) => {
+            (*status >= 500 && *status != 503).then_some(false)
+        }
+    }
+}

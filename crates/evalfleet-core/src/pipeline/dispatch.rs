@@ -1,0 +1,411 @@
+//! The calls of a session: each endpoint's dispatcher pulls the next call
+//! when it has a free slot, an attempt makes it on the fleet's call path
+//! and hands the reply to the item's task, and [`drive`] follows the task's
+//! steps until the item waits for its next call or ends. Failed calls are
+//! retried here, with the one retry policy.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use evalfleet_types::{AttemptRecord, CacheEntry, ErrorClass};
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
+
+use super::Shared;
+use super::item::Item;
+use super::writer::Outcome;
+use crate::fleet::call::{self, Call, Exchange};
+use crate::fleet::{Endpoint, Phase};
+use crate::store::Store;
+use crate::task::{Reply, Request, Step, Target};
+
+/// A cache lookup for the lookup thread: a key, and where its entry goes.
+pub struct Lookup {
+    key: String,
+    reply: oneshot::Sender<Option<CacheEntry>>,
+}
+
+/// Starts the thread that looks requests up in the cache for calls after an
+/// item's first (its first is looked up by the reader, a page at a time),
+/// with a store connection of its own; it ends with the session.
+pub fn cache_lookups(
+    mut store: Box<dyn Store>,
+    since_ms: i64,
+    tracker: &TaskTracker,
+) -> mpsc::UnboundedSender<Lookup> {
+    let (tx, mut rx) = mpsc::unbounded_channel::<Lookup>();
+    tracker.spawn_blocking(move || {
+        while let Some(Lookup { key, reply }) = rx.blocking_recv() {
+            let entry = store.cache_get(&key, since_ms).unwrap_or_else(|err| {
+                tracing::warn!("Cannot read the cache (the call is made): {err}.");
+                None
+            });
+            let _ = reply.send(entry);
+        }
+    });
+    tx
+}
+
+/// What an attempt leaves for the writer when the item goes on: its record
+/// and the answer for the cache, sent with whatever the item sends next.
+#[derive(Default)]
+pub struct Carry {
+    pub attempt: Option<AttemptRecord>,
+    pub cache: Option<CacheEntry>,
+}
+
+impl Carry {
+    fn is_empty(&self) -> bool {
+        self.attempt.is_none() && self.cache.is_none()
+    }
+}
+
+/// One endpoint's dispatcher: while the endpoint takes calls, each free slot
+/// takes the next call for it (addressed to it first, then any item's),
+/// once its rate limits allow.
+pub async fn dispatch(
+    shared: Arc<Shared>,
+    endpoint: Arc<Endpoint>,
+    mut inbox: mpsc::UnboundedReceiver<Item>,
+) {
+    // Judge endpoints take no items, only calls addressed to them.
+    let takes_items = !endpoint.config.judge;
+    loop {
+        let permit = tokio::select! {
+            permit = call::admit(&endpoint, &shared.halt) => match permit {
+                Some(permit) => permit,
+                None => return,
+            },
+            // Calls waiting for an endpoint that is out of the run fail.
+            () = tokio::time::sleep(Duration::from_secs(1)), if endpoint.phase() == Phase::Excluded => {
+                while let Ok(item) = inbox.try_recv() {
+                    let reason = format!("endpoint {} is out of the run", endpoint.name);
+                    shared.tracker.spawn(fail_call(shared.clone(), item, reason));
+                }
+                continue;
+            }
+        };
+        let item = tokio::select! {
+            biased;
+            () = shared.halt.cancelled() => return,
+            Some(item) = inbox.recv() => item,
+            item = shared.backlog.next(&shared.halt), if takes_items => match item {
+                Some(item) => item,
+                None => return,
+            },
+        };
+        let Some(request) = &item.request else {
+            // An item in a queue always waits for a call.
+            continue;
+        };
+        let cost = call::cost(&request.messages, shared.max_tokens);
+        if !call::pace(&endpoint, cost, &shared.halt).await {
+            // The item stays pending for a resume.
+            return;
+        }
+        let client = match endpoint.client() {
+            Some(client) if endpoint.accepting() => client,
+            _ => {
+                // It stopped taking calls while this one waited: the call
+                // goes back to be made elsewhere (or here, later).
+                requeue(&shared, item);
+                continue;
+            }
+        };
+        // A debug span costs nothing unless debug logging is on.
+        let span = tracing::debug_span!("item", id = %item.item_id, attempt = item.number());
+        let call = Call {
+            endpoint: endpoint.clone(),
+            client,
+            permit,
+            cost,
+        };
+        shared.tracker.spawn(tracing::Instrument::instrument(
+            attempt(shared.clone(), call, item),
+            span,
+        ));
+    }
+}
+
+/// Puts an item back in the queue of its call's target; when the target
+/// cannot take it, the call fails (in a task of its own).
+pub fn requeue(shared: &Arc<Shared>, item: Item) {
+    if let Err(refused) = route(shared, item) {
+        let (item, reason) = *refused;
+        shared
+            .tracker
+            .spawn(fail_call(shared.clone(), item, reason));
+    }
+}
+
+/// The call an item waits for cannot be made, for `reason`.
+async fn fail_call(shared: Arc<Shared>, mut item: Item, reason: String) {
+    if let Some(request) = item.request.take() {
+        let step = item.next(request, Reply::Failed(reason));
+        drive(&shared, item, step, Carry::default()).await;
+    }
+}
+
+/// Queues an item (which waits for `item.request`) for its target; gives it
+/// back, with why, when the target cannot take it (no such endpoint, or one
+/// out of the run).
+pub fn route(shared: &Shared, item: Item) -> Result<(), Box<(Item, String)>> {
+    let target = match &item.request {
+        Some(request) => request.target.clone(),
+        None => return Err(Box::new((item, "the item waits for no call".to_owned()))),
+    };
+    match target {
+        Target::Items => {
+            shared.backlog.retry(item);
+            Ok(())
+        }
+        Target::Endpoint(name) => {
+            let Some(queue) = shared.direct.get(&*name) else {
+                return Err(Box::new((
+                    item,
+                    format!("no endpoint '{name}' in this run"),
+                )));
+            };
+            if shared
+                .endpoints
+                .get(&*name)
+                .is_some_and(|e| e.phase() == Phase::Excluded)
+            {
+                return Err(Box::new((
+                    item,
+                    format!("endpoint {name} is out of the run"),
+                )));
+            }
+            queue
+                .send(item)
+                .map_err(|e| Box::new((e.0, format!("endpoint {name} takes no more calls"))))
+        }
+    }
+}
+
+/// One call for one item, and what follows from its outcome.
+async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
+    let Some(request) = item.request.take() else {
+        return;
+    };
+    let endpoint = call.endpoint.clone();
+    let answers_item = request.target == Target::Items;
+    let number = item.number();
+    let now = Instant::now();
+    // An item's answer is bounded by its deadline too.
+    let limit = if answers_item {
+        let first = *item.first_sent.get_or_insert(now);
+        endpoint
+            .timeout
+            .min(shared.item_timeout.saturating_sub(now - first))
+            .max(Duration::from_millis(1))
+    } else {
+        endpoint.timeout
+    };
+    if answers_item {
+        item.attempts += 1;
+    } else {
+        item.excused += 1;
+    }
+    item.tries += 1;
+    let exchange = call::send(call, &request.messages, limit, &shared.abort, &shared.fleet).await;
+    let Some(mut record) = exchange.record(&endpoint, item.seq, number, shared.session) else {
+        // Abandoned at shutdown: nothing is recorded and the item stays
+        // pending.
+        return;
+    };
+    let claim = item.claim;
+    match exchange {
+        Exchange::Abandoned => {}
+        Exchange::Moved { .. } => {
+            // Not the item's fault: the attempt is recorded but does not
+            // count, and another endpoint takes the call now.
+            if answers_item {
+                item.attempts -= 1;
+                item.excused += 1;
+            }
+            item.tries -= 1;
+            item.request = Some(request);
+            if shared.send(Outcome::attempt(claim, record)).await && !shared.halt.is_cancelled() {
+                requeue(&shared, item);
+            }
+        }
+        Exchange::Done {
+            result: Ok(completion),
+            ..
+        } => {
+            if answers_item {
+                item.answer = Some(record.telemetry.clone());
+            }
+            item.tries = 0;
+            let cache = shared
+                .cache
+                .entry(&request, &completion.content, &record.telemetry);
+            let step = item.next(request, Reply::Answer(completion.content));
+            if let Step::Call(next) = &step
+                && let Some(note) = &next.rejected
+            {
+                // A re-ask: the call succeeded, so it does not count.
+                record.error_class = Some(ErrorClass::InvalidAnswer);
+                record.error = Some(note.clone());
+                item.attempts -= 1;
+                item.excused += 1;
+                shared.progress.retries.fetch_add(1, Ordering::Relaxed);
+            }
+            let carry = Carry {
+                attempt: Some(record),
+                cache,
+            };
+            drive(&shared, item, step, carry).await;
+        }
+        Exchange::Done {
+            result: Err(err),
+            rate_limited,
+            ..
+        } => {
+            if answers_item {
+                item.answer = Some(record.telemetry.clone());
+            }
+            if rate_limited {
+                // The endpoint paces the run; the item did nothing wrong.
+                // Its deadline bounds how long it may wait.
+                if answers_item {
+                    item.attempts -= 1;
+                    item.excused += 1;
+                }
+                item.tries -= 1;
+            }
+            let class = err.class();
+            let (spent, retry) = if answers_item {
+                (item.attempts, item.attempts)
+            } else {
+                (item.tries, item.tries)
+            };
+            let reason = if !class.is_retryable() {
+                err.to_string()
+            } else if spent >= shared.retry.max_attempts {
+                if answers_item {
+                    format!(
+                        "gave up after {} attempts: {err}",
+                        item.prior_attempts + item.attempts
+                    )
+                } else {
+                    err.to_string()
+                }
+            } else {
+                let wait = shared.retry.backoff(retry.max(1), err.retry_after());
+                let past_deadline = answers_item
+                    && item
+                        .first_sent
+                        .is_some_and(|first| first.elapsed() + wait >= shared.item_timeout);
+                if past_deadline {
+                    format!(
+                        "the item's deadline ({}) would pass before the next attempt: {err}",
+                        humantime::format_duration(shared.item_timeout)
+                    )
+                } else {
+                    tracing::debug!(error = %err, "Retrying in {wait:?}.");
+                    item.request = Some(request);
+                    let sent = shared.send(Outcome::attempt(claim, record)).await;
+                    if !sent || shared.halt.is_cancelled() {
+                        // Stopping: the item stays pending for a resume.
+                        return;
+                    }
+                    shared.progress.retries.fetch_add(1, Ordering::Relaxed);
+                    let retrier = shared.clone();
+                    shared.tracker.spawn(async move {
+                        tokio::select! {
+                            () = tokio::time::sleep(wait) => requeue(&retrier, item),
+                            () = retrier.halt.cancelled() => {}
+                        }
+                    });
+                    return;
+                }
+            };
+            item.tries = 0;
+            let step = item.next(request, Reply::Failed(reason));
+            let carry = Carry {
+                attempt: Some(record),
+                cache: None,
+            };
+            drive(&shared, item, step, carry).await;
+        }
+    }
+}
+
+/// Follows an item's steps: answers its calls from the cache while it
+/// can, runs its work, and queues it for its next call or hands on its
+/// result. `carry` goes to the writer with what the item sends next.
+pub async fn drive(shared: &Arc<Shared>, mut item: Item, mut step: Step, mut carry: Carry) {
+    loop {
+        step = match step {
+            Step::Finish(finish) => {
+                let claim = item.claim;
+                let (result, ended) = item.finish(finish);
+                let outcome = Outcome {
+                    claim,
+                    attempt: carry.attempt,
+                    result: Some(result),
+                    cache: carry.cache,
+                };
+                if shared.send(outcome).await {
+                    ended.count(&shared.progress);
+                }
+                return;
+            }
+            Step::Call(request) => {
+                if !carry.is_empty() {
+                    let sent = std::mem::take(&mut carry);
+                    if !shared.send(Outcome::carried(item.claim, sent)).await {
+                        return;
+                    }
+                }
+                if let Some(hit) = lookup(shared, &request).await {
+                    item.answered_from_cache(request, hit)
+                } else {
+                    item.request = Some(request);
+                    match route(shared, item) {
+                        Ok(()) => return,
+                        Err(refused) => {
+                            let (back, reason) = *refused;
+                            item = back;
+                            let Some(request) = item.request.take() else {
+                                return;
+                            };
+                            item.next(request, Reply::Failed(reason))
+                        }
+                    }
+                }
+            }
+            Step::Work(work) => {
+                if !carry.is_empty() {
+                    let sent = std::mem::take(&mut carry);
+                    if !shared.send(Outcome::carried(item.claim, sent)).await {
+                        return;
+                    }
+                }
+                let Ok(permit) = shared.work.clone().acquire_owned().await else {
+                    return;
+                };
+                let step = tokio::select! {
+                    step = work => step,
+                    // Abandoned at shutdown: the item stays pending.
+                    () = shared.abort.cancelled() => return,
+                };
+                drop(permit);
+                step
+            }
+        };
+    }
+}
+
+/// The cached answer to `request`, when the session reads the cache.
+async fn lookup(shared: &Shared, request: &Request) -> Option<CacheEntry> {
+    let key = shared.cache.lookup_key(request)?;
+    let lookups = shared.lookups.as_ref()?;
+    let (reply, entry) = oneshot::channel();
+    lookups.send(Lookup { key, reply }).ok()?;
+    entry.await.ok().flatten()
+}

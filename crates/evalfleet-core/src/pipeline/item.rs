@@ -1,0 +1,279 @@
+//! An item on its way through a session, and the queues endpoints pull
+//! items from: the backlog (fresh items from the reader, bounded so that
+//! the reader waits when the fleet is busy, and items back for a retry,
+//! which go first) that every endpoint answering items shares, and one
+//! queue per endpoint for calls addressed to it by name.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use evalfleet_types::{CacheEntry, ItemStatus, ResultRecord, Telemetry, now_ms};
+use tokio::sync::{Mutex, mpsc};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::dataset::Row;
+use crate::store::ClaimId;
+use crate::task::{Episode, Finish, ItemContext, Reply, Request, Step, Target};
+
+/// The session's count of items that have not ended: when it reaches
+/// zero, the session is over. An item dropped before it ended (a bug, unless
+/// the session is stopping) is counted as lost and logged, so that it
+/// cannot hold the session open or go unnoticed.
+pub struct Tally {
+    /// Items claimed and not ended, and one for the reader until it has
+    /// claimed its last.
+    outstanding: AtomicU64,
+    lost: AtomicU64,
+    halt: CancellationToken,
+}
+
+impl Tally {
+    pub fn new(halt: CancellationToken) -> Arc<Self> {
+        Arc::new(Self {
+            outstanding: AtomicU64::new(1),
+            lost: AtomicU64::new(0),
+            halt,
+        })
+    }
+
+    /// Items claimed (now outstanding).
+    pub fn claimed(&self, n: u64) {
+        self.outstanding.fetch_add(n, Ordering::AcqRel);
+    }
+
+    /// One item (or the reader's hold) is no longer outstanding; when none
+    /// is, the session is over.
+    pub fn release(&self) {
+        if self.outstanding.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.halt.cancel();
+        }
+    }
+
+    pub fn outstanding(&self) -> u64 {
+        self.outstanding.load(Ordering::Acquire)
+    }
+
+    /// Items dropped before they ended while the session was not stopping.
+    pub fn lost(&self) -> u64 {
+        self.lost.load(Ordering::Acquire)
+    }
+}
+
+/// An item in a session.
+pub struct Item {
+    tally: Arc<Tally>,
+    /// Set once its end is handed on: dropping it is then no loss.
+    ended: bool,
+    /// The claim it was handed out under: what it commits under.
+    pub claim: ClaimId,
+    pub item_id: String,
+    pub seq: u64,
+    pub row: Row,
+    /// The input row as JSON text, stored with the result.
+    pub row_json: String,
+    /// Which of its row's `task.n` samples it is (0 when n is 1).
+    pub sample: u32,
+    /// Attempts made in earlier sessions.
+    pub prior_attempts: u32,
+    /// Calls for its answer in this session: they count against
+    /// `retry.max_attempts`.
+    pub attempts: u32,
+    /// Calls that do not count against it: answered from the cache, moved
+    /// to another endpoint, refused by a quota, re-asked, LLM judges' calls.
+    pub excused: u32,
+    /// Calls answered from the cache.
+    pub cached: u32,
+    /// Calls made for the request it waits on (a judge call's own budget).
+    pub tries: u32,
+    /// When its first call in this session was sent (its deadline counts
+    /// from here).
+    pub first_sent: Option<Instant>,
+    /// The call that gave its answer so far (or the last that failed).
+    pub answer: Option<Telemetry>,
+    pub episode: Box<dyn Episode>,
+    /// The call it waits for.
+    pub request: Option<Request>,
+}
+
+/// An item as it was claimed.
+pub struct Claimed {
+    pub claim: ClaimId,
+    pub item_id: String,
+    pub seq: u64,
+    pub row: Row,
+    pub row_json: String,
+    pub sample: u32,
+    pub prior_attempts: u32,
+}
+
+impl Item {
+    /// A claimed item, starting on its task.
+    pub fn new(tally: Arc<Tally>, claimed: Claimed, episode: Box<dyn Episode>) -> Self {
+        Self {
+            tally,
+            ended: false,
+            claim: claimed.claim,
+            item_id: claimed.item_id,
+            seq: claimed.seq,
+            row: claimed.row,
+            row_json: claimed.row_json,
+            sample: claimed.sample,
+            prior_attempts: claimed.prior_attempts,
+            attempts: 0,
+            excused: 0,
+            cached: 0,
+            tries: 0,
+            first_sent: None,
+            answer: None,
+            episode,
+            request: None,
+        }
+    }
+
+    /// The number of its next attempt, over every session.
+    pub fn number(&self) -> u32 {
+        self.prior_attempts + self.attempts + self.excused + 1
+    }
+
+    /// The step after `request`'s reply.
+    pub fn next(&mut self, request: Request, reply: Reply) -> Step {
+        let item = ItemContext {
+            item_id: &self.item_id,
+            row: &self.row,
+            sample: self.sample,
+        };
+        self.episode.next(&item, request, reply)
+    }
+
+    /// The step after `request` was answered from the cache by `hit`.
+    pub fn answered_from_cache(&mut self, request: Request, hit: CacheEntry) -> Step {
+        self.excused += 1;
+        self.cached += 1;
+        if request.target == Target::Items {
+            self.answer = Some(Telemetry {
+                endpoint: hit.endpoint,
+                model: hit.model,
+                latency_ms: 0.0,
+                ttft_ms: None,
+                tpot_ms: None,
+                prompt_tokens: hit.prompt_tokens,
+                completion_tokens: hit.completion_tokens,
+                finish_reason: hit.finish_reason,
+            });
+        }
+        self.next(request, Reply::Answer(hit.content))
+    }
+
+    /// The item's result: it ends as `finish` says. The caller counts it
+    /// as ended ([`Ended::count`]) once the result is handed on.
+    pub fn finish(mut self, finish: Finish) -> (ResultRecord, Ended) {
+        self.ended = true;
+        let result = ResultRecord {
+            seq: self.seq,
+            item_id: std::mem::take(&mut self.item_id),
+            status: finish.status,
+            output: finish.output,
+            error: finish.error,
+            telemetry: self.answer.take(),
+            attempts: self.prior_attempts + self.attempts + self.excused,
+            cached: self.cached,
+            item: Some(std::mem::take(&mut self.row_json)),
+            finished_at_ms: now_ms(),
+            assessment: finish.assessment,
+        };
+        let ended = Ended {
+            tally: self.tally.clone(),
+            status: finish.status,
+        };
+        (result, ended)
+    }
+}
+
+impl Drop for Item {
+    fn drop(&mut self) {
+        if self.ended {
+            return;
+        }
+        if !self.tally.halt.is_cancelled() {
+            self.tally.lost.fetch_add(1, Ordering::AcqRel);
+            tracing::error!(
+                "Item {} was dropped without a result (a bug): it stays pending for a resume.",
+                self.item_id
+            );
+        }
+        self.tally.release();
+    }
+}
+
+/// An item whose result is on its way to the store.
+pub struct Ended {
+    tally: Arc<Tally>,
+    pub status: ItemStatus,
+}
+
+impl Ended {
+    /// Counts the item as ended (after its result was handed to the writer:
+    /// the session may end at once).
+    pub fn count(self, progress: &super::Progress) {
+        progress.ended(self.status);
+        self.tally.release();
+    }
+}
+
+struct Receivers {
+    fresh: mpsc::Receiver<Item>,
+    fresh_open: bool,
+    retry: mpsc::UnboundedReceiver<Item>,
+}
+
+/// The items waiting for any endpoint that answers items.
+pub struct Backlog {
+    receivers: Mutex<Receivers>,
+    retry_tx: mpsc::UnboundedSender<Item>,
+}
+
+impl Backlog {
+    /// A backlog fed by `fresh`.
+    pub fn new(fresh: mpsc::Receiver<Item>) -> Self {
+        let (retry_tx, retry) = mpsc::unbounded_channel();
+        Self {
+            receivers: Mutex::new(Receivers {
+                fresh,
+                fresh_open: true,
+                retry,
+            }),
+            retry_tx,
+        }
+    }
+
+    /// Puts an item back for another call. The retry channel holds at most
+    /// the items in flight, so it needs no bound of its own.
+    pub fn retry(&self, item: Item) {
+        // The receiver lives as long as the backlog, so this cannot fail.
+        let _ = self.retry_tx.send(item);
+    }
+
+    /// The next item, retries first; `None` once `halt` is cancelled.
+    /// Waiters are served in the order they came (the mutex is fair), so
+    /// every free slot of every endpoint gets its turn.
+    pub async fn next(&self, halt: &CancellationToken) -> Option<Item> {
+        let mut guard = tokio::select! {
+            biased;
+            () = halt.cancelled() => return None,
+            guard = self.receivers.lock() => guard,
+        };
+        let receivers = &mut *guard;
+        loop {
+            tokio::select! {
+                biased;
+                () = halt.cancelled() => return None,
+                Some(item) = receivers.retry.recv() => return Some(item),
+                item = receivers.fresh.recv(), if receivers.fresh_open => match item {
+                    Some(item) => return Some(item),
+                    None => receivers.fresh_open = false,
+                },
+            }
+        }
+    }
+}

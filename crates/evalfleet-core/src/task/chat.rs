@@ -1,0 +1,219 @@
+//! `kind: chat`: the item's messages are sent once; the answer is parsed and
+//! checked, re-asked (with what was wrong) while it cannot be used and
+//! re-asks are left, then scored by the task's metrics, one call to its
+//! judge endpoint per LLM-judge metric.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use evalfleet_types::{Assessment, Score, Scores};
+use serde_json::Value;
+
+use super::code::CodeJudge;
+use super::{Episode, Finish, ItemContext, Reply, Request, Step, Target, Task};
+use crate::eval::{Checked, Evaluator, JudgeRequest};
+use crate::template::Templates;
+
+/// The chat task.
+#[derive(Clone)]
+pub struct Chat {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    templates: Arc<Templates>,
+    /// Parsing, checking and scoring; `None` when the task has none (the
+    /// answer is stored as it is).
+    assessor: Option<Arc<Evaluator>>,
+    /// Judges a usable answer as a program (`kind: code`).
+    code: Option<Arc<CodeJudge>>,
+}
+
+impl Chat {
+    pub fn new(templates: Arc<Templates>, assessor: Option<Arc<Evaluator>>) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                templates,
+                assessor,
+                code: None,
+            }),
+        }
+    }
+
+    /// The same task, whose usable answers `code` judges as programs.
+    pub(super) fn judging_code(self, code: Arc<CodeJudge>) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                templates: self.inner.templates.clone(),
+                assessor: self.inner.assessor.clone(),
+                code: Some(code),
+            }),
+        }
+    }
+
+    /// The first step of `item`: its messages, or the item's end when
+    /// they cannot be rendered.
+    pub(super) fn first_step(&self, item: &ItemContext<'_>) -> Step {
+        match self.inner.templates.render_json(item.row) {
+            Ok(messages) => Step::Call(Request {
+                target: Target::Items,
+                messages,
+                sample: item.sample,
+                rejected: None,
+            }),
+            Err(message) => Step::Finish(Finish::failed(
+                format!("template: {message}"),
+                Assessment::default(),
+            )),
+        }
+    }
+
+    /// The episode that takes an answer from here: checks, re-asks and
+    /// scores it.
+    pub(super) fn episode(&self) -> ChatEpisode {
+        ChatEpisode {
+            chat: self.inner.clone(),
+            reasks: 0,
+            judging: None,
+        }
+    }
+}
+
+impl Task for Chat {
+    fn begin(&self, item: &ItemContext<'_>) -> (Box<dyn Episode>, Step) {
+        (Box::new(self.episode()), self.first_step(item))
+    }
+}
+
+/// An answer being scored by its LLM judges, one call each.
+struct Judging {
+    answer: String,
+    checked: Checked,
+    scores: Scores,
+    /// The judge calls still to make.
+    calls: VecDeque<JudgeRequest>,
+    /// The metric whose judge was asked last.
+    asked: String,
+}
+
+/// One item of a chat task.
+pub struct ChatEpisode {
+    chat: Arc<Inner>,
+    reasks: u32,
+    judging: Option<Judging>,
+}
+
+impl Episode for ChatEpisode {
+    fn next(&mut self, item: &ItemContext<'_>, asked: Request, reply: Reply) -> Step {
+        match (self.judging.take(), reply) {
+            (None, Reply::Answer(answer)) => self.answered(item, asked, answer),
+            (None, Reply::Failed(reason)) => Step::Finish(Finish::failed(
+                reason,
+                Assessment {
+                    reasks: self.reasks,
+                    ..Assessment::default()
+                },
+            )),
+            (Some(mut judging), reply) => {
+                let score = match (&self.chat.assessor, reply) {
+                    (Some(assessor), Reply::Answer(text)) => {
+                        assessor.judge_score(&judging.asked, &text)
+                    }
+                    (_, Reply::Failed(reason)) => {
+                        Score::error(format!("the judge failed: {reason}"))
+                    }
+                    (None, Reply::Answer(_)) => Score::error("no metric asked for this judge"),
+                };
+                judging.scores.insert(judging.asked.clone(), score);
+                self.judge_next(item, judging)
+            }
+        }
+    }
+}
+
+impl ChatEpisode {
+    /// An answer to the item's messages (or to a re-ask).
+    fn answered(&mut self, item: &ItemContext<'_>, asked: Request, answer: String) -> Step {
+        let Some(assessor) = self.chat.assessor.clone() else {
+            return Step::Finish(Finish::done(
+                answer,
+                Assessment {
+                    reasks: self.reasks,
+                    ..Assessment::default()
+                },
+            ));
+        };
+        let checked = assessor.check(&answer);
+        if !checked.valid
+            && self.reasks < assessor.spec().max_reasks
+            && let Some(messages) = assessor.reask_messages(&asked.messages, &answer, &checked)
+        {
+            self.reasks += 1;
+            return Step::Call(Request {
+                target: Target::Items,
+                messages,
+                sample: asked.sample,
+                rejected: Some(checked.reask_note()),
+            });
+        }
+        let scores = assessor.score(&checked, item.row);
+        let calls = assessor.judge_requests(&checked, item.row).into();
+        self.judge_next(
+            item,
+            Judging {
+                answer,
+                checked,
+                scores,
+                calls,
+                asked: String::new(),
+            },
+        )
+    }
+
+    /// The next LLM-judge call, or the end of scoring.
+    fn judge_next(&mut self, item: &ItemContext<'_>, mut judging: Judging) -> Step {
+        while let Some(call) = judging.calls.pop_front() {
+            match call.messages {
+                Ok(messages) => {
+                    judging.asked = call.key;
+                    self.judging = Some(judging);
+                    return Step::Call(Request {
+                        target: Target::Endpoint(Arc::from(call.endpoint.as_str())),
+                        messages,
+                        sample: 0,
+                        rejected: None,
+                    });
+                }
+                Err(error) => {
+                    judging.scores.insert(call.key, Score::error(error));
+                }
+            }
+        }
+        self.scored(item, judging)
+    }
+
+    /// Every score is in: the item finishes, once a code task's program
+    /// is judged.
+    fn scored(&mut self, item: &ItemContext<'_>, judging: Judging) -> Step {
+        let Judging {
+            answer,
+            checked,
+            scores,
+            ..
+        } = judging;
+        let reasks = self.reasks;
+        match (&self.chat.code, &self.chat.assessor) {
+            (Some(code), Some(assessor)) if checked.valid => {
+                let (code, assessor) = (code.clone(), assessor.clone());
+                let row = Value::Object(item.row.clone());
+                Step::Work(Box::pin(async move {
+                    let assessment = code
+                        .judged(&assessor, &checked, &row, &answer, scores, reasks)
+                        .await;
+                    Step::Finish(Finish::done(answer, assessment))
+                }))
+            }
+            _ => Step::Finish(Finish::done(answer, checked.assessment(scores, reasks))),
+        }
+    }
+}

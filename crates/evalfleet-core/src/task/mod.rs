@@ -1,0 +1,173 @@
+//! What a task does with an item, step by step: which request to send, and
+//! what to do with the reply, until it finishes with an assessment. Each
+//! kind of task (`task.kind`) is one module behind [`Task`]; the pipeline
+//! drives the steps of every kind the same way and knows none of their
+//! details: it answers requests from the cache or sends them through the
+//! fleet's one call path, retries failures, and stores what an item ends
+//! with.
+//!
+//! - [`chat`]: one call; the answer is parsed, checked (re-asked when it
+//!   cannot be used) and scored, by LLM judges too.
+//! - [`code`]: a chat whose answer is a program, judged against the item's
+//!   tests in a sandbox.
+//! - [`refine`]: ask, then ask the model to improve its answer, then check
+//!   and score the last answer.
+
+pub mod chat;
+pub mod code;
+pub mod refine;
+
+use std::sync::Arc;
+
+use evalfleet_types::{Assessment, ItemStatus};
+use futures_util::future::BoxFuture;
+use serde_json::value::RawValue;
+
+use crate::config::{Config, TaskKind};
+use crate::dataset::Row;
+use crate::eval::Evaluator;
+use crate::template::Templates;
+
+/// An item as a task sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct ItemContext<'a> {
+    pub item_id: &'a str,
+    /// Its dataset row.
+    pub row: &'a Row,
+    /// Which of its row's `task.n` samples it is (0 when n is 1).
+    pub sample: u32,
+}
+
+/// Who answers a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// The endpoints that answer items (whichever is free first).
+    Items,
+    /// One endpoint by name (a judge endpoint, `role: judge`).
+    Endpoint(Arc<str>),
+}
+
+/// A call a task wants made.
+#[derive(Debug)]
+pub struct Request {
+    pub target: Target,
+    /// The chat messages, as a JSON array.
+    pub messages: Box<RawValue>,
+    /// Keeps requests of different samples of one row apart (in the cache
+    /// too).
+    pub sample: u32,
+    /// Set when the reply just given could not be used and this request
+    /// asks again: the attempt that gave it is recorded as an
+    /// `invalid_answer` with this note, and does not count against the
+    /// item's attempts.
+    pub rejected: Option<String>,
+}
+
+/// What became of a request.
+#[derive(Debug)]
+pub enum Reply {
+    /// The model's answer (from the cache, or a call).
+    Answer(String),
+    /// No answer: the calls failed for good; why.
+    Failed(String),
+}
+
+/// How an item ends.
+#[derive(Debug)]
+pub struct Finish {
+    pub status: ItemStatus,
+    /// The answer that stands for the item (`Done`).
+    pub output: Option<String>,
+    /// Why it failed (`Failed`).
+    pub error: Option<String>,
+    pub assessment: Assessment,
+}
+
+impl Finish {
+    pub fn done(output: String, assessment: Assessment) -> Self {
+        Self {
+            status: ItemStatus::Done,
+            output: Some(output),
+            error: None,
+            assessment,
+        }
+    }
+
+    pub fn failed(error: String, assessment: Assessment) -> Self {
+        Self {
+            status: ItemStatus::Failed,
+            output: None,
+            error: Some(error),
+            assessment,
+        }
+    }
+}
+
+/// What an item does next.
+pub enum Step {
+    /// A call; its reply goes to [`Episode::next`].
+    Call(Request),
+    /// Work that is no call (running programs), done outside any endpoint's
+    /// slot; its outcome is the next step. At most [`Task::work_limit`] run
+    /// at once.
+    Work(BoxFuture<'static, Step>),
+    /// The item is over.
+    Finish(Finish),
+}
+
+/// One item's way through a task.
+pub trait Episode: Send {
+    /// The step after `reply`, the outcome of `asked` (the last request).
+    fn next(&mut self, item: &ItemContext<'_>, asked: Request, reply: Reply) -> Step;
+}
+
+/// A kind of task.
+pub trait Task: Send + Sync {
+    /// The episode that takes `item` through the task, and its first step.
+    fn begin(&self, item: &ItemContext<'_>) -> (Box<dyn Episode>, Step);
+
+    /// How many [`Step::Work`] may run at once.
+    fn work_limit(&self) -> usize {
+        1
+    }
+}
+
+/// Why a task cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum TaskError {
+    /// The task's checking or scoring cannot be compiled.
+    #[error("{0}")]
+    Invalid(String),
+    #[error("the code judge cannot start")]
+    CodeJudge(#[source] evalfleet_judge::JudgeError),
+}
+
+/// Makes the task of `config`: compiles its checking and scoring and starts
+/// what it needs (the code judge, with its sandbox under `sandbox_dir`).
+pub async fn start(
+    config: &Config,
+    templates: Arc<Templates>,
+    sandbox_dir: &std::path::Path,
+) -> Result<Arc<dyn Task>, TaskError> {
+    let task = &config.task;
+    let assessor = if task.eval.checks() || !task.eval.metrics.is_empty() {
+        Some(Arc::new(
+            Evaluator::new(&task.eval).map_err(TaskError::Invalid)?,
+        ))
+    } else {
+        None
+    };
+    let chat = chat::Chat::new(templates, assessor);
+    Ok(match &task.kind {
+        TaskKind::Chat => Arc::new(chat),
+        TaskKind::Code(settings) => {
+            let judge = code::CodeJudge::start(settings, sandbox_dir)
+                .await
+                .map_err(TaskError::CodeJudge)?;
+            Arc::new(code::Code::new(chat, Arc::new(judge)))
+        }
+        TaskKind::Refine(settings) => {
+            Arc::new(refine::Refine::new(chat, settings).map_err(TaskError::Invalid)?)
+        }
+    })
+}
