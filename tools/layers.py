@@ -33,7 +33,7 @@ LAYERS = {
         # Drives items through their task's steps.
         ["pipeline"],
         # Creating, resuming and finishing runs; reports.
-        ["run", "summary", "report"],
+        ["run", "report", "rescore"],
     ],
     "evalfleet": [
         ["cli", "ui", "fleet"],

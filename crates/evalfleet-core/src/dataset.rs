@@ -3,6 +3,7 @@
 //! hash, all written to the store), then reads each pending row again by its
 //! offset when it is dispatched.
 
+use evalfleet_types::Fault;
 use std::collections::BTreeSet;
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom};
@@ -45,6 +46,13 @@ pub enum DatasetError {
     },
     #[error("{}: {message}", path.display())]
     Header { path: PathBuf, message: String },
+}
+
+impl DatasetError {
+    /// A dataset that cannot be read is the user's to fix.
+    pub fn fault(&self) -> Fault {
+        Fault::BadInput
+    }
 }
 
 /// What identifies a dataset file's content.

@@ -9,12 +9,40 @@ pub mod eval;
 pub mod fingerprint;
 pub mod fleet;
 pub mod pipeline;
+pub mod report;
+pub mod rescore;
 pub mod run;
 pub mod store;
-pub mod summary;
 pub mod task;
 pub mod template;
 pub mod worker;
 
 pub use evalfleet_judge as judge;
 pub use evalfleet_types as types;
+
+/// What kind of failure `err` is, when it is one of the library's errors
+/// (each error type says its own kind).
+pub fn fault_of(err: &(dyn std::error::Error + 'static)) -> Option<types::Fault> {
+    macro_rules! kinds {
+        ($($t:ty),+ $(,)?) => {
+            $(if let Some(e) = err.downcast_ref::<$t>() {
+                return Some(e.fault());
+            })+
+        };
+    }
+    kinds!(
+        config::ConfigError,
+        dataset::DatasetError,
+        template::TemplateError,
+        store::StoreError,
+        store::CreateRunError,
+        store::ExportError,
+        run::ResumeError,
+        pipeline::PipelineError,
+        task::TaskError,
+        report::ReportError,
+        rescore::RescoreError,
+        judge::JudgeError,
+    );
+    None
+}

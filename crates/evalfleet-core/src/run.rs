@@ -182,6 +182,14 @@ pub enum ResumeError {
     },
 }
 
+impl ResumeError {
+    /// A changed dataset or task, or a dataset that cannot be read: the
+    /// user's to fix.
+    pub fn fault(&self) -> evalfleet_types::Fault {
+        evalfleet_types::Fault::BadInput
+    }
+}
+
 /// Checks that `config` would give the stored run the same results: the same
 /// dataset content and reading options, the same task.
 pub fn check_resume(record: &RunRecord, config: &Config) -> Result<(), ResumeError> {

@@ -15,7 +15,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use evalfleet_types::{
-    Assessment, AttemptRecord, CacheEntry, EndpointSnapshot, ErrorClass, Event, FleetChange,
+    Assessment, AttemptRecord, CacheEntry, EndpointSnapshot, ErrorClass, Event, Fault, FleetChange,
     ItemStatus, ResultRecord, RunStatus, Scores, StateCounts,
 };
 
@@ -44,6 +44,13 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    pub fn fault(&self) -> Fault {
+        match self {
+            Self::NoSuchRun(_) | Self::NoStore(_) | Self::BadLocation(_) => Fault::BadInput,
+            Self::Backend { .. } | Self::Invariant(_) => Fault::Failure,
+        }
+    }
+
     pub fn backend(
         message: impl Into<String>,
         source: impl std::error::Error + Send + Sync + 'static,
@@ -75,6 +82,18 @@ pub enum CreateRunError {
     RunExists(String),
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+impl CreateRunError {
+    pub fn fault(&self) -> Fault {
+        match self {
+            Self::Store(err) => err.fault(),
+            Self::Dataset(_)
+            | Self::DuplicateId { .. }
+            | Self::Template(_)
+            | Self::RunExists(_) => Fault::BadInput,
+        }
+    }
 }
 
 /// A run about to be created.
@@ -497,4 +516,13 @@ pub enum ExportError {
     Store(#[from] StoreError),
     #[error("cannot write the export: {0}")]
     Write(#[from] std::io::Error),
+}
+
+impl ExportError {
+    pub fn fault(&self) -> Fault {
+        match self {
+            Self::Store(err) => err.fault(),
+            Self::Write(_) => Fault::Failure,
+        }
+    }
 }

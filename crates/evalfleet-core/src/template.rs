@@ -31,6 +31,12 @@ pub struct TemplateError {
     pub message: String,
 }
 
+impl TemplateError {
+    pub fn fault(&self) -> evalfleet_types::Fault {
+        evalfleet_types::Fault::BadInput
+    }
+}
+
 impl Templates {
     /// Compiles every message template of `task`.
     pub fn compile(task: &TaskConfig) -> Result<Self, TemplateError> {

@@ -2,8 +2,8 @@
 //! (`tools/metric_vectors.py`): the official SQuAD v1.1 script for exact
 //! match and F1, jiwer for WER and CER, HumanEval's estimator for pass@k.
 
-use evalfleet_core::eval::stats::pass_at_k;
 use evalfleet_core::eval::{Metric, text};
+use evalfleet_core::report::stats::pass_at_k;
 use serde_json::{Map, Value, json};
 
 fn vectors() -> Value {

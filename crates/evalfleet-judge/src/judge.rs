@@ -66,6 +66,19 @@ pub enum JudgeError {
     Setup(String),
 }
 
+impl JudgeError {
+    /// A judge that cannot start (its toolchain, its sandbox, its server)
+    /// is the user's to fix; the rest are failures.
+    pub fn fault(&self) -> evalfleet_types::Fault {
+        match self {
+            Self::Setup(_) => evalfleet_types::Fault::BadInput,
+            Self::Problem(_) | Self::Sandbox(_) | Self::Remote(_) => {
+                evalfleet_types::Fault::Failure
+            }
+        }
+    }
+}
+
 enum Runner {
     Local {
         sandbox: Sandbox,

@@ -1,5 +1,6 @@
-//! The `evalfleet` binary: the CLI and its wiring. Errors are classified here
-//! into exit codes: 2 for what the user must fix, 1 for the rest.
+//! The `evalfleet` binary: the CLI and its wiring. Each error says what kind
+//! of failure it is; `exit_code` turns that into the exit code: 2 for what
+//! the user must fix, 130 for an interruption, 1 for the rest.
 
 mod cli;
 mod commands;
@@ -9,11 +10,7 @@ mod ui;
 use std::process::ExitCode;
 
 use clap::Parser;
-use evalfleet_core::config::ConfigError;
-use evalfleet_core::dataset::DatasetError;
-use evalfleet_core::run::ResumeError;
-use evalfleet_core::store::{CreateRunError, StoreError};
-use evalfleet_core::template::TemplateError;
+use evalfleet_core::types::Fault;
 
 use crate::cli::{Cli, Command};
 
@@ -27,34 +24,26 @@ pub const EXIT_INTERRUPTED: u8 = 130;
 #[error("{0}")]
 pub struct UsageError(pub String);
 
-/// Whether an error is the user's to fix (a config, a dataset, an argument).
-fn is_bad_input(err: &anyhow::Error) -> bool {
-    err.chain().any(|cause| {
-        cause.is::<ConfigError>()
-            || cause.is::<UsageError>()
-            || cause.is::<DatasetError>()
-            || cause.is::<TemplateError>()
-            || cause.is::<ResumeError>()
-            || matches!(
-                cause.downcast_ref::<evalfleet_core::judge::JudgeError>(),
-                Some(evalfleet_core::judge::JudgeError::Setup(_))
-            )
-            || matches!(
-                cause.downcast_ref::<CreateRunError>(),
-                Some(
-                    CreateRunError::Dataset(_)
-                        | CreateRunError::DuplicateId { .. }
-                        | CreateRunError::Template(_)
-                        | CreateRunError::RunExists(_)
-                )
-            )
-            || matches!(
-                cause.downcast_ref::<StoreError>(),
-                Some(
-                    StoreError::NoSuchRun(_) | StoreError::NoStore(_) | StoreError::BadLocation(_)
-                )
-            )
-    })
+/// What kind of failure an error is: the first error of its chain that
+/// says (each error type says its own kind), else a failure.
+fn fault_of(err: &anyhow::Error) -> Fault {
+    err.chain()
+        .find_map(|cause| {
+            if cause.is::<UsageError>() {
+                return Some(Fault::BadInput);
+            }
+            evalfleet_core::fault_of(cause)
+        })
+        .unwrap_or(Fault::Failure)
+}
+
+/// The exit code of each kind of failure: the one place they are decided.
+fn exit_code(fault: Fault) -> u8 {
+    match fault {
+        Fault::BadInput => EXIT_BAD_INPUT,
+        Fault::Interrupted => EXIT_INTERRUPTED,
+        Fault::Failure => EXIT_FAILED,
+    }
 }
 
 /// Output piped into a reader that stopped (`| head`) is not an error.
@@ -103,11 +92,7 @@ fn main() -> ExitCode {
         Err(err) if is_broken_pipe(&err) => ExitCode::from(EXIT_OK),
         Err(err) => {
             eprintln!("error: {err:#}");
-            ExitCode::from(if is_bad_input(&err) {
-                EXIT_BAD_INPUT
-            } else {
-                EXIT_FAILED
-            })
+            ExitCode::from(exit_code(fault_of(&err)))
         }
     }
 }

@@ -69,7 +69,7 @@ async fn transient_errors_are_retried_until_every_item_is_done() {
     assert!(cut.stats().truncated > 0, "no stream was ever cut");
 
     // Every failed attempt is on record with its class.
-    let summary = evalfleet_core::summary::endpoints(&mut env.store(), &ran.run_id()).unwrap();
+    let summary = evalfleet_core::report::endpoints(&mut env.store(), &ran.run_id()).unwrap();
     let errors = |name: &str, class: &str| {
         summary
             .iter()

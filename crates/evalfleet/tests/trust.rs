@@ -1,6 +1,7 @@
 //! Results users can trust: answers parsed, checked, re-asked when
 //! malformed, scored, reported and rescored without calling a model.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use evalfleet_mock::MockSettings;
@@ -451,4 +452,84 @@ async fn samples_per_row_give_pass_at_k_and_a_majority_vote() {
     for (id, row) in &exported {
         assert_eq!(cached[id]["output"], row["output"], "{id}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compare_pairs_runs_on_the_items_they_share_by_category() {
+    let env = Env::new();
+    let mut rows = String::new();
+    let mut script = String::new();
+    for i in 0..20 {
+        let question = format!("question {i}");
+        let kind = if i < 10 { "easy" } else { "hard" };
+        rows.push_str(&format!(
+            "{}\n",
+            json!({"id": format!("q{i:02}"), "question": question, "kind": kind})
+        ));
+        // The second model gets every odd hard item wrong.
+        let reply = if i >= 10 && i % 2 == 1 {
+            "wrong".to_owned()
+        } else {
+            question.clone()
+        };
+        script.push_str(&format!(
+            "{}\n",
+            json!({"prompt": question, "replies": [reply]})
+        ));
+    }
+    let dataset = env.write("items.jsonl", &rows);
+    let metrics = "  metrics:\n    - { name: exact_match, reference: \"{{ question }}\" }";
+    let first = mock(MockSettings::default()).await;
+    env.write(
+        "a.yaml",
+        &crate::util::config(&dataset, &external("m", &first, 4), metrics),
+    );
+    let second = scripted(env.write("answers.jsonl", &script)).await;
+    env.write(
+        "b.yaml",
+        &crate::util::config(&dataset, &external("m", &second, 4), metrics),
+    );
+    for (config, id) in [("a.yaml", "a"), ("b.yaml", "b")] {
+        let ran = env.evalfleet(&["run", config, "-q", "--run-id", id]).await;
+        assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    }
+    let compared = env
+        .evalfleet(&["compare", "a", "b", "--by", "kind", "--json"])
+        .await;
+    assert_eq!(compared.code, Some(0), "{}", compared.stderr);
+    let rows: Vec<Value> = serde_json::from_str(&compared.stdout).unwrap();
+    let by_group: BTreeMap<&str, &Value> = rows
+        .iter()
+        .map(|r| (r["group"].as_str().unwrap(), r))
+        .collect();
+    assert_eq!(by_group.len(), 3, "all, easy, hard: {rows:?}");
+    let all = by_group["all"];
+    assert_eq!(
+        (all["a"].as_str(), all["b"].as_str()),
+        (Some("a"), Some("b"))
+    );
+    assert_eq!(all["n"], 20);
+    assert_eq!(
+        (all["mean_a"].as_f64(), all["mean_b"].as_f64()),
+        (Some(1.0), Some(0.75))
+    );
+    assert!((all["paired"]["diff"].as_f64().unwrap() + 0.25).abs() < 1e-12);
+    assert_eq!(
+        (
+            all["paired"]["a_only"].as_u64(),
+            all["paired"]["b_only"].as_u64()
+        ),
+        (Some(5), Some(0))
+    );
+    // McNemar's exact test for 5 discordant pairs all one way: 2 / 2^5.
+    assert!((all["paired"]["p_mcnemar"].as_f64().unwrap() - 0.0625).abs() < 1e-12);
+    assert_eq!(by_group["easy"]["mean_b"], 1.0);
+    assert_eq!(by_group["hard"]["mean_b"], 0.5);
+    // The table says the same.
+    let table = env.evalfleet(&["compare", "a", "b"]).await;
+    assert_eq!(table.code, Some(0), "{}", table.stderr);
+    assert!(table.stdout.contains("-0.2500"), "{}", table.stdout);
+    // A run that shares no metric cannot be compared.
+    let alone = env.evalfleet(&["compare", "a"]).await;
+    assert_eq!(alone.code, Some(2), "{}", alone.stderr);
 }

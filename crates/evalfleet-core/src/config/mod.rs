@@ -24,6 +24,7 @@ pub use endpoint::{
 };
 pub use env::Vars;
 pub use evalfleet_mock::MockSettings;
+use evalfleet_types::Fault;
 /// `retry:` how failed attempts are retried: `max_attempts` (per item and
 /// session, the first included; default 5), `backoff_base` (default
 /// `500ms`), `backoff_max` (default `30s`).
@@ -278,6 +279,11 @@ pub enum ConfigError {
 }
 
 impl ConfigError {
+    /// A config is the user's to fix.
+    pub fn fault(&self) -> Fault {
+        Fault::BadInput
+    }
+
     /// The problems, for callers that show them their own way.
     pub fn problems(&self) -> Vec<Problem> {
         match self {

@@ -3,10 +3,8 @@
 //! Nothing here calls a model, so `evalfleet score` can run it again on
 //! stored outputs.
 
-pub mod aggregate;
 pub mod metrics;
 pub mod parse;
-pub mod stats;
 pub mod text;
 
 use evalfleet_types::{Assessment, Score, Scores, Verdict};

@@ -123,6 +123,17 @@ pub enum PipelineError {
     Internal(String),
 }
 
+impl PipelineError {
+    pub fn fault(&self) -> evalfleet_types::Fault {
+        match self {
+            Self::Store(err) => err.fault(),
+            Self::Dataset(err) => err.fault(),
+            Self::Task(err) => err.fault(),
+            Self::Internal(_) => evalfleet_types::Fault::Failure,
+        }
+    }
+}
+
 impl From<ReaderError> for PipelineError {
     fn from(err: ReaderError) -> Self {
         match err {

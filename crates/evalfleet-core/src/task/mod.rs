@@ -142,6 +142,15 @@ pub enum TaskError {
     CodeJudge(#[source] evalfleet_judge::JudgeError),
 }
 
+impl TaskError {
+    pub fn fault(&self) -> evalfleet_types::Fault {
+        match self {
+            Self::Invalid(_) => evalfleet_types::Fault::BadInput,
+            Self::CodeJudge(err) => err.fault(),
+        }
+    }
+}
+
 /// Makes the task of `config`: compiles its checking and scoring and starts
 /// what it needs (the code judge, with its sandbox under `sandbox_dir`).
 pub async fn start(

@@ -7,8 +7,8 @@ use std::io::{self, BufWriter, Write};
 use std::path::Path;
 
 use anyhow::Context;
+use evalfleet_core::report::{self, EndpointSummary, Percentiles};
 use evalfleet_core::store::{EndpointStates, ExportRow, RunRecord, Store};
-use evalfleet_core::summary::{self, EndpointSummary, Percentiles};
 use evalfleet_core::types::{ErrorClass, FleetAction, FleetChange, RunStatus, StateCounts};
 use evalfleet_core::worker;
 use serde_json::{Value, json};
@@ -94,7 +94,7 @@ pub fn status(args: StatusArgs) -> anyhow::Result<u8> {
     let run = store.run(&args.run_id)?;
     let counts = store.counts(&args.run_id)?;
     let (status, active) = status_text(&mut *store, &run)?;
-    let endpoints = summary::endpoints(&mut *store, &args.run_id)?;
+    let endpoints = report::endpoints(&mut *store, &args.run_id)?;
     let states = store.endpoint_states(&args.run_id)?;
     let events = store.events(&args.run_id)?;
     if args.json {
@@ -233,7 +233,7 @@ fn print_status(
             bad_response,
             fatal,
             summary
-                .and_then(|e| e.errors.get(summary::MOVED).copied())
+                .and_then(|e| e.errors.get(report::endpoints::MOVED).copied())
                 .unwrap_or(0)
                 .to_string(),
             percentiles(&summary.and_then(|e| e.latency_ms)),

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
-use crate::store::{AttemptSample, Store, StoreError};
+use crate::store::{AttemptSample, Results, StoreError};
 
 /// Percentiles of one measure, in milliseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -61,6 +61,9 @@ pub struct EndpointSummary {
     /// Failed attempts by error class.
     pub errors: BTreeMap<String, u64>,
     pub completion_tokens: u64,
+    /// Completion tokens over the time its successful calls took: what one
+    /// call streams per second.
+    pub tokens_per_second_per_call: f64,
     /// Latency of successful attempts.
     pub latency_ms: Option<Percentiles>,
     pub ttft_ms: Option<Percentiles>,
@@ -99,7 +102,10 @@ impl Accumulator {
 }
 
 /// Summarises every attempt of a run, per endpoint, in name order.
-pub fn endpoints(store: &mut dyn Store, run_id: &str) -> Result<Vec<EndpointSummary>, StoreError> {
+pub fn endpoints(
+    store: &mut dyn Results,
+    run_id: &str,
+) -> Result<Vec<EndpointSummary>, StoreError> {
     let mut by_endpoint: BTreeMap<String, Accumulator> = BTreeMap::new();
     store.scan_attempts(run_id, &mut |sample| {
         by_endpoint
@@ -117,15 +123,24 @@ pub fn endpoints(store: &mut dyn Store, run_id: &str) -> Result<Vec<EndpointSumm
     })?;
     Ok(by_endpoint
         .into_iter()
-        .map(|(endpoint, acc)| EndpointSummary {
-            endpoint,
-            attempts: acc.attempts,
-            successes: acc.successes,
-            errors: acc.errors,
-            completion_tokens: acc.completion_tokens,
-            latency_ms: acc.latency.percentiles(),
-            ttft_ms: acc.ttft.percentiles(),
-            tpot_ms: acc.tpot.percentiles(),
+        .map(|(endpoint, acc)| {
+            let latency_ms = acc.latency.percentiles();
+            let busy_s = latency_ms.map_or(0.0, |p| p.mean * p.count as f64 / 1000.0);
+            EndpointSummary {
+                endpoint,
+                attempts: acc.attempts,
+                successes: acc.successes,
+                errors: acc.errors,
+                completion_tokens: acc.completion_tokens,
+                tokens_per_second_per_call: if busy_s > 0.0 {
+                    acc.completion_tokens as f64 / busy_s
+                } else {
+                    0.0
+                },
+                latency_ms,
+                ttft_ms: acc.ttft.percentiles(),
+                tpot_ms: acc.tpot.percentiles(),
+            }
         })
         .collect())
 }

@@ -1,0 +1,255 @@
+//! What a run's stored answers are worth, as typed reports the CLI, the
+//! HTTP API and the dashboard all render: each metric overall and by
+//! category with its uncertainty, how many answers could be used, pass@k
+//! and majority votes over samples, the code judge's verdicts, and each
+//! endpoint's latency and errors; and comparisons of runs on the items they
+//! share. Results are read as a stream, so a report's memory grows with its
+//! metrics' values (8 bytes an item and group), not with the run's answers.
+
+pub mod compare;
+pub mod endpoints;
+pub mod metrics;
+pub mod samples;
+pub mod stats;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use evalfleet_types::{ItemStatus, Verdict};
+use serde::Serialize;
+use serde_json::Value;
+
+pub use compare::{Comparison, compare};
+pub use endpoints::{EndpointSummary, Percentiles, endpoints};
+pub use metrics::Summary;
+pub use samples::SamplesSummary;
+
+use crate::config::{self, ConfigError, LoadedConfig};
+use crate::eval::{Evaluator, Metric};
+use crate::store::{RunRecord, Store, StoreError, StoredResult};
+
+/// Why a report cannot be made.
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("the stored config of run {run_id} cannot be used")]
+    Config {
+        run_id: String,
+        #[source]
+        source: ConfigError,
+    },
+    #[error("{0}")]
+    Metrics(String),
+    /// What was asked of a comparison cannot be done.
+    #[error("{0}")]
+    Compare(String),
+}
+
+impl ReportError {
+    pub fn fault(&self) -> evalfleet_types::Fault {
+        match self {
+            Self::Store(err) => err.fault(),
+            Self::Config { .. } | Self::Metrics(_) | Self::Compare(_) => {
+                evalfleet_types::Fault::BadInput
+            }
+        }
+    }
+}
+
+/// How a run's answers turned out: usable on the first try, after re-asks,
+/// or not at all.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Fidelity {
+    pub valid_first_try: u64,
+    pub valid_after_reasks: u64,
+    pub unparsed: u64,
+    pub invalid: u64,
+    /// Answers of a task that checks nothing.
+    pub not_checked: u64,
+    /// Items with no answer.
+    pub failed: u64,
+}
+
+impl Fidelity {
+    fn add(&mut self, result: &StoredResult) {
+        let a = &result.assessment;
+        let count = match (result.status, a.verdict) {
+            (ItemStatus::Failed, _) => &mut self.failed,
+            (_, Some(Verdict::Ok)) if a.reasks == 0 => &mut self.valid_first_try,
+            (_, Some(Verdict::Ok)) => &mut self.valid_after_reasks,
+            (_, Some(Verdict::Unparsed)) => &mut self.unparsed,
+            (_, Some(Verdict::Invalid)) => &mut self.invalid,
+            (_, None) => &mut self.not_checked,
+        };
+        *count += 1;
+    }
+}
+
+/// Everything a report says about one run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub run_id: String,
+    pub name: String,
+    /// Items in the run.
+    pub items: u64,
+    /// Results by the model that answered them.
+    pub models: BTreeMap<String, u64>,
+    /// The item fields categories are made of (`--by`).
+    pub group_by: Vec<String>,
+    pub fidelity: Fidelity,
+    /// Each metric overall, then by category.
+    pub metrics: Vec<Summary>,
+    /// pass@k and majority votes, with `task.n` > 1.
+    pub samples: Option<SamplesSummary>,
+    /// The code judge's problem verdicts, overall (`all`) and by category.
+    pub code_verdicts: BTreeMap<String, BTreeMap<String, u64>>,
+    /// Each endpoint's attempts, errors, latency and tokens per second.
+    pub endpoints: Vec<EndpointSummary>,
+}
+
+/// A run, with the task its results are judged by.
+pub struct Judged {
+    pub run: RunRecord,
+    pub config: LoadedConfig,
+    pub metrics: Vec<Metric>,
+}
+
+impl Judged {
+    /// The run `run_id` and its stored task.
+    pub fn load(store: &mut dyn Store, run_id: &str) -> Result<Self, ReportError> {
+        let run = store.run(run_id)?;
+        let config =
+            config::load_snapshot(&run.config, Path::new(&run.config_dir)).map_err(|source| {
+                ReportError::Config {
+                    run_id: run_id.to_owned(),
+                    source,
+                }
+            })?;
+        let metrics = Evaluator::new(&config.config.task.eval)
+            .map_err(ReportError::Metrics)?
+            .metrics()
+            .cloned()
+            .collect();
+        Ok(Self {
+            run,
+            config,
+            metrics,
+        })
+    }
+}
+
+/// The category of an item for `by`: its fields' values joined by ` / `
+/// (`all` without `by`).
+pub fn group_of(item: Option<&str>, by: &[String]) -> String {
+    if by.is_empty() {
+        return metrics::ALL.to_owned();
+    }
+    let item: Value = item
+        .and_then(|t| serde_json::from_str(t).ok())
+        .unwrap_or(Value::Null);
+    by.iter()
+        .map(|f| match item.get(f) {
+            None | Some(Value::Null) => "(none)".to_owned(),
+            Some(Value::String(s)) => s.clone(),
+            Some(other) => other.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join(" / ")
+}
+
+/// A result's value for `metric`, when it has one: not when it failed, its
+/// answer could not be used, or it has no such score.
+pub fn value_of(result: &StoredResult, metric: &Metric) -> Option<f64> {
+    if result.status == ItemStatus::Failed || !result.assessment.usable() {
+        return None;
+    }
+    result
+        .assessment
+        .scores
+        .get(&metric.key)
+        .and_then(|s| s.value)
+}
+
+/// Reads every result of `run_id` in dataset order, each with its category
+/// for `by`.
+pub fn scan(
+    store: &mut dyn Store,
+    run_id: &str,
+    by: &[String],
+    each: &mut dyn FnMut(&StoredResult, &str),
+) -> Result<(), StoreError> {
+    store.scan_results(run_id, &mut |result| {
+        let group = group_of(result.item.as_deref(), by);
+        each(&result, &group);
+    })
+}
+
+/// The report of run `run_id`, by the categories of `by`.
+pub fn report(store: &mut dyn Store, run_id: &str, by: &[String]) -> Result<Report, ReportError> {
+    let judged = Judged::load(store, run_id)?;
+    let samples_per_row = judged.config.config.task.samples;
+    let mut summaries = metrics::Summaries::new(&judged.metrics);
+    let mut samples =
+        (samples_per_row > 1).then(|| samples::Samples::new(samples_per_row, &judged.metrics));
+    let mut fidelity = Fidelity::default();
+    let mut models: BTreeMap<String, u64> = BTreeMap::new();
+    let mut verdicts: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
+    scan(store, run_id, by, &mut |result, group| {
+        summaries.add(
+            metrics::Row {
+                failed: result.status == ItemStatus::Failed,
+                verdict: result.assessment.verdict,
+                scores: &result.assessment.scores,
+            },
+            group,
+        );
+        fidelity.add(result);
+        *models
+            .entry(result.model.clone().unwrap_or_else(|| "-".to_owned()))
+            .or_insert(0) += 1;
+        if let Some(verdict) = result
+            .assessment
+            .code
+            .as_ref()
+            .and_then(|j| j.get("verdict"))
+            .and_then(Value::as_str)
+        {
+            let mut count = |group: &str| {
+                *verdicts
+                    .entry(group.to_owned())
+                    .or_default()
+                    .entry(verdict.to_owned())
+                    .or_default() += 1;
+            };
+            count(metrics::ALL);
+            if group != metrics::ALL {
+                count(group);
+            }
+        }
+        if let Some(samples) = &mut samples {
+            let row = crate::dataset::split_sample_id(&result.item_id)
+                .map_or(result.item_id.as_str(), |(row, _)| row);
+            let values = judged.metrics.iter().map(|m| value_of(result, m)).collect();
+            let vote = result
+                .assessment
+                .parsed
+                .as_ref()
+                .map(ToString::to_string)
+                .or_else(|| result.output.clone());
+            samples.add(row, values, vote);
+        }
+    })?;
+    Ok(Report {
+        run_id: judged.run.run_id.clone(),
+        name: judged.run.name.clone(),
+        items: judged.run.total,
+        models,
+        group_by: by.to_vec(),
+        fidelity,
+        metrics: summaries.finish(),
+        samples: samples.map(samples::Samples::finish),
+        code_verdicts: verdicts,
+        endpoints: endpoints(store, run_id)?,
+    })
+}

@@ -1,0 +1,280 @@
+//! `evalfleet score`: a run's stored answers parsed, checked and scored
+//! again, with no call to any model: after a metric is added to the task,
+//! or its definition changed. LLM-judge metrics read their judge's replies
+//! from the cache (without one a stored score is kept); a code task keeps
+//! its judgements unless asked to run the programs again (or its
+//! `task.code` changed).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use evalfleet_types::{Assessment, ItemStatus, Verdict};
+use serde_json::{Map, Value};
+
+use crate::config::{self, ConfigError, LoadedConfig};
+use crate::dataset::Row;
+use crate::eval::Evaluator;
+use crate::store::{Store, StoreError, StoredResult};
+use crate::task::code::CodeJudge;
+
+/// The task keys a new config's `task` replaces: its checking and scoring.
+const ASSESSMENT_KEYS: [&str; 7] = [
+    "parse",
+    "schema",
+    "schema_file",
+    "max_reasks",
+    "structured_output",
+    "metrics",
+    "code",
+];
+
+/// Why stored answers cannot be scored again.
+#[derive(Debug, thiserror::Error)]
+pub enum RescoreError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// What was asked does not fit the run.
+    #[error("{0}")]
+    Unfit(String),
+    #[error("the code judge cannot start")]
+    CodeJudge(#[source] evalfleet_judge::JudgeError),
+}
+
+impl RescoreError {
+    pub fn fault(&self) -> evalfleet_types::Fault {
+        match self {
+            Self::Store(err) => err.fault(),
+            Self::Config(_) | Self::Unfit(_) => evalfleet_types::Fault::BadInput,
+            Self::CodeJudge(err) => err.fault(),
+        }
+    }
+}
+
+/// A run's answers about to be scored again.
+pub struct Plan {
+    run_id: String,
+    /// The run's stored config, with the new task's checking and scoring.
+    snapshot: Value,
+    loaded: LoadedConfig,
+    assessor: Evaluator,
+    /// Metric keys to score again (the others keep their scores).
+    only: Option<Vec<String>>,
+    rejudge: bool,
+}
+
+impl Plan {
+    /// Plans scoring run `run_id` again, with the checking and scoring of
+    /// `config` when given, only `metrics` (names or keys; all when empty),
+    /// and the code judge run again with `rejudge`.
+    pub fn new(
+        store: &mut dyn Store,
+        run_id: &str,
+        config: Option<&LoadedConfig>,
+        metrics: &[String],
+        rejudge: bool,
+    ) -> Result<Self, RescoreError> {
+        let run = store.run(run_id)?;
+        if !crate::worker::live_workers(store, run_id)?.is_empty() {
+            return Err(RescoreError::Unfit(format!(
+                "run {run_id} is running; score it when it has stopped"
+            )));
+        }
+        let mut snapshot = run.config.clone();
+        if let Some(new) = config {
+            let task = snapshot
+                .get_mut("task")
+                .and_then(Value::as_object_mut)
+                .ok_or_else(|| RescoreError::Unfit("the stored config has no task".to_owned()))?;
+            for key in ASSESSMENT_KEYS {
+                task.remove(key);
+                if let Some(value) = new.snapshot.get("task").and_then(|t| t.get(key)) {
+                    task.insert(key.to_owned(), value.clone());
+                }
+            }
+            // A schema file is read now and stored inline: the stored config
+            // must not depend on where the new file was.
+            if task.remove("schema_file").is_some()
+                && let Some(schema) = &new.config.task.eval.schema
+            {
+                task.insert("schema".to_owned(), schema.clone());
+            }
+        }
+        let code_changed = snapshot.get("task").and_then(|t| t.get("code"))
+            != run.config.get("task").and_then(|t| t.get("code"));
+        let loaded = config::load_snapshot(&snapshot, Path::new(&run.config_dir))?;
+        let assessor = Evaluator::new(&loaded.config.task.eval).map_err(RescoreError::Unfit)?;
+        let rejudge = match loaded.config.task.kind.code() {
+            Some(_) => rejudge || code_changed,
+            None if rejudge => {
+                return Err(RescoreError::Unfit(format!(
+                    "--rejudge: run {run_id} has no code task (task.code)"
+                )));
+            }
+            None => false,
+        };
+        let keys: Vec<String> = assessor.metrics().map(|m| m.key.clone()).collect();
+        let only = if metrics.is_empty() {
+            None
+        } else {
+            let mut chosen = Vec::new();
+            for name in metrics {
+                let found: Vec<&String> = keys
+                    .iter()
+                    .filter(|k| *k == name || k.split('@').next() == Some(name.as_str()))
+                    .collect();
+                if found.is_empty() {
+                    return Err(RescoreError::Unfit(format!(
+                        "--metrics: '{name}' is not among the task's metrics ({})",
+                        keys.join(", ")
+                    )));
+                }
+                chosen.extend(found.into_iter().cloned());
+            }
+            Some(chosen)
+        };
+        Ok(Self {
+            run_id: run_id.to_owned(),
+            snapshot,
+            loaded,
+            assessor,
+            only,
+            rejudge,
+        })
+    }
+
+    /// The cache file the run's judge replies are in, when not the store.
+    pub fn cache_file(&self) -> Option<&PathBuf> {
+        self.loaded.config.cache.path.as_ref()
+    }
+
+    /// Scores every done item again, and stores the new assessments with
+    /// the new config in one transaction. The code judge (with
+    /// `rejudge`) makes its sandbox under `sandbox_dir`.
+    pub async fn apply(
+        self,
+        store: &mut dyn Store,
+        sandbox_dir: &Path,
+    ) -> Result<Rescored, RescoreError> {
+        let Self {
+            run_id,
+            snapshot,
+            loaded,
+            assessor,
+            only,
+            rejudge,
+        } = self;
+        // Judge metrics read their judge's replies from the cache.
+        let judge_identities: HashMap<String, String> = loaded
+            .config
+            .endpoints
+            .iter()
+            .filter(|e| e.judge)
+            .map(|e| {
+                let identity =
+                    crate::cache::identity(&e.model, &loaded.config.task.params, &e.params);
+                (e.name.clone(), identity)
+            })
+            .collect();
+        let mut stored: Vec<StoredResult> = Vec::new();
+        store.scan_results(&run_id, &mut |r: StoredResult| {
+            if r.status == ItemStatus::Done {
+                stored.push(r);
+            }
+        })?;
+        let code_key = assessor
+            .metrics()
+            .find(|m| matches!(m.kind, crate::eval::metrics::Kind::CodeAccepted))
+            .map(|m| m.key.clone());
+        let mut assessed: Vec<(u64, Assessment)> = Vec::with_capacity(stored.len());
+        // The usable answers of a code task to judge again: (place in
+        // `assessed`, item, answer).
+        let mut programs: Vec<(u64, Value, String)> = Vec::new();
+        let mut unreadable = 0u64;
+        let mut lookup_error = None;
+        for r in &stored {
+            let item: Row = r
+                .item
+                .as_deref()
+                .and_then(|t| serde_json::from_str(t).ok())
+                .unwrap_or_else(|| {
+                    unreadable += 1;
+                    Map::new()
+                });
+            let output = r.output.as_deref().unwrap_or("");
+            let new = assessor.rescore(
+                output,
+                &item,
+                r.assessment.reasks,
+                only.as_deref(),
+                &r.assessment.scores,
+                &mut |request| {
+                    let identity = judge_identities.get(&request.endpoint)?;
+                    let messages = request.messages.as_ref().ok()?;
+                    match store.cache_get(&crate::cache::key(identity, 0, messages), 0) {
+                        Ok(hit) => hit.map(|h| h.content),
+                        Err(err) => {
+                            lookup_error.get_or_insert(err);
+                            None
+                        }
+                    }
+                },
+            );
+            if rejudge && new.verdict == Some(Verdict::Ok) {
+                programs.push((
+                    assessed.len() as u64,
+                    Value::Object(item),
+                    output.to_owned(),
+                ));
+            }
+            assessed.push((r.seq, new));
+        }
+        if let Some(err) = lookup_error {
+            return Err(err.into());
+        }
+        let mut rejudged = None;
+        if rejudge && let (Some(settings), Some(key)) = (loaded.config.task.kind.code(), code_key) {
+            let started = Instant::now();
+            let count = programs.len();
+            let judge = CodeJudge::start(settings, sandbox_dir)
+                .await
+                .map_err(RescoreError::CodeJudge)?;
+            for (place, json, score) in judge.judge_again(programs).await {
+                let Some((_, a)) = usize::try_from(place)
+                    .ok()
+                    .and_then(|i| assessed.get_mut(i))
+                else {
+                    continue;
+                };
+                a.scores.insert(key.clone(), score);
+                a.code = json;
+            }
+            rejudged = Some((count, started.elapsed()));
+        }
+        store.put_assessments(&run_id, &assessed, &snapshot)?;
+        Ok(Rescored {
+            answers: assessed.len() as u64,
+            usable: assessed.iter().filter(|(_, a)| a.usable()).count() as u64,
+            metrics: assessor.metrics().map(|m| m.key.clone()).collect(),
+            rejudged,
+            unreadable,
+        })
+    }
+}
+
+/// What scoring again did.
+#[derive(Debug, Clone)]
+pub struct Rescored {
+    /// Done items scored again, and of those, usable answers.
+    pub answers: u64,
+    pub usable: u64,
+    /// The task's metric keys.
+    pub metrics: Vec<String>,
+    /// Programs judged again, and how long that took.
+    pub rejudged: Option<(usize, Duration)>,
+    /// Stored items that are not JSON (their references could not be
+    /// rendered).
+    pub unreadable: u64,
+}
