@@ -17,7 +17,7 @@ pub mod task;
 pub mod template;
 pub mod worker;
 
-pub use evalfleet_judge as judge;
+pub use evalfleet_sandbox as sandbox;
 pub use evalfleet_types as types;
 
 /// What kind of failure `err` is, when it is one of the library's errors
@@ -42,7 +42,7 @@ pub fn fault_of(err: &(dyn std::error::Error + 'static)) -> Option<types::Fault>
         task::TaskError,
         report::ReportError,
         rescore::RescoreError,
-        judge::JudgeError,
+        sandbox::CodeJudgeError,
     );
     None
 }

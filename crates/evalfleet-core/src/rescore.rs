@@ -14,9 +14,9 @@ use serde_json::{Map, Value};
 
 use crate::config::{self, ConfigError, LoadedConfig};
 use crate::dataset::Row;
-use crate::eval::Evaluator;
+use crate::eval::Assessor;
 use crate::store::{Store, StoreError, StoredResult};
-use crate::task::code::CodeJudge;
+use crate::task::code;
 
 /// The task keys a new config's `task` replaces: its checking and scoring.
 const ASSESSMENT_KEYS: [&str; 7] = [
@@ -40,7 +40,7 @@ pub enum RescoreError {
     #[error("{0}")]
     Unfit(String),
     #[error("the code judge cannot start")]
-    CodeJudge(#[source] evalfleet_judge::JudgeError),
+    CodeJudge(#[source] evalfleet_sandbox::CodeJudgeError),
 }
 
 impl RescoreError {
@@ -59,7 +59,7 @@ pub struct Plan {
     /// The run's stored config, with the new task's checking and scoring.
     snapshot: Value,
     loaded: LoadedConfig,
-    assessor: Evaluator,
+    assessor: Assessor,
     /// Metric keys to score again (the others keep their scores).
     only: Option<Vec<String>>,
     rejudge: bool,
@@ -105,7 +105,7 @@ impl Plan {
         let code_changed = snapshot.get("task").and_then(|t| t.get("code"))
             != run.config.get("task").and_then(|t| t.get("code"));
         let loaded = config::load_snapshot(&snapshot, Path::new(&run.config_dir))?;
-        let assessor = Evaluator::new(&loaded.config.task.eval).map_err(RescoreError::Unfit)?;
+        let assessor = Assessor::new(&loaded.config.task.eval).map_err(RescoreError::Unfit)?;
         let rejudge = match loaded.config.task.kind.code() {
             Some(_) => rejudge || code_changed,
             None if rejudge => {
@@ -166,12 +166,12 @@ impl Plan {
             only,
             rejudge,
         } = self;
-        // Judge metrics read their judge's replies from the cache.
+        // CodeJudge metrics read their judge's replies from the cache.
         let judge_identities: HashMap<String, String> = loaded
             .config
             .endpoints
             .iter()
-            .filter(|e| e.judge)
+            .filter(|e| !e.takes_items())
             .map(|e| {
                 let identity =
                     crate::cache::identity(&e.model, &loaded.config.task.params, &e.params);
@@ -238,10 +238,10 @@ impl Plan {
         if rejudge && let (Some(settings), Some(key)) = (loaded.config.task.kind.code(), code_key) {
             let started = Instant::now();
             let count = programs.len();
-            let judge = CodeJudge::start(settings, sandbox_dir)
+            let judge = code::start(settings, sandbox_dir)
                 .await
                 .map_err(RescoreError::CodeJudge)?;
-            for (place, json, score) in judge.judge_again(programs).await {
+            for (place, json, score) in code::judge_again(&judge, programs).await {
                 let Some((_, a)) = usize::try_from(place)
                     .ok()
                     .and_then(|i| assessed.get_mut(i))

@@ -41,12 +41,26 @@ pub struct EndpointConfig {
     /// (e.g. vLLM's `top_k`, `chat_template_kwargs`).
     pub params: Map<String, Value>,
     pub health: HealthSettings,
-    /// `role: judge`: the endpoint answers `llm_judge` metrics and takes no
-    /// items (`role: items`, the default, is the opposite).
-    pub judge: bool,
+    /// `role`: what the endpoint is for.
+    pub role: EndpointRole,
+}
+
+/// `role:` what an endpoint is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EndpointRole {
+    /// `items` (the default): it answers the run's items.
+    Items,
+    /// `judge`: it answers `llm_judge` metrics' calls and takes no items.
+    Judge,
 }
 
 impl EndpointConfig {
+    /// Whether the endpoint answers the run's items (a judge endpoint does
+    /// not).
+    pub fn takes_items(&self) -> bool {
+        self.role == EndpointRole::Items
+    }
+
     /// The most calls this endpoint may ever have in flight.
     pub fn max_concurrency(&self) -> usize {
         match self.concurrency {
@@ -585,16 +599,16 @@ fn endpoint(
             .and_then(|h| health(h, &field("health"), p)),
         None => Some(HealthSettings::default()),
     };
-    let judge = match raw.role.as_deref() {
-        None | Some("items") => Some(false),
-        Some("judge") => Some(true),
+    let role = match raw.role.as_deref() {
+        None | Some("items") => Some(EndpointRole::Items),
+        Some("judge") => Some(EndpointRole::Judge),
         Some(other) => p.push(
             &field("role"),
             format!("must be items or judge, got '{other}'"),
         ),
     };
     Some(EndpointConfig {
-        judge: judge?,
+        role: role?,
         name: name?,
         model: model?,
         kind: kind?,

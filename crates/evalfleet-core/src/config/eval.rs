@@ -237,7 +237,7 @@ fn metrics(list: Vec<Value>, p: &mut Problems<'_>) -> Option<Vec<MetricSpec>> {
                     );
                     continue;
                 }
-                if let crate::eval::metrics::Kind::Judge { rubric, .. } = &metric.kind
+                if let crate::eval::metrics::Kind::LlmJudge { rubric, .. } = &metric.kind
                     && let Err(err) = checker.template_from_str(rubric)
                 {
                     ok = false;

@@ -20,7 +20,8 @@ use std::time::Duration;
 use serde_json::{Map, Value};
 
 pub use endpoint::{
-    AimdSettings, EndpointConfig, EndpointKind, Engine, HealthSettings, LimitMode, Preset, Remote,
+    AimdSettings, EndpointConfig, EndpointKind, EndpointRole, Engine, HealthSettings, LimitMode,
+    Preset, Remote,
 };
 pub use env::Vars;
 pub use evalfleet_mock::MockSettings;
@@ -156,7 +157,7 @@ pub enum TaskKind {
     Chat,
     /// A chat whose answer is a program, judged against the item's tests
     /// (`task.code`).
-    Code(evalfleet_judge::CodeSettings),
+    Code(evalfleet_sandbox::CodeSettings),
     /// Ask, then ask the model to improve its answer (`task.refine`), then
     /// check and score the last answer.
     Refine(RefineSettings),
@@ -172,7 +173,7 @@ impl TaskKind {
     }
 
     /// The code judge's settings, for a code task.
-    pub fn code(&self) -> Option<&evalfleet_judge::CodeSettings> {
+    pub fn code(&self) -> Option<&evalfleet_sandbox::CodeSettings> {
         match self {
             Self::Code(settings) => Some(settings),
             _ => None,

@@ -373,11 +373,11 @@ fn a_code_task_is_checked_key_by_key() {
     .unwrap()
     .config;
     let code = config.task.kind.code().cloned().unwrap();
-    assert_eq!(code.language, evalfleet_judge::Language::Rust);
+    assert_eq!(code.language, evalfleet_sandbox::Language::Rust);
     assert_eq!(code.stdio_fields, ["public_tests", "private_tests"]);
     assert_eq!(
         code.backend,
-        evalfleet_judge::Backend::SandboxFusion {
+        evalfleet_sandbox::Backend::SandboxFusion {
             url: "http://sandbox:8080".to_owned(),
             retries: 5
         }

@@ -196,7 +196,7 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
         other => Some(other.map(Into::into)),
     };
     if let Some(endpoints) = &endpoints {
-        if endpoints.iter().all(|e| e.judge) {
+        if endpoints.iter().all(|e| !e.takes_items()) {
             return p.push(
                 "endpoints",
                 "must hold at least one endpoint that answers items (not role: judge)",
@@ -204,9 +204,9 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
         }
         if let Some(task) = &task {
             for (i, m) in task.eval.metrics.iter().enumerate() {
-                if let crate::eval::metrics::Kind::Judge { endpoint, .. } = &m.metric.kind {
+                if let crate::eval::metrics::Kind::LlmJudge { endpoint, .. } = &m.metric.kind {
                     match endpoints.iter().find(|e| &e.name == endpoint) {
-                        Some(e) if e.judge => {}
+                        Some(e) if !e.takes_items() => {}
                         Some(_) => {
                             return p.push(
                                 &format!("task.metrics[{i}].endpoint"),
@@ -226,10 +226,10 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
     }
     if let (Some(endpoints), Some(cache)) = (&endpoints, &cache)
         && cache.mode != crate::cache::CacheMode::Off
-        && let Some(first) = endpoints.iter().find(|e| !e.judge)
+        && let Some(first) = endpoints.iter().find(|e| e.takes_items())
         && let Some(other) = endpoints
             .iter()
-            .filter(|e| !e.judge)
+            .filter(|e| e.takes_items())
             .find(|e| e.model != first.model || e.params != first.params)
     {
         return p.push(
@@ -254,9 +254,9 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
     })
 }
 
-fn code(value: &Value, p: &mut Problems<'_>) -> Option<evalfleet_judge::CodeSettings> {
-    use evalfleet_judge::sandbox::Limits;
-    use evalfleet_judge::{Backend, CodeSettings, Format, Language};
+fn code(value: &Value, p: &mut Problems<'_>) -> Option<evalfleet_sandbox::CodeSettings> {
+    use evalfleet_sandbox::sandbox::Limits;
+    use evalfleet_sandbox::{Backend, CodeSettings, Format, Language};
     let raw = raw::section::<raw::RawCode>(value, "task.code", p.0)?;
     let format = match raw.format.as_deref() {
         None => p.push("task.code.format", "is required: humaneval, mbpp or stdio"),

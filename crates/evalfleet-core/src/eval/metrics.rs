@@ -145,8 +145,8 @@ pub enum Kind {
     },
     /// Set by the code judge (`task.code`).
     CodeAccepted,
-    /// Scored by a call to a judge endpoint (see `Evaluator::judge_requests`).
-    Judge {
+    /// Scored by a call to a judge endpoint (see `Assessor::llm_judge_calls`).
+    LlmJudge {
         endpoint: String,
         rubric: String,
         pattern: Regex,
@@ -336,7 +336,7 @@ impl Metric {
                         return Err(format!("scale must be [lowest, highest], got {other}"));
                     }
                 };
-                Kind::Judge {
+                Kind::LlmJudge {
                     endpoint,
                     rubric,
                     pattern,
@@ -362,7 +362,7 @@ impl Metric {
     /// Whether [`Metric::score`] computes it (not a judge endpoint or the
     /// code judge).
     pub fn scored_here(&self) -> bool {
-        !matches!(self.kind, Kind::Judge { .. } | Kind::CodeAccepted)
+        !matches!(self.kind, Kind::LlmJudge { .. } | Kind::CodeAccepted)
     }
 
     /// Whether the task must give it a reference.
@@ -449,7 +449,7 @@ impl Metric {
             Kind::JsonFields { fields } => {
                 json_fields(answer, references.first(), fields.as_deref())
             }
-            Kind::Judge { .. } => json!({"error": "scored by its judge endpoint"}),
+            Kind::LlmJudge { .. } => json!({"error": "scored by its judge endpoint"}),
             Kind::CodeAccepted => json!({"error": "scored by the code judge"}),
             Kind::Classification {
                 labels,
@@ -479,8 +479,8 @@ impl Metric {
 impl Metric {
     /// A judge's reply as a score: the last match of `score_regex`, scaled
     /// from `scale` to 0..1 (clamped), or why there is none.
-    pub fn judge_score(&self, reply: &str) -> Value {
-        let Kind::Judge {
+    pub fn llm_judge_score(&self, reply: &str) -> Value {
+        let Kind::LlmJudge {
             pattern, low, high, ..
         } = &self.kind
         else {
@@ -676,10 +676,10 @@ mod tests {
             "llm_judge",
             json!({"endpoint": "j", "rubric": "Rate {{ answer }}", "scale": [1, 5]}),
         );
-        assert_eq!(m.judge_score("Fine work.\nScore: 4")["value"], 0.75);
-        assert_eq!(m.judge_score("score = **5**")["value"], 1.0);
+        assert_eq!(m.llm_judge_score("Fine work.\nScore: 4")["value"], 0.75);
+        assert_eq!(m.llm_judge_score("score = **5**")["value"], 1.0);
         assert!(
-            m.judge_score("I like it")["error"]
+            m.llm_judge_score("I like it")["error"]
                 .as_str()
                 .unwrap()
                 .contains("no score")

@@ -103,7 +103,7 @@ impl Checked {
 
 /// One call a judge metric needs.
 #[derive(Debug)]
-pub struct JudgeRequest {
+pub struct LlmJudgeCall {
     /// The metric's key.
     pub key: String,
     /// The judge endpoint's name.
@@ -113,13 +113,13 @@ pub struct JudgeRequest {
 }
 
 /// A compiled [`EvalSpec`].
-pub struct Evaluator {
+pub struct Assessor {
     spec: EvalSpec,
     schema: Option<jsonschema::Validator>,
     env: Environment<'static>,
 }
 
-impl Evaluator {
+impl Assessor {
     /// Compiles the schema and the reference templates.
     pub fn new(spec: &EvalSpec) -> Result<Self, String> {
         let schema = spec
@@ -137,7 +137,7 @@ impl Evaluator {
                 env.add_template_owned(format!("task.metrics[{i}].reference"), reference.clone())
                     .map_err(|e| format!("task.metrics[{i}].reference: {e}"))?;
             }
-            if let metrics::Kind::Judge { rubric, .. } = &m.metric.kind {
+            if let metrics::Kind::LlmJudge { rubric, .. } = &m.metric.kind {
                 env.add_template_owned(format!("task.metrics[{i}].rubric"), rubric.clone())
                     .map_err(|e| format!("task.metrics[{i}].rubric: {e}"))?;
             }
@@ -253,13 +253,13 @@ impl Evaluator {
         reasks: u32,
         only: Option<&[String]>,
         keep: &Scores,
-        lookup: &mut dyn FnMut(&JudgeRequest) -> Option<String>,
+        lookup: &mut dyn FnMut(&LlmJudgeCall) -> Option<String>,
     ) -> Assessment {
         let checked = self.check(output);
         let mut scores = self.score(&checked, item);
-        for request in self.judge_requests(&checked, item) {
+        for request in self.llm_judge_calls(&checked, item) {
             let score = match lookup(&request) {
-                Some(reply) => self.judge_score(&request.key, &reply),
+                Some(reply) => self.llm_judge_score(&request.key, &reply),
                 None => match keep.get(&request.key) {
                     Some(stored) => stored.clone(),
                     None => Score::error(
@@ -290,21 +290,21 @@ impl Evaluator {
     }
 
     /// Whether any metric is scored by a judge endpoint.
-    pub fn has_judges(&self) -> bool {
+    pub fn has_llm_judges(&self) -> bool {
         self.metrics()
-            .any(|m| matches!(m.kind, metrics::Kind::Judge { .. }))
+            .any(|m| matches!(m.kind, metrics::Kind::LlmJudge { .. }))
     }
 
     /// The calls the judge metrics need for a valid answer: the rubric
     /// rendered over the item's fields, `answer` and `reference`, as one
     /// user message.
-    pub fn judge_requests(&self, checked: &Checked, item: &Row) -> Vec<JudgeRequest> {
+    pub fn llm_judge_calls(&self, checked: &Checked, item: &Row) -> Vec<LlmJudgeCall> {
         let Some(answer) = checked.parsed.as_ref().filter(|_| checked.valid) else {
             return Vec::new();
         };
         let mut out = Vec::new();
         for (i, m) in self.spec.metrics.iter().enumerate() {
-            let metrics::Kind::Judge { endpoint, .. } = &m.metric.kind else {
+            let metrics::Kind::LlmJudge { endpoint, .. } = &m.metric.kind else {
                 continue;
             };
             let mut context = item.clone();
@@ -328,7 +328,7 @@ impl Evaluator {
                     )
                     .map_err(|e| e.to_string())
                 });
-            out.push(JudgeRequest {
+            out.push(LlmJudgeCall {
                 key: m.metric.key.clone(),
                 endpoint: endpoint.clone(),
                 messages: request,
@@ -338,10 +338,10 @@ impl Evaluator {
     }
 
     /// The score of judge metric `key` from its judge's reply.
-    pub fn judge_score(&self, key: &str, reply: &str) -> Score {
+    pub fn llm_judge_score(&self, key: &str, reply: &str) -> Score {
         self.metrics().find(|m| m.key == key).map_or_else(
             || Score::error("no such metric"),
-            |m| Score::from_json(m.judge_score(reply)),
+            |m| Score::from_json(m.llm_judge_score(reply)),
         )
     }
 

@@ -921,7 +921,10 @@ fn apply(
 
 fn check_exhausted(shared: &Shared, endpoints: &[Arc<Endpoint>], since: &mut Option<Instant>) {
     // Judge endpoints take no items: only the others keep a run going.
-    let endpoints: Vec<&Arc<Endpoint>> = endpoints.iter().filter(|e| !e.config.judge).collect();
+    let endpoints: Vec<&Arc<Endpoint>> = endpoints
+        .iter()
+        .filter(|e| e.config.takes_items())
+        .collect();
     let phases: Vec<Phase> = endpoints.iter().map(|e| e.phase()).collect();
     let coming = phases
         .iter()

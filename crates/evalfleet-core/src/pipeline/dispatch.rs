@@ -71,7 +71,7 @@ pub async fn dispatch(
     mut inbox: mpsc::UnboundedReceiver<Item>,
 ) {
     // Judge endpoints take no items, only calls addressed to them.
-    let takes_items = !endpoint.config.judge;
+    let takes_items = endpoint.config.takes_items();
     loop {
         let permit = tokio::select! {
             permit = call::admit(&endpoint, &shared.halt) => match permit {

@@ -266,7 +266,7 @@ fn cache_use(config: &Config, endpoints: &[Arc<Endpoint>]) -> CacheUse {
     CacheUse {
         items: endpoints
             .iter()
-            .find(|e| !e.config.judge)
+            .find(|e| e.config.takes_items())
             .map(|e| identity(e)),
         named: endpoints
             .iter()

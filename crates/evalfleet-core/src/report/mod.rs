@@ -25,7 +25,7 @@ pub use metrics::Summary;
 pub use samples::SamplesSummary;
 
 use crate::config::{self, ConfigError, LoadedConfig};
-use crate::eval::{Evaluator, Metric};
+use crate::eval::{Assessor, Metric};
 use crate::store::{RunRecord, Store, StoreError, StoredResult};
 
 /// Why a report cannot be made.
@@ -126,7 +126,7 @@ impl Judged {
                     source,
                 }
             })?;
-        let metrics = Evaluator::new(&config.config.task.eval)
+        let metrics = Assessor::new(&config.config.task.eval)
             .map_err(ReportError::Metrics)?
             .metrics()
             .cloned()

@@ -9,10 +9,10 @@ use std::sync::Arc;
 use evalfleet_types::{Assessment, Score, Scores};
 use serde_json::Value;
 
-use super::code::CodeJudge;
 use super::{Episode, Finish, ItemContext, Reply, Request, Step, Target, Task};
-use crate::eval::{Checked, Evaluator, JudgeRequest};
+use crate::eval::{Assessor, Checked, LlmJudgeCall};
 use crate::template::Templates;
+use evalfleet_sandbox::CodeJudge;
 
 /// The chat task.
 #[derive(Clone)]
@@ -24,13 +24,13 @@ struct Inner {
     templates: Arc<Templates>,
     /// Parsing, checking and scoring; `None` when the task has none (the
     /// answer is stored as it is).
-    assessor: Option<Arc<Evaluator>>,
+    assessor: Option<Arc<Assessor>>,
     /// Judges a usable answer as a program (`kind: code`).
     code: Option<Arc<CodeJudge>>,
 }
 
 impl Chat {
-    pub fn new(templates: Arc<Templates>, assessor: Option<Arc<Evaluator>>) -> Self {
+    pub fn new(templates: Arc<Templates>, assessor: Option<Arc<Assessor>>) -> Self {
         Self {
             inner: Arc::new(Inner {
                 templates,
@@ -91,7 +91,7 @@ struct Judging {
     checked: Checked,
     scores: Scores,
     /// The judge calls still to make.
-    calls: VecDeque<JudgeRequest>,
+    calls: VecDeque<LlmJudgeCall>,
     /// The metric whose judge was asked last.
     asked: String,
 }
@@ -117,7 +117,7 @@ impl Episode for ChatEpisode {
             (Some(mut judging), reply) => {
                 let score = match (&self.chat.assessor, reply) {
                     (Some(assessor), Reply::Answer(text)) => {
-                        assessor.judge_score(&judging.asked, &text)
+                        assessor.llm_judge_score(&judging.asked, &text)
                     }
                     (_, Reply::Failed(reason)) => {
                         Score::error(format!("the judge failed: {reason}"))
@@ -157,7 +157,7 @@ impl ChatEpisode {
             });
         }
         let scores = assessor.score(&checked, item.row);
-        let calls = assessor.judge_requests(&checked, item.row).into();
+        let calls = assessor.llm_judge_calls(&checked, item.row).into();
         self.judge_next(
             item,
             Judging {
@@ -203,16 +203,15 @@ impl ChatEpisode {
         } = judging;
         let reasks = self.reasks;
         match (&self.chat.code, &self.chat.assessor) {
-            (Some(code), Some(assessor)) if checked.valid => {
-                let (code, assessor) = (code.clone(), assessor.clone());
-                let row = Value::Object(item.row.clone());
-                Step::Work(Box::pin(async move {
-                    let assessment = code
-                        .judged(&assessor, &checked, &row, &answer, scores, reasks)
-                        .await;
-                    Step::Finish(Finish::done(answer, assessment))
-                }))
-            }
+            (Some(code), Some(assessor)) if checked.valid => super::code::judge_then_finish(
+                code.clone(),
+                assessor.clone(),
+                checked,
+                Value::Object(item.row.clone()),
+                answer,
+                scores,
+                reasks,
+            ),
             _ => Step::Finish(Finish::done(answer, checked.assessment(scores, reasks))),
         }
     }

@@ -9,9 +9,11 @@ use evalfleet_types::{Assessment, Score, Scores};
 use futures_util::StreamExt;
 use serde_json::Value;
 
+use evalfleet_sandbox::{CodeJudge, CodeJudgeError};
+
 use super::chat::Chat;
 use super::{Episode, ItemContext, Step, Task};
-use crate::eval::{Checked, Evaluator};
+use crate::eval::{Assessor, Checked};
 
 /// The code task: a chat with a code judge.
 pub struct Code {
@@ -36,82 +38,91 @@ impl Task for Code {
     /// Enough answers judged at once to keep the judge's slots busy; more
     /// would only hold rows in memory.
     fn work_limit(&self) -> usize {
-        backlog(self.judge.judge.settings())
+        backlog(self.judge.settings())
     }
 }
 
-/// The code judge of a run.
-pub struct CodeJudge {
-    pub judge: evalfleet_judge::Judge,
+/// Starts the code judge of `settings` with its sandbox under `dir` (an
+/// HTTP client only for a remote sandbox), and says what it enforces.
+pub async fn start(
+    settings: &evalfleet_sandbox::CodeSettings,
+    dir: &std::path::Path,
+) -> Result<CodeJudge, CodeJudgeError> {
+    let http = match settings.backend {
+        evalfleet_sandbox::Backend::SandboxFusion { .. } => Some(
+            crate::client::http_client(settings.concurrency)
+                .map_err(|e| CodeJudgeError::Setup(format!("cannot make an HTTP client: {e}")))?,
+        ),
+        evalfleet_sandbox::Backend::Local => None,
+    };
+    let judge = CodeJudge::new(settings.clone(), dir, http).await?;
+    if judge.degraded() {
+        tracing::warn!("Code judge: {}.", judge.describe());
+    } else {
+        tracing::info!("Code judge: {}.", judge.describe());
+    }
+    Ok(judge)
 }
 
-impl CodeJudge {
-    /// Starts the judge of `settings` with its sandbox under `dir` (an HTTP
-    /// client only for a remote sandbox), and says what it enforces.
-    pub async fn start(
-        settings: &evalfleet_judge::CodeSettings,
-        dir: &std::path::Path,
-    ) -> Result<Self, evalfleet_judge::JudgeError> {
-        let http = match settings.backend {
-            evalfleet_judge::Backend::SandboxFusion { .. } => Some(
-                crate::client::http_client(settings.concurrency).map_err(|e| {
-                    evalfleet_judge::JudgeError::Setup(format!("cannot make an HTTP client: {e}"))
-                })?,
-            ),
-            evalfleet_judge::Backend::Local => None,
-        };
-        let judge = evalfleet_judge::Judge::new(settings.clone(), dir, http).await?;
-        if judge.degraded() {
-            tracing::warn!("Code judge: {}.", judge.describe());
-        } else {
-            tracing::info!("Code judge: {}.", judge.describe());
-        }
-        Ok(Self { judge })
-    }
+/// Judges stored answers again (`evalfleet score --rejudge`): each `(seq,
+/// item, answer)` becomes `(seq, judgement, code_accepted score)`.
+pub async fn judge_again(
+    judge: &CodeJudge,
+    answers: Vec<(u64, Value, String)>,
+) -> Vec<(u64, Option<Value>, Score)> {
+    futures_util::stream::iter(answers)
+        .map(|(seq, item, answer)| async move {
+            let (json, score) = code_outcome(judge.judge(&item, &answer).await);
+            (seq, json, score)
+        })
+        .buffer_unordered(backlog(judge.settings()))
+        .collect()
+        .await
+}
 
-    /// Judges stored answers again (`evalfleet score --rejudge`): each
-    /// `(seq, item, answer)` becomes `(seq, judgement, code_accepted score)`.
-    pub async fn judge_again(
-        &self,
-        answers: Vec<(u64, Value, String)>,
-    ) -> Vec<(u64, Option<Value>, Score)> {
-        futures_util::stream::iter(answers)
-            .map(|(seq, item, answer)| async move {
-                let (json, score) = code_outcome(self.judge.judge(&item, &answer).await);
-                (seq, json, score)
-            })
-            .buffer_unordered(backlog(self.judge.settings()))
-            .collect()
-            .await
+/// The assessment of a usable answer judged as the program for `row`: its
+/// scores with `code_accepted`, and the judgement.
+async fn assessed(
+    judge: &CodeJudge,
+    assessor: &Assessor,
+    checked: &Checked,
+    row: &Value,
+    answer: &str,
+    mut scores: Scores,
+    reasks: u32,
+) -> Assessment {
+    let (json, score) = code_outcome(judge.judge(row, answer).await);
+    if let Some(m) = assessor
+        .metrics()
+        .find(|m| matches!(m.kind, crate::eval::metrics::Kind::CodeAccepted))
+    {
+        scores.insert(m.key.clone(), score);
     }
+    let mut assessment = checked.assessment(scores, reasks);
+    assessment.code = json;
+    assessment
+}
 
-    /// The assessment of a usable answer judged as the program for `row`:
-    /// its scores with `code_accepted`, and the judgement.
-    pub async fn judged(
-        &self,
-        assessor: &Evaluator,
-        checked: &Checked,
-        row: &Value,
-        answer: &str,
-        mut scores: Scores,
-        reasks: u32,
-    ) -> Assessment {
-        let (json, score) = code_outcome(self.judge.judge(row, answer).await);
-        if let Some(m) = assessor
-            .metrics()
-            .find(|m| matches!(m.kind, crate::eval::metrics::Kind::CodeAccepted))
-        {
-            scores.insert(m.key.clone(), score);
-        }
-        let mut assessment = checked.assessment(scores, reasks);
-        assessment.code = json;
-        assessment
-    }
+/// The work of judging a usable answer as a program, then finishing its
+/// item.
+pub(super) fn judge_then_finish(
+    judge: Arc<CodeJudge>,
+    assessor: Arc<Assessor>,
+    checked: Checked,
+    row: Value,
+    answer: String,
+    scores: Scores,
+    reasks: u32,
+) -> Step {
+    Step::Work(Box::pin(async move {
+        let assessment = assessed(&judge, &assessor, &checked, &row, &answer, scores, reasks).await;
+        Step::Finish(super::Finish::done(answer, assessment))
+    }))
 }
 
 /// How many answers are judged at once: enough to keep the judge's slots
 /// busy.
-fn backlog(settings: &evalfleet_judge::CodeSettings) -> usize {
+fn backlog(settings: &evalfleet_sandbox::CodeSettings) -> usize {
     settings.concurrency.saturating_mul(2).max(1)
 }
 
@@ -119,7 +130,7 @@ fn backlog(settings: &evalfleet_judge::CodeSettings) -> usize {
 /// `code_accepted` score (its value, verdict and tests passed, or the
 /// judge's error).
 fn code_outcome(
-    judged: Result<evalfleet_judge::Judgement, evalfleet_judge::JudgeError>,
+    judged: Result<evalfleet_sandbox::Judgement, CodeJudgeError>,
 ) -> (Option<Value>, Score) {
     match judged {
         Ok(j) => (

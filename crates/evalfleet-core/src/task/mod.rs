@@ -25,7 +25,7 @@ use serde_json::value::RawValue;
 
 use crate::config::{Config, TaskKind};
 use crate::dataset::Row;
-use crate::eval::Evaluator;
+use crate::eval::Assessor;
 use crate::template::Templates;
 
 /// An item as a task sees it.
@@ -139,7 +139,7 @@ pub enum TaskError {
     #[error("{0}")]
     Invalid(String),
     #[error("the code judge cannot start")]
-    CodeJudge(#[source] evalfleet_judge::JudgeError),
+    CodeJudge(#[source] evalfleet_sandbox::CodeJudgeError),
 }
 
 impl TaskError {
@@ -161,7 +161,7 @@ pub async fn start(
     let task = &config.task;
     let assessor = if task.eval.checks() || !task.eval.metrics.is_empty() {
         Some(Arc::new(
-            Evaluator::new(&task.eval).map_err(TaskError::Invalid)?,
+            Assessor::new(&task.eval).map_err(TaskError::Invalid)?,
         ))
     } else {
         None
@@ -170,7 +170,7 @@ pub async fn start(
     Ok(match &task.kind {
         TaskKind::Chat => Arc::new(chat),
         TaskKind::Code(settings) => {
-            let judge = code::CodeJudge::start(settings, sandbox_dir)
+            let judge = code::start(settings, sandbox_dir)
                 .await
                 .map_err(TaskError::CodeJudge)?;
             Arc::new(code::Code::new(chat, Arc::new(judge)))

@@ -8,7 +8,7 @@ use evalfleet_core::dataset::Scanner;
 use evalfleet_core::fleet::gpu::{self, GpuReport};
 use evalfleet_core::fleet::runtime::MockStarter;
 use evalfleet_core::fleet::{LimitMode, runtime::health_url};
-use evalfleet_core::task::code::CodeJudge;
+use evalfleet_core::task::code;
 use evalfleet_core::template::Templates;
 
 use crate::fleet::InProcessMocks;
@@ -141,11 +141,11 @@ pub async fn check(args: crate::cli::CheckArgs) -> anyhow::Result<u8> {
         // The judge starts as a run starts it: its sandbox made, and a
         // trivial program of the task's language run in it.
         let dir = std::env::temp_dir().join(format!("evalfleet-check-{}", std::process::id()));
-        let line = match CodeJudge::start(settings, &dir).await {
+        let line = match code::start(settings, &dir).await {
             Ok(code) => format!(
                 "{} programs run; {}",
                 settings.language.as_str(),
-                code.judge.describe()
+                code.describe()
             ),
             Err(err) => {
                 ready = false;

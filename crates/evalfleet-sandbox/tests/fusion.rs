@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use axum::extract::State;
 use axum::routing::post;
-use evalfleet_judge::{Backend, Format, Judge, JudgeError, Language, Verdict};
+use evalfleet_sandbox::{Backend, CodeJudge, CodeJudgeError, Format, Language, Verdict};
 use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
 
@@ -155,7 +155,7 @@ async fn serve(server: Arc<Server>) -> String {
     format!("http://{address}")
 }
 
-fn remote(url: &str, format: Format, language: Language) -> evalfleet_judge::CodeSettings {
+fn remote(url: &str, format: Format, language: Language) -> evalfleet_sandbox::CodeSettings {
     let mut s = settings(format, language);
     s.tool = None;
     s.backend = Backend::SandboxFusion {
@@ -174,7 +174,9 @@ async fn sandboxfusion_gives_the_verdicts_the_local_sandbox_gives() {
     // (other tests run beside this one) stretches: room for a slow start.
     settings.limits.cpu = Duration::from_secs(3);
     let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fusion");
-    let judge = Judge::new(settings.clone(), &dir, http()).await.unwrap();
+    let judge = CodeJudge::new(settings.clone(), &dir, http())
+        .await
+        .unwrap();
     assert!(judge.describe().contains(&url), "{}", judge.describe());
     let item = doubling_problem(20);
     let j = judge.judge(&item, FLAWED_PYTHON).await.unwrap();
@@ -187,10 +189,10 @@ async fn sandboxfusion_gives_the_verdicts_the_local_sandbox_gives() {
     // The same problem judged here: the same verdicts.
     settings.backend = Backend::Local;
     settings.tool = Some("/usr/bin/python3".to_owned());
-    let local = Judge::new(settings, &dir, None).await.unwrap();
+    let local = CodeJudge::new(settings, &dir, None).await.unwrap();
     let here = local.judge(&item, FLAWED_PYTHON).await.unwrap();
     assert_eq!(here.error_type_counts, j.error_type_counts);
-    let indices = |j: &evalfleet_judge::Judgement| {
+    let indices = |j: &evalfleet_sandbox::Judgement| {
         j.test_case_errors
             .iter()
             .map(|t| (t.index, t.verdict))
@@ -229,7 +231,7 @@ async fn a_compile_error_on_sandboxfusion_stops_the_problem() {
     let mut settings = remote(&url, Format::Stdio, Language::Cpp);
     settings.concurrency = 1;
     let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fusion-cpp");
-    let judge = Judge::new(settings, &dir, http()).await.unwrap();
+    let judge = CodeJudge::new(settings, &dir, http()).await.unwrap();
     let before = server.calls.load(Ordering::SeqCst);
     let j = judge
         .judge(
@@ -266,8 +268,8 @@ async fn an_unreachable_sandboxfusion_stops_the_judge_at_its_start() {
         retries: 0,
     };
     let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fusion-none");
-    let err = Judge::new(settings, &dir, http()).await.err().unwrap();
-    assert!(matches!(err, JudgeError::Setup(_)), "{err:?}");
+    let err = CodeJudge::new(settings, &dir, http()).await.err().unwrap();
+    assert!(matches!(err, CodeJudgeError::Setup(_)), "{err:?}");
     assert!(
         err.to_string().contains(&format!("127.0.0.1:{port}")),
         "{err}"

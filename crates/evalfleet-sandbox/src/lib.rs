@@ -11,5 +11,5 @@ pub mod sandbox;
 mod sys;
 
 pub use code::{Format, Judgement, Verdict};
-pub use judge::{Backend, CodeSettings, Judge, JudgeError};
+pub use judge::{Backend, CodeJudge, CodeJudgeError, CodeSettings};
 pub use lang::Language;

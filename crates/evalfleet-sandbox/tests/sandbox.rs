@@ -4,7 +4,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use evalfleet_judge::sandbox::{Ended, Execution, Isolation, Limits, Sandbox, UID_BASE, UID_SPAN};
+use evalfleet_sandbox::sandbox::{
+    Ended, Execution, Isolation, Limits, Sandbox, UID_BASE, UID_SPAN,
+};
 
 const PYTHON: &str = "/usr/bin/python3";
 

@@ -6,9 +6,11 @@ use std::io::Read;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use evalfleet_judge::code::Extraction;
-use evalfleet_judge::sandbox::Limits;
-use evalfleet_judge::{Backend, CodeSettings, Format, Judge, JudgeError, Language, Verdict};
+use evalfleet_sandbox::code::Extraction;
+use evalfleet_sandbox::sandbox::Limits;
+use evalfleet_sandbox::{
+    Backend, CodeJudge, CodeJudgeError, CodeSettings, Format, Language, Verdict,
+};
 use futures_util::future::join_all;
 use serde_json::Value;
 
@@ -72,8 +74,8 @@ fn dir(name: &str) -> PathBuf {
 }
 
 /// A judge on this machine's sandbox, under the test directory `name`.
-async fn local(settings: CodeSettings, name: &str) -> Judge {
-    Judge::new(settings, &dir(name), None).await.unwrap()
+async fn local(settings: CodeSettings, name: &str) -> CodeJudge {
+    CodeJudge::new(settings, &dir(name), None).await.unwrap()
 }
 
 /// The tool a language needs, or a message that the test is skipped.
@@ -299,11 +301,11 @@ async fn rust_programs_are_compiled_once_and_run_for_every_test() {
 async fn a_missing_toolchain_stops_the_judge_at_its_start() {
     let mut settings = settings(Format::Stdio, Language::Cpp);
     settings.tool = Some("/nonexistent/g++".to_owned());
-    let err = Judge::new(settings, &dir("missing"), None)
+    let err = CodeJudge::new(settings, &dir("missing"), None)
         .await
         .err()
         .unwrap();
-    assert!(matches!(err, JudgeError::Setup(_)), "{err:?}");
+    assert!(matches!(err, CodeJudgeError::Setup(_)), "{err:?}");
     let text = err.to_string();
     assert!(
         text.contains("cpp program does not run") && text.contains("/nonexistent/g++"),

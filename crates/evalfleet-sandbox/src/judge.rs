@@ -53,7 +53,7 @@ pub struct CodeSettings {
 }
 
 #[derive(Debug, thiserror::Error)]
-pub enum JudgeError {
+pub enum CodeJudgeError {
     /// The item is not a problem of the task's format.
     #[error("{0}")]
     Problem(String),
@@ -66,7 +66,7 @@ pub enum JudgeError {
     Setup(String),
 }
 
-impl JudgeError {
+impl CodeJudgeError {
     /// A judge that cannot start (its toolchain, its sandbox, its server)
     /// is the user's to fix; the rest are failures.
     pub fn fault(&self) -> evalfleet_types::Fault {
@@ -108,12 +108,12 @@ enum Ran {
 }
 
 /// The judge of a run.
-pub struct Judge {
+pub struct CodeJudge {
     settings: CodeSettings,
     runner: Runner,
 }
 
-impl Judge {
+impl CodeJudge {
     /// Makes the judge: the sandbox under `dir` (or the client of the remote
     /// one, over `http`, which a remote backend needs), and checks that a
     /// trivial program of the task's language runs there, so that a missing
@@ -123,17 +123,17 @@ impl Judge {
         settings: CodeSettings,
         dir: &Path,
         http: Option<reqwest::Client>,
-    ) -> Result<Self, JudgeError> {
+    ) -> Result<Self, CodeJudgeError> {
         let runner = match &settings.backend {
             Backend::Local => {
                 let mut toolchain = Toolchain::resolve(settings.language, settings.tool.as_deref())
                     .await
-                    .map_err(JudgeError::Setup)?;
+                    .map_err(CodeJudgeError::Setup)?;
                 let binds: Vec<PathBuf> = toolchain.host_dir.iter().cloned().collect();
                 let sandbox = Sandbox::new(dir, settings.concurrency, &binds)
                     .await
                     .map_err(|e| {
-                        JudgeError::Setup(format!(
+                        CodeJudgeError::Setup(format!(
                             "cannot make the sandbox under {}: {e}",
                             dir.display()
                         ))
@@ -145,7 +145,7 @@ impl Judge {
             }
             Backend::SandboxFusion { url, retries } => {
                 let http = http.ok_or_else(|| {
-                    JudgeError::Setup("a SandboxFusion backend needs an HTTP client".to_owned())
+                    CodeJudgeError::Setup("a SandboxFusion backend needs an HTTP client".to_owned())
                 })?;
                 Runner::Remote {
                     fusion: Fusion::new(http, url, *retries),
@@ -158,7 +158,7 @@ impl Judge {
         Ok(judge)
     }
 
-    async fn check(&self) -> Result<(), JudgeError> {
+    async fn check(&self) -> Result<(), CodeJudgeError> {
         let hello = self.settings.language.hello();
         let case = TestCase {
             program: hello.to_owned(),
@@ -166,7 +166,7 @@ impl Judge {
             expected: Some("ok".to_owned()),
         };
         let failed = |detail: String| {
-            JudgeError::Setup(format!(
+            CodeJudgeError::Setup(format!(
                 "a {} program does not run {}: {detail}",
                 self.settings.language.as_str(),
                 self.place()
@@ -235,7 +235,7 @@ impl Judge {
     }
 
     /// Judges `answer` as the program for the problem `item`.
-    pub async fn judge(&self, item: &Value, answer: &str) -> Result<Judgement, JudgeError> {
+    pub async fn judge(&self, item: &Value, answer: &str) -> Result<Judgement, CodeJudgeError> {
         let (program, extraction) = code::extract(answer, self.settings.language);
         let cases = code::tests(
             self.settings.format,
@@ -243,7 +243,7 @@ impl Judge {
             &program,
             &self.settings.stdio_fields,
         )
-        .map_err(JudgeError::Problem)?;
+        .map_err(CodeJudgeError::Problem)?;
         let total = cases.len();
         let prepared = match self.prepare(&program).await? {
             Ok(prepared) => prepared,
@@ -269,7 +269,7 @@ impl Judge {
         cases: &[TestCase],
         extraction: Extraction,
         compilation: Option<Compilation>,
-    ) -> Result<Judgement, JudgeError> {
+    ) -> Result<Judgement, CodeJudgeError> {
         let stop = AtomicBool::new(false);
         let mut running: FuturesUnordered<_> = cases
             .iter()
@@ -278,7 +278,7 @@ impl Judge {
                 let stop = &stop;
                 async move {
                     let ran = self.execute(prepared, case, stop).await?;
-                    Ok::<_, JudgeError>(ran.map(|ran| match ran {
+                    Ok::<_, CodeJudgeError>(ran.map(|ran| match ran {
                         Ran::Executed(run) => code::test_result(
                             index,
                             &run,
@@ -313,7 +313,10 @@ impl Judge {
 
     /// Gets `program` ready: compiled once here for a compiled language
     /// (`Err` with the compiler's complaint when it does not compile).
-    async fn prepare(&self, program: &str) -> Result<Result<Prepared, Compilation>, JudgeError> {
+    async fn prepare(
+        &self,
+        program: &str,
+    ) -> Result<Result<Prepared, Compilation>, CodeJudgeError> {
         let Runner::Local { sandbox, toolchain } = &self.runner else {
             return Ok(Ok(Prepared::Remote));
         };
@@ -321,9 +324,9 @@ impl Judge {
             return Ok(Ok(Prepared::Script));
         };
         let slot = sandbox.slot().await;
-        let build = slot.workdir().map_err(JudgeError::Sandbox)?;
+        let build = slot.workdir().map_err(CodeJudgeError::Sandbox)?;
         std::fs::write(build.path().join(toolchain.language.source_file()), program)
-            .map_err(JudgeError::Sandbox)?;
+            .map_err(CodeJudgeError::Sandbox)?;
         let limits = Limits {
             cpu: self.settings.compile_timeout,
             wall: self.settings.compile_timeout * 2,
@@ -336,7 +339,7 @@ impl Judge {
         let run = slot
             .run(&argv, &build, b"", &limits)
             .await
-            .map_err(JudgeError::Sandbox)?;
+            .map_err(CodeJudgeError::Sandbox)?;
         if !run.success() {
             let (verdict, said) = code::classify(&run, None, None);
             let mut message = String::from_utf8_lossy(&run.stderr).into_owned();
@@ -354,7 +357,7 @@ impl Judge {
                 message: Some(message),
             }));
         }
-        build.seal().map_err(JudgeError::Sandbox)?;
+        build.seal().map_err(CodeJudgeError::Sandbox)?;
         Ok(Ok(Prepared::Built(build, run.elapsed.as_secs_f64())))
     }
 
@@ -365,14 +368,14 @@ impl Judge {
         prepared: &Prepared,
         case: &TestCase,
         stop: &AtomicBool,
-    ) -> Result<Option<Ran>, JudgeError> {
+    ) -> Result<Option<Ran>, CodeJudgeError> {
         match &self.runner {
             Runner::Local { sandbox, toolchain } => {
                 let slot = sandbox.slot().await;
                 if stop.load(Ordering::Relaxed) {
                     return Ok(None);
                 }
-                let dir = slot.workdir().map_err(JudgeError::Sandbox)?;
+                let dir = slot.workdir().map_err(CodeJudgeError::Sandbox)?;
                 let argv = match prepared {
                     Prepared::Built(build, _) => toolchain.run_argv(Some(build.inside())),
                     _ => {
@@ -380,14 +383,14 @@ impl Judge {
                             dir.path().join(toolchain.language.source_file()),
                             &case.program,
                         )
-                        .map_err(JudgeError::Sandbox)?;
+                        .map_err(CodeJudgeError::Sandbox)?;
                         toolchain.run_argv(None)
                     }
                 };
                 let run = slot
                     .run(&argv, &dir, case.stdin.as_bytes(), &self.settings.limits)
                     .await
-                    .map_err(JudgeError::Sandbox)?;
+                    .map_err(CodeJudgeError::Sandbox)?;
                 Ok(Some(Ran::Executed(run)))
             }
             Runner::Remote { fusion, slots } => {
