@@ -10,6 +10,10 @@
     python3 bench/run.py w6 [--items 200000] [--rounds 3]
     python3 bench/run.py j1 [--rounds 3]     # needs ../shared/data/humaneval.jsonl.gz
 
+W1, W5, W6 and J1 take --baseline BIN: another evalfleet binary (an earlier
+commit's) measured in the same rounds against the same mocks, alternating
+which goes first, so that a change is judged side by side.
+
 W3 and W4 also run the peers with --peers DIR, where DIR holds
 venv/bin/inspect (pip install inspect-ai openai) and
 node/node_modules/.bin/promptfoo (npm install promptfoo); each runs once
@@ -101,10 +105,10 @@ def write_config(path, dataset, url, concurrency, stream=False):
         )
 
 
-def evalfleet(args, cwd, pin=True):
-    """Runs the client on its core (`pin`; else on every core); returns its
-    figures."""
-    cmd = (["taskset", "-c", CLIENT_CORE] if pin else []) + ["/usr/bin/time", "-f", "TIME %e %U %S %M", BIN, *args]
+def evalfleet(args, cwd, pin=True, binary=None):
+    """Runs the client (`binary`, else this build) on its core (`pin`; else
+    on every core); returns its figures."""
+    cmd = (["taskset", "-c", CLIENT_CORE] if pin else []) + ["/usr/bin/time", "-f", "TIME %e %U %S %M", binary or BIN, *args]
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     out = {"code": proc.returncode}
     for line in proc.stderr.splitlines():
@@ -140,6 +144,30 @@ def wrk(url, concurrency, seconds, cwd):
     return float(m[1])
 
 
+def binaries(args, round_):
+    """The binaries to measure in this round, as (label, path): this build,
+    and the baseline when given, taking turns at going first."""
+    pairs = [("new", BIN)]
+    if args.baseline:
+        pairs.append(("baseline", os.path.abspath(args.baseline)))
+        if round_ % 2 == 1:
+            pairs.reverse()
+    return pairs
+
+
+def side_by_side(rounds, key, higher_is_better=True):
+    """The medians of `key` for each binary, and new / baseline."""
+    out = {}
+    for label in ("new", "baseline"):
+        values = [r[label][key] for r in rounds if label in r]
+        if values:
+            out[f"{label}_{key}_median"] = statistics.median(values)
+    if "baseline_" + key + "_median" in out:
+        ratios = [r["new"][key] / r["baseline"][key] for r in rounds if "baseline" in r]
+        out[f"new_over_baseline_{key}_median"] = statistics.median(ratios)
+    return out
+
+
 def version(cmd):
     try:
         return subprocess.run(cmd, capture_output=True, text=True).stdout.strip().splitlines()[0]
@@ -157,10 +185,13 @@ def w1(args, work):
     try:
         for i in range(args.rounds):
             reference = wrk(mock.url, args.concurrency, 8, work)
-            run = evalfleet(["run", config, "--store", os.path.join(work, f"w1-{i}.db"), "-q"], work)
-            assert run["done"] == args.items, run
-            rounds.append({"wrk_rps": reference, **run, "ratio": run["rate"] / reference})
-            print(json.dumps(rounds[-1]), file=sys.stderr)
+            round_ = {"wrk_rps": reference}
+            for label, binary in binaries(args, i):
+                run = evalfleet(["run", config, "--store", os.path.join(work, f"w1-{label}-{i}.db"), "-q"], work, binary=binary)
+                assert run["done"] == args.items, run
+                round_[label] = {**run, "ratio": run["rate"] / reference}
+            rounds.append({**round_, **round_["new"]})
+            print(json.dumps(round_), file=sys.stderr)
     finally:
         mock.stop()
     med = lambda k: statistics.median(r[k] for r in rounds)
@@ -173,6 +204,7 @@ def w1(args, work):
         "ratio_median": med("ratio"),
         "wall_items_per_s_median": statistics.median(args.items / r["wall"] for r in rounds),
         "peak_rss_mb_median": med("rss_mb"),
+        **side_by_side(rounds, "rate"),
         "rounds": rounds,
         "wrk": version(["wrk", "-v"]),
     }
@@ -227,17 +259,26 @@ def vm_hwm_mb(pid):
 def w5(args, work):
     dataset = os.path.join(work, "w5.jsonl")
     write_dataset(dataset, args.items)
+    results = {}
+    for label, binary in binaries(args, 0):
+        results[label] = w5_once(args, work, dataset, label, binary)
+    if "baseline" in results:
+        print(json.dumps({"workload": "W5", "side_by_side": results}, indent=2))
+
+
+def w5_once(args, work, dataset, label, binary):
+    """W5 with one binary; then `report` on its store of a million results."""
     port = free_port()
     mock = Mock(port=port)
     config = os.path.join(work, "w5.yaml")
     write_config(config, dataset, mock.url, args.concurrency)
-    db = os.path.join(work, "w5.db")
-    result = {"workload": "W5", "items": args.items, "concurrency": args.concurrency}
+    db = os.path.join(work, f"w5-{label}.db")
+    result = {"workload": "W5", "binary": label, "items": args.items, "concurrency": args.concurrency}
 
     # First session, killed with SIGKILL at about half.
     started = time.time()
     proc = subprocess.Popen(
-        ["taskset", "-c", CLIENT_CORE, BIN, "run", config, "--store", db, "--run-id", "w5", "-q"],
+        ["taskset", "-c", CLIENT_CORE, binary, "run", config, "--store", db, "--run-id", "w5", "-q"],
         cwd=work,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -263,7 +304,7 @@ def w5(args, work):
     # Resume against a fresh mock on the same port, timing the first request.
     mock = Mock(port=port)
     t0 = time.time()
-    run = evalfleet(["resume", "w5", "--store", db, "-q"], work)
+    run = evalfleet(["resume", "w5", "--store", db, "-q"], work, binary=binary)
     first = mock.stats()["first_request_at_ms"] / 1000.0
     mock.stop()
     result["resume_to_first_request_ms"] = (first - t0) * 1000.0
@@ -274,7 +315,7 @@ def w5(args, work):
     seen = set()
     duplicated = 0
     wrong = 0
-    export = subprocess.Popen([BIN, "export", "w5", "--store", db, "--format", "jsonl"], stdout=subprocess.PIPE, text=True)
+    export = subprocess.Popen([binary, "export", "w5", "--store", db, "--format", "jsonl"], stdout=subprocess.PIPE, text=True)
     for line in export.stdout:
         row = json.loads(line)
         if row["item_id"] in seen:
@@ -288,12 +329,26 @@ def w5(args, work):
     result["unexpected"] = len(seen - expected)
     result["duplicated"] = duplicated
     result["wrong_or_not_done"] = wrong
+    # The report of a million results: its time and memory.
+    report = subprocess.run(
+        ["/usr/bin/time", "-f", "TIME %e %U %S %M", binary, "report", "w5", "--store", db, "--json", "--out", os.path.join(work, f"report-{label}")],
+        cwd=work, capture_output=True, text=True,
+    )
+    for line in report.stderr.splitlines():
+        if line.startswith("TIME "):
+            wall, _, _, rss = line.split()[1:]
+            result["report_wall_s"] = float(wall)
+            result["report_peak_rss_mb"] = int(rss) / 1024
+    result["report_code"] = report.returncode
     print(json.dumps(result, indent=2))
     print(
         f"\n| W5 | {args.items} items | peak RSS {max(result['first_session_peak_rss_mb'], result['resume_peak_rss_mb']):.0f} MB "
         f"| resume to first request {result['resume_to_first_request_ms']:.0f} ms | missing {result['missing']}, "
-        f"duplicated {result['duplicated']}, wrong {result['wrong_or_not_done']} |"
+        f"duplicated {result['duplicated']}, wrong {result['wrong_or_not_done']} "
+        f"| report {result.get('report_wall_s', float('nan')):.1f} s, {result.get('report_peak_rss_mb', float('nan')):.0f} MB | ({label})"
     )
+    os.remove(db)
+    return result
 
 
 def startup(args, work):
@@ -555,33 +610,38 @@ def w6(args, work):
     write_dataset(dataset, args.items)
     rounds = []
     for i in range(args.rounds):
-        mock = Mock()
-        config = os.path.join(work, f"w6-{i}.yaml")
-        write_config(config, dataset, mock.url, args.concurrency)
-        with open(config, "a") as f:
-            f.write("cache: { mode: read_write }\n")
-        db = os.path.join(work, f"w6-{i}.db")
-        first = evalfleet(["run", config, "--store", db, "-q"], work)
-        calls = mock.stats()["requests"]
-        cached = evalfleet(["run", config, "--store", db, "-q"], work)
-        again = mock.stats()["requests"] - calls
-        mock.stop()
-        assert first["done"] == args.items and cached["done"] == args.items, (first, cached)
-        round_ = {
-            "first_items_per_s": first["rate"],
-            "cached_items_per_s": cached["rate"],
-            "cached_wall_s": cached["wall"],
-            "cached_rss_mb": cached["rss_mb"],
-            "calls_in_cached_run": again,
-        }
+        by_binary = {}
+        for label, binary in binaries(args, i):
+            mock = Mock()
+            config = os.path.join(work, f"w6-{label}-{i}.yaml")
+            write_config(config, dataset, mock.url, args.concurrency)
+            with open(config, "a") as f:
+                f.write("cache: { mode: read_write }\n")
+            db = os.path.join(work, f"w6-{label}-{i}.db")
+            first = evalfleet(["run", config, "--store", db, "-q"], work, binary=binary)
+            calls = mock.stats()["requests"]
+            cached = evalfleet(["run", config, "--store", db, "-q"], work, binary=binary)
+            again = mock.stats()["requests"] - calls
+            mock.stop()
+            assert first["done"] == args.items and cached["done"] == args.items, (first, cached)
+            by_binary[label] = {
+                "first_items_per_s": first["rate"],
+                "cached_items_per_s": cached["rate"],
+                "cached_wall_s": cached["wall"],
+                "cached_rss_mb": cached["rss_mb"],
+                "calls_in_cached_run": again,
+            }
+        round_ = {**by_binary, **by_binary["new"]}
         rounds.append(round_)
-        print(json.dumps(round_), file=sys.stderr)
+        print(json.dumps(by_binary), file=sys.stderr)
     med = lambda k: statistics.median(r[k] for r in rounds)
     result = {
         "workload": "W6",
         "items": args.items,
         "first_items_per_s_median": med("first_items_per_s"),
         "cached_items_per_s_median": med("cached_items_per_s"),
+        **side_by_side(rounds, "cached_items_per_s"),
+        **side_by_side(rounds, "first_items_per_s"),
         "rounds": rounds,
     }
     print(json.dumps(result, indent=2))
@@ -636,7 +696,7 @@ def j1(args, work):
             assert out.stdout == t["output"]
         return time.monotonic() - started
 
-    def judged(name, data, script, fmt, messages):
+    def judged(name, data, script, fmt, messages, binary):
         mock = Mock("--answers", script)
         config = os.path.join(work, f"{name}.yaml")
         with open(config, "w") as f:
@@ -649,37 +709,48 @@ def j1(args, work):
         db = os.path.join(work, f"{name}.db")
         # Not pinned: the judge's programs use every core, as the reference's
         # share does.
-        run = evalfleet(["run", config, "--store", db, "-q", "--run-id", name], work, pin=False)
+        run = evalfleet(["run", config, "--store", db, "-q", "--run-id", name], work, pin=False, binary=binary)
         mock.stop()
-        report = subprocess.run([BIN, "report", name, "--store", db, "--json", "--out", os.path.join(work, name)], capture_output=True, text=True, check=True)
+        report = subprocess.run([binary, "report", name, "--store", db, "--json", "--out", os.path.join(work, name)], capture_output=True, text=True, check=True)
         summary = json.loads(report.stdout)
         return run, summary
 
     rounds = []
     for i in range(args.rounds):
         serial = serial_humaneval()
-        run, summary = judged(f"he-{i}", dataset, answers, "humaneval", "{{ prompt }}")
-        accepted = summary["code_verdicts"]["all"].get("success", 0)
         serial_io = serial_stdio()
-        io_run, io_summary = judged(f"io-{i}", stdio, stdio_answers, "stdio", "{{ question }}")
-        io_passed = json.loads(subprocess.run([BIN, "export", f"io-{i}", "--store", os.path.join(work, f"io-{i}.db"), "--format", "jsonl"], capture_output=True, text=True, check=True).stdout)["judge"]["passed"]
-        # The whole command's wall time: start-up, the calls, the judge's
-        # set-up and every program, as a user waits for it.
-        round_ = {
-            "serial_s": serial,
-            "evalfleet_s": run["wall"],
-            "evalfleet_cpu_s": run["cpu"],
-            "ratio_to_serial_over_cores": run["wall"] / (serial / cores),
-            "accepted": accepted,
-            "stdio_serial_s": serial_io,
-            "stdio_evalfleet_s": io_run["wall"],
-            "stdio_speedup": serial_io / io_run["wall"],
-            "stdio_passed": io_passed,
-        }
+        by_binary = {}
+        for label, binary in binaries(args, i):
+            run, summary = judged(f"he-{label}-{i}", dataset, answers, "humaneval", "{{ prompt }}", binary)
+            accepted = summary["code_verdicts"]["all"].get("success", 0)
+            io_run, io_summary = judged(f"io-{label}-{i}", stdio, stdio_answers, "stdio", "{{ question }}", binary)
+            io_passed = json.loads(subprocess.run([binary, "export", f"io-{label}-{i}", "--store", os.path.join(work, f"io-{label}-{i}.db"), "--format", "jsonl"], capture_output=True, text=True, check=True).stdout)["judge"]["passed"]
+            # The whole command's wall time: start-up, the calls, the judge's
+            # set-up and every program, as a user waits for it.
+            by_binary[label] = {
+                "serial_s": serial,
+                "evalfleet_s": run["wall"],
+                "evalfleet_cpu_s": run["cpu"],
+                "ratio_to_serial_over_cores": run["wall"] / (serial / cores),
+                "accepted": accepted,
+                "stdio_serial_s": serial_io,
+                "stdio_evalfleet_s": io_run["wall"],
+                "stdio_speedup": serial_io / io_run["wall"],
+                "stdio_passed": io_passed,
+            }
+        round_ = {**by_binary, **by_binary["new"]}
         rounds.append(round_)
-        print(json.dumps(round_), file=sys.stderr)
+        print(json.dumps(by_binary), file=sys.stderr)
     med = lambda k: statistics.median(r[k] for r in rounds)
-    result = {"workload": "J1", "cores": cores, "ratio_median": med("ratio_to_serial_over_cores"), "stdio_speedup_median": med("stdio_speedup"), "rounds": rounds}
+    result = {
+        "workload": "J1",
+        "cores": cores,
+        "ratio_median": med("ratio_to_serial_over_cores"),
+        "stdio_speedup_median": med("stdio_speedup"),
+        **side_by_side(rounds, "ratio_to_serial_over_cores"),
+        **side_by_side(rounds, "stdio_speedup"),
+        "rounds": rounds,
+    }
     print(json.dumps(result, indent=2))
     print(
         f"\n| J1 | 164 HumanEval canonical solutions | serial python3 {med('serial_s'):.2f} s / {cores} cores "
@@ -713,6 +784,7 @@ def main():
     parser.add_argument("--waves", type=int, default=20, help="W2: items per concurrency slot")
     parser.add_argument("--keep", action="store_true", help="keep the working directory")
     parser.add_argument("--peers", help="W3, W4: also run inspect-ai and promptfoo installed under this directory")
+    parser.add_argument("--baseline", help="W1, W5, W6, J1: another evalfleet binary measured side by side")
     args = parser.parse_args()
     if not args.no_build:
         build()

@@ -144,6 +144,8 @@ pub struct Endpoint {
     status: Mutex<Status>,
     accepting: watch::Sender<bool>,
     evict: Mutex<CancellationToken>,
+    /// Cancelled while the endpoint is out of the run.
+    excluded: Mutex<CancellationToken>,
     origin: Instant,
     /// Pauses the endpoint's quota asked for (counted for the event log).
     pub quota_pauses: AtomicU64,
@@ -170,6 +172,7 @@ impl Endpoint {
             }),
             accepting: watch::channel(false).0,
             evict: Mutex::new(CancellationToken::new()),
+            excluded: Mutex::new(CancellationToken::new()),
             origin: now,
             quota_pauses: AtomicU64::new(0),
             config: config.clone(),
@@ -287,6 +290,21 @@ impl Endpoint {
             status.unhealthy_since = None;
         }
         self.update(&mut status);
+        let mut excluded = self.excluded.lock().unwrap_or_else(PoisonError::into_inner);
+        if phase == Phase::Excluded {
+            excluded.cancel();
+        } else if excluded.is_cancelled() {
+            *excluded = CancellationToken::new();
+        }
+    }
+
+    /// Cancelled once the endpoint is out of the run (and no longer, when
+    /// it comes back: ask again).
+    pub fn exclusion(&self) -> CancellationToken {
+        self.excluded
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     fn apply(&self, status: &mut Status, transition: Option<Transition>) -> Option<Transition> {

@@ -19,7 +19,7 @@ use super::writer::Outcome;
 use crate::fleet::call::{self, Call, Exchange};
 use crate::fleet::{Endpoint, Phase};
 use crate::store::Store;
-use crate::task::{Reply, Request, Step, Target};
+use crate::task::{Finish, Reply, Request, Step, Target};
 
 /// A cache lookup for the lookup thread: a key, and where its entry goes.
 pub struct Lookup {
@@ -72,18 +72,34 @@ pub async fn dispatch(
 ) {
     // Judge endpoints take no items, only calls addressed to them.
     let takes_items = endpoint.config.takes_items();
+    let mut excluded = endpoint.exclusion();
     loop {
         let permit = tokio::select! {
+            biased;
             permit = call::admit(&endpoint, &shared.halt) => match permit {
                 Some(permit) => permit,
                 None => return,
             },
             // Calls waiting for an endpoint that is out of the run fail.
-            () = tokio::time::sleep(Duration::from_secs(1)), if endpoint.phase() == Phase::Excluded => {
-                while let Ok(item) = inbox.try_recv() {
-                    let reason = format!("endpoint {} is out of the run", endpoint.name);
-                    shared.tracker.spawn(fail_call(shared.clone(), item, reason));
+            () = excluded.cancelled() => {
+                // Until it comes back (`fleet add`), calls for it fail.
+                loop {
+                    tokio::select! {
+                        biased;
+                        () = shared.halt.cancelled() => return,
+                        Some(item) = inbox.recv() => {
+                            let reason = format!("endpoint {} is out of the run", endpoint.name);
+                            shared.tracker.spawn(fail_call(shared.clone(), item, reason));
+                        }
+                        back = endpoint.wait_accepting(&shared.halt) => {
+                            if !back {
+                                return;
+                            }
+                            break;
+                        }
+                    }
                 }
+                excluded = endpoint.exclusion();
                 continue;
             }
         };
@@ -258,7 +274,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
                 attempt: Some(record),
                 cache,
             };
-            drive(&shared, item, step, carry).await;
+            go_on(&shared, item, step, carry).await;
         }
         Exchange::Done {
             result: Err(err),
@@ -330,7 +346,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
                 attempt: Some(record),
                 cache: None,
             };
-            drive(&shared, item, step, carry).await;
+            go_on(&shared, item, step, carry).await;
         }
     }
 }
@@ -342,17 +358,7 @@ pub async fn drive(shared: &Arc<Shared>, mut item: Item, mut step: Step, mut car
     loop {
         step = match step {
             Step::Finish(finish) => {
-                let claim = item.claim;
-                let (result, ended) = item.finish(finish);
-                let outcome = Outcome {
-                    claim,
-                    attempt: carry.attempt,
-                    result: Some(result),
-                    cache: carry.cache,
-                };
-                if shared.send(outcome).await {
-                    ended.count(&shared.progress);
-                }
+                end(shared, item, finish, carry).await;
                 return;
             }
             Step::Call(request) => {
@@ -398,6 +404,31 @@ pub async fn drive(shared: &Arc<Shared>, mut item: Item, mut step: Step, mut car
                 step
             }
         };
+    }
+}
+
+/// Hands an item's result (and what it carries) to the writer, and counts
+/// the item as ended.
+async fn end(shared: &Shared, item: Item, finish: Finish, carry: Carry) {
+    let claim = item.claim;
+    let (result, ended) = item.finish(finish);
+    let outcome = Outcome {
+        claim,
+        attempt: carry.attempt,
+        result: Some(result),
+        cache: carry.cache,
+    };
+    if shared.send(outcome).await {
+        ended.count(&shared.progress);
+    }
+}
+
+/// Follows `step` as [`drive`] does; an item that ends at once (the common
+/// case) is ended here, without the boxed future a longer way needs.
+async fn go_on(shared: &Arc<Shared>, item: Item, step: Step, carry: Carry) {
+    match step {
+        Step::Finish(finish) => end(shared, item, finish, carry).await,
+        step => Box::pin(drive(shared, item, step, carry)).await,
     }
 }
 

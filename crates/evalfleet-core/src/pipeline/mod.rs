@@ -172,7 +172,10 @@ impl CacheUse {
 
     /// The key to look `request` up under, when the session reads the cache.
     fn lookup_key(&self, request: &Request) -> Option<String> {
-        self.key(request).filter(|_| self.reads)
+        if !self.reads {
+            return None;
+        }
+        self.key(request)
     }
 
     /// The entry that stores `content` as the answer to `request`, when the
@@ -183,7 +186,10 @@ impl CacheUse {
         content: &str,
         telemetry: &evalfleet_types::Telemetry,
     ) -> Option<CacheEntry> {
-        let key = self.key(request).filter(|_| self.writes)?;
+        if !self.writes {
+            return None;
+        }
+        let key = self.key(request)?;
         Some(CacheEntry {
             key,
             content: content.to_owned(),

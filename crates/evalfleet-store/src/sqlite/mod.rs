@@ -88,8 +88,8 @@ impl SqliteStore {
     }
 
     fn init(mut conn: Connection, path: &Path) -> Result<Self, StoreError> {
-        conn.busy_timeout(Duration::from_secs(30))
-            .map_err(db_err("cannot set the busy timeout"))?;
+        conn.busy_handler(Some(wait_for_the_lock))
+            .map_err(db_err("cannot set the busy handler"))?;
         conn.pragma_update(None, "journal_mode", "WAL")
             .map_err(db_err("cannot switch the store to WAL mode"))?;
         conn.pragma_update(None, "synchronous", "FULL")
@@ -150,6 +150,24 @@ impl SqliteStore {
         self.rids.insert(run_id.to_owned(), rid);
         Ok(rid)
     }
+}
+
+/// How long a connection waits for another's write lock before it gives up.
+const LOCK_WAIT: Duration = Duration::from_secs(30);
+/// How often it looks again meanwhile.
+const LOCK_POLL: Duration = Duration::from_micros(250);
+
+/// SQLite's busy handler: waits `LOCK_POLL` and tries again, for up to
+/// `LOCK_WAIT`. A session's connections take turns at the write lock many
+/// times a second (the writer's commits, the reader's claims); SQLite's
+/// own timeout backs off to sleeps of tens of milliseconds, long enough to
+/// leave the endpoints without work.
+fn wait_for_the_lock(tries: i32) -> bool {
+    if LOCK_POLL * u32::try_from(tries).unwrap_or(u32::MAX) >= LOCK_WAIT {
+        return false;
+    }
+    std::thread::sleep(LOCK_POLL);
+    true
 }
 
 /// Brings the file's schema to [`schema::VERSION`]. Migrations take the
