@@ -443,13 +443,13 @@ pub trait ResponseCache {
     /// The cached answer for `key`, if stored at or after `since_ms`.
     fn cache_get(&mut self, key: &str, since_ms: i64) -> Result<Option<CacheEntry>, StoreError>;
 
-    /// The cached answers for `keys` (one lookup for them all), in any
-    /// order.
+    /// The cached answers for `keys`, in their order (in one read of the
+    /// store).
     fn cache_get_many(
         &mut self,
         keys: &[&str],
         since_ms: i64,
-    ) -> Result<Vec<CacheEntry>, StoreError>;
+    ) -> Result<Vec<Option<CacheEntry>>, StoreError>;
 
     /// Drops entries older than `before_ms`, then the oldest beyond
     /// `max_entries`; returns how many went.

@@ -201,6 +201,13 @@ fn the_cache_answers_by_key_honours_age_and_evicts_the_oldest() {
     );
     assert_eq!(store.cache_get(&k("nope"), 0).unwrap(), None);
     assert_eq!(
+        store
+            .cache_get_many(&[&k("k3"), &k("nope"), &k("k4")], 0)
+            .unwrap(),
+        vec![Some(entries[3].clone()), None, Some(entries[4].clone())],
+        "a page of keys is looked up at once, answers in the keys' order"
+    );
+    assert_eq!(
         store.cache_get(&k("k2"), 1003).unwrap(),
         None,
         "older than the ttl allows"

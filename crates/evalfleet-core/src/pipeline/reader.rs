@@ -4,7 +4,6 @@
 //! time) or queued. Runs on a blocking thread; the bounded queue makes it
 //! wait when the fleet is busy.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -116,9 +115,9 @@ impl Reader {
             for pending in claim.items {
                 started.push(self.start(claim.id, pending)?);
             }
-            let mut hits = self.prefetch(&started)?;
-            for (item, step) in started {
-                if !self.drive(item, step, &mut hits, runtime)? {
+            let hits = self.prefetch(&started)?;
+            for ((item, step), hit) in started.into_iter().zip(hits) {
+                if !self.drive(item, step, hit, runtime)? {
                     self.flush();
                     return Ok(());
                 }
@@ -161,27 +160,30 @@ impl Reader {
         Ok((item, step))
     }
 
-    /// The cached answers of a page's first calls, in one lookup.
+    /// The cached answers of a page's first calls (one per item: `None`
+    /// when it is not cached, or begins with no call), in one read.
     fn prefetch(
         &mut self,
         started: &[(Item, Step)],
-    ) -> Result<HashMap<String, CacheEntry>, ReaderError> {
-        let keys: Vec<String> = started
+    ) -> Result<Vec<Option<CacheEntry>>, ReaderError> {
+        let keys: Vec<Option<String>> = started
             .iter()
-            .filter_map(|(_, step)| match step {
+            .map(|(_, step)| match step {
                 Step::Call(request) => self.shared.cache.lookup_key(request),
                 _ => None,
             })
             .collect();
-        if keys.is_empty() {
-            return Ok(HashMap::new());
+        let wanted: Vec<&str> = keys.iter().flatten().map(String::as_str).collect();
+        if wanted.is_empty() {
+            return Ok(vec![None; started.len()]);
         }
-        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        Ok(self
+        let mut found = self
             .store
-            .cache_get_many(&refs, self.shared.cache.since_ms)?
-            .into_iter()
-            .map(|entry| (entry.key.clone(), entry))
+            .cache_get_many(&wanted, self.shared.cache.since_ms)?
+            .into_iter();
+        Ok(keys
+            .iter()
+            .map(|key| key.as_ref().and_then(|_| found.next().flatten()))
             .collect())
     }
 
@@ -192,7 +194,7 @@ impl Reader {
         &mut self,
         mut item: Item,
         mut step: Step,
-        hits: &mut HashMap<String, CacheEntry>,
+        mut first: Option<CacheEntry>,
         runtime: &Handle,
     ) -> Result<bool, ReaderError> {
         loop {
@@ -210,12 +212,15 @@ impl Reader {
                     return Ok(true);
                 }
                 Step::Call(request) => {
-                    let hit = match self.shared.cache.lookup_key(&request) {
-                        Some(key) => match hits.remove(&key) {
-                            Some(hit) => Some(hit),
-                            None => self.store.cache_get(&key, self.shared.cache.since_ms)?,
+                    // The first call's answer was looked up with its page;
+                    // the next ones are looked up one by one.
+                    let hit = match first.take() {
+                        Some(hit) => Some(hit),
+                        None if item.cached == 0 => None,
+                        None => match self.shared.cache.lookup_key(&request) {
+                            Some(key) => self.store.cache_get(&key, self.shared.cache.since_ms)?,
+                            None => None,
                         },
-                        None => None,
                     };
                     if let Some(hit) = hit {
                         item.answered_from_cache(request, hit)

@@ -6,23 +6,20 @@ use rusqlite::{OptionalExtension, params};
 
 use super::{SqliteStore, db_err};
 
-/// Keys looked up by one statement.
-const LOOKUP: usize = 1024;
-
-const ENTRY_COLUMNS: &str = "hex(key), content, endpoint, model, prompt_tokens, completion_tokens, \
+const ENTRY_COLUMNS: &str = "content, endpoint, model, prompt_tokens, completion_tokens, \
                              finish_reason, latency_ms, created_at";
 
-fn entry_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<CacheEntry> {
+fn entry_from_row(key: &str, row: &rusqlite::Row<'_>) -> rusqlite::Result<CacheEntry> {
     Ok(CacheEntry {
-        key: row.get::<_, String>(0)?.to_ascii_lowercase(),
-        content: row.get(1)?,
-        endpoint: row.get(2)?,
-        model: row.get(3)?,
-        prompt_tokens: row.get::<_, Option<i64>>(4)?.map(|t| t as u64),
-        completion_tokens: row.get::<_, Option<i64>>(5)?.map(|t| t as u64),
-        finish_reason: row.get(6)?,
-        latency_ms: row.get(7)?,
-        created_at_ms: row.get(8)?,
+        key: key.to_owned(),
+        content: row.get(0)?,
+        endpoint: row.get(1)?,
+        model: row.get(2)?,
+        prompt_tokens: row.get::<_, Option<i64>>(3)?.map(|t| t as u64),
+        completion_tokens: row.get::<_, Option<i64>>(4)?.map(|t| t as u64),
+        finish_reason: row.get(5)?,
+        latency_ms: row.get(6)?,
+        created_at_ms: row.get(7)?,
     })
 }
 
@@ -35,7 +32,7 @@ impl ResponseCache for SqliteStore {
                 db = self.cache_db
             ))
             .map_err(&err)?
-            .query_row(params![key, since_ms], entry_from_row)
+            .query_row(params![key, since_ms], |row| entry_from_row(key, row))
             .optional()
             .map_err(&err)
     }
@@ -44,30 +41,28 @@ impl ResponseCache for SqliteStore {
         &mut self,
         keys: &[&str],
         since_ms: i64,
-    ) -> Result<Vec<CacheEntry>, StoreError> {
+    ) -> Result<Vec<Option<CacheEntry>>, StoreError> {
         let err = db_err("cannot read the cache");
-        let mut found = Vec::with_capacity(keys.len());
-        // Up to LOOKUP keys a statement: SQLite allows a few thousand
-        // parameters, and one statement per page keeps the lookups in one
-        // pass over the key index.
-        for chunk in keys.chunks(LOOKUP) {
-            let mut stmt = self
-                .conn
+        // One read transaction for the page: each lookup is a point query on
+        // the key's index, without taking and dropping the database's read
+        // lock for every one.
+        let tx = self.conn.transaction().map_err(&err)?;
+        let found = {
+            let mut stmt = tx
                 .prepare_cached(&format!(
-                    "SELECT {ENTRY_COLUMNS} FROM {db}.cache
-                     WHERE key IN (SELECT unhex(value) FROM json_each(?1)) AND created_at >= ?2",
+                    "SELECT {ENTRY_COLUMNS} FROM {db}.cache WHERE key = unhex(?1) AND created_at >= ?2",
                     db = self.cache_db
                 ))
                 .map_err(&err)?;
-            let list = serde_json::to_string(chunk)
-                .map_err(|e| StoreError::backend("cannot encode cache keys", e))?;
-            let rows = stmt
-                .query_map(params![list, since_ms], entry_from_row)
-                .map_err(&err)?;
-            for row in rows {
-                found.push(row.map_err(&err)?);
-            }
-        }
+            keys.iter()
+                .map(|key| {
+                    stmt.query_row(params![key, since_ms], |row| entry_from_row(key, row))
+                        .optional()
+                        .map_err(&err)
+                })
+                .collect::<Result<Vec<_>, _>>()?
+        };
+        tx.commit().map_err(&err)?;
         Ok(found)
     }
 
