@@ -69,9 +69,12 @@ pub struct Item {
     pub claim: ClaimId,
     pub item_id: String,
     pub seq: u64,
-    pub row: Row,
     /// The input row as JSON text, stored with the result.
     pub row_json: String,
+    /// The row, parsed again only when a step asks for it: held by every
+    /// item in flight, it would cost memory and cache most tasks do not
+    /// use.
+    row: std::cell::OnceCell<Row>,
     /// Which of its row's `task.n` samples it is (0 when n is 1).
     pub sample: u32,
     /// Attempts made in earlier sessions.
@@ -101,7 +104,6 @@ pub struct Claimed {
     pub claim: ClaimId,
     pub item_id: String,
     pub seq: u64,
-    pub row: Row,
     pub row_json: String,
     pub sample: u32,
     pub prior_attempts: u32,
@@ -116,7 +118,7 @@ impl Item {
             claim: claimed.claim,
             item_id: claimed.item_id,
             seq: claimed.seq,
-            row: claimed.row,
+            row: std::cell::OnceCell::new(),
             row_json: claimed.row_json,
             sample: claimed.sample,
             prior_attempts: claimed.prior_attempts,
@@ -138,11 +140,7 @@ impl Item {
 
     /// The step after `request`'s reply.
     pub fn next(&mut self, request: Request, reply: Reply) -> Step {
-        let item = ItemContext {
-            item_id: &self.item_id,
-            row: &self.row,
-            sample: self.sample,
-        };
+        let item = ItemContext::new(&self.item_id, &self.row, &self.row_json, self.sample);
         self.episode.next(&item, request, reply)
     }
 

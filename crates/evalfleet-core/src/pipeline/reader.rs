@@ -111,6 +111,18 @@ impl Reader {
                 };
             after = claim.items.last().map(|p| p.seq);
             self.shared.tally.claimed(claim.items.len() as u64);
+            if !self.shared.cache.reads {
+                // Each item goes on as soon as it is read.
+                for pending in claim.items {
+                    let (item, step) = self.start(claim.id, pending)?;
+                    if !self.drive(item, step, None, runtime)? {
+                        self.flush();
+                        return Ok(());
+                    }
+                }
+                continue;
+            }
+            // The page's first calls are looked up in the cache at once.
             let mut started = Vec::with_capacity(claim.items.len());
             for pending in claim.items {
                 started.push(self.start(claim.id, pending)?);
@@ -139,18 +151,20 @@ impl Reader {
         let (row, row_json) = self
             .rows
             .read_with_json(pending.offset, pending.line, row_id)?;
-        let (episode, step) = self.shared.task.begin(&ItemContext {
-            item_id: &pending.item_id,
-            row: &row,
+        let parsed = std::cell::OnceCell::from(row);
+        let (episode, step) = self.shared.task.begin(&ItemContext::new(
+            &pending.item_id,
+            &parsed,
+            &row_json,
             sample,
-        });
+        ));
+        drop(parsed);
         let item = Item::new(
             self.shared.tally.clone(),
             ClaimedItem {
                 claim,
                 item_id: pending.item_id,
                 seq: pending.seq,
-                row,
                 row_json,
                 sample,
                 prior_attempts: pending.prior_attempts,

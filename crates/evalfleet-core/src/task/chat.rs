@@ -54,7 +54,7 @@ impl Chat {
     /// The first step of `item`: its messages, or the item's end when
     /// they cannot be rendered.
     pub(super) fn first_step(&self, item: &ItemContext<'_>) -> Step {
-        match self.inner.templates.render_json(item.row) {
+        match self.inner.templates.render_json(item.row()) {
             Ok(messages) => Step::Call(Request {
                 target: Target::Items,
                 messages,
@@ -156,8 +156,8 @@ impl ChatEpisode {
                 rejected: Some(checked.reask_note()),
             });
         }
-        let scores = assessor.score(&checked, item.row);
-        let calls = assessor.llm_judge_calls(&checked, item.row).into();
+        let scores = assessor.score(&checked, item.row());
+        let calls = assessor.llm_judge_calls(&checked, item.row()).into();
         self.judge_next(
             item,
             Judging {
@@ -207,7 +207,7 @@ impl ChatEpisode {
                 code.clone(),
                 assessor.clone(),
                 checked,
-                Value::Object(item.row.clone()),
+                Value::Object(item.row().clone()),
                 answer,
                 scores,
                 reasks,

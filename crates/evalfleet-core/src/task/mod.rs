@@ -32,10 +32,36 @@ use crate::template::Templates;
 #[derive(Debug, Clone, Copy)]
 pub struct ItemContext<'a> {
     pub item_id: &'a str,
-    /// Its dataset row.
-    pub row: &'a Row,
+    /// Its dataset row, read as JSON only when a step asks for it (most
+    /// steps need none but the first).
+    row: &'a std::cell::OnceCell<Row>,
+    row_json: &'a str,
     /// Which of its row's `task.n` samples it is (0 when n is 1).
     pub sample: u32,
+}
+
+impl<'a> ItemContext<'a> {
+    /// An item whose row is `row_json`, parsed into `row` when asked for
+    /// (already there, or not).
+    pub fn new(
+        item_id: &'a str,
+        row: &'a std::cell::OnceCell<Row>,
+        row_json: &'a str,
+        sample: u32,
+    ) -> Self {
+        Self {
+            item_id,
+            row,
+            row_json,
+            sample,
+        }
+    }
+
+    /// The item's fields (none when its stored row is not a JSON object).
+    pub fn row(&self) -> &'a Row {
+        self.row
+            .get_or_init(|| serde_json::from_str(self.row_json).unwrap_or_default())
+    }
 }
 
 /// Who answers a request.

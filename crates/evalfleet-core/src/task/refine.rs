@@ -76,7 +76,7 @@ impl Episode for RefineEpisode {
                 return Step::Finish(Finish::failed(reason, Assessment::default()));
             }
         };
-        let mut context = item.row.clone();
+        let mut context = item.row().clone();
         context.insert("answer".to_owned(), Value::String(answer.clone()));
         let prompt = self
             .inner
