@@ -50,23 +50,6 @@ fn refine_config(dataset: &Path, endpoints: &str, rounds: u32) -> String {
     )
 }
 
-/// Attempts stored per session of `run_id`.
-fn attempts_by_session(env: &Env, run_id: &str) -> BTreeMap<i64, i64> {
-    let conn = rusqlite::Connection::open(env.store_path()).unwrap();
-    conn.busy_timeout(std::time::Duration::from_secs(30))
-        .unwrap();
-    let mut stmt = conn
-        .prepare(
-            "SELECT a.session, COUNT(*) FROM attempts a JOIN runs r ON r.rid = a.rid
-             WHERE r.run_id = ?1 GROUP BY a.session",
-        )
-        .unwrap();
-    stmt.query_map([run_id], |row| Ok((row.get(0)?, row.get(1)?)))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refine_task_scores_the_improved_answer_and_resumes_from_the_cache_after_a_kill_between_its_calls()
  {
@@ -82,7 +65,7 @@ async fn a_refine_task_scores_the_improved_answer_and_resumes_from_the_cache_aft
     let mut child = env.spawn(&["run", "run.yaml", "-q", "--run-id", "refined"]);
     wait_until(ms(30_000), "every first answer is stored", || {
         env.store_path().is_file()
-            && attempts_by_session(&env, "refined").get(&1) == Some(&(ITEMS as i64))
+            && env.attempts_by_session("refined").get(&1) == Some(&(ITEMS as i64))
     })
     .await;
     wait_until(ms(30_000), "every second call is in flight", || {
@@ -121,7 +104,7 @@ async fn a_refine_task_scores_the_improved_answer_and_resumes_from_the_cache_aft
         assert_eq!(row["attempts"], 3, "{row}");
     }
     assert_eq!(
-        attempts_by_session(&env, "refined"),
+        env.attempts_by_session("refined"),
         BTreeMap::from([(1, ITEMS as i64), (2, ITEMS as i64)]),
         "each call is an attempt of its item"
     );

@@ -118,6 +118,23 @@ impl Env {
         self.store().counts(run_id).expect("the run's counts")
     }
 
+    /// Attempts stored per session of `run_id`, read while the run may be
+    /// writing.
+    pub fn attempts_by_session(&self, run_id: &str) -> BTreeMap<i64, i64> {
+        let conn = rusqlite::Connection::open(self.store_path()).unwrap();
+        conn.busy_timeout(Duration::from_secs(30)).unwrap();
+        let mut stmt = conn
+            .prepare(
+                "SELECT a.session, COUNT(*) FROM attempts a JOIN runs r ON r.rid = a.rid
+                 WHERE r.run_id = ?1 GROUP BY a.session",
+            )
+            .unwrap();
+        stmt.query_map([run_id], |row| Ok((row.get(0)?, row.get(1)?)))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
+    }
+
     /// The JSONL export of a run, one value per line.
     pub async fn export(&self, run_id: &str) -> Vec<Value> {
         let ran = self

@@ -2,8 +2,6 @@
 //! lease, and every item is answered and stored exactly once, whichever
 //! worker answers it, whether a worker dies or stalls past its lease.
 
-use std::collections::BTreeMap;
-
 use evalfleet_core::store::prelude::*;
 use evalfleet_core::types::RunStatus;
 use evalfleet_mock::MockSettings;
@@ -11,23 +9,6 @@ use evalfleet_mock::MockSettings;
 use crate::util::{Env, by_id, config, external, mock, ms, signal, wait_until};
 
 const ITEMS: usize = 1200;
-
-/// Attempts stored per session of `run_id`.
-fn attempts_by_session(env: &Env, run_id: &str) -> BTreeMap<i64, i64> {
-    let conn = rusqlite::Connection::open(env.store_path()).unwrap();
-    conn.busy_timeout(std::time::Duration::from_secs(30))
-        .unwrap();
-    let mut stmt = conn
-        .prepare(
-            "SELECT a.session, COUNT(*) FROM attempts a JOIN runs r ON r.rid = a.rid
-             WHERE r.run_id = ?1 GROUP BY a.session",
-        )
-        .unwrap();
-    stmt.query_map([run_id], |row| Ok((row.get(0)?, row.get(1)?)))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect()
-}
 
 /// Items done so far (0 before the run is registered).
 fn done(env: &Env, run_id: &str) -> u64 {
@@ -81,7 +62,7 @@ async fn two_processes_share_one_sqlite_run_and_finish_it_exactly_once() {
         ITEMS as u64,
         "no item was answered twice"
     );
-    let sessions = attempts_by_session(&env, "shared");
+    let sessions = env.attempts_by_session("shared");
     assert_eq!(
         sessions.len(),
         2,
@@ -122,7 +103,7 @@ async fn a_stalled_worker_loses_its_lease_and_its_late_results_are_refused() {
     let rows = by_id(&env.export("shared").await);
     assert_eq!(rows.len(), ITEMS, "every item exactly once");
     assert!(rows.values().all(|r| r["status"] == "done"));
-    let sessions = attempts_by_session(&env, "shared");
+    let sessions = env.attempts_by_session("shared");
     assert_eq!(
         sessions.values().sum::<i64>(),
         ITEMS as i64,
@@ -148,7 +129,7 @@ async fn a_killed_workers_items_go_to_the_other_before_its_lease_runs_out() {
     .await;
     let mut other = env.spawn(&["resume", "shared", "-q"]);
     wait_until(ms(30_000), "the second worker has joined", || {
-        attempts_by_session(&env, "shared").contains_key(&2)
+        env.attempts_by_session("shared").contains_key(&2)
     })
     .await;
     killed.kill().await.unwrap();
