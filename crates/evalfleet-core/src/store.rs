@@ -197,7 +197,9 @@ pub struct PendingItem {
     pub seq: u64,
     pub line: u64,
     pub offset: u64,
-    /// Attempts made for it in earlier sessions.
+    /// Attempts made for it in earlier sessions: the highest attempt
+    /// number stored (calls answered from the cache take a number and
+    /// store no row), so that its next attempt's number is new.
     pub prior_attempts: u32,
 }
 

@@ -494,6 +494,36 @@ fn a_claim_is_exclusive_while_its_lease_lasts_and_a_commit_under_a_lost_lease_is
 }
 
 #[test]
+fn an_item_claimed_again_numbers_its_next_attempt_above_every_stored_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.db");
+    let mut store = SqliteStore::open(&path).unwrap();
+    store
+        .create_run(&new_run("r"), &mut items(&["a", "b", "c"], None))
+        .unwrap();
+    store.begin_session("r", &mut worker("one"), false).unwrap();
+    let claim = claim_all(&mut store, "r", "one");
+    // Item a's first call was answered from the cache (number 1, no row);
+    // its second is stored as attempt 2. Item b has one stored attempt.
+    let batch = Batch {
+        attempts: vec![(claim, attempt(1, 2)), (claim, attempt(2, 1))],
+        results: vec![],
+        cache: vec![],
+    };
+    store.commit("r", "one", &batch).unwrap();
+    store.release("r", "one").unwrap();
+    let Claimed::Items(again) = store.claim("r", "one", None, 10, LEASE).unwrap() else {
+        panic!("the items are still pending");
+    };
+    let prior: Vec<(u64, u32)> = again
+        .items
+        .iter()
+        .map(|i| (i.seq, i.prior_attempts))
+        .collect();
+    assert_eq!(prior, vec![(1, 2), (2, 1), (3, 0)]);
+}
+
+#[test]
 fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("old.db");

@@ -59,7 +59,9 @@ fn scan(
     let err = db_err("cannot read pending items");
     let mut found = Scan::default();
     let mut cursor = after.map_or(-1, |s| s as i64);
-    // Counting an item's earlier attempts costs a lookup each; when no item
+    // An item's earlier attempts: the highest number used, so that the
+    // next is above every stored one (calls answered from the cache take
+    // a number but store no row). It costs a lookup an item; when no item
     // from here on has any (a first session's items), it is skipped.
     let attempted: bool = tx
         .prepare_cached("SELECT EXISTS (SELECT 1 FROM attempts WHERE rid = ?1 AND seq > ?2)")
@@ -69,7 +71,8 @@ fn scan(
     let mut stmt = tx
         .prepare_cached(if attempted {
             "SELECT i.item_id, i.seq, i.line, i.offset,
-                    (SELECT COUNT(*) FROM attempts a WHERE a.rid = i.rid AND a.seq = i.seq)
+                    (SELECT COALESCE(MAX(a.attempt), 0) FROM attempts a
+                     WHERE a.rid = i.rid AND a.seq = i.seq)
              FROM items i
              WHERE i.rid = ?1 AND i.state = 'pending' AND i.seq > ?2
              ORDER BY i.seq LIMIT ?3"
