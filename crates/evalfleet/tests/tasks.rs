@@ -7,7 +7,11 @@ use std::path::Path;
 
 use serde_json::{Value, json};
 
-use crate::util::{Env, by_id, cache_stats, external, ms, scripted, wait_until};
+use evalfleet_mock::MockSettings;
+
+use crate::util::{
+    Env, NO_HEALTH, by_id, cache_stats, external, external_with, mock, ms, scripted, wait_until,
+};
 
 const ITEMS: usize = 20;
 
@@ -115,6 +119,33 @@ async fn a_refine_task_scores_the_improved_answer_and_resumes_from_the_cache_aft
         "both calls of every item are cached"
     );
     assert_eq!(stats["hits"], ITEMS);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_call_of_a_refine_task_has_retries_of_its_own() {
+    let env = Env::new();
+    let (dataset, answers) = refine_items(&env, None);
+    // Every call fails once, then is answered.
+    let server = mock(MockSettings {
+        answers: Some(answers),
+        fail_first: 1,
+        ..MockSettings::default()
+    })
+    .await;
+    let config = refine_config(&dataset, &external_with("m", &server, 8, NO_HEALTH), 2);
+    env.write(
+        "run.yaml",
+        &format!("{config}\nretry: {{ max_attempts: 2, backoff_base: 10ms, backoff_max: 20ms }}\n"),
+    );
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert_eq!(server.stats().injected_errors, 3 * ITEMS as u64);
+    let rows = by_id(&env.export(&ran.run_id()).await);
+    for (i, row) in rows.values().enumerate() {
+        assert_eq!(row["status"], "done", "{row}");
+        assert_eq!(row["output"], format!("#### B{i}"));
+        assert_eq!(row["attempts"], 6, "three calls, each tried twice");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -378,6 +378,50 @@ async fn an_llm_judge_scores_answers_through_its_own_endpoint_and_cache() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn judge_calls_to_an_endpoint_that_is_not_running_fail_and_the_run_ends() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 4);
+    let answering = mock(MockSettings::default()).await;
+    let judging = mock(MockSettings::default()).await;
+    let endpoints = external("m", &answering, 4)
+        + &format!(
+            "  - {{ name: judge, kind: external, role: judge, base_url: \"{}\", model: m }}\n",
+            judging.base_url()
+        );
+    let text = crate::util::config(
+        &dataset,
+        &endpoints,
+        "  metrics:\n\
+         \x20   - { name: llm_judge, as: quality, endpoint: judge, rubric: \"Rate {{ answer }}.\" }\n\
+         retry: { max_attempts: 2, backoff_base: 10ms, backoff_max: 20ms }",
+    );
+    env.write("run.yaml", &text);
+    // The judge is configured but left out of the run: its calls wait for
+    // it a few tries, then fail; the items are done and the run ends.
+    let ran = tokio::time::timeout(
+        std::time::Duration::from_secs(120),
+        env.evalfleet(&["run", "run.yaml", "-q", "--endpoints", "m"]),
+    )
+    .await
+    .expect("the run ends although its judge never runs");
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert_eq!(judging.stats().requests, 0);
+    let rows = crate::util::by_id(&env.export(&ran.run_id()).await);
+    assert_eq!(rows.len(), 4);
+    for row in rows.values() {
+        assert_eq!(row["status"], "done", "{row}");
+        let error = row["scores"]["quality"]["error"]
+            .as_str()
+            .unwrap_or_default();
+        assert!(
+            error.contains("the judge failed")
+                && error.contains("endpoint judge is not taking calls"),
+            "{row}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn samples_per_row_give_pass_at_k_and_a_majority_vote() {
     let env = Env::new();
     // Row r: its 4 samples are right c = r mod 5 times (first), then wrong.

@@ -17,7 +17,7 @@ use super::Shared;
 use super::item::Item;
 use super::writer::Outcome;
 use crate::fleet::call::{self, Call, Exchange};
-use crate::fleet::{Endpoint, Phase};
+use crate::fleet::{Endpoint, Permit, Phase};
 use crate::store::Store;
 use crate::task::{Finish, Reply, Request, Step, Target};
 
@@ -62,6 +62,45 @@ impl Carry {
     }
 }
 
+/// How often a dispatcher whose endpoint takes no calls counts a try
+/// against the calls addressed to it.
+const SWEEP: Duration = Duration::from_secs(1);
+
+/// What a dispatcher's wait for a slot ended with.
+enum Admitted {
+    Permit(Permit),
+    Halted,
+    Excluded,
+}
+
+impl From<Option<Permit>> for Admitted {
+    fn from(permit: Option<Permit>) -> Self {
+        permit.map_or(Self::Halted, Self::Permit)
+    }
+}
+
+/// A call addressed to `endpoint`, which takes no calls now: one of the
+/// call's tries is spent; it is tried again after its backoff, and fails
+/// once its tries are spent (as a call that failed would).
+async fn unavailable(shared: Arc<Shared>, endpoint: Arc<Endpoint>, mut item: Item) {
+    item.tries += 1;
+    if item.tries >= shared.retry.max_attempts {
+        item.tries = 0;
+        let reason = format!(
+            "endpoint {} is not taking calls ({})",
+            endpoint.name,
+            endpoint.state().as_str()
+        );
+        fail_call(shared, item, reason).await;
+        return;
+    }
+    let wait = shared.retry.backoff(item.tries, None);
+    tokio::select! {
+        () = tokio::time::sleep(wait) => requeue(&shared, item),
+        () = shared.halt.cancelled() => {}
+    }
+}
+
 /// One endpoint's dispatcher: while the endpoint takes calls, each free slot
 /// takes the next call for it (addressed to it first, then any item's),
 /// once its rate limits allow.
@@ -73,15 +112,35 @@ pub async fn dispatch(
     // Judge endpoints take no items, only calls addressed to them.
     let takes_items = endpoint.config.takes_items();
     let mut excluded = endpoint.exclusion();
+    let mut sweep = tokio::time::interval(SWEEP);
+    sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        let permit = tokio::select! {
-            biased;
-            permit = call::admit(&endpoint, &shared.halt) => match permit {
-                Some(permit) => permit,
-                None => return,
-            },
+        let admitted = {
+            let admit = call::admit(&endpoint, &shared.halt);
+            tokio::pin!(admit);
+            loop {
+                tokio::select! {
+                    biased;
+                    permit = &mut admit => break Admitted::from(permit),
+                    () = excluded.cancelled() => break Admitted::Excluded,
+                    _ = sweep.tick() => {
+                        if !endpoint.accepting() {
+                            // Calls addressed here wait while it is down
+                            // (unhealthy, stopped, not started), but not
+                            // for ever: each sweep is one of their tries.
+                            while let Ok(item) = inbox.try_recv() {
+                                shared.tracker.spawn(unavailable(shared.clone(), endpoint.clone(), item));
+                            }
+                        }
+                    }
+                }
+            }
+        };
+        let permit = match admitted {
+            Admitted::Permit(permit) => permit,
+            Admitted::Halted => return,
             // Calls waiting for an endpoint that is out of the run fail.
-            () = excluded.cancelled() => {
+            Admitted::Excluded => {
                 // Until it comes back (`fleet add`), calls for it fail.
                 loop {
                     tokio::select! {
@@ -220,11 +279,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
     } else {
         endpoint.timeout
     };
-    if answers_item {
-        item.attempts += 1;
-    } else {
-        item.excused += 1;
-    }
+    item.calls += 1;
     item.tries += 1;
     let exchange = call::send(call, &request.messages, limit, &shared.abort, &shared.fleet).await;
     let Some(mut record) = exchange.record(&endpoint, item.seq, number, shared.session) else {
@@ -236,12 +291,8 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
     match exchange {
         Exchange::Abandoned => {}
         Exchange::Moved { .. } => {
-            // Not the item's fault: the attempt is recorded but does not
-            // count, and another endpoint takes the call now.
-            if answers_item {
-                item.attempts -= 1;
-                item.excused += 1;
-            }
+            // Not the item's fault: the attempt is recorded but is not one
+            // of the call's tries, and another endpoint takes the call now.
             item.tries -= 1;
             item.request = Some(request);
             if shared.send(Outcome::attempt(claim, record)).await && !shared.halt.is_cancelled() {
@@ -263,11 +314,9 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
             if let Step::Call(next) = &step
                 && let Some(note) = &next.rejected
             {
-                // A re-ask: the call succeeded, so it does not count.
+                // A re-ask: the answer could not be used.
                 record.error_class = Some(ErrorClass::InvalidAnswer);
                 record.error = Some(note.clone());
-                item.attempts -= 1;
-                item.excused += 1;
                 shared.progress.retries.fetch_add(1, Ordering::Relaxed);
             }
             let carry = Carry {
@@ -284,34 +333,24 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
             if answers_item {
                 item.answer = Some(record.telemetry.clone());
             }
-            if rate_limited {
+            if rate_limited && answers_item {
                 // The endpoint paces the run; the item did nothing wrong.
-                // Its deadline bounds how long it may wait.
-                if answers_item {
-                    item.attempts -= 1;
-                    item.excused += 1;
-                }
+                // Its deadline bounds how long it may wait. (A call to a
+                // named endpoint has no deadline: its 429s count.)
                 item.tries -= 1;
             }
             let class = err.class();
-            let (spent, retry) = if answers_item {
-                (item.attempts, item.attempts)
-            } else {
-                (item.tries, item.tries)
-            };
+            let tries = item.tries;
             let reason = if !class.is_retryable() {
                 err.to_string()
-            } else if spent >= shared.retry.max_attempts {
+            } else if tries >= shared.retry.max_attempts {
                 if answers_item {
-                    format!(
-                        "gave up after {} attempts: {err}",
-                        item.prior_attempts + item.attempts
-                    )
+                    format!("gave up after {tries} attempts: {err}")
                 } else {
                     err.to_string()
                 }
             } else {
-                let wait = shared.retry.backoff(retry.max(1), err.retry_after());
+                let wait = shared.retry.backoff(tries.max(1), err.retry_after());
                 let past_deadline = answers_item
                     && item
                         .first_sent

@@ -77,17 +77,15 @@ pub struct Item {
     row: std::cell::OnceCell<Row>,
     /// Which of its row's `task.n` samples it is (0 when n is 1).
     pub sample: u32,
-    /// Attempts made in earlier sessions.
+    /// Attempts made in earlier sessions (the highest number stored).
     pub prior_attempts: u32,
-    /// Calls for its answer in this session: they count against
-    /// `retry.max_attempts`.
-    pub attempts: u32,
-    /// Calls that do not count against it: answered from the cache, moved
-    /// to another endpoint, refused by a quota, re-asked, LLM judges' calls.
-    pub excused: u32,
+    /// Its calls in this session, those answered from the cache included.
+    pub calls: u32,
     /// Calls answered from the cache.
     pub cached: u32,
-    /// Calls made for the request it waits on (a judge call's own budget).
+    /// Tries of the request it waits on: `retry.max_attempts` is each
+    /// request's budget (a call moved to another endpoint, or an answer's
+    /// call refused by a quota, is not one).
     pub tries: u32,
     /// When its first call in this session was sent (its deadline counts
     /// from here).
@@ -122,8 +120,7 @@ impl Item {
             row_json: claimed.row_json,
             sample: claimed.sample,
             prior_attempts: claimed.prior_attempts,
-            attempts: 0,
-            excused: 0,
+            calls: 0,
             cached: 0,
             tries: 0,
             first_sent: None,
@@ -135,7 +132,7 @@ impl Item {
 
     /// The number of its next attempt, over every session.
     pub fn number(&self) -> u32 {
-        self.prior_attempts + self.attempts + self.excused + 1
+        self.prior_attempts + self.calls + 1
     }
 
     /// The step after `request`'s reply.
@@ -146,7 +143,7 @@ impl Item {
 
     /// The step after `request` was answered from the cache by `hit`.
     pub fn answered_from_cache(&mut self, request: Request, hit: CacheEntry) -> Step {
-        self.excused += 1;
+        self.calls += 1;
         self.cached += 1;
         if request.target == Target::Items {
             self.answer = Some(Telemetry {
@@ -174,7 +171,7 @@ impl Item {
             output: finish.output,
             error: finish.error,
             telemetry: self.answer.take(),
-            attempts: self.prior_attempts + self.attempts + self.excused,
+            attempts: self.prior_attempts + self.calls,
             cached: self.cached,
             item: Some(std::mem::take(&mut self.row_json)),
             finished_at_ms: now_ms(),
