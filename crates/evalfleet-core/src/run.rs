@@ -318,15 +318,14 @@ pub fn prepare(store: &mut dyn Store, plan: &SessionPlan) -> Result<Prepared, St
     })
 }
 
-/// Runs a prepared session and stores how it ended.
-pub async fn run_session(
+/// Starts the task and drives the session's items.
+async fn session(
     plan: SessionPlan,
     prepared: Prepared,
     open: Arc<OpenStore>,
     stop: CancellationToken,
-) -> Result<SessionReport, PipelineError> {
+) -> Result<pipeline::SessionEnd, PipelineError> {
     let rows = RowReader::open(&plan.config.dataset)?;
-    let run_id = plan.run_id.clone();
     // Whatever can fail at the start fails before anything runs.
     let task = task::start(&plan.config, plan.templates.clone(), &plan.sandbox_dir).await?;
     let session = Session {
@@ -335,11 +334,64 @@ pub async fn run_session(
         config: plan.config,
         task,
         endpoints: plan.endpoints,
-        fleet: plan.fleet.clone(),
+        fleet: plan.fleet,
         worker: Arc::from(prepared.worker.worker.as_str()),
     };
-    let cache = session.config.cache.clone();
-    let end = pipeline::execute(session, open, rows, prepared.progress, stop.clone()).await?;
+    pipeline::execute(session, open, rows, prepared.progress, stop).await
+}
+
+/// Records that this worker stopped on an error: the run is interrupted,
+/// unless other workers go on with it.
+fn stopped_by_error(
+    store: &mut dyn Store,
+    run_id: &str,
+    me: &str,
+    message: &str,
+) -> Result<(), StoreError> {
+    let others = worker::live_workers(store, run_id)?
+        .into_iter()
+        .filter(|w| w.worker != me)
+        .count();
+    if others > 0 {
+        return store.add_events(
+            run_id,
+            &[Event {
+                at_ms: now_ms(),
+                kind: EventKind::Interrupted,
+                endpoint: None,
+                message: format!("this worker {message}; {others} other worker(s) go on"),
+            }],
+        );
+    }
+    store.set_status(run_id, RunStatus::Interrupted, Some(message))
+}
+
+/// Runs a prepared session and stores how it ended.
+pub async fn run_session(
+    plan: SessionPlan,
+    prepared: Prepared,
+    open: Arc<OpenStore>,
+    stop: CancellationToken,
+) -> Result<SessionReport, PipelineError> {
+    let run_id = plan.run_id.clone();
+    let worker = prepared.worker.worker.clone();
+    let fleet = plan.fleet.clone();
+    let cache = plan.config.cache.clone();
+    let end = match session(plan, prepared, open.clone(), stop.clone()).await {
+        Ok(end) => end,
+        Err(err) => {
+            let message = format!("stopped by an error: {err}");
+            match open() {
+                Ok(mut store) => {
+                    if let Err(also) = stopped_by_error(&mut *store, &run_id, &worker, &message) {
+                        tracing::warn!("Could not record how run {run_id} stopped: {also}");
+                    }
+                }
+                Err(also) => tracing::warn!("Could not record how run {run_id} stopped: {also}"),
+            }
+            return Err(err);
+        }
+    };
     let mut store = end.store;
     if cache.mode.writes() && (cache.ttl.is_some() || cache.max_entries.is_some()) {
         let before = cache
@@ -350,8 +402,10 @@ pub async fn run_session(
             tracing::info!("Evicted {gone} cached answers (cache.ttl / cache.max_entries).");
         }
     }
-    let counts = store.counts(&run_id)?;
+    // Others first: a worker that is gone has committed all it will, so
+    // the counts read after are final for it.
     let others = worker::live_workers(&mut *store, &run_id)?;
+    let counts = store.counts(&run_id)?;
     let (status, kind, message) = if counts.pending == 0 {
         (RunStatus::Finished, EventKind::Finished, None)
     } else if !others.is_empty() {
@@ -375,7 +429,7 @@ pub async fn run_session(
             counts,
             message: Some(message),
         });
-    } else if let Some(reason) = plan.fleet.exhausted_reason() {
+    } else if let Some(reason) = fleet.exhausted_reason() {
         (
             RunStatus::Interrupted,
             EventKind::Interrupted,

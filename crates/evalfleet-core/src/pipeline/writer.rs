@@ -140,7 +140,7 @@ pub async fn run(
                 let result = store.commit(&run_id, &worker, &batch).map(|committed| {
                     if !committed.refused.is_empty() {
                         tracing::warn!(
-                            "{} items were refused: this worker's lease on them ran out, so another worker answers them.",
+                            "{} results were refused: this worker's lease on them ran out; their items are answered again under a new claim.",
                             committed.refused.len()
                         );
                     }

@@ -214,10 +214,7 @@ async fn execute(session: Session) -> anyhow::Result<u8> {
     let report = match result {
         Ok(report) => report,
         Err(err) => {
-            let message = format!("stopped by an error: {err}");
-            if let Ok(mut store) = evalfleet_store::open(&location, &OpenOptions::default()) {
-                let _ = store.set_status(&run_id, RunStatus::Interrupted, Some(&message));
-            }
+            // The session stored how it stopped.
             return Err(match err {
                 PipelineError::Dataset(err) => anyhow::Error::new(err).context(format!(
                     "run {run_id} stopped; fix the dataset or resume with the original file"
