@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use regex::Regex;
+use crate::eval::text::Pattern;
 use serde_json::{Map, Value};
 
 use super::path;
@@ -105,7 +105,7 @@ fn parser(value: &Value, p: &mut Problems<'_>) -> Option<Parser> {
                 let Some(pattern) = pattern.as_str() else {
                     return p.push("task.parse.regex", "must be a string");
                 };
-                let pattern = match Regex::new(pattern) {
+                let pattern = match Pattern::new(pattern) {
                     Ok(re) => re,
                     Err(err) => {
                         return p.push("task.parse.regex", format!("is not a valid regex: {err}"));

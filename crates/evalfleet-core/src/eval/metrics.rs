@@ -2,7 +2,7 @@
 //! `docs/metrics.md` gives each one's exact definition; a change of
 //! definition is a new version, so stored scores keep their meaning.
 
-use regex::Regex;
+use super::text::Pattern;
 use serde_json::{Map, Value, json};
 
 use super::text::{self, Normalize};
@@ -112,7 +112,7 @@ pub const REGISTRY: &[MetricInfo] = &[
 ];
 
 /// How a metric is computed, with its parameters.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Kind {
     ExactMatch {
         normalize: Normalize,
@@ -123,7 +123,7 @@ pub enum Kind {
         ignore_case: bool,
     },
     RegexMatch {
-        pattern: Regex,
+        pattern: Pattern,
     },
     F1,
     Numeric {
@@ -149,7 +149,7 @@ pub enum Kind {
     LlmJudge {
         endpoint: String,
         rubric: String,
-        pattern: Regex,
+        pattern: Pattern,
         low: f64,
         high: f64,
     },
@@ -159,7 +159,7 @@ pub enum Kind {
 pub const JUDGE_SCORE: &str = r"(?i)score\s*[:=]\s*\**\s*(-?\d+(?:\.\d+)?)";
 
 /// A metric as a task configures it.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Metric {
     /// The key its scores are stored under: `as`, else `name@version`.
     pub key: String,
@@ -274,7 +274,7 @@ impl Metric {
             "regex_match" => {
                 let pattern = match param(params, "pattern") {
                     Some(Value::String(p)) => {
-                        Regex::new(p).map_err(|e| format!("pattern is not a valid regex: {e}"))?
+                        Pattern::new(p).map_err(|e| format!("pattern is not a valid regex: {e}"))?
                     }
                     _ => return Err("regex_match needs a pattern".to_owned()),
                 };
@@ -309,8 +309,8 @@ impl Metric {
                 let endpoint = text("endpoint")?;
                 let rubric = text("rubric")?;
                 let pattern = match param(params, "score_regex") {
-                    None => Regex::new(JUDGE_SCORE).map_err(|e| e.to_string())?,
-                    Some(Value::String(p)) => Regex::new(p)
+                    None => Pattern::new(JUDGE_SCORE).map_err(|e| e.to_string())?,
+                    Some(Value::String(p)) => Pattern::new(p)
                         .map_err(|e| format!("score_regex is not a valid regex: {e}"))?,
                     Some(other) => {
                         return Err(format!("score_regex must be a string, got {other}"));

@@ -18,7 +18,7 @@ pub use metrics::Metric;
 pub use parse::Parser;
 
 /// One metric of `task.metrics`, with the template of its reference.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct MetricSpec {
     pub metric: Metric,
     /// A template over the item's fields (`{{ answer }}`); when it renders
@@ -28,20 +28,14 @@ pub struct MetricSpec {
 
 /// The checking and scoring part of a task (`task.parse`, `task.schema`,
 /// `task.max_reasks`, `task.structured_output`, `task.metrics`).
-#[derive(Debug, Clone)]
+/// Compared by their definitions (a regex by its pattern).
+#[derive(Debug, Clone, PartialEq)]
 pub struct EvalSpec {
     pub parser: Parser,
     pub schema: Option<Value>,
     pub max_reasks: u32,
     pub structured_output: bool,
     pub metrics: Vec<MetricSpec>,
-}
-
-/// Compared by their definitions (a regex by its pattern).
-impl PartialEq for EvalSpec {
-    fn eq(&self, other: &Self) -> bool {
-        format!("{self:?}") == format!("{other:?}")
-    }
 }
 
 impl Default for EvalSpec {

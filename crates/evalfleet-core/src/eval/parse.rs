@@ -2,11 +2,11 @@
 //! is a reason, stored with the result; it is never scored as a valid
 //! answer.
 
-use regex::Regex;
+use super::text::Pattern;
 use serde_json::Value;
 
 /// One way of extracting the answer.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Parser {
     /// The whole text, trimmed.
     Whole,
@@ -14,7 +14,7 @@ pub enum Parser {
     /// pattern has a group, else the whole match) of the `first` or last
     /// match.
     Regex {
-        pattern: Regex,
+        pattern: Pattern,
         group: usize,
         first: bool,
     },
@@ -139,7 +139,7 @@ mod tests {
 
     fn regex(pattern: &str) -> Parser {
         Parser::Regex {
-            pattern: Regex::new(pattern).unwrap(),
+            pattern: Pattern::new(pattern).unwrap(),
             group: 1,
             first: true,
         }

@@ -140,6 +140,37 @@ pub fn last_number(text: &str) -> Option<f64> {
         .last()
 }
 
+/// A compiled regular expression that compares (and prints) as its
+/// source text, so that definitions holding one can be compared.
+#[derive(Clone)]
+pub struct Pattern(Regex);
+
+impl Pattern {
+    pub fn new(source: &str) -> Result<Self, regex::Error> {
+        Regex::new(source).map(Self)
+    }
+}
+
+impl std::ops::Deref for Pattern {
+    type Target = Regex;
+
+    fn deref(&self) -> &Regex {
+        &self.0
+    }
+}
+
+impl PartialEq for Pattern {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.as_str() == other.0.as_str()
+    }
+}
+
+impl std::fmt::Debug for Pattern {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(self.0.as_str(), f)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -190,7 +190,11 @@ impl Results for SqliteStore {
                 valid: row
                     .get::<_, Option<String>>(14)
                     .map_err(&get_err)?
-                    .map(|v| v == "ok"),
+                    .as_deref()
+                    .map(Verdict::parse)
+                    .transpose()
+                    .map_err(unknown)?
+                    .map(|v| v == Verdict::Ok),
                 scores: scores
                     .map(|text| {
                         serde_json::from_str::<Scores>(&text)
