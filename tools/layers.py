@@ -17,11 +17,11 @@ import sys
 LAYERS = {
     "evalfleet-core": [
         # What an answer is worth, and the cache's keys: pure functions.
-        ["eval", "cache"],
+        ["eval", "cache", "jinja"],
         # The validated config.
         ["config"],
         # Datasets, templates, and what determines a run's results.
-        ["dataset", "template", "fingerprint"],
+        ["dataset", "template", "fingerprint", "preflight"],
         # The store's traits.
         ["store"],
         # The OpenAI client.

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeSet;
 
-use minijinja::{Environment, UndefinedBehavior};
+use minijinja::Environment;
 use serde::Serialize;
 use serde_json::value::RawValue;
 
@@ -40,10 +40,7 @@ impl TemplateError {
 impl Templates {
     /// Compiles every message template of `task`.
     pub fn compile(task: &TaskConfig) -> Result<Self, TemplateError> {
-        let mut env = Environment::new();
-        // Printing a missing field is an error; testing it (`{% if hint %}`) is not,
-        // so optional fields can be handled in the template.
-        env.set_undefined_behavior(UndefinedBehavior::SemiStrict);
+        let mut env = crate::jinja::environment();
         let mut messages = Vec::with_capacity(task.messages.len());
         let mut variables = BTreeSet::new();
         for (i, message) in task.messages.iter().enumerate() {
@@ -107,24 +104,7 @@ impl Templates {
         for (role, name) in &self.messages {
             let template = self.env.get_template(name).map_err(|err| err.to_string())?;
             let content = template.render(&context).map_err(|err| {
-                if err.kind() == minijinja::ErrorKind::UndefinedError {
-                    // The error points at the expression that failed; name the
-                    // missing fields that appear in it.
-                    let expression = err
-                        .range()
-                        .and_then(|range| template.source().get(range))
-                        .unwrap_or(template.source());
-                    let missing: Vec<&str> = self
-                        .variables
-                        .iter()
-                        .filter(|v| !row.contains_key(*v) && expression.contains(v.as_str()))
-                        .map(String::as_str)
-                        .collect();
-                    if !missing.is_empty() {
-                        return format!("{name}: this item has no field {}", quoted(&missing));
-                    }
-                }
-                format!("{name}: {err}")
+                format!("{name}: {}", crate::jinja::explain(&err, &template, row))
             })?;
             out.push(Message {
                 role: role.clone(),

@@ -311,6 +311,19 @@ pub struct ReportArgs {
     /// Print the JSON summary instead of tables
     #[arg(long)]
     pub json: bool,
+
+    /// Exit 1 when a metric could not score this share of the answers it
+    /// was given or more [default: the run's report.max_unscored, else 1]
+    #[arg(long, value_name = "SHARE", value_parser = share)]
+    pub max_unscored: Option<f64>,
+}
+
+/// A share from 0 to 1.
+fn share(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        _ => Err(format!("must be a number from 0 to 1, got '{text}'")),
+    }
 }
 
 #[derive(Debug, Args)]

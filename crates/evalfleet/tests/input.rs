@@ -1,6 +1,7 @@
 //! Bad input: configs, datasets, templates, changed runs and secrets. Each
 //! gets its message with its place, exit code 2, and writes nothing.
 
+use evalfleet_core::preflight;
 use evalfleet_mock::MockSettings;
 
 use crate::util::{Env, NO_HEALTH, by_id, config, external, external_with, mock};
@@ -169,7 +170,7 @@ async fn a_template_field_no_row_has_is_refused_before_any_call() {
     assert_eq!(ran.code, Some(2), "{}", ran.stderr);
     assert!(
         ran.stderr.contains(
-            "task.messages: the templates refer to 'questoin', which no row of the dataset has (fields: id, question)"
+            "run.yaml:10: task.messages[0].content: for row 1 (line 1 of items.jsonl): this item has no field 'questoin'"
         ),
         "{}",
         ran.stderr
@@ -182,10 +183,14 @@ async fn a_template_field_no_row_has_is_refused_before_any_call() {
 async fn an_item_missing_a_field_fails_alone_with_the_reason() {
     let env = Env::new();
     let server = mock(MockSettings::default()).await;
-    let dataset = env.write(
-        "items.jsonl",
-        "{\"id\": \"a\", \"question\": \"q1\"}\n{\"id\": \"b\", \"prompt\": \"q2\"}\n",
-    );
+    // The first rows are checked before the run (the next test); a later
+    // row that lacks a field fails alone.
+    let mut rows = String::new();
+    for i in 0..preflight::ROWS {
+        rows.push_str(&format!("{{\"id\": \"a{i}\", \"question\": \"q{i}\"}}\n"));
+    }
+    rows.push_str("{\"id\": \"b\", \"prompt\": \"q2\"}\n");
+    let dataset = env.write("items.jsonl", &rows);
     env.write(
         "run.yaml",
         &config(&dataset, &external("only", &server, 2), ""),
@@ -193,12 +198,60 @@ async fn an_item_missing_a_field_fails_alone_with_the_reason() {
     let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
     assert_eq!(ran.code, Some(1), "{}", ran.stderr);
     let rows = by_id(&env.export(&ran.run_id()).await);
-    assert_eq!(rows["a"]["status"], "done");
+    assert_eq!(rows["a0"]["status"], "done");
     assert_eq!(
         rows["b"]["error"],
         "template: task.messages[0].content: this item has no field 'question'"
     );
-    assert_eq!(server.stats().requests, 1);
+    assert_eq!(server.stats().requests, preflight::ROWS as u64);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_rows_are_rendered_before_the_run_and_a_problem_names_its_row() {
+    let env = Env::new();
+    let server = mock(MockSettings::default()).await;
+    let dataset = env.write(
+        "items.jsonl",
+        "{\"id\": \"a\", \"question\": \"q1\", \"answer\": \"4\"}\n\
+         {\"id\": \"b\", \"prompt\": \"q2\", \"answer\": \"four\"}\n",
+    );
+    let text = config(
+        &dataset,
+        &external("only", &server, 2),
+        "  metrics:\n\
+         \x20   - { name: numeric_match, reference: \"{{ answer }}\" }\n\
+         \x20   - { name: json_field_match, reference: \"{{ answer }}\" }\n\
+         \x20   - { name: exact_match, reference: \"{{ answer | tojsn }}\" }",
+    );
+    env.write("run.yaml", &text);
+    let ran = env.evalfleet(&["run", "run.yaml"]).await;
+    assert_eq!(ran.code, Some(2), "{}", ran.stderr);
+    // The unknown filter is the config's own problem, found without the
+    // dataset; the rest once the first rows are read (the next run).
+    assert!(
+        ran.stderr
+            .contains("task.metrics[2].reference: uses an unknown filter 'tojsn'"),
+        "{}",
+        ran.stderr
+    );
+    let fixed = text.replace("tojsn", "tojson");
+    env.write("run.yaml", &fixed);
+    let ran = env.evalfleet(&["run", "run.yaml"]).await;
+    assert_eq!(ran.code, Some(2), "{}", ran.stderr);
+    for expected in [
+        "task.messages[0].content: for row 2 (line 2 of items.jsonl): this item has no field 'question'",
+        "task.metrics[0].reference: for row 2 (line 2 of items.jsonl): numeric_match cannot use it: the reference 'four' has no number",
+        "task.metrics[1].reference: for row 1 (line 1 of items.jsonl): json_field_match cannot use it: the reference '4' is not a JSON object",
+    ] {
+        assert!(ran.stderr.contains(expected), "{expected}\n{}", ran.stderr);
+    }
+    assert!(
+        ran.stderr.contains("run.yaml has 3 problems"),
+        "{}",
+        ran.stderr
+    );
+    assert_eq!(server.stats().requests, 0);
+    assert!(!env.path("runs").exists());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

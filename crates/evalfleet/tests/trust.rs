@@ -351,10 +351,22 @@ async fn an_llm_judge_scores_answers_through_its_own_endpoint_and_cache() {
         (q["n"].as_u64(), q["scored"].as_u64(), q["errors"].as_u64()),
         (Some(6), Some(5), Some(1))
     );
+    // The reply with no score is no score of 0: it is in no mean, and the
+    // report says why.
     assert!(
-        (q["mean"].as_f64().unwrap() - 2.0 / 6.0).abs() < 1e-12,
+        (q["mean"].as_f64().unwrap() - 2.0 / 5.0).abs() < 1e-12,
         "{q}"
     );
+    assert_eq!(q["status"], "partly scored");
+    assert_eq!(q["reasons"][0]["count"], 1);
+    assert!(
+        q["reasons"][0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("no score"),
+        "{q}"
+    );
+    assert_eq!(summary["problems"], json!([]));
 
     // Again: the answers and the judge's replies come from the cache.
     let again = env.evalfleet(&["run", "run.yaml", "-q"]).await;
@@ -397,15 +409,33 @@ async fn judge_calls_to_an_endpoint_that_is_not_running_fail_and_the_run_ends() 
     );
     env.write("run.yaml", &text);
     // The judge is configured but left out of the run: its calls wait for
-    // it a few tries, then fail; the items are done and the run ends.
+    // it a few tries, then fail; the items are done and the run ends, and
+    // says the judge's metric could score nothing (exit 1).
     let ran = tokio::time::timeout(
         std::time::Duration::from_secs(120),
         env.evalfleet(&["run", "run.yaml", "-q", "--endpoints", "m"]),
     )
     .await
     .expect("the run ends although its judge never runs");
-    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
+    assert!(
+        ran.stderr.contains(
+            "error: metric quality could not score any of the 4 answers it was given: 4 × the judge failed"
+        ),
+        "{}",
+        ran.stderr
+    );
     assert_eq!(judging.stats().requests, 0);
+    // The report shows it as not scored, and exits 1 too.
+    let report = env.evalfleet(&["report", &ran.run_id()]).await;
+    assert_eq!(report.code, Some(1), "{}", report.stderr);
+    assert!(
+        report
+            .stdout
+            .contains("quality not scored: 4 of 4 items could not be scored"),
+        "{}",
+        report.stdout
+    );
     let rows = crate::util::by_id(&env.export(&ran.run_id()).await);
     assert_eq!(rows.len(), 4);
     for row in rows.values() {
@@ -418,6 +448,189 @@ async fn judge_calls_to_an_endpoint_that_is_not_running_fail_and_the_run_ends() 
                 && error.contains("endpoint judge is not taking calls"),
             "{row}"
         );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn items_a_metric_cannot_score_are_in_no_mean_and_past_the_limit_fail_the_run() {
+    let env = Env::new();
+    // The first rows are fine (they are checked before the run); two later
+    // ones have references with no number.
+    let mut rows = String::new();
+    for i in 0..10 {
+        rows.push_str(&format!(
+            "{}\n",
+            json!({"id": format!("q{i:02}"), "question": format!("{i}"), "answer": format!("{i}")})
+        ));
+    }
+    for (i, answer) in [(10, "n/a"), (11, "unknown")] {
+        rows.push_str(&format!(
+            "{}\n",
+            json!({"id": format!("q{i:02}"), "question": format!("{i}"), "answer": answer})
+        ));
+    }
+    let dataset = env.write("items.jsonl", &rows);
+    let server = mock(MockSettings::default()).await;
+    let text = crate::util::config(
+        &dataset,
+        &external("m", &server, 4),
+        "  metrics:\n\
+         \x20   - { name: numeric_match, as: accuracy, reference: \"{{ answer }}\" }\n\
+         report: { max_unscored: 0.1 }",
+    );
+    env.write("run.yaml", &text);
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
+    assert!(
+        ran.stderr.contains(
+            "accuracy: 1.0000 over 10 items; 2 not scored: 2 × the reference 'n/a' has no number"
+        ),
+        "{}",
+        ran.stderr
+    );
+    assert!(
+        ran.stderr.contains(
+            "error: metric accuracy could not score 2 of the 12 answers it was given (16.7%, more than report.max_unscored allows)"
+        ),
+        "{}",
+        ran.stderr
+    );
+    let run_id = ran.run_id();
+    let report = env.evalfleet(&["report", &run_id, "--json"]).await;
+    assert_eq!(report.code, Some(1), "{}", report.stderr);
+    let summary: Value = serde_json::from_str(&report.stdout).unwrap();
+    let m = &summary["metrics"][0];
+    assert_eq!(
+        (
+            m["n"].as_u64(),
+            m["scored"].as_u64(),
+            m["errors"].as_u64(),
+            m["status"].as_str()
+        ),
+        (Some(12), Some(10), Some(2), Some("partly scored"))
+    );
+    // In no mean: the ten it could score, all right.
+    assert_eq!(m["mean"].as_f64(), Some(1.0));
+    assert_eq!(
+        m["reasons"],
+        json!([{"reason": "the reference 'n/a' has no number", "count": 2}])
+    );
+    assert_eq!(summary["max_unscored"], 0.1);
+    assert_eq!(summary["problems"].as_array().map(Vec::len), Some(1));
+    let written: Value = serde_json::from_str(
+        &std::fs::read_to_string(env.path("runs/reports").join(&run_id).join("summary.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(written["problems"], summary["problems"]);
+    // A looser limit on the command line.
+    let loose = env
+        .evalfleet(&["report", &run_id, "--max-unscored", "0.5"])
+        .await;
+    assert_eq!(loose.code, Some(0), "{}", loose.stderr);
+    assert!(
+        loose
+            .stdout
+            .contains("accuracy partly scored: 2 of 12 items could not be scored"),
+        "{}",
+        loose.stdout
+    );
+}
+
+/// The sample of real multi-reference questions `tools/multiref_vectors.py`
+/// made, and what the official tools computed for its predictions.
+fn multi_reference_sample() -> (Vec<Value>, Value) {
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
+    let read =
+        |name: &str| std::fs::read_to_string(data.join(name)).expect("the test data is there");
+    let sample = read("squad2-dev-sample.jsonl")
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let expected = serde_json::from_str(&read("squad2-dev-sample.expected.json")).unwrap();
+    (sample, expected)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_reference_answers_score_as_the_official_tools_do_from_dataset_to_report() {
+    let env = Env::new();
+    let (sample, expected) = multi_reference_sample();
+    // Each question with every answer its annotators gave (a list field);
+    // the mock answers it with a strong reader's published prediction.
+    let mut rows = String::new();
+    let mut script = String::new();
+    for q in &sample {
+        rows.push_str(&format!(
+            "{}\n",
+            json!({"id": q["id"], "title": q["title"], "question": q["question"], "answers": q["answers"]})
+        ));
+        let prompt = format!(
+            "{}: {}",
+            q["id"].as_str().unwrap(),
+            q["question"].as_str().unwrap()
+        );
+        script.push_str(&format!(
+            "{}\n",
+            json!({"prompt": prompt, "replies": [q["prediction"]]})
+        ));
+    }
+    let dataset = env.write("squad.jsonl", &rows);
+    let reader = scripted(env.write("predictions.jsonl", &script)).await;
+    // The list as a value (`{{ answers }}`) and as JSON text (`tojson`).
+    let text = crate::util::config(
+        &dataset,
+        &external("reader", &reader, 16),
+        "  metrics:\n\
+         \x20   - { name: exact_match, as: em, normalize: squad, reference: \"{{ answers }}\" }\n\
+         \x20   - { name: f1, as: f1, reference: \"{{ answers | tojson }}\" }\n\
+         \x20   - { name: anls, as: anls, reference: \"{{ answers }}\" }",
+    )
+    .replace("{{ question }}", "{{ id }}: {{ question }}");
+    env.write("run.yaml", &text);
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let run_id = ran.run_id();
+
+    let report = env.evalfleet(&["report", &run_id, "--json"]).await;
+    assert_eq!(report.code, Some(0), "{}", report.stderr);
+    let summary: Value = serde_json::from_str(&report.stdout).unwrap();
+    let questions = expected["questions"].as_u64().unwrap();
+    let mean = |key: &str| {
+        let m = summary["metrics"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["metric"] == key && m["group"] == "all")
+            .unwrap();
+        assert_eq!(
+            (m["n"].as_u64(), m["scored"].as_u64()),
+            (Some(questions), Some(questions)),
+            "{m}"
+        );
+        m["mean"].as_f64().unwrap()
+    };
+    let official = &expected["official_v1_1"];
+    for (key, want) in [
+        ("em", official["exact_match"].as_f64().unwrap() / 100.0),
+        ("f1", official["f1"].as_f64().unwrap() / 100.0),
+        ("anls", expected["anls"].as_f64().unwrap()),
+    ] {
+        let got = mean(key);
+        assert!((got - want).abs() < 1e-9, "{key}: {got} against {want}");
+    }
+    // And question by question.
+    let items = &expected["items"];
+    for row in env.export(&run_id).await {
+        let want = &items[row["item_id"].as_str().unwrap()];
+        for (key, theirs) in [("em", "exact_match"), ("f1", "f1"), ("anls", "anls")] {
+            let got = row["scores"][key]["value"].as_f64().unwrap();
+            assert!(
+                (got - want[theirs].as_f64().unwrap()).abs() < 1e-9,
+                "{key} of {}: {got} against {}",
+                row["item_id"],
+                want[theirs]
+            );
+        }
     }
 }
 

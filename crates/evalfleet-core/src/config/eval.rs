@@ -165,7 +165,7 @@ fn metrics(list: Vec<Value>, p: &mut Problems<'_>) -> Option<Vec<MetricSpec>> {
     let mut out = Vec::with_capacity(list.len());
     let mut ok = true;
     let mut keys = std::collections::HashSet::new();
-    let checker = minijinja::Environment::new();
+    let checker = crate::jinja::environment();
     for (i, value) in list.into_iter().enumerate() {
         let at = path::index("task.metrics", i);
         let (name, reference, key, params) = match value {
@@ -211,13 +211,10 @@ fn metrics(list: Vec<Value>, p: &mut Problems<'_>) -> Option<Vec<MetricSpec>> {
             }
         };
         if let Some(reference) = &reference
-            && let Err(err) = checker.template_from_str(reference)
+            && let Err(err) = crate::jinja::check(&checker, reference)
         {
             ok = false;
-            p.push::<()>(
-                &path::key(&at, "reference"),
-                format!("is not a valid template: {err}"),
-            );
+            p.push::<()>(&path::key(&at, "reference"), err);
             continue;
         }
         match Metric::build(&name, &params, key) {
@@ -238,13 +235,10 @@ fn metrics(list: Vec<Value>, p: &mut Problems<'_>) -> Option<Vec<MetricSpec>> {
                     continue;
                 }
                 if let crate::eval::metrics::Kind::LlmJudge { rubric, .. } = &metric.kind
-                    && let Err(err) = checker.template_from_str(rubric)
+                    && let Err(err) = crate::jinja::check(&checker, rubric)
                 {
                     ok = false;
-                    p.push::<()>(
-                        &path::key(&at, "rubric"),
-                        format!("is not a valid template: {err}"),
-                    );
+                    p.push::<()>(&path::key(&at, "rubric"), err);
                     continue;
                 }
                 if metric.needs_reference() && reference.is_none() {

@@ -73,6 +73,7 @@ pub struct Config {
     /// `cache: {mode, ttl, max_entries}`: answers stored by request, in the
     /// run's store. Default mode `off`.
     pub cache: crate::cache::CacheSettings,
+    pub report: ReportSettings,
     /// After the first Ctrl-C, how long in-flight calls may take to finish
     /// before they are abandoned (their items stay pending). Default `30s`.
     pub shutdown_grace: Duration,
@@ -232,6 +233,22 @@ pub struct WriterSettings {
     pub flush_interval: Duration,
 }
 
+/// `report:` what makes a run's scores unusable.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReportSettings {
+    /// The share of the answers it could judge that a metric may fail to
+    /// score (no usable reference, a failed judge) before `run` and
+    /// `report` exit non-zero. Default 1: only a metric that could score
+    /// none of them.
+    pub max_unscored: f64,
+}
+
+impl Default for ReportSettings {
+    fn default() -> Self {
+        Self { max_unscored: 1.0 }
+    }
+}
+
 /// Command-line settings that replace the file's.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Overrides {
@@ -250,6 +267,23 @@ pub struct LoadedConfig {
     pub snapshot: Value,
     /// The directory relative paths were resolved against.
     pub dir: PathBuf,
+    /// Where the config came from (a file's path, "the stored config").
+    pub origin: String,
+    /// The line of each path in the file (none for a stored config).
+    lines: std::sync::Arc<std::collections::HashMap<String, usize>>,
+}
+
+impl LoadedConfig {
+    /// Problems found after loading (`(path, message)`, the message
+    /// starting with the path), reported as the config's own are: each
+    /// with its line.
+    pub fn problems(&self, problems: Vec<(String, String)>) -> ConfigError {
+        let document = yaml::Document {
+            value: Value::Null,
+            lines: (*self.lines).clone(),
+        };
+        validate::invalid(self.origin.clone(), &document, problems)
+    }
 }
 
 /// One problem in a config.

@@ -22,6 +22,7 @@ pub struct RawConfig {
     pub timeouts: Option<Value>,
     pub writer: Option<Value>,
     pub cache: Option<Value>,
+    pub report: Option<Value>,
     pub shutdown_grace: Option<String>,
     pub store: Option<String>,
 }
@@ -111,6 +112,11 @@ pub struct RawTimeouts {
     pub item: Option<String>,
     pub no_endpoint: Option<String>,
     pub lease: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct RawReport {
+    pub max_unscored: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -63,12 +63,18 @@ pub(super) fn load(
             config,
             snapshot,
             dir: dir.to_owned(),
+            origin,
+            lines: std::sync::Arc::new(document.lines),
         }),
         _ => Err(invalid(origin, &document, problems)),
     }
 }
 
-fn invalid(origin: String, document: &Document, problems: Vec<RawProblem>) -> ConfigError {
+pub(super) fn invalid(
+    origin: String,
+    document: &Document,
+    problems: Vec<RawProblem>,
+) -> ConfigError {
     let mut seen = HashSet::new();
     let mut out: Vec<Problem> = problems
         .into_iter()
@@ -190,6 +196,21 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
         }
         None => Some(crate::cache::CacheSettings::default()),
     };
+    let report = match &raw.report {
+        Some(value) => raw::section::<raw::RawReport>(value, "report", p.0).and_then(|r| {
+            match r.max_unscored {
+                None => Some(super::ReportSettings::default()),
+                Some(share) if (0.0..=1.0).contains(&share) => Some(super::ReportSettings {
+                    max_unscored: share,
+                }),
+                Some(share) => p.push(
+                    "report.max_unscored",
+                    format!("must be a share between 0 and 1, got {share}"),
+                ),
+            }
+        }),
+        None => Some(super::ReportSettings::default()),
+    };
     let shutdown_grace = p.duration("shutdown_grace", raw.shutdown_grace.as_deref(), "30s");
     let store = match raw.store {
         Some(s) if s.trim().is_empty() => p.push("store", "must not be empty"),
@@ -249,6 +270,7 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
         timeouts: timeouts?,
         writer: writer?,
         cache: cache?,
+        report: report?,
         shutdown_grace: shutdown_grace?,
         store: store?,
     })
@@ -530,7 +552,7 @@ fn task(mut raw: RawTask, dir: &Path, p: &mut Problems<'_>) -> Option<TaskConfig
         Some(list) => {
             let mut out = Vec::with_capacity(list.len());
             let mut ok = true;
-            let checker = minijinja::Environment::new();
+            let checker = crate::jinja::environment();
             for (i, message) in list.into_iter().enumerate() {
                 let at = path::index("task.messages", i);
                 let role = match message.role {
@@ -542,12 +564,9 @@ fn task(mut raw: RawTask, dir: &Path, p: &mut Problems<'_>) -> Option<TaskConfig
                     None => p.push(&path::key(&at, "role"), "is required"),
                 };
                 let content = match message.content {
-                    Some(content) => match checker.template_from_str(&content) {
-                        Ok(_) => Some(content),
-                        Err(err) => p.push(
-                            &path::key(&at, "content"),
-                            format!("is not a valid template: {err}"),
-                        ),
+                    Some(content) => match crate::jinja::check(&checker, &content) {
+                        Ok(()) => Some(content),
+                        Err(err) => p.push(&path::key(&at, "content"), err),
                     },
                     None => p.push(&path::key(&at, "content"), "is required"),
                 };
@@ -649,11 +668,8 @@ fn task_kind(
             let prompt = raw
                 .prompt
                 .unwrap_or_else(|| super::REFINE_PROMPT.to_owned());
-            if let Err(err) = minijinja::Environment::new().template_from_str(&prompt) {
-                return p.push(
-                    "task.refine.prompt",
-                    format!("is not a valid template: {err}"),
-                );
+            if let Err(err) = crate::jinja::check(&crate::jinja::environment(), &prompt) {
+                return p.push("task.refine.prompt", err);
             }
             let rounds = match raw.rounds {
                 None => 1,

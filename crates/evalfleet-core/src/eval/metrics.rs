@@ -381,9 +381,83 @@ impl Metric {
         if self.higher_is_better { 0.0 } else { 1.0 }
     }
 
+    /// Why this metric cannot score against `reference` (a numeric match
+    /// against text with no number, a choice that is no letter, a label
+    /// that is not among the labels, JSON fields against what is not a
+    /// JSON object); `None` when it can.
+    pub fn unusable(&self, reference: &Value) -> Option<String> {
+        let text = as_text(reference);
+        let shown = || {
+            let short: String = text.chars().take(60).collect();
+            let more = if short.len() < text.len() { "…" } else { "" };
+            format!("'{short}{more}'")
+        };
+        match &self.kind {
+            Kind::Numeric { .. } if text::last_number(&text).is_none() => {
+                Some(format!("the reference {} has no number", shown()))
+            }
+            Kind::Choice => {
+                let letter = choice_letter(&text);
+                let is_letter = letter.len() == 1 && letter.bytes().all(|b| b.is_ascii_uppercase());
+                (!is_letter).then(|| {
+                    format!(
+                        "the reference {} is not a choice (a letter, or an index from 0)",
+                        shown()
+                    )
+                })
+            }
+            Kind::Classification {
+                labels: Some(labels),
+                ignore_case,
+            } => {
+                let norm = |s: &str| {
+                    if *ignore_case {
+                        s.trim().to_lowercase()
+                    } else {
+                        s.trim().to_owned()
+                    }
+                };
+                (!labels.iter().any(|l| norm(l) == norm(&text))).then(|| {
+                    format!(
+                        "the reference {} is not one of the labels ({})",
+                        shown(),
+                        labels.join(", ")
+                    )
+                })
+            }
+            Kind::JsonFields { .. } if !matches!(reference, Value::Object(_) | Value::Array(_)) => {
+                Some(format!("the reference {} is not a JSON object", shown()))
+            }
+            _ => None,
+        }
+    }
+
     /// Scores one parsed answer against its references: an object with
-    /// `value` and, for some metrics, what aggregates need.
+    /// `value` and, for some metrics, what aggregates need; or with
+    /// `error` when the metric cannot score it (no usable reference).
+    /// References the metric cannot use are passed over while one is left.
     pub fn score(&self, answer: &Value, references: &[Value]) -> Value {
+        let usable: Vec<Value>;
+        let references = if self.needs_reference() {
+            let mut why = None;
+            usable = references
+                .iter()
+                .filter(|r| match self.unusable(r) {
+                    Some(reason) => {
+                        why.get_or_insert(reason);
+                        false
+                    }
+                    None => true,
+                })
+                .cloned()
+                .collect();
+            if usable.is_empty() {
+                return json!({"error": why.unwrap_or_else(|| "there is no reference".to_owned())});
+            }
+            usable.as_slice()
+        } else {
+            references
+        };
         let text = as_text(answer);
         let refs: Vec<String> = references.iter().map(as_text).collect();
         let best = |f: &dyn Fn(&str) -> f64| refs.iter().map(|r| f(r)).fold(0.0, f64::max);

@@ -8,7 +8,7 @@ pub mod parse;
 pub mod text;
 
 use evalfleet_types::{Assessment, Score, Scores, Verdict};
-use minijinja::{Environment, UndefinedBehavior};
+use minijinja::Environment;
 use serde_json::Value;
 
 /// An item's fields (a dataset row).
@@ -111,6 +111,20 @@ pub struct Assessor {
     spec: EvalSpec,
     schema: Option<jsonschema::Validator>,
     env: Environment<'static>,
+    /// Per metric: how its reference template gives references, when it
+    /// has one.
+    references: Vec<Option<ReferenceForm>>,
+}
+
+/// How a reference template gives references.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ReferenceForm {
+    /// One expression (`{{ answers }}`): its value, a list being a list of
+    /// references.
+    Value,
+    /// Text: the rendered text, a JSON list in it being a list of
+    /// references.
+    Text,
 }
 
 impl Assessor {
@@ -124,12 +138,23 @@ impl Assessor {
                     .map_err(|e| format!("task.schema is not a valid JSON Schema: {e}"))
             })
             .transpose()?;
-        let mut env = Environment::new();
-        env.set_undefined_behavior(UndefinedBehavior::SemiStrict);
+        let mut env = crate::jinja::environment();
+        let mut references = Vec::with_capacity(spec.metrics.len());
         for (i, m) in spec.metrics.iter().enumerate() {
-            if let Some(reference) = &m.reference {
-                env.add_template_owned(format!("task.metrics[{i}].reference"), reference.clone())
-                    .map_err(|e| format!("task.metrics[{i}].reference: {e}"))?;
+            references.push(m.reference.as_ref().map(|reference| {
+                match crate::jinja::as_value_template(reference) {
+                    Some(value) => (ReferenceForm::Value, value),
+                    None => (ReferenceForm::Text, reference.clone()),
+                }
+            }));
+            if let Some((_, source)) = references[i].clone() {
+                env.add_template_owned(format!("task.metrics[{i}].reference"), source)
+                    .map_err(|e| {
+                        format!(
+                            "task.metrics[{i}].reference: {}",
+                            crate::jinja::describe(&e)
+                        )
+                    })?;
             }
             if let metrics::Kind::LlmJudge { rubric, .. } = &m.metric.kind {
                 env.add_template_owned(format!("task.metrics[{i}].rubric"), rubric.clone())
@@ -140,6 +165,10 @@ impl Assessor {
             spec: spec.clone(),
             schema,
             env,
+            references: references
+                .into_iter()
+                .map(|r| r.map(|(form, _)| form))
+                .collect(),
         })
     }
 
@@ -203,7 +232,7 @@ impl Assessor {
             if !m.metric.scored_here() {
                 continue;
             }
-            let score = match self.references(i, m, item) {
+            let score = match self.references(i, item) {
                 Ok(references) => Score::from_json(m.metric.score(answer, &references)),
                 Err(error) => Score::error(error),
             };
@@ -212,28 +241,36 @@ impl Assessor {
         out
     }
 
-    fn references(&self, i: usize, m: &MetricSpec, item: &Row) -> Result<Vec<Value>, String> {
-        if m.reference.is_none() {
+    /// The references of metric `i` for `item`: what its template gives,
+    /// or why it gives none.
+    pub fn references(&self, i: usize, item: &Row) -> Result<Vec<Value>, String> {
+        let (Some(m), Some(Some(form))) = (self.spec.metrics.get(i), self.references.get(i)) else {
             return Ok(Vec::new());
-        }
+        };
         let name = format!("task.metrics[{i}].reference");
-        let rendered = self
+        let template = self
             .env
             .get_template(&name)
-            .and_then(|t| t.render(minijinja::Value::from(minijinja::value::Serde(item))))
-            .map_err(|e| format!("{name}: {e}"))?;
-        let trimmed = rendered.trim();
-        if m.metric.wants_json_reference() {
-            return serde_json::from_str::<Value>(trimmed)
-                .map(|v| vec![v])
-                .map_err(|e| format!("{name}: the reference is not JSON: {e}"));
+            .map_err(|e| format!("{name}: {}", crate::jinja::describe(&e)))?;
+        let rendered = template
+            .render(minijinja::Value::from(minijinja::value::Serde(item)))
+            .map_err(|e| format!("{name}: {}", crate::jinja::explain(&e, &template, item)))?;
+        let json = m.metric.wants_json_reference();
+        let references = match form {
+            ReferenceForm::Text => from_text(rendered, json),
+            ReferenceForm::Value => match serde_json::from_str::<Value>(&rendered) {
+                Ok(Value::String(text)) => from_text(text, json),
+                Ok(Value::Null) => Err("the reference is null (none)".to_owned()),
+                Ok(Value::Array(list)) if !json => Ok(list),
+                Ok(other) => Ok(vec![other]),
+                Err(err) => Err(format!("the reference's value cannot be read: {err}")),
+            },
         }
-        if trimmed.starts_with('[')
-            && let Ok(Value::Array(list)) = serde_json::from_str::<Value>(trimmed)
-        {
-            return Ok(list);
+        .map_err(|e| format!("{name}: {e}"))?;
+        if references.is_empty() {
+            return Err(format!("{name}: the reference is an empty list"));
         }
-        Ok(vec![Value::String(rendered)])
+        Ok(references)
     }
 
     /// Checks and scores a stored output again (`evalfleet score`). Judge
@@ -304,7 +341,7 @@ impl Assessor {
             let mut context = item.clone();
             context.insert("answer".to_owned(), Value::String(metrics::as_text(answer)));
             let reference = self
-                .references(i, m, item)
+                .references(i, item)
                 .ok()
                 .and_then(|r| r.first().map(metrics::as_text));
             if let Some(reference) = reference {
@@ -368,4 +405,21 @@ impl Assessor {
         }
         message
     }
+}
+
+/// References from text: a JSON value when the metric compares JSON, a
+/// JSON list as its elements, anything else as one reference.
+fn from_text(text: String, json: bool) -> Result<Vec<Value>, String> {
+    let trimmed = text.trim();
+    if json {
+        return serde_json::from_str::<Value>(trimmed)
+            .map(|v| vec![v])
+            .map_err(|e| format!("the reference is not JSON: {e}"));
+    }
+    if trimmed.starts_with('[')
+        && let Ok(Value::Array(list)) = serde_json::from_str::<Value>(trimmed)
+    {
+        return Ok(list);
+    }
+    Ok(vec![Value::String(text)])
 }

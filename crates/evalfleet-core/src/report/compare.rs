@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap};
 use serde::Serialize;
 
 use super::stats::{self, Paired};
-use super::{Judged, ReportError, scan, value_of};
+use super::{Judged, ReportError, paired_value, scan};
 use crate::store::Store;
 
 /// The values of the items two runs share: the first run's, this run's.
@@ -61,29 +61,21 @@ pub fn compare(
         ));
     }
     // The first run's items, in its order: their category and each
-    // metric's value (a missing one counted as the worst).
-    let mut first: Vec<(String, Vec<f64>)> = Vec::new();
+    // metric's value (see `paired_value`).
+    let mut first: Vec<(String, Vec<Option<f64>>)> = Vec::new();
     let mut place: HashMap<String, usize> = HashMap::new();
     scan(store, &base.run.run_id, by, &mut |result, group| {
-        let values = metrics
-            .iter()
-            .map(|m| value_of(result, m).unwrap_or_else(|| m.missing()))
-            .collect();
+        let values = metrics.iter().map(|m| paired_value(result, m)).collect();
         place.insert(result.item_id.clone(), first.len());
         first.push((group.to_owned(), values));
     })?;
     let mut out = Vec::new();
     for other in &judged[1..] {
         // This run's values of the first run's items, by their place.
-        let mut theirs: Vec<Option<Vec<f64>>> = vec![None; first.len()];
+        let mut theirs: Vec<Option<Vec<Option<f64>>>> = vec![None; first.len()];
         scan(store, &other.run.run_id, &[], &mut |result, _| {
             if let Some(&at) = place.get(&result.item_id) {
-                theirs[at] = Some(
-                    metrics
-                        .iter()
-                        .map(|m| value_of(result, m).unwrap_or_else(|| m.missing()))
-                        .collect(),
-                );
+                theirs[at] = Some(metrics.iter().map(|m| paired_value(result, m)).collect());
             }
         })?;
         // Per metric: category → the pairs (first run, this run), in the
@@ -94,10 +86,15 @@ pub fn compare(
                 continue;
             };
             for (i, groups) in pairs.iter_mut().enumerate() {
+                // A pair either side of which could not be scored is no
+                // comparison.
+                let (Some(a), Some(b)) = (ours[i], theirs[i]) else {
+                    continue;
+                };
                 let mut push = |group: &str| {
                     let (xs, ys) = groups.entry(group.to_owned()).or_default();
-                    xs.push(ours[i]);
-                    ys.push(theirs[i]);
+                    xs.push(a);
+                    ys.push(b);
                 };
                 push(super::metrics::ALL);
                 if group != super::metrics::ALL {

@@ -34,9 +34,20 @@ pub struct Summary {
     pub failed: u64,
     pub unparsed: u64,
     pub invalid: u64,
-    /// Items whose score could not be computed (e.g. no reference).
+    /// Items with a usable answer that the metric could not score (no
+    /// usable reference, a judge that failed): they are in no mean.
     pub errors: u64,
-    /// Over all `n` items, an item without a score counting as the worst
+    /// Why, the first distinct reasons with how many items each.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub reasons: Vec<Reason>,
+    /// Items not scored for reasons beyond those listed.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub other_reasons: u64,
+    /// `scored`, `partly scored` (some items could not be scored) or `not
+    /// scored` (none could).
+    pub status: &'static str,
+    /// Over the `n − errors` items the metric could judge, one without a
+    /// usable answer (failed, unparsed, invalid) counting as the worst
     /// score (0, or 1 for error rates).
     #[serde(flatten)]
     pub estimate: Estimate,
@@ -45,6 +56,67 @@ pub struct Summary {
     pub higher_is_better: bool,
     /// What the metric adds.
     pub extra: Extra,
+}
+
+/// A reason items could not be scored: the first item's words, and how
+/// many items had a reason of that shape (the same words but for what is
+/// quoted: `the reference '…' has no number`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Reason {
+    pub reason: String,
+    pub count: u64,
+    #[serde(skip)]
+    shape: String,
+}
+
+/// `reason` with what it quotes left out, so that reasons about different
+/// items compare equal.
+fn shape_of(reason: &str) -> String {
+    let mut out = String::with_capacity(reason.len());
+    let mut quoted = false;
+    for c in reason.chars() {
+        if c == '\'' {
+            if !quoted {
+                out.push_str("'…'");
+            }
+            quoted = !quoted;
+        } else if !quoted {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Distinct reasons kept per metric and group.
+const REASONS: usize = 3;
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+impl Summary {
+    /// The share of the items it could judge that it could not score.
+    pub fn unscored_share(&self) -> f64 {
+        let judged = self.scored + self.errors;
+        if judged == 0 {
+            0.0
+        } else {
+            self.errors as f64 / judged as f64
+        }
+    }
+
+    /// Why items could not be scored, in one line: `3 × no number; 1 × …`.
+    pub fn reasons_line(&self) -> String {
+        let mut parts: Vec<String> = self
+            .reasons
+            .iter()
+            .map(|r| format!("{} × {}", r.count, r.reason))
+            .collect();
+        if self.other_reasons > 0 {
+            parts.push(format!("{} × other reasons", self.other_reasons));
+        }
+        parts.join("; ")
+    }
 }
 
 /// What a metric adds to its mean.
@@ -178,6 +250,8 @@ pub struct Accumulator {
     unparsed: u64,
     invalid: u64,
     errors: u64,
+    reasons: Vec<Reason>,
+    other_reasons: u64,
     extra: ExtraSums,
 }
 
@@ -191,7 +265,26 @@ impl Accumulator {
             unparsed: 0,
             invalid: 0,
             errors: 0,
+            reasons: Vec::new(),
+            other_reasons: 0,
             extra: ExtraSums::new(metric),
+        }
+    }
+
+    fn not_scored(&mut self, reason: Option<&str>) {
+        self.errors += 1;
+        let reason = reason.unwrap_or("no score was stored for it");
+        let shape = shape_of(reason);
+        if let Some(known) = self.reasons.iter_mut().find(|r| r.shape == shape) {
+            known.count += 1;
+        } else if self.reasons.len() < REASONS {
+            self.reasons.push(Reason {
+                reason: reason.to_owned(),
+                count: 1,
+                shape,
+            });
+        } else {
+            self.other_reasons += 1;
         }
     }
 
@@ -211,9 +304,10 @@ impl Accumulator {
                 }
                 _ => match row.scores.get(&metric.key) {
                     Some(s) if s.value.is_some() => Some(s),
-                    _ => {
-                        self.errors += 1;
-                        None
+                    other => {
+                        // Not the answer's fault: in no mean, and said.
+                        self.not_scored(other.and_then(|s| s.error.as_deref()));
+                        return;
                     }
                 },
             }
@@ -230,15 +324,23 @@ impl Accumulator {
     }
 
     pub fn finish(self, metric: &Metric, group: &str) -> Summary {
+        let status = match (self.errors, self.scored) {
+            (0, _) => "scored",
+            (_, 0) => "not scored",
+            _ => "partly scored",
+        };
         Summary {
             metric: metric.key.clone(),
             group: group.to_owned(),
-            n: self.values.len() as u64,
+            n: self.values.len() as u64 + self.errors,
             scored: self.scored,
             failed: self.failed,
             unparsed: self.unparsed,
             invalid: self.invalid,
             errors: self.errors,
+            reasons: self.reasons,
+            other_reasons: self.other_reasons,
+            status,
             estimate: stats::estimate(&self.values, seed_of(&metric.key, group)),
             mean_scored: if self.scored == 0 {
                 f64::NAN

@@ -106,6 +106,36 @@ pub struct Report {
     pub code_verdicts: BTreeMap<String, BTreeMap<String, u64>>,
     /// Each endpoint's attempts, errors, latency and tokens per second.
     pub endpoints: Vec<EndpointSummary>,
+    /// The share of answers a metric may fail to score (`report.max_unscored`).
+    pub max_unscored: f64,
+    /// Metrics that could not score more than that, each in a sentence:
+    /// the run's scores cannot be used as they are.
+    pub problems: Vec<String>,
+}
+
+impl Report {
+    /// The metrics (overall) that failed to score at least `max_unscored`
+    /// of the answers they could judge, each in a sentence.
+    fn problems(metrics: &[Summary], max_unscored: f64) -> Vec<String> {
+        metrics
+            .iter()
+            .filter(|s| s.group == metrics::ALL && s.errors > 0)
+            .filter(|s| s.unscored_share() >= max_unscored)
+            .map(|s| {
+                let what = if s.scored == 0 {
+                    format!("could not score any of the {} answers it was given", s.errors)
+                } else {
+                    format!(
+                        "could not score {} of the {} answers it was given ({:.1}%, more than report.max_unscored allows)",
+                        s.errors,
+                        s.errors + s.scored,
+                        100.0 * s.unscored_share()
+                    )
+                };
+                format!("metric {} {what}: {}", s.metric, s.reasons_line())
+            })
+            .collect()
+    }
 }
 
 /// A run, with the task its results are judged by.
@@ -171,6 +201,21 @@ pub fn value_of(result: &StoredResult, metric: &Metric) -> Option<f64> {
         .and_then(|s| s.value)
 }
 
+/// What a result gives `metric` in a paired comparison: its value, the
+/// worst value when it has no usable answer (the model's doing), or
+/// nothing when the metric could not score it (not the model's doing: the
+/// pair is left out).
+pub fn paired_value(result: &StoredResult, metric: &Metric) -> Option<f64> {
+    if result.status == ItemStatus::Failed || !result.assessment.usable() {
+        return Some(metric.missing());
+    }
+    result
+        .assessment
+        .scores
+        .get(&metric.key)
+        .and_then(|s| s.value)
+}
+
 /// Reads every result of `run_id` in dataset order, each with its category
 /// for `by`.
 pub fn scan(
@@ -185,9 +230,16 @@ pub fn scan(
     })
 }
 
-/// The report of run `run_id`, by the categories of `by`.
-pub fn report(store: &mut dyn Store, run_id: &str, by: &[String]) -> Result<Report, ReportError> {
+/// The report of run `run_id`, by the categories of `by`; `max_unscored`
+/// replaces the run's `report.max_unscored`.
+pub fn report(
+    store: &mut dyn Store,
+    run_id: &str,
+    by: &[String],
+    max_unscored: Option<f64>,
+) -> Result<Report, ReportError> {
     let judged = Judged::load(store, run_id)?;
+    let max_unscored = max_unscored.unwrap_or(judged.config.config.report.max_unscored);
     let samples_per_row = judged.config.config.task.samples;
     let mut summaries = metrics::Summaries::new(&judged.metrics);
     let mut samples =
@@ -240,6 +292,7 @@ pub fn report(store: &mut dyn Store, run_id: &str, by: &[String]) -> Result<Repo
             samples.add(row, values, vote);
         }
     })?;
+    let metrics = summaries.finish();
     Ok(Report {
         run_id: judged.run.run_id.clone(),
         name: judged.run.name.clone(),
@@ -247,7 +300,9 @@ pub fn report(store: &mut dyn Store, run_id: &str, by: &[String]) -> Result<Repo
         models,
         group_by: by.to_vec(),
         fidelity,
-        metrics: summaries.finish(),
+        problems: Report::problems(&metrics, max_unscored),
+        max_unscored,
+        metrics,
         samples: samples.map(samples::Samples::finish),
         code_verdicts: verdicts,
         endpoints: endpoints(store, run_id)?,

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use evalfleet_types::Assessment;
-use minijinja::{Environment, UndefinedBehavior};
+use minijinja::Environment;
 use serde_json::Value;
 
 use super::chat::{Chat, ChatEpisode};
@@ -31,8 +31,7 @@ struct Inner {
 
 impl Refine {
     pub fn new(chat: Chat, settings: &RefineSettings) -> Result<Self, String> {
-        let mut env = Environment::new();
-        env.set_undefined_behavior(UndefinedBehavior::SemiStrict);
+        let mut env = crate::jinja::environment();
         env.add_template_owned(PROMPT, settings.prompt.clone())
             .map_err(|e| format!("{PROMPT}: {e}"))?;
         Ok(Self {

@@ -8,6 +8,7 @@ use evalfleet_core::dataset::Scanner;
 use evalfleet_core::fleet::gpu::{self, GpuReport};
 use evalfleet_core::fleet::runtime::MockStarter;
 use evalfleet_core::fleet::{LimitMode, runtime::health_url};
+use evalfleet_core::preflight;
 use evalfleet_core::task::code;
 use evalfleet_core::template::Templates;
 
@@ -30,6 +31,7 @@ pub async fn check(args: crate::cli::CheckArgs) -> anyhow::Result<u8> {
     let loaded = config::load_file(&args.config, Overrides::default())?;
     let config = &loaded.config;
     let templates = Templates::compile(&config.task)?;
+    tokio::task::block_in_place(|| preflight::check(&loaded, &templates))?;
     println!("config       {} is valid", args.config.display());
 
     let mut ready = true;

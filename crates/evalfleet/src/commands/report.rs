@@ -17,8 +17,8 @@ use evalfleet_store::OpenOptions;
 
 use super::inspect::{percentiles, print_table};
 use super::open_existing;
-use crate::EXIT_OK;
 use crate::cli::{CacheAction, CacheArgs, CompareArgs, ReportArgs, ScoreArgs};
+use crate::{EXIT_FAILED, EXIT_OK};
 
 /// `evalfleet score`: parses, checks and scores the stored outputs again;
 /// with `--rejudge` (or a changed `task.code`), runs the code judge again.
@@ -83,7 +83,7 @@ fn fmt(v: f64) -> String {
 /// `evalfleet report`: a table in the terminal, and CSV and JSON files.
 pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
     let (location, mut store) = open_existing(args.store.store)?;
-    let report = report::report(&mut *store, &args.run_id, &args.by)?;
+    let report = report::report(&mut *store, &args.run_id, &args.by, args.max_unscored)?;
     let dir = args
         .out
         .clone()
@@ -102,14 +102,27 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
         .with_context(|| format!("cannot write {}", json_path.display()))?;
     if args.json {
         println!("{json}");
-        return Ok(EXIT_OK);
+    } else {
+        print_report(&report);
+        println!(
+            "\nWrote summary.json, metrics_summary.csv and metrics_detailed.csv in {}",
+            dir.display()
+        );
     }
-    print_report(&report);
-    println!(
-        "\nWrote summary.json, metrics_summary.csv and metrics_detailed.csv in {}",
-        dir.display()
-    );
-    Ok(EXIT_OK)
+    Ok(unusable_scores(&report))
+}
+
+/// Says on stderr which metrics could not score their answers, and
+/// whether that makes the scores unusable (exit 1).
+pub fn unusable_scores(report: &Report) -> u8 {
+    for problem in &report.problems {
+        eprintln!("error: {problem}");
+    }
+    if report.problems.is_empty() {
+        EXIT_OK
+    } else {
+        EXIT_FAILED
+    }
 }
 
 fn print_report(report: &Report) {
@@ -127,20 +140,35 @@ fn print_report(report: &Report) {
     } else {
         let mut table = vec![
             [
-                "METRIC", "GROUP", "N", "MEAN", "±SE", "95% CI", "SCORED", "FAILED", "UNPARSED",
+                "METRIC",
+                "GROUP",
+                "N",
+                "MEAN",
+                "±SE",
+                "95% CI",
+                "SCORED",
+                "NOT SCORED",
+                "FAILED",
+                "UNPARSED",
                 "INVALID",
             ]
             .map(str::to_owned),
         ];
         for s in &report.metrics {
+            let not_scored = s.status == "not scored";
             table.push([
                 s.metric.clone(),
                 s.group.clone(),
                 s.n.to_string(),
-                fmt(s.estimate.mean),
+                if not_scored {
+                    "not scored".to_owned()
+                } else {
+                    fmt(s.estimate.mean)
+                },
                 fmt(s.estimate.stderr),
                 format!("{} – {}", fmt(s.estimate.ci_low), fmt(s.estimate.ci_high)),
                 s.scored.to_string(),
+                s.errors.to_string(),
                 s.failed.to_string(),
                 s.unparsed.to_string(),
                 s.invalid.to_string(),
@@ -148,6 +176,20 @@ fn print_report(report: &Report) {
         }
         println!();
         print_table(&table);
+        for s in report
+            .metrics
+            .iter()
+            .filter(|s| s.group == report::metrics::ALL && s.errors > 0)
+        {
+            println!(
+                "\n{} {}: {} of {} items could not be scored, and are in no mean: {}",
+                s.metric,
+                s.status,
+                s.errors,
+                s.n,
+                s.reasons_line()
+            );
+        }
         for s in report
             .metrics
             .iter()
@@ -241,6 +283,8 @@ fn write_summary_csv(path: &Path, summaries: &[Summary]) -> anyhow::Result<()> {
         "unparsed",
         "invalid",
         "errors",
+        "status",
+        "reasons",
         "extra",
     ])?;
     for s in summaries {
@@ -258,6 +302,8 @@ fn write_summary_csv(path: &Path, summaries: &[Summary]) -> anyhow::Result<()> {
             s.unparsed.to_string(),
             s.invalid.to_string(),
             s.errors.to_string(),
+            s.status.to_owned(),
+            s.reasons_line(),
             if s.extra.is_none() {
                 String::new()
             } else {

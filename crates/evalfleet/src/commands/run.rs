@@ -8,6 +8,7 @@ use std::time::{Duration, Instant, SystemTime};
 use evalfleet_core::config::{self, Config, LoadedConfig, Overrides};
 use evalfleet_core::fleet::runtime::{Fleet, GpuPolicy};
 use evalfleet_core::pipeline::{OpenStore, PipelineError};
+use evalfleet_core::preflight;
 use evalfleet_core::run::{self, SessionPlan, SessionReport};
 use evalfleet_core::store::prelude::*;
 use evalfleet_core::template::Templates;
@@ -35,6 +36,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
         return Ok(EXIT_OK);
     }
     let templates = Templates::compile(&loaded.config.task)?;
+    tokio::task::block_in_place(|| preflight::check(&loaded, &templates))?;
     let active = fleet::active(&loaded.config, &args.endpoints)?;
     let gpu_policy = fleet::check_gpus(&loaded.config, active.as_deref(), args.yes).await?;
     let location = store_location(args.store, loaded.config.store.as_deref())?;
@@ -116,6 +118,7 @@ pub async fn resume(args: ResumeArgs) -> anyhow::Result<u8> {
         });
     }
     let templates = Templates::compile(&loaded.config.task)?;
+    tokio::task::block_in_place(|| preflight::check(&loaded, &templates))?;
     let active = fleet::active(&loaded.config, &args.endpoints)?;
     let gpu_policy = fleet::check_gpus(&loaded.config, active.as_deref(), args.yes).await?;
     execute(Session {
@@ -159,6 +162,7 @@ async fn execute(session: Session) -> anyhow::Result<u8> {
     } = session;
     let started = Instant::now();
     let grace = config.shutdown_grace;
+    let scored = !config.task.eval.metrics.is_empty();
     let options = fleet::options(&config, &location, &run_id, active, gpu_policy)?;
     let mut fleet = Fleet::new(&config, options);
     let plan = SessionPlan {
@@ -223,13 +227,47 @@ async fn execute(session: Session) -> anyhow::Result<u8> {
             });
         }
     };
-    Ok(conclude(
-        &run_id,
-        &location,
-        &report,
-        elapsed,
-        pending_at_start,
-    ))
+    let code = conclude(&run_id, &location, &report, elapsed, pending_at_start);
+    if scored && report.status == RunStatus::Finished {
+        return Ok(code.max(scores(&location, &run_id)?));
+    }
+    Ok(code)
+}
+
+/// The finished run's scores in a line per metric, and whether they can be
+/// used (exit 1 when a metric could not score its answers).
+fn scores(location: &Location, run_id: &str) -> anyhow::Result<u8> {
+    let report = tokio::task::block_in_place(|| {
+        let mut store = evalfleet_store::open(location, &OpenOptions::default())?;
+        anyhow::Ok(evalfleet_core::report::report(
+            &mut *store,
+            run_id,
+            &[],
+            None,
+        )?)
+    })?;
+    for s in report
+        .metrics
+        .iter()
+        .filter(|s| s.group == evalfleet_core::report::metrics::ALL)
+    {
+        let mean = if s.status == "not scored" {
+            "not scored".to_owned()
+        } else {
+            format!("{:.4}", s.estimate.mean)
+        };
+        let unscored = if s.errors > 0 {
+            format!("; {} not scored: {}", s.errors, s.reasons_line())
+        } else {
+            String::new()
+        };
+        ui::note(&format!(
+            "  {}: {mean} over {} items{unscored}",
+            s.metric,
+            s.n - s.errors
+        ));
+    }
+    Ok(super::report::unusable_scores(&report))
 }
 
 fn conclude(

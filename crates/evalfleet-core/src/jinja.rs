@@ -1,0 +1,280 @@
+//! The template language of every task template (messages, references,
+//! rubrics, prompts): MiniJinja with Jinja's standard filters and tests
+//! (`tojson`, `urlencode`, `truncate`, `wordcount`, ...), loop controls and
+//! macros, and Python's string, list and dict methods
+//! (`answer.split('####')[-1].strip()`), as templates written for Python
+//! tools use them.
+//!
+//! A printed field that an item lacks is an error; testing it
+//! (`{% if hint %}`) or giving it a default (`hint | default('')`) is not.
+
+use std::collections::BTreeSet;
+
+use minijinja::machinery::{Instruction, Instructions};
+use minijinja::{Environment, ErrorKind, UndefinedBehavior, Value};
+
+/// The filter a reference's expression is passed through, so that its
+/// value (a list of answers, an object) comes out as JSON rather than as
+/// printed text.
+const AS_JSON: &str = "__evalfleet_as_json";
+
+/// An environment with everything templates may use.
+pub fn environment() -> Environment<'static> {
+    let mut env = Environment::new();
+    env.set_undefined_behavior(UndefinedBehavior::SemiStrict);
+    minijinja_contrib::add_to_environment(&mut env);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_filter(AS_JSON, as_json);
+    env
+}
+
+fn as_json(value: &Value) -> Result<String, minijinja::Error> {
+    if value.is_undefined() {
+        return Err(minijinja::Error::new(
+            ErrorKind::UndefinedError,
+            "undefined value",
+        ));
+    }
+    serde_json::to_string(value)
+        .map_err(|err| minijinja::Error::new(ErrorKind::InvalidOperation, err.to_string()))
+}
+
+/// When `source` is one expression and nothing else (`{{ answers }}`,
+/// `{{ answers | map(attribute='text') | list }}`), a template that gives
+/// that expression's value as JSON; else `None` (the template is text).
+pub fn as_value_template(source: &str) -> Option<String> {
+    let inner = source
+        .trim()
+        .strip_prefix("{{")?
+        .strip_suffix("}}")?
+        .trim_start_matches(['-', '+'])
+        .trim_end_matches(['-', '+']);
+    if ["{{", "}}", "{%", "%}", "{#"]
+        .iter()
+        .any(|mark| inner.contains(mark))
+        || inner.trim().is_empty()
+    {
+        return None;
+    }
+    Some(format!("{{{{ ({}) | {AS_JSON} }}}}", inner.trim()))
+}
+
+/// Whether `source` can be used as a template: it compiles and uses no
+/// filter, test or function `env` lacks. The error completes a sentence
+/// about the template ("... is not a valid template: ...").
+pub fn check(env: &Environment<'_>, source: &str) -> Result<(), String> {
+    match unknown_names(env, source) {
+        Err(syntax) => Err(format!("is not a valid template: {syntax}")),
+        Ok(names) if !names.is_empty() => {
+            Err(format!("uses an unknown {}", names.join(", an unknown ")))
+        }
+        Ok(_) => Ok(()),
+    }
+}
+
+/// What `source` uses that `env` does not have, as `filter 'x'`,
+/// `test 'y'`, `function 'z'`; or, when it does not compile, why.
+pub fn unknown_names(env: &Environment<'_>, source: &str) -> Result<Vec<String>, String> {
+    let template = env
+        .template_from_str(source)
+        .map_err(|err| describe(&err))?;
+    let compiled = minijinja::machinery::get_compiled_template(&template);
+    let mut used = Used::default();
+    used.collect(&compiled.instructions);
+    for block in compiled.blocks.values() {
+        used.collect(block);
+    }
+    let globals: BTreeSet<&str> = env.globals().map(|(name, _)| name).collect();
+    let mut unknown = Vec::new();
+    for name in &used.filters {
+        if missing(env, &format!("__probe | {name}"), ErrorKind::UnknownFilter) {
+            unknown.push(format!("filter '{name}'"));
+        }
+    }
+    for name in &used.tests {
+        if missing(env, &format!("__probe is {name}"), ErrorKind::UnknownTest) {
+            unknown.push(format!("test '{name}'"));
+        }
+    }
+    for name in &used.functions {
+        let local =
+            used.locals.contains(name) || ["super", "loop", "caller"].contains(&name.as_str());
+        if !local && !globals.contains(name.as_str()) {
+            unknown.push(format!("function '{name}'"));
+        }
+    }
+    Ok(unknown)
+}
+
+/// A compile or render error in one line: its message and, when known,
+/// where in the template.
+pub fn describe(err: &minijinja::Error) -> String {
+    let detail = err.detail().map(|d| format!(": {d}")).unwrap_or_default();
+    let kind = err.kind().to_string();
+    match err.line() {
+        Some(line) if err.name().is_some_and(|n| n != "<expression>") || line > 1 => {
+            format!("{kind}{detail} (line {line} of the template)")
+        }
+        _ => format!("{kind}{detail}"),
+    }
+}
+
+/// Why `template` could not be rendered for `row`: a missing field by its
+/// name ("this item has no field 'x'"), anything else as [`describe`] says.
+pub fn explain(
+    err: &minijinja::Error,
+    template: &minijinja::Template<'_, '_>,
+    row: &serde_json::Map<String, serde_json::Value>,
+) -> String {
+    if err.kind() == ErrorKind::UndefinedError {
+        // The error points at the expression that failed; name the missing
+        // fields that appear in it.
+        let expression = err
+            .range()
+            .and_then(|range| template.source().get(range))
+            .unwrap_or(template.source());
+        let missing: Vec<String> = template
+            .undeclared_variables(false)
+            .into_iter()
+            .filter(|v| !row.contains_key(v) && expression.contains(v.as_str()))
+            .map(|v| format!("'{v}'"))
+            .collect();
+        if !missing.is_empty() {
+            return format!("this item has no field {}", missing.join(", "));
+        }
+    }
+    describe(err)
+}
+
+/// Whether evaluating `expression` fails for want of what it names.
+fn missing(env: &Environment<'_>, expression: &str, kind: ErrorKind) -> bool {
+    match env.compile_expression(expression) {
+        Ok(expr) => expr
+            .eval(minijinja::context! { __probe => "" })
+            .is_err_and(|err| err.kind() == kind),
+        Err(err) => err.kind() == kind,
+    }
+}
+
+/// The filters, tests and functions a template's instructions use, and
+/// the names it defines itself (variables it sets, macros).
+#[derive(Default)]
+struct Used {
+    filters: BTreeSet<String>,
+    tests: BTreeSet<String>,
+    functions: BTreeSet<String>,
+    locals: BTreeSet<String>,
+}
+
+impl Used {
+    fn collect(&mut self, instructions: &Instructions<'_>) {
+        let mut at = 0;
+        while let Some(instruction) = instructions.get(at) {
+            match instruction {
+                Instruction::ApplyFilter(name, ..) if *name != AS_JSON => {
+                    self.filters.insert((*name).to_owned());
+                }
+                Instruction::PerformTest(name, ..) => {
+                    self.tests.insert((*name).to_owned());
+                }
+                Instruction::CallFunction(name, ..) => {
+                    self.functions.insert((*name).to_owned());
+                }
+                Instruction::StoreLocal(name) | Instruction::BuildMacro(name, ..) => {
+                    self.locals.insert((*name).to_owned());
+                }
+                _ => {}
+            }
+            at += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn render(source: &str, ctx: Value) -> Result<String, String> {
+        let env = environment();
+        env.render_str(source, ctx).map_err(|e| describe(&e))
+    }
+
+    #[test]
+    fn jinja_filters_and_python_methods_are_there() {
+        let ctx = minijinja::context! {
+            answers => vec!["Denver Broncos", "The Broncos"],
+            answer => "steps\n#### 72 ",
+        };
+        assert_eq!(
+            render("{{ answers | tojson }}", ctx.clone()).unwrap(),
+            r#"["Denver Broncos", "The Broncos"]"#
+        );
+        assert_eq!(
+            render("{{ answer.split('####')[-1].strip() }}", ctx.clone()).unwrap(),
+            "72"
+        );
+        assert_eq!(
+            render("{{ 'a b c d' | wordcount }} {{ 'a&b' | urlencode }} {{ 'hello world' | truncate(length=8, killwords=true, end='…', leeway=0) }}", ctx.clone())
+                .unwrap(),
+            "4 a%26b hello w…"
+        );
+        assert_eq!(
+            render("{% for a in answers %}{% if loop.index > 1 %}{% break %}{% endif %}{{ a }}{% endfor %}", ctx)
+                .unwrap(),
+            "Denver Broncos"
+        );
+    }
+
+    #[test]
+    fn unknown_filters_tests_and_functions_are_named_before_rendering() {
+        let env = environment();
+        let names = unknown_names(
+            &env,
+            "{% macro m(x) %}{{ x | upper }}{% endmacro %}{% set f = 1 %}\
+             {{ m(a) }}{{ a | tojsn }}{% if a is nmber %}{{ lookup(a) }}{% endif %}{{ range(3) | list }}",
+        )
+        .unwrap();
+        assert_eq!(
+            names,
+            ["filter 'tojsn'", "test 'nmber'", "function 'lookup'"]
+        );
+        // A filter in a branch no row takes is still found.
+        assert_eq!(
+            unknown_names(&env, "{% if false %}{{ x | nope }}{% endif %}").unwrap(),
+            ["filter 'nope'"]
+        );
+        let syntax = unknown_names(&env, "{{ a | }}").unwrap_err();
+        assert!(syntax.contains("syntax error"), "{syntax}");
+    }
+
+    #[test]
+    fn one_expression_gives_its_value() {
+        assert_eq!(
+            as_value_template("{{ answers }}").as_deref(),
+            Some("{{ (answers) | __evalfleet_as_json }}")
+        );
+        assert_eq!(
+            as_value_template(" {{- answers | map(attribute='text') | list -}} ").as_deref(),
+            Some("{{ (answers | map(attribute='text') | list) | __evalfleet_as_json }}")
+        );
+        assert_eq!(as_value_template("A: {{ answer }}"), None);
+        assert_eq!(as_value_template("{{ a }} {{ b }}"), None);
+        let env = environment();
+        let value = |source: &str, ctx: Value| {
+            env.render_str(&as_value_template(source).unwrap(), ctx)
+                .map_err(|e| e.kind())
+        };
+        assert_eq!(
+            value(
+                "{{ answers }}",
+                minijinja::context! { answers => vec!["it's", "x"] }
+            )
+            .unwrap(),
+            r#"["it's","x"]"#
+        );
+        assert_eq!(
+            value("{{ answers }}", minijinja::context! {}).unwrap_err(),
+            ErrorKind::UndefinedError
+        );
+    }
+}

@@ -1,0 +1,145 @@
+//! What can be known about a task before its first call: every template
+//! (messages, metric references, LLM-judge rubrics, the refine prompt) is
+//! rendered for the first rows of the dataset, and each metric checks that
+//! it can use the references it gets. A problem is reported as the
+//! config's own problems are, with its line, before anything is stored.
+//!
+//! The static checks (syntax, unknown filters, tests and functions) are
+//! the config's: `config::validate`.
+
+use serde_json::Value;
+
+use crate::config::{LoadedConfig, TaskKind};
+use crate::dataset::{Row, RowReader, Scanner};
+use crate::eval::{Assessor, Checked};
+use crate::template::Templates;
+
+/// Rows of the dataset every template is rendered for.
+pub const ROWS: usize = 10;
+
+/// Renders every template of `loaded`'s task for the first [`ROWS`] rows of
+/// its dataset, and checks that each metric can use its references. A
+/// dataset that cannot be read is left to the run's registration, which
+/// says why.
+pub fn check(
+    loaded: &LoadedConfig,
+    templates: &Templates,
+) -> Result<(), crate::config::ConfigError> {
+    let config = &loaded.config;
+    let Ok(rows) = first_rows(config) else {
+        return Ok(());
+    };
+    let assessor = Assessor::new(&config.task.eval).ok();
+    let file = config.dataset.path.file_name().map_or_else(
+        || config.dataset.path.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    let mut problems: Vec<(String, String)> = Vec::new();
+    let mut report = |path: &str, index: usize, line: u64, what: &str| {
+        if problems.iter().any(|(p, _)| p == path) {
+            return;
+        }
+        problems.push((
+            path.to_owned(),
+            format!(
+                "{path}: for row {} (line {line} of {file}): {what}",
+                index + 1
+            ),
+        ));
+    };
+    for (index, (line, row)) in rows.iter().enumerate() {
+        if let Err(err) = templates.render(row) {
+            let (path, what) = split(&err, "task.messages");
+            report(path, index, *line, what);
+        }
+        let Some(assessor) = &assessor else {
+            continue;
+        };
+        for (i, spec) in config.task.eval.metrics.iter().enumerate() {
+            let path = format!("task.metrics[{i}].reference");
+            match assessor.references(i, row) {
+                Err(err) => report(&path, index, *line, split(&err, &path).1),
+                Ok(references) if spec.reference.is_some() && spec.metric.needs_reference() => {
+                    let reasons: Vec<String> = references
+                        .iter()
+                        .filter_map(|r| spec.metric.unusable(r))
+                        .collect();
+                    if reasons.len() == references.len()
+                        && let Some(reason) = reasons.first()
+                    {
+                        report(
+                            &path,
+                            index,
+                            *line,
+                            &format!("{} cannot use it: {reason}", spec.metric.name),
+                        );
+                    }
+                }
+                Ok(_) => {}
+            }
+        }
+        let answer = Checked {
+            parsed: Some(Value::String(String::new())),
+            valid: true,
+            error: None,
+        };
+        for call in assessor.llm_judge_calls(&answer, row) {
+            if let Err(err) = call.messages {
+                let (path, what) = split(&err, "task.metrics");
+                report(path, index, *line, what);
+            }
+        }
+        if let TaskKind::Refine(settings) = &config.task.kind {
+            let env = crate::jinja::environment();
+            let mut context = row.clone();
+            context.insert("answer".to_owned(), Value::String(String::new()));
+            let rendered = env
+                .template_from_str(&settings.prompt)
+                .and_then(|t| t.render(minijinja::Value::from(minijinja::value::Serde(&context))));
+            if let Err(err) = rendered {
+                report(
+                    "task.refine.prompt",
+                    index,
+                    *line,
+                    &crate::jinja::describe(&err),
+                );
+            }
+        }
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(loaded.problems(problems))
+    }
+}
+
+/// The first [`ROWS`] usable rows, each with its line.
+fn first_rows(
+    config: &crate::config::Config,
+) -> Result<Vec<(u64, Row)>, crate::dataset::DatasetError> {
+    let mut scanner = Scanner::open(&config.dataset)?;
+    let mut reader = RowReader::open(&config.dataset)?;
+    let mut rows = Vec::with_capacity(ROWS);
+    while rows.len() < ROWS {
+        let Some(scanned) = scanner.next_row()? else {
+            break;
+        };
+        if scanned.invalid.is_some() {
+            continue;
+        }
+        rows.push((
+            scanned.line,
+            reader.read(scanned.offset, scanned.line, &scanned.id)?,
+        ));
+    }
+    Ok(rows)
+}
+
+/// A rendering error `path: what` split at its path (which starts with
+/// `prefix`); the whole of it as `what` when it names none.
+fn split<'a>(err: &'a str, prefix: &'a str) -> (&'a str, &'a str) {
+    match err.split_once(": ") {
+        Some((path, what)) if path.starts_with(prefix) => (path, what),
+        _ => (prefix, err),
+    }
+}
