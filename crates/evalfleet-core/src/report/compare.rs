@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap};
 use serde::Serialize;
 
 use super::stats::{self, Paired};
-use super::{Judged, ReportError, paired_value, scan};
+use super::{Judged, ReportError, judged_value, scan};
 use crate::store::Store;
 
 /// The values of the items two runs share: the first run's, this run's.
@@ -61,11 +61,11 @@ pub fn compare(
         ));
     }
     // The first run's items, in its order: their category and each
-    // metric's value (see `paired_value`).
+    // metric's value (see `judged_value`).
     let mut first: Vec<(String, Vec<Option<f64>>)> = Vec::new();
     let mut place: HashMap<String, usize> = HashMap::new();
     scan(store, &base.run.run_id, by, &mut |result, group| {
-        let values = metrics.iter().map(|m| paired_value(result, m)).collect();
+        let values = metrics.iter().map(|m| judged_value(result, m)).collect();
         place.insert(result.item_id.clone(), first.len());
         first.push((group.to_owned(), values));
     })?;
@@ -75,7 +75,7 @@ pub fn compare(
         let mut theirs: Vec<Option<Vec<Option<f64>>>> = vec![None; first.len()];
         scan(store, &other.run.run_id, &[], &mut |result, _| {
             if let Some(&at) = place.get(&result.item_id) {
-                theirs[at] = Some(metrics.iter().map(|m| paired_value(result, m)).collect());
+                theirs[at] = Some(metrics.iter().map(|m| judged_value(result, m)).collect());
             }
         })?;
         // Per metric: category → the pairs (first run, this run), in the

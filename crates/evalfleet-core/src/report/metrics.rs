@@ -569,6 +569,52 @@ mod tests {
     }
 
     #[test]
+    fn items_a_metric_could_not_score_are_in_no_mean_and_say_why() {
+        let m = Metric::build("numeric_match", &Map::new(), None).unwrap();
+        let k = m.key.clone();
+        let scored = |answer: &str, reference: &str| Owned {
+            failed: false,
+            verdict: Some(Verdict::Ok),
+            scores: Scores::from_iter([(
+                k.clone(),
+                Score::from_json(m.score(&json!(answer), &[json!(reference)])),
+            )]),
+            group: "all".into(),
+        };
+        let rows = vec![
+            scored("4", "4"),
+            scored("5", "4"),
+            scored("4", "n/a"),
+            scored("4", "unknown"),
+            scored("4", "none"),
+            row(None, "failed", "all", &k),
+        ];
+        let s = &summarize(std::slice::from_ref(&m), views(&rows))[0];
+        assert_eq!(
+            (s.n, s.scored, s.errors, s.failed, s.status),
+            (6, 2, 3, 1, "partly scored")
+        );
+        // Over the three it could judge: 1, 0 and the failed item's 0.
+        assert!(
+            (s.estimate.mean - 1.0 / 3.0).abs() < 1e-12,
+            "{}",
+            s.estimate.mean
+        );
+        assert_eq!(
+            s.reasons,
+            vec![Reason {
+                reason: "the reference 'n/a' has no number".to_owned(),
+                count: 3,
+                shape: "the reference '…' has no number".to_owned(),
+            }]
+        );
+        assert!((s.unscored_share() - 0.6).abs() < 1e-12);
+        let none = vec![scored("4", "n/a")];
+        let s = &summarize(&[m], views(&none))[0];
+        assert_eq!((s.status, s.estimate.mean.is_nan()), ("not scored", true));
+    }
+
+    #[test]
     fn classification_reports_per_class_and_macro_figures() {
         let params = json!({});
         let m = Metric::build("classification", params.as_object().unwrap(), None).unwrap();

@@ -201,11 +201,11 @@ pub fn value_of(result: &StoredResult, metric: &Metric) -> Option<f64> {
         .and_then(|s| s.value)
 }
 
-/// What a result gives `metric` in a paired comparison: its value, the
+/// What a result gives `metric` in a comparison or pass@k: its value, the
 /// worst value when it has no usable answer (the model's doing), or
-/// nothing when the metric could not score it (not the model's doing: the
-/// pair is left out).
-pub fn paired_value(result: &StoredResult, metric: &Metric) -> Option<f64> {
+/// nothing when the metric could not score it (not the model's doing: it
+/// is left out).
+pub fn judged_value(result: &StoredResult, metric: &Metric) -> Option<f64> {
     if result.status == ItemStatus::Failed || !result.assessment.usable() {
         return Some(metric.missing());
     }
@@ -283,13 +283,18 @@ pub fn report(
             let row = crate::dataset::split_sample_id(&result.item_id)
                 .map_or(result.item_id.as_str(), |(row, _)| row);
             let values = judged.metrics.iter().map(|m| value_of(result, m)).collect();
+            let judged_values = judged
+                .metrics
+                .iter()
+                .map(|m| judged_value(result, m))
+                .collect();
             let vote = result
                 .assessment
                 .parsed
                 .as_ref()
                 .map(ToString::to_string)
                 .or_else(|| result.output.clone());
-            samples.add(row, values, vote);
+            samples.add(row, values, judged_values, vote);
         }
     })?;
     let metrics = summaries.finish();

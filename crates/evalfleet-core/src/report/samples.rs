@@ -31,10 +31,13 @@ pub struct MetricSamples {
     pub majority: f64,
 }
 
-/// One sample of a row: each metric's value (`None`: no usable score), and
-/// the answer it votes for.
+/// One sample of a row: each metric's value (`None`: no usable answer or
+/// no score), the same for pass@k (`None` only when the metric could not
+/// score it: such a sample counts in no pass@k), and the answer it votes
+/// for.
 struct Sample {
     values: Vec<Option<f64>>,
+    judged: Vec<Option<f64>>,
     vote: Option<String>,
 }
 
@@ -51,6 +54,8 @@ pub struct Samples {
     /// and the sum of majority scores.
     binary: Vec<bool>,
     pass_sums: Vec<Vec<f64>>,
+    /// Per metric: rows with a sample it could score (pass@k's rows).
+    pass_rows: Vec<u64>,
     majority_sums: Vec<f64>,
 }
 
@@ -65,6 +70,7 @@ impl Samples {
             k,
             metrics: metrics.to_vec(),
             pass_sums: vec![vec![0.0; ks.len()]; metrics.len()],
+            pass_rows: vec![0; metrics.len()],
             ks,
             row: None,
             samples: Vec::new(),
@@ -75,12 +81,22 @@ impl Samples {
     }
 
     /// Adds a sample of row `row` (samples of a row come one after another).
-    pub fn add(&mut self, row: &str, values: Vec<Option<f64>>, vote: Option<String>) {
+    pub fn add(
+        &mut self,
+        row: &str,
+        values: Vec<Option<f64>>,
+        judged: Vec<Option<f64>>,
+        vote: Option<String>,
+    ) {
         if self.row.as_deref() != Some(row) {
             self.close_row();
             self.row = Some(row.to_owned());
         }
-        self.samples.push(Sample { values, vote });
+        self.samples.push(Sample {
+            values,
+            judged,
+            vote,
+        });
     }
 
     fn close_row(&mut self) {
@@ -90,15 +106,15 @@ impl Samples {
         let samples = std::mem::take(&mut self.samples);
         self.rows += 1;
         for (i, metric) in self.metrics.iter().enumerate() {
-            let values: Vec<f64> = samples
-                .iter()
-                .map(|s| s.values[i].unwrap_or_else(|| metric.missing()))
-                .collect();
-            self.binary[i] &= values.iter().all(|v| *v == 0.0 || *v == 1.0);
-            let n = values.len() as u64;
-            let c = values.iter().filter(|v| **v == 1.0).count() as u64;
-            for (sum, k) in self.pass_sums[i].iter_mut().zip(&self.ks) {
-                *sum += stats::pass_at_k(n, c, (*k).min(n));
+            let values: Vec<f64> = samples.iter().filter_map(|s| s.judged[i]).collect();
+            if !values.is_empty() {
+                self.binary[i] &= values.iter().all(|v| *v == 0.0 || *v == 1.0);
+                let n = values.len() as u64;
+                let c = values.iter().filter(|v| **v == 1.0).count() as u64;
+                for (sum, k) in self.pass_sums[i].iter_mut().zip(&self.ks) {
+                    *sum += stats::pass_at_k(n, c, (*k).min(n));
+                }
+                self.pass_rows[i] += 1;
             }
             // Votes: (answer, count, the first such sample's value).
             let mut votes: Vec<(&str, usize, f64)> = Vec::new();
@@ -130,13 +146,15 @@ impl Samples {
             .enumerate()
             .map(|(i, m)| MetricSamples {
                 metric: m.key.clone(),
-                pass_at: (self.binary[i] && m.higher_is_better).then(|| {
-                    self.ks
-                        .iter()
-                        .zip(&self.pass_sums[i])
-                        .map(|(k, sum)| (*k, sum / rows))
-                        .collect()
-                }),
+                pass_at: (self.binary[i] && m.higher_is_better && self.pass_rows[i] > 0).then(
+                    || {
+                        self.ks
+                            .iter()
+                            .zip(&self.pass_sums[i])
+                            .map(|(k, sum)| (*k, sum / self.pass_rows[i] as f64))
+                            .collect()
+                    },
+                ),
                 majority: if self.rows == 0 {
                     f64::NAN
                 } else {
