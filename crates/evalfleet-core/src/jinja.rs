@@ -11,7 +11,8 @@
 use std::collections::BTreeSet;
 
 use minijinja::machinery::{Instruction, Instructions};
-use minijinja::{Environment, ErrorKind, UndefinedBehavior, Value};
+use minijinja::value::{Kwargs, Rest, ValueOrKwargs};
+use minijinja::{Environment, ErrorKind, State, UndefinedBehavior, Value};
 
 /// The filter a reference's expression is passed through, so that its
 /// value (a list of answers, an object) comes out as JSON rather than as
@@ -25,7 +26,72 @@ pub fn environment() -> Environment<'static> {
     minijinja_contrib::add_to_environment(&mut env);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_filter(AS_JSON, as_json);
+    // Jinja takes these arguments by position too (`truncate(20)`,
+    // `wordwrap(40)`); minijinja-contrib by name only.
+    env.add_filter(
+        "truncate",
+        |state: &mut State, value: &Value, args: Rest<ValueOrKwargs>| {
+            let kwargs = by_name(&["length", "killwords", "end", "leeway"], args)?;
+            minijinja_contrib::filters::truncate(state, value, kwargs)
+        },
+    );
+    env.add_filter("wordwrap", |value: &Value, args: Rest<ValueOrKwargs>| {
+        let names = [
+            "width",
+            "break_long_words",
+            "wrapstring",
+            "break_on_hyphens",
+        ];
+        minijinja_contrib::filters::wordwrap(value, by_name(&names, args)?)
+    });
+    env.add_filter("center", center);
     env
+}
+
+/// A filter's arguments, given by position (in the order of `names`) or by
+/// name, as named arguments.
+fn by_name(names: &[&str], args: Rest<ValueOrKwargs>) -> Result<Kwargs, minijinja::Error> {
+    let mut named: Vec<(String, Value)> = Vec::new();
+    let mut positional = 0;
+    for arg in args.into_values() {
+        if arg.is_kwargs() {
+            let kwargs = Kwargs::try_from(arg)?;
+            for key in kwargs.args() {
+                named.push((key.to_owned(), kwargs.get::<Value>(key)?));
+            }
+            continue;
+        }
+        let Some(name) = names.get(positional) else {
+            return Err(minijinja::Error::new(
+                ErrorKind::TooManyArguments,
+                format!("takes at most {} arguments", names.len()),
+            ));
+        };
+        named.push(((*name).to_owned(), arg));
+        positional += 1;
+    }
+    for (i, (key, _)) in named.iter().enumerate() {
+        if named[..i].iter().any(|(k, _)| k == key) {
+            return Err(minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                format!("argument '{key}' given twice"),
+            ));
+        }
+    }
+    Ok(named.into_iter().collect())
+}
+
+/// Jinja's `center(width=80)`: the text padded with spaces on both sides
+/// to `width` characters (the extra one on the right).
+fn center(value: &str, width: Option<usize>) -> String {
+    let width = width.unwrap_or(80);
+    let len = value.chars().count();
+    if len >= width {
+        return value.to_owned();
+    }
+    let left = (width - len) / 2;
+    let right = width - len - left;
+    format!("{}{value}{}", " ".repeat(left), " ".repeat(right))
 }
 
 fn as_json(value: &Value) -> Result<String, minijinja::Error> {
@@ -218,6 +284,26 @@ mod tests {
                 .unwrap(),
             "4 a%26b hello w…"
         );
+        // By position, as Jinja takes them, or mixed.
+        assert_eq!(
+            render("{{ 'hello world' | truncate(8, true, '…', 0) }}|{{ 'hello world' | truncate(8, leeway=0) }}|{{ 'ab' | center(6) }}|", ctx.clone())
+                .unwrap(),
+            "hello w…|hello...|  ab  |"
+        );
+        assert_eq!(
+            render(
+                "{{ 'aaa bbb ccc' | wordwrap(7, wrapstring='/') }}",
+                ctx.clone()
+            )
+            .unwrap(),
+            "aaa bbb/ccc"
+        );
+        for bad in [
+            "{{ 'x' | truncate(8, true, '…', 0, 1) }}",
+            "{{ 'x' | truncate(8, length=9) }}",
+        ] {
+            assert!(render(bad, ctx.clone()).is_err(), "{bad}");
+        }
         assert_eq!(
             render("{% for a in answers %}{% if loop.index > 1 %}{% break %}{% endif %}{{ a }}{% endfor %}", ctx)
                 .unwrap(),

@@ -52,6 +52,15 @@ async fn several_endpoints_of_different_speeds_answer_every_item_and_the_faster_
         "the faster endpoint should take most items: {served:?}"
     );
     assert_eq!(fast.stats().requests + slow.stats().requests, 300);
+    // The store's directory holds the database and nothing a run leaves
+    // behind (no lock files or directories).
+    let store_dir = env.store_path().parent().unwrap().to_owned();
+    let left: Vec<String> = std::fs::read_dir(&store_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| !name.starts_with("evalfleet.db"))
+        .collect();
+    assert!(left.is_empty(), "{} holds {left:?}", store_dir.display());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -490,7 +490,7 @@ async fn items_a_metric_cannot_score_are_in_no_mean_and_past_the_limit_fail_the_
     );
     assert!(
         ran.stderr.contains(
-            "error: metric accuracy could not score 2 of the 12 answers it was given (16.7%, more than report.max_unscored allows)"
+            "error: metric accuracy could not score 2 of the 12 answers it was given (16.7%, at or above report.max_unscored: 10.0%)"
         ),
         "{}",
         ran.stderr

@@ -386,6 +386,11 @@ impl Metric {
     /// that is not among the labels, JSON fields against what is not a
     /// JSON object); `None` when it can.
     pub fn unusable(&self, reference: &Value) -> Option<String> {
+        if reference.is_null() {
+            return Some(
+                "the reference is null (a field missing from a list of references?)".to_owned(),
+            );
+        }
         let text = as_text(reference);
         let shown = || {
             let short: String = text.chars().take(60).collect();
@@ -425,6 +430,9 @@ impl Metric {
                     )
                 })
             }
+            Kind::Contains { .. } if text.trim().is_empty() => {
+                Some("the reference is empty (every answer would contain it)".to_owned())
+            }
             Kind::JsonFields { .. } if !matches!(reference, Value::Object(_) | Value::Array(_)) => {
                 Some(format!("the reference {} is not a JSON object", shown()))
             }
@@ -452,7 +460,7 @@ impl Metric {
                 .cloned()
                 .collect();
             if usable.is_empty() {
-                return json!({"error": why.unwrap_or_else(|| "there is no reference".to_owned())});
+                return json!({"error": why.unwrap_or_else(|| "the reference is an empty list".to_owned())});
             }
             usable.as_slice()
         } else {

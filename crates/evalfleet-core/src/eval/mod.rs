@@ -267,9 +267,8 @@ impl Assessor {
             },
         }
         .map_err(|e| format!("{name}: {e}"))?;
-        if references.is_empty() {
-            return Err(format!("{name}: the reference is an empty list"));
-        }
+        // An empty list is an item with no reference (SQuAD 2.0's questions
+        // with no answer): the metric does not score it, and says so.
         Ok(references)
     }
 
@@ -422,4 +421,97 @@ fn from_text(text: String, json: bool) -> Result<Vec<Value>, String> {
         return Ok(list);
     }
     Ok(vec![Value::String(text)])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// The references `template` gives for `row` under metric `name`.
+    fn references(name: &str, template: &str, row: Value) -> Result<Vec<Value>, String> {
+        let metric = Metric::build(name, &serde_json::Map::new(), None).unwrap();
+        let spec = EvalSpec {
+            metrics: vec![MetricSpec {
+                metric,
+                reference: Some(template.to_owned()),
+            }],
+            ..EvalSpec::default()
+        };
+        let Value::Object(row) = row else { panic!() };
+        Assessor::new(&spec).unwrap().references(0, &row)
+    }
+
+    #[test]
+    fn a_reference_is_a_value_a_rendered_json_list_or_text() {
+        let row = json!({"answers": ["it's", "Denver \"Broncos\""], "a": "x", "b": "y",
+                         "listed": "[\"p\", \"q\"]", "empty": [], "obj": {"k": 1}});
+        // One expression: its value, the list itself (quotes kept).
+        assert_eq!(
+            references("exact_match", "{{ answers }}", row.clone()),
+            Ok(vec![json!("it's"), json!("Denver \"Broncos\"")])
+        );
+        assert_eq!(
+            references("exact_match", "{{ answers | tojson }}", row.clone()),
+            Ok(vec![json!("it's"), json!("Denver \"Broncos\"")])
+        );
+        // Text around expressions: a rendered JSON list is a list.
+        assert_eq!(
+            references("exact_match", r#"["{{ a }}", "{{ b }}"]"#, row.clone()),
+            Ok(vec![json!("x"), json!("y")])
+        );
+        // A string field whose text is a JSON list is read as the list.
+        assert_eq!(
+            references("exact_match", "{{ listed }}", row.clone()),
+            Ok(vec![json!("p"), json!("q")])
+        );
+        // Other text is one reference.
+        assert_eq!(
+            references("exact_match", "answer: {{ a }}", row.clone()),
+            Ok(vec![json!("answer: x")])
+        );
+        // An empty list gives no reference; `or` gives it one.
+        assert_eq!(
+            references("exact_match", "{{ empty }}", row.clone()),
+            Ok(vec![])
+        );
+        assert_eq!(
+            references("exact_match", "{{ empty or [''] }}", row.clone()),
+            Ok(vec![json!("")])
+        );
+        // An object is one reference; for json_field_match a list is too.
+        assert_eq!(
+            references("json_field_match", "{{ obj }}", row.clone()),
+            Ok(vec![json!({"k": 1})])
+        );
+        assert_eq!(
+            references("json_field_match", "{{ answers }}", row.clone()),
+            Ok(vec![json!(["it's", "Denver \"Broncos\""])])
+        );
+        // A value that is none says so.
+        let err = references("exact_match", "{{ missing | default(none) }}", row).unwrap_err();
+        assert!(err.contains("null"), "{err}");
+    }
+
+    #[test]
+    fn a_metric_never_scores_a_reference_it_cannot_use_as_zero() {
+        let m = Metric::build("exact_match", &serde_json::Map::new(), None).unwrap();
+        let answer = json!("Denver");
+        // No reference at all: not scored, and why.
+        let none = m.score(&answer, &[]);
+        assert_eq!(none["error"], "the reference is an empty list");
+        // A null among references is passed over while another is usable.
+        assert_eq!(
+            m.score(&answer, &[Value::Null, json!("Denver")])["value"],
+            1.0
+        );
+        let null = m.score(&answer, &[Value::Null]);
+        assert!(null["error"].as_str().unwrap().contains("null"), "{null}");
+        let contains = Metric::build("contains", &serde_json::Map::new(), None).unwrap();
+        let empty = contains.score(&answer, &[json!("  ")]);
+        assert!(
+            empty["error"].as_str().unwrap().contains("empty"),
+            "{empty}"
+        );
+    }
 }

@@ -70,16 +70,24 @@ pub struct Reason {
 }
 
 /// `reason` with what it quotes left out, so that reasons about different
-/// items compare equal.
+/// items compare equal. A quote opens after a space (or at the start) and
+/// closes before a space, punctuation or the end, so that an apostrophe
+/// inside a quoted text (`'it's'`) does not end it.
 fn shape_of(reason: &str) -> String {
+    let chars: Vec<char> = reason.chars().collect();
     let mut out = String::with_capacity(reason.len());
     let mut quoted = false;
-    for c in reason.chars() {
-        if c == '\'' {
-            if !quoted {
-                out.push_str("'…'");
-            }
-            quoted = !quoted;
+    for (i, &c) in chars.iter().enumerate() {
+        let before = i.checked_sub(1).map(|j| chars[j]);
+        let after = chars.get(i + 1).copied();
+        if c == '\'' && !quoted && before.is_none_or(|b| b.is_whitespace() || b == '(') {
+            out.push_str("'…'");
+            quoted = true;
+        } else if c == '\''
+            && quoted
+            && after.is_none_or(|a| a.is_whitespace() || ",.;:)".contains(a))
+        {
+            quoted = false;
         } else if !quoted {
             out.push(c);
         }
@@ -324,9 +332,11 @@ impl Accumulator {
     }
 
     pub fn finish(self, metric: &Metric, group: &str) -> Summary {
-        let status = match (self.errors, self.scored) {
-            (0, _) => "scored",
-            (_, 0) => "not scored",
+        // Every answer failed (no error of the metric's): that is a score,
+        // the worst one, and the table says why in FAILED/UNPARSED.
+        let status = match (self.errors, self.scored, self.values.len()) {
+            (0, _, 1..) => "scored",
+            (_, 0, _) => "not scored",
             _ => "partly scored",
         };
         Summary {
@@ -610,8 +620,14 @@ mod tests {
         );
         assert!((s.unscored_share() - 0.6).abs() < 1e-12);
         let none = vec![scored("4", "n/a")];
-        let s = &summarize(&[m], views(&none))[0];
+        let s = &summarize(std::slice::from_ref(&m), views(&none))[0];
         assert_eq!((s.status, s.estimate.mean.is_nan()), ("not scored", true));
+        let failed = vec![
+            row(None, "failed", "all", &k),
+            row(None, "unparsed", "all", &k),
+        ];
+        let s = &summarize(&[m], views(&failed))[0];
+        assert_eq!((s.status, s.estimate.mean), ("scored", 0.0));
     }
 
     #[test]

@@ -126,10 +126,11 @@ impl Report {
                     format!("could not score any of the {} answers it was given", s.errors)
                 } else {
                     format!(
-                        "could not score {} of the {} answers it was given ({:.1}%, more than report.max_unscored allows)",
+                        "could not score {} of the {} answers it was given ({:.1}%, at or above report.max_unscored: {:.1}%)",
                         s.errors,
                         s.errors + s.scored,
-                        100.0 * s.unscored_share()
+                        100.0 * s.unscored_share(),
+                        100.0 * max_unscored
                     )
                 };
                 format!("metric {} {what}: {}", s.metric, s.reasons_line())

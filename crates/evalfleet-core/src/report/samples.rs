@@ -27,7 +27,8 @@ pub struct MetricSamples {
     /// k → the mean over rows of pass@k; `None` unless every score is 0 or
     /// 1 and higher is better.
     pub pass_at: Option<BTreeMap<u64, f64>>,
-    /// The mean over rows of the majority answer's score.
+    /// The mean over rows (those with a sample the metric could score) of
+    /// the majority answer's score.
     pub majority: f64,
 }
 
@@ -54,8 +55,10 @@ pub struct Samples {
     /// and the sum of majority scores.
     binary: Vec<bool>,
     pass_sums: Vec<Vec<f64>>,
-    /// Per metric: rows with a sample it could score (pass@k's rows).
-    pass_rows: Vec<u64>,
+    /// Per metric: rows with a sample it could score (the rows of pass@k
+    /// and of the majority vote: a row it could score no sample of is in
+    /// neither).
+    judged_rows: Vec<u64>,
     majority_sums: Vec<f64>,
 }
 
@@ -70,7 +73,7 @@ impl Samples {
             k,
             metrics: metrics.to_vec(),
             pass_sums: vec![vec![0.0; ks.len()]; metrics.len()],
-            pass_rows: vec![0; metrics.len()],
+            judged_rows: vec![0; metrics.len()],
             ks,
             row: None,
             samples: Vec::new(),
@@ -107,15 +110,16 @@ impl Samples {
         self.rows += 1;
         for (i, metric) in self.metrics.iter().enumerate() {
             let values: Vec<f64> = samples.iter().filter_map(|s| s.judged[i]).collect();
-            if !values.is_empty() {
-                self.binary[i] &= values.iter().all(|v| *v == 0.0 || *v == 1.0);
-                let n = values.len() as u64;
-                let c = values.iter().filter(|v| **v == 1.0).count() as u64;
-                for (sum, k) in self.pass_sums[i].iter_mut().zip(&self.ks) {
-                    *sum += stats::pass_at_k(n, c, (*k).min(n));
-                }
-                self.pass_rows[i] += 1;
+            if values.is_empty() {
+                continue;
             }
+            self.binary[i] &= values.iter().all(|v| *v == 0.0 || *v == 1.0);
+            let n = values.len() as u64;
+            let c = values.iter().filter(|v| **v == 1.0).count() as u64;
+            for (sum, k) in self.pass_sums[i].iter_mut().zip(&self.ks) {
+                *sum += stats::pass_at_k(n, c, (*k).min(n));
+            }
+            self.judged_rows[i] += 1;
             // Votes: (answer, count, the first such sample's value).
             let mut votes: Vec<(&str, usize, f64)> = Vec::new();
             for sample in &samples {
@@ -139,29 +143,27 @@ impl Samples {
 
     pub fn finish(mut self) -> SamplesSummary {
         self.close_row();
-        let rows = self.rows.max(1) as f64;
-        let metrics = self
-            .metrics
-            .iter()
-            .enumerate()
-            .map(|(i, m)| MetricSamples {
-                metric: m.key.clone(),
-                pass_at: (self.binary[i] && m.higher_is_better && self.pass_rows[i] > 0).then(
-                    || {
-                        self.ks
-                            .iter()
-                            .zip(&self.pass_sums[i])
-                            .map(|(k, sum)| (*k, sum / self.pass_rows[i] as f64))
-                            .collect()
+        let metrics =
+            self.metrics
+                .iter()
+                .enumerate()
+                .map(|(i, m)| MetricSamples {
+                    metric: m.key.clone(),
+                    pass_at: (self.binary[i] && m.higher_is_better && self.judged_rows[i] > 0)
+                        .then(|| {
+                            self.ks
+                                .iter()
+                                .zip(&self.pass_sums[i])
+                                .map(|(k, sum)| (*k, sum / self.judged_rows[i] as f64))
+                                .collect()
+                        }),
+                    majority: if self.judged_rows[i] == 0 {
+                        f64::NAN
+                    } else {
+                        self.majority_sums[i] / self.judged_rows[i] as f64
                     },
-                ),
-                majority: if self.rows == 0 {
-                    f64::NAN
-                } else {
-                    self.majority_sums[i] / rows
-                },
-            })
-            .collect();
+                })
+                .collect();
         SamplesSummary {
             n: self.k,
             rows: self.rows,
