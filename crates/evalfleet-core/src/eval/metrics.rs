@@ -415,13 +415,7 @@ impl Metric {
                 labels: Some(labels),
                 ignore_case,
             } => {
-                let norm = |s: &str| {
-                    if *ignore_case {
-                        s.trim().to_lowercase()
-                    } else {
-                        s.trim().to_owned()
-                    }
-                };
+                let norm = |s: &str| label_norm(s, *ignore_case);
                 (!labels.iter().any(|l| norm(l) == norm(&text))).then(|| {
                     format!(
                         "the reference {} is not one of the labels ({})",
@@ -537,13 +531,7 @@ impl Metric {
                 labels,
                 ignore_case,
             } => {
-                let norm = |s: &str| {
-                    if *ignore_case {
-                        s.trim().to_lowercase()
-                    } else {
-                        s.trim().to_owned()
-                    }
-                };
+                let norm = |s: &str| label_norm(s, *ignore_case);
                 let predicted = norm(&text);
                 let reference = norm(refs.first().map_or("", String::as_str));
                 let predicted = match labels {
@@ -593,6 +581,15 @@ pub fn as_text(value: &Value) -> String {
 }
 
 /// A reference letter: itself, or a 0-based index turned into a letter.
+/// A class label as compared: trimmed, and lowercased with `ignore_case`.
+fn label_norm(label: &str, ignore_case: bool) -> String {
+    if ignore_case {
+        label.trim().to_lowercase()
+    } else {
+        label.trim().to_owned()
+    }
+}
+
 fn choice_letter(reference: &str) -> String {
     let r = reference.trim();
     match r.parse::<u32>() {
