@@ -38,6 +38,16 @@ pub enum CallError {
     BadResponse(String),
     #[error("the response ended before the answer was complete")]
     Truncated,
+    /// The stream ended cleanly (`[DONE]`, or the body was whole) but no
+    /// choice said why it finished: by the OpenAI contract every choice
+    /// ends with a `finish_reason`, so the answer is incomplete (servers
+    /// that cut a running stream when another request arrives do this).
+    #[error("the answer ended without a finish_reason (cut off by the server)")]
+    Unfinished,
+    #[error("no first byte of the answer within {}", humantime::format_duration(*.0))]
+    FirstByteTimeout(Duration),
+    #[error("the stream sent nothing for {}", humantime::format_duration(*.0))]
+    Stalled(Duration),
 }
 
 impl CallError {
@@ -50,7 +60,9 @@ impl CallError {
                 400..=499 => ErrorClass::Fatal,
                 _ => ErrorClass::Retryable,
             },
-            Self::BadResponse(_) | Self::Truncated => ErrorClass::BadResponse,
+            Self::BadResponse(_) | Self::Truncated | Self::Unfinished => ErrorClass::BadResponse,
+            Self::FirstByteTimeout(_) => ErrorClass::FirstByteTimeout,
+            Self::Stalled(_) => ErrorClass::Stalled,
         }
     }
 
@@ -76,8 +88,32 @@ pub struct Completion {
     pub content: String,
     pub finish_reason: Option<String>,
     pub prompt_tokens: Option<u64>,
+    /// From the response's `usage`; for a stream without usage, the
+    /// number of content chunks (`tokens_estimated`).
     pub completion_tokens: Option<u64>,
+    /// `completion_tokens` was counted from the stream's chunks, not read
+    /// from its usage (servers that send none in streams).
+    pub tokens_estimated: bool,
     pub http_status: u16,
+}
+
+/// How long a call may wait for the first byte of its answer, and how
+/// long a stream may then send nothing (`timeouts.first_byte`,
+/// `timeouts.stream_idle`). A non-streamed answer comes whole, so only the
+/// attempt timeout bounds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stalls {
+    pub first_byte: Duration,
+    pub idle: Duration,
+}
+
+impl Default for Stalls {
+    fn default() -> Self {
+        Self {
+            first_byte: Duration::from_secs(120),
+            idle: Duration::from_secs(30),
+        }
+    }
 }
 
 /// When an attempt happened. Latencies are from the moment the request was
@@ -175,6 +211,7 @@ pub struct ChatClient {
     /// `,"param":value,...,"stream":...}` — the body after the messages.
     body_tail: Bytes,
     stream: bool,
+    stalls: Stalls,
 }
 
 /// Bodies of error responses are read up to this size for their message.
@@ -259,7 +296,15 @@ impl ChatClient {
             body_head: Bytes::from(head),
             body_tail: Bytes::from(tail),
             stream,
+            stalls: Stalls::default(),
         })
+    }
+
+    /// The same client with these limits on a call's waits.
+    #[must_use]
+    pub fn with_stalls(mut self, stalls: Stalls) -> Self {
+        self.stalls = stalls;
+        self
     }
 
     /// The request body for these messages.
@@ -297,20 +342,26 @@ impl ChatClient {
         ttft: &mut Option<Duration>,
         quota: &mut Option<Quota>,
     ) -> Result<Completion, CallError> {
-        let response = self
+        let request = self
             .http
             .post(self.completions_url.clone())
             .body(self.body(messages))
-            .send()
-            .await
-            .map_err(request_error)?;
+            .send();
+        let response = if self.stream {
+            tokio::time::timeout(self.stalls.first_byte, request)
+                .await
+                .map_err(|_| CallError::FirstByteTimeout(self.stalls.first_byte))?
+        } else {
+            request.await
+        }
+        .map_err(request_error)?;
         *quota = quota_headers(response.headers());
         let status = response.status();
         if !status.is_success() {
             return Err(status_error(response).await);
         }
         if self.stream {
-            read_stream(response, started, ttft).await
+            read_stream(response, started, ttft, self.stalls).await
         } else {
             let bytes = response.bytes().await.map_err(body_error)?;
             parse_completion(&bytes, status.as_u16())
@@ -472,11 +523,15 @@ fn parse_completion(bytes: &[u8], status: u16) -> Result<Completion, CallError> 
         .into_iter()
         .next()
         .ok_or_else(|| CallError::BadResponse("the completion has no choices".to_owned()))?;
+    if choice.finish_reason.is_none() {
+        return Err(CallError::Unfinished);
+    }
     Ok(Completion {
         content: choice.message.content.unwrap_or_default(),
         finish_reason: choice.finish_reason,
         prompt_tokens: response.usage.as_ref().and_then(|u| u.prompt_tokens),
         completion_tokens: response.usage.as_ref().and_then(|u| u.completion_tokens),
+        tokens_estimated: false,
         http_status: status,
     })
 }
@@ -485,6 +540,7 @@ async fn read_stream(
     response: reqwest::Response,
     started: Instant,
     ttft: &mut Option<Duration>,
+    stalls: Stalls,
 ) -> Result<Completion, CallError> {
     #[derive(Deserialize)]
     struct Chunk {
@@ -510,8 +566,27 @@ async fn read_stream(
     let mut content = String::new();
     let mut finish_reason = None;
     let mut usage = None;
+    // Chunks that carried content: the completion's tokens when the
+    // stream says nothing of its usage (one token a chunk, as servers
+    // stream them).
+    let mut pieces = 0u64;
+    let mut first = true;
     let mut done = false;
-    while let Some(event) = events.next().await {
+    loop {
+        // Until the first event, the wait is the first byte's; after it, a
+        // stream that goes quiet for `idle` has stalled.
+        let (limit, timeout_error): (Duration, fn(Duration) -> CallError) = if first {
+            (stalls.first_byte, CallError::FirstByteTimeout)
+        } else {
+            (stalls.idle, CallError::Stalled)
+        };
+        let Some(event) = tokio::time::timeout(limit, events.next())
+            .await
+            .map_err(|_| timeout_error(limit))?
+        else {
+            break;
+        };
+        first = false;
         let event = event.map_err(|err| match err {
             eventsource_stream::EventStreamError::Transport(_) => CallError::Truncated,
             other => CallError::BadResponse(format!("invalid event stream: {other}")),
@@ -539,8 +614,11 @@ async fn read_stream(
             if let Some(delta) = choice.delta {
                 let piece = delta.content.unwrap_or_default();
                 let thinking = delta.reasoning_content.unwrap_or_default();
-                if ttft.is_none() && !(piece.is_empty() && thinking.is_empty()) {
-                    *ttft = Some(started.elapsed());
+                if !(piece.is_empty() && thinking.is_empty()) {
+                    pieces += 1;
+                    if ttft.is_none() {
+                        *ttft = Some(started.elapsed());
+                    }
                 }
                 content.push_str(&piece);
             }
@@ -552,14 +630,22 @@ async fn read_stream(
             usage = chunk.usage;
         }
     }
-    if !done && finish_reason.is_none() {
-        return Err(CallError::Truncated);
+    // A stream that ends before any choice said why it finished is
+    // incomplete: closed by the server (`[DONE]`) or cut on the way.
+    if finish_reason.is_none() {
+        return Err(if done {
+            CallError::Unfinished
+        } else {
+            CallError::Truncated
+        });
     }
+    let counted = usage.as_ref().and_then(|u| u.completion_tokens);
     Ok(Completion {
         content,
         finish_reason,
         prompt_tokens: usage.as_ref().and_then(|u| u.prompt_tokens),
-        completion_tokens: usage.as_ref().and_then(|u| u.completion_tokens),
+        completion_tokens: counted.or(Some(pieces)),
+        tokens_estimated: counted.is_none(),
         http_status: status,
     })
 }
@@ -636,5 +722,177 @@ mod tests {
         };
         assert_eq!(timing.tpot(Some(11)), Some(Duration::from_millis(100)));
         assert_eq!(timing.tpot(Some(1)), None);
+    }
+
+    /// A server on 127.0.0.1:0 that answers one request with `head` and
+    /// then each `(pause, text)` in turn, and closes the connection.
+    async fn serve_once(head: &'static str, parts: Vec<(Duration, &'static str)>) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        // The test's own server: it ends with the connection.
+        #[allow(clippy::disallowed_methods)]
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            // The request: headers, then a body of Content-Length bytes.
+            let mut request = Vec::new();
+            let mut buf = [0u8; 4096];
+            loop {
+                let n = socket.read(&mut buf).await.unwrap();
+                request.extend_from_slice(&buf[..n]);
+                let text = String::from_utf8_lossy(&request);
+                if let Some(end) = text.find("\r\n\r\n") {
+                    let length = text[..end]
+                        .lines()
+                        .find_map(|l| {
+                            l.to_ascii_lowercase()
+                                .strip_prefix("content-length:")
+                                .map(|v| v.trim().parse::<usize>().unwrap())
+                        })
+                        .unwrap_or(0);
+                    if request.len() >= end + 4 + length {
+                        break;
+                    }
+                }
+                if n == 0 {
+                    break;
+                }
+            }
+            for (pause, text) in std::iter::once((Duration::ZERO, head)).chain(parts) {
+                tokio::time::sleep(pause).await;
+                if socket.write_all(text.as_bytes()).await.is_err() {
+                    return;
+                }
+            }
+        });
+        format!("http://{addr}/v1")
+    }
+
+    const SSE: &str =
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n";
+    const JSON: &str =
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n";
+
+    fn client(base_url: &str, stream: bool, stalls: Stalls) -> ChatClient {
+        // The config names a dataset that exists; the client reads none.
+        let dataset = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+        let config = serde_json::json!({
+            "name": "t",
+            "dataset": {"path": dataset, "format": "jsonl"},
+            "endpoints": [{"name": "e", "kind": "external", "base_url": base_url, "model": "m"}],
+            "task": {"messages": [{"role": "user", "content": "{{ q }}"}]},
+        });
+        let loaded = crate::config::load_snapshot(&config, std::path::Path::new(".")).unwrap();
+        ChatClient::new(&loaded.config.endpoints[0], base_url, &Map::new(), stream)
+            .unwrap()
+            .with_stalls(stalls)
+    }
+
+    async fn complete(
+        base_url: &str,
+        stream: bool,
+        stalls: Stalls,
+    ) -> Result<Completion, CallError> {
+        let messages =
+            RawValue::from_string(r#"[{"role":"user","content":"hi"}]"#.to_owned()).unwrap();
+        client(base_url, stream, stalls)
+            .complete(&messages)
+            .await
+            .result
+    }
+
+    fn chunk(content: &str, finish: Option<&str>) -> String {
+        let finish = finish.map_or("null".to_owned(), |f| format!("\"{f}\""));
+        format!(
+            "data: {{\"choices\":[{{\"delta\":{{\"content\":\"{content}\"}},\"finish_reason\":{finish}}}]}}\n\n"
+        )
+    }
+
+    fn leak(text: String) -> &'static str {
+        Box::leak(text.into_boxed_str())
+    }
+
+    #[tokio::test]
+    async fn a_stream_closed_without_a_finish_reason_is_not_an_answer() {
+        // As llama-cpp-python's server ends a stream it interrupts.
+        let parts = vec![
+            (Duration::ZERO, leak(chunk("Den", None))),
+            (Duration::ZERO, leak(chunk("ver", None))),
+            (Duration::ZERO, "data: [DONE]\n\n"),
+        ];
+        let url = serve_once(SSE, parts).await;
+        let err = complete(&url, true, Stalls::default()).await.unwrap_err();
+        assert!(matches!(err, CallError::Unfinished), "{err}");
+        assert_eq!(err.class(), ErrorClass::BadResponse);
+        // A whole body without one is not either.
+        let body = r#"{"choices":[{"message":{"content":"Den"},"finish_reason":null}]}"#;
+        let url = serve_once(JSON, vec![(Duration::ZERO, body)]).await;
+        let err = complete(&url, false, Stalls::default()).await.unwrap_err();
+        assert!(matches!(err, CallError::Unfinished), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_stream_without_usage_counts_its_chunks_as_estimated_tokens() {
+        let parts = vec![
+            (Duration::ZERO, leak(chunk("The", None))),
+            (Duration::ZERO, leak(chunk(" Denver", None))),
+            (Duration::ZERO, leak(chunk(" Broncos", Some("stop")))),
+            (Duration::ZERO, "data: [DONE]\n\n"),
+        ];
+        let url = serve_once(SSE, parts).await;
+        let answer = complete(&url, true, Stalls::default()).await.unwrap();
+        assert_eq!(answer.content, "The Denver Broncos");
+        assert_eq!(answer.finish_reason.as_deref(), Some("stop"));
+        assert_eq!(
+            (answer.completion_tokens, answer.tokens_estimated),
+            (Some(3), true)
+        );
+        // With usage, the count is the server's.
+        let parts = vec![
+            (
+                Duration::ZERO,
+                leak(chunk("The Denver Broncos", Some("stop"))),
+            ),
+            (
+                Duration::ZERO,
+                "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":4}}\n\n",
+            ),
+            (Duration::ZERO, "data: [DONE]\n\n"),
+        ];
+        let url = serve_once(SSE, parts).await;
+        let answer = complete(&url, true, Stalls::default()).await.unwrap();
+        assert_eq!(
+            (answer.completion_tokens, answer.tokens_estimated),
+            (Some(4), false)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_stream_that_goes_quiet_or_never_starts_is_given_up() {
+        let short = Stalls {
+            first_byte: Duration::from_millis(300),
+            idle: Duration::from_millis(300),
+        };
+        // Quiet for 10 s after its first chunk.
+        let parts = vec![
+            (Duration::ZERO, leak(chunk("Den", None))),
+            (Duration::from_secs(10), leak(chunk("ver", Some("stop")))),
+        ];
+        let url = serve_once(SSE, parts).await;
+        let err = complete(&url, true, short).await.unwrap_err();
+        assert!(matches!(err, CallError::Stalled(_)), "{err}");
+        assert_eq!(err.class(), ErrorClass::Stalled);
+        // Headers, then nothing for 10 s.
+        let url = serve_once(SSE, vec![(Duration::from_secs(10), "data: [DONE]\n\n")]).await;
+        let err = complete(&url, true, short).await.unwrap_err();
+        assert!(matches!(err, CallError::FirstByteTimeout(_)), "{err}");
+        assert_eq!(err.class(), ErrorClass::FirstByteTimeout);
+        // A slow but steady stream is fine: each chunk within the idle limit.
+        let parts = (0..4)
+            .map(|_| (Duration::from_millis(100), leak(chunk("x", None))))
+            .chain([(Duration::from_millis(100), leak(chunk("y", Some("stop"))))])
+            .collect();
+        let url = serve_once(SSE, parts).await;
+        assert_eq!(complete(&url, true, short).await.unwrap().content, "xxxxy");
     }
 }

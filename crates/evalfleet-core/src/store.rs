@@ -278,6 +278,10 @@ pub struct ExportRow {
     pub tpot_ms: Option<f64>,
     pub prompt_tokens: Option<u64>,
     pub completion_tokens: Option<u64>,
+    /// `completion_tokens` was counted from the stream's chunks (shown
+    /// only when it was).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub tokens_estimated: bool,
     pub item: Value,
     /// The extracted answer (JSON), when the task parses answers.
     pub parsed: Option<Value>,

@@ -103,6 +103,7 @@ fn result(seq: u64, id: &str, status: ItemStatus) -> ResultRecord {
             tpot_ms: None,
             prompt_tokens: Some(1),
             completion_tokens: Some(1),
+            tokens_estimated: false,
             finish_reason: Some("stop".to_owned()),
         }),
         attempts: 1,
@@ -559,6 +560,8 @@ fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
          ALTER TABLE results DROP COLUMN judge;
          ALTER TABLE attempts DROP COLUMN cached;
          ALTER TABLE results DROP COLUMN cached;
+         ALTER TABLE attempts DROP COLUMN tokens_estimated;
+         ALTER TABLE results DROP COLUMN tokens_estimated;
          PRAGMA user_version = 1;",
     )
     .unwrap();

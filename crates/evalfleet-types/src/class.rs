@@ -17,6 +17,12 @@ pub enum ErrorClass {
     /// The call succeeded but its answer could not be used (unparsed, or
     /// not of the task's schema): the model was asked again.
     InvalidAnswer,
+    /// No first byte of the answer within `timeouts.first_byte`: retry,
+    /// and send it less (the endpoint is queueing or stuck).
+    FirstByteTimeout,
+    /// A stream that sent nothing for `timeouts.stream_idle` after it had
+    /// begun: retry (a fault of that call).
+    Stalled,
 }
 
 crate::names!(ErrorClass, "error class", {
@@ -25,14 +31,18 @@ crate::names!(ErrorClass, "error class", {
     Fatal => "fatal",
     BadResponse => "bad_response",
     InvalidAnswer => "invalid_answer",
+    FirstByteTimeout => "first_byte_timeout",
+    Stalled => "stalled",
 });
 
 impl ErrorClass {
     /// The classes of failed calls, in the order reports show them (a
     /// re-asked answer is not a failed call).
-    pub const FAILURES: [ErrorClass; 4] = [
+    pub const FAILURES: [ErrorClass; 6] = [
         ErrorClass::Retryable,
         ErrorClass::BackPressure,
+        ErrorClass::FirstByteTimeout,
+        ErrorClass::Stalled,
         ErrorClass::BadResponse,
         ErrorClass::Fatal,
     ];

@@ -61,6 +61,9 @@ pub struct Telemetry {
     pub tpot_ms: Option<f64>,
     pub prompt_tokens: Option<u64>,
     pub completion_tokens: Option<u64>,
+    /// `completion_tokens` was counted from a stream's content chunks, the
+    /// stream having carried no usage.
+    pub tokens_estimated: bool,
     pub finish_reason: Option<String>,
 }
 

@@ -222,6 +222,23 @@ pub struct Timeouts {
     /// host, its items go to the run's other workers after this; one on
     /// this host that dies frees them at once. Default `30s`.
     pub lease: Duration,
+    /// How long a call may wait for the first byte of its answer (headers
+    /// and, for a stream, the first event) before it is given up as stalled
+    /// and retried. Default `120s`.
+    pub first_byte: Duration,
+    /// How long a stream may send nothing before it is given up as stalled
+    /// and retried. Default `30s`.
+    pub stream_idle: Duration,
+}
+
+impl Timeouts {
+    /// The limits a client puts on one call's waits.
+    pub fn stalls(&self) -> crate::client::Stalls {
+        crate::client::Stalls {
+            first_byte: self.first_byte,
+            idle: self.stream_idle,
+        }
+    }
 }
 
 /// `writer:` how results are committed.

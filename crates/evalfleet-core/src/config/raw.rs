@@ -112,6 +112,8 @@ pub struct RawTimeouts {
     pub item: Option<String>,
     pub no_endpoint: Option<String>,
     pub lease: Option<String>,
+    pub first_byte: Option<String>,
+    pub stream_idle: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -729,11 +729,21 @@ fn timeouts(raw: RawTimeouts, p: &mut Problems<'_>) -> Option<Timeouts> {
         }
         other => other,
     };
+    let first_byte = p.duration("timeouts.first_byte", raw.first_byte.as_deref(), "120s");
+    let stream_idle = p.duration("timeouts.stream_idle", raw.stream_idle.as_deref(), "30s");
+    let mut zero = |name: &str, value: Option<std::time::Duration>| match value {
+        Some(d) if d.is_zero() => p.push(name, "must be more than 0"),
+        other => other,
+    };
+    let first_byte = zero("timeouts.first_byte", first_byte);
+    let stream_idle = zero("timeouts.stream_idle", stream_idle);
     Some(Timeouts {
         attempt: attempt?,
         item: item?,
         no_endpoint: no_endpoint?,
         lease: lease?,
+        first_byte: first_byte?,
+        stream_idle: stream_idle?,
     })
 }
 

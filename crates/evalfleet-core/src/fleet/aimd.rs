@@ -6,7 +6,9 @@
 //! timeout, a refused connection). At the end of each interval (one baseline
 //! RTT long) it decides once:
 //!
-//! - back pressure was seen: multiply the limit by `decrease_ratio`;
+//! - back pressure was seen, beyond what comes whatever the load: back to
+//!   the share of calls that got through (by `decrease_ratio` at least, by
+//!   half at most);
 //! - the interval's mean RTT rose clearly above the baseline (mean + k ×
 //!   deviation, and at least 5%): the endpoint is queueing. Multiply by
 //!   `baseline / current` (what the limit was when RTT was normal), but never
@@ -14,6 +16,18 @@
 //! - the limit was reached and nothing was wrong: add one, or double it while
 //!   in slow start (until the first decrease), so that a large limit is
 //!   reached in a few round trips instead of hundreds.
+//!
+//! Some endpoints refuse a share of calls at any load (a 503 or 408 now and
+//! then, with no quota behind it). Cutting the limit for each would bring it
+//! down to nothing. Overload shows as a share of refusals that grows with
+//! the limit once it passes what the endpoint takes; sporadic refusals keep
+//! their share whatever the limit. So the controller keeps the share of
+//! back pressure seen at each level of the limit (recent intervals weigh
+//! most), takes the share over the lowest levels, as many as it takes to
+//! have seen a few hundred calls, as the background, and counts an
+//! interval's back pressure only when its share is clearly above it: more
+//! than three standard deviations of a binomial share over the interval's
+//! calls.
 //!
 //! The baseline follows the lower envelope of interval RTTs: it falls at once
 //! when round trips get shorter and rises only slowly, and not at all while
@@ -42,6 +56,15 @@ const ALPHA_DEVIATION: f64 = 0.3;
 const ALPHA_RAISED: f64 = 0.02;
 /// The interval before any RTT is known.
 const FIRST_INTERVAL: Duration = Duration::from_millis(100);
+/// A share of back pressure that always counts, whatever the background.
+const MOSTLY: f64 = 0.5;
+/// Each interval, what is known of every level of the limit fades by this.
+const LEVEL_FADE: f64 = 0.99;
+/// Calls (faded) the background is taken over.
+const LEVEL_KNOWN: f64 = 200.0;
+/// The background share assumed in the test of an interval, at least (so
+/// that one refusal among a handful of calls is not proof of overload).
+const BACKGROUND_FLOOR: f64 = 0.05;
 
 /// What a finished call tells the controller.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,7 +120,12 @@ pub struct Aimd {
     interval_end: Instant,
     samples: u32,
     rtt_sum: f64,
-    back_pressure: bool,
+    /// Calls that ended in this interval, and those that pushed back.
+    ended: u32,
+    pushed_back: u32,
+    /// Per level of the limit (eight a doubling): calls seen and those
+    /// that pushed back, fading.
+    levels: Vec<(i32, f64, f64)>,
     reached: bool,
     baseline: Option<Baseline>,
     /// The previous interval's mean RTT (the deviation measures the noise
@@ -117,7 +145,9 @@ impl Aimd {
             interval_end: now + FIRST_INTERVAL,
             samples: 0,
             rtt_sum: 0.0,
-            back_pressure: false,
+            ended: 0,
+            pushed_back: 0,
+            levels: Vec::new(),
             reached: false,
             baseline: None,
             previous: None,
@@ -142,12 +172,13 @@ impl Aimd {
 
     /// Called when a call ends; decides when an interval is over.
     pub fn on_end(&mut self, now: Instant, signal: Signal) -> Option<Decision> {
+        self.ended += 1;
         match signal {
             Signal::Success(rtt) => {
                 self.samples += 1;
                 self.rtt_sum += rtt.as_secs_f64();
             }
-            Signal::BackPressure => self.back_pressure = true,
+            Signal::BackPressure => self.pushed_back += 1,
             Signal::Neutral => {}
         }
         if now < self.interval_end {
@@ -156,15 +187,67 @@ impl Aimd {
         self.decide(now)
     }
 
+    /// The share of back pressure at the lowest levels of the limit seen
+    /// lately, over at least [`LEVEL_KNOWN`] calls where there were as many.
+    fn background(&self) -> f64 {
+        let (mut calls, mut pushed) = (0.0, 0.0);
+        for (_, c, p) in &self.levels {
+            if calls >= LEVEL_KNOWN {
+                break;
+            }
+            calls += c;
+            pushed += p;
+        }
+        if calls > 0.0 { pushed / calls } else { 0.0 }
+    }
+
+    /// Adds the interval's calls to what is known of the limit's level
+    /// `limit`, and fades the rest.
+    fn learn_level(&mut self, limit: usize) {
+        let level = (8.0 * (limit.max(1) as f64).log2()).round() as i32;
+        for entry in &mut self.levels {
+            entry.1 *= LEVEL_FADE;
+            entry.2 *= LEVEL_FADE;
+        }
+        self.levels.retain(|(_, calls, _)| *calls >= 1.0);
+        let (ended, pushed) = (f64::from(self.ended), f64::from(self.pushed_back));
+        match self.levels.iter_mut().find(|(l, _, _)| *l == level) {
+            Some(entry) => {
+                entry.1 += ended;
+                entry.2 += pushed;
+            }
+            None if ended > 0.0 => {
+                self.levels.push((level, ended, pushed));
+                self.levels.sort_by_key(|(level, _, _)| *level);
+            }
+            None => {}
+        }
+    }
+
     fn decide(&mut self, now: Instant) -> Option<Decision> {
         let current = (self.samples > 0).then(|| self.rtt_sum / f64::from(self.samples));
         let from = self.limit;
         let settings = self.settings;
         let floor = settings.min.max(1);
         let mut rose = false;
-        let decision = if self.back_pressure {
+        let background = self.background();
+        // The share of calls pushed back beyond the background, when it is
+        // clearly beyond (or most calls were: that is never background).
+        let excess = {
+            let n = f64::from(self.ended.max(1));
+            let share = f64::from(self.pushed_back) / n;
+            let p = background.max(BACKGROUND_FLOOR);
+            let beyond = share > background + 3.0 * (p * (1.0 - p) / n).sqrt();
+            (self.pushed_back > 0 && (beyond || share > MOSTLY))
+                .then_some((share - background).max(0.0))
+        };
+        self.learn_level(from);
+        let decision = if let Some(excess) = excess {
+            // Back to what the endpoint took: the calls beyond it were the
+            // excess; by `decrease_ratio` at least, by half at most.
             self.slow_start = false;
-            let to = ((from as f64 * settings.decrease_ratio) as usize).max(floor);
+            let factor = (1.0 - excess).clamp(0.5, settings.decrease_ratio);
+            let to = ((from as f64 * factor) as usize).max(floor);
             Some((to, Reason::BackPressure))
         } else if let (Some(current), Some(base)) = (current, self.baseline)
             && current
@@ -223,7 +306,8 @@ impl Aimd {
         self.interval_end = now + interval;
         self.samples = 0;
         self.rtt_sum = 0.0;
-        self.back_pressure = false;
+        self.ended = 0;
+        self.pushed_back = 0;
         self.reached = false;
 
         let (to, reason) = decision?;
@@ -268,10 +352,12 @@ mod tests {
         let ok = Signal::Success(Duration::from_millis(100));
         assert_eq!(interval(&mut c, &mut now, ok).unwrap().to, 8);
         assert_eq!(interval(&mut c, &mut now, ok).unwrap().to, 16);
+        // Every call of the interval pushed back: half of 16 (the least
+        // the cut keeps), not 16 x 0.7.
         let cut = interval(&mut c, &mut now, Signal::BackPressure).unwrap();
-        assert_eq!((cut.to, cut.reason), (11, Reason::BackPressure));
+        assert_eq!((cut.to, cut.reason), (8, Reason::BackPressure));
         let up = interval(&mut c, &mut now, ok).unwrap();
-        assert_eq!((up.to, up.reason), (12, Reason::Increase));
+        assert_eq!((up.to, up.reason), (9, Reason::Increase));
     }
 
     #[test]
@@ -317,5 +403,62 @@ mod tests {
             interval(&mut c, &mut now, Signal::Success(Duration::from_millis(10)));
         }
         assert_eq!(c.limit(), 64);
+    }
+
+    /// Runs `intervals` round trips of 100 ms with the limit's worth of
+    /// calls each; `refused(i, limit, draw)` says whether call `i` of an
+    /// interval pushed back. Returns the limits seen over the last half.
+    fn simulate(intervals: usize, refused: impl Fn(usize, usize, f64) -> bool) -> (usize, usize) {
+        let mut now = Instant::now();
+        let mut c = Aimd::new(
+            AimdSettings {
+                initial: 8,
+                max: 128,
+                decrease_ratio: 0.9,
+                ..settings()
+            },
+            now,
+        );
+        let mut rng = fastrand::Rng::with_seed(7);
+        let mut seen = Vec::new();
+        for round in 0..intervals {
+            let limit = c.limit();
+            for _ in 0..limit {
+                c.on_start(limit);
+            }
+            // Their ends spread over the round trip, in a random order.
+            let start = now;
+            let mut order: Vec<usize> = (0..limit).collect();
+            rng.shuffle(&mut order);
+            for (k, i) in order.into_iter().enumerate() {
+                now = start + Duration::from_millis(100) * (k as u32 + 1) / limit as u32;
+                let signal = if refused(i, limit, rng.f64()) {
+                    Signal::BackPressure
+                } else {
+                    Signal::Success(Duration::from_millis(100))
+                };
+                c.on_end(now, signal);
+            }
+            if round >= intervals / 2 {
+                seen.push(c.limit());
+            }
+        }
+        (*seen.iter().min().unwrap(), *seen.iter().max().unwrap())
+    }
+
+    #[test]
+    fn refusals_that_come_at_any_load_do_not_hold_the_limit_down() {
+        // 7% of calls refused (503, 408) whatever the load.
+        let (low, _) = simulate(400, |_, _, draw| draw < 0.07);
+        assert!(low >= 100, "the limit fell to {low}");
+    }
+
+    #[test]
+    fn refusals_that_come_with_load_still_cut_the_limit() {
+        // An endpoint that takes 40 at once and refuses the rest, with 7%
+        // refused at any load besides.
+        let (low, high) = simulate(400, |i, _, draw| i >= 40 || draw < 0.07);
+        assert!(high <= 60, "the limit rose to {high}");
+        assert!(low >= 25, "the limit fell to {low}");
     }
 }

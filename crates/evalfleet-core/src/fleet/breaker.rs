@@ -1,10 +1,15 @@
 //! An endpoint's health as a circuit breaker, with all its state here.
 //!
-//! Closed: the endpoint takes items. `max_failures` failures in a row (health
-//! probes, or calls that failed for the endpoint's sake: refused connections,
-//! timeouts, 5xx) open it: it takes no new items. While open, only probes run;
-//! the first probe that succeeds half-opens it, and `recover_after` probes in
-//! a row that succeed close it again. A failure while half-open opens it.
+//! Closed: the endpoint takes items. It opens (takes no new items; calls in
+//! flight go on) when the endpoint is down, not when it is merely faulty:
+//! `max_failures` failures in a row that say it is down (probes that fail,
+//! calls whose connection was refused or that got no answer at all), or
+//! [`FAULTS_IN_A_ROW`] calls in a row that failed (a 5xx, a broken or cut
+//! stream): sporadic faults, even at 15% of calls, practically never come
+//! that many in a row (0.15^20 ≈ 3 × 10^-17), while an endpoint that fails
+//! everything gets there in a moment. While open, only probes run; the first
+//! probe that succeeds half-opens it, and `recover_after` probes in a row
+//! that succeed close it again. A failure while half-open opens it.
 //! Needing several of each keeps a flaky endpoint from flapping.
 
 /// The breaker's state.
@@ -26,10 +31,30 @@ pub enum Transition {
     Closed,
 }
 
+/// What a call says about the endpoint's health.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    /// It answered.
+    Up,
+    /// It did not: the connection was refused, or no answer came at all.
+    Down,
+    /// This call failed (a 5xx, a stream cut or stalled): a fault of the
+    /// call, which says the endpoint is down only when nothing else gets
+    /// through.
+    Fault,
+    /// Nothing (it said no: a 4xx, a 429, a 503; it is up).
+    Silent,
+}
+
+/// Calls in a row that failed with faults before the endpoint counts as
+/// down.
+pub const FAULTS_IN_A_ROW: u32 = 20;
+
 #[derive(Debug, Clone)]
 pub struct Breaker {
     state: BreakerState,
     failures: u32,
+    faults: u32,
     successes: u32,
     max_failures: u32,
     recover_after: u32,
@@ -40,6 +65,7 @@ impl Breaker {
         Self {
             state: BreakerState::Closed,
             failures: 0,
+            faults: 0,
             successes: 0,
             max_failures: max_failures.max(1),
             recover_after: recover_after.max(1),
@@ -77,18 +103,28 @@ impl Breaker {
         }
     }
 
-    /// A call's result, as far as the endpoint's health goes: `Some(true)`
-    /// succeeded, `Some(false)` failed for the endpoint's sake, `None` says
-    /// nothing (a 4xx, a 429: the endpoint is up).
-    pub fn call(&mut self, healthy: Option<bool>) -> Option<Transition> {
-        match (self.state, healthy?) {
-            (BreakerState::Closed, true) => {
+    /// A call's result, as far as the endpoint's health goes.
+    pub fn call(&mut self, health: Health) -> Option<Transition> {
+        // Calls finishing after the breaker opened say nothing new.
+        if self.state != BreakerState::Closed {
+            return None;
+        }
+        match health {
+            Health::Up => {
                 self.failures = 0;
+                self.faults = 0;
                 None
             }
-            (BreakerState::Closed, false) => self.fail(),
-            // Calls finishing after the breaker opened say nothing new.
-            (BreakerState::Open | BreakerState::HalfOpen, _) => None,
+            Health::Down => self.fail(),
+            Health::Fault => {
+                self.faults += 1;
+                if self.faults >= FAULTS_IN_A_ROW {
+                    self.open()
+                } else {
+                    None
+                }
+            }
+            Health::Silent => None,
         }
     }
 
@@ -120,6 +156,7 @@ impl Breaker {
     fn open(&mut self) -> Option<Transition> {
         self.state = BreakerState::Open;
         self.failures = 0;
+        self.faults = 0;
         self.successes = 0;
         Some(Transition::Opened)
     }
@@ -128,6 +165,7 @@ impl Breaker {
         if self.successes >= self.recover_after {
             self.state = BreakerState::Closed;
             self.failures = 0;
+            self.faults = 0;
             self.successes = 0;
             Some(Transition::Closed)
         } else {
@@ -144,13 +182,13 @@ mod tests {
     fn failures_in_a_row_open_and_successes_in_a_row_close() {
         let mut b = Breaker::new(3, 2);
         assert_eq!(b.probe(false), None);
-        assert_eq!(b.call(Some(false)), None);
-        assert_eq!(b.call(Some(true)), None, "a success resets the count");
+        assert_eq!(b.call(Health::Down), None);
+        assert_eq!(b.call(Health::Up), None, "a success resets the count");
         assert_eq!(b.probe(false), None);
-        assert_eq!(b.call(Some(false)), None);
+        assert_eq!(b.call(Health::Down), None);
         assert_eq!(b.probe(false), Some(Transition::Opened));
         assert!(!b.admits());
-        assert_eq!(b.call(Some(true)), None, "late calls do not close it");
+        assert_eq!(b.call(Health::Up), None, "late calls do not close it");
         assert_eq!(b.probe(true), Some(Transition::HalfOpened));
         assert!(!b.admits());
         assert_eq!(b.probe(true), Some(Transition::Closed));
@@ -160,12 +198,31 @@ mod tests {
     #[test]
     fn a_failure_while_half_open_opens_again_and_neutral_calls_count_for_nothing() {
         let mut b = Breaker::new(1, 3);
-        assert_eq!(b.call(None), None);
-        assert_eq!(b.call(Some(false)), Some(Transition::Opened));
+        assert_eq!(b.call(Health::Silent), None);
+        assert_eq!(b.call(Health::Down), Some(Transition::Opened));
         assert_eq!(b.probe(true), Some(Transition::HalfOpened));
         assert_eq!(b.probe(false), Some(Transition::Opened));
         assert_eq!(b.state(), BreakerState::Open);
         assert_eq!(b.trip(), None, "already open");
         assert_eq!(b.reset(), Some(Transition::Closed));
+    }
+
+    #[test]
+    fn faults_open_it_only_when_nothing_gets_through() {
+        let mut b = Breaker::new(1, 1);
+        // A fault rate of one in three, for a long time: never open.
+        for i in 0..3_000 {
+            let health = if i % 3 == 0 {
+                Health::Fault
+            } else {
+                Health::Up
+            };
+            assert_eq!(b.call(health), None, "call {i}");
+        }
+        // Faults that are all there is: open, after FAULTS_IN_A_ROW.
+        for _ in 1..FAULTS_IN_A_ROW {
+            assert_eq!(b.call(Health::Fault), None);
+        }
+        assert_eq!(b.call(Health::Fault), Some(Transition::Opened));
     }
 }

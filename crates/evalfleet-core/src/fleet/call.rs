@@ -21,7 +21,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::runtime::FleetHandle;
-use super::{Endpoint, Permit, Signal};
+use super::{Endpoint, Health, Permit, Signal};
 use crate::client::{CallError, ChatClient, Completion, Timing};
 
 /// Waits until `endpoint` takes calls and one of its slots is free;
@@ -69,8 +69,8 @@ pub enum Exchange {
     Done {
         result: Result<Completion, CallError>,
         timing: Timing,
-        /// It said no because of its quota (429, or 503 with
-        /// `Retry-After`): the call did nothing wrong.
+        /// It said no because of its quota (429): the call did nothing
+        /// wrong.
         rate_limited: bool,
     },
 }
@@ -102,7 +102,9 @@ pub async fn send(
     } = call;
     let counters = &endpoint.counters;
     counters.in_flight.fetch_add(1, Ordering::Relaxed);
-    counters.attempts.fetch_add(1, Ordering::Relaxed);
+    // Calls started before this one, to tell afterwards whether another
+    // started while it ran.
+    let before = counters.attempts.fetch_add(1, Ordering::Relaxed);
     endpoint.started();
     let sent_at = SystemTime::now();
     let evicted = endpoint.eviction();
@@ -131,16 +133,20 @@ pub async fn send(
         ),
     };
 
-    // What the outcome teaches the fleet. Once calls are paced, a 429 means
-    // the pace is a little high, not that too many calls are in flight.
-    let rate_limited = result.as_ref().err().is_some_and(|err| {
-        err.http_status() == Some(429)
-            || (err.http_status() == Some(503) && err.retry_after().is_some())
-    });
+    // What the outcome teaches the fleet. A 429 is the quota's: it teaches
+    // the rate (a 503 or 408, even with `Retry-After`, is load or a fault:
+    // its `Retry-After` delays that call's retry only). Once calls are
+    // paced, a 429 means the pace is a little high, not that too many
+    // calls are in flight.
+    let rate_limited = result
+        .as_ref()
+        .err()
+        .is_some_and(|err| err.http_status() == Some(429));
     let signal = if rate_limited && endpoint.rate.paces() {
         Signal::Neutral
     } else {
-        signal(&result, &timing)
+        let overtaken = counters.attempts.load(Ordering::Relaxed) > before + 1;
+        signal(&result, &timing, overtaken)
     };
     if let Some(decision) = permit.finish(signal) {
         tracing::debug!(
@@ -218,15 +224,17 @@ impl Exchange {
                 )),
             ),
             Self::Done { result, timing, .. } => {
-                let (completion_tokens, prompt_tokens, finish_reason, status) = match result {
-                    Ok(c) => (
-                        c.completion_tokens,
-                        c.prompt_tokens,
-                        c.finish_reason.clone(),
-                        Some(c.http_status),
-                    ),
-                    Err(err) => (None, None, None, err.http_status()),
-                };
+                let (completion_tokens, estimated, prompt_tokens, finish_reason, status) =
+                    match result {
+                        Ok(c) => (
+                            c.completion_tokens,
+                            c.tokens_estimated,
+                            c.prompt_tokens,
+                            c.finish_reason.clone(),
+                            Some(c.http_status),
+                        ),
+                        Err(err) => (None, false, None, None, err.http_status()),
+                    };
                 (
                     timing.sent_at,
                     Telemetry {
@@ -237,6 +245,7 @@ impl Exchange {
                         tpot_ms: timing.tpot(completion_tokens).map(ms),
                         prompt_tokens,
                         completion_tokens,
+                        tokens_estimated: estimated,
                         finish_reason,
                     },
                     status,
@@ -258,32 +267,40 @@ impl Exchange {
     }
 }
 
-/// What a call's outcome says to the concurrency controller: only round
-/// trips of successful calls, and back pressure (including refused
-/// connections).
-fn signal(result: &Result<Completion, CallError>, timing: &Timing) -> Signal {
+/// What a call's outcome says to the concurrency controller: round trips
+/// of successful calls, and back pressure: a refused connection, a 429,
+/// 503 or 408, no answer in time, and an answer cut off after another call
+/// arrived (`overtaken`: servers that serve one stream at a time end the
+/// running one). A fault of the call alone (a 500, a stall, a broken
+/// stream) says nothing about load. The controller itself tells load from
+/// back pressure that comes whatever the load (see [`super::aimd`]).
+fn signal(result: &Result<Completion, CallError>, timing: &Timing, overtaken: bool) -> Signal {
     match result {
         Ok(_) => Signal::Success(timing.ttft.unwrap_or(timing.latency)),
         Err(CallError::Connect(_)) => Signal::BackPressure,
-        Err(err) if err.class() == ErrorClass::BackPressure => Signal::BackPressure,
+        Err(CallError::Unfinished | CallError::Truncated) if overtaken => Signal::BackPressure,
+        Err(err)
+            if matches!(
+                err.class(),
+                ErrorClass::BackPressure | ErrorClass::FirstByteTimeout
+            ) =>
+        {
+            Signal::BackPressure
+        }
         Err(_) => Signal::Neutral,
     }
 }
 
-/// What a call's outcome says about the endpoint's health: `None` when it
-/// says nothing (the endpoint is up but said no: 4xx, 429, 503).
-fn health(result: &Result<Completion, CallError>) -> Option<bool> {
+/// What a call's outcome says about the endpoint's health (see
+/// [`super::breaker`]): down when it cannot be reached; a fault of the
+/// call when it failed otherwise (which says the endpoint is down only
+/// when nothing gets through); nothing when it said no for the request's
+/// or the quota's sake (a 4xx, a 429).
+fn health(result: &Result<Completion, CallError>) -> Health {
     match result {
-        Ok(_) => Some(true),
-        Err(
-            CallError::Connect(_)
-            | CallError::Transport(_)
-            | CallError::Timeout(_)
-            | CallError::Truncated
-            | CallError::BadResponse(_),
-        ) => Some(false),
-        Err(CallError::Status { status, .. }) => {
-            (*status >= 500 && *status != 503).then_some(false)
-        }
+        Ok(_) => Health::Up,
+        Err(CallError::Connect(_)) => Health::Down,
+        Err(CallError::Status { status, .. }) if *status < 500 && *status != 408 => Health::Silent,
+        Err(_) => Health::Fault,
     }
 }

@@ -24,7 +24,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 pub use aimd::{AimdSettings, Decision, Reason, Signal};
-pub use breaker::{Breaker, BreakerState, Transition};
+pub use breaker::{Breaker, BreakerState, Health, Transition};
 pub use limit::{ConcurrencyLimit, LimitMode, Permit};
 pub use rate::{Quota, RateEvent, RateLimiter};
 
@@ -39,7 +39,7 @@ pub struct EndpointCounters {
     pub in_flight: AtomicU64,
     pub attempts: AtomicU64,
     pub successes: AtomicU64,
-    errors: [AtomicU64; 4],
+    errors: [AtomicU64; 6],
     /// Calls started in each of the last 60 seconds (a ring by second).
     minute: Mutex<Minute>,
 }
@@ -100,6 +100,8 @@ fn class_index(class: ErrorClass) -> usize {
         // A re-asked answer is not a failed call; were it counted, it would
         // be as an unusable response.
         ErrorClass::BadResponse | ErrorClass::InvalidAnswer => 3,
+        ErrorClass::FirstByteTimeout => 4,
+        ErrorClass::Stalled => 5,
     }
 }
 
@@ -264,21 +266,19 @@ impl Endpoint {
         *evict = CancellationToken::new();
     }
 
-    /// Recomputes whether items may be sent, evicting calls in flight when
-    /// they may not.
+    /// Recomputes whether items may be sent. It cuts off no call in
+    /// flight: an endpoint whose breaker opened may still answer them
+    /// (only leaving the run's service, [`Self::set_phase`] and
+    /// [`Self::trip`], does).
     fn update(&self, status: &mut Status) {
         let accepting = status.phase == Phase::Ready && status.breaker.admits();
         // Watchers hear of a change only: a probe or a call that leaves it
         // as it was must not wake the prober (which would probe at once,
         // and so on, without end).
-        let mut was = accepting;
         self.accepting.send_if_modified(|value| {
-            was = std::mem::replace(value, accepting);
+            let was = std::mem::replace(value, accepting);
             was != accepting
         });
-        if was && !accepting {
-            self.evict_in_flight();
-        }
     }
 
     /// Moves to `phase`.
@@ -290,6 +290,11 @@ impl Endpoint {
             status.unhealthy_since = None;
         }
         self.update(&mut status);
+        // Out of service (stopped, restarting, removed): its calls in
+        // flight go elsewhere.
+        if phase != Phase::Ready {
+            self.evict_in_flight();
+        }
         let mut excluded = self.excluded.lock().unwrap_or_else(PoisonError::into_inner);
         if phase == Phase::Excluded {
             excluded.cancel();
@@ -325,9 +330,9 @@ impl Endpoint {
     }
 
     /// A call's result as far as health goes (see [`Breaker::call`]).
-    pub fn on_call(&self, healthy: Option<bool>) -> Option<Transition> {
+    pub fn on_call(&self, health: Health) -> Option<Transition> {
         let mut status = self.status();
-        let transition = status.breaker.call(healthy);
+        let transition = status.breaker.call(health);
         self.apply(&mut status, transition)
     }
 
@@ -335,6 +340,7 @@ impl Endpoint {
     pub fn trip(&self) -> Option<Transition> {
         let mut status = self.status();
         let transition = status.breaker.trip();
+        self.evict_in_flight();
         self.apply(&mut status, transition)
     }
 

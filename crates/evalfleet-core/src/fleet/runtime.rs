@@ -77,6 +77,7 @@ struct Shared {
     options: FleetOptions,
     task_params: Map<String, Value>,
     stream: bool,
+    stalls: crate::client::Stalls,
     events: mpsc::UnboundedSender<FleetEvent>,
     exhausted: CancellationToken,
     reason: Mutex<Option<String>>,
@@ -137,6 +138,7 @@ impl Fleet {
                 options,
                 task_params: config.task.params.clone(),
                 stream: config.task.stream,
+                stalls: config.timeouts.stalls(),
                 events,
                 exhausted: CancellationToken::new(),
                 reason: Mutex::new(None),
@@ -287,7 +289,8 @@ fn serve(
         base_url,
         &shared.task_params,
         shared.stream,
-    )?;
+    )?
+    .with_stalls(shared.stalls);
     endpoint.set_client(client, base_url.to_owned(), pid);
     endpoint.set_phase(Phase::Ready);
     Ok(())

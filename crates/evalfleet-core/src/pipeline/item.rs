@@ -154,6 +154,7 @@ impl Item {
                 tpot_ms: None,
                 prompt_tokens: hit.prompt_tokens,
                 completion_tokens: hit.completion_tokens,
+                tokens_estimated: false,
                 finish_reason: hit.finish_reason,
             });
         }

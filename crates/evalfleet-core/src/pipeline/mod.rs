@@ -196,7 +196,11 @@ impl CacheUse {
             endpoint: telemetry.endpoint.clone(),
             model: telemetry.model.clone(),
             prompt_tokens: telemetry.prompt_tokens,
-            completion_tokens: telemetry.completion_tokens,
+            // The cache keeps counted tokens only: an estimate read back
+            // would pass for a count.
+            completion_tokens: telemetry
+                .completion_tokens
+                .filter(|_| !telemetry.tokens_estimated),
             finish_reason: telemetry.finish_reason.clone(),
             latency_ms: telemetry.latency_ms,
             created_at_ms: now_ms(),

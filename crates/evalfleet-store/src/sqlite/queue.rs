@@ -321,8 +321,8 @@ impl WorkQueue for SqliteStore {
                 .prepare_cached(
                     "INSERT INTO attempts (rid, seq, attempt, session, endpoint, model, sent_at, latency_ms,
                          ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, http_status,
-                         error_class, error)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
+                         error_class, error, tokens_estimated)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)",
                 )
                 .map_err(db_err("cannot prepare the attempt insert"))?;
             for (claim, a) in &batch.attempts {
@@ -349,6 +349,7 @@ impl WorkQueue for SqliteStore {
                         a.http_status,
                         a.error_class.map(ErrorClass::as_str),
                         a.error,
+                        t.tokens_estimated,
                     ])
                     .map_err(db_err("cannot record an attempt"))?;
             }
@@ -385,9 +386,10 @@ impl WorkQueue for SqliteStore {
                 .prepare_cached(
                     "INSERT INTO results (rid, seq, item_id, status, output, error, endpoint, model, attempts,
                          latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, item,
-                         finished_at, parsed, verdict, check_error, scores, reasks, judge, cached)
+                         finished_at, parsed, verdict, check_error, scores, reasks, judge, cached,
+                         tokens_estimated)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17,
-                             ?18, ?19, ?20, ?21, ?22, ?23, ?24)",
+                             ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25)",
                 )
                 .map_err(db_err("cannot prepare the result insert"))?;
             for (claim, r) in &batch.results {
@@ -433,6 +435,7 @@ impl WorkQueue for SqliteStore {
                         reasks,
                         judge,
                         r.cached,
+                        t.is_some_and(|t| t.tokens_estimated),
                     ])
                     .map_err(db_err("cannot record a result"))?;
                 match r.status {

@@ -150,7 +150,7 @@ impl Results for SqliteStore {
             .prepare(
                 "SELECT r.item_id, r.status, r.output, r.error, r.endpoint, r.model, r.attempts, r.latency_ms,
                         r.ttft_ms, r.tpot_ms, r.prompt_tokens, r.completion_tokens, r.item,
-                        r.parsed, r.verdict, r.scores, r.judge
+                        r.parsed, r.verdict, r.scores, r.judge, r.tokens_estimated
                  FROM results r WHERE r.rid = ?1 ORDER BY r.seq",
             )
             .map_err(db_err("cannot export"))?;
@@ -185,6 +185,7 @@ impl Results for SqliteStore {
                     .get::<_, Option<i64>>(11)
                     .map_err(&get_err)?
                     .map(|t| t as u64),
+                tokens_estimated: row.get(17).map_err(&get_err)?,
                 item,
                 parsed: json_column(row.get(13).map_err(&get_err)?)?,
                 valid: row

@@ -173,8 +173,15 @@ CREATE INDEX claims_by_run ON claims (rid, first_seq);
 /// not stored as attempts of their own.
 const CACHED_CALLS: &str = "ALTER TABLE results ADD COLUMN cached INTEGER NOT NULL DEFAULT 0;";
 
+/// 6: completion tokens counted from a stream's chunks are marked as
+/// estimated.
+const ESTIMATED_TOKENS: &str = "
+ALTER TABLE attempts ADD COLUMN tokens_estimated INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE results ADD COLUMN tokens_estimated INTEGER NOT NULL DEFAULT 0;
+";
+
 /// The schema version a store has once every migration ran.
-pub const VERSION: usize = 5;
+pub const VERSION: usize = 6;
 
 pub fn migrations() -> Migrations<'static> {
     Migrations::new(vec![
@@ -183,6 +190,7 @@ pub fn migrations() -> Migrations<'static> {
         M::up(CODE_JUDGEMENT),
         M::up(WORKERS_AND_CLAIMS),
         M::up(CACHED_CALLS),
+        M::up(ESTIMATED_TOKENS),
     ])
 }
 

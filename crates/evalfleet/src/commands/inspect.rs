@@ -200,6 +200,8 @@ fn print_status(
         "OK".to_owned(),
         "RETRYABLE".to_owned(),
         "BACKPRESSURE".to_owned(),
+        "NO_FIRST_BYTE".to_owned(),
+        "STALLED".to_owned(),
         "BAD_RESPONSE".to_owned(),
         "FATAL".to_owned(),
         "MOVED".to_owned(),
@@ -216,7 +218,14 @@ fn print_status(
                 .unwrap_or(0)
                 .to_string()
         };
-        let [retryable, back_pressure, bad_response, fatal] = ErrorClass::FAILURES.map(errors);
+        let [
+            retryable,
+            back_pressure,
+            first_byte,
+            stalled,
+            bad_response,
+            fatal,
+        ] = ErrorClass::FAILURES.map(errors);
         let dash = || "-".to_owned();
         rows.push([
             name.to_owned(),
@@ -230,6 +239,8 @@ fn print_status(
             summary.map_or_else(|| "0".to_owned(), |e| e.successes.to_string()),
             retryable,
             back_pressure,
+            first_byte,
+            stalled,
             bad_response,
             fatal,
             summary
@@ -296,7 +307,7 @@ pub fn fleet(args: FleetArgs) -> anyhow::Result<u8> {
 }
 
 /// The fixed columns of an export row, in the contract's order.
-const COLUMNS: [&str; 16] = [
+const COLUMNS: [&str; 17] = [
     "item_id",
     "status",
     "output",
@@ -309,6 +320,7 @@ const COLUMNS: [&str; 16] = [
     "tpot_ms",
     "prompt_tokens",
     "completion_tokens",
+    "tokens_estimated",
     "parsed",
     "valid",
     "scores",
@@ -418,6 +430,7 @@ fn csv_record(row: &ExportRow, fields: &BTreeSet<String>) -> Vec<String> {
         num(row.tpot_ms),
         int(row.prompt_tokens),
         int(row.completion_tokens),
+        if row.tokens_estimated { "true" } else { "" }.to_owned(),
         json_cell(row.parsed.as_ref()),
         row.valid.map(|v| v.to_string()).unwrap_or_default(),
         row.scores
