@@ -2,19 +2,19 @@
 //! and not), `GET /mock/stats` (counters for tests and benchmarks) and
 //! `GET /health`.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{HeaderValue, StatusCode, header};
-use axum::response::Response;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::serve::ListenerExt;
 use futures_util::{StreamExt, stream};
@@ -25,7 +25,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::settings::MockSettings;
+use crate::settings::{Fault, MockSettings, Quota, QuotaMode};
 
 /// Counters kept by a running mock. Tests read them to count what reached the
 /// endpoint; `GET /mock/stats` serves them as JSON.
@@ -38,6 +38,12 @@ pub struct Stats {
     hung: AtomicU64,
     truncated: AtomicU64,
     bad_requests: AtomicU64,
+    faults: AtomicU64,
+    faults_by_status: Mutex<BTreeMap<u16, u64>>,
+    stalled: AtomicU64,
+    cut: AtomicU64,
+    interrupted: AtomicU64,
+    outage_refused: AtomicU64,
     in_flight: AtomicU64,
     max_in_flight: AtomicU64,
     model_listings: AtomicU64,
@@ -61,6 +67,12 @@ impl Default for Stats {
             hung: AtomicU64::new(0),
             truncated: AtomicU64::new(0),
             bad_requests: AtomicU64::new(0),
+            faults: AtomicU64::new(0),
+            faults_by_status: Mutex::new(BTreeMap::new()),
+            stalled: AtomicU64::new(0),
+            cut: AtomicU64::new(0),
+            interrupted: AtomicU64::new(0),
+            outage_refused: AtomicU64::new(0),
             in_flight: AtomicU64::new(0),
             max_in_flight: AtomicU64::new(0),
             model_listings: AtomicU64::new(0),
@@ -72,7 +84,8 @@ impl Default for Stats {
 }
 
 /// A copy of [`Stats`] at one moment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct StatsSnapshot {
     /// Chat completion requests received (answered or not).
     pub requests: u64,
@@ -80,7 +93,7 @@ pub struct StatsSnapshot {
     pub completed: u64,
     /// Requests answered with an injected error status.
     pub injected_errors: u64,
-    /// Requests answered with 429.
+    /// Requests refused with 429 by `rpm`, `quota` or `max_concurrency`.
     pub rate_limited: u64,
     /// Requests accepted and never answered.
     pub hung: u64,
@@ -88,6 +101,19 @@ pub struct StatsSnapshot {
     pub truncated: u64,
     /// Requests whose body was not a valid chat completion request.
     pub bad_requests: u64,
+    /// Requests answered with one of `faults`.
+    pub faults: u64,
+    /// The same, by status.
+    pub faults_by_status: BTreeMap<u16, u64>,
+    /// Responses that stalled (`stall_rate`).
+    pub stalled: u64,
+    /// Streams ended early with `data: [DONE]` (`cut_rate`).
+    pub cut: u64,
+    /// Streams ended early by the arrival of another request
+    /// (`interrupt_on_arrival`).
+    pub interrupted: u64,
+    /// Chat completion requests refused by the `outage`.
+    pub outage_refused: u64,
     /// Chat completion requests being handled now.
     pub in_flight: u64,
     /// The most chat completion requests handled at once.
@@ -127,6 +153,16 @@ impl Stats {
             hung: load(&self.hung),
             truncated: load(&self.truncated),
             bad_requests: load(&self.bad_requests),
+            faults: load(&self.faults),
+            faults_by_status: self
+                .faults_by_status
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone(),
+            stalled: load(&self.stalled),
+            cut: load(&self.cut),
+            interrupted: load(&self.interrupted),
+            outage_refused: load(&self.outage_refused),
             in_flight: load(&self.in_flight),
             max_in_flight: load(&self.max_in_flight),
             model_listings: load(&self.model_listings),
@@ -144,6 +180,16 @@ impl Stats {
         self.served_ms[ms].fetch_add(1, Ordering::Relaxed);
         self.last_completed_at_ms
             .fetch_max(unix_now_ms(), Ordering::Relaxed);
+    }
+
+    fn fault(&self, status: u16) {
+        self.faults.fetch_add(1, Ordering::Relaxed);
+        *self
+            .faults_by_status
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry(status)
+            .or_insert(0) += 1;
     }
 
     fn served_quantile(&self, q: f64) -> u64 {
@@ -210,11 +256,159 @@ impl Bucket {
     }
 }
 
+/// A [`Quota`] and what is left of it.
+struct QuotaBucket {
+    quota: Quota,
+    state: QuotaState,
+}
+
+enum QuotaState {
+    /// Requests in the bucket (a fraction of one is refilling), as of `last`.
+    Refill { tokens: f64, last: Instant },
+    /// Requests taken in the window that began at `start` (none yet: no
+    /// window has begun).
+    Fixed { start: Option<Instant>, used: u32 },
+}
+
+/// What a [`QuotaBucket`] said of one request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct QuotaVerdict {
+    limit: u32,
+    /// Whole requests left after this one.
+    remaining: u32,
+    /// How long until the quota is whole again.
+    reset: Duration,
+    /// `None`: the request may go on; else how long until one could.
+    refused_for: Option<Duration>,
+}
+
+/// Lets a refill that float arithmetic left a hair short of a whole request
+/// count as one.
+const TOKEN_SLACK: f64 = 1e-9;
+
+impl QuotaBucket {
+    fn new(quota: Quota, now: Instant) -> Self {
+        let state = match quota.mode {
+            QuotaMode::Refill => QuotaState::Refill {
+                tokens: f64::from(quota.limit),
+                last: now,
+            },
+            QuotaMode::Fixed => QuotaState::Fixed {
+                start: None,
+                used: 0,
+            },
+        };
+        Self { quota, state }
+    }
+
+    /// Takes one request from the quota if it has one.
+    fn take(&mut self, now: Instant) -> QuotaVerdict {
+        let limit = self.quota.limit;
+        let window = self.quota.window;
+        match &mut self.state {
+            QuotaState::Refill { tokens, last } => {
+                let capacity = f64::from(limit);
+                let per_second = capacity / window.as_secs_f64();
+                let refilled = now.saturating_duration_since(*last).as_secs_f64() * per_second;
+                *tokens = (*tokens + refilled).min(capacity);
+                *last = now;
+                let refused_for = if *tokens + TOKEN_SLACK >= 1.0 {
+                    *tokens = (*tokens - 1.0).max(0.0);
+                    None
+                } else {
+                    Some(seconds((1.0 - *tokens) / per_second))
+                };
+                QuotaVerdict {
+                    limit,
+                    remaining: (*tokens + TOKEN_SLACK).floor() as u32,
+                    reset: seconds((capacity - *tokens) / per_second),
+                    refused_for,
+                }
+            }
+            QuotaState::Fixed { start, used } => {
+                let start = start.get_or_insert(now);
+                let elapsed = now.saturating_duration_since(*start);
+                if elapsed >= window {
+                    // Windows stay aligned to the first request's.
+                    let whole = elapsed.as_nanos() / window.as_nanos() * window.as_nanos();
+                    *start += Duration::from_nanos(u64::try_from(whole).unwrap_or(u64::MAX));
+                    *used = 0;
+                }
+                let reset = (*start + window).saturating_duration_since(now);
+                let refused_for = if *used < limit {
+                    *used += 1;
+                    None
+                } else {
+                    Some(reset)
+                };
+                QuotaVerdict {
+                    limit,
+                    remaining: limit - *used,
+                    reset,
+                    refused_for,
+                }
+            }
+        }
+    }
+}
+
+impl QuotaVerdict {
+    /// OpenAI's `x-ratelimit-*-requests` headers.
+    fn add_headers(&self, headers: &mut HeaderMap) {
+        headers.insert("x-ratelimit-limit-requests", HeaderValue::from(self.limit));
+        headers.insert(
+            "x-ratelimit-remaining-requests",
+            HeaderValue::from(self.remaining),
+        );
+        if let Ok(reset) = HeaderValue::from_str(&openai_duration(self.reset)) {
+            headers.insert("x-ratelimit-reset-requests", reset);
+        }
+    }
+}
+
+fn seconds(value: f64) -> Duration {
+    Duration::try_from_secs_f64(value.max(0.0)).unwrap_or(Duration::MAX)
+}
+
+/// A duration the way OpenAI writes `x-ratelimit-reset-*` (Go's format, to
+/// the millisecond, rounded up): `0s`, `100ms`, `1s`, `1m30.5s`, `6m0s`,
+/// `1h0m0s`.
+fn openai_duration(duration: Duration) -> String {
+    // To the microsecond first, so that float noise does not round up a
+    // whole millisecond.
+    let ms = duration.as_micros().div_ceil(1000);
+    if ms == 0 {
+        return "0s".to_owned();
+    }
+    if ms < 1000 {
+        return format!("{ms}ms");
+    }
+    let hours = ms / 3_600_000;
+    let minutes = ms / 60_000 % 60;
+    let mut seconds = (ms / 1000 % 60).to_string();
+    let fraction = ms % 1000;
+    if fraction > 0 {
+        seconds.push('.');
+        seconds.push_str(format!("{fraction:03}").trim_end_matches('0'));
+    }
+    match (hours, minutes) {
+        (0, 0) => format!("{seconds}s"),
+        (0, minutes) => format!("{minutes}m{seconds}s"),
+        (hours, minutes) => format!("{hours}h{minutes}m{seconds}s"),
+    }
+}
+
 struct MockState {
     settings: MockSettings,
     stats: Arc<Stats>,
     prompt_counts: Mutex<HashMap<u64, u32>>,
     bucket: Option<Mutex<Bucket>>,
+    quota: Option<Mutex<QuotaBucket>>,
+    /// When the first chat request arrived (the `outage` counts from it).
+    first_chat: OnceLock<Instant>,
+    /// Cancelled when the next chat request arrives, with
+    /// `interrupt_on_arrival`: the streams being sent end.
+    running: Mutex<CancellationToken>,
     admitted: AtomicU64,
     capacity: Option<Arc<Semaphore>>,
     shutdown: CancellationToken,
@@ -236,6 +430,9 @@ pub fn app(settings: MockSettings, stats: Arc<Stats>, shutdown: CancellationToke
             capacity: f64::from(settings.burst),
         })
     });
+    let quota = settings
+        .quota
+        .map(|quota| Mutex::new(QuotaBucket::new(quota, Instant::now())));
     let capacity = settings
         .capacity
         .map(|k| Arc::new(Semaphore::new(k as usize)));
@@ -250,6 +447,9 @@ pub fn app(settings: MockSettings, stats: Arc<Stats>, shutdown: CancellationToke
         stats,
         prompt_counts: Mutex::new(HashMap::new()),
         bucket,
+        quota,
+        first_chat: OnceLock::new(),
+        running: Mutex::new(CancellationToken::new()),
         admitted: AtomicU64::new(0),
         capacity,
         shutdown,
@@ -259,7 +459,7 @@ pub fn app(settings: MockSettings, stats: Arc<Stats>, shutdown: CancellationToke
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat))
         .route("/mock/stats", get(stats_handler))
-        .route("/health", get(|| async { "ok" }))
+        .route("/health", get(health))
         .with_state(state)
 }
 
@@ -348,6 +548,9 @@ impl Drop for MockServer {
 
 async fn models(State(state): State<Arc<MockState>>) -> Response {
     state.stats.model_listings.fetch_add(1, Ordering::Relaxed);
+    if let Some(status) = state.outage_now(Instant::now()) {
+        return error_response(status, "mock outage");
+    }
     json_response(
         StatusCode::OK,
         &json!({
@@ -355,6 +558,13 @@ async fn models(State(state): State<Arc<MockState>>) -> Response {
             "data": [{"id": state.settings.model, "object": "model", "owned_by": "evalfleet-mock"}],
         }),
     )
+}
+
+async fn health(State(state): State<Arc<MockState>>) -> Response {
+    match state.outage_now(Instant::now()) {
+        Some(status) => error_response(status, "mock outage"),
+        None => "ok".into_response(),
+    }
 }
 
 async fn stats_handler(State(state): State<Arc<MockState>>) -> Response {
@@ -464,16 +674,28 @@ fn answer(
 
 /// What the mock decided to do with one request.
 enum Fate {
-    Answer { truncate: bool },
+    Answer(Mishaps),
     Fail,
+    Fault(Fault),
     Hang,
+}
+
+/// What goes wrong with an answer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Mishaps {
+    /// The connection drops half-way (`truncate_rate`).
+    truncate: bool,
+    /// Nothing is sent for `stall` half-way (`stall_rate`).
+    stall: bool,
+    /// A stream ends half-way with `data: [DONE]` (`cut_rate`).
+    cut: bool,
 }
 
 impl MockState {
     fn fate(&self, prompt_key: u64) -> Fate {
         let settings = &self.settings;
         if !settings.needs_prompt_counts() {
-            return Fate::Answer { truncate: false };
+            return Fate::Answer(Mishaps::default());
         }
         let seen = {
             let mut counts = self
@@ -492,15 +714,63 @@ impl MockState {
         (settings.seed, prompt_key, seen).hash(&mut hasher);
         let mut rng = fastrand::Rng::with_seed(hasher.finish());
         if rng.f64() < settings.hang_rate {
-            Fate::Hang
-        } else if rng.f64() < settings.error_rate {
-            Fate::Fail
-        } else {
-            Fate::Answer {
-                truncate: rng.f64() < settings.truncate_rate,
-            }
+            return Fate::Hang;
+        }
+        if rng.f64() < settings.error_rate {
+            return Fate::Fail;
+        }
+        let truncate = rng.f64() < settings.truncate_rate;
+        // Later decisions draw from a generator of their own, so that a seed
+        // keeps the fates it gave before they existed.
+        let mut hasher = DefaultHasher::new();
+        (settings.seed, prompt_key, seen, "faults, stalls, cuts").hash(&mut hasher);
+        let mut rng = fastrand::Rng::with_seed(hasher.finish());
+        let fault = pick_fault(&settings.faults, rng.f64());
+        let stall = rng.f64() < settings.stall_rate;
+        let cut = rng.f64() < settings.cut_rate;
+        match fault {
+            Some(fault) => Fate::Fault(fault),
+            None => Fate::Answer(Mishaps {
+                truncate,
+                stall,
+                cut: cut && !truncate,
+            }),
         }
     }
+
+    /// The status the `outage` answers with at `now`, if it is on.
+    fn outage_now(&self, now: Instant) -> Option<StatusCode> {
+        let outage = self.settings.outage?;
+        let since_first = now.saturating_duration_since(*self.first_chat.get()?);
+        (outage.after..outage.after + outage.duration)
+            .contains(&since_first)
+            .then(|| StatusCode::from_u16(outage.status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE))
+    }
+
+    /// A token that is cancelled when the next chat request arrives, if the
+    /// mock interrupts streams (`interrupt_on_arrival`); the streams running
+    /// now are interrupted.
+    fn arrival(&self) -> CancellationToken {
+        let fresh = CancellationToken::new();
+        if self.settings.interrupt_on_arrival {
+            let mut running = self
+                .running
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            std::mem::replace(&mut *running, fresh.clone()).cancel();
+        }
+        fresh
+    }
+}
+
+/// The fault whose share of `[0, 1)` holds `draw`: each takes the next
+/// `rate` of it, so at most one is picked.
+fn pick_fault(faults: &[Fault], draw: f64) -> Option<Fault> {
+    let mut upto = 0.0;
+    faults.iter().copied().find(|fault| {
+        upto += fault.rate;
+        draw < upto
+    })
 }
 
 /// Releases an admission slot of `max_concurrency` when dropped.
@@ -527,6 +797,11 @@ async fn chat(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
             .first_request_at_ms
             .store(unix_now_ms(), Ordering::Relaxed);
     }
+    state.first_chat.get_or_init(|| arrived);
+    if let Some(status) = state.outage_now(arrived) {
+        state.stats.outage_refused.fetch_add(1, Ordering::Relaxed);
+        return error_response(status, "mock outage");
+    }
     let in_flight = InFlight::enter(&state);
     let request: ChatRequest = match serde_json::from_slice(&body) {
         Ok(request) => request,
@@ -538,14 +813,38 @@ async fn chat(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
             );
         }
     };
+    let interrupt = state.arrival();
 
+    let Some(quota) = &state.quota else {
+        return answer_chat(&state, request, arrived, in_flight, interrupt).await;
+    };
+    let verdict = quota
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take(Instant::now());
+    let mut response = match verdict.refused_for {
+        Some(wait) => rate_limited(&state, wait),
+        None => answer_chat(&state, request, arrived, in_flight, interrupt).await,
+    };
+    verdict.add_headers(response.headers_mut());
+    response
+}
+
+/// Answers a chat request the quota let through.
+async fn answer_chat(
+    state: &Arc<MockState>,
+    request: ChatRequest,
+    arrived: Instant,
+    in_flight: InFlight,
+    interrupt: CancellationToken,
+) -> Response {
     if let Some(bucket) = &state.bucket {
         let verdict = bucket
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take(Instant::now());
         if let Err(wait) = verdict {
-            return rate_limited(&state, wait);
+            return rate_limited(state, wait);
         }
     }
     let admitted = match state.settings.max_concurrency {
@@ -554,7 +853,7 @@ async fn chat(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
             let guard = Admitted(state.clone());
             if now > u64::from(max) {
                 drop(guard);
-                return rate_limited(&state, state.settings.retry_after);
+                return rate_limited(state, state.settings.retry_after);
             }
             Some(guard)
         }
@@ -575,19 +874,32 @@ async fn chat(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
     }
     let mut hasher = DefaultHasher::new();
     prompt.hash(&mut hasher);
-    let truncate = match state.fate(hasher.finish()) {
+    let mishaps = match state.fate(hasher.finish()) {
         Fate::Fail => {
             state.stats.injected_errors.fetch_add(1, Ordering::Relaxed);
             let status = StatusCode::from_u16(state.settings.error_status)
                 .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
             return error_response(status, "injected error");
         }
+        Fate::Fault(fault) => {
+            state.stats.fault(fault.status);
+            let status =
+                StatusCode::from_u16(fault.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            let mut response = error_response(status, "injected fault");
+            if let Some(after) = fault.retry_after {
+                let seconds = after.as_secs_f64().ceil() as u64;
+                response
+                    .headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+            }
+            return response;
+        }
         Fate::Hang => {
             state.stats.hung.fetch_add(1, Ordering::Relaxed);
             state.shutdown.cancelled().await;
             return error_response(StatusCode::SERVICE_UNAVAILABLE, "mock shutting down");
         }
-        Fate::Answer { truncate } => truncate,
+        Fate::Answer(mishaps) => mishaps,
     };
 
     let slot = match &state.capacity {
@@ -671,22 +983,35 @@ async fn chat(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
         tokens,
         finish_reason,
         prompt_tokens,
-        truncate,
+        mishaps,
         arrived,
     };
-    if truncate {
+    if mishaps.truncate {
         state.stats.truncated.fetch_add(1, Ordering::Relaxed);
     }
     if request.stream {
-        let include_usage = request.stream_options.is_some_and(|o| o.include_usage);
-        stream_reply(state, reply, include_usage, held)
+        let include_usage =
+            state.settings.stream_usage && request.stream_options.is_some_and(|o| o.include_usage);
+        stream_reply(
+            Streaming {
+                state: state.clone(),
+                reply,
+                include_usage,
+                interrupt,
+            },
+            held,
+        )
     } else {
-        let total = state.settings.latency
+        let mut total = state.settings.latency
             + state.settings.itl * (reply.tokens.len().saturating_sub(1) as u32);
-        if !pause(&state, total).await {
+        if mishaps.stall {
+            state.stats.stalled.fetch_add(1, Ordering::Relaxed);
+            total += state.settings.stall;
+        }
+        if !pause(state, total).await {
             return error_response(StatusCode::SERVICE_UNAVAILABLE, "mock shutting down");
         }
-        whole_reply(&state, reply, held)
+        whole_reply(state, reply, held)
     }
 }
 
@@ -714,7 +1039,7 @@ struct Reply {
     tokens: Vec<String>,
     finish_reason: &'static str,
     prompt_tokens: usize,
-    truncate: bool,
+    mishaps: Mishaps,
     arrived: Instant,
 }
 
@@ -761,7 +1086,7 @@ fn whole_reply(state: &Arc<MockState>, reply: Reply, held: Held) -> Response {
         "usage": reply.usage(),
     });
     let bytes = serde_json::to_vec(&body).unwrap_or_default();
-    if reply.truncate {
+    if reply.mishaps.truncate {
         let half = Bytes::copy_from_slice(&bytes[..bytes.len() / 2]);
         let parts = stream::once(async move { Ok(half) }).chain(stream::once(cut_off()));
         let body = Body::from_stream(HoldStream {
@@ -805,55 +1130,90 @@ impl<S: futures_util::Stream + Unpin> futures_util::Stream for HoldStream<S> {
 enum Step {
     Role,
     Token(usize),
+    /// Before the second half of the tokens: where a stream stalls, is
+    /// truncated or cut.
+    HalfWay,
     Finish,
     Usage,
     Done,
     End,
 }
 
-fn stream_reply(state: Arc<MockState>, reply: Reply, include_usage: bool, held: Held) -> Response {
-    let latency = state.settings.latency;
-    let itl = state.settings.itl;
-    let cut_at = reply.tokens.len() / 2;
-    let steps = stream::unfold(
-        (Step::Role, reply, state),
-        move |(step, reply, state)| async move {
+/// The bytes of one step and the step after it; `None` ends the stream.
+type Next = Option<(io::Result<Bytes>, Step)>;
+
+/// A streamed answer being sent.
+struct Streaming {
+    state: Arc<MockState>,
+    reply: Reply,
+    include_usage: bool,
+    /// Cancelled when another request interrupts this stream.
+    interrupt: CancellationToken,
+}
+
+const DONE: &[u8] = b"data: [DONE]\n\n";
+
+impl Streaming {
+    /// Sends `step`; one that has nothing to send goes on to the next.
+    async fn step(&self, mut step: Step) -> Next {
+        let reply = &self.reply;
+        let settings = &self.state.settings;
+        let stats = &self.state.stats;
+        loop {
             match step {
                 Step::Role => {
                     let bytes = reply.chunk(json!({"role": "assistant", "content": ""}), None);
-                    let next = if reply.tokens.is_empty() {
-                        Step::Finish
+                    return Some((Ok(bytes), self.after(None)));
+                }
+                Step::HalfWay => {
+                    if reply.mishaps.stall {
+                        stats.stalled.fetch_add(1, Ordering::Relaxed);
+                        if let Err(end) = self.wait(settings.stall).await {
+                            return end;
+                        }
+                    }
+                    if reply.mishaps.truncate {
+                        return Some((cut_off().await, Step::End));
+                    }
+                    if reply.mishaps.cut {
+                        stats.cut.fetch_add(1, Ordering::Relaxed);
+                        return Some((Ok(Bytes::from_static(DONE)), Step::End));
+                    }
+                    let half = reply.tokens.len() / 2;
+                    step = if half < reply.tokens.len() {
+                        Step::Token(half)
                     } else {
-                        Step::Token(0)
+                        Step::Finish
                     };
-                    Some((Ok(bytes), (next, reply, state)))
                 }
                 Step::Token(i) => {
-                    if reply.truncate && i == cut_at {
-                        return Some((cut_off().await, (Step::End, reply, state)));
-                    }
-                    if !pause(&state, if i == 0 { latency } else { itl }).await {
-                        return None;
+                    let delay = if i == 0 {
+                        settings.latency
+                    } else {
+                        settings.itl
+                    };
+                    if let Err(end) = self.wait(delay).await {
+                        return end;
                     }
                     let bytes = reply.chunk(json!({"content": reply.tokens[i]}), None);
-                    let next = if i + 1 < reply.tokens.len() {
-                        Step::Token(i + 1)
-                    } else {
-                        Step::Finish
-                    };
-                    Some((Ok(bytes), (next, reply, state)))
+                    return Some((Ok(bytes), self.after(Some(i))));
                 }
                 Step::Finish => {
-                    if reply.tokens.is_empty() && !pause(&state, latency).await {
-                        return None;
+                    let delay = if reply.tokens.is_empty() {
+                        settings.latency
+                    } else {
+                        Duration::ZERO
+                    };
+                    if let Err(end) = self.wait(delay).await {
+                        return end;
                     }
                     let bytes = reply.chunk(json!({}), Some(reply.finish_reason));
-                    let next = if include_usage {
+                    let next = if self.include_usage {
                         Step::Usage
                     } else {
                         Step::Done
                     };
-                    Some((Ok(bytes), (next, reply, state)))
+                    return Some((Ok(bytes), next));
                 }
                 Step::Usage => {
                     let bytes = sse(&json!({
@@ -864,19 +1224,56 @@ fn stream_reply(state: Arc<MockState>, reply: Reply, include_usage: bool, held: 
                         "choices": [],
                         "usage": reply.usage(),
                     }));
-                    Some((Ok(bytes), (Step::Done, reply, state)))
+                    return Some((Ok(bytes), Step::Done));
                 }
                 Step::Done => {
-                    state.stats.completed(reply.arrived);
-                    Some((
-                        Ok(Bytes::from_static(b"data: [DONE]\n\n")),
-                        (Step::End, reply, state),
-                    ))
+                    stats.completed(reply.arrived);
+                    return Some((Ok(Bytes::from_static(DONE)), Step::End));
                 }
-                Step::End => None,
+                Step::End => return None,
             }
-        },
-    );
+        }
+    }
+
+    /// The step after the token `sent` (`None`: after the role).
+    fn after(&self, sent: Option<usize>) -> Step {
+        let next = sent.map_or(0, |i| i + 1);
+        if next == self.reply.tokens.len() / 2 {
+            Step::HalfWay
+        } else if next < self.reply.tokens.len() {
+            Step::Token(next)
+        } else {
+            Step::Finish
+        }
+    }
+
+    /// Waits `duration`, or says how the stream ends instead: with
+    /// `data: [DONE]` at once when another request interrupts it, with
+    /// nothing more when the mock shuts down.
+    async fn wait(&self, duration: Duration) -> Result<(), Next> {
+        let interrupted = || {
+            self.state.stats.interrupted.fetch_add(1, Ordering::Relaxed);
+            Err(Some((Ok(Bytes::from_static(DONE)), Step::End)))
+        };
+        if self.interrupt.is_cancelled() {
+            return interrupted();
+        }
+        if duration.is_zero() {
+            return Ok(());
+        }
+        tokio::select! {
+            () = tokio::time::sleep(duration) => Ok(()),
+            () = self.interrupt.cancelled() => interrupted(),
+            () = self.state.shutdown.cancelled() => Err(None),
+        }
+    }
+}
+
+fn stream_reply(streaming: Streaming, held: Held) -> Response {
+    let steps = stream::unfold((Step::Role, streaming), |(step, streaming)| async move {
+        let (bytes, next) = streaming.step(step).await?;
+        Some((bytes, (next, streaming)))
+    });
     let body = Body::from_stream(HoldStream {
         inner: Box::pin(steps),
         _held: held,
@@ -931,6 +1328,122 @@ mod tests {
             assert_eq!(tokens(text).concat(), text);
         }
         assert_eq!(tokens("a b  c"), vec!["a ", "b  ", "c"]);
+    }
+
+    #[test]
+    fn openai_durations_are_written_as_go_writes_them() {
+        let ms = Duration::from_millis;
+        for (duration, text) in [
+            (Duration::ZERO, "0s"),
+            (Duration::from_micros(400), "1ms"),
+            (ms(100), "100ms"),
+            (Duration::from_nanos(100_000_001), "100ms"),
+            (ms(1000), "1s"),
+            (ms(8640), "8.64s"),
+            (ms(90_500), "1m30.5s"),
+            (ms(360_000), "6m0s"),
+            (ms(3_600_000), "1h0m0s"),
+            (ms(3_723_004), "1h2m3.004s"),
+        ] {
+            assert_eq!(openai_duration(duration), text, "{duration:?}");
+        }
+    }
+
+    fn quota(limit: u32, window: Duration, mode: QuotaMode) -> QuotaBucket {
+        QuotaBucket::new(
+            Quota {
+                limit,
+                window,
+                mode,
+            },
+            Instant::now(),
+        )
+    }
+
+    /// Whether two durations computed in floating point are the same to the
+    /// microsecond.
+    fn about(a: Option<Duration>, b: Duration) -> bool {
+        a.is_some_and(|a| a.abs_diff(b) < Duration::from_micros(1))
+    }
+
+    #[test]
+    fn a_refilling_quota_counts_down_and_refills_at_its_rate() {
+        let start = Instant::now();
+        let mut bucket = quota(10, Duration::from_secs(1), QuotaMode::Refill);
+        let first = bucket.take(start);
+        assert_eq!(first.remaining, 9);
+        assert!(
+            about(Some(first.reset), Duration::from_millis(100)),
+            "{first:?}"
+        );
+        assert_eq!(first.refused_for, None);
+        for left in (0..9).rev() {
+            assert_eq!(bucket.take(start).remaining, left);
+        }
+        let refused = bucket.take(start);
+        assert_eq!(refused.remaining, 0);
+        assert!(
+            about(refused.refused_for, Duration::from_millis(100)),
+            "{refused:?}"
+        );
+        assert!(
+            about(Some(refused.reset), Duration::from_secs(1)),
+            "{refused:?}"
+        );
+        // Half a request back: still refused, for the other half.
+        let refused = bucket.take(start + Duration::from_millis(50));
+        assert!(
+            about(refused.refused_for, Duration::from_millis(50)),
+            "{refused:?}"
+        );
+        let taken = bucket.take(start + Duration::from_millis(100));
+        assert_eq!((taken.remaining, taken.refused_for), (0, None));
+        // Long idle: full again, never more.
+        let later = bucket.take(start + Duration::from_secs(60));
+        assert_eq!(later.remaining, 9);
+    }
+
+    #[test]
+    fn a_fixed_quota_gives_everything_back_when_its_window_ends() {
+        let ms = Duration::from_millis;
+        let mut bucket = quota(3, ms(300), QuotaMode::Fixed);
+        // The window begins with the first request, not with the bucket.
+        let start = Instant::now() + ms(1000);
+        let verdicts: Vec<_> = [0, 100, 200, 250]
+            .map(|at| bucket.take(start + ms(at)))
+            .into_iter()
+            .map(|v| (v.remaining, v.reset, v.refused_for))
+            .collect();
+        assert_eq!(
+            verdicts,
+            [
+                (2, ms(300), None),
+                (1, ms(200), None),
+                (0, ms(100), None),
+                (0, ms(50), Some(ms(50))),
+            ]
+        );
+        // Windows stay aligned to the first: 700 ms is 100 ms into the third.
+        let next = bucket.take(start + ms(700));
+        assert_eq!(
+            (next.remaining, next.reset, next.refused_for),
+            (2, ms(200), None)
+        );
+    }
+
+    #[test]
+    fn faults_take_consecutive_shares_of_one_draw() {
+        let fault = |status, rate| Fault {
+            status,
+            rate,
+            retry_after: None,
+        };
+        let faults = [fault(500, 0.1), fault(503, 0.2)];
+        let picked = |draw| pick_fault(&faults, draw).map(|f| f.status);
+        assert_eq!(picked(0.05), Some(500));
+        assert_eq!(picked(0.1), Some(503));
+        assert_eq!(picked(0.29), Some(503));
+        assert_eq!(picked(0.31), None);
     }
 
     #[test]

@@ -198,3 +198,54 @@ async fn the_item_deadline_bounds_retries() {
     }
     assert_eq!(store.counts(&ran.run_id()).unwrap().failed, 4);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_a_server_cuts_short_are_never_results_and_it_is_sent_fewer() {
+    // As llama-cpp-python's server: one stream at a time, a running stream
+    // ended with `[DONE]` and no finish_reason when another request
+    // arrives, and no usage in streams.
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 24);
+    let server = mock(MockSettings {
+        interrupt_on_arrival: true,
+        stream_usage: false,
+        latency: ms(10),
+        itl: ms(2),
+        ..MockSettings::default()
+    })
+    .await;
+    let endpoints = format!(
+        "  - {{ name: llama, kind: external, base_url: \"{}\", model: m, concurrency: {{ initial: 8 }}, {NO_HEALTH} }}\n",
+        server.base_url()
+    );
+    let extra = "retry: { max_attempts: 30, backoff_base: 10ms, backoff_max: 100ms }";
+    let text = config(&dataset, &endpoints, extra)
+        .replace("max_tokens: 64 }", "max_tokens: 64 }\n  stream: true");
+    env.write("run.yaml", &text);
+
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert!(server.stats().interrupted > 0, "no stream was ever cut");
+    let rows = by_id(&env.export(&ran.run_id()).await);
+    assert_eq!(rows.len(), 24);
+    for (id, row) in &rows {
+        // Whole answers only: a cut one would be a prefix of the question.
+        assert_eq!(row["status"], "done", "{id}: {row}");
+        assert_eq!(row["output"], row["item"]["question"], "{id}");
+        // No usage in the stream: the chunks were counted, and said so.
+        let words = row["item"]["question"].as_str().unwrap().split(' ').count();
+        assert_eq!(row["completion_tokens"], words as u64, "{id}: {row}");
+        assert_eq!(row["tokens_estimated"], true, "{id}: {row}");
+    }
+    // Each cut answer is on record as a failed attempt of its own.
+    let summary = evalfleet_core::report::endpoints(&mut env.store(), &ran.run_id()).unwrap();
+    let bad = summary[0].errors.get("bad_response").copied().unwrap_or(0);
+    assert!(bad > 0, "{summary:?}");
+    // Cut answers that followed another call's arrival are back pressure:
+    // the controller comes down to what the server takes, one at a time.
+    let state = env.evalfleet(&["status", &ran.run_id(), "--json"]).await;
+    assert_eq!(state.code, Some(0), "{}", state.stderr);
+    let state: serde_json::Value = serde_json::from_str(&state.stdout).unwrap();
+    let limit = state["endpoint_states"]["endpoints"][0]["limit"].as_u64().unwrap();
+    assert!(limit < 8, "the limit stayed at {limit}: {state}");
+}

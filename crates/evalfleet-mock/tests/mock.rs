@@ -1,0 +1,517 @@
+//! The mock's failure modes, seen from a client over a real socket.
+
+#![cfg(feature = "server")]
+// Test helpers fail loudly; that is their job.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use evalfleet_mock::{Fault, MockServer, MockSettings, Outage, Quota, QuotaMode};
+use reqwest::header::HeaderMap;
+use serde_json::{Value, json};
+use tokio::time::Instant;
+
+async fn start(settings: MockSettings) -> MockServer {
+    MockServer::start_local(settings).await.unwrap()
+}
+
+/// A client for plain HTTP (reqwest wants a TLS provider all the same).
+fn client() -> reqwest::Client {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::new()
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// Sends one chat request for `prompt`.
+async fn chat(
+    client: &reqwest::Client,
+    server: &MockServer,
+    prompt: &str,
+    stream: bool,
+) -> reqwest::Response {
+    let mut body = json!({
+        "model": "mock",
+        "messages": [{"role": "user", "content": prompt}],
+        "stream": stream,
+    });
+    if stream {
+        body["stream_options"] = json!({"include_usage": true});
+    }
+    post(client, server, &body).await
+}
+
+async fn post(client: &reqwest::Client, server: &MockServer, body: &Value) -> reqwest::Response {
+    client
+        .post(format!("{}/chat/completions", server.base_url()))
+        .header("content-type", "application/json")
+        .body(serde_json::to_vec(body).unwrap())
+        .send()
+        .await
+        .unwrap()
+}
+
+fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers.get(name).map(|v| v.to_str().unwrap())
+}
+
+/// The events of a server-sent stream, read as they come.
+struct Events {
+    response: reqwest::Response,
+    buffer: String,
+}
+
+impl Events {
+    fn new(response: reqwest::Response) -> Self {
+        assert_eq!(response.status(), 200);
+        Self {
+            response,
+            buffer: String::new(),
+        }
+    }
+
+    /// The next event's data; `None` at the end of the stream.
+    async fn next(&mut self) -> Option<String> {
+        loop {
+            if let Some(end) = self.buffer.find("\n\n") {
+                let event: String = self.buffer.drain(..end + 2).collect();
+                return Some(event.trim_end().trim_start_matches("data: ").to_owned());
+            }
+            let chunk = self.response.chunk().await.unwrap()?;
+            self.buffer.push_str(std::str::from_utf8(&chunk).unwrap());
+        }
+    }
+
+    /// Every remaining event, each with when it arrived.
+    async fn rest(&mut self) -> Vec<(Instant, String)> {
+        let mut out = Vec::new();
+        while let Some(event) = self.next().await {
+            out.push((Instant::now(), event));
+        }
+        out
+    }
+}
+
+/// What a stream's events add up to.
+#[derive(Debug, Default)]
+struct Streamed {
+    /// Events carrying content, in order.
+    contents: Vec<String>,
+    finish_reasons: Vec<String>,
+    usage_chunks: usize,
+    ended_with_done: bool,
+}
+
+fn summarise<'a>(events: impl IntoIterator<Item = &'a String>) -> Streamed {
+    let mut out = Streamed::default();
+    for event in events {
+        assert!(!out.ended_with_done, "an event after [DONE]");
+        if event == "[DONE]" {
+            out.ended_with_done = true;
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(event).unwrap();
+        if chunk.get("usage").is_some_and(|u| !u.is_null()) {
+            out.usage_chunks += 1;
+        }
+        for choice in chunk["choices"].as_array().unwrap() {
+            if let Some(text) = choice["delta"]["content"]
+                .as_str()
+                .filter(|t| !t.is_empty())
+            {
+                out.contents.push(text.to_owned());
+            }
+            if let Some(reason) = choice["finish_reason"].as_str() {
+                out.finish_reasons.push(reason.to_owned());
+            }
+        }
+    }
+    out
+}
+
+/// Reads OpenAI's `x-ratelimit-reset-*` format (`100ms`, `1s`, `1m30.5s`).
+fn openai_duration(text: &str) -> Duration {
+    if let Some(ms) = text.strip_suffix("ms") {
+        return Duration::from_secs_f64(ms.parse::<f64>().unwrap() / 1000.0);
+    }
+    let mut total = 0.0;
+    let mut number = String::new();
+    for c in text.chars() {
+        match c {
+            'h' | 'm' | 's' => {
+                let unit = match c {
+                    'h' => 3600.0,
+                    'm' => 60.0,
+                    _ => 1.0,
+                };
+                total += number.parse::<f64>().unwrap() * unit;
+                number.clear();
+            }
+            _ => number.push(c),
+        }
+    }
+    assert!(number.is_empty(), "'{text}' does not end with a unit");
+    Duration::from_secs_f64(total)
+}
+
+/// `(limit, remaining, reset)` from OpenAI's request quota headers.
+fn quota_headers(headers: &HeaderMap) -> (u32, u32, Duration) {
+    let number = |name| header(headers, name).unwrap().parse().unwrap();
+    (
+        number("x-ratelimit-limit-requests"),
+        number("x-ratelimit-remaining-requests"),
+        openai_duration(header(headers, "x-ratelimit-reset-requests").unwrap()),
+    )
+}
+
+#[tokio::test]
+async fn a_fault_mix_answers_each_status_in_its_share() {
+    let server = start(MockSettings {
+        faults: vec![
+            "500:0.08".parse().unwrap(),
+            "503:0.05:1s".parse().unwrap(),
+            "408:0.02".parse().unwrap(),
+        ],
+        ..MockSettings::default()
+    })
+    .await;
+    let client = client();
+    let mut by_status: BTreeMap<u16, u64> = BTreeMap::new();
+    for i in 0..2000 {
+        let response = chat(&client, &server, &format!("question {i}"), false).await;
+        let status = response.status().as_u16();
+        let retry_after = header(response.headers(), "retry-after").map(str::to_owned);
+        if status == 503 {
+            assert_eq!(retry_after.as_deref(), Some("1"));
+        } else {
+            assert_eq!(retry_after, None, "status {status}");
+        }
+        *by_status.entry(status).or_insert(0) += 1;
+    }
+    // Four standard deviations of a binomial count either way.
+    for (status, rate) in [(500, 0.08_f64), (503, 0.05), (408, 0.02), (200, 0.85)] {
+        let expected = 2000.0 * rate;
+        let spread = 4.0 * (2000.0 * rate * (1.0 - rate)).sqrt();
+        let got = by_status.get(&status).copied().unwrap_or(0) as f64;
+        assert!(
+            (got - expected).abs() <= spread,
+            "{status}: {got} answers, expected about {expected}: {by_status:?}"
+        );
+    }
+    let stats = server.stats();
+    let faults: BTreeMap<u16, u64> = by_status.into_iter().filter(|(s, _)| *s != 200).collect();
+    assert_eq!(stats.faults, faults.values().sum::<u64>());
+    assert_eq!(stats.faults_by_status, faults);
+    assert_eq!(stats.completed + stats.faults, 2000);
+    assert_eq!(stats.injected_errors, 0);
+}
+
+#[tokio::test]
+async fn the_same_seed_gives_the_same_fates_to_the_same_prompts_in_any_order() {
+    let settings = |seed| MockSettings {
+        seed,
+        error_rate: 0.1,
+        error_status: 502,
+        faults: vec!["500:0.2".parse().unwrap(), "429:0.1:2s".parse().unwrap()],
+        ..MockSettings::default()
+    };
+    let client = client();
+    // The fate of each (prompt, how many times it was seen before).
+    async fn fates(
+        client: &reqwest::Client,
+        server: &MockServer,
+        order: impl Iterator<Item = usize>,
+    ) -> BTreeMap<(usize, usize), u16> {
+        let mut seen = BTreeMap::new();
+        let mut out = BTreeMap::new();
+        for prompt in order {
+            let status = chat(client, server, &format!("item {prompt}"), false)
+                .await
+                .status()
+                .as_u16();
+            let times = seen.entry(prompt).or_insert(0);
+            out.insert((prompt, *times), status);
+            *times += 1;
+        }
+        out
+    }
+    let forwards = (0..60).map(|i| i % 20);
+    let backwards = (0..60).map(|i| 19 - i % 20);
+    let first = fates(&client, &start(settings(7)).await, forwards.clone()).await;
+    let again = fates(&client, &start(settings(7)).await, backwards).await;
+    let other = fates(&client, &start(settings(8)).await, forwards).await;
+    assert_eq!(first, again);
+    assert_ne!(first, other);
+    let statuses: std::collections::BTreeSet<u16> = first.values().copied().collect();
+    assert!(statuses.len() >= 3, "too few fates to compare: {first:?}");
+}
+
+#[tokio::test]
+async fn a_stall_holds_back_the_second_half_of_an_answer() {
+    let stall = ms(300);
+    let server = start(MockSettings {
+        stall_rate: 1.0,
+        stall,
+        output_tokens: Some(10),
+        ..MockSettings::default()
+    })
+    .await;
+    let client = client();
+
+    let sent = Instant::now();
+    let mut events = Events::new(chat(&client, &server, "a b", true).await);
+    let events = events.rest().await;
+    assert!(sent.elapsed() >= stall);
+    let streamed = summarise(events.iter().map(|(_, e)| e));
+    assert_eq!(streamed.contents.len(), 10, "it finishes normally");
+    assert_eq!(streamed.finish_reasons, ["stop"]);
+    // The pause is before the sixth token: events are role, then tokens.
+    let gaps: Vec<Duration> = events.windows(2).map(|w| w[1].0 - w[0].0).collect();
+    let longest = (0..gaps.len()).max_by_key(|&i| gaps[i]).unwrap();
+    assert_eq!(longest, 5, "{gaps:?}");
+    assert!(gaps[longest] >= stall - ms(30), "{gaps:?}");
+
+    let sent = Instant::now();
+    let response = chat(&client, &server, "a b", false).await;
+    assert_eq!(response.status(), 200);
+    response.bytes().await.unwrap();
+    assert!(sent.elapsed() >= stall);
+
+    let stats = server.stats();
+    assert_eq!((stats.stalled, stats.completed), (2, 2));
+}
+
+#[tokio::test]
+async fn a_cut_stream_ends_with_done_and_no_finish_reason() {
+    let server = start(MockSettings {
+        cut_rate: 1.0,
+        output_tokens: Some(10),
+        ..MockSettings::default()
+    })
+    .await;
+    let client = client();
+    let mut events = Events::new(chat(&client, &server, "a b", true).await);
+    let streamed = summarise(events.rest().await.iter().map(|(_, e)| e));
+    assert!(streamed.ended_with_done);
+    assert_eq!(streamed.contents.len(), 5, "half the tokens");
+    assert!(streamed.finish_reasons.is_empty(), "{streamed:?}");
+    assert_eq!(streamed.usage_chunks, 0);
+    let stats = server.stats();
+    assert_eq!((stats.cut, stats.completed, stats.truncated), (1, 0, 0));
+
+    // An answer not streamed is whole.
+    let response = chat(&client, &server, "a b", false).await;
+    let body: Value = serde_json::from_slice(&response.bytes().await.unwrap()).unwrap();
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    assert_eq!(server.stats().completed, 1);
+}
+
+#[tokio::test]
+async fn a_new_request_interrupts_the_running_stream() {
+    let server = start(MockSettings {
+        interrupt_on_arrival: true,
+        itl: ms(50),
+        output_tokens: Some(100),
+        ..MockSettings::default()
+    })
+    .await;
+    let client = client();
+    let mut running = Events::new(chat(&client, &server, "a b", true).await);
+    let mut before = Vec::new();
+    while summarise(&before).contents.len() < 2 {
+        before.push(running.next().await.unwrap());
+    }
+    let arrived = Instant::now();
+    let short = json!({"messages": [{"role": "user", "content": "next"}], "max_tokens": 1});
+    let second = post(&client, &server, &short).await;
+    assert_eq!(second.status(), 200);
+    second.bytes().await.unwrap();
+    let after = tokio::time::timeout(Duration::from_secs(3), running.rest())
+        .await
+        .expect("the running stream ends at once");
+    assert!(arrived.elapsed() < Duration::from_secs(1));
+    let streamed = summarise(before.iter().chain(after.iter().map(|(_, e)| e)));
+    assert!(streamed.ended_with_done);
+    assert!(streamed.finish_reasons.is_empty(), "{streamed:?}");
+    assert!(streamed.contents.len() < 100);
+    let stats = server.stats();
+    assert_eq!((stats.interrupted, stats.completed), (1, 1));
+}
+
+#[tokio::test]
+async fn without_stream_usage_no_usage_chunk_is_sent_even_when_asked() {
+    let client = client();
+    for (stream_usage, chunks) in [(true, 1), (false, 0)] {
+        let server = start(MockSettings {
+            stream_usage,
+            ..MockSettings::default()
+        })
+        .await;
+        let mut events = Events::new(chat(&client, &server, "a b c", true).await);
+        let streamed = summarise(events.rest().await.iter().map(|(_, e)| e));
+        assert_eq!(
+            streamed.usage_chunks, chunks,
+            "stream_usage: {stream_usage}"
+        );
+        assert_eq!(streamed.finish_reasons, ["stop"]);
+        assert!(streamed.ended_with_done);
+    }
+}
+
+#[tokio::test]
+async fn a_refilling_quota_counts_down_in_openai_headers_and_refuses_when_empty() {
+    // 5 per second: a request comes back every 200 ms.
+    let server = start(MockSettings {
+        quota: Some(Quota {
+            limit: 5,
+            window: Duration::from_secs(1),
+            mode: QuotaMode::Refill,
+        }),
+        ..MockSettings::default()
+    })
+    .await;
+    let client = client();
+    let first = chat(&client, &server, "a", false).await;
+    assert_eq!(first.status(), 200);
+    assert_eq!(
+        header(first.headers(), "x-ratelimit-reset-requests"),
+        Some("200ms")
+    );
+    assert_eq!(quota_headers(first.headers()).0, 5);
+    let mut remaining = vec![quota_headers(first.headers()).1];
+    let refused = loop {
+        let response = chat(&client, &server, "a", false).await;
+        if response.status() == 429 {
+            break response;
+        }
+        remaining.push(quota_headers(response.headers()).1);
+        assert!(remaining.len() <= 6, "never refused: {remaining:?}");
+    };
+    assert_eq!(remaining, [4, 3, 2, 1, 0]);
+
+    let headers = refused.headers();
+    let (limit, left, reset) = quota_headers(headers);
+    assert_eq!((limit, left), (5, 0));
+    // Empty: whole again after five requests' time, less what refilled since.
+    assert!(reset > ms(800) && reset <= ms(1000), "{reset:?}");
+    assert_eq!(header(headers, "retry-after"), Some("1"));
+    let wait: u64 = header(headers, "retry-after-ms").unwrap().parse().unwrap();
+    assert!(wait <= 200, "one request's time at most: {wait}");
+
+    tokio::time::sleep(ms(wait + 10)).await;
+    let again = chat(&client, &server, "a", false).await;
+    assert_eq!(again.status(), 200);
+    assert_eq!(quota_headers(again.headers()).1, 0);
+    assert_eq!(server.stats().rate_limited, 1);
+}
+
+#[tokio::test]
+async fn a_fixed_quota_is_whole_again_when_its_window_ends() {
+    let server = start(MockSettings {
+        quota: Some("3/400ms:fixed".parse().unwrap()),
+        ..MockSettings::default()
+    })
+    .await;
+    let client = client();
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        let response = chat(&client, &server, "a", false).await;
+        let (_, remaining, reset) = quota_headers(response.headers());
+        seen.push((response.status().as_u16(), remaining));
+        assert!(reset <= ms(400), "{reset:?}");
+        if response.status() == 429 {
+            let wait: u64 = header(response.headers(), "retry-after-ms")
+                .unwrap()
+                .parse()
+                .unwrap();
+            assert!(wait <= 400 && wait.abs_diff(reset.as_millis() as u64) <= 1);
+            tokio::time::sleep(reset + ms(20)).await;
+        }
+    }
+    assert_eq!(seen, [(200, 2), (200, 1), (200, 0), (429, 0)]);
+    let next = chat(&client, &server, "a", false).await;
+    assert_eq!(next.status(), 200);
+    assert_eq!(quota_headers(next.headers()).1, 2, "back to the limit");
+}
+
+#[tokio::test]
+async fn an_outage_refuses_chat_models_and_health_for_its_length() {
+    let server = start(MockSettings {
+        outage: Some(Outage {
+            after: ms(200),
+            duration: ms(300),
+            status: 503,
+        }),
+        ..MockSettings::default()
+    })
+    .await;
+    let client = client();
+    let get = |path: &str| client.get(format!("http://{}{path}", server.addr())).send();
+    let statuses = || async {
+        [
+            chat(&client, &server, "a", false).await.status().as_u16(),
+            get("/v1/models").await.unwrap().status().as_u16(),
+            get("/health").await.unwrap().status().as_u16(),
+        ]
+    };
+
+    // The outage counts from the first chat request: none before it.
+    assert_eq!(get("/health").await.unwrap().status(), 200);
+    let start = Instant::now();
+    assert_eq!(statuses().await, [200, 200, 200]);
+    tokio::time::sleep_until(start + ms(300)).await;
+    let during = chat(&client, &server, "a", false).await;
+    assert_eq!(during.status(), 503);
+    assert_eq!(header(during.headers(), "retry-after"), None);
+    assert_eq!(statuses().await, [503, 503, 503]);
+    tokio::time::sleep_until(start + ms(600)).await;
+    assert_eq!(statuses().await, [200, 200, 200]);
+
+    let stats = server.stats();
+    assert_eq!((stats.outage_refused, stats.completed), (2, 2));
+}
+
+#[tokio::test]
+async fn faults_are_counted_apart_from_errors_and_unset_settings_change_nothing() {
+    let server = start(MockSettings::default()).await;
+    let client = client();
+    let response = chat(&client, &server, "a b", false).await;
+    assert_eq!(response.status(), 200);
+    assert!(
+        header(response.headers(), "x-ratelimit-limit-requests").is_none(),
+        "no quota, no quota headers"
+    );
+    let stats = server.stats();
+    assert_eq!(stats.faults, 0);
+    assert!(stats.faults_by_status.is_empty());
+    let snapshot: Value = serde_json::to_value(&stats).unwrap();
+    for field in [
+        "faults",
+        "faults_by_status",
+        "stalled",
+        "cut",
+        "interrupted",
+        "outage_refused",
+    ] {
+        assert!(snapshot.get(field).is_some(), "{field} in {snapshot}");
+    }
+    let unused = Fault {
+        status: 500,
+        rate: 0.0,
+        retry_after: None,
+    };
+    let server = start(MockSettings {
+        faults: vec![unused],
+        ..MockSettings::default()
+    })
+    .await;
+    for i in 0..20 {
+        let status = chat(&client, &server, &format!("{i}"), false)
+            .await
+            .status();
+        assert_eq!(status, 200);
+    }
+}
