@@ -246,6 +246,8 @@ async fn answers_a_server_cuts_short_are_never_results_and_it_is_sent_fewer() {
     let state = env.evalfleet(&["status", &ran.run_id(), "--json"]).await;
     assert_eq!(state.code, Some(0), "{}", state.stderr);
     let state: serde_json::Value = serde_json::from_str(&state.stdout).unwrap();
-    let limit = state["endpoint_states"]["endpoints"][0]["limit"].as_u64().unwrap();
+    let limit = state["endpoint_states"]["endpoints"][0]["limit"]
+        .as_u64()
+        .unwrap();
     assert!(limit < 8, "the limit stayed at {limit}: {state}");
 }
