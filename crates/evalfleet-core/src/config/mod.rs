@@ -231,16 +231,6 @@ pub struct Timeouts {
     pub stream_idle: Duration,
 }
 
-impl Timeouts {
-    /// The limits a client puts on one call's waits.
-    pub fn stalls(&self) -> crate::client::Stalls {
-        crate::client::Stalls {
-            first_byte: self.first_byte,
-            idle: self.stream_idle,
-        }
-    }
-}
-
 /// `writer:` how results are committed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WriterSettings {

@@ -138,7 +138,10 @@ impl Fleet {
                 options,
                 task_params: config.task.params.clone(),
                 stream: config.task.stream,
-                stalls: config.timeouts.stalls(),
+                stalls: crate::client::Stalls {
+                    first_byte: config.timeouts.first_byte,
+                    idle: config.timeouts.stream_idle,
+                },
                 events,
                 exhausted: CancellationToken::new(),
                 reason: Mutex::new(None),
