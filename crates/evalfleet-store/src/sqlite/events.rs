@@ -2,7 +2,7 @@
 
 use evalfleet_core::store::{EndpointStates, Events, FleetMailbox, StoreError};
 use evalfleet_types::{EndpointSnapshot, Event, EventKind, FleetAction, FleetChange, now_ms};
-use rusqlite::{TransactionBehavior, params};
+use rusqlite::params;
 
 use super::{SqliteStore, db_err, json_err, unknown};
 
@@ -13,10 +13,7 @@ impl Events for SqliteStore {
         }
         let rid = self.rid(run_id)?;
         let err = db_err("cannot record an event");
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(&err)?;
+        let tx = self.write("cannot record an event")?;
         {
             let mut insert = tx
                 .prepare_cached(
@@ -76,10 +73,7 @@ impl Events for SqliteStore {
         states: &[EndpointSnapshot],
     ) -> Result<(), StoreError> {
         let rid = self.rid(run_id)?;
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(db_err("cannot store endpoint states"))?;
+        let tx = self.write("cannot store endpoint states")?;
         {
             let mut upsert = tx
                 .prepare_cached(

@@ -135,6 +135,15 @@ impl SqliteStore {
         &self.path
     }
 
+    /// A write transaction that takes the file's write lock at once (one
+    /// that read first could fail to take it later); `context` names what
+    /// could not begin.
+    fn write(&mut self, context: &str) -> Result<rusqlite::Transaction<'_>, StoreError> {
+        self.conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(db_err(context))
+    }
+
     fn rid(&mut self, run_id: &str) -> Result<i64, StoreError> {
         if let Some(rid) = self.rids.get(run_id) {
             return Ok(*rid);

@@ -14,7 +14,7 @@ use evalfleet_core::store::{
     Batch, Claim, ClaimId, Claimed, Committed, PendingItem, StoreError, WorkQueue,
 };
 use evalfleet_types::{ErrorClass, ItemStatus, now_ms};
-use rusqlite::{Transaction, TransactionBehavior, params};
+use rusqlite::{Transaction, params};
 
 use super::results::assessment_columns;
 use super::{SqliteStore, db_err, opt_u64};
@@ -153,10 +153,7 @@ impl SqliteStore {
     ) -> Result<Claimed, StoreError> {
         let rid = self.rid(run_id)?;
         let err = db_err("cannot claim items");
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(&err)?;
+        let tx = self.write("cannot claim items")?;
         let now = now_ms();
         tx.execute(
             "DELETE FROM claims WHERE rid = ?1 AND lease_until <= ?2",
@@ -214,10 +211,7 @@ impl SqliteStore {
     ) -> Result<u64, StoreError> {
         let rid = self.rid(run_id)?;
         let err = db_err("cannot renew the lease");
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(&err)?;
+        let tx = self.write("cannot renew the lease")?;
         let now = now_ms();
         let renewed = tx
             .execute(
@@ -242,10 +236,7 @@ impl SqliteStore {
     fn release_now(&mut self, run_id: &str, worker: &str) -> Result<(), StoreError> {
         let rid = self.rid(run_id)?;
         let err = db_err("cannot release the worker's claims");
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(&err)?;
+        let tx = self.write("cannot release the worker's claims")?;
         tx.execute(
             "DELETE FROM claims WHERE rid = ?1 AND worker = ?2",
             params![rid, worker],
@@ -288,10 +279,7 @@ impl WorkQueue for SqliteStore {
     ) -> Result<Committed, StoreError> {
         let rid = self.rid(run_id)?;
         let cache_db = self.cache_db;
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(db_err("cannot begin a batch"))?;
+        let tx = self.write("cannot begin a batch")?;
         // This worker's live claims: what it may commit.
         let mine: HashMap<ClaimId, (u64, u64)> = tx
             .prepare_cached(

@@ -4,7 +4,7 @@ use evalfleet_core::store::{
     AttemptSample, ExportError, ExportRow, Results, StoreError, StoredResult,
 };
 use evalfleet_types::{Assessment, ErrorClass, ItemStatus, Scores, Verdict, now_ms};
-use rusqlite::{TransactionBehavior, params};
+use rusqlite::params;
 
 use super::{SqliteStore, db_err, json_column, json_err, unknown};
 
@@ -216,10 +216,7 @@ impl Results for SqliteStore {
     ) -> Result<(), StoreError> {
         let rid = self.rid(run_id)?;
         let err = db_err("cannot store new scores");
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(&err)?;
+        let tx = self.write("cannot store new scores")?;
         {
             let mut update = tx
                 .prepare_cached(

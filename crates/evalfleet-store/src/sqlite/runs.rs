@@ -6,7 +6,7 @@ use evalfleet_core::store::{
     CreateRunError, ItemSource, NewRun, RunRecord, Runs, SessionStart, StoreError, WorkerInfo,
 };
 use evalfleet_types::{RunStatus, StateCounts, now_ms};
-use rusqlite::{ErrorCode, OptionalExtension, Transaction, TransactionBehavior, params};
+use rusqlite::{ErrorCode, OptionalExtension, Transaction, params};
 
 use super::{SqliteStore, db_err, json_err, unknown};
 
@@ -119,10 +119,7 @@ impl Runs for SqliteStore {
         run: &NewRun,
         items: &mut dyn ItemSource,
     ) -> Result<RunRecord, CreateRunError> {
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(db_err("cannot begin the run's transaction"))?;
+        let tx = self.write("cannot begin the run's transaction")?;
         let exists: bool = tx
             .query_row(
                 "SELECT EXISTS (SELECT 1 FROM runs WHERE run_id = ?1)",
@@ -227,10 +224,7 @@ impl Runs for SqliteStore {
         retry_failed: bool,
     ) -> Result<SessionStart, StoreError> {
         let rid = self.rid(run_id)?;
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(db_err("cannot begin a session"))?;
+        let tx = self.write("cannot begin a session")?;
         let mut reset = 0;
         if retry_failed {
             tx.execute(
