@@ -347,8 +347,11 @@ impl ChatClient {
             .post(self.completions_url.clone())
             .body(self.body(messages))
             .send();
+        // A stream's first byte (its headers, then its first event) is due
+        // by then.
+        let first_byte_by = started + self.stalls.first_byte;
         let response = if self.stream {
-            tokio::time::timeout(self.stalls.first_byte, request)
+            tokio::time::timeout_at(first_byte_by, request)
                 .await
                 .map_err(|_| CallError::FirstByteTimeout(self.stalls.first_byte))?
         } else {
@@ -361,7 +364,7 @@ impl ChatClient {
             return Err(status_error(response).await);
         }
         if self.stream {
-            read_stream(response, started, ttft, self.stalls).await
+            read_stream(response, started, ttft, first_byte_by, self.stalls).await
         } else {
             let bytes = response.bytes().await.map_err(body_error)?;
             parse_completion(&bytes, status.as_u16())
@@ -540,6 +543,7 @@ async fn read_stream(
     response: reqwest::Response,
     started: Instant,
     ttft: &mut Option<Duration>,
+    first_byte_by: Instant,
     stalls: Stalls,
 ) -> Result<Completion, CallError> {
     #[derive(Deserialize)]
@@ -572,21 +576,27 @@ async fn read_stream(
     let mut pieces = 0u64;
     let mut first = true;
     let mut done = false;
+    // Until the first event, the wait is the first byte's; after each, a
+    // stream that goes quiet for `idle` has stalled. One timer, moved on.
+    let quiet = tokio::time::sleep_until(first_byte_by);
+    tokio::pin!(quiet);
     loop {
-        // Until the first event, the wait is the first byte's; after it, a
-        // stream that goes quiet for `idle` has stalled.
-        let (limit, timeout_error): (Duration, fn(Duration) -> CallError) = if first {
-            (stalls.first_byte, CallError::FirstByteTimeout)
-        } else {
-            (stalls.idle, CallError::Stalled)
+        let next = tokio::select! {
+            biased;
+            event = events.next() => event,
+            () = &mut quiet => {
+                return Err(if first {
+                    CallError::FirstByteTimeout(stalls.first_byte)
+                } else {
+                    CallError::Stalled(stalls.idle)
+                });
+            }
         };
-        let Some(event) = tokio::time::timeout(limit, events.next())
-            .await
-            .map_err(|_| timeout_error(limit))?
-        else {
+        let Some(event) = next else {
             break;
         };
         first = false;
+        quiet.as_mut().reset(Instant::now() + stalls.idle);
         let event = event.map_err(|err| match err {
             eventsource_stream::EventStreamError::Transport(_) => CallError::Truncated,
             other => CallError::BadResponse(format!("invalid event stream: {other}")),

@@ -26,9 +26,9 @@ pub use endpoint::{
 pub use env::Vars;
 pub use evalfleet_mock::MockSettings;
 use evalfleet_types::Fault;
-/// `retry:` how failed attempts are retried: `max_attempts` (per item and
-/// session, the first included; default 5), `backoff_base` (default
-/// `500ms`), `backoff_max` (default `30s`).
+/// `retry:` how failed attempts are retried: `max_attempts` (per call: an
+/// item's answer, a re-ask, a judge's call; the first included; default
+/// 5), `backoff_base` (default `500ms`), `backoff_max` (default `30s`).
 pub use evalfleet_types::RetryPolicy;
 pub use yaml::{Document, YamlError, parse as parse_yaml};
 
@@ -222,9 +222,10 @@ pub struct Timeouts {
     /// host, its items go to the run's other workers after this; one on
     /// this host that dies frees them at once. Default `30s`.
     pub lease: Duration,
-    /// How long a call may wait for the first byte of its answer (headers
-    /// and, for a stream, the first event) before it is given up as stalled
-    /// and retried. Default `120s`.
+    /// How long a streamed call may wait for the first byte of its answer
+    /// (its headers and its first event, both within this from the send)
+    /// before it is given up and retried. A non-streamed answer comes
+    /// whole: only `attempt` bounds it. Default `120s`.
     pub first_byte: Duration,
     /// How long a stream may send nothing before it is given up as stalled
     /// and retried. Default `30s`.

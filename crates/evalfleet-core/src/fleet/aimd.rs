@@ -246,7 +246,7 @@ impl Aimd {
             // Back to what the endpoint took: the calls beyond it were the
             // excess; by `decrease_ratio` at least, by half at most.
             self.slow_start = false;
-            let factor = (1.0 - excess).clamp(0.5, settings.decrease_ratio);
+            let factor = (1.0 - excess).max(0.5).min(settings.decrease_ratio);
             let to = ((from as f64 * factor) as usize).max(floor);
             Some((to, Reason::BackPressure))
         } else if let (Some(current), Some(base)) = (current, self.baseline)
@@ -460,5 +460,22 @@ mod tests {
         let (low, high) = simulate(400, |i, _, draw| i >= 40 || draw < 0.07);
         assert!(high <= 60, "the limit rose to {high}");
         assert!(low >= 25, "the limit fell to {low}");
+    }
+
+    #[test]
+    fn a_decrease_ratio_below_one_half_is_kept_to() {
+        let mut now = Instant::now();
+        let mut c = Aimd::new(
+            AimdSettings {
+                initial: 20,
+                decrease_ratio: 0.3,
+                ..settings()
+            },
+            now,
+        );
+        // An interval of refusals: the cut is by the ratio (x 0.3), which
+        // is deeper than the half a cut keeps otherwise.
+        let cut = interval(&mut c, &mut now, Signal::BackPressure).unwrap();
+        assert_eq!((cut.to, cut.reason), (6, Reason::BackPressure));
     }
 }

@@ -3,9 +3,9 @@
 //! Closed: the endpoint takes items. It opens (takes no new items; calls in
 //! flight go on) when the endpoint is down, not when it is merely faulty:
 //! `max_failures` failures in a row that say it is down (probes that fail,
-//! calls whose connection was refused or that got no answer at all), or
-//! [`FAULTS_IN_A_ROW`] calls in a row that failed (a 5xx, a broken or cut
-//! stream): sporadic faults, even at 15% of calls, practically never come
+//! calls whose connection was refused), or [`FAULTS_IN_A_ROW`] calls in a
+//! row that failed (a 5xx other than 503, no answer in time, a broken, cut
+//! or stalled stream): sporadic faults, even at 15% of calls, practically never come
 //! that many in a row (0.15^20 ≈ 3 × 10^-17), while an endpoint that fails
 //! everything gets there in a moment. While open, only probes run; the first
 //! probe that succeeds half-opens it, and `recover_after` probes in a row
@@ -36,13 +36,13 @@ pub enum Transition {
 pub enum Health {
     /// It answered.
     Up,
-    /// It did not: the connection was refused, or no answer came at all.
+    /// It could not be reached: the connection was refused.
     Down,
-    /// This call failed (a 5xx, a stream cut or stalled): a fault of the
-    /// call, which says the endpoint is down only when nothing else gets
-    /// through.
+    /// This call failed (a 5xx other than 503, no answer in time, a stream
+    /// cut or stalled): a fault of the call, which says the endpoint is
+    /// down only when nothing else gets through.
     Fault,
-    /// Nothing (it said no: a 4xx, a 429, a 503; it is up).
+    /// Nothing (it said no and is up: a 4xx, a 429, a 503).
     Silent,
 }
 

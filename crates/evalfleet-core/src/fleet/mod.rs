@@ -39,7 +39,8 @@ pub struct EndpointCounters {
     pub in_flight: AtomicU64,
     pub attempts: AtomicU64,
     pub successes: AtomicU64,
-    errors: [AtomicU64; 6],
+    /// By class, in the order of [`ErrorClass::FAILURES`].
+    errors: [AtomicU64; ErrorClass::FAILURES.len()],
     /// Calls started in each of the last 60 seconds (a ring by second).
     minute: Mutex<Minute>,
 }
@@ -93,16 +94,16 @@ impl EndpointCounters {
 }
 
 fn class_index(class: ErrorClass) -> usize {
-    match class {
-        ErrorClass::Retryable => 0,
-        ErrorClass::BackPressure => 1,
-        ErrorClass::Fatal => 2,
-        // A re-asked answer is not a failed call; were it counted, it would
-        // be as an unusable response.
-        ErrorClass::BadResponse | ErrorClass::InvalidAnswer => 3,
-        ErrorClass::FirstByteTimeout => 4,
-        ErrorClass::Stalled => 5,
-    }
+    // A re-asked answer is not a failed call; were it counted, it would be
+    // as an unusable response.
+    let class = match class {
+        ErrorClass::InvalidAnswer => ErrorClass::BadResponse,
+        other => other,
+    };
+    ErrorClass::FAILURES
+        .iter()
+        .position(|c| *c == class)
+        .unwrap_or_default()
 }
 
 /// Where an endpoint is in its life.

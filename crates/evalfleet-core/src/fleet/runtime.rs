@@ -374,7 +374,7 @@ fn report_transition(
             endpoint,
             EventKind::Unhealthy,
             format!(
-                "Endpoint {} is unhealthy ({}); its calls in flight move to other endpoints.",
+                "Endpoint {} is unhealthy ({}); it takes no new calls until it recovers.",
                 endpoint.name,
                 why.unwrap_or_else(|| "calls failed".to_owned())
             ),

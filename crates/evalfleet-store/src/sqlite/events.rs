@@ -72,25 +72,7 @@ impl Events for SqliteStore {
         run_id: &str,
         states: &[EndpointSnapshot],
     ) -> Result<(), StoreError> {
-        let rid = self.rid(run_id)?;
-        let tx = self.write("cannot store endpoint states")?;
-        {
-            let mut upsert = tx
-                .prepare_cached(
-                    "INSERT INTO endpoint_states (rid, endpoint, snapshot, updated_at) VALUES (?1, ?2, ?3, ?4)
-                     ON CONFLICT (rid, endpoint) DO UPDATE SET snapshot = ?3, updated_at = ?4",
-                )
-                .map_err(db_err("cannot store endpoint states"))?;
-            let now = now_ms();
-            for state in states {
-                let json = serde_json::to_string(state)
-                    .map_err(json_err("cannot encode an endpoint state"))?;
-                upsert
-                    .execute(params![rid, state.endpoint, json, now])
-                    .map_err(db_err("cannot store endpoint states"))?;
-            }
-        }
-        tx.commit().map_err(db_err("cannot store endpoint states"))
+        self.without_sync(|store| store.put_endpoint_states_now(run_id, states))
     }
 
     fn endpoint_states(&mut self, run_id: &str) -> Result<Option<EndpointStates>, StoreError> {
@@ -123,6 +105,34 @@ impl Events for SqliteStore {
             updated_at_ms,
             endpoints,
         }))
+    }
+}
+
+impl SqliteStore {
+    fn put_endpoint_states_now(
+        &mut self,
+        run_id: &str,
+        states: &[EndpointSnapshot],
+    ) -> Result<(), StoreError> {
+        let rid = self.rid(run_id)?;
+        let tx = self.write("cannot store endpoint states")?;
+        {
+            let mut upsert = tx
+                .prepare_cached(
+                    "INSERT INTO endpoint_states (rid, endpoint, snapshot, updated_at) VALUES (?1, ?2, ?3, ?4)
+                     ON CONFLICT (rid, endpoint) DO UPDATE SET snapshot = ?3, updated_at = ?4",
+                )
+                .map_err(db_err("cannot store endpoint states"))?;
+            let now = now_ms();
+            for state in states {
+                let json = serde_json::to_string(state)
+                    .map_err(json_err("cannot encode an endpoint state"))?;
+                upsert
+                    .execute(params![rid, state.endpoint, json, now])
+                    .map_err(db_err("cannot store endpoint states"))?;
+            }
+        }
+        tx.commit().map_err(db_err("cannot store endpoint states"))
     }
 }
 

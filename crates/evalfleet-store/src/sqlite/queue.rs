@@ -122,27 +122,6 @@ fn scan(
 }
 
 impl SqliteStore {
-    /// Runs `work` without waiting for the disk: a claim, a renewal or a
-    /// release lost in a power cut costs nothing (its items are still
-    /// pending, and leases run out), and the next durable commit writes it
-    /// to disk anyway (the write-ahead log is one sequential file). The
-    /// worker's reader would otherwise wait for a sync per page of items,
-    /// and hold the writer's commits up while it does.
-    fn without_sync<T>(
-        &mut self,
-        work: impl FnOnce(&mut Self) -> Result<T, StoreError>,
-    ) -> Result<T, StoreError> {
-        let relax = db_err("cannot set synchronous mode");
-        self.conn
-            .pragma_update(None, "synchronous", "NORMAL")
-            .map_err(&relax)?;
-        let result = work(self);
-        self.conn
-            .pragma_update(None, "synchronous", "FULL")
-            .map_err(&relax)?;
-        result
-    }
-
     fn claim_now(
         &mut self,
         run_id: &str,
