@@ -105,6 +105,41 @@ fn as_json(value: &Value) -> Result<String, minijinja::Error> {
         .map_err(|err| minijinja::Error::new(ErrorKind::InvalidOperation, err.to_string()))
 }
 
+/// A template over an item's fields and its answer (`answer`), compiled
+/// once: the refine prompt.
+pub struct AnswerTemplate {
+    env: Environment<'static>,
+    name: &'static str,
+}
+
+impl AnswerTemplate {
+    /// `source` compiled as the template `name` (its place in the config).
+    pub fn new(name: &'static str, source: &str) -> Result<Self, String> {
+        let mut env = environment();
+        env.add_template_owned(name, source.to_owned())
+            .map_err(|e| format!("{name}: {}", describe(&e)))?;
+        Ok(Self { env, name })
+    }
+
+    /// The template rendered for `row` with `answer`; the error says why
+    /// not (a missing field by its name), without the template's name.
+    pub fn render(
+        &self,
+        row: &serde_json::Map<String, serde_json::Value>,
+        answer: &str,
+    ) -> Result<String, String> {
+        let template = self.env.get_template(self.name).map_err(|e| describe(&e))?;
+        let mut context = row.clone();
+        context.insert(
+            "answer".to_owned(),
+            serde_json::Value::String(answer.to_owned()),
+        );
+        template
+            .render(Value::from(minijinja::value::Serde(&context)))
+            .map_err(|e| explain(&e, &template, &context))
+    }
+}
+
 /// When `source` is one expression and nothing else (`{{ answers }}`,
 /// `{{ answers | map(attribute='text') | list }}`), a template that gives
 /// that expression's value as JSON; else `None` (the template is text).

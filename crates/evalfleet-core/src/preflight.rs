@@ -30,6 +30,13 @@ pub fn check(
         return Ok(());
     };
     let assessor = Assessor::new(&config.task.eval).ok();
+    // A prompt that does not compile is reported with the config's problems.
+    let refine = match &config.task.kind {
+        TaskKind::Refine(settings) => {
+            crate::jinja::AnswerTemplate::new("task.refine.prompt", &settings.prompt).ok()
+        }
+        _ => None,
+    };
     let file = config.dataset.path.file_name().map_or_else(
         || config.dataset.path.display().to_string(),
         |n| n.to_string_lossy().into_owned(),
@@ -89,21 +96,10 @@ pub fn check(
                 report(path, index, *line, what);
             }
         }
-        if let TaskKind::Refine(settings) = &config.task.kind {
-            let env = crate::jinja::environment();
-            let mut context = row.clone();
-            context.insert("answer".to_owned(), Value::String(String::new()));
-            let rendered = env
-                .template_from_str(&settings.prompt)
-                .and_then(|t| t.render(minijinja::Value::from(minijinja::value::Serde(&context))));
-            if let Err(err) = rendered {
-                report(
-                    "task.refine.prompt",
-                    index,
-                    *line,
-                    &crate::jinja::describe(&err),
-                );
-            }
+        if let Some(prompt) = &refine
+            && let Err(err) = prompt.render(row, "")
+        {
+            report("task.refine.prompt", index, *line, &err);
         }
     }
     if problems.is_empty() {

@@ -166,17 +166,13 @@ impl Plan {
             only,
             rejudge,
         } = self;
-        // CodeJudge metrics read their judge's replies from the cache.
+        // LLM-judge metrics read their judges' replies from the cache.
         let judge_identities: HashMap<String, String> = loaded
             .config
             .endpoints
             .iter()
             .filter(|e| !e.takes_items())
-            .map(|e| {
-                let identity =
-                    crate::cache::identity(&e.model, &loaded.config.task.params, &e.params);
-                (e.name.clone(), identity)
-            })
+            .map(|e| (e.name.clone(), loaded.config.cache_identity(e)))
             .collect();
         let mut stored: Vec<StoredResult> = Vec::new();
         store.scan_results(&run_id, &mut |r: StoredResult| {

@@ -62,22 +62,30 @@ pub fn release_dead<S: Runs + WorkQueue + ?Sized>(
     Ok(dead.len())
 }
 
-/// The host's name, as workers record it.
+/// The host's name, as workers record it (read once).
 fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_owned())
-        .ok()
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "localhost".to_owned())
+    static NAME: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    NAME.get_or_init(|| {
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_owned())
+            .ok()
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| "localhost".to_owned())
+    })
+    .clone()
 }
 
 /// When process `pid` started, in clock ticks since boot (`/proc/PID/stat`,
-/// field 22); `None` when there is no such process.
+/// field 22); `None` when there is no such process, or it has ended and
+/// only waits to be reaped (a zombie).
 fn process_start(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) is in parentheses and may hold spaces.
-    let after_name = &stat[stat.rfind(')')? + 1..];
-    after_name.split_whitespace().nth(19)?.parse().ok()
+    let mut fields = stat[stat.rfind(')')? + 1..].split_whitespace();
+    if matches!(fields.next()?, "Z" | "X") {
+        return None;
+    }
+    fields.nth(18)?.parse().ok()
 }
 
 #[cfg(test)]
@@ -105,5 +113,20 @@ mod tests {
             ..me
         };
         assert!(!is_alive(&elsewhere), "its lease ran out");
+    }
+
+    #[test]
+    fn a_process_that_ended_but_is_not_reaped_is_not_alive() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        // Not waited for: once it exits it is a zombie, its pid still there.
+        let stat = || std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !stat().contains(") Z ") {
+            assert!(std::time::Instant::now() < deadline, "{}", stat());
+            std::thread::yield_now();
+        }
+        assert_eq!(process_start(pid), None);
+        child.wait().unwrap();
     }
 }

@@ -119,16 +119,16 @@ impl Env {
     }
 
     /// Attempts stored per session of `run_id`, read while the run may be
-    /// writing.
+    /// writing (none while the store's tables are still being made).
     pub fn attempts_by_session(&self, run_id: &str) -> BTreeMap<i64, i64> {
         let conn = rusqlite::Connection::open(self.store_path()).unwrap();
         conn.busy_timeout(Duration::from_secs(30)).unwrap();
-        let mut stmt = conn
-            .prepare(
-                "SELECT a.session, COUNT(*) FROM attempts a JOIN runs r ON r.rid = a.rid
-                 WHERE r.run_id = ?1 GROUP BY a.session",
-            )
-            .unwrap();
+        let Ok(mut stmt) = conn.prepare(
+            "SELECT a.session, COUNT(*) FROM attempts a JOIN runs r ON r.rid = a.rid
+             WHERE r.run_id = ?1 GROUP BY a.session",
+        ) else {
+            return BTreeMap::new();
+        };
         stmt.query_map([run_id], |row| Ok((row.get(0)?, row.get(1)?)))
             .unwrap()
             .map(Result::unwrap)

@@ -83,6 +83,15 @@ pub struct Config {
     pub store: Option<PathBuf>,
 }
 
+impl Config {
+    /// What `endpoint`'s requests are, for the cache (its model, and the
+    /// task's parameters with its own over them): the same requests to
+    /// another endpoint of the same model are answered from the cache.
+    pub fn cache_identity(&self, endpoint: &EndpointConfig) -> String {
+        crate::cache::identity(&endpoint.model, &self.task.params, &endpoint.params)
+    }
+}
+
 /// `dataset:` where items come from.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DatasetConfig {

@@ -580,7 +580,6 @@ pub fn as_text(value: &Value) -> String {
     }
 }
 
-/// A reference letter: itself, or a 0-based index turned into a letter.
 /// A class label as compared: trimmed, and lowercased with `ignore_case`.
 fn label_norm(label: &str, ignore_case: bool) -> String {
     if ignore_case {
@@ -590,6 +589,7 @@ fn label_norm(label: &str, ignore_case: bool) -> String {
     }
 }
 
+/// A reference letter: itself, or a 0-based index turned into a letter.
 fn choice_letter(reference: &str) -> String {
     let r = reference.trim();
     match r.parse::<u32>() {

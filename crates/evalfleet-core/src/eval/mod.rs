@@ -319,12 +319,6 @@ impl Assessor {
         checked.assessment(scores, reasks)
     }
 
-    /// Whether any metric is scored by a judge endpoint.
-    pub fn has_llm_judges(&self) -> bool {
-        self.metrics()
-            .any(|m| matches!(m.kind, metrics::Kind::LlmJudge { .. }))
-    }
-
     /// The calls the judge metrics need for a valid answer: the rubric
     /// rendered over the item's fields, `answer` and `reference`, as one
     /// user message.
@@ -383,10 +377,7 @@ impl Assessor {
         answer: &str,
         checked: &Checked,
     ) -> Option<Box<serde_json::value::RawValue>> {
-        let mut list: Vec<Value> = serde_json::from_str(messages.get()).ok()?;
-        list.push(serde_json::json!({"role": "assistant", "content": answer}));
-        list.push(serde_json::json!({"role": "user", "content": self.reask_message(checked)}));
-        serde_json::value::to_raw_value(&list).ok()
+        continue_conversation(messages, answer, &self.reask_message(checked)).ok()
     }
 
     /// The user message of a re-ask: what was wrong with the answer.
@@ -408,6 +399,20 @@ impl Assessor {
 
 /// References from text: a JSON value when the metric compares JSON, a
 /// JSON list as its elements, anything else as one reference.
+/// `messages` with the model's `answer` and then the user's next message
+/// (`user`) added: a re-ask, a request to improve the answer.
+pub fn continue_conversation(
+    messages: &serde_json::value::RawValue,
+    answer: &str,
+    user: &str,
+) -> Result<Box<serde_json::value::RawValue>, String> {
+    let mut list: Vec<Value> = serde_json::from_str(messages.get())
+        .map_err(|err| format!("the conversation is not a list of messages: {err}"))?;
+    list.push(serde_json::json!({"role": "assistant", "content": answer}));
+    list.push(serde_json::json!({"role": "user", "content": user}));
+    serde_json::value::to_raw_value(&list).map_err(|err| err.to_string())
+}
+
 fn from_text(text: String, json: bool) -> Result<Vec<Value>, String> {
     let trimmed = text.trim();
     if json {

@@ -37,7 +37,7 @@ use crate::fleet::{Endpoint, EndpointCounters};
 use crate::store::{Store, StoreError};
 use crate::task::{Request, Target, Task};
 use item::{Backlog, Item, Tally};
-use reader::{Reader, ReaderError};
+use reader::Reader;
 use writer::{Message, Outcome};
 
 /// Live counters of a session, read by progress displays.
@@ -130,15 +130,6 @@ impl PipelineError {
             Self::Dataset(err) => err.fault(),
             Self::Task(err) => err.fault(),
             Self::Internal(_) => evalfleet_types::Fault::Failure,
-        }
-    }
-}
-
-impl From<ReaderError> for PipelineError {
-    fn from(err: ReaderError) -> Self {
-        match err {
-            ReaderError::Store(err) => Self::Store(err),
-            ReaderError::Dataset(err) => Self::Dataset(err),
         }
     }
 }
@@ -270,9 +261,7 @@ fn max_tokens(config: &Config) -> u64 {
 
 /// The request identities of the session's endpoints, for the cache.
 fn cache_use(config: &Config, endpoints: &[Arc<Endpoint>]) -> CacheUse {
-    let identity = |e: &Endpoint| {
-        crate::cache::identity(&e.config.model, &config.task.params, &e.config.params)
-    };
+    let identity = |e: &Endpoint| config.cache_identity(&e.config);
     CacheUse {
         items: endpoints
             .iter()

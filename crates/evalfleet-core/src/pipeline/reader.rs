@@ -11,12 +11,12 @@ use evalfleet_types::CacheEntry;
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 
-use super::Shared;
 use super::dispatch::{Carry, drive};
 use super::item::{Claimed as ClaimedItem, Ended, Item};
 use super::writer::{Message, Outcome};
-use crate::dataset::{DatasetError, RowReader};
-use crate::store::{Claimed, PendingItem, Store, StoreError};
+use super::{PipelineError, Shared};
+use crate::dataset::RowReader;
+use crate::store::{Claimed, PendingItem, Store};
 use crate::task::{ItemContext, Step, Target};
 
 const PAGE: usize = 512;
@@ -24,14 +24,6 @@ const PAGE: usize = 512;
 /// How often a worker with nothing to claim looks again while others hold
 /// the run's last items.
 const OTHERS_POLL: Duration = Duration::from_millis(500);
-
-#[derive(Debug, thiserror::Error)]
-pub enum ReaderError {
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    #[error(transparent)]
-    Dataset(#[from] DatasetError),
-}
 
 pub struct Reader {
     store: Box<dyn Store>,
@@ -80,7 +72,7 @@ impl Reader {
     /// Claims and starts items until no pending item is left to claim or
     /// `halt` is cancelled. While other workers hold every pending item it
     /// waits for them, claiming what their leases leave behind.
-    pub fn run(mut self, runtime: &Handle) -> Result<(), ReaderError> {
+    pub fn run(mut self, runtime: &Handle) -> Result<(), PipelineError> {
         let mut after = None;
         loop {
             if !self.flush() || self.shared.halt.is_cancelled() {
@@ -142,7 +134,7 @@ impl Reader {
         &mut self,
         claim: crate::store::ClaimId,
         pending: PendingItem,
-    ) -> Result<(Item, Step), ReaderError> {
+    ) -> Result<(Item, Step), PipelineError> {
         // With `task.n` > 1 an item is `ROW#k`: sample k of row ROW.
         let (row_id, sample) = match crate::dataset::split_sample_id(&pending.item_id) {
             Some((row, k)) if self.samples > 1 => (row, k),
@@ -179,7 +171,7 @@ impl Reader {
     fn prefetch(
         &mut self,
         started: &[(Item, Step)],
-    ) -> Result<Vec<Option<CacheEntry>>, ReaderError> {
+    ) -> Result<Vec<Option<CacheEntry>>, PipelineError> {
         let keys: Vec<Option<String>> = started
             .iter()
             .map(|(_, step)| match step {
@@ -210,7 +202,7 @@ impl Reader {
         mut step: Step,
         mut first: Option<CacheEntry>,
         runtime: &Handle,
-    ) -> Result<bool, ReaderError> {
+    ) -> Result<bool, PipelineError> {
         loop {
             step = match step {
                 Step::Finish(finish) => {

@@ -8,12 +8,12 @@
 use std::sync::Arc;
 
 use evalfleet_types::Assessment;
-use minijinja::Environment;
-use serde_json::Value;
 
 use super::chat::{Chat, ChatEpisode};
 use super::{Episode, Finish, ItemContext, Reply, Request, Step, Target, Task};
 use crate::config::RefineSettings;
+use crate::eval::continue_conversation;
+use crate::jinja::AnswerTemplate;
 
 const PROMPT: &str = "task.refine.prompt";
 
@@ -24,20 +24,16 @@ pub struct Refine {
 }
 
 struct Inner {
-    /// The prompt, compiled.
-    env: Environment<'static>,
+    prompt: AnswerTemplate,
     rounds: u32,
 }
 
 impl Refine {
     pub fn new(chat: Chat, settings: &RefineSettings) -> Result<Self, String> {
-        let mut env = crate::jinja::environment();
-        env.add_template_owned(PROMPT, settings.prompt.clone())
-            .map_err(|e| format!("{PROMPT}: {e}"))?;
         Ok(Self {
             chat,
             inner: Arc::new(Inner {
-                env,
+                prompt: AnswerTemplate::new(PROMPT, &settings.prompt)?,
                 rounds: settings.rounds,
             }),
         })
@@ -75,34 +71,13 @@ impl Episode for RefineEpisode {
                 return Step::Finish(Finish::failed(reason, Assessment::default()));
             }
         };
-        let mut context = item.row().clone();
-        context.insert("answer".to_owned(), Value::String(answer.clone()));
-        let prompt = self
+        let messages = self
             .inner
-            .env
-            .get_template(PROMPT)
-            .and_then(|t| t.render(minijinja::Value::from(minijinja::value::Serde(&context))));
-        let prompt = match prompt {
-            Ok(prompt) => prompt,
-            Err(err) => {
-                return Step::Finish(Finish::failed(
-                    format!("{PROMPT}: {err}"),
-                    Assessment::default(),
-                ));
-            }
-        };
-        let mut conversation: Vec<Value> = match serde_json::from_str(asked.messages.get()) {
-            Ok(list) => list,
-            Err(err) => {
-                return Step::Finish(Finish::failed(
-                    format!("the conversation is not a list of messages: {err}"),
-                    Assessment::default(),
-                ));
-            }
-        };
-        conversation.push(serde_json::json!({"role": "assistant", "content": answer}));
-        conversation.push(serde_json::json!({"role": "user", "content": prompt}));
-        match serde_json::value::to_raw_value(&conversation) {
+            .prompt
+            .render(item.row(), &answer)
+            .map_err(|err| format!("{PROMPT}: {err}"))
+            .and_then(|prompt| continue_conversation(&asked.messages, &answer, &prompt));
+        match messages {
             Ok(messages) => {
                 self.improved += 1;
                 Step::Call(Request {
@@ -112,7 +87,7 @@ impl Episode for RefineEpisode {
                     rejected: None,
                 })
             }
-            Err(err) => Step::Finish(Finish::failed(err.to_string(), Assessment::default())),
+            Err(err) => Step::Finish(Finish::failed(err, Assessment::default())),
         }
     }
 }

@@ -9,10 +9,11 @@ use std::path::Path;
 
 use anyhow::Context;
 use evalfleet_core::config::{self, Overrides};
+use evalfleet_core::eval::Metric;
 use evalfleet_core::report::metrics::Summary;
-use evalfleet_core::report::{self, Judged, Report};
+use evalfleet_core::report::{self, Report};
 use evalfleet_core::rescore::Plan;
-use evalfleet_core::store::prelude::*;
+use evalfleet_core::store::StoredResult;
 use evalfleet_store::OpenOptions;
 
 use super::inspect::{percentiles, print_table};
@@ -83,19 +84,24 @@ fn fmt(v: f64) -> String {
 /// `evalfleet report`: a table in the terminal, and CSV and JSON files.
 pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
     let (location, mut store) = open_existing(args.store.store)?;
-    let report = report::report(&mut *store, &args.run_id, &args.by, args.max_unscored)?;
+    // The run must exist before anything is made for it.
+    store.run(&args.run_id)?;
     let dir = args
         .out
         .clone()
         .unwrap_or_else(|| location.dir().join("reports").join(&args.run_id));
     fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    write_summary_csv(&dir.join("metrics_summary.csv"), &report.metrics)?;
-    write_detailed_csv(
-        &dir.join("metrics_detailed.csv"),
+    let mut detailed = DetailedCsv::create(&dir.join("metrics_detailed.csv"))?;
+    let mut report = report::report_with(
         &mut *store,
         &args.run_id,
         &args.by,
+        args.max_unscored,
+        &mut |metrics, result, group| detailed.add(metrics, result, group),
     )?;
+    report.endpoints = report::endpoints(&mut *store, &args.run_id)?;
+    detailed.finish(&report.metrics)?;
+    write_summary_csv(&dir.join("metrics_summary.csv"), &report.metrics)?;
     let json = serde_json::to_string_pretty(&report)?;
     let json_path = dir.join("summary.json");
     fs::write(&json_path, &json)
@@ -315,36 +321,50 @@ fn write_summary_csv(path: &Path, summaries: &[Summary]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One line per result, as they are read (the run is not held in memory).
-fn write_detailed_csv(
-    path: &Path,
-    store: &mut dyn Store,
-    run_id: &str,
-    by: &[String],
-) -> anyhow::Result<()> {
-    let keys: Vec<String> = Judged::load(store, run_id)?
-        .metrics
-        .iter()
-        .map(|m| m.key.clone())
-        .collect();
-    let mut csv =
-        csv::Writer::from_path(path).with_context(|| format!("cannot write {}", path.display()))?;
-    let mut header: Vec<String> = [
-        "item_id",
-        "group",
-        "status",
-        "verdict",
-        "reasks",
-        "parsed",
-        "check_error",
-    ]
-    .map(str::to_owned)
-    .to_vec();
-    header.extend(keys.iter().cloned());
-    csv.write_record(&header)?;
-    let mut failed = None;
-    report::scan(store, run_id, by, &mut |r, group| {
-        if failed.is_some() {
+/// `metrics_detailed.csv`: one line per result, written as the report
+/// reads them (the run is not held in memory).
+struct DetailedCsv {
+    csv: csv::Writer<fs::File>,
+    /// The metrics' keys, once the header is written.
+    keys: Option<Vec<String>>,
+    failed: Option<csv::Error>,
+}
+
+impl DetailedCsv {
+    fn create(path: &Path) -> anyhow::Result<Self> {
+        Ok(Self {
+            csv: csv::Writer::from_path(path)
+                .with_context(|| format!("cannot write {}", path.display()))?,
+            keys: None,
+            failed: None,
+        })
+    }
+
+    fn header(&mut self, keys: Vec<String>) -> Result<(), csv::Error> {
+        let mut header: Vec<String> = [
+            "item_id",
+            "group",
+            "status",
+            "verdict",
+            "reasks",
+            "parsed",
+            "check_error",
+        ]
+        .map(str::to_owned)
+        .to_vec();
+        header.extend(keys.iter().cloned());
+        self.keys = Some(keys);
+        self.csv.write_record(&header)
+    }
+
+    fn add(&mut self, metrics: &[Metric], r: &StoredResult, group: &str) {
+        if self.failed.is_some() {
+            return;
+        }
+        if self.keys.is_none()
+            && let Err(err) = self.header(metrics.iter().map(|m| m.key.clone()).collect())
+        {
+            self.failed = Some(err);
             return;
         }
         let a = &r.assessment;
@@ -360,7 +380,7 @@ fn write_detailed_csv(
                 .unwrap_or_default(),
             a.check_error.clone().unwrap_or_default(),
         ];
-        for key in &keys {
+        for key in self.keys.iter().flatten() {
             record.push(
                 a.scores
                     .get(key)
@@ -369,15 +389,27 @@ fn write_detailed_csv(
                     .unwrap_or_default(),
             );
         }
-        if let Err(err) = csv.write_record(&record) {
-            failed = Some(err);
+        if let Err(err) = self.csv.write_record(&record) {
+            self.failed = Some(err);
         }
-    })?;
-    if let Some(err) = failed {
-        return Err(err.into());
     }
-    csv.flush()?;
-    Ok(())
+
+    /// Ends the file; `metrics` gives the header when no result came.
+    fn finish(mut self, metrics: &[report::metrics::Summary]) -> anyhow::Result<()> {
+        if let Some(err) = self.failed {
+            return Err(err.into());
+        }
+        if self.keys.is_none() {
+            let keys = metrics
+                .iter()
+                .filter(|s| s.group == report::metrics::ALL)
+                .map(|s| s.metric.clone())
+                .collect();
+            self.header(keys)?;
+        }
+        self.csv.flush()?;
+        Ok(())
+    }
 }
 
 /// `evalfleet compare`: runs side by side per metric and category, each

@@ -239,11 +239,13 @@ async fn execute(session: Session) -> anyhow::Result<u8> {
 fn scores(location: &Location, run_id: &str) -> anyhow::Result<u8> {
     let report = tokio::task::block_in_place(|| {
         let mut store = evalfleet_store::open(location, &OpenOptions::default())?;
-        anyhow::Ok(evalfleet_core::report::report(
+        // The metrics only: no endpoint summary (it reads every attempt).
+        anyhow::Ok(evalfleet_core::report::report_with(
             &mut *store,
             run_id,
             &[],
             None,
+            &mut |_, _, _| {},
         )?)
     })?;
     for s in report
