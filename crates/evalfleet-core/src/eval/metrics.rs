@@ -391,6 +391,20 @@ impl Metric {
                 "the reference is null (a field missing from a list of references?)".to_owned(),
             );
         }
+        let checks = matches!(
+            self.kind,
+            Kind::Numeric { .. }
+                | Kind::Choice
+                | Kind::Classification {
+                    labels: Some(_),
+                    ..
+                }
+                | Kind::Contains { .. }
+                | Kind::JsonFields { .. }
+        );
+        if !checks {
+            return None;
+        }
         let text = as_text(reference);
         let shown = || {
             let short: String = text.chars().take(60).collect();
@@ -439,10 +453,9 @@ impl Metric {
     /// `error` when the metric cannot score it (no usable reference).
     /// References the metric cannot use are passed over while one is left.
     pub fn score(&self, answer: &Value, references: &[Value]) -> Value {
-        let usable: Vec<Value>;
-        let references = if self.needs_reference() {
+        let references: Vec<&Value> = if self.needs_reference() {
             let mut why = None;
-            usable = references
+            let usable: Vec<&Value> = references
                 .iter()
                 .filter(|r| match self.unusable(r) {
                     Some(reason) => {
@@ -451,17 +464,16 @@ impl Metric {
                     }
                     None => true,
                 })
-                .cloned()
                 .collect();
             if usable.is_empty() {
                 return json!({"error": why.unwrap_or_else(|| "the reference is an empty list".to_owned())});
             }
-            usable.as_slice()
+            usable
         } else {
-            references
+            references.iter().collect()
         };
         let text = as_text(answer);
-        let refs: Vec<String> = references.iter().map(as_text).collect();
+        let refs: Vec<String> = references.iter().map(|r| as_text(r)).collect();
         let best = |f: &dyn Fn(&str) -> f64| refs.iter().map(|r| f(r)).fold(0.0, f64::max);
         match &self.kind {
             Kind::ExactMatch {
@@ -523,7 +535,7 @@ impl Metric {
                 })})
             }
             Kind::JsonFields { fields } => {
-                json_fields(answer, references.first(), fields.as_deref())
+                json_fields(answer, references.first().copied(), fields.as_deref())
             }
             Kind::LlmJudge { .. } => json!({"error": "scored by its judge endpoint"}),
             Kind::CodeAccepted => json!({"error": "scored by the code judge"}),

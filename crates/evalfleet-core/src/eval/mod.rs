@@ -228,11 +228,13 @@ impl Assessor {
         let Some(answer) = checked.parsed.as_ref().filter(|_| checked.valid) else {
             return out;
         };
+        // The item as templates see it, made once for all its metrics.
+        let context = minijinja::Value::from(minijinja::value::Serde(item));
         for (i, m) in self.spec.metrics.iter().enumerate() {
             if !m.metric.scored_here() {
                 continue;
             }
-            let score = match self.references(i, item) {
+            let score = match self.references_in(i, &context, item) {
                 Ok(references) => Score::from_json(m.metric.score(answer, &references)),
                 Err(error) => Score::error(error),
             };
@@ -244,6 +246,20 @@ impl Assessor {
     /// The references of metric `i` for `item`: what its template gives,
     /// or why it gives none.
     pub fn references(&self, i: usize, item: &Row) -> Result<Vec<Value>, String> {
+        self.references_in(
+            i,
+            &minijinja::Value::from(minijinja::value::Serde(item)),
+            item,
+        )
+    }
+
+    /// [`Self::references`] with the item made a template context already.
+    fn references_in(
+        &self,
+        i: usize,
+        context: &minijinja::Value,
+        item: &Row,
+    ) -> Result<Vec<Value>, String> {
         let (Some(m), Some(Some(form))) = (self.spec.metrics.get(i), self.references.get(i)) else {
             return Ok(Vec::new());
         };
@@ -253,7 +269,7 @@ impl Assessor {
             .get_template(&name)
             .map_err(|e| format!("{name}: {}", crate::jinja::describe(&e)))?;
         let rendered = template
-            .render(minijinja::Value::from(minijinja::value::Serde(item)))
+            .render(context)
             .map_err(|e| format!("{name}: {}", crate::jinja::explain(&e, &template, item)))?;
         let json = m.metric.wants_json_reference();
         let references = match form {

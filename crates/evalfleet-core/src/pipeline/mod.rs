@@ -333,11 +333,11 @@ pub async fn execute(
     };
 
     let mut direct = HashMap::new();
-    let mut inboxes = HashMap::new();
+    let mut inboxes = Vec::with_capacity(session.endpoints.len());
     for endpoint in &session.endpoints {
         let (tx, rx) = mpsc::unbounded_channel();
         direct.insert(endpoint.name.clone(), tx);
-        inboxes.insert(endpoint.name.clone(), rx);
+        inboxes.push((endpoint.clone(), rx));
     }
     let shared = Arc::new(Shared {
         session: session.session,
@@ -388,12 +388,9 @@ pub async fn execute(
         })
     };
 
-    for endpoint in &session.endpoints {
+    for (endpoint, inbox) in inboxes {
         let span = tracing::info_span!("endpoint", name = %endpoint.name);
-        let inbox = inboxes
-            .remove(&endpoint.name)
-            .ok_or_else(|| PipelineError::Internal("an endpoint has no queue".to_owned()))?;
-        tracker.spawn(dispatch::dispatch(shared.clone(), endpoint.clone(), inbox).instrument(span));
+        tracker.spawn(dispatch::dispatch(shared.clone(), endpoint, inbox).instrument(span));
     }
     {
         // No endpoint left: stop like a Ctrl-C (calls in flight may finish).

@@ -92,9 +92,16 @@ pub fn compare(
                     continue;
                 };
                 let mut push = |group: &str| {
-                    let (xs, ys) = groups.entry(group.to_owned()).or_default();
-                    xs.push(a);
-                    ys.push(b);
+                    // A group's name is copied once, when it is first seen.
+                    match groups.get_mut(group) {
+                        Some((xs, ys)) => {
+                            xs.push(a);
+                            ys.push(b);
+                        }
+                        None => {
+                            groups.insert(group.to_owned(), (vec![a], vec![b]));
+                        }
+                    }
                 };
                 push(super::metrics::ALL);
                 if group != super::metrics::ALL {

@@ -389,10 +389,15 @@ impl Summaries {
                 all.add(metric, row);
             }
             if group != ALL {
-                groups
-                    .entry(group.to_owned())
-                    .or_insert_with(|| Accumulator::new(metric))
-                    .add(metric, row);
+                // A group's name is copied once, when it is first seen.
+                match groups.get_mut(group) {
+                    Some(accumulator) => accumulator.add(metric, row),
+                    None => {
+                        let mut accumulator = Accumulator::new(metric);
+                        accumulator.add(metric, row);
+                        groups.insert(group.to_owned(), accumulator);
+                    }
+                }
             }
         }
     }

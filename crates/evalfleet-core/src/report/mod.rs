@@ -189,19 +189,6 @@ pub fn group_of(item: Option<&str>, by: &[String]) -> String {
         .join(" / ")
 }
 
-/// A result's value for `metric`, when it has one: not when it failed, its
-/// answer could not be used, or it has no such score.
-pub fn value_of(result: &StoredResult, metric: &Metric) -> Option<f64> {
-    if result.status == ItemStatus::Failed || !result.assessment.usable() {
-        return None;
-    }
-    result
-        .assessment
-        .scores
-        .get(&metric.key)
-        .and_then(|s| s.value)
-}
-
 /// What a result gives `metric` in a comparison or pass@k: its value, the
 /// worst value when it has no usable answer (the model's doing), or
 /// nothing when the metric could not score it (not the model's doing: it
@@ -300,19 +287,24 @@ pub fn report_with(
         if let Some(samples) = &mut samples {
             let row = crate::dataset::split_sample_id(&result.item_id)
                 .map_or(result.item_id.as_str(), |(row, _)| row);
-            let values = judged.metrics.iter().map(|m| value_of(result, m)).collect();
-            let judged_values = judged
+            let values = judged
                 .metrics
                 .iter()
                 .map(|m| judged_value(result, m))
                 .collect();
-            let vote = result
-                .assessment
-                .parsed
-                .as_ref()
-                .map(ToString::to_string)
-                .or_else(|| result.output.clone());
-            samples.add(row, values, judged_values, vote);
+            // A sample with no usable answer votes for nothing.
+            let usable = result.status != ItemStatus::Failed && result.assessment.usable();
+            let vote = usable
+                .then(|| {
+                    result
+                        .assessment
+                        .parsed
+                        .as_ref()
+                        .map(ToString::to_string)
+                        .or_else(|| result.output.clone())
+                })
+                .flatten();
+            samples.add(row, values, vote);
         }
     })?;
     let metrics = summaries.finish();

@@ -32,12 +32,11 @@ pub struct MetricSamples {
     pub majority: f64,
 }
 
-/// One sample of a row: each metric's value (`None`: no usable answer or
-/// no score), the same for pass@k (`None` only when the metric could not
-/// score it: such a sample counts in no pass@k), and the answer it votes
-/// for.
+/// One sample of a row: each metric's value as pass@k takes it (the worst
+/// for no usable answer; `None` when the metric could not score it: such a
+/// sample counts in no pass@k), and the answer it votes for (none without
+/// a usable answer).
 struct Sample {
-    values: Vec<Option<f64>>,
     judged: Vec<Option<f64>>,
     vote: Option<String>,
 }
@@ -84,22 +83,12 @@ impl Samples {
     }
 
     /// Adds a sample of row `row` (samples of a row come one after another).
-    pub fn add(
-        &mut self,
-        row: &str,
-        values: Vec<Option<f64>>,
-        judged: Vec<Option<f64>>,
-        vote: Option<String>,
-    ) {
+    pub fn add(&mut self, row: &str, judged: Vec<Option<f64>>, vote: Option<String>) {
         if self.row.as_deref() != Some(row) {
             self.close_row();
             self.row = Some(row.to_owned());
         }
-        self.samples.push(Sample {
-            values,
-            judged,
-            vote,
-        });
+        self.samples.push(Sample { judged, vote });
     }
 
     fn close_row(&mut self) {
@@ -123,7 +112,7 @@ impl Samples {
             // Votes: (answer, count, the first such sample's value).
             let mut votes: Vec<(&str, usize, f64)> = Vec::new();
             for sample in &samples {
-                let (Some(vote), Some(value)) = (sample.vote.as_deref(), sample.values[i]) else {
+                let (Some(vote), Some(value)) = (sample.vote.as_deref(), sample.judged[i]) else {
                     continue;
                 };
                 match votes.iter_mut().find(|(v, _, _)| *v == vote) {
