@@ -184,10 +184,10 @@ pub async fn send(
             }
         }
     }
-    if let Some(quota) = &quota
-        && let Some(event) = endpoint.rate.observe(now, quota)
-    {
-        fleet.rate_event(&endpoint, event);
+    if let Some(quota) = &quota {
+        for event in endpoint.rate.observe(now, quota) {
+            fleet.rate_event(&endpoint, event);
+        }
     }
     Exchange::Done {
         result,

@@ -5,16 +5,26 @@
 //!   token cost is estimated before it is sent and corrected from its `usage`
 //!   afterwards (the bucket may go into debt, which later calls repay).
 //! - `Retry-After` on a 429 pauses the whole endpoint until then, not only
-//!   the item; `x-ratelimit-remaining-*` near zero pauses it until the
-//!   matching `x-ratelimit-reset-*`. Pausing costs one wait instead of a
-//!   string of 429s.
-//! - With no `rpm` given, a 429 teaches a request rate: the higher of the
-//!   rate calls succeeded at just before it and one call per `Retry-After`
-//!   (a token bucket that has just run out asks to wait one token's time).
-//!   Until the next 429 it probes upward fast (+5% a quiet second from a
-//!   precise Retry-After, +25% without); after that each 429 lowers it (at most once a second) by 5%, or to what got
-//!   through in the last second when that is lower, and every quiet second
-//!   raises it by 1%, so it keeps probing just under the quota.
+//!   the item: pausing costs one wait instead of a string of 429s.
+//! - Quotas an endpoint announces in `x-ratelimit-limit/remaining/reset-*`
+//!   are mirrored: each call sent takes from the mirror, each response
+//!   says what is left. Such a quota refills continuously (OpenAI's: the
+//!   reset is the time until it is full again, so it refills at the limit
+//!   over the window the reset implies, and calls are paced to that rate),
+//!   unless the time it says it is full again stays put while a quarter of
+//!   it is taken: then it comes back in windows, and a spent one waits for
+//!   its window's end. A configured `rpm` or `tpm` is authoritative: the
+//!   matching headers are then not paced to.
+//! - With no `rpm` given and no quota announced, a 429 teaches a request
+//!   rate: the higher of the rate calls succeeded at just before it and one
+//!   call per `Retry-After` (a token bucket that has just run out asks to
+//!   wait one token's time). Until the next 429 it probes upward fast (+5%
+//!   a quiet second from a precise Retry-After, +25% without); after that
+//!   each 429 lowers it (at most once a second) by 5%, or to what got
+//!   through in the last second when that is lower. A cut is regained as
+//!   fast as it came, along CUBIC's curve (a 5% cut in 2 s), and past the
+//!   rate before it each quiet second raises it by 1%, so it keeps probing
+//!   just under the quota.
 //!
 //! Time is passed in, so this runs on paused time in tests.
 
@@ -36,8 +46,11 @@ const LEARNED_UNDER: f64 = 0.98;
 const LEARNED_PROBE_FAST: f64 = 1.25;
 /// ...or by this when it came with one (near the quota already)...
 const LEARNED_PROBE_NEAR: f64 = 1.05;
-/// ...and by this after the first cut.
+/// ...and by this after the first cut, once the rate before it is regained.
 const LEARNED_PROBE: f64 = 1.01;
+/// How fast a cut is regained (CUBIC's constant, relative to the rate
+/// before the cut): a 5% cut in 2 s, a 50% cut in 4.3 s.
+const REGAIN: f64 = 0.00625;
 /// Success counts kept for learning, one slot per second.
 const WINDOW: usize = 4;
 
@@ -106,6 +119,144 @@ impl Bucket {
     }
 }
 
+/// How a quota the endpoint announces comes back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refill {
+    /// A token at a time, as OpenAI's do: the reset is the time until it
+    /// is full again.
+    Continuous,
+    /// All at once when its window ends.
+    Window,
+}
+
+/// A quota the endpoint announces in its `x-ratelimit-*` headers, mirrored
+/// here: each call sent takes from it, each response says what is left.
+#[derive(Debug, Clone)]
+struct Announced {
+    limit: f64,
+    level: f64,
+    last: Instant,
+    refill: Refill,
+    /// While it refills continuously: the limit over the window its reset
+    /// implies (unknown until it has been used enough to tell).
+    per_second: Option<f64>,
+    /// When it is full again (continuous) or its window ends (fixed).
+    reset_at: Instant,
+    /// The answer with the most left since it was last full (or since the
+    /// last window): what was left, and when it said it would be full.
+    anchor: (f64, Instant),
+}
+
+impl Announced {
+    fn new(now: Instant, limit: f64, remaining: f64, reset: Duration) -> Self {
+        Self {
+            limit,
+            level: remaining,
+            last: now,
+            refill: Refill::Continuous,
+            per_second: Self::rate(limit, remaining, reset),
+            reset_at: now + reset,
+            anchor: (remaining, now + reset),
+        }
+    }
+
+    /// The refill rate a continuous quota's reset implies, once enough of
+    /// it is used for the reset to say (a tenth).
+    fn rate(limit: f64, remaining: f64, reset: Duration) -> Option<f64> {
+        let used = limit - remaining;
+        (used >= (limit * 0.1).max(1.0) && !reset.is_zero()).then(|| used / reset.as_secs_f64())
+    }
+
+    /// Brings the level up to `now`.
+    fn refill(&mut self, now: Instant) {
+        match self.refill {
+            Refill::Continuous => {
+                if let Some(rate) = self.per_second {
+                    let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
+                    self.level = (self.level + elapsed * rate).min(self.limit);
+                }
+            }
+            Refill::Window => {
+                if now >= self.reset_at && self.level < self.limit {
+                    self.level = self.limit;
+                }
+            }
+        }
+        self.last = now;
+    }
+
+    /// How long until `cost` may be taken.
+    fn wait(&mut self, now: Instant, cost: f64) -> Duration {
+        self.refill(now);
+        let need = cost.min(self.limit).max(0.0);
+        if self.level >= need {
+            return Duration::ZERO;
+        }
+        match (self.refill, self.per_second) {
+            (Refill::Continuous, Some(rate)) => Duration::from_secs_f64((need - self.level) / rate),
+            // Not known how fast it refills: it is full at its reset.
+            _ => self
+                .reset_at
+                .saturating_duration_since(now)
+                .max(Duration::from_millis(1)),
+        }
+    }
+
+    /// A response said `remaining` are left, full again (or a new window)
+    /// in `reset`. `Some` when it shows the quota comes back in windows.
+    fn observe(&mut self, now: Instant, remaining: f64, reset: Duration) -> Option<Refill> {
+        self.refill(now);
+        let mut changed = None;
+        let reset_at = now + reset;
+        // A continuous quota is full again later by a token's time for
+        // each call taken; a quota that comes back in windows is full at
+        // the window's end however many are taken. So once a quarter of
+        // it has gone since the anchor, the time it says it is full again
+        // tells them apart.
+        let (anchor, anchor_reset) = self.anchor;
+        if remaining >= anchor {
+            self.anchor = (remaining, reset_at);
+        } else if self.refill == Refill::Continuous
+            && anchor - remaining >= (self.limit / 4.0).max(2.0)
+            && let Some(rate) = Self::rate(self.limit, remaining, reset)
+        {
+            let expected = (anchor - remaining) / rate;
+            let moved = reset_at
+                .saturating_duration_since(anchor_reset)
+                .as_secs_f64();
+            if expected >= 0.02 && moved < expected / 2.0 {
+                self.refill = Refill::Window;
+                self.per_second = None;
+                changed = Some(Refill::Window);
+            }
+        }
+        if self.refill == Refill::Window
+            && reset_at + Duration::from_secs(1).min(reset) < self.reset_at
+        {
+            // An answer from the window before, read late.
+            return changed;
+        }
+        match self.refill {
+            Refill::Continuous => {
+                if let Some(rate) = Self::rate(self.limit, remaining, reset) {
+                    self.per_second = Some(rate);
+                }
+                self.level = self.level.min(remaining);
+            }
+            Refill::Window => {
+                if reset_at > self.reset_at + Duration::from_secs(1).min(reset / 2) {
+                    // A new window.
+                    self.level = remaining;
+                } else {
+                    self.level = self.level.min(remaining);
+                }
+            }
+        }
+        self.reset_at = reset_at;
+        changed
+    }
+}
+
 #[derive(Debug)]
 struct Learned {
     bucket: Bucket,
@@ -117,6 +268,11 @@ struct Learned {
     since: Instant,
     /// How a quiet second raises the rate now.
     probe: f64,
+    /// After a cut: the rate before it, regained along a cubic curve
+    /// (fast at first, slowing near it), then probed past slowly.
+    regain: Option<f64>,
+    /// The rate right after the last cut.
+    cut_to: f64,
 }
 
 #[derive(Debug)]
@@ -125,6 +281,10 @@ struct State {
     tokens: Option<Bucket>,
     paused_until: Option<Instant>,
     learned: Option<Learned>,
+    /// Quotas the endpoint announces (`x-ratelimit-*`), when no `rpm` or
+    /// `tpm` is configured for them.
+    announced_requests: Option<Announced>,
+    announced_tokens: Option<Announced>,
     /// Successes per second over the last few seconds, to learn from.
     successes: [u32; WINDOW],
     second: Instant,
@@ -138,6 +298,9 @@ pub enum RateEvent {
     Paused(Duration),
     /// A request rate was learned or lowered (requests per second).
     Learned(f64),
+    /// The endpoint's request or token quota comes back all at once when
+    /// its window ends (not a token at a time).
+    Windowed(&'static str),
 }
 
 #[derive(Debug)]
@@ -153,6 +316,8 @@ impl RateLimiter {
                 tokens: tpm.map(|t| Bucket::per_minute(t as f64, now)),
                 paused_until: None,
                 learned: None,
+                announced_requests: None,
+                announced_tokens: None,
                 successes: [0; WINDOW],
                 second: now,
                 created: now,
@@ -180,7 +345,19 @@ impl RateLimiter {
         if let Some(bucket) = state.tokens.as_mut() {
             wait = wait.max(bucket.wait(now, tokens as f64));
         }
+        if let Some(announced) = state.announced_requests.as_mut() {
+            wait = wait.max(announced.wait(now, 1.0));
+        }
+        if let Some(announced) = state.announced_tokens.as_mut() {
+            wait = wait.max(announced.wait(now, tokens as f64));
+        }
         if wait.is_zero() {
+            if let Some(announced) = state.announced_requests.as_mut() {
+                announced.level -= 1.0;
+            }
+            if let Some(announced) = state.announced_tokens.as_mut() {
+                announced.level -= tokens as f64;
+            }
             if let Some(bucket) = state.requests.as_mut() {
                 bucket.level -= 1.0;
             }
@@ -207,8 +384,13 @@ impl RateLimiter {
 
     /// Corrects a call's token cost once its usage is known.
     pub fn correct(&self, estimated: u64, actual: u64) {
-        if let Some(bucket) = self.state().tokens.as_mut() {
-            bucket.level -= actual as f64 - estimated as f64;
+        let mut state = self.state();
+        let extra = actual as f64 - estimated as f64;
+        if let Some(bucket) = state.tokens.as_mut() {
+            bucket.level -= extra;
+        }
+        if let Some(announced) = state.announced_tokens.as_mut() {
+            announced.level -= extra;
         }
     }
 
@@ -239,16 +421,31 @@ impl RateLimiter {
         let mut state = self.state();
         Self::roll(&mut state, now);
         state.successes[0] += 1;
-        if let Some(learned) = state.learned.as_mut()
-            && now.saturating_duration_since(learned.last_change) >= Duration::from_secs(1)
-        {
+        let Some(learned) = state.learned.as_mut() else {
+            return;
+        };
+        if let Some(peak) = learned.regain {
+            // CUBIC's curve: back at the peak after `k` seconds.
+            let k = ((1.0 - learned.cut_to / peak) / REGAIN).cbrt();
+            let t = now
+                .saturating_duration_since(learned.last_cut)
+                .as_secs_f64();
+            if t >= k {
+                learned.bucket.set_rate(now, peak);
+                learned.regain = None;
+                learned.last_change = now;
+            } else {
+                let rate = peak * (1.0 - REGAIN * (k - t).powi(3));
+                learned.bucket.set_rate(now, rate.max(learned.cut_to));
+            }
+        } else if now.saturating_duration_since(learned.last_change) >= Duration::from_secs(1) {
             let rate = learned.bucket.per_second * learned.probe;
             learned.bucket.set_rate(now, rate);
             learned.last_change = now;
         }
     }
 
-    /// A 429 (or a 503 with `Retry-After`).
+    /// A 429: the endpoint's quota said no.
     pub fn on_rate_limited(&self, now: Instant, retry_after: Option<Duration>) -> Vec<RateEvent> {
         let mut state = self.state();
         Self::roll(&mut state, now);
@@ -256,8 +453,13 @@ impl RateLimiter {
         if let Some(wait) = retry_after {
             events.extend(Self::pause(&mut state, now, wait));
         }
-        if state.requests.is_some() {
-            // The user said what the quota is; trust it and the pauses.
+        if let Some(announced) = state.announced_requests.as_mut() {
+            // It announces its quota: none is left now.
+            announced.level = announced.level.min(0.0);
+        }
+        if state.requests.is_some() || state.announced_requests.is_some() {
+            // The user said what the quota is, or the endpoint does; trust
+            // it and the pauses.
             return events;
         }
         // What got through in the last full second.
@@ -301,6 +503,8 @@ impl RateLimiter {
                     } else {
                         LEARNED_PROBE_FAST
                     },
+                    regain: None,
+                    cut_to: rate,
                 });
                 events.push(RateEvent::Learned(rate));
             }
@@ -320,16 +524,22 @@ impl RateLimiter {
                 {
                     // While paced above the quota, what got through in the last
                     // full second is the quota.
-                    let mut rate = learned.bucket.per_second * LEARNED_CUT;
-                    if through > 0.0 {
-                        rate = rate
-                            .min((through * LEARNED_UNDER).max(learned.bucket.per_second * 0.5));
+                    let before = learned.bucket.per_second;
+                    let mut rate = before * LEARNED_CUT;
+                    // The rate to regain: the one before the cut, or what
+                    // got through when that was less.
+                    let mut peak = before;
+                    if through > 0.0 && through * LEARNED_UNDER < rate {
+                        rate = (through * LEARNED_UNDER).max(before * 0.5);
+                        peak = through.max(rate);
                     }
                     let rate = rate.max(0.1);
                     learned.bucket.set_rate(now, rate);
                     learned.last_change = now;
                     learned.last_cut = now;
                     learned.probe = LEARNED_PROBE;
+                    learned.regain = (peak > rate).then_some(peak);
+                    learned.cut_to = rate;
                     events.push(RateEvent::Learned(rate));
                 }
             }
@@ -337,31 +547,59 @@ impl RateLimiter {
         events
     }
 
-    /// A response's quota headers: when one is nearly spent, pause until it
-    /// resets.
-    pub fn observe(&self, now: Instant, quota: &Quota) -> Option<RateEvent> {
-        let nearly_spent = |remaining: Option<u64>, limit: Option<u64>| match remaining {
-            Some(remaining) => remaining <= limit.map_or(0, |l| l / 100),
-            None => false,
-        };
-        let mut wait = Duration::ZERO;
-        if nearly_spent(quota.remaining_requests, quota.limit_requests) {
-            wait = wait.max(quota.reset_requests.unwrap_or_default());
+    /// A response's quota headers (`x-ratelimit-*`): mirrored, and paced
+    /// to when no `rpm` or `tpm` is configured for them (what the config
+    /// says stays authoritative). `Some` when a quota turns out to come
+    /// back in windows.
+    pub fn observe(&self, now: Instant, quota: &Quota) -> Vec<RateEvent> {
+        let mut state = self.state();
+        let state = &mut *state;
+        let mut events = Vec::new();
+        let dimensions = [
+            (
+                state.requests.is_none(),
+                &mut state.announced_requests,
+                quota.limit_requests,
+                quota.remaining_requests,
+                quota.reset_requests,
+                "request",
+            ),
+            (
+                state.tokens.is_none(),
+                &mut state.announced_tokens,
+                quota.limit_tokens,
+                quota.remaining_tokens,
+                quota.reset_tokens,
+                "token",
+            ),
+        ];
+        for (free, announced, limit, remaining, reset, what) in dimensions {
+            let (true, Some(limit), Some(remaining), Some(reset)) = (free, limit, remaining, reset)
+            else {
+                continue;
+            };
+            if limit == 0 {
+                continue;
+            }
+            let (limit, remaining) = (limit as f64, (remaining as f64).min(limit as f64));
+            match announced {
+                Some(announced) if announced.limit == limit => {
+                    if announced.observe(now, remaining, reset) == Some(Refill::Window) {
+                        events.push(RateEvent::Windowed(what));
+                    }
+                }
+                // New, or its limit changed (another tier).
+                _ => *announced = Some(Announced::new(now, limit, remaining, reset)),
+            }
         }
-        if nearly_spent(quota.remaining_tokens, quota.limit_tokens) {
-            wait = wait.max(quota.reset_tokens.unwrap_or_default());
-        }
-        if wait.is_zero() {
-            return None;
-        }
-        Self::pause(&mut self.state(), now, wait)
+        events
     }
 
     /// Whether calls are paced (by `rpm`, or by a learned rate): then a 429
     /// says the pace is a little high, not that too many calls are in flight.
     pub fn paces(&self) -> bool {
         let state = self.state();
-        state.requests.is_some() || state.learned.is_some()
+        state.requests.is_some() || state.learned.is_some() || state.announced_requests.is_some()
     }
 
     /// The learned request rate, per second.
@@ -401,25 +639,132 @@ mod tests {
     }
 
     #[test]
-    fn retry_after_and_spent_quotas_pause_the_endpoint() {
+    fn retry_after_pauses_the_endpoint() {
         let t0 = Instant::now();
         let limiter = RateLimiter::new(Some(6000), None, t0);
         limiter.on_rate_limited(t0, Some(Duration::from_secs(2)));
         assert_eq!(limiter.try_take(t0, 0), Duration::from_secs(2));
-        let quota = Quota {
-            limit_requests: Some(1000),
-            remaining_requests: Some(3),
-            reset_requests: Some(Duration::from_secs(5)),
-            ..Quota::default()
-        };
-        assert_eq!(
-            limiter.observe(t0, &quota),
-            Some(RateEvent::Paused(Duration::from_secs(5)))
-        );
         assert_eq!(
             limiter.try_take(t0 + Duration::from_secs(1), 0),
-            Duration::from_secs(4)
+            Duration::from_secs(1)
         );
+    }
+
+    fn requests(limit: u64, remaining: u64, reset_ms: u64) -> Quota {
+        Quota {
+            limit_requests: Some(limit),
+            remaining_requests: Some(remaining),
+            reset_requests: Some(Duration::from_millis(reset_ms)),
+            ..Quota::default()
+        }
+    }
+
+    /// Takes calls from `limiter` as they are allowed from `t` for
+    /// `span`, answering each with the quota `server` reports; the number
+    /// taken.
+    fn drain(
+        limiter: &RateLimiter,
+        t: Instant,
+        span: Duration,
+        mut server: impl FnMut(Instant) -> Quota,
+    ) -> u32 {
+        let mut now = t;
+        let mut taken = 0;
+        while now < t + span {
+            let wait = limiter.try_take(now, 0);
+            if wait.is_zero() {
+                taken += 1;
+                assert!(limiter.observe(now, &server(now)).is_empty());
+            } else {
+                now += wait;
+            }
+        }
+        taken
+    }
+
+    #[test]
+    fn an_announced_quota_that_refills_continuously_is_paced_to_its_rate() {
+        let t0 = Instant::now();
+        let limiter = RateLimiter::new(None, None, t0);
+        // OpenAI's headers: 600 a minute, spent, full again in 60 s. One
+        // comes free every 100 ms, not only after 60 s.
+        assert!(limiter.observe(t0, &requests(600, 0, 60_000)).is_empty());
+        assert_eq!(limiter.try_take(t0, 0), Duration::from_millis(100));
+        // A server refilling at 10 a second: in 10 s, 100 calls go.
+        let mut level: f64 = 0.0;
+        let mut last = t0;
+        let taken = drain(&limiter, t0, Duration::from_secs(10), |now| {
+            level = (level + now.duration_since(last).as_secs_f64() * 10.0).min(600.0) - 1.0;
+            last = now;
+            assert!(level > -1.0, "the server would refuse this call");
+            requests(600, level.max(0.0) as u64, ((600.0 - level) * 100.0) as u64)
+        });
+        assert!((99..=101).contains(&taken), "{taken}");
+    }
+
+    #[test]
+    fn a_quota_that_comes_back_in_windows_waits_for_the_window() {
+        let t0 = Instant::now();
+        let limiter = RateLimiter::new(None, None, t0);
+        // 100 calls a 10 s window, all taken in its first second. A quarter
+        // in, the window's end has not moved: it is a window.
+        let mut events = Vec::new();
+        for i in 0..100u64 {
+            let now = t0 + Duration::from_millis(i * 10);
+            assert_eq!(limiter.try_take(now, 0), Duration::ZERO, "call {i}");
+            let said = limiter.observe(now, &requests(100, 99 - i, 10_000 - i * 10));
+            events.extend(said.into_iter().map(|e| (i, e)));
+        }
+        assert_eq!(events, vec![(25, RateEvent::Windowed("request"))]);
+        // Spent: the next call waits for the window's end, not a token's
+        // time.
+        let spent = t0 + Duration::from_secs(1);
+        assert_eq!(limiter.try_take(spent, 0), Duration::from_secs(9));
+        // At its end the calls go again, a whole window's worth.
+        let next = t0 + Duration::from_secs(10);
+        for i in 0..100u64 {
+            let now = next + Duration::from_millis(i);
+            assert_eq!(limiter.try_take(now, 0), Duration::ZERO, "call {i}");
+            assert!(
+                limiter
+                    .observe(now, &requests(100, 99 - i, 10_000 - i))
+                    .is_empty()
+            );
+        }
+        let later = next + Duration::from_millis(200);
+        assert_eq!(limiter.try_take(later, 0), Duration::from_millis(9_800));
+        // A late answer from the window before changes nothing.
+        limiter.observe(later, &requests(100, 0, 1));
+        assert_eq!(limiter.try_take(later, 0), Duration::from_millis(9_800));
+    }
+
+    #[test]
+    fn a_continuous_quota_is_not_taken_for_a_window() {
+        let t0 = Instant::now();
+        let limiter = RateLimiter::new(None, None, t0);
+        // The same burst against a quota of 100 refilling at 10 a second:
+        // each call taken puts its fullness 100 ms later.
+        for i in 0..100u64 {
+            let now = t0 + Duration::from_millis(i * 10);
+            let left = 100.0 - (i + 1) as f64 + (i as f64 * 0.1);
+            if limiter.try_take(now, 0).is_zero() {
+                let quota = requests(100, left as u64, ((100.0 - left) * 100.0) as u64);
+                assert!(limiter.observe(now, &quota).is_empty(), "call {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_configured_rpm_outranks_the_headers() {
+        let t0 = Instant::now();
+        let limiter = RateLimiter::new(Some(6000), None, t0);
+        // The headers say spent; the user said 100 a second.
+        assert!(limiter.observe(t0, &requests(600, 0, 60_000)).is_empty());
+        assert_eq!(limiter.try_take(t0, 0), Duration::ZERO);
+        // A 429 still pauses for its Retry-After, and teaches no rate.
+        limiter.on_rate_limited(t0, Some(Duration::from_millis(50)));
+        assert_eq!(limiter.try_take(t0, 0), Duration::from_millis(50));
+        assert_eq!(limiter.learned_rate(), None);
     }
 
     #[test]
@@ -451,10 +796,41 @@ mod tests {
         assert_eq!(limiter.learned_rate(), Some(9.5 * 1.25 * 1.25));
         let cut = limiter.on_rate_limited(t0 + Duration::from_millis(5100), None);
         assert_eq!(cut, vec![RateEvent::Learned(11.0 * 0.98)]);
-        // Probing is slow now.
-        limiter.on_success(t0 + Duration::from_millis(6300));
+        // It regains what got through along a cubic curve: fast at first,
+        // slowing near it, there within k = cbrt((1 - 0.98) / REGAIN) s.
+        let k = (0.02f64 / REGAIN).cbrt();
+        limiter.on_success(t0 + Duration::from_millis(5100) + Duration::from_secs_f64(k / 2.0));
+        let half = limiter.learned_rate().unwrap();
+        assert!(half > 11.0 * 0.98 + (11.0 - 11.0 * 0.98) * 0.8, "{half}");
+        assert!(half < 11.0, "{half}");
+        limiter.on_success(t0 + Duration::from_millis(5100) + Duration::from_secs_f64(k + 0.001));
+        assert_eq!(limiter.learned_rate(), Some(11.0));
+        // Past it, probing is slow.
+        limiter.on_success(t0 + Duration::from_millis(5100) + Duration::from_secs_f64(k + 1.011));
         let probed = limiter.learned_rate().unwrap();
-        assert!((probed - 11.0 * 0.98 * 1.01).abs() < 1e-9, "{probed}");
+        assert!((probed - 11.0 * 1.01).abs() < 1e-9, "{probed}");
+    }
+
+    #[test]
+    fn a_deep_cut_is_regained_in_seconds() {
+        let t0 = Instant::now();
+        let limiter = RateLimiter::new(None, None, t0);
+        limiter.on_rate_limited(t0, Some(Duration::from_millis(10)));
+        assert_eq!(limiter.learned_rate(), Some(95.0));
+        // Two seconds later only 50 got through in a second: cut to 49.
+        for i in 0..50 {
+            limiter.on_success(t0 + Duration::from_millis(1000 + i * 20));
+        }
+        let cut_at = t0 + Duration::from_millis(2000);
+        let before = limiter.learned_rate().unwrap();
+        limiter.on_rate_limited(cut_at, None);
+        assert_eq!(limiter.learned_rate(), Some((before * 0.5).max(49.0)));
+        // Calls succeed again: what got through (50) is back within 5 s.
+        limiter.on_success(cut_at + Duration::from_secs(5));
+        assert_eq!(
+            limiter.learned_rate(),
+            Some(50.0_f64.max((before * 0.5).max(49.0)))
+        );
     }
 
     #[test]

@@ -425,6 +425,14 @@ impl FleetHandle {
                     endpoint.name
                 ),
             ),
+            RateEvent::Windowed(what) => self.0.event(
+                endpoint,
+                EventKind::Quota,
+                format!(
+                    "Endpoint {}'s {what} quota comes back all at once when its window ends: once spent, calls wait for the next window.",
+                    endpoint.name
+                ),
+            ),
         }
     }
 
