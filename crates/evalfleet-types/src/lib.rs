@@ -24,7 +24,7 @@ pub use fault::Fault;
 pub use record::{
     AttemptRecord, CacheEntry, ItemStatus, ResultRecord, RunStatus, StateCounts, Telemetry,
 };
-pub use retry::RetryPolicy;
+pub use retry::{BudgetSettings, RetryBudget, RetryPolicy};
 
 /// Milliseconds since the Unix epoch, now.
 pub fn now_ms() -> i64 {

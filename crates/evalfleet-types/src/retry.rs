@@ -1,10 +1,14 @@
 //! The one retry policy: how many tries, and how long to wait between them
 //! (exponential backoff with full jitter, never less than what the other
 //! side asked for). Item calls, LLM-judge calls and the SandboxFusion client
-//! all retry through here.
+//! all retry through here. A [`RetryBudget`] keeps a session's retries to a
+//! share of its calls, so that an outage does not multiply the load.
 
 use std::future::Future;
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 /// How failed tries are retried.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,6 +67,97 @@ impl RetryPolicy {
     }
 }
 
+/// A [`RetryBudget`]'s settings (`retry.budget`, `retry.budget_floor`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BudgetSettings {
+    /// Retries allowed per first try.
+    pub share: f64,
+    /// Retries allowed a second whatever the first tries.
+    pub floor: f64,
+}
+
+impl Default for BudgetSettings {
+    fn default() -> Self {
+        Self {
+            share: 0.5,
+            floor: 10.0,
+        }
+    }
+}
+
+/// Seconds of calls a [`RetryBudget`] counts over.
+const BUDGET_WINDOW: usize = 10;
+
+/// Retries allowed as a share of first tries over the last ten seconds,
+/// plus a small floor per second (Finagle's `RetryBudget`; gRPC's retry
+/// throttling works the same way): a fault rate of a few percent is retried
+/// at once, while an endpoint refusing everything gets at most that share
+/// more calls, not `max_attempts` times as many. A retry the budget cannot
+/// pay for waits; it is not dropped.
+#[derive(Debug)]
+pub struct RetryBudget {
+    share: f64,
+    floor: f64,
+    state: Mutex<BudgetState>,
+}
+
+#[derive(Debug)]
+struct BudgetState {
+    /// First tries and retries per second, the current second first.
+    firsts: [u32; BUDGET_WINDOW],
+    retries: [u32; BUDGET_WINDOW],
+    second: Instant,
+}
+
+impl RetryBudget {
+    /// Retries up to `share` of first tries, plus `floor` a second.
+    pub fn new(settings: BudgetSettings, now: Instant) -> Self {
+        Self {
+            share: settings.share.max(0.0),
+            floor: settings.floor.max(0.0),
+            state: Mutex::new(BudgetState {
+                firsts: [0; BUDGET_WINDOW],
+                retries: [0; BUDGET_WINDOW],
+                second: now,
+            }),
+        }
+    }
+
+    fn state(&self, now: Instant) -> std::sync::MutexGuard<'_, BudgetState> {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let seconds = now.saturating_duration_since(state.second).as_secs() as usize;
+        if seconds > 0 {
+            for _ in 0..seconds.min(BUDGET_WINDOW) {
+                state.firsts.rotate_right(1);
+                state.firsts[0] = 0;
+                state.retries.rotate_right(1);
+                state.retries[0] = 0;
+            }
+            state.second += Duration::from_secs(seconds as u64);
+        }
+        state
+    }
+
+    /// A call's first try was sent.
+    pub fn first_try(&self, now: Instant) {
+        self.state(now).firsts[0] += 1;
+    }
+
+    /// Whether a retry may be sent now; when it may, it is counted.
+    pub fn try_retry(&self, now: Instant) -> bool {
+        let mut state = self.state(now);
+        let firsts: u32 = state.firsts.iter().sum();
+        let retries: u32 = state.retries.iter().sum();
+        let allowed = self.share * f64::from(firsts) + self.floor * BUDGET_WINDOW as f64;
+        if f64::from(retries) + 1.0 <= allowed {
+            state.retries[0] += 1;
+            true
+        } else {
+            false
+        }
+    }
+}
+
 /// What a failed try says of the next one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Retry {
@@ -101,6 +196,45 @@ mod tests {
             POLICY.delay(4, Some(Duration::from_millis(10)), 0.5),
             Duration::from_millis(400)
         );
+    }
+
+    #[test]
+    fn the_budget_allows_a_share_of_first_tries_plus_a_floor() {
+        let t0 = Instant::now();
+        // 20% of first tries, and 1 a second.
+        let budget = RetryBudget::new(
+            BudgetSettings {
+                share: 0.2,
+                floor: 1.0,
+            },
+            t0,
+        );
+        // The floor alone: ten seconds' worth.
+        assert_eq!((0..20).filter(|_| budget.try_retry(t0)).count(), 10);
+        // 100 first tries pay for 20 more.
+        for _ in 0..100 {
+            budget.first_try(t0);
+        }
+        assert_eq!((0..40).filter(|_| budget.try_retry(t0)).count(), 20);
+        // Ten seconds on, all of that has gone out of the window.
+        let later = t0 + Duration::from_secs(10);
+        assert_eq!((0..20).filter(|_| budget.try_retry(later)).count(), 10);
+        // Half way, only the seconds still in it count.
+        let budget = RetryBudget::new(
+            BudgetSettings {
+                share: 0.5,
+                floor: 0.0,
+            },
+            t0,
+        );
+        for _ in 0..10 {
+            budget.first_try(t0);
+        }
+        for _ in 0..10 {
+            budget.first_try(t0 + Duration::from_secs(5));
+        }
+        let in_window = t0 + Duration::from_secs(12);
+        assert_eq!((0..20).filter(|_| budget.try_retry(in_window)).count(), 5);
     }
 
     #[tokio::test(start_paused = true)]

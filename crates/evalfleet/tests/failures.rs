@@ -251,3 +251,46 @@ async fn answers_a_server_cuts_short_are_never_results_and_it_is_sent_fewer() {
         .unwrap();
     assert!(limit < 8, "the limit stayed at {limit}: {state}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_is_waited_out_with_probes_not_a_storm_of_calls() {
+    // A server that answers every call (and probe) with 503 for 1.5 s,
+    // then recovers. Calls sent into it are back pressure and refusals; a
+    // string of them makes it suspect, a failed probe takes it out, and
+    // only probes go until it answers again.
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 400);
+    let server = mock(MockSettings {
+        latency: ms(5),
+        outage: Some(evalfleet_mock::Outage {
+            after: ms(200),
+            duration: ms(1500),
+            status: 503,
+        }),
+        ..MockSettings::default()
+    })
+    .await;
+    let endpoints = external_with(
+        "flaky",
+        &server,
+        8,
+        "health: { interval: 500ms, recover_after: 1 }",
+    );
+    env.write("run.yaml", &config(&dataset, &endpoints, ""));
+
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let rows = by_id(&env.export(&ran.run_id()).await);
+    assert_eq!(rows.len(), 400);
+    assert!(rows.values().all(|r| r["status"] == "done"));
+    let stats = server.stats();
+    // Calls sent before the breaker opened (20 in a row, those in flight,
+    // their retries while the probe was on its way), not one a few ms for
+    // 1.5 s (which was hundreds).
+    assert!(stats.outage_refused > 0, "the outage was never met");
+    assert!(
+        stats.outage_refused <= 100,
+        "{} calls were sent into the outage",
+        stats.outage_refused
+    );
+}

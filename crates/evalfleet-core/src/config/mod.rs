@@ -25,6 +25,7 @@ pub use endpoint::{
 };
 pub use env::Vars;
 pub use evalfleet_mock::MockSettings;
+pub use evalfleet_types::BudgetSettings;
 use evalfleet_types::Fault;
 /// `retry:` how failed attempts are retried: `max_attempts` (per call: an
 /// item's answer, a re-ask, a judge's call; the first included; default
@@ -68,6 +69,10 @@ pub struct Config {
     pub endpoints: Vec<EndpointConfig>,
     pub task: TaskConfig,
     pub retry: RetryPolicy,
+    /// `retry.budget` (retries per first try over the last 10 s, default
+    /// 0.5) and `retry.budget_floor` (retries a second allowed whatever,
+    /// default 10): an outage does not multiply the load.
+    pub retry_budget: BudgetSettings,
     pub timeouts: Timeouts,
     pub writer: WriterSettings,
     /// `cache: {mode, ttl, max_entries}`: answers stored by request, in the

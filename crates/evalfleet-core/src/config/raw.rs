@@ -104,6 +104,8 @@ pub struct RawRetry {
     pub max_attempts: Option<u32>,
     pub backoff_base: Option<String>,
     pub backoff_max: Option<String>,
+    pub budget: Option<f64>,
+    pub budget_floor: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize)]

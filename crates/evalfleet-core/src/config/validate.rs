@@ -11,8 +11,8 @@ use super::raw::{
     self, RawConfig, RawDataset, RawProblem, RawRetry, RawTask, RawTimeouts, RawWriter,
 };
 use super::{
-    Config, ConfigError, DatasetConfig, DatasetFormat, Document, LoadedConfig, MASK,
-    MessageTemplate, Overrides, Problem, RetryPolicy, Sample, TaskConfig, TaskKind, Timeouts,
+    BudgetSettings, Config, ConfigError, DatasetConfig, DatasetFormat, Document, LoadedConfig,
+    MASK, MessageTemplate, Overrides, Problem, RetryPolicy, Sample, TaskConfig, TaskKind, Timeouts,
     WriterSettings, endpoint, path,
 };
 
@@ -266,7 +266,8 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
         dataset: dataset?,
         endpoints: endpoints?,
         task: task?,
-        retry: retry?,
+        retry: retry?.0,
+        retry_budget: retry?.1,
         timeouts: timeouts?,
         writer: writer?,
         cache: cache?,
@@ -687,7 +688,22 @@ fn task_kind(
     }
 }
 
-fn retry(raw: RawRetry, p: &mut Problems<'_>) -> Option<RetryPolicy> {
+fn retry(raw: RawRetry, p: &mut Problems<'_>) -> Option<(RetryPolicy, BudgetSettings)> {
+    let defaults = BudgetSettings::default();
+    let share = match raw.budget {
+        Some(share) if !share.is_finite() || share < 0.0 => p.push(
+            "retry.budget",
+            format!("must be a share of first tries, 0 or more (0.5 lets half as many retries), got {share}"),
+        ),
+        other => Some(other.unwrap_or(defaults.share)),
+    };
+    let floor = match raw.budget_floor {
+        Some(floor) if !floor.is_finite() || floor < 0.0 => p.push(
+            "retry.budget_floor",
+            format!("must be retries per second, 0 or more, got {floor}"),
+        ),
+        other => Some(other.unwrap_or(defaults.floor)),
+    };
     let max_attempts = match raw.max_attempts {
         Some(0) => p.push("retry.max_attempts", "must be at least 1, got 0"),
         other => Some(other.unwrap_or(5)),
@@ -706,11 +722,17 @@ fn retry(raw: RawRetry, p: &mut Problems<'_>) -> Option<RetryPolicy> {
             ),
         );
     }
-    Some(RetryPolicy {
-        max_attempts: max_attempts?,
-        backoff_base: backoff_base?,
-        backoff_max: backoff_max?,
-    })
+    Some((
+        RetryPolicy {
+            max_attempts: max_attempts?,
+            backoff_base: backoff_base?,
+            backoff_max: backoff_max?,
+        },
+        BudgetSettings {
+            share: share?,
+            floor: floor?,
+        },
+    ))
 }
 
 fn timeouts(raw: RawTimeouts, p: &mut Problems<'_>) -> Option<Timeouts> {

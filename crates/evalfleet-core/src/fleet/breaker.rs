@@ -1,16 +1,25 @@
 //! An endpoint's health as a circuit breaker, with all its state here.
 //!
 //! Closed: the endpoint takes items. It opens (takes no new items; calls in
-//! flight go on) when the endpoint is down, not when it is merely faulty:
-//! `max_failures` failures in a row that say it is down (probes that fail,
-//! calls whose connection was refused), or [`FAULTS_IN_A_ROW`] calls in a
-//! row that failed (a 5xx other than 503, no answer in time, a broken, cut
-//! or stalled stream): sporadic faults, even at 15% of calls, practically never come
-//! that many in a row (0.15^20 ≈ 3 × 10^-17), while an endpoint that fails
-//! everything gets there in a moment. While open, only probes run; the first
-//! probe that succeeds half-opens it, and `recover_after` probes in a row
-//! that succeed close it again. A failure while half-open opens it.
-//! Needing several of each keeps a flaky endpoint from flapping.
+//! flight go on) when the endpoint is down, not when it is merely faulty
+//! (Envoy's outlier detection, fitted to fleets of one or a few):
+//!
+//! - `max_failures` failures in a row that say it is down (probes that
+//!   fail, calls whose connection was refused) open it;
+//! - [`FAULTS_IN_A_ROW`] calls in a row that failed (a 5xx, no answer in
+//!   time, a broken, cut or stalled stream) make it suspect: sporadic
+//!   faults, even at 15% of calls, practically never come that many in a
+//!   row (0.15^20 ≈ 3 × 10^-17), while an endpoint that fails everything
+//!   gets there in a moment. A suspect endpoint is probed at once: a probe
+//!   that fails opens it; one that answers leaves the choice to the fleet
+//!   ([`Transition::Faulty`]): it is ejected only while the others can
+//!   carry the load (at most half the endpoints out, and one left taking
+//!   items), else it keeps its calls (panic mode).
+//!
+//! While open, only probes run; the first probe that succeeds half-opens
+//! it, and `recover_after` probes in a row that succeed close it again. A
+//! failure while half-open opens it. Needing several of each keeps a flaky
+//! endpoint from flapping.
 
 /// The breaker's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,6 +38,11 @@ pub enum Transition {
     HalfOpened,
     /// Back to closed: take items again.
     Closed,
+    /// Its calls fail one after another: probe it now.
+    Suspected,
+    /// Its calls fail one after another while its probe answers: eject it
+    /// if the others can carry the load.
+    Faulty,
 }
 
 /// What a call says about the endpoint's health.
@@ -42,7 +56,10 @@ pub enum Health {
     /// cut or stalled): a fault of the call, which says the endpoint is
     /// down only when nothing else gets through.
     Fault,
-    /// Nothing (it said no and is up: a 4xx, a 429, a 503).
+    /// It answers and takes nothing (a 503): whether it is down, only a
+    /// string of them says.
+    Refused,
+    /// Nothing (it said no and is up: a 4xx, a 429).
     Silent,
 }
 
@@ -58,6 +75,8 @@ pub struct Breaker {
     successes: u32,
     max_failures: u32,
     recover_after: u32,
+    /// Its calls failed [`FAULTS_IN_A_ROW`] times in a row; a probe decides.
+    suspect: bool,
 }
 
 impl Breaker {
@@ -69,6 +88,7 @@ impl Breaker {
             successes: 0,
             max_failures: max_failures.max(1),
             recover_after: recover_after.max(1),
+            suspect: false,
         }
     }
 
@@ -84,10 +104,17 @@ impl Breaker {
     /// A health probe's result.
     pub fn probe(&mut self, ok: bool) -> Option<Transition> {
         match (self.state, ok) {
+            (BreakerState::Closed, true) if self.suspect => {
+                self.suspect = false;
+                self.faults = 0;
+                self.failures = 0;
+                Some(Transition::Faulty)
+            }
             (BreakerState::Closed, true) => {
                 self.failures = 0;
                 None
             }
+            (BreakerState::Closed, false) if self.suspect => self.open(),
             (BreakerState::Closed, false) => self.fail(),
             (BreakerState::Open, true) => {
                 self.state = BreakerState::HalfOpen;
@@ -113,13 +140,15 @@ impl Breaker {
             Health::Up => {
                 self.failures = 0;
                 self.faults = 0;
+                self.suspect = false;
                 None
             }
             Health::Down => self.fail(),
-            Health::Fault => {
+            Health::Fault | Health::Refused => {
                 self.faults += 1;
-                if self.faults >= FAULTS_IN_A_ROW {
-                    self.open()
+                if self.faults >= FAULTS_IN_A_ROW && !self.suspect {
+                    self.suspect = true;
+                    Some(Transition::Suspected)
                 } else {
                     None
                 }
@@ -128,7 +157,8 @@ impl Breaker {
         }
     }
 
-    /// Opens the breaker whatever its counts (the engine's process died).
+    /// Opens the breaker whatever its counts (the engine's process died,
+    /// or the fleet ejects a faulty endpoint).
     pub fn trip(&mut self) -> Option<Transition> {
         if self.state == BreakerState::Open {
             None
@@ -158,6 +188,7 @@ impl Breaker {
         self.failures = 0;
         self.faults = 0;
         self.successes = 0;
+        self.suspect = false;
         Some(Transition::Opened)
     }
 
@@ -208,21 +239,55 @@ mod tests {
     }
 
     #[test]
-    fn faults_open_it_only_when_nothing_gets_through() {
+    fn faults_make_it_suspect_only_when_nothing_gets_through() {
         let mut b = Breaker::new(1, 1);
-        // A fault rate of one in three, for a long time: never open.
+        // A fault rate of one in three, refusals among them, for a long
+        // time: never suspect.
         for i in 0..3_000 {
-            let health = if i % 3 == 0 {
-                Health::Fault
-            } else {
-                Health::Up
+            let health = match i % 6 {
+                0 => Health::Fault,
+                3 => Health::Refused,
+                _ => Health::Up,
             };
             assert_eq!(b.call(health), None, "call {i}");
         }
-        // Faults that are all there is: open, after FAULTS_IN_A_ROW.
+        // Failures that are all there is: suspect, after FAULTS_IN_A_ROW,
+        // once.
+        for i in 1..FAULTS_IN_A_ROW {
+            let health = if i % 2 == 0 {
+                Health::Fault
+            } else {
+                Health::Refused
+            };
+            assert_eq!(b.call(health), None);
+        }
+        assert_eq!(b.call(Health::Refused), Some(Transition::Suspected));
+        assert_eq!(b.call(Health::Refused), None);
+        assert!(b.admits(), "suspect is not out");
+        // Its probe fails: down, out at once.
+        assert_eq!(b.probe(false), Some(Transition::Opened));
+        assert!(!b.admits());
+    }
+
+    #[test]
+    fn a_suspect_that_answers_its_probe_is_for_the_fleet_to_judge() {
+        let mut b = Breaker::new(3, 1);
+        for _ in 1..FAULTS_IN_A_ROW {
+            b.call(Health::Fault);
+        }
+        assert_eq!(b.call(Health::Fault), Some(Transition::Suspected));
+        assert_eq!(b.probe(true), Some(Transition::Faulty));
+        assert!(b.admits());
+        // Not suspect any more: another string of faults asks again.
         for _ in 1..FAULTS_IN_A_ROW {
             assert_eq!(b.call(Health::Fault), None);
         }
-        assert_eq!(b.call(Health::Fault), Some(Transition::Opened));
+        assert_eq!(b.call(Health::Fault), Some(Transition::Suspected));
+        // A success in between clears it.
+        assert_eq!(b.call(Health::Up), None);
+        assert_eq!(b.probe(false), None, "one failed probe of max_failures");
+        assert!(b.admits());
+        // The fleet ejects it.
+        assert_eq!(b.trip(), Some(Transition::Opened));
     }
 }

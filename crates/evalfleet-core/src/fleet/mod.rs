@@ -152,6 +152,8 @@ pub struct Endpoint {
     origin: Instant,
     /// Pauses the endpoint's quota asked for (counted for the event log).
     pub quota_pauses: AtomicU64,
+    /// Wakes its prober: its calls fail one after another.
+    pub probe_now: tokio::sync::Notify,
 }
 
 impl Endpoint {
@@ -178,6 +180,7 @@ impl Endpoint {
             excluded: Mutex::new(CancellationToken::new()),
             origin: now,
             quota_pauses: AtomicU64::new(0),
+            probe_now: tokio::sync::Notify::new(),
             config: config.clone(),
         }
     }
@@ -342,6 +345,14 @@ impl Endpoint {
         let mut status = self.status();
         let transition = status.breaker.trip();
         self.evict_in_flight();
+        self.apply(&mut status, transition)
+    }
+
+    /// Ejects a faulty endpoint: it takes no new calls until its probes
+    /// bring it back; its calls in flight go on.
+    pub fn eject(&self) -> Option<Transition> {
+        let mut status = self.status();
+        let transition = status.breaker.trip();
         self.apply(&mut status, transition)
     }
 

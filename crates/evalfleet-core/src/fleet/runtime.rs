@@ -84,6 +84,8 @@ struct Shared {
     keepers: Mutex<HashMap<String, CancellationToken>>,
     tracker: TaskTracker,
     gpus: tokio::sync::OnceCell<GpuReport>,
+    /// Every endpoint of the run, to judge one against the others.
+    peers: Vec<Arc<Endpoint>>,
 }
 
 impl Shared {
@@ -126,14 +128,14 @@ pub struct Fleet {
 
 impl Fleet {
     pub fn new(config: &Config, options: FleetOptions) -> Self {
-        let endpoints = config
+        let endpoints: Vec<_> = config
             .endpoints
             .iter()
             .map(|e| Arc::new(Endpoint::new(e, config.timeouts.attempt)))
             .collect();
         let (events, receiver) = mpsc::unbounded_channel();
         Self {
-            endpoints,
+            endpoints: endpoints.clone(),
             shared: Arc::new(Shared {
                 options,
                 task_params: config.task.params.clone(),
@@ -148,6 +150,7 @@ impl Fleet {
                 keepers: Mutex::new(HashMap::new()),
                 tracker: TaskTracker::new(),
                 gpus: tokio::sync::OnceCell::new(),
+                peers: endpoints,
             }),
             events: Some(receiver),
             stop: CancellationToken::new(),
@@ -350,10 +353,19 @@ async fn watch(
             }
             () = tokio::time::sleep(next) => {}
             _ = changes.changed() => {}
+            () = endpoint.probe_now.notified() => {}
         }
         let result = probe(&http, &url, health.timeout).await;
-        let transition = endpoint.on_probe(result.is_ok());
-        report_transition(shared, endpoint, transition, result.err());
+        let mut transition = endpoint.on_probe(result.is_ok());
+        let mut why = result.err();
+        if transition == Some(Transition::Faulty) {
+            transition = judge_faulty(shared, endpoint);
+            why = Some(format!(
+                "{} calls in a row failed while it answers probes; the others take its items",
+                super::breaker::FAULTS_IN_A_ROW
+            ));
+        }
+        report_transition(shared, endpoint, transition, why);
         if let (Some(after), Some(for_how_long)) =
             (restart_after, endpoint.unhealthy_for(Instant::now()))
             && for_how_long >= after
@@ -361,6 +373,44 @@ async fn watch(
             return Ended::StayedUnhealthy;
         }
     }
+}
+
+/// Ejection caps: at most this share of the endpoints that take items is
+/// ejected for faults (endpoints that are down do not count against it).
+const MAX_EJECTION: f64 = 0.5;
+
+/// An endpoint whose calls fail one after another while its probe
+/// answers: ejected when the others can carry the load (another takes
+/// items, and at most [`MAX_EJECTION`] of them would be out); otherwise it
+/// keeps its calls (panic mode: better a faulty endpoint than none).
+fn judge_faulty(shared: &Shared, endpoint: &Endpoint) -> Option<Transition> {
+    if !endpoint.config.takes_items() {
+        // A judge endpoint's calls can go nowhere else.
+        return None;
+    }
+    let takers: Vec<_> = shared
+        .peers
+        .iter()
+        .filter(|p| p.config.takes_items() && p.phase() == Phase::Ready)
+        .collect();
+    let out = takers.iter().filter(|p| !p.accepting()).count();
+    let others = takers
+        .iter()
+        .filter(|p| p.name != endpoint.name && p.accepting())
+        .count();
+    if others > 0 && (out + 1) as f64 <= MAX_EJECTION * takers.len() as f64 {
+        return endpoint.eject();
+    }
+    shared.event(
+        endpoint,
+        EventKind::Unhealthy,
+        format!(
+            "Endpoint {}: {} calls in a row failed while it answers probes; it keeps its calls, as the others cannot carry its load.",
+            endpoint.name,
+            super::breaker::FAULTS_IN_A_ROW
+        ),
+    );
+    None
 }
 
 fn report_transition(
@@ -395,7 +445,8 @@ fn report_transition(
                 endpoint.name
             ),
         ),
-        None => {}
+        Some(Transition::Suspected) => endpoint.probe_now.notify_one(),
+        Some(Transition::Faulty) | None => {}
     }
 }
 

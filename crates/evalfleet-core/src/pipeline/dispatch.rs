@@ -281,6 +281,9 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
     };
     item.calls += 1;
     item.tries += 1;
+    if item.tries == 1 {
+        shared.budget.first_try(now);
+    }
     let exchange = call::send(call, &request.messages, limit, &shared.abort, &shared.fleet).await;
     let Some(mut record) = exchange.record(&endpoint, item.seq, number, shared.session) else {
         // Abandoned at shutdown: nothing is recorded and the item stays
@@ -292,11 +295,13 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
         Exchange::Abandoned => {}
         Exchange::Moved { .. } => {
             // Not the item's fault: the attempt is recorded but is not one
-            // of the call's tries, and another endpoint takes the call now.
+            // of the call's tries, and another endpoint takes the call
+            // after a backoff (all calls moved at once would land together).
             item.tries -= 1;
             item.request = Some(request);
             if shared.send(Outcome::attempt(claim, record)).await && !shared.halt.is_cancelled() {
-                requeue(&shared, item);
+                let wait = shared.retry.backoff(item.tries + 1, None);
+                retry_later(&shared, item, wait);
             }
         }
         Exchange::Done {
@@ -369,13 +374,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
                         return;
                     }
                     shared.progress.retries.fetch_add(1, Ordering::Relaxed);
-                    let retrier = shared.clone();
-                    shared.tracker.spawn(async move {
-                        tokio::select! {
-                            () = tokio::time::sleep(wait) => requeue(&retrier, item),
-                            () = retrier.halt.cancelled() => {}
-                        }
-                    });
+                    retry_later(&shared, item, wait);
                     return;
                 }
             };
@@ -388,6 +387,31 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
             go_on(&shared, item, step, carry).await;
         }
     }
+}
+
+/// Sends `item`'s call again after `wait`, once the session's retry
+/// budget allows (until then it waits on, backing off further).
+fn retry_later(shared: &Arc<Shared>, item: Item, wait: Duration) {
+    let retrier = shared.clone();
+    shared.tracker.spawn(async move {
+        let mut wait = wait;
+        let mut denied = 0;
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(wait) => {}
+                () = retrier.halt.cancelled() => return,
+            }
+            if retrier.budget.try_retry(Instant::now()) {
+                break;
+            }
+            denied += 1;
+            wait = retrier
+                .retry
+                .backoff(denied, None)
+                .max(Duration::from_millis(10));
+        }
+        requeue(&retrier, item);
+    });
 }
 
 /// Follows an item's steps: answers its calls from the cache while it

@@ -85,7 +85,9 @@ pub struct Item {
     pub cached: u32,
     /// Tries of the request it waits on: `retry.max_attempts` is each
     /// request's budget (a call moved to another endpoint, or an answer's
-    /// call refused by a quota, is not one).
+    /// call refused by a quota, is not one). It starts at the attempts
+    /// stored by earlier sessions, so that a resume gives an item only the
+    /// tries it has left (and always one).
     pub tries: u32,
     /// When its first call in this session was sent (its deadline counts
     /// from here).
@@ -122,7 +124,9 @@ impl Item {
             prior_attempts: claimed.prior_attempts,
             calls: 0,
             cached: 0,
-            tries: 0,
+            // Tries made before a resume count: `retry.max_attempts` means
+            // the same however often a run is resumed.
+            tries: claimed.prior_attempts,
             first_sent: None,
             answer: None,
             episode,

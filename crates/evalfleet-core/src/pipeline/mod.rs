@@ -36,6 +36,7 @@ use crate::fleet::runtime::FleetHandle;
 use crate::fleet::{Endpoint, EndpointCounters};
 use crate::store::{Store, StoreError};
 use crate::task::{Request, Target, Task};
+use evalfleet_types::RetryBudget;
 use item::{Backlog, Item, Tally};
 use reader::Reader;
 use writer::{Message, Outcome};
@@ -203,6 +204,8 @@ impl CacheUse {
 struct Shared {
     session: u32,
     retry: RetryPolicy,
+    /// Retries of item calls, as a share of first tries.
+    budget: RetryBudget,
     item_timeout: Duration,
     /// Completion tokens a call may use, for estimating its token cost.
     max_tokens: u64,
@@ -342,6 +345,7 @@ pub async fn execute(
     let shared = Arc::new(Shared {
         session: session.session,
         retry: config.retry,
+        budget: RetryBudget::new(config.retry_budget, tokio::time::Instant::now()),
         item_timeout: config.timeouts.item,
         max_tokens: max_tokens(&config),
         work: Arc::new(Semaphore::new(session.task.work_limit().max(1))),
