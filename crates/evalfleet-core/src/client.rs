@@ -116,6 +116,53 @@ impl Default for Stalls {
     }
 }
 
+/// Streams an endpoint answered in full before its quiet spells say what
+/// is normal for it.
+const GAPS_KNOWN: u32 = 20;
+/// A stream is stalled once quiet this many times its endpoint's longest
+/// recent quiet spell...
+const GAP_MARGIN: f64 = 8.0;
+/// ...and never sooner than this (nor later than `timeouts.stream_idle`).
+const GAP_FLOOR: Duration = Duration::from_secs(1);
+/// Each stream, the longest spell known fades by this.
+const GAP_FADE: f64 = 0.99;
+
+/// What is a normal quiet spell in an endpoint's streams: the longest gap
+/// between events of its recent complete streams, as a maximum that fades.
+/// A stream quiet for [`GAP_MARGIN`] times that has stalled, however long
+/// `timeouts.stream_idle` would still wait: a server that streams a token
+/// every 20 ms and then sends nothing for 20 s is not thinking.
+#[derive(Debug, Default)]
+pub struct Gaps {
+    state: std::sync::Mutex<(f64, u32)>,
+}
+
+impl Gaps {
+    fn state(&self) -> std::sync::MutexGuard<'_, (f64, u32)> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// How long a stream may be quiet, at most `idle`.
+    pub fn limit(&self, idle: Duration) -> Duration {
+        let (longest, streams) = *self.state();
+        if streams < GAPS_KNOWN {
+            return idle;
+        }
+        Duration::from_secs_f64(longest * GAP_MARGIN)
+            .max(GAP_FLOOR)
+            .min(idle)
+    }
+
+    /// A stream answered in full, its longest gap `longest`.
+    pub fn record(&self, longest: Duration) {
+        let mut state = self.state();
+        state.0 = (state.0 * GAP_FADE).max(longest.as_secs_f64());
+        state.1 = state.1.saturating_add(1);
+    }
+}
+
 /// When an attempt happened. Latencies are from the moment the request was
 /// sent; TTFT only for streams.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -212,6 +259,7 @@ pub struct ChatClient {
     body_tail: Bytes,
     stream: bool,
     stalls: Stalls,
+    gaps: std::sync::Arc<Gaps>,
 }
 
 /// Bodies of error responses are read up to this size for their message.
@@ -297,6 +345,7 @@ impl ChatClient {
             body_tail: Bytes::from(tail),
             stream,
             stalls: Stalls::default(),
+            gaps: std::sync::Arc::default(),
         })
     }
 
@@ -364,7 +413,20 @@ impl ChatClient {
             return Err(status_error(response).await);
         }
         if self.stream {
-            read_stream(response, started, ttft, first_byte_by, self.stalls).await
+            let idle = self.gaps.limit(self.stalls.idle);
+            let (completion, longest) = read_stream(
+                response,
+                started,
+                ttft,
+                Stalls {
+                    first_byte: self.stalls.first_byte,
+                    idle,
+                },
+                first_byte_by,
+            )
+            .await?;
+            self.gaps.record(longest);
+            Ok(completion)
         } else {
             let bytes = response.bytes().await.map_err(body_error)?;
             parse_completion(&bytes, status.as_u16())
@@ -539,13 +601,15 @@ fn parse_completion(bytes: &[u8], status: u16) -> Result<Completion, CallError> 
     })
 }
 
+/// Reads a stream to its end: the completion, and the longest gap between
+/// its events.
 async fn read_stream(
     response: reqwest::Response,
     started: Instant,
     ttft: &mut Option<Duration>,
-    first_byte_by: Instant,
     stalls: Stalls,
-) -> Result<Completion, CallError> {
+    first_byte_by: Instant,
+) -> Result<(Completion, Duration), CallError> {
     #[derive(Deserialize)]
     struct Chunk {
         #[serde(default)]
@@ -576,6 +640,8 @@ async fn read_stream(
     let mut pieces = 0u64;
     let mut first = true;
     let mut done = false;
+    let mut last = Instant::now();
+    let mut longest = Duration::ZERO;
     // Until the first event, the wait is the first byte's; after each, a
     // stream that goes quiet for `idle` has stalled. One timer, moved on.
     let quiet = tokio::time::sleep_until(first_byte_by);
@@ -595,8 +661,13 @@ async fn read_stream(
         let Some(event) = next else {
             break;
         };
+        let now = Instant::now();
+        if !first {
+            longest = longest.max(now - last);
+        }
+        last = now;
         first = false;
-        quiet.as_mut().reset(Instant::now() + stalls.idle);
+        quiet.as_mut().reset(now + stalls.idle);
         let event = event.map_err(|err| match err {
             eventsource_stream::EventStreamError::Transport(_) => CallError::Truncated,
             other => CallError::BadResponse(format!("invalid event stream: {other}")),
@@ -650,14 +721,15 @@ async fn read_stream(
         });
     }
     let counted = usage.as_ref().and_then(|u| u.completion_tokens);
-    Ok(Completion {
+    let completion = Completion {
         content,
         finish_reason,
         prompt_tokens: usage.as_ref().and_then(|u| u.prompt_tokens),
         completion_tokens: counted.or(Some(pieces)),
         tokens_estimated: counted.is_none(),
         http_status: status,
-    })
+    };
+    Ok((completion, longest))
 }
 
 #[cfg(test)]
@@ -875,6 +947,28 @@ mod tests {
             (answer.completion_tokens, answer.tokens_estimated),
             (Some(4), false)
         );
+    }
+
+    #[test]
+    fn a_stall_is_told_by_what_is_normal_for_the_endpoint() {
+        let idle = Duration::from_secs(30);
+        let gaps = Gaps::default();
+        // Until enough streams are known, the configured limit.
+        for _ in 1..GAPS_KNOWN {
+            gaps.record(Duration::from_millis(300));
+        }
+        assert_eq!(gaps.limit(idle), idle);
+        gaps.record(Duration::from_millis(300));
+        // Then eight times its longest recent gap...
+        assert_eq!(gaps.limit(idle), Duration::from_millis(2400));
+        // ...which fades when streams flow faster, down to a floor...
+        for _ in 0..1000 {
+            gaps.record(Duration::from_millis(5));
+        }
+        assert_eq!(gaps.limit(idle), GAP_FLOOR);
+        // ...and never past the configured limit.
+        gaps.record(Duration::from_secs(20));
+        assert_eq!(gaps.limit(idle), idle);
     }
 
     #[tokio::test]
