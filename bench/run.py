@@ -8,13 +8,16 @@
     python3 bench/run.py w3 [--items 6000] [--rpm 6000] [--rounds 3]
     python3 bench/run.py w4 [--items 12000] [--capacity 32] [--rounds 3]
     python3 bench/run.py w6 [--items 200000] [--rounds 3]
+    python3 bench/run.py w7 [--items 5000] [--variants plain,stream] [--peers DIR] [--peer-timeout 900]
+    python3 bench/run.py w3b [--items 6000] [--rpm 6000] [--window 10]
+    python3 bench/run.py w8 [--variants alone,beside] [--outage-after 15] [--outage-seconds 30] [--span 60] [--items N] [--endpoint-capacity K]
     python3 bench/run.py j1 [--rounds 3]     # needs ../shared/data/humaneval.jsonl.gz
 
 W1, W5, W6 and J1 take --baseline BIN: another evalfleet binary (an earlier
 commit's) measured in the same rounds against the same mocks, alternating
 which goes first, so that a change is judged side by side.
 
-W3 and W4 also run the peers with --peers DIR, where DIR holds
+W3 and W4 also run the peers with --peers DIR (W7: inspect-ai only), where DIR holds
 venv/bin/inspect (pip install inspect-ai openai) and
 node/node_modules/.bin/promptfoo (npm install promptfoo); each runs once
 with its default settings against a fresh mock like ours.
@@ -602,6 +605,642 @@ def w4(args, work):
     )
 
 
+def write_config_endpoints(path, dataset, endpoints, concurrency="adaptive", stream=False):
+    """Like write_config, with several external endpoints: `endpoints` is a
+    list of (name, url)."""
+    lines = "".join(
+        f"  - {{ name: {name}, kind: external, base_url: \"{url}\", model: m, concurrency: {json.dumps(concurrency)} }}\n"
+        for name, url in endpoints
+    )
+    with open(path, "w") as f:
+        f.write(
+            f"name: bench\n"
+            f"dataset: {{ path: {dataset}, id_field: id }}\n"
+            f"endpoints:\n{lines}"
+            f"task:\n"
+            f"  messages: [ {{ role: user, content: \"{{{{ question }}}}\" }} ]\n"
+            f"  params: {{ max_tokens: 64 }}\n"
+            f"  stream: {'true' if stream else 'false'}\n"
+        )
+
+
+def precise_seconds(run):
+    """The run's time from its own figures: `finished:` prints seconds to a
+    tenth, items/s to a tenth of an item, so items / rate is the finer."""
+    return run["items"] / run["rate"] if run["rate"] > 0 else run["seconds"]
+
+
+def attempts_summary(db):
+    """The store's attempts: how many, how many were calls moved to another
+    endpoint (aborted: the call was given up because its endpoint stopped
+    taking items; `error` says "moved to another endpoint: ..."), and every
+    attempt by outcome (the error class; `moved`; `success`)."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        total = conn.execute("SELECT COUNT(*) FROM attempts").fetchone()[0]
+        moved = dict(
+            conn.execute(
+                "SELECT endpoint, COUNT(*) FROM attempts WHERE error LIKE 'moved to another endpoint%' GROUP BY endpoint"
+            ).fetchall()
+        )
+        by_outcome = dict(
+            conn.execute(
+                "SELECT COALESCE(error_class, CASE WHEN error IS NULL THEN 'success' "
+                "WHEN error LIKE 'moved to another endpoint%' THEN 'moved' ELSE 'other' END), COUNT(*) "
+                "FROM attempts GROUP BY 1"
+            ).fetchall()
+        )
+        by_endpoint = dict(conn.execute("SELECT endpoint, COUNT(*) FROM attempts GROUP BY 1").fetchall())
+        by_status = {
+            str(k): v for k, v in conn.execute("SELECT http_status, COUNT(*) FROM attempts GROUP BY 1").fetchall()
+        }
+    finally:
+        conn.close()
+    return {"attempts": total, "aborted": sum(moved.values()), "aborted_by_endpoint": moved, "by_outcome": by_outcome, "by_http_status": by_status,
+            "by_endpoint": by_endpoint}
+
+
+class Timeline:
+    """Polls mocks' /mock/stats from a thread every `interval` seconds and
+    keeps the series: (Unix time, snapshot) per mock. The mock keeps only
+    counters, so rates over time come from here."""
+
+    def __init__(self, mocks, interval=0.1):
+        import threading
+
+        self.mocks = mocks
+        self.interval = interval
+        self.series = [[] for _ in mocks]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self):
+        while True:
+            for mock, series in zip(self.mocks, self.series):
+                before = time.time()
+                try:
+                    snap = mock.stats()
+                except OSError:
+                    continue
+                series.append(((before + time.time()) / 2, snap))
+            if self._stop.wait(self.interval):
+                return
+
+    def at(self, i, key, t):
+        """Counter `key` of mock `i` at Unix time `t` (linear between polls)."""
+        series = self.series[i]
+        if not series:
+            return 0
+        if t <= series[0][0]:
+            return series[0][1][key]
+        if t >= series[-1][0]:
+            return series[-1][1][key]
+        lo, hi = 0, len(series) - 1
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if series[mid][0] <= t:
+                lo = mid
+            else:
+                hi = mid
+        (t0, a), (t1, b) = series[lo], series[hi]
+        return a[key] + (b[key] - a[key]) * (t - t0) / (t1 - t0)
+
+    def rate(self, i, key, t0, t1):
+        return (self.at(i, key, t1) - self.at(i, key, t0)) / (t1 - t0)
+
+    def polled(self, i, key, t):
+        """Counter `key` of mock `i` as the last poll at or before `t` saw it
+        (whole counts, for rare events such as probes)."""
+        value = self.series[i][0][1][key] if self.series[i] else 0
+        for at, snap in self.series[i]:
+            if at > t:
+                break
+            value = snap[key]
+        return value
+
+    def per_second(self, i, key, t0, t1):
+        """Counter `key` of mock `i` a second, each second from t0 to t1."""
+        return [round(self.rate(i, key, t0 + k, t0 + k + 1)) for k in range(int(t1 - t0))]
+
+    def first_window(self, key, t0, floor, mocks=None):
+        """Seconds from t0 to the start of the first 1 s window [t, t + 1]
+        (t >= t0, in steps of 50 ms) in which counter `key`, summed over
+        `mocks` (default all), rises at least `floor` a second; None if none
+        did before the last poll."""
+        mocks = range(len(self.series)) if mocks is None else mocks
+        t, last = t0, self.end()
+        while t + 1 <= last:
+            if sum(self.rate(k, key, t, t + 1) for k in mocks) >= floor:
+                return t - t0
+            t += 0.05
+        return None
+
+    def end(self):
+        return max((s[-1][0] for s in self.series if s), default=time.time())
+
+
+def kill_tree(proc):
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def peer_process_capped(cmd, env, cwd, timeout):
+    """peer_process with a time limit: past it the peer's whole process group
+    is killed and `timed_out` is set."""
+    cmd = ["taskset", "-c", CLIENT_CORE, "/usr/bin/time", "-f", "TIME %e %U %S %M", *cmd]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    started = time.monotonic()
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        return {"code": None, "timed_out": True, "wall": time.monotonic() - started}
+    out = {"code": proc.returncode, "timed_out": False}
+    for line in stderr.splitlines():
+        if line.startswith("TIME "):
+            wall, user, sys_, rss = line.split()[1:]
+            out.update(wall=float(wall), cpu=float(user) + float(sys_), rss_mb=int(rss) / 1024)
+    if proc.returncode != 0:
+        print(f"{cmd[6]} exited with {proc.returncode}: {stderr[-1500:]}{stdout[-1500:]}", file=sys.stderr)
+    return out
+
+
+def inspect_capped(args, mock_args, dataset, items, work, label):
+    """inspect-ai with its defaults (its retries, its adaptive connections)
+    against a fresh mock, capped at --peer-timeout; its time is measured at
+    the mock (first request to last full answer, or to the kill)."""
+    task = os.path.join(work, "inspect_task.py")
+    with open(task, "w") as f:
+        f.write(INSPECT_TASK)
+    exe = os.path.join(args.peers, "venv", "bin", "inspect")
+    mock = Mock(*mock_args)
+    env = dict(os.environ, BENCH_DATASET=dataset, MOCK_BASE_URL=mock.url, MOCK_API_KEY="none", INSPECT_DISPLAY="none")
+    cmd = [exe, "eval", os.path.basename(task), "--model", "openai-api/mock/m", "--max-tokens", "64",
+           "--log-dir", os.path.join(work, f"inspect-logs-{label}")]
+    proc = peer_process_capped(cmd, env, work, args.peer_timeout)
+    killed_at_ms = time.time() * 1000
+    stats = mock.stats()
+    mock.stop()
+    if proc["timed_out"] and stats["first_request_at_ms"]:
+        span = (killed_at_ms - stats["first_request_at_ms"]) / 1000.0
+    else:
+        span = served_span(stats)
+    return {
+        "exit": proc["code"],
+        "timed_out": proc["timed_out"],
+        "wall": proc.get("wall"),
+        "served_span": span,
+        "completed": stats["completed"],
+        "all_completed": stats["completed"] >= items,
+        "requests": stats["requests"],
+        "requests_per_item": stats["requests"] / items,
+        "faults": stats["faults"],
+        "rate_limited": stats["rate_limited"],
+    }, version([exe, "--version"])
+
+
+W7_FAULTS = ["--fault", "500:0.08", "--fault", "503:0.05:1s", "--fault", "408:0.02"]
+W7_STREAM_FAULTS = ["--cut-rate", "0.05", "--stall-rate", "0.01", "--stall", "20s"]
+
+
+def w7_once(args, work, dataset, name, mock_args, stream):
+    mock = Mock("--latency", "50ms", *mock_args)
+    config = os.path.join(work, f"{name}.yaml")
+    write_config(config, dataset, mock.url, "adaptive", stream)
+    db = os.path.join(work, f"{name}.db")
+    try:
+        run = evalfleet(["run", config, "--store", db, "-q", "--run-id", name], work)
+        stats = mock.stats()
+    finally:
+        mock.stop()
+    counts = status(name, db, work)["counts"]
+    attempts = attempts_summary(db)
+    return {
+        "seconds": precise_seconds(run),
+        "served_span": served_span(stats),
+        "done": counts["done"],
+        "failed": counts["failed"],
+        "pending": counts["pending"],
+        "requests": stats["requests"],
+        "requests_per_item": stats["requests"] / args.items,
+        "mock_faults": stats["faults"],
+        "mock_faults_by_status": stats["faults_by_status"],
+        "mock_rate_limited": stats["rate_limited"],
+        "mock_stalled": stats["stalled"],
+        "mock_cut": stats["cut"],
+        "mock_completed": stats["completed"],
+        "aborted": attempts["aborted"],
+        "attempts": attempts["attempts"],
+        "attempts_by_outcome": attempts["by_outcome"],
+        "rss_mb": run["rss_mb"],
+    }
+
+
+def w7(args, work):
+    """Sporadic faults, independent of load: 5,000 items, 50 ms per call,
+    8% 500, 5% 503 with Retry-After: 1, 2% 408 (`--fault`); the streaming
+    variant adds 5% streams cut short (`--cut-rate`) and 1% stalls of 20 s.
+    Reference: the same run with faults off, in the same round (the two take
+    turns at going first), each against a fresh mock. evalfleet with its
+    default adaptive settings.
+
+    Per run: time (evalfleet's own, items / its items/s), requests the mock
+    received per item, every item done (`status`), calls aborted (attempts
+    stored as moved to another endpoint), and what the mock sent (faults by
+    status, 429s, stalls, cuts). The mock's seed is the round's number, so
+    rounds draw different faults. --variants picks `plain`, `stream` or both.
+    With --peers, inspect-ai (not streaming: its OpenAI provider does not
+    stream) once with faults and once without, capped at --peer-timeout."""
+    dataset = os.path.join(work, "w7.jsonl")
+    write_dataset(dataset, args.items)
+    variants = [v for v in args.variants.split(",") if v]
+    results = {}
+    for variant in variants:
+        stream = variant == "stream"
+        faulty_args = W7_FAULTS + (W7_STREAM_FAULTS if stream else [])
+        rounds = []
+        for i in range(args.rounds):
+            seed = ["--seed", str(i)]
+            order = [("reference", seed), ("faulty", seed + faulty_args)]
+            if i % 2 == 1:
+                order.reverse()
+            runs = {label: w7_once(args, work, dataset, f"w7-{variant}-{label}-{i}", mock_args, stream) for label, mock_args in order}
+            ref, bad = runs["reference"], runs["faulty"]
+            round_ = {
+                "reference": ref,
+                "faulty": bad,
+                "time_ratio": bad["seconds"] / ref["seconds"],
+                "span_ratio": bad["served_span"] / ref["served_span"],
+                "requests_per_item": bad["requests_per_item"],
+                "all_done": bad["done"] == args.items and ref["done"] == args.items,
+                "aborted": bad["aborted"],
+            }
+            rounds.append(round_)
+            print(json.dumps({"variant": variant, **round_}), file=sys.stderr)
+        med = lambda f: statistics.median(f(r) for r in rounds)
+        results[variant] = {
+            "reference_seconds_median": med(lambda r: r["reference"]["seconds"]),
+            "faulty_seconds_median": med(lambda r: r["faulty"]["seconds"]),
+            "time_ratio_median": med(lambda r: r["time_ratio"]),
+            "span_ratio_median": med(lambda r: r["span_ratio"]),
+            "requests_per_item_median": med(lambda r: r["requests_per_item"]),
+            "all_done_every_round": all(r["all_done"] for r in rounds),
+            "aborted_max": max(r["aborted"] for r in rounds),
+            "mock_faults_median": med(lambda r: r["faulty"]["mock_faults"]),
+            "mock_rate_limited_max": max(r["faulty"]["mock_rate_limited"] for r in rounds),
+            "rounds": rounds,
+        }
+    result = {"workload": "W7", "items": args.items, "latency_ms": 50, "variants": results}
+    if args.peers and "plain" in variants:
+        ref, ver = inspect_capped(args, ["--latency", "50ms"], dataset, args.items, work, "ref")
+        print(json.dumps({"inspect-ai reference": ref}), file=sys.stderr)
+        bad, _ = inspect_capped(args, ["--latency", "50ms", *W7_FAULTS], dataset, args.items, work, "faulty")
+        print(json.dumps({"inspect-ai faulty": bad}), file=sys.stderr)
+        result["peers"] = {
+            "inspect-ai": {
+                "version": ver,
+                "reference": ref,
+                "faulty": bad,
+                # None when the fault-free run did not finish: no ratio to give.
+                "span_ratio": bad["served_span"] / ref["served_span"] if ref["served_span"] > 0 and not ref["timed_out"] else None,
+                "ratio_is_lower_bound": bad["timed_out"],
+            }
+        }
+    print(json.dumps(result, indent=2))
+    for variant, r in results.items():
+        what = "8% 500, 5% 503 (Retry-After 1), 2% 408" + (", streaming, 5% cut, 1% stalled 20 s" if variant == "stream" else "")
+        print(
+            f"\n| W7 | {args.items} items, 50 ms, {what} | fault-free {r['reference_seconds_median']:.2f} s "
+            f"| {r['faulty_seconds_median']:.2f} s, {r['time_ratio_median']:.2f} x fault-free, "
+            f"{r['requests_per_item_median']:.3f} requests per item, {r['aborted_max']} calls aborted (most in a round), "
+            f"every item done: {'yes' if r['all_done_every_round'] else 'NO'}; the mock sent {r['mock_faults_median']:.0f} faults, "
+            f"{r['mock_rate_limited_max']} 429s |"
+        )
+    if "peers" in result:
+        p = result["peers"]["inspect-ai"]
+        ratio = "n/a" if p["span_ratio"] is None else f"{'>= ' if p['ratio_is_lower_bound'] else ''}{p['span_ratio']:.2f} x"
+        print(
+            f"| W7 peer | inspect-ai {p['version']}, not streaming, same faults | fault-free {p['reference']['served_span']:.2f} s "
+            f"(at the mock) | {p['faulty']['served_span']:.2f} s, {ratio}, {p['faulty']['requests_per_item']:.3f} requests per item, "
+            f"{p['faulty']['completed']}/{args.items} answered{' (timed out)' if p['faulty']['timed_out'] else ''} |"
+        )
+
+
+def w3b_ideal(mode, items, limit, window, latency):
+    """The least time from the first request to the last answer.
+
+    refill (`--quota L/W`): the bucket starts full with L requests and gets
+    L/W back per second, continuously. Request k (1-based) can go no sooner
+    than max(0, k - L) * W / L after the first, so the last goes at
+    max(0, N - L) * W / L and is answered `latency` later (W3's token-bucket
+    arithmetic, with the bucket starting full at L).
+
+    fixed (`--quota L/W:fixed`): windows [jW, (j+1)W) follow one another from
+    the first request, L requests in each. N requests need ceil(N / L)
+    windows, and the last window's can all go at its start, so the last
+    goes at (ceil(N / L) - 1) * W and is answered `latency` later. Waiting
+    for a window's end with Retry-After in whole seconds (rounded up) costs
+    up to a second a window; `retry-after-ms` and `x-ratelimit-reset-requests`
+    say it to the millisecond."""
+    if mode == "refill":
+        return max(0, items - limit) * window / limit + latency
+    return (-(-items // limit) - 1) * window + latency
+
+
+def w3b(args, work):
+    """W3 (its --items and --rpm) against the mock's OpenAI-style quota: a
+    continuously refilling bucket (`--quota L/W`) and a fixed window
+    (`--quota L/W:fixed`), both sending x-ratelimit-* headers and 429 with
+    Retry-After and retry-after-ms beyond the quota; 100 ms per call;
+    evalfleet with its default adaptive settings. L = rpm * W / 60 requests
+    per window W (--window, default 10 s): with W = 60 s, W3's 6,000 items at
+    6,000 rpm fit in the first window (or the full bucket) and the ideal is a
+    single call's latency, which tests nothing; 10 s windows keep the rate
+    and make the quota bite (6,000 items, 1,000 per 10 s: ideal 50.1 s on
+    both servers). See w3b_ideal for each server's ideal. Figures: time /
+    ideal (evalfleet's own time, and the span at the mock from first request
+    to last answer) and 429s per success."""
+    window = args.window
+    limit = max(1, round(args.rpm * window / 60))
+    latency = 0.1
+    dataset = os.path.join(work, "w3b.jsonl")
+    write_dataset(dataset, args.items)
+    modes = {"refill": f"{limit}/{window:g}s", "fixed": f"{limit}/{window:g}s:fixed"}
+    ideals = {mode: w3b_ideal(mode, args.items, limit, window, latency) for mode in modes}
+    if args.items <= limit:
+        print(f"warning: {args.items} items fit in one window of {limit}: the ideal is one call's latency", file=sys.stderr)
+    rounds = []
+    for i in range(args.rounds):
+        round_ = {}
+        order = list(modes) if i % 2 == 0 else list(reversed(modes))
+        for mode in order:
+            mock = Mock("--quota", modes[mode], "--latency", "100ms")
+            config = os.path.join(work, f"w3b-{mode}-{i}.yaml")
+            write_config(config, dataset, mock.url, "adaptive")
+            db = os.path.join(work, f"w3b-{mode}-{i}.db")
+            try:
+                run = evalfleet(["run", config, "--store", db, "-q", "--run-id", f"w3b-{mode}-{i}"], work)
+                stats = mock.stats()
+            finally:
+                mock.stop()
+            seconds = precise_seconds(run)
+            round_[mode] = {
+                "seconds": seconds,
+                "served_span": served_span(stats),
+                "time_over_ideal": seconds / ideals[mode],
+                "span_over_ideal": served_span(stats) / ideals[mode],
+                "rate_limited": stats["rate_limited"],
+                "completed": stats["completed"],
+                "per_success": stats["rate_limited"] / max(1, stats["completed"]),
+                "done": run["done"],
+                "failed": run["failed"],
+                "rss_mb": run["rss_mb"],
+            }
+        rounds.append(round_)
+        print(json.dumps(round_), file=sys.stderr)
+    result = {"workload": "W3b", "items": args.items, "rpm": args.rpm, "window_s": window, "limit": limit, "latency_ms": latency * 1000,
+              "ideal_seconds": ideals, "rounds": rounds}
+    for mode in modes:
+        med = lambda k: statistics.median(r[mode][k] for r in rounds)
+        result[mode] = {
+            "time_over_ideal_median": med("time_over_ideal"),
+            "span_over_ideal_median": med("span_over_ideal"),
+            "per_success_median": med("per_success"),
+            "every_item_done": all(r[mode]["done"] == args.items for r in rounds),
+        }
+    print(json.dumps(result, indent=2))
+    for mode in modes:
+        r = result[mode]
+        server = "refilling bucket" if mode == "refill" else "fixed window"
+        print(
+            f"\n| W3b | {args.items} items, {limit} per {window:g} s ({args.rpm} rpm), {server} (`--quota {modes[mode]}`), 100 ms per call "
+            f"| ideal {ideals[mode]:.1f} s | {r['time_over_ideal_median']:.3f} x ideal ({r['span_over_ideal_median']:.3f} at the mock), "
+            f"{r['per_success_median']:.4f} 429s per success{'' if r['every_item_done'] else ', NOT every item done'} |"
+        )
+
+
+def w8_mock_args(args):
+    """W8's mock: 50 ms a call; with --endpoint-capacity K, K served at once
+    and the rest queued (W4's backend), so that an endpoint's rate is K / L
+    and not what the client's core can send."""
+    return ["--latency", "50ms"] + (["--capacity", str(args.endpoint_capacity)] if args.endpoint_capacity else [])
+
+
+def w8_calibrate(args, work, endpoints):
+    """Items a second that evalfleet gets from `endpoints` healthy mocks at
+    50 ms: a run on a dataset too large to finish, its rate at the mocks
+    over seconds 4 to 10 from the first request (past the controller's
+    ramp-up), then killed."""
+    dataset = os.path.join(work, f"w8-calibrate-{endpoints}.jsonl")
+    write_dataset(dataset, args.calibration_items)
+    mocks = [Mock(*w8_mock_args(args)) for _ in range(endpoints)]
+    config = os.path.join(work, f"w8-calibrate-{endpoints}.yaml")
+    write_config_endpoints(config, dataset, [(f"e{k}", m.url) for k, m in enumerate(mocks)])
+    proc = subprocess.Popen(
+        ["taskset", "-c", CLIENT_CORE, BIN, "run", config, "--store", os.path.join(work, f"w8-calibrate-{endpoints}.db"), "-q"],
+        cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        with Timeline(mocks) as timeline:
+            while True:
+                first = [m.stats()["first_request_at_ms"] for m in mocks if m.stats()["first_request_at_ms"]]
+                if first and time.time() - min(first) / 1000 >= 10.5:
+                    break
+                if proc.poll() is not None:
+                    raise SystemExit("the calibration run finished early: raise --calibration-items")
+                time.sleep(0.2)
+        t0 = min(first) / 1000
+        rate = sum(timeline.rate(k, "completed", t0 + 4, t0 + 10) for k in range(endpoints))
+    finally:
+        kill_tree(proc)
+        for m in mocks:
+            m.stop()
+    os.remove(dataset)
+    return rate
+
+
+def w8_once(args, work, name, items, beside):
+    """One run: the outage endpoint alone, or beside a healthy one; the
+    figures from the mocks' timelines."""
+    after, length = args.outage_after, args.outage_seconds
+    dataset = os.path.join(work, f"{name}.jsonl")
+    write_dataset(dataset, items)
+    down = Mock(*w8_mock_args(args), "--outage", f"{after:g}s:{length:g}s:503")
+    mocks = [down] + ([Mock(*w8_mock_args(args))] if beside else [])
+    config = os.path.join(work, f"{name}.yaml")
+    write_config_endpoints(config, dataset, [("down", down.url)] + ([("up", mocks[1].url)] if beside else []))
+    db = os.path.join(work, f"{name}.db")
+    try:
+        with Timeline(mocks) as timeline:
+            run = evalfleet(["run", config, "--store", db, "-q", "--run-id", name], work)
+        finals = [m.stats() for m in mocks]
+    finally:
+        for m in mocks:
+            m.stop()
+    os.remove(dataset)
+    first = finals[0]["first_request_at_ms"] / 1000
+    start, end = first + after, first + after + length
+    # The pre-outage rate: the last 5 s before the outage (or its second half
+    # when shorter), past the controller's ramp-up.
+    pre0 = start - min(5.0, after / 2)
+    pre_rate = timeline.rate(0, "completed", pre0, start)
+    probes = timeline.polled(0, "model_listings", end) - timeline.polled(0, "model_listings", start)
+    refused = finals[0]["outage_refused"]
+    # Back to full speed: the first 1 s window [t, t + 1] from the recovery on
+    # in which the endpoint completes at least 90% of its pre-outage rate.
+    back = timeline.first_window("completed", end, 0.9 * pre_rate, mocks=[0])
+    last = timeline.end()
+    first_answer = None
+    t = end
+    base = timeline.at(0, "completed", end)
+    while t <= last:
+        if timeline.at(0, "completed", t) >= base + 1:
+            first_answer = t - end
+            break
+        t += 0.05
+    counts = status(name, db, work)["counts"]
+    attempts = attempts_summary(db)
+    out = {
+        "items": items,
+        "done": counts["done"],
+        "failed": counts["failed"],
+        "run_seconds": precise_seconds(run),
+        "pre_outage_rate": pre_rate,
+        "outage_calls": refused,
+        "outage_probes": probes,
+        "allowed_calls": 2 * probes + 0.1 * pre_rate * length,
+        "recovery_to_90pct_s": back,
+        "recovery_to_first_answer_s": first_answer,
+        "run_ended_after_recovery_s": last - end,
+        # Each mock's completions and refusals a second, from its first request.
+        "per_second": {
+            label: {
+                "completed": timeline.per_second(k, "completed", first, last),
+                "outage_refused": timeline.per_second(k, "outage_refused", first, last),
+            }
+            for k, label in enumerate(["down", "up"][: len(mocks)])
+        },
+        "aborted": attempts["aborted"],
+        "aborted_by_endpoint": attempts["aborted_by_endpoint"],
+        "attempts_by_endpoint": attempts["by_endpoint"],
+        "attempts_by_outcome": attempts["by_outcome"],
+    }
+    if beside:
+        n = len(mocks)
+        total_pre = sum(timeline.rate(k, "completed", pre0, start) for k in range(n))
+        total_during = sum(timeline.rate(k, "completed", start, end) for k in range(n))
+        lost_share = pre_rate / total_pre if total_pre else float("nan")
+        out.update(
+            healthy_pre_rate=timeline.rate(1, "completed", pre0, start),
+            healthy_during_rate=timeline.rate(1, "completed", start, end),
+            total_pre_rate=total_pre,
+            total_during_rate=total_during,
+            throughput_drop=1 - total_during / total_pre,
+            # The run (both endpoints) back to 90% of its pre-outage rate.
+            run_recovery_to_90pct_s=timeline.first_window("completed", end, 0.9 * total_pre),
+            lost_share=lost_share,
+            drop_within_share=1 - total_during / total_pre <= lost_share,
+        )
+    return out
+
+
+def w8(args, work):
+    """An outage: the endpoint answers every call (and its /v1/models, which
+    evalfleet's health probe asks) with 503 for --outage-seconds (default
+    30), starting --outage-after (default 15) seconds after its first chat
+    request, then recovers. 50 ms per call; evalfleet with its default
+    settings (adaptive concurrency, its health probe); --endpoint-capacity K
+    gives each mock K slots (see w8_mock_args). Alone, and beside a
+    healthy mock (two endpoints in one config). The mocks keep only
+    counters, so a thread polls their /mock/stats every 100 ms.
+
+    The dataset lasts about --span (default 60) seconds at the rate
+    evalfleet reaches against that many healthy mocks, measured first (a
+    calibration run, killed after 10 s); --items overrides it. Figures: the
+    calls the endpoint got during the outage (`outage_refused`) against the
+    goal's allowance, 2 x the probes (GET /v1/models during the outage) +
+    10% x the pre-outage rate x the outage's length; the pre-outage rate
+    (the endpoint's completions a second over the 5 s before the outage);
+    the time from the recovery to the first 1 s window at >= 90% of it; and
+    beside a healthy endpoint, the run's completions a second during the
+    outage against before, the drop compared with the outage endpoint's
+    share of them before."""
+    variants = [v for v in args.variants.split(",") if v]
+    sizes = {}
+    for variant in variants:
+        if args.items_given:
+            sizes[variant] = args.items
+        else:
+            rate = w8_calibrate(args, work, 2 if variant == "beside" else 1)
+            sizes[variant] = max(1000, int(rate * args.span))
+            print(json.dumps({"calibration": variant, "items_per_s": rate, "items": sizes[variant]}), file=sys.stderr)
+    results = {}
+    for variant in variants:
+        rounds = []
+        for i in range(args.rounds):
+            r = w8_once(args, work, f"w8-{variant}-{i}", sizes[variant], variant == "beside")
+            rounds.append(r)
+            db = os.path.join(work, f"w8-{variant}-{i}.db")
+            if os.path.exists(db) and not args.keep:
+                os.remove(db)
+            print(json.dumps({"variant": variant, **r}), file=sys.stderr)
+        med = lambda k: statistics.median(r[k] for r in rounds if r.get(k) is not None) if any(r.get(k) is not None for r in rounds) else None
+        results[variant] = {
+            "items": sizes[variant],
+            "outage_calls_median": med("outage_calls"),
+            "outage_probes_median": med("outage_probes"),
+            "allowed_calls_median": med("allowed_calls"),
+            "pre_outage_rate_median": med("pre_outage_rate"),
+            "recovery_to_90pct_s_median": med("recovery_to_90pct_s"),
+            "never_recovered_rounds": sum(r["recovery_to_90pct_s"] is None for r in rounds),
+            "every_item_done": all(r["done"] == r["items"] for r in rounds),
+            "failed_max": max(r["failed"] for r in rounds),
+            "rounds": rounds,
+        }
+        if variant == "beside":
+            results[variant].update(
+                throughput_drop_median=med("throughput_drop"),
+                lost_share_median=med("lost_share"),
+                total_pre_rate_median=med("total_pre_rate"),
+                total_during_rate_median=med("total_during_rate"),
+                run_recovery_to_90pct_s_median=med("run_recovery_to_90pct_s"),
+            )
+    result = {"workload": "W8", "outage_after_s": args.outage_after, "outage_s": args.outage_seconds,
+              "endpoint_capacity": args.endpoint_capacity, "variants": results}
+    print(json.dumps(result, indent=2))
+    fmt = lambda x, f: "n/a" if x is None else format(x, f)
+    for variant, r in results.items():
+        row = (
+            f"\n| W8 | {'alone' if variant == 'alone' else 'beside a healthy endpoint'}, 503 for {args.outage_seconds:g} s after "
+            f"{args.outage_after:g} s, 50 ms, {r['items']} items | pre-outage {fmt(r['pre_outage_rate_median'], '.0f')} items/s "
+            f"| {fmt(r['outage_calls_median'], '.0f')} calls during the outage (allowed {fmt(r['allowed_calls_median'], '.0f')}: "
+            f"{fmt(r['outage_probes_median'], '.0f')} probes); back to 90% {fmt(r['recovery_to_90pct_s_median'], '.2f')} s after recovery"
+        )
+        if variant == "beside":
+            row += (
+                f"; throughput {fmt(r['total_pre_rate_median'], '.0f')} -> {fmt(r['total_during_rate_median'], '.0f')} items/s, "
+                f"drop {fmt(100 * r['throughput_drop_median'], '.1f')}% vs lost share {fmt(100 * r['lost_share_median'], '.1f')}%; "
+                f"the run back to 90% of its rate {fmt(r['run_recovery_to_90pct_s_median'], '.2f')} s after recovery"
+            )
+        if not r["every_item_done"]:
+            row += f"; NOT every item done (up to {r['failed_max']} failed)"
+        row += " |"
+        print(row)
+
+
 def w6(args, work):
     """The same run again with every answer in the cache. Reference: the
     first run (W1's work: every item a call to the mock, answers stored and
@@ -766,6 +1405,9 @@ WORKLOADS = {
     "w4": (w4, 12000),
     "w5": (w5, 1_000_000),
     "w6": (w6, 200_000),
+    "w7": (w7, 5000),
+    "w3b": (w3b, 6000),
+    "w8": (w8, None),
     "j1": (j1, None),
     "startup": (startup, 100),
 }
@@ -783,7 +1425,15 @@ def main():
     parser.add_argument("--n", default="10,50,200,1000", help="W2: concurrency levels")
     parser.add_argument("--waves", type=int, default=20, help="W2: items per concurrency slot")
     parser.add_argument("--keep", action="store_true", help="keep the working directory")
-    parser.add_argument("--peers", help="W3, W4: also run inspect-ai and promptfoo installed under this directory")
+    parser.add_argument("--peers", help="W3, W4 (W7: inspect-ai only): also run inspect-ai and promptfoo installed under this directory")
+    parser.add_argument("--variants", help="W7: plain,stream (default both); W8: alone,beside (default both)")
+    parser.add_argument("--peer-timeout", type=float, default=900, help="W7: seconds each inspect-ai run may take before it is killed")
+    parser.add_argument("--window", type=float, default=10, help="W3b: the quota's window in seconds (rpm * window / 60 per window)")
+    parser.add_argument("--outage-after", type=float, default=15, help="W8: seconds from the first request to the outage")
+    parser.add_argument("--outage-seconds", type=float, default=30, help="W8: how long the outage lasts")
+    parser.add_argument("--span", type=float, default=60, help="W8: the dataset lasts this many seconds at the calibrated rate")
+    parser.add_argument("--endpoint-capacity", type=int, help="W8: each mock serves this many at once and queues the rest (default: no limit)")
+    parser.add_argument("--calibration-items", type=int, default=400_000, help="W8: items in the calibration run (killed after 10 s)")
     parser.add_argument("--baseline", help="W1, W5, W6, J1: another evalfleet binary measured side by side")
     args = parser.parse_args()
     if not args.no_build:
@@ -792,7 +1442,10 @@ def main():
     work = tempfile.mkdtemp(prefix=f"evalfleet-{args.workload}-")
     try:
         run, default_items = WORKLOADS[args.workload]
+        args.items_given = args.items is not None
         args.items = args.items or default_items
+        if args.variants is None:
+            args.variants = {"w7": "plain,stream", "w8": "alone,beside"}.get(args.workload, "")
         if args.workload == "startup":
             args.rounds = max(args.rounds, 5)
         run(args, work)

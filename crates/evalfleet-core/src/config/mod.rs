@@ -29,7 +29,8 @@ pub use evalfleet_types::BudgetSettings;
 use evalfleet_types::Fault;
 /// `retry:` how failed attempts are retried: `max_attempts` (per call: an
 /// item's answer, a re-ask, a judge's call; the first included; default
-/// 5), `backoff_base` (default `500ms`), `backoff_max` (default `30s`).
+/// 10: with the retry budget bounding retries, a 20% fault rate fails
+/// one call in 10^7), `backoff_base` (default `100ms`), `backoff_max` (default `30s`).
 pub use evalfleet_types::RetryPolicy;
 pub use yaml::{Document, YamlError, parse as parse_yaml};
 

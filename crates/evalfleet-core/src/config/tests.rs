@@ -58,7 +58,7 @@ fn a_good_config_validates_with_defaults() {
         config.endpoints[1].api_key.as_ref().unwrap().expose(),
         "sk-from-dotenv"
     );
-    assert_eq!(config.retry.max_attempts, 5);
+    assert_eq!(config.retry.max_attempts, 10);
     assert_eq!(config.writer.batch_size, 512);
     assert!(!config.task.stream);
     assert!(

@@ -706,9 +706,9 @@ fn retry(raw: RawRetry, p: &mut Problems<'_>) -> Option<(RetryPolicy, BudgetSett
     };
     let max_attempts = match raw.max_attempts {
         Some(0) => p.push("retry.max_attempts", "must be at least 1, got 0"),
-        other => Some(other.unwrap_or(5)),
+        other => Some(other.unwrap_or(10)),
     };
-    let backoff_base = p.duration("retry.backoff_base", raw.backoff_base.as_deref(), "500ms");
+    let backoff_base = p.duration("retry.backoff_base", raw.backoff_base.as_deref(), "100ms");
     let backoff_max = p.duration("retry.backoff_max", raw.backoff_max.as_deref(), "30s");
     if let (Some(base), Some(max)) = (backoff_base, backoff_max)
         && max < base
