@@ -145,6 +145,10 @@ struct Announced {
     /// The answer with the most left since it was last full (or since the
     /// last window): what was left, and when it said it would be full.
     anchor: (f64, Instant),
+    /// A window ended here and the mirror was filled: the calls sent since
+    /// are taken from it, and the new window's first answers must not
+    /// give them back.
+    rolled: bool,
 }
 
 impl Announced {
@@ -157,6 +161,7 @@ impl Announced {
             per_second: Self::rate(limit, remaining, reset),
             reset_at: now + reset,
             anchor: (remaining, now + reset),
+            rolled: false,
         }
     }
 
@@ -177,8 +182,9 @@ impl Announced {
                 }
             }
             Refill::Window => {
-                if now >= self.reset_at && self.level < self.limit {
+                if now >= self.reset_at && self.level < self.limit && !self.rolled {
                     self.level = self.limit;
+                    self.rolled = true;
                 }
             }
         }
@@ -245,8 +251,14 @@ impl Announced {
             }
             Refill::Window => {
                 if reset_at > self.reset_at + Duration::from_secs(1).min(reset / 2) {
-                    // A new window.
-                    self.level = remaining;
+                    // A new window: what it says is left, unless the mirror
+                    // rolled over already and has counted the calls since.
+                    self.level = if self.rolled {
+                        self.level.min(remaining)
+                    } else {
+                        remaining
+                    };
+                    self.rolled = false;
                 } else {
                     self.level = self.level.min(remaining);
                 }
@@ -720,16 +732,20 @@ mod tests {
         // time.
         let spent = t0 + Duration::from_secs(1);
         assert_eq!(limiter.try_take(spent, 0), Duration::from_secs(9));
-        // At its end the calls go again, a whole window's worth.
+        // At its end the calls go again, a whole window's worth, all sent
+        // before the first answer comes back...
         let next = t0 + Duration::from_secs(10);
         for i in 0..100u64 {
             let now = next + Duration::from_millis(i);
             assert_eq!(limiter.try_take(now, 0), Duration::ZERO, "call {i}");
-            assert!(
-                limiter
-                    .observe(now, &requests(100, 99 - i, 10_000 - i))
-                    .is_empty()
-            );
+        }
+        // ...and the new window's answers, which say what was left when
+        // each arrived, do not give them back.
+        for i in 0..100u64 {
+            let now = next + Duration::from_millis(100 + i);
+            let quota = requests(100, 99 - i, 9_900 - i);
+            assert!(limiter.observe(now, &quota).is_empty());
+            assert!(!limiter.try_take(now, 0).is_zero(), "answer {i}");
         }
         let later = next + Duration::from_millis(200);
         assert_eq!(limiter.try_take(later, 0), Duration::from_millis(9_800));
