@@ -52,13 +52,10 @@ pub enum Health {
     Up,
     /// It could not be reached: the connection was refused.
     Down,
-    /// This call failed (a 5xx other than 503, no answer in time, a stream
-    /// cut or stalled): a fault of the call, which says the endpoint is
-    /// down only when nothing else gets through.
+    /// This call failed (a 5xx, a 503 included, no answer in time, a
+    /// stream cut or stalled): a fault of the call, which says the
+    /// endpoint is down only when nothing else gets through.
     Fault,
-    /// It answers and takes nothing (a 503): whether it is down, only a
-    /// string of them says.
-    Refused,
     /// Nothing (it said no and is up: a 4xx, a 429).
     Silent,
 }
@@ -144,7 +141,7 @@ impl Breaker {
                 None
             }
             Health::Down => self.fail(),
-            Health::Fault | Health::Refused => {
+            Health::Fault => {
                 self.faults += 1;
                 if self.faults >= FAULTS_IN_A_ROW && !self.suspect {
                     self.suspect = true;
@@ -241,28 +238,22 @@ mod tests {
     #[test]
     fn faults_make_it_suspect_only_when_nothing_gets_through() {
         let mut b = Breaker::new(1, 1);
-        // A fault rate of one in three, refusals among them, for a long
-        // time: never suspect.
+        // A fault rate of one in three, for a long time: never suspect.
         for i in 0..3_000 {
-            let health = match i % 6 {
-                0 => Health::Fault,
-                3 => Health::Refused,
-                _ => Health::Up,
+            let health = if i % 3 == 0 {
+                Health::Fault
+            } else {
+                Health::Up
             };
             assert_eq!(b.call(health), None, "call {i}");
         }
         // Failures that are all there is: suspect, after FAULTS_IN_A_ROW,
         // once.
-        for i in 1..FAULTS_IN_A_ROW {
-            let health = if i % 2 == 0 {
-                Health::Fault
-            } else {
-                Health::Refused
-            };
-            assert_eq!(b.call(health), None);
+        for _ in 1..FAULTS_IN_A_ROW {
+            assert_eq!(b.call(Health::Fault), None);
         }
-        assert_eq!(b.call(Health::Refused), Some(Transition::Suspected));
-        assert_eq!(b.call(Health::Refused), None);
+        assert_eq!(b.call(Health::Fault), Some(Transition::Suspected));
+        assert_eq!(b.call(Health::Fault), None);
         assert!(b.admits(), "suspect is not out");
         // Its probe fails: down, out at once.
         assert_eq!(b.probe(false), Some(Transition::Opened));

@@ -293,15 +293,13 @@ fn signal(result: &Result<Completion, CallError>, timing: &Timing, overtaken: bo
 
 /// What a call's outcome says about the endpoint's health (see
 /// [`super::breaker`]): down when it cannot be reached; a fault of the
-/// call when it failed otherwise, or a refusal (a 503), either of which
-/// says the endpoint is down only when nothing gets through; nothing when
-/// it said no and is up (a 4xx, a 429: quotas and load are the rate
-/// limiter's and the concurrency controller's business).
+/// call when it failed otherwise (a 503 included), which says the
+/// endpoint is down only when nothing gets through; nothing when it said
+/// no and is up (a 4xx, a 429: quotas are the rate limiter's business).
 fn health(result: &Result<Completion, CallError>) -> Health {
     match result {
         Ok(_) => Health::Up,
         Err(CallError::Connect(_)) => Health::Down,
-        Err(CallError::Status { status: 503, .. }) => Health::Refused,
         Err(CallError::Status { status, .. }) if *status < 500 => Health::Silent,
         Err(_) => Health::Fault,
     }

@@ -342,10 +342,9 @@ impl Endpoint {
 
     /// The engine died: unhealthy at once.
     pub fn trip(&self) -> Option<Transition> {
-        let mut status = self.status();
-        let transition = status.breaker.trip();
+        let transition = self.eject();
         self.evict_in_flight();
-        self.apply(&mut status, transition)
+        transition
     }
 
     /// Ejects a faulty endpoint: it takes no new calls until its probes

@@ -217,6 +217,7 @@ pub fn requeue(shared: &Arc<Shared>, item: Item) {
 
 /// The call an item waits for cannot be made, for `reason`.
 async fn fail_call(shared: Arc<Shared>, mut item: Item, reason: String) {
+    item.retry_paid = false;
     if let Some(request) = item.request.take() {
         let step = item.next(request, Reply::Failed(reason));
         drive(&shared, item, step, Carry::default()).await;
@@ -281,7 +282,9 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
     };
     item.calls += 1;
     item.tries += 1;
-    if item.tries == 1 {
+    if !std::mem::take(&mut item.retry_paid) {
+        // Not a retry: it pays into the budget (the tries a resumed item
+        // brings with it do not make its first call here a retry).
         shared.budget.first_try(now);
     }
     let exchange = call::send(call, &request.messages, limit, &shared.abort, &shared.fleet).await;
@@ -391,7 +394,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
 
 /// Sends `item`'s call again after `wait`, once the session's retry
 /// budget allows (until then it waits on, backing off further).
-fn retry_later(shared: &Arc<Shared>, item: Item, wait: Duration) {
+fn retry_later(shared: &Arc<Shared>, mut item: Item, wait: Duration) {
     let retrier = shared.clone();
     shared.tracker.spawn(async move {
         let mut wait = wait;
@@ -410,6 +413,7 @@ fn retry_later(shared: &Arc<Shared>, item: Item, wait: Duration) {
                 .backoff(denied, None)
                 .max(Duration::from_millis(10));
         }
+        item.retry_paid = true;
         requeue(&retrier, item);
     });
 }

@@ -89,6 +89,9 @@ pub struct Item {
     /// stored by earlier sessions, so that a resume gives an item only the
     /// tries it has left (and always one).
     pub tries: u32,
+    /// Its next call is a retry the session's retry budget paid for; any
+    /// other call pays into the budget.
+    pub retry_paid: bool,
     /// When its first call in this session was sent (its deadline counts
     /// from here).
     pub first_sent: Option<Instant>,
@@ -127,6 +130,7 @@ impl Item {
             // Tries made before a resume count: `retry.max_attempts` means
             // the same however often a run is resumed.
             tries: claimed.prior_attempts,
+            retry_paid: false,
             first_sent: None,
             answer: None,
             episode,

@@ -212,12 +212,13 @@ fn print_status(
     for name in names {
         let summary = endpoints.iter().find(|e| e.endpoint == name);
         let state = states.and_then(|s| s.endpoints.iter().find(|e| e.endpoint == name));
-        let errors = |class: ErrorClass| {
+        let count = |key: &str| {
             summary
-                .and_then(|e| e.errors.get(class.as_str()).copied())
+                .and_then(|e| e.errors.get(key).copied())
                 .unwrap_or(0)
                 .to_string()
         };
+        let errors = |class: ErrorClass| count(class.as_str());
         let [
             retryable,
             back_pressure,
@@ -243,10 +244,7 @@ fn print_status(
             stalled,
             bad_response,
             fatal,
-            summary
-                .and_then(|e| e.errors.get(report::endpoints::MOVED).copied())
-                .unwrap_or(0)
-                .to_string(),
+            count(report::endpoints::MOVED),
             percentiles(&summary.and_then(|e| e.latency_ms)),
             percentiles(&summary.and_then(|e| e.ttft_ms)),
             percentiles(&summary.and_then(|e| e.tpot_ms)),
