@@ -40,6 +40,13 @@ struct Backend {
     capacity_after_half: Option<usize>,
     rpm: Option<u32>,
     burst: Option<u32>,
+    /// Share of calls refused (503, 408) whatever the load, after the
+    /// latency.
+    #[serde(default)]
+    refusals: f64,
+    /// Share of calls that fail (500) whatever the load: no signal.
+    #[serde(default)]
+    faults: f64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -91,6 +98,10 @@ struct Sim {
     /// The capacity from half time on (calls then in service keep theirs).
     slots_after_half: Option<(Instant, Arc<Semaphore>)>,
     quota: Option<Mutex<Bucket>>,
+    refusals: f64,
+    faults: f64,
+    /// Seeded: a scenario runs the same every time.
+    draws: std::sync::Mutex<fastrand::Rng>,
 }
 
 impl Sim {
@@ -119,7 +130,14 @@ impl Sim {
         };
         tokio::time::sleep(self.latency).await;
         let rtt = start.elapsed();
-        (Signal::Success(rtt), rtt)
+        let draw = self.draws.lock().unwrap().f64();
+        if draw < self.refusals {
+            (Signal::BackPressure, rtt)
+        } else if draw < self.refusals + self.faults {
+            (Signal::Neutral, rtt)
+        } else {
+            (Signal::Success(rtt), rtt)
+        }
     }
 }
 
@@ -149,6 +167,9 @@ async fn simulate(scenario: &Scenario) -> Outcome {
                 last: Instant::now(),
             })
         }),
+        refusals: backend.refusals,
+        faults: backend.faults,
+        draws: std::sync::Mutex::new(fastrand::Rng::with_seed(7)),
     });
     let limit = ConcurrencyLimit::new(LimitMode::Adaptive(AimdSettings {
         initial: scenario.limiter.initial,

@@ -15,7 +15,11 @@
 //!   by less than `decrease_ratio`;
 //! - the limit was reached and nothing was wrong: add one, or double it while
 //!   in slow start (until the first decrease), so that a large limit is
-//!   reached in a few round trips instead of hundreds.
+//!   reached in a few round trips instead of hundreds. After a cut for back
+//!   pressure, the limit grows back along CUBIC's curve: quickly towards
+//!   where it was cut, flattening as it gets there, then probing past it
+//!   faster and faster; a cut that was a fluke costs a few round trips, not
+//!   the hundreds adding one at a time would take.
 //!
 //! Some endpoints refuse a share of calls at any load (a 503 or 408 now and
 //! then, with no quota behind it). Cutting the limit for each would bring it
@@ -24,10 +28,12 @@
 //! their share whatever the limit. So the controller keeps the share of
 //! back pressure seen at each level of the limit (recent intervals weigh
 //! most), takes the share over the lowest levels, as many as it takes to
-//! have seen a few hundred calls, as the background, and counts an
-//! interval's back pressure only when its share is clearly above it: more
-//! than three standard deviations of a binomial share over the interval's
-//! calls.
+//! have seen a thousand calls, as the background, and counts an interval's
+//! back pressure only when its share is clearly above it: by [`Z`]
+//! standard errors of the difference of two shares, the interval's and the
+//! background's (a background known from few calls is uncertain too; with
+//! a test on the interval's share alone, one in a few intervals crossed the
+//! line at 7% sporadic refusals, and each crossing cut the limit).
 //!
 //! The baseline follows the lower envelope of interval RTTs: it falls at once
 //! when round trips get shorter and rises only slowly, and not at all while
@@ -62,6 +68,15 @@ const MOSTLY: f64 = 0.5;
 const LEVEL_FADE: f64 = 0.99;
 /// Calls (faded) the background is taken over.
 const LEVEL_KNOWN: f64 = 200.0;
+/// Standard errors by which an interval's share of back pressure must
+/// exceed the background's to count.
+const Z: f64 = 3.5;
+/// CUBIC's constant, in limit units per round trip cubed.
+const CUBIC_C: f64 = 0.4;
+/// The most the curve may raise the limit in one round trip, as a share of
+/// it (past where it was cut, the curve steepens; refusals show only at the
+/// next decision).
+const CUBIC_STEP: f64 = 0.25;
 /// The background share assumed in the test of an interval, at least (so
 /// that one refusal among a handful of calls is not proof of overload).
 const BACKGROUND_FLOOR: f64 = 0.05;
@@ -106,6 +121,35 @@ pub struct Decision {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
+struct Regain {
+    /// The limit the cut came from (CUBIC's W_max).
+    from: f64,
+    /// Round trips until the curve is back there (CUBIC's K).
+    k: f64,
+    /// Round trips since the cut.
+    intervals: u32,
+}
+
+impl Regain {
+    fn new(from: usize, to: usize) -> Self {
+        let from = from as f64;
+        let k = ((from - to as f64).max(0.0) / CUBIC_C).cbrt();
+        Self {
+            from,
+            k,
+            intervals: 0,
+        }
+    }
+
+    /// The limit on the curve one more round trip on.
+    fn next(&mut self) -> f64 {
+        self.intervals += 1;
+        let t = f64::from(self.intervals) - self.k;
+        self.from + CUBIC_C * t * t * t
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
 struct Baseline {
     mean: f64,
     deviation: f64,
@@ -127,6 +171,9 @@ pub struct Aimd {
     /// that pushed back, fading.
     levels: Vec<(i32, f64, f64)>,
     reached: bool,
+    /// Since the last cut for back pressure: the limit before it, and the
+    /// round trips since (CUBIC's regain).
+    regain: Option<Regain>,
     baseline: Option<Baseline>,
     /// The previous interval's mean RTT (the deviation measures the noise
     /// between intervals, not the drift of a growing queue).
@@ -149,6 +196,7 @@ impl Aimd {
             pushed_back: 0,
             levels: Vec::new(),
             reached: false,
+            regain: None,
             baseline: None,
             previous: None,
         }
@@ -188,8 +236,9 @@ impl Aimd {
     }
 
     /// The share of back pressure at the lowest levels of the limit seen
-    /// lately, over at least [`LEVEL_KNOWN`] calls where there were as many.
-    fn background(&self) -> f64 {
+    /// lately, over at least [`LEVEL_KNOWN`] calls where there were as
+    /// many, and the calls it is taken over.
+    fn background(&self) -> (f64, f64) {
         let (mut calls, mut pushed) = (0.0, 0.0);
         for (_, c, p) in &self.levels {
             if calls >= LEVEL_KNOWN {
@@ -198,18 +247,27 @@ impl Aimd {
             calls += c;
             pushed += p;
         }
-        if calls > 0.0 { pushed / calls } else { 0.0 }
+        if calls > 0.0 {
+            (pushed / calls, calls)
+        } else {
+            (0.0, 0.0)
+        }
     }
 
     /// Adds the interval's calls to what is known of the limit's level
-    /// `limit`, and fades the rest.
-    fn learn_level(&mut self, limit: usize) {
+    /// `limit` (unless `overloaded`: refusals that counted as overload are
+    /// not background, and learning them as such would make overload look
+    /// like the norm), and fades the rest.
+    fn learn_level(&mut self, limit: usize, overloaded: bool) {
         let level = (8.0 * (limit.max(1) as f64).log2()).round() as i32;
         for entry in &mut self.levels {
             entry.1 *= LEVEL_FADE;
             entry.2 *= LEVEL_FADE;
         }
         self.levels.retain(|(_, calls, _)| *calls >= 1.0);
+        if overloaded {
+            return;
+        }
         let (ended, pushed) = (f64::from(self.ended), f64::from(self.pushed_back));
         match self.levels.iter_mut().find(|(l, _, _)| *l == level) {
             Some(entry) => {
@@ -230,24 +288,35 @@ impl Aimd {
         let settings = self.settings;
         let floor = settings.min.max(1);
         let mut rose = false;
-        let background = self.background();
+        let (background, known) = self.background();
         // The share of calls pushed back beyond the background, when it is
         // clearly beyond (or most calls were: that is never background).
         let excess = {
             let n = f64::from(self.ended.max(1));
             let share = f64::from(self.pushed_back) / n;
             let p = background.max(BACKGROUND_FLOOR);
-            let beyond = share > background + 3.0 * (p * (1.0 - p) / n).sqrt();
+            let beyond = known > 0.0
+                && share > background + Z * (p * (1.0 - p) * (1.0 / n + 1.0 / known)).sqrt();
             (self.pushed_back > 0 && (beyond || share > MOSTLY))
                 .then_some((share - background).max(0.0))
         };
-        self.learn_level(from);
+        self.learn_level(from, excess.is_some());
         let decision = if let Some(excess) = excess {
             // Back to what the endpoint took: the calls beyond it were the
             // excess; by `decrease_ratio` at least, by half at most.
             self.slow_start = false;
             let factor = (1.0 - excess).max(0.5).min(settings.decrease_ratio);
             let to = ((from as f64 * factor) as usize).max(floor);
+            // Cut again below where the last cut came from: the endpoint
+            // takes less than it did, so aim lower (CUBIC's fast
+            // convergence).
+            let peak = match self.regain {
+                Some(regain) if (from as f64) < regain.from => {
+                    (from as f64 * (1.0 + factor) / 2.0) as usize
+                }
+                _ => from,
+            };
+            self.regain = Some(Regain::new(peak, to));
             Some((to, Reason::BackPressure))
         } else if let (Some(current), Some(base)) = (current, self.baseline)
             && current
@@ -257,6 +326,8 @@ impl Aimd {
         {
             rose = true;
             self.slow_start = false;
+            // A queue, not refusals: back by one at a time from here.
+            self.regain = None;
             let factor = (base.mean / current).max(settings.decrease_ratio);
             let to = ((from as f64 * factor) as usize).max(floor);
             Some((to, Reason::RttRise))
@@ -264,7 +335,10 @@ impl Aimd {
             if self.slow_start {
                 Some(((from * 2).min(settings.max), Reason::SlowStart))
             } else {
-                Some((from + 1, Reason::Increase))
+                let curve = self.regain.as_mut().map_or(0.0, Regain::next);
+                let step = (from as f64 * (1.0 + CUBIC_STEP)) as usize;
+                let to = (from + 1).max((curve as usize).min(step)).min(settings.max);
+                Some((to, Reason::Increase))
             }
         } else {
             None
@@ -346,7 +420,7 @@ mod tests {
     }
 
     #[test]
-    fn slow_start_doubles_until_the_first_decrease_then_adds_one() {
+    fn slow_start_doubles_until_the_first_decrease_then_regains_along_a_cubic() {
         let mut now = Instant::now();
         let mut c = Aimd::new(settings(), now);
         let ok = Signal::Success(Duration::from_millis(100));
@@ -356,8 +430,52 @@ mod tests {
         // the cut keeps), not 16 x 0.7.
         let cut = interval(&mut c, &mut now, Signal::BackPressure).unwrap();
         assert_eq!((cut.to, cut.reason), (8, Reason::BackPressure));
-        let up = interval(&mut c, &mut now, ok).unwrap();
-        assert_eq!((up.to, up.reason), (9, Reason::Increase));
+        // Back towards 16 quickly (by a quarter a round trip at most),
+        // flat near it, then probing past it, faster and faster.
+        let mut limits = Vec::new();
+        for _ in 0..7 {
+            let up = interval(&mut c, &mut now, ok).unwrap();
+            assert_eq!(up.reason, Reason::Increase);
+            limits.push(up.to);
+        }
+        assert_eq!(limits, vec![10, 12, 15, 16, 20, 25, 31]);
+    }
+
+    #[test]
+    fn after_a_queue_the_limit_grows_back_one_at_a_time() {
+        let mut now = Instant::now();
+        let mut c = Aimd::new(
+            AimdSettings {
+                initial: 40,
+                ..settings()
+            },
+            now,
+        );
+        for _ in 0..5 {
+            c.on_end(now, Signal::Success(Duration::from_millis(100)));
+            now += Duration::from_millis(100);
+            c.on_end(now, Signal::Success(Duration::from_millis(100)));
+        }
+        // A cut for refusals, then one for a queue: no curve after the
+        // queue's (the queue says where the limit is).
+        let cut = interval(&mut c, &mut now, Signal::BackPressure).unwrap();
+        assert_eq!(cut.reason, Reason::BackPressure);
+        let mut decision = None;
+        for _ in 0..3 {
+            c.on_start(c.limit());
+            decision = decision.or(c.on_end(now, Signal::Success(Duration::from_millis(150))));
+            now += Duration::from_millis(60);
+        }
+        let queue = decision.unwrap();
+        assert_eq!(queue.reason, Reason::RttRise);
+        now += Duration::from_millis(200);
+        let up = interval(
+            &mut c,
+            &mut now,
+            Signal::Success(Duration::from_millis(100)),
+        )
+        .unwrap();
+        assert_eq!(up.to, queue.to + 1);
     }
 
     #[test]
