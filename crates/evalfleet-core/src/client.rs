@@ -6,7 +6,7 @@ use std::sync::Once;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use evalfleet_types::ErrorClass;
+use evalfleet_types::{ErrorClass, FadingMax};
 use eventsource_stream::Eventsource;
 use futures_util::StreamExt;
 use reqwest::header::{
@@ -132,34 +132,37 @@ const GAP_FADE: f64 = 0.99;
 /// A stream quiet for [`GAP_MARGIN`] times that has stalled, however long
 /// `timeouts.stream_idle` would still wait: a server that streams a token
 /// every 20 ms and then sends nothing for 20 s is not thinking.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Gaps {
-    state: std::sync::Mutex<(f64, u32)>,
+    longest: std::sync::Mutex<FadingMax>,
+}
+
+impl Default for Gaps {
+    fn default() -> Self {
+        Self {
+            longest: std::sync::Mutex::new(FadingMax::new(GAP_FADE)),
+        }
+    }
 }
 
 impl Gaps {
-    fn state(&self) -> std::sync::MutexGuard<'_, (f64, u32)> {
-        self.state
+    fn longest(&self) -> std::sync::MutexGuard<'_, FadingMax> {
+        self.longest
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// How long a stream may be quiet, at most `idle`.
     pub fn limit(&self, idle: Duration) -> Duration {
-        let (longest, streams) = *self.state();
-        if streams < GAPS_KNOWN {
-            return idle;
+        match self.longest().value(GAPS_KNOWN) {
+            None => idle,
+            Some(longest) => longest.mul_f64(GAP_MARGIN).max(GAP_FLOOR).min(idle),
         }
-        Duration::from_secs_f64(longest * GAP_MARGIN)
-            .max(GAP_FLOOR)
-            .min(idle)
     }
 
     /// A stream answered in full, its longest gap `longest`.
     pub fn record(&self, longest: Duration) {
-        let mut state = self.state();
-        state.0 = (state.0 * GAP_FADE).max(longest.as_secs_f64());
-        state.1 = state.1.saturating_add(1);
+        self.longest().record(longest);
     }
 }
 

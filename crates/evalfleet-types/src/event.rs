@@ -25,6 +25,8 @@ pub enum EventKind {
     Died,
     /// Its breaker opened: it takes no items.
     Unhealthy,
+    /// It was taken out for a while for its faults (it answers probes).
+    Ejected,
     /// Probes answer again.
     Recovering,
     /// Its breaker closed: it takes items again.
@@ -54,6 +56,7 @@ crate::names!(EventKind, "event kind", {
     StartFailed => "start_failed",
     Died => "died",
     Unhealthy => "unhealthy",
+    Ejected => "ejected",
     Recovering => "recovering",
     Recovered => "recovered",
     Restarting => "restarting",
@@ -69,7 +72,7 @@ impl EventKind {
     pub fn is_warning(self) -> bool {
         matches!(
             self,
-            Self::Unhealthy | Self::Died | Self::Excluded | Self::StartFailed
+            Self::Unhealthy | Self::Ejected | Self::Died | Self::Excluded | Self::StartFailed
         )
     }
 }

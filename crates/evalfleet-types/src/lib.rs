@@ -12,6 +12,7 @@ mod answer;
 mod class;
 mod endpoint;
 mod event;
+mod fading;
 mod fault;
 mod record;
 pub mod retry;
@@ -20,6 +21,7 @@ pub use answer::{Assessment, Score, Scores, Verdict};
 pub use class::ErrorClass;
 pub use endpoint::{EndpointSnapshot, EndpointState};
 pub use event::{Event, EventKind, FleetAction, FleetChange};
+pub use fading::FadingMax;
 pub use fault::Fault;
 pub use record::{
     AttemptRecord, CacheEntry, ItemStatus, ResultRecord, RunStatus, StateCounts, Telemetry,

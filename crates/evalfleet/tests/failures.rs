@@ -2,6 +2,7 @@
 //! the attempt timeout, truncated streams, and errors that never stop.
 
 use evalfleet_core::store::prelude::*;
+use evalfleet_core::types::EventKind;
 use evalfleet_mock::MockSettings;
 
 use crate::util::{Env, NO_HEALTH, by_id, config, external, external_with, mock, ms};
@@ -293,4 +294,195 @@ async fn an_outage_is_waited_out_with_probes_not_a_storm_of_calls() {
         "{} calls were sent into the outage",
         stats.outage_refused
     );
+}
+
+/// Names of the endpoints with an event of `kind` in `run_id`.
+fn with_event(env: &Env, run_id: &str, kind: EventKind) -> Vec<String> {
+    env.store()
+        .events(run_id)
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.kind == kind)
+        .filter_map(|e| e.endpoint)
+        .collect()
+}
+
+fn faults(status: u16, rate: f64) -> Vec<evalfleet_mock::Fault> {
+    vec![evalfleet_mock::Fault {
+        status,
+        rate,
+        retry_after: None,
+    }]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_failing_far_more_than_its_peer_is_ejected_one_failing_like_it_is_not() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 3000);
+    // Both fail now and then; one fails most of its calls.
+    let bad = mock(MockSettings {
+        latency: ms(10),
+        faults: faults(500, 0.6),
+        seed: 1,
+        ..MockSettings::default()
+    })
+    .await;
+    let good = mock(MockSettings {
+        latency: ms(10),
+        faults: faults(500, 0.05),
+        seed: 2,
+        ..MockSettings::default()
+    })
+    .await;
+    let endpoints = external("bad", &bad, 8) + &external("good", &good, 8);
+    let extra = "retry: { max_attempts: 20, backoff_base: 10ms, backoff_max: 100ms }";
+    env.write("run.yaml", &config(&dataset, &endpoints, extra));
+
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let run_id = ran.run_id();
+    let rows = by_id(&env.export(&run_id).await);
+    assert!(rows.values().all(|r| r["status"] == "done"));
+    assert_eq!(
+        with_event(&env, &run_id, EventKind::Ejected),
+        vec!["bad".to_owned()],
+        "only the endpoint failing far more than its peer is ejected"
+    );
+    // Once out, it is sent nothing (for the 30 s it is out) while the
+    // other takes the items.
+    let ejected_at = env
+        .store()
+        .events(&run_id)
+        .unwrap()
+        .into_iter()
+        .find(|e| e.kind == EventKind::Ejected)
+        .unwrap()
+        .at_ms;
+    let conn = rusqlite::Connection::open(env.store_path()).unwrap();
+    let sent_after = |name: &str| -> i64 {
+        conn.query_row(
+            "SELECT COUNT(*) FROM attempts WHERE endpoint = ?1 AND sent_at > ?2",
+            rusqlite::params![name, ejected_at + 50],
+            |row| row.get(0),
+        )
+        .unwrap()
+    };
+    assert_eq!(sent_after("bad"), 0);
+    assert!(sent_after("good") > 0, "the run ended before the ejection");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_endpoint_with_sporadic_faults_is_never_taken_out_nor_are_its_calls_cut() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 1500);
+    // 15% of calls fail, whatever the load: a fact of this server, and
+    // there is no other to send them to.
+    let server = mock(MockSettings {
+        latency: ms(5),
+        faults: vec![
+            evalfleet_mock::Fault {
+                status: 500,
+                rate: 0.08,
+                retry_after: None,
+            },
+            evalfleet_mock::Fault {
+                status: 503,
+                rate: 0.05,
+                retry_after: Some(ms(100)),
+            },
+            evalfleet_mock::Fault {
+                status: 408,
+                rate: 0.02,
+                retry_after: None,
+            },
+        ],
+        seed: 5,
+        ..MockSettings::default()
+    })
+    .await;
+    let endpoints = external("only", &server, 16);
+    let extra = "retry: { backoff_base: 10ms, backoff_max: 100ms }";
+    env.write("run.yaml", &config(&dataset, &endpoints, extra));
+
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let run_id = ran.run_id();
+    let rows = by_id(&env.export(&run_id).await);
+    assert_eq!(rows.len(), 1500);
+    assert!(rows.values().all(|r| r["status"] == "done"));
+    assert!(server.stats().faults > 100, "the faults were never met");
+    for kind in [EventKind::Ejected, EventKind::Unhealthy] {
+        assert!(
+            with_event(&env, &run_id, kind).is_empty(),
+            "{kind:?} for sporadic faults"
+        );
+    }
+    let conn = rusqlite::Connection::open(env.store_path()).unwrap();
+    let cut: i64 = conn
+        .query_row(
+            "SELECT COUNT(*) FROM attempts WHERE error LIKE 'moved%' OR error LIKE 'cancelled%'",
+            [],
+            |row| row.get(0),
+        )
+        .unwrap();
+    assert_eq!(cut, 0, "calls were cut off");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_late_on_an_ejected_endpoint_are_hedged_and_the_first_answer_wins() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 1500);
+    // `bad` fails most calls and leaves some unanswered; once it is
+    // ejected, the calls it sits on are made again on `good`, whose
+    // answers win, instead of waiting out the attempt timeout.
+    let bad = mock(MockSettings {
+        latency: ms(5),
+        faults: faults(500, 0.6),
+        hang_rate: 0.1,
+        seed: 3,
+        ..MockSettings::default()
+    })
+    .await;
+    let good = mock(MockSettings {
+        latency: ms(5),
+        ..MockSettings::default()
+    })
+    .await;
+    let endpoints = external("bad", &bad, 16) + &external("good", &good, 8);
+    let extra = "retry: { max_attempts: 20, backoff_base: 10ms, backoff_max: 100ms }\n\
+                 timeouts: { attempt: 120s }";
+    env.write("run.yaml", &config(&dataset, &endpoints, extra));
+
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let run_id = ran.run_id();
+    let rows = by_id(&env.export(&run_id).await);
+    assert!(rows.values().all(|r| r["status"] == "done"));
+    assert!(bad.stats().hung > 0, "no call ever hung");
+    assert_eq!(
+        with_event(&env, &run_id, EventKind::Ejected),
+        vec!["bad".to_owned()]
+    );
+    let conn = rusqlite::Connection::open(env.store_path()).unwrap();
+    let lost: Vec<(String, String)> = conn
+        .prepare("SELECT endpoint, error FROM attempts WHERE error LIKE 'cancelled%'")
+        .unwrap()
+        .query_map([], |row| Ok((row.get(0)?, row.get(1)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert!(!lost.is_empty(), "no call was hedged");
+    for (endpoint, error) in &lost {
+        assert_eq!(endpoint, "bad", "{error}");
+        assert_eq!(error, "cancelled: a hedged call on good answered first");
+    }
+    // No call was waited for until the attempt timeout.
+    let timed_out: i64 = conn
+        .query_row(
+            "SELECT COUNT(*) FROM attempts WHERE latency_ms >= 100000",
+            [],
+            |row| row.get(0),
+        )
+        .unwrap();
+    assert_eq!(timed_out, 0, "hung calls were waited out");
 }

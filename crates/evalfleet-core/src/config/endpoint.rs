@@ -87,6 +87,11 @@ pub struct HealthSettings {
     pub max_failures: u32,
     /// Default 2.
     pub recover_after: u32,
+    /// How long an endpoint whose calls fail far more often than its
+    /// peers' (or all fail while it answers probes) is taken out the first
+    /// time; each ejection soon after another lasts one more of these
+    /// (up to ten). Default `30s`.
+    pub ejection: Duration,
 }
 
 impl Default for HealthSettings {
@@ -97,6 +102,7 @@ impl Default for HealthSettings {
             timeout: Duration::from_secs(10),
             max_failures: 3,
             recover_after: 2,
+            ejection: Duration::from_secs(30),
         }
     }
 }
@@ -342,6 +348,7 @@ struct RawHealth {
     timeout: Option<String>,
     max_failures: Option<u32>,
     recover_after: Option<u32>,
+    ejection: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -738,6 +745,7 @@ fn health(raw: RawHealth, at: &str, p: &mut Problems<'_>) -> Option<HealthSettin
     };
     let interval = p.duration(&field("interval"), raw.interval.as_deref(), "5s");
     let timeout = p.duration(&field("timeout"), raw.timeout.as_deref(), "10s");
+    let ejection = p.duration(&field("ejection"), raw.ejection.as_deref(), "30s");
     let max_failures = match raw.max_failures {
         Some(0) => p.push(&field("max_failures"), "must be at least 1, got 0"),
         other => Some(other.unwrap_or(defaults.max_failures)),
@@ -752,6 +760,7 @@ fn health(raw: RawHealth, at: &str, p: &mut Problems<'_>) -> Option<HealthSettin
         timeout: timeout?,
         max_failures: max_failures?,
         recover_after: recover_after?,
+        ejection: ejection?,
     })
 }
 

@@ -65,6 +65,9 @@ pub enum Exchange {
     /// The endpoint stopped taking calls while this one was in flight: it
     /// was cut off, through no fault of the call, to go elsewhere.
     Moved { sent_at: SystemTime },
+    /// Another call for the same request answered first (a hedge): this
+    /// one was cut off, and `why` says by which.
+    Cancelled { sent_at: SystemTime, why: String },
     /// The endpoint answered, failed, or took too long.
     Done {
         result: Result<Completion, CallError>,
@@ -101,7 +104,9 @@ pub async fn send(
         cost,
     } = call;
     let counters = &endpoint.counters;
-    counters.in_flight.fetch_add(1, Ordering::Relaxed);
+    // Counted out however the call ends, a call dropped half-way (a hedge
+    // that lost) included.
+    let in_flight = InFlight::new(counters);
     // Calls started before this one, to tell afterwards whether another
     // started while it ran.
     let before = counters.attempts.fetch_add(1, Ordering::Relaxed);
@@ -114,7 +119,7 @@ pub async fn send(
         () = evicted.cancelled() => Some(None),
         timed = tokio::time::timeout(limit, client.complete(messages)) => Some(Some(timed)),
     };
-    counters.in_flight.fetch_sub(1, Ordering::Relaxed);
+    drop(in_flight);
     let timed = match ended {
         None => return Exchange::Abandoned,
         Some(None) => return Exchange::Moved { sent_at },
@@ -156,7 +161,7 @@ pub async fn send(
             decision.reason.as_str()
         );
     }
-    let transition = endpoint.on_call(health(&result));
+    let transition = endpoint.on_call(health(&result), timing.latency);
     if transition.is_some() {
         let why = result
             .as_ref()
@@ -196,7 +201,28 @@ pub async fn send(
     }
 }
 
+/// A call in flight, as the endpoint's counters see it.
+struct InFlight<'a>(&'a super::EndpointCounters);
+
+impl<'a> InFlight<'a> {
+    fn new(counters: &'a super::EndpointCounters) -> Self {
+        counters.in_flight.fetch_add(1, Ordering::Relaxed);
+        Self(counters)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 impl Exchange {
+    /// Whether the endpoint answered with a completion.
+    pub fn answered(&self) -> bool {
+        matches!(self, Self::Done { result: Ok(_), .. })
+    }
+
     /// What the store keeps of this call to `endpoint`: attempt `number` of
     /// item `seq` in `session` (`None` when it was abandoned).
     pub fn record(
@@ -208,21 +234,17 @@ impl Exchange {
     ) -> Option<AttemptRecord> {
         let (sent_at, telemetry, http_status, error_class, error) = match self {
             Self::Abandoned => return None,
-            Self::Moved { sent_at } => (
+            Self::Moved { sent_at } => cut_off(
+                endpoint,
                 *sent_at,
-                Telemetry {
-                    endpoint: endpoint.name.clone(),
-                    model: endpoint.model.clone(),
-                    latency_ms: ms(sent_at.elapsed().unwrap_or_default()),
-                    ..Telemetry::default()
-                },
-                None,
-                None,
-                Some(format!(
+                format!(
                     "moved to another endpoint: {} stopped taking items",
                     endpoint.name
-                )),
+                ),
             ),
+            Self::Cancelled { sent_at, why } => {
+                cut_off(endpoint, *sent_at, format!("cancelled: {why}"))
+            }
             Self::Done { result, timing, .. } => {
                 let (completion_tokens, estimated, prompt_tokens, finish_reason, status) =
                     match result {
@@ -265,6 +287,32 @@ impl Exchange {
             error,
         })
     }
+}
+
+/// What is recorded of a call cut off through no fault of its own.
+fn cut_off(
+    endpoint: &Endpoint,
+    sent_at: SystemTime,
+    error: String,
+) -> (
+    SystemTime,
+    Telemetry,
+    Option<u16>,
+    Option<ErrorClass>,
+    Option<String>,
+) {
+    (
+        sent_at,
+        Telemetry {
+            endpoint: endpoint.name.clone(),
+            model: endpoint.model.clone(),
+            latency_ms: ms(sent_at.elapsed().unwrap_or_default()),
+            ..Telemetry::default()
+        },
+        None,
+        None,
+        Some(error),
+    )
 }
 
 /// What a call's outcome says to the concurrency controller: round trips

@@ -12,6 +12,7 @@ pub mod call;
 pub mod engine;
 pub mod gpu;
 pub mod limit;
+pub mod outlier;
 pub mod rate;
 pub mod runtime;
 
@@ -28,7 +29,8 @@ pub use breaker::{Breaker, BreakerState, Health, Transition};
 pub use limit::{ConcurrencyLimit, LimitMode, Permit};
 pub use rate::{Quota, RateEvent, RateLimiter};
 
-use evalfleet_types::{EndpointSnapshot, EndpointState, ErrorClass};
+use evalfleet_types::{EndpointSnapshot, EndpointState, ErrorClass, FadingMax};
+use outlier::{Ejections, Outcomes, Tally};
 
 use crate::client::ChatClient;
 use crate::config::EndpointConfig;
@@ -131,7 +133,25 @@ struct Status {
     /// When the breaker last opened (for restarting engines that stay
     /// unhealthy).
     unhealthy_since: Option<Instant>,
+    /// Its calls and failed calls of the last seconds, to judge it against
+    /// its peers ([`outlier`]).
+    outcomes: Outcomes,
+    /// How long its next ejection lasts.
+    ejections: Ejections,
+    /// What its successful calls take: its longest recent ones.
+    latency: FadingMax,
 }
+
+/// Successful calls an endpoint makes before what they take counts as
+/// what it normally takes.
+const LATENCY_KNOWN: u32 = 20;
+/// Each successful call, the longest latency known fades by this.
+const LATENCY_FADE: f64 = 0.995;
+/// Faults in a row make an endpoint suspect once they have gone on for
+/// as long as its calls normally take (at least [`SPAN_FLOOR`];
+/// [`SPAN_UNKNOWN`] before that is known).
+const SPAN_FLOOR: Duration = Duration::from_millis(10);
+const SPAN_UNKNOWN: Duration = Duration::from_millis(100);
 
 /// An endpoint taking part in a run.
 pub struct Endpoint {
@@ -147,6 +167,9 @@ pub struct Endpoint {
     status: Mutex<Status>,
     accepting: watch::Sender<bool>,
     evict: Mutex<CancellationToken>,
+    /// Cancelled while its breaker is open (its calls in flight may then be
+    /// hedged elsewhere).
+    opened: Mutex<CancellationToken>,
     /// Cancelled while the endpoint is out of the run.
     excluded: Mutex<CancellationToken>,
     origin: Instant,
@@ -174,9 +197,13 @@ impl Endpoint {
                 pid: None,
                 restarts: 0,
                 unhealthy_since: None,
+                outcomes: Outcomes::default(),
+                ejections: Ejections::default(),
+                latency: FadingMax::new(LATENCY_FADE),
             }),
             accepting: watch::channel(false).0,
             evict: Mutex::new(CancellationToken::new()),
+            opened: Mutex::new(CancellationToken::new()),
             excluded: Mutex::new(CancellationToken::new()),
             origin: now,
             quota_pauses: AtomicU64::new(0),
@@ -318,50 +345,111 @@ impl Endpoint {
 
     fn apply(&self, status: &mut Status, transition: Option<Transition>) -> Option<Transition> {
         match transition {
-            Some(Transition::Opened) => status.unhealthy_since = Some(Instant::now()),
-            Some(Transition::Closed) => status.unhealthy_since = None,
+            Some(Transition::Opened) => {
+                status.unhealthy_since = Some(Instant::now());
+                self.opened
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .cancel();
+            }
+            Some(Transition::Closed) => {
+                status.unhealthy_since = None;
+                let mut opened = self.opened.lock().unwrap_or_else(PoisonError::into_inner);
+                if opened.is_cancelled() {
+                    *opened = CancellationToken::new();
+                }
+            }
             _ => {}
         }
         self.update(status);
         transition
     }
 
+    /// Cancelled once its breaker opens (and no longer, when it closes:
+    /// ask again).
+    pub fn opened(&self) -> CancellationToken {
+        self.opened
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
     /// A health probe's result.
     pub fn on_probe(&self, ok: bool) -> Option<Transition> {
         let mut status = self.status();
-        let transition = status.breaker.probe(ok);
+        let transition = status.breaker.probe(ok, Instant::now());
         self.apply(&mut status, transition)
     }
 
-    /// A call's result as far as health goes (see [`Breaker::call`]).
-    pub fn on_call(&self, health: Health) -> Option<Transition> {
+    /// A call's result as far as health goes (see [`Breaker::call`]), and
+    /// what it took when it succeeded.
+    pub fn on_call(&self, health: Health, latency: Duration) -> Option<Transition> {
+        let second = self.second();
         let mut status = self.status();
-        let transition = status.breaker.call(health);
+        match health {
+            Health::Up => {
+                status.outcomes.record(second, false);
+                status.latency.record(latency);
+            }
+            Health::Down | Health::Fault => status.outcomes.record(second, true),
+            Health::Silent => {}
+        }
+        // Faults in a row say it is down only when they go on for longer
+        // than its calls take.
+        let span = status
+            .latency
+            .value(LATENCY_KNOWN)
+            .map_or(SPAN_UNKNOWN, |normal| normal.max(SPAN_FLOOR));
+        let transition = status.breaker.call(health, Instant::now(), span);
         self.apply(&mut status, transition)
     }
 
-    /// The engine died: unhealthy at once.
+    /// Its calls and failed calls over the last seconds.
+    pub fn outcomes(&self) -> Tally {
+        let second = self.second();
+        self.status().outcomes.totals(second)
+    }
+
+    /// What its calls normally take at most, once it has made enough.
+    pub fn normal_latency(&self) -> Option<Duration> {
+        self.status().latency.value(LATENCY_KNOWN)
+    }
+
+    /// The engine died: unhealthy at once, and its calls in flight move.
     pub fn trip(&self) -> Option<Transition> {
-        let transition = self.eject();
+        let mut status = self.status();
+        let transition = status.breaker.trip();
+        let transition = self.apply(&mut status, transition);
+        drop(status);
         self.evict_in_flight();
         transition
     }
 
-    /// Ejects a faulty endpoint: it takes no new calls until its probes
-    /// bring it back; its calls in flight go on.
-    pub fn eject(&self) -> Option<Transition> {
+    /// Ejects a faulty endpoint for `base` times its recent ejections (see
+    /// [`outlier::Ejections`]): it takes no new calls until then (and its
+    /// probes bring it back); its calls in flight go on. Returns the
+    /// transition and how long it is out.
+    pub fn eject(&self, base: Duration) -> (Option<Transition>, Duration) {
+        let now = Instant::now();
         let mut status = self.status();
-        let transition = status.breaker.trip();
-        self.apply(&mut status, transition)
+        let length = status.ejections.eject(now, base);
+        let transition = status.breaker.eject(now + length);
+        if transition.is_some() {
+            status.outcomes.clear();
+        }
+        (self.apply(&mut status, transition), length)
+    }
+
+    /// Seconds since the endpoint was made.
+    fn second(&self) -> u64 {
+        Instant::now()
+            .saturating_duration_since(self.origin)
+            .as_secs()
     }
 
     /// Counts a call as started now.
     pub fn started(&self) {
-        self.counters.started(
-            Instant::now()
-                .saturating_duration_since(self.origin)
-                .as_secs(),
-        );
+        self.counters.started(self.second());
     }
 
     /// Where the endpoint stands, as `status` shows it.

@@ -356,16 +356,10 @@ async fn watch(
             () = endpoint.probe_now.notified() => {}
         }
         let result = probe(&http, &url, health.timeout).await;
-        let mut transition = endpoint.on_probe(result.is_ok());
-        let mut why = result.err();
-        if transition == Some(Transition::Faulty) {
-            transition = judge_faulty(shared, endpoint);
-            why = Some(format!(
-                "{} calls in a row failed while it answers probes; the others take its items",
-                super::breaker::FAULTS_IN_A_ROW
-            ));
+        match endpoint.on_probe(result.is_ok()) {
+            Some(Transition::Faulty) => judge_faulty(shared, endpoint),
+            transition => report_transition(shared, endpoint, transition, result.err()),
         }
-        report_transition(shared, endpoint, transition, why);
         if let (Some(after), Some(for_how_long)) =
             (restart_after, endpoint.unhealthy_for(Instant::now()))
             && for_how_long >= after
@@ -379,14 +373,14 @@ async fn watch(
 /// ejected for faults (endpoints that are down do not count against it).
 const MAX_EJECTION: f64 = 0.5;
 
-/// An endpoint whose calls fail one after another while its probe
-/// answers: ejected when the others can carry the load (another takes
-/// items, and at most [`MAX_EJECTION`] of them would be out); otherwise it
-/// keeps its calls (panic mode: better a faulty endpoint than none).
-fn judge_faulty(shared: &Shared, endpoint: &Endpoint) -> Option<Transition> {
+/// Whether the others can carry `endpoint`'s load: another endpoint takes
+/// items, and at most [`MAX_EJECTION`] of them would be out with it. When
+/// they cannot, a faulty endpoint keeps its calls (panic mode: better a
+/// faulty endpoint than none).
+fn may_eject(shared: &Shared, endpoint: &Endpoint) -> bool {
     if !endpoint.config.takes_items() {
         // A judge endpoint's calls can go nowhere else.
-        return None;
+        return false;
     }
     let takers: Vec<_> = shared
         .peers
@@ -398,19 +392,78 @@ fn judge_faulty(shared: &Shared, endpoint: &Endpoint) -> Option<Transition> {
         .iter()
         .filter(|p| p.name != endpoint.name && p.accepting())
         .count();
-    if others > 0 && (out + 1) as f64 <= MAX_EJECTION * takers.len() as f64 {
-        return endpoint.eject();
+    others > 0 && (out + 1) as f64 <= MAX_EJECTION * takers.len() as f64
+}
+
+/// Takes a faulty endpoint out for a while ([`Endpoint::eject`]), saying
+/// why.
+fn eject(shared: &Shared, endpoint: &Endpoint, why: &str) {
+    let (transition, length) = endpoint.eject(endpoint.config.health.ejection);
+    if transition == Some(Transition::Opened) {
+        shared.event(
+            endpoint,
+            EventKind::Ejected,
+            format!(
+                "Endpoint {} is ejected for {}: {why}; the others take its items, and its calls in flight go on.",
+                endpoint.name,
+                humantime::format_duration(length)
+            ),
+        );
     }
-    shared.event(
-        endpoint,
-        EventKind::Unhealthy,
-        format!(
-            "Endpoint {}: {} calls in a row failed while it answers probes; it keeps its calls, as the others cannot carry its load.",
-            endpoint.name,
-            super::breaker::FAULTS_IN_A_ROW
-        ),
+}
+
+/// An endpoint whose calls fail one after another while its probe
+/// answers: ejected when the others can carry the load; otherwise it keeps
+/// its calls.
+fn judge_faulty(shared: &Shared, endpoint: &Endpoint) {
+    let why = format!(
+        "{} calls in a row failed while it answers probes",
+        super::breaker::FAULTS_IN_A_ROW
     );
-    None
+    if may_eject(shared, endpoint) {
+        eject(shared, endpoint, &why);
+    } else if endpoint.config.takes_items() {
+        shared.event(
+            endpoint,
+            EventKind::Unhealthy,
+            format!(
+                "Endpoint {}: {why}; it keeps its calls, as the others cannot carry its load.",
+                endpoint.name
+            ),
+        );
+    }
+}
+
+/// Ejects the endpoints whose calls fail clearly more often than their
+/// peers' ([`super::outlier`]), worst first, while the others can carry
+/// the load.
+fn eject_outliers(shared: &Shared, endpoints: &[Arc<Endpoint>]) {
+    let peers: Vec<&Arc<Endpoint>> = endpoints
+        .iter()
+        .filter(|e| e.config.takes_items() && e.accepting())
+        .collect();
+    if peers.len() < 2 {
+        return;
+    }
+    let tallies: Vec<_> = peers.iter().map(|e| e.outcomes()).collect();
+    for found in super::outlier::outliers(&tallies) {
+        let endpoint = peers[found.index];
+        let why = format!(
+            "{:.0}% of its last {} calls failed, against {:.0}% of {} on the others",
+            100.0 * found.own.share(),
+            found.own.calls,
+            100.0 * found.others.share(),
+            found.others.calls
+        );
+        if may_eject(shared, endpoint) {
+            eject(shared, endpoint, &why);
+        } else {
+            tracing::debug!(
+                "Endpoint {} is an outlier ({why}) but the others cannot carry its load.",
+                endpoint.name
+            );
+        }
+    }
 }
 
 fn report_transition(
@@ -939,6 +992,7 @@ async fn housekeep(
         for change in changes {
             apply(&shared, &endpoints, &change, &fleet_stop);
         }
+        eject_outliers(&shared, &endpoints);
         check_exhausted(&shared, &endpoints, &mut unavailable_since);
     }
 }

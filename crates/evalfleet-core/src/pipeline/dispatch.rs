@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
 use super::Shared;
-use super::item::Item;
+use super::item::{Hedge, Hedged, Item, Job};
 use super::writer::Outcome;
 use crate::fleet::call::{self, Call, Exchange};
 use crate::fleet::{Endpoint, Permit, Phase};
@@ -162,14 +162,39 @@ pub async fn dispatch(
                 continue;
             }
         };
-        let item = tokio::select! {
+        let job = tokio::select! {
             biased;
             () = shared.halt.cancelled() => return,
-            Some(item) = inbox.recv() => item,
-            item = shared.backlog.next(&shared.halt), if takes_items => match item {
-                Some(item) => item,
+            Some(item) = inbox.recv() => Job::Item(item),
+            job = shared.backlog.next(&shared.halt), if takes_items => match job {
+                Some(job) => job,
                 None => return,
             },
+        };
+        let item = match job {
+            Job::Item(item) => item,
+            Job::Hedge(hedge) => {
+                // Never on the endpoint of the call it hedges; and not at
+                // all once that call has answered.
+                if hedge.from != endpoint.name && !hedge.cancel.is_cancelled() {
+                    let cost = call::cost(&hedge.messages, shared.max_tokens);
+                    if !call::pace(&endpoint, cost, &shared.halt).await {
+                        return;
+                    }
+                    if let Some(client) = endpoint.client().filter(|_| endpoint.accepting()) {
+                        let call = Call {
+                            endpoint: endpoint.clone(),
+                            client,
+                            permit,
+                            cost,
+                        };
+                        shared
+                            .tracker
+                            .spawn(hedge_attempt(shared.clone(), call, hedge));
+                    }
+                }
+                continue;
+            }
         };
         let Some(request) = &item.request else {
             // An item in a queue always waits for a call.
@@ -287,15 +312,28 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
         // brings with it do not make its first call here a retry).
         shared.budget.first_try(now);
     }
-    let exchange = call::send(call, &request.messages, limit, &shared.abort, &shared.fleet).await;
+    let claim = item.claim;
+    let (exchange, endpoint, number) = if answers_item && shared.hedging {
+        let made = race(&shared, call, &mut item, &request, limit, number).await;
+        for lost in made.lost {
+            if !shared.send(Outcome::attempt(claim, lost)).await {
+                return;
+            }
+        }
+        (made.exchange, made.endpoint, made.number)
+    } else {
+        let exchange =
+            call::send(call, &request.messages, limit, &shared.abort, &shared.fleet).await;
+        (exchange, endpoint, number)
+    };
     let Some(mut record) = exchange.record(&endpoint, item.seq, number, shared.session) else {
         // Abandoned at shutdown: nothing is recorded and the item stays
         // pending.
         return;
     };
-    let claim = item.claim;
     match exchange {
-        Exchange::Abandoned => {}
+        // A call that lost to its hedge never comes out of a race.
+        Exchange::Abandoned | Exchange::Cancelled { .. } => {}
         Exchange::Moved { .. } => {
             // Not the item's fault: the attempt is recorded but is not one
             // of the call's tries, and another endpoint takes the call
@@ -393,7 +431,8 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
 }
 
 /// Sends `item`'s call again after `wait`, once the session's retry
-/// budget allows (until then it waits on, backing off further).
+/// budget allows (until then it waits on, backing off further, but not
+/// past the item's deadline: then the call fails).
 fn retry_later(shared: &Arc<Shared>, mut item: Item, wait: Duration) {
     let retrier = shared.clone();
     shared.tracker.spawn(async move {
@@ -412,10 +451,207 @@ fn retry_later(shared: &Arc<Shared>, mut item: Item, wait: Duration) {
                 .retry
                 .backoff(denied, None)
                 .max(Duration::from_millis(10));
+            let answers_item = item
+                .request
+                .as_ref()
+                .is_some_and(|r| r.target == Target::Items);
+            if answers_item
+                && item
+                    .first_sent
+                    .is_some_and(|first| first.elapsed() + wait >= retrier.item_timeout)
+            {
+                item.tries = 0;
+                let reason = format!(
+                    "the item's deadline ({}) would pass while its retry waits for the retry budget (retry.budget)",
+                    humantime::format_duration(retrier.item_timeout)
+                );
+                fail_call(retrier, item, reason).await;
+                return;
+            }
         }
         item.retry_paid = true;
         requeue(&retrier, item);
     });
+}
+
+/// What a call made with a hedge came to: the outcome that stands (the
+/// first answer, or the call's own failure), on which endpoint and as
+/// which attempt, and the records of the call that lost.
+struct Raced {
+    exchange: Exchange,
+    endpoint: Arc<Endpoint>,
+    number: u32,
+    lost: Vec<AttemptRecord>,
+}
+
+/// Makes an item's call (attempt `number`); should its endpoint be taken
+/// out of service while the call is in flight and the call run longer than
+/// the endpoint normally takes, a hedge of it goes to another endpoint, as
+/// a retry the budget pays for. The first answer wins; the other call is
+/// cancelled and recorded. A failure of either waits for the other.
+async fn race(
+    shared: &Arc<Shared>,
+    call: Call,
+    item: &mut Item,
+    request: &Request,
+    limit: Duration,
+    number: u32,
+) -> Raced {
+    let endpoint = call.endpoint.clone();
+    let started = Instant::now();
+    let sent_at = std::time::SystemTime::now();
+    let send = call::send(call, &request.messages, limit, &shared.abort, &shared.fleet);
+    tokio::pin!(send);
+    let alone = |exchange| Raced {
+        exchange,
+        endpoint: endpoint.clone(),
+        number,
+        lost: Vec::new(),
+    };
+    tokio::select! {
+        biased;
+        exchange = &mut send => return alone(exchange),
+        () = hedge_due(shared, &endpoint, started) => {}
+    }
+    if !shared.budget.try_retry(Instant::now()) {
+        return alone(send.await);
+    }
+    let hedge_number = item.number();
+    item.calls += 1;
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let (reply, mut hedged) = oneshot::channel::<Hedged>();
+    shared.backlog.hedge(Hedge {
+        claim: item.claim,
+        seq: item.seq,
+        number: hedge_number,
+        messages: request.messages.clone(),
+        from: endpoint.name.clone(),
+        deadline: started + limit,
+        cancel: cancel.clone(),
+        reply,
+    });
+    tracing::debug!(
+        "Hedged a call late on {} (attempt {hedge_number}).",
+        endpoint.name
+    );
+    let mut lost = Vec::new();
+    let own = tokio::select! {
+        exchange = &mut send => exchange,
+        outcome = &mut hedged => match outcome {
+            Ok(outcome) if outcome.exchange.answered() => {
+                // The hedge answered first: this call is cut off (dropped
+                // here) and recorded as such.
+                let cancelled = Exchange::Cancelled {
+                    sent_at,
+                    why: format!("a hedged call on {} answered first", outcome.endpoint.name),
+                };
+                lost.extend(cancelled.record(&endpoint, item.seq, number, shared.session));
+                return Raced {
+                    exchange: outcome.exchange,
+                    endpoint: outcome.endpoint,
+                    number: hedge_number,
+                    lost,
+                };
+            }
+            Ok(outcome) => {
+                // The hedge failed: this call may still answer.
+                lost.extend(outcome.record);
+                let exchange = send.await;
+                return Raced { exchange, endpoint: endpoint.clone(), number, lost };
+            }
+            // Not made (no other endpoint took it): this call stands.
+            Err(_) => return Raced { exchange: send.await, endpoint: endpoint.clone(), number, lost },
+        },
+    };
+    if own.answered() {
+        cancel.cancel();
+        return Raced {
+            exchange: own,
+            endpoint,
+            number,
+            lost,
+        };
+    }
+    // This call failed: the hedge's outcome stands when there is one (in
+    // time: it may wait in the queue while no other endpoint is free).
+    match tokio::time::timeout_at(started + limit, hedged).await {
+        Ok(Ok(outcome)) => {
+            lost.extend(own.record(&endpoint, item.seq, number, shared.session));
+            Raced {
+                exchange: outcome.exchange,
+                endpoint: outcome.endpoint,
+                number: hedge_number,
+                lost,
+            }
+        }
+        Ok(Err(_)) | Err(_) => {
+            cancel.cancel();
+            Raced {
+                exchange: own,
+                endpoint,
+                number,
+                lost,
+            }
+        }
+    }
+}
+
+/// Ends when a call sent at `started` to `endpoint` is to be hedged: the
+/// endpoint's breaker opened (it was ejected, or is down) and the call has
+/// run longer than the endpoint normally takes, while another endpoint
+/// takes items. Never, for an endpoint that has not made enough calls to
+/// know what is normal for it (the attempt timeout bounds such calls).
+async fn hedge_due(shared: &Shared, endpoint: &Endpoint, started: Instant) {
+    endpoint.opened().cancelled().await;
+    let Some(normal) = endpoint.normal_latency() else {
+        return std::future::pending().await;
+    };
+    tokio::time::sleep_until(started + normal).await;
+    let another = shared
+        .endpoints
+        .values()
+        .any(|e| e.name != endpoint.name && e.config.takes_items() && e.accepting());
+    if !another {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// Makes a hedge's call on the endpoint whose slot it took, and hands its
+/// outcome to the call it hedges; cut off (and recorded as such) when that
+/// call answers first.
+async fn hedge_attempt(shared: Arc<Shared>, call: Call, hedge: Hedge) {
+    let endpoint = call.endpoint.clone();
+    let limit = endpoint
+        .timeout
+        .min(hedge.deadline.saturating_duration_since(Instant::now()))
+        .max(Duration::from_millis(1));
+    let sent_at = std::time::SystemTime::now();
+    let exchange = tokio::select! {
+        exchange = call::send(call, &hedge.messages, limit, &shared.abort, &shared.fleet) => exchange,
+        () = hedge.cancel.cancelled() => Exchange::Cancelled {
+            sent_at,
+            why: format!("the call it hedged on {} answered first", hedge.from),
+        },
+    };
+    let record = exchange.record(&endpoint, hedge.seq, hedge.number, shared.session);
+    if matches!(exchange, Exchange::Cancelled { .. } | Exchange::Abandoned) {
+        if let Some(record) = record {
+            shared.send(Outcome::attempt(hedge.claim, record)).await;
+        }
+        return;
+    }
+    let outcome = Hedged {
+        exchange,
+        endpoint,
+        record,
+    };
+    if let Err(late) = hedge.reply.send(outcome) {
+        // The call it hedged ended first after all: this one is recorded
+        // on its own.
+        if let Some(record) = late.record {
+            shared.send(Outcome::attempt(hedge.claim, record)).await;
+        }
+    }
 }
 
 /// Follows an item's steps: answers its calls from the cache while it

@@ -225,29 +225,71 @@ impl Ended {
     }
 }
 
+/// A second call for an item whose call is late on an endpoint that was
+/// taken out of service while it was in flight: made on another endpoint;
+/// the first answer wins and the other call is cancelled (and recorded).
+pub struct Hedge {
+    pub claim: ClaimId,
+    pub seq: u64,
+    /// Its attempt number (taken from the item's when it was made).
+    pub number: u32,
+    pub messages: Box<serde_json::value::RawValue>,
+    /// The endpoint of the call it hedges, which is not to make it.
+    pub from: String,
+    /// The item's deadline.
+    pub deadline: Instant,
+    /// Cancelled when the call it hedges answered first.
+    pub cancel: CancellationToken,
+    /// Where its outcome goes, when it was made.
+    pub reply: tokio::sync::oneshot::Sender<Hedged>,
+}
+
+/// What a hedge came to: its call's outcome, on which endpoint, and what
+/// the store keeps of it.
+pub struct Hedged {
+    pub exchange: crate::fleet::call::Exchange,
+    pub endpoint: Arc<crate::fleet::Endpoint>,
+    pub record: Option<evalfleet_types::AttemptRecord>,
+}
+
+/// What an endpoint's free slot takes next. Nearly every job is an item,
+/// moved once from a queue to its call: boxing items to even out the sizes
+/// would cost an allocation per call.
+#[allow(clippy::large_enum_variant)]
+pub enum Job {
+    Item(Item),
+    Hedge(Hedge),
+}
+
 struct Receivers {
     fresh: mpsc::Receiver<Item>,
     fresh_open: bool,
     retry: mpsc::UnboundedReceiver<Item>,
+    hedges: mpsc::UnboundedReceiver<Hedge>,
 }
 
-/// The items waiting for any endpoint that answers items.
+/// The items waiting for any endpoint that answers items, and hedges of
+/// late calls.
 pub struct Backlog {
     receivers: Mutex<Receivers>,
     retry_tx: mpsc::UnboundedSender<Item>,
+    hedge_tx: mpsc::UnboundedSender<Hedge>,
 }
 
 impl Backlog {
     /// A backlog fed by `fresh`.
     pub fn new(fresh: mpsc::Receiver<Item>) -> Self {
         let (retry_tx, retry) = mpsc::unbounded_channel();
+        let (hedge_tx, hedges) = mpsc::unbounded_channel();
         Self {
             receivers: Mutex::new(Receivers {
                 fresh,
                 fresh_open: true,
                 retry,
+                hedges,
             }),
             retry_tx,
+            hedge_tx,
         }
     }
 
@@ -258,10 +300,16 @@ impl Backlog {
         let _ = self.retry_tx.send(item);
     }
 
-    /// The next item, retries first; `None` once `halt` is cancelled.
-    /// Waiters are served in the order they came (the mutex is fair), so
-    /// every free slot of every endpoint gets its turn.
-    pub async fn next(&self, halt: &CancellationToken) -> Option<Item> {
+    /// Asks for a hedge of a late call (at most one per call in flight).
+    pub fn hedge(&self, hedge: Hedge) {
+        let _ = self.hedge_tx.send(hedge);
+    }
+
+    /// The next job: hedges (a call is late), then retries, then fresh
+    /// items; `None` once `halt` is cancelled. Waiters are served in the
+    /// order they came (the mutex is fair), so every free slot of every
+    /// endpoint gets its turn.
+    pub async fn next(&self, halt: &CancellationToken) -> Option<Job> {
         let mut guard = tokio::select! {
             biased;
             () = halt.cancelled() => return None,
@@ -272,9 +320,10 @@ impl Backlog {
             tokio::select! {
                 biased;
                 () = halt.cancelled() => return None,
-                Some(item) = receivers.retry.recv() => return Some(item),
+                Some(hedge) = receivers.hedges.recv() => return Some(Job::Hedge(hedge)),
+                Some(item) = receivers.retry.recv() => return Some(Job::Item(item)),
                 item = receivers.fresh.recv(), if receivers.fresh_open => match item {
-                    Some(item) => return Some(item),
+                    Some(item) => return Some(Job::Item(item)),
                     None => receivers.fresh_open = false,
                 },
             }

@@ -212,6 +212,9 @@ struct Shared {
     task: Arc<dyn Task>,
     /// Items for any endpoint that answers items.
     backlog: Backlog,
+    /// Calls late on an endpoint taken out of service may be hedged on
+    /// another (more than one endpoint answers items).
+    hedging: bool,
     /// Calls addressed to an endpoint by name, and the endpoints.
     direct: HashMap<String, mpsc::UnboundedSender<Item>>,
     endpoints: HashMap<String, Arc<Endpoint>>,
@@ -351,6 +354,12 @@ pub async fn execute(
         work: Arc::new(Semaphore::new(session.task.work_limit().max(1))),
         task: session.task.clone(),
         backlog: Backlog::new(fresh_rx),
+        hedging: session
+            .endpoints
+            .iter()
+            .filter(|e| e.config.takes_items())
+            .count()
+            > 1,
         direct,
         endpoints: session
             .endpoints
