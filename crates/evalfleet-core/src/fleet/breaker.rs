@@ -7,13 +7,17 @@
 //! - `max_failures` failures in a row that say it is down (probes that
 //!   fail, calls whose connection was refused) open it;
 //! - [`FAULTS_IN_A_ROW`] calls in a row that failed (a 5xx, no answer in
-//!   time, a broken, cut or stalled stream), over a spell longer than its
-//!   calls take (`span`), make it suspect: sporadic faults, even at 15% of
-//!   calls, practically never come that many in a row (0.15^20 ≈ 3 ×
-//!   10^-17), while an endpoint that fails everything gets there in a
-//!   moment. The spell matters where failures come back at once and
-//!   answers take a while: of a hundred calls sent together, the fifteen
-//!   that fail all end before the first answer. A suspect endpoint is probed at once: a probe
+//!   time, a broken, cut or stalled stream) make it suspect, once they
+//!   have gone on for longer than its calls take (`span`) or outnumber the
+//!   calls it can have in flight (`burst`, its concurrency limit) by
+//!   [`FAULTS_IN_A_ROW`]: sporadic faults, even at 15% of calls, practically
+//!   never come that many in a row (0.15^20 ≈ 3 × 10^-17), while an
+//!   endpoint that fails everything gets there in a moment. The span or
+//!   the count matters where failures come back at once and answers take
+//!   a while: of a hundred calls sent together, the fifteen that fail all
+//!   end before the first answer; an endpoint that refuses everything at
+//!   once is caught by the count before its span is over (calls failing
+//!   at once free their slots at once). A suspect endpoint is probed at once: a probe
 //!   that fails opens it; one that answers leaves the choice to the fleet
 //!   ([`Transition::Faulty`]): it is ejected only while the others can
 //!   carry the load (at most half the endpoints out, and one left taking
@@ -150,8 +154,14 @@ impl Breaker {
 
     /// A call's result at `now`, as far as the endpoint's health goes;
     /// faults in a row make it suspect only once they have gone on for
-    /// `span`.
-    pub fn call(&mut self, health: Health, now: Instant, span: Duration) -> Option<Transition> {
+    /// `span` or number `burst` more than [`FAULTS_IN_A_ROW`].
+    pub fn call(
+        &mut self,
+        health: Health,
+        now: Instant,
+        span: Duration,
+        burst: u32,
+    ) -> Option<Transition> {
         // Calls finishing after the breaker opened say nothing new.
         if self.state != BreakerState::Closed {
             return None;
@@ -168,7 +178,8 @@ impl Breaker {
             Health::Fault => {
                 self.faults += 1;
                 let first = *self.first_fault.get_or_insert(now);
-                let lasting = now.saturating_duration_since(first) >= span;
+                let lasting = now.saturating_duration_since(first) >= span
+                    || self.faults >= burst.saturating_add(FAULTS_IN_A_ROW);
                 if self.faults >= FAULTS_IN_A_ROW && lasting && !self.suspect {
                     self.suspect = true;
                     Some(Transition::Suspected)
@@ -254,18 +265,24 @@ mod tests {
     fn failures_in_a_row_open_and_successes_in_a_row_close() {
         let mut b = Breaker::new(3, 2);
         assert_eq!(b.probe(false, Instant::now()), None);
-        assert_eq!(b.call(Health::Down, Instant::now(), Duration::ZERO), None);
         assert_eq!(
-            b.call(Health::Up, Instant::now(), Duration::ZERO),
+            b.call(Health::Down, Instant::now(), Duration::ZERO, 0),
+            None
+        );
+        assert_eq!(
+            b.call(Health::Up, Instant::now(), Duration::ZERO, 0),
             None,
             "a success resets the count"
         );
         assert_eq!(b.probe(false, Instant::now()), None);
-        assert_eq!(b.call(Health::Down, Instant::now(), Duration::ZERO), None);
+        assert_eq!(
+            b.call(Health::Down, Instant::now(), Duration::ZERO, 0),
+            None
+        );
         assert_eq!(b.probe(false, Instant::now()), Some(Transition::Opened));
         assert!(!b.admits());
         assert_eq!(
-            b.call(Health::Up, Instant::now(), Duration::ZERO),
+            b.call(Health::Up, Instant::now(), Duration::ZERO, 0),
             None,
             "late calls do not close it"
         );
@@ -278,9 +295,12 @@ mod tests {
     #[test]
     fn a_failure_while_half_open_opens_again_and_neutral_calls_count_for_nothing() {
         let mut b = Breaker::new(1, 3);
-        assert_eq!(b.call(Health::Silent, Instant::now(), Duration::ZERO), None);
         assert_eq!(
-            b.call(Health::Down, Instant::now(), Duration::ZERO),
+            b.call(Health::Silent, Instant::now(), Duration::ZERO, 0),
+            None
+        );
+        assert_eq!(
+            b.call(Health::Down, Instant::now(), Duration::ZERO, 0),
             Some(Transition::Opened)
         );
         assert_eq!(b.probe(true, Instant::now()), Some(Transition::HalfOpened));
@@ -301,7 +321,7 @@ mod tests {
                 Health::Up
             };
             assert_eq!(
-                b.call(health, Instant::now(), Duration::ZERO),
+                b.call(health, Instant::now(), Duration::ZERO, 0),
                 None,
                 "call {i}"
             );
@@ -309,13 +329,19 @@ mod tests {
         // Failures that are all there is: suspect, after FAULTS_IN_A_ROW,
         // once.
         for _ in 1..FAULTS_IN_A_ROW {
-            assert_eq!(b.call(Health::Fault, Instant::now(), Duration::ZERO), None);
+            assert_eq!(
+                b.call(Health::Fault, Instant::now(), Duration::ZERO, 0),
+                None
+            );
         }
         assert_eq!(
-            b.call(Health::Fault, Instant::now(), Duration::ZERO),
+            b.call(Health::Fault, Instant::now(), Duration::ZERO, 0),
             Some(Transition::Suspected)
         );
-        assert_eq!(b.call(Health::Fault, Instant::now(), Duration::ZERO), None);
+        assert_eq!(
+            b.call(Health::Fault, Instant::now(), Duration::ZERO, 0),
+            None
+        );
         assert!(b.admits(), "suspect is not out");
         // Its probe fails: down, out at once.
         assert_eq!(b.probe(false, Instant::now()), Some(Transition::Opened));
@@ -330,16 +356,26 @@ mod tests {
         // A burst's failures all come back within 4 ms, before its answers.
         for i in 0..40 {
             let at = t0 + Duration::from_micros(100 * i);
-            assert_eq!(b.call(Health::Fault, at, span), None, "fault {i}");
+            assert_eq!(b.call(Health::Fault, at, span, 100), None, "fault {i}");
         }
-        assert_eq!(b.call(Health::Up, t0 + span, span), None);
+        assert_eq!(b.call(Health::Up, t0 + span, span, 100), None);
         for i in 0..40 {
             let at = t0 + span + Duration::from_micros(100 * i);
-            assert_eq!(b.call(Health::Fault, at, span), None, "fault {i}");
+            assert_eq!(b.call(Health::Fault, at, span, 100), None, "fault {i}");
         }
         // Faults, and nothing else, for longer than calls take: suspect.
         assert_eq!(
-            b.call(Health::Fault, t0 + span * 2, span),
+            b.call(Health::Fault, t0 + span * 2, span, 100),
+            Some(Transition::Suspected)
+        );
+        // Or at once, when more fail in a row than could have been in
+        // flight together.
+        let mut b = Breaker::new(3, 1);
+        for i in 1..(30 + FAULTS_IN_A_ROW) {
+            assert_eq!(b.call(Health::Fault, t0, span, 30), None, "fault {i}");
+        }
+        assert_eq!(
+            b.call(Health::Fault, t0, span, 30),
             Some(Transition::Suspected)
         );
     }
@@ -348,24 +384,27 @@ mod tests {
     fn a_suspect_that_answers_its_probe_is_for_the_fleet_to_judge() {
         let mut b = Breaker::new(3, 1);
         for _ in 1..FAULTS_IN_A_ROW {
-            b.call(Health::Fault, Instant::now(), Duration::ZERO);
+            b.call(Health::Fault, Instant::now(), Duration::ZERO, 0);
         }
         assert_eq!(
-            b.call(Health::Fault, Instant::now(), Duration::ZERO),
+            b.call(Health::Fault, Instant::now(), Duration::ZERO, 0),
             Some(Transition::Suspected)
         );
         assert_eq!(b.probe(true, Instant::now()), Some(Transition::Faulty));
         assert!(b.admits());
         // Not suspect any more: another string of faults asks again.
         for _ in 1..FAULTS_IN_A_ROW {
-            assert_eq!(b.call(Health::Fault, Instant::now(), Duration::ZERO), None);
+            assert_eq!(
+                b.call(Health::Fault, Instant::now(), Duration::ZERO, 0),
+                None
+            );
         }
         assert_eq!(
-            b.call(Health::Fault, Instant::now(), Duration::ZERO),
+            b.call(Health::Fault, Instant::now(), Duration::ZERO, 0),
             Some(Transition::Suspected)
         );
         // A success in between clears it.
-        assert_eq!(b.call(Health::Up, Instant::now(), Duration::ZERO), None);
+        assert_eq!(b.call(Health::Up, Instant::now(), Duration::ZERO, 0), None);
         assert_eq!(
             b.probe(false, Instant::now()),
             None,

@@ -395,12 +395,14 @@ impl Endpoint {
             Health::Silent => {}
         }
         // Faults in a row say it is down only when they go on for longer
-        // than its calls take.
+        // than its calls take, or outnumber the calls it can have in
+        // flight.
         let span = status
             .latency
             .value(LATENCY_KNOWN)
             .map_or(SPAN_UNKNOWN, |normal| normal.max(SPAN_FLOOR));
-        let transition = status.breaker.call(health, Instant::now(), span);
+        let burst = u32::try_from(self.limit.current()).unwrap_or(u32::MAX);
+        let transition = status.breaker.call(health, Instant::now(), span, burst);
         self.apply(&mut status, transition)
     }
 
