@@ -127,20 +127,31 @@ const GAP_FLOOR: Duration = Duration::from_secs(1);
 /// Each stream, the longest spell known fades by this.
 const GAP_FADE: f64 = 0.99;
 
+/// Complete streams of the endpoint, while one is quiet, that show it has
+/// stalled once it has been quiet for [`GAP_FLOOR`] too: its neighbours
+/// went from their first token to their last while it sent nothing.
+const PEERS_PASSED: u64 = 20;
+
 /// What is a normal quiet spell in an endpoint's streams: the longest gap
 /// between events of its recent complete streams, as a maximum that fades.
 /// A stream quiet for [`GAP_MARGIN`] times that has stalled, however long
 /// `timeouts.stream_idle` would still wait: a server that streams a token
-/// every 20 ms and then sends nothing for 20 s is not thinking.
+/// every 20 ms and then sends nothing for 20 s is not thinking. Before
+/// enough streams are known (at the start of a run), a stream quiet for
+/// [`GAP_FLOOR`] while [`PEERS_PASSED`] others were answered in full has
+/// stalled too.
 #[derive(Debug)]
 pub struct Gaps {
     longest: std::sync::Mutex<FadingMax>,
+    /// Streams answered in full.
+    completed: std::sync::atomic::AtomicU64,
 }
 
 impl Default for Gaps {
     fn default() -> Self {
         Self {
             longest: std::sync::Mutex::new(FadingMax::new(GAP_FADE)),
+            completed: std::sync::atomic::AtomicU64::new(0),
         }
     }
 }
@@ -163,6 +174,13 @@ impl Gaps {
     /// A stream answered in full, its longest gap `longest`.
     pub fn record(&self, longest: Duration) {
         self.longest().record(longest);
+        self.completed
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Streams answered in full so far.
+    pub fn completed(&self) -> u64 {
+        self.completed.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 
@@ -426,6 +444,7 @@ impl ChatClient {
                     idle,
                 },
                 first_byte_by,
+                &self.gaps,
             )
             .await?;
             self.gaps.record(longest);
@@ -612,6 +631,7 @@ async fn read_stream(
     ttft: &mut Option<Duration>,
     stalls: Stalls,
     first_byte_by: Instant,
+    gaps: &Gaps,
 ) -> Result<(Completion, Duration), CallError> {
     #[derive(Deserialize)]
     struct Chunk {
@@ -646,19 +666,31 @@ async fn read_stream(
     let mut last = Instant::now();
     let mut longest = Duration::ZERO;
     // Until the first event, the wait is the first byte's; after each, a
-    // stream that goes quiet for `idle` has stalled. One timer, moved on.
+    // stream that goes quiet for `idle` has stalled, and so has one quiet
+    // for `GAP_FLOOR` while `PEERS_PASSED` others were answered in full.
+    // One timer, moved on.
     let quiet = tokio::time::sleep_until(first_byte_by);
     tokio::pin!(quiet);
+    // Streams the endpoint had answered in full when the last event came.
+    let mut passed_from = gaps.completed();
     loop {
         let next = tokio::select! {
             biased;
             event = events.next() => event,
             () = &mut quiet => {
-                return Err(if first {
-                    CallError::FirstByteTimeout(stalls.first_byte)
-                } else {
-                    CallError::Stalled(stalls.idle)
-                });
+                if first {
+                    return Err(CallError::FirstByteTimeout(stalls.first_byte));
+                }
+                let now = Instant::now();
+                let quiet_for = now - last;
+                if quiet_for >= stalls.idle
+                    || gaps.completed().saturating_sub(passed_from) >= PEERS_PASSED
+                {
+                    let quiet_for = Duration::from_millis(quiet_for.as_millis() as u64);
+                    return Err(CallError::Stalled(quiet_for));
+                }
+                quiet.as_mut().reset((now + GAP_FLOOR).min(last + stalls.idle));
+                continue;
             }
         };
         let Some(event) = next else {
@@ -670,7 +702,10 @@ async fn read_stream(
         }
         last = now;
         first = false;
-        quiet.as_mut().reset(now + stalls.idle);
+        passed_from = gaps.completed();
+        quiet
+            .as_mut()
+            .reset(now + stalls.idle.min(GAP_FLOOR.max(Duration::from_millis(1))));
         let event = event.map_err(|err| match err {
             eventsource_stream::EventStreamError::Transport(_) => CallError::Truncated,
             other => CallError::BadResponse(format!("invalid event stream: {other}")),
@@ -1001,5 +1036,38 @@ mod tests {
             .collect();
         let url = serve_once(SSE, parts).await;
         assert_eq!(complete(&url, true, short).await.unwrap().content, "xxxxy");
+    }
+
+    #[tokio::test]
+    async fn a_stream_quiet_while_its_neighbours_are_answered_in_full_has_stalled() {
+        // No normal gap is known yet and the idle limit is long; but while
+        // this stream sends nothing, twenty others of the endpoint end.
+        let patient = Stalls {
+            first_byte: Duration::from_secs(30),
+            idle: Duration::from_secs(30),
+        };
+        let parts = vec![
+            (Duration::ZERO, leak(chunk("Den", None))),
+            (Duration::from_secs(10), leak(chunk("ver", Some("stop")))),
+        ];
+        let url = serve_once(SSE, parts).await;
+        let client = client(&url, true, patient);
+        let messages =
+            RawValue::from_string(r#"[{"role":"user","content":"hi"}]"#.to_owned()).unwrap();
+        let call = client.complete(&messages);
+        tokio::pin!(call);
+        let neighbours = async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            for _ in 0..PEERS_PASSED {
+                client.gaps.record(Duration::from_millis(5));
+            }
+            std::future::pending::<()>().await;
+        };
+        let outcome = tokio::select! {
+            outcome = &mut call => outcome,
+            () = neighbours => unreachable!(),
+        };
+        let err = outcome.result.unwrap_err();
+        assert!(matches!(err, CallError::Stalled(_)), "{err}");
     }
 }
