@@ -778,7 +778,7 @@ def peer_process_capped(cmd, env, cwd, timeout):
     return out
 
 
-def inspect_capped(args, mock_args, dataset, items, work, label):
+def inspect_capped(args, mock_args, dataset, items, work, label, connections=None):
     """inspect-ai with its defaults (its retries, its adaptive connections)
     against a fresh mock, capped at --peer-timeout; its time is measured at
     the mock (first request to last full answer, or to the kill)."""
@@ -790,6 +790,8 @@ def inspect_capped(args, mock_args, dataset, items, work, label):
     env = dict(os.environ, BENCH_DATASET=dataset, MOCK_BASE_URL=mock.url, MOCK_API_KEY="none", INSPECT_DISPLAY="none")
     cmd = [exe, "eval", os.path.basename(task), "--model", "openai-api/mock/m", "--max-tokens", "64",
            "--log-dir", os.path.join(work, f"inspect-logs-{label}")]
+    if connections:
+        cmd += ["--max-connections", str(connections)]
     proc = peer_process_capped(cmd, env, work, args.peer_timeout)
     killed_at_ms = time.time() * 1000
     stats = mock.stats()
@@ -816,10 +818,33 @@ W7_FAULTS = ["--fault", "500:0.08", "--fault", "503:0.05:1s", "--fault", "408:0.
 W7_STREAM_FAULTS = ["--cut-rate", "0.05", "--stall-rate", "0.01", "--stall", "20s"]
 
 
+def retry_after_floor(db, latency_s=0.05, retry_after_s=1.0):
+    """The least time any client that honours each 503's `Retry-After` for
+    that call could take on the faults the mock drew in this run (the mock
+    draws them per prompt and per time it was seen, so every client meets
+    the same ones): per item, its answered call's `latency_s` plus
+    `retry_after_s` for each 503 before it, other failures taking no time;
+    the largest over the items, as if every item started at once with
+    unlimited concurrency."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        rows = conn.execute(
+            "SELECT seq, SUM(CASE WHEN http_status = 503 THEN 1 ELSE 0 END) FROM attempts GROUP BY seq"
+        ).fetchall()
+    finally:
+        conn.close()
+    return max((latency_s + retry_after_s * n503 for _, n503 in rows), default=0.0)
+
+
+def w7_concurrency(args):
+    """W7's concurrency setting: adaptive, or --fixed N."""
+    return args.fixed if args.fixed else "adaptive"
+
+
 def w7_once(args, work, dataset, name, mock_args, stream):
     mock = Mock("--latency", "50ms", *mock_args)
     config = os.path.join(work, f"{name}.yaml")
-    write_config(config, dataset, mock.url, "adaptive", stream)
+    write_config(config, dataset, mock.url, w7_concurrency(args), stream)
     db = os.path.join(work, f"{name}.db")
     try:
         run = evalfleet(["run", config, "--store", db, "-q", "--run-id", name], work)
@@ -845,6 +870,7 @@ def w7_once(args, work, dataset, name, mock_args, stream):
         "aborted": attempts["aborted"],
         "attempts": attempts["attempts"],
         "attempts_by_outcome": attempts["by_outcome"],
+        "retry_after_floor": retry_after_floor(db),
         "rss_mb": run["rss_mb"],
     }
 
@@ -863,7 +889,16 @@ def w7(args, work):
     status, 429s, stalls, cuts). The mock's seed is the round's number, so
     rounds draw different faults. --variants picks `plain`, `stream` or both.
     With --peers, inspect-ai (not streaming: its OpenAI provider does not
-    stream) once with faults and once without, capped at --peer-timeout."""
+    stream) once with faults and once without, capped at --peer-timeout.
+    With --fixed N, evalfleet runs at a fixed concurrency N and inspect-ai
+    with --max-connections N (the peers at matching settings); otherwise
+    evalfleet is adaptive and inspect-ai runs with its defaults.
+
+    Each faulty run also gives its Retry-After floor (`retry_after_floor`):
+    no client that honours each 503's Retry-After for its call can finish
+    sooner on the faults drawn. With a fault-free time of about a second,
+    that floor (about 2 s: some item meets two 503s) and not the fault-free
+    time bounds the ratio, so the rows give both."""
     dataset = os.path.join(work, "w7.jsonl")
     write_dataset(dataset, args.items)
     variants = [v for v in args.variants.split(",") if v]
@@ -883,6 +918,7 @@ def w7(args, work):
                 "reference": ref,
                 "faulty": bad,
                 "time_ratio": bad["seconds"] / ref["seconds"],
+                "floor_ratio": bad["seconds"] / max(ref["seconds"], bad["retry_after_floor"]),
                 "span_ratio": bad["served_span"] / ref["served_span"],
                 "requests_per_item": bad["requests_per_item"],
                 "all_done": bad["done"] == args.items and ref["done"] == args.items,
@@ -895,6 +931,8 @@ def w7(args, work):
             "reference_seconds_median": med(lambda r: r["reference"]["seconds"]),
             "faulty_seconds_median": med(lambda r: r["faulty"]["seconds"]),
             "time_ratio_median": med(lambda r: r["time_ratio"]),
+            "floor_ratio_median": med(lambda r: r["floor_ratio"]),
+            "retry_after_floor_median": med(lambda r: r["faulty"]["retry_after_floor"]),
             "span_ratio_median": med(lambda r: r["span_ratio"]),
             "requests_per_item_median": med(lambda r: r["requests_per_item"]),
             "all_done_every_round": all(r["all_done"] for r in rounds),
@@ -903,11 +941,11 @@ def w7(args, work):
             "mock_rate_limited_max": max(r["faulty"]["mock_rate_limited"] for r in rounds),
             "rounds": rounds,
         }
-    result = {"workload": "W7", "items": args.items, "latency_ms": 50, "variants": results}
+    result = {"workload": "W7", "items": args.items, "latency_ms": 50, "concurrency": w7_concurrency(args), "variants": results}
     if args.peers and "plain" in variants:
-        ref, ver = inspect_capped(args, ["--latency", "50ms"], dataset, args.items, work, "ref")
+        ref, ver = inspect_capped(args, ["--latency", "50ms"], dataset, args.items, work, "ref", args.fixed)
         print(json.dumps({"inspect-ai reference": ref}), file=sys.stderr)
-        bad, _ = inspect_capped(args, ["--latency", "50ms", *W7_FAULTS], dataset, args.items, work, "faulty")
+        bad, _ = inspect_capped(args, ["--latency", "50ms", *W7_FAULTS], dataset, args.items, work, "faulty", args.fixed)
         print(json.dumps({"inspect-ai faulty": bad}), file=sys.stderr)
         result["peers"] = {
             "inspect-ai": {
@@ -922,9 +960,11 @@ def w7(args, work):
     print(json.dumps(result, indent=2))
     for variant, r in results.items():
         what = "8% 500, 5% 503 (Retry-After 1), 2% 408" + (", streaming, 5% cut, 1% stalled 20 s" if variant == "stream" else "")
+        what += f", concurrency {w7_concurrency(args)}"
         print(
             f"\n| W7 | {args.items} items, 50 ms, {what} | fault-free {r['reference_seconds_median']:.2f} s "
             f"| {r['faulty_seconds_median']:.2f} s, {r['time_ratio_median']:.2f} x fault-free, "
+            f"{r['floor_ratio_median']:.2f} x max(fault-free, Retry-After floor {r['retry_after_floor_median']:.2f} s), "
             f"{r['requests_per_item_median']:.3f} requests per item, {r['aborted_max']} calls aborted (most in a round), "
             f"every item done: {'yes' if r['all_done_every_round'] else 'NO'}; the mock sent {r['mock_faults_median']:.0f} faults, "
             f"{r['mock_rate_limited_max']} 429s |"
@@ -1428,6 +1468,7 @@ def main():
     parser.add_argument("--peers", help="W3, W4 (W7: inspect-ai only): also run inspect-ai and promptfoo installed under this directory")
     parser.add_argument("--variants", help="W7: plain,stream (default both); W8: alone,beside (default both)")
     parser.add_argument("--peer-timeout", type=float, default=900, help="W7: seconds each inspect-ai run may take before it is killed")
+    parser.add_argument("--fixed", type=int, help="W7: a fixed concurrency for evalfleet, and --max-connections for inspect-ai (default: adaptive, inspect-ai's defaults)")
     parser.add_argument("--window", type=float, default=10, help="W3b: the quota's window in seconds (rpm * window / 60 per window)")
     parser.add_argument("--outage-after", type=float, default=15, help="W8: seconds from the first request to the outage")
     parser.add_argument("--outage-seconds", type=float, default=30, help="W8: how long the outage lasts")
