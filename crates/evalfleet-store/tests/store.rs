@@ -10,8 +10,9 @@ use evalfleet_core::fingerprint::{DatasetOptions, Fingerprint};
 use std::time::Duration;
 
 use evalfleet_core::store::{
-    Batch, ClaimId, Claimed, CreateRunError, ItemSource, NewItem, NewRun, ResponseCache, Results,
-    RunIdentity, Runs, StoreError, WorkQueue, WorkerInfo,
+    Batch, ClaimId, Claimed, CreateRunError, Explore, ItemPage, ItemQuery, ItemSource, ItemState,
+    NewItem, NewRun, ResponseCache, Results, RunIdentity, Runs, ScoreRange, SortKey, StoreError,
+    WorkQueue, WorkerInfo,
 };
 use evalfleet_store::SqliteStore;
 use evalfleet_types::{
@@ -615,4 +616,210 @@ fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
         .query_row("PRAGMA user_version", [], |r| r.get(0))
         .unwrap();
     assert_eq!(version as usize, evalfleet_store::SQLITE_SCHEMA_VERSION);
+}
+
+/// A run of 30 items: 20 done (latency 100 - seq, score 1 for even seq,
+/// category a or b by seq), 5 failed with a 500 each, 5 pending.
+fn explored_run(store: &mut SqliteStore) {
+    let ids: Vec<String> = (1..=30).map(|i| format!("item-{i:02}")).collect();
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    store
+        .create_run(&new_run("r"), &mut items(&refs, None))
+        .unwrap();
+    store.begin_session("r", &mut worker("w"), false).unwrap();
+    let claim = claim_all(store, "r", "w");
+    let mut batch = Batch::default();
+    for seq in 1..=25u64 {
+        let id = &ids[seq as usize - 1];
+        let status = if seq <= 20 {
+            ItemStatus::Done
+        } else {
+            ItemStatus::Failed
+        };
+        let mut r = result(seq, id, status);
+        if let Some(t) = r.telemetry.as_mut() {
+            t.latency_ms = 100.0 - seq as f64;
+            t.completion_tokens = Some(seq);
+        }
+        r.item = Some(format!(
+            "{{\"id\": \"{id}\", \"category\": \"{}\", \"level\": {}}}",
+            if seq % 2 == 0 { "a" } else { "b" },
+            seq % 3
+        ));
+        if status == ItemStatus::Failed {
+            r.output = None;
+            r.error = Some(format!("gave up after 1 attempts: HTTP 500 on {id}"));
+            batch.attempts.push((claim, attempt(seq, 1)));
+        } else {
+            r.assessment.scores.insert(
+                "em".to_owned(),
+                evalfleet_types::Score::value(if seq % 2 == 0 { 1.0 } else { 0.0 }),
+            );
+        }
+        batch.results.push((claim, r));
+    }
+    store.commit("r", "w", &batch).unwrap();
+}
+
+fn seqs(page: &ItemPage) -> Vec<u64> {
+    page.rows.iter().map(|r| r.seq).collect()
+}
+
+#[test]
+fn items_come_a_page_at_a_time_filtered_and_sorted_in_the_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = SqliteStore::open(&dir.path().join("s.db")).unwrap();
+    explored_run(&mut store);
+
+    // Dataset order, every state, in pages of 12 that join up exactly.
+    let mut query = ItemQuery {
+        limit: 12,
+        ..ItemQuery::default()
+    };
+    let mut all = Vec::new();
+    loop {
+        let page = store.items("r", &query).unwrap();
+        all.extend(seqs(&page));
+        match page.next {
+            Some(next) => query.after = Some(next),
+            None => break,
+        }
+    }
+    assert_eq!(all, (1..=30).collect::<Vec<u64>>());
+
+    let page = |store: &mut SqliteStore, query: ItemQuery| {
+        store
+            .items(
+                "r",
+                &ItemQuery {
+                    limit: 100,
+                    ..query
+                },
+            )
+            .unwrap()
+    };
+    // States.
+    let pending = page(
+        &mut store,
+        ItemQuery {
+            states: vec![ItemState::Pending],
+            ..ItemQuery::default()
+        },
+    );
+    assert_eq!(seqs(&pending), vec![26, 27, 28, 29, 30]);
+    assert!(pending.rows.iter().all(|r| r.output.is_none()));
+    // A dataset field, a score range and a failed call's class.
+    let a_right = page(
+        &mut store,
+        ItemQuery {
+            fields: vec![("category".to_owned(), "a".to_owned())],
+            scores: vec![ScoreRange {
+                metric: "em".to_owned(),
+                min: Some(0.5),
+                max: None,
+            }],
+            ..ItemQuery::default()
+        },
+    );
+    assert_eq!(seqs(&a_right), vec![2, 4, 6, 8, 10, 12, 14, 16, 18, 20]);
+    let level = page(
+        &mut store,
+        ItemQuery {
+            fields: vec![("level".to_owned(), "0".to_owned())],
+            states: vec![ItemState::Done],
+            ..ItemQuery::default()
+        },
+    );
+    assert_eq!(seqs(&level), vec![3, 6, 9, 12, 15, 18]);
+    let retried = page(
+        &mut store,
+        ItemQuery {
+            error_class: Some(ErrorClass::Retryable),
+            ..ItemQuery::default()
+        },
+    );
+    assert_eq!(seqs(&retried), vec![21, 22, 23, 24, 25]);
+    // Text in the answer or the error, any case.
+    let found = page(
+        &mut store,
+        ItemQuery {
+            text: Some("HTTP 500 ON ITEM-22".to_owned()),
+            ..ItemQuery::default()
+        },
+    );
+    assert_eq!(seqs(&found), vec![22]);
+    let found = page(
+        &mut store,
+        ItemQuery {
+            text: Some("answer item-07".to_owned()),
+            ..ItemQuery::default()
+        },
+    );
+    assert_eq!(seqs(&found), vec![7]);
+    // Latency and tokens ranges.
+    let slow = page(
+        &mut store,
+        ItemQuery {
+            latency_ms: (Some(95.0), None),
+            completion_tokens: (None, Some(3)),
+            ..ItemQuery::default()
+        },
+    );
+    assert_eq!(seqs(&slow), vec![1, 2, 3]);
+
+    // Sorted by latency, slowest first, in pages of 7 that join up: the
+    // keyset carries the latency and the seq.
+    let mut query = ItemQuery {
+        states: vec![ItemState::Done, ItemState::Failed],
+        sort: SortKey::Latency,
+        descending: true,
+        limit: 7,
+        ..ItemQuery::default()
+    };
+    let mut by_latency = Vec::new();
+    loop {
+        let page = store.items("r", &query).unwrap();
+        by_latency.extend(seqs(&page));
+        match page.next {
+            Some(next) => query.after = Some(next),
+            None => break,
+        }
+    }
+    assert_eq!(by_latency, (1..=25).collect::<Vec<u64>>());
+    // By score, best first; items with no score (failed, pending) last.
+    let by_score = page(
+        &mut store,
+        ItemQuery {
+            sort: SortKey::Score("em".to_owned()),
+            descending: true,
+            ..ItemQuery::default()
+        },
+    );
+    let order = seqs(&by_score);
+    assert_eq!(order.len(), 30);
+    assert_eq!(&order[..10], &[20, 18, 16, 14, 12, 10, 8, 6, 4, 2]);
+    assert_eq!(&order[10..20], &[19, 17, 15, 13, 11, 9, 7, 5, 3, 1]);
+}
+
+#[test]
+fn one_item_comes_whole_with_its_attempts() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = SqliteStore::open(&dir.path().join("s.db")).unwrap();
+    explored_run(&mut store);
+    let failed = store.item("r", "item-23").unwrap().unwrap();
+    assert_eq!(failed.row.state, ItemState::Failed);
+    assert_eq!(failed.attempts.len(), 1);
+    assert_eq!(failed.attempts[0].http_status, Some(500));
+    assert_eq!(failed.attempts[0].error_class, Some(ErrorClass::Retryable));
+    let done = store.item("r", "item-04").unwrap().unwrap();
+    assert_eq!(done.row.output.as_deref(), Some("answer item-04"));
+    assert_eq!(done.row.scores.unwrap()["em"].value, Some(1.0));
+    assert_eq!(done.row.item.unwrap()["category"], "a");
+    let pending = store.item("r", "item-29").unwrap().unwrap();
+    assert_eq!(pending.row.state, ItemState::Pending);
+    assert!(store.item("r", "nope").unwrap().is_none());
+    assert!(matches!(
+        store.item("other", "item-01"),
+        Err(StoreError::NoSuchRun(_))
+    ));
 }

@@ -49,7 +49,7 @@ impl StateCounts {
 
 /// What was measured of one call (or, for a result, of the call that gave
 /// its answer).
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Telemetry {
     pub endpoint: String,
     pub model: String,
@@ -69,7 +69,7 @@ pub struct Telemetry {
 
 /// One call to one endpoint (a call answered from the cache is not one:
 /// its item's result counts it).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct AttemptRecord {
     /// The item's `seq`.
     pub seq: u64,
@@ -77,6 +77,7 @@ pub struct AttemptRecord {
     pub attempt: u32,
     pub session: u32,
     pub sent_at_ms: i64,
+    #[serde(flatten)]
     pub telemetry: Telemetry,
     pub http_status: Option<u16>,
     /// `None` for a success, and for a call moved to another endpoint (its

@@ -4,11 +4,12 @@
 //! loss and an uncommitted one is simply still pending.
 //!
 //! Each concern of [`evalfleet_core::store`] is implemented in a module of
-//! its own: `runs`, `queue` (claims and commits), `results`, `cache` and
-//! `events` (with the fleet mailbox).
+//! its own: `runs`, `queue` (claims and commits), `results`, `cache`,
+//! `events` (with the fleet mailbox) and `explore` (pages of items).
 
 mod cache;
 mod events;
+mod explore;
 mod queue;
 mod results;
 mod runs;
