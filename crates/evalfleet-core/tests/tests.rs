@@ -7,3 +7,4 @@
 
 mod concurrency;
 mod metric_vectors;
+mod outage;
