@@ -33,11 +33,19 @@ LAYERS = {
         # Drives items through their task's steps.
         ["pipeline"],
         # Creating, resuming and finishing runs; reports.
-        ["run", "report", "rescore"],
+        ["run", "report", "rescore", "view"],
     ],
     "evalfleet": [
         ["cli", "ui", "fleet"],
         ["commands"],
+    ],
+    "evalfleet-server": [
+        # What a request gets when it fails; what the server may ask of runs.
+        ["error", "control"],
+        # Shared state, and who may ask.
+        ["state", "auth"],
+        # The JSON API.
+        ["api"],
     ],
 }
 

@@ -17,6 +17,7 @@ pub mod run;
 pub mod store;
 pub mod task;
 pub mod template;
+pub mod view;
 pub mod worker;
 
 pub use evalfleet_sandbox as sandbox;

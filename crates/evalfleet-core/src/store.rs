@@ -173,7 +173,7 @@ pub struct SessionStart {
 }
 
 /// A worker of a run: one session of one process, as it registered.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct WorkerInfo {
     /// Unique among the run's workers.
     pub worker: String,
@@ -252,7 +252,7 @@ pub struct Committed {
 }
 
 /// What `evalfleet cache stats` shows.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct CacheStats {
     pub entries: u64,
     /// Bytes of cached answers.
@@ -507,7 +507,9 @@ pub trait FleetMailbox {
 }
 
 /// Where an item is in its run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, serde::Deserialize, utoipa::ToSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum ItemState {
     Pending,
@@ -596,7 +598,7 @@ pub struct ItemQuery {
 }
 
 /// An item as a row of the results table.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct ItemRow {
     pub seq: u64,
     pub item_id: String,
@@ -633,7 +635,7 @@ pub struct ItemPage {
 
 /// One item in full: its row, what checking made of its answer, the code
 /// judge's judgement, and every attempt.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct ItemRecord {
     #[serde(flatten)]
     pub row: ItemRow,

@@ -30,7 +30,7 @@ impl Verdict {
 
 /// One metric's score of one item: its value, or why it has none, and what
 /// the metric adds (edit counts, matched fields, the judge's verdict...).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Score {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub value: Option<f64>,

@@ -36,7 +36,7 @@ crate::names!(EndpointState, "endpoint state", {
 });
 
 /// An endpoint as its worker last saw it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct EndpointSnapshot {
     pub endpoint: String,
     /// Its config's kind: `mock`, `external`, `local` or `remote`.

@@ -78,7 +78,7 @@ impl EventKind {
 }
 
 /// A lifecycle fact stored with a run.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Event {
     pub at_ms: i64,
     pub kind: EventKind,
@@ -102,7 +102,7 @@ crate::names!(FleetAction, "fleet action", {
 });
 
 /// A request to change the fleet of a running run.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct FleetChange {
     /// Its place in the run's mailbox (0 before it is stored).
     #[serde(default)]

@@ -102,6 +102,18 @@ macro_rules! names {
                 Self::parse(&text).map_err(serde::de::Error::custom)
             }
         }
+
+        // In an OpenAPI document: a string, one of the names.
+        impl utoipa::PartialSchema for $type {
+            fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+                utoipa::openapi::schema::ObjectBuilder::new()
+                    .schema_type(utoipa::openapi::schema::Type::String)
+                    .enum_values(Some([$($text),+]))
+                    .into()
+            }
+        }
+
+        impl utoipa::ToSchema for $type {}
     };
 }
 pub(crate) use names;

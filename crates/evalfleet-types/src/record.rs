@@ -34,7 +34,7 @@ crate::names!(ItemStatus, "item status", {
 });
 
 /// Item counts by state.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct StateCounts {
     pub pending: u64,
     pub done: u64,
@@ -49,7 +49,7 @@ impl StateCounts {
 
 /// What was measured of one call (or, for a result, of the call that gave
 /// its answer).
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Telemetry {
     pub endpoint: String,
     pub model: String,
@@ -69,7 +69,7 @@ pub struct Telemetry {
 
 /// One call to one endpoint (a call answered from the cache is not one:
 /// its item's result counts it).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct AttemptRecord {
     /// The item's `seq`.
     pub seq: u64,

@@ -397,6 +397,23 @@ pub fn load_file(file: &Path, overrides: Overrides) -> Result<LoadedConfig, Conf
     validate::load(document, &dir, overrides, file.display().to_string())
 }
 
+/// Reads, expands and validates a config given as text (from a request):
+/// its relative paths are resolved against `dir`, and problems name
+/// `origin` and their lines.
+pub fn load_text(
+    text: &str,
+    dir: &Path,
+    overrides: Overrides,
+    origin: &str,
+) -> Result<LoadedConfig, ConfigError> {
+    let document = yaml::parse(text).map_err(|error| ConfigError::Yaml {
+        path: PathBuf::from(origin),
+        error,
+    })?;
+    let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.to_owned());
+    validate::load(document, &dir, overrides, origin.to_owned())
+}
+
 /// Rebuilds a config from a stored snapshot, expanding `${VAR}` again from the
 /// environment and the `.env` in `dir`.
 pub fn load_snapshot(snapshot: &Value, dir: &Path) -> Result<LoadedConfig, ConfigError> {
@@ -410,6 +427,23 @@ pub fn load_snapshot(snapshot: &Value, dir: &Path) -> Result<LoadedConfig, Confi
         Overrides::default(),
         "the stored config".to_owned(),
     )
+}
+
+/// Rebuilds a stored config to read a run's results by (its task, its
+/// metrics, its templates), not to call its endpoints: their secrets
+/// (`api_key`, `headers`, an engine's `env`) are left out, so that a key
+/// written literally (masked when stored) or a variable not set where the
+/// results are read does not stand in the way.
+pub fn load_snapshot_to_read(snapshot: &Value, dir: &Path) -> Result<LoadedConfig, ConfigError> {
+    let mut snapshot = snapshot.clone();
+    if let Some(endpoints) = snapshot.get_mut("endpoints").and_then(Value::as_array_mut) {
+        for endpoint in endpoints.iter_mut().filter_map(Value::as_object_mut) {
+            for secret in ["api_key", "headers", "env"] {
+                endpoint.remove(secret);
+            }
+        }
+    }
+    load_snapshot(&snapshot, dir)
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use serde::Serialize;
 use crate::store::{AttemptSample, Results, StoreError};
 
 /// Percentiles of one measure, in milliseconds.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Percentiles {
     pub count: u64,
     pub mean: f64,
@@ -53,7 +53,7 @@ impl Recorder {
 }
 
 /// One endpoint's attempts in a run.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct EndpointSummary {
     pub endpoint: String,
     pub attempts: u64,

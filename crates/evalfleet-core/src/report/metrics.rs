@@ -23,7 +23,7 @@ pub struct Row<'a> {
 }
 
 /// A metric over a group of items.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct Summary {
     pub metric: String,
     pub group: String,
@@ -61,7 +61,7 @@ pub struct Summary {
 /// A reason items could not be scored: the first item's words, and how
 /// many items had a reason of that shape (the same words but for what is
 /// quoted: `the reference '…' has no number`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct Reason {
     pub reason: String,
     pub count: u64,
@@ -128,7 +128,7 @@ impl Summary {
 }
 
 /// What a metric adds to its mean.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 #[serde(untagged)]
 pub enum Extra {
     /// Nothing.
@@ -162,14 +162,14 @@ impl Extra {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Figures {
     pub precision: f64,
     pub recall: f64,
     pub f1: f64,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct ClassFigures {
     pub precision: f64,
     pub recall: f64,

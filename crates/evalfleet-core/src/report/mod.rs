@@ -19,7 +19,7 @@ use evalfleet_types::{ItemStatus, Verdict};
 use serde::Serialize;
 use serde_json::Value;
 
-pub use compare::{Comparison, compare};
+pub use compare::{Comparison, Disagreement, Disagreements, compare, disagreements};
 pub use endpoints::{EndpointSummary, Percentiles, endpoints};
 pub use metrics::Summary;
 pub use samples::SamplesSummary;
@@ -59,7 +59,7 @@ impl ReportError {
 
 /// How a run's answers turned out: usable on the first try, after re-asks,
 /// or not at all.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct Fidelity {
     pub valid_first_try: u64,
     pub valid_after_reasks: u64,
@@ -87,7 +87,7 @@ impl Fidelity {
 }
 
 /// Everything a report says about one run.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct Report {
     pub run_id: String,
     pub name: String,
@@ -150,12 +150,10 @@ impl Judged {
     /// The run `run_id` and its stored task.
     pub fn load(store: &mut dyn Store, run_id: &str) -> Result<Self, ReportError> {
         let run = store.run(run_id)?;
-        let config =
-            config::load_snapshot(&run.config, Path::new(&run.config_dir)).map_err(|source| {
-                ReportError::Config {
-                    run_id: run_id.to_owned(),
-                    source,
-                }
+        let config = config::load_snapshot_to_read(&run.config, Path::new(&run.config_dir))
+            .map_err(|source| ReportError::Config {
+                run_id: run_id.to_owned(),
+                source,
             })?;
         let metrics = Assessor::new(&config.config.task.eval)
             .map_err(ReportError::Metrics)?

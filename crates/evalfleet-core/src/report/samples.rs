@@ -12,7 +12,7 @@ use super::stats;
 use crate::eval::metrics::Metric;
 
 /// pass@k and majority votes of a run with several samples per row.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct SamplesSummary {
     /// Samples per row.
     pub n: u32,
@@ -21,7 +21,7 @@ pub struct SamplesSummary {
 }
 
 /// One metric's pass@k and majority vote.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct MetricSamples {
     pub metric: String,
     /// k → the mean over rows of pass@k; `None` unless every score is 0 or

@@ -1,7 +1,7 @@
 //! Means with their uncertainty, paired comparisons, and pass@k.
 
 /// The mean, its standard error and a 95% bootstrap interval.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, utoipa::ToSchema)]
 pub struct Estimate {
     pub mean: f64,
     /// Sample standard deviation over √n; 0 for fewer than two values.
@@ -60,7 +60,7 @@ fn bootstrap(
 }
 
 /// A paired comparison of B against A on the same items.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, utoipa::ToSchema)]
 pub struct Paired {
     /// Mean of B − A.
     pub diff: f64,

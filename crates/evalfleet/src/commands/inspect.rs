@@ -9,7 +9,8 @@ use std::path::Path;
 use anyhow::Context;
 use evalfleet_core::report::{self, EndpointSummary, Percentiles};
 use evalfleet_core::store::{EndpointStates, ExportRow, RunRecord, Store};
-use evalfleet_core::types::{ErrorClass, FleetAction, FleetChange, RunStatus, StateCounts};
+use evalfleet_core::types::{ErrorClass, FleetAction, FleetChange, StateCounts};
+use evalfleet_core::view::{self, RunState};
 use evalfleet_core::worker;
 use serde_json::{Value, json};
 
@@ -20,14 +21,12 @@ use crate::{EXIT_OK, UsageError};
 /// What a stored status means now: a `running` run whose process is gone
 /// crashed or was killed.
 fn status_text(store: &mut dyn Store, run: &RunRecord) -> anyhow::Result<(String, bool)> {
-    let active = !worker::live_workers(store, &run.run_id)?.is_empty();
-    let text = match (run.status, active) {
-        (RunStatus::Running, false) => {
-            "stopped (its process ended without finishing: resume it)".to_owned()
-        }
-        (status, _) => status.to_string(),
+    let workers = worker::live_workers(store, &run.run_id)?.len();
+    let text = match view::state(run, workers) {
+        RunState::Stopped => "stopped (its process ended without finishing: resume it)".to_owned(),
+        _ => run.status.to_string(),
     };
-    Ok((text, active))
+    Ok((text, workers > 0))
 }
 
 pub fn runs(args: StoreArgs) -> anyhow::Result<u8> {
