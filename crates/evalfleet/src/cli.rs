@@ -112,6 +112,18 @@ pub enum Command {
     #[command(hide = true)]
     Supervise(SuperviseArgs),
 
+    /// Serve the HTTP API and dashboard over a store: start, watch, explore and compare runs.
+    ///
+    /// Listens on 127.0.0.1:8080 unless --bind says otherwise; any address but
+    /// a loopback one needs an API key (EVALFLEET_API_KEY), which every request
+    /// then carries (X-API-Key or Authorization: Bearer). Prints the address.
+    /// Runs started from the API are answered in this process; Ctrl-C stops
+    /// them (resumable) and the server.
+    #[command(
+        after_help = "Example:\n  evalfleet serve\n  EVALFLEET_API_KEY=... evalfleet serve --bind 0.0.0.0:8080 --store runs/team.db --allow-root configs/"
+    )]
+    Serve(ServeArgs),
+
     /// Serve the built-in OpenAI-compatible mock endpoint; prints the address it listens on.
     #[command(
         after_help = "Example:\n  evalfleet mock --bind 127.0.0.1:8000 --latency 200ms --error-rate 0.05\n  evalfleet mock --rpm 600 --output-tokens 64 --itl 10ms"
@@ -259,6 +271,27 @@ pub struct FleetTarget {
 #[derive(Debug, Args)]
 pub struct CheckArgs {
     pub config: PathBuf,
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// The store [default: runs/evalfleet.db, or $EVALFLEET_STORE]; created if absent.
+    #[arg(long)]
+    pub store: Option<PathBuf>,
+
+    /// Address to listen on (port 0: any free port). Any address but a
+    /// loopback one needs EVALFLEET_API_KEY.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub bind: SocketAddr,
+
+    /// A directory configs may be read from by path (`config_path`); repeat
+    /// for more [default: the current directory].
+    #[arg(long = "allow-root", value_name = "DIR")]
+    pub allow_roots: Vec<PathBuf>,
+
+    /// Only read the store: no run is started, resumed or stopped from here.
+    #[arg(long)]
+    pub read_only: bool,
 }
 
 #[derive(Debug, Args)]

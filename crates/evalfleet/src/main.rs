@@ -77,6 +77,7 @@ fn main() -> ExitCode {
             Command::Export(args) => commands::inspect::export(args),
             Command::Check(args) => commands::check::check(args).await,
             Command::Mock(args) => commands::mock::mock(args).await,
+            Command::Serve(args) => commands::serve::serve(args).await,
             Command::Fleet(args) => commands::inspect::fleet(args),
             Command::Score(args) => commands::report::score(args).await,
             Command::Report(args) => commands::report::report(args),

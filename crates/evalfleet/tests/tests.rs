@@ -12,6 +12,7 @@ mod failures;
 mod fleet;
 mod input;
 mod run;
+mod serve;
 mod tasks;
 mod trust;
 mod util;

@@ -6,6 +6,7 @@ pub mod inspect;
 pub mod mock;
 pub mod report;
 pub mod run;
+pub mod serve;
 pub mod supervise;
 
 use std::path::{Path, PathBuf};

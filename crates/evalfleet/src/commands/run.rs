@@ -35,16 +35,53 @@ pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
         fleet::dry_run(&loaded.config);
         return Ok(EXIT_OK);
     }
-    let templates = Templates::compile(&loaded.config.task)?;
-    tokio::task::block_in_place(|| preflight::check(&loaded, &templates))?;
+    let templates = checked_templates(&loaded)?;
     let active = fleet::active(&loaded.config, &args.endpoints)?;
     let gpu_policy = fleet::check_gpus(&loaded.config, active.as_deref(), args.yes).await?;
     let location = store_location(args.store, loaded.config.store.as_deref())?;
-    let run_id = match args.run_id {
+    let session = register(
+        loaded,
+        templates,
+        location,
+        args.run_id,
+        active,
+        gpu_policy,
+        started,
+    )?;
+    println!("{}", session.run_id);
+    execute(
+        session,
+        Attendance::Terminal {
+            quiet: args.output.quiet,
+        },
+    )
+    .await
+}
+
+/// The task's templates, compiled and rendered for the first rows (every
+/// problem named with its line) before anything is stored.
+pub(crate) fn checked_templates(loaded: &LoadedConfig) -> anyhow::Result<Templates> {
+    let templates = Templates::compile(&loaded.config.task)?;
+    tokio::task::block_in_place(|| preflight::check(loaded, &templates))?;
+    Ok(templates)
+}
+
+/// Registers a new run of `loaded` in the store at `location` (created if
+/// need be; a store made for a run that could not be registered is
+/// removed again): its items, in one transaction.
+pub(crate) fn register(
+    loaded: LoadedConfig,
+    templates: Templates,
+    location: Location,
+    run_id: Option<String>,
+    active: Option<Vec<String>>,
+    gpu_policy: GpuPolicy,
+    started: Instant,
+) -> anyhow::Result<Session> {
+    let run_id = match run_id {
         Some(id) => validate_run_id(id)?,
         None => new_run_id(&loaded.config.name),
     };
-
     let existed = location.exists();
     let mut store = evalfleet_store::open(
         &location,
@@ -70,85 +107,131 @@ pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
         record.total,
         started.elapsed().as_secs_f64()
     );
-    println!("{run_id}");
     let LoadedConfig { config, .. } = loaded;
-    execute(Session {
+    Ok(Session {
         location,
         store,
         run_id,
         config,
         templates,
         retry_failed: false,
-        quiet: args.output.quiet,
         active,
         gpu_policy,
     })
-    .await
 }
 
 pub async fn resume(args: ResumeArgs) -> anyhow::Result<u8> {
     let location = store_location(args.store, None)?;
+    let resumed = resumable(
+        location,
+        &args.run_id,
+        args.config.as_deref(),
+        args.retry_failed,
+        &args.endpoints,
+        args.yes,
+    )
+    .await?;
+    match resumed {
+        Resumable::Nothing { counts } => {
+            ui::note(&format!(
+                "Run {} has no pending items ({} done, {} failed); nothing to resume{}.",
+                args.run_id,
+                counts.done,
+                counts.failed,
+                if counts.failed > 0 {
+                    " (--retry-failed answers the failed ones again)"
+                } else {
+                    ""
+                }
+            ));
+            Ok(if counts.failed > 0 {
+                EXIT_FAILED
+            } else {
+                EXIT_OK
+            })
+        }
+        Resumable::Session(session) => {
+            execute(
+                *session,
+                Attendance::Terminal {
+                    quiet: args.output.quiet,
+                },
+            )
+            .await
+        }
+    }
+}
+
+/// What a stored run has left to answer.
+pub(crate) enum Resumable {
+    /// Nothing: every item ended (the run is marked finished).
+    Nothing {
+        counts: evalfleet_core::types::StateCounts,
+    },
+    Session(Box<Session>),
+}
+
+/// A new session of the stored run `run_id`, with its stored config (or
+/// `config`), when it has items left to answer.
+pub(crate) async fn resumable(
+    location: Location,
+    run_id: &str,
+    config: Option<&Path>,
+    retry_failed: bool,
+    endpoints: &[String],
+    yes: bool,
+) -> anyhow::Result<Resumable> {
     let mut store = evalfleet_store::open(&location, &OpenOptions::default())?;
-    let record = store.run(&args.run_id)?;
-    let loaded = match &args.config {
+    let record = store.run(run_id)?;
+    let loaded = match config {
         Some(file) => config::load_file(file, Overrides::default())?,
         None => config::load_snapshot(&record.config, Path::new(&record.config_dir))?,
     };
     run::check_resume(&record, &loaded.config)?;
-    let counts = store.counts(&args.run_id)?;
-    if counts.pending == 0 && !(args.retry_failed && counts.failed > 0) {
+    let counts = store.counts(run_id)?;
+    if counts.pending == 0 && !(retry_failed && counts.failed > 0) {
         if record.status != RunStatus::Finished {
-            store.set_status(&args.run_id, RunStatus::Finished, None)?;
+            store.set_status(run_id, RunStatus::Finished, None)?;
         }
-        ui::note(&format!(
-            "Run {} has no pending items ({} done, {} failed); nothing to resume{}.",
-            args.run_id,
-            counts.done,
-            counts.failed,
-            if counts.failed > 0 {
-                " (--retry-failed answers the failed ones again)"
-            } else {
-                ""
-            }
-        ));
-        return Ok(if counts.failed > 0 {
-            EXIT_FAILED
-        } else {
-            EXIT_OK
-        });
+        return Ok(Resumable::Nothing { counts });
     }
-    let templates = Templates::compile(&loaded.config.task)?;
-    tokio::task::block_in_place(|| preflight::check(&loaded, &templates))?;
-    let active = fleet::active(&loaded.config, &args.endpoints)?;
-    let gpu_policy = fleet::check_gpus(&loaded.config, active.as_deref(), args.yes).await?;
-    execute(Session {
+    let templates = checked_templates(&loaded)?;
+    let active = fleet::active(&loaded.config, endpoints)?;
+    let gpu_policy = fleet::check_gpus(&loaded.config, active.as_deref(), yes).await?;
+    Ok(Resumable::Session(Box::new(Session {
         location,
         store,
-        run_id: args.run_id,
+        run_id: run_id.to_owned(),
         config: loaded.config,
         templates,
-        retry_failed: args.retry_failed,
-        quiet: args.output.quiet,
+        retry_failed,
         active,
         gpu_policy,
-    })
-    .await
+    })))
 }
 
 /// Everything a session of `run` or `resume` needs.
-struct Session {
-    location: Location,
+pub(crate) struct Session {
+    pub location: Location,
     store: Box<dyn Store>,
-    run_id: String,
+    pub run_id: String,
     config: Config,
     templates: Templates,
     retry_failed: bool,
-    quiet: bool,
     active: Option<Vec<String>>,
     gpu_policy: GpuPolicy,
 }
 
-async fn execute(session: Session) -> anyhow::Result<u8> {
+/// Who is watching a session.
+pub(crate) enum Attendance {
+    /// A person at a terminal: a progress display (unless quiet), and
+    /// Ctrl-C stops the run.
+    Terminal { quiet: bool },
+    /// A server: no display; the run stops when `stop` is cancelled.
+    Server { stop: CancellationToken },
+}
+
+pub(crate) async fn execute(session: Session, attendance: Attendance) -> anyhow::Result<u8> {
     let Session {
         location,
         mut store,
@@ -156,7 +239,6 @@ async fn execute(session: Session) -> anyhow::Result<u8> {
         config,
         templates,
         retry_failed,
-        quiet,
         active,
         gpu_policy,
     } = session;
@@ -196,15 +278,17 @@ async fn execute(session: Session) -> anyhow::Result<u8> {
     );
     let pending_at_start =
         prepared.progress.total - prepared.progress.done_before - prepared.progress.failed_before;
-    let display = ui::Display::start(
-        prepared.progress.clone(),
-        fleet.endpoints.clone(),
-        ui::Mode::pick(quiet),
-    );
-    let stop = CancellationToken::new();
-    // Outside the run's tasks: aborted once the session has ended.
-    #[allow(clippy::disallowed_methods)]
-    let signals = tokio::spawn(watch_signals(stop.clone(), grace, run_id.clone()));
+    let (mode, stop, signals) = match attendance {
+        Attendance::Terminal { quiet } => {
+            let stop = CancellationToken::new();
+            // Outside the run's tasks: aborted once the session has ended.
+            #[allow(clippy::disallowed_methods)]
+            let signals = tokio::spawn(watch_signals(stop.clone(), grace, run_id.clone()));
+            (ui::Mode::pick(quiet), stop, Some(signals))
+        }
+        Attendance::Server { stop } => (ui::Mode::Quiet, stop, None),
+    };
+    let display = ui::Display::start(prepared.progress.clone(), fleet.endpoints.clone(), mode);
     let span = tracing::info_span!("run", id = %run_id);
     let result = run::run_session(plan, prepared, open, stop)
         .instrument(span)
@@ -212,7 +296,9 @@ async fn execute(session: Session) -> anyhow::Result<u8> {
     // The rate counts the session, not the time engines take to stop.
     let elapsed = started.elapsed();
     display.finish().await;
-    signals.abort();
+    if let Some(signals) = signals {
+        signals.abort();
+    }
     fleet.stop().await;
 
     let report = match result {

@@ -1,0 +1,74 @@
+//! The JSON API under `/api/v1`, and its OpenAPI document, made from the
+//! handlers themselves.
+
+pub mod items;
+pub mod reports;
+pub mod runs;
+
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::State;
+use serde::Serialize;
+use utoipa::openapi::OpenApi;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use crate::state::AppState;
+
+/// What the server is.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct ServerInfo {
+    pub version: String,
+    /// Whether it runs evaluations (or only reads the store).
+    pub runs_evaluations: bool,
+    /// The runs this process is answering now.
+    pub running: Vec<String>,
+}
+
+/// The server itself.
+#[utoipa::path(
+    get,
+    path = "/server",
+    tag = "server",
+    responses((status = 200, description = "The server", body = ServerInfo))
+)]
+async fn server(State(state): State<Arc<AppState>>) -> Json<ServerInfo> {
+    Json(ServerInfo {
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+        runs_evaluations: state.control.is_some(),
+        running: state
+            .control
+            .as_ref()
+            .map(|c| c.running())
+            .unwrap_or_default(),
+    })
+}
+
+/// The API's routes, and the OpenAPI document that describes them.
+pub fn router() -> (axum::Router<Arc<AppState>>, OpenApi) {
+    let info = utoipa::openapi::InfoBuilder::new()
+        .title("evalfleet")
+        .version(env!("CARGO_PKG_VERSION"))
+        .description(Some(
+            "Runs started, watched, explored and compared. Every path is under /api/v1; with an API key set, send it as X-API-Key or Authorization: Bearer.",
+        ))
+        .license(Some(utoipa::openapi::License::new(env!("CARGO_PKG_LICENSE"))))
+        .build();
+    let base = utoipa::openapi::OpenApiBuilder::new().info(info).build();
+    let (router, mut api) = OpenApiRouter::with_openapi(base)
+        .routes(routes!(server))
+        .routes(routes!(runs::list, runs::create))
+        .routes(routes!(runs::get))
+        .routes(routes!(runs::events))
+        .routes(routes!(runs::resume))
+        .routes(routes!(runs::cancel))
+        .routes(routes!(runs::fleet))
+        .routes(routes!(items::items))
+        .routes(routes!(items::item))
+        .routes(routes!(reports::report))
+        .routes(routes!(reports::compare))
+        .split_for_parts();
+    api.servers = Some(vec![utoipa::openapi::Server::new("/api/v1")]);
+    (router, api)
+}

@@ -1,0 +1,66 @@
+//! Runs this process starts, resumes and stops: the server asks, the
+//! binary (which has the fleet's engines, the mock and the store backends)
+//! does.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+
+use serde::Deserialize;
+
+use crate::error::ApiError;
+
+/// A future of the control.
+pub type Pending<T> = Pin<Box<dyn Future<Output = Result<T, ApiError>> + Send>>;
+
+/// Where a new run's config comes from.
+#[derive(Debug, Clone)]
+pub enum ConfigSource {
+    /// YAML text; its relative paths are read from `dir`.
+    Text { yaml: String, dir: PathBuf },
+    /// A file on the server (already checked to be under an allowed root).
+    File(PathBuf),
+}
+
+/// How a new run is started.
+#[derive(Debug, Clone)]
+pub struct StartRun {
+    pub config: ConfigSource,
+    pub run_id: Option<String>,
+    pub n_sample: Option<u64>,
+    pub seed: Option<u64>,
+}
+
+/// What the server may ask of runs.
+pub trait RunControl: Send + Sync {
+    /// Registers a new run and starts answering it in the background;
+    /// ends once it is registered, with its id.
+    fn start(&self, run: StartRun) -> Pending<String>;
+
+    /// Starts a session of a stored run in the background (`retry_failed`:
+    /// its failed items too).
+    fn resume(&self, run_id: String, retry_failed: bool) -> Pending<()>;
+
+    /// Stops a run this process is answering, as a Ctrl-C would; `false`
+    /// when it answers no such run.
+    fn cancel(&self, run_id: &str) -> bool;
+
+    /// The runs this process is answering now.
+    fn running(&self) -> Vec<String>;
+}
+
+/// `POST /api/v1/runs`: a config as YAML text, or a path on the server.
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateRun {
+    /// The config, as YAML text.
+    pub config: Option<String>,
+    /// Or a config file on the server, under one of its allowed roots.
+    pub config_path: Option<String>,
+    /// The run's id (default: the config's name and the time).
+    pub run_id: Option<String>,
+    /// Answer a sample of this many items.
+    pub n_sample: Option<u64>,
+    /// The sample's seed.
+    pub seed: Option<u64>,
+}

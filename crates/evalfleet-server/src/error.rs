@@ -1,0 +1,130 @@
+//! What a request that cannot be served gets: a status and a JSON body
+//! that says what was wrong, naming the parameter or the config's line.
+
+use axum::Json;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use evalfleet_core::config::ConfigError;
+use evalfleet_core::report::ReportError;
+use evalfleet_core::store::StoreError;
+use serde::Serialize;
+
+/// Why a request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Report(#[from] ReportError),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    Conflict(String),
+    /// What was sent cannot be used (a template, a dataset, a GPU in use).
+    #[error("{0}")]
+    Invalid(String),
+    #[error("an API key is required: send it as X-API-Key or Authorization: Bearer")]
+    Unauthorized,
+    #[error("{0}")]
+    Forbidden(String),
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// The body of every error response.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct ErrorDetail {
+    /// The HTTP status, again.
+    pub status: u16,
+    pub message: String,
+    /// Each problem of a config that cannot be used, with its line.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub problems: Vec<ProblemBody>,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct ProblemBody {
+    pub line: Option<usize>,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::Store(StoreError::NoSuchRun(_)) | Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::Store(StoreError::BadLocation(_)) | Self::BadRequest(_) => {
+                StatusCode::BAD_REQUEST
+            }
+            Self::Store(_) | Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::Report(ReportError::Store(StoreError::NoSuchRun(_))) => StatusCode::NOT_FOUND,
+            Self::Report(ReportError::Store(_)) => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::Report(_) | Self::Config(_) | Self::Invalid(_) => {
+                StatusCode::UNPROCESSABLE_ENTITY
+            }
+            Self::Conflict(_) => StatusCode::CONFLICT,
+            Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::Forbidden(_) => StatusCode::FORBIDDEN,
+            Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        if status.is_server_error() {
+            tracing::warn!("A request failed: {self}.");
+        }
+        let problems = match &self {
+            Self::Config(err) => err
+                .problems()
+                .into_iter()
+                .map(|p| ProblemBody {
+                    line: p.line,
+                    message: p.message,
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
+        // The whole chain: "the stored config cannot be used: ...why".
+        let mut message = self.to_string();
+        let mut source = std::error::Error::source(&self);
+        while let Some(cause) = source {
+            let text = cause.to_string();
+            if !message.ends_with(&text) {
+                message.push_str(": ");
+                message.push_str(&text);
+            }
+            source = cause.source();
+        }
+        let mut response = (
+            status,
+            Json(ErrorBody {
+                error: ErrorDetail {
+                    status: status.as_u16(),
+                    message,
+                    problems,
+                },
+            }),
+        )
+            .into_response();
+        if status == StatusCode::UNAUTHORIZED {
+            response.headers_mut().insert(
+                axum::http::header::WWW_AUTHENTICATE,
+                axum::http::HeaderValue::from_static("Bearer"),
+            );
+        }
+        response
+    }
+}

@@ -1,0 +1,64 @@
+//! evalfleet's HTTP server: a JSON API under `/api/v1` (described by the
+//! OpenAPI document at `/api/openapi.json`) over the store, and the runs
+//! this process executes.
+//!
+//! [`app`] is the whole service (tests call it without a socket);
+//! [`serve`] runs it on a listener until `shutdown`.
+
+mod api;
+mod auth;
+pub mod control;
+mod error;
+mod state;
+
+use std::sync::Arc;
+
+use axum::Json;
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::get;
+use tokio_util::sync::CancellationToken;
+
+pub use control::{ConfigSource, RunControl, StartRun};
+pub use error::ApiError;
+pub use state::{AppState, ServerOptions};
+
+/// The whole service.
+pub fn app(state: Arc<AppState>) -> Router {
+    let (api, openapi) = api::router();
+    let openapi = Arc::new(openapi);
+    Router::new()
+        .nest("/api/v1", api)
+        .route(
+            "/api/openapi.json",
+            get(move || {
+                let openapi = openapi.clone();
+                async move { Json((*openapi).clone()) }
+            }),
+        )
+        .fallback(|| async { ApiError::NotFound("no such page".to_owned()) })
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::guard,
+        ))
+        .layer(DefaultBodyLimit::max(state.body_limit))
+        .with_state(state)
+}
+
+/// The OpenAPI document.
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    api::router().1
+}
+
+/// Serves [`app`] on `listener` until `shutdown`; requests in progress then
+/// get a few seconds to finish.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    let app = app(state);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move { shutdown.cancelled().await })
+        .await
+}

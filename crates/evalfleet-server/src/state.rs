@@ -1,0 +1,135 @@
+//! What every request shares: the store (connections taken from a small
+//! pool, used on blocking threads), the API key's digest, the roots config
+//! paths may come from, and the runs this process executes.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use evalfleet_core::pipeline::OpenStore;
+use evalfleet_core::store::{Store, StoreError};
+use evalfleet_core::template::Templates;
+use sha2::{Digest, Sha256};
+use tokio_util::task::TaskTracker;
+
+use crate::control::RunControl;
+use crate::error::ApiError;
+
+/// How a server is set up.
+pub struct ServerOptions {
+    /// Opens a connection to the store.
+    pub open: Arc<OpenStore>,
+    /// The API key requests must carry (`None`: no key is asked for, which
+    /// `evalfleet serve` allows on a loopback address only).
+    pub api_key: Option<String>,
+    /// Directories a config given by path must be under.
+    pub roots: Vec<PathBuf>,
+    /// Starts, resumes and stops runs in this process (`None`: the API is
+    /// read-only).
+    pub control: Option<Arc<dyn RunControl>>,
+    /// The largest request body taken.
+    pub body_limit: usize,
+}
+
+/// Connections kept for the next request.
+const POOL: usize = 8;
+
+/// The server's shared state.
+pub struct AppState {
+    open: Arc<OpenStore>,
+    pool: Mutex<Vec<Box<dyn Store>>>,
+    /// SHA-256 of the API key: requests' keys are compared by digest, in
+    /// constant time.
+    pub(crate) key_digest: Option<[u8; 32]>,
+    pub(crate) roots: Vec<PathBuf>,
+    pub(crate) control: Option<Arc<dyn RunControl>>,
+    pub(crate) body_limit: usize,
+    /// Blocking work of requests.
+    tracker: TaskTracker,
+    /// Each run's message templates, compiled once.
+    templates: Mutex<HashMap<String, Arc<Templates>>>,
+}
+
+/// The SHA-256 of `text`.
+pub(crate) fn digest(text: &str) -> [u8; 32] {
+    Sha256::digest(text.as_bytes()).into()
+}
+
+impl AppState {
+    pub fn new(options: ServerOptions) -> Arc<Self> {
+        Arc::new(Self {
+            open: options.open,
+            pool: Mutex::new(Vec::new()),
+            key_digest: options.api_key.as_deref().map(digest),
+            roots: options.roots,
+            control: options.control,
+            body_limit: options.body_limit,
+            tracker: TaskTracker::new(),
+            templates: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// `run_id`'s message templates, from its stored config.
+    pub(crate) fn templates(
+        &self,
+        store: &mut dyn Store,
+        run_id: &str,
+    ) -> Result<Arc<Templates>, String> {
+        if let Some(templates) = self
+            .templates
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(run_id)
+        {
+            return Ok(templates.clone());
+        }
+        let run = store.run(run_id).map_err(|err| err.to_string())?;
+        let loaded =
+            evalfleet_core::config::load_snapshot_to_read(&run.config, Path::new(&run.config_dir))
+                .map_err(|err| err.to_string())?;
+        let templates =
+            Arc::new(Templates::compile(&loaded.config.task).map_err(|err| err.to_string())?);
+        self.templates
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(run_id.to_owned(), templates.clone());
+        Ok(templates)
+    }
+
+    /// Runs `work` with a store connection on a blocking thread.
+    pub async fn with_store<T, F>(self: &Arc<Self>, work: F) -> Result<T, ApiError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut dyn Store) -> Result<T, ApiError> + Send + 'static,
+    {
+        let state = self.clone();
+        self.tracker
+            .spawn_blocking(move || {
+                let pooled = state
+                    .pool
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .pop();
+                let mut store = match pooled {
+                    Some(store) => store,
+                    None => (state.open)().map_err(ApiError::from)?,
+                };
+                let result = work(&mut *store);
+                // A connection whose store failed is not kept.
+                if !matches!(result, Err(ApiError::Store(StoreError::Backend { .. }))) {
+                    let mut pool = state.pool.lock().unwrap_or_else(PoisonError::into_inner);
+                    if pool.len() < POOL {
+                        pool.push(store);
+                    }
+                }
+                result
+            })
+            .await
+            .map_err(|err| ApiError::Internal(format!("a request's work failed: {err}")))?
+    }
+
+    /// Opens a connection of its own (for a stream that reads on).
+    pub fn open_store(&self) -> Result<Box<dyn Store>, StoreError> {
+        (self.open)()
+    }
+}

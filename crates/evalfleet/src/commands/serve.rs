@@ -1,0 +1,255 @@
+//! `evalfleet serve`: the HTTP API and dashboard over a store, and the runs
+//! started from them, answered in this process.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
+
+use evalfleet_core::config::{self, ConfigError, Overrides};
+use evalfleet_core::pipeline::OpenStore;
+use evalfleet_core::store::CreateRunError;
+use evalfleet_server::control::Pending;
+use evalfleet_server::{ApiError, AppState, ConfigSource, RunControl, ServerOptions, StartRun};
+use evalfleet_store::{Location, OpenOptions};
+use tokio::net::TcpListener;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::run::{self, Attendance, Resumable, Session};
+use super::store_location;
+use crate::cli::ServeArgs;
+use crate::{EXIT_OK, UsageError, fleet};
+
+/// The largest request body taken (a config sent as text).
+const BODY_LIMIT: usize = 4 << 20;
+
+pub async fn serve(args: ServeArgs) -> anyhow::Result<u8> {
+    let key = std::env::var("EVALFLEET_API_KEY")
+        .ok()
+        .filter(|k| !k.trim().is_empty());
+    if !args.bind.ip().is_loopback() && key.is_none() {
+        return Err(UsageError(format!(
+            "--bind {}: an address other than a loopback one needs an API key: set EVALFLEET_API_KEY, which requests then send as X-API-Key or Authorization: Bearer",
+            args.bind
+        ))
+        .into());
+    }
+    let location = store_location(args.store, None)?;
+    evalfleet_store::open(
+        &location,
+        &OpenOptions {
+            create: true,
+            ..OpenOptions::default()
+        },
+    )?;
+    let roots = if args.allow_roots.is_empty() {
+        vec![std::env::current_dir()?]
+    } else {
+        let mut roots = Vec::new();
+        for root in args.allow_roots {
+            roots
+                .push(std::fs::canonicalize(&root).map_err(|err| {
+                    UsageError(format!("--allow-root {}: {err}", root.display()))
+                })?);
+        }
+        roots
+    };
+    let control = Arc::new(Control {
+        location: location.clone(),
+        runs: Mutex::new(HashMap::new()),
+        tracker: TaskTracker::new(),
+    });
+    let open: Arc<OpenStore> = {
+        let location = location.clone();
+        Arc::new(move || evalfleet_store::open(&location, &OpenOptions::default()))
+    };
+    let state = AppState::new(ServerOptions {
+        open,
+        api_key: key,
+        roots,
+        control: (!args.read_only).then(|| Arc::new(ControlHandle(control.clone())) as _),
+        body_limit: BODY_LIMIT,
+    });
+    let listener = TcpListener::bind(args.bind)
+        .await
+        .map_err(|err| UsageError(format!("cannot listen on {}: {err}", args.bind)))?;
+    let addr = listener.local_addr()?;
+    // The first line of stdout is the address, for scripts.
+    println!("http://{addr}");
+    std::io::stdout().flush()?;
+    tracing::info!("Serving {location} on http://{addr}.");
+
+    let shutdown = CancellationToken::new();
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut terminate = signal(SignalKind::terminate())?;
+    let stop = shutdown.clone();
+    // Outside any run: the signal watcher of `evalfleet serve`, which ends
+    // with the process.
+    #[allow(clippy::disallowed_methods)]
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
+        }
+        stop.cancel();
+    });
+    evalfleet_server::serve(listener, state, shutdown).await?;
+    // Runs still answered here stop as a Ctrl-C stops them: resumable.
+    control.stop_all();
+    control.tracker.close();
+    control.tracker.wait().await;
+    Ok(EXIT_OK)
+}
+
+/// The runs this process answers for the server.
+struct Control {
+    location: Location,
+    runs: Mutex<HashMap<String, CancellationToken>>,
+    tracker: TaskTracker,
+}
+
+impl Control {
+    fn runs(&self) -> std::sync::MutexGuard<'_, HashMap<String, CancellationToken>> {
+        self.runs.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Answers `session` in the background until it ends or is stopped.
+    fn launch(self: &Arc<Self>, session: Session) {
+        let run_id = session.run_id.clone();
+        let stop = CancellationToken::new();
+        self.runs().insert(run_id.clone(), stop.clone());
+        let this = self.clone();
+        self.tracker.spawn(async move {
+            match run::execute(session, Attendance::Server { stop }).await {
+                Ok(code) => tracing::info!("Run {run_id} ended (exit code {code})."),
+                Err(err) => tracing::warn!("Run {run_id} stopped: {err:#}."),
+            }
+            this.runs().remove(&run_id);
+        });
+    }
+
+    fn stop_all(&self) {
+        for stop in self.runs().values() {
+            stop.cancel();
+        }
+    }
+}
+
+/// What the server holds of [`Control`].
+struct ControlHandle(Arc<Control>);
+
+/// An error of the run machinery as the API says it.
+fn api_error(err: anyhow::Error) -> ApiError {
+    if let Some(config) = err.downcast_ref::<ConfigError>() {
+        return ApiError::Invalid(config.to_string());
+    }
+    if let Some(created) = err.downcast_ref::<CreateRunError>() {
+        return match created {
+            CreateRunError::RunExists(_) => ApiError::Conflict(created.to_string()),
+            CreateRunError::Store(_) => ApiError::Internal(created.to_string()),
+            _ => ApiError::Invalid(created.to_string()),
+        };
+    }
+    if let Some(usage) = err.downcast_ref::<UsageError>() {
+        return ApiError::BadRequest(usage.to_string());
+    }
+    match crate::fault_of(&err) {
+        evalfleet_core::types::Fault::BadInput => ApiError::Invalid(format!("{err:#}")),
+        _ => ApiError::Internal(format!("{err:#}")),
+    }
+}
+
+impl RunControl for ControlHandle {
+    fn start(&self, request: StartRun) -> Pending<String> {
+        let control = self.0.clone();
+        Box::pin(async move {
+            let overrides = Overrides {
+                sample_n: request.n_sample,
+                sample_seed: request.seed,
+            };
+            let loaded = match request.config {
+                ConfigSource::Text { yaml, dir } => {
+                    config::load_text(&yaml, &dir, overrides, "the config")
+                }
+                ConfigSource::File(path) => config::load_file(&path, overrides),
+            }?;
+            let templates = run::checked_templates(&loaded).map_err(api_error)?;
+            let gpu_policy = fleet::check_gpus(&loaded.config, None, false)
+                .await
+                .map_err(api_error)?;
+            let session = run::register(
+                loaded,
+                templates,
+                control.location.clone(),
+                request.run_id,
+                None,
+                gpu_policy,
+                Instant::now(),
+            )
+            .map_err(api_error)?;
+            let run_id = session.run_id.clone();
+            control.launch(session);
+            Ok(run_id)
+        })
+    }
+
+    fn resume(&self, run_id: String, retry_failed: bool) -> Pending<()> {
+        let control = self.0.clone();
+        Box::pin(async move {
+            if control.runs().contains_key(&run_id) {
+                return Err(ApiError::Conflict(format!(
+                    "run {run_id} is running in this server already"
+                )));
+            }
+            let resumed = run::resumable(
+                control.location.clone(),
+                &run_id,
+                None,
+                retry_failed,
+                &[],
+                false,
+            )
+            .await
+            .map_err(|err| {
+                match err.downcast::<evalfleet_core::store::StoreError>() {
+                    Ok(store) => ApiError::Store(store),
+                    Err(err) => api_error(err),
+                }
+            })?;
+            match resumed {
+                Resumable::Nothing { counts } => Err(ApiError::Conflict(format!(
+                    "run {run_id} has nothing to resume ({} done, {} failed{})",
+                    counts.done,
+                    counts.failed,
+                    if counts.failed > 0 {
+                        "; retry_failed answers the failed ones again"
+                    } else {
+                        ""
+                    }
+                ))),
+                Resumable::Session(session) => {
+                    control.launch(*session);
+                    Ok(())
+                }
+            }
+        })
+    }
+
+    fn cancel(&self, run_id: &str) -> bool {
+        match self.0.runs().get(run_id) {
+            Some(stop) => {
+                stop.cancel();
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn running(&self) -> Vec<String> {
+        let mut runs: Vec<String> = self.0.runs().keys().cloned().collect();
+        runs.sort();
+        runs
+    }
+}

@@ -1,0 +1,241 @@
+//! `evalfleet serve`: runs started, watched, stopped and resumed over HTTP
+//! by a real server process, and who it lets in.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio::process::{Child, Command};
+
+use crate::util::{BIN, Env, wait_until};
+
+/// An `evalfleet serve` process in `env` with `args`, and its address.
+async fn serve(env: &Env, args: &[&str], key: Option<&str>) -> (Child, String) {
+    let mut command = Command::new(BIN);
+    command
+        .arg("serve")
+        .args(["--bind", "127.0.0.1:0"])
+        .args(args)
+        .current_dir(env.dir.path())
+        .env_remove("EVALFLEET_STORE")
+        .env_remove("EVALFLEET_API_KEY")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true);
+    if let Some(key) = key {
+        command.env("EVALFLEET_API_KEY", key);
+    }
+    let mut child = command.spawn().unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
+    let url = lines.next_line().await.unwrap().unwrap();
+    (child, url)
+}
+
+fn client() -> reqwest::Client {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::new()
+}
+
+async fn get(url: &str) -> Value {
+    client()
+        .get(url)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// Polls the run until it is in `state` (every 50 ms, for at most 60 s).
+async fn wait_for_state(base: &str, run_id: &str, state: &str) -> Value {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let run = get(&format!("{base}/api/v1/runs/{run_id}")).await;
+        if run["state"] == state {
+            return run;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "run {run_id} never became {state}: {run}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A config of `items` questions answered by a built-in mock taking
+/// `latency`, its endpoint with `extra` keys.
+fn config(env: &Env, items: usize, latency: &str, concurrency: u32, extra: &str) -> String {
+    let dataset = env.dataset("items.jsonl", items);
+    format!(
+        "name: served\n\
+         dataset: {{ path: {}, id_field: id }}\n\
+         endpoints:\n  - {{ name: m, kind: mock, concurrency: {concurrency}{extra}, mock: {{ latency: {latency} }} }}\n\
+         task:\n  messages:\n    - {{ role: user, content: \"{{{{ question }}}}\" }}\n",
+        dataset.display()
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_started_over_http_is_answered_and_shows_no_secret() {
+    let env = Env::new();
+    let (_server, base) = serve(&env, &[], None).await;
+    let text = config(&env, 40, "5ms", 4, ", api_key: sk-literal-secret");
+    let response = client()
+        .post(format!("{base}/api/v1/runs"))
+        .json(&json!({"config": text}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 201);
+    let run_id = response.json::<Value>().await.unwrap()["run_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let run = wait_for_state(&base, &run_id, "finished").await;
+    assert_eq!(
+        run["counts"],
+        json!({"pending": 0, "done": 40, "failed": 0})
+    );
+    let page = get(&format!("{base}/api/v1/runs/{run_id}/items?limit=40")).await;
+    let rows = page["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 40);
+    assert!(rows.iter().all(|r| r["output"] == r["item"]["question"]));
+    // The secret is in no answer about the run.
+    for path in ["", "/events", "/report"] {
+        let body = client()
+            .get(format!("{base}/api/v1/runs/{run_id}{path}"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(!body.contains("sk-literal-secret"), "{path}: {body}");
+    }
+    // A config with problems: each named with its line, nothing stored.
+    let response = client()
+        .post(format!("{base}/api/v1/runs"))
+        .json(&json!({"config": "name: bad\nendpoints: []\n"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 422);
+    let body: Value = response.json().await.unwrap();
+    assert!(
+        !body["error"]["problems"].as_array().unwrap().is_empty(),
+        "{body}"
+    );
+    let runs = get(&format!("{base}/api/v1/runs")).await;
+    assert_eq!(runs.as_array().unwrap().len(), 1);
+    // A config file outside the allowed directories is not read.
+    let response = client()
+        .post(format!("{base}/api/v1/runs"))
+        .json(&json!({"config_path": "/etc/passwd"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 403);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_stopped_over_http_is_resumed_over_http_and_ends_once_each() {
+    let env = Env::new();
+    let (_server, base) = serve(&env, &[], None).await;
+    let path = env.write("slow.yaml", &config(&env, 300, "100ms", 2, ""));
+    let response = client()
+        .post(format!("{base}/api/v1/runs"))
+        .json(&json!({"config_path": path, "run_id": "slow-1"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 201);
+    let server = get(&format!("{base}/api/v1/server")).await;
+    assert_eq!(server["running"], json!(["slow-1"]));
+    wait_until(Duration::from_secs(30), "some items are done", || {
+        env.counts("slow-1").done >= 4
+    })
+    .await;
+    let response = client()
+        .post(format!("{base}/api/v1/runs/slow-1/cancel"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 202);
+    let stopped = wait_for_state(&base, "slow-1", "interrupted").await;
+    let done = stopped["counts"]["done"].as_u64().unwrap();
+    assert!(done < 300, "it was not stopped: {stopped}");
+    // Cancelling a run this server is not running says so.
+    let response = client()
+        .post(format!("{base}/api/v1/runs/slow-1/cancel"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 409);
+    let response = client()
+        .post(format!("{base}/api/v1/runs/slow-1/resume"))
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 202, "{}", response.text().await.unwrap());
+    let run = wait_for_state(&base, "slow-1", "finished").await;
+    assert_eq!(
+        run["counts"],
+        json!({"pending": 0, "done": 300, "failed": 0})
+    );
+    assert_eq!(run["sessions"], 2);
+    let rows = env.export("slow-1").await;
+    let ids: std::collections::BTreeSet<&str> = rows
+        .iter()
+        .map(|r| r["item_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        (rows.len(), ids.len()),
+        (300, 300),
+        "each item exactly once"
+    );
+    // Nothing left: a resume is refused, saying why.
+    let response = client()
+        .post(format!("{base}/api/v1/runs/slow-1/resume"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 409);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_loopback_address_needs_a_key_and_a_key_lets_only_its_holders_in() {
+    let env = Env::new();
+    let ran = env
+        .command(&["serve", "--bind", "0.0.0.0:0"])
+        .env_remove("EVALFLEET_API_KEY")
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(ran.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&ran.stderr);
+    assert!(stderr.contains("EVALFLEET_API_KEY"), "{stderr}");
+
+    let (_server, base) = serve(&env, &[], Some("s3cret-key")).await;
+    let response = client()
+        .get(format!("{base}/api/v1/runs"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 401);
+    let response = client()
+        .get(format!("{base}/api/v1/runs"))
+        .header("x-api-key", "s3cret-key")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let response = client()
+        .get(format!("{base}/api/v1/runs"))
+        .bearer_auth("s3cret-key")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+}
