@@ -251,6 +251,13 @@ pub struct Prepared {
     worker: WorkerInfo,
 }
 
+impl Prepared {
+    /// This process's name as a worker of the run.
+    pub fn worker(&self) -> &str {
+        &self.worker.worker
+    }
+}
+
 /// Registers this process as a worker of the run (freeing the items of
 /// workers whose process is gone), marks the run running and counts its
 /// items, before the session starts.

@@ -16,7 +16,7 @@ use serde_json::Value;
 
 use evalfleet_types::{
     Assessment, AttemptRecord, CacheEntry, EndpointSnapshot, ErrorClass, Event, Fault, FleetChange,
-    ItemStatus, ResultRecord, RunStatus, Scores, StateCounts,
+    ItemStatus, ResultRecord, RunSample, RunStatus, Scores, StateCounts,
 };
 
 use crate::dataset::{DatasetError, DatasetIdentity};
@@ -486,6 +486,18 @@ pub trait Events {
 
     /// The run's endpoint snapshots, if a worker wrote any.
     fn endpoint_states(&mut self, run_id: &str) -> Result<Option<EndpointStates>, StoreError>;
+
+    /// Adds a second of the run as a worker saw it (its timeline).
+    fn add_sample(&mut self, run_id: &str, sample: &RunSample) -> Result<(), StoreError>;
+
+    /// The run's samples after `after_ms` (every worker's), oldest first,
+    /// at most `limit`.
+    fn samples(
+        &mut self,
+        run_id: &str,
+        after_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<RunSample>, StoreError>;
 }
 
 /// Requests to change the fleet of a running run (`evalfleet fleet`),

@@ -315,6 +315,8 @@ async fn the_openapi_document_describes_every_route_and_resolves_every_reference
         "/runs/{run_id}/fleet",
         "/compare",
         "/server",
+        "/runs/{run_id}/timeline",
+        "/runs/{run_id}/stream",
     ] {
         assert!(paths.contains_key(path), "{path} is not documented");
     }
@@ -355,4 +357,49 @@ async fn the_server_answers_over_a_real_socket_and_stops_when_told() {
     shutdown.cancel();
     server.await.unwrap().unwrap();
     assert!(fixture.path("store.db").exists());
+}
+
+#[tokio::test]
+async fn a_runs_timeline_and_stream_begin_with_everything_and_end_when_it_stops() {
+    let (_fixture, app) = two_runs();
+    let (status, points) = call(&app, get("/api/v1/runs/a/timeline")).await;
+    assert_eq!(status, StatusCode::OK, "{points}");
+    let points = points.as_array().unwrap();
+    assert_eq!(points.len(), 3);
+    assert_eq!(points[1]["items_per_s"], 2.0);
+    assert_eq!(points[2]["endpoints"][0]["latency_ms"]["p99"], 107.0);
+    let (_, spans) = call(&app, get("/api/v1/runs/a/timeline?points=2")).await;
+    assert_eq!(spans.as_array().unwrap().len(), 2);
+    let (_, late) = call(&app, get("/api/v1/runs/a/timeline?after=1002500")).await;
+    assert_eq!(late.as_array().unwrap().len(), 1);
+    let (status, _) = call(&app, get("/api/v1/runs/a/timeline?points=0")).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+
+    // The run is not running: a snapshot, one update, and the end.
+    let response = app
+        .clone()
+        .oneshot(get("/api/v1/runs/a/stream"))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(
+        response.headers()[header::CONTENT_TYPE],
+        "text/event-stream"
+    );
+    let body = axum::body::to_bytes(response.into_body(), 1 << 24)
+        .await
+        .unwrap();
+    let text = String::from_utf8(body.to_vec()).unwrap();
+    let kinds: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("event: "))
+        .collect();
+    assert_eq!(kinds, vec!["snapshot", "update"], "{text}");
+    let snapshot: Value =
+        serde_json::from_str(text.lines().find_map(|l| l.strip_prefix("data: ")).unwrap()).unwrap();
+    assert_eq!(snapshot["run"]["run_id"], "a");
+    assert_eq!(snapshot["timeline"].as_array().unwrap().len(), 3);
+    assert!(text.contains("id: 1003000"), "{text}");
+    let (status, _) = call(&app, get("/api/v1/runs/zz/stream")).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
 }

@@ -10,7 +10,8 @@ use evalfleet_core::store::prelude::*;
 use evalfleet_core::store::{Batch, Claimed};
 use evalfleet_core::template::Templates;
 use evalfleet_core::types::{
-    Assessment, AttemptRecord, ErrorClass, ItemStatus, ResultRecord, Score, Telemetry,
+    Assessment, AttemptRecord, EndpointSample, EndpointState, ErrorClass, ItemStatus, Quantiles,
+    ResultRecord, RunSample, Score, StateCounts, Telemetry,
 };
 use evalfleet_server::{AppState, ServerOptions};
 use evalfleet_store::{Location, OpenOptions};
@@ -146,6 +147,41 @@ impl Fixture {
             ));
         }
         store.commit(run_id, &worker.worker, &batch).unwrap();
+        // Three seconds of its timeline.
+        for second in 1..=3u64 {
+            store
+                .add_sample(
+                    run_id,
+                    &RunSample {
+                        at_ms: 1_000_000 + second as i64 * 1000,
+                        worker: worker.worker.clone(),
+                        counts: StateCounts {
+                            pending: 8 - 2 * second,
+                            done: 2 * second,
+                            failed: 0,
+                        },
+                        endpoints: vec![EndpointSample {
+                            endpoint: "e".to_owned(),
+                            state: EndpointState::Healthy,
+                            limit: 4,
+                            in_flight: 2,
+                            calls: 2,
+                            successes: 2,
+                            failures: 0,
+                            completion_tokens: 6,
+                            latency_ms: Some(Quantiles {
+                                p50: 100.0,
+                                p90: 105.0,
+                                p99: 107.0,
+                            }),
+                            ttft_ms: None,
+                            tpot_ms: None,
+                            quota_pauses: 0,
+                        }],
+                    },
+                )
+                .unwrap();
+        }
         store.release(run_id, &worker.worker).unwrap();
     }
 

@@ -563,6 +563,7 @@ fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
          ALTER TABLE results DROP COLUMN cached;
          ALTER TABLE attempts DROP COLUMN tokens_estimated;
          ALTER TABLE results DROP COLUMN tokens_estimated;
+         DROP TABLE samples;
          PRAGMA user_version = 1;",
     )
     .unwrap();

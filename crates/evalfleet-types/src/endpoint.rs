@@ -55,3 +55,44 @@ pub struct EndpointSnapshot {
     /// The request rate learned from 429s, per second.
     pub learned_rate: Option<f64>,
 }
+
+/// The 50th, 90th and 99th percentiles of what calls took, in ms.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Quantiles {
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+}
+
+/// One endpoint over one second of a run, as one worker saw it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct EndpointSample {
+    pub endpoint: String,
+    pub state: EndpointState,
+    pub limit: usize,
+    pub in_flight: u64,
+    /// Calls that ended in the second, those that answered, and those that
+    /// failed.
+    pub calls: u64,
+    pub successes: u64,
+    pub failures: u64,
+    /// Completion tokens of the calls that answered.
+    pub completion_tokens: u64,
+    /// Of the calls that answered: latency, TTFT (streams) and TPOT.
+    pub latency_ms: Option<Quantiles>,
+    pub ttft_ms: Option<Quantiles>,
+    pub tpot_ms: Option<Quantiles>,
+    /// Pauses its quota asked for in the second.
+    pub quota_pauses: u64,
+}
+
+/// One second of a run as one of its workers saw it: the run's counts then,
+/// and each of its endpoints.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct RunSample {
+    /// The second's end, ms since the Unix epoch.
+    pub at_ms: i64,
+    pub worker: String,
+    pub counts: crate::StateCounts,
+    pub endpoints: Vec<EndpointSample>,
+}

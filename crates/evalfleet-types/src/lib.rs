@@ -19,7 +19,7 @@ pub mod retry;
 
 pub use answer::{Assessment, Score, Scores, Verdict};
 pub use class::ErrorClass;
-pub use endpoint::{EndpointSnapshot, EndpointState};
+pub use endpoint::{EndpointSample, EndpointSnapshot, EndpointState, Quantiles, RunSample};
 pub use event::{Event, EventKind, FleetAction, FleetChange};
 pub use fading::FadingMax;
 pub use fault::Fault;

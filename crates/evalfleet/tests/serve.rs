@@ -239,3 +239,79 @@ async fn a_non_loopback_address_needs_a_key_and_a_key_lets_only_its_holders_in()
         .unwrap();
     assert_eq!(response.status(), 200);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runs_live_stream_follows_it_second_by_second_to_its_end() {
+    let env = Env::new();
+    let (_server, base) = serve(&env, &[], None).await;
+    let response = client()
+        .post(format!("{base}/api/v1/runs"))
+        .json(&json!({"config": config(&env, 120, "40ms", 4, ""), "run_id": "live-1"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 201);
+    let mut stream = client()
+        .get(format!("{base}/api/v1/runs/live-1/stream"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), 200);
+    // Read the events until the server ends the stream (the run ended).
+    let mut text = String::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while let Some(chunk) = tokio::time::timeout_at(deadline, stream.chunk())
+        .await
+        .expect("the stream ended in time")
+        .unwrap()
+    {
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    let mut messages = Vec::new();
+    let mut kind = "";
+    for line in text.lines() {
+        if let Some(k) = line.strip_prefix("event: ") {
+            kind = k;
+        } else if let Some(data) = line.strip_prefix("data: ") {
+            messages.push((
+                kind.to_owned(),
+                serde_json::from_str::<Value>(data).unwrap(),
+            ));
+        }
+    }
+    assert_eq!(messages[0].0, "snapshot", "{text}");
+    assert!(messages[1..].iter().all(|(k, _)| k == "update"), "{text}");
+    let (_, last) = messages.last().unwrap();
+    assert_eq!(last["run"]["state"], "finished", "{last}");
+    assert_eq!(last["run"]["counts"]["done"], 120);
+    // Seconds of the run came as they went, with the endpoint's calls.
+    let points: Vec<&Value> = messages
+        .iter()
+        .flat_map(|(_, m)| {
+            m["points"]
+                .as_array()
+                .or_else(|| m["timeline"].as_array())
+                .into_iter()
+                .flatten()
+        })
+        .collect();
+    assert!(!points.is_empty(), "{text}");
+    assert!(
+        points
+            .iter()
+            .any(|p| p["endpoints"][0]["calls_per_s"].as_f64().unwrap_or(0.0) > 0.0),
+        "{text}"
+    );
+    // And its events (the session's start, its end).
+    let events: Vec<&Value> = messages
+        .iter()
+        .flat_map(|(_, m)| {
+            m["events"]
+                .as_array()
+                .or_else(|| m["run"]["events"].as_array())
+                .into_iter()
+                .flatten()
+        })
+        .collect();
+    assert!(events.iter().any(|e| e["kind"] == "finished"), "{text}");
+}

@@ -21,6 +21,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::runtime::FleetHandle;
+use super::window::Answered;
 use super::{Endpoint, Health, Permit, Signal};
 use crate::client::{CallError, ChatClient, Completion, Timing};
 
@@ -169,6 +170,12 @@ pub async fn send(
             .map_or_else(String::new, ToString::to_string);
         fleet.call_transition(&endpoint, transition, &why);
     }
+    endpoint.record(result.as_ref().ok().map(|completion| Answered {
+        latency: timing.latency,
+        ttft: timing.ttft,
+        tpot: timing.tpot(completion.completion_tokens),
+        completion_tokens: completion.completion_tokens,
+    }));
     let now = Instant::now();
     match &result {
         Ok(completion) => {

@@ -15,6 +15,7 @@ pub mod limit;
 pub mod outlier;
 pub mod rate;
 pub mod runtime;
+pub mod window;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
@@ -177,6 +178,8 @@ pub struct Endpoint {
     pub quota_pauses: AtomicU64,
     /// Wakes its prober: its calls fail one after another.
     pub probe_now: tokio::sync::Notify,
+    /// Its calls since its last sample.
+    window: Mutex<window::Window>,
 }
 
 impl Endpoint {
@@ -208,6 +211,7 @@ impl Endpoint {
             origin: now,
             quota_pauses: AtomicU64::new(0),
             probe_now: tokio::sync::Notify::new(),
+            window: Mutex::new(window::Window::default()),
             config: config.clone(),
         }
     }
@@ -452,6 +456,29 @@ impl Endpoint {
     /// Counts a call as started now.
     pub fn started(&self) {
         self.counters.started(self.second());
+    }
+
+    /// A call ended: it answered (what it took), or it failed.
+    pub fn record(&self, answered: Option<window::Answered>) {
+        self.window
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .record(answered);
+    }
+
+    /// Its calls since the last sample, and where it stands now.
+    pub fn sample(&self) -> evalfleet_types::EndpointSample {
+        let pauses = self.quota_pauses.load(std::sync::atomic::Ordering::Relaxed);
+        let mut sample = self
+            .window
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take(pauses);
+        sample.endpoint = self.name.clone();
+        sample.state = self.state();
+        sample.limit = self.limit.current();
+        sample.in_flight = self.limit.in_flight() as u64;
+        sample
     }
 
     /// Where the endpoint stands, as `status` shows it.

@@ -26,7 +26,7 @@ use super::gpu::{self, GpuReport};
 use super::{Endpoint, Phase, RateEvent, Transition};
 use crate::client::{ChatClient, http_client};
 use crate::config::{Config, EndpointConfig, EndpointKind, Engine, MockSettings};
-use evalfleet_types::{Event, EventKind, FleetAction, FleetChange, now_ms};
+use evalfleet_types::{Event, EventKind, FleetAction, FleetChange, RunSample, now_ms};
 
 use crate::store::Store;
 
@@ -160,8 +160,9 @@ impl Fleet {
     }
 
     /// Starts the endpoints that take part and the housekeeping, which keeps
-    /// `store` (its own connection) for events, snapshots and fleet changes.
-    pub fn start(&mut self, run_id: &str, store: Box<dyn Store>) {
+    /// `store` (its own connection) for events, snapshots, the timeline
+    /// (written as `worker`'s) and fleet changes.
+    pub fn start(&mut self, run_id: &str, worker: &str, store: Box<dyn Store>) {
         for endpoint in &self.endpoints {
             let active = self
                 .shared
@@ -178,6 +179,7 @@ impl Fleet {
                 self.shared.clone(),
                 self.endpoints.clone(),
                 run_id.to_owned(),
+                worker.to_owned(),
                 store,
                 events,
                 self.housekeeping_done.clone(),
@@ -891,6 +893,7 @@ async fn housekeep(
     shared: Arc<Shared>,
     endpoints: Vec<Arc<Endpoint>>,
     run_id: String,
+    worker: String,
     store: Box<dyn Store>,
     mut events: mpsc::UnboundedReceiver<FleetEvent>,
     stop: CancellationToken,
@@ -938,10 +941,16 @@ async fn housekeep(
             }
         }
         let snapshots: Vec<_> = endpoints.iter().map(|e| e.snapshot()).collect();
+        let samples: Vec<_> = endpoints
+            .iter()
+            .filter(|e| e.phase() != Phase::Idle)
+            .map(|e| e.sample())
+            .collect();
         let Some(mut owned) = store.take() else {
             return;
         };
         let id = run_id.clone();
+        let me = worker.clone();
         let after = mailbox;
         let result = tracker
             .spawn_blocking(move || {
@@ -957,6 +966,18 @@ async fn housekeep(
                 let outcome = owned
                     .add_events(&id, &events)
                     .and_then(|()| owned.put_endpoint_states(&id, &snapshots))
+                    .and_then(|()| owned.counts(&id))
+                    .and_then(|counts| {
+                        owned.add_sample(
+                            &id,
+                            &RunSample {
+                                at_ms: now_ms(),
+                                worker: me,
+                                counts,
+                                endpoints: samples,
+                            },
+                        )
+                    })
                     .and_then(|()| owned.fleet_changes(&id, after.unwrap_or(0)))
                     .map(|changes| {
                         let seen = changes.last().map_or(after.unwrap_or(0), |c| c.id);

@@ -4,9 +4,9 @@
 
 use std::collections::BTreeMap;
 
-use hdrhistogram::Histogram;
 use serde::Serialize;
 
+use crate::fleet::window::Recorder;
 use crate::store::{AttemptSample, Results, StoreError};
 
 /// Percentiles of one measure, in milliseconds.
@@ -20,36 +20,19 @@ pub struct Percentiles {
     pub max: f64,
 }
 
-/// Milliseconds recorded in microseconds, from 1 µs to an hour.
-struct Recorder(Option<Histogram<u64>>);
-
-impl Recorder {
-    fn new() -> Self {
-        Self(Histogram::new_with_bounds(1, 3_600_000_000, 3).ok())
+/// Percentiles of what `recorder` holds.
+fn percentiles(recorder: &Recorder) -> Option<Percentiles> {
+    if recorder.is_empty() {
+        return None;
     }
-
-    fn record(&mut self, ms: f64) {
-        if let Some(h) = &mut self.0 {
-            let micros = (ms * 1000.0).round().clamp(1.0, 3_600_000_000.0) as u64;
-            h.saturating_record(micros);
-        }
-    }
-
-    fn percentiles(&self) -> Option<Percentiles> {
-        let h = self.0.as_ref()?;
-        if h.is_empty() {
-            return None;
-        }
-        let ms = |micros: u64| micros as f64 / 1000.0;
-        Some(Percentiles {
-            count: h.len(),
-            mean: h.mean() / 1000.0,
-            p50: ms(h.value_at_quantile(0.5)),
-            p90: ms(h.value_at_quantile(0.9)),
-            p99: ms(h.value_at_quantile(0.99)),
-            max: ms(h.max()),
-        })
-    }
+    Some(Percentiles {
+        count: recorder.len(),
+        mean: recorder.mean(),
+        p50: recorder.at(0.5),
+        p90: recorder.at(0.9),
+        p99: recorder.at(0.99),
+        max: recorder.max(),
+    })
 }
 
 /// One endpoint's attempts in a run.
@@ -115,16 +98,16 @@ pub fn endpoints(
                 successes: 0,
                 errors: BTreeMap::new(),
                 completion_tokens: 0,
-                latency: Recorder::new(),
-                ttft: Recorder::new(),
-                tpot: Recorder::new(),
+                latency: Recorder::new(3),
+                ttft: Recorder::new(3),
+                tpot: Recorder::new(3),
             })
             .add(&sample);
     })?;
     Ok(by_endpoint
         .into_iter()
         .map(|(endpoint, acc)| {
-            let latency_ms = acc.latency.percentiles();
+            let latency_ms = percentiles(&acc.latency);
             let busy_s = latency_ms.map_or(0.0, |p| p.mean * p.count as f64 / 1000.0);
             EndpointSummary {
                 endpoint,
@@ -138,8 +121,8 @@ pub fn endpoints(
                     0.0
                 },
                 latency_ms,
-                ttft_ms: acc.ttft.percentiles(),
-                tpot_ms: acc.tpot.percentiles(),
+                ttft_ms: percentiles(&acc.ttft),
+                tpot_ms: percentiles(&acc.tpot),
             }
         })
         .collect())

@@ -2,6 +2,7 @@
 //! handlers themselves.
 
 pub mod items;
+pub mod live;
 pub mod reports;
 pub mod runs;
 
@@ -68,6 +69,8 @@ pub fn router() -> (axum::Router<Arc<AppState>>, OpenApi) {
         .routes(routes!(items::item))
         .routes(routes!(reports::report))
         .routes(routes!(reports::compare))
+        .routes(routes!(live::timeline))
+        .routes(routes!(live::stream))
         .split_for_parts();
     api.servers = Some(vec![utoipa::openapi::Server::new("/api/v1")]);
     (router, api)

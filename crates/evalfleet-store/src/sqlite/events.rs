@@ -1,7 +1,9 @@
 //! Events, endpoint snapshots and the fleet mailbox.
 
 use evalfleet_core::store::{EndpointStates, Events, FleetMailbox, StoreError};
-use evalfleet_types::{EndpointSnapshot, Event, EventKind, FleetAction, FleetChange, now_ms};
+use evalfleet_types::{
+    EndpointSnapshot, Event, EventKind, FleetAction, FleetChange, RunSample, now_ms,
+};
 use rusqlite::params;
 
 use super::{SqliteStore, db_err, json_err, unknown};
@@ -105,6 +107,50 @@ impl Events for SqliteStore {
             updated_at_ms,
             endpoints,
         }))
+    }
+
+    fn add_sample(&mut self, run_id: &str, sample: &RunSample) -> Result<(), StoreError> {
+        let rid = self.rid(run_id)?;
+        let json = serde_json::to_string(sample).map_err(json_err("cannot encode a sample"))?;
+        // A second of the timeline is worth no sync of its own.
+        self.without_sync(|store| {
+            store
+                .conn
+                .prepare_cached(
+                    "INSERT OR REPLACE INTO samples (rid, at, worker, sample) VALUES (?1, ?2, ?3, ?4)",
+                )
+                .and_then(|mut insert| insert.execute(params![rid, sample.at_ms, sample.worker, json]))
+                .map(|_| ())
+                .map_err(db_err("cannot store a sample"))
+        })
+    }
+
+    fn samples(
+        &mut self,
+        run_id: &str,
+        after_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<RunSample>, StoreError> {
+        let rid = self.rid(run_id)?;
+        let err = db_err("cannot read the timeline");
+        let mut stmt = self
+            .conn
+            .prepare_cached(
+                "SELECT sample FROM samples WHERE rid = ?1 AND at > ?2 ORDER BY at, worker LIMIT ?3",
+            )
+            .map_err(&err)?;
+        let rows = stmt
+            .query_map(params![rid, after_ms, limit as i64], |row| {
+                row.get::<_, String>(0)
+            })
+            .map_err(&err)?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(&err)?;
+        rows.iter()
+            .map(|json| {
+                serde_json::from_str(json).map_err(json_err("a stored sample cannot be read"))
+            })
+            .collect()
     }
 }
 

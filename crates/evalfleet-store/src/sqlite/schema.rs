@@ -180,8 +180,20 @@ ALTER TABLE attempts ADD COLUMN tokens_estimated INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE results ADD COLUMN tokens_estimated INTEGER NOT NULL DEFAULT 0;
 ";
 
+/// 7: a run's timeline: each second, each worker's view of the run's
+/// counts and of its endpoints (JSON).
+const TIMELINE: &str = "
+CREATE TABLE samples (
+    rid    INTEGER NOT NULL REFERENCES runs(rid),
+    at     INTEGER NOT NULL,
+    worker TEXT NOT NULL,
+    sample TEXT NOT NULL,
+    PRIMARY KEY (rid, at, worker)
+) WITHOUT ROWID;
+";
+
 /// The schema version a store has once every migration ran.
-pub const VERSION: usize = 6;
+pub const VERSION: usize = 7;
 
 pub fn migrations() -> Migrations<'static> {
     Migrations::new(vec![
@@ -191,6 +203,7 @@ pub fn migrations() -> Migrations<'static> {
         M::up(WORKERS_AND_CLAIMS),
         M::up(CACHED_CALLS),
         M::up(ESTIMATED_TOKENS),
+        M::up(TIMELINE),
     ])
 }
 

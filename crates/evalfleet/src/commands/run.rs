@@ -274,6 +274,7 @@ pub(crate) async fn execute(session: Session, attendance: Attendance) -> anyhow:
     };
     fleet.start(
         &run_id,
+        prepared.worker(),
         evalfleet_store::open(&location, &OpenOptions::default())?,
     );
     let pending_at_start =
