@@ -104,7 +104,8 @@ impl Plan {
         }
         let code_changed = snapshot.get("task").and_then(|t| t.get("code"))
             != run.config.get("task").and_then(|t| t.get("code"));
-        let loaded = config::load_snapshot(&snapshot, Path::new(&run.config_dir))?;
+        // Scoring calls no endpoint: their secrets are not needed.
+        let loaded = config::load_snapshot_to_read(&snapshot, Path::new(&run.config_dir))?;
         let assessor = Assessor::new(&loaded.config.task.eval).map_err(RescoreError::Unfit)?;
         let rejudge = match loaded.config.task.kind.code() {
             Some(_) => rejudge || code_changed,

@@ -6,7 +6,7 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::ApiError;
 
@@ -47,6 +47,30 @@ pub trait RunControl: Send + Sync {
 
     /// The runs this process is answering now.
     fn running(&self) -> Vec<String>;
+
+    /// Checks and scores a stopped run's stored answers again with its
+    /// stored task (only `metrics`, when given), calling no model.
+    fn rescore(&self, run_id: String, metrics: Vec<String>) -> Pending<Rescored>;
+}
+
+/// What scoring again did.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct Rescored {
+    pub run_id: String,
+    /// Done items scored again, and of those, usable answers.
+    pub answers: u64,
+    pub usable: u64,
+    /// The task's metrics.
+    pub metrics: Vec<String>,
+}
+
+/// `POST /api/v1/runs/{run_id}/rescore`.
+#[derive(Debug, Default, Clone, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RescoreRequest {
+    /// Only these metrics (names or keys); the others keep their scores.
+    #[serde(default)]
+    pub metrics: Vec<String>,
 }
 
 /// `POST /api/v1/runs`: a config as YAML text, or a path on the server.

@@ -71,7 +71,8 @@ fn config(env: &Env, items: usize, latency: &str, concurrency: u32, extra: &str)
         "name: served\n\
          dataset: {{ path: {}, id_field: id }}\n\
          endpoints:\n  - {{ name: m, kind: mock, concurrency: {concurrency}{extra}, mock: {{ latency: {latency} }} }}\n\
-         task:\n  messages:\n    - {{ role: user, content: \"{{{{ question }}}}\" }}\n",
+         task:\n  messages:\n    - {{ role: user, content: \"{{{{ question }}}}\" }}\n  \
+         metrics:\n    - {{ name: exact_match, reference: \"{{{{ question }}}}\" }}\n",
         dataset.display()
     )
 }
@@ -113,6 +114,26 @@ async fn a_run_started_over_http_is_answered_and_shows_no_secret() {
             .unwrap();
         assert!(!body.contains("sk-literal-secret"), "{path}: {body}");
     }
+    // Scored as it went; and again, calling no model.
+    let report = get(&format!("{base}/api/v1/runs/{run_id}/report")).await;
+    assert_eq!(report["metrics"][0]["mean"], 1.0, "{report}");
+    let response = client()
+        .post(format!("{base}/api/v1/runs/{run_id}/rescore"))
+        .json(&json!({"metrics": ["exact_match"]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let rescored: Value = response.json().await.unwrap();
+    assert_eq!(rescored["answers"], 40, "{rescored}");
+    assert_eq!(rescored["metrics"], json!(["exact_match@1"]));
+    let response = client()
+        .post(format!("{base}/api/v1/runs/{run_id}/rescore"))
+        .json(&json!({"metrics": ["f1"]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 422);
     // A config with problems: each named with its line, nothing stored.
     let response = client()
         .post(format!("{base}/api/v1/runs"))

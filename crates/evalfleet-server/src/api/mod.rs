@@ -64,6 +64,7 @@ pub fn router() -> (axum::Router<Arc<AppState>>, OpenApi) {
         .routes(routes!(runs::events))
         .routes(routes!(runs::resume))
         .routes(routes!(runs::cancel))
+        .routes(routes!(runs::rescore))
         .routes(routes!(runs::fleet))
         .routes(routes!(items::items))
         .routes(routes!(items::item))

@@ -11,7 +11,7 @@ use evalfleet_core::types::{Event, FleetAction, FleetChange, now_ms};
 use evalfleet_core::view::{self, RunDetail, RunState, RunSummary};
 use serde::{Deserialize, Serialize};
 
-use crate::control::{ConfigSource, CreateRun, StartRun};
+use crate::control::{ConfigSource, CreateRun, RescoreRequest, Rescored, StartRun};
 use crate::error::{ApiError, ErrorBody};
 use crate::state::AppState;
 
@@ -321,4 +321,30 @@ pub async fn fleet(
         })
         .await?;
     Ok((StatusCode::ACCEPTED, Json(change)))
+}
+
+/// Checks and scores a stopped run's stored answers again with its stored
+/// task, calling no model; the report then shows the new scores.
+#[utoipa::path(
+    post,
+    path = "/runs/{run_id}/rescore",
+    tag = "runs",
+    params(("run_id" = String, Path, description = "The run's id")),
+    request_body = RescoreRequest,
+    responses(
+        (status = 200, description = "Scored again", body = Rescored),
+        (status = 404, description = "No such run", body = ErrorBody),
+        (status = 409, description = "The run is running", body = ErrorBody),
+        (status = 422, description = "A metric is not the task's", body = ErrorBody),
+        (status = 503, description = "This server does not run evaluations", body = ErrorBody),
+    )
+)]
+pub async fn rescore(
+    State(state): State<Arc<AppState>>,
+    Path(run_id): Path<String>,
+    body: Option<Json<RescoreRequest>>,
+) -> Result<Json<Rescored>, ApiError> {
+    let control = control(&state)?;
+    let metrics = body.map(|Json(b)| b.metrics).unwrap_or_default();
+    Ok(Json(control.rescore(run_id, metrics).await?))
 }

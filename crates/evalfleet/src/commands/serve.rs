@@ -8,8 +8,9 @@ use std::time::Instant;
 
 use evalfleet_core::config::{self, ConfigError, Overrides};
 use evalfleet_core::pipeline::OpenStore;
+use evalfleet_core::rescore::{Plan, RescoreError};
 use evalfleet_core::store::CreateRunError;
-use evalfleet_server::control::Pending;
+use evalfleet_server::control::{Pending, Rescored};
 use evalfleet_server::{ApiError, AppState, ConfigSource, RunControl, ServerOptions, StartRun};
 use evalfleet_store::{Location, OpenOptions};
 use tokio::net::TcpListener;
@@ -245,6 +246,50 @@ impl RunControl for ControlHandle {
             }
             None => false,
         }
+    }
+
+    fn rescore(&self, run_id: String, metrics: Vec<String>) -> Pending<Rescored> {
+        let control = self.0.clone();
+        Box::pin(async move {
+            if control.runs().contains_key(&run_id) {
+                return Err(ApiError::Conflict(format!(
+                    "run {run_id} is running; score it when it has stopped"
+                )));
+            }
+            let rescore_error = |err: RescoreError| match err {
+                RescoreError::Store(store) => ApiError::Store(store),
+                RescoreError::Unfit(why) if why.contains("is running") => ApiError::Conflict(why),
+                other => match other.fault() {
+                    evalfleet_core::types::Fault::BadInput => ApiError::Invalid(other.to_string()),
+                    _ => ApiError::Internal(other.to_string()),
+                },
+            };
+            let mut store = evalfleet_store::open(&control.location, &OpenOptions::default())?;
+            let plan = tokio::task::block_in_place(|| {
+                Plan::new(&mut *store, &run_id, None, &metrics, false)
+            })
+            .map_err(rescore_error)?;
+            if let Some(file) = plan.cache_file() {
+                store = evalfleet_store::open(
+                    &control.location,
+                    &OpenOptions {
+                        create: false,
+                        cache_file: Some(file.clone()),
+                    },
+                )?;
+            }
+            let sandbox = super::sandbox_dir(&control.location, &format!("{run_id}-score"));
+            let done = plan
+                .apply(&mut *store, &sandbox)
+                .await
+                .map_err(rescore_error)?;
+            Ok(Rescored {
+                run_id,
+                answers: done.answers,
+                usable: done.usable,
+                metrics: done.metrics,
+            })
+        })
     }
 
     fn running(&self) -> Vec<String> {
