@@ -44,8 +44,8 @@ LAYERS = {
         ["error", "control"],
         # Shared state, and who may ask.
         ["state", "auth"],
-        # The JSON API.
-        ["api"],
+        # The JSON API, and the dashboard's pages.
+        ["api", "pages"],
     ],
 }
 

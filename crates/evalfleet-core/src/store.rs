@@ -655,7 +655,8 @@ pub struct ItemRecord {
     pub check_error: Option<String>,
     pub reasks: u32,
     pub judge: Option<Value>,
-    pub attempts: Vec<AttemptRecord>,
+    /// Every attempt, in order (`attempts` is their count).
+    pub attempt_records: Vec<AttemptRecord>,
     /// Calls answered from the cache.
     pub cached: u32,
 }

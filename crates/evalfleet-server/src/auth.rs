@@ -25,20 +25,21 @@ fn same(a: &[u8; 32], b: &[u8; 32]) -> bool {
     a.iter().zip(b).fold(0u8, |diff, (x, y)| diff | (x ^ y)) == 0
 }
 
-/// The key a request carries, if any.
-fn presented(headers: &HeaderMap) -> Option<String> {
+/// The key a request carries in a header, if any.
+fn header_key(headers: &HeaderMap) -> Option<String> {
     if let Some(key) = headers.get("x-api-key").and_then(|v| v.to_str().ok()) {
         return Some(key.trim().to_owned());
     }
-    if let Some(auth) = headers
+    let auth = headers
         .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        && let Some(token) = auth
-            .strip_prefix("Bearer ")
-            .or_else(|| auth.strip_prefix("bearer "))
-    {
-        return Some(token.trim().to_owned());
-    }
+        .and_then(|v| v.to_str().ok())?;
+    auth.strip_prefix("Bearer ")
+        .or_else(|| auth.strip_prefix("bearer "))
+        .map(|token| token.trim().to_owned())
+}
+
+/// The session cookie a request carries, if any.
+fn cookie(headers: &HeaderMap) -> Option<String> {
     headers
         .get_all(header::COOKIE)
         .iter()
@@ -50,12 +51,36 @@ fn presented(headers: &HeaderMap) -> Option<String> {
         })
 }
 
+/// What the dashboard's session cookie holds for `key`: a digest of it, so
+/// that the key itself is never sent back.
+pub fn session_token(key: &str) -> String {
+    digest(&format!("evalfleet-session\0{key}"))
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
 /// Whether `key` is the server's (always, when it has none).
 pub fn accepts(state: &AppState, key: Option<&str>) -> bool {
     match (&state.key_digest, key) {
         (None, _) => true,
         (Some(expected), Some(key)) => same(expected, &digest(key)),
         (Some(_), None) => false,
+    }
+}
+
+/// Whether a request may be served: no key is set, or it carries the key
+/// (a header) or the session cookie of a sign-in.
+fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
+    let Some(expected) = &state.key_digest else {
+        return true;
+    };
+    if let Some(key) = header_key(headers) {
+        return same(expected, &digest(&key));
+    }
+    match (cookie(headers), &state.session_digest) {
+        (Some(token), Some(session)) => same(session, &digest(&token)),
+        _ => false,
     }
 }
 
@@ -82,7 +107,7 @@ fn cross_site(method: &Method, headers: &HeaderMap) -> bool {
 pub async fn guard(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
     let path = request.uri().path();
     let open = path == "/login" || path.starts_with("/assets/");
-    if !open && !accepts(&state, presented(request.headers()).as_deref()) {
+    if !open && !authorized(&state, request.headers()) {
         if request.method() == Method::GET && !path.starts_with("/api") && path != "/metrics" {
             // A person at a page: to the sign-in.
             return axum::response::Redirect::to("/login").into_response();
@@ -105,13 +130,15 @@ mod tests {
     #[test]
     fn keys_are_read_from_any_of_their_places() {
         let mut headers = HeaderMap::new();
-        assert_eq!(presented(&headers), None);
+        assert_eq!(header_key(&headers), None);
         headers.insert(header::COOKIE, "a=b; evalfleet_key=k3".parse().unwrap());
-        assert_eq!(presented(&headers).as_deref(), Some("k3"));
+        assert_eq!(cookie(&headers).as_deref(), Some("k3"));
         headers.insert(header::AUTHORIZATION, "Bearer k2".parse().unwrap());
-        assert_eq!(presented(&headers).as_deref(), Some("k2"));
+        assert_eq!(header_key(&headers).as_deref(), Some("k2"));
         headers.insert("x-api-key", "k1".parse().unwrap());
-        assert_eq!(presented(&headers).as_deref(), Some("k1"));
+        assert_eq!(header_key(&headers).as_deref(), Some("k1"));
+        assert_ne!(session_token("k1"), "k1");
+        assert_eq!(session_token("k1").len(), 64);
     }
 
     #[test]

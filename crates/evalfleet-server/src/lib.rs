@@ -9,6 +9,7 @@ mod api;
 mod auth;
 pub mod control;
 mod error;
+pub mod pages;
 mod state;
 
 use std::sync::Arc;
@@ -16,7 +17,7 @@ use std::sync::Arc;
 use axum::Json;
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
-use axum::routing::get;
+use axum::routing::{get, post};
 use tokio_util::sync::CancellationToken;
 
 pub use control::{ConfigSource, RunControl, StartRun};
@@ -36,6 +37,14 @@ pub fn app(state: Arc<AppState>) -> Router {
                 async move { Json((*openapi).clone()) }
             }),
         )
+        .route("/", get(pages::runs))
+        .route("/runs/{run_id}", get(pages::run))
+        .route("/runs/{run_id}/items", get(pages::items))
+        .route("/runs/{run_id}/items/{item_id}", get(pages::item))
+        .route("/compare", get(pages::compare))
+        .route("/new", get(pages::new_run))
+        .route("/login", get(pages::login_page).merge(post(pages::login)))
+        .route("/assets/{*path}", get(pages::asset))
         .fallback(|| async { ApiError::NotFound("no such page".to_owned()) })
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),

@@ -41,6 +41,8 @@ pub struct AppState {
     /// SHA-256 of the API key: requests' keys are compared by digest, in
     /// constant time.
     pub(crate) key_digest: Option<[u8; 32]>,
+    /// SHA-256 of the session cookie a sign-in sets.
+    pub(crate) session_digest: Option<[u8; 32]>,
     pub(crate) roots: Vec<PathBuf>,
     pub(crate) control: Option<Arc<dyn RunControl>>,
     pub(crate) body_limit: usize,
@@ -61,6 +63,10 @@ impl AppState {
             open: options.open,
             pool: Mutex::new(Vec::new()),
             key_digest: options.api_key.as_deref().map(digest),
+            session_digest: options
+                .api_key
+                .as_deref()
+                .map(|key| digest(&crate::auth::session_token(key))),
             roots: options.roots,
             control: options.control,
             body_limit: options.body_limit,

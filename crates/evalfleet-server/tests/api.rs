@@ -146,7 +146,7 @@ async fn items_are_paged_filtered_and_shown_whole() {
     // One item whole: its attempts and the messages its template made.
     let (status, item) = call(&app, get("/api/v1/runs/a/items/pe")).await;
     assert_eq!(status, StatusCode::OK, "{item}");
-    assert_eq!(item["attempts"][0]["http_status"], 500);
+    assert_eq!(item["attempt_records"][0]["http_status"], 500);
     assert_eq!(item["messages"][0]["content"], "Capital of Peru?");
     let (status, item) = call(&app, get("/api/v1/runs/a/items/fr")).await;
     assert_eq!(status, StatusCode::OK);

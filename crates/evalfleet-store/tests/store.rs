@@ -809,9 +809,12 @@ fn one_item_comes_whole_with_its_attempts() {
     explored_run(&mut store);
     let failed = store.item("r", "item-23").unwrap().unwrap();
     assert_eq!(failed.row.state, ItemState::Failed);
-    assert_eq!(failed.attempts.len(), 1);
-    assert_eq!(failed.attempts[0].http_status, Some(500));
-    assert_eq!(failed.attempts[0].error_class, Some(ErrorClass::Retryable));
+    assert_eq!(failed.attempt_records.len(), 1);
+    assert_eq!(failed.attempt_records[0].http_status, Some(500));
+    assert_eq!(
+        failed.attempt_records[0].error_class,
+        Some(ErrorClass::Retryable)
+    );
     let done = store.item("r", "item-04").unwrap().unwrap();
     assert_eq!(done.row.output.as_deref(), Some("answer item-04"));
     assert_eq!(done.row.scores.unwrap()["em"].value, Some(1.0));

@@ -9,7 +9,7 @@ use tokio::process::{Child, Command};
 use crate::util::{BIN, Env, wait_until};
 
 /// An `evalfleet serve` process in `env` with `args`, and its address.
-async fn serve(env: &Env, args: &[&str], key: Option<&str>) -> (Child, String) {
+pub async fn serve(env: &Env, args: &[&str], key: Option<&str>) -> (Child, String) {
     let mut command = Command::new(BIN);
     command
         .arg("serve")
@@ -31,12 +31,12 @@ async fn serve(env: &Env, args: &[&str], key: Option<&str>) -> (Child, String) {
     (child, url)
 }
 
-fn client() -> reqwest::Client {
+pub fn client() -> reqwest::Client {
     let _ = rustls::crypto::ring::default_provider().install_default();
     reqwest::Client::new()
 }
 
-async fn get(url: &str) -> Value {
+pub async fn get(url: &str) -> Value {
     client()
         .get(url)
         .send()
@@ -48,7 +48,7 @@ async fn get(url: &str) -> Value {
 }
 
 /// Polls the run until it is in `state` (every 50 ms, for at most 60 s).
-async fn wait_for_state(base: &str, run_id: &str, state: &str) -> Value {
+pub async fn wait_for_state(base: &str, run_id: &str, state: &str) -> Value {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
         let run = get(&format!("{base}/api/v1/runs/{run_id}")).await;
@@ -65,7 +65,7 @@ async fn wait_for_state(base: &str, run_id: &str, state: &str) -> Value {
 
 /// A config of `items` questions answered by a built-in mock taking
 /// `latency`, its endpoint with `extra` keys.
-fn config(env: &Env, items: usize, latency: &str, concurrency: u32, extra: &str) -> String {
+pub fn config(env: &Env, items: usize, latency: &str, concurrency: u32, extra: &str) -> String {
     let dataset = env.dataset("items.jsonl", items);
     format!(
         "name: served\n\

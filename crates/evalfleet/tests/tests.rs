@@ -8,6 +8,7 @@
 
 mod code;
 mod crash;
+mod dashboard;
 mod failures;
 mod fleet;
 mod input;
@@ -16,4 +17,5 @@ mod serve;
 mod tasks;
 mod trust;
 mod util;
+mod webdriver;
 mod workers;

@@ -941,10 +941,13 @@ async fn housekeep(
             }
         }
         let snapshots: Vec<_> = endpoints.iter().map(|e| e.snapshot()).collect();
+        // Endpoints out of the run are left out, unless calls ended on them
+        // since the last sample (the last sample of a run comes after its
+        // endpoints were stopped).
         let samples: Vec<_> = endpoints
             .iter()
-            .filter(|e| e.phase() != Phase::Idle)
             .map(|e| e.sample())
+            .filter(|s| s.calls > 0 || s.state != evalfleet_types::EndpointState::Idle)
             .collect();
         let Some(mut owned) = store.take() else {
             return;

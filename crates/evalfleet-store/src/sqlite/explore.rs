@@ -263,7 +263,7 @@ impl Explore for SqliteStore {
             check_error,
             reasks,
             judge: json_column(judge)?,
-            attempts,
+            attempt_records: attempts,
             cached,
         }))
     }

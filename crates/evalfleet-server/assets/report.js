@@ -1,0 +1,97 @@
+// A run's report (the core's typed report, as the API gives it): each
+// metric overall and by category with its 95% interval drawn, what could be
+// used, pass@k, the code judge's verdicts and each endpoint's latency and
+// tokens. The dashboard's run page and `evalfleet report --html` both draw
+// it with this.
+"use strict";
+const EFReport = (() => {
+  const { h, fmt } = EF;
+  const SVG = "http://www.w3.org/2000/svg";
+
+  function svg(tag, attrs, ...children) {
+    const el = document.createElementNS(SVG, tag);
+    for (const [k, v] of Object.entries(attrs || {})) el.setAttribute(k, v);
+    for (const c of children) el.append(c instanceof Node ? c : document.createTextNode(String(c)));
+    return el;
+  }
+
+  /** A mean and its interval on [lo, hi], as a small inline chart. */
+  function interval(mean, low, high, lo = 0, hi = 1, width = 180) {
+    const x = (v) => 4 + ((Math.min(Math.max(v, lo), hi) - lo) / (hi - lo || 1)) * (width - 8);
+    const ok = [mean, low, high].every((v) => typeof v === "number" && !Number.isNaN(v));
+    const box = svg("svg", { width, height: 16, role: "img", "aria-label": ok ? `${fmt.num(mean, 3)} [${fmt.num(low, 3)}, ${fmt.num(high, 3)}]` : "no estimate" },
+      svg("line", { x1: 4, x2: width - 4, y1: 8, y2: 8, stroke: "#e4e7ec" }));
+    if (ok) {
+      box.append(svg("line", { x1: x(low), x2: x(high), y1: 8, y2: 8, stroke: "#3559e0", "stroke-width": 3, "stroke-linecap": "round" }));
+      box.append(svg("circle", { cx: x(mean), cy: 8, r: 4, fill: "#141a2a" }));
+    }
+    return box;
+  }
+
+  function metrics(report) {
+    if (!report.metrics.length) return h("div", { class: "note" }, "The task has no metrics (task.metrics).");
+    const range = (s) => (s.higher_is_better === false || s.mean > 1 || s.ci_high > 1 ? [Math.min(0, s.ci_low), Math.max(1, s.ci_high)] : [0, 1]);
+    return h("table", { class: "metrics" },
+      h("thead", {}, h("tr", {}, h("th", {}, "Metric"), h("th", {}, "Category"), h("th", { class: "num" }, "n"),
+        h("th", { class: "num" }, "Mean"), h("th", {}, "95% interval"), h("th", {}, ""), h("th", {}, "Scored"))),
+      h("tbody", {}, report.metrics.map((s) => {
+        const [lo, hi] = range(s);
+        return h("tr", { "data-metric": s.metric, "data-group": s.group },
+          h("td", { class: "mono" }, s.metric), h("td", {}, s.group), h("td", { class: "num" }, fmt.int(s.n)),
+          h("td", { class: "num" }, fmt.num(s.mean, 4)),
+          h("td", { class: "num mono" }, `[${fmt.num(s.ci_low, 3)}, ${fmt.num(s.ci_high, 3)}]`),
+          h("td", {}, interval(s.mean, s.ci_low, s.ci_high, lo, hi)),
+          h("td", {}, s.status, s.errors ? h("div", { class: "sub" }, `${s.errors} not scored`) : ""));
+      })));
+  }
+
+  function endpoints(report) {
+    if (!report.endpoints || !report.endpoints.length) return null;
+    const p = (x) => (x ? `${fmt.ms(x.p50)} / ${fmt.ms(x.p90)} / ${fmt.ms(x.p99)}` : "–");
+    return h("table", { class: "endpoints" },
+      h("thead", {}, h("tr", {}, h("th", {}, "Endpoint"), h("th", { class: "num" }, "Calls"), h("th", { class: "num" }, "Answered"),
+        h("th", {}, "Latency p50/p90/p99"), h("th", {}, "TTFT"), h("th", {}, "TPOT"), h("th", { class: "num" }, "Tokens/s a call"))),
+      h("tbody", {}, report.endpoints.map((e) => h("tr", {},
+        h("td", {}, e.endpoint), h("td", { class: "num" }, fmt.int(e.attempts)), h("td", { class: "num" }, fmt.int(e.successes)),
+        h("td", {}, p(e.latency_ms)), h("td", {}, p(e.ttft_ms)), h("td", {}, p(e.tpot_ms)),
+        h("td", { class: "num" }, fmt.num(e.tokens_per_second_per_call, 1))))));
+  }
+
+  function fidelity(report) {
+    const f = report.fidelity;
+    return h("div", { class: "sub" },
+      `${fmt.int(report.items)} items; answers usable at once ${fmt.int(f.valid_first_try)}, after re-asks ${fmt.int(f.valid_after_reasks)}, ` +
+      `unparsed ${fmt.int(f.unparsed)}, invalid ${fmt.int(f.invalid)}, not checked ${fmt.int(f.not_checked)}, failed ${fmt.int(f.failed)}.`);
+  }
+
+  function samples(report) {
+    const s = report.samples;
+    if (!s) return null;
+    const ks = [...new Set(s.metrics.flatMap((m) => Object.keys(m.pass_at || {})))].sort((a, b) => a - b);
+    return h("div", { style: "margin-top:12px" }, h("h2", {}, `pass@k and majority vote (${s.n} samples of each of ${fmt.int(s.rows)} rows)`),
+      h("table", {}, h("thead", {}, h("tr", {}, h("th", {}, "Metric"), ...ks.map((k) => h("th", { class: "num" }, `pass@${k}`)), h("th", { class: "num" }, "Majority"))),
+        h("tbody", {}, s.metrics.map((m) => h("tr", {}, h("td", { class: "mono" }, m.metric),
+          ...ks.map((k) => h("td", { class: "num" }, m.pass_at && k in m.pass_at ? fmt.num(m.pass_at[k], 4) : "–")),
+          h("td", { class: "num" }, fmt.num(m.majority, 4)))))));
+  }
+
+  function verdicts(report) {
+    const all = report.code_verdicts && report.code_verdicts.all;
+    if (!all) return null;
+    return h("div", {}, h("h2", {}, "Code verdicts"),
+      h("div", {}, Object.entries(all).map(([k, v]) => h("span", { class: "legend" }, EF.badge(k), fmt.int(v)))));
+  }
+
+  /** Draws `report` into `container`. */
+  function render(container, report) {
+    container.replaceChildren(
+      fidelity(report),
+      ...(report.problems || []).map((p) => h("div", { class: "error-banner" }, p)),
+      metrics(report),
+      samples(report),
+      verdicts(report),
+      endpoints(report) ? h("div", { style: "margin-top:12px" }, h("h2", {}, "Endpoints"), endpoints(report)) : null);
+  }
+
+  return { render, interval, svg };
+})();

@@ -1,0 +1,191 @@
+// One run, live: its progress and ETA, items per second, latency, TTFT and
+// TPOT percentiles, each endpoint's health, limit and calls in flight over
+// time, errors by class, quota pauses and its event log, from the run's
+// server-sent event stream; its report once it stops.
+"use strict";
+(() => {
+  const { api, h, fmt, badge, bar, showError, stat, chart } = EF;
+  const runId = document.body.dataset.run;
+  const root = document.getElementById("content");
+  let points = [];
+  let events = [];
+  let run = null;
+  let endpoints = null;
+  let server = { runs_evaluations: false, running: [] };
+  let plots = {};
+
+  const title = h("h1", {}, runId);
+  const sub = h("div", { class: "sub mono" }, runId);
+  const state = h("span", { id: "state" });
+  const actions = h("div", { class: "actions", id: "actions" });
+  const progress = h("div", { id: "progress" });
+  const stats = h("div", { class: "stats", id: "stats" });
+  const charts = {
+    items: h("div", { class: "chart", id: "chart-items" }),
+    latency: h("div", { class: "chart", id: "chart-latency" }),
+    ttft: h("div", { class: "chart", id: "chart-ttft" }),
+    limit: h("div", { class: "chart", id: "chart-limit" }),
+  };
+  const endpointsTable = h("table", { id: "endpoints" });
+  const errors = h("div", { id: "errors" });
+  const log = h("div", { class: "log", id: "log" });
+  const report = h("div", { id: "report" });
+  root.append(
+    h("div", { class: "row", style: "justify-content: space-between; align-items: flex-start" },
+      h("div", {}, h("div", { style: "display:flex; gap:10px; align-items:center" }, title, state), sub),
+      actions),
+    progress, stats,
+    h("div", { class: "row" },
+      h("div", { class: "card grow" }, charts.items),
+      h("div", { class: "card grow" }, charts.latency)),
+    h("div", { class: "row" },
+      h("div", { class: "card grow" }, charts.limit),
+      h("div", { class: "card grow" }, charts.ttft)),
+    h("div", { class: "card" }, h("h2", {}, "Endpoints"), endpointsTable, errors),
+    h("div", { class: "row" },
+      h("div", { class: "card grow" }, h("h2", {}, "Events"), log),
+      h("div", { class: "card grow" }, h("h2", {}, "Scores"), report)));
+
+  function last(n) { return points.slice(Math.max(0, points.length - n)); }
+
+  function renderHeader() {
+    title.textContent = run.name;
+    state.replaceChildren(badge(run.state));
+    progress.replaceChildren(bar(run.counts, "progress"));
+    const recent = last(10).filter((p) => p.items_per_s > 0);
+    const rate = recent.length ? recent.reduce((a, p) => a + p.items_per_s, 0) / recent.length : 0;
+    const inFlight = (endpoints ? endpoints.endpoints : []).reduce((a, e) => a + (e.in_flight || 0), 0);
+    const eta = run.state === "running" && rate > 0 ? fmt.duration((1000 * run.counts.pending) / rate) : "–";
+    const pauses = points.reduce((a, p) => a + p.endpoints.reduce((b, e) => b + e.quota_pauses, 0), 0);
+    stats.replaceChildren(
+      stat("done", fmt.int(run.counts.done), "stat-done"),
+      stat("failed", fmt.int(run.counts.failed), "stat-failed"),
+      stat("pending", fmt.int(run.counts.pending), "stat-pending"),
+      stat("items/s", fmt.num(rate, 1), "stat-rate"),
+      stat("ETA", eta, "stat-eta"),
+      stat("in flight", fmt.int(inFlight), "stat-in-flight"),
+      stat("quota pauses", fmt.int(pauses), "stat-pauses"),
+      stat("workers", fmt.int(run.workers), "stat-workers"));
+    const here = server.running.includes(runId);
+    const buttons = [];
+    const post = async (path, body = {}) => {
+      try { await api(`/runs/${encodeURIComponent(runId)}/${path}`, { method: "POST", body }); showError(null); connect(); }
+      catch (e) { showError(e); }
+    };
+    if (server.runs_evaluations && here) buttons.push(h("button", { class: "danger", id: "stop", onclick: () => post("cancel") }, "Stop"));
+    if (server.runs_evaluations && !here && run.state !== "running") {
+      if (run.counts.pending > 0) buttons.push(h("button", { id: "resume", onclick: () => post("resume") }, "Resume"));
+      if (run.counts.failed > 0) buttons.push(h("button", { id: "retry", onclick: () => post("resume", { retry_failed: true }) }, "Retry failed"));
+      buttons.push(h("button", { id: "rescore", onclick: async () => {
+        try { await api(`/runs/${encodeURIComponent(runId)}/rescore`, { method: "POST", body: {} }); loadReport(); }
+        catch (e) { showError(e); } } }, "Score again"));
+    }
+    buttons.push(h("a", { class: "button", href: `/runs/${encodeURIComponent(runId)}/items` }, "Results"));
+    actions.replaceChildren(...buttons);
+  }
+
+  function series(pick, stats) {
+    const names = [...new Set(points.flatMap((p) => p.endpoints.map((e) => e.endpoint)))];
+    const xs = points.map((p) => p.at_ms / 1000);
+    const out = [];
+    const data = [xs];
+    for (const name of names) {
+      for (const [label, get, dash] of stats) {
+        out.push({ label: `${name} ${label}`, dash });
+        data.push(points.map((p) => {
+          const e = p.endpoints.find((x) => x.endpoint === name);
+          const v = e ? get(pick(e)) : null;
+          return v === undefined ? null : v;
+        }));
+      }
+    }
+    return [out, data];
+  }
+
+  function renderCharts() {
+    if (!points.length) {
+      charts.items.replaceChildren(h("div", { class: "empty" }, "No timeline yet: it fills a point a second while the run goes."));
+      return;
+    }
+    const xs = points.map((p) => p.at_ms / 1000);
+    plots.items = chart(charts.items, "Items per second", [{ label: "items/s" }, { label: "calls/s", dash: [4, 4] }],
+      [xs, points.map((p) => p.items_per_s), points.map((p) => p.endpoints.reduce((a, e) => a + e.calls_per_s, 0))], "per s");
+    const q = (name) => [["p50", (v) => (v ? v.p50 : null)], ["p99", (v) => (v ? v.p99 : null), [4, 4]]];
+    let [s, d] = series((e) => e.latency_ms, q());
+    plots.latency = chart(charts.latency, "Latency (ms)", s, d, "ms");
+    [s, d] = series((e) => e, [["limit", (e) => e.limit], ["in flight", (e) => e.in_flight, [4, 4]]]);
+    plots.limit = chart(charts.limit, "Concurrency limit and calls in flight", s, d, "calls");
+    const hasTtft = points.some((p) => p.endpoints.some((e) => e.ttft_ms));
+    if (hasTtft) {
+      [s, d] = series((e) => e, [["TTFT p50", (e) => (e.ttft_ms ? e.ttft_ms.p50 : null)], ["TPOT p50", (e) => (e.tpot_ms ? e.tpot_ms.p50 : null), [4, 4]]]);
+      plots.ttft = chart(charts.ttft, "TTFT and TPOT (ms, streams)", s, d, "ms");
+    } else {
+      [s, d] = series((e) => e, [["tokens/s", (e) => e.tokens_per_s]]);
+      plots.ttft = chart(charts.ttft, "Completion tokens per second", s, d, "tokens/s");
+    }
+  }
+
+  function renderEndpoints() {
+    const list = endpoints ? endpoints.endpoints : [];
+    const classes = [...new Set(list.flatMap((e) => Object.keys(e.errors || {})))].sort();
+    endpointsTable.replaceChildren(
+      h("thead", {}, h("tr", {}, h("th", {}, "Endpoint"), h("th", {}, "State"), h("th", { class: "num" }, "Limit"),
+        h("th", { class: "num" }, "In flight"), h("th", { class: "num" }, "Calls/min"), h("th", { class: "num" }, "Learned rate/s"),
+        h("th", { class: "num" }, "Restarts"), ...classes.map((c) => h("th", { class: "num" }, c)))),
+      h("tbody", {}, list.map((e) => h("tr", { "data-endpoint": e.endpoint },
+        h("td", {}, e.endpoint, h("div", { class: "sub" }, e.kind)),
+        h("td", {}, badge(e.state)),
+        h("td", { class: "num" }, fmt.int(e.limit), e.adaptive ? h("span", { class: "sub" }, " adaptive") : ""),
+        h("td", { class: "num" }, fmt.int(e.in_flight)),
+        h("td", { class: "num" }, fmt.int(e.requests_per_minute)),
+        h("td", { class: "num" }, e.learned_rate ? fmt.num(e.learned_rate, 1) : "–"),
+        h("td", { class: "num" }, fmt.int(e.restarts)),
+        ...classes.map((c) => h("td", { class: "num" }, fmt.int((e.errors || {})[c] || 0)))))));
+    errors.textContent = endpoints
+      ? `As ${endpoints.live ? "seen live" : "last seen"} at ${fmt.clock(endpoints.updated_at_ms)}.` : "No endpoint has reported yet.";
+    errors.className = "sub";
+  }
+
+  function renderLog() {
+    const atBottom = log.scrollTop + log.clientHeight >= log.scrollHeight - 4;
+    log.replaceChildren(...events.slice(-300).map((e) =>
+      h("div", { class: ["unhealthy", "ejected", "died", "excluded", "start_failed", "interrupted"].includes(e.kind) ? "warn" : "" },
+        fmt.clock(e.at_ms), "  ", e.message)));
+    if (atBottom) log.scrollTop = log.scrollHeight;
+  }
+
+  async function loadReport() {
+    try {
+      const r = await api(`/runs/${encodeURIComponent(runId)}/report`);
+      EFReport.render(report, r);
+    } catch (e) {
+      report.replaceChildren(h("div", { class: "note" }, e.message));
+    }
+  }
+
+  let source = null;
+  function connect() {
+    if (source) source.close();
+    source = new EventSource(`/api/v1/runs/${encodeURIComponent(runId)}/stream`);
+    source.addEventListener("snapshot", (m) => {
+      const s = JSON.parse(m.data);
+      run = s.run; endpoints = s.run.endpoints; events = s.run.events; points = s.timeline;
+      renderAll();
+    });
+    source.addEventListener("update", (m) => {
+      const u = JSON.parse(m.data);
+      run = { ...run, ...u.run }; endpoints = u.endpoints; events = events.concat(u.events);
+      points = points.concat(u.points).slice(-3600);
+      renderAll();
+      if (u.run.state !== "running") { source.close(); loadReport(); }
+    });
+    source.addEventListener("error", (m) => { if (m.data) showError(new Error(m.data)); });
+  }
+
+  async function renderAll() {
+    try { server = await api("/server"); } catch (_) { /* the page still shows the run */ }
+    renderHeader(); renderCharts(); renderEndpoints(); renderLog();
+    if (run.state !== "running" && !report.dataset.loaded) { report.dataset.loaded = "1"; loadReport(); }
+  }
+  connect();
+})();

@@ -1,0 +1,327 @@
+//! The dashboard: server-rendered page shells, each filled in by a script
+//! of its own from the JSON API; its assets (and the vendored uPlot) are
+//! built into the binary. `report_html` makes the one self-contained page
+//! `evalfleet report --html` writes.
+
+use std::sync::Arc;
+
+use axum::Form;
+use axum::extract::{Path, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{Html, IntoResponse, Redirect, Response};
+use evalfleet_core::report::Report;
+use serde::Deserialize;
+
+use crate::auth;
+use crate::state::AppState;
+
+/// An asset: its path under `/assets/`, content type and bytes.
+struct Asset {
+    path: &'static str,
+    kind: &'static str,
+    bytes: &'static [u8],
+}
+
+const ASSETS: &[Asset] = &[
+    Asset {
+        path: "app.css",
+        kind: "text/css; charset=utf-8",
+        bytes: include_bytes!("../assets/app.css"),
+    },
+    Asset {
+        path: "app.js",
+        kind: "text/javascript; charset=utf-8",
+        bytes: include_bytes!("../assets/app.js"),
+    },
+    Asset {
+        path: "report.js",
+        kind: "text/javascript; charset=utf-8",
+        bytes: include_bytes!("../assets/report.js"),
+    },
+    Asset {
+        path: "runs.js",
+        kind: "text/javascript; charset=utf-8",
+        bytes: include_bytes!("../assets/runs.js"),
+    },
+    Asset {
+        path: "run.js",
+        kind: "text/javascript; charset=utf-8",
+        bytes: include_bytes!("../assets/run.js"),
+    },
+    Asset {
+        path: "items.js",
+        kind: "text/javascript; charset=utf-8",
+        bytes: include_bytes!("../assets/items.js"),
+    },
+    Asset {
+        path: "item.js",
+        kind: "text/javascript; charset=utf-8",
+        bytes: include_bytes!("../assets/item.js"),
+    },
+    Asset {
+        path: "compare.js",
+        kind: "text/javascript; charset=utf-8",
+        bytes: include_bytes!("../assets/compare.js"),
+    },
+    Asset {
+        path: "new.js",
+        kind: "text/javascript; charset=utf-8",
+        bytes: include_bytes!("../assets/new.js"),
+    },
+    Asset {
+        path: "vendor/uplot/uPlot.iife.min.js",
+        kind: "text/javascript; charset=utf-8",
+        bytes: include_bytes!("../assets/vendor/uplot/uPlot.iife.min.js"),
+    },
+    Asset {
+        path: "vendor/uplot/uPlot.min.css",
+        kind: "text/css; charset=utf-8",
+        bytes: include_bytes!("../assets/vendor/uplot/uPlot.min.css"),
+    },
+    Asset {
+        path: "vendor/uplot/LICENSE",
+        kind: "text/plain; charset=utf-8",
+        bytes: include_bytes!("../assets/vendor/uplot/LICENSE"),
+    },
+];
+
+fn asset_text(path: &str) -> &'static str {
+    ASSETS
+        .iter()
+        .find(|a| a.path == path)
+        .and_then(|a| std::str::from_utf8(a.bytes).ok())
+        .unwrap_or_default()
+}
+
+/// `/assets/{path}`.
+pub async fn asset(Path(path): Path<String>) -> Response {
+    match ASSETS.iter().find(|a| a.path == path) {
+        Some(asset) => (
+            [
+                (header::CONTENT_TYPE, HeaderValue::from_static(asset.kind)),
+                (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
+                (
+                    header::X_CONTENT_TYPE_OPTIONS,
+                    HeaderValue::from_static("nosniff"),
+                ),
+            ],
+            asset.bytes,
+        )
+            .into_response(),
+        None => (StatusCode::NOT_FOUND, "no such asset").into_response(),
+    }
+}
+
+/// Text made safe for HTML.
+pub fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// A page: the layout, the page's data attributes and its script.
+fn shell(title: &str, active: &str, data: &[(&str, &str)], script: &str) -> Response {
+    let nav = [
+        ("/", "Runs", "runs"),
+        ("/compare", "Compare", "compare"),
+        ("/new", "New run", "new"),
+    ]
+    .iter()
+    .map(|(href, label, key)| {
+        format!(
+            "<a href=\"{href}\"{}>{label}</a>",
+            if *key == active {
+                " class=\"active\""
+            } else {
+                ""
+            }
+        )
+    })
+    .collect::<String>();
+    let attrs = data
+        .iter()
+        .map(|(k, v)| format!(" data-{k}=\"{}\"", escape(v)))
+        .collect::<String>();
+    let page = format!(
+        "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
+         <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
+         <title>{title} · evalfleet</title>\
+         <link rel=\"stylesheet\" href=\"/assets/vendor/uplot/uPlot.min.css\">\
+         <link rel=\"stylesheet\" href=\"/assets/app.css\"></head>\
+         <body data-page=\"{active}\"{attrs}>\
+         <header class=\"top\"><a class=\"brand\" href=\"/\">evalfleet</a><nav>{nav}</nav></header>\
+         <main id=\"content\"></main>\
+         <script src=\"/assets/vendor/uplot/uPlot.iife.min.js\"></script>\
+         <script src=\"/assets/app.js\"></script>\
+         <script src=\"/assets/report.js\"></script>\
+         <script src=\"/assets/{script}\"></script>\
+         </body></html>",
+        title = escape(title),
+    );
+    (
+        [
+            (
+                header::CONTENT_SECURITY_POLICY,
+                HeaderValue::from_static(
+                    "default-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; frame-ancestors 'none'",
+                ),
+            ),
+            (header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY")),
+        ],
+        Html(page),
+    )
+        .into_response()
+}
+
+pub async fn runs() -> Response {
+    shell("Runs", "runs", &[], "runs.js")
+}
+
+pub async fn run(Path(run_id): Path<String>) -> Response {
+    shell(&run_id, "run", &[("run", &run_id)], "run.js")
+}
+
+pub async fn items(Path(run_id): Path<String>) -> Response {
+    shell(
+        &format!("Results of {run_id}"),
+        "items",
+        &[("run", &run_id)],
+        "items.js",
+    )
+}
+
+pub async fn item(Path((run_id, item_id)): Path<(String, String)>) -> Response {
+    shell(
+        &format!("{item_id} of {run_id}"),
+        "item",
+        &[("run", &run_id), ("item", &item_id)],
+        "item.js",
+    )
+}
+
+pub async fn compare() -> Response {
+    shell("Compare", "compare", &[], "compare.js")
+}
+
+pub async fn new_run() -> Response {
+    shell("New run", "new", &[], "new.js")
+}
+
+/// The sign-in page (a server with an API key).
+pub async fn login_page() -> Html<String> {
+    Html(login_html(None))
+}
+
+fn login_html(error: Option<&str>) -> String {
+    format!(
+        "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>Sign in · evalfleet</title>\
+         <link rel=\"stylesheet\" href=\"/assets/app.css\"></head><body>\
+         <header class=\"top\"><span class=\"brand\">evalfleet</span></header>\
+         <main><div class=\"card\" style=\"max-width:420px\"><h1>Sign in</h1>\
+         <p class=\"sub\">This server asks for its API key (EVALFLEET_API_KEY where it runs).</p>{}\
+         <form method=\"post\" action=\"/login\"><input type=\"password\" name=\"key\" id=\"key\" autocomplete=\"current-password\" style=\"width:100%\">\
+         <div class=\"actions\"><button class=\"primary\" type=\"submit\">Sign in</button></div></form></div></main></body></html>",
+        error.map_or_else(String::new, |e| format!(
+            "<div class=\"error-banner\">{}</div>",
+            escape(e)
+        ))
+    )
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Login {
+    key: String,
+}
+
+/// A sign-in: a right key sets the session cookie (a digest of the key, not
+/// the key) and goes to the runs.
+pub async fn login(State(state): State<Arc<AppState>>, Form(form): Form<Login>) -> Response {
+    if state.key_digest.is_none() {
+        return Redirect::to("/").into_response();
+    }
+    if !auth::accepts(&state, Some(&form.key)) {
+        return (
+            StatusCode::UNAUTHORIZED,
+            Html(login_html(Some("That is not this server's key."))),
+        )
+            .into_response();
+    }
+    let cookie = format!(
+        "{}={}; Path=/; HttpOnly; SameSite=Strict",
+        auth::COOKIE,
+        auth::session_token(&form.key)
+    );
+    let mut response = Redirect::to("/").into_response();
+    if let Ok(value) = HeaderValue::from_str(&cookie) {
+        response.headers_mut().insert(header::SET_COOKIE, value);
+    }
+    response
+}
+
+/// One self-contained page with a run's report: the dashboard's own
+/// styles and report renderer inlined, the report as data; it needs no
+/// server and fetches nothing.
+pub fn report_html(report: &Report) -> String {
+    let data = serde_json::to_string(report)
+        .unwrap_or_else(|_| "null".to_owned())
+        // Inside a <script> element, "</" would end it.
+        .replace("</", "<\\/");
+    format!(
+        "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
+         <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
+         <title>{title} · evalfleet report</title><style>{css}</style></head><body>\
+         <header class=\"top\"><span class=\"brand\">evalfleet</span><span>report of {title}</span></header>\
+         <main><h1>{name}</h1><div class=\"sub mono\">{title}</div><div class=\"card\" id=\"report\"></div></main>\
+         <script type=\"application/json\" id=\"data\">{data}</script>\
+         <script>{app}</script><script>{report_js}</script>\
+         <script>EFReport.render(document.getElementById(\"report\"), JSON.parse(document.getElementById(\"data\").textContent));</script>\
+         </body></html>",
+        title = escape(&report.run_id),
+        name = escape(&report.name),
+        css = asset_text("app.css"),
+        app = asset_text("app.js"),
+        report_js = asset_text("report.js"),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_is_escaped_for_html() {
+        assert_eq!(
+            escape("<a href=\"x\">'&'</a>"),
+            "&lt;a href=&quot;x&quot;&gt;&#39;&amp;&#39;&lt;/a&gt;"
+        );
+    }
+
+    #[test]
+    fn every_vendored_file_is_the_one_its_list_names() {
+        use sha2::{Digest, Sha256};
+        let list = include_str!("../assets/vendor/VENDORED.md");
+        let mut checked = 0;
+        for line in list.lines().filter(|l| l.starts_with("| uPlot")) {
+            let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+            let (file, sha) = (cells[5], cells[6]);
+            let asset = ASSETS
+                .iter()
+                .find(|a| a.path == format!("vendor/{file}"))
+                .unwrap_or_else(|| panic!("{file} is listed but not served"));
+            let digest: [u8; 32] = Sha256::digest(asset.bytes).into();
+            let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+            assert_eq!(hex, sha, "{file} is not the vendored file");
+            checked += 1;
+        }
+        assert_eq!(checked, 3);
+    }
+}
