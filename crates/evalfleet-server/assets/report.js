@@ -84,13 +84,15 @@ const EFReport = (() => {
 
   /** Draws `report` into `container`. */
   function render(container, report) {
-    container.replaceChildren(
+    const table = endpoints(report);
+    container.replaceChildren(...[
       fidelity(report),
       ...(report.problems || []).map((p) => h("div", { class: "error-banner" }, p)),
       metrics(report),
       samples(report),
       verdicts(report),
-      endpoints(report) ? h("div", { style: "margin-top:12px" }, h("h2", {}, "Endpoints"), endpoints(report)) : null);
+      table ? h("div", { style: "margin-top:12px" }, h("h2", {}, "Endpoints"), table) : null,
+    ].filter(Boolean));
   }
 
   return { render, interval, svg };

@@ -90,9 +90,10 @@ pub enum Command {
     /// Report a run's scores overall and by category, with uncertainty, and its per-endpoint telemetry.
     ///
     /// Prints a table and writes metrics_summary.csv, metrics_detailed.csv and
-    /// summary.json (under reports/RUN_ID/ beside the store, or --out).
+    /// summary.json (under reports/RUN_ID/ beside the store, or --out); with
+    /// --html, one self-contained page with the same report for sharing.
     #[command(
-        after_help = "Example:\n  evalfleet report RUN_ID\n  evalfleet report RUN_ID --by subject,level --out reports/gsm8k"
+        after_help = "Example:\n  evalfleet report RUN_ID\n  evalfleet report RUN_ID --by subject,level --out reports/gsm8k\n  evalfleet report RUN_ID --html report.html"
     )]
     Report(ReportArgs),
 
@@ -344,6 +345,11 @@ pub struct ReportArgs {
     /// Print the JSON summary instead of tables
     #[arg(long)]
     pub json: bool,
+
+    /// Also write the report as one self-contained HTML page (it needs no
+    /// server and fetches nothing), for sharing
+    #[arg(long, value_name = "FILE")]
+    pub html: Option<PathBuf>,
 
     /// Exit 1 when a metric could not score this share of the answers it
     /// was given or more [default: the run's report.max_unscored, else 1]

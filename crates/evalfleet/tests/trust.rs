@@ -89,10 +89,31 @@ async fn gsm8k_accuracy_is_the_known_fraction_and_malformed_answers_are_reasked(
     assert_eq!(server.stats().completed, n + fifth + 2 * fifth);
 
     let report = env
-        .evalfleet(&["report", &run_id, "--json", "--out", "report"])
+        .evalfleet(&[
+            "report",
+            &run_id,
+            "--json",
+            "--out",
+            "report",
+            "--html",
+            "report.html",
+        ])
         .await;
     assert_eq!(report.code, Some(0), "{}", report.stderr);
     let summary: Value = serde_json::from_str(&report.stdout).unwrap();
+    // The page carries the same report and needs nothing from elsewhere.
+    let page = std::fs::read_to_string(env.path("report.html")).unwrap();
+    let data = page
+        .split("<script type=\"application/json\" id=\"data\">")
+        .nth(1)
+        .and_then(|rest| rest.split("</script>").next())
+        .unwrap();
+    let embedded: Value = serde_json::from_str(&data.replace("<\\/", "</")).unwrap();
+    assert_eq!(embedded["metrics"], summary["metrics"]);
+    // (The SVG namespace is a name, not a place.)
+    for outside in ["src=\"", "href=\"", "https://", "@import", "url("] {
+        assert!(!page.contains(outside), "the page refers to {outside}...");
+    }
     let overall = &summary["metrics"][0];
     assert_eq!(overall["metric"], "accuracy");
     assert_eq!(overall["group"], "all");

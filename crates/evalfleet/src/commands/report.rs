@@ -106,6 +106,11 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
     let json_path = dir.join("summary.json");
     fs::write(&json_path, &json)
         .with_context(|| format!("cannot write {}", json_path.display()))?;
+    if let Some(html) = &args.html {
+        fs::write(html, evalfleet_server::pages::report_html(&report))
+            .with_context(|| format!("cannot write {}", html.display()))?;
+        eprintln!("Wrote the report as a page: {}", html.display());
+    }
     if args.json {
         println!("{json}");
     } else {
