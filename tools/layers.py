@@ -45,7 +45,7 @@ LAYERS = {
         # Shared state, and who may ask.
         ["state", "auth"],
         # The JSON API, and the dashboard's pages.
-        ["api", "pages"],
+        ["api", "pages", "metrics"],
     ],
 }
 

@@ -9,6 +9,7 @@ mod api;
 mod auth;
 pub mod control;
 mod error;
+mod metrics;
 pub mod pages;
 mod state;
 
@@ -37,6 +38,7 @@ pub fn app(state: Arc<AppState>) -> Router {
                 async move { Json((*openapi).clone()) }
             }),
         )
+        .route("/metrics", get(metrics::metrics))
         .route("/", get(pages::runs))
         .route("/runs/{run_id}", get(pages::run))
         .route("/runs/{run_id}/items", get(pages::items))

@@ -54,6 +54,67 @@ pub struct EndpointSnapshot {
     pub restarts: u32,
     /// The request rate learned from 429s, per second.
     pub learned_rate: Option<f64>,
+    /// Calls that ended since its worker started, and those that answered.
+    #[serde(default)]
+    pub calls: u64,
+    #[serde(default)]
+    pub successes: u64,
+    /// Pauses its quota asked for since its worker started.
+    #[serde(default)]
+    pub quota_pauses: u64,
+    /// What its calls that answered took, in buckets (Prometheus's
+    /// histograms), since its worker started.
+    #[serde(default)]
+    pub timings: Option<Timings>,
+}
+
+/// The upper bounds of [`Buckets`], in ms.
+pub const BUCKETS_MS: [f64; 16] = [
+    5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1_000.0, 2_500.0, 5_000.0, 10_000.0, 30_000.0,
+    60_000.0, 120_000.0, 300_000.0, 600_000.0,
+];
+
+/// Measures counted in the buckets of [`BUCKETS_MS`] (and one beyond the
+/// last), with their sum.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Buckets {
+    /// Per bucket (not cumulative), the last one past every bound.
+    pub counts: Vec<u64>,
+    pub sum_ms: f64,
+}
+
+impl Default for Buckets {
+    fn default() -> Self {
+        Self {
+            counts: vec![0; BUCKETS_MS.len() + 1],
+            sum_ms: 0.0,
+        }
+    }
+}
+
+impl Buckets {
+    pub fn record(&mut self, ms: f64) {
+        let at = BUCKETS_MS
+            .iter()
+            .position(|bound| ms <= *bound)
+            .unwrap_or(BUCKETS_MS.len());
+        if let Some(count) = self.counts.get_mut(at) {
+            *count += 1;
+        }
+        self.sum_ms += ms;
+    }
+
+    pub fn count(&self) -> u64 {
+        self.counts.iter().sum()
+    }
+}
+
+/// Latency, TTFT and TPOT in buckets.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Timings {
+    pub latency: Buckets,
+    pub ttft: Buckets,
+    pub tpot: Buckets,
 }
 
 /// The 50th, 90th and 99th percentiles of what calls took, in ms.

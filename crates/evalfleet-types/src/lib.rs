@@ -19,7 +19,10 @@ pub mod retry;
 
 pub use answer::{Assessment, Score, Scores, Verdict};
 pub use class::ErrorClass;
-pub use endpoint::{EndpointSample, EndpointSnapshot, EndpointState, Quantiles, RunSample};
+pub use endpoint::{
+    BUCKETS_MS, Buckets, EndpointSample, EndpointSnapshot, EndpointState, Quantiles, RunSample,
+    Timings,
+};
 pub use event::{Event, EventKind, FleetAction, FleetChange};
 pub use fading::FadingMax;
 pub use fault::Fault;

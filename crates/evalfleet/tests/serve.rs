@@ -177,6 +177,38 @@ async fn a_run_stopped_over_http_is_resumed_over_http_and_ends_once_each() {
         env.counts("slow-1").done >= 4
     })
     .await;
+    // Prometheus sees the running run and its endpoint (once the worker has
+    // written its endpoints' state, within a second).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let metrics = loop {
+        let text = client()
+            .get(format!("{base}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if text.contains("evalfleet_latency_seconds_bucket") {
+            break text;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{text}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    for line in metrics.lines().filter(|l| !l.starts_with('#')) {
+        let (series, value) = line.rsplit_once(' ').unwrap();
+        assert!(series.starts_with("evalfleet_"), "{line}");
+        assert!(value.parse::<f64>().is_ok(), "{line}");
+    }
+    for expected in [
+        "evalfleet_items{run=\"slow-1\",state=\"done\"}",
+        "evalfleet_concurrency_limit{run=\"slow-1\",endpoint=\"m\"} 2",
+        "evalfleet_calls_total{run=\"slow-1\",endpoint=\"m\",outcome=\"answered\"}",
+        "evalfleet_latency_seconds_bucket{le=\"+Inf\",run=\"slow-1\",endpoint=\"m\"}",
+        "evalfleet_in_flight{run=\"slow-1\",endpoint=\"m\"}",
+    ] {
+        assert!(metrics.contains(expected), "no {expected} in:\n{metrics}");
+    }
     let response = client()
         .post(format!("{base}/api/v1/runs/slow-1/cancel"))
         .send()

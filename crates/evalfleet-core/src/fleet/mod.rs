@@ -501,6 +501,7 @@ impl Endpoint {
     }
 
     pub fn snapshot(&self) -> EndpointSnapshot {
+        let window = self.window.lock().unwrap_or_else(PoisonError::into_inner);
         let status = self.status();
         let state = Self::state_of(&status);
         let errors = ErrorClass::FAILURES
@@ -525,6 +526,10 @@ impl Endpoint {
             pid: status.pid,
             restarts: status.restarts,
             learned_rate: self.rate.learned_rate(),
+            calls: window.total_calls,
+            successes: window.total_successes,
+            quota_pauses: self.quota_pauses.load(std::sync::atomic::Ordering::Relaxed),
+            timings: Some(window.timings.clone()),
         }
     }
 }

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use evalfleet_types::{EndpointSample, Quantiles};
+use evalfleet_types::{EndpointSample, Quantiles, Timings};
 use hdrhistogram::Histogram;
 
 /// Milliseconds recorded in microseconds, from 1 µs to an hour.
@@ -75,6 +75,10 @@ pub struct Window {
     completion_tokens: u64,
     /// Quota pauses counted when the last sample was taken.
     pauses_before: u64,
+    /// Since the endpoint was made: calls, answers, and what answers took.
+    pub total_calls: u64,
+    pub total_successes: u64,
+    pub timings: Timings,
 }
 
 impl Default for Window {
@@ -87,6 +91,9 @@ impl Default for Window {
             successes: 0,
             completion_tokens: 0,
             pauses_before: 0,
+            total_calls: 0,
+            total_successes: 0,
+            timings: Timings::default(),
         }
     }
 }
@@ -104,16 +111,24 @@ impl Window {
     /// A call ended: it answered, or (`None`) it failed.
     pub fn record(&mut self, answered: Option<Answered>) {
         self.calls += 1;
+        self.total_calls += 1;
         let Some(a) = answered else {
             return;
         };
         self.successes += 1;
-        self.latency.record(evalfleet_types::ms(a.latency));
+        self.total_successes += 1;
+        let latency = evalfleet_types::ms(a.latency);
+        self.latency.record(latency);
+        self.timings.latency.record(latency);
         if let Some(ttft) = a.ttft {
-            self.ttft.record(evalfleet_types::ms(ttft));
+            let ttft = evalfleet_types::ms(ttft);
+            self.ttft.record(ttft);
+            self.timings.ttft.record(ttft);
         }
         if let Some(tpot) = a.tpot {
-            self.tpot.record(evalfleet_types::ms(tpot));
+            let tpot = evalfleet_types::ms(tpot);
+            self.tpot.record(tpot);
+            self.timings.tpot.record(tpot);
         }
         self.completion_tokens += a.completion_tokens.unwrap_or(0);
     }
@@ -173,5 +188,13 @@ mod tests {
         let empty = w.take(5);
         assert_eq!((empty.calls, empty.quota_pauses), (0, 2));
         assert!(empty.latency_ms.is_none());
+        // The totals stay: 10, 20 and 30 ms in their buckets, 40 in the next.
+        assert_eq!((w.total_calls, w.total_successes), (5, 4));
+        assert_eq!(w.timings.latency.count(), 4);
+        assert_eq!(w.timings.latency.counts[1], 1, "10 ms: at most 10");
+        assert_eq!(w.timings.latency.counts[2], 1, "20 ms: at most 25");
+        assert_eq!(w.timings.latency.counts[3], 2, "30 and 40 ms: at most 50");
+        assert_eq!(w.timings.latency.sum_ms, 100.0);
+        assert_eq!(w.timings.ttft.count(), 4);
     }
 }
