@@ -41,7 +41,7 @@ LAYERS = {
     ],
     "evalfleet-server": [
         # What a request gets when it fails; what the server may ask of runs.
-        ["error", "control"],
+        ["error", "control", "extract"],
         # Shared state, and who may ask.
         ["state", "auth"],
         # The JSON API, and the dashboard's pages.

@@ -179,7 +179,10 @@
       renderAll();
       if (u.run.state !== "running") { source.close(); loadReport(); }
     });
-    source.addEventListener("error", (m) => { if (m.data) showError(new Error(m.data)); });
+    source.addEventListener("error", (m) => {
+      if (!m.data) return;
+      try { showError(new Error(JSON.parse(m.data).error.message)); } catch (_) { showError(new Error(m.data)); }
+    });
   }
 
   async function renderAll() {

@@ -31,8 +31,13 @@ pub enum ApiError {
     Unauthorized,
     #[error("{0}")]
     Forbidden(String),
+    /// This server does not do what was asked (it only reads the store).
     #[error("{0}")]
-    Unavailable(String),
+    NotHere(String),
+    #[error("{0}")]
+    UnsupportedMediaType(String),
+    #[error("{0}")]
+    TooLarge(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -75,7 +80,9 @@ impl ApiError {
             Self::Conflict(_) => StatusCode::CONFLICT,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
             Self::Forbidden(_) => StatusCode::FORBIDDEN,
-            Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::NotHere(_) => StatusCode::FORBIDDEN,
+            Self::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Self::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
         }
     }
 }

@@ -9,6 +9,7 @@ mod api;
 mod auth;
 pub mod control;
 mod error;
+mod extract;
 mod metrics;
 pub mod pages;
 mod state;

@@ -271,12 +271,27 @@ async fn changes_from_another_sites_page_and_oversized_bodies_are_refused() {
         )))
         .unwrap();
     assert_eq!(call(&app, huge).await.0, StatusCode::PAYLOAD_TOO_LARGE);
-    // This server runs nothing: starting a run is unavailable.
+    // This server runs nothing: starting a run is not done here.
     let start = Request::post("/api/v1/runs")
         .header(header::CONTENT_TYPE, "application/json")
         .body(Body::from(r#"{"config": "name: x"}"#))
         .unwrap();
-    assert_eq!(call(&app, start).await.0, StatusCode::SERVICE_UNAVAILABLE);
+    let (status, body) = call(&app, start).await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("read-only")
+    );
+    // Refusals of the request's form are the API's JSON errors too.
+    let garbage = Request::post("/api/v1/runs/a/fleet")
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from("{not json"))
+        .unwrap();
+    let (status, body) = call(&app, garbage).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(body["error"]["status"], 400);
 }
 
 /// Every `$ref` in `value`.

@@ -4,7 +4,9 @@
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
+
+use crate::extract::{Path, Query};
 use evalfleet_core::store::{
     ItemCursor, ItemQuery, ItemRecord, ItemRow, ItemState, ScoreRange, SortKey,
 };

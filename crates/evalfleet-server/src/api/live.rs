@@ -8,7 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Json;
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
+
+use crate::extract::{Path, Query};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use evalfleet_core::store::Store;
 use evalfleet_core::types::Event;
@@ -94,6 +96,65 @@ pub struct Update {
     pub points: Vec<TimelinePoint>,
     /// New events.
     pub events: Vec<Event>,
+}
+
+/// What a message of a stream carries, as its `data` (JSON): a
+/// `snapshot`, an `update`, or an `error`.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(untagged)]
+#[allow(dead_code)]
+pub enum StreamEvent {
+    Snapshot(Snapshot),
+    Update(Update),
+    Error(ErrorBody),
+}
+
+/// One server-sent event of a stream, as it goes over the wire: its kind
+/// (`event`), its id (the time of the last timeline point sent), and its
+/// `data`, the JSON text of a [`StreamEvent`].
+#[allow(dead_code)]
+pub struct SseMessage;
+
+impl utoipa::PartialSchema for SseMessage {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{ObjectBuilder, Type};
+        ObjectBuilder::new()
+            .description(Some(
+                "A server-sent event: `event` is snapshot, update or error; `data` is JSON text of a StreamEvent.",
+            ))
+            .property(
+                "event",
+                ObjectBuilder::new()
+                    .schema_type(Type::String)
+                    .enum_values(Some(["snapshot", "update", "error"])),
+            )
+            .property("id", ObjectBuilder::new().schema_type(Type::String))
+            .property(
+                "data",
+                ObjectBuilder::new()
+                    .schema_type(Type::String)
+                    .content_media_type("application/json"),
+            )
+            .property("retry", ObjectBuilder::new().schema_type(Type::Integer))
+            .required("data")
+            .into()
+    }
+}
+
+impl utoipa::ToSchema for SseMessage {
+    fn schemas(
+        schemas: &mut Vec<(
+            String,
+            utoipa::openapi::RefOr<utoipa::openapi::schema::Schema>,
+        )>,
+    ) {
+        // What `data` holds is documented beside it.
+        schemas.push((
+            "StreamEvent".to_owned(),
+            <StreamEvent as utoipa::PartialSchema>::schema(),
+        ));
+        <StreamEvent as utoipa::ToSchema>::schemas(schemas);
+    }
 }
 
 /// Where a stream is.
@@ -191,7 +252,7 @@ async fn next(state: &Arc<AppState>, cursor: &mut Cursor) -> Result<Option<SseEv
     tag = "live",
     params(("run_id" = String, Path, description = "The run's id")),
     responses(
-        (status = 200, description = "Events: `snapshot` (a Snapshot), then `update`s (an Update each)", content_type = "text/event-stream", body = String),
+        (status = 200, description = "Events: `snapshot` (a Snapshot), then `update`s (an Update each); `error` (an ErrorBody) if the store cannot be read", content_type = "text/event-stream", body = SseMessage),
         (status = 404, description = "No such run", body = ErrorBody),
     )
 )]

@@ -74,5 +74,56 @@ pub fn router() -> (axum::Router<Arc<AppState>>, OpenApi) {
         .routes(routes!(live::stream))
         .split_for_parts();
     api.servers = Some(vec![utoipa::openapi::Server::new("/api/v1")]);
+    document_errors(&mut api);
     (router, api)
+}
+
+/// What any request may get besides its own answers, each with the JSON
+/// error body: a parameter or body that does not parse (400), no key
+/// (401), what this server does not do or allow (403), no such run or item
+/// (404), a body too large (413) or not JSON (415), what cannot be used
+/// (422), and a failure of the store (500).
+const ERRORS: [(&str, &str); 8] = [
+    ("400", "A parameter or the body is wrong"),
+    ("401", "An API key is required"),
+    ("403", "Not allowed, or not done by this server"),
+    ("404", "No such run or item"),
+    ("413", "The body is too large"),
+    ("415", "The body is not JSON"),
+    ("422", "What was sent cannot be used"),
+    ("500", "The store failed"),
+];
+
+fn document_errors(api: &mut OpenApi) {
+    use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};
+    for item in api.paths.paths.values_mut() {
+        let operations = [
+            &mut item.get,
+            &mut item.put,
+            &mut item.post,
+            &mut item.delete,
+            &mut item.patch,
+        ];
+        for operation in operations.into_iter().flatten() {
+            for (code, what) in ERRORS {
+                operation
+                    .responses
+                    .responses
+                    .entry(code.to_owned())
+                    .or_insert_with(|| {
+                        RefOr::T(
+                            ResponseBuilder::new()
+                                .description(what)
+                                .content(
+                                    "application/json",
+                                    ContentBuilder::new()
+                                        .schema(Some(Ref::from_schema_name("ErrorBody")))
+                                        .build(),
+                                )
+                                .build(),
+                        )
+                    });
+            }
+        }
+    }
 }

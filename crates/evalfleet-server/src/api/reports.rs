@@ -3,7 +3,9 @@
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
+
+use crate::extract::{Path, Query};
 use evalfleet_core::report::{self, Comparison, Disagreements, Report};
 use serde::{Deserialize, Serialize};
 

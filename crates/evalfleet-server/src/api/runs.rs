@@ -5,7 +5,9 @@ use std::path::{Path as FsPath, PathBuf};
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
+
+use crate::extract::{Path, Query};
 use axum::http::StatusCode;
 use evalfleet_core::types::{Event, FleetAction, FleetChange, now_ms};
 use evalfleet_core::view::{self, RunDetail, RunState, RunSummary};
@@ -130,8 +132,9 @@ pub struct Started {
 
 fn control(state: &AppState) -> Result<Arc<dyn crate::control::RunControl>, ApiError> {
     state.control.clone().ok_or_else(|| {
-        ApiError::Unavailable(
-            "this server does not run evaluations (it only reads the store)".to_owned(),
+        ApiError::NotHere(
+            "this server does not run evaluations (it only reads the store: evalfleet serve --read-only)"
+                .to_owned(),
         )
     })
 }
@@ -164,12 +167,12 @@ fn confined(roots: &[PathBuf], path: &str) -> Result<PathBuf, ApiError> {
         (status = 400, description = "The request is wrong", body = ErrorBody),
         (status = 403, description = "The config path is not allowed", body = ErrorBody),
         (status = 422, description = "The config cannot be used (problems with their lines)", body = ErrorBody),
-        (status = 503, description = "This server does not run evaluations", body = ErrorBody),
+        (status = 403, description = "This server does not run evaluations", body = ErrorBody),
     )
 )]
 pub async fn create(
     State(state): State<Arc<AppState>>,
-    Json(body): Json<CreateRun>,
+    crate::extract::Json(body): crate::extract::Json<CreateRun>,
 ) -> Result<(StatusCode, Json<Started>), ApiError> {
     let control = control(&state)?;
     let config = match (body.config, body.config_path) {
@@ -222,16 +225,16 @@ pub struct ResumeRun {
         (status = 202, description = "Resumed", body = Started),
         (status = 404, description = "No such run", body = ErrorBody),
         (status = 409, description = "Nothing to resume, or this process already runs it", body = ErrorBody),
-        (status = 503, description = "This server does not run evaluations", body = ErrorBody),
+        (status = 403, description = "This server does not run evaluations", body = ErrorBody),
     )
 )]
 pub async fn resume(
     State(state): State<Arc<AppState>>,
     Path(run_id): Path<String>,
-    body: Option<Json<ResumeRun>>,
+    crate::extract::OptionalJson(body): crate::extract::OptionalJson<ResumeRun>,
 ) -> Result<(StatusCode, Json<Started>), ApiError> {
     let control = control(&state)?;
-    let retry_failed = body.is_some_and(|Json(b)| b.retry_failed);
+    let retry_failed = body.is_some_and(|b| b.retry_failed);
     control.resume(run_id.clone(), retry_failed).await?;
     Ok((StatusCode::ACCEPTED, Json(Started { run_id })))
 }
@@ -246,7 +249,7 @@ pub async fn resume(
     responses(
         (status = 202, description = "Stopping", body = Started),
         (status = 409, description = "This process is not running it", body = ErrorBody),
-        (status = 503, description = "This server does not run evaluations", body = ErrorBody),
+        (status = 403, description = "This server does not run evaluations", body = ErrorBody),
     )
 )]
 pub async fn cancel(
@@ -292,7 +295,7 @@ pub struct FleetRequest {
 pub async fn fleet(
     State(state): State<Arc<AppState>>,
     Path(run_id): Path<String>,
-    Json(body): Json<FleetRequest>,
+    crate::extract::Json(body): crate::extract::Json<FleetRequest>,
 ) -> Result<(StatusCode, Json<FleetChange>), ApiError> {
     let action = FleetAction::parse(&body.action).map_err(|_| {
         ApiError::BadRequest(format!("action: '{}' is not add or remove", body.action))
@@ -336,15 +339,15 @@ pub async fn fleet(
         (status = 404, description = "No such run", body = ErrorBody),
         (status = 409, description = "The run is running", body = ErrorBody),
         (status = 422, description = "A metric is not the task's", body = ErrorBody),
-        (status = 503, description = "This server does not run evaluations", body = ErrorBody),
+        (status = 403, description = "This server does not run evaluations", body = ErrorBody),
     )
 )]
 pub async fn rescore(
     State(state): State<Arc<AppState>>,
     Path(run_id): Path<String>,
-    body: Option<Json<RescoreRequest>>,
+    crate::extract::OptionalJson(body): crate::extract::OptionalJson<RescoreRequest>,
 ) -> Result<Json<Rescored>, ApiError> {
     let control = control(&state)?;
-    let metrics = body.map(|Json(b)| b.metrics).unwrap_or_default();
+    let metrics = body.map(|b| b.metrics).unwrap_or_default();
     Ok(Json(control.rescore(run_id, metrics).await?))
 }
