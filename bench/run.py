@@ -12,6 +12,7 @@
     python3 bench/run.py w3b [--items 6000] [--rpm 6000] [--window 10]
     python3 bench/run.py w8 [--variants alone,beside] [--outage-after 15] [--outage-seconds 30] [--span 60] [--items N] [--endpoint-capacity K]
     python3 bench/run.py j1 [--rounds 3]     # needs ../shared/data/humaneval.jsonl.gz
+    python3 bench/run.py s1 [--items 1000000] [--rounds 3]
 
 W1, W5, W6 and J1 take --baseline BIN: another evalfleet binary (an earlier
 commit's) measured in the same rounds against the same mocks, alternating
@@ -39,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -1281,6 +1283,185 @@ def w8(args, work):
         print(row)
 
 
+class Served:
+    """`evalfleet serve --read-only` over `store`, on the server core."""
+
+    def __init__(self, store, cwd):
+        self.proc = subprocess.Popen(
+            ["taskset", "-c", SERVER_CORE, BIN, "serve", "--bind", "127.0.0.1:0", "--store", store, "--read-only"],
+            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )
+        self.url = self.proc.stdout.readline().strip()
+        if not self.url.startswith("http://"):
+            raise SystemExit("evalfleet serve did not start")
+
+    def get(self, path):
+        """Seconds the answer to GET `path` took, and its JSON."""
+        started = time.perf_counter()
+        with urllib.request.urlopen(self.url + path) as r:
+            body = r.read()
+        return time.perf_counter() - started, json.loads(body)
+
+    def cpu_seconds(self):
+        """CPU time (user and system) the server has used so far."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+class LivePage(threading.Thread):
+    """What a browser's live run page does: reads the run's event stream
+    (a snapshot, then an update a second) until told to stop."""
+
+    def __init__(self, url):
+        super().__init__(daemon=True)
+        self.url = url
+        self.events = 0
+        self.stopping = False
+
+    def run(self):
+        while not self.stopping:
+            try:
+                with urllib.request.urlopen(self.url, timeout=5) as r:
+                    for line in r:
+                        if line.startswith(b"event: "):
+                            self.events += 1
+                        if self.stopping:
+                            return
+            except OSError:
+                time.sleep(0.05)
+
+
+def s1_config(path, dataset, url, concurrency):
+    with open(path, "w") as f:
+        f.write(
+            f"name: s1\n"
+            f"dataset: {{ path: {dataset}, id_field: id }}\n"
+            f"endpoints:\n"
+            f"  - {{ name: mock, kind: external, base_url: \"{url}\", model: m, concurrency: {concurrency} }}\n"
+            f"task:\n"
+            f"  messages: [ {{ role: user, content: \"{{{{ question }}}}\" }} ]\n"
+            f"  params: {{ max_tokens: 64 }}\n"
+            f"  metrics: [ {{ name: exact_match, reference: \"{{{{ answer }}}}\" }} ]\n"
+        )
+
+
+def s1(args, work):
+    """The dashboard on a run of 1,000,000 items.
+
+    A run of --items items (each `{id, question, answer, category}`, the
+    answer right for one item in three, ten categories) is answered by the
+    mock into a store. `evalfleet serve` (read-only, on the server core)
+    then answers pages of its results table from a client on the other
+    core: the first page, a page deep in the run (by its cursor), and pages
+    filtered by a category, a score, a category and a score together, a
+    state, and a text search (which must read the run until it finds its
+    rows). Each query --rounds x 20 times: p50 and p99 in ms.
+
+    The live page's cost: W1's workload (100,000 items, the mock answering
+    at once, concurrency 64) run with and without two live pages (threads
+    reading the run's event stream from a `serve` over the same store),
+    alternating, --rounds times each: the ratio of items per second (noisy
+    on this machine, about 10% a round), and the CPU time the server spent
+    while the pages watched, as a share of the run's own CPU time (what the
+    pages take from a machine that runs both)."""
+    dataset = os.path.join(work, "s1.jsonl")
+    with open(dataset, "w") as f:
+        for i in range(args.items):
+            q = f"What is {i} plus {i + 1}? Answer briefly."
+            f.write(json.dumps({"id": f"i{i}", "question": q, "answer": q if i % 3 == 0 else str(2 * i + 1), "category": f"c{i % 10}"}) + "\n")
+    mock = Mock()
+    config = os.path.join(work, "s1.yaml")
+    s1_config(config, dataset, mock.url, args.concurrency)
+    store = os.path.join(work, "s1.db")
+    run = evalfleet(["run", config, "--store", store, "-q", "--run-id", "s1"], work)
+    mock.stop()
+    print(json.dumps({"registered_and_answered": run}), file=sys.stderr)
+    served = Served(store, work)
+    queries = {
+        "first page": "limit=50",
+        "category": "field=category:c3&limit=50",
+        "score": "score=exact_match@1:1:&limit=50",
+        "category and score": "field=category:c7&score=exact_match@1:1:&limit=50",
+        "state failed (none)": "state=failed&limit=50",
+        "text (one item)": "q=What+is+999998+plus&limit=50",
+        "sorted by latency": "sort=latency&order=desc&limit=50",
+    }
+    figures = {}
+    try:
+        # The cursor of a page 90% of the way in.
+        _, deep = served.get(f"/api/v1/runs/s1/items?limit=1&after=-,{int(args.items * 0.9)}")
+        queries["page at 90%"] = f"limit=50&after={deep['next'] or ''}"
+        for name, query in queries.items():
+            times = []
+            rows = None
+            for _ in range(args.rounds * 20):
+                took, page = served.get(f"/api/v1/runs/s1/items?{query}")
+                times.append(1000 * took)
+                rows = len(page["rows"])
+            times.sort()
+            figures[name] = {"p50_ms": statistics.median(times), "p99_ms": times[int(0.99 * (len(times) - 1))], "rows": rows}
+            print(json.dumps({name: figures[name]}), file=sys.stderr)
+        took, _ = served.get("/api/v1/runs/s1/timeline")
+        figures["timeline"] = {"ms": 1000 * took}
+    finally:
+        served.stop()
+
+    # The live page's cost to a running run.
+    w1_data = os.path.join(work, "w1.jsonl")
+    write_dataset(w1_data, 100_000)
+    mock = Mock()
+    w1_config = os.path.join(work, "w1.yaml")
+    write_config(w1_config, w1_data, mock.url, 64)
+    live_store = os.path.join(work, "live.db")
+    # The store exists before the server opens it.
+    evalfleet(["run", w1_config, "--store", live_store, "-q", "--run-id", "warm", "--n-sample", "100"], work)
+    served = Served(live_store, work)
+    costs = []
+    try:
+        for i in range(args.rounds):
+            round_ = {}
+            order = [("alone", False), ("watched", True)]
+            if i % 2:
+                order.reverse()
+            for label, watched in order:
+                run_id = f"{label}-{i}"
+                pages = []
+                if watched:
+                    pages = [LivePage(f"{served.url}/api/v1/runs/{run_id}/stream") for _ in range(2)]
+                    for page in pages:
+                        page.start()
+                cpu_before = served.cpu_seconds()
+                figures_run = evalfleet(["run", w1_config, "--store", live_store, "-q", "--run-id", run_id], work)
+                for page in pages:
+                    page.stopping = True
+                round_[label] = figures_run["rate"]
+                round_[f"{label}_events"] = sum(p.events for p in pages)
+                # What serving the live pages cost, against what the run used.
+                round_[f"{label}_server_cpu_share"] = (served.cpu_seconds() - cpu_before) / figures_run["cpu"]
+            round_["ratio"] = round_["watched"] / round_["alone"]
+            costs.append(round_)
+            print(json.dumps(round_), file=sys.stderr)
+    finally:
+        served.stop()
+        mock.stop()
+    result = {"workload": "S1", "items": args.items, "pages": figures, "live": costs,
+              "live_ratio_median": statistics.median(r["ratio"] for r in costs),
+              "server_cpu_share_median": statistics.median(r["watched_server_cpu_share"] for r in costs)}
+    print(json.dumps(result, indent=2))
+    for name, f in figures.items():
+        if "p50_ms" in f:
+            print(f"| S1 | {name} ({f['rows']} rows) | {f['p50_ms']:.1f} ms p50, {f['p99_ms']:.1f} ms p99 |")
+    print(f"| S1 | timeline | {figures['timeline']['ms']:.1f} ms |")
+    ratios = ", ".join(f"{r['ratio']:.3f}" for r in costs)
+    print(f"| S1 | live page (2 streams) | throughput watched / alone: median {result['live_ratio_median']:.3f} (rounds {ratios}); "
+          f"the server's CPU while watched: {100 * result['server_cpu_share_median']:.2f}% of the run's |")
+
+
 def w6(args, work):
     """The same run again with every answer in the cache. Reference: the
     first run (W1's work: every item a call to the mock, answers stored and
@@ -1450,6 +1631,7 @@ WORKLOADS = {
     "w8": (w8, None),
     "j1": (j1, None),
     "startup": (startup, 100),
+    "s1": (s1, 1_000_000),
 }
 
 

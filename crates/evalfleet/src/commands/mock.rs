@@ -5,8 +5,6 @@ use std::sync::Arc;
 
 use evalfleet_mock::Stats;
 use tokio::net::TcpListener;
-use tokio::signal::unix::{SignalKind, signal};
-use tokio_util::sync::CancellationToken;
 
 use crate::cli::MockArgs;
 use crate::{EXIT_OK, UsageError};
@@ -32,20 +30,7 @@ pub async fn mock(args: MockArgs) -> anyhow::Result<u8> {
         args.settings.model
     );
 
-    let shutdown = CancellationToken::new();
-    let mut interrupt = signal(SignalKind::interrupt())?;
-    let mut terminate = signal(SignalKind::terminate())?;
-    let stop = shutdown.clone();
-    // Outside any run: the signal watcher of `evalfleet mock`, which ends
-    // with the process.
-    #[allow(clippy::disallowed_methods)]
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = interrupt.recv() => {}
-            _ = terminate.recv() => {}
-        }
-        stop.cancel();
-    });
+    let shutdown = super::stopped_by_signals()?;
     evalfleet_mock::serve(
         listener,
         args.settings,

@@ -71,6 +71,27 @@ pub fn validate_run_id(id: String) -> Result<String, UsageError> {
     }
 }
 
+/// Cancelled on the first SIGINT or SIGTERM: how a server of its own
+/// (`mock`, `serve`) is stopped.
+pub fn stopped_by_signals() -> std::io::Result<tokio_util::sync::CancellationToken> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut terminate = signal(SignalKind::terminate())?;
+    let stop = shutdown.clone();
+    // Outside any run: the signal watcher of a server command, which ends
+    // with the process.
+    #[allow(clippy::disallowed_methods)]
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
+        }
+        stop.cancel();
+    });
+    Ok(shutdown)
+}
+
 /// A stored timestamp as RFC 3339 (UTC, seconds).
 pub fn timestamp(ms: i64) -> String {
     let time = UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64);

@@ -14,7 +14,6 @@ use evalfleet_server::control::{Pending, Rescored};
 use evalfleet_server::{ApiError, AppState, ConfigSource, RunControl, ServerOptions, StartRun};
 use evalfleet_store::{Location, OpenOptions};
 use tokio::net::TcpListener;
-use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -82,20 +81,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<u8> {
     std::io::stdout().flush()?;
     tracing::info!("Serving {location} on http://{addr}.");
 
-    let shutdown = CancellationToken::new();
-    let mut interrupt = signal(SignalKind::interrupt())?;
-    let mut terminate = signal(SignalKind::terminate())?;
-    let stop = shutdown.clone();
-    // Outside any run: the signal watcher of `evalfleet serve`, which ends
-    // with the process.
-    #[allow(clippy::disallowed_methods)]
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = interrupt.recv() => {}
-            _ = terminate.recv() => {}
-        }
-        stop.cancel();
-    });
+    let shutdown = super::stopped_by_signals()?;
     evalfleet_server::serve(listener, state, shutdown).await?;
     // Runs still answered here stop as a Ctrl-C stops them: resumable.
     control.stop_all();
