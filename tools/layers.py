@@ -40,8 +40,9 @@ LAYERS = {
         ["commands"],
     ],
     "evalfleet-server": [
-        # What a request gets when it fails; what the server may ask of runs.
-        ["error", "control", "extract"],
+        # What a request gets when it fails; what the server may ask of
+        # runs; digests of keys.
+        ["error", "control", "extract", "keys"],
         # Shared state, and who may ask.
         ["state", "auth"],
         # The JSON API, and the dashboard's pages.

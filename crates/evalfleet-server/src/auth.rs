@@ -15,15 +15,11 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
 use crate::error::ApiError;
-use crate::state::{AppState, digest};
+use crate::keys::{digest, same};
+use crate::state::AppState;
 
 /// The cookie the dashboard's sign-in sets.
 pub const COOKIE: &str = "evalfleet_key";
-
-/// Whether two digests are equal, looking at every byte whatever they hold.
-fn same(a: &[u8; 32], b: &[u8; 32]) -> bool {
-    a.iter().zip(b).fold(0u8, |diff, (x, y)| diff | (x ^ y)) == 0
-}
 
 /// The key a request carries in a header, if any.
 fn header_key(headers: &HeaderMap) -> Option<String> {
@@ -49,15 +45,6 @@ fn cookie(headers: &HeaderMap) -> Option<String> {
             let (name, value) = pair.trim().split_once('=')?;
             (name == COOKIE).then(|| value.to_owned())
         })
-}
-
-/// What the dashboard's session cookie holds for `key`: a digest of it, so
-/// that the key itself is never sent back.
-pub fn session_token(key: &str) -> String {
-    digest(&format!("evalfleet-session\0{key}"))
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
 }
 
 /// Whether `key` is the server's (always, when it has none).
@@ -137,8 +124,8 @@ mod tests {
         assert_eq!(header_key(&headers).as_deref(), Some("k2"));
         headers.insert("x-api-key", "k1".parse().unwrap());
         assert_eq!(header_key(&headers).as_deref(), Some("k1"));
-        assert_ne!(session_token("k1"), "k1");
-        assert_eq!(session_token("k1").len(), 64);
+        assert_ne!(crate::keys::session_token("k1"), "k1");
+        assert_eq!(crate::keys::session_token("k1").len(), 64);
     }
 
     #[test]

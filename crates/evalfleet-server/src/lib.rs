@@ -10,6 +10,7 @@ mod auth;
 pub mod control;
 mod error;
 mod extract;
+mod keys;
 mod metrics;
 pub mod pages;
 mod state;

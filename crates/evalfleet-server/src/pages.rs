@@ -258,7 +258,7 @@ pub async fn login(State(state): State<Arc<AppState>>, Form(form): Form<Login>) 
     let cookie = format!(
         "{}={}; Path=/; HttpOnly; SameSite=Strict",
         auth::COOKIE,
-        auth::session_token(&form.key)
+        crate::keys::session_token(&form.key)
     );
     let mut response = Redirect::to("/").into_response();
     if let Ok(value) = HeaderValue::from_str(&cookie) {

@@ -9,11 +9,11 @@ use std::sync::{Arc, Mutex, PoisonError};
 use evalfleet_core::pipeline::OpenStore;
 use evalfleet_core::store::{Store, StoreError};
 use evalfleet_core::template::Templates;
-use sha2::{Digest, Sha256};
 use tokio_util::task::TaskTracker;
 
 use crate::control::RunControl;
 use crate::error::ApiError;
+use crate::keys::digest;
 
 /// How a server is set up.
 pub struct ServerOptions {
@@ -52,11 +52,6 @@ pub struct AppState {
     templates: Mutex<HashMap<String, Arc<Templates>>>,
 }
 
-/// The SHA-256 of `text`.
-pub(crate) fn digest(text: &str) -> [u8; 32] {
-    Sha256::digest(text.as_bytes()).into()
-}
-
 impl AppState {
     pub fn new(options: ServerOptions) -> Arc<Self> {
         Arc::new(Self {
@@ -66,7 +61,7 @@ impl AppState {
             session_digest: options
                 .api_key
                 .as_deref()
-                .map(|key| digest(&crate::auth::session_token(key))),
+                .map(|key| digest(&crate::keys::session_token(key))),
             roots: options.roots,
             control: options.control,
             body_limit: options.body_limit,
