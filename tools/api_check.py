@@ -34,7 +34,8 @@ def tools(venv):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bin", default=os.path.join(ROOT, "target", "debug", "evalfleet"))
+    target = os.environ.get("CARGO_TARGET_DIR") or os.path.join(ROOT, "target")
+    parser.add_argument("--bin", default=os.path.join(target, "debug", "evalfleet"))
     parser.add_argument("--venv", default="/tmp/evalfleet-api-check")
     parser.add_argument("--examples", type=int, default=30, help="schemathesis examples per operation")
     args = parser.parse_args()
