@@ -638,6 +638,7 @@ mod tests {
             path,
             format,
             id_field: id_field.map(str::to_owned),
+            episodes: None,
             sample: None,
             skip_invalid: false,
         }

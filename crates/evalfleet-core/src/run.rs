@@ -334,7 +334,21 @@ async fn session(
 ) -> Result<pipeline::SessionEnd, PipelineError> {
     let rows = RowReader::open(&plan.config.dataset)?;
     // Whatever can fail at the start fails before anything runs.
-    let task = task::start(&plan.config, plan.templates.clone(), &plan.sandbox_dir).await?;
+    // A conversation avoids the topics of the run's stored episodes.
+    let used_topics = if plan.config.task.kind.conversation().is_some() {
+        let mut outputs = Vec::new();
+        open()?.scan_results(&plan.run_id, &mut |r| outputs.extend(r.output))?;
+        task::conversation::topics_of(outputs)
+    } else {
+        Vec::new()
+    };
+    let task = task::start(
+        &plan.config,
+        plan.templates.clone(),
+        &plan.sandbox_dir,
+        used_topics,
+    )
+    .await?;
     let session = Session {
         run_id: plan.run_id,
         session: prepared.session,

@@ -6,7 +6,7 @@ use minijinja::Environment;
 use serde::Serialize;
 use serde_json::value::RawValue;
 
-use crate::config::{TaskConfig, path};
+use crate::config::{MessageTemplate, TaskConfig, path};
 use crate::dataset::Row;
 
 /// One rendered chat message.
@@ -40,11 +40,16 @@ impl TemplateError {
 impl Templates {
     /// Compiles every message template of `task`.
     pub fn compile(task: &TaskConfig) -> Result<Self, TemplateError> {
+        Self::from_messages(&task.messages, "task.messages")
+    }
+
+    /// Compiles `messages`, the list at `at` in the config.
+    pub fn from_messages(messages: &[MessageTemplate], at: &str) -> Result<Self, TemplateError> {
         let mut env = crate::jinja::environment();
-        let mut messages = Vec::with_capacity(task.messages.len());
+        let mut compiled = Vec::with_capacity(messages.len());
         let mut variables = BTreeSet::new();
-        for (i, message) in task.messages.iter().enumerate() {
-            let name = path::key(&path::index("task.messages", i), "content");
+        for (i, message) in messages.iter().enumerate() {
+            let name = path::key(&path::index(at, i), "content");
             env.add_template_owned(name.clone(), message.content.clone())
                 .map_err(|err| TemplateError {
                     path: name.clone(),
@@ -55,11 +60,11 @@ impl Templates {
                 message: err.to_string(),
             })?;
             variables.extend(template.undeclared_variables(false));
-            messages.push((message.role.clone(), name));
+            compiled.push((message.role.clone(), name));
         }
         Ok(Self {
             env,
-            messages,
+            messages: compiled,
             variables,
         })
     }

@@ -43,6 +43,9 @@ pub enum EventKind {
     Limit,
     /// A rate was learned from its 429s.
     Quota,
+    /// A conversation's policy collapsed (one strategy dominates, one
+    /// vanished, or their entropy fell below the floor).
+    Alarm,
 }
 
 crate::names!(EventKind, "event kind", {
@@ -65,6 +68,7 @@ crate::names!(EventKind, "event kind", {
     Removed => "removed",
     Limit => "limit",
     Quota => "quota",
+    Alarm => "alarm",
 });
 
 impl EventKind {
@@ -72,7 +76,12 @@ impl EventKind {
     pub fn is_warning(self) -> bool {
         matches!(
             self,
-            Self::Unhealthy | Self::Ejected | Self::Died | Self::Excluded | Self::StartFailed
+            Self::Unhealthy
+                | Self::Ejected
+                | Self::Died
+                | Self::Excluded
+                | Self::StartFailed
+                | Self::Alarm
         )
     }
 }

@@ -48,6 +48,19 @@ pub enum Command {
     )]
     Resume(ResumeArgs),
 
+    /// Simulate conversation episodes (a config with task.kind: conversation): a run like any other, then rewards, strategies and logs.
+    ///
+    /// Each episode is an item: personas, relation scorer, policy and robot
+    /// are calls over the fleet. Prints total and mean reward, interventions,
+    /// the strategy distribution and the stabilisation rate, and writes
+    /// conversation_summary.jsonl, batch_summary.jsonl, run_events.jsonl and
+    /// config.json to RUN_ID/ beside the store. `compare RUN_A RUN_B` puts two
+    /// policies side by side.
+    #[command(
+        after_help = "Example:\n  evalfleet simulate examples/conversation.yaml --sessions 20 --max-steps 3\n  evalfleet compare RUN_FIXED RUN_MODEL"
+    )]
+    Simulate(SimulateArgs),
+
     /// List the runs in a store.
     #[command(after_help = "Example:\n  evalfleet runs --store runs/evalfleet.db")]
     Runs(StoreArgs),
@@ -174,6 +187,20 @@ pub struct RunArgs {
 
     #[command(flatten)]
     pub output: OutputArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct SimulateArgs {
+    /// Episodes to simulate [default: task.conversation.sessions].
+    #[arg(long, value_name = "N")]
+    pub sessions: Option<u64>,
+
+    /// Decisions after which an episode ends [default: task.conversation.max_steps].
+    #[arg(long, value_name = "M")]
+    pub max_steps: Option<u32>,
+
+    #[command(flatten)]
+    pub run: RunArgs,
 }
 
 #[derive(Debug, Args)]

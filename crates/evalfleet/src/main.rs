@@ -71,6 +71,7 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async move {
         match cli.command {
             Command::Run(args) => commands::run::run(args).await,
+            Command::Simulate(args) => commands::simulate::simulate(args).await,
             Command::Resume(args) => commands::run::resume(args).await,
             Command::Runs(args) => commands::inspect::runs(args),
             Command::Status(args) => commands::inspect::status(args),

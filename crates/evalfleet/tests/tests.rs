@@ -7,6 +7,7 @@
 #![allow(clippy::disallowed_methods)]
 
 mod code;
+mod conversation;
 mod crash;
 mod dashboard;
 mod failures;

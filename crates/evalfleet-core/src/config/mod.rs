@@ -5,6 +5,7 @@
 //! The doc comments on the validated types are the user documentation of the
 //! config file.
 
+mod conversation;
 mod endpoint;
 mod env;
 mod eval;
@@ -19,6 +20,10 @@ use std::time::Duration;
 
 use serde_json::{Map, Value};
 
+pub use conversation::{
+    AlarmSettings, CallSettings, ConversationSettings, HistoryWindows, Persona, PolicyKind,
+    PolicySettings, ScorerKind, ScorerSettings,
+};
 pub use endpoint::{
     AimdSettings, EndpointConfig, EndpointKind, EndpointRole, Engine, HealthSettings, LimitMode,
     Preset, Remote,
@@ -114,6 +119,10 @@ pub struct DatasetConfig {
     /// Record a malformed line as a failed item and go on, instead of refusing
     /// the dataset. Default `false`.
     pub skip_invalid: bool,
+    /// A conversation without `dataset:` simulates this many episodes
+    /// (`task.conversation.sessions`): items `{"episode": i}`, written to
+    /// `path` by the command that starts the run.
+    pub episodes: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -177,6 +186,9 @@ pub enum TaskKind {
     /// Ask, then ask the model to improve its answer (`task.refine`), then
     /// check and score the last answer.
     Refine(RefineSettings),
+    /// A simulated three-person conversation with a robot that may
+    /// intervene (`task.conversation`); an item is an episode.
+    Conversation(Box<ConversationSettings>),
 }
 
 impl TaskKind {
@@ -185,6 +197,15 @@ impl TaskKind {
             Self::Chat => "chat",
             Self::Code(_) => "code",
             Self::Refine(_) => "refine",
+            Self::Conversation(_) => "conversation",
+        }
+    }
+
+    /// The conversation's settings, for a conversation task.
+    pub fn conversation(&self) -> Option<&ConversationSettings> {
+        match self {
+            Self::Conversation(settings) => Some(settings),
+            _ => None,
         }
     }
 
@@ -279,6 +300,10 @@ pub struct Overrides {
     pub sample_n: Option<u64>,
     /// `--seed S`.
     pub sample_seed: Option<u64>,
+    /// `simulate --sessions N`: `task.conversation.sessions`.
+    pub sessions: Option<u64>,
+    /// `simulate --max-steps M`: `task.conversation.max_steps`.
+    pub max_steps: Option<u32>,
 }
 
 /// A config with what a run stores of it.

@@ -57,6 +57,7 @@ pub struct RawTask {
     pub metrics: Option<Vec<Value>>,
     pub code: Option<Value>,
     pub refine: Option<Value>,
+    pub conversation: Option<Value>,
 }
 
 #[derive(Debug, Default, Deserialize)]

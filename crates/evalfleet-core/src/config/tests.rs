@@ -186,6 +186,7 @@ fn overrides_pick_a_sample_and_are_kept_in_the_snapshot() {
         Overrides {
             sample_n: Some(10),
             sample_seed: Some(7),
+            ..Overrides::default()
         },
     )
     .unwrap();

@@ -92,6 +92,21 @@ pub(super) fn invalid(
 }
 
 fn apply_overrides(value: &mut Value, overrides: Overrides, problems: &mut Vec<RawProblem>) {
+    if let Some(root) = value.as_object_mut() {
+        for (key, given) in [
+            ("sessions", overrides.sessions),
+            ("max_steps", overrides.max_steps.map(u64::from)),
+        ] {
+            let Some(n) = given else { continue };
+            let task = root.entry("task").or_insert_with(|| json!({}));
+            if let Some(task) = task.as_object_mut() {
+                let section = task.entry("conversation").or_insert_with(|| json!({}));
+                if let Some(section) = section.as_object_mut() {
+                    section.insert(key.to_owned(), json!(n));
+                }
+            }
+        }
+    }
     if overrides.sample_n.is_none() && overrides.sample_seed.is_none() {
         return;
     }
@@ -156,6 +171,21 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
     let dataset = match &raw.dataset {
         Some(value) => {
             raw::section::<RawDataset>(value, "dataset", p.0).and_then(|d| dataset(d, dir, &mut p))
+        }
+        // A conversation's episodes may be made up (`sessions`).
+        None if raw.task.as_ref().is_some_and(|t| {
+            t.get("kind").and_then(Value::as_str) == Some("conversation")
+                || t.get("conversation").is_some()
+        }) =>
+        {
+            Some(DatasetConfig {
+                path: std::path::PathBuf::new(),
+                format: DatasetFormat::Jsonl,
+                id_field: Some("episode".to_owned()),
+                sample: None,
+                skip_invalid: false,
+                episodes: Some(0),
+            })
         }
         None => p.push(
             "dataset",
@@ -260,6 +290,38 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
                 first.name, other.name
             ),
         );
+    }
+    let mut dataset = dataset;
+    if let (Some(task), Some(dataset)) = (&task, &mut dataset)
+        && let Some(settings) = task.kind.conversation()
+    {
+        if dataset.episodes.is_some() {
+            dataset.episodes = Some(settings.sessions);
+            match super::conversation::episodes_file(settings.sessions) {
+                Ok(path) => dataset.path = path,
+                Err(err) => {
+                    return p.push(
+                        "task.conversation.sessions",
+                        format!("cannot write the episodes' file: {err}"),
+                    );
+                }
+            }
+        }
+        if let Some(endpoints) = &endpoints {
+            for (at, name) in settings.named_endpoints() {
+                let at = format!("task.conversation.{at}");
+                match endpoints.iter().find(|e| e.name == name) {
+                    Some(e) if !e.takes_items() => {}
+                    Some(_) => {
+                        return p.push(
+                            &at,
+                            format!("endpoint '{name}' answers items; give it role: judge to have it answer only the calls addressed to it"),
+                        );
+                    }
+                    None => return p.push(&at, format!("no endpoint is named '{name}'")),
+                }
+            }
+        }
     }
     Some(Config {
         name: name?,
@@ -523,6 +585,7 @@ fn dataset(raw: RawDataset, dir: &Path, p: &mut Problems<'_>) -> Option<DatasetC
         id_field: id_field?,
         sample: sample?,
         skip_invalid: raw.skip_invalid.unwrap_or(false),
+        episodes: None,
     })
 }
 
@@ -546,38 +609,50 @@ pub(super) fn params(
     ok.then_some(raw)
 }
 
-fn task(mut raw: RawTask, dir: &Path, p: &mut Problems<'_>) -> Option<TaskConfig> {
-    let messages = match raw.messages.take() {
-        None => p.push("task.messages", "is required (the chat messages to send)"),
-        Some(list) if list.is_empty() => p.push("task.messages", "must hold at least one message"),
-        Some(list) => {
-            let mut out = Vec::with_capacity(list.len());
-            let mut ok = true;
-            let checker = crate::jinja::environment();
-            for (i, message) in list.into_iter().enumerate() {
-                let at = path::index("task.messages", i);
-                let role = match message.role {
-                    Some(role) if ROLES.contains(&role.as_str()) => Some(role),
-                    Some(role) => p.push(
-                        &path::key(&at, "role"),
-                        format!("must be one of {}, got '{role}'", ROLES.join(", ")),
-                    ),
-                    None => p.push(&path::key(&at, "role"), "is required"),
-                };
-                let content = match message.content {
-                    Some(content) => match crate::jinja::check(&checker, &content) {
-                        Ok(()) => Some(content),
-                        Err(err) => p.push(&path::key(&at, "content"), err),
-                    },
-                    None => p.push(&path::key(&at, "content"), "is required"),
-                };
-                match (role, content) {
-                    (Some(role), Some(content)) => out.push(MessageTemplate { role, content }),
-                    _ => ok = false,
-                }
-            }
-            ok.then_some(out)
+/// A list of chat messages, each a template checked here (`at`: where the
+/// list is).
+pub(super) fn message_list(
+    list: Vec<raw::RawMessage>,
+    at: &str,
+    p: &mut Problems<'_>,
+) -> Option<Vec<MessageTemplate>> {
+    if list.is_empty() {
+        return p.push(at, "must hold at least one message");
+    }
+    let mut out = Vec::with_capacity(list.len());
+    let mut ok = true;
+    let checker = crate::jinja::environment();
+    for (i, message) in list.into_iter().enumerate() {
+        let at = path::index(at, i);
+        let role = match message.role {
+            Some(role) if ROLES.contains(&role.as_str()) => Some(role),
+            Some(role) => p.push(
+                &path::key(&at, "role"),
+                format!("must be one of {}, got '{role}'", ROLES.join(", ")),
+            ),
+            None => p.push(&path::key(&at, "role"), "is required"),
+        };
+        let content = match message.content {
+            Some(content) => match crate::jinja::check(&checker, &content) {
+                Ok(()) => Some(content),
+                Err(err) => p.push(&path::key(&at, "content"), err),
+            },
+            None => p.push(&path::key(&at, "content"), "is required"),
+        };
+        match (role, content) {
+            (Some(role), Some(content)) => out.push(MessageTemplate { role, content }),
+            _ => ok = false,
         }
+    }
+    ok.then_some(out)
+}
+
+fn task(mut raw: RawTask, dir: &Path, p: &mut Problems<'_>) -> Option<TaskConfig> {
+    let conversation = raw.kind.as_deref() == Some("conversation") || raw.conversation.is_some();
+    let messages = match raw.messages.take() {
+        None if conversation => Some(Vec::new()),
+        None => p.push("task.messages", "is required (the chat messages to send)"),
+        Some(list) => message_list(list, "task.messages", p),
     };
     let params = params(raw.params.take(), "task.params", p);
     let eval = super::eval::eval(&mut raw, dir, p);
@@ -615,7 +690,13 @@ fn task(mut raw: RawTask, dir: &Path, p: &mut Problems<'_>) -> Option<TaskConfig
         Some(n) if (1..=10_000).contains(&n) => n,
         Some(n) => return p.push("task.n", format!("must be between 1 and 10000, got {n}")),
     };
-    let kind = task_kind(raw.kind.as_deref(), raw.code, raw.refine, p)?;
+    let kind = task_kind(
+        raw.kind.as_deref(),
+        raw.code,
+        raw.refine,
+        raw.conversation,
+        p,
+    )?;
     Some(TaskConfig {
         kind,
         messages: messages?,
@@ -631,13 +712,15 @@ fn task_kind(
     kind: Option<&str>,
     code: Option<Value>,
     refine: Option<Value>,
+    conversation: Option<Value>,
     p: &mut Problems<'_>,
 ) -> Option<TaskKind> {
-    const KINDS: &str = "chat, code or refine";
+    const KINDS: &str = "chat, code, refine or conversation";
     let kind = match kind {
         Some(kind) => kind,
         None if code.is_some() => "code",
         None if refine.is_some() => "refine",
+        None if conversation.is_some() => "conversation",
         None => "chat",
     };
     let misplaced = |key: &str, p: &mut Problems<'_>| {
@@ -651,6 +734,9 @@ fn task_kind(
     }
     if kind != "refine" && refine.is_some() {
         misplaced("refine", p);
+    }
+    if kind != "conversation" && conversation.is_some() {
+        misplaced("conversation", p);
     }
     match kind {
         "chat" => Some(TaskKind::Chat),
@@ -684,6 +770,8 @@ fn task_kind(
             };
             Some(TaskKind::Refine(super::RefineSettings { prompt, rounds }))
         }
+        "conversation" => super::conversation::conversation(conversation.as_ref(), p)
+            .map(|settings| TaskKind::Conversation(Box::new(settings))),
         other => p.push("task.kind", format!("must be {KINDS}, got '{other}'")),
     }
 }

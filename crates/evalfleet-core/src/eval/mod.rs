@@ -3,6 +3,7 @@
 //! Nothing here calls a model, so `evalfleet score` can run it again on
 //! stored outputs.
 
+pub mod balance;
 pub mod metrics;
 pub mod parse;
 pub mod text;

@@ -7,6 +7,7 @@
 //! metrics' values (8 bytes an item and group), not with the run's answers.
 
 pub mod compare;
+pub mod conversation;
 pub mod endpoints;
 pub mod metrics;
 pub mod samples;

@@ -12,9 +12,12 @@
 //!   tests in a sandbox.
 //! - [`refine`]: ask, then ask the model to improve its answer, then check
 //!   and score the last answer.
+//! - [`conversation`]: an episode of a simulated three-person conversation
+//!   with a robot that may intervene; many calls an item.
 
 pub mod chat;
 pub mod code;
+pub mod conversation;
 pub mod refine;
 
 use std::sync::Arc;
@@ -178,11 +181,13 @@ impl TaskError {
 }
 
 /// Makes the task of `config`: compiles its checking and scoring and starts
-/// what it needs (the code judge, with its sandbox under `sandbox_dir`).
+/// what it needs (the code judge, with its sandbox under `sandbox_dir`); a
+/// conversation is told the topics its run used (`used_topics`).
 pub async fn start(
     config: &Config,
     templates: Arc<Templates>,
     sandbox_dir: &std::path::Path,
+    used_topics: Vec<String>,
 ) -> Result<Arc<dyn Task>, TaskError> {
     let task = &config.task;
     let assessor = if task.eval.checks() || !task.eval.metrics.is_empty() {
@@ -203,6 +208,9 @@ pub async fn start(
         }
         TaskKind::Refine(settings) => {
             Arc::new(refine::Refine::new(chat, settings).map_err(TaskError::Invalid)?)
+        }
+        TaskKind::Conversation(settings) => {
+            Arc::new(conversation::Conversation::new(settings, used_topics)?)
         }
     })
 }

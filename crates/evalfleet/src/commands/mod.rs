@@ -7,6 +7,7 @@ pub mod mock;
 pub mod report;
 pub mod run;
 pub mod serve;
+pub mod simulate;
 pub mod supervise;
 
 use std::path::{Path, PathBuf};

@@ -25,12 +25,30 @@ use crate::ui;
 use crate::{EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK};
 
 pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
+    start(args, Overrides::default(), false).await
+}
+
+/// A new run of `args.config` with `overrides` over it (`--n-sample` and
+/// `--seed` added); `conversation`: it must be a conversation
+/// (`simulate`).
+pub(crate) async fn start(
+    args: RunArgs,
+    overrides: Overrides,
+    conversation: bool,
+) -> anyhow::Result<u8> {
     let started = Instant::now();
     let overrides = Overrides {
         sample_n: args.n_sample,
         sample_seed: args.seed,
+        ..overrides
     };
     let loaded = config::load_file(&args.config, overrides)?;
+    if conversation {
+        super::simulate::require_conversation(
+            loaded.config.task.kind.conversation(),
+            &args.config,
+        )?;
+    }
     if args.dry_run {
         fleet::dry_run(&loaded.config);
         return Ok(EXIT_OK);
@@ -245,6 +263,7 @@ pub(crate) async fn execute(session: Session, attendance: Attendance) -> anyhow:
     let started = Instant::now();
     let grace = config.shutdown_grace;
     let scored = !config.task.eval.metrics.is_empty();
+    let conversation = config.task.kind.conversation().cloned();
     let options = fleet::options(&config, &location, &run_id, active, gpu_policy)?;
     let mut fleet = Fleet::new(&config, options);
     let plan = SessionPlan {
@@ -315,6 +334,9 @@ pub(crate) async fn execute(session: Session, attendance: Attendance) -> anyhow:
         }
     };
     let code = conclude(&run_id, &location, &report, elapsed, pending_at_start);
+    if let Some(settings) = conversation {
+        super::simulate::conclude(&location, &run_id, &settings)?;
+    }
     if scored && report.status == RunStatus::Finished {
         return Ok(code.max(scores(&location, &run_id)?));
     }

@@ -155,6 +155,7 @@ impl RunControl for ControlHandle {
             let overrides = Overrides {
                 sample_n: request.n_sample,
                 sample_seed: request.seed,
+                ..Overrides::default()
             };
             let loaded = match request.config {
                 ConfigSource::Text { yaml, dir } => {

@@ -1,0 +1,636 @@
+//! `task.conversation:` a simulated three-person conversation with a
+//! robot that may intervene (`kind: conversation`). The doc comments are
+//! the user documentation of these keys; `docs/conversation.md` states the
+//! rules of balance and reward.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::MessageTemplate;
+use super::raw;
+use super::validate::{Problems, message_list};
+use crate::eval::balance::{Need, RewardSettings, Strategy};
+
+/// `task.conversation:`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConversationSettings {
+    /// Episodes to simulate when the config has no `dataset:` (each an
+    /// item `{"episode": i}`); `evalfleet simulate --sessions N` overrides
+    /// it. Default 10.
+    pub sessions: u64,
+    /// Rounds of three human utterances after which an episode ends
+    /// (terminated). A step begun before then is played to its end.
+    /// Default 6.
+    pub max_rounds: u32,
+    /// Decisions after which an episode ends (truncated); 0: no limit.
+    /// `--max-steps` overrides it. Default 0.
+    pub max_steps: u32,
+    /// Seed of every random draw (needs, a random policy): an episode's
+    /// draws depend only on it and the episode's id. Default 0.
+    pub seed: u64,
+    /// A, B and C, in that order.
+    pub personas: Vec<Persona>,
+    /// `persona_messages`: what each persona is sent for its next
+    /// utterance (templates over the call's variables, its `name`,
+    /// `persona`, `need`, `need_text` and `landmines` among them).
+    pub persona_messages: Vec<MessageTemplate>,
+    /// Fixed topics, episode i taking topic i mod their number (a dataset
+    /// row's `topic` field overrides). Without them each episode's topic
+    /// is asked of `topic`.
+    pub topics: Vec<String>,
+    /// The topic generator: told the topics the run used already.
+    pub topic: CallSettings,
+    /// How many of the last human utterances each call sees.
+    pub history: HistoryWindows,
+    pub scorer: ScorerSettings,
+    pub policy: PolicySettings,
+    /// The robot's utterance for the chosen strategy (none for
+    /// no_intervention).
+    pub robot: CallSettings,
+    pub rewards: RewardSettings,
+    /// Skip stable states (which can earn no reward) by letting the humans
+    /// talk on, up to `max_auto_skip` utterances; then a new topic is set
+    /// (before the first decision) or the episode ends. Default true.
+    pub filter_zero_rewards: bool,
+    /// Default 10.
+    pub max_auto_skip: u32,
+    pub alarms: AlarmSettings,
+    /// Episodes per line of `batch_summary.jsonl`. Default 10.
+    pub batch_size: u32,
+}
+
+/// One human persona.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Persona {
+    /// Default `A`, `B`, `C`.
+    pub name: String,
+    /// Who they are (the `persona` variable of its messages).
+    pub prompt: String,
+    /// Subjects that provoke them when others raise them.
+    pub landmines: Vec<String>,
+    /// Their emotional need in every episode (`recognition`, `mediation`,
+    /// `solution` or `independence`); default drawn per episode from the
+    /// four, seeded.
+    pub need: Option<Need>,
+    /// The endpoint (by name, `role: judge`) that speaks for them; default
+    /// the endpoints that answer items.
+    pub endpoint: Option<String>,
+}
+
+/// The messages of one kind of call, and who answers it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallSettings {
+    /// Chat messages, minijinja templates over the call's variables
+    /// (`docs/conversation.md` lists them).
+    pub messages: Vec<MessageTemplate>,
+    /// The endpoint (by name, `role: judge`) that answers; default the
+    /// endpoints that answer items.
+    pub endpoint: Option<String>,
+}
+
+/// `history:` a number for every call, or `{persona, scorer, policy,
+/// robot}`. Default 6.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HistoryWindows {
+    /// The personas, the policy and the robot see the last N human
+    /// utterances and the robot's among them; the scorer sees the human
+    /// ones only.
+    pub persona: u32,
+    pub scorer: u32,
+    pub policy: u32,
+    pub robot: u32,
+}
+
+/// `scorer:` how relations are scored after each human utterance.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScorerSettings {
+    /// `llm` (the default: `messages` sent to `endpoint`, the reply read as
+    /// `{"AB": x, "BC": y, "CA": z}` or `AB: x, ...` with each in [-1, 1],
+    /// re-asked when it cannot be) or `rules` (no call: words and landmines
+    /// counted, `docs/conversation.md`).
+    pub kind: ScorerKind,
+    pub call: CallSettings,
+    /// Smooth each edge: `decay_factor x previous + (1 - decay_factor) x
+    /// new`. Default false.
+    pub use_ema: bool,
+    /// Default 0.5.
+    pub decay_factor: f64,
+    /// Nothing is scored (and no reward computed) during the first N human
+    /// utterances. Default 3.
+    pub start_after: u32,
+    /// Re-asks of a reply that cannot be read; then the episode fails.
+    /// Default 2.
+    pub max_reasks: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScorerKind {
+    Llm,
+    Rules,
+}
+
+/// `policy:` who chooses the strategy at a decision.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicySettings {
+    pub kind: PolicyKind,
+    /// For `kind: model`.
+    pub call: CallSettings,
+    /// Re-asks of a reply that is not one digit 1 to 4; then the decision
+    /// is recorded as invalid (no intervention, no reward). Default 1.
+    pub max_reasks: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PolicyKind {
+    /// `model` (the default): a call, to `endpoint` or the endpoints that
+    /// answer items (the model under evaluation).
+    Model,
+    /// `fixed` with `strategy: 1..4`: a baseline.
+    Fixed(Strategy),
+    /// `random`: uniform, seeded by `seed` and the episode.
+    Random,
+}
+
+/// `alarms:` policy collapse, over the last `window` decisions of the run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AlarmSettings {
+    /// Default 100.
+    pub window: u32,
+    /// One strategy above this share of the window. Default 0.8.
+    pub max_share: f64,
+    /// The window's strategy entropy (bits) below this. Default 1.0.
+    pub min_entropy: f64,
+}
+
+const PERSONA_SYSTEM: &str = "You are {{ name }}, one of three people ({{ name_a }}, {{ name_b }} and {{ name_c }}) talking about: {{ topic }}.\n{{ persona }}\nWhat you need from this conversation: {{ need_text }}.\n{% if landmines %}Subjects that upset you when others raise them: {{ landmines | join(', ') }}.\n{% endif %}A robot mediator may speak too. Reply with your next utterance only: one or two sentences, in character.";
+const PERSONA_USER: &str = "The conversation so far:\n{{ history_text }}\n\nYour turn, {{ name }}.";
+const TOPIC_SYSTEM: &str = "You suggest topics for a conversation among three people that can lead to disagreement: a shared flat, a family trip, a project at work.";
+const TOPIC_USER: &str = "Suggest one new topic in under ten words{% if used_topics %}, different from these: {{ used_topics | join('; ') }}{% endif %}. Reply with the topic only.";
+const SCORER_SYSTEM: &str = "You rate the relations between three people in a conversation: A ({{ name_a }}), B ({{ name_b }}) and C ({{ name_c }}).";
+const SCORER_USER: &str = "{{ history_text }}\n\nRate each pair's relation from -1 (hostile) to 1 (warm). Reply with JSON only: {\"AB\": number, \"BC\": number, \"CA\": number}";
+const POLICY_SYSTEM: &str = "You are a robot mediator in a conversation among {{ name_a }} (A), {{ name_b }} (B) and {{ name_c }} (C). Choose how to intervene: 1 validate (acknowledge the feelings of the person addressed), 2 bridge (point out common ground between the two in conflict), 3 plan (propose a concrete next step), 4 no_intervention (stay silent). Reply with the digit only.";
+const POLICY_USER: &str = "Conversation:\n{{ history_text }}\n\nRelations: AB {{ relations.AB }}, BC {{ relations.BC }}, CA {{ relations.CA }}. The strained relation is {{ target_edge }}; the person to address is {{ target_name }} ({{ target_speaker }}). Your choice (1-4):";
+const ROBOT_SYSTEM: &str = "You are a robot mediator in a conversation among {{ name_a }} (A), {{ name_b }} (B) and {{ name_c }} (C). Speak briefly: one or two sentences.";
+const ROBOT_USER: &str = "Conversation:\n{{ history_text }}\n\nYour strategy: {{ strategy }} ({{ strategy_text }}). Address {{ target_name }}. Reply with your utterance only.";
+
+fn default_messages(system: &str, user: &str) -> Vec<MessageTemplate> {
+    vec![
+        MessageTemplate {
+            role: "system".to_owned(),
+            content: system.to_owned(),
+        },
+        MessageTemplate {
+            role: "user".to_owned(),
+            content: user.to_owned(),
+        },
+    ]
+}
+
+impl ConversationSettings {
+    /// The endpoints its calls are addressed to by name, each with the key
+    /// that names it.
+    pub fn named_endpoints(&self) -> Vec<(String, &str)> {
+        let mut out = Vec::new();
+        for (i, persona) in self.personas.iter().enumerate() {
+            if let Some(name) = &persona.endpoint {
+                out.push((format!("personas[{i}].endpoint"), name.as_str()));
+            }
+        }
+        for (key, call) in [
+            ("topic", &self.topic),
+            ("scorer", &self.scorer.call),
+            ("policy", &self.policy.call),
+            ("robot", &self.robot),
+        ] {
+            if let Some(name) = &call.endpoint {
+                out.push((format!("{key}.endpoint"), name.as_str()));
+            }
+        }
+        out
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct RawConversation {
+    sessions: Option<u64>,
+    max_rounds: Option<u32>,
+    max_steps: Option<u32>,
+    seed: Option<u64>,
+    personas: Option<Vec<RawPersona>>,
+    persona_messages: Option<Vec<raw::RawMessage>>,
+    topics: Option<Vec<String>>,
+    topic: Option<RawCall>,
+    history: Option<RawHistory>,
+    scorer: Option<RawScorer>,
+    policy: Option<RawPolicy>,
+    robot: Option<RawCall>,
+    rewards: Option<RawRewards>,
+    alarms: Option<RawAlarms>,
+    batch_size: Option<u32>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct RawPersona {
+    name: Option<String>,
+    prompt: Option<String>,
+    landmines: Option<Vec<String>>,
+    need: Option<String>,
+    endpoint: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct RawCall {
+    messages: Option<Vec<raw::RawMessage>>,
+    endpoint: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawHistory {
+    All(u32),
+    Each {
+        persona: Option<u32>,
+        scorer: Option<u32>,
+        policy: Option<u32>,
+        robot: Option<u32>,
+    },
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct RawScorer {
+    kind: Option<String>,
+    messages: Option<Vec<raw::RawMessage>>,
+    endpoint: Option<String>,
+    use_ema: Option<bool>,
+    decay_factor: Option<f64>,
+    start_relation_check_after_utterances: Option<u32>,
+    max_reasks: Option<u32>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct RawPolicy {
+    kind: Option<String>,
+    strategy: Option<u8>,
+    messages: Option<Vec<raw::RawMessage>>,
+    endpoint: Option<String>,
+    max_reasks: Option<u32>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct RawRewards {
+    stable_bonus: Option<f64>,
+    preference_match_bonus: Option<f64>,
+    evaluation_horizon: Option<u32>,
+    terminal_bonus_duration: Option<u32>,
+    filter_zero_rewards: Option<bool>,
+    max_auto_skip: Option<u32>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct RawAlarms {
+    window: Option<u32>,
+    max_share: Option<f64>,
+    min_entropy: Option<f64>,
+}
+
+const AT: &str = "task.conversation";
+
+/// `task.conversation` validated (`value` absent: every default).
+pub(super) fn conversation(
+    value: Option<&Value>,
+    p: &mut Problems<'_>,
+) -> Option<ConversationSettings> {
+    let raw = match value {
+        Some(value) => raw::section::<RawConversation>(value, AT, p.0)?,
+        None => RawConversation::default(),
+    };
+    let mut ok = true;
+    let mut bad = |p: &mut Problems<'_>, at: &str, message: String| {
+        ok = false;
+        p.push::<()>(&format!("{AT}.{at}"), message);
+    };
+    let sessions = raw.sessions.unwrap_or(10);
+    if sessions == 0 {
+        bad(p, "sessions", "must be at least 1, got 0".to_owned());
+    }
+    let max_rounds = raw.max_rounds.unwrap_or(6);
+    if !(1..=1000).contains(&max_rounds) {
+        bad(
+            p,
+            "max_rounds",
+            format!("must be between 1 and 1000, got {max_rounds}"),
+        );
+    }
+    let personas = match raw.personas {
+        None => ["A", "B", "C"]
+            .iter()
+            .map(|name| Persona {
+                name: (*name).to_owned(),
+                prompt: String::new(),
+                landmines: Vec::new(),
+                need: None,
+                endpoint: None,
+            })
+            .collect(),
+        Some(list) if list.len() != 3 => {
+            bad(
+                p,
+                "personas",
+                format!("must list exactly three personas (A, B and C), got {}", list.len()),
+            );
+            Vec::new()
+        }
+        Some(list) => list
+            .into_iter()
+            .zip(["A", "B", "C"])
+            .enumerate()
+            .map(|(i, (raw, letter))| Persona {
+                need: raw.need.as_deref().and_then(|need| {
+                    let found = Need::ALL.into_iter().find(|n| n.as_str() == need);
+                    if found.is_none() {
+                        bad(
+                            p,
+                            &format!("personas[{i}].need"),
+                            format!("must be recognition, mediation, solution or independence, got '{need}'"),
+                        );
+                    }
+                    found
+                }),
+                name: raw
+                    .name
+                    .filter(|n| !n.trim().is_empty())
+                    .unwrap_or_else(|| letter.to_owned()),
+                prompt: raw.prompt.unwrap_or_default(),
+                landmines: raw
+                    .landmines
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter(|w| !w.trim().is_empty())
+                    .collect(),
+                endpoint: raw.endpoint,
+            })
+            .collect(),
+    };
+    let topics: Vec<String> = raw.topics.unwrap_or_default();
+    if topics.iter().any(|t| t.trim().is_empty()) {
+        bad(p, "topics", "must not hold an empty topic".to_owned());
+    }
+    let call = |raw: Option<RawCall>, at: &str, system: &str, user: &str, p: &mut Problems<'_>| {
+        let raw = raw.unwrap_or_default();
+        let messages = match raw.messages {
+            None => Some(default_messages(system, user)),
+            Some(list) => message_list(list, &format!("{AT}.{at}"), p),
+        };
+        messages.map(|messages| CallSettings {
+            messages,
+            endpoint: raw.endpoint,
+        })
+    };
+    let topic = call(raw.topic, "topic.messages", TOPIC_SYSTEM, TOPIC_USER, p);
+    let robot = call(raw.robot, "robot.messages", ROBOT_SYSTEM, ROBOT_USER, p);
+    let persona_call = call(
+        Some(RawCall {
+            messages: raw.persona_messages,
+            endpoint: None,
+        }),
+        "persona_messages",
+        PERSONA_SYSTEM,
+        PERSONA_USER,
+        p,
+    );
+    let history = match raw.history {
+        None => HistoryWindows {
+            persona: 6,
+            scorer: 6,
+            policy: 6,
+            robot: 6,
+        },
+        Some(RawHistory::All(n)) => HistoryWindows {
+            persona: n,
+            scorer: n,
+            policy: n,
+            robot: n,
+        },
+        Some(RawHistory::Each {
+            persona,
+            scorer,
+            policy,
+            robot,
+        }) => HistoryWindows {
+            persona: persona.unwrap_or(6),
+            scorer: scorer.unwrap_or(6),
+            policy: policy.unwrap_or(6),
+            robot: robot.unwrap_or(6),
+        },
+    };
+    if [
+        history.persona,
+        history.scorer,
+        history.policy,
+        history.robot,
+    ]
+    .contains(&0)
+    {
+        bad(
+            p,
+            "history",
+            "every window must be at least 1 utterance".to_owned(),
+        );
+    }
+    let scorer = {
+        let raw = raw.scorer.unwrap_or_default();
+        let kind = match raw.kind.as_deref() {
+            None | Some("llm") => ScorerKind::Llm,
+            Some("rules") => ScorerKind::Rules,
+            Some(other) => {
+                bad(
+                    p,
+                    "scorer.kind",
+                    format!("must be llm or rules, got '{other}'"),
+                );
+                ScorerKind::Llm
+            }
+        };
+        let decay_factor = raw.decay_factor.unwrap_or(0.5);
+        if !(0.0..1.0).contains(&decay_factor) {
+            bad(
+                p,
+                "scorer.decay_factor",
+                format!("must be at least 0 and below 1, got {decay_factor}"),
+            );
+        }
+        call(
+            Some(RawCall {
+                messages: raw.messages,
+                endpoint: raw.endpoint,
+            }),
+            "scorer.messages",
+            SCORER_SYSTEM,
+            SCORER_USER,
+            p,
+        )
+        .map(|call| ScorerSettings {
+            kind,
+            call,
+            use_ema: raw.use_ema.unwrap_or(false),
+            decay_factor,
+            start_after: raw.start_relation_check_after_utterances.unwrap_or(3),
+            max_reasks: raw.max_reasks.unwrap_or(2),
+        })
+    };
+    let policy = {
+        let raw = raw.policy.unwrap_or_default();
+        let kind = match (raw.kind.as_deref(), raw.strategy) {
+            (None | Some("model"), None) => Some(PolicyKind::Model),
+            (Some("random"), None) => Some(PolicyKind::Random),
+            (Some("fixed"), Some(digit)) => match Strategy::from_digit(digit) {
+                Some(s) => Some(PolicyKind::Fixed(s)),
+                None => {
+                    bad(
+                        p,
+                        "policy.strategy",
+                        format!(
+                            "must be 1 (validate), 2 (bridge), 3 (plan) or 4 (no_intervention), got {digit}"
+                        ),
+                    );
+                    None
+                }
+            },
+            (Some("fixed"), None) => {
+                bad(
+                    p,
+                    "policy.strategy",
+                    "is required with kind: fixed (1 to 4)".to_owned(),
+                );
+                None
+            }
+            (_, Some(_)) => {
+                bad(p, "policy.strategy", "belongs to kind: fixed".to_owned());
+                None
+            }
+            (Some(other), None) => {
+                bad(
+                    p,
+                    "policy.kind",
+                    format!("must be model, fixed or random, got '{other}'"),
+                );
+                None
+            }
+        };
+        let call = call(
+            Some(RawCall {
+                messages: raw.messages,
+                endpoint: raw.endpoint,
+            }),
+            "policy.messages",
+            POLICY_SYSTEM,
+            POLICY_USER,
+            p,
+        );
+        match (kind, call) {
+            (Some(kind), Some(call)) => Some(PolicySettings {
+                kind,
+                call,
+                max_reasks: raw.max_reasks.unwrap_or(1),
+            }),
+            _ => None,
+        }
+    };
+    let raw_rewards = raw.rewards.unwrap_or_default();
+    let defaults = RewardSettings::default();
+    let rewards = RewardSettings {
+        stable_bonus: raw_rewards.stable_bonus.unwrap_or(defaults.stable_bonus),
+        preference_match_bonus: raw_rewards
+            .preference_match_bonus
+            .unwrap_or(defaults.preference_match_bonus),
+        evaluation_horizon: raw_rewards
+            .evaluation_horizon
+            .unwrap_or(defaults.evaluation_horizon),
+        terminal_bonus_duration: raw_rewards
+            .terminal_bonus_duration
+            .unwrap_or(defaults.terminal_bonus_duration),
+    };
+    for (key, value) in [
+        ("stable_bonus", rewards.stable_bonus),
+        ("preference_match_bonus", rewards.preference_match_bonus),
+    ] {
+        if !value.is_finite() {
+            bad(
+                p,
+                &format!("rewards.{key}"),
+                format!("must be a number, got {value}"),
+            );
+        }
+    }
+    if rewards.evaluation_horizon == 0 {
+        bad(
+            p,
+            "rewards.evaluation_horizon",
+            "must be at least 1 utterance, got 0".to_owned(),
+        );
+    }
+    let raw_alarms = raw.alarms.unwrap_or_default();
+    let alarms = AlarmSettings {
+        window: raw_alarms.window.unwrap_or(100),
+        max_share: raw_alarms.max_share.unwrap_or(0.8),
+        min_entropy: raw_alarms.min_entropy.unwrap_or(1.0),
+    };
+    if alarms.window == 0 {
+        bad(p, "alarms.window", "must be at least 1, got 0".to_owned());
+    }
+    if !(0.0..=1.0).contains(&alarms.max_share) {
+        bad(
+            p,
+            "alarms.max_share",
+            format!("must be a share between 0 and 1, got {}", alarms.max_share),
+        );
+    }
+    let batch_size = raw.batch_size.unwrap_or(10);
+    if batch_size == 0 {
+        bad(p, "batch_size", "must be at least 1, got 0".to_owned());
+    }
+    let settings = ConversationSettings {
+        persona_messages: persona_call?.messages,
+        sessions,
+        max_rounds,
+        max_steps: raw.max_steps.unwrap_or(0),
+        seed: raw.seed.unwrap_or(0),
+        personas,
+        topics,
+        topic: topic?,
+        history,
+        scorer: scorer?,
+        policy: policy?,
+        robot: robot?,
+        rewards,
+        filter_zero_rewards: raw_rewards.filter_zero_rewards.unwrap_or(true),
+        max_auto_skip: raw_rewards.max_auto_skip.unwrap_or(10),
+        alarms,
+        batch_size,
+    };
+    ok.then_some(settings)
+}
+
+/// The file of `n` made-up episodes (`{"episode": i}` a line), in the
+/// system's temporary folder: written once, and again only when it is
+/// gone or changed (its content is all a resume checks, so a new copy after
+/// a reboot is the same dataset).
+pub(super) fn episodes_file(n: u64) -> std::io::Result<std::path::PathBuf> {
+    use std::io::Write;
+    let path = std::env::temp_dir().join(format!("evalfleet-episodes-{n}.jsonl"));
+    let line = |i: u64| format!("{{\"episode\":{i}}}\n");
+    let size: u64 = (0..n).map(|i| line(i).len() as u64).sum();
+    if std::fs::metadata(&path).is_ok_and(|m| m.len() == size) {
+        return Ok(path);
+    }
+    let partial = path.with_extension(format!("{}.part", std::process::id()));
+    {
+        let mut out = std::io::BufWriter::new(std::fs::File::create(&partial)?);
+        for i in 0..n {
+            out.write_all(line(i).as_bytes())?;
+        }
+        out.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+    }
+    std::fs::rename(&partial, &path)?;
+    Ok(path)
+}

@@ -1,0 +1,326 @@
+//! `kind: conversation`: an item is an episode of a three-person
+//! conversation (personas A, B and C played by models) in which a robot
+//! may intervene when the relations between them are unbalanced. Each
+//! human utterance, relation score, topic, policy choice and robot
+//! utterance is a call of the item (an attempt like any other); the
+//! episode's steps, rewards and conversation are its output, and its
+//! totals its scores. [`sim`] holds the episode's logic, free of I/O, so
+//! that the environment server can drive the same episodes step by step.
+
+pub mod relations;
+pub mod sim;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use evalfleet_types::{Assessment, Score, Scores};
+use serde_json::Value;
+
+use super::{Episode, Finish, ItemContext, Reply, Request, Step, Target, Task, TaskError};
+use crate::config::{ConversationSettings, PolicyKind};
+use crate::eval::balance::Strategy;
+use crate::template::{Message, Templates};
+use sim::{Ask, CallKind, Next, Sim};
+
+/// How many of the run's topics a topic request lists to avoid.
+const AVOID_TOPICS: usize = 50;
+
+/// The conversation task.
+pub struct Conversation {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    settings: Arc<ConversationSettings>,
+    /// Compiled messages of each kind of call.
+    templates: HashMap<&'static str, Templates>,
+    /// Topics the run has used (those of earlier sessions too), newest
+    /// last, so that episodes avoid them.
+    topics: Mutex<Vec<String>>,
+}
+
+impl Conversation {
+    /// The task of `settings`; `used_topics`: the topics the run's stored
+    /// episodes used.
+    pub fn new(
+        settings: &ConversationSettings,
+        used_topics: Vec<String>,
+    ) -> Result<Self, TaskError> {
+        let mut templates = HashMap::new();
+        let at = "task.conversation";
+        for (kind, messages) in [
+            ("persona", &settings.persona_messages),
+            ("topic", &settings.topic.messages),
+            ("scorer", &settings.scorer.call.messages),
+            ("policy", &settings.policy.call.messages),
+            ("robot", &settings.robot.messages),
+        ] {
+            let key = if kind == "persona" {
+                format!("{at}.persona_messages")
+            } else {
+                format!("{at}.{kind}.messages")
+            };
+            let compiled = Templates::from_messages(messages, &key)
+                .map_err(|err| TaskError::Invalid(err.to_string()))?;
+            templates.insert(kind, compiled);
+        }
+        Ok(Self {
+            inner: Arc::new(Inner {
+                settings: Arc::new(settings.clone()),
+                templates,
+                topics: Mutex::new(used_topics),
+            }),
+        })
+    }
+}
+
+impl Task for Conversation {
+    fn begin(&self, item: &ItemContext<'_>) -> (Box<dyn Episode>, Step) {
+        let row = item.row();
+        let settings = &self.inner.settings;
+        let topic = match row.get("topic").and_then(Value::as_str) {
+            Some(topic) if !topic.trim().is_empty() => Some(topic.trim().to_owned()),
+            _ if !settings.topics.is_empty() => {
+                let index = row
+                    .get("episode")
+                    .and_then(Value::as_u64)
+                    .unwrap_or_else(|| sim::Draws::new(0, item.item_id).next_u64());
+                Some(settings.topics[(index % settings.topics.len() as u64) as usize].clone())
+            }
+            _ => None,
+        };
+        let mut sim = Sim::new(settings.clone(), item.item_id, topic);
+        let next = sim.start();
+        let mut episode = ConversationEpisode {
+            inner: self.inner.clone(),
+            sim,
+            sample: sample_of(item.item_id),
+            last: None,
+            last_reply: None,
+        };
+        let step = episode.step(next);
+        (Box::new(episode), step)
+    }
+}
+
+/// Keeps the cache's answers of one episode apart from another's (the same
+/// opening line of two episodes is two calls), and the same for one
+/// episode across resumes.
+fn sample_of(episode: &str) -> u32 {
+    (sim::Draws::new(0, episode).next_u64() & u64::from(u32::MAX)) as u32
+}
+
+/// One episode on its way.
+struct ConversationEpisode {
+    inner: Arc<Inner>,
+    sim: Sim,
+    sample: u32,
+    /// The kind and messages of the call asked last, and its reply (for a
+    /// re-ask).
+    last: Option<(CallKind, Vec<Message>)>,
+    last_reply: Option<String>,
+}
+
+impl Episode for ConversationEpisode {
+    fn next(&mut self, _item: &ItemContext<'_>, _asked: Request, reply: Reply) -> Step {
+        let kind = self.last.as_ref().map(|(kind, _)| *kind);
+        match reply {
+            Reply::Answer(text) => match self.sim.reply(&text) {
+                Ok(next) => {
+                    if kind == Some(CallKind::Topic) && !self.sim.topic().is_empty() {
+                        let mut topics = self
+                            .inner
+                            .topics
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner);
+                        if !topics.iter().any(|t| t == self.sim.topic()) {
+                            topics.push(self.sim.topic().to_owned());
+                        }
+                    }
+                    self.last_reply = Some(text);
+                    self.step(next)
+                }
+                Err(why) => self.failed(why),
+            },
+            Reply::Failed(reason) => {
+                let what = kind.map_or("a", CallKind::as_str);
+                self.failed(format!("the {what} call failed: {reason}"))
+            }
+        }
+    }
+}
+
+impl ConversationEpisode {
+    /// The step for what the episode needs next; decisions of a policy
+    /// that is no model are taken here.
+    fn step(&mut self, mut next: Next) -> Step {
+        loop {
+            next = match next {
+                Next::Ask(ask) => return self.call(ask),
+                Next::Decide(_) => match self.inner.settings.policy.kind {
+                    PolicyKind::Model => self.sim.ask_policy(),
+                    PolicyKind::Fixed(strategy) => self.sim.act(Some(strategy)),
+                    PolicyKind::Random => {
+                        let strategy = self.sim.random_strategy();
+                        self.sim.act(Some(strategy))
+                    }
+                },
+                Next::Over => return self.finish(),
+            };
+        }
+    }
+
+    fn call(&mut self, ask: Ask) -> Step {
+        let Ask {
+            kind,
+            mut vars,
+            rejected,
+        } = ask;
+        let settings = &self.inner.settings;
+        let messages = match (&rejected, &self.last, &self.last_reply) {
+            (Some(why), Some((_, previous)), Some(reply)) => {
+                let mut messages = previous.clone();
+                messages.push(Message {
+                    role: "assistant".to_owned(),
+                    content: reply.clone(),
+                });
+                messages.push(Message {
+                    role: "user".to_owned(),
+                    content: format!(
+                        "Your reply could not be used: {why}. Answer again, exactly in the format asked."
+                    ),
+                });
+                messages
+            }
+            _ => {
+                if kind == CallKind::Topic {
+                    let topics = self
+                        .inner
+                        .topics
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner);
+                    let mut used: Vec<Value> = topics
+                        .iter()
+                        .rev()
+                        .take(AVOID_TOPICS)
+                        .rev()
+                        .map(|t| Value::from(t.as_str()))
+                        .collect();
+                    if let Some(Value::Array(own)) = vars.get("used_topics") {
+                        for topic in own {
+                            if !used.contains(topic) {
+                                used.push(topic.clone());
+                            }
+                        }
+                    }
+                    vars.insert("used_topics".to_owned(), Value::Array(used));
+                }
+                let templates = &self.inner.templates[kind.as_str()];
+                match templates.render(&vars) {
+                    Ok(messages) => messages,
+                    Err(err) => return self.failed(format!("task.conversation: {err}")),
+                }
+            }
+        };
+        let endpoint = match kind {
+            CallKind::Speak(person) => &settings.personas[person.index()].endpoint,
+            CallKind::Topic => &settings.topic.endpoint,
+            CallKind::Score => &settings.scorer.call.endpoint,
+            CallKind::Policy => &settings.policy.call.endpoint,
+            CallKind::Robot => &settings.robot.endpoint,
+        };
+        let target = target(endpoint);
+        let raw = match serde_json::value::to_raw_value(&messages) {
+            Ok(raw) => raw,
+            Err(err) => {
+                return self.failed(format!("the {} call's messages: {err}", kind.as_str()));
+            }
+        };
+        self.last = Some((kind, messages));
+        Step::Call(Request {
+            target,
+            messages: raw,
+            sample: self.sample,
+            rejected,
+        })
+    }
+
+    fn failed(&self, why: String) -> Step {
+        Step::Finish(Finish::failed(why, Assessment::default()))
+    }
+
+    /// The episode is over: its record and its totals.
+    fn finish(&self) -> Step {
+        let summary = self.sim.summary();
+        let steps = self.sim.steps();
+        let mut scores = Scores::new();
+        let n = steps.len() as f64;
+        let total: f64 = steps.iter().map(|s| s.reward.total).sum();
+        scores.insert("reward".to_owned(), Score::value(total));
+        scores.insert("steps".to_owned(), Score::value(n));
+        scores.insert(
+            "interventions".to_owned(),
+            Score::value(
+                steps
+                    .iter()
+                    .filter(|s| s.strategy.is_some_and(Strategy::intervenes))
+                    .count() as f64,
+            ),
+        );
+        scores.insert(
+            "invalid".to_owned(),
+            Score::value(steps.iter().filter(|s| !s.valid).count() as f64),
+        );
+        if n > 0.0 {
+            scores.insert("mean_reward".to_owned(), Score::value(total / n));
+            scores.insert(
+                "stabilised".to_owned(),
+                Score::value(
+                    steps.iter().filter(|s| s.reward.stable_bonus > 0.0).count() as f64 / n,
+                ),
+            );
+            scores.insert(
+                "preference_match".to_owned(),
+                Score::value(
+                    steps
+                        .iter()
+                        .filter(|s| s.reward.preference_match_bonus > 0.0)
+                        .count() as f64
+                        / n,
+                ),
+            );
+        }
+        Step::Finish(Finish::done(
+            summary.to_string(),
+            Assessment {
+                scores,
+                ..Assessment::default()
+            },
+        ))
+    }
+}
+
+fn target(endpoint: &Option<String>) -> Target {
+    match endpoint {
+        Some(name) => Target::Endpoint(Arc::from(name.as_str())),
+        None => Target::Items,
+    }
+}
+
+/// The topics of a run's stored episodes (their outputs), oldest first.
+pub fn topics_of(outputs: impl IntoIterator<Item = String>) -> Vec<String> {
+    let mut topics: Vec<String> = Vec::new();
+    for output in outputs {
+        let Ok(summary) = serde_json::from_str::<Value>(&output) else {
+            continue;
+        };
+        if let Some(list) = summary.get("topics").and_then(Value::as_array) {
+            for topic in list.iter().filter_map(Value::as_str) {
+                if !topics.iter().any(|t| t == topic) {
+                    topics.push(topic.to_owned());
+                }
+            }
+        }
+    }
+    topics
+}

@@ -1,0 +1,1022 @@
+//! One episode of the conversation as a state machine with no I/O: it says
+//! which call it needs next ([`Next::Ask`]) or that a decision is due
+//! ([`Next::Decide`]), and is told the reply or the strategy. The task
+//! drives it with the fleet's calls and a policy; the environment server
+//! drives it with a trainer's actions. Everything it draws comes from its
+//! seed, so the same replies give the same episode.
+
+use std::sync::Arc;
+
+use serde::Serialize;
+use serde_json::{Map, Value, json};
+
+use super::relations;
+use crate::config::{ConversationSettings, ScorerKind};
+use crate::eval::balance::{self, Edge, Need, Person, Reward, Strategy, Triangle};
+
+/// The kinds of call an episode makes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallKind {
+    Topic,
+    Speak(Person),
+    Score,
+    Policy,
+    Robot,
+}
+
+impl CallKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Topic => "topic",
+            Self::Speak(_) => "persona",
+            Self::Score => "scorer",
+            Self::Policy => "policy",
+            Self::Robot => "robot",
+        }
+    }
+}
+
+/// A call the episode needs: its kind and the variables of its templates.
+#[derive(Debug, Clone)]
+pub struct Ask {
+    pub kind: CallKind,
+    pub vars: Map<String, Value>,
+    /// Set when this asks again after a reply that could not be used: why.
+    pub rejected: Option<String>,
+}
+
+/// A decision point: what the policy sees.
+#[derive(Debug, Clone, Serialize)]
+pub struct Decision {
+    pub step: u32,
+    pub relations: Triangle,
+    pub pattern: String,
+    pub stable: bool,
+    pub instability: f64,
+    /// None for a stable triangle (with `filter_zero_rewards: false`).
+    pub target_edge: Option<Edge>,
+    pub target_speaker: Option<Person>,
+    /// The conversation window the policy sees (`history.policy`).
+    pub window: Vec<Utterance>,
+    pub topic: String,
+}
+
+/// What the episode needs next.
+#[derive(Debug)]
+pub enum Next {
+    Ask(Ask),
+    Decide(Decision),
+    Over,
+}
+
+/// How an episode ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Ending {
+    /// `max_rounds` reached, or no unstable state within `max_auto_skip`.
+    Terminated,
+    /// `max_steps` decisions made.
+    Truncated,
+}
+
+/// One utterance of the conversation.
+#[derive(Debug, Clone, Serialize)]
+pub struct Utterance {
+    /// `A`, `B`, `C` or `robot`.
+    pub speaker: String,
+    pub text: String,
+}
+
+impl Utterance {
+    fn human(&self) -> bool {
+        self.speaker != ROBOT
+    }
+}
+
+const ROBOT: &str = "robot";
+
+/// A triangle at a check, with its stability.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Check {
+    pub relations: Triangle,
+    pub stable: bool,
+    pub target_positive: Option<bool>,
+}
+
+/// One decision and what came of it: a line of `conversation_summary.jsonl`.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepRecord {
+    pub step: u32,
+    pub topic: String,
+    /// Human utterances before the decision.
+    pub turn: u32,
+    /// Stable states skipped before it.
+    pub auto_skips: u32,
+    pub relations: Triangle,
+    pub pattern: String,
+    pub stable: bool,
+    pub instability: f64,
+    pub target_edge: Option<Edge>,
+    pub target_speaker: Option<Person>,
+    pub target_need: Option<Need>,
+    /// None: the policy's reply was not a strategy (invalid).
+    pub strategy: Option<Strategy>,
+    pub valid: bool,
+    pub policy_reply: Option<String>,
+    pub robot: Option<String>,
+    pub at_horizon: Option<Check>,
+    pub at_end: Option<Check>,
+    pub reward: Reward,
+    /// The utterances from the decision to the end of the step.
+    pub utterances: Vec<Utterance>,
+}
+
+/// Where the episode is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// Before the first decision: talk until an unstable state (skipping
+    /// stable ones).
+    Opening {
+        skips: u32,
+    },
+    /// After a step: talk on until an unstable state.
+    Between {
+        skips: u32,
+    },
+    /// Waiting for a decision (or the policy's reply, or the robot's).
+    Deciding,
+    /// Human utterances after the intervention: to the horizon, then to
+    /// the end of the bonus duration.
+    Horizon {
+        left: u32,
+    },
+    Duration {
+        left: u32,
+    },
+    Over(Ending),
+}
+
+/// The call whose reply is awaited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Waiting {
+    Nothing,
+    Call(CallKind),
+}
+
+/// A tiny deterministic generator (SplitMix64): the episode's draws.
+#[derive(Debug, Clone)]
+pub struct Draws(u64);
+
+impl Draws {
+    /// Seeded by the run's seed and the episode's id.
+    pub fn new(seed: u64, episode: &str) -> Self {
+        // FNV-1a of the id, mixed with the seed.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in episode.bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        Self(h ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in 0..n.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+}
+
+/// One episode.
+pub struct Sim {
+    settings: Arc<ConversationSettings>,
+    episode: String,
+    needs: [Need; 3],
+    draws: Draws,
+    topic: String,
+    topics: Vec<String>,
+    history: Vec<Utterance>,
+    /// Human utterances so far.
+    humans: u32,
+    relations: Option<Triangle>,
+    stage: Stage,
+    waiting: Waiting,
+    reasks: u32,
+    steps: Vec<StepRecord>,
+    /// The step being played.
+    current: Option<StepRecord>,
+    /// Where the current step's utterances begin in `history`.
+    step_from: usize,
+    /// Stable states skipped before the coming decision.
+    skipped: u32,
+    scorer_calls: u32,
+    invalid_scores: u32,
+}
+
+impl Sim {
+    /// Episode `episode`; `topic` when it is given (fixed topics, or the
+    /// dataset's row), else it is asked for.
+    pub fn new(settings: Arc<ConversationSettings>, episode: &str, topic: Option<String>) -> Self {
+        let mut draws = Draws::new(settings.seed, episode);
+        let drawn = [0, 1, 2].map(|_| Need::ALL[draws.below(Need::ALL.len())]);
+        let needs = [0, 1, 2].map(|i| settings.personas[i].need.unwrap_or(drawn[i]));
+        Self {
+            settings,
+            episode: episode.to_owned(),
+            needs,
+            draws,
+            topics: topic.iter().cloned().collect(),
+            topic: topic.unwrap_or_default(),
+            history: Vec::new(),
+            humans: 0,
+            relations: None,
+            stage: Stage::Opening { skips: 0 },
+            waiting: Waiting::Nothing,
+            reasks: 0,
+            steps: Vec::new(),
+            current: None,
+            step_from: 0,
+            skipped: 0,
+            scorer_calls: 0,
+            invalid_scores: 0,
+        }
+    }
+
+    /// The topic talked about now (empty before the first is set).
+    pub fn topic(&self) -> &str {
+        &self.topic
+    }
+
+    pub fn needs(&self) -> [Need; 3] {
+        self.needs
+    }
+
+    pub fn steps(&self) -> &[StepRecord] {
+        &self.steps
+    }
+
+    pub fn ending(&self) -> Option<Ending> {
+        match self.stage {
+            Stage::Over(ending) => Some(ending),
+            _ => None,
+        }
+    }
+
+    /// A uniform draw of a strategy (the random policy's), from the
+    /// episode's generator.
+    pub fn random_strategy(&mut self) -> Strategy {
+        Strategy::ALL[self.draws.below(Strategy::ALL.len())]
+    }
+
+    /// The first need.
+    pub fn start(&mut self) -> Next {
+        if self.topic.is_empty() {
+            return self.ask(CallKind::Topic, None);
+        }
+        self.talk()
+    }
+
+    /// `reply` to the call asked last. An error ends the episode: a reply
+    /// that could not be used after every re-ask.
+    pub fn reply(&mut self, reply: &str) -> Result<Next, String> {
+        let Waiting::Call(kind) = self.waiting else {
+            return Err("a reply came when no call was asked".to_owned());
+        };
+        self.waiting = Waiting::Nothing;
+        match kind {
+            CallKind::Topic => {
+                let topic = first_line(reply);
+                if topic.is_empty() && self.reasks < self.settings.scorer.max_reasks {
+                    self.reasks += 1;
+                    return Ok(
+                        self.ask(CallKind::Topic, Some("the reply held no topic".to_owned()))
+                    );
+                }
+                self.reasks = 0;
+                self.topic = if topic.is_empty() {
+                    format!("topic {}", self.topics.len() + 1)
+                } else {
+                    topic
+                };
+                self.topics.push(self.topic.clone());
+                Ok(self.talk())
+            }
+            CallKind::Speak(person) => {
+                self.history.push(Utterance {
+                    speaker: person.as_str().to_owned(),
+                    text: reply.trim().to_owned(),
+                });
+                self.humans += 1;
+                if self.humans > self.settings.scorer.start_after {
+                    match self.settings.scorer.kind {
+                        ScorerKind::Llm => return Ok(self.ask(CallKind::Score, None)),
+                        ScorerKind::Rules => {
+                            let window = self.human_window(self.settings.history.scorer);
+                            let said: Vec<(Person, &str)> = window
+                                .iter()
+                                .filter_map(|u| person_of(&u.speaker).map(|p| (p, u.text.as_str())))
+                                .collect();
+                            let landmines =
+                                [0, 1, 2].map(|i| self.settings.personas[i].landmines.clone());
+                            let observed = relations::by_rules(&said, &landmines);
+                            self.observe(observed);
+                        }
+                    }
+                }
+                Ok(self.after_utterance())
+            }
+            CallKind::Score => {
+                self.scorer_calls += 1;
+                match relations::parse(reply) {
+                    Ok(observed) => {
+                        self.reasks = 0;
+                        self.observe(observed);
+                        Ok(self.after_utterance())
+                    }
+                    Err(why) => {
+                        self.invalid_scores += 1;
+                        if self.reasks < self.settings.scorer.max_reasks {
+                            self.reasks += 1;
+                            Ok(self.ask(CallKind::Score, Some(why)))
+                        } else {
+                            Err(format!(
+                                "the relation scorer's reply could not be used after {} re-ask(s): {why}",
+                                self.reasks
+                            ))
+                        }
+                    }
+                }
+            }
+            CallKind::Policy => {
+                let strategy = Strategy::parse_reply(reply);
+                if let Some(current) = &mut self.current {
+                    current.policy_reply = Some(reply.to_owned());
+                }
+                if strategy.is_none() && self.reasks < self.settings.policy.max_reasks {
+                    self.reasks += 1;
+                    return Ok(self.ask(
+                        CallKind::Policy,
+                        Some("the reply must be one digit: 1, 2, 3 or 4".to_owned()),
+                    ));
+                }
+                self.reasks = 0;
+                Ok(self.act(strategy))
+            }
+            CallKind::Robot => {
+                self.history.push(Utterance {
+                    speaker: ROBOT.to_owned(),
+                    text: reply.trim().to_owned(),
+                });
+                if let Some(current) = &mut self.current {
+                    current.robot = Some(reply.trim().to_owned());
+                }
+                Ok(self.talk())
+            }
+        }
+    }
+
+    /// The policy's call for the decision due (when the policy is a model).
+    pub fn ask_policy(&mut self) -> Next {
+        self.ask(CallKind::Policy, None)
+    }
+
+    /// The strategy chosen at the decision due; `None`: the policy gave no
+    /// valid one (recorded as invalid: no intervention, no reward).
+    pub fn act(&mut self, strategy: Option<Strategy>) -> Next {
+        let Some(current) = &mut self.current else {
+            return Next::Over;
+        };
+        current.strategy = strategy;
+        current.valid = strategy.is_some();
+        self.step_from = self.history.len();
+        self.stage = Stage::Horizon {
+            left: self.settings.rewards.evaluation_horizon,
+        };
+        match strategy {
+            Some(s) if s.intervenes() => self.ask(CallKind::Robot, None),
+            _ => self.talk(),
+        }
+    }
+
+    /// The episode's record: what `output` stores and the logs are made of.
+    pub fn summary(&self) -> Value {
+        let total: f64 = self.steps.iter().map(|s| s.reward.total).sum();
+        json!({
+            "episode": self.episode,
+            "needs": {"A": self.needs[0], "B": self.needs[1], "C": self.needs[2]},
+            "topics": self.topics,
+            "ending": self.ending(),
+            "human_utterances": self.humans,
+            "scorer_calls": self.scorer_calls,
+            "invalid_scores": self.invalid_scores,
+            "total_reward": total,
+            "steps": self.steps,
+            "conversation": self.history,
+        })
+    }
+
+    // --- the flow ---
+
+    fn ask(&mut self, kind: CallKind, rejected: Option<String>) -> Next {
+        self.waiting = Waiting::Call(kind);
+        Next::Ask(Ask {
+            kind,
+            vars: self.vars(kind),
+            rejected,
+        })
+    }
+
+    /// The next human utterance, unless the episode is over.
+    fn talk(&mut self) -> Next {
+        let limit = self.settings.max_rounds * 3;
+        let mid_step = matches!(self.stage, Stage::Horizon { .. } | Stage::Duration { .. });
+        if !mid_step && self.humans >= limit {
+            return self.end(Ending::Terminated);
+        }
+        let speaker = Person::ALL[(self.humans % 3) as usize];
+        self.ask(CallKind::Speak(speaker), None)
+    }
+
+    fn end(&mut self, ending: Ending) -> Next {
+        self.stage = Stage::Over(ending);
+        self.waiting = Waiting::Nothing;
+        Next::Over
+    }
+
+    fn observe(&mut self, observed: Triangle) {
+        self.relations = Some(match (self.relations, self.settings.scorer.use_ema) {
+            (Some(previous), true) => {
+                previous.smoothed(&observed, self.settings.scorer.decay_factor)
+            }
+            _ => observed,
+        });
+    }
+
+    /// After a human utterance (and its scoring).
+    fn after_utterance(&mut self) -> Next {
+        let scored = self.humans > self.settings.scorer.start_after;
+        match self.stage {
+            Stage::Opening { skips } | Stage::Between { skips } => {
+                let Some(relations) = self.relations.filter(|_| scored) else {
+                    return self.talk();
+                };
+                if !relations.stable() || !self.settings.filter_zero_rewards {
+                    self.skipped = skips;
+                    return self.decide(relations);
+                }
+                let skips = skips + 1;
+                let opening = matches!(self.stage, Stage::Opening { .. });
+                if skips > self.settings.max_auto_skip {
+                    if opening && self.settings.topics.is_empty() {
+                        // A new topic, and the opening starts over.
+                        self.stage = Stage::Opening { skips: 0 };
+                        return self.ask(CallKind::Topic, None);
+                    }
+                    if !opening {
+                        return self.end(Ending::Terminated);
+                    }
+                    self.stage = Stage::Opening { skips: 0 };
+                    return self.talk();
+                }
+                self.stage = if opening {
+                    Stage::Opening { skips }
+                } else {
+                    Stage::Between { skips }
+                };
+                self.talk()
+            }
+            Stage::Horizon { left } => {
+                if left > 1 {
+                    self.stage = Stage::Horizon { left: left - 1 };
+                    return self.talk();
+                }
+                let check = self.check();
+                if let Some(current) = &mut self.current {
+                    current.at_horizon = Some(check);
+                }
+                let duration = self.settings.rewards.terminal_bonus_duration;
+                if duration == 0 {
+                    return self.finish_step();
+                }
+                self.stage = Stage::Duration { left: duration };
+                self.talk()
+            }
+            Stage::Duration { left } => {
+                if left > 1 {
+                    self.stage = Stage::Duration { left: left - 1 };
+                    return self.talk();
+                }
+                self.finish_step()
+            }
+            Stage::Deciding | Stage::Over(_) => Next::Over,
+        }
+    }
+
+    fn check(&self) -> Check {
+        let relations = self.relations.unwrap_or(Triangle::new(0.0, 0.0, 0.0));
+        let target = self.current.as_ref().and_then(|c| c.target_edge);
+        Check {
+            relations,
+            stable: relations.stable(),
+            target_positive: target.map(|e| relations.positive(e)),
+        }
+    }
+
+    fn decide(&mut self, relations: Triangle) -> Next {
+        let target_edge = relations.target_edge();
+        let target_speaker = target_edge.map(|e| relations.target_speaker(e));
+        let step = self.steps.len() as u32;
+        self.current = Some(StepRecord {
+            step,
+            topic: self.topic.clone(),
+            turn: self.humans,
+            auto_skips: self.skipped,
+            relations,
+            pattern: relations.pattern(),
+            stable: relations.stable(),
+            instability: relations.instability(),
+            target_edge,
+            target_speaker,
+            target_need: target_speaker.map(|p| self.needs[p.index()]),
+            strategy: None,
+            valid: false,
+            policy_reply: None,
+            robot: None,
+            at_horizon: None,
+            at_end: None,
+            reward: Reward::default(),
+            utterances: Vec::new(),
+        });
+        self.stage = Stage::Deciding;
+        Next::Decide(Decision {
+            step,
+            relations,
+            pattern: relations.pattern(),
+            stable: relations.stable(),
+            instability: relations.instability(),
+            target_edge,
+            target_speaker,
+            window: self.window(self.settings.history.policy),
+            topic: self.topic.clone(),
+        })
+    }
+
+    fn finish_step(&mut self) -> Next {
+        let at_end = self.check();
+        let Some(mut current) = self.current.take() else {
+            return Next::Over;
+        };
+        current.at_end = Some(at_end);
+        current.utterances = self.history[self.step_from..].to_vec();
+        if let (Some(strategy), Some(edge), Some(need), Some(at_horizon)) = (
+            current.strategy,
+            current.target_edge,
+            current.target_need,
+            current.at_horizon,
+        ) {
+            current.reward = balance::reward(
+                &self.settings.rewards,
+                strategy,
+                need,
+                edge,
+                &at_horizon.relations,
+                &at_end.relations,
+            );
+        }
+        self.steps.push(current);
+        let max_steps = self.settings.max_steps;
+        if max_steps > 0 && self.steps.len() as u32 >= max_steps {
+            return self.end(Ending::Truncated);
+        }
+        self.stage = Stage::Between { skips: 0 };
+        // The state after the step may be the next decision already.
+        if self.humans >= self.settings.max_rounds * 3 {
+            return self.end(Ending::Terminated);
+        }
+        self.after_utterance()
+    }
+
+    // --- what calls see ---
+
+    /// The last `n` human utterances and the robot's among them.
+    fn window(&self, n: u32) -> Vec<Utterance> {
+        let mut humans = 0;
+        let mut from = self.history.len();
+        for (i, u) in self.history.iter().enumerate().rev() {
+            if u.human() {
+                if humans == n {
+                    break;
+                }
+                humans += 1;
+            }
+            from = i;
+        }
+        // Robot lines before the oldest human utterance of the window are
+        // not among them.
+        while from < self.history.len() && !self.history[from].human() && humans == n {
+            from += 1;
+        }
+        self.history[from..].to_vec()
+    }
+
+    /// The last `n` human utterances only.
+    fn human_window(&self, n: u32) -> Vec<Utterance> {
+        let mut out: Vec<Utterance> = self
+            .history
+            .iter()
+            .rev()
+            .filter(|u| u.human())
+            .take(n as usize)
+            .cloned()
+            .collect();
+        out.reverse();
+        out
+    }
+
+    fn name(&self, speaker: &str) -> String {
+        match person_of(speaker) {
+            Some(p) => self.settings.personas[p.index()].name.clone(),
+            None => "Robot".to_owned(),
+        }
+    }
+
+    fn history_vars(&self, window: &[Utterance], vars: &mut Map<String, Value>) {
+        let text = if window.is_empty() {
+            "(nobody has spoken yet)".to_owned()
+        } else {
+            window
+                .iter()
+                .map(|u| format!("{}: {}", self.name(&u.speaker), u.text))
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        let list: Vec<Value> = window
+            .iter()
+            .map(|u| json!({"speaker": u.speaker, "name": self.name(&u.speaker), "text": u.text}))
+            .collect();
+        vars.insert("history".to_owned(), Value::Array(list));
+        vars.insert("history_text".to_owned(), Value::String(text));
+    }
+
+    fn vars(&self, kind: CallKind) -> Map<String, Value> {
+        let s = &self.settings;
+        let mut vars = Map::new();
+        vars.insert("episode".to_owned(), json!(self.episode));
+        vars.insert("topic".to_owned(), json!(self.topic));
+        vars.insert("turn".to_owned(), json!(self.humans));
+        vars.insert("step".to_owned(), json!(self.steps.len()));
+        for (key, p) in [("name_a", 0), ("name_b", 1), ("name_c", 2)] {
+            vars.insert(key.to_owned(), json!(s.personas[p].name));
+        }
+        match kind {
+            CallKind::Topic => {
+                vars.insert("used_topics".to_owned(), json!(self.topics));
+            }
+            CallKind::Speak(person) => {
+                let persona = &s.personas[person.index()];
+                let need = self.needs[person.index()];
+                vars.insert("speaker".to_owned(), json!(person.as_str()));
+                vars.insert("name".to_owned(), json!(persona.name));
+                vars.insert("persona".to_owned(), json!(persona.prompt));
+                vars.insert("need".to_owned(), json!(need.as_str()));
+                vars.insert("need_text".to_owned(), json!(need_text(need)));
+                vars.insert("landmines".to_owned(), json!(persona.landmines));
+                self.history_vars(&self.window(s.history.persona), &mut vars);
+            }
+            CallKind::Score => {
+                self.history_vars(&self.human_window(s.history.scorer), &mut vars);
+            }
+            CallKind::Policy | CallKind::Robot => {
+                let window = if kind == CallKind::Policy {
+                    s.history.policy
+                } else {
+                    s.history.robot
+                };
+                self.history_vars(&self.window(window), &mut vars);
+                if let Some(current) = &self.current {
+                    let r = current.relations;
+                    vars.insert(
+                        "relations".to_owned(),
+                        json!({"AB": round2(r.ab), "BC": round2(r.bc), "CA": round2(r.ca)}),
+                    );
+                    vars.insert("pattern".to_owned(), json!(current.pattern));
+                    vars.insert("target_edge".to_owned(), json!(current.target_edge));
+                    vars.insert("target_speaker".to_owned(), json!(current.target_speaker));
+                    vars.insert(
+                        "target_name".to_owned(),
+                        json!(
+                            current
+                                .target_speaker
+                                .map(|p| s.personas[p.index()].name.clone())
+                        ),
+                    );
+                    if let Some(strategy) = current.strategy {
+                        vars.insert("strategy".to_owned(), json!(strategy.as_str()));
+                        vars.insert("strategy_text".to_owned(), json!(strategy_text(strategy)));
+                    }
+                }
+            }
+        }
+        vars
+    }
+}
+
+fn person_of(speaker: &str) -> Option<Person> {
+    Person::ALL.into_iter().find(|p| p.as_str() == speaker)
+}
+
+fn round2(v: f64) -> f64 {
+    (v * 100.0).round() / 100.0
+}
+
+fn first_line(reply: &str) -> String {
+    reply
+        .lines()
+        .map(|l| l.trim().trim_matches('"').trim())
+        .find(|l| !l.is_empty())
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// What a need means, as a persona is told.
+pub fn need_text(need: Need) -> &'static str {
+    match need {
+        Need::Recognition => "you want your feelings and what you do to be acknowledged",
+        Need::Mediation => "you want someone neutral to help the others understand each other",
+        Need::Solution => "you want a concrete plan that settles the matter",
+        Need::Independence => "you want to be left to work it out yourselves, without outside help",
+    }
+}
+
+/// What a strategy asks of the robot.
+pub fn strategy_text(strategy: Strategy) -> &'static str {
+    match strategy {
+        Strategy::Validate => "acknowledge the feelings and point of view of the person addressed",
+        Strategy::Bridge => "point out common ground between the two people in conflict",
+        Strategy::Plan => "propose a concrete next step everyone can agree to",
+        Strategy::NoIntervention => "say nothing",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{
+        AlarmSettings, CallSettings, HistoryWindows, Persona, PolicyKind, PolicySettings,
+        ScorerSettings,
+    };
+    use crate::eval::balance::RewardSettings;
+
+    fn call() -> CallSettings {
+        CallSettings {
+            messages: Vec::new(),
+            endpoint: None,
+        }
+    }
+
+    fn settings(edit: impl FnOnce(&mut ConversationSettings)) -> Arc<ConversationSettings> {
+        let mut s = ConversationSettings {
+            sessions: 1,
+            max_rounds: 6,
+            max_steps: 0,
+            seed: 0,
+            personas: ["A", "B", "C"]
+                .iter()
+                .map(|n| Persona {
+                    name: (*n).to_owned(),
+                    prompt: String::new(),
+                    landmines: Vec::new(),
+                    need: Some(Need::Mediation),
+                    endpoint: None,
+                })
+                .collect(),
+            persona_messages: Vec::new(),
+            topics: vec!["t".to_owned()],
+            topic: call(),
+            history: HistoryWindows {
+                persona: 6,
+                scorer: 6,
+                policy: 6,
+                robot: 6,
+            },
+            scorer: ScorerSettings {
+                kind: ScorerKind::Llm,
+                call: call(),
+                use_ema: false,
+                decay_factor: 0.5,
+                start_after: 3,
+                max_reasks: 1,
+            },
+            policy: PolicySettings {
+                kind: PolicyKind::Model,
+                call: call(),
+                max_reasks: 1,
+            },
+            robot: call(),
+            rewards: RewardSettings::default(),
+            filter_zero_rewards: true,
+            max_auto_skip: 2,
+            alarms: AlarmSettings {
+                window: 10,
+                max_share: 0.8,
+                min_entropy: 1.0,
+            },
+            batch_size: 10,
+        };
+        edit(&mut s);
+        Arc::new(s)
+    }
+
+    const STABLE: &str = r#"{"AB": 0.5, "BC": 0.5, "CA": 0.5}"#;
+    const UNSTABLE: &str = r#"{"AB": 0.5, "BC": 0.5, "CA": -0.5}"#;
+
+    /// Plays an episode: persona and robot calls get a line, scorer calls
+    /// the next of `scores` (the last again when they run out), decisions
+    /// bridge. Returns the calls made, by kind.
+    fn play(sim: &mut Sim, scores: &[&str]) -> Vec<&'static str> {
+        let mut calls = Vec::new();
+        let mut next = sim.start();
+        let mut scored = 0;
+        for _ in 0..1000 {
+            next = match next {
+                Next::Over => return calls,
+                Next::Decide(_) => {
+                    calls.push("decide");
+                    sim.act(Some(Strategy::Bridge))
+                }
+                Next::Ask(ask) => {
+                    calls.push(ask.kind.as_str());
+                    let reply = match ask.kind {
+                        CallKind::Score => {
+                            scored += 1;
+                            scores[(scored - 1).min(scores.len() - 1)].to_owned()
+                        }
+                        CallKind::Topic => format!("topic {}", calls.len()),
+                        _ => "words".to_owned(),
+                    };
+                    sim.reply(&reply).unwrap()
+                }
+            };
+        }
+        panic!("the episode did not end: {calls:?}");
+    }
+
+    #[test]
+    fn nothing_is_scored_in_the_first_utterances() {
+        let mut sim = Sim::new(settings(|_| {}), "e", None);
+        let calls = play(&mut sim, &[UNSTABLE]);
+        // The topic, three utterances unscored, then scores follow each.
+        assert_eq!(
+            &calls[..7],
+            [
+                "topic", "persona", "persona", "persona", "persona", "scorer", "decide"
+            ]
+        );
+    }
+
+    #[test]
+    fn stable_openings_are_skipped_then_the_topic_changes() {
+        // Scores stay stable: after max_auto_skip (2) skips a third stable
+        // state brings a new topic, and so on until max_rounds.
+        let s = settings(|s| {
+            s.topics.clear();
+            s.max_rounds = 3;
+        });
+        let mut sim = Sim::new(s, "e", None);
+        let calls = play(&mut sim, &[STABLE]);
+        let topics = calls.iter().filter(|c| **c == "topic").count();
+        assert_eq!(topics, 3, "{calls:?}");
+        assert_eq!(calls.iter().filter(|c| **c == "persona").count(), 9);
+        assert!(!calls.contains(&"decide"));
+        assert_eq!(sim.ending(), Some(Ending::Terminated));
+        assert!(sim.steps().is_empty());
+    }
+
+    #[test]
+    fn after_a_step_stable_states_are_skipped_at_most_max_auto_skip_times() {
+        // Unstable at the first check, stable ever after.
+        let s = settings(|s| s.max_rounds = 100);
+        let mut sim = Sim::new(s, "e", None);
+        let mut scores = vec![UNSTABLE];
+        scores.extend([STABLE; 50]);
+        let calls = play(&mut sim, &scores);
+        assert_eq!(sim.steps().len(), 1);
+        assert_eq!(sim.ending(), Some(Ending::Terminated));
+        // 4 to the decision, the robot, 5 in the step, then 2 more
+        // (the state at the step's end is the first skip).
+        assert_eq!(calls.iter().filter(|c| **c == "persona").count(), 4 + 5 + 2);
+        // Aimed at CA; C and A tie with B, so C, whose need (mediation)
+        // bridge answers.
+        let step = &sim.steps()[0];
+        assert_eq!(step.target_speaker, Some(Person::C));
+        assert_eq!(step.reward.stable_bonus, 2.0);
+        assert_eq!(step.reward.preference_match_bonus, 0.5);
+    }
+
+    #[test]
+    fn max_steps_truncates_and_unfiltered_stable_states_are_decided() {
+        let s = settings(|s| {
+            s.max_steps = 2;
+            s.filter_zero_rewards = false;
+        });
+        let mut sim = Sim::new(s, "e", None);
+        let calls = play(&mut sim, &[STABLE]);
+        assert_eq!(calls.iter().filter(|c| **c == "decide").count(), 2);
+        assert_eq!(sim.ending(), Some(Ending::Truncated));
+        // A stable triangle has no target: nothing to earn.
+        for step in sim.steps() {
+            assert_eq!(step.target_edge, None);
+            assert_eq!(step.reward.total, 0.0);
+        }
+    }
+
+    #[test]
+    fn smoothing_mixes_each_score_with_the_last() {
+        let s = settings(|s| {
+            s.scorer.use_ema = true;
+            s.scorer.decay_factor = 0.75;
+            s.max_steps = 1;
+        });
+        let mut sim = Sim::new(s, "e", None);
+        play(
+            &mut sim,
+            &[
+                UNSTABLE,
+                r#"{"AB": 0.5, "BC": 0.5, "CA": 0.5}"#,
+                r#"{"AB": 0.5, "BC": 0.5, "CA": 0.5}"#,
+                r#"{"AB": 0.5, "BC": 0.5, "CA": 0.5}"#,
+            ],
+        );
+        // CA: -0.5, then 0.75 x -0.5 + 0.25 x 0.5 = -0.25, then -0.0625,
+        // then 0.078125 at the horizon (three scores after the decision).
+        let step = &sim.steps()[0];
+        let at = step.at_horizon.unwrap().relations.ca;
+        assert!((at - 0.078125).abs() < 1e-12, "{at}");
+        assert_eq!(step.reward.stable_bonus, 2.0);
+    }
+
+    #[test]
+    fn windows_hold_the_last_human_utterances_and_the_robots_among_them() {
+        let s = settings(|s| s.history.persona = 2);
+        let mut sim = Sim::new(s, "e", None);
+        for (speaker, text) in [
+            ("A", "a1"),
+            ("robot", "r0"),
+            ("B", "b1"),
+            ("robot", "r1"),
+            ("C", "c1"),
+            ("robot", "r2"),
+        ] {
+            sim.history.push(Utterance {
+                speaker: speaker.to_owned(),
+                text: text.to_owned(),
+            });
+        }
+        let texts = |w: Vec<Utterance>| w.into_iter().map(|u| u.text).collect::<Vec<_>>();
+        assert_eq!(texts(sim.window(2)), ["b1", "r1", "c1", "r2"]);
+        assert_eq!(texts(sim.window(5)), ["a1", "r0", "b1", "r1", "c1", "r2"]);
+        assert_eq!(texts(sim.human_window(2)), ["b1", "c1"]);
+    }
+
+    #[test]
+    fn a_scorer_reply_that_cannot_be_read_is_asked_again_then_fails_the_episode() {
+        let mut sim = Sim::new(settings(|_| {}), "e", None);
+        let mut next = sim.start();
+        loop {
+            match next {
+                Next::Ask(ask) if ask.kind == CallKind::Score => break,
+                Next::Ask(_) => next = sim.reply("words").unwrap(),
+                other => panic!("{other:?}"),
+            }
+        }
+        match sim.reply("fine").unwrap() {
+            Next::Ask(ask) => {
+                assert_eq!(ask.kind, CallKind::Score);
+                assert!(ask.rejected.unwrap().contains("no value for AB, BC, CA"));
+            }
+            other => panic!("{other:?}"),
+        }
+        let err = sim.reply("still fine").unwrap_err();
+        assert!(err.contains("after 1 re-ask"), "{err}");
+    }
+
+    #[test]
+    fn the_same_seed_and_episode_draw_the_same_needs() {
+        let s = settings(|s| {
+            for p in &mut s.personas {
+                p.need = None;
+            }
+        });
+        let needs = |id: &str| Sim::new(s.clone(), id, None).needs();
+        assert_eq!(needs("7"), needs("7"));
+        let all: std::collections::HashSet<_> =
+            (0..40).flat_map(|i| needs(&i.to_string())).collect();
+        assert_eq!(all.len(), 4, "every need is drawn: {all:?}");
+    }
+}

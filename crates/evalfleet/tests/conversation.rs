@@ -1,0 +1,337 @@
+//! `kind: conversation` end to end: scripted episodes give exactly the
+//! rewards and logs worked out by hand; a run killed mid-episode and
+//! resumed gives what an uninterrupted one gives; episodes spread over
+//! several endpoints.
+
+use std::collections::BTreeMap;
+
+use evalfleet_core::store::prelude::*;
+use evalfleet_mock::MockSettings;
+use serde_json::{Value, json};
+
+use crate::util::{Env, by_id, mock, ms, scripted, wait_until};
+
+/// The script of the scorer and the policy (by their first user message):
+/// what `docs/conversation.md`'s rules make of it is worked out below.
+fn script() -> String {
+    let mut lines = Vec::new();
+    let score = |episode: u32, turn: u32, t: [f64; 3]| {
+        json!({"prompt": format!("score {episode} {turn}"),
+               "replies": [format!("{{\"AB\": {}, \"BC\": {}, \"CA\": {}}}", t[0], t[1], t[2])]})
+    };
+    // Episode 0. Turn 4: ++- aimed at CA; of C and A, C is worse off with
+    // B (BC 0.4 < AB 0.5): the target speaker is C (need: solution).
+    for (turn, t) in [
+        (4, [0.5, 0.4, -0.6]),
+        (5, [0.5, 0.4, -0.6]),
+        (6, [0.5, 0.4, 0.1]),
+        (7, [0.5, 0.4, 0.2]), // horizon: +++ and CA positive
+        (8, [0.5, 0.4, 0.3]),
+        (9, [0.5, 0.4, 0.3]), // end: still so: stable bonus
+        // Stable at 9: skipped. Turn 10: +-+ aimed at BC; C is worse off
+        // with A (CA 0.3 < AB 0.5): C again.
+        (10, [0.5, -0.2, 0.3]),
+        (11, [0.5, -0.2, 0.3]),
+        (12, [0.5, 0.1, 0.3]),
+        (13, [0.5, 0.1, 0.3]), // horizon: holds
+        (14, [0.5, 0.1, 0.3]),
+        (15, [0.5, -0.1, 0.3]), // end: lost: no stable bonus
+    ] {
+        lines.push(score(0, turn, t));
+    }
+    lines.push(json!({"prompt": "policy 0 0", "replies": ["3"]}));
+    // Not a digit: asked again, then validate.
+    lines.push(json!({"prompt": "policy 0 1", "replies": ["I would bridge", "1"]}));
+    // Episode 1. Turn 4: --- aimed at AB (the lowest); of A and B, A is
+    // worse off with C (CA -0.4 < BC -0.3): A (need: recognition).
+    lines.push(score(1, 4, [-0.5, -0.3, -0.4]));
+    lines.push(json!({"prompt": "score 1 5",
+        "replies": ["they get along fine", "AB: -0.5, BC: -0.3, CA: -0.4"]}));
+    for turn in 6..=12 {
+        // -+-: stable through BC while the target AB stays negative.
+        lines.push(score(1, turn, [-0.2, 0.6, -0.3]));
+    }
+    lines.push(json!({"prompt": "policy 1 0", "replies": ["1"]}));
+    lines
+        .iter()
+        .map(Value::to_string)
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+const SCRIPTED: &str = r#"name: talk
+endpoints:
+  - { name: gpu, kind: external, base_url: "BASE", model: m, concurrency: 4 }
+task:
+  kind: conversation
+  params: { max_tokens: 64 }
+  conversation:
+    max_rounds: 4
+    topics: ["the shared flat"]
+    personas:
+      - { name: Ann, need: recognition, landmines: [money] }
+      - { name: Ben, need: mediation }
+      - { name: Cy, need: solution }
+    persona_messages: [{ role: user, content: "{{ episode }} {{ speaker }} {{ turn }}" }]
+    scorer: { messages: [{ role: user, content: "score {{ episode }} {{ turn }}" }] }
+    policy: { messages: [{ role: user, content: "policy {{ episode }} {{ step }}" }] }
+    robot: { messages: [{ role: user, content: "robot {{ episode }} {{ step }} {{ strategy }} {{ target_name }}" }] }
+"#;
+
+fn lines(path: &std::path::Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scripted_episodes_earn_exactly_the_rewards_worked_out_by_hand() {
+    let env = Env::new();
+    let answers = env.write("answers.jsonl", &script());
+    let server = scripted(answers).await;
+    env.write("talk.yaml", &SCRIPTED.replace("BASE", &server.base_url()));
+    let ran = env
+        .evalfleet(&[
+            "simulate",
+            "talk.yaml",
+            "--sessions",
+            "2",
+            "-q",
+            "--run-id",
+            "talk",
+        ])
+        .await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert!(
+        ran.stderr
+            .contains("2 episodes (0 failed), 3 steps; reward 3.00 in all"),
+        "{}",
+        ran.stderr
+    );
+
+    let rows = by_id(&env.export("talk").await);
+    let output =
+        |id: &str| -> Value { serde_json::from_str(rows[id]["output"].as_str().unwrap()).unwrap() };
+    let e0 = output("0");
+    let steps = e0["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 2);
+    let s = &steps[0];
+    assert_eq!(
+        (s["turn"].as_u64(), s["pattern"].as_str()),
+        (Some(4), Some("++-"))
+    );
+    assert_eq!(s["target_edge"], "CA");
+    assert_eq!(s["target_speaker"], "C");
+    assert_eq!(s["target_need"], "solution");
+    assert_eq!(s["strategy"], "plan");
+    assert_eq!(s["robot"], "robot 0 0 plan Cy");
+    assert_eq!(s["at_horizon"]["stable"], true);
+    assert_eq!(s["at_horizon"]["target_positive"], true);
+    assert_eq!(
+        s["reward"],
+        json!({"stable_bonus": 2.0, "preference_match_bonus": 0.5, "total": 2.5})
+    );
+    // Five human utterances and the robot's in the step.
+    assert_eq!(s["utterances"].as_array().unwrap().len(), 6);
+    let s = &steps[1];
+    assert_eq!(
+        (s["turn"].as_u64(), s["auto_skips"].as_u64()),
+        (Some(10), Some(1))
+    );
+    assert_eq!(
+        (s["pattern"].as_str(), s["target_edge"].as_str()),
+        (Some("+-+"), Some("BC"))
+    );
+    assert_eq!(s["target_speaker"], "C");
+    assert_eq!(s["strategy"], "validate");
+    assert_eq!(s["policy_reply"], "1");
+    assert_eq!(s["at_horizon"]["target_positive"], true);
+    assert_eq!(s["at_end"]["target_positive"], false);
+    assert_eq!(s["reward"]["total"], 0.0);
+    // A step begun before the last round is played out: 15 utterances.
+    assert_eq!(e0["human_utterances"], 15);
+    assert_eq!(e0["ending"], "terminated");
+    let scores = &rows["0"]["scores"];
+    assert_eq!(scores["reward"]["value"], 2.5);
+    assert_eq!(scores["interventions"]["value"], 2.0);
+    assert_eq!(scores["stabilised"]["value"], 0.5);
+    assert_eq!(scores["preference_match"]["value"], 0.5);
+
+    let e1 = output("1");
+    let steps = e1["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 1);
+    let s = &steps[0];
+    assert_eq!(
+        (s["target_edge"].as_str(), s["target_speaker"].as_str()),
+        (Some("AB"), Some("A"))
+    );
+    assert_eq!(s["strategy"], "validate");
+    // Stable at the horizon and the end, but through BC: no stable bonus.
+    assert_eq!(s["at_horizon"]["stable"], true);
+    assert_eq!(s["at_horizon"]["target_positive"], false);
+    assert_eq!(
+        s["reward"],
+        json!({"stable_bonus": 0.0, "preference_match_bonus": 0.5, "total": 0.5})
+    );
+    assert_eq!(e1["human_utterances"], 12);
+    assert_eq!(e1["invalid_scores"], 1);
+    assert_eq!(rows["1"]["scores"]["reward"]["value"], 0.5);
+
+    // The calls of an episode are its attempts: 15 utterances, 12
+    // scores, 3 policy replies (one asked again), 2 robot lines.
+    assert_eq!(rows["0"]["attempts"], 32);
+
+    let dir = env.path("runs/talk");
+    let summary = lines(&dir.join("conversation_summary.jsonl"));
+    let brief: Vec<(String, u64, String, f64)> = summary
+        .iter()
+        .map(|l| {
+            (
+                l["episode"].as_str().unwrap().to_owned(),
+                l["step"].as_u64().unwrap(),
+                l["strategy"].as_str().unwrap().to_owned(),
+                l["reward"]["total"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        brief,
+        [
+            ("0".to_owned(), 0, "plan".to_owned(), 2.5),
+            ("0".to_owned(), 1, "validate".to_owned(), 0.0),
+            ("1".to_owned(), 0, "validate".to_owned(), 0.5),
+        ]
+    );
+    let batches = lines(&dir.join("batch_summary.jsonl"));
+    assert_eq!(batches.len(), 1);
+    let b = &batches[0];
+    assert_eq!(
+        (b["episodes"].as_u64(), b["steps"].as_u64()),
+        (Some(2), Some(3))
+    );
+    assert_eq!(b["strategy_distribution"]["validate"], 2);
+    assert_eq!(b["strategy_distribution"]["plan"], 1);
+    assert_eq!(b["total_reward"], 3.0);
+    assert_eq!(b["interventions"], 3);
+    let h = -(2.0f64 / 3.0) * (2.0f64 / 3.0).log2() - (1.0f64 / 3.0) * (1.0f64 / 3.0).log2();
+    assert!(
+        (b["entropy_bits"].as_f64().unwrap() - h).abs() < 1e-9,
+        "{b}"
+    );
+    assert!(!lines(&dir.join("run_events.jsonl")).is_empty());
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["task"]["conversation"]["sessions"], 2);
+}
+
+const SPREAD: &str = r#"name: spread
+endpoints:
+  - { name: gpu, kind: external, base_url: "BASE1", model: m, concurrency: 3 }
+  - { name: voices, kind: external, base_url: "BASE2", model: m, concurrency: 2, role: judge }
+task:
+  kind: conversation
+  params: { max_tokens: 64 }
+  conversation:
+    max_rounds: 5
+    seed: 7
+    topics: ["a trip", "the budget", "a new job"]
+    personas:
+      - { name: Ann, landmines: [money], endpoint: voices }
+      - { name: Ben, landmines: [mother] }
+      - { name: Cy, endpoint: voices }
+    persona_messages:
+      - role: user
+        content: "{{ speaker }} {{ turn }}: {% set k = (turn + episode|int) % 4 %}{% if k == 0 %}no, that is wrong{% elif k == 1 %}I agree, thanks{% elif k == 2 %}what about money and mother{% else %}fine{% endif %}"
+    scorer: { kind: rules }
+    policy: { kind: random }
+    robot: { messages: [{ role: user, content: "robot {{ episode }} {{ step }} {{ strategy }}" }] }
+    rewards: { filter_zero_rewards: false }
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn episodes_killed_mid_way_and_resumed_end_as_an_uninterrupted_run() {
+    let env = Env::new();
+    let gpu = mock(MockSettings {
+        latency: ms(15),
+        ..MockSettings::default()
+    })
+    .await;
+    let voices = mock(MockSettings {
+        latency: ms(15),
+        ..MockSettings::default()
+    })
+    .await;
+    env.write(
+        "spread.yaml",
+        &SPREAD
+            .replace("BASE1", &gpu.base_url())
+            .replace("BASE2", &voices.base_url()),
+    );
+    let sessions = "24";
+    let clean = env
+        .evalfleet(&[
+            "simulate",
+            "spread.yaml",
+            "--sessions",
+            sessions,
+            "-q",
+            "--run-id",
+            "clean",
+        ])
+        .await;
+    assert_eq!(clean.code, Some(0), "{}", clean.stderr);
+    let clean = by_id(&env.export("clean").await);
+    assert_eq!(clean.len(), 24);
+
+    let mut child = env.spawn(&[
+        "simulate",
+        "spread.yaml",
+        "--sessions",
+        sessions,
+        "-q",
+        "--run-id",
+        "killed",
+    ]);
+    let done = |env: &Env| env.store().counts("killed").map(|c| c.done).unwrap_or(0);
+    wait_until(ms(60_000), "4 episodes are done", || done(&env) >= 4).await;
+    child.kill().await.unwrap();
+    let first = env.counts("killed");
+    assert!(first.pending > 0, "killed too late: {first:?}");
+    let resumed = env.evalfleet(&["resume", "killed", "-q"]).await;
+    assert_eq!(resumed.code, Some(0), "{}", resumed.stderr);
+    let killed = by_id(&env.export("killed").await);
+    assert_eq!(killed.len(), 24, "every episode exactly once");
+    let mut rewards = BTreeMap::new();
+    for (id, row) in &clean {
+        assert_eq!(row["status"], "done", "{id}");
+        assert_eq!(row["output"], killed[id]["output"], "episode {id}");
+        assert_eq!(row["scores"], killed[id]["scores"], "episode {id}");
+        rewards.insert(
+            id.clone(),
+            row["scores"]["reward"]["value"].as_f64().unwrap(),
+        );
+    }
+    // The episodes are not all alike: the seed and the script vary them.
+    let distinct: std::collections::BTreeSet<String> =
+        clean.values().map(|r| r["output"].to_string()).collect();
+    assert_eq!(distinct.len(), 24);
+    // Both endpoints took calls: the voices of A and C went to theirs.
+    let mut by_endpoint: BTreeMap<String, u64> = BTreeMap::new();
+    env.store()
+        .scan_attempts("clean", &mut |a| {
+            *by_endpoint.entry(a.endpoint).or_default() += 1
+        })
+        .unwrap();
+    assert!(
+        by_endpoint["voices"] > 0 && by_endpoint["gpu"] > 0,
+        "{by_endpoint:?}"
+    );
+    // Logs are written from committed episodes: one line a step, after
+    // the resume as after a clean run.
+    let steps =
+        |run: &str| lines(&env.path(&format!("runs/{run}/conversation_summary.jsonl"))).len();
+    assert_eq!(steps("clean"), steps("killed"));
+    assert!(rewards.values().any(|r| *r > 0.0), "{rewards:?}");
+}
