@@ -156,8 +156,9 @@ async fn scripted_episodes_earn_exactly_the_rewards_worked_out_by_hand() {
     let scores = &rows["0"]["scores"];
     assert_eq!(scores["reward"]["value"], 2.5);
     assert_eq!(scores["interventions"]["value"], 2.0);
-    assert_eq!(scores["stabilised"]["value"], 0.5);
-    assert_eq!(scores["preference_match"]["value"], 0.5);
+    assert_eq!(scores["stabilised"]["value"], 1.0);
+    assert_eq!(scores["preference_matches"]["value"], 1.0);
+    assert_eq!(scores["invalid"]["value"], 0.0);
 
     let e1 = output("1");
     let steps = e1["steps"].as_array().unwrap();

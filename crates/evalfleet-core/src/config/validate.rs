@@ -671,6 +671,20 @@ fn task(mut raw: RawTask, dir: &Path, p: &mut Problems<'_>) -> Option<TaskConfig
             reference: None,
         });
     }
+    // A conversation's episodes are scored by their rewards and decisions.
+    if raw.kind.as_deref() == Some("conversation") || raw.conversation.is_some() {
+        for (key, name) in crate::eval::balance::EPISODE_SCORES {
+            if !eval.metrics.iter().any(|m| m.metric.key == key)
+                && let Ok(metric) =
+                    crate::eval::Metric::build(name, &Map::new(), Some(key.to_owned()))
+            {
+                eval.metrics.push(crate::eval::MetricSpec {
+                    metric,
+                    reference: None,
+                });
+            }
+        }
+    }
     if eval.structured_output
         && let Some(schema) = &eval.schema
     {

@@ -359,6 +359,17 @@ pub fn reward(
     }
 }
 
+/// The scores of a conversation episode: their keys, and the metrics they
+/// are stored as.
+pub const EPISODE_SCORES: [(&str, &str); 6] = [
+    ("reward", "episode_reward"),
+    ("steps", "episode_steps"),
+    ("interventions", "episode_interventions"),
+    ("stabilised", "episode_stabilised"),
+    ("preference_matches", "episode_preference_matches"),
+    ("invalid", "episode_invalid"),
+];
+
 /// Shannon entropy, in bits, of counts.
 pub fn entropy_bits(counts: &[u64]) -> f64 {
     let total: u64 = counts.iter().sum();

@@ -103,6 +103,48 @@ pub const REGISTRY: &[MetricInfo] = &[
         summary: "1 when the code judge accepts the program (every test passes); with task.n samples, pass@k",
     },
     MetricInfo {
+        name: "episode_reward",
+        version: 1,
+        params: &[],
+        higher_is_better: true,
+        summary: "a conversation episode's total reward (kind: conversation)",
+    },
+    MetricInfo {
+        name: "episode_steps",
+        version: 1,
+        params: &[],
+        higher_is_better: true,
+        summary: "a conversation episode's decisions",
+    },
+    MetricInfo {
+        name: "episode_interventions",
+        version: 1,
+        params: &[],
+        higher_is_better: true,
+        summary: "decisions on which the robot spoke",
+    },
+    MetricInfo {
+        name: "episode_stabilised",
+        version: 1,
+        params: &[],
+        higher_is_better: true,
+        summary: "decisions that earned the stable bonus",
+    },
+    MetricInfo {
+        name: "episode_preference_matches",
+        version: 1,
+        params: &[],
+        higher_is_better: true,
+        summary: "decisions whose strategy answered the target speaker's need",
+    },
+    MetricInfo {
+        name: "episode_invalid",
+        version: 1,
+        params: &[],
+        higher_is_better: false,
+        summary: "decisions with no usable policy reply",
+    },
+    MetricInfo {
         name: "llm_judge",
         version: 1,
         params: &["endpoint", "rubric", "score_regex", "scale"],
@@ -145,6 +187,8 @@ pub enum Kind {
     },
     /// Set by the code judge (`task.code`).
     CodeAccepted,
+    /// Set by the conversation task, for each episode.
+    Episode,
     /// Scored by a call to a judge endpoint (see `Assessor::llm_judge_calls`).
     LlmJudge {
         endpoint: String,
@@ -301,6 +345,12 @@ impl Metric {
                 fields: strings_param(params, "fields")?,
             },
             "code_accepted" => Kind::CodeAccepted,
+            "episode_reward"
+            | "episode_steps"
+            | "episode_interventions"
+            | "episode_stabilised"
+            | "episode_preference_matches"
+            | "episode_invalid" => Kind::Episode,
             "llm_judge" => {
                 let text = |key: &str| match param(params, key) {
                     Some(Value::String(s)) if !s.trim().is_empty() => Ok(s.clone()),
@@ -362,7 +412,10 @@ impl Metric {
     /// Whether [`Metric::score`] computes it (not a judge endpoint or the
     /// code judge).
     pub fn scored_here(&self) -> bool {
-        !matches!(self.kind, Kind::LlmJudge { .. } | Kind::CodeAccepted)
+        !matches!(
+            self.kind,
+            Kind::LlmJudge { .. } | Kind::CodeAccepted | Kind::Episode
+        )
     }
 
     /// Whether the task must give it a reference.
@@ -539,6 +592,7 @@ impl Metric {
             }
             Kind::LlmJudge { .. } => json!({"error": "scored by its judge endpoint"}),
             Kind::CodeAccepted => json!({"error": "scored by the code judge"}),
+            Kind::Episode => json!({"error": "scored by the conversation"}),
             Kind::Classification {
                 labels,
                 ignore_case,

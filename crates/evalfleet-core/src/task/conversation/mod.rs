@@ -253,43 +253,27 @@ impl ConversationEpisode {
     fn finish(&self) -> Step {
         let summary = self.sim.summary();
         let steps = self.sim.steps();
-        let mut scores = Scores::new();
-        let n = steps.len() as f64;
+        let count = |keep: &dyn Fn(&sim::StepRecord) -> bool| {
+            Score::value(steps.iter().filter(|s| keep(s)).count() as f64)
+        };
         let total: f64 = steps.iter().map(|s| s.reward.total).sum();
-        scores.insert("reward".to_owned(), Score::value(total));
-        scores.insert("steps".to_owned(), Score::value(n));
-        scores.insert(
-            "interventions".to_owned(),
-            Score::value(
-                steps
-                    .iter()
-                    .filter(|s| s.strategy.is_some_and(Strategy::intervenes))
-                    .count() as f64,
+        let scores: Scores = [
+            ("reward", Score::value(total)),
+            ("steps", Score::value(steps.len() as f64)),
+            (
+                "interventions",
+                count(&|s| s.strategy.is_some_and(Strategy::intervenes)),
             ),
-        );
-        scores.insert(
-            "invalid".to_owned(),
-            Score::value(steps.iter().filter(|s| !s.valid).count() as f64),
-        );
-        if n > 0.0 {
-            scores.insert("mean_reward".to_owned(), Score::value(total / n));
-            scores.insert(
-                "stabilised".to_owned(),
-                Score::value(
-                    steps.iter().filter(|s| s.reward.stable_bonus > 0.0).count() as f64 / n,
-                ),
-            );
-            scores.insert(
-                "preference_match".to_owned(),
-                Score::value(
-                    steps
-                        .iter()
-                        .filter(|s| s.reward.preference_match_bonus > 0.0)
-                        .count() as f64
-                        / n,
-                ),
-            );
-        }
+            ("stabilised", count(&|s| s.reward.stable_bonus > 0.0)),
+            (
+                "preference_matches",
+                count(&|s| s.reward.preference_match_bonus > 0.0),
+            ),
+            ("invalid", count(&|s| !s.valid)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
         Step::Finish(Finish::done(
             summary.to_string(),
             Assessment {
