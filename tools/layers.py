@@ -46,7 +46,7 @@ LAYERS = {
         # Shared state, and who may ask.
         ["state", "auth"],
         # The JSON API, and the dashboard's pages.
-        ["api", "pages", "metrics"],
+        ["api", "pages", "metrics", "env"],
     ],
 }
 

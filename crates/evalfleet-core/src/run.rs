@@ -242,6 +242,9 @@ pub struct SessionPlan {
     pub retry_failed: bool,
     /// Where the code judge's sandboxes go.
     pub sandbox_dir: std::path::PathBuf,
+    /// Where a conversation's decisions go when a trainer takes them
+    /// (`evalfleet env`).
+    pub gym: Option<Arc<task::conversation::gym::Gym>>,
 }
 
 /// The live counters of a session about to run, for a progress display.
@@ -347,6 +350,7 @@ async fn session(
         plan.templates.clone(),
         &plan.sandbox_dir,
         used_topics,
+        plan.gym.clone(),
     )
     .await?;
     let session = Session {

@@ -8,6 +8,7 @@
 mod api;
 mod auth;
 pub mod control;
+pub mod env;
 mod error;
 mod extract;
 mod keys;

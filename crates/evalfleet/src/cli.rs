@@ -61,6 +61,20 @@ pub enum Command {
     )]
     Simulate(SimulateArgs),
 
+    /// Serve a conversation run as an RL environment: a trainer takes each decision over HTTP (reset, step).
+    ///
+    /// Prints the server's address. POST /v1/reset gives an episode at its
+    /// first decision ({env_id, observation, info}); POST /v1/step with
+    /// {env_id, action} (1 validate, 2 bridge, 3 plan, 4 no_intervention)
+    /// gives {observation, reward, terminated, truncated, info}. The personas
+    /// and the scorer run on the config's endpoints meanwhile; the run is
+    /// stored like any other. It stops when every episode has ended (with
+    /// --stay, on Ctrl-C). examples/gym_client.py wraps it as a Gymnasium Env.
+    #[command(
+        after_help = "Example:\n  evalfleet env examples/conversation.yaml --sessions 1000 --envs 16 --bind 127.0.0.1:8765"
+    )]
+    Env(EnvArgs),
+
     /// List the runs in a store.
     #[command(after_help = "Example:\n  evalfleet runs --store runs/evalfleet.db")]
     Runs(StoreArgs),
@@ -201,6 +215,60 @@ pub struct SimulateArgs {
 
     #[command(flatten)]
     pub run: RunArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct EnvArgs {
+    /// The run's YAML config (task.kind: conversation; its policy is the trainer).
+    pub config: PathBuf,
+
+    /// Episodes to serve [default: task.conversation.sessions].
+    #[arg(long, value_name = "N")]
+    pub sessions: Option<u64>,
+
+    /// Decisions after which an episode ends (truncated) [default: task.conversation.max_steps].
+    #[arg(long, value_name = "M")]
+    pub max_steps: Option<u32>,
+
+    /// Environments a trainer steps at once (episodes up to twice as many wait at a decision).
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    pub envs: usize,
+
+    /// Where to listen.
+    #[arg(long, default_value = "127.0.0.1:8765")]
+    pub bind: SocketAddr,
+
+    /// How long an episode waits for its action before the decision counts as invalid.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "10m")]
+    pub action_timeout: Duration,
+
+    /// How long a reset waits for an episode to reach its first decision.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "5m")]
+    pub reset_wait: Duration,
+
+    /// How long a step waits for the episode's next decision.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "5m")]
+    pub step_wait: Duration,
+
+    /// Keep serving after the last episode (resets then answer 410) until Ctrl-C.
+    #[arg(long)]
+    pub stay: bool,
+
+    /// The SQLite store [default: the config's `store`, $EVALFLEET_STORE, or runs/evalfleet.db]
+    #[arg(long)]
+    pub store: Option<PathBuf>,
+
+    /// The run's id [default: NAME-DATE-TIME-XXXX]
+    #[arg(long)]
+    pub run_id: Option<String>,
+
+    /// Only these configured endpoints take part.
+    #[arg(long, value_delimiter = ',', value_name = "NAME,...")]
+    pub endpoints: Vec<String>,
+
+    /// Answer yes to every question.
+    #[arg(short = 'y', long = "yes")]
+    pub yes: bool,
 }
 
 #[derive(Debug, Args)]

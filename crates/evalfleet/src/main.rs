@@ -72,6 +72,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Run(args) => commands::run::run(args).await,
             Command::Simulate(args) => commands::simulate::simulate(args).await,
+            Command::Env(args) => commands::env::env(args).await,
             Command::Resume(args) => commands::run::resume(args).await,
             Command::Runs(args) => commands::inspect::runs(args),
             Command::Status(args) => commands::inspect::status(args),

@@ -336,3 +336,132 @@ async fn episodes_killed_mid_way_and_resumed_end_as_an_uninterrupted_run() {
     assert_eq!(steps("clean"), steps("killed"));
     assert!(rewards.values().any(|r| *r > 0.0), "{rewards:?}");
 }
+
+/// The Python with gymnasium that `.ci/run` prepares
+/// (`$EVALFLEET_GYM_PYTHON`), else `python3` when it has gymnasium; `None`,
+/// saying so, when neither does.
+fn gym_python() -> Option<String> {
+    let candidates = std::env::var("EVALFLEET_GYM_PYTHON")
+        .ok()
+        .into_iter()
+        .chain(["python3".to_owned()]);
+    for python in candidates {
+        let ok = std::process::Command::new(&python)
+            .args(["-c", "import gymnasium, numpy"])
+            .status()
+            .is_ok_and(|s| s.success());
+        if ok {
+            return Some(python);
+        }
+    }
+    eprintln!("skipped: no Python with gymnasium (set EVALFLEET_GYM_PYTHON; .ci/run makes one)");
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gymnasium_trainer_takes_the_decisions_through_the_environment_server() {
+    use tokio::io::AsyncBufReadExt;
+    let Some(python) = gym_python() else {
+        return;
+    };
+    let env = Env::new();
+    let gpu = mock(MockSettings {
+        latency: ms(5),
+        ..MockSettings::default()
+    })
+    .await;
+    let voices = mock(MockSettings {
+        latency: ms(5),
+        ..MockSettings::default()
+    })
+    .await;
+    env.write(
+        "spread.yaml",
+        &SPREAD
+            .replace("BASE1", &gpu.base_url())
+            .replace("BASE2", &voices.base_url())
+            .replace("    policy: { kind: random }\n", ""),
+    );
+    let mut server = env.spawn(&[
+        "env",
+        "spread.yaml",
+        "--sessions",
+        "16",
+        "--max-steps",
+        "2",
+        "--bind",
+        "127.0.0.1:0",
+        "--action-timeout",
+        "2s",
+        "--run-id",
+        "gym",
+    ]);
+    let stdout = server.stdout.take().unwrap();
+    let mut out = tokio::io::BufReader::new(stdout).lines();
+    let url = out
+        .next_line()
+        .await
+        .unwrap()
+        .expect("the server prints its address");
+    assert!(url.starts_with("http://127.0.0.1:"), "{url}");
+
+    let client = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/gym_client.py");
+    let played = tokio::process::Command::new(&python)
+        .args([client, &url, "--episodes", "4", "--check", "--seed", "3"])
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&played.stdout);
+    assert!(
+        played.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&played.stderr)
+    );
+    let lines: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines[0], json!({"check_env": "passed"}));
+    assert_eq!(lines.last().unwrap(), &json!({"episodes": 4}));
+
+    // Every episode ends (those no trainer took decide invalid after the
+    // action timeout), and so does the server.
+    let status = tokio::time::timeout(ms(120_000), server.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+    let rows = by_id(&env.export("gym").await);
+    assert_eq!(rows.len(), 16);
+    // The episodes the trainer played hold its actions and gave it their
+    // rewards, step by step.
+    for played in &lines[1..lines.len() - 1] {
+        let id = played["episode"].as_str().unwrap();
+        let output: Value = serde_json::from_str(rows[id]["output"].as_str().unwrap()).unwrap();
+        let steps = output["steps"].as_array().unwrap();
+        let names = ["validate", "bridge", "plan", "no_intervention"];
+        let actions: Vec<&str> = played["actions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| names[a.as_u64().unwrap() as usize - 1])
+            .collect();
+        let stored: Vec<&str> = steps
+            .iter()
+            .map(|s| s["strategy"].as_str().unwrap())
+            .collect();
+        assert_eq!(actions, stored, "episode {id}");
+        let rewards: Vec<f64> = steps
+            .iter()
+            .map(|s| s["reward"]["total"].as_f64().unwrap())
+            .collect();
+        let given: Vec<f64> = played["rewards"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r.as_f64().unwrap())
+            .collect();
+        assert_eq!(rewards, given, "episode {id}");
+        assert!(steps.len() <= 2);
+    }
+}

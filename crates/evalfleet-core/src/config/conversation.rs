@@ -149,6 +149,9 @@ pub enum PolicyKind {
     Fixed(Strategy),
     /// `random`: uniform, seeded by `seed` and the episode.
     Random,
+    /// `external`: a trainer takes each decision through `evalfleet env`'s
+    /// `reset` and `step`.
+    External,
 }
 
 /// `alarms:` policy collapse, over the last `window` decisions of the run.
@@ -483,6 +486,7 @@ pub(super) fn conversation(
         let kind = match (raw.kind.as_deref(), raw.strategy) {
             (None | Some("model"), None) => Some(PolicyKind::Model),
             (Some("random"), None) => Some(PolicyKind::Random),
+            (Some("external"), None) => Some(PolicyKind::External),
             (Some("fixed"), Some(digit)) => match Strategy::from_digit(digit) {
                 Some(s) => Some(PolicyKind::Fixed(s)),
                 None => {
@@ -512,7 +516,7 @@ pub(super) fn conversation(
                 bad(
                     p,
                     "policy.kind",
-                    format!("must be model, fixed or random, got '{other}'"),
+                    format!("must be model, fixed, random or external, got '{other}'"),
                 );
                 None
             }

@@ -304,6 +304,9 @@ pub struct Overrides {
     pub sessions: Option<u64>,
     /// `simulate --max-steps M`: `task.conversation.max_steps`.
     pub max_steps: Option<u32>,
+    /// `env`: `task.conversation.policy: {kind: external}` (a trainer
+    /// decides).
+    pub external_policy: bool,
 }
 
 /// A config with what a run stores of it.

@@ -107,6 +107,17 @@ fn apply_overrides(value: &mut Value, overrides: Overrides, problems: &mut Vec<R
             }
         }
     }
+    if overrides.external_policy
+        && let Some(root) = value.as_object_mut()
+    {
+        let task = root.entry("task").or_insert_with(|| json!({}));
+        if let Some(task) = task.as_object_mut() {
+            let section = task.entry("conversation").or_insert_with(|| json!({}));
+            if let Some(section) = section.as_object_mut() {
+                section.insert("policy".to_owned(), json!({"kind": "external"}));
+            }
+        }
+    }
     if overrides.sample_n.is_none() && overrides.sample_seed.is_none() {
         return;
     }

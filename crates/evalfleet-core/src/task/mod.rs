@@ -182,12 +182,14 @@ impl TaskError {
 
 /// Makes the task of `config`: compiles its checking and scoring and starts
 /// what it needs (the code judge, with its sandbox under `sandbox_dir`); a
-/// conversation is told the topics its run used (`used_topics`).
+/// conversation is told the topics its run used (`used_topics`), and where
+/// a trainer takes its decisions (`gym`, for `policy: {kind: external}`).
 pub async fn start(
     config: &Config,
     templates: Arc<Templates>,
     sandbox_dir: &std::path::Path,
     used_topics: Vec<String>,
+    gym: Option<Arc<conversation::gym::Gym>>,
 ) -> Result<Arc<dyn Task>, TaskError> {
     let task = &config.task;
     let assessor = if task.eval.checks() || !task.eval.metrics.is_empty() {
@@ -210,7 +212,7 @@ pub async fn start(
             Arc::new(refine::Refine::new(chat, settings).map_err(TaskError::Invalid)?)
         }
         TaskKind::Conversation(settings) => {
-            Arc::new(conversation::Conversation::new(settings, used_topics)?)
+            Arc::new(conversation::Conversation::new(settings, used_topics, gym)?)
         }
     })
 }

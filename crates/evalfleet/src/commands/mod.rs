@@ -2,6 +2,7 @@
 //! `inspect`).
 
 pub mod check;
+pub mod env;
 pub mod inspect;
 pub mod mock;
 pub mod report;

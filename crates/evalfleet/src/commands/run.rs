@@ -135,6 +135,7 @@ pub(crate) fn register(
         retry_failed: false,
         active,
         gpu_policy,
+        gym: None,
     })
 }
 
@@ -225,6 +226,7 @@ pub(crate) async fn resumable(
         retry_failed,
         active,
         gpu_policy,
+        gym: None,
     })))
 }
 
@@ -238,6 +240,8 @@ pub(crate) struct Session {
     retry_failed: bool,
     active: Option<Vec<String>>,
     gpu_policy: GpuPolicy,
+    /// Where a trainer takes the conversation's decisions (`env`).
+    pub gym: Option<Arc<evalfleet_core::task::conversation::gym::Gym>>,
 }
 
 /// Who is watching a session.
@@ -259,6 +263,7 @@ pub(crate) async fn execute(session: Session, attendance: Attendance) -> anyhow:
         retry_failed,
         active,
         gpu_policy,
+        gym,
     } = session;
     let started = Instant::now();
     let grace = config.shutdown_grace;
@@ -274,6 +279,7 @@ pub(crate) async fn execute(session: Session, attendance: Attendance) -> anyhow:
         fleet: fleet.handle(),
         retry_failed,
         sandbox_dir: super::sandbox_dir(&location, &run_id),
+        gym,
     };
     let prepared = run::prepare(&mut *store, &plan)?;
     // The writer's and the reader's connections use the cache.

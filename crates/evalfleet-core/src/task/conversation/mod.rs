@@ -7,6 +7,7 @@
 //! totals its scores. [`sim`] holds the episode's logic, free of I/O, so
 //! that the environment server can drive the same episodes step by step.
 
+pub mod gym;
 pub mod relations;
 pub mod sim;
 
@@ -20,6 +21,7 @@ use super::{Episode, Finish, ItemContext, Reply, Request, Step, Target, Task, Ta
 use crate::config::{ConversationSettings, PolicyKind};
 use crate::eval::balance::Strategy;
 use crate::template::{Message, Templates};
+use gym::Gym;
 use sim::{Ask, CallKind, Next, Sim};
 
 /// How many of the run's topics a topic request lists to avoid.
@@ -37,6 +39,8 @@ struct Inner {
     /// Topics the run has used (those of earlier sessions too), newest
     /// last, so that episodes avoid them.
     topics: Mutex<Vec<String>>,
+    /// Where decisions go when a trainer takes them (`kind: external`).
+    gym: Option<Arc<Gym>>,
 }
 
 impl Conversation {
@@ -45,7 +49,13 @@ impl Conversation {
     pub fn new(
         settings: &ConversationSettings,
         used_topics: Vec<String>,
+        gym: Option<Arc<Gym>>,
     ) -> Result<Self, TaskError> {
+        if settings.policy.kind == PolicyKind::External && gym.is_none() {
+            return Err(TaskError::Invalid(
+                "task.conversation.policy: kind external takes its decisions from a trainer: run it with evalfleet env".to_owned(),
+            ));
+        }
         let mut templates = HashMap::new();
         let at = "task.conversation";
         for (kind, messages) in [
@@ -69,6 +79,7 @@ impl Conversation {
                 settings: Arc::new(settings.clone()),
                 templates,
                 topics: Mutex::new(used_topics),
+                gym,
             }),
         })
     }
@@ -91,15 +102,21 @@ impl Task for Conversation {
         };
         let mut sim = Sim::new(settings.clone(), item.item_id, topic);
         let next = sim.start();
-        let mut episode = ConversationEpisode {
+        let state = Arc::new(Mutex::new(EpisodeState {
             inner: self.inner.clone(),
+            episode: item.item_id.to_owned(),
             sim,
             sample: sample_of(item.item_id),
             last: None,
             last_reply: None,
-        };
-        let step = episode.step(next);
-        (Box::new(episode), step)
+        }));
+        let step = lock(&state).step(&state, next);
+        (Box::new(ConversationEpisode { state }), step)
+    }
+
+    /// Episodes waiting for a trainer's decision hold a place each.
+    fn work_limit(&self) -> usize {
+        self.inner.gym.as_ref().map_or(1, |gym| gym.capacity)
     }
 }
 
@@ -112,7 +129,13 @@ fn sample_of(episode: &str) -> u32 {
 
 /// One episode on its way.
 struct ConversationEpisode {
+    /// Shared with the work that waits for a trainer's action.
+    state: Arc<Mutex<EpisodeState>>,
+}
+
+struct EpisodeState {
     inner: Arc<Inner>,
+    episode: String,
     sim: Sim,
     sample: u32,
     /// The kind and messages of the call asked last, and its reply (for a
@@ -121,52 +144,109 @@ struct ConversationEpisode {
     last_reply: Option<String>,
 }
 
+fn lock(state: &Mutex<EpisodeState>) -> std::sync::MutexGuard<'_, EpisodeState> {
+    state.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 impl Episode for ConversationEpisode {
     fn next(&mut self, _item: &ItemContext<'_>, _asked: Request, reply: Reply) -> Step {
-        let kind = self.last.as_ref().map(|(kind, _)| *kind);
+        let state = self.state.clone();
+        let mut this = lock(&state);
+        let kind = this.last.as_ref().map(|(kind, _)| *kind);
         match reply {
-            Reply::Answer(text) => match self.sim.reply(&text) {
+            Reply::Answer(text) => match this.sim.reply(&text) {
                 Ok(next) => {
-                    if kind == Some(CallKind::Topic) && !self.sim.topic().is_empty() {
-                        let mut topics = self
+                    if kind == Some(CallKind::Topic) && !this.sim.topic().is_empty() {
+                        let topic = this.sim.topic().to_owned();
+                        let mut topics = this
                             .inner
                             .topics
                             .lock()
                             .unwrap_or_else(PoisonError::into_inner);
-                        if !topics.iter().any(|t| t == self.sim.topic()) {
-                            topics.push(self.sim.topic().to_owned());
+                        if !topics.contains(&topic) {
+                            topics.push(topic);
                         }
                     }
-                    self.last_reply = Some(text);
-                    self.step(next)
+                    this.last_reply = Some(text);
+                    this.step(&state, next)
                 }
-                Err(why) => self.failed(why),
+                Err(why) => this.failed(why),
             },
             Reply::Failed(reason) => {
                 let what = kind.map_or("a", CallKind::as_str);
-                self.failed(format!("the {what} call failed: {reason}"))
+                this.failed(format!("the {what} call failed: {reason}"))
             }
         }
     }
 }
 
-impl ConversationEpisode {
+impl EpisodeState {
     /// The step for what the episode needs next; decisions of a policy
-    /// that is no model are taken here.
-    fn step(&mut self, mut next: Next) -> Step {
+    /// that is no model are taken here, or handed to a trainer.
+    fn step(&mut self, shared: &Arc<Mutex<EpisodeState>>, mut next: Next) -> Step {
         loop {
             next = match next {
                 Next::Ask(ask) => return self.call(ask),
-                Next::Decide(_) => match self.inner.settings.policy.kind {
+                Next::Decide(decision) => match self.inner.settings.policy.kind {
                     PolicyKind::Model => self.sim.ask_policy(),
                     PolicyKind::Fixed(strategy) => self.sim.act(Some(strategy)),
                     PolicyKind::Random => {
                         let strategy = self.sim.random_strategy();
                         self.sim.act(Some(strategy))
                     }
+                    PolicyKind::External => return self.hand_over(shared, &decision),
                 },
                 Next::Over => return self.finish(),
             };
+        }
+    }
+
+    /// The decision goes to the trainer; the episode goes on with its
+    /// action (invalid when none comes in time).
+    fn hand_over(&mut self, shared: &Arc<Mutex<EpisodeState>>, decision: &sim::Decision) -> Step {
+        let Some(gym) = self.inner.gym.clone() else {
+            return self.failed("no trainer takes this run's decisions".to_owned());
+        };
+        let (action, acted) = tokio::sync::oneshot::channel();
+        gym.offer(&self.episode, self.transition(Some(decision)), action);
+        let shared = shared.clone();
+        Step::Work(Box::pin(async move {
+            let action = match tokio::time::timeout(gym.action_timeout, acted).await {
+                Ok(Ok(action)) => action,
+                _ => None,
+            };
+            let mut this = lock(&shared);
+            let next = this.sim.act(action);
+            this.step(&shared, next)
+        }))
+    }
+
+    /// What the trainer is told now: the decision due (none at the end),
+    /// and the reward of the step just played.
+    fn transition(&self, decision: Option<&sim::Decision>) -> gym::Transition {
+        let last = self.sim.steps().last();
+        let ending = self.sim.ending();
+        gym::Transition {
+            observation: decision
+                .and_then(|d| serde_json::to_value(d).ok())
+                .map(|mut v| {
+                    if let Some(o) = v.as_object_mut() {
+                        o.insert("episode".to_owned(), Value::from(self.episode.as_str()));
+                    }
+                    v
+                }),
+            reward: if decision.is_some_and(|d| d.step == 0) {
+                0.0
+            } else {
+                last.map_or(0.0, |s| s.reward.total)
+            },
+            terminated: ending == Some(sim::Ending::Terminated),
+            truncated: ending == Some(sim::Ending::Truncated),
+            info: serde_json::json!({
+                "episode": self.episode,
+                "reward_parts": last.map(|s| s.reward),
+                "strategy": last.and_then(|s| s.strategy),
+            }),
         }
     }
 
@@ -246,11 +326,20 @@ impl ConversationEpisode {
     }
 
     fn failed(&self, why: String) -> Step {
+        if let Some(gym) = &self.inner.gym {
+            let mut transition = self.transition(None);
+            transition.truncated = true;
+            transition.info["error"] = Value::from(why.as_str());
+            gym.end(&self.episode, transition);
+        }
         Step::Finish(Finish::failed(why, Assessment::default()))
     }
 
     /// The episode is over: its record and its totals.
     fn finish(&self) -> Step {
+        if let Some(gym) = &self.inner.gym {
+            gym.end(&self.episode, self.transition(None));
+        }
         let summary = self.sim.summary();
         let steps = self.sim.steps();
         let count = |keep: &dyn Fn(&sim::StepRecord) -> bool| {
