@@ -13,6 +13,7 @@
     python3 bench/run.py w8 [--variants alone,beside] [--outage-after 15] [--outage-seconds 30] [--span 60] [--items N] [--endpoint-capacity K]
     python3 bench/run.py j1 [--rounds 3]     # needs ../shared/data/humaneval.jsonl.gz
     python3 bench/run.py s1 [--items 1000000] [--rounds 3]
+    python3 bench/run.py c1 [--items 1000] [--capacity 32] [--rounds 3]
 
 W1, W5, W6 and J1 take --baseline BIN: another evalfleet binary (an earlier
 commit's) measured in the same rounds against the same mocks, alternating
@@ -1619,6 +1620,89 @@ def j1(args, work):
 
 
 # Each workload and its default number of items.
+def c1(args, work):
+    """Conversation episodes on a mock with a known latency: every call of an
+    episode (its personas, the relation scorer, the policy, the robot) is a
+    call of L = 50 ms to one endpoint at a fixed concurrency K (32). The
+    ideal is what K slots of L-long calls allow: K / (calls per step x L)
+    steps a second, calls per step measured in the same run (the store's
+    attempts over the episodes' steps)."""
+    latency, k = 0.05, args.capacity
+    answers = os.path.join(ROOT, "examples", "conversation-answers.jsonl")
+    rounds = []
+    for i in range(args.rounds):
+        mock = Mock("--latency", f"{int(latency * 1000)}ms", "--answers", answers)
+        config = os.path.join(work, f"c1-{i}.yaml")
+        with open(config, "w") as f:
+            f.write(C1_CONFIG.replace("URL", mock.url).replace("K", str(k)))
+        db = os.path.join(work, f"c1-{i}.db")
+        run = evalfleet(["simulate", config, "--sessions", str(args.items), "--store", db, "-q", "--run-id", f"c1-{i}"], work)
+        mock.stop()
+        assert run["done"] == args.items, run
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        calls = conn.execute("SELECT COUNT(*) FROM attempts").fetchone()[0]
+        conn.close()
+        with open(os.path.join(work, f"c1-{i}", "conversation_summary.jsonl")) as f:
+            steps = sum(1 for _ in f)
+        calls_per_step = calls / steps
+        ideal = k / (calls_per_step * latency)
+        rate = steps / run["seconds"]
+        round_ = {
+            "episodes": args.items,
+            "steps": steps,
+            "calls": calls,
+            "calls_per_step": calls_per_step,
+            "seconds": run["seconds"],
+            "steps_per_s": rate,
+            "ideal_steps_per_s": ideal,
+            "fraction_of_ideal": rate / ideal,
+            "rss_mb": run["rss_mb"],
+        }
+        rounds.append(round_)
+        print(json.dumps(round_), file=sys.stderr)
+    med = lambda key: statistics.median(r[key] for r in rounds)
+    result = {"workload": "C1", "latency_s": latency, "concurrency": k, "rounds": rounds,
+              "fraction_of_ideal_median": med("fraction_of_ideal")}
+    print(json.dumps(result, indent=2))
+    shares = ", ".join(f"{r['fraction_of_ideal'] * 100:.1f}%" for r in rounds)
+    print(
+        f"\n| C1 | {args.items} episodes, calls of {latency * 1000:.0f} ms at K = {k} | "
+        f"K / (calls per step x L) = {med('ideal_steps_per_s'):.1f} steps/s ({med('calls_per_step'):.2f} calls per step) | "
+        f"{med('steps_per_s'):.1f} steps/s, {result['fraction_of_ideal_median'] * 100:.1f}% of the ideal "
+        f"(rounds {shares}); peak RSS {max(r['rss_mb'] for r in rounds):.0f} MB | 90% | |"
+    )
+
+
+# One endpoint answers every call of C1's episodes from the example's
+# script (the personas, scorer and policy reply by their first user message).
+C1_CONFIG = """name: c1
+endpoints:
+  - { name: mock, kind: external, base_url: "URL", model: m, concurrency: K }
+task:
+  kind: conversation
+  params: { max_tokens: 96 }
+  conversation:
+    max_rounds: 6
+    seed: 1
+    topics: ["sharing the flat's chores", "where to go on holiday", "who leads the new project"]
+    personas:
+      - { name: Alex, landmines: [money] }
+      - { name: Blair, landmines: [mother] }
+      - { name: Casey, landmines: [deadline] }
+    persona_messages:
+      - { role: system, content: "You are {{ name }}. Topic: {{ topic }}.\\n{{ history_text }}" }
+      - { role: user, content: "Speak as {{ name }}." }
+    scorer:
+      messages:
+        - { role: system, content: "{{ history_text }}" }
+        - { role: user, content: "Rate the relations." }
+    policy:
+      messages:
+        - { role: system, content: "{{ history_text }}" }
+        - { role: user, content: "Choose a strategy." }
+"""
+
+
 WORKLOADS = {
     "w1": (w1, 100_000),
     "w2": (w2, None),
@@ -1632,6 +1716,7 @@ WORKLOADS = {
     "j1": (j1, None),
     "startup": (startup, 100),
     "s1": (s1, 1_000_000),
+    "c1": (c1, 1000),
 }
 
 
@@ -1639,7 +1724,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workload", choices=list(WORKLOADS))
     parser.add_argument("--rpm", type=int, default=6000, help="W3: the quota")
-    parser.add_argument("--capacity", type=int, default=32, help="W4: calls served at once")
+    parser.add_argument("--capacity", type=int, default=32, help="W4: calls served at once; C1: the endpoint's concurrency")
     parser.add_argument("--no-build", action="store_true")
     parser.add_argument("--items", type=int)
     parser.add_argument("--rounds", type=int, default=3)
