@@ -251,25 +251,30 @@ task:
     rewards: { filter_zero_rewards: false }
 "#;
 
+/// Two mocks answering after `latency_ms` (the items' endpoint and the
+/// voices'), and `spread.yaml` over them without the line `drop`.
+async fn spread(env: &Env, latency_ms: u64, drop: &str) -> [evalfleet_mock::MockServer; 2] {
+    let start = || {
+        mock(MockSettings {
+            latency: ms(latency_ms),
+            ..MockSettings::default()
+        })
+    };
+    let (gpu, voices) = (start().await, start().await);
+    let mut text = SPREAD
+        .replace("BASE1", &gpu.base_url())
+        .replace("BASE2", &voices.base_url());
+    if !drop.is_empty() {
+        text = text.replace(drop, "");
+    }
+    env.write("spread.yaml", &text);
+    [gpu, voices]
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn episodes_killed_mid_way_and_resumed_end_as_an_uninterrupted_run() {
     let env = Env::new();
-    let gpu = mock(MockSettings {
-        latency: ms(15),
-        ..MockSettings::default()
-    })
-    .await;
-    let voices = mock(MockSettings {
-        latency: ms(15),
-        ..MockSettings::default()
-    })
-    .await;
-    env.write(
-        "spread.yaml",
-        &SPREAD
-            .replace("BASE1", &gpu.base_url())
-            .replace("BASE2", &voices.base_url()),
-    );
+    let _mocks = spread(&env, 15, "").await;
     let sessions = "24";
     let clean = env
         .evalfleet(&[
@@ -365,23 +370,7 @@ async fn a_gymnasium_trainer_takes_the_decisions_through_the_environment_server(
         return;
     };
     let env = Env::new();
-    let gpu = mock(MockSettings {
-        latency: ms(5),
-        ..MockSettings::default()
-    })
-    .await;
-    let voices = mock(MockSettings {
-        latency: ms(5),
-        ..MockSettings::default()
-    })
-    .await;
-    env.write(
-        "spread.yaml",
-        &SPREAD
-            .replace("BASE1", &gpu.base_url())
-            .replace("BASE2", &voices.base_url())
-            .replace("    policy: { kind: random }\n", ""),
-    );
+    let _mocks = spread(&env, 5, "    policy: { kind: random }\n").await;
     let mut server = env.spawn(&[
         "env",
         "spread.yaml",

@@ -11,10 +11,9 @@ use evalfleet_core::task::conversation::gym::Gym;
 use evalfleet_server::env::{EnvServer, serve_env};
 use tokio::net::TcpListener;
 
-use super::run::{Attendance, checked_templates, register};
-use super::store_location;
+use super::run::{Attendance, new_session};
+use crate::UsageError;
 use crate::cli::EnvArgs;
-use crate::{UsageError, fleet};
 
 pub async fn env(args: EnvArgs) -> anyhow::Result<u8> {
     let started = std::time::Instant::now();
@@ -25,31 +24,26 @@ pub async fn env(args: EnvArgs) -> anyhow::Result<u8> {
         ..Overrides::default()
     };
     let loaded = config::load_file(&args.config, overrides)?;
-    let Some(settings) = loaded.config.task.kind.conversation() else {
-        return Err(UsageError(format!(
-            "{}: env serves conversations; give the config task.kind: conversation (see examples/conversation.yaml)",
-            args.config.display()
-        ))
-        .into());
-    };
-    let episodes = settings.sessions;
-    let templates = checked_templates(&loaded)?;
-    let active = fleet::active(&loaded.config, &args.endpoints)?;
-    let gpu_policy = fleet::check_gpus(&loaded.config, active.as_deref(), args.yes).await?;
-    let location = store_location(args.store, loaded.config.store.as_deref())?;
+    super::simulate::require_conversation(loaded.config.task.kind.conversation(), &args.config)?;
+    let episodes = loaded
+        .config
+        .task
+        .kind
+        .conversation()
+        .map_or(0, |settings| settings.sessions);
     let listener = TcpListener::bind(args.bind)
         .await
         .map_err(|err| UsageError(format!("cannot listen on {}: {err}", args.bind)))?;
     let addr = listener.local_addr()?;
-    let mut session = register(
+    let mut session = new_session(
         loaded,
-        templates,
-        location,
+        &args.endpoints,
+        args.yes,
+        args.store,
         args.run_id,
-        active,
-        gpu_policy,
         started,
-    )?;
+    )
+    .await?;
     let gym = Arc::new(Gym::new(args.action_timeout, args.envs.saturating_mul(2)));
     session.gym = Some(gym.clone());
     let run_id = session.run_id.clone();

@@ -53,19 +53,15 @@ pub(crate) async fn start(
         fleet::dry_run(&loaded.config);
         return Ok(EXIT_OK);
     }
-    let templates = checked_templates(&loaded)?;
-    let active = fleet::active(&loaded.config, &args.endpoints)?;
-    let gpu_policy = fleet::check_gpus(&loaded.config, active.as_deref(), args.yes).await?;
-    let location = store_location(args.store, loaded.config.store.as_deref())?;
-    let session = register(
+    let session = new_session(
         loaded,
-        templates,
-        location,
+        &args.endpoints,
+        args.yes,
+        args.store,
         args.run_id,
-        active,
-        gpu_policy,
         started,
-    )?;
+    )
+    .await?;
     println!("{}", session.run_id);
     execute(
         session,
@@ -74,6 +70,26 @@ pub(crate) async fn start(
         },
     )
     .await
+}
+
+/// A new run of `loaded`, checked and registered: its templates, the
+/// endpoints taking part (`endpoints`, else all), the GPUs (`yes`: start on
+/// one in use), its store (`store`, else the config's ...).
+pub(crate) async fn new_session(
+    loaded: LoadedConfig,
+    endpoints: &[String],
+    yes: bool,
+    store: Option<std::path::PathBuf>,
+    run_id: Option<String>,
+    started: Instant,
+) -> anyhow::Result<Session> {
+    let templates = checked_templates(&loaded)?;
+    let active = fleet::active(&loaded.config, endpoints)?;
+    let gpu_policy = fleet::check_gpus(&loaded.config, active.as_deref(), yes).await?;
+    let location = store_location(store, loaded.config.store.as_deref())?;
+    register(
+        loaded, templates, location, run_id, active, gpu_policy, started,
+    )
 }
 
 /// The task's templates, compiled and rendered for the first rows (every
