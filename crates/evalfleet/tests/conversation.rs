@@ -225,6 +225,13 @@ async fn scripted_episodes_earn_exactly_the_rewards_worked_out_by_hand() {
     let config: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["task"]["conversation"]["sessions"], 2);
+
+    // Scoring again keeps an episode's scores: it was scored as it was played.
+    let scored = env.evalfleet(&["score", "talk"]).await;
+    assert_eq!(scored.code, Some(0), "{}", scored.stderr);
+    let again = by_id(&env.export("talk").await);
+    assert_eq!(again["0"]["scores"], rows["0"]["scores"]);
+    assert_eq!(again["1"]["scores"]["reward"]["value"], 0.5);
 }
 
 const SPREAD: &str = r#"name: spread

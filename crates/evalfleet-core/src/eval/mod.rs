@@ -317,9 +317,10 @@ impl Assessor {
             scores.insert(request.key, score);
         }
         // The code judge's score stays as it was stored (it is judged
-        // again only on request: that runs every program again).
+        // again only on request: that runs every program again), and so do
+        // a conversation's (its episode was scored as it was played).
         for m in self.metrics() {
-            if matches!(m.kind, metrics::Kind::CodeAccepted)
+            if matches!(m.kind, metrics::Kind::CodeAccepted | metrics::Kind::Episode)
                 && let Some(stored) = keep.get(&m.key)
             {
                 scores.insert(m.key.clone(), stored.clone());
