@@ -706,6 +706,19 @@ pub async fn drive(shared: &Arc<Shared>, mut item: Item, mut step: Step, mut car
                 drop(permit);
                 step
             }
+            Step::Wait(wait) => {
+                if !carry.is_empty() {
+                    let sent = std::mem::take(&mut carry);
+                    if !shared.send(Outcome::carried(item.claim, sent)).await {
+                        return;
+                    }
+                }
+                tokio::select! {
+                    step = wait => step,
+                    // Abandoned at shutdown: the item stays pending.
+                    () = shared.abort.cancelled() => return,
+                }
+            }
         };
     }
 }

@@ -240,6 +240,21 @@ impl Reader {
                         return Ok(true);
                     }
                 }
+                Step::Wait(wait) => {
+                    let shared = self.shared.clone();
+                    self.shared.tracker.spawn_on(
+                        async move {
+                            let step = tokio::select! {
+                                step = wait => step,
+                                // Abandoned at shutdown: the item stays pending.
+                                () = shared.abort.cancelled() => return,
+                            };
+                            drive(&shared, item, step, Carry::default()).await;
+                        },
+                        runtime,
+                    );
+                    return Ok(true);
+                }
                 Step::Work(work) => {
                     let permit = runtime.block_on(async {
                         tokio::select! {

@@ -140,6 +140,10 @@ pub enum Step {
     /// slot; its outcome is the next step. At most [`Task::work_limit`] run
     /// at once.
     Work(BoxFuture<'static, Step>),
+    /// A wait for something outside the run (a trainer's action), holding
+    /// no slot and no place of [`Task::work_limit`]; its outcome is the next
+    /// step. A task that waits so bounds its own waiters.
+    Wait(BoxFuture<'static, Step>),
     /// The item is over.
     Finish(Finish),
 }

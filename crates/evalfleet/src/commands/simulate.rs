@@ -101,16 +101,17 @@ fn write_logs(
     let new: Vec<Event> = report
         .alarms
         .iter()
-        .filter(|a| {
+        .map(|a| format!("episode {} step {}: {}", a.episode, a.step, a.message))
+        .filter(|message| {
             !stored
                 .iter()
-                .any(|e| e.kind == EventKind::Alarm && e.message.ends_with(&a.message))
+                .any(|e| e.kind == EventKind::Alarm && e.message == *message)
         })
-        .map(|a| Event {
+        .map(|message| Event {
             at_ms: now_ms(),
             kind: EventKind::Alarm,
             endpoint: None,
-            message: format!("episode {} step {}: {}", a.episode, a.step, a.message),
+            message,
         })
         .collect();
     if !new.is_empty() {

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 use serde_json::Value;
-use tokio::sync::{Notify, oneshot};
+use tokio::sync::{Notify, Semaphore, oneshot};
 
 use crate::eval::balance::Strategy;
 
@@ -65,9 +65,11 @@ pub struct Gym {
     /// How long an episode waits for an action before its decision is
     /// recorded invalid.
     pub action_timeout: Duration,
-    /// Episodes that may wait at a decision at once (held by trainers, or
-    /// ready for a reset); the others wait to reach theirs.
+    /// Episodes under way at once (held by trainers, ready for a reset, or
+    /// on their way to a decision); the others wait to begin.
     pub capacity: usize,
+    /// A place each for the episodes under way.
+    pub starts: std::sync::Arc<Semaphore>,
 }
 
 impl Gym {
@@ -78,6 +80,7 @@ impl Gym {
             finished: AtomicBool::new(false),
             action_timeout,
             capacity: capacity.max(1),
+            starts: std::sync::Arc::new(Semaphore::new(capacity.max(1))),
         }
     }
 
@@ -105,10 +108,20 @@ impl Gym {
         }
     }
 
+    /// An episode's decision came to nothing (its action did not come in
+    /// time): it is no trainer's any more, nor ready for a reset.
+    pub fn forget(&self, episode: &str) {
+        let mut state = self.lock();
+        state.waiting.remove(episode);
+        state.ready.retain(|(e, ..)| e != episode);
+        state.replies.remove(episode);
+    }
+
     /// An episode is over (or failed): the trainer stepping it is told.
     pub fn end(&self, episode: &str, transition: Transition) {
         let mut state = self.lock();
         state.waiting.remove(episode);
+        state.ready.retain(|(e, ..)| e != episode);
         if let Some(reply) = state.replies.remove(episode) {
             let _ = reply.send(transition);
         }
@@ -128,7 +141,11 @@ impl Gym {
         loop {
             {
                 let mut state = self.lock();
-                if let Some((episode, transition, action)) = state.ready.pop_front() {
+                while let Some((episode, transition, action)) = state.ready.pop_front() {
+                    // One whose decision came to nothing is passed over.
+                    if action.is_closed() {
+                        continue;
+                    }
                     state.waiting.insert(episode.clone(), action);
                     return Ok((episode, transition));
                 }
@@ -175,5 +192,61 @@ impl Gym {
             Ok(Err(_)) => Err(GymError::Dropped(episode.to_owned())),
             Err(_) => Err(GymError::StepTimeout(episode.to_owned(), wait)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(step: u64) -> Transition {
+        Transition {
+            observation: Some(serde_json::json!({"step": step})),
+            reward: 0.0,
+            terminated: false,
+            truncated: false,
+            info: Value::Null,
+        }
+    }
+
+    #[tokio::test]
+    async fn resets_pass_over_decisions_that_came_to_nothing_and_steps_reach_the_episode() {
+        let gym = Gym::new(Duration::from_secs(1), 4);
+        // An episode whose decision timed out (its receiver gone), then one
+        // waiting.
+        let (gone, dropped) = oneshot::channel();
+        drop(dropped);
+        gym.offer("a", at(0), gone);
+        let (action, acted) = oneshot::channel();
+        gym.offer("b", at(0), action);
+        let (id, _) = gym.reset(Duration::from_millis(10)).await.unwrap();
+        assert_eq!(id, "b");
+        assert_eq!(
+            gym.reset(Duration::from_millis(10)).await.unwrap_err(),
+            GymError::ResetTimeout(Duration::from_millis(10))
+        );
+        // The trainer's step hands the action over; the episode's next
+        // decision answers it.
+        let episode = async {
+            assert_eq!(acted.await.unwrap(), Some(Strategy::Plan));
+            let (next, _) = oneshot::channel();
+            gym.offer("b", at(1), next);
+        };
+        let (stepped, ()) = tokio::join!(
+            gym.step("b", Some(Strategy::Plan), Duration::from_secs(5)),
+            episode
+        );
+        assert_eq!(stepped.unwrap().observation.unwrap()["step"], 1);
+        assert_eq!(
+            gym.step("c", None, Duration::from_secs(1))
+                .await
+                .unwrap_err(),
+            GymError::UnknownEnv("c".to_owned())
+        );
+        gym.finish();
+        assert_eq!(
+            gym.reset(Duration::from_secs(5)).await.unwrap_err(),
+            GymError::NoEpisodes
+        );
     }
 }

@@ -109,12 +109,34 @@ impl Task for Conversation {
             sample: sample_of(item.item_id),
             last: None,
             last_reply: None,
+            start: None,
+            abandoned: false,
         }));
         let step = lock(&state).step(&state, next);
+        let step = match &self.inner.gym {
+            // A trainer's episodes begin when one of its places is free.
+            Some(gym) => {
+                let starts = gym.starts.clone();
+                let shared = state.clone();
+                Step::Work(Box::pin(async move {
+                    match starts.acquire_owned().await {
+                        Ok(permit) => lock(&shared).start = Some(permit),
+                        Err(_) => {
+                            return Step::Finish(Finish::failed(
+                                "the environment server stopped".to_owned(),
+                                Assessment::default(),
+                            ));
+                        }
+                    }
+                    step
+                }))
+            }
+            None => step,
+        };
         (Box::new(ConversationEpisode { state }), step)
     }
 
-    /// Episodes waiting for a trainer's decision hold a place each.
+    /// Episodes waiting for a place to begin (a trainer's runs).
     fn work_limit(&self) -> usize {
         self.inner.gym.as_ref().map_or(1, |gym| gym.capacity)
     }
@@ -142,6 +164,10 @@ struct EpisodeState {
     /// re-ask).
     last: Option<(CallKind, Vec<Message>)>,
     last_reply: Option<String>,
+    /// Its place among the episodes under way (a trainer's runs only).
+    start: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// A decision of it came to nothing: the rest are invalid at once.
+    abandoned: bool,
 }
 
 fn lock(state: &Mutex<EpisodeState>) -> std::sync::MutexGuard<'_, EpisodeState> {
@@ -194,6 +220,7 @@ impl EpisodeState {
                         let strategy = self.sim.random_strategy();
                         self.sim.act(Some(strategy))
                     }
+                    PolicyKind::External if self.abandoned => self.sim.act(None),
                     PolicyKind::External => return self.hand_over(shared, &decision),
                 },
                 Next::Over => return self.finish(),
@@ -210,10 +237,15 @@ impl EpisodeState {
         let (action, acted) = tokio::sync::oneshot::channel();
         gym.offer(&self.episode, self.transition(Some(decision)), action);
         let shared = shared.clone();
-        Step::Work(Box::pin(async move {
+        let episode = self.episode.clone();
+        Step::Wait(Box::pin(async move {
             let action = match tokio::time::timeout(gym.action_timeout, acted).await {
                 Ok(Ok(action)) => action,
-                _ => None,
+                _ => {
+                    gym.forget(&episode);
+                    lock(&shared).abandoned = true;
+                    None
+                }
             };
             let mut this = lock(&shared);
             let next = this.sim.act(action);
@@ -327,8 +359,11 @@ impl EpisodeState {
 
     fn failed(&self, why: String) -> Step {
         if let Some(gym) = &self.inner.gym {
+            // The step under way earned nothing.
             let mut transition = self.transition(None);
+            transition.reward = 0.0;
             transition.truncated = true;
+            transition.info["reward_parts"] = Value::Null;
             transition.info["error"] = Value::from(why.as_str());
             gym.end(&self.episode, transition);
         }

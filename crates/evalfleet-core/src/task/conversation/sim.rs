@@ -217,6 +217,8 @@ pub struct Sim {
     skipped: u32,
     scorer_calls: u32,
     invalid_scores: u32,
+    /// The topic was given (fixed topics, or the item's): it is kept.
+    fixed_topic: bool,
 }
 
 impl Sim {
@@ -231,6 +233,7 @@ impl Sim {
             episode: episode.to_owned(),
             needs,
             draws,
+            fixed_topic: topic.is_some(),
             topics: topic.iter().cloned().collect(),
             topic: topic.unwrap_or_default(),
             history: Vec::new(),
@@ -463,6 +466,10 @@ impl Sim {
         let scored = self.humans > self.settings.scorer.start_after;
         match self.stage {
             Stage::Opening { skips } | Stage::Between { skips } => {
+                // max_rounds ends the episode: no decision begins at its end.
+                if self.humans >= self.settings.max_rounds * 3 {
+                    return self.end(Ending::Terminated);
+                }
                 let Some(relations) = self.relations.filter(|_| scored) else {
                     return self.talk();
                 };
@@ -473,7 +480,7 @@ impl Sim {
                 let skips = skips + 1;
                 let opening = matches!(self.stage, Stage::Opening { .. });
                 if skips > self.settings.max_auto_skip {
-                    if opening && self.settings.topics.is_empty() {
+                    if opening && !self.fixed_topic {
                         // A new topic, and the opening starts over.
                         self.stage = Stage::Opening { skips: 0 };
                         return self.ask(CallKind::Topic, None);
@@ -890,8 +897,11 @@ mod tests {
         });
         let mut sim = Sim::new(s, "e", None);
         let calls = play(&mut sim, &[STABLE]);
+        // Stable at 4, 5 and 6 (three states, past max_auto_skip): a new
+        // topic; stable at 7 and 8; at 9 the rounds are over, and no topic
+        // is asked for nothing.
         let topics = calls.iter().filter(|c| **c == "topic").count();
-        assert_eq!(topics, 3, "{calls:?}");
+        assert_eq!(topics, 2, "{calls:?}");
         assert_eq!(calls.iter().filter(|c| **c == "persona").count(), 9);
         assert!(!calls.contains(&"decide"));
         assert_eq!(sim.ending(), Some(Ending::Terminated));
@@ -917,6 +927,20 @@ mod tests {
         assert_eq!(step.target_speaker, Some(Person::C));
         assert_eq!(step.reward.stable_bonus, 2.0);
         assert_eq!(step.reward.preference_match_bonus, 0.5);
+    }
+
+    #[test]
+    fn no_decision_begins_once_the_rounds_are_over() {
+        let s = settings(|s| {
+            s.max_rounds = 2;
+            s.max_auto_skip = 10;
+        });
+        let mut sim = Sim::new(s, "e", None);
+        // Stable at 4 and 5; unstable only at 6, the last utterance.
+        let calls = play(&mut sim, &[STABLE, STABLE, UNSTABLE]);
+        assert!(!calls.contains(&"decide"), "{calls:?}");
+        assert_eq!(calls.iter().filter(|c| **c == "persona").count(), 6);
+        assert_eq!(sim.ending(), Some(Ending::Terminated));
     }
 
     #[test]
