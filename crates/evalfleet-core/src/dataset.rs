@@ -6,7 +6,7 @@
 use evalfleet_types::Fault;
 use std::collections::BTreeSet;
 use std::fs::File;
-use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom};
+use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::time::UNIX_EPOCH;
 
@@ -46,6 +46,41 @@ pub enum DatasetError {
     },
     #[error("{}: {message}", path.display())]
     Header { path: PathBuf, message: String },
+}
+
+/// Writes a conversation's made-up episodes (`config.episodes`, one
+/// `{"episode": i}` a line) to `config.path` when the file is missing or
+/// not what it should be; nothing for a dataset of the user's. Called where
+/// a dataset is read, not where a config is: reports and the server read
+/// configs without reading their datasets.
+pub fn materialize(config: &DatasetConfig) -> io::Result<()> {
+    let Some(n) = config.episodes else {
+        return Ok(());
+    };
+    let path = &config.path;
+    let line = |i: u64| format!("{{\"episode\":{i}}}\n");
+    // 13 bytes a line besides the number's digits.
+    let size: u64 = (0..n)
+        .map(|i| 13 + u64::from(i.checked_ilog10().unwrap_or(0)) + 1)
+        .sum();
+    if std::fs::metadata(path).is_ok_and(|m| m.len() == size) {
+        return Ok(());
+    }
+    let partial = path.with_extension(format!("{}.part", std::process::id()));
+    let mut out = io::BufWriter::new(File::create(&partial)?);
+    for i in 0..n {
+        out.write_all(line(i).as_bytes())?;
+    }
+    out.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+    std::fs::rename(&partial, path)
+}
+
+/// [`materialize`], as a failure to open the dataset.
+fn materialized(config: &DatasetConfig) -> Result<(), DatasetError> {
+    materialize(config).map_err(|source| DatasetError::Open {
+        path: config.path.clone(),
+        source,
+    })
 }
 
 impl DatasetError {
@@ -175,6 +210,7 @@ enum Scan {
 
 impl Scanner {
     pub fn open(config: &DatasetConfig) -> Result<Self, DatasetError> {
+        materialized(config)?;
         let path = config.path.clone();
         let open_err = |source| DatasetError::Open {
             path: path.clone(),
@@ -501,6 +537,7 @@ enum RowSource {
 
 impl RowReader {
     pub fn open(config: &DatasetConfig) -> Result<Self, DatasetError> {
+        materialized(config)?;
         let path = config.path.clone();
         let file = File::open(&path).map_err(|source| DatasetError::Open {
             path: path.clone(),

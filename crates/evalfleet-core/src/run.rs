@@ -194,6 +194,10 @@ impl ResumeError {
 /// dataset content and reading options, the same task.
 pub fn check_resume(record: &RunRecord, config: &Config) -> Result<(), ResumeError> {
     let path = &config.dataset.path;
+    crate::dataset::materialize(&config.dataset).map_err(|source| ResumeError::Dataset {
+        path: path.clone(),
+        source,
+    })?;
     let same_file = if record.dataset.path == *path {
         record.dataset.matches(path)
     } else {
@@ -337,8 +341,15 @@ async fn session(
 ) -> Result<pipeline::SessionEnd, PipelineError> {
     let rows = RowReader::open(&plan.config.dataset)?;
     // Whatever can fail at the start fails before anything runs.
-    // A conversation avoids the topics of the run's stored episodes.
-    let used_topics = if plan.config.task.kind.conversation().is_some() {
+    // A conversation that asks for topics avoids those of the run's stored
+    // episodes (read only then: it reads every stored output).
+    let asks_topics = plan
+        .config
+        .task
+        .kind
+        .conversation()
+        .is_some_and(|settings| settings.topics.is_empty());
+    let used_topics = if asks_topics {
         let mut outputs = Vec::new();
         open()?.scan_results(&plan.run_id, &mut |r| outputs.extend(r.output))?;
         task::conversation::topics_of(outputs)

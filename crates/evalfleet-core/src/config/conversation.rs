@@ -615,26 +615,10 @@ pub(super) fn conversation(
     ok.then_some(settings)
 }
 
-/// The file of `n` made-up episodes (`{"episode": i}` a line), in the
-/// system's temporary folder: written once, and again only when it is
-/// gone or changed (its content is all a resume checks, so a new copy after
-/// a reboot is the same dataset).
-pub(super) fn episodes_file(n: u64) -> std::io::Result<std::path::PathBuf> {
-    use std::io::Write;
-    let path = std::env::temp_dir().join(format!("evalfleet-episodes-{n}.jsonl"));
-    let line = |i: u64| format!("{{\"episode\":{i}}}\n");
-    let size: u64 = (0..n).map(|i| line(i).len() as u64).sum();
-    if std::fs::metadata(&path).is_ok_and(|m| m.len() == size) {
-        return Ok(path);
-    }
-    let partial = path.with_extension(format!("{}.part", std::process::id()));
-    {
-        let mut out = std::io::BufWriter::new(std::fs::File::create(&partial)?);
-        for i in 0..n {
-            out.write_all(line(i).as_bytes())?;
-        }
-        out.into_inner().map_err(|e| e.into_error())?.sync_all()?;
-    }
-    std::fs::rename(&partial, &path)?;
-    Ok(path)
+/// Where the file of `n` made-up episodes (`{"episode": i}` a line) is:
+/// the system's temporary folder. The dataset layer writes it when it is
+/// read ([`crate::dataset::materialize`]); its content is all a resume
+/// checks, so a new copy after a reboot is the same dataset.
+pub(super) fn episodes_path(n: u64) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("evalfleet-episodes-{n}.jsonl"))
 }

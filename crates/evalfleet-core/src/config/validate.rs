@@ -91,45 +91,42 @@ pub(super) fn invalid(
     }
 }
 
-fn apply_overrides(value: &mut Value, overrides: Overrides, problems: &mut Vec<RawProblem>) {
-    if let Some(root) = value.as_object_mut() {
-        for (key, given) in [
-            ("sessions", overrides.sessions),
-            ("max_steps", overrides.max_steps.map(u64::from)),
-        ] {
-            let Some(n) = given else { continue };
-            let task = root.entry("task").or_insert_with(|| json!({}));
-            if let Some(task) = task.as_object_mut() {
-                let section = task.entry("conversation").or_insert_with(|| json!({}));
-                if let Some(section) = section.as_object_mut() {
-                    section.insert(key.to_owned(), json!(n));
-                }
-            }
-        }
+/// The mapping at `path` in `value`, made (empty) where it is missing;
+/// `None` where something else than a mapping stands in the way (the
+/// validator reports that).
+fn section<'v>(value: &'v mut Value, path: &[&str]) -> Option<&'v mut Map<String, Value>> {
+    let mut here = value.as_object_mut()?;
+    for key in path {
+        here = here
+            .entry(*key)
+            .or_insert_with(|| json!({}))
+            .as_object_mut()?;
     }
-    if overrides.external_policy
-        && let Some(root) = value.as_object_mut()
-    {
-        let task = root.entry("task").or_insert_with(|| json!({}));
-        if let Some(task) = task.as_object_mut() {
-            let section = task.entry("conversation").or_insert_with(|| json!({}));
-            if let Some(section) = section.as_object_mut() {
-                section.insert("policy".to_owned(), json!({"kind": "external"}));
-            }
+    Some(here)
+}
+
+fn apply_overrides(value: &mut Value, overrides: Overrides, problems: &mut Vec<RawProblem>) {
+    let conversation = [
+        ("sessions", overrides.sessions.map(|n| json!(n))),
+        ("max_steps", overrides.max_steps.map(|n| json!(n))),
+        (
+            "policy",
+            overrides
+                .external_policy
+                .then(|| json!({"kind": "external"})),
+        ),
+    ];
+    for (key, given) in conversation {
+        if let Some(given) = given
+            && let Some(section) = section(value, &["task", "conversation"])
+        {
+            section.insert(key.to_owned(), given);
         }
     }
     if overrides.sample_n.is_none() && overrides.sample_seed.is_none() {
         return;
     }
-    let Some(root) = value.as_object_mut() else {
-        return;
-    };
-    let dataset = root.entry("dataset").or_insert_with(|| json!({}));
-    let Some(dataset) = dataset.as_object_mut() else {
-        return;
-    };
-    let sample = dataset.entry("sample").or_insert_with(|| json!({}));
-    let Some(sample) = sample.as_object_mut() else {
+    let Some(sample) = section(value, &["dataset", "sample"]) else {
         return;
     };
     if let Some(n) = overrides.sample_n {
@@ -308,15 +305,7 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
     {
         if dataset.episodes.is_some() {
             dataset.episodes = Some(settings.sessions);
-            match super::conversation::episodes_file(settings.sessions) {
-                Ok(path) => dataset.path = path,
-                Err(err) => {
-                    return p.push(
-                        "task.conversation.sessions",
-                        format!("cannot write the episodes' file: {err}"),
-                    );
-                }
-            }
+            dataset.path = super::conversation::episodes_path(settings.sessions);
         }
         if let Some(endpoints) = &endpoints {
             for (at, name) in settings.named_endpoints() {

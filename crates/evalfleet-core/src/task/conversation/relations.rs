@@ -99,7 +99,7 @@ const LANDMINE: f64 = 0.5;
 /// and loses 0.2 for each cold word either of its two people says, and
 /// loses 0.5 each time one of them names a landmine of the other; then it
 /// is clamped to [-1, 1].
-pub fn by_rules(utterances: &[(Person, &str)], landmines: &[Vec<String>; 3]) -> Triangle {
+pub fn by_rules(utterances: &[(Person, &str)], landmines: [&[String]; 3]) -> Triangle {
     let mut value = [0.0f64; 3];
     for &(speaker, text) in utterances {
         let lower = text.to_lowercase();
@@ -126,7 +126,7 @@ pub fn by_rules(utterances: &[(Person, &str)], landmines: &[Vec<String>; 3]) -> 
             }
             value[i] += tone;
             let other = if speaker == x { y } else { x };
-            for mine in &landmines[other.index()] {
+            for mine in landmines[other.index()] {
                 if lower.contains(&mine.to_lowercase()) {
                     value[i] -= LANDMINE;
                 }
@@ -166,18 +166,19 @@ mod tests {
 
     #[test]
     fn rules_count_tone_and_landmines_per_pair() {
-        let landmines = [vec!["money".to_owned()], vec![], vec!["Mother".to_owned()]];
+        let (a, c) = (["money".to_owned()], ["Mother".to_owned()]);
+        let landmines: [&[String]; 3] = [&a, &[], &c];
         let said = [
             (Person::A, "I agree, thanks."),            // AB, CA +0.4
             (Person::B, "That is wrong. Your mother!"), // AB, BC -0.2; BC -0.5 (C's landmine)
             (Person::C, "Money, money."),               // BC, CA; CA -0.5 (A's landmine, once)
         ];
-        let t = by_rules(&said, &landmines);
+        let t = by_rules(&said, landmines);
         assert!((t.ab - 0.2).abs() < 1e-9, "{t:?}");
         assert!((t.bc - -0.7).abs() < 1e-9, "{t:?}");
         assert!((t.ca - -0.1).abs() < 1e-9, "{t:?}");
         // Clamped.
         let angry = [(Person::A, "no no no no no no no")];
-        assert_eq!(by_rules(&angry, &landmines).ab, -1.0);
+        assert_eq!(by_rules(&angry, landmines).ab, -1.0);
     }
 }

@@ -45,10 +45,9 @@ pub struct Ask {
     pub rejected: Option<String>,
 }
 
-/// A decision point: what the policy sees.
+/// The relations at a decision, and what balance makes of them.
 #[derive(Debug, Clone, Serialize)]
-pub struct Decision {
-    pub step: u32,
+pub struct Situation {
     pub relations: Triangle,
     pub pattern: String,
     pub stable: bool,
@@ -56,6 +55,28 @@ pub struct Decision {
     /// None for a stable triangle (with `filter_zero_rewards: false`).
     pub target_edge: Option<Edge>,
     pub target_speaker: Option<Person>,
+}
+
+impl Situation {
+    pub fn of(relations: Triangle) -> Self {
+        let target_edge = relations.target_edge();
+        Self {
+            relations,
+            pattern: relations.pattern(),
+            stable: relations.stable(),
+            instability: relations.instability(),
+            target_edge,
+            target_speaker: target_edge.map(|e| relations.target_speaker(e)),
+        }
+    }
+}
+
+/// A decision point: what the policy sees.
+#[derive(Debug, Clone, Serialize)]
+pub struct Decision {
+    pub step: u32,
+    #[serde(flatten)]
+    pub situation: Situation,
     /// The conversation window the policy sees (`history.policy`).
     pub window: Vec<Utterance>,
     pub topic: String,
@@ -112,12 +133,8 @@ pub struct StepRecord {
     pub turn: u32,
     /// Stable states skipped before it.
     pub auto_skips: u32,
-    pub relations: Triangle,
-    pub pattern: String,
-    pub stable: bool,
-    pub instability: f64,
-    pub target_edge: Option<Edge>,
-    pub target_speaker: Option<Person>,
+    #[serde(flatten)]
+    pub situation: Situation,
     pub target_need: Option<Need>,
     /// None: the policy's reply was not a strategy (invalid).
     pub strategy: Option<Strategy>,
@@ -326,8 +343,8 @@ impl Sim {
                                 .filter_map(|u| person_of(&u.speaker).map(|p| (p, u.text.as_str())))
                                 .collect();
                             let landmines =
-                                [0, 1, 2].map(|i| self.settings.personas[i].landmines.clone());
-                            let observed = relations::by_rules(&said, &landmines);
+                                [0, 1, 2].map(|i| self.settings.personas[i].landmines.as_slice());
+                            let observed = relations::by_rules(&said, landmines);
                             self.observe(observed);
                         }
                     }
@@ -527,7 +544,7 @@ impl Sim {
 
     fn check(&self) -> Check {
         let relations = self.relations.unwrap_or(Triangle::new(0.0, 0.0, 0.0));
-        let target = self.current.as_ref().and_then(|c| c.target_edge);
+        let target = self.current.as_ref().and_then(|c| c.situation.target_edge);
         Check {
             relations,
             stable: relations.stable(),
@@ -536,21 +553,15 @@ impl Sim {
     }
 
     fn decide(&mut self, relations: Triangle) -> Next {
-        let target_edge = relations.target_edge();
-        let target_speaker = target_edge.map(|e| relations.target_speaker(e));
+        let situation = Situation::of(relations);
         let step = self.steps.len() as u32;
         self.current = Some(StepRecord {
             step,
             topic: self.topic.clone(),
             turn: self.humans,
             auto_skips: self.skipped,
-            relations,
-            pattern: relations.pattern(),
-            stable: relations.stable(),
-            instability: relations.instability(),
-            target_edge,
-            target_speaker,
-            target_need: target_speaker.map(|p| self.needs[p.index()]),
+            target_need: situation.target_speaker.map(|p| self.needs[p.index()]),
+            situation: situation.clone(),
             strategy: None,
             valid: false,
             policy_reply: None,
@@ -563,12 +574,7 @@ impl Sim {
         self.stage = Stage::Deciding;
         Next::Decide(Decision {
             step,
-            relations,
-            pattern: relations.pattern(),
-            stable: relations.stable(),
-            instability: relations.instability(),
-            target_edge,
-            target_speaker,
+            situation,
             window: self.window(self.settings.history.policy),
             topic: self.topic.clone(),
         })
@@ -583,7 +589,7 @@ impl Sim {
         current.utterances = self.history[self.step_from..].to_vec();
         if let (Some(strategy), Some(edge), Some(need), Some(at_horizon)) = (
             current.strategy,
-            current.target_edge,
+            current.situation.target_edge,
             current.target_need,
             current.at_horizon,
         ) {
@@ -613,22 +619,13 @@ impl Sim {
 
     /// The last `n` human utterances and the robot's among them.
     fn window(&self, n: u32) -> Vec<Utterance> {
-        let mut humans = 0;
-        let mut from = self.history.len();
-        for (i, u) in self.history.iter().enumerate().rev() {
-            if u.human() {
-                if humans == n {
-                    break;
-                }
-                humans += 1;
-            }
-            from = i;
-        }
-        // Robot lines before the oldest human utterance of the window are
-        // not among them.
-        while from < self.history.len() && !self.history[from].human() && humans == n {
-            from += 1;
-        }
+        let humans: Vec<usize> = (0..self.history.len())
+            .filter(|&i| self.history[i].human())
+            .collect();
+        let from = humans
+            .len()
+            .checked_sub(n as usize)
+            .map_or(0, |first| humans[first]);
         self.history[from..].to_vec()
     }
 
@@ -707,18 +704,20 @@ impl Sim {
                 };
                 self.history_vars(&self.window(window), &mut vars);
                 if let Some(current) = &self.current {
-                    let r = current.relations;
+                    let situation = &current.situation;
+                    let r = situation.relations;
                     vars.insert(
                         "relations".to_owned(),
                         json!({"AB": round2(r.ab), "BC": round2(r.bc), "CA": round2(r.ca)}),
                     );
-                    vars.insert("pattern".to_owned(), json!(current.pattern));
-                    vars.insert("target_edge".to_owned(), json!(current.target_edge));
-                    vars.insert("target_speaker".to_owned(), json!(current.target_speaker));
+                    vars.insert("pattern".to_owned(), json!(situation.pattern));
+                    vars.insert("target_edge".to_owned(), json!(situation.target_edge));
+                    vars.insert("target_speaker".to_owned(), json!(situation.target_speaker));
                     vars.insert(
                         "target_name".to_owned(),
                         json!(
                             current
+                                .situation
                                 .target_speaker
                                 .map(|p| s.personas[p.index()].name.clone())
                         ),
@@ -924,7 +923,7 @@ mod tests {
         // Aimed at CA; C and A tie with B, so C, whose need (mediation)
         // bridge answers.
         let step = &sim.steps()[0];
-        assert_eq!(step.target_speaker, Some(Person::C));
+        assert_eq!(step.situation.target_speaker, Some(Person::C));
         assert_eq!(step.reward.stable_bonus, 2.0);
         assert_eq!(step.reward.preference_match_bonus, 0.5);
     }
@@ -955,7 +954,7 @@ mod tests {
         assert_eq!(sim.ending(), Some(Ending::Truncated));
         // A stable triangle has no target: nothing to earn.
         for step in sim.steps() {
-            assert_eq!(step.target_edge, None);
+            assert_eq!(step.situation.target_edge, None);
             assert_eq!(step.reward.total, 0.0);
         }
     }
