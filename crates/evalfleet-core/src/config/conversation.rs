@@ -617,7 +617,7 @@ pub(super) fn conversation(
 
 /// Where the file of `n` made-up episodes (`{"episode": i}` a line) is:
 /// the system's temporary folder. The dataset layer writes it when it is
-/// read ([`crate::dataset::materialize`]); its content is all a resume
+/// read (`dataset::materialize`); its content is all a resume
 /// checks, so a new copy after a reboot is the same dataset.
 pub(super) fn episodes_path(n: u64) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("evalfleet-episodes-{n}.jsonl"))
