@@ -15,6 +15,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
 use crate::error::ApiError;
+use crate::hosts;
 use crate::keys::{digest, same};
 use crate::state::AppState;
 
@@ -71,28 +72,64 @@ fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
     }
 }
 
-/// A request from a browser page of another site, to change something.
-fn cross_site(method: &Method, headers: &HeaderMap) -> bool {
-    if matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS) {
-        return false;
-    }
-    let Some(origin) = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()) else {
-        return false;
-    };
-    let host = headers
-        .get(header::HOST)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default();
-    let origin_host = origin
-        .split_once("://")
-        .map_or(origin, |(_, rest)| rest)
-        .trim_end_matches('/');
-    origin_host != host
+/// The authority a request is addressed to: HTTP/2's `:authority`, or
+/// `Host`. `None` when it names none (not a browser: browsers always do).
+fn addressed_to(request: &Request) -> Option<&str> {
+    request.uri().authority().map(|a| a.as_str()).or_else(|| {
+        request
+            .headers()
+            .get(header::HOST)
+            .map(|v| v.to_str().unwrap_or("\u{fffd}"))
+    })
 }
 
-/// The middleware in front of everything but the sign-in page.
+/// Why a request sent by a browser page may not be served: its page is of
+/// another site (its `Origin` is not this server, scheme and name), or its
+/// `Origin` names no site at all (`null`: a sandboxed or local page) and it
+/// would change something. `None`: no `Origin` (not a browser's cross-site
+/// request), or this server's own page.
+fn foreign_origin(method: &Method, headers: &HeaderMap, host: Option<&str>) -> Option<String> {
+    let origin = headers.get(header::ORIGIN)?;
+    let origin = origin.to_str().unwrap_or_default();
+    let safe = matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS);
+    let Some((scheme, authority)) = hosts::origin_parts(origin) else {
+        return (!safe)
+            .then(|| format!("a page of origin '{origin}' may not change anything here"));
+    };
+    let ours = matches!(scheme, "http" | "https")
+        && host.is_some_and(|host| host.eq_ignore_ascii_case(authority));
+    (!ours)
+        .then(|| format!("a page of another site ({scheme}://{authority}) may not use this server"))
+}
+
+/// Whether a request only reads (or signs in, which changes nothing stored).
+fn only_reads(method: &Method, path: &str) -> bool {
+    matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS)
+        || (*method == Method::POST && path == "/login")
+}
+
+/// The one layer in front of every route, checked before any handler, in
+/// this order: the request is addressed to this server (DNS rebinding gets
+/// 421), a read-only server is asked to read only, the key, and a browser
+/// page asking is this server's own.
 pub async fn guard(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    let host = addressed_to(&request);
+    if let Some(host) = host
+        && !state.hosts.allows(host)
+    {
+        return ApiError::Misdirected(format!(
+            "this server does not answer to '{host}' (start it with --allow-host NAME to add a name it is reached by)"
+        ))
+        .into_response();
+    }
+    let host = host.map(str::to_owned);
     let path = request.uri().path();
+    if state.read_only && !only_reads(request.method(), path) {
+        return ApiError::NotHere(
+            "this server is read-only (evalfleet serve --read-only): it changes nothing".to_owned(),
+        )
+        .into_response();
+    }
     let open = path == "/login" || path.starts_with("/assets/");
     if !open && !authorized(&state, request.headers()) {
         if request.method() == Method::GET && !path.starts_with("/api") && path != "/metrics" {
@@ -101,11 +138,8 @@ pub async fn guard(State(state): State<Arc<AppState>>, request: Request, next: N
         }
         return ApiError::Unauthorized.into_response();
     }
-    if cross_site(request.method(), request.headers()) {
-        return ApiError::Forbidden(
-            "a request from another site's page may not change anything here".to_owned(),
-        )
-        .into_response();
+    if let Some(why) = foreign_origin(request.method(), request.headers(), host.as_deref()) {
+        return ApiError::Forbidden(why).into_response();
     }
     next.run(request).await
 }
@@ -137,17 +171,33 @@ mod tests {
     }
 
     #[test]
-    fn only_changes_from_another_site_are_cross_site() {
+    fn only_this_servers_own_pages_are_not_foreign() {
+        let host = Some("127.0.0.1:8080");
         let mut headers = HeaderMap::new();
-        headers.insert(header::HOST, "127.0.0.1:8080".parse().unwrap());
-        assert!(
-            !cross_site(&Method::POST, &headers),
+        assert_eq!(
+            foreign_origin(&Method::POST, &headers, host),
+            None,
             "no Origin: not a browser"
         );
         headers.insert(header::ORIGIN, "http://127.0.0.1:8080".parse().unwrap());
-        assert!(!cross_site(&Method::POST, &headers));
-        headers.insert(header::ORIGIN, "https://evil.example".parse().unwrap());
-        assert!(cross_site(&Method::POST, &headers));
-        assert!(!cross_site(&Method::GET, &headers));
+        assert_eq!(foreign_origin(&Method::POST, &headers, host), None);
+        for foreign in [
+            "https://evil.example",
+            "http://127.0.0.1:9090",
+            "ftp://127.0.0.1:8080",
+        ] {
+            headers.insert(header::ORIGIN, foreign.parse().unwrap());
+            assert!(
+                foreign_origin(&Method::POST, &headers, host).is_some(),
+                "{foreign}"
+            );
+            assert!(
+                foreign_origin(&Method::GET, &headers, host).is_some(),
+                "{foreign}"
+            );
+        }
+        headers.insert(header::ORIGIN, "null".parse().unwrap());
+        assert!(foreign_origin(&Method::POST, &headers, host).is_some());
+        assert_eq!(foreign_origin(&Method::GET, &headers, host), None);
     }
 }

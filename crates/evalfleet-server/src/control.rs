@@ -3,8 +3,9 @@
 //! does.
 
 use std::future::Future;
-use std::path::PathBuf;
 use std::pin::Pin;
+
+use evalfleet_core::config::LoadedConfig;
 
 use serde::{Deserialize, Serialize};
 
@@ -13,22 +14,12 @@ use crate::error::ApiError;
 /// A future of the control.
 pub type Pending<T> = Pin<Box<dyn Future<Output = Result<T, ApiError>> + Send>>;
 
-/// Where a new run's config comes from.
-#[derive(Debug, Clone)]
-pub enum ConfigSource {
-    /// YAML text; its relative paths are read from `dir`.
-    Text { yaml: String, dir: PathBuf },
-    /// A file on the server (already checked to be under an allowed root).
-    File(PathBuf),
-}
-
-/// How a new run is started.
+/// How a new run is started: its config, loaded by the server and
+/// admitted (it asks for nothing the server does not allow), and its id.
 #[derive(Debug, Clone)]
 pub struct StartRun {
-    pub config: ConfigSource,
+    pub config: Box<LoadedConfig>,
     pub run_id: Option<String>,
-    pub n_sample: Option<u64>,
-    pub seed: Option<u64>,
 }
 
 /// What the server may ask of runs.

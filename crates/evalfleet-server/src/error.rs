@@ -31,6 +31,9 @@ pub enum ApiError {
     Unauthorized,
     #[error("{0}")]
     Forbidden(String),
+    /// Addressed to a name that is not the server's (DNS rebinding).
+    #[error("{0}")]
+    Misdirected(String),
     /// This server does not do what was asked (it only reads the store).
     #[error("{0}")]
     NotHere(String),
@@ -74,12 +77,14 @@ impl ApiError {
             Self::Store(_) | Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             Self::Report(ReportError::Store(StoreError::NoSuchRun(_))) => StatusCode::NOT_FOUND,
             Self::Report(ReportError::Store(_)) => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::Config(ConfigError::Refused { .. }) => StatusCode::FORBIDDEN,
             Self::Report(_) | Self::Config(_) | Self::Invalid(_) => {
                 StatusCode::UNPROCESSABLE_ENTITY
             }
             Self::Conflict(_) => StatusCode::CONFLICT,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
             Self::Forbidden(_) => StatusCode::FORBIDDEN,
+            Self::Misdirected(_) => StatusCode::MISDIRECTED_REQUEST,
             Self::NotHere(_) => StatusCode::FORBIDDEN,
             Self::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,

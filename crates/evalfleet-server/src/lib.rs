@@ -11,6 +11,7 @@ pub mod control;
 pub mod env;
 mod error;
 mod extract;
+mod hosts;
 mod keys;
 mod metrics;
 pub mod pages;
@@ -24,8 +25,9 @@ use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use tokio_util::sync::CancellationToken;
 
-pub use control::{ConfigSource, RunControl, StartRun};
+pub use control::{RunControl, StartRun};
 pub use error::ApiError;
+pub use hosts::HostPolicy;
 pub use state::{AppState, ServerOptions};
 
 /// The whole service.

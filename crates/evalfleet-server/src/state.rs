@@ -1,9 +1,10 @@
 //! What every request shares: the store (connections taken from a small
-//! pool, used on blocking threads), the API key's digest, the roots config
-//! paths may come from, and the runs this process executes.
+//! pool, used on blocking threads), the API key's digest, the names the
+//! server answers to, what a config sent to it may do, and the runs this
+//! process executes.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use evalfleet_core::pipeline::OpenStore;
@@ -11,8 +12,11 @@ use evalfleet_core::store::{Store, StoreError};
 use evalfleet_core::template::Templates;
 use tokio_util::task::TaskTracker;
 
+use evalfleet_core::config::Admission;
+
 use crate::control::RunControl;
 use crate::error::ApiError;
+use crate::hosts::HostPolicy;
 use crate::keys::digest;
 
 /// How a server is set up.
@@ -22,11 +26,18 @@ pub struct ServerOptions {
     /// The API key requests must carry (`None`: no key is asked for, which
     /// `evalfleet serve` allows on a loopback address only).
     pub api_key: Option<String>,
-    /// Directories a config given by path must be under.
-    pub roots: Vec<PathBuf>,
-    /// Starts, resumes and stops runs in this process (`None`: the API is
-    /// read-only).
+    /// The names the server answers to.
+    pub hosts: HostPolicy,
+    /// What a config sent in a request may do: the directories its files
+    /// (and a config given by path) must be under, the variables it may
+    /// read, whether it may run commands. Its first root is where a config
+    /// sent as text is read from.
+    pub admission: Admission,
+    /// Starts, resumes and stops runs in this process (`None`: runs are
+    /// not started here).
     pub control: Option<Arc<dyn RunControl>>,
+    /// Refuse every request that would change something.
+    pub read_only: bool,
     /// The largest request body taken.
     pub body_limit: usize,
 }
@@ -43,8 +54,10 @@ pub struct AppState {
     pub(crate) key_digest: Option<[u8; 32]>,
     /// SHA-256 of the session cookie a sign-in sets.
     pub(crate) session_digest: Option<[u8; 32]>,
-    pub(crate) roots: Vec<PathBuf>,
+    pub(crate) hosts: HostPolicy,
+    pub(crate) admission: Admission,
     pub(crate) control: Option<Arc<dyn RunControl>>,
+    pub(crate) read_only: bool,
     pub(crate) body_limit: usize,
     /// Blocking work of requests.
     tracker: TaskTracker,
@@ -62,8 +75,10 @@ impl AppState {
                 .api_key
                 .as_deref()
                 .map(|key| digest(&crate::keys::session_token(key))),
-            roots: options.roots,
+            hosts: options.hosts,
+            admission: options.admission,
             control: options.control,
+            read_only: options.read_only,
             body_limit: options.body_limit,
             tracker: TaskTracker::new(),
             templates: Mutex::new(HashMap::new()),
@@ -97,6 +112,18 @@ impl AppState {
         Ok(templates)
     }
 
+    /// Runs `work` on a blocking thread (it reads files or the store).
+    pub async fn blocking<T, F>(&self, work: F) -> Result<T, ApiError>
+    where
+        T: Send + 'static,
+        F: FnOnce() -> Result<T, ApiError> + Send + 'static,
+    {
+        self.tracker
+            .spawn_blocking(work)
+            .await
+            .map_err(|err| ApiError::Internal(format!("a request's work failed: {err}")))?
+    }
+
     /// Runs `work` with a store connection on a blocking thread.
     pub async fn with_store<T, F>(self: &Arc<Self>, work: F) -> Result<T, ApiError>
     where
@@ -104,29 +131,27 @@ impl AppState {
         F: FnOnce(&mut dyn Store) -> Result<T, ApiError> + Send + 'static,
     {
         let state = self.clone();
-        self.tracker
-            .spawn_blocking(move || {
-                let pooled = state
-                    .pool
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .pop();
-                let mut store = match pooled {
-                    Some(store) => store,
-                    None => (state.open)().map_err(ApiError::from)?,
-                };
-                let result = work(&mut *store);
-                // A connection whose store failed is not kept.
-                if !matches!(result, Err(ApiError::Store(StoreError::Backend { .. }))) {
-                    let mut pool = state.pool.lock().unwrap_or_else(PoisonError::into_inner);
-                    if pool.len() < POOL {
-                        pool.push(store);
-                    }
+        self.blocking(move || {
+            let pooled = state
+                .pool
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .pop();
+            let mut store = match pooled {
+                Some(store) => store,
+                None => (state.open)().map_err(ApiError::from)?,
+            };
+            let result = work(&mut *store);
+            // A connection whose store failed is not kept.
+            if !matches!(result, Err(ApiError::Store(StoreError::Backend { .. }))) {
+                let mut pool = state.pool.lock().unwrap_or_else(PoisonError::into_inner);
+                if pool.len() < POOL {
+                    pool.push(store);
                 }
-                result
-            })
-            .await
-            .map_err(|err| ApiError::Internal(format!("a request's work failed: {err}")))?
+            }
+            result
+        })
+        .await
     }
 
     /// Opens a connection of its own (for a stream that reads on).

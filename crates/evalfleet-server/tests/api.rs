@@ -335,6 +335,19 @@ async fn the_openapi_document_describes_every_route_and_resolves_every_reference
     ] {
         assert!(paths.contains_key(path), "{path} is not documented");
     }
+    // The key's two places are declared, and asked for (or nothing, on a
+    // server without a key).
+    let schemes = &doc["components"]["securitySchemes"];
+    assert_eq!(schemes["api_key"]["type"], "apiKey", "{schemes}");
+    assert_eq!(schemes["api_key"]["name"], "X-API-Key");
+    assert_eq!(schemes["bearer"]["scheme"], "bearer");
+    assert_eq!(doc["security"].as_array().map(Vec::len), Some(3));
+    for operation in paths.values().flat_map(|p| p.as_object().unwrap().values()) {
+        assert!(
+            operation["responses"].get("421").is_some(),
+            "a foreign Host may reach any route: {operation}"
+        );
+    }
     let schemas = doc["components"]["schemas"].as_object().unwrap();
     let mut found = Vec::new();
     refs(&doc, &mut found);

@@ -190,8 +190,13 @@ impl Fixture {
         AppState::new(ServerOptions {
             open: Arc::new(move || evalfleet_store::open(&location, &OpenOptions::default())),
             api_key: api_key.map(str::to_owned),
-            roots: vec![self.dir.path().to_owned()],
+            hosts: evalfleet_server::HostPolicy::loopback(),
+            admission: evalfleet_core::config::Admission {
+                roots: vec![std::fs::canonicalize(self.dir.path()).unwrap()],
+                ..Default::default()
+            },
             control: None,
+            read_only: false,
             body_limit: 1 << 16,
         })
     }

@@ -380,12 +380,34 @@ pub struct ServeArgs {
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub bind: SocketAddr,
 
-    /// A directory configs may be read from by path (`config_path`); repeat
-    /// for more [default: the current directory].
+    /// A directory a config sent to the server may read and write files
+    /// under (its dataset, schema, cache; a config named by `config_path`);
+    /// repeat for more [default: the current directory]. A config sent as
+    /// text reads relative paths from the first.
     #[arg(long = "allow-root", value_name = "DIR")]
     pub allow_roots: Vec<PathBuf>,
 
-    /// Only read the store: no run is started, resumed or stopped from here.
+    /// A name the server is reached by (a DNS name, `.domain` for every name
+    /// under it); repeat for more. It answers only requests addressed to
+    /// its own names: the bound address, localhost, and these.
+    #[arg(long = "allow-host", value_name = "NAME")]
+    pub allow_hosts: Vec<String>,
+
+    /// An environment variable a config sent to the server may read as
+    /// `${NAME}`, in an endpoint's api_key, headers or env only; repeat for
+    /// more [default: none].
+    #[arg(long = "allow-env", value_name = "NAME")]
+    pub allow_env: Vec<String>,
+
+    /// Let a config sent to the server run commands on this machine as the
+    /// server's user: start engines (`local`, `remote` over ssh) and run an
+    /// endpoint's `start_cmd` and `stop_cmd`. Anyone who can reach the API
+    /// can then run anything here.
+    #[arg(long)]
+    pub allow_commands: bool,
+
+    /// Change nothing: every request that would (start, resume, stop, score
+    /// again, change a fleet) is refused.
     #[arg(long)]
     pub read_only: bool,
 }

@@ -14,6 +14,7 @@ mod failures;
 mod fleet;
 mod input;
 mod run;
+mod security;
 mod serve;
 mod tasks;
 mod trust;

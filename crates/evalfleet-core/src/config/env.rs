@@ -2,7 +2,7 @@
 //! file beside the config. `${VAR:-default}` gives a default; `$${` is a
 //! literal `${`.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 
 use serde_json::Value;
@@ -13,6 +13,8 @@ use super::path;
 #[derive(Debug, Clone, Default)]
 pub struct Vars {
     dotenv: HashMap<String, String>,
+    /// Only these names are read (a config from outside); `None`: any.
+    only: Option<BTreeSet<String>>,
 }
 
 impl Vars {
@@ -30,15 +32,26 @@ impl Vars {
             let (key, value) = entry.map_err(|err| format!("{}: {err}", file.display()))?;
             dotenv.insert(key, value);
         }
-        Ok(Self { dotenv })
+        Ok(Self { dotenv, only: None })
     }
 
     /// Variables from this map only (no process environment), for tests.
     pub fn from_map(dotenv: HashMap<String, String>) -> Self {
-        Self { dotenv }
+        Self { dotenv, only: None }
+    }
+
+    /// The same, reading only the variables `names`: any other is unset.
+    pub fn only(self, names: BTreeSet<String>) -> Self {
+        Self {
+            only: Some(names),
+            ..self
+        }
     }
 
     fn get(&self, name: &str) -> Option<String> {
+        if self.only.as_ref().is_some_and(|only| !only.contains(name)) {
+            return None;
+        }
         std::env::var(name)
             .ok()
             .or_else(|| self.dotenv.get(name).cloned())
@@ -55,6 +68,28 @@ pub struct Unresolved {
 /// Whether a string refers to a variable (and so holds no literal secret).
 pub fn has_reference(text: &str) -> bool {
     text.replace("$${", "").contains("${")
+}
+
+/// The names of the variables `text` refers to (`${NAME}` and
+/// `${NAME:-default}`; not `$${`), including malformed ones as written.
+pub fn references(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while let Some(pos) = rest.find('$') {
+        let after = &rest[pos..];
+        if let Some(tail) = after.strip_prefix("$${") {
+            rest = tail;
+        } else if let Some(tail) = after.strip_prefix("${") {
+            let end = tail.find('}').unwrap_or(tail.len());
+            let inner = &tail[..end];
+            let name = inner.split_once(":-").map_or(inner, |(name, _)| name);
+            out.push(name.to_owned());
+            rest = &tail[end.min(tail.len())..];
+        } else {
+            rest = &after[1..];
+        }
+    }
+    out
 }
 
 /// Replaces every `${VAR}` in every string of `value`, collecting the ones
@@ -147,6 +182,16 @@ mod tests {
         let err = expand("${EF_TEST_NOPE}", &v).unwrap_err();
         assert!(err.contains("EF_TEST_NOPE"), "{err}");
         assert!(expand("${unclosed", &v).is_err());
+    }
+
+    #[test]
+    fn references_are_listed_by_name() {
+        assert_eq!(
+            references("a ${X} $${Y} ${Z:-d} $5 ${W"),
+            vec!["X".to_owned(), "Z".to_owned(), "W".to_owned()]
+        );
+        let only = vars().only(BTreeSet::new());
+        assert!(expand("${EF_TEST_KEY}", &only).is_err());
     }
 
     #[test]

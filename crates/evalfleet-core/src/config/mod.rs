@@ -5,6 +5,7 @@
 //! The doc comments on the validated types are the user documentation of the
 //! config file.
 
+mod admission;
 mod conversation;
 mod endpoint;
 mod env;
@@ -20,6 +21,7 @@ use std::time::Duration;
 
 use serde_json::{Map, Value};
 
+pub use admission::Admission;
 pub use conversation::{
     AlarmSettings, CallSettings, ConversationSettings, HistoryWindows, Persona, PolicyKind,
     PolicySettings, ScorerKind, ScorerSettings,
@@ -362,6 +364,13 @@ pub enum ConfigError {
         origin: String,
         problems: Vec<Problem>,
     },
+    /// A config from outside asks for what the server does not allow
+    /// ([`Admission`]).
+    #[error("{} (refused)", render_problems(origin, problems))]
+    Refused {
+        origin: String,
+        problems: Vec<Problem>,
+    },
 }
 
 impl ConfigError {
@@ -373,7 +382,7 @@ impl ConfigError {
     /// The problems, for callers that show them their own way.
     pub fn problems(&self) -> Vec<Problem> {
         match self {
-            Self::Invalid { problems, .. } => problems.clone(),
+            Self::Invalid { problems, .. } | Self::Refused { problems, .. } => problems.clone(),
             Self::Yaml { error, .. } => vec![Problem {
                 line: Some(error.line),
                 message: format!("invalid YAML: {}", error.message),
@@ -403,6 +412,16 @@ fn render_problems(origin: &str, problems: &[Problem]) -> String {
 
 /// Reads, expands and validates a config file.
 pub fn load_file(file: &Path, overrides: Overrides) -> Result<LoadedConfig, ConfigError> {
+    load_file_admitted(file, overrides, None)
+}
+
+/// [`load_file`], of a file named by a request from outside when
+/// `admission` is given: what it may do is checked first.
+pub fn load_file_admitted(
+    file: &Path,
+    overrides: Overrides,
+    admission: Option<&Admission>,
+) -> Result<LoadedConfig, ConfigError> {
     let text = std::fs::read_to_string(file).map_err(|source| ConfigError::Read {
         path: file.to_owned(),
         source,
@@ -422,24 +441,31 @@ pub fn load_file(file: &Path, overrides: Overrides) -> Result<LoadedConfig, Conf
         })
         .unwrap_or(Path::new("."));
     let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.to_owned());
-    validate::load(document, &dir, overrides, file.display().to_string())
+    validate::load(
+        document,
+        &dir,
+        overrides,
+        file.display().to_string(),
+        admission,
+    )
 }
 
-/// Reads, expands and validates a config given as text (from a request):
-/// its relative paths are resolved against `dir`, and problems name
-/// `origin` and their lines.
+/// Reads, expands and validates a config given as text (from a request,
+/// which may do only what `admission` allows): its relative paths are
+/// resolved against `dir`, and problems name `origin` and their lines.
 pub fn load_text(
     text: &str,
     dir: &Path,
     overrides: Overrides,
     origin: &str,
+    admission: Option<&Admission>,
 ) -> Result<LoadedConfig, ConfigError> {
     let document = yaml::parse(text).map_err(|error| ConfigError::Yaml {
         path: PathBuf::from(origin),
         error,
     })?;
     let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.to_owned());
-    validate::load(document, &dir, overrides, origin.to_owned())
+    validate::load(document, &dir, overrides, origin.to_owned(), admission)
 }
 
 /// Rebuilds a config from a stored snapshot, expanding `${VAR}` again from the
@@ -454,6 +480,7 @@ pub fn load_snapshot(snapshot: &Value, dir: &Path) -> Result<LoadedConfig, Confi
         dir,
         Overrides::default(),
         "the stored config".to_owned(),
+        None,
     )
 }
 

@@ -11,9 +11,9 @@ use super::raw::{
     self, RawConfig, RawDataset, RawProblem, RawRetry, RawTask, RawTimeouts, RawWriter,
 };
 use super::{
-    BudgetSettings, Config, ConfigError, DatasetConfig, DatasetFormat, Document, LoadedConfig,
-    MASK, MessageTemplate, Overrides, Problem, RetryPolicy, Sample, TaskConfig, TaskKind, Timeouts,
-    WriterSettings, endpoint, path,
+    Admission, BudgetSettings, Config, ConfigError, DatasetConfig, DatasetFormat, Document,
+    LoadedConfig, MASK, MessageTemplate, Overrides, Problem, RetryPolicy, Sample, TaskConfig,
+    TaskKind, Timeouts, WriterSettings, endpoint, path,
 };
 
 /// Body fields evalfleet sets itself; `params` may not override them.
@@ -25,6 +25,7 @@ pub(super) fn load(
     dir: &Path,
     overrides: Overrides,
     origin: String,
+    admission: Option<&Admission>,
 ) -> Result<LoadedConfig, ConfigError> {
     let mut problems: Vec<RawProblem> = Vec::new();
     if document.value.is_null() {
@@ -40,11 +41,26 @@ pub(super) fn load(
             )],
         ));
     }
+    if let Some(admission) = admission {
+        let refusals = admission.refusals(&document.value, dir);
+        if !refusals.is_empty() {
+            return Err(match invalid(origin, &document, refusals) {
+                ConfigError::Invalid { origin, problems } => {
+                    ConfigError::Refused { origin, problems }
+                }
+                other => other,
+            });
+        }
+    }
     apply_overrides(&mut document.value, overrides, &mut problems);
     let snapshot = masked(&document.value);
 
     let mut value = document.value.clone();
-    match Vars::load(dir) {
+    let vars = Vars::load(dir).map(|vars| match admission {
+        Some(admission) => vars.only(admission.env.clone()),
+        None => vars,
+    });
+    match vars {
         Ok(vars) => {
             let mut unresolved = Vec::new();
             env::interpolate(&mut value, "", &vars, &mut unresolved);

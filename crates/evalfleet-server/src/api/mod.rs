@@ -75,24 +75,60 @@ pub fn router() -> (axum::Router<Arc<AppState>>, OpenApi) {
         .split_for_parts();
     api.servers = Some(vec![utoipa::openapi::Server::new("/api/v1")]);
     document_errors(&mut api);
+    document_key(&mut api);
     (router, api)
 }
 
 /// What any request may get besides its own answers, each with the JSON
 /// error body: a parameter or body that does not parse (400), no key
 /// (401), what this server does not do or allow (403), no such run or item
-/// (404), a body too large (413) or not JSON (415), what cannot be used
+/// (404), a body too large (413) or not JSON (415), a request addressed
+/// to a name that is not the server's (421), what cannot be used
 /// (422), and a failure of the store (500).
-const ERRORS: [(&str, &str); 8] = [
+const ERRORS: [(&str, &str); 9] = [
     ("400", "A parameter or the body is wrong"),
     ("401", "An API key is required"),
     ("403", "Not allowed, or not done by this server"),
     ("404", "No such run or item"),
     ("413", "The body is too large"),
     ("415", "The body is not JSON"),
+    (
+        "421",
+        "Not addressed to one of this server's names (its Host)",
+    ),
     ("422", "What was sent cannot be used"),
     ("500", "The store failed"),
 ];
+
+/// The key, where a server has one: `X-API-Key` or a bearer token; a
+/// server started without one asks for none (the empty requirement).
+fn document_key(api: &mut OpenApi) {
+    use utoipa::openapi::security::{
+        ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme,
+    };
+    let components = api.components.get_or_insert_with(Default::default);
+    components.add_security_scheme(
+        "api_key",
+        SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::with_description(
+            "X-API-Key",
+            "The server's key (EVALFLEET_API_KEY), when it was started with one",
+        ))),
+    );
+    components.add_security_scheme(
+        "bearer",
+        SecurityScheme::Http(
+            HttpBuilder::new()
+                .scheme(HttpAuthScheme::Bearer)
+                .description(Some("The server's key, as Authorization: Bearer"))
+                .build(),
+        ),
+    );
+    api.security = Some(vec![
+        SecurityRequirement::new("api_key", Vec::<String>::new()),
+        SecurityRequirement::new("bearer", Vec::<String>::new()),
+        SecurityRequirement::default(),
+    ]);
+}
 
 fn document_errors(api: &mut OpenApi) {
     use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};

@@ -9,11 +9,12 @@ use axum::extract::State;
 
 use crate::extract::{Path, Query};
 use axum::http::StatusCode;
+use evalfleet_core::config::{self, Overrides};
 use evalfleet_core::types::{Event, FleetAction, FleetChange, now_ms};
 use evalfleet_core::view::{self, RunDetail, RunState, RunSummary};
 use serde::{Deserialize, Serialize};
 
-use crate::control::{ConfigSource, CreateRun, RescoreRequest, Rescored, StartRun};
+use crate::control::{CreateRun, RescoreRequest, Rescored, StartRun};
 use crate::error::{ApiError, ErrorBody};
 use crate::state::AppState;
 
@@ -139,22 +140,6 @@ fn control(state: &AppState) -> Result<Arc<dyn crate::control::RunControl>, ApiE
     })
 }
 
-/// `path` made absolute and checked to be under one of the allowed roots
-/// (symbolic links and `..` resolved first, so neither leads out).
-fn confined(roots: &[PathBuf], path: &str) -> Result<PathBuf, ApiError> {
-    let resolved = std::fs::canonicalize(FsPath::new(path))
-        .map_err(|err| ApiError::BadRequest(format!("config_path: cannot read '{path}': {err}")))?;
-    let allowed = roots
-        .iter()
-        .any(|root| std::fs::canonicalize(root).is_ok_and(|root| resolved.starts_with(root)));
-    if !allowed {
-        return Err(ApiError::Forbidden(format!(
-            "config_path: '{path}' is outside the directories this server reads configs from (--allow-root)"
-        )));
-    }
-    Ok(resolved)
-}
-
 /// Registers a new run from a config (its YAML text, or a file on the
 /// server under an allowed root) and starts answering it in this process.
 #[utoipa::path(
@@ -165,9 +150,8 @@ fn confined(roots: &[PathBuf], path: &str) -> Result<PathBuf, ApiError> {
     responses(
         (status = 201, description = "Registered and started", body = Started),
         (status = 400, description = "The request is wrong", body = ErrorBody),
-        (status = 403, description = "The config path is not allowed", body = ErrorBody),
+        (status = 403, description = "The config asks for what this server does not allow (a file outside its roots, a command, a variable), or it does not run evaluations", body = ErrorBody),
         (status = 422, description = "The config cannot be used (problems with their lines)", body = ErrorBody),
-        (status = 403, description = "This server does not run evaluations", body = ErrorBody),
     )
 )]
 pub async fn create(
@@ -175,30 +159,49 @@ pub async fn create(
     crate::extract::Json(body): crate::extract::Json<CreateRun>,
 ) -> Result<(StatusCode, Json<Started>), ApiError> {
     let control = control(&state)?;
-    let config = match (body.config, body.config_path) {
-        (Some(yaml), None) => {
-            // Relative paths in a config sent as text are read from the
-            // first allowed root.
-            let dir = state
-                .roots
-                .first()
-                .cloned()
-                .unwrap_or_else(|| PathBuf::from("."));
-            ConfigSource::Text { yaml, dir }
-        }
-        (None, Some(path)) => ConfigSource::File(confined(&state.roots, &path)?),
-        _ => {
-            return Err(ApiError::BadRequest(
-                "give the config as `config` (YAML text) or `config_path`, not both".to_owned(),
-            ));
-        }
+    let admission = state.admission.clone();
+    let overrides = Overrides {
+        sample_n: body.n_sample,
+        sample_seed: body.seed,
+        ..Overrides::default()
     };
+    // Read and checked on a blocking thread: the config's files are read.
+    let loaded = state
+        .blocking(move || {
+            let loaded = match (body.config, body.config_path) {
+                (Some(yaml), None) => {
+                    // Relative paths in a config sent as text are read
+                    // from the first allowed root.
+                    let dir = admission
+                        .roots
+                        .first()
+                        .cloned()
+                        .unwrap_or_else(|| PathBuf::from("."));
+                    config::load_text(&yaml, &dir, overrides, "the config", Some(&admission))
+                }
+                (None, Some(path)) => {
+                    // Refused alike whether the file exists or not.
+                    if !admission.inside(FsPath::new(&path)) {
+                        return Err(ApiError::Forbidden(format!(
+                            "config_path: '{path}' is not under the directories this server reads from (--allow-root)"
+                        )));
+                    }
+                    config::load_file_admitted(FsPath::new(&path), overrides, Some(&admission))
+                }
+                _ => {
+                    return Err(ApiError::BadRequest(
+                        "give the config as `config` (YAML text) or `config_path`, not both"
+                            .to_owned(),
+                    ));
+                }
+            };
+            Ok(loaded?)
+        })
+        .await?;
     let run_id = control
         .start(StartRun {
-            config,
+            config: Box::new(loaded),
             run_id: body.run_id,
-            n_sample: body.n_sample,
-            seed: body.seed,
         })
         .await?;
     Ok((StatusCode::CREATED, Json(Started { run_id })))

@@ -6,12 +6,12 @@ use std::io::Write;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
-use evalfleet_core::config::{self, ConfigError, Overrides};
+use evalfleet_core::config::{Admission, ConfigError};
 use evalfleet_core::pipeline::OpenStore;
 use evalfleet_core::rescore::{Plan, RescoreError};
 use evalfleet_core::store::CreateRunError;
 use evalfleet_server::control::{Pending, Rescored};
-use evalfleet_server::{ApiError, AppState, ConfigSource, RunControl, ServerOptions, StartRun};
+use evalfleet_server::{ApiError, AppState, HostPolicy, RunControl, ServerOptions, StartRun};
 use evalfleet_store::{Location, OpenOptions};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -65,11 +65,25 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<u8> {
         let location = location.clone();
         Arc::new(move || evalfleet_store::open(&location, &OpenOptions::default()))
     };
+    for name in &args.allow_env {
+        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+            return Err(UsageError(format!(
+                "--allow-env {name}: not a variable's name (letters, digits and '_')"
+            ))
+            .into());
+        }
+    }
     let state = AppState::new(ServerOptions {
         open,
         api_key: key,
-        roots,
+        hosts: HostPolicy::new(args.bind, &args.allow_hosts),
+        admission: Admission {
+            roots,
+            env: args.allow_env.into_iter().collect(),
+            commands: args.allow_commands,
+        },
         control: (!args.read_only).then(|| Arc::new(ControlHandle(control.clone())) as _),
+        read_only: args.read_only,
         body_limit: BODY_LIMIT,
     });
     let listener = TcpListener::bind(args.bind)
@@ -152,17 +166,7 @@ impl RunControl for ControlHandle {
     fn start(&self, request: StartRun) -> Pending<String> {
         let control = self.0.clone();
         Box::pin(async move {
-            let overrides = Overrides {
-                sample_n: request.n_sample,
-                sample_seed: request.seed,
-                ..Overrides::default()
-            };
-            let loaded = match request.config {
-                ConfigSource::Text { yaml, dir } => {
-                    config::load_text(&yaml, &dir, overrides, "the config")
-                }
-                ConfigSource::File(path) => config::load_file(&path, overrides),
-            }?;
+            let loaded = *request.config;
             let templates = run::checked_templates(&loaded).map_err(api_error)?;
             let gpu_policy = fleet::check_gpus(&loaded.config, None, false)
                 .await

@@ -1,0 +1,317 @@
+//! What a config from outside (sent to `evalfleet serve` over HTTP, or
+//! named by path in such a request) may do. A config from the command line
+//! is its user's own and may do anything; one from a request is the
+//! requester's, who may be anybody who can reach the server. So such a
+//! config:
+//! - runs no command (`start_cmd`, `stop_cmd`, a `local` engine's command,
+//!   a `remote` endpoint's ssh) unless the server allows it
+//!   (`--allow-commands`);
+//! - reads and writes files only under the server's roots (`--allow-root`),
+//!   symbolic links and `..` resolved first, with the same refusal whether
+//!   the file exists or not, so that a refusal tells nothing of what is
+//!   outside;
+//! - expands `${VAR}` only for the variables the server names
+//!   (`--allow-env`), and only where a secret belongs (an endpoint's
+//!   `api_key`, `headers` and `env`, which are masked wherever they are
+//!   kept or shown), so that no secret reaches a template, an item, a page
+//!   or a response.
+//!
+//! The checks run on the document as sent, before anything is expanded,
+//! read or validated, and every refusal is reported at once.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use super::path;
+use super::raw::RawProblem;
+
+/// What a config from outside may do.
+#[derive(Debug, Clone, Default)]
+pub struct Admission {
+    /// Directories (canonical) its files must be under.
+    pub roots: Vec<PathBuf>,
+    /// Variables `${NAME}` may name, in an endpoint's secrets only.
+    pub env: BTreeSet<String>,
+    /// Whether it may run commands: start engines (`local`, `remote`) and
+    /// run an external endpoint's `start_cmd` and `stop_cmd`.
+    pub commands: bool,
+}
+
+/// Every field of a config that names a file, and what a relative path in
+/// it is relative to. A new field that names a file is added here, or a
+/// config from outside could use it to leave the roots.
+const PATHS: [(&[&str], Relative); 4] = [
+    (&["dataset", "path"], Relative::ConfigDir),
+    (&["task", "schema_file"], Relative::ConfigDir),
+    (&["cache", "path"], Relative::WorkingDir),
+    (&["store"], Relative::WorkingDir),
+];
+
+/// The same, in each endpoint.
+const ENDPOINT_PATHS: [(&[&str], Relative); 1] = [(&["mock", "answers"], Relative::ConfigDir)];
+
+/// The fields of an endpoint that may hold a secret, and so a `${VAR}`.
+const SECRETS: [&str; 3] = ["api_key", "headers", "env"];
+
+/// The fields of an endpoint that run commands.
+const COMMANDS: [&str; 2] = ["start_cmd", "stop_cmd"];
+
+#[derive(Debug, Clone, Copy)]
+enum Relative {
+    ConfigDir,
+    WorkingDir,
+}
+
+impl Admission {
+    /// Why `document` (as sent, before `${VAR}` expansion) may not be run,
+    /// each reason with the path it is at; empty when it may.
+    pub(super) fn refusals(&self, document: &Value, dir: &Path) -> Vec<RawProblem> {
+        let mut out = Vec::new();
+        self.references(document, "", false, &mut out);
+        for (keys, relative) in PATHS {
+            self.file(document, keys, "", relative, dir, &mut out);
+        }
+        let endpoints = document.get("endpoints").and_then(Value::as_array);
+        for (i, endpoint) in endpoints.into_iter().flatten().enumerate() {
+            let at = path::index("endpoints", i);
+            for (keys, relative) in ENDPOINT_PATHS {
+                self.file(endpoint, keys, &at, relative, dir, &mut out);
+            }
+            if self.commands {
+                continue;
+            }
+            let kind = endpoint.get("kind").and_then(Value::as_str);
+            if let Some(kind @ ("local" | "remote")) = kind {
+                let at = path::key(&at, "kind");
+                let message = format!(
+                    "{at}: a config sent to this server may not start engines ({kind} runs a command on the server); the server allows it only when started with --allow-commands"
+                );
+                out.push((at, message));
+            }
+            for key in COMMANDS {
+                if endpoint.get(key).is_some() {
+                    let at = path::key(&at, key);
+                    let message = format!(
+                        "{at}: a config sent to this server may not run commands; the server allows it only when started with --allow-commands"
+                    );
+                    out.push((at, message));
+                }
+            }
+        }
+        out
+    }
+
+    /// Refuses every `${VAR}` in `value` but those of allowed variables in
+    /// an endpoint's secrets.
+    fn references(&self, value: &Value, at: &str, secret: bool, out: &mut Vec<RawProblem>) {
+        match value {
+            Value::String(text) => {
+                for name in super::env::references(text) {
+                    let allowed = secret && self.env.contains(&name);
+                    if !allowed {
+                        let message = if secret {
+                            format!(
+                                "{at}: ${{{name}}} is not a variable this server lets a config read (it names them with --allow-env)"
+                            )
+                        } else {
+                            format!(
+                                "{at}: ${{{name}}}: a config sent to this server may read variables only in an endpoint's api_key, headers or env, and only those the server names with --allow-env"
+                            )
+                        };
+                        out.push((at.to_owned(), message));
+                    }
+                }
+            }
+            Value::Array(items) => {
+                for (i, item) in items.iter().enumerate() {
+                    self.references(item, &path::index(at, i), secret, out);
+                }
+            }
+            Value::Object(map) => {
+                let in_endpoint = path::parent(at)
+                    .is_some_and(|parent| parent == "endpoints" && at.ends_with(']'));
+                for (key, item) in map {
+                    let secret = secret || (in_endpoint && SECRETS.contains(&key.as_str()));
+                    self.references(item, &path::key(at, key), secret, out);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Refuses the file named at `keys` under `value` unless it is under a
+    /// root.
+    fn file(
+        &self,
+        value: &Value,
+        keys: &[&str],
+        at: &str,
+        relative: Relative,
+        dir: &Path,
+        out: &mut Vec<RawProblem>,
+    ) {
+        let mut here = value;
+        let mut at = at.to_owned();
+        for key in keys {
+            match here.get(key) {
+                Some(next) => here = next,
+                None => return,
+            }
+            at = path::key(&at, key);
+        }
+        let Some(text) = here.as_str() else {
+            return;
+        };
+        if text.trim().is_empty() {
+            return;
+        }
+        let base = match relative {
+            Relative::ConfigDir => dir.to_owned(),
+            Relative::WorkingDir => std::env::current_dir().unwrap_or_else(|_| dir.to_owned()),
+        };
+        if !self.inside(&base.join(text)) {
+            let message = format!(
+                "{at}: '{text}' is not under the directories this server reads from (--allow-root)"
+            );
+            out.push((at, message));
+        }
+    }
+
+    /// Whether `path`, with its links followed, is under one of the roots.
+    /// A path that does not exist (yet) is judged by its nearest existing
+    /// ancestor, resolved, and the rest of it, which may not go up.
+    pub fn inside(&self, path: &Path) -> bool {
+        resolved(path)
+            .is_some_and(|resolved| self.roots.iter().any(|root| resolved.starts_with(root)))
+    }
+}
+
+/// `path` with every link and `..` of its existing part resolved; `None`
+/// when nothing of it exists, when its missing part climbs (`..`), or when
+/// it passes through a link that leads nowhere (writing through it would
+/// create its target, wherever that is).
+fn resolved(path: &Path) -> Option<PathBuf> {
+    let mut existing = path.to_owned();
+    let mut missing = Vec::new();
+    loop {
+        if let Ok(real) = std::fs::canonicalize(&existing) {
+            let mut out = real;
+            out.extend(missing.iter().rev());
+            return Some(out);
+        }
+        if std::fs::symlink_metadata(&existing).is_ok() {
+            return None;
+        }
+        // A path ending in `..` has no file name: it climbs.
+        missing.push(existing.file_name()?.to_owned());
+        if !existing.pop() {
+            return None;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn admission(root: &Path) -> Admission {
+        Admission {
+            roots: vec![std::fs::canonicalize(root).unwrap()],
+            env: BTreeSet::from(["EF_ALLOWED_KEY".to_owned()]),
+            commands: false,
+        }
+    }
+
+    fn paths(problems: &[RawProblem]) -> Vec<&str> {
+        problems.iter().map(|(at, _)| at.as_str()).collect()
+    }
+
+    #[test]
+    fn files_outside_the_roots_are_refused_alike_whether_they_exist_or_not() {
+        let root = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(outside.path().join("secret.csv"), "a\n1\n").unwrap();
+        std::fs::write(root.path().join("items.jsonl"), "{}\n").unwrap();
+        std::os::unix::fs::symlink(outside.path(), root.path().join("link")).unwrap();
+        std::os::unix::fs::symlink(outside.path().join("absent"), root.path().join("dangling"))
+            .unwrap();
+        let admission = admission(root.path());
+        let dir = root.path();
+        for ok in ["items.jsonl", "not-yet.jsonl", "sub/new.jsonl"] {
+            let document = json!({"dataset": {"path": ok}});
+            assert!(admission.refusals(&document, dir).is_empty(), "{ok}");
+        }
+        let secret = outside.path().join("secret.csv");
+        for refused in [
+            secret.to_str().unwrap(),
+            "/etc/passwd",
+            "/no/such/file",
+            "../x.jsonl",
+            "link/secret.csv",
+            "link/absent.csv",
+            "dangling",
+            "absent/../../x.jsonl",
+        ] {
+            let document = json!({"dataset": {"path": refused}, "task": {"schema_file": refused}});
+            let problems = admission.refusals(&document, dir);
+            assert_eq!(
+                paths(&problems),
+                vec!["dataset.path", "task.schema_file"],
+                "{refused}"
+            );
+            assert!(problems[0].1.contains("--allow-root"), "{problems:?}");
+        }
+    }
+
+    #[test]
+    fn commands_are_refused_unless_allowed() {
+        let root = tempfile::tempdir().unwrap();
+        let document = json!({"endpoints": [
+            {"name": "a", "kind": "external", "start_cmd": "id > /tmp/x", "stop_cmd": "true"},
+            {"name": "b", "kind": "local", "command": "sh -c id"},
+            {"name": "c", "kind": "remote", "host": "gpu1"},
+            {"name": "d", "kind": "mock"},
+        ]});
+        let mut admission = admission(root.path());
+        assert_eq!(
+            paths(&admission.refusals(&document, root.path())),
+            vec![
+                "endpoints[0].start_cmd",
+                "endpoints[0].stop_cmd",
+                "endpoints[1].kind",
+                "endpoints[2].kind"
+            ]
+        );
+        admission.commands = true;
+        assert!(admission.refusals(&document, root.path()).is_empty());
+    }
+
+    #[test]
+    fn variables_are_read_only_when_allowed_and_only_into_secrets() {
+        let root = tempfile::tempdir().unwrap();
+        let document = json!({
+            "name": "${EF_ALLOWED_KEY}",
+            "endpoints": [{
+                "name": "a", "kind": "external", "model": "${EF_ALLOWED_KEY}",
+                "api_key": "${EF_ALLOWED_KEY}",
+                "headers": {"x-token": "${EF_OTHER}", "x-ok": "Bearer ${EF_ALLOWED_KEY}"},
+            }],
+            "task": {"messages": [{"role": "user", "content": "{{ q }} ${EF_ALLOWED_KEY} $${LITERAL}"}]},
+        });
+        let problems = admission(root.path()).refusals(&document, root.path());
+        let mut refused = paths(&problems);
+        refused.sort_unstable();
+        assert_eq!(
+            refused,
+            vec![
+                "endpoints[0].headers.x-token",
+                "endpoints[0].model",
+                "name",
+                "task.messages[0].content"
+            ]
+        );
+    }
+}

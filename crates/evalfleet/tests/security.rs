@@ -1,0 +1,416 @@
+//! `evalfleet serve` as an attacker meets it: a page of another site that
+//! rebinds its name to the loopback, a config sent over HTTP that tries to
+//! run commands, read files outside the allowed roots or read the server's
+//! secrets, and a read-only server asked to change things.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio::process::{Child, Command};
+
+use crate::serve::{client, config};
+use crate::util::{BIN, Env, wait_until};
+
+/// An `evalfleet serve` process in `env` with `args` and the environment
+/// `vars`, and its address.
+async fn serve_with(env: &Env, args: &[&str], vars: &[(&str, &str)]) -> (Child, String) {
+    let mut command = Command::new(BIN);
+    command
+        .arg("serve")
+        .args(["--bind", "127.0.0.1:0"])
+        .args(args)
+        .current_dir(env.dir.path())
+        .env_remove("EVALFLEET_STORE")
+        .env_remove("EVALFLEET_API_KEY")
+        .envs(vars.iter().copied())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true);
+    let mut child = command.spawn().unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
+    let url = lines.next_line().await.unwrap().unwrap();
+    (child, url)
+}
+
+/// `POST /api/v1/runs` with `body`: its status and JSON body.
+async fn create(base: &str, key: Option<&str>, body: Value) -> (u16, Value) {
+    let mut request = client().post(format!("{base}/api/v1/runs")).json(&body);
+    if let Some(key) = key {
+        request = request.header("x-api-key", key);
+    }
+    let response = request.send().await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+fn port(base: &str) -> &str {
+    base.rsplit_once(':').unwrap().1
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_whose_name_was_rebound_to_the_loopback_reaches_no_handler() {
+    let env = Env::new();
+    let marker = env.path("ran");
+    for key in [None, Some("the-key")] {
+        let vars: Vec<(&str, &str)> = key.iter().map(|k| ("EVALFLEET_API_KEY", *k)).collect();
+        let (_server, base) = serve_with(&env, &["--allow-commands"], &vars).await;
+        let rebound = format!("rebound.attacker.example:{}", port(&base));
+        let origin = format!("http://{rebound}");
+        // A config that runs a command, on a server that lets configs.
+        let text = config(&env, 2, "1ms", 1, "")
+            .replace(", mock: { latency: 1ms }", "")
+            .replace(
+                "kind: mock,",
+                &format!(
+                    "kind: external, base_url: \"http://127.0.0.1:9/v1\", model: m, start_cmd: \"touch {}\",",
+                    marker.display()
+                ),
+            );
+        for path in ["/api/v1/runs", "/", "/login", "/assets/app.js", "/metrics"] {
+            let mut request = client()
+                .get(format!("{base}{path}"))
+                .header("host", &rebound);
+            if let Some(key) = key {
+                request = request.header("x-api-key", key);
+            }
+            let response = request.send().await.unwrap();
+            assert_eq!(response.status(), 421, "{path} with key {key:?}");
+        }
+        let mut request = client()
+            .post(format!("{base}/api/v1/runs"))
+            .header("host", &rebound)
+            .header("origin", &origin)
+            .json(&json!({"config": text}));
+        if let Some(key) = key {
+            request = request.header("x-api-key", key);
+        }
+        let response = request.send().await.unwrap();
+        assert_eq!(response.status(), 421);
+        let body: Value = response.json().await.unwrap();
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("--allow-host"),
+            "{body}"
+        );
+        // The server's own names are answered; a page of another scheme or
+        // port is not this server's.
+        for host in [format!("localhost:{}", port(&base)), base[7..].to_owned()] {
+            let mut request = client()
+                .get(format!("{base}/api/v1/runs"))
+                .header("host", &host);
+            if let Some(key) = key {
+                request = request.header("x-api-key", key);
+            }
+            assert_eq!(request.send().await.unwrap().status(), 200, "{host}");
+        }
+        for foreign in [
+            format!("https://rebound.attacker.example:{}", port(&base)),
+            "http://127.0.0.1:1".to_owned(),
+            "null".to_owned(),
+        ] {
+            let mut request = client()
+                .post(format!("{base}/api/v1/runs"))
+                .header("origin", &foreign)
+                .json(&json!({"config": text}));
+            if let Some(key) = key {
+                request = request.header("x-api-key", key);
+            }
+            assert_eq!(request.send().await.unwrap().status(), 403, "{foreign}");
+        }
+        let mut request = client().get(format!("{base}/api/v1/runs"));
+        if let Some(key) = key {
+            request = request.header("x-api-key", key);
+        }
+        let runs: Value = request.send().await.unwrap().json().await.unwrap();
+        assert_eq!(runs, json!([]), "no run was registered");
+    }
+    assert!(!marker.exists(), "no command ran");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_config_sent_over_http_runs_no_command_and_reads_nothing_outside_its_roots() {
+    let env = Env::new();
+    let outside = tempfile::tempdir().unwrap();
+    std::fs::write(
+        outside.path().join("secret.jsonl"),
+        "{\"id\": \"s\", \"question\": \"the secret row\"}\n",
+    )
+    .unwrap();
+    std::os::unix::fs::symlink(outside.path(), env.path("link")).unwrap();
+    let marker = env.path("ran");
+    let (_server, base) = serve_with(&env, &[], &[]).await;
+    let good = config(&env, 3, "1ms", 1, "");
+    let engine = good.replace(", mock: { latency: 1ms }", "");
+    let dataset = env.path("items.jsonl").display().to_string();
+    let commands = [
+        engine.replace(
+            "kind: mock,",
+            &format!(
+                "kind: external, base_url: \"http://127.0.0.1:9/v1\", model: m, start_cmd: \"touch {}\",",
+                marker.display()
+            ),
+        ),
+        engine.replace(
+            "kind: mock,",
+            &format!(
+                "kind: local, model: m, command: \"touch {} {{port}}\",",
+                marker.display()
+            ),
+        ),
+        engine.replace(
+            "kind: mock,",
+            "kind: remote, host: gpu1, model: m, preset: vllm,",
+        ),
+    ];
+    for text in &commands {
+        let (status, body) = create(&base, None, json!({"config": text})).await;
+        assert_eq!(status, 403, "{body}");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("--allow-commands"),
+            "{body}"
+        );
+    }
+    let secret = outside.path().join("secret.jsonl").display().to_string();
+    let files = [
+        ("dataset", good.replace(&dataset, &secret)),
+        ("dataset", good.replace(&dataset, "/etc/passwd")),
+        ("dataset", good.replace(&dataset, "/no/such/file.jsonl")),
+        ("dataset", good.replace(&dataset, "link/secret.jsonl")),
+        ("dataset", good.replace(&dataset, "../elsewhere.jsonl")),
+        (
+            "cache",
+            format!(
+                "{good}cache: {{ path: {}/cache.db }}\n",
+                outside.path().display()
+            ),
+        ),
+        (
+            "task.schema_file",
+            good.replace(
+                "  metrics:",
+                &format!("  schema_file: {secret}\n  metrics:"),
+            ),
+        ),
+    ];
+    for (place, text) in &files {
+        let (status, body) = create(&base, None, json!({"config": text})).await;
+        assert_eq!(status, 403, "{place}: {body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains(place) && message.contains("--allow-root"),
+            "{message}"
+        );
+        assert!(!message.contains("the secret row"), "{message}");
+    }
+    // A config file named by path outside the roots, existing or not: the
+    // same refusal.
+    for path in [secret.as_str(), "/no/such/config.yaml"] {
+        let (status, body) = create(&base, None, json!({"config_path": path})).await;
+        assert_eq!(status, 403, "{path}: {body}");
+    }
+    let runs: Value = client()
+        .get(format!("{base}/api/v1/runs"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(runs, json!([]), "nothing was registered");
+    assert!(!marker.exists(), "no command ran");
+
+    // A server that allows commands runs them.
+    let (_server, base) = serve_with(&env, &["--allow-commands"], &[]).await;
+    let (status, body) = create(&base, None, json!({"config": commands[0], "run_id": "cmd"})).await;
+    assert_eq!(status, 201, "{body}");
+    wait_until(Duration::from_secs(30), "start_cmd ran", || marker.exists()).await;
+    let cancelled = client()
+        .post(format!("{base}/api/v1/runs/cmd/cancel"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(cancelled.status(), 202);
+}
+
+/// Every answer of the API's GET routes about `run_id` and every page of
+/// it, as text.
+async fn everything_shown(
+    base: &str,
+    key: &str,
+    run_id: &str,
+    item_id: &str,
+) -> Vec<(String, String)> {
+    let openapi: Value = client()
+        .get(format!("{base}/api/openapi.json"))
+        .header("x-api-key", key)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let mut urls: Vec<String> = openapi["paths"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(path, operations)| operations.get("get").is_some() && path.as_str() != "/compare")
+        .map(|(path, _)| {
+            format!(
+                "{base}/api/v1{}",
+                path.replace("{run_id}", run_id)
+                    .replace("{item_id}", item_id)
+            )
+        })
+        .collect();
+    urls.push(format!("{base}/api/v1/compare?runs={run_id},{run_id}"));
+    for page in [
+        "/".to_owned(),
+        format!("/runs/{run_id}"),
+        format!("/runs/{run_id}/items"),
+        format!("/runs/{run_id}/items/{item_id}"),
+        format!("/compare?a={run_id}&b={run_id}"),
+        "/metrics".to_owned(),
+        "/api/openapi.json".to_owned(),
+    ] {
+        urls.push(format!("{base}{page}"));
+    }
+    let mut out = Vec::new();
+    for url in urls {
+        let response = tokio::time::timeout(
+            Duration::from_secs(30),
+            client().get(&url).header("x-api-key", key).send(),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        let status = response.status();
+        let body = response.text().await.unwrap();
+        assert!(status.is_success(), "{url}: {status} {body}");
+        out.push((url, body));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_started_over_http_reads_only_allowed_variables_and_shows_no_secret() {
+    let env = Env::new();
+    let key = "server-key-4f1c0d";
+    let allowed = "sk-allowed-9b2e77";
+    let other = "sk-other-31aa05";
+    let vars = [
+        ("EVALFLEET_API_KEY", key),
+        ("EF_ALLOWED_SECRET", allowed),
+        ("EF_OTHER_SECRET", other),
+    ];
+    let (_server, base) = serve_with(&env, &["--allow-env", "EF_ALLOWED_SECRET"], &vars).await;
+    let good = config(&env, 4, "1ms", 2, ", api_key: \"${EF_ALLOWED_SECRET}\"");
+    let refused = [
+        good.replace("{{ question }}\"", "{{ question }} ${EVALFLEET_API_KEY}\""),
+        good.replace("{{ question }}\"", "{{ question }} ${EF_ALLOWED_SECRET}\""),
+        good.replace("${EF_ALLOWED_SECRET}", "${EF_OTHER_SECRET}"),
+        good.replace("name: served", "name: \"${EF_ALLOWED_SECRET}\""),
+    ];
+    for text in &refused {
+        let (status, body) = create(&base, Some(key), json!({"config": text})).await;
+        assert_eq!(status, 403, "{body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(message.contains("--allow-env"), "{message}");
+        for secret in [key, allowed, other] {
+            assert!(!message.contains(secret), "{message}");
+        }
+    }
+    let (status, body) = create(&base, Some(key), json!({"config": good, "run_id": "r"})).await;
+    assert_eq!(status, 201, "{body}");
+    let base_for_wait = base.clone();
+    let run = tokio::time::timeout(Duration::from_secs(60), async move {
+        loop {
+            let run: Value = client()
+                .get(format!("{base_for_wait}/api/v1/runs/r"))
+                .header("x-api-key", key)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            if run["state"] == "finished" {
+                break run;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(run["counts"]["done"], 4, "{run}");
+    let shown = everything_shown(&base, key, "r", "item-00000").await;
+    assert!(shown.len() >= 15, "{}", shown.len());
+    for (url, body) in &shown {
+        for secret in [key, allowed, other] {
+            assert!(!body.contains(secret), "{url} shows a secret: {body}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_server_refuses_every_route_that_would_change_something() {
+    let env = Env::new();
+    let path = env.write("run.yaml", &config(&env, 3, "1ms", 1, ""));
+    let ran = env
+        .evalfleet(&["run", path.to_str().unwrap(), "--run-id", "done", "--quiet"])
+        .await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let (_server, base) = serve_with(&env, &["--read-only"], &[]).await;
+    let openapi: Value = client()
+        .get(format!("{base}/api/openapi.json"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let mut writes = Vec::new();
+    for (path, operations) in openapi["paths"].as_object().unwrap() {
+        for method in ["post", "put", "patch", "delete"] {
+            if operations.get(method).is_some() {
+                writes.push((method, path.replace("{run_id}", "done")));
+            }
+        }
+    }
+    assert!(writes.len() >= 5, "{writes:?}");
+    let bodies = [
+        json!({}),
+        json!({"action": "remove", "endpoint": "m"}),
+        json!({"config_path": path}),
+    ];
+    for (method, path) in &writes {
+        for body in &bodies {
+            let url = format!("{base}/api/v1{path}");
+            let request = match *method {
+                "post" => client().post(&url),
+                "put" => client().put(&url),
+                "patch" => client().patch(&url),
+                _ => client().delete(&url),
+            };
+            let response = request.json(body).send().await.unwrap();
+            assert_eq!(response.status(), 403, "{method} {path} {body}");
+        }
+    }
+    let runs: Value = client()
+        .get(format!("{base}/api/v1/runs"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(runs.as_array().unwrap().len(), 1, "{runs}");
+    let changes =
+        evalfleet_core::store::FleetMailbox::fleet_changes(&mut env.store(), "done", 0).unwrap();
+    assert!(changes.is_empty(), "{changes:?}");
+}
