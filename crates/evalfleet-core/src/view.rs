@@ -269,9 +269,18 @@ pub fn timeline(samples: &[RunSample], points: usize) -> Vec<TimelinePoint> {
             .map(|s| s.counts)
             .max_by_key(|c| c.done + c.failed)
             .unwrap_or_default();
+        // Where each endpoint stands at the span's end: every worker's
+        // latest sample of the last second, once each (a worker may write
+        // two samples in a second: at its tick and as it stops).
+        let latest = |sample: &RunSample| {
+            !last
+                .iter()
+                .any(|other| other.worker == sample.worker && other.at_ms > sample.at_ms)
+        };
         let mut spans: Vec<(String, Span)> = Vec::new();
         for (second, group) in chunk {
             for sample in group {
+                let standing = second == last_second && latest(sample);
                 for e in &sample.endpoints {
                     let at = match spans.iter().position(|(name, _)| *name == e.endpoint) {
                         Some(at) => at,
@@ -280,7 +289,7 @@ pub fn timeline(samples: &[RunSample], points: usize) -> Vec<TimelinePoint> {
                             spans.len() - 1
                         }
                     };
-                    spans[at].1.add(e, second == last_second);
+                    spans[at].1.add(e, standing);
                 }
             }
         }
@@ -391,5 +400,20 @@ mod tests {
         assert_eq!(spans[0].endpoints[0].calls_per_s, 12.0);
         assert_eq!(spans[0].endpoints[0].limit, 6, "as at the span's end");
         assert_eq!(spans[1].counts.done, 36);
+    }
+
+    #[test]
+    fn a_worker_that_writes_twice_in_a_second_is_counted_once() {
+        // Its tick, and its last sample as it stops, in the same second.
+        let samples = vec![
+            sample(1_000, "a", 10, 10, 4),
+            sample(2_000, "a", 20, 10, 4),
+            sample(2_400, "a", 24, 4, 4),
+        ];
+        let points = timeline(&samples, 100);
+        assert_eq!(points.len(), 2);
+        assert_eq!(points[1].endpoints[0].limit, 4, "the configured limit");
+        assert_eq!(points[1].endpoints[0].in_flight, 4);
+        assert_eq!(points[1].counts.done, 24);
     }
 }

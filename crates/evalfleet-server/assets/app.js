@@ -88,21 +88,57 @@ const EF = (() => {
     return h("div", { class: "stat" }, h("div", { class: "v", id }, value), h("div", { class: "k" }, key));
   }
 
-  /** A uPlot chart in `container`, resized with it. */
-  function chart(container, title, series, data, yLabel) {
-    container.innerHTML = "";
-    const width = Math.max(300, container.clientWidth - 4);
+  /**
+   * A chart in `container` that lives as long as the page: made once, fed
+   * new data with uPlot's setData, and made again only when its series
+   * change (an endpoint added). One ResizeObserver, disconnected with it,
+   * so that nothing grows with the time a page stays open.
+   */
+  function liveChart(container, title, yLabel) {
     const palette = ["#3559e0", "#12805c", "#c2322b", "#b45309", "#7c3aed", "#0e7490", "#be185d", "#4d7c0f"];
-    const opts = {
-      title, width, height: 220,
-      scales: { x: { time: true } },
-      axes: [{}, { label: yLabel, size: 60 }],
-      series: [{}, ...series.map((s, i) => ({ label: s.label, stroke: s.color || palette[i % palette.length], width: 1.5, dash: s.dash, spanGaps: true }))],
-      legend: { live: true },
+    let plot = null;
+    let shape = null;
+    const width = () => Math.max(300, container.clientWidth - 4);
+    const observer = new ResizeObserver(() => { if (plot) plot.setSize({ width: width(), height: 220 }); });
+    observer.observe(container);
+    return {
+      update(series, data, heading = title) {
+        const key = JSON.stringify([heading, series.map((s) => s.label)]);
+        if (plot && key === shape) { plot.setData(data); return; }
+        if (plot) plot.destroy();
+        container.replaceChildren();
+        shape = key;
+        plot = new uPlot({
+          title: heading, width: width(), height: 220,
+          // A short run's axis spans its seconds: at least ten of them.
+          scales: { x: { time: true, range: (u, min, max) => (max - min < 10 ? [max - 10, max] : [min, max]) } },
+          axes: [{}, { label: yLabel, size: 60 }],
+          series: [{}, ...series.map((s, i) => ({ label: s.label, stroke: s.color || palette[i % palette.length], width: 1.5, dash: s.dash, spanGaps: true }))],
+          legend: { live: true },
+        }, data, container);
+      },
+      /** Shows `text` instead of a chart. */
+      empty(text) {
+        if (plot) { plot.destroy(); plot = null; shape = null; }
+        container.replaceChildren(h("div", { class: "empty" }, text));
+      },
+      destroy() { if (plot) plot.destroy(); plot = null; observer.disconnect(); },
     };
-    const plot = new uPlot(opts, data, container);
-    new ResizeObserver(() => plot.setSize({ width: Math.max(300, container.clientWidth - 4), height: 220 })).observe(container);
-    return plot;
+  }
+
+  /**
+   * A run's state as a badge that does not hide failures: a finished run
+   * with failed items says how many, and one whose every item failed says
+   * it failed.
+   */
+  function runBadge(run) {
+    const { done, failed } = run.counts;
+    if (run.state === "finished" && failed > 0) {
+      if (done === 0) return h("span", { class: "badge failed", title: `all ${failed} items failed` }, "failed");
+      return h("span", { class: "badge partial", title: `${fmt.int(failed)} of ${fmt.int(done + failed)} items failed` },
+        `finished, ${fmt.int(failed)} failed`);
+    }
+    return badge(run.state);
   }
 
   /** Query parameters of the page as an object. */
@@ -110,5 +146,5 @@ const EF = (() => {
     return Object.fromEntries(new URLSearchParams(location.search));
   }
 
-  return { api, h, fmt, badge, bar, showError, stat, chart, params };
+  return { api, h, fmt, badge, runBadge, bar, showError, stat, liveChart, params };
 })();

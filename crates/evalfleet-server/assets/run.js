@@ -1,10 +1,16 @@
 // One run, live: its progress and ETA, items per second, latency, TTFT and
 // TPOT percentiles, each endpoint's health, limit and calls in flight over
 // time, errors by class, quota pauses and its event log, from the run's
-// server-sent event stream; its report once it stops.
+// server-sent event stream; its report once it stops. A page may stay open
+// for hours: its charts are made once and fed new points, its timeline and
+// log are windows of bounded size, and the stream is its only clock.
 "use strict";
 (() => {
-  const { api, h, fmt, badge, bar, showError, stat, chart } = EF;
+  const { api, h, fmt, badge, runBadge, bar, showError, stat, liveChart } = EF;
+  /** Points kept for the charts (a point a second: the last 15 minutes). */
+  const WINDOW = 900;
+  /** Events kept for the log. */
+  const LOG = 300;
   const runId = document.body.dataset.run;
   const root = document.getElementById("content");
   let points = [];
@@ -12,7 +18,6 @@
   let run = null;
   let endpoints = null;
   let server = { runs_evaluations: false, running: [] };
-  let plots = {};
 
   const title = h("h1", {}, runId);
   const sub = h("div", { class: "sub mono" }, runId);
@@ -25,6 +30,12 @@
     latency: h("div", { class: "chart", id: "chart-latency" }),
     ttft: h("div", { class: "chart", id: "chart-ttft" }),
     limit: h("div", { class: "chart", id: "chart-limit" }),
+  };
+  const plots = {
+    items: liveChart(charts.items, "Items per second", "per s"),
+    latency: liveChart(charts.latency, "Latency (ms)", "ms"),
+    limit: liveChart(charts.limit, "Concurrency limit and calls in flight", "calls"),
+    ttft: liveChart(charts.ttft, "TTFT and TPOT (ms, streams)", "ms"),
   };
   const endpointsTable = h("table", { id: "endpoints" });
   const errors = h("div", { id: "errors" });
@@ -48,12 +59,31 @@
 
   function last(n) { return points.slice(Math.max(0, points.length - n)); }
 
+  /**
+   * Items a second: while the run goes, over its last ten seconds; once it
+   * has stopped, over its last session, from the session's start to its
+   * end (what `evalfleet run` prints), so that a run of a few seconds does
+   * not read 0.
+   */
+  function itemsPerSecond() {
+    if (run.state === "running") {
+      const recent = last(10).filter((p) => p.items_per_s > 0);
+      return recent.length ? recent.reduce((a, p) => a + p.items_per_s, 0) / recent.length : 0;
+    }
+    const started = events.filter((e) => e.kind === "session_started").pop();
+    const ended = events.filter((e) => ["finished", "interrupted"].includes(e.kind) && (!started || e.at_ms >= started.at_ms)).pop();
+    if (!started || !ended || ended.at_ms <= started.at_ms) return 0;
+    const before = points.filter((p) => p.at_ms <= started.at_ms).pop();
+    const endedBefore = before ? before.counts.done + before.counts.failed : 0;
+    const endedNow = run.counts.done + run.counts.failed;
+    return Math.max(0, endedNow - endedBefore) / ((ended.at_ms - started.at_ms) / 1000);
+  }
+
   function renderHeader() {
     title.textContent = run.name;
-    state.replaceChildren(badge(run.state));
+    state.replaceChildren(runBadge(run));
     progress.replaceChildren(bar(run.counts, "progress"));
-    const recent = last(10).filter((p) => p.items_per_s > 0);
-    const rate = recent.length ? recent.reduce((a, p) => a + p.items_per_s, 0) / recent.length : 0;
+    const rate = itemsPerSecond();
     const inFlight = (endpoints ? endpoints.endpoints : []).reduce((a, e) => a + (e.in_flight || 0), 0);
     const eta = run.state === "running" && rate > 0 ? fmt.duration((1000 * run.counts.pending) / rate) : "–";
     const pauses = points.reduce((a, p) => a + p.endpoints.reduce((b, e) => b + e.quota_pauses, 0), 0);
@@ -67,9 +97,12 @@
       stat("quota pauses", fmt.int(pauses), "stat-pauses"),
       stat("workers", fmt.int(run.workers), "stat-workers"));
     const here = server.running.includes(runId);
+    const shape = JSON.stringify([server.runs_evaluations, here, run.state, run.counts.pending > 0, run.counts.failed > 0]);
+    if (actions.dataset.shape === shape) return;
+    actions.dataset.shape = shape;
     const buttons = [];
     const post = async (path, body = {}) => {
-      try { await api(`/runs/${encodeURIComponent(runId)}/${path}`, { method: "POST", body }); showError(null); connect(); }
+      try { await api(`/runs/${encodeURIComponent(runId)}/${path}`, { method: "POST", body }); showError(null); await loadServer(); connect(); }
       catch (e) { showError(e); }
     };
     if (server.runs_evaluations && here) buttons.push(h("button", { class: "danger", id: "stop", onclick: () => post("cancel") }, "Stop"));
@@ -104,24 +137,20 @@
 
   function renderCharts() {
     if (!points.length) {
-      charts.items.replaceChildren(h("div", { class: "empty" }, "No timeline yet: it fills a point a second while the run goes."));
+      plots.items.empty("No timeline yet: it fills a point a second while the run goes.");
       return;
     }
     const xs = points.map((p) => p.at_ms / 1000);
-    plots.items = chart(charts.items, "Items per second", [{ label: "items/s" }, { label: "calls/s", dash: [4, 4] }],
-      [xs, points.map((p) => p.items_per_s), points.map((p) => p.endpoints.reduce((a, e) => a + e.calls_per_s, 0))], "per s");
-    const q = (name) => [["p50", (v) => (v ? v.p50 : null)], ["p99", (v) => (v ? v.p99 : null), [4, 4]]];
-    let [s, d] = series((e) => e.latency_ms, q());
-    plots.latency = chart(charts.latency, "Latency (ms)", s, d, "ms");
-    [s, d] = series((e) => e, [["limit", (e) => e.limit], ["in flight", (e) => e.in_flight, [4, 4]]]);
-    plots.limit = chart(charts.limit, "Concurrency limit and calls in flight", s, d, "calls");
+    plots.items.update([{ label: "items/s" }, { label: "calls/s", dash: [4, 4] }],
+      [xs, points.map((p) => p.items_per_s), points.map((p) => p.endpoints.reduce((a, e) => a + e.calls_per_s, 0))]);
+    const q = () => [["p50", (v) => (v ? v.p50 : null)], ["p99", (v) => (v ? v.p99 : null), [4, 4]]];
+    plots.latency.update(...series((e) => e.latency_ms, q()));
+    plots.limit.update(...series((e) => e, [["limit", (e) => e.limit], ["in flight", (e) => e.in_flight, [4, 4]]]));
     const hasTtft = points.some((p) => p.endpoints.some((e) => e.ttft_ms));
     if (hasTtft) {
-      [s, d] = series((e) => e, [["TTFT p50", (e) => (e.ttft_ms ? e.ttft_ms.p50 : null)], ["TPOT p50", (e) => (e.tpot_ms ? e.tpot_ms.p50 : null), [4, 4]]]);
-      plots.ttft = chart(charts.ttft, "TTFT and TPOT (ms, streams)", s, d, "ms");
+      plots.ttft.update(...series((e) => e, [["TTFT p50", (e) => (e.ttft_ms ? e.ttft_ms.p50 : null)], ["TPOT p50", (e) => (e.tpot_ms ? e.tpot_ms.p50 : null), [4, 4]]]));
     } else {
-      [s, d] = series((e) => e, [["tokens/s", (e) => e.tokens_per_s]]);
-      plots.ttft = chart(charts.ttft, "Completion tokens per second", s, d, "tokens/s");
+      plots.ttft.update(...series((e) => e, [["tokens/s", (e) => e.tokens_per_s]]), "Completion tokens per second");
     }
   }
 
@@ -147,8 +176,11 @@
   }
 
   function renderLog() {
+    const newest = events.length ? `${events.length}:${events[events.length - 1].at_ms}` : "";
+    if (log.dataset.newest === newest) return;
+    log.dataset.newest = newest;
     const atBottom = log.scrollTop + log.clientHeight >= log.scrollHeight - 4;
-    log.replaceChildren(...events.slice(-300).map((e) =>
+    log.replaceChildren(...events.slice(-LOG).map((e) =>
       h("div", { class: ["unhealthy", "ejected", "died", "excluded", "start_failed", "interrupted"].includes(e.kind) ? "warn" : "" },
         fmt.clock(e.at_ms), "  ", e.message)));
     if (atBottom) log.scrollTop = log.scrollHeight;
@@ -169,13 +201,13 @@
     source = new EventSource(`/api/v1/runs/${encodeURIComponent(runId)}/stream`);
     source.addEventListener("snapshot", (m) => {
       const s = JSON.parse(m.data);
-      run = s.run; endpoints = s.run.endpoints; events = s.run.events; points = s.timeline;
-      renderAll();
+      run = s.run; endpoints = s.run.endpoints; events = s.run.events.slice(-LOG); points = s.timeline.slice(-WINDOW);
+      loadServer().then(renderAll);
     });
     source.addEventListener("update", (m) => {
       const u = JSON.parse(m.data);
-      run = { ...run, ...u.run }; endpoints = u.endpoints; events = events.concat(u.events);
-      points = points.concat(u.points).slice(-3600);
+      run = { ...run, ...u.run }; endpoints = u.endpoints; events = events.concat(u.events).slice(-LOG);
+      points = points.concat(u.points).slice(-WINDOW);
       renderAll();
       if (u.run.state !== "running") { source.close(); loadReport(); }
     });
@@ -185,8 +217,12 @@
     });
   }
 
-  async function renderAll() {
+  /** What this server runs: asked on each connection and after an action, not every second. */
+  async function loadServer() {
     try { server = await api("/server"); } catch (_) { /* the page still shows the run */ }
+  }
+
+  function renderAll() {
     renderHeader(); renderCharts(); renderEndpoints(); renderLog();
     if (run.state !== "running" && !report.dataset.loaded) { report.dataset.loaded = "1"; loadReport(); }
   }

@@ -2,7 +2,7 @@
 // refreshed every few seconds; pick two or more to compare.
 "use strict";
 (() => {
-  const { api, h, fmt, badge, bar, showError } = EF;
+  const { api, h, fmt, runBadge, bar, showError } = EF;
   const root = document.getElementById("content");
   const chosen = new Set();
   let server = { runs_evaluations: false, running: [] };
@@ -47,7 +47,7 @@
       body.append(h("tr", { "data-run": run.run_id },
         h("td", {}, check),
         h("td", {}, h("a", { href: "/runs/" + encodeURIComponent(run.run_id) }, run.name), h("div", { class: "sub mono" }, run.run_id)),
-        h("td", {}, badge(run.state)),
+        h("td", {}, runBadge(run)),
         h("td", {}, bar(run.counts)),
         h("td", { class: "num" }, fmt.int(run.counts.done)),
         h("td", { class: "num" }, fmt.int(run.counts.failed)),

@@ -186,6 +186,12 @@ impl Browser {
         }
     }
 
+    /// Runs a Chrome DevTools Protocol command in the page, with its answer.
+    pub async fn cdp(&self, cmd: &str, params: Value) -> Value {
+        self.post("/goog/cdp/execute", json!({"cmd": cmd, "params": params}))
+            .await
+    }
+
     /// The value of a script run in the page.
     pub async fn eval(&self, script: &str) -> Value {
         self.post("/execute/sync", json!({"script": script, "args": []}))
