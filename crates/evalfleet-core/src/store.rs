@@ -632,6 +632,18 @@ pub struct ItemRow {
     /// The dataset row (stored with the item's result).
     pub item: Option<Value>,
     pub finished_at_ms: Option<i64>,
+    /// The code judge's verdict on the answer, when a code task judged it.
+    pub judged: Option<JudgedRow>,
+}
+
+/// The code judge's judgement of an answer, in short.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct JudgedRow {
+    /// `success`, `wrong_answer`, `runtime_error`, `timeout`, ...
+    pub verdict: String,
+    /// Tests passed, of `total`.
+    pub passed: u64,
+    pub total: u64,
 }
 
 /// Characters of an answer a page shows.

@@ -10,10 +10,64 @@
 
   function json(value) { return h("pre", { class: "json" }, JSON.stringify(value, null, 2)); }
 
+  /** An answer that is a conversation episode's record, or null. */
+  function episode(output) {
+    if (typeof output !== "string" || !output.startsWith("{")) return null;
+    try {
+      const record = JSON.parse(output);
+      return record && Array.isArray(record.conversation) && Array.isArray(record.steps) ? record : null;
+    } catch (_) { return null; }
+  }
+
+  /** An episode: its turns as a conversation, then its decisions. */
+  function episodeView(record) {
+    const needs = record.needs || {};
+    const turns = h("div", { id: "turns" }, record.conversation.map((u) =>
+      h("div", { class: "msg " + (u.speaker === "robot" ? "assistant" : "user") },
+        h("div", { class: "role" }, u.speaker === "robot" ? "robot" : `${u.speaker}${needs[u.speaker] ? " · " + needs[u.speaker] : ""}`),
+        u.text)));
+    const steps = h("table", { id: "steps" },
+      h("thead", {}, h("tr", {}, h("th", { class: "num" }, "Step"), h("th", { class: "num" }, "Turn"), h("th", {}, "Relations"),
+        h("th", {}, "Target"), h("th", {}, "Strategy"), h("th", {}, "Robot"), h("th", { class: "num" }, "Reward"))),
+      h("tbody", {}, record.steps.map((s) => h("tr", {},
+        h("td", { class: "num" }, s.step), h("td", { class: "num" }, s.turn),
+        h("td", { class: "mono" }, s.pattern || "", s.stable ? " stable" : ""),
+        h("td", {}, s.target_edge ? String(s.target_edge) : "–", s.target_speaker ? ` → ${s.target_speaker}` : ""),
+        h("td", {}, s.valid ? (s.strategy || "–") : badge("invalid")),
+        h("td", { class: "clip", title: s.robot || "" }, s.robot || "–"),
+        h("td", { class: "num" }, s.reward && s.reward.total !== undefined ? fmt.num(s.reward.total, 2) : "–")))));
+    return h("div", {},
+      h("div", { class: "sub" }, `Topics: ${(record.topics || []).join(" · ") || "–"}; ended: ${record.ending || "–"}; total reward ${fmt.num(record.total_reward, 2)}`),
+      turns,
+      h("h2", { style: "margin-top:10px" }, "Decisions"), steps);
+  }
+
+  /** The code judge's judgement: its verdict, then each test that did not pass, as a table. */
+  function judgeView(judge) {
+    const counts = Object.entries(judge.error_type_counts || {});
+    const failing = judge.test_case_errors || [];
+    return h("div", { id: "judge" },
+      h("div", {}, "Verdict: ", badge(judge.verdict || "–"), ` ${fmt.int(judge.passed)} of ${fmt.int(judge.total)} tests passed`,
+        judge.extraction ? h("span", { class: "sub" }, ` · program taken from: ${judge.extraction}`) : null),
+      judge.compile && !judge.compile.ok ? h("pre", { class: "json" }, judge.compile.message || "did not compile") : null,
+      counts.length ? h("table", { id: "judge-counts", style: "margin-top:8px" },
+        h("thead", {}, h("tr", {}, h("th", {}, "Verdict"), h("th", { class: "num" }, "Tests"))),
+        h("tbody", {}, counts.map(([v, n]) => h("tr", {}, h("td", {}, badge(v)), h("td", { class: "num" }, fmt.int(n)))))) : null,
+      failing.length ? h("table", { id: "judge-tests", style: "margin-top:8px" },
+        h("thead", {}, h("tr", {}, h("th", { class: "num" }, "Test"), h("th", {}, "Verdict"), h("th", { class: "num" }, "Seconds"),
+          h("th", {}, "Expected"), h("th", {}, "Got"), h("th", {}, "Message"))),
+        h("tbody", {}, failing.map((t) => h("tr", {},
+          h("td", { class: "num" }, t.index), h("td", {}, badge(t.verdict)), h("td", { class: "num" }, fmt.num(t.seconds, 3)),
+          h("td", { class: "mono clip", title: t.expected || "" }, t.expected || ""),
+          h("td", { class: "mono clip", title: t.got || "" }, t.got || ""),
+          h("td", { class: "clip", title: t.message || "" }, t.message || ""))))) : null);
+  }
+
   async function load() {
     try {
       const item = await api(`/runs/${encodeURIComponent(runId)}/items/${encodeURIComponent(itemId)}`);
-      const conversation = h("div", { id: "conversation" },
+      const played = episode(item.output);
+      const conversation = played ? h("div", { id: "conversation" }, episodeView(played)) : h("div", { id: "conversation" },
         (item.messages || []).map((m) => h("div", { class: "msg " + m.role }, h("div", { class: "role" }, m.role), m.content)),
         item.output !== null && item.output !== undefined
           ? h("div", { class: "msg assistant" }, h("div", { class: "role" }, "answer"), item.output) : null,
@@ -46,7 +100,7 @@
             h("table", { id: "scores", style: "margin-top:10px" }, h("tbody", {}, scores.map(([k, s]) => h("tr", {},
               h("td", { class: "mono" }, k), h("td", { class: "num" }, s.value === undefined ? "n/a" : fmt.num(s.value, 4)),
               h("td", { class: "sub" }, s.error || Object.entries(s).filter(([x]) => x !== "value" && x !== "error").map(([x, v]) => `${x}: ${JSON.stringify(v)}`).join("; ")))))),
-            item.judge ? [h("h2", { style: "margin-top:10px" }, "Code judge"), json(item.judge)] : null)),
+            item.judge ? [h("h2", { style: "margin-top:10px" }, "Code judge"), judgeView(item.judge)] : null)),
         h("div", { class: "card" }, h("h2", {}, "Attempts"), attempts),
         h("div", { class: "card" }, h("h2", {}, "Dataset row"), json(item.item)));
     } catch (e) { showError(e); }

@@ -70,6 +70,17 @@
     return h("td", { class: "num" }, fmt.num(s.value, 3));
   }
 
+  /** An answer cell: a conversation episode's record shows its first turns, not its JSON. */
+  function answerText(r) {
+    const text = r.output || r.error || "";
+    if (r.output && r.output.startsWith('{"conversation":[')) {
+      const turns = [...r.output.matchAll(/"speaker":"([^"]*)","text":"((?:[^"\\]|\\.)*)"/g)]
+        .map((m) => `${m[1]}: ${m[2].replace(/\\"/g, '"').replace(/\\n/g, " ")}`);
+      if (turns.length) return turns.join("  ·  ");
+    }
+    return text;
+  }
+
   async function load() {
     const q = query();
     q.set("limit", "50");
@@ -78,14 +89,16 @@
       const page = await api(`/runs/${encodeURIComponent(runId)}/items?${q}`);
       showError(null);
       if (!metrics.length) metrics = [...new Set(page.rows.flatMap((r) => Object.keys(r.scores || {})))];
+      const judged = page.rows.some((r) => r.judged);
       table.replaceChildren(
         h("thead", {}, h("tr", {}, h("th", {}, "Item"), h("th", {}, "State"), h("th", {}, "Answer or error"),
-          ...metrics.map((m) => h("th", { class: "num mono" }, m)),
+          judged ? h("th", {}, "Verdict") : null, ...metrics.map((m) => h("th", { class: "num mono" }, m)),
           h("th", { class: "num" }, "Latency"), h("th", { class: "num" }, "Tokens"), h("th", {}, "Endpoint"), h("th", { class: "num" }, "Attempts"))),
         h("tbody", {}, page.rows.map((r) => h("tr", { "data-item": r.item_id },
           h("td", { class: "mono" }, h("a", { href: `/runs/${encodeURIComponent(runId)}/items/${encodeURIComponent(r.item_id)}` }, r.item_id)),
           h("td", {}, badge(r.state), r.verdict && r.verdict !== "ok" ? [" ", badge(r.verdict)] : null),
-          h("td", { class: "clip", title: r.output || r.error || "" }, r.output || r.error || ""),
+          h("td", { class: "clip", title: answerText(r) }, answerText(r)),
+          judged ? h("td", { class: "verdict" }, r.judged ? [badge(r.judged.verdict), h("span", { class: "sub" }, ` ${r.judged.passed}/${r.judged.total}`)] : "–") : null,
           ...metrics.map((m) => scoreCell(r.scores, m)),
           h("td", { class: "num" }, fmt.ms(r.latency_ms)),
           h("td", { class: "num" }, fmt.int(r.completion_tokens)),

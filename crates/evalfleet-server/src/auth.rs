@@ -72,17 +72,6 @@ fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
     }
 }
 
-/// The authority a request is addressed to: HTTP/2's `:authority`, or
-/// `Host`. `None` when it names none (not a browser: browsers always do).
-fn addressed_to(request: &Request) -> Option<&str> {
-    request.uri().authority().map(|a| a.as_str()).or_else(|| {
-        request
-            .headers()
-            .get(header::HOST)
-            .map(|v| v.to_str().unwrap_or("\u{fffd}"))
-    })
-}
-
 /// Why a request sent by a browser page may not be served: its page is of
 /// another site (its `Origin` is not this server, scheme and name), or its
 /// `Origin` names no site at all (`null`: a sandboxed or local page) and it
@@ -113,16 +102,15 @@ fn only_reads(method: &Method, path: &str) -> bool {
 /// 421), a read-only server is asked to read only, the key, and a browser
 /// page asking is this server's own.
 pub async fn guard(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
-    let host = addressed_to(&request);
-    if let Some(host) = host
-        && !state.hosts.allows(host)
-    {
-        return ApiError::Misdirected(format!(
-            "this server does not answer to '{host}' (start it with --allow-host NAME to add a name it is reached by)"
-        ))
-        .into_response();
+    if let Some(refused) = hosts::misdirected(&state.hosts, &request) {
+        return refused;
     }
-    let host = host.map(str::to_owned);
+    let host = request
+        .headers()
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+        .or_else(|| request.uri().authority().map(|a| a.as_str().to_owned()));
     let path = request.uri().path();
     if state.read_only && !only_reads(request.method(), path) {
         return ApiError::NotHere(

@@ -127,12 +127,17 @@ async fn spec(State(env): State<Arc<EnvServer>>) -> Response {
     .into_response()
 }
 
-/// The environment server's routes.
-pub fn env_app(env: Arc<EnvServer>) -> Router {
+/// The environment server's routes, answering only requests addressed to
+/// `hosts` (a page whose name was rebound to the loopback cannot play).
+pub fn env_app(env: Arc<EnvServer>, hosts: crate::HostPolicy) -> Router {
     Router::new()
         .route("/v1/reset", post(reset))
         .route("/v1/step", post(step))
         .route("/v1/spec", get(spec))
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::new(hosts),
+            crate::hosts::guard,
+        ))
         .layer(axum::extract::DefaultBodyLimit::max(64 * 1024))
         .with_state(env)
 }
@@ -143,7 +148,8 @@ pub async fn serve_env(
     env: Arc<EnvServer>,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    axum::serve(listener, env_app(env))
+    let hosts = crate::HostPolicy::new(listener.local_addr()?, &[]);
+    axum::serve(listener, env_app(env, hosts))
         .with_graceful_shutdown(async move { shutdown.cancelled().await })
         .await
 }

@@ -7,6 +7,14 @@
 //! bound to every address (`0.0.0.0`) answers any IP literal.
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::http::header;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+
+use crate::error::ApiError;
 
 /// The names a server answers to.
 #[derive(Debug, Clone)]
@@ -56,6 +64,33 @@ impl HostPolicy {
                     && name.ends_with(allowed.as_str())
                     && name.len() > allowed.len())
         })
+    }
+}
+
+/// The refusal of a request addressed to a name that is not the server's;
+/// `None` when it is the server's, or names none (not a browser: browsers
+/// always do). The authority is HTTP/2's `:authority`, or `Host`.
+pub fn misdirected(hosts: &HostPolicy, request: &Request) -> Option<Response> {
+    let host = request.uri().authority().map(|a| a.as_str()).or_else(|| {
+        request
+            .headers()
+            .get(header::HOST)
+            .map(|v| v.to_str().unwrap_or("\u{fffd}"))
+    })?;
+    (!hosts.allows(host)).then(|| {
+        ApiError::Misdirected(format!(
+            "this server does not answer to '{host}' (start it with --allow-host NAME to add a name it is reached by)"
+        ))
+        .into_response()
+    })
+}
+
+/// A middleware that refuses requests addressed to other names, for a
+/// server that has no other guard (the environment server).
+pub async fn guard(State(hosts): State<Arc<HostPolicy>>, request: Request, next: Next) -> Response {
+    match misdirected(&hosts, &request) {
+        Some(refused) => refused,
+        None => next.run(request).await,
     }
 }
 

@@ -192,6 +192,31 @@ async fn score_keeps_judgements_and_rejudges_when_asked_or_when_task_code_change
     assert_eq!(ran.code, Some(0), "{}", ran.stderr);
     let run_id = ran.run_id();
     assert_eq!(accepted_mean(&env, &run_id).await, 0.5);
+    // The results table carries each answer's verdict and tests passed.
+    let page = evalfleet_core::store::Explore::items(
+        &mut env.store(),
+        &run_id,
+        &evalfleet_core::store::ItemQuery {
+            limit: 10,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let judged: Vec<(String, u64, u64)> = page
+        .rows
+        .iter()
+        .map(|r| {
+            let j = r.judged.as_ref().expect("every answer was judged");
+            (j.verdict.clone(), j.passed, j.total)
+        })
+        .collect();
+    let expected: Vec<(String, u64, u64)> = (0..6)
+        .map(|i| match i % 2 {
+            0 => ("success".to_owned(), 5, 5),
+            _ => ("wrong_answer".to_owned(), 0, 5),
+        })
+        .collect();
+    assert_eq!(judged, expected);
 
     // Scoring again keeps the judgements: no program runs.
     let scored = env.evalfleet(&["score", &run_id]).await;

@@ -406,6 +406,15 @@ async fn a_gymnasium_trainer_takes_the_decisions_through_the_environment_server(
         .unwrap()
         .expect("the server prints its address");
     assert!(url.starts_with("http://127.0.0.1:"), "{url}");
+    // A page whose name was rebound to the loopback cannot play.
+    let rebound = crate::serve::client()
+        .post(format!("{url}/v1/reset"))
+        .header("host", "rebound.attacker.example")
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(rebound.status(), 421);
 
     let client = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/gym_client.py");
     let played = tokio::process::Command::new(&python)

@@ -160,7 +160,163 @@ async fn the_comparison_page_shows_two_runs_with_their_intervals() {
         .text()
         .await;
     assert!(disagree.contains("item-"), "{disagree}");
+    assert!(
+        browser
+            .eval("return document.querySelectorAll('[data-coverage]').length;")
+            .await
+            == json!(0),
+        "runs of the same items carry no warning"
+    );
     browser.screenshot(&artifacts(), "compare").await;
+    // A run of half the items (a dataset of its own): the page says so
+    // before any figure, with how many each has and how many were paired.
+    let response = client()
+        .post(format!("{base}/api/v1/runs"))
+        .json(&json!({"config": config(&env, 30, "1ms", 8, ""), "run_id": "half"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 201, "{}", response.text().await.unwrap());
+    wait_for_state(&base, "half", "finished").await;
+    browser.open(&format!("{base}/compare?runs=right,half")).await;
+    let warning = browser.find("[data-coverage]").await.text().await;
+    assert!(
+        warning.contains("right has 60 items, half has 30, and 30 were paired"),
+        "{warning}"
+    );
+    browser.screenshot(&artifacts(), "compare-different-items").await;
+}
+
+/// The examples' files, copied into `env`.
+fn examples(env: &Env, names: &[&str]) {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples");
+    for name in names {
+        std::fs::copy(format!("{dir}/{name}"), env.path(name)).unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pages_show_verdicts_tests_turns_and_failed_runs_as_they_are() {
+    let Some(browser) = Browser::start().await else {
+        return;
+    };
+    let env = Env::new();
+    examples(
+        &env,
+        &[
+            "code.yaml",
+            "code-problems.jsonl",
+            "code-answers.jsonl",
+            "conversation.yaml",
+            "conversation-answers.jsonl",
+        ],
+    );
+    for (config, run_id) in [("code.yaml", "code"), ("conversation.yaml", "talk")] {
+        let ran = env
+            .evalfleet(&["run", config, "--run-id", run_id, "--quiet"])
+            .await;
+        assert!(ran.code.is_some_and(|c| c <= 1), "{}", ran.stderr);
+    }
+    let every_call_fails = config(&env, 5, "1ms", 2, "").replace(
+        "mock: { latency: 1ms }",
+        "mock: { latency: 1ms, error_rate: 1.0 }",
+    ) + "retry: { max_attempts: 1 }\n";
+    env.write("fails.yaml", &every_call_fails);
+    let ran = env
+        .evalfleet(&["run", "fails.yaml", "--run-id", "fails", "--quiet"])
+        .await;
+    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
+    let (_server, base) = serve(&env, &["--read-only"], None).await;
+
+    // A code run's results: a verdict and the tests passed on each row.
+    browser.open(&format!("{base}/runs/code/items")).await;
+    browser.find("#items tbody tr").await;
+    let header = browser.find("#items thead").await.text().await;
+    assert!(header.to_lowercase().contains("verdict"), "{header}");
+    let verdicts = browser
+        .eval("return [...document.querySelectorAll('#items td.verdict')].map((td) => td.textContent);")
+        .await;
+    let verdicts: Vec<&str> = verdicts
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert_eq!(verdicts.len(), 4, "{verdicts:?}");
+    assert!(
+        verdicts.iter().any(|v| v.starts_with("success")),
+        "{verdicts:?}"
+    );
+    assert!(
+        verdicts.iter().any(|v| !v.starts_with("success")),
+        "{verdicts:?}"
+    );
+    browser.screenshot(&artifacts(), "code-items").await;
+    // A failing answer's page: its tests as a table, not JSON.
+    let failing = browser
+        .eval("return [...document.querySelectorAll('#items tbody tr')].find((tr) => !tr.querySelector('td.verdict').textContent.startsWith('success')).dataset.item;")
+        .await;
+    let failing = failing.as_str().unwrap();
+    browser
+        .open(&format!("{base}/runs/code/items/{failing}"))
+        .await;
+    browser.find("#judge").await;
+    let tests = browser
+        .eval("const t = document.querySelector('#judge-tests'); return t ? t.querySelectorAll('tbody tr').length : 0;")
+        .await;
+    assert!(tests.as_u64().unwrap() >= 1, "{tests}");
+    assert_eq!(
+        browser
+            .eval("return document.querySelectorAll('#judge pre').length;")
+            .await,
+        json!(0),
+        "the judgement is not shown as JSON"
+    );
+    browser.screenshot(&artifacts(), "code-item").await;
+
+    // A conversation episode: its turns, not a JSON string.
+    browser.open(&format!("{base}/runs/talk/items")).await;
+    browser.find("#items tbody tr").await;
+    let first = browser
+        .eval("return document.querySelector('#items tbody tr').dataset.item;")
+        .await;
+    let answer = browser
+        .eval("return document.querySelector('#items tbody tr td.clip').textContent;")
+        .await;
+    assert!(!answer.as_str().unwrap().starts_with('{'), "{answer}");
+    browser
+        .open(&format!(
+            "{base}/runs/talk/items/{}",
+            first.as_str().unwrap()
+        ))
+        .await;
+    browser.find("#turns .msg").await;
+    let turns = browser
+        .eval("return document.querySelectorAll('#turns .msg').length;")
+        .await;
+    assert!(turns.as_u64().unwrap() >= 3, "{turns}");
+    let text = browser.find("#conversation").await.text().await;
+    assert!(!text.contains("{\"conversation\""), "{text}");
+    assert!(!browser.all("#steps tbody tr").await.is_empty());
+    browser.screenshot(&artifacts(), "conversation-item").await;
+
+    // A finished run whose every item failed is not a green "finished".
+    browser.open(&format!("{base}/runs/fails")).await;
+    browser
+        .wait_for(
+            "the run's state",
+            "return document.getElementById('state').textContent !== '';",
+            Duration::from_secs(20),
+        )
+        .await;
+    let state = browser
+        .eval("return document.querySelector('#state .badge').textContent + ' ' + document.querySelector('#state .badge').className;")
+        .await;
+    assert_eq!(state, "failed badge failed");
+    browser.open(&format!("{base}/")).await;
+    browser.find("#runs tbody tr").await;
+    let listed = browser.find("#runs").await.text().await;
+    assert!(listed.to_lowercase().contains("failed"), "{listed}");
 }
 
 /// The page's live DOM nodes, event listeners and JS heap (bytes), after a
@@ -220,9 +376,14 @@ async fn the_live_page_of_a_running_run_holds_its_memory_for_minutes() {
         .await;
     assert_eq!(state, "running", "the run went on all along");
     let done = browser
-        .eval("return Number(document.getElementById('stat-done').textContent.replace(/\\D/g, ''));")
+        .eval(
+            "return Number(document.getElementById('stat-done').textContent.replace(/\\D/g, ''));",
+        )
         .await;
-    assert!(done.as_f64().unwrap() > 500.0, "the page followed it: {done}");
+    assert!(
+        done.as_f64().unwrap() > 500.0,
+        "the page followed it: {done}"
+    );
     // Before charts were fed instead of rebuilt, 120 s added about 24,000
     // nodes, 5,000 listeners and 14 MB.
     assert!(after.0 - before.0 < 150.0, "DOM nodes grew: {seen:?}");

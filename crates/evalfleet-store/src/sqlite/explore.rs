@@ -8,8 +8,8 @@
 //! way (a filter that few rows pass reads more of them).
 
 use evalfleet_core::store::{
-    Explore, ItemCursor, ItemPage, ItemQuery, ItemRecord, ItemRow, ItemState, OUTPUT_PREVIEW,
-    SortKey, StoreError,
+    Explore, ItemCursor, ItemPage, ItemQuery, ItemRecord, ItemRow, ItemState, JudgedRow,
+    OUTPUT_PREVIEW, SortKey, StoreError,
 };
 use evalfleet_types::{AttemptRecord, ErrorClass, Scores, Telemetry, Verdict};
 use rusqlite::types::Value as Sql;
@@ -55,7 +55,12 @@ fn bind(params: &mut Vec<Sql>, value: Sql) -> String {
 
 const ROW_COLUMNS: &str = "i.seq, i.item_id, i.state, r.output, COALESCE(r.error, i.invalid),
     r.endpoint, r.model, COALESCE(r.attempts, 0), r.latency_ms, r.ttft_ms, r.tpot_ms,
-    r.prompt_tokens, r.completion_tokens, r.verdict, r.scores, r.item, r.finished_at";
+    r.prompt_tokens, r.completion_tokens, r.verdict, r.scores, r.item, r.finished_at,
+    json_extract(r.judge, '$.verdict'), json_extract(r.judge, '$.passed'),
+    json_extract(r.judge, '$.total')";
+
+/// The columns of [`ROW_COLUMNS`].
+const ROW_WIDTH: usize = 20;
 
 fn item_row(row: &Row<'_>, preview: bool) -> Result<ItemRow, StoreError> {
     let err = db_err("cannot read an item");
@@ -104,6 +109,14 @@ fn item_row(row: &Row<'_>, preview: bool) -> Result<ItemRow, StoreError> {
             .transpose()?,
         item: json_column(row.get(15).map_err(&err)?)?,
         finished_at_ms: row.get(16).map_err(&err)?,
+        judged: match row.get::<_, Option<String>>(17).map_err(&err)? {
+            None => None,
+            Some(verdict) => Some(JudgedRow {
+                verdict,
+                passed: row.get::<_, Option<i64>>(18).map_err(&err)?.unwrap_or(0) as u64,
+                total: row.get::<_, Option<i64>>(19).map_err(&err)?.unwrap_or(0) as u64,
+            }),
+        },
     })
 }
 
@@ -212,7 +225,7 @@ impl Explore for SqliteStore {
         let mut keys = Vec::new();
         while let Some(row) = rows.next().map_err(&err)? {
             out.push(item_row(row, true)?);
-            keys.push(row.get::<_, f64>(17).map_err(&err)?);
+            keys.push(row.get::<_, f64>(ROW_WIDTH).map_err(&err)?);
         }
         let next = if out.len() > limit as usize {
             out.truncate(limit as usize);
@@ -242,11 +255,11 @@ impl Explore for SqliteStore {
                 |row| {
                     Ok((
                         item_row(row, false),
-                        row.get::<_, Option<String>>(17)?,
-                        row.get::<_, Option<String>>(18)?,
-                        row.get::<_, u32>(19)?,
-                        row.get::<_, Option<String>>(20)?,
-                        row.get::<_, u32>(21)?,
+                        row.get::<_, Option<String>>(ROW_WIDTH)?,
+                        row.get::<_, Option<String>>(ROW_WIDTH + 1)?,
+                        row.get::<_, u32>(ROW_WIDTH + 2)?,
+                        row.get::<_, Option<String>>(ROW_WIDTH + 3)?,
+                        row.get::<_, u32>(ROW_WIDTH + 4)?,
                     ))
                 },
             )
