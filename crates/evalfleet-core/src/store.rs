@@ -160,6 +160,11 @@ pub struct RunRecord {
     pub sessions: u32,
     /// Why it stopped, when it stopped early.
     pub message: Option<String>,
+    /// Changes whenever its results may have: each commit of results, each
+    /// new session (a resume, `--retry-failed`, a worker joining) and each
+    /// rescore. What was computed from its results at one generation holds
+    /// until the next.
+    pub generation: u64,
 }
 
 /// The start of a session (a run, a resume, a worker joining).
@@ -433,6 +438,16 @@ pub trait Results {
         each: &mut dyn FnMut(ExportRow) -> std::io::Result<()>,
     ) -> Result<(), ExportError>;
 
+    /// Up to `limit` results of a run in item-id order (byte order), those
+    /// after `after`: a page of them, for reading two runs side by side by
+    /// their items' ids.
+    fn results_by_key(
+        &mut self,
+        run_id: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<StoredResult>, StoreError>;
+
     /// Replaces results' assessments and the run's stored config, in one
     /// transaction (`evalfleet score`).
     fn put_assessments(
@@ -683,21 +698,55 @@ pub trait Explore {
     fn item(&mut self, run_id: &str, item_id: &str) -> Result<Option<ItemRecord>, StoreError>;
 }
 
+/// A report or comparison computed once and kept with the runs it reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeptReport {
+    /// The generations of the runs it was computed from (see
+    /// [`RunRecord::generation`]): it holds while they are unchanged.
+    pub fingerprint: String,
+    /// The report, as served.
+    pub body: String,
+}
+
+/// Reports and comparisons kept, so that a finished run's are computed
+/// once for every process that shares the store.
+pub trait KeptReports {
+    /// What was kept for `run_id` under `key`, whatever its fingerprint.
+    fn kept_report(&mut self, run_id: &str, key: &str) -> Result<Option<KeptReport>, StoreError>;
+
+    /// Keeps `report` for `run_id` under `key`, replacing what was.
+    fn keep_report(
+        &mut self,
+        run_id: &str,
+        key: &str,
+        report: &KeptReport,
+    ) -> Result<(), StoreError>;
+}
+
 /// The store's traits, to call their methods on a `dyn Store`.
 pub mod prelude {
     pub use super::{
-        Events, Explore, FleetMailbox, ResponseCache, Results, Runs, Store, WorkQueue,
+        Events, Explore, FleetMailbox, KeptReports, ResponseCache, Results, Runs, Store, WorkQueue,
     };
 }
 
 /// Every concern of a store, as a backend implements them.
 pub trait Store:
-    Runs + WorkQueue + Results + ResponseCache + Events + FleetMailbox + Explore + Send
+    Runs + WorkQueue + Results + ResponseCache + Events + FleetMailbox + Explore + KeptReports + Send
 {
 }
 
-impl<T: Runs + WorkQueue + Results + ResponseCache + Events + FleetMailbox + Explore + Send> Store
-    for T
+impl<
+    T: Runs
+        + WorkQueue
+        + Results
+        + ResponseCache
+        + Events
+        + FleetMailbox
+        + Explore
+        + KeptReports
+        + Send,
+> Store for T
 {
 }
 

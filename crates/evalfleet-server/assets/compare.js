@@ -1,11 +1,13 @@
-// Runs side by side: per metric and category, each run's mean with its 95%
-// interval and each run's difference from the first with its interval and
-// p-values (a forest plot), quality against latency and tokens per second,
-// and the items where the runs disagree, answers side by side.
+// Runs side by side: first, when the runs' items differ, how many each has
+// and how many were paired; per metric and category, each run's mean with
+// its 95% interval (the figure its run page shows) and each run's difference
+// from the first with its interval and p-values (a forest plot), quality
+// against latency and tokens per second, and the items where the runs
+// disagree, answers side by side.
 "use strict";
 (() => {
   const { api, h, fmt, showError } = EF;
-  const { svg } = EFReport;
+  const { svg, waiting, fit } = EFReport;
   const root = document.getElementById("content");
   const params = new URLSearchParams(location.search);
   const runsInput = h("input", { id: "runs", placeholder: "run ids, comma-separated", style: "width:420px" });
@@ -87,11 +89,22 @@
       result.replaceChildren(h("div", { class: "card note" }, "Give two or more run ids (or pick them on the runs page)."));
       return;
     }
+    const progress = h("div", { class: "card", id: "computing" });
+    result.replaceChildren(progress);
+    const done = waiting(progress, `the comparison of ${runs.join(", ")}`);
     try {
       const q = new URLSearchParams({ runs: runs.join(",") });
       if (params.get("by")) q.set("by", params.get("by"));
       const [body, ...reports] = await Promise.all([api("/compare?" + q), ...runs.map((r) => api(`/runs/${encodeURIComponent(r)}/report`))]);
+      done();
       showError(null);
+      // Runs of different items are compared on the items both have: said
+      // before any figure.
+      const coverage = (body.coverage || []).filter((c) => !c.same_dataset || c.paired !== c.items_a || c.paired !== c.items_b)
+        .map((c) => h("div", { class: "error-banner", "data-coverage": c.b },
+          `${c.same_dataset ? "These runs have different items" : "These runs read different datasets"}: ` +
+          `${c.a} has ${fmt.int(c.items_a)} items, ${c.b} has ${fmt.int(c.items_b)}, and ${fmt.int(c.paired)} were paired by item id. ` +
+          `The paired figures below (n, the means on shared items, the difference) are on those ${fmt.int(c.paired)} items only.`));
       const byMetric = new Map();
       for (const c of body.comparisons) {
         const key = c.metric;
@@ -120,17 +133,17 @@
               forest(means, { lo: Math.min(0, ...all), hi: Math.max(1, ...all) })),
             h("div", { class: "grow" }, h("div", { class: "sub" }, `Difference from ${runs[0]} (paired, 95% interval)`),
               forest(diffs, { lo: -spread, hi: spread, zero: 0 }))),
-          h("table", { class: "comparisons" },
+          fit(h("table", { class: "comparisons" },
             h("thead", {}, h("tr", {}, h("th", {}, "Category"), h("th", {}, "Run"), h("th", { class: "num" }, "n"),
               h("th", { class: "num" }, runs[0]), h("th", { class: "num" }, "This run"), h("th", { class: "num" }, "Difference [95%]"),
-              h("th", { class: "num" }, "p (bootstrap)"), h("th", { class: "num" }, "p (McNemar)"), h("th", { class: "num" }, "Only A / only B right"))),
+              h("th", { class: "num" }, "p (paired)"), h("th", { class: "num" }, "p (McNemar)"), h("th", { class: "num" }, "Only A / only B right"))),
             h("tbody", {}, rows.map((c) => h("tr", {},
               h("td", {}, c.group), h("td", { class: "mono" }, c.b), h("td", { class: "num" }, fmt.int(c.n)),
               h("td", { class: "num" }, fmt.num(c.mean_a, 4)), h("td", { class: "num" }, fmt.num(c.mean_b, 4)),
               h("td", { class: "num" }, `${fmt.num(c.paired.diff, 4)} [${fmt.num(c.paired.ci_low, 3)}, ${fmt.num(c.paired.ci_high, 3)}]`),
-              h("td", { class: "num" }, p(c.paired.p_bootstrap)),
+              h("td", { class: "num" }, p(c.paired.p_value)),
               h("td", { class: "num" }, p(c.paired.p_mcnemar)),
-              h("td", { class: "num" }, c.paired.p_mcnemar === null ? "–" : `${c.paired.a_only} / ${c.paired.b_only}`)))))));
+              h("td", { class: "num" }, c.paired.p_mcnemar === null ? "–" : `${c.paired.a_only} / ${c.paired.b_only}`))))))));
       }
       // Quality against speed, on the first metric overall.
       const first = body.comparisons.find((c) => c.group === "all");
@@ -145,15 +158,19 @@
           scatter(quality.map((p) => ({ label: p.label, x: p.tps, y: p.y })), "tokens/s a call")));
       const disagreements = body.disagreements.map((d) => h("div", { class: "card", "data-disagreements": d.b },
         h("h2", {}, `Where ${d.a} and ${d.b} disagree on ${d.metric}: ${fmt.int(d.total)} of ${fmt.int(d.compared)} items`),
-        h("table", { class: "disagreements" },
+        fit(h("table", { class: "disagreements" },
           h("thead", {}, h("tr", {}, h("th", {}, "Item"), h("th", {}, "Category"), h("th", { class: "num" }, d.a), h("th", { class: "num" }, d.b),
             h("th", {}, `${d.a} answered`), h("th", {}, `${d.b} answered`))),
           h("tbody", {}, d.items.map((x) => h("tr", {},
             h("td", { class: "mono" }, h("a", { href: `/runs/${encodeURIComponent(d.a)}/items/${encodeURIComponent(x.item_id)}` }, x.item_id)),
             h("td", {}, x.group), h("td", { class: "num" }, fmt.num(x.a, 3)), h("td", { class: "num" }, fmt.num(x.b, 3)),
-            h("td", { class: "msg" }, x.output_a || ""), h("td", { class: "msg" }, x.output_b || "")))))));
-      result.replaceChildren(...sections, tradeoff, ...disagreements);
-    } catch (e) { showError(e); }
+            h("td", { class: "msg" }, x.output_a || ""), h("td", { class: "msg" }, x.output_b || ""))))))));
+      result.replaceChildren(...coverage, ...sections, tradeoff, ...disagreements);
+    } catch (e) {
+      done();
+      result.replaceChildren();
+      showError(e);
+    }
   }
   load();
 })();

@@ -28,10 +28,37 @@ const EFReport = (() => {
     return box;
   }
 
+  /** A table that fits its card: it scrolls within it when wider. */
+  function fit(table) {
+    return h("div", { class: "table-fit", style: "max-width:100%;overflow-x:auto" }, table);
+  }
+
+  /**
+   * Shows, in `container`, that `what` is being computed and for how long,
+   * until the returned function is called. A first report of a large run
+   * reads the whole run (seconds); later ones are kept.
+   */
+  function waiting(container, what) {
+    const started = Date.now();
+    const bar = h("div", { class: "bar", style: "width:240px;margin-top:8px" },
+      h("span", { class: "waiting-fill", style: "width:30%;background:#3559e0" }));
+    const line = h("div", { class: "note" }, `Computing ${what}…`);
+    container.replaceChildren(h("div", { class: "waiting", role: "status", "aria-live": "polite" }, line, bar));
+    const fill = bar.firstChild;
+    const tick = () => {
+      const s = (Date.now() - started) / 1000;
+      line.textContent = `Computing ${what}… ${s.toFixed(0)} s (a first report reads the whole run; it is kept once the run has stopped).`;
+      // An indeterminate bar: it moves while the server works.
+      fill.style.marginLeft = `${(s * 25) % 70}%`;
+    };
+    const timer = setInterval(tick, 250);
+    return () => clearInterval(timer);
+  }
+
   function metrics(report) {
     if (!report.metrics.length) return h("div", { class: "note" }, "The task has no metrics (task.metrics).");
     const range = (s) => (s.higher_is_better === false || s.mean > 1 || s.ci_high > 1 ? [Math.min(0, s.ci_low), Math.max(1, s.ci_high)] : [0, 1]);
-    return h("table", { class: "metrics" },
+    return fit(h("table", { class: "metrics" },
       h("thead", {}, h("tr", {}, h("th", {}, "Metric"), h("th", {}, "Category"), h("th", { class: "num" }, "n"),
         h("th", { class: "num" }, "Mean"), h("th", {}, "95% interval"), h("th", {}, ""), h("th", {}, "Scored"))),
       h("tbody", {}, report.metrics.map((s) => {
@@ -42,19 +69,19 @@ const EFReport = (() => {
           h("td", { class: "num mono" }, `[${fmt.num(s.ci_low, 3)}, ${fmt.num(s.ci_high, 3)}]`),
           h("td", {}, interval(s.mean, s.ci_low, s.ci_high, lo, hi)),
           h("td", {}, s.status, s.errors ? h("div", { class: "sub" }, `${s.errors} not scored`) : ""));
-      })));
+      }))));
   }
 
   function endpoints(report) {
     if (!report.endpoints || !report.endpoints.length) return null;
     const p = (x) => (x ? `${fmt.ms(x.p50)} / ${fmt.ms(x.p90)} / ${fmt.ms(x.p99)}` : "–");
-    return h("table", { class: "endpoints" },
+    return fit(h("table", { class: "endpoints" },
       h("thead", {}, h("tr", {}, h("th", {}, "Endpoint"), h("th", { class: "num" }, "Calls"), h("th", { class: "num" }, "Answered"),
         h("th", {}, "Latency p50/p90/p99"), h("th", {}, "TTFT"), h("th", {}, "TPOT"), h("th", { class: "num" }, "Tokens/s a call"))),
       h("tbody", {}, report.endpoints.map((e) => h("tr", {},
         h("td", {}, e.endpoint), h("td", { class: "num" }, fmt.int(e.attempts)), h("td", { class: "num" }, fmt.int(e.successes)),
         h("td", {}, p(e.latency_ms)), h("td", {}, p(e.ttft_ms)), h("td", {}, p(e.tpot_ms)),
-        h("td", { class: "num" }, fmt.num(e.tokens_per_second_per_call, 1))))));
+        h("td", { class: "num" }, fmt.num(e.tokens_per_second_per_call, 1)))))));
   }
 
   function fidelity(report) {
@@ -69,10 +96,10 @@ const EFReport = (() => {
     if (!s) return null;
     const ks = [...new Set(s.metrics.flatMap((m) => Object.keys(m.pass_at || {})))].sort((a, b) => a - b);
     return h("div", { style: "margin-top:12px" }, h("h2", {}, `pass@k and majority vote (${s.n} samples of each of ${fmt.int(s.rows)} rows)`),
-      h("table", {}, h("thead", {}, h("tr", {}, h("th", {}, "Metric"), ...ks.map((k) => h("th", { class: "num" }, `pass@${k}`)), h("th", { class: "num" }, "Majority"))),
+      fit(h("table", {}, h("thead", {}, h("tr", {}, h("th", {}, "Metric"), ...ks.map((k) => h("th", { class: "num" }, `pass@${k}`)), h("th", { class: "num" }, "Majority"))),
         h("tbody", {}, s.metrics.map((m) => h("tr", {}, h("td", { class: "mono" }, m.metric),
           ...ks.map((k) => h("td", { class: "num" }, m.pass_at && k in m.pass_at ? fmt.num(m.pass_at[k], 4) : "–")),
-          h("td", { class: "num" }, fmt.num(m.majority, 4)))))));
+          h("td", { class: "num" }, fmt.num(m.majority, 4))))))));
   }
 
   function verdicts(report) {
@@ -95,5 +122,5 @@ const EFReport = (() => {
     ].filter(Boolean));
   }
 
-  return { render, interval, svg };
+  return { render, interval, svg, waiting, fit };
 })();

@@ -11,7 +11,7 @@ use evalfleet_core::store::{Batch, Claimed};
 use evalfleet_core::template::Templates;
 use evalfleet_core::types::{
     Assessment, AttemptRecord, EndpointSample, EndpointState, ErrorClass, ItemStatus, Quantiles,
-    ResultRecord, RunSample, Score, StateCounts, Telemetry,
+    ResultRecord, RunSample, RunStatus, Score, StateCounts, Telemetry,
 };
 use evalfleet_server::{AppState, ServerOptions};
 use evalfleet_store::{Location, OpenOptions};
@@ -21,15 +21,15 @@ pub struct Fixture {
     pub location: Location,
 }
 
-/// A config of the dataset `items.jsonl` in `dir`, scored by exact match.
-pub fn config_text(dir: &Path) -> String {
+/// A config of the dataset `dataset`, scored by exact match.
+fn config_text(dataset: &Path) -> String {
     format!(
         "name: capitals\n\
          dataset: {{ path: {}, id_field: id }}\n\
          endpoints:\n  - {{ name: e, kind: external, base_url: \"http://127.0.0.1:9/v1\", model: m, api_key: sk-very-secret }}\n\
          task:\n  messages:\n    - {{ role: user, content: \"Capital of {{{{ country }}}}?\" }}\n  \
          metrics:\n    - {{ name: exact_match, reference: \"{{{{ capital }}}}\" }}\n",
-        dir.join("items.jsonl").display()
+        dataset.display()
     )
 }
 
@@ -74,8 +74,25 @@ impl Fixture {
     /// `i` was answered right; the last item stays pending, the one before
     /// it fails after a 500.
     pub fn run(&self, run_id: &str, right: impl Fn(usize) -> bool) {
+        self.run_on(run_id, "items.jsonl", COUNTRIES.len(), right);
+    }
+
+    /// [`run`](Self::run) of the dataset `dataset` in the fixture's
+    /// directory, made of the first `count` countries when absent.
+    pub fn run_on(&self, run_id: &str, dataset: &str, count: usize, right: impl Fn(usize) -> bool) {
+        let dataset = self.dir.path().join(dataset);
+        if !dataset.exists() {
+            let mut text = String::new();
+            for (i, (id, country, capital)) in COUNTRIES.iter().take(count).enumerate() {
+                let region = if i < 4 { "europe" } else { "elsewhere" };
+                text.push_str(&format!(
+                    "{{\"id\": \"{id}\", \"country\": \"{country}\", \"capital\": \"{capital}\", \"region\": \"{region}\"}}\n"
+                ));
+            }
+            std::fs::write(&dataset, text).unwrap();
+        }
         let config_path = self.dir.path().join("run.yaml");
-        std::fs::write(&config_path, config_text(self.dir.path())).unwrap();
+        std::fs::write(&config_path, config_text(&dataset)).unwrap();
         let loaded = config::load_file(&config_path, Overrides::default()).unwrap();
         let templates = Templates::compile(&loaded.config.task).unwrap();
         let mut store = self.store();
@@ -89,7 +106,7 @@ impl Fixture {
             panic!("nothing to claim");
         };
         let mut batch = Batch::default();
-        let n = COUNTRIES.len();
+        let n = claim.items.len();
         for (i, item) in claim.items.iter().enumerate().take(n - 1) {
             let (_, country, capital) = COUNTRIES[i];
             let telemetry = Telemetry {
@@ -183,6 +200,13 @@ impl Fixture {
                 .unwrap();
         }
         store.release(run_id, &worker.worker).unwrap();
+    }
+
+    /// Marks run `run_id` finished, as its last worker does.
+    pub fn finish(&self, run_id: &str) {
+        self.store()
+            .set_status(run_id, RunStatus::Finished, None)
+            .unwrap();
     }
 
     pub fn state(&self, api_key: Option<&str>) -> Arc<AppState> {

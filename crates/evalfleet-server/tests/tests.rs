@@ -6,3 +6,4 @@
 
 mod api;
 mod fixture;
+mod reports;

@@ -564,6 +564,8 @@ fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
          ALTER TABLE attempts DROP COLUMN tokens_estimated;
          ALTER TABLE results DROP COLUMN tokens_estimated;
          DROP TABLE samples;
+         DROP TABLE kept_reports;
+         ALTER TABLE runs DROP COLUMN generation;
          PRAGMA user_version = 1;",
     )
     .unwrap();
@@ -824,6 +826,65 @@ fn one_item_comes_whole_with_its_attempts() {
     assert!(store.item("r", "nope").unwrap().is_none());
     assert!(matches!(
         store.item("other", "item-01"),
+        Err(StoreError::NoSuchRun(_))
+    ));
+}
+
+#[test]
+fn a_runs_generation_changes_with_its_results_and_kept_reports_are_replaced() {
+    use evalfleet_core::store::{KeptReport, KeptReports};
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = SqliteStore::open(&dir.path().join("s.db")).unwrap();
+    store
+        .create_run(&new_run("r"), &mut items(&["z", "a", "m", "b"], None))
+        .unwrap();
+    let generation = |store: &mut SqliteStore| store.run("r").unwrap().generation;
+    let g0 = generation(&mut store);
+    store.begin_session("r", &mut worker("w"), false).unwrap();
+    let g1 = generation(&mut store);
+    assert!(g1 > g0, "a session changes it");
+    let claim = claim_all(&mut store, "r", "w");
+    let batch = Batch {
+        attempts: vec![],
+        results: vec![
+            (claim, result(1, "z", ItemStatus::Done)),
+            (claim, result(2, "a", ItemStatus::Done)),
+            (claim, result(4, "b", ItemStatus::Failed)),
+        ],
+        cache: vec![],
+    };
+    store.commit("r", "w", &batch).unwrap();
+    let g2 = generation(&mut store);
+    assert!(g2 > g1, "a commit of results changes it");
+    store.set_status("r", RunStatus::Finished, None).unwrap();
+    assert_eq!(generation(&mut store), g2, "a status alone does not");
+    store
+        .put_assessments("r", &[(1, Assessment::default())], &serde_json::json!({}))
+        .unwrap();
+    assert!(generation(&mut store) > g2, "a rescore changes it");
+
+    // Results by item id, a page at a time.
+    let page = store.results_by_key("r", None, 2).unwrap();
+    let ids: Vec<&str> = page.iter().map(|r| r.item_id.as_str()).collect();
+    assert_eq!(ids, ["a", "b"]);
+    let rest = store.results_by_key("r", Some("b"), 2).unwrap();
+    assert_eq!(
+        rest.iter().map(|r| r.item_id.as_str()).collect::<Vec<_>>(),
+        ["z"]
+    );
+
+    // A kept report is replaced under its key, and read back whole.
+    assert_eq!(store.kept_report("r", "report?by=").unwrap(), None);
+    for (fingerprint, body) in [("r:1", "{\"first\": 1}"), ("r:2", "{\"second\": 2}")] {
+        let report = KeptReport {
+            fingerprint: fingerprint.to_owned(),
+            body: body.to_owned(),
+        };
+        store.keep_report("r", "report?by=", &report).unwrap();
+        assert_eq!(store.kept_report("r", "report?by=").unwrap(), Some(report));
+    }
+    assert!(matches!(
+        store.kept_report("nope", "report?by="),
         Err(StoreError::NoSuchRun(_))
     ));
 }

@@ -178,13 +178,17 @@ async fn the_comparison_page_shows_two_runs_with_their_intervals() {
         .unwrap();
     assert_eq!(response.status(), 201, "{}", response.text().await.unwrap());
     wait_for_state(&base, "half", "finished").await;
-    browser.open(&format!("{base}/compare?runs=right,half")).await;
+    browser
+        .open(&format!("{base}/compare?runs=right,half"))
+        .await;
     let warning = browser.find("[data-coverage]").await.text().await;
     assert!(
         warning.contains("right has 60 items, half has 30, and 30 were paired"),
         "{warning}"
     );
-    browser.screenshot(&artifacts(), "compare-different-items").await;
+    browser
+        .screenshot(&artifacts(), "compare-different-items")
+        .await;
 }
 
 /// The examples' files, copied into `env`.

@@ -1,17 +1,25 @@
 //! Runs side by side: each against the first on the items both answered,
-//! per metric and category: their means, the paired difference with its
-//! bootstrap interval and p-value, and McNemar's exact test for 0/1 scores.
+//! per metric and category: each run's own mean with its interval (the
+//! figure its report shows), their means on the shared items, the paired
+//! difference with its interval and p-value, and McNemar's exact test for
+//! 0/1 scores; how many items each run has and how many were paired; and
+//! the items they disagree on.
+//!
+//! Two runs are read side by side in item-id order, a page at a time, and
+//! merged by id: memory holds a page of each and the running sums, never
+//! either run.
 
-use std::collections::{BTreeMap, HashMap};
+use std::cmp::Ordering;
+use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
 
 use serde::Serialize;
 
-use super::stats::{self, Estimate, Paired};
-use super::{Judged, ReportError, judged_value, scan};
-use crate::store::Store;
-
-/// The values of the items two runs share: the first run's, this run's.
-type Pairs = (Vec<f64>, Vec<f64>);
+use super::metrics::{self, Row, Summaries};
+use super::stats::{Estimate, Paired, Pairs};
+use super::{Judged, ReportError, group_of, judged_value};
+use crate::eval::Metric;
+use crate::store::{Store, StoreError, StoredResult};
+use evalfleet_types::ItemStatus;
 
 /// One metric and category of one run against the first.
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
@@ -21,14 +29,60 @@ pub struct Comparison {
     /// The first run, and this one.
     pub a: String,
     pub b: String,
-    /// Items both answered.
+    /// Items both answered and the metric could score in both.
     pub n: u64,
+    /// Each run's mean on these `n` items (their difference is `paired.diff`).
     pub mean_a: f64,
     pub mean_b: f64,
-    /// Each run's mean on these items, with its 95% interval.
+    /// Each run's own mean over all its items in the category, with its
+    /// 95% interval: the same figure as the run's report.
     pub estimate_a: Estimate,
     pub estimate_b: Estimate,
     pub paired: Paired,
+}
+
+/// How much of two runs a comparison could pair.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+pub struct Coverage {
+    /// The first run, and this one.
+    pub a: String,
+    pub b: String,
+    /// Items with a result in each run.
+    pub items_a: u64,
+    pub items_b: u64,
+    /// Items with a result in both (paired by item id).
+    pub paired: u64,
+    /// Both runs read the same dataset file (the same SHA-256).
+    pub same_dataset: bool,
+}
+
+impl Coverage {
+    /// The runs differ in their items: a comparison holds for the paired
+    /// ones only.
+    pub fn differs(&self) -> bool {
+        !self.same_dataset || self.paired != self.items_a || self.paired != self.items_b
+    }
+
+    /// What a reader must know first, when the runs differ.
+    pub fn warning(&self) -> Option<String> {
+        self.differs().then(|| {
+            format!(
+                "runs {} and {} {}: {} has {} items, {} has {}, and {} were paired by id",
+                self.a,
+                self.b,
+                if self.same_dataset {
+                    "have different items"
+                } else {
+                    "read different datasets"
+                },
+                self.a,
+                self.items_a,
+                self.b,
+                self.items_b,
+                self.paired
+            )
+        })
+    }
 }
 
 /// An item two runs scored differently.
@@ -65,13 +119,103 @@ fn preview(text: Option<&str>) -> Option<String> {
     text.map(|t| t.chars().take(PREVIEW).collect())
 }
 
+/// Runs compared: for each run after the first, how much could be paired;
+/// per metric and category, each against the first; and the items each
+/// disagrees with the first on.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct Compared {
+    pub coverage: Vec<Coverage>,
+    pub comparisons: Vec<Comparison>,
+    pub disagreements: Vec<Disagreements>,
+}
+
+/// Results read a page at a time.
+const PAGE: usize = 1000;
+
+/// A run's results in item-id order, a page at a time.
+struct Cursor<'a> {
+    run_id: &'a str,
+    page: VecDeque<StoredResult>,
+    after: Option<String>,
+    ended: bool,
+}
+
+impl<'a> Cursor<'a> {
+    fn new(run_id: &'a str) -> Self {
+        Self {
+            run_id,
+            page: VecDeque::new(),
+            after: None,
+            ended: false,
+        }
+    }
+
+    /// The next result's id, reading a page when the last is used up.
+    fn peek(&mut self, store: &mut dyn Store) -> Result<Option<&str>, StoreError> {
+        if self.page.is_empty() && !self.ended {
+            let page = store.results_by_key(self.run_id, self.after.as_deref(), PAGE)?;
+            self.ended = page.len() < PAGE;
+            self.after = page.last().map(|r| r.item_id.clone());
+            self.page = page.into();
+        }
+        Ok(self.page.front().map(|r| r.item_id.as_str()))
+    }
+
+    fn take(&mut self) -> Option<StoredResult> {
+        self.page.pop_front()
+    }
+}
+
+/// A disagreement and its place in the first run (the heap keeps the
+/// first `limit` by place).
+struct Placed(u64, Disagreement);
+
+impl PartialEq for Placed {
+    fn eq(&self, other: &Self) -> bool {
+        self.0 == other.0
+    }
+}
+impl Eq for Placed {}
+impl PartialOrd for Placed {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Placed {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.0.cmp(&other.0)
+    }
+}
+
+fn row_of(result: &StoredResult) -> Row<'_> {
+    Row {
+        failed: result.status == ItemStatus::Failed,
+        verdict: result.assessment.verdict,
+        scores: &result.assessment.scores,
+    }
+}
+
+/// Each run's own figures, by metric and category, as its report gives
+/// them.
+fn estimates(summaries: Summaries) -> HashMap<(String, String), Estimate> {
+    summaries
+        .finish()
+        .into_iter()
+        .map(|s| ((s.metric, s.group), s.estimate))
+        .collect()
+}
+
 /// Compares `runs[1..]` each with `runs[0]` on the metrics every run has,
-/// by the first run's categories for `by`.
+/// by the first run's categories for `by`; lists the first `limit` items
+/// each disagrees with the first on `metric` (default: the first metric
+/// they share) in the first run's order.
 pub fn compare(
     store: &mut dyn Store,
     runs: &[String],
     by: &[String],
-) -> Result<Vec<Comparison>, ReportError> {
+    metric: Option<&str>,
+    limit: usize,
+) -> Result<Compared, ReportError> {
     if runs.len() < 2 {
         return Err(ReportError::Compare(
             "compare needs at least two runs".to_owned(),
@@ -82,7 +226,7 @@ pub fn compare(
         .map(|id| Judged::load(store, id))
         .collect::<Result<_, _>>()?;
     let base = &judged[0];
-    let metrics: Vec<_> = base
+    let shared: Vec<Metric> = base
         .metrics
         .iter()
         .filter(|m| {
@@ -92,154 +236,198 @@ pub fn compare(
         })
         .cloned()
         .collect();
-    if metrics.is_empty() {
+    if shared.is_empty() {
         return Err(ReportError::Compare(
             "the runs share no metric (compare uses the metrics every run has)".to_owned(),
         ));
     }
-    // The first run's items, in its order: their category and each
-    // metric's value (see `judged_value`).
-    let mut first: Vec<(String, Vec<Option<f64>>)> = Vec::new();
-    let mut place: HashMap<String, usize> = HashMap::new();
-    scan(store, &base.run.run_id, by, &mut |result, group| {
-        let values = metrics.iter().map(|m| judged_value(result, m)).collect();
-        place.insert(result.item_id.clone(), first.len());
-        first.push((group.to_owned(), values));
-    })?;
-    let mut out = Vec::new();
+    let listed = match metric {
+        None => 0,
+        Some(key) => shared.iter().position(|m| m.key == key).ok_or_else(|| {
+            ReportError::Compare(format!(
+                "the runs share no metric '{key}' (they share {})",
+                shared
+                    .iter()
+                    .map(|m| m.key.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+        })?,
+    };
+    let mut out = Compared {
+        coverage: Vec::new(),
+        comparisons: Vec::new(),
+        disagreements: Vec::new(),
+    };
+    let mut base_estimates = None;
     for other in &judged[1..] {
-        // This run's values of the first run's items, by their place.
-        let mut theirs: Vec<Option<Vec<Option<f64>>>> = vec![None; first.len()];
-        scan(store, &other.run.run_id, &[], &mut |result, _| {
-            if let Some(&at) = place.get(&result.item_id) {
-                theirs[at] = Some(metrics.iter().map(|m| judged_value(result, m)).collect());
-            }
-        })?;
-        // Per metric: category → the pairs (first run, this run), in the
-        // first run's order.
-        let mut pairs: Vec<BTreeMap<String, Pairs>> = vec![BTreeMap::new(); metrics.len()];
-        for ((group, ours), theirs) in first.iter().zip(&theirs) {
-            let Some(theirs) = theirs else {
-                continue;
-            };
-            for (i, groups) in pairs.iter_mut().enumerate() {
-                // A pair either side of which could not be scored is no
-                // comparison.
-                let (Some(a), Some(b)) = (ours[i], theirs[i]) else {
-                    continue;
-                };
-                let mut push = |group: &str| {
-                    // A group's name is copied once, when it is first seen.
-                    match groups.get_mut(group) {
-                        Some((xs, ys)) => {
-                            xs.push(a);
-                            ys.push(b);
-                        }
-                        None => {
-                            groups.insert(group.to_owned(), (vec![a], vec![b]));
-                        }
-                    }
-                };
-                push(super::metrics::ALL);
-                if group != super::metrics::ALL {
-                    push(group);
-                }
-            }
+        let pass = merge(
+            store,
+            base,
+            other,
+            &shared,
+            by,
+            listed,
+            limit,
+            base_estimates.is_none(),
+        )?;
+        if let Some(own) = pass.base_summaries {
+            base_estimates = Some(estimates(own));
         }
-        for (m, groups) in metrics.iter().zip(pairs) {
-            for (group, (a, b)) in groups {
-                let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
-                out.push(Comparison {
+        let ours = base_estimates.as_ref();
+        let theirs = estimates(pass.other_summaries);
+        let unknown = Estimate {
+            mean: f64::NAN,
+            stderr: f64::NAN,
+            ci_low: f64::NAN,
+            ci_high: f64::NAN,
+        };
+        for (m, groups) in shared.iter().zip(pass.pairs) {
+            for (group, pairs) in groups {
+                let key = (m.key.clone(), group.clone());
+                out.comparisons.push(Comparison {
                     metric: m.key.clone(),
-                    group,
                     a: base.run.run_id.clone(),
                     b: other.run.run_id.clone(),
-                    n: a.len() as u64,
-                    mean_a: mean(&a),
-                    mean_b: mean(&b),
-                    estimate_a: stats::estimate(&a, 17),
-                    estimate_b: stats::estimate(&b, 19),
-                    paired: stats::paired(&a, &b, 17),
+                    n: pairs.n(),
+                    mean_a: pairs.a.mean(),
+                    mean_b: pairs.b.mean(),
+                    estimate_a: ours.and_then(|e| e.get(&key)).copied().unwrap_or(unknown),
+                    estimate_b: theirs.get(&key).copied().unwrap_or(unknown),
+                    paired: pairs.paired(),
+                    group,
                 });
             }
         }
+        out.coverage.push(pass.coverage);
+        out.disagreements.push(pass.disagreements);
     }
     Ok(out)
 }
 
-/// The items runs `a` and `b` score differently on `metric` (a value more
-/// than `1e-9` apart; an item either run could not score is left out), by
-/// `a`'s categories for `by`, the first `limit` of them in `a`'s order.
-pub fn disagreements(
+/// What one pass over two runs found.
+struct Pass {
+    coverage: Coverage,
+    /// Per metric: category → the pairs.
+    pairs: Vec<BTreeMap<String, Pairs>>,
+    base_summaries: Option<Summaries>,
+    other_summaries: Summaries,
+    disagreements: Disagreements,
+}
+
+/// Reads `base` and `other` side by side in item-id order.
+#[allow(clippy::too_many_arguments)]
+fn merge(
     store: &mut dyn Store,
-    a: &str,
-    b: &str,
-    metric: &str,
+    base: &Judged,
+    other: &Judged,
+    shared: &[Metric],
     by: &[String],
+    listed: usize,
     limit: usize,
-) -> Result<Disagreements, ReportError> {
-    let first = Judged::load(store, a)?;
-    let second = Judged::load(store, b)?;
-    let find = |judged: &Judged| {
-        judged
-            .metrics
-            .iter()
-            .find(|m| m.key == metric)
-            .cloned()
-            .ok_or_else(|| {
-                ReportError::Compare(format!(
-                    "run {} has no metric '{metric}' (it has {})",
-                    judged.run.run_id,
-                    judged
-                        .metrics
-                        .iter()
-                        .map(|m| m.key.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ))
-            })
+    summarise_base: bool,
+) -> Result<Pass, ReportError> {
+    let (a_id, b_id) = (base.run.run_id.as_str(), other.run.run_id.as_str());
+    let mut a = Cursor::new(a_id);
+    let mut b = Cursor::new(b_id);
+    let mut base_summaries = summarise_base.then(|| Summaries::new(shared));
+    let mut other_summaries = Summaries::new(shared);
+    let mut pairs: Vec<BTreeMap<String, Pairs>> = vec![BTreeMap::new(); shared.len()];
+    let mut coverage = Coverage {
+        a: a_id.to_owned(),
+        b: b_id.to_owned(),
+        items_a: 0,
+        items_b: 0,
+        paired: 0,
+        same_dataset: base.run.dataset.sha256 == other.run.dataset.sha256,
     };
-    let (metric_a, metric_b) = (find(&first)?, find(&second)?);
-    // The second run's values and answers by item.
-    let mut theirs: HashMap<String, (f64, Option<String>)> = HashMap::new();
-    scan(store, b, &[], &mut |result, _| {
-        if let Some(value) = judged_value(result, &metric_b) {
-            theirs.insert(
-                result.item_id.clone(),
-                (value, preview(result.output.as_deref())),
-            );
-        }
-    })?;
-    let mut out = Disagreements {
-        metric: metric.to_owned(),
-        a: a.to_owned(),
-        b: b.to_owned(),
+    let mut disagreements = Disagreements {
+        metric: shared[listed].key.clone(),
+        a: a_id.to_owned(),
+        b: b_id.to_owned(),
         compared: 0,
         total: 0,
         items: Vec::new(),
     };
-    scan(store, a, by, &mut |result, group| {
-        let Some(value) = judged_value(result, &metric_a) else {
-            return;
+    let mut first: BinaryHeap<Placed> = BinaryHeap::new();
+    loop {
+        let order = match (a.peek(store)?, b.peek(store)?) {
+            (None, None) => break,
+            (Some(_), None) => Ordering::Less,
+            (None, Some(_)) => Ordering::Greater,
+            (Some(x), Some(y)) => x.cmp(y),
         };
-        let Some((other, output)) = theirs.remove(&result.item_id) else {
-            return;
+        let left = (order != Ordering::Greater).then(|| a.take()).flatten();
+        let right = (order != Ordering::Less).then(|| b.take()).flatten();
+        let group_a = left.as_ref().map(|r| group_of(r.item.as_deref(), by));
+        if let (Some(r), Some(group)) = (&left, &group_a) {
+            coverage.items_a += 1;
+            if let Some(s) = &mut base_summaries {
+                s.add(row_of(r), group);
+            }
+        }
+        if let Some(r) = &right {
+            coverage.items_b += 1;
+            other_summaries.add(row_of(r), &group_of(r.item.as_deref(), by));
+        }
+        let (Some(x), Some(y), Some(group)) = (&left, &right, &group_a) else {
+            continue;
         };
-        out.compared += 1;
-        if (value - other).abs() <= 1e-9 {
-            return;
+        coverage.paired += 1;
+        for (i, (m, groups)) in shared.iter().zip(&mut pairs).enumerate() {
+            // A pair either side of which could not be scored is no
+            // comparison.
+            let (Some(va), Some(vb)) = (judged_value(x, m), judged_value(y, m)) else {
+                continue;
+            };
+            let mut add = |group: &str| {
+                // A group's name is copied once, when it is first seen.
+                match groups.get_mut(group) {
+                    Some(p) => p.add(va, vb),
+                    None => {
+                        let mut p = Pairs::default();
+                        p.add(va, vb);
+                        groups.insert(group.to_owned(), p);
+                    }
+                }
+            };
+            add(metrics::ALL);
+            if group != metrics::ALL {
+                add(group);
+            }
+            if i != listed {
+                continue;
+            }
+            disagreements.compared += 1;
+            if (va - vb).abs() <= 1e-9 {
+                continue;
+            }
+            disagreements.total += 1;
+            if limit == 0 || first.len() == limit && first.peek().is_some_and(|top| top.0 < x.seq) {
+                continue;
+            }
+            first.push(Placed(
+                x.seq,
+                Disagreement {
+                    item_id: x.item_id.clone(),
+                    group: group.clone(),
+                    a: va,
+                    b: vb,
+                    output_a: preview(x.output.as_deref()),
+                    output_b: preview(y.output.as_deref()),
+                },
+            ));
+            if first.len() > limit {
+                first.pop();
+            }
         }
-        out.total += 1;
-        if out.items.len() < limit {
-            out.items.push(Disagreement {
-                item_id: result.item_id.clone(),
-                group: group.to_owned(),
-                a: value,
-                b: other,
-                output_a: preview(result.output.as_deref()),
-                output_b: output,
-            });
-        }
-    })?;
-    Ok(out)
+    }
+    disagreements.items = first.into_sorted_vec().into_iter().map(|p| p.1).collect();
+    Ok(Pass {
+        coverage,
+        pairs,
+        base_summaries,
+        other_summaries,
+        disagreements,
+    })
 }

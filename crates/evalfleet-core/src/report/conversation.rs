@@ -240,7 +240,7 @@ pub fn scan(
         failed,
         steps: steps_total,
         total_reward: rewards.iter().sum(),
-        reward_per_episode: stats::estimate(&rewards, 0),
+        reward_per_episode: stats::estimate(&stats::Moments::of(&rewards)),
         interventions,
         strategies: CHOICES
             .iter()

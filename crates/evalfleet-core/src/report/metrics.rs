@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use evalfleet_types::{Score, Scores, Verdict};
 use serde::Serialize;
 
-use super::stats::{self, Estimate};
+use super::stats::{self, Estimate, Moments};
 use crate::eval::metrics::{Kind, Metric};
 
 /// One item as aggregation sees it.
@@ -249,9 +249,9 @@ impl ExtraSums {
 /// One metric over one group, as results come.
 #[derive(Debug, Clone)]
 pub struct Accumulator {
-    /// Every item's value, the worst for an item without a score (for the
-    /// interval).
-    values: Vec<f64>,
+    /// The sums of every item's value, the worst for an item without a
+    /// score (for the mean and its interval).
+    values: Moments,
     scored: u64,
     scored_sum: f64,
     failed: u64,
@@ -266,7 +266,7 @@ pub struct Accumulator {
 impl Accumulator {
     pub fn new(metric: &Metric) -> Self {
         Self {
-            values: Vec::new(),
+            values: Moments::default(),
             scored: 0,
             scored_sum: 0.0,
             failed: 0,
@@ -322,19 +322,19 @@ impl Accumulator {
         };
         match score.and_then(|s| s.value.map(|v| (s, v))) {
             Some((s, v)) => {
-                self.values.push(v);
+                self.values.add(v);
                 self.scored += 1;
                 self.scored_sum += v;
                 self.extra.add(s);
             }
-            None => self.values.push(metric.missing()),
+            None => self.values.add(metric.missing()),
         }
     }
 
     pub fn finish(self, metric: &Metric, group: &str) -> Summary {
         // Every answer failed (no error of the metric's): that is a score,
         // the worst one, and the table says why in FAILED/UNPARSED.
-        let status = match (self.errors, self.scored, self.values.len()) {
+        let status = match (self.errors, self.scored, self.values.n) {
             (0, _, 1..) => "scored",
             (_, 0, _) => "not scored",
             _ => "partly scored",
@@ -342,7 +342,7 @@ impl Accumulator {
         Summary {
             metric: metric.key.clone(),
             group: group.to_owned(),
-            n: self.values.len() as u64 + self.errors,
+            n: self.values.n + self.errors,
             scored: self.scored,
             failed: self.failed,
             unparsed: self.unparsed,
@@ -351,7 +351,7 @@ impl Accumulator {
             reasons: self.reasons,
             other_reasons: self.other_reasons,
             status,
-            estimate: stats::estimate(&self.values, seed_of(&metric.key, group)),
+            estimate: stats::estimate(&self.values),
             mean_scored: if self.scored == 0 {
                 f64::NAN
             } else {
@@ -429,16 +429,6 @@ pub fn summarize<'a>(
         summaries.add(row, group);
     }
     summaries.finish()
-}
-
-fn seed_of(metric: &str, group: &str) -> u64 {
-    // FNV-1a: a stable seed per figure, the same in every report.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in metric.bytes().chain([0]).chain(group.bytes()) {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
 }
 
 fn ratio(a: u64, b: u64) -> f64 {

@@ -3,12 +3,15 @@
 //! category with its uncertainty, how many answers could be used, pass@k
 //! and majority votes over samples, the code judge's verdicts, and each
 //! endpoint's latency and errors; and comparisons of runs on the items they
-//! share. Results are read as a stream, so a report's memory grows with its
-//! metrics' values (8 bytes an item and group), not with the run's answers.
+//! share. Results are read as a stream into running sums, so a report's
+//! memory grows with its metrics and categories, not with the run (pass@k
+//! holds one row's samples at a time). A finished run's reports are
+//! computed once and kept in the store (`kept`).
 
 pub mod compare;
 pub mod conversation;
 pub mod endpoints;
+pub mod kept;
 pub mod metrics;
 pub mod samples;
 pub mod stats;
@@ -20,8 +23,9 @@ use evalfleet_types::{ItemStatus, Verdict};
 use serde::Serialize;
 use serde_json::Value;
 
-pub use compare::{Comparison, Disagreement, Disagreements, compare, disagreements};
+pub use compare::{Compared, Comparison, Coverage, Disagreement, Disagreements, compare};
 pub use endpoints::{EndpointSummary, Percentiles, endpoints};
+pub use kept::{KeptBody, kept_compare, kept_report};
 pub use metrics::Summary;
 pub use samples::SamplesSummary;
 

@@ -1,17 +1,35 @@
-//! Reports and comparisons: the core's typed reports, as JSON.
+//! Reports and comparisons: the core's typed reports, as JSON. A stopped
+//! run's are computed once and kept in the store (`report::kept`), so a
+//! second visit reads one row; a running run's are computed each time.
 
 use std::sync::Arc;
 
-use axum::Json;
 use axum::extract::State;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
 
 use crate::extract::{Path, Query};
-use evalfleet_core::report::{self, Comparison, Disagreements, Report};
-use serde::{Deserialize, Serialize};
+use evalfleet_core::report::{self, Compared, KeptBody, Report};
+use serde::Deserialize;
 
 use crate::error::{ApiError, ErrorBody};
 use crate::state::AppState;
 
+/// A report's JSON as the core made (or kept) it; `X-Evalfleet-Kept` says
+/// whether it was kept from an earlier request.
+fn json(kept: KeptBody) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "application/json"),
+            (
+                header::HeaderName::from_static("x-evalfleet-kept"),
+                if kept.kept { "true" } else { "false" },
+            ),
+        ],
+        kept.body,
+    )
+        .into_response()
+}
 fn fields(by: Option<&str>) -> Vec<String> {
     by.map(|b| {
         b.split(',')
@@ -50,12 +68,12 @@ pub async fn report(
     State(state): State<Arc<AppState>>,
     Path(run_id): Path<String>,
     Query(params): Query<ReportParams>,
-) -> Result<Json<Report>, ApiError> {
+) -> Result<Response, ApiError> {
     let by = fields(params.by.as_deref());
-    let report = state
-        .with_store(move |store| Ok(report::report(store, &run_id, &by, None)?))
+    let kept = state
+        .with_store(move |store| Ok(report::kept_report(store, &run_id, &by)?))
         .await?;
-    Ok(Json(report))
+    Ok(json(kept))
 }
 
 /// The query of a comparison.
@@ -76,26 +94,20 @@ pub struct CompareParams {
     pub limit: Option<usize>,
 }
 
-/// Runs side by side.
-#[derive(Debug, Serialize, utoipa::ToSchema)]
-pub struct ComparisonBody {
-    /// Per metric and category, each run against the first: both means
-    /// with their intervals, the paired difference with its interval and
-    /// p-value, McNemar's test for 0/1 scores.
-    pub comparisons: Vec<Comparison>,
-    /// Per run after the first: the items it and the first scored
-    /// differently on `metric`.
-    pub disagreements: Vec<Disagreements>,
-}
-
-/// Compares runs on the items they share.
+/// Compares runs on the items they share: per run after the first, how
+/// many items each has and how many were paired (`coverage`: runs of
+/// different datasets are compared on the paired items only); per metric
+/// and category, each run's own mean and interval (as its report gives
+/// them), both means on the paired items, the paired difference with its
+/// interval and p-value, McNemar's test for 0/1 scores; and the items each
+/// run and the first scored differently on `metric`.
 #[utoipa::path(
     get,
     path = "/compare",
     tag = "reports",
     params(CompareParams),
     responses(
-        (status = 200, description = "The comparison", body = ComparisonBody),
+        (status = 200, description = "The comparison", body = Compared),
         (status = 400, description = "A parameter is wrong", body = ErrorBody),
         (status = 404, description = "No such run", body = ErrorBody),
         (status = 422, description = "The runs cannot be compared", body = ErrorBody),
@@ -104,7 +116,7 @@ pub struct ComparisonBody {
 pub async fn compare(
     State(state): State<Arc<AppState>>,
     Query(params): Query<CompareParams>,
-) -> Result<Json<ComparisonBody>, ApiError> {
+) -> Result<Response, ApiError> {
     let runs = fields(Some(&params.runs));
     if runs.len() < 2 {
         return Err(ApiError::BadRequest(
@@ -113,25 +125,16 @@ pub async fn compare(
     }
     let by = fields(params.by.as_deref());
     let limit = params.limit.unwrap_or(100).min(1000);
-    let body = state
+    let kept = state
         .with_store(move |store| {
-            let comparisons = report::compare(store, &runs, &by)?;
-            let metric = match params.metric {
-                Some(metric) => metric,
-                None => comparisons
-                    .first()
-                    .map(|c| c.metric.clone())
-                    .unwrap_or_default(),
-            };
-            let disagreements = runs[1..]
-                .iter()
-                .map(|other| report::disagreements(store, &runs[0], other, &metric, &by, limit))
-                .collect::<Result<_, _>>()?;
-            Ok(ComparisonBody {
-                comparisons,
-                disagreements,
-            })
+            Ok(report::kept_compare(
+                store,
+                &runs,
+                &by,
+                params.metric.as_deref(),
+                limit,
+            )?)
         })
         .await?;
-    Ok(Json(body))
+    Ok(json(kept))
 }

@@ -5,11 +5,13 @@
 //!
 //! Each concern of [`evalfleet_core::store`] is implemented in a module of
 //! its own: `runs`, `queue` (claims and commits), `results`, `cache`,
-//! `events` (with the fleet mailbox) and `explore` (pages of items).
+//! `events` (with the fleet mailbox), `explore` (pages of items) and `kept`
+//! (reports computed once).
 
 mod cache;
 mod events;
 mod explore;
+mod kept;
 mod queue;
 mod results;
 mod runs;

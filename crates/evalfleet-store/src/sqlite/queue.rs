@@ -437,7 +437,9 @@ impl WorkQueue for SqliteStore {
         }
         if done + failed > 0 {
             tx.execute(
-                "UPDATE runs SET updated_at = ?2, done = done + ?3, failed = failed + ?4 WHERE rid = ?1",
+                "UPDATE runs SET updated_at = ?2, done = done + ?3, failed = failed + ?4,
+                     generation = generation + 1
+                 WHERE rid = ?1",
                 params![rid, now_ms(), done, failed],
             )
             .map_err(db_err("cannot update the run"))?;

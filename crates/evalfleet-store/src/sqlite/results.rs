@@ -62,6 +62,30 @@ fn assessment_of(
     })
 }
 
+/// A result from the columns seq, item_id, status, output, endpoint,
+/// model, item, parsed, verdict, check_error, scores, reasks, judge.
+fn stored_result(row: &rusqlite::Row<'_>) -> Result<StoredResult, StoreError> {
+    let err = db_err("cannot read results");
+    let status: String = row.get(2).map_err(&err)?;
+    Ok(StoredResult {
+        seq: row.get::<_, i64>(0).map_err(&err)? as u64,
+        item_id: row.get(1).map_err(&err)?,
+        status: ItemStatus::parse(&status).map_err(unknown)?,
+        output: row.get(3).map_err(&err)?,
+        endpoint: row.get(4).map_err(&err)?,
+        model: row.get(5).map_err(&err)?,
+        item: row.get(6).map_err(&err)?,
+        assessment: assessment_of(
+            row.get(7).map_err(&err)?,
+            row.get(8).map_err(&err)?,
+            row.get(9).map_err(&err)?,
+            row.get(10).map_err(&err)?,
+            row.get(11).map_err(&err)?,
+            row.get(12).map_err(&err)?,
+        )?,
+    })
+}
+
 impl Results for SqliteStore {
     fn scan_attempts(
         &mut self,
@@ -117,26 +141,39 @@ impl Results for SqliteStore {
             .map_err(&err)?;
         let mut rows = stmt.query([rid]).map_err(&err)?;
         while let Some(row) = rows.next().map_err(&err)? {
-            let status: String = row.get(2).map_err(&err)?;
-            each(StoredResult {
-                seq: row.get::<_, i64>(0).map_err(&err)? as u64,
-                item_id: row.get(1).map_err(&err)?,
-                status: ItemStatus::parse(&status).map_err(unknown)?,
-                output: row.get(3).map_err(&err)?,
-                endpoint: row.get(4).map_err(&err)?,
-                model: row.get(5).map_err(&err)?,
-                item: row.get(6).map_err(&err)?,
-                assessment: assessment_of(
-                    row.get(7).map_err(&err)?,
-                    row.get(8).map_err(&err)?,
-                    row.get(9).map_err(&err)?,
-                    row.get(10).map_err(&err)?,
-                    row.get(11).map_err(&err)?,
-                    row.get(12).map_err(&err)?,
-                )?,
-            });
+            each(stored_result(row)?);
         }
         Ok(())
+    }
+
+    fn results_by_key(
+        &mut self,
+        run_id: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<StoredResult>, StoreError> {
+        let rid = self.rid(run_id)?;
+        let err = db_err("cannot read results");
+        // Items' ids in order from their index, each item's result by its
+        // key: no sort, and a page costs its own rows whatever its place.
+        let mut stmt = self
+            .conn
+            .prepare_cached(
+                "SELECT r.seq, r.item_id, r.status, r.output, r.endpoint, r.model, r.item, r.parsed,
+                        r.verdict, r.check_error, r.scores, r.reasks, r.judge
+                 FROM items i INDEXED BY items_by_id CROSS JOIN results r ON r.rid = i.rid AND r.seq = i.seq
+                 WHERE i.rid = ?1 AND i.item_id > ?2
+                 ORDER BY i.item_id LIMIT ?3",
+            )
+            .map_err(&err)?;
+        let mut rows = stmt
+            .query(params![rid, after.unwrap_or(""), limit as i64])
+            .map_err(&err)?;
+        let mut out = Vec::with_capacity(limit.min(4096));
+        while let Some(row) = rows.next().map_err(&err)? {
+            out.push(stored_result(row)?);
+        }
+        Ok(out)
     }
 
     fn export(
@@ -242,7 +279,8 @@ impl Results for SqliteStore {
             let config =
                 serde_json::to_string(config).map_err(json_err("cannot store the config"))?;
             tx.execute(
-                "UPDATE runs SET config = ?2, updated_at = ?3 WHERE rid = ?1",
+                "UPDATE runs SET config = ?2, updated_at = ?3, generation = generation + 1
+                 WHERE rid = ?1",
                 params![rid, config, now_ms()],
             )
             .map_err(&err)?;

@@ -57,7 +57,7 @@ fn register(
 }
 
 const RUN_COLUMNS: &str = "run_id, name, status, created_at, updated_at, config, config_dir, fingerprint, dataset, \
-                           total, sessions, message";
+                           total, sessions, message, generation";
 
 fn run_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<RawRun> {
     Ok(RawRun {
@@ -73,6 +73,7 @@ fn run_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<RawRun> {
         total: row.get(9)?,
         sessions: row.get(10)?,
         message: row.get(11)?,
+        generation: row.get(12)?,
     })
 }
 
@@ -89,6 +90,7 @@ struct RawRun {
     total: i64,
     sessions: i64,
     message: Option<String>,
+    generation: i64,
 }
 
 impl RawRun {
@@ -109,6 +111,7 @@ impl RawRun {
             total: self.total as u64,
             sessions: self.sessions as u32,
             message: self.message,
+            generation: self.generation as u64,
         })
     }
 }
@@ -243,7 +246,7 @@ impl Runs for SqliteStore {
         let now = now_ms();
         tx.execute(
             "UPDATE runs SET status = 'running', sessions = sessions + 1, updated_at = ?2, message = NULL,
-                 failed = failed - ?3
+                 failed = failed - ?3, generation = generation + 1
              WHERE rid = ?1",
             params![rid, now, reset as i64],
         )

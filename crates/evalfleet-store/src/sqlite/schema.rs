@@ -192,8 +192,26 @@ CREATE TABLE samples (
 ) WITHOUT ROWID;
 ";
 
+/// 8: reports and comparisons computed once and kept, each under the run
+/// it is of (a comparison: its first run) and what was asked (`key`), with
+/// the generations of the runs it read (`fingerprint`). A run's generation
+/// changes with every commit of its results, every session and every
+/// rescore, so a kept report whose fingerprint differs from the runs' is
+/// stale: it is computed again and replaced.
+const KEPT_REPORTS: &str = "
+ALTER TABLE runs ADD COLUMN generation INTEGER NOT NULL DEFAULT 0;
+CREATE TABLE kept_reports (
+    rid         INTEGER NOT NULL REFERENCES runs(rid),
+    key         TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    body        TEXT NOT NULL,
+    made_at     INTEGER NOT NULL,
+    PRIMARY KEY (rid, key)
+);
+";
+
 /// The schema version a store has once every migration ran.
-pub const VERSION: usize = 7;
+pub const VERSION: usize = 8;
 
 pub fn migrations() -> Migrations<'static> {
     Migrations::new(vec![
@@ -204,6 +222,7 @@ pub fn migrations() -> Migrations<'static> {
         M::up(CACHED_CALLS),
         M::up(ESTIMATED_TOKENS),
         M::up(TIMELINE),
+        M::up(KEPT_REPORTS),
     ])
 }
 

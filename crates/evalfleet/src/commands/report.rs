@@ -421,7 +421,15 @@ impl DetailedCsv {
 /// against the first on the items they share.
 pub fn compare(args: CompareArgs) -> anyhow::Result<u8> {
     let (_, mut store) = open_existing(args.store.store)?;
-    let comparisons = report::compare(&mut *store, &args.runs, &args.by)?;
+    let compared = report::compare(&mut *store, &args.runs, &args.by, None, 0)?;
+    // Runs of different items are compared on the items they share: said
+    // first, on stderr, so that `--json` stays the comparisons alone.
+    for coverage in &compared.coverage {
+        if let Some(warning) = coverage.warning() {
+            eprintln!("warning: {warning}");
+        }
+    }
+    let comparisons = compared.comparisons;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&comparisons)?);
         return Ok(EXIT_OK);
@@ -435,7 +443,7 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<u8> {
             "MEAN",
             "DIFF vs FIRST",
             "95% CI",
-            "p (bootstrap)",
+            "p (paired)",
             "p (McNemar)",
         ]
         .map(str::to_owned),
@@ -465,7 +473,7 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<u8> {
             fmt(c.mean_b),
             format!("{:+.4}", p.diff),
             format!("{} – {}", fmt(p.ci_low), fmt(p.ci_high)),
-            fmt(p.p_bootstrap),
+            fmt(p.p_value),
             p.p_mcnemar.map_or_else(|| "-".to_owned(), fmt),
         ]);
     }

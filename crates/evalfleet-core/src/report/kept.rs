@@ -1,0 +1,113 @@
+//! Reports and comparisons of runs that no longer change, computed once and
+//! kept in the store, for every process that shares it and across
+//! restarts.
+//!
+//! What is kept is the serialized report, under the run (a comparison:
+//! under its first run) and what was asked, with the runs' generations (see
+//! [`RunRecord::generation`]): a commit of results, a new session (a
+//! resume) or a rescore changes a run's generation, so what was kept before
+//! no longer matches and is computed again. A run that is running is never
+//! kept: its report is computed each time it is asked for. The generations
+//! are read before the results, so a change during a computation leaves
+//! what it keeps already stale, never wrong.
+
+use super::{ReportError, compare, report};
+use crate::store::{KeptReport, RunRecord, Store};
+use evalfleet_types::RunStatus;
+
+/// A report as JSON, and whether it was kept from an earlier request.
+#[derive(Debug, Clone)]
+pub struct KeptBody {
+    pub body: String,
+    pub kept: bool,
+}
+
+/// The runs' generations, or `None` when one of them is still running.
+fn fingerprint(runs: &[RunRecord]) -> Option<String> {
+    runs.iter()
+        .all(|r| r.status != RunStatus::Running)
+        .then(|| {
+            runs.iter()
+                .map(|r| format!("{}:{}", r.run_id, r.generation))
+                .collect::<Vec<_>>()
+                .join(",")
+        })
+}
+
+fn serialize<T: serde::Serialize>(value: &T) -> Result<String, ReportError> {
+    serde_json::to_string(value).map_err(|err| ReportError::Metrics(err.to_string()))
+}
+
+/// What was kept under `key` for `runs[0]` if it still holds; else
+/// `compute`'s answer, kept when every run has stopped.
+fn kept_or(
+    store: &mut dyn Store,
+    runs: &[String],
+    key: &str,
+    compute: impl FnOnce(&mut dyn Store) -> Result<String, ReportError>,
+) -> Result<KeptBody, ReportError> {
+    let records: Vec<RunRecord> = runs
+        .iter()
+        .map(|id| store.run(id))
+        .collect::<Result<_, _>>()?;
+    let fingerprint = fingerprint(&records);
+    if let Some(fingerprint) = &fingerprint
+        && let Some(kept) = store.kept_report(&runs[0], key)?
+        && kept.fingerprint == *fingerprint
+    {
+        return Ok(KeptBody {
+            body: kept.body,
+            kept: true,
+        });
+    }
+    let body = compute(store)?;
+    if let Some(fingerprint) = fingerprint {
+        let report = KeptReport { fingerprint, body };
+        // A store that cannot be written (a read-only file) still answers.
+        if let Err(err) = store.keep_report(&runs[0], key, &report) {
+            tracing::warn!("cannot keep the report of {}: {err}", runs[0]);
+        }
+        return Ok(KeptBody {
+            body: report.body,
+            kept: false,
+        });
+    }
+    Ok(KeptBody { body, kept: false })
+}
+
+/// [`report`](super::report) of `run_id` by `by`, as JSON: kept once the
+/// run has stopped.
+pub fn kept_report(
+    store: &mut dyn Store,
+    run_id: &str,
+    by: &[String],
+) -> Result<KeptBody, ReportError> {
+    let key = format!("report?by={}", by.join(","));
+    kept_or(store, &[run_id.to_owned()], &key, |store| {
+        serialize(&report(store, run_id, by, None)?)
+    })
+}
+
+/// [`compare`](super::compare) of `runs` as JSON: kept once every run has
+/// stopped.
+pub fn kept_compare(
+    store: &mut dyn Store,
+    runs: &[String],
+    by: &[String],
+    metric: Option<&str>,
+    limit: usize,
+) -> Result<KeptBody, ReportError> {
+    if runs.len() < 2 {
+        // Said as `compare` says it.
+        compare(store, runs, by, metric, limit)?;
+    }
+    let key = format!(
+        "compare?runs={}&by={}&metric={}&limit={limit}",
+        runs.join(","),
+        by.join(","),
+        metric.unwrap_or("")
+    );
+    kept_or(store, runs, &key, |store| {
+        serialize(&compare(store, runs, by, metric, limit)?)
+    })
+}
