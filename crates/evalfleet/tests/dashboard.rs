@@ -215,11 +215,18 @@ async fn pages_show_verdicts_tests_turns_and_failed_runs_as_they_are() {
             "conversation-answers.jsonl",
         ],
     );
+    let mut cli_rate = 0.0;
     for (config, run_id) in [("code.yaml", "code"), ("conversation.yaml", "talk")] {
         let ran = env
             .evalfleet(&["run", config, "--run-id", run_id, "--quiet"])
             .await;
         assert!(ran.code.is_some_and(|c| c <= 1), "{}", ran.stderr);
+        if run_id == "code" {
+            // "... 4 items in 2.3s (1.8 items/s)."
+            let said = format!("{}{}", ran.stdout, ran.stderr);
+            let (head, _) = said.split_once(" items/s)").expect("the run's rate");
+            cli_rate = head.rsplit_once('(').unwrap().1.parse().unwrap();
+        }
     }
     let every_call_fails = config(&env, 5, "1ms", 2, "").replace(
         "mock: { latency: 1ms }",
@@ -231,6 +238,27 @@ async fn pages_show_verdicts_tests_turns_and_failed_runs_as_they_are() {
         .await;
     assert_eq!(ran.code, Some(1), "{}", ran.stderr);
     let (_server, base) = serve(&env, &["--read-only"], None).await;
+
+    // A short run's page says the rate the run had, as the CLI did.
+    browser.open(&format!("{base}/runs/code")).await;
+    browser
+        .wait_for(
+            "the run's rate",
+            "const r = document.getElementById('stat-rate'); return !!r && r.textContent !== '';",
+            Duration::from_secs(20),
+        )
+        .await;
+    let rate: f64 = browser
+        .find("#stat-rate")
+        .await
+        .text()
+        .await
+        .parse()
+        .unwrap();
+    assert!(
+        rate > 0.0 && (rate - cli_rate).abs() <= 0.35 * cli_rate,
+        "the page says {rate} items/s, the CLI {cli_rate}"
+    );
 
     // A code run's results: a verdict and the tests passed on each row.
     browser.open(&format!("{base}/runs/code/items")).await;
@@ -388,8 +416,8 @@ async fn the_live_page_of_a_running_run_holds_its_memory_for_minutes() {
         done.as_f64().unwrap() > 500.0,
         "the page followed it: {done}"
     );
-    // Before charts were fed instead of rebuilt, 120 s added about 24,000
-    // nodes, 5,000 listeners and 14 MB.
+    // Before charts were fed instead of rebuilt, these 120 s added 16,800
+    // nodes, 4,200 listeners and 9.5 MB.
     assert!(after.0 - before.0 < 150.0, "DOM nodes grew: {seen:?}");
     assert!(after.1 - before.1 < 30.0, "event listeners grew: {seen:?}");
     assert!(
