@@ -6,32 +6,9 @@
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use tokio::process::{Child, Command};
 
-use crate::serve::{client, config};
-use crate::util::{BIN, Env, wait_until};
-
-/// An `evalfleet serve` process in `env` with `args` and the environment
-/// `vars`, and its address.
-async fn serve_with(env: &Env, args: &[&str], vars: &[(&str, &str)]) -> (Child, String) {
-    let mut command = Command::new(BIN);
-    command
-        .arg("serve")
-        .args(["--bind", "127.0.0.1:0"])
-        .args(args)
-        .current_dir(env.dir.path())
-        .env_remove("EVALFLEET_STORE")
-        .env_remove("EVALFLEET_API_KEY")
-        .envs(vars.iter().copied())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true);
-    let mut child = command.spawn().unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
-    let url = lines.next_line().await.unwrap().unwrap();
-    (child, url)
-}
+use crate::serve::{client, config, get_keyed, serve_with, wait_for_state_keyed};
+use crate::util::{Env, wait_until};
 
 /// `POST /api/v1/runs` with `body`: its status and JSON body.
 async fn create(base: &str, key: Option<&str>, body: Value) -> (u16, Value) {
@@ -120,11 +97,7 @@ async fn a_page_whose_name_was_rebound_to_the_loopback_reaches_no_handler() {
             }
             assert_eq!(request.send().await.unwrap().status(), 403, "{foreign}");
         }
-        let mut request = client().get(format!("{base}/api/v1/runs"));
-        if let Some(key) = key {
-            request = request.header("x-api-key", key);
-        }
-        let runs: Value = request.send().await.unwrap().json().await.unwrap();
+        let runs = get_keyed(&format!("{base}/api/v1/runs"), key).await;
         assert_eq!(runs, json!([]), "no run was registered");
     }
     assert!(!marker.exists(), "no command ran");
@@ -214,14 +187,7 @@ async fn a_config_sent_over_http_runs_no_command_and_reads_nothing_outside_its_r
         let (status, body) = create(&base, None, json!({"config_path": path})).await;
         assert_eq!(status, 403, "{path}: {body}");
     }
-    let runs: Value = client()
-        .get(format!("{base}/api/v1/runs"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let runs = get_keyed(&format!("{base}/api/v1/runs"), None).await;
     assert_eq!(runs, json!([]), "nothing was registered");
     assert!(!marker.exists(), "no command ran");
 
@@ -246,15 +212,7 @@ async fn everything_shown(
     run_id: &str,
     item_id: &str,
 ) -> Vec<(String, String)> {
-    let openapi: Value = client()
-        .get(format!("{base}/api/openapi.json"))
-        .header("x-api-key", key)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let openapi = get_keyed(&format!("{base}/api/openapi.json"), Some(key)).await;
     let mut urls: Vec<String> = openapi["paths"]
         .as_object()
         .unwrap()
@@ -327,26 +285,7 @@ async fn a_run_started_over_http_reads_only_allowed_variables_and_shows_no_secre
     }
     let (status, body) = create(&base, Some(key), json!({"config": good, "run_id": "r"})).await;
     assert_eq!(status, 201, "{body}");
-    let base_for_wait = base.clone();
-    let run = tokio::time::timeout(Duration::from_secs(60), async move {
-        loop {
-            let run: Value = client()
-                .get(format!("{base_for_wait}/api/v1/runs/r"))
-                .header("x-api-key", key)
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            if run["state"] == "finished" {
-                break run;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await
-    .unwrap();
+    let run = wait_for_state_keyed(&base, "r", "finished", Some(key)).await;
     assert_eq!(run["counts"]["done"], 4, "{run}");
     let shown = everything_shown(&base, key, "r", "item-00000").await;
     assert!(shown.len() >= 15, "{}", shown.len());
@@ -366,14 +305,7 @@ async fn a_read_only_server_refuses_every_route_that_would_change_something() {
         .await;
     assert_eq!(ran.code, Some(0), "{}", ran.stderr);
     let (_server, base) = serve_with(&env, &["--read-only"], &[]).await;
-    let openapi: Value = client()
-        .get(format!("{base}/api/openapi.json"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let openapi = get_keyed(&format!("{base}/api/openapi.json"), None).await;
     let mut writes = Vec::new();
     for (path, operations) in openapi["paths"].as_object().unwrap() {
         for method in ["post", "put", "patch", "delete"] {
@@ -401,14 +333,7 @@ async fn a_read_only_server_refuses_every_route_that_would_change_something() {
             assert_eq!(response.status(), 403, "{method} {path} {body}");
         }
     }
-    let runs: Value = client()
-        .get(format!("{base}/api/v1/runs"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let runs = get_keyed(&format!("{base}/api/v1/runs"), None).await;
     assert_eq!(runs.as_array().unwrap().len(), 1, "{runs}");
     let changes =
         evalfleet_core::store::FleetMailbox::fleet_changes(&mut env.store(), "done", 0).unwrap();

@@ -10,6 +10,12 @@ use crate::util::{BIN, Env, wait_until};
 
 /// An `evalfleet serve` process in `env` with `args`, and its address.
 pub async fn serve(env: &Env, args: &[&str], key: Option<&str>) -> (Child, String) {
+    let vars: Vec<(&str, &str)> = key.iter().map(|k| ("EVALFLEET_API_KEY", *k)).collect();
+    serve_with(env, args, &vars).await
+}
+
+/// The same, with the environment variables `vars` (the key among them).
+pub async fn serve_with(env: &Env, args: &[&str], vars: &[(&str, &str)]) -> (Child, String) {
     let mut command = Command::new(BIN);
     command
         .arg("serve")
@@ -18,12 +24,10 @@ pub async fn serve(env: &Env, args: &[&str], key: Option<&str>) -> (Child, Strin
         .current_dir(env.dir.path())
         .env_remove("EVALFLEET_STORE")
         .env_remove("EVALFLEET_API_KEY")
+        .envs(vars.iter().copied())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .kill_on_drop(true);
-    if let Some(key) = key {
-        command.env("EVALFLEET_API_KEY", key);
-    }
     let mut child = command.spawn().unwrap();
     let stdout = child.stdout.take().unwrap();
     let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
@@ -37,21 +41,33 @@ pub fn client() -> reqwest::Client {
 }
 
 pub async fn get(url: &str) -> Value {
-    client()
-        .get(url)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    get_keyed(url, None).await
+}
+
+/// A GET with the server's `key`, as JSON.
+pub async fn get_keyed(url: &str, key: Option<&str>) -> Value {
+    let mut request = client().get(url);
+    if let Some(key) = key {
+        request = request.header("x-api-key", key);
+    }
+    request.send().await.unwrap().json().await.unwrap()
 }
 
 /// Polls the run until it is in `state` (every 50 ms, for at most 60 s).
 pub async fn wait_for_state(base: &str, run_id: &str, state: &str) -> Value {
+    wait_for_state_keyed(base, run_id, state, None).await
+}
+
+/// The same, on a server with a `key`.
+pub async fn wait_for_state_keyed(
+    base: &str,
+    run_id: &str,
+    state: &str,
+    key: Option<&str>,
+) -> Value {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
-        let run = get(&format!("{base}/api/v1/runs/{run_id}")).await;
+        let run = get_keyed(&format!("{base}/api/v1/runs/{run_id}"), key).await;
         if run["state"] == state {
             return run;
         }
