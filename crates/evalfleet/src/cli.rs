@@ -400,9 +400,10 @@ pub struct ServeArgs {
     pub allow_env: Vec<String>,
 
     /// Let a config sent to the server run commands on this machine as the
-    /// server's user: start engines (`local`, `remote` over ssh) and run an
-    /// endpoint's `start_cmd` and `stop_cmd`. Anyone who can reach the API
-    /// can then run anything here.
+    /// server's user: start engines (`local`, `remote` over ssh), run an
+    /// endpoint's `start_cmd` and `stop_cmd`, choose the code judge's
+    /// `python` or `compiler`. Anyone who can reach the API can then run
+    /// anything here.
     #[arg(long)]
     pub allow_commands: bool,
 

@@ -4,8 +4,8 @@
 //! requester's, who may be anybody who can reach the server. So such a
 //! config:
 //! - runs no command (`start_cmd`, `stop_cmd`, a `local` engine's command,
-//!   a `remote` endpoint's ssh) unless the server allows it
-//!   (`--allow-commands`);
+//!   a `remote` endpoint's ssh, the code judge's `python` or `compiler`)
+//!   unless the server allows it (`--allow-commands`);
 //! - reads and writes files only under the server's roots (`--allow-root`),
 //!   symbolic links and `..` resolved first, with the same refusal whether
 //!   the file exists or not, so that a refusal tells nothing of what is
@@ -58,6 +58,11 @@ const SECRETS: [&str; 3] = ["api_key", "headers", "env"];
 /// The fields of an endpoint that run commands.
 const COMMANDS: [&str; 2] = ["start_cmd", "stop_cmd"];
 
+/// The fields of `task.code` that name a program of the server's to run
+/// (the judge's interpreter and compiler): a config from outside uses the
+/// server's own.
+const PROGRAMS: [&str; 2] = ["python", "compiler"];
+
 #[derive(Debug, Clone, Copy)]
 enum Relative {
     ConfigDir,
@@ -72,6 +77,18 @@ impl Admission {
         self.references(document, "", false, &mut out);
         for (keys, relative) in PATHS {
             self.file(document, keys, "", relative, dir, &mut out);
+        }
+        if !self.commands {
+            let code = document.get("task").and_then(|task| task.get("code"));
+            for key in PROGRAMS {
+                if code.and_then(|code| code.get(key)).is_some() {
+                    let at = format!("task.code.{key}");
+                    let message = format!(
+                        "{at}: a config sent to this server may not choose a program to run (the judge uses the server's own); the server allows it only when started with --allow-commands"
+                    );
+                    out.push((at, message));
+                }
+            }
         }
         let endpoints = document.get("endpoints").and_then(Value::as_array);
         for (i, endpoint) in endpoints.into_iter().flatten().enumerate() {
@@ -274,11 +291,13 @@ mod tests {
             {"name": "b", "kind": "local", "command": "sh -c id"},
             {"name": "c", "kind": "remote", "host": "gpu1"},
             {"name": "d", "kind": "mock"},
-        ]});
+        ], "task": {"code": {"format": "stdio", "python": "/bin/sh", "compiler": "/tmp/cc"}}});
         let mut admission = admission(root.path());
         assert_eq!(
             paths(&admission.refusals(&document, root.path())),
             vec![
+                "task.code.python",
+                "task.code.compiler",
                 "endpoints[0].start_cmd",
                 "endpoints[0].stop_cmd",
                 "endpoints[1].kind",
