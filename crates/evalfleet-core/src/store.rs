@@ -438,6 +438,15 @@ pub trait Results {
         each: &mut dyn FnMut(ExportRow) -> std::io::Result<()>,
     ) -> Result<(), ExportError>;
 
+    /// Up to `limit` results of a run in dataset order, those after the
+    /// item `after` (its `seq`): a page of them.
+    fn results_by_seq(
+        &mut self,
+        run_id: &str,
+        after: Option<u64>,
+        limit: usize,
+    ) -> Result<Vec<StoredResult>, StoreError>;
+
     /// Up to `limit` results of a run in item-id order (byte order), those
     /// after `after`: a page of them, for reading two runs side by side by
     /// their items' ids.

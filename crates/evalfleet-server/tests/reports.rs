@@ -160,6 +160,35 @@ async fn comparing_runs_of_different_datasets_says_how_many_items_were_paired() 
         .find(|c| c["group"] == "all")
         .unwrap();
     assert_eq!(all["n"], 4, "the paired items only: {all}");
+    // The same items in another order: paired by id all the same.
+    let lines: Vec<String> = std::fs::read_to_string(fixture.path("items.jsonl"))
+        .unwrap()
+        .lines()
+        .rev()
+        .map(|line| format!("{line}\n"))
+        .collect();
+    std::fs::write(fixture.path("reversed.jsonl"), lines.concat()).unwrap();
+    fixture.run_on("reversed", "reversed.jsonl", 8, |_| true);
+    let (status, body, _, _) = get(&app, "/api/v1/compare?runs=a,reversed").await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let coverage = &body["coverage"][0];
+    // Each run left its last item pending: 'no' in a, 'fr' in reversed.
+    assert_eq!(
+        (
+            coverage["items_a"].as_u64(),
+            coverage["items_b"].as_u64(),
+            coverage["paired"].as_u64(),
+        ),
+        (Some(7), Some(7), Some(6)),
+        "{coverage}"
+    );
+    let all = body["comparisons"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["group"] == "all")
+        .unwrap();
+    assert_eq!(all["n"], 6, "{all}");
     // The same dataset: every item paired.
     let (_, body, _, _) = get(&app, "/api/v1/compare?runs=a,b").await;
     let coverage = &body["coverage"][0];

@@ -873,6 +873,13 @@ fn a_runs_generation_changes_with_its_results_and_kept_reports_are_replaced() {
         ["z"]
     );
 
+    // And in dataset order.
+    let seqs = |page: Vec<evalfleet_core::store::StoredResult>| {
+        page.iter().map(|r| r.seq).collect::<Vec<_>>()
+    };
+    assert_eq!(seqs(store.results_by_seq("r", None, 2).unwrap()), [1, 2]);
+    assert_eq!(seqs(store.results_by_seq("r", Some(2), 2).unwrap()), [4]);
+
     // A kept report is replaced under its key, and read back whole.
     assert_eq!(store.kept_report("r", "report?by=").unwrap(), None);
     for (fingerprint, body) in [("r:1", "{\"first\": 1}"), ("r:2", "{\"second\": 2}")] {

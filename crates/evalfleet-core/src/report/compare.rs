@@ -5,9 +5,14 @@
 //! 0/1 scores; how many items each run has and how many were paired; and
 //! the items they disagree on.
 //!
-//! Two runs are read side by side in item-id order, a page at a time, and
-//! merged by id: memory holds a page of each and the running sums, never
-//! either run.
+//! Two runs are read side by side a page at a time and paired by item id:
+//! memory holds a page of each and the running sums, never either run.
+//! They are read first in dataset order, which pairs them item by item as
+//! long as both have the same id at each place (runs of one dataset: a
+//! sequential read of each); at the first place where their ids differ,
+//! the pass starts again in item-id order from the items' id index, and
+//! merges them by id (a read of each in id order, slower: a lookup per
+//! result).
 
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
@@ -132,18 +137,30 @@ pub struct Compared {
 /// Results read a page at a time.
 const PAGE: usize = 1000;
 
-/// A run's results in item-id order, a page at a time.
+/// The order two runs are read in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Order {
+    /// Dataset order: pairs the runs place by place while their ids agree.
+    Seq,
+    /// Item-id order: pairs any two runs by merging.
+    Key,
+}
+
+/// A run's results in `order`, a page at a time.
 struct Cursor<'a> {
     run_id: &'a str,
+    order: Order,
     page: VecDeque<StoredResult>,
-    after: Option<String>,
+    /// The last result read: its id and seq.
+    after: Option<(String, u64)>,
     ended: bool,
 }
 
 impl<'a> Cursor<'a> {
-    fn new(run_id: &'a str) -> Self {
+    fn new(run_id: &'a str, order: Order) -> Self {
         Self {
             run_id,
+            order,
             page: VecDeque::new(),
             after: None,
             ended: false,
@@ -153,9 +170,15 @@ impl<'a> Cursor<'a> {
     /// The next result's id, reading a page when the last is used up.
     fn peek(&mut self, store: &mut dyn Store) -> Result<Option<&str>, StoreError> {
         if self.page.is_empty() && !self.ended {
-            let page = store.results_by_key(self.run_id, self.after.as_deref(), PAGE)?;
+            let after = self.after.as_ref();
+            let page = match self.order {
+                Order::Seq => store.results_by_seq(self.run_id, after.map(|a| a.1), PAGE)?,
+                Order::Key => {
+                    store.results_by_key(self.run_id, after.map(|a| a.0.as_str()), PAGE)?
+                }
+            };
             self.ended = page.len() < PAGE;
-            self.after = page.last().map(|r| r.item_id.clone());
+            self.after = page.last().map(|r| (r.item_id.clone(), r.seq));
             self.page = page.into();
         }
         Ok(self.page.front().map(|r| r.item_id.as_str()))
@@ -261,16 +284,21 @@ pub fn compare(
     };
     let mut base_estimates = None;
     for other in &judged[1..] {
-        let pass = merge(
-            store,
-            base,
-            other,
-            &shared,
-            by,
-            listed,
-            limit,
-            base_estimates.is_none(),
-        )?;
+        let mut pass = None;
+        for order in [Order::Seq, Order::Key] {
+            let summarise = base_estimates.is_none();
+            pass = merge(
+                store, base, other, order, &shared, by, listed, limit, summarise,
+            )?;
+            if pass.is_some() {
+                break;
+            }
+        }
+        let Some(pass) = pass else {
+            return Err(ReportError::Compare(
+                "the runs could not be read side by side".to_owned(),
+            ));
+        };
         if let Some(own) = pass.base_summaries {
             base_estimates = Some(estimates(own));
         }
@@ -315,21 +343,23 @@ struct Pass {
     disagreements: Disagreements,
 }
 
-/// Reads `base` and `other` side by side in item-id order.
+/// Reads `base` and `other` side by side in `order`; in dataset order,
+/// `None` at the first place where their ids differ.
 #[allow(clippy::too_many_arguments)]
 fn merge(
     store: &mut dyn Store,
     base: &Judged,
     other: &Judged,
+    order: Order,
     shared: &[Metric],
     by: &[String],
     listed: usize,
     limit: usize,
     summarise_base: bool,
-) -> Result<Pass, ReportError> {
+) -> Result<Option<Pass>, ReportError> {
     let (a_id, b_id) = (base.run.run_id.as_str(), other.run.run_id.as_str());
-    let mut a = Cursor::new(a_id);
-    let mut b = Cursor::new(b_id);
+    let mut a = Cursor::new(a_id, order);
+    let mut b = Cursor::new(b_id, order);
     let mut base_summaries = summarise_base.then(|| Summaries::new(shared));
     let mut other_summaries = Summaries::new(shared);
     let mut pairs: Vec<BTreeMap<String, Pairs>> = vec![BTreeMap::new(); shared.len()];
@@ -351,14 +381,18 @@ fn merge(
     };
     let mut first: BinaryHeap<Placed> = BinaryHeap::new();
     loop {
-        let order = match (a.peek(store)?, b.peek(store)?) {
+        // Once one run has ended, the other's rest is unpaired in either
+        // order: in dataset order, every id before was paired with itself.
+        let next = match (a.peek(store)?, b.peek(store)?) {
             (None, None) => break,
             (Some(_), None) => Ordering::Less,
             (None, Some(_)) => Ordering::Greater,
-            (Some(x), Some(y)) => x.cmp(y),
+            (Some(x), Some(y)) if order == Order::Key => x.cmp(y),
+            (Some(x), Some(y)) if x == y => Ordering::Equal,
+            (Some(_), Some(_)) => return Ok(None),
         };
-        let left = (order != Ordering::Greater).then(|| a.take()).flatten();
-        let right = (order != Ordering::Less).then(|| b.take()).flatten();
+        let left = (next != Ordering::Greater).then(|| a.take()).flatten();
+        let right = (next != Ordering::Less).then(|| b.take()).flatten();
         let group_a = left.as_ref().map(|r| group_of(r.item.as_deref(), by));
         if let (Some(r), Some(group)) = (&left, &group_a) {
             coverage.items_a += 1;
@@ -423,11 +457,11 @@ fn merge(
         }
     }
     disagreements.items = first.into_sorted_vec().into_iter().map(|p| p.1).collect();
-    Ok(Pass {
+    Ok(Some(Pass {
         coverage,
         pairs,
         base_summaries,
         other_summaries,
         disagreements,
-    })
+    }))
 }

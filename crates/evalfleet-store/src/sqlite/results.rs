@@ -146,6 +146,33 @@ impl Results for SqliteStore {
         Ok(())
     }
 
+    fn results_by_seq(
+        &mut self,
+        run_id: &str,
+        after: Option<u64>,
+        limit: usize,
+    ) -> Result<Vec<StoredResult>, StoreError> {
+        let rid = self.rid(run_id)?;
+        let err = db_err("cannot read results");
+        let mut stmt = self
+            .conn
+            .prepare_cached(
+                "SELECT seq, item_id, status, output, endpoint, model, item, parsed, verdict,
+                        check_error, scores, reasks, judge
+                 FROM results WHERE rid = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3",
+            )
+            .map_err(&err)?;
+        let after = after.map_or(-1, |seq| seq as i64);
+        let mut rows = stmt
+            .query(params![rid, after, limit as i64])
+            .map_err(&err)?;
+        let mut out = Vec::with_capacity(limit.min(4096));
+        while let Some(row) = rows.next().map_err(&err)? {
+            out.push(stored_result(row)?);
+        }
+        Ok(out)
+    }
+
     fn results_by_key(
         &mut self,
         run_id: &str,
