@@ -200,8 +200,14 @@ impl Admission {
     /// A path that does not exist (yet) is judged by its nearest existing
     /// ancestor, resolved, and the rest of it, which may not go up.
     pub fn inside(&self, path: &Path) -> bool {
-        resolved(path)
-            .is_some_and(|resolved| self.roots.iter().any(|root| resolved.starts_with(root)))
+        self.confined(path).is_some()
+    }
+
+    /// `path` resolved (links and `..` followed), when it is under one of
+    /// the roots: what to open, so that a link changed after the check
+    /// cannot lead out.
+    pub fn confined(&self, path: &Path) -> Option<PathBuf> {
+        resolved(path).filter(|resolved| self.roots.iter().any(|root| resolved.starts_with(root)))
     }
 }
 

@@ -181,12 +181,12 @@ pub async fn create(
                 }
                 (None, Some(path)) => {
                     // Refused alike whether the file exists or not.
-                    if !admission.inside(FsPath::new(&path)) {
+                    let Some(file) = admission.confined(FsPath::new(&path)) else {
                         return Err(ApiError::Forbidden(format!(
                             "config_path: '{path}' is not under the directories this server reads from (--allow-root)"
                         )));
-                    }
-                    config::load_file_admitted(FsPath::new(&path), overrides, Some(&admission))
+                    };
+                    config::load_file_admitted(&file, overrides, Some(&admission))
                 }
                 _ => {
                     return Err(ApiError::BadRequest(
