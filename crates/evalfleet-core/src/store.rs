@@ -313,6 +313,25 @@ pub struct StoredResult {
     pub assessment: Assessment,
 }
 
+/// The parts of a [`StoredResult`] a reader needs beyond its id, status,
+/// verdict and scores (those it does not are left empty, and cost nothing
+/// to read).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResultParts {
+    /// The answer and what was made of it: output, endpoint, model,
+    /// parsed, check error, the judge's judgement.
+    pub answer: bool,
+    /// The input row.
+    pub item: bool,
+}
+
+impl ResultParts {
+    pub const ALL: Self = Self {
+        answer: true,
+        item: true,
+    };
+}
+
 /// The part of an attempt that status summaries need.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AttemptSample {
@@ -439,12 +458,13 @@ pub trait Results {
     ) -> Result<(), ExportError>;
 
     /// Up to `limit` results of a run in dataset order, those after the
-    /// item `after` (its `seq`): a page of them.
+    /// item `after` (its `seq`): a page of them, with the `parts` asked for.
     fn results_by_seq(
         &mut self,
         run_id: &str,
         after: Option<u64>,
         limit: usize,
+        parts: ResultParts,
     ) -> Result<Vec<StoredResult>, StoreError>;
 
     /// Up to `limit` results of a run in item-id order (byte order), those
@@ -455,6 +475,7 @@ pub trait Results {
         run_id: &str,
         after: Option<&str>,
         limit: usize,
+        parts: ResultParts,
     ) -> Result<Vec<StoredResult>, StoreError>;
 
     /// Replaces results' assessments and the run's stored config, in one

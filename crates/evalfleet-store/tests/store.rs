@@ -832,7 +832,7 @@ fn one_item_comes_whole_with_its_attempts() {
 
 #[test]
 fn a_runs_generation_changes_with_its_results_and_kept_reports_are_replaced() {
-    use evalfleet_core::store::{KeptReport, KeptReports};
+    use evalfleet_core::store::{KeptReport, KeptReports, ResultParts};
     let dir = tempfile::tempdir().unwrap();
     let mut store = SqliteStore::open(&dir.path().join("s.db")).unwrap();
     store
@@ -864,10 +864,14 @@ fn a_runs_generation_changes_with_its_results_and_kept_reports_are_replaced() {
     assert!(generation(&mut store) > g2, "a rescore changes it");
 
     // Results by item id, a page at a time.
-    let page = store.results_by_key("r", None, 2).unwrap();
+    let page = store
+        .results_by_key("r", None, 2, ResultParts::ALL)
+        .unwrap();
     let ids: Vec<&str> = page.iter().map(|r| r.item_id.as_str()).collect();
     assert_eq!(ids, ["a", "b"]);
-    let rest = store.results_by_key("r", Some("b"), 2).unwrap();
+    let rest = store
+        .results_by_key("r", Some("b"), 2, ResultParts::ALL)
+        .unwrap();
     assert_eq!(
         rest.iter().map(|r| r.item_id.as_str()).collect::<Vec<_>>(),
         ["z"]
@@ -877,8 +881,22 @@ fn a_runs_generation_changes_with_its_results_and_kept_reports_are_replaced() {
     let seqs = |page: Vec<evalfleet_core::store::StoredResult>| {
         page.iter().map(|r| r.seq).collect::<Vec<_>>()
     };
-    assert_eq!(seqs(store.results_by_seq("r", None, 2).unwrap()), [1, 2]);
-    assert_eq!(seqs(store.results_by_seq("r", Some(2), 2).unwrap()), [4]);
+    assert_eq!(
+        seqs(
+            store
+                .results_by_seq("r", None, 2, ResultParts::ALL)
+                .unwrap()
+        ),
+        [1, 2]
+    );
+    assert_eq!(
+        seqs(
+            store
+                .results_by_seq("r", Some(2), 2, ResultParts::ALL)
+                .unwrap()
+        ),
+        [4]
+    );
 
     // A kept report is replaced under its key, and read back whole.
     assert_eq!(store.kept_report("r", "report?by=").unwrap(), None);

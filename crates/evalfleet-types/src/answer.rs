@@ -30,7 +30,9 @@ impl Verdict {
 
 /// One metric's score of one item: its value, or why it has none, and what
 /// the metric adds (edit counts, matched fields, the judge's verdict...).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+/// Read by hand (below), not derived: serde's `flatten` would buffer every
+/// field of every score, and reports read a score per item and metric.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Score {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub value: Option<f64>,
@@ -39,6 +41,64 @@ pub struct Score {
     pub error: Option<String>,
     #[serde(flatten)]
     pub detail: Map<String, Value>,
+}
+
+impl<'de> Deserialize<'de> for Score {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_map(ScoreVisitor)
+    }
+}
+
+/// A score's key: its two own, or one the metric added.
+enum ScoreKey {
+    Value,
+    Error,
+    Detail(String),
+}
+
+impl<'de> Deserialize<'de> for ScoreKey {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct KeyVisitor;
+        impl serde::de::Visitor<'_> for KeyVisitor {
+            type Value = ScoreKey;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a score's key")
+            }
+            fn visit_str<E: serde::de::Error>(self, key: &str) -> Result<ScoreKey, E> {
+                Ok(match key {
+                    "value" => ScoreKey::Value,
+                    "error" => ScoreKey::Error,
+                    other => ScoreKey::Detail(other.to_owned()),
+                })
+            }
+        }
+        deserializer.deserialize_str(KeyVisitor)
+    }
+}
+
+struct ScoreVisitor;
+
+impl<'de> serde::de::Visitor<'de> for ScoreVisitor {
+    type Value = Score;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a score: an object with a value or an error")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Score, A::Error> {
+        let mut score = Score::default();
+        while let Some(key) = map.next_key::<ScoreKey>()? {
+            match key {
+                ScoreKey::Value => score.value = map.next_value()?,
+                ScoreKey::Error => score.error = map.next_value()?,
+                ScoreKey::Detail(key) => {
+                    let value: Value = map.next_value()?;
+                    score.detail.insert(key, value);
+                }
+            }
+        }
+        Ok(score)
+    }
 }
 
 impl Score {
@@ -102,6 +162,25 @@ impl Assessment {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_score_reads_its_value_its_error_and_what_the_metric_added() {
+        let score: super::Score =
+            serde_json::from_str(r#"{"value": 0.5, "edits": 3, "reference": "x"}"#).unwrap();
+        assert_eq!(score.value, Some(0.5));
+        assert_eq!((score.count("edits"), score.text("reference")), (3, "x"));
+        let score: super::Score =
+            serde_json::from_str(r#"{"value": null, "error": "no number"}"#).unwrap();
+        assert_eq!(
+            (score.value, score.error.as_deref()),
+            (None, Some("no number"))
+        );
+        assert_eq!(
+            serde_json::to_value(&score).unwrap(),
+            serde_json::json!({"error": "no number"})
+        );
+        assert!(serde_json::from_str::<super::Score>(r#"{"value": "high"}"#).is_err());
+    }
+
     use super::*;
 
     #[test]

@@ -19,12 +19,11 @@ use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
 
 use serde::Serialize;
 
-use super::metrics::{self, Row, Summaries};
-use super::stats::{Estimate, Paired, Pairs};
+use super::metrics;
+use super::stats::{self, Estimate, Moments, Paired, Pairs};
 use super::{Judged, ReportError, group_of, judged_value};
 use crate::eval::Metric;
-use crate::store::{Store, StoreError, StoredResult};
-use evalfleet_types::ItemStatus;
+use crate::store::{ResultParts, Store, StoreError, StoredResult};
 
 /// One metric and category of one run against the first.
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
@@ -150,6 +149,7 @@ enum Order {
 struct Cursor<'a> {
     run_id: &'a str,
     order: Order,
+    parts: ResultParts,
     page: VecDeque<StoredResult>,
     /// The last result read: its id and seq.
     after: Option<(String, u64)>,
@@ -157,10 +157,11 @@ struct Cursor<'a> {
 }
 
 impl<'a> Cursor<'a> {
-    fn new(run_id: &'a str, order: Order) -> Self {
+    fn new(run_id: &'a str, order: Order, parts: ResultParts) -> Self {
         Self {
             run_id,
             order,
+            parts,
             page: VecDeque::new(),
             after: None,
             ended: false,
@@ -172,10 +173,15 @@ impl<'a> Cursor<'a> {
         if self.page.is_empty() && !self.ended {
             let after = self.after.as_ref();
             let page = match self.order {
-                Order::Seq => store.results_by_seq(self.run_id, after.map(|a| a.1), PAGE)?,
-                Order::Key => {
-                    store.results_by_key(self.run_id, after.map(|a| a.0.as_str()), PAGE)?
+                Order::Seq => {
+                    store.results_by_seq(self.run_id, after.map(|a| a.1), PAGE, self.parts)?
                 }
+                Order::Key => store.results_by_key(
+                    self.run_id,
+                    after.map(|a| a.0.as_str()),
+                    PAGE,
+                    self.parts,
+                )?,
             };
             self.ended = page.len() < PAGE;
             self.after = page.last().map(|r| (r.item_id.clone(), r.seq));
@@ -210,22 +216,54 @@ impl Ord for Placed {
     }
 }
 
-fn row_of(result: &StoredResult) -> Row<'_> {
-    Row {
-        failed: result.status == ItemStatus::Failed,
-        verdict: result.assessment.verdict,
-        scores: &result.assessment.scores,
-    }
+/// A run's own sums per metric and category over all its items, as its
+/// report takes them (an item without a usable answer at the worst value,
+/// one the metric could not score in none: [`judged_value`]), so that
+/// [`stats::estimate`] gives the figures its report shows.
+struct Means {
+    /// Per metric: category → sums (`all` among them).
+    groups: Vec<BTreeMap<String, Moments>>,
 }
 
-/// Each run's own figures, by metric and category, as its report gives
-/// them.
-fn estimates(summaries: Summaries) -> HashMap<(String, String), Estimate> {
-    summaries
-        .finish()
-        .into_iter()
-        .map(|s| ((s.metric, s.group), s.estimate))
-        .collect()
+impl Means {
+    fn new(metrics: &[Metric]) -> Self {
+        Self {
+            groups: vec![BTreeMap::new(); metrics.len()],
+        }
+    }
+
+    fn add(&mut self, metrics: &[Metric], result: &StoredResult, group: &str) {
+        for (m, groups) in metrics.iter().zip(&mut self.groups) {
+            let Some(v) = judged_value(result, m) else {
+                continue;
+            };
+            let mut add = |group: &str| match groups.get_mut(group) {
+                Some(sums) => sums.add(v),
+                None => {
+                    let mut sums = Moments::default();
+                    sums.add(v);
+                    groups.insert(group.to_owned(), sums);
+                }
+            };
+            add(metrics::ALL);
+            if group != metrics::ALL {
+                add(group);
+            }
+        }
+    }
+
+    /// Each metric and category's mean and interval.
+    fn estimates(self, metrics: &[Metric]) -> HashMap<(String, String), Estimate> {
+        metrics
+            .iter()
+            .zip(self.groups)
+            .flat_map(|(m, groups)| {
+                groups
+                    .into_iter()
+                    .map(|(group, sums)| ((m.key.clone(), group), stats::estimate(&sums)))
+            })
+            .collect()
+    }
 }
 
 /// Compares `runs[1..]` each with `runs[0]` on the metrics every run has,
@@ -299,11 +337,11 @@ pub fn compare(
                 "the runs could not be read side by side".to_owned(),
             ));
         };
-        if let Some(own) = pass.base_summaries {
-            base_estimates = Some(estimates(own));
+        if let Some(own) = pass.base_means {
+            base_estimates = Some(own.estimates(&shared));
         }
         let ours = base_estimates.as_ref();
-        let theirs = estimates(pass.other_summaries);
+        let theirs = pass.other_means.estimates(&shared);
         let unknown = Estimate {
             mean: f64::NAN,
             stderr: f64::NAN,
@@ -338,8 +376,8 @@ struct Pass {
     coverage: Coverage,
     /// Per metric: category → the pairs.
     pairs: Vec<BTreeMap<String, Pairs>>,
-    base_summaries: Option<Summaries>,
-    other_summaries: Summaries,
+    base_means: Option<Means>,
+    other_means: Means,
     disagreements: Disagreements,
 }
 
@@ -358,10 +396,16 @@ fn merge(
     summarise_base: bool,
 ) -> Result<Option<Pass>, ReportError> {
     let (a_id, b_id) = (base.run.run_id.as_str(), other.run.run_id.as_str());
-    let mut a = Cursor::new(a_id, order);
-    let mut b = Cursor::new(b_id, order);
-    let mut base_summaries = summarise_base.then(|| Summaries::new(shared));
-    let mut other_summaries = Summaries::new(shared);
+    // Answers are read only for the disagreements listed, at the end; the
+    // items only for their categories.
+    let parts = ResultParts {
+        answer: false,
+        item: !by.is_empty(),
+    };
+    let mut a = Cursor::new(a_id, order, parts);
+    let mut b = Cursor::new(b_id, order, parts);
+    let mut base_means = summarise_base.then(|| Means::new(shared));
+    let mut other_means = Means::new(shared);
     let mut pairs: Vec<BTreeMap<String, Pairs>> = vec![BTreeMap::new(); shared.len()];
     let mut coverage = Coverage {
         a: a_id.to_owned(),
@@ -396,13 +440,13 @@ fn merge(
         let group_a = left.as_ref().map(|r| group_of(r.item.as_deref(), by));
         if let (Some(r), Some(group)) = (&left, &group_a) {
             coverage.items_a += 1;
-            if let Some(s) = &mut base_summaries {
-                s.add(row_of(r), group);
+            if let Some(means) = &mut base_means {
+                means.add(shared, r, group);
             }
         }
         if let Some(r) = &right {
             coverage.items_b += 1;
-            other_summaries.add(row_of(r), &group_of(r.item.as_deref(), by));
+            other_means.add(shared, r, &group_of(r.item.as_deref(), by));
         }
         let (Some(x), Some(y), Some(group)) = (&left, &right, &group_a) else {
             continue;
@@ -447,8 +491,8 @@ fn merge(
                     group: group.clone(),
                     a: va,
                     b: vb,
-                    output_a: preview(x.output.as_deref()),
-                    output_b: preview(y.output.as_deref()),
+                    output_a: None,
+                    output_b: None,
                 },
             ));
             if first.len() > limit {
@@ -457,11 +501,20 @@ fn merge(
         }
     }
     disagreements.items = first.into_sorted_vec().into_iter().map(|p| p.1).collect();
+    for d in &mut disagreements.items {
+        let output = |store: &mut dyn Store, run: &str| -> Result<_, StoreError> {
+            Ok(store
+                .item(run, &d.item_id)?
+                .and_then(|record| preview(record.row.output.as_deref())))
+        };
+        d.output_a = output(store, a_id)?;
+        d.output_b = output(store, b_id)?;
+    }
     Ok(Some(Pass {
         coverage,
         pairs,
-        base_summaries,
-        other_summaries,
+        base_means,
+        other_means,
         disagreements,
     }))
 }

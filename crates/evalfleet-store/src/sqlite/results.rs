@@ -1,7 +1,7 @@
 //! Results and attempts read back, and new assessments of stored answers.
 
 use evalfleet_core::store::{
-    AttemptSample, ExportError, ExportRow, Results, StoreError, StoredResult,
+    AttemptSample, ExportError, ExportRow, ResultParts, Results, StoreError, StoredResult,
 };
 use evalfleet_types::{Assessment, ErrorClass, ItemStatus, Scores, Verdict, now_ms};
 use rusqlite::params;
@@ -35,54 +35,66 @@ pub(crate) fn assessment_columns(a: &Assessment) -> Result<AssessmentColumns<'_>
     ))
 }
 
-/// An assessment from its stored columns.
-fn assessment_of(
-    parsed: Option<String>,
-    verdict: Option<String>,
-    check_error: Option<String>,
-    scores: Option<String>,
-    reasks: u32,
-    judge: Option<String>,
-) -> Result<Assessment, StoreError> {
-    Ok(Assessment {
-        parsed: json_column(parsed)?,
-        verdict: verdict
-            .as_deref()
-            .map(Verdict::parse)
-            .transpose()
-            .map_err(unknown)?,
-        check_error,
-        scores: match scores {
-            Some(text) => serde_json::from_str::<Scores>(&text)
-                .map_err(json_err("stored scores cannot be read"))?,
-            None => Scores::new(),
-        },
-        reasks,
-        code: json_column(judge)?,
-    })
+/// The columns of [`stored_result`] (of the table named by `prefix`), those
+/// `parts` does not ask for NULL.
+fn columns(parts: ResultParts, prefix: &str) -> String {
+    let answer = |name: &str| {
+        if parts.answer {
+            format!("{prefix}{name}")
+        } else {
+            "NULL".to_owned()
+        }
+    };
+    let item = if parts.item {
+        format!("{prefix}item")
+    } else {
+        "NULL".to_owned()
+    };
+    format!(
+        "{prefix}seq, {prefix}item_id, {prefix}status, {}, {}, {}, {item}, {}, {prefix}verdict, {}, \
+         {prefix}scores, {prefix}reasks, {}",
+        answer("output"),
+        answer("endpoint"),
+        answer("model"),
+        answer("parsed"),
+        answer("check_error"),
+        answer("judge"),
+    )
 }
 
 /// A result from the columns seq, item_id, status, output, endpoint,
 /// model, item, parsed, verdict, check_error, scores, reasks, judge.
 fn stored_result(row: &rusqlite::Row<'_>) -> Result<StoredResult, StoreError> {
     let err = db_err("cannot read results");
-    let status: String = row.get(2).map_err(&err)?;
+    // Texts read in place where only their meaning is kept.
+    let text = |i: usize| -> Result<Option<&str>, StoreError> {
+        row.get_ref(i)
+            .and_then(|v| v.as_str_or_null().map_err(Into::into))
+            .map_err(&err)
+    };
+    let status = text(2)?.unwrap_or_default();
+    let verdict = text(8)?.map(Verdict::parse).transpose().map_err(unknown)?;
+    let scores = match text(10)? {
+        Some(text) => serde_json::from_str::<Scores>(text)
+            .map_err(json_err("stored scores cannot be read"))?,
+        None => Scores::new(),
+    };
     Ok(StoredResult {
         seq: row.get::<_, i64>(0).map_err(&err)? as u64,
         item_id: row.get(1).map_err(&err)?,
-        status: ItemStatus::parse(&status).map_err(unknown)?,
+        status: ItemStatus::parse(status).map_err(unknown)?,
         output: row.get(3).map_err(&err)?,
         endpoint: row.get(4).map_err(&err)?,
         model: row.get(5).map_err(&err)?,
         item: row.get(6).map_err(&err)?,
-        assessment: assessment_of(
-            row.get(7).map_err(&err)?,
-            row.get(8).map_err(&err)?,
-            row.get(9).map_err(&err)?,
-            row.get(10).map_err(&err)?,
-            row.get(11).map_err(&err)?,
-            row.get(12).map_err(&err)?,
-        )?,
+        assessment: Assessment {
+            parsed: json_column(row.get(7).map_err(&err)?)?,
+            verdict,
+            check_error: row.get(9).map_err(&err)?,
+            scores,
+            reasks: row.get(11).map_err(&err)?,
+            code: json_column(row.get(12).map_err(&err)?)?,
+        },
     })
 }
 
@@ -133,11 +145,10 @@ impl Results for SqliteStore {
         let err = db_err("cannot read results");
         let mut stmt = self
             .conn
-            .prepare(
-                "SELECT seq, item_id, status, output, endpoint, model, item, parsed, verdict,
-                        check_error, scores, reasks, judge
-                 FROM results WHERE rid = ?1 ORDER BY seq",
-            )
+            .prepare(&format!(
+                "SELECT {} FROM results WHERE rid = ?1 ORDER BY seq",
+                columns(ResultParts::ALL, "")
+            ))
             .map_err(&err)?;
         let mut rows = stmt.query([rid]).map_err(&err)?;
         while let Some(row) = rows.next().map_err(&err)? {
@@ -151,16 +162,16 @@ impl Results for SqliteStore {
         run_id: &str,
         after: Option<u64>,
         limit: usize,
+        parts: ResultParts,
     ) -> Result<Vec<StoredResult>, StoreError> {
         let rid = self.rid(run_id)?;
         let err = db_err("cannot read results");
+        let columns = columns(parts, "");
         let mut stmt = self
             .conn
-            .prepare_cached(
-                "SELECT seq, item_id, status, output, endpoint, model, item, parsed, verdict,
-                        check_error, scores, reasks, judge
-                 FROM results WHERE rid = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3",
-            )
+            .prepare_cached(&format!(
+                "SELECT {columns} FROM results WHERE rid = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3"
+            ))
             .map_err(&err)?;
         let after = after.map_or(-1, |seq| seq as i64);
         let mut rows = stmt
@@ -178,20 +189,21 @@ impl Results for SqliteStore {
         run_id: &str,
         after: Option<&str>,
         limit: usize,
+        parts: ResultParts,
     ) -> Result<Vec<StoredResult>, StoreError> {
         let rid = self.rid(run_id)?;
         let err = db_err("cannot read results");
+        let columns = columns(parts, "r.");
         // Items' ids in order from their index, each item's result by its
         // key: no sort, and a page costs its own rows whatever its place.
         let mut stmt = self
             .conn
-            .prepare_cached(
-                "SELECT r.seq, r.item_id, r.status, r.output, r.endpoint, r.model, r.item, r.parsed,
-                        r.verdict, r.check_error, r.scores, r.reasks, r.judge
+            .prepare_cached(&format!(
+                "SELECT {columns}
                  FROM items i INDEXED BY items_by_id CROSS JOIN results r ON r.rid = i.rid AND r.seq = i.seq
                  WHERE i.rid = ?1 AND i.item_id > ?2
-                 ORDER BY i.item_id LIMIT ?3",
-            )
+                 ORDER BY i.item_id LIMIT ?3"
+            ))
             .map_err(&err)?;
         let mut rows = stmt
             .query(params![rid, after.unwrap_or(""), limit as i64])
