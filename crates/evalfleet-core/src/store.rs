@@ -16,7 +16,7 @@ use serde_json::Value;
 
 use evalfleet_types::{
     Assessment, AttemptRecord, CacheEntry, EndpointSnapshot, ErrorClass, Event, Fault, FleetChange,
-    ItemStatus, ResultRecord, RunSample, RunStatus, Scores, StateCounts,
+    ItemStatus, ResultRecord, RunSample, RunStatus, Scores, StateCounts, Verdict,
 };
 
 use crate::dataset::{DatasetError, DatasetIdentity};
@@ -313,23 +313,27 @@ pub struct StoredResult {
     pub assessment: Assessment,
 }
 
-/// The parts of a [`StoredResult`] a reader needs beyond its id, status,
-/// verdict and scores (those it does not are left empty, and cost nothing
-/// to read).
+/// The order of a page of results.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ResultParts {
-    /// The answer and what was made of it: output, endpoint, model,
-    /// parsed, check error, the judge's judgement.
-    pub answer: bool,
-    /// The input row.
-    pub item: bool,
+pub enum ResultOrder {
+    /// Dataset order (`seq`).
+    Seq,
+    /// Item-id order (byte order of the ids).
+    Key,
 }
 
-impl ResultParts {
-    pub const ALL: Self = Self {
-        answer: true,
-        item: true,
-    };
+/// A result as a page of them hands it, borrowed from the store: what a
+/// comparison needs, and nothing it must copy or parse unless it keeps it.
+#[derive(Debug, Clone, Copy)]
+pub struct ResultView<'a> {
+    pub seq: u64,
+    pub item_id: &'a str,
+    pub status: ItemStatus,
+    pub verdict: Option<Verdict>,
+    /// The scores, as stored (JSON: metric key → score).
+    pub scores: Option<&'a str>,
+    /// The input row (JSON), when asked for.
+    pub item: Option<&'a str>,
 }
 
 /// The part of an attempt that status summaries need.
@@ -457,26 +461,19 @@ pub trait Results {
         each: &mut dyn FnMut(ExportRow) -> std::io::Result<()>,
     ) -> Result<(), ExportError>;
 
-    /// Up to `limit` results of a run in dataset order, those after the
-    /// item `after` (its `seq`): a page of them, with the `parts` asked for.
-    fn results_by_seq(
+    /// Hands `each` up to `limit` results of a run in `order`, those after
+    /// `after` (the last one of the page before: its id and seq), each as
+    /// the store reads it, with its item only when `with_item`; returns
+    /// how many it handed. Pages of this read two runs side by side.
+    fn results_page(
         &mut self,
         run_id: &str,
-        after: Option<u64>,
+        order: ResultOrder,
+        after: Option<(&str, u64)>,
         limit: usize,
-        parts: ResultParts,
-    ) -> Result<Vec<StoredResult>, StoreError>;
-
-    /// Up to `limit` results of a run in item-id order (byte order), those
-    /// after `after`: a page of them, for reading two runs side by side by
-    /// their items' ids.
-    fn results_by_key(
-        &mut self,
-        run_id: &str,
-        after: Option<&str>,
-        limit: usize,
-        parts: ResultParts,
-    ) -> Result<Vec<StoredResult>, StoreError>;
+        with_item: bool,
+        each: &mut dyn FnMut(ResultView<'_>) -> Result<(), StoreError>,
+    ) -> Result<usize, StoreError>;
 
     /// Replaces results' assessments and the run's stored config, in one
     /// transaction (`evalfleet score`).

@@ -832,7 +832,7 @@ fn one_item_comes_whole_with_its_attempts() {
 
 #[test]
 fn a_runs_generation_changes_with_its_results_and_kept_reports_are_replaced() {
-    use evalfleet_core::store::{KeptReport, KeptReports, ResultParts};
+    use evalfleet_core::store::{KeptReport, KeptReports, ResultOrder};
     let dir = tempfile::tempdir().unwrap();
     let mut store = SqliteStore::open(&dir.path().join("s.db")).unwrap();
     store
@@ -863,39 +863,28 @@ fn a_runs_generation_changes_with_its_results_and_kept_reports_are_replaced() {
         .unwrap();
     assert!(generation(&mut store) > g2, "a rescore changes it");
 
-    // Results by item id, a page at a time.
-    let page = store
-        .results_by_key("r", None, 2, ResultParts::ALL)
-        .unwrap();
-    let ids: Vec<&str> = page.iter().map(|r| r.item_id.as_str()).collect();
-    assert_eq!(ids, ["a", "b"]);
-    let rest = store
-        .results_by_key("r", Some("b"), 2, ResultParts::ALL)
-        .unwrap();
+    // Results by item id, a page at a time, and in dataset order.
+    let page = |store: &mut SqliteStore, order, after: Option<(&str, u64)>| {
+        let mut seen = Vec::new();
+        store
+            .results_page("r", order, after, 2, false, &mut |view| {
+                assert_eq!(view.item, None, "the item only when asked for");
+                seen.push((view.item_id.to_owned(), view.seq));
+                Ok(())
+            })
+            .unwrap();
+        seen
+    };
+    let ids = |seen: Vec<(String, u64)>| seen.into_iter().map(|(id, _)| id).collect::<Vec<_>>();
+    assert_eq!(ids(page(&mut store, ResultOrder::Key, None)), ["a", "b"]);
     assert_eq!(
-        rest.iter().map(|r| r.item_id.as_str()).collect::<Vec<_>>(),
+        ids(page(&mut store, ResultOrder::Key, Some(("b", 4)))),
         ["z"]
     );
-
-    // And in dataset order.
-    let seqs = |page: Vec<evalfleet_core::store::StoredResult>| {
-        page.iter().map(|r| r.seq).collect::<Vec<_>>()
-    };
+    assert_eq!(ids(page(&mut store, ResultOrder::Seq, None)), ["z", "a"]);
     assert_eq!(
-        seqs(
-            store
-                .results_by_seq("r", None, 2, ResultParts::ALL)
-                .unwrap()
-        ),
-        [1, 2]
-    );
-    assert_eq!(
-        seqs(
-            store
-                .results_by_seq("r", Some(2), 2, ResultParts::ALL)
-                .unwrap()
-        ),
-        [4]
+        ids(page(&mut store, ResultOrder::Seq, Some(("a", 2)))),
+        ["b"]
     );
 
     // A kept report is replaced under its key, and read back whole.

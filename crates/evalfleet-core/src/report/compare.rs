@@ -21,9 +21,11 @@ use serde::Serialize;
 
 use super::metrics;
 use super::stats::{self, Estimate, Moments, Paired, Pairs};
-use super::{Judged, ReportError, group_of, judged_value};
+use super::{Judged, ReportError, group_of};
 use crate::eval::Metric;
-use crate::store::{ResultParts, Store, StoreError, StoredResult};
+use crate::store::{ResultOrder, ResultView, Store, StoreError};
+use evalfleet_types::{ItemStatus, Verdict};
+use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
 
 /// One metric and category of one run against the first.
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
@@ -136,6 +138,147 @@ pub struct Compared {
 /// Results read a page at a time.
 const PAGE: usize = 1000;
 
+/// A result as a comparison keeps it: its place, its id, each shared
+/// metric's value as a report takes it ([`judged_value`]), its category.
+struct Lean {
+    seq: u64,
+    item_id: String,
+    values: Vec<Option<f64>>,
+    group: String,
+}
+
+/// Each metric's value of a result (see [`judged_value`]), read from its
+/// stored scores without building them: only the metrics' values.
+fn values_of(view: &ResultView<'_>, metrics: &[Metric]) -> Result<Vec<Option<f64>>, StoreError> {
+    if view.status == ItemStatus::Failed || !view.verdict.is_none_or(Verdict::is_ok) {
+        return Ok(metrics.iter().map(|m| Some(m.missing())).collect());
+    }
+    let mut values = vec![None; metrics.len()];
+    if let Some(text) = view.scores {
+        let mut de = serde_json::Deserializer::from_str(text);
+        ScoreValues {
+            metrics,
+            values: &mut values,
+        }
+        .deserialize(&mut de)
+        .map_err(|err| StoreError::backend("stored scores cannot be read", err))?;
+    }
+    Ok(values)
+}
+
+/// Reads the `value` of the scores of `metrics` from a stored map of
+/// scores, skipping everything else.
+struct ScoreValues<'a> {
+    metrics: &'a [Metric],
+    values: &'a mut [Option<f64>],
+}
+
+impl<'de> DeserializeSeed<'de> for ScoreValues<'_> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ScoreValues<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("scores by metric")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        while let Some(at) = map.next_key_seed(KeyIn(self.metrics))? {
+            match at {
+                Some(i) => self.values[i] = map.next_value_seed(ValueOf)?,
+                None => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A key's place among the metrics' keys, read without copying it.
+struct KeyIn<'a>(&'a [Metric]);
+
+impl<'de> DeserializeSeed<'de> for KeyIn<'_> {
+    type Value = Option<usize>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<usize>, D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl Visitor<'_> for KeyIn<'_> {
+    type Value = Option<usize>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a metric's key")
+    }
+
+    fn visit_str<E: serde::de::Error>(self, key: &str) -> Result<Option<usize>, E> {
+        Ok(self.0.iter().position(|m| m.key == key))
+    }
+}
+
+/// A score's `value` (what [`Score`](evalfleet_types::Score) reads as its
+/// value), the rest skipped.
+struct ValueOf;
+
+impl<'de> DeserializeSeed<'de> for ValueOf {
+    type Value = Option<f64>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<f64>, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ValueOf {
+    type Value = Option<f64>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a score")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Option<f64>, A::Error> {
+        let mut value = None;
+        while let Some(is_value) = map.next_key_seed(IsValue)? {
+            if is_value {
+                value = map.next_value::<Option<f64>>()?;
+            } else {
+                map.next_value::<IgnoredAny>()?;
+            }
+        }
+        Ok(value)
+    }
+}
+
+/// Whether a score's key is `value`.
+struct IsValue;
+
+impl<'de> DeserializeSeed<'de> for IsValue {
+    type Value = bool;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<bool, D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl Visitor<'_> for IsValue {
+    type Value = bool;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a score's key")
+    }
+
+    fn visit_str<E: serde::de::Error>(self, key: &str) -> Result<bool, E> {
+        Ok(key == "value")
+    }
+}
+
 /// The order two runs are read in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Order {
@@ -149,19 +292,21 @@ enum Order {
 struct Cursor<'a> {
     run_id: &'a str,
     order: Order,
-    parts: ResultParts,
-    page: VecDeque<StoredResult>,
+    metrics: &'a [Metric],
+    by: &'a [String],
+    page: VecDeque<Lean>,
     /// The last result read: its id and seq.
     after: Option<(String, u64)>,
     ended: bool,
 }
 
 impl<'a> Cursor<'a> {
-    fn new(run_id: &'a str, order: Order, parts: ResultParts) -> Self {
+    fn new(run_id: &'a str, order: Order, metrics: &'a [Metric], by: &'a [String]) -> Self {
         Self {
             run_id,
             order,
-            parts,
+            metrics,
+            by,
             page: VecDeque::new(),
             after: None,
             ended: false,
@@ -171,26 +316,35 @@ impl<'a> Cursor<'a> {
     /// The next result's id, reading a page when the last is used up.
     fn peek(&mut self, store: &mut dyn Store) -> Result<Option<&str>, StoreError> {
         if self.page.is_empty() && !self.ended {
-            let after = self.after.as_ref();
-            let page = match self.order {
-                Order::Seq => {
-                    store.results_by_seq(self.run_id, after.map(|a| a.1), PAGE, self.parts)?
-                }
-                Order::Key => store.results_by_key(
-                    self.run_id,
-                    after.map(|a| a.0.as_str()),
-                    PAGE,
-                    self.parts,
-                )?,
+            let order = match self.order {
+                Order::Seq => ResultOrder::Seq,
+                Order::Key => ResultOrder::Key,
             };
-            self.ended = page.len() < PAGE;
-            self.after = page.last().map(|r| (r.item_id.clone(), r.seq));
-            self.page = page.into();
+            let after = self.after.as_ref().map(|(id, seq)| (id.as_str(), *seq));
+            let (metrics, by, page) = (self.metrics, self.by, &mut self.page);
+            let read = store.results_page(
+                self.run_id,
+                order,
+                after,
+                PAGE,
+                !by.is_empty(),
+                &mut |view| {
+                    page.push_back(Lean {
+                        seq: view.seq,
+                        item_id: view.item_id.to_owned(),
+                        values: values_of(&view, metrics)?,
+                        group: group_of(view.item, by),
+                    });
+                    Ok(())
+                },
+            )?;
+            self.ended = read < PAGE;
+            self.after = self.page.back().map(|r| (r.item_id.clone(), r.seq));
         }
         Ok(self.page.front().map(|r| r.item_id.as_str()))
     }
 
-    fn take(&mut self) -> Option<StoredResult> {
+    fn take(&mut self) -> Option<Lean> {
         self.page.pop_front()
     }
 }
@@ -232,9 +386,9 @@ impl Means {
         }
     }
 
-    fn add(&mut self, metrics: &[Metric], result: &StoredResult, group: &str) {
-        for (m, groups) in metrics.iter().zip(&mut self.groups) {
-            let Some(v) = judged_value(result, m) else {
+    fn add(&mut self, values: &[Option<f64>], group: &str) {
+        for (value, groups) in values.iter().zip(&mut self.groups) {
+            let Some(v) = *value else {
                 continue;
             };
             let mut add = |group: &str| match groups.get_mut(group) {
@@ -396,14 +550,9 @@ fn merge(
     summarise_base: bool,
 ) -> Result<Option<Pass>, ReportError> {
     let (a_id, b_id) = (base.run.run_id.as_str(), other.run.run_id.as_str());
-    // Answers are read only for the disagreements listed, at the end; the
-    // items only for their categories.
-    let parts = ResultParts {
-        answer: false,
-        item: !by.is_empty(),
-    };
-    let mut a = Cursor::new(a_id, order, parts);
-    let mut b = Cursor::new(b_id, order, parts);
+    // Answers are read only for the disagreements listed, at the end.
+    let mut a = Cursor::new(a_id, order, shared, by);
+    let mut b = Cursor::new(b_id, order, shared, by);
     let mut base_means = summarise_base.then(|| Means::new(shared));
     let mut other_means = Means::new(shared);
     let mut pairs: Vec<BTreeMap<String, Pairs>> = vec![BTreeMap::new(); shared.len()];
@@ -437,25 +586,25 @@ fn merge(
         };
         let left = (next != Ordering::Greater).then(|| a.take()).flatten();
         let right = (next != Ordering::Less).then(|| b.take()).flatten();
-        let group_a = left.as_ref().map(|r| group_of(r.item.as_deref(), by));
-        if let (Some(r), Some(group)) = (&left, &group_a) {
+        if let Some(r) = &left {
             coverage.items_a += 1;
             if let Some(means) = &mut base_means {
-                means.add(shared, r, group);
+                means.add(&r.values, &r.group);
             }
         }
         if let Some(r) = &right {
             coverage.items_b += 1;
-            other_means.add(shared, r, &group_of(r.item.as_deref(), by));
+            other_means.add(&r.values, &r.group);
         }
-        let (Some(x), Some(y), Some(group)) = (&left, &right, &group_a) else {
+        let (Some(x), Some(y)) = (&left, &right) else {
             continue;
         };
+        let group = &x.group;
         coverage.paired += 1;
-        for (i, (m, groups)) in shared.iter().zip(&mut pairs).enumerate() {
+        for (i, groups) in pairs.iter_mut().enumerate() {
             // A pair either side of which could not be scored is no
             // comparison.
-            let (Some(va), Some(vb)) = (judged_value(x, m), judged_value(y, m)) else {
+            let (Some(va), Some(vb)) = (x.values[i], y.values[i]) else {
                 continue;
             };
             let mut add = |group: &str| {
@@ -517,4 +666,54 @@ fn merge(
         other_means,
         disagreements,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::Map;
+
+    use super::*;
+
+    #[test]
+    fn a_results_values_are_read_from_its_stored_scores_as_a_report_takes_them() {
+        let m = Metric::build("exact_match", &Map::new(), None).unwrap();
+        let metrics = [m.clone()];
+        let view = |status, verdict, scores| ResultView {
+            seq: 1,
+            item_id: "x",
+            status,
+            verdict,
+            scores,
+            item: None,
+        };
+        let stored = r#"{"other@1": {"value": 0.5, "detail": [1, {"value": 9}]},
+                         "exact_match@1": {"edits": 3, "value": 1.0}}"#;
+        let done = view(ItemStatus::Done, Some(Verdict::Ok), Some(stored));
+        assert_eq!(values_of(&done, &metrics).unwrap(), [Some(1.0)]);
+        // Not scored: in no mean.
+        let error = r#"{"exact_match@1": {"error": "no reference"}}"#;
+        let unscored = view(ItemStatus::Done, None, Some(error));
+        assert_eq!(values_of(&unscored, &metrics).unwrap(), [None]);
+        // No usable answer: the worst value, whatever was stored.
+        let failed = view(ItemStatus::Failed, None, None);
+        assert_eq!(values_of(&failed, &metrics).unwrap(), [Some(m.missing())]);
+        let unparsed = view(ItemStatus::Done, Some(Verdict::Unparsed), Some(stored));
+        assert_eq!(values_of(&unparsed, &metrics).unwrap(), [Some(m.missing())]);
+        let broken = view(
+            ItemStatus::Done,
+            None,
+            Some(r#"{"exact_match@1": {"value": "a"}}"#),
+        );
+        assert!(values_of(&broken, &metrics).is_err());
+    }
+
+    #[test]
+    fn a_category_is_made_of_the_fields_asked_for() {
+        let by = ["kind".to_owned(), "level".to_owned()];
+        let item = r#"{"question": {"deep": [1, 2]}, "level": 3, "kind": "easy"}"#;
+        assert_eq!(group_of(Some(item), &by), "easy / 3");
+        assert_eq!(group_of(Some(r#"{"kind": null}"#), &by), "(none) / (none)");
+        assert_eq!(group_of(Some("[1, 2]"), &by), "(none) / (none)");
+        assert_eq!(group_of(None, &[]), "all");
+    }
 }

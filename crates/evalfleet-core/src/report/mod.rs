@@ -179,17 +179,57 @@ pub fn group_of(item: Option<&str>, by: &[String]) -> String {
     if by.is_empty() {
         return metrics::ALL.to_owned();
     }
-    let item: Value = item
-        .and_then(|t| serde_json::from_str(t).ok())
-        .unwrap_or(Value::Null);
+    let values = item.map(|text| fields_of(text, by)).unwrap_or_default();
     by.iter()
-        .map(|f| match item.get(f) {
+        .enumerate()
+        .map(|(i, _)| match values.get(i).and_then(Option::as_ref) {
             None | Some(Value::Null) => "(none)".to_owned(),
             Some(Value::String(s)) => s.clone(),
             Some(other) => other.to_string(),
         })
         .collect::<Vec<_>>()
         .join(" / ")
+}
+
+/// The values of the fields `by` of the JSON object `text` (none for a
+/// field it lacks, or when it is no object): only those are built, the
+/// rest of the row is skipped.
+fn fields_of(text: &str, by: &[String]) -> Vec<Option<Value>> {
+    use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
+
+    struct Fields<'a>(&'a [String]);
+
+    impl<'de> Visitor<'de> for Fields<'_> {
+        type Value = Vec<Option<Value>>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("an item's row")
+        }
+
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut out = vec![None; self.0.len()];
+            while let Some(key) = map.next_key::<std::borrow::Cow<'_, str>>()? {
+                match self.0.iter().position(|f| *f == key) {
+                    Some(i) => out[i] = Some(map.next_value::<Value>()?),
+                    None => {
+                        map.next_value::<IgnoredAny>()?;
+                    }
+                }
+            }
+            Ok(out)
+        }
+    }
+
+    impl<'de> DeserializeSeed<'de> for Fields<'_> {
+        type Value = Vec<Option<Value>>;
+
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            d.deserialize_map(self)
+        }
+    }
+
+    let mut de = serde_json::Deserializer::from_str(text);
+    Fields(by).deserialize(&mut de).unwrap_or_default()
 }
 
 /// What a result gives `metric` in a comparison or pass@k: its value, the

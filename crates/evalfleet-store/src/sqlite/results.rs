@@ -1,7 +1,8 @@
 //! Results and attempts read back, and new assessments of stored answers.
 
 use evalfleet_core::store::{
-    AttemptSample, ExportError, ExportRow, ResultParts, Results, StoreError, StoredResult,
+    AttemptSample, ExportError, ExportRow, ResultOrder, ResultView, Results, StoreError,
+    StoredResult,
 };
 use evalfleet_types::{Assessment, ErrorClass, ItemStatus, Scores, Verdict, now_ms};
 use rusqlite::params;
@@ -35,32 +36,9 @@ pub(crate) fn assessment_columns(a: &Assessment) -> Result<AssessmentColumns<'_>
     ))
 }
 
-/// The columns of [`stored_result`] (of the table named by `prefix`), those
-/// `parts` does not ask for NULL.
-fn columns(parts: ResultParts, prefix: &str) -> String {
-    let answer = |name: &str| {
-        if parts.answer {
-            format!("{prefix}{name}")
-        } else {
-            "NULL".to_owned()
-        }
-    };
-    let item = if parts.item {
-        format!("{prefix}item")
-    } else {
-        "NULL".to_owned()
-    };
-    format!(
-        "{prefix}seq, {prefix}item_id, {prefix}status, {}, {}, {}, {item}, {}, {prefix}verdict, {}, \
-         {prefix}scores, {prefix}reasks, {}",
-        answer("output"),
-        answer("endpoint"),
-        answer("model"),
-        answer("parsed"),
-        answer("check_error"),
-        answer("judge"),
-    )
-}
+/// The columns of [`stored_result`].
+const RESULT_COLUMNS: &str = "seq, item_id, status, output, endpoint, model, item, parsed, verdict, \
+                              check_error, scores, reasks, judge";
 
 /// A result from the columns seq, item_id, status, output, endpoint,
 /// model, item, parsed, verdict, check_error, scores, reasks, judge.
@@ -146,8 +124,7 @@ impl Results for SqliteStore {
         let mut stmt = self
             .conn
             .prepare(&format!(
-                "SELECT {} FROM results WHERE rid = ?1 ORDER BY seq",
-                columns(ResultParts::ALL, "")
+                "SELECT {RESULT_COLUMNS} FROM results WHERE rid = ?1 ORDER BY seq"
             ))
             .map_err(&err)?;
         let mut rows = stmt.query([rid]).map_err(&err)?;
@@ -157,62 +134,56 @@ impl Results for SqliteStore {
         Ok(())
     }
 
-    fn results_by_seq(
+    fn results_page(
         &mut self,
         run_id: &str,
-        after: Option<u64>,
+        order: ResultOrder,
+        after: Option<(&str, u64)>,
         limit: usize,
-        parts: ResultParts,
-    ) -> Result<Vec<StoredResult>, StoreError> {
+        with_item: bool,
+        each: &mut dyn FnMut(ResultView<'_>) -> Result<(), StoreError>,
+    ) -> Result<usize, StoreError> {
         let rid = self.rid(run_id)?;
         let err = db_err("cannot read results");
-        let columns = columns(parts, "");
-        let mut stmt = self
-            .conn
-            .prepare_cached(&format!(
-                "SELECT {columns} FROM results WHERE rid = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3"
-            ))
-            .map_err(&err)?;
-        let after = after.map_or(-1, |seq| seq as i64);
+        let item = if with_item { "r.item" } else { "NULL" };
+        let sql = match order {
+            ResultOrder::Seq => format!(
+                "SELECT r.seq, r.item_id, r.status, r.verdict, r.scores, {item}
+                 FROM results r WHERE r.rid = ?1 AND r.seq > ?2 ORDER BY r.seq LIMIT ?4"
+            ),
+            // Items' ids in order from their index, each item's result by
+            // its key: no sort, and a page costs its own rows whatever its
+            // place.
+            ResultOrder::Key => format!(
+                "SELECT r.seq, r.item_id, r.status, r.verdict, r.scores, {item}
+                 FROM items i INDEXED BY items_by_id
+                 CROSS JOIN results r ON r.rid = i.rid AND r.seq = i.seq
+                 WHERE i.rid = ?1 AND i.item_id > ?3 ORDER BY i.item_id LIMIT ?4"
+            ),
+        };
+        let mut stmt = self.conn.prepare_cached(&sql).map_err(&err)?;
+        let (after_id, after_seq) = after.map_or(("", -1), |(id, seq)| (id, seq as i64));
         let mut rows = stmt
-            .query(params![rid, after, limit as i64])
+            .query(params![rid, after_seq, after_id, limit as i64])
             .map_err(&err)?;
-        let mut out = Vec::with_capacity(limit.min(4096));
+        let mut handed = 0;
         while let Some(row) = rows.next().map_err(&err)? {
-            out.push(stored_result(row)?);
+            let text = |i: usize| -> Result<Option<&str>, StoreError> {
+                row.get_ref(i)
+                    .and_then(|v| v.as_str_or_null().map_err(Into::into))
+                    .map_err(&err)
+            };
+            each(ResultView {
+                seq: row.get::<_, i64>(0).map_err(&err)? as u64,
+                item_id: text(1)?.unwrap_or_default(),
+                status: ItemStatus::parse(text(2)?.unwrap_or_default()).map_err(unknown)?,
+                verdict: text(3)?.map(Verdict::parse).transpose().map_err(unknown)?,
+                scores: text(4)?,
+                item: text(5)?,
+            })?;
+            handed += 1;
         }
-        Ok(out)
-    }
-
-    fn results_by_key(
-        &mut self,
-        run_id: &str,
-        after: Option<&str>,
-        limit: usize,
-        parts: ResultParts,
-    ) -> Result<Vec<StoredResult>, StoreError> {
-        let rid = self.rid(run_id)?;
-        let err = db_err("cannot read results");
-        let columns = columns(parts, "r.");
-        // Items' ids in order from their index, each item's result by its
-        // key: no sort, and a page costs its own rows whatever its place.
-        let mut stmt = self
-            .conn
-            .prepare_cached(&format!(
-                "SELECT {columns}
-                 FROM items i INDEXED BY items_by_id CROSS JOIN results r ON r.rid = i.rid AND r.seq = i.seq
-                 WHERE i.rid = ?1 AND i.item_id > ?2
-                 ORDER BY i.item_id LIMIT ?3"
-            ))
-            .map_err(&err)?;
-        let mut rows = stmt
-            .query(params![rid, after.unwrap_or(""), limit as i64])
-            .map_err(&err)?;
-        let mut out = Vec::with_capacity(limit.min(4096));
-        while let Some(row) = rows.next().map_err(&err)? {
-            out.push(stored_result(row)?);
-        }
-        Ok(out)
+        Ok(handed)
     }
 
     fn export(
