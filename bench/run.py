@@ -13,6 +13,7 @@
     python3 bench/run.py w8 [--variants alone,beside] [--outage-after 15] [--outage-seconds 30] [--span 60] [--items N] [--endpoint-capacity K]
     python3 bench/run.py j1 [--rounds 3]     # needs ../shared/data/humaneval.jsonl.gz
     python3 bench/run.py s1 [--items 1000000] [--rounds 3]
+    python3 bench/run.py s2 [--items 1000000] [--rounds 3]
     python3 bench/run.py c1 [--items 1000] [--capacity 32] [--rounds 3]
 
 W1, W5, W6 and J1 take --baseline BIN: another evalfleet binary (an earlier
@@ -1351,6 +1352,24 @@ def s1_config(path, dataset, url, concurrency):
         )
 
 
+def s1_run(args, work, store, run_id, right):
+    """Run `run_id` of --items items (each `{id, question, answer,
+    category}`, ten categories) answered by the mock into `store`; the mock
+    echoes the question, so `right(i)` says whether item i's reference is
+    its question."""
+    dataset = os.path.join(work, f"{run_id}.jsonl")
+    with open(dataset, "w") as f:
+        for i in range(args.items):
+            q = f"What is {i} plus {i + 1}? Answer briefly."
+            f.write(json.dumps({"id": f"i{i}", "question": q, "answer": q if right(i) else str(2 * i + 1), "category": f"c{i % 10}"}) + "\n")
+    mock = Mock()
+    config = os.path.join(work, f"{run_id}.yaml")
+    s1_config(config, dataset, mock.url, args.concurrency)
+    run = evalfleet(["run", config, "--store", store, "-q", "--run-id", run_id], work)
+    mock.stop()
+    print(json.dumps({"registered_and_answered": run}), file=sys.stderr)
+
+
 def s1(args, work):
     """The dashboard on a run of 1,000,000 items.
 
@@ -1370,18 +1389,8 @@ def s1(args, work):
     on this machine, about 10% a round), and the CPU time the server spent
     while the pages watched, as a share of the run's own CPU time (what the
     pages take from a machine that runs both)."""
-    dataset = os.path.join(work, "s1.jsonl")
-    with open(dataset, "w") as f:
-        for i in range(args.items):
-            q = f"What is {i} plus {i + 1}? Answer briefly."
-            f.write(json.dumps({"id": f"i{i}", "question": q, "answer": q if i % 3 == 0 else str(2 * i + 1), "category": f"c{i % 10}"}) + "\n")
-    mock = Mock()
-    config = os.path.join(work, "s1.yaml")
-    s1_config(config, dataset, mock.url, args.concurrency)
     store = os.path.join(work, "s1.db")
-    run = evalfleet(["run", config, "--store", store, "-q", "--run-id", "s1"], work)
-    mock.stop()
-    print(json.dumps({"registered_and_answered": run}), file=sys.stderr)
+    s1_run(args, work, store, "s1", lambda i: i % 3 == 0)
     served = Served(store, work)
     queries = {
         "first page": "limit=50",
@@ -1461,6 +1470,64 @@ def s1(args, work):
     ratios = ", ".join(f"{r['ratio']:.3f}" for r in costs)
     print(f"| S1 | live page (2 streams) | throughput watched / alone: median {result['live_ratio_median']:.3f} (rounds {ratios}); "
           f"the server's CPU while watched: {100 * result['server_cpu_share_median']:.2f}% of the run's |")
+
+
+def s2(args, work):
+    """The report and the comparison of runs of 1,000,000 items.
+
+    Two runs of --items items are answered by the mock into one store (S1's
+    run: `a` right on one item in three, `b` on one in two; the same ids,
+    ten categories). Each round starts `evalfleet serve` (read-only, on the
+    server core) afresh with nothing kept (the store's kept reports
+    deleted), then from the client core asks for a's report, a's report
+    again, the comparison of a and b, and the comparison again; then the
+    same by category (`by=category`). Seconds of each, the median of
+    --rounds rounds; the server's peak RSS (VmHWM) over the round."""
+    store = os.path.join(work, "s2.db")
+    s1_run(args, work, store, "a", lambda i: i % 3 == 0)
+    s1_run(args, work, store, "b", lambda i: i % 2 == 0)
+    asks = [
+        ("report", "/api/v1/runs/a/report"),
+        ("comparison", "/api/v1/compare?runs=a,b"),
+        ("report by category", "/api/v1/runs/a/report?by=category"),
+        ("comparison by category", "/api/v1/compare?runs=a,b&by=category"),
+    ]
+    rounds = []
+    for _ in range(args.rounds):
+        with sqlite3.connect(store) as db:
+            db.execute("DELETE FROM kept_reports")
+        served = Served(store, work)
+        round_ = {"idle_rss_mb": vm_hwm_mb(served.proc.pid)}
+        try:
+            for name, path in asks:
+                first, body = served.get(path)
+                second, again = served.get(path)
+                if body != again:
+                    raise SystemExit(f"{name}: the kept answer differs from the first")
+                round_[name] = {"first_s": first, "second_s": second}
+                if name == "comparison":
+                    round_["coverage"] = body["coverage"]
+            round_["peak_rss_mb"] = vm_hwm_mb(served.proc.pid)
+        finally:
+            served.stop()
+        rounds.append(round_)
+        print(json.dumps(round_), file=sys.stderr)
+    figures = {
+        name: {
+            "first_s": statistics.median(r[name]["first_s"] for r in rounds),
+            "second_s": statistics.median(r[name]["second_s"] for r in rounds),
+        }
+        for name, _ in asks
+    }
+    peak = statistics.median(r["peak_rss_mb"] for r in rounds)
+    result = {"workload": "S2", "items": args.items, "figures": figures, "peak_rss_mb_median": peak,
+              "peak_rss_mb_max": max(r["peak_rss_mb"] for r in rounds), "rounds": rounds}
+    print(json.dumps(result, indent=2))
+    for name, f in figures.items():
+        firsts = ", ".join(f"{r[name]['first_s']:.2f}" for r in rounds)
+        print(f"| S2 | {name} | first {f['first_s']:.2f} s (rounds {firsts}); after {1000 * f['second_s']:.1f} ms |")
+    print(f"| S2 | server peak RSS | {peak:.0f} MB median, {result['peak_rss_mb_max']:.0f} MB max "
+          f"(idle {statistics.median(r['idle_rss_mb'] for r in rounds):.0f} MB) |")
 
 
 def w6(args, work):
@@ -1716,6 +1783,7 @@ WORKLOADS = {
     "j1": (j1, None),
     "startup": (startup, 100),
     "s1": (s1, 1_000_000),
+    "s2": (s2, 1_000_000),
     "c1": (c1, 1000),
 }
 
