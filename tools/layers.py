@@ -41,8 +41,8 @@ LAYERS = {
     ],
     "evalfleet-server": [
         # What a request gets when it fails; what the server may ask of
-        # runs; digests of keys.
-        ["error", "control", "extract", "keys"],
+        # runs; digests of keys; the names the server answers to.
+        ["error", "control", "extract", "keys", "hosts"],
         # Shared state, and who may ask.
         ["state", "auth"],
         # The JSON API, and the dashboard's pages.

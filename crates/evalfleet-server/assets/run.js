@@ -187,11 +187,15 @@
   }
 
   async function loadReport() {
+    // A first report of a large run takes a while: say so while it computes.
+    const done = EFReport.waiting(report, "the scores");
     try {
       const r = await api(`/runs/${encodeURIComponent(runId)}/report`);
       EFReport.render(report, r);
     } catch (e) {
       report.replaceChildren(h("div", { class: "note" }, e.message));
+    } finally {
+      done();
     }
   }
 

@@ -61,6 +61,9 @@ pub struct AppState {
     pub(crate) body_limit: usize,
     /// Blocking work of requests.
     tracker: TaskTracker,
+    /// Reports a read-only server computed, kept here since it writes
+    /// nothing to the store.
+    kept: evalfleet_core::report::KeptInMemory,
     /// Each run's message templates, compiled once.
     templates: Mutex<HashMap<String, Arc<Templates>>>,
 }
@@ -81,6 +84,7 @@ impl AppState {
             read_only: options.read_only,
             body_limit: options.body_limit,
             tracker: TaskTracker::new(),
+            kept: Default::default(),
             templates: Mutex::new(HashMap::new()),
         })
     }
@@ -110,6 +114,16 @@ impl AppState {
             .unwrap_or_else(PoisonError::into_inner)
             .insert(run_id.to_owned(), templates.clone());
         Ok(templates)
+    }
+
+    /// Where this server keeps the reports it computes: in the store, or
+    /// in its memory when it may write nothing (`--read-only`).
+    pub(crate) fn keeping(&self) -> evalfleet_core::report::Keeping<'_> {
+        if self.read_only {
+            evalfleet_core::report::Keeping::Memory(&self.kept)
+        } else {
+            evalfleet_core::report::Keeping::Store
+        }
     }
 
     /// Runs `work` on a blocking thread (it reads files or the store).

@@ -210,6 +210,11 @@ impl Fixture {
     }
 
     pub fn state(&self, api_key: Option<&str>) -> Arc<AppState> {
+        self.state_with(api_key, false)
+    }
+
+    /// The same, for a server that writes nothing (`--read-only`) or not.
+    pub fn state_with(&self, api_key: Option<&str>, read_only: bool) -> Arc<AppState> {
         let location = self.location.clone();
         AppState::new(ServerOptions {
             open: Arc::new(move || evalfleet_store::open(&location, &OpenOptions::default())),
@@ -220,7 +225,7 @@ impl Fixture {
                 ..Default::default()
             },
             control: None,
-            read_only: false,
+            read_only,
             body_limit: 1 << 16,
         })
     }

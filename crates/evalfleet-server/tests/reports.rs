@@ -31,6 +31,38 @@ async fn get(app: &axum::Router, uri: &str) -> (StatusCode, Value, String, bool)
     (status, serde_json::from_str(&text).unwrap(), text, kept)
 }
 
+#[tokio::test]
+async fn a_read_only_server_keeps_its_reports_in_memory_and_writes_nothing() {
+    let fixture = Fixture::new();
+    fixture.run("a", |i| i % 2 == 0);
+    fixture.run("b", |_| true);
+    fixture.finish("a");
+    fixture.finish("b");
+    let app = evalfleet_server::app(fixture.state_with(None, true));
+    for uri in ["/api/v1/runs/a/report", "/api/v1/compare?runs=a,b"] {
+        let (status, first, text, kept) = get(&app, uri).await;
+        assert_eq!(status, StatusCode::OK, "{first}");
+        assert!(!kept, "{uri}: the first is computed");
+        let (_, _, again, kept) = get(&app, uri).await;
+        assert!(kept, "{uri}: the second is kept, in memory");
+        assert_eq!(again, text);
+    }
+    let mut store = fixture.store();
+    assert_eq!(store.kept_report("a", "report?by=").unwrap(), None);
+    assert!(
+        store
+            .kept_report("a", "compare?runs=a,b&by=&metric=&limit=100")
+            .unwrap()
+            .is_none(),
+        "nothing is written to the store"
+    );
+    // What a writing server kept in the store is served by a read-only one.
+    let writer = evalfleet_server::app(fixture.state(None));
+    get(&writer, "/api/v1/runs/b/report").await;
+    let (_, _, _, kept) = get(&app, "/api/v1/runs/b/report").await;
+    assert!(kept);
+}
+
 fn overall(report: &Value) -> &Value {
     report["metrics"]
         .as_array()

@@ -10,10 +10,57 @@
 //! kept: its report is computed each time it is asked for. The generations
 //! are read before the results, so a change during a computation leaves
 //! what it keeps already stale, never wrong.
+//!
+//! A process that may not write the store (`evalfleet serve --read-only`)
+//! keeps what it computes in its own memory instead ([`Keeping::Memory`]),
+//! a bounded number of reports, and still serves what others kept in the
+//! store.
+
+use std::collections::VecDeque;
+use std::sync::{Mutex, PoisonError};
 
 use super::{ReportError, compare, report};
 use crate::store::{KeptReport, RunRecord, Store};
 use evalfleet_types::RunStatus;
+
+/// Where computed reports are kept.
+#[derive(Clone, Copy)]
+pub enum Keeping<'a> {
+    /// In the store, for every process that shares it.
+    Store,
+    /// In this process only: it writes nothing to the store.
+    Memory(&'a KeptInMemory),
+}
+
+/// Reports kept in a process's memory, the most recently kept last; the
+/// oldest go first once there are [`KeptInMemory::CAPACITY`].
+#[derive(Default)]
+pub struct KeptInMemory {
+    reports: Mutex<VecDeque<(String, String, KeptReport)>>,
+}
+
+impl KeptInMemory {
+    /// Reports kept at most (each is a report's JSON: a few kB to a few
+    /// hundred kB with many categories).
+    pub const CAPACITY: usize = 64;
+
+    fn get(&self, run_id: &str, key: &str) -> Option<KeptReport> {
+        let reports = self.reports.lock().unwrap_or_else(PoisonError::into_inner);
+        reports
+            .iter()
+            .find(|(run, k, _)| run == run_id && k == key)
+            .map(|(_, _, report)| report.clone())
+    }
+
+    fn put(&self, run_id: &str, key: &str, report: KeptReport) {
+        let mut reports = self.reports.lock().unwrap_or_else(PoisonError::into_inner);
+        reports.retain(|(run, k, _)| !(run == run_id && k == key));
+        if reports.len() >= Self::CAPACITY {
+            reports.pop_front();
+        }
+        reports.push_back((run_id.to_owned(), key.to_owned(), report));
+    }
+}
 
 /// A report as JSON, and whether it was kept from an earlier request.
 #[derive(Debug, Clone)]
@@ -39,9 +86,11 @@ fn serialize<T: serde::Serialize>(value: &T) -> Result<String, ReportError> {
 }
 
 /// What was kept under `key` for `runs[0]` if it still holds; else
-/// `compute`'s answer, kept when every run has stopped.
+/// `compute`'s answer, kept (where `keeping` says) when every run has
+/// stopped.
 fn kept_or(
     store: &mut dyn Store,
+    keeping: Keeping<'_>,
     runs: &[String],
     key: &str,
     compute: impl FnOnce(&mut dyn Store) -> Result<String, ReportError>,
@@ -51,21 +100,35 @@ fn kept_or(
         .map(|id| store.run(id))
         .collect::<Result<_, _>>()?;
     let fingerprint = fingerprint(&records);
-    if let Some(fingerprint) = &fingerprint
-        && let Some(kept) = store.kept_report(&runs[0], key)?
-        && kept.fingerprint == *fingerprint
-    {
-        return Ok(KeptBody {
-            body: kept.body,
-            kept: true,
-        });
+    if let Some(fingerprint) = &fingerprint {
+        let in_memory = match keeping {
+            Keeping::Memory(memory) => memory.get(&runs[0], key),
+            Keeping::Store => None,
+        };
+        let kept = match in_memory {
+            Some(kept) => Some(kept),
+            None => store.kept_report(&runs[0], key)?,
+        };
+        if let Some(kept) = kept
+            && kept.fingerprint == *fingerprint
+        {
+            return Ok(KeptBody {
+                body: kept.body,
+                kept: true,
+            });
+        }
     }
     let body = compute(store)?;
     if let Some(fingerprint) = fingerprint {
         let report = KeptReport { fingerprint, body };
-        // A store that cannot be written (a read-only file) still answers.
-        if let Err(err) = store.keep_report(&runs[0], key, &report) {
-            tracing::warn!("cannot keep the report of {}: {err}", runs[0]);
+        match keeping {
+            Keeping::Memory(memory) => memory.put(&runs[0], key, report.clone()),
+            // A store that cannot be written (a read-only file) still answers.
+            Keeping::Store => {
+                if let Err(err) = store.keep_report(&runs[0], key, &report) {
+                    tracing::warn!("cannot keep the report of {}: {err}", runs[0]);
+                }
+            }
         }
         return Ok(KeptBody {
             body: report.body,
@@ -79,11 +142,12 @@ fn kept_or(
 /// run has stopped.
 pub fn kept_report(
     store: &mut dyn Store,
+    keeping: Keeping<'_>,
     run_id: &str,
     by: &[String],
 ) -> Result<KeptBody, ReportError> {
     let key = format!("report?by={}", by.join(","));
-    kept_or(store, &[run_id.to_owned()], &key, |store| {
+    kept_or(store, keeping, &[run_id.to_owned()], &key, |store| {
         serialize(&report(store, run_id, by, None)?)
     })
 }
@@ -92,6 +156,7 @@ pub fn kept_report(
 /// stopped.
 pub fn kept_compare(
     store: &mut dyn Store,
+    keeping: Keeping<'_>,
     runs: &[String],
     by: &[String],
     metric: Option<&str>,
@@ -107,7 +172,7 @@ pub fn kept_compare(
         by.join(","),
         metric.unwrap_or("")
     );
-    kept_or(store, runs, &key, |store| {
+    kept_or(store, keeping, runs, &key, |store| {
         serialize(&compare(store, runs, by, metric, limit)?)
     })
 }

@@ -70,8 +70,9 @@ pub async fn report(
     Query(params): Query<ReportParams>,
 ) -> Result<Response, ApiError> {
     let by = fields(params.by.as_deref());
+    let server = state.clone();
     let kept = state
-        .with_store(move |store| Ok(report::kept_report(store, &run_id, &by)?))
+        .with_store(move |store| Ok(report::kept_report(store, server.keeping(), &run_id, &by)?))
         .await?;
     Ok(json(kept))
 }
@@ -125,10 +126,12 @@ pub async fn compare(
     }
     let by = fields(params.by.as_deref());
     let limit = params.limit.unwrap_or(100).min(1000);
+    let server = state.clone();
     let kept = state
         .with_store(move |store| {
             Ok(report::kept_compare(
                 store,
+                server.keeping(),
                 &runs,
                 &by,
                 params.metric.as_deref(),
