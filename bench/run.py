@@ -1286,11 +1286,12 @@ def w8(args, work):
 
 
 class Served:
-    """`evalfleet serve --read-only` over `store`, on the server core."""
+    """`evalfleet serve` over `store` (`--read-only` unless told), on the server core."""
 
-    def __init__(self, store, cwd):
+    def __init__(self, store, cwd, read_only=True):
         self.proc = subprocess.Popen(
-            ["taskset", "-c", SERVER_CORE, BIN, "serve", "--bind", "127.0.0.1:0", "--store", store, "--read-only"],
+            ["taskset", "-c", SERVER_CORE, BIN, "serve", "--bind", "127.0.0.1:0", "--store", store]
+            + (["--read-only"] if read_only else []),
             cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         )
         self.url = self.proc.stdout.readline().strip()
@@ -1477,9 +1478,9 @@ def s2(args, work):
 
     Two runs of --items items are answered by the mock into one store (S1's
     run: `a` right on one item in three, `b` on one in two; the same ids,
-    ten categories). Each round starts `evalfleet serve` (read-only, on the
-    server core) afresh with nothing kept (the store's kept reports
-    deleted), then from the client core asks for a's report, a's report
+    ten categories). Each round starts `evalfleet serve` (a writing one, so
+    that what it computes is kept in the store; on the server core) afresh
+    with nothing kept (the store's kept reports deleted), then from the client core asks for a's report, a's report
     again, the comparison of a and b, and the comparison again; then the
     same by category (`by=category`). Seconds of each, the median of
     --rounds rounds; the server's peak RSS (VmHWM) over the round."""
@@ -1496,7 +1497,7 @@ def s2(args, work):
     for _ in range(args.rounds):
         with sqlite3.connect(store) as db:
             db.execute("DELETE FROM kept_reports")
-        served = Served(store, work)
+        served = Served(store, work, read_only=False)
         round_ = {"idle_rss_mb": vm_hwm_mb(served.proc.pid)}
         try:
             for name, path in asks:
