@@ -25,7 +25,7 @@ use serde_json::Value;
 
 pub use compare::{Compared, Comparison, Coverage, Disagreement, Disagreements, compare};
 pub use endpoints::{EndpointSummary, Percentiles, endpoints};
-pub use kept::{KeptBody, KeptInMemory, Keeping, kept_compare, kept_report};
+pub use kept::{Keeping, KeptBody, KeptInMemory, kept_compare, kept_report};
 pub use metrics::Summary;
 pub use samples::SamplesSummary;
 
