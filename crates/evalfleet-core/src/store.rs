@@ -735,13 +735,18 @@ pub struct KeptReport {
     pub body: String,
 }
 
+/// Reports kept per run, at most.
+pub const KEPT_PER_RUN: usize = 32;
+
 /// Reports and comparisons kept, so that a finished run's are computed
 /// once for every process that shares the store.
 pub trait KeptReports {
     /// What was kept for `run_id` under `key`, whatever its fingerprint.
     fn kept_report(&mut self, run_id: &str, key: &str) -> Result<Option<KeptReport>, StoreError>;
 
-    /// Keeps `report` for `run_id` under `key`, replacing what was.
+    /// Keeps `report` for `run_id` under `key`, replacing what was; of a
+    /// run's reports only the [`KEPT_PER_RUN`] kept last stay (the
+    /// questions asked of a run are chosen by whoever asks).
     fn keep_report(
         &mut self,
         run_id: &str,

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use evalfleet_core::store::{
     Batch, ClaimId, Claimed, CreateRunError, Explore, ItemPage, ItemQuery, ItemSource, ItemState,
-    NewItem, NewRun, ResponseCache, Results, RunIdentity, Runs, ScoreRange, SortKey, StoreError,
-    WorkQueue, WorkerInfo,
+    KEPT_PER_RUN, NewItem, NewRun, ResponseCache, Results, RunIdentity, Runs, ScoreRange, SortKey,
+    StoreError, WorkQueue, WorkerInfo,
 };
 use evalfleet_store::SqliteStore;
 use evalfleet_types::{
@@ -901,4 +901,27 @@ fn a_runs_generation_changes_with_its_results_and_kept_reports_are_replaced() {
         store.kept_report("nope", "report?by="),
         Err(StoreError::NoSuchRun(_))
     ));
+    // However many questions are asked of a run, the latest are kept.
+    let extra = 8;
+    for i in 0..KEPT_PER_RUN + extra {
+        let report = KeptReport {
+            fingerprint: "r:2".to_owned(),
+            body: format!("{{\"by\": {i}}}"),
+        };
+        store
+            .keep_report("r", &format!("report?by=f{i}"), &report)
+            .unwrap();
+    }
+    let first = store.kept_report("r", "report?by=f0").unwrap();
+    assert_eq!(first, None, "the oldest went first");
+    let kept: Vec<bool> = (0..KEPT_PER_RUN + extra)
+        .map(|i| {
+            store
+                .kept_report("r", &format!("report?by=f{i}"))
+                .unwrap()
+                .is_some()
+        })
+        .collect();
+    assert_eq!(kept.iter().filter(|k| **k).count(), KEPT_PER_RUN);
+    assert!(kept[extra..].iter().all(|k| *k), "{kept:?}");
 }

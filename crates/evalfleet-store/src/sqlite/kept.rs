@@ -1,7 +1,7 @@
 //! Reports and comparisons computed once and kept (see the `kept_reports`
 //! table in `schema`).
 
-use evalfleet_core::store::{KeptReport, KeptReports, StoreError};
+use evalfleet_core::store::{KEPT_PER_RUN, KeptReport, KeptReports, StoreError};
 use evalfleet_types::now_ms;
 use rusqlite::{OptionalExtension, params};
 
@@ -41,6 +41,17 @@ impl KeptReports for SqliteStore {
                     "INSERT OR REPLACE INTO kept_reports (rid, key, fingerprint, body, made_at)
                      VALUES (?1, ?2, ?3, ?4, ?5)",
                     params![rid, key, report.fingerprint, report.body, now_ms()],
+                )
+                .map_err(db_err("cannot keep a report"))?;
+            // A replaced row is inserted anew: the latest rowids are the
+            // reports kept last.
+            store
+                .conn
+                .execute(
+                    "DELETE FROM kept_reports WHERE rid = ?1 AND rowid NOT IN
+                       (SELECT rowid FROM kept_reports WHERE rid = ?1
+                        ORDER BY rowid DESC LIMIT ?2)",
+                    params![rid, KEPT_PER_RUN as i64],
                 )
                 .map_err(db_err("cannot keep a report"))?;
             Ok(())
