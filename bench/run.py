@@ -1339,7 +1339,7 @@ class LivePage(threading.Thread):
                 time.sleep(0.05)
 
 
-def s1_config(path, dataset, url, concurrency):
+def s1_config(path, dataset, url, concurrency, reference="answer"):
     with open(path, "w") as f:
         f.write(
             f"name: s1\n"
@@ -1349,23 +1349,35 @@ def s1_config(path, dataset, url, concurrency):
             f"task:\n"
             f"  messages: [ {{ role: user, content: \"{{{{ question }}}}\" }} ]\n"
             f"  params: {{ max_tokens: 64 }}\n"
-            f"  metrics: [ {{ name: exact_match, reference: \"{{{{ answer }}}}\" }} ]\n"
+            f"  metrics: [ {{ name: exact_match, reference: \"{{{{ {reference} }}}}\" }} ]\n"
         )
 
 
-def s1_run(args, work, store, run_id, right):
-    """Run `run_id` of --items items (each `{id, question, answer,
-    category}`, ten categories) answered by the mock into `store`; the mock
-    echoes the question, so `right(i)` says whether item i's reference is
-    its question."""
-    dataset = os.path.join(work, f"{run_id}.jsonl")
-    with open(dataset, "w") as f:
+def s1_dataset(args, path, rights):
+    """--items items `{id, question, category}` (ten categories) and, for
+    each `(field, right)` of `rights`, a reference `field` that is the
+    question (which the mock echoes) where `right(i)`."""
+    with open(path, "w") as f:
         for i in range(args.items):
             q = f"What is {i} plus {i + 1}? Answer briefly."
-            f.write(json.dumps({"id": f"i{i}", "question": q, "answer": q if right(i) else str(2 * i + 1), "category": f"c{i % 10}"}) + "\n")
+            item = {"id": f"i{i}", "question": q}
+            for field, right in rights:
+                item[field] = q if right(i) else str(2 * i + 1)
+            item["category"] = f"c{i % 10}"
+            f.write(json.dumps(item) + "\n")
+
+
+def s1_run(args, work, store, run_id, right=None, dataset=None, reference="answer"):
+    """Run `run_id` of --items items answered by the mock into `store`,
+    scored by exact match against `reference`: over its own dataset (where
+    `right(i)` says whether item i's reference is its question), or over
+    `dataset`."""
+    if dataset is None:
+        dataset = os.path.join(work, f"{run_id}.jsonl")
+        s1_dataset(args, dataset, [("answer", right)])
     mock = Mock()
     config = os.path.join(work, f"{run_id}.yaml")
-    s1_config(config, dataset, mock.url, args.concurrency)
+    s1_config(config, dataset, mock.url, args.concurrency, reference)
     run = evalfleet(["run", config, "--store", store, "-q", "--run-id", run_id], work)
     mock.stop()
     print(json.dumps({"registered_and_answered": run}), file=sys.stderr)
@@ -1476,17 +1488,20 @@ def s1(args, work):
 def s2(args, work):
     """The report and the comparison of runs of 1,000,000 items.
 
-    Two runs of --items items are answered by the mock into one store (S1's
-    run: `a` right on one item in three, `b` on one in two; the same ids,
-    ten categories). Each round starts `evalfleet serve` (a writing one, so
+    Two runs of one dataset of --items items are answered by the mock into
+    one store (S1's config: `a` right on one item in three, `b` on one in
+    two, by references of their own; ten categories). Each round starts `evalfleet serve` (a writing one, so
     that what it computes is kept in the store; on the server core) afresh
     with nothing kept (the store's kept reports deleted), then from the client core asks for a's report, a's report
     again, the comparison of a and b, and the comparison again; then the
     same by category (`by=category`). Seconds of each, the median of
     --rounds rounds; the server's peak RSS (VmHWM) over the round."""
     store = os.path.join(work, "s2.db")
-    s1_run(args, work, store, "a", lambda i: i % 3 == 0)
-    s1_run(args, work, store, "b", lambda i: i % 2 == 0)
+    # One dataset, as two models' runs of one benchmark read it.
+    dataset = os.path.join(work, "s2.jsonl")
+    s1_dataset(args, dataset, [("answer_a", lambda i: i % 3 == 0), ("answer_b", lambda i: i % 2 == 0)])
+    s1_run(args, work, store, "a", dataset=dataset, reference="answer_a")
+    s1_run(args, work, store, "b", dataset=dataset, reference="answer_b")
     asks = [
         ("report", "/api/v1/runs/a/report"),
         ("comparison", "/api/v1/compare?runs=a,b"),

@@ -550,9 +550,15 @@ fn merge(
     summarise_base: bool,
 ) -> Result<Option<Pass>, ReportError> {
     let (a_id, b_id) = (base.run.run_id.as_str(), other.run.run_id.as_str());
+    let same_dataset = base.run.dataset.sha256 == other.run.dataset.sha256;
+    // Runs of one dataset read in dataset order pair each place with the
+    // same item (its id, unique in the file), so the second run's
+    // categories are the first's and its items' rows are not read; a place
+    // of it left unpaired starts the comparison again in id order.
+    let borrow = order == Order::Seq && same_dataset && !by.is_empty();
     // Answers are read only for the disagreements listed, at the end.
     let mut a = Cursor::new(a_id, order, shared, by);
-    let mut b = Cursor::new(b_id, order, shared, by);
+    let mut b = Cursor::new(b_id, order, shared, if borrow { &[] } else { by });
     let mut base_means = summarise_base.then(|| Means::new(shared));
     let mut other_means = Means::new(shared);
     let mut pairs: Vec<BTreeMap<String, Pairs>> = vec![BTreeMap::new(); shared.len()];
@@ -562,7 +568,7 @@ fn merge(
         items_a: 0,
         items_b: 0,
         paired: 0,
-        same_dataset: base.run.dataset.sha256 == other.run.dataset.sha256,
+        same_dataset,
     };
     let mut disagreements = Disagreements {
         metric: shared[listed].key.clone(),
@@ -586,6 +592,9 @@ fn merge(
         };
         let left = (next != Ordering::Greater).then(|| a.take()).flatten();
         let right = (next != Ordering::Less).then(|| b.take()).flatten();
+        if borrow && left.is_none() && right.is_some() {
+            return Ok(None);
+        }
         if let Some(r) = &left {
             coverage.items_a += 1;
             if let Some(means) = &mut base_means {
@@ -594,7 +603,11 @@ fn merge(
         }
         if let Some(r) = &right {
             coverage.items_b += 1;
-            other_means.add(&r.values, &r.group);
+            let group = match &left {
+                Some(x) if borrow => &x.group,
+                _ => &r.group,
+            };
+            other_means.add(&r.values, group);
         }
         let (Some(x), Some(y)) = (&left, &right) else {
             continue;
