@@ -91,7 +91,7 @@ const EF = (() => {
   /**
    * A chart in `container` that lives as long as the page: made once, fed
    * new data with uPlot's setData, and made again only when its series
-   * change (an endpoint added). One ResizeObserver, disconnected with it,
+   * change (an endpoint added), with one ResizeObserver for its whole life,
    * so that nothing grows with the time a page stays open.
    */
   function liveChart(container, title, yLabel) {
@@ -99,8 +99,7 @@ const EF = (() => {
     let plot = null;
     let shape = null;
     const width = () => Math.max(300, container.clientWidth - 4);
-    const observer = new ResizeObserver(() => { if (plot) plot.setSize({ width: width(), height: 220 }); });
-    observer.observe(container);
+    new ResizeObserver(() => { if (plot) plot.setSize({ width: width(), height: 220 }); }).observe(container);
     return {
       update(series, data, heading = title) {
         const key = JSON.stringify([heading, series.map((s) => s.label)]);
@@ -122,7 +121,6 @@ const EF = (() => {
         if (plot) { plot.destroy(); plot = null; shape = null; }
         container.replaceChildren(h("div", { class: "empty" }, text));
       },
-      destroy() { if (plot) plot.destroy(); plot = null; observer.disconnect(); },
     };
   }
 

@@ -180,7 +180,7 @@
     if (log.dataset.newest === newest) return;
     log.dataset.newest = newest;
     const atBottom = log.scrollTop + log.clientHeight >= log.scrollHeight - 4;
-    log.replaceChildren(...events.slice(-LOG).map((e) =>
+    log.replaceChildren(...events.map((e) =>
       h("div", { class: ["unhealthy", "ejected", "died", "excluded", "start_failed", "interrupted"].includes(e.kind) ? "warn" : "" },
         fmt.clock(e.at_ms), "  ", e.message)));
     if (atBottom) log.scrollTop = log.scrollHeight;

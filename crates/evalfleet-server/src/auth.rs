@@ -105,12 +105,7 @@ pub async fn guard(State(state): State<Arc<AppState>>, request: Request, next: N
     if let Some(refused) = hosts::misdirected(&state.hosts, &request) {
         return refused;
     }
-    let host = request
-        .headers()
-        .get(header::HOST)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned)
-        .or_else(|| request.uri().authority().map(|a| a.as_str().to_owned()));
+    let host = hosts::addressed_to(&request).map(str::to_owned);
     let path = request.uri().path();
     if state.read_only && !only_reads(request.method(), path) {
         return ApiError::NotHere(

@@ -67,16 +67,21 @@ impl HostPolicy {
     }
 }
 
-/// The refusal of a request addressed to a name that is not the server's;
-/// `None` when it is the server's, or names none (not a browser: browsers
-/// always do). The authority is HTTP/2's `:authority`, or `Host`.
-pub fn misdirected(hosts: &HostPolicy, request: &Request) -> Option<Response> {
-    let host = request.uri().authority().map(|a| a.as_str()).or_else(|| {
+/// The authority a request is addressed to: HTTP/2's `:authority`, or
+/// `Host`; `None` when it names none (not a browser: browsers always do).
+pub fn addressed_to(request: &Request) -> Option<&str> {
+    request.uri().authority().map(|a| a.as_str()).or_else(|| {
         request
             .headers()
             .get(header::HOST)
             .map(|v| v.to_str().unwrap_or("\u{fffd}"))
-    })?;
+    })
+}
+
+/// The refusal of a request addressed to a name that is not the server's;
+/// `None` when it is the server's, or names none.
+pub fn misdirected(hosts: &HostPolicy, request: &Request) -> Option<Response> {
+    let host = addressed_to(request)?;
     (!hosts.allows(host)).then(|| {
         ApiError::Misdirected(format!(
             "this server does not answer to '{host}' (start it with --allow-host NAME to add a name it is reached by)"

@@ -392,8 +392,14 @@ async fn the_live_page_of_a_running_run_holds_its_memory_for_minutes() {
             Duration::from_secs(30),
         )
         .await;
-    // Settled: a dozen updates in.
-    tokio::time::sleep(Duration::from_secs(12)).await;
+    // Settled: a dozen updates in (about ten items a second).
+    browser
+        .wait_for(
+            "a dozen seconds of the run",
+            "return Number(document.getElementById('stat-done').textContent.replace(/\\D/g, '')) >= 120;",
+            Duration::from_secs(60),
+        )
+        .await;
     let before = footprint(&browser).await;
     let mut seen = vec![before];
     // Two minutes of updates, a second apart.

@@ -70,25 +70,53 @@ pub fn has_reference(text: &str) -> bool {
     text.replace("$${", "").contains("${")
 }
 
+/// Whether `name` may name a variable: letters, digits and `_`.
+pub fn is_name(name: &str) -> bool {
+    !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+/// `text` with each `${...}` replaced by what `value_of` makes of what is
+/// inside the braces (and whether they were closed), and `$${` by a
+/// literal `${`: the one reading of references that expanding and listing
+/// them share.
+fn substitute(
+    text: &str,
+    mut value_of: impl FnMut(&str, bool) -> Result<String, String>,
+) -> Result<String, String> {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(pos) = rest.find('$') {
+        out.push_str(&rest[..pos]);
+        let after = &rest[pos..];
+        if let Some(tail) = after.strip_prefix("$${") {
+            out.push_str("${");
+            rest = tail;
+        } else if let Some(tail) = after.strip_prefix("${") {
+            let (inner, closed, next) = match tail.find('}') {
+                Some(end) => (&tail[..end], true, &tail[end + 1..]),
+                None => (tail, false, ""),
+            };
+            out.push_str(&value_of(inner, closed)?);
+            rest = next;
+        } else {
+            out.push('$');
+            rest = &after[1..];
+        }
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
 /// The names of the variables `text` refers to (`${NAME}` and
 /// `${NAME:-default}`; not `$${`), including malformed ones as written.
 pub fn references(text: &str) -> Vec<String> {
     let mut out = Vec::new();
-    let mut rest = text;
-    while let Some(pos) = rest.find('$') {
-        let after = &rest[pos..];
-        if let Some(tail) = after.strip_prefix("$${") {
-            rest = tail;
-        } else if let Some(tail) = after.strip_prefix("${") {
-            let end = tail.find('}').unwrap_or(tail.len());
-            let inner = &tail[..end];
-            let name = inner.split_once(":-").map_or(inner, |(name, _)| name);
-            out.push(name.to_owned());
-            rest = &tail[end.min(tail.len())..];
-        } else {
-            rest = &after[1..];
-        }
-    }
+    // Listing never fails: every reference gives an empty text.
+    let _ = substitute(text, |inner, _| {
+        let name = inner.split_once(":-").map_or(inner, |(name, _)| name);
+        out.push(name.to_owned());
+        Ok(String::new())
+    });
     out
 }
 
@@ -118,45 +146,27 @@ pub fn interpolate(value: &mut Value, at: &str, vars: &Vars, problems: &mut Vec<
 }
 
 fn expand(text: &str, vars: &Vars) -> Result<String, String> {
-    let mut out = String::with_capacity(text.len());
-    let mut rest = text;
-    while let Some(pos) = rest.find('$') {
-        out.push_str(&rest[..pos]);
-        let after = &rest[pos..];
-        if let Some(tail) = after.strip_prefix("$${") {
-            out.push_str("${");
-            rest = tail;
-        } else if let Some(tail) = after.strip_prefix("${") {
-            let end = tail
-                .find('}')
-                .ok_or_else(|| "unclosed '${' (write '$${' for a literal '${')".to_owned())?;
-            let inner = &tail[..end];
-            let (name, default) = match inner.split_once(":-") {
-                Some((name, default)) => (name, Some(default)),
-                None => (inner, None),
-            };
-            if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-                return Err(format!(
-                    "'${{{inner}}}' is not a variable reference: names are letters, digits and '_'"
-                ));
-            }
-            match (vars.get(name), default) {
-                (Some(value), _) => out.push_str(&value),
-                (None, Some(default)) => out.push_str(default),
-                (None, None) => {
-                    return Err(format!(
-                        "environment variable {name} is not set (nor in a .env file beside the config)"
-                    ));
-                }
-            }
-            rest = &tail[end + 1..];
-        } else {
-            out.push('$');
-            rest = &after[1..];
+    substitute(text, |inner, closed| {
+        if !closed {
+            return Err("unclosed '${' (write '$${' for a literal '${')".to_owned());
         }
-    }
-    out.push_str(rest);
-    Ok(out)
+        let (name, default) = match inner.split_once(":-") {
+            Some((name, default)) => (name, Some(default)),
+            None => (inner, None),
+        };
+        if !is_name(name) {
+            return Err(format!(
+                "'${{{inner}}}' is not a variable reference: names are letters, digits and '_'"
+            ));
+        }
+        match (vars.get(name), default) {
+            (Some(value), _) => Ok(value),
+            (None, Some(default)) => Ok(default.to_owned()),
+            (None, None) => Err(format!(
+                "environment variable {name} is not set (nor in a .env file beside the config)"
+            )),
+        }
+    })
 }
 
 #[cfg(test)]

@@ -30,7 +30,7 @@ pub use endpoint::{
     AimdSettings, EndpointConfig, EndpointKind, EndpointRole, Engine, HealthSettings, LimitMode,
     Preset, Remote,
 };
-pub use env::Vars;
+pub use env::{Vars, is_name as is_variable_name};
 pub use evalfleet_mock::MockSettings;
 pub use evalfleet_types::BudgetSettings;
 use evalfleet_types::Fault;

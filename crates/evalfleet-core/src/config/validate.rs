@@ -44,11 +44,9 @@ pub(super) fn load(
     if let Some(admission) = admission {
         let refusals = admission.refusals(&document.value, dir);
         if !refusals.is_empty() {
-            return Err(match invalid(origin, &document, refusals) {
-                ConfigError::Invalid { origin, problems } => {
-                    ConfigError::Refused { origin, problems }
-                }
-                other => other,
+            return Err(ConfigError::Refused {
+                origin,
+                problems: located(&document, refusals),
             });
         }
     }
@@ -91,6 +89,14 @@ pub(super) fn invalid(
     document: &Document,
     problems: Vec<RawProblem>,
 ) -> ConfigError {
+    ConfigError::Invalid {
+        origin,
+        problems: located(document, problems),
+    }
+}
+
+/// `problems` once each, with their lines, in the order of the file.
+fn located(document: &Document, problems: Vec<RawProblem>) -> Vec<Problem> {
     let mut seen = HashSet::new();
     let mut out: Vec<Problem> = problems
         .into_iter()
@@ -101,10 +107,7 @@ pub(super) fn invalid(
         })
         .collect();
     out.sort_by_key(|p| p.line.unwrap_or(0));
-    ConfigError::Invalid {
-        origin,
-        problems: out,
-    }
+    out
 }
 
 /// The mapping at `path` in `value`, made (empty) where it is missing;

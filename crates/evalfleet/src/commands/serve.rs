@@ -66,7 +66,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<u8> {
         Arc::new(move || evalfleet_store::open(&location, &OpenOptions::default()))
     };
     for name in &args.allow_env {
-        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+        if !evalfleet_core::config::is_variable_name(name) {
             return Err(UsageError(format!(
                 "--allow-env {name}: not a variable's name (letters, digits and '_')"
             ))
