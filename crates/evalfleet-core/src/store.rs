@@ -723,6 +723,16 @@ pub trait Explore {
     /// The item with this id, with its attempts; `None` if the run has no
     /// such item.
     fn item(&mut self, run_id: &str, item_id: &str) -> Result<Option<ItemRecord>, StoreError>;
+
+    /// The first `chars` characters of the answer of each of `item_ids`
+    /// (`None` where there is none), without the rest of the item: what a
+    /// comparison shows of the items it lists.
+    fn answers(
+        &mut self,
+        run_id: &str,
+        item_ids: &[&str],
+        chars: usize,
+    ) -> Result<Vec<Option<String>>, StoreError>;
 }
 
 /// A report or comparison computed once and kept with the runs it reads.

@@ -5,6 +5,7 @@
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
+use evalfleet_core::report;
 use evalfleet_core::store::KeptReport;
 use evalfleet_core::types::{Assessment, Score};
 use serde_json::Value;
@@ -47,20 +48,24 @@ async fn a_read_only_server_keeps_its_reports_in_memory_and_writes_nothing() {
         assert!(kept, "{uri}: the second is kept, in memory");
         assert_eq!(again, text);
     }
+    let report_key = report::kept::report_key(&[]);
+    let compare_key = report::kept::compare_key(&["a".to_owned(), "b".to_owned()], &[], None, 100);
     let mut store = fixture.store();
-    assert_eq!(store.kept_report("a", "report?by=").unwrap(), None);
+    assert_eq!(store.kept_report("a", &report_key).unwrap(), None);
     assert!(
-        store
-            .kept_report("a", "compare?runs=a,b&by=&metric=&limit=100")
-            .unwrap()
-            .is_none(),
+        store.kept_report("a", &compare_key).unwrap().is_none(),
         "nothing is written to the store"
     );
-    // What a writing server kept in the store is served by a read-only one.
+    // What a writing server kept in the store is served by a read-only one;
+    // and it is kept under the keys looked for above.
     let writer = evalfleet_server::app(fixture.state(None));
     get(&writer, "/api/v1/runs/b/report").await;
     let (_, _, _, kept) = get(&app, "/api/v1/runs/b/report").await;
     assert!(kept);
+    get(&writer, "/api/v1/runs/a/report").await;
+    get(&writer, "/api/v1/compare?runs=a,b").await;
+    assert!(store.kept_report("a", &report_key).unwrap().is_some());
+    assert!(store.kept_report("a", &compare_key).unwrap().is_some());
 }
 
 fn overall(report: &Value) -> &Value {

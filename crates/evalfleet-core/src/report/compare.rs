@@ -24,7 +24,6 @@ use super::stats::{self, Estimate, Moments, Paired, Pairs};
 use super::{Judged, ReportError, group_of};
 use crate::eval::Metric;
 use crate::store::{ResultOrder, ResultView, Store, StoreError};
-use evalfleet_types::{ItemStatus, Verdict};
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
 
 /// One metric and category of one run against the first.
@@ -121,10 +120,6 @@ pub struct Disagreements {
 /// Characters of an answer a disagreement shows.
 pub const PREVIEW: usize = 300;
 
-fn preview(text: Option<&str>) -> Option<String> {
-    text.map(|t| t.chars().take(PREVIEW).collect())
-}
-
 /// Runs compared: for each run after the first, how much could be paired;
 /// per metric and category, each against the first; and the items each
 /// disagrees with the first on.
@@ -150,7 +145,7 @@ struct Lean {
 /// Each metric's value of a result (see [`judged_value`]), read from its
 /// stored scores without building them: only the metrics' values.
 fn values_of(view: &ResultView<'_>, metrics: &[Metric]) -> Result<Vec<Option<f64>>, StoreError> {
-    if view.status == ItemStatus::Failed || !view.verdict.is_none_or(Verdict::is_ok) {
+    if !super::answered(view.status, view.verdict) {
         return Ok(metrics.iter().map(|m| Some(m.missing())).collect());
     }
     let mut values = vec![None; metrics.len()];
@@ -279,19 +274,10 @@ impl Visitor<'_> for IsValue {
     }
 }
 
-/// The order two runs are read in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Order {
-    /// Dataset order: pairs the runs place by place while their ids agree.
-    Seq,
-    /// Item-id order: pairs any two runs by merging.
-    Key,
-}
-
 /// A run's results in `order`, a page at a time.
 struct Cursor<'a> {
     run_id: &'a str,
-    order: Order,
+    order: ResultOrder,
     metrics: &'a [Metric],
     by: &'a [String],
     page: VecDeque<Lean>,
@@ -301,7 +287,7 @@ struct Cursor<'a> {
 }
 
 impl<'a> Cursor<'a> {
-    fn new(run_id: &'a str, order: Order, metrics: &'a [Metric], by: &'a [String]) -> Self {
+    fn new(run_id: &'a str, order: ResultOrder, metrics: &'a [Metric], by: &'a [String]) -> Self {
         Self {
             run_id,
             order,
@@ -316,15 +302,11 @@ impl<'a> Cursor<'a> {
     /// The next result's id, reading a page when the last is used up.
     fn peek(&mut self, store: &mut dyn Store) -> Result<Option<&str>, StoreError> {
         if self.page.is_empty() && !self.ended {
-            let order = match self.order {
-                Order::Seq => ResultOrder::Seq,
-                Order::Key => ResultOrder::Key,
-            };
             let after = self.after.as_ref().map(|(id, seq)| (id.as_str(), *seq));
             let (metrics, by, page) = (self.metrics, self.by, &mut self.page);
             let read = store.results_page(
                 self.run_id,
-                order,
+                self.order,
                 after,
                 PAGE,
                 !by.is_empty(),
@@ -474,14 +456,18 @@ pub fn compare(
         comparisons: Vec::new(),
         disagreements: Vec::new(),
     };
+    let question = Question {
+        shared: &shared,
+        by,
+        listed,
+        limit,
+    };
     let mut base_estimates = None;
     for other in &judged[1..] {
         let mut pass = None;
-        for order in [Order::Seq, Order::Key] {
+        for order in [ResultOrder::Seq, ResultOrder::Key] {
             let summarise = base_estimates.is_none();
-            pass = merge(
-                store, base, other, order, &shared, by, listed, limit, summarise,
-            )?;
+            pass = merge(store, base, other, order, &question, summarise)?;
             if pass.is_some() {
                 break;
             }
@@ -496,12 +482,7 @@ pub fn compare(
         }
         let ours = base_estimates.as_ref();
         let theirs = pass.other_means.estimates(&shared);
-        let unknown = Estimate {
-            mean: f64::NAN,
-            stderr: f64::NAN,
-            ci_low: f64::NAN,
-            ci_high: f64::NAN,
-        };
+        let unknown = stats::estimate(&Moments::default());
         for (m, groups) in shared.iter().zip(pass.pairs) {
             for (group, pairs) in groups {
                 let key = (m.key.clone(), group.clone());
@@ -535,27 +516,41 @@ struct Pass {
     disagreements: Disagreements,
 }
 
+/// What every pass of a comparison asks, whichever runs it reads.
+struct Question<'a> {
+    /// The metrics the runs share.
+    shared: &'a [Metric],
+    /// The fields categories are made of.
+    by: &'a [String],
+    /// The metric (its place in `shared`) whose disagreements are listed.
+    listed: usize,
+    /// Disagreements listed at most.
+    limit: usize,
+}
+
 /// Reads `base` and `other` side by side in `order`; in dataset order,
 /// `None` at the first place where their ids differ.
-#[allow(clippy::too_many_arguments)]
 fn merge(
     store: &mut dyn Store,
     base: &Judged,
     other: &Judged,
-    order: Order,
-    shared: &[Metric],
-    by: &[String],
-    listed: usize,
-    limit: usize,
+    order: ResultOrder,
+    question: &Question<'_>,
     summarise_base: bool,
 ) -> Result<Option<Pass>, ReportError> {
+    let Question {
+        shared,
+        by,
+        listed,
+        limit,
+    } = *question;
     let (a_id, b_id) = (base.run.run_id.as_str(), other.run.run_id.as_str());
     let same_dataset = base.run.dataset.sha256 == other.run.dataset.sha256;
     // Runs of one dataset read in dataset order pair each place with the
     // same item (its id, unique in the file), so the second run's
     // categories are the first's and its items' rows are not read; a place
     // of it left unpaired starts the comparison again in id order.
-    let borrow = order == Order::Seq && same_dataset && !by.is_empty();
+    let borrow = order == ResultOrder::Seq && same_dataset && !by.is_empty();
     // Answers are read only for the disagreements listed, at the end.
     let mut a = Cursor::new(a_id, order, shared, by);
     let mut b = Cursor::new(b_id, order, shared, if borrow { &[] } else { by });
@@ -586,7 +581,7 @@ fn merge(
             (None, None) => break,
             (Some(_), None) => Ordering::Less,
             (None, Some(_)) => Ordering::Greater,
-            (Some(x), Some(y)) if order == Order::Key => x.cmp(y),
+            (Some(x), Some(y)) if order == ResultOrder::Key => x.cmp(y),
             (Some(x), Some(y)) if x == y => Ordering::Equal,
             (Some(_), Some(_)) => return Ok(None),
         };
@@ -663,14 +658,20 @@ fn merge(
         }
     }
     disagreements.items = first.into_sorted_vec().into_iter().map(|p| p.1).collect();
-    for d in &mut disagreements.items {
-        let output = |store: &mut dyn Store, run: &str| -> Result<_, StoreError> {
-            Ok(store
-                .item(run, &d.item_id)?
-                .and_then(|record| preview(record.row.output.as_deref())))
-        };
-        d.output_a = output(store, a_id)?;
-        d.output_b = output(store, b_id)?;
+    let ids: Vec<&str> = disagreements
+        .items
+        .iter()
+        .map(|d| d.item_id.as_str())
+        .collect();
+    let answers_a = store.answers(a_id, &ids, PREVIEW)?;
+    let answers_b = store.answers(b_id, &ids, PREVIEW)?;
+    for (d, (a, b)) in disagreements
+        .items
+        .iter_mut()
+        .zip(answers_a.into_iter().zip(answers_b))
+    {
+        d.output_a = a;
+        d.output_b = b;
     }
     Ok(Some(Pass {
         coverage,
@@ -686,6 +687,7 @@ mod tests {
     use serde_json::Map;
 
     use super::*;
+    use evalfleet_types::{ItemStatus, Verdict};
 
     #[test]
     fn a_results_values_are_read_from_its_stored_scores_as_a_report_takes_them() {

@@ -101,17 +101,18 @@ fn kept_or(
         .collect::<Result<_, _>>()?;
     let fingerprint = fingerprint(&records);
     if let Some(fingerprint) = &fingerprint {
+        // What this process kept, unless it is stale: then what others
+        // kept in the store may still hold.
+        let current = |kept: &KeptReport| kept.fingerprint == *fingerprint;
         let in_memory = match keeping {
-            Keeping::Memory(memory) => memory.get(&runs[0], key),
+            Keeping::Memory(memory) => memory.get(&runs[0], key).filter(current),
             Keeping::Store => None,
         };
         let kept = match in_memory {
             Some(kept) => Some(kept),
-            None => store.kept_report(&runs[0], key)?,
+            None => store.kept_report(&runs[0], key)?.filter(current),
         };
-        if let Some(kept) = kept
-            && kept.fingerprint == *fingerprint
-        {
+        if let Some(kept) = kept {
             return Ok(KeptBody {
                 body: kept.body,
                 kept: true,
@@ -138,6 +139,21 @@ fn kept_or(
     Ok(KeptBody { body, kept: false })
 }
 
+/// What a report by `by` is kept under.
+pub fn report_key(by: &[String]) -> String {
+    format!("report?by={}", by.join(","))
+}
+
+/// What a comparison is kept under (under its first run).
+pub fn compare_key(runs: &[String], by: &[String], metric: Option<&str>, limit: usize) -> String {
+    format!(
+        "compare?runs={}&by={}&metric={}&limit={limit}",
+        runs.join(","),
+        by.join(","),
+        metric.unwrap_or("")
+    )
+}
+
 /// [`report`](super::report) of `run_id` by `by`, as JSON: kept once the
 /// run has stopped.
 pub fn kept_report(
@@ -146,7 +162,7 @@ pub fn kept_report(
     run_id: &str,
     by: &[String],
 ) -> Result<KeptBody, ReportError> {
-    let key = format!("report?by={}", by.join(","));
+    let key = report_key(by);
     kept_or(store, keeping, &[run_id.to_owned()], &key, |store| {
         serialize(&report(store, run_id, by, None)?)
     })
@@ -166,12 +182,7 @@ pub fn kept_compare(
         // Said as `compare` says it.
         compare(store, runs, by, metric, limit)?;
     }
-    let key = format!(
-        "compare?runs={}&by={}&metric={}&limit={limit}",
-        runs.join(","),
-        by.join(","),
-        metric.unwrap_or("")
-    );
+    let key = compare_key(runs, by, metric, limit);
     kept_or(store, keeping, runs, &key, |store| {
         serialize(&compare(store, runs, by, metric, limit)?)
     })

@@ -237,7 +237,7 @@ fn fields_of(text: &str, by: &[String]) -> Vec<Option<Value>> {
 /// nothing when the metric could not score it (not the model's doing: it
 /// is left out).
 pub fn judged_value(result: &StoredResult, metric: &Metric) -> Option<f64> {
-    if result.status == ItemStatus::Failed || !result.assessment.usable() {
+    if !answered(result.status, result.assessment.verdict) {
         return Some(metric.missing());
     }
     result
@@ -245,6 +245,13 @@ pub fn judged_value(result: &StoredResult, metric: &Metric) -> Option<f64> {
         .scores
         .get(&metric.key)
         .and_then(|s| s.value)
+}
+
+/// Whether a result has an answer its metrics score: it did not fail, and
+/// its answer passed checking (or was not checked). Otherwise each metric
+/// counts it at its worst value ([`judged_value`]).
+pub(crate) fn answered(status: ItemStatus, verdict: Option<evalfleet_types::Verdict>) -> bool {
+    status != ItemStatus::Failed && verdict.is_none_or(evalfleet_types::Verdict::is_ok)
 }
 
 /// Reads every result of `run_id` in dataset order, each with its category
@@ -336,7 +343,7 @@ pub fn report_with(
                 .map(|m| judged_value(result, m))
                 .collect();
             // A sample with no usable answer votes for nothing.
-            let usable = result.status != ItemStatus::Failed && result.assessment.usable();
+            let usable = answered(result.status, result.assessment.verdict);
             let vote = usable
                 .then(|| {
                     result

@@ -77,10 +77,6 @@ impl Moments {
         m
     }
 
-    pub fn is_binary(&self) -> bool {
-        self.binary
-    }
-
     /// The mean (NaN with no values).
     pub fn mean(&self) -> f64 {
         if self.n == 0 {
@@ -218,15 +214,6 @@ impl Pairs {
     }
 }
 
-/// The paired comparison of `b` against `a`, item by item.
-pub fn paired(a: &[f64], b: &[f64]) -> Paired {
-    let mut pairs = Pairs::default();
-    for (x, y) in a.iter().zip(b) {
-        pairs.add(*x, *y);
-    }
-    pairs.paired()
-}
-
 /// The complementary error function (W. J. Cody's rational Chebyshev
 /// approximation as in Numerical Recipes' `erfcc`: relative error below
 /// 1.2 × 10⁻⁷ everywhere).
@@ -282,6 +269,15 @@ pub fn pass_at_k(n: u64, c: u64, k: u64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The paired comparison of `b` against `a`, item by item.
+    fn paired(a: &[f64], b: &[f64]) -> Paired {
+        let mut pairs = Pairs::default();
+        for (x, y) in a.iter().zip(b) {
+            pairs.add(*x, *y);
+        }
+        pairs.paired()
+    }
 
     #[test]
     fn estimates_of_a_known_sample() {

@@ -280,6 +280,35 @@ impl Explore for SqliteStore {
             cached,
         }))
     }
+
+    fn answers(
+        &mut self,
+        run_id: &str,
+        item_ids: &[&str],
+        chars: usize,
+    ) -> Result<Vec<Option<String>>, StoreError> {
+        let rid = self.rid(run_id)?;
+        let err = db_err("cannot read answers");
+        let mut stmt = self
+            .conn
+            .prepare_cached(
+                "SELECT substr(r.output, 1, ?3) FROM items i
+                 JOIN results r ON r.rid = i.rid AND r.seq = i.seq
+                 WHERE i.rid = ?1 AND i.item_id = ?2",
+            )
+            .map_err(&err)?;
+        item_ids
+            .iter()
+            .map(|id| {
+                stmt.query_row(rusqlite::params![rid, id, chars as i64], |row| {
+                    row.get::<_, Option<String>>(0)
+                })
+                .optional()
+                .map(Option::flatten)
+                .map_err(&err)
+            })
+            .collect()
+    }
 }
 
 impl SqliteStore {
