@@ -749,14 +749,15 @@ async fn read_stream(
             usage = chunk.usage;
         }
     }
-    // A stream that ends before any choice said why it finished is
-    // incomplete: closed by the server (`[DONE]`) or cut on the way.
+    // A stream is whole only when it ended: without `[DONE]` it was cut on
+    // the way, whatever it said before (a finish_reason may come before the
+    // usage chunk and the end). One that ended before any choice said why
+    // it finished is incomplete too: the server closed it early.
+    if !done {
+        return Err(CallError::Truncated);
+    }
     if finish_reason.is_none() {
-        return Err(if done {
-            CallError::Unfinished
-        } else {
-            CallError::Truncated
-        });
+        return Err(CallError::Unfinished);
     }
     let counted = usage.as_ref().and_then(|u| u.completion_tokens);
     let completion = Completion {
@@ -949,6 +950,28 @@ mod tests {
         let url = serve_once(JSON, vec![(Duration::ZERO, body)]).await;
         let err = complete(&url, false, Stalls::default()).await.unwrap_err();
         assert!(matches!(err, CallError::Unfinished), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_stream_that_never_said_done_is_truncated() {
+        // The finish_reason came, then the connection closed cleanly before
+        // the usage chunk and `[DONE]`.
+        let parts = vec![
+            (Duration::ZERO, leak(chunk("Denver", None))),
+            (Duration::ZERO, leak(chunk("", Some("stop")))),
+        ];
+        let url = serve_once(SSE, parts).await;
+        let err = complete(&url, true, Stalls::default()).await.unwrap_err();
+        assert!(matches!(err, CallError::Truncated), "{err}");
+        // The same stream with its end is an answer.
+        let parts = vec![
+            (Duration::ZERO, leak(chunk("Denver", None))),
+            (Duration::ZERO, leak(chunk("", Some("stop")))),
+            (Duration::ZERO, "data: [DONE]\n\n"),
+        ];
+        let url = serve_once(SSE, parts).await;
+        let answer = complete(&url, true, Stalls::default()).await.unwrap();
+        assert_eq!(answer.content, "Denver");
     }
 
     #[tokio::test]

@@ -42,6 +42,7 @@ pub struct Stats {
     faults_by_status: Mutex<BTreeMap<u16, u64>>,
     stalled: AtomicU64,
     cut: AtomicU64,
+    unended: AtomicU64,
     interrupted: AtomicU64,
     outage_refused: AtomicU64,
     in_flight: AtomicU64,
@@ -71,6 +72,7 @@ impl Default for Stats {
             faults_by_status: Mutex::new(BTreeMap::new()),
             stalled: AtomicU64::new(0),
             cut: AtomicU64::new(0),
+            unended: AtomicU64::new(0),
             interrupted: AtomicU64::new(0),
             outage_refused: AtomicU64::new(0),
             in_flight: AtomicU64::new(0),
@@ -109,6 +111,9 @@ pub struct StatsSnapshot {
     pub stalled: u64,
     /// Streams ended early with `data: [DONE]` (`cut_rate`).
     pub cut: u64,
+    /// Streams closed after their finish_reason without `[DONE]`
+    /// (`unended_rate`).
+    pub unended: u64,
     /// Streams ended early by the arrival of another request
     /// (`interrupt_on_arrival`).
     pub interrupted: u64,
@@ -161,6 +166,7 @@ impl Stats {
                 .clone(),
             stalled: load(&self.stalled),
             cut: load(&self.cut),
+            unended: load(&self.unended),
             interrupted: load(&self.interrupted),
             outage_refused: load(&self.outage_refused),
             in_flight: load(&self.in_flight),
@@ -689,6 +695,8 @@ struct Mishaps {
     stall: bool,
     /// A stream ends half-way with `data: [DONE]` (`cut_rate`).
     cut: bool,
+    /// A stream closes after its finish_reason, never ended (`unended_rate`).
+    unended: bool,
 }
 
 impl MockState {
@@ -728,12 +736,14 @@ impl MockState {
         let fault = pick_fault(&settings.faults, rng.f64());
         let stall = rng.f64() < settings.stall_rate;
         let cut = rng.f64() < settings.cut_rate;
+        let unended = rng.f64() < settings.unended_rate;
         match fault {
             Some(fault) => Fate::Fault(fault),
             None => Fate::Answer(Mishaps {
                 truncate,
                 stall,
                 cut: cut && !truncate,
+                unended: unended && !truncate && !cut,
             }),
         }
     }
@@ -1208,6 +1218,10 @@ impl Streaming {
                         return end;
                     }
                     let bytes = reply.chunk(json!({}), Some(reply.finish_reason));
+                    if reply.mishaps.unended {
+                        stats.unended.fetch_add(1, Ordering::Relaxed);
+                        return Some((Ok(bytes), Step::End));
+                    }
                     let next = if self.include_usage {
                         Step::Usage
                     } else {

@@ -115,6 +115,13 @@ pub struct MockSettings {
     #[cfg_attr(feature = "cli", arg(long, default_value_t = 0.0))]
     pub cut_rate: f64,
 
+    /// Fraction of streamed responses whose connection closes cleanly right
+    /// after the chunk carrying the `finish_reason`: no usage chunk and no
+    /// `data: [DONE]` (a stream that never ended, as some proxies and
+    /// servers leave one they drop).
+    #[cfg_attr(feature = "cli", arg(long, default_value_t = 0.0))]
+    pub unended_rate: f64,
+
     /// A chat request that arrives ends every stream being sent at once, the
     /// way `cut_rate` ends one (llama-cpp-python's server serves one request
     /// at a time and interrupts the running one).
@@ -190,6 +197,7 @@ impl Default for MockSettings {
             stall_rate: 0.0,
             stall: Duration::from_secs(20),
             cut_rate: 0.0,
+            unended_rate: 0.0,
             interrupt_on_arrival: false,
             stream_usage: true,
             quota: None,
@@ -210,6 +218,7 @@ impl MockSettings {
             ("truncate_rate", self.truncate_rate),
             ("stall_rate", self.stall_rate),
             ("cut_rate", self.cut_rate),
+            ("unended_rate", self.unended_rate),
         ] {
             if !(0.0..=1.0).contains(&rate) {
                 out.push((field, format!("must be between 0 and 1, got {rate}")));
@@ -303,6 +312,7 @@ impl MockSettings {
             || !self.faults.is_empty()
             || self.stall_rate > 0.0
             || self.cut_rate > 0.0
+            || self.unended_rate > 0.0
     }
 }
 

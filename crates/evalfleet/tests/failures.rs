@@ -486,3 +486,41 @@ async fn calls_late_on_an_ejected_endpoint_are_hedged_and_the_first_answer_wins(
         .unwrap();
     assert_eq!(timed_out, 0, "hung calls were waited out");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_closes_after_its_finish_reason_without_done_is_retried() {
+    // The finish_reason chunk comes, then the connection closes cleanly: no
+    // usage chunk, no `[DONE]`. Such a stream never ended, so it is no
+    // answer, however whole its text looks.
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 40);
+    let server = mock(MockSettings {
+        unended_rate: 0.3,
+        seed: 5,
+        ..MockSettings::default()
+    })
+    .await;
+    let extra = "retry: { max_attempts: 20, backoff_base: 10ms, backoff_max: 50ms }";
+    let text = config(&dataset, &external_with("e", &server, 4, NO_HEALTH), extra)
+        .replace("max_tokens: 64 }", "max_tokens: 64 }\n  stream: true");
+    env.write("run.yaml", &text);
+
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let unended = server.stats().unended;
+    assert!(unended > 0, "no stream was ever left unended");
+    let rows = by_id(&env.export(&ran.run_id()).await);
+    assert_eq!(rows.len(), 40);
+    for (id, row) in &rows {
+        assert_eq!(row["status"], "done", "{id}: {row}");
+        assert_eq!(row["output"], row["item"]["question"], "{id}");
+        // Stored answers came with their usage chunk: none was taken from
+        // a stream that stopped before it.
+        assert_ne!(row["tokens_estimated"], true, "{id}: {row}");
+        assert!(row["completion_tokens"].as_u64().is_some(), "{id}: {row}");
+    }
+    // Each unended stream is on record as a failed attempt.
+    let summary = evalfleet_core::report::endpoints(&mut env.store(), &ran.run_id()).unwrap();
+    let bad = summary[0].errors.get("bad_response").copied().unwrap_or(0);
+    assert_eq!(bad, unended, "{summary:?}");
+}
