@@ -46,6 +46,12 @@ pub enum DatasetError {
     },
     #[error("{}: {message}", path.display())]
     Header { path: PathBuf, message: String },
+    /// Not one row: nothing to run.
+    #[error(
+        "{}: the dataset has no items (a JSONL file has one JSON object a line; a CSV file a header line and a row a line)",
+        path.display()
+    )]
+    Empty { path: PathBuf },
 }
 
 /// Writes a conversation's made-up episodes (`config.episodes`, one

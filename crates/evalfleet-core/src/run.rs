@@ -124,6 +124,12 @@ impl DatasetItems<'_> {
                 "the dataset was finished twice".to_owned(),
             )));
         };
+        if self.seq == 0 {
+            return Err(DatasetError::Empty {
+                path: self.config.dataset.path.clone(),
+            }
+            .into());
+        }
         let csv = scanner.columns().is_some();
         let summary = scanner.finish();
         if !csv && self.seq > 0 && summary.fields.len() < 4096 {

@@ -36,6 +36,22 @@ pub enum StoreError {
     NoSuchRun(String),
     #[error("no store at {} (pass --store PATH to name another)", .0.display())]
     NoStore(std::path::PathBuf),
+    /// The file is there, but it is not an evalfleet store.
+    #[error("{} is not an evalfleet store ({why}); pass --store PATH to name one", path.display())]
+    NotAStore {
+        path: std::path::PathBuf,
+        why: String,
+    },
+    /// A store written by a newer evalfleet, which this one cannot read.
+    #[error(
+        "{} was written by a newer evalfleet (store version {version}; this one reads up to {known}): upgrade evalfleet to read it",
+        path.display()
+    )]
+    NewerStore {
+        path: std::path::PathBuf,
+        version: i64,
+        known: i64,
+    },
     /// `--store` (or `store:`) names no store this evalfleet can open.
     #[error("--store: {0}")]
     BadLocation(String),
@@ -46,7 +62,11 @@ pub enum StoreError {
 impl StoreError {
     pub fn fault(&self) -> Fault {
         match self {
-            Self::NoSuchRun(_) | Self::NoStore(_) | Self::BadLocation(_) => Fault::BadInput,
+            Self::NoSuchRun(_)
+            | Self::NoStore(_)
+            | Self::NotAStore { .. }
+            | Self::NewerStore { .. }
+            | Self::BadLocation(_) => Fault::BadInput,
             Self::Backend { .. } | Self::Invariant(_) => Fault::Failure,
         }
     }

@@ -93,13 +93,28 @@ pub struct OpenOptions {
     /// Keep the response cache in this file instead (`cache.path`), shared
     /// by the runs of several stores.
     pub cache_file: Option<PathBuf>,
+    /// Only read it (an existing store): nothing is written, so a store the
+    /// user may not write can be read.
+    pub read_only: bool,
+}
+
+impl OpenOptions {
+    /// An existing store, to read only.
+    pub fn read_only() -> Self {
+        Self {
+            read_only: true,
+            ..Self::default()
+        }
+    }
 }
 
 /// Opens the store at `location`: one connection, for one thread at a time.
 pub fn open(location: &Location, options: &OpenOptions) -> Result<Box<dyn Store>, StoreError> {
     match location {
         Location::Sqlite(path) => {
-            let mut store = if options.create {
+            let mut store = if options.read_only {
+                SqliteStore::open_read_only(path)?
+            } else if options.create {
                 SqliteStore::open(path)?
             } else {
                 SqliteStore::open_existing(path)?

@@ -25,7 +25,7 @@ pub use endpoint::{
 };
 pub use event::{Event, EventKind, FleetAction, FleetChange};
 pub use fading::FadingMax;
-pub use fault::Fault;
+pub use fault::{Fault, error_text, root_cause};
 pub use record::{
     AttemptRecord, CacheEntry, ItemStatus, ResultRecord, RunStatus, StateCounts, Telemetry,
 };

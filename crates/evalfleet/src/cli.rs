@@ -159,6 +159,22 @@ pub enum Command {
     Mock(MockArgs),
 }
 
+impl Command {
+    /// Whether the command only reads and prints (so a reader that stops
+    /// early may end it quietly).
+    pub fn only_prints(&self) -> bool {
+        matches!(
+            self,
+            Self::Runs(_)
+                | Self::Status(_)
+                | Self::Export(_)
+                | Self::Report(_)
+                | Self::Compare(_)
+                | Self::Check(_)
+        )
+    }
+}
+
 #[derive(Debug, Args)]
 pub struct StoreArgs {
     /// The SQLite store [default: runs/evalfleet.db, or $EVALFLEET_STORE]

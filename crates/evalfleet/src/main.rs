@@ -55,9 +55,46 @@ fn is_broken_pipe(err: &anyhow::Error) -> bool {
     })
 }
 
+/// The error as the user reads it: each cause once, a missing run with
+/// the store it was looked for in and how to list its runs, and hints that
+/// name the program as it was invoked.
+fn explain(err: &anyhow::Error) -> String {
+    let mut text = evalfleet_core::types::error_text(err.as_ref());
+    let missing_run = err.chain().any(|cause| {
+        matches!(
+            cause.downcast_ref::<evalfleet_core::store::StoreError>(),
+            Some(evalfleet_core::store::StoreError::NoSuchRun(_))
+        )
+    });
+    if missing_run && let Some(location) = commands::store_chosen() {
+        text.push_str(&format!(
+            " ({location}); `evalfleet runs{}` lists its runs",
+            commands::store_flag(&location)
+        ));
+    }
+    ui::with_program(&text)
+}
+
+/// Output that goes to a reader that stops early (`| head`) ends the
+/// process quietly, as other command-line tools do, instead of a panic of
+/// `println!`. Only for commands that read and print: the ones that serve,
+/// run or spawn keep SIGPIPE ignored, so that a peer that hangs up is an
+/// error to handle, not the end of the process.
+#[allow(unsafe_code)]
+fn end_quietly_when_the_reader_stops() {
+    // SAFETY: called at the start of main, before any thread is started;
+    // restoring a signal's default action has no other effect.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     ui::init_logging(cli.verbose);
+    if cli.command.only_prints() {
+        end_quietly_when_the_reader_stops();
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -94,7 +131,7 @@ fn main() -> ExitCode {
         Ok(code) => ExitCode::from(code),
         Err(err) if is_broken_pipe(&err) => ExitCode::from(EXIT_OK),
         Err(err) => {
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", explain(&err));
             ExitCode::from(exit_code(fault_of(&err)))
         }
     }

@@ -102,6 +102,37 @@ impl Mode {
     }
 }
 
+/// The program as the user invoked it, for hints to copy: `evalfleet`
+/// when the shell found it on the PATH, else the path it was run by
+/// (`./target/release/evalfleet`; `cargo run` runs it by a relative path).
+pub fn program() -> String {
+    let invoked = std::env::args_os()
+        .next()
+        .map(|a| a.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    program_from(&invoked)
+}
+
+fn program_from(invoked: &str) -> String {
+    if invoked.is_empty() || !invoked.contains('/') {
+        "evalfleet".to_owned()
+    } else if invoked.starts_with('/') || invoked.starts_with('.') {
+        invoked.to_owned()
+    } else {
+        format!("./{invoked}")
+    }
+}
+
+/// `text` with every hint that names the program (`` `evalfleet ``, as
+/// the libraries write their hints) naming it as the user invoked it.
+pub fn with_program(text: &str) -> String {
+    let program = program();
+    if program == "evalfleet" {
+        return text.to_owned();
+    }
+    text.replace("`evalfleet ", &format!("`{program} "))
+}
+
 /// A running progress display; [`Display::finish`] stops it.
 pub struct Display {
     stop: CancellationToken,
@@ -111,8 +142,27 @@ pub struct Display {
 struct Snapshot {
     ended: u64,
     failed: u64,
-    retries: u64,
+    calls: String,
     in_flight: String,
+}
+
+/// What the session's calls went through, each count apart: calls made
+/// again after a failure (transport errors, refusals, timeouts, cut
+/// streams), re-asks after an answer that could not be used, and items
+/// left with an unparsed (or invalid) answer once their re-asks ran out.
+pub fn calls_line(progress: &Progress) -> String {
+    let load = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+    let mut line = format!(
+        "{} retries, {} re-asks, {} unparsed",
+        load(&progress.retries),
+        load(&progress.reasks),
+        load(&progress.unparsed)
+    );
+    let invalid = load(&progress.invalid);
+    if invalid > 0 {
+        line.push_str(&format!(", {invalid} invalid"));
+    }
+    line
 }
 
 fn snapshot(progress: &Progress, endpoints: &[Arc<Endpoint>]) -> Snapshot {
@@ -138,7 +188,7 @@ fn snapshot(progress: &Progress, endpoints: &[Arc<Endpoint>]) -> Snapshot {
     Snapshot {
         ended: progress.done_before + progress.failed_before + done + failed,
         failed: progress.failed_before + failed,
-        retries: progress.retries.load(Ordering::Relaxed),
+        calls: calls_line(progress),
         in_flight,
     }
 }
@@ -186,8 +236,8 @@ async fn bar(progress: Arc<Progress>, endpoints: Vec<Arc<Endpoint>>, stop: Cance
         let s = snapshot(&progress, &endpoints);
         bar.set_position(s.ended);
         bar.set_message(format!(
-            "| failed {} | retries {} | in flight {}",
-            s.failed, s.retries, s.in_flight
+            "| {} failed, {} | in flight {}",
+            s.failed, s.calls, s.in_flight
         ));
         if stopping {
             break;
@@ -221,11 +271,30 @@ async fn lines(progress: Arc<Progress>, endpoints: Vec<Arc<Endpoint>>, stop: Can
             100.0
         };
         note(&format!(
-            "progress: {}/{} ({percent:.1}%), {} failed, {} retries, {rate:.1} items/s, ETA {eta}, in flight {}",
-            s.ended, progress.total, s.failed, s.retries, s.in_flight
+            "progress: {}/{} ({percent:.1}%), {} failed, {}, {rate:.1} items/s, ETA {eta}, in flight {}",
+            s.ended, progress.total, s.failed, s.calls, s.in_flight
         ));
         if stopping {
             break;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hints_name_the_program_as_it_was_invoked() {
+        assert_eq!(program_from("evalfleet"), "evalfleet");
+        assert_eq!(
+            program_from("target/release/evalfleet"),
+            "./target/release/evalfleet"
+        );
+        assert_eq!(
+            program_from("./target/release/evalfleet"),
+            "./target/release/evalfleet"
+        );
+        assert_eq!(program_from("/usr/bin/evalfleet"), "/usr/bin/evalfleet");
     }
 }

@@ -13,6 +13,7 @@ mod dashboard;
 mod failures;
 mod fleet;
 mod input;
+mod messages;
 mod run;
 mod security;
 mod serve;

@@ -87,6 +87,10 @@ async fn gsm8k_accuracy_is_the_known_fraction_and_malformed_answers_are_reasked(
     let fifth = n / 5;
     // One call each, one re-ask for the recovered, two for the hopeless.
     assert_eq!(server.stats().completed, n + fifth + 2 * fifth);
+    // The run's summary counts re-asks and unparsed answers apart from
+    // transport retries (there were none).
+    let counted = format!("0 retries, {} re-asks, {fifth} unparsed", 3 * fifth);
+    assert!(ran.stderr.contains(&counted), "{counted}: {}", ran.stderr);
 
     let report = env
         .evalfleet(&[

@@ -162,12 +162,13 @@ pub async fn send(
             decision.reason.as_str()
         );
     }
+    endpoint.tried(reached(&result));
     let transition = endpoint.on_call(health(&result), timing.latency);
     if transition.is_some() {
         let why = result
             .as_ref()
             .err()
-            .map_or_else(String::new, ToString::to_string);
+            .map_or_else(String::new, |err| evalfleet_types::error_text(err));
         fleet.call_transition(&endpoint, transition, &why);
     }
     endpoint.record(result.as_ref().ok().map(|completion| Answered {
@@ -279,7 +280,10 @@ impl Exchange {
                     },
                     status,
                     result.as_ref().err().map(CallError::class),
-                    result.as_ref().err().map(ToString::to_string),
+                    result
+                        .as_ref()
+                        .err()
+                        .map(|err| evalfleet_types::error_text(err)),
                 )
             }
         };
@@ -351,6 +355,20 @@ fn signal(result: &Result<Completion, CallError>, timing: &Timing, overtaken: bo
 /// call when it failed otherwise (a 503 included), which says the
 /// endpoint is down only when nothing gets through; nothing when it said
 /// no and is up (a 4xx, a 429: quotas are the rate limiter's business).
+/// Whether a call reached the endpoint: any HTTP response did; else the
+/// error that kept it from answering.
+fn reached(result: &Result<Completion, CallError>) -> Result<(), String> {
+    match result {
+        Err(CallError::Connect(err) | CallError::Transport(err)) => Err(format!(
+            "POST {}: {}",
+            err.url().map_or("", reqwest::Url::as_str),
+            evalfleet_types::root_cause(err)
+        )),
+        Err(err @ (CallError::Timeout(_) | CallError::FirstByteTimeout(_))) => Err(err.to_string()),
+        _ => Ok(()),
+    }
+}
+
 fn health(result: &Result<Completion, CallError>) -> Health {
     match result {
         Ok(_) => Health::Up,

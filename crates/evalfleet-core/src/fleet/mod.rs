@@ -180,6 +180,22 @@ pub struct Endpoint {
     pub probe_now: tokio::sync::Notify,
     /// Its calls since its last sample.
     window: Mutex<window::Window>,
+    /// Whether it ever answered since the run started (see
+    /// [`Endpoint::reached`]).
+    reach: Mutex<Reach>,
+}
+
+/// Whether an endpoint ever answered an HTTP request (a call's or a
+/// probe's, whatever its status), and, until it has, why the last try to
+/// reach it failed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Reach {
+    /// Nothing tried yet.
+    #[default]
+    Untried,
+    /// Every try failed before an answer; the last one's error.
+    Never(String),
+    Answered,
 }
 
 impl Endpoint {
@@ -212,6 +228,7 @@ impl Endpoint {
             quota_pauses: AtomicU64::new(0),
             probe_now: tokio::sync::Notify::new(),
             window: Mutex::new(window::Window::default()),
+            reach: Mutex::new(Reach::Untried),
             config: config.clone(),
         }
     }
@@ -444,6 +461,30 @@ impl Endpoint {
             status.outcomes.clear();
         }
         (self.apply(&mut status, transition), length)
+    }
+
+    /// A try to reach it: answered (any HTTP response), or failed before
+    /// an answer, and why.
+    pub fn tried(&self, answered: Result<(), String>) {
+        let mut reach = self.reach.lock().unwrap_or_else(PoisonError::into_inner);
+        match answered {
+            Ok(()) => *reach = Reach::Answered,
+            Err(why) if *reach != Reach::Answered => *reach = Reach::Never(why),
+            Err(_) => {}
+        }
+    }
+
+    /// Whether it ever answered since the run started.
+    pub fn reached(&self) -> Reach {
+        self.reach
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// How long ago the endpoint was made (when the run's fleet was).
+    pub fn age(&self) -> Duration {
+        Instant::now().saturating_duration_since(self.origin)
     }
 
     /// Seconds since the endpoint was made.

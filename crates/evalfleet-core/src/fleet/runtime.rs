@@ -23,7 +23,7 @@ use super::engine::{
     Launcher, RemoteCommands, Supervised, free_port, run_argv, run_shell, shell_join,
 };
 use super::gpu::{self, GpuReport};
-use super::{Endpoint, Phase, RateEvent, Transition};
+use super::{Endpoint, Phase, RateEvent, Reach, Transition};
 use crate::client::{ChatClient, http_client};
 use crate::config::{Config, EndpointConfig, EndpointKind, Engine, MockSettings};
 use evalfleet_types::{Event, EventKind, FleetAction, FleetChange, RunSample, now_ms};
@@ -271,18 +271,33 @@ pub fn health_url(config: &EndpointConfig, base_url: &str) -> String {
     }
 }
 
-/// One health probe: `GET` answered with 2xx within the timeout.
-async fn probe(http: &reqwest::Client, url: &str, timeout: Duration) -> Result<(), String> {
-    match tokio::time::timeout(timeout, http.get(url).send()).await {
+/// One health probe: `GET` answered with 2xx within the timeout. Any
+/// answer tells that the endpoint can be reached ([`Endpoint::tried`]).
+async fn probe(
+    endpoint: &Endpoint,
+    http: &reqwest::Client,
+    url: &str,
+    timeout: Duration,
+) -> Result<(), String> {
+    let result = match tokio::time::timeout(timeout, http.get(url).send()).await {
         Err(_) => Err(format!(
             "no answer within {}",
             humantime::format_duration(timeout)
         )),
-        Ok(Err(err)) if err.is_connect() => Err("connection refused".to_owned()),
-        Ok(Err(err)) => Err(err.to_string()),
-        Ok(Ok(response)) if response.status().is_success() => Ok(()),
-        Ok(Ok(response)) => Err(format!("HTTP {}", response.status().as_u16())),
+        Ok(Err(err)) => Err(evalfleet_types::root_cause(&err)),
+        Ok(Ok(response)) => {
+            endpoint.tried(Ok(()));
+            return if response.status().is_success() {
+                Ok(())
+            } else {
+                Err(format!("HTTP {}", response.status().as_u16()))
+            };
+        }
+    };
+    if let Err(why) = &result {
+        endpoint.tried(Err(format!("GET {url}: {why}")));
     }
+    result
 }
 
 /// Makes the endpoint's client for `base_url` and marks it ready.
@@ -357,7 +372,7 @@ async fn watch(
             _ = changes.changed() => {}
             () = endpoint.probe_now.notified() => {}
         }
-        let result = probe(&http, &url, health.timeout).await;
+        let result = probe(endpoint, &http, &url, health.timeout).await;
         match endpoint.on_probe(result.is_ok()) {
             Some(Transition::Faulty) => judge_faulty(shared, endpoint),
             transition => report_transition(shared, endpoint, transition, result.err()),
@@ -718,7 +733,7 @@ async fn ready(
             }
             _ = tick.tick() => {}
         }
-        match probe(&http, &url, Duration::from_secs(5)).await {
+        match probe(endpoint, &http, &url, Duration::from_secs(5)).await {
             Ok(()) => return Ok(()),
             Err(err) => last = err,
         }
@@ -1062,6 +1077,39 @@ fn apply(
     }
 }
 
+/// How long a run waits for its first answer from any endpoint before it
+/// stops: an address that is wrong, or a server that is not up, is told
+/// within seconds rather than after `timeouts.no_endpoint` (which is for
+/// endpoints that answered before).
+pub const FIRST_ANSWER_WAIT: Duration = Duration::from_secs(30);
+
+/// Why the run should stop when no endpoint that takes items has answered
+/// anything in the `wait` since they were made and every one was tried:
+/// each one's address and last error.
+fn never_reached(endpoints: &[&Arc<Endpoint>], wait: Duration) -> Option<String> {
+    let mut why = Vec::new();
+    for endpoint in endpoints {
+        if endpoint.age() < wait {
+            return None;
+        }
+        match endpoint.reached() {
+            Reach::Never(error) => why.push(format!(
+                "{} ({}): {error}",
+                endpoint.name,
+                endpoint.base_url().unwrap_or_default()
+            )),
+            Reach::Answered | Reach::Untried => return None,
+        }
+    }
+    (!why.is_empty()).then(|| {
+        format!(
+            "No endpoint answered in the {} since the run started: {}. Check that the server is up and its base_url, then resume the run.",
+            humantime::format_duration(wait),
+            why.join("; ")
+        )
+    })
+}
+
 fn check_exhausted(shared: &Shared, endpoints: &[Arc<Endpoint>], since: &mut Option<Instant>) {
     // Judge endpoints take no items: only the others keep a run going.
     let endpoints: Vec<&Arc<Endpoint>> = endpoints
@@ -1084,6 +1132,13 @@ fn check_exhausted(shared: &Shared, endpoints: &[Arc<Endpoint>], since: &mut Opt
     let starting = phases
         .iter()
         .any(|p| matches!(p, Phase::Starting | Phase::Restarting));
+    // Nothing answered yet: told within FIRST_ANSWER_WAIT (or the shorter
+    // no_endpoint wait), naming each address and its error.
+    let first_wait = FIRST_ANSWER_WAIT.min(shared.options.no_endpoint_timeout);
+    if !starting && let Some(reason) = never_reached(&endpoints, first_wait) {
+        shared.exhaust(reason);
+        return;
+    }
     if serving || starting {
         *since = None;
         return;

@@ -363,7 +363,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
                 // A re-ask: the answer could not be used.
                 record.error_class = Some(ErrorClass::InvalidAnswer);
                 record.error = Some(note.clone());
-                shared.progress.retries.fetch_add(1, Ordering::Relaxed);
+                shared.progress.reasks.fetch_add(1, Ordering::Relaxed);
             }
             let carry = Carry {
                 attempt: Some(record),
@@ -387,13 +387,14 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
             }
             let class = err.class();
             let tries = item.tries;
+            let said = evalfleet_types::error_text(&err);
             let reason = if !class.is_retryable() {
-                err.to_string()
+                said
             } else if tries >= shared.retry.max_attempts {
                 if answers_item {
-                    format!("gave up after {tries} attempts: {err}")
+                    format!("gave up after {tries} attempts: {said}")
                 } else {
-                    err.to_string()
+                    said
                 }
             } else {
                 let wait = shared.retry.backoff(tries.max(1), err.retry_after());
@@ -403,7 +404,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
                         .is_some_and(|first| first.elapsed() + wait >= shared.item_timeout);
                 if past_deadline {
                     format!(
-                        "the item's deadline ({}) would pass before the next attempt: {err}",
+                        "the item's deadline ({}) would pass before the next attempt: {said}",
                         humantime::format_duration(shared.item_timeout)
                     )
                 } else {

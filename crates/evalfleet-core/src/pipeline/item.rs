@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use evalfleet_types::{CacheEntry, ItemStatus, ResultRecord, Telemetry, now_ms};
+use evalfleet_types::{CacheEntry, ItemStatus, ResultRecord, Telemetry, Verdict, now_ms};
 use tokio::sync::{Mutex, mpsc};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -189,6 +189,7 @@ impl Item {
         let ended = Ended {
             tally: self.tally.clone(),
             status: finish.status,
+            verdict: result.assessment.verdict,
         };
         (result, ended)
     }
@@ -214,13 +215,15 @@ impl Drop for Item {
 pub struct Ended {
     tally: Arc<Tally>,
     pub status: ItemStatus,
+    /// Whether its answer could be used, when the task checks answers.
+    verdict: Option<Verdict>,
 }
 
 impl Ended {
     /// Counts the item as ended (after its result was handed to the writer:
     /// the session may end at once).
     pub fn count(self, progress: &super::Progress) {
-        progress.ended(self.status);
+        progress.ended(self.status, self.verdict);
         self.tally.release();
     }
 }

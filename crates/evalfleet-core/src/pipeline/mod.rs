@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use evalfleet_types::{CacheEntry, ItemStatus, now_ms};
+use evalfleet_types::{CacheEntry, ItemStatus, Verdict, now_ms};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -53,8 +53,16 @@ pub struct Progress {
     pub failed: AtomicU64,
     /// Results committed to the store in this session.
     pub committed: AtomicU64,
-    /// Calls made again in this session (retries and re-asks).
+    /// Calls made again in this session after a call failed (transport
+    /// errors, refusals, timeouts, cut streams).
     pub retries: AtomicU64,
+    /// Calls made in this session to ask the model again after an answer
+    /// it could not use (unparsed or invalid).
+    pub reasks: AtomicU64,
+    /// Items that ended in this session with an answer that could not be
+    /// parsed, or not checked valid, once their re-asks ran out.
+    pub unparsed: AtomicU64,
+    pub invalid: AtomicU64,
     /// Each endpoint's name and counters.
     pub endpoints: Vec<(String, Arc<EndpointCounters>)>,
 }
@@ -74,6 +82,9 @@ impl Progress {
             failed: AtomicU64::new(0),
             committed: AtomicU64::new(0),
             retries: AtomicU64::new(0),
+            reasks: AtomicU64::new(0),
+            unparsed: AtomicU64::new(0),
+            invalid: AtomicU64::new(0),
             endpoints: endpoints
                 .iter()
                 .map(|e| (e.name.clone(), e.counters.clone()))
@@ -81,10 +92,15 @@ impl Progress {
         }
     }
 
-    fn ended(&self, status: ItemStatus) {
+    fn ended(&self, status: ItemStatus, verdict: Option<Verdict>) {
         match status {
             ItemStatus::Done => self.done.fetch_add(1, Ordering::Relaxed),
             ItemStatus::Failed => self.failed.fetch_add(1, Ordering::Relaxed),
+        };
+        match verdict {
+            Some(Verdict::Unparsed) => self.unparsed.fetch_add(1, Ordering::Relaxed),
+            Some(Verdict::Invalid) => self.invalid.fetch_add(1, Ordering::Relaxed),
+            Some(Verdict::Ok) | None => 0,
         };
     }
 }

@@ -76,6 +76,7 @@ impl SqliteStore {
             | OpenFlags::SQLITE_OPEN_CREATE
             | OpenFlags::SQLITE_OPEN_URI
             | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        check_header(path)?;
         let conn = Connection::open_with_flags(path, flags).map_err(|err| {
             StoreError::backend(format!("cannot open store {}", path.display()), err)
         })?;
@@ -90,9 +91,54 @@ impl SqliteStore {
         Self::open(path)
     }
 
+    /// Opens a store that must already exist, to read it only: nothing is
+    /// written to it, so it may belong to another user or lie on a
+    /// read-only disk. A store of an older evalfleet is brought up to date
+    /// first, when this process may write it.
+    pub fn open_read_only(path: &Path) -> Result<Self, StoreError> {
+        if !path.is_file() {
+            return Err(StoreError::NoStore(path.to_owned()));
+        }
+        let (conn, version) = connect_read_only(path)?;
+        let version = match version {
+            Some(version) => version,
+            None => {
+                return Err(StoreError::NotAStore {
+                    path: path.to_owned(),
+                    why: "the file is empty".to_owned(),
+                });
+            }
+        };
+        let conn = if version < schema::VERSION as i64 {
+            drop(conn);
+            drop(Self::open(path).map_err(|err| StoreError::Backend {
+                message: format!(
+                    "{} is a store of an older evalfleet (version {version}) and cannot be brought up to date by this process: {}",
+                    path.display(),
+                    evalfleet_types::error_text(&err)
+                ),
+                source: None,
+            })?);
+            connect_read_only(path)?.0
+        } else {
+            conn
+        };
+        conn.busy_handler(Some(wait_for_the_lock))
+            .map_err(db_err("cannot set the busy handler"))?;
+        conn.pragma_update(None, "cache_size", -8_192)
+            .map_err(db_err("cannot set the cache size"))?;
+        Ok(Self {
+            conn,
+            path: path.to_owned(),
+            rids: HashMap::new(),
+            cache_db: "main",
+        })
+    }
+
     fn init(mut conn: Connection, path: &Path) -> Result<Self, StoreError> {
         conn.busy_handler(Some(wait_for_the_lock))
             .map_err(db_err("cannot set the busy handler"))?;
+        identify(&conn, path)?;
         conn.pragma_update(None, "journal_mode", "WAL")
             .map_err(db_err("cannot switch the store to WAL mode"))?;
         conn.pragma_update(None, "synchronous", "FULL")
@@ -204,6 +250,133 @@ fn wait_for_the_lock(tries: i32) -> bool {
     true
 }
 
+/// Whether the file at `path` (open on `conn`) is an evalfleet store, read
+/// before anything is written to it: its schema version, or `None` for an
+/// empty database (a store about to be made). A file that is not SQLite,
+/// a database of another program, or a store of a newer evalfleet is
+/// refused, named with its path.
+fn identify(conn: &Connection, path: &Path) -> Result<Option<i64>, StoreError> {
+    let not_a_store = |why: &str| StoreError::NotAStore {
+        path: path.to_owned(),
+        why: why.to_owned(),
+    };
+    let version: i64 = match conn.query_row("PRAGMA user_version", [], |row| row.get(0)) {
+        Ok(version) => version,
+        Err(err) if err.sqlite_error_code() == Some(rusqlite::ErrorCode::NotADatabase) => {
+            return Err(not_a_store("the file is not a SQLite database"));
+        }
+        Err(err) => {
+            return Err(StoreError::backend(
+                format!("cannot read {}", path.display()),
+                err,
+            ));
+        }
+    };
+    if version > schema::VERSION as i64 {
+        return Err(StoreError::NewerStore {
+            path: path.to_owned(),
+            version,
+            known: schema::VERSION as i64,
+        });
+    }
+    if version > 0 {
+        return Ok(Some(version));
+    }
+    let tables: i64 = conn
+        .query_row(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table'",
+            [],
+            |row| row.get(0),
+        )
+        .map_err(db_err("cannot list the file's tables"))?;
+    if tables > 0 {
+        return Err(not_a_store(
+            "a SQLite database of another program: it has tables but no evalfleet schema",
+        ));
+    }
+    Ok(None)
+}
+
+/// Refuses a file that holds bytes but does not begin as every SQLite
+/// database does (SQLite would take a file of a few bytes for an empty
+/// database, and a store would be made over it).
+fn check_header(path: &Path) -> Result<(), StoreError> {
+    use std::io::Read;
+    let Ok(file) = std::fs::File::open(path) else {
+        // Absent (it is made), or unreadable (opening it says why).
+        return Ok(());
+    };
+    let mut head = Vec::with_capacity(16);
+    file.take(16)
+        .read_to_end(&mut head)
+        .map_err(|err| StoreError::backend(format!("cannot read {}", path.display()), err))?;
+    if head.is_empty() || head == b"SQLite format 3\0" {
+        return Ok(());
+    }
+    Err(StoreError::NotAStore {
+        path: path.to_owned(),
+        why: "the file is not a SQLite database".to_owned(),
+    })
+}
+
+/// A read-only connection to the store at `path`, and what it holds (see
+/// [`identify`]). A store in WAL mode is read through its `-shm` file;
+/// when that is absent and cannot be made (a directory this user may not
+/// write), the file is opened as immutable: no writer has it open then.
+fn connect_read_only(path: &Path) -> Result<(Connection, Option<i64>), StoreError> {
+    let flags = OpenFlags::SQLITE_OPEN_READ_ONLY
+        | OpenFlags::SQLITE_OPEN_URI
+        | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let open = |target: &str| {
+        Connection::open_with_flags(target, flags).map_err(|err| {
+            StoreError::backend(format!("cannot open store {}", path.display()), err)
+        })
+    };
+    let plain = path.to_str().map(|p| format!("file:{}", uri_path(p)));
+    let Some(plain) = plain else {
+        return Err(StoreError::Backend {
+            message: format!("the store's name is not UTF-8: {}", path.display()),
+            source: None,
+        });
+    };
+    check_header(path)?;
+    let conn = open(&plain)?;
+    match identify(&conn, path) {
+        Ok(version) => Ok((conn, version)),
+        Err(StoreError::Backend {
+            source: Some(source),
+            ..
+        }) if matches!(
+            source
+                .downcast_ref::<rusqlite::Error>()
+                .and_then(rusqlite::Error::sqlite_error_code),
+            Some(rusqlite::ErrorCode::CannotOpen | rusqlite::ErrorCode::ReadOnly)
+        ) =>
+        {
+            drop(conn);
+            let conn = open(&format!("{plain}?immutable=1"))?;
+            let version = identify(&conn, path)?;
+            Ok((conn, version))
+        }
+        Err(err) => Err(err),
+    }
+}
+
+/// A path as the path of a `file:` URI: the characters a URI gives a
+/// meaning to escaped.
+fn uri_path(path: &str) -> String {
+    let mut out = String::with_capacity(path.len());
+    for c in path.chars() {
+        match c {
+            '%' => out.push_str("%25"),
+            '?' => out.push_str("%3f"),
+            '#' => out.push_str("%23"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 /// Brings the file's schema to [`schema::VERSION`]. Migrations take the
 /// write lock first; another process may have run them meanwhile, which is
 /// fine.
@@ -218,13 +391,10 @@ fn migrate(conn: &mut Connection, path: &Path) -> Result<(), StoreError> {
         .query_row("PRAGMA user_version", [], |row| row.get(0))
         .map_err(db_err("cannot read the schema version"))?;
     if version > schema::VERSION as i64 {
-        return Err(StoreError::Backend {
-            message: format!(
-                "{} has schema version {version}, newer than this evalfleet understands ({})",
-                path.display(),
-                schema::VERSION
-            ),
-            source: None,
+        return Err(StoreError::NewerStore {
+            path: path.to_owned(),
+            version,
+            known: schema::VERSION as i64,
         });
     }
     if version == schema::VERSION as i64 {

@@ -14,7 +14,7 @@ use evalfleet_core::view::{self, RunState};
 use evalfleet_core::worker;
 use serde_json::{Value, json};
 
-use super::{open_existing, timestamp};
+use super::{open_existing, open_to_read, timestamp};
 use crate::cli::{ExportArgs, ExportFormat, FleetArgs, StatusArgs, StoreArgs};
 use crate::{EXIT_OK, UsageError};
 
@@ -30,7 +30,7 @@ fn status_text(store: &mut dyn Store, run: &RunRecord) -> anyhow::Result<(String
 }
 
 pub fn runs(args: StoreArgs) -> anyhow::Result<u8> {
-    let (location, mut store) = open_existing(args.store)?;
+    let (location, mut store) = open_to_read(args.store)?;
     let runs = store.runs()?;
     if runs.is_empty() {
         eprintln!("No runs in {location}.");
@@ -89,7 +89,7 @@ pub(crate) fn percentiles(p: &Option<Percentiles>) -> String {
 }
 
 pub fn status(args: StatusArgs) -> anyhow::Result<u8> {
-    let (_, mut store) = open_existing(args.store.store)?;
+    let (_, mut store) = open_to_read(args.store.store)?;
     let run = store.run(&args.run_id)?;
     let counts = store.counts(&args.run_id)?;
     let (status, active) = status_text(&mut *store, &run)?;
@@ -325,7 +325,7 @@ const COLUMNS: [&str; 17] = [
 ];
 
 pub fn export(args: ExportArgs) -> anyhow::Result<u8> {
-    let (_, mut store) = open_existing(args.store.store.clone())?;
+    let (_, mut store) = open_to_read(args.store.store.clone())?;
     store.run(&args.run_id)?;
     match &args.output {
         Some(file) => {

@@ -12,6 +12,7 @@ pub mod simulate;
 pub mod supervise;
 
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, UNIX_EPOCH};
 
 use evalfleet_core::store::prelude::*;
@@ -29,13 +30,34 @@ pub fn store_location(flag: Option<PathBuf>, config: Option<&Path>) -> anyhow::R
         .or_else(|| config.map(Path::to_owned))
         .or_else(|| std::env::var_os("EVALFLEET_STORE").map(PathBuf::from))
         .unwrap_or_else(|| PathBuf::from(DEFAULT_STORE));
-    Ok(Location::parse(&chosen.to_string_lossy())?)
+    let location = Location::parse(&chosen.to_string_lossy())?;
+    *CHOSEN.lock().unwrap_or_else(PoisonError::into_inner) = Some(location.clone());
+    Ok(location)
 }
 
-/// Opens an existing store (`--store`, ...), for commands that read runs.
+/// The store this command chose last, for its error messages.
+static CHOSEN: Mutex<Option<Location>> = Mutex::new(None);
+
+/// The store this command chose (see [`store_location`]), if it chose one.
+pub fn store_chosen() -> Option<Location> {
+    CHOSEN
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .clone()
+}
+
+/// Opens an existing store (`--store`, ...), for commands that change it.
 pub fn open_existing(flag: Option<PathBuf>) -> anyhow::Result<(Location, Box<dyn Store>)> {
     let location = store_location(flag, None)?;
     let store = evalfleet_store::open(&location, &OpenOptions::default())?;
+    Ok((location, store))
+}
+
+/// Opens an existing store to read it only, for commands that change
+/// nothing: they work on a store the user may not write.
+pub fn open_to_read(flag: Option<PathBuf>) -> anyhow::Result<(Location, Box<dyn Store>)> {
+    let location = store_location(flag, None)?;
+    let store = evalfleet_store::open(&location, &OpenOptions::read_only())?;
     Ok((location, store))
 }
 

@@ -17,7 +17,7 @@ use evalfleet_core::store::StoredResult;
 use evalfleet_store::OpenOptions;
 
 use super::inspect::{percentiles, print_table};
-use super::open_existing;
+use super::{open_existing, open_to_read};
 use crate::cli::{CacheAction, CacheArgs, CompareArgs, ReportArgs, ScoreArgs};
 use crate::{EXIT_FAILED, EXIT_OK};
 
@@ -42,6 +42,7 @@ pub async fn score(args: ScoreArgs) -> anyhow::Result<u8> {
             &OpenOptions {
                 create: false,
                 cache_file: Some(file.clone()),
+                read_only: false,
             },
         )?;
     }
@@ -83,29 +84,54 @@ fn fmt(v: f64) -> String {
 
 /// `evalfleet report`: a table in the terminal, and CSV and JSON files.
 pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
-    let (location, mut store) = open_existing(args.store.store)?;
+    let (location, mut store) = open_to_read(args.store.store)?;
     // The run must exist before anything is made for it.
     store.run(&args.run_id)?;
-    let dir = args
-        .out
-        .clone()
-        .unwrap_or_else(|| location.dir().join("reports").join(&args.run_id));
-    fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let mut detailed = DetailedCsv::create(&dir.join("metrics_detailed.csv"))?;
+    // The files go to `--out`, else beside the store; a store the user may
+    // not write still has its report, in the terminal.
+    let dir = match &args.out {
+        Some(out) => {
+            fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+            Some(out.clone())
+        }
+        None => {
+            let dir = location.dir().join("reports").join(&args.run_id);
+            match fs::create_dir_all(&dir) {
+                Ok(()) => Some(dir),
+                Err(err) => {
+                    eprintln!(
+                        "note: the report's files are not written: cannot create {} ({err}); pass --out DIR to write them elsewhere",
+                        dir.display()
+                    );
+                    None
+                }
+            }
+        }
+    };
+    let mut detailed = dir
+        .as_ref()
+        .map(|dir| DetailedCsv::create(&dir.join("metrics_detailed.csv")))
+        .transpose()?;
     let mut report = report::report_with(
         &mut *store,
         &args.run_id,
         &args.by,
         args.max_unscored,
-        &mut |metrics, result, group| detailed.add(metrics, result, group),
+        &mut |metrics, result, group| {
+            if let Some(detailed) = detailed.as_mut() {
+                detailed.add(metrics, result, group);
+            }
+        },
     )?;
     report.endpoints = report::endpoints(&mut *store, &args.run_id)?;
-    detailed.finish(&report.metrics)?;
-    write_summary_csv(&dir.join("metrics_summary.csv"), &report.metrics)?;
     let json = serde_json::to_string_pretty(&report)?;
-    let json_path = dir.join("summary.json");
-    fs::write(&json_path, &json)
-        .with_context(|| format!("cannot write {}", json_path.display()))?;
+    if let (Some(dir), Some(detailed)) = (&dir, detailed) {
+        detailed.finish(&report.metrics)?;
+        write_summary_csv(&dir.join("metrics_summary.csv"), &report.metrics)?;
+        let json_path = dir.join("summary.json");
+        fs::write(&json_path, &json)
+            .with_context(|| format!("cannot write {}", json_path.display()))?;
+    }
     if let Some(html) = &args.html {
         fs::write(html, evalfleet_server::pages::report_html(&report))
             .with_context(|| format!("cannot write {}", html.display()))?;
@@ -115,10 +141,12 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
         println!("{json}");
     } else {
         print_report(&report);
-        println!(
-            "\nWrote summary.json, metrics_summary.csv and metrics_detailed.csv in {}",
-            dir.display()
-        );
+        if let Some(dir) = &dir {
+            println!(
+                "\nWrote summary.json, metrics_summary.csv and metrics_detailed.csv in {}",
+                dir.display()
+            );
+        }
     }
     Ok(unusable_scores(&report))
 }
@@ -420,7 +448,7 @@ impl DetailedCsv {
 /// `evalfleet compare`: runs side by side per metric and category, each
 /// against the first on the items they share.
 pub fn compare(args: CompareArgs) -> anyhow::Result<u8> {
-    let (_, mut store) = open_existing(args.store.store)?;
+    let (_, mut store) = open_to_read(args.store.store)?;
     let compared = report::compare(&mut *store, &args.runs, &args.by, None, 0)?;
     // Runs of different items are compared on the items they share: said
     // first, on stderr, so that `--json` stays the comparisons alone.

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use evalfleet_core::config::{self, Config, LoadedConfig, Overrides};
 use evalfleet_core::fleet::runtime::{Fleet, GpuPolicy};
-use evalfleet_core::pipeline::{OpenStore, PipelineError};
+use evalfleet_core::pipeline::{OpenStore, PipelineError, Progress};
 use evalfleet_core::preflight;
 use evalfleet_core::run::{self, SessionPlan, SessionReport};
 use evalfleet_core::store::prelude::*;
@@ -307,6 +307,7 @@ pub(crate) async fn execute(session: Session, attendance: Attendance) -> anyhow:
             .path
             .clone()
             .filter(|_| plan.config.cache.mode != evalfleet_core::cache::CacheMode::Off),
+        read_only: false,
     };
     drop(store);
     let open: Arc<OpenStore> = {
@@ -330,7 +331,8 @@ pub(crate) async fn execute(session: Session, attendance: Attendance) -> anyhow:
         }
         Attendance::Server { stop } => (ui::Mode::Quiet, stop, None),
     };
-    let display = ui::Display::start(prepared.progress.clone(), fleet.endpoints.clone(), mode);
+    let progress = prepared.progress.clone();
+    let display = ui::Display::start(progress.clone(), fleet.endpoints.clone(), mode);
     let span = tracing::info_span!("run", id = %run_id);
     let result = run::run_session(plan, prepared, open, stop)
         .instrument(span)
@@ -355,7 +357,14 @@ pub(crate) async fn execute(session: Session, attendance: Attendance) -> anyhow:
             });
         }
     };
-    let code = conclude(&run_id, &location, &report, elapsed, pending_at_start);
+    let code = conclude(
+        &run_id,
+        &location,
+        &report,
+        elapsed,
+        pending_at_start,
+        &progress,
+    );
     if let Some(settings) = conversation {
         super::simulate::conclude(&location, &run_id, &settings)?;
     }
@@ -409,19 +418,22 @@ fn conclude(
     report: &SessionReport,
     elapsed: Duration,
     pending_at_start: u64,
+    progress: &Progress,
 ) -> u8 {
     let counts = report.counts;
     let answered = pending_at_start.saturating_sub(counts.pending);
     let rate = answered as f64 / elapsed.as_secs_f64().max(1e-9);
     let store_flag = store_flag(location);
+    let program = ui::program();
     match report.status {
         RunStatus::Finished => {
             ui::note(&format!(
-                "Run {run_id} finished: {} done, {} failed; {answered} items in {:.1}s ({rate:.1} items/s).\n\
-                 Results: evalfleet export {run_id}{store_flag} --format jsonl",
+                "Run {run_id} finished: {} done, {} failed; {answered} items in {:.1}s ({rate:.1} items/s; {}).\n\
+                 Results: {program} export {run_id}{store_flag} --format jsonl",
                 counts.done,
                 counts.failed,
-                elapsed.as_secs_f64()
+                elapsed.as_secs_f64(),
+                ui::calls_line(progress),
             ));
             if counts.failed > 0 {
                 EXIT_FAILED
@@ -431,7 +443,7 @@ fn conclude(
         }
         RunStatus::Interrupted | RunStatus::Running => {
             ui::note(&format!(
-                "Run {run_id} interrupted{}: {} done, {} failed, {} pending. Resume: evalfleet resume {run_id}{store_flag}",
+                "Run {run_id} interrupted{}: {} done, {} failed, {} pending. Resume: {program} resume {run_id}{store_flag}",
                 report
                     .message
                     .as_deref()
@@ -469,7 +481,8 @@ async fn watch_signals(stop: CancellationToken, grace: Duration, run_id: String)
         _ = terminate.recv() => {}
     }
     ui::note(&format!(
-        "Aborted. Committed results are safe; finish with: evalfleet resume {run_id}"
+        "Aborted. Committed results are safe; finish with: {} resume {run_id}",
+        ui::program()
     ));
     std::process::exit(i32::from(EXIT_INTERRUPTED));
 }
