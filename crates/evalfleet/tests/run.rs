@@ -271,3 +271,62 @@ async fn the_mock_command_prints_its_address_and_serves_models() {
     crate::util::signal(&child, "TERM").await;
     assert_eq!(child.wait().await.unwrap().code(), Some(0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_quickstart_ends_with_scores_and_two_runs_compare() {
+    let env = Env::new();
+    let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples");
+    let small = format!("{examples}/quickstart.yaml");
+    let large = format!("{examples}/quickstart-large.yaml");
+    // Its endpoints serve the model they are configured with.
+    let check = env.evalfleet(&["check", &small]).await;
+    assert_eq!(check.code, Some(0), "{}{}", check.stdout, check.stderr);
+
+    let a = env.evalfleet(&["run", &small, "-q"]).await;
+    assert_eq!(a.code, Some(0), "{}", a.stderr);
+    // The scripted "small" model is right on 31 of the 50 questions.
+    assert!(
+        a.stderr.contains("exact_match@1: 0.6200 over 50 items"),
+        "{}",
+        a.stderr
+    );
+    let b = env.evalfleet(&["run", &large, "-q"]).await;
+    assert_eq!(b.code, Some(0), "{}", b.stderr);
+    assert!(
+        b.stderr.contains("exact_match@1: 0.9000 over 50 items"),
+        "{}",
+        b.stderr
+    );
+
+    // The report has the score with its interval, by category too.
+    let report = env
+        .evalfleet(&["report", &a.run_id(), "--by", "category"])
+        .await;
+    assert_eq!(report.code, Some(0), "{}", report.stderr);
+    let row = |group: &str| {
+        report
+            .stdout
+            .lines()
+            .find(|l| l.starts_with("exact_match@1") && l.split_whitespace().nth(1) == Some(group))
+            .map(|l| l.split_whitespace().map(str::to_owned).collect::<Vec<_>>())
+            .unwrap_or_else(|| panic!("no {group} row: {}", report.stdout))
+    };
+    let all = row("all");
+    assert_eq!(all[2..4], ["50", "0.6200"], "{all:?}");
+    // Wilson's 95% interval of 31/50.
+    assert_eq!(all[5..8], ["0.4815", "–", "0.7414"], "{all:?}");
+    assert_eq!(row("spelling")[2..4], ["10", "0.4000"]);
+
+    // The second run is better on the same items, and says by how much.
+    let compare = env.evalfleet(&["compare", &a.run_id(), &b.run_id()]).await;
+    assert_eq!(compare.code, Some(0), "{}", compare.stderr);
+    let second = compare
+        .stdout
+        .lines()
+        .find(|l| l.contains(&b.run_id()))
+        .unwrap_or_else(|| panic!("{}", compare.stdout));
+    assert!(
+        second.contains("0.9000") && second.contains("+0.2800"),
+        "{second}"
+    );
+}

@@ -466,8 +466,17 @@ fn endpoint(
         Some(n) => Some(n),
     };
     let kind_name = raw.kind.clone();
+    // A mock serves one model name: the endpoint's, else its own.
+    let mock_model = raw
+        .mock
+        .as_ref()
+        .and_then(|m| m.get("model"))
+        .and_then(serde_json::Value::as_str)
+        .map(str::to_owned);
     let model = match raw.model.clone() {
-        None if kind_name.as_deref() == Some("mock") => Some("mock".to_owned()),
+        None if kind_name.as_deref() == Some("mock") => {
+            Some(mock_model.clone().unwrap_or_else(|| "mock".to_owned()))
+        }
         None => p.push(
             &field("model"),
             "is required (the model name sent in requests)",
@@ -504,6 +513,9 @@ fn endpoint(
                 None => Some(MockSettings::default()),
             };
             settings.and_then(|mut settings| {
+                if let (None, Some(model)) = (&mock_model, &raw.model) {
+                    settings.model.clone_from(model);
+                }
                 // Like every path of the config: relative to its file.
                 settings.answers = settings.answers.map(|answers| dir.join(answers));
                 let before = p.0.len();
