@@ -661,11 +661,10 @@ async fn read_stream(
     // stream says nothing of its usage (one token a chunk, as servers
     // stream them).
     let mut pieces = 0u64;
-    let mut first = true;
     let mut done = false;
     let mut last = Instant::now();
     let mut longest = Duration::ZERO;
-    // Until the first event, the wait is the first byte's; after each, a
+    // Until the first token, the wait is the first byte's; after each, a
     // stream that goes quiet for `idle` has stalled, and so has one quiet
     // for `GAP_FLOOR` while `PEERS_PASSED` others were answered in full.
     // One timer, moved on.
@@ -678,7 +677,10 @@ async fn read_stream(
             biased;
             event = events.next() => event,
             () = &mut quiet => {
-                if first {
+                // Until the answer's first token (a role chunk may come at
+                // once, the token after the prompt is read), the wait is
+                // the first byte's, however many others end meanwhile.
+                if ttft.is_none() {
                     return Err(CallError::FirstByteTimeout(stalls.first_byte));
                 }
                 let now = Instant::now();
@@ -697,15 +699,17 @@ async fn read_stream(
             break;
         };
         let now = Instant::now();
-        if !first {
+        // Gaps count from the first token on: before it, the time to it.
+        let flowing = ttft.is_some();
+        if flowing {
             longest = longest.max(now - last);
         }
         last = now;
-        first = false;
         passed_from = gaps.completed();
-        quiet
-            .as_mut()
-            .reset(now + stalls.idle.min(GAP_FLOOR.max(Duration::from_millis(1))));
+        let quiet_until = now + stalls.idle.min(GAP_FLOOR.max(Duration::from_millis(1)));
+        if flowing {
+            quiet.as_mut().reset(quiet_until);
+        }
         let event = event.map_err(|err| match err {
             eventsource_stream::EventStreamError::Transport(_) => CallError::Truncated,
             other => CallError::BadResponse(format!("invalid event stream: {other}")),
@@ -747,6 +751,10 @@ async fn read_stream(
         }
         if chunk.usage.is_some() {
             usage = chunk.usage;
+        }
+        if !flowing && ttft.is_some() {
+            // The first token: from now on, a quiet stream is a stall.
+            quiet.as_mut().reset(quiet_until);
         }
     }
     // A stream is whole only when it ended: without `[DONE]` it was cut on
@@ -1055,10 +1063,51 @@ mod tests {
         // A slow but steady stream is fine: each chunk within the idle limit.
         let parts = (0..4)
             .map(|_| (Duration::from_millis(100), leak(chunk("x", None))))
-            .chain([(Duration::from_millis(100), leak(chunk("y", Some("stop"))))])
+            .chain([
+                (Duration::from_millis(100), leak(chunk("y", Some("stop")))),
+                (Duration::ZERO, "data: [DONE]\n\n"),
+            ])
             .collect();
         let url = serve_once(SSE, parts).await;
         assert_eq!(complete(&url, true, short).await.unwrap().content, "xxxxy");
+    }
+
+    #[tokio::test]
+    async fn the_wait_for_the_first_token_after_a_role_chunk_is_no_stall() {
+        // The role chunk comes at once, the first token later, under load;
+        // meanwhile twenty others of the endpoint end. That is the time to
+        // the first token, bounded by the first byte's limit: no stall.
+        let patient = Stalls {
+            first_byte: Duration::from_secs(30),
+            idle: Duration::from_secs(30),
+        };
+        let role = "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"finish_reason\":null}]}\n\n";
+        let parts = vec![
+            (Duration::ZERO, role),
+            (
+                GAP_FLOOR + Duration::from_millis(500),
+                leak(chunk("Denver", Some("stop"))),
+            ),
+            (Duration::ZERO, "data: [DONE]\n\n"),
+        ];
+        let url = serve_once(SSE, parts).await;
+        let client = client(&url, true, patient);
+        let messages =
+            RawValue::from_string(r#"[{"role":"user","content":"hi"}]"#.to_owned()).unwrap();
+        let call = client.complete(&messages);
+        tokio::pin!(call);
+        let neighbours = async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            for _ in 0..PEERS_PASSED {
+                client.gaps.record(Duration::from_millis(5));
+            }
+            std::future::pending::<()>().await;
+        };
+        let outcome = tokio::select! {
+            outcome = &mut call => outcome,
+            () = neighbours => unreachable!(),
+        };
+        assert_eq!(outcome.result.unwrap().content, "Denver");
     }
 
     #[tokio::test]
