@@ -15,6 +15,7 @@ use serde::{Deserialize, Deserializer};
 /// times that prompt was seen, so a test gets the same behaviour for the same
 /// item whatever the arrival order.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[cfg_attr(feature = "cli", derive(clap::Args))]
 #[serde(deny_unknown_fields, default)]
 pub struct MockSettings {
@@ -25,11 +26,21 @@ pub struct MockSettings {
     /// Delay before the first token (or before the whole response when not
     /// streaming), e.g. `500ms`.
     #[cfg_attr(feature = "cli", arg(long, value_parser = humantime::parse_duration, default_value = "0s"))]
+    #[cfg_attr(
+        feature = "schema",
+        serde(serialize_with = "duration_text"),
+        schemars(schema_with = "duration_schema")
+    )]
     #[serde(deserialize_with = "duration")]
     pub latency: Duration,
 
     /// Delay between tokens. A non-streaming response waits the same total time.
     #[cfg_attr(feature = "cli", arg(long, value_parser = humantime::parse_duration, default_value = "0s"))]
+    #[cfg_attr(
+        feature = "schema",
+        serde(serialize_with = "duration_text"),
+        schemars(schema_with = "duration_schema")
+    )]
     #[serde(deserialize_with = "duration")]
     pub itl: Duration,
 
@@ -67,6 +78,11 @@ pub struct MockSettings {
 
     /// `Retry-After` sent with 429s caused by `max_concurrency`.
     #[cfg_attr(feature = "cli", arg(long, value_parser = humantime::parse_duration, default_value = "1s"))]
+    #[cfg_attr(
+        feature = "schema",
+        serde(serialize_with = "duration_text"),
+        schemars(schema_with = "duration_schema")
+    )]
     #[serde(deserialize_with = "duration")]
     pub retry_after: Duration,
 
@@ -90,7 +106,7 @@ pub struct MockSettings {
     /// `Retry-After` (whole seconds, rounded up). On the command line
     /// `--fault STATUS:RATE[:RETRY_AFTER]`, repeated (`--fault 500:0.08
     /// --fault 503:0.05:1s`); in a config `faults: [{status: 503, rate: 0.05,
-    /// retry_after: 1s}]`.
+    /// retry_after: 1s}]`. Default: none.
     #[cfg_attr(
         feature = "cli",
         arg(long = "fault", value_name = "STATUS:RATE[:RETRY_AFTER]")
@@ -105,6 +121,11 @@ pub struct MockSettings {
 
     /// How long a stalled response (`stall_rate`) sends nothing.
     #[cfg_attr(feature = "cli", arg(long, value_parser = humantime::parse_duration, default_value = "20s"))]
+    #[cfg_attr(
+        feature = "schema",
+        serde(serialize_with = "duration_text"),
+        schemars(schema_with = "duration_schema")
+    )]
     #[serde(deserialize_with = "duration")]
     pub stall: Duration,
 
@@ -148,6 +169,7 @@ pub struct MockSettings {
     /// the current one. On the command line `LIMIT/WINDOW[:MODE]`
     /// (`--quota 600/60s`, `--quota 100/1m:fixed`); in a config
     /// `quota: {limit: 600, window: 60s, mode: fixed}`. Independent of `rpm`.
+    /// Default: none.
     #[cfg_attr(feature = "cli", arg(long, value_name = "LIMIT/WINDOW[:MODE]"))]
     pub quota: Option<Quota>,
 
@@ -156,7 +178,8 @@ pub struct MockSettings {
     /// answered at once with `status` (503 unless given, no `Retry-After`);
     /// then all is normal again. On the command line
     /// `AFTER:FOR[:STATUS]` (`--outage 30s:10s`, `--outage 30s:10s:502`);
-    /// in a config `outage: {after: 30s, for: 10s, status: 502}`.
+    /// in a config `outage: {after: 30s, for: 10s, status: 502}`. Default:
+    /// none.
     #[cfg_attr(feature = "cli", arg(long, value_name = "AFTER:FOR[:STATUS]"))]
     pub outage: Option<Outage>,
 
@@ -325,6 +348,18 @@ fn duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::E
     })
 }
 
+/// A duration's schema: text like `250ms` or `2s`, as [`duration`] reads it.
+#[cfg(feature = "schema")]
+fn duration_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({"type": "string", "format": "humantime"})
+}
+
+/// A duration as [`duration`] reads it, for the schema's defaults.
+#[cfg(feature = "schema")]
+fn duration_text<S: serde::Serializer>(value: &Duration, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.collect_str(&humantime::format_duration(*value))
+}
+
 fn optional_duration<'de, D: Deserializer<'de>>(
     deserializer: D,
 ) -> Result<Option<Duration>, D::Error> {
@@ -336,6 +371,7 @@ const RETRY_AFTER_STATUSES: [u16; 3] = [408, 429, 503];
 
 /// One injected failure of [`MockSettings::faults`].
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Fault {
     /// The status answered.
@@ -345,6 +381,7 @@ pub struct Fault {
     /// `Retry-After` sent with it, in whole seconds rounded up (408, 429 and
     /// 503 only).
     #[serde(default, deserialize_with = "optional_duration")]
+    #[cfg_attr(feature = "schema", schemars(schema_with = "duration_schema"))]
     pub retry_after: Option<Duration>,
 }
 
@@ -381,6 +418,7 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
 
 /// How a [`Quota`] gives requests back.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum QuotaMode {
     /// A bucket refilling continuously, `limit` per `window`.
@@ -393,14 +431,16 @@ pub enum QuotaMode {
 
 /// A request quota with OpenAI's headers (see [`MockSettings::quota`]).
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Quota {
     /// Requests allowed per window (and held by the bucket when full).
     pub limit: u32,
     /// The window, e.g. `60s`.
     #[serde(deserialize_with = "duration")]
+    #[cfg_attr(feature = "schema", schemars(schema_with = "duration_schema"))]
     pub window: Duration,
-    /// `refill` (the default) or `fixed`.
+    /// `refill` or `fixed`. Default `refill`.
     #[serde(default)]
     pub mode: QuotaMode,
 }
@@ -433,13 +473,16 @@ impl FromStr for Quota {
 
 /// A scripted outage (see [`MockSettings::outage`]).
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Outage {
     /// When it starts, after the first chat request.
     #[serde(deserialize_with = "duration")]
+    #[cfg_attr(feature = "schema", schemars(schema_with = "duration_schema"))]
     pub after: Duration,
     /// How long it lasts (`for` in a config).
     #[serde(rename = "for", deserialize_with = "duration")]
+    #[cfg_attr(feature = "schema", schemars(schema_with = "duration_schema"))]
     pub duration: Duration,
     /// The status answered during it.
     #[serde(default = "outage_status")]
