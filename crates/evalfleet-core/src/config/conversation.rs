@@ -1,8 +1,9 @@
 //! `task.conversation:` a simulated three-person conversation with a
-//! robot that may intervene (`kind: conversation`). The doc comments are
-//! the user documentation of these keys; `docs/conversation.md` states the
-//! rules of balance and reward.
+//! robot that may intervene (`kind: conversation`). The raw structs' doc
+//! comments are the user documentation of these keys (`docs/config.md`);
+//! `docs/conversation.md` states the rules of balance and reward.
 
+use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -213,86 +214,194 @@ impl ConversationSettings {
     }
 }
 
-#[derive(Debug, Default, Deserialize)]
-struct RawConversation {
+/// `kind: conversation`: a simulated three-person conversation with a robot
+/// that may intervene; an item is an episode (`docs/conversation.md` states
+/// the rules of balance and reward). Default: every key's default.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+pub(super) struct RawConversation {
+    /// Episodes to simulate when the config has no `dataset:` (each an item
+    /// `{"episode": i}`); `evalfleet simulate --sessions N` overrides it.
+    /// Default 10.
     sessions: Option<u64>,
+    /// Rounds of three human utterances after which an episode ends
+    /// (terminated), 1 to 1000; a step begun before then is played to its
+    /// end. Default 6.
     max_rounds: Option<u32>,
+    /// Decisions after which an episode ends (truncated); 0: no limit.
+    /// `--max-steps` overrides it. Default 0.
     max_steps: Option<u32>,
+    /// Seed of every random draw (needs, a random policy): an episode's
+    /// draws depend only on it and the episode's id. Default 0.
     seed: Option<u64>,
+    /// The three human personas, A, B and C in that order (exactly three).
+    /// Default: `A`, `B` and `C`, each with every key's default.
     personas: Option<Vec<RawPersona>>,
+    /// What each persona is sent for its next utterance: templates over the
+    /// call's variables, its `name`, `persona`, `need`, `need_text` and
+    /// `landmines` among them (`docs/conversation.md` lists them). Default:
+    /// built-in messages.
     persona_messages: Option<Vec<raw::RawMessage>>,
+    /// Fixed topics, episode i taking topic i mod their number (a dataset
+    /// row's `topic` field overrides). Default: none (each episode's topic
+    /// is asked of `topic`).
     topics: Option<Vec<String>>,
+    /// The topic generator's call: it is told the topics the run used
+    /// already. Default: built-in messages, answered by the endpoints that
+    /// answer items.
     topic: Option<RawCall>,
+    /// How many of the last human utterances each call sees: one number
+    /// for every call, or a mapping with one for each. The personas, the
+    /// policy and the robot see the robot's utterances among them; the
+    /// scorer sees the human ones only. Default 6.
     history: Option<RawHistory>,
     scorer: Option<RawScorer>,
     policy: Option<RawPolicy>,
+    /// The robot's utterance for the chosen strategy (none for
+    /// `no_intervention`). Default: built-in messages, answered by the
+    /// endpoints that answer items.
     robot: Option<RawCall>,
     rewards: Option<RawRewards>,
     alarms: Option<RawAlarms>,
+    /// Episodes per line of `batch_summary.jsonl`. Default 10.
     batch_size: Option<u32>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// One human persona.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 struct RawPersona {
+    /// Their name. Default `A`, `B` or `C`, by their place.
     name: Option<String>,
+    /// Who they are (the `persona` variable of their messages). Default:
+    /// none.
     prompt: Option<String>,
+    /// Subjects that provoke them when others raise them. Default: none.
     landmines: Option<Vec<String>>,
+    /// Their emotional need in every episode: `recognition`, `mediation`,
+    /// `solution` or `independence`. Default: drawn for each episode from
+    /// the four, seeded.
     need: Option<String>,
+    /// The endpoint (by name, with `role: judge`) that speaks for them.
+    /// Default: the endpoints that answer items.
     endpoint: Option<String>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// The messages of one kind of call, and who answers it.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 struct RawCall {
+    /// Chat messages, minijinja templates over the call's variables
+    /// (`docs/conversation.md` lists them). Default: built-in messages.
     messages: Option<Vec<raw::RawMessage>>,
+    /// The endpoint (by name, with `role: judge`) that answers. Default: the
+    /// endpoints that answer items.
     endpoint: Option<String>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(untagged)]
 enum RawHistory {
     All(u32),
     Each {
+        /// Utterances a persona's call sees. Default 6.
         persona: Option<u32>,
+        /// Utterances the scorer's call sees. Default 6.
         scorer: Option<u32>,
+        /// Utterances the policy's call sees. Default 6.
         policy: Option<u32>,
+        /// Utterances the robot's call sees. Default 6.
         robot: Option<u32>,
     },
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// How the relations between the three are scored after each human
+/// utterance. Default: every key's default.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 struct RawScorer {
+    /// `llm` (`messages` sent to `endpoint`, the reply read as `{"AB": x,
+    /// "BC": y, "CA": z}` or `AB: x, ...` with each in [-1, 1], re-asked
+    /// when it cannot be) or `rules` (no call: words and landmines counted,
+    /// `docs/conversation.md`). Default `llm`.
     kind: Option<String>,
+    /// `llm`: the scorer's messages (`docs/conversation.md` lists their
+    /// variables). Default: built-in messages.
     messages: Option<Vec<raw::RawMessage>>,
+    /// `llm`: the endpoint (by name, with `role: judge`) that scores.
+    /// Default: the endpoints that answer items.
     endpoint: Option<String>,
+    /// Smooth each relation: `decay_factor` × previous + (1 −
+    /// `decay_factor`) × new. Default `false`.
     use_ema: Option<bool>,
+    /// The weight of the previous score when smoothing, at least 0 and
+    /// below 1. Default 0.5.
     decay_factor: Option<f64>,
+    /// Nothing is scored (and no reward computed) during the first N human
+    /// utterances. Default 3.
     start_relation_check_after_utterances: Option<u32>,
+    /// Re-asks of a reply that cannot be read; then the episode fails.
+    /// Default 2.
     max_reasks: Option<u32>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// Who chooses the robot's strategy at a decision. Default: every key's
+/// default.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 struct RawPolicy {
+    /// `model` (a call, to `endpoint` or the endpoints that answer items:
+    /// the model under evaluation), `fixed` (always `strategy`, a
+    /// baseline), `random` (uniform, seeded by `seed` and the episode) or
+    /// `external` (a trainer takes each decision through `evalfleet env`'s
+    /// `reset` and `step`). Default `model`.
     kind: Option<String>,
+    /// `fixed`: 1 (validate), 2 (bridge), 3 (plan) or 4 (no_intervention).
+    /// Required with `kind: fixed`.
     strategy: Option<u8>,
+    /// `model`: the policy's messages (`docs/conversation.md` lists their
+    /// variables). Default: built-in messages.
     messages: Option<Vec<raw::RawMessage>>,
+    /// `model`: the endpoint (by name, with `role: judge`) that decides.
+    /// Default: the endpoints that answer items.
     endpoint: Option<String>,
+    /// Re-asks of a reply that is not one digit 1 to 4; then the decision
+    /// is recorded as invalid (no intervention, no reward). Default 1.
     max_reasks: Option<u32>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// What an intervention earns (`docs/conversation.md`). Default: every
+/// key's default.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 struct RawRewards {
+    /// Earned when, `evaluation_horizon` human utterances after the
+    /// decision, the target relation is positive and the triangle is
+    /// stable, and both still hold `terminal_bonus_duration` utterances
+    /// later. Default 2.0.
     stable_bonus: Option<f64>,
+    /// Earned when the strategy answers the need of the target speaker (the
+    /// person addressed). Default 0.5.
     preference_match_bonus: Option<f64>,
+    /// Human utterances after a decision at which the target relation and
+    /// the triangle are first checked, at least 1. Default 3.
     evaluation_horizon: Option<u32>,
+    /// Human utterances after that for which both must still hold. Default
+    /// 2.
     terminal_bonus_duration: Option<u32>,
+    /// Skip stable states (which can earn no reward) by letting the humans
+    /// talk on, up to `max_auto_skip` utterances; then a new topic is set
+    /// (before the first decision) or the episode ends. Default `true`.
     filter_zero_rewards: Option<bool>,
+    /// The most utterances skipped that way. Default 10.
     max_auto_skip: Option<u32>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// Alarms of policy collapse, over the last `window` decisions of the run.
+/// Default: every key's default.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 struct RawAlarms {
+    /// Decisions the alarms look at. Default 100.
     window: Option<u32>,
+    /// Alarm when one strategy takes more than this share of the window.
+    /// Default 0.8.
     max_share: Option<f64>,
+    /// Alarm when the window's strategy entropy (bits) falls below this.
+    /// Default 1.0.
     min_entropy: Option<f64>,
 }
 

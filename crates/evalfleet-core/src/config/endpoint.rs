@@ -1,9 +1,11 @@
 //! `endpoints[]`: what each endpoint is, how it is reached, started, limited
-//! and watched. The doc comments are the user documentation of these keys.
+//! and watched. The raw structs' doc comments are the user documentation of
+//! these keys (`docs/config.md`).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
@@ -305,58 +307,170 @@ fn unknown_placeholders(template: &str) -> Vec<String> {
     out
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// One OpenAI-compatible server, by `kind`: `mock` (the built-in mock,
+/// started inside the run), `external` (a server someone else runs, at
+/// `base_url`), `local` (an engine evalfleet starts on this machine and
+/// stops at the end) or `remote` (an engine evalfleet starts on another
+/// host over SSH, in a tmux session, reached through a forwarded port).
+/// Some keys are for some kinds only, as each says.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 pub(super) struct RawEndpoint {
+    /// A unique name: letters, digits, `-`, `_` and `.`. Required.
     name: Option<String>,
+    /// `mock`, `external`, `local` or `remote`. Required.
     kind: Option<String>,
+    /// The model name sent in each request (and, for engines evalfleet
+    /// starts, the model it serves). Required, except for `kind: mock`
+    /// (default `mock`).
     model: Option<String>,
+    /// `external`: the server's OpenAI API, e.g. `http://host:8000/v1`.
+    /// Required for `kind: external`.
     base_url: Option<String>,
+    /// The key sent as `Authorization: Bearer`. A secret: never stored or
+    /// shown; write it as `${VAR}`. Default: none.
     api_key: Option<String>,
+    /// Calls in flight at once: `adaptive` (evalfleet finds the limit
+    /// itself, backing off when round trips grow or the server pushes
+    /// back), a fixed number (1 to 100000), or the adaptive limit's
+    /// bounds as a mapping. Default `adaptive`.
+    #[schemars(with = "Option<super::schema::Concurrency>")]
     concurrency: Option<Value>,
+    /// Requests per minute allowed (a token bucket). Default: none (no
+    /// limit).
     rpm: Option<u32>,
+    /// Tokens (prompt and completion) per minute allowed; a call's cost is
+    /// estimated before it and corrected from its `usage` after. Default:
+    /// none (no limit).
     tpm: Option<u64>,
+    /// The time one call to this endpoint may take. Default
+    /// `timeouts.attempt`.
+    #[schemars(with = "Option<super::schema::Duration>")]
     timeout: Option<String>,
+    /// Extra HTTP headers sent as they are; their values are secrets, like
+    /// `api_key`. Default: none.
     headers: Option<BTreeMap<String, String>>,
+    /// Extra body fields merged over `task.params` and passed through
+    /// untouched (e.g. vLLM's `top_k`, `chat_template_kwargs`). Default:
+    /// none.
     params: Option<Map<String, Value>>,
+    /// `mock`: how the mock behaves; the same settings as `evalfleet mock`'s
+    /// options. Default: every key's default.
+    #[schemars(with = "Option<MockSettings>")]
     mock: Option<Value>,
+    #[schemars(with = "Option<RawHealth>")]
     health: Option<Value>,
+    /// `external`: a shell command run at the start of the run (e.g. `ssh
+    /// host systemctl --user start vllm`). Default: none.
     start_cmd: Option<String>,
+    /// `external`: a shell command run at the end of the run. Default:
+    /// none.
     stop_cmd: Option<String>,
+    /// `local`, `remote`: `vllm`, `sglang`, `llama.cpp` or `ollama`: the
+    /// command, the health path and the start-up timeout come from it.
+    /// Required for `local` and `remote`, unless `command` is given.
     preset: Option<String>,
+    /// `local`, `remote`: the command that starts the engine, run by `sh -c`
+    /// after `{model}`, `{port}`, `{args}` and `{gpu}` are filled in.
+    /// Default: the preset's.
     command: Option<String>,
+    /// `local`, `remote`: extra arguments for the command (`{args}`).
+    /// Default: none.
     args: Option<String>,
+    /// `local`, `remote`: the port the engine listens on. Default: a free
+    /// one (`local`), or 8000 (`remote`).
     port: Option<u16>,
+    /// `local`, `remote`: `CUDA_VISIBLE_DEVICES` for the engine (`0`, or
+    /// `"0,1"`). Default: none (not set).
+    #[schemars(with = "Option<super::schema::Gpu>")]
     gpu: Option<Value>,
+    /// `local`, `remote`: environment variables for the engine; their values
+    /// are secrets, like `api_key`. Default: none.
     env: Option<BTreeMap<String, String>>,
+    /// `local`, `remote`: how long the engine may take to become ready.
+    /// Default: the preset's (`20m` for vLLM and SGLang, `10m` for
+    /// llama.cpp and Ollama), or `10m`.
+    #[schemars(with = "Option<super::schema::Duration>")]
     startup_timeout: Option<String>,
+    /// `local`, `remote`: the wait between SIGTERM and SIGKILL when the
+    /// engine is stopped. Default `30s`.
+    #[schemars(with = "Option<super::schema::Duration>")]
     stop_grace: Option<String>,
+    /// `local`, `remote`: how many times the engine is restarted when it
+    /// dies or stays unhealthy, before it is left out of the run. Default 3.
     restarts: Option<u32>,
+    /// `local`, `remote`: the wait before a restart. Default `30s`.
+    #[schemars(with = "Option<super::schema::Duration>")]
     restart_delay: Option<String>,
+    /// `local`: refuse to start on a GPU that already has more than this
+    /// many MB in use (someone else's work); `-y` starts anyway. Default
+    /// 1024.
     gpu_memory_threshold_mb: Option<u64>,
+    /// `remote`: the SSH destination (`user@gpu-box`). Required for `kind:
+    /// remote`.
     host: Option<String>,
+    /// `remote`: the SSH program. Default `ssh`.
     ssh: Option<String>,
+    /// `remote`: options before the destination (`["-p", "2222"]`).
+    /// Default: none.
     ssh_options: Option<Vec<String>>,
+    /// `remote`: the tmux session's name. Default `evalfleet-NAME`.
     session: Option<String>,
+    /// `remote`: the port on this machine that forwards to the engine.
+    /// Default: a free one.
     local_port: Option<u16>,
+    /// `items` (the endpoint answers the run's items) or `judge` (it
+    /// answers only the calls addressed to it by name: `llm_judge`
+    /// metrics, a conversation's calls). Default `items`.
     role: Option<String>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// How an endpoint is watched. A monitor probes it every `interval`; failed
+/// calls count too. After `max_failures` failures in a row it is unhealthy
+/// and gets no new items (its calls in flight go to other endpoints); after
+/// `recover_after` successes it is healthy again. Default: every key's
+/// default.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 struct RawHealth {
+    /// The probe's path on the server (`/v1/models`). Default: the preset's
+    /// health path for an engine, else `models` under the base URL.
     path: Option<String>,
+    /// The time between probes. Default `5s`.
+    #[schemars(with = "Option<super::schema::Duration>")]
     interval: Option<String>,
+    /// The time a probe may take. Default `10s`.
+    #[schemars(with = "Option<super::schema::Duration>")]
     timeout: Option<String>,
+    /// Failures in a row after which the endpoint is unhealthy. Default 3.
     max_failures: Option<u32>,
+    /// Successes in a row after which it is healthy again. Default 2.
     recover_after: Option<u32>,
+    /// How long an endpoint whose calls fail far more often than its
+    /// peers' (or all fail while it answers probes) is taken out the first
+    /// time; each ejection soon after another lasts one more of these (up
+    /// to ten). Default `30s`.
+    #[schemars(with = "Option<super::schema::Duration>")]
     ejection: Option<String>,
 }
 
-#[derive(Debug, Default, Deserialize)]
-struct RawAdaptive {
+/// The adaptive limit's bounds and settings: once a round trip, the limit
+/// grows while round trips stay near their unloaded level, and is cut when
+/// they rise clearly above it or the server pushes back (429, 503, 408, a
+/// timeout).
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+pub(super) struct RawAdaptive {
+    /// The lowest limit, at least 1. Default 1.
     min: Option<usize>,
+    /// The highest limit, at most 100000. Default 1024 (or `min`, when
+    /// that is higher).
     max: Option<usize>,
+    /// The limit to start from, between `min` and `max`. Default 8 (kept
+    /// between `min` and `max`).
     initial: Option<usize>,
+    /// The factor a cut multiplies the limit by, between 0 and 1. Default
+    /// 0.7.
     decrease_ratio: Option<f64>,
+    /// How far round trips may rise above their unloaded level before the
+    /// limit is cut, as a share of it (0.2: 20%). Default 0.2.
     rtt_tolerance: Option<f64>,
 }
 

@@ -2,8 +2,10 @@
 //! validated in one pure step that reports every problem of the file at once,
 //! each with its path and line.
 //!
-//! The doc comments on the validated types are the user documentation of the
-//! config file.
+//! The doc comments on the raw structs (the config as written) are the user
+//! documentation of the config file: `docs/config.md` is generated from them
+//! ([`reference`]), and unknown keys are matched against the keys they
+//! declare ([`schema`]).
 
 mod admission;
 mod conversation;
@@ -12,6 +14,8 @@ mod env;
 mod eval;
 pub mod path;
 mod raw;
+pub mod reference;
+pub mod schema;
 mod validate;
 mod yaml;
 

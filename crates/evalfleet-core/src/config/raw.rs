@@ -1,167 +1,376 @@
 //! The config as written: every field optional, so that one pass can read all
 //! of a file and the validator can report every problem at once. Unknown keys
 //! are collected (not silently ignored) while deserialising.
+//!
+//! The doc comments of these structs are the user documentation of the
+//! config file: `docs/config.md` is generated from them (see
+//! [`super::reference`]). Each key says what it does and, in a sentence of
+//! its own, its default (`Default ...`) or that it is required
+//! (`Required ...`); the validator applies the defaults.
 
+use schemars::JsonSchema;
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
-use super::path;
+use super::schema;
+use super::{path, schema::Segment};
 
 /// A problem found while reading raw sections: the path it is at (to find its
 /// line) and the whole message, which starts with the path.
 pub type RawProblem = (String, String);
 
-#[derive(Debug, Default, Deserialize)]
+/// A run's config: one YAML file. Paths in it are relative to the file;
+/// `${VAR}` reads the environment, then a `.env` file beside the config
+/// (`${VAR:-default}` gives a default, `$${` is a literal `${`).
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 pub struct RawConfig {
+    /// The run's name; run ids start with it. Required.
     pub name: Option<String>,
+    #[schemars(with = "Option<RawDataset>")]
     pub dataset: Option<Value>,
+    /// The endpoints that serve the run: at least one, and at least one
+    /// that answers items (not `role: judge`). Required.
+    #[schemars(with = "Option<Vec<super::endpoint::RawEndpoint>>")]
     pub endpoints: Option<Value>,
+    #[schemars(with = "Option<RawTask>")]
     pub task: Option<Value>,
+    #[schemars(with = "Option<RawRetry>")]
     pub retry: Option<Value>,
+    #[schemars(with = "Option<RawTimeouts>")]
     pub timeouts: Option<Value>,
+    #[schemars(with = "Option<RawWriter>")]
     pub writer: Option<Value>,
+    #[schemars(with = "Option<RawCache>")]
     pub cache: Option<Value>,
+    #[schemars(with = "Option<RawReport>")]
     pub report: Option<Value>,
+    /// After the first Ctrl-C, how long calls in flight may take to finish
+    /// before they are abandoned (their items stay pending, for a resume).
+    /// Default `30s`.
+    #[schemars(with = "Option<schema::Duration>")]
     pub shutdown_grace: Option<String>,
+    /// The SQLite store: a path or `sqlite://PATH`, relative to the current
+    /// directory (like `--store`), so that `evalfleet resume`, `status` and
+    /// `export` find it from the same place. `--store` and
+    /// `$EVALFLEET_STORE` come before it. Default `runs/evalfleet.db`.
     pub store: Option<String>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// Where the items come from: one row of the file is one item, whose fields
+/// the templates read. Required, except for a conversation, whose episodes
+/// are made up (`task.conversation.sessions`).
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 pub struct RawDataset {
+    /// The file, relative to the config file. Required.
     pub path: Option<String>,
+    /// `jsonl` or `csv`. Default: from the file's extension (`.jsonl` and
+    /// `.ndjson` are JSONL, `.csv` is CSV).
     pub format: Option<String>,
+    /// The field that holds each item's id. Without it an item's id is a hash
+    /// of its content, which is stable across shuffles, samples and resumes.
+    /// Default: none (the hash).
     pub id_field: Option<String>,
     pub sample: Option<RawSample>,
+    /// Record a malformed row as a failed item and go on, instead of refusing
+    /// the dataset. Default `false`.
     pub skip_invalid: Option<bool>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// A deterministic sample of the items: the same `n` and `seed` pick the same
+/// items. `--n-sample` and `--seed` override it. Default: none (every item).
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 pub struct RawSample {
+    /// How many items to take (all of them when the dataset has fewer).
+    /// Required in a sample.
     pub n: Option<u64>,
+    /// Seed of the choice. Default 0.
     pub seed: Option<u64>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// How an item becomes requests and a result. Required.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 pub struct RawTask {
+    /// What the task does with an item: `chat` (one call, and re-asks of
+    /// answers that cannot be used), `code` (the answer is a program, judged
+    /// against the item's tests: `task.code`), `refine` (ask, then ask for a
+    /// better answer: `task.refine`) or `conversation` (a simulated
+    /// conversation: `task.conversation`). Default `code` with `task.code`,
+    /// `refine` with `task.refine`, `conversation` with
+    /// `task.conversation`, else `chat`.
     pub kind: Option<String>,
+    /// The chat messages sent for an item. Required, except for a
+    /// conversation.
     pub messages: Option<Vec<RawMessage>>,
+    /// Generation parameters sent with every request as they are
+    /// (`max_tokens`, `temperature`, ...); `model`, `messages`, `stream` and
+    /// `stream_options` are evalfleet's own. Default: none.
     pub params: Option<Map<String, Value>>,
+    /// Stream responses (SSE, with usage), which measures the time to the
+    /// first token and between tokens. Default `false`.
     pub stream: Option<bool>,
+    /// Samples per dataset row, 1 to 10000. With K above 1 each row becomes K
+    /// items, `ID#0` to `ID#K-1`, distinct requests (and cache keys) for
+    /// pass@k and majority votes; use a temperature above 0. Default 1.
     pub n: Option<u32>,
+    /// How the answer is read before it is checked and scored: `whole` (the
+    /// text), `json`, `choice` (a letter among `ABCD`), `{regex: PATTERN,
+    /// group: N, match: first|last}` or `{choice: LETTERS}`. Default
+    /// `whole`, or `json` with a `schema`.
+    #[schemars(with = "Option<schema::Parse>")]
     pub parse: Option<Value>,
+    /// A JSON Schema that the answer, parsed as JSON, must meet; an answer
+    /// that does not is re-asked with what was wrong. Default: none.
+    #[schemars(with = "Option<schema::AnyJson>")]
     pub schema: Option<Value>,
+    /// A file holding `schema` (relative to the config file), instead of
+    /// `schema` itself. Default: none.
     pub schema_file: Option<String>,
+    /// How many times an answer that cannot be used (not parsed, not valid
+    /// against the schema) is asked again, with what was wrong. Default 2
+    /// when answers are parsed (`parse` other than `whole`, or a schema),
+    /// else 0.
     pub max_reasks: Option<u32>,
+    /// Also send `schema` as the request's `response_format` (structured
+    /// output); needs `schema`, and `params` may not set `response_format`.
+    /// Default `false`.
     pub structured_output: Option<bool>,
+    /// How answers are scored: metric names (`exact_match`) or mappings
+    /// with `name` and the metric's parameters (`docs/metrics.md` defines
+    /// each). A code task always has `code_accepted`, a conversation its
+    /// `episode_*` scores. Default: none.
+    #[schemars(with = "Option<Vec<schema::Metric>>")]
     pub metrics: Option<Vec<Value>>,
+    #[schemars(with = "Option<RawCode>")]
     pub code: Option<Value>,
+    #[schemars(with = "Option<RawRefine>")]
     pub refine: Option<Value>,
+    #[schemars(with = "Option<super::conversation::RawConversation>")]
     pub conversation: Option<Value>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// `kind: refine`: ask, then ask the model `rounds` times to improve its
+/// answer; the last answer is checked and scored. Default: every key's
+/// default.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 pub struct RawRefine {
+    /// The user message that asks for a better answer: a template over the
+    /// item's fields and `answer` (the answer so far). Default: `Review your
+    /// answer and improve it. Reply with the improved answer only, in the
+    /// same format.`
     pub prompt: Option<String>,
+    /// How many times to ask (each a call of its own), 1 to 20. Default 1.
     pub rounds: Option<u32>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// `kind: code`: answers are programs, judged against each item's tests in a
+/// sandbox (`docs/metrics.md`, "Code tasks"). Required with `kind: code`.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 pub struct RawCode {
+    /// How an item gives its tests: `humaneval`, `mbpp` (both Python) or
+    /// `stdio` (inputs and expected outputs). Required.
     pub format: Option<String>,
+    /// `python`, `cpp` or `rust`; C++ and Rust are judged on `stdio` tests
+    /// only. Default `python`.
     pub language: Option<String>,
+    /// CPU time a program may take on one test. Default `10s`.
+    #[schemars(with = "Option<schema::Duration>")]
     pub timeout: Option<String>,
+    /// Wall-clock time a program may take on one test. Default: three times
+    /// `timeout`.
+    #[schemars(with = "Option<schema::Duration>")]
     pub wall_timeout: Option<String>,
+    /// Memory a program may use, in MB. Default 1024.
     pub memory_mb: Option<u64>,
+    /// Bytes of output (stdout and stderr) a program may write; past them it
+    /// is killed. Default 1048576 (1 MiB).
     pub output_bytes: Option<usize>,
+    /// Stop a problem's remaining tests at its first failure. Default
+    /// `false`.
     pub early_exit: Option<bool>,
+    /// Programs run (or sent to the sandbox server) at once over the whole
+    /// run. Default: the machine's cores, or 32 with `backend:
+    /// sandboxfusion`.
     pub judge_concurrency: Option<usize>,
+    /// `stdio`: numbers in the output may differ from the expected ones by
+    /// this much (absolute or relative). Default: none (the text must be
+    /// equal).
     pub float_tolerance: Option<f64>,
+    /// The Python interpreter (a name on the sandbox's PATH, or a path);
+    /// only with `language: python`. Default `python3`.
     pub python: Option<String>,
+    /// The compiler (a name on the sandbox's PATH, or a path); only with
+    /// `language: cpp` or `rust`. Default `g++` for C++, `rustc` for Rust.
     pub compiler: Option<String>,
+    /// CPU time a compilation may take (twice that on the wall clock); a
+    /// program is compiled once per answer. Default `30s`.
+    #[schemars(with = "Option<schema::Duration>")]
     pub compile_timeout: Option<String>,
+    /// `stdio`: the item's field, or fields in order, that hold its tests
+    /// (e.g. `[public_tests, private_tests]`). Default `tests`.
     pub tests_field: Option<OneOrMany>,
+    /// Where programs run: `local` (a sandbox on this machine) or
+    /// `sandboxfusion` (a SandboxFusion server at `sandbox_url`). Default
+    /// `local`.
     pub backend: Option<String>,
+    /// The SandboxFusion server's address, like `http://host:8080`. Required
+    /// with `backend: sandboxfusion`.
     pub sandbox_url: Option<String>,
+    /// `backend: sandboxfusion`: how many times a failed call to the server
+    /// is tried again. Default 3.
     pub sandbox_retries: Option<u32>,
 }
 
 /// A text, or a list of texts.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(untagged)]
 pub enum OneOrMany {
     One(String),
     Many(Vec<String>),
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// A chat message.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 pub struct RawMessage {
+    /// `system`, `developer`, `user`, `assistant` or `tool`. Required.
     pub role: Option<String>,
+    /// A minijinja template over the item's fields (`{{ question }}`),
+    /// checked before the run starts. Required.
     pub content: Option<String>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// How failed calls are retried. Default: every key's default.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 pub struct RawRetry {
+    /// Tries per call, the first included: an item's answer, a re-ask, a
+    /// judge's call, a refine round are each a call of their own; tries
+    /// before a resume count (a resume always gives one more). 429s of an
+    /// item's call do not count: its deadline (`timeouts.item`) bounds
+    /// them. Default 10.
     pub max_attempts: Option<u32>,
+    /// The first backoff's ceiling; it doubles with each retry, with full
+    /// jitter. Default `100ms`.
+    #[schemars(with = "Option<schema::Duration>")]
     pub backoff_base: Option<String>,
+    /// The longest backoff; at least `backoff_base`. Default `30s`.
+    #[schemars(with = "Option<schema::Duration>")]
     pub backoff_max: Option<String>,
+    /// Retries allowed per first try over the last 10 seconds, so that an
+    /// outage does not multiply the load: a retry past it waits (up to its
+    /// item's deadline). Default 0.5.
     pub budget: Option<f64>,
+    /// Retries a second allowed whatever the budget. Default 10.
     pub budget_floor: Option<f64>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// How long calls, items and the run may take. Default: every key's
+/// default.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 pub struct RawTimeouts {
+    /// One call, from send to the last byte; `endpoints[].timeout` overrides
+    /// it for one endpoint. Default `300s`.
+    #[schemars(with = "Option<schema::Duration>")]
     pub attempt: Option<String>,
+    /// An item from its first attempt to its result, retries included; when
+    /// passed, the item fails. Default `1h`.
+    #[schemars(with = "Option<schema::Duration>")]
     pub item: Option<String>,
+    /// How long the run waits with no endpoint able to take items (all
+    /// unhealthy, or none taking part) before it stops, interrupted and
+    /// resumable. Default `10m`.
+    #[schemars(with = "Option<schema::Duration>")]
     pub no_endpoint: Option<String>,
+    /// How long a worker's claim on items lasts unless renewed (it renews
+    /// every third of it while it lives), at least `300ms`. When a worker
+    /// dies on another host, its items go to the run's other workers after
+    /// this; one on this host that dies frees them at once. Default `30s`.
+    #[schemars(with = "Option<schema::Duration>")]
     pub lease: Option<String>,
+    /// How long a streamed call may wait for the first byte of its answer
+    /// (its headers and its first event, both within this from the send)
+    /// before it is given up and retried. A non-streamed answer comes
+    /// whole: only `attempt` bounds it. Default `120s`.
+    #[schemars(with = "Option<schema::Duration>")]
     pub first_byte: Option<String>,
+    /// The longest a stream may send nothing before it is given up as
+    /// stalled and retried; a stream quiet far longer than its endpoint's
+    /// recent streams ever were is given up sooner. Default `30s`.
+    #[schemars(with = "Option<schema::Duration>")]
     pub stream_idle: Option<String>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// What makes a run's scores unusable. Default: every key's default.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 pub struct RawReport {
+    /// The share (0 to 1) of the answers it could judge that a metric may
+    /// fail to score (no usable reference, a failed judge) before `run` and
+    /// `report` exit non-zero; 1 fails only a metric that could score none
+    /// of them. Default 1.
     pub max_unscored: Option<f64>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// How results are committed to the store. Default: every key's default.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 pub struct RawWriter {
+    /// Results per transaction, at most (1 to 100000). Default 512.
     pub batch_size: Option<usize>,
+    /// The longest wait before a partial batch is committed. Default
+    /// `200ms`.
+    #[schemars(with = "Option<schema::Duration>")]
     pub flush_interval: Option<String>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// Answers kept by request (the model, the parameters and the messages), so
+/// that the same request is answered from the cache. Without `cache:` there
+/// is no cache. Default: none (off).
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 pub struct RawCache {
+    /// `read_write` (use and fill the cache), `read`, `write` or `off`.
+    /// Default `read_write` (when `cache:` is given).
     pub mode: Option<String>,
+    /// A file of its own for the cache, shared by runs of several stores;
+    /// relative to the current directory, like `store`. Default: the run's
+    /// store.
     pub path: Option<String>,
+    /// Entries older than this are not used (and are evicted first).
+    /// Default: none (entries do not expire).
+    #[schemars(with = "Option<schema::Duration>")]
     pub ttl: Option<String>,
+    /// The most entries kept; the oldest go first. Default: none (no
+    /// limit).
     pub max_entries: Option<u64>,
 }
 
-/// Deserialises `value` (found at `at`) as `T`, recording unknown keys and a
-/// type error, each with its full path. Returns `None` on a type error.
-pub fn section<T: DeserializeOwned>(
+/// Deserialises `value` (found at `at`) as `T`, recording unknown keys (each
+/// with the nearest known key, from `T`'s schema) and a type error, each with
+/// its full path. Returns `None` on a type error.
+pub fn section<T: DeserializeOwned + JsonSchema>(
     value: &Value,
     at: &str,
     problems: &mut Vec<RawProblem>,
 ) -> Option<T> {
-    let mut unknown = Vec::new();
+    let schema = schema::of::<T>();
+    // Keys of closed mappings (`deny_unknown_fields`) are taken out first, so
+    // that they are reported like the others and do not hide other problems.
+    let mut value = value.clone();
+    let mut unknown = schema::take_unknown(&mut value, &schema);
     let result: Result<T, _> = {
-        let mut record = |p: serde_ignored::Path<'_>| unknown.push(ignored_path(at, &p));
-        let de = serde_ignored::Deserializer::new(value, &mut record);
+        let mut record = |p: serde_ignored::Path<'_>| unknown.push(segments(&p));
+        let de = serde_ignored::Deserializer::new(&value, &mut record);
         serde_path_to_error::deserialize(de)
     };
     for key_path in unknown {
-        let (parent, key) = match key_path.rfind('.') {
-            Some(cut) => (key_path[..cut].to_owned(), key_path[cut + 1..].to_owned()),
-            None => (String::new(), key_path.clone()),
+        let Some((Segment::Key(key), parent)) = key_path.split_last() else {
+            continue;
         };
-        let place = if parent.is_empty() {
-            "config".to_owned()
-        } else {
-            parent
-        };
-        problems.push((key_path, format!("{place}: unknown key '{key}'")));
+        let place = schema::render(at, parent);
+        let known = schema::keys_at(&schema, parent);
+        let message = schema::unknown_key(
+            if place.is_empty() { "config" } else { &place },
+            key,
+            &known,
+        );
+        problems.push((path::key(&place, key), message));
     }
     match result {
         Ok(value) => Some(value),
@@ -182,16 +391,23 @@ pub fn section<T: DeserializeOwned>(
     }
 }
 
-fn ignored_path(at: &str, p: &serde_ignored::Path<'_>) -> String {
+/// Where serde_ignored found a key, from the section's root.
+fn segments(p: &serde_ignored::Path<'_>) -> Vec<Segment> {
     match p {
-        serde_ignored::Path::Root => at.to_owned(),
+        serde_ignored::Path::Root => Vec::new(),
         serde_ignored::Path::Seq { parent, index } => {
-            path::index(&ignored_path(at, parent), *index)
+            let mut out = segments(parent);
+            out.push(Segment::Index(*index));
+            out
         }
-        serde_ignored::Path::Map { parent, key } => path::key(&ignored_path(at, parent), key),
+        serde_ignored::Path::Map { parent, key } => {
+            let mut out = segments(parent);
+            out.push(Segment::Key(key.clone()));
+            out
+        }
         serde_ignored::Path::Some { parent }
         | serde_ignored::Path::NewtypeStruct { parent }
-        | serde_ignored::Path::NewtypeVariant { parent } => ignored_path(at, parent),
+        | serde_ignored::Path::NewtypeVariant { parent } => segments(parent),
     }
 }
 
@@ -201,7 +417,7 @@ mod tests {
 
     #[test]
     fn unknown_keys_and_type_errors_carry_full_paths() {
-        let value = serde_json::json!({"path": "d.jsonl", "colour": "red", "sample": {"n": "many", "x": 1}});
+        let value = serde_json::json!({"path": "d.jsonl", "colour": "red", "sample": {"a": 1, "n": "many"}});
         let mut problems = Vec::new();
         let parsed: Option<RawDataset> = section(&value, "dataset", &mut problems);
         assert!(parsed.is_none());
@@ -212,6 +428,14 @@ mod tests {
             .iter()
             .find(|(p, _)| p == "dataset.colour")
             .unwrap();
-        assert_eq!(unknown.1, "dataset: unknown key 'colour'");
+        assert_eq!(
+            unknown.1,
+            "dataset: unknown key 'colour' (known: format, id_field, path, sample, skip_invalid)"
+        );
+        let nested = problems
+            .iter()
+            .find(|(p, _)| p == "dataset.sample.a")
+            .unwrap();
+        assert_eq!(nested.1, "dataset.sample: unknown key 'a' (known: n, seed)");
     }
 }
