@@ -9,6 +9,7 @@ use serde_json::{Map, Value};
 use super::path;
 use super::raw::RawTask;
 use super::validate::Problems;
+use crate::eval::metrics::REGISTRY;
 use crate::eval::{EvalSpec, Metric, MetricSpec, Parser};
 
 const PARSERS: &str =
@@ -93,14 +94,10 @@ fn parser(value: &Value, p: &mut Problems<'_>) -> Option<Parser> {
         },
         Value::Object(map) => {
             if let Some(pattern) = map.get("regex") {
-                if let Some(unknown) = map
-                    .keys()
-                    .find(|k| !["regex", "group", "match"].contains(&k.as_str()))
-                {
-                    return p.push(
-                        &path::key("task.parse", unknown),
-                        "unknown key (regex takes group and match)",
-                    );
+                const REGEX_KEYS: [&str; 3] = ["group", "match", "regex"];
+                if let Some(unknown) = map.keys().find(|k| !REGEX_KEYS.contains(&k.as_str())) {
+                    let known = REGEX_KEYS.map(str::to_owned);
+                    return p.unknown_key("task.parse", unknown, &known);
                 }
                 let Some(pattern) = pattern.as_str() else {
                     return p.push("task.parse.regex", "must be a string");
@@ -199,6 +196,24 @@ fn metrics(list: Vec<Value>, p: &mut Problems<'_>) -> Option<Vec<MetricSpec>> {
                     ok = false;
                     continue;
                 };
+                // What is left are the metric's parameters.
+                let base = name.split('@').next().unwrap_or_default();
+                if let Some(info) = REGISTRY.iter().find(|m| m.name == base) {
+                    let mut known: Vec<String> = ["as", "name", "reference"]
+                        .into_iter()
+                        .chain(info.params.iter().copied())
+                        .map(str::to_owned)
+                        .collect();
+                    known.sort();
+                    let unknown: Vec<&String> = map.keys().filter(|k| !known.contains(k)).collect();
+                    if !unknown.is_empty() {
+                        for key in unknown {
+                            p.unknown_key::<()>(&at, key, &known);
+                        }
+                        ok = false;
+                        continue;
+                    }
+                }
                 (name, reference, key, map)
             }
             other => {

@@ -409,3 +409,170 @@ fn a_mock_answers_file_is_found_beside_the_config() {
         Some(dir.path().join("answers.jsonl").as_path())
     );
 }
+
+/// The messages of a config's problems, each with its line.
+fn problems_of(dir: &Path, text: &str) -> Vec<(Option<usize>, String)> {
+    let file = write(dir, "run.yaml", text);
+    load_file(&file, Overrides::default())
+        .unwrap_err()
+        .problems()
+        .into_iter()
+        .map(|p| (p.line, p.message))
+        .collect()
+}
+
+#[test]
+fn an_unknown_key_is_reported_with_the_known_key_it_was_meant_to_be() {
+    let dir = dir_with_dataset();
+    let problems = problems_of(
+        dir.path(),
+        r#"
+name: demo
+timeout: { attempt: 5s }
+dataset:
+  path: items.jsonl
+  id_feild: id
+endpoints:
+  - name: local
+    kind: mock
+    concurency: 4
+    mock:
+      latencyy: 200ms
+      quota: { limit: 5, window: 1s, windw: 2s }
+  - name: judge
+    kind: mock
+    role: judge
+task:
+  messages:
+    - { role: user, content: "{{ question }}" }
+  metrics:
+    - { name: exact_match, reference: "{{ question }}", ignoreCase: true }
+retry:
+  max_atempts: 3
+"#,
+    );
+    let expected = [
+        (
+            3,
+            "config: unknown key 'timeout' (did you mean 'timeouts'?)",
+        ),
+        (
+            6,
+            "dataset: unknown key 'id_feild' (did you mean 'id_field'?)",
+        ),
+        (
+            10,
+            "endpoints[0]: unknown key 'concurency' (did you mean 'concurrency'?)",
+        ),
+        (
+            12,
+            "endpoints[0].mock: unknown key 'latencyy' (did you mean 'latency'?)",
+        ),
+        (
+            13,
+            "endpoints[0].mock.quota: unknown key 'windw' (did you mean 'window'?)",
+        ),
+        (
+            21,
+            "task.metrics[0]: unknown key 'ignoreCase' (did you mean 'ignore_case'?)",
+        ),
+        (
+            23,
+            "retry: unknown key 'max_atempts' (did you mean 'max_attempts'?)",
+        ),
+    ];
+    let expected: Vec<(Option<usize>, String)> = expected
+        .into_iter()
+        .map(|(line, message)| (Some(line), message.to_owned()))
+        .collect();
+    assert_eq!(problems, expected);
+}
+
+#[test]
+fn an_unknown_key_like_no_known_one_is_told_the_known_keys() {
+    let dir = dir_with_dataset();
+    let problems = problems_of(
+        dir.path(),
+        r#"
+name: demo
+colour: red
+dataset:
+  path: items.jsonl
+  colour: red
+endpoints:
+  - name: local
+    kind: mock
+    colour: red
+    mock: { colour: red }
+task:
+  messages:
+    - { role: user, content: "{{ question }}" }
+"#,
+    );
+    let messages: Vec<&str> = problems.iter().map(|(_, m)| m.as_str()).collect();
+    assert_eq!(messages.len(), 4, "{messages:#?}");
+    assert_eq!(
+        messages[..2],
+        [
+            "config: unknown key 'colour' (known: cache, dataset, endpoints, name, report, retry, shutdown_grace, store, task, timeouts, writer)",
+            "dataset: unknown key 'colour' (known: format, id_field, path, sample, skip_invalid)",
+        ]
+    );
+    // Places with many keys send the reader to the reference.
+    for (message, place) in messages[2..]
+        .iter()
+        .zip(["endpoints[]", "endpoints[].mock"])
+    {
+        let at = place.replace("[]", "[0]");
+        assert!(
+            message.starts_with(&format!(
+                "{at}: unknown key 'colour' (docs/config.md lists the "
+            )) && message.ends_with(&format!(" keys of {place})")),
+            "{message}"
+        );
+    }
+}
+
+#[test]
+fn unknown_keys_of_the_task_kinds_are_matched_to_theirs() {
+    let dir = dir_with_dataset();
+    let task = |rest: &str| {
+        let text = format!(
+            "name: demo\n\
+             dataset: {{ path: items.jsonl }}\n\
+             endpoints: [{{ name: local, kind: mock }}]\n\
+             task:\n  messages: [{{ role: user, content: \"{{{{ question }}}}\" }}]\n{rest}"
+        );
+        let problems = problems_of(dir.path(), &text);
+        problems.into_iter().map(|(_, m)| m).collect::<Vec<_>>()
+    };
+    assert_eq!(
+        task("  parse: { regex: \"(\\\\d+)\", grup: 1 }\n"),
+        ["task.parse: unknown key 'grup' (did you mean 'group'?)"]
+    );
+    assert_eq!(
+        task("  code: { format: stdio, tiemout: 5s }\n"),
+        ["task.code: unknown key 'tiemout' (did you mean 'timeout'?)"]
+    );
+    let conversation = problems_of(
+        dir.path(),
+        r#"
+name: demo
+endpoints: [{ name: local, kind: mock }]
+task:
+  conversation:
+    sesions: 3
+    scorer: { use_emma: true }
+    personas: [{ name: Ann, landmine: [money] }, {}, {}]
+"#,
+    );
+    let messages: Vec<&str> = conversation.iter().map(|(_, m)| m.as_str()).collect();
+    assert_eq!(
+        messages,
+        [
+            "task.conversation: unknown key 'sesions' (did you mean 'sessions'?)",
+            "task.conversation.scorer: unknown key 'use_emma' (did you mean 'use_ema'?)",
+            "task.conversation.personas[0]: unknown key 'landmine' (did you mean 'landmines'?)",
+        ]
+    );
+}

@@ -525,6 +525,14 @@ impl Problems<'_> {
         None
     }
 
+    /// `key`, unknown at `place` where the keys are `known`: reported with
+    /// the nearest known key, as the raw sections' unknown keys are.
+    pub(super) fn unknown_key<T>(&mut self, place: &str, key: &str, known: &[String]) -> Option<T> {
+        let message = super::schema::unknown_key(place, key, known);
+        self.0.push((path::key(place, key), message));
+        None
+    }
+
     pub(super) fn duration(
         &mut self,
         at: &str,
