@@ -14,20 +14,10 @@ use evalfleet_sandbox::{
 use futures_util::future::join_all;
 use serde_json::Value;
 
-/// `../shared/data/NAME`, or `$EVALFLEET_TEST_DATA/NAME`.
+/// `../shared/data/NAME`, or `$EVALFLEET_TEST_DATA/NAME`; `None` (the test
+/// skips) when it is absent.
 pub fn shared_data(name: &str) -> Option<PathBuf> {
-    let dir = std::env::var_os("EVALFLEET_TEST_DATA")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data"))
-        });
-    let path = dir.join(name);
-    if path.is_file() {
-        Some(path)
-    } else {
-        eprintln!("skipped: {} is absent", path.display());
-        None
-    }
+    evalfleet_testkit::shared_data!(name)
 }
 
 fn humaneval() -> Option<Vec<Value>> {
@@ -78,14 +68,14 @@ async fn local(settings: CodeSettings, name: &str) -> CodeJudge {
     CodeJudge::new(settings, &dir(name), None).await.unwrap()
 }
 
-/// The tool a language needs, or a message that the test is skipped.
+/// Whether the tool a language needs is here; when not, the test skips.
 pub fn have(program: &str) -> bool {
     let found = std::process::Command::new(program)
         .arg("--version")
         .output()
         .is_ok_and(|o| o.status.success());
     if !found {
-        eprintln!("skipped: {program} is absent");
+        evalfleet_testkit::skip!("{program} is absent");
     }
     found
 }

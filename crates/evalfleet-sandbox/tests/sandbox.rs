@@ -89,7 +89,7 @@ async fn none_left(uids: &[u32]) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_programs_are_contained() {
     if !Path::new(PYTHON).exists() {
-        eprintln!("skipped: {PYTHON} is absent");
+        evalfleet_testkit::skip!("{PYTHON} is absent");
         return;
     }
     let sandbox = Sandbox::new(&parent("sandbox-tests"), 2, &[])
@@ -273,7 +273,7 @@ async fn sandboxes_side_by_side_never_share_a_uid() {
     let a = Sandbox::new(&parent("uids-a"), 4, &[]).await.unwrap();
     let b = Sandbox::new(&parent("uids-b"), 4, &[]).await.unwrap();
     if !a.isolation().own_uids {
-        eprintln!("skipped: not root, the sandbox has no uids of its own");
+        evalfleet_testkit::skip!("not root, the sandbox has no uids of its own");
         return;
     }
     let mut seen = std::collections::HashSet::new();
@@ -294,7 +294,7 @@ async fn sandboxes_side_by_side_never_share_a_uid() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn degraded_sandboxes_say_what_they_do_not_enforce_and_still_run() {
     if !Path::new(PYTHON).exists() {
-        eprintln!("skipped: {PYTHON} is absent");
+        evalfleet_testkit::skip!("{PYTHON} is absent");
         return;
     }
     use std::os::unix::fs::PermissionsExt;

@@ -286,7 +286,7 @@ async fn answers_from_the_cache_are_judged_again_without_a_call() {
 async fn cpp_answers_are_compiled_and_judged_in_the_run() {
     let found = std::process::Command::new("g++").arg("--version").output();
     if !found.is_ok_and(|o| o.status.success()) {
-        eprintln!("skipped: g++ is absent");
+        evalfleet_testkit::skip!("g++ is absent");
         return;
     }
     let env = Env::new();

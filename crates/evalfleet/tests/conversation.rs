@@ -372,7 +372,9 @@ fn gym_python() -> Option<String> {
             return Some(python);
         }
     }
-    eprintln!("skipped: no Python with gymnasium (set EVALFLEET_GYM_PYTHON; .ci/run makes one)");
+    evalfleet_testkit::skip!(
+        "no Python with gymnasium (set EVALFLEET_GYM_PYTHON; .ci/run makes one)"
+    );
     None
 }
 

@@ -238,20 +238,10 @@ pub async fn signal(child: &Child, name: &str) {
     assert!(status.success(), "kill -{name} {pid} failed");
 }
 
-/// `../shared/data/NAME` (or `$EVALFLEET_TEST_DATA/NAME`), or `None`, saying
-/// so, when it is absent: tests that need a real dataset skip then.
+/// `../shared/data/NAME` (or `$EVALFLEET_TEST_DATA/NAME`), or `None` when it
+/// is absent: tests that need a real dataset skip then (and fail under CI).
 pub fn shared_data(name: &str) -> Option<PathBuf> {
-    let dir = std::env::var_os("EVALFLEET_TEST_DATA").map_or_else(
-        || PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data")),
-        PathBuf::from,
-    );
-    let path = dir.join(name);
-    if path.is_file() {
-        Some(path)
-    } else {
-        eprintln!("skipped: {} is absent", path.display());
-        None
-    }
+    evalfleet_testkit::shared_data!(name)
 }
 
 /// `evalfleet cache stats --json` of the store at `store`.

@@ -41,8 +41,8 @@ impl Browser {
     pub async fn start() -> Option<Self> {
         let chromium = found("chromium").or_else(|| found("chromium-browser"));
         let (Some(chromium), Some(driver)) = (chromium, found("chromedriver")) else {
-            eprintln!(
-                "skipped: chromium and chromedriver are not installed (apt-get install chromium chromium-driver)"
+            evalfleet_testkit::skip!(
+                "chromium and chromedriver are not installed (apt-get install chromium chromium-driver)"
             );
             return None;
         };
