@@ -51,7 +51,7 @@ BIN = os.path.join(ROOT, "target", "release", "evalfleet")
 SERVER_CORE = "0"
 CLIENT_CORE = "1"
 
-FINISHED = re.compile(r"finished: (\d+) done, (\d+) failed; (\d+) items in ([\d.]+)s \(([\d.]+) items/s\)")
+FINISHED = re.compile(r"finished: (\d+) done, (\d+) failed; (\d+) items in ([\d.]+)s \(([\d.]+) items/s[;)]")
 
 
 def build():
