@@ -72,11 +72,12 @@ fn sandbox_processes(uids: &[u32]) -> Vec<String> {
         .collect()
 }
 
-/// Waits (up to 5 s, polling) until no process of `uids` is left: the
-/// kernel may take a moment to end what was killed.
+/// Waits (up to 30 s, polling) until no process of `uids` is left: the
+/// kernel may take a moment to end what was killed, longer on a busy
+/// machine.
 async fn none_left(uids: &[u32]) -> Vec<String> {
     let mut left = sandbox_processes(uids);
-    for _ in 0..50 {
+    for _ in 0..300 {
         if left.is_empty() {
             break;
         }
@@ -98,8 +99,12 @@ async fn hostile_programs_are_contained() {
     let isolation = sandbox.isolation();
     eprintln!("{}", sandbox.describe());
     let uids = uids_of(&sandbox, 2).await;
+    // The wall clock is far above the CPU limit, so that only what a
+    // program does decides how it ends, however busy the machine: a spin
+    // that gets a tenth of a core still reaches its CPU limit first. The
+    // programs meant to meet the wall clock are given a short one.
     let limits = Limits {
-        wall: Duration::from_secs(4),
+        wall: Duration::from_secs(60),
         cpu: Duration::from_secs(1),
         memory_mb: 256,
         output_bytes: 64 * 1024,
@@ -122,14 +127,17 @@ async fn hostile_programs_are_contained() {
     let there = python(&under_tmp, "print(open('main.py').read()[:5])", &limits).await;
     assert_eq!(there.stdout, b"print\n", "{}", said(&there));
 
-    // An infinite loop: the CPU limit ends it, well before the wall clock.
+    // An infinite loop: the CPU limit ends it, not the wall clock.
     let spin = python(&sandbox, "while True:\n    pass\n", &limits).await;
     assert_eq!(spin.ended, Ended::CpuLimit, "{}", said(&spin));
-    assert!(spin.elapsed < Duration::from_secs(4), "{:?}", spin.elapsed);
 
     // Sleeping forever: the wall clock ends it.
-    let sleeper = python(&sandbox, "import time\ntime.sleep(60)\n", &limits).await;
-    assert_eq!(sleeper.ended, Ended::TimedOut);
+    let short_wall = Limits {
+        wall: Duration::from_secs(2),
+        ..limits
+    };
+    let sleeper = python(&sandbox, "import time\ntime.sleep(600)\n", &short_wall).await;
+    assert_eq!(sleeper.ended, Ended::TimedOut, "{}", said(&sleeper));
 
     // Gigabytes of output: cut at the cap, the program killed.
     let flood = python(
@@ -229,24 +237,17 @@ async fn hostile_programs_are_contained() {
     assert!(!text.contains("killed"), "{text}");
 
     // A daemon that leaves its process group and session, holding the
-    // output open: the program's end ends it too, at once.
+    // output open: the program's end ends it too. Were the output waited
+    // for, the daemon's sleep would outlast the wall clock (TimedOut).
     let daemon = python(
         &sandbox,
-        "import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(60)\n    os._exit(0)\nprint('parent done')\nsys.stdout.flush()\n",
-        &Limits {
-            wall: Duration::from_secs(20),
-            ..limits
-        },
+        "import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(600)\n    os._exit(0)\nprint('parent done')\nsys.stdout.flush()\n",
+        &limits,
     )
     .await;
     assert_eq!(daemon.ended, Ended::Exited(0), "{}", said(&daemon));
     assert_eq!(daemon.stdout, b"parent done\n");
     if isolation.own_uids {
-        assert!(
-            daemon.elapsed < Duration::from_secs(5),
-            "{:?}",
-            daemon.elapsed
-        );
         assert_eq!(none_left(&uids).await, Vec::<String>::new());
     }
 
@@ -254,11 +255,10 @@ async fn hostile_programs_are_contained() {
     let bomb = python(
         &sandbox,
         "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
-        &limits,
+        &short_wall,
     )
     .await;
-    assert!(!bomb.success());
-    assert!(bomb.elapsed < Duration::from_secs(8), "{:?}", bomb.elapsed);
+    assert!(!bomb.success(), "{}", said(&bomb));
     if isolation.own_uids {
         assert_eq!(
             none_left(&uids).await,
@@ -302,8 +302,10 @@ async fn degraded_sandboxes_say_what_they_do_not_enforce_and_still_run() {
     let closed = parent("closed");
     std::fs::create_dir_all(&closed).unwrap();
     std::fs::set_permissions(&closed, std::fs::Permissions::from_mode(0o700)).unwrap();
+    // As in hostile_programs_are_contained: a wall clock no busy machine
+    // reaches before the CPU limit.
     let limits = Limits {
-        wall: Duration::from_secs(4),
+        wall: Duration::from_secs(60),
         cpu: Duration::from_secs(1),
         ..Limits::default()
     };
@@ -335,7 +337,7 @@ async fn degraded_sandboxes_say_what_they_do_not_enforce_and_still_run() {
     if root {
         let daemon = python(
             &sandbox,
-            "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('parent done')\n",
+            "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(600)\nprint('parent done')\n",
             &limits,
         )
         .await;
