@@ -40,12 +40,15 @@ async fn transient_errors_are_retried_until_every_item_is_done() {
     .await;
     // Health is out of the way: each call's failure must be on record with
     // its class, which moving calls off an unhealthy endpoint would blur.
+    // Only the hanging endpoint has a short attempt timeout: elsewhere a
+    // timeout (a slow call on a busy machine) would be back pressure or a
+    // lost 5xx that no mock sent, and the counts below would not add up.
     let endpoints = external_with("bursts", &bursts, 4, NO_HEALTH)
         + &external_with("quota", &quota, 4, NO_HEALTH)
-        + &external_with("hangs", &hangs, 4, NO_HEALTH)
+        + &external_with("hangs", &hangs, 4, &format!("timeout: 300ms, {NO_HEALTH}"))
         + &external_with("cut", &cut, 4, NO_HEALTH);
     let extra = "retry: { max_attempts: 20, backoff_base: 10ms, backoff_max: 100ms }\n\
-                 timeouts: { attempt: 300ms }";
+                 timeouts: { attempt: 60s }";
     let text = config(&dataset, &endpoints, extra)
         .replace("max_tokens: 64 }", "max_tokens: 64 }\n  stream: true");
     env.write("run.yaml", &text);
@@ -179,21 +182,18 @@ async fn the_item_deadline_bounds_retries() {
             extra,
         ),
     );
-    let started = std::time::Instant::now();
     let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
     assert_eq!(ran.code, Some(1), "{}", ran.stderr);
-    assert!(
-        started.elapsed() < std::time::Duration::from_secs(20),
-        "the deadline did not stop the retries"
-    );
     let mut store = env.store();
     let rows = by_id(&env.export(&ran.run_id()).await);
     for row in rows.values() {
         assert_eq!(row["status"], "failed");
+        // Each attempt lasts its 100 ms at least, so no more than 5 begin
+        // in 450 ms (of the 100 allowed); a busy machine may begin fewer.
         let attempts = row["attempts"].as_u64().unwrap();
         assert!(
-            (3..=5).contains(&attempts),
-            "about 450ms / 110ms attempts, got {attempts}"
+            (1..=5).contains(&attempts),
+            "at most 450ms / 100ms attempts, got {attempts}"
         );
         assert!(row["error"].as_str().unwrap().contains("deadline"), "{row}");
     }
