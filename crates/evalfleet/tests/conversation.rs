@@ -386,6 +386,10 @@ async fn a_gymnasium_trainer_takes_the_decisions_through_the_environment_server(
     };
     let env = Env::new();
     let _mocks = spread(&env, 5, "    policy: { kind: random }\n").await;
+    // All 16 episodes reach their first decision at once, and one that no
+    // trainer takes within the action timeout goes on without it: the
+    // trainer (check_env's resets, then 4 episodes) must take its episodes
+    // within that time, however slowly Python starts on a busy machine.
     let mut server = env.spawn(&[
         "env",
         "spread.yaml",
@@ -396,7 +400,7 @@ async fn a_gymnasium_trainer_takes_the_decisions_through_the_environment_server(
         "--bind",
         "127.0.0.1:0",
         "--action-timeout",
-        "2s",
+        "20s",
         "--run-id",
         "gym",
     ]);
@@ -438,8 +442,8 @@ async fn a_gymnasium_trainer_takes_the_decisions_through_the_environment_server(
     assert_eq!(lines.last().unwrap(), &json!({"episodes": 4}));
 
     // Every episode ends (those no trainer took decide invalid after the
-    // action timeout), and so does the server.
-    let status = tokio::time::timeout(ms(120_000), server.wait())
+    // action timeout, twice), and so does the server.
+    let status = tokio::time::timeout(ms(300_000), server.wait())
         .await
         .unwrap()
         .unwrap();

