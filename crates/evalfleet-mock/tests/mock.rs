@@ -251,7 +251,10 @@ async fn the_same_seed_gives_the_same_fates_to_the_same_prompts_in_any_order() {
 
 #[tokio::test]
 async fn a_stall_holds_back_the_second_half_of_an_answer() {
-    let stall = ms(300);
+    // Long beside what a busy machine adds between two events, so that the
+    // stall is the longest gap, and at least half its length, however late
+    // the client reads the event before it.
+    let stall = ms(1000);
     let server = start(MockSettings {
         stall_rate: 1.0,
         stall,
@@ -272,7 +275,7 @@ async fn a_stall_holds_back_the_second_half_of_an_answer() {
     let gaps: Vec<Duration> = events.windows(2).map(|w| w[1].0 - w[0].0).collect();
     let longest = (0..gaps.len()).max_by_key(|&i| gaps[i]).unwrap();
     assert_eq!(longest, 5, "{gaps:?}");
-    assert!(gaps[longest] >= stall - ms(30), "{gaps:?}");
+    assert!(gaps[longest] >= stall / 2, "{gaps:?}");
 
     let sent = Instant::now();
     let response = chat(&client, &server, "a b", false).await;
@@ -311,10 +314,12 @@ async fn a_cut_stream_ends_with_done_and_no_finish_reason() {
 
 #[tokio::test]
 async fn a_new_request_interrupts_the_running_stream() {
+    // 1000 tokens 50 ms apart: uninterrupted, the stream would run for 50 s,
+    // far longer than any busy machine takes to send the second request.
     let server = start(MockSettings {
         interrupt_on_arrival: true,
         itl: ms(50),
-        output_tokens: Some(100),
+        output_tokens: Some(1000),
         ..MockSettings::default()
     })
     .await;
@@ -324,19 +329,17 @@ async fn a_new_request_interrupts_the_running_stream() {
     while summarise(&before).contents.len() < 2 {
         before.push(running.next().await.unwrap());
     }
-    let arrived = Instant::now();
     let short = json!({"messages": [{"role": "user", "content": "next"}], "max_tokens": 1});
     let second = post(&client, &server, &short).await;
     assert_eq!(second.status(), 200);
     second.bytes().await.unwrap();
-    let after = tokio::time::timeout(Duration::from_secs(3), running.rest())
+    let after = tokio::time::timeout(Duration::from_secs(120), running.rest())
         .await
-        .expect("the running stream ends at once");
-    assert!(arrived.elapsed() < Duration::from_secs(1));
+        .expect("the running stream ends");
     let streamed = summarise(before.iter().chain(after.iter().map(|(_, e)| e)));
     assert!(streamed.ended_with_done);
     assert!(streamed.finish_reasons.is_empty(), "{streamed:?}");
-    assert!(streamed.contents.len() < 100);
+    assert!(streamed.contents.len() < 1000, "it was not cut short");
     let stats = server.stats();
     assert_eq!((stats.interrupted, stats.completed), (1, 1));
 }
@@ -376,6 +379,7 @@ async fn a_refilling_quota_counts_down_in_openai_headers_and_refuses_when_empty(
     })
     .await;
     let client = client();
+    let asked = Instant::now();
     let first = chat(&client, &server, "a", false).await;
     assert_eq!(first.status(), 200);
     assert_eq!(
@@ -392,18 +396,24 @@ async fn a_refilling_quota_counts_down_in_openai_headers_and_refuses_when_empty(
         remaining.push(quota_headers(response.headers()).1);
         assert!(remaining.len() <= 6, "never refused: {remaining:?}");
     };
+    // What refilled since the first request is no more than this much time
+    // gives back, however slow the machine was.
+    let took = asked.elapsed();
     assert_eq!(remaining, [4, 3, 2, 1, 0]);
 
     let headers = refused.headers();
     let (limit, left, reset) = quota_headers(headers);
     assert_eq!((limit, left), (5, 0));
     // Empty: whole again after five requests' time, less what refilled since.
-    assert!(reset > ms(55_000) && reset <= ms(60_000), "{reset:?}");
+    assert!(
+        reset <= ms(60_000) && reset + took >= ms(60_000),
+        "{reset:?} after {took:?}"
+    );
     assert_eq!(header(headers, "retry-after"), Some("12"));
     let wait: u64 = header(headers, "retry-after-ms").unwrap().parse().unwrap();
     assert!(
-        wait > 7_000 && wait <= 12_000,
-        "one request's time at most: {wait}"
+        wait <= 12_000 && u128::from(wait) + took.as_millis() + 1 >= 12_000,
+        "one request's time at most, less what refilled in {took:?}: {wait}"
     );
     assert_eq!(server.stats().rate_limited, 1);
 }
