@@ -199,7 +199,7 @@ async fn probe(
         }
         Ok(Err(err)) => {
             *ready = false;
-            format!("unreachable: {err}")
+            format!("unreachable: {}", evalfleet_core::types::error_text(&err))
         }
         Err(_) => {
             *ready = false;
