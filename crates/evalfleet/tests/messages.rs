@@ -294,3 +294,31 @@ async fn a_reader_that_stops_early_ends_the_output_quietly() {
         assert!(quiet, "{args:?}: {status:?}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_answers_mostly_fail_to_parse_says_so_and_where_to_look() {
+    // The echo mock never writes "#### N": every answer is unparsed, each
+    // after one re-ask.
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 8);
+    env.write(
+        "run.yaml",
+        &config(
+            &dataset,
+            "  - { name: m, kind: mock }\n",
+            "  parse: { regex: \"#### (\\\\d+)\" }\n  max_reasks: 1",
+        ),
+    );
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert!(
+        ran.stderr.contains("0 retries, 8 re-asks, 8 unparsed"),
+        "{}",
+        ran.stderr
+    );
+    let warning = format!(
+        "warning: 8 of 8 answers could not be used (task.parse or task.schema did not accept them, re-asks included): compare an answer with the parse rule ({BIN} export {} --format jsonl | head -1)",
+        ran.run_id()
+    );
+    assert!(ran.stderr.contains(&warning), "{}", ran.stderr);
+}

@@ -3,6 +3,7 @@
 use std::hash::BuildHasher;
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime};
 
 use evalfleet_core::config::{self, Config, LoadedConfig, Overrides};
@@ -435,6 +436,15 @@ fn conclude(
                 elapsed.as_secs_f64(),
                 ui::calls_line(progress),
             ));
+            let unusable = progress.unparsed.load(Ordering::Relaxed)
+                + progress.invalid.load(Ordering::Relaxed);
+            let ended = progress.done.load(Ordering::Relaxed);
+            if unusable > 0 && 2 * unusable >= ended {
+                ui::note(&format!(
+                    "warning: {unusable} of {ended} answers could not be used (task.parse or task.schema did not accept them, re-asks included): \
+                     compare an answer with the parse rule ({program} export {run_id}{store_flag} --format jsonl | head -1); see docs/troubleshooting.md"
+                ));
+            }
             if counts.failed > 0 {
                 EXIT_FAILED
             } else {
