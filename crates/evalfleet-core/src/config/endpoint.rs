@@ -431,8 +431,9 @@ pub(super) struct RawEndpoint {
 /// default.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 struct RawHealth {
-    /// The probe's path on the server (`/v1/models`). Default: the preset's
-    /// health path for an engine, else `models` under the base URL.
+    /// The probe's path on the server (`/v1/models`). Default: for an engine
+    /// evalfleet starts, its preset's (`/health` for llama.cpp, else
+    /// `/v1/models`); else `models` under the base URL.
     path: Option<String>,
     /// The time between probes. Default `5s`.
     #[schemars(with = "Option<super::schema::Duration>")]

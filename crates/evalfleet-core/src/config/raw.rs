@@ -52,8 +52,8 @@ pub struct RawConfig {
     pub shutdown_grace: Option<String>,
     /// The SQLite store: a path or `sqlite://PATH`, relative to the current
     /// directory (like `--store`), so that `evalfleet resume`, `status` and
-    /// `export` find it from the same place. `--store` and
-    /// `$EVALFLEET_STORE` come before it. Default `runs/evalfleet.db`.
+    /// `export` find it from the same place. `--store` comes before it.
+    /// Default: `$EVALFLEET_STORE`, else `runs/evalfleet.db`.
     pub store: Option<String>,
 }
 
