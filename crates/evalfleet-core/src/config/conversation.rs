@@ -296,8 +296,11 @@ struct RawCall {
     endpoint: Option<String>,
 }
 
+// An untagged enum reads its value whole, so no unknown key of it reaches
+// serde_ignored: the schema's closed mapping has them taken out and
+// reported instead (`raw::section`).
 #[derive(Debug, Deserialize, JsonSchema)]
-#[serde(untagged)]
+#[serde(untagged, deny_unknown_fields)]
 enum RawHistory {
     All(u32),
     Each {

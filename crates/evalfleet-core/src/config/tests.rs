@@ -564,6 +564,7 @@ task:
     sesions: 3
     scorer: { use_emma: true }
     personas: [{ name: Ann, landmine: [money] }, {}, {}]
+    history: { persona: 4, polcy: 2 }
 "#,
     );
     let messages: Vec<&str> = conversation.iter().map(|(_, m)| m.as_str()).collect();
@@ -573,6 +574,7 @@ task:
             "task.conversation: unknown key 'sesions' (did you mean 'sessions'?)",
             "task.conversation.scorer: unknown key 'use_emma' (did you mean 'use_ema'?)",
             "task.conversation.personas[0]: unknown key 'landmine' (did you mean 'landmines'?)",
+            "task.conversation.history: unknown key 'polcy' (did you mean 'policy'?)",
         ]
     );
 }
