@@ -19,7 +19,9 @@ use serde::{Deserialize, Deserializer};
 #[cfg_attr(feature = "cli", derive(clap::Args))]
 #[serde(deny_unknown_fields, default)]
 pub struct MockSettings {
-    /// Model id listed by `GET /v1/models` and echoed in responses.
+    /// Model id listed by `GET /v1/models` and echoed in responses. In a
+    /// config, the endpoint's `model` when this is not given (default
+    /// `mock`).
     #[cfg_attr(feature = "cli", arg(long, default_value = "mock"))]
     pub model: String,
 

@@ -321,7 +321,8 @@ pub(super) struct RawEndpoint {
     kind: Option<String>,
     /// The model name sent in each request (and, for engines evalfleet
     /// starts, the model it serves). Required, except for `kind: mock`
-    /// (default `mock`).
+    /// (default the mock's `model`, else `mock`; a mock serves the
+    /// endpoint's model when its own is not given).
     model: Option<String>,
     /// `external`: the server's OpenAI API, e.g. `http://host:8000/v1`.
     /// Required for `kind: external`.
