@@ -930,6 +930,30 @@ mod tests {
             .result
     }
 
+    /// A streamed call to `base_url` while, from 200 ms on,
+    /// [`PEERS_PASSED`] other streams of the endpoint end in full.
+    async fn complete_while_neighbours_end(
+        base_url: &str,
+        stalls: Stalls,
+    ) -> Result<Completion, CallError> {
+        let client = client(base_url, true, stalls);
+        let messages =
+            RawValue::from_string(r#"[{"role":"user","content":"hi"}]"#.to_owned()).unwrap();
+        let call = client.complete(&messages);
+        tokio::pin!(call);
+        let neighbours = async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            for _ in 0..PEERS_PASSED {
+                client.gaps.record(Duration::from_millis(5));
+            }
+            std::future::pending::<()>().await;
+        };
+        tokio::select! {
+            outcome = &mut call => outcome.result,
+            () = neighbours => unreachable!(),
+        }
+    }
+
     fn chunk(content: &str, finish: Option<&str>) -> String {
         let finish = finish.map_or("null".to_owned(), |f| format!("\"{f}\""));
         format!(
@@ -1091,23 +1115,8 @@ mod tests {
             (Duration::ZERO, "data: [DONE]\n\n"),
         ];
         let url = serve_once(SSE, parts).await;
-        let client = client(&url, true, patient);
-        let messages =
-            RawValue::from_string(r#"[{"role":"user","content":"hi"}]"#.to_owned()).unwrap();
-        let call = client.complete(&messages);
-        tokio::pin!(call);
-        let neighbours = async {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            for _ in 0..PEERS_PASSED {
-                client.gaps.record(Duration::from_millis(5));
-            }
-            std::future::pending::<()>().await;
-        };
-        let outcome = tokio::select! {
-            outcome = &mut call => outcome,
-            () = neighbours => unreachable!(),
-        };
-        assert_eq!(outcome.result.unwrap().content, "Denver");
+        let answer = complete_while_neighbours_end(&url, patient).await;
+        assert_eq!(answer.unwrap().content, "Denver");
     }
 
     #[tokio::test]
@@ -1123,23 +1132,9 @@ mod tests {
             (Duration::from_secs(10), leak(chunk("ver", Some("stop")))),
         ];
         let url = serve_once(SSE, parts).await;
-        let client = client(&url, true, patient);
-        let messages =
-            RawValue::from_string(r#"[{"role":"user","content":"hi"}]"#.to_owned()).unwrap();
-        let call = client.complete(&messages);
-        tokio::pin!(call);
-        let neighbours = async {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            for _ in 0..PEERS_PASSED {
-                client.gaps.record(Duration::from_millis(5));
-            }
-            std::future::pending::<()>().await;
-        };
-        let outcome = tokio::select! {
-            outcome = &mut call => outcome,
-            () = neighbours => unreachable!(),
-        };
-        let err = outcome.result.unwrap_err();
+        let err = complete_while_neighbours_end(&url, patient)
+            .await
+            .unwrap_err();
         assert!(matches!(err, CallError::Stalled(_)), "{err}");
     }
 }

@@ -126,21 +126,37 @@ async fn a_run_that_is_not_there_is_looked_for_in_a_named_store() {
     }
 }
 
+/// Writes `run.yaml`: `n` items answered by the echo mock and scored by
+/// exact match against their question.
+fn scored_echoes(env: &Env, n: usize) {
+    let dataset = env.dataset("items.jsonl", n);
+    env.write(
+        "run.yaml",
+        &config(
+            &dataset,
+            "  - { name: m, kind: mock, concurrency: 64 }\n",
+            "  metrics:\n    - { name: exact_match, reference: \"{{ question }}\" }",
+        ),
+    );
+}
+
+/// Gives `dir`, and everything under it, these modes.
+fn set_modes(dir: &std::path::Path, dirs: u32, files: u32) {
+    for entry in walk(dir) {
+        let mode = if entry.is_dir() { dirs } else { files };
+        std::fs::set_permissions(&entry, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+}
+
 /// Makes `path` (a directory) and what it holds readable and not writable
 /// by whoever runs `command`: as root, the command runs as `nobody` (root
 /// may write anything); otherwise the files lose their write permission.
 fn as_a_reader(command: &mut tokio::process::Command, dir: &std::path::Path) {
     if is_root() {
-        for entry in walk(dir) {
-            let mode = if entry.is_dir() { 0o755 } else { 0o644 };
-            std::fs::set_permissions(&entry, std::fs::Permissions::from_mode(mode)).unwrap();
-        }
+        set_modes(dir, 0o755, 0o644);
         command.uid(65534).gid(65534);
     } else {
-        for entry in walk(dir) {
-            let mode = if entry.is_dir() { 0o555 } else { 0o444 };
-            std::fs::set_permissions(&entry, std::fs::Permissions::from_mode(mode)).unwrap();
-        }
+        set_modes(dir, 0o555, 0o444);
     }
 }
 
@@ -168,15 +184,7 @@ fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn commands_that_only_read_work_on_a_store_the_user_cannot_write() {
     let env = Env::new();
-    let dataset = env.dataset("items.jsonl", 6);
-    env.write(
-        "run.yaml",
-        &config(
-            &dataset,
-            "  - { name: m, kind: mock }\n",
-            "  metrics:\n    - { name: exact_match, reference: \"{{ question }}\" }",
-        ),
-    );
+    scored_echoes(&env, 6);
     let first = env.evalfleet(&["run", "run.yaml", "-q"]).await;
     assert_eq!(first.code, Some(0), "{}", first.stderr);
     let second = env.evalfleet(&["run", "run.yaml", "-q"]).await;
@@ -211,10 +219,7 @@ async fn commands_that_only_read_work_on_a_store_the_user_cannot_write() {
         ran.stdout,
         ran.stderr
     );
-    for entry in walk(&store_dir) {
-        let mode = if entry.is_dir() { 0o755 } else { 0o644 };
-        std::fs::set_permissions(&entry, std::fs::Permissions::from_mode(mode)).unwrap();
-    }
+    set_modes(&store_dir, 0o755, 0o644);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -249,15 +254,7 @@ async fn an_endpoint_that_never_answered_stops_the_run_with_its_address_and_erro
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reader_that_stops_early_ends_the_output_quietly() {
     let env = Env::new();
-    let dataset = env.dataset("items.jsonl", 2000);
-    env.write(
-        "run.yaml",
-        &config(
-            &dataset,
-            "  - { name: m, kind: mock, concurrency: 64 }\n",
-            "  metrics:\n    - { name: exact_match, reference: \"{{ question }}\" }",
-        ),
-    );
+    scored_echoes(&env, 2000);
     let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
     assert_eq!(ran.code, Some(0), "{}", ran.stderr);
     let run_id = ran.run_id();
