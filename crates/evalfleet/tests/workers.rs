@@ -18,6 +18,31 @@ fn done(env: &Env, run_id: &str) -> u64 {
         .unwrap_or_default()
 }
 
+/// Whether every thread of process `pid` is stopped (SIGSTOP has taken
+/// effect: it cannot begin anything more).
+fn stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.filter_map(Result::ok).all(|task| {
+        std::fs::read_to_string(task.path().join("stat"))
+            // The state follows the command's closing parenthesis.
+            .is_ok_and(|stat| {
+                stat.rsplit_once(") ")
+                    .is_some_and(|(_, rest)| rest.starts_with('T'))
+            })
+    })
+}
+
+/// Whether the store's write lock is free: no process is inside a write
+/// transaction.
+fn lock_is_free(env: &Env) -> bool {
+    let conn = rusqlite::Connection::open(env.store_path()).unwrap();
+    // rusqlite waits 5 s for a lock by default; this asks once.
+    conn.busy_timeout(std::time::Duration::ZERO).unwrap();
+    conn.execute_batch("BEGIN IMMEDIATE; ROLLBACK;").is_ok()
+}
+
 /// A config of `ITEMS` items, 4 calls at once, 20 ms each, leases of
 /// `lease`.
 async fn shared_run(env: &Env, lease: &str) -> evalfleet_mock::MockServer {
@@ -87,8 +112,25 @@ async fn a_stalled_worker_loses_its_lease_and_its_late_results_are_refused() {
     })
     .await;
     // Stopped, its process is alive but renews nothing: once its lease runs
-    // out, another worker takes its items, in flight ones included.
-    signal(&stalled, "STOP").await;
+    // out, another worker takes its items, in flight ones included. Stopped
+    // inside a write transaction, it would hold SQLite's lock for good (a
+    // lease frees items, not the lock) and the other could write nothing,
+    // which a busy machine makes likely: it goes on and is stopped again
+    // until it is stopped between two transactions.
+    let pid = stalled.id().unwrap();
+    for tries in 0.. {
+        signal(&stalled, "STOP").await;
+        wait_until(ms(10_000), "the worker is stopped", || stopped(pid)).await;
+        if lock_is_free(&env) {
+            break;
+        }
+        assert!(
+            tries < 100,
+            "the worker was always stopped holding the lock"
+        );
+        signal(&stalled, "CONT").await;
+        tokio::time::sleep(ms(20)).await;
+    }
     let stopped_at = done(&env, "shared");
     let other = env.evalfleet(&["resume", "shared", "-q"]).await;
     assert_eq!(other.code, Some(0), "{}", other.stderr);
