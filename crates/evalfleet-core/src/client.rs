@@ -44,6 +44,13 @@ pub enum CallError {
     /// that cut a running stream when another request arrives do this).
     #[error("the answer ended without a finish_reason (cut off by the server)")]
     Unfinished,
+    /// The stream said why it finished, then closed without `data:
+    /// [DONE]`: it was cut before its end (its usage chunk, if asked for,
+    /// never came), or the server never ends its streams so.
+    #[error(
+        "the stream closed without data: [DONE] after its finish_reason (cut short; a server that never sends [DONE] needs task.stream: false)"
+    )]
+    Unended,
     #[error("no first byte of the answer within {}", humantime::format_duration(*.0))]
     FirstByteTimeout(Duration),
     #[error("the stream sent nothing for {}", humantime::format_duration(*.0))]
@@ -60,7 +67,9 @@ impl CallError {
                 400..=499 => ErrorClass::Fatal,
                 _ => ErrorClass::Retryable,
             },
-            Self::BadResponse(_) | Self::Truncated | Self::Unfinished => ErrorClass::BadResponse,
+            Self::BadResponse(_) | Self::Truncated | Self::Unfinished | Self::Unended => {
+                ErrorClass::BadResponse
+            }
             Self::FirstByteTimeout(_) => ErrorClass::FirstByteTimeout,
             Self::Stalled(_) => ErrorClass::Stalled,
         }
@@ -481,6 +490,16 @@ impl ChatClient {
     }
 }
 
+/// A URL as it may be shown (in a message, a log, the run's record): its
+/// user, password and query (where keys are sometimes passed) left out.
+pub fn shown_url(url: &reqwest::Url) -> String {
+    let mut shown = url.clone();
+    let _ = shown.set_username("");
+    let _ = shown.set_password(None);
+    shown.set_query(None);
+    shown.to_string()
+}
+
 fn secret_header(value: &str) -> Result<HeaderValue, String> {
     let mut header = HeaderValue::from_str(value)
         .map_err(|_| "a header value is not valid in HTTP".to_owned())?;
@@ -649,7 +668,12 @@ async fn read_stream(
     #[derive(Deserialize)]
     struct Delta {
         content: Option<String>,
+        /// Thinking, as DeepSeek's API, SGLang and older vLLM name it...
         reasoning_content: Option<String>,
+        /// ...and as newer vLLM, Ollama and OpenRouter do.
+        reasoning: Option<String>,
+        /// A tool call being streamed: tokens too.
+        tool_calls: Option<Value>,
     }
 
     let status = response.status().as_u16();
@@ -736,8 +760,11 @@ async fn read_stream(
         for choice in chunk.choices {
             if let Some(delta) = choice.delta {
                 let piece = delta.content.unwrap_or_default();
-                let thinking = delta.reasoning_content.unwrap_or_default();
-                if !(piece.is_empty() && thinking.is_empty()) {
+                let thinking = [delta.reasoning_content, delta.reasoning]
+                    .iter()
+                    .any(|t| t.as_deref().is_some_and(|t| !t.is_empty()));
+                let calling = delta.tool_calls.is_some_and(|c| !c.is_null());
+                if !piece.is_empty() || thinking || calling {
                     pieces += 1;
                     if ttft.is_none() {
                         *ttft = Some(started.elapsed());
@@ -762,7 +789,11 @@ async fn read_stream(
     // usage chunk and the end). One that ended before any choice said why
     // it finished is incomplete too: the server closed it early.
     if !done {
-        return Err(CallError::Truncated);
+        return Err(if finish_reason.is_some() {
+            CallError::Unended
+        } else {
+            CallError::Truncated
+        });
     }
     if finish_reason.is_none() {
         return Err(CallError::Unfinished);
@@ -994,7 +1025,8 @@ mod tests {
         ];
         let url = serve_once(SSE, parts).await;
         let err = complete(&url, true, Stalls::default()).await.unwrap_err();
-        assert!(matches!(err, CallError::Truncated), "{err}");
+        assert!(matches!(err, CallError::Unended), "{err}");
+        assert_eq!(err.class(), ErrorClass::BadResponse);
         // The same stream with its end is an answer.
         let parts = vec![
             (Duration::ZERO, leak(chunk("Denver", None))),
@@ -1117,6 +1149,27 @@ mod tests {
         let url = serve_once(SSE, parts).await;
         let answer = complete_while_neighbours_end(&url, patient).await;
         assert_eq!(answer.unwrap().content, "Denver");
+    }
+
+    #[tokio::test]
+    async fn thinking_under_any_name_is_the_answer_under_way() {
+        // A model that thinks for longer than the first byte's limit, in
+        // `reasoning` (newer vLLM, Ollama): its tokens keep the call alive.
+        let short = Stalls {
+            first_byte: Duration::from_millis(300),
+            idle: Duration::from_millis(300),
+        };
+        let thought =
+            "data: {\"choices\":[{\"delta\":{\"reasoning\":\"hmm\"},\"finish_reason\":null}]}\n\n";
+        let parts = (0..5)
+            .map(|_| (Duration::from_millis(100), thought))
+            .chain([
+                (Duration::from_millis(100), leak(chunk("42", Some("stop")))),
+                (Duration::ZERO, "data: [DONE]\n\n"),
+            ])
+            .collect();
+        let url = serve_once(SSE, parts).await;
+        assert_eq!(complete(&url, true, short).await.unwrap().content, "42");
     }
 
     #[tokio::test]

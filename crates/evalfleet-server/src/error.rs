@@ -96,7 +96,10 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status();
         if status.is_server_error() {
-            tracing::warn!("A request failed: {self}.");
+            tracing::warn!(
+                "A request failed: {}.",
+                evalfleet_core::types::error_text(&self)
+            );
         }
         let problems = match &self {
             Self::Config(err) => err
@@ -109,17 +112,15 @@ impl IntoResponse for ApiError {
                 .collect(),
             _ => Vec::new(),
         };
-        // The whole chain: "the stored config cannot be used: ...why".
-        let mut message = self.to_string();
-        let mut source = std::error::Error::source(&self);
-        while let Some(cause) = source {
-            let text = cause.to_string();
-            if !message.ends_with(&text) {
-                message.push_str(": ");
-                message.push_str(&text);
-            }
-            source = cause.source();
-        }
+        // The whole chain ("the stored config cannot be used: ...why") for
+        // what the client can fix; a failure of the server's own (its store,
+        // its files) is told in its log, not to whoever asked: its paths
+        // and causes are none of a client's business.
+        let message = if status.is_server_error() {
+            "the server failed to answer (its log says why)".to_owned()
+        } else {
+            evalfleet_core::types::error_text(&self)
+        };
         let mut response = (
             status,
             Json(ErrorBody {

@@ -165,12 +165,7 @@ impl Command {
     pub fn only_prints(&self) -> bool {
         matches!(
             self,
-            Self::Runs(_)
-                | Self::Status(_)
-                | Self::Export(_)
-                | Self::Report(_)
-                | Self::Compare(_)
-                | Self::Check(_)
+            Self::Runs(_) | Self::Status(_) | Self::Export(_) | Self::Report(_) | Self::Compare(_)
         )
     }
 }

@@ -64,6 +64,7 @@ pub fn options(
         active,
         gpu_policy,
         no_endpoint_timeout: config.timeouts.no_endpoint,
+        first_answer_timeout: config.timeouts.first_answer,
     })
 }
 

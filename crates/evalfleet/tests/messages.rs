@@ -235,10 +235,15 @@ async fn an_endpoint_that_never_answered_stops_the_run_with_its_address_and_erro
     let base_url = format!("http://127.0.0.1:{port}/v1");
     let endpoints =
         format!("  - {{ name: vllm, kind: external, base_url: \"{base_url}\", model: m }}\n");
-    // The wait for a first answer is the shorter of 30 s and no_endpoint.
+    // The wait for a first answer is timeouts.first_answer; the long wait
+    // for endpoints that answered before is not what stops it.
     env.write(
         "run.yaml",
-        &config(&dataset, &endpoints, "timeouts: { no_endpoint: 2s }"),
+        &config(
+            &dataset,
+            &endpoints,
+            "timeouts: { first_answer: 2s, no_endpoint: 1h }",
+        ),
     );
     let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
     assert_eq!(ran.code, Some(130), "{}", ran.stderr);

@@ -259,6 +259,9 @@ pub struct Timeouts {
     /// unhealthy, or none taking part) before it stops, interrupted and
     /// resumable. Default `10m`.
     pub no_endpoint: Duration,
+    /// How long the run waits for a first answer when no endpoint has ever
+    /// answered since it started. Default `30s`.
+    pub first_answer: Duration,
     /// How long a worker's claim on items lasts unless renewed (it renews
     /// every third of it while it lives). When a worker dies on another
     /// host, its items go to the run's other workers after this; one on

@@ -280,6 +280,13 @@ pub struct RawTimeouts {
     /// resumable. Default `10m`.
     #[schemars(with = "Option<schema::Duration>")]
     pub no_endpoint: Option<String>,
+    /// How long the run waits for a first answer when no endpoint that
+    /// takes items has ever answered since it started (every try refused,
+    /// or no such host): then it stops, interrupted and resumable, naming
+    /// each address and its error. A server started beside the run (vLLM
+    /// loading a large model) may need longer. Default `30s`.
+    #[schemars(with = "Option<schema::Duration>")]
+    pub first_answer: Option<String>,
     /// How long a worker's claim on items lasts unless renewed (it renews
     /// every third of it while it lives), at least `300ms`. When a worker
     /// dies on another host, its items go to the run's other workers after

@@ -868,6 +868,7 @@ fn timeouts(raw: RawTimeouts, p: &mut Problems<'_>) -> Option<Timeouts> {
     let attempt = p.duration("timeouts.attempt", raw.attempt.as_deref(), "300s");
     let item = p.duration("timeouts.item", raw.item.as_deref(), "1h");
     let no_endpoint = p.duration("timeouts.no_endpoint", raw.no_endpoint.as_deref(), "10m");
+    let first_answer = p.duration("timeouts.first_answer", raw.first_answer.as_deref(), "30s");
     let lease = match p.duration("timeouts.lease", raw.lease.as_deref(), "30s") {
         Some(lease) if lease < std::time::Duration::from_millis(300) => {
             return p.push(
@@ -892,6 +893,7 @@ fn timeouts(raw: RawTimeouts, p: &mut Problems<'_>) -> Option<Timeouts> {
         attempt: attempt?,
         item: item?,
         no_endpoint: no_endpoint?,
+        first_answer: first_answer?,
         lease: lease?,
         first_byte: first_byte?,
         stream_idle: stream_idle?,

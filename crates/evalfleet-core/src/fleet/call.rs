@@ -162,7 +162,9 @@ pub async fn send(
             decision.reason.as_str()
         );
     }
-    endpoint.tried(reached(&result));
+    if let Some(reach) = reached(&result) {
+        endpoint.tried(reach);
+    }
     let transition = endpoint.on_call(health(&result), timing.latency);
     if transition.is_some() {
         let why = result
@@ -337,7 +339,9 @@ fn signal(result: &Result<Completion, CallError>, timing: &Timing, overtaken: bo
     match result {
         Ok(_) => Signal::Success(timing.ttft.unwrap_or(timing.latency)),
         Err(CallError::Connect(_)) => Signal::BackPressure,
-        Err(CallError::Unfinished | CallError::Truncated) if overtaken => Signal::BackPressure,
+        Err(CallError::Unfinished | CallError::Truncated | CallError::Unended) if overtaken => {
+            Signal::BackPressure
+        }
         Err(err)
             if matches!(
                 err.class(),
@@ -350,25 +354,28 @@ fn signal(result: &Result<Completion, CallError>, timing: &Timing, overtaken: bo
     }
 }
 
+/// Whether a call reached the endpoint: any HTTP response did; a
+/// connection that could not be made (refused, no such host, TLS) did
+/// not, and why; a timeout or a connection lost on the way says neither.
+fn reached(result: &Result<Completion, CallError>) -> Option<Result<(), String>> {
+    match result {
+        Err(CallError::Connect(err)) => Some(Err(format!(
+            "POST {}: {}",
+            err.url().map_or_else(String::new, crate::client::shown_url),
+            evalfleet_types::root_cause(err)
+        ))),
+        Err(CallError::Transport(_) | CallError::Timeout(_) | CallError::FirstByteTimeout(_)) => {
+            None
+        }
+        _ => Some(Ok(())),
+    }
+}
+
 /// What a call's outcome says about the endpoint's health (see
 /// [`super::breaker`]): down when it cannot be reached; a fault of the
 /// call when it failed otherwise (a 503 included), which says the
 /// endpoint is down only when nothing gets through; nothing when it said
 /// no and is up (a 4xx, a 429: quotas are the rate limiter's business).
-/// Whether a call reached the endpoint: any HTTP response did; else the
-/// error that kept it from answering.
-fn reached(result: &Result<Completion, CallError>) -> Result<(), String> {
-    match result {
-        Err(CallError::Connect(err) | CallError::Transport(err)) => Err(format!(
-            "POST {}: {}",
-            err.url().map_or("", reqwest::Url::as_str),
-            evalfleet_types::root_cause(err)
-        )),
-        Err(err @ (CallError::Timeout(_) | CallError::FirstByteTimeout(_))) => Err(err.to_string()),
-        _ => Ok(()),
-    }
-}
-
 fn health(result: &Result<Completion, CallError>) -> Health {
     match result {
         Ok(_) => Health::Up,

@@ -62,6 +62,8 @@ pub struct FleetOptions {
     pub gpu_policy: GpuPolicy,
     /// How long the run may have no endpoint able to take items.
     pub no_endpoint_timeout: Duration,
+    /// How long it waits for a first answer when none ever came.
+    pub first_answer_timeout: Duration,
 }
 
 /// A lifecycle fact about an endpoint.
@@ -279,25 +281,28 @@ async fn probe(
     url: &str,
     timeout: Duration,
 ) -> Result<(), String> {
-    let result = match tokio::time::timeout(timeout, http.get(url).send()).await {
+    match tokio::time::timeout(timeout, http.get(url).send()).await {
         Err(_) => Err(format!(
             "no answer within {}",
             humantime::format_duration(timeout)
         )),
-        Ok(Err(err)) => Err(evalfleet_types::root_cause(&err)),
+        Ok(Err(err)) => {
+            let why = evalfleet_types::root_cause(&err);
+            if err.is_connect() {
+                let shown = err.url().map_or_else(String::new, crate::client::shown_url);
+                endpoint.tried(Err(format!("GET {shown}: {why}")));
+            }
+            Err(why)
+        }
         Ok(Ok(response)) => {
             endpoint.tried(Ok(()));
-            return if response.status().is_success() {
+            if response.status().is_success() {
                 Ok(())
             } else {
                 Err(format!("HTTP {}", response.status().as_u16()))
-            };
+            }
         }
-    };
-    if let Err(why) = &result {
-        endpoint.tried(Err(format!("GET {url}: {why}")));
     }
-    result
 }
 
 /// Makes the endpoint's client for `base_url` and marks it ready.
@@ -1077,26 +1082,30 @@ fn apply(
     }
 }
 
-/// How long a run waits for its first answer from any endpoint before it
-/// stops: an address that is wrong, or a server that is not up, is told
-/// within seconds rather than after `timeouts.no_endpoint` (which is for
-/// endpoints that answered before).
-pub const FIRST_ANSWER_WAIT: Duration = Duration::from_secs(30);
-
 /// Why the run should stop when no endpoint that takes items has answered
-/// anything in the `wait` since they were made and every one was tried:
-/// each one's address and last error.
+/// anything in the `wait` (`timeouts.first_answer`) since they were made,
+/// every one could not be reached when tried and none has a call in
+/// flight: each one's address and last error. An address that is wrong,
+/// or a server that is not up, is told within seconds rather than after
+/// `timeouts.no_endpoint` (which is for endpoints that answered before).
 fn never_reached(endpoints: &[&Arc<Endpoint>], wait: Duration) -> Option<String> {
     let mut why = Vec::new();
     for endpoint in endpoints {
-        if endpoint.age() < wait {
+        let in_flight = endpoint
+            .counters
+            .in_flight
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if endpoint.age() < wait || in_flight > 0 {
             return None;
         }
         match endpoint.reached() {
             Reach::Never(error) => why.push(format!(
                 "{} ({}): {error}",
                 endpoint.name,
-                endpoint.base_url().unwrap_or_default()
+                endpoint
+                    .base_url()
+                    .and_then(|u| reqwest::Url::parse(&u).ok())
+                    .map_or_else(String::new, |u| crate::client::shown_url(&u))
             )),
             Reach::Answered | Reach::Untried => return None,
         }
@@ -1132,9 +1141,9 @@ fn check_exhausted(shared: &Shared, endpoints: &[Arc<Endpoint>], since: &mut Opt
     let starting = phases
         .iter()
         .any(|p| matches!(p, Phase::Starting | Phase::Restarting));
-    // Nothing answered yet: told within FIRST_ANSWER_WAIT (or the shorter
-    // no_endpoint wait), naming each address and its error.
-    let first_wait = FIRST_ANSWER_WAIT.min(shared.options.no_endpoint_timeout);
+    // Nothing answered yet: told after timeouts.first_answer, naming each
+    // address and its error.
+    let first_wait = shared.options.first_answer_timeout;
     if !starting && let Some(reason) = never_reached(&endpoints, first_wait) {
         shared.exhaust(reason);
         return;

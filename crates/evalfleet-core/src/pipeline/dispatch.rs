@@ -363,7 +363,6 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
                 // A re-ask: the answer could not be used.
                 record.error_class = Some(ErrorClass::InvalidAnswer);
                 record.error = Some(note.clone());
-                shared.progress.reasks.fetch_add(1, Ordering::Relaxed);
             }
             let carry = Carry {
                 attempt: Some(record),

@@ -26,14 +26,18 @@ pub struct Tally {
     outstanding: AtomicU64,
     lost: AtomicU64,
     halt: CancellationToken,
+    /// The session's counters (its re-asks are counted where they are
+    /// made, whether their answer comes from a call or the cache).
+    progress: Arc<super::Progress>,
 }
 
 impl Tally {
-    pub fn new(halt: CancellationToken) -> Arc<Self> {
+    pub fn new(halt: CancellationToken, progress: Arc<super::Progress>) -> Arc<Self> {
         Arc::new(Self {
             outstanding: AtomicU64::new(1),
             lost: AtomicU64::new(0),
             halt,
+            progress,
         })
     }
 
@@ -143,10 +147,17 @@ impl Item {
         self.prior_attempts + self.calls + 1
     }
 
-    /// The step after `request`'s reply.
+    /// The step after `request`'s reply; a re-ask (a call after an answer
+    /// that could not be used) is counted here, once.
     pub fn next(&mut self, request: Request, reply: Reply) -> Step {
         let item = ItemContext::new(&self.item_id, &self.row, &self.row_json, self.sample);
-        self.episode.next(&item, request, reply)
+        let step = self.episode.next(&item, request, reply);
+        if let Step::Call(next) = &step
+            && next.rejected.is_some()
+        {
+            self.tally.progress.reasks.fetch_add(1, Ordering::Relaxed);
+        }
+        step
     }
 
     /// The step after `request` was answered from the cache by `hit`.

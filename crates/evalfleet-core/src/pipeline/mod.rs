@@ -323,7 +323,7 @@ pub async fn execute(
     let halt = stop.child_token();
     let abort = CancellationToken::new();
     let tracker = TaskTracker::new();
-    let tally = Tally::new(halt.clone());
+    let tally = Tally::new(halt.clone(), progress.clone());
     let cache = cache_use(&config, &session.endpoints);
 
     let writer_task = {

@@ -123,10 +123,7 @@ impl SqliteStore {
         } else {
             conn
         };
-        conn.busy_handler(Some(wait_for_the_lock))
-            .map_err(db_err("cannot set the busy handler"))?;
-        conn.pragma_update(None, "cache_size", -8_192)
-            .map_err(db_err("cannot set the cache size"))?;
+        size_the_cache(&conn)?;
         Ok(Self {
             conn,
             path: path.to_owned(),
@@ -136,19 +133,15 @@ impl SqliteStore {
     }
 
     fn init(mut conn: Connection, path: &Path) -> Result<Self, StoreError> {
-        conn.busy_handler(Some(wait_for_the_lock))
-            .map_err(db_err("cannot set the busy handler"))?;
+        wait_for_locks(&conn)?;
         identify(&conn, path)?;
+        size_the_cache(&conn)?;
         conn.pragma_update(None, "journal_mode", "WAL")
             .map_err(db_err("cannot switch the store to WAL mode"))?;
         conn.pragma_update(None, "synchronous", "FULL")
             .map_err(db_err("cannot set synchronous mode"))?;
         conn.pragma_update(None, "foreign_keys", "ON")
             .map_err(db_err("cannot enable foreign keys"))?;
-        // 8 MiB of page cache per connection: batches append near the end of
-        // their tables, so the pages they touch are few and recent.
-        conn.pragma_update(None, "cache_size", -8_192)
-            .map_err(db_err("cannot set the cache size"))?;
         migrate(&mut conn, path)?;
         Ok(Self {
             conn,
@@ -250,6 +243,21 @@ fn wait_for_the_lock(tries: i32) -> bool {
     true
 }
 
+/// What every connection has, reading or writing: a wait for another's
+/// write lock (set before anything is read)...
+fn wait_for_locks(conn: &Connection) -> Result<(), StoreError> {
+    conn.busy_handler(Some(wait_for_the_lock))
+        .map_err(db_err("cannot set the busy handler"))
+}
+
+/// ...and its page cache (set once the file is known to be a store).
+fn size_the_cache(conn: &Connection) -> Result<(), StoreError> {
+    // 8 MiB of page cache per connection: batches append near the end of
+    // their tables, so the pages they touch are few and recent.
+    conn.pragma_update(None, "cache_size", -8_192)
+        .map_err(db_err("cannot set the cache size"))
+}
+
 /// Whether the file at `path` (open on `conn`) is an evalfleet store, read
 /// before anything is written to it: its schema version, or `None` for an
 /// empty database (a store about to be made). A file that is not SQLite,
@@ -322,15 +330,19 @@ fn check_header(path: &Path) -> Result<(), StoreError> {
 /// A read-only connection to the store at `path`, and what it holds (see
 /// [`identify`]). A store in WAL mode is read through its `-shm` file;
 /// when that is absent and cannot be made (a directory this user may not
-/// write), the file is opened as immutable: no writer has it open then.
+/// write), and no write-ahead log holds changes the file lacks, the file
+/// is opened as immutable: no writer has it open then (a writer keeps
+/// both files while it lives).
 fn connect_read_only(path: &Path) -> Result<(Connection, Option<i64>), StoreError> {
     let flags = OpenFlags::SQLITE_OPEN_READ_ONLY
         | OpenFlags::SQLITE_OPEN_URI
         | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     let open = |target: &str| {
-        Connection::open_with_flags(target, flags).map_err(|err| {
+        let conn = Connection::open_with_flags(target, flags).map_err(|err| {
             StoreError::backend(format!("cannot open store {}", path.display()), err)
-        })
+        })?;
+        wait_for_locks(&conn)?;
+        Ok::<_, StoreError>(conn)
     };
     let plain = path.to_str().map(|p| format!("file:{}", uri_path(p)));
     let Some(plain) = plain else {
@@ -354,6 +366,19 @@ fn connect_read_only(path: &Path) -> Result<(Connection, Option<i64>), StoreErro
         ) =>
         {
             drop(conn);
+            let mut wal = path.as_os_str().to_owned();
+            wal.push("-wal");
+            let wal = PathBuf::from(wal);
+            if std::fs::metadata(&wal).is_ok_and(|m| m.len() > 0) {
+                return Err(StoreError::Backend {
+                    message: format!(
+                        "cannot read {}: its write-ahead log {} holds changes the file lacks, and this user cannot open it to read them (a process that writes the store is still running, or one that crashed left them: they are folded into the file when a process that may write it next closes it)",
+                        path.display(),
+                        wal.display()
+                    ),
+                    source: None,
+                });
+            }
             let conn = open(&format!("{plain}?immutable=1"))?;
             let version = identify(&conn, path)?;
             Ok((conn, version))
