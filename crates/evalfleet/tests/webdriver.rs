@@ -29,6 +29,17 @@ pub struct Browser {
     session: String,
 }
 
+impl Drop for Browser {
+    fn drop(&mut self) {
+        if let Some(group) = self._driver.id() {
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", "--", &format!("-{group}")])
+                .stderr(std::process::Stdio::null())
+                .status();
+        }
+    }
+}
+
 /// A page element.
 pub struct Element<'a> {
     browser: &'a Browser,
@@ -50,10 +61,14 @@ impl Browser {
             .and_then(|l| l.local_addr())
             .unwrap()
             .port();
+        // In a process group of its own, which the browsers it starts join:
+        // dropping the browser ends them all (killing chromedriver alone
+        // would leave every Chromium it started running).
         let child = Command::new(driver)
             .arg(format!("--port={port}"))
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
+            .process_group(0)
             .kill_on_drop(true)
             .spawn()
             .unwrap();
