@@ -317,6 +317,9 @@ pub struct ExportRow {
     /// The code judge's judgement: verdict, passed/total, error counts,
     /// failing tests.
     pub judge: Option<Value>,
+    /// Why the answer could not be used (it did not parse, or broke the
+    /// schema), when it could not.
+    pub check_error: Option<String>,
 }
 
 /// A stored result, as `evalfleet score` and `report` read it.

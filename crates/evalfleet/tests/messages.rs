@@ -323,4 +323,9 @@ async fn a_run_whose_answers_mostly_fail_to_parse_says_so_and_where_to_look() {
         ran.run_id()
     );
     assert!(ran.stderr.contains(&warning), "{}", ran.stderr);
+    // The export says why each answer could not be used.
+    for row in env.export(&ran.run_id()).await {
+        let why = row["check_error"].as_str().unwrap_or_default();
+        assert!(why.contains("#### "), "{row}");
+    }
 }

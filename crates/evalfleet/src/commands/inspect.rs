@@ -304,7 +304,7 @@ pub fn fleet(args: FleetArgs) -> anyhow::Result<u8> {
 }
 
 /// The fixed columns of an export row, in the contract's order.
-const COLUMNS: [&str; 17] = [
+const COLUMNS: [&str; 18] = [
     "item_id",
     "status",
     "output",
@@ -322,6 +322,7 @@ const COLUMNS: [&str; 17] = [
     "valid",
     "scores",
     "judge",
+    "check_error",
 ];
 
 pub fn export(args: ExportArgs) -> anyhow::Result<u8> {
@@ -435,6 +436,7 @@ fn csv_record(row: &ExportRow, fields: &BTreeSet<String>) -> Vec<String> {
             .map(|s| serde_json::to_string(s).unwrap_or_default())
             .unwrap_or_default(),
         json_cell(row.judge.as_ref()),
+        opt(&row.check_error),
     ];
     for field in fields {
         record.push(match row.item.get(field) {
