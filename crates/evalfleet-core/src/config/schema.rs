@@ -146,33 +146,10 @@ pub(super) fn render(root: &str, at: &[Segment]) -> String {
         })
 }
 
-/// How alike two keys are, from 0 to 1, case, `_` and `-` aside
-/// (`idField` is `id_field`).
-fn likeness(a: &str, b: &str) -> f64 {
-    let plain = |s: &str| {
-        s.chars()
-            .filter(|c| !matches!(c, '_' | '-'))
-            .flat_map(char::to_lowercase)
-            .collect::<String>()
-    };
-    strsim::jaro_winkler(&plain(a), &plain(b))
-}
-
-/// Below this a known key is too unlike the unknown one to be suggested.
-const CLOSE_ENOUGH: f64 = 0.85;
-
 /// Past this many known keys the message names the reference instead.
 const LISTED_KEYS: usize = 16;
 
-/// The known key nearest `key`, if one is close enough to be meant.
-pub fn nearest<'k>(key: &str, known: &'k [String]) -> Option<&'k str> {
-    known
-        .iter()
-        .map(|k| (likeness(key, k), k.as_str()))
-        .filter(|(score, _)| *score >= CLOSE_ENOUGH)
-        .max_by(|a, b| a.0.total_cmp(&b.0))
-        .map(|(_, k)| k)
-}
+pub use crate::eval::text::nearest;
 
 /// The message for `key`, unknown at `place` where `known` are the keys:
 /// the nearest known one, or the known ones (or where they are listed).

@@ -284,10 +284,12 @@ impl Metric {
             None => (name, None),
         };
         let known: Vec<&str> = REGISTRY.iter().map(|m| m.name).collect();
-        let info = REGISTRY
-            .iter()
-            .find(|m| m.name == base)
-            .ok_or_else(|| format!("unknown metric '{base}' (known: {})", known.join(", ")))?;
+        let info = REGISTRY.iter().find(|m| m.name == base).ok_or_else(|| {
+            match super::text::nearest(base, &known) {
+                Some(meant) => format!("unknown metric '{base}' (did you mean '{meant}'?)"),
+                None => format!("unknown metric '{base}' (known: {})", known.join(", ")),
+            }
+        })?;
         if let Some(v) = version
             && v != info.version
         {
@@ -746,10 +748,14 @@ mod tests {
     #[test]
     fn unknown_names_versions_and_parameters_are_refused() {
         let none = Map::new();
+        let far = Metric::build("bleu", &none, None).unwrap_err();
         assert!(
-            Metric::build("bleu", &none, None)
-                .unwrap_err()
-                .contains("unknown metric 'bleu'")
+            far.starts_with("unknown metric 'bleu' (known: ") && far.contains("exact_match"),
+            "{far}"
+        );
+        assert_eq!(
+            Metric::build("exact_mach", &none, None).unwrap_err(),
+            "unknown metric 'exact_mach' (did you mean 'exact_match'?)"
         );
         assert!(
             Metric::build("exact_match@2", &none, None)

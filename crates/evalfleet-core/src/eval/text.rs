@@ -171,6 +171,32 @@ impl std::fmt::Debug for Pattern {
     }
 }
 
+/// How alike two names are, from 0 to 1, case, `_` and `-` aside
+/// (`idField` is `id_field`).
+fn likeness(a: &str, b: &str) -> f64 {
+    let plain = |s: &str| {
+        s.chars()
+            .filter(|c| !matches!(c, '_' | '-'))
+            .flat_map(char::to_lowercase)
+            .collect::<String>()
+    };
+    strsim::jaro_winkler(&plain(a), &plain(b))
+}
+
+/// Below this a known name is too unlike the unknown one to be suggested.
+const CLOSE_ENOUGH: f64 = 0.85;
+
+/// The known name nearest `name` (a config key, a metric), if one is close
+/// enough to be meant.
+pub fn nearest<'k, S: AsRef<str>>(name: &str, known: &'k [S]) -> Option<&'k str> {
+    known
+        .iter()
+        .map(|k| (likeness(name, k.as_ref()), k.as_ref()))
+        .filter(|(score, _)| *score >= CLOSE_ENOUGH)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, k)| k)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
