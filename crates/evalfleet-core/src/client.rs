@@ -961,6 +961,13 @@ mod tests {
             .result
     }
 
+    /// Limits a stream meets within a test: 300 ms to the first token, and
+    /// between events.
+    const SHORT_STALLS: Stalls = Stalls {
+        first_byte: Duration::from_millis(300),
+        idle: Duration::from_millis(300),
+    };
+
     /// A streamed call to `base_url` while, from 200 ms on,
     /// [`PEERS_PASSED`] other streams of the endpoint end in full.
     async fn complete_while_neighbours_end(
@@ -1098,10 +1105,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_stream_that_goes_quiet_or_never_starts_is_given_up() {
-        let short = Stalls {
-            first_byte: Duration::from_millis(300),
-            idle: Duration::from_millis(300),
-        };
+        let short = SHORT_STALLS;
         // Quiet for 10 s after its first chunk.
         let parts = vec![
             (Duration::ZERO, leak(chunk("Den", None))),
@@ -1155,10 +1159,7 @@ mod tests {
     async fn thinking_under_any_name_is_the_answer_under_way() {
         // A model that thinks for longer than the first byte's limit, in
         // `reasoning` (newer vLLM, Ollama): its tokens keep the call alive.
-        let short = Stalls {
-            first_byte: Duration::from_millis(300),
-            idle: Duration::from_millis(300),
-        };
+        let short = SHORT_STALLS;
         let thought =
             "data: {\"choices\":[{\"delta\":{\"reasoning\":\"hmm\"},\"finish_reason\":null}]}\n\n";
         let parts = (0..5)

@@ -50,6 +50,11 @@ pub fn shared_data_path(name: &str) -> PathBuf {
         .join(name)
 }
 
+/// Whether the tests run as root (whose effective uid owns /proc/self).
+pub fn is_root() -> bool {
+    std::fs::metadata("/proc/self").is_ok_and(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
+}
+
 /// Whether this is CI, as CI services (and `.ci/run`) say: `CI` is `true`
 /// or `1`.
 pub fn in_ci() -> bool {

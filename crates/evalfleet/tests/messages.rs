@@ -152,18 +152,12 @@ fn set_modes(dir: &std::path::Path, dirs: u32, files: u32) {
 /// by whoever runs `command`: as root, the command runs as `nobody` (root
 /// may write anything); otherwise the files lose their write permission.
 fn as_a_reader(command: &mut tokio::process::Command, dir: &std::path::Path) {
-    if is_root() {
+    if evalfleet_testkit::is_root() {
         set_modes(dir, 0o755, 0o644);
         command.uid(65534).gid(65534);
     } else {
         set_modes(dir, 0o555, 0o444);
     }
-}
-
-fn is_root() -> bool {
-    std::fs::metadata("/proc/self")
-        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
-        .unwrap_or(false)
 }
 
 /// `dir` and everything under it.

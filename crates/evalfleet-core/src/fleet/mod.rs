@@ -17,7 +17,7 @@ pub mod rate;
 pub mod runtime;
 pub mod window;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
@@ -183,6 +183,8 @@ pub struct Endpoint {
     /// Whether it ever answered since the run started (see
     /// [`Endpoint::reached`]).
     reach: Mutex<Reach>,
+    /// Set once it answered: every later call skips the lock above.
+    answered: AtomicBool,
 }
 
 /// Whether an endpoint ever answered an HTTP request (a call's or a
@@ -229,6 +231,7 @@ impl Endpoint {
             probe_now: tokio::sync::Notify::new(),
             window: Mutex::new(window::Window::default()),
             reach: Mutex::new(Reach::Untried),
+            answered: AtomicBool::new(false),
             config: config.clone(),
         }
     }
@@ -466,9 +469,17 @@ impl Endpoint {
     /// A try to reach it: answered (any HTTP response), or failed before
     /// an answer, and why.
     pub fn tried(&self, answered: Result<(), String>) {
+        // Once answered, it stays so: the calls of a healthy endpoint (all
+        // but its first) take no lock here.
+        if self.answered.load(Ordering::Relaxed) {
+            return;
+        }
         let mut reach = self.reach.lock().unwrap_or_else(PoisonError::into_inner);
         match answered {
-            Ok(()) => *reach = Reach::Answered,
+            Ok(()) => {
+                *reach = Reach::Answered;
+                self.answered.store(true, Ordering::Relaxed);
+            }
             Err(why) if *reach != Reach::Answered => *reach = Reach::Never(why),
             Err(_) => {}
         }
