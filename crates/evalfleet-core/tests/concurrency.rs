@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use evalfleet_core::fleet::{AimdSettings, ConcurrencyLimit, LimitMode, Signal};
+use evalfleet_core::fleet::{AimdSettings, ConcurrencyLimit, LimitMode, Sample, Signal};
 use serde::Deserialize;
 use tokio::sync::{Mutex, Semaphore};
 use tokio::time::Instant;
@@ -136,7 +136,7 @@ impl Sim {
         } else if draw < self.refusals + self.faults {
             (Signal::Neutral, rtt)
         } else {
-            (Signal::Success(rtt), rtt)
+            (Signal::Success(Sample::of(rtt)), rtt)
         }
     }
 }

@@ -23,10 +23,9 @@ pub struct EndpointConfig {
     pub model: String,
     pub kind: EndpointKind,
     /// `adaptive` (the default: evalfleet finds the limit itself), a number of
-    /// calls in flight (fixed), or `{min, max, initial, decrease_ratio,
-    /// rtt_tolerance}` (adaptive within bounds; defaults 1, 1024, 8, 0.7 and
-    /// 0.2: how far round trips may rise above their unloaded level before the
-    /// limit is cut).
+    /// calls in flight (fixed), or `{min, max, initial, decrease_ratio, gain}`
+    /// (adaptive within bounds; defaults 1, 1024, 8, 0.7 and 0.2: the share
+    /// of a step's proportional gain in throughput it must bring).
     pub concurrency: LimitMode,
     /// Requests per minute allowed (a token bucket); unset: no limit.
     pub rpm: Option<u32>,
@@ -471,8 +470,15 @@ pub(super) struct RawAdaptive {
     /// The factor a cut multiplies the limit by, between 0 and 1. Default
     /// 0.7.
     decrease_ratio: Option<f64>,
-    /// How far round trips may rise above their unloaded level before the
-    /// limit is cut, as a share of it (0.2: 20%). Default 0.2.
+    /// How much a step up of the limit must add to throughput, as a share
+    /// of what it would add if every added call were served as fast as the
+    /// others (0.2: a fifth); where it adds less, more calls would only
+    /// wait, and the limit goes back to the fewest calls that served as
+    /// well. Between 0 and 1. Default 0.2.
+    gain: Option<f64>,
+    /// Ignored: the limit no longer follows round trips but throughput
+    /// (see `gain`); kept so that configurations that set it still load.
+    /// Default: none.
     rtt_tolerance: Option<f64>,
 }
 
@@ -817,7 +823,8 @@ fn concurrency(raw: Option<&Value>, at: &str, p: &mut Problems<'_>) -> Option<Li
                 .initial
                 .unwrap_or(adaptive.initial.max(min).min(max.max(min)));
             let ratio = raw.decrease_ratio.unwrap_or(adaptive.decrease_ratio);
-            let tolerance = raw.rtt_tolerance.unwrap_or(adaptive.rtt_tolerance);
+            let gain = raw.gain.unwrap_or(adaptive.gain);
+            let _ignored = raw.rtt_tolerance;
             let before = p.0.len();
             if min == 0 {
                 p.push::<()>(&path::key(at, "min"), "must be at least 1, got 0");
@@ -840,10 +847,10 @@ fn concurrency(raw: Option<&Value>, at: &str, p: &mut Problems<'_>) -> Option<Li
                     format!("must be between 0 and 1, got {ratio}"),
                 );
             }
-            if !(tolerance >= 0.0 && tolerance.is_finite()) {
+            if !(gain > 0.0 && gain < 1.0) {
                 p.push::<()>(
-                    &path::key(at, "rtt_tolerance"),
-                    format!("must be a fraction of at least 0 (0.2: 20%), got {tolerance}"),
+                    &path::key(at, "gain"),
+                    format!("must be between 0 and 1 (0.2: a fifth), got {gain}"),
                 );
             }
             (p.0.len() == before).then_some(LimitMode::Adaptive(AimdSettings {
@@ -851,8 +858,7 @@ fn concurrency(raw: Option<&Value>, at: &str, p: &mut Problems<'_>) -> Option<Li
                 min,
                 max,
                 decrease_ratio: ratio,
-                rtt_tolerance: tolerance,
-                ..adaptive
+                gain,
             }))
         }
         Some(other) => p.push(
@@ -986,7 +992,7 @@ fn engine(
 }
 
 /// The concurrency controller's settings (`concurrency: {min, max, initial,
-/// decrease_ratio, rtt_tolerance}`).
+/// decrease_ratio, gain}`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AimdSettings {
     /// The limit to start from.
@@ -995,10 +1001,9 @@ pub struct AimdSettings {
     pub max: usize,
     /// The factor a decrease multiplies by (0 < ratio < 1).
     pub decrease_ratio: f64,
-    /// How many deviations above its baseline an RTT must rise.
-    pub rtt_deviation_k: f64,
-    /// And by how much of the baseline (0.2: 20%).
-    pub rtt_tolerance: f64,
+    /// The share of a step's proportional gain in throughput that it must
+    /// bring for the limit to grow on (0 < gain < 1).
+    pub gain: f64,
 }
 
 impl Default for AimdSettings {
@@ -1008,8 +1013,7 @@ impl Default for AimdSettings {
             min: 1,
             max: 1024,
             decrease_ratio: 0.7,
-            rtt_deviation_k: 2.0,
-            rtt_tolerance: 0.2,
+            gain: 0.2,
         }
     }
 }

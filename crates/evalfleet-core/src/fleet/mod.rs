@@ -25,7 +25,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-pub use aimd::{AimdSettings, Decision, Reason, Signal};
+pub use aimd::{AimdSettings, Decision, Reason, Sample, Signal};
 pub use breaker::{Breaker, BreakerState, Health, Transition};
 pub use limit::{ConcurrencyLimit, LimitMode, Permit};
 pub use rate::{Quota, RateEvent, RateLimiter};
