@@ -51,6 +51,7 @@ pub struct Stats {
     in_flight: AtomicU64,
     max_in_flight: AtomicU64,
     model_listings: AtomicU64,
+    load_readings: AtomicU64,
     first_request_at_ms: AtomicU64,
     last_completed_at_ms: AtomicU64,
     /// Served latencies: bucket `i` counts responses that took `i` ms from
@@ -81,6 +82,7 @@ impl Default for Stats {
             in_flight: AtomicU64::new(0),
             max_in_flight: AtomicU64::new(0),
             model_listings: AtomicU64::new(0),
+            load_readings: AtomicU64::new(0),
             first_request_at_ms: AtomicU64::new(0),
             last_completed_at_ms: AtomicU64::new(0),
             served_ms: (0..=SERVED_BUCKETS).map(|_| AtomicU64::new(0)).collect(),
@@ -128,6 +130,9 @@ pub struct StatsSnapshot {
     pub max_in_flight: u64,
     /// `GET /v1/models` requests.
     pub model_listings: u64,
+    /// `GET /props`, `GET /slots` and `GET /metrics` requests (readings
+    /// of its load).
+    pub load_readings: u64,
     /// When the first chat completion request arrived, in milliseconds since
     /// the Unix epoch (0: none yet). Benchmarks time start-up with it.
     pub first_request_at_ms: u64,
@@ -175,6 +180,7 @@ impl Stats {
             in_flight: load(&self.in_flight),
             max_in_flight: load(&self.max_in_flight),
             model_listings: load(&self.model_listings),
+            load_readings: load(&self.load_readings),
             first_request_at_ms: load(&self.first_request_at_ms),
             last_completed_at_ms: load(&self.last_completed_at_ms),
             served_p50_ms: self.served_quantile(0.5),
@@ -593,6 +599,7 @@ async fn stats_handler(State(state): State<Arc<MockState>>) -> Response {
 /// llama.cpp's `GET /props`: its slots are the mock's `capacity` (none
 /// without one: every request is served at once).
 async fn props(State(state): State<Arc<MockState>>) -> Response {
+    state.stats.load_readings.fetch_add(1, Ordering::Relaxed);
     let mut props = json!({
         "model_alias": state.settings.model,
         "endpoint_slots": state.settings.capacity.is_some(),
@@ -608,6 +615,7 @@ async fn props(State(state): State<Arc<MockState>>) -> Response {
 /// not; 501 without a capacity, as llama.cpp's server answers with
 /// `--no-slots`.
 async fn slots(State(state): State<Arc<MockState>>) -> Response {
+    state.stats.load_readings.fetch_add(1, Ordering::Relaxed);
     let Some(k) = state.settings.capacity else {
         return json_response(
             StatusCode::NOT_IMPLEMENTED,
@@ -629,6 +637,7 @@ async fn slots(State(state): State<Arc<MockState>>) -> Response {
 /// slot, under the gauges of llama.cpp, vLLM and SGLang alike, so that an
 /// endpoint may read the mock as any of them.
 async fn metrics(State(state): State<Arc<MockState>>) -> Response {
+    state.stats.load_readings.fetch_add(1, Ordering::Relaxed);
     let running = state.answering.load(Ordering::Relaxed);
     let waiting = state.queued.load(Ordering::Relaxed);
     let model = state
