@@ -506,3 +506,53 @@ async fn a_healthy_endpoint_is_probed_once_per_interval_not_in_a_loop() {
         "{probes} probes in {elapsed:?} (at most {most:.0})"
     );
 }
+
+#[tokio::test]
+async fn an_endpoint_reads_its_engines_load_while_it_serves_and_one_that_reports_none_once() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 30);
+    let engine = || {
+        mock(MockSettings {
+            capacity: Some(2),
+            latency: ms(100),
+            ..MockSettings::default()
+        })
+    };
+    let (reports, silent, unread) = (engine().await, engine().await, engine().await);
+    let endpoints = [
+        external_with("a", &reports, 4, "load: { engine: vllm, interval: 100ms }"),
+        external_with(
+            "b",
+            &silent,
+            4,
+            // Its answer there is no vLLM's.
+            "load: { engine: vllm, path: /props, interval: 100ms }",
+        ),
+        external("c", &unread, 4),
+    ]
+    .concat();
+    env.write("run.yaml", &config(&dataset, &endpoints, ""));
+    let started = std::time::Instant::now();
+    // The readings end with the endpoints: a reader left running would
+    // keep the run from ending.
+    let ran = tokio::time::timeout(
+        std::time::Duration::from_secs(120),
+        env.evalfleet(&["run", "run.yaml", "-q", "--run-id", "l"]),
+    )
+    .await
+    .expect("the run ends");
+    let elapsed = started.elapsed();
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    // Read while it had calls in flight, once per interval at most.
+    let readings = reports.stats().load_readings;
+    let most = elapsed.as_secs_f64() / 0.1 + 4.0;
+    assert!(
+        readings >= 2 && readings as f64 <= most,
+        "{readings} readings in {elapsed:?} (at most {most:.0})"
+    );
+    // An engine that does not report its load is asked once; one whose
+    // load is not to be read, never.
+    assert_eq!(silent.stats().load_readings, 1);
+    assert_eq!(unread.stats().load_readings, 0);
+    assert!(silent.stats().completed > 0 && unread.stats().completed > 0);
+}

@@ -42,6 +42,8 @@ pub struct EndpointConfig {
     /// (e.g. vLLM's `top_k`, `chat_template_kwargs`).
     pub params: Map<String, Value>,
     pub health: HealthSettings,
+    /// Reading the engine's own account of its load.
+    pub load: LoadSettings,
     /// `role`: what the endpoint is for.
     pub role: EndpointRole,
 }
@@ -104,6 +106,69 @@ impl Default for HealthSettings {
             max_failures: 3,
             recover_after: 2,
             ejection: Duration::from_secs(30),
+        }
+    }
+}
+
+/// `load:` how the engine's own account of its load is read: how many
+/// requests it can run at once, runs and queues (see `docs/fleet.md`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadSettings {
+    /// Whose answers they are; `None`: not read.
+    pub engine: Option<LoadEngine>,
+    /// Where the reading is, on the server's origin; default the engine's.
+    pub path: Option<String>,
+    /// Between readings while calls are in flight. Default `1s`.
+    pub interval: Duration,
+}
+
+impl Default for LoadSettings {
+    fn default() -> Self {
+        Self {
+            engine: None,
+            path: None,
+            interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// The engines whose load evalfleet can read, each in its own format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadEngine {
+    /// llama.cpp's server: `/props` (its slots), then `/metrics` (with
+    /// `--metrics`) or `/slots`.
+    LlamaCpp,
+    /// vLLM's `/metrics`.
+    Vllm,
+    /// SGLang's `/metrics` (with `--enable-metrics`).
+    Sglang,
+}
+
+impl LoadEngine {
+    const ALL: [(&'static str, LoadEngine); 3] = [
+        ("llama.cpp", LoadEngine::LlamaCpp),
+        ("vllm", LoadEngine::Vllm),
+        ("sglang", LoadEngine::Sglang),
+    ];
+
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.iter().find(|(n, _)| *n == name).map(|(_, e)| *e)
+    }
+
+    pub fn name(self) -> &'static str {
+        Self::ALL
+            .iter()
+            .find(|(_, e)| *e == self)
+            .map_or("?", |(n, _)| n)
+    }
+
+    /// The option of its command that sets how many requests it runs at
+    /// once (short and long form).
+    pub fn capacity_options(self) -> &'static [&'static str] {
+        match self {
+            Self::LlamaCpp => &["-np", "--parallel"],
+            Self::Vllm => &["--max-num-seqs"],
+            Self::Sglang => &["--max-running-requests"],
         }
     }
 }
@@ -181,9 +246,11 @@ impl Preset {
         match self {
             Self::Vllm => "vllm serve {model} --host 127.0.0.1 --port {port} {args}",
             Self::Sglang => {
-                "python3 -m sglang.launch_server --model-path {model} --host 127.0.0.1 --port {port} {args}"
+                "python3 -m sglang.launch_server --model-path {model} --host 127.0.0.1 --port {port} --enable-metrics {args}"
             }
-            Self::LlamaCpp => "llama-server --model {model} --host 127.0.0.1 --port {port} {args}",
+            Self::LlamaCpp => {
+                "llama-server --model {model} --host 127.0.0.1 --port {port} --metrics {args}"
+            }
             Self::Ollama => "OLLAMA_HOST=127.0.0.1:{port} ollama serve {args}",
         }
     }
@@ -193,6 +260,17 @@ impl Preset {
         match self {
             Self::LlamaCpp => "/health",
             Self::Vllm | Self::Sglang | Self::Ollama => "/v1/models",
+        }
+    }
+
+    /// Whose format its load is read in (Ollama tells none: `/api/ps` lists
+    /// the models loaded, not the requests running or waiting).
+    pub fn load_engine(self) -> Option<LoadEngine> {
+        match self {
+            Self::Vllm => Some(LoadEngine::Vllm),
+            Self::Sglang => Some(LoadEngine::Sglang),
+            Self::LlamaCpp => Some(LoadEngine::LlamaCpp),
+            Self::Ollama => None,
         }
     }
 
@@ -253,6 +331,30 @@ impl Engine {
     /// The health path on the engine's server.
     pub fn health_path(&self) -> &str {
         self.preset.map_or("/v1/models", Preset::health_path)
+    }
+
+    /// How many requests `engine`'s command says it runs at once
+    /// (`--max-num-seqs 64`, `-np 4`, `--parallel=4`), when the command
+    /// says so.
+    pub fn capacity_in_command(&self, engine: LoadEngine) -> Option<usize> {
+        let command = fill(&self.command, "", "", &self.args, self.gpu.as_deref());
+        let words: Vec<&str> = command.split_whitespace().collect();
+        let options = engine.capacity_options();
+        // The last one given wins, as with the engines' own parsers.
+        words
+            .iter()
+            .enumerate()
+            .filter_map(|(i, word)| {
+                options.iter().find_map(|option| {
+                    let value = match word.strip_prefix(option)? {
+                        "" => words.get(i + 1).copied()?,
+                        rest => rest.strip_prefix('=')?,
+                    };
+                    value.parse::<usize>().ok()
+                })
+            })
+            .next_back()
+            .filter(|n| (1..=MAX_CONCURRENCY as usize).contains(n))
     }
 }
 
@@ -359,6 +461,8 @@ pub(super) struct RawEndpoint {
     mock: Option<Value>,
     #[schemars(with = "Option<RawHealth>")]
     health: Option<Value>,
+    #[schemars(with = "Option<RawLoad>")]
+    load: Option<Value>,
     /// `external`: a shell command run at the start of the run (e.g. `ssh
     /// host systemctl --user start vllm`). Default: none.
     start_cmd: Option<String>,
@@ -451,6 +555,33 @@ struct RawHealth {
     /// to ten). Default `30s`.
     #[schemars(with = "Option<super::schema::Duration>")]
     ejection: Option<String>,
+}
+
+/// How the engine's own account of its load is read (how many requests it
+/// can run at once, how many it runs and how many wait in its queue), for
+/// the concurrency controller (see `docs/fleet.md`). Read once when the
+/// endpoint is ready, then every `interval` while it has
+/// calls in flight; an engine that does not report its load (the path is
+/// absent, or its answer is not the engine's format) is read no more, and
+/// the limit is found from the calls' answers alone. Default: every key's
+/// default.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+struct RawLoad {
+    /// Whose answers to read: `vllm` (`GET /metrics`), `sglang` (`GET
+    /// /metrics`, served with `--enable-metrics`), `llama.cpp` (`GET
+    /// /props` for its slots, then `GET /metrics`, served with
+    /// `--metrics`, or else `GET /slots`), or `none`. Default: for `local`
+    /// and `remote`, the preset's engine (`none` for `ollama` and for a
+    /// `command` without a preset); else `none`.
+    engine: Option<String>,
+    /// The path of the reading on the server's origin (`/metrics`), read
+    /// in the engine's format (for `llama.cpp`, a JSON list is its slots,
+    /// anything else its metrics). Default: the engine's (see `engine`).
+    path: Option<String>,
+    /// The time between readings while the endpoint has calls in flight
+    /// (at least `100ms`). Default `1s`.
+    #[schemars(with = "Option<super::schema::Duration>")]
+    interval: Option<String>,
 }
 
 /// The adaptive limit's bounds and settings: once a round trip, the limit
@@ -740,6 +871,19 @@ fn endpoint(
             .and_then(|h| health(h, &field("health"), p)),
         None => Some(HealthSettings::default()),
     };
+    let default_engine = match &kind {
+        Some(EndpointKind::Local(engine)) => engine.preset.and_then(Preset::load_engine),
+        Some(EndpointKind::Remote(remote)) => remote.engine.preset.and_then(Preset::load_engine),
+        _ => None,
+    };
+    let load = match &raw.load {
+        Some(value) => raw::section::<RawLoad>(value, &field("load"), p.0)
+            .and_then(|l| load(l, default_engine, &field("load"), p)),
+        None => Some(LoadSettings {
+            engine: default_engine,
+            ..LoadSettings::default()
+        }),
+    };
     let role = match raw.role.as_deref() {
         None | Some("items") => Some(EndpointRole::Items),
         Some("judge") => Some(EndpointRole::Judge),
@@ -761,6 +905,7 @@ fn endpoint(
         headers: headers?,
         params: params?,
         health: health?,
+        load: load?,
     })
 }
 
@@ -895,6 +1040,50 @@ fn health(raw: RawHealth, at: &str, p: &mut Problems<'_>) -> Option<HealthSettin
         max_failures: max_failures?,
         recover_after: recover_after?,
         ejection: ejection?,
+    })
+}
+
+/// The least time between two readings of an engine's load.
+const LOAD_INTERVAL_FLOOR: Duration = Duration::from_millis(100);
+
+fn load(
+    raw: RawLoad,
+    default_engine: Option<LoadEngine>,
+    at: &str,
+    p: &mut Problems<'_>,
+) -> Option<LoadSettings> {
+    let field = |name: &str| path::key(at, name);
+    let engine = match raw.engine.as_deref() {
+        None => Some(default_engine),
+        Some("none") => Some(None),
+        Some(name) => match LoadEngine::parse(name) {
+            Some(engine) => Some(Some(engine)),
+            None => p.push(
+                &field("engine"),
+                format!("must be vllm, sglang, llama.cpp or none, got '{name}'"),
+            ),
+        },
+    };
+    let path = match raw.path {
+        Some(path) if !path.starts_with('/') => {
+            p.push(&field("path"), format!("must start with '/', got '{path}'"))
+        }
+        other => Some(other),
+    };
+    let interval = match p.duration(&field("interval"), raw.interval.as_deref(), "1s") {
+        Some(d) if d < LOAD_INTERVAL_FLOOR => p.push(
+            &field("interval"),
+            format!(
+                "must be at least 100ms, got {}",
+                humantime::format_duration(d)
+            ),
+        ),
+        other => other,
+    };
+    Some(LoadSettings {
+        engine: engine?,
+        path: path?,
+        interval: interval?,
     })
 }
 

@@ -321,6 +321,12 @@ fn serve(
     .with_stalls(shared.stalls);
     endpoint.set_client(client, base_url.to_owned(), pid);
     endpoint.set_phase(Phase::Ready);
+    // Its engine's load is read off the call path while it serves.
+    if let Some(poller) = endpoint.load_poller(base_url) {
+        shared
+            .tracker
+            .spawn(tracing::Instrument::in_current_span(poller.run()));
+    }
     Ok(())
 }
 
