@@ -483,6 +483,9 @@ async fn llama_cpp_is_read_from_its_props_then_its_metrics_and_only_while_busy()
     assert_eq!(state.reported, Some(true));
     assert_eq!(latest(&state), Some(load(Some(4), 0, Some(0), None)));
     assert_eq!(endpoint.engine_capacity(), Some(4));
+    // The adaptive limit (8 to start with) starts over at the engine's
+    // slots.
+    assert_eq!(endpoint.limit.current(), 4);
     assert_eq!(
         endpoint.engine_load(),
         Some(load(Some(4), 0, Some(0), None))

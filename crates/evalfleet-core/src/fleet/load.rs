@@ -336,6 +336,8 @@ pub struct LoadPoller {
     pub(super) settings: LoadSettings,
     pub(super) counters: Arc<EndpointCounters>,
     pub(super) state: Arc<watch::Sender<LoadState>>,
+    /// The endpoint's limit, told the engine's capacity and queue.
+    pub(super) limit: Arc<super::ConcurrencyLimit>,
     /// Cancelled when this stretch of serving ends.
     pub(super) stop: CancellationToken,
 }
@@ -436,6 +438,7 @@ impl LoadPoller {
             .and_then(|body| read_props(&body))
         {
             Ok(slots) => {
+                self.limit.engine_capacity(slots);
                 self.state.send_modify(|state| state.capacity = Some(slots));
                 Props::Settled
             }
@@ -463,6 +466,18 @@ impl LoadPoller {
     fn publish(&self, path: &str, load: EngineLoad) {
         let now = Instant::now();
         let mut first = false;
+        // The limit starts at what the engine runs at once, and calls that
+        // wait in its queue are the sign of overload (the limit is told
+        // before the reading is published).
+        let learnt = load
+            .capacity
+            .filter(|capacity| Some(*capacity) != self.state.borrow().capacity);
+        if let Some(capacity) = learnt {
+            self.limit.engine_capacity(capacity);
+        }
+        if let Some(waiting) = load.waiting {
+            self.limit.engine_queue(waiting as f64);
+        }
         self.state.send_modify(|state| {
             // The engine's own count of its slots comes before its
             // command's.

@@ -215,10 +215,14 @@ impl Endpoint {
             .engine
             .zip(config.kind.engine())
             .and_then(|(load, engine)| engine.capacity_in_command(load));
+        let limit = ConcurrencyLimit::new(config.concurrency);
+        if let Some(capacity) = capacity {
+            limit.engine_capacity(capacity);
+        }
         Self {
             name: config.name.clone(),
             model: config.model.clone(),
-            limit: ConcurrencyLimit::new(config.concurrency),
+            limit,
             rate: RateLimiter::new(config.rpm, config.tpm, now),
             counters: Arc::new(EndpointCounters::default()),
             timeout: config.timeout.unwrap_or(default_timeout),
@@ -545,6 +549,7 @@ impl Endpoint {
             settings: self.config.load.clone(),
             counters: self.counters.clone(),
             state: self.load.clone(),
+            limit: self.limit.clone(),
             stop,
         })
     }
