@@ -298,6 +298,8 @@ pub struct Aimd {
     growing: bool,
     /// The lowest level looked below (each is looked below once).
     looked_below: Option<usize>,
+    /// What the engine said it runs at once: the limit never passes it.
+    capacity: Option<usize>,
     /// Calls waiting in the engine's queue, as it last said.
     engine_waiting: Option<f64>,
     baseline: Option<f64>,
@@ -325,6 +327,7 @@ impl Aimd {
             hold: None,
             looked_below: None,
             growing: false,
+            capacity: None,
             engine_waiting: None,
             baseline: None,
         }
@@ -349,16 +352,11 @@ impl Aimd {
     /// The engine said it serves `capacity` calls at once: the limit starts
     /// there (within its bounds) and does not pass it; the search goes on
     /// below it.
-    pub fn on_capacity(&mut self, capacity: usize, now: Instant) -> Option<Decision> {
+    pub fn on_capacity(&mut self, capacity: usize) -> Option<Decision> {
         let floor = self.settings.min.max(1);
         let to = capacity.clamp(floor, self.settings.max.max(floor));
         self.slow_start = false;
-        self.hold = Some(Hold {
-            at: to,
-            until: now + CUT_HOLD_MAX,
-            strikes: 0,
-            cut: false,
-        });
+        self.capacity = Some(to);
         self.set(to, Reason::EngineCapacity)
     }
 
@@ -551,12 +549,13 @@ impl Aimd {
                 Reason::Increase,
             )
         };
-        match self.hold {
-            Some(hold) if now < hold.until => Some((to.min(hold.at), reason)),
+        let to = match self.hold {
+            Some(hold) if now < hold.until => to.min(hold.at),
             // The hold is over: one step past it, to see.
-            Some(hold) => Some((to.min(hold.at + tenth(hold.at)), reason)),
-            None => Some((to, reason)),
-        }
+            Some(hold) => to.min(hold.at + tenth(hold.at)),
+            None => to,
+        };
+        Some((to.min(self.capacity.unwrap_or(usize::MAX)), reason))
     }
 
     /// Holds the limit at `at` after a probe past `from` found nothing.
@@ -793,7 +792,7 @@ mod tests {
             },
             now,
         );
-        let d = c.on_capacity(4, now).unwrap();
+        let d = c.on_capacity(4).unwrap();
         assert_eq!((d.from, d.to, d.reason), (8, 4, Reason::EngineCapacity));
         for _ in 0..200 {
             interval(&mut c, &mut now, ok(100));
@@ -859,7 +858,7 @@ mod tests {
         let mut now = start;
         let mut c = Aimd::new(settings, now);
         if let Some(capacity) = capacity {
-            c.on_capacity(capacity, now);
+            c.on_capacity(capacity);
         }
         let mut rng = fastrand::Rng::with_seed(11);
         let (mut serving, mut queue) = (Vec::<Job>::new(), VecDeque::<Job>::new());

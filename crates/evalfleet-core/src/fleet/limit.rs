@@ -112,7 +112,7 @@ impl ConcurrencyLimit {
         let decision = state
             .controller
             .as_mut()
-            .and_then(|c| c.on_capacity(capacity, Instant::now()));
+            .and_then(|c| c.on_capacity(capacity));
         if let Some(decision) = decision {
             self.resize(&mut state, decision.to);
         }
