@@ -52,6 +52,7 @@ pub struct Stats {
     max_in_flight: AtomicU64,
     model_listings: AtomicU64,
     load_readings: AtomicU64,
+    health_checks: AtomicU64,
     first_request_at_ms: AtomicU64,
     last_completed_at_ms: AtomicU64,
     /// Served latencies: bucket `i` counts responses that took `i` ms from
@@ -83,6 +84,7 @@ impl Default for Stats {
             max_in_flight: AtomicU64::new(0),
             model_listings: AtomicU64::new(0),
             load_readings: AtomicU64::new(0),
+            health_checks: AtomicU64::new(0),
             first_request_at_ms: AtomicU64::new(0),
             last_completed_at_ms: AtomicU64::new(0),
             served_ms: (0..=SERVED_BUCKETS).map(|_| AtomicU64::new(0)).collect(),
@@ -133,6 +135,8 @@ pub struct StatsSnapshot {
     /// `GET /props`, `GET /slots` and `GET /metrics` requests (readings
     /// of its load).
     pub load_readings: u64,
+    /// `GET /health` requests.
+    pub health_checks: u64,
     /// When the first chat completion request arrived, in milliseconds since
     /// the Unix epoch (0: none yet). Benchmarks time start-up with it.
     pub first_request_at_ms: u64,
@@ -181,6 +185,7 @@ impl Stats {
             max_in_flight: load(&self.max_in_flight),
             model_listings: load(&self.model_listings),
             load_readings: load(&self.load_readings),
+            health_checks: load(&self.health_checks),
             first_request_at_ms: load(&self.first_request_at_ms),
             last_completed_at_ms: load(&self.last_completed_at_ms),
             served_p50_ms: self.served_quantile(0.5),
@@ -573,6 +578,9 @@ impl Drop for MockServer {
 
 async fn models(State(state): State<Arc<MockState>>) -> Response {
     state.stats.model_listings.fetch_add(1, Ordering::Relaxed);
+    // llama-cpp-python's model list waits for the model, as a chat request
+    // does: it interrupts the running stream as one would.
+    drop(state.arrival());
     if let Some(status) = state.outage_now(Instant::now()) {
         return error_response(status, "mock outage");
     }
@@ -586,6 +594,7 @@ async fn models(State(state): State<Arc<MockState>>) -> Response {
 }
 
 async fn health(State(state): State<Arc<MockState>>) -> Response {
+    state.stats.health_checks.fetch_add(1, Ordering::Relaxed);
     match state.outage_now(Instant::now()) {
         Some(status) => error_response(status, "mock outage"),
         None => "ok".into_response(),

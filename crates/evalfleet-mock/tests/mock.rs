@@ -345,6 +345,50 @@ async fn a_new_request_interrupts_the_running_stream() {
 }
 
 #[tokio::test]
+async fn a_model_listing_interrupts_the_running_stream_a_health_check_does_not() {
+    // As llama-cpp-python's server, whose model list waits for the model;
+    // `/health` stands for a path that takes no lock.
+    let server = start(MockSettings {
+        interrupt_on_arrival: true,
+        itl: ms(50),
+        output_tokens: Some(1000),
+        ..MockSettings::default()
+    })
+    .await;
+    let client = client();
+    let mut running = Events::new(chat(&client, &server, "a b", true).await);
+    let mut seen = Vec::new();
+    while summarise(&seen).contents.len() < 2 {
+        seen.push(running.next().await.unwrap());
+    }
+    let origin = server.base_url().trim_end_matches("/v1").to_owned();
+    let health = client.get(format!("{origin}/health")).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+    // Tokens keep coming after the health check.
+    let before = summarise(&seen).contents.len();
+    while summarise(&seen).contents.len() < before + 2 {
+        seen.push(running.next().await.unwrap());
+    }
+    assert_eq!(server.stats().interrupted, 0);
+    let models = client
+        .get(format!("{}/models", server.base_url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(models.status(), 200);
+    let after = tokio::time::timeout(Duration::from_secs(120), running.rest())
+        .await
+        .expect("the running stream ends");
+    let streamed = summarise(seen.iter().chain(after.iter().map(|(_, e)| e)));
+    assert!(streamed.ended_with_done && streamed.finish_reasons.is_empty());
+    let stats = server.stats();
+    assert_eq!(
+        (stats.interrupted, stats.health_checks, stats.model_listings),
+        (1, 1, 1)
+    );
+}
+
+#[tokio::test]
 async fn without_stream_usage_no_usage_chunk_is_sent_even_when_asked() {
     let client = client();
     for (stream_usage, chunks) in [(true, 1), (false, 0)] {

@@ -73,14 +73,17 @@ impl EndpointConfig {
     }
 }
 
-/// `health:` how an endpoint is watched. A monitor probes it every
-/// `interval`; failed calls count too. After `max_failures` failures in a row
-/// it is unhealthy and gets no new items (its calls in flight go to other
-/// endpoints); after `recover_after` successes it is healthy again.
+/// `health:` how an endpoint is watched. Its calls are the signal while
+/// they go well; a monitor probes it once it has shown no sign of life
+/// (an answer, a streamed token) for `interval`, so when it is idle or its
+/// calls fail or hang; failed calls count too. After `max_failures`
+/// failures in a row it is unhealthy and gets no new items (its calls in
+/// flight go to other endpoints); after `recover_after` successes it is
+/// healthy again.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HealthSettings {
-    /// The probe's path on the server (`/v1/models`); default: `models` under
-    /// the base URL.
+    /// The probe's path on the server (`/health`); default: the engine
+    /// preset's, else `models` under the base URL.
     pub path: Option<String>,
     /// Default `5s`.
     pub interval: Duration,
@@ -255,11 +258,15 @@ impl Preset {
         }
     }
 
-    /// The path that answers once the engine can serve.
+    /// The path that answers once the engine can serve, and costs it
+    /// nothing to ask: llama.cpp's, vLLM's and SGLang's own `/health`
+    /// (503 while llama.cpp or SGLang load; SGLang's makes one token only
+    /// when nothing else runs), Ollama's version (it has no health path,
+    /// and loads a model only when a call asks for it).
     pub fn health_path(self) -> &'static str {
         match self {
-            Self::LlamaCpp => "/health",
-            Self::Vllm | Self::Sglang | Self::Ollama => "/v1/models",
+            Self::LlamaCpp | Self::Vllm | Self::Sglang => "/health",
+            Self::Ollama => "/api/version",
         }
     }
 
@@ -528,18 +535,26 @@ pub(super) struct RawEndpoint {
     role: Option<String>,
 }
 
-/// How an endpoint is watched. A monitor probes it every `interval`; failed
-/// calls count too. After `max_failures` failures in a row it is unhealthy
-/// and gets no new items (its calls in flight go to other endpoints); after
-/// `recover_after` successes it is healthy again. Default: every key's
-/// default.
+/// How an endpoint is watched. While its calls go well they are the
+/// signal, and it is not probed: a monitor probes it once it has shown no
+/// sign of life (an answer, a streamed token) for `interval`, which is when
+/// it is idle or its calls fail or hang. Failed calls count too. After
+/// `max_failures` failures in a row it is unhealthy and gets no new items
+/// (its calls in flight go to other endpoints); after `recover_after`
+/// successes it is healthy again. Default: every key's default.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 struct RawHealth {
-    /// The probe's path on the server (`/v1/models`). Default: for an engine
-    /// evalfleet starts, its preset's (`/health` for llama.cpp, else
-    /// `/v1/models`); else `models` under the base URL.
+    /// The probe's path on the server (`/health`): one that costs the
+    /// server nothing, as a probe of an endpoint whose calls hang competes
+    /// with them. Default: for an engine evalfleet starts with a preset,
+    /// the engine's own (`/health` for llama.cpp, vLLM and SGLang,
+    /// `/api/version` for Ollama); else `models` under the base URL (every
+    /// OpenAI-compatible server has it; llama-cpp-python's waits for the
+    /// model while a call runs).
     path: Option<String>,
-    /// The time between probes. Default `5s`.
+    /// How long the endpoint may show no sign of life (no answer, no
+    /// streamed token) before it is probed; an unhealthy one is probed
+    /// five times as often. Default `5s`.
     #[schemars(with = "Option<super::schema::Duration>")]
     interval: Option<String>,
     /// The time a probe may take. Default `10s`.

@@ -453,6 +453,13 @@ impl Endpoint {
         self.status().outcomes.totals(second)
     }
 
+    /// When its calls last showed that it works (an answer that was not a
+    /// 5xx, an event of a stream: [`crate::client::Pulse`]), since its
+    /// client was made.
+    pub fn last_sign_of_life(&self) -> Option<Instant> {
+        self.client().and_then(|client| client.pulse().last())
+    }
+
     /// What its calls normally take at most, once it has made enough.
     pub fn normal_latency(&self) -> Option<Duration> {
         self.status().latency.value(LATENCY_KNOWN)
