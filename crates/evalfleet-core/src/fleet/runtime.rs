@@ -253,13 +253,6 @@ fn deactivate(shared: &Shared, endpoint: &Endpoint) -> bool {
 }
 
 /// A URL's scheme, host and port.
-fn origin(url: &str) -> String {
-    match reqwest::Url::parse(url) {
-        Ok(parsed) => parsed.origin().ascii_serialization(),
-        Err(_) => url.to_owned(),
-    }
-}
-
 /// Where an endpoint is probed.
 pub fn health_url(config: &EndpointConfig, base_url: &str) -> String {
     let path = config
@@ -268,7 +261,7 @@ pub fn health_url(config: &EndpointConfig, base_url: &str) -> String {
         .clone()
         .or_else(|| config.kind.engine().map(|e| e.health_path().to_owned()));
     match path {
-        Some(path) => format!("{}{path}", origin(base_url)),
+        Some(path) => format!("{}{path}", super::load::origin(base_url)),
         None => format!("{}/models", base_url.trim_end_matches('/')),
     }
 }
