@@ -109,7 +109,7 @@ const JUDGE_SHARE: f64 = 0.5;
 const JUDGE_MAX: f64 = 32.0;
 /// A level's throughput is that of about this many round trips' worth of
 /// its latest calls...
-const RATE_MEMORY: f64 = 4.0;
+const RATE_MEMORY: f64 = 2.0;
 /// ...and of this many calls at least.
 const RATE_MEMORY_MIN: f64 = 16.0;
 /// The first hold below a level whose throughput was flat, and the most.
@@ -125,13 +125,17 @@ fn tenth(level: usize) -> usize {
     (level / 10).max(1)
 }
 
+/// The furthest one step of growth goes from `level`.
+fn step_past(level: usize) -> usize {
+    ((level as f64 * (1.0 + CUBIC_STEP)) as usize).max(level + tenth(level))
+}
+
 /// What a successful call tells the controller.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Sample {
-    /// Its round trip: to the first token when streamed (queueing shows
-    /// there first), else the whole call. Sets the decision interval.
-    pub rtt: Duration,
-    /// The whole call.
+    /// The whole call, to its last token: a decision waits that long, so
+    /// that the calls of the level it judges are back (a first token comes
+    /// long before what a level of the limit brings is known).
     pub latency: Duration,
     /// The work it brought: completion tokens, or 1 (an answer) where they
     /// are not known.
@@ -139,13 +143,9 @@ pub struct Sample {
 }
 
 impl Sample {
-    /// A call of one unit of work whose round trip was the whole call.
-    pub fn of(rtt: Duration) -> Self {
-        Self {
-            rtt,
-            latency: rtt,
-            work: 1.0,
-        }
+    /// A call of one unit of work that took `latency`.
+    pub fn of(latency: Duration) -> Self {
+        Self { latency, work: 1.0 }
     }
 }
 
@@ -300,6 +300,8 @@ pub struct Aimd {
     looked_below: Option<usize>,
     /// What the engine said it runs at once: the limit never passes it.
     capacity: Option<usize>,
+    /// The engine's queue at its last reading.
+    engine_last: Option<f64>,
     /// Calls waiting in the engine's queue, as it last said.
     engine_waiting: Option<f64>,
     baseline: Option<f64>,
@@ -329,6 +331,7 @@ impl Aimd {
             growing: false,
             capacity: None,
             engine_waiting: None,
+            engine_last: None,
             baseline: None,
         }
     }
@@ -363,7 +366,10 @@ impl Aimd {
     /// The engine said how many calls wait in its queue (all clients'); the
     /// next decision takes it into account.
     pub fn on_engine_queue(&mut self, waiting: f64) {
-        self.engine_waiting = Some(waiting);
+        // Counted as the least of the last two readings: a queue that
+        // lasts, not a batch's prefill that waits a few steps.
+        self.engine_waiting = Some(self.engine_last.map_or(0.0, |last| last.min(waiting)));
+        self.engine_last = Some(waiting);
     }
 
     /// Called when a call ends; decides when an interval is over. `level`
@@ -378,8 +384,11 @@ impl Aimd {
         match signal {
             Signal::Success(sample) => {
                 self.samples += 1;
-                self.rtt_sum += sample.rtt.as_secs_f64();
-                if let Some(level) = level {
+                self.rtt_sum += sample.latency.as_secs_f64();
+                // A call teaches about its level only if the limit stayed
+                // there while it ran: one that outlived its level ran
+                // beside more calls, or fewer, than the level says.
+                if let Some(level) = level.filter(|level| *level == self.limit) {
                     // Each level's figure is that of its last calls: the
                     // endpoint may change (another job takes the GPU).
                     let rate = self.rates.entry(level).or_default();
@@ -387,7 +396,7 @@ impl Aimd {
                     rate.seen += 1.0;
                     rate.calls = rate.calls * keep + 1.0;
                     rate.work = rate.work * keep + sample.work.max(0.0);
-                    rate.busy = rate.busy * keep + sample.latency.as_secs_f64();
+                    rate.busy = rate.busy * keep + sample.latency.as_secs_f64().max(1e-6);
                 }
             }
             Signal::BackPressure => self.pushed_back += 1,
@@ -401,16 +410,24 @@ impl Aimd {
         // cuts, the first; else as soon as they are most of half a round
         // trip's calls (a few cut by chance at the start of an interval
         // are not).
+        let cuts_now = signal == Signal::Cut && self.one_at_a_time();
+        if now < self.interval_end && !cuts_now {
+            return None;
+        }
+        self.decide(now)
+    }
+
+    /// Whether this interval's cut streams say the server serves one call
+    /// at a time: at a probe past a hold for cuts, the first; else when
+    /// they are most of half a round trip's calls, three at least (a few
+    /// cut by chance, however the interval falls, are not).
+    fn one_at_a_time(&self) -> bool {
         let probing_cuts = self
             .hold
             .is_some_and(|hold| hold.cut && self.limit > hold.at);
         let most =
             self.cut >= 3 && 2 * self.cut > self.ended && 2 * self.ended as usize >= self.limit;
-        let cuts_now = signal == Signal::Cut && (probing_cuts || most);
-        if now < self.interval_end && !cuts_now {
-            return None;
-        }
-        self.decide(now)
+        self.cut > 0 && (probing_cuts || most)
     }
 
     /// The share of back pressure at the lowest levels of the limit seen
@@ -470,8 +487,10 @@ impl Aimd {
         let p = background.max(BACKGROUND_FLOOR);
         let beyond = known > 0.0
             && share > background + Z * (p * (1.0 - p) * (1.0 / n + 1.0 / known)).sqrt();
-        (self.pushed_back > 0 && (beyond || share > MOSTLY))
-            .then_some((share - background).max(0.0))
+        // Most of a handful of calls is proof only where the handful is
+        // the limit's worth (a short interval may see one call end).
+        let mostly = share > MOSTLY && self.ended as usize >= self.limit.min(3);
+        (self.pushed_back > 0 && (beyond || mostly)).then_some((share - background).max(0.0))
     }
 
     /// A level's throughput (work a second), once it has calls enough to
@@ -515,11 +534,11 @@ impl Aimd {
         if gain >= self.settings.gain {
             return Ok(None);
         }
-        // The fewest calls that got within reach of the best throughput.
-        let best = best_below.max(now);
+        // The step did not pay: back to the fewest calls that did as well
+        // as the best level below.
         let to = self
             .known()
-            .find(|(level, x)| *level <= from && *x >= NEAR * best)
+            .find(|(level, x)| *level <= reference && *x >= NEAR * best_below)
             .map_or(reference, |(level, _)| level);
         Ok(Some(look_down(to).unwrap_or((to.max(floor), Reason::Flat))))
     }
@@ -579,33 +598,34 @@ impl Aimd {
         let floor = settings.min.max(1);
         let excess = self.excess();
         self.learn_level(from, excess.is_some());
-        let waiting = self.engine_waiting.take().filter(|w| *w >= 1.0);
-        let decision = if let Some(excess) = excess {
+        let waiting = self
+            .engine_waiting
+            .take()
+            .filter(|w| *w >= tenth(from) as f64);
+        let decision = if self.one_at_a_time() {
+            // Most streams cut as other calls arrived: the server serves
+            // one at a time.
             self.slow_start = false;
-            if 2 * self.cut > self.ended {
-                // Most streams cut as other calls arrived: the server
-                // serves one at a time (a share of streams cut by chance,
-                // as any fault, is back pressure at most).
-                self.regain = None;
-                self.hold_at(floor, true, now);
-                Some((floor, Reason::Cut))
-            } else {
-                // Back to what the endpoint took: the calls beyond it were
-                // the excess; by `decrease_ratio` at least, by half at most.
-                let factor = (1.0 - excess).max(0.5).min(settings.decrease_ratio);
-                let to = ((from as f64 * factor) as usize).max(floor);
-                // Cut again below where the last cut came from: the
-                // endpoint takes less than it did, so aim lower (CUBIC's
-                // fast convergence).
-                let peak = match self.regain {
-                    Some(regain) if (from as f64) < regain.from => {
-                        (from as f64 * (1.0 + factor) / 2.0) as usize
-                    }
-                    _ => from,
-                };
-                self.regain = Some(Regain::new(peak, to));
-                Some((to, Reason::BackPressure))
-            }
+            self.regain = None;
+            self.hold_at(floor, true, now);
+            Some((floor, Reason::Cut))
+        } else if let Some(excess) = excess {
+            self.slow_start = false;
+            // Back to what the endpoint took: the calls beyond it were
+            // the excess; by `decrease_ratio` at least, by half at most.
+            let factor = (1.0 - excess).max(0.5).min(settings.decrease_ratio);
+            let to = ((from as f64 * factor) as usize).max(floor);
+            // Cut again below where the last cut came from: the
+            // endpoint takes less than it did, so aim lower (CUBIC's
+            // fast convergence).
+            let peak = match self.regain {
+                Some(regain) if (from as f64) < regain.from => {
+                    (from as f64 * (1.0 + factor) / 2.0) as usize
+                }
+                _ => from,
+            };
+            self.regain = Some(Regain::new(peak, to));
+            Some((to, Reason::BackPressure))
         } else if let Some(waiting) = waiting.filter(|_| self.reached) {
             self.slow_start = false;
             self.regain = None;
@@ -616,12 +636,23 @@ impl Aimd {
             // Past slow start, steps are small and the limit moves on
             // before its level's calls are back: while growing, the highest
             // level known stands for it.
-            let judged = match self.judge(from) {
-                Err(()) if !self.slow_start && self.growing => self
-                    .known()
-                    .take_while(|(level, _)| *level < from)
-                    .last()
-                    .map_or(Ok(None), |(level, _)| self.judge(level)),
+            let own = self.judge(from);
+            let judged = match own {
+                // (Not at a probe past a hold: that is judged on its own.)
+                Err(()) if !self.slow_start && self.growing && self.hold.is_none() => {
+                    let below: Vec<(usize, f64)> = self
+                        .known()
+                        .take_while(|(level, _)| *level < from)
+                        .collect();
+                    match below.last() {
+                        // One step past the last level judged against
+                        // another, no further.
+                        Some(&(level, _)) if below.len() >= 2 && from <= step_past(level) => {
+                            self.judge(level)
+                        }
+                        _ => Err(()),
+                    }
+                }
                 judged => judged,
             };
             match judged {
@@ -641,7 +672,7 @@ impl Aimd {
                 Ok(None) => {
                     self.growing = true;
                     // A probe past a hold that found growth ends the hold.
-                    if self.hold.is_some_and(|hold| from > hold.at) {
+                    if own.is_ok() && self.hold.is_some_and(|hold| from > hold.at) {
                         self.hold = None;
                     }
                     self.grow(from, now)
@@ -685,6 +716,10 @@ impl Aimd {
         if to == from {
             return None;
         }
+        // A level is judged on calls made since the limit came to it: what
+        // it did before may be stale (another job has left the GPU, or
+        // come).
+        self.rates.remove(&to);
         if to >= self.settings.max {
             self.slow_start = false;
         }
@@ -801,7 +836,12 @@ mod tests {
         assert_eq!(c.limit(), 4, "calls that all scale well keep it at 4");
         // Calls waiting in the engine's queue at the limit bring it down by
         // as many.
+        // One reading is a moment (a batch's prefill); two in a row are a
+        // queue.
         c.on_engine_queue(2.0);
+        assert_eq!(interval(&mut c, &mut now, ok(100)), None);
+        c.on_engine_queue(2.0);
+        c.on_engine_queue(3.0);
         let d = interval(&mut c, &mut now, ok(100)).unwrap();
         assert_eq!((d.to, d.reason), (2, Reason::EngineQueue));
     }
@@ -871,7 +911,7 @@ mod tests {
             // Calls start while the limit lets them.
             while serving.len() + queue.len() + cut.len() < c.limit() {
                 let in_flight = serving.len() + queue.len() + cut.len() + 1;
-                let level = (in_flight + c.limit() / 5 >= c.limit()).then_some(c.limit());
+                let level = (in_flight >= c.limit()).then_some(c.limit());
                 c.on_start(in_flight);
                 let n = rng.u32(50..=300);
                 let job = Job {
@@ -920,7 +960,6 @@ mod tests {
                 }
                 let latency = now - job.started;
                 let sample = Sample {
-                    rtt: job.served_from.unwrap_or(job.started) - job.started + step,
                     latency,
                     work: job.tokens,
                 };
@@ -995,6 +1034,22 @@ mod tests {
         assert!(out.share_within(7, 12) > 0.8, "{:?}", out.time_at);
         let best = served(8, 0.15, 0.02);
         assert!(out.throughput > 0.9 * best, "{} vs {best}", out.throughput);
+    }
+
+    #[test]
+    fn an_engine_with_hundreds_of_slots_is_held_where_more_calls_stop_paying() {
+        // vLLM-like: 256 slots, no queue to speak of, each call 15% slower
+        // for each other beside it; the first token comes at once. Past
+        // about 25 calls a step brings less than a fifth of its share, so
+        // the limit must stop there, not run up to its maximum.
+        let server = Server::Batching {
+            slots: 256,
+            slowdown: 0.15,
+        };
+        let out = simulate_server(server, 0.02, 600, adaptive(), None);
+        assert!(out.share_within(10, 60) > 0.9, "{:?}", out.time_at);
+        let best = served(256, 0.15, 0.02);
+        assert!(out.throughput > 0.8 * best, "{} vs {best}", out.throughput);
     }
 
     #[test]
@@ -1100,10 +1155,15 @@ mod tests {
             }
             for k in 0..limit {
                 let at = now + Duration::from_millis(100) * (k as u32 + 1) / limit as u32;
+                // Streamed, the first token long before the end: decisions
+                // still wait for whole calls.
                 let signal = if rng.f64() < 0.05 {
                     Signal::Cut
                 } else {
-                    ok(100)
+                    Signal::Success(Sample {
+                        latency: Duration::from_millis(100),
+                        work: 1.0,
+                    })
                 };
                 c.on_end(at, signal, Some(limit));
             }

@@ -341,7 +341,6 @@ fn cut_off(
 fn signal(result: &Result<Completion, CallError>, timing: &Timing, overtaken: bool) -> Signal {
     match result {
         Ok(completion) => Signal::Success(Sample {
-            rtt: timing.ttft.unwrap_or(timing.latency),
             latency: timing.latency,
             work: completion
                 .completion_tokens

@@ -33,7 +33,7 @@ pub struct Permit {
     limit: Arc<ConcurrencyLimit>,
     slot: Option<OwnedSemaphorePermit>,
     /// The limit when the call started, if it started with the limit
-    /// (all but) reached: what the call teaches is about that level.
+    /// reached: what the call teaches is about that level.
     level: Option<usize>,
 }
 
@@ -77,9 +77,9 @@ impl ConcurrencyLimit {
         let mut state = self.state();
         state.in_flight += 1;
         let in_flight = state.in_flight;
-        // A call that starts with the limit all but reached (a limit just
-        // raised fills over the next starts) runs at that level.
-        let level = (in_flight + state.limit / 5 >= state.limit).then_some(state.limit);
+        // Only a call that starts with the limit reached runs at that
+        // level: the calls that fill a limit just raised run beside fewer.
+        let level = (in_flight >= state.limit).then_some(state.limit);
         if let Some(controller) = state.controller.as_mut() {
             controller.on_start(in_flight);
         }

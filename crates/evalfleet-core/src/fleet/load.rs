@@ -438,7 +438,11 @@ impl LoadPoller {
             .and_then(|body| read_props(&body))
         {
             Ok(slots) => {
-                self.limit.engine_capacity(slots);
+                // Told again after a restart only if it changed: the limit
+                // may have found fewer calls serve as well.
+                if self.state.borrow().capacity != Some(slots) {
+                    self.limit.engine_capacity(slots);
+                }
                 self.state.send_modify(|state| state.capacity = Some(slots));
                 Props::Settled
             }
