@@ -500,6 +500,78 @@ async fn a_local_engine_left_by_a_killed_supervisor_is_replaced_at_the_next_star
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn items_cut_by_their_engine_s_death_are_failed_and_counted_in_no_mean() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 60);
+    let mark = format!("EF_MARK=lost-{}", std::process::id());
+    // One try per call: the calls the engine's death cuts or refuses fail
+    // their items. The mock echoes the question, so every answer scores 1.
+    let endpoint = format!(
+        "  - name: engine\n    kind: local\n    \
+         command: \"{mark} {BIN} mock --bind 127.0.0.1:{{port}} --latency 300ms\"\n    \
+         model: mock\n    concurrency: 6\n    restart_delay: 300ms\n    stop_grace: 2s\n    \
+         health: {{ interval: 200ms, timeout: 500ms }}\n"
+    );
+    let extra = "  metrics: [{ name: exact_match, reference: \"{{ question }}\" }]\n\
+                 retry: { max_attempts: 1 }";
+    env.write("run.yaml", &config(&dataset, &endpoint, extra));
+    let run = env.spawn(&["run", "run.yaml", "-q", "--run-id", "c"]);
+    let engine = serving(&env, "c", &mark, 12).await;
+    for pid in &engine {
+        let killed = Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .await
+            .unwrap();
+        assert!(killed.success());
+    }
+    let ran: crate::util::Ran = run.wait_with_output().await.unwrap().into();
+    assert_eq!(ran.code, Some(1), "failed items: {}", ran.stderr);
+
+    let rows = by_id(&env.export("c").await);
+    assert_eq!(rows.len(), 60);
+    let failed: Vec<&Value> = rows.values().filter(|r| r["status"] == "failed").collect();
+    assert!(!failed.is_empty(), "the kill cut no call");
+    let done = 60 - failed.len();
+    // Shown as failed, with why...
+    let report = env.evalfleet(&["report", "c", "--json"]).await;
+    assert_eq!(report.code, Some(0), "{}", report.stderr);
+    let report: Value = serde_json::from_str(&report.stdout).unwrap();
+    let all = &report["metrics"][0];
+    assert_eq!(all["group"], "all");
+    assert_eq!(all["n"], 60);
+    assert_eq!(all["failed"], failed.len());
+    assert_eq!(all["lost"], failed.len());
+    // ... and in no mean: the mean is over the answers alone.
+    assert_eq!(all["mean"], 1.0, "{all}");
+    assert_eq!(all["scored"], done);
+    let text = env.evalfleet(&["report", "c"]).await.stdout;
+    assert!(
+        text.contains(&format!(
+            "exact_match@1: {} of 60 items failed for the server's sake",
+            failed.len()
+        )),
+        "{text}"
+    );
+    assert!(
+        ran.stderr.contains(&format!(
+            "exact_match@1: 1.0000 over {done} items; {} failed for the server's sake, in no mean",
+            failed.len()
+        )),
+        "{}",
+        ran.stderr
+    );
+    // Compared with itself, a run pairs only the items both answered.
+    let compared = env.evalfleet(&["compare", "c", "c", "--json"]).await;
+    assert_eq!(compared.code, Some(0), "{}", compared.stderr);
+    assert!(
+        compared.stdout.contains(&format!("\"n\": {done}")),
+        "{}",
+        compared.stdout
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn endpoints_join_and_leave_a_running_run() {
     let env = Env::new();
     let dataset = env.dataset("items.jsonl", 300);
