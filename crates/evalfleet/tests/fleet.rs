@@ -446,8 +446,24 @@ async fn a_local_engine_does_not_outlive_a_hangup_or_a_kill_of_the_run_s_process
     })
     .await;
 
-    let resumed = env.evalfleet(&["resume", "g", "-q"]).await;
-    assert_eq!(resumed.code, Some(0), "{}", resumed.stderr);
+    // SIGHUP to the supervisor itself is a termination: it ends its
+    // engine (and the run starts another).
+    let mut run = env.spawn(&["resume", "g", "-q"]);
+    let before = done(&env, "g");
+    let third = serving(&env, "g", &mark, before + 20).await;
+    let supervisors = with_arg(claims);
+    assert_eq!(supervisors.len(), 1, "one supervisor: {supervisors:?}");
+    let hung_up = Command::new("kill")
+        .args(["-HUP", &supervisors[0].to_string()])
+        .status()
+        .await
+        .unwrap();
+    assert!(hung_up.success());
+    wait_until(ms(30_000), "the engine and its supervisor are gone", || {
+        third.iter().all(|pid| !exists(*pid)) && !alive(supervisors[0])
+    })
+    .await;
+    assert_eq!(run.wait().await.unwrap().code(), Some(0));
     let rows = by_id(&env.export("g").await);
     assert_eq!(rows.len(), 2000);
     assert!(rows.values().all(|r| r["status"] == "done"));

@@ -244,10 +244,12 @@ impl Supervised {
     }
 
     /// Stops it: closing the pipe tells the supervisor to end the group
-    /// gracefully; if it has not after `grace` and a margin, it is killed.
+    /// gracefully; if it has not after `grace` twice and a margin (a
+    /// remote engine's stop waits out the grace on its host after the
+    /// tunnel's), it is killed.
     pub async fn stop(mut self, grace: Duration) {
         drop(self.stdin.take());
-        let margin = grace + Duration::from_secs(5);
+        let margin = grace * 2 + Duration::from_secs(10);
         if tokio::time::timeout(margin, self.child.wait())
             .await
             .is_err()
@@ -363,6 +365,8 @@ pub struct RemoteCommands {
 /// host's lock and knows how to end the session.
 fn remote_prelude(session: &str, owner: &Owner, grace: Duration) -> String {
     let tenths = (grace.as_millis() / 100).max(1);
+    // A start or a stop holds the lock for one grace period at most.
+    let wait = grace.as_secs() * 2 + 60;
     format!(
         r#"cd || exit 1
 S={session}
@@ -370,7 +374,9 @@ me={me}
 d={REMOTE_STATE}
 mkdir -p "$d" || exit 1
 exec 9>>"$d/$S.lock"
-if command -v flock >/dev/null 2>&1; then flock 9; fi
+if command -v flock >/dev/null 2>&1 && ! flock -w {wait} 9; then
+  echo "evalfleet: $d/$S.lock on $(uname -n) stayed locked for {wait}s" >&2; exit 1
+fi
 end_session() {{
   p=$(tmux display-message -p -t "=$S:" '#{{pane_pid}}' 2>/dev/null)
   if [ -n "$p" ]; then
