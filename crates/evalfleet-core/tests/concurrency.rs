@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use evalfleet_core::fleet::{AimdSettings, ConcurrencyLimit, LimitMode, Signal};
+use evalfleet_core::fleet::{AimdSettings, ConcurrencyLimit, LimitMode, Sample, Signal};
 use serde::Deserialize;
 use tokio::sync::{Mutex, Semaphore};
 use tokio::time::Instant;
@@ -47,6 +47,11 @@ struct Backend {
     /// Share of calls that fail (500) whatever the load: no signal.
     #[serde(default)]
     faults: f64,
+    /// A batching engine: a call is slower by this share of `latency` for
+    /// each other call in service when it begins (so latency grows with
+    /// load while throughput grows too, up to `capacity`).
+    #[serde(default)]
+    slowdown: f64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -98,6 +103,9 @@ struct Sim {
     /// The capacity from half time on (calls then in service keep theirs).
     slots_after_half: Option<(Instant, Arc<Semaphore>)>,
     quota: Option<Mutex<Bucket>>,
+    slowdown: f64,
+    /// Calls in service now.
+    serving: AtomicU64,
     refusals: f64,
     faults: f64,
     /// Seeded: a scenario runs the same every time.
@@ -128,7 +136,9 @@ impl Sim {
             Some(slots) => slots.clone().acquire_owned().await.ok(),
             None => None,
         };
-        tokio::time::sleep(self.latency).await;
+        let beside = self.serving.fetch_add(1, Ordering::Relaxed);
+        tokio::time::sleep(self.latency.mul_f64(1.0 + self.slowdown * beside as f64)).await;
+        self.serving.fetch_sub(1, Ordering::Relaxed);
         let rtt = start.elapsed();
         let draw = self.draws.lock().unwrap().f64();
         if draw < self.refusals {
@@ -136,7 +146,7 @@ impl Sim {
         } else if draw < self.refusals + self.faults {
             (Signal::Neutral, rtt)
         } else {
-            (Signal::Success(rtt), rtt)
+            (Signal::Success(Sample::of(rtt)), rtt)
         }
     }
 }
@@ -167,6 +177,8 @@ async fn simulate(scenario: &Scenario) -> Outcome {
                 last: Instant::now(),
             })
         }),
+        slowdown: backend.slowdown,
+        serving: AtomicU64::new(0),
         refusals: backend.refusals,
         faults: backend.faults,
         draws: std::sync::Mutex::new(fastrand::Rng::with_seed(7)),
@@ -262,7 +274,10 @@ async fn the_limit_settles_where_each_scenario_says() {
             .or(backend.capacity)
             .unwrap_or(scenario.limiter.max);
         if let Some([min, max]) = scenario.expect.throughput {
-            let ideal = slots as f64 / backend.latency.as_secs_f64();
+            // A batching engine serves its slots, each slower by the
+            // others beside it.
+            let ideal = slots as f64
+                / (backend.latency.as_secs_f64() * (1.0 + backend.slowdown * (slots as f64 - 1.0)));
             let share = outcome.completed as f64 / measured / ideal;
             report.push_str(&format!(
                 ", throughput {share:.3} of ideal (want {min}..{max})"

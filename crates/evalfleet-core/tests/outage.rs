@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use evalfleet_core::fleet::{Endpoint, Health, Phase, Signal, Transition};
+use evalfleet_core::fleet::{Endpoint, Health, Phase, Sample, Signal, Transition};
 use evalfleet_core::types::{BudgetSettings, RetryBudget, RetryPolicy};
 use tokio::sync::Mutex;
 use tokio::time::Instant;
@@ -155,7 +155,7 @@ async fn scenario(server: Server, concurrency: &str, items: u64, horizon: Durati
                 } else {
                     let sent = Instant::now();
                     tokio::time::sleep(server.latency).await;
-                    (false, Signal::Success(sent.elapsed()))
+                    (false, Signal::Success(Sample::of(sent.elapsed())))
                 }
             };
             let health = if failed { Health::Fault } else { Health::Up };

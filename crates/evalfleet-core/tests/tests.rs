@@ -6,5 +6,6 @@
 #![allow(clippy::disallowed_methods)]
 
 mod concurrency;
+mod load;
 mod metric_vectors;
 mod outage;

@@ -1,9 +1,11 @@
 //! An OpenAI-compatible mock endpoint whose behaviour is configurable:
 //! latency, time to first token and inter-token delay, answer length, injected
 //! 5xx errors and a seeded mix of failures, 429 quotas with `Retry-After` and
-//! OpenAI's `x-ratelimit-*` headers, a capacity-limited queue, hangs, stalls,
-//! truncated or cut streams (and streams interrupted by the next request, as
-//! llama-cpp-python's server does), and a scripted outage. Answers are derived
+//! OpenAI's `x-ratelimit-*` headers, a capacity-limited queue (whose
+//! requests running and waiting it tells as llama.cpp, vLLM and SGLang tell
+//! theirs), hangs, stalls, truncated or cut streams (and streams
+//! interrupted by the next request, as llama-cpp-python's server does), and
+//! a scripted outage. Answers are derived
 //! from the prompt (by default the last user message, verbatim), so a test can
 //! tell which item an answer belongs to. Every random decision is seeded.
 //!

@@ -1,6 +1,9 @@
 //! The HTTP server: `GET /v1/models`, `POST /v1/chat/completions` (streaming
-//! and not), `GET /mock/stats` (counters for tests and benchmarks) and
-//! `GET /health`.
+//! and not), `GET /mock/stats` (counters for tests and benchmarks),
+//! `GET /health`, and its load told as engines tell theirs: `GET /props`
+//! and `GET /slots` as llama.cpp's server answers them, and `GET /metrics`
+//! with llama.cpp's, vLLM's and SGLang's gauges of requests running and
+//! waiting.
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -48,6 +51,8 @@ pub struct Stats {
     in_flight: AtomicU64,
     max_in_flight: AtomicU64,
     model_listings: AtomicU64,
+    load_readings: AtomicU64,
+    health_checks: AtomicU64,
     first_request_at_ms: AtomicU64,
     last_completed_at_ms: AtomicU64,
     /// Served latencies: bucket `i` counts responses that took `i` ms from
@@ -78,6 +83,8 @@ impl Default for Stats {
             in_flight: AtomicU64::new(0),
             max_in_flight: AtomicU64::new(0),
             model_listings: AtomicU64::new(0),
+            load_readings: AtomicU64::new(0),
+            health_checks: AtomicU64::new(0),
             first_request_at_ms: AtomicU64::new(0),
             last_completed_at_ms: AtomicU64::new(0),
             served_ms: (0..=SERVED_BUCKETS).map(|_| AtomicU64::new(0)).collect(),
@@ -125,6 +132,11 @@ pub struct StatsSnapshot {
     pub max_in_flight: u64,
     /// `GET /v1/models` requests.
     pub model_listings: u64,
+    /// `GET /props`, `GET /slots` and `GET /metrics` requests (readings
+    /// of its load).
+    pub load_readings: u64,
+    /// `GET /health` requests.
+    pub health_checks: u64,
     /// When the first chat completion request arrived, in milliseconds since
     /// the Unix epoch (0: none yet). Benchmarks time start-up with it.
     pub first_request_at_ms: u64,
@@ -172,6 +184,8 @@ impl Stats {
             in_flight: load(&self.in_flight),
             max_in_flight: load(&self.max_in_flight),
             model_listings: load(&self.model_listings),
+            load_readings: load(&self.load_readings),
+            health_checks: load(&self.health_checks),
             first_request_at_ms: load(&self.first_request_at_ms),
             last_completed_at_ms: load(&self.last_completed_at_ms),
             served_p50_ms: self.served_quantile(0.5),
@@ -417,6 +431,11 @@ struct MockState {
     running: Mutex<CancellationToken>,
     admitted: AtomicU64,
     capacity: Option<Arc<Semaphore>>,
+    /// Chat requests being answered (holding a slot of `capacity`, when
+    /// it is set).
+    answering: AtomicU64,
+    /// Chat requests waiting for a slot of `capacity`.
+    queued: AtomicU64,
     shutdown: CancellationToken,
     next_id: AtomicU64,
     /// Scripted answers by first user message, or why they could not be
@@ -458,6 +477,8 @@ pub fn app(settings: MockSettings, stats: Arc<Stats>, shutdown: CancellationToke
         running: Mutex::new(CancellationToken::new()),
         admitted: AtomicU64::new(0),
         capacity,
+        answering: AtomicU64::new(0),
+        queued: AtomicU64::new(0),
         shutdown,
         next_id: AtomicU64::new(0),
     });
@@ -466,6 +487,9 @@ pub fn app(settings: MockSettings, stats: Arc<Stats>, shutdown: CancellationToke
         .route("/v1/chat/completions", post(chat))
         .route("/mock/stats", get(stats_handler))
         .route("/health", get(health))
+        .route("/props", get(props))
+        .route("/slots", get(slots))
+        .route("/metrics", get(metrics))
         .with_state(state)
 }
 
@@ -554,6 +578,9 @@ impl Drop for MockServer {
 
 async fn models(State(state): State<Arc<MockState>>) -> Response {
     state.stats.model_listings.fetch_add(1, Ordering::Relaxed);
+    // llama-cpp-python's model list waits for the model, as a chat request
+    // does: it interrupts the running stream as one would.
+    drop(state.arrival());
     if let Some(status) = state.outage_now(Instant::now()) {
         return error_response(status, "mock outage");
     }
@@ -567,6 +594,7 @@ async fn models(State(state): State<Arc<MockState>>) -> Response {
 }
 
 async fn health(State(state): State<Arc<MockState>>) -> Response {
+    state.stats.health_checks.fetch_add(1, Ordering::Relaxed);
     match state.outage_now(Instant::now()) {
         Some(status) => error_response(status, "mock outage"),
         None => "ok".into_response(),
@@ -575,6 +603,91 @@ async fn health(State(state): State<Arc<MockState>>) -> Response {
 
 async fn stats_handler(State(state): State<Arc<MockState>>) -> Response {
     json_response(StatusCode::OK, &state.stats.snapshot())
+}
+
+/// llama.cpp's `GET /props`: its slots are the mock's `capacity` (none
+/// without one: every request is served at once).
+async fn props(State(state): State<Arc<MockState>>) -> Response {
+    state.stats.load_readings.fetch_add(1, Ordering::Relaxed);
+    let mut props = json!({
+        "model_alias": state.settings.model,
+        "endpoint_slots": state.settings.capacity.is_some(),
+        "endpoint_metrics": true,
+    });
+    if let Some(k) = state.settings.capacity {
+        props["total_slots"] = json!(k);
+    }
+    json_response(StatusCode::OK, &props)
+}
+
+/// llama.cpp's `GET /slots`: one entry per slot of `capacity`, busy or
+/// not; 501 without a capacity, as llama.cpp's server answers with
+/// `--no-slots`.
+async fn slots(State(state): State<Arc<MockState>>) -> Response {
+    state.stats.load_readings.fetch_add(1, Ordering::Relaxed);
+    let Some(k) = state.settings.capacity else {
+        return json_response(
+            StatusCode::NOT_IMPLEMENTED,
+            &json!({"error": {
+                "code": 501,
+                "message": "The mock has no slots: it serves every request at once (set capacity).",
+                "type": "not_supported_error",
+            }}),
+        );
+    };
+    let busy = state.answering.load(Ordering::Relaxed);
+    let slots: Vec<Value> = (0..k)
+        .map(|id| json!({"id": id, "n_ctx": 4096, "is_processing": u64::from(id) < busy}))
+        .collect();
+    json_response(StatusCode::OK, &Value::Array(slots))
+}
+
+/// `GET /metrics`: the requests being answered and those waiting for a
+/// slot, under the gauges of llama.cpp, vLLM and SGLang alike, so that an
+/// endpoint may read the mock as any of them.
+async fn metrics(State(state): State<Arc<MockState>>) -> Response {
+    state.stats.load_readings.fetch_add(1, Ordering::Relaxed);
+    let running = state.answering.load(Ordering::Relaxed);
+    let waiting = state.queued.load(Ordering::Relaxed);
+    let model = state
+        .settings
+        .model
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n");
+    let mut text = String::new();
+    for (name, labels, value) in [
+        ("llamacpp:requests_processing", String::new(), running),
+        ("llamacpp:requests_deferred", String::new(), waiting),
+        (
+            "vllm:num_requests_running",
+            format!("{{engine=\"0\",model_name=\"{model}\"}}"),
+            running,
+        ),
+        (
+            "vllm:num_requests_waiting",
+            format!("{{engine=\"0\",model_name=\"{model}\"}}"),
+            waiting,
+        ),
+        (
+            "sglang:num_running_reqs",
+            format!("{{model_name=\"{model}\",tp_rank=\"0\"}}"),
+            running,
+        ),
+        (
+            "sglang:num_queue_reqs",
+            format!("{{model_name=\"{model}\",tp_rank=\"0\"}}"),
+            waiting,
+        ),
+    ] {
+        text.push_str(&format!("# TYPE {name} gauge\n{name}{labels} {value}\n"));
+    }
+    let mut response = text.into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4"),
+    );
+    response
 }
 
 #[derive(Deserialize)]
@@ -797,6 +910,29 @@ struct Held {
     _in_flight: InFlight,
     _admitted: Option<Admitted>,
     _slot: Option<OwnedSemaphorePermit>,
+    _answering: Counted,
+}
+
+/// Counts a request in one of the mock's load gauges until dropped.
+struct Counted {
+    state: Arc<MockState>,
+    gauge: fn(&MockState) -> &AtomicU64,
+}
+
+impl Counted {
+    fn enter(state: &Arc<MockState>, gauge: fn(&MockState) -> &AtomicU64) -> Self {
+        gauge(state).fetch_add(1, Ordering::Relaxed);
+        Self {
+            state: state.clone(),
+            gauge,
+        }
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        (self.gauge)(&self.state).fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 async fn chat(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
@@ -914,6 +1050,7 @@ async fn answer_chat(
 
     let slot = match &state.capacity {
         Some(semaphore) => {
+            let _queued = Counted::enter(state, |s| &s.queued);
             tokio::select! {
                 permit = semaphore.clone().acquire_owned() => permit.ok(),
                 () = state.shutdown.cancelled() => {
@@ -927,6 +1064,7 @@ async fn answer_chat(
         _in_flight: in_flight,
         _admitted: admitted,
         _slot: slot,
+        _answering: Counted::enter(state, |s| &s.answering),
     };
 
     let max_tokens = request.max_completion_tokens.or(request.max_tokens);

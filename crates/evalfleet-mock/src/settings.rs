@@ -145,9 +145,11 @@ pub struct MockSettings {
     #[cfg_attr(feature = "cli", arg(long, default_value_t = 0.0))]
     pub unended_rate: f64,
 
-    /// A chat request that arrives ends every stream being sent at once, the
-    /// way `cut_rate` ends one (llama-cpp-python's server serves one request
-    /// at a time and interrupts the running one).
+    /// A chat request (or `GET /v1/models`) that arrives ends every stream
+    /// being sent at once, the way `cut_rate` ends one (llama-cpp-python's
+    /// server serves one request at a time and interrupts the running one
+    /// for any request that waits for the model, its model list included).
+    /// `GET /health` interrupts nothing.
     #[cfg_attr(feature = "cli", arg(long))]
     pub interrupt_on_arrival: bool,
 

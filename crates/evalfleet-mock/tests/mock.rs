@@ -345,6 +345,50 @@ async fn a_new_request_interrupts_the_running_stream() {
 }
 
 #[tokio::test]
+async fn a_model_listing_interrupts_the_running_stream_a_health_check_does_not() {
+    // As llama-cpp-python's server, whose model list waits for the model;
+    // `/health` stands for a path that takes no lock.
+    let server = start(MockSettings {
+        interrupt_on_arrival: true,
+        itl: ms(50),
+        output_tokens: Some(1000),
+        ..MockSettings::default()
+    })
+    .await;
+    let client = client();
+    let mut running = Events::new(chat(&client, &server, "a b", true).await);
+    let mut seen = Vec::new();
+    while summarise(&seen).contents.len() < 2 {
+        seen.push(running.next().await.unwrap());
+    }
+    let origin = server.base_url().trim_end_matches("/v1").to_owned();
+    let health = client.get(format!("{origin}/health")).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+    // Tokens keep coming after the health check.
+    let before = summarise(&seen).contents.len();
+    while summarise(&seen).contents.len() < before + 2 {
+        seen.push(running.next().await.unwrap());
+    }
+    assert_eq!(server.stats().interrupted, 0);
+    let models = client
+        .get(format!("{}/models", server.base_url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(models.status(), 200);
+    let after = tokio::time::timeout(Duration::from_secs(120), running.rest())
+        .await
+        .expect("the running stream ends");
+    let streamed = summarise(seen.iter().chain(after.iter().map(|(_, e)| e)));
+    assert!(streamed.ended_with_done && streamed.finish_reasons.is_empty());
+    let stats = server.stats();
+    assert_eq!(
+        (stats.interrupted, stats.health_checks, stats.model_listings),
+        (1, 1, 1)
+    );
+}
+
+#[tokio::test]
 async fn without_stream_usage_no_usage_chunk_is_sent_even_when_asked() {
     let client = client();
     for (stream_usage, chunks) in [(true, 1), (false, 0)] {
@@ -554,4 +598,134 @@ async fn faults_are_counted_apart_from_errors_and_unset_settings_change_nothing(
     assert_eq!((e.injected_errors, e.faults), (5, 0));
     assert_eq!((f.injected_errors, f.faults), (0, 5));
     assert_eq!(f.faults_by_status.get(&502), Some(&5));
+}
+
+/// The value of the sample of `name` (with or without labels) in a
+/// Prometheus answer.
+fn gauge(text: &str, name: &str) -> Option<u64> {
+    text.lines()
+        .filter(|line| !line.starts_with('#'))
+        .find(|line| {
+            line.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(['{', ' ']))
+        })
+        .and_then(|line| line.rsplit(' ').next()?.parse().ok())
+}
+
+async fn get_text(client: &reqwest::Client, server: &MockServer, path: &str) -> (u16, String) {
+    let response = client
+        .get(format!("http://{}{path}", server.addr()))
+        .send()
+        .await
+        .unwrap();
+    (response.status().as_u16(), response.text().await.unwrap())
+}
+
+#[tokio::test]
+async fn a_mock_with_capacity_tells_its_running_and_queued_requests_as_engines_do() {
+    let client = client();
+    let server = start(MockSettings {
+        capacity: Some(2),
+        // Long enough that the requests are still there when looked at;
+        // the shutdown ends them.
+        latency: Duration::from_secs(300),
+        ..MockSettings::default()
+    })
+    .await;
+    let (status, idle) = get_text(&client, &server, "/metrics").await;
+    assert_eq!(status, 200);
+    assert_eq!(gauge(&idle, "llamacpp:requests_processing"), Some(0));
+    assert_eq!(gauge(&idle, "vllm:num_requests_waiting"), Some(0));
+
+    let mut requests = tokio::task::JoinSet::new();
+    for i in 0..5 {
+        let (client, url) = (client.clone(), server.base_url());
+        requests.spawn(async move {
+            let body =
+                json!({"model": "mock", "messages": [{"role": "user", "content": format!("{i}")}]});
+            client
+                .post(format!("{url}/chat/completions"))
+                .header("content-type", "application/json")
+                .body(serde_json::to_vec(&body).unwrap())
+                .send()
+                .await
+        });
+    }
+    // Two are answered and three wait for a slot, once all five arrived.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let busy = loop {
+        let (_, text) = get_text(&client, &server, "/metrics").await;
+        if gauge(&text, "llamacpp:requests_deferred") == Some(3) {
+            break text;
+        }
+        assert!(Instant::now() < deadline, "the queue never held 3: {text}");
+        tokio::time::sleep(ms(10)).await;
+    };
+    for (name, value) in [
+        ("llamacpp:requests_processing", 2),
+        ("llamacpp:requests_deferred", 3),
+        ("vllm:num_requests_running", 2),
+        ("vllm:num_requests_waiting", 3),
+        ("sglang:num_running_reqs", 2),
+        ("sglang:num_queue_reqs", 3),
+    ] {
+        assert_eq!(gauge(&busy, name), Some(value), "{name} in {busy}");
+    }
+    let (status, slots) = get_text(&client, &server, "/slots").await;
+    assert_eq!(status, 200);
+    let slots: Vec<Value> = serde_json::from_str(&slots).unwrap();
+    assert_eq!(slots.len(), 2);
+    assert!(slots.iter().all(|s| s["is_processing"] == json!(true)));
+    let (_, props) = get_text(&client, &server, "/props").await;
+    let props: Value = serde_json::from_str(&props).unwrap();
+    assert_eq!(props["total_slots"], json!(2));
+
+    server.shutdown().await.unwrap();
+    while let Some(ended) = requests.join_next().await {
+        ended.unwrap().ok();
+    }
+}
+
+#[tokio::test]
+async fn a_mock_without_capacity_has_no_slots_and_runs_every_request() {
+    let client = client();
+    let server = start(MockSettings {
+        latency: Duration::from_secs(300),
+        ..MockSettings::default()
+    })
+    .await;
+    let (status, slots) = get_text(&client, &server, "/slots").await;
+    assert_eq!(status, 501, "{slots}");
+    let (_, props) = get_text(&client, &server, "/props").await;
+    let props: Value = serde_json::from_str(&props).unwrap();
+    assert!(props.get("total_slots").is_none(), "{props}");
+
+    let mut requests = tokio::task::JoinSet::new();
+    for i in 0..3 {
+        let (client, url) = (client.clone(), server.base_url());
+        requests.spawn(async move {
+            let body =
+                json!({"model": "mock", "messages": [{"role": "user", "content": format!("{i}")}]});
+            client
+                .post(format!("{url}/chat/completions"))
+                .header("content-type", "application/json")
+                .body(serde_json::to_vec(&body).unwrap())
+                .send()
+                .await
+        });
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, text) = get_text(&client, &server, "/metrics").await;
+        if gauge(&text, "vllm:num_requests_running") == Some(3) {
+            assert_eq!(gauge(&text, "vllm:num_requests_waiting"), Some(0));
+            break;
+        }
+        assert!(Instant::now() < deadline, "never 3 running: {text}");
+        tokio::time::sleep(ms(10)).await;
+    }
+    server.shutdown().await.unwrap();
+    while let Some(ended) = requests.join_next().await {
+        ended.unwrap().ok();
+    }
 }

@@ -676,28 +676,102 @@ async fn a_quota_pauses_the_endpoint_instead_of_collecting_429s() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_healthy_endpoint_is_probed_once_per_interval_not_in_a_loop() {
+async fn a_busy_endpoint_is_not_probed_and_an_idle_one_once_per_interval() {
+    // As llama-cpp-python's server, one call at a time: its model list
+    // waits for the model and cuts the running stream. Probed on it every
+    // 150 ms while it streams answers one after another, it would lose
+    // one answer a probe; its answers are the signal that it works.
     let env = Env::new();
-    let dataset = env.dataset("items.jsonl", 40);
-    let server = mock(MockSettings {
-        latency: ms(50),
+    let dataset = env.dataset("items.jsonl", 20);
+    let busy = mock(MockSettings {
+        interrupt_on_arrival: true,
+        stream_usage: false,
+        latency: ms(20),
+        itl: ms(5),
+        output_tokens: Some(20),
         ..MockSettings::default()
     })
     .await;
-    let endpoints = external_with("a", &server, 2, "health: { interval: 300ms, timeout: 1s }");
-    env.write("run.yaml", &config(&dataset, &endpoints, ""));
+    // Answers nothing during the run: it is probed as before.
+    let idle = mock(MockSettings::default()).await;
+    let health = "health: { interval: 150ms, timeout: 1s }";
+    let endpoints = external_with("busy", &busy, 1, health)
+        + &external_with("idle", &idle, 1, &format!("role: judge, {health}"));
+    let text = config(&dataset, &endpoints, "")
+        .replace("max_tokens: 64 }", "max_tokens: 64 }\n  stream: true");
+    env.write("run.yaml", &text);
     let started = std::time::Instant::now();
     let ran = env
         .evalfleet(&["run", "run.yaml", "-q", "--run-id", "p"])
         .await;
     let elapsed = started.elapsed();
     assert_eq!(ran.code, Some(0), "{}", ran.stderr);
-    // A probe or a call that leaves the endpoint as it was must not wake
-    // its prober: once found ready, one probe per interval.
-    let probes = server.stats().model_listings;
-    let most = elapsed.as_secs_f64() / 0.3 + 4.0;
-    assert!(
-        (probes as f64) <= most,
-        "{probes} probes in {elapsed:?} (at most {most:.0})"
+    let rows = by_id(&env.export("p").await);
+    assert!(rows.values().all(|r| r["status"] == "done"), "{rows:?}");
+    let stats = busy.stats();
+    assert_eq!(
+        (stats.interrupted, stats.model_listings),
+        (0, 0),
+        "probes cut the busy endpoint's answers ({:?} for 20 items)",
+        elapsed
     );
+    assert_eq!(stats.requests, 20);
+    // The idle one: one probe per interval, not a loop, and not none. The
+    // run lasts several intervals (20 answers of 120 ms one at a time).
+    let probes = idle.stats().model_listings as f64;
+    let intervals = elapsed.as_secs_f64() / 0.15;
+    assert!(
+        intervals >= 6.0 && probes >= intervals / 3.0 && probes <= intervals + 4.0,
+        "{probes} probes of the idle endpoint in {elapsed:?}"
+    );
+}
+
+#[tokio::test]
+async fn an_endpoint_reads_its_engines_load_while_it_serves_and_one_that_reports_none_once() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 30);
+    let engine = || {
+        mock(MockSettings {
+            capacity: Some(2),
+            latency: ms(100),
+            ..MockSettings::default()
+        })
+    };
+    let (reports, silent, unread) = (engine().await, engine().await, engine().await);
+    let endpoints = [
+        external_with("a", &reports, 4, "load: { engine: vllm, interval: 100ms }"),
+        external_with(
+            "b",
+            &silent,
+            4,
+            // Its answer there is no vLLM's.
+            "load: { engine: vllm, path: /props, interval: 100ms }",
+        ),
+        external("c", &unread, 4),
+    ]
+    .concat();
+    env.write("run.yaml", &config(&dataset, &endpoints, ""));
+    let started = std::time::Instant::now();
+    // The readings end with the endpoints: a reader left running would
+    // keep the run from ending.
+    let ran = tokio::time::timeout(
+        std::time::Duration::from_secs(120),
+        env.evalfleet(&["run", "run.yaml", "-q", "--run-id", "l"]),
+    )
+    .await
+    .expect("the run ends");
+    let elapsed = started.elapsed();
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    // Read while it had calls in flight, once per interval at most.
+    let readings = reports.stats().load_readings;
+    let most = elapsed.as_secs_f64() / 0.1 + 4.0;
+    assert!(
+        readings >= 2 && readings as f64 <= most,
+        "{readings} readings in {elapsed:?} (at most {most:.0})"
+    );
+    // An engine that does not report its load is asked once; one whose
+    // load is not to be read, never.
+    assert_eq!(silent.stats().load_readings, 1);
+    assert_eq!(unread.stats().load_readings, 0);
+    assert!(silent.stats().completed > 0 && unread.stats().completed > 0);
 }

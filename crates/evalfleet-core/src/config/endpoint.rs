@@ -23,10 +23,9 @@ pub struct EndpointConfig {
     pub model: String,
     pub kind: EndpointKind,
     /// `adaptive` (the default: evalfleet finds the limit itself), a number of
-    /// calls in flight (fixed), or `{min, max, initial, decrease_ratio,
-    /// rtt_tolerance}` (adaptive within bounds; defaults 1, 1024, 8, 0.7 and
-    /// 0.2: how far round trips may rise above their unloaded level before the
-    /// limit is cut).
+    /// calls in flight (fixed), or `{min, max, initial, decrease_ratio, gain}`
+    /// (adaptive within bounds; defaults 1, 1024, 8, 0.7 and 0.2: the share
+    /// of a step's proportional gain in throughput it must bring).
     pub concurrency: LimitMode,
     /// Requests per minute allowed (a token bucket); unset: no limit.
     pub rpm: Option<u32>,
@@ -43,6 +42,8 @@ pub struct EndpointConfig {
     /// (e.g. vLLM's `top_k`, `chat_template_kwargs`).
     pub params: Map<String, Value>,
     pub health: HealthSettings,
+    /// Reading the engine's own account of its load.
+    pub load: LoadSettings,
     /// `role`: what the endpoint is for.
     pub role: EndpointRole,
 }
@@ -72,14 +73,17 @@ impl EndpointConfig {
     }
 }
 
-/// `health:` how an endpoint is watched. A monitor probes it every
-/// `interval`; failed calls count too. After `max_failures` failures in a row
-/// it is unhealthy and gets no new items (its calls in flight go to other
-/// endpoints); after `recover_after` successes it is healthy again.
+/// `health:` how an endpoint is watched. Its calls are the signal while
+/// they go well; a monitor probes it once it has shown no sign of life
+/// (an answer, a streamed token) for `interval`, so when it is idle or its
+/// calls fail or hang; failed calls count too. After `max_failures`
+/// failures in a row it is unhealthy and gets no new items (its calls in
+/// flight go to other endpoints); after `recover_after` successes it is
+/// healthy again.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HealthSettings {
-    /// The probe's path on the server (`/v1/models`); default: `models` under
-    /// the base URL.
+    /// The probe's path on the server (`/health`); default: the engine
+    /// preset's, else `models` under the base URL.
     pub path: Option<String>,
     /// Default `5s`.
     pub interval: Duration,
@@ -105,6 +109,69 @@ impl Default for HealthSettings {
             max_failures: 3,
             recover_after: 2,
             ejection: Duration::from_secs(30),
+        }
+    }
+}
+
+/// `load:` how the engine's own account of its load is read: how many
+/// requests it can run at once, runs and queues (see `docs/fleet.md`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadSettings {
+    /// Whose answers they are; `None`: not read.
+    pub engine: Option<LoadEngine>,
+    /// Where the reading is, on the server's origin; default the engine's.
+    pub path: Option<String>,
+    /// Between readings while calls are in flight. Default `1s`.
+    pub interval: Duration,
+}
+
+impl Default for LoadSettings {
+    fn default() -> Self {
+        Self {
+            engine: None,
+            path: None,
+            interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// The engines whose load evalfleet can read, each in its own format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadEngine {
+    /// llama.cpp's server: `/props` (its slots), then `/metrics` (with
+    /// `--metrics`) or `/slots`.
+    LlamaCpp,
+    /// vLLM's `/metrics`.
+    Vllm,
+    /// SGLang's `/metrics` (with `--enable-metrics`).
+    Sglang,
+}
+
+impl LoadEngine {
+    const ALL: [(&'static str, LoadEngine); 3] = [
+        ("llama.cpp", LoadEngine::LlamaCpp),
+        ("vllm", LoadEngine::Vllm),
+        ("sglang", LoadEngine::Sglang),
+    ];
+
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.iter().find(|(n, _)| *n == name).map(|(_, e)| *e)
+    }
+
+    pub fn name(self) -> &'static str {
+        Self::ALL
+            .iter()
+            .find(|(_, e)| *e == self)
+            .map_or("?", |(n, _)| n)
+    }
+
+    /// The option of its command that sets how many requests it runs at
+    /// once (short and long form).
+    pub fn capacity_options(self) -> &'static [&'static str] {
+        match self {
+            Self::LlamaCpp => &["-np", "--parallel"],
+            Self::Vllm => &["--max-num-seqs"],
+            Self::Sglang => &["--max-running-requests"],
         }
     }
 }
@@ -182,18 +249,35 @@ impl Preset {
         match self {
             Self::Vllm => "vllm serve {model} --host 127.0.0.1 --port {port} {args}",
             Self::Sglang => {
-                "python3 -m sglang.launch_server --model-path {model} --host 127.0.0.1 --port {port} {args}"
+                "python3 -m sglang.launch_server --model-path {model} --host 127.0.0.1 --port {port} --enable-metrics {args}"
             }
-            Self::LlamaCpp => "llama-server --model {model} --host 127.0.0.1 --port {port} {args}",
+            Self::LlamaCpp => {
+                "llama-server --model {model} --host 127.0.0.1 --port {port} --metrics {args}"
+            }
             Self::Ollama => "OLLAMA_HOST=127.0.0.1:{port} ollama serve {args}",
         }
     }
 
-    /// The path that answers once the engine can serve.
+    /// The path that answers once the engine can serve, and costs it
+    /// nothing to ask: llama.cpp's, vLLM's and SGLang's own `/health`
+    /// (503 while llama.cpp or SGLang load; SGLang's makes one token only
+    /// when nothing else runs), Ollama's version (it has no health path,
+    /// and loads a model only when a call asks for it).
     pub fn health_path(self) -> &'static str {
         match self {
-            Self::LlamaCpp => "/health",
-            Self::Vllm | Self::Sglang | Self::Ollama => "/v1/models",
+            Self::LlamaCpp | Self::Vllm | Self::Sglang => "/health",
+            Self::Ollama => "/api/version",
+        }
+    }
+
+    /// Whose format its load is read in (Ollama tells none: `/api/ps` lists
+    /// the models loaded, not the requests running or waiting).
+    pub fn load_engine(self) -> Option<LoadEngine> {
+        match self {
+            Self::Vllm => Some(LoadEngine::Vllm),
+            Self::Sglang => Some(LoadEngine::Sglang),
+            Self::LlamaCpp => Some(LoadEngine::LlamaCpp),
+            Self::Ollama => None,
         }
     }
 
@@ -254,6 +338,30 @@ impl Engine {
     /// The health path on the engine's server.
     pub fn health_path(&self) -> &str {
         self.preset.map_or("/v1/models", Preset::health_path)
+    }
+
+    /// How many requests `engine`'s command says it runs at once
+    /// (`--max-num-seqs 64`, `-np 4`, `--parallel=4`), when the command
+    /// says so.
+    pub fn capacity_in_command(&self, engine: LoadEngine) -> Option<usize> {
+        let command = fill(&self.command, "", "", &self.args, self.gpu.as_deref());
+        let words: Vec<&str> = command.split_whitespace().collect();
+        let options = engine.capacity_options();
+        // The last one given wins, as with the engines' own parsers.
+        words
+            .iter()
+            .enumerate()
+            .filter_map(|(i, word)| {
+                options.iter().find_map(|option| {
+                    let value = match word.strip_prefix(option)? {
+                        "" => words.get(i + 1).copied()?,
+                        rest => rest.strip_prefix('=')?,
+                    };
+                    value.parse::<usize>().ok()
+                })
+            })
+            .next_back()
+            .filter(|n| (1..=MAX_CONCURRENCY as usize).contains(n))
     }
 }
 
@@ -360,6 +468,8 @@ pub(super) struct RawEndpoint {
     mock: Option<Value>,
     #[schemars(with = "Option<RawHealth>")]
     health: Option<Value>,
+    #[schemars(with = "Option<RawLoad>")]
+    load: Option<Value>,
     /// `external`: a shell command run at the start of the run (e.g. `ssh
     /// host systemctl --user start vllm`). Default: none.
     start_cmd: Option<String>,
@@ -426,18 +536,26 @@ pub(super) struct RawEndpoint {
     role: Option<String>,
 }
 
-/// How an endpoint is watched. A monitor probes it every `interval`; failed
-/// calls count too. After `max_failures` failures in a row it is unhealthy
-/// and gets no new items (its calls in flight go to other endpoints); after
-/// `recover_after` successes it is healthy again. Default: every key's
-/// default.
+/// How an endpoint is watched. While its calls go well they are the
+/// signal, and it is not probed: a monitor probes it once it has shown no
+/// sign of life (an answer, a streamed token) for `interval`, which is when
+/// it is idle or its calls fail or hang. Failed calls count too. After
+/// `max_failures` failures in a row it is unhealthy and gets no new items
+/// (its calls in flight go to other endpoints); after `recover_after`
+/// successes it is healthy again. Default: every key's default.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 struct RawHealth {
-    /// The probe's path on the server (`/v1/models`). Default: for an engine
-    /// evalfleet starts, its preset's (`/health` for llama.cpp, else
-    /// `/v1/models`); else `models` under the base URL.
+    /// The probe's path on the server (`/health`): one that costs the
+    /// server nothing, as a probe of an endpoint whose calls hang competes
+    /// with them. Default: for an engine evalfleet starts with a preset,
+    /// the engine's own (`/health` for llama.cpp, vLLM and SGLang,
+    /// `/api/version` for Ollama); else `models` under the base URL (every
+    /// OpenAI-compatible server has it; llama-cpp-python's waits for the
+    /// model while a call runs).
     path: Option<String>,
-    /// The time between probes. Default `5s`.
+    /// How long the endpoint may show no sign of life (no answer, no
+    /// streamed token) before it is probed; an unhealthy one is probed
+    /// five times as often. Default `5s`.
     #[schemars(with = "Option<super::schema::Duration>")]
     interval: Option<String>,
     /// The time a probe may take. Default `10s`.
@@ -453,6 +571,33 @@ struct RawHealth {
     /// to ten). Default `30s`.
     #[schemars(with = "Option<super::schema::Duration>")]
     ejection: Option<String>,
+}
+
+/// How the engine's own account of its load is read (how many requests it
+/// can run at once, how many it runs and how many wait in its queue), for
+/// the concurrency controller (see `docs/fleet.md`). Read once when the
+/// endpoint is ready, then every `interval` while it has
+/// calls in flight; an engine that does not report its load (the path is
+/// absent, or its answer is not the engine's format) is read no more, and
+/// the limit is found from the calls' answers alone. Default: every key's
+/// default.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+struct RawLoad {
+    /// Whose answers to read: `vllm` (`GET /metrics`), `sglang` (`GET
+    /// /metrics`, served with `--enable-metrics`), `llama.cpp` (`GET
+    /// /props` for its slots, then `GET /metrics`, served with
+    /// `--metrics`, or else `GET /slots`), or `none`. Default: for `local`
+    /// and `remote`, the preset's engine (`none` for `ollama` and for a
+    /// `command` without a preset); else `none`.
+    engine: Option<String>,
+    /// The path of the reading on the server's origin (`/metrics`), read
+    /// in the engine's format (for `llama.cpp`, a JSON list is its slots,
+    /// anything else its metrics). Default: the engine's (see `engine`).
+    path: Option<String>,
+    /// The time between readings while the endpoint has calls in flight
+    /// (at least `100ms`). Default `1s`.
+    #[schemars(with = "Option<super::schema::Duration>")]
+    interval: Option<String>,
 }
 
 /// The adaptive limit's bounds and settings: once a round trip, the limit
@@ -472,8 +617,15 @@ pub(super) struct RawAdaptive {
     /// The factor a cut multiplies the limit by, between 0 and 1. Default
     /// 0.7.
     decrease_ratio: Option<f64>,
-    /// How far round trips may rise above their unloaded level before the
-    /// limit is cut, as a share of it (0.2: 20%). Default 0.2.
+    /// How much a step up of the limit must add to throughput, as a share
+    /// of what it would add if every added call were served as fast as the
+    /// others (0.2: a fifth); where it adds less, more calls would only
+    /// wait, and the limit goes back to the fewest calls that served as
+    /// well. Between 0 and 1. Default 0.2.
+    gain: Option<f64>,
+    /// Ignored: the limit no longer follows round trips but throughput
+    /// (see `gain`); kept so that configurations that set it still load.
+    /// Default: none.
     rtt_tolerance: Option<f64>,
 }
 
@@ -755,6 +907,19 @@ fn endpoint(
             .and_then(|h| health(h, &field("health"), p)),
         None => Some(HealthSettings::default()),
     };
+    let default_engine = match &kind {
+        Some(EndpointKind::Local(engine)) => engine.preset.and_then(Preset::load_engine),
+        Some(EndpointKind::Remote(remote)) => remote.engine.preset.and_then(Preset::load_engine),
+        _ => None,
+    };
+    let load = match &raw.load {
+        Some(value) => raw::section::<RawLoad>(value, &field("load"), p.0)
+            .and_then(|l| load(l, default_engine, &field("load"), p)),
+        None => Some(LoadSettings {
+            engine: default_engine,
+            ..LoadSettings::default()
+        }),
+    };
     let role = match raw.role.as_deref() {
         None | Some("items") => Some(EndpointRole::Items),
         Some("judge") => Some(EndpointRole::Judge),
@@ -776,6 +941,7 @@ fn endpoint(
         headers: headers?,
         params: params?,
         health: health?,
+        load: load?,
     })
 }
 
@@ -838,7 +1004,8 @@ fn concurrency(raw: Option<&Value>, at: &str, p: &mut Problems<'_>) -> Option<Li
                 .initial
                 .unwrap_or(adaptive.initial.max(min).min(max.max(min)));
             let ratio = raw.decrease_ratio.unwrap_or(adaptive.decrease_ratio);
-            let tolerance = raw.rtt_tolerance.unwrap_or(adaptive.rtt_tolerance);
+            let gain = raw.gain.unwrap_or(adaptive.gain);
+            let _ignored = raw.rtt_tolerance;
             let before = p.0.len();
             if min == 0 {
                 p.push::<()>(&path::key(at, "min"), "must be at least 1, got 0");
@@ -861,10 +1028,10 @@ fn concurrency(raw: Option<&Value>, at: &str, p: &mut Problems<'_>) -> Option<Li
                     format!("must be between 0 and 1, got {ratio}"),
                 );
             }
-            if !(tolerance >= 0.0 && tolerance.is_finite()) {
+            if !(gain > 0.0 && gain < 1.0) {
                 p.push::<()>(
-                    &path::key(at, "rtt_tolerance"),
-                    format!("must be a fraction of at least 0 (0.2: 20%), got {tolerance}"),
+                    &path::key(at, "gain"),
+                    format!("must be between 0 and 1 (0.2: a fifth), got {gain}"),
                 );
             }
             (p.0.len() == before).then_some(LimitMode::Adaptive(AimdSettings {
@@ -872,8 +1039,7 @@ fn concurrency(raw: Option<&Value>, at: &str, p: &mut Problems<'_>) -> Option<Li
                 min,
                 max,
                 decrease_ratio: ratio,
-                rtt_tolerance: tolerance,
-                ..adaptive
+                gain,
             }))
         }
         Some(other) => p.push(
@@ -910,6 +1076,50 @@ fn health(raw: RawHealth, at: &str, p: &mut Problems<'_>) -> Option<HealthSettin
         max_failures: max_failures?,
         recover_after: recover_after?,
         ejection: ejection?,
+    })
+}
+
+/// The least time between two readings of an engine's load.
+const LOAD_INTERVAL_FLOOR: Duration = Duration::from_millis(100);
+
+fn load(
+    raw: RawLoad,
+    default_engine: Option<LoadEngine>,
+    at: &str,
+    p: &mut Problems<'_>,
+) -> Option<LoadSettings> {
+    let field = |name: &str| path::key(at, name);
+    let engine = match raw.engine.as_deref() {
+        None => Some(default_engine),
+        Some("none") => Some(None),
+        Some(name) => match LoadEngine::parse(name) {
+            Some(engine) => Some(Some(engine)),
+            None => p.push(
+                &field("engine"),
+                format!("must be vllm, sglang, llama.cpp or none, got '{name}'"),
+            ),
+        },
+    };
+    let path = match raw.path {
+        Some(path) if !path.starts_with('/') => {
+            p.push(&field("path"), format!("must start with '/', got '{path}'"))
+        }
+        other => Some(other),
+    };
+    let interval = match p.duration(&field("interval"), raw.interval.as_deref(), "1s") {
+        Some(d) if d < LOAD_INTERVAL_FLOOR => p.push(
+            &field("interval"),
+            format!(
+                "must be at least 100ms, got {}",
+                humantime::format_duration(d)
+            ),
+        ),
+        other => other,
+    };
+    Some(LoadSettings {
+        engine: engine?,
+        path: path?,
+        interval: interval?,
     })
 }
 
@@ -1007,7 +1217,7 @@ fn engine(
 }
 
 /// The concurrency controller's settings (`concurrency: {min, max, initial,
-/// decrease_ratio, rtt_tolerance}`).
+/// decrease_ratio, gain}`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AimdSettings {
     /// The limit to start from.
@@ -1016,10 +1226,9 @@ pub struct AimdSettings {
     pub max: usize,
     /// The factor a decrease multiplies by (0 < ratio < 1).
     pub decrease_ratio: f64,
-    /// How many deviations above its baseline an RTT must rise.
-    pub rtt_deviation_k: f64,
-    /// And by how much of the baseline (0.2: 20%).
-    pub rtt_tolerance: f64,
+    /// The share of a step's proportional gain in throughput that it must
+    /// bring for the limit to grow on (0 < gain < 1).
+    pub gain: f64,
 }
 
 impl Default for AimdSettings {
@@ -1029,8 +1238,7 @@ impl Default for AimdSettings {
             min: 1,
             max: 1024,
             decrease_ratio: 0.7,
-            rtt_deviation_k: 2.0,
-            rtt_tolerance: 0.2,
+            gain: 0.2,
         }
     }
 }

@@ -32,7 +32,7 @@ pub use conversation::{
 };
 pub use endpoint::{
     AimdSettings, EndpointConfig, EndpointKind, EndpointRole, Engine, HealthSettings, LimitMode,
-    Preset, Remote,
+    LoadEngine, LoadSettings, Preset, Remote,
 };
 pub use env::{Vars, is_name as is_variable_name};
 pub use evalfleet_mock::MockSettings;

@@ -409,7 +409,14 @@ mod tests {
         let bounds = at(&[key("endpoints"), Segment::Index(0), key("concurrency")]);
         assert_eq!(
             bounds,
-            keys(&["decrease_ratio", "initial", "max", "min", "rtt_tolerance"])
+            keys(&[
+                "decrease_ratio",
+                "gain",
+                "initial",
+                "max",
+                "min",
+                "rtt_tolerance"
+            ])
         );
         let outage = at(&[
             key("endpoints"),

@@ -20,6 +20,7 @@ use serde_json::value::RawValue;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::aimd::Sample;
 use super::runtime::FleetHandle;
 use super::window::Answered;
 use super::{Endpoint, Health, Permit, Signal};
@@ -328,20 +329,28 @@ fn cut_off(
     )
 }
 
-/// What a call's outcome says to the concurrency controller: round trips
-/// of successful calls, and back pressure: a refused connection, a 429,
-/// 503 or 408, no answer in time, and an answer cut off after another call
-/// arrived (`overtaken`: servers that serve one stream at a time end the
-/// running one). A fault of the call alone (a 500, a stall, a broken
-/// stream) says nothing about load. The controller itself tells load from
+/// What a call's outcome says to the concurrency controller: a successful
+/// call's round trip, latency and tokens (its work); back pressure: a
+/// refused connection, a 429, 503 or 408, no answer in time, a stream
+/// dropped after another call arrived (`overtaken`); and a stream ended
+/// cleanly without a `finish_reason` after another call arrived, a cut
+/// (servers that serve one stream at a time end the running one so). A
+/// fault of the call alone (a 500, a stall, a broken stream) says nothing
+/// about load. The controller itself tells load from
 /// back pressure that comes whatever the load (see [`super::aimd`]).
 fn signal(result: &Result<Completion, CallError>, timing: &Timing, overtaken: bool) -> Signal {
     match result {
-        Ok(_) => Signal::Success(timing.ttft.unwrap_or(timing.latency)),
+        Ok(completion) => Signal::Success(Sample {
+            rtt: timing.ttft.unwrap_or(timing.latency),
+            latency: timing.latency,
+            work: completion
+                .completion_tokens
+                .filter(|tokens| *tokens > 0)
+                .map_or(1.0, |tokens| tokens as f64),
+        }),
         Err(CallError::Connect(_)) => Signal::BackPressure,
-        Err(CallError::Unfinished | CallError::Truncated | CallError::Unended) if overtaken => {
-            Signal::BackPressure
-        }
+        Err(CallError::Unfinished) if overtaken => Signal::Cut,
+        Err(CallError::Truncated | CallError::Unended) if overtaken => Signal::BackPressure,
         Err(err)
             if matches!(
                 err.class(),

@@ -32,6 +32,9 @@ pub struct ConcurrencyLimit {
 pub struct Permit {
     limit: Arc<ConcurrencyLimit>,
     slot: Option<OwnedSemaphorePermit>,
+    /// The limit when the call started, if it started with the limit
+    /// (all but) reached: what the call teaches is about that level.
+    level: Option<usize>,
 }
 
 impl ConcurrencyLimit {
@@ -74,6 +77,9 @@ impl ConcurrencyLimit {
         let mut state = self.state();
         state.in_flight += 1;
         let in_flight = state.in_flight;
+        // A call that starts with the limit all but reached (a limit just
+        // raised fills over the next starts) runs at that level.
+        let level = (in_flight + state.limit / 5 >= state.limit).then_some(state.limit);
         if let Some(controller) = state.controller.as_mut() {
             controller.on_start(in_flight);
         }
@@ -81,6 +87,7 @@ impl ConcurrencyLimit {
         Permit {
             limit: self.clone(),
             slot: Some(slot),
+            level,
         }
     }
 
@@ -96,6 +103,27 @@ impl ConcurrencyLimit {
 
     pub fn is_adaptive(&self) -> bool {
         self.state().controller.is_some()
+    }
+
+    /// The engine says it serves `capacity` calls at once: an adaptive
+    /// limit starts there and does not pass it.
+    pub fn engine_capacity(&self, capacity: usize) -> Option<Decision> {
+        let mut state = self.state();
+        let decision = state
+            .controller
+            .as_mut()
+            .and_then(|c| c.on_capacity(capacity));
+        if let Some(decision) = decision {
+            self.resize(&mut state, decision.to);
+        }
+        decision
+    }
+
+    /// The engine says `waiting` calls wait in its queue.
+    pub fn engine_queue(&self, waiting: f64) {
+        if let Some(controller) = self.state().controller.as_mut() {
+            controller.on_engine_queue(waiting);
+        }
     }
 
     fn resize(&self, state: &mut State, to: usize) {
@@ -130,7 +158,7 @@ impl Permit {
         let decision = state
             .controller
             .as_mut()
-            .and_then(|c| c.on_end(Instant::now(), signal));
+            .and_then(|c| c.on_end(Instant::now(), signal, self.level));
         if let Some(decision) = decision {
             limit.resize(&mut state, decision.to);
         }

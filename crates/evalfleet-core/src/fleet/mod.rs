@@ -12,7 +12,9 @@ pub mod call;
 pub mod engine;
 pub mod gpu;
 pub mod limit;
+pub mod load;
 pub mod outlier;
+pub mod prometheus;
 pub mod rate;
 pub mod runtime;
 pub mod window;
@@ -25,9 +27,10 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-pub use aimd::{AimdSettings, Decision, Reason, Signal};
+pub use aimd::{AimdSettings, Decision, Reason, Sample, Signal};
 pub use breaker::{Breaker, BreakerState, Health, Transition};
 pub use limit::{ConcurrencyLimit, LimitMode, Permit};
+pub use load::{EngineLoad, LoadPoller, LoadReading, LoadState};
 pub use rate::{Quota, RateEvent, RateLimiter};
 
 use evalfleet_types::{EndpointSnapshot, EndpointState, ErrorClass, FadingMax};
@@ -185,6 +188,8 @@ pub struct Endpoint {
     reach: Mutex<Reach>,
     /// Set once it answered: every later call skips the lock above.
     answered: AtomicBool,
+    /// What its engine says of its load ([`load`]).
+    load: Arc<watch::Sender<LoadState>>,
 }
 
 /// Whether an endpoint ever answered an HTTP request (a call's or a
@@ -203,10 +208,21 @@ pub enum Reach {
 impl Endpoint {
     pub fn new(config: &EndpointConfig, default_timeout: Duration) -> Self {
         let now = Instant::now();
+        // What its engine's command says it runs at once, until the engine
+        // says it itself.
+        let capacity = config
+            .load
+            .engine
+            .zip(config.kind.engine())
+            .and_then(|(load, engine)| engine.capacity_in_command(load));
+        let limit = ConcurrencyLimit::new(config.concurrency);
+        if let Some(capacity) = capacity {
+            limit.engine_capacity(capacity);
+        }
         Self {
             name: config.name.clone(),
             model: config.model.clone(),
-            limit: ConcurrencyLimit::new(config.concurrency),
+            limit,
             rate: RateLimiter::new(config.rpm, config.tpm, now),
             counters: Arc::new(EndpointCounters::default()),
             timeout: config.timeout.unwrap_or(default_timeout),
@@ -232,6 +248,7 @@ impl Endpoint {
             window: Mutex::new(window::Window::default()),
             reach: Mutex::new(Reach::Untried),
             answered: AtomicBool::new(false),
+            load: Arc::new(watch::channel(LoadState::new(capacity, config.load.interval)).0),
             config: config.clone(),
         }
     }
@@ -436,6 +453,13 @@ impl Endpoint {
         self.status().outcomes.totals(second)
     }
 
+    /// When its calls last showed that it works (an answer that was not a
+    /// 5xx, an event of a stream: [`crate::client::Pulse`]), since its
+    /// client was made.
+    pub fn last_sign_of_life(&self) -> Option<Instant> {
+        self.client().and_then(|client| client.pulse().last())
+    }
+
     /// What its calls normally take at most, once it has made enough.
     pub fn normal_latency(&self) -> Option<Duration> {
         self.status().latency.value(LATENCY_KNOWN)
@@ -491,6 +515,50 @@ impl Endpoint {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+
+    /// How many requests its engine runs at once, once known: the engine's
+    /// own word (llama.cpp's slots), else its command's (`--max-num-seqs`,
+    /// `--max-running-requests`, `-np`). `None` when its load is not read
+    /// (`load.engine: none`) or nothing tells it.
+    pub fn engine_capacity(&self) -> Option<usize> {
+        self.load.borrow().capacity
+    }
+
+    /// Its engine's latest load reading, while it is current (made within
+    /// [`load::FRESH_READINGS`] intervals): `None` before the first
+    /// reading, while it is idle (it is not read then), and when its engine
+    /// does not report its load.
+    pub fn engine_load(&self) -> Option<EngineLoad> {
+        self.load.borrow().fresh(Instant::now())
+    }
+
+    /// All that is known of its engine's load, changed at each reading.
+    pub fn load_updates(&self) -> watch::Receiver<LoadState> {
+        self.load.subscribe()
+    }
+
+    /// The task that reads its engine's load at `base_url`'s origin while
+    /// it serves, if its load is read: made once it is ready, it ends when
+    /// it leaves the run's service (it is stopped, restarted, removed).
+    pub fn load_poller(&self, base_url: &str) -> Option<LoadPoller> {
+        let engine = self.config.load.engine?;
+        let stop = self.eviction();
+        // Taken after the token: were it no longer serving, that token
+        // might be a fresh one, never cancelled.
+        if self.phase() != Phase::Ready {
+            return None;
+        }
+        Some(LoadPoller {
+            endpoint: self.name.clone(),
+            origin: load::origin(base_url),
+            engine,
+            settings: self.config.load.clone(),
+            counters: self.counters.clone(),
+            state: self.load.clone(),
+            limit: self.limit.clone(),
+            stop,
+        })
     }
 
     /// How long ago the endpoint was made (when the run's fleet was).

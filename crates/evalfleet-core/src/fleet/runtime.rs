@@ -256,13 +256,6 @@ fn deactivate(shared: &Shared, endpoint: &Endpoint) -> bool {
 }
 
 /// A URL's scheme, host and port.
-fn origin(url: &str) -> String {
-    match reqwest::Url::parse(url) {
-        Ok(parsed) => parsed.origin().ascii_serialization(),
-        Err(_) => url.to_owned(),
-    }
-}
-
 /// Where an endpoint is probed.
 pub fn health_url(config: &EndpointConfig, base_url: &str) -> String {
     let path = config
@@ -271,7 +264,7 @@ pub fn health_url(config: &EndpointConfig, base_url: &str) -> String {
         .clone()
         .or_else(|| config.kind.engine().map(|e| e.health_path().to_owned()));
     match path {
-        Some(path) => format!("{}{path}", origin(base_url)),
+        Some(path) => format!("{}{path}", super::load::origin(base_url)),
         None => format!("{}/models", base_url.trim_end_matches('/')),
     }
 }
@@ -324,6 +317,12 @@ fn serve(
     .with_stalls(shared.stalls);
     endpoint.set_client(client, base_url.to_owned(), pid);
     endpoint.set_phase(Phase::Ready);
+    // Its engine's load is read off the call path while it serves.
+    if let Some(poller) = endpoint.load_poller(base_url) {
+        shared
+            .tracker
+            .spawn(tracing::Instrument::in_current_span(poller.run()));
+    }
     Ok(())
 }
 
@@ -336,8 +335,12 @@ enum Ended {
     StayedUnhealthy,
 }
 
-/// Probes the endpoint every `interval` while it serves, until stopped, the
-/// process dies, or (when `restart_after` is set) it stays unhealthy.
+/// Watches the endpoint while it serves, until stopped, the process dies,
+/// or (when `restart_after` is set) it stays unhealthy. Its calls are the
+/// health signal while they go well: it is probed only once it has shown
+/// no sign of life for `interval` ([`probe_due`]), at once when its calls
+/// fail one after another or it stops taking items, and five times as
+/// often while unhealthy.
 async fn watch(
     shared: &Shared,
     endpoint: &Endpoint,
@@ -355,12 +358,15 @@ async fn watch(
     // back soon after it recovers; a change of state probes at once.
     let recovering = (health.interval / 5).max(Duration::from_millis(100));
     let mut changes = endpoint.changes();
+    let mut probed = Instant::now();
     loop {
-        let next = if endpoint.breaker_state() == super::BreakerState::Closed {
-            health.interval
-        } else {
-            recovering
-        };
+        let due = probe_due(
+            endpoint.breaker_state(),
+            probed,
+            endpoint.last_sign_of_life(),
+            health.interval,
+            recovering,
+        );
         let exited = async {
             match process.as_mut() {
                 Some(process) => process.wait().await,
@@ -376,11 +382,25 @@ async fn watch(
                 };
                 return Ended::Died(how);
             }
-            () = tokio::time::sleep(next) => {}
+            () = tokio::time::sleep_until(due) => {
+                // Its calls may have shown it works meanwhile.
+                let now = Instant::now();
+                let due = probe_due(
+                    endpoint.breaker_state(),
+                    probed,
+                    endpoint.last_sign_of_life(),
+                    health.interval,
+                    recovering,
+                );
+                if due > now {
+                    continue;
+                }
+            }
             _ = changes.changed() => {}
             () = endpoint.probe_now.notified() => {}
         }
         let result = probe(endpoint, &http, &url, health.timeout).await;
+        probed = Instant::now();
         match endpoint.on_probe(result.is_ok()) {
             Some(Transition::Faulty) => judge_faulty(shared, endpoint),
             transition => report_transition(shared, endpoint, transition, result.err()),
@@ -391,6 +411,28 @@ async fn watch(
         {
             return Ended::StayedUnhealthy;
         }
+    }
+}
+
+/// When an endpoint whose breaker is in `state`, last probed at `probed`,
+/// is due for its next probe. While it takes items, `interval` after it
+/// last showed a sign of life, its last probe's or its calls' (`life`): an
+/// endpoint whose calls go well is never probed, one that is idle, or whose
+/// calls fail or hang, once an interval; no probe competes with calls that
+/// go well (on a server that serves one request at a time, a probe that
+/// waits cuts the running stream). While unhealthy, `recovering` after its
+/// last probe.
+fn probe_due(
+    state: super::BreakerState,
+    probed: Instant,
+    life: Option<Instant>,
+    interval: Duration,
+    recovering: Duration,
+) -> Instant {
+    if state == super::BreakerState::Closed {
+        life.map_or(probed, |life| life.max(probed)) + interval
+    } else {
+        probed + recovering
     }
 }
 
@@ -1213,5 +1255,79 @@ fn check_exhausted(shared: &Shared, endpoints: &[Arc<Endpoint>], since: &mut Opt
             "No endpoint could take items for {}.",
             humantime::format_duration(timeout)
         ));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fleet::BreakerState;
+
+    /// The endpoints of a config whose `endpoints:` are `endpoints`.
+    fn endpoints(endpoints: Value) -> Vec<EndpointConfig> {
+        // The config names a dataset that exists; nothing reads it.
+        let dataset = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+        let config = serde_json::json!({
+            "name": "t",
+            "dataset": {"path": dataset, "format": "jsonl"},
+            "endpoints": endpoints,
+            "task": {"messages": [{"role": "user", "content": "{{ q }}"}]},
+        });
+        crate::config::load_snapshot(&config, std::path::Path::new("."))
+            .unwrap()
+            .config
+            .endpoints
+    }
+
+    #[test]
+    fn each_engine_is_probed_on_a_path_that_costs_it_nothing() {
+        let local = |name: &str, preset: &str| serde_json::json!({"name": name, "kind": "local", "preset": preset, "model": "m"});
+        let configs = endpoints(serde_json::json!([
+            local("l", "llama.cpp"),
+            local("v", "vllm"),
+            local("s", "sglang"),
+            local("o", "ollama"),
+            {"name": "c", "kind": "local", "command": "serve --port {port}", "model": "m"},
+            {"name": "e", "kind": "external", "base_url": "http://h:1/api/v1/", "model": "m"},
+            {"name": "p", "kind": "external", "base_url": "http://h:1/v1", "model": "m",
+             "health": {"path": "/ping"}},
+        ]));
+        let urls: Vec<String> = configs
+            .iter()
+            .map(|c| health_url(c, "http://127.0.0.1:9/v1"))
+            .collect();
+        assert_eq!(
+            urls,
+            [
+                "http://127.0.0.1:9/health",
+                "http://127.0.0.1:9/health",
+                "http://127.0.0.1:9/health",
+                "http://127.0.0.1:9/api/version",
+                "http://127.0.0.1:9/v1/models",
+                "http://127.0.0.1:9/v1/models",
+                "http://127.0.0.1:9/ping",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_probe_is_due_only_an_interval_after_the_last_sign_of_life() {
+        let interval = Duration::from_secs(5);
+        let recovering = Duration::from_secs(1);
+        let probed = Instant::now();
+        let due = |state, life| probe_due(state, probed, life, interval, recovering);
+        // Idle since its last probe: an interval after it.
+        assert_eq!(due(BreakerState::Closed, None), probed + interval);
+        // A call answered or streamed since: an interval after that, so
+        // an endpoint whose calls go on showing life is never probed.
+        let life = probed + Duration::from_secs(3);
+        assert_eq!(due(BreakerState::Closed, Some(life)), life + interval);
+        // Life before the last probe counts from the probe.
+        let earlier = probed.checked_sub(Duration::from_secs(3));
+        assert_eq!(due(BreakerState::Closed, earlier), probed + interval);
+        // Unhealthy: five times as often, whatever its calls in flight say.
+        for state in [BreakerState::Open, BreakerState::HalfOpen] {
+            assert_eq!(due(state, Some(life)), probed + recovering);
+        }
     }
 }
