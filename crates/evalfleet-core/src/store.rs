@@ -334,6 +334,9 @@ pub struct StoredResult {
     /// The input row, as JSON text.
     pub item: Option<String>,
     pub assessment: Assessment,
+    /// For a failed item, the class of its last failed call (`None` when
+    /// no call failed: an item its task could not ask).
+    pub failure: Option<ErrorClass>,
 }
 
 /// The order of a page of results.
@@ -357,6 +360,8 @@ pub struct ResultView<'a> {
     pub scores: Option<&'a str>,
     /// The input row (JSON), when asked for.
     pub item: Option<&'a str>,
+    /// For a failed item, the class of its last failed call.
+    pub failure: Option<ErrorClass>,
 }
 
 /// The part of an attempt that status summaries need.

@@ -50,6 +50,23 @@ impl ErrorClass {
     pub fn is_retryable(self) -> bool {
         !matches!(self, Self::Fatal)
     }
+
+    /// Whether a call that failed so says nothing of the model: the server
+    /// refused it, cut it, let it time out, or answered with an error of
+    /// its own (5xx, 429) or with no valid completion. An item whose last
+    /// call failed so failed for the server's sake, and counts in no mean;
+    /// a request the server found wrong (`Fatal`: a prompt past the
+    /// model's context) says something of the item and the model.
+    pub fn is_the_server_s(self) -> bool {
+        matches!(
+            self,
+            Self::Retryable
+                | Self::BackPressure
+                | Self::BadResponse
+                | Self::FirstByteTimeout
+                | Self::Stalled
+        )
+    }
 }
 
 #[cfg(test)]
@@ -68,6 +85,20 @@ mod tests {
         let err = ErrorClass::parse("slow").unwrap_err();
         assert_eq!(err.to_string(), "unknown error class 'slow'");
         assert!(!ErrorClass::Fatal.is_retryable());
+        let servers: Vec<_> = ErrorClass::ALL
+            .iter()
+            .filter(|c| c.is_the_server_s())
+            .collect();
+        assert_eq!(
+            servers,
+            [
+                &ErrorClass::Retryable,
+                &ErrorClass::BackPressure,
+                &ErrorClass::BadResponse,
+                &ErrorClass::FirstByteTimeout,
+                &ErrorClass::Stalled
+            ]
+        );
         assert_eq!(
             serde_json::to_string(&ErrorClass::InvalidAnswer).unwrap(),
             "\"invalid_answer\""

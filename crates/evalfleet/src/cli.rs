@@ -535,7 +535,8 @@ pub enum CacheAction {
 }
 
 /// `evalfleet supervise` (internal): runs an engine's command in a process
-/// group of its own, which ends with the run.
+/// group of its own, in a session apart from the run's, and ends it with
+/// the run.
 #[derive(Debug, clap::Args)]
 pub struct SuperviseArgs {
     /// Where to write the command's pid once it runs.
@@ -549,6 +550,25 @@ pub struct SuperviseArgs {
     /// A shell command to run once the group has ended.
     #[arg(long)]
     pub on_exit: Option<String>,
+
+    /// A claim file, held locked while this supervisor lives; what it
+    /// starts carries the file's path (EVALFLEET_CLAIM), and what a dead
+    /// holder of the same file left is ended before the command starts.
+    #[arg(long)]
+    pub claim: Option<PathBuf>,
+
+    /// How long to wait for a live holder of --claim to let it go.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "60s")]
+    pub claim_wait: Duration,
+
+    /// Claim files whose path starts with this: what their dead holders
+    /// left is ended before the command starts.
+    #[arg(long)]
+    pub leftovers: Option<PathBuf>,
+
+    /// What the log says was started, instead of the command itself.
+    #[arg(long)]
+    pub label: Option<String>,
 
     /// The command, run by `sh -c`.
     #[arg(last = true, required = true)]

@@ -7,7 +7,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use evalfleet_core::config::{Config, EndpointKind, MockSettings};
-use evalfleet_core::fleet::engine::{Launcher, RemoteCommands, shell_join};
+use evalfleet_core::fleet::engine::{Launcher, Owner, REMOTE_STATE, RemoteCommands, shell_join};
 use evalfleet_core::fleet::gpu::{self, GpuReport};
 use evalfleet_core::fleet::runtime::{FleetOptions, GpuPolicy, MockGuard, MockStarter};
 use evalfleet_mock::MockServer;
@@ -59,6 +59,7 @@ pub fn options(
         launcher: Launcher {
             program: std::env::current_exe()?,
             log_dir,
+            claims: std::path::absolute(store.dir().join(".engines"))?,
         },
         mocks: Arc::new(InProcessMocks),
         active,
@@ -173,22 +174,42 @@ pub fn dry_run(config: &Config) {
                 let local_port = remote
                     .local_port
                     .map_or_else(|| "PORT".to_owned(), |p| p.to_string());
+                // Each start has an owner of its own, written beside the
+                // session: placeholders here.
+                let owner = Owner {
+                    store: "STORE".to_owned(),
+                    start: "START".to_owned(),
+                };
                 let commands =
-                    RemoteCommands::new(remote, &endpoint.model, remote_port, &local_port);
-                let mask = |argv: &[String]| {
-                    let mut line = shell_join(argv);
+                    RemoteCommands::new(remote, &endpoint.model, remote_port, &local_port, &owner);
+                let mask = |line: String| {
+                    let mut line = line;
                     for (_, value) in &remote.engine.env {
                         line = line.replace(value.expose(), "***");
                     }
                     line
                 };
-                println!("  start:    {}", mask(&commands.start));
-                println!("  tunnel:   {}", mask(&commands.tunnel));
+                println!(
+                    "  engine:   {} (on {}, in tmux session {}; its output in ~/{REMOTE_STATE}/{}.log there and in RUN_ID/{}.log here)",
+                    mask(remote.engine.render(&endpoint.model, remote_port)),
+                    remote.host,
+                    remote.session,
+                    remote.session,
+                    endpoint.name
+                );
+                if let Some(gpu) = &remote.engine.gpu {
+                    println!("  env:      CUDA_VISIBLE_DEVICES={gpu}");
+                }
+                for (key, _) in &remote.engine.env {
+                    println!("  env:      {key}=***");
+                }
+                println!("  start:    {}", mask(shell_join(&commands.start)));
+                println!("  tunnel:   {}", mask(shell_join(&commands.tunnel)));
                 println!(
                     "  ready:    GET http://127.0.0.1:{local_port}{}",
                     remote.engine.health_path()
                 );
-                println!("  stop:     {}", mask(&commands.stop));
+                println!("  stop:     {}", mask(shell_join(&commands.stop)));
             }
         }
     }

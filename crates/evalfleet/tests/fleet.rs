@@ -11,7 +11,7 @@ use tokio::process::{Child, Command};
 use crate::util::{BIN, Env, by_id, config, external, external_with, mock, ms, wait_until};
 
 /// Whether a process runs (a zombie does not count).
-fn alive(pid: u32) -> bool {
+pub(crate) fn alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(stat) => stat
             .rsplit_once(") ")
@@ -20,8 +20,103 @@ fn alive(pid: u32) -> bool {
     }
 }
 
+/// Whether process `pid` is there at all, a zombie included.
+pub(crate) fn exists(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// The processes whose `/proc/PID/FILE` (NUL-separated) has a part that
+/// `matches`.
+fn processes_where(file: &str, matches: impl Fn(&[u8]) -> bool) -> Vec<u32> {
+    let me = std::process::id();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| pid != me)
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/{file}"))
+                .is_ok_and(|bytes| bytes.split(|b| *b == 0).any(&matches))
+        })
+        .collect()
+}
+
+/// The processes whose environment holds `var` (`NAME=value`): an engine
+/// started with a mark of the test's own. A zombie has no environment.
+pub(crate) fn with_env(var: &str) -> Vec<u32> {
+    processes_where("environ", |part| part == var.as_bytes())
+}
+
+/// The processes with an argument that contains `text`.
+pub(crate) fn with_arg(text: &str) -> Vec<u32> {
+    processes_where("cmdline", |part| {
+        String::from_utf8_lossy(part).contains(text)
+    })
+}
+
+/// Whether nothing listens on 127.0.0.1:`port`.
+pub(crate) fn port_free(port: u16) -> bool {
+    std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
+}
+
+/// A free port on 127.0.0.1.
+pub(crate) fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Starts the binary in a process group of its own (as a shell starts a
+/// command), its output thrown away.
+pub(crate) fn spawn_in_group(env: &Env, args: &[&str]) -> Child {
+    env.command(args)
+        .process_group(0)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// Sends signal `name` to every process of `child`'s group, as a closed
+/// terminal (HUP) or `kill -- -PGID` does, and waits for `child` to end.
+pub(crate) async fn signal_group(child: &mut Child, name: &str) {
+    let pgid = child.id().unwrap();
+    let status = Command::new("kill")
+        .args([&format!("-{name}"), "--", &format!("-{pgid}")])
+        .status()
+        .await
+        .unwrap();
+    assert!(status.success(), "kill -{name} -- -{pgid} failed");
+    let ended = child.wait().await.unwrap();
+    assert!(
+        ended.code().is_none(),
+        "the run ended by the signal: {ended}"
+    );
+}
+
+/// Kills a supervisor (`pid`) and its run at once, so that neither can
+/// react to the other's end: the supervisor is stopped first (it cannot
+/// clean up when the run's pipe closes), then the run's group and the
+/// supervisor are killed.
+pub(crate) async fn kill_unawares(pid: u32, run: &mut Child) {
+    let send = |signal: &'static str| async move {
+        let sent = Command::new("kill")
+            .args([signal, &pid.to_string()])
+            .status()
+            .await
+            .unwrap();
+        assert!(sent.success(), "kill {signal} {pid}");
+    };
+    send("-STOP").await;
+    signal_group(run, "KILL").await;
+    send("-KILL").await;
+    wait_until(ms(10_000), "the supervisor is gone", || !alive(pid)).await;
+}
+
 /// The run's events, from its store.
-fn events(env: &Env, run_id: &str) -> Vec<(String, String)> {
+pub(crate) fn events(env: &Env, run_id: &str) -> Vec<(String, String)> {
     let Ok(mut store) = evalfleet_store::SqliteStore::open_existing(&env.store_path()) else {
         return Vec::new();
     };
@@ -34,7 +129,7 @@ fn events(env: &Env, run_id: &str) -> Vec<(String, String)> {
 }
 
 /// The pids of engines the run started (from its `started` events), in order.
-fn engine_pids(env: &Env, run_id: &str) -> Vec<u32> {
+pub(crate) fn engine_pids(env: &Env, run_id: &str) -> Vec<u32> {
     events(env, run_id)
         .iter()
         .filter(|(kind, _)| kind == "started")
@@ -45,7 +140,7 @@ fn engine_pids(env: &Env, run_id: &str) -> Vec<u32> {
         .collect()
 }
 
-fn done(env: &Env, run_id: &str) -> u64 {
+pub(crate) fn done(env: &Env, run_id: &str) -> u64 {
     evalfleet_store::SqliteStore::open_existing(&env.store_path())
         .ok()
         .and_then(|mut s| s.counts(run_id).ok())
@@ -258,8 +353,11 @@ async fn an_engine_that_keeps_failing_is_left_out_and_the_run_stops_resumable() 
     let env = Env::new();
     let dataset = env.dataset("items.jsonl", 10);
     // A judge endpoint takes no items: it alone does not keep the run going.
-    let endpoint = "  - name: broken\n    kind: local\n    command: \"exit 3\"\n    model: m\n    \
-                    restarts: 1\n    restart_delay: 100ms\n    startup_timeout: 5s\n\
+    // The engine says why it cannot start, as a server with a wrong model
+    // path does, and the run says it too.
+    let endpoint = "  - name: broken\n    kind: local\n    \
+                    command: \"echo loading /no/such/model.gguf >&2; echo 'error: failed to open /no/such/model.gguf' >&2; exit 3\"\n    \
+                    model: m\n    restarts: 1\n    restart_delay: 100ms\n    startup_timeout: 5s\n\
                     \x20 - name: judge\n    kind: mock\n    role: judge\n    model: m\n";
     env.write("run.yaml", &config(&dataset, endpoint, ""));
     let ran = env
@@ -267,6 +365,19 @@ async fn an_engine_that_keeps_failing_is_left_out_and_the_run_stops_resumable() 
         .await;
     assert_eq!(ran.code, Some(130), "{}", ran.stderr);
     assert!(ran.stderr.contains("No endpoint is left"), "{}", ran.stderr);
+    let said =
+        "its last lines: loading /no/such/model.gguf | error: failed to open /no/such/model.gguf";
+    assert!(
+        ran.stderr.contains(&format!("broken is left out of the run: it failed again after 1 restarts: it exited before it was ready (exit status: 3; log runs/x/broken.log); {said}")),
+        "{}",
+        ran.stderr
+    );
+    assert_eq!(
+        ran.stderr.matches("error: failed to open").count(),
+        ran.stderr.matches(said).count(),
+        "each message quotes its own start's lines, not the earlier ones': {}",
+        ran.stderr
+    );
     let counts = env.counts("x");
     assert_eq!(counts.pending, 10, "nothing lost, everything resumable");
     let kinds: Vec<String> = events(&env, "x").into_iter().map(|(k, _)| k).collect();
@@ -277,118 +388,202 @@ async fn an_engine_that_keeps_failing_is_left_out_and_the_run_stops_resumable() 
     );
     assert!(kinds.iter().any(|k| k == "excluded"));
     let run = env.store().run("x").unwrap();
-    assert!(run.message.unwrap().contains("No endpoint is left"));
+    assert!(run.message.unwrap().contains(said));
 }
 
-/// An `ssh` stand-in: records its arguments, runs "remote" commands here, and
-/// plays the tunnel (the engine listens on the forwarded port itself).
-const FAKE_SSH: &str = r#"#!/usr/bin/env bash
-printf '%s\n' "$*" >> "$EF_SSH_LOG"
-for arg in "$@"; do
-  if [ "$arg" = "-N" ]; then exec sleep 100000; fi
-done
-tmux() {
-  case "$1" in
-    new-session)
-      shift; session=""
-      while [ $# -gt 1 ]; do
-        case "$1" in -s) session="$2"; shift 2;; *) shift;; esac
-      done
-      setsid bash -c "$1" > "$EF_SSH_DIR/$session.out" 2>&1 &
-      echo $! > "$EF_SSH_DIR/$session.pid" ;;
-    kill-session)
-      session="$3"
-      kill -TERM -- "-$(cat "$EF_SSH_DIR/$session.pid")" 2>/dev/null
-      rm -f "$EF_SSH_DIR/$session.pid" ;;
-  esac
+/// A local engine marked with `EF_MARK=mark` in its environment, on `port`
+/// (default: a free one).
+fn marked_engine(dataset: &Path, mark: &str, port: Option<u16>) -> String {
+    let port = port.map_or_else(String::new, |p| format!("    port: {p}\n"));
+    let endpoint = format!(
+        "  - name: engine\n    kind: local\n    \
+         command: \"EF_MARK={mark} {BIN} mock --bind 127.0.0.1:{{port}} --latency 20ms\"\n    \
+         model: mock\n    concurrency: 8\n    restart_delay: 200ms\n    stop_grace: 2s\n{port}"
+    );
+    config(dataset, &endpoint, "retry: { backoff_base: 20ms }")
 }
-eval "${@: -1}"
-"#;
+
+/// Waits until the run serves with its engine up, and returns the engine's
+/// processes (found by their mark).
+async fn serving(env: &Env, run_id: &str, mark: &str, items: u64) -> Vec<u32> {
+    wait_until(ms(30_000), "the engine serves", || {
+        done(env, run_id) >= items && !with_env(mark).is_empty()
+    })
+    .await;
+    with_env(mark)
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_remote_engine_starts_over_ssh_in_tmux_is_reached_through_the_tunnel_and_stopped() {
+async fn a_local_engine_does_not_outlive_a_hangup_or_a_kill_of_the_run_s_process_group() {
     let env = Env::new();
-    let dataset = env.dataset("items.jsonl", 100);
-    let ssh = env.write("fake-ssh", FAKE_SSH);
-    std::fs::set_permissions(&ssh, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let endpoint = format!(
-        "  - name: box\n    kind: remote\n    host: me@gpu-box\n    ssh: {}\n    \
-         command: \"{BIN} mock --bind 127.0.0.1:{{port}}\"\n    model: mock\n    port: {port}\n    \
-         local_port: {port}\n    gpu: 1\n    concurrency: 4\n    stop_grace: 2s\n",
-        ssh.display()
-    );
-    env.write("run.yaml", &config(&dataset, &endpoint, ""));
-    let log = env.path("ssh.log");
+    let dataset = env.dataset("items.jsonl", 2000);
+    let mark = format!("EF_MARK=group-{}", std::process::id());
+    env.write("run.yaml", &marked_engine(&dataset, &mark[8..], None));
+    let claims = env.path("runs/.engines");
+    let claims = claims.to_str().unwrap();
 
-    let dry = env.evalfleet(&["run", "run.yaml", "--dry-run"]).await;
-    assert_eq!(dry.code, Some(0), "{}", dry.stderr);
-    assert!(
-        dry.stdout.contains("tmux new-session -d -s evalfleet-box"),
-        "{}",
-        dry.stdout
-    );
-    assert!(
-        dry.stdout
-            .contains(&format!("-L {port}:127.0.0.1:{port} me@gpu-box")),
-        "{}",
-        dry.stdout
-    );
-    assert!(
-        dry.stdout.contains("tmux kill-session -t evalfleet-box"),
-        "{}",
-        dry.stdout
-    );
-    assert!(
-        !log.exists() && !env.store_path().exists(),
-        "a dry run runs and writes nothing"
-    );
+    // Closing the terminal sends SIGHUP to the whole foreground group.
+    let mut run = spawn_in_group(&env, &["run", "run.yaml", "-q", "--run-id", "g"]);
+    let first = serving(&env, "g", &mark, 20).await;
+    signal_group(&mut run, "HUP").await;
+    wait_until(ms(30_000), "the engine and its supervisor are gone", || {
+        first.iter().all(|pid| !exists(*pid))
+            && with_env(&mark).is_empty()
+            && with_arg(claims).is_empty()
+    })
+    .await;
 
-    let ran = env
-        .command(&["run", "run.yaml", "-q", "--run-id", "rm"])
-        .env("EF_SSH_LOG", &log)
-        .env("EF_SSH_DIR", env.dir.path())
-        .output()
+    // SIGKILL to the whole group: the supervisor is in a session of its own.
+    let mut run = spawn_in_group(&env, &["resume", "g"]);
+    let before = done(&env, "g");
+    let second = serving(&env, "g", &mark, before + 20).await;
+    assert!(second.iter().all(|pid| !first.contains(pid)));
+    signal_group(&mut run, "KILL").await;
+    wait_until(ms(30_000), "the engine and its supervisor are gone", || {
+        second.iter().all(|pid| !exists(*pid))
+            && with_env(&mark).is_empty()
+            && with_arg(claims).is_empty()
+    })
+    .await;
+
+    // SIGHUP to the supervisor itself is a termination: it ends its
+    // engine (and the run starts another).
+    let mut run = env.spawn(&["resume", "g", "-q"]);
+    let before = done(&env, "g");
+    let third = serving(&env, "g", &mark, before + 20).await;
+    let supervisors = with_arg(claims);
+    assert_eq!(supervisors.len(), 1, "one supervisor: {supervisors:?}");
+    let hung_up = Command::new("kill")
+        .args(["-HUP", &supervisors[0].to_string()])
+        .status()
         .await
         .unwrap();
-    let ran: crate::util::Ran = ran.into();
-    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
-    let rows = by_id(&env.export("rm").await);
-    assert_eq!(rows.len(), 100);
+    assert!(hung_up.success());
+    wait_until(ms(30_000), "the engine and its supervisor are gone", || {
+        third.iter().all(|pid| !exists(*pid)) && !alive(supervisors[0])
+    })
+    .await;
+    assert_eq!(run.wait().await.unwrap().code(), Some(0));
+    let rows = by_id(&env.export("g").await);
+    assert_eq!(rows.len(), 2000);
+    assert!(rows.values().all(|r| r["status"] == "done"));
+    assert!(with_env(&mark).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_engine_left_by_a_killed_supervisor_is_replaced_at_the_next_start() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 1500);
+    let mark = format!("EF_MARK=left-{}", std::process::id());
+    let port = free_port();
+    env.write("run.yaml", &marked_engine(&dataset, &mark[8..], Some(port)));
+    let claims = env.path("runs/.engines");
+    let claims = claims.to_str().unwrap();
+
+    let mut run = spawn_in_group(&env, &["run", "run.yaml", "-q", "--run-id", "l"]);
+    let left = serving(&env, "l", &mark, 20).await;
+    // The supervisor dies before it can clean up (SIGKILL, the OOM killer),
+    // and the run with it.
+    let supervisors = with_arg(claims);
+    assert_eq!(supervisors.len(), 1, "one supervisor: {supervisors:?}");
+    kill_unawares(supervisors[0], &mut run).await;
     assert!(
-        rows.values()
-            .all(|r| r["status"] == "done" && r["endpoint"] == "box")
+        left.iter().all(|pid| alive(*pid)) && !port_free(port),
+        "the engine is left, on its port"
     );
 
-    let calls = std::fs::read_to_string(&log).unwrap();
-    let lines: Vec<&str> = calls.lines().collect();
-    assert_eq!(lines.len(), 3, "start, tunnel, stop: {calls}");
+    // The next start ends it and takes its port.
+    let resumed = env.evalfleet(&["resume", "l", "-q"]).await;
+    assert_eq!(resumed.code, Some(0), "{}", resumed.stderr);
+    let rows = by_id(&env.export("l").await);
+    assert_eq!(rows.len(), 1500);
+    assert!(rows.values().all(|r| r["status"] == "done"));
     assert!(
-        lines[0].starts_with("me@gpu-box tmux new-session -d -s evalfleet-box"),
-        "{calls}"
+        left.iter().all(|pid| !alive(*pid)),
+        "the leftover engine was ended"
     );
-    assert!(lines[0].contains("CUDA_VISIBLE_DEVICES=1"), "{calls}");
+    let log = std::fs::read_to_string(env.path("runs/l/engine.log")).unwrap();
     assert!(
-        lines[1].contains(&format!(
-            "-N -o ExitOnForwardFailure=yes -L {port}:127.0.0.1:{port} me@gpu-box"
+        log.contains("left by a supervisor that died"),
+        "the log says what was ended: {log}"
+    );
+    wait_until(ms(10_000), "nothing of the engine is left", || {
+        with_env(&mark).is_empty() && port_free(port)
+    })
+    .await;
+    let claims_left: Vec<_> = std::fs::read_dir(claims).unwrap().collect();
+    assert!(claims_left.is_empty(), "claims left: {claims_left:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn items_cut_by_their_engine_s_death_are_failed_and_counted_in_no_mean() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 60);
+    let mark = format!("EF_MARK=lost-{}", std::process::id());
+    // One try per call: the calls the engine's death cuts or refuses fail
+    // their items. The mock echoes the question, so every answer scores 1.
+    let endpoint = format!(
+        "  - name: engine\n    kind: local\n    \
+         command: \"{mark} {BIN} mock --bind 127.0.0.1:{{port}} --latency 300ms\"\n    \
+         model: mock\n    concurrency: 6\n    restart_delay: 300ms\n    stop_grace: 2s\n    \
+         health: {{ interval: 200ms, timeout: 500ms }}\n"
+    );
+    let extra = "  metrics: [{ name: exact_match, reference: \"{{ question }}\" }]\n\
+                 retry: { max_attempts: 1 }";
+    env.write("run.yaml", &config(&dataset, &endpoint, extra));
+    let run = env.spawn(&["run", "run.yaml", "-q", "--run-id", "c"]);
+    let engine = serving(&env, "c", &mark, 12).await;
+    for pid in &engine {
+        let killed = Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .await
+            .unwrap();
+        assert!(killed.success());
+    }
+    let ran: crate::util::Ran = run.wait_with_output().await.unwrap().into();
+    assert_eq!(ran.code, Some(1), "failed items: {}", ran.stderr);
+
+    let rows = by_id(&env.export("c").await);
+    assert_eq!(rows.len(), 60);
+    let failed: Vec<&Value> = rows.values().filter(|r| r["status"] == "failed").collect();
+    assert!(!failed.is_empty(), "the kill cut no call");
+    let done = 60 - failed.len();
+    // Shown as failed, with why...
+    let report = env.evalfleet(&["report", "c", "--json"]).await;
+    assert_eq!(report.code, Some(0), "{}", report.stderr);
+    let report: Value = serde_json::from_str(&report.stdout).unwrap();
+    let all = &report["metrics"][0];
+    assert_eq!(all["group"], "all");
+    assert_eq!(all["n"], 60);
+    assert_eq!(all["failed"], failed.len());
+    assert_eq!(all["lost"], failed.len());
+    // ... and in no mean: the mean is over the answers alone.
+    assert_eq!(all["mean"], 1.0, "{all}");
+    assert_eq!(all["scored"], done);
+    let text = env.evalfleet(&["report", "c"]).await.stdout;
+    assert!(
+        text.contains(&format!(
+            "exact_match@1: {} of 60 items failed for the server's sake",
+            failed.len()
         )),
-        "{calls}"
-    );
-    assert_eq!(
-        lines[2], "me@gpu-box tmux kill-session -t evalfleet-box",
-        "{calls}"
+        "{text}"
     );
     assert!(
-        !env.path("evalfleet-box.pid").exists(),
-        "the session was ended"
+        ran.stderr.contains(&format!(
+            "exact_match@1: 1.0000 over {done} items; {} failed for the server's sake, in no mean",
+            failed.len()
+        )),
+        "{}",
+        ran.stderr
     );
+    // Compared with itself, a run pairs only the items both answered.
+    let compared = env.evalfleet(&["compare", "c", "c", "--json"]).await;
+    assert_eq!(compared.code, Some(0), "{}", compared.stderr);
     assert!(
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
-        "the remote engine still listens"
+        compared.stdout.contains(&format!("\"n\": {done}")),
+        "{}",
+        compared.stdout
     );
 }
 

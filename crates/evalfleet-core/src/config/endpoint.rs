@@ -524,7 +524,8 @@ pub(super) struct RawEndpoint {
     /// `remote`: options before the destination (`["-p", "2222"]`).
     /// Default: none.
     ssh_options: Option<Vec<String>>,
-    /// `remote`: the tmux session's name. Default `evalfleet-NAME`.
+    /// `remote`: the tmux session's name (letters, digits, `-` and `_`).
+    /// Default `evalfleet-NAME` (a `.` in the name becomes `_`).
     session: Option<String>,
     /// `remote`: the port on this machine that forwards to the engine.
     /// Default: a free one.
@@ -822,17 +823,37 @@ fn endpoint(
                 Some(h) => Some(h.to_owned()),
             };
             let engine = engine(&raw, at, p, 0);
-            match (host, engine) {
-                (Some(host), Some(engine)) => Some(EndpointKind::Remote(Box::new(Remote {
-                    host,
-                    ssh: raw.ssh.clone().unwrap_or_else(|| "ssh".to_owned()),
-                    ssh_options: raw.ssh_options.clone().unwrap_or_default(),
-                    session: raw.session.clone().unwrap_or_else(|| {
-                        format!("evalfleet-{}", raw.name.as_deref().unwrap_or("engine"))
-                    }),
-                    local_port: raw.local_port,
-                    engine,
-                }))),
+            // tmux would change '.' and ':' in a session's name, and the
+            // name is part of file names on the host.
+            let session = match raw.session.clone() {
+                Some(s)
+                    if s.is_empty()
+                        || !s
+                            .chars()
+                            .all(|c| c.is_ascii_alphanumeric() || "-_".contains(c)) =>
+                {
+                    p.push(
+                        &field("session"),
+                        format!("'{s}' may hold only letters, digits, '-' and '_'"),
+                    )
+                }
+                Some(s) => Some(s),
+                None => Some(format!(
+                    "evalfleet-{}",
+                    raw.name.as_deref().unwrap_or("engine").replace('.', "_")
+                )),
+            };
+            match (host, engine, session) {
+                (Some(host), Some(engine), Some(session)) => {
+                    Some(EndpointKind::Remote(Box::new(Remote {
+                        host,
+                        ssh: raw.ssh.clone().unwrap_or_else(|| "ssh".to_owned()),
+                        ssh_options: raw.ssh_options.clone().unwrap_or_default(),
+                        session,
+                        local_port: raw.local_port,
+                        engine,
+                    })))
+                }
                 _ => None,
             }
         }

@@ -299,6 +299,12 @@ endpoints:
     kind: mock
     concurrency: { min: 4, max: 2 }
     health: { path: models }
+  - name: e
+    kind: remote
+    host: me@box
+    model: m
+    command: "serve --port {port}"
+    session: "box.1"
 task:
   messages:
     - { role: user, content: "{{ question }}" }
@@ -313,6 +319,7 @@ task:
         "endpoints[2].command: has unknown placeholder {modle}",
         "endpoints[3].concurrency.max: must be between min (4)",
         "endpoints[3].health.path: must start with '/'",
+        "endpoints[4].session: 'box.1' may hold only letters, digits, '-' and '_'",
     ] {
         assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
     }

@@ -20,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::engine::{
-    Launcher, RemoteCommands, Supervised, free_port, run_argv, run_shell, shell_join,
+    Claim, Job, Launcher, RemoteCommands, Supervised, free_port, run_shell, shell_join,
 };
 use super::gpu::{self, GpuReport};
 use super::{Endpoint, Phase, RateEvent, Reach, Transition};
@@ -88,6 +88,8 @@ struct Shared {
     gpus: tokio::sync::OnceCell<GpuReport>,
     /// Every endpoint of the run, to judge one against the others.
     peers: Vec<Arc<Endpoint>>,
+    /// Why each endpoint left out of the run was left out.
+    excluded: Mutex<HashMap<String, String>>,
 }
 
 impl Shared {
@@ -153,6 +155,7 @@ impl Fleet {
                 tracker: TaskTracker::new(),
                 gpus: tokio::sync::OnceCell::new(),
                 peers: endpoints,
+                excluded: Mutex::new(HashMap::new()),
             }),
             events: Some(receiver),
             stop: CancellationToken::new(),
@@ -692,6 +695,11 @@ async fn keep(shared: Arc<Shared>, endpoint: Arc<Endpoint>, stop: CancellationTo
 
 fn exclude(shared: &Shared, endpoint: &Endpoint, why: String) {
     endpoint.set_phase(Phase::Excluded);
+    shared
+        .excluded
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .insert(endpoint.name.clone(), why.clone());
     shared.event(
         endpoint,
         EventKind::Excluded,
@@ -720,28 +728,51 @@ async fn launch(shared: &Shared, endpoint: &Endpoint, local_port: u16) -> Result
                 env.push(("CUDA_VISIBLE_DEVICES".to_owned(), gpu.clone()));
             }
             let process = launcher
-                .spawn(&endpoint.name, &command, &env, None, engine.stop_grace)
+                .spawn(&Job {
+                    name: &endpoint.name,
+                    command: &command,
+                    label: None,
+                    env: &env,
+                    on_exit: None,
+                    stop_grace: engine.stop_grace,
+                    claim: Claim::Own {
+                        endpoint: endpoint.name.clone(),
+                    },
+                })
                 .await
                 .map_err(|err| format!("cannot start `{command}`: {err}"))?;
             Ok(Running { process, base_url })
         }
         EndpointKind::Remote(remote) => {
             let remote_port = remote.engine.port.unwrap_or(8000);
-            let commands = RemoteCommands::new(remote, &endpoint.model, remote_port, local_port);
-            run_argv(&commands.start, Duration::from_secs(120))
-                .await
-                .map_err(|err| format!("`{}` failed: {err}", shell_join(&commands.start)))?;
-            let tunnel = shell_join(&commands.tunnel);
+            let owner = launcher.owner();
+            let commands =
+                RemoteCommands::new(remote, &endpoint.model, remote_port, local_port, &owner);
+            // The start runs under the supervisor too: a run killed while
+            // the session is being made still has it ended.
+            let label = format!(
+                "{}: tmux session {} (engine on port {remote_port}), tunnel from port {local_port}, following its output",
+                remote.host, remote.session
+            );
+            let grace = remote.engine.stop_grace;
             let process = launcher
-                .spawn(
-                    &format!("{}-tunnel", endpoint.name),
-                    &tunnel,
-                    &[],
-                    Some(&shell_join(&commands.stop)),
-                    remote.engine.stop_grace,
-                )
+                .spawn(&Job {
+                    name: &endpoint.name,
+                    command: &commands.supervised(),
+                    label: Some(&label),
+                    env: &[],
+                    on_exit: Some(&shell_join(&commands.stop)),
+                    stop_grace: grace,
+                    claim: Claim::Shared {
+                        key: remote.claim(),
+                        // A run that is stopping it lets go within its
+                        // grace, twice (tunnel, then engine), and an SSH
+                        // login.
+                        wait: grace * 2 + Duration::from_secs(30),
+                    },
+                })
                 .await
-                .map_err(|err| format!("cannot start the tunnel `{tunnel}`: {err}"))?;
+                .map_err(|err| format!("cannot start `{}`: {err}", remote.ssh))?;
             Ok(Running { process, base_url })
         }
         _ => Err("not an engine".to_owned()),
@@ -749,7 +780,8 @@ async fn launch(shared: &Shared, endpoint: &Endpoint, local_port: u16) -> Result
 }
 
 /// Waits until the engine answers its health path, it exits, the start-up
-/// timeout passes, or the run stops.
+/// timeout passes, or the run stops. A failure says what the engine said
+/// last.
 async fn ready(
     endpoint: &Endpoint,
     running: &mut Running,
@@ -765,18 +797,18 @@ async fn ready(
         tokio::select! {
             () = stop.cancelled() => return Err("the run is stopping".to_owned()),
             status = running.process.wait() => {
-                return Err(format!(
-                    "it exited before it was ready ({}); see {}",
+                return Err(running.process.with_last_lines(format!(
+                    "it exited before it was ready ({}; log {})",
                     status.map_or_else(|e| e.to_string(), |s| s.to_string()),
                     running.process.log.display()
-                ));
+                )));
             }
             () = tokio::time::sleep_until(deadline) => {
-                return Err(format!(
-                    "not ready within {} (last probe: {last}); see {}",
+                return Err(running.process.with_last_lines(format!(
+                    "not ready within {} (last probe: {last}; log {})",
                     humantime::format_duration(timeout),
                     running.process.log.display()
-                ));
+                )));
             }
             _ = tick.tick() => {}
         }
@@ -808,6 +840,8 @@ async fn keep_engine(shared: &Shared, endpoint: &Endpoint, stop: &CancellationTo
         exclude(shared, endpoint, why);
         return;
     }
+    // What went wrong last, for the reason it is left out.
+    let mut last_failure = String::new();
     loop {
         let phase = if endpoint.restarts() == 0 {
             Phase::Starting
@@ -866,12 +900,18 @@ async fn keep_engine(shared: &Shared, endpoint: &Endpoint, stop: &CancellationTo
                             .await;
                             if let Ended::Died(how) = &ended {
                                 endpoint.trip();
+                                last_failure =
+                                    running.process.with_last_lines(format!("its engine {how}"));
                                 shared.event(
                                     endpoint,
                                     EventKind::Died,
                                     format!("Engine of {} {how}.", endpoint.name),
                                 );
                             } else if let Ended::StayedUnhealthy = ended {
+                                last_failure = format!(
+                                    "it stayed unhealthy for {}",
+                                    humantime::format_duration(engine.restart_delay)
+                                );
                                 shared.event(
                                     endpoint,
                                     EventKind::Unhealthy,
@@ -900,11 +940,14 @@ async fn keep_engine(shared: &Shared, endpoint: &Endpoint, stop: &CancellationTo
                 return;
             }
             Err(_) if stop.is_cancelled() => return,
-            Err(err) => shared.event(
-                endpoint,
-                EventKind::StartFailed,
-                format!("{} did not start: {err}", endpoint.name),
-            ),
+            Err(err) => {
+                shared.event(
+                    endpoint,
+                    EventKind::StartFailed,
+                    format!("{} did not start: {err}", endpoint.name),
+                );
+                last_failure = err;
+            }
             Ok(_) => {}
         }
         let restarts = endpoint.count_restart();
@@ -912,7 +955,10 @@ async fn keep_engine(shared: &Shared, endpoint: &Endpoint, stop: &CancellationTo
             exclude(
                 shared,
                 endpoint,
-                format!("it failed again after {} restarts", engine.restarts),
+                format!(
+                    "it failed again after {} restarts: {last_failure}",
+                    engine.restarts
+                ),
             );
             return;
         }
@@ -1172,11 +1218,19 @@ fn check_exhausted(shared: &Shared, endpoints: &[Arc<Endpoint>], since: &mut Opt
         .iter()
         .any(|p| matches!(p, Phase::Starting | Phase::Restarting | Phase::Ready));
     if !coming && phases.contains(&Phase::Excluded) && !phases.contains(&Phase::Idle) {
-        let left: Vec<&str> = endpoints.iter().map(|e| e.name.as_str()).collect();
-        shared.exhaust(format!(
-            "No endpoint is left: {} left out of the run (see `evalfleet status` for why).",
-            left.join(", ")
-        ));
+        let why = shared
+            .excluded
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let left: Vec<String> = endpoints
+            .iter()
+            .map(|e| match why.get(&e.name) {
+                Some(why) => format!("{} is left out of the run: {why}", e.name),
+                None => format!("{} is left out of the run", e.name),
+            })
+            .collect();
+        shared.exhaust(format!("No endpoint is left: {}.", left.join("; ")));
         return;
     }
     let serving = endpoints.iter().any(|e| e.accepting());

@@ -145,6 +145,9 @@ struct Lean {
 /// Each metric's value of a result (see [`judged_value`]), read from its
 /// stored scores without building them: only the metrics' values.
 fn values_of(view: &ResultView<'_>, metrics: &[Metric]) -> Result<Vec<Option<f64>>, StoreError> {
+    if super::lost(view.status, view.failure) {
+        return Ok(vec![None; metrics.len()]);
+    }
     if !super::answered(view.status, view.verdict) {
         return Ok(metrics.iter().map(|m| Some(m.missing())).collect());
     }
@@ -687,7 +690,7 @@ mod tests {
     use serde_json::Map;
 
     use super::*;
-    use evalfleet_types::{ItemStatus, Verdict};
+    use evalfleet_types::{ErrorClass, ItemStatus, Verdict};
 
     #[test]
     fn a_results_values_are_read_from_its_stored_scores_as_a_report_takes_them() {
@@ -700,6 +703,7 @@ mod tests {
             verdict,
             scores,
             item: None,
+            failure: None,
         };
         let stored = r#"{"other@1": {"value": 0.5, "detail": [1, {"value": 9}]},
                          "exact_match@1": {"edits": 3, "value": 1.0}}"#;
@@ -712,6 +716,24 @@ mod tests {
         // No usable answer: the worst value, whatever was stored.
         let failed = view(ItemStatus::Failed, None, None);
         assert_eq!(values_of(&failed, &metrics).unwrap(), [Some(m.missing())]);
+        // A request the server found wrong: the item's and the model's.
+        let refused = ResultView {
+            failure: Some(ErrorClass::Fatal),
+            ..failed
+        };
+        assert_eq!(values_of(&refused, &metrics).unwrap(), [Some(m.missing())]);
+        // Failed for the server's sake: in no mean.
+        for class in [
+            ErrorClass::Retryable,
+            ErrorClass::BadResponse,
+            ErrorClass::Stalled,
+        ] {
+            let lost = ResultView {
+                failure: Some(class),
+                ..failed
+            };
+            assert_eq!(values_of(&lost, &metrics).unwrap(), [None], "{class:?}");
+        }
         let unparsed = view(ItemStatus::Done, Some(Verdict::Unparsed), Some(stored));
         assert_eq!(values_of(&unparsed, &metrics).unwrap(), [Some(m.missing())]);
         let broken = view(

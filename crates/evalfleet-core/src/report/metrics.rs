@@ -17,6 +17,8 @@ use crate::eval::metrics::{Kind, Metric};
 pub struct Row<'a> {
     /// The call failed (no answer).
     pub failed: bool,
+    /// It failed for the server's sake ([`super::lost`]): in no mean.
+    pub lost: bool,
     /// Done items' verdicts.
     pub verdict: Option<Verdict>,
     pub scores: &'a Scores,
@@ -32,6 +34,10 @@ pub struct Summary {
     /// Items with a score.
     pub scored: u64,
     pub failed: u64,
+    /// Of `failed`, the items that failed for the server's sake (refused,
+    /// cut, timed out, its own errors): they say nothing of the model, and
+    /// are in no mean.
+    pub lost: u64,
     pub unparsed: u64,
     pub invalid: u64,
     /// Items with a usable answer that the metric could not score (no
@@ -46,9 +52,9 @@ pub struct Summary {
     /// `scored`, `partly scored` (some items could not be scored) or `not
     /// scored` (none could).
     pub status: &'static str,
-    /// Over the `n − errors` items the metric could judge, one without a
-    /// usable answer (failed, unparsed, invalid) counting as the worst
-    /// score (0, or 1 for error rates).
+    /// Over the `n − errors − lost` items the metric could judge, one
+    /// without a usable answer (failed for the model's sake, unparsed,
+    /// invalid) counting as the worst score (0, or 1 for error rates).
     #[serde(flatten)]
     pub estimate: Estimate,
     /// Over the scored items only.
@@ -255,6 +261,7 @@ pub struct Accumulator {
     scored: u64,
     scored_sum: f64,
     failed: u64,
+    lost: u64,
     unparsed: u64,
     invalid: u64,
     errors: u64,
@@ -270,6 +277,7 @@ impl Accumulator {
             scored: 0,
             scored_sum: 0.0,
             failed: 0,
+            lost: 0,
             unparsed: 0,
             invalid: 0,
             errors: 0,
@@ -297,6 +305,11 @@ impl Accumulator {
     }
 
     pub fn add(&mut self, metric: &Metric, row: Row<'_>) {
+        if row.lost {
+            self.failed += 1;
+            self.lost += 1;
+            return;
+        }
         let score = if row.failed {
             self.failed += 1;
             None
@@ -342,9 +355,10 @@ impl Accumulator {
         Summary {
             metric: metric.key.clone(),
             group: group.to_owned(),
-            n: self.values.n + self.errors,
+            n: self.values.n + self.errors + self.lost,
             scored: self.scored,
             failed: self.failed,
+            lost: self.lost,
             unparsed: self.unparsed,
             invalid: self.invalid,
             errors: self.errors,
@@ -510,6 +524,7 @@ mod tests {
     /// A result's failure, verdict and scores, in a group.
     struct Owned {
         failed: bool,
+        lost: bool,
         verdict: Option<Verdict>,
         scores: Scores,
         group: String,
@@ -520,9 +535,12 @@ mod tests {
         if let Some(v) = value {
             scores.insert(key.to_owned(), Score::value(v));
         }
+        // "lost": failed for the server's sake.
+        let failed = verdict == "failed" || verdict == "lost";
         Owned {
-            failed: verdict == "failed",
-            verdict: (verdict != "failed").then(|| Verdict::parse(verdict).unwrap()),
+            failed,
+            lost: verdict == "lost",
+            verdict: (!failed).then(|| Verdict::parse(verdict).unwrap()),
             scores,
             group: group.to_owned(),
         }
@@ -533,6 +551,7 @@ mod tests {
             (
                 Row {
                     failed: r.failed,
+                    lost: r.lost,
                     verdict: r.verdict,
                     scores: &r.scores,
                 },
@@ -579,6 +598,7 @@ mod tests {
         let k = m.key.clone();
         let scored = |answer: &str, reference: &str| Owned {
             failed: false,
+            lost: false,
             verdict: Some(Verdict::Ok),
             scores: Scores::from_iter([(
                 k.clone(),
@@ -626,6 +646,26 @@ mod tests {
     }
 
     #[test]
+    fn an_item_failed_for_the_server_s_sake_is_failed_and_in_no_mean() {
+        let m = Metric::build("exact_match", &Map::new(), None).unwrap();
+        let k = m.key.clone();
+        let rows = vec![
+            row(Some(1.0), "ok", "all", &k),
+            row(Some(1.0), "ok", "all", &k),
+            row(Some(0.0), "ok", "all", &k),
+            row(None, "lost", "all", &k),
+            row(None, "lost", "all", &k),
+            row(None, "failed", "all", &k),
+        ];
+        let s = &summarize(&[m], views(&rows))[0];
+        assert_eq!((s.n, s.scored, s.failed, s.lost, s.errors), (6, 3, 3, 2, 0));
+        // Over 1, 1, 0 and the item that failed for the model's sake (0).
+        assert!((s.estimate.mean - 0.5).abs() < 1e-12, "{}", s.estimate.mean);
+        assert!((s.mean_scored - 2.0 / 3.0).abs() < 1e-12);
+        assert_eq!(s.status, "scored");
+    }
+
+    #[test]
     fn classification_reports_per_class_and_macro_figures() {
         let params = json!({});
         let m = Metric::build("classification", params.as_object().unwrap(), None).unwrap();
@@ -639,6 +679,7 @@ mod tests {
             .iter()
             .map(|(p, r)| Owned {
                 failed: false,
+                lost: false,
                 verdict: Some(Verdict::Ok),
                 scores: Scores::from_iter([(
                     m.key.clone(),

@@ -237,6 +237,9 @@ fn fields_of(text: &str, by: &[String]) -> Vec<Option<Value>> {
 /// nothing when the metric could not score it (not the model's doing: it
 /// is left out).
 pub fn judged_value(result: &StoredResult, metric: &Metric) -> Option<f64> {
+    if lost(result.status, result.failure) {
+        return None;
+    }
     if !answered(result.status, result.assessment.verdict) {
         return Some(metric.missing());
     }
@@ -247,9 +250,17 @@ pub fn judged_value(result: &StoredResult, metric: &Metric) -> Option<f64> {
         .and_then(|s| s.value)
 }
 
+/// Whether an item failed for the server's sake (its last call was
+/// refused, cut, timed out, or answered with the server's own error): it
+/// says nothing of the model, so it is counted as failed and in no mean.
+pub(crate) fn lost(status: ItemStatus, failure: Option<evalfleet_types::ErrorClass>) -> bool {
+    status == ItemStatus::Failed
+        && failure.is_some_and(evalfleet_types::ErrorClass::is_the_server_s)
+}
+
 /// Whether a result has an answer its metrics score: it did not fail, and
 /// its answer passed checking (or was not checked). Otherwise each metric
-/// counts it at its worst value ([`judged_value`]).
+/// counts it at its worst value ([`judged_value`]), unless it was [`lost`].
 pub(crate) fn answered(status: ItemStatus, verdict: Option<evalfleet_types::Verdict>) -> bool {
     status != ItemStatus::Failed && verdict.is_none_or(evalfleet_types::Verdict::is_ok)
 }
@@ -306,6 +317,7 @@ pub fn report_with(
         summaries.add(
             metrics::Row {
                 failed: result.status == ItemStatus::Failed,
+                lost: lost(result.status, result.failure),
                 verdict: result.assessment.verdict,
                 scores: &result.assessment.scores,
             },

@@ -40,8 +40,15 @@ pub(crate) fn assessment_columns(a: &Assessment) -> Result<AssessmentColumns<'_>
 const RESULT_COLUMNS: &str = "seq, item_id, status, output, endpoint, model, item, parsed, verdict, \
                               check_error, scores, reasks, judge";
 
+/// For a failed result (`r`), the class of its item's last failed call:
+/// why it failed, read from the attempts (their key finds them at once).
+const FAILURE: &str = "CASE WHEN r.status = 'failed' THEN (SELECT a.error_class FROM attempts a \
+                       WHERE a.rid = r.rid AND a.seq = r.seq AND a.error_class IS NOT NULL \
+                       ORDER BY a.attempt DESC LIMIT 1) END";
+
 /// A result from the columns seq, item_id, status, output, endpoint,
-/// model, item, parsed, verdict, check_error, scores, reasks, judge.
+/// model, item, parsed, verdict, check_error, scores, reasks, judge, and
+/// [`FAILURE`].
 fn stored_result(row: &rusqlite::Row<'_>) -> Result<StoredResult, StoreError> {
     let err = db_err("cannot read results");
     // Texts read in place where only their meaning is kept.
@@ -73,6 +80,10 @@ fn stored_result(row: &rusqlite::Row<'_>) -> Result<StoredResult, StoreError> {
             reasks: row.get(11).map_err(&err)?,
             code: json_column(row.get(12).map_err(&err)?)?,
         },
+        failure: text(13)?
+            .map(ErrorClass::parse)
+            .transpose()
+            .map_err(unknown)?,
     })
 }
 
@@ -124,7 +135,7 @@ impl Results for SqliteStore {
         let mut stmt = self
             .conn
             .prepare(&format!(
-                "SELECT {RESULT_COLUMNS} FROM results WHERE rid = ?1 ORDER BY seq"
+                "SELECT {RESULT_COLUMNS}, {FAILURE} FROM results r WHERE r.rid = ?1 ORDER BY r.seq"
             ))
             .map_err(&err)?;
         let mut rows = stmt.query([rid]).map_err(&err)?;
@@ -148,14 +159,14 @@ impl Results for SqliteStore {
         let item = if with_item { "r.item" } else { "NULL" };
         let sql = match order {
             ResultOrder::Seq => format!(
-                "SELECT r.seq, r.item_id, r.status, r.verdict, r.scores, {item}
+                "SELECT r.seq, r.item_id, r.status, r.verdict, r.scores, {item}, {FAILURE}
                  FROM results r WHERE r.rid = ?1 AND r.seq > ?2 ORDER BY r.seq LIMIT ?4"
             ),
             // Items' ids in order from their index, each item's result by
             // its key: no sort, and a page costs its own rows whatever its
             // place.
             ResultOrder::Key => format!(
-                "SELECT r.seq, r.item_id, r.status, r.verdict, r.scores, {item}
+                "SELECT r.seq, r.item_id, r.status, r.verdict, r.scores, {item}, {FAILURE}
                  FROM items i INDEXED BY items_by_id
                  CROSS JOIN results r ON r.rid = i.rid AND r.seq = i.seq
                  WHERE i.rid = ?1 AND i.item_id > ?3 ORDER BY i.item_id LIMIT ?4"
@@ -180,6 +191,10 @@ impl Results for SqliteStore {
                 verdict: text(3)?.map(Verdict::parse).transpose().map_err(unknown)?,
                 scores: text(4)?,
                 item: text(5)?,
+                failure: text(6)?
+                    .map(ErrorClass::parse)
+                    .transpose()
+                    .map_err(unknown)?,
             })?;
             handed += 1;
         }

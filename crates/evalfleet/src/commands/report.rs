@@ -232,6 +232,16 @@ fn print_report(report: &Report) {
         for s in report
             .metrics
             .iter()
+            .filter(|s| s.group == report::metrics::ALL && s.lost > 0)
+        {
+            println!(
+                "\n{}: {} of {} items failed for the server's sake (refused, cut off, timed out, or its own error), and are in no mean; `resume --retry-failed` answers them again",
+                s.metric, s.lost, s.n
+            );
+        }
+        for s in report
+            .metrics
+            .iter()
             .filter(|s| s.group == report::metrics::ALL && !s.extra.is_none())
         {
             println!(
@@ -325,6 +335,7 @@ fn write_summary_csv(path: &Path, summaries: &[Summary]) -> anyhow::Result<()> {
         "status",
         "reasons",
         "extra",
+        "lost",
     ])?;
     for s in summaries {
         csv.write_record([
@@ -348,6 +359,7 @@ fn write_summary_csv(path: &Path, summaries: &[Summary]) -> anyhow::Result<()> {
             } else {
                 serde_json::to_string(&s.extra)?
             },
+            s.lost.to_string(),
         ])?;
     }
     csv.flush()?;

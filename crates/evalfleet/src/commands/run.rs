@@ -404,10 +404,18 @@ fn scores(location: &Location, run_id: &str) -> anyhow::Result<u8> {
         } else {
             String::new()
         };
+        let lost = if s.lost > 0 {
+            format!(
+                "; {} failed for the server's sake, in no mean (resume --retry-failed answers them)",
+                s.lost
+            )
+        } else {
+            String::new()
+        };
         ui::note(&format!(
-            "  {}: {mean} over {} items{unscored}",
+            "  {}: {mean} over {} items{unscored}{lost}",
             s.metric,
-            s.n - s.errors
+            s.n - s.errors - s.lost
         ));
     }
     Ok(super::report::unusable_scores(&report))
