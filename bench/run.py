@@ -1868,7 +1868,7 @@ def r1_config(path, dataset, url, concurrency, max_tokens):
             f"  messages: [ {{ role: user, content: \"{{{{ question }}}}\" }} ]\n"
             f"  params: {{ max_tokens: {max_tokens}, temperature: 0 }}\n"
             f"  stream: true\n"
-            f"cache: {{ enabled: false }}\n"
+            f"cache: {{ mode: off }}\n"
         )
 
 
