@@ -121,13 +121,15 @@ async fn the_comparison_page_shows_two_runs_with_their_intervals() {
     let env = Env::new();
     let (_server, base) = serve(&env, &[], None).await;
     // Two runs of the same items: one answers every item right, the other
-    // fails a share of them (a mock that errors, with no retry).
+    // fails a share of them with requests the server found wrong (a 400,
+    // with no retry: scored as the worst answer; a server's own failure
+    // would leave the item out of the comparison).
     for (run_id, extra) in [("right", ""), ("flaky", "")] {
         let mut text = config(&env, 60, "1ms", 8, extra);
         if run_id == "flaky" {
             text = text.replace(
                 "mock: { latency: 1ms }",
-                "mock: { latency: 1ms, error_rate: 0.3, seed: 4 }",
+                "mock: { latency: 1ms, error_rate: 0.3, error_status: 400, seed: 4 }",
             ) + "retry: { max_attempts: 1 }\n";
         }
         let response = client()

@@ -71,7 +71,20 @@ pub(crate) fn free_port() -> u16 {
 /// Starts the binary in a process group of its own (as a shell starts a
 /// command), its output thrown away.
 pub(crate) fn spawn_in_group(env: &Env, args: &[&str]) -> Child {
-    env.command(args)
+    let mut command = env.command(args);
+    // As from a terminal: a hangup's default is to end the process, even
+    // where the tests run under `nohup` (which makes it ignored, and the
+    // ignoring is inherited).
+    #[allow(unsafe_code)]
+    // SAFETY: between fork and exec only signal(2), which is
+    // async-signal-safe, is called; it touches no memory of ours.
+    unsafe {
+        command.pre_exec(|| {
+            libc::signal(libc::SIGHUP, libc::SIG_DFL);
+            Ok(())
+        });
+    }
+    command
         .process_group(0)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
