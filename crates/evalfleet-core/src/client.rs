@@ -1157,37 +1157,14 @@ mod tests {
     /// A server on 127.0.0.1:0 that answers one request with `head` and
     /// then each `(pause, text)` in turn, and closes the connection.
     async fn serve_once(head: &'static str, parts: Vec<(Duration, &'static str)>) -> String {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        use tokio::io::AsyncWriteExt;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         // The test's own server: it ends with the connection.
         #[allow(clippy::disallowed_methods)]
         tokio::spawn(async move {
             let (mut socket, _) = listener.accept().await.unwrap();
-            // The request: headers, then a body of Content-Length bytes.
-            let mut request = Vec::new();
-            let mut buf = [0u8; 4096];
-            loop {
-                let n = socket.read(&mut buf).await.unwrap();
-                request.extend_from_slice(&buf[..n]);
-                let text = String::from_utf8_lossy(&request);
-                if let Some(end) = text.find("\r\n\r\n") {
-                    let length = text[..end]
-                        .lines()
-                        .find_map(|l| {
-                            l.to_ascii_lowercase()
-                                .strip_prefix("content-length:")
-                                .map(|v| v.trim().parse::<usize>().unwrap())
-                        })
-                        .unwrap_or(0);
-                    if request.len() >= end + 4 + length {
-                        break;
-                    }
-                }
-                if n == 0 {
-                    break;
-                }
-            }
+            read_request(&mut socket).await;
             for (pause, text) in std::iter::once((Duration::ZERO, head)).chain(parts) {
                 tokio::time::sleep(pause).await;
                 if socket.write_all(text.as_bytes()).await.is_err() {

@@ -213,6 +213,25 @@ impl Remote {
     }
 
     /// The endpoint's entry; `flags` are the mock's, `extra` more keys.
+    /// Writes `run.yaml`: `items` items, answered by this engine started
+    /// with the mock's `flags` (and `extra` endpoint keys), and `more` of
+    /// the config's own.
+    fn write_run(
+        &self,
+        env: &Env,
+        sshd: &Sshd,
+        items: usize,
+        flags: &str,
+        extra: &str,
+        more: &str,
+    ) {
+        let dataset = env.dataset("items.jsonl", items);
+        env.write(
+            "run.yaml",
+            &config(&dataset, &self.endpoint(sshd, flags, extra), more),
+        );
+    }
+
     fn endpoint(&self, sshd: &Sshd, flags: &str, extra: &str) -> String {
         format!(
             "  - name: box\n    kind: remote\n    host: {}\n    ssh_options: {}\n    \
@@ -278,14 +297,13 @@ async fn a_remote_engine_runs_over_real_ssh_in_tmux_keeps_its_output_and_is_rest
     };
     let env = Env::new();
     let remote = Remote::new("serve");
-    let dataset = env.dataset("items.jsonl", 1000);
-    env.write(
-        "run.yaml",
-        &config(
-            &dataset,
-            &remote.endpoint(&sshd, "--latency 20ms", "    gpu: \"1\"\n"),
-            "retry: { backoff_base: 20ms }",
-        ),
+    remote.write_run(
+        &env,
+        &sshd,
+        1000,
+        "--latency 20ms",
+        "    gpu: \"1\"\n",
+        "retry: { backoff_base: 20ms }",
     );
 
     let dry = env.evalfleet(&["run", "run.yaml", "--dry-run"]).await;
@@ -360,14 +378,13 @@ async fn a_hangup_or_a_kill_of_the_run_s_process_group_leaves_nothing_of_a_remot
     };
     let env = Env::new();
     let remote = Remote::new("group");
-    let dataset = env.dataset("items.jsonl", 2000);
-    env.write(
-        "run.yaml",
-        &config(
-            &dataset,
-            &remote.endpoint(&sshd, "--latency 20ms", ""),
-            "retry: { backoff_base: 20ms }",
-        ),
+    remote.write_run(
+        &env,
+        &sshd,
+        2000,
+        "--latency 20ms",
+        "",
+        "retry: { backoff_base: 20ms }",
     );
 
     // Closing the terminal (or the SSH login) the run was started from
@@ -398,14 +415,13 @@ async fn a_remote_engine_killed_while_it_starts_or_left_by_a_dead_run_is_replace
     };
     let env = Env::new();
     let remote = Remote::new("start");
-    let dataset = env.dataset("items.jsonl", 1500);
-    env.write(
-        "run.yaml",
-        &config(
-            &dataset,
-            &remote.endpoint(&sshd, "--latency 20ms", ""),
-            "retry: { backoff_base: 20ms }",
-        ),
+    remote.write_run(
+        &env,
+        &sshd,
+        1500,
+        "--latency 20ms",
+        "",
+        "retry: { backoff_base: 20ms }",
     );
 
     // Killed while the engine starts: the SSH login that makes the tmux
@@ -484,15 +500,7 @@ async fn a_remote_engine_that_cannot_start_gives_up_with_its_own_last_lines() {
     };
     let env = Env::new();
     let remote = Remote::new("fail");
-    let dataset = env.dataset("items.jsonl", 10);
-    env.write(
-        "run.yaml",
-        &config(
-            &dataset,
-            &remote.endpoint(&sshd, "--no-such-flag", "    restarts: 1\n"),
-            "",
-        ),
-    );
+    remote.write_run(&env, &sshd, 10, "--no-such-flag", "    restarts: 1\n", "");
     let ran = env
         .evalfleet(&["run", "run.yaml", "-q", "--run-id", "f"])
         .await;

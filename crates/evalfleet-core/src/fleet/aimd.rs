@@ -74,7 +74,7 @@ use tokio::time::Instant;
 
 pub use crate::config::AimdSettings;
 
-/// Weight of a shorter interval RTT in the baseline (it falls fast).
+/// Weight of a shorter interval latency in the baseline (it falls fast).
 const ALPHA_DOWN: f64 = 0.5;
 /// Weight of a longer one (it climbs slowly).
 const ALPHA_UP: f64 = 0.05;
@@ -278,7 +278,7 @@ pub struct Aimd {
     slow_start: bool,
     interval_end: Instant,
     samples: u32,
-    rtt_sum: f64,
+    latency_sum: f64,
     /// Calls that ended in this interval, those that pushed back, and those
     /// of them that were cut streams.
     ended: u32,
@@ -318,7 +318,7 @@ impl Aimd {
             slow_start: limit < settings.max,
             interval_end: now + FIRST_INTERVAL,
             samples: 0,
-            rtt_sum: 0.0,
+            latency_sum: 0.0,
             ended: 0,
             pushed_back: 0,
             cut: 0,
@@ -340,8 +340,9 @@ impl Aimd {
         self.limit
     }
 
-    /// The baseline RTT, once known.
-    pub fn baseline_rtt(&self) -> Option<Duration> {
+    /// The baseline latency of a whole call (the decision interval), once
+    /// known.
+    pub fn baseline_latency(&self) -> Option<Duration> {
         self.baseline.map(Duration::from_secs_f64)
     }
 
@@ -384,7 +385,7 @@ impl Aimd {
         match signal {
             Signal::Success(sample) => {
                 self.samples += 1;
-                self.rtt_sum += sample.latency.as_secs_f64();
+                self.latency_sum += sample.latency.as_secs_f64();
                 // A call teaches about its level only if the limit stayed
                 // there while it ran: one that outlived its level ran
                 // beside more calls, or fewer, than the level says.
@@ -592,7 +593,7 @@ impl Aimd {
     }
 
     fn decide(&mut self, now: Instant) -> Option<Decision> {
-        let current = (self.samples > 0).then(|| self.rtt_sum / f64::from(self.samples));
+        let current = (self.samples > 0).then(|| self.latency_sum / f64::from(self.samples));
         let from = self.limit;
         let settings = self.settings;
         let floor = settings.min.max(1);
@@ -701,7 +702,7 @@ impl Aimd {
             .clamp(Duration::from_millis(1), Duration::from_secs(30));
         self.interval_end = now + interval;
         self.samples = 0;
-        self.rtt_sum = 0.0;
+        self.latency_sum = 0.0;
         self.ended = 0;
         self.pushed_back = 0;
         self.cut = 0;
@@ -752,16 +753,16 @@ mod tests {
     /// it) and ended with `signal`; the decision it brought.
     fn interval(c: &mut Aimd, now: &mut Instant, signal: Signal) -> Option<Decision> {
         let limit = c.limit();
-        let rtt = c.baseline_rtt().unwrap_or(FIRST_INTERVAL);
+        let round = c.baseline_latency().unwrap_or(FIRST_INTERVAL);
         let mut decision = None;
         for k in 0..limit {
             c.on_start(k + 1);
         }
         for k in 0..limit {
-            let at = *now + rtt * (k as u32 + 1) / limit as u32;
+            let at = *now + round * (k as u32 + 1) / limit as u32;
             decision = decision.or(c.on_end(at, signal, Some(limit)));
         }
-        *now += rtt;
+        *now += round;
         decision
     }
 
@@ -859,7 +860,6 @@ mod tests {
 
     struct Job {
         started: Instant,
-        served_from: Option<Instant>,
         level: Option<usize>,
         /// Seconds of service left at full speed.
         left: f64,
@@ -916,7 +916,6 @@ mod tests {
                 let n = rng.u32(50..=300);
                 let job = Job {
                     started: now,
-                    served_from: None,
                     level,
                     left: f64::from(n) * per_token,
                     tokens: f64::from(n),
@@ -932,9 +931,8 @@ mod tests {
             }
             if let Server::Batching { slots, .. } = server {
                 while serving.len() < slots
-                    && let Some(mut job) = queue.pop_front()
+                    && let Some(job) = queue.pop_front()
                 {
-                    job.served_from = Some(now);
                     serving.push(job);
                 }
             }

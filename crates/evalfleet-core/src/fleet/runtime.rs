@@ -358,15 +358,18 @@ async fn watch(
     // back soon after it recovers; a change of state probes at once.
     let recovering = (health.interval / 5).max(Duration::from_millis(100));
     let mut changes = endpoint.changes();
-    let mut probed = Instant::now();
-    loop {
-        let due = probe_due(
+    // When the next probe is due, the last one made at `probed`.
+    let due = |probed| {
+        probe_due(
             endpoint.breaker_state(),
             probed,
             endpoint.last_sign_of_life(),
             health.interval,
             recovering,
-        );
+        )
+    };
+    let mut probed = Instant::now();
+    loop {
         let exited = async {
             match process.as_mut() {
                 Some(process) => process.wait().await,
@@ -382,17 +385,9 @@ async fn watch(
                 };
                 return Ended::Died(how);
             }
-            () = tokio::time::sleep_until(due) => {
+            () = tokio::time::sleep_until(due(probed)) => {
                 // Its calls may have shown it works meanwhile.
-                let now = Instant::now();
-                let due = probe_due(
-                    endpoint.breaker_state(),
-                    probed,
-                    endpoint.last_sign_of_life(),
-                    health.interval,
-                    recovering,
-                );
-                if due > now {
+                if due(probed) > Instant::now() {
                     continue;
                 }
             }
