@@ -5,6 +5,7 @@
 use super::text::Pattern;
 use serde_json::{Map, Value, json};
 
+use super::backend::{BackendSpec, NATIVE};
 use super::text::{self, Normalize};
 
 /// What the registry knows of a metric.
@@ -189,6 +190,12 @@ pub enum Kind {
     CodeAccepted,
     /// Set by the conversation task, for each episode.
     Episode,
+    /// Scored by an outside program (`task.metric_backends`), which is
+    /// given the parameters as they are.
+    Backend {
+        backend: String,
+        params: Map<String, Value>,
+    },
     /// Scored by a call to a judge endpoint (see `Assessor::llm_judge_calls`).
     LlmJudge {
         endpoint: String,
@@ -205,9 +212,11 @@ pub const JUDGE_SCORE: &str = r"(?i)score\s*[:=]\s*\**\s*(-?\d+(?:\.\d+)?)";
 /// A metric as a task configures it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Metric {
-    /// The key its scores are stored under: `as`, else `name@version`.
+    /// The key its scores are stored under: `as`, else `name@version` for
+    /// a built-in metric (the key stored runs have) and
+    /// `name@backend@version` for a backend's.
     pub key: String,
-    pub name: &'static str,
+    pub name: String,
     pub version: u32,
     pub kind: Kind,
     pub higher_is_better: bool,
@@ -266,23 +275,29 @@ fn normalize_param(params: &Map<String, Value>) -> Result<Normalize, String> {
 }
 
 impl Metric {
-    /// Looks `name` (`exact_match` or `exact_match@1`) up in the registry
-    /// and checks its parameters.
+    /// Looks `name` (`exact_match`, `exact_match@1`, `exact_match@native`
+    /// or `exact_match@native@1`) up in the registry and checks its
+    /// parameters.
     pub fn build(
         name: &str,
         params: &Map<String, Value>,
         key: Option<String>,
     ) -> Result<Self, String> {
-        let (base, version) = match name.split_once('@') {
-            Some((base, v)) => (
-                base,
-                Some(
-                    v.parse::<u32>()
-                        .map_err(|_| format!("'{name}': the version after @ must be a number"))?,
-                ),
-            ),
-            None => (name, None),
-        };
+        Self::build_with(name, params, key, &[])
+    }
+
+    /// [`Metric::build`], where `name@backend` and `name@backend@version`
+    /// name a metric of one of `backends`.
+    pub fn build_with(
+        name: &str,
+        params: &Map<String, Value>,
+        key: Option<String>,
+        backends: &[BackendSpec],
+    ) -> Result<Self, String> {
+        let (base, backend, version) = split_name(name)?;
+        if let Some(backend) = backend.filter(|b| *b != NATIVE) {
+            return Self::of_backend(base, backend, version, params, key, backends);
+        }
         let known: Vec<&str> = REGISTRY.iter().map(|m| m.name).collect();
         let info = REGISTRY.iter().find(|m| m.name == base).ok_or_else(|| {
             match super::text::nearest(base, &known) {
@@ -404,19 +419,77 @@ impl Metric {
         };
         Ok(Self {
             key: key.unwrap_or_else(|| format!("{}@{}", info.name, info.version)),
-            name: info.name,
+            name: info.name.to_owned(),
             version: info.version,
             kind,
             higher_is_better: info.higher_is_better,
         })
     }
 
-    /// Whether [`Metric::score`] computes it (not a judge endpoint or the
-    /// code judge).
+    /// A metric of a declared backend; its parameters are the program's
+    /// business.
+    fn of_backend(
+        base: &str,
+        backend: &str,
+        version: Option<u32>,
+        params: &Map<String, Value>,
+        key: Option<String>,
+        backends: &[BackendSpec],
+    ) -> Result<Self, String> {
+        let spec = backends.iter().find(|b| b.name == backend).ok_or_else(|| {
+            let declared: Vec<&str> = backends.iter().map(|b| b.name.as_str()).collect();
+            if declared.is_empty() {
+                format!(
+                    "unknown metric backend '{backend}' (task.metric_backends declares none; the built-in one is '{NATIVE}')"
+                )
+            } else {
+                format!(
+                    "unknown metric backend '{backend}' (declared: {}; built in: {NATIVE})",
+                    declared.join(", ")
+                )
+            }
+        })?;
+        let metric = spec.metric(base).ok_or_else(|| {
+            let names: Vec<&str> = spec.metrics.iter().map(|m| m.name.as_str()).collect();
+            format!(
+                "metric backend '{backend}' gives no metric '{base}' (it gives: {})",
+                names.join(", ")
+            )
+        })?;
+        if let Some(v) = version
+            && v != spec.version
+        {
+            return Err(format!(
+                "metric backend '{backend}' is at version {} (task.metric_backends), not {v}",
+                spec.version
+            ));
+        }
+        Ok(Self {
+            key: key.unwrap_or_else(|| format!("{base}@{backend}@{}", spec.version)),
+            name: base.to_owned(),
+            version: spec.version,
+            kind: Kind::Backend {
+                backend: backend.to_owned(),
+                params: params.clone(),
+            },
+            higher_is_better: metric.higher_is_better,
+        })
+    }
+
+    /// The backend that scores it: [`NATIVE`] for a built-in metric.
+    pub fn backend(&self) -> &str {
+        match &self.kind {
+            Kind::Backend { backend, .. } => backend,
+            _ => NATIVE,
+        }
+    }
+
+    /// Whether [`Metric::score`] computes it (not a judge endpoint, the
+    /// code judge or an outside backend).
     pub fn scored_here(&self) -> bool {
         !matches!(
             self.kind,
-            Kind::LlmJudge { .. } | Kind::CodeAccepted | Kind::Episode
+            Kind::LlmJudge { .. } | Kind::CodeAccepted | Kind::Episode | Kind::Backend { .. }
         )
     }
 
@@ -595,6 +668,9 @@ impl Metric {
             Kind::LlmJudge { .. } => json!({"error": "scored by its judge endpoint"}),
             Kind::CodeAccepted => json!({"error": "scored by the code judge"}),
             Kind::Episode => json!({"error": "scored by the conversation"}),
+            Kind::Backend { backend, .. } => {
+                json!({"error": format!("scored by metric backend '{backend}'")})
+            }
             Kind::Classification {
                 labels,
                 ignore_case,
@@ -636,6 +712,33 @@ impl Metric {
                 json!({"error": format!("the judge's reply has no score matching /{}/: {excerpt}", pattern.as_str())})
             }
         }
+    }
+}
+
+/// A metric's name as written: its base name, the backend (`native` or a
+/// declared one) and the version, each after an `@`. One part after the
+/// base is a version when it is a number (`anls@1`), else a backend.
+fn split_name(name: &str) -> Result<(&str, Option<&str>, Option<u32>), String> {
+    let version = |v: &str| {
+        v.parse::<u32>()
+            .map_err(|_| format!("'{name}': the version after @ must be a number"))
+    };
+    let mut parts = name.split('@');
+    let base = parts.next().unwrap_or_default();
+    match (parts.next(), parts.next(), parts.next()) {
+        (None, _, _) => Ok((base, None, None)),
+        (Some(one), None, _) => match one.parse::<u32>() {
+            Ok(v) => Ok((base, None, Some(v))),
+            Err(_) if one.is_empty() => Err(format!("'{name}': nothing after @")),
+            Err(_) if one.bytes().all(|b| b.is_ascii_digit()) => version(one).map(|_| (base, None, None)),
+            Err(_) => Ok((base, Some(one), None)),
+        },
+        (Some(backend), Some(v), None) if !backend.is_empty() => {
+            Ok((base, Some(backend), Some(version(v)?)))
+        }
+        _ => Err(format!(
+            "'{name}': a metric is NAME, NAME@VERSION, NAME@BACKEND or NAME@BACKEND@VERSION"
+        )),
     }
 }
 
