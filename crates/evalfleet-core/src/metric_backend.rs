@@ -277,9 +277,9 @@ impl Launcher {
 }
 
 impl Process {
-    /// Stops the process (killed unless it has exited), and says how it
-    /// ended and what its stderr ended with.
-    async fn stop(mut self, kill: bool) -> String {
+    /// Stops the process (killed with `kill`): how it ended, and what its
+    /// stderr ended with.
+    async fn stop(mut self, kill: bool) -> (String, String) {
         if kill {
             let _ = self.child.start_kill();
         }
@@ -299,11 +299,12 @@ impl Process {
             .lock()
             .map(|t| t.iter().cloned().collect())
             .unwrap_or_default();
-        if stderr.is_empty() {
-            format!("{status}; nothing on its stderr")
+        let stderr = if stderr.is_empty() {
+            "nothing on its stderr".to_owned()
         } else {
-            format!("{status}; its stderr ends:\n{}", stderr.join("\n"))
-        }
+            format!("its stderr ends:\n{}", stderr.join("\n"))
+        };
+        (status, stderr)
     }
 }
 
@@ -599,7 +600,10 @@ impl Serving {
                 (Ok(_), Some(id)) => format!("answers id {id}, which is not waiting for a score"),
             };
             self.end(true, |how| {
-                format!("wrote line {number} of its output, which {why}: {} (it was stopped: {how})", excerpt(&line))
+                format!(
+                    "wrote line {number} of its output, which {why}: {} (it was stopped: {how})",
+                    excerpt(&line)
+                )
             })
             .await;
             return;
@@ -620,13 +624,14 @@ impl Serving {
     }
 
     /// The process ends (killed with `kill`): every answer it held gets an
-    /// error saying how (`what` is given how it ended).
+    /// error saying how (`what` is given its exit status) and what its
+    /// stderr ended with.
     async fn end(&mut self, kill: bool, what: impl FnOnce(&str) -> String) {
-        let how = match self.process.take() {
+        let (status, stderr) = match self.process.take() {
             Some(process) => process.stop(kill).await,
-            None => "not running".to_owned(),
+            None => ("not running".to_owned(), String::new()),
         };
-        let message = what(&how);
+        let message = format!("{}; {stderr}", what(&status));
         if !self.scored {
             self.fruitless += 1;
         }
@@ -668,7 +673,9 @@ fn reply_score(backend: &str, number: u64, line: &str, reply: Value) -> Score {
         ))
     };
     if let Some(error) = reply.get("error").filter(|e| !e.is_null()) {
-        let error = error.as_str().map_or_else(|| error.to_string(), str::to_owned);
+        let error = error
+            .as_str()
+            .map_or_else(|| error.to_string(), str::to_owned);
         return Score::error(format!("metric backend '{backend}': {error}"));
     }
     let Some(value) = reply.get("score") else {
@@ -702,17 +709,26 @@ mod tests {
         let good = score(r#"{"id": "1", "score": 0.5, "details": {"edits": 2}}"#);
         assert_eq!((good.value, good.count("edits")), (Some(0.5), 2));
         let err = score(r#"{"id": "1", "error": "no reference"}"#);
-        assert_eq!(err.error.as_deref(), Some("metric backend 'b': no reference"));
+        assert_eq!(
+            err.error.as_deref(),
+            Some("metric backend 'b': no reference")
+        );
         for (line, why) in [
             (r#"{"id": "1"}"#, "neither a score nor an error"),
             (r#"{"id": "1", "score": "0.5"}"#, "not a finite number"),
             (r#"{"id": "1", "score": null}"#, "not a finite number"),
-            (r#"{"id": "1", "score": 1, "details": 3}"#, "not a JSON object"),
+            (
+                r#"{"id": "1", "score": 1, "details": 3}"#,
+                "not a JSON object",
+            ),
         ] {
             let s = score(line);
             assert_eq!(s.value, None, "{line}");
             let message = s.error.unwrap();
-            assert!(message.contains(why) && message.contains("line 3"), "{message}");
+            assert!(
+                message.contains(why) && message.contains("line 3"),
+                "{message}"
+            );
         }
     }
 

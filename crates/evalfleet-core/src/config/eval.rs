@@ -9,8 +9,8 @@ use serde_json::{Map, Value};
 use super::path;
 use super::raw::{RawBackendMetric, RawMetricBackend, RawTask};
 use super::validate::Problems;
-use crate::eval::metrics::REGISTRY;
 use crate::eval::backend::{BackendMetric, BackendSpec, NATIVE};
+use crate::eval::metrics::REGISTRY;
 use crate::eval::{EvalSpec, Metric, MetricSpec, Parser};
 
 const PARSERS: &str =
@@ -133,7 +133,13 @@ fn backend(
         Some(name) => name,
     };
     let argv = |key: &str, list: Option<Vec<String>>, p: &mut Problems<'_>| match list {
-        Some(list) if list.first().is_some_and(|program| !program.trim().is_empty()) => Some(list),
+        Some(list)
+            if list
+                .first()
+                .is_some_and(|program| !program.trim().is_empty()) =>
+        {
+            Some(list)
+        }
         Some(_) => p.push(
             &path::key(at, key),
             "must be a program and its arguments, e.g. [python3, score.py]",
@@ -190,18 +196,15 @@ fn backend_metrics(list: Vec<Value>, at: &str, p: &mut Problems<'_>) -> Option<V
                 higher_is_better: true,
                 summary: String::new(),
             }),
-            value @ Value::Object(_) => {
-                super::raw::section::<RawBackendMetric>(&value, &at, p.0).and_then(|raw| {
-                    match raw.name {
-                        Some(name) => Some(BackendMetric {
-                            name,
-                            higher_is_better: raw.higher_is_better.unwrap_or(true),
-                            summary: raw.summary.unwrap_or_default(),
-                        }),
-                        None => p.push(&path::key(&at, "name"), "is required"),
-                    }
-                })
-            }
+            value @ Value::Object(_) => super::raw::section::<RawBackendMetric>(&value, &at, p.0)
+                .and_then(|raw| match raw.name {
+                    Some(name) => Some(BackendMetric {
+                        name,
+                        higher_is_better: raw.higher_is_better.unwrap_or(true),
+                        summary: raw.summary.unwrap_or_default(),
+                    }),
+                    None => p.push(&path::key(&at, "name"), "is required"),
+                }),
             other => p.push(
                 &at,
                 format!("must be a metric name or a mapping with name, got {other}"),
@@ -210,7 +213,10 @@ fn backend_metrics(list: Vec<Value>, at: &str, p: &mut Problems<'_>) -> Option<V
         match metric {
             Some(m) if m.name.is_empty() || m.name.contains('@') => {
                 ok = false;
-                p.push::<()>(&at, format!("'{}' is no metric name (no @, not empty)", m.name));
+                p.push::<()>(
+                    &at,
+                    format!("'{}' is no metric name (no @, not empty)", m.name),
+                );
             }
             Some(m) if out.iter().any(|o| o.name == m.name) => {
                 ok = false;

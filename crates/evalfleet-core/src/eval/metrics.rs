@@ -154,6 +154,51 @@ pub const REGISTRY: &[MetricInfo] = &[
     },
 ];
 
+/// One metric as `evalfleet metrics` lists it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Listed {
+    pub name: String,
+    /// `native`, or a declared backend's name.
+    pub backend: String,
+    pub version: u32,
+    /// The key its scores are stored under.
+    pub key: String,
+    /// The parameters it takes; `None` for a backend's (its program
+    /// decides).
+    pub params: Option<Vec<String>>,
+    pub higher_is_better: bool,
+    pub summary: String,
+    /// A backend's program and arguments.
+    pub command: Option<Vec<String>>,
+}
+
+/// The registry: every built-in metric, then each metric of `backends`.
+pub fn listing(backends: &[BackendSpec]) -> Vec<Listed> {
+    let native = REGISTRY.iter().map(|m| Listed {
+        name: m.name.to_owned(),
+        backend: NATIVE.to_owned(),
+        version: m.version,
+        key: format!("{}@{}", m.name, m.version),
+        params: Some(m.params.iter().map(|p| (*p).to_owned()).collect()),
+        higher_is_better: m.higher_is_better,
+        summary: m.summary.to_owned(),
+        command: None,
+    });
+    let outside = backends.iter().flat_map(|b| {
+        b.metrics.iter().map(|m| Listed {
+            name: m.name.clone(),
+            backend: b.name.clone(),
+            version: b.version,
+            key: format!("{}@{}@{}", m.name, b.name, b.version),
+            params: None,
+            higher_is_better: m.higher_is_better,
+            summary: m.summary.clone(),
+            command: Some(b.command.clone()),
+        })
+    });
+    native.chain(outside).collect()
+}
+
 /// How a metric is computed, with its parameters.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Kind {
@@ -730,7 +775,9 @@ fn split_name(name: &str) -> Result<(&str, Option<&str>, Option<u32>), String> {
         (Some(one), None, _) => match one.parse::<u32>() {
             Ok(v) => Ok((base, None, Some(v))),
             Err(_) if one.is_empty() => Err(format!("'{name}': nothing after @")),
-            Err(_) if one.bytes().all(|b| b.is_ascii_digit()) => version(one).map(|_| (base, None, None)),
+            Err(_) if one.bytes().all(|b| b.is_ascii_digit()) => {
+                version(one).map(|_| (base, None, None))
+            }
             Err(_) => Ok((base, Some(one), None)),
         },
         (Some(backend), Some(v), None) if !backend.is_empty() => {
@@ -871,6 +918,92 @@ mod tests {
         assert_eq!(
             Metric::build("exact_match@1", &none, None).unwrap().key,
             "exact_match@1"
+        );
+    }
+
+    fn backend() -> BackendSpec {
+        BackendSpec {
+            name: "evalscope".to_owned(),
+            version: 2,
+            command: vec!["python3".to_owned(), "score.py".to_owned()],
+            setup: None,
+            timeout: std::time::Duration::from_secs(1),
+            queue: 1,
+            metrics: vec![super::super::backend::BackendMetric {
+                name: "cer".to_owned(),
+                higher_is_better: false,
+                summary: String::new(),
+            }],
+            dir: std::path::PathBuf::new(),
+        }
+    }
+
+    #[test]
+    fn native_names_keep_their_stored_keys_and_backend_names_have_three_parts() {
+        let none = Map::new();
+        let backends = [backend()];
+        let key = |name: &str| {
+            Metric::build_with(name, &none, None, &backends)
+                .map(|m| (m.key.clone(), m.backend().to_owned()))
+        };
+        // Every spelling of the built-in anls is stored as runs always had it.
+        for name in ["anls", "anls@1", "anls@native", "anls@native@1"] {
+            assert_eq!(
+                key(name),
+                Ok(("anls@1".to_owned(), "native".to_owned())),
+                "{name}"
+            );
+        }
+        for name in ["cer@evalscope", "cer@evalscope@2"] {
+            assert_eq!(
+                key(name),
+                Ok(("cer@evalscope@2".to_owned(), "evalscope".to_owned())),
+                "{name}"
+            );
+        }
+        let m = Metric::build_with("cer@evalscope", &none, None, &backends).unwrap();
+        assert!(!m.higher_is_better && !m.scored_here() && !m.needs_reference());
+        assert!(key("cer@evalscope@1").unwrap_err().contains("version 2"));
+        assert!(
+            key("anls@evalscope")
+                .unwrap_err()
+                .contains("gives no metric 'anls'")
+        );
+        assert!(
+            key("anls@other")
+                .unwrap_err()
+                .contains("unknown metric backend 'other'")
+        );
+        assert!(key("anls@native@2").unwrap_err().contains("no version 2"));
+        assert!(key("anls@a@1@2").is_err());
+        // Parameters of a backend's metric are its program's business.
+        let params = json!({"anything": [1, 2]});
+        let m = Metric::build_with(
+            "cer@evalscope",
+            params.as_object().unwrap(),
+            None,
+            &backends,
+        );
+        assert!(m.is_ok());
+    }
+
+    #[test]
+    fn the_listing_has_every_built_in_metric_then_the_backends() {
+        let listed = listing(&[backend()]);
+        assert_eq!(listed.len(), REGISTRY.len() + 1);
+        let last = listed.last().unwrap();
+        assert_eq!(
+            (
+                last.key.as_str(),
+                last.backend.as_str(),
+                last.params.is_none()
+            ),
+            ("cer@evalscope@2", "evalscope", true)
+        );
+        assert!(
+            listed
+                .iter()
+                .any(|l| l.key == "anls@1" && l.backend == "native")
         );
     }
 
