@@ -52,7 +52,7 @@ pub(super) fn eval(raw: &mut RawTask, dir: &Path, p: &mut Problems<'_>) -> Optio
     };
     let metrics = metrics(
         raw.metrics.take().unwrap_or_default(),
-        backends.as_deref().unwrap_or_default(),
+        backends.as_deref(),
         p,
     );
     let (parser, schema, metrics, backends) = (parser?, schema?, metrics?, backends?);
@@ -79,6 +79,14 @@ pub(super) fn eval(raw: &mut RawTask, dir: &Path, p: &mut Problems<'_>) -> Optio
         metrics,
         backends,
     })
+}
+
+/// Whether a metric's name is a built-in metric's (`anls`, `anls@1`,
+/// `anls@native`, ...), not a backend's.
+fn names_native(name: &str) -> bool {
+    name.split('@')
+        .nth(1)
+        .is_none_or(|b| b == NATIVE || b.parse::<u32>().is_ok())
 }
 
 /// `task.metric_backends`.
@@ -316,9 +324,11 @@ fn parser(value: &Value, p: &mut Problems<'_>) -> Option<Parser> {
     }
 }
 
+/// `task.metrics`, whose `NAME@BACKEND` names one of `backends` (`None`
+/// when they have problems of their own: those metrics are not checked).
 fn metrics(
     list: Vec<Value>,
-    backends: &[BackendSpec],
+    backends: Option<&[BackendSpec]>,
     p: &mut Problems<'_>,
 ) -> Option<Vec<MetricSpec>> {
     let mut out = Vec::with_capacity(list.len());
@@ -360,11 +370,8 @@ fn metrics(
                 };
                 // What is left are the metric's parameters (a backend's
                 // metric takes any: they are the program's business).
-                let mut parts = name.split('@');
-                let base = parts.next().unwrap_or_default();
-                let native = parts
-                    .next()
-                    .is_none_or(|b| b == NATIVE || b.parse::<u32>().is_ok());
+                let base = name.split('@').next().unwrap_or_default();
+                let native = names_native(&name);
                 if let Some(info) = REGISTRY.iter().find(|m| native && m.name == base) {
                     let mut known: Vec<String> = ["as", "name", "reference"]
                         .into_iter()
@@ -399,6 +406,9 @@ fn metrics(
             p.push::<()>(&path::key(&at, "reference"), err);
             continue;
         }
+        let Some(backends) = backends.or_else(|| names_native(&name).then_some(&[][..])) else {
+            continue;
+        };
         match Metric::build_with(&name, &params, key, backends) {
             Err(err) => {
                 ok = false;

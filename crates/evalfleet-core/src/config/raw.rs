@@ -187,7 +187,7 @@ pub struct RawMetricBackend {
     pub queue: Option<u32>,
     /// The metrics it gives: names, or mappings with `name`,
     /// `higher_is_better` (default `true`) and `summary`. Required.
-    #[schemars(with = "Vec<RawBackendMetric>")]
+    #[schemars(with = "Option<Vec<schema::BackendMetric>>")]
     pub metrics: Option<Vec<Value>>,
 }
 
