@@ -127,12 +127,15 @@ impl Plan {
         } else {
             let mut chosen = Vec::new();
             for name in metrics {
-                // `anls@native@1` is the built-in `anls@1`.
+                // `anls@native@1` is the built-in `anls@1`; `anls` is every
+                // anls, `anls@evalscope` every version of that backend's.
                 let native = name.replacen("@native", "", 1);
                 let found: Vec<&String> = keys
                     .iter()
                     .filter(|k| {
-                        *k == name || **k == native || k.split('@').next() == Some(native.as_str())
+                        **k == native
+                            || k.split('@').next() == Some(native.as_str())
+                            || k.starts_with(&format!("{name}@"))
                     })
                     .collect();
                 if found.is_empty() {

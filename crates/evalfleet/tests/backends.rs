@@ -158,7 +158,7 @@ async fn a_python_backend_scores_as_the_native_metric_in_a_run_and_again_through
             "score",
             &run_id,
             "--metrics",
-            "anls@scorer@1,exact_match@native@1",
+            "anls@scorer,exact_match@native@1",
         ])
         .await;
     assert_eq!(only.code, Some(0), "{}", only.stderr);
