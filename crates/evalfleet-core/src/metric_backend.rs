@@ -9,7 +9,7 @@
 //! `timeout`, writes a line that is no reply) into errors of the answers it
 //! held, with its stderr's last lines: never a score. The process is started
 //! again for the answers after. Items wait on their scores as
-//! [`crate::task::Step::Work`], outside any endpoint's slot, so calls go on
+//! work (`Step::Work`), outside any endpoint's slot, so calls go on
 //! while a backend works; when `queue` answers wait, the items behind them
 //! wait too, which bounds memory.
 //!

@@ -1,6 +1,6 @@
 //! Outside metric backends as the config declares them
 //! (`task.metric_backends`): a program that scores answers, with the
-//! metrics it gives. Plain data; `crate::metric_backend` prepares and runs
+//! metrics it gives. Plain data; the `metric_backend` module prepares and runs
 //! the programs.
 
 use std::path::PathBuf;
