@@ -302,7 +302,8 @@ impl Process {
         let stderr = if stderr.is_empty() {
             "nothing on its stderr".to_owned()
         } else {
-            format!("its stderr ends:\n{}", stderr.join("\n"))
+            // One line, as errors are shown in tables and summaries.
+            format!("its stderr ends: {}", stderr.join(" | "))
         };
         (status, stderr)
     }
@@ -638,9 +639,8 @@ impl Serving {
         self.scored = false;
         if !self.pending.is_empty() {
             tracing::warn!(
-                "Metric backend '{}' {}; {} answer(s) it held are not scored.",
+                "Metric backend '{}' {message}; {} answer(s) it held are not scored.",
                 self.name(),
-                message.lines().next().unwrap_or_default(),
                 self.pending.len()
             );
         }
