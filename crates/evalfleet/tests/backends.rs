@@ -217,6 +217,34 @@ async fn a_backend_that_hangs_times_out_into_errors_and_is_started_again() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_that_exits_at_once_is_given_up_after_three_starts() {
+    let env = Env::new();
+    // One answer at a time: each start meets one.
+    let backend = "command: [sh, -c, \"echo dying >&2; exit 4\"], queue: 1";
+    let (ran, rows) = run_with(&env, 10, backend).await;
+    assert_eq!(ran.code, Some(1), "no backend score at all: {}", ran.stderr);
+    let errors = same_or_errors(&rows);
+    assert_eq!(
+        errors.len(),
+        20,
+        "every backend score is an error: {errors:?}"
+    );
+    for (id, error) in &errors {
+        assert!(
+            (error.contains("exited (exit status: 4)") || error.contains("was given up"))
+                && error.contains("dying"),
+            "{id}: {error}"
+        );
+    }
+    assert!(
+        errors
+            .iter()
+            .any(|(_, e)| e.contains("stopped 3 times in a row without a score")),
+        "{errors:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn garbage_lines_give_errors_that_name_the_line() {
     let env = Env::new();
     // One answer at a time, so that each misbehaviour meets only its item.
