@@ -348,13 +348,13 @@ impl Backends {
         let mut queue = 0usize;
         for spec in specs {
             let setup_dir = {
-                let spec = spec.clone();
+                let preparing = spec.clone();
                 tracker
-                    .spawn_blocking(move || prepare(&spec))
+                    .spawn_blocking(move || prepare(&preparing))
                     .await
                     .map_err(|err| BackendError::Io {
-                        backend: String::new(),
-                        path: PathBuf::new(),
+                        backend: spec.name.clone(),
+                        path: cache_root().unwrap_or_default(),
                         source: std::io::Error::other(err),
                     })??
             };
