@@ -2,7 +2,9 @@
 """A metric backend for the tests: exact_match and anls as evalfleet's
 built-in metrics define them (docs/metrics.md), over the JSON-lines protocol.
 
-Misbehaviour on request, for the failure tests:
+Misbehaviour on request, for the failure tests (--garbage-on, --nan-on and
+--wrong-id-on on the anls metric's line only, so that each item misbehaves
+once):
   --crash-after N   exit (status 3, with a message on stderr) after N scores
   --hang-on ITEM    stop answering (and reading) when ITEM's answer comes,
                     until --hang-while's file is gone (if given) or evalfleet
@@ -86,16 +88,17 @@ def main():
             parent = os.getppid()
             while os.getppid() == parent and (args.hang_while is None or os.path.exists(args.hang_while)):
                 time.sleep(0.05)
-        if item == args.garbage_on:
+        odd = request["metric"] == "anls"
+        if odd and item == args.garbage_on:
             print(f"this is not json for {item}", flush=True)
             continue
         if not request["references"]:
             print(json.dumps({"id": rid, "error": "no reference"}), flush=True)
             continue
         value = METRICS[request["metric"]](request["answer"], request["references"], request["params"])
-        if item == args.nan_on:
+        if odd and item == args.nan_on:
             value = float("nan")
-        if item == args.wrong_id_on:
+        if odd and item == args.wrong_id_on:
             rid = "no-such-id"
         print(json.dumps({"id": rid, "score": value, "details": {"by": "score.py"}}), flush=True)
         scored += 1
