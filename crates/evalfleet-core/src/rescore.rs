@@ -311,6 +311,12 @@ async fn score_with_backends(
     assessed: &mut [(u64, Assessment)],
     only: Option<&[String]>,
 ) -> Result<u64, RescoreError> {
+    let wanted = assessor.metrics().any(|m| {
+        m.backend() != crate::eval::backend::NATIVE && only.is_none_or(|only| only.contains(&m.key))
+    });
+    if !wanted {
+        return Ok(0);
+    }
     let mut work = Vec::new();
     for (place, (r, (_, a))) in stored.iter().zip(assessed.iter()).enumerate() {
         if a.verdict != Some(Verdict::Ok) {
