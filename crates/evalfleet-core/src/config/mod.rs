@@ -16,6 +16,7 @@ pub mod path;
 mod raw;
 pub mod reference;
 pub mod schema;
+mod telemetry;
 mod validate;
 mod yaml;
 
@@ -34,6 +35,7 @@ pub use endpoint::{
     AimdSettings, EndpointConfig, EndpointKind, EndpointRole, Engine, HealthSettings, LimitMode,
     LoadEngine, LoadSettings, Preset, Remote,
 };
+pub use telemetry::{GpuSelection, TelemetryLimits, TelemetrySettings};
 pub use env::{Vars, is_name as is_variable_name};
 pub use evalfleet_mock::MockSettings;
 pub use evalfleet_types::BudgetSettings;
@@ -98,6 +100,8 @@ pub struct Config {
     /// `--store`), so `evalfleet resume`, `status` and `export` find it from
     /// the same place. Default `runs/evalfleet.db`.
     pub store: Option<PathBuf>,
+    /// `telemetry:` resource sampling during the run, and its limits.
+    pub telemetry: TelemetrySettings,
 }
 
 impl Config {
