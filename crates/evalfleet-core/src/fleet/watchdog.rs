@@ -341,6 +341,51 @@ mod tests {
     use super::*;
 
     #[test]
+    fn each_crossing_of_a_configured_limit_is_one_event_either_way() {
+        let settings = TelemetrySettings {
+            limits: TelemetryLimits {
+                gpu_memory_mb: Some(2000),
+                evalfleet_rss_mb: Some(100),
+                ..TelemetryLimits::default()
+            },
+            ..TelemetrySettings::default()
+        };
+        let mut watchdog = Watchdog::new(&settings, &[]).unwrap();
+        let gpu = ResourceSeries::new(ResourceSource::Gpu, "0", ResourceMetric::GpuMemoryMb);
+        let util = ResourceSeries::new(ResourceSource::Gpu, "0", ResourceMetric::GpuUtilizationPct);
+        let own = ResourceSeries::new(ResourceSource::Evalfleet, "", ResourceMetric::RssMb);
+        let mut seen = Vec::new();
+        // GPU memory: idle, a process holds 2575 MiB for three samples,
+        // exits, then holds it again; utilisation has no limit.
+        for (at, (memory, rss)) in [(0.0, 50.0), (2575.0, 50.0), (2575.0, 150.0), (2575.0, 150.0), (0.0, 50.0), (2575.0, 50.0)]
+            .into_iter()
+            .enumerate()
+        {
+            let points = [
+                ResourcePoint::sample(gpu.clone(), at as i64, memory),
+                ResourcePoint::sample(util.clone(), at as i64, 100.0),
+                ResourcePoint::sample(own.clone(), at as i64, rss),
+            ];
+            seen.extend(watchdog.crossings(&points, at as i64));
+        }
+        let told: Vec<(i64, EventKind, &str)> = seen
+            .iter()
+            .map(|e| (e.at_ms, e.kind, e.message.as_str()))
+            .collect();
+        assert_eq!(
+            told,
+            vec![
+                (1, EventKind::ResourceLimit, "GPU 0's memory in use is 2575 MiB, above telemetry.limits.gpu_memory_mb (2000 MiB)."),
+                (2, EventKind::ResourceLimit, "evalfleet's RSS is 150 MiB, above telemetry.limits.evalfleet_rss_mb (100 MiB)."),
+                (4, EventKind::ResourceBack, "GPU 0's memory in use is 0 MiB, back within telemetry.limits.gpu_memory_mb (2000 MiB)."),
+                (4, EventKind::ResourceBack, "evalfleet's RSS is 50 MiB, back within telemetry.limits.evalfleet_rss_mb (100 MiB)."),
+                (5, EventKind::ResourceLimit, "GPU 0's memory in use is 2575 MiB, above telemetry.limits.gpu_memory_mb (2000 MiB)."),
+            ]
+        );
+        assert!(seen.iter().all(|e| e.endpoint.is_none()));
+    }
+
+    #[test]
     fn a_limit_is_told_once_per_crossing_and_again_after_going_back_under() {
         let series = ResourceSeries::new(ResourceSource::Gpu, "0", ResourceMetric::GpuMemoryMb);
         let mut watch = LimitWatch::default();
