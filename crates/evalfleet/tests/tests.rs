@@ -19,6 +19,7 @@ mod run;
 mod security;
 mod serve;
 mod tasks;
+mod telemetry;
 mod trust;
 mod util;
 mod webdriver;
