@@ -943,7 +943,13 @@ fn a_resource_series_stays_bounded_with_its_peak_and_mean_exact() {
     // Ten times the bound, ten samples a write, as the housekeeping writes
     // a second of 100 ms samples; the GPU peaks once, in the oldest part.
     let total = 10 * POINTS_PER_SERIES as i64;
-    let value = |at: i64| if at == 17 { 143_771.0 } else { (at % 100) as f64 };
+    let value = |at: i64| {
+        if at == 17 {
+            143_771.0
+        } else {
+            (at % 100) as f64
+        }
+    };
     for start in (0..total).step_by(10) {
         let points: Vec<ResourcePoint> = (start..start + 10)
             .flat_map(|at| {
@@ -957,7 +963,10 @@ fn a_resource_series_stays_bounded_with_its_peak_and_mean_exact() {
     }
     // A second sample at a time already stored is merged into its point.
     store
-        .add_resource_points("r", &[ResourcePoint::sample(rss.clone(), (total - 1) * 100, 44.0)])
+        .add_resource_points(
+            "r",
+            &[ResourcePoint::sample(rss.clone(), (total - 1) * 100, 44.0)],
+        )
         .unwrap();
     let points = store.resource_points("r", i64::MIN).unwrap();
     for series in [&gpu, &rss] {

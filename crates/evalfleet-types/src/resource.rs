@@ -174,7 +174,11 @@ mod tests {
         }
         let samples: u64 = points.iter().map(|p| p.samples).sum();
         assert_eq!(samples, 100_000);
-        let mean = points.iter().map(|p| p.mean * p.samples as f64).sum::<f64>() / samples as f64;
+        let mean = points
+            .iter()
+            .map(|p| p.mean * p.samples as f64)
+            .sum::<f64>()
+            / samples as f64;
         assert!((mean - sum / 100_000.0).abs() < 1e-6);
         assert_eq!(points.iter().map(|p| p.peak).fold(0.0, f64::max), 999.0);
         assert_eq!(points[0].at_ms, 0);

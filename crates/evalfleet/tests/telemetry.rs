@@ -64,7 +64,11 @@ async fn a_run_samples_its_gpu_engine_and_itself_and_reports_peaks_and_means() {
             "telemetry:\n  interval: 100ms\n  limits: { engine_gpu_memory_mb: 2000, gpu_memory_mb: 100000 }",
         ),
     );
-    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
     let ran: crate::util::Ran = env
         .command(&["run", "run.yaml", "-q", "--run-id", "t"])
         .env("PATH", &path)
@@ -94,11 +98,18 @@ async fn a_run_samples_its_gpu_engine_and_itself_and_reports_peaks_and_means() {
         0.0
     );
     // The recorded process is the engine's: its GPU memory is the engine's.
-    let engine_gpu = series(ResourceSource::Endpoint, "engine", ResourceMetric::GpuMemoryMb);
+    let engine_gpu = series(
+        ResourceSource::Endpoint,
+        "engine",
+        ResourceMetric::GpuMemoryMb,
+    );
     assert_eq!(engine_gpu.peak, 2566.0);
     // The engine is an evalfleet mock: a few MiB resident, at least.
     let engine_rss = series(ResourceSource::Endpoint, "engine", ResourceMetric::RssMb);
-    assert!(engine_rss.peak > 1.0 && engine_rss.mean <= engine_rss.peak, "{engine_rss:?}");
+    assert!(
+        engine_rss.peak > 1.0 && engine_rss.mean <= engine_rss.peak,
+        "{engine_rss:?}"
+    );
     let own = series(ResourceSource::Evalfleet, "", ResourceMetric::RssMb);
     assert!(own.peak > 1.0, "{own:?}");
 
@@ -130,7 +141,13 @@ async fn a_run_samples_its_gpu_engine_and_itself_and_reports_peaks_and_means() {
         table.stdout
     );
     let status = env.evalfleet(&["status", "t"]).await;
-    assert!(status.stdout.contains("above telemetry.limits.engine_gpu_memory_mb"), "{}", status.stdout);
+    assert!(
+        status
+            .stdout
+            .contains("above telemetry.limits.engine_gpu_memory_mb"),
+        "{}",
+        status.stdout
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -159,11 +176,16 @@ async fn a_machine_without_nvidia_smi_has_no_gpu_series_and_says_so_once() {
     let said = ran.stderr.matches("No GPU telemetry for now").count();
     assert_eq!(said, 1, "{}", ran.stderr);
     let points = env.store().resource_points("n", i64::MIN).unwrap();
-    assert!(points.iter().all(|p| p.series.source != ResourceSource::Gpu));
     assert!(
         points
             .iter()
-            .any(|p| p.series.source == ResourceSource::Evalfleet && p.series.metric == ResourceMetric::RssMb),
+            .all(|p| p.series.source != ResourceSource::Gpu)
+    );
+    assert!(
+        points
+            .iter()
+            .any(|p| p.series.source == ResourceSource::Evalfleet
+                && p.series.metric == ResourceMetric::RssMb),
         "{points:?}"
     );
 }

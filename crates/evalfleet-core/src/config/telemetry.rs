@@ -95,7 +95,10 @@ pub(super) fn telemetry(raw: RawTelemetry, p: &mut Problems<'_>) -> Option<Telem
             if d < Duration::from_millis(100) {
                 p.push(
                     "telemetry.interval",
-                    format!("must be at least 100ms, got {}", humantime::format_duration(d)),
+                    format!(
+                        "must be at least 100ms, got {}",
+                        humantime::format_duration(d)
+                    ),
                 )
             } else {
                 Some(d)
@@ -121,7 +124,10 @@ pub(super) fn telemetry(raw: RawTelemetry, p: &mut Problems<'_>) -> Option<Telem
     };
     let limits = raw.limits.unwrap_or_default();
     let mut limit = |key: &str, value: Option<u64>| match value {
-        Some(0) => p.push(&format!("telemetry.limits.{key}"), "must be at least 1, got 0"),
+        Some(0) => p.push(
+            &format!("telemetry.limits.{key}"),
+            "must be at least 1, got 0",
+        ),
         other => Some(other),
     };
     let gpu_memory_mb = limit("gpu_memory_mb", limits.gpu_memory_mb);

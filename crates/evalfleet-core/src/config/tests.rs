@@ -158,7 +158,10 @@ fn telemetry_keys_validate_and_name_their_problems_with_their_lines() {
     );
     write(dir.path(), ".env", "EF_CFG_TEST_KEY=k\n");
     let file = write(dir.path(), "good.yaml", &good);
-    let telemetry = load_file(&file, Overrides::default()).unwrap().config.telemetry;
+    let telemetry = load_file(&file, Overrides::default())
+        .unwrap()
+        .config
+        .telemetry;
     assert_eq!(telemetry.interval, Duration::from_millis(250));
     assert_eq!(telemetry.gpus, GpuSelection::Listed(vec![0, 2]));
     assert_eq!(telemetry.limits.gpu_memory_mb, Some(70_000));
@@ -179,10 +182,22 @@ fn telemetry_keys_validate_and_name_their_problems_with_their_lines() {
     };
     // The line of `telemetry:`.
     let first = GOOD.lines().count() + 1;
-    assert_eq!(line("telemetry.interval: must be at least 100ms, got 10ms"), Some(first + 1));
-    assert_eq!(line("telemetry.gpus: must be auto, all, none or GPU indices"), Some(first + 2));
-    assert_eq!(line("telemetry.limits.gpu_memory_mb: must be at least 1, got 0"), Some(first + 4));
-    assert_eq!(line("telemetry.limits: unknown key 'vram_mb'"), Some(first + 5));
+    assert_eq!(
+        line("telemetry.interval: must be at least 100ms, got 10ms"),
+        Some(first + 1)
+    );
+    assert_eq!(
+        line("telemetry.gpus: must be auto, all, none or GPU indices"),
+        Some(first + 2)
+    );
+    assert_eq!(
+        line("telemetry.limits.gpu_memory_mb: must be at least 1, got 0"),
+        Some(first + 4)
+    );
+    assert_eq!(
+        line("telemetry.limits: unknown key 'vram_mb'"),
+        Some(first + 5)
+    );
     assert_eq!(problems.len(), 4, "{problems:#?}");
 }
 

@@ -272,12 +272,18 @@ mod recorded {
 
     #[test]
     fn an_h200_holding_a_process_parses_exactly_with_and_without_units() {
-        assert_eq!(parse_gpus(h200!("busy-gpus.csv")).unwrap(), vec![busy_gpu(Some(0))]);
+        assert_eq!(
+            parse_gpus(h200!("busy-gpus.csv")).unwrap(),
+            vec![busy_gpu(Some(0))]
+        );
         assert_eq!(
             parse_gpus(h200!("busy-gpus-units.csv")).unwrap(),
             vec![busy_gpu(Some(0))]
         );
-        assert_eq!(parse_gpus(h200!("busy-gpus-5.csv")).unwrap(), vec![busy_gpu(None)]);
+        assert_eq!(
+            parse_gpus(h200!("busy-gpus-5.csv")).unwrap(),
+            vec![busy_gpu(None)]
+        );
         let process = GpuProcess {
             gpu_uuid: UUID.to_owned(),
             pid: 607,
@@ -315,7 +321,9 @@ mod recorded {
     fn fields_the_driver_cannot_fill_read_as_unknown() {
         // The recorded line with the fields a MIG slice or an old board
         // leaves out (nvidia-smi writes `[N/A]` or `[Not Supported]`).
-        let line = format!("0, {UUID}, NVIDIA H200, 2575 MiB, 143771 MiB, [N/A], [Not Supported], 41, [N/A]\n");
+        let line = format!(
+            "0, {UUID}, NVIDIA H200, 2575 MiB, 143771 MiB, [N/A], [Not Supported], 41, [N/A]\n"
+        );
         let gpus = parse_gpus(&line).unwrap();
         assert_eq!(gpus[0].utilization_pct, None);
         assert_eq!(gpus[0].memory_used_mb, 2575);

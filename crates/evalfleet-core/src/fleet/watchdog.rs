@@ -106,9 +106,7 @@ pub fn crossing_event(
         ),
         Crossing::Back => (
             EventKind::ResourceBack,
-            format!(
-                "{what} is {value:.0} MiB, back within telemetry.limits.{key} ({limit} MiB)."
-            ),
+            format!("{what} is {value:.0} MiB, back within telemetry.limits.{key} ({limit} MiB)."),
         ),
     };
     Event {
@@ -184,7 +182,12 @@ impl Watchdog {
 
     /// Samples every interval until `stop`, sending each round to `out`
     /// (a round that finds `out` full is dropped: the store is behind).
-    pub async fn run(mut self, tracker: TaskTracker, stop: CancellationToken, out: mpsc::Sender<Tick>) {
+    pub async fn run(
+        mut self,
+        tracker: TaskTracker,
+        stop: CancellationToken,
+        out: mpsc::Sender<Tick>,
+    ) {
         let mut tick = tokio::time::interval(self.settings.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -256,10 +259,25 @@ impl Watchdog {
                     .filter(|g| wanted.as_ref().is_none_or(|w| w.contains(&g.index)))
                 {
                     let index = g.index.to_string();
-                    add(ResourceSource::Gpu, &index, ResourceMetric::GpuMemoryMb, g.memory_used_mb as f64);
-                    add(ResourceSource::Gpu, &index, ResourceMetric::GpuMemoryTotalMb, g.memory_total_mb as f64);
+                    add(
+                        ResourceSource::Gpu,
+                        &index,
+                        ResourceMetric::GpuMemoryMb,
+                        g.memory_used_mb as f64,
+                    );
+                    add(
+                        ResourceSource::Gpu,
+                        &index,
+                        ResourceMetric::GpuMemoryTotalMb,
+                        g.memory_total_mb as f64,
+                    );
                     if let Some(u) = g.utilization_pct {
-                        add(ResourceSource::Gpu, &index, ResourceMetric::GpuUtilizationPct, f64::from(u));
+                        add(
+                            ResourceSource::Gpu,
+                            &index,
+                            ResourceMetric::GpuUtilizationPct,
+                            f64::from(u),
+                        );
                     }
                 }
                 Some(processes)
@@ -278,7 +296,12 @@ impl Watchdog {
             if tree.is_empty() {
                 continue;
             }
-            add(ResourceSource::Endpoint, name, ResourceMetric::RssMb, usage.rss_mb);
+            add(
+                ResourceSource::Endpoint,
+                name,
+                ResourceMetric::RssMb,
+                usage.rss_mb,
+            );
             if let Some(cpu) = usage.cpu_pct {
                 add(ResourceSource::Endpoint, name, ResourceMetric::CpuPct, cpu);
             }
@@ -289,26 +312,51 @@ impl Watchdog {
                     .filter(|p| pids.contains(&p.pid))
                     .filter_map(|p| p.used_memory_mb)
                     .sum();
-                add(ResourceSource::Endpoint, name, ResourceMetric::GpuMemoryMb, used as f64);
+                add(
+                    ResourceSource::Endpoint,
+                    name,
+                    ResourceMetric::GpuMemoryMb,
+                    used as f64,
+                );
             }
         }
         for endpoint in &self.endpoints {
             if let Some(load) = endpoint.engine_load() {
                 let name = &endpoint.name;
                 if let Some(kv) = load.kv_cache {
-                    add(ResourceSource::Endpoint, name, ResourceMetric::KvCachePct, 100.0 * kv);
+                    add(
+                        ResourceSource::Endpoint,
+                        name,
+                        ResourceMetric::KvCachePct,
+                        100.0 * kv,
+                    );
                 }
                 if let Some(running) = load.running {
-                    add(ResourceSource::Endpoint, name, ResourceMetric::Running, running as f64);
+                    add(
+                        ResourceSource::Endpoint,
+                        name,
+                        ResourceMetric::Running,
+                        running as f64,
+                    );
                 }
                 if let Some(waiting) = load.waiting {
-                    add(ResourceSource::Endpoint, name, ResourceMetric::Waiting, waiting as f64);
+                    add(
+                        ResourceSource::Endpoint,
+                        name,
+                        ResourceMetric::Waiting,
+                        waiting as f64,
+                    );
                 }
             }
         }
         if let Some(own) = reading.own {
             let usage = self.own.read(&[own], now);
-            add(ResourceSource::Evalfleet, "", ResourceMetric::RssMb, usage.rss_mb);
+            add(
+                ResourceSource::Evalfleet,
+                "",
+                ResourceMetric::RssMb,
+                usage.rss_mb,
+            );
             if let Some(cpu) = usage.cpu_pct {
                 add(ResourceSource::Evalfleet, "", ResourceMetric::CpuPct, cpu);
             }
@@ -357,9 +405,16 @@ mod tests {
         let mut seen = Vec::new();
         // GPU memory: idle, a process holds 2575 MiB for three samples,
         // exits, then holds it again; utilisation has no limit.
-        for (at, (memory, rss)) in [(0.0, 50.0), (2575.0, 50.0), (2575.0, 150.0), (2575.0, 150.0), (0.0, 50.0), (2575.0, 50.0)]
-            .into_iter()
-            .enumerate()
+        for (at, (memory, rss)) in [
+            (0.0, 50.0),
+            (2575.0, 50.0),
+            (2575.0, 150.0),
+            (2575.0, 150.0),
+            (0.0, 50.0),
+            (2575.0, 50.0),
+        ]
+        .into_iter()
+        .enumerate()
         {
             let points = [
                 ResourcePoint::sample(gpu.clone(), at as i64, memory),
@@ -375,11 +430,31 @@ mod tests {
         assert_eq!(
             told,
             vec![
-                (1, EventKind::ResourceLimit, "GPU 0's memory in use is 2575 MiB, above telemetry.limits.gpu_memory_mb (2000 MiB)."),
-                (2, EventKind::ResourceLimit, "evalfleet's RSS is 150 MiB, above telemetry.limits.evalfleet_rss_mb (100 MiB)."),
-                (4, EventKind::ResourceBack, "GPU 0's memory in use is 0 MiB, back within telemetry.limits.gpu_memory_mb (2000 MiB)."),
-                (4, EventKind::ResourceBack, "evalfleet's RSS is 50 MiB, back within telemetry.limits.evalfleet_rss_mb (100 MiB)."),
-                (5, EventKind::ResourceLimit, "GPU 0's memory in use is 2575 MiB, above telemetry.limits.gpu_memory_mb (2000 MiB)."),
+                (
+                    1,
+                    EventKind::ResourceLimit,
+                    "GPU 0's memory in use is 2575 MiB, above telemetry.limits.gpu_memory_mb (2000 MiB)."
+                ),
+                (
+                    2,
+                    EventKind::ResourceLimit,
+                    "evalfleet's RSS is 150 MiB, above telemetry.limits.evalfleet_rss_mb (100 MiB)."
+                ),
+                (
+                    4,
+                    EventKind::ResourceBack,
+                    "GPU 0's memory in use is 0 MiB, back within telemetry.limits.gpu_memory_mb (2000 MiB)."
+                ),
+                (
+                    4,
+                    EventKind::ResourceBack,
+                    "evalfleet's RSS is 50 MiB, back within telemetry.limits.evalfleet_rss_mb (100 MiB)."
+                ),
+                (
+                    5,
+                    EventKind::ResourceLimit,
+                    "GPU 0's memory in use is 2575 MiB, above telemetry.limits.gpu_memory_mb (2000 MiB)."
+                ),
             ]
         );
         assert!(seen.iter().all(|e| e.endpoint.is_none()));

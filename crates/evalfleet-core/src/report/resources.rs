@@ -99,7 +99,9 @@ impl ResourcesReport {
 
 /// Run `run_id`'s resource telemetry, summed up.
 pub fn resources(store: &mut dyn Store, run_id: &str) -> Result<ResourcesReport, StoreError> {
-    Ok(ResourcesReport::of(&store.resource_points(run_id, i64::MIN)?))
+    Ok(ResourcesReport::of(
+        &store.resource_points(run_id, i64::MIN)?,
+    ))
 }
 
 #[cfg(test)]
@@ -119,7 +121,9 @@ mod tests {
             ResourcePoint::sample(gpu.clone(), 3, 600.0),
         ];
         let report = ResourcesReport::of(&points);
-        let g = report.get(ResourceSource::Gpu, "0", ResourceMetric::GpuMemoryMb).unwrap();
+        let g = report
+            .get(ResourceSource::Gpu, "0", ResourceMetric::GpuMemoryMb)
+            .unwrap();
         assert_eq!(g.samples, 4);
         assert!((g.mean - 300.0).abs() < 1e-9);
         assert_eq!(g.peak, 600.0);

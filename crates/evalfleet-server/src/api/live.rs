@@ -12,8 +12,8 @@ use axum::extract::State;
 
 use crate::extract::{Path, Query};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
-use evalfleet_core::store::Store;
 use evalfleet_core::report::ResourcesReport;
+use evalfleet_core::store::Store;
 use evalfleet_core::types::{Event, ResourcePoint};
 use evalfleet_core::view::{self, EndpointsView, RunDetail, RunState, RunSummary, TimelinePoint};
 use futures_util::Stream;

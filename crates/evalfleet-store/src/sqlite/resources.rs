@@ -10,7 +10,8 @@ use rusqlite::params;
 
 use super::{SqliteStore, db_err, unknown};
 
-const INSERT: &str = "INSERT INTO resource_points (rid, source, name, metric, at, until, mean, peak, samples)
+const INSERT: &str =
+    "INSERT INTO resource_points (rid, source, name, metric, at, until, mean, peak, samples)
      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)
      ON CONFLICT (rid, source, name, metric, at) DO UPDATE SET
          until = max(until, excluded.until),
