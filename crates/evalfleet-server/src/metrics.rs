@@ -30,6 +30,9 @@ use crate::state::AppState;
 
 type Labels = Vec<(String, String)>;
 
+/// A gauge family's help and its series.
+type Family<'a> = (&'a str, Vec<(Labels, f64)>);
+
 /// What one scrape reads.
 #[derive(Debug)]
 struct Scrape {
@@ -314,7 +317,7 @@ impl Collector for Scrape {
             "Time per output token after the first.",
             &tpot,
         )?;
-        let mut gauges: BTreeMap<&str, (&str, Vec<(Labels, f64)>)> = BTreeMap::new();
+        let mut gauges: BTreeMap<&str, Family<'_>> = BTreeMap::new();
         for (run, points) in &self.resources {
             for point in points {
                 let (name, help, label) = resource_gauge(&point.series);

@@ -1092,15 +1092,12 @@ async fn housekeep(
                     })
                     .chain(resource_events)
                     .collect();
+                // Telemetry lost is no reason to stop the rest.
+                if let Err(err) = owned.add_resource_points(&id, &resources) {
+                    tracing::warn!("Cannot store resource telemetry: {err}.");
+                }
                 let outcome = owned
                     .add_events(&id, &events)
-                    .and_then(|()| {
-                        // Telemetry lost is no reason to stop the rest.
-                        if let Err(err) = owned.add_resource_points(&id, &resources) {
-                            tracing::warn!("Cannot store resource telemetry: {err}.");
-                        }
-                        Ok(())
-                    })
                     .and_then(|()| owned.put_endpoint_states(&id, &snapshots))
                     .and_then(|()| owned.counts(&id))
                     .and_then(|counts| {
