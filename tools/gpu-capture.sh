@@ -19,23 +19,7 @@ capture() { # label
 nvidia-smi --version > "$out/version.txt" 2>&1
 capture idle
 # A process that holds 2048 MiB of GPU memory, through the driver API alone.
-cat > /tmp/hold.py <<'PY'
-import ctypes, sys, time
-cuda = ctypes.CDLL("libcuda.so.1")
-def ok(r, what):
-    if r != 0:
-        print(what, "failed", r, flush=True); sys.exit(1)
-ok(cuda.cuInit(0), "cuInit")
-dev = ctypes.c_int(); ok(cuda.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
-ctx = ctypes.c_void_p(); ok(cuda.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev), "cuCtxCreate")
-n = int(sys.argv[1]) << 20
-ptr = ctypes.c_uint64(); ok(cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(n)), "cuMemAlloc")
-ok(cuda.cuMemsetD8_v2(ptr, ctypes.c_ubyte(1), ctypes.c_size_t(n)), "cuMemset")
-ok(cuda.cuCtxSynchronize(), "sync")
-print("holding", sys.argv[1], "MiB", flush=True)
-time.sleep(float(sys.argv[2]))
-PY
-python3 /tmp/hold.py 2048 12 > "$out/hold.log" 2>&1 &
+python3 "$(dirname "$0")/gpu-hold.py" 2048 12 > "$out/hold.log" 2>&1 &
 holder=$!
 for i in $(seq 1 40); do grep -q holding "$out/hold.log" && break; sleep 0.25; done
 sleep 1

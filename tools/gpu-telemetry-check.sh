@@ -12,23 +12,7 @@ bin=$(realpath "${1:-target/release/evalfleet}")
 work=$(mktemp -d)
 holder=
 trap 'kill $holder 2>/dev/null; wait $holder 2>/dev/null' EXIT
-cat > "$work/hold.py" <<'PY'
-import ctypes, sys, time
-cuda = ctypes.CDLL("libcuda.so.1")
-def ok(r, what):
-    if r != 0:
-        print(what, "failed", r, flush=True); sys.exit(1)
-ok(cuda.cuInit(0), "cuInit")
-dev = ctypes.c_int(); ok(cuda.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
-ctx = ctypes.c_void_p(); ok(cuda.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev), "cuCtxCreate")
-n = int(sys.argv[1]) << 20
-ptr = ctypes.c_uint64(); ok(cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(n)), "cuMemAlloc")
-ok(cuda.cuMemsetD8_v2(ptr, ctypes.c_ubyte(1), ctypes.c_size_t(n)), "cuMemset")
-ok(cuda.cuCtxSynchronize(), "sync")
-print("holding", sys.argv[1], "MiB", flush=True)
-time.sleep(float(sys.argv[2]))
-PY
-python3 "$work/hold.py" 2048 60 > "$work/hold.log" 2>&1 &
+python3 "$(dirname "$0")/gpu-hold.py" 2048 60 > "$work/hold.log" 2>&1 &
 holder=$!
 for _ in $(seq 1 80); do grep -q holding "$work/hold.log" && break; sleep 0.25; done
 grep -q holding "$work/hold.log" || { echo "the holder did not start:"; cat "$work/hold.log"; exit 1; }

@@ -48,67 +48,61 @@ struct Scrape {
 /// A series' latest point counts as current for this long.
 const CURRENT_MS: i64 = 30_000;
 
-/// The gauge of a resource series: its name, help, and what its label
-/// names (`gpu`, `endpoint`, or nothing for evalfleet's own).
-fn resource_gauge(series: &ResourceSeries) -> (&'static str, &'static str, Option<&'static str>) {
+/// The gauge of a resource series: its name and help.
+fn resource_gauge(series: &ResourceSeries) -> (&'static str, &'static str) {
     use ResourceMetric as M;
     use ResourceSource as S;
     match (series.source, series.metric) {
-        (S::Gpu, M::GpuMemoryTotalMb) => (
-            "evalfleet_gpu_memory_total_mib",
-            "A GPU's memory.",
-            Some("gpu"),
-        ),
-        (S::Gpu, M::GpuUtilizationPct) => (
-            "evalfleet_gpu_utilization_percent",
-            "A GPU's utilisation.",
-            Some("gpu"),
-        ),
+        (S::Gpu, M::GpuMemoryTotalMb) => ("evalfleet_gpu_memory_total_mib", "A GPU's memory."),
+        (S::Gpu, M::GpuUtilizationPct) => {
+            ("evalfleet_gpu_utilization_percent", "A GPU's utilisation.")
+        }
         (S::Gpu, _) => (
             "evalfleet_gpu_memory_used_mib",
             "Memory in use on a GPU a run samples.",
-            Some("gpu"),
         ),
         (S::Endpoint, M::GpuMemoryMb) => (
             "evalfleet_engine_gpu_memory_mib",
             "GPU memory of a local engine's processes.",
-            Some("endpoint"),
         ),
         (S::Endpoint, M::CpuPct) => (
             "evalfleet_engine_cpu_percent",
             "CPU of a local engine's process tree, in percent of a core.",
-            Some("endpoint"),
         ),
         (S::Endpoint, M::KvCachePct) => (
             "evalfleet_engine_kv_cache_percent",
             "KV cache in use, as the engine's /metrics tells it.",
-            Some("endpoint"),
         ),
         (S::Endpoint, M::Running) => (
             "evalfleet_engine_requests_running",
             "Requests the engine runs, as its /metrics tells it.",
-            Some("endpoint"),
         ),
         (S::Endpoint, M::Waiting) => (
             "evalfleet_engine_requests_waiting",
             "Requests waiting in the engine's queue.",
-            Some("endpoint"),
         ),
         (S::Endpoint, _) => (
             "evalfleet_engine_rss_mib",
             "Resident memory of a local engine's process tree.",
-            Some("endpoint"),
         ),
         (S::Evalfleet, M::CpuPct) => (
             "evalfleet_process_cpu_percent",
             "CPU of the evalfleet process running the run, in percent of a core.",
-            None,
         ),
         (S::Evalfleet, _) => (
             "evalfleet_process_rss_mib",
             "Resident memory of the evalfleet process running the run.",
-            None,
         ),
+    }
+}
+
+/// What a resource series' label names: its GPU, its endpoint, or nothing
+/// for evalfleet's own.
+fn resource_label(source: ResourceSource) -> Option<&'static str> {
+    match source {
+        ResourceSource::Gpu => Some("gpu"),
+        ResourceSource::Endpoint => Some("endpoint"),
+        ResourceSource::Evalfleet => None,
     }
 }
 
@@ -320,9 +314,9 @@ impl Collector for Scrape {
         let mut gauges: BTreeMap<&str, Family<'_>> = BTreeMap::new();
         for (run, points) in &self.resources {
             for point in points {
-                let (name, help, label) = resource_gauge(&point.series);
+                let (name, help) = resource_gauge(&point.series);
                 let mut at = labels(&[("run", run)]);
-                if let Some(label) = label {
+                if let Some(label) = resource_label(point.series.source) {
                     at.push((label.to_owned(), point.series.name.clone()));
                 }
                 // A merged point's mean; a sample's value.
