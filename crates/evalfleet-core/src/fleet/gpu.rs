@@ -318,6 +318,33 @@ mod recorded {
     }
 
     #[test]
+    fn the_queries_sent_parse_as_an_h200_printed_them() {
+        let uuid = "GPU-6c162e19-590f-7bda-014d-6565b8e9bf47";
+        assert_eq!(
+            parse_gpus(h200!("query-busy-gpus.csv")).unwrap(),
+            vec![Gpu {
+                index: 0,
+                uuid: uuid.to_owned(),
+                name: "NVIDIA H200".to_owned(),
+                memory_used_mb: 1551,
+                memory_total_mb: 143_771,
+                utilization_pct: Some(0),
+            }]
+        );
+        assert_eq!(
+            parse_processes(h200!("query-busy-apps.csv")).unwrap(),
+            vec![GpuProcess {
+                gpu_uuid: uuid.to_owned(),
+                pid: 496,
+                name: "python3".to_owned(),
+                used_memory_mb: Some(1542),
+            }]
+        );
+        let after = parse_gpus(h200!("query-after-gpus.csv")).unwrap();
+        assert_eq!(after[0].memory_used_mb, 0);
+    }
+
+    #[test]
     fn fields_the_driver_cannot_fill_read_as_unknown() {
         // The recorded line with the fields a MIG slice or an old board
         // leaves out (nvidia-smi writes `[N/A]` or `[Not Supported]`).
