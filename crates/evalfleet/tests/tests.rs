@@ -20,6 +20,7 @@ mod run;
 mod security;
 mod serve;
 mod tasks;
+mod telemetry;
 mod trust;
 mod util;
 mod webdriver;

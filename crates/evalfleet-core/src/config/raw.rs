@@ -55,6 +55,8 @@ pub struct RawConfig {
     /// `export` find it from the same place. `--store` comes before it.
     /// Default: `$EVALFLEET_STORE`, else `runs/evalfleet.db`.
     pub store: Option<String>,
+    #[schemars(with = "Option<super::telemetry::RawTelemetry>")]
+    pub telemetry: Option<Value>,
 }
 
 /// Where the items come from: one row of the file is one item, whose fields

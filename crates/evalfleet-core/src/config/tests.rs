@@ -60,6 +60,9 @@ fn a_good_config_validates_with_defaults() {
     );
     assert_eq!(config.retry.max_attempts, 10);
     assert_eq!(config.writer.batch_size, 512);
+    assert_eq!(config.telemetry, TelemetrySettings::default());
+    assert_eq!(config.telemetry.interval, Duration::from_secs(1));
+    assert!(config.telemetry.enabled);
     assert!(!config.task.stream);
     assert!(
         !format!("{config:?}").contains("sk-from-dotenv"),
@@ -145,6 +148,57 @@ retry:
         text.starts_with(&format!("{} has 7 problems:", file.display())),
         "{text}"
     );
+}
+
+#[test]
+fn telemetry_keys_validate_and_name_their_problems_with_their_lines() {
+    let dir = dir_with_dataset();
+    let good = format!(
+        "{GOOD}telemetry:\n  interval: 250ms\n  gpus: \"0, 2\"\n  limits: {{ gpu_memory_mb: 70000, engine_rss_mb: 8000 }}\n"
+    );
+    write(dir.path(), ".env", "EF_CFG_TEST_KEY=k\n");
+    let file = write(dir.path(), "good.yaml", &good);
+    let telemetry = load_file(&file, Overrides::default())
+        .unwrap()
+        .config
+        .telemetry;
+    assert_eq!(telemetry.interval, Duration::from_millis(250));
+    assert_eq!(telemetry.gpus, GpuSelection::Listed(vec![0, 2]));
+    assert_eq!(telemetry.limits.gpu_memory_mb, Some(70_000));
+    assert_eq!(telemetry.limits.engine_rss_mb, Some(8000));
+    assert_eq!(telemetry.limits.evalfleet_rss_mb, None);
+    let bad = format!(
+        "{GOOD}telemetry:\n  interval: 10ms\n  gpus: some\n  limits:\n    gpu_memory_mb: 0\n    vram_mb: 5\n"
+    );
+    let file = write(dir.path(), "bad.yaml", &bad);
+    let err = load_file(&file, Overrides::default()).unwrap_err();
+    let problems = err.problems();
+    let line = |needle: &str| {
+        problems
+            .iter()
+            .find(|p| p.message.contains(needle))
+            .unwrap_or_else(|| panic!("no problem mentions {needle:?}: {problems:#?}"))
+            .line
+    };
+    // The line of `telemetry:`.
+    let first = GOOD.lines().count() + 1;
+    assert_eq!(
+        line("telemetry.interval: must be at least 100ms, got 10ms"),
+        Some(first + 1)
+    );
+    assert_eq!(
+        line("telemetry.gpus: must be auto, all, none or GPU indices"),
+        Some(first + 2)
+    );
+    assert_eq!(
+        line("telemetry.limits.gpu_memory_mb: must be at least 1, got 0"),
+        Some(first + 4)
+    );
+    assert_eq!(
+        line("telemetry.limits: unknown key 'vram_mb'"),
+        Some(first + 5)
+    );
+    assert_eq!(problems.len(), 4, "{problems:#?}");
 }
 
 #[test]
@@ -521,7 +575,7 @@ task:
     assert_eq!(
         messages[..2],
         [
-            "config: unknown key 'colour' (known: cache, dataset, endpoints, name, report, retry, shutdown_grace, store, task, timeouts, writer)",
+            "config: unknown key 'colour' (known: cache, dataset, endpoints, name, report, retry, shutdown_grace, store, task, telemetry, timeouts, writer)",
             "dataset: unknown key 'colour' (known: format, id_field, path, sample, skip_invalid)",
         ]
     );

@@ -136,6 +136,7 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
         },
     )?;
     report.endpoints = report::endpoints(&mut *store, &args.run_id)?;
+    report.resources = report::resources(&mut *store, &args.run_id)?;
     let json = serde_json::to_string_pretty(&report)?;
     if let (Some(dir), Some(detailed)) = (&dir, detailed) {
         detailed.finish(&report.metrics)?;
@@ -153,6 +154,7 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
         println!("{json}");
     } else {
         print_report(&report);
+        print_resources(&report.resources);
         if let Some(dir) = &dir {
             println!(
                 "\nWrote summary.json, metrics_summary.csv and metrics_detailed.csv in {}",
@@ -321,6 +323,24 @@ fn print_report(report: &Report) {
             percentiles(&e.latency_ms),
             percentiles(&e.ttft_ms),
             percentiles(&e.tpot_ms),
+        ]);
+    }
+    println!();
+    print_table(&table);
+}
+
+/// Each resource series' peak and mean (`telemetry:`).
+fn print_resources(resources: &report::ResourcesReport) {
+    if resources.is_empty() {
+        return;
+    }
+    let mut table = vec![["RESOURCE", "PEAK", "MEAN", "SAMPLES"].map(str::to_owned)];
+    for s in &resources.series {
+        table.push([
+            s.series.label(),
+            format!("{:.1}", s.peak),
+            format!("{:.1}", s.mean),
+            s.samples.to_string(),
         ]);
     }
     println!();
