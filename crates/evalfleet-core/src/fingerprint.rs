@@ -49,6 +49,33 @@ fn canonical_sha256(value: &Value) -> String {
     hex::encode(Sha256::digest(&out))
 }
 
+/// `task.messages`, with the rules of `task.prompts` when there are any
+/// (so that the fingerprints of runs without rules read as before). A
+/// rule's model condition is in as written: which endpoints serve the run
+/// may change between sessions, and each result records its rule.
+fn prompts_value(config: &Config, messages: Vec<Value>) -> Value {
+    let messages = Value::Array(messages);
+    if config.task.prompts.is_empty() {
+        return messages;
+    }
+    let rules: Vec<Value> = config
+        .task
+        .prompts
+        .iter()
+        .map(|rule| {
+            serde_json::json!({
+                "name": rule.name,
+                "when": rule.when,
+                "model": rule.model,
+                "messages": rule.messages.iter()
+                    .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+                    .collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    serde_json::json!({"messages": messages, "prompts": rules})
+}
+
 impl Fingerprint {
     /// The fingerprint of `config` over a dataset whose content hashes to
     /// `dataset_sha256`.
@@ -69,7 +96,7 @@ impl Fingerprint {
                 sample_seed: dataset.sample.map(|s| s.seed),
                 skip_invalid: dataset.skip_invalid,
             },
-            messages_sha256: canonical_sha256(&Value::Array(messages)),
+            messages_sha256: canonical_sha256(&prompts_value(config, messages)),
             params_sha256: canonical_sha256(&Value::Object(config.task.params.clone())),
             samples: config.task.samples,
         }
@@ -108,7 +135,7 @@ impl Fingerprint {
             b.skip_invalid.to_string(),
         );
         if self.messages_sha256 != current.messages_sha256 {
-            out.push("task.messages changed".to_owned());
+            out.push("task.messages changed (or task.prompts)".to_owned());
         }
         if self.params_sha256 != current.params_sha256 {
             out.push("task.params changed".to_owned());

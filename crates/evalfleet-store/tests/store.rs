@@ -112,6 +112,7 @@ fn result(seq: u64, id: &str, status: ItemStatus) -> ResultRecord {
         item: Some(format!("{{\"id\": \"{id}\"}}")),
         finished_at_ms: 1,
         assessment: Assessment::default(),
+        prompt: None,
     }
 }
 

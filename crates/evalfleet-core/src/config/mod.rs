@@ -13,6 +13,7 @@ mod endpoint;
 mod env;
 mod eval;
 pub mod path;
+mod prompts;
 mod raw;
 pub mod reference;
 pub mod schema;
@@ -35,6 +36,7 @@ pub use endpoint::{
     LoadEngine, LoadSettings, Preset, Remote,
 };
 pub use env::{Vars, is_name as is_variable_name};
+pub use prompts::{DEFAULT_PROMPT, PromptRule, glob_matches};
 pub use evalfleet_mock::MockSettings;
 pub use evalfleet_types::BudgetSettings;
 use evalfleet_types::Fault;
@@ -164,6 +166,9 @@ pub struct TaskConfig {
     /// Chat messages; each `content` is a minijinja template over the item's
     /// fields (`{{ question }}`).
     pub messages: Vec<MessageTemplate>,
+    /// `prompts`: rules that choose other messages for some items or
+    /// models, in order; `messages` is the default (empty: none).
+    pub prompts: Vec<PromptRule>,
     /// Generation parameters sent with every request (`max_tokens`,
     /// `temperature`, ...).
     pub params: Map<String, Value>,
@@ -286,19 +291,25 @@ pub struct WriterSettings {
     pub flush_interval: Duration,
 }
 
-/// `report:` what makes a run's scores unusable.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// `report:` what makes a run's scores unusable, and how they are grouped.
+#[derive(Debug, Clone, PartialEq)]
 pub struct ReportSettings {
     /// The share of the answers it could judge that a metric may fail to
     /// score (no usable reference, a failed judge) before `run` and
     /// `report` exit non-zero. Default 1: only a metric that could score
     /// none of them.
     pub max_unscored: f64,
+    /// The item fields reports group by when not told (`--by`); `None`:
+    /// `doc_type` when the items have it, else none.
+    pub by: Option<Vec<String>>,
 }
 
 impl Default for ReportSettings {
     fn default() -> Self {
-        Self { max_unscored: 1.0 }
+        Self {
+            max_unscored: 1.0,
+            by: None,
+        }
     }
 }
 

@@ -85,6 +85,7 @@ impl Episode for RefineEpisode {
                     messages,
                     sample: asked.sample,
                     rejected: None,
+                    prompt: None,
                 })
             }
             Err(err) => Step::Finish(Finish::failed(err, Assessment::default())),

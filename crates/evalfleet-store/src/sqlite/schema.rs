@@ -210,8 +210,11 @@ CREATE TABLE kept_reports (
 );
 ";
 
+/// 9: the rule of `task.prompts` that made each result's messages.
+const PROMPT_RULES: &str = "ALTER TABLE results ADD COLUMN prompt TEXT;";
+
 /// The schema version a store has once every migration ran.
-pub const VERSION: usize = 8;
+pub const VERSION: usize = 9;
 
 pub fn migrations() -> Migrations<'static> {
     Migrations::new(vec![
@@ -223,6 +226,7 @@ pub fn migrations() -> Migrations<'static> {
         M::up(ESTIMATED_TOKENS),
         M::up(TIMELINE),
         M::up(KEPT_REPORTS),
+        M::up(PROMPT_RULES),
     ])
 }
 

@@ -304,7 +304,7 @@ pub fn fleet(args: FleetArgs) -> anyhow::Result<u8> {
 }
 
 /// The fixed columns of an export row, in the contract's order.
-const COLUMNS: [&str; 18] = [
+const COLUMNS: [&str; 19] = [
     "item_id",
     "status",
     "output",
@@ -323,6 +323,7 @@ const COLUMNS: [&str; 18] = [
     "scores",
     "judge",
     "check_error",
+    "prompt",
 ];
 
 pub fn export(args: ExportArgs) -> anyhow::Result<u8> {
@@ -437,6 +438,7 @@ fn csv_record(row: &ExportRow, fields: &BTreeSet<String>) -> Vec<String> {
             .unwrap_or_default(),
         json_cell(row.judge.as_ref()),
         opt(&row.check_error),
+        opt(&row.prompt),
     ];
     for field in fields {
         record.push(match row.item.get(field) {
