@@ -63,16 +63,20 @@ pub fn runs(args: StoreArgs) -> anyhow::Result<u8> {
     Ok(EXIT_OK)
 }
 
-pub(crate) fn print_table<const N: usize>(rows: &[[String; N]]) {
-    let mut widths = [0usize; N];
+pub(crate) fn print_table<R: AsRef<[String]>>(rows: &[R]) {
+    let mut widths: Vec<usize> = Vec::new();
     for row in rows {
-        for (i, cell) in row.iter().enumerate() {
+        for (i, cell) in row.as_ref().iter().enumerate() {
+            if widths.len() <= i {
+                widths.push(0);
+            }
             widths[i] = widths[i].max(cell.chars().count());
         }
     }
     let mut out = io::stdout().lock();
     for row in rows {
         let line: Vec<String> = row
+            .as_ref()
             .iter()
             .enumerate()
             .map(|(i, cell)| format!("{cell:<width$}", width = widths[i]))
