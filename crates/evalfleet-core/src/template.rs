@@ -142,7 +142,13 @@ impl Templates {
         fields: &BTreeSet<String>,
         source: &str,
     ) -> Result<(), TemplateError> {
-        let known = || fields.iter().map(String::as_str).collect::<Vec<_>>().join(", ");
+        let known = || {
+            fields
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
         let missing: Vec<&str> = self
             .variables
             .iter()

@@ -627,11 +627,16 @@ fn prompt_rules_validate_with_names_and_model_conditions() {
     assert!(rules[1].model_matches, "both endpoints serve a qwen2-vl");
     assert_eq!(
         rules[0].when,
-        vec![("doc_type".to_owned(), vec![serde_json::json!("invoice"), serde_json::json!("receipt")])]
+        vec![(
+            "doc_type".to_owned(),
+            vec![serde_json::json!("invoice"), serde_json::json!("receipt")]
+        )]
     );
 
     let file = write(dir.path(), "run.yaml", &PROMPTS.replace("MODEL_B", "llava"));
-    let err = load_file(&file, Overrides::default()).unwrap_err().to_string();
+    let err = load_file(&file, Overrides::default())
+        .unwrap_err()
+        .to_string();
     assert!(
         err.contains(
             "run.yaml:21: task.prompts[1].model: 'qwen2-vl*' matches the model of endpoints a (qwen2-vl-7b) but not of b (llava)"
@@ -653,7 +658,9 @@ fn bad_prompt_rules_are_reported_with_their_lines() {
         - { role: robot, content: "x" }
 "#;
     let file = write(dir.path(), "run.yaml", &text);
-    let err = load_file(&file, Overrides::default()).unwrap_err().to_string();
+    let err = load_file(&file, Overrides::default())
+        .unwrap_err()
+        .to_string();
     for expected in [
         "run.yaml:21: task.prompts[1]: unknown key 'colour'",
         "run.yaml:20: task.prompts[1].when.doc_type: accepts a value (text, number, boolean or null) or a list of them",
@@ -670,7 +677,9 @@ fn bad_prompt_rules_are_reported_with_their_lines() {
         - { role: user, content: "x" }
 "#;
     let file = write(dir.path(), "run.yaml", &text);
-    let err = load_file(&file, Overrides::default()).unwrap_err().to_string();
+    let err = load_file(&file, Overrides::default())
+        .unwrap_err()
+        .to_string();
     for expected in [
         "run.yaml:26: task.prompts[3]: can never be chosen: task.prompts[2] before it has no condition",
         "run.yaml:26: task.prompts[3].name: 'invoices' is also the name of task.prompts[0]",
@@ -678,11 +687,14 @@ fn bad_prompt_rules_are_reported_with_their_lines() {
         assert!(err.contains(expected), "{expected}\n{err}");
     }
     // Without task.messages, some rule must take every item.
-    let text = PROMPTS
-        .replace("MODEL_B", "qwen2-vl-2b")
-        .replace("  messages:\n    - { role: user, content: \"{{ question }}\" }\n  prompts:", "  prompts:");
+    let text = PROMPTS.replace("MODEL_B", "qwen2-vl-2b").replace(
+        "  messages:\n    - { role: user, content: \"{{ question }}\" }\n  prompts:",
+        "  prompts:",
+    );
     let file = write(dir.path(), "run.yaml", &text);
-    let err = load_file(&file, Overrides::default()).unwrap_err().to_string();
+    let err = load_file(&file, Overrides::default())
+        .unwrap_err()
+        .to_string();
     assert!(
         err.contains("task.messages: is required unless a rule of task.prompts has no condition"),
         "{err}"

@@ -226,10 +226,8 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
         None => p.push("endpoints", "is required (at least one endpoint)"),
     };
     let task = match &raw.task {
-        Some(value) => {
-            raw::section::<RawTask>(value, "task", p.0)
-                .and_then(|t| task(t, dir, endpoints.as_deref(), &mut p))
-        }
+        Some(value) => raw::section::<RawTask>(value, "task", p.0)
+            .and_then(|t| task(t, dir, endpoints.as_deref(), &mut p)),
         None => p.push("task", "is required (task.messages says what to send)"),
     };
     let retry = match &raw.retry {

@@ -160,11 +160,12 @@ fn print_groups(report: &Report) {
     let Some(all) = report.groups.first() else {
         return;
     };
-    let mut header = vec![report.group_by.join(" / ").to_uppercase(), "ITEMS".to_owned()];
+    let mut header = vec![
+        report.group_by.join(" / ").to_uppercase(),
+        "ITEMS".to_owned(),
+    ];
     header.extend(all.metrics.iter().map(|m| m.metric.clone()));
-    header.extend(
-        ["VALID FIRST", "AFTER RE-ASKS", "INVALID", "FAILED"].map(str::to_owned),
-    );
+    header.extend(["VALID FIRST", "AFTER RE-ASKS", "INVALID", "FAILED"].map(str::to_owned));
     let mut table = vec![header];
     for g in &report.groups {
         let mut row = vec![g.group.clone(), g.items.to_string()];
