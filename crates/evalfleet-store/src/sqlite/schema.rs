@@ -210,8 +210,13 @@ CREATE TABLE kept_reports (
 );
 ";
 
-/// 9: the rule of `task.prompts` that made each result's messages.
-const PROMPT_RULES: &str = "ALTER TABLE results ADD COLUMN prompt TEXT;";
+/// 9: the rule of `task.prompts` that made each result's messages. Kept
+/// reports are dropped (they are computed again when asked for): those
+/// kept before have no figures by group.
+const PROMPT_RULES: &str = "
+ALTER TABLE results ADD COLUMN prompt TEXT;
+DELETE FROM kept_reports;
+";
 
 /// The schema version a store has once every migration ran.
 pub const VERSION: usize = 9;
