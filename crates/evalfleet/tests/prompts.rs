@@ -137,54 +137,42 @@ async fn each_document_type_and_model_gets_its_prompt_and_the_choice_is_recorded
     }
 }
 
+/// Runs `config` and checks that it is refused (exit 2) saying `expected`.
+async fn refused(env: &Env, config: &str, expected: &str) {
+    env.write("run.yaml", config);
+    let ran = env.evalfleet(&["run", "run.yaml"]).await;
+    assert_eq!(ran.code, Some(2), "{}", ran.stderr);
+    assert!(ran.stderr.contains(expected), "{expected}\n{}", ran.stderr);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_prompt_rule_is_refused_with_its_line_before_any_call() {
     let env = Env::new();
     env.write("docs.jsonl", DOCS);
     // A field no row has, caught where the templates' fields are checked.
-    env.write(
-        "run.yaml",
+    refused(
+        &env,
         &rules_config("vision-1").replace("when: { doc_type: form }", "when: { doc_typ: form }"),
-    );
-    let ran = env.evalfleet(&["run", "run.yaml"]).await;
-    assert_eq!(ran.code, Some(2), "{}", ran.stderr);
-    assert!(
-        ran.stderr.contains(
-            "run.yaml:16: task.prompts[1].when.doc_typ: the rule's condition names 'doc_typ', which no row of the dataset has (fields: doc_type, id, question)"
-        ),
-        "{}",
-        ran.stderr
-    );
-
+        "run.yaml:16: task.prompts[1].when.doc_typ: the rule's condition names 'doc_typ', which no row of the dataset has (fields: doc_type, id, question)",
+    )
+    .await;
     // A model condition that splits the run's endpoints.
-    let text = rules_config("vision-1").replace(
-        "  - { name: m, kind: mock, model: vision-1 }\n",
-        "  - { name: m, kind: mock, model: vision-1 }\n  - { name: n, kind: mock, model: text-1 }\n",
-    );
-    env.write("run.yaml", &text);
-    let ran = env.evalfleet(&["run", "run.yaml"]).await;
-    assert_eq!(ran.code, Some(2), "{}", ran.stderr);
-    assert!(
-        ran.stderr.contains(
-            "run.yaml:18: task.prompts[1].model: 'vision-*' matches the model of endpoints m (vision-1) but not of n (text-1)"
+    refused(
+        &env,
+        &rules_config("vision-1").replace(
+            "  - { name: m, kind: mock, model: vision-1 }\n",
+            "  - { name: m, kind: mock, model: vision-1 }\n  - { name: n, kind: mock, model: text-1 }\n",
         ),
-        "{}",
-        ran.stderr
-    );
+        "run.yaml:18: task.prompts[1].model: 'vision-*' matches the model of endpoints m (vision-1) but not of n (text-1)",
+    )
+    .await;
     // A template of a rule's messages that reads a field the first rows lack.
-    env.write(
-        "run.yaml",
+    refused(
+        &env,
         &rules_config("vision-1").replace("MONEY {{ question }}", "MONEY {{ total }}"),
-    );
-    let ran = env.evalfleet(&["run", "run.yaml"]).await;
-    assert_eq!(ran.code, Some(2), "{}", ran.stderr);
-    assert!(
-        ran.stderr.contains(
-            "run.yaml:15: task.prompts[0].messages[1].content: for row 1 (line 1 of docs.jsonl): this item has no field 'total'"
-        ),
-        "{}",
-        ran.stderr
-    );
+        "run.yaml:15: task.prompts[0].messages[1].content: for row 1 (line 1 of docs.jsonl): this item has no field 'total'",
+    )
+    .await;
 }
 
 async fn report_json(env: &Env, run_id: &str, extra: &[&str]) -> Value {

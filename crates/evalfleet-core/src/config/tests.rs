@@ -645,10 +645,25 @@ fn prompt_rules_validate_with_names_and_model_conditions() {
     );
 }
 
+/// The problems `text` has as a config, in one message.
+fn error_of(dir: &Path, text: &str) -> String {
+    let file = write(dir, "run.yaml", text);
+    load_file(&file, Overrides::default())
+        .unwrap_err()
+        .to_string()
+}
+
+fn assert_all(err: &str, expected: &[&str]) {
+    for expected in expected {
+        assert!(err.contains(expected), "{expected}\n{err}");
+    }
+}
+
 #[test]
 fn bad_prompt_rules_are_reported_with_their_lines() {
     let dir = dir_with_dataset();
-    let text = PROMPTS.replace("MODEL_B", "qwen2-vl-2b").replace(
+    let good = PROMPTS.replace("MODEL_B", "qwen2-vl-2b");
+    let text = good.replace(
         "    - when: { doc_type: form }\n",
         "    - when: { doc_type: { nested: 1 } }\n      colour: red\n",
     ) + r#"    - messages:
@@ -657,46 +672,36 @@ fn bad_prompt_rules_are_reported_with_their_lines() {
       messages:
         - { role: robot, content: "x" }
 "#;
-    let file = write(dir.path(), "run.yaml", &text);
-    let err = load_file(&file, Overrides::default())
-        .unwrap_err()
-        .to_string();
-    for expected in [
-        "run.yaml:21: task.prompts[1]: unknown key 'colour'",
-        "run.yaml:20: task.prompts[1].when.doc_type: accepts a value (text, number, boolean or null) or a list of them",
-        "run.yaml:29: task.prompts[3].messages[0].role: must be one of",
-    ] {
-        assert!(err.contains(expected), "{expected}\n{err}");
-    }
+    assert_all(
+        &error_of(dir.path(), &text),
+        &[
+            "run.yaml:21: task.prompts[1]: unknown key 'colour'",
+            "run.yaml:20: task.prompts[1].when.doc_type: accepts a value (text, number, boolean or null) or a list of them",
+            "run.yaml:29: task.prompts[3].messages[0].role: must be one of",
+        ],
+    );
     // The rules that parse are checked against each other.
-    let text = PROMPTS.replace("MODEL_B", "qwen2-vl-2b")
+    let text = good.clone()
         + r#"    - messages:
         - { role: user, content: "{{ question }}" }
     - name: invoices
       messages:
         - { role: user, content: "x" }
 "#;
-    let file = write(dir.path(), "run.yaml", &text);
-    let err = load_file(&file, Overrides::default())
-        .unwrap_err()
-        .to_string();
-    for expected in [
-        "run.yaml:26: task.prompts[3]: can never be chosen: task.prompts[2] before it has no condition",
-        "run.yaml:26: task.prompts[3].name: 'invoices' is also the name of task.prompts[0]",
-    ] {
-        assert!(err.contains(expected), "{expected}\n{err}");
-    }
+    assert_all(
+        &error_of(dir.path(), &text),
+        &[
+            "run.yaml:26: task.prompts[3]: can never be chosen: task.prompts[2] before it has no condition",
+            "run.yaml:26: task.prompts[3].name: 'invoices' is also the name of task.prompts[0]",
+        ],
+    );
     // Without task.messages, some rule must take every item.
-    let text = PROMPTS.replace("MODEL_B", "qwen2-vl-2b").replace(
+    let text = good.replace(
         "  messages:\n    - { role: user, content: \"{{ question }}\" }\n  prompts:",
         "  prompts:",
     );
-    let file = write(dir.path(), "run.yaml", &text);
-    let err = load_file(&file, Overrides::default())
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("task.messages: is required unless a rule of task.prompts has no condition"),
-        "{err}"
+    assert_all(
+        &error_of(dir.path(), &text),
+        &["task.messages: is required unless a rule of task.prompts has no condition"],
     );
 }
