@@ -155,3 +155,42 @@ fn show<T: ToString>(value: &Option<T>) -> String {
         .as_ref()
         .map_or_else(|| "unset".to_owned(), ToString::to_string)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(task: &str) -> Config {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("d.jsonl"), "{\"q\": 1}\n").unwrap();
+        let text = format!(
+            "name: f\ndataset: {{ path: d.jsonl }}\nendpoints:\n  - {{ name: m, kind: mock }}\ntask:\n{task}"
+        );
+        crate::config::load_text(&text, dir.path(), Default::default(), "f.yaml", None)
+            .unwrap()
+            .config
+    }
+
+    #[test]
+    fn prompt_rules_are_part_of_the_fingerprint_and_runs_without_them_keep_theirs() {
+        let plain = config("  messages: [{ role: user, content: \"{{ q }}\" }]\n");
+        // What fingerprints stored before prompt rules existed hashed.
+        let messages = serde_json::json!([{"role": "user", "content": "{{ q }}"}]);
+        assert_eq!(
+            Fingerprint::new(&plain, String::new()).messages_sha256,
+            canonical_sha256(&messages)
+        );
+        let ruled = |content: &str| {
+            config(&format!(
+                "  messages: [{{ role: user, content: \"{{{{ q }}}}\" }}]\n  prompts:\n    - when: {{ q: 1 }}\n      messages: [{{ role: user, content: \"{content}\" }}]\n"
+            ))
+        };
+        let a = Fingerprint::new(&ruled("A {{ q }}"), String::new());
+        let b = Fingerprint::new(&ruled("B {{ q }}"), String::new());
+        assert_ne!(a.messages_sha256, canonical_sha256(&messages));
+        assert_eq!(
+            a.differences(&b),
+            vec!["task.messages changed (or task.prompts)".to_owned()]
+        );
+    }
+}
