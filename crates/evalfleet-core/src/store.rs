@@ -751,6 +751,10 @@ pub struct ItemRecord {
     pub attempt_records: Vec<AttemptRecord>,
     /// Calls answered from the cache.
     pub cached: u32,
+    /// The rule of `task.prompts` that made its messages (left out when
+    /// the task has no rules).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt: Option<String>,
 }
 
 /// A run's items explored: pages of them, filtered and sorted, and one in

@@ -89,6 +89,9 @@ async fn each_document_type_and_model_gets_its_prompt_and_the_choice_is_recorded
         for (id, _, prompt) in expected {
             assert_eq!(stored[id].as_deref(), Some(prompt), "{model}: {id}");
         }
+        // So does an item's page (the API's item, the dashboard's item page).
+        let item = env.store().item(&run_id, "form").unwrap().unwrap();
+        assert_eq!(item.prompt.as_deref(), Some(expected[2].2));
 
         // CSV has the column too, after the fixed ones it had.
         let csv = env.evalfleet(&["export", &run_id, "--format", "csv"]).await;
