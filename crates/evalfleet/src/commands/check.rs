@@ -33,6 +33,29 @@ pub async fn check(args: crate::cli::CheckArgs) -> anyhow::Result<u8> {
     let templates = Templates::compile(&config.task)?;
     tokio::task::block_in_place(|| preflight::check(&loaded, &templates))?;
     println!("config       {} is valid", args.config.display());
+    if !config.task.prompts.is_empty() {
+        let rules: Vec<String> = config
+            .task
+            .prompts
+            .iter()
+            .map(|rule| {
+                if rule.model_matches {
+                    rule.name.clone()
+                } else {
+                    format!("{} (not for this run's model)", rule.name)
+                }
+            })
+            .collect();
+        println!(
+            "prompts      {}{}",
+            rules.join(", "),
+            if config.task.messages.is_empty() {
+                ""
+            } else {
+                ", else default"
+            }
+        );
+    }
 
     let mut ready = true;
     let (rows, invalid) = tokio::task::block_in_place(|| -> anyhow::Result<(u64, u64)> {
