@@ -93,7 +93,9 @@ impl Templates {
                 });
             }
         }
-        if !task.messages.is_empty() {
+        // Without rules, `task.messages` is the prompt even when empty (a
+        // conversation's: its calls have messages of their own).
+        if !task.messages.is_empty() || task.prompts.is_empty() {
             let messages = compile_list(&mut env, &mut variables, &task.messages, "task.messages")?;
             prompts.push(Prompt {
                 name: Arc::from(DEFAULT_PROMPT),
