@@ -47,6 +47,7 @@ task:
 async fn each_document_type_and_model_gets_its_prompt_and_the_choice_is_recorded() {
     let env = Env::new();
     env.write("docs.jsonl", DOCS);
+    let mut runs = Vec::new();
     for (model, expected) in [
         (
             "vision-1",
@@ -71,6 +72,7 @@ async fn each_document_type_and_model_gets_its_prompt_and_the_choice_is_recorded
         let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
         assert_eq!(ran.code, Some(0), "{}", ran.stderr);
         let run_id = ran.run_id();
+        runs.push(run_id.clone());
 
         // The export: each answer echoes its prompt, and names its rule.
         let rows = by_id(&env.export(&run_id).await);
@@ -138,6 +140,19 @@ async fn each_document_type_and_model_gets_its_prompt_and_the_choice_is_recorded
         wanted.extend(counts.into_iter());
         assert_eq!(groups, wanted, "{model}");
     }
+    // A comparison pairs items across runs, whose prompts may differ: it
+    // groups by item fields only, and says so.
+    let compared = env
+        .evalfleet(&["compare", &runs[0], &runs[1], "--by", "@prompt"])
+        .await;
+    assert_eq!(compared.code, Some(2), "{}", compared.stderr);
+    assert!(
+        compared
+            .stderr
+            .contains("--by @prompt: a comparison groups by item fields only"),
+        "{}",
+        compared.stderr
+    );
 }
 
 /// Runs `config` and checks that it is refused (exit 2) saying `expected`.
