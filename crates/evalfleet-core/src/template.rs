@@ -336,3 +336,84 @@ mod tests {
         assert_eq!(json.get(), r#"[{"role":"user","content":"say \"hi\"\n"}]"#);
     }
 }
+
+#[cfg(test)]
+mod rule_tests {
+    use super::*;
+    use serde_json::Value;
+
+    fn rule(name: &str, doc_type: Option<&str>, model_matches: bool, content: &str) -> PromptRule {
+        PromptRule {
+            name: name.to_owned(),
+            when: doc_type
+                .map(|t| vec![("doc_type".to_owned(), vec![Value::from(t)])])
+                .unwrap_or_default(),
+            model: (!model_matches).then(|| "other-*".to_owned()),
+            model_matches,
+            messages: vec![MessageTemplate {
+                role: "user".to_owned(),
+                content: content.to_owned(),
+            }],
+        }
+    }
+
+    fn first_content(rendered: &Rendered) -> String {
+        let messages: Vec<Value> = serde_json::from_str(rendered.messages.get()).unwrap();
+        messages[0]["content"].as_str().unwrap().to_owned()
+    }
+
+    #[test]
+    fn the_first_rule_that_takes_an_item_gives_its_messages_and_its_name() {
+        let task = TaskConfig {
+            prompts: vec![
+                rule("elsewhere", Some("invoice"), false, "NEVER {{ q }}"),
+                rule("invoices", Some("invoice"), true, "INVOICE {{ q }}"),
+                rule("forms", Some("form"), true, "FORM {{ q }} {{ box }}"),
+            ],
+            messages: vec![MessageTemplate {
+                role: "user".to_owned(),
+                content: "DEFAULT {{ q }}".to_owned(),
+            }],
+            params: Default::default(),
+            stream: false,
+            samples: 1,
+            kind: crate::config::TaskKind::Chat,
+            eval: Default::default(),
+        };
+        let t = Templates::compile(&task).unwrap();
+        let row = |json: &str| serde_json::from_str::<Row>(json).unwrap();
+        for (item, content, name) in [
+            (
+                r#"{"doc_type": "invoice", "q": "a"}"#,
+                "INVOICE a",
+                "invoices",
+            ),
+            (
+                r#"{"doc_type": "form", "q": "b", "box": 1}"#,
+                "FORM b 1",
+                "forms",
+            ),
+            (r#"{"doc_type": "memo", "q": "c"}"#, "DEFAULT c", "default"),
+            (r#"{"q": "d"}"#, "DEFAULT d", "default"),
+        ] {
+            let rendered = t.render_prompt(&row(item)).unwrap();
+            assert_eq!(first_content(&rendered), content);
+            assert_eq!(rendered.prompt.as_deref(), Some(name));
+        }
+        // A rule whose model condition fails is still checked: its fields
+        // count, and so do the conditions'.
+        let fields: BTreeSet<String> = ["q", "box"].map(str::to_owned).into();
+        let err = t.check_fields(&fields, "no row has").unwrap_err();
+        assert_eq!(err.path, "task.prompts[0].when.doc_type");
+        // Without rules, results name no prompt.
+        let plain = Templates::compile(&TaskConfig {
+            prompts: Vec::new(),
+            ..task
+        })
+        .unwrap();
+        assert_eq!(
+            plain.render_prompt(&row(r#"{"q": "e"}"#)).unwrap().prompt,
+            None
+        );
+    }
+}
