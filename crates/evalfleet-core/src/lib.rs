@@ -9,6 +9,7 @@ pub mod eval;
 pub mod fingerprint;
 pub mod fleet;
 pub mod jinja;
+pub mod metric_backend;
 pub mod pipeline;
 pub mod preflight;
 pub mod report;
@@ -43,6 +44,7 @@ pub fn fault_of(err: &(dyn std::error::Error + 'static)) -> Option<types::Fault>
         run::ResumeError,
         pipeline::PipelineError,
         task::TaskError,
+        metric_backend::BackendError,
         report::ReportError,
         rescore::RescoreError,
         sandbox::CodeJudgeError,

@@ -705,3 +705,92 @@ fn bad_prompt_rules_are_reported_with_their_lines() {
         &["task.messages: is required unless a rule of task.prompts has no condition"],
     );
 }
+
+#[test]
+fn metric_backends_are_checked_with_their_places() {
+    let dir = dir_with_dataset();
+    let problems = problems_of(
+        dir.path(),
+        &format!(
+            "{GOOD}  metrics:\n\
+             \x20   - {{ name: anls@scorer, reference: \"{{{{ q }}}}\", anything: [1] }}\n\
+             \x20   - {{ name: cer@nowhere, reference: \"{{{{ q }}}}\" }}\n\
+             \x20   - {{ name: wer@scorer@2, reference: \"{{{{ q }}}}\" }}\n\
+             \x20 metric_backends:\n\
+             \x20   - {{ name: scorer, command: [python3, s.py], metrics: [anls, wer], colour: red }}\n\
+             \x20   - {{ name: native, command: [x], metrics: [a] }}\n\
+             \x20   - {{ name: other, command: [], metrics: [], queue: 0, timeout: soon }}\n"
+        ),
+    );
+    let messages: Vec<&str> = problems.iter().map(|(_, m)| m.as_str()).collect();
+    let has = |needle: &str| {
+        assert!(
+            messages.iter().any(|m| m.contains(needle)),
+            "no problem mentions {needle:?}: {messages:#?}"
+        );
+    };
+    has("task.metric_backends[0]: unknown key 'colour'");
+    has("task.metric_backends[1].name: 'native' is the built-in metrics' backend");
+    has("task.metric_backends[2].command: must be a program and its arguments");
+    has("task.metric_backends[2].metrics: is required");
+    has("task.metric_backends[2].queue: must be between 1 and 10000, got 0");
+    has("task.metric_backends[2].timeout: expected a duration");
+    // A problem in the backends leaves the metrics unchecked against them;
+    // the anything: parameter is the program's, never an unknown key.
+    assert!(
+        !messages
+            .iter()
+            .any(|m| m.contains("anything") || m.starts_with("task.metrics")),
+        "{messages:#?}"
+    );
+}
+
+#[test]
+fn metrics_name_a_declared_backend_at_its_version() {
+    let dir = dir_with_dataset();
+    write(dir.path(), ".env", "EF_CFG_TEST_KEY=sk\n");
+    let problems = problems_of(
+        dir.path(),
+        &format!(
+            "{GOOD}  metrics:\n\
+             \x20   - {{ name: cer@nowhere, reference: \"{{{{ q }}}}\" }}\n\
+             \x20   - {{ name: wer@scorer@2, reference: \"{{{{ q }}}}\" }}\n\
+             \x20 metric_backends:\n\
+             \x20   - {{ name: scorer, command: [python3, s.py], metrics: [anls, wer] }}\n"
+        ),
+    );
+    let messages: Vec<&str> = problems.iter().map(|(_, m)| m.as_str()).collect();
+    assert!(
+        messages.iter().any(|m| m.starts_with(
+            "task.metrics[0]: unknown metric backend 'nowhere' (declared: scorer; built in: native)"
+        )),
+        "{messages:#?}"
+    );
+    assert!(
+        messages
+            .iter()
+            .any(|m| m.starts_with("task.metrics[1]: metric backend 'scorer' is at version 1")),
+        "{messages:#?}"
+    );
+    let file = write(
+        dir.path(),
+        "ok.yaml",
+        &format!(
+            "{GOOD}  metrics:\n\
+             \x20   - {{ name: wer@scorer, reference: \"{{{{ q }}}}\", lang: en }}\n\
+             \x20   - {{ name: wer@native@1, reference: \"{{{{ q }}}}\" }}\n\
+             \x20 metric_backends:\n\
+             \x20   - {{ name: scorer, command: [./s.py], metrics: [{{ name: wer, higher_is_better: false }}], timeout: 5s }}\n"
+        ),
+    );
+    let loaded = load_file(&file, Overrides::default()).unwrap();
+    let eval = &loaded.config.task.eval;
+    let keys: Vec<&str> = eval.metrics.iter().map(|m| m.metric.key.as_str()).collect();
+    assert_eq!(keys, ["wer@scorer@1", "wer@1"]);
+    assert!(!eval.metrics[0].metric.higher_is_better);
+    let backend = &eval.backends[0];
+    assert_eq!(
+        (backend.timeout, backend.queue, backend.dir.as_path()),
+        (Duration::from_secs(5), 64, dir.path())
+    );
+}

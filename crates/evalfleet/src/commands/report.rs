@@ -65,6 +65,18 @@ pub async fn score(args: ScoreArgs) -> anyhow::Result<u8> {
             done.metrics.join(", ")
         }
     );
+    if done.backend_scored > 0 {
+        eprintln!(
+            "Sent {} usable answers to the metric backends.",
+            done.backend_scored
+        );
+    }
+    if let Some(first) = &done.backend_error {
+        eprintln!(
+            "warning: {} backend scores are errors (not scored, in no mean); the first: {first}",
+            done.backend_errors
+        );
+    }
     if done.unreadable > 0 {
         eprintln!(
             "warning: {} stored items are not JSON; their references could not be rendered.",
