@@ -49,6 +49,33 @@ fn canonical_sha256(value: &Value) -> String {
     hex::encode(Sha256::digest(&out))
 }
 
+/// `task.messages`, with the rules of `task.prompts` when there are any
+/// (so that the fingerprints of runs without rules read as before). A
+/// rule's model condition is in as written: which endpoints serve the run
+/// may change between sessions, and each result records its rule.
+fn prompts_value(config: &Config, messages: Vec<Value>) -> Value {
+    let messages = Value::Array(messages);
+    if config.task.prompts.is_empty() {
+        return messages;
+    }
+    let rules: Vec<Value> = config
+        .task
+        .prompts
+        .iter()
+        .map(|rule| {
+            serde_json::json!({
+                "name": rule.name,
+                "when": rule.when,
+                "model": rule.model,
+                "messages": rule.messages.iter()
+                    .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+                    .collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    serde_json::json!({"messages": messages, "prompts": rules})
+}
+
 impl Fingerprint {
     /// The fingerprint of `config` over a dataset whose content hashes to
     /// `dataset_sha256`.
@@ -69,7 +96,7 @@ impl Fingerprint {
                 sample_seed: dataset.sample.map(|s| s.seed),
                 skip_invalid: dataset.skip_invalid,
             },
-            messages_sha256: canonical_sha256(&Value::Array(messages)),
+            messages_sha256: canonical_sha256(&prompts_value(config, messages)),
             params_sha256: canonical_sha256(&Value::Object(config.task.params.clone())),
             samples: config.task.samples,
         }
@@ -108,7 +135,7 @@ impl Fingerprint {
             b.skip_invalid.to_string(),
         );
         if self.messages_sha256 != current.messages_sha256 {
-            out.push("task.messages changed".to_owned());
+            out.push("task.messages changed (or task.prompts)".to_owned());
         }
         if self.params_sha256 != current.params_sha256 {
             out.push("task.params changed".to_owned());
@@ -127,4 +154,43 @@ fn show<T: ToString>(value: &Option<T>) -> String {
     value
         .as_ref()
         .map_or_else(|| "unset".to_owned(), ToString::to_string)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(task: &str) -> Config {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("d.jsonl"), "{\"q\": 1}\n").unwrap();
+        let text = format!(
+            "name: f\ndataset: {{ path: d.jsonl }}\nendpoints:\n  - {{ name: m, kind: mock }}\ntask:\n{task}"
+        );
+        crate::config::load_text(&text, dir.path(), Default::default(), "f.yaml", None)
+            .unwrap()
+            .config
+    }
+
+    #[test]
+    fn prompt_rules_are_part_of_the_fingerprint_and_runs_without_them_keep_theirs() {
+        let plain = config("  messages: [{ role: user, content: \"{{ q }}\" }]\n");
+        // What fingerprints stored before prompt rules existed hashed.
+        let messages = serde_json::json!([{"role": "user", "content": "{{ q }}"}]);
+        assert_eq!(
+            Fingerprint::new(&plain, String::new()).messages_sha256,
+            canonical_sha256(&messages)
+        );
+        let ruled = |content: &str| {
+            config(&format!(
+                "  messages: [{{ role: user, content: \"{{{{ q }}}}\" }}]\n  prompts:\n    - when: {{ q: 1 }}\n      messages: [{{ role: user, content: \"{content}\" }}]\n"
+            ))
+        };
+        let a = Fingerprint::new(&ruled("A {{ q }}"), String::new());
+        let b = Fingerprint::new(&ruled("B {{ q }}"), String::new());
+        assert_ne!(a.messages_sha256, canonical_sha256(&messages));
+        assert_eq!(
+            a.differences(&b),
+            vec!["task.messages changed (or task.prompts)".to_owned()]
+        );
+    }
 }

@@ -56,7 +56,13 @@ pub fn check(
     };
     for (index, (line, row)) in rows.iter().enumerate() {
         if let Err(err) = templates.render(row) {
-            let (path, what) = split(&err, "task.messages");
+            // The messages of the rule of task.prompts chosen, or task.messages.
+            let prefix = if err.starts_with("task.prompts") {
+                "task.prompts"
+            } else {
+                "task.messages"
+            };
+            let (path, what) = split(&err, prefix);
             report(path, index, *line, what);
         }
         let Some(assessor) = &assessor else {

@@ -158,7 +158,14 @@ pub fn create(
     templates: &Templates,
     run_id: &str,
 ) -> Result<RunRecord, CreateRunError> {
-    let mut items = DatasetItems::open(&loaded.config, templates)?;
+    // A template problem is placed in the config file, with its line.
+    let placed = |err: CreateRunError| match err {
+        CreateRunError::Template(err) => {
+            CreateRunError::Config(loaded.problems(vec![(err.path.clone(), err.to_string())]))
+        }
+        other => other,
+    };
+    let mut items = DatasetItems::open(&loaded.config, templates).map_err(placed)?;
     let run = NewRun {
         run_id: run_id.to_owned(),
         name: loaded.config.name.clone(),
@@ -166,7 +173,7 @@ pub fn create(
         config_dir: loaded.dir.display().to_string(),
         created_at_ms: now_ms(),
     };
-    store.create_run(&run, &mut items)
+    store.create_run(&run, &mut items).map_err(placed)
 }
 
 /// Why a run cannot be resumed with this config.

@@ -96,6 +96,9 @@ pub enum CreateRunError {
     },
     #[error(transparent)]
     Template(#[from] TemplateError),
+    /// A template problem placed in the config file, with its line.
+    #[error(transparent)]
+    Config(crate::config::ConfigError),
     #[error(
         "a run with id '{0}' already exists in this store (resume it with `evalfleet resume {0}`)"
     )]
@@ -111,6 +114,7 @@ impl CreateRunError {
             Self::Dataset(_)
             | Self::DuplicateId { .. }
             | Self::Template(_)
+            | Self::Config(_)
             | Self::RunExists(_) => Fault::BadInput,
         }
     }
@@ -320,6 +324,10 @@ pub struct ExportRow {
     /// Why the answer could not be used (it did not parse, or broke the
     /// schema), when it could not.
     pub check_error: Option<String>,
+    /// The rule of `task.prompts` that made its messages (`default`:
+    /// `task.messages`), when the task has rules (left out otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt: Option<String>,
 }
 
 /// A stored result, as `evalfleet score` and `report` read it.
@@ -337,6 +345,8 @@ pub struct StoredResult {
     /// For a failed item, the class of its last failed call (`None` when
     /// no call failed: an item its task could not ask).
     pub failure: Option<ErrorClass>,
+    /// The rule of `task.prompts` that made its messages.
+    pub prompt: Option<String>,
 }
 
 /// The order of a page of results.
@@ -741,6 +751,10 @@ pub struct ItemRecord {
     pub attempt_records: Vec<AttemptRecord>,
     /// Calls answered from the cache.
     pub cached: u32,
+    /// The rule of `task.prompts` that made its messages (left out when
+    /// the task has no rules).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt: Option<String>,
 }
 
 /// A run's items explored: pages of them, filtered and sorted, and one in

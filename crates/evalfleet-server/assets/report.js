@@ -97,9 +97,31 @@ const EFReport = (() => {
 
   function fidelity(report) {
     const f = report.fidelity;
+    const prompts = Object.entries(report.prompts || {});
     return h("div", { class: "sub" },
       `${fmt.int(report.items)} items; answers usable at once ${fmt.int(f.valid_first_try)}, after re-asks ${fmt.int(f.valid_after_reasks)}, ` +
-      `unparsed ${fmt.int(f.unparsed)}, invalid ${fmt.int(f.invalid)}, not checked ${fmt.int(f.not_checked)}, failed ${fmt.int(f.failed)}.`);
+      `unparsed ${fmt.int(f.unparsed)}, invalid ${fmt.int(f.invalid)}, not checked ${fmt.int(f.not_checked)}, failed ${fmt.int(f.failed)}.` +
+      (prompts.length ? ` Prompts: ${prompts.map(([k, v]) => `${k} ${fmt.int(v)}`).join(", ")}.` : ""));
+  }
+
+  /** Overall and each category in one row: every metric's mean and interval, and how its answers turned out. */
+  function groups(report) {
+    if (!report.group_by || !report.group_by.length || !report.groups || !report.groups.length) return null;
+    const keys = report.groups[0].metrics.map((m) => m.metric);
+    const share = (e) => (e ? `${fmt.num(e.mean, 3)} [${fmt.num(e.ci_low, 3)}, ${fmt.num(e.ci_high, 3)}]` : "–");
+    return h("div", { style: "margin-top:12px" }, h("h2", {}, `By ${report.group_by.join(" / ")}`),
+      fit(h("table", { class: "groups" },
+        h("thead", {}, h("tr", {}, h("th", {}, report.group_by.join(" / ")), h("th", { class: "num" }, "Items"),
+          ...keys.map((k) => h("th", { class: "mono" }, k)),
+          h("th", {}, "Valid at first"), h("th", {}, "Valid in the end"), h("th", { class: "num" }, "After re-asks"),
+          h("th", { class: "num" }, "Invalid"), h("th", { class: "num" }, "Failed"))),
+        h("tbody", {}, report.groups.map((g) => h("tr", { "data-group": g.group },
+          h("td", {}, g.group), h("td", { class: "num" }, fmt.int(g.items)),
+          ...g.metrics.map((m) => h("td", { class: "num mono" }, `${fmt.num(m.mean, 4)} [${fmt.num(m.ci_low, 3)}, ${fmt.num(m.ci_high, 3)}]`)),
+          h("td", { class: "mono" }, share(g.valid_first)), h("td", { class: "mono" }, share(g.valid_final)),
+          h("td", { class: "num" }, fmt.int(g.fidelity.valid_after_reasks)),
+          h("td", { class: "num" }, fmt.int(g.fidelity.unparsed + g.fidelity.invalid)),
+          h("td", { class: "num" }, fmt.int(g.fidelity.failed))))))));
   }
 
   function samples(report) {
@@ -128,6 +150,7 @@ const EFReport = (() => {
       fidelity(report),
       ...(report.problems || []).map((p) => h("div", { class: "error-banner" }, p)),
       metrics(report),
+      groups(report),
       samples(report),
       verdicts(report),
       table ? h("div", { style: "margin-top:12px" }, h("h2", {}, "Endpoints"), table) : null,

@@ -112,6 +112,7 @@ fn result(seq: u64, id: &str, status: ItemStatus) -> ResultRecord {
         item: Some(format!("{{\"id\": \"{id}\"}}")),
         finished_at_ms: 1,
         assessment: Assessment::default(),
+        prompt: None,
     }
 }
 
@@ -567,6 +568,7 @@ fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
          DROP TABLE kept_reports;
          ALTER TABLE runs DROP COLUMN generation;
          DROP TABLE resource_points;
+         ALTER TABLE results DROP COLUMN prompt;
          PRAGMA user_version = 1;",
     )
     .unwrap();

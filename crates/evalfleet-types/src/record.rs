@@ -106,6 +106,9 @@ pub struct ResultRecord {
     pub item: Option<String>,
     pub finished_at_ms: i64,
     pub assessment: Assessment,
+    /// The rule of `task.prompts` that made its messages (`default`:
+    /// `task.messages`); `None` when the task has no rules.
+    pub prompt: Option<String>,
 }
 
 /// One stored answer of the response cache.

@@ -482,7 +482,9 @@ pub struct ReportArgs {
     #[command(flatten)]
     pub store: StoreArgs,
 
-    /// Item fields to group by (each combination of their values is a category)
+    /// Item fields to group by (each combination of their values is a
+    /// category; `@prompt`: the rule of task.prompts) [default: the run's
+    /// report.by, else doc_type when the items have it]
     #[arg(long, value_delimiter = ',', value_name = "FIELD,...")]
     pub by: Vec<String>,
 

@@ -15,6 +15,7 @@ mod failures;
 mod fleet;
 mod input;
 mod messages;
+mod prompts;
 mod remote;
 mod run;
 mod security;

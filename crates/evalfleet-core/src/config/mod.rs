@@ -13,6 +13,7 @@ mod endpoint;
 mod env;
 mod eval;
 pub mod path;
+mod prompts;
 mod raw;
 pub mod reference;
 pub mod schema;
@@ -45,6 +46,7 @@ use evalfleet_types::Fault;
 /// one call in 10^7), `backoff_base` (default `100ms`), `backoff_max` (default `30s`).
 pub use evalfleet_types::RetryPolicy;
 pub use telemetry::{GpuSelection, TelemetryLimits, TelemetrySettings};
+pub use prompts::{DEFAULT_PROMPT, PromptRule, glob_matches};
 pub use yaml::{Document, YamlError, parse as parse_yaml};
 
 /// The replacement for a secret written literally in a config, wherever the
@@ -168,6 +170,9 @@ pub struct TaskConfig {
     /// Chat messages; each `content` is a minijinja template over the item's
     /// fields (`{{ question }}`).
     pub messages: Vec<MessageTemplate>,
+    /// `prompts`: rules that choose other messages for some items or
+    /// models, in order; `messages` is the default (empty: none).
+    pub prompts: Vec<PromptRule>,
     /// Generation parameters sent with every request (`max_tokens`,
     /// `temperature`, ...).
     pub params: Map<String, Value>,
@@ -290,19 +295,25 @@ pub struct WriterSettings {
     pub flush_interval: Duration,
 }
 
-/// `report:` what makes a run's scores unusable.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// `report:` what makes a run's scores unusable, and how they are grouped.
+#[derive(Debug, Clone, PartialEq)]
 pub struct ReportSettings {
     /// The share of the answers it could judge that a metric may fail to
     /// score (no usable reference, a failed judge) before `run` and
     /// `report` exit non-zero. Default 1: only a metric that could score
     /// none of them.
     pub max_unscored: f64,
+    /// The item fields reports group by when not told (`--by`); `None`:
+    /// `doc_type` when the items have it, else none.
+    pub by: Option<Vec<String>>,
 }
 
 impl Default for ReportSettings {
     fn default() -> Self {
-        Self { max_unscored: 1.0 }
+        Self {
+            max_unscored: 1.0,
+            by: None,
+        }
     }
 }
 

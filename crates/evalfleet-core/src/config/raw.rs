@@ -101,9 +101,16 @@ pub struct RawTask {
     /// `refine` with `task.refine`, `conversation` with
     /// `task.conversation`, else `chat`.
     pub kind: Option<String>,
-    /// The chat messages sent for an item. Required, except for a
-    /// conversation.
+    /// The chat messages sent for an item (the default prompt, named
+    /// `default`, when `prompts` are given). Required, except for a
+    /// conversation, or when a rule of `prompts` has no condition.
     pub messages: Option<Vec<RawMessage>>,
+    /// Rules that give some items (by their fields) or some models other
+    /// messages than `messages`: the first rule that takes an item gives
+    /// its messages, and each result records the rule's name. Not for a
+    /// conversation. Default: none (`messages` for every item).
+    #[schemars(with = "Option<Vec<super::prompts::RawPrompt>>")]
+    pub prompts: Option<Vec<Value>>,
     /// Generation parameters sent with every request as they are
     /// (`max_tokens`, `temperature`, ...); `model`, `messages`, `stream` and
     /// `stream_options` are evalfleet's own. Default: none.
@@ -370,6 +377,12 @@ pub struct RawReport {
     /// `report` exit non-zero; 1 fails only a metric that could score none
     /// of them. Default 1.
     pub max_unscored: Option<f64>,
+    /// The item fields (one, or a list) that `evalfleet report`, the
+    /// report page and its API group results by when not told otherwise
+    /// (`--by`); `@prompt` is the rule of `task.prompts` that made an
+    /// item's messages, and `[]` groups nothing. Default: `doc_type` when
+    /// the run's items have that field, else none.
+    pub by: Option<OneOrMany>,
 }
 
 /// How results are committed to the store. Default: every key's default.

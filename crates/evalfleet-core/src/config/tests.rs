@@ -640,6 +640,126 @@ task:
     );
 }
 
+const PROMPTS: &str = r#"
+name: docs
+dataset:
+  path: items.jsonl
+endpoints:
+  - name: a
+    kind: mock
+    model: qwen2-vl-7b
+  - name: b
+    kind: mock
+    model: MODEL_B
+task:
+  messages:
+    - { role: user, content: "{{ question }}" }
+  prompts:
+    - name: invoices
+      when: { doc_type: [invoice, receipt] }
+      messages:
+        - { role: user, content: "Invoice: {{ question }}" }
+    - when: { doc_type: form }
+      model: "qwen2-vl*"
+      messages:
+        - { role: user, content: "Form: {{ question }}" }
+"#;
+
+#[test]
+fn prompt_rules_validate_with_names_and_model_conditions() {
+    let dir = dir_with_dataset();
+    let file = write(
+        dir.path(),
+        "run.yaml",
+        &PROMPTS.replace("MODEL_B", "qwen2-vl-2b"),
+    );
+    let config = load_file(&file, Overrides::default()).unwrap().config;
+    let rules = &config.task.prompts;
+    assert_eq!(rules.len(), 2);
+    assert_eq!(rules[0].name, "invoices");
+    assert_eq!(rules[1].name, "doc_type=form model=qwen2-vl*");
+    assert!(rules[1].model_matches, "both endpoints serve a qwen2-vl");
+    assert_eq!(
+        rules[0].when,
+        vec![(
+            "doc_type".to_owned(),
+            vec![serde_json::json!("invoice"), serde_json::json!("receipt")]
+        )]
+    );
+
+    let file = write(dir.path(), "run.yaml", &PROMPTS.replace("MODEL_B", "llava"));
+    let err = load_file(&file, Overrides::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(
+            "run.yaml:21: task.prompts[1].model: 'qwen2-vl*' matches the model of endpoints a (qwen2-vl-7b) but not of b (llava)"
+        ),
+        "{err}"
+    );
+}
+
+/// The problems `text` has as a config, in one message.
+fn error_of(dir: &Path, text: &str) -> String {
+    let file = write(dir, "run.yaml", text);
+    load_file(&file, Overrides::default())
+        .unwrap_err()
+        .to_string()
+}
+
+fn assert_all(err: &str, expected: &[&str]) {
+    for expected in expected {
+        assert!(err.contains(expected), "{expected}\n{err}");
+    }
+}
+
+#[test]
+fn bad_prompt_rules_are_reported_with_their_lines() {
+    let dir = dir_with_dataset();
+    let good = PROMPTS.replace("MODEL_B", "qwen2-vl-2b");
+    let text = good.replace(
+        "    - when: { doc_type: form }\n",
+        "    - when: { doc_type: { nested: 1 } }\n      colour: red\n",
+    ) + r#"    - messages:
+        - { role: user, content: "{{ question }}" }
+    - name: invoices
+      messages:
+        - { role: robot, content: "x" }
+"#;
+    assert_all(
+        &error_of(dir.path(), &text),
+        &[
+            "run.yaml:21: task.prompts[1]: unknown key 'colour'",
+            "run.yaml:20: task.prompts[1].when.doc_type: accepts a value (text, number, boolean or null) or a list of them",
+            "run.yaml:29: task.prompts[3].messages[0].role: must be one of",
+        ],
+    );
+    // The rules that parse are checked against each other.
+    let text = good.clone()
+        + r#"    - messages:
+        - { role: user, content: "{{ question }}" }
+    - name: invoices
+      messages:
+        - { role: user, content: "x" }
+"#;
+    assert_all(
+        &error_of(dir.path(), &text),
+        &[
+            "run.yaml:26: task.prompts[3]: can never be chosen: task.prompts[2] before it has no condition",
+            "run.yaml:26: task.prompts[3].name: 'invoices' is also the name of task.prompts[0]",
+        ],
+    );
+    // Without task.messages, some rule must take every item.
+    let text = good.replace(
+        "  messages:\n    - { role: user, content: \"{{ question }}\" }\n  prompts:",
+        "  prompts:",
+    );
+    assert_all(
+        &error_of(dir.path(), &text),
+        &["task.messages: is required unless a rule of task.prompts has no condition"],
+    );
+}
+
 #[test]
 fn metric_backends_are_checked_with_their_places() {
     let dir = dir_with_dataset();

@@ -226,9 +226,8 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
         None => p.push("endpoints", "is required (at least one endpoint)"),
     };
     let task = match &raw.task {
-        Some(value) => {
-            raw::section::<RawTask>(value, "task", p.0).and_then(|t| task(t, dir, &mut p))
-        }
+        Some(value) => raw::section::<RawTask>(value, "task", p.0)
+            .and_then(|t| task(t, dir, endpoints.as_deref(), &mut p)),
         None => p.push("task", "is required (task.messages says what to send)"),
     };
     let retry = match &raw.retry {
@@ -255,16 +254,29 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
     };
     let report = match &raw.report {
         Some(value) => raw::section::<raw::RawReport>(value, "report", p.0).and_then(|r| {
-            match r.max_unscored {
-                None => Some(super::ReportSettings::default()),
-                Some(share) if (0.0..=1.0).contains(&share) => Some(super::ReportSettings {
-                    max_unscored: share,
-                }),
+            let by = match r.by {
+                None => Some(None),
+                Some(raw::OneOrMany::One(field)) => Some(Some(vec![field])),
+                Some(raw::OneOrMany::Many(fields)) => Some(Some(fields)),
+            };
+            let by = match by {
+                Some(Some(fields)) if fields.iter().any(|f| f.trim().is_empty()) => {
+                    p.push("report.by", "must name item fields (none may be empty)")
+                }
+                other => other,
+            };
+            let max_unscored = match r.max_unscored {
+                None => Some(1.0),
+                Some(share) if (0.0..=1.0).contains(&share) => Some(share),
                 Some(share) => p.push(
                     "report.max_unscored",
                     format!("must be a share between 0 and 1, got {share}"),
                 ),
-            }
+            };
+            Some(super::ReportSettings {
+                max_unscored: max_unscored?,
+                by: by?,
+            })
         }),
         None => Some(super::ReportSettings::default()),
     };
@@ -680,10 +692,26 @@ pub(super) fn message_list(
     ok.then_some(out)
 }
 
-fn task(mut raw: RawTask, dir: &Path, p: &mut Problems<'_>) -> Option<TaskConfig> {
+fn task(
+    mut raw: RawTask,
+    dir: &Path,
+    endpoints: Option<&[endpoint::EndpointConfig]>,
+    p: &mut Problems<'_>,
+) -> Option<TaskConfig> {
     let conversation = raw.kind.as_deref() == Some("conversation") || raw.conversation.is_some();
+    let has_messages = raw.messages.is_some();
+    let has_prompts = raw.prompts.is_some();
+    let prompts = match raw.prompts.take() {
+        None => Some(Vec::new()),
+        Some(_) if conversation => p.push(
+            "task.prompts",
+            "is not for a conversation (its calls have messages of their own)",
+        ),
+        Some(rules) => super::prompts::prompts(rules, endpoints, has_messages, p),
+    };
     let messages = match raw.messages.take() {
-        None if conversation => Some(Vec::new()),
+        // Without a rule that takes every item, `prompts` says so.
+        None if conversation || has_prompts => Some(Vec::new()),
         None => p.push("task.messages", "is required (the chat messages to send)"),
         Some(list) => message_list(list, "task.messages", p),
     };
@@ -747,6 +775,7 @@ fn task(mut raw: RawTask, dir: &Path, p: &mut Problems<'_>) -> Option<TaskConfig
     Some(TaskConfig {
         kind,
         messages: messages?,
+        prompts: prompts?,
         params,
         stream: raw.stream.unwrap_or(false),
         samples,

@@ -104,6 +104,8 @@ pub struct Item {
     pub episode: Box<dyn Episode>,
     /// The call it waits for.
     pub request: Option<Request>,
+    /// The rule of `task.prompts` that made its messages.
+    pub prompt: Option<std::sync::Arc<str>>,
 }
 
 /// An item as it was claimed.
@@ -139,6 +141,7 @@ impl Item {
             answer: None,
             episode,
             request: None,
+            prompt: None,
         }
     }
 
@@ -196,6 +199,7 @@ impl Item {
             item: Some(std::mem::take(&mut self.row_json)),
             finished_at_ms: now_ms(),
             assessment: finish.assessment,
+            prompt: self.prompt.take().map(|p| p.to_string()),
         };
         let ended = Ended {
             tally: self.tally.clone(),

@@ -151,7 +151,7 @@ impl Reader {
             sample,
         ));
         drop(parsed);
-        let item = Item::new(
+        let mut item = Item::new(
             self.shared.tally.clone(),
             ClaimedItem {
                 claim,
@@ -163,6 +163,9 @@ impl Reader {
             },
             episode,
         );
+        if let Step::Call(request) = &step {
+            item.prompt = request.prompt.clone();
+        }
         Ok((item, step))
     }
 

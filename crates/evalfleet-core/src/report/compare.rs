@@ -421,6 +421,13 @@ pub fn compare(
             "compare needs at least two runs".to_owned(),
         ));
     }
+    if by.iter().any(|f| f == super::groups::PROMPT) {
+        return Err(ReportError::Compare(format!(
+            "--by {}: a comparison groups by item fields only (an item may have had another prompt in each run); `evalfleet report RUN_ID --by {}` groups one run by its prompts",
+            super::groups::PROMPT,
+            super::groups::PROMPT
+        )));
+    }
     let judged: Vec<Judged> = runs
         .iter()
         .map(|id| Judged::load(store, id))

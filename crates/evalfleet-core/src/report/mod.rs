@@ -11,6 +11,7 @@
 pub mod compare;
 pub mod conversation;
 pub mod endpoints;
+pub mod groups;
 pub mod kept;
 pub mod metrics;
 pub mod resources;
@@ -26,6 +27,7 @@ use serde_json::Value;
 
 pub use compare::{Compared, Comparison, Coverage, Disagreement, Disagreements, compare};
 pub use endpoints::{EndpointSummary, Percentiles, endpoints};
+pub use groups::{GroupFigures, GroupMetric};
 pub use kept::{Keeping, KeptBody, KeptInMemory, kept_compare, kept_report};
 pub use metrics::Summary;
 pub use resources::{ResourcesReport, SeriesSummary, resources};
@@ -79,6 +81,16 @@ pub struct Fidelity {
 }
 
 impl Fidelity {
+    /// Every item counted.
+    pub fn total(&self) -> u64 {
+        self.valid_first_try
+            + self.valid_after_reasks
+            + self.unparsed
+            + self.invalid
+            + self.not_checked
+            + self.failed
+    }
+
     fn add(&mut self, result: &StoredResult) {
         let a = &result.assessment;
         let count = match (result.status, a.verdict) {
@@ -102,11 +114,20 @@ pub struct Report {
     pub items: u64,
     /// Results by the model that answered them.
     pub models: BTreeMap<String, u64>,
-    /// The item fields categories are made of (`--by`).
+    /// Results by the rule of `task.prompts` that made their messages
+    /// (empty when the task has no rules).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub prompts: BTreeMap<String, u64>,
+    /// The item fields categories are made of (`--by`, else
+    /// `report.by`, else `doc_type` when the items have it; `@prompt`:
+    /// the prompt rule).
     pub group_by: Vec<String>,
     pub fidelity: Fidelity,
     /// Each metric overall, then by category.
     pub metrics: Vec<Summary>,
+    /// Overall, then each category: every metric's mean with its interval,
+    /// and how the answers turned out (structural fidelity).
+    pub groups: Vec<GroupFigures>,
     /// pass@k and majority votes, with `task.n` > 1.
     pub samples: Option<SamplesSummary>,
     /// The code judge's problem verdicts, overall (`all`) and by category.
@@ -181,13 +202,20 @@ impl Judged {
 /// The category of an item for `by`: its fields' values joined by ` / `
 /// (`all` without `by`).
 pub fn group_of(item: Option<&str>, by: &[String]) -> String {
+    group_with_prompt(item, None, by)
+}
+
+/// [`group_of`], where `@prompt` in `by` stands for `prompt`, the rule of
+/// `task.prompts` that made the item's messages.
+pub fn group_with_prompt(item: Option<&str>, prompt: Option<&str>, by: &[String]) -> String {
     if by.is_empty() {
         return metrics::ALL.to_owned();
     }
     let values = item.map(|text| fields_of(text, by)).unwrap_or_default();
     by.iter()
         .enumerate()
-        .map(|(i, _)| match values.get(i).and_then(Option::as_ref) {
+        .map(|(i, field)| match values.get(i).and_then(Option::as_ref) {
+            _ if field == groups::PROMPT => prompt.unwrap_or("(none)").to_owned(),
             None | Some(Value::Null) => "(none)".to_owned(),
             Some(Value::String(s)) => s.clone(),
             Some(other) => other.to_string(),
@@ -270,6 +298,41 @@ pub(crate) fn answered(status: ItemStatus, verdict: Option<evalfleet_types::Verd
     status != ItemStatus::Failed && verdict.is_none_or(evalfleet_types::Verdict::is_ok)
 }
 
+/// The fields a report of `run_id` groups by: `by` when given, else the
+/// run's `report.by`, else `doc_type` when its first result's item has
+/// that field (document datasets), else none.
+pub fn grouping(
+    store: &mut dyn Store,
+    run_id: &str,
+    by: &[String],
+    config: &config::Config,
+) -> Result<Vec<String>, StoreError> {
+    if !by.is_empty() {
+        return Ok(by.to_vec());
+    }
+    if let Some(by) = &config.report.by {
+        return Ok(by.clone());
+    }
+    let doc_type = [groups::DOC_TYPE.to_owned()];
+    let mut has = false;
+    store.results_page(
+        run_id,
+        crate::store::ResultOrder::Seq,
+        None,
+        1,
+        true,
+        &mut |result| {
+            has = result.item.is_some_and(|item| {
+                fields_of(item, &doc_type)
+                    .first()
+                    .is_some_and(|v| v.as_ref().is_some_and(|v| !v.is_null()))
+            });
+            Ok(())
+        },
+    )?;
+    Ok(if has { doc_type.to_vec() } else { Vec::new() })
+}
+
 /// Reads every result of `run_id` in dataset order, each with its category
 /// for `by`.
 pub fn scan(
@@ -279,7 +342,7 @@ pub fn scan(
     each: &mut dyn FnMut(&StoredResult, &str),
 ) -> Result<(), StoreError> {
     store.scan_results(run_id, &mut |result| {
-        let group = group_of(result.item.as_deref(), by);
+        let group = group_with_prompt(result.item.as_deref(), result.prompt.as_deref(), by);
         each(&result, &group);
     })
 }
@@ -310,12 +373,15 @@ pub fn report_with(
     each: &mut dyn FnMut(&[Metric], &StoredResult, &str),
 ) -> Result<Report, ReportError> {
     let judged = Judged::load(store, run_id)?;
+    let by = &grouping(store, run_id, by, &judged.config.config)?;
     let max_unscored = max_unscored.unwrap_or(judged.config.config.report.max_unscored);
     let samples_per_row = judged.config.config.task.samples;
     let mut summaries = metrics::Summaries::new(&judged.metrics);
     let mut samples =
         (samples_per_row > 1).then(|| samples::Samples::new(samples_per_row, &judged.metrics));
     let mut fidelity = Fidelity::default();
+    let mut fidelity_by: BTreeMap<String, Fidelity> = BTreeMap::new();
+    let mut prompts: BTreeMap<String, u64> = BTreeMap::new();
     let mut models: BTreeMap<String, u64> = BTreeMap::new();
     let mut verdicts: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
     scan(store, run_id, by, &mut |result, group| {
@@ -330,6 +396,24 @@ pub fn report_with(
             group,
         );
         fidelity.add(result);
+        if group != metrics::ALL {
+            match fidelity_by.get_mut(group) {
+                Some(f) => f.add(result),
+                None => {
+                    let mut f = Fidelity::default();
+                    f.add(result);
+                    fidelity_by.insert(group.to_owned(), f);
+                }
+            }
+        }
+        if let Some(prompt) = &result.prompt {
+            match prompts.get_mut(prompt) {
+                Some(count) => *count += 1,
+                None => {
+                    prompts.insert(prompt.clone(), 1);
+                }
+            }
+        }
         *models
             .entry(result.model.clone().unwrap_or_else(|| "-".to_owned()))
             .or_insert(0) += 1;
@@ -376,16 +460,20 @@ pub fn report_with(
         }
     })?;
     let metrics = summaries.finish();
+    fidelity_by.insert(metrics::ALL.to_owned(), fidelity);
+    let groups = groups::groups(&metrics, &fidelity_by);
     Ok(Report {
         run_id: judged.run.run_id.clone(),
         name: judged.run.name.clone(),
         items: judged.run.total,
         models,
+        prompts,
         group_by: by.to_vec(),
         fidelity,
         problems: Report::problems(&metrics, max_unscored),
         max_unscored,
         metrics,
+        groups,
         samples: samples.map(samples::Samples::finish),
         code_verdicts: verdicts,
         endpoints: Vec::new(),

@@ -68,6 +68,18 @@ impl Moments {
         self.binary &= v == 0.0 || v == 1.0;
     }
 
+    /// The sums of `n` values of 0 or 1, `ones` of them 1 (a share, whose
+    /// interval is then Wilson's).
+    pub fn counts(ones: u64, n: u64) -> Self {
+        let ones = fixed(ones as f64);
+        Self {
+            n,
+            sum: ones,
+            sum_sq: ones,
+            binary: true,
+        }
+    }
+
     /// The sums of `values`.
     pub fn of(values: &[f64]) -> Self {
         let mut m = Self::default();

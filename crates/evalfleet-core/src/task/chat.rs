@@ -77,12 +77,13 @@ impl Chat {
     /// The first step of `item`: its messages, or the item's end when
     /// they cannot be rendered.
     pub(super) fn first_step(&self, item: &ItemContext<'_>) -> Step {
-        match self.inner.templates.render_json(item.row()) {
-            Ok(messages) => Step::Call(Request {
+        match self.inner.templates.render_prompt(item.row()) {
+            Ok(rendered) => Step::Call(Request {
                 target: Target::Items,
-                messages,
+                messages: rendered.messages,
                 sample: item.sample,
                 rejected: None,
+                prompt: rendered.prompt,
             }),
             Err(message) => Step::Finish(Finish::failed(
                 format!("template: {message}"),
@@ -182,6 +183,7 @@ impl ChatEpisode {
                 messages,
                 sample: asked.sample,
                 rejected: Some(checked.reask_note()),
+                prompt: None,
             });
         }
         let scores = assessor.score(&checked, item.row());
@@ -210,6 +212,7 @@ impl ChatEpisode {
                         messages,
                         sample: 0,
                         rejected: None,
+                        prompt: None,
                     });
                 }
                 Err(error) => {

@@ -90,6 +90,10 @@ pub struct Request {
     /// `invalid_answer` with this note, and does not count against the
     /// item's attempts.
     pub rejected: Option<String>,
+    /// The rule of `task.prompts` that made an item's first messages (set
+    /// on its first request only; `None` without rules): recorded with
+    /// its result.
+    pub prompt: Option<Arc<str>>,
 }
 
 /// What became of a request.

@@ -90,6 +90,7 @@ impl Episode for RefineEpisode {
                     messages,
                     sample: asked.sample,
                     rejected: None,
+                    prompt: None,
                 })
             }
             Err(err) => Step::Finish(Finish::failed(err, Assessment::default())),

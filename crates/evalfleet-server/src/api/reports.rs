@@ -46,7 +46,9 @@ fn fields(by: Option<&str>) -> Vec<String> {
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct ReportParams {
-    /// Item fields the categories are made of, comma-separated.
+    /// Item fields the categories are made of, comma-separated (`@prompt`:
+    /// the rule of task.prompts). Default: the run's report.by, else
+    /// doc_type when its items have that field.
     pub by: Option<String>,
 }
 

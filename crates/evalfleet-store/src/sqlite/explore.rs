@@ -247,7 +247,7 @@ impl Explore for SqliteStore {
             .query_row(
                 &format!(
                     "SELECT {ROW_COLUMNS}, r.parsed, r.check_error, COALESCE(r.reasks, 0), r.judge,
-                            COALESCE(r.cached, 0)
+                            COALESCE(r.cached, 0), r.prompt
                      FROM items i LEFT JOIN results r ON r.rid = i.rid AND r.seq = i.seq
                      WHERE i.rid = ?1 AND i.item_id = ?2"
                 ),
@@ -260,12 +260,13 @@ impl Explore for SqliteStore {
                         row.get::<_, u32>(ROW_WIDTH + 2)?,
                         row.get::<_, Option<String>>(ROW_WIDTH + 3)?,
                         row.get::<_, u32>(ROW_WIDTH + 4)?,
+                        row.get::<_, Option<String>>(ROW_WIDTH + 5)?,
                     ))
                 },
             )
             .optional()
             .map_err(&err)?;
-        let Some((row, parsed, check_error, reasks, judge, cached)) = found else {
+        let Some((row, parsed, check_error, reasks, judge, cached, prompt)) = found else {
             return Ok(None);
         };
         let row = row?;
@@ -278,6 +279,7 @@ impl Explore for SqliteStore {
             judge: json_column(judge)?,
             attempt_records: attempts,
             cached,
+            prompt,
         }))
     }
 

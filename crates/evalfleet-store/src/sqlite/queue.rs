@@ -354,9 +354,9 @@ impl WorkQueue for SqliteStore {
                     "INSERT INTO results (rid, seq, item_id, status, output, error, endpoint, model, attempts,
                          latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, item,
                          finished_at, parsed, verdict, check_error, scores, reasks, judge, cached,
-                         tokens_estimated)
+                         tokens_estimated, prompt)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17,
-                             ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25)",
+                             ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26)",
                 )
                 .map_err(db_err("cannot prepare the result insert"))?;
             for (claim, r) in &batch.results {
@@ -403,6 +403,7 @@ impl WorkQueue for SqliteStore {
                         judge,
                         r.cached,
                         t.is_some_and(|t| t.tokens_estimated),
+                        r.prompt,
                     ])
                     .map_err(db_err("cannot record a result"))?;
                 match r.status {

@@ -38,7 +38,7 @@ pub(crate) fn assessment_columns(a: &Assessment) -> Result<AssessmentColumns<'_>
 
 /// The columns of [`stored_result`].
 const RESULT_COLUMNS: &str = "seq, item_id, status, output, endpoint, model, item, parsed, verdict, \
-                              check_error, scores, reasks, judge";
+                              check_error, scores, reasks, judge, prompt";
 
 /// For a failed result (`r`), the class of its item's last failed call:
 /// why it failed, read from the attempts (their key finds them at once).
@@ -47,8 +47,8 @@ const FAILURE: &str = "CASE WHEN r.status = 'failed' THEN (SELECT a.error_class 
                        ORDER BY a.attempt DESC LIMIT 1) END";
 
 /// A result from the columns seq, item_id, status, output, endpoint,
-/// model, item, parsed, verdict, check_error, scores, reasks, judge, and
-/// [`FAILURE`].
+/// model, item, parsed, verdict, check_error, scores, reasks, judge,
+/// prompt, and [`FAILURE`].
 fn stored_result(row: &rusqlite::Row<'_>) -> Result<StoredResult, StoreError> {
     let err = db_err("cannot read results");
     // Texts read in place where only their meaning is kept.
@@ -80,7 +80,8 @@ fn stored_result(row: &rusqlite::Row<'_>) -> Result<StoredResult, StoreError> {
             reasks: row.get(11).map_err(&err)?,
             code: json_column(row.get(12).map_err(&err)?)?,
         },
-        failure: text(13)?
+        prompt: row.get(13).map_err(&err)?,
+        failure: text(14)?
             .map(ErrorClass::parse)
             .transpose()
             .map_err(unknown)?,
@@ -212,7 +213,8 @@ impl Results for SqliteStore {
             .prepare(
                 "SELECT r.item_id, r.status, r.output, r.error, r.endpoint, r.model, r.attempts, r.latency_ms,
                         r.ttft_ms, r.tpot_ms, r.prompt_tokens, r.completion_tokens, r.item,
-                        r.parsed, r.verdict, r.scores, r.judge, r.tokens_estimated, r.check_error
+                        r.parsed, r.verdict, r.scores, r.judge, r.tokens_estimated, r.check_error,
+                        r.prompt
                  FROM results r WHERE r.rid = ?1 ORDER BY r.seq",
             )
             .map_err(db_err("cannot export"))?;
@@ -266,6 +268,7 @@ impl Results for SqliteStore {
                     .transpose()?,
                 judge: json_column(row.get(16).map_err(&get_err)?)?,
                 check_error: row.get(18).map_err(&get_err)?,
+                prompt: row.get(19).map_err(&get_err)?,
             })?;
         }
         Ok(())

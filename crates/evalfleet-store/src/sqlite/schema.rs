@@ -229,8 +229,16 @@ CREATE TABLE resource_points (
 ) WITHOUT ROWID;
 ";
 
+/// 10: the rule of `task.prompts` that made each result's messages. Kept
+/// reports are dropped (they are computed again when asked for): those
+/// kept before have no figures by group.
+const PROMPT_RULES: &str = "
+ALTER TABLE results ADD COLUMN prompt TEXT;
+DELETE FROM kept_reports;
+";
+
 /// The schema version a store has once every migration ran.
-pub const VERSION: usize = 9;
+pub const VERSION: usize = 10;
 
 pub fn migrations() -> Migrations<'static> {
     Migrations::new(vec![
@@ -243,6 +251,7 @@ pub fn migrations() -> Migrations<'static> {
         M::up(TIMELINE),
         M::up(KEPT_REPORTS),
         M::up(TELEMETRY),
+        M::up(PROMPT_RULES),
     ])
 }
 

@@ -34,15 +34,40 @@ pub async fn check(args: crate::cli::CheckArgs) -> anyhow::Result<u8> {
     let templates = Templates::compile(&config.task)?;
     tokio::task::block_in_place(|| preflight::check(&loaded, &templates))?;
     println!("config       {} is valid", args.config.display());
+    if !config.task.prompts.is_empty() {
+        let rules: Vec<String> = config
+            .task
+            .prompts
+            .iter()
+            .map(|rule| {
+                if rule.model_matches {
+                    rule.name.clone()
+                } else {
+                    format!("{} (not for this run's model)", rule.name)
+                }
+            })
+            .collect();
+        println!(
+            "prompts      {}{}",
+            rules.join(", "),
+            if config.task.messages.is_empty() {
+                ""
+            } else {
+                ", else default"
+            }
+        );
+    }
 
     let mut ready = true;
     let (rows, invalid) = tokio::task::block_in_place(|| -> anyhow::Result<(u64, u64)> {
         let mut scanner = Scanner::open(&config.dataset)?;
         if let Some(columns) = scanner.columns() {
-            templates.check_fields(
-                &columns.iter().cloned().collect(),
-                "the CSV header does not have",
-            )?;
+            templates
+                .check_fields(
+                    &columns.iter().cloned().collect(),
+                    "the CSV header does not have",
+                )
+                .map_err(|err| loaded.problems(vec![(err.path.clone(), err.to_string())]))?;
         }
         let mut invalid = 0;
         let mut first_invalid = None;
@@ -55,7 +80,9 @@ pub async fn check(args: crate::cli::CheckArgs) -> anyhow::Result<u8> {
         let csv = scanner.columns().is_some();
         let summary = scanner.finish();
         if !csv && summary.rows > 0 {
-            templates.check_fields(&summary.fields, "no row of the dataset has")?;
+            templates
+                .check_fields(&summary.fields, "no row of the dataset has")
+                .map_err(|err| loaded.problems(vec![(err.path.clone(), err.to_string())]))?;
         }
         if let Some((line, reason)) = first_invalid {
             println!(

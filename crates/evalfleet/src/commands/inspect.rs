@@ -63,16 +63,20 @@ pub fn runs(args: StoreArgs) -> anyhow::Result<u8> {
     Ok(EXIT_OK)
 }
 
-pub(crate) fn print_table<const N: usize>(rows: &[[String; N]]) {
-    let mut widths = [0usize; N];
+pub(crate) fn print_table<R: AsRef<[String]>>(rows: &[R]) {
+    let mut widths: Vec<usize> = Vec::new();
     for row in rows {
-        for (i, cell) in row.iter().enumerate() {
+        for (i, cell) in row.as_ref().iter().enumerate() {
+            if widths.len() <= i {
+                widths.push(0);
+            }
             widths[i] = widths[i].max(cell.chars().count());
         }
     }
     let mut out = io::stdout().lock();
     for row in rows {
         let line: Vec<String> = row
+            .as_ref()
             .iter()
             .enumerate()
             .map(|(i, cell)| format!("{cell:<width$}", width = widths[i]))
@@ -304,7 +308,7 @@ pub fn fleet(args: FleetArgs) -> anyhow::Result<u8> {
 }
 
 /// The fixed columns of an export row, in the contract's order.
-const COLUMNS: [&str; 18] = [
+const COLUMNS: [&str; 19] = [
     "item_id",
     "status",
     "output",
@@ -323,6 +327,7 @@ const COLUMNS: [&str; 18] = [
     "scores",
     "judge",
     "check_error",
+    "prompt",
 ];
 
 pub fn export(args: ExportArgs) -> anyhow::Result<u8> {
@@ -437,6 +442,7 @@ fn csv_record(row: &ExportRow, fields: &BTreeSet<String>) -> Vec<String> {
             .unwrap_or_default(),
         json_cell(row.judge.as_ref()),
         opt(&row.check_error),
+        opt(&row.prompt),
     ];
     for field in fields {
         record.push(match row.item.get(field) {

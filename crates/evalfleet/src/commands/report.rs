@@ -165,6 +165,43 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
     Ok(unusable_scores(&report))
 }
 
+/// The report by group, one row a group (overall first): each metric's
+/// mean and interval, and how the answers turned out.
+fn print_groups(report: &Report) {
+    if report.group_by.is_empty() {
+        return;
+    }
+    let Some(all) = report.groups.first() else {
+        return;
+    };
+    let mut header = vec![
+        report.group_by.join(" / ").to_uppercase(),
+        "ITEMS".to_owned(),
+    ];
+    header.extend(all.metrics.iter().map(|m| m.metric.clone()));
+    header.extend(["VALID FIRST", "AFTER RE-ASKS", "INVALID", "FAILED"].map(str::to_owned));
+    let mut table = vec![header];
+    for g in &report.groups {
+        let mut row = vec![g.group.clone(), g.items.to_string()];
+        row.extend(g.metrics.iter().map(|m| {
+            format!(
+                "{} [{}, {}]",
+                fmt(m.estimate.mean),
+                fmt(m.estimate.ci_low),
+                fmt(m.estimate.ci_high)
+            )
+        }));
+        let f = &g.fidelity;
+        row.push(f.valid_first_try.to_string());
+        row.push(f.valid_after_reasks.to_string());
+        row.push((f.unparsed + f.invalid).to_string());
+        row.push(f.failed.to_string());
+        table.push(row);
+    }
+    println!("\nBy {}:", report.group_by.join(" / "));
+    print_table(&table);
+}
+
 /// Says on stderr which metrics could not score their answers, and
 /// whether that makes the scores unusable (exit 1).
 pub fn unusable_scores(report: &Report) -> u8 {
@@ -292,6 +329,13 @@ fn print_report(report: &Report) {
         "\nAnswers: {}",
         serde_json::to_string(&report.fidelity).unwrap_or_default()
     );
+    if !report.prompts.is_empty() {
+        println!(
+            "Prompts: {}",
+            serde_json::to_string(&report.prompts).unwrap_or_default()
+        );
+    }
+    print_groups(report);
     let mut table = vec![
         [
             "ENDPOINT",
