@@ -8,6 +8,7 @@
 //! declare ([`schema`]).
 
 mod admission;
+pub mod bench;
 mod conversation;
 mod endpoint;
 mod env;
