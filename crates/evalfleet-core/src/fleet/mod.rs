@@ -17,6 +17,7 @@ pub mod outlier;
 pub mod prometheus;
 pub mod rate;
 pub mod runtime;
+pub mod turn;
 pub mod window;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
