@@ -178,6 +178,22 @@ pub fn status(store: &mut dyn Store, manifest: &Manifest) -> Result<Vec<CellStat
         .collect()
 }
 
+/// Every cell pending: a bench whose store does not exist yet.
+pub fn status_without_store(manifest: &Manifest) -> Vec<CellStatus> {
+    manifest
+        .cells
+        .iter()
+        .map(|plan| CellStatus {
+            plan: plan.clone(),
+            state: CellState::Pending,
+            done: 0,
+            failed: 0,
+            total: 0,
+            message: None,
+        })
+        .collect()
+}
+
 fn cell_status(store: &mut dyn Store, plan: &CellPlan) -> Result<CellStatus, StoreError> {
     let record = match store.run(&plan.run_id) {
         Ok(record) => record,
