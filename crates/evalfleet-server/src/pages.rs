@@ -314,7 +314,12 @@ pub fn bench_html(report: &evalfleet_core::bench::BenchReport, link_runs: bool) 
         };
         let headline = cell.headline.as_ref().map_or_else(
             || "–".to_owned(),
-            |h| format!("{:.3} <small>[{:.3}, {:.3}] n={}</small>", h.mean, h.ci_low, h.ci_high, h.n),
+            |h| {
+                format!(
+                    "{:.3} <small>[{:.3}, {:.3}] n={}</small>",
+                    h.mean, h.ci_low, h.ci_high, h.n
+                )
+            },
         );
         let groups: Vec<String> = cell
             .groups

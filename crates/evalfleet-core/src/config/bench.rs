@@ -507,11 +507,7 @@ fn cell_document(
     // The endpoint, named after the model unless it says otherwise, at
     // the sweep point's concurrency.
     let endpoint_at = path::key(model_at, "endpoint");
-    let mut endpoint = model
-        .value
-        .get("endpoint")
-        .cloned()
-        .unwrap_or(Value::Null);
+    let mut endpoint = model.value.get("endpoint").cloned().unwrap_or(Value::Null);
     graft(&mut lines, document, &endpoint_at, "endpoints[0]");
     if let Some(map) = endpoint.as_object_mut() {
         map.entry("name")
@@ -578,7 +574,11 @@ mod tests {
 
     fn load(text: &str) -> Result<BenchConfig, ConfigError> {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("q.jsonl"), "{\"id\": \"1\", \"q\": \"a\", \"a\": \"b\"}\n").unwrap();
+        std::fs::write(
+            dir.path().join("q.jsonl"),
+            "{\"id\": \"1\", \"q\": \"a\", \"a\": \"b\"}\n",
+        )
+        .unwrap();
         let file = dir.path().join("bench.yaml");
         std::fs::write(&file, text).unwrap();
         load_bench(&file)
@@ -609,7 +609,12 @@ sweep: {concurrency: [1, 4]}
         let ids: Vec<&str> = bench.cells().map(|c| c.run_id.as_str()).collect();
         assert_eq!(
             ids,
-            ["m-small-qa-c1", "m-small-qa-c4", "m-big-qa-c1", "m-big-qa-c4"]
+            [
+                "m-small-qa-c1",
+                "m-small-qa-c4",
+                "m-big-qa-c1",
+                "m-big-qa-c4"
+            ]
         );
         let small = &bench.models[0].cells[1];
         assert_eq!(small.loaded.config.endpoints[0].name, "small");
@@ -625,7 +630,10 @@ sweep: {concurrency: [1, 4]}
     #[test]
     fn a_cell_s_problem_is_reported_once_with_the_bench_file_s_path_and_line() {
         let text = GOOD
-            .replace("command: 'serve --port {port}'", "command: 'serve', colour: red")
+            .replace(
+                "command: 'serve --port {port}'",
+                "command: 'serve', colour: red",
+            )
             .replace("name: exact_match", "name: no_such_metric")
             .replace("[1, 4]", "[1, 0]");
         let err = load(&text).unwrap_err();
@@ -635,7 +643,9 @@ sweep: {concurrency: [1, 4]}
             .map(|p| format!("{}: {}", p.line.unwrap_or(0), p.message))
             .collect();
         assert!(
-            shown.iter().any(|s| s.starts_with("16: sweep.concurrency[1]: must be 1 to")),
+            shown
+                .iter()
+                .any(|s| s.starts_with("16: sweep.concurrency[1]: must be 1 to")),
             "{shown:#?}"
         );
         // Sweep problems stop before cells are checked; fix it and look again.

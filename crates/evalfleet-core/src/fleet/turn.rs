@@ -258,7 +258,10 @@ mod tests {
         let before = memory_of(&report(500, &[]), "0");
         assert_eq!(before, [(0, 500)]);
         let held = still_held(&report(70_000, &[42]), &before, Some(42)).unwrap();
-        assert!(held.contains("GPU 0 has 70000 MB in use (500 MB before"), "{held}");
+        assert!(
+            held.contains("GPU 0 has 70000 MB in use (500 MB before"),
+            "{held}"
+        );
         assert!(held.contains("pid 42 still uses it"), "{held}");
         assert!(still_held(&report(600, &[42]), &before, Some(42)).is_some());
         assert!(still_held(&report(20_000, &[]), &before, Some(42)).is_some());

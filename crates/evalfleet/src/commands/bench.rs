@@ -17,8 +17,8 @@ use evalfleet_core::fleet::engine::Launcher;
 use evalfleet_core::fleet::runtime::GpuPolicy;
 use evalfleet_core::fleet::turn::EngineTurn;
 use evalfleet_core::run;
-use evalfleet_core::store::prelude::*;
 use evalfleet_core::store::StoreError;
+use evalfleet_core::store::prelude::*;
 use evalfleet_core::types::{Event, EventKind, RunStatus, now_ms};
 use evalfleet_store::{Location, OpenOptions};
 use tokio_util::sync::CancellationToken;
@@ -128,10 +128,13 @@ async fn model_turn(
 ) -> anyhow::Result<()> {
     let mut todo: Vec<&BenchCell> = Vec::new();
     {
-        let mut store = evalfleet_store::open(location, &OpenOptions {
-            create: true,
-            ..OpenOptions::default()
-        })?;
+        let mut store = evalfleet_store::open(
+            location,
+            &OpenOptions {
+                create: true,
+                ..OpenOptions::default()
+            },
+        )?;
         for cell in &model.cells {
             if !finished(&mut *store, &cell.run_id)? {
                 todo.push(cell);
@@ -309,8 +312,7 @@ async fn run_cell(
                 "Cell {}: resuming its unfinished items.",
                 cell.run_id
             ));
-            match resumable_with(location.clone(), store, &record, loaded, false, &[], true)
-                .await?
+            match resumable_with(location.clone(), store, &record, loaded, false, &[], true).await?
             {
                 Resumable::Nothing { .. } => return Ok(EXIT_OK),
                 Resumable::Session(session) => *session,
@@ -358,10 +360,13 @@ async fn run_cell(
 /// (its items registered, none answered), and left interrupted with the
 /// reason, so that running the bench again tries it again.
 fn fail_cell(location: &Location, cell: &BenchCell, why: &str) -> anyhow::Result<()> {
-    let mut store = evalfleet_store::open(location, &OpenOptions {
+    let mut store = evalfleet_store::open(
+        location,
+        &OpenOptions {
             create: true,
             ..OpenOptions::default()
-        })?;
+        },
+    )?;
     match store.run(&cell.run_id) {
         Ok(_) => {}
         Err(StoreError::NoSuchRun(_)) => {
@@ -402,7 +407,9 @@ async fn watch_signals(stop: CancellationToken, name: String) {
         _ = interrupt.recv() => {}
         _ = terminate.recv() => {}
     }
-    ui::note("Stopping the bench: the running cell finishes its calls in flight, then its engine is unloaded. Press Ctrl-C again to abort at once.");
+    ui::note(
+        "Stopping the bench: the running cell finishes its calls in flight, then its engine is unloaded. Press Ctrl-C again to abort at once.",
+    );
     stop.cancel();
     tokio::select! {
         _ = interrupt.recv() => {}
@@ -514,7 +521,9 @@ fn csv(report: &BenchReport) -> String {
             let line = [
                 field(&s.plan.model),
                 field(&s.plan.dataset),
-                s.plan.concurrency.map_or_else(String::new, |n| n.to_string()),
+                s.plan
+                    .concurrency
+                    .map_or_else(String::new, |n| n.to_string()),
                 field(&group),
                 s.state.as_str().to_owned(),
                 (s.done + s.failed).to_string(),
@@ -563,7 +572,13 @@ fn print_report(report: &BenchReport) {
             || "-".to_owned(),
             |h| format!("{:.3} [{:.3}, {:.3}]", h.mean, h.ci_low, h.ci_high),
         );
-        let or_dash = |text: String| if text.is_empty() { "-".to_owned() } else { text };
+        let or_dash = |text: String| {
+            if text.is_empty() {
+                "-".to_owned()
+            } else {
+                text
+            }
+        };
         println!(
             "{:<12} {:<12} {:>5} {:<12} {:>24} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9}",
             s.plan.model,
@@ -599,7 +614,9 @@ fn print_report(report: &BenchReport) {
         }
     }
     if let Some(metric) = report.cells.iter().find_map(|c| c.metric.as_deref()) {
-        println!("headline: each dataset's first metric (here {metric}); GPU MB: peak GPU memory (not yet recorded)");
+        println!(
+            "headline: each dataset's first metric (here {metric}); GPU MB: peak GPU memory (not yet recorded)"
+        );
     }
     for h in &report.handovers {
         println!(
