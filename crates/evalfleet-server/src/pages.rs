@@ -208,6 +208,19 @@ pub async fn item(Path((run_id, item_id)): Path<(String, String)>) -> Response {
     )
 }
 
+/// `/benches/{name}`: a benchmark matrix, rendered here from its report;
+/// each cell links to its run's page.
+pub async fn bench(
+    State(state): State<Arc<AppState>>,
+    Path(name): Path<String>,
+) -> Result<Html<String>, crate::error::ApiError> {
+    let manifest = crate::api::benches::manifest(&state, &name)?;
+    let report = state
+        .with_store(move |store| Ok(evalfleet_core::bench::report(store, &manifest)?))
+        .await?;
+    Ok(Html(bench_html(&report, true)))
+}
+
 pub async fn compare() -> Response {
     shell("Compare", "compare", &[], "compare.js")
 }

@@ -237,4 +237,33 @@ async fn an_engine_that_does_not_start_fails_its_model_s_cells_and_the_bench_goe
     assert_eq!(states, ["failed", "failed", "done", "done"]);
     let message = cells[0]["message"].as_str().unwrap();
     assert!(message.contains("no GPU for me"), "{message}");
+
+    // The dashboard shows the matrix, each cell linking to its run; a
+    // name that is not a bench's is not found, whatever it holds.
+    let (_server, base) = crate::serve::serve(&env, &["--read-only"], None).await;
+    let names = crate::serve::get(&format!("{base}/api/v1/benches")).await;
+    assert_eq!(names, serde_json::json!(["m"]));
+    let report = crate::serve::get(&format!("{base}/api/v1/benches/m")).await;
+    assert_eq!(report["cells"][2]["state"], "done", "{report}");
+    assert_eq!(report["cells"][0]["state"], "failed", "{report}");
+    let page = crate::serve::client()
+        .get(format!("{base}/benches/m"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(page.status(), 200);
+    let page = page.text().await.unwrap();
+    assert!(
+        page.contains("<a href=\"/runs/m-b-short\">m-b-short</a>"),
+        "{page}"
+    );
+    assert!(page.contains("no GPU for me"), "{page}");
+    for bad in ["..%2Fevalfleet", "m%3Cscript%3E", "nothing"] {
+        let answer = crate::serve::client()
+            .get(format!("{base}/api/v1/benches/{bad}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), 404, "{bad}");
+    }
 }
