@@ -332,6 +332,8 @@ async fn the_openapi_document_describes_every_route_and_resolves_every_reference
         "/server",
         "/runs/{run_id}/timeline",
         "/runs/{run_id}/stream",
+        "/benches",
+        "/benches/{name}",
     ] {
         assert!(paths.contains_key(path), "{path} is not documented");
     }
