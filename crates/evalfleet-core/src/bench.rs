@@ -347,15 +347,26 @@ fn answer_span(store: &mut dyn Store, run_id: &str) -> Result<Option<(i64, i64)>
     })
 }
 
+/// One model's cells in time: its engine's first turn (spawned, ready),
+/// its first call and its last answer (ms since the epoch).
+#[derive(Default)]
+struct ModelSpan {
+    model: String,
+    turn: Option<(i64, i64)>,
+    first_call: Option<i64>,
+    last_answer: Option<i64>,
+}
+
 /// The report of every cell of `manifest`.
 pub fn report(store: &mut dyn Store, manifest: &Manifest) -> Result<BenchReport, ReportError> {
     let mut cells = Vec::new();
-    // Per model: its first turn's (spawned, ready), its first call, its
-    // last answer.
-    let mut spans: Vec<(String, Option<(i64, i64)>, Option<i64>, Option<i64>)> = manifest
+    let mut spans: Vec<ModelSpan> = manifest
         .models
         .iter()
-        .map(|m| (m.clone(), None, None, None))
+        .map(|m| ModelSpan {
+            model: m.clone(),
+            ..ModelSpan::default()
+        })
         .collect();
     for status in status(store, manifest)? {
         let run_id = status.plan.run_id.clone();
@@ -409,23 +420,22 @@ pub fn report(store: &mut dyn Store, manifest: &Manifest) -> Result<BenchReport,
         let turn = last_turn(&events, &cell.status.plan.model);
         cell.engine_start_ms = turn.map(|(spawned, ready)| ready - spawned);
         let span = answer_span(store, &run_id)?;
-        if let Some(entry) = spans.iter_mut().find(|s| s.0 == cell.status.plan.model) {
+        if let Some(entry) = spans.iter_mut().find(|s| s.model == cell.status.plan.model) {
             if let Some(turn) = turn {
-                entry.1 = Some(entry.1.map_or(turn, |t: (i64, i64)| t.min(turn)));
+                entry.turn = Some(entry.turn.map_or(turn, |t| t.min(turn)));
             }
             if let Some((sent, finished)) = span {
-                entry.2 = Some(entry.2.map_or(sent, |s: i64| s.min(sent)));
-                entry.3 = Some(entry.3.map_or(finished, |f: i64| f.max(finished)));
+                entry.first_call = Some(entry.first_call.map_or(sent, |s| s.min(sent)));
+                entry.last_answer = Some(entry.last_answer.map_or(finished, |f| f.max(finished)));
             }
         }
         cells.push(cell);
     }
     let mut handovers = Vec::new();
     for pair in spans.windows(2) {
-        let (from, _, _, Some(last_answer)) = &pair[0] else {
-            continue;
-        };
-        let (to, Some((spawned, ready)), Some(first_call), _) = &pair[1] else {
+        let (Some(last_answer), Some((spawned, ready)), Some(first_call)) =
+            (pair[0].last_answer, pair[1].turn, pair[1].first_call)
+        else {
             continue;
         };
         // Only a handover within one process: the next engine was started
@@ -436,8 +446,8 @@ pub fn report(store: &mut dyn Store, manifest: &Manifest) -> Result<BenchReport,
         let gap_ms = first_call - last_answer;
         let engine_start_ms = ready - spawned;
         handovers.push(Handover {
-            from: from.clone(),
-            to: to.clone(),
+            from: pair[0].model.clone(),
+            to: pair[1].model.clone(),
             gap_ms,
             engine_start_ms,
             overhead_ms: gap_ms - engine_start_ms,
