@@ -178,35 +178,29 @@ pub fn status(store: &mut dyn Store, manifest: &Manifest) -> Result<Vec<CellStat
         .collect()
 }
 
-/// Every cell pending: a bench whose store does not exist yet.
-pub fn status_without_store(manifest: &Manifest) -> Vec<CellStatus> {
-    manifest
-        .cells
-        .iter()
-        .map(|plan| CellStatus {
+impl CellStatus {
+    /// A cell whose run does not exist yet.
+    fn unstarted(plan: &CellPlan) -> Self {
+        Self {
             plan: plan.clone(),
             state: CellState::Pending,
             done: 0,
             failed: 0,
             total: 0,
             message: None,
-        })
-        .collect()
+        }
+    }
+}
+
+/// Every cell pending: a bench whose store does not exist yet.
+pub fn status_without_store(manifest: &Manifest) -> Vec<CellStatus> {
+    manifest.cells.iter().map(CellStatus::unstarted).collect()
 }
 
 fn cell_status(store: &mut dyn Store, plan: &CellPlan) -> Result<CellStatus, StoreError> {
     let record = match store.run(&plan.run_id) {
         Ok(record) => record,
-        Err(StoreError::NoSuchRun(_)) => {
-            return Ok(CellStatus {
-                plan: plan.clone(),
-                state: CellState::Pending,
-                done: 0,
-                failed: 0,
-                total: 0,
-                message: None,
-            });
-        }
+        Err(StoreError::NoSuchRun(_)) => return Ok(CellStatus::unstarted(plan)),
         Err(err) => return Err(err),
     };
     let counts = store.counts(&plan.run_id)?;

@@ -15,7 +15,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::raw::{self, RawProblem};
-use super::yaml::{self, Document};
+use super::yaml::Document;
 use super::{ConfigError, EndpointConfig, LoadedConfig, Overrides, Problem, path, validate};
 
 /// A benchmark matrix (`evalfleet bench CONFIG`): every model of `models`
@@ -171,19 +171,7 @@ const MAX_RUN_ID: usize = 120;
 
 /// Reads and validates a bench file.
 pub fn load_bench(file: &Path) -> Result<BenchConfig, ConfigError> {
-    let text = std::fs::read_to_string(file).map_err(|source| ConfigError::Read {
-        path: file.to_owned(),
-        source,
-    })?;
-    let document = yaml::parse(&text).map_err(|error| ConfigError::Yaml {
-        path: file.to_owned(),
-        error,
-    })?;
-    let dir = match file.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.to_owned());
+    let (document, dir) = super::read_document(file)?;
     bench(&document, &dir, file.display().to_string())
 }
 

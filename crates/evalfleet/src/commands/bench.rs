@@ -89,31 +89,33 @@ async fn run_bench(file: &Path, store: Option<PathBuf>, yes: bool) -> anyhow::Re
         .filter(|s| s.state != CellState::Done)
         .count();
     let program = ui::program();
-    Ok(if tally.interrupted {
-        ui::note(&format!(
-            "Bench {} interrupted with {unfinished} cell(s) unfinished. Finish it: {program} bench {}{}",
-            bench.name,
-            file.display(),
-            super::store_flag(&location)
-        ));
-        EXIT_INTERRUPTED
+    let again = format!(
+        "{program} bench {}{}",
+        file.display(),
+        super::store_flag(&location)
+    );
+    let (code, message) = if tally.interrupted {
+        (
+            EXIT_INTERRUPTED,
+            format!("interrupted with {unfinished} cell(s) unfinished. Finish it: {again}"),
+        )
     } else if unfinished > 0 || tally.failed > 0 {
-        ui::note(&format!(
-            "Bench {}: {unfinished} cell(s) not done. Running it again tries them again: {program} bench {}{}",
-            bench.name,
-            file.display(),
-            super::store_flag(&location)
-        ));
-        EXIT_FAILED
+        (
+            EXIT_FAILED,
+            format!("{unfinished} cell(s) not done. Running it again tries them again: {again}"),
+        )
     } else {
-        ui::note(&format!(
-            "Bench {} done. Compare the models: {program} bench report {}{}",
-            bench.name,
-            bench.name,
-            super::store_flag(&location)
-        ));
-        EXIT_OK
-    })
+        (
+            EXIT_OK,
+            format!(
+                "done. Compare the models: {program} bench report {}{}",
+                bench.name,
+                super::store_flag(&location)
+            ),
+        )
+    };
+    ui::note(&format!("Bench {} {message}", bench.name));
+    Ok(code)
 }
 
 /// One model's turn: its engine loaded (when it has one), its unfinished
