@@ -17,8 +17,8 @@ use evalfleet_core::fleet::engine::Launcher;
 use evalfleet_core::fleet::runtime::GpuPolicy;
 use evalfleet_core::fleet::turn::EngineTurn;
 use evalfleet_core::run;
-use evalfleet_core::store::StoreError;
 use evalfleet_core::store::prelude::*;
+use evalfleet_core::store::{RunRecord, StoreError};
 use evalfleet_core::types::{Event, EventKind, RunStatus, now_ms};
 use evalfleet_store::{Location, OpenOptions};
 use tokio_util::sync::CancellationToken;
@@ -130,13 +130,7 @@ async fn model_turn(
 ) -> anyhow::Result<()> {
     let mut todo: Vec<&BenchCell> = Vec::new();
     {
-        let mut store = evalfleet_store::open(
-            location,
-            &OpenOptions {
-                create: true,
-                ..OpenOptions::default()
-            },
-        )?;
+        let mut store = open_or_create(location)?;
         for cell in &model.cells {
             if !finished(&mut *store, &cell.run_id)? {
                 todo.push(cell);
@@ -248,13 +242,29 @@ async fn model_turn(
     Ok(())
 }
 
-/// Whether a cell's run exists and every item of it ended.
-fn finished(store: &mut dyn Store, run_id: &str) -> Result<bool, StoreError> {
+/// The store, made when it does not exist yet.
+fn open_or_create(location: &Location) -> Result<Box<dyn Store>, StoreError> {
+    evalfleet_store::open(
+        location,
+        &OpenOptions {
+            create: true,
+            ..OpenOptions::default()
+        },
+    )
+}
+
+/// A cell's run, when it has one.
+fn stored_run(store: &mut dyn Store, run_id: &str) -> Result<Option<RunRecord>, StoreError> {
     match store.run(run_id) {
-        Ok(record) => Ok(record.status == RunStatus::Finished),
-        Err(StoreError::NoSuchRun(_)) => Ok(false),
+        Ok(record) => Ok(Some(record)),
+        Err(StoreError::NoSuchRun(_)) => Ok(None),
         Err(err) => Err(err),
     }
+}
+
+/// Whether a cell's run exists and every item of it ended.
+fn finished(store: &mut dyn Store, run_id: &str) -> Result<bool, StoreError> {
+    Ok(stored_run(store, run_id)?.is_some_and(|r| r.status == RunStatus::Finished))
 }
 
 /// The cell's endpoint, served by the engine the bench loaded at
@@ -282,19 +292,8 @@ async fn run_cell(
     if let Some(turn) = turn {
         served_by_turn(&mut loaded.config.endpoints[0], &turn.base_url);
     }
-    let mut store = evalfleet_store::open(
-        location,
-        &OpenOptions {
-            create: true,
-            ..OpenOptions::default()
-        },
-    )?;
-    let record = match store.run(&cell.run_id) {
-        Ok(record) => Some(record),
-        Err(StoreError::NoSuchRun(_)) => None,
-        Err(err) => return Err(err.into()),
-    };
-    let session = match record {
+    let mut store = open_or_create(location)?;
+    let session = match stored_run(&mut *store, &cell.run_id)? {
         None => {
             drop(store);
             ui::note(&format!("Cell {}: starting.", cell.run_id));
@@ -362,22 +361,12 @@ async fn run_cell(
 /// (its items registered, none answered), and left interrupted with the
 /// reason, so that running the bench again tries it again.
 fn fail_cell(location: &Location, cell: &BenchCell, why: &str) -> anyhow::Result<()> {
-    let mut store = evalfleet_store::open(
-        location,
-        &OpenOptions {
-            create: true,
-            ..OpenOptions::default()
-        },
-    )?;
-    match store.run(&cell.run_id) {
-        Ok(_) => {}
-        Err(StoreError::NoSuchRun(_)) => {
-            let templates = checked_templates(&cell.loaded)?;
-            tokio::task::block_in_place(|| {
-                run::create(&mut *store, &cell.loaded, &templates, &cell.run_id)
-            })?;
-        }
-        Err(err) => return Err(err.into()),
+    let mut store = open_or_create(location)?;
+    if stored_run(&mut *store, &cell.run_id)?.is_none() {
+        let templates = checked_templates(&cell.loaded)?;
+        tokio::task::block_in_place(|| {
+            run::create(&mut *store, &cell.loaded, &templates, &cell.run_id)
+        })?;
     }
     let message = format!("{CELL_FAILED}{why}");
     store.set_status(&cell.run_id, RunStatus::Interrupted, Some(&message))?;
