@@ -267,3 +267,41 @@ async fn an_engine_that_does_not_start_fails_its_model_s_cells_and_the_bench_goe
         assert_eq!(answer.status(), 404, "{bad}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_dies_mid_turn_fails_its_cells_at_once_and_leaves_nothing() {
+    let env = Env::new();
+    env.dataset("short.jsonl", 5);
+    env.dataset("long.jsonl", 2000);
+    env.write("bench.yaml", &bench_config("10ms"));
+    let claims = env.path("runs/.engines");
+    let claims = claims.to_str().unwrap().to_owned();
+    let mut bench = env.spawn(&["bench", "bench.yaml"]);
+    wait_until(ms(60_000), "cell m-a-long has answers", || {
+        done_in(&env, "m-a-long") >= 20
+    })
+    .await;
+    let engine = lives(&env, "life-a.log")[0].pid;
+    let killed = tokio::process::Command::new("kill")
+        .args(["-KILL", &engine.to_string()])
+        .status()
+        .await
+        .unwrap();
+    assert!(killed.success());
+    // Without a watch on the engine the cell would wait for
+    // `timeouts.no_endpoint` (10 minutes).
+    let code = tokio::time::timeout(ms(120_000), bench.wait())
+        .await
+        .expect("the bench ends soon after its engine died")
+        .unwrap();
+    assert_eq!(code.code(), Some(1));
+    let status = env.evalfleet(&["bench", "status", "m", "--json"]).await;
+    let cells: serde_json::Value = serde_json::from_str(&status.stdout).unwrap();
+    assert_eq!(cells[0]["state"], "done");
+    assert_eq!(cells[1]["state"], "failed", "{cells}");
+    let message = cells[1]["message"].as_str().unwrap();
+    assert!(message.contains("exited during its turn"), "{message}");
+    assert_eq!(cells[2]["state"], "done", "the next model goes on: {cells}");
+    assert!(with_arg(&claims).is_empty(), "no supervisor is left");
+    assert!(lives(&env, "life-b.log").iter().all(|l| !alive(l.pid)));
+}

@@ -234,11 +234,6 @@ impl Supervised {
         self.child.wait().await
     }
 
-    /// Whether the process (its supervisor) has ended.
-    pub fn has_exited(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(Some(_)) | Err(_))
-    }
-
     /// `why`, then the engine's own last lines in its log (the
     /// supervisor's notes left out, its errors kept), when it printed any.
     pub fn with_last_lines(&self, why: String) -> String {

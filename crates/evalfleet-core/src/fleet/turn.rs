@@ -163,9 +163,10 @@ impl EngineTurn {
         })
     }
 
-    /// Whether the engine's process has ended on its own.
-    pub fn has_exited(&mut self) -> bool {
-        self.running.process.has_exited()
+    /// Waits until the engine's process (its supervisor, which ends the
+    /// engine's group first) has ended on its own.
+    pub async fn exited(&mut self) {
+        let _ = self.running.process.wait().await;
     }
 
     /// The engine's log, for messages.

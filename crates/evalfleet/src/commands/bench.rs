@@ -183,23 +183,36 @@ async fn model_turn(
         if stop.is_cancelled() {
             break;
         }
-        if let Some(engine) = turn.as_mut()
-            && engine.has_exited()
-        {
-            let why = format!(
-                "the engine of model {} exited during its turn (log {})",
-                model.name,
-                engine.log().display()
-            );
-            ui::note(&format!("{why}; its remaining cells are marked failed."));
-            for left in todo.iter().skip(ran.len()) {
+        // The engine is watched while the cell runs: if it dies, the cell
+        // stops at once (its calls would only fail) and is marked failed.
+        let loaded = turn.as_ref().map(Loaded::of);
+        let cell_stop = stop.child_token();
+        let running = run_cell(location, cell, loaded.as_ref(), &cell_stop);
+        tokio::pin!(running);
+        let mut died = None;
+        let code = loop {
+            tokio::select! {
+                code = &mut running => break code,
+                () = engine_exit(turn.as_mut()), if died.is_none() => {
+                    let log = turn.as_ref().map(|t| t.log().display().to_string());
+                    died = Some(format!(
+                        "the engine of model {} exited during its turn (log {})",
+                        model.name,
+                        log.unwrap_or_default()
+                    ));
+                    cell_stop.cancel();
+                }
+            }
+        };
+        ran.push(&cell.run_id);
+        if let Some(why) = died {
+            ui::note(&format!("{why}; its unfinished cells are marked failed."));
+            for left in todo.iter().skip(ran.len() - 1) {
                 fail_cell(location, left, &why)?;
                 tally.failed += 1;
             }
             break;
         }
-        let code = run_cell(location, cell, turn.as_ref(), stop).await;
-        ran.push(&cell.run_id);
         match code {
             Ok(EXIT_INTERRUPTED) => {
                 tally.interrupted = true;
@@ -281,10 +294,37 @@ fn served_by_turn(endpoint: &mut EndpointConfig, base_url: &str) {
 
 /// Runs one cell: its run created (first time) or resumed (its unfinished
 /// items only), against the model's loaded engine.
+/// What a cell needs to know of the engine loaded for it.
+struct Loaded {
+    base_url: String,
+    pid: Option<u32>,
+    spawned_at_ms: i64,
+    ready_at_ms: i64,
+}
+
+impl Loaded {
+    fn of(turn: &EngineTurn) -> Self {
+        Self {
+            base_url: turn.base_url.clone(),
+            pid: turn.pid,
+            spawned_at_ms: turn.spawned_at_ms,
+            ready_at_ms: turn.ready_at_ms,
+        }
+    }
+}
+
+/// Ends when the loaded engine has exited on its own; never without one.
+async fn engine_exit(turn: Option<&mut EngineTurn>) {
+    match turn {
+        Some(turn) => turn.exited().await,
+        None => std::future::pending().await,
+    }
+}
+
 async fn run_cell(
     location: &Location,
     cell: &BenchCell,
-    turn: Option<&EngineTurn>,
+    turn: Option<&Loaded>,
     stop: &CancellationToken,
 ) -> anyhow::Result<u8> {
     let started = Instant::now();
