@@ -28,8 +28,9 @@ LAYERS = {
         ["client"],
         # Endpoints, limits, health, the one call path; workers of a run.
         ["fleet", "worker"],
-        # One module per kind of task.
-        ["task"],
+        # One module per kind of task; the outside metric backends they
+        # wait on.
+        ["task", "metric_backend"],
         # Drives items through their task's steps.
         ["pipeline"],
         # Creating, resuming and finishing runs; reports; benchmark

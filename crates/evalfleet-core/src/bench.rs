@@ -267,8 +267,10 @@ pub struct CellReport {
     pub ttft_p50_ms: Option<f64>,
     pub tpot_p50_ms: Option<f64>,
     pub tokens_per_second: Option<f64>,
-    /// Peak GPU memory of the cell's run (MB). Empty until resource
-    /// telemetry records it per run.
+    /// The most memory in use at once on the GPUs the cell's run sampled
+    /// (MiB, the whole GPU's: its engine's and whoever else's); `None`
+    /// without GPU telemetry (no `nvidia-smi`, or an engine on another
+    /// host).
     pub peak_gpu_memory_mb: Option<u64>,
     /// How long the model's engine took to load for this cell's last
     /// turn, from its process's start to its first health answer (ms).
@@ -404,6 +406,10 @@ pub fn report(store: &mut dyn Store, manifest: &Manifest) -> Result<BenchReport,
             }
             cell.metric = Some(metric);
         }
+        cell.peak_gpu_memory_mb = run
+            .resources
+            .gpu_memory_peak_mb
+            .map(|mb| mb.round().max(0.0) as u64);
         if let Some(endpoint) = run.endpoints.iter().find(|e| e.successes > 0) {
             cell.latency_p50_ms = endpoint.latency_ms.map(|p| p.p50);
             cell.ttft_p50_ms = endpoint.ttft_ms.map(|p| p.p50);

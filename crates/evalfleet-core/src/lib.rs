@@ -10,6 +10,7 @@ pub mod eval;
 pub mod fingerprint;
 pub mod fleet;
 pub mod jinja;
+pub mod metric_backend;
 pub mod pipeline;
 pub mod preflight;
 pub mod report;
@@ -44,6 +45,7 @@ pub fn fault_of(err: &(dyn std::error::Error + 'static)) -> Option<types::Fault>
         run::ResumeError,
         pipeline::PipelineError,
         task::TaskError,
+        metric_backend::BackendError,
         report::ReportError,
         rescore::RescoreError,
         sandbox::CodeJudgeError,

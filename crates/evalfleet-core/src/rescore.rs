@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use evalfleet_types::{Assessment, ItemStatus, Verdict};
+use futures_util::StreamExt;
 use serde_json::{Map, Value};
 
 use crate::config::{self, ConfigError, LoadedConfig};
@@ -19,13 +20,14 @@ use crate::store::{Store, StoreError, StoredResult};
 use crate::task::code;
 
 /// The task keys a new config's `task` replaces: its checking and scoring.
-const ASSESSMENT_KEYS: [&str; 7] = [
+const ASSESSMENT_KEYS: [&str; 8] = [
     "parse",
     "schema",
     "schema_file",
     "max_reasks",
     "structured_output",
     "metrics",
+    "metric_backends",
     "code",
 ];
 
@@ -41,6 +43,8 @@ pub enum RescoreError {
     Unfit(String),
     #[error("the code judge cannot start")]
     CodeJudge(#[source] evalfleet_sandbox::CodeJudgeError),
+    #[error(transparent)]
+    MetricBackend(#[from] crate::metric_backend::BackendError),
 }
 
 impl RescoreError {
@@ -49,6 +53,7 @@ impl RescoreError {
             Self::Store(err) => err.fault(),
             Self::Config(_) | Self::Unfit(_) => evalfleet_types::Fault::BadInput,
             Self::CodeJudge(err) => err.fault(),
+            Self::MetricBackend(err) => err.fault(),
         }
     }
 }
@@ -122,9 +127,16 @@ impl Plan {
         } else {
             let mut chosen = Vec::new();
             for name in metrics {
+                // `anls@native@1` is the built-in `anls@1`; `anls` is every
+                // anls, `anls@evalscope` every version of that backend's.
+                let native = name.replacen("@native", "", 1);
                 let found: Vec<&String> = keys
                     .iter()
-                    .filter(|k| *k == name || k.split('@').next() == Some(name.as_str()))
+                    .filter(|k| {
+                        **k == native
+                            || k.split('@').next() == Some(native.as_str())
+                            || k.starts_with(&format!("{name}@"))
+                    })
                     .collect();
                 if found.is_empty() {
                     return Err(RescoreError::Unfit(format!(
@@ -231,6 +243,9 @@ impl Plan {
         if let Some(err) = lookup_error {
             return Err(err.into());
         }
+        let backend_scored =
+            score_with_backends(&assessor, &stored, &mut assessed, only.as_deref()).await?;
+
         let mut rejudged = None;
         if rejudge && let (Some(settings), Some(key)) = (loaded.config.task.kind.code(), code_key) {
             let started = Instant::now();
@@ -250,6 +265,7 @@ impl Plan {
             }
             rejudged = Some((count, started.elapsed()));
         }
+        let (backend_errors, backend_error) = backend_errors(&assessor, &assessed);
         store.put_assessments(&run_id, &assessed, &snapshot)?;
         Ok(Rescored {
             answers: assessed.len() as u64,
@@ -257,8 +273,97 @@ impl Plan {
             metrics: assessor.metrics().map(|m| m.key.clone()).collect(),
             rejudged,
             unreadable,
+            backend_scored,
+            backend_errors,
+            backend_error,
         })
     }
+}
+
+/// How many scores of the outside backends' metrics in `assessed` are
+/// errors, and the first.
+fn backend_errors(assessor: &Assessor, assessed: &[(u64, Assessment)]) -> (u64, Option<String>) {
+    let keys: Vec<&str> = assessor
+        .metrics()
+        .filter(|m| m.backend() != crate::eval::backend::NATIVE)
+        .map(|m| m.key.as_str())
+        .collect();
+    let mut count = 0;
+    let mut first = None;
+    for (_, a) in assessed {
+        for error in keys
+            .iter()
+            .filter_map(|k| a.scores.get(*k).and_then(|s| s.error.as_deref()))
+        {
+            count += 1;
+            first.get_or_insert_with(|| error.to_owned());
+        }
+    }
+    (count, first)
+}
+
+/// Scores the usable answers in `assessed` (taken from `stored`, in the
+/// same order) by the outside backends' metrics (those in `only`, when
+/// given): how many answers were sent.
+async fn score_with_backends(
+    assessor: &Assessor,
+    stored: &[StoredResult],
+    assessed: &mut [(u64, Assessment)],
+    only: Option<&[String]>,
+) -> Result<u64, RescoreError> {
+    let wanted = assessor.metrics().any(|m| {
+        m.backend() != crate::eval::backend::NATIVE && only.is_none_or(|only| only.contains(&m.key))
+    });
+    if !wanted {
+        return Ok(0);
+    }
+    let mut work = Vec::new();
+    for (place, (r, (_, a))) in stored.iter().zip(assessed.iter()).enumerate() {
+        if a.verdict != Some(Verdict::Ok) {
+            continue;
+        }
+        let checked = crate::eval::Checked {
+            parsed: a.parsed.clone(),
+            valid: true,
+            error: None,
+        };
+        let item: Row = r
+            .item
+            .as_deref()
+            .and_then(|t| serde_json::from_str(t).ok())
+            .unwrap_or_default();
+        let requests = assessor.backend_requests(&checked, &item, only);
+        if !requests.is_empty() {
+            work.push((place, r.item_id.clone(), requests));
+        }
+    }
+    let mut used: Vec<String> = Vec::new();
+    for (_, _, requests) in &work {
+        for request in requests {
+            if !used.contains(&request.backend) {
+                used.push(request.backend.clone());
+            }
+        }
+    }
+    let used: Vec<&str> = used.iter().map(String::as_str).collect();
+    let Some(backends) =
+        crate::metric_backend::Backends::start(&assessor.spec().backends, &used).await?
+    else {
+        return Ok(0);
+    };
+    let sent = work.len() as u64;
+    let mut scored = futures_util::stream::iter(work)
+        .map(|(place, item, requests)| {
+            let backends = backends.clone();
+            async move { (place, backends.score(&item, requests).await) }
+        })
+        .buffer_unordered(backends.queue().max(1));
+    while let Some((place, scores)) = scored.next().await {
+        if let Some((_, a)) = assessed.get_mut(place) {
+            a.scores.extend(scores);
+        }
+    }
+    Ok(sent)
 }
 
 /// What scoring again did.
@@ -274,4 +379,9 @@ pub struct Rescored {
     /// Stored items that are not JSON (their references could not be
     /// rendered).
     pub unreadable: u64,
+    /// Usable answers sent to the outside metric backends.
+    pub backend_scored: u64,
+    /// Their scores that are errors, and the first such error.
+    pub backend_errors: u64,
+    pub backend_error: Option<String>,
 }

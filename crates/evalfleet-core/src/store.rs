@@ -16,7 +16,7 @@ use serde_json::Value;
 
 use evalfleet_types::{
     Assessment, AttemptRecord, CacheEntry, EndpointSnapshot, ErrorClass, Event, Fault, FleetChange,
-    ItemStatus, ResultRecord, RunSample, RunStatus, Scores, StateCounts, Verdict,
+    ItemStatus, ResourcePoint, ResultRecord, RunSample, RunStatus, Scores, StateCounts, Verdict,
 };
 
 use crate::dataset::{DatasetError, DatasetIdentity};
@@ -793,16 +793,48 @@ pub trait KeptReports {
     ) -> Result<(), StoreError>;
 }
 
+/// A run's resource telemetry (`telemetry:`): bounded series of points.
+pub trait Resources {
+    /// Adds points (single samples) to the run's series. A series keeps at
+    /// most [`evalfleet_types::POINTS_PER_SERIES`] points: past that, its
+    /// oldest half is merged in pairs ([`evalfleet_types::merge_oldest`]),
+    /// peaks and means kept exact. A point at the same time as a stored one
+    /// of its series is merged into it.
+    fn add_resource_points(
+        &mut self,
+        run_id: &str,
+        points: &[ResourcePoint],
+    ) -> Result<(), StoreError>;
+
+    /// The run's points whose last sample is after `after_ms`, by series,
+    /// then time.
+    fn resource_points(
+        &mut self,
+        run_id: &str,
+        after_ms: i64,
+    ) -> Result<Vec<ResourcePoint>, StoreError>;
+}
+
 /// The store's traits, to call their methods on a `dyn Store`.
 pub mod prelude {
     pub use super::{
-        Events, Explore, FleetMailbox, KeptReports, ResponseCache, Results, Runs, Store, WorkQueue,
+        Events, Explore, FleetMailbox, KeptReports, Resources, ResponseCache, Results, Runs, Store,
+        WorkQueue,
     };
 }
 
 /// Every concern of a store, as a backend implements them.
 pub trait Store:
-    Runs + WorkQueue + Results + ResponseCache + Events + FleetMailbox + Explore + KeptReports + Send
+    Runs
+    + WorkQueue
+    + Results
+    + ResponseCache
+    + Events
+    + FleetMailbox
+    + Explore
+    + KeptReports
+    + Resources
+    + Send
 {
 }
 
@@ -815,6 +847,7 @@ impl<
         + FleetMailbox
         + Explore
         + KeptReports
+        + Resources
         + Send,
 > Store for T
 {

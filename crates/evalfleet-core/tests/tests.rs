@@ -9,3 +9,4 @@ mod concurrency;
 mod load;
 mod metric_vectors;
 mod outage;
+mod procs;

@@ -84,6 +84,17 @@ const EFReport = (() => {
         h("td", { class: "num" }, fmt.num(e.tokens_per_second_per_call, 1)))))));
   }
 
+  function resources(report) {
+    const r = report.resources;
+    if (!r || !r.series || !r.series.length) return null;
+    return fit(h("table", { class: "resources" },
+      h("thead", {}, h("tr", {}, h("th", {}, "Source"), h("th", {}, "Series"), h("th", { class: "num" }, "Peak"), h("th", { class: "num" }, "Mean"), h("th", { class: "num" }, "Samples"))),
+      h("tbody", {}, r.series.map((s) => h("tr", {},
+        h("td", {}, `${s.series.source} ${s.series.name}`), h("td", { class: "mono" }, s.series.metric),
+        h("td", { class: "num" }, fmt.num(s.peak, 1)), h("td", { class: "num" }, fmt.num(s.mean, 1)),
+        h("td", { class: "num" }, fmt.int(s.samples)))))));
+  }
+
   function fidelity(report) {
     const f = report.fidelity;
     return h("div", { class: "sub" },
@@ -112,6 +123,7 @@ const EFReport = (() => {
   /** Draws `report` into `container`. */
   function render(container, report) {
     const table = endpoints(report);
+    const used = resources(report);
     container.replaceChildren(...[
       fidelity(report),
       ...(report.problems || []).map((p) => h("div", { class: "error-banner" }, p)),
@@ -119,6 +131,7 @@ const EFReport = (() => {
       samples(report),
       verdicts(report),
       table ? h("div", { style: "margin-top:12px" }, h("h2", {}, "Endpoints"), table) : null,
+      used ? h("div", { style: "margin-top:12px" }, h("h2", {}, "Resources (peak and mean)"), used) : null,
     ].filter(Boolean));
   }
 

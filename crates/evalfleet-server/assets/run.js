@@ -1,6 +1,7 @@
 // One run, live: its progress and ETA, items per second, latency, TTFT and
 // TPOT percentiles, each endpoint's health, limit and calls in flight over
-// time, errors by class, quota pauses and its event log, from the run's
+// time, errors by class, quota pauses, its GPUs', engines' and evalfleet's
+// memory and CPU (its resource telemetry) and its event log, from the run's
 // server-sent event stream; its report once it stops. A page may stay open
 // for hours: its charts are made once and fed new points, its timeline and
 // log are windows of bounded size, and the stream is its only clock.
@@ -37,6 +38,15 @@
     limit: liveChart(charts.limit, "Concurrency limit and calls in flight", "calls"),
     ttft: liveChart(charts.ttft, "TTFT and TPOT (ms, streams)", "ms"),
   };
+  const resourceCharts = {
+    memory: h("div", { class: "chart", id: "chart-memory" }),
+    share: h("div", { class: "chart", id: "chart-share" }),
+  };
+  const resourcePlots = {
+    memory: liveChart(resourceCharts.memory, "Memory (MiB): GPUs, engines, evalfleet", "MiB"),
+    share: liveChart(resourceCharts.share, "CPU, GPU utilisation and KV cache (%)", "%"),
+  };
+  const resourcesNote = h("div", { class: "sub", id: "resources-note" });
   const endpointsTable = h("table", { id: "endpoints" });
   const errors = h("div", { id: "errors" });
   const log = h("div", { class: "log", id: "log" });
@@ -52,6 +62,9 @@
     h("div", { class: "row" },
       h("div", { class: "card grow" }, charts.limit),
       h("div", { class: "card grow" }, charts.ttft)),
+    h("div", { class: "card", id: "resources" }, h("h2", {}, "Resources"),
+      h("div", { class: "row" }, h("div", { class: "grow" }, resourceCharts.memory), h("div", { class: "grow" }, resourceCharts.share)),
+      resourcesNote),
     h("div", { class: "card" }, h("h2", {}, "Endpoints"), endpointsTable, errors),
     h("div", { class: "row" },
       h("div", { class: "card grow" }, h("h2", {}, "Events"), log),
@@ -154,6 +167,43 @@
     }
   }
 
+  /** Series of `points` whose metric is one of `metrics`, on one time axis. */
+  function resourceSeries(points, metrics) {
+    const picked = points.filter((p) => metrics.includes(p.series.metric));
+    const key = (s) => `${s.source} ${s.name} ${s.metric}`;
+    const labels = [...new Set(picked.map((p) => key(p.series)))];
+    const xs = [...new Set(picked.map((p) => p.until_ms))].sort((a, b) => a - b);
+    const at = new Map(xs.map((x, i) => [x, i]));
+    const data = [xs.map((x) => x / 1000), ...labels.map(() => xs.map(() => null))];
+    for (const p of picked) data[1 + labels.indexOf(key(p.series))][at.get(p.until_ms)] = p.mean;
+    return [labels.map((label) => ({ label: label.replace(/^evalfleet  /, "evalfleet ") })), data];
+  }
+
+  let resourcesAt = 0;
+  /** The run's resource telemetry: at most every 5 s while it runs, once after. */
+  async function loadResources(force) {
+    const now = Date.now();
+    if (!force && now - resourcesAt < 5000) return;
+    resourcesAt = now;
+    try {
+      const r = await api(`/runs/${encodeURIComponent(runId)}/resources`);
+      if (!r.points.length) {
+        resourcePlots.memory.empty("No resource telemetry (telemetry: is off, or nothing was sampled yet).");
+        resourcePlots.share.empty("");
+        resourcesNote.textContent = "";
+        return;
+      }
+      resourcePlots.memory.update(...resourceSeries(r.points, ["gpu_memory_mb", "rss_mb"]));
+      resourcePlots.share.update(...resourceSeries(r.points, ["cpu_pct", "gpu_utilization_pct", "kv_cache_pct"]));
+      resourcesNote.textContent = r.summary.series
+        .filter((s) => ["gpu_memory_mb", "rss_mb"].includes(s.series.metric))
+        .map((s) => `${s.series.source} ${s.series.name} ${s.series.metric}: peak ${fmt.num(s.peak, 0)}, mean ${fmt.num(s.mean, 0)}`)
+        .join("; ");
+    } catch (e) {
+      resourcesNote.textContent = e.message;
+    }
+  }
+
   function renderEndpoints() {
     const list = endpoints ? endpoints.endpoints : [];
     const classes = [...new Set(list.flatMap((e) => Object.keys(e.errors || {})))].sort();
@@ -181,7 +231,7 @@
     log.dataset.newest = newest;
     const atBottom = log.scrollTop + log.clientHeight >= log.scrollHeight - 4;
     log.replaceChildren(...events.map((e) =>
-      h("div", { class: ["unhealthy", "ejected", "died", "excluded", "start_failed", "interrupted"].includes(e.kind) ? "warn" : "" },
+      h("div", { class: ["unhealthy", "ejected", "died", "excluded", "start_failed", "interrupted", "resource_limit"].includes(e.kind) ? "warn" : "" },
         fmt.clock(e.at_ms), "  ", e.message)));
     if (atBottom) log.scrollTop = log.scrollHeight;
   }
@@ -228,6 +278,7 @@
 
   function renderAll() {
     renderHeader(); renderCharts(); renderEndpoints(); renderLog();
+    loadResources(run.state !== "running" && !report.dataset.loaded);
     if (run.state !== "running" && !report.dataset.loaded) { report.dataset.loaded = "1"; loadReport(); }
   }
   connect();

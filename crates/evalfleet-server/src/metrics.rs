@@ -2,7 +2,9 @@
 //! each scrape: items by state, and per endpoint of each run whose workers
 //! live, calls by outcome and error class, latency, TTFT and TPOT
 //! histograms, concurrency limits, calls in flight and quota pauses; and
-//! the response cache's hits. Names start with `evalfleet_`; endpoints'
+//! the response cache's hits; and the latest resource telemetry of each
+//! running run (`evalfleet_gpu_*`, `evalfleet_engine_*`,
+//! `evalfleet_process_*`). Names start with `evalfleet_`; endpoints'
 //! figures count from their worker's start.
 
 use std::sync::Arc;
@@ -11,7 +13,12 @@ use axum::extract::State;
 use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use evalfleet_core::store::Store;
-use evalfleet_core::types::{BUCKETS_MS, Buckets, EndpointSnapshot};
+use std::collections::BTreeMap;
+
+use evalfleet_core::types::{
+    BUCKETS_MS, Buckets, EndpointSnapshot, ResourceMetric, ResourcePoint, ResourceSeries,
+    ResourceSource, now_ms,
+};
 use evalfleet_core::view::{self, RunSummary};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
@@ -23,6 +30,9 @@ use crate::state::AppState;
 
 type Labels = Vec<(String, String)>;
 
+/// A gauge family's help and its series.
+type Family<'a> = (&'a str, Vec<(Labels, f64)>);
+
 /// What one scrape reads.
 #[derive(Debug)]
 struct Scrape {
@@ -31,6 +41,69 @@ struct Scrape {
     endpoints: Vec<(String, Vec<EndpointSnapshot>)>,
     cache_hits: u64,
     cache_entries: u64,
+    /// Each running run's resource series, their latest point each.
+    resources: Vec<(String, Vec<ResourcePoint>)>,
+}
+
+/// A series' latest point counts as current for this long.
+const CURRENT_MS: i64 = 30_000;
+
+/// The gauge of a resource series: its name and help.
+fn resource_gauge(series: &ResourceSeries) -> (&'static str, &'static str) {
+    use ResourceMetric as M;
+    use ResourceSource as S;
+    match (series.source, series.metric) {
+        (S::Gpu, M::GpuMemoryTotalMb) => ("evalfleet_gpu_memory_total_mib", "A GPU's memory."),
+        (S::Gpu, M::GpuUtilizationPct) => {
+            ("evalfleet_gpu_utilization_percent", "A GPU's utilisation.")
+        }
+        (S::Gpu, _) => (
+            "evalfleet_gpu_memory_used_mib",
+            "Memory in use on a GPU a run samples.",
+        ),
+        (S::Endpoint, M::GpuMemoryMb) => (
+            "evalfleet_engine_gpu_memory_mib",
+            "GPU memory of a local engine's processes.",
+        ),
+        (S::Endpoint, M::CpuPct) => (
+            "evalfleet_engine_cpu_percent",
+            "CPU of a local engine's process tree, in percent of a core.",
+        ),
+        (S::Endpoint, M::KvCachePct) => (
+            "evalfleet_engine_kv_cache_percent",
+            "KV cache in use, as the engine's /metrics tells it.",
+        ),
+        (S::Endpoint, M::Running) => (
+            "evalfleet_engine_requests_running",
+            "Requests the engine runs, as its /metrics tells it.",
+        ),
+        (S::Endpoint, M::Waiting) => (
+            "evalfleet_engine_requests_waiting",
+            "Requests waiting in the engine's queue.",
+        ),
+        (S::Endpoint, _) => (
+            "evalfleet_engine_rss_mib",
+            "Resident memory of a local engine's process tree.",
+        ),
+        (S::Evalfleet, M::CpuPct) => (
+            "evalfleet_process_cpu_percent",
+            "CPU of the evalfleet process running the run, in percent of a core.",
+        ),
+        (S::Evalfleet, _) => (
+            "evalfleet_process_rss_mib",
+            "Resident memory of the evalfleet process running the run.",
+        ),
+    }
+}
+
+/// What a resource series' label names: its GPU, its endpoint, or nothing
+/// for evalfleet's own.
+fn resource_label(source: ResourceSource) -> Option<&'static str> {
+    match source {
+        ResourceSource::Gpu => Some("gpu"),
+        ResourceSource::Endpoint => Some("endpoint"),
+        ResourceSource::Evalfleet => None,
+    }
 }
 
 fn read(store: &mut dyn Store) -> Result<Scrape, ApiError> {
@@ -41,9 +114,19 @@ fn read(store: &mut dyn Store) -> Result<Scrape, ApiError> {
             endpoints.push((run.run_id.clone(), states.endpoints));
         }
     }
+    let since = now_ms() - CURRENT_MS;
+    let mut resources = Vec::new();
+    for run in runs.iter().filter(|r| r.workers > 0) {
+        let mut latest: BTreeMap<ResourceSeries, ResourcePoint> = BTreeMap::new();
+        for point in store.resource_points(&run.run_id, since)? {
+            latest.insert(point.series.clone(), point);
+        }
+        resources.push((run.run_id.clone(), latest.into_values().collect()));
+    }
     let cache = store.cache_stats()?;
     Ok(Scrape {
         runs,
+        resources,
         endpoints,
         cache_hits: cache.hits,
         cache_entries: cache.entries,
@@ -228,6 +311,25 @@ impl Collector for Scrape {
             "Time per output token after the first.",
             &tpot,
         )?;
+        let mut gauges: BTreeMap<&str, Family<'_>> = BTreeMap::new();
+        for (run, points) in &self.resources {
+            for point in points {
+                let (name, help) = resource_gauge(&point.series);
+                let mut at = labels(&[("run", run)]);
+                if let Some(label) = resource_label(point.series.source) {
+                    at.push((label.to_owned(), point.series.name.clone()));
+                }
+                // A merged point's mean; a sample's value.
+                gauges
+                    .entry(name)
+                    .or_insert((help, Vec::new()))
+                    .1
+                    .push((at, point.mean));
+            }
+        }
+        for (name, (help, series)) in &gauges {
+            family(&mut encoder, name, help, MetricType::Gauge, series)?;
+        }
         family(
             &mut encoder,
             "evalfleet_cache_hits",

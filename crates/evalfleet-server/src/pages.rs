@@ -392,7 +392,7 @@ pub fn bench_html(report: &evalfleet_core::bench::BenchReport, link_runs: bool) 
          <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
          <title>{name} · evalfleet bench</title><style>{css}</style></head><body>\
          <header class=\"top\"><span class=\"brand\">evalfleet</span><span>bench {name}</span></header>\
-         <main><h1>{name}</h1><div class=\"sub\">{models} model(s) × {datasets} dataset(s); headline: each dataset's first metric, with its 95% interval; latency, TTFT and TPOT are medians (ms); GPU MB is peak GPU memory (not yet recorded); start is the engine's load time (s).</div>\
+         <main><h1>{name}</h1><div class=\"sub\">{models} model(s) × {datasets} dataset(s); headline: each dataset's first metric, with its 95% interval; latency, TTFT and TPOT are medians (ms); GPU MB is the most GPU memory in use during the cell (telemetry); start is the engine's load time (s).</div>\
          <div class=\"card\"><table><thead><tr><th>model</th><th>dataset</th><th>concurrency</th><th>state</th><th>items</th><th>metric</th><th>headline</th><th>by category</th>\
          <th>latency p50</th><th>TTFT p50</th><th>TPOT p50</th><th>tokens/s</th><th>GPU MB</th><th>start</th><th>run</th></tr></thead><tbody>{rows}</tbody></table></div>\
          <ul>{handovers}</ul></main></body></html>",

@@ -331,6 +331,7 @@ async fn the_openapi_document_describes_every_route_and_resolves_every_reference
         "/compare",
         "/server",
         "/runs/{run_id}/timeline",
+        "/runs/{run_id}/resources",
         "/runs/{run_id}/stream",
         "/benches",
         "/benches/{name}",

@@ -566,6 +566,7 @@ fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
          DROP TABLE samples;
          DROP TABLE kept_reports;
          ALTER TABLE runs DROP COLUMN generation;
+         DROP TABLE resource_points;
          PRAGMA user_version = 1;",
     )
     .unwrap();
@@ -924,4 +925,72 @@ fn a_runs_generation_changes_with_its_results_and_kept_reports_are_replaced() {
         .collect();
     assert_eq!(kept.iter().filter(|k| **k).count(), KEPT_PER_RUN);
     assert!(kept[extra..].iter().all(|k| *k), "{kept:?}");
+}
+
+#[test]
+fn a_resource_series_stays_bounded_with_its_peak_and_mean_exact() {
+    use evalfleet_core::store::Resources;
+    use evalfleet_types::{
+        POINTS_PER_SERIES, ResourceMetric, ResourcePoint, ResourceSeries, ResourceSource,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = SqliteStore::open(&dir.path().join("store.db")).unwrap();
+    store
+        .create_run(&new_run("r"), &mut items(&["a"], None))
+        .unwrap();
+    let gpu = ResourceSeries::new(ResourceSource::Gpu, "0", ResourceMetric::GpuMemoryMb);
+    let rss = ResourceSeries::new(ResourceSource::Evalfleet, "", ResourceMetric::RssMb);
+    // Ten times the bound, ten samples a write, as the housekeeping writes
+    // a second of 100 ms samples; the GPU peaks once, in the oldest part.
+    let total = 10 * POINTS_PER_SERIES as i64;
+    let value = |at: i64| {
+        if at == 17 {
+            143_771.0
+        } else {
+            (at % 100) as f64
+        }
+    };
+    for start in (0..total).step_by(10) {
+        let points: Vec<ResourcePoint> = (start..start + 10)
+            .flat_map(|at| {
+                [
+                    ResourcePoint::sample(gpu.clone(), at * 100, value(at)),
+                    ResourcePoint::sample(rss.clone(), at * 100, 42.0),
+                ]
+            })
+            .collect();
+        store.add_resource_points("r", &points).unwrap();
+    }
+    // A second sample at a time already stored is merged into its point.
+    store
+        .add_resource_points(
+            "r",
+            &[ResourcePoint::sample(rss.clone(), (total - 1) * 100, 44.0)],
+        )
+        .unwrap();
+    let points = store.resource_points("r", i64::MIN).unwrap();
+    for series in [&gpu, &rss] {
+        let of: Vec<&ResourcePoint> = points.iter().filter(|p| &p.series == series).collect();
+        assert!(of.len() <= POINTS_PER_SERIES, "{} points", of.len());
+        assert!(of.windows(2).all(|w| w[0].until_ms < w[1].at_ms));
+        assert_eq!(of[0].at_ms, 0);
+        assert_eq!(of.last().unwrap().until_ms, (total - 1) * 100);
+    }
+    let summary = evalfleet_core::report::ResourcesReport::of(&points);
+    let g = summary
+        .get(ResourceSource::Gpu, "0", ResourceMetric::GpuMemoryMb)
+        .unwrap();
+    assert_eq!(g.samples, total as u64);
+    assert_eq!(g.peak, 143_771.0);
+    let mean = (0..total).map(value).sum::<f64>() / total as f64;
+    assert!((g.mean - mean).abs() < 1e-6, "{} against {mean}", g.mean);
+    let r = summary
+        .get(ResourceSource::Evalfleet, "", ResourceMetric::RssMb)
+        .unwrap();
+    assert_eq!(r.samples, total as u64 + 1);
+    assert_eq!(r.peak, 44.0);
+    assert_eq!(summary.gpu_memory_peak_mb, Some(143_771.0));
+    // Only the newest: what a page asks for after its last point.
+    let after = store.resource_points("r", (total - 2) * 100).unwrap();
+    assert_eq!(after.len(), 2);
 }

@@ -46,6 +46,11 @@ pub enum EventKind {
     /// A conversation's policy collapsed (one strategy dominates, one
     /// vanished, or their entropy fell below the floor).
     Alarm,
+    /// A resource (GPU memory, a process tree's RSS) went above its
+    /// configured limit (`telemetry.limits`).
+    ResourceLimit,
+    /// A resource above its limit went back under it.
+    ResourceBack,
 }
 
 crate::names!(EventKind, "event kind", {
@@ -69,6 +74,8 @@ crate::names!(EventKind, "event kind", {
     Limit => "limit",
     Quota => "quota",
     Alarm => "alarm",
+    ResourceLimit => "resource_limit",
+    ResourceBack => "resource_back",
 });
 
 impl EventKind {
@@ -82,6 +89,7 @@ impl EventKind {
                 | Self::Excluded
                 | Self::StartFailed
                 | Self::Alarm
+                | Self::ResourceLimit
         )
     }
 }

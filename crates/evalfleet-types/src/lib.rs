@@ -15,6 +15,7 @@ mod event;
 mod fading;
 mod fault;
 mod record;
+mod resource;
 pub mod retry;
 
 pub use answer::{Assessment, Score, Scores, Verdict};
@@ -28,6 +29,9 @@ pub use fading::FadingMax;
 pub use fault::{Fault, error_text, root_cause};
 pub use record::{
     AttemptRecord, CacheEntry, ItemStatus, ResultRecord, RunStatus, StateCounts, Telemetry,
+};
+pub use resource::{
+    POINTS_PER_SERIES, ResourceMetric, ResourcePoint, ResourceSeries, ResourceSource, merge_oldest,
 };
 pub use retry::{BudgetSettings, RetryBudget, RetryPolicy};
 

@@ -95,6 +95,15 @@ pub enum Command {
     #[command(after_help = "Example:\n  evalfleet check examples/quickstart.yaml")]
     Check(CheckArgs),
 
+    /// List the metric registry: the built-in metrics and, with a config, its metric backends' metrics.
+    ///
+    /// Each metric's name, backend (`native` for the built-in ones), version,
+    /// the key its scores are stored under, its parameters, whether higher is
+    /// better, and what it measures. A task names one `NAME`, `NAME@VERSION`,
+    /// `NAME@BACKEND` or `NAME@BACKEND@VERSION`.
+    #[command(after_help = "Example:\n  evalfleet metrics\n  evalfleet metrics eval.yaml --json")]
+    Metrics(MetricsArgs),
+
     /// Add an endpoint to a running run, or take one out (its calls in flight move to the others).
     ///
     /// The endpoint must be one of the run's configured endpoints; the running
@@ -391,6 +400,16 @@ pub struct FleetTarget {
 #[derive(Debug, Args)]
 pub struct CheckArgs {
     pub config: PathBuf,
+}
+
+#[derive(Debug, Args)]
+pub struct MetricsArgs {
+    /// A config whose task.metric_backends' metrics are listed too
+    pub config: Option<PathBuf>,
+
+    /// Print JSON (a list of metrics) instead of a table
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]

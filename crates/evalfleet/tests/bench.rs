@@ -203,7 +203,9 @@ async fn a_bench_loads_one_engine_at_a_time_and_after_a_kill_reruns_only_unfinis
         assert_eq!(cell["state"], "done");
         assert!(cell["headline"]["mean"].is_f64(), "{cell}");
         assert!(cell["engine_start_ms"].as_i64().unwrap() >= 0, "{cell}");
-        assert!(cell["peak_gpu_memory_mb"].is_null());
+        // Read from the run's GPU telemetry: none where nvidia-smi is not.
+        let gpu = &cell["peak_gpu_memory_mb"];
+        assert!(gpu.is_null() || gpu.is_u64(), "{cell}");
     }
 }
 

@@ -205,7 +205,10 @@ async fn a_run_stopped_over_http_is_resumed_over_http_and_ends_once_each() {
             .text()
             .await
             .unwrap();
-        if text.contains("evalfleet_latency_seconds_bucket") {
+        // Its resource telemetry too (on by default; stored each second).
+        if text.contains("evalfleet_latency_seconds_bucket")
+            && text.contains("evalfleet_process_rss_mib{")
+        {
             break text;
         }
         assert!(tokio::time::Instant::now() < deadline, "{text}");
@@ -222,9 +225,29 @@ async fn a_run_stopped_over_http_is_resumed_over_http_and_ends_once_each() {
         "evalfleet_calls_total{run=\"slow-1\",endpoint=\"m\",outcome=\"answered\"}",
         "evalfleet_latency_seconds_bucket{le=\"+Inf\",run=\"slow-1\",endpoint=\"m\"}",
         "evalfleet_in_flight{run=\"slow-1\",endpoint=\"m\"}",
+        "evalfleet_process_rss_mib{run=\"slow-1\"}",
     ] {
         assert!(metrics.contains(expected), "no {expected} in:\n{metrics}");
     }
+    // The same samples, as series with their peak and mean.
+    let resources = get(&format!("{base}/api/v1/runs/slow-1/resources")).await;
+    let own = resources["summary"]["series"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["series"] == json!({"source": "evalfleet", "name": "", "metric": "rss_mb"}))
+        .unwrap_or_else(|| panic!("{resources}"))
+        .clone();
+    assert!(own["peak"].as_f64().unwrap() >= own["mean"].as_f64().unwrap());
+    assert!(own["mean"].as_f64().unwrap() > 1.0, "{own}");
+    assert!(
+        resources["points"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["series"]["metric"] == "rss_mb"),
+        "{resources}"
+    );
     let response = client()
         .post(format!("{base}/api/v1/runs/slow-1/cancel"))
         .send()

@@ -6,6 +6,7 @@
 // Test helpers (stand-in servers) run outside any run's task tracker.
 #![allow(clippy::disallowed_methods)]
 
+mod backends;
 mod bench;
 mod code;
 mod conversation;
@@ -20,6 +21,7 @@ mod run;
 mod security;
 mod serve;
 mod tasks;
+mod telemetry;
 mod trust;
 mod util;
 mod webdriver;

@@ -4,8 +4,9 @@
 //! requester's, who may be anybody who can reach the server. So such a
 //! config:
 //! - runs no command (`start_cmd`, `stop_cmd`, a `local` engine's command,
-//!   a `remote` endpoint's ssh, the code judge's `python` or `compiler`)
-//!   unless the server allows it (`--allow-commands`);
+//!   a `remote` endpoint's ssh, the code judge's `python` or `compiler`, a
+//!   metric backend's `command` and `setup`) unless the server allows it
+//!   (`--allow-commands`);
 //! - reads and writes files only under the server's roots (`--allow-root`),
 //!   symbolic links and `..` resolved first, with the same refusal whether
 //!   the file exists or not, so that a refusal tells nothing of what is
@@ -77,6 +78,18 @@ impl Admission {
         self.references(document, "", false, &mut out);
         for (keys, relative) in PATHS {
             self.file(document, keys, "", relative, dir, &mut out);
+        }
+        if !self.commands
+            && document
+                .get("task")
+                .and_then(|task| task.get("metric_backends"))
+                .is_some()
+        {
+            let at = "task.metric_backends".to_owned();
+            let message = format!(
+                "{at}: a config sent to this server may not run metric backends (each runs a command on the server); the server allows it only when started with --allow-commands"
+            );
+            out.push((at, message));
         }
         if !self.commands {
             let code = document.get("task").and_then(|task| task.get("code"));
@@ -297,11 +310,13 @@ mod tests {
             {"name": "b", "kind": "local", "command": "sh -c id"},
             {"name": "c", "kind": "remote", "host": "gpu1"},
             {"name": "d", "kind": "mock"},
-        ], "task": {"code": {"format": "stdio", "python": "/bin/sh", "compiler": "/tmp/cc"}}});
+        ], "task": {"code": {"format": "stdio", "python": "/bin/sh", "compiler": "/tmp/cc"},
+                    "metric_backends": [{"name": "x", "command": ["sh", "-c", "id"], "metrics": ["m"]}]}});
         let mut admission = admission(root.path());
         assert_eq!(
             paths(&admission.refusals(&document, root.path())),
             vec![
+                "task.metric_backends",
                 "task.code.python",
                 "task.code.compiler",
                 "endpoints[0].start_cmd",

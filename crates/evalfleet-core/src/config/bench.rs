@@ -61,6 +61,11 @@ pub struct RawBench {
     /// key's default.
     #[schemars(with = "Option<super::raw::RawReport>")]
     pub report: Option<Value>,
+    /// `telemetry` of every cell's run (see the run config); with `gpus:
+    /// auto`, a cell samples the GPUs its model's engine was given. Default:
+    /// every key's default.
+    #[schemars(with = "Option<super::telemetry::RawTelemetry>")]
+    pub telemetry: Option<Value>,
     /// `shutdown_grace` of every cell's run (see the run config). Default
     /// `30s`.
     #[schemars(with = "Option<super::schema::Duration>")]
@@ -281,7 +286,14 @@ fn rewrite(message: &str, origins: &Origins) -> String {
 }
 
 /// Keys of a run config that the bench passes to every cell as written.
-const PASSED: [&str; 5] = ["retry", "timeouts", "writer", "report", "shutdown_grace"];
+const PASSED: [&str; 6] = [
+    "retry",
+    "timeouts",
+    "writer",
+    "report",
+    "telemetry",
+    "shutdown_grace",
+];
 
 fn bench(document: &Document, dir: &Path, origin: String) -> Result<BenchConfig, ConfigError> {
     let mut problems: Vec<RawProblem> = Vec::new();

@@ -7,8 +7,9 @@ use crate::eval::text::Pattern;
 use serde_json::{Map, Value};
 
 use super::path;
-use super::raw::RawTask;
+use super::raw::{RawBackendMetric, RawMetricBackend, RawTask};
 use super::validate::Problems;
+use crate::eval::backend::{BackendMetric, BackendSpec, NATIVE};
 use crate::eval::metrics::REGISTRY;
 use crate::eval::{EvalSpec, Metric, MetricSpec, Parser};
 
@@ -45,8 +46,16 @@ pub(super) fn eval(raw: &mut RawTask, dir: &Path, p: &mut Problems<'_>) -> Optio
         }
         (None, None) => Some(Value::Null),
     };
-    let metrics = metrics(raw.metrics.take().unwrap_or_default(), p);
-    let (parser, schema, metrics) = (parser?, schema?, metrics?);
+    let backends = match raw.metric_backends.take() {
+        None => Some(Vec::new()),
+        Some(value) => backends(&value, dir, p),
+    };
+    let metrics = metrics(
+        raw.metrics.take().unwrap_or_default(),
+        backends.as_deref(),
+        p,
+    );
+    let (parser, schema, metrics, backends) = (parser?, schema?, metrics?, backends?);
     let schema = (!schema.is_null()).then_some(schema);
     let parser = match (&parser, &schema) {
         // A schema checks JSON: the answer is parsed as JSON.
@@ -68,7 +77,164 @@ pub(super) fn eval(raw: &mut RawTask, dir: &Path, p: &mut Problems<'_>) -> Optio
         max_reasks: raw.max_reasks.unwrap_or(if checks { 2 } else { 0 }),
         structured_output,
         metrics,
+        backends,
     })
+}
+
+/// Whether a metric's name is a built-in metric's (`anls`, `anls@1`,
+/// `anls@native`, ...), not a backend's.
+fn names_native(name: &str) -> bool {
+    name.split('@')
+        .nth(1)
+        .is_none_or(|b| b == NATIVE || b.parse::<u32>().is_ok())
+}
+
+/// `task.metric_backends`.
+fn backends(value: &Value, dir: &Path, p: &mut Problems<'_>) -> Option<Vec<BackendSpec>> {
+    const AT: &str = "task.metric_backends";
+    let list = super::raw::section::<Vec<RawMetricBackend>>(value, AT, p.0)?;
+    let mut out = Vec::with_capacity(list.len());
+    let mut ok = true;
+    for (i, raw) in list.into_iter().enumerate() {
+        let at = path::index(AT, i);
+        match backend(raw, &at, &out, dir, p) {
+            Some(spec) => out.push(spec),
+            None => ok = false,
+        }
+    }
+    ok.then_some(out)
+}
+
+fn backend(
+    raw: RawMetricBackend,
+    at: &str,
+    before: &[BackendSpec],
+    dir: &Path,
+    p: &mut Problems<'_>,
+) -> Option<BackendSpec> {
+    let name = match raw.name {
+        None => return p.push(&path::key(at, "name"), "is required (e.g. evalscope)"),
+        Some(name) if name == NATIVE => {
+            return p.push(
+                &path::key(at, "name"),
+                "'native' is the built-in metrics' backend; choose another name",
+            );
+        }
+        Some(name)
+            if name.is_empty()
+                || name.bytes().all(|b| b.is_ascii_digit())
+                || !name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') =>
+        {
+            return p.push(
+                &path::key(at, "name"),
+                format!("must be letters, digits, _ and - (and not only digits), got '{name}'"),
+            );
+        }
+        Some(name) if before.iter().any(|b| b.name == name) => {
+            return p.push(
+                &path::key(at, "name"),
+                format!("'{name}' is declared twice"),
+            );
+        }
+        Some(name) => name,
+    };
+    let argv = |key: &str, list: Option<Vec<String>>, p: &mut Problems<'_>| match list {
+        Some(list)
+            if list
+                .first()
+                .is_some_and(|program| !program.trim().is_empty()) =>
+        {
+            Some(list)
+        }
+        Some(_) => p.push(
+            &path::key(at, key),
+            "must be a program and its arguments, e.g. [python3, score.py]",
+        ),
+        None => None,
+    };
+    let command = match raw.command {
+        None => p.push(
+            &path::key(at, "command"),
+            "is required (the program and its arguments, e.g. [python3, score.py])",
+        ),
+        some => argv("command", some, p),
+    };
+    let setup = match raw.setup {
+        None => Some(None),
+        some => argv("setup", some, p).map(Some),
+    };
+    let timeout = p.duration(&path::key(at, "timeout"), raw.timeout.as_deref(), "60s");
+    let queue = match raw.queue {
+        None => Some(64),
+        Some(q) if (1..=10_000).contains(&q) => Some(q as usize),
+        Some(q) => p.push(
+            &path::key(at, "queue"),
+            format!("must be between 1 and 10000, got {q}"),
+        ),
+    };
+    let metrics = match raw.metrics {
+        Some(list) if !list.is_empty() => backend_metrics(list, &path::key(at, "metrics"), p),
+        _ => p.push(
+            &path::key(at, "metrics"),
+            "is required: the metrics it gives (e.g. [anls])",
+        ),
+    };
+    Some(BackendSpec {
+        name,
+        version: raw.version.unwrap_or(1),
+        command: command?,
+        setup: setup?,
+        timeout: timeout?,
+        queue: queue?,
+        metrics: metrics?,
+        dir: dir.to_owned(),
+    })
+}
+
+fn backend_metrics(list: Vec<Value>, at: &str, p: &mut Problems<'_>) -> Option<Vec<BackendMetric>> {
+    let mut out: Vec<BackendMetric> = Vec::with_capacity(list.len());
+    let mut ok = true;
+    for (i, value) in list.into_iter().enumerate() {
+        let at = path::index(at, i);
+        let metric = match value {
+            Value::String(name) => Some(BackendMetric {
+                name,
+                higher_is_better: true,
+                summary: String::new(),
+            }),
+            value @ Value::Object(_) => super::raw::section::<RawBackendMetric>(&value, &at, p.0)
+                .and_then(|raw| match raw.name {
+                    Some(name) => Some(BackendMetric {
+                        name,
+                        higher_is_better: raw.higher_is_better.unwrap_or(true),
+                        summary: raw.summary.unwrap_or_default(),
+                    }),
+                    None => p.push(&path::key(&at, "name"), "is required"),
+                }),
+            other => p.push(
+                &at,
+                format!("must be a metric name or a mapping with name, got {other}"),
+            ),
+        };
+        match metric {
+            Some(m) if m.name.is_empty() || m.name.contains('@') => {
+                ok = false;
+                p.push::<()>(
+                    &at,
+                    format!("'{}' is no metric name (no @, not empty)", m.name),
+                );
+            }
+            Some(m) if out.iter().any(|o| o.name == m.name) => {
+                ok = false;
+                p.push::<()>(&at, format!("'{}' is listed twice", m.name));
+            }
+            Some(m) => out.push(m),
+            None => ok = false,
+        }
+    }
+    ok.then_some(out)
 }
 
 fn check_schema(at: &str, schema: Value, p: &mut Problems<'_>) -> Option<Value> {
@@ -158,7 +324,13 @@ fn parser(value: &Value, p: &mut Problems<'_>) -> Option<Parser> {
     }
 }
 
-fn metrics(list: Vec<Value>, p: &mut Problems<'_>) -> Option<Vec<MetricSpec>> {
+/// `task.metrics`, whose `NAME@BACKEND` names one of `backends` (`None`
+/// when they have problems of their own: those metrics are not checked).
+fn metrics(
+    list: Vec<Value>,
+    backends: Option<&[BackendSpec]>,
+    p: &mut Problems<'_>,
+) -> Option<Vec<MetricSpec>> {
     let mut out = Vec::with_capacity(list.len());
     let mut ok = true;
     let mut keys = std::collections::HashSet::new();
@@ -196,9 +368,11 @@ fn metrics(list: Vec<Value>, p: &mut Problems<'_>) -> Option<Vec<MetricSpec>> {
                     ok = false;
                     continue;
                 };
-                // What is left are the metric's parameters.
+                // What is left are the metric's parameters (a backend's
+                // metric takes any: they are the program's business).
                 let base = name.split('@').next().unwrap_or_default();
-                if let Some(info) = REGISTRY.iter().find(|m| m.name == base) {
+                let native = names_native(&name);
+                if let Some(info) = REGISTRY.iter().find(|m| native && m.name == base) {
                     let mut known: Vec<String> = ["as", "name", "reference"]
                         .into_iter()
                         .chain(info.params.iter().copied())
@@ -232,7 +406,10 @@ fn metrics(list: Vec<Value>, p: &mut Problems<'_>) -> Option<Vec<MetricSpec>> {
             p.push::<()>(&path::key(&at, "reference"), err);
             continue;
         }
-        match Metric::build(&name, &params, key) {
+        let Some(backends) = backends.or_else(|| names_native(&name).then_some(&[][..])) else {
+            continue;
+        };
+        match Metric::build_with(&name, &params, key, backends) {
             Err(err) => {
                 ok = false;
                 p.push::<()>(&at, err);

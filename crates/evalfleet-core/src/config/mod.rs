@@ -17,6 +17,7 @@ pub mod path;
 mod raw;
 pub mod reference;
 pub mod schema;
+mod telemetry;
 mod validate;
 mod yaml;
 
@@ -44,6 +45,7 @@ use evalfleet_types::Fault;
 /// 10: with the retry budget bounding retries, a 20% fault rate fails
 /// one call in 10^7), `backoff_base` (default `100ms`), `backoff_max` (default `30s`).
 pub use evalfleet_types::RetryPolicy;
+pub use telemetry::{GpuSelection, TelemetryLimits, TelemetrySettings};
 pub use yaml::{Document, YamlError, parse as parse_yaml};
 
 /// The replacement for a secret written literally in a config, wherever the
@@ -99,6 +101,8 @@ pub struct Config {
     /// `--store`), so `evalfleet resume`, `status` and `export` find it from
     /// the same place. Default `runs/evalfleet.db`.
     pub store: Option<PathBuf>,
+    /// `telemetry:` resource sampling during the run, and its limits.
+    pub telemetry: TelemetrySettings,
 }
 
 impl Config {

@@ -55,6 +55,8 @@ pub struct RawConfig {
     /// `export` find it from the same place. `--store` comes before it.
     /// Default: `$EVALFLEET_STORE`, else `runs/evalfleet.db`.
     pub store: Option<String>,
+    #[schemars(with = "Option<super::telemetry::RawTelemetry>")]
+    pub telemetry: Option<Value>,
 }
 
 /// Where the items come from: one row of the file is one item, whose fields
@@ -141,12 +143,66 @@ pub struct RawTask {
     /// `episode_*` scores. Default: none.
     #[schemars(with = "Option<Vec<schema::Metric>>")]
     pub metrics: Option<Vec<Value>>,
+    /// Outside programs that score answers, each giving metrics named
+    /// `NAME@BACKEND` in `metrics` (`docs/metrics.md`, "Metric backends",
+    /// gives the protocol). Default: none.
+    #[schemars(with = "Option<Vec<RawMetricBackend>>")]
+    pub metric_backends: Option<Value>,
     #[schemars(with = "Option<RawCode>")]
     pub code: Option<Value>,
     #[schemars(with = "Option<RawRefine>")]
     pub refine: Option<Value>,
     #[schemars(with = "Option<super::conversation::RawConversation>")]
     pub conversation: Option<Value>,
+}
+
+/// An outside metric backend: a program that reads answers as JSON lines
+/// on its stdin and writes their scores as JSON lines on its stdout.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RawMetricBackend {
+    /// What `metrics` calls it: `anls@NAME`. Letters, digits, `_` and
+    /// `-`; not `native` (the built-in metrics). Required.
+    pub name: Option<String>,
+    /// The backend's version, part of its metrics' keys
+    /// (`anls@NAME@VERSION`); give a new one when what the program computes
+    /// changes. Default 1.
+    pub version: Option<u32>,
+    /// The program and its arguments, run in the config file's folder; an
+    /// argument's `{setup_dir}` is the folder `setup` made (also in
+    /// `$EVALFLEET_BACKEND_DIR`). Required.
+    pub command: Option<Vec<String>>,
+    /// A command run once, in a new folder of the cache
+    /// (`$XDG_CACHE_HOME/evalfleet/metric-backends/HASH`), before the
+    /// backend first starts: e.g. `[sh, -c, "python3 -m venv venv &&
+    /// venv/bin/pip install evalscope"]`. The folder is kept and reused by
+    /// every run whose setup is the same command; a changed command makes a
+    /// new one. Default: none.
+    pub setup: Option<Vec<String>>,
+    /// How long the program may take to score one answer before it is
+    /// stopped (and started again for the answers after) and the answers it
+    /// holds are left unscored. Default `60s`.
+    #[schemars(with = "Option<schema::Duration>")]
+    pub timeout: Option<String>,
+    /// How many answers are sent ahead of their scores, 1 to 10000; when
+    /// that many wait, finished items wait for the backend. Default 64.
+    pub queue: Option<u32>,
+    /// The metrics it gives: names, or mappings with `name`,
+    /// `higher_is_better` (default `true`) and `summary`. Required.
+    #[schemars(with = "Option<Vec<schema::BackendMetric>>")]
+    pub metrics: Option<Vec<Value>>,
+}
+
+/// A metric a backend gives, as a mapping.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RawBackendMetric {
+    /// Its name, as `metrics` gives it before `@`. Required.
+    pub name: Option<String>,
+    /// Whether a higher score is better. Default `true`.
+    pub higher_is_better: Option<bool>,
+    /// What it measures, in one line (`evalfleet metrics`). Default: none.
+    pub summary: Option<String>,
 }
 
 /// `kind: refine`: ask, then ask the model `rounds` times to improve its

@@ -405,7 +405,7 @@ fn render_sections(sections: &[Section], out: &mut String) {
 
 /// Sections of a bench file that are a run config's, as the run config's
 /// sections name them.
-const BENCH_BORROWS: [(&str, &str); 8] = [
+const BENCH_BORROWS: [(&str, &str); 9] = [
     ("models[].endpoint", "endpoints[]"),
     ("models[].messages[]", "task.messages[]"),
     ("datasets[].dataset", "dataset"),
@@ -414,6 +414,7 @@ const BENCH_BORROWS: [(&str, &str); 8] = [
     ("timeouts", "timeouts"),
     ("writer", "writer"),
     ("report", "report"),
+    ("telemetry", "telemetry"),
 ];
 
 /// Where a bench file's section `path` is documented: a run config's
@@ -463,7 +464,7 @@ pub fn markdown() -> String {
          `endpoint` (as `endpoints[]` above), the dataset's `dataset` and \
          `task` (as above), the model's `params` over the task's and its \
          `messages` instead of the task's, and `retry`, `timeouts`, \
-         `writer`, `report` and `shutdown_grace` as written: a problem in \
+         `writer`, `report`, `telemetry` and `shutdown_grace` as written: a problem in \
          any of them is reported once, with the bench file's path and line. \
          See docs/commands.md, `evalfleet bench`.\n",
     );

@@ -316,6 +316,27 @@ impl JsonSchema for Metric {
     }
 }
 
+/// `task.metric_backends[].metrics[]`: a metric's name, or a mapping with
+/// its name.
+pub(super) struct BackendMetric;
+
+impl JsonSchema for BackendMetric {
+    fn schema_name() -> Cow<'static, str> {
+        "BackendMetric".into()
+    }
+
+    fn inline_schema() -> bool {
+        true
+    }
+
+    fn json_schema(generator: &mut SchemaGenerator) -> Schema {
+        json_schema!({"anyOf": [
+            {"type": "string"},
+            generator.subschema_for::<super::raw::RawBackendMetric>(),
+        ]})
+    }
+}
+
 /// A metric with its settings: `name`, `reference` and `as` for every
 /// metric, and the parameters of its own (`docs/metrics.md` defines each
 /// metric; a parameter another metric takes is refused).
@@ -325,8 +346,11 @@ impl JsonSchema for Metric {
     reason = "a shape for the schema; the value is read as JSON"
 )]
 pub(super) struct MetricEntry {
-    /// The metric: `exact_match`, or `exact_match@1` for a version.
-    /// Required.
+    /// The metric: `exact_match`, or `exact_match@1` for a version
+    /// (`exact_match@native` and `exact_match@native@1` name the same
+    /// built-in metric); `NAME@BACKEND` or `NAME@BACKEND@VERSION` for a
+    /// metric of `task.metric_backends`, whose other keys are given to its
+    /// program as they are. Required.
     name: Option<String>,
     /// What the answer is compared with: a template over the item's fields
     /// (`"{{ answer }}"`); one expression that is a list gives a list of
@@ -334,7 +358,8 @@ pub(super) struct MetricEntry {
     /// optional for `llm_judge`, unused by the others.
     reference: Option<String>,
     /// The key its scores are stored and reported under, so that one metric
-    /// may be listed twice with other parameters. Default `name@version`.
+    /// may be listed twice with other parameters. Default `name@version`
+    /// (`name@backend@version` for a backend's metric).
     #[schemars(rename = "as")]
     key: Option<String>,
     /// `exact_match`, `contains`: `strip` (surrounding whitespace), `none`

@@ -60,6 +60,9 @@ fn a_good_config_validates_with_defaults() {
     );
     assert_eq!(config.retry.max_attempts, 10);
     assert_eq!(config.writer.batch_size, 512);
+    assert_eq!(config.telemetry, TelemetrySettings::default());
+    assert_eq!(config.telemetry.interval, Duration::from_secs(1));
+    assert!(config.telemetry.enabled);
     assert!(!config.task.stream);
     assert!(
         !format!("{config:?}").contains("sk-from-dotenv"),
@@ -145,6 +148,57 @@ retry:
         text.starts_with(&format!("{} has 7 problems:", file.display())),
         "{text}"
     );
+}
+
+#[test]
+fn telemetry_keys_validate_and_name_their_problems_with_their_lines() {
+    let dir = dir_with_dataset();
+    let good = format!(
+        "{GOOD}telemetry:\n  interval: 250ms\n  gpus: \"0, 2\"\n  limits: {{ gpu_memory_mb: 70000, engine_rss_mb: 8000 }}\n"
+    );
+    write(dir.path(), ".env", "EF_CFG_TEST_KEY=k\n");
+    let file = write(dir.path(), "good.yaml", &good);
+    let telemetry = load_file(&file, Overrides::default())
+        .unwrap()
+        .config
+        .telemetry;
+    assert_eq!(telemetry.interval, Duration::from_millis(250));
+    assert_eq!(telemetry.gpus, GpuSelection::Listed(vec![0, 2]));
+    assert_eq!(telemetry.limits.gpu_memory_mb, Some(70_000));
+    assert_eq!(telemetry.limits.engine_rss_mb, Some(8000));
+    assert_eq!(telemetry.limits.evalfleet_rss_mb, None);
+    let bad = format!(
+        "{GOOD}telemetry:\n  interval: 10ms\n  gpus: some\n  limits:\n    gpu_memory_mb: 0\n    vram_mb: 5\n"
+    );
+    let file = write(dir.path(), "bad.yaml", &bad);
+    let err = load_file(&file, Overrides::default()).unwrap_err();
+    let problems = err.problems();
+    let line = |needle: &str| {
+        problems
+            .iter()
+            .find(|p| p.message.contains(needle))
+            .unwrap_or_else(|| panic!("no problem mentions {needle:?}: {problems:#?}"))
+            .line
+    };
+    // The line of `telemetry:`.
+    let first = GOOD.lines().count() + 1;
+    assert_eq!(
+        line("telemetry.interval: must be at least 100ms, got 10ms"),
+        Some(first + 1)
+    );
+    assert_eq!(
+        line("telemetry.gpus: must be auto, all, none or GPU indices"),
+        Some(first + 2)
+    );
+    assert_eq!(
+        line("telemetry.limits.gpu_memory_mb: must be at least 1, got 0"),
+        Some(first + 4)
+    );
+    assert_eq!(
+        line("telemetry.limits: unknown key 'vram_mb'"),
+        Some(first + 5)
+    );
+    assert_eq!(problems.len(), 4, "{problems:#?}");
 }
 
 #[test]
@@ -521,7 +575,7 @@ task:
     assert_eq!(
         messages[..2],
         [
-            "config: unknown key 'colour' (known: cache, dataset, endpoints, name, report, retry, shutdown_grace, store, task, timeouts, writer)",
+            "config: unknown key 'colour' (known: cache, dataset, endpoints, name, report, retry, shutdown_grace, store, task, telemetry, timeouts, writer)",
             "dataset: unknown key 'colour' (known: format, id_field, path, sample, skip_invalid)",
         ]
     );
@@ -583,5 +637,94 @@ task:
             "task.conversation.personas[0]: unknown key 'landmine' (did you mean 'landmines'?)",
             "task.conversation.history: unknown key 'polcy' (did you mean 'policy'?)",
         ]
+    );
+}
+
+#[test]
+fn metric_backends_are_checked_with_their_places() {
+    let dir = dir_with_dataset();
+    let problems = problems_of(
+        dir.path(),
+        &format!(
+            "{GOOD}  metrics:\n\
+             \x20   - {{ name: anls@scorer, reference: \"{{{{ q }}}}\", anything: [1] }}\n\
+             \x20   - {{ name: cer@nowhere, reference: \"{{{{ q }}}}\" }}\n\
+             \x20   - {{ name: wer@scorer@2, reference: \"{{{{ q }}}}\" }}\n\
+             \x20 metric_backends:\n\
+             \x20   - {{ name: scorer, command: [python3, s.py], metrics: [anls, wer], colour: red }}\n\
+             \x20   - {{ name: native, command: [x], metrics: [a] }}\n\
+             \x20   - {{ name: other, command: [], metrics: [], queue: 0, timeout: soon }}\n"
+        ),
+    );
+    let messages: Vec<&str> = problems.iter().map(|(_, m)| m.as_str()).collect();
+    let has = |needle: &str| {
+        assert!(
+            messages.iter().any(|m| m.contains(needle)),
+            "no problem mentions {needle:?}: {messages:#?}"
+        );
+    };
+    has("task.metric_backends[0]: unknown key 'colour'");
+    has("task.metric_backends[1].name: 'native' is the built-in metrics' backend");
+    has("task.metric_backends[2].command: must be a program and its arguments");
+    has("task.metric_backends[2].metrics: is required");
+    has("task.metric_backends[2].queue: must be between 1 and 10000, got 0");
+    has("task.metric_backends[2].timeout: expected a duration");
+    // A problem in the backends leaves the metrics unchecked against them;
+    // the anything: parameter is the program's, never an unknown key.
+    assert!(
+        !messages
+            .iter()
+            .any(|m| m.contains("anything") || m.starts_with("task.metrics")),
+        "{messages:#?}"
+    );
+}
+
+#[test]
+fn metrics_name_a_declared_backend_at_its_version() {
+    let dir = dir_with_dataset();
+    write(dir.path(), ".env", "EF_CFG_TEST_KEY=sk\n");
+    let problems = problems_of(
+        dir.path(),
+        &format!(
+            "{GOOD}  metrics:\n\
+             \x20   - {{ name: cer@nowhere, reference: \"{{{{ q }}}}\" }}\n\
+             \x20   - {{ name: wer@scorer@2, reference: \"{{{{ q }}}}\" }}\n\
+             \x20 metric_backends:\n\
+             \x20   - {{ name: scorer, command: [python3, s.py], metrics: [anls, wer] }}\n"
+        ),
+    );
+    let messages: Vec<&str> = problems.iter().map(|(_, m)| m.as_str()).collect();
+    assert!(
+        messages.iter().any(|m| m.starts_with(
+            "task.metrics[0]: unknown metric backend 'nowhere' (declared: scorer; built in: native)"
+        )),
+        "{messages:#?}"
+    );
+    assert!(
+        messages
+            .iter()
+            .any(|m| m.starts_with("task.metrics[1]: metric backend 'scorer' is at version 1")),
+        "{messages:#?}"
+    );
+    let file = write(
+        dir.path(),
+        "ok.yaml",
+        &format!(
+            "{GOOD}  metrics:\n\
+             \x20   - {{ name: wer@scorer, reference: \"{{{{ q }}}}\", lang: en }}\n\
+             \x20   - {{ name: wer@native@1, reference: \"{{{{ q }}}}\" }}\n\
+             \x20 metric_backends:\n\
+             \x20   - {{ name: scorer, command: [./s.py], metrics: [{{ name: wer, higher_is_better: false }}], timeout: 5s }}\n"
+        ),
+    );
+    let loaded = load_file(&file, Overrides::default()).unwrap();
+    let eval = &loaded.config.task.eval;
+    let keys: Vec<&str> = eval.metrics.iter().map(|m| m.metric.key.as_str()).collect();
+    assert_eq!(keys, ["wer@scorer@1", "wer@1"]);
+    assert!(!eval.metrics[0].metric.higher_is_better);
+    let backend = &eval.backends[0];
+    assert_eq!(
+        (backend.timeout, backend.queue, backend.dir.as_path()),
+        (Duration::from_secs(5), 64, dir.path())
     );
 }

@@ -268,6 +268,11 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
         }),
         None => Some(super::ReportSettings::default()),
     };
+    let telemetry = match &raw.telemetry {
+        Some(value) => raw::section::<super::telemetry::RawTelemetry>(value, "telemetry", p.0)
+            .and_then(|t| super::telemetry::telemetry(t, &mut p)),
+        None => Some(super::TelemetrySettings::default()),
+    };
     let shutdown_grace = p.duration("shutdown_grace", raw.shutdown_grace.as_deref(), "30s");
     let store = match raw.store {
         Some(s) if s.trim().is_empty() => p.push("store", "must not be empty"),
@@ -355,6 +360,7 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
         report: report?,
         shutdown_grace: shutdown_grace?,
         store: store?,
+        telemetry: telemetry?,
     })
 }
 

@@ -5,6 +5,7 @@
 use super::text::Pattern;
 use serde_json::{Map, Value, json};
 
+use super::backend::{BackendSpec, NATIVE};
 use super::text::{self, Normalize};
 
 /// What the registry knows of a metric.
@@ -153,6 +154,51 @@ pub const REGISTRY: &[MetricInfo] = &[
     },
 ];
 
+/// One metric as `evalfleet metrics` lists it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Listed {
+    pub name: String,
+    /// `native`, or a declared backend's name.
+    pub backend: String,
+    pub version: u32,
+    /// The key its scores are stored under.
+    pub key: String,
+    /// The parameters it takes; `None` for a backend's (its program
+    /// decides).
+    pub params: Option<Vec<String>>,
+    pub higher_is_better: bool,
+    pub summary: String,
+    /// A backend's program and arguments.
+    pub command: Option<Vec<String>>,
+}
+
+/// The registry: every built-in metric, then each metric of `backends`.
+pub fn listing(backends: &[BackendSpec]) -> Vec<Listed> {
+    let native = REGISTRY.iter().map(|m| Listed {
+        name: m.name.to_owned(),
+        backend: NATIVE.to_owned(),
+        version: m.version,
+        key: format!("{}@{}", m.name, m.version),
+        params: Some(m.params.iter().map(|p| (*p).to_owned()).collect()),
+        higher_is_better: m.higher_is_better,
+        summary: m.summary.to_owned(),
+        command: None,
+    });
+    let outside = backends.iter().flat_map(|b| {
+        b.metrics.iter().map(|m| Listed {
+            name: m.name.clone(),
+            backend: b.name.clone(),
+            version: b.version,
+            key: format!("{}@{}@{}", m.name, b.name, b.version),
+            params: None,
+            higher_is_better: m.higher_is_better,
+            summary: m.summary.clone(),
+            command: Some(b.command.clone()),
+        })
+    });
+    native.chain(outside).collect()
+}
+
 /// How a metric is computed, with its parameters.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Kind {
@@ -189,6 +235,12 @@ pub enum Kind {
     CodeAccepted,
     /// Set by the conversation task, for each episode.
     Episode,
+    /// Scored by an outside program (`task.metric_backends`), which is
+    /// given the parameters as they are.
+    Backend {
+        backend: String,
+        params: Map<String, Value>,
+    },
     /// Scored by a call to a judge endpoint (see `Assessor::llm_judge_calls`).
     LlmJudge {
         endpoint: String,
@@ -205,9 +257,11 @@ pub const JUDGE_SCORE: &str = r"(?i)score\s*[:=]\s*\**\s*(-?\d+(?:\.\d+)?)";
 /// A metric as a task configures it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Metric {
-    /// The key its scores are stored under: `as`, else `name@version`.
+    /// The key its scores are stored under: `as`, else `name@version` for
+    /// a built-in metric (the key stored runs have) and
+    /// `name@backend@version` for a backend's.
     pub key: String,
-    pub name: &'static str,
+    pub name: String,
     pub version: u32,
     pub kind: Kind,
     pub higher_is_better: bool,
@@ -266,23 +320,29 @@ fn normalize_param(params: &Map<String, Value>) -> Result<Normalize, String> {
 }
 
 impl Metric {
-    /// Looks `name` (`exact_match` or `exact_match@1`) up in the registry
-    /// and checks its parameters.
+    /// Looks `name` (`exact_match`, `exact_match@1`, `exact_match@native`
+    /// or `exact_match@native@1`) up in the registry and checks its
+    /// parameters.
     pub fn build(
         name: &str,
         params: &Map<String, Value>,
         key: Option<String>,
     ) -> Result<Self, String> {
-        let (base, version) = match name.split_once('@') {
-            Some((base, v)) => (
-                base,
-                Some(
-                    v.parse::<u32>()
-                        .map_err(|_| format!("'{name}': the version after @ must be a number"))?,
-                ),
-            ),
-            None => (name, None),
-        };
+        Self::build_with(name, params, key, &[])
+    }
+
+    /// [`Metric::build`], where `name@backend` and `name@backend@version`
+    /// name a metric of one of `backends`.
+    pub fn build_with(
+        name: &str,
+        params: &Map<String, Value>,
+        key: Option<String>,
+        backends: &[BackendSpec],
+    ) -> Result<Self, String> {
+        let (base, backend, version) = split_name(name)?;
+        if let Some(backend) = backend.filter(|b| *b != NATIVE) {
+            return Self::of_backend(base, backend, version, params, key, backends);
+        }
         let known: Vec<&str> = REGISTRY.iter().map(|m| m.name).collect();
         let info = REGISTRY.iter().find(|m| m.name == base).ok_or_else(|| {
             match super::text::nearest(base, &known) {
@@ -404,19 +464,77 @@ impl Metric {
         };
         Ok(Self {
             key: key.unwrap_or_else(|| format!("{}@{}", info.name, info.version)),
-            name: info.name,
+            name: info.name.to_owned(),
             version: info.version,
             kind,
             higher_is_better: info.higher_is_better,
         })
     }
 
-    /// Whether [`Metric::score`] computes it (not a judge endpoint or the
-    /// code judge).
+    /// A metric of a declared backend; its parameters are the program's
+    /// business.
+    fn of_backend(
+        base: &str,
+        backend: &str,
+        version: Option<u32>,
+        params: &Map<String, Value>,
+        key: Option<String>,
+        backends: &[BackendSpec],
+    ) -> Result<Self, String> {
+        let spec = backends.iter().find(|b| b.name == backend).ok_or_else(|| {
+            let declared: Vec<&str> = backends.iter().map(|b| b.name.as_str()).collect();
+            if declared.is_empty() {
+                format!(
+                    "unknown metric backend '{backend}' (task.metric_backends declares none; the built-in one is '{NATIVE}')"
+                )
+            } else {
+                format!(
+                    "unknown metric backend '{backend}' (declared: {}; built in: {NATIVE})",
+                    declared.join(", ")
+                )
+            }
+        })?;
+        let metric = spec.metric(base).ok_or_else(|| {
+            let names: Vec<&str> = spec.metrics.iter().map(|m| m.name.as_str()).collect();
+            format!(
+                "metric backend '{backend}' gives no metric '{base}' (it gives: {})",
+                names.join(", ")
+            )
+        })?;
+        if let Some(v) = version
+            && v != spec.version
+        {
+            return Err(format!(
+                "metric backend '{backend}' is at version {} (task.metric_backends), not {v}",
+                spec.version
+            ));
+        }
+        Ok(Self {
+            key: key.unwrap_or_else(|| format!("{base}@{backend}@{}", spec.version)),
+            name: base.to_owned(),
+            version: spec.version,
+            kind: Kind::Backend {
+                backend: backend.to_owned(),
+                params: params.clone(),
+            },
+            higher_is_better: metric.higher_is_better,
+        })
+    }
+
+    /// The backend that scores it: [`NATIVE`] for a built-in metric.
+    pub fn backend(&self) -> &str {
+        match &self.kind {
+            Kind::Backend { backend, .. } => backend,
+            _ => NATIVE,
+        }
+    }
+
+    /// Whether [`Metric::score`] computes it (not a judge endpoint, the
+    /// code judge or an outside backend).
     pub fn scored_here(&self) -> bool {
         !matches!(
             self.kind,
-            Kind::LlmJudge { .. } | Kind::CodeAccepted | Kind::Episode
+            Kind::LlmJudge { .. } | Kind::CodeAccepted | Kind::Episode | Kind::Backend { .. }
         )
     }
 
@@ -595,6 +713,9 @@ impl Metric {
             Kind::LlmJudge { .. } => json!({"error": "scored by its judge endpoint"}),
             Kind::CodeAccepted => json!({"error": "scored by the code judge"}),
             Kind::Episode => json!({"error": "scored by the conversation"}),
+            Kind::Backend { backend, .. } => {
+                json!({"error": format!("scored by metric backend '{backend}'")})
+            }
             Kind::Classification {
                 labels,
                 ignore_case,
@@ -636,6 +757,35 @@ impl Metric {
                 json!({"error": format!("the judge's reply has no score matching /{}/: {excerpt}", pattern.as_str())})
             }
         }
+    }
+}
+
+/// A metric's name as written: its base name, the backend (`native` or a
+/// declared one) and the version, each after an `@`. One part after the
+/// base is a version when it is a number (`anls@1`), else a backend.
+fn split_name(name: &str) -> Result<(&str, Option<&str>, Option<u32>), String> {
+    let version = |v: &str| {
+        v.parse::<u32>()
+            .map_err(|_| format!("'{name}': the version after @ must be a number"))
+    };
+    let mut parts = name.split('@');
+    let base = parts.next().unwrap_or_default();
+    match (parts.next(), parts.next(), parts.next()) {
+        (None, _, _) => Ok((base, None, None)),
+        (Some(one), None, _) => match one.parse::<u32>() {
+            Ok(v) => Ok((base, None, Some(v))),
+            Err(_) if one.is_empty() => Err(format!("'{name}': nothing after @")),
+            Err(_) if one.bytes().all(|b| b.is_ascii_digit()) => {
+                version(one).map(|_| (base, None, None))
+            }
+            Err(_) => Ok((base, Some(one), None)),
+        },
+        (Some(backend), Some(v), None) if !backend.is_empty() => {
+            Ok((base, Some(backend), Some(version(v)?)))
+        }
+        _ => Err(format!(
+            "'{name}': a metric is NAME, NAME@VERSION, NAME@BACKEND or NAME@BACKEND@VERSION"
+        )),
     }
 }
 
@@ -768,6 +918,92 @@ mod tests {
         assert_eq!(
             Metric::build("exact_match@1", &none, None).unwrap().key,
             "exact_match@1"
+        );
+    }
+
+    fn backend() -> BackendSpec {
+        BackendSpec {
+            name: "evalscope".to_owned(),
+            version: 2,
+            command: vec!["python3".to_owned(), "score.py".to_owned()],
+            setup: None,
+            timeout: std::time::Duration::from_secs(1),
+            queue: 1,
+            metrics: vec![super::super::backend::BackendMetric {
+                name: "cer".to_owned(),
+                higher_is_better: false,
+                summary: String::new(),
+            }],
+            dir: std::path::PathBuf::new(),
+        }
+    }
+
+    #[test]
+    fn native_names_keep_their_stored_keys_and_backend_names_have_three_parts() {
+        let none = Map::new();
+        let backends = [backend()];
+        let key = |name: &str| {
+            Metric::build_with(name, &none, None, &backends)
+                .map(|m| (m.key.clone(), m.backend().to_owned()))
+        };
+        // Every spelling of the built-in anls is stored as runs always had it.
+        for name in ["anls", "anls@1", "anls@native", "anls@native@1"] {
+            assert_eq!(
+                key(name),
+                Ok(("anls@1".to_owned(), "native".to_owned())),
+                "{name}"
+            );
+        }
+        for name in ["cer@evalscope", "cer@evalscope@2"] {
+            assert_eq!(
+                key(name),
+                Ok(("cer@evalscope@2".to_owned(), "evalscope".to_owned())),
+                "{name}"
+            );
+        }
+        let m = Metric::build_with("cer@evalscope", &none, None, &backends).unwrap();
+        assert!(!m.higher_is_better && !m.scored_here() && !m.needs_reference());
+        assert!(key("cer@evalscope@1").unwrap_err().contains("version 2"));
+        assert!(
+            key("anls@evalscope")
+                .unwrap_err()
+                .contains("gives no metric 'anls'")
+        );
+        assert!(
+            key("anls@other")
+                .unwrap_err()
+                .contains("unknown metric backend 'other'")
+        );
+        assert!(key("anls@native@2").unwrap_err().contains("no version 2"));
+        assert!(key("anls@a@1@2").is_err());
+        // Parameters of a backend's metric are its program's business.
+        let params = json!({"anything": [1, 2]});
+        let m = Metric::build_with(
+            "cer@evalscope",
+            params.as_object().unwrap(),
+            None,
+            &backends,
+        );
+        assert!(m.is_ok());
+    }
+
+    #[test]
+    fn the_listing_has_every_built_in_metric_then_the_backends() {
+        let listed = listing(&[backend()]);
+        assert_eq!(listed.len(), REGISTRY.len() + 1);
+        let last = listed.last().unwrap();
+        assert_eq!(
+            (
+                last.key.as_str(),
+                last.backend.as_str(),
+                last.params.is_none()
+            ),
+            ("cer@evalscope@2", "evalscope", true)
+        );
+        assert!(
+            listed
+                .iter()
+                .any(|l| l.key == "anls@1" && l.backend == "native")
         );
     }
 

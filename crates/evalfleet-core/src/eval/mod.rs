@@ -3,6 +3,7 @@
 //! Nothing here calls a model, so `evalfleet score` can run it again on
 //! stored outputs.
 
+pub mod backend;
 pub mod balance;
 pub mod metrics;
 pub mod parse;
@@ -37,6 +38,9 @@ pub struct EvalSpec {
     pub max_reasks: u32,
     pub structured_output: bool,
     pub metrics: Vec<MetricSpec>,
+    /// `task.metric_backends`: the programs that score the metrics named
+    /// `name@backend`.
+    pub backends: Vec<backend::BackendSpec>,
 }
 
 impl Default for EvalSpec {
@@ -47,6 +51,7 @@ impl Default for EvalSpec {
             max_reasks: 0,
             structured_output: false,
             metrics: Vec::new(),
+            backends: Vec::new(),
         }
     }
 }
@@ -105,6 +110,20 @@ pub struct LlmJudgeCall {
     pub endpoint: String,
     /// The messages, or why the rubric could not be rendered.
     pub messages: Result<Box<serde_json::value::RawValue>, String>,
+}
+
+/// One answer an outside backend's metric needs scored.
+#[derive(Debug, Clone)]
+pub struct BackendRequest {
+    /// The metric's key.
+    pub key: String,
+    pub backend: String,
+    /// The metric's name (without backend or version).
+    pub metric: String,
+    pub answer: Value,
+    /// The references, or why the item has none.
+    pub references: Result<Vec<Value>, String>,
+    pub params: Row,
 }
 
 /// A compiled [`EvalSpec`].
@@ -374,6 +393,38 @@ impl Assessor {
                 key: m.metric.key.clone(),
                 endpoint: endpoint.clone(),
                 messages: request,
+            });
+        }
+        out
+    }
+
+    /// What the outside backends' metrics need of a valid answer (none for
+    /// one that is not): the answer and its references, one request per
+    /// metric. With `only`, just those metric keys.
+    pub fn backend_requests(
+        &self,
+        checked: &Checked,
+        item: &Row,
+        only: Option<&[String]>,
+    ) -> Vec<BackendRequest> {
+        let Some(answer) = checked.parsed.as_ref().filter(|_| checked.valid) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for (i, m) in self.spec.metrics.iter().enumerate() {
+            let metrics::Kind::Backend { backend, params } = &m.metric.kind else {
+                continue;
+            };
+            if only.is_some_and(|only| !only.contains(&m.metric.key)) {
+                continue;
+            }
+            out.push(BackendRequest {
+                key: m.metric.key.clone(),
+                backend: backend.clone(),
+                metric: m.metric.name.clone(),
+                answer: answer.clone(),
+                references: self.references(i, item),
+                params: params.clone(),
             });
         }
         out

@@ -1,5 +1,10 @@
 //! What the GPUs of this machine are doing, from `nvidia-smi`, so that an
-//! engine is not started on a GPU someone else is using.
+//! engine is not started on a GPU someone else is using, and so that the
+//! run's telemetry knows what its GPUs hold (`watchdog`).
+//!
+//! The parsers take both CSV shapes nvidia-smi writes (`nounits` or not,
+//! with or without the header line) and fields it cannot fill (`[N/A]`,
+//! `[Not Supported]`): such a field reads as unknown, never as an error.
 
 use std::time::Duration;
 
@@ -13,6 +18,8 @@ pub struct Gpu {
     pub name: String,
     pub memory_used_mb: u64,
     pub memory_total_mb: u64,
+    /// `utilization.gpu`, in percent; `None` where the driver does not say.
+    pub utilization_pct: Option<u32>,
 }
 
 /// A process using a GPU.
@@ -37,7 +44,7 @@ pub enum GpuReport {
 
 /// Arguments of the two queries (CSV, no header, no units).
 pub const GPU_QUERY: [&str; 2] = [
-    "--query-gpu=index,uuid,name,memory.used,memory.total",
+    "--query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu",
     "--format=csv,noheader,nounits",
 ];
 pub const PROCESS_QUERY: [&str; 2] = [
@@ -49,19 +56,35 @@ fn fields(line: &str) -> Vec<&str> {
     line.split(',').map(str::trim).collect()
 }
 
+/// A field's number, without its unit (`2575 MiB`, `0 %`, `123.74 W`,
+/// rounded); `None` for `[N/A]`, `[Not Supported]` and the like.
 fn number(field: &str) -> Option<u64> {
-    field.parse().ok()
+    let value = field.split_whitespace().next()?;
+    value.parse().ok().or_else(|| {
+        value
+            .parse::<f64>()
+            .ok()
+            .filter(|v| v.is_finite() && *v >= 0.0)
+            .map(|v| v.round() as u64)
+    })
+}
+
+/// Whether `line` is the header nvidia-smi writes without `noheader`.
+fn is_header(line: &str, first: &str) -> bool {
+    line.trim_start().starts_with(first)
 }
 
 /// Parses `nvidia-smi --query-gpu=index,uuid,name,memory.used,memory.total
-/// --format=csv,noheader,nounits`.
+/// [,utilization.gpu] --format=csv[,noheader][,nounits]`.
 pub fn parse_gpus(text: &str) -> Result<Vec<Gpu>, String> {
     text.lines()
-        .filter(|l| !l.trim().is_empty())
+        .filter(|l| !l.trim().is_empty() && !is_header(l, "index,"))
         .map(|line| {
             let f = fields(line);
-            if f.len() != 5 {
-                return Err(format!("expected 5 fields in nvidia-smi's line '{line}'"));
+            if f.len() < 5 {
+                return Err(format!(
+                    "expected at least 5 fields in nvidia-smi's line '{line}'"
+                ));
             }
             Ok(Gpu {
                 index: f[0]
@@ -71,17 +94,21 @@ pub fn parse_gpus(text: &str) -> Result<Vec<Gpu>, String> {
                 name: f[2].to_owned(),
                 memory_used_mb: number(f[3]).unwrap_or(0),
                 memory_total_mb: number(f[4]).unwrap_or(0),
+                utilization_pct: f
+                    .get(5)
+                    .and_then(|u| number(u))
+                    .and_then(|u| u32::try_from(u).ok()),
             })
         })
         .collect()
 }
 
 /// Parses `nvidia-smi --query-compute-apps=gpu_uuid,pid,process_name,used_memory
-/// --format=csv,noheader,nounits`. A process name may hold commas.
+/// --format=csv[,noheader][,nounits]`. A process name may hold commas.
 pub fn parse_processes(text: &str) -> Result<Vec<GpuProcess>, String> {
     text.lines()
         .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.starts_with("No running"))
+        .filter(|l| !l.is_empty() && !l.starts_with("No running") && !is_header(l, "gpu_uuid,"))
         .map(|line| {
             let f = fields(line);
             if f.len() < 4 {
@@ -216,5 +243,118 @@ mod tests {
             busy(&report, "0,1,7", 100_000),
             vec!["GPU 7 does not exist here"]
         );
+    }
+}
+
+/// What a real NVIDIA H200 printed (`tests/data/gpu/h200/README.md`).
+#[cfg(test)]
+mod recorded {
+    use super::*;
+
+    macro_rules! h200 {
+        ($file:literal) => {
+            include_str!(concat!("../../tests/data/gpu/h200/", $file))
+        };
+    }
+
+    const UUID: &str = "GPU-f0371bb6-ac84-5519-f095-fead4f3756d1";
+
+    fn busy_gpu(utilization_pct: Option<u32>) -> Gpu {
+        Gpu {
+            index: 0,
+            uuid: UUID.to_owned(),
+            name: "NVIDIA H200".to_owned(),
+            memory_used_mb: 2575,
+            memory_total_mb: 143_771,
+            utilization_pct,
+        }
+    }
+
+    #[test]
+    fn an_h200_holding_a_process_parses_exactly_with_and_without_units() {
+        assert_eq!(
+            parse_gpus(h200!("busy-gpus.csv")).unwrap(),
+            vec![busy_gpu(Some(0))]
+        );
+        assert_eq!(
+            parse_gpus(h200!("busy-gpus-units.csv")).unwrap(),
+            vec![busy_gpu(Some(0))]
+        );
+        assert_eq!(
+            parse_gpus(h200!("busy-gpus-5.csv")).unwrap(),
+            vec![busy_gpu(None)]
+        );
+        let process = GpuProcess {
+            gpu_uuid: UUID.to_owned(),
+            pid: 607,
+            name: "python3".to_owned(),
+            used_memory_mb: Some(2566),
+        };
+        assert_eq!(
+            parse_processes(h200!("busy-apps.csv")).unwrap(),
+            vec![process.clone()]
+        );
+        assert_eq!(
+            parse_processes(h200!("busy-apps-units.csv")).unwrap(),
+            vec![process]
+        );
+    }
+
+    #[test]
+    fn an_idle_h200_has_no_processes_and_no_memory_in_use() {
+        for (gpus, apps) in [
+            (h200!("idle-gpus.csv"), h200!("idle-apps.csv")),
+            (h200!("idle-gpus-units.csv"), h200!("idle-apps-units.csv")),
+            (h200!("after-gpus.csv"), h200!("after-apps.csv")),
+            (h200!("after-gpus-units.csv"), h200!("after-apps-units.csv")),
+        ] {
+            let gpus = parse_gpus(gpus).unwrap();
+            assert_eq!(gpus.len(), 1);
+            assert_eq!(gpus[0].memory_used_mb, 0);
+            assert_eq!(gpus[0].memory_total_mb, 143_771);
+            assert_eq!(gpus[0].utilization_pct, Some(0));
+            assert!(parse_processes(apps).unwrap().is_empty());
+        }
+    }
+
+    #[test]
+    fn the_queries_sent_parse_as_an_h200_printed_them() {
+        let uuid = "GPU-6c162e19-590f-7bda-014d-6565b8e9bf47";
+        assert_eq!(
+            parse_gpus(h200!("query-busy-gpus.csv")).unwrap(),
+            vec![Gpu {
+                index: 0,
+                uuid: uuid.to_owned(),
+                name: "NVIDIA H200".to_owned(),
+                memory_used_mb: 1551,
+                memory_total_mb: 143_771,
+                utilization_pct: Some(0),
+            }]
+        );
+        assert_eq!(
+            parse_processes(h200!("query-busy-apps.csv")).unwrap(),
+            vec![GpuProcess {
+                gpu_uuid: uuid.to_owned(),
+                pid: 496,
+                name: "python3".to_owned(),
+                used_memory_mb: Some(1542),
+            }]
+        );
+        let after = parse_gpus(h200!("query-after-gpus.csv")).unwrap();
+        assert_eq!(after[0].memory_used_mb, 0);
+    }
+
+    #[test]
+    fn fields_the_driver_cannot_fill_read_as_unknown() {
+        // The recorded line with the fields a MIG slice or an old board
+        // leaves out (nvidia-smi writes `[N/A]` or `[Not Supported]`).
+        let line = format!(
+            "0, {UUID}, NVIDIA H200, 2575 MiB, 143771 MiB, [N/A], [Not Supported], 41, [N/A]\n"
+        );
+        let gpus = parse_gpus(&line).unwrap();
+        assert_eq!(gpus[0].utilization_pct, None);
+        assert_eq!(gpus[0].memory_used_mb, 2575);
+        let apps = format!("{UUID}, 607, python3, [Not Supported]\n");
+        assert_eq!(parse_processes(&apps).unwrap()[0].used_memory_mb, None);
     }
 }

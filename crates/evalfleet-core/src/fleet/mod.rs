@@ -14,10 +14,12 @@ pub mod gpu;
 pub mod limit;
 pub mod load;
 pub mod outlier;
+pub mod procs;
 pub mod prometheus;
 pub mod rate;
 pub mod runtime;
 pub mod turn;
+pub mod watchdog;
 pub mod window;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -128,6 +128,8 @@ pub struct Fleet {
     /// to store their last events), and what stops it.
     housekeeping: TaskTracker,
     housekeeping_done: CancellationToken,
+    /// Samples the run's resources (`telemetry:`), when on.
+    watchdog: Option<super::watchdog::Watchdog>,
 }
 
 impl Fleet {
@@ -138,7 +140,9 @@ impl Fleet {
             .map(|e| Arc::new(Endpoint::new(e, config.timeouts.attempt)))
             .collect();
         let (events, receiver) = mpsc::unbounded_channel();
+        let watchdog = super::watchdog::Watchdog::new(&config.telemetry, &endpoints);
         Self {
+            watchdog,
             endpoints: endpoints.clone(),
             shared: Arc::new(Shared {
                 options,
@@ -179,6 +183,16 @@ impl Fleet {
                 activate(&self.shared, endpoint, &self.stop);
             }
         }
+        let telemetry = self.watchdog.take().map(|watchdog| {
+            // Rounds wait here while the housekeeping stores the last ones.
+            let (rounds, receiver) = mpsc::channel(64);
+            self.shared.tracker.spawn(watchdog.run(
+                self.shared.tracker.clone(),
+                self.stop.clone(),
+                rounds,
+            ));
+            receiver
+        });
         if let Some(events) = self.events.take() {
             let housekeeping = housekeep(
                 self.shared.clone(),
@@ -187,6 +201,7 @@ impl Fleet {
                 worker.to_owned(),
                 store,
                 events,
+                telemetry,
                 self.housekeeping_done.clone(),
                 self.stop.clone(),
                 self.housekeeping.clone(),
@@ -1011,6 +1026,7 @@ async fn housekeep(
     worker: String,
     store: Box<dyn Store>,
     mut events: mpsc::UnboundedReceiver<FleetEvent>,
+    mut telemetry: Option<mpsc::Receiver<super::watchdog::Tick>>,
     stop: CancellationToken,
     fleet_stop: CancellationToken,
     tracker: TaskTracker,
@@ -1032,6 +1048,12 @@ async fn housekeep(
         let mut pending: Vec<FleetEvent> = Vec::new();
         while let Ok(event) = events.try_recv() {
             pending.push(event);
+        }
+        let mut resources = Vec::new();
+        let mut resource_events = Vec::new();
+        while let Some(round) = telemetry.as_mut().and_then(|t| t.try_recv().ok()) {
+            resources.extend(round.points);
+            resource_events.extend(round.events);
         }
         // Limit changes, summarised every 5 seconds.
         if ticks.is_multiple_of(5) || stopping {
@@ -1080,7 +1102,12 @@ async fn housekeep(
                         endpoint: Some(event.endpoint.clone()),
                         message: event.message.clone(),
                     })
+                    .chain(resource_events)
                     .collect();
+                // Telemetry lost is no reason to stop the rest.
+                if let Err(err) = owned.add_resource_points(&id, &resources) {
+                    tracing::warn!("Cannot store resource telemetry: {err}.");
+                }
                 let outcome = owned
                     .add_events(&id, &events)
                     .and_then(|()| owned.put_endpoint_states(&id, &snapshots))

@@ -241,6 +241,7 @@ mod tests {
                 name: "H100".to_owned(),
                 memory_used_mb: used,
                 memory_total_mb: 81_559,
+                utilization_pct: None,
             }],
             processes: pids
                 .iter()

@@ -13,6 +13,7 @@ pub mod conversation;
 pub mod endpoints;
 pub mod kept;
 pub mod metrics;
+pub mod resources;
 pub mod samples;
 pub mod stats;
 
@@ -27,6 +28,7 @@ pub use compare::{Compared, Comparison, Coverage, Disagreement, Disagreements, c
 pub use endpoints::{EndpointSummary, Percentiles, endpoints};
 pub use kept::{Keeping, KeptBody, KeptInMemory, kept_compare, kept_report};
 pub use metrics::Summary;
+pub use resources::{ResourcesReport, SeriesSummary, resources};
 pub use samples::SamplesSummary;
 
 use crate::config::{self, ConfigError, LoadedConfig};
@@ -116,6 +118,9 @@ pub struct Report {
     /// Metrics that could not score more than that, each in a sentence:
     /// the run's scores cannot be used as they are.
     pub problems: Vec<String>,
+    /// Peak and mean of each resource series (`telemetry:`): per GPU, per
+    /// endpoint, and evalfleet's own.
+    pub resources: ResourcesReport,
 }
 
 impl Report {
@@ -289,6 +294,7 @@ pub fn report(
 ) -> Result<Report, ReportError> {
     let mut report = report_with(store, run_id, by, max_unscored, &mut |_, _, _| {})?;
     report.endpoints = endpoints(store, run_id)?;
+    report.resources = resources(store, run_id)?;
     Ok(report)
 }
 
@@ -383,5 +389,6 @@ pub fn report_with(
         samples: samples.map(samples::Samples::finish),
         code_verdicts: verdicts,
         endpoints: Vec::new(),
+        resources: ResourcesReport::default(),
     })
 }

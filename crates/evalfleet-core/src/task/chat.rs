@@ -11,6 +11,7 @@ use serde_json::Value;
 
 use super::{Episode, Finish, ItemContext, Reply, Request, Step, Target, Task};
 use crate::eval::{Assessor, Checked, LlmJudgeCall};
+use crate::metric_backend::Backends;
 use crate::template::Templates;
 use evalfleet_sandbox::CodeJudge;
 
@@ -27,6 +28,8 @@ struct Inner {
     assessor: Option<Arc<Assessor>>,
     /// Judges a usable answer as a program (`kind: code`).
     code: Option<Arc<CodeJudge>>,
+    /// Score the metrics of outside backends (`task.metric_backends`).
+    backends: Option<Arc<Backends>>,
 }
 
 impl Chat {
@@ -36,8 +39,27 @@ impl Chat {
                 templates,
                 assessor,
                 code: None,
+                backends: None,
             }),
         }
+    }
+
+    /// The same task, whose usable answers `backends` score too.
+    pub(super) fn scoring_with(self, backends: Option<Arc<Backends>>) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                templates: self.inner.templates.clone(),
+                assessor: self.inner.assessor.clone(),
+                code: self.inner.code.clone(),
+                backends,
+            }),
+        }
+    }
+
+    /// How many answers may wait on the outside backends at once (1 with
+    /// none).
+    pub(super) fn backend_queue(&self) -> usize {
+        self.inner.backends.as_ref().map_or(1, |b| b.queue().max(1))
     }
 
     /// The same task, whose usable answers `code` judges as programs.
@@ -47,6 +69,7 @@ impl Chat {
                 templates: self.inner.templates.clone(),
                 assessor: self.inner.assessor.clone(),
                 code: Some(code),
+                backends: self.inner.backends.clone(),
             }),
         }
     }
@@ -82,6 +105,11 @@ impl Chat {
 impl Task for Chat {
     fn begin(&self, item: &ItemContext<'_>) -> (Box<dyn Episode>, Step) {
         (Box::new(self.episode()), self.first_step(item))
+    }
+
+    /// Answers waiting on the outside metric backends are work.
+    fn work_limit(&self) -> usize {
+        self.backend_queue()
     }
 }
 
@@ -192,8 +220,9 @@ impl ChatEpisode {
         self.scored(item, judging)
     }
 
-    /// Every score is in: the item finishes, once a code task's program
-    /// is judged.
+    /// The scores of this process are in: the outside backends score the
+    /// answer (as work: no slot is held meanwhile), then the item
+    /// finishes, once a code task's program is judged.
     fn scored(&mut self, item: &ItemContext<'_>, judging: Judging) -> Step {
         let Judging {
             answer,
@@ -202,17 +231,51 @@ impl ChatEpisode {
             ..
         } = judging;
         let reasks = self.reasks;
-        match (&self.chat.code, &self.chat.assessor) {
-            (Some(code), Some(assessor)) if checked.valid => super::code::judge_then_finish(
-                code.clone(),
-                assessor.clone(),
-                checked,
-                Value::Object(item.row().clone()),
-                answer,
-                scores,
-                reasks,
-            ),
-            _ => Step::Finish(Finish::done(answer, checked.assessment(scores, reasks))),
+        let requests = match (&self.chat.backends, &self.chat.assessor) {
+            (Some(_), Some(assessor)) => assessor.backend_requests(&checked, item.row(), None),
+            _ => Vec::new(),
+        };
+        // A code task's judge needs the row as JSON; no other does.
+        let row = self
+            .chat
+            .code
+            .is_some()
+            .then(|| Value::Object(item.row().clone()));
+        match self.chat.backends.clone() {
+            Some(backends) if !requests.is_empty() => {
+                let chat = self.chat.clone();
+                let item_id = item.item_id.to_owned();
+                Step::Work(Box::pin(async move {
+                    let mut scores = scores;
+                    scores.extend(backends.score(&item_id, requests).await);
+                    finish(&chat, checked, row, answer, scores, reasks)
+                }))
+            }
+            _ => finish(&self.chat, checked, row, answer, scores, reasks),
         }
+    }
+}
+
+/// Every score is in: the item finishes, once a code task's program is
+/// judged.
+fn finish(
+    chat: &Inner,
+    checked: Checked,
+    row: Option<Value>,
+    answer: String,
+    scores: Scores,
+    reasks: u32,
+) -> Step {
+    match (&chat.code, &chat.assessor) {
+        (Some(code), Some(assessor)) if checked.valid => super::code::judge_then_finish(
+            code.clone(),
+            assessor.clone(),
+            checked,
+            row.unwrap_or_default(),
+            answer,
+            scores,
+            reasks,
+        ),
+        _ => Step::Finish(Finish::done(answer, checked.assessment(scores, reasks))),
     }
 }

@@ -173,6 +173,10 @@ pub enum TaskError {
     Invalid(String),
     #[error("the code judge cannot start")]
     CodeJudge(#[source] evalfleet_sandbox::CodeJudgeError),
+    /// An outside metric backend's setup failed, or its program cannot
+    /// start.
+    #[error(transparent)]
+    MetricBackend(#[from] crate::metric_backend::BackendError),
 }
 
 impl TaskError {
@@ -180,6 +184,7 @@ impl TaskError {
         match self {
             Self::Invalid(_) => evalfleet_types::Fault::BadInput,
             Self::CodeJudge(err) => err.fault(),
+            Self::MetricBackend(err) => err.fault(),
         }
     }
 }
@@ -203,7 +208,17 @@ pub async fn start(
     } else {
         None
     };
-    let chat = chat::Chat::new(templates, assessor);
+    let backends = crate::metric_backend::Backends::start(
+        &task.eval.backends,
+        &task
+            .eval
+            .metrics
+            .iter()
+            .map(|m| m.metric.backend())
+            .collect::<Vec<_>>(),
+    )
+    .await?;
+    let chat = chat::Chat::new(templates, assessor).scoring_with(backends);
     Ok(match &task.kind {
         TaskKind::Chat => Arc::new(chat),
         TaskKind::Code(settings) => {

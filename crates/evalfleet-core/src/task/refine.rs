@@ -49,6 +49,11 @@ impl Task for Refine {
         });
         (episode, self.chat.first_step(item))
     }
+
+    /// Answers waiting on the outside metric backends are work.
+    fn work_limit(&self) -> usize {
+        self.chat.backend_queue()
+    }
 }
 
 /// One item of a refine task.

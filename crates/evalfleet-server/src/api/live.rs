@@ -12,8 +12,9 @@ use axum::extract::State;
 
 use crate::extract::{Path, Query};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use evalfleet_core::report::ResourcesReport;
 use evalfleet_core::store::Store;
-use evalfleet_core::types::Event;
+use evalfleet_core::types::{Event, ResourcePoint};
 use evalfleet_core::view::{self, EndpointsView, RunDetail, RunState, RunSummary, TimelinePoint};
 use futures_util::Stream;
 use serde::{Deserialize, Serialize};
@@ -78,6 +79,55 @@ pub async fn timeline(
         .with_store(move |store| timeline_of(store, &run_id, after, points))
         .await?;
     Ok(Json(timeline))
+}
+
+/// The query of a run's resource telemetry.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct ResourcesParams {
+    /// Only points whose last sample came after this time (ms since the
+    /// Unix epoch); the summary is always the whole run's.
+    pub after: Option<i64>,
+}
+
+/// A run's resource telemetry: its points, and each series' peak and mean.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct ResourcesView {
+    /// By series, then time; at most `POINTS_PER_SERIES` a series.
+    pub points: Vec<ResourcePoint>,
+    pub summary: ResourcesReport,
+}
+
+/// A run's resource telemetry (`telemetry:`): each GPU's memory and
+/// utilisation, each endpoint's engine (RSS, CPU, GPU memory, KV cache,
+/// requests running and waiting) and evalfleet's own RSS and CPU, as
+/// bounded series, with each series' peak and mean.
+#[utoipa::path(
+    get,
+    path = "/runs/{run_id}/resources",
+    tag = "live",
+    params(("run_id" = String, Path, description = "The run's id"), ResourcesParams),
+    responses(
+        (status = 200, description = "The run's resource series", body = ResourcesView),
+        (status = 404, description = "No such run", body = ErrorBody),
+    )
+)]
+pub async fn resources(
+    State(state): State<Arc<AppState>>,
+    Path(run_id): Path<String>,
+    Query(params): Query<ResourcesParams>,
+) -> Result<Json<ResourcesView>, ApiError> {
+    let after = params.after.unwrap_or(i64::MIN);
+    let view = state
+        .with_store(move |store| {
+            let all = store.resource_points(&run_id, i64::MIN)?;
+            let summary = ResourcesReport::of(&all);
+            let points = all.into_iter().filter(|p| p.until_ms > after).collect();
+            Ok(ResourcesView { points, summary })
+        })
+        .await?;
+    Ok(Json(view))
 }
 
 /// The first message of a stream: everything there is to show.

@@ -74,6 +74,7 @@ pub fn router() -> (axum::Router<Arc<AppState>>, OpenApi) {
         .routes(routes!(benches::list))
         .routes(routes!(benches::get))
         .routes(routes!(live::timeline))
+        .routes(routes!(live::resources))
         .routes(routes!(live::stream))
         .split_for_parts();
     api.servers = Some(vec![utoipa::openapi::Server::new("/api/v1")]);

@@ -13,6 +13,7 @@ mod events;
 mod explore;
 mod kept;
 mod queue;
+mod resources;
 mod results;
 mod runs;
 pub mod schema;

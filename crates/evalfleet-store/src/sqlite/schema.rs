@@ -210,8 +210,27 @@ CREATE TABLE kept_reports (
 );
 ";
 
+/// 9: resource telemetry, one row per point of a run's series (a GPU's
+/// memory, an engine's RSS, ...): a sample, or older samples merged with
+/// their mean, peak and count. Each series is kept within
+/// `evalfleet_types::POINTS_PER_SERIES` points by the writer.
+const TELEMETRY: &str = "
+CREATE TABLE resource_points (
+    rid     INTEGER NOT NULL REFERENCES runs(rid),
+    source  TEXT NOT NULL,
+    name    TEXT NOT NULL,
+    metric  TEXT NOT NULL,
+    at      INTEGER NOT NULL,
+    until   INTEGER NOT NULL,
+    mean    REAL NOT NULL,
+    peak    REAL NOT NULL,
+    samples INTEGER NOT NULL,
+    PRIMARY KEY (rid, source, name, metric, at)
+) WITHOUT ROWID;
+";
+
 /// The schema version a store has once every migration ran.
-pub const VERSION: usize = 8;
+pub const VERSION: usize = 9;
 
 pub fn migrations() -> Migrations<'static> {
     Migrations::new(vec![
@@ -223,6 +242,7 @@ pub fn migrations() -> Migrations<'static> {
         M::up(ESTIMATED_TOKENS),
         M::up(TIMELINE),
         M::up(KEPT_REPORTS),
+        M::up(TELEMETRY),
     ])
 }
 

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use evalfleet_core::bench::{self, BenchReport, CELL_FAILED, CellState, CellStatus, Manifest};
 use evalfleet_core::config::bench::{BenchCell, BenchModel, load_bench};
-use evalfleet_core::config::{EndpointConfig, EndpointKind};
+use evalfleet_core::config::{Config, EndpointConfig, EndpointKind, GpuSelection};
 use evalfleet_core::fleet::engine::Launcher;
 use evalfleet_core::fleet::runtime::GpuPolicy;
 use evalfleet_core::fleet::turn::EngineTurn;
@@ -280,6 +280,27 @@ fn finished(store: &mut dyn Store, run_id: &str) -> Result<bool, StoreError> {
     Ok(stored_run(store, run_id)?.is_some_and(|r| r.status == RunStatus::Finished))
 }
 
+/// With `telemetry.gpus: auto`, the cell's run samples the GPUs its local
+/// engine was given (every GPU when it was given none), as a run that
+/// started the engine itself would: once served by the bench's engine, the
+/// run has no local engine of its own to tell them.
+fn sample_the_engine_s_gpus(config: &mut Config) {
+    if !matches!(config.telemetry.gpus, GpuSelection::Auto) {
+        return;
+    }
+    if let EndpointKind::Local(engine) = &config.endpoints[0].kind {
+        config.telemetry.gpus = match &engine.gpu {
+            None => GpuSelection::All,
+            Some(devices) => GpuSelection::Listed(
+                devices
+                    .split(',')
+                    .filter_map(|d| d.trim().parse::<u32>().ok())
+                    .collect(),
+            ),
+        };
+    }
+}
+
 /// The cell's endpoint, served by the engine the bench loaded at
 /// `base_url` (the stored config keeps the endpoint as written).
 fn served_by_turn(endpoint: &mut EndpointConfig, base_url: &str) {
@@ -330,6 +351,7 @@ async fn run_cell(
     let started = Instant::now();
     let mut loaded = cell.loaded.clone();
     if let Some(turn) = turn {
+        sample_the_engine_s_gpus(&mut loaded.config);
         served_by_turn(&mut loaded.config.endpoints[0], &turn.base_url);
     }
     let mut store = open_or_create(location)?;
@@ -646,7 +668,7 @@ fn print_report(report: &BenchReport) {
     }
     if let Some(metric) = report.cells.iter().find_map(|c| c.metric.as_deref()) {
         println!(
-            "headline: each dataset's first metric (here {metric}); GPU MB: peak GPU memory (not yet recorded)"
+            "headline: each dataset's first metric (here {metric}); GPU MB: the most GPU memory in use during the cell (telemetry)"
         );
     }
     for h in &report.handovers {

@@ -8,6 +8,7 @@ use evalfleet_core::dataset::Scanner;
 use evalfleet_core::fleet::gpu::{self, GpuReport};
 use evalfleet_core::fleet::runtime::MockStarter;
 use evalfleet_core::fleet::{LimitMode, runtime::health_url};
+use evalfleet_core::metric_backend::Backends;
 use evalfleet_core::preflight;
 use evalfleet_core::task::code;
 use evalfleet_core::template::Templates;
@@ -156,6 +157,18 @@ pub async fn check(args: crate::cli::CheckArgs) -> anyhow::Result<u8> {
         };
         let _ = std::fs::remove_dir_all(&dir);
         println!("code judge   {line}");
+    }
+    // Each metric backend starts as a run starts it: its setup made (once,
+    // and kept) and its program started.
+    for backend in &config.task.eval.backends {
+        let line = match Backends::start(std::slice::from_ref(backend), &[&backend.name]).await {
+            Ok(_) => format!("{}: started", backend.name),
+            Err(err) => {
+                ready = false;
+                format!("NOT ready: {err}")
+            }
+        };
+        println!("metric backend {line}");
     }
     Ok(if ready { EXIT_OK } else { EXIT_FAILED })
 }

@@ -5,6 +5,7 @@ pub mod bench;
 pub mod check;
 pub mod env;
 pub mod inspect;
+pub mod metrics;
 pub mod mock;
 pub mod report;
 pub mod run;

@@ -65,6 +65,18 @@ pub async fn score(args: ScoreArgs) -> anyhow::Result<u8> {
             done.metrics.join(", ")
         }
     );
+    if done.backend_scored > 0 {
+        eprintln!(
+            "Sent {} usable answers to the metric backends.",
+            done.backend_scored
+        );
+    }
+    if let Some(first) = &done.backend_error {
+        eprintln!(
+            "warning: {} backend scores are errors (not scored, in no mean); the first: {first}",
+            done.backend_errors
+        );
+    }
     if done.unreadable > 0 {
         eprintln!(
             "warning: {} stored items are not JSON; their references could not be rendered.",
@@ -124,6 +136,7 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
         },
     )?;
     report.endpoints = report::endpoints(&mut *store, &args.run_id)?;
+    report.resources = report::resources(&mut *store, &args.run_id)?;
     let json = serde_json::to_string_pretty(&report)?;
     if let (Some(dir), Some(detailed)) = (&dir, detailed) {
         detailed.finish(&report.metrics)?;
@@ -141,6 +154,7 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
         println!("{json}");
     } else {
         print_report(&report);
+        print_resources(&report.resources);
         if let Some(dir) = &dir {
             println!(
                 "\nWrote summary.json, metrics_summary.csv and metrics_detailed.csv in {}",
@@ -309,6 +323,24 @@ fn print_report(report: &Report) {
             percentiles(&e.latency_ms),
             percentiles(&e.ttft_ms),
             percentiles(&e.tpot_ms),
+        ]);
+    }
+    println!();
+    print_table(&table);
+}
+
+/// Each resource series' peak and mean (`telemetry:`).
+fn print_resources(resources: &report::ResourcesReport) {
+    if resources.is_empty() {
+        return;
+    }
+    let mut table = vec![["RESOURCE", "PEAK", "MEAN", "SAMPLES"].map(str::to_owned)];
+    for s in &resources.series {
+        table.push([
+            s.series.label(),
+            format!("{:.1}", s.peak),
+            format!("{:.1}", s.mean),
+            s.samples.to_string(),
         ]);
     }
     println!();
