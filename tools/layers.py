@@ -33,8 +33,9 @@ LAYERS = {
         ["task", "metric_backend"],
         # Drives items through their task's steps.
         ["pipeline"],
-        # Creating, resuming and finishing runs; reports.
-        ["run", "report", "rescore", "view"],
+        # Creating, resuming and finishing runs; reports; benchmark
+        # matrices above runs.
+        ["run", "report", "rescore", "view", "bench"],
     ],
     "evalfleet": [
         ["cli", "ui", "fleet"],

@@ -49,6 +49,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/runs/{run_id}/items", get(pages::items))
         .route("/runs/{run_id}/items/{item_id}", get(pages::item))
         .route("/compare", get(pages::compare))
+        .route("/benches/{name}", get(pages::bench))
         .route("/new", get(pages::new_run))
         .route("/login", get(pages::login_page).merge(post(pages::login)))
         .route("/assets/{*path}", get(pages::asset))

@@ -208,6 +208,19 @@ pub async fn item(Path((run_id, item_id)): Path<(String, String)>) -> Response {
     )
 }
 
+/// `/benches/{name}`: a benchmark matrix, rendered here from its report;
+/// each cell links to its run's page.
+pub async fn bench(
+    State(state): State<Arc<AppState>>,
+    Path(name): Path<String>,
+) -> Result<Html<String>, crate::error::ApiError> {
+    let manifest = crate::api::benches::manifest(&state, &name)?;
+    let report = state
+        .with_store(move |store| Ok(evalfleet_core::bench::report(store, &manifest)?))
+        .await?;
+    Ok(Html(bench_html(&report, true)))
+}
+
 pub async fn compare() -> Response {
     shell("Compare", "compare", &[], "compare.js")
 }
@@ -290,6 +303,103 @@ pub fn report_html(report: &Report) -> String {
         css = asset_text("app.css"),
         app = asset_text("app.js"),
         report_js = asset_text("report.js"),
+    )
+}
+
+/// A bench report as one page: a table of every model on every dataset,
+/// rendered here (every value escaped). With `link_runs` (the dashboard)
+/// each cell links to its run's page; the page `bench report --html`
+/// writes needs no server and links nowhere.
+pub fn bench_html(report: &evalfleet_core::bench::BenchReport, link_runs: bool) -> String {
+    let number = |value: Option<f64>, digits: usize| {
+        value.map_or_else(|| "–".to_owned(), |v| format!("{v:.digits$}"))
+    };
+    let mut rows = String::new();
+    for cell in &report.cells {
+        let s = &cell.status;
+        let run = if link_runs {
+            format!(
+                "<a href=\"/runs/{id}\">{id}</a>",
+                id = escape(&s.plan.run_id)
+            )
+        } else {
+            escape(&s.plan.run_id)
+        };
+        let headline = cell.headline.as_ref().map_or_else(
+            || "–".to_owned(),
+            |h| {
+                format!(
+                    "{:.3} <small>[{:.3}, {:.3}] n={}</small>",
+                    h.mean, h.ci_low, h.ci_high, h.n
+                )
+            },
+        );
+        let groups: Vec<String> = cell
+            .groups
+            .iter()
+            .map(|g| {
+                format!(
+                    "{}: {:.3} <small>[{:.3}, {:.3}]</small>",
+                    escape(&g.group),
+                    g.score.mean,
+                    g.score.ci_low,
+                    g.score.ci_high
+                )
+            })
+            .collect();
+        rows.push_str(&format!(
+            "<tr><td>{model}</td><td>{dataset}</td><td>{conc}</td><td>{state}{message}</td><td>{ended}/{total}</td>\
+             <td>{metric}</td><td>{headline}</td><td>{groups}</td><td>{p50}</td><td>{ttft}</td><td>{tpot}</td><td>{tps}</td>\
+             <td>{gpu}</td><td>{start}</td><td class=\"mono\">{run}</td></tr>",
+            model = escape(&s.plan.model),
+            dataset = escape(&s.plan.dataset),
+            conc = s.plan.concurrency.map_or_else(|| "–".to_owned(), |n| n.to_string()),
+            state = s.state.as_str(),
+            message = s
+                .message
+                .as_deref()
+                .map_or_else(String::new, |m| format!("<br><small>{}</small>", escape(m))),
+            ended = s.done + s.failed,
+            total = s.total,
+            metric = escape(cell.metric.as_deref().unwrap_or("–")),
+            groups = groups.join("<br>"),
+            p50 = number(cell.latency_p50_ms, 1),
+            ttft = number(cell.ttft_p50_ms, 1),
+            tpot = number(cell.tpot_p50_ms, 2),
+            tps = number(cell.tokens_per_second, 1),
+            gpu = cell
+                .peak_gpu_memory_mb
+                .map_or_else(|| "–".to_owned(), |m| m.to_string()),
+            start = number(cell.engine_start_ms.map(|m| m as f64 / 1000.0), 2),
+        ));
+    }
+    let handovers: String = report
+        .handovers
+        .iter()
+        .map(|h| {
+            format!(
+                "<li>{} → {}: {:.3} s from the last answer to the first call, {:.3} s of it the engine's start, {:.3} s ours</li>",
+                escape(&h.from),
+                escape(&h.to),
+                h.gap_ms as f64 / 1000.0,
+                h.engine_start_ms as f64 / 1000.0,
+                h.overhead_ms as f64 / 1000.0
+            )
+        })
+        .collect();
+    format!(
+        "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
+         <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
+         <title>{name} · evalfleet bench</title><style>{css}</style></head><body>\
+         <header class=\"top\"><span class=\"brand\">evalfleet</span><span>bench {name}</span></header>\
+         <main><h1>{name}</h1><div class=\"sub\">{models} model(s) × {datasets} dataset(s); headline: each dataset's first metric, with its 95% interval; latency, TTFT and TPOT are medians (ms); GPU MB is the most GPU memory in use during the cell (telemetry); start is the engine's load time (s).</div>\
+         <div class=\"card\"><table><thead><tr><th>model</th><th>dataset</th><th>concurrency</th><th>state</th><th>items</th><th>metric</th><th>headline</th><th>by category</th>\
+         <th>latency p50</th><th>TTFT p50</th><th>TPOT p50</th><th>tokens/s</th><th>GPU MB</th><th>start</th><th>run</th></tr></thead><tbody>{rows}</tbody></table></div>\
+         <ul>{handovers}</ul></main></body></html>",
+        name = escape(&report.name),
+        css = asset_text("app.css"),
+        models = report.models.len(),
+        datasets = report.datasets.len(),
     )
 }
 

@@ -40,6 +40,9 @@ pub struct ServerOptions {
     pub read_only: bool,
     /// The largest request body taken.
     pub body_limit: usize,
+    /// The store's folder, where benchmark matrices keep their plans
+    /// (`bench/NAME.json`); `None`: no matrix is shown.
+    pub bench_dir: Option<std::path::PathBuf>,
 }
 
 /// Connections kept for the next request.
@@ -59,6 +62,7 @@ pub struct AppState {
     pub(crate) control: Option<Arc<dyn RunControl>>,
     pub(crate) read_only: bool,
     pub(crate) body_limit: usize,
+    pub(crate) bench_dir: Option<std::path::PathBuf>,
     /// Blocking work of requests.
     tracker: TaskTracker,
     /// Reports a read-only server computed, kept here since it writes
@@ -83,6 +87,7 @@ impl AppState {
             control: options.control,
             read_only: options.read_only,
             body_limit: options.body_limit,
+            bench_dir: options.bench_dir,
             tracker: TaskTracker::new(),
             kept: Default::default(),
             templates: Mutex::new(HashMap::new()),

@@ -333,6 +333,8 @@ async fn the_openapi_document_describes_every_route_and_resolves_every_reference
         "/runs/{run_id}/timeline",
         "/runs/{run_id}/resources",
         "/runs/{run_id}/stream",
+        "/benches",
+        "/benches/{name}",
     ] {
         assert!(paths.contains_key(path), "{path} is not documented");
     }

@@ -145,6 +145,19 @@ pub enum Command {
     )]
     Cache(CacheArgs),
 
+    /// Run a benchmark matrix: every model on every dataset (at every sweep point), one model's engine loaded at a time.
+    ///
+    /// For each model in turn: its engine is started and waited for, its
+    /// cells run as ordinary runs (ids NAME-MODEL-DATASET[-cN]), then the
+    /// engine is stopped and its GPU memory waited for before the next model.
+    /// Run the same command again after a crash or Ctrl-C: only unfinished
+    /// cells run, and only their unfinished items. `bench status` shows each
+    /// cell; `bench report` compares the models.
+    #[command(
+        after_help = "Example:\n  evalfleet bench examples/bench.yaml\n  evalfleet bench status examples/bench.yaml\n  evalfleet bench report matrix-demo --format csv\n  evalfleet bench report examples/bench.yaml --html bench.html"
+    )]
+    Bench(BenchArgs),
+
     /// Run one engine command so that it never outlives its run (internal).
     #[command(hide = true)]
     Supervise(SuperviseArgs),
@@ -444,10 +457,79 @@ pub struct ServeArgs {
 }
 
 #[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub action: Option<BenchAction>,
+
+    /// The bench file to run (a file named `status` or `report`: write `./status`).
+    #[arg(required = true)]
+    pub config: Option<PathBuf>,
+
+    /// The SQLite store [default: the bench file's `store`, runs/evalfleet.db, or $EVALFLEET_STORE]
+    #[arg(long)]
+    pub store: Option<PathBuf>,
+
+    /// Start engines on GPUs someone else is using, without asking.
+    #[arg(short = 'y', long = "yes")]
+    pub yes: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BenchAction {
+    /// Each cell's state: pending, running, done, failed or interrupted, items ended, run id.
+    Status(BenchStatusArgs),
+    /// Compare every model on every dataset: headline metric with its interval, by category, latency, TTFT, TPOT, tokens/s, engine start.
+    Report(BenchReportArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchStatusArgs {
+    /// The bench file, or the bench's name (its plan is kept beside the store).
+    pub bench: String,
+
+    #[command(flatten)]
+    pub store: StoreArgs,
+
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum BenchFormat {
+    Table,
+    Csv,
+    Json,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchReportArgs {
+    /// The bench file, or the bench's name (its plan is kept beside the store).
+    pub bench: String,
+
+    #[command(flatten)]
+    pub store: StoreArgs,
+
+    #[arg(long, value_enum, default_value = "table")]
+    pub format: BenchFormat,
+
+    /// Also write the report as one self-contained HTML page.
+    #[arg(long, value_name = "FILE")]
+    pub html: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
 pub struct MockArgs {
     /// Address to listen on (port 0: any free port).
     #[arg(long, default_value = "127.0.0.1:0")]
     pub bind: SocketAddr,
+
+    /// Append `listening MS PID` to FILE once it listens and `exited MS PID`
+    /// when it stops (ms since the epoch): an engine's own account of its
+    /// life, for tests and benchmarks of engine turns.
+    #[arg(long, value_name = "FILE")]
+    pub life_log: Option<PathBuf>,
 
     #[command(flatten)]
     pub settings: MockSettings,

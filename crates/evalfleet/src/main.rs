@@ -123,6 +123,7 @@ fn main() -> ExitCode {
             Command::Report(args) => commands::report::report(args),
             Command::Compare(args) => commands::report::compare(args),
             Command::Cache(args) => commands::report::cache(args),
+            Command::Bench(args) => commands::bench::bench(args).await,
             Command::Supervise(args) => commands::supervise::supervise(args).await,
         }
     });

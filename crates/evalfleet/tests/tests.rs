@@ -7,6 +7,7 @@
 #![allow(clippy::disallowed_methods)]
 
 mod backends;
+mod bench;
 mod code;
 mod conversation;
 mod crash;

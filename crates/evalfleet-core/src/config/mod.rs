@@ -8,6 +8,7 @@
 //! declare ([`schema`]).
 
 mod admission;
+pub mod bench;
 mod conversation;
 mod endpoint;
 mod env;
@@ -444,6 +445,19 @@ pub fn load_file_admitted(
     overrides: Overrides,
     admission: Option<&Admission>,
 ) -> Result<LoadedConfig, ConfigError> {
+    let (document, dir) = read_document(file)?;
+    validate::load(
+        document,
+        &dir,
+        overrides,
+        file.display().to_string(),
+        admission,
+    )
+}
+
+/// A config file's document, and the absolute directory its relative
+/// paths are resolved against.
+fn read_document(file: &Path) -> Result<(Document, PathBuf), ConfigError> {
     let text = std::fs::read_to_string(file).map_err(|source| ConfigError::Read {
         path: file.to_owned(),
         source,
@@ -452,24 +466,12 @@ pub fn load_file_admitted(
         path: file.to_owned(),
         error,
     })?;
-    let dir = file
-        .parent()
-        .map(|p| {
-            if p.as_os_str().is_empty() {
-                Path::new(".")
-            } else {
-                p
-            }
-        })
-        .unwrap_or(Path::new("."));
+    let dir = match file.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
     let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.to_owned());
-    validate::load(
-        document,
-        &dir,
-        overrides,
-        file.display().to_string(),
-        admission,
-    )
+    Ok((document, dir))
 }
 
 /// Reads, expands and validates a config given as text (from a request,

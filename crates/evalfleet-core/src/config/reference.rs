@@ -328,11 +328,6 @@ fn cell(text: &str) -> String {
         .replace('|', "\\|")
 }
 
-/// The page.
-pub fn markdown() -> String {
-    markdown_of(&sections())
-}
-
 /// The page of `sections`.
 pub fn markdown_of(sections: &[Section]) -> String {
     let mut out = String::new();
@@ -365,6 +360,12 @@ pub fn markdown_of(sections: &[Section]) -> String {
         };
         out.push_str(&format!("- [{title}](#{})\n", anchor(&section.path)));
     }
+    render_sections(sections, &mut out);
+    out
+}
+
+/// Each section's heading, description and table of keys.
+fn render_sections(sections: &[Section], out: &mut String) {
     for section in sections {
         if section.path.is_empty() {
             out.push_str("\n## Top level\n\n");
@@ -400,6 +401,74 @@ pub fn markdown_of(sections: &[Section]) -> String {
             ));
         }
     }
+}
+
+/// Sections of a bench file that are a run config's, as the run config's
+/// sections name them.
+const BENCH_BORROWS: [(&str, &str); 9] = [
+    ("models[].endpoint", "endpoints[]"),
+    ("models[].messages[]", "task.messages[]"),
+    ("datasets[].dataset", "dataset"),
+    ("datasets[].task", "task"),
+    ("retry", "retry"),
+    ("timeouts", "timeouts"),
+    ("writer", "writer"),
+    ("report", "report"),
+    ("telemetry", "telemetry"),
+];
+
+/// Where a bench file's section `path` is documented: a run config's
+/// section it borrows, or its own (`bench models[]`).
+fn bench_path(path: &str) -> (String, bool) {
+    for (from, to) in BENCH_BORROWS {
+        if let Some(rest) = path.strip_prefix(from)
+            && (rest.is_empty() || rest.starts_with(['.', '[']))
+        {
+            return (format!("{to}{rest}"), true);
+        }
+    }
+    if path.is_empty() {
+        ("bench".to_owned(), false)
+    } else {
+        (format!("bench {path}"), false)
+    }
+}
+
+/// The bench file's own sections (`evalfleet bench CONFIG`); its keys that
+/// take a run config's sections as they are link to those.
+pub fn bench_sections() -> Vec<Section> {
+    sections_of(&schema::of::<super::bench::RawBench>())
+        .into_iter()
+        .filter_map(|mut section| {
+            let (path, borrowed) = bench_path(&section.path);
+            if borrowed {
+                return None;
+            }
+            section.path = path;
+            for key in &mut section.keys {
+                key.section = key.section.as_deref().map(|s| bench_path(s).0);
+            }
+            Some(section)
+        })
+        .collect()
+}
+
+/// The whole page: the run config, then the bench file.
+pub fn markdown() -> String {
+    let mut out = markdown_of(&sections());
+    out.push_str(
+        "\n# Benchmark matrix (`evalfleet bench`)\n\n\
+         A bench file names models and datasets; every model answers every \
+         dataset (at every point of `sweep`), one model's engine loaded at a \
+         time. Each cell is a run config of its own, made of the model's \
+         `endpoint` (as `endpoints[]` above), the dataset's `dataset` and \
+         `task` (as above), the model's `params` over the task's and its \
+         `messages` instead of the task's, and `retry`, `timeouts`, \
+         `writer`, `report`, `telemetry` and `shutdown_grace` as written: a problem in \
+         any of them is reported once, with the bench file's path and line. \
+         See docs/commands.md, `evalfleet bench`.\n",
+    );
+    render_sections(&bench_sections(), &mut out);
     out
 }
 
@@ -416,14 +485,15 @@ mod tests {
 
     #[test]
     fn config_reference_documents_every_key_and_is_current() {
-        let sections = sections();
+        let mut sections = sections();
+        sections.extend(bench_sections());
         let undocumented = undocumented(&sections);
         assert!(
             undocumented.is_empty(),
             "keys the reference cannot document:\n  {}",
             undocumented.join("\n  ")
         );
-        let made = markdown_of(&sections);
+        let made = markdown();
         if std::env::var_os("EVALFLEET_BLESS").is_some() {
             std::fs::write(page(), &made).unwrap();
             return;

@@ -18,6 +18,7 @@ pub mod procs;
 pub mod prometheus;
 pub mod rate;
 pub mod runtime;
+pub mod turn;
 pub mod watchdog;
 pub mod window;
 

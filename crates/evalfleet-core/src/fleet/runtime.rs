@@ -718,13 +718,16 @@ fn exclude(shared: &Shared, endpoint: &Endpoint, why: String) {
 }
 
 /// An engine that is up: its process (for remote ones, the tunnel) and URL.
-struct Running {
-    process: Supervised,
-    base_url: String,
+pub(super) struct Running {
+    pub(super) process: Supervised,
+    pub(super) base_url: String,
 }
 
-async fn launch(shared: &Shared, endpoint: &Endpoint, local_port: u16) -> Result<Running, String> {
-    let launcher = &shared.options.launcher;
+pub(super) async fn launch(
+    launcher: &Launcher,
+    endpoint: &Endpoint,
+    local_port: u16,
+) -> Result<Running, String> {
     let base_url = format!("http://127.0.0.1:{local_port}/v1");
     match &endpoint.config.kind {
         EndpointKind::Local(engine) => {
@@ -792,17 +795,18 @@ async fn launch(shared: &Shared, endpoint: &Endpoint, local_port: u16) -> Result
 /// Waits until the engine answers its health path, it exits, the start-up
 /// timeout passes, or the run stops. A failure says what the engine said
 /// last.
-async fn ready(
+pub(super) async fn ready(
     endpoint: &Endpoint,
     running: &mut Running,
     timeout: Duration,
+    every: Duration,
     stop: &CancellationToken,
 ) -> Result<(), String> {
     let url = health_url(&endpoint.config, &running.base_url);
     let http = http_client(1).map_err(|err| err.to_string())?;
     let deadline = Instant::now() + timeout;
     let mut last = "not started".to_owned();
-    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    let mut tick = tokio::time::interval(every);
     loop {
         tokio::select! {
             () = stop.cancelled() => return Err("the run is stopping".to_owned()),
@@ -860,7 +864,7 @@ async fn keep_engine(shared: &Shared, endpoint: &Endpoint, stop: &CancellationTo
         };
         endpoint.set_phase(phase);
         let started = Instant::now();
-        let ended = match launch(shared, endpoint, local_port).await {
+        let ended = match launch(&shared.options.launcher, endpoint, local_port).await {
             Err(err) => Err(err),
             Ok(mut running) => {
                 shared.event(
@@ -876,7 +880,15 @@ async fn keep_engine(shared: &Shared, endpoint: &Endpoint, stop: &CancellationTo
                         running.process.log.display()
                     ),
                 );
-                match ready(endpoint, &mut running, engine.startup_timeout, stop).await {
+                match ready(
+                    endpoint,
+                    &mut running,
+                    engine.startup_timeout,
+                    Duration::from_millis(250),
+                    stop,
+                )
+                .await
+                {
                     Err(err) => {
                         running.process.stop(engine.stop_grace).await;
                         Err(err)

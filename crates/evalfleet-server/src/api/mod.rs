@@ -1,6 +1,7 @@
 //! The JSON API under `/api/v1`, and its OpenAPI document, made from the
 //! handlers themselves.
 
+pub mod benches;
 pub mod items;
 pub mod live;
 pub mod reports;
@@ -70,6 +71,8 @@ pub fn router() -> (axum::Router<Arc<AppState>>, OpenApi) {
         .routes(routes!(items::item))
         .routes(routes!(reports::report))
         .routes(routes!(reports::compare))
+        .routes(routes!(benches::list))
+        .routes(routes!(benches::get))
         .routes(routes!(live::timeline))
         .routes(routes!(live::resources))
         .routes(routes!(live::stream))

@@ -30,13 +30,31 @@ pub async fn mock(args: MockArgs) -> anyhow::Result<u8> {
         args.settings.model
     );
 
+    let life = |what: &str| -> std::io::Result<()> {
+        if let Some(file) = &args.life_log {
+            let mut out = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(file)?;
+            writeln!(
+                out,
+                "{what} {} {}",
+                evalfleet_core::types::now_ms(),
+                std::process::id()
+            )?;
+        }
+        Ok(())
+    };
+    life("listening")?;
     let shutdown = super::stopped_by_signals()?;
-    evalfleet_mock::serve(
+    let served = evalfleet_mock::serve(
         listener,
         args.settings,
         Arc::new(Stats::default()),
         shutdown,
     )
-    .await?;
+    .await;
+    life("exited")?;
+    served?;
     Ok(EXIT_OK)
 }

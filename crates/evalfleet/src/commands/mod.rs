@@ -1,6 +1,7 @@
 //! The commands, one module each (`runs`, `status` and `export` share
 //! `inspect`).
 
+pub mod bench;
 pub mod check;
 pub mod env;
 pub mod inspect;

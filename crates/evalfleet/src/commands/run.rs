@@ -11,6 +11,7 @@ use evalfleet_core::fleet::runtime::{Fleet, GpuPolicy};
 use evalfleet_core::pipeline::{OpenStore, PipelineError, Progress};
 use evalfleet_core::preflight;
 use evalfleet_core::run::{self, SessionPlan, SessionReport};
+use evalfleet_core::store::RunRecord;
 use evalfleet_core::store::prelude::*;
 use evalfleet_core::template::Templates;
 use evalfleet_core::types::RunStatus;
@@ -223,7 +224,30 @@ pub(crate) async fn resumable(
         Some(file) => config::load_file(file, Overrides::default())?,
         None => config::load_snapshot(&record.config, Path::new(&record.config_dir))?,
     };
-    run::check_resume(&record, &loaded.config)?;
+    resumable_with(
+        location,
+        store,
+        &record,
+        loaded,
+        retry_failed,
+        endpoints,
+        yes,
+    )
+    .await
+}
+
+/// [`resumable`], of the stored run `record` with `loaded` as its config.
+pub(crate) async fn resumable_with(
+    location: Location,
+    mut store: Box<dyn Store>,
+    record: &RunRecord,
+    loaded: LoadedConfig,
+    retry_failed: bool,
+    endpoints: &[String],
+    yes: bool,
+) -> anyhow::Result<Resumable> {
+    let run_id = record.run_id.as_str();
+    run::check_resume(record, &loaded.config)?;
     let counts = store.counts(run_id)?;
     if counts.pending == 0 && !(retry_failed && counts.failed > 0) {
         if record.status != RunStatus::Finished {

@@ -1,0 +1,502 @@
+//! A benchmark matrix above runs: its plan (which cell is which run), each
+//! cell's state, and the report that compares every model on every
+//! dataset. The cells are ordinary runs; this module only reads them.
+//!
+//! The plan is kept as a manifest beside the store (`bench/NAME.json`), so
+//! that `bench status NAME`, `bench report NAME` and the dashboard find the
+//! cells without the bench file.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::bench::BenchConfig;
+use crate::report::{self, ReportError, metrics::ALL};
+use crate::store::{ItemQuery, SortKey, Store, StoreError};
+use crate::worker;
+use evalfleet_types::{Event, EventKind, RunStatus};
+
+/// Which run each cell is: what `bench status` and `bench report` read.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Manifest {
+    pub name: String,
+    /// The bench file it was made from.
+    pub config: String,
+    /// In the order their engines are loaded.
+    pub models: Vec<String>,
+    pub datasets: Vec<String>,
+    pub sweep: Vec<usize>,
+    pub group_by: Vec<String>,
+    pub cells: Vec<CellPlan>,
+}
+
+/// One cell of the plan.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct CellPlan {
+    pub run_id: String,
+    pub model: String,
+    pub dataset: String,
+    pub concurrency: Option<usize>,
+}
+
+/// A manifest's file name is the bench's name, which is id-safe.
+pub fn is_bench_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 120
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        && !name.starts_with(['.', '-'])
+}
+
+impl Manifest {
+    pub fn of(bench: &BenchConfig) -> Self {
+        Self {
+            name: bench.name.clone(),
+            config: bench.origin.clone(),
+            models: bench.models.iter().map(|m| m.name.clone()).collect(),
+            datasets: bench.datasets.clone(),
+            sweep: bench.sweep.clone(),
+            group_by: bench.group_by.clone(),
+            cells: bench
+                .cells()
+                .map(|c| CellPlan {
+                    run_id: c.run_id.clone(),
+                    model: c.model.clone(),
+                    dataset: c.dataset.clone(),
+                    concurrency: c.concurrency,
+                })
+                .collect(),
+        }
+    }
+
+    /// Where the manifest of `name` is kept, beside the store in `dir`.
+    pub fn path(store_dir: &Path, name: &str) -> PathBuf {
+        store_dir.join("bench").join(format!("{name}.json"))
+    }
+
+    /// Writes it (atomically: a reader never sees half of it).
+    pub fn write(&self, store_dir: &Path) -> std::io::Result<()> {
+        let path = Self::path(store_dir, &self.name);
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let temporary = path.with_extension("json.tmp");
+        std::fs::write(&temporary, serde_json::to_vec_pretty(self)?)?;
+        std::fs::rename(temporary, path)
+    }
+
+    /// The manifest of bench `name` in the store at `store_dir`.
+    pub fn read(store_dir: &Path, name: &str) -> Result<Self, String> {
+        if !is_bench_name(name) {
+            return Err(format!("'{name}' is not a bench's name"));
+        }
+        let path = Self::path(store_dir, name);
+        let text = std::fs::read_to_string(&path).map_err(|err| {
+            format!(
+                "no bench '{name}' beside this store ({}: {err}); run `evalfleet bench CONFIG` first",
+                path.display()
+            )
+        })?;
+        serde_json::from_str(&text).map_err(|err| format!("{}: {err}", path.display()))
+    }
+
+    /// The benches kept beside the store at `store_dir`, by name.
+    pub fn list(store_dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(store_dir.join("bench"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                e.file_name()
+                    .to_str()
+                    .and_then(|n| n.strip_suffix(".json"))
+                    .map(str::to_owned)
+            })
+            .filter(|n| is_bench_name(n))
+            .collect();
+        names.sort();
+        names
+    }
+}
+
+/// Where a cell stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum CellState {
+    /// Not started: no run yet, or a run with no answer and no failure.
+    Pending,
+    /// A live process is answering it.
+    Running,
+    /// Every item ended.
+    Done,
+    /// It could not run (its engine did not start, its run was refused):
+    /// the reason is its message. Running the bench again tries it again.
+    Failed,
+    /// Stopped part way (Ctrl-C, a crash); running the bench again
+    /// finishes it.
+    Interrupted,
+}
+
+impl CellState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Running => "running",
+            Self::Done => "done",
+            Self::Failed => "failed",
+            Self::Interrupted => "interrupted",
+        }
+    }
+}
+
+/// The message of a cell's run that says it could not run: how the bench
+/// marks a cell failed.
+pub const CELL_FAILED: &str = "bench: this cell could not run: ";
+
+/// One cell's state.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct CellStatus {
+    #[serde(flatten)]
+    pub plan: CellPlan,
+    pub state: CellState,
+    /// Items ended (done and failed) and in all; 0 of 0 before the run
+    /// exists.
+    pub done: u64,
+    pub failed: u64,
+    pub total: u64,
+    /// Why it failed or was interrupted.
+    pub message: Option<String>,
+}
+
+/// The state of every cell of `manifest`.
+pub fn status(store: &mut dyn Store, manifest: &Manifest) -> Result<Vec<CellStatus>, StoreError> {
+    manifest
+        .cells
+        .iter()
+        .map(|plan| cell_status(store, plan))
+        .collect()
+}
+
+impl CellStatus {
+    /// A cell whose run does not exist yet.
+    fn unstarted(plan: &CellPlan) -> Self {
+        Self {
+            plan: plan.clone(),
+            state: CellState::Pending,
+            done: 0,
+            failed: 0,
+            total: 0,
+            message: None,
+        }
+    }
+}
+
+/// Every cell pending: a bench whose store does not exist yet.
+pub fn status_without_store(manifest: &Manifest) -> Vec<CellStatus> {
+    manifest.cells.iter().map(CellStatus::unstarted).collect()
+}
+
+fn cell_status(store: &mut dyn Store, plan: &CellPlan) -> Result<CellStatus, StoreError> {
+    let record = match store.run(&plan.run_id) {
+        Ok(record) => record,
+        Err(StoreError::NoSuchRun(_)) => return Ok(CellStatus::unstarted(plan)),
+        Err(err) => return Err(err),
+    };
+    let counts = store.counts(&plan.run_id)?;
+    let failed_to_run = record
+        .message
+        .as_deref()
+        .and_then(|m| m.strip_prefix(CELL_FAILED));
+    let state = match record.status {
+        RunStatus::Finished => CellState::Done,
+        _ if failed_to_run.is_some() => CellState::Failed,
+        RunStatus::Running if !worker::live_workers(store, &plan.run_id)?.is_empty() => {
+            CellState::Running
+        }
+        _ if record.sessions == 0 => CellState::Pending,
+        _ => CellState::Interrupted,
+    };
+    Ok(CellStatus {
+        plan: plan.clone(),
+        state,
+        done: counts.done,
+        failed: counts.failed,
+        total: counts.total(),
+        message: match state {
+            CellState::Failed => failed_to_run.map(str::to_owned),
+            CellState::Interrupted => record.message,
+            _ => None,
+        },
+    })
+}
+
+/// A score with its 95% interval.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct Score {
+    pub mean: f64,
+    pub ci_low: f64,
+    pub ci_high: f64,
+    /// Items it is the mean of.
+    pub n: u64,
+}
+
+/// The headline metric in one category.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct GroupScore {
+    /// `field=value`.
+    pub group: String,
+    #[serde(flatten)]
+    pub score: Score,
+}
+
+/// One cell, compared.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct CellReport {
+    #[serde(flatten)]
+    pub status: CellStatus,
+    /// The dataset's first metric, over every item (`None` before any
+    /// answer is scored, or without metrics).
+    pub metric: Option<String>,
+    pub headline: Option<Score>,
+    /// The headline metric by each `group_by` category (`field=value`).
+    pub groups: Vec<GroupScore>,
+    /// Whole-call latency, time to first token and time per output token
+    /// (ms, median), and output tokens per second of a call (mean).
+    pub latency_p50_ms: Option<f64>,
+    pub ttft_p50_ms: Option<f64>,
+    pub tpot_p50_ms: Option<f64>,
+    pub tokens_per_second: Option<f64>,
+    /// The most memory in use at once on the GPUs the cell's run sampled
+    /// (MiB, the whole GPU's: its engine's and whoever else's); `None`
+    /// without GPU telemetry (no `nvidia-smi`, or an engine on another
+    /// host).
+    pub peak_gpu_memory_mb: Option<u64>,
+    /// How long the model's engine took to load for this cell's last
+    /// turn, from its process's start to its first health answer (ms).
+    pub engine_start_ms: Option<i64>,
+}
+
+/// From one model's last answer to the next model's first call.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct Handover {
+    pub from: String,
+    pub to: String,
+    pub gap_ms: i64,
+    /// The next engine's own start (process start to health answer).
+    pub engine_start_ms: i64,
+    /// What the gap holds besides the engine's start: unloading the first
+    /// engine, waiting for its GPU, registering and starting runs.
+    pub overhead_ms: i64,
+}
+
+/// Every model on every dataset.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct BenchReport {
+    pub name: String,
+    pub models: Vec<String>,
+    pub datasets: Vec<String>,
+    pub group_by: Vec<String>,
+    pub cells: Vec<CellReport>,
+    /// Between consecutive models whose turns followed each other in one
+    /// bench process (none after a resume in between).
+    pub handovers: Vec<Handover>,
+}
+
+/// The engine's last turn as the bench recorded it on the cell's run:
+/// (spawned, ready) in ms since the epoch.
+fn last_turn(events: &[Event], model: &str) -> Option<(i64, i64)> {
+    let started = events
+        .iter()
+        .rposition(|e| e.kind == EventKind::Started && e.endpoint.as_deref() == Some(model))?;
+    let ready = events[started..]
+        .iter()
+        .find(|e| e.kind == EventKind::Ready && e.endpoint.as_deref() == Some(model))?;
+    Some((events[started].at_ms, ready.at_ms))
+}
+
+/// When a cell's first call was sent and its last answer came:
+/// (first sent, last finished) in ms since the epoch.
+fn answer_span(store: &mut dyn Store, run_id: &str) -> Result<Option<(i64, i64)>, StoreError> {
+    let page = |store: &mut dyn Store, descending| {
+        store.items(
+            run_id,
+            &ItemQuery {
+                sort: SortKey::Finished,
+                descending,
+                limit: 1,
+                ..ItemQuery::default()
+            },
+        )
+    };
+    let first = page(store, false)?.rows.into_iter().next();
+    let last = page(store, true)?.rows.into_iter().next();
+    let (Some(first), Some(last)) = (first, last) else {
+        return Ok(None);
+    };
+    let sent = store
+        .item(run_id, &first.item_id)?
+        .and_then(|item| item.attempt_records.first().map(|a| a.sent_at_ms));
+    Ok(match (sent, last.finished_at_ms) {
+        (Some(sent), Some(finished)) => Some((sent, finished)),
+        _ => None,
+    })
+}
+
+/// One model's cells in time: its engine's first turn (spawned, ready),
+/// its first call and its last answer (ms since the epoch).
+#[derive(Default)]
+struct ModelSpan {
+    model: String,
+    turn: Option<(i64, i64)>,
+    first_call: Option<i64>,
+    last_answer: Option<i64>,
+}
+
+/// The report of every cell of `manifest`.
+pub fn report(store: &mut dyn Store, manifest: &Manifest) -> Result<BenchReport, ReportError> {
+    let mut cells = Vec::new();
+    let mut spans: Vec<ModelSpan> = manifest
+        .models
+        .iter()
+        .map(|m| ModelSpan {
+            model: m.clone(),
+            ..ModelSpan::default()
+        })
+        .collect();
+    for status in status(store, manifest)? {
+        let run_id = status.plan.run_id.clone();
+        let mut cell = CellReport {
+            status,
+            metric: None,
+            headline: None,
+            groups: Vec::new(),
+            latency_p50_ms: None,
+            ttft_p50_ms: None,
+            tpot_p50_ms: None,
+            tokens_per_second: None,
+            peak_gpu_memory_mb: None,
+            engine_start_ms: None,
+        };
+        if cell.status.total == 0 {
+            cells.push(cell);
+            continue;
+        }
+        let run = report::report(store, &run_id, &manifest.group_by, None)?;
+        if let Some(first) = run.metrics.first() {
+            let metric = first.metric.clone();
+            for summary in run.metrics.iter().filter(|s| s.metric == metric) {
+                if summary.status == "not scored" {
+                    continue;
+                }
+                let score = Score {
+                    mean: summary.estimate.mean,
+                    ci_low: summary.estimate.ci_low,
+                    ci_high: summary.estimate.ci_high,
+                    n: summary.scored,
+                };
+                if summary.group == ALL {
+                    cell.headline = Some(score);
+                } else {
+                    cell.groups.push(GroupScore {
+                        group: summary.group.clone(),
+                        score,
+                    });
+                }
+            }
+            cell.metric = Some(metric);
+        }
+        cell.peak_gpu_memory_mb = run
+            .resources
+            .gpu_memory_peak_mb
+            .map(|mb| mb.round().max(0.0) as u64);
+        if let Some(endpoint) = run.endpoints.iter().find(|e| e.successes > 0) {
+            cell.latency_p50_ms = endpoint.latency_ms.map(|p| p.p50);
+            cell.ttft_p50_ms = endpoint.ttft_ms.map(|p| p.p50);
+            cell.tpot_p50_ms = endpoint.tpot_ms.map(|p| p.p50);
+            cell.tokens_per_second = Some(endpoint.tokens_per_second_per_call);
+        }
+        let events = store.events(&run_id)?;
+        let turn = last_turn(&events, &cell.status.plan.model);
+        cell.engine_start_ms = turn.map(|(spawned, ready)| ready - spawned);
+        let span = answer_span(store, &run_id)?;
+        if let Some(entry) = spans.iter_mut().find(|s| s.model == cell.status.plan.model) {
+            if let Some(turn) = turn {
+                entry.turn = Some(entry.turn.map_or(turn, |t| t.min(turn)));
+            }
+            if let Some((sent, finished)) = span {
+                entry.first_call = Some(entry.first_call.map_or(sent, |s| s.min(sent)));
+                entry.last_answer = Some(entry.last_answer.map_or(finished, |f| f.max(finished)));
+            }
+        }
+        cells.push(cell);
+    }
+    let mut handovers = Vec::new();
+    for pair in spans.windows(2) {
+        let (Some(last_answer), Some((spawned, ready)), Some(first_call)) =
+            (pair[0].last_answer, pair[1].turn, pair[1].first_call)
+        else {
+            continue;
+        };
+        // Only a handover within one process: the next engine was started
+        // after the last answer, and called once it was ready.
+        if spawned < last_answer || first_call < ready {
+            continue;
+        }
+        let gap_ms = first_call - last_answer;
+        let engine_start_ms = ready - spawned;
+        handovers.push(Handover {
+            from: pair[0].model.clone(),
+            to: pair[1].model.clone(),
+            gap_ms,
+            engine_start_ms,
+            overhead_ms: gap_ms - engine_start_ms,
+        });
+    }
+    Ok(BenchReport {
+        name: manifest.name.clone(),
+        models: manifest.models.clone(),
+        datasets: manifest.datasets.clone(),
+        group_by: manifest.group_by.clone(),
+        cells,
+        handovers,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(at_ms: i64, kind: EventKind, endpoint: &str) -> Event {
+        Event {
+            at_ms,
+            kind,
+            endpoint: Some(endpoint.to_owned()),
+            message: String::new(),
+        }
+    }
+
+    #[test]
+    fn an_engine_s_last_turn_is_its_last_start_and_the_ready_after_it() {
+        let events = [
+            event(10, EventKind::Started, "a"),
+            event(30, EventKind::Ready, "a"),
+            event(40, EventKind::Started, "b"),
+            event(100, EventKind::Started, "a"),
+            event(150, EventKind::Ready, "b"),
+            event(170, EventKind::Ready, "a"),
+        ];
+        assert_eq!(last_turn(&events, "a"), Some((100, 170)));
+        assert_eq!(last_turn(&events, "b"), Some((40, 150)));
+        assert_eq!(last_turn(&events, "c"), None);
+        assert_eq!(last_turn(&events[..4], "a"), None, "no ready after it");
+    }
+
+    #[test]
+    fn bench_names_are_file_names_of_their_own() {
+        assert!(is_bench_name("vlm-docs_1.2"));
+        assert!(!is_bench_name("../x"));
+        assert!(!is_bench_name(".hidden"));
+        assert!(!is_bench_name(""));
+    }
+}

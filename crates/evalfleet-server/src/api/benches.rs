@@ -1,0 +1,64 @@
+//! Benchmark matrices: their names, and each one's report (every cell's
+//! state and scores). Read only: a matrix is run by `evalfleet bench`.
+
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::State;
+use evalfleet_core::bench::{self, BenchReport, Manifest};
+
+use crate::error::{ApiError, ErrorBody};
+use crate::extract::Path;
+use crate::state::AppState;
+
+/// The plan of bench `name`, read from beside the store.
+pub(crate) fn manifest(state: &AppState, name: &str) -> Result<Manifest, ApiError> {
+    let Some(dir) = &state.bench_dir else {
+        return Err(ApiError::NotFound(
+            "this server shows no benches".to_owned(),
+        ));
+    };
+    if !bench::is_bench_name(name) {
+        return Err(ApiError::NotFound(format!("no bench '{name}'")));
+    }
+    Manifest::read(dir, name).map_err(|_| ApiError::NotFound(format!("no bench '{name}'")))
+}
+
+/// The benchmark matrices kept beside the store, by name.
+#[utoipa::path(
+    get,
+    path = "/benches",
+    tag = "benches",
+    responses((status = 200, description = "Their names", body = Vec<String>))
+)]
+pub async fn list(State(state): State<Arc<AppState>>) -> Result<Json<Vec<String>>, ApiError> {
+    let dir = state.bench_dir.clone();
+    state
+        .blocking(move || Ok(dir.map(|dir| Manifest::list(&dir)).unwrap_or_default()))
+        .await
+        .map(Json)
+}
+
+/// A matrix's report: every cell (model × dataset × sweep point) with its
+/// state, its run's id, its headline metric and interval, by category,
+/// latency, TTFT, TPOT, tokens/s and its engine's start time.
+#[utoipa::path(
+    get,
+    path = "/benches/{name}",
+    tag = "benches",
+    params(("name" = String, Path, description = "The bench's name")),
+    responses(
+        (status = 200, description = "The report", body = BenchReport),
+        (status = 404, description = "No such bench", body = ErrorBody),
+    )
+)]
+pub async fn get(
+    State(state): State<Arc<AppState>>,
+    Path(name): Path<String>,
+) -> Result<Json<BenchReport>, ApiError> {
+    let manifest = manifest(&state, &name)?;
+    state
+        .with_store(move |store| Ok(bench::report(store, &manifest)?))
+        .await
+        .map(Json)
+}
