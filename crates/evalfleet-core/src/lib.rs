@@ -8,6 +8,7 @@ pub mod dataset;
 pub mod eval;
 pub mod fingerprint;
 pub mod fleet;
+pub mod images;
 pub mod jinja;
 pub mod pipeline;
 pub mod preflight;

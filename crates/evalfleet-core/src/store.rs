@@ -320,6 +320,10 @@ pub struct ExportRow {
     /// Why the answer could not be used (it did not parse, or broke the
     /// schema), when it could not.
     pub check_error: Option<String>,
+    /// The images the item's request sent: source, page, SHA-256 and size
+    /// (shown only when there were any).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub images: Vec<evalfleet_types::ImageRef>,
 }
 
 /// A stored result, as `evalfleet score` and `report` read it.

@@ -6,7 +6,7 @@ use minijinja::Environment;
 use serde::Serialize;
 use serde_json::value::RawValue;
 
-use crate::config::{MessageTemplate, TaskConfig, path};
+use crate::config::{MessageTemplate, Part, TaskConfig, path};
 use crate::dataset::Row;
 
 /// One rendered chat message.
@@ -19,8 +19,75 @@ pub struct Message {
 /// The task's message templates, compiled.
 pub struct Templates {
     env: Environment<'static>,
-    messages: Vec<(String, String)>,
+    messages: Vec<Compiled>,
     variables: BTreeSet<String>,
+}
+
+/// One message's templates: its role, and its content's parts (a text
+/// content is one text part, sent as a string).
+struct Compiled {
+    role: String,
+    parts: Vec<CompiledPart>,
+    as_parts: bool,
+}
+
+/// A part's template, by the name it was added to the environment under.
+enum CompiledPart {
+    Text(String),
+    /// With the expression of a template that is one (`{{ pages }}`), whose
+    /// value may be a list of images.
+    Image(String, Option<String>),
+}
+
+/// One message of an item, its images not yet read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RenderedMessage {
+    pub role: String,
+    pub parts: Vec<RenderedPart>,
+    /// `false`: the content is its one text part, sent as a string.
+    pub as_parts: bool,
+}
+
+/// A rendered part.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RenderedPart {
+    Text(String),
+    /// The image values a part gave (`at`: its place in the config).
+    Images { at: String, values: Vec<String> },
+}
+
+/// One message as it is sent with images: content parts in OpenAI's form.
+#[derive(Serialize)]
+struct PartsMessage<'a> {
+    role: &'a str,
+    content: PartsContent<'a>,
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum PartsContent<'a> {
+    Text(&'a str),
+    Parts(Vec<OutPart<'a>>),
+}
+
+#[derive(Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum OutPart<'a> {
+    Text { text: &'a str },
+    ImageUrl { image_url: ImageUrl },
+}
+
+#[derive(Serialize)]
+struct ImageUrl {
+    url: String,
+}
+
+/// The expression of a template that is one lone `{{ expression }}`.
+fn lone_expression(source: &str) -> Option<String> {
+    let inner = source.trim().strip_prefix("{{")?.strip_suffix("}}")?;
+    let inner = inner.trim_start_matches('-').trim_end_matches('-').trim();
+    (!inner.contains("{{") && !inner.contains("}}") && !inner.contains("{%"))
+        .then(|| inner.to_owned())
 }
 
 /// A template that cannot be used with this dataset.
@@ -49,18 +116,46 @@ impl Templates {
         let mut compiled = Vec::with_capacity(messages.len());
         let mut variables = BTreeSet::new();
         for (i, message) in messages.iter().enumerate() {
-            let name = path::key(&path::index(at, i), "content");
-            env.add_template_owned(name.clone(), message.content.clone())
-                .map_err(|err| TemplateError {
+            let content_at = path::key(&path::index(at, i), "content");
+            let sources: Vec<(String, &Part)> = if message.parts.is_empty() {
+                Vec::new()
+            } else {
+                message
+                    .parts
+                    .iter()
+                    .enumerate()
+                    .map(|(j, part)| (path::index(&content_at, j), part))
+                    .collect()
+            };
+            let text = Part::Text(message.content.clone());
+            let sources = if sources.is_empty() {
+                vec![(content_at, &text)]
+            } else {
+                sources
+            };
+            let mut parts = Vec::with_capacity(sources.len());
+            for (name, part) in sources {
+                let (Part::Text(source) | Part::Image(source)) = part;
+                env.add_template_owned(name.clone(), source.clone())
+                    .map_err(|err| TemplateError {
+                        path: name.clone(),
+                        message: err.to_string(),
+                    })?;
+                let template = env.get_template(&name).map_err(|err| TemplateError {
                     path: name.clone(),
                     message: err.to_string(),
                 })?;
-            let template = env.get_template(&name).map_err(|err| TemplateError {
-                path: name.clone(),
-                message: err.to_string(),
-            })?;
-            variables.extend(template.undeclared_variables(false));
-            compiled.push((message.role.clone(), name));
+                variables.extend(template.undeclared_variables(false));
+                parts.push(match part {
+                    Part::Text(_) => CompiledPart::Text(name),
+                    Part::Image(source) => CompiledPart::Image(name, lone_expression(source)),
+                });
+            }
+            compiled.push(Compiled {
+                role: message.role.clone(),
+                parts,
+                as_parts: !message.parts.is_empty(),
+            });
         }
         Ok(Self {
             env,
@@ -102,18 +197,74 @@ impl Templates {
         })
     }
 
-    /// The messages for one item.
+    /// Whether any message has image parts.
+    pub fn has_images(&self) -> bool {
+        self.messages
+            .iter()
+            .any(|m| m.parts.iter().any(|p| matches!(p, CompiledPart::Image(..))))
+    }
+
+    /// The messages for one item, with text content only (see
+    /// [`Self::render_parts`] for images).
     pub fn render(&self, row: &Row) -> Result<Vec<Message>, String> {
+        let rendered = self.render_parts(row)?;
+        let mut out = Vec::with_capacity(rendered.len());
+        for message in rendered {
+            let mut content = String::new();
+            for part in message.parts {
+                match part {
+                    RenderedPart::Text(text) => content.push_str(&text),
+                    RenderedPart::Images { at, .. } => {
+                        return Err(format!("{at}: images cannot be sent here"));
+                    }
+                }
+            }
+            out.push(Message {
+                role: message.role,
+                content,
+            });
+        }
+        Ok(out)
+    }
+
+    /// The messages for one item, each image part with the values it gives
+    /// (paths, URLs, ...), not yet read.
+    pub fn render_parts(&self, row: &Row) -> Result<Vec<RenderedMessage>, String> {
         let context = minijinja::Value::from(minijinja::value::Serde(row));
         let mut out = Vec::with_capacity(self.messages.len());
-        for (role, name) in &self.messages {
-            let template = self.env.get_template(name).map_err(|err| err.to_string())?;
-            let content = template.render(&context).map_err(|err| {
-                format!("{name}: {}", crate::jinja::explain(&err, &template, row))
-            })?;
-            out.push(Message {
-                role: role.clone(),
-                content,
+        for message in &self.messages {
+            let mut parts = Vec::with_capacity(message.parts.len());
+            for part in &message.parts {
+                let (CompiledPart::Text(name) | CompiledPart::Image(name, _)) = part;
+                let template = self.env.get_template(name).map_err(|err| err.to_string())?;
+                let explain = |err: minijinja::Error| {
+                    format!("{name}: {}", crate::jinja::explain(&err, &template, row))
+                };
+                parts.push(match part {
+                    CompiledPart::Text(_) => {
+                        RenderedPart::Text(template.render(&context).map_err(explain)?)
+                    }
+                    CompiledPart::Image(_, Some(expression)) => {
+                        let value = self
+                            .env
+                            .compile_expression(expression)
+                            .and_then(|e| e.eval(&context))
+                            .map_err(explain)?;
+                        RenderedPart::Images {
+                            at: name.clone(),
+                            values: image_values(&value, name)?,
+                        }
+                    }
+                    CompiledPart::Image(_, None) => RenderedPart::Images {
+                        at: name.clone(),
+                        values: vec![template.render(&context).map_err(explain)?],
+                    },
+                });
+            }
+            out.push(RenderedMessage {
+                role: message.role.clone(),
+                parts,
+                as_parts: message.as_parts,
             });
         }
         Ok(out)
@@ -124,6 +275,78 @@ impl Templates {
         let messages = self.render(row)?;
         serde_json::value::to_raw_value(&messages).map_err(|err| err.to_string())
     }
+}
+
+/// The image values of an image part's expression: a list gives one each.
+fn image_values(value: &minijinja::Value, at: &str) -> Result<Vec<String>, String> {
+    use minijinja::value::ValueKind;
+    let one = |v: &minijinja::Value| match v.kind() {
+        ValueKind::String => Ok(v.to_string()),
+        ValueKind::Undefined | ValueKind::None => {
+            Err(format!("{at}: the item has no image here (the value is empty)"))
+        }
+        kind => Err(format!("{at}: an image value must be a text, got {kind}")),
+    };
+    match value.kind() {
+        ValueKind::Seq => {
+            let values = value
+                .try_iter()
+                .map_err(|err| format!("{at}: {err}"))?
+                .map(|v| one(&v))
+                .collect::<Result<Vec<_>, _>>()?;
+            if values.is_empty() {
+                return Err(format!("{at}: the list of images is empty"));
+            }
+            Ok(values)
+        }
+        _ => Ok(vec![one(value)?]),
+    }
+}
+
+/// `messages` as sent, each image part's values replaced by `images` (one
+/// list per image part, in order: what each part's values gave), as a JSON
+/// array whose image URLs hold the images' hashes (see
+/// [`crate::images::write_body`]).
+pub fn messages_with_images(
+    messages: &[RenderedMessage],
+    images: &[Vec<crate::images::Image>],
+) -> Result<Box<RawValue>, String> {
+    let mut images = images.iter();
+    let mut out = Vec::with_capacity(messages.len());
+    for message in messages {
+        if !message.as_parts {
+            let text = match message.parts.first() {
+                Some(RenderedPart::Text(text)) => text.as_str(),
+                _ => "",
+            };
+            out.push(PartsMessage {
+                role: &message.role,
+                content: PartsContent::Text(text),
+            });
+            continue;
+        }
+        let mut parts = Vec::with_capacity(message.parts.len());
+        for part in &message.parts {
+            match part {
+                RenderedPart::Text(text) => parts.push(OutPart::Text { text }),
+                RenderedPart::Images { at, .. } => {
+                    let loaded = images
+                        .next()
+                        .ok_or_else(|| format!("{at}: its images were not read"))?;
+                    parts.extend(loaded.iter().map(|image| OutPart::ImageUrl {
+                        image_url: ImageUrl {
+                            url: image.url_in_messages(),
+                        },
+                    }));
+                }
+            }
+        }
+        out.push(PartsMessage {
+            role: &message.role,
+            content: PartsContent::Parts(parts),
+        });
+    }
+    serde_json::value::to_raw_value(&out).map_err(|err| err.to_string())
 }
 
 fn quoted(names: &[&str]) -> String {
@@ -143,11 +366,9 @@ mod tests {
         TaskConfig {
             messages: contents
                 .iter()
-                .map(|c| MessageTemplate {
-                    role: "user".to_owned(),
-                    content: (*c).to_owned(),
-                })
+                .map(|c| MessageTemplate::text("user", c))
                 .collect(),
+            images: Default::default(),
             params: Default::default(),
             stream: false,
             samples: 1,

@@ -160,6 +160,7 @@ impl Fixture {
                     )),
                     finished_at_ms: 1,
                     assessment,
+                    images: Vec::new(),
                 },
             ));
         }

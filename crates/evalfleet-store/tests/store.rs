@@ -63,6 +63,7 @@ impl ItemSource for Items {
                 messages_sha256: String::new(),
                 params_sha256: String::new(),
                 samples: 1,
+                images_sha256: None,
             },
             dataset: DatasetIdentity {
                 path: "data.jsonl".into(),
@@ -112,6 +113,7 @@ fn result(seq: u64, id: &str, status: ItemStatus) -> ResultRecord {
         item: Some(format!("{{\"id\": \"{id}\"}}")),
         finished_at_ms: 1,
         assessment: Assessment::default(),
+        images: Vec::new(),
     }
 }
 

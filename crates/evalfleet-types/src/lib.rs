@@ -27,7 +27,7 @@ pub use event::{Event, EventKind, FleetAction, FleetChange};
 pub use fading::FadingMax;
 pub use fault::{Fault, error_text, root_cause};
 pub use record::{
-    AttemptRecord, CacheEntry, ItemStatus, ResultRecord, RunStatus, StateCounts, Telemetry,
+    AttemptRecord, CacheEntry, ImageRef, ItemStatus, ResultRecord, RunStatus, StateCounts, Telemetry,
 };
 pub use retry::{BudgetSettings, RetryBudget, RetryPolicy};
 

@@ -9,7 +9,8 @@
 //! - reads and writes files only under the server's roots (`--allow-root`),
 //!   symbolic links and `..` resolved first, with the same refusal whether
 //!   the file exists or not, so that a refusal tells nothing of what is
-//!   outside;
+//!   outside; image files named by its dataset's rows too, checked as each
+//!   is read (`ImageSettings::roots`), and it fetches no image URL;
 //! - expands `${VAR}` only for the variables the server names
 //!   (`--allow-env`), and only where a secret belongs (an endpoint's
 //!   `api_key`, `headers` and `env`, which are masked wherever they are
@@ -77,6 +78,17 @@ impl Admission {
         self.references(document, "", false, &mut out);
         for (keys, relative) in PATHS {
             self.file(document, keys, "", relative, dir, &mut out);
+        }
+        let fetch = document
+            .get("task")
+            .and_then(|task| task.get("images"))
+            .and_then(|images| images.get("fetch_urls"));
+        if fetch.is_some_and(|f| f != &Value::Bool(false)) {
+            let at = "task.images.fetch_urls".to_owned();
+            let message = format!(
+                "{at}: a config sent to this server may not have it fetch URLs (the endpoint may fetch them itself)"
+            );
+            out.push((at, message));
         }
         if !self.commands {
             let code = document.get("task").and_then(|task| task.get("code"));

@@ -179,14 +179,8 @@ const ROBOT_USER: &str = "Conversation:\n{{ history_text }}\n\nYour strategy: {{
 
 fn default_messages(system: &str, user: &str) -> Vec<MessageTemplate> {
     vec![
-        MessageTemplate {
-            role: "system".to_owned(),
-            content: system.to_owned(),
-        },
-        MessageTemplate {
-            role: "user".to_owned(),
-            content: user.to_owned(),
-        },
+        MessageTemplate::text("system", system),
+        MessageTemplate::text("user", user),
     ]
 }
 

@@ -12,6 +12,7 @@ mod conversation;
 mod endpoint;
 mod env;
 mod eval;
+mod images;
 pub mod path;
 mod raw;
 pub mod reference;
@@ -35,6 +36,7 @@ pub use endpoint::{
     LoadEngine, LoadSettings, Preset, Remote,
 };
 pub use env::{Vars, is_name as is_variable_name};
+pub use images::{ImageFormat, ImageSettings, Part, PdfPages};
 pub use evalfleet_mock::MockSettings;
 pub use evalfleet_types::BudgetSettings;
 use evalfleet_types::Fault;
@@ -164,6 +166,8 @@ pub struct TaskConfig {
     /// Chat messages; each `content` is a minijinja template over the item's
     /// fields (`{{ question }}`).
     pub messages: Vec<MessageTemplate>,
+    /// `images`: how image values become the bytes sent.
+    pub images: ImageSettings,
     /// Generation parameters sent with every request (`max_tokens`,
     /// `temperature`, ...).
     pub params: Map<String, Value>,
@@ -244,7 +248,22 @@ pub const REFINE_PROMPT: &str =
 pub struct MessageTemplate {
     /// `system`, `developer`, `user`, `assistant` or `tool`.
     pub role: String,
+    /// The text template (empty when the content is `parts`).
     pub content: String,
+    /// The content as parts (text and images), in their order; empty when
+    /// the content is the one text `content`.
+    pub parts: Vec<Part>,
+}
+
+impl MessageTemplate {
+    /// A message whose content is one text template.
+    pub fn text(role: &str, content: &str) -> Self {
+        Self {
+            role: role.to_owned(),
+            content: content.to_owned(),
+            parts: Vec::new(),
+        }
+    }
 }
 
 /// `timeouts:`.

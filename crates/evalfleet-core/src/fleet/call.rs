@@ -95,6 +95,7 @@ pub struct Call {
 pub async fn send(
     call: Call,
     messages: &RawValue,
+    images: &crate::images::Images,
     limit: Duration,
     abort: &CancellationToken,
     fleet: &FleetHandle,
@@ -119,7 +120,7 @@ pub async fn send(
         biased;
         () = abort.cancelled() => None,
         () = evicted.cancelled() => Some(None),
-        timed = tokio::time::timeout(limit, client.complete(messages)) => Some(Some(timed)),
+        timed = tokio::time::timeout(limit, client.complete_with(messages, images)) => Some(Some(timed)),
     };
     drop(in_flight);
     let timed = match ended {

@@ -104,6 +104,9 @@ pub struct Item {
     pub episode: Box<dyn Episode>,
     /// The call it waits for.
     pub request: Option<Request>,
+    /// The images its first request with images sent: kept with its
+    /// result.
+    images: Vec<evalfleet_types::ImageRef>,
 }
 
 /// An item as it was claimed.
@@ -139,6 +142,7 @@ impl Item {
             answer: None,
             episode,
             request: None,
+            images: Vec::new(),
         }
     }
 
@@ -150,6 +154,9 @@ impl Item {
     /// The step after `request`'s reply; a re-ask (a call after an answer
     /// that could not be used) is counted here, once.
     pub fn next(&mut self, request: Request, reply: Reply) -> Step {
+        if self.images.is_empty() && !request.images.is_empty() {
+            self.images = request.images.references();
+        }
         let item = ItemContext::new(&self.item_id, &self.row, &self.row_json, self.sample);
         let step = self.episode.next(&item, request, reply);
         if let Step::Call(next) = &step
@@ -196,6 +203,7 @@ impl Item {
             item: Some(std::mem::take(&mut self.row_json)),
             finished_at_ms: now_ms(),
             assessment: finish.assessment,
+            images: std::mem::take(&mut self.images),
         };
         let ended = Ended {
             tally: self.tally.clone(),
@@ -248,6 +256,7 @@ pub struct Hedge {
     /// Its attempt number (taken from the item's when it was made).
     pub number: u32,
     pub messages: Box<serde_json::value::RawValue>,
+    pub images: crate::images::Images,
     /// The endpoint of the call it hedges, which is not to make it.
     pub from: String,
     /// The item's deadline.

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use evalfleet_types::{Assessment, Score, Scores};
 use serde_json::Value;
 
+use super::images::Loader;
 use super::{Episode, Finish, ItemContext, Reply, Request, Step, Target, Task};
 use crate::eval::{Assessor, Checked, LlmJudgeCall};
 use crate::template::Templates;
@@ -27,6 +28,8 @@ struct Inner {
     assessor: Option<Arc<Assessor>>,
     /// Judges a usable answer as a program (`kind: code`).
     code: Option<Arc<CodeJudge>>,
+    /// Reads the images of the messages (when they have any).
+    images: Option<Arc<Loader>>,
 }
 
 impl Chat {
@@ -36,8 +39,26 @@ impl Chat {
                 templates,
                 assessor,
                 code: None,
+                images: None,
             }),
         }
+    }
+
+    /// The same task, whose messages' images `loader` reads.
+    pub(super) fn reading_images(self, loader: Arc<Loader>) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                templates: self.inner.templates.clone(),
+                assessor: self.inner.assessor.clone(),
+                code: self.inner.code.clone(),
+                images: Some(loader),
+            }),
+        }
+    }
+
+    /// How many items' images may be read at once.
+    pub(super) fn image_readers(&self) -> Option<usize> {
+        self.inner.images.as_ref().map(|loader| loader.readers())
     }
 
     /// The same task, whose usable answers `code` judges as programs.
@@ -47,6 +68,7 @@ impl Chat {
                 templates: self.inner.templates.clone(),
                 assessor: self.inner.assessor.clone(),
                 code: Some(code),
+                images: self.inner.images.clone(),
             }),
         }
     }
@@ -54,12 +76,22 @@ impl Chat {
     /// The first step of `item`: its messages, or the item's end when
     /// they cannot be rendered.
     pub(super) fn first_step(&self, item: &ItemContext<'_>) -> Step {
+        if let Some(loader) = &self.inner.images {
+            return match self.inner.templates.render_parts(item.row()) {
+                Ok(messages) => loader.clone().first_call(messages, item),
+                Err(message) => Step::Finish(Finish::failed(
+                    format!("template: {message}"),
+                    Assessment::default(),
+                )),
+            };
+        }
         match self.inner.templates.render_json(item.row()) {
             Ok(messages) => Step::Call(Request {
                 target: Target::Items,
                 messages,
                 sample: item.sample,
                 rejected: None,
+                images: Default::default(),
             }),
             Err(message) => Step::Finish(Finish::failed(
                 format!("template: {message}"),
@@ -82,6 +114,10 @@ impl Chat {
 impl Task for Chat {
     fn begin(&self, item: &ItemContext<'_>) -> (Box<dyn Episode>, Step) {
         (Box::new(self.episode()), self.first_step(item))
+    }
+
+    fn work_limit(&self) -> usize {
+        self.image_readers().unwrap_or(1)
     }
 }
 
@@ -154,6 +190,7 @@ impl ChatEpisode {
                 messages,
                 sample: asked.sample,
                 rejected: Some(checked.reask_note()),
+                images: asked.images,
             });
         }
         let scores = assessor.score(&checked, item.row());
@@ -182,6 +219,7 @@ impl ChatEpisode {
                         messages,
                         sample: 0,
                         rejected: None,
+                        images: Default::default(),
                     });
                 }
                 Err(error) => {

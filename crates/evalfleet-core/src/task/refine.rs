@@ -49,6 +49,10 @@ impl Task for Refine {
         });
         (episode, self.chat.first_step(item))
     }
+
+    fn work_limit(&self) -> usize {
+        self.chat.image_readers().unwrap_or(1)
+    }
 }
 
 /// One item of a refine task.
@@ -85,6 +89,7 @@ impl Episode for RefineEpisode {
                     messages,
                     sample: asked.sample,
                     rejected: None,
+                    images: asked.images,
                 })
             }
             Err(err) => Step::Finish(Finish::failed(err, Assessment::default())),

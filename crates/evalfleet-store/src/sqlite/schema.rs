@@ -210,8 +210,12 @@ CREATE TABLE kept_reports (
 );
 ";
 
+/// 9: the images each result's request sent: source, page, SHA-256 of
+/// the bytes sent and their size (JSON), never the bytes.
+const IMAGES: &str = "ALTER TABLE results ADD COLUMN images TEXT;";
+
 /// The schema version a store has once every migration ran.
-pub const VERSION: usize = 8;
+pub const VERSION: usize = 9;
 
 pub fn migrations() -> Migrations<'static> {
     Migrations::new(vec![
@@ -223,6 +227,7 @@ pub fn migrations() -> Migrations<'static> {
         M::up(ESTIMATED_TOKENS),
         M::up(TIMELINE),
         M::up(KEPT_REPORTS),
+        M::up(IMAGES),
     ])
 }
 

@@ -354,6 +354,7 @@ impl EpisodeState {
             messages: raw,
             sample: self.sample,
             rejected,
+            images: Default::default(),
         })
     }
 
