@@ -25,7 +25,7 @@ use crate::config::{ImageFormat, ImageSettings, PdfPages};
 pub const PLACEHOLDER: &str = "evalfleet-image:sha256:";
 
 /// One image, ready to send.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct Image {
     /// Where it came from, and its hash.
     pub reference: ImageRef,
@@ -40,6 +40,16 @@ pub enum Payload {
     Bytes { mime: &'static str, bytes: Bytes },
     /// The URL itself; the endpoint fetches it.
     Url(String),
+}
+
+impl std::fmt::Debug for Payload {
+    // Never the bytes: requests are logged.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Bytes { mime, bytes } => write!(f, "{mime} ({} bytes)", bytes.len()),
+            Self::Url(url) => write!(f, "{url}"),
+        }
+    }
 }
 
 impl Image {
@@ -497,7 +507,7 @@ mod tests {
     fn data_urls_are_cut_out_of_messages() {
         assert_eq!(
             redact("bad image data:image/png;base64,iVBORw0KGgo= in part 2"),
-            "bad image data:image/png;base64,[13 chars] in part 2"
+            "bad image data:image/png;base64,[12 chars] in part 2"
         );
         assert_eq!(redact("nothing here"), "nothing here");
     }

@@ -488,7 +488,16 @@ pub(super) fn conversation(
         let raw = raw.unwrap_or_default();
         let messages = match raw.messages {
             None => Some(default_messages(system, user)),
-            Some(list) => message_list(list, &format!("{AT}.{at}"), p),
+            Some(list) => message_list(list, &format!("{AT}.{at}"), p).and_then(|messages| {
+                // A conversation's calls carry text only.
+                match messages.iter().position(|m| !m.parts.is_empty()) {
+                    Some(i) => p.push(
+                        &format!("{AT}.{at}[{i}]"),
+                        "a conversation's messages are text only (no parts or images)",
+                    ),
+                    None => Some(messages),
+                }
+            }),
         };
         messages.map(|messages| CallSettings {
             messages,

@@ -35,12 +35,13 @@ pub(super) enum ContentShape {
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)] // described, never built
 pub(super) struct PartShape {
-    /// A template giving text (`"Read this page: {{ title }}"`).
+    /// A template giving text (`"Read this page: {{ title }}"`). Required
+    /// in a text part (a part is `text` or `image`).
     text: Option<String>,
     /// A template giving an image: a path (relative to the dataset file's
     /// folder, or absolute), an http(s) URL, a data URL or base64. A lone
     /// expression whose value is a list (`"{{ pages }}"`) gives one image
-    /// each.
+    /// each. Required in an image part.
     image: Option<String>,
 }
 
