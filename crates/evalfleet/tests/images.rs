@@ -165,8 +165,23 @@ fn image_config(dataset: &Path, mock: &MockServer, extra: &str) -> String {
     )
 }
 
+/// Whether poppler's `pdftoppm` is there to render PDF pages.
+fn pdftoppm() -> bool {
+    let there = std::process::Command::new("pdftoppm")
+        .arg("-v")
+        .output()
+        .is_ok();
+    if !there {
+        evalfleet_testkit::skip!("pdftoppm (poppler-utils) is absent");
+    }
+    there
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn images_arrive_intact_and_each_is_answered_by_its_hash() {
+    if !pdftoppm() {
+        return;
+    }
     let env = Env::new();
     let docs = documents(&env);
     let (dataset, answers) = docs.write(&env);
@@ -263,4 +278,22 @@ async fn preflight_refuses_a_config_whose_first_rows_images_are_missing() {
         ran.stderr
     );
     assert_eq!(server.stats().requests, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_image_example_runs_on_the_mock_with_every_cer_0() {
+    if !pdftoppm() {
+        return;
+    }
+    let env = Env::new();
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/images/images.yaml");
+    let ran = env.evalfleet(&["run", example, "-q", "--run-id", "ex"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let rows = env.export("ex").await;
+    assert_eq!(rows.len(), 4);
+    for row in &rows {
+        assert_eq!(row["scores"]["cer@1"]["value"], 0.0, "{row}");
+    }
+    let pages = rows.iter().map(|r| r["images"].as_array().unwrap().len()).sum::<usize>();
+    assert_eq!(pages, 5, "two pages of the PDF, and one image per other document");
 }
