@@ -190,43 +190,30 @@ pub(super) fn settings(raw: Option<RawImages>, p: &mut Problems<'_>) -> Option<I
     };
     let mut out = ImageSettings::default();
     let mut ok = true;
-    if let Some(side) = raw.max_side {
-        if (16..=16_384).contains(&side) {
-            out.max_side = Some(side);
-        } else {
-            ok = p
-                .push::<()>(
-                    "task.images.max_side",
-                    format!("must be between 16 and 16384, got {side}"),
-                )
-                .is_some();
+    let mut bad = |p: &mut Problems<'_>, key: &str, message: String| {
+        ok = false;
+        p.push::<()>(&path::key("task.images", key), message);
+    };
+    let mut within = |p: &mut Problems<'_>, key: &str, value: Option<u32>, lo: u32, hi: u32| {
+        let value = value?;
+        if (lo..=hi).contains(&value) {
+            return Some(value);
         }
-    }
+        bad(p, key, format!("must be between {lo} and {hi}, got {value}"));
+        None
+    };
+    out.max_side = within(p, "max_side", raw.max_side, 16, 16_384);
+    let quality = within(p, "quality", raw.quality.map(u32::from), 1, 100);
+    out.quality = quality.and_then(|q| u8::try_from(q).ok()).unwrap_or(out.quality);
+    out.pdf_dpi = within(p, "pdf_dpi", raw.pdf_dpi, 18, 600).unwrap_or(out.pdf_dpi);
+    out.in_memory = within(p, "in_memory", raw.in_memory, 1, 100_000).unwrap_or(out.in_memory);
+    out.fetch_urls = raw.fetch_urls.unwrap_or(false);
     match raw.format.as_deref() {
         None => {}
         Some("png") => out.format = Some(ImageFormat::Png),
         Some("jpeg" | "jpg") => out.format = Some(ImageFormat::Jpeg),
         Some("webp") => out.format = Some(ImageFormat::Webp),
-        Some(other) => {
-            ok = p
-                .push::<()>(
-                    "task.images.format",
-                    format!("must be png, jpeg or webp, got '{other}'"),
-                )
-                .is_some();
-        }
-    }
-    match raw.quality {
-        None => {}
-        Some(q) if (1..=100).contains(&q) => out.quality = q,
-        Some(q) => {
-            ok = p
-                .push::<()>(
-                    "task.images.quality",
-                    format!("must be between 1 and 100, got {q}"),
-                )
-                .is_some();
-        }
+        Some(other) => bad(p, "format", format!("must be png, jpeg or webp, got '{other}'")),
     }
     match &raw.pdf_pages {
         None => {}
@@ -234,40 +221,12 @@ pub(super) fn settings(raw: Option<RawImages>, p: &mut Problems<'_>) -> Option<I
         Some(Value::String(s)) if s == "all" => out.pdf_pages = PdfPages::All,
         Some(value) => match value.as_u64().and_then(|n| u32::try_from(n).ok()) {
             Some(n) if n >= 1 => out.pdf_pages = PdfPages::Page(n),
-            _ => {
-                ok = p
-                    .push::<()>(
-                        "task.images.pdf_pages",
-                        format!("must be first, all or a page number from 1, got {value}"),
-                    )
-                    .is_some();
-            }
+            _ => bad(
+                p,
+                "pdf_pages",
+                format!("must be first, all or a page number from 1, got {value}"),
+            ),
         },
-    }
-    match raw.pdf_dpi {
-        None => {}
-        Some(dpi) if (18..=600).contains(&dpi) => out.pdf_dpi = dpi,
-        Some(dpi) => {
-            ok = p
-                .push::<()>(
-                    "task.images.pdf_dpi",
-                    format!("must be between 18 and 600, got {dpi}"),
-                )
-                .is_some();
-        }
-    }
-    out.fetch_urls = raw.fetch_urls.unwrap_or(false);
-    match raw.in_memory {
-        None => {}
-        Some(n) if (1..=100_000).contains(&n) => out.in_memory = n,
-        Some(n) => {
-            ok = p
-                .push::<()>(
-                    "task.images.in_memory",
-                    format!("must be between 1 and 100000, got {n}"),
-                )
-                .is_some();
-        }
     }
     ok.then_some(out)
 }
