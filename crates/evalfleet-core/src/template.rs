@@ -204,8 +204,8 @@ impl Templates {
             .any(|m| m.parts.iter().any(|p| matches!(p, CompiledPart::Image(..))))
     }
 
-    /// The messages for one item, with text content only (see
-    /// [`Self::render_parts`] for images).
+    /// The messages for one item, as text: an image part is shown as
+    /// `[image: SOURCE]` (see [`Self::render_parts`] for what is sent).
     pub fn render(&self, row: &Row) -> Result<Vec<Message>, String> {
         let rendered = self.render_parts(row)?;
         let mut out = Vec::with_capacity(rendered.len());
@@ -214,8 +214,12 @@ impl Templates {
             for part in message.parts {
                 match part {
                     RenderedPart::Text(text) => content.push_str(&text),
-                    RenderedPart::Images { at, .. } => {
-                        return Err(format!("{at}: images cannot be sent here"));
+                    RenderedPart::Images { values, .. } => {
+                        for value in values {
+                            let shown = crate::images::Source::of(&value, std::path::Path::new(""))
+                                .shown();
+                            content.push_str(&format!("[image: {shown}]"));
+                        }
                     }
                 }
             }
@@ -415,6 +419,40 @@ mod tests {
             "task.messages: the templates refer to 'questoin', which no row of the dataset has \
              (fields: question)"
         );
+    }
+
+    #[test]
+    fn image_parts_give_their_values_and_a_list_gives_one_each() {
+        let mut t = task(&["unused"]);
+        t.messages[0].parts = vec![
+            Part::Text("Read {{ title }}".into()),
+            Part::Image("{{ pages }}".into()),
+            Part::Image("scans/{{ title }}.png".into()),
+        ];
+        let t = Templates::compile(&t).unwrap();
+        assert!(t.has_images());
+        let item = row(r#"{"title": "a", "pages": ["p1.png", "p2.pdf"]}"#);
+        let parts = &t.render_parts(&item).unwrap()[0].parts;
+        assert_eq!(
+            parts[1],
+            RenderedPart::Images {
+                at: "task.messages[0].content[1]".into(),
+                values: vec!["p1.png".into(), "p2.pdf".into()]
+            }
+        );
+        assert_eq!(
+            parts[2],
+            RenderedPart::Images {
+                at: "task.messages[0].content[2]".into(),
+                values: vec!["scans/a.png".into()]
+            }
+        );
+        assert_eq!(
+            t.render(&item).unwrap()[0].content,
+            "Read a[image: p1.png][image: p2.pdf][image: scans/a.png]"
+        );
+        let err = t.render_parts(&row(r#"{"title": "a", "pages": 3}"#)).unwrap_err();
+        assert!(err.contains("an image value must be a text, got number"), "{err}");
     }
 
     #[test]
