@@ -506,6 +506,8 @@ pub fn app(settings: MockSettings, stats: Arc<Stats>, shutdown: CancellationToke
         .route("/props", get(props))
         .route("/slots", get(slots))
         .route("/metrics", get(metrics))
+        // Requests with images are large: 64 MB, where axum's default is 2.
+        .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
         .with_state(state)
 }
 
