@@ -112,7 +112,10 @@ impl std::fmt::Debug for Images {
     // The hashes only: a request is logged and compared, its bytes never.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_list()
-            .entries(self.iter().map(|i| i.reference.sha256.as_deref().unwrap_or("url")))
+            .entries(
+                self.iter()
+                    .map(|i| i.reference.sha256.as_deref().unwrap_or("url")),
+            )
             .finish()
     }
 }
@@ -137,7 +140,10 @@ pub fn write_body(messages: &str, images: &Images, out: &mut Vec<u8>) {
                 out.extend_from_slice(mime.as_bytes());
                 out.extend_from_slice(b";base64,");
                 let start = out.len();
-                out.resize(start + base64::encoded_len(bytes.len(), true).unwrap_or(0), 0);
+                out.resize(
+                    start + base64::encoded_len(bytes.len(), true).unwrap_or(0),
+                    0,
+                );
                 let written = STANDARD.encode_slice(bytes, &mut out[start..]).unwrap_or(0);
                 out.truncate(start + written);
                 rest = &after[64..];
@@ -336,9 +342,8 @@ pub fn load(
             .decode(data.as_bytes())
             .map_err(|err| ImageError::bad(&shown, format!("is not valid base64: {err}")))?,
     };
-    let kind = Kind::sniff(&bytes).ok_or_else(|| {
-        ImageError::bad(&shown, "is not a PNG, JPEG, WebP, TIFF or PDF file")
-    })?;
+    let kind = Kind::sniff(&bytes)
+        .ok_or_else(|| ImageError::bad(&shown, "is not a PNG, JPEG, WebP, TIFF or PDF file"))?;
     if kind == Kind::Pdf {
         let pages = render_pdf(&bytes, settings, &shown)?;
         return pages
@@ -359,9 +364,7 @@ fn prepare(
     kind: Kind,
     settings: &ImageSettings,
 ) -> Result<Image, ImageError> {
-    let reader = || {
-        image::ImageReader::with_format(std::io::Cursor::new(&bytes[..]), kind.codec())
-    };
+    let reader = || image::ImageReader::with_format(std::io::Cursor::new(&bytes[..]), kind.codec());
     let (width, height) = reader()
         .into_dimensions()
         .map_err(|err| ImageError::bad(shown, format!("cannot be decoded: {err}")))?;
@@ -413,7 +416,10 @@ fn encode(
             .write_with_encoder(image::codecs::webp::WebPEncoder::new_lossless(&mut out)),
     };
     result.map_err(|err| {
-        ImageError::bad(shown, format!("cannot be encoded as {}: {err}", format.as_str()))
+        ImageError::bad(
+            shown,
+            format!("cannot be encoded as {}: {err}", format.as_str()),
+        )
     })?;
     Ok(out)
 }
@@ -467,7 +473,11 @@ fn render_pdf(
         .filter_map(Result::ok)
         .filter_map(|entry| {
             let name = entry.file_name().into_string().ok()?;
-            let number = name.strip_prefix("page-")?.strip_suffix(".png")?.parse().ok()?;
+            let number = name
+                .strip_prefix("page-")?
+                .strip_suffix(".png")?
+                .parse()
+                .ok()?;
             Some((number, entry.path()))
         })
         .collect();
@@ -523,14 +533,20 @@ mod tests {
             Source::of("/abs/1.png", base),
             Source::File("/abs/1.png", PathBuf::from("/abs/1.png"))
         );
-        assert_eq!(Source::of("https://x/1.png", base), Source::Url("https://x/1.png"));
+        assert_eq!(
+            Source::of("https://x/1.png", base),
+            Source::Url("https://x/1.png")
+        );
         assert_eq!(
             Source::of("data:image/png;base64,AAAA", base),
             Source::DataUrl("image/png", "AAAA")
         );
         let b64 = STANDARD.encode(png(4, 4));
         assert_eq!(Source::of(&b64, base), Source::Base64(&b64));
-        assert_eq!(Source::of(&b64, base).shown(), format!("base64 ({} chars)", b64.len()));
+        assert_eq!(
+            Source::of(&b64, base).shown(),
+            format!("base64 ({} chars)", b64.len())
+        );
     }
 
     #[test]
@@ -567,7 +583,10 @@ mod tests {
         assert!(err.to_string().contains("gone.png"), "{err}");
         std::fs::write(dir.path().join("x.png"), b"not an image").unwrap();
         let err = load("x.png", None, dir.path(), &settings).unwrap_err();
-        assert_eq!(err.to_string(), "x.png: is not a PNG, JPEG, WebP, TIFF or PDF file");
+        assert_eq!(
+            err.to_string(),
+            "x.png: is not a PNG, JPEG, WebP, TIFF or PDF file"
+        );
     }
 
     #[test]
@@ -586,7 +605,11 @@ mod tests {
                 bytes: Bytes::from(bytes.clone()),
             },
         };
-        let messages = format!(r#"[{{"url":"{}"}},{{"url":"{PLACEHOLDER}{}"}}]"#, image.url_in_messages(), "0".repeat(64));
+        let messages = format!(
+            r#"[{{"url":"{}"}},{{"url":"{PLACEHOLDER}{}"}}]"#,
+            image.url_in_messages(),
+            "0".repeat(64)
+        );
         let mut out = Vec::new();
         write_body(&messages, &Images::new(vec![image], None), &mut out);
         let expected = format!(

@@ -55,7 +55,11 @@ pub fn check(
             ),
         ));
     };
-    let base = config.dataset.path.parent().unwrap_or(std::path::Path::new(""));
+    let base = config
+        .dataset
+        .path
+        .parent()
+        .unwrap_or(std::path::Path::new(""));
     for (index, (line, row)) in rows.iter().enumerate() {
         match templates.render_parts(row) {
             Err(err) => {

@@ -53,7 +53,10 @@ pub struct RenderedMessage {
 pub enum RenderedPart {
     Text(String),
     /// The image values a part gave (`at`: its place in the config).
-    Images { at: String, values: Vec<String> },
+    Images {
+        at: String,
+        values: Vec<String>,
+    },
 }
 
 /// One message as it is sent with images: content parts in OpenAI's form.
@@ -216,8 +219,8 @@ impl Templates {
                     RenderedPart::Text(text) => content.push_str(&text),
                     RenderedPart::Images { values, .. } => {
                         for value in values {
-                            let shown = crate::images::Source::of(&value, std::path::Path::new(""))
-                                .shown();
+                            let shown =
+                                crate::images::Source::of(&value, std::path::Path::new("")).shown();
                             content.push_str(&format!("[image: {shown}]"));
                         }
                     }
@@ -286,9 +289,9 @@ fn image_values(value: &minijinja::Value, at: &str) -> Result<Vec<String>, Strin
     use minijinja::value::ValueKind;
     let one = |v: &minijinja::Value| match v.kind() {
         ValueKind::String => Ok(v.to_string()),
-        ValueKind::Undefined | ValueKind::None => {
-            Err(format!("{at}: the item has no image here (the value is empty)"))
-        }
+        ValueKind::Undefined | ValueKind::None => Err(format!(
+            "{at}: the item has no image here (the value is empty)"
+        )),
         kind => Err(format!("{at}: an image value must be a text, got {kind}")),
     };
     match value.kind() {
@@ -451,8 +454,13 @@ mod tests {
             t.render(&item).unwrap()[0].content,
             "Read a[image: p1.png][image: p2.pdf][image: scans/a.png]"
         );
-        let err = t.render_parts(&row(r#"{"title": "a", "pages": 3}"#)).unwrap_err();
-        assert!(err.contains("an image value must be a text, got number"), "{err}");
+        let err = t
+            .render_parts(&row(r#"{"title": "a", "pages": 3}"#))
+            .unwrap_err();
+        assert!(
+            err.contains("an image value must be a text, got number"),
+            "{err}"
+        );
     }
 
     #[test]

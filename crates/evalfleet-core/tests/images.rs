@@ -24,7 +24,10 @@ fn png() -> Vec<u8> {
 
 fn templates() -> Templates {
     let mut message = MessageTemplate::text("user", "");
-    message.parts = vec![Part::Text("Read:".into()), Part::Image("{{ pages }}".into())];
+    message.parts = vec![
+        Part::Text("Read:".into()),
+        Part::Image("{{ pages }}".into()),
+    ];
     Templates::compile(&TaskConfig {
         kind: TaskKind::Chat,
         messages: vec![message],
@@ -42,9 +45,10 @@ fn first_step(loader: &Arc<Loader>, templates: &Templates, row: &str) -> Step {
     let parsed: Row = serde_json::from_str(row).unwrap();
     let messages = templates.render_parts(&parsed).unwrap();
     let cell = std::cell::OnceCell::from(parsed);
-    loader
-        .clone()
-        .first_call(messages, &ItemContext::new("item", &cell, row, 0).at_line(3))
+    loader.clone().first_call(
+        messages,
+        &ItemContext::new("item", &cell, row, 0).at_line(3),
+    )
 }
 
 #[tokio::test]
@@ -53,7 +57,10 @@ async fn fetched_and_inline_images_go_as_data_urls_named_by_hash_within_the_memo
     let served = bytes.clone();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let app = axum::Router::new().route("/a.png", axum::routing::get(move || async move { served.clone() }));
+    let app = axum::Router::new().route(
+        "/a.png",
+        axum::routing::get(move || async move { served.clone() }),
+    );
     let server = tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
 
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -75,16 +82,32 @@ async fn fetched_and_inline_images_go_as_data_urls_named_by_hash_within_the_memo
     let sha = hex::encode(sha2::Sha256::digest(&bytes));
     let stored: Vec<_> = request.images.references();
     assert_eq!(stored.len(), 2);
-    assert!(stored.iter().all(|r| r.sha256.as_deref() == Some(sha.as_str())));
+    assert!(
+        stored
+            .iter()
+            .all(|r| r.sha256.as_deref() == Some(sha.as_str()))
+    );
     assert_eq!(stored[0].source, format!("http://{addr}/a.png"));
-    assert!(stored[1].source.starts_with("data:image/png;base64 ("), "{}", stored[1].source);
+    assert!(
+        stored[1].source.starts_with("data:image/png;base64 ("),
+        "{}",
+        stored[1].source
+    );
     let messages = request.messages.get();
-    assert_eq!(messages.matches(&format!("{PLACEHOLDER}{sha}")).count(), 2, "{messages}");
+    assert_eq!(
+        messages.matches(&format!("{PLACEHOLDER}{sha}")).count(),
+        2,
+        "{messages}"
+    );
     assert!(!messages.contains(&b64), "no bytes in the messages");
     let mut body = Vec::new();
     write_body(messages, &request.images, &mut body);
     let body = String::from_utf8(body).unwrap();
-    assert_eq!(body.matches(&format!("data:image/png;base64,{b64}")).count(), 2);
+    assert_eq!(
+        body.matches(&format!("data:image/png;base64,{b64}"))
+            .count(),
+        2
+    );
 
     // Both places in memory are held by this request's images: the next
     // item waits until they are dropped.
@@ -92,7 +115,10 @@ async fn fetched_and_inline_images_go_as_data_urls_named_by_hash_within_the_memo
         panic!("images are read as work");
     };
     let mut next = next.boxed();
-    assert!((&mut next).now_or_never().is_none(), "no room for its images yet");
+    assert!(
+        (&mut next).now_or_never().is_none(),
+        "no room for its images yet"
+    );
     drop(request);
     assert!(matches!(next.await, Step::Call(_)));
 

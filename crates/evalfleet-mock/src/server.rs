@@ -1046,10 +1046,14 @@ async fn checked_images(messages: &[ChatMessage]) -> Result<Vec<ReceivedImage>, 
     if urls.is_empty() {
         return Ok(Vec::new());
     }
-    // Decoding is CPU work: off the async threads.
-    tokio::task::spawn_blocking(move || urls.iter().map(|(at, url)| decode_image(at, url)).collect())
-        .await
-        .map_err(|err| format!("image check failed: {err}"))?
+    // Decoding is CPU work: off the async threads, awaited in place by the
+    // request it is for.
+    #[allow(clippy::disallowed_methods)]
+    tokio::task::spawn_blocking(move || {
+        urls.iter().map(|(at, url)| decode_image(at, url)).collect()
+    })
+    .await
+    .map_err(|err| format!("image check failed: {err}"))?
 }
 
 fn decode_image(at: &str, url: &str) -> Result<ReceivedImage, String> {
@@ -1064,7 +1068,11 @@ fn decode_image(at: &str, url: &str) -> Result<ReceivedImage, String> {
     let data = match url.strip_prefix("data:") {
         Some(rest) => match rest.split_once(',') {
             Some((head, data)) if head.ends_with(";base64") => data,
-            _ => return Err(format!("{at}: a data URL of an image must be base64 (data:TYPE;base64,...)")),
+            _ => {
+                return Err(format!(
+                    "{at}: a data URL of an image must be base64 (data:TYPE;base64,...)"
+                ));
+            }
         },
         None => url,
     };

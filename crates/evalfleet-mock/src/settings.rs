@@ -588,7 +588,10 @@ pub fn load_answers(
                 image_key(&sha.to_ascii_lowercase())
             }
             (None, Some(sha)) => {
-                return Err(format!("{}: image must be a SHA-256 in hex, got '{sha}'", at()));
+                return Err(format!(
+                    "{}: image must be a SHA-256 in hex, got '{sha}'",
+                    at()
+                ));
             }
             _ => return Err(format!("{}: give prompt or image, not both", at())),
         };

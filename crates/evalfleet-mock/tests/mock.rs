@@ -737,11 +737,17 @@ const PNG: &str = "iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAEUlEQVR4nGPgE
 async fn images_are_decoded_answered_by_their_hash_and_a_bad_one_is_refused() {
     use base64::Engine as _;
     use sha2::Digest as _;
-    let bytes = base64::engine::general_purpose::STANDARD.decode(PNG).unwrap();
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(PNG)
+        .unwrap();
     let sha = hex::encode(sha2::Sha256::digest(&bytes));
     let dir = tempfile::tempdir().unwrap();
     let answers = dir.path().join("answers.jsonl");
-    std::fs::write(&answers, format!("{{\"image\": \"{sha}\", \"replies\": [\"two by two\"]}}\n")).unwrap();
+    std::fs::write(
+        &answers,
+        format!("{{\"image\": \"{sha}\", \"replies\": [\"two by two\"]}}\n"),
+    )
+    .unwrap();
     let server = start(MockSettings {
         answers: Some(answers),
         ..MockSettings::default()

@@ -27,7 +27,8 @@ pub use event::{Event, EventKind, FleetAction, FleetChange};
 pub use fading::FadingMax;
 pub use fault::{Fault, error_text, root_cause};
 pub use record::{
-    AttemptRecord, CacheEntry, ImageRef, ItemStatus, ResultRecord, RunStatus, StateCounts, Telemetry,
+    AttemptRecord, CacheEntry, ImageRef, ItemStatus, ResultRecord, RunStatus, StateCounts,
+    Telemetry,
 };
 pub use retry::{BudgetSettings, RetryBudget, RetryPolicy};
 

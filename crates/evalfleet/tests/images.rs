@@ -31,7 +31,9 @@ fn jpeg(width: u32, height: u32) -> Vec<u8> {
     });
     let mut out = Vec::new();
     image::DynamicImage::ImageRgb8(image)
-        .write_with_encoder(image::codecs::jpeg::JpegEncoder::new_with_quality(&mut out, 80))
+        .write_with_encoder(image::codecs::jpeg::JpegEncoder::new_with_quality(
+            &mut out, 80,
+        ))
         .unwrap();
     out
 }
@@ -68,7 +70,9 @@ fn pdf(pages: &[&str]) -> Vec<u8> {
         out.extend_from_slice(format!("{} 0 obj\n{object}\nendobj\n", i + 1).as_bytes());
     }
     let xref = out.len();
-    out.extend_from_slice(format!("xref\n0 {}\n0000000000 65535 f \n", objects.len() + 1).as_bytes());
+    out.extend_from_slice(
+        format!("xref\n0 {}\n0000000000 65535 f \n", objects.len() + 1).as_bytes(),
+    );
     for offset in offsets {
         out.extend_from_slice(format!("{offset:010} 00000 n \n").as_bytes());
     }
@@ -87,13 +91,29 @@ fn pdf(pages: &[&str]) -> Vec<u8> {
 fn rendered(pdf: &Path, page: u32) -> Vec<u8> {
     let dir = tempfile::tempdir().unwrap();
     let out = std::process::Command::new("pdftoppm")
-        .args(["-png", "-r", "150", "-f", &page.to_string(), "-l", &page.to_string()])
+        .args([
+            "-png",
+            "-r",
+            "150",
+            "-f",
+            &page.to_string(),
+            "-l",
+            &page.to_string(),
+        ])
         .arg(pdf)
         .arg(dir.path().join("p"))
         .output()
         .expect("pdftoppm (poppler-utils) is installed");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let file = std::fs::read_dir(dir.path()).unwrap().next().unwrap().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let file = std::fs::read_dir(dir.path())
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap();
     std::fs::read(file.path()).unwrap()
 }
 
@@ -117,9 +137,24 @@ fn documents(env: &Env) -> Documents {
     ];
     Documents {
         rows: vec![
-            ("pages/invoice.png".into(), "Invoice 42".into(), "invoice", vec![sha256(&page)]),
-            ("scan.jpg".into(), "Scanned receipt".into(), "receipt", vec![sha256(&scan)]),
-            ("report.pdf".into(), "PAGE ONE\nPAGE TWO".into(), "report", pages),
+            (
+                "pages/invoice.png".into(),
+                "Invoice 42".into(),
+                "invoice",
+                vec![sha256(&page)],
+            ),
+            (
+                "scan.jpg".into(),
+                "Scanned receipt".into(),
+                "receipt",
+                vec![sha256(&scan)],
+            ),
+            (
+                "report.pdf".into(),
+                "PAGE ONE\nPAGE TWO".into(),
+                "report",
+                pages,
+            ),
         ],
     }
 }
@@ -186,8 +221,13 @@ async fn images_arrive_intact_and_each_is_answered_by_its_hash() {
     let docs = documents(&env);
     let (dataset, answers) = docs.write(&env);
     let server = scripted(answers).await;
-    env.write("run.yaml", &image_config(&dataset, &server, "cache: { mode: read_write }"));
-    let ran = env.evalfleet(&["run", "run.yaml", "-q", "--run-id", "img"]).await;
+    env.write(
+        "run.yaml",
+        &image_config(&dataset, &server, "cache: { mode: read_write }"),
+    );
+    let ran = env
+        .evalfleet(&["run", "run.yaml", "-q", "--run-id", "img"])
+        .await;
     assert_eq!(ran.code, Some(0), "{}", ran.stderr);
 
     let stats = server.stats();
@@ -200,8 +240,14 @@ async fn images_arrive_intact_and_each_is_answered_by_its_hash() {
         assert_eq!(row["output"], text.as_str(), "{row}");
         assert_eq!(row["scores"]["cer@1"]["value"], 0.0, "{row}");
         let images = row["images"].as_array().expect("the images are stored");
-        let stored: Vec<&str> = images.iter().map(|i| i["sha256"].as_str().unwrap()).collect();
-        assert_eq!(stored, hashes.iter().map(String::as_str).collect::<Vec<_>>());
+        let stored: Vec<&str> = images
+            .iter()
+            .map(|i| i["sha256"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            stored,
+            hashes.iter().map(String::as_str).collect::<Vec<_>>()
+        );
         assert!(images.iter().all(|i| i["source"] == file.as_str()), "{row}");
         if file.ends_with(".pdf") {
             assert_eq!(images[1]["page"], 2, "{row}");
@@ -215,13 +261,21 @@ async fn images_arrive_intact_and_each_is_answered_by_its_hash() {
     );
 
     // The same images again: every answer from the cache.
-    let again = env.evalfleet(&["run", "run.yaml", "-q", "--run-id", "img2"]).await;
+    let again = env
+        .evalfleet(&["run", "run.yaml", "-q", "--run-id", "img2"])
+        .await;
     assert_eq!(again.code, Some(0), "{}", again.stderr);
-    assert_eq!(server.stats().requests, 3, "all three answered from the cache");
+    assert_eq!(
+        server.stats().requests,
+        3,
+        "all three answered from the cache"
+    );
 
     // One image's bytes change: its item alone is asked again.
     std::fs::write(env.path("pages/invoice.png"), png(64, 48, 9)).unwrap();
-    let changed = env.evalfleet(&["run", "run.yaml", "-q", "--run-id", "img3"]).await;
+    let changed = env
+        .evalfleet(&["run", "run.yaml", "-q", "--run-id", "img3"])
+        .await;
     assert_eq!(server.stats().requests, 4, "{}", changed.stderr);
 }
 
@@ -239,7 +293,9 @@ async fn a_missing_image_fails_its_item_until_the_file_is_there() {
     }
     let dataset = env.write("pages.jsonl", &dataset);
     env.write("run.yaml", &image_config(&dataset, &server, ""));
-    let ran = env.evalfleet(&["run", "run.yaml", "-q", "--run-id", "m"]).await;
+    let ran = env
+        .evalfleet(&["run", "run.yaml", "-q", "--run-id", "m"])
+        .await;
     assert_eq!(ran.code, Some(1), "{}", ran.stderr);
     let rows = by_id(&env.export("m").await);
     let failed = &rows["p11"];
@@ -252,7 +308,9 @@ async fn a_missing_image_fails_its_item_until_the_file_is_there() {
     assert_eq!(env.counts("m").done, 11);
 
     std::fs::write(env.path("p11.png"), png(8, 8, 11)).unwrap();
-    let again = env.evalfleet(&["resume", "m", "-q", "--retry-failed"]).await;
+    let again = env
+        .evalfleet(&["resume", "m", "-q", "--retry-failed"])
+        .await;
     assert_eq!(again.code, Some(0), "{}", again.stderr);
     let rows = by_id(&env.export("m").await);
     assert_eq!(rows["p11"]["status"], "done", "{}", rows["p11"]);
@@ -286,14 +344,25 @@ async fn the_image_example_runs_on_the_mock_with_every_cer_0() {
         return;
     }
     let env = Env::new();
-    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/images/images.yaml");
-    let ran = env.evalfleet(&["run", example, "-q", "--run-id", "ex"]).await;
+    let example = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../examples/images/images.yaml"
+    );
+    let ran = env
+        .evalfleet(&["run", example, "-q", "--run-id", "ex"])
+        .await;
     assert_eq!(ran.code, Some(0), "{}", ran.stderr);
     let rows = env.export("ex").await;
     assert_eq!(rows.len(), 4);
     for row in &rows {
         assert_eq!(row["scores"]["cer@1"]["value"], 0.0, "{row}");
     }
-    let pages = rows.iter().map(|r| r["images"].as_array().unwrap().len()).sum::<usize>();
-    assert_eq!(pages, 5, "two pages of the PDF, and one image per other document");
+    let pages = rows
+        .iter()
+        .map(|r| r["images"].as_array().unwrap().len())
+        .sum::<usize>();
+    assert_eq!(
+        pages, 5,
+        "two pages of the PDF, and one image per other document"
+    );
 }

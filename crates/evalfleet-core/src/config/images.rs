@@ -199,12 +199,18 @@ pub(super) fn settings(raw: Option<RawImages>, p: &mut Problems<'_>) -> Option<I
         if (lo..=hi).contains(&value) {
             return Some(value);
         }
-        bad(p, key, format!("must be between {lo} and {hi}, got {value}"));
+        bad(
+            p,
+            key,
+            format!("must be between {lo} and {hi}, got {value}"),
+        );
         None
     };
     out.max_side = within(p, "max_side", raw.max_side, 16, 16_384);
     let quality = within(p, "quality", raw.quality.map(u32::from), 1, 100);
-    out.quality = quality.and_then(|q| u8::try_from(q).ok()).unwrap_or(out.quality);
+    out.quality = quality
+        .and_then(|q| u8::try_from(q).ok())
+        .unwrap_or(out.quality);
     out.pdf_dpi = within(p, "pdf_dpi", raw.pdf_dpi, 18, 600).unwrap_or(out.pdf_dpi);
     out.in_memory = within(p, "in_memory", raw.in_memory, 1, 100_000).unwrap_or(out.in_memory);
     out.fetch_urls = raw.fetch_urls.unwrap_or(false);
@@ -213,7 +219,11 @@ pub(super) fn settings(raw: Option<RawImages>, p: &mut Problems<'_>) -> Option<I
         Some("png") => out.format = Some(ImageFormat::Png),
         Some("jpeg" | "jpg") => out.format = Some(ImageFormat::Jpeg),
         Some("webp") => out.format = Some(ImageFormat::Webp),
-        Some(other) => bad(p, "format", format!("must be png, jpeg or webp, got '{other}'")),
+        Some(other) => bad(
+            p,
+            "format",
+            format!("must be png, jpeg or webp, got '{other}'"),
+        ),
     }
     match &raw.pdf_pages {
         None => {}
@@ -256,10 +266,9 @@ pub(super) fn parts(
                     Value::Object(map) if map.len() == 1 => match map.into_iter().next() {
                         Some((key, Value::String(t))) if key == "text" => Some(Part::Text(t)),
                         Some((key, Value::String(t))) if key == "image" => Some(Part::Image(t)),
-                        Some((key, _)) => p.push(
-                            &path::key(&part_at, &key),
-                            "must be a template (a string)",
-                        ),
+                        Some((key, _)) => {
+                            p.push(&path::key(&part_at, &key), "must be a template (a string)")
+                        }
                         None => None,
                     },
                     _ => p.push(

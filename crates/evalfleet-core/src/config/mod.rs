@@ -36,7 +36,6 @@ pub use endpoint::{
     LoadEngine, LoadSettings, Preset, Remote,
 };
 pub use env::{Vars, is_name as is_variable_name};
-pub use images::{ImageFormat, ImageSettings, Part, PdfPages};
 pub use evalfleet_mock::MockSettings;
 pub use evalfleet_types::BudgetSettings;
 use evalfleet_types::Fault;
@@ -45,6 +44,7 @@ use evalfleet_types::Fault;
 /// 10: with the retry budget bounding retries, a 20% fault rate fails
 /// one call in 10^7), `backoff_base` (default `100ms`), `backoff_max` (default `30s`).
 pub use evalfleet_types::RetryPolicy;
+pub use images::{ImageFormat, ImageSettings, Part, PdfPages};
 pub use yaml::{Document, YamlError, parse as parse_yaml};
 
 /// The replacement for a secret written literally in a config, wherever the

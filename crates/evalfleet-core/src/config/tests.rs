@@ -610,7 +610,12 @@ fn image_parts_and_the_images_shorthand_are_read_and_checked_with_their_lines() 
     );
     let images = &config.task.images;
     assert_eq!(
-        (images.max_side, images.format, images.quality, images.pdf_pages),
+        (
+            images.max_side,
+            images.format,
+            images.quality,
+            images.pdf_pages
+        ),
         (Some(1024), Some(ImageFormat::Jpeg), 80, PdfPages::All)
     );
 
@@ -628,12 +633,24 @@ fn image_parts_and_the_images_shorthand_are_read_and_checked_with_their_lines() 
             .unwrap_or_else(|| panic!("no problem mentions {needle:?}: {problems:#?}"))
             .line
     };
-    assert_eq!(line("task.messages[0].content[0]: unknown key 'picture'"), Some(19));
+    assert_eq!(
+        line("task.messages[0].content[0]: unknown key 'picture'"),
+        Some(19)
+    );
     assert_eq!(
         line("task.messages[1].images_at: must be before or after, got 'middle'"),
         Some(20)
     );
-    assert_eq!(line("task.images.format: must be png, jpeg or webp, got 'gif'"), Some(21));
-    assert_eq!(line("task.images.pdf_pages: must be first, all or a page number"), Some(21));
-    assert_eq!(line("task.images.in_memory: must be between 1 and 100000, got 0"), Some(21));
+    assert_eq!(
+        line("task.images.format: must be png, jpeg or webp, got 'gif'"),
+        Some(21)
+    );
+    assert_eq!(
+        line("task.images.pdf_pages: must be first, all or a page number"),
+        Some(21)
+    );
+    assert_eq!(
+        line("task.images.in_memory: must be between 1 and 100000, got 0"),
+        Some(21)
+    );
 }

@@ -673,10 +673,10 @@ pub(super) fn message_list(
             )
             .and_then(|(content, parts)| {
                 let mut good = true;
-                if parts.is_empty() {
-                    if let Err(err) = crate::jinja::check(&checker, &content) {
-                        good = p.push::<()>(&path::key(&at, "content"), err).is_some();
-                    }
+                if parts.is_empty()
+                    && let Err(err) = crate::jinja::check(&checker, &content)
+                {
+                    good = p.push::<()>(&path::key(&at, "content"), err).is_some();
                 }
                 for (j, part) in parts.iter().enumerate() {
                     let (Part::Text(t) | Part::Image(t)) = part;

@@ -322,16 +322,15 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
         }
         (made.exchange, made.endpoint, made.number)
     } else {
-        let exchange =
-            call::send(
-                call,
-                &request.messages,
-                &request.images,
-                limit,
-                &shared.abort,
-                &shared.fleet,
-            )
-            .await;
+        let exchange = call::send(
+            call,
+            &request.messages,
+            &request.images,
+            limit,
+            &shared.abort,
+            &shared.fleet,
+        )
+        .await;
         (exchange, endpoint, number)
     };
     let Some(mut record) = exchange.record(&endpoint, item.seq, number, shared.session) else {

@@ -55,7 +55,11 @@ impl Loader {
     /// The step that reads the images of `messages` (an item's), then
     /// makes its first call; or fails the item, naming the image and the
     /// row, when one cannot be read.
-    pub fn first_call(self: Arc<Self>, messages: Vec<RenderedMessage>, item: &ItemContext<'_>) -> Step {
+    pub fn first_call(
+        self: Arc<Self>,
+        messages: Vec<RenderedMessage>,
+        item: &ItemContext<'_>,
+    ) -> Step {
         let row = match item.line {
             Some(line) => format!("item '{}' (dataset line {line})", item.item_id),
             None => format!("item '{}'", item.item_id),
@@ -63,7 +67,10 @@ impl Loader {
         let sample = item.sample;
         Step::Work(Box::pin(async move {
             let failed = |why: String| {
-                Step::Finish(Finish::failed(format!("image of {row}: {why}"), Assessment::default()))
+                Step::Finish(Finish::failed(
+                    format!("image of {row}: {why}"),
+                    Assessment::default(),
+                ))
             };
             let (lists, images) = match self.read(&messages).await {
                 Ok(read) => read,
@@ -107,11 +114,19 @@ impl Loader {
         let mut fetched = Vec::with_capacity(count);
         for (at, values) in &parts {
             for value in values {
-                fetched.push(self.fetch(value).await.map_err(|why| format!("{why} ({at})"))?);
+                fetched.push(
+                    self.fetch(value)
+                        .await
+                        .map_err(|why| format!("{why} ({at})"))?,
+                );
             }
         }
         let settings = self.settings.clone();
         let base = self.base.clone();
+        // Awaited in place by the item's step: a step dropped at shutdown
+        // leaves at most `readers()` reads to finish on their own, holding
+        // nothing of the run's.
+        #[allow(clippy::disallowed_methods)]
         let lists = tokio::task::spawn_blocking(move || {
             let mut fetched = fetched.into_iter();
             let mut lists = Vec::with_capacity(parts.len());
@@ -138,11 +153,10 @@ impl Loader {
         let (Some(http), Source::Url(url)) = (&self.http, Source::of(value, &self.base)) else {
             return Ok(None);
         };
-        let response = http
-            .get(url)
-            .send()
-            .await
-            .map_err(|err| format!("cannot fetch {url}: {}", evalfleet_types::error_text(&err)))?;
+        let response =
+            http.get(url).send().await.map_err(|err| {
+                format!("cannot fetch {url}: {}", evalfleet_types::error_text(&err))
+            })?;
         if !response.status().is_success() {
             return Err(format!("cannot fetch {url}: HTTP {}", response.status()));
         }
