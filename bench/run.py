@@ -49,7 +49,9 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.join(os.environ.get("CARGO_TARGET_DIR") or os.path.join(ROOT, "target"), "release", "evalfleet")
+BIN = os.environ.get("EVALFLEET_BIN") or os.path.join(
+    os.environ.get("CARGO_TARGET_DIR") or os.path.join(ROOT, "target"), "release", "evalfleet"
+)
 SERVER_CORE = "0"
 CLIENT_CORE = "1"
 
