@@ -568,6 +568,7 @@ fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
          DROP TABLE samples;
          DROP TABLE kept_reports;
          ALTER TABLE runs DROP COLUMN generation;
+         ALTER TABLE results DROP COLUMN images;
          PRAGMA user_version = 1;",
     )
     .unwrap();
