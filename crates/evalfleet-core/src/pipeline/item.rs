@@ -275,6 +275,16 @@ pub struct Hedged {
     pub record: Option<evalfleet_types::AttemptRecord>,
 }
 
+impl Hedge {
+    /// What its call sends.
+    pub fn prompt(&self) -> crate::fleet::call::Prompt<'_> {
+        crate::fleet::call::Prompt {
+            messages: &self.messages,
+            images: &self.images,
+        }
+    }
+}
+
 /// What an endpoint's free slot takes next. Nearly every job is an item,
 /// moved once from a queue to its call: boxing items to even out the sizes
 /// would cost an allocation per call.

@@ -106,6 +106,16 @@ pub struct Request {
     pub images: crate::images::Images,
 }
 
+impl Request {
+    /// What its call sends.
+    pub fn prompt(&self) -> crate::fleet::call::Prompt<'_> {
+        crate::fleet::call::Prompt {
+            messages: &self.messages,
+            images: &self.images,
+        }
+    }
+}
+
 /// What became of a request.
 #[derive(Debug)]
 pub enum Reply {
