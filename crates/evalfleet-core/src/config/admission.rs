@@ -351,4 +351,39 @@ mod tests {
             ]
         );
     }
+
+    #[test]
+    fn a_config_from_outside_fetches_no_image_url_and_reads_images_only_under_its_roots() {
+        let root = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        let refused = admission(root.path()).refusals(
+            &json!({"task": {"images": {"fetch_urls": true}}}),
+            root.path(),
+        );
+        assert_eq!(paths(&refused), ["task.images.fetch_urls"]);
+        assert!(
+            admission(root.path())
+                .refusals(
+                    &json!({"task": {"images": {"fetch_urls": false}}}),
+                    root.path()
+                )
+                .is_empty()
+        );
+
+        std::fs::write(root.path().join("in.png"), b"x").unwrap();
+        std::fs::write(outside.path().join("out.png"), b"x").unwrap();
+        let settings = super::super::ImageSettings {
+            roots: Some(admission(root.path()).roots),
+            ..Default::default()
+        };
+        assert!(settings.readable(&root.path().join("in.png")).is_some());
+        assert!(settings.readable(&outside.path().join("out.png")).is_none());
+        assert!(
+            settings
+                .readable(&root.path().join("../x/out.png"))
+                .is_none()
+        );
+        let anywhere = super::super::ImageSettings::default();
+        assert!(anywhere.readable(&outside.path().join("out.png")).is_some());
+    }
 }
