@@ -15,6 +15,7 @@
     python3 bench/run.py s1 [--items 1000000] [--rounds 3]
     python3 bench/run.py s2 [--items 1000000] [--rounds 3]
     python3 bench/run.py c1 [--items 1000] [--capacity 32] [--rounds 3]
+    python3 bench/run.py v1 [--items 10000] [--rounds 3] [--image-kb 300]
     python3 bench/run.py r1 [--items 48] [--np 1,4] [--sweep 1,2,4,8] [--max-tokens 128] [--rounds 1] [--python VENV/bin/python]
 
 W1, W5, W6 and J1 take --baseline BIN: another evalfleet binary (an earlier
@@ -48,7 +49,9 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.join(ROOT, "target", "release", "evalfleet")
+BIN = os.environ.get("EVALFLEET_BIN") or os.path.join(
+    os.environ.get("CARGO_TARGET_DIR") or os.path.join(ROOT, "target"), "release", "evalfleet"
+)
 SERVER_CORE = "0"
 CLIENT_CORE = "1"
 
@@ -1962,6 +1965,97 @@ def r1(args, work):
             serial = statistics.median(f["wall"] for f in rows["serial"])
             print(f"\n-np {slots}: adaptive / serial = {adaptive / serial:.2f} x the time; throughput {fixed[best] / adaptive:.0%} of the best fixed ({best})\n")
 
+def write_pngs(folder, n, kb):
+    """`n` PNGs of about `kb` KB each, incompressible (random pixels, stored
+    without compression), each its own: a random block of pixels, made once,
+    under a first row of its own."""
+    import struct
+    import zlib
+
+    os.makedirs(folder, exist_ok=True)
+    width = 256
+    height = max(2, kb * 1024 // (width * 3))
+    row = 1 + width * 3
+    block = bytearray(os.urandom(row * height))
+    for y in range(height):
+        block[y * row] = 0  # filter type: none
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    head = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+    for i in range(n):
+        block[1:9] = i.to_bytes(8, "little")
+        png = head + chunk(b"IDAT", zlib.compress(bytes(block), 0)) + chunk(b"IEND", b"")
+        with open(os.path.join(folder, f"{i}.png"), "wb") as f:
+            f.write(png)
+    return len(png)
+
+
+def v1(args, work):
+    """10,000 items each with its own PNG, against the mock, beside the same
+    items as text only; peak RSS of evalfleet."""
+    images = os.path.join(work, "images")
+    size = write_pngs(images, args.items, args.image_kb)
+    dataset = os.path.join(work, "v1.jsonl")
+    with open(dataset, "w") as f:
+        for i in range(args.items):
+            f.write(json.dumps({"id": f"i{i}", "question": f"What is on page {i}?", "page": f"images/{i}.png"}) + "\n")
+    mock = Mock()
+    configs = {}
+    for label, images_key in (("text", ""), ("images", ", images: \"{{ page }}\"")):
+        configs[label] = os.path.join(work, f"v1-{label}.yaml")
+        with open(configs[label], "w") as f:
+            f.write(
+                f"name: v1\n"
+                f"dataset: {{ path: {dataset}, id_field: id }}\n"
+                f"endpoints:\n"
+                f"  - {{ name: mock, kind: external, base_url: \"{mock.url}\", model: m, concurrency: {args.concurrency} }}\n"
+                f"task:\n"
+                f"  messages: [ {{ role: user, content: \"{{{{ question }}}}\"{images_key} }} ]\n"
+                f"  params: {{ max_tokens: 64 }}\n"
+            )
+    rounds = []
+    try:
+        for i in range(args.rounds):
+            round_ = {}
+            order = ("text", "images") if i % 2 == 0 else ("images", "text")
+            for label in order:
+                before = mock.stats()
+                run = evalfleet(["run", configs[label], "--store", os.path.join(work, f"v1-{label}-{i}.db"), "-q"], work)
+                after = mock.stats()
+                assert run["done"] == args.items, run
+                run["mock_images"] = after.get("images", 0) - before.get("images", 0)
+                round_[label] = run
+            round_["ratio"] = round_["images"]["rate"] / round_["text"]["rate"]
+            rounds.append(round_)
+            print(json.dumps(round_), file=sys.stderr)
+    finally:
+        mock.stop()
+    med = lambda label, k: statistics.median(r[label][k] for r in rounds)
+    result = {
+        "workload": "V1",
+        "items": args.items,
+        "image_bytes": size,
+        "concurrency": args.concurrency,
+        "text_items_per_s_median": med("text", "rate"),
+        "images_items_per_s_median": med("images", "rate"),
+        "ratio_median": statistics.median(r["ratio"] for r in rounds),
+        "text_peak_rss_mb_median": med("text", "rss_mb"),
+        "images_peak_rss_mb_median": med("images", "rss_mb"),
+        "images_peak_rss_mb_max": max(r["images"]["rss_mb"] for r in rounds),
+        "images_cpu_s_median": med("images", "cpu"),
+        "text_cpu_s_median": med("text", "cpu"),
+        "rounds": rounds,
+    }
+    print(json.dumps(result, indent=2))
+    print(
+        f"\n| V1 | {args.items} items, one {size / 1024:.0f} KB PNG each, concurrency {args.concurrency} "
+        f"| images {result['images_items_per_s_median']:.0f} items/s, text only {result['text_items_per_s_median']:.0f} items/s "
+        f"({result['ratio_median']:.3f} x) | peak RSS {result['images_peak_rss_mb_median']:.0f} MB with images "
+        f"(max {result['images_peak_rss_mb_max']:.0f}), {result['text_peak_rss_mb_median']:.0f} MB text only |"
+    )
+
 
 WORKLOADS = {
     "w1": (w1, 100_000),
@@ -1979,6 +2073,7 @@ WORKLOADS = {
     "s2": (s2, 1_000_000),
     "c1": (c1, 1000),
     "r1": (r1, 48),
+    "v1": (v1, 10_000),
 }
 
 
@@ -2008,6 +2103,7 @@ def main():
     parser.add_argument("--np", default="1,4", help="R1: llama-server's slot counts (-np)")
     parser.add_argument("--sweep", default="1,2,4,8", help="R1: the fixed concurrencies")
     parser.add_argument("--max-tokens", type=int, default=128, help="R1: max_tokens of every call")
+    parser.add_argument("--image-kb", type=int, default=300, help="V1: the size of each PNG")
     parser.add_argument("--baseline", help="W1, W5, W6, J1: another evalfleet binary measured side by side")
     args = parser.parse_args()
     if not args.no_build:

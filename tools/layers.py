@@ -21,7 +21,7 @@ LAYERS = {
         # The validated config.
         ["config"],
         # Datasets, templates, and what determines a run's results.
-        ["dataset", "template", "fingerprint", "preflight"],
+        ["dataset", "template", "fingerprint", "preflight", "images"],
         # The store's traits.
         ["store"],
         # The OpenAI client.

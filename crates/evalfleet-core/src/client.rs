@@ -18,6 +18,7 @@ use serde_json::{Map, Value};
 use tokio::time::Instant;
 
 use crate::config::EndpointConfig;
+use crate::images::Images;
 
 /// Why a call failed.
 #[derive(Debug, thiserror::Error)]
@@ -568,23 +569,41 @@ impl ChatClient {
         self
     }
 
-    /// The request body for these messages.
-    pub fn body(&self, messages: &RawValue) -> Vec<u8> {
-        let json = messages.get().as_bytes();
-        let mut body = Vec::with_capacity(self.body_head.len() + json.len() + self.body_tail.len());
+    /// The request body for these messages, with the data URLs of
+    /// `images` where the messages name them by hash.
+    pub fn body(&self, messages: &RawValue, images: &Images) -> Vec<u8> {
+        let json = messages.get();
+        let sent: usize = images
+            .iter()
+            .filter_map(|image| image.reference.bytes)
+            .map(|n| n as usize * 4 / 3 + 64)
+            .sum();
+        let mut body =
+            Vec::with_capacity(self.body_head.len() + json.len() + sent + self.body_tail.len());
         body.extend_from_slice(&self.body_head);
-        body.extend_from_slice(json);
+        if images.is_empty() {
+            body.extend_from_slice(json.as_bytes());
+        } else {
+            crate::images::write_body(json, images, &mut body);
+        }
         body.extend_from_slice(&self.body_tail);
         body
     }
 
     /// Sends one chat completion request.
     pub async fn complete(&self, messages: &RawValue) -> CallOutcome {
+        self.complete_with(messages, &Images::default()).await
+    }
+
+    /// Sends one chat completion request whose messages name `images`.
+    pub async fn complete_with(&self, messages: &RawValue, images: &Images) -> CallOutcome {
         let sent_at = SystemTime::now();
         let started = Instant::now();
         let mut ttft = None;
         let mut quota = None;
-        let result = self.call(messages, started, &mut ttft, &mut quota).await;
+        let result = self
+            .call(messages, images, started, &mut ttft, &mut quota)
+            .await;
         CallOutcome {
             result,
             timing: Timing {
@@ -599,13 +618,14 @@ impl ChatClient {
     async fn call(
         &self,
         messages: &RawValue,
+        images: &Images,
         started: Instant,
         ttft: &mut Option<Duration>,
         quota: &mut Option<Quota>,
     ) -> Result<Completion, CallError> {
         let request = self.send(|http| {
             http.post(self.completions_url.clone())
-                .body(self.body(messages))
+                .body(self.body(messages, images))
         });
         // A stream's first byte (its headers, then its first event) is due
         // by then.
@@ -774,7 +794,9 @@ async fn status_error(response: reqwest::Response) -> CallError {
     }
     CallError::Status {
         status,
-        message: error_message(&body),
+        // An endpoint that quotes the request would put images' bytes in
+        // the attempt's record.
+        message: crate::images::redact(&error_message(&body)),
         retry_after,
     }
 }

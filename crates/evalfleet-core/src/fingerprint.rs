@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use crate::config::Config;
+use crate::config::{Config, Part};
 use crate::dataset::write_canonical;
 
 /// How the dataset is read into items.
@@ -32,6 +32,10 @@ pub struct Fingerprint {
     /// read the same).
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub samples: u32,
+    /// SHA-256 of what in `task.images` determines the bytes sent (left out
+    /// when no message has images).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub images_sha256: Option<String>,
 }
 
 fn one() -> u32 {
@@ -84,8 +88,26 @@ impl Fingerprint {
             .task
             .messages
             .iter()
-            .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+            .map(|m| {
+                if m.parts.is_empty() {
+                    return serde_json::json!({"role": m.role, "content": m.content});
+                }
+                let parts: Vec<Value> = m
+                    .parts
+                    .iter()
+                    .map(|part| match part {
+                        Part::Text(text) => serde_json::json!({"text": text}),
+                        Part::Image(image) => serde_json::json!({"image": image}),
+                    })
+                    .collect();
+                serde_json::json!({"role": m.role, "content": parts})
+            })
             .collect();
+        let has_images = config
+            .task
+            .messages
+            .iter()
+            .any(|m| m.parts.iter().any(|p| matches!(p, Part::Image(_))));
         let dataset = &config.dataset;
         Self {
             dataset_sha256,
@@ -99,6 +121,7 @@ impl Fingerprint {
             messages_sha256: canonical_sha256(&prompts_value(config, messages)),
             params_sha256: canonical_sha256(&Value::Object(config.task.params.clone())),
             samples: config.task.samples,
+            images_sha256: has_images.then(|| canonical_sha256(&config.task.images.identity())),
         }
     }
 

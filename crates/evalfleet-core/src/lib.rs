@@ -9,6 +9,7 @@ pub mod dataset;
 pub mod eval;
 pub mod fingerprint;
 pub mod fleet;
+pub mod images;
 pub mod jinja;
 pub mod metric_backend;
 pub mod pipeline;

@@ -1,6 +1,7 @@
 //! What can be known about a task before its first call: every template
 //! (messages, metric references, LLM-judge rubrics, the refine prompt) is
-//! rendered for the first rows of the dataset, and each metric checks that
+//! rendered for the first rows of the dataset (and their images read), and
+//! each metric checks that
 //! it can use the references it gets. A problem is reported as the
 //! config's own problems are, with its line, before anything is stored.
 //!
@@ -12,7 +13,7 @@ use serde_json::Value;
 use crate::config::{LoadedConfig, TaskKind};
 use crate::dataset::{Row, RowReader, Scanner};
 use crate::eval::{Assessor, Checked};
-use crate::template::Templates;
+use crate::template::{RenderedPart, Templates};
 
 /// Rows of the dataset every template is rendered for.
 pub const ROWS: usize = 10;
@@ -54,16 +55,38 @@ pub fn check(
             ),
         ));
     };
+    let base = config
+        .dataset
+        .path
+        .parent()
+        .unwrap_or(std::path::Path::new(""));
     for (index, (line, row)) in rows.iter().enumerate() {
-        if let Err(err) = templates.render(row) {
-            // The messages of the rule of task.prompts chosen, or task.messages.
-            let prefix = if err.starts_with("task.prompts") {
-                "task.prompts"
-            } else {
-                "task.messages"
-            };
-            let (path, what) = split(&err, prefix);
-            report(path, index, *line, what);
+        match templates.render_parts(row) {
+            Err(err) => {
+                // The messages of the rule of task.prompts chosen, or task.messages.
+                let prefix = if err.starts_with("task.prompts") {
+                    "task.prompts"
+                } else {
+                    "task.messages"
+                };
+                let (path, what) = split(&err, prefix);
+                report(path, index, *line, what);
+            }
+            // Each image is read as it would be sent (URLs are not fetched).
+            Ok(messages) => {
+                for part in messages.iter().flat_map(|m| &m.parts) {
+                    let RenderedPart::Images { at, values } = part else {
+                        continue;
+                    };
+                    for value in values {
+                        if let Err(err) =
+                            crate::images::load(value, None, base, &config.task.images)
+                        {
+                            report(at, index, *line, &err.to_string());
+                        }
+                    }
+                }
+            }
         }
         let Some(assessor) = &assessor else {
             continue;

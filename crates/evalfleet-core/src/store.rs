@@ -328,6 +328,10 @@ pub struct ExportRow {
     /// `task.messages`), when the task has rules (left out otherwise).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt: Option<String>,
+    /// The images the item's request sent: source, page, SHA-256 and size
+    /// (shown only when there were any).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub images: Vec<evalfleet_types::ImageRef>,
 }
 
 /// A stored result, as `evalfleet score` and `report` read it.

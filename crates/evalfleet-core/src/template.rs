@@ -8,7 +8,7 @@ use minijinja::Environment;
 use serde::Serialize;
 use serde_json::value::RawValue;
 
-use crate::config::{DEFAULT_PROMPT, MessageTemplate, PromptRule, TaskConfig, path};
+use crate::config::{DEFAULT_PROMPT, MessageTemplate, Part, PromptRule, TaskConfig, path};
 use crate::dataset::Row;
 
 /// One rendered chat message.
@@ -37,8 +37,8 @@ struct Prompt {
     name: Arc<str>,
     /// Its rule; `None` for `task.messages`, which takes every item.
     rule: Option<PromptRule>,
-    /// Each message's role and compiled template's name.
-    messages: Vec<(String, String)>,
+    /// Each message's role and compiled parts.
+    messages: Vec<Compiled>,
 }
 
 /// An item's messages, and the prompt they came from.
@@ -48,6 +48,76 @@ pub struct Rendered {
     pub prompt: Option<Arc<str>>,
     /// The messages, as a JSON array.
     pub messages: Box<RawValue>,
+}
+
+/// One message's templates: its role, and its content's parts (a text
+/// content is one text part, sent as a string).
+struct Compiled {
+    role: String,
+    parts: Vec<CompiledPart>,
+    as_parts: bool,
+}
+
+/// A part's template, by the name it was added to the environment under.
+enum CompiledPart {
+    Text(String),
+    /// With the expression of a template that is one (`{{ pages }}`), whose
+    /// value may be a list of images.
+    Image(String, Option<String>),
+}
+
+/// One message of an item, its images not yet read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RenderedMessage {
+    pub role: String,
+    pub parts: Vec<RenderedPart>,
+    /// `false`: the content is its one text part, sent as a string.
+    pub as_parts: bool,
+}
+
+/// A rendered part.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RenderedPart {
+    Text(String),
+    /// The image values a part gave (`at`: its place in the config).
+    Images {
+        at: String,
+        values: Vec<String>,
+    },
+}
+
+/// One message as it is sent with images: content parts in OpenAI's form.
+#[derive(Serialize)]
+struct PartsMessage<'a> {
+    role: &'a str,
+    content: PartsContent<'a>,
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum PartsContent<'a> {
+    Text(&'a str),
+    Parts(Vec<OutPart<'a>>),
+}
+
+#[derive(Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum OutPart<'a> {
+    Text { text: &'a str },
+    ImageUrl { image_url: ImageUrl },
+}
+
+#[derive(Serialize)]
+struct ImageUrl {
+    url: String,
+}
+
+/// The expression of a template that is one lone `{{ expression }}`.
+fn lone_expression(source: &str) -> Option<String> {
+    let inner = source.trim().strip_prefix("{{")?.strip_suffix("}}")?;
+    let inner = inner.trim_start_matches('-').trim_end_matches('-').trim();
+    (!inner.contains("{{") && !inner.contains("}}") && !inner.contains("{%"))
+        .then(|| inner.to_owned())
 }
 
 /// A template that cannot be used with this dataset.
@@ -195,22 +265,95 @@ impl Templates {
             })
     }
 
-    /// The messages for one item.
+    /// Whether any message has image parts.
+    pub fn has_images(&self) -> bool {
+        self.prompts.iter().flat_map(|p| &p.messages).any(|m| {
+            m.parts
+                .iter()
+                .any(|p| matches!(p, CompiledPart::Image(..)))
+        })
+    }
+
+    /// The messages for one item, as text: an image part is shown as
+    /// `[image: SOURCE]` (see [`Self::render_parts`] for what is sent).
     pub fn render(&self, row: &Row) -> Result<Vec<Message>, String> {
+        let rendered = self.render_parts(row)?;
+        let mut out = Vec::with_capacity(rendered.len());
+        for message in rendered {
+            let mut content = String::new();
+            for part in message.parts {
+                match part {
+                    RenderedPart::Text(text) => content.push_str(&text),
+                    RenderedPart::Images { values, .. } => {
+                        for value in values {
+                            let shown =
+                                crate::images::Source::of(&value, std::path::Path::new("")).shown();
+                            content.push_str(&format!("[image: {shown}]"));
+                        }
+                    }
+                }
+            }
+            out.push(Message {
+                role: message.role,
+                content,
+            });
+        }
+        Ok(out)
+    }
+
+    /// The messages for one item, each image part with the values it gives
+    /// (paths, URLs, ...), not yet read.
+    pub fn render_parts(&self, row: &Row) -> Result<Vec<RenderedMessage>, String> {
         self.render_list(self.choose(row)?, row)
     }
 
-    fn render_list(&self, prompt: &Prompt, row: &Row) -> Result<Vec<Message>, String> {
+    /// The messages for one item as [`Self::render_parts`] gives them, with
+    /// the rule of `task.prompts` chosen (`None` when the task has none).
+    pub fn render_parts_prompt(
+        &self,
+        row: &Row,
+    ) -> Result<(Option<Arc<str>>, Vec<RenderedMessage>), String> {
+        let prompt = self.choose(row)?;
+        let messages = self.render_list(prompt, row)?;
+        Ok((self.has_rules.then(|| prompt.name.clone()), messages))
+    }
+
+    fn render_list(&self, prompt: &Prompt, row: &Row) -> Result<Vec<RenderedMessage>, String> {
         let context = minijinja::Value::from(minijinja::value::Serde(row));
         let mut out = Vec::with_capacity(prompt.messages.len());
-        for (role, name) in &prompt.messages {
-            let template = self.env.get_template(name).map_err(|err| err.to_string())?;
-            let content = template.render(&context).map_err(|err| {
-                format!("{name}: {}", crate::jinja::explain(&err, &template, row))
-            })?;
-            out.push(Message {
-                role: role.clone(),
-                content,
+        for message in &prompt.messages {
+            let mut parts = Vec::with_capacity(message.parts.len());
+            for part in &message.parts {
+                let (CompiledPart::Text(name) | CompiledPart::Image(name, _)) = part;
+                let template = self.env.get_template(name).map_err(|err| err.to_string())?;
+                let explain = |err: minijinja::Error| {
+                    format!("{name}: {}", crate::jinja::explain(&err, &template, row))
+                };
+                parts.push(match part {
+                    CompiledPart::Text(_) => {
+                        RenderedPart::Text(template.render(&context).map_err(explain)?)
+                    }
+                    CompiledPart::Image(_, Some(expression)) => {
+                        let value = self
+                            .env
+                            .compile_expression(expression)
+                            .and_then(|e| e.eval(&context))
+                            .map_err(explain)?;
+                        RenderedPart::Images {
+                            at: name.clone(),
+                            values: image_values(&value, name)?,
+                        }
+                    }
+                    CompiledPart::Image(_, None) => RenderedPart::Images {
+                        at: name.clone(),
+                        values: vec![template.render(&context).map_err(explain)?],
+                    },
+                });
+            }
+            out.push(RenderedMessage {
+                role: message.role.clone(),
+                parts,
+                as_parts: message.as_parts,
             });
         }
         Ok(out)
@@ -224,7 +367,21 @@ impl Templates {
     /// The messages for one item as a JSON array, with the prompt chosen.
     pub fn render_prompt(&self, row: &Row) -> Result<Rendered, String> {
         let prompt = self.choose(row)?;
-        let messages = self.render_list(prompt, row)?;
+        let messages: Vec<Message> = self
+            .render_list(prompt, row)?
+            .into_iter()
+            .map(|m| Message {
+                role: m.role,
+                content: m
+                    .parts
+                    .into_iter()
+                    .map(|part| match part {
+                        RenderedPart::Text(text) => text,
+                        RenderedPart::Images { .. } => String::new(),
+                    })
+                    .collect(),
+            })
+            .collect();
         Ok(Rendered {
             prompt: self.has_rules.then(|| prompt.name.clone()),
             messages: serde_json::value::to_raw_value(&messages).map_err(|err| err.to_string())?,
@@ -239,23 +396,119 @@ fn compile_list(
     variables: &mut BTreeSet<String>,
     messages: &[MessageTemplate],
     at: &str,
-) -> Result<Vec<(String, String)>, TemplateError> {
+) -> Result<Vec<Compiled>, TemplateError> {
     let mut compiled = Vec::with_capacity(messages.len());
     for (i, message) in messages.iter().enumerate() {
-        let name = path::key(&path::index(at, i), "content");
-        env.add_template_owned(name.clone(), message.content.clone())
-            .map_err(|err| TemplateError {
+        let content_at = path::key(&path::index(at, i), "content");
+        let text = Part::Text(message.content.clone());
+        // A text content is one text part, named as the content itself.
+        let sources: Vec<(String, &Part)> = if message.parts.is_empty() {
+            vec![(content_at, &text)]
+        } else {
+            message
+                .parts
+                .iter()
+                .enumerate()
+                .map(|(j, part)| (path::index(&content_at, j), part))
+                .collect()
+        };
+        let mut parts = Vec::with_capacity(sources.len());
+        for (name, part) in sources {
+            let (Part::Text(source) | Part::Image(source)) = part;
+            env.add_template_owned(name.clone(), source.clone())
+                .map_err(|err| TemplateError {
+                    path: name.clone(),
+                    message: err.to_string(),
+                })?;
+            let template = env.get_template(&name).map_err(|err| TemplateError {
                 path: name.clone(),
                 message: err.to_string(),
             })?;
-        let template = env.get_template(&name).map_err(|err| TemplateError {
-            path: name.clone(),
-            message: err.to_string(),
-        })?;
-        variables.extend(template.undeclared_variables(false));
-        compiled.push((message.role.clone(), name));
+            variables.extend(template.undeclared_variables(false));
+            parts.push(match part {
+                Part::Text(_) => CompiledPart::Text(name),
+                Part::Image(source) => CompiledPart::Image(name, lone_expression(source)),
+            });
+        }
+        compiled.push(Compiled {
+            role: message.role.clone(),
+            parts,
+            as_parts: !message.parts.is_empty(),
+        });
     }
     Ok(compiled)
+}
+
+/// The image values of an image part's expression: a list gives one each.
+fn image_values(value: &minijinja::Value, at: &str) -> Result<Vec<String>, String> {
+    use minijinja::value::ValueKind;
+    let one = |v: &minijinja::Value| match v.kind() {
+        ValueKind::String => Ok(v.to_string()),
+        ValueKind::Undefined | ValueKind::None => Err(format!(
+            "{at}: the item has no image here (the value is empty)"
+        )),
+        kind => Err(format!("{at}: an image value must be a text, got {kind}")),
+    };
+    match value.kind() {
+        ValueKind::Seq => {
+            let values = value
+                .try_iter()
+                .map_err(|err| format!("{at}: {err}"))?
+                .map(|v| one(&v))
+                .collect::<Result<Vec<_>, _>>()?;
+            if values.is_empty() {
+                return Err(format!("{at}: the list of images is empty"));
+            }
+            Ok(values)
+        }
+        _ => Ok(vec![one(value)?]),
+    }
+}
+
+/// `messages` as sent, each image part's values replaced by `images` (one
+/// list per image part, in order: what each part's values gave), as a JSON
+/// array whose image URLs hold the images' hashes (see
+/// [`crate::images::write_body`]).
+pub fn messages_with_images(
+    messages: &[RenderedMessage],
+    images: &[Vec<crate::images::Image>],
+) -> Result<Box<RawValue>, String> {
+    let mut images = images.iter();
+    let mut out = Vec::with_capacity(messages.len());
+    for message in messages {
+        if !message.as_parts {
+            let text = match message.parts.first() {
+                Some(RenderedPart::Text(text)) => text.as_str(),
+                _ => "",
+            };
+            out.push(PartsMessage {
+                role: &message.role,
+                content: PartsContent::Text(text),
+            });
+            continue;
+        }
+        let mut parts = Vec::with_capacity(message.parts.len());
+        for part in &message.parts {
+            match part {
+                RenderedPart::Text(text) => parts.push(OutPart::Text { text }),
+                RenderedPart::Images { at, .. } => {
+                    let loaded = images
+                        .next()
+                        .ok_or_else(|| format!("{at}: its images were not read"))?;
+                    parts.extend(loaded.iter().map(|image| OutPart::ImageUrl {
+                        image_url: ImageUrl {
+                            url: image.url_in_messages(),
+                        },
+                    }));
+                }
+            }
+        }
+        out.push(PartsMessage {
+            role: &message.role,
+            content: PartsContent::Parts(parts),
+        });
+    }
+    serde_json::value::to_raw_value(&out).map_err(|err| err.to_string())
 }
 
 fn quoted(names: &[&str]) -> String {
@@ -276,11 +529,9 @@ mod tests {
             prompts: Vec::new(),
             messages: contents
                 .iter()
-                .map(|c| MessageTemplate {
-                    role: "user".to_owned(),
-                    content: (*c).to_owned(),
-                })
+                .map(|c| MessageTemplate::text("user", c))
                 .collect(),
+            images: Default::default(),
             params: Default::default(),
             stream: false,
             samples: 1,
@@ -330,6 +581,45 @@ mod tests {
     }
 
     #[test]
+    fn image_parts_give_their_values_and_a_list_gives_one_each() {
+        let mut t = task(&["unused"]);
+        t.messages[0].parts = vec![
+            Part::Text("Read {{ title }}".into()),
+            Part::Image("{{ pages }}".into()),
+            Part::Image("scans/{{ title }}.png".into()),
+        ];
+        let t = Templates::compile(&t).unwrap();
+        assert!(t.has_images());
+        let item = row(r#"{"title": "a", "pages": ["p1.png", "p2.pdf"]}"#);
+        let parts = &t.render_parts(&item).unwrap()[0].parts;
+        assert_eq!(
+            parts[1],
+            RenderedPart::Images {
+                at: "task.messages[0].content[1]".into(),
+                values: vec!["p1.png".into(), "p2.pdf".into()]
+            }
+        );
+        assert_eq!(
+            parts[2],
+            RenderedPart::Images {
+                at: "task.messages[0].content[2]".into(),
+                values: vec!["scans/a.png".into()]
+            }
+        );
+        assert_eq!(
+            t.render(&item).unwrap()[0].content,
+            "Read a[image: p1.png][image: p2.pdf][image: scans/a.png]"
+        );
+        let err = t
+            .render_parts(&row(r#"{"title": "a", "pages": 3}"#))
+            .unwrap_err();
+        assert!(
+            err.contains("an image value must be a text, got number"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn json_output_escapes_content() {
         let t = Templates::compile(&task(&["{{ q }}"])).unwrap();
         let json = t.render_json(&row(r#"{"q": "say \"hi\"\n"}"#)).unwrap();
@@ -350,10 +640,7 @@ mod rule_tests {
                 .unwrap_or_default(),
             model: (!model_matches).then(|| "other-*".to_owned()),
             model_matches,
-            messages: vec![MessageTemplate {
-                role: "user".to_owned(),
-                content: content.to_owned(),
-            }],
+            messages: vec![MessageTemplate::text("user", content)],
         }
     }
 
@@ -370,10 +657,8 @@ mod rule_tests {
                 rule("invoices", Some("invoice"), true, "INVOICE {{ q }}"),
                 rule("forms", Some("form"), true, "FORM {{ q }} {{ box }}"),
             ],
-            messages: vec![MessageTemplate {
-                role: "user".to_owned(),
-                content: "DEFAULT {{ q }}".to_owned(),
-            }],
+            messages: vec![MessageTemplate::text("user", "DEFAULT {{ q }}")],
+            images: Default::default(),
             params: Default::default(),
             stream: false,
             samples: 1,

@@ -6,6 +6,7 @@
 #![allow(clippy::disallowed_methods)]
 
 mod concurrency;
+mod images;
 mod load;
 mod metric_vectors;
 mod outage;

@@ -41,6 +41,9 @@ pub struct Stats {
     hung: AtomicU64,
     truncated: AtomicU64,
     bad_requests: AtomicU64,
+    images: AtomicU64,
+    image_bytes: AtomicU64,
+    bad_images: AtomicU64,
     faults: AtomicU64,
     faults_by_status: Mutex<BTreeMap<u16, u64>>,
     stalled: AtomicU64,
@@ -73,6 +76,9 @@ impl Default for Stats {
             hung: AtomicU64::new(0),
             truncated: AtomicU64::new(0),
             bad_requests: AtomicU64::new(0),
+            images: AtomicU64::new(0),
+            image_bytes: AtomicU64::new(0),
+            bad_images: AtomicU64::new(0),
             faults: AtomicU64::new(0),
             faults_by_status: Mutex::new(BTreeMap::new()),
             stalled: AtomicU64::new(0),
@@ -110,6 +116,13 @@ pub struct StatsSnapshot {
     pub truncated: u64,
     /// Requests whose body was not a valid chat completion request.
     pub bad_requests: u64,
+    /// Images received in requests (data URLs and base64 decoded and
+    /// checked; URLs counted as they are).
+    pub images: u64,
+    /// Their decoded bytes (data URLs and base64 only).
+    pub image_bytes: u64,
+    /// Requests refused with 400 because an image could not be decoded.
+    pub bad_images: u64,
     /// Requests answered with one of `faults`.
     pub faults: u64,
     /// The same, by status.
@@ -170,6 +183,9 @@ impl Stats {
             hung: load(&self.hung),
             truncated: load(&self.truncated),
             bad_requests: load(&self.bad_requests),
+            images: load(&self.images),
+            image_bytes: load(&self.image_bytes),
+            bad_images: load(&self.bad_images),
             faults: load(&self.faults),
             faults_by_status: self
                 .faults_by_status
@@ -490,6 +506,8 @@ pub fn app(settings: MockSettings, stats: Arc<Stats>, shutdown: CancellationToke
         .route("/props", get(props))
         .route("/slots", get(slots))
         .route("/metrics", get(metrics))
+        // Requests with images are large: 64 MB, where axum's default is 2.
+        .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
         .with_state(state)
 }
 
@@ -959,6 +977,21 @@ async fn chat(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
             );
         }
     };
+    let images = match checked_images(&request.messages).await {
+        Ok(images) => images,
+        Err(problem) => {
+            state.stats.bad_images.fetch_add(1, Ordering::Relaxed);
+            return error_response(StatusCode::BAD_REQUEST, &problem);
+        }
+    };
+    for image in &images {
+        state.stats.images.fetch_add(1, Ordering::Relaxed);
+        state
+            .stats
+            .image_bytes
+            .fetch_add(image.bytes, Ordering::Relaxed);
+    }
+    let request = Checked { request, images };
     let interrupt = state.arrival();
 
     let Some(quota) = &state.quota else {
@@ -976,14 +1009,93 @@ async fn chat(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
     response
 }
 
+/// An image of a request, decoded.
+struct ReceivedImage {
+    /// SHA-256 of its bytes (hex); `None` for a URL, not fetched.
+    sha256: Option<String>,
+    bytes: u64,
+}
+
+/// A chat request with its images checked.
+struct Checked {
+    request: ChatRequest,
+    images: Vec<ReceivedImage>,
+}
+
+/// The images of `messages` (`image_url` parts: a data URL, bare base64,
+/// or an http(s) URL, which is not fetched), each decoded to check that
+/// it is an image, and hashed; or why one is not, naming its part.
+async fn checked_images(messages: &[ChatMessage]) -> Result<Vec<ReceivedImage>, String> {
+    let mut urls = Vec::new();
+    for (i, message) in messages.iter().enumerate() {
+        let Value::Array(parts) = &message.content else {
+            continue;
+        };
+        for (j, part) in parts.iter().enumerate() {
+            if part.get("type").and_then(Value::as_str) != Some("image_url") {
+                continue;
+            }
+            let url = part
+                .get("image_url")
+                .and_then(|u| u.get("url"))
+                .and_then(Value::as_str)
+                .ok_or_else(|| format!("messages[{i}].content[{j}]: image_url.url is missing"))?;
+            urls.push((format!("messages[{i}].content[{j}]"), url.to_owned()));
+        }
+    }
+    if urls.is_empty() {
+        return Ok(Vec::new());
+    }
+    // Decoding is CPU work: off the async threads, awaited in place by the
+    // request it is for.
+    #[allow(clippy::disallowed_methods)]
+    tokio::task::spawn_blocking(move || {
+        urls.iter().map(|(at, url)| decode_image(at, url)).collect()
+    })
+    .await
+    .map_err(|err| format!("image check failed: {err}"))?
+}
+
+fn decode_image(at: &str, url: &str) -> Result<ReceivedImage, String> {
+    use base64::Engine as _;
+    use sha2::Digest as _;
+    if url.starts_with("http://") || url.starts_with("https://") {
+        return Ok(ReceivedImage {
+            sha256: None,
+            bytes: 0,
+        });
+    }
+    let data = match url.strip_prefix("data:") {
+        Some(rest) => match rest.split_once(',') {
+            Some((head, data)) if head.ends_with(";base64") => data,
+            _ => {
+                return Err(format!(
+                    "{at}: a data URL of an image must be base64 (data:TYPE;base64,...)"
+                ));
+            }
+        },
+        None => url,
+    };
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(data.trim())
+        .map_err(|err| format!("{at}: the image is not valid base64: {err}"))?;
+    image::load_from_memory(&bytes)
+        .map_err(|err| format!("{at}: the image cannot be decoded: {err}"))?;
+    Ok(ReceivedImage {
+        sha256: Some(hex::encode(sha2::Sha256::digest(&bytes))),
+        bytes: bytes.len() as u64,
+    })
+}
+
 /// Answers a chat request the quota let through.
 async fn answer_chat(
     state: &Arc<MockState>,
-    request: ChatRequest,
+    request: Checked,
     arrived: Instant,
     in_flight: InFlight,
     interrupt: CancellationToken,
 ) -> Response {
+    let Checked { request, images } = request;
     if let Some(bucket) = &state.bucket {
         let verdict = bucket
             .lock()
@@ -1071,35 +1183,55 @@ async fn answer_chat(
     let scripted = match &state.answers {
         Err(err) => return error_response(StatusCode::INTERNAL_SERVER_ERROR, err),
         Ok(answers) if !answers.is_empty() => {
-            let first_user = request
-                .messages
-                .iter()
-                .find(|m| m.role == "user")
-                .map(|m| message_text(&m.content));
             let asked = request
                 .messages
                 .iter()
                 .filter(|m| m.role == "assistant")
                 .count();
-            first_user.and_then(|u| match answers.get(&u)? {
-                crate::settings::Script::Replies { replies, hang_from } => {
-                    if hang_from.is_some_and(|from| asked >= from) {
-                        Some(None)
-                    } else {
-                        replies.get(asked.min(replies.len() - 1)).cloned().map(Some)
+            let reply = |key: String| -> Option<Option<String>> {
+                match answers.get(&key)? {
+                    crate::settings::Script::Replies { replies, hang_from } => {
+                        if hang_from.is_some_and(|from| asked >= from) {
+                            Some(None)
+                        } else {
+                            replies.get(asked.min(replies.len() - 1)).cloned().map(Some)
+                        }
+                    }
+                    crate::settings::Script::Samples(samples) => {
+                        let mut seen = state
+                            .scripted_seen
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner);
+                        let i = seen.entry(key).or_insert(0);
+                        let reply = samples[*i % samples.len()].clone();
+                        *i += 1;
+                        Some(Some(reply))
                     }
                 }
-                crate::settings::Script::Samples(samples) => {
-                    let mut seen = state
-                        .scripted_seen
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner);
-                    let i = seen.entry(u).or_insert(0);
-                    let reply = samples[*i % samples.len()].clone();
-                    *i += 1;
-                    Some(Some(reply))
+            };
+            // By its images, when every one of them has a script: their
+            // replies, a line each.
+            let by_image: Option<Vec<Option<String>>> = images
+                .iter()
+                .map(|image| {
+                    image
+                        .sha256
+                        .as_ref()
+                        .and_then(|sha| reply(crate::settings::image_key(sha)))
+                })
+                .collect();
+            match by_image {
+                Some(replies) if !replies.is_empty() => {
+                    let replies: Option<Vec<String>> = replies.into_iter().collect();
+                    Some(replies.map(|r| r.join("\n")))
                 }
-            })
+                _ => request
+                    .messages
+                    .iter()
+                    .find(|m| m.role == "user")
+                    .map(|m| message_text(&m.content))
+                    .and_then(reply),
+            }
         }
         Ok(_) => None,
     };

@@ -198,7 +198,10 @@ pub struct MockSettings {
     /// past the end, the last), and never an answer when k is at least the
     /// line's `hang_from` (it hangs, as `hang_rate` does); with `samples`,
     /// the i-th request for that prompt gets `samples[i mod len]` (repeated
-    /// samples of one question). Other requests are answered as usual.
+    /// samples of one question). A line may give `"image": SHA256` (the
+    /// hex SHA-256 of an image's bytes) instead of `prompt`: a request whose
+    /// every image has such a line gets their replies, one line each. Other
+    /// requests are answered as usual.
     #[cfg_attr(feature = "cli", arg(long, value_name = "FILE"))]
     pub answers: Option<std::path::PathBuf>,
 }
@@ -538,15 +541,21 @@ pub enum Script {
     Samples(Vec<String>),
 }
 
+/// The key of an image's script among the scripted answers.
+pub fn image_key(sha256: &str) -> String {
+    format!("\0image:{sha256}")
+}
+
 /// Reads a scripted-answers file (see [`MockSettings::answers`]): first user
-/// message → its script.
+/// message (or [`image_key`]) → its script.
 pub fn load_answers(
     path: &std::path::Path,
 ) -> Result<std::collections::HashMap<String, Script>, String> {
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
     struct Line {
-        prompt: String,
+        prompt: Option<String>,
+        image: Option<String>,
         replies: Option<Vec<String>>,
         samples: Option<Vec<String>>,
         hang_from: Option<usize>,
@@ -573,7 +582,20 @@ pub fn load_answers(
                 ));
             }
         };
-        out.insert(parsed.prompt, script);
+        let key = match (parsed.prompt, parsed.image) {
+            (Some(prompt), None) => prompt,
+            (None, Some(sha)) if sha.len() == 64 && sha.bytes().all(|b| b.is_ascii_hexdigit()) => {
+                image_key(&sha.to_ascii_lowercase())
+            }
+            (None, Some(sha)) => {
+                return Err(format!(
+                    "{}: image must be a SHA-256 in hex, got '{sha}'",
+                    at()
+                ));
+            }
+            _ => return Err(format!("{}: give prompt or image, not both", at())),
+        };
+        out.insert(key, script);
     }
     Ok(out)
 }

@@ -729,3 +729,58 @@ async fn a_mock_without_capacity_has_no_slots_and_runs_every_request() {
         ended.unwrap().ok();
     }
 }
+
+/// A 2 x 2 PNG, as base64.
+const PNG: &str = "iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAEUlEQVR4nGPgEpHTMLJhgFAACiwBpXBsUlAAAAAASUVORK5CYII=";
+
+#[tokio::test]
+async fn images_are_decoded_answered_by_their_hash_and_a_bad_one_is_refused() {
+    use base64::Engine as _;
+    use sha2::Digest as _;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(PNG)
+        .unwrap();
+    let sha = hex::encode(sha2::Sha256::digest(&bytes));
+    let dir = tempfile::tempdir().unwrap();
+    let answers = dir.path().join("answers.jsonl");
+    std::fs::write(
+        &answers,
+        format!("{{\"image\": \"{sha}\", \"replies\": [\"two by two\"]}}\n"),
+    )
+    .unwrap();
+    let server = start(MockSettings {
+        answers: Some(answers),
+        ..MockSettings::default()
+    })
+    .await;
+    let client = client();
+    let with = |url: String| {
+        json!({"model": "mock", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"},
+            {"type": "image_url", "image_url": {"url": url}},
+        ]}]})
+    };
+    for url in [format!("data:image/png;base64,{PNG}"), PNG.to_owned()] {
+        let response = post(&client, &server, &with(url)).await;
+        assert_eq!(response.status(), 200);
+        let body: Value = serde_json::from_slice(&response.bytes().await.unwrap()).unwrap();
+        assert_eq!(body["choices"][0]["message"]["content"], "two by two");
+    }
+    let mut broken = bytes.clone();
+    broken.truncate(bytes.len() - 20);
+    let url = format!(
+        "data:image/png;base64,{}",
+        base64::engine::general_purpose::STANDARD.encode(&broken)
+    );
+    let response = post(&client, &server, &with(url)).await;
+    assert_eq!(response.status(), 400);
+    let body: Value = serde_json::from_slice(&response.bytes().await.unwrap()).unwrap();
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("messages[0].content[1]: the image cannot be decoded"),
+        "{message}"
+    );
+    let stats = server.stats();
+    assert_eq!((stats.images, stats.bad_images), (2, 1), "{stats:?}");
+    assert_eq!(stats.image_bytes, 2 * bytes.len() as u64);
+}

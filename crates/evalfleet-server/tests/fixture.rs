@@ -161,6 +161,7 @@ impl Fixture {
                     finished_at_ms: 1,
                     assessment,
                     prompt: None,
+                    images: Vec::new(),
                 },
             ));
         }

@@ -63,6 +63,7 @@ impl ItemSource for Items {
                 messages_sha256: String::new(),
                 params_sha256: String::new(),
                 samples: 1,
+                images_sha256: None,
             },
             dataset: DatasetIdentity {
                 path: "data.jsonl".into(),
@@ -113,6 +114,7 @@ fn result(seq: u64, id: &str, status: ItemStatus) -> ResultRecord {
         finished_at_ms: 1,
         assessment: Assessment::default(),
         prompt: None,
+        images: Vec::new(),
     }
 }
 
@@ -569,6 +571,7 @@ fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
          ALTER TABLE runs DROP COLUMN generation;
          DROP TABLE resource_points;
          ALTER TABLE results DROP COLUMN prompt;
+         ALTER TABLE results DROP COLUMN images;
          PRAGMA user_version = 1;",
     )
     .unwrap();

@@ -28,7 +28,8 @@ pub use event::{Event, EventKind, FleetAction, FleetChange};
 pub use fading::FadingMax;
 pub use fault::{Fault, error_text, root_cause};
 pub use record::{
-    AttemptRecord, CacheEntry, ItemStatus, ResultRecord, RunStatus, StateCounts, Telemetry,
+    AttemptRecord, CacheEntry, ImageRef, ItemStatus, ResultRecord, RunStatus, StateCounts,
+    Telemetry,
 };
 pub use resource::{
     POINTS_PER_SERIES, ResourceMetric, ResourcePoint, ResourceSeries, ResourceSource, merge_oldest,

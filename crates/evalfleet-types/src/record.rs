@@ -109,6 +109,26 @@ pub struct ResultRecord {
     /// The rule of `task.prompts` that made its messages (`default`:
     /// `task.messages`); `None` when the task has no rules.
     pub prompt: Option<String>,
+    /// The images its request sent: where each came from and the hash of
+    /// the bytes sent, never the bytes.
+    pub images: Vec<ImageRef>,
+}
+
+/// An image sent with an item's request, as the store keeps it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageRef {
+    /// The value it came from: a path as the dataset gives it, a URL, or a
+    /// data URL or base64 shortened to its kind and length.
+    pub source: String,
+    /// The page of a PDF it is (from 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub page: Option<u32>,
+    /// SHA-256 of the bytes sent (hex); `None` when the URL itself was sent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sha256: Option<String>,
+    /// Bytes sent (before base64).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
 }
 
 /// One stored answer of the response cache.

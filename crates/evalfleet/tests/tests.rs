@@ -14,6 +14,7 @@ mod crash;
 mod dashboard;
 mod failures;
 mod fleet;
+mod images;
 mod input;
 mod messages;
 mod prompts;

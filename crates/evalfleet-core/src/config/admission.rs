@@ -10,7 +10,8 @@
 //! - reads and writes files only under the server's roots (`--allow-root`),
 //!   symbolic links and `..` resolved first, with the same refusal whether
 //!   the file exists or not, so that a refusal tells nothing of what is
-//!   outside;
+//!   outside; image files named by its dataset's rows too, checked as each
+//!   is read (`ImageSettings::roots`), and it fetches no image URL;
 //! - expands `${VAR}` only for the variables the server names
 //!   (`--allow-env`), and only where a secret belongs (an endpoint's
 //!   `api_key`, `headers` and `env`, which are masked wherever they are
@@ -88,6 +89,17 @@ impl Admission {
             let at = "task.metric_backends".to_owned();
             let message = format!(
                 "{at}: a config sent to this server may not run metric backends (each runs a command on the server); the server allows it only when started with --allow-commands"
+            );
+            out.push((at, message));
+        }
+        let fetch = document
+            .get("task")
+            .and_then(|task| task.get("images"))
+            .and_then(|images| images.get("fetch_urls"));
+        if fetch.is_some_and(|f| f != &Value::Bool(false)) {
+            let at = "task.images.fetch_urls".to_owned();
+            let message = format!(
+                "{at}: a config sent to this server may not have it fetch URLs (the endpoint may fetch them itself)"
             );
             out.push((at, message));
         }
@@ -353,5 +365,40 @@ mod tests {
                 "task.messages[0].content"
             ]
         );
+    }
+
+    #[test]
+    fn a_config_from_outside_fetches_no_image_url_and_reads_images_only_under_its_roots() {
+        let root = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        let refused = admission(root.path()).refusals(
+            &json!({"task": {"images": {"fetch_urls": true}}}),
+            root.path(),
+        );
+        assert_eq!(paths(&refused), ["task.images.fetch_urls"]);
+        assert!(
+            admission(root.path())
+                .refusals(
+                    &json!({"task": {"images": {"fetch_urls": false}}}),
+                    root.path()
+                )
+                .is_empty()
+        );
+
+        std::fs::write(root.path().join("in.png"), b"x").unwrap();
+        std::fs::write(outside.path().join("out.png"), b"x").unwrap();
+        let settings = super::super::ImageSettings {
+            roots: Some(admission(root.path()).roots),
+            ..Default::default()
+        };
+        assert!(settings.readable(&root.path().join("in.png")).is_some());
+        assert!(settings.readable(&outside.path().join("out.png")).is_none());
+        assert!(
+            settings
+                .readable(&root.path().join("../x/out.png"))
+                .is_none()
+        );
+        let anywhere = super::super::ImageSettings::default();
+        assert!(anywhere.readable(&outside.path().join("out.png")).is_some());
     }
 }

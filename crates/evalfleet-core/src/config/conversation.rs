@@ -179,14 +179,8 @@ const ROBOT_USER: &str = "Conversation:\n{{ history_text }}\n\nYour strategy: {{
 
 fn default_messages(system: &str, user: &str) -> Vec<MessageTemplate> {
     vec![
-        MessageTemplate {
-            role: "system".to_owned(),
-            content: system.to_owned(),
-        },
-        MessageTemplate {
-            role: "user".to_owned(),
-            content: user.to_owned(),
-        },
+        MessageTemplate::text("system", system),
+        MessageTemplate::text("user", user),
     ]
 }
 
@@ -494,7 +488,16 @@ pub(super) fn conversation(
         let raw = raw.unwrap_or_default();
         let messages = match raw.messages {
             None => Some(default_messages(system, user)),
-            Some(list) => message_list(list, &format!("{AT}.{at}"), p),
+            Some(list) => message_list(list, &format!("{AT}.{at}"), p).and_then(|messages| {
+                // A conversation's calls carry text only.
+                match messages.iter().position(|m| !m.parts.is_empty()) {
+                    Some(i) => p.push(
+                        &format!("{AT}.{at}[{i}]"),
+                        "a conversation's messages are text only (no parts or images)",
+                    ),
+                    None => Some(messages),
+                }
+            }),
         };
         messages.map(|messages| CallSettings {
             messages,

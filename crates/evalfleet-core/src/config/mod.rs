@@ -13,6 +13,7 @@ mod conversation;
 mod endpoint;
 mod env;
 mod eval;
+mod images;
 pub mod path;
 mod prompts;
 mod raw;
@@ -48,6 +49,7 @@ use evalfleet_types::Fault;
 pub use evalfleet_types::RetryPolicy;
 pub use telemetry::{GpuSelection, TelemetryLimits, TelemetrySettings};
 pub use prompts::{DEFAULT_PROMPT, PromptRule, glob_matches};
+pub use images::{ImageFormat, ImageSettings, Part, PdfPages};
 pub use yaml::{Document, YamlError, parse as parse_yaml};
 
 /// The replacement for a secret written literally in a config, wherever the
@@ -174,6 +176,8 @@ pub struct TaskConfig {
     /// `prompts`: rules that choose other messages for some items or
     /// models, in order; `messages` is the default (empty: none).
     pub prompts: Vec<PromptRule>,
+    /// `images`: how image values become the bytes sent.
+    pub images: ImageSettings,
     /// Generation parameters sent with every request (`max_tokens`,
     /// `temperature`, ...).
     pub params: Map<String, Value>,
@@ -254,7 +258,22 @@ pub const REFINE_PROMPT: &str =
 pub struct MessageTemplate {
     /// `system`, `developer`, `user`, `assistant` or `tool`.
     pub role: String,
+    /// The text template (empty when the content is `parts`).
     pub content: String,
+    /// The content as parts (text and images), in their order; empty when
+    /// the content is the one text `content`.
+    pub parts: Vec<Part>,
+}
+
+impl MessageTemplate {
+    /// A message whose content is one text template.
+    pub fn text(role: &str, content: &str) -> Self {
+        Self {
+            role: role.to_owned(),
+            content: content.to_owned(),
+            parts: Vec::new(),
+        }
+    }
 }
 
 /// `timeouts:`.

@@ -111,6 +111,9 @@ pub struct RawTask {
     /// conversation. Default: none (`messages` for every item).
     #[schemars(with = "Option<Vec<super::prompts::RawPrompt>>")]
     pub prompts: Option<Vec<Value>>,
+    /// How image values in messages (image parts, `images:`) become the
+    /// bytes sent. Default: every key's default.
+    pub images: Option<super::images::RawImages>,
     /// Generation parameters sent with every request as they are
     /// (`max_tokens`, `temperature`, ...); `model`, `messages`, `stream` and
     /// `stream_options` are evalfleet's own. Default: none.
@@ -298,8 +301,18 @@ pub struct RawMessage {
     /// `system`, `developer`, `user`, `assistant` or `tool`. Required.
     pub role: Option<String>,
     /// A minijinja template over the item's fields (`{{ question }}`),
-    /// checked before the run starts. Required.
-    pub content: Option<String>,
+    /// checked before the run starts; or a list of parts, each `text: TEMPLATE`
+    /// or `image: TEMPLATE` (see `task.images`), sent in their order as
+    /// OpenAI content parts. Required.
+    #[schemars(with = "Option<super::images::ContentShape>")]
+    pub content: Option<Value>,
+    /// A template giving the message's images (one value, or a lone
+    /// expression giving a list: `"{{ pages }}"`), placed before or after
+    /// the text of `content` (`images_at`): the shorthand of a content of
+    /// two parts. Default: none.
+    pub images: Option<String>,
+    /// Where `images` go: `before` or `after` the text. Default `before`.
+    pub images_at: Option<String>,
 }
 
 /// How failed calls are retried. Default: every key's default.

@@ -848,3 +848,72 @@ fn metrics_name_a_declared_backend_at_its_version() {
         (Duration::from_secs(5), 64, dir.path())
     );
 }
+
+#[test]
+fn image_parts_and_the_images_shorthand_are_read_and_checked_with_their_lines() {
+    let dir = dir_with_dataset();
+    write(dir.path(), ".env", "EF_CFG_TEST_KEY=sk\n");
+    let good = GOOD.replace(
+        "    - { role: user, content: \"{{ question }}\" }\n",
+        "    - role: user\n      content:\n        - text: \"Read {{ question }}\"\n        - image: \"{{ pages }}\"\n    - { role: user, content: \"Again\", images: \"{{ page }}\", images_at: after }\n  images: { max_side: 1024, format: jpeg, quality: 80, pdf_pages: all }\n",
+    );
+    let file = write(dir.path(), "run.yaml", &good);
+    let config = load_file(&file, Overrides::default()).unwrap().config;
+    let messages = &config.task.messages;
+    assert_eq!(
+        messages[0].parts,
+        vec![
+            Part::Text("Read {{ question }}".into()),
+            Part::Image("{{ pages }}".into())
+        ]
+    );
+    assert_eq!(
+        messages[1].parts,
+        vec![Part::Text("Again".into()), Part::Image("{{ page }}".into())]
+    );
+    let images = &config.task.images;
+    assert_eq!(
+        (
+            images.max_side,
+            images.format,
+            images.quality,
+            images.pdf_pages
+        ),
+        (Some(1024), Some(ImageFormat::Jpeg), 80, PdfPages::All)
+    );
+
+    let bad = GOOD.replace(
+        "    - { role: user, content: \"{{ question }}\" }\n",
+        "    - role: user\n      content:\n        - picture: \"{{ page }}\"\n    - { role: user, content: \"x\", images: \"{{ page }}\", images_at: middle }\n  images: { format: gif, pdf_pages: none, in_memory: 0 }\n",
+    );
+    let file = write(dir.path(), "bad.yaml", &bad);
+    let err = load_file(&file, Overrides::default()).unwrap_err();
+    let problems = err.problems();
+    let line = |needle: &str| {
+        problems
+            .iter()
+            .find(|p| p.message.contains(needle))
+            .unwrap_or_else(|| panic!("no problem mentions {needle:?}: {problems:#?}"))
+            .line
+    };
+    assert_eq!(
+        line("task.messages[0].content[0]: unknown key 'picture'"),
+        Some(19)
+    );
+    assert_eq!(
+        line("task.messages[1].images_at: must be before or after, got 'middle'"),
+        Some(20)
+    );
+    assert_eq!(
+        line("task.images.format: must be png, jpeg or webp, got 'gif'"),
+        Some(21)
+    );
+    assert_eq!(
+        line("task.images.pdf_pages: must be first, all or a page number"),
+        Some(21)
+    );
+    assert_eq!(
+        line("task.images.in_memory: must be between 1 and 100000, got 0"),
+        Some(21)
+    );
+}

@@ -12,7 +12,7 @@ use super::raw::{
 };
 use super::{
     Admission, BudgetSettings, Config, ConfigError, DatasetConfig, DatasetFormat, Document,
-    LoadedConfig, MASK, MessageTemplate, Overrides, Problem, RetryPolicy, Sample, TaskConfig,
+    LoadedConfig, MASK, MessageTemplate, Overrides, Part, Problem, RetryPolicy, Sample, TaskConfig,
     TaskKind, Timeouts, WriterSettings, endpoint, path,
 };
 
@@ -70,8 +70,12 @@ pub(super) fn load(
         Err(message) => problems.push((String::new(), message)),
     }
 
-    let config = raw::section::<RawConfig>(&value, "", &mut problems)
+    let mut config = raw::section::<RawConfig>(&value, "", &mut problems)
         .and_then(|raw| validate(raw, dir, &mut problems));
+    // Images are named by the dataset's rows: they are confined when read.
+    if let (Some(config), Some(admission)) = (&mut config, admission) {
+        config.task.images.roots = Some(admission.roots.clone());
+    }
     match config {
         Some(config) if problems.is_empty() => Ok(LoadedConfig {
             config,
@@ -678,14 +682,37 @@ pub(super) fn message_list(
             None => p.push(&path::key(&at, "role"), "is required"),
         };
         let content = match message.content {
-            Some(content) => match crate::jinja::check(&checker, &content) {
-                Ok(()) => Some(content),
-                Err(err) => p.push(&path::key(&at, "content"), err),
-            },
+            Some(content) => super::images::parts(
+                content,
+                message.images,
+                message.images_at.as_deref(),
+                &at,
+                p,
+            )
+            .and_then(|(content, parts)| {
+                let mut good = true;
+                if parts.is_empty()
+                    && let Err(err) = crate::jinja::check(&checker, &content)
+                {
+                    good = p.push::<()>(&path::key(&at, "content"), err).is_some();
+                }
+                for (j, part) in parts.iter().enumerate() {
+                    let (Part::Text(t) | Part::Image(t)) = part;
+                    if let Err(err) = crate::jinja::check(&checker, t) {
+                        let part_at = path::index(&path::key(&at, "content"), j);
+                        good = p.push::<()>(&part_at, err).is_some();
+                    }
+                }
+                good.then_some((content, parts))
+            }),
             None => p.push(&path::key(&at, "content"), "is required"),
         };
         match (role, content) {
-            (Some(role), Some(content)) => out.push(MessageTemplate { role, content }),
+            (Some(role), Some((content, parts))) => out.push(MessageTemplate {
+                role,
+                content,
+                parts,
+            }),
             _ => ok = false,
         }
     }
@@ -715,6 +742,7 @@ fn task(
         None => p.push("task.messages", "is required (the chat messages to send)"),
         Some(list) => message_list(list, "task.messages", p),
     };
+    let images = super::images::settings(raw.images.take(), p);
     let params = params(raw.params.take(), "task.params", p);
     let eval = super::eval::eval(&mut raw, dir, p);
     let mut params = params?;
@@ -776,6 +804,7 @@ fn task(
         kind,
         messages: messages?,
         prompts: prompts?,
+        images: images?,
         params,
         stream: raw.stream.unwrap_or(false),
         samples,

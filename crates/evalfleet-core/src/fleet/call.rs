@@ -90,11 +90,18 @@ pub struct Call {
     pub cost: u64,
 }
 
-/// Makes `call` with `messages` for at most `limit` (or until `abort`), and
+/// What a call sends: its messages, and the images they name by hash.
+#[derive(Clone, Copy)]
+pub struct Prompt<'a> {
+    pub messages: &'a RawValue,
+    pub images: &'a crate::images::Images,
+}
+
+/// Makes `call` with `prompt` for at most `limit` (or until `abort`), and
 /// feeds what happened back to the endpoint and the fleet.
 pub async fn send(
     call: Call,
-    messages: &RawValue,
+    prompt: Prompt<'_>,
     limit: Duration,
     abort: &CancellationToken,
     fleet: &FleetHandle,
@@ -119,7 +126,7 @@ pub async fn send(
         biased;
         () = abort.cancelled() => None,
         () = evicted.cancelled() => Some(None),
-        timed = tokio::time::timeout(limit, client.complete(messages)) => Some(Some(timed)),
+        timed = tokio::time::timeout(limit, client.complete_with(prompt.messages, prompt.images)) => Some(Some(timed)),
     };
     drop(in_flight);
     let timed = match ended {

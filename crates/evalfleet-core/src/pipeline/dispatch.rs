@@ -323,7 +323,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
         (made.exchange, made.endpoint, made.number)
     } else {
         let exchange =
-            call::send(call, &request.messages, limit, &shared.abort, &shared.fleet).await;
+            call::send(call, request.outgoing(), limit, &shared.abort, &shared.fleet).await;
         (exchange, endpoint, number)
     };
     let Some(mut record) = exchange.record(&endpoint, item.seq, number, shared.session) else {
@@ -500,7 +500,7 @@ async fn race(
     let endpoint = call.endpoint.clone();
     let started = Instant::now();
     let sent_at = std::time::SystemTime::now();
-    let send = call::send(call, &request.messages, limit, &shared.abort, &shared.fleet);
+    let send = call::send(call, request.outgoing(), limit, &shared.abort, &shared.fleet);
     tokio::pin!(send);
     let alone = |exchange| Raced {
         exchange,
@@ -525,6 +525,7 @@ async fn race(
         seq: item.seq,
         number: hedge_number,
         messages: request.messages.clone(),
+        images: request.images.clone(),
         from: endpoint.name.clone(),
         deadline: started + limit,
         cancel: cancel.clone(),
@@ -627,7 +628,7 @@ async fn hedge_attempt(shared: Arc<Shared>, call: Call, hedge: Hedge) {
         .max(Duration::from_millis(1));
     let sent_at = std::time::SystemTime::now();
     let exchange = tokio::select! {
-        exchange = call::send(call, &hedge.messages, limit, &shared.abort, &shared.fleet) => exchange,
+        exchange = call::send(call, hedge.outgoing(), limit, &shared.abort, &shared.fleet) => exchange,
         () = hedge.cancel.cancelled() => Exchange::Cancelled {
             sent_at,
             why: format!("the call it hedged on {} answered first", hedge.from),

@@ -106,6 +106,9 @@ pub struct Item {
     pub request: Option<Request>,
     /// The rule of `task.prompts` that made its messages.
     pub prompt: Option<std::sync::Arc<str>>,
+    /// The images its first request with images sent: kept with its
+    /// result.
+    images: Vec<evalfleet_types::ImageRef>,
 }
 
 /// An item as it was claimed.
@@ -142,6 +145,7 @@ impl Item {
             episode,
             request: None,
             prompt: None,
+            images: Vec::new(),
         }
     }
 
@@ -153,6 +157,9 @@ impl Item {
     /// The step after `request`'s reply; a re-ask (a call after an answer
     /// that could not be used) is counted here, once.
     pub fn next(&mut self, request: Request, reply: Reply) -> Step {
+        if self.images.is_empty() && !request.images.is_empty() {
+            self.images = request.images.references();
+        }
         let item = ItemContext::new(&self.item_id, &self.row, &self.row_json, self.sample);
         let step = self.episode.next(&item, request, reply);
         if let Step::Call(next) = &step
@@ -200,6 +207,7 @@ impl Item {
             finished_at_ms: now_ms(),
             assessment: finish.assessment,
             prompt: self.prompt.take().map(|p| p.to_string()),
+            images: std::mem::take(&mut self.images),
         };
         let ended = Ended {
             tally: self.tally.clone(),
@@ -252,6 +260,7 @@ pub struct Hedge {
     /// Its attempt number (taken from the item's when it was made).
     pub number: u32,
     pub messages: Box<serde_json::value::RawValue>,
+    pub images: crate::images::Images,
     /// The endpoint of the call it hedges, which is not to make it.
     pub from: String,
     /// The item's deadline.
@@ -268,6 +277,16 @@ pub struct Hedged {
     pub exchange: crate::fleet::call::Exchange,
     pub endpoint: Arc<crate::fleet::Endpoint>,
     pub record: Option<evalfleet_types::AttemptRecord>,
+}
+
+impl Hedge {
+    /// What its call sends.
+    pub fn outgoing(&self) -> crate::fleet::call::Prompt<'_> {
+        crate::fleet::call::Prompt {
+            messages: &self.messages,
+            images: &self.images,
+        }
+    }
 }
 
 /// What an endpoint's free slot takes next. Nearly every job is an item,

@@ -144,12 +144,9 @@ impl Reader {
             .rows
             .read_with_json(pending.offset, pending.line, row_id)?;
         let parsed = std::cell::OnceCell::from(row);
-        let (episode, step) = self.shared.task.begin(&ItemContext::new(
-            &pending.item_id,
-            &parsed,
-            &row_json,
-            sample,
-        ));
+        let (episode, step) = self.shared.task.begin(
+            &ItemContext::new(&pending.item_id, &parsed, &row_json, sample).at_line(pending.line),
+        );
         drop(parsed);
         let mut item = Item::new(
             self.shared.tally.clone(),

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use evalfleet_types::{Assessment, Score, Scores};
 use serde_json::Value;
 
+use super::images::Loader;
 use super::{Episode, Finish, ItemContext, Reply, Request, Step, Target, Task};
 use crate::eval::{Assessor, Checked, LlmJudgeCall};
 use crate::metric_backend::Backends;
@@ -30,6 +31,8 @@ struct Inner {
     code: Option<Arc<CodeJudge>>,
     /// Score the metrics of outside backends (`task.metric_backends`).
     backends: Option<Arc<Backends>>,
+    /// Reads the images of the messages (when they have any).
+    images: Option<Arc<Loader>>,
 }
 
 impl Chat {
@@ -40,6 +43,7 @@ impl Chat {
                 assessor,
                 code: None,
                 backends: None,
+                images: None,
             }),
         }
     }
@@ -52,6 +56,7 @@ impl Chat {
                 assessor: self.inner.assessor.clone(),
                 code: self.inner.code.clone(),
                 backends,
+                images: self.inner.images.clone(),
             }),
         }
     }
@@ -62,6 +67,24 @@ impl Chat {
         self.inner.backends.as_ref().map_or(1, |b| b.queue().max(1))
     }
 
+    /// The same task, whose messages' images `loader` reads.
+    pub(super) fn reading_images(self, loader: Arc<Loader>) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                templates: self.inner.templates.clone(),
+                assessor: self.inner.assessor.clone(),
+                code: self.inner.code.clone(),
+                backends: self.inner.backends.clone(),
+                images: Some(loader),
+            }),
+        }
+    }
+
+    /// How many items' images may be read at once.
+    pub(super) fn image_readers(&self) -> Option<usize> {
+        self.inner.images.as_ref().map(|loader| loader.readers())
+    }
+
     /// The same task, whose usable answers `code` judges as programs.
     pub(super) fn judging_code(self, code: Arc<CodeJudge>) -> Self {
         Self {
@@ -70,6 +93,7 @@ impl Chat {
                 assessor: self.inner.assessor.clone(),
                 code: Some(code),
                 backends: self.inner.backends.clone(),
+                images: self.inner.images.clone(),
             }),
         }
     }
@@ -77,6 +101,15 @@ impl Chat {
     /// The first step of `item`: its messages, or the item's end when
     /// they cannot be rendered.
     pub(super) fn first_step(&self, item: &ItemContext<'_>) -> Step {
+        if let Some(loader) = &self.inner.images {
+            return match self.inner.templates.render_parts_prompt(item.row()) {
+                Ok((prompt, messages)) => loader.clone().first_call(messages, prompt, item),
+                Err(message) => Step::Finish(Finish::failed(
+                    format!("template: {message}"),
+                    Assessment::default(),
+                )),
+            };
+        }
         match self.inner.templates.render_prompt(item.row()) {
             Ok(rendered) => Step::Call(Request {
                 target: Target::Items,
@@ -84,6 +117,7 @@ impl Chat {
                 sample: item.sample,
                 rejected: None,
                 prompt: rendered.prompt,
+                images: Default::default(),
             }),
             Err(message) => Step::Finish(Finish::failed(
                 format!("template: {message}"),
@@ -108,9 +142,10 @@ impl Task for Chat {
         (Box::new(self.episode()), self.first_step(item))
     }
 
-    /// Answers waiting on the outside metric backends are work.
+    /// Answers waiting on the outside metric backends, and items whose
+    /// images are being read, are work.
     fn work_limit(&self) -> usize {
-        self.backend_queue()
+        self.backend_queue() + self.image_readers().unwrap_or(0)
     }
 }
 
@@ -184,6 +219,7 @@ impl ChatEpisode {
                 sample: asked.sample,
                 rejected: Some(checked.reask_note()),
                 prompt: None,
+                images: asked.images,
             });
         }
         let scores = assessor.score(&checked, item.row());
@@ -213,6 +249,7 @@ impl ChatEpisode {
                         sample: 0,
                         rejected: None,
                         prompt: None,
+                        images: Default::default(),
                     });
                 }
                 Err(error) => {

@@ -38,7 +38,8 @@ impl Task for Code {
     /// Enough answers judged at once to keep the judge's slots busy; more
     /// would only hold rows in memory.
     fn work_limit(&self) -> usize {
-        backlog(self.judge.settings()).max(self.chat.backend_queue())
+        backlog(self.judge.settings())
+            .max(self.chat.backend_queue() + self.chat.image_readers().unwrap_or(0))
     }
 }
 

@@ -18,6 +18,7 @@
 pub mod chat;
 pub mod code;
 pub mod conversation;
+pub mod images;
 pub mod refine;
 
 use std::sync::Arc;
@@ -41,6 +42,8 @@ pub struct ItemContext<'a> {
     row_json: &'a str,
     /// Which of its row's `task.n` samples it is (0 when n is 1).
     pub sample: u32,
+    /// The 1-based line of the dataset its row starts at, where known.
+    pub line: Option<u64>,
 }
 
 impl<'a> ItemContext<'a> {
@@ -57,6 +60,15 @@ impl<'a> ItemContext<'a> {
             row,
             row_json,
             sample,
+            line: None,
+        }
+    }
+
+    /// The same item, whose row starts at `line` of the dataset.
+    pub fn at_line(self, line: u64) -> Self {
+        Self {
+            line: Some(line),
+            ..self
         }
     }
 
@@ -94,6 +106,18 @@ pub struct Request {
     /// on its first request only; `None` without rules): recorded with
     /// its result.
     pub prompt: Option<Arc<str>>,
+    /// The images its messages name by hash (none, mostly).
+    pub images: crate::images::Images,
+}
+
+impl Request {
+    /// What its call sends.
+    pub fn outgoing(&self) -> crate::fleet::call::Prompt<'_> {
+        crate::fleet::call::Prompt {
+            messages: &self.messages,
+            images: &self.images,
+        }
+    }
 }
 
 /// What became of a request.
@@ -222,7 +246,17 @@ pub async fn start(
             .collect::<Vec<_>>(),
     )
     .await?;
-    let chat = chat::Chat::new(templates, assessor).scoring_with(backends);
+    let mut chat = chat::Chat::new(templates.clone(), assessor).scoring_with(backends);
+    if templates.has_images() {
+        let base = config
+            .dataset
+            .path
+            .parent()
+            .map(std::path::Path::to_path_buf)
+            .unwrap_or_default();
+        let loader = images::Loader::new(&task.images, base).map_err(TaskError::Invalid)?;
+        chat = chat.reading_images(Arc::new(loader));
+    }
     Ok(match &task.kind {
         TaskKind::Chat => Arc::new(chat),
         TaskKind::Code(settings) => {

@@ -50,9 +50,10 @@ impl Task for Refine {
         (episode, self.chat.first_step(item))
     }
 
-    /// Answers waiting on the outside metric backends are work.
+    /// Answers waiting on the outside metric backends, and items whose
+    /// images are being read, are work.
     fn work_limit(&self) -> usize {
-        self.chat.backend_queue()
+        self.chat.backend_queue() + self.chat.image_readers().unwrap_or(0)
     }
 }
 
@@ -91,6 +92,7 @@ impl Episode for RefineEpisode {
                     sample: asked.sample,
                     rejected: None,
                     prompt: None,
+                    images: asked.images,
                 })
             }
             Err(err) => Step::Finish(Finish::failed(err, Assessment::default())),

@@ -17,7 +17,7 @@ use evalfleet_types::{ErrorClass, ItemStatus, now_ms};
 use rusqlite::{Transaction, params};
 
 use super::results::assessment_columns;
-use super::{SqliteStore, db_err, opt_u64};
+use super::{SqliteStore, db_err, json_err, opt_u64};
 
 /// A live claim's range.
 #[derive(Debug, Clone, Copy)]
@@ -354,9 +354,9 @@ impl WorkQueue for SqliteStore {
                     "INSERT INTO results (rid, seq, item_id, status, output, error, endpoint, model, attempts,
                          latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, item,
                          finished_at, parsed, verdict, check_error, scores, reasks, judge, cached,
-                         tokens_estimated, prompt)
+                         tokens_estimated, prompt, images)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17,
-                             ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26)",
+                             ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27)",
                 )
                 .map_err(db_err("cannot prepare the result insert"))?;
             for (claim, r) in &batch.results {
@@ -376,6 +376,14 @@ impl WorkQueue for SqliteStore {
                 let (parsed, verdict, check_error, scores, reasks, judge) =
                     assessment_columns(&r.assessment)?;
                 let t = r.telemetry.as_ref();
+                let images = if r.images.is_empty() {
+                    None
+                } else {
+                    Some(
+                        serde_json::to_string(&r.images)
+                            .map_err(json_err("cannot encode a result's images"))?,
+                    )
+                };
                 result
                     .execute(params![
                         rid,
@@ -404,6 +412,7 @@ impl WorkQueue for SqliteStore {
                         r.cached,
                         t.is_some_and(|t| t.tokens_estimated),
                         r.prompt,
+                        images,
                     ])
                     .map_err(db_err("cannot record a result"))?;
                 match r.status {

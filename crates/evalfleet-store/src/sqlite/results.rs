@@ -214,7 +214,7 @@ impl Results for SqliteStore {
                 "SELECT r.item_id, r.status, r.output, r.error, r.endpoint, r.model, r.attempts, r.latency_ms,
                         r.ttft_ms, r.tpot_ms, r.prompt_tokens, r.completion_tokens, r.item,
                         r.parsed, r.verdict, r.scores, r.judge, r.tokens_estimated, r.check_error,
-                        r.prompt
+                        r.prompt, r.images
                  FROM results r WHERE r.rid = ?1 ORDER BY r.seq",
             )
             .map_err(db_err("cannot export"))?;
@@ -269,6 +269,15 @@ impl Results for SqliteStore {
                 judge: json_column(row.get(16).map_err(&get_err)?)?,
                 check_error: row.get(18).map_err(&get_err)?,
                 prompt: row.get(19).map_err(&get_err)?,
+                images: row
+                    .get::<_, Option<String>>(20)
+                    .map_err(&get_err)?
+                    .map(|text| {
+                        serde_json::from_str(&text)
+                            .map_err(json_err("stored images cannot be read"))
+                    })
+                    .transpose()?
+                    .unwrap_or_default(),
             })?;
         }
         Ok(())

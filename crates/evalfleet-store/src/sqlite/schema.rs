@@ -237,8 +237,12 @@ ALTER TABLE results ADD COLUMN prompt TEXT;
 DELETE FROM kept_reports;
 ";
 
+/// 11: the images each result's request sent: source, page, SHA-256 of
+/// the bytes sent and their size (JSON), never the bytes.
+const IMAGES: &str = "ALTER TABLE results ADD COLUMN images TEXT;";
+
 /// The schema version a store has once every migration ran.
-pub const VERSION: usize = 10;
+pub const VERSION: usize = 11;
 
 pub fn migrations() -> Migrations<'static> {
     Migrations::new(vec![
@@ -252,6 +256,7 @@ pub fn migrations() -> Migrations<'static> {
         M::up(KEPT_REPORTS),
         M::up(TELEMETRY),
         M::up(PROMPT_RULES),
+        M::up(IMAGES),
     ])
 }
 

@@ -355,6 +355,7 @@ impl EpisodeState {
             sample: self.sample,
             rejected,
             prompt: None,
+            images: Default::default(),
         })
     }
 
