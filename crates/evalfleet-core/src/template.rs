@@ -267,11 +267,10 @@ impl Templates {
 
     /// Whether any message has image parts.
     pub fn has_images(&self) -> bool {
-        self.prompts.iter().flat_map(|p| &p.messages).any(|m| {
-            m.parts
-                .iter()
-                .any(|p| matches!(p, CompiledPart::Image(..)))
-        })
+        self.prompts
+            .iter()
+            .flat_map(|p| &p.messages)
+            .any(|m| m.parts.iter().any(|p| matches!(p, CompiledPart::Image(..))))
     }
 
     /// The messages for one item, as text: an image part is shown as

@@ -47,9 +47,9 @@ use evalfleet_types::Fault;
 /// 10: with the retry budget bounding retries, a 20% fault rate fails
 /// one call in 10^7), `backoff_base` (default `100ms`), `backoff_max` (default `30s`).
 pub use evalfleet_types::RetryPolicy;
-pub use telemetry::{GpuSelection, TelemetryLimits, TelemetrySettings};
-pub use prompts::{DEFAULT_PROMPT, PromptRule, glob_matches};
 pub use images::{ImageFormat, ImageSettings, Part, PdfPages};
+pub use prompts::{DEFAULT_PROMPT, PromptRule, glob_matches};
+pub use telemetry::{GpuSelection, TelemetryLimits, TelemetrySettings};
 pub use yaml::{Document, YamlError, parse as parse_yaml};
 
 /// The replacement for a secret written literally in a config, wherever the

@@ -322,8 +322,14 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
         }
         (made.exchange, made.endpoint, made.number)
     } else {
-        let exchange =
-            call::send(call, request.outgoing(), limit, &shared.abort, &shared.fleet).await;
+        let exchange = call::send(
+            call,
+            request.outgoing(),
+            limit,
+            &shared.abort,
+            &shared.fleet,
+        )
+        .await;
         (exchange, endpoint, number)
     };
     let Some(mut record) = exchange.record(&endpoint, item.seq, number, shared.session) else {
@@ -500,7 +506,13 @@ async fn race(
     let endpoint = call.endpoint.clone();
     let started = Instant::now();
     let sent_at = std::time::SystemTime::now();
-    let send = call::send(call, request.outgoing(), limit, &shared.abort, &shared.fleet);
+    let send = call::send(
+        call,
+        request.outgoing(),
+        limit,
+        &shared.abort,
+        &shared.fleet,
+    );
     tokio::pin!(send);
     let alone = |exchange| Raced {
         exchange,
