@@ -3,7 +3,7 @@
 //! (`/proc`), each engine's load as its poller last read it (no second
 //! poll of its `/metrics`), and evalfleet itself. Samples go to the fleet's
 //! housekeeping, which stores them with its own pass (bounded series, see
-//! [`evalfleet_types::merge_oldest`]); limits crossed become events.
+//! [`evalfleet_types::merge_evenly`]); limits crossed become events.
 //!
 //! `nvidia-smi` runs as a child process with a timeout, and `/proc` is read
 //! on a blocking thread: nothing here blocks an async thread. A machine
