@@ -140,21 +140,26 @@ pub const POINTS_PER_SERIES: usize = 1000;
 /// resolution even over time: once it holds more, neighbouring points are
 /// merged into points of `width` samples each, `width` being the most any
 /// point holds, doubled until the series is down to about half of `cap`.
-/// Every point but the newest then holds `width` samples (the newest holds
-/// what is left), so each covers about as much of the run as any other;
-/// samples added later are single points until the next merge. Peaks and
-/// means stay exact. Returns whether anything was merged.
+/// Every point then holds `width` samples but the last merged one (what
+/// is left) and the newest, kept as it is (the present value, as
+/// `/metrics` reads it), so each covers about as much of the run as any
+/// other; samples added later are single points until the next merge.
+/// Peaks and means stay exact. Returns whether anything was merged.
 pub fn merge_evenly(points: &mut Vec<ResourcePoint>, cap: usize) -> bool {
-    let cap = cap.max(2);
+    let cap = cap.max(3);
     if points.len() <= cap {
         return false;
     }
-    let target = cap / 2 + 1;
+    let Some(newest) = points.pop() else {
+        return false;
+    };
+    let target = cap / 2;
     let mut width = points.iter().map(|p| p.samples).max().unwrap_or(1).max(1);
     loop {
         let packed = pack(points, width);
         if packed.len() <= target {
             *points = packed;
+            points.push(newest);
             return true;
         }
         width = width.saturating_mul(2);
@@ -203,6 +208,8 @@ mod tests {
         assert_eq!(points.iter().map(|p| p.peak).fold(0.0, f64::max), 999.0);
         assert_eq!(points[0].at_ms, 0);
         assert_eq!(points.last().unwrap().until_ms, 99_999);
+        // The newest point is the newest sample.
+        assert_eq!(points.last().unwrap().samples, 1);
         assert!(points.windows(2).all(|w| w[0].until_ms < w[1].at_ms));
     }
 
