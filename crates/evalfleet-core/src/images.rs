@@ -200,6 +200,34 @@ impl ImageError {
     }
 }
 
+/// Why an image value of more than `max` bytes is refused.
+pub fn too_large(max: u64) -> String {
+    format!("is larger than task.images.max_bytes ({max} bytes)")
+}
+
+/// The bytes of the file at `path`, refused past `max` bytes (read no
+/// further than that, should it grow while read).
+fn read_file(path: PathBuf, shown: &str, max: u64) -> Result<Vec<u8>, ImageError> {
+    use std::io::Read as _;
+    let fail = |source| ImageError::Read {
+        path: path.clone(),
+        source,
+    };
+    let file = std::fs::File::open(&path).map_err(fail)?;
+    let size = file.metadata().map_err(fail)?.len();
+    if size > max {
+        return Err(ImageError::bad(shown, too_large(max)));
+    }
+    let mut bytes = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
+    file.take(max.saturating_add(1))
+        .read_to_end(&mut bytes)
+        .map_err(fail)?;
+    if bytes.len() as u64 > max {
+        return Err(ImageError::bad(shown, too_large(max)));
+    }
+    Ok(bytes)
+}
+
 /// Where an image value points.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Source<'a> {
@@ -336,12 +364,23 @@ pub fn load(
                     "is not under the directories this server reads from (--allow-root)",
                 ));
             };
-            std::fs::read(&path).map_err(|source| ImageError::Read { path, source })?
+            read_file(path, &shown, settings.max_bytes)?
         }
-        (Source::DataUrl(_, data) | Source::Base64(data), None) => STANDARD
-            .decode(data.as_bytes())
-            .map_err(|err| ImageError::bad(&shown, format!("is not valid base64: {err}")))?,
+        (Source::DataUrl(_, data) | Source::Base64(data), None) => {
+            // Refused before it is decoded when it cannot fit.
+            if base64::decoded_len_estimate(data.len()) as u64
+                > settings.max_bytes.saturating_add(3)
+            {
+                return Err(ImageError::bad(&shown, too_large(settings.max_bytes)));
+            }
+            STANDARD
+                .decode(data.as_bytes())
+                .map_err(|err| ImageError::bad(&shown, format!("is not valid base64: {err}")))?
+        }
     };
+    if bytes.len() as u64 > settings.max_bytes {
+        return Err(ImageError::bad(&shown, too_large(settings.max_bytes)));
+    }
     let kind = Kind::sniff(&bytes)
         .ok_or_else(|| ImageError::bad(&shown, "is not a PNG, JPEG, WebP, TIFF or PDF file"))?;
     if kind == Kind::Pdf {

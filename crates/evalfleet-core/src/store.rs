@@ -814,9 +814,9 @@ pub trait KeptReports {
 /// A run's resource telemetry (`telemetry:`): bounded series of points.
 pub trait Resources {
     /// Adds points (single samples) to the run's series. A series keeps at
-    /// most [`evalfleet_types::POINTS_PER_SERIES`] points: past that, its
-    /// oldest half is merged in pairs ([`evalfleet_types::merge_oldest`]),
-    /// peaks and means kept exact. A point at the same time as a stored one
+    /// most [`evalfleet_types::POINTS_PER_SERIES`] points: past that,
+    /// neighbours are merged into points of even width
+    /// ([`evalfleet_types::merge_evenly`]), peaks and means kept exact. A point at the same time as a stored one
     /// of its series is merged into it.
     fn add_resource_points(
         &mut self,

@@ -139,3 +139,96 @@ async fn fetched_and_inline_images_go_as_data_urls_named_by_hash_within_the_memo
     );
     server.abort();
 }
+
+#[tokio::test]
+async fn an_image_larger_than_max_bytes_fails_its_item_naming_it_whatever_its_source() {
+    use futures_util::StreamExt as _;
+    const MAX: u64 = 2_000;
+    // Bytes that start as a PNG, too many of them: with a length, and
+    // streamed without one (read until the bound, no further).
+    let mut big = png();
+    big.resize(5_000, 0);
+    let sent = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = sent.clone();
+    let with_length = big.clone();
+    let app = axum::Router::new()
+        .route(
+            "/sized.png",
+            axum::routing::get(move || async move { with_length.clone() }),
+        )
+        .route(
+            "/streamed.png",
+            axum::routing::get(move || async move {
+                let counted = counted.clone();
+                let chunks = futures_util::stream::iter(0..100_000).map(move |_| {
+                    counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    Ok::<_, std::io::Error>(bytes::Bytes::from(vec![0_u8; 1_000]))
+                });
+                axum::body::Body::from_stream(chunks)
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("big.png"), &big).unwrap();
+    std::fs::write(dir.path().join("small.png"), png()).unwrap();
+    let settings = ImageSettings {
+        fetch_urls: true,
+        max_bytes: MAX,
+        ..ImageSettings::default()
+    };
+    let loader = Arc::new(Loader::new(&settings, dir.path().to_owned()).unwrap());
+    let templates = templates();
+    let b64 = base64::engine::general_purpose::STANDARD.encode(&big);
+    let fails = |value: String| {
+        let loader = loader.clone();
+        let row = serde_json::json!({ "pages": ["small.png", value] }).to_string();
+        let step = first_step(&loader, &templates, &row);
+        async move {
+            let Step::Work(work) = step else {
+                panic!("images are read as work");
+            };
+            let Step::Finish(finish) = work.await else {
+                panic!("{row}: a too large image ends the item");
+            };
+            finish.error.unwrap()
+        }
+    };
+    let says = |error: &str, shown: &str| {
+        assert!(
+            error.starts_with(&format!("image of item 'item' (dataset line 3): {shown}: "))
+                && error.contains("is larger than task.images.max_bytes (2000 bytes)"),
+            "{error}"
+        );
+    };
+    says(&fails("big.png".into()).await, "big.png");
+    says(
+        &fails(format!("data:image/png;base64,{b64}")).await,
+        &format!("data:image/png;base64 ({} chars)", b64.len()),
+    );
+    says(
+        &fails(b64.clone()).await,
+        &format!("base64 ({} chars)", b64.len()),
+    );
+    says(
+        &fails(format!("http://{addr}/sized.png")).await,
+        &format!("http://{addr}/sized.png"),
+    );
+    says(
+        &fails(format!("http://{addr}/streamed.png")).await,
+        &format!("http://{addr}/streamed.png"),
+    );
+    // The download stopped at the bound: far from all of the 100 MB was
+    // produced (the sockets' buffers hold some).
+    let produced = sent.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(produced < 50_000, "{produced} chunks of 1000 bytes sent");
+
+    // Within the bound, the same sources are read.
+    let Step::Work(work) = first_step(&loader, &templates, r#"{"pages": ["small.png"]}"#) else {
+        panic!("images are read as work");
+    };
+    assert!(matches!(work.await, Step::Call(_)));
+    server.abort();
+}

@@ -980,6 +980,14 @@ fn a_resource_series_stays_bounded_with_its_peak_and_mean_exact() {
         assert!(of.windows(2).all(|w| w[0].until_ms < w[1].at_ms));
         assert_eq!(of[0].at_ms, 0);
         assert_eq!(of.last().unwrap().until_ms, (total - 1) * 100);
+        // Even resolution: no point holds more than a few times its share.
+        let most = of.iter().map(|p| p.samples).max().unwrap();
+        let samples: u64 = of.iter().map(|p| p.samples).sum();
+        assert!(
+            most * of.len() as u64 <= 4 * samples,
+            "{most} of {samples} in {} points",
+            of.len()
+        );
     }
     let summary = evalfleet_core::report::ResourcesReport::of(&points);
     let g = summary

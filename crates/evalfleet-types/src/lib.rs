@@ -32,7 +32,7 @@ pub use record::{
     Telemetry,
 };
 pub use resource::{
-    POINTS_PER_SERIES, ResourceMetric, ResourcePoint, ResourceSeries, ResourceSource, merge_oldest,
+    POINTS_PER_SERIES, ResourceMetric, ResourcePoint, ResourceSeries, ResourceSource, merge_evenly,
 };
 pub use retry::{BudgetSettings, RetryBudget, RetryPolicy};
 

@@ -1,7 +1,7 @@
 //! Resource telemetry: what a run's GPUs, engines and evalfleet itself
 //! used while it ran, as bounded series of points (see
 //! `evalfleet_core::fleet::watchdog` for what is sampled, and
-//! [`merge_oldest`] for the bound).
+//! [`merge_evenly`] for the bound).
 
 use serde::{Deserialize, Serialize};
 
@@ -136,24 +136,49 @@ impl ResourcePoint {
 /// The most points a series keeps per run.
 pub const POINTS_PER_SERIES: usize = 1000;
 
-/// Keeps one series (its points in time order) within `cap` points: once
-/// it holds more, its oldest half is merged in pairs, so recent points keep
-/// their resolution and older ones lose it, a halving at a time. Returns
-/// whether anything was merged.
-pub fn merge_oldest(points: &mut Vec<ResourcePoint>, cap: usize) -> bool {
-    if points.len() <= cap.max(2) {
+/// Keeps one series (its points in time order) within `cap` points, its
+/// resolution even over time: once it holds more, neighbouring points are
+/// merged into points of `width` samples each, `width` being the most any
+/// point holds, doubled until the series is down to about half of `cap`.
+/// Every point then holds `width` samples but the last merged one (what
+/// is left) and the newest, kept as it is (the present value, as
+/// `/metrics` reads it), so each covers about as much of the run as any
+/// other; samples added later are single points until the next merge.
+/// Peaks and means stay exact. Returns whether anything was merged.
+pub fn merge_evenly(points: &mut Vec<ResourcePoint>, cap: usize) -> bool {
+    let cap = cap.max(3);
+    if points.len() <= cap {
         return false;
     }
-    let old = (points.len() / 2).max(2) & !1;
-    let merged: Vec<ResourcePoint> = points[..old]
-        .chunks(2)
-        .filter_map(|pair| {
-            let (first, rest) = pair.split_first()?;
-            Some(rest.iter().fold(first.clone(), |acc, p| acc.merged(p)))
-        })
-        .collect();
-    points.splice(..old, merged);
-    true
+    let Some(newest) = points.pop() else {
+        return false;
+    };
+    let target = cap / 2;
+    let mut width = points.iter().map(|p| p.samples).max().unwrap_or(1).max(1);
+    loop {
+        let packed = pack(points, width);
+        if packed.len() <= target {
+            *points = packed;
+            points.push(newest);
+            return true;
+        }
+        width = width.saturating_mul(2);
+    }
+}
+
+/// `points` with neighbours merged, oldest first, while a merged point
+/// holds at most `width` samples.
+fn pack(points: &[ResourcePoint], width: u64) -> Vec<ResourcePoint> {
+    let mut packed: Vec<ResourcePoint> = Vec::with_capacity(points.len() / 2 + 1);
+    for point in points {
+        match packed.last_mut() {
+            Some(last) if last.samples.saturating_add(point.samples) <= width => {
+                *last = last.merged(point);
+            }
+            _ => packed.push(point.clone()),
+        }
+    }
+    packed
 }
 
 #[cfg(test)]
@@ -169,7 +194,7 @@ mod tests {
             let value = ((i * 7919) % 1000) as f64;
             sum += value;
             points.push(ResourcePoint::sample(series.clone(), i, value));
-            merge_oldest(&mut points, 100);
+            merge_evenly(&mut points, 100);
             assert!(points.len() <= 100);
         }
         let samples: u64 = points.iter().map(|p| p.samples).sum();
@@ -183,8 +208,62 @@ mod tests {
         assert_eq!(points.iter().map(|p| p.peak).fold(0.0, f64::max), 999.0);
         assert_eq!(points[0].at_ms, 0);
         assert_eq!(points.last().unwrap().until_ms, 99_999);
-        // The newest points are single samples.
+        // The newest point is the newest sample.
         assert_eq!(points.last().unwrap().samples, 1);
+        assert!(points.windows(2).all(|w| w[0].until_ms < w[1].at_ms));
+    }
+
+    #[test]
+    fn a_long_series_keeps_its_resolution_even_over_time() {
+        // Ten hours at a sample a second: no part of the run is squashed
+        // into one point while the rest keeps its detail.
+        let series = ResourceSeries::new(ResourceSource::Gpu, "0", ResourceMetric::GpuMemoryMb);
+        let total = 36_000_i64;
+        let value = |i: i64| {
+            if i == 20_000 {
+                5_000.0
+            } else {
+                (i % 60) as f64
+            }
+        };
+        let mut points = Vec::new();
+        for i in 0..total {
+            points.push(ResourcePoint::sample(series.clone(), i * 1000, value(i)));
+            merge_evenly(&mut points, POINTS_PER_SERIES);
+            assert!(points.len() <= POINTS_PER_SERIES);
+            // No point holds more than a few times its share of the samples.
+            let most = points.iter().map(|p| p.samples).max().unwrap();
+            let share = (i + 1) as f64 / points.len() as f64;
+            assert!(
+                most as f64 <= 4.0 * share.max(1.0),
+                "after {} samples a point holds {most}, the average {share}",
+                i + 1
+            );
+        }
+        // Each hour of the run has its part of the points (the newest, not
+        // merged yet, have more).
+        for hour in 0..10 {
+            let within = points
+                .iter()
+                .filter(|p| p.at_ms / 3_600_000 == hour)
+                .count();
+            assert!(
+                within * 40 >= points.len(),
+                "hour {hour}: {within} of {}",
+                points.len()
+            );
+        }
+        let samples: u64 = points.iter().map(|p| p.samples).sum();
+        assert_eq!(samples, total as u64);
+        let mean = points
+            .iter()
+            .map(|p| p.mean * p.samples as f64)
+            .sum::<f64>()
+            / samples as f64;
+        let exact = (0..total).map(value).sum::<f64>() / total as f64;
+        assert!((mean - exact).abs() < 1e-9, "{mean} against {exact}");
+        let peak = points.iter().find(|p| p.peak == 5_000.0).unwrap();
+        assert!(peak.at_ms <= 20_000_000 && 20_000_000 <= peak.until_ms);
         assert!(points.windows(2).all(|w| w[0].until_ms < w[1].at_ms));
     }
 }

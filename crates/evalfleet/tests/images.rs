@@ -315,6 +315,27 @@ async fn a_missing_image_fails_its_item_until_the_file_is_there() {
     let rows = by_id(&env.export("m").await);
     assert_eq!(rows["p11"]["status"], "done", "{}", rows["p11"]);
     assert_eq!(server.stats().images, 12);
+
+    // CSV has the images too: the last column, JSON text as in JSONL.
+    let (header, records) = env.export_csv("m").await;
+    assert_eq!(
+        header.last().map(String::as_str),
+        Some("images"),
+        "{header:?}"
+    );
+    let prompt = header.iter().position(|h| h == "prompt").unwrap();
+    assert_eq!(header[prompt + 1], "item.doc_type", "{header:?}");
+    let mut seen = 0;
+    for record in records {
+        let id = &record[0];
+        let i: u8 = id.strip_prefix('p').unwrap().parse().unwrap();
+        let images: serde_json::Value = serde_json::from_str(&record[header.len() - 1]).unwrap();
+        assert_eq!(images, rows[id]["images"], "{id}");
+        assert_eq!(images[0]["source"], format!("p{i}.png"), "{id}");
+        assert_eq!(images[0]["sha256"], sha256(&png(8, 8, i)), "{id}");
+        seen += 1;
+    }
+    assert_eq!(seen, 12);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -96,20 +96,11 @@ async fn each_document_type_and_model_gets_its_prompt_and_the_choice_is_recorded
         assert_eq!(item.prompt.as_deref(), Some(expected[2].2));
 
         // CSV has the column too, after the fixed ones it had.
-        let csv = env.evalfleet(&["export", &run_id, "--format", "csv"]).await;
-        assert_eq!(csv.code, Some(0), "{}", csv.stderr);
-        let mut reader = csv::Reader::from_reader(csv.stdout.as_bytes());
-        let header: Vec<String> = reader
-            .headers()
-            .unwrap()
-            .iter()
-            .map(str::to_owned)
-            .collect();
+        let (header, records) = env.export_csv(&run_id).await;
         let at = header.iter().position(|h| h == "prompt").unwrap();
         assert_eq!(header[at - 1], "check_error", "{header:?}");
         let ids = header.iter().position(|h| h == "item_id").unwrap();
-        for record in reader.records() {
-            let record = record.unwrap();
+        for record in records {
             let (_, _, prompt) = expected
                 .iter()
                 .find(|(id, _, _)| *id == &record[ids])

@@ -94,7 +94,7 @@ async fn a_csv_dataset_is_answered_without_streaming() {
     let header = csv.stdout.lines().next().unwrap();
     assert!(header.starts_with("item_id,status,output,error,endpoint,model,attempts,latency_ms"));
     assert!(
-        header.ends_with("item.id,item.level,item.question"),
+        header.ends_with("item.id,item.level,item.question,images"),
         "{header}"
     );
     assert_eq!(csv.stdout.lines().count(), 41);

@@ -135,6 +135,21 @@ impl Env {
             .collect()
     }
 
+    /// The CSV export of a run: its header and its records.
+    pub async fn export_csv(&self, run_id: &str) -> (Vec<String>, Vec<csv::StringRecord>) {
+        let ran = self.evalfleet(&["export", run_id, "--format", "csv"]).await;
+        assert_eq!(ran.code, Some(0), "export failed: {}", ran.stderr);
+        let mut reader = csv::Reader::from_reader(ran.stdout.as_bytes());
+        let header = reader
+            .headers()
+            .unwrap()
+            .iter()
+            .map(str::to_owned)
+            .collect();
+        let records = reader.records().map(Result::unwrap).collect();
+        (header, records)
+    }
+
     /// The JSONL export of a run, one value per line.
     pub async fn export(&self, run_id: &str) -> Vec<Value> {
         let ran = self

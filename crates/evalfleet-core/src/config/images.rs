@@ -67,13 +67,19 @@ pub struct RawImages {
     /// Default 150.
     pub pdf_dpi: Option<u32>,
     /// Fetch http(s) image URLs and send their bytes (as data URLs);
-    /// otherwise the URL itself is sent and the endpoint fetches it.
-    /// Default `false`.
+    /// otherwise the URL itself is sent and the endpoint fetches it. A
+    /// fetch that has not finished in 60 seconds fails its item. Default
+    /// `false`.
     pub fetch_urls: Option<bool>,
+    /// The most bytes one image value may have, as read: a file, a fetched
+    /// URL (its download stops there) or decoded base64; a larger one fails
+    /// its item, naming it. 1000 to 10000000000. Default 50000000 (50 MB).
+    pub max_bytes: Option<u64>,
     /// How many image values may be held in memory at once, read and ready
     /// to send (a PDF's pages count as one value), 1 to 100000. Items whose
     /// images would pass it wait to start: memory is bounded by this times
-    /// the size of an image, whatever the dataset's size. Default 128 (twice
+    /// the size of an image (at most `max_bytes`), whatever the dataset's
+    /// size. Default 128 (twice
     /// a concurrency of 64, so that the next calls' images are ready while
     /// the present ones are in flight).
     pub in_memory: Option<u32>,
@@ -125,6 +131,7 @@ pub struct ImageSettings {
     pub pdf_dpi: u32,
     pub fetch_urls: bool,
     pub in_memory: u32,
+    pub max_bytes: u64,
     /// For a config from outside (`evalfleet serve`): the directories image
     /// files must be under (see [`super::Admission`]); `None`: anywhere.
     pub roots: Option<Vec<std::path::PathBuf>>,
@@ -140,6 +147,7 @@ impl Default for ImageSettings {
             pdf_dpi: 150,
             fetch_urls: false,
             in_memory: 128,
+            max_bytes: 50_000_000,
             roots: None,
         }
     }
@@ -214,6 +222,15 @@ pub(super) fn settings(raw: Option<RawImages>, p: &mut Problems<'_>) -> Option<I
     out.pdf_dpi = within(p, "pdf_dpi", raw.pdf_dpi, 18, 600).unwrap_or(out.pdf_dpi);
     out.in_memory = within(p, "in_memory", raw.in_memory, 1, 100_000).unwrap_or(out.in_memory);
     out.fetch_urls = raw.fetch_urls.unwrap_or(false);
+    match raw.max_bytes {
+        None => {}
+        Some(n @ 1_000..=10_000_000_000) => out.max_bytes = n,
+        Some(n) => bad(
+            p,
+            "max_bytes",
+            format!("must be between 1000 and 10000000000, got {n}"),
+        ),
+    }
     match raw.format.as_deref() {
         None => {}
         Some("png") => out.format = Some(ImageFormat::Png),

@@ -855,7 +855,7 @@ fn image_parts_and_the_images_shorthand_are_read_and_checked_with_their_lines() 
     write(dir.path(), ".env", "EF_CFG_TEST_KEY=sk\n");
     let good = GOOD.replace(
         "    - { role: user, content: \"{{ question }}\" }\n",
-        "    - role: user\n      content:\n        - text: \"Read {{ question }}\"\n        - image: \"{{ pages }}\"\n    - { role: user, content: \"Again\", images: \"{{ page }}\", images_at: after }\n  images: { max_side: 1024, format: jpeg, quality: 80, pdf_pages: all }\n",
+        "    - role: user\n      content:\n        - text: \"Read {{ question }}\"\n        - image: \"{{ pages }}\"\n    - { role: user, content: \"Again\", images: \"{{ page }}\", images_at: after }\n  images: { max_side: 1024, format: jpeg, quality: 80, pdf_pages: all, max_bytes: 1000000 }\n",
     );
     let file = write(dir.path(), "run.yaml", &good);
     let config = load_file(&file, Overrides::default()).unwrap().config;
@@ -877,14 +877,21 @@ fn image_parts_and_the_images_shorthand_are_read_and_checked_with_their_lines() 
             images.max_side,
             images.format,
             images.quality,
-            images.pdf_pages
+            images.pdf_pages,
+            images.max_bytes
         ),
-        (Some(1024), Some(ImageFormat::Jpeg), 80, PdfPages::All)
+        (
+            Some(1024),
+            Some(ImageFormat::Jpeg),
+            80,
+            PdfPages::All,
+            1_000_000
+        )
     );
 
     let bad = GOOD.replace(
         "    - { role: user, content: \"{{ question }}\" }\n",
-        "    - role: user\n      content:\n        - picture: \"{{ page }}\"\n    - { role: user, content: \"x\", images: \"{{ page }}\", images_at: middle }\n  images: { format: gif, pdf_pages: none, in_memory: 0 }\n",
+        "    - role: user\n      content:\n        - picture: \"{{ page }}\"\n    - { role: user, content: \"x\", images: \"{{ page }}\", images_at: middle }\n  images: { format: gif, pdf_pages: none, in_memory: 0, max_bytes: 10 }\n",
     );
     let file = write(dir.path(), "bad.yaml", &bad);
     let err = load_file(&file, Overrides::default()).unwrap_err();
@@ -914,6 +921,10 @@ fn image_parts_and_the_images_shorthand_are_read_and_checked_with_their_lines() 
     );
     assert_eq!(
         line("task.images.in_memory: must be between 1 and 100000, got 0"),
+        Some(21)
+    );
+    assert_eq!(
+        line("task.images.max_bytes: must be between 1000 and 10000000000, got 10"),
         Some(21)
     );
 }

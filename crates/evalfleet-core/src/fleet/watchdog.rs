@@ -3,7 +3,7 @@
 //! (`/proc`), each engine's load as its poller last read it (no second
 //! poll of its `/metrics`), and evalfleet itself. Samples go to the fleet's
 //! housekeeping, which stores them with its own pass (bounded series, see
-//! [`evalfleet_types::merge_oldest`]); limits crossed become events.
+//! [`evalfleet_types::merge_evenly`]); limits crossed become events.
 //!
 //! `nvidia-smi` runs as a child process with a timeout, and `/proc` is read
 //! on a blocking thread: nothing here blocks an async thread. A machine
@@ -11,6 +11,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::time::Instant;
 
 use evalfleet_types::{
     Event, EventKind, ResourceMetric, ResourcePoint, ResourceSeries, ResourceSource, now_ms,
@@ -164,6 +165,27 @@ pub struct Watchdog {
 struct ProcReading {
     trees: Vec<(String, Vec<Proc>)>,
     own: Option<Proc>,
+    /// When `/proc` was read: CPU time is real time, measured against the
+    /// real clock at the reading, not after `nvidia-smi` has answered.
+    at: Instant,
+}
+
+/// Reads the process trees of `roots` (endpoint names and their root
+/// pids) and evalfleet's own process; blocks.
+fn read_procs(roots: Vec<(String, u32)>) -> ProcReading {
+    let pids: Vec<u32> = roots.iter().map(|(_, pid)| *pid).collect();
+    let trees = procs::trees(&pids);
+    let trees = roots
+        .into_iter()
+        .zip(trees)
+        .map(|((name, _), tree)| (name, procs::read_all(&tree)))
+        .collect();
+    let own = procs::process(std::process::id());
+    ProcReading {
+        trees,
+        own,
+        at: Instant::now(),
+    }
 }
 
 impl Watchdog {
@@ -214,29 +236,18 @@ impl Watchdog {
             .filter_map(|e| e.pid().map(|pid| (e.name.clone(), pid)))
             .collect();
         let reading = tracker
-            .spawn_blocking(move || {
-                let pids: Vec<u32> = roots.iter().map(|(_, pid)| *pid).collect();
-                let trees = procs::trees(&pids);
-                ProcReading {
-                    trees: roots
-                        .into_iter()
-                        .zip(trees)
-                        .map(|((name, _), tree)| (name, procs::read_all(&tree)))
-                        .collect(),
-                    own: procs::process(std::process::id()),
-                }
-            })
+            .spawn_blocking(move || read_procs(roots))
             .await
-            .unwrap_or(ProcReading {
+            .unwrap_or_else(|_| ProcReading {
                 trees: Vec::new(),
                 own: None,
+                at: Instant::now(),
             });
         let report = match &self.gpus {
             Some(_) => Some(gpu::report().await),
             None => None,
         };
-        // CPU time is real time: measured against the real clock.
-        let now = std::time::Instant::now();
+        let now = reading.at;
         let at_ms = now_ms();
         let mut points = Vec::new();
         let mut add = |source, name: &str, metric, value: f64| {
@@ -387,6 +398,20 @@ impl Watchdog {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_time_of_a_proc_reading_is_taken_with_the_reading() {
+        // The CPU meter divides the ticks read by the time between two
+        // readings: that time is the reading's own, taken on the blocking
+        // thread, so nothing awaited after it (nvidia-smi) adds to it.
+        let before = Instant::now();
+        let reading = read_procs(vec![("self".to_owned(), std::process::id())]);
+        let after = Instant::now();
+        assert!(before <= reading.at && reading.at <= after);
+        assert_eq!(reading.trees.len(), 1);
+        assert!(!reading.trees[0].1.is_empty());
+        assert!(reading.own.is_some());
+    }
 
     #[test]
     fn each_crossing_of_a_configured_limit_is_one_event_either_way() {

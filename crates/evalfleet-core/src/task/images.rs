@@ -16,6 +16,9 @@ use crate::config::ImageSettings;
 use crate::images::{Image, Images, Source};
 use crate::template::{RenderedMessage, RenderedPart, messages_with_images};
 
+/// How long fetching one image URL may take, answer and body.
+pub const FETCH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Reads the images of items.
 pub struct Loader {
     settings: ImageSettings,
@@ -150,22 +153,43 @@ impl Loader {
         Ok((lists, Images::new(all, Some(permit))))
     }
 
-    /// The bytes of an image URL, when URLs are fetched.
+    /// The bytes of an image URL, when URLs are fetched: read as they
+    /// come, no more than `max_bytes` of them, within [`FETCH_TIMEOUT`].
     async fn fetch(&self, value: &str) -> Result<Option<Vec<u8>>, String> {
         let (Some(http), Source::Url(url)) = (&self.http, Source::of(value, &self.base)) else {
             return Ok(None);
         };
-        let response =
-            http.get(url).send().await.map_err(|err| {
+        let failed = |err: reqwest::Error| {
+            if err.is_timeout() {
+                format!(
+                    "cannot fetch {url}: no answer within {} s",
+                    FETCH_TIMEOUT.as_secs()
+                )
+            } else {
                 format!("cannot fetch {url}: {}", evalfleet_types::error_text(&err))
-            })?;
+            }
+        };
+        let max = self.settings.max_bytes;
+        let too_large = || format!("{url}: {}", crate::images::too_large(max));
+        let mut response = http
+            .get(url)
+            .timeout(FETCH_TIMEOUT)
+            .send()
+            .await
+            .map_err(failed)?;
         if !response.status().is_success() {
             return Err(format!("cannot fetch {url}: HTTP {}", response.status()));
         }
-        let bytes = response
-            .bytes()
-            .await
-            .map_err(|err| format!("cannot fetch {url}: {}", evalfleet_types::error_text(&err)))?;
-        Ok(Some(bytes.to_vec()))
+        if response.content_length().is_some_and(|n| n > max) {
+            return Err(too_large());
+        }
+        let mut bytes = Vec::new();
+        while let Some(chunk) = response.chunk().await.map_err(failed)? {
+            if (bytes.len() + chunk.len()) as u64 > max {
+                return Err(too_large());
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        Ok(Some(bytes))
     }
 }

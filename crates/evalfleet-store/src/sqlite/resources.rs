@@ -4,7 +4,7 @@ use std::collections::BTreeSet;
 
 use evalfleet_core::store::{Resources, StoreError};
 use evalfleet_types::{
-    POINTS_PER_SERIES, ResourceMetric, ResourcePoint, ResourceSeries, ResourceSource, merge_oldest,
+    POINTS_PER_SERIES, ResourceMetric, ResourcePoint, ResourceSeries, ResourceSource, merge_evenly,
 };
 use rusqlite::params;
 
@@ -114,7 +114,7 @@ impl Resources for SqliteStore {
                     .and_then(|mut q| q.query_map(key, read_row)?.collect::<Result<Vec<_>, _>>())
                     .map_err(&err)?;
                 let mut kept = rows.into_iter().map(point).collect::<Result<Vec<_>, _>>()?;
-                merge_oldest(&mut kept, POINTS_PER_SERIES);
+                merge_evenly(&mut kept, POINTS_PER_SERIES);
                 tx.prepare_cached(
                     "DELETE FROM resource_points WHERE rid = ?1 AND source = ?2 AND name = ?3 AND metric = ?4",
                 )

@@ -395,6 +395,7 @@ fn write_export(
                 .iter()
                 .map(|c| (*c).to_owned())
                 .chain(fields.iter().map(|f| format!("item.{f}")))
+                .chain(std::iter::once(IMAGES.to_owned()))
                 .collect();
             csv.write_record(&header)?;
             store.export(&args.run_id, &mut |row| {
@@ -406,6 +407,10 @@ fn write_export(
     }
     Ok(())
 }
+
+/// The last CSV column, after the item's: the request's images as JSON
+/// text (the list JSONL has), empty when there were none.
+const IMAGES: &str = "images";
 
 /// A JSON value in a CSV cell: strings as they are, the rest as JSON.
 fn json_cell(value: Option<&Value>) -> String {
@@ -451,5 +456,10 @@ fn csv_record(row: &ExportRow, fields: &BTreeSet<String>) -> Vec<String> {
             Some(other) => other.to_string(),
         });
     }
+    record.push(if row.images.is_empty() {
+        String::new()
+    } else {
+        serde_json::to_string(&row.images).unwrap_or_default()
+    });
     record
 }
