@@ -46,6 +46,8 @@ const MAX_FRUITLESS_STARTS: u32 = 3;
 /// The longest line read from a backend's stdout or stderr: a longer one is
 /// not held in memory.
 const MAX_LINE: usize = 1 << 20;
+/// How often a run waiting on another's setup looks at its lock.
+const LOCK_POLL: Duration = Duration::from_millis(200);
 /// How long a process that was asked to stop may take to exit.
 const EXIT_GRACE: Duration = Duration::from_secs(2);
 
@@ -163,23 +165,20 @@ pub async fn prepare(spec: &BackendSpec) -> Result<Option<PathBuf>, BackendError
             source,
         }
     };
+    std::fs::create_dir_all(&root).map_err(io(&root))?;
     let lock_path = root.join(format!("{key}.lock"));
-    let locking = {
-        let (root, lock_path) = (root.clone(), lock_path.clone());
-        tokio::task::spawn_blocking(move || {
-            std::fs::create_dir_all(&root).map_err(|err| (root.clone(), err))?;
-            let lock = std::fs::File::create(&lock_path).map_err(|err| (lock_path.clone(), err))?;
-            // Held until the folder is made: a run beside this one waits
-            // here, then finds the folder ready.
-            lock.lock().map_err(|err| (lock_path.clone(), err))?;
-            Ok::<_, (PathBuf, std::io::Error)>(lock)
-        })
-    };
-    let _lock = match locking.await {
-        Ok(Ok(lock)) => lock,
-        Ok(Err((path, source))) => return Err(io(&path)(source)),
-        Err(err) => return Err(io(&lock_path)(std::io::Error::other(err))),
-    };
+    let lock = std::fs::File::create(&lock_path).map_err(io(&lock_path))?;
+    // Held until the folder is made: a run beside this one waits here, then
+    // finds the folder ready. Polled, so that a stopped run stops waiting.
+    loop {
+        match lock.try_lock() {
+            Ok(()) => break,
+            Err(std::fs::TryLockError::WouldBlock) => {
+                tokio::time::sleep(LOCK_POLL).await;
+            }
+            Err(std::fs::TryLockError::Error(err)) => return Err(io(&lock_path)(err)),
+        }
+    }
     let dir = root.join(&key);
     let ready = dir.join(".ready");
     if ready.exists() {

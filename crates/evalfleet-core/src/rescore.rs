@@ -377,12 +377,12 @@ async fn score_with_backends(
 /// `anls@native` (or `anls@native@1`) the built-in ones only (`anls`,
 /// `anls@1`: keys with no backend).
 fn chooses(name: &str, key: &str) -> bool {
-    let native = name.split_once("@native").and_then(|(metric, rest)| {
-        match rest.strip_prefix('@') {
-            Some(version) => Some((metric, Some(version))),
-            None => rest.is_empty().then_some((metric, None)),
-        }
-    });
+    let native =
+        name.split_once("@native")
+            .and_then(|(metric, rest)| match rest.strip_prefix('@') {
+                Some(version) => Some((metric, Some(version))),
+                None => rest.is_empty().then_some((metric, None)),
+            });
     if let Some((metric, version)) = native {
         let mut parts = key.split('@');
         let (first, second, more) = (parts.next(), parts.next(), parts.next());
@@ -426,8 +426,14 @@ mod tests {
         assert_eq!(chosen("anls@native"), ["anls@1"]);
         assert_eq!(chosen("anls@native@1"), ["anls@1"]);
         assert!(chosen("anls@native@2").is_empty());
-        assert_eq!(chosen("anls"), ["anls@1", "anls@evalscope@1", "anls@evalscope@2"]);
-        assert_eq!(chosen("anls@evalscope"), ["anls@evalscope@1", "anls@evalscope@2"]);
+        assert_eq!(
+            chosen("anls"),
+            ["anls@1", "anls@evalscope@1", "anls@evalscope@2"]
+        );
+        assert_eq!(
+            chosen("anls@evalscope"),
+            ["anls@evalscope@1", "anls@evalscope@2"]
+        );
         assert_eq!(chosen("anls@evalscope@2"), ["anls@evalscope@2"]);
         assert_eq!(chosen("anls@1"), ["anls@1"]);
     }

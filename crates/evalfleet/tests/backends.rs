@@ -384,9 +384,11 @@ async fn a_setup_past_its_timeout_is_killed_with_all_it_started() {
         "{stderr}"
     );
     for pid in pids_in(&pids).await {
-        wait_until(Duration::from_secs(10), "the setup's processes are gone", || {
-            gone(&pid)
-        })
+        wait_until(
+            Duration::from_secs(10),
+            "the setup's processes are gone",
+            || gone(&pid),
+        )
         .await;
     }
     assert_eq!(server.stats().requests, 0);
@@ -418,11 +420,16 @@ async fn a_run_stopped_during_its_setup_kills_the_setup_and_exits_130() {
     let out = child.wait_with_output().await.unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(130), "{stderr}");
-    assert!(stderr.contains("stopped while the task started"), "{stderr}");
+    assert!(
+        stderr.contains("stopped while the task started"),
+        "{stderr}"
+    );
     for pid in started {
-        wait_until(Duration::from_secs(10), "the setup's processes are gone", || {
-            gone(&pid)
-        })
+        wait_until(
+            Duration::from_secs(10),
+            "the setup's processes are gone",
+            || gone(&pid),
+        )
         .await;
     }
 }
