@@ -14,8 +14,10 @@
 //! wait too, which bounds memory.
 //!
 //! A backend's `setup` is run once, in a folder of the cache named by the
-//! hash of the setup command, under a lock, so concurrent runs make it once
-//! and a changed setup makes a new one.
+//! hash of the setup command and the config's folder, under a lock, so
+//! concurrent runs make it once and a changed setup makes a new one. It runs
+//! in a process group of its own, killed whole at its `setup_timeout` or
+//! when the run waiting on it stops.
 
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -25,7 +27,7 @@ use std::time::Duration;
 
 use evalfleet_types::Score;
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -41,6 +43,11 @@ const EXCERPT: usize = 300;
 /// Starts in a row that end with no score before a backend is given up
 /// (its answers after are errors at once).
 const MAX_FRUITLESS_STARTS: u32 = 3;
+/// The longest line read from a backend's stdout or stderr: a longer one is
+/// not held in memory.
+const MAX_LINE: usize = 1 << 20;
+/// How often a run waiting on another's setup looks at its lock.
+const LOCK_POLL: Duration = Duration::from_millis(200);
 /// How long a process that was asked to stop may take to exit.
 const EXIT_GRACE: Duration = Duration::from_secs(2);
 
@@ -127,9 +134,24 @@ fn excerpt(line: &str) -> String {
     }
 }
 
+/// Kills a setup's process group when dropped: whether the setup ended,
+/// timed out, or the run that waited on it was stopped (its future dropped),
+/// nothing it started goes on writing in the folder.
+struct SetupGroup(Option<u32>);
+
+impl Drop for SetupGroup {
+    fn drop(&mut self) {
+        if let Some(pgid) = self.0 {
+            evalfleet_sandbox::kill_group(pgid);
+        }
+    }
+}
+
 /// Runs `spec`'s setup, once: the folder it made, or none without a setup.
-/// Blocking (it waits on a lock and on the setup).
-pub fn prepare(spec: &BackendSpec) -> Result<Option<PathBuf>, BackendError> {
+/// It waits on a lock, then on the setup, at most `setup_timeout`; the
+/// setup runs in a process group of its own, killed whole when it times out
+/// or when this future is dropped (a stopped run).
+pub async fn prepare(spec: &BackendSpec) -> Result<Option<PathBuf>, BackendError> {
     let (Some(setup), Some(key)) = (&spec.setup, spec.setup_key()) else {
         return Ok(None);
     };
@@ -147,8 +169,16 @@ pub fn prepare(spec: &BackendSpec) -> Result<Option<PathBuf>, BackendError> {
     let lock_path = root.join(format!("{key}.lock"));
     let lock = std::fs::File::create(&lock_path).map_err(io(&lock_path))?;
     // Held until the folder is made: a run beside this one waits here, then
-    // finds the folder ready.
-    lock.lock().map_err(io(&lock_path))?;
+    // finds the folder ready. Polled, so that a stopped run stops waiting.
+    loop {
+        match lock.try_lock() {
+            Ok(()) => break,
+            Err(std::fs::TryLockError::WouldBlock) => {
+                tokio::time::sleep(LOCK_POLL).await;
+            }
+            Err(std::fs::TryLockError::Error(err)) => return Err(io(&lock_path)(err)),
+        }
+    }
     let dir = root.join(&key);
     let ready = dir.join(".ready");
     if ready.exists() {
@@ -165,13 +195,6 @@ pub fn prepare(spec: &BackendSpec) -> Result<Option<PathBuf>, BackendError> {
         spec.name,
         dir.display()
     );
-    let output = std::process::Command::new(program_in(&setup[0], &spec.dir))
-        .args(&setup[1..])
-        .current_dir(&dir)
-        .env("EVALFLEET_BACKEND_DIR", &dir)
-        .env("EVALFLEET_CONFIG_DIR", &spec.dir)
-        .stdin(Stdio::null())
-        .output();
     let failed = |outcome: String, output: String| BackendError::Setup {
         backend: backend(),
         command: command.clone(),
@@ -179,19 +202,109 @@ pub fn prepare(spec: &BackendSpec) -> Result<Option<PathBuf>, BackendError> {
         dir: dir.clone(),
         output,
     };
-    let output = output.map_err(|err| failed(format!("cannot start: {err}"), String::new()))?;
-    let mut text = String::from_utf8_lossy(&output.stdout).into_owned();
-    text.push_str(&String::from_utf8_lossy(&output.stderr));
+    // Its output goes to the log as it is written: none is held in memory,
+    // and a slow setup can be watched.
     let log = dir.join("setup.log");
-    std::fs::write(&log, &text).map_err(io(&log))?;
-    if !output.status.success() {
-        return Err(failed(
-            format!("failed ({})", output.status),
-            tail(&text, 4000).to_owned(),
-        ));
+    let out = std::fs::File::create(&log).map_err(io(&log))?;
+    let err = out.try_clone().map_err(io(&log))?;
+    let mut child = Command::new(program_in(&setup[0], &spec.dir))
+        .args(&setup[1..])
+        .current_dir(&dir)
+        .env("EVALFLEET_BACKEND_DIR", &dir)
+        .env("EVALFLEET_CONFIG_DIR", &spec.dir)
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .process_group(0)
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|err| failed(format!("cannot start: {err}"), String::new()))?;
+    let group = SetupGroup(child.id());
+    let outcome = match tokio::time::timeout(spec.setup_timeout, child.wait()).await {
+        Ok(Ok(status)) if status.success() => None,
+        Ok(Ok(status)) => Some(format!("failed ({status})")),
+        Ok(Err(err)) => Some(format!("could not be waited on: {err}")),
+        Err(_) => Some(format!(
+            "did not finish within {} (setup_timeout); it was killed with every process it started",
+            humantime::format_duration(spec.setup_timeout)
+        )),
+    };
+    // What it started in the background ends with it.
+    drop(group);
+    let _ = child.wait().await;
+    if let Some(outcome) = outcome {
+        let text = std::fs::read(&log).unwrap_or_default();
+        let text = String::from_utf8_lossy(&text);
+        return Err(failed(outcome, tail(&text, 4000).to_owned()));
     }
     std::fs::write(&ready, &command).map_err(io(&ready))?;
     Ok(Some(dir))
+}
+
+/// What [`LineReader::next`] read.
+#[derive(Debug, PartialEq)]
+enum Read {
+    Line(String),
+    /// A line longer than [`MAX_LINE`]: its start. The rest of it is
+    /// skipped by the next reads.
+    TooLong(String),
+    End,
+}
+
+/// Reads lines of at most [`MAX_LINE`] bytes. Cancel-safe (what was read
+/// of a line is kept here), so it can wait in a `select!`.
+struct LineReader<R> {
+    reader: BufReader<R>,
+    line: Vec<u8>,
+    /// Skipping the rest of a line too long to read.
+    skipping: bool,
+}
+
+impl<R: tokio::io::AsyncRead + Unpin> LineReader<R> {
+    fn new(inner: R) -> Self {
+        Self {
+            reader: BufReader::new(inner),
+            line: Vec::new(),
+            skipping: false,
+        }
+    }
+
+    async fn next(&mut self) -> std::io::Result<Read> {
+        loop {
+            let available = self.reader.fill_buf().await?;
+            if available.is_empty() {
+                if self.line.is_empty() {
+                    return Ok(Read::End);
+                }
+                let line = String::from_utf8_lossy(&self.line).into_owned();
+                self.line.clear();
+                return Ok(Read::Line(line));
+            }
+            let newline = available.iter().position(|&b| b == b'\n');
+            let taken = newline.map_or(available.len(), |at| at + 1);
+            let skipping = self.skipping;
+            if !skipping {
+                let bytes = &available[..newline.unwrap_or(available.len())];
+                self.line.extend_from_slice(bytes);
+            }
+            self.reader.consume(taken);
+            if skipping {
+                self.skipping = newline.is_none();
+                continue;
+            }
+            if self.line.len() > MAX_LINE {
+                let start = String::from_utf8_lossy(&self.line[..EXCERPT * 4]).into_owned();
+                self.line.clear();
+                self.skipping = newline.is_none();
+                return Ok(Read::TooLong(start));
+            }
+            if newline.is_some() {
+                let line = String::from_utf8_lossy(&self.line).into_owned();
+                self.line.clear();
+                return Ok(Read::Line(line));
+            }
+        }
+    }
 }
 
 /// The last lines a process wrote on its stderr.
@@ -201,7 +314,7 @@ type StderrTail = Arc<Mutex<VecDeque<String>>>;
 struct Process {
     child: Child,
     stdin: ChildStdin,
-    stdout: Lines<BufReader<ChildStdout>>,
+    stdout: LineReader<ChildStdout>,
     stderr: StderrTail,
     /// Ends when its stderr does.
     stderr_done: tokio::task::JoinHandle<()>,
@@ -254,8 +367,15 @@ impl Launcher {
         let kept = tail.clone();
         let name = spec.name.clone();
         let stderr_done = self.tracker.spawn(async move {
-            let mut lines = BufReader::new(stderr).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
+            let mut lines = LineReader::new(stderr);
+            loop {
+                let line = match lines.next().await {
+                    Ok(Read::Line(line)) => line,
+                    Ok(Read::TooLong(start)) => {
+                        format!("{} (a line longer than {MAX_LINE} bytes)", excerpt(&start))
+                    }
+                    Ok(Read::End) | Err(_) => break,
+                };
                 tracing::debug!("Metric backend '{name}' says: {line}");
                 if let Ok(mut kept) = kept.lock() {
                     if kept.len() == STDERR_LINES {
@@ -268,7 +388,7 @@ impl Launcher {
         Ok(Process {
             child,
             stdin,
-            stdout: BufReader::new(stdout).lines(),
+            stdout: LineReader::new(stdout),
             stderr: tail,
             stderr_done,
             lines: 0,
@@ -347,17 +467,7 @@ impl Backends {
         let mut by_name = HashMap::new();
         let mut queue = 0usize;
         for spec in specs {
-            let setup_dir = {
-                let preparing = spec.clone();
-                tracker
-                    .spawn_blocking(move || prepare(&preparing))
-                    .await
-                    .map_err(|err| BackendError::Io {
-                        backend: spec.name.clone(),
-                        path: cache_root().unwrap_or_default(),
-                        source: std::io::Error::other(err),
-                    })??
-            };
+            let setup_dir = prepare(&spec).await?;
             let launcher = Launcher {
                 spec: spec.clone(),
                 setup_dir,
@@ -457,9 +567,9 @@ struct Serving {
     scored: bool,
 }
 
-async fn next_line(process: &mut Option<Process>) -> std::io::Result<Option<String>> {
+async fn next_line(process: &mut Option<Process>) -> std::io::Result<Read> {
     match process {
-        Some(p) => p.stdout.next_line().await,
+        Some(p) => p.stdout.next().await,
         None => std::future::pending().await,
     }
 }
@@ -489,8 +599,9 @@ async fn serve(launcher: Launcher, first: Process, mut jobs: mpsc::Receiver<Job>
                 None => open = false,
             },
             line = next_line(&mut s.process) => match line {
-                Ok(Some(line)) => s.read(line).await,
-                Ok(None) | Err(_) => {
+                Ok(Read::Line(line)) => s.read(line).await,
+                Ok(Read::TooLong(start)) => s.too_long(&start).await,
+                Ok(Read::End) | Err(_) => {
                     s.end(false, |how| format!("exited ({how}) before scoring it")).await;
                 }
             },
@@ -571,6 +682,22 @@ impl Serving {
                 .await;
             }
         }
+    }
+
+    /// A line of the process's stdout longer than [`MAX_LINE`]: a broken
+    /// protocol, for every answer it holds.
+    async fn too_long(&mut self, start: &str) {
+        let number = self.process.as_mut().map_or(0, |p| {
+            p.lines += 1;
+            p.lines
+        });
+        self.end(true, |how| {
+            format!(
+                "wrote line {number} of its output longer than {MAX_LINE} bytes, which is no reply: {} (it was stopped: {how})",
+                excerpt(start)
+            )
+        })
+        .await;
     }
 
     /// One line of the process's stdout.
@@ -730,6 +857,23 @@ mod tests {
                 "{message}"
             );
         }
+    }
+
+    #[tokio::test]
+    async fn a_line_longer_than_the_limit_is_not_held_and_the_next_is_read() {
+        let mut input = b"short\n".to_vec();
+        input.extend(std::iter::repeat_n(b'x', 3 * MAX_LINE));
+        input.extend(b"\nafter\nlast");
+        let mut lines = LineReader::new(&input[..]);
+        assert_eq!(lines.next().await.unwrap(), Read::Line("short".to_owned()));
+        let Read::TooLong(start) = lines.next().await.unwrap() else {
+            panic!("a long line is read whole");
+        };
+        assert!(start.len() < 2000 && start.starts_with("xxx"));
+        assert!(lines.line.capacity() < 2 * MAX_LINE + 2 * 8192);
+        assert_eq!(lines.next().await.unwrap(), Read::Line("after".to_owned()));
+        assert_eq!(lines.next().await.unwrap(), Read::Line("last".to_owned()));
+        assert_eq!(lines.next().await.unwrap(), Read::End);
     }
 
     #[test]

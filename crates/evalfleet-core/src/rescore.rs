@@ -127,17 +127,7 @@ impl Plan {
         } else {
             let mut chosen = Vec::new();
             for name in metrics {
-                // `anls@native@1` is the built-in `anls@1`; `anls` is every
-                // anls, `anls@evalscope` every version of that backend's.
-                let native = name.replacen("@native", "", 1);
-                let found: Vec<&String> = keys
-                    .iter()
-                    .filter(|k| {
-                        **k == native
-                            || k.split('@').next() == Some(native.as_str())
-                            || k.starts_with(&format!("{name}@"))
-                    })
-                    .collect();
+                let found: Vec<&String> = keys.iter().filter(|k| chooses(name, k)).collect();
                 if found.is_empty() {
                     return Err(RescoreError::Unfit(format!(
                         "--metrics: '{name}' is not among the task's metrics ({})",
@@ -156,6 +146,22 @@ impl Plan {
             only,
             rejudge,
         })
+    }
+
+    /// The outside metric backends scoring would start (each runs commands:
+    /// its `setup` and its program).
+    pub fn backends(&self) -> Vec<String> {
+        let mut names: Vec<String> = Vec::new();
+        for m in self.assessor.metrics() {
+            let crate::eval::metrics::Kind::Backend { backend, .. } = &m.kind else {
+                continue;
+            };
+            let chosen = self.only.as_ref().is_none_or(|only| only.contains(&m.key));
+            if chosen && !names.contains(backend) {
+                names.push(backend.clone());
+            }
+        }
+        names
     }
 
     /// The cache file the run's judge replies are in, when not the store.
@@ -366,6 +372,27 @@ async fn score_with_backends(
     Ok(sent)
 }
 
+/// Whether `--metrics NAME` chooses the metric `key`: `anls` is every
+/// anls, `anls@evalscope` every version of that backend's, and
+/// `anls@native` (or `anls@native@1`) the built-in ones only (`anls`,
+/// `anls@1`: keys with no backend).
+fn chooses(name: &str, key: &str) -> bool {
+    let native =
+        name.split_once("@native")
+            .and_then(|(metric, rest)| match rest.strip_prefix('@') {
+                Some(version) => Some((metric, Some(version))),
+                None => rest.is_empty().then_some((metric, None)),
+            });
+    if let Some((metric, version)) = native {
+        let mut parts = key.split('@');
+        let (first, second, more) = (parts.next(), parts.next(), parts.next());
+        // No backend segment: nothing after the name, or only a version.
+        let built_in = more.is_none() && second.is_none_or(|v| v.parse::<u32>().is_ok());
+        return built_in && first == Some(metric) && version.is_none_or(|v| second == Some(v));
+    }
+    key == name || key.split('@').next() == Some(name) || key.starts_with(&format!("{name}@"))
+}
+
 /// What scoring again did.
 #[derive(Debug, Clone)]
 pub struct Rescored {
@@ -384,4 +411,30 @@ pub struct Rescored {
     /// Their scores that are errors, and the first such error.
     pub backend_errors: u64,
     pub backend_error: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::chooses;
+
+    #[test]
+    fn native_chooses_the_built_in_metrics_only() {
+        let keys = ["anls@1", "anls@evalscope@1", "anls@evalscope@2", "bleu@1"];
+        let chosen = |name: &str| -> Vec<&str> {
+            keys.iter().copied().filter(|k| chooses(name, k)).collect()
+        };
+        assert_eq!(chosen("anls@native"), ["anls@1"]);
+        assert_eq!(chosen("anls@native@1"), ["anls@1"]);
+        assert!(chosen("anls@native@2").is_empty());
+        assert_eq!(
+            chosen("anls"),
+            ["anls@1", "anls@evalscope@1", "anls@evalscope@2"]
+        );
+        assert_eq!(
+            chosen("anls@evalscope"),
+            ["anls@evalscope@1", "anls@evalscope@2"]
+        );
+        assert_eq!(chosen("anls@evalscope@2"), ["anls@evalscope@2"]);
+        assert_eq!(chosen("anls@1"), ["anls@1"]);
+    }
 }

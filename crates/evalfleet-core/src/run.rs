@@ -369,14 +369,19 @@ async fn session(
     } else {
         Vec::new()
     };
-    let task = task::start(
+    // A stop while the task starts (a metric backend's setup may take
+    // long) ends it: what it started is killed as its future is dropped.
+    let starting = task::start(
         &plan.config,
         plan.templates.clone(),
         &plan.sandbox_dir,
         used_topics,
         plan.gym.clone(),
-    )
-    .await?;
+    );
+    let task = tokio::select! {
+        task = starting => task?,
+        () = stop.cancelled() => return Err(task::TaskError::Stopped.into()),
+    };
     let session = Session {
         run_id: plan.run_id,
         session: prepared.session,

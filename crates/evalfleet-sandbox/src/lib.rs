@@ -13,3 +13,4 @@ mod sys;
 pub use code::{Format, Judgement, Verdict};
 pub use judge::{Backend, CodeJudge, CodeJudgeError, CodeSettings};
 pub use lang::Language;
+pub use sys::kill_group;

@@ -313,6 +313,142 @@ async fn garbage_lines_give_errors_that_name_the_line() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_line_too_long_is_an_error_of_its_answer_and_not_held() {
+    let env = Env::new();
+    let backend = format!("{}, queue: 1", command(&["--huge-on", "item-00001"]));
+    let (ran, rows) = run_with(&env, 4, &backend).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let errors = same_or_errors(&rows);
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    let (item, error) = &errors[0];
+    assert_eq!(item, "item-00001");
+    assert!(
+        error.contains("longer than 1048576 bytes") && error.contains("xxx"),
+        "{error}"
+    );
+    assert!(error.len() < 10_000, "the line is not in the error whole");
+}
+
+/// Whether process `pid` is gone (or dead and not yet reaped).
+fn gone(pid: &str) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+    }
+}
+
+/// A setup that never ends: it writes its process group's pids (its shell,
+/// and a child it started) to `pids` in the folder, then waits.
+fn endless_setup(pids: &Path) -> String {
+    format!(
+        "{}, setup: [sh, -c, \"echo installing; sleep 1000 & echo $$ $! > {}; wait\"]",
+        command(&[]),
+        pids.display()
+    )
+}
+
+/// Waits until every process of `pids` is gone.
+async fn all_gone(pids: Vec<String>) {
+    for pid in pids {
+        wait_until(
+            Duration::from_secs(10),
+            "the setup's processes are gone",
+            || gone(&pid),
+        )
+        .await;
+    }
+}
+
+async fn pids_in(pids: &Path) -> Vec<String> {
+    wait_until(Duration::from_secs(30), "the setup writes its pids", || {
+        std::fs::read_to_string(pids).is_ok_and(|t| t.split_whitespace().count() == 2)
+    })
+    .await;
+    let text = std::fs::read_to_string(pids).unwrap();
+    text.split_whitespace().map(str::to_owned).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_stopped_during_its_setup_kills_the_setup_and_exits_130() {
+    let env = Env::new();
+    let server = mock(MockSettings::default()).await;
+    let dataset = dataset(&env, 3);
+    let pids = env.path("pids");
+    env.write(
+        "slow.yaml",
+        &config(
+            &dataset,
+            &external("m", &server, 2),
+            &metrics(&endless_setup(&pids)),
+        ),
+    );
+    let mut run = env.command(&["run", "slow.yaml", "--quiet"]);
+    let child = run
+        .env("XDG_CACHE_HOME", env.path("cache"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = pids_in(&pids).await;
+    signal(&child, "INT").await;
+    let out = child.wait_with_output().await.unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert!(
+        stderr.contains("stopped while the task started"),
+        "{stderr}"
+    );
+    all_gone(started).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_rescores_with_backends_only_when_it_may_run_commands() {
+    let env = Env::new();
+    let marker = env.path("starts.log");
+    let (ran, _) = run_with(
+        &env,
+        3,
+        &command(&["--marker", &marker.display().to_string()]),
+    )
+    .await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let run_id = ran.run_id();
+    let starts = || std::fs::read_to_string(&marker).unwrap().lines().count();
+    assert_eq!(starts(), 1);
+    let rescore = |base: String, metrics: Value| {
+        let run_id = run_id.clone();
+        async move {
+            let response = crate::serve::client()
+                .post(format!("{base}/api/v1/runs/{run_id}/rescore"))
+                .json(&serde_json::json!({ "metrics": metrics }))
+                .send()
+                .await
+                .unwrap();
+            (response.status().as_u16(), response.text().await.unwrap())
+        }
+    };
+    {
+        let (_server, base) = crate::serve::serve(&env, &[], None).await;
+        let (status, body) = rescore(base.clone(), serde_json::json!([])).await;
+        assert_eq!(status, 403, "{body}");
+        assert!(
+            body.contains("--allow-commands") && body.contains("scorer"),
+            "{body}"
+        );
+        // The built-in metrics only: no backend is started.
+        let (status, body) = rescore(base, serde_json::json!(["anls@native"])).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    assert_eq!(starts(), 1, "no backend was started");
+    let (_server, base) = crate::serve::serve(&env, &["--allow-commands"], None).await;
+    let (status, body) = rescore(base, serde_json::json!(["anls@scorer"])).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(starts(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_setup_runs_once_and_a_changed_setup_makes_a_new_folder() {
     let env = Env::new();
     let server = mock(MockSettings::default()).await;
@@ -393,20 +529,26 @@ async fn a_backend_that_cannot_start_stops_the_run_before_its_first_call() {
     let env = Env::new();
     let server = mock(MockSettings::default()).await;
     let dataset = dataset(&env, 3);
+    let pids = env.path("pids");
     let cases = [
         (
-            "setup: [sh, -c, \"echo 'ERROR: no matching distribution for evalscope' >&2; exit 1\"], command: [python3, x.py]",
+            "setup: [sh, -c, \"echo 'ERROR: no matching distribution for evalscope' >&2; exit 1\"], command: [python3, x.py]".to_owned(),
             "no matching distribution for evalscope",
         ),
         (
-            "command: [/no/such/program]",
+            "command: [/no/such/program]".to_owned(),
             "cannot start /no/such/program",
+        ),
+        // A setup past its timeout is killed, with all it started.
+        (
+            format!("{}, setup_timeout: 1s", endless_setup(&pids)),
+            "did not finish within 1s",
         ),
     ];
     for (backend, expected) in cases {
         env.write(
             "bad.yaml",
-            &config(&dataset, &external("m", &server, 2), &metrics(backend)),
+            &config(&dataset, &external("m", &server, 2), &metrics(&backend)),
         );
         let ran = env
             .command(&["run", "bad.yaml", "--quiet"])
@@ -421,6 +563,7 @@ async fn a_backend_that_cannot_start_stops_the_run_before_its_first_call() {
             "{stderr}"
         );
     }
+    all_gone(pids_in(&pids).await).await;
     assert_eq!(
         server.stats().requests,
         0,

@@ -166,6 +166,11 @@ fn backend(
         some => argv("setup", some, p).map(Some),
     };
     let timeout = p.duration(&path::key(at, "timeout"), raw.timeout.as_deref(), "60s");
+    let setup_timeout = p.duration(
+        &path::key(at, "setup_timeout"),
+        raw.setup_timeout.as_deref(),
+        "30m",
+    );
     let queue = match raw.queue {
         None => Some(64),
         Some(q) if (1..=10_000).contains(&q) => Some(q as usize),
@@ -187,6 +192,7 @@ fn backend(
         command: command?,
         setup: setup?,
         timeout: timeout?,
+        setup_timeout: setup_timeout?,
         queue: queue?,
         metrics: metrics?,
         dir: dir.to_owned(),

@@ -186,9 +186,13 @@ pub struct RawMetricBackend {
     /// (`$XDG_CACHE_HOME/evalfleet/metric-backends/HASH`), before the
     /// backend first starts: e.g. `[sh, -c, "python3 -m venv venv &&
     /// venv/bin/pip install evalscope"]`. The folder is kept and reused by
-    /// every run whose setup is the same command; a changed command makes a
-    /// new one. Default: none.
+    /// every run whose setup is the same command from the same config
+    /// folder; a changed command makes a new one. Default: none.
     pub setup: Option<Vec<String>>,
+    /// How long `setup` may run before it (with every process it started)
+    /// is killed and the run stops with exit code 2. Default `30m`.
+    #[schemars(with = "Option<schema::Duration>")]
+    pub setup_timeout: Option<String>,
     /// How long the program may take to score one answer before it is
     /// stopped (and started again for the answers after) and the answers it
     /// holds are left unscored. Default `60s`.

@@ -773,7 +773,7 @@ fn metric_backends_are_checked_with_their_places() {
              \x20 metric_backends:\n\
              \x20   - {{ name: scorer, command: [python3, s.py], metrics: [anls, wer], colour: red }}\n\
              \x20   - {{ name: native, command: [x], metrics: [a] }}\n\
-             \x20   - {{ name: other, command: [], metrics: [], queue: 0, timeout: soon }}\n"
+             \x20   - {{ name: other, command: [], metrics: [], queue: 0, timeout: soon, setup_timeout: 0s }}\n"
         ),
     );
     let messages: Vec<&str> = problems.iter().map(|(_, m)| m.as_str()).collect();
@@ -789,6 +789,7 @@ fn metric_backends_are_checked_with_their_places() {
     has("task.metric_backends[2].metrics: is required");
     has("task.metric_backends[2].queue: must be between 1 and 10000, got 0");
     has("task.metric_backends[2].timeout: expected a duration");
+    has("task.metric_backends[2].setup_timeout: must be longer than zero");
     // A problem in the backends leaves the metrics unchecked against them;
     // the anything: parameter is the program's, never an unknown key.
     assert!(

@@ -34,6 +34,8 @@ pub struct BackendSpec {
     pub setup: Option<Vec<String>>,
     /// How long the program may take over one answer.
     pub timeout: Duration,
+    /// How long the setup may run.
+    pub setup_timeout: Duration,
     /// Answers sent to the program ahead of its scores.
     pub queue: usize,
     pub metrics: Vec<BackendMetric>,
@@ -42,14 +44,18 @@ pub struct BackendSpec {
 }
 
 impl BackendSpec {
-    /// The name of the folder its setup makes: a hash of the setup command,
-    /// so a changed setup makes a new folder and an unchanged one is reused.
+    /// The name of the folder its setup makes: a hash of the setup command
+    /// and of the config's folder (the setup is given it as
+    /// `EVALFLEET_CONFIG_DIR`, and may read files there), so a changed setup,
+    /// or the same one of another project, makes a new folder and an
+    /// unchanged one is reused.
     pub fn setup_key(&self) -> Option<String> {
         let setup = self.setup.as_ref()?;
         let mut hash = sha2::Sha256::new();
-        for arg in setup {
+        let dir = self.dir.as_os_str().as_encoded_bytes();
+        for arg in setup.iter().map(String::as_bytes).chain([dir]) {
             hash.update((arg.len() as u64).to_le_bytes());
-            hash.update(arg.as_bytes());
+            hash.update(arg);
         }
         Some(hex::encode(&hash.finalize()[..8]))
     }
@@ -70,6 +76,7 @@ mod tests {
             command: vec!["true".to_owned()],
             setup: setup.map(|s| s.iter().map(|a| (*a).to_owned()).collect()),
             timeout: Duration::from_secs(1),
+            setup_timeout: Duration::from_secs(1),
             queue: 1,
             metrics: Vec::new(),
             dir: PathBuf::new(),
@@ -82,6 +89,10 @@ mod tests {
         let a = spec(Some(&["sh", "-c", "x"])).setup_key();
         assert_eq!(a, spec(Some(&["sh", "-c", "x"])).setup_key());
         assert_ne!(a, spec(Some(&["sh", "-c", "y"])).setup_key());
+        // Two projects' setups may read their own files: not shared.
+        let mut elsewhere = spec(Some(&["sh", "-c", "x"]));
+        elsewhere.dir = PathBuf::from("/other/project");
+        assert_ne!(a, elsewhere.setup_key());
         // Argument boundaries count.
         assert_ne!(
             spec(Some(&["ab", "c"])).setup_key(),

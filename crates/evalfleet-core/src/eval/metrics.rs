@@ -928,6 +928,7 @@ mod tests {
             command: vec!["python3".to_owned(), "score.py".to_owned()],
             setup: None,
             timeout: std::time::Duration::from_secs(1),
+            setup_timeout: std::time::Duration::from_secs(1),
             queue: 1,
             metrics: vec![super::super::backend::BackendMetric {
                 name: "cer".to_owned(),

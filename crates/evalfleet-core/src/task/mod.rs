@@ -205,6 +205,9 @@ pub enum TaskError {
     /// start.
     #[error(transparent)]
     MetricBackend(#[from] crate::metric_backend::BackendError),
+    /// The run was stopped while the task started.
+    #[error("stopped while the task started (a metric backend's setup, or the code judge)")]
+    Stopped,
 }
 
 impl TaskError {
@@ -213,6 +216,7 @@ impl TaskError {
             Self::Invalid(_) => evalfleet_types::Fault::BadInput,
             Self::CodeJudge(err) => err.fault(),
             Self::MetricBackend(err) => err.fault(),
+            Self::Stopped => evalfleet_types::Fault::Interrupted,
         }
     }
 }

@@ -342,7 +342,7 @@ pub async fn fleet(
         (status = 404, description = "No such run", body = ErrorBody),
         (status = 409, description = "The run is running", body = ErrorBody),
         (status = 422, description = "A metric is not the task's", body = ErrorBody),
-        (status = 403, description = "This server does not run evaluations", body = ErrorBody),
+        (status = 403, description = "This server does not run evaluations, or the run's metric backends would run commands and it was started without --allow-commands", body = ErrorBody),
     )
 )]
 pub async fn rescore(

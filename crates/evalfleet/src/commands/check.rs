@@ -188,7 +188,16 @@ pub async fn check(args: crate::cli::CheckArgs) -> anyhow::Result<u8> {
     // Each metric backend starts as a run starts it: its setup made (once,
     // and kept) and its program started.
     for backend in &config.task.eval.backends {
-        let line = match Backends::start(std::slice::from_ref(backend), &[&backend.name]).await {
+        // Ctrl-C drops the start, and with it the setup's process group.
+        let used = [backend.name.as_str()];
+        let started = tokio::select! {
+            started = Backends::start(std::slice::from_ref(backend), &used) => started,
+            _ = tokio::signal::ctrl_c() => {
+                eprintln!("Stopped while metric backend '{}' started.", backend.name);
+                return Ok(crate::EXIT_INTERRUPTED);
+            }
+        };
+        let line = match started {
             Ok(_) => format!("{}: started", backend.name),
             Err(err) => {
                 ready = false;

@@ -19,7 +19,7 @@ use evalfleet_store::OpenOptions;
 use super::inspect::{percentiles, print_table};
 use super::{open_existing, open_to_read};
 use crate::cli::{CacheAction, CacheArgs, CompareArgs, ReportArgs, ScoreArgs};
-use crate::{EXIT_FAILED, EXIT_OK};
+use crate::{EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK};
 
 /// `evalfleet score`: parses, checks and scores the stored outputs again;
 /// with `--rejudge` (or a changed `task.code`), runs the code judge again.
@@ -47,7 +47,15 @@ pub async fn score(args: ScoreArgs) -> anyhow::Result<u8> {
         )?;
     }
     let sandbox = super::sandbox_dir(&location, &format!("{}-score", args.run_id));
-    let done = plan.apply(&mut *store, &sandbox).await?;
+    // Ctrl-C drops the scoring, and with it a metric backend's setup (its
+    // process group is killed): nothing is stored.
+    let done = tokio::select! {
+        done = plan.apply(&mut *store, &sandbox) => done?,
+        _ = tokio::signal::ctrl_c() => {
+            eprintln!("Stopped; run {} was not changed.", args.run_id);
+            return Ok(EXIT_INTERRUPTED);
+        }
+    };
     if let Some((count, took)) = done.rejudged {
         eprintln!(
             "Judged {count} programs again in {:.1} s.",

@@ -58,6 +58,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<u8> {
     };
     let control = Arc::new(Control {
         location: location.clone(),
+        allow_commands: args.allow_commands,
         runs: Mutex::new(HashMap::new()),
         tracker: TaskTracker::new(),
     });
@@ -108,6 +109,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<u8> {
 /// The runs this process answers for the server.
 struct Control {
     location: Location,
+    /// `--allow-commands`: a rescore may start metric backends.
+    allow_commands: bool,
     runs: Mutex<HashMap<String, CancellationToken>>,
     tracker: TaskTracker,
 }
@@ -261,6 +264,13 @@ impl RunControl for ControlHandle {
                 Plan::new(&mut *store, &run_id, None, &metrics, false)
             })
             .map_err(rescore_error)?;
+            let backends = plan.backends();
+            if !control.allow_commands && !backends.is_empty() {
+                return Err(ApiError::Forbidden(format!(
+                    "scoring run {run_id} again starts its metric backends ({}), which run commands on the server; the server allows it only when started with --allow-commands",
+                    backends.join(", ")
+                )));
+            }
             if let Some(file) = plan.cache_file() {
                 store = evalfleet_store::open(
                     &control.location,

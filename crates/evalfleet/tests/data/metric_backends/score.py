@@ -12,6 +12,8 @@ once):
   --garbage-on ITEM write a line that is not JSON instead of ITEM's score
   --nan-on ITEM     write NaN as ITEM's score (Python's json does so)
   --wrong-id-on ITEM answer ITEM with an id that was never sent
+  --huge-on ITEM    write a line of 4 MiB on stderr, then one on stdout,
+                    instead of ITEM's score
   --marker FILE     append a line to FILE when it starts, and when it hangs
 """
 import argparse
@@ -67,6 +69,7 @@ def main():
     parser.add_argument("--garbage-on")
     parser.add_argument("--nan-on")
     parser.add_argument("--wrong-id-on")
+    parser.add_argument("--huge-on")
     parser.add_argument("--hang-while")
     parser.add_argument("--marker")
     args = parser.parse_args()
@@ -91,6 +94,11 @@ def main():
         odd = request["metric"] == "anls"
         if odd and item == args.garbage_on:
             print(f"this is not json for {item}", flush=True)
+            continue
+        if odd and item == args.huge_on:
+            huge = "x" * (4 << 20)
+            print(huge, file=sys.stderr, flush=True)
+            print(huge, flush=True)
             continue
         if not request["references"]:
             print(json.dumps({"id": rid, "error": "no reference"}), flush=True)
