@@ -10,11 +10,57 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::bench::BenchConfig;
+use crate::config::bench::{BenchCell, BenchConfig};
 use crate::report::{self, ReportError, metrics::ALL};
 use crate::store::{ItemQuery, SortKey, Store, StoreError};
 use crate::worker;
 use evalfleet_types::{Event, EventKind, RunStatus};
+
+/// Whether `record`, the stored run that holds `cell`'s run id, is that
+/// cell's run: made from the same cell of a bench (the same run name and
+/// endpoint as written) and giving the same results (the same dataset
+/// content and task, as a resume checks). A run id is only a name: another
+/// bench, a run given the id by hand, or this bench's file edited since
+/// may hold it, and its results are then not this cell's. `Err` says which
+/// run holds the id, how it differs, and what to do.
+pub fn check_cell_run(record: &RecordOf, cell: &BenchCell) -> Result<(), String> {
+    let snapshot = &cell.loaded.snapshot;
+    let mut differs: Vec<String> = Vec::new();
+    if record.config.get("name") != snapshot.get("name") {
+        differs.push(format!(
+            "it was made from a config named {} (not this bench's cell)",
+            record
+                .config
+                .get("name")
+                .unwrap_or(&serde_json::Value::Null)
+        ));
+    } else if record.config.get("endpoints") != snapshot.get("endpoints") {
+        differs.push(format!(
+            "its endpoint differs from model {}'s in the bench file",
+            cell.model
+        ));
+    }
+    if differs.is_empty()
+        && let Err(err) = crate::run::check_resume(record, &cell.loaded.config)
+    {
+        differs.push(match err {
+            crate::run::ResumeError::Changed { changes, .. } => changes.join("; "),
+            other => other.to_string(),
+        });
+    }
+    if differs.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "run {} in the store holds the run id of cell {} of {}, but {}. Its results are not reused and it is left as it is: give the bench another name (its cells get other run ids) or another store (--store), or put back the bench file the run was made from",
+        record.run_id,
+        cell.place,
+        cell.loaded.origin,
+        differs.join("; ")
+    ))
+}
+
+type RecordOf = crate::store::RunRecord;
 
 /// Which run each cell is: what `bench status` and `bench report` read.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
