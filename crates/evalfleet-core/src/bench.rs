@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::config::bench::{BenchCell, BenchConfig};
+use crate::config::{EndpointConfig, MASK, Secret};
 use crate::report::{self, ReportError, metrics::ALL};
 use crate::store::{ItemQuery, SortKey, Store, StoreError};
 use crate::worker;
@@ -61,6 +62,93 @@ pub fn check_cell_run(record: &RecordOf, cell: &BenchCell) -> Result<(), String>
 }
 
 type RecordOf = crate::store::RunRecord;
+
+/// Secrets shorter than this are not looked for in a message (an engine's
+/// `env` holds settings like `1` too; masking every `1` would say nothing).
+const SHORTEST_SECRET: usize = 4;
+
+/// Whether a command-line flag (`--api-key`, `--hf_token`) takes a secret.
+fn is_secret_flag(flag: &str) -> bool {
+    let name = flag.trim_start_matches('-').to_ascii_lowercase();
+    ["key", "token", "secret", "password"]
+        .iter()
+        .any(|word| name.ends_with(word))
+}
+
+/// `text` with the value of every secret flag masked: `--api-key VALUE`,
+/// `--hf-token=VALUE`. A cell's message may carry its engine's last lines,
+/// where an engine may print its own command line.
+pub fn redact_flags(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut mask_next = false;
+    for piece in text.split_inclusive(char::is_whitespace) {
+        let word = piece.trim_end_matches(char::is_whitespace);
+        let space = &piece[word.len()..];
+        if word.is_empty() {
+            out.push_str(piece);
+            continue;
+        }
+        if std::mem::take(&mut mask_next) {
+            out.push_str(MASK);
+            out.push_str(space);
+            continue;
+        }
+        if word.starts_with("--") {
+            if let Some((flag, _)) = word.split_once('=')
+                && is_secret_flag(flag)
+            {
+                out.push_str(flag);
+                out.push('=');
+                out.push_str(MASK);
+                out.push_str(space);
+                continue;
+            }
+            mask_next = is_secret_flag(word);
+        }
+        out.push_str(piece);
+    }
+    out
+}
+
+/// `text` (a message about `endpoint`'s engine) with every secret the
+/// engine was given masked wherever it appears (its `api_key`, `headers`,
+/// `env`, and the value of each secret flag in its command and `args`),
+/// and the value of any secret flag.
+pub fn redact_engine(text: &str, endpoint: &EndpointConfig) -> String {
+    let mut secrets: Vec<&str> = Vec::new();
+    secrets.extend(endpoint.api_key.as_ref().map(Secret::expose));
+    secrets.extend(endpoint.headers.iter().map(|(_, v)| v.expose()));
+    let mut flagged: Vec<String> = Vec::new();
+    if let Some(engine) = endpoint.kind.engine() {
+        secrets.extend(engine.env.iter().map(|(_, v)| v.expose()));
+        for line in [&engine.command, &engine.args] {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            for (i, word) in words.iter().enumerate() {
+                if !word.starts_with("--") {
+                    continue;
+                }
+                match word.split_once('=') {
+                    Some((flag, value)) if is_secret_flag(flag) => flagged.push(value.to_owned()),
+                    None if is_secret_flag(word) => {
+                        flagged.extend(words.get(i + 1).map(|v| (*v).to_owned()));
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    let mut out = text.to_owned();
+    let quotes: &[char] = &['\'', '"'];
+    for secret in secrets
+        .into_iter()
+        .chain(flagged.iter().map(|v| v.trim_matches(quotes)))
+    {
+        if secret.len() >= SHORTEST_SECRET {
+            out = out.replace(secret, MASK);
+        }
+    }
+    redact_flags(&out)
+}
 
 /// Which run each cell is: what `bench status` and `bench report` read.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -270,8 +358,8 @@ fn cell_status(store: &mut dyn Store, plan: &CellPlan) -> Result<CellStatus, Sto
         failed: counts.failed,
         total: counts.total(),
         message: match state {
-            CellState::Failed => failed_to_run.map(str::to_owned),
-            CellState::Interrupted => record.message,
+            CellState::Failed => failed_to_run.map(redact_flags),
+            CellState::Interrupted => record.message.as_deref().map(redact_flags),
             _ => None,
         },
     })
@@ -512,6 +600,36 @@ pub fn report(store: &mut dyn Store, manifest: &Manifest) -> Result<BenchReport,
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_message_shows_no_secret_of_the_engine_nor_any_secret_flag_s_value() {
+        assert_eq!(
+            redact_flags("serve m --api-key sk-1 --port 80 --hf-token=hf_2\n--max-tokens 5"),
+            "serve m --api-key *** --port 80 --hf-token=***\n--max-tokens 5"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("q.jsonl"),
+            "{\"id\": \"1\", \"q\": \"a\"}\n",
+        )
+        .unwrap();
+        let file = dir.path().join("bench.yaml");
+        std::fs::write(
+            &file,
+            "name: s\nmodels:\n  - name: a\n    endpoint: {kind: local, model: a, \
+             command: \"serve --port {port} --api-key 'sk-cmd-0001'\", api_key: sk-key-0002}\n\
+             datasets:\n  - name: d\n    dataset: {path: q.jsonl, id_field: id}\n    \
+             task: {messages: [{role: user, content: '{{ q }}'}]}\n",
+        )
+        .unwrap();
+        let bench = crate::config::bench::load_bench(&file).unwrap();
+        let endpoint = &bench.models[0].endpoint;
+        let shown = redact_engine(
+            "args: Namespace(api_key='sk-cmd-0001') key=sk-key-0002 on port 1",
+            endpoint,
+        );
+        assert_eq!(shown, "args: Namespace(api_key='***') key=*** on port 1");
+    }
 
     fn event(at_ms: i64, kind: EventKind, endpoint: &str) -> Event {
         Event {

@@ -169,7 +169,10 @@ async fn model_turn(
             }
             Err(_) if stop.is_cancelled() => return Ok(()),
             Err(why) => {
-                let why = format!("the engine of model {} did not start: {why}", model.name);
+                let why = bench::redact_engine(
+                    &format!("the engine of model {} did not start: {why}", model.name),
+                    &model.endpoint,
+                );
                 ui::note(&format!("{why}; its cells are marked failed."));
                 for cell in &todo {
                     if fail_cell(location, cell, &why)? {
@@ -208,6 +211,7 @@ async fn model_turn(
         };
         ran.push(&cell.run_id);
         if let Some(why) = died {
+            let why = bench::redact_engine(&why, &model.endpoint);
             ui::note(&format!("{why}; its unfinished cells are marked failed."));
             for left in todo.iter().skip(ran.len() - 1) {
                 if fail_cell(location, left, &why)? {
