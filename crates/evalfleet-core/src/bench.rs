@@ -15,7 +15,43 @@ use crate::config::{EndpointConfig, MASK, Secret};
 use crate::report::{self, ReportError, metrics::ALL};
 use crate::store::{ItemQuery, SortKey, Store, StoreError};
 use crate::worker;
-use evalfleet_types::{Event, EventKind, RunStatus};
+use evalfleet_types::{Event, EventKind, ResourceMetric, ResourcePoint, ResourceSource, RunStatus};
+
+/// The most GPU memory in use at once during a cell (see
+/// [`CellReport::peak_gpu_memory_mb`]): model `model`'s engine's own where
+/// its processes were attributed (an endpoint series), else the peak over
+/// sample times of the memory summed over every sampled GPU. A point the
+/// store merged counts at its peak over its whole span.
+fn cell_gpu_memory_peak(points: &[ResourcePoint], model: &str) -> Option<f64> {
+    let memory = |p: &&ResourcePoint| p.series.metric == ResourceMetric::GpuMemoryMb;
+    let own = points
+        .iter()
+        .filter(memory)
+        .filter(|p| p.series.source == ResourceSource::Endpoint && p.series.name == model)
+        .map(|p| p.peak)
+        .reduce(f64::max);
+    if own.is_some() {
+        return own;
+    }
+    let gpus: Vec<&ResourcePoint> = points
+        .iter()
+        .filter(memory)
+        .filter(|p| p.series.source == ResourceSource::Gpu)
+        .collect();
+    gpus.iter()
+        .map(|at| {
+            let mut by_gpu: std::collections::BTreeMap<&str, f64> = Default::default();
+            for p in gpus
+                .iter()
+                .filter(|p| p.at_ms <= at.at_ms && at.at_ms <= p.until_ms)
+            {
+                let peak = by_gpu.entry(p.series.name.as_str()).or_insert(p.peak);
+                *peak = peak.max(p.peak);
+            }
+            by_gpu.values().sum::<f64>()
+        })
+        .reduce(f64::max)
+}
 
 /// Whether `record`, the stored run that holds `cell`'s run id, is that
 /// cell's run: made from the same cell of a bench (the same run name and
@@ -401,10 +437,12 @@ pub struct CellReport {
     pub ttft_p50_ms: Option<f64>,
     pub tpot_p50_ms: Option<f64>,
     pub tokens_per_second: Option<f64>,
-    /// The most memory in use at once on the GPUs the cell's run sampled
-    /// (MiB, the whole GPU's: its engine's and whoever else's); `None`
-    /// without GPU telemetry (no `nvidia-smi`, or an engine on another
-    /// host).
+    /// The most GPU memory in use at once during the cell, in MiB: its
+    /// engine's own processes' where the run attributed them, else, at each
+    /// sample, the memory in use summed over the GPUs the cell's run sampled
+    /// (the engine's `gpu:`, every GPU without one: whole GPUs, whoever
+    /// used them), and the peak of that sum. `None` without GPU telemetry
+    /// (no `nvidia-smi`, or an engine on another host).
     pub peak_gpu_memory_mb: Option<u64>,
     /// How long the model's engine took to load for this cell's last
     /// turn, from its process's start to its first health answer (ms).
@@ -540,9 +578,8 @@ pub fn report(store: &mut dyn Store, manifest: &Manifest) -> Result<BenchReport,
             }
             cell.metric = Some(metric);
         }
-        cell.peak_gpu_memory_mb = run
-            .resources
-            .gpu_memory_peak_mb
+        let points = store.resource_points(&run_id, i64::MIN)?;
+        cell.peak_gpu_memory_mb = cell_gpu_memory_peak(&points, &cell.status.plan.model)
             .map(|mb| mb.round().max(0.0) as u64);
         if let Some(endpoint) = run.endpoints.iter().find(|e| e.successes > 0) {
             cell.latency_p50_ms = endpoint.latency_ms.map(|p| p.p50);
@@ -654,6 +691,38 @@ mod tests {
         assert_eq!(last_turn(&events, "b"), Some((40, 150)));
         assert_eq!(last_turn(&events, "c"), None);
         assert_eq!(last_turn(&events[..4], "a"), None, "no ready after it");
+    }
+
+    #[test]
+    fn a_cell_s_gpu_memory_is_summed_over_its_gpus_at_each_sample() {
+        let gpu = |name: &str, at_ms: i64, mb: f64| {
+            ResourcePoint::sample(
+                evalfleet_types::ResourceSeries {
+                    source: ResourceSource::Gpu,
+                    name: name.to_owned(),
+                    metric: ResourceMetric::GpuMemoryMb,
+                },
+                at_ms,
+                mb,
+            )
+        };
+        // A tensor-parallel engine on GPUs 0 and 1, 40 GB each at once.
+        let points = [
+            gpu("0", 10, 1_000.0),
+            gpu("1", 10, 1_000.0),
+            gpu("0", 20, 40_000.0),
+            gpu("1", 20, 40_000.0),
+            gpu("0", 30, 40_000.0),
+            gpu("1", 30, 2_000.0),
+        ];
+        assert_eq!(cell_gpu_memory_peak(&points, "a"), Some(80_000.0));
+        assert_eq!(cell_gpu_memory_peak(&[], "a"), None);
+        // The engine's own processes' memory, where the run attributed it.
+        let mut own = gpu("a", 20, 30_000.0);
+        own.series.source = ResourceSource::Endpoint;
+        let mut with_own = points.to_vec();
+        with_own.push(own);
+        assert_eq!(cell_gpu_memory_peak(&with_own, "a"), Some(30_000.0));
     }
 
     #[test]
