@@ -703,7 +703,7 @@ fn print_report(report: &BenchReport) {
     }
     if let Some(metric) = report.cells.iter().find_map(|c| c.metric.as_deref()) {
         println!(
-            "headline: each dataset's first metric (here {metric}); GPU MB: the most GPU memory in use during the cell (telemetry)"
+            "headline: each dataset's first metric (here {metric}); GPU MB: the peak of the GPU memory in use summed over the cell's sampled GPUs (its engine's own where attributed; telemetry)"
         );
     }
     for h in &report.handovers {
