@@ -21,9 +21,12 @@ use super::{ConfigError, EndpointConfig, LoadedConfig, Overrides, Problem, path,
 /// A benchmark matrix (`evalfleet bench CONFIG`): every model of `models`
 /// answers every dataset of `datasets` (at every point of `sweep`), one
 /// model's engine at a time. Each cell is an ordinary run in the store,
-/// with the id `NAME-MODEL-DATASET` (`-cN` added with a sweep). Paths are
-/// relative to the file; `${VAR}` reads the environment, as in a run's
-/// config.
+/// with the id `NAME-MODEL-DATASET` (`-cN` added with a sweep). Two cells
+/// whose ids would be the same (models `qwen2-vl` and `qwen2` on datasets
+/// `docs` and `vl-docs`) are an error naming both; a stored run that holds
+/// a cell's id but was made from another config is refused, not reused.
+/// Paths are relative to the file; `${VAR}` reads the environment, as in a
+/// run's config.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 pub struct RawBench {
     /// The matrix's name: letters, digits, `-`, `_` and `.`; each cell's
