@@ -10,11 +10,181 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::bench::BenchConfig;
+use crate::config::bench::{BenchCell, BenchConfig};
+use crate::config::{EndpointConfig, MASK, Secret};
 use crate::report::{self, ReportError, metrics::ALL};
 use crate::store::{ItemQuery, SortKey, Store, StoreError};
 use crate::worker;
-use evalfleet_types::{Event, EventKind, RunStatus};
+use evalfleet_types::{Event, EventKind, ResourceMetric, ResourcePoint, ResourceSource, RunStatus};
+
+/// The most GPU memory in use at once during a cell (see
+/// [`CellReport::peak_gpu_memory_mb`]): model `model`'s engine's own where
+/// its processes were attributed (an endpoint series), else the peak over
+/// sample times of the memory summed over every sampled GPU. A point the
+/// store merged counts at its peak over its whole span.
+fn cell_gpu_memory_peak(points: &[ResourcePoint], model: &str) -> Option<f64> {
+    let memory = |p: &&ResourcePoint| p.series.metric == ResourceMetric::GpuMemoryMb;
+    let own = points
+        .iter()
+        .filter(memory)
+        .filter(|p| p.series.source == ResourceSource::Endpoint && p.series.name == model)
+        .map(|p| p.peak)
+        .reduce(f64::max);
+    if own.is_some() {
+        return own;
+    }
+    let gpus: Vec<&ResourcePoint> = points
+        .iter()
+        .filter(memory)
+        .filter(|p| p.series.source == ResourceSource::Gpu)
+        .collect();
+    gpus.iter()
+        .map(|at| {
+            let mut by_gpu: std::collections::BTreeMap<&str, f64> = Default::default();
+            for p in gpus
+                .iter()
+                .filter(|p| p.at_ms <= at.at_ms && at.at_ms <= p.until_ms)
+            {
+                let peak = by_gpu.entry(p.series.name.as_str()).or_insert(p.peak);
+                *peak = peak.max(p.peak);
+            }
+            by_gpu.values().sum::<f64>()
+        })
+        .reduce(f64::max)
+}
+
+/// Whether `record`, the stored run that holds `cell`'s run id, is that
+/// cell's run: made from the same cell of a bench (the same run name and
+/// endpoint as written) and giving the same results (the same dataset
+/// content and task, as a resume checks). A run id is only a name: another
+/// bench, a run given the id by hand, or this bench's file edited since
+/// may hold it, and its results are then not this cell's. `Err` says which
+/// run holds the id, how it differs, and what to do.
+pub fn check_cell_run(record: &RecordOf, cell: &BenchCell) -> Result<(), String> {
+    let snapshot = &cell.loaded.snapshot;
+    let mut differs: Vec<String> = Vec::new();
+    if record.config.get("name") != snapshot.get("name") {
+        differs.push(format!(
+            "it was made from a config named {} (not this bench's cell)",
+            record
+                .config
+                .get("name")
+                .unwrap_or(&serde_json::Value::Null)
+        ));
+    } else if record.config.get("endpoints") != snapshot.get("endpoints") {
+        differs.push(format!(
+            "its endpoint differs from model {}'s in the bench file",
+            cell.model
+        ));
+    }
+    if differs.is_empty()
+        && let Err(err) = crate::run::check_resume(record, &cell.loaded.config)
+    {
+        differs.push(match err {
+            crate::run::ResumeError::Changed { changes, .. } => changes.join("; "),
+            other => other.to_string(),
+        });
+    }
+    if differs.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "run {} in the store holds the run id of cell {} of {}, but {}. Its results are not reused and it is left as it is: give the bench another name (its cells get other run ids) or another store (--store), or put back the bench file the run was made from",
+        record.run_id,
+        cell.place,
+        cell.loaded.origin,
+        differs.join("; ")
+    ))
+}
+
+type RecordOf = crate::store::RunRecord;
+
+/// Secrets shorter than this are not looked for in a message (an engine's
+/// `env` holds settings like `1` too; masking every `1` would say nothing).
+const SHORTEST_SECRET: usize = 4;
+
+/// Whether a command-line flag (`--api-key`, `--hf_token`) takes a secret.
+fn is_secret_flag(flag: &str) -> bool {
+    let name = flag.trim_start_matches('-').to_ascii_lowercase();
+    ["key", "token", "secret", "password"]
+        .iter()
+        .any(|word| name.ends_with(word))
+}
+
+/// `text` with the value of every secret flag masked: `--api-key VALUE`,
+/// `--hf-token=VALUE`. A cell's message may carry its engine's last lines,
+/// where an engine may print its own command line.
+pub fn redact_flags(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut mask_next = false;
+    for piece in text.split_inclusive(char::is_whitespace) {
+        let word = piece.trim_end_matches(char::is_whitespace);
+        let space = &piece[word.len()..];
+        if word.is_empty() {
+            out.push_str(piece);
+            continue;
+        }
+        if std::mem::take(&mut mask_next) {
+            out.push_str(MASK);
+            out.push_str(space);
+            continue;
+        }
+        if word.starts_with("--") {
+            if let Some((flag, _)) = word.split_once('=')
+                && is_secret_flag(flag)
+            {
+                out.push_str(flag);
+                out.push('=');
+                out.push_str(MASK);
+                out.push_str(space);
+                continue;
+            }
+            mask_next = is_secret_flag(word);
+        }
+        out.push_str(piece);
+    }
+    out
+}
+
+/// `text` (a message about `endpoint`'s engine) with every secret the
+/// engine was given masked wherever it appears (its `api_key`, `headers`,
+/// `env`, and the value of each secret flag in its command and `args`),
+/// and the value of any secret flag.
+pub fn redact_engine(text: &str, endpoint: &EndpointConfig) -> String {
+    let mut secrets: Vec<&str> = Vec::new();
+    secrets.extend(endpoint.api_key.as_ref().map(Secret::expose));
+    secrets.extend(endpoint.headers.iter().map(|(_, v)| v.expose()));
+    let mut flagged: Vec<String> = Vec::new();
+    if let Some(engine) = endpoint.kind.engine() {
+        secrets.extend(engine.env.iter().map(|(_, v)| v.expose()));
+        for line in [&engine.command, &engine.args] {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            for (i, word) in words.iter().enumerate() {
+                if !word.starts_with("--") {
+                    continue;
+                }
+                match word.split_once('=') {
+                    Some((flag, value)) if is_secret_flag(flag) => flagged.push(value.to_owned()),
+                    None if is_secret_flag(word) => {
+                        flagged.extend(words.get(i + 1).map(|v| (*v).to_owned()));
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    let mut out = text.to_owned();
+    let quotes: &[char] = &['\'', '"'];
+    for secret in secrets
+        .into_iter()
+        .chain(flagged.iter().map(|v| v.trim_matches(quotes)))
+    {
+        if secret.len() >= SHORTEST_SECRET {
+            out = out.replace(secret, MASK);
+        }
+    }
+    redact_flags(&out)
+}
 
 /// Which run each cell is: what `bench status` and `bench report` read.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -224,8 +394,8 @@ fn cell_status(store: &mut dyn Store, plan: &CellPlan) -> Result<CellStatus, Sto
         failed: counts.failed,
         total: counts.total(),
         message: match state {
-            CellState::Failed => failed_to_run.map(str::to_owned),
-            CellState::Interrupted => record.message,
+            CellState::Failed => failed_to_run.map(redact_flags),
+            CellState::Interrupted => record.message.as_deref().map(redact_flags),
             _ => None,
         },
     })
@@ -267,10 +437,12 @@ pub struct CellReport {
     pub ttft_p50_ms: Option<f64>,
     pub tpot_p50_ms: Option<f64>,
     pub tokens_per_second: Option<f64>,
-    /// The most memory in use at once on the GPUs the cell's run sampled
-    /// (MiB, the whole GPU's: its engine's and whoever else's); `None`
-    /// without GPU telemetry (no `nvidia-smi`, or an engine on another
-    /// host).
+    /// The most GPU memory in use at once during the cell, in MiB: its
+    /// engine's own processes' where the run attributed them, else, at each
+    /// sample, the memory in use summed over the GPUs the cell's run sampled
+    /// (the engine's `gpu:`, every GPU without one: whole GPUs, whoever
+    /// used them), and the peak of that sum. `None` without GPU telemetry
+    /// (no `nvidia-smi`, or an engine on another host).
     pub peak_gpu_memory_mb: Option<u64>,
     /// How long the model's engine took to load for this cell's last
     /// turn, from its process's start to its first health answer (ms).
@@ -406,9 +578,8 @@ pub fn report(store: &mut dyn Store, manifest: &Manifest) -> Result<BenchReport,
             }
             cell.metric = Some(metric);
         }
-        cell.peak_gpu_memory_mb = run
-            .resources
-            .gpu_memory_peak_mb
+        let points = store.resource_points(&run_id, i64::MIN)?;
+        cell.peak_gpu_memory_mb = cell_gpu_memory_peak(&points, &cell.status.plan.model)
             .map(|mb| mb.round().max(0.0) as u64);
         if let Some(endpoint) = run.endpoints.iter().find(|e| e.successes > 0) {
             cell.latency_p50_ms = endpoint.latency_ms.map(|p| p.p50);
@@ -467,6 +638,36 @@ pub fn report(store: &mut dyn Store, manifest: &Manifest) -> Result<BenchReport,
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_message_shows_no_secret_of_the_engine_nor_any_secret_flag_s_value() {
+        assert_eq!(
+            redact_flags("serve m --api-key sk-1 --port 80 --hf-token=hf_2\n--max-tokens 5"),
+            "serve m --api-key *** --port 80 --hf-token=***\n--max-tokens 5"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("q.jsonl"),
+            "{\"id\": \"1\", \"q\": \"a\"}\n",
+        )
+        .unwrap();
+        let file = dir.path().join("bench.yaml");
+        std::fs::write(
+            &file,
+            "name: s\nmodels:\n  - name: a\n    endpoint: {kind: local, model: a, \
+             command: \"serve --port {port} --api-key 'sk-cmd-0001'\", api_key: sk-key-0002}\n\
+             datasets:\n  - name: d\n    dataset: {path: q.jsonl, id_field: id}\n    \
+             task: {messages: [{role: user, content: '{{ q }}'}]}\n",
+        )
+        .unwrap();
+        let bench = crate::config::bench::load_bench(&file).unwrap();
+        let endpoint = &bench.models[0].endpoint;
+        let shown = redact_engine(
+            "args: Namespace(api_key='sk-cmd-0001') key=sk-key-0002 on port 1",
+            endpoint,
+        );
+        assert_eq!(shown, "args: Namespace(api_key='***') key=*** on port 1");
+    }
+
     fn event(at_ms: i64, kind: EventKind, endpoint: &str) -> Event {
         Event {
             at_ms,
@@ -490,6 +691,38 @@ mod tests {
         assert_eq!(last_turn(&events, "b"), Some((40, 150)));
         assert_eq!(last_turn(&events, "c"), None);
         assert_eq!(last_turn(&events[..4], "a"), None, "no ready after it");
+    }
+
+    #[test]
+    fn a_cell_s_gpu_memory_is_summed_over_its_gpus_at_each_sample() {
+        let gpu = |name: &str, at_ms: i64, mb: f64| {
+            ResourcePoint::sample(
+                evalfleet_types::ResourceSeries {
+                    source: ResourceSource::Gpu,
+                    name: name.to_owned(),
+                    metric: ResourceMetric::GpuMemoryMb,
+                },
+                at_ms,
+                mb,
+            )
+        };
+        // A tensor-parallel engine on GPUs 0 and 1, 40 GB each at once.
+        let points = [
+            gpu("0", 10, 1_000.0),
+            gpu("1", 10, 1_000.0),
+            gpu("0", 20, 40_000.0),
+            gpu("1", 20, 40_000.0),
+            gpu("0", 30, 40_000.0),
+            gpu("1", 30, 2_000.0),
+        ];
+        assert_eq!(cell_gpu_memory_peak(&points, "a"), Some(80_000.0));
+        assert_eq!(cell_gpu_memory_peak(&[], "a"), None);
+        // The engine's own processes' memory, where the run attributed it.
+        let mut own = gpu("a", 20, 30_000.0);
+        own.series.source = ResourceSource::Endpoint;
+        let mut with_own = points.to_vec();
+        with_own.push(own);
+        assert_eq!(cell_gpu_memory_peak(&with_own, "a"), Some(30_000.0));
     }
 
     #[test]

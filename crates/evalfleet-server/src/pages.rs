@@ -214,10 +214,7 @@ pub async fn bench(
     State(state): State<Arc<AppState>>,
     Path(name): Path<String>,
 ) -> Result<Html<String>, crate::error::ApiError> {
-    let manifest = crate::api::benches::manifest(&state, &name)?;
-    let report = state
-        .with_store(move |store| Ok(evalfleet_core::bench::report(store, &manifest)?))
-        .await?;
+    let report = crate::api::benches::report(&state, name).await?;
     Ok(Html(bench_html(&report, true)))
 }
 

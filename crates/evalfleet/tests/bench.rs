@@ -307,3 +307,44 @@ async fn an_engine_that_dies_mid_turn_fails_its_cells_at_once_and_leaves_nothing
     assert!(with_arg(&claims).is_empty(), "no supervisor is left");
     assert!(lives(&env, "life-b.log").iter().all(|l| !alive(l.pid)));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_that_holds_a_cell_s_id_but_is_not_that_cell_is_refused_and_left_alone() {
+    let env = Env::new();
+    env.dataset("short.jsonl", 3);
+    env.dataset("long.jsonl", 3);
+    env.write("bench.yaml", &bench_config("0ms"));
+    let first = env.evalfleet(&["bench", "bench.yaml"]).await;
+    assert_eq!(first.code, Some(0), "{}\n{}", first.stdout, first.stderr);
+    let before = finished_at(&mut env.store(), "m-a-short");
+
+    // Another bench file of the same name whose model a is served
+    // otherwise: its cells have the same run ids, not the same runs.
+    env.write("other.yaml", &bench_config("1ms"));
+    let other = env.evalfleet(&["bench", "other.yaml"]).await;
+    assert_eq!(other.code, Some(2), "{}\n{}", other.stdout, other.stderr);
+    assert!(
+        other.stderr.contains(
+            "run m-a-short in the store holds the run id of cell models[0] x datasets[0]"
+        ) && other
+            .stderr
+            .contains("its endpoint differs from model a's in the bench file"),
+        "{}",
+        other.stderr
+    );
+    assert!(lives(&env, "life-a.log").len() == 1, "no engine was loaded");
+
+    // The bench's dataset edited since: its finished cells are not reused.
+    env.dataset("short.jsonl", 4);
+    let edited = env.evalfleet(&["bench", "bench.yaml"]).await;
+    assert_eq!(edited.code, Some(2), "{}\n{}", edited.stdout, edited.stderr);
+    assert!(
+        edited.stderr.contains("run m-a-short in the store")
+            && edited.stderr.contains("the dataset's content changed"),
+        "{}",
+        edited.stderr
+    );
+    let mut store = env.store();
+    assert_eq!(finished_at(&mut store, "m-a-short"), before, "left alone");
+    assert_eq!(store.run("m-a-short").unwrap().sessions, 1);
+}

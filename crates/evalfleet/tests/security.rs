@@ -204,6 +204,9 @@ async fn a_config_sent_over_http_runs_no_command_and_reads_nothing_outside_its_r
     assert_eq!(cancelled.status(), 202);
 }
 
+/// The bench whose report and page [`everything_shown`] reads.
+const BENCH: &str = "sec";
+
 /// Every answer of the API's GET routes about `run_id` and every page of
 /// it, as text.
 async fn everything_shown(
@@ -217,18 +220,13 @@ async fn everything_shown(
         .as_object()
         .unwrap()
         .iter()
-        // A bench's report shows only its cells' states and scores; this
-        // store has no bench (tests/bench.rs reads its routes).
-        .filter(|(path, operations)| {
-            operations.get("get").is_some()
-                && path.as_str() != "/compare"
-                && path.as_str() != "/benches/{name}"
-        })
+        .filter(|(path, operations)| operations.get("get").is_some() && path.as_str() != "/compare")
         .map(|(path, _)| {
             format!(
                 "{base}/api/v1{}",
                 path.replace("{run_id}", run_id)
                     .replace("{item_id}", item_id)
+                    .replace("{name}", BENCH)
             )
         })
         .collect();
@@ -239,6 +237,7 @@ async fn everything_shown(
         format!("/runs/{run_id}/items"),
         format!("/runs/{run_id}/items/{item_id}"),
         format!("/compare?a={run_id}&b={run_id}"),
+        format!("/benches/{BENCH}"),
         "/metrics".to_owned(),
         "/api/openapi.json".to_owned(),
     ] {
@@ -272,6 +271,30 @@ async fn a_run_started_over_http_reads_only_allowed_variables_and_shows_no_secre
         ("EF_ALLOWED_SECRET", allowed),
         ("EF_OTHER_SECRET", other),
     ];
+    // A bench whose engine fails after printing its command line, with
+    // the key it was given, and its arguments: the failed cell's message
+    // carries the engine's last lines.
+    env.dataset("b.jsonl", 2);
+    env.write(
+        "bench.yaml",
+        &format!(
+            "name: {BENCH}\nmodels:\n  - name: a\n    endpoint:\n      kind: local\n      model: a\n      \
+             api_key: {allowed}\n      \
+             command: \"echo serve a --api-key {other} >&2; echo \\\"args: api_key='{allowed}'\\\" >&2; exit 3\"\n\
+             datasets:\n  - name: d\n    dataset: {{path: b.jsonl, id_field: id}}\n    \
+             task: {{messages: [{{role: user, content: '{{{{ question }}}}'}}]}}\n"
+        ),
+    );
+    let bench = env.evalfleet(&["bench", "bench.yaml"]).await;
+    assert_eq!(bench.code, Some(1), "{}\n{}", bench.stdout, bench.stderr);
+    assert!(
+        bench.stderr.contains("serve a --api-key ***"),
+        "{}",
+        bench.stderr
+    );
+    for secret in [allowed, other] {
+        assert!(!bench.stderr.contains(secret), "{}", bench.stderr);
+    }
     let (_server, base) = serve_with(&env, &["--allow-env", "EF_ALLOWED_SECRET"], &vars).await;
     let good = config(&env, 4, "1ms", 2, ", api_key: \"${EF_ALLOWED_SECRET}\"");
     let refused = [
@@ -295,6 +318,15 @@ async fn a_run_started_over_http_reads_only_allowed_variables_and_shows_no_secre
     assert_eq!(run["counts"]["done"], 4, "{run}");
     let shown = everything_shown(&base, key, "r", "item-00000").await;
     assert!(shown.len() >= 15, "{}", shown.len());
+    let bench_page = shown
+        .iter()
+        .find(|(url, _)| url.ends_with(&format!("/benches/{BENCH}")))
+        .unwrap();
+    assert!(
+        bench_page.1.contains("serve a --api-key ***"),
+        "the failed cell's message is shown, masked: {}",
+        bench_page.1
+    );
     for (url, body) in &shown {
         for secret in [key, allowed, other] {
             assert!(!body.contains(secret), "{url} shows a secret: {body}");

@@ -21,9 +21,12 @@ use super::{ConfigError, EndpointConfig, LoadedConfig, Overrides, Problem, path,
 /// A benchmark matrix (`evalfleet bench CONFIG`): every model of `models`
 /// answers every dataset of `datasets` (at every point of `sweep`), one
 /// model's engine at a time. Each cell is an ordinary run in the store,
-/// with the id `NAME-MODEL-DATASET` (`-cN` added with a sweep). Paths are
-/// relative to the file; `${VAR}` reads the environment, as in a run's
-/// config.
+/// with the id `NAME-MODEL-DATASET` (`-cN` added with a sweep). Two cells
+/// whose ids would be the same (models `qwen2-vl` and `qwen2` on datasets
+/// `docs` and `vl-docs`) are an error naming both; a stored run that holds
+/// a cell's id but was made from another config is refused, not reused.
+/// Paths are relative to the file; `${VAR}` reads the environment, as in a
+/// run's config.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 pub struct RawBench {
     /// The matrix's name: letters, digits, `-`, `_` and `.`; each cell's
@@ -146,6 +149,8 @@ pub struct BenchModel {
 #[derive(Debug, Clone)]
 pub struct BenchCell {
     pub run_id: String,
+    /// Where it comes from in the bench file (`models[0] x datasets[1]`).
+    pub place: String,
     pub model: String,
     pub dataset: String,
     /// The sweep's concurrency limit, if any.
@@ -404,6 +409,8 @@ fn bench(document: &Document, dir: &Path, origin: String) -> Result<BenchConfig,
     };
     let mut located: Vec<Problem> = Vec::new();
     let mut out_models = Vec::new();
+    // Each cell's run id, and where its cell is: two cells may not share one.
+    let mut ids: HashMap<String, String> = HashMap::new();
     for model in &models {
         let model_at = path::index("models", model.index);
         let mut cells = Vec::new();
@@ -412,9 +419,21 @@ fn bench(document: &Document, dir: &Path, origin: String) -> Result<BenchConfig,
             let dataset_at = path::index("datasets", dataset.index);
             for (k, point) in points.iter().enumerate() {
                 let mut run_id = format!("{name}-{}-{}", model.name, dataset.name);
+                let mut place = format!("{model_at} x {dataset_at}");
                 if let Some(n) = point {
                     run_id.push_str(&format!("-c{n}"));
+                    place.push_str(&format!(" x sweep.concurrency[{k}]"));
                 }
+                if let Some(first) = ids.get(&run_id) {
+                    located.push(Problem {
+                        line: document.line_of(&path::key(&model_at, "name")),
+                        message: format!(
+                            "{model_at}.name: the cells {first} and {place} would both be run {run_id}; rename a model or a dataset"
+                        ),
+                    });
+                    continue;
+                }
+                ids.insert(run_id.clone(), place.clone());
                 let (cell, origins) = cell_document(
                     document,
                     &root,
@@ -438,6 +457,7 @@ fn bench(document: &Document, dir: &Path, origin: String) -> Result<BenchConfig,
                         endpoint.get_or_insert_with(|| loaded.config.endpoints[0].clone());
                         cells.push(BenchCell {
                             run_id,
+                            place,
                             model: model.name.clone(),
                             dataset: dataset.name.clone(),
                             concurrency: *point,
@@ -677,6 +697,29 @@ sweep: {concurrency: [1, 4]}
         let text = err.to_string();
         assert!(text.contains(":1: name: 'm x' must be letters"), "{text}");
         assert!(text.contains(":2: config: unknown key 'colour'"), "{text}");
+        let err = load(&GOOD.replace("name: big", "name: small")).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("models[1].name: 'small' is already the name of models[0]"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn two_cells_that_would_share_a_run_id_are_refused_naming_both() {
+        // small x qa-x and small-qa x x are both m-small-qa-x.
+        let text = GOOD
+            .replace("name: big", "name: small-qa")
+            .replace("  - name: qa\n", "  - name: qa-x\n")
+            + "  - name: x\n    dataset: {path: q.jsonl, id_field: id}\n    task:\n      messages: [{role: user, content: '{{ q }}'}]\n";
+        let text = text.replace("sweep: {concurrency: [1, 4]}\n", "");
+        let err = load(&text).unwrap_err();
+        assert!(
+            err.to_string().contains(
+                "models[1].name: the cells models[0] x datasets[0] and models[1] x datasets[1] would both be run m-small-qa-x"
+            ),
+            "{err}"
+        );
         let err = load(&GOOD.replace("name: big", "name: small")).unwrap_err();
         assert!(
             err.to_string()

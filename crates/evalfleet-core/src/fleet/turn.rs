@@ -35,7 +35,9 @@ pub struct EngineTurn {
     grace: Duration,
     /// The GPUs it was given (`CUDA_VISIBLE_DEVICES`), if any.
     gpu: Option<String>,
-    /// Memory in use on each of its GPUs before it started (index, MB).
+    /// Memory in use on each of its GPUs (every GPU when it was given
+    /// none) before it started (index, MB); empty where `nvidia-smi` did
+    /// not answer.
     before: Vec<(u32, u64)>,
     /// Its OpenAI API, `http://127.0.0.1:PORT/v1`.
     pub base_url: String,
@@ -59,10 +61,14 @@ pub struct Released {
     pub clean: bool,
 }
 
-/// Memory in use on each GPU of `devices` (`"0"`, `"0,1"`).
-fn memory_of(report: &GpuReport, devices: &str) -> Vec<(u32, u64)> {
+/// Memory in use on each GPU of `devices` (`"0"`, `"0,1"`), or on every
+/// GPU with `None` (an engine given no GPU may use any).
+fn memory_of(report: &GpuReport, devices: Option<&str>) -> Vec<(u32, u64)> {
     let GpuReport::Gpus { gpus, .. } = report else {
         return Vec::new();
+    };
+    let Some(devices) = devices else {
+        return gpus.iter().map(|g| (g.index, g.memory_used_mb)).collect();
     };
     devices
         .split(',')
@@ -132,10 +138,7 @@ impl EngineTurn {
             EndpointKind::Local(engine) => engine.gpu.clone(),
             _ => None,
         };
-        let before = match &gpu {
-            Some(devices) => memory_of(&gpu::report().await, devices),
-            None => Vec::new(),
-        };
+        let before = memory_of(&gpu::report().await, gpu.as_deref());
         let endpoint = Endpoint::new(config, Duration::from_secs(10));
         let spawned_at_ms = now_ms();
         let mut running = launch(launcher, &endpoint, port).await?;
@@ -176,21 +179,24 @@ impl EngineTurn {
 
     /// Unloads the engine: its whole process group is ended (SIGTERM, then
     /// SIGKILL after its grace) and waited for; then, where `nvidia-smi`
-    /// answers, its GPUs are read until their memory is back near what it
-    /// was before the engine started and its process is gone from them, up
-    /// to `deadline`.
+    /// answers, its GPUs (every GPU when it was given none) are read until
+    /// their memory is back near what it was before the engine started and
+    /// its process is gone from them, up to `deadline`.
     pub async fn unload(self, deadline: Duration) -> Released {
         let stopping_at_ms = now_ms();
         let pid = self.running.process.pid;
         self.running.process.stop(self.grace).await;
-        let Some(devices) = self.gpu.filter(|_| !self.before.is_empty()) else {
+        if self.before.is_empty() {
             return Released {
                 stopping_at_ms,
                 released_at_ms: now_ms(),
                 note: "its process group has exited".to_owned(),
                 clean: true,
             };
-        };
+        }
+        let devices = self
+            .gpu
+            .map_or_else(|| "every GPU".to_owned(), |d| format!("GPU {d}"));
         let until = Instant::now() + deadline;
         loop {
             let report = gpu::report().await;
@@ -207,7 +213,7 @@ impl EngineTurn {
                     return Released {
                         stopping_at_ms,
                         released_at_ms: now_ms(),
-                        note: format!("its process group has exited and GPU {devices} is free"),
+                        note: format!("its process group has exited and {devices} is free"),
                         clean: true,
                     };
                 }
@@ -257,7 +263,7 @@ mod tests {
 
     #[test]
     fn memory_counts_as_released_near_its_level_before_and_without_the_engine_s_process() {
-        let before = memory_of(&report(500, &[]), "0");
+        let before = memory_of(&report(500, &[]), Some("0"));
         assert_eq!(before, [(0, 500)]);
         let held = still_held(&report(70_000, &[42]), &before, Some(42)).unwrap();
         assert!(
@@ -272,5 +278,21 @@ mod tests {
             still_held(&GpuReport::Unavailable("no".to_owned()), &before, Some(42)),
             None
         );
+    }
+
+    #[test]
+    fn an_engine_given_no_gpu_is_waited_for_on_every_gpu() {
+        let mut two = report(500, &[]);
+        if let GpuReport::Gpus { gpus, .. } = &mut two {
+            let mut second = gpus[0].clone();
+            second.index = 1;
+            second.uuid = "GPU-b".to_owned();
+            second.memory_used_mb = 900;
+            gpus.push(second);
+        }
+        assert_eq!(memory_of(&two, None), [(0, 500), (1, 900)]);
+        assert_eq!(memory_of(&two, Some("1")), [(1, 900)]);
+        let before = memory_of(&two, None);
+        assert!(still_held(&report(40_000, &[42]), &before, Some(42)).is_some());
     }
 }

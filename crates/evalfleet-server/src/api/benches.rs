@@ -11,17 +11,24 @@ use crate::error::{ApiError, ErrorBody};
 use crate::extract::Path;
 use crate::state::AppState;
 
-/// The plan of bench `name`, read from beside the store.
-pub(crate) fn manifest(state: &AppState, name: &str) -> Result<Manifest, ApiError> {
-    let Some(dir) = &state.bench_dir else {
+/// The report of bench `name`, its plan read from beside the store; the
+/// files and the store are read off the async threads.
+pub(crate) async fn report(state: &Arc<AppState>, name: String) -> Result<BenchReport, ApiError> {
+    let Some(dir) = state.bench_dir.clone() else {
         return Err(ApiError::NotFound(
             "this server shows no benches".to_owned(),
         ));
     };
-    if !bench::is_bench_name(name) {
+    if !bench::is_bench_name(&name) {
         return Err(ApiError::NotFound(format!("no bench '{name}'")));
     }
-    Manifest::read(dir, name).map_err(|_| ApiError::NotFound(format!("no bench '{name}'")))
+    state
+        .with_store(move |store| {
+            let manifest = Manifest::read(&dir, &name)
+                .map_err(|_| ApiError::NotFound(format!("no bench '{name}'")))?;
+            Ok(bench::report(store, &manifest)?)
+        })
+        .await
 }
 
 /// The benchmark matrices kept beside the store, by name.
@@ -56,9 +63,5 @@ pub async fn get(
     State(state): State<Arc<AppState>>,
     Path(name): Path<String>,
 ) -> Result<Json<BenchReport>, ApiError> {
-    let manifest = manifest(&state, &name)?;
-    state
-        .with_store(move |store| Ok(bench::report(store, &manifest)?))
-        .await
-        .map(Json)
+    report(&state, name).await.map(Json)
 }

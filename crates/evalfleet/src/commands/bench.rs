@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use evalfleet_core::bench::{self, BenchReport, CELL_FAILED, CellState, CellStatus, Manifest};
-use evalfleet_core::config::bench::{BenchCell, BenchModel, load_bench};
+use evalfleet_core::config::bench::{BenchCell, BenchConfig, BenchModel, load_bench};
 use evalfleet_core::config::{Config, EndpointConfig, EndpointKind, GpuSelection};
 use evalfleet_core::fleet::engine::Launcher;
 use evalfleet_core::fleet::runtime::GpuPolicy;
@@ -58,6 +58,7 @@ async fn run_bench(file: &Path, store: Option<PathBuf>, yes: bool) -> anyhow::Re
     let dir = location.dir();
     std::fs::create_dir_all(&dir)
         .with_context(|| format!("cannot make the store's folder {}", dir.display()))?;
+    check_cells_runs(&location, &bench)?;
     Manifest::of(&bench)
         .write(&dir)
         .with_context(|| format!("cannot write the bench's plan beside {location}"))?;
@@ -168,11 +169,15 @@ async fn model_turn(
             }
             Err(_) if stop.is_cancelled() => return Ok(()),
             Err(why) => {
-                let why = format!("the engine of model {} did not start: {why}", model.name);
+                let why = bench::redact_engine(
+                    &format!("the engine of model {} did not start: {why}", model.name),
+                    &model.endpoint,
+                );
                 ui::note(&format!("{why}; its cells are marked failed."));
                 for cell in &todo {
-                    fail_cell(location, cell, &why)?;
-                    tally.failed += 1;
+                    if fail_cell(location, cell, &why)? {
+                        tally.failed += 1;
+                    }
                 }
                 return Ok(());
             }
@@ -206,10 +211,12 @@ async fn model_turn(
         };
         ran.push(&cell.run_id);
         if let Some(why) = died {
+            let why = bench::redact_engine(&why, &model.endpoint);
             ui::note(&format!("{why}; its unfinished cells are marked failed."));
             for left in todo.iter().skip(ran.len() - 1) {
-                fail_cell(location, left, &why)?;
-                tally.failed += 1;
+                if fail_cell(location, left, &why)? {
+                    tally.failed += 1;
+                }
             }
             break;
         }
@@ -253,6 +260,28 @@ async fn model_turn(
         }
     }
     Ok(())
+}
+
+/// Refuses the bench, before any engine is loaded or any run touched, when
+/// a run that holds a cell's run id is not that cell's run (another bench's,
+/// one given the id by hand, or made from this file before it was edited).
+fn check_cells_runs(location: &Location, bench: &BenchConfig) -> anyhow::Result<()> {
+    if !location.exists() {
+        return Ok(());
+    }
+    let mut store = evalfleet_store::open(location, &OpenOptions::default())?;
+    let mut refused = Vec::new();
+    for cell in bench.cells() {
+        if let Some(record) = stored_run(&mut *store, &cell.run_id)?
+            && let Err(why) = tokio::task::block_in_place(|| bench::check_cell_run(&record, cell))
+        {
+            refused.push(why);
+        }
+    }
+    if refused.is_empty() {
+        return Ok(());
+    }
+    Err(UsageError(format!("bench {}: {}", bench.name, refused.join("\n"))).into())
 }
 
 /// The store, made when it does not exist yet.
@@ -421,14 +450,20 @@ async fn run_cell(
 
 /// Marks a cell failed with `why`: its run is created when it has none
 /// (its items registered, none answered), and left interrupted with the
-/// reason, so that running the bench again tries it again.
-fn fail_cell(location: &Location, cell: &BenchCell, why: &str) -> anyhow::Result<()> {
+/// reason, so that running the bench again tries it again. A cell whose
+/// run has finished (its last item ended as its engine exited) is left
+/// finished; false then.
+fn fail_cell(location: &Location, cell: &BenchCell, why: &str) -> anyhow::Result<bool> {
     let mut store = open_or_create(location)?;
-    if stored_run(&mut *store, &cell.run_id)?.is_none() {
-        let templates = checked_templates(&cell.loaded)?;
-        tokio::task::block_in_place(|| {
-            run::create(&mut *store, &cell.loaded, &templates, &cell.run_id)
-        })?;
+    match stored_run(&mut *store, &cell.run_id)? {
+        Some(record) if record.status == RunStatus::Finished => return Ok(false),
+        Some(_) => {}
+        None => {
+            let templates = checked_templates(&cell.loaded)?;
+            tokio::task::block_in_place(|| {
+                run::create(&mut *store, &cell.loaded, &templates, &cell.run_id)
+            })?;
+        }
     }
     let message = format!("{CELL_FAILED}{why}");
     store.set_status(&cell.run_id, RunStatus::Interrupted, Some(&message))?;
@@ -441,7 +476,7 @@ fn fail_cell(location: &Location, cell: &BenchCell, why: &str) -> anyhow::Result
             message,
         }],
     )?;
-    Ok(())
+    Ok(true)
 }
 
 /// First SIGINT or SIGTERM: the running cell stops taking items and the
@@ -668,7 +703,7 @@ fn print_report(report: &BenchReport) {
     }
     if let Some(metric) = report.cells.iter().find_map(|c| c.metric.as_deref()) {
         println!(
-            "headline: each dataset's first metric (here {metric}); GPU MB: the most GPU memory in use during the cell (telemetry)"
+            "headline: each dataset's first metric (here {metric}); GPU MB: the peak of the GPU memory in use summed over the cell's sampled GPUs (its engine's own where attributed; telemetry)"
         );
     }
     for h in &report.handovers {
