@@ -1,7 +1,7 @@
 #!/bin/sh
 # The bench's engine turns on a real GPU: two models on GPU 0, each engine a
-# mock that holds GPU memory (a PyTorch allocation in its process group,
-# where PyTorch is installed), run in turn by `evalfleet bench`. The bench
+# mock that first holds 8 GiB of GPU memory in its process group (through
+# the CUDA driver API, tools/gpu-hold.py), run in turn by `evalfleet bench`. The bench
 # must start the second engine only once the first one's memory is back.
 #
 #   sh bench/gpu_turns.sh BIN OUTDIR
@@ -10,15 +10,13 @@
 # memory every 200 ms) and OUTDIR/life-*.log (each mock's own start and exit).
 set -u
 BIN=$(realpath "$1"); OUT=$(realpath "$2"); mkdir -p "$OUT"
+HOLD=$(realpath "$(dirname "$0")/../tools/gpu-hold.py")
 WORK=$(mktemp -d); cd "$WORK" || exit 1
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv > "$OUT/gpus.txt" 2>&1
-if python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
-  HOG='python3 -c "import torch,time; x=torch.empty(8<<30,dtype=torch.uint8,device=\"cuda\"); x.fill_(1); torch.cuda.synchronize(); time.sleep(1e6)" &'
-  echo "torch: yes (each engine holds 8 GiB)" > "$OUT/hog.txt"
-else
-  HOG=''
-  echo "torch: no (the engines hold no GPU memory; nvidia-smi is still read)" > "$OUT/hog.txt"
-fi
+# Each engine first holds 8 GiB of GPU 0 through the CUDA driver API (as a
+# model's weights would), and only then starts answering.
+HOG="python3 $HOLD 8192 1e6 > hold-MODEL.log 2>&1 & for i in \$(seq 400); do grep -q holding hold-MODEL.log && break; sleep 0.05; done;"
+echo "each engine holds 8 GiB of GPU 0 (tools/gpu-hold.py) before it answers" > "$OUT/hog.txt"
 python3 - <<'PY'
 import json
 with open("items.jsonl", "w") as f:
@@ -33,7 +31,7 @@ for m in a b; do
       model: $m
       gpu: "0"
       gpu_memory_threshold_mb: 4096
-      command: '$HOG exec $BIN mock --bind 127.0.0.1:{port} --latency 20ms --life-log $OUT/life-$m.log'
+      command: '$(echo "$HOG" | sed "s/MODEL/$m/g") exec $BIN mock --bind 127.0.0.1:{port} --latency 20ms --life-log $OUT/life-$m.log'
       concurrency: 16
       stop_grace: 10s
       startup_timeout: 120s

@@ -11,7 +11,7 @@ set -eu
 bin=$(realpath "${1:-target/release/evalfleet}")
 work=$(mktemp -d)
 holder=
-trap 'status=$?; kill $holder 2>/dev/null; wait $holder 2>/dev/null; exit $status' EXIT
+trap 'status=$?; kill $holder 2>/dev/null; wait $holder 2>/dev/null || true; exit $status' EXIT
 python3 "$(dirname "$0")/gpu-hold.py" 2048 60 > "$work/hold.log" 2>&1 &
 holder=$!
 for _ in $(seq 1 80); do grep -q holding "$work/hold.log" && break; sleep 0.25; done
