@@ -433,11 +433,17 @@ async fn the_live_page_of_a_running_run_holds_its_memory_for_minutes() {
         "the JS heap grew by {} bytes: {seen:?}",
         after.2 - before.2
     );
+    // Six charts: items, latency, TTFT, the limit, and the resources'
+    // memory and share; each fed in place keeps its one canvas.
     assert_eq!(
         browser
-            .eval("return document.querySelectorAll('canvas').length;")
+            .eval(
+                "return [document.querySelectorAll('canvas').length,
+                         document.querySelectorAll('.chart').length,
+                         document.querySelectorAll('.chart canvas').length];"
+            )
             .await,
-        json!(4),
+        json!([6, 6, 6]),
         "one canvas a chart"
     );
     let stopped = client()
