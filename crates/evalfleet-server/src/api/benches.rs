@@ -38,7 +38,9 @@ pub(crate) async fn report(state: &Arc<AppState>, name: String) -> Result<BenchR
     tag = "benches",
     responses((status = 200, description = "Their names", body = Vec<String>))
 )]
-pub async fn list(State(state): State<Arc<AppState>>) -> Result<Json<Vec<String>>, ApiError> {
+pub async fn list_benches(
+    State(state): State<Arc<AppState>>,
+) -> Result<Json<Vec<String>>, ApiError> {
     let dir = state.bench_dir.clone();
     state
         .blocking(move || Ok(dir.map(|dir| Manifest::list(&dir)).unwrap_or_default()))
@@ -59,7 +61,7 @@ pub async fn list(State(state): State<Arc<AppState>>) -> Result<Json<Vec<String>
         (status = 404, description = "No such bench", body = ErrorBody),
     )
 )]
-pub async fn get(
+pub async fn get_bench(
     State(state): State<Arc<AppState>>,
     Path(name): Path<String>,
 ) -> Result<Json<BenchReport>, ApiError> {
