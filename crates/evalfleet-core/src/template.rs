@@ -276,28 +276,7 @@ impl Templates {
     /// The messages for one item, as text: an image part is shown as
     /// `[image: SOURCE]` (see [`Self::render_parts`] for what is sent).
     pub fn render(&self, row: &Row) -> Result<Vec<Message>, String> {
-        let rendered = self.render_parts(row)?;
-        let mut out = Vec::with_capacity(rendered.len());
-        for message in rendered {
-            let mut content = String::new();
-            for part in message.parts {
-                match part {
-                    RenderedPart::Text(text) => content.push_str(&text),
-                    RenderedPart::Images { values, .. } => {
-                        for value in values {
-                            let shown =
-                                crate::images::Source::of(&value, std::path::Path::new("")).shown();
-                            content.push_str(&format!("[image: {shown}]"));
-                        }
-                    }
-                }
-            }
-            out.push(Message {
-                role: message.role,
-                content,
-            });
-        }
-        Ok(out)
+        Ok(as_text(self.render_parts(row)?))
     }
 
     /// The messages for one item, each image part with the values it gives
@@ -358,34 +337,42 @@ impl Templates {
         Ok(out)
     }
 
-    /// The messages for one item as a JSON array, ready to embed in requests.
-    pub fn render_json(&self, row: &Row) -> Result<Box<RawValue>, String> {
-        self.render_prompt(row).map(|r| r.messages)
-    }
-
-    /// The messages for one item as a JSON array, with the prompt chosen.
+    /// The messages for one item as a JSON array of text messages (a task
+    /// without images), with the prompt chosen.
     pub fn render_prompt(&self, row: &Row) -> Result<Rendered, String> {
-        let prompt = self.choose(row)?;
-        let messages: Vec<Message> = self
-            .render_list(prompt, row)?
-            .into_iter()
-            .map(|m| Message {
-                role: m.role,
-                content: m
-                    .parts
-                    .into_iter()
-                    .map(|part| match part {
-                        RenderedPart::Text(text) => text,
-                        RenderedPart::Images { .. } => String::new(),
-                    })
-                    .collect(),
-            })
-            .collect();
+        let (prompt, messages) = self.render_parts_prompt(row)?;
         Ok(Rendered {
-            prompt: self.has_rules.then(|| prompt.name.clone()),
-            messages: serde_json::value::to_raw_value(&messages).map_err(|err| err.to_string())?,
+            prompt,
+            messages: serde_json::value::to_raw_value(&as_text(messages))
+                .map_err(|err| err.to_string())?,
         })
     }
+}
+
+/// Rendered messages as text, an image part shown as `[image: SOURCE]`.
+fn as_text(rendered: Vec<RenderedMessage>) -> Vec<Message> {
+    rendered
+        .into_iter()
+        .map(|message| {
+            let mut content = String::new();
+            for part in message.parts {
+                match part {
+                    RenderedPart::Text(text) => content.push_str(&text),
+                    RenderedPart::Images { values, .. } => {
+                        for value in values {
+                            let shown =
+                                crate::images::Source::of(&value, std::path::Path::new("")).shown();
+                            content.push_str(&format!("[image: {shown}]"));
+                        }
+                    }
+                }
+            }
+            Message {
+                role: message.role,
+                content,
+            }
+        })
+        .collect()
 }
 
 /// Compiles the message list at `at` into `env`, adding the fields its
@@ -523,7 +510,7 @@ mod tests {
     use super::*;
     use crate::config::MessageTemplate;
 
-    fn task(contents: &[&str]) -> TaskConfig {
+    pub(super) fn task(contents: &[&str]) -> TaskConfig {
         TaskConfig {
             prompts: Vec::new(),
             messages: contents
@@ -621,7 +608,10 @@ mod tests {
     #[test]
     fn json_output_escapes_content() {
         let t = Templates::compile(&task(&["{{ q }}"])).unwrap();
-        let json = t.render_json(&row(r#"{"q": "say \"hi\"\n"}"#)).unwrap();
+        let json = t
+            .render_prompt(&row(r#"{"q": "say \"hi\"\n"}"#))
+            .unwrap()
+            .messages;
         assert_eq!(json.get(), r#"[{"role":"user","content":"say \"hi\"\n"}]"#);
     }
 }
@@ -656,13 +646,7 @@ mod rule_tests {
                 rule("invoices", Some("invoice"), true, "INVOICE {{ q }}"),
                 rule("forms", Some("form"), true, "FORM {{ q }} {{ box }}"),
             ],
-            messages: vec![MessageTemplate::text("user", "DEFAULT {{ q }}")],
-            images: Default::default(),
-            params: Default::default(),
-            stream: false,
-            samples: 1,
-            kind: crate::config::TaskKind::Chat,
-            eval: Default::default(),
+            ..super::tests::task(&["DEFAULT {{ q }}"])
         };
         let t = Templates::compile(&task).unwrap();
         let row = |json: &str| serde_json::from_str::<Row>(json).unwrap();

@@ -284,12 +284,7 @@ async fn an_engine_that_dies_mid_turn_fails_its_cells_at_once_and_leaves_nothing
     })
     .await;
     let engine = lives(&env, "life-a.log")[0].pid;
-    let killed = tokio::process::Command::new("kill")
-        .args(["-KILL", &engine.to_string()])
-        .status()
-        .await
-        .unwrap();
-    assert!(killed.success());
+    crate::util::signal_pid(engine, "KILL").await;
     // Without a watch on the engine the cell would wait for
     // `timeouts.no_endpoint` (10 minutes).
     let code = tokio::time::timeout(ms(120_000), bench.wait())

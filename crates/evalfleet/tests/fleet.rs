@@ -315,12 +315,7 @@ async fn a_local_engine_killed_from_outside_is_restarted_and_stopped_at_the_end(
     .await;
     let first = engine_pids(&env, "e")[0];
     assert!(alive(first));
-    let killed = Command::new("kill")
-        .args(["-KILL", &first.to_string()])
-        .status()
-        .await
-        .unwrap();
-    assert!(killed.success());
+    crate::util::signal_pid(first, "KILL").await;
     wait_until(ms(30_000), "a second engine is started", || {
         engine_pids(&env, "e").len() >= 2
     })
@@ -547,12 +542,7 @@ async fn items_cut_by_their_engine_s_death_are_failed_and_counted_in_no_mean() {
     let run = env.spawn(&["run", "run.yaml", "-q", "--run-id", "c"]);
     let engine = serving(&env, "c", &mark, 12).await;
     for pid in &engine {
-        let killed = Command::new("kill")
-            .args(["-KILL", &pid.to_string()])
-            .status()
-            .await
-            .unwrap();
-        assert!(killed.success());
+        crate::util::signal_pid(*pid, "KILL").await;
     }
     let ran: crate::util::Ran = run.wait_with_output().await.unwrap().into();
     assert_eq!(ran.code, Some(1), "failed items: {}", ran.stderr);

@@ -333,12 +333,7 @@ async fn a_remote_engine_runs_over_real_ssh_in_tmux_keeps_its_output_and_is_rest
     assert!(environ.contains("CUDA_VISIBLE_DEVICES=1"), "{environ}");
     assert!(sshd.has_session(SESSION));
     for pid in &first {
-        let killed = Command::new("kill")
-            .args(["-KILL", &pid.to_string()])
-            .status()
-            .await
-            .unwrap();
-        assert!(killed.success());
+        crate::util::signal_pid(*pid, "KILL").await;
     }
     let status = run.wait().await.unwrap();
     assert_eq!(status.code(), Some(0));

@@ -244,9 +244,13 @@ pub fn by_id(rows: &[Value]) -> BTreeMap<String, Value> {
 
 /// Sends a signal to a child with the system's `kill`.
 pub async fn signal(child: &Child, name: &str) {
-    let pid = child.id().expect("the child is running").to_string();
+    signal_pid(child.id().expect("the child is running"), name).await;
+}
+
+/// Sends a signal to the process `pid` with the system's `kill`.
+pub async fn signal_pid(pid: u32, name: &str) {
     let status = Command::new("kill")
-        .args([&format!("-{name}"), &pid])
+        .args([&format!("-{name}"), &pid.to_string()])
         .status()
         .await
         .expect("kill runs");
