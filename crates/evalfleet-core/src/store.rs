@@ -261,11 +261,17 @@ pub struct Batch {
     pub attempts: Vec<(ClaimId, AttemptRecord)>,
     pub results: Vec<(ClaimId, ResultRecord)>,
     pub cache: Vec<CacheEntry>,
+    /// Calls agents made through the gateway (`kind: exec`), stored with
+    /// the attempts that made them and refused with them.
+    pub calls: Vec<(ClaimId, evalfleet_types::AgentCall)>,
 }
 
 impl Batch {
     pub fn is_empty(&self) -> bool {
-        self.attempts.is_empty() && self.results.is_empty() && self.cache.is_empty()
+        self.attempts.is_empty()
+            && self.results.is_empty()
+            && self.cache.is_empty()
+            && self.calls.is_empty()
     }
 }
 

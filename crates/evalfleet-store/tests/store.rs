@@ -194,6 +194,7 @@ fn the_cache_answers_by_key_honours_age_and_evicts_the_oldest() {
                 attempts: vec![],
                 results: vec![],
                 cache: entries.clone(),
+                calls: vec![],
             },
         )
         .unwrap();
@@ -309,6 +310,7 @@ fn commits_are_exactly_once_and_counters_match_a_recount() {
             (claim, result(3, "b", ItemStatus::Failed)),
         ],
         cache: vec![],
+        calls: vec![],
     };
     store.commit("r", "w", &batch).unwrap();
     assert_eq!(
@@ -329,6 +331,7 @@ fn commits_are_exactly_once_and_counters_match_a_recount() {
             (claim, result(1, "a", ItemStatus::Done)),
         ],
         cache: vec![cache_entry("k-again", 1)],
+        calls: vec![],
     };
     assert!(matches!(
         store.commit("r", "w", &again),
@@ -447,6 +450,7 @@ fn a_claim_is_exclusive_while_its_lease_lasts_and_a_commit_under_a_lost_lease_is
         attempts: vec![(b.id, attempt(3, 1))],
         results: vec![(b.id, result(3, "c", ItemStatus::Done))],
         cache: vec![],
+        calls: vec![],
     };
     let refused = second.commit("r", "two", &late).unwrap();
     assert_eq!((refused.results, refused.refused), (0, vec![3]));
@@ -457,6 +461,7 @@ fn a_claim_is_exclusive_while_its_lease_lasts_and_a_commit_under_a_lost_lease_is
             (taken.id, result(3, "c", ItemStatus::Done)),
         ],
         cache: vec![],
+        calls: vec![],
     };
     assert_eq!(first.commit("r", "one", &on_time).unwrap().results, 2);
     assert_eq!(first.counts("r").unwrap(), recount(&path, "r"));
@@ -489,6 +494,7 @@ fn a_claim_is_exclusive_while_its_lease_lasts_and_a_commit_under_a_lost_lease_is
             (rest.id, result(4, "d", ItemStatus::Failed)),
         ],
         cache: vec![],
+        calls: vec![],
     };
     assert_eq!(second.commit("r", "two", &last).unwrap().results, 2);
     assert_eq!(
@@ -514,6 +520,7 @@ fn an_item_claimed_again_numbers_its_next_attempt_above_every_stored_one() {
         attempts: vec![(claim, attempt(1, 2)), (claim, attempt(2, 1))],
         results: vec![],
         cache: vec![],
+        calls: vec![],
     };
     store.commit("r", "one", &batch).unwrap();
     store.release("r", "one").unwrap();
@@ -546,6 +553,7 @@ fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
                 attempts: vec![(claim, attempt(1, 1))],
                 results: vec![(claim, result(1, "a", ItemStatus::Done))],
                 cache: vec![],
+                calls: vec![],
             },
         )
         .unwrap();
@@ -609,6 +617,7 @@ fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
                 attempts: vec![],
                 results: vec![(claim, result(2, "b", ItemStatus::Done))],
                 cache: vec![cache_entry("k", 1)],
+                calls: vec![],
             },
         )
         .unwrap();
@@ -858,6 +867,7 @@ fn a_runs_generation_changes_with_its_results_and_kept_reports_are_replaced() {
             (claim, result(4, "b", ItemStatus::Failed)),
         ],
         cache: vec![],
+        calls: vec![],
     };
     store.commit("r", "w", &batch).unwrap();
     let g2 = generation(&mut store);

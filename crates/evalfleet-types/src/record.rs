@@ -86,6 +86,54 @@ pub struct AttemptRecord {
     pub error: Option<String>,
 }
 
+/// One call an agent made through the gateway under an item's address
+/// (`kind: exec`): what it asked, what it got, and what was measured. An
+/// item's calls are stored with the attempt of the agent that made them,
+/// in the order they were made.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct AgentCall {
+    /// The item's `seq`.
+    pub seq: u64,
+    /// The item's attempt (one run of the agent) that made it.
+    pub attempt: u32,
+    /// 1-based, in the order the calls were made within the attempt.
+    pub index: u32,
+    /// Unique in the run: `<seq>.<attempt>.<index>`, also sent back to the
+    /// agent in the `x-evalfleet-call-id` header.
+    pub call_id: String,
+    /// The API called: `chat.completions`, `completions`, `responses`,
+    /// `embeddings` or `models`.
+    pub api: String,
+    /// The model name the agent asked for (before aliases).
+    pub asked_model: String,
+    pub sent_at_ms: i64,
+    /// The endpoint that answered (empty when none did), its model,
+    /// latency, TTFT, TPOT and tokens.
+    #[serde(flatten)]
+    pub telemetry: Telemetry,
+    pub stream: bool,
+    /// Answered from the response cache (no endpoint was called).
+    pub cached: bool,
+    /// The status the agent got.
+    pub http_status: u16,
+    pub error_class: Option<ErrorClass>,
+    pub error: Option<String>,
+    /// The request body as the agent sent it (JSON text; cut to
+    /// `BODY_KEPT` bytes, then not valid JSON: `request_cut` says so).
+    pub request: String,
+    pub request_cut: bool,
+    /// What the agent got: for a chat completion the assistant's message
+    /// (content and tool calls), assembled from a stream; else the response
+    /// body (JSON text, cut as the request is).
+    pub response: Option<String>,
+    /// Tags the agent sent: `traceparent`, `user`, `metadata` (a JSON
+    /// object), when it sent any.
+    pub tags: Option<String>,
+}
+
+/// How much of a call's request or response body is kept.
+pub const BODY_KEPT: usize = 256 * 1024;
+
 /// An item's terminal outcome.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ResultRecord {
