@@ -9,6 +9,7 @@ pub mod dataset;
 pub mod eval;
 pub mod fingerprint;
 pub mod fleet;
+pub mod gateway;
 pub mod images;
 pub mod jinja;
 pub mod metric_backend;

@@ -13,6 +13,7 @@ mod conversation;
 mod endpoint;
 mod env;
 mod eval;
+mod exec;
 mod images;
 pub mod path;
 mod prompts;
@@ -47,6 +48,7 @@ use evalfleet_types::Fault;
 /// 10: with the retry budget bounding retries, a 20% fault rate fails
 /// one call in 10^7), `backoff_base` (default `100ms`), `backoff_max` (default `30s`).
 pub use evalfleet_types::RetryPolicy;
+pub use exec::{Budget, ExecInput, ExecSettings, split_words};
 pub use images::{ImageFormat, ImageSettings, Part, PdfPages};
 pub use prompts::{DEFAULT_PROMPT, PromptRule, glob_matches};
 pub use telemetry::{GpuSelection, TelemetryLimits, TelemetrySettings};
@@ -209,6 +211,10 @@ pub enum TaskKind {
     /// A simulated three-person conversation with a robot that may
     /// intervene (`task.conversation`); an item is an episode.
     Conversation(Box<ConversationSettings>),
+    /// The user's program (an agent) run once per item, calling models
+    /// through the run's gateway (`task.command`, ...); its output is
+    /// checked and scored.
+    Exec(Box<ExecSettings>),
 }
 
 impl TaskKind {
@@ -218,6 +224,7 @@ impl TaskKind {
             Self::Code(_) => "code",
             Self::Refine(_) => "refine",
             Self::Conversation(_) => "conversation",
+            Self::Exec(_) => "exec",
         }
     }
 
@@ -225,6 +232,14 @@ impl TaskKind {
     pub fn conversation(&self) -> Option<&ConversationSettings> {
         match self {
             Self::Conversation(settings) => Some(settings),
+            _ => None,
+        }
+    }
+
+    /// The program's settings, for an exec task.
+    pub fn exec(&self) -> Option<&ExecSettings> {
+        match self {
+            Self::Exec(settings) => Some(settings),
             _ => None,
         }
     }

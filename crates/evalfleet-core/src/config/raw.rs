@@ -164,6 +164,39 @@ pub struct RawTask {
     pub refine: Option<Value>,
     #[schemars(with = "Option<super::conversation::RawConversation>")]
     pub conversation: Option<Value>,
+    /// `kind: exec`: the program run once per item (an agent), as a command
+    /// line or a list of words, run in a folder of its own in the sandbox;
+    /// an argument that names a file of the config's folder is given as
+    /// that file's path. Its standard output is the answer. Required with
+    /// `kind: exec`.
+    #[schemars(with = "Option<schema::Command>")]
+    pub command: Option<Value>,
+    /// `kind: exec`: how the item reaches the program: `stdin` (one JSON
+    /// object), `file` (`item.json`, its path the last argument and
+    /// `$EVALFLEET_ITEM_FILE`) or `args` (the JSON text, the last
+    /// argument). Default `stdin`.
+    pub input: Option<String>,
+    /// `kind: exec`: how long one run of the program may take before it,
+    /// with every process it started, is killed (a failed attempt, retried
+    /// as `retry` says). Default `10m`.
+    #[schemars(with = "Option<schema::Duration>")]
+    pub timeout: Option<String>,
+    /// `kind: exec`: programs running at once, 1 to 4096. Default 16.
+    pub concurrency: Option<u32>,
+    /// `kind: exec`: more environment variables for the program (strings;
+    /// `${VAR}` reads ours). `OPENAI_BASE_URL`, `OPENAI_API_KEY` and
+    /// `EVALFLEET_*` are evalfleet's. Default: none.
+    pub env: Option<Map<String, Value>>,
+    /// `kind: exec`: what one run of an item's agent may use through the
+    /// gateway (`calls`, `tokens`, `time`); past it, its calls are answered
+    /// 429 `budget_exhausted`. Default: no limit.
+    #[schemars(with = "Option<super::exec::RawBudget>")]
+    pub budget: Option<Value>,
+    /// `kind: exec`: the model names the agent may ask the gateway for,
+    /// each mapped to an endpoint's name or model (`gpt-4o-mini: qwen3-4b`);
+    /// `"*"` maps any other name. Default: every name goes to the endpoints
+    /// that answer items.
+    pub models: Option<Map<String, Value>>,
 }
 
 /// An outside metric backend: a program that reads answers as JSON lines

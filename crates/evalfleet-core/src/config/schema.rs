@@ -190,6 +190,23 @@ impl JsonSchema for Duration {
     }
 }
 
+/// A command: one line of words, or a list of them.
+pub(super) struct Command;
+
+impl JsonSchema for Command {
+    fn schema_name() -> Cow<'static, str> {
+        "Command".into()
+    }
+
+    fn inline_schema() -> bool {
+        true
+    }
+
+    fn json_schema(_: &mut SchemaGenerator) -> Schema {
+        json_schema!({"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]})
+    }
+}
+
 /// Any JSON value.
 pub(super) struct AnyJson;
 

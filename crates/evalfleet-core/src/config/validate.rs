@@ -726,6 +726,16 @@ fn task(
     p: &mut Problems<'_>,
 ) -> Option<TaskConfig> {
     let conversation = raw.kind.as_deref() == Some("conversation") || raw.conversation.is_some();
+    let exec_raw = super::exec::RawExec {
+        command: raw.command.take(),
+        input: raw.input.take(),
+        timeout: raw.timeout.take(),
+        concurrency: raw.concurrency.take(),
+        env: raw.env.take(),
+        budget: raw.budget.take(),
+        models: raw.models.take(),
+    };
+    let exec = raw.kind.as_deref() == Some("exec") || exec_raw.command.is_some();
     let has_messages = raw.messages.is_some();
     let has_prompts = raw.prompts.is_some();
     let prompts = match raw.prompts.take() {
@@ -738,7 +748,11 @@ fn task(
     };
     let messages = match raw.messages.take() {
         // Without a rule that takes every item, `prompts` says so.
-        None if conversation || has_prompts => Some(Vec::new()),
+        None if conversation || exec || has_prompts => Some(Vec::new()),
+        Some(_) if exec => p.push(
+            "task.messages",
+            "is not for kind: exec (the program makes its own calls)",
+        ),
         None => p.push("task.messages", "is required (the chat messages to send)"),
         Some(list) => message_list(list, "task.messages", p),
     };
@@ -793,11 +807,24 @@ fn task(
         Some(n) if (1..=10_000).contains(&n) => n,
         Some(n) => return p.push("task.n", format!("must be between 1 and 10000, got {n}")),
     };
+    if exec && eval.max_reasks > 0 {
+        if raw.max_reasks.is_some_and(|n| n > 0) {
+            return p.push(
+                "task.max_reasks",
+                "is not for kind: exec (its program's answer cannot be asked for again; a failed run is retried as `retry` says)",
+            );
+        }
+        eval.max_reasks = 0;
+    }
     let kind = task_kind(
         raw.kind.as_deref(),
-        raw.code,
-        raw.refine,
-        raw.conversation,
+        Kinds {
+            code: raw.code,
+            refine: raw.refine,
+            conversation: raw.conversation,
+            exec: exec_raw,
+        },
+        dir,
         p,
     )?;
     Some(TaskConfig {
@@ -812,22 +839,44 @@ fn task(
     })
 }
 
-/// `task.kind` with the settings of its kind (`task.code`, `task.refine`).
-fn task_kind(
-    kind: Option<&str>,
+/// The settings of each kind of task, as given.
+struct Kinds {
     code: Option<Value>,
     refine: Option<Value>,
     conversation: Option<Value>,
+    exec: super::exec::RawExec,
+}
+
+/// `task.kind` with the settings of its kind (`task.code`, `task.refine`).
+fn task_kind(
+    kind: Option<&str>,
+    kinds: Kinds,
+    dir: &Path,
     p: &mut Problems<'_>,
 ) -> Option<TaskKind> {
-    const KINDS: &str = "chat, code, refine or conversation";
+    const KINDS: &str = "chat, code, refine, conversation or exec";
+    let Kinds {
+        code,
+        refine,
+        conversation,
+        exec,
+    } = kinds;
     let kind = match kind {
         Some(kind) => kind,
         None if code.is_some() => "code",
         None if refine.is_some() => "refine",
         None if conversation.is_some() => "conversation",
+        None if exec.command.is_some() => "exec",
         None => "chat",
     };
+    if kind != "exec" {
+        for key in exec.given() {
+            p.push::<()>(
+                &format!("task.{key}"),
+                format!("belongs to kind: exec, not kind: {kind}"),
+            );
+        }
+    }
     let misplaced = |key: &str, p: &mut Problems<'_>| {
         p.push::<()>(
             &format!("task.{key}"),
@@ -877,6 +926,7 @@ fn task_kind(
         }
         "conversation" => super::conversation::conversation(conversation.as_ref(), p)
             .map(|settings| TaskKind::Conversation(Box::new(settings))),
+        "exec" => super::exec::exec(exec, dir, p).map(|settings| TaskKind::Exec(Box::new(settings))),
         other => p.push("task.kind", format!("must be {KINDS}, got '{other}'")),
     }
 }

@@ -106,9 +106,30 @@ pub async fn send(
     abort: &CancellationToken,
     fleet: &FleetHandle,
 ) -> Exchange {
+    let client = call.client.clone();
+    send_with(
+        call,
+        client.complete_with(prompt.messages, prompt.images),
+        limit,
+        abort,
+        fleet,
+    )
+    .await
+}
+
+/// Makes `call` as `doing` does it (a chat completion of ours, or a request
+/// an agent sent through the gateway), and feeds what happened back as
+/// [`send`] does.
+pub async fn send_with(
+    call: Call,
+    doing: impl std::future::Future<Output = crate::client::CallOutcome>,
+    limit: Duration,
+    abort: &CancellationToken,
+    fleet: &FleetHandle,
+) -> Exchange {
     let Call {
         endpoint,
-        client,
+        client: _,
         permit,
         cost,
     } = call;
@@ -126,7 +147,7 @@ pub async fn send(
         biased;
         () = abort.cancelled() => None,
         () = evicted.cancelled() => Some(None),
-        timed = tokio::time::timeout(limit, client.complete_with(prompt.messages, prompt.images)) => Some(Some(timed)),
+        timed = tokio::time::timeout(limit, doing) => Some(Some(timed)),
     };
     drop(in_flight);
     let timed = match ended {

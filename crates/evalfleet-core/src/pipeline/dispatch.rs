@@ -54,11 +54,13 @@ pub fn cache_lookups(
 pub struct Carry {
     pub attempt: Option<AttemptRecord>,
     pub cache: Option<CacheEntry>,
+    /// Calls an agent made in the attempt carried.
+    pub calls: Vec<evalfleet_types::AgentCall>,
 }
 
 impl Carry {
     fn is_empty(&self) -> bool {
-        self.attempt.is_none() && self.cache.is_none()
+        self.attempt.is_none() && self.cache.is_none() && self.calls.is_empty()
     }
 }
 
@@ -373,6 +375,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
             let carry = Carry {
                 attempt: Some(record),
                 cache,
+                calls: Vec::new(),
             };
             go_on(&shared, item, step, carry).await;
         }
@@ -430,6 +433,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
             let carry = Carry {
                 attempt: Some(record),
                 cache: None,
+                calls: Vec::new(),
             };
             go_on(&shared, item, step, carry).await;
         }
@@ -719,6 +723,25 @@ pub async fn drive(shared: &Arc<Shared>, mut item: Item, mut step: Step, mut car
                 drop(permit);
                 step
             }
+            Step::Attempted(attempted) => {
+                let crate::task::Attempted {
+                    mut record,
+                    calls,
+                    then,
+                } = *attempted;
+                if carry.attempt.is_some() {
+                    let sent = std::mem::take(&mut carry);
+                    if !shared.send(Outcome::carried(item.claim, sent)).await {
+                        return;
+                    }
+                }
+                record.session = shared.session;
+                item.calls += 1;
+                item.answer = Some(record.telemetry.clone());
+                carry.attempt = Some(record);
+                carry.calls.extend(calls);
+                then
+            }
             Step::Wait(wait) => {
                 if !carry.is_empty() {
                     let sent = std::mem::take(&mut carry);
@@ -746,6 +769,7 @@ async fn end(shared: &Shared, item: Item, finish: Finish, carry: Carry) {
         attempt: carry.attempt,
         result: Some(result),
         cache: carry.cache,
+        calls: carry.calls,
     };
     if shared.send(outcome).await {
         ended.count(&shared.progress);

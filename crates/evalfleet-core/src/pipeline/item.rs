@@ -160,7 +160,8 @@ impl Item {
         if self.images.is_empty() && !request.images.is_empty() {
             self.images = request.images.references();
         }
-        let item = ItemContext::new(&self.item_id, &self.row, &self.row_json, self.sample);
+        let item = ItemContext::new(&self.item_id, &self.row, &self.row_json, self.sample)
+            .numbered(self.seq, self.number());
         let step = self.episode.next(&item, request, reply);
         if let Step::Call(next) = &step
             && next.rejected.is_some()

@@ -145,7 +145,9 @@ impl Reader {
             .read_with_json(pending.offset, pending.line, row_id)?;
         let parsed = std::cell::OnceCell::from(row);
         let (episode, step) = self.shared.task.begin(
-            &ItemContext::new(&pending.item_id, &parsed, &row_json, sample).at_line(pending.line),
+            &ItemContext::new(&pending.item_id, &parsed, &row_json, sample)
+                .at_line(pending.line)
+                .numbered(pending.seq, pending.prior_attempts + 1),
         );
         drop(parsed);
         let mut item = Item::new(
@@ -213,6 +215,7 @@ impl Reader {
                         attempt: None,
                         result: Some(result),
                         cache: None,
+                        calls: Vec::new(),
                     });
                     self.ended.push(ended);
                     return Ok(true);
@@ -239,6 +242,14 @@ impl Reader {
                         super::dispatch::requeue(&self.shared, item);
                         return Ok(true);
                     }
+                }
+                step @ Step::Attempted(_) => {
+                    let shared = self.shared.clone();
+                    self.shared.tracker.spawn_on(
+                        async move { drive(&shared, item, step, Carry::default()).await },
+                        runtime,
+                    );
+                    return Ok(true);
                 }
                 Step::Wait(wait) => {
                     let shared = self.shared.clone();

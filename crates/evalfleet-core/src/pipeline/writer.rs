@@ -33,6 +33,8 @@ pub struct Outcome {
     pub result: Option<ResultRecord>,
     /// A successful answer for the cache.
     pub cache: Option<CacheEntry>,
+    /// Calls an agent made in its attempt (`kind: exec`).
+    pub calls: Vec<evalfleet_types::AgentCall>,
 }
 
 impl Outcome {
@@ -43,6 +45,7 @@ impl Outcome {
             attempt: Some(attempt),
             result: None,
             cache: None,
+            calls: Vec::new(),
         }
     }
 
@@ -53,6 +56,7 @@ impl Outcome {
             attempt: carry.attempt,
             result: None,
             cache: carry.cache,
+            calls: Vec::new(),
         }
     }
 }
@@ -74,6 +78,7 @@ fn add(batch: &mut Batch, outcome: Outcome) {
     batch.attempts.extend(outcome.attempt.map(|a| (claim, a)));
     batch.results.extend(outcome.result.map(|r| (claim, r)));
     batch.cache.extend(outcome.cache);
+    batch.calls.extend(outcome.calls.into_iter().map(|c| (claim, c)));
 }
 
 /// What a blocking store task gives back: the store, and how many results

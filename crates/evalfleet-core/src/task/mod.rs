@@ -18,6 +18,7 @@
 pub mod chat;
 pub mod code;
 pub mod conversation;
+pub mod exec;
 pub mod images;
 pub mod refine;
 
@@ -44,6 +45,10 @@ pub struct ItemContext<'a> {
     pub sample: u32,
     /// The 1-based line of the dataset its row starts at, where known.
     pub line: Option<u64>,
+    /// Its place in the run (`seq`).
+    pub seq: u64,
+    /// The number of its next attempt, over every session of the run.
+    pub attempt: u32,
 }
 
 impl<'a> ItemContext<'a> {
@@ -61,6 +66,17 @@ impl<'a> ItemContext<'a> {
             row_json,
             sample,
             line: None,
+            seq: 0,
+            attempt: 1,
+        }
+    }
+
+    /// The same item, `seq` of the run, whose next attempt is `attempt`.
+    pub fn numbered(self, seq: u64, attempt: u32) -> Self {
+        Self {
+            seq,
+            attempt,
+            ..self
         }
     }
 
@@ -174,6 +190,20 @@ pub enum Step {
     Wait(BoxFuture<'static, Step>),
     /// The item is over.
     Finish(Finish),
+    /// Work that was one of the item's attempts (a run of its agent): its
+    /// record and the calls it made go to the store with what the item
+    /// sends next (its result, or the record of its next attempt); then
+    /// `then`.
+    Attempted(Box<Attempted>),
+}
+
+/// An attempt made as work ([`Step::Attempted`]).
+pub struct Attempted {
+    /// Its record (the pipeline sets its session).
+    pub record: evalfleet_types::AttemptRecord,
+    /// The calls it made through the gateway, in order.
+    pub calls: Vec<evalfleet_types::AgentCall>,
+    pub then: Step,
 }
 
 /// One item's way through a task.

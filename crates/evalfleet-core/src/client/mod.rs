@@ -20,6 +20,9 @@ use tokio::time::Instant;
 use crate::config::EndpointConfig;
 use crate::images::Images;
 
+mod forward;
+pub use forward::{Api, Forwarded, Head, cut_body};
+
 /// Why a call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum CallError {
@@ -375,6 +378,8 @@ pub struct ChatClient {
     pool_size: usize,
     completions_url: reqwest::Url,
     models_url: reqwest::Url,
+    /// The base URL, without its last `/`.
+    base: String,
     /// `{"model":"NAME","messages":` — the body up to the messages.
     body_head: Bytes,
     /// `,"param":value,...,"stream":...}` — the body after the messages.
@@ -386,7 +391,7 @@ pub struct ChatClient {
 }
 
 /// Bodies of error responses are read up to this size for their message.
-const ERROR_BODY_LIMIT: usize = 8 * 1024;
+pub(crate) const ERROR_BODY_LIMIT: usize = 8 * 1024;
 
 /// Installs the TLS crypto provider once per process.
 fn install_crypto() {
@@ -482,6 +487,7 @@ impl ChatClient {
             pool_size,
             completions_url: url("chat/completions")?,
             models_url: url("models")?,
+            base: base.to_owned(),
             body_head: Bytes::from(head),
             body_tail: Bytes::from(tail),
             stream,
@@ -712,7 +718,7 @@ fn secret_header(value: &str) -> Result<HeaderValue, String> {
     Ok(header)
 }
 
-fn request_error(err: reqwest::Error) -> CallError {
+pub(crate) fn request_error(err: reqwest::Error) -> CallError {
     if err.is_connect() {
         CallError::Connect(Unanswered(err))
     } else {
@@ -772,7 +778,7 @@ fn reuse_within(timeout: Duration) -> Duration {
     timeout.saturating_sub(Duration::from_secs(1).min(timeout / 2))
 }
 
-fn body_error(err: reqwest::Error) -> CallError {
+pub(crate) fn body_error(err: reqwest::Error) -> CallError {
     if err.is_decode() {
         CallError::BadResponse(err.to_string())
     } else {
@@ -802,7 +808,7 @@ async fn status_error(response: reqwest::Response) -> CallError {
 }
 
 /// The message of an error body: OpenAI's `error.message` when present.
-fn error_message(body: &[u8]) -> String {
+pub(crate) fn error_message(body: &[u8]) -> String {
     if let Ok(value) = serde_json::from_slice::<Value>(body) {
         let message = value
             .pointer("/error/message")

@@ -1,0 +1,722 @@
+//! The gateway: an OpenAI-compatible API over the run's fleet, for agents
+//! (`kind: exec`). Each item's run of its agent gets an address of its own
+//! ([`Pass`]: `…/gw/<token>/v1`, the token also taken as the API key), so
+//! every call the agent makes is the item's, in order, whatever the agent
+//! sends.
+//!
+//! A call is routed by the model name the agent asks for (`task.models`
+//! maps names to endpoints) to whichever endpoint for it takes calls and
+//! has a free slot first, under its limits and rates, and made on the
+//! fleet's one call path ([`crate::fleet::call::send_with`]), which feeds
+//! its outcome back to the endpoint's limit, breaker and rates. A call that
+//! fails before its first byte (no connection, a 429 or 5xx) goes to
+//! another endpoint of the model; once the answer has begun it goes to the
+//! agent as it comes (a stream chunk by chunk, with its usage asked for).
+//! What the agent gets on failure is OpenAI's error format with the status
+//! its SDK retries on (429, 503) or not (400, 401, 404).
+//!
+//! The HTTP side is the server's (`evalfleet_server::gateway`); this is
+//! what it calls.
+
+pub mod token;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use evalfleet_types::{AgentCall, ErrorClass, Telemetry, ms, now_ms, unix_ms};
+use serde_json::{Map, Value};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::client::{Api, CallError, Head};
+use crate::config::Budget;
+use crate::fleet::call::{self, Call, Exchange};
+use crate::fleet::runtime::FleetHandle;
+use crate::fleet::{Endpoint, Permit};
+use token::{Claims, Keys};
+
+/// A run's gateway.
+pub struct Gateway {
+    run_id: String,
+    keys: Keys,
+    endpoints: Vec<Arc<Endpoint>>,
+    routes: Routes,
+    fleet: FleetHandle,
+    /// The live attempts' grants, by (seq, attempt).
+    grants: Mutex<HashMap<(u64, u32), Arc<Grant>>>,
+    /// How long a call waits for an endpoint of its model to take it.
+    wait: Duration,
+    stop: CancellationToken,
+}
+
+/// Which endpoints answer which model names.
+struct Routes {
+    /// `task.models`: a name, and the endpoints (indexes) it maps to.
+    aliases: Vec<(String, Vec<usize>)>,
+    /// Any other name (`*`, or the endpoints that answer items when
+    /// `task.models` is empty).
+    default: Option<Vec<usize>>,
+}
+
+/// One item's attempt, as the gateway knows it while it runs.
+pub struct Grant {
+    pub seq: u64,
+    pub attempt: u32,
+    budget: Budget,
+    opened: Instant,
+    next_index: AtomicU32,
+    tokens: AtomicU64,
+    calls: Mutex<Vec<AgentCall>>,
+}
+
+/// An item's open address at the gateway: its token dies when this is
+/// closed or dropped.
+pub struct Pass {
+    gateway: Arc<Gateway>,
+    grant: Arc<Grant>,
+    /// The token: the path segment `/gw/<token>/v1` and the API key.
+    pub token: String,
+}
+
+impl Pass {
+    /// Ends the attempt's address and gives its calls, in order.
+    pub fn close(self) -> Vec<AgentCall> {
+        self.gateway.forget(&self.grant);
+        let mut calls = self
+            .grant
+            .calls
+            .lock()
+            .map(|mut calls| std::mem::take(&mut *calls))
+            .unwrap_or_default();
+        calls.sort_by_key(|c| c.index);
+        calls
+    }
+}
+
+impl Drop for Pass {
+    fn drop(&mut self) {
+        self.gateway.forget(&self.grant);
+    }
+}
+
+/// An error as the agent gets it: OpenAI's format and a status its SDK
+/// knows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GatewayError {
+    pub status: u16,
+    /// `error.type`.
+    pub kind: &'static str,
+    /// `error.code`.
+    pub code: &'static str,
+    pub message: String,
+    /// `Retry-After`, in seconds.
+    pub retry_after: Option<u64>,
+    /// `x-should-retry`, which OpenAI's SDKs follow.
+    pub should_retry: Option<bool>,
+}
+
+impl GatewayError {
+    pub fn new(status: u16, kind: &'static str, code: &'static str, message: String) -> Self {
+        Self {
+            status,
+            kind,
+            code,
+            message,
+            retry_after: None,
+            should_retry: None,
+        }
+    }
+
+    /// 401: no token, or not a live one.
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self::new(
+            401,
+            "invalid_request_error",
+            "invalid_api_key",
+            message.into(),
+        )
+        .final_()
+    }
+
+    /// 400: the request cannot be forwarded.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(
+            400,
+            "invalid_request_error",
+            "invalid_request",
+            message.into(),
+        )
+    }
+
+    fn final_(mut self) -> Self {
+        self.should_retry = Some(false);
+        self
+    }
+
+    /// The error body.
+    pub fn body(&self) -> Value {
+        serde_json::json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": null,
+                "code": self.code,
+            }
+        })
+    }
+}
+
+/// A request an agent sent.
+pub struct Asked {
+    pub api: Api,
+    pub body: Bytes,
+    /// `traceparent`, when the agent sent one.
+    pub traceparent: Option<String>,
+}
+
+/// What the agent gets.
+pub enum Answer {
+    /// The endpoint's answer (or its error response, passed on as it came:
+    /// the request's own fault).
+    Head(Head),
+    /// Our error.
+    Error(GatewayError),
+}
+
+impl Gateway {
+    /// The gateway of run `run_id` over `endpoints`, routing the names of
+    /// `models` (name → endpoint name or model; `*` any other).
+    pub fn new(
+        run_id: &str,
+        endpoints: Vec<Arc<Endpoint>>,
+        fleet: FleetHandle,
+        models: &[(String, String)],
+        wait: Duration,
+        stop: CancellationToken,
+    ) -> Result<Arc<Self>, String> {
+        let routes = Routes::new(&endpoints, models)?;
+        Ok(Arc::new(Self {
+            run_id: run_id.to_owned(),
+            keys: Keys::random(),
+            endpoints,
+            routes,
+            fleet,
+            grants: Mutex::new(HashMap::new()),
+            wait,
+            stop,
+        }))
+    }
+
+    pub fn run_id(&self) -> &str {
+        &self.run_id
+    }
+
+    /// Opens the address of attempt `attempt` of item `seq`, live for at
+    /// most `ttl`, with `budget`.
+    pub fn open(self: &Arc<Self>, seq: u64, attempt: u32, budget: Budget, ttl: Duration) -> Pass {
+        let expires_ms = now_ms().saturating_add(i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX));
+        let token = self.keys.sign(&Claims {
+            run_id: self.run_id.clone(),
+            seq,
+            attempt,
+            expires_ms,
+        });
+        let grant = Arc::new(Grant {
+            seq,
+            attempt,
+            budget,
+            opened: Instant::now(),
+            next_index: AtomicU32::new(0),
+            tokens: AtomicU64::new(0),
+            calls: Mutex::new(Vec::new()),
+        });
+        if let Ok(mut grants) = self.grants.lock() {
+            grants.insert((seq, attempt), grant.clone());
+        }
+        Pass {
+            gateway: self.clone(),
+            grant,
+            token,
+        }
+    }
+
+    fn forget(&self, grant: &Arc<Grant>) {
+        if let Ok(mut grants) = self.grants.lock()
+            && grants
+                .get(&(grant.seq, grant.attempt))
+                .is_some_and(|g| Arc::ptr_eq(g, grant))
+        {
+            grants.remove(&(grant.seq, grant.attempt));
+        }
+    }
+
+    /// The live attempt `token` names (401 when there is none).
+    pub fn check(&self, token: &str) -> Result<Arc<Grant>, GatewayError> {
+        let claims = self
+            .keys
+            .verify(token, now_ms())
+            .map_err(|err| GatewayError::unauthorized(format!("{err}.")))?;
+        if claims.run_id != self.run_id {
+            return Err(GatewayError::unauthorized(
+                "the token is not for this run.",
+            ));
+        }
+        self.grants
+            .lock()
+            .ok()
+            .and_then(|grants| grants.get(&(claims.seq, claims.attempt)).cloned())
+            .ok_or_else(|| {
+                GatewayError::unauthorized("the token's attempt has ended: it is no longer valid.")
+            })
+    }
+
+    /// `GET /v1/models`: the names the agent may ask for.
+    pub fn models(&self) -> Value {
+        let mut names: Vec<&str> = self.routes.aliases.iter().map(|(n, _)| n.as_str()).collect();
+        for endpoint in &self.endpoints {
+            if endpoint.config.takes_items() && !names.contains(&endpoint.model.as_str()) {
+                names.push(&endpoint.model);
+            }
+        }
+        names.retain(|n| *n != "*");
+        let data: Vec<Value> = names
+            .iter()
+            .map(|name| serde_json::json!({"id": name, "object": "model", "created": 0, "owned_by": "evalfleet"}))
+            .collect();
+        serde_json::json!({"object": "list", "data": data})
+    }
+
+    /// Makes the call `asked` for the attempt of `grant`.
+    pub async fn call(self: &Arc<Self>, grant: Arc<Grant>, asked: Asked) -> Answer {
+        if let Some(refused) = grant.over_budget() {
+            return Answer::Error(refused);
+        }
+        let index = grant.next_index.fetch_add(1, Ordering::AcqRel) + 1;
+        let mut record = AgentCall {
+            seq: grant.seq,
+            attempt: grant.attempt,
+            index,
+            call_id: format!("{}.{}.{}", grant.seq, grant.attempt, index),
+            api: asked.api.name().to_owned(),
+            sent_at_ms: now_ms(),
+            request: crate::client::cut_body(&String::from_utf8_lossy(&asked.body)),
+            request_cut: asked.body.len() > evalfleet_types::BODY_KEPT,
+            ..AgentCall::default()
+        };
+        let body = match serde_json::from_slice::<Value>(&asked.body) {
+            Ok(Value::Object(body)) => body,
+            Ok(_) => return self.refuse(&grant, record, GatewayError::bad_request("the request body must be a JSON object.")),
+            Err(err) => return self.refuse(&grant, record, GatewayError::bad_request(format!("the request body is not JSON: {err}."))),
+        };
+        record.tags = tags(&body, asked.traceparent.as_deref());
+        let Some(asked_model) = body.get("model").and_then(Value::as_str).map(str::to_owned) else {
+            return self.refuse(&grant, record, GatewayError::bad_request("the request names no model."));
+        };
+        record.asked_model = asked_model.clone();
+        let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+        record.stream = stream;
+        if stream && asked.api == Api::Embeddings {
+            return self.refuse(&grant, record, GatewayError::bad_request("embeddings are not streamed."));
+        }
+        let Some(candidates) = self.routes.resolve(&asked_model, &self.endpoints) else {
+            let error = GatewayError::new(
+                404,
+                "invalid_request_error",
+                "model_not_found",
+                format!("The model '{asked_model}' is not served by this run (task.models names the models an agent may ask for)."),
+            )
+            .final_();
+            return self.refuse(&grant, record, error);
+        };
+        let max_tokens = body
+            .get("max_completion_tokens")
+            .or_else(|| body.get("max_tokens"))
+            .or_else(|| body.get("max_output_tokens"))
+            .and_then(Value::as_u64)
+            .unwrap_or(256);
+        let cost = asked.body.len() as u64 / 4 + max_tokens;
+        let mut left: Vec<Arc<Endpoint>> = candidates.iter().map(|i| self.endpoints[*i].clone()).collect();
+        let mut last: Option<(Exchange, Arc<Endpoint>, Head)> = None;
+        while !left.is_empty() {
+            let Some((endpoint, permit, client)) = self.admit_any(&left).await else {
+                break;
+            };
+            left.retain(|e| !Arc::ptr_eq(e, &endpoint));
+            if !call::pace(&endpoint, cost, &self.stop).await {
+                break;
+            }
+            let sent = rewrite(&body, &endpoint.model, asked.api, stream);
+            let (head_tx, head_rx) = oneshot::channel();
+            let (done_tx, done_rx) = oneshot::channel();
+            let fleet = self.fleet.clone();
+            let stop = self.stop.clone();
+            let api = asked.api;
+            let for_call = endpoint.clone();
+            let grant_for = grant.clone();
+            let mut partial = record.clone();
+            tokio::spawn(async move {
+                let mut kept = None;
+                let mut delivered = false;
+                let timeout = for_call.timeout;
+                let exchange = call::send_with(
+                    Call {
+                        endpoint: for_call.clone(),
+                        client: client.clone(),
+                        permit,
+                        cost,
+                    },
+                    async {
+                        let forwarded = client.forward(api, sent, stream, head_tx).await;
+                        kept = forwarded.response;
+                        delivered = forwarded.delivered;
+                        forwarded.outcome
+                    },
+                    timeout,
+                    &stop,
+                    &fleet,
+                )
+                .await;
+                if delivered {
+                    // The agent has (or is reading) this answer: it is the
+                    // call's record.
+                    partial.response = kept;
+                    fill(&mut partial, &exchange, &for_call);
+                    grant_for.ended(partial);
+                } else {
+                    let _ = done_tx.send((exchange, kept));
+                }
+            });
+            let head = match head_rx.await {
+                Ok(head) => head,
+                // The call was abandoned (the run stops).
+                Err(_) => break,
+            };
+            match head {
+                Head::Failed { status, content_type, body: error_body } => {
+                    let (exchange, kept) = match done_rx.await {
+                        Ok(done) => done,
+                        Err(_) => break,
+                    };
+                    let failed = Head::Failed { status, content_type, body: error_body };
+                    let again = match status {
+                        None => true,
+                        Some(status) => status == 429 || status == 408 || status >= 500,
+                    };
+                    if again && !left.is_empty() {
+                        tracing::debug!(
+                            "Gateway call {} failed on {} before its first byte; trying another endpoint.",
+                            record.call_id,
+                            endpoint.name
+                        );
+                        last = Some((exchange, endpoint, failed));
+                        continue;
+                    }
+                    record.response = kept;
+                    fill(&mut record, &exchange, &endpoint);
+                    let answer = failure_answer(&exchange, failed);
+                    grant.ended(record);
+                    return answer;
+                }
+                head => return Answer::Head(head),
+            }
+        }
+        if let Some((exchange, endpoint, failed)) = last {
+            fill(&mut record, &exchange, &endpoint);
+            let answer = failure_answer(&exchange, failed);
+            grant.ended(record);
+            return answer;
+        }
+        let mut error = GatewayError::new(
+            503,
+            "server_error",
+            "no_endpoint",
+            format!(
+                "No endpoint for model '{asked_model}' took the call within {}.",
+                humantime::format_duration(self.wait)
+            ),
+        );
+        error.retry_after = Some(1);
+        self.refuse(&grant, record, error)
+    }
+
+    /// Records a call refused before any endpoint was asked, and answers it.
+    fn refuse(&self, grant: &Grant, mut record: AgentCall, error: GatewayError) -> Answer {
+        record.http_status = error.status;
+        record.error = Some(error.message.clone());
+        record.error_class = Some(if error.status == 429 || error.status == 503 {
+            ErrorClass::BackPressure
+        } else {
+            ErrorClass::Fatal
+        });
+        grant.ended(record);
+        Answer::Error(error)
+    }
+
+    /// Waits until one of `endpoints` takes calls and has a free slot; the
+    /// first to have one takes the call.
+    async fn admit_any(
+        &self,
+        endpoints: &[Arc<Endpoint>],
+    ) -> Option<(Arc<Endpoint>, Permit, Arc<crate::client::ChatClient>)> {
+        let deadline = Instant::now() + self.wait;
+        loop {
+            let waits: Vec<_> = endpoints
+                .iter()
+                .map(|endpoint| {
+                    let stop = self.stop.clone();
+                    Box::pin(async move {
+                        let permit = call::admit(endpoint, &stop).await?;
+                        Some((endpoint.clone(), permit))
+                    })
+                })
+                .collect();
+            let first = tokio::time::timeout_at(deadline, futures_util::future::select_all(waits)).await;
+            let (endpoint, permit) = match first {
+                Ok((Some(admitted), _, _)) => admitted,
+                Ok((None, _, _)) | Err(_) => return None,
+            };
+            match endpoint.client() {
+                Some(client) => return Some((endpoint, permit, client)),
+                // Not started yet (or restarting): another turn.
+                None => {
+                    drop(permit);
+                    if tokio::time::timeout_at(deadline, tokio::time::sleep(Duration::from_millis(50)))
+                        .await
+                        .is_err()
+                    {
+                        return None;
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Grant {
+    /// The refusal of a call past the attempt's budget.
+    fn over_budget(&self) -> Option<GatewayError> {
+        let spent = |what: String| {
+            Some(
+                GatewayError::new(429, "insufficient_quota", "budget_exhausted", what).final_(),
+            )
+        };
+        if let Some(calls) = self.budget.calls
+            && self.next_index.load(Ordering::Acquire) >= calls
+        {
+            return spent(format!("This item's budget of {calls} calls is spent."));
+        }
+        if let Some(tokens) = self.budget.tokens
+            && self.tokens.load(Ordering::Acquire) >= tokens
+        {
+            return spent(format!("This item's budget of {tokens} tokens is spent."));
+        }
+        if let Some(time) = self.budget.time
+            && self.opened.elapsed() >= time
+        {
+            return spent(format!(
+                "This item's time budget of {} is spent.",
+                humantime::format_duration(time)
+            ));
+        }
+        None
+    }
+
+    /// A call ended: its record is kept and its tokens counted.
+    fn ended(&self, record: AgentCall) {
+        let tokens = record.telemetry.prompt_tokens.unwrap_or(0)
+            + record.telemetry.completion_tokens.unwrap_or(0);
+        self.tokens.fetch_add(tokens, Ordering::AcqRel);
+        if let Ok(mut calls) = self.calls.lock() {
+            calls.push(record);
+        }
+    }
+}
+
+impl Routes {
+    fn new(endpoints: &[Arc<Endpoint>], models: &[(String, String)]) -> Result<Self, String> {
+        let items: Vec<usize> = (0..endpoints.len())
+            .filter(|i| endpoints[*i].config.takes_items())
+            .collect();
+        let mut aliases = Vec::new();
+        let mut default = None;
+        for (name, to) in models {
+            let targets: Vec<usize> = (0..endpoints.len())
+                .filter(|i| endpoints[*i].name == *to || endpoints[*i].model == *to)
+                .collect();
+            if targets.is_empty() {
+                return Err(format!(
+                    "task.models.{name}: no endpoint is named '{to}' or serves a model of that name"
+                ));
+            }
+            if name == "*" {
+                default = Some(targets);
+            } else {
+                aliases.push((name.clone(), targets));
+            }
+        }
+        if models.is_empty() && !items.is_empty() {
+            default = Some(items);
+        }
+        Ok(Self { aliases, default })
+    }
+
+    /// The endpoints for the model `name`.
+    fn resolve(&self, name: &str, endpoints: &[Arc<Endpoint>]) -> Option<Vec<usize>> {
+        if let Some((_, targets)) = self.aliases.iter().find(|(n, _)| n == name) {
+            return Some(targets.clone());
+        }
+        let named: Vec<usize> = (0..endpoints.len())
+            .filter(|i| endpoints[*i].model == name || endpoints[*i].name == name)
+            .collect();
+        if !named.is_empty() {
+            return Some(named);
+        }
+        self.default.clone()
+    }
+}
+
+/// The body sent to an endpoint: the agent's, with the endpoint's model,
+/// and a stream's usage asked for.
+fn rewrite(body: &Map<String, Value>, model: &str, api: Api, stream: bool) -> Bytes {
+    let mut body = body.clone();
+    body.insert("model".to_owned(), Value::String(model.to_owned()));
+    if stream && matches!(api, Api::ChatCompletions | Api::Completions) {
+        let options = body
+            .entry("stream_options")
+            .or_insert_with(|| Value::Object(Map::new()));
+        if let Value::Object(options) = options {
+            options.insert("include_usage".to_owned(), Value::Bool(true));
+        } else {
+            *options = serde_json::json!({"include_usage": true});
+        }
+    }
+    Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
+}
+
+/// The tags a request carries: `traceparent`, `user`, `metadata`.
+fn tags(body: &Map<String, Value>, traceparent: Option<&str>) -> Option<String> {
+    let mut tags = Map::new();
+    if let Some(trace) = traceparent {
+        tags.insert("traceparent".to_owned(), Value::String(trace.chars().take(256).collect()));
+    }
+    for key in ["user", "metadata"] {
+        if let Some(value) = body.get(key).filter(|v| !v.is_null()) {
+            tags.insert(key.to_owned(), value.clone());
+        }
+    }
+    (!tags.is_empty()).then(|| crate::client::cut_body(&Value::Object(tags).to_string()))
+}
+
+/// Fills `record` with what `exchange` on `endpoint` came to.
+fn fill(record: &mut AgentCall, exchange: &Exchange, endpoint: &Endpoint) {
+    record.telemetry = Telemetry {
+        endpoint: endpoint.name.clone(),
+        model: endpoint.model.clone(),
+        ..Telemetry::default()
+    };
+    match exchange {
+        Exchange::Done { result, timing, .. } => {
+            record.sent_at_ms = unix_ms(timing.sent_at);
+            record.telemetry.latency_ms = ms(timing.latency);
+            record.telemetry.ttft_ms = timing.ttft.map(ms);
+            match result {
+                Ok(completion) => {
+                    record.http_status = completion.http_status;
+                    record.telemetry.prompt_tokens = completion.prompt_tokens;
+                    record.telemetry.completion_tokens = completion.completion_tokens;
+                    record.telemetry.tokens_estimated = completion.tokens_estimated;
+                    record.telemetry.finish_reason = completion.finish_reason.clone();
+                    record.telemetry.tpot_ms = timing.tpot(completion.completion_tokens).map(ms);
+                }
+                Err(err) => {
+                    record.http_status = err.http_status().unwrap_or(502);
+                    record.error_class = Some(err.class());
+                    record.error = Some(evalfleet_types::error_text(err));
+                }
+            }
+        }
+        Exchange::Moved { .. } => {
+            record.http_status = 503;
+            record.error_class = Some(ErrorClass::BackPressure);
+            record.error = Some(format!("{} stopped taking calls during the call", endpoint.name));
+        }
+        Exchange::Cancelled { why, .. } => {
+            record.http_status = 499;
+            record.error = Some(format!("cancelled: {why}"));
+        }
+        Exchange::Abandoned => {
+            record.http_status = 499;
+            record.error = Some("abandoned: the run stopped".to_owned());
+        }
+    }
+}
+
+/// What the agent gets when its call failed before any byte of an answer
+/// on every endpoint tried: the endpoint's own error response where it
+/// gave one that is the request's fault (4xx), else ours.
+fn failure_answer(exchange: &Exchange, failed: Head) -> Answer {
+    if let Head::Failed {
+        status: Some(status),
+        ..
+    } = &failed
+        && (400..500).contains(status)
+        && *status != 408
+        && *status != 429
+    {
+        return Answer::Head(failed);
+    }
+    let error = match exchange {
+        Exchange::Done {
+            result: Err(err), ..
+        } => err,
+        _ => {
+            let mut error = GatewayError::new(
+                503,
+                "server_error",
+                "endpoint_unavailable",
+                "The endpoint stopped taking calls.".to_owned(),
+            );
+            error.retry_after = Some(1);
+            return Answer::Error(error);
+        }
+    };
+    let retry_after = error.retry_after().map(|d| d.as_secs().max(1));
+    let mut answer = match error {
+        CallError::Status { status: 429, message, .. } => GatewayError::new(
+            429,
+            "rate_limit_error",
+            "rate_limit_exceeded",
+            format!("Rate limited by the endpoint: {message}"),
+        ),
+        CallError::Status { status, message, .. } => GatewayError::new(
+            if *status >= 500 { *status } else { 502 },
+            "server_error",
+            "upstream_error",
+            format!("The endpoint failed: HTTP {status}: {message}"),
+        ),
+        CallError::Connect(_) => GatewayError::new(
+            503,
+            "server_error",
+            "endpoint_unreachable",
+            format!("No endpoint could be reached: {}", evalfleet_types::error_text(error)),
+        ),
+        CallError::Timeout(_) | CallError::FirstByteTimeout(_) => GatewayError::new(
+            504,
+            "server_error",
+            "upstream_timeout",
+            format!("The endpoint did not answer in time: {error}"),
+        ),
+        other => GatewayError::new(
+            502,
+            "server_error",
+            "upstream_error",
+            format!("The endpoint's answer was not usable: {}", evalfleet_types::error_text(other)),
+        ),
+    };
+    answer.retry_after = retry_after.or((answer.status == 503).then_some(1));
+    Answer::Error(answer)
+}
