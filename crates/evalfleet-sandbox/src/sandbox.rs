@@ -19,7 +19,26 @@
 //! The child enters all this with system calls before its `exec`, and it
 //! shares our memory until then (as with `posix_spawn`; see `sys`), so an
 //! execution costs one process, the program itself, and no copy of ours.
+//! It is killed if evalfleet dies (`PR_SET_PDEATHSIG`), and what it leaves
+//! behind is killed when its slot's uid is next claimed or used.
 //! [`Sandbox::describe`] says what is and is not enforced.
+//!
+//! # Agents: a network with one door
+//!
+//! A sandbox made with [`Network::Loopback`] (for agents that call models
+//! through evalfleet's gateway) has its network namespace's loopback up,
+//! and nothing else: [`Sandbox::listen`] makes a TCP listener on
+//! `127.0.0.1:0` *inside* that namespace, which our process accepts on.
+//! Programs reach that port and nothing else: another port on 127.0.0.1 is
+//! refused (`ECONNREFUSED`), any other address unreachable
+//! (`ENETUNREACH`), and the host's own servers on its 127.0.0.1 are in
+//! another namespace. The namespace is the sandbox's, shared by its slots:
+//! a program that listens on the loopback itself can be reached by the
+//! other programs of the same sandbox (the user's own agents), never from
+//! outside it. Where namespaces are not available (not root), `listen`
+//! binds the host's 127.0.0.1 and the network is NOT closed: programs reach
+//! every port of this machine and every address it reaches, and
+//! [`Sandbox::describe`] says so.
 
 use std::ffi::CString;
 use std::fs::File;
@@ -72,6 +91,17 @@ impl Default for Limits {
     }
 }
 
+/// What network a sandbox's programs have (where namespaces are available).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Network {
+    /// None at all: the loopback is down (the code judge's).
+    #[default]
+    None,
+    /// The loopback, up, on which only the listeners that
+    /// [`Sandbox::listen`] makes listen (agents and their gateway).
+    Loopback,
+}
+
 /// What the sandbox enforces on this machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Isolation {
@@ -94,6 +124,11 @@ impl Isolation {
 
     /// What is enforced, in words, for logs and `evalfleet check`.
     pub fn describe(&self) -> String {
+        self.describe_network(Network::None)
+    }
+
+    /// The same, for programs given `network`.
+    pub fn describe_network(&self, network: Network) -> String {
         let mut on = vec![
             "own directory",
             "process group",
@@ -112,14 +147,26 @@ impl Isolation {
             );
         }
         if self.namespaces {
-            on.push("no network (empty network namespace)");
+            on.push(match network {
+                Network::None => "no network (empty network namespace)",
+                Network::Loopback => {
+                    "no network but the gateway's port (a network namespace whose loopback only the gateway listens on)"
+                }
+            });
             on.push(if self.read_only {
                 "read-only file system but for its directory, empty /tmp (mount namespace)"
             } else {
                 "empty read-only /tmp, /var/tmp and /dev/shm (mount namespace; the kernel cannot make the rest read-only)"
             });
         } else {
-            off.push("network isolation and a private file system view (namespaces need root)");
+            off.push(match network {
+                Network::None => {
+                    "network isolation and a private file system view (namespaces need root)"
+                }
+                Network::Loopback => {
+                    "network isolation (programs reach the gateway on this machine's 127.0.0.1, and with it every port of this machine and every address it reaches) and a private file system view (namespaces need root)"
+                }
+            });
         }
         let mut text = format!("sandbox: {}", on.join(", "));
         if !off.is_empty() {
@@ -171,6 +218,7 @@ impl Execution {
 pub struct Sandbox {
     root: PathBuf,
     namespaces: Option<Namespaces>,
+    network: Network,
     /// Free uids (with the lock files that claim them), one per slot.
     uids: Option<Mutex<Vec<(u32, File)>>>,
     slots: Semaphore,
@@ -211,6 +259,8 @@ impl Drop for Slot<'_> {
 pub struct Workdir {
     path: PathBuf,
     inside: PathBuf,
+    /// The slot's uid, which owns it (where the sandbox has uids).
+    owner: Option<u32>,
 }
 
 impl Workdir {
@@ -222,6 +272,34 @@ impl Workdir {
     /// Its path as programs in the sandbox see it.
     pub fn inside(&self) -> &Path {
         &self.inside
+    }
+
+    /// Writes a new file `name` (one component: no `/`, not `.` or `..`)
+    /// with `bytes`, owned by the slot's uid (mode 600): its programs may
+    /// read, change and remove it, the other slots' may not. A `name` that
+    /// exists already (a file, or a link a program left) is refused, never
+    /// followed.
+    pub fn write_file(&self, name: &str, bytes: &[u8]) -> std::io::Result<PathBuf> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        if name.is_empty() || name == "." || name == ".." || name.contains(['/', '\0']) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("'{name}' is not a file name of the program's directory"),
+            ));
+        }
+        let path = self.path.join(name);
+        let mut file = std::fs::File::options()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)?;
+        if let Some(uid) = self.owner {
+            std::os::unix::fs::fchown(&file, Some(uid), Some(uid))?;
+        }
+        file.write_all(bytes)?;
+        Ok(path)
     }
 
     /// Hands the directory and its regular files to root, readable and
@@ -297,6 +375,9 @@ fn claim_uids(count: usize) -> std::io::Result<Vec<(u32, File)>> {
             .write(true)
             .open(dir.join(uid.to_string()))?;
         if sys::try_lock(file.as_raw_fd())? {
+            // What a program of an earlier holder left (its holder killed
+            // before it could end them) must not outlive into new runs.
+            sys::kill_all_of(uid)?;
             claimed.push((uid, file));
         }
     }
@@ -322,6 +403,19 @@ impl Sandbox {
         slots: usize,
         toolchains: &[PathBuf],
         wanted: Isolation,
+    ) -> std::io::Result<Self> {
+        Self::with_network(root, slots, toolchains, wanted, Network::None).await
+    }
+
+    /// The same, its programs given `network` (see the module's docs):
+    /// [`Network::Loopback`] for agents that reach us through
+    /// [`Sandbox::listen`].
+    pub async fn with_network(
+        root: &Path,
+        slots: usize,
+        toolchains: &[PathBuf],
+        wanted: Isolation,
+        network: Network,
     ) -> std::io::Result<Self> {
         use std::os::unix::fs::PermissionsExt;
         std::fs::create_dir_all(root)?;
@@ -357,6 +451,7 @@ impl Sandbox {
                 root: &root,
                 binds: &bind_refs,
                 covered: &covered,
+                loopback: network == Network::Loopback,
             }) {
                 Ok(ns) => Some(ns),
                 Err(err) => {
@@ -405,6 +500,7 @@ impl Sandbox {
         let mut sandbox = Self {
             root,
             namespaces,
+            network,
             uids,
             slots: Semaphore::new(slots),
             binds,
@@ -460,8 +556,34 @@ impl Sandbox {
         }
     }
 
+    /// What is enforced, in words, the network included.
     pub fn describe(&self) -> String {
-        self.isolation().describe()
+        self.isolation().describe_network(self.network)
+    }
+
+    /// The network its programs were given.
+    pub fn network(&self) -> Network {
+        self.network
+    }
+
+    /// A TCP listener on `127.0.0.1:0` that the programs of a
+    /// [`Network::Loopback`] sandbox reach, at the same address, and
+    /// (where namespaces are available) the only thing they reach. It is
+    /// blocking: for tokio, `set_nonblocking(true)` then
+    /// `tokio::net::TcpListener::from_std`. Without namespaces it is on the
+    /// host's 127.0.0.1, where the programs reach everything else too
+    /// ([`Sandbox::describe`] says so). A sandbox made with
+    /// [`Network::None`] has no network to listen on: an error.
+    pub fn listen(&self) -> std::io::Result<std::net::TcpListener> {
+        if self.network != Network::Loopback {
+            return Err(std::io::Error::other(
+                "this sandbox's programs have no network: make it with Network::Loopback to listen for them",
+            ));
+        }
+        match &self.namespaces {
+            Some(ns) => ns.listen(),
+            None => std::net::TcpListener::bind(("127.0.0.1", 0)),
+        }
     }
 
     /// Where programs see `path`, a path under the sandbox's directory.
@@ -510,6 +632,7 @@ impl Slot<'_> {
         let dir = Workdir {
             inside: self.sandbox.inside(&path),
             path,
+            owner: self.uid(),
         };
         if let Some(uid) = self.uid() {
             std::os::unix::fs::chown(&dir.path, Some(uid), Some(uid))?;
@@ -526,6 +649,21 @@ impl Slot<'_> {
         stdin: &[u8],
         limits: &Limits,
     ) -> std::io::Result<Execution> {
+        self.run_with(argv, dir, stdin, limits, &[]).await
+    }
+
+    /// The same, with `env` added to the program's environment (`PATH`,
+    /// `LANG`, `HOME`, `TMPDIR` and `PYTHONDONTWRITEBYTECODE`, which `env`
+    /// may replace). A name that is empty or holds `=`, or a NUL byte
+    /// anywhere, is an error.
+    pub async fn run_with(
+        &self,
+        argv: &[String],
+        dir: &Workdir,
+        stdin: &[u8],
+        limits: &Limits,
+        env: &[(String, String)],
+    ) -> std::io::Result<Execution> {
         let Some(program) = argv.first() else {
             return Err(std::io::Error::other("nothing to run"));
         };
@@ -538,13 +676,24 @@ impl Slot<'_> {
             .map(|a| cstring(a.as_bytes()))
             .collect::<std::io::Result<Vec<_>>>()?;
         let inside = dir.inside().as_os_str().as_encoded_bytes();
-        let mut env = vec![
+        let mut environment = vec![
             cstring(b"PATH=/usr/local/bin:/usr/bin:/bin")?,
             cstring(b"LANG=C.UTF-8")?,
             cstring(b"PYTHONDONTWRITEBYTECODE=1")?,
         ];
         for key in ["HOME", "TMPDIR"] {
-            env.push(cstring(&[key.as_bytes(), b"=", inside].concat())?);
+            environment.push(cstring(&[key.as_bytes(), b"=", inside].concat())?);
+        }
+        for (name, value) in env {
+            if name.is_empty() || name.contains('=') {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("'{name}' is not an environment variable's name"),
+                ));
+            }
+            let prefix = format!("{name}=");
+            environment.retain(|e| !e.as_bytes().starts_with(prefix.as_bytes()));
+            environment.push(cstring(format!("{prefix}{value}").as_bytes())?);
         }
         let cpu = limits.cpu.as_secs().max(1);
         let setup = ChildSetup {
@@ -560,8 +709,13 @@ impl Slot<'_> {
             ids: self.uid().map(|uid| (uid, uid)),
         };
         let started = Instant::now();
-        let child = sys::spawn(&path, &args, &env, &setup)
-            .map_err(|e| std::io::Error::new(e.kind(), format!("cannot start '{program}': {e}")))?;
+        let child = sys::spawn(sys::Spawn {
+            path,
+            argv: args,
+            env: environment,
+            setup,
+        })
+        .map_err(|e| std::io::Error::new(e.kind(), format!("cannot start '{program}': {e}")))?;
         let mut process = Process {
             pid: child.pid,
             reaped: false,

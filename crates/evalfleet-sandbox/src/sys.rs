@@ -10,6 +10,14 @@
 //! hold the allocator's lock): everything it needs is prepared before, as C
 //! strings and plain numbers; and the shared-memory children change their
 //! credentials with raw system calls only.
+//!
+//! Programs are cloned by one thread of ours that lives as long as the
+//! process (see [`spawn`]): a program asks the kernel for SIGKILL when its
+//! parent ends (`PR_SET_PDEATHSIG`), and the kernel's "parent" is the thread
+//! that cloned it. Were that a tokio worker, a worker that becomes a
+//! blocking thread (`block_in_place`) and later ends for idleness would
+//! kill programs that still run; the spawner thread ends only with the
+//! process, so a program dies when, and only when, evalfleet dies.
 
 #![allow(unsafe_code)]
 
@@ -40,8 +48,9 @@ pub fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
-/// A network namespace with nothing in it (not even a loopback that is up)
-/// and a mount namespace in which the whole tree is read-only, the shared
+/// A network namespace with nothing in it (its loopback down, or up where
+/// asked, with nothing listening on it but what [`listen_in`] makes) and a
+/// mount namespace in which the whole tree is read-only, the shared
 /// temporary directories are empty, and the sandbox's directory is seen,
 /// writable, at `/mnt`. Made once; every execution enters them.
 pub struct Namespaces {
@@ -60,6 +69,8 @@ pub struct MountPlan<'a> {
     pub binds: &'a [(&'a Path, &'a Path)],
     /// Directories covered by an empty, read-only file system.
     pub covered: &'a [&'a Path],
+    /// Whether the network namespace's loopback is up.
+    pub loopback: bool,
 }
 
 impl Namespaces {
@@ -90,11 +101,15 @@ impl Namespaces {
             .collect::<io::Result<Vec<_>>>()?;
         let tmpfs = c"tmpfs";
         let tmpfs_options = c"size=4k,mode=755";
+        let loopback = plan.loopback;
         let setup = move || -> io::Result<()> {
             // SAFETY: each call gets NUL-terminated strings that live in this
             // closure, or null where the call allows it; none allocates.
             unsafe {
                 check(libc::unshare(libc::CLONE_NEWNET | libc::CLONE_NEWNS))?;
+                if loopback {
+                    loopback_up()?;
+                }
                 check(libc::mount(
                     std::ptr::null(),
                     slash.as_ptr(),
@@ -169,6 +184,55 @@ impl Namespaces {
     pub fn raw(&self) -> (RawFd, RawFd) {
         (self.net.as_raw_fd(), self.mnt.as_raw_fd())
     }
+
+    /// A TCP listener on `127.0.0.1:0` inside the network namespace (whose
+    /// loopback must be up): see [`listen_in`].
+    pub fn listen(&self) -> io::Result<std::net::TcpListener> {
+        listen_in(&self.net)
+    }
+}
+
+/// Brings the current network namespace's loopback (`lo`) up.
+///
+/// # Safety
+/// Only system calls on a local `ifreq`: safe in a forked child before its
+/// `exec`.
+unsafe fn loopback_up() -> io::Result<()> {
+    // SAFETY: a socket we close below, and ioctls that read and write the
+    // local request, whose name is NUL-terminated.
+    unsafe {
+        let sock = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        check(sock)?;
+        let mut request: libc::ifreq = std::mem::zeroed();
+        for (to, from) in request.ifr_name.iter_mut().zip(b"lo\0") {
+            *to = *from as libc::c_char;
+        }
+        let result =
+            check(libc::ioctl(sock, libc::SIOCGIFFLAGS, &raw mut request)).and_then(|()| {
+                request.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short;
+                check(libc::ioctl(sock, libc::SIOCSIFFLAGS, &raw const request))
+            });
+        libc::close(sock);
+        result
+    }
+}
+
+/// Binds a TCP listener on `127.0.0.1:0` inside the network namespace
+/// `net`: a thread of its own enters the namespace (a thread's network
+/// namespace is its own), binds, and ends; the socket stays in the
+/// namespace it was made in, and any thread of ours may accept on it.
+pub fn listen_in(net: &OwnedFd) -> io::Result<std::net::TcpListener> {
+    let net = net.try_clone()?;
+    std::thread::Builder::new()
+        .name("evalfleet-sandbox-listen".to_owned())
+        .spawn(move || -> io::Result<std::net::TcpListener> {
+            // SAFETY: setns on a namespace handle we own; it changes this
+            // thread only, which ends after the bind.
+            check(unsafe { libc::setns(net.as_raw_fd(), libc::CLONE_NEWNET) })?;
+            std::net::TcpListener::bind(("127.0.0.1", 0))
+        })?
+        .join()
+        .map_err(|_| io::Error::other("the sandbox's listening thread panicked"))?
 }
 
 /// # Safety
@@ -203,6 +267,7 @@ pub struct Rlimits {
 }
 
 /// How a child enters the sandbox before it runs its program.
+#[derive(Clone)]
 pub struct ChildSetup {
     pub namespaces: Option<(RawFd, RawFd)>,
     /// Its working directory, as seen from inside.
@@ -318,6 +383,8 @@ struct ChildArgs<'a> {
     /// The child's ends: stdin, stdout, stderr; and the report pipe.
     fds: [RawFd; 3],
     report: RawFd,
+    /// Our pid: the child's parent, unless we died while it started.
+    parent: libc::pid_t,
 }
 
 extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
@@ -365,6 +432,16 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
         if let Err(stage) = args.setup.enter() {
             return fail(stage);
         }
+        // Killed when its parent, the spawner thread, ends: when we do,
+        // however (see the module's docs). Set after the credentials
+        // change, which clears it; and a parent already gone by then sent
+        // nothing, so the child looks.
+        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) == -1 {
+            return fail(Stage::User);
+        }
+        if libc::getppid() != args.parent {
+            libc::_exit(127);
+        }
         libc::execve(args.path, args.argv, args.envp);
         fail(Stage::Exec)
     }
@@ -407,11 +484,54 @@ fn nonblocking(fd: &OwnedFd) -> io::Result<()> {
     }
 }
 
+/// A program to start: what [`spawn`] hands the spawner thread.
+pub struct Spawn {
+    pub path: CString,
+    pub argv: Vec<CString>,
+    pub env: Vec<CString>,
+    pub setup: ChildSetup,
+}
+
+type Request = (Spawn, std::sync::mpsc::SyncSender<io::Result<Started>>);
+
+/// Starts a program, as [`spawn_here`] does, on the spawner thread (which
+/// lives as long as the process; see the module's docs), and waits for it
+/// to have started: about as long as starting it here.
+pub fn spawn(request: Spawn) -> io::Result<Started> {
+    static SPAWNER: std::sync::OnceLock<std::sync::mpsc::Sender<Request>> =
+        std::sync::OnceLock::new();
+    let spawner = SPAWNER.get_or_init(|| {
+        let (sender, requests) = std::sync::mpsc::channel::<Request>();
+        let started = std::thread::Builder::new()
+            .name("evalfleet-sandbox-spawner".to_owned())
+            .spawn(move || {
+                for (spawn, reply) in requests {
+                    let started = spawn_here(&spawn.path, &spawn.argv, &spawn.env, &spawn.setup);
+                    // The asker waits for the answer; if it is gone, what
+                    // started is dropped and its descriptors closed.
+                    let _ = reply.send(started);
+                }
+            });
+        if let Err(err) = started {
+            tracing::error!("The sandbox cannot start its spawner thread: {err}.");
+        }
+        sender
+    });
+    let (reply, answer) = std::sync::mpsc::sync_channel(1);
+    spawner
+        .send((request, reply))
+        .map_err(|_| io::Error::other("the sandbox's spawner thread is gone"))?;
+    answer
+        .recv()
+        .map_err(|_| io::Error::other("the sandbox's spawner thread is gone"))?
+}
+
 /// Starts `path` with `argv` and `env` in the sandbox `setup` describes, as
 /// `posix_spawn` does: the child shares our memory until its `exec`, and
 /// this thread waits for that, so nothing of our address space is copied
-/// (a fork of this process costs about a millisecond per program).
-pub fn spawn(
+/// (a fork of this process costs about a millisecond per program). The
+/// child is this thread's: it is killed when this thread ends.
+fn spawn_here(
     path: &CString,
     argv: &[CString],
     env: &[CString],
@@ -442,6 +562,8 @@ pub fn spawn(
             stderr_child.as_raw_fd(),
         ],
         report: report_child.as_raw_fd(),
+        // SAFETY: getpid has no preconditions and cannot fail.
+        parent: unsafe { libc::getpid() },
     };
     // SAFETY: `child_main` reads only `args`, which lives until the child
     // has called exec or exited.

@@ -6,6 +6,7 @@
 // Test helpers (stand-in servers) run outside any run's task tracker.
 #![allow(clippy::disallowed_methods)]
 
+mod agent;
 mod code_judge;
 mod fusion;
 mod sandbox;
