@@ -262,6 +262,9 @@ pub struct SessionPlan {
     /// Where a conversation's decisions go when a trainer takes them
     /// (`evalfleet env`).
     pub gym: Option<Arc<task::conversation::gym::Gym>>,
+    /// What serves an exec task's gateway (the binary's server); `None`
+    /// where this process serves none.
+    pub gateway_host: Option<Arc<dyn task::exec::GatewayHost>>,
 }
 
 /// The live counters of a session about to run, for a progress display.
@@ -371,12 +374,32 @@ async fn session(
     };
     // A stop while the task starts (a metric backend's setup may take
     // long) ends it: what it started is killed as its future is dropped.
+    // An exec task's agents call the fleet through the gateway, whose
+    // calls in flight end with the session.
+    let gateway_stop = CancellationToken::new();
+    let _gateway_stops = gateway_stop.clone().drop_guard();
+    let agents = match (plan.config.task.kind.exec(), &plan.gateway_host) {
+        (Some(settings), Some(host)) => Some(task::Agents {
+            gateway: crate::gateway::Gateway::new(
+                &plan.run_id,
+                plan.endpoints.clone(),
+                plan.fleet.clone(),
+                &settings.models,
+                plan.config.timeouts.no_endpoint,
+                gateway_stop.clone(),
+            )
+            .map_err(task::TaskError::Invalid)?,
+            host: host.clone(),
+        }),
+        _ => None,
+    };
     let starting = task::start(
         &plan.config,
         plan.templates.clone(),
         &plan.sandbox_dir,
         used_topics,
         plan.gym.clone(),
+        agents,
     );
     let task = tokio::select! {
         task = starting => task?,

@@ -11,6 +11,7 @@ pub mod control;
 pub mod env;
 mod error;
 mod extract;
+pub mod gateway;
 mod hosts;
 mod keys;
 mod metrics;
@@ -60,6 +61,8 @@ pub fn app(state: Arc<AppState>) -> Router {
         ))
         .layer(DefaultBodyLimit::max(state.body_limit))
         .with_state(state)
+        // Agents' calls carry their own credentials (the item's token).
+        .merge(gateway::router(gateway::registry().clone()))
 }
 
 /// The OpenAPI document.

@@ -17,8 +17,8 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use super::{
-    CallError, CallOutcome, ChatClient, Completion, ERROR_BODY_LIMIT, Quota, Timing,
-    error_message, quota_headers, request_error, retry_after,
+    CallError, CallOutcome, ChatClient, Completion, ERROR_BODY_LIMIT, Quota, Timing, error_message,
+    quota_headers, request_error, retry_after,
 };
 
 /// The APIs the gateway forwards.
@@ -500,7 +500,10 @@ impl Reading {
         if let Some(function) = piece.get("function") {
             for key in ["name", "arguments"] {
                 if let Some(more) = function.get(key).and_then(Value::as_str) {
-                    let mut so_far = call["function"][key].as_str().unwrap_or_default().to_owned();
+                    let mut so_far = call["function"][key]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_owned();
                     so_far.push_str(more);
                     call["function"][key] = Value::String(so_far);
                 }
@@ -592,7 +595,10 @@ mod tests {
         let kept: Value = serde_json::from_str(&reading.kept().unwrap()).unwrap();
         assert_eq!(kept["tool_calls"][0]["id"], "call_1");
         assert_eq!(kept["tool_calls"][0]["function"]["name"], "lookup");
-        assert_eq!(kept["tool_calls"][0]["function"]["arguments"], "{\"q\":\"x\"}");
+        assert_eq!(
+            kept["tool_calls"][0]["function"]["arguments"],
+            "{\"q\":\"x\"}"
+        );
     }
 
     #[test]

@@ -128,10 +128,8 @@ pub(super) fn exec(raw: RawExec, dir: &Path, p: &mut Problems<'_>) -> Option<Exe
             Err(err) => p.push("task.command", err),
         },
         Some(Value::Array(list)) => {
-            let words: Option<Vec<String>> = list
-                .iter()
-                .map(|v| v.as_str().map(str::to_owned))
-                .collect();
+            let words: Option<Vec<String>> =
+                list.iter().map(|v| v.as_str().map(str::to_owned)).collect();
             match words {
                 Some(words) if !words.is_empty() => Some(words),
                 Some(_) => p.push("task.command", "is empty"),

@@ -926,7 +926,9 @@ fn task_kind(
         }
         "conversation" => super::conversation::conversation(conversation.as_ref(), p)
             .map(|settings| TaskKind::Conversation(Box::new(settings))),
-        "exec" => super::exec::exec(exec, dir, p).map(|settings| TaskKind::Exec(Box::new(settings))),
+        "exec" => {
+            super::exec::exec(exec, dir, p).map(|settings| TaskKind::Exec(Box::new(settings)))
+        }
         other => p.push("task.kind", format!("must be {KINDS}, got '{other}'")),
     }
 }

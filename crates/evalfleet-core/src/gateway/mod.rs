@@ -218,7 +218,8 @@ impl Gateway {
     /// Opens the address of attempt `attempt` of item `seq`, live for at
     /// most `ttl`, with `budget`.
     pub fn open(self: &Arc<Self>, seq: u64, attempt: u32, budget: Budget, ttl: Duration) -> Pass {
-        let expires_ms = now_ms().saturating_add(i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX));
+        let expires_ms =
+            now_ms().saturating_add(i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX));
         let token = self.keys.sign(&Claims {
             run_id: self.run_id.clone(),
             seq,
@@ -261,9 +262,7 @@ impl Gateway {
             .verify(token, now_ms())
             .map_err(|err| GatewayError::unauthorized(format!("{err}.")))?;
         if claims.run_id != self.run_id {
-            return Err(GatewayError::unauthorized(
-                "the token is not for this run.",
-            ));
+            return Err(GatewayError::unauthorized("the token is not for this run."));
         }
         self.grants
             .lock()
@@ -276,7 +275,12 @@ impl Gateway {
 
     /// `GET /v1/models`: the names the agent may ask for.
     pub fn models(&self) -> Value {
-        let mut names: Vec<&str> = self.routes.aliases.iter().map(|(n, _)| n.as_str()).collect();
+        let mut names: Vec<&str> = self
+            .routes
+            .aliases
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .collect();
         for endpoint in &self.endpoints {
             if endpoint.config.takes_items() && !names.contains(&endpoint.model.as_str()) {
                 names.push(&endpoint.model);
@@ -309,18 +313,38 @@ impl Gateway {
         };
         let body = match serde_json::from_slice::<Value>(&asked.body) {
             Ok(Value::Object(body)) => body,
-            Ok(_) => return self.refuse(&grant, record, GatewayError::bad_request("the request body must be a JSON object.")),
-            Err(err) => return self.refuse(&grant, record, GatewayError::bad_request(format!("the request body is not JSON: {err}."))),
+            Ok(_) => {
+                return self.refuse(
+                    &grant,
+                    record,
+                    GatewayError::bad_request("the request body must be a JSON object."),
+                );
+            }
+            Err(err) => {
+                return self.refuse(
+                    &grant,
+                    record,
+                    GatewayError::bad_request(format!("the request body is not JSON: {err}.")),
+                );
+            }
         };
         record.tags = tags(&body, asked.traceparent.as_deref());
         let Some(asked_model) = body.get("model").and_then(Value::as_str).map(str::to_owned) else {
-            return self.refuse(&grant, record, GatewayError::bad_request("the request names no model."));
+            return self.refuse(
+                &grant,
+                record,
+                GatewayError::bad_request("the request names no model."),
+            );
         };
         record.asked_model = asked_model.clone();
         let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
         record.stream = stream;
         if stream && asked.api == Api::Embeddings {
-            return self.refuse(&grant, record, GatewayError::bad_request("embeddings are not streamed."));
+            return self.refuse(
+                &grant,
+                record,
+                GatewayError::bad_request("embeddings are not streamed."),
+            );
         }
         let Some(candidates) = self.routes.resolve(&asked_model, &self.endpoints) else {
             let error = GatewayError::new(
@@ -339,7 +363,10 @@ impl Gateway {
             .and_then(Value::as_u64)
             .unwrap_or(256);
         let cost = asked.body.len() as u64 / 4 + max_tokens;
-        let mut left: Vec<Arc<Endpoint>> = candidates.iter().map(|i| self.endpoints[*i].clone()).collect();
+        let mut left: Vec<Arc<Endpoint>> = candidates
+            .iter()
+            .map(|i| self.endpoints[*i].clone())
+            .collect();
         let mut last: Option<(Exchange, Arc<Endpoint>, Head)> = None;
         while !left.is_empty() {
             let Some((endpoint, permit, client)) = self.admit_any(&left).await else {
@@ -396,12 +423,20 @@ impl Gateway {
                 Err(_) => break,
             };
             match head {
-                Head::Failed { status, content_type, body: error_body } => {
+                Head::Failed {
+                    status,
+                    content_type,
+                    body: error_body,
+                } => {
                     let (exchange, kept) = match done_rx.await {
                         Ok(done) => done,
                         Err(_) => break,
                     };
-                    let failed = Head::Failed { status, content_type, body: error_body };
+                    let failed = Head::Failed {
+                        status,
+                        content_type,
+                        body: error_body,
+                    };
                     let again = match status {
                         None => true,
                         Some(status) => status == 429 || status == 408 || status >= 500,
@@ -474,7 +509,8 @@ impl Gateway {
                     })
                 })
                 .collect();
-            let first = tokio::time::timeout_at(deadline, futures_util::future::select_all(waits)).await;
+            let first =
+                tokio::time::timeout_at(deadline, futures_util::future::select_all(waits)).await;
             let (endpoint, permit) = match first {
                 Ok((Some(admitted), _, _)) => admitted,
                 Ok((None, _, _)) | Err(_) => return None,
@@ -484,9 +520,12 @@ impl Gateway {
                 // Not started yet (or restarting): another turn.
                 None => {
                     drop(permit);
-                    if tokio::time::timeout_at(deadline, tokio::time::sleep(Duration::from_millis(50)))
-                        .await
-                        .is_err()
+                    if tokio::time::timeout_at(
+                        deadline,
+                        tokio::time::sleep(Duration::from_millis(50)),
+                    )
+                    .await
+                    .is_err()
                     {
                         return None;
                     }
@@ -500,9 +539,7 @@ impl Grant {
     /// The refusal of a call past the attempt's budget.
     fn over_budget(&self) -> Option<GatewayError> {
         let spent = |what: String| {
-            Some(
-                GatewayError::new(429, "insufficient_quota", "budget_exhausted", what).final_(),
-            )
+            Some(GatewayError::new(429, "insufficient_quota", "budget_exhausted", what).final_())
         };
         if let Some(calls) = self.budget.calls
             && self.next_index.load(Ordering::Acquire) >= calls
@@ -601,7 +638,10 @@ fn rewrite(body: &Map<String, Value>, model: &str, api: Api, stream: bool) -> By
 fn tags(body: &Map<String, Value>, traceparent: Option<&str>) -> Option<String> {
     let mut tags = Map::new();
     if let Some(trace) = traceparent {
-        tags.insert("traceparent".to_owned(), Value::String(trace.chars().take(256).collect()));
+        tags.insert(
+            "traceparent".to_owned(),
+            Value::String(trace.chars().take(256).collect()),
+        );
     }
     for key in ["user", "metadata"] {
         if let Some(value) = body.get(key).filter(|v| !v.is_null()) {
@@ -642,7 +682,10 @@ fn fill(record: &mut AgentCall, exchange: &Exchange, endpoint: &Endpoint) {
         Exchange::Moved { .. } => {
             record.http_status = 503;
             record.error_class = Some(ErrorClass::BackPressure);
-            record.error = Some(format!("{} stopped taking calls during the call", endpoint.name));
+            record.error = Some(format!(
+                "{} stopped taking calls during the call",
+                endpoint.name
+            ));
         }
         Exchange::Cancelled { why, .. } => {
             record.http_status = 499;
@@ -686,13 +729,19 @@ fn failure_answer(exchange: &Exchange, failed: Head) -> Answer {
     };
     let retry_after = error.retry_after().map(|d| d.as_secs().max(1));
     let mut answer = match error {
-        CallError::Status { status: 429, message, .. } => GatewayError::new(
+        CallError::Status {
+            status: 429,
+            message,
+            ..
+        } => GatewayError::new(
             429,
             "rate_limit_error",
             "rate_limit_exceeded",
             format!("Rate limited by the endpoint: {message}"),
         ),
-        CallError::Status { status, message, .. } => GatewayError::new(
+        CallError::Status {
+            status, message, ..
+        } => GatewayError::new(
             if *status >= 500 { *status } else { 502 },
             "server_error",
             "upstream_error",
@@ -702,7 +751,10 @@ fn failure_answer(exchange: &Exchange, failed: Head) -> Answer {
             503,
             "server_error",
             "endpoint_unreachable",
-            format!("No endpoint could be reached: {}", evalfleet_types::error_text(error)),
+            format!(
+                "No endpoint could be reached: {}",
+                evalfleet_types::error_text(error)
+            ),
         ),
         CallError::Timeout(_) | CallError::FirstByteTimeout(_) => GatewayError::new(
             504,
@@ -714,7 +766,10 @@ fn failure_answer(exchange: &Exchange, failed: Head) -> Answer {
             502,
             "server_error",
             "upstream_error",
-            format!("The endpoint's answer was not usable: {}", evalfleet_types::error_text(other)),
+            format!(
+                "The endpoint's answer was not usable: {}",
+                evalfleet_types::error_text(other)
+            ),
         ),
     };
     answer.retry_after = retry_after.or((answer.status == 503).then_some(1));

@@ -154,8 +154,15 @@ mod tests {
         );
         // The payload changed (another item), the tag kept.
         let (_, tag) = token.split_once('.').unwrap();
-        let other = Claims { seq: 43, ..claims() };
-        let (forged, _) = keys.sign(&other).split_once('.').map(|(a, b)| (a.to_owned(), b.to_owned())).unwrap();
+        let other = Claims {
+            seq: 43,
+            ..claims()
+        };
+        let (forged, _) = keys
+            .sign(&other)
+            .split_once('.')
+            .map(|(a, b)| (a.to_owned(), b.to_owned()))
+            .unwrap();
         assert_eq!(
             keys.verify(&format!("{forged}.{tag}"), 1_000),
             Err(TokenError::Forged)

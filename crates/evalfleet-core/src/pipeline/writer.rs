@@ -78,7 +78,9 @@ fn add(batch: &mut Batch, outcome: Outcome) {
     batch.attempts.extend(outcome.attempt.map(|a| (claim, a)));
     batch.results.extend(outcome.result.map(|r| (claim, r)));
     batch.cache.extend(outcome.cache);
-    batch.calls.extend(outcome.calls.into_iter().map(|c| (claim, c)));
+    batch
+        .calls
+        .extend(outcome.calls.into_iter().map(|c| (claim, c)));
 }
 
 /// What a blocking store task gives back: the store, and how many results

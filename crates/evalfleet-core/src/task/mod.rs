@@ -235,6 +235,9 @@ pub enum TaskError {
     /// start.
     #[error(transparent)]
     MetricBackend(#[from] crate::metric_backend::BackendError),
+    /// The agents' sandbox or gateway cannot be had (`kind: exec`).
+    #[error(transparent)]
+    Exec(#[from] exec::ExecError),
     /// The run was stopped while the task started.
     #[error("stopped while the task started (a metric backend's setup, or the code judge)")]
     Stopped,
@@ -246,6 +249,7 @@ impl TaskError {
             Self::Invalid(_) => evalfleet_types::Fault::BadInput,
             Self::CodeJudge(err) => err.fault(),
             Self::MetricBackend(err) => err.fault(),
+            Self::Exec(_) => evalfleet_types::Fault::Failure,
             Self::Stopped => evalfleet_types::Fault::Interrupted,
         }
     }
@@ -261,6 +265,7 @@ pub async fn start(
     sandbox_dir: &std::path::Path,
     used_topics: Vec<String>,
     gym: Option<Arc<conversation::gym::Gym>>,
+    gateway: Option<Agents>,
 ) -> Result<Arc<dyn Task>, TaskError> {
     let task = &config.task;
     let assessor = if task.eval.checks() || !task.eval.metrics.is_empty() {
@@ -305,5 +310,29 @@ pub async fn start(
         TaskKind::Conversation(settings) => {
             Arc::new(conversation::Conversation::new(settings, used_topics, gym)?)
         }
+        TaskKind::Exec(settings) => {
+            let Some(agents) = gateway else {
+                return Err(TaskError::Invalid(
+                    "kind: exec needs the gateway, which this command does not serve".to_owned(),
+                ));
+            };
+            Arc::new(
+                exec::Exec::start(
+                    settings,
+                    config.retry.clone(),
+                    chat,
+                    agents.gateway,
+                    &*agents.host,
+                    sandbox_dir,
+                )
+                .await?,
+            )
+        }
     })
+}
+
+/// What an exec task's agents call: the run's gateway, and what serves it.
+pub struct Agents {
+    pub gateway: Arc<crate::gateway::Gateway>,
+    pub host: Arc<dyn exec::GatewayHost>,
 }

@@ -321,6 +321,7 @@ pub(crate) async fn execute(session: Session, attendance: Attendance) -> anyhow:
         retry_failed,
         sandbox_dir: super::sandbox_dir(&location, &run_id),
         gym,
+        gateway_host: Some(Arc::new(evalfleet_server::gateway::Host)),
     };
     let prepared = run::prepare(&mut *store, &plan)?;
     // The writer's and the reader's connections use the cache.
