@@ -1,5 +1,7 @@
 //! The HTTP server: `GET /v1/models`, `POST /v1/chat/completions` (streaming
-//! and not), `GET /mock/stats` (counters for tests and benchmarks),
+//! and not; scripted tool calls), `POST /v1/completions` (legacy text
+//! completions, answered as chat is), `POST /v1/embeddings` (vectors drawn
+//! from a hash of each input), `GET /mock/stats` (counters for tests and benchmarks),
 //! `GET /health`, and its load told as engines tell theirs: `GET /props`
 //! and `GET /slots` as llama.cpp's server answers them, and `GET /metrics`
 //! with llama.cpp's, vLLM's and SGLang's gauges of requests running and
@@ -28,7 +30,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::settings::{Fault, MockSettings, Quota, QuotaMode};
+use crate::settings::{Answer, Fault, MockSettings, Quota, QuotaMode};
 
 /// Counters kept by a running mock. Tests read them to count what reached the
 /// endpoint; `GET /mock/stats` serves them as JSON.
@@ -501,6 +503,8 @@ pub fn app(settings: MockSettings, stats: Arc<Stats>, shutdown: CancellationToke
     Router::new()
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/embeddings", post(embeddings))
         .route("/mock/stats", get(stats_handler))
         .route("/health", get(health))
         .route("/props", get(props))
@@ -720,6 +724,9 @@ struct ChatRequest {
     max_tokens: Option<u32>,
     #[serde(default)]
     max_completion_tokens: Option<u32>,
+    /// The tools offered: any, for scripted tool calls.
+    #[serde(default)]
+    tools: Option<Vec<Value>>,
 }
 
 #[derive(Deserialize)]
@@ -727,6 +734,124 @@ struct ChatMessage {
     role: String,
     #[serde(default)]
     content: Value,
+    #[serde(default)]
+    tool_calls: Option<Value>,
+}
+
+impl ChatMessage {
+    /// An assistant's message that calls tools.
+    fn calls_tools(&self) -> bool {
+        self.role == "assistant"
+            && self
+                .tool_calls
+                .as_ref()
+                .and_then(Value::as_array)
+                .is_some_and(|calls| !calls.is_empty())
+    }
+}
+
+/// A legacy text completion request: answered as a chat request whose one
+/// user message is its prompt.
+#[derive(Deserialize)]
+struct CompletionRequest {
+    #[serde(default)]
+    prompt: Value,
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    max_tokens: Option<u32>,
+}
+
+impl CompletionRequest {
+    fn into_chat(self) -> Result<ChatRequest, String> {
+        let prompt = match self.prompt {
+            Value::String(text) => text,
+            Value::Array(mut prompts)
+                if prompts.len() == 1 && prompts.first().is_some_and(Value::is_string) =>
+            {
+                match prompts.pop() {
+                    Some(Value::String(text)) => text,
+                    _ => String::new(),
+                }
+            }
+            _ => {
+                return Err(
+                    "invalid completion request: the mock answers one prompt, a string, at a time"
+                        .to_owned(),
+                );
+            }
+        };
+        Ok(ChatRequest {
+            messages: vec![ChatMessage {
+                role: "user".to_owned(),
+                content: Value::String(prompt),
+                tool_calls: None,
+            }],
+            stream: self.stream,
+            stream_options: self.stream_options,
+            max_tokens: self.max_tokens,
+            max_completion_tokens: None,
+            tools: None,
+        })
+    }
+}
+
+/// Which API a request came by: it decides the answer's shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+/// What a scripted reply comes to for a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Resolved {
+    Text(String),
+    Call { name: String, arguments: String },
+}
+
+/// Follows a scripted reply past the tool results the request holds since
+/// its last user message: a call not yet answered is made where the
+/// request offers tools (and skipped where it does not); a text gets
+/// `{result}` replaced by the last tool result.
+fn resolve(script: &Answer, messages: &[ChatMessage], offers_tools: bool) -> Resolved {
+    let since_user = messages
+        .iter()
+        .rposition(|m| m.role == "user")
+        .map_or(messages, |i| &messages[i + 1..]);
+    let mut results = since_user.iter().filter(|m| m.role == "tool");
+    let mut last_result = String::new();
+    let mut at = script;
+    loop {
+        match at {
+            Answer::Text(text) => return Resolved::Text(text.replace("{result}", &last_result)),
+            Answer::Tool {
+                name,
+                arguments,
+                then,
+            } => {
+                match results.next() {
+                    Some(result) => last_result = message_text(&result.content),
+                    None if offers_tools => {
+                        return Resolved::Call {
+                            name: name.clone(),
+                            arguments: arguments.clone(),
+                        };
+                    }
+                    None => {}
+                }
+                at = then;
+            }
+        }
+    }
+}
+
+/// A tool call's arguments in the pieces a stream sends: 8 characters each.
+fn pieces(text: &str) -> Vec<String> {
+    let chars: Vec<char> = text.chars().collect();
+    chars.chunks(8).map(|c| c.iter().collect()).collect()
 }
 
 #[derive(Deserialize)]
@@ -914,6 +1039,42 @@ fn pick_fault(faults: &[Fault], draw: f64) -> Option<Fault> {
     })
 }
 
+/// What the mock's fate for a request (keyed by `key`) comes to: the
+/// mishaps of its answer, or the error it gets instead (after hanging, for
+/// a hang, until the mock stops).
+async fn decide(state: &MockState, key: u64) -> Result<Mishaps, Response> {
+    match state.fate(key) {
+        Fate::Fail => {
+            state.stats.injected_errors.fetch_add(1, Ordering::Relaxed);
+            let status = StatusCode::from_u16(state.settings.error_status)
+                .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            Err(error_response(status, "injected error"))
+        }
+        Fate::Fault(fault) => {
+            state.stats.fault(fault.status);
+            let status =
+                StatusCode::from_u16(fault.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            let mut response = error_response(status, "injected fault");
+            if let Some(after) = fault.retry_after {
+                let seconds = after.as_secs_f64().ceil() as u64;
+                response
+                    .headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+            }
+            Err(response)
+        }
+        Fate::Hang => {
+            state.stats.hung.fetch_add(1, Ordering::Relaxed);
+            state.shutdown.cancelled().await;
+            Err(error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "mock shutting down",
+            ))
+        }
+        Fate::Answer(mishaps) => Ok(mishaps),
+    }
+}
+
 /// Releases an admission slot of `max_concurrency` when dropped.
 struct Admitted(Arc<MockState>);
 
@@ -954,7 +1115,16 @@ impl Drop for Counted {
 }
 
 async fn chat(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
-    let arrived = Instant::now();
+    respond(state, body, Kind::Chat).await
+}
+
+async fn completions(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
+    respond(state, body, Kind::Completion).await
+}
+
+/// Counts a request that arrived at `arrived`; during an outage, the
+/// refusal it gets.
+fn arrive(state: &MockState, arrived: Instant) -> Option<Response> {
     if state.stats.requests.fetch_add(1, Ordering::Relaxed) == 0 {
         state
             .stats
@@ -964,17 +1134,30 @@ async fn chat(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
     state.first_chat.get_or_init(|| arrived);
     if let Some(status) = state.outage_now(arrived) {
         state.stats.outage_refused.fetch_add(1, Ordering::Relaxed);
-        return error_response(status, "mock outage");
+        return Some(error_response(status, "mock outage"));
+    }
+    None
+}
+
+/// Answers a chat or text completion request.
+async fn respond(state: Arc<MockState>, body: Bytes, kind: Kind) -> Response {
+    let arrived = Instant::now();
+    if let Some(refused) = arrive(&state, arrived) {
+        return refused;
     }
     let in_flight = InFlight::enter(&state);
-    let request: ChatRequest = match serde_json::from_slice(&body) {
+    let parsed = match kind {
+        Kind::Chat => serde_json::from_slice::<ChatRequest>(&body)
+            .map_err(|err| format!("invalid chat completion request: {err}")),
+        Kind::Completion => serde_json::from_slice::<CompletionRequest>(&body)
+            .map_err(|err| format!("invalid completion request: {err}"))
+            .and_then(CompletionRequest::into_chat),
+    };
+    let request = match parsed {
         Ok(request) => request,
-        Err(err) => {
+        Err(problem) => {
             state.stats.bad_requests.fetch_add(1, Ordering::Relaxed);
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                &format!("invalid chat completion request: {err}"),
-            );
+            return error_response(StatusCode::BAD_REQUEST, &problem);
         }
     };
     let images = match checked_images(&request.messages).await {
@@ -995,7 +1178,7 @@ async fn chat(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
     let interrupt = state.arrival();
 
     let Some(quota) = &state.quota else {
-        return answer_chat(&state, request, arrived, in_flight, interrupt).await;
+        return answer_chat(&state, request, kind, arrived, in_flight, interrupt).await;
     };
     let verdict = quota
         .lock()
@@ -1003,7 +1186,7 @@ async fn chat(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
         .take(Instant::now());
     let mut response = match verdict.refused_for {
         Some(wait) => rate_limited(&state, wait),
-        None => answer_chat(&state, request, arrived, in_flight, interrupt).await,
+        None => answer_chat(&state, request, kind, arrived, in_flight, interrupt).await,
     };
     verdict.add_headers(response.headers_mut());
     response
@@ -1091,6 +1274,7 @@ fn decode_image(at: &str, url: &str) -> Result<ReceivedImage, String> {
 async fn answer_chat(
     state: &Arc<MockState>,
     request: Checked,
+    kind: Kind,
     arrived: Instant,
     in_flight: InFlight,
     interrupt: CancellationToken,
@@ -1132,32 +1316,9 @@ async fn answer_chat(
     }
     let mut hasher = DefaultHasher::new();
     prompt.hash(&mut hasher);
-    let mishaps = match state.fate(hasher.finish()) {
-        Fate::Fail => {
-            state.stats.injected_errors.fetch_add(1, Ordering::Relaxed);
-            let status = StatusCode::from_u16(state.settings.error_status)
-                .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-            return error_response(status, "injected error");
-        }
-        Fate::Fault(fault) => {
-            state.stats.fault(fault.status);
-            let status =
-                StatusCode::from_u16(fault.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-            let mut response = error_response(status, "injected fault");
-            if let Some(after) = fault.retry_after {
-                let seconds = after.as_secs_f64().ceil() as u64;
-                response
-                    .headers_mut()
-                    .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
-            }
-            return response;
-        }
-        Fate::Hang => {
-            state.stats.hung.fetch_add(1, Ordering::Relaxed);
-            state.shutdown.cancelled().await;
-            return error_response(StatusCode::SERVICE_UNAVAILABLE, "mock shutting down");
-        }
-        Fate::Answer(mishaps) => mishaps,
+    let mishaps = match decide(state, hasher.finish()).await {
+        Ok(mishaps) => mishaps,
+        Err(response) => return response,
     };
 
     let slot = match &state.capacity {
@@ -1183,12 +1344,13 @@ async fn answer_chat(
     let scripted = match &state.answers {
         Err(err) => return error_response(StatusCode::INTERNAL_SERVER_ERROR, err),
         Ok(answers) if !answers.is_empty() => {
+            // Re-asks count; a tool call and its result are one turn.
             let asked = request
                 .messages
                 .iter()
-                .filter(|m| m.role == "assistant")
+                .filter(|m| m.role == "assistant" && !m.calls_tools())
                 .count();
-            let reply = |key: String| -> Option<Option<String>> {
+            let reply = |key: String| -> Option<Option<Answer>> {
                 match answers.get(&key)? {
                     crate::settings::Script::Replies { replies, hang_from } => {
                         if hang_from.is_some_and(|from| asked >= from) {
@@ -1205,13 +1367,13 @@ async fn answer_chat(
                         let i = seen.entry(key).or_insert(0);
                         let reply = samples[*i % samples.len()].clone();
                         *i += 1;
-                        Some(Some(reply))
+                        Some(Some(Answer::Text(reply)))
                     }
                 }
             };
             // By its images, when every one of them has a script: their
             // replies, a line each.
-            let by_image: Option<Vec<Option<String>>> = images
+            let by_image: Option<Vec<Option<Answer>>> = images
                 .iter()
                 .map(|image| {
                     image
@@ -1222,8 +1384,17 @@ async fn answer_chat(
                 .collect();
             match by_image {
                 Some(replies) if !replies.is_empty() => {
-                    let replies: Option<Vec<String>> = replies.into_iter().collect();
-                    Some(replies.map(|r| r.join("\n")))
+                    let replies: Option<Vec<Answer>> = replies.into_iter().collect();
+                    Some(replies.map(|replies| {
+                        let texts: Vec<String> = replies
+                            .iter()
+                            .map(|r| match resolve(r, &request.messages, false) {
+                                Resolved::Text(text) => text,
+                                Resolved::Call { arguments, .. } => arguments,
+                            })
+                            .collect();
+                        Answer::Text(texts.join("\n"))
+                    }))
                 }
                 _ => request
                     .messages
@@ -1245,21 +1416,45 @@ async fn answer_chat(
         Some(Some(reply)) => Some(reply),
         None => None,
     };
-    let (tokens, finish_reason) = match scripted.as_deref() {
-        Some(text) => {
-            let settings = MockSettings {
-                output_tokens: None,
-                ..MockSettings::default()
-            };
-            answer(&settings, text, max_tokens)
+    let offers_tools = kind == Kind::Chat
+        && request
+            .tools
+            .as_ref()
+            .is_some_and(|tools| !tools.is_empty());
+    let id = state.next_id.fetch_add(1, Ordering::Relaxed);
+    let (tokens, finish_reason, tool_call) = match scripted.as_ref() {
+        Some(script) => match resolve(script, &request.messages, offers_tools) {
+            Resolved::Text(text) => {
+                let settings = MockSettings {
+                    output_tokens: None,
+                    ..MockSettings::default()
+                };
+                let (tokens, finish_reason) = answer(&settings, &text, max_tokens);
+                (tokens, finish_reason, None)
+            }
+            Resolved::Call { name, arguments } => (
+                pieces(&arguments),
+                "tool_calls",
+                Some(ToolCall {
+                    id: format!("call_mock{id}"),
+                    name,
+                }),
+            ),
+        },
+        None => {
+            let (tokens, finish_reason) = answer(&state.settings, &last_user, max_tokens);
+            (tokens, finish_reason, None)
         }
-        None => answer(&state.settings, &last_user, max_tokens),
     };
     let prompt_tokens = tokens_in(&request.messages);
-    let id = state.next_id.fetch_add(1, Ordering::Relaxed);
     let reply = Reply {
-        id: format!("chatcmpl-mock-{id}"),
+        id: match kind {
+            Kind::Chat => format!("chatcmpl-mock-{id}"),
+            Kind::Completion => format!("cmpl-mock-{id}"),
+        },
         model: state.settings.model.clone(),
+        kind,
+        tool_call,
         tokens,
         finish_reason,
         prompt_tokens,
@@ -1313,9 +1508,19 @@ fn tokens_in(messages: &[ChatMessage]) -> usize {
         .sum()
 }
 
+/// A tool call being answered: one per reply.
+struct ToolCall {
+    id: String,
+    name: String,
+}
+
 struct Reply {
     id: String,
     model: String,
+    kind: Kind,
+    /// The call this reply makes: its `tokens` are then the pieces of its
+    /// arguments.
+    tool_call: Option<ToolCall>,
     tokens: Vec<String>,
     finish_reason: &'static str,
     prompt_tokens: usize,
@@ -1332,15 +1537,99 @@ impl Reply {
         })
     }
 
-    fn chunk(&self, delta: Value, finish_reason: Option<&str>) -> Bytes {
-        let chunk = json!({
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": 0,
-            "model": self.model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
-        });
+    /// A chunk with `piece` of the answer (`None`: nothing new, as the
+    /// first chunk of a chat answer and the last of any).
+    fn chunk(&self, piece: Option<&str>, finish_reason: Option<&str>) -> Bytes {
+        let chunk = match self.kind {
+            Kind::Completion => json!({
+                "id": self.id,
+                "object": "text_completion",
+                "created": 0,
+                "model": self.model,
+                "choices": [{
+                    "index": 0,
+                    "text": piece.unwrap_or(""),
+                    "logprobs": null,
+                    "finish_reason": finish_reason,
+                }],
+            }),
+            Kind::Chat => {
+                let delta = match (&self.tool_call, piece) {
+                    (_, None) if finish_reason.is_some() => json!({}),
+                    (None, None) => json!({"role": "assistant", "content": ""}),
+                    (None, Some(piece)) => json!({"content": piece}),
+                    // As OpenAI streams a call: its id, type and name
+                    // first, then its arguments in pieces.
+                    (Some(call), None) => json!({
+                        "role": "assistant",
+                        "content": null,
+                        "tool_calls": [{
+                            "index": 0,
+                            "id": call.id,
+                            "type": "function",
+                            "function": {"name": call.name, "arguments": ""},
+                        }],
+                    }),
+                    (Some(_), Some(piece)) => json!({
+                        "tool_calls": [{"index": 0, "function": {"arguments": piece}}],
+                    }),
+                };
+                json!({
+                    "id": self.id,
+                    "object": "chat.completion.chunk",
+                    "created": 0,
+                    "model": self.model,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+                })
+            }
+        };
         sse(&chunk)
+    }
+
+    /// The whole answer, as a response body.
+    fn body(&self) -> Value {
+        let text = self.tokens.concat();
+        match (self.kind, &self.tool_call) {
+            (Kind::Completion, _) => json!({
+                "id": self.id,
+                "object": "text_completion",
+                "created": 0,
+                "model": self.model,
+                "choices": [{
+                    "index": 0,
+                    "text": text,
+                    "logprobs": null,
+                    "finish_reason": self.finish_reason,
+                }],
+                "usage": self.usage(),
+            }),
+            (Kind::Chat, call) => {
+                let message = match call {
+                    None => json!({"role": "assistant", "content": text}),
+                    Some(call) => json!({
+                        "role": "assistant",
+                        "content": null,
+                        "tool_calls": [{
+                            "id": call.id,
+                            "type": "function",
+                            "function": {"name": call.name, "arguments": text},
+                        }],
+                    }),
+                };
+                json!({
+                    "id": self.id,
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": self.model,
+                    "choices": [{
+                        "index": 0,
+                        "message": message,
+                        "finish_reason": self.finish_reason,
+                    }],
+                    "usage": self.usage(),
+                })
+            }
+        }
     }
 }
 
@@ -1353,18 +1642,7 @@ fn sse(value: &Value) -> Bytes {
 }
 
 fn whole_reply(state: &Arc<MockState>, reply: Reply, held: Held) -> Response {
-    let body = json!({
-        "id": reply.id,
-        "object": "chat.completion",
-        "created": 0,
-        "model": reply.model,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": reply.tokens.concat()},
-            "finish_reason": reply.finish_reason,
-        }],
-        "usage": reply.usage(),
-    });
+    let body = reply.body();
     let bytes = serde_json::to_vec(&body).unwrap_or_default();
     if reply.mishaps.truncate {
         let half = Bytes::copy_from_slice(&bytes[..bytes.len() / 2]);
@@ -1442,7 +1720,12 @@ impl Streaming {
         loop {
             match step {
                 Step::Role => {
-                    let bytes = reply.chunk(json!({"role": "assistant", "content": ""}), None);
+                    // A text completion's stream has no role chunk.
+                    if reply.kind == Kind::Completion {
+                        step = self.after(None);
+                        continue;
+                    }
+                    let bytes = reply.chunk(None, None);
                     return Some((Ok(bytes), self.after(None)));
                 }
                 Step::HalfWay => {
@@ -1475,7 +1758,7 @@ impl Streaming {
                     if let Err(end) = self.wait(delay).await {
                         return end;
                     }
-                    let bytes = reply.chunk(json!({"content": reply.tokens[i]}), None);
+                    let bytes = reply.chunk(Some(&reply.tokens[i]), None);
                     return Some((Ok(bytes), self.after(Some(i))));
                 }
                 Step::Finish => {
@@ -1487,7 +1770,7 @@ impl Streaming {
                     if let Err(end) = self.wait(delay).await {
                         return end;
                     }
-                    let bytes = reply.chunk(json!({}), Some(reply.finish_reason));
+                    let bytes = reply.chunk(None, Some(reply.finish_reason));
                     if reply.mishaps.unended {
                         stats.unended.fetch_add(1, Ordering::Relaxed);
                         return Some((Ok(bytes), Step::End));
@@ -1502,7 +1785,10 @@ impl Streaming {
                 Step::Usage => {
                     let bytes = sse(&json!({
                         "id": reply.id,
-                        "object": "chat.completion.chunk",
+                        "object": match reply.kind {
+                            Kind::Chat => "chat.completion.chunk",
+                            Kind::Completion => "text_completion",
+                        },
                         "created": 0,
                         "model": reply.model,
                         "choices": [],
@@ -1567,6 +1853,139 @@ fn stream_reply(streaming: Streaming, held: Held) -> Response {
         .headers_mut()
         .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     response
+}
+
+/// Dimensions of an embedding whose request gives no `dimensions`.
+const EMBEDDING_DIMENSIONS: usize = 64;
+/// The most `dimensions` a request may ask for.
+const MAX_EMBEDDING_DIMENSIONS: usize = 8192;
+
+#[derive(Deserialize)]
+struct EmbeddingRequest {
+    input: Value,
+    #[serde(default)]
+    dimensions: Option<usize>,
+    #[serde(default)]
+    encoding_format: Option<String>,
+}
+
+/// The inputs of an embedding request: each one's key (its text, or its
+/// tokens as JSON) and its tokens' count.
+fn embedding_inputs(input: &Value) -> Result<Vec<(String, usize)>, String> {
+    let tokens = |value: &Value| -> Option<(String, usize)> {
+        let ids = value.as_array()?;
+        ids.iter()
+            .all(Value::is_u64)
+            .then(|| (value.to_string(), ids.len()))
+    };
+    let one = |value: &Value| match value {
+        Value::String(text) => Some((text.clone(), text.split_whitespace().count())),
+        other => tokens(other),
+    };
+    let inputs = match input {
+        Value::String(_) => one(input).into_iter().collect(),
+        Value::Array(items) if items.is_empty() => Vec::new(),
+        Value::Array(items) if items.iter().all(Value::is_u64) => tokens(input).into_iter().collect(),
+        Value::Array(items) => items.iter().map(one).collect::<Option<Vec<_>>>().ok_or(
+            "invalid embedding request: input is a string, a list of strings, a list of token ids, or a list of such lists",
+        )?,
+        _ => Vec::new(),
+    };
+    if inputs.is_empty() {
+        return Err(
+            "invalid embedding request: input is a string, a list of strings, a list of token ids, or a list of such lists, not empty"
+                .to_owned(),
+        );
+    }
+    Ok(inputs)
+}
+
+/// A unit vector of `dimensions` drawn from a hash of `key` (and the seed):
+/// the same input gets the same vector, always.
+fn embedding(key: &str, dimensions: usize, seed: u64) -> Vec<f32> {
+    let mut hasher = DefaultHasher::new();
+    (seed, "embedding", key).hash(&mut hasher);
+    let mut rng = fastrand::Rng::with_seed(hasher.finish());
+    let mut vector: Vec<f32> = (0..dimensions).map(|_| rng.f32() * 2.0 - 1.0).collect();
+    let norm = vector.iter().map(|x| x * x).sum::<f32>().sqrt();
+    if norm > 0.0 {
+        for x in &mut vector {
+            *x /= norm;
+        }
+    }
+    vector
+}
+
+/// `POST /v1/embeddings`: a vector per input, after the latency, faults,
+/// errors and hangs chat requests get (not the quotas and queues).
+async fn embeddings(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
+    use base64::Engine as _;
+    let arrived = Instant::now();
+    if let Some(refused) = arrive(&state, arrived) {
+        return refused;
+    }
+    let _in_flight = InFlight::enter(&state);
+    let bad = |problem: &str| {
+        state.stats.bad_requests.fetch_add(1, Ordering::Relaxed);
+        error_response(StatusCode::BAD_REQUEST, problem)
+    };
+    let request: EmbeddingRequest = match serde_json::from_slice(&body) {
+        Ok(request) => request,
+        Err(err) => return bad(&format!("invalid embedding request: {err}")),
+    };
+    let inputs = match embedding_inputs(&request.input) {
+        Ok(inputs) => inputs,
+        Err(problem) => return bad(&problem),
+    };
+    let dimensions = request.dimensions.unwrap_or(EMBEDDING_DIMENSIONS);
+    if !(1..=MAX_EMBEDDING_DIMENSIONS).contains(&dimensions) {
+        return bad(&format!(
+            "invalid embedding request: dimensions must be from 1 to {MAX_EMBEDDING_DIMENSIONS}, got {dimensions}"
+        ));
+    }
+    let base64 = match request.encoding_format.as_deref() {
+        None | Some("float") => false,
+        Some("base64") => true,
+        Some(other) => {
+            return bad(&format!(
+                "invalid embedding request: encoding_format is float or base64, got '{other}'"
+            ));
+        }
+    };
+    let mut hasher = DefaultHasher::new();
+    inputs.hash(&mut hasher);
+    if let Err(response) = decide(&state, hasher.finish()).await {
+        return response;
+    }
+    if !pause(&state, state.settings.latency).await {
+        return error_response(StatusCode::SERVICE_UNAVAILABLE, "mock shutting down");
+    }
+    let seed = state.settings.seed;
+    let data: Vec<Value> = inputs
+        .iter()
+        .enumerate()
+        .map(|(index, (key, _))| {
+            let vector = embedding(key, dimensions, seed);
+            let embedding = if base64 {
+                let bytes: Vec<u8> = vector.iter().flat_map(|x| x.to_le_bytes()).collect();
+                json!(base64::engine::general_purpose::STANDARD.encode(bytes))
+            } else {
+                json!(vector)
+            };
+            json!({"object": "embedding", "index": index, "embedding": embedding})
+        })
+        .collect();
+    let prompt_tokens: usize = inputs.iter().map(|(_, tokens)| tokens).sum();
+    state.stats.completed(arrived);
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "object": "list",
+            "data": data,
+            "model": state.settings.model,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+        }),
+    )
 }
 
 fn rate_limited(state: &MockState, wait: Duration) -> Response {

@@ -201,7 +201,14 @@ pub struct MockSettings {
     /// samples of one question). A line may give `"image": SHA256` (the
     /// hex SHA-256 of an image's bytes) instead of `prompt`: a request whose
     /// every image has such a line gets their replies, one line each. Other
-    /// requests are answered as usual.
+    /// requests are answered as usual. A reply may be a tool call,
+    /// `{"tool": NAME, "arguments": {...}, "then": REPLY}`: a request that
+    /// offers `tools` and holds no tool result since its last user message
+    /// gets that call (finish_reason `tool_calls`); one whose last tool
+    /// result follows it gets `then` (text, or the next call), `{result}`
+    /// in it replaced by that result; one without `tools` gets the last
+    /// text of the chain. Assistant messages that are tool calls do not
+    /// count in k.
     #[cfg_attr(feature = "cli", arg(long, value_name = "FILE"))]
     pub answers: Option<std::path::PathBuf>,
 }
@@ -528,13 +535,69 @@ impl FromStr for Outage {
     }
 }
 
+/// One scripted reply (see [`MockSettings::answers`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Answer {
+    /// A text; `{result}` in it is replaced by the last tool result.
+    Text(String),
+    /// A call of the tool `name` with `arguments` (JSON text), and what
+    /// answers its result.
+    Tool {
+        name: String,
+        arguments: String,
+        then: Box<Answer>,
+    },
+}
+
+impl Answer {
+    /// Reads a reply: a string, or `{"tool": NAME, "arguments": ANY,
+    /// "then": REPLY}` (`arguments` an object by default `{}`, or a string
+    /// sent as it is; `then` by default `"{result}"`).
+    fn from_value(value: &serde_json::Value, at: &str) -> Result<Self, String> {
+        use serde_json::Value;
+        match value {
+            Value::String(text) => Ok(Self::Text(text.clone())),
+            Value::Object(fields) => {
+                if let Some(key) = fields
+                    .keys()
+                    .find(|k| !["tool", "arguments", "then"].contains(&k.as_str()))
+                {
+                    return Err(format!(
+                        "{at}: unknown key '{key}' in a tool call (tool, arguments, then)"
+                    ));
+                }
+                let Some(Value::String(name)) = fields.get("tool") else {
+                    return Err(format!("{at}: a tool call needs \"tool\": NAME"));
+                };
+                let arguments = match fields.get("arguments") {
+                    None => "{}".to_owned(),
+                    Some(Value::String(text)) => text.clone(),
+                    Some(other) => other.to_string(),
+                };
+                let then = match fields.get("then") {
+                    None => Self::Text("{result}".to_owned()),
+                    Some(then) => Self::from_value(then, at)?,
+                };
+                Ok(Self::Tool {
+                    name: name.clone(),
+                    arguments,
+                    then: Box::new(then),
+                })
+            }
+            _ => Err(format!(
+                "{at}: a reply is a string or a tool call {{\"tool\": NAME, \"arguments\": {{...}}, \"then\": REPLY}}"
+            )),
+        }
+    }
+}
+
 /// Scripted answers for one prompt (see [`MockSettings::answers`]).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Script {
-    /// By the number of assistant messages in the request; from `hang_from`
-    /// of them on, no answer.
+    /// By the number of assistant messages in the request (tool calls
+    /// aside); from `hang_from` of them on, no answer.
     Replies {
-        replies: Vec<String>,
+        replies: Vec<Answer>,
         hang_from: Option<usize>,
     },
     /// By how many requests for the prompt came before.
@@ -556,7 +619,7 @@ pub fn load_answers(
     struct Line {
         prompt: Option<String>,
         image: Option<String>,
-        replies: Option<Vec<String>>,
+        replies: Option<Vec<serde_json::Value>>,
         samples: Option<Vec<String>>,
         hang_from: Option<usize>,
     }
@@ -571,7 +634,10 @@ pub fn load_answers(
         let parsed: Line = serde_json::from_str(line).map_err(|err| format!("{}: {err}", at()))?;
         let script = match (parsed.replies, parsed.samples) {
             (Some(replies), None) if !replies.is_empty() => Script::Replies {
-                replies,
+                replies: replies
+                    .iter()
+                    .map(|reply| Answer::from_value(reply, &at()))
+                    .collect::<Result<_, _>>()?,
                 hang_from: parsed.hang_from,
             },
             (None, Some(s)) if !s.is_empty() && parsed.hang_from.is_none() => Script::Samples(s),

@@ -784,3 +784,376 @@ async fn images_are_decoded_answered_by_their_hash_and_a_bad_one_is_refused() {
     assert_eq!((stats.images, stats.bad_images), (2, 1), "{stats:?}");
     assert_eq!(stats.image_bytes, 2 * bytes.len() as u64);
 }
+
+/// A response's body as JSON (reqwest is built without its `json`).
+trait JsonBody {
+    async fn json(self) -> Result<Value, serde_json::Error>;
+}
+
+impl JsonBody for reqwest::Response {
+    async fn json(self) -> Result<Value, serde_json::Error> {
+        serde_json::from_slice(&self.bytes().await.unwrap())
+    }
+}
+
+/// A mock whose answers file holds `lines`.
+async fn scripted(lines: &[Value]) -> (MockServer, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let answers = dir.path().join("answers.jsonl");
+    let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+    std::fs::write(&answers, text).unwrap();
+    let server = start(MockSettings {
+        answers: Some(answers),
+        ..MockSettings::default()
+    })
+    .await;
+    (server, dir)
+}
+
+fn lookup_tool() -> Value {
+    json!([{"type": "function", "function": {
+        "name": "lookup",
+        "description": "Finds a city's country.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }}])
+}
+
+/// A streamed tool call put back together: id, type, name, arguments.
+fn streamed_call(events: &[(Instant, String)]) -> (String, String, String, String) {
+    let (mut id, mut kind, mut name, mut arguments) =
+        (String::new(), String::new(), String::new(), String::new());
+    for (_, event) in events {
+        if event == "[DONE]" {
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(event).unwrap();
+        for choice in chunk["choices"].as_array().unwrap() {
+            for call in choice["delta"]["tool_calls"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
+                assert_eq!(call["index"], 0);
+                if let Some(text) = call["id"].as_str() {
+                    id.push_str(text);
+                }
+                if let Some(text) = call["type"].as_str() {
+                    kind.push_str(text);
+                }
+                if let Some(text) = call["function"]["name"].as_str() {
+                    name.push_str(text);
+                }
+                if let Some(text) = call["function"]["arguments"].as_str() {
+                    arguments.push_str(text);
+                }
+            }
+        }
+    }
+    (id, kind, name, arguments)
+}
+
+#[tokio::test]
+async fn a_scripted_tool_call_is_made_then_its_result_answered_streamed_or_not() {
+    let (server, _dir) = scripted(&[json!({
+        "prompt": "Where is Paris?",
+        "replies": [{
+            "tool": "lookup",
+            "arguments": {"city": "Paris", "note": "a long argument, sent in pieces"},
+            "then": "Paris is in {result}.",
+        }],
+    })])
+    .await;
+    let client = client();
+    let question = json!({"role": "user", "content": "Where is Paris?"});
+    let ask = |stream: bool| {
+        json!({"model": "mock", "messages": [question], "tools": lookup_tool(),
+               "stream": stream, "stream_options": {"include_usage": true}})
+    };
+
+    // Not streamed: the call, then the answer to its result.
+    let first: Value = post(&client, &server, &ask(false))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let choice = &first["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{first}");
+    let message = &choice["message"];
+    assert!(message["content"].is_null(), "{first}");
+    let call = &message["tool_calls"][0];
+    assert!(call["id"].as_str().unwrap().starts_with("call_"), "{first}");
+    assert_eq!(call["type"], "function");
+    assert_eq!(call["function"]["name"], "lookup");
+    let arguments: Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(arguments["city"], "Paris");
+    assert!(first["usage"]["completion_tokens"].as_u64().unwrap() > 0);
+
+    let answered = |stream: bool| {
+        json!({"model": "mock", "tools": lookup_tool(), "stream": stream,
+               "stream_options": {"include_usage": true}, "messages": [
+            question,
+            {"role": "assistant", "content": null, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": "France"},
+        ]})
+    };
+    let second: Value = post(&client, &server, &answered(false))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(second["choices"][0]["finish_reason"], "stop", "{second}");
+    assert_eq!(
+        second["choices"][0]["message"]["content"],
+        "Paris is in France."
+    );
+
+    // Streamed: the call's id, type and name first, then its arguments in
+    // pieces; usage in the last chunk.
+    let events = Events::new(post(&client, &server, &ask(true)).await)
+        .rest()
+        .await;
+    let summary = summarise(events.iter().map(|(_, e)| e));
+    assert_eq!(summary.finish_reasons, ["tool_calls"]);
+    assert_eq!(summary.usage_chunks, 1);
+    assert!(summary.ended_with_done);
+    assert!(summary.contents.is_empty(), "{:?}", summary.contents);
+    let (id, kind, name, streamed_arguments) = streamed_call(&events);
+    assert!(id.starts_with("call_"));
+    assert_eq!((kind.as_str(), name.as_str()), ("function", "lookup"));
+    let argument_chunks = events
+        .iter()
+        .filter(|(_, e)| e.contains("\"arguments\"") && !e.contains("\"arguments\":\"\""))
+        .count();
+    assert!(argument_chunks > 1, "the arguments come in pieces");
+    assert_eq!(
+        serde_json::from_str::<Value>(&streamed_arguments).unwrap(),
+        arguments
+    );
+    let events = Events::new(post(&client, &server, &answered(true)).await)
+        .rest()
+        .await;
+    let summary = summarise(events.iter().map(|(_, e)| e));
+    assert_eq!(summary.contents.concat(), "Paris is in France.");
+    assert_eq!(summary.finish_reasons, ["stop"]);
+    assert_eq!(summary.usage_chunks, 1);
+
+    // Without tools offered, the answer the chain ends with.
+    let plain = json!({"model": "mock", "messages": [question]});
+    let text: Value = post(&client, &server, &plain).await.json().await.unwrap();
+    assert_eq!(text["choices"][0]["message"]["content"], "Paris is in .");
+    assert_eq!(text["choices"][0]["finish_reason"], "stop");
+}
+
+#[tokio::test]
+async fn scripted_tool_calls_chain_and_a_bad_script_is_refused() {
+    let (server, _dir) = scripted(&[json!({
+        "prompt": "Two steps",
+        "replies": [{"tool": "search", "arguments": {"q": "a"},
+                     "then": {"tool": "fetch", "arguments": "{\"url\": \"u\"}",
+                              "then": "found {result}"}}],
+    })])
+    .await;
+    let client = client();
+    let tools = json!([
+        {"type": "function", "function": {"name": "search"}},
+        {"type": "function", "function": {"name": "fetch"}},
+    ]);
+    let mut messages = vec![json!({"role": "user", "content": "Two steps"})];
+    let mut names = Vec::new();
+    let last = loop {
+        let body = json!({"model": "mock", "messages": messages, "tools": tools});
+        let reply: Value = post(&client, &server, &body).await.json().await.unwrap();
+        let message = reply["choices"][0]["message"].clone();
+        let Some(call) = message["tool_calls"].get(0).cloned() else {
+            break message["content"].as_str().unwrap().to_owned();
+        };
+        let name = call["function"]["name"].as_str().unwrap().to_owned();
+        messages.push(message);
+        messages.push(json!({"role": "tool", "tool_call_id": call["id"],
+                             "content": format!("{name}-result")}));
+        names.push(name);
+        assert!(names.len() <= 2, "{names:?}");
+    };
+    assert_eq!(names, ["search", "fetch"]);
+    assert_eq!(last, "found fetch-result");
+
+    // A reply that is neither text nor a tool call stops the mock's
+    // requests with the file's line.
+    let (server, _dir) =
+        scripted(&[json!({"prompt": "x", "replies": [{"tool": "t", "args": {}}]})]).await;
+    let response = chat(&client, &server, "x", false).await;
+    assert_eq!(response.status(), 500);
+    let text = response.text().await.unwrap();
+    assert!(text.contains("unknown key 'args'"), "{text}");
+}
+
+async fn post_to(
+    client: &reqwest::Client,
+    server: &MockServer,
+    path: &str,
+    body: &Value,
+) -> reqwest::Response {
+    client
+        .post(format!("{}/{path}", server.base_url()))
+        .header("content-type", "application/json")
+        .body(serde_json::to_vec(body).unwrap())
+        .send()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn text_completions_answer_their_prompt_streamed_or_not() {
+    let server = start(MockSettings::default()).await;
+    let client = client();
+    let whole: Value = post_to(
+        &client,
+        &server,
+        "completions",
+        &json!({"model": "mock", "prompt": "the quick brown fox"}),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(whole["object"], "text_completion");
+    assert_eq!(whole["choices"][0]["text"], "the quick brown fox");
+    assert_eq!(whole["choices"][0]["finish_reason"], "stop");
+    assert_eq!(whole["usage"]["completion_tokens"], 4);
+
+    let response = post_to(
+        &client,
+        &server,
+        "completions",
+        &json!({"model": "mock", "prompt": ["the quick brown fox"], "max_tokens": 3,
+                "stream": true, "stream_options": {"include_usage": true}}),
+    )
+    .await;
+    let events = Events::new(response).rest().await;
+    let mut text = String::new();
+    let mut finish = Vec::new();
+    let mut usage = 0;
+    for (_, event) in &events {
+        if event == "[DONE]" {
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(event).unwrap();
+        assert_eq!(chunk["object"], "text_completion", "{chunk}");
+        if chunk["usage"].is_object() {
+            usage += 1;
+        }
+        for choice in chunk["choices"].as_array().unwrap() {
+            assert!(choice.get("delta").is_none());
+            text.push_str(choice["text"].as_str().unwrap());
+            if let Some(reason) = choice["finish_reason"].as_str() {
+                finish.push(reason.to_owned());
+            }
+        }
+    }
+    assert_eq!(text, "the quick brown");
+    assert_eq!(finish, ["length"]);
+    assert_eq!(usage, 1);
+    assert_eq!(events.last().unwrap().1, "[DONE]");
+
+    let two = post_to(
+        &client,
+        &server,
+        "completions",
+        &json!({"model": "mock", "prompt": ["a", "b"]}),
+    )
+    .await;
+    assert_eq!(two.status(), 400);
+}
+
+fn norm(vector: &[f32]) -> f32 {
+    vector.iter().map(|x| x * x).sum::<f32>().sqrt()
+}
+
+fn floats(value: &Value) -> Vec<f32> {
+    value
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect()
+}
+
+#[tokio::test]
+async fn embeddings_are_unit_vectors_the_same_for_the_same_input() {
+    use base64::Engine as _;
+    let server = start(MockSettings::default()).await;
+    let client = client();
+    let embed = |body: Value| {
+        let client = client.clone();
+        let server = &server;
+        async move { post_to(&client, server, "embeddings", &body).await }
+    };
+    let reply: Value =
+        embed(json!({"model": "mock", "input": ["a b", "c", "a b"], "dimensions": 16}))
+            .await
+            .json()
+            .await
+            .unwrap();
+    assert_eq!(reply["object"], "list");
+    assert_eq!(reply["usage"]["prompt_tokens"], 5);
+    let data = reply["data"].as_array().unwrap();
+    assert_eq!(data.len(), 3);
+    let vectors: Vec<Vec<f32>> = data
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            assert_eq!(d["object"], "embedding");
+            assert_eq!(d["index"], i);
+            floats(&d["embedding"])
+        })
+        .collect();
+    for vector in &vectors {
+        assert_eq!(vector.len(), 16);
+        assert!((norm(vector) - 1.0).abs() < 1e-4, "{vector:?}");
+    }
+    assert_eq!(vectors[0], vectors[2]);
+    assert_ne!(vectors[0], vectors[1]);
+
+    // The default size; base64 as the openai SDKs ask for it: the same
+    // floats, little-endian.
+    let single: Value = embed(json!({"input": "a b"})).await.json().await.unwrap();
+    assert_eq!(single["data"][0]["embedding"].as_array().unwrap().len(), 64);
+    let encoded: Value = embed(json!({"input": "a b", "encoding_format": "base64"}))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(encoded["data"][0]["embedding"].as_str().unwrap())
+        .unwrap();
+    let decoded: Vec<f32> = bytes
+        .chunks(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    assert_eq!(decoded, floats(&single["data"][0]["embedding"]));
+    let tokens: Value = embed(json!({"input": [[1, 2, 3], [4]], "dimensions": 4}))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(tokens["usage"]["prompt_tokens"], 4);
+
+    for bad in [
+        json!({"input": []}),
+        json!({"input": "a", "dimensions": 0}),
+        json!({"input": "a", "encoding_format": "int8"}),
+        json!({"input": [1, "a"]}),
+    ] {
+        assert_eq!(embed(bad.clone()).await.status(), 400, "{bad}");
+    }
+
+    // Injected errors reach embeddings too.
+    let failing = start(MockSettings {
+        error_rate: 1.0,
+        ..MockSettings::default()
+    })
+    .await;
+    let response = post_to(&client, &failing, "embeddings", &json!({"input": "a"})).await;
+    assert_eq!(response.status(), 500);
+}
