@@ -23,6 +23,15 @@ pub enum ExecInput {
     Args,
 }
 
+/// What an agent may reach (`task.network`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AgentNetwork {
+    /// The gateway and nothing else.
+    Gateway,
+    /// This machine's network.
+    Open,
+}
+
 /// What an item's agent may use through the gateway, per attempt; past any
 /// of them its calls are answered 429 (`budget_exhausted`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -44,6 +53,7 @@ pub struct ExecSettings {
     pub timeout: Duration,
     /// Programs running at once.
     pub concurrency: usize,
+    pub network: AgentNetwork,
     /// More environment variables for the program.
     pub env: Vec<(String, String)>,
     pub budget: Budget,
@@ -89,6 +99,7 @@ pub struct RawExec {
     pub input: Option<String>,
     pub timeout: Option<String>,
     pub concurrency: Option<u32>,
+    pub network: Option<String>,
     pub env: Option<serde_json::Map<String, Value>>,
     pub budget: Option<Value>,
     pub models: Option<serde_json::Map<String, Value>>,
@@ -103,6 +114,7 @@ impl RawExec {
             ("input", self.input.is_some()),
             ("timeout", self.timeout.is_some()),
             ("concurrency", self.concurrency.is_some()),
+            ("network", self.network.is_some()),
             ("env", self.env.is_some()),
             ("budget", self.budget.is_some()),
             ("models", self.models.is_some()),
@@ -157,6 +169,14 @@ pub(super) fn exec(raw: RawExec, dir: &Path, p: &mut Problems<'_>) -> Option<Exe
         Some(n) => p.push(
             "task.concurrency",
             format!("must be between 1 and 4096, got {n}"),
+        ),
+    };
+    let network = match raw.network.as_deref() {
+        None | Some("gateway") => Some(AgentNetwork::Gateway),
+        Some("open") => Some(AgentNetwork::Open),
+        Some(other) => p.push(
+            "task.network",
+            format!("must be gateway or open, got '{other}'"),
         ),
     };
     let mut env = Vec::new();
@@ -220,6 +240,7 @@ pub(super) fn exec(raw: RawExec, dir: &Path, p: &mut Problems<'_>) -> Option<Exe
         input: input?,
         timeout: timeout?,
         concurrency: concurrency?,
+        network: network?,
         env,
         budget: budget?,
         models,

@@ -183,6 +183,13 @@ pub struct RawTask {
     pub timeout: Option<String>,
     /// `kind: exec`: programs running at once, 1 to 4096. Default 16.
     pub concurrency: Option<u32>,
+    /// `kind: exec`: what the program may reach: `gateway` (the run's
+    /// gateway and nothing else: a network namespace of the sandbox whose
+    /// loopback only the gateway listens on; the file system read-only but
+    /// for its folder) or `open` (this machine's network, for agents whose
+    /// tools need it; the gateway on this machine's 127.0.0.1; the file
+    /// system as its own user finds it). Default `gateway`.
+    pub network: Option<String>,
     /// `kind: exec`: more environment variables for the program (strings;
     /// `${VAR}` reads ours). `OPENAI_BASE_URL`, `OPENAI_API_KEY` and
     /// `EVALFLEET_*` are evalfleet's. Default: none.

@@ -731,6 +731,7 @@ fn task(
         input: raw.input.take(),
         timeout: raw.timeout.take(),
         concurrency: raw.concurrency.take(),
+        network: raw.network.take(),
         env: raw.env.take(),
         budget: raw.budget.take(),
         models: raw.models.take(),

@@ -25,7 +25,7 @@ use serde_json::Value;
 
 use super::chat::Chat;
 use super::{Attempted, Episode, Finish, ItemContext, Reply, Request, Step, Target, Task};
-use crate::config::{ExecInput, ExecSettings};
+use crate::config::{AgentNetwork, ExecInput, ExecSettings};
 use crate::gateway::Gateway;
 
 /// Serves a gateway on a listener: the server's part, which this layer
@@ -98,11 +98,21 @@ impl Exec {
             .dir
             .canonicalize()
             .unwrap_or_else(|_| settings.dir.clone());
+        // `network: open`: no namespaces (the host's network and file
+        // system), still a user of its own per slot.
+        let wanted = match settings.network {
+            AgentNetwork::Gateway => Isolation::ALL,
+            AgentNetwork::Open => Isolation {
+                namespaces: false,
+                read_only: false,
+                own_uids: true,
+            },
+        };
         let sandbox = Sandbox::with_network(
             &dir,
             settings.concurrency,
             std::slice::from_ref(&agent_dir),
-            Isolation::ALL,
+            wanted,
             Network::Loopback,
         )
         .await
@@ -123,6 +133,10 @@ impl Exec {
         let description = sandbox.describe();
         if sandbox.isolation().namespaces {
             tracing::info!("Agents' sandbox: {description}.");
+        } else if settings.network == AgentNetwork::Open {
+            tracing::info!(
+                "Agents' sandbox (task.network: open): {description}. The gateway is at 127.0.0.1:{port}."
+            );
         } else {
             tracing::warn!(
                 "Agents' sandbox: {description}. The agents' network is not closed: they reach the gateway on this machine's 127.0.0.1:{port}, and everything else too."
