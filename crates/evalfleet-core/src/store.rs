@@ -15,7 +15,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use evalfleet_types::{
-    Assessment, AttemptRecord, CacheEntry, EndpointSnapshot, ErrorClass, Event, Fault, FleetChange,
+    AgentCall, Assessment, AttemptRecord, CacheEntry, EndpointSnapshot, ErrorClass, Event, Fault, FleetChange,
     ItemStatus, ResourcePoint, ResultRecord, RunSample, RunStatus, Scores, StateCounts, Verdict,
 };
 
@@ -263,7 +263,7 @@ pub struct Batch {
     pub cache: Vec<CacheEntry>,
     /// Calls agents made through the gateway (`kind: exec`), stored with
     /// the attempts that made them and refused with them.
-    pub calls: Vec<(ClaimId, evalfleet_types::AgentCall)>,
+    pub calls: Vec<(ClaimId, AgentCall)>,
 }
 
 impl Batch {
@@ -523,6 +523,25 @@ pub trait Results {
         each: &mut dyn FnMut(ResultView<'_>) -> Result<(), StoreError>,
     ) -> Result<usize, StoreError>;
 
+    /// Calls `each` for every call agents made through the gateway for the
+    /// run's items (`kind: exec`), in (`seq`, `attempt`, `index`) order.
+    fn scan_calls(
+        &mut self,
+        run_id: &str,
+        each: &mut dyn FnMut(AgentCall),
+    ) -> Result<(), StoreError> {
+        self.scan_calls_of(run_id, 0..=u64::MAX, each)
+    }
+
+    /// [`Results::scan_calls`] for the items whose `seq` is in `seqs`: a
+    /// page of results read with its calls.
+    fn scan_calls_of(
+        &mut self,
+        run_id: &str,
+        seqs: std::ops::RangeInclusive<u64>,
+        each: &mut dyn FnMut(AgentCall),
+    ) -> Result<(), StoreError>;
+
     /// Replaces results' assessments and the run's stored config, in one
     /// transaction (`evalfleet score`).
     fn put_assessments(
@@ -765,6 +784,10 @@ pub struct ItemRecord {
     /// the task has no rules).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt: Option<String>,
+    /// The calls its agent made through the gateway (`kind: exec`), every
+    /// attempt's, in order (left out when there were none).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub calls: Vec<AgentCall>,
 }
 
 /// A run's items explored: pages of them, filtered and sorted, and one in
@@ -772,8 +795,8 @@ pub struct ItemRecord {
 pub trait Explore {
     fn items(&mut self, run_id: &str, query: &ItemQuery) -> Result<ItemPage, StoreError>;
 
-    /// The item with this id, with its attempts; `None` if the run has no
-    /// such item.
+    /// The item with this id, with its attempts and its agent's calls;
+    /// `None` if the run has no such item.
     fn item(&mut self, run_id: &str, item_id: &str) -> Result<Option<ItemRecord>, StoreError>;
 
     /// The first `chars` characters of the answer of each of `item_ids`
