@@ -15,8 +15,9 @@ use serde::Serialize;
 use serde_json::Value;
 
 use evalfleet_types::{
-    AgentCall, Assessment, AttemptRecord, CacheEntry, EndpointSnapshot, ErrorClass, Event, Fault, FleetChange,
-    ItemStatus, ResourcePoint, ResultRecord, RunSample, RunStatus, Scores, StateCounts, Verdict,
+    AgentCall, Assessment, AttemptRecord, CacheEntry, EndpointSnapshot, ErrorClass, Event, Fault,
+    FleetChange, ItemStatus, ResourcePoint, ResultRecord, RunSample, RunStatus, Scores,
+    StateCounts, Verdict,
 };
 
 use crate::dataset::{DatasetError, DatasetIdentity};

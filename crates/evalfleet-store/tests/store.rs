@@ -16,8 +16,8 @@ use evalfleet_core::store::{
 };
 use evalfleet_store::SqliteStore;
 use evalfleet_types::{
-    Assessment, AttemptRecord, CacheEntry, ErrorClass, ItemStatus, ResultRecord, RunStatus,
-    StateCounts, Telemetry,
+    AgentCall, Assessment, AttemptRecord, CacheEntry, ErrorClass, ItemStatus, ResultRecord,
+    RunStatus, StateCounts, Telemetry,
 };
 
 struct Items {
@@ -580,6 +580,7 @@ fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
          DROP TABLE resource_points;
          ALTER TABLE results DROP COLUMN prompt;
          ALTER TABLE results DROP COLUMN images;
+         DROP TABLE agent_calls;
          PRAGMA user_version = 1;",
     )
     .unwrap();
@@ -1016,4 +1017,142 @@ fn a_resource_series_stays_bounded_with_its_peak_and_mean_exact() {
     // Only the newest: what a page asks for after its last point.
     let after = store.resource_points("r", (total - 2) * 100).unwrap();
     assert_eq!(after.len(), 2);
+}
+
+/// Call `index` of attempt `attempt` of item `seq`, as the gateway records
+/// it: a chat completion with its request and the assistant's message.
+fn agent_call(seq: u64, attempt: u32, index: u32) -> AgentCall {
+    AgentCall {
+        seq,
+        attempt,
+        index,
+        call_id: format!("{seq}.{attempt}.{index}"),
+        api: "chat.completions".to_owned(),
+        asked_model: "gpt-4o".to_owned(),
+        sent_at_ms: 1_000 + i64::from(index),
+        telemetry: Telemetry {
+            endpoint: "e".to_owned(),
+            model: "m".to_owned(),
+            latency_ms: 12.5,
+            ttft_ms: Some(3.0),
+            tpot_ms: None,
+            prompt_tokens: Some(20),
+            completion_tokens: Some(5),
+            tokens_estimated: false,
+            finish_reason: Some("stop".to_owned()),
+        },
+        stream: index % 2 == 0,
+        cached: false,
+        http_status: 200,
+        error_class: (attempt == 1).then_some(ErrorClass::Retryable),
+        error: (attempt == 1).then(|| "HTTP 503".to_owned()),
+        request: format!(r#"{{"messages":[{{"role":"user","content":"call {index}"}}]}}"#),
+        request_cut: false,
+        response: Some(r#"{"role":"assistant","content":"ok"}"#.to_owned()),
+        tags: Some(r#"{"user":"u"}"#.to_owned()),
+    }
+}
+
+fn keys(calls: &[AgentCall]) -> Vec<(u64, u32, u32)> {
+    calls.iter().map(|c| (c.seq, c.attempt, c.index)).collect()
+}
+
+#[test]
+fn agent_calls_are_stored_with_their_attempt_refused_under_a_lost_claim_and_read_back_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.db");
+    let mut first = SqliteStore::open(&path).unwrap();
+    let mut second = SqliteStore::open(&path).unwrap();
+    first
+        .create_run(&new_run("r"), &mut items(&["a", "b", "c"], None))
+        .unwrap();
+    first.begin_session("r", &mut worker("one"), false).unwrap();
+    second
+        .begin_session("r", &mut worker("two"), false)
+        .unwrap();
+    let Claimed::Items(mine) = first.claim("r", "one", None, 2, LEASE).unwrap() else {
+        panic!("items are pending");
+    };
+    let Claimed::Items(theirs) = second.claim("r", "two", None, 10, LEASE).unwrap() else {
+        panic!("items are pending");
+    };
+
+    // Item a's first run of the agent fails after two calls: its calls come
+    // alone. Its second run's call comes with its result, and so does a
+    // call of the first run sent again: it is stored once.
+    let failed_run = Batch {
+        calls: vec![
+            (mine.id, agent_call(1, 1, 2)),
+            (mine.id, agent_call(1, 1, 1)),
+        ],
+        ..Batch::default()
+    };
+    assert_eq!(
+        first.commit("r", "one", &failed_run).unwrap().refused,
+        Vec::<u64>::new()
+    );
+    let finished = Batch {
+        results: vec![
+            (mine.id, result(1, "a", ItemStatus::Done)),
+            (mine.id, result(2, "b", ItemStatus::Done)),
+        ],
+        calls: vec![
+            (mine.id, agent_call(2, 1, 1)),
+            (mine.id, agent_call(1, 2, 1)),
+            (mine.id, agent_call(1, 1, 1)),
+        ],
+        ..Batch::default()
+    };
+    assert_eq!(first.commit("r", "one", &finished).unwrap().results, 2);
+
+    // The other worker's lease runs out: its item's calls are refused with
+    // its result, and nothing of them is stored.
+    assert_eq!(second.renew("r", "two", Duration::ZERO).unwrap(), 1);
+    let late = Batch {
+        results: vec![(theirs.id, result(3, "c", ItemStatus::Done))],
+        calls: vec![(theirs.id, agent_call(3, 1, 1))],
+        ..Batch::default()
+    };
+    let refused = second.commit("r", "two", &late).unwrap();
+    assert_eq!((refused.results, refused.refused), (0, vec![3]));
+
+    let a = first.item("r", "a").unwrap().unwrap();
+    assert_eq!(keys(&a.calls), vec![(1, 1, 1), (1, 1, 2), (1, 2, 1)]);
+    assert_eq!(a.calls[1], agent_call(1, 1, 2), "every field comes back");
+    let c = first.item("r", "c").unwrap().unwrap();
+    assert!(c.calls.is_empty(), "refused calls are not stored");
+    let json = serde_json::to_value(&c).unwrap();
+    assert!(json.get("calls").is_none(), "no calls, no field: {json}");
+
+    let mut all = Vec::new();
+    first.scan_calls("r", &mut |call| all.push(call)).unwrap();
+    assert_eq!(keys(&all), vec![(1, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 1)]);
+    let mut of_b = Vec::new();
+    first
+        .scan_calls_of("r", 2..=2, &mut |call| of_b.push(call))
+        .unwrap();
+    assert_eq!(keys(&of_b), vec![(2, 1, 1)]);
+
+    // The item taken over runs its agent once (calls stored, no attempt
+    // row, no result) and is claimed again: its next run is attempt 2.
+    let Claimed::Items(taken) = first.claim("r", "one", None, 10, LEASE).unwrap() else {
+        panic!("the expired claim's item is free");
+    };
+    let calls_only = Batch {
+        calls: vec![(taken.id, agent_call(3, 1, 1))],
+        ..Batch::default()
+    };
+    first.commit("r", "one", &calls_only).unwrap();
+    first.release("r", "one").unwrap();
+    let Claimed::Items(again) = first.claim("r", "one", None, 10, LEASE).unwrap() else {
+        panic!("item c is still pending");
+    };
+    assert_eq!(
+        again
+            .items
+            .iter()
+            .map(|i| (i.seq, i.prior_attempts))
+            .collect::<Vec<_>>(),
+        vec![(3, 1)]
+    );
 }
