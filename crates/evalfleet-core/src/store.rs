@@ -399,6 +399,39 @@ pub struct AttemptSample {
     pub failed: bool,
 }
 
+/// What a report needs of an agent's call: its item, attempt and API, and
+/// what it cost.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallSample {
+    pub seq: u64,
+    pub attempt: u32,
+    pub api: String,
+    pub latency_ms: f64,
+    pub prompt_tokens: Option<u64>,
+    pub completion_tokens: Option<u64>,
+    /// Answered from the response cache.
+    pub cached: bool,
+    /// The agent got an error (an error class, or a status other than
+    /// 2xx).
+    pub failed: bool,
+}
+
+impl CallSample {
+    /// The sample of a whole call.
+    pub fn of(call: &AgentCall) -> Self {
+        Self {
+            seq: call.seq,
+            attempt: call.attempt,
+            api: call.api.clone(),
+            latency_ms: call.telemetry.latency_ms,
+            prompt_tokens: call.telemetry.prompt_tokens,
+            completion_tokens: call.telemetry.completion_tokens,
+            cached: call.cached,
+            failed: call.error_class.is_some() || !(200..300).contains(&call.http_status),
+        }
+    }
+}
+
 /// The endpoints of a run as its workers last wrote them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EndpointStates {
@@ -532,6 +565,17 @@ pub trait Results {
         each: &mut dyn FnMut(AgentCall),
     ) -> Result<(), StoreError> {
         self.scan_calls_of(run_id, 0..=u64::MAX, each)
+    }
+
+    /// Calls `each` with the figures of every agent call of the run, in
+    /// the order of [`Results::scan_calls`], without their bodies (what a
+    /// report needs of them).
+    fn scan_call_samples(
+        &mut self,
+        run_id: &str,
+        each: &mut dyn FnMut(CallSample),
+    ) -> Result<(), StoreError> {
+        self.scan_calls(run_id, &mut |call| each(CallSample::of(&call)))
     }
 
     /// [`Results::scan_calls`] for the items whose `seq` is in `seqs`: a

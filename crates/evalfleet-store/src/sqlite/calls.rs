@@ -3,7 +3,7 @@
 
 use std::ops::RangeInclusive;
 
-use evalfleet_core::store::StoreError;
+use evalfleet_core::store::{CallSample, StoreError};
 use evalfleet_types::{AgentCall, ErrorClass, Telemetry};
 use rusqlite::params;
 
@@ -85,6 +85,45 @@ impl SqliteStore {
             .map_err(&err)?;
         while let Some(row) = rows.next().map_err(&err)? {
             each(agent_call(row)?);
+        }
+        Ok(())
+    }
+
+    /// The figures of run `rid`'s agent calls, in key order: the columns
+    /// before the bodies only, so the bodies' overflow pages are not read.
+    pub(super) fn call_samples_of(
+        &self,
+        rid: i64,
+        each: &mut dyn FnMut(CallSample),
+    ) -> Result<(), StoreError> {
+        let err = db_err("cannot read agent calls");
+        let mut stmt = self
+            .conn
+            .prepare_cached(
+                "SELECT seq, attempt, api, latency_ms, prompt_tokens, completion_tokens, cached,
+                        error_class IS NOT NULL OR http_status < 200 OR http_status >= 300
+                 FROM agent_calls WHERE rid = ?1
+                 ORDER BY seq, attempt, idx",
+            )
+            .map_err(&err)?;
+        let mut rows = stmt.query([rid]).map_err(&err)?;
+        while let Some(row) = rows.next().map_err(&err)? {
+            each(CallSample {
+                seq: row.get::<_, i64>(0).map_err(&err)? as u64,
+                attempt: row.get(1).map_err(&err)?,
+                api: row.get(2).map_err(&err)?,
+                latency_ms: row.get(3).map_err(&err)?,
+                prompt_tokens: row
+                    .get::<_, Option<i64>>(4)
+                    .map_err(&err)?
+                    .map(|t| t as u64),
+                completion_tokens: row
+                    .get::<_, Option<i64>>(5)
+                    .map_err(&err)?
+                    .map(|t| t as u64),
+                cached: row.get(6).map_err(&err)?,
+                failed: row.get(7).map_err(&err)?,
+            });
         }
         Ok(())
     }

@@ -293,6 +293,15 @@ impl Results for SqliteStore {
         self.calls_of(rid, seqs, each)
     }
 
+    fn scan_call_samples(
+        &mut self,
+        run_id: &str,
+        each: &mut dyn FnMut(evalfleet_core::store::CallSample),
+    ) -> Result<(), StoreError> {
+        let rid = self.rid(run_id)?;
+        self.call_samples_of(rid, each)
+    }
+
     fn put_assessments(
         &mut self,
         run_id: &str,
