@@ -1156,3 +1156,168 @@ fn agent_calls_are_stored_with_their_attempt_refused_under_a_lost_claim_and_read
         vec![(3, 1)]
     );
 }
+
+/// A chat completion of item `seq`'s attempt `attempt`: its request holds
+/// `messages` and, with `tools`, a tool; its answer is `answer`.
+fn chat_call(
+    seq: u64,
+    attempt: u32,
+    index: u32,
+    messages: serde_json::Value,
+    answer: serde_json::Value,
+) -> AgentCall {
+    AgentCall {
+        error_class: None,
+        error: None,
+        request: serde_json::json!({
+            "model": "gpt-4o",
+            "messages": messages,
+            "tools": [{"type": "function", "function": {"name": "lookup", "parameters": {}}}],
+        })
+        .to_string(),
+        response: Some(answer.to_string()),
+        ..agent_call(seq, attempt, index)
+    }
+}
+
+#[test]
+fn trajectories_are_each_items_last_chat_of_its_final_attempt_with_tool_calls_and_results() {
+    use evalfleet_core::report::trajectories::export_trajectories;
+    use serde_json::json;
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.db");
+    let mut store = SqliteStore::open(&path).unwrap();
+    store
+        .create_run(&new_run("r"), &mut items(&["a", "b", "c", "d"], None))
+        .unwrap();
+    store.begin_session("r", &mut worker("one"), false).unwrap();
+    let claim = claim_all(&mut store, "r", "one");
+
+    let user = json!({"role": "user", "content": "Who owns example.com?"});
+    let tool_call = json!({"role": "assistant", "content": null, "tool_calls": [
+        {"id": "t1", "type": "function", "function": {"name": "lookup", "arguments": "{\"domain\":\"example.com\"}"}}
+    ]});
+    let tool_result = json!({"role": "tool", "tool_call_id": "t1", "content": "IANA"});
+    let last_answer = json!({"role": "assistant", "content": "IANA owns it.", "tool_calls": null});
+    let mut scored = result(1, "a", ItemStatus::Done);
+    scored.assessment.scores.insert(
+        "exact_match".to_owned(),
+        serde_json::from_value(json!({"value": 1.0})).unwrap(),
+    );
+    let batch = Batch {
+        results: vec![
+            (claim, scored),
+            (claim, result(2, "b", ItemStatus::Done)),
+            (claim, result(3, "c", ItemStatus::Failed)),
+        ],
+        calls: vec![
+            // a: a first run that failed, then a run of two chat calls (a
+            // tool call, then the answer after the tool's result) and an
+            // embedding.
+            (
+                claim,
+                chat_call(1, 1, 1, json!([user]), json!({"content": "wrong run"})),
+            ),
+            (claim, chat_call(1, 2, 1, json!([user]), tool_call.clone())),
+            (
+                claim,
+                chat_call(1, 2, 2, json!([user, tool_call, tool_result]), last_answer),
+            ),
+            (
+                claim,
+                AgentCall {
+                    api: "embeddings".to_owned(),
+                    ..agent_call(1, 2, 3)
+                },
+            ),
+            // b: its one chat call was cut when stored.
+            (
+                claim,
+                AgentCall {
+                    request_cut: true,
+                    error: None,
+                    ..agent_call(2, 1, 1)
+                },
+            ),
+            // d: still pending (no result): left out.
+            (
+                claim,
+                chat_call(4, 1, 1, json!([user]), json!({"content": "x"})),
+            ),
+        ],
+        ..Batch::default()
+    };
+    store.commit("r", "one", &batch).unwrap();
+    drop(store);
+
+    let mut store = SqliteStore::open_read_only(&path).unwrap();
+    let mut lines = Vec::new();
+    let written = export_trajectories(&mut store, "r", &mut |t| {
+        lines.push(serde_json::to_value(t).unwrap());
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(
+        (written.items, written.unreadable, written.no_chat),
+        (1, 1, 1),
+        "a is written, b's request was cut, c made no call"
+    );
+    assert_eq!(
+        lines,
+        vec![json!({
+            "item_id": "a",
+            "status": "done",
+            "scores": {"exact_match": 1.0},
+            "attempt": 2,
+            "messages": [
+                {"role": "user", "content": "Who owns example.com?"},
+                {"role": "assistant", "content": null, "tool_calls": [
+                    {"id": "t1", "type": "function", "function": {"name": "lookup", "arguments": "{\"domain\":\"example.com\"}"}}
+                ]},
+                {"role": "tool", "tool_call_id": "t1", "content": "IANA"},
+                {"role": "assistant", "content": "IANA owns it."},
+            ],
+            "tools": [{"type": "function", "function": {"name": "lookup", "parameters": {}}}],
+            "calls": 3,
+        })]
+    );
+}
+
+#[test]
+fn the_agents_figures_are_per_item_means_of_the_stored_calls() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.db");
+    let mut store = SqliteStore::open(&path).unwrap();
+    store
+        .create_run(&new_run("r"), &mut items(&["a", "b"], None))
+        .unwrap();
+    assert_eq!(
+        evalfleet_core::report::agents(&mut store, "r").unwrap(),
+        None,
+        "no calls, no figures"
+    );
+    store.begin_session("r", &mut worker("one"), false).unwrap();
+    let claim = claim_all(&mut store, "r", "one");
+    // a: three calls over two attempts (the first failed, 503); b: one.
+    // Each call: 12.5 ms, 20 + 5 tokens.
+    let calls = [(1, 1, 1), (1, 2, 1), (1, 2, 2), (2, 2, 1)]
+        .map(|(seq, attempt, index)| (claim, agent_call(seq, attempt, index)));
+    let batch = Batch {
+        calls: calls.to_vec(),
+        ..Batch::default()
+    };
+    store.commit("r", "one", &batch).unwrap();
+    let figures = evalfleet_core::report::agents(&mut store, "r")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (figures.items, figures.calls, figures.failed_calls),
+        (2, 4, 1)
+    );
+    assert_eq!(figures.calls_per_item.mean, 2.0);
+    assert_eq!(figures.tokens_per_item.mean, 50.0);
+    assert_eq!(figures.call_ms_per_item.mean, 25.0);
+    assert_eq!(figures.attempts_per_item.mean, 1.5);
+    assert!(figures.calls_per_item.ci_low < 2.0 && figures.calls_per_item.ci_high > 2.0);
+}

@@ -193,7 +193,10 @@ mod tests {
         // Every item made exactly one call: no spread, no interval around 1
         // (a share's interval would reach below it).
         assert_eq!(
-            (figures.calls_per_item.ci_low, figures.calls_per_item.ci_high),
+            (
+                figures.calls_per_item.ci_low,
+                figures.calls_per_item.ci_high
+            ),
             (1.0, 1.0)
         );
     }
