@@ -1041,7 +1041,7 @@ fn agent_call(seq: u64, attempt: u32, index: u32) -> AgentCall {
             tokens_estimated: false,
             finish_reason: Some("stop".to_owned()),
         },
-        stream: index % 2 == 0,
+        stream: index.is_multiple_of(2),
         cached: false,
         http_status: 200,
         error_class: (attempt == 1).then_some(ErrorClass::Retryable),
