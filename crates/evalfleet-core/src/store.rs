@@ -15,8 +15,9 @@ use serde::Serialize;
 use serde_json::Value;
 
 use evalfleet_types::{
-    Assessment, AttemptRecord, CacheEntry, EndpointSnapshot, ErrorClass, Event, Fault, FleetChange,
-    ItemStatus, ResourcePoint, ResultRecord, RunSample, RunStatus, Scores, StateCounts, Verdict,
+    AgentCall, Assessment, AttemptRecord, CacheEntry, EndpointSnapshot, ErrorClass, Event, Fault,
+    FleetChange, ItemStatus, ResourcePoint, ResultRecord, RunSample, RunStatus, Scores,
+    StateCounts, Verdict,
 };
 
 use crate::dataset::{DatasetError, DatasetIdentity};
@@ -263,7 +264,7 @@ pub struct Batch {
     pub cache: Vec<CacheEntry>,
     /// Calls agents made through the gateway (`kind: exec`), stored with
     /// the attempts that made them and refused with them.
-    pub calls: Vec<(ClaimId, evalfleet_types::AgentCall)>,
+    pub calls: Vec<(ClaimId, AgentCall)>,
 }
 
 impl Batch {
@@ -398,6 +399,39 @@ pub struct AttemptSample {
     pub failed: bool,
 }
 
+/// What a report needs of an agent's call: its item, attempt and API, and
+/// what it cost.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallSample {
+    pub seq: u64,
+    pub attempt: u32,
+    pub api: String,
+    pub latency_ms: f64,
+    pub prompt_tokens: Option<u64>,
+    pub completion_tokens: Option<u64>,
+    /// Answered from the response cache.
+    pub cached: bool,
+    /// The agent got an error (an error class, or a status other than
+    /// 2xx).
+    pub failed: bool,
+}
+
+impl CallSample {
+    /// The sample of a whole call.
+    pub fn of(call: &AgentCall) -> Self {
+        Self {
+            seq: call.seq,
+            attempt: call.attempt,
+            api: call.api.clone(),
+            latency_ms: call.telemetry.latency_ms,
+            prompt_tokens: call.telemetry.prompt_tokens,
+            completion_tokens: call.telemetry.completion_tokens,
+            cached: call.cached,
+            failed: call.error_class.is_some() || !(200..300).contains(&call.http_status),
+        }
+    }
+}
+
 /// The endpoints of a run as its workers last wrote them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EndpointStates {
@@ -522,6 +556,36 @@ pub trait Results {
         with_item: bool,
         each: &mut dyn FnMut(ResultView<'_>) -> Result<(), StoreError>,
     ) -> Result<usize, StoreError>;
+
+    /// Calls `each` for every call agents made through the gateway for the
+    /// run's items (`kind: exec`), in (`seq`, `attempt`, `index`) order.
+    fn scan_calls(
+        &mut self,
+        run_id: &str,
+        each: &mut dyn FnMut(AgentCall),
+    ) -> Result<(), StoreError> {
+        self.scan_calls_of(run_id, 0..=u64::MAX, each)
+    }
+
+    /// Calls `each` with the figures of every agent call of the run, in
+    /// the order of [`Results::scan_calls`], without their bodies (what a
+    /// report needs of them).
+    fn scan_call_samples(
+        &mut self,
+        run_id: &str,
+        each: &mut dyn FnMut(CallSample),
+    ) -> Result<(), StoreError> {
+        self.scan_calls(run_id, &mut |call| each(CallSample::of(&call)))
+    }
+
+    /// [`Results::scan_calls`] for the items whose `seq` is in `seqs`: a
+    /// page of results read with its calls.
+    fn scan_calls_of(
+        &mut self,
+        run_id: &str,
+        seqs: std::ops::RangeInclusive<u64>,
+        each: &mut dyn FnMut(AgentCall),
+    ) -> Result<(), StoreError>;
 
     /// Replaces results' assessments and the run's stored config, in one
     /// transaction (`evalfleet score`).
@@ -765,6 +829,10 @@ pub struct ItemRecord {
     /// the task has no rules).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt: Option<String>,
+    /// The calls its agent made through the gateway (`kind: exec`), every
+    /// attempt's, in order (left out when there were none).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub calls: Vec<AgentCall>,
 }
 
 /// A run's items explored: pages of them, filtered and sorted, and one in
@@ -772,8 +840,8 @@ pub struct ItemRecord {
 pub trait Explore {
     fn items(&mut self, run_id: &str, query: &ItemQuery) -> Result<ItemPage, StoreError>;
 
-    /// The item with this id, with its attempts; `None` if the run has no
-    /// such item.
+    /// The item with this id, with its attempts and its agent's calls;
+    /// `None` if the run has no such item.
     fn item(&mut self, run_id: &str, item_id: &str) -> Result<Option<ItemRecord>, StoreError>;
 
     /// The first `chars` characters of the answer of each of `item_ids`

@@ -1,6 +1,7 @@
 // One item in full: the conversation (the rendered messages and the
 // answer), what checking made of the answer, each metric's score, the
-// judge's details and every attempt with its telemetry and error.
+// judge's details, every attempt with its telemetry and error, and an
+// agent's calls (kind: exec) as a timeline with their messages.
 "use strict";
 (() => {
   const { api, h, fmt, badge, showError } = EF;
@@ -63,6 +64,95 @@
           h("td", { class: "clip", title: t.message || "" }, t.message || ""))))) : null);
   }
 
+  /** Parses JSON text, or null when it is not JSON (a body cut when stored). */
+  function parsed(text) {
+    if (typeof text !== "string") return null;
+    try { return JSON.parse(text); } catch (_) { return null; }
+  }
+
+  /** A message's content as text: a string as it is, parts by their text, the rest as JSON. */
+  function contentText(content) {
+    if (content === null || content === undefined) return "";
+    if (typeof content === "string") return content;
+    if (Array.isArray(content)) return content.map((p) => (p && typeof p.text === "string" ? p.text : JSON.stringify(p))).join("\n");
+    return JSON.stringify(content, null, 2);
+  }
+
+  /** A chat message with its tool calls (name and arguments) or the tool call it answers. */
+  function chatMessage(m) {
+    const role = String((m && m.role) || "?");
+    const calls = Array.isArray(m && m.tool_calls) ? m.tool_calls : [];
+    return h("div", { class: "msg " + (role === "assistant" ? "assistant" : "user") },
+      h("div", { class: "role" }, role, m && m.tool_call_id ? ` · answers ${m.tool_call_id}` : "", m && m.name ? ` · ${m.name}` : ""),
+      contentText(m && m.content),
+      calls.map((c) => h("div", { class: "tool-call mono" },
+        "→ ", String((c.function && c.function.name) || c.type || "tool"), "(",
+        String((c.function && c.function.arguments) || ""), ")", c.id ? ` · ${c.id}` : "")));
+  }
+
+  /** What a call sent and got: the chat messages and the answer, or the bodies as they are. */
+  function callDetail(c) {
+    const request = parsed(c.request);
+    const response = parsed(c.response);
+    const parts = [];
+    if (request && Array.isArray(request.messages)) {
+      parts.push(h("div", { class: "sub" }, "Sent"), request.messages.map(chatMessage));
+      if (Array.isArray(request.tools) && request.tools.length) {
+        parts.push(h("div", { class: "sub" }, "Tools offered: ",
+          request.tools.map((t) => String((t.function && t.function.name) || t.type || "?")).join(", ")));
+      }
+    } else {
+      parts.push(h("div", { class: "sub" }, c.request_cut ? "Sent (cut when stored)" : "Sent"),
+        h("pre", { class: "json" }, request ? JSON.stringify(request, null, 2) : String(c.request || "")));
+    }
+    if (c.api === "chat.completions" && response && typeof response === "object" && !Array.isArray(response)) {
+      parts.push(h("div", { class: "sub" }, "Got"), chatMessage(Object.assign({ role: "assistant" }, response)));
+    } else if (c.response !== null && c.response !== undefined) {
+      parts.push(h("div", { class: "sub" }, "Got"),
+        h("pre", { class: "json" }, response ? JSON.stringify(response, null, 2) : String(c.response)));
+    }
+    if (c.tags) parts.push(h("div", { class: "sub" }, "Tags: ", String(c.tags)));
+    return parts;
+  }
+
+  /** The agent's calls (kind: exec) in order: one row each, a bar placing it in time, its messages on demand. */
+  function callsView(calls) {
+    const start = Math.min(...calls.map((c) => c.sent_at_ms));
+    const end = Math.max(...calls.map((c) => c.sent_at_ms + (c.latency_ms || 0)));
+    const span = Math.max(end - start, 1);
+    const rows = [];
+    for (const c of calls) {
+      const left = (100 * (c.sent_at_ms - start)) / span;
+      const width = Math.max((100 * (c.latency_ms || 0)) / span, 0.5);
+      const detail = h("tr", { class: "call-detail", hidden: true },
+        h("td", { colspan: "10" }, h("div", { class: "call-messages" }, callDetail(c))));
+      const toggle = h("button", { type: "button", class: "link", onclick: () => {
+        detail.hidden = !detail.hidden;
+        toggle.textContent = detail.hidden ? "show" : "hide";
+      } }, "show");
+      const tokens = c.prompt_tokens === null && c.completion_tokens === null ? "–"
+        : `${fmt.int(c.prompt_tokens)} + ${fmt.int(c.completion_tokens)}${c.tokens_estimated ? " est." : ""}`;
+      rows.push(h("tr", { class: "call" },
+        h("td", { class: "mono" }, c.call_id),
+        h("td", { class: "timeline" }, h("div", { class: "bar", style: `margin-left:${left.toFixed(2)}%;width:${width.toFixed(2)}%` })),
+        h("td", {}, c.api, c.stream ? " · stream" : ""),
+        h("td", {}, c.endpoint || "–"),
+        h("td", { class: "clip", title: `${c.asked_model} → ${c.model}` }, c.model || c.asked_model || "–"),
+        h("td", { class: "num" }, fmt.ms(c.latency_ms)),
+        h("td", { class: "num" }, fmt.ms(c.ttft_ms)),
+        h("td", { class: "num" }, tokens),
+        h("td", {}, String(c.http_status), c.cached ? [" ", badge("cached")] : null,
+          c.error_class ? [" ", badge(c.error_class)] : null, c.error ? h("div", { class: "note" }, c.error) : null),
+        h("td", {}, toggle)));
+      rows.push(detail);
+    }
+    return h("table", { id: "calls" },
+      h("thead", {}, h("tr", {}, h("th", {}, "Call"), h("th", {}, "Timeline"), h("th", {}, "API"), h("th", {}, "Endpoint"),
+        h("th", {}, "Model"), h("th", { class: "num" }, "Latency"), h("th", { class: "num" }, "TTFT"),
+        h("th", { class: "num" }, "Tokens (in + out)"), h("th", {}, "Status"), h("th", {}, "Messages"))),
+      h("tbody", {}, rows));
+  }
+
   async function load() {
     try {
       const item = await api(`/runs/${encodeURIComponent(runId)}/items/${encodeURIComponent(itemId)}`);
@@ -103,6 +193,8 @@
               h("td", { class: "sub" }, s.error || Object.entries(s).filter(([x]) => x !== "value" && x !== "error").map(([x, v]) => `${x}: ${JSON.stringify(v)}`).join("; ")))))),
             item.judge ? [h("h2", { style: "margin-top:10px" }, "Code judge"), judgeView(item.judge)] : null)),
         h("div", { class: "card" }, h("h2", {}, "Attempts"), attempts),
+        item.calls && item.calls.length
+          ? h("div", { class: "card" }, h("h2", {}, `Agent calls (${item.calls.length})`), callsView(item.calls)) : null,
         h("div", { class: "card" }, h("h2", {}, "Dataset row"), json(item.item)));
     } catch (e) { showError(e); }
   }

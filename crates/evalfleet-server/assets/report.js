@@ -95,6 +95,21 @@ const EFReport = (() => {
         h("td", { class: "num" }, fmt.int(s.samples)))))));
   }
 
+  /** An exec task's agents: calls, tokens, call time and attempts per item, each with its interval. */
+  function agents(report) {
+    const a = report.agents;
+    if (!a) return null;
+    const row = (what, e, digits) => h("tr", {}, h("td", {}, what), h("td", { class: "num" }, fmt.num(e.mean, digits)),
+      h("td", { class: "num mono" }, `[${fmt.num(e.ci_low, digits)}, ${fmt.num(e.ci_high, digits)}]`));
+    return h("div", { style: "margin-top:12px" }, h("h2", {}, "Agents"),
+      h("div", { class: "sub" }, `${fmt.int(a.calls)} calls for ${fmt.int(a.items)} items; ${fmt.int(a.failed_calls)} failed, ${fmt.int(a.cached_calls)} from the cache; ` +
+        Object.entries(a.apis || {}).map(([k, v]) => `${k} ${fmt.int(v)}`).join(", ")),
+      fit(h("table", { class: "agents" },
+        h("thead", {}, h("tr", {}, h("th", {}, "Per item"), h("th", { class: "num" }, "Mean"), h("th", {}, "95% interval"))),
+        h("tbody", {}, row("calls", a.calls_per_item, 2), row("tokens", a.tokens_per_item, 0),
+          row("call time (ms)", a.call_ms_per_item, 0), row("attempts", a.attempts_per_item, 2)))));
+  }
+
   function fidelity(report) {
     const f = report.fidelity;
     const prompts = Object.entries(report.prompts || {});
@@ -153,6 +168,7 @@ const EFReport = (() => {
       groups(report),
       samples(report),
       verdicts(report),
+      agents(report),
       table ? h("div", { style: "margin-top:12px" }, h("h2", {}, "Endpoints"), table) : null,
       used ? h("div", { style: "margin-top:12px" }, h("h2", {}, "Resources (peak and mean)"), used) : null,
     ].filter(Boolean));

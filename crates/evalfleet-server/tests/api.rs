@@ -434,3 +434,90 @@ async fn a_runs_timeline_and_stream_begin_with_everything_and_end_when_it_stops(
     let (status, _) = call(&app, get("/api/v1/runs/zz/stream")).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
 }
+
+#[tokio::test]
+async fn an_items_agent_calls_come_with_it_in_order_and_the_report_counts_them() {
+    use evalfleet_core::store::{Batch, Claimed};
+    use evalfleet_core::types::{AgentCall, Telemetry};
+
+    let fixture = Fixture::new();
+    fixture.run("a", |_| true);
+    // The item left pending ("no") is answered by an agent that called the
+    // gateway twice: a tool call, then the answer after the tool's result.
+    let mut store = fixture.store();
+    let lease = std::time::Duration::from_secs(60);
+    let mut worker = evalfleet_core::worker::this_process(lease);
+    store.begin_session("a", &mut worker, false).unwrap();
+    let Claimed::Items(claim) = store.claim("a", &worker.worker, None, 10, lease).unwrap() else {
+        panic!("item 'no' is pending");
+    };
+    let seq = claim.items[0].seq;
+    let agent_call = |index: u32, request: Value, response: Value| AgentCall {
+        seq,
+        attempt: 1,
+        index,
+        call_id: format!("{seq}.1.{index}"),
+        api: "chat.completions".to_owned(),
+        asked_model: "gpt-4o".to_owned(),
+        sent_at_ms: 1_000 * i64::from(index),
+        telemetry: Telemetry {
+            endpoint: "e".to_owned(),
+            model: "m".to_owned(),
+            latency_ms: 40.0,
+            prompt_tokens: Some(30),
+            completion_tokens: Some(10),
+            ..Telemetry::default()
+        },
+        http_status: 200,
+        request: request.to_string(),
+        response: Some(response.to_string()),
+        ..AgentCall::default()
+    };
+    let ask = serde_json::json!({"role": "user", "content": "<script>alert(1)</script>"});
+    let tool_call = serde_json::json!({"role": "assistant", "content": null,
+        "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]});
+    let batch = Batch {
+        calls: vec![
+            (
+                claim.id,
+                agent_call(
+                    2,
+                    serde_json::json!({"messages": [ask, tool_call,
+                    {"role": "tool", "tool_call_id": "t1", "content": "Oslo"}]}),
+                    serde_json::json!({"role": "assistant", "content": "Oslo"}),
+                ),
+            ),
+            (
+                claim.id,
+                agent_call(1, serde_json::json!({"messages": [ask]}), tool_call.clone()),
+            ),
+        ],
+        ..Batch::default()
+    };
+    store.commit("a", &worker.worker, &batch).unwrap();
+    drop(store);
+
+    let app = evalfleet_server::app(fixture.state(None));
+    let (status, item) = call(&app, get("/api/v1/runs/a/items/no")).await;
+    assert_eq!(status, StatusCode::OK, "{item}");
+    let calls = item["calls"].as_array().unwrap();
+    let ids: Vec<&str> = calls
+        .iter()
+        .map(|c| c["call_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, vec![format!("{seq}.1.1"), format!("{seq}.1.2")]);
+    assert_eq!(calls[0]["endpoint"], "e");
+    assert_eq!(calls[0]["latency_ms"], 40.0);
+    let sent: Value = serde_json::from_str(calls[1]["request"].as_str().unwrap()).unwrap();
+    assert_eq!(sent["messages"][2]["role"], "tool");
+    // An item without calls has no such field.
+    let (_, other) = call(&app, get("/api/v1/runs/a/items/fr")).await;
+    assert!(other.get("calls").is_none(), "{other}");
+
+    let (status, report) = call(&app, get("/api/v1/runs/a/report")).await;
+    assert_eq!(status, StatusCode::OK, "{report}");
+    assert_eq!(report["agents"]["calls"], 2, "{report}");
+    assert_eq!(report["agents"]["items"], 1);
+    assert_eq!(report["agents"]["tokens_per_item"]["mean"], 80.0);
+    assert_eq!(report["agents"]["call_ms_per_item"]["mean"], 80.0);
+}

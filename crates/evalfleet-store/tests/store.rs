@@ -16,8 +16,8 @@ use evalfleet_core::store::{
 };
 use evalfleet_store::SqliteStore;
 use evalfleet_types::{
-    Assessment, AttemptRecord, CacheEntry, ErrorClass, ItemStatus, ResultRecord, RunStatus,
-    StateCounts, Telemetry,
+    AgentCall, Assessment, AttemptRecord, CacheEntry, ErrorClass, ItemStatus, ResultRecord,
+    RunStatus, StateCounts, Telemetry,
 };
 
 struct Items {
@@ -580,6 +580,7 @@ fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
          DROP TABLE resource_points;
          ALTER TABLE results DROP COLUMN prompt;
          ALTER TABLE results DROP COLUMN images;
+         DROP TABLE agent_calls;
          PRAGMA user_version = 1;",
     )
     .unwrap();
@@ -1016,4 +1017,307 @@ fn a_resource_series_stays_bounded_with_its_peak_and_mean_exact() {
     // Only the newest: what a page asks for after its last point.
     let after = store.resource_points("r", (total - 2) * 100).unwrap();
     assert_eq!(after.len(), 2);
+}
+
+/// Call `index` of attempt `attempt` of item `seq`, as the gateway records
+/// it: a chat completion with its request and the assistant's message.
+fn agent_call(seq: u64, attempt: u32, index: u32) -> AgentCall {
+    AgentCall {
+        seq,
+        attempt,
+        index,
+        call_id: format!("{seq}.{attempt}.{index}"),
+        api: "chat.completions".to_owned(),
+        asked_model: "gpt-4o".to_owned(),
+        sent_at_ms: 1_000 + i64::from(index),
+        telemetry: Telemetry {
+            endpoint: "e".to_owned(),
+            model: "m".to_owned(),
+            latency_ms: 12.5,
+            ttft_ms: Some(3.0),
+            tpot_ms: None,
+            prompt_tokens: Some(20),
+            completion_tokens: Some(5),
+            tokens_estimated: false,
+            finish_reason: Some("stop".to_owned()),
+        },
+        stream: index.is_multiple_of(2),
+        cached: false,
+        http_status: 200,
+        error_class: (attempt == 1).then_some(ErrorClass::Retryable),
+        error: (attempt == 1).then(|| "HTTP 503".to_owned()),
+        request: format!(r#"{{"messages":[{{"role":"user","content":"call {index}"}}]}}"#),
+        request_cut: false,
+        response: Some(r#"{"role":"assistant","content":"ok"}"#.to_owned()),
+        tags: Some(r#"{"user":"u"}"#.to_owned()),
+    }
+}
+
+fn keys(calls: &[AgentCall]) -> Vec<(u64, u32, u32)> {
+    calls.iter().map(|c| (c.seq, c.attempt, c.index)).collect()
+}
+
+#[test]
+fn agent_calls_are_stored_with_their_attempt_refused_under_a_lost_claim_and_read_back_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.db");
+    let mut first = SqliteStore::open(&path).unwrap();
+    let mut second = SqliteStore::open(&path).unwrap();
+    first
+        .create_run(&new_run("r"), &mut items(&["a", "b", "c"], None))
+        .unwrap();
+    first.begin_session("r", &mut worker("one"), false).unwrap();
+    second
+        .begin_session("r", &mut worker("two"), false)
+        .unwrap();
+    let Claimed::Items(mine) = first.claim("r", "one", None, 2, LEASE).unwrap() else {
+        panic!("items are pending");
+    };
+    let Claimed::Items(theirs) = second.claim("r", "two", None, 10, LEASE).unwrap() else {
+        panic!("items are pending");
+    };
+
+    // Item a's first run of the agent fails after two calls: its calls come
+    // alone. Its second run's call comes with its result, and so does a
+    // call of the first run sent again: it is stored once.
+    let failed_run = Batch {
+        calls: vec![
+            (mine.id, agent_call(1, 1, 2)),
+            (mine.id, agent_call(1, 1, 1)),
+        ],
+        ..Batch::default()
+    };
+    assert_eq!(
+        first.commit("r", "one", &failed_run).unwrap().refused,
+        Vec::<u64>::new()
+    );
+    let finished = Batch {
+        results: vec![
+            (mine.id, result(1, "a", ItemStatus::Done)),
+            (mine.id, result(2, "b", ItemStatus::Done)),
+        ],
+        calls: vec![
+            (mine.id, agent_call(2, 1, 1)),
+            (mine.id, agent_call(1, 2, 1)),
+            (mine.id, agent_call(1, 1, 1)),
+        ],
+        ..Batch::default()
+    };
+    assert_eq!(first.commit("r", "one", &finished).unwrap().results, 2);
+
+    // The other worker's lease runs out: its item's calls are refused with
+    // its result, and nothing of them is stored.
+    assert_eq!(second.renew("r", "two", Duration::ZERO).unwrap(), 1);
+    let late = Batch {
+        results: vec![(theirs.id, result(3, "c", ItemStatus::Done))],
+        calls: vec![(theirs.id, agent_call(3, 1, 1))],
+        ..Batch::default()
+    };
+    let refused = second.commit("r", "two", &late).unwrap();
+    assert_eq!((refused.results, refused.refused), (0, vec![3]));
+
+    let a = first.item("r", "a").unwrap().unwrap();
+    assert_eq!(keys(&a.calls), vec![(1, 1, 1), (1, 1, 2), (1, 2, 1)]);
+    assert_eq!(a.calls[1], agent_call(1, 1, 2), "every field comes back");
+    let c = first.item("r", "c").unwrap().unwrap();
+    assert!(c.calls.is_empty(), "refused calls are not stored");
+    let json = serde_json::to_value(&c).unwrap();
+    assert!(json.get("calls").is_none(), "no calls, no field: {json}");
+
+    let mut all = Vec::new();
+    first.scan_calls("r", &mut |call| all.push(call)).unwrap();
+    assert_eq!(keys(&all), vec![(1, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 1)]);
+    let mut of_b = Vec::new();
+    first
+        .scan_calls_of("r", 2..=2, &mut |call| of_b.push(call))
+        .unwrap();
+    assert_eq!(keys(&of_b), vec![(2, 1, 1)]);
+
+    // The item taken over runs its agent once (calls stored, no attempt
+    // row, no result) and is claimed again: its next run is attempt 2.
+    let Claimed::Items(taken) = first.claim("r", "one", None, 10, LEASE).unwrap() else {
+        panic!("the expired claim's item is free");
+    };
+    let calls_only = Batch {
+        calls: vec![(taken.id, agent_call(3, 1, 1))],
+        ..Batch::default()
+    };
+    first.commit("r", "one", &calls_only).unwrap();
+    first.release("r", "one").unwrap();
+    let Claimed::Items(again) = first.claim("r", "one", None, 10, LEASE).unwrap() else {
+        panic!("item c is still pending");
+    };
+    assert_eq!(
+        again
+            .items
+            .iter()
+            .map(|i| (i.seq, i.prior_attempts))
+            .collect::<Vec<_>>(),
+        vec![(3, 1)]
+    );
+}
+
+/// A chat completion of item `seq`'s attempt `attempt`: its request holds
+/// `messages` and, with `tools`, a tool; its answer is `answer`.
+fn chat_call(
+    seq: u64,
+    attempt: u32,
+    index: u32,
+    messages: serde_json::Value,
+    answer: serde_json::Value,
+) -> AgentCall {
+    AgentCall {
+        error_class: None,
+        error: None,
+        request: serde_json::json!({
+            "model": "gpt-4o",
+            "messages": messages,
+            "tools": [{"type": "function", "function": {"name": "lookup", "parameters": {}}}],
+        })
+        .to_string(),
+        response: Some(answer.to_string()),
+        ..agent_call(seq, attempt, index)
+    }
+}
+
+#[test]
+fn trajectories_are_each_items_last_chat_of_its_final_attempt_with_tool_calls_and_results() {
+    use evalfleet_core::report::trajectories::export_trajectories;
+    use serde_json::json;
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.db");
+    let mut store = SqliteStore::open(&path).unwrap();
+    store
+        .create_run(&new_run("r"), &mut items(&["a", "b", "c", "d"], None))
+        .unwrap();
+    store.begin_session("r", &mut worker("one"), false).unwrap();
+    let claim = claim_all(&mut store, "r", "one");
+
+    let user = json!({"role": "user", "content": "Who owns example.com?"});
+    let tool_call = json!({"role": "assistant", "content": null, "tool_calls": [
+        {"id": "t1", "type": "function", "function": {"name": "lookup", "arguments": "{\"domain\":\"example.com\"}"}}
+    ]});
+    let tool_result = json!({"role": "tool", "tool_call_id": "t1", "content": "IANA"});
+    let last_answer = json!({"role": "assistant", "content": "IANA owns it.", "tool_calls": null});
+    let mut scored = result(1, "a", ItemStatus::Done);
+    scored.assessment.scores.insert(
+        "exact_match".to_owned(),
+        serde_json::from_value(json!({"value": 1.0})).unwrap(),
+    );
+    let batch = Batch {
+        results: vec![
+            (claim, scored),
+            (claim, result(2, "b", ItemStatus::Done)),
+            (claim, result(3, "c", ItemStatus::Failed)),
+        ],
+        calls: vec![
+            // a: a first run that failed, then a run of two chat calls (a
+            // tool call, then the answer after the tool's result) and an
+            // embedding.
+            (
+                claim,
+                chat_call(1, 1, 1, json!([user]), json!({"content": "wrong run"})),
+            ),
+            (claim, chat_call(1, 2, 1, json!([user]), tool_call.clone())),
+            (
+                claim,
+                chat_call(1, 2, 2, json!([user, tool_call, tool_result]), last_answer),
+            ),
+            (
+                claim,
+                AgentCall {
+                    api: "embeddings".to_owned(),
+                    ..agent_call(1, 2, 3)
+                },
+            ),
+            // b: its one chat call was cut when stored.
+            (
+                claim,
+                AgentCall {
+                    request_cut: true,
+                    error: None,
+                    ..agent_call(2, 1, 1)
+                },
+            ),
+            // d: still pending (no result): left out.
+            (
+                claim,
+                chat_call(4, 1, 1, json!([user]), json!({"content": "x"})),
+            ),
+        ],
+        ..Batch::default()
+    };
+    store.commit("r", "one", &batch).unwrap();
+    drop(store);
+
+    let mut store = SqliteStore::open_read_only(&path).unwrap();
+    let mut lines = Vec::new();
+    let written = export_trajectories(&mut store, "r", &mut |t| {
+        lines.push(serde_json::to_value(t).unwrap());
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(
+        (written.items, written.unreadable, written.no_chat),
+        (1, 1, 1),
+        "a is written, b's request was cut, c made no call"
+    );
+    assert_eq!(
+        lines,
+        vec![json!({
+            "item_id": "a",
+            "status": "done",
+            "scores": {"exact_match": 1.0},
+            "attempt": 2,
+            "messages": [
+                {"role": "user", "content": "Who owns example.com?"},
+                {"role": "assistant", "content": null, "tool_calls": [
+                    {"id": "t1", "type": "function", "function": {"name": "lookup", "arguments": "{\"domain\":\"example.com\"}"}}
+                ]},
+                {"role": "tool", "tool_call_id": "t1", "content": "IANA"},
+                {"role": "assistant", "content": "IANA owns it."},
+            ],
+            "tools": [{"type": "function", "function": {"name": "lookup", "parameters": {}}}],
+            "calls": 3,
+        })]
+    );
+}
+
+#[test]
+fn the_agents_figures_are_per_item_means_of_the_stored_calls() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.db");
+    let mut store = SqliteStore::open(&path).unwrap();
+    store
+        .create_run(&new_run("r"), &mut items(&["a", "b"], None))
+        .unwrap();
+    assert_eq!(
+        evalfleet_core::report::agents(&mut store, "r").unwrap(),
+        None,
+        "no calls, no figures"
+    );
+    store.begin_session("r", &mut worker("one"), false).unwrap();
+    let claim = claim_all(&mut store, "r", "one");
+    // a: three calls over two attempts (the first failed, 503); b: one.
+    // Each call: 12.5 ms, 20 + 5 tokens.
+    let calls = [(1, 1, 1), (1, 2, 1), (1, 2, 2), (2, 2, 1)]
+        .map(|(seq, attempt, index)| (claim, agent_call(seq, attempt, index)));
+    let batch = Batch {
+        calls: calls.to_vec(),
+        ..Batch::default()
+    };
+    store.commit("r", "one", &batch).unwrap();
+    let figures = evalfleet_core::report::agents(&mut store, "r")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (figures.items, figures.calls, figures.failed_calls),
+        (2, 4, 1)
+    );
+    assert_eq!(figures.calls_per_item.mean, 2.0);
+    assert_eq!(figures.tokens_per_item.mean, 50.0);
+    assert_eq!(figures.call_ms_per_item.mean, 25.0);
+    assert_eq!(figures.attempts_per_item.mean, 1.5);
+    assert!(figures.calls_per_item.ci_low < 2.0 && figures.calls_per_item.ci_high > 2.0);
 }

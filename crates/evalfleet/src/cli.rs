@@ -356,6 +356,10 @@ pub struct StatusArgs {
 pub enum ExportFormat {
     Jsonl,
     Csv,
+    /// Each item's agent run (`kind: exec`) as a chat-format conversation
+    /// (messages with tool calls and results, tools, status and scores),
+    /// one JSON line an item.
+    Trajectories,
 }
 
 #[derive(Debug, Args)]

@@ -24,6 +24,7 @@ mod security;
 mod serve;
 mod tasks;
 mod telemetry;
+mod trajectories;
 mod trust;
 mod util;
 mod webdriver;

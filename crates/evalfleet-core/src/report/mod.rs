@@ -8,6 +8,7 @@
 //! holds one row's samples at a time). A finished run's reports are
 //! computed once and kept in the store (`kept`).
 
+pub mod agents;
 pub mod compare;
 pub mod conversation;
 pub mod endpoints;
@@ -17,6 +18,7 @@ pub mod metrics;
 pub mod resources;
 pub mod samples;
 pub mod stats;
+pub mod trajectories;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -25,6 +27,7 @@ use evalfleet_types::{ItemStatus, Verdict};
 use serde::Serialize;
 use serde_json::Value;
 
+pub use agents::{AgentFigures, agents};
 pub use compare::{Compared, Comparison, Coverage, Disagreement, Disagreements, compare};
 pub use endpoints::{EndpointSummary, Percentiles, endpoints};
 pub use groups::{GroupFigures, GroupMetric};
@@ -142,6 +145,10 @@ pub struct Report {
     /// Peak and mean of each resource series (`telemetry:`): per GPU, per
     /// endpoint, and evalfleet's own.
     pub resources: ResourcesReport,
+    /// Calls, tokens and call time per item of the agents of a `kind:
+    /// exec` task (left out when its items' agents made no call).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agents: Option<AgentFigures>,
 }
 
 impl Report {
@@ -358,11 +365,12 @@ pub fn report(
     let mut report = report_with(store, run_id, by, max_unscored, &mut |_, _, _| {})?;
     report.endpoints = endpoints(store, run_id)?;
     report.resources = resources(store, run_id)?;
+    report.agents = agents(store, run_id)?;
     Ok(report)
 }
 
-/// [`report`] without the endpoints' summary (left empty: it reads every
-/// attempt), handing each result, with the task's metrics and its group,
+/// [`report`] without the endpoints' summary and the agents' figures (left
+/// empty: they read every attempt and every call), handing each result, with the task's metrics and its group,
 /// to `each` on the way: one read of the results serves the report and
 /// whatever else the caller writes of them.
 pub fn report_with(
@@ -478,5 +486,6 @@ pub fn report_with(
         code_verdicts: verdicts,
         endpoints: Vec::new(),
         resources: ResourcesReport::default(),
+        agents: None,
     })
 }

@@ -68,6 +68,16 @@ impl Moments {
         self.binary &= v == 0.0 || v == 1.0;
     }
 
+    /// Empty sums of quantities (counts, tokens, times): their interval is
+    /// the normal one even when every value is 0 or 1, which is not a
+    /// share.
+    pub fn quantities() -> Self {
+        Self {
+            binary: false,
+            ..Self::default()
+        }
+    }
+
     /// The sums of `n` values of 0 or 1, `ones` of them 1 (a share, whose
     /// interval is then Wilson's).
     pub fn counts(ones: u64, n: u64) -> Self {

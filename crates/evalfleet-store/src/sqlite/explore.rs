@@ -271,6 +271,8 @@ impl Explore for SqliteStore {
         };
         let row = row?;
         let attempts = self.attempts_of(rid, row.seq)?;
+        let mut calls = Vec::new();
+        self.calls_of(rid, row.seq..=row.seq, &mut |call| calls.push(call))?;
         Ok(Some(ItemRecord {
             row,
             parsed: json_column(parsed)?,
@@ -280,6 +282,7 @@ impl Explore for SqliteStore {
             attempt_records: attempts,
             cached,
             prompt,
+            calls,
         }))
     }
 

@@ -5,10 +5,11 @@
 //!
 //! Each concern of [`evalfleet_core::store`] is implemented in a module of
 //! its own: `runs`, `queue` (claims and commits), `results`, `cache`,
-//! `events` (with the fleet mailbox), `explore` (pages of items) and `kept`
-//! (reports computed once).
+//! `events` (with the fleet mailbox), `explore` (pages of items), `kept`
+//! (reports computed once) and `calls` (agents' calls read back).
 
 mod cache;
+mod calls;
 mod events;
 mod explore;
 mod kept;

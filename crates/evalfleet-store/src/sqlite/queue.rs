@@ -61,18 +61,24 @@ fn scan(
     let mut cursor = after.map_or(-1, |s| s as i64);
     // An item's earlier attempts: the highest number used, so that the
     // next is above every stored one (calls answered from the cache take
-    // a number but store no row). It costs a lookup an item; when no item
+    // a number but store no row; an agent's run may store its calls and
+    // no attempt). It costs a lookup an item; when no item
     // from here on has any (a first session's items), it is skipped.
     let attempted: bool = tx
-        .prepare_cached("SELECT EXISTS (SELECT 1 FROM attempts WHERE rid = ?1 AND seq > ?2)")
+        .prepare_cached(
+            "SELECT EXISTS (SELECT 1 FROM attempts WHERE rid = ?1 AND seq > ?2)
+                 OR EXISTS (SELECT 1 FROM agent_calls WHERE rid = ?1 AND seq > ?2)",
+        )
         .map_err(&err)?
         .query_row(params![rid, cursor], |row| row.get(0))
         .map_err(&err)?;
     let mut stmt = tx
         .prepare_cached(if attempted {
             "SELECT i.item_id, i.seq, i.line, i.offset,
-                    (SELECT COALESCE(MAX(a.attempt), 0) FROM attempts a
-                     WHERE a.rid = i.rid AND a.seq = i.seq)
+                    max((SELECT COALESCE(MAX(a.attempt), 0) FROM attempts a
+                         WHERE a.rid = i.rid AND a.seq = i.seq),
+                        (SELECT COALESCE(MAX(c.attempt), 0) FROM agent_calls c
+                         WHERE c.rid = i.rid AND c.seq = i.seq))
              FROM items i
              WHERE i.rid = ?1 AND i.state = 'pending' AND i.seq > ?2
              ORDER BY i.seq LIMIT ?3"
@@ -283,6 +289,7 @@ impl WorkQueue for SqliteStore {
         let mut touched = BTreeSet::new();
         let mut done = 0i64;
         let mut failed = 0i64;
+        let mut calls_stored = false;
         {
             let mut attempt = tx
                 .prepare_cached(
@@ -319,6 +326,59 @@ impl WorkQueue for SqliteStore {
                         t.tokens_estimated,
                     ])
                     .map_err(db_err("cannot record an attempt"))?;
+            }
+            // A call is keyed by its item, attempt and place: the same call
+            // sent again (a batch retried after its commit failed) replaces
+            // itself rather than failing the batch, and a later version of
+            // a call carries no less than an earlier one. A new run of the
+            // agent takes a new attempt number (see `scan`), so no call of
+            // one attempt can replace another's.
+            let mut call = tx
+                .prepare_cached(
+                    "INSERT OR REPLACE INTO agent_calls (rid, seq, attempt, idx, call_id, api, asked_model,
+                         sent_at, endpoint, model, latency_ms, ttft_ms, tpot_ms, prompt_tokens,
+                         completion_tokens, tokens_estimated, finish_reason, stream, cached, http_status,
+                         error_class, error, request, request_cut, response, tags)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17,
+                             ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26)",
+                )
+                .map_err(db_err("cannot prepare the agent call insert"))?;
+            for (claim, c) in &batch.calls {
+                if !held(*claim, c.seq) {
+                    refused.insert(c.seq);
+                    continue;
+                }
+                let t = &c.telemetry;
+                call.execute(params![
+                    rid,
+                    c.seq as i64,
+                    c.attempt,
+                    c.index,
+                    c.call_id,
+                    c.api,
+                    c.asked_model,
+                    c.sent_at_ms,
+                    t.endpoint,
+                    t.model,
+                    t.latency_ms,
+                    t.ttft_ms,
+                    t.tpot_ms,
+                    opt_u64(t.prompt_tokens),
+                    opt_u64(t.completion_tokens),
+                    t.tokens_estimated,
+                    t.finish_reason,
+                    c.stream,
+                    c.cached,
+                    c.http_status,
+                    c.error_class.map(ErrorClass::as_str),
+                    c.error,
+                    c.request,
+                    c.request_cut,
+                    c.response,
+                    c.tags,
+                ])
+                .map_err(db_err("cannot record an agent call"))?;
+                calls_stored = true;
             }
             if !batch.cache.is_empty() {
                 let mut put = tx
@@ -445,7 +505,9 @@ impl WorkQueue for SqliteStore {
                 }
             }
         }
-        if done + failed > 0 {
+        if done + failed > 0 || calls_stored {
+            // Calls change what a report says of the run (its agents'
+            // figures) even before their item's result comes.
             tx.execute(
                 "UPDATE runs SET updated_at = ?2, done = done + ?3, failed = failed + ?4,
                      generation = generation + 1

@@ -283,6 +283,25 @@ impl Results for SqliteStore {
         Ok(())
     }
 
+    fn scan_calls_of(
+        &mut self,
+        run_id: &str,
+        seqs: std::ops::RangeInclusive<u64>,
+        each: &mut dyn FnMut(evalfleet_types::AgentCall),
+    ) -> Result<(), StoreError> {
+        let rid = self.rid(run_id)?;
+        self.calls_of(rid, seqs, each)
+    }
+
+    fn scan_call_samples(
+        &mut self,
+        run_id: &str,
+        each: &mut dyn FnMut(evalfleet_core::store::CallSample),
+    ) -> Result<(), StoreError> {
+        let rid = self.rid(run_id)?;
+        self.call_samples_of(rid, each)
+    }
+
     fn put_assessments(
         &mut self,
         run_id: &str,

@@ -241,8 +241,46 @@ DELETE FROM kept_reports;
 /// the bytes sent and their size (JSON), never the bytes.
 const IMAGES: &str = "ALTER TABLE results ADD COLUMN images TEXT;";
 
+/// 12: the calls agents made through the gateway (`kind: exec`), each
+/// under its item's attempt (one run of the agent) in the order it was
+/// made. A table with rowids, its key an index: a call keeps its request
+/// and response (up to 256 KiB each), and rows that large belong outside
+/// the B-tree of their key (SQLite advises WITHOUT ROWID for small rows
+/// only).
+const AGENT_CALLS: &str = "
+CREATE TABLE agent_calls (
+    rid               INTEGER NOT NULL REFERENCES runs(rid),
+    seq               INTEGER NOT NULL,
+    attempt           INTEGER NOT NULL,
+    idx               INTEGER NOT NULL,
+    call_id           TEXT NOT NULL,
+    api               TEXT NOT NULL,
+    asked_model       TEXT NOT NULL,
+    sent_at           INTEGER NOT NULL,
+    endpoint          TEXT NOT NULL,
+    model             TEXT NOT NULL,
+    latency_ms        REAL NOT NULL,
+    ttft_ms           REAL,
+    tpot_ms           REAL,
+    prompt_tokens     INTEGER,
+    completion_tokens INTEGER,
+    tokens_estimated  INTEGER NOT NULL DEFAULT 0,
+    finish_reason     TEXT,
+    stream            INTEGER NOT NULL,
+    cached            INTEGER NOT NULL,
+    http_status       INTEGER NOT NULL,
+    error_class       TEXT,
+    error             TEXT,
+    request           TEXT NOT NULL,
+    request_cut       INTEGER NOT NULL,
+    response          TEXT,
+    tags              TEXT,
+    PRIMARY KEY (rid, seq, attempt, idx)
+);
+";
+
 /// The schema version a store has once every migration ran.
-pub const VERSION: usize = 11;
+pub const VERSION: usize = 12;
 
 pub fn migrations() -> Migrations<'static> {
     Migrations::new(vec![
@@ -257,6 +295,7 @@ pub fn migrations() -> Migrations<'static> {
         M::up(TELEMETRY),
         M::up(PROMPT_RULES),
         M::up(IMAGES),
+        M::up(AGENT_CALLS),
     ])
 }
 

@@ -381,6 +381,20 @@ fn write_export(
                 out.write_all(b"\n")
             })?;
         }
+        ExportFormat::Trajectories => {
+            let written =
+                report::trajectories::export_trajectories(store, &args.run_id, &mut |line| {
+                    serde_json::to_writer(&mut *out, line).map_err(io::Error::other)?;
+                    out.write_all(b"\n")
+                })?;
+            let left_out = written.no_chat + written.unreadable;
+            if left_out > 0 {
+                eprintln!(
+                    "note: {} item(s) written; {left_out} left out: {} made no answered chat completion in their last attempt, {} had their last request cut when stored",
+                    written.items, written.no_chat, written.unreadable
+                );
+            }
+        }
         ExportFormat::Csv => {
             // A first pass finds every item field, so that each becomes a column.
             let mut fields = BTreeSet::new();

@@ -145,6 +145,7 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
     )?;
     report.endpoints = report::endpoints(&mut *store, &args.run_id)?;
     report.resources = report::resources(&mut *store, &args.run_id)?;
+    report.agents = report::agents(&mut *store, &args.run_id)?;
     let json = serde_json::to_string_pretty(&report)?;
     if let (Some(dir), Some(detailed)) = (&dir, detailed) {
         detailed.finish(&report.metrics)?;
@@ -163,6 +164,7 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
     } else {
         print_report(&report);
         print_resources(&report.resources);
+        print_agents(report.agents.as_ref());
         if let Some(dir) = &dir {
             println!(
                 "\nWrote summary.json, metrics_summary.csv and metrics_detailed.csv in {}",
@@ -396,6 +398,40 @@ fn print_resources(resources: &report::ResourcesReport) {
         ]);
     }
     println!();
+    print_table(&table);
+}
+
+/// The agents' calls per item (`kind: exec`): mean and 95% interval of
+/// calls, tokens and call time.
+fn print_agents(agents: Option<&report::AgentFigures>) {
+    let Some(a) = agents else {
+        return;
+    };
+    println!(
+        "\nAgents: {} calls for {} items ({} failed, {} from the cache; {})",
+        a.calls,
+        a.items,
+        a.failed_calls,
+        a.cached_calls,
+        a.apis
+            .iter()
+            .map(|(api, n)| format!("{api} {n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let mut table = vec![["PER ITEM", "MEAN", "95% INTERVAL"].map(str::to_owned)];
+    for (what, e) in [
+        ("calls", &a.calls_per_item),
+        ("tokens", &a.tokens_per_item),
+        ("call time (ms)", &a.call_ms_per_item),
+        ("attempts", &a.attempts_per_item),
+    ] {
+        table.push([
+            what.to_owned(),
+            format!("{:.1}", e.mean),
+            format!("[{:.1}, {:.1}]", e.ci_low, e.ci_high),
+        ]);
+    }
     print_table(&table);
 }
 
