@@ -6,6 +6,7 @@
 // Test helpers (stand-in servers) run outside any run's task tracker.
 #![allow(clippy::disallowed_methods)]
 
+mod agents;
 mod backends;
 mod bench;
 mod code;

@@ -296,9 +296,6 @@ impl Gateway {
 
     /// Makes the call `asked` for the attempt of `grant`.
     pub async fn call(self: &Arc<Self>, grant: Arc<Grant>, asked: Asked) -> Answer {
-        if let Some(refused) = grant.over_budget() {
-            return Answer::Error(refused);
-        }
         let index = grant.next_index.fetch_add(1, Ordering::AcqRel) + 1;
         let mut record = AgentCall {
             seq: grant.seq,
@@ -311,6 +308,9 @@ impl Gateway {
             request_cut: asked.body.len() > evalfleet_types::BODY_KEPT,
             ..AgentCall::default()
         };
+        if let Some(refused) = grant.over_budget(index) {
+            return self.refuse(&grant, record, refused);
+        }
         let body = match serde_json::from_slice::<Value>(&asked.body) {
             Ok(Value::Object(body)) => body,
             Ok(_) => {
@@ -499,9 +499,19 @@ impl Gateway {
     ) -> Option<(Arc<Endpoint>, Permit, Arc<crate::client::ChatClient>)> {
         let deadline = Instant::now() + self.wait;
         loop {
-            let waits: Vec<_> = endpoints
+            // The least loaded first (in flight for its limit; ties drawn
+            // at random): the first of them with a free slot takes the call.
+            let mut ordered: Vec<(f64, u64, &Arc<Endpoint>)> = endpoints
                 .iter()
-                .map(|endpoint| {
+                .map(|e| {
+                    let load = e.limit.in_flight() as f64 / e.limit.current().max(1) as f64;
+                    (load, fastrand::u64(..), e)
+                })
+                .collect();
+            ordered.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+            let waits: Vec<_> = ordered
+                .into_iter()
+                .map(|(_, _, endpoint)| {
                     let stop = self.stop.clone();
                     Box::pin(async move {
                         let permit = call::admit(endpoint, &stop).await?;
@@ -536,13 +546,13 @@ impl Gateway {
 }
 
 impl Grant {
-    /// The refusal of a call past the attempt's budget.
-    fn over_budget(&self) -> Option<GatewayError> {
+    /// The refusal of call `index` when it is past the attempt's budget.
+    fn over_budget(&self, index: u32) -> Option<GatewayError> {
         let spent = |what: String| {
             Some(GatewayError::new(429, "insufficient_quota", "budget_exhausted", what).final_())
         };
         if let Some(calls) = self.budget.calls
-            && self.next_index.load(Ordering::Acquire) >= calls
+            && index > calls
         {
             return spent(format!("This item's budget of {calls} calls is spent."));
         }

@@ -1,0 +1,722 @@
+//! Exec tasks: the user's agent run per item in the sandbox, its calls made
+//! through the run's gateway and attributed to the item; the official
+//! `openai` SDK and LangGraph against the gateway; kills, timeouts,
+//! failures, failover and the sandbox's walls.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use evalfleet_core::store::prelude::*;
+use evalfleet_core::types::AgentCall;
+use evalfleet_mock::MockSettings;
+use serde_json::Value;
+
+use crate::util::{Env, by_id, external_with, mock, ms, signal, wait_until};
+
+/// The Python with the `openai` SDK (and LangGraph) that `.ci/run` makes
+/// (`$EVALFLEET_AGENT_PYTHON`, by default /opt/evalfleet-agent/bin/python),
+/// when it imports `modules`; `None`, saying so, when it does not.
+fn agent_python(modules: &str) -> Option<String> {
+    let python = std::env::var("EVALFLEET_AGENT_PYTHON")
+        .unwrap_or_else(|_| "/opt/evalfleet-agent/bin/python".to_owned());
+    let ok = std::process::Command::new(&python)
+        .args(["-c", &format!("import {modules}")])
+        .status()
+        .is_ok_and(|s| s.success());
+    if ok {
+        return Some(python);
+    }
+    evalfleet_testkit::skip!(
+        "no Python with {modules} for the agents (set EVALFLEET_AGENT_PYTHON; .ci/run makes one)"
+    );
+    None
+}
+
+/// The sandbox's walls (its own users, namespaces) need root.
+fn sandboxed() -> bool {
+    if evalfleet_testkit::is_root() {
+        return true;
+    }
+    evalfleet_testkit::skip!("the agents' sandbox needs root (own users, network namespace)");
+    false
+}
+
+/// The examples' folder.
+fn examples() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/agent")
+}
+
+/// Every call of `item_id`'s run, in the order stored.
+fn calls_of(env: &Env, store: &Path, run_id: &str, item_id: &str) -> Vec<AgentCall> {
+    let _ = env;
+    let mut store = evalfleet_store::SqliteStore::open_existing(store).expect("the store");
+    store
+        .item(run_id, item_id)
+        .expect("the item reads")
+        .expect("the item exists")
+        .calls
+}
+
+/// A plain agent (no SDK: urllib of /usr/bin/python3) that makes `calls`
+/// calls for its item's question, then sleeps `sleep` seconds, and prints
+/// the last answer; a question with `hang` sleeps for ever, one with
+/// `fail` writes to stderr and exits 3.
+const PLAIN_AGENT: &str = r#"
+import json, os, sys, time, urllib.request
+item = json.load(sys.stdin)
+q = item["question"]
+if "hang" in q:
+    time.sleep(3600)
+if "fail" in q:
+    sys.stderr.write("the agent gave up: boom\n")
+    sys.exit(3)
+base = os.environ["OPENAI_BASE_URL"]
+answer = ""
+for i in range(int(os.environ.get("CALLS", "2"))):
+    body = {"model": "any-name", "messages": [{"role": "user", "content": q}], "user": "agent-" + item["id"]}
+    req = urllib.request.Request(base + "/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", "traceparent": "00-abc-def-01"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        answer = json.load(r)["choices"][0]["message"]["content"]
+time.sleep(float(os.environ.get("SLEEP", "0")))
+print(answer)
+"#;
+
+/// The agent's file name in `env`: unique, so that a test finds its own
+/// agents among the processes of tests running beside it.
+fn agent_name(env: &Env) -> String {
+    format!(
+        "agent-{}.py",
+        env.dir.path().file_name().unwrap().to_string_lossy()
+    )
+}
+
+fn plain_config(env: &Env, endpoints: &str, extra: &str, n: usize) -> PathBuf {
+    let script = agent_name(env);
+    env.write(&script, PLAIN_AGENT);
+    let dataset = env.dataset("items.jsonl", n);
+    env.write(
+        "agent.yaml",
+        &format!(
+            "name: agents\n\
+             dataset: {{ path: {}, id_field: id }}\n\
+             endpoints:\n{endpoints}\n\
+             task:\n  kind: exec\n  command: /usr/bin/python3 {script}\n{extra}\n",
+            dataset.display()
+        ),
+    )
+}
+
+/// The pids of processes whose command line holds `marker`.
+fn processes_with(marker: &str) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        // A zombie's command line is empty: it is gone.
+        if String::from_utf8_lossy(&cmdline).contains(marker) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_openai_agent_runs_per_item_with_every_call_attributed_in_order() {
+    let Some(python) = agent_python("openai") else {
+        return;
+    };
+    let env = Env::new();
+    let store = env.path("agents.db");
+    let config = examples().join("agent.yaml");
+    let ran = env
+        .command(&[
+            "run",
+            config.to_str().unwrap(),
+            "--store",
+            store.to_str().unwrap(),
+            "-y",
+        ])
+        .env("EVALFLEET_AGENT_PYTHON", &python)
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&ran.stderr);
+    assert_eq!(ran.status.code(), Some(0), "{stderr}");
+    let run_id = String::from_utf8_lossy(&ran.stdout)
+        .lines()
+        .next()
+        .unwrap()
+        .trim()
+        .to_owned();
+    let rows = env
+        .evalfleet(&[
+            "export",
+            &run_id,
+            "--store",
+            store.to_str().unwrap(),
+            "--format",
+            "jsonl",
+        ])
+        .await;
+    let rows: Vec<Value> = rows
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let rows = by_id(&rows);
+    assert_eq!(rows.len(), 12);
+    // The script answers two of twelve wrong, as a model would.
+    let right = rows
+        .values()
+        .filter(|r| r["scores"]["exact_match@1"]["value"] == 1.0)
+        .count();
+    assert_eq!(right, 10, "{rows:?}");
+    assert_eq!(rows["c001"]["output"], "Paris");
+    assert_eq!(rows["c001"]["judge"]["exit"], 0);
+    for item in rows.keys() {
+        let calls = calls_of(&env, &store, &run_id, item);
+        assert_eq!(calls.len(), 3, "{item}: {calls:?}");
+        for (i, call) in calls.iter().enumerate() {
+            let index = u32::try_from(i).unwrap() + 1;
+            assert_eq!(call.index, index);
+            assert_eq!(call.attempt, 1);
+            assert_eq!(call.call_id, format!("{}.1.{index}", call.seq));
+            assert_eq!(call.api, "chat.completions");
+            assert_eq!(call.asked_model, "agent-model");
+            assert_eq!(call.telemetry.endpoint, "mock");
+            assert_eq!(call.telemetry.model, "qwen3-4b");
+            assert_eq!(call.http_status, 200);
+            assert!(
+                call.telemetry.completion_tokens.unwrap_or(0) > 0,
+                "{call:?}"
+            );
+        }
+        // 1: the tool call; 2: streamed, with the tool's result sent; 3: the
+        // answer alone.
+        let first: Value = serde_json::from_str(calls[0].response.as_deref().unwrap()).unwrap();
+        assert_eq!(
+            first["tool_calls"][0]["function"]["name"], "lookup",
+            "{item}"
+        );
+        assert_eq!(
+            calls[0].telemetry.finish_reason.as_deref(),
+            Some("tool_calls")
+        );
+        let second: Value = serde_json::from_str(&calls[1].request).unwrap();
+        assert!(calls[1].stream);
+        assert!(calls[1].telemetry.ttft_ms.is_some());
+        let roles: Vec<&str> = second["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["role"].as_str().unwrap())
+            .collect();
+        assert_eq!(roles, ["system", "user", "assistant", "tool"], "{item}");
+        assert!(!calls[2].stream);
+    }
+    // The trajectories: the final call's messages and its answer.
+    let lines = env
+        .evalfleet(&[
+            "export",
+            &run_id,
+            "--store",
+            store.to_str().unwrap(),
+            "--format",
+            "trajectories",
+        ])
+        .await;
+    let first: Value = serde_json::from_str(lines.stdout.lines().next().unwrap()).unwrap();
+    let messages = first["messages"].as_array().unwrap();
+    assert_eq!(messages.len(), 7, "{first}");
+    assert_eq!(messages[6]["content"], "Paris");
+}
+
+/// The SDK's side of errors, retries, models, embeddings, completions,
+/// budgets and tags: the agent checks what it gets and prints it.
+const SDK_AGENT: &str = r#"
+import json, os, sys
+import openai
+from openai import OpenAI
+item = json.load(sys.stdin)
+out = {}
+client = OpenAI(max_retries=3)
+out["models"] = sorted(m.id for m in client.models.list())
+r = client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "hello"}],
+                                   user="tester", extra_headers={"traceparent": "00-trace-span-01"})
+out["chat"] = r.choices[0].message.content
+text = ""
+for chunk in client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "streamed"}], stream=True):
+    if chunk.choices and chunk.choices[0].delta.content:
+        text += chunk.choices[0].delta.content
+out["stream"] = text
+e = client.embeddings.create(model="m1", input=["a", "b"])
+out["embeddings"] = [len(d.embedding) for d in e.data]
+c = client.completions.create(model="m1", prompt="complete me", max_tokens=8)
+out["completion"] = c.choices[0].text
+# Two 503s, then an answer: the SDK retries.
+out["after_503"] = client.chat.completions.create(model="m2", messages=[{"role": "user", "content": "flaky"}]).choices[0].message.content
+# A 429 with Retry-After, then an answer.
+out["after_429"] = client.chat.completions.create(model="m3", messages=[{"role": "user", "content": "limited"}]).choices[0].message.content
+try:
+    client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    out["unknown_model"] = "answered"
+except openai.NotFoundError as err:
+    out["unknown_model"] = [err.status_code, err.code]
+token = os.environ["OPENAI_API_KEY"]
+payload, tag = token[len("ef1_"):].split(".")
+forged = "ef1_" + payload[:-2] + ("AA" if payload[-2:] != "AA" else "BB") + "." + tag
+for name, key in [("unknown", "sk-not-ours"), ("forged", forged)]:
+    other = OpenAI(api_key=key, base_url=os.environ["OPENAI_BASE_URL"].rsplit("/gw/", 1)[0] + "/v1", max_retries=0)
+    try:
+        other.chat.completions.create(model="m1", messages=[{"role": "user", "content": "x"}])
+        out[name] = "answered"
+    except openai.AuthenticationError as err:
+        out[name] = err.status_code
+# The token as the API key, at /v1 (no token in the path), works too.
+keyed = OpenAI(api_key=token, base_url=os.environ["OPENAI_BASE_URL"].rsplit("/gw/", 1)[0] + "/v1")
+out["keyed"] = keyed.chat.completions.create(model="m1", messages=[{"role": "user", "content": "keyed"}]).choices[0].message.content
+# The budget is 12 calls: this is the 12th, the next is refused, once.
+client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "last"}])
+try:
+    client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "over"}])
+    out["budget"] = "answered"
+except openai.RateLimitError as err:
+    out["budget"] = [err.status_code, err.code]
+print(json.dumps(out))
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_sdk_gets_models_streams_errors_and_retries_from_the_gateway() {
+    let Some(python) = agent_python("openai") else {
+        return;
+    };
+    let env = Env::new();
+    let main = mock(MockSettings::default()).await;
+    let flaky = mock(MockSettings {
+        fail_first: 2,
+        error_status: 503,
+        ..MockSettings::default()
+    })
+    .await;
+    let limited = mock(MockSettings {
+        fail_first: 1,
+        error_status: 429,
+        retry_after: ms(1000),
+        ..MockSettings::default()
+    })
+    .await;
+    env.write("agent.py", SDK_AGENT);
+    let dataset = env.write("one.jsonl", "{\"id\": \"only\", \"question\": \"q\"}\n");
+    let endpoints = [
+        external_with("main", &main, 4, "").replace("model: m,", "model: m1,"),
+        external_with("flaky", &flaky, 4, "health: { max_failures: 1000 }")
+            .replace("model: m,", "model: m2,"),
+        external_with("limited", &limited, 4, "").replace("model: m,", "model: m3,"),
+    ]
+    .concat();
+    let config = env.write(
+        "agent.yaml",
+        &format!(
+            "name: sdk\n\
+             dataset: {{ path: {}, id_field: id }}\n\
+             endpoints:\n{endpoints}\n\
+             retry: {{ max_attempts: 1 }}\n\
+             task:\n  kind: exec\n  command: [\"{python}\", agent.py]\n  timeout: 60s\n  \
+             models: {{ m1: main, m2: flaky, m3: limited }}\n  budget: {{ calls: 12 }}\n",
+            dataset.display()
+        ),
+    );
+    let ran = env
+        .evalfleet(&["run", config.to_str().unwrap(), "-y"])
+        .await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let run_id = ran.run_id();
+    let rows = env.export(&run_id).await;
+    let out: Value = serde_json::from_str(rows[0]["output"].as_str().unwrap()).unwrap();
+    assert_eq!(out["models"], serde_json::json!(["m1", "m2", "m3"]));
+    assert_eq!(out["chat"], "hello");
+    assert_eq!(out["stream"], "streamed");
+    assert_eq!(out["embeddings"], serde_json::json!([64, 64]));
+    assert_eq!(out["completion"], "complete me");
+    assert_eq!(out["after_503"], "flaky");
+    assert_eq!(out["after_429"], "limited");
+    assert_eq!(
+        out["unknown_model"],
+        serde_json::json!([404, "model_not_found"])
+    );
+    assert_eq!(out["unknown"], 401);
+    assert_eq!(out["forged"], 401);
+    assert_eq!(out["keyed"], "keyed");
+    assert_eq!(out["budget"], serde_json::json!([429, "budget_exhausted"]));
+    // Every call that reached the gateway's routing is the item's, in
+    // order: 2 503s and an answer, a 429 and an answer, the 404, and the
+    // budget's refusal, which the SDK did not retry.
+    let calls = calls_of(&env, &env.store_path(), &run_id, "only");
+    let statuses: Vec<u16> = calls.iter().map(|c| c.http_status).collect();
+    assert_eq!(
+        statuses,
+        [
+            200, 200, 200, 200, 503, 503, 200, 429, 200, 404, 200, 200, 429
+        ],
+        "{calls:#?}"
+    );
+    let apis: Vec<&str> = calls.iter().map(|c| c.api.as_str()).collect();
+    assert_eq!(apis[2], "embeddings");
+    assert_eq!(apis[3], "completions");
+    assert_eq!(flaky.stats().requests, 3);
+    assert_eq!(
+        calls[12].error_class.map(|c| c.as_str()),
+        Some("back_pressure")
+    );
+    let tags: Value = serde_json::from_str(calls[0].tags.as_deref().unwrap()).unwrap();
+    assert_eq!(tags["user"], "tester");
+    assert_eq!(tags["traceparent"], "00-trace-span-01");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_run_leaves_no_agent_and_its_resume_finishes_every_item_once() {
+    if !sandboxed() {
+        return;
+    }
+    let env = Env::new();
+    let server = mock(MockSettings {
+        latency: ms(5),
+        ..MockSettings::default()
+    })
+    .await;
+    let endpoints = external_with("m", &server, 16, "");
+    let config = plain_config(
+        &env,
+        &endpoints,
+        "  concurrency: 6\n  env: { SLEEP: \"0.4\" }",
+        60,
+    );
+    let marker = agent_name(&env);
+    let mut child = env.spawn(&["run", config.to_str().unwrap(), "-y"]);
+    let store = env.store_path();
+    let done = |store: &Path| {
+        evalfleet_store::SqliteStore::open_existing(store)
+            .ok()
+            .and_then(|mut s| {
+                let runs = s.runs().ok()?;
+                let run = runs.first()?;
+                s.counts(&run.run_id).ok()
+            })
+            .map_or(0, |c| c.done)
+    };
+    wait_until(ms(60_000), "a few items are done", || done(&store) >= 6).await;
+    // The agents are the sandbox's: their command line names the script
+    // as it is bound inside (the config's folder), so look for its name.
+    wait_until(ms(20_000), "agents are running", || {
+        !processes_with(&marker).is_empty()
+    })
+    .await;
+    signal(&child, "KILL").await;
+    let _ = child.wait().await;
+    wait_until(ms(10_000), "no agent is left", || {
+        processes_with(&marker).is_empty()
+    })
+    .await;
+    let runs = env.store().runs().unwrap();
+    let run_id = runs[0].run_id.clone();
+    let before = env.counts(&run_id);
+    assert!(before.pending > 0, "{before:?}");
+    let ran = env.evalfleet(&["resume", &run_id]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let counts = env.counts(&run_id);
+    assert_eq!((counts.done, counts.pending, counts.failed), (60, 0, 0));
+    let rows = env.export(&run_id).await;
+    let rows = by_id(&rows);
+    assert_eq!(rows.len(), 60);
+    for (id, row) in &rows {
+        let i: usize = id.trim_start_matches("item-").parse().unwrap();
+        assert_eq!(row["output"], format!("question {i} of 60"));
+        // The calls of the attempt that gave the answer: two, in order.
+        let calls = calls_of(&env, &env.store_path(), &run_id, id);
+        let last = calls.iter().map(|c| c.attempt).max().unwrap();
+        let final_calls: Vec<u32> = calls
+            .iter()
+            .filter(|c| c.attempt == last)
+            .map(|c| c.index)
+            .collect();
+        assert_eq!(final_calls, [1, 2], "{id}");
+    }
+    // Every item was asked at least twice (once per call of its agent).
+    assert!(server.stats().requests >= 120);
+    assert!(processes_with(&marker).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_hangs_is_killed_at_its_timeout_and_one_that_fails_keeps_its_stderr() {
+    let env = Env::new();
+    let server = mock(MockSettings::default()).await;
+    let endpoints = external_with("m", &server, 4, "");
+    let script = agent_name(&env);
+    env.write(&script, PLAIN_AGENT);
+    let dataset = env.write(
+        "items.jsonl",
+        "{\"id\": \"ok\", \"question\": \"fine\"}\n\
+         {\"id\": \"hangs\", \"question\": \"hang here\"}\n\
+         {\"id\": \"fails\", \"question\": \"fail now\"}\n",
+    );
+    let config = env.write(
+        "agent.yaml",
+        &format!(
+            "name: agents\n\
+             dataset: {{ path: {}, id_field: id }}\n\
+             endpoints:\n{endpoints}\n\
+             retry: {{ max_attempts: 2, backoff_base: 10ms, backoff_max: 10ms }}\n\
+             task:\n  kind: exec\n  command: /usr/bin/python3 {script}\n  timeout: 2s\n",
+            dataset.display()
+        ),
+    );
+    let started = std::time::Instant::now();
+    let ran = env
+        .evalfleet(&["run", config.to_str().unwrap(), "-y"])
+        .await;
+    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
+    // Two attempts of 2 s for the one that hangs, not an hour.
+    assert!(started.elapsed() < Duration::from_secs(60));
+    let rows = by_id(&env.export(&ran.run_id()).await);
+    assert_eq!(rows["ok"]["status"], "done");
+    assert_eq!(rows["ok"]["output"], "fine");
+    assert_eq!(rows["hangs"]["status"], "failed");
+    let hung = rows["hangs"]["error"].as_str().unwrap();
+    assert!(hung.contains("task.timeout"), "{hung}");
+    assert_eq!(rows["hangs"]["attempts"], 2);
+    assert_eq!(rows["fails"]["status"], "failed");
+    let failed = rows["fails"]["error"].as_str().unwrap();
+    assert!(failed.contains("exited with status 3"), "{failed}");
+    assert!(failed.contains("boom"), "{failed}");
+    assert_eq!(rows["fails"]["judge"]["exit"], 3);
+    assert!(
+        rows["fails"]["judge"]["stderr"]
+            .as_str()
+            .unwrap()
+            .contains("the agent gave up")
+    );
+    // Each failed attempt is stored with its reason.
+    let attempts = env.attempts_by_session(&ran.run_id());
+    assert_eq!(attempts.values().sum::<i64>(), 5, "{attempts:?}");
+    // The one that hung was killed with its attempts.
+    assert!(processes_with(&script).is_empty());
+}
+
+/// What an agent tries besides the gateway.
+const ESCAPE_AGENT: &str = r#"
+import errno, json, os, socket, sys, urllib.request
+item = json.load(sys.stdin)
+out = {}
+def connect(host, port):
+    s = socket.socket()
+    s.settimeout(5)
+    try:
+        s.connect((host, port))
+        return "connected"
+    except OSError as err:
+        return errno.errorcode.get(err.errno, str(err))
+    finally:
+        s.close()
+out["mock_port"] = connect("127.0.0.1", int(os.environ["MOCK_PORT"]))
+out["outside"] = connect("10.255.255.1", 80)
+out["public"] = connect("1.1.1.1", 443)
+def write(path):
+    try:
+        with open(path, "w") as f:
+            f.write("x")
+        return "written"
+    except OSError as err:
+        return errno.errorcode.get(err.errno, str(err))
+out["config_folder"] = write(os.path.join(os.path.dirname(os.path.abspath(__file__)), "planted.txt"))
+out["etc"] = write("/etc/planted")
+out["own_folder"] = write("mine.txt")
+try:
+    open(os.environ["STORE"], "rb").read(16)
+    out["store"] = "read"
+except OSError as err:
+    out["store"] = errno.errorcode.get(err.errno, str(err))
+body = {"model": "m", "messages": [{"role": "user", "content": item["question"]}]}
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", data=json.dumps(body).encode(),
+                             headers={"Content-Type": "application/json"})
+with urllib.request.urlopen(req, timeout=30) as r:
+    out["gateway"] = json.load(r)["choices"][0]["message"]["content"]
+print(json.dumps(out))
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_reaches_the_gateway_and_nothing_else() {
+    if !sandboxed() {
+        return;
+    }
+    let env = Env::new();
+    let server = mock(MockSettings::default()).await;
+    let endpoints = external_with("m", &server, 4, "");
+    env.write("agent.py", ESCAPE_AGENT);
+    let dataset = env.write(
+        "one.jsonl",
+        "{\"id\": \"x\", \"question\": \"reach out\"}\n",
+    );
+    let store = env.store_path();
+    let config = env.write(
+        "agent.yaml",
+        &format!(
+            "name: walls\n\
+             dataset: {{ path: {}, id_field: id }}\n\
+             endpoints:\n{endpoints}\n\
+             task:\n  kind: exec\n  command: /usr/bin/python3 agent.py\n  \
+             env: {{ MOCK_PORT: \"{}\", STORE: \"{}\" }}\n",
+            dataset.display(),
+            server.addr().port(),
+            store.display()
+        ),
+    );
+    let ran = env
+        .evalfleet(&["run", config.to_str().unwrap(), "-y"])
+        .await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let rows = env.export(&ran.run_id()).await;
+    let out: Value = serde_json::from_str(rows[0]["output"].as_str().unwrap()).unwrap();
+    assert_eq!(out["gateway"], "reach out", "{out}");
+    assert_eq!(out["mock_port"], "ECONNREFUSED", "{out}");
+    assert_eq!(out["outside"], "ENETUNREACH", "{out}");
+    assert_eq!(out["public"], "ENETUNREACH", "{out}");
+    assert_eq!(out["config_folder"], "EROFS", "{out}");
+    assert_eq!(out["etc"], "EROFS", "{out}");
+    assert_eq!(out["own_folder"], "written", "{out}");
+    // The store is under /tmp, which the sandbox covers.
+    assert_eq!(out["store"], "ENOENT", "{out}");
+    assert!(!env.path("planted.txt").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_go_on_elsewhere_when_an_endpoint_is_killed_while_agents_run() {
+    let env = Env::new();
+    let steady = mock(MockSettings {
+        latency: ms(20),
+        ..MockSettings::default()
+    })
+    .await;
+    // The endpoint that dies: a real process, killed for real.
+    let mut doomed = env
+        .command(&["mock", "--bind", "127.0.0.1:0", "--latency", "20ms"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let address = {
+        use tokio::io::AsyncBufReadExt;
+        let stdout = doomed.stdout.take().unwrap();
+        let mut lines = tokio::io::BufReader::new(stdout).lines();
+        lines.next_line().await.unwrap().unwrap()
+    };
+    let address = address
+        .split_whitespace()
+        .find(|w| w.starts_with("http://") || w.contains("127.0.0.1:"))
+        .unwrap_or(&address)
+        .trim_end_matches('/')
+        .to_owned();
+    let base = if address.starts_with("http") {
+        address.trim_end_matches("/v1").to_owned()
+    } else {
+        format!("http://{address}")
+    };
+    let endpoints = format!(
+        "{}  - {{ name: doomed, kind: external, base_url: \"{base}/v1\", model: m, concurrency: 8 }}\n",
+        external_with("steady", &steady, 8, "")
+    );
+    let config = plain_config(
+        &env,
+        &endpoints,
+        "  concurrency: 8\n  env: { CALLS: \"3\", SLEEP: \"0.05\" }",
+        80,
+    );
+    let mut child = env.spawn(&["run", config.to_str().unwrap(), "-y"]);
+    let store = env.store_path();
+    wait_until(ms(60_000), "20 items are done", || {
+        evalfleet_store::SqliteStore::open_existing(&store)
+            .ok()
+            .and_then(|mut s| {
+                let run = s.runs().ok()?.into_iter().next()?;
+                s.counts(&run.run_id).ok()
+            })
+            .is_some_and(|c| c.done >= 20)
+    })
+    .await;
+    signal(&doomed, "KILL").await;
+    let _ = doomed.wait().await;
+    let status = child.wait().await.unwrap();
+    let run_id = env.store().runs().unwrap()[0].run_id.clone();
+    assert_eq!(status.code(), Some(0));
+    let counts = env.counts(&run_id);
+    assert_eq!((counts.done, counts.failed), (80, 0));
+    // Both took calls; after the kill, the steady one took them all.
+    let mut by_endpoint = std::collections::BTreeMap::<String, u32>::new();
+    let rows = env.export(&run_id).await;
+    for row in &rows {
+        let id = row["item_id"].as_str().unwrap();
+        for call in calls_of(&env, &store, &run_id, id) {
+            assert_eq!(call.http_status, 200, "{call:?}");
+            *by_endpoint.entry(call.telemetry.endpoint).or_default() += 1;
+        }
+    }
+    assert!(
+        by_endpoint.get("doomed").copied().unwrap_or(0) > 0,
+        "{by_endpoint:?}"
+    );
+    assert!(by_endpoint["steady"] > 0, "{by_endpoint:?}");
+    assert_eq!(by_endpoint.values().sum::<u32>(), 240);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_langgraph_agent_runs_per_item_through_the_gateway() {
+    let Some(python) = agent_python("langgraph, langchain_openai") else {
+        return;
+    };
+    let env = Env::new();
+    let store = env.path("langgraph.db");
+    let config = examples().join("langgraph.yaml");
+    let ran = env
+        .command(&[
+            "run",
+            config.to_str().unwrap(),
+            "--store",
+            store.to_str().unwrap(),
+            "-y",
+        ])
+        .env("EVALFLEET_AGENT_PYTHON", &python)
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&ran.stderr);
+    assert_eq!(ran.status.code(), Some(0), "{stderr}");
+    let run_id = String::from_utf8_lossy(&ran.stdout)
+        .lines()
+        .next()
+        .unwrap()
+        .trim()
+        .to_owned();
+    let counts = evalfleet_store::SqliteStore::open_existing(&store)
+        .unwrap()
+        .counts(&run_id)
+        .unwrap();
+    assert_eq!((counts.done, counts.failed), (12, 0));
+    let calls = calls_of(&env, &store, &run_id, "c001");
+    // The ReAct loop: the model calls the tool, then answers with its
+    // result.
+    assert_eq!(calls.len(), 2, "{calls:#?}");
+    let first: Value = serde_json::from_str(calls[0].response.as_deref().unwrap()).unwrap();
+    assert_eq!(first["tool_calls"][0]["function"]["name"], "lookup");
+    let second: Value = serde_json::from_str(&calls[1].request).unwrap();
+    let last = second["messages"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .clone();
+    assert_eq!(last["role"], "tool");
+    assert_eq!(last["content"], "Paris");
+}
