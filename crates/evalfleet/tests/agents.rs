@@ -720,3 +720,159 @@ async fn a_langgraph_agent_runs_per_item_through_the_gateway() {
     assert_eq!(last["role"], "tool");
     assert_eq!(last["content"], "Paris");
 }
+
+/// An agent that hands its token to the test (through a folder it may
+/// write: `task.network: open` has no mount namespace), waits for the
+/// test's word, then makes one call.
+const WAITING_AGENT: &str = r#"
+import json, os, sys, time, urllib.request
+item = json.load(sys.stdin)
+shared = os.environ["SHARED"]
+with open(os.path.join(shared, "token.tmp"), "w") as f:
+    f.write(os.environ["OPENAI_API_KEY"])
+os.rename(os.path.join(shared, "token.tmp"), os.path.join(shared, "token"))
+deadline = time.time() + 60
+while not os.path.exists(os.path.join(shared, "go")) and time.time() < deadline:
+    time.sleep(0.02)
+body = {"model": "m", "messages": [{"role": "user", "content": item["question"]}]}
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", data=json.dumps(body).encode(),
+                             headers={"Content-Type": "application/json"})
+with urllib.request.urlopen(req, timeout=30) as r:
+    print(json.load(r)["choices"][0]["message"]["content"])
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evalfleet_serve_answers_an_items_address_while_its_attempt_lives_and_refuses_it_after() {
+    use std::os::unix::fs::PermissionsExt;
+    if !sandboxed() {
+        return;
+    }
+    let env = Env::new();
+    // The agent runs as a user of its own, without the mount namespace.
+    std::fs::set_permissions(env.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let shared = env.path("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+    env.write("agent.py", WAITING_AGENT);
+    let dataset = env.write(
+        "one.jsonl",
+        "{\"id\": \"x\", \"question\": \"wait for it\"}\n",
+    );
+    std::fs::set_permissions(&dataset, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let config = format!(
+        "name: served-agent\n\
+         dataset: {{ path: {}, id_field: id }}\n\
+         endpoints:\n  - {{ name: m, kind: mock, concurrency: 4 }}\n\
+         task:\n  kind: exec\n  command: /usr/bin/python3 {}\n  network: open\n  \
+         env: {{ SHARED: \"{}\" }}\n",
+        dataset.display(),
+        env.path("agent.py").display(),
+        shared.display()
+    );
+    // A config sent over HTTP runs no command unless the server allows it.
+    let (_refusing, refusing_base) = crate::serve::serve(&env, &[], None).await;
+    let refused = crate::serve::client()
+        .post(format!("{refusing_base}/api/v1/runs"))
+        .json(&serde_json::json!({"config": config}))
+        .send()
+        .await
+        .unwrap();
+    let status = refused.status();
+    let body = refused.text().await.unwrap();
+    assert!(status.is_client_error(), "{status}: {body}");
+    assert!(
+        body.contains("--allow-commands") && body.contains("task.command"),
+        "{body}"
+    );
+
+    let (_server, base) = crate::serve::serve(&env, &["--allow-commands"], None).await;
+    let client = crate::serve::client();
+    let created = client
+        .post(format!("{base}/api/v1/runs"))
+        .json(&serde_json::json!({"config": config}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(created.status(), 201);
+    let run_id = created.json::<Value>().await.unwrap()["run_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let token_file = shared.join("token");
+    wait_until(ms(30_000), "the agent hands its token", || {
+        token_file.exists()
+    })
+    .await;
+    let token = std::fs::read_to_string(&token_file).unwrap();
+    // The item's address on the server's own port: its models, a call.
+    let models = client
+        .get(format!("{base}/gw/{token}/v1/models"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(models.status(), 200);
+    let models: Value = models.json().await.unwrap();
+    assert_eq!(models["data"][0]["id"], "mock");
+    let answered = client
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth(&token)
+        .json(&serde_json::json!({"model": "mock", "messages": [{"role": "user", "content": "from the test"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answered.status(), 200);
+    let unauthorized = |response: reqwest::Response| async move {
+        let status = response.status();
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(status, 401, "{body}");
+        assert_eq!(body["error"]["code"], "invalid_api_key", "{body}");
+    };
+    // No token, a stranger's, a forged one.
+    unauthorized(
+        client
+            .get(format!("{base}/v1/models"))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    unauthorized(
+        client
+            .get(format!("{base}/gw/sk-nothing/v1/models"))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    let (payload, tag) = token.split_once('.').unwrap();
+    let forged = format!("{}A.{tag}", &payload[..payload.len() - 1]);
+    let forged = if forged == token {
+        format!("{}B.{tag}", &payload[..payload.len() - 1])
+    } else {
+        forged
+    };
+    unauthorized(
+        client
+            .get(format!("{base}/gw/{forged}/v1/models"))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    std::fs::write(shared.join("go"), "").unwrap();
+    crate::serve::wait_for_state(&base, &run_id, "finished").await;
+    // The attempt has ended: its token is dead.
+    unauthorized(
+        client
+            .get(format!("{base}/gw/{token}/v1/models"))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    let item = crate::serve::get(&format!("{base}/api/v1/runs/{run_id}/items/x")).await;
+    let calls = item["calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 2, "{item}");
+    assert_eq!(calls[0]["index"], 1);
+    assert_eq!(item["output"], "wait for it");
+}

@@ -5,7 +5,7 @@
 //! config:
 //! - runs no command (`start_cmd`, `stop_cmd`, a `local` engine's command,
 //!   a `remote` endpoint's ssh, the code judge's `python` or `compiler`, a
-//!   metric backend's `command` and `setup`) unless the server allows it
+//!   metric backend's `command` and `setup`, an exec task's `command`) unless the server allows it
 //!   (`--allow-commands`);
 //! - reads and writes files only under the server's roots (`--allow-root`),
 //!   symbolic links and `..` resolved first, with the same refusal whether
@@ -89,6 +89,19 @@ impl Admission {
             let at = "task.metric_backends".to_owned();
             let message = format!(
                 "{at}: a config sent to this server may not run metric backends (each runs a command on the server); the server allows it only when started with --allow-commands"
+            );
+            out.push((at, message));
+        }
+        let task = document.get("task");
+        let exec = task
+            .and_then(|task| task.get("kind"))
+            .and_then(Value::as_str)
+            == Some("exec")
+            || task.and_then(|task| task.get("command")).is_some();
+        if !self.commands && exec {
+            let at = "task.command".to_owned();
+            let message = format!(
+                "{at}: a config sent to this server may not run an agent (kind: exec runs a command on the server); the server allows it only when started with --allow-commands"
             );
             out.push((at, message));
         }
@@ -324,6 +337,13 @@ mod tests {
             {"name": "d", "kind": "mock"},
         ], "task": {"code": {"format": "stdio", "python": "/bin/sh", "compiler": "/tmp/cc"},
                     "metric_backends": [{"name": "x", "command": ["sh", "-c", "id"], "metrics": ["m"]}]}});
+        let agent = json!({"task": {"kind": "exec", "command": "sh -c id"}});
+        let refused = Admission::default().refusals(&agent, Path::new("/srv"));
+        assert_eq!(refused.len(), 1, "{refused:?}");
+        assert_eq!(refused[0].0, "task.command");
+        let mut allowing = Admission::default();
+        allowing.commands = true;
+        assert!(allowing.refusals(&agent, Path::new("/srv")).is_empty());
         let mut admission = admission(root.path());
         assert_eq!(
             paths(&admission.refusals(&document, root.path())),
