@@ -28,6 +28,9 @@ LAYERS = {
         ["client"],
         # Endpoints, limits, health, the one call path; workers of a run.
         ["fleet", "worker"],
+        # Agents' calls (an OpenAI-compatible API, per item) over the one
+        # call path.
+        ["gateway"],
         # One module per kind of task; the outside metric backends they
         # wait on.
         ["task", "metric_backend"],
@@ -45,6 +48,9 @@ LAYERS = {
         # What a request gets when it fails; what the server may ask of
         # runs; digests of keys; the names the server answers to.
         ["error", "control", "extract", "keys", "hosts"],
+        # The gateway's routes, which carry their own credentials (items'
+        # tokens).
+        ["gateway"],
         # Shared state, and who may ask.
         ["state", "auth"],
         # The JSON API, and the dashboard's pages.

@@ -393,6 +393,7 @@ async fn session(
         }),
         _ => None,
     };
+    let gateway = agents.as_ref().map(|a| a.gateway.clone());
     let starting = task::start(
         &plan.config,
         plan.templates.clone(),
@@ -413,6 +414,7 @@ async fn session(
         endpoints: plan.endpoints,
         fleet: plan.fleet,
         worker: Arc::from(prepared.worker.worker.as_str()),
+        gateway,
     };
     pipeline::execute(session, open, rows, prepared.progress, stop).await
 }

@@ -787,11 +787,11 @@ async fn images_are_decoded_answered_by_their_hash_and_a_bad_one_is_refused() {
 
 /// A response's body as JSON (reqwest is built without its `json`).
 trait JsonBody {
-    async fn json(self) -> Result<Value, serde_json::Error>;
+    async fn json_body(self) -> Result<Value, serde_json::Error>;
 }
 
 impl JsonBody for reqwest::Response {
-    async fn json(self) -> Result<Value, serde_json::Error> {
+    async fn json_body(self) -> Result<Value, serde_json::Error> {
         serde_json::from_slice(&self.bytes().await.unwrap())
     }
 }
@@ -873,7 +873,7 @@ async fn a_scripted_tool_call_is_made_then_its_result_answered_streamed_or_not()
     // Not streamed: the call, then the answer to its result.
     let first: Value = post(&client, &server, &ask(false))
         .await
-        .json()
+        .json_body()
         .await
         .unwrap();
     let choice = &first["choices"][0];
@@ -899,7 +899,7 @@ async fn a_scripted_tool_call_is_made_then_its_result_answered_streamed_or_not()
     };
     let second: Value = post(&client, &server, &answered(false))
         .await
-        .json()
+        .json_body()
         .await
         .unwrap();
     assert_eq!(second["choices"][0]["finish_reason"], "stop", "{second}");
@@ -940,7 +940,11 @@ async fn a_scripted_tool_call_is_made_then_its_result_answered_streamed_or_not()
 
     // Without tools offered, the answer the chain ends with.
     let plain = json!({"model": "mock", "messages": [question]});
-    let text: Value = post(&client, &server, &plain).await.json().await.unwrap();
+    let text: Value = post(&client, &server, &plain)
+        .await
+        .json_body()
+        .await
+        .unwrap();
     assert_eq!(text["choices"][0]["message"]["content"], "Paris is in .");
     assert_eq!(text["choices"][0]["finish_reason"], "stop");
 }
@@ -963,7 +967,11 @@ async fn scripted_tool_calls_chain_and_a_bad_script_is_refused() {
     let mut names = Vec::new();
     let last = loop {
         let body = json!({"model": "mock", "messages": messages, "tools": tools});
-        let reply: Value = post(&client, &server, &body).await.json().await.unwrap();
+        let reply: Value = post(&client, &server, &body)
+            .await
+            .json_body()
+            .await
+            .unwrap();
         let message = reply["choices"][0]["message"].clone();
         let Some(call) = message["tool_calls"].get(0).cloned() else {
             break message["content"].as_str().unwrap().to_owned();
@@ -1014,7 +1022,7 @@ async fn text_completions_answer_their_prompt_streamed_or_not() {
         &json!({"model": "mock", "prompt": "the quick brown fox"}),
     )
     .await
-    .json()
+    .json_body()
     .await
     .unwrap();
     assert_eq!(whole["object"], "text_completion");
@@ -1092,7 +1100,7 @@ async fn embeddings_are_unit_vectors_the_same_for_the_same_input() {
     let reply: Value =
         embed(json!({"model": "mock", "input": ["a b", "c", "a b"], "dimensions": 16}))
             .await
-            .json()
+            .json_body()
             .await
             .unwrap();
     assert_eq!(reply["object"], "list");
@@ -1117,11 +1125,15 @@ async fn embeddings_are_unit_vectors_the_same_for_the_same_input() {
 
     // The default size; base64 as the openai SDKs ask for it: the same
     // floats, little-endian.
-    let single: Value = embed(json!({"input": "a b"})).await.json().await.unwrap();
+    let single: Value = embed(json!({"input": "a b"}))
+        .await
+        .json_body()
+        .await
+        .unwrap();
     assert_eq!(single["data"][0]["embedding"].as_array().unwrap().len(), 64);
     let encoded: Value = embed(json!({"input": "a b", "encoding_format": "base64"}))
         .await
-        .json()
+        .json_body()
         .await
         .unwrap();
     let bytes = base64::engine::general_purpose::STANDARD
@@ -1134,7 +1146,7 @@ async fn embeddings_are_unit_vectors_the_same_for_the_same_input() {
     assert_eq!(decoded, floats(&single["data"][0]["embedding"]));
     let tokens: Value = embed(json!({"input": [[1, 2, 3], [4]], "dimensions": 4}))
         .await
-        .json()
+        .json_body()
         .await
         .unwrap();
     assert_eq!(tokens["usage"]["prompt_tokens"], 4);

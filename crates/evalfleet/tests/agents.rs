@@ -876,3 +876,64 @@ async fn evalfleet_serve_answers_an_items_address_while_its_attempt_lives_and_re
     assert_eq!(calls[0]["index"], 1);
     assert_eq!(item["output"], "wait for it");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_run_again_gets_its_calls_from_the_response_cache_streamed_or_not() {
+    let Some(python) = agent_python("openai") else {
+        return;
+    };
+    let env = Env::new();
+    for file in ["agent.py", "countries.jsonl", "answers.jsonl"] {
+        std::fs::copy(examples().join(file), env.path(file)).unwrap();
+    }
+    let example = std::fs::read_to_string(examples().join("agent.yaml")).unwrap();
+    let config = env.write(
+        "agent.yaml",
+        &format!("{example}cache: {{ mode: read_write }}\n"),
+    );
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        let ran = env
+            .command(&["run", config.to_str().unwrap(), "-y"])
+            .env("EVALFLEET_AGENT_PYTHON", &python)
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(
+            ran.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&ran.stderr)
+        );
+        runs.push(
+            String::from_utf8_lossy(&ran.stdout)
+                .lines()
+                .next()
+                .unwrap()
+                .trim()
+                .to_owned(),
+        );
+    }
+    let store = env.store_path();
+    let first = by_id(&env.export(&runs[0]).await);
+    let second = by_id(&env.export(&runs[1]).await);
+    assert_eq!(second.len(), 12);
+    for (id, row) in &second {
+        assert_eq!(row["output"], first[id]["output"], "{id}");
+        let calls = calls_of(&env, &store, &runs[1], id);
+        assert_eq!(calls.len(), 3, "{id}");
+        // Every call, the streamed one included, came from the cache.
+        assert!(
+            calls.iter().all(|c| c.cached && c.http_status == 200),
+            "{id}: {calls:#?}"
+        );
+        assert_eq!(calls[0].telemetry.endpoint, "mock");
+        let message: Value = serde_json::from_str(calls[0].response.as_deref().unwrap()).unwrap();
+        assert_eq!(message["tool_calls"][0]["function"]["name"], "lookup");
+        assert!(
+            calls_of(&env, &store, &runs[0], id)
+                .iter()
+                .all(|c| !c.cached)
+        );
+    }
+}

@@ -27,6 +27,13 @@ pub struct Lookup {
     reply: oneshot::Sender<Option<CacheEntry>>,
 }
 
+/// The entry of `key`, from the lookup thread behind `lookups`.
+pub async fn look_up(lookups: &mpsc::UnboundedSender<Lookup>, key: String) -> Option<CacheEntry> {
+    let (reply, entry) = oneshot::channel();
+    lookups.send(Lookup { key, reply }).ok()?;
+    entry.await.ok().flatten()
+}
+
 /// Starts the thread that looks requests up in the cache for calls after an
 /// item's first (its first is looked up by the reader, a page at a time),
 /// with a store connection of its own; it ends with the session.
@@ -788,8 +795,5 @@ async fn go_on(shared: &Arc<Shared>, item: Item, step: Step, carry: Carry) {
 /// The cached answer to `request`, when the session reads the cache.
 async fn lookup(shared: &Shared, request: &Request) -> Option<CacheEntry> {
     let key = shared.cache.lookup_key(request)?;
-    let lookups = shared.lookups.as_ref()?;
-    let (reply, entry) = oneshot::channel();
-    lookups.send(Lookup { key, reply }).ok()?;
-    entry.await.ok().flatten()
+    look_up(shared.lookups.as_ref()?, key).await
 }

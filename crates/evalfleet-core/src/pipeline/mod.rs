@@ -116,6 +116,8 @@ pub struct Session {
     pub fleet: FleetHandle,
     /// This worker's id in the store.
     pub worker: Arc<str>,
+    /// An exec task's gateway, which answers from the session's cache.
+    pub gateway: Option<Arc<crate::gateway::Gateway>>,
 }
 
 /// Opens a connection to the session's store (each thread of the session
@@ -281,6 +283,44 @@ fn max_tokens(config: &Config) -> u64 {
         .unwrap_or(256)
 }
 
+/// How an exec task's gateway uses the session's cache: the lookup thread
+/// answers its reads; the writer stores its answers (through senders that
+/// keep neither open).
+fn gateway_cache(
+    lookups: Option<&mpsc::UnboundedSender<dispatch::Lookup>>,
+    cache: &CacheUse,
+    writer: &mpsc::Sender<writer::Message>,
+) -> crate::gateway::CacheLink {
+    // Weak senders: the lookup thread and the writer end with the
+    // session's own senders, whoever holds the gateway.
+    let get = lookups.map(|tx| {
+        let tx = tx.downgrade();
+        let get: crate::gateway::CacheGet = Arc::new(move |key| {
+            let tx = tx.upgrade();
+            Box::pin(async move { dispatch::look_up(&tx?, key).await })
+        });
+        get
+    });
+    let put = cache.writes.then(|| {
+        let writer = writer.downgrade();
+        let put: crate::gateway::CachePut = Arc::new(move |entry| {
+            if let Some(writer) = writer.upgrade() {
+                // A full writer drops the entry: the cache is not the
+                // run's record.
+                let _ = writer.try_send(writer::Message::One(Outcome {
+                    claim: 0,
+                    attempt: None,
+                    result: None,
+                    cache: Some(entry),
+                    calls: Vec::new(),
+                }));
+            }
+        });
+        put
+    });
+    crate::gateway::CacheLink { get, put }
+}
+
 /// The request identities of the session's endpoints, for the cache.
 fn cache_use(config: &Config, endpoints: &[Arc<Endpoint>]) -> CacheUse {
     let identity = |e: &Endpoint| config.cache_identity(&e.config);
@@ -353,6 +393,14 @@ pub async fn execute(
     } else {
         None
     };
+
+    if let Some(gateway) = session
+        .gateway
+        .as_ref()
+        .filter(|_| cache.reads || cache.writes)
+    {
+        gateway.link_cache(gateway_cache(lookups.as_ref(), &cache, &writer_tx));
+    }
 
     let mut direct = HashMap::new();
     let mut inboxes = Vec::with_capacity(session.endpoints.len());
