@@ -929,3 +929,103 @@ fn image_parts_and_the_images_shorthand_are_read_and_checked_with_their_lines() 
         Some(21)
     );
 }
+
+const EXEC: &str = r#"
+name: agents
+dataset:
+  path: items.jsonl
+endpoints:
+  - { name: gpu0, kind: mock, model: qwen3-4b, concurrency: 4 }
+task:
+  kind: exec
+"#;
+
+#[test]
+fn an_exec_task_is_checked_key_by_key() {
+    let dir = dir_with_dataset();
+    write(dir.path(), "agent.py", "print(1)\n");
+    let file = write(
+        dir.path(),
+        "exec.yaml",
+        &format!(
+            "{EXEC}  command: python3 agent.py --name \"a b\"\n  input: file\n  timeout: 90s\n  \
+             concurrency: 32\n  network: open\n  env: {{ MODE: fast, N: 3 }}\n  \
+             budget: {{ calls: 20, tokens: 5000, time: 2m }}\n  models: {{ \"*\": qwen3-4b, gpt-4o: gpu0 }}\n"
+        ),
+    );
+    let config = load_file(&file, Overrides::default()).unwrap().config;
+    let exec = config.task.kind.exec().cloned().unwrap();
+    assert_eq!(exec.command, ["python3", "agent.py", "--name", "a b"]);
+    assert_eq!(exec.input, ExecInput::File);
+    assert_eq!(exec.timeout, Duration::from_secs(90));
+    assert_eq!(exec.concurrency, 32);
+    assert_eq!(exec.network, AgentNetwork::Open);
+    assert_eq!(
+        exec.env,
+        [
+            ("MODE".to_owned(), "fast".to_owned()),
+            ("N".to_owned(), "3".to_owned())
+        ]
+    );
+    assert_eq!(exec.budget.calls, Some(20));
+    assert_eq!(exec.budget.tokens, Some(5000));
+    assert_eq!(exec.budget.time, Some(Duration::from_secs(120)));
+    assert_eq!(exec.models.len(), 2);
+    // No messages, and no re-asks: an agent's answer is not asked for again.
+    assert!(config.task.messages.is_empty());
+    assert_eq!(config.task.eval.max_reasks, 0);
+
+    let defaults = write(
+        dir.path(),
+        "d.yaml",
+        &format!("{EXEC}  command: [./agent.py]\n"),
+    );
+    let exec = load_file(&defaults, Overrides::default())
+        .unwrap()
+        .config
+        .task
+        .kind
+        .exec()
+        .cloned()
+        .unwrap();
+    assert_eq!(exec.input, ExecInput::Stdin);
+    assert_eq!(exec.timeout, Duration::from_secs(600));
+    assert_eq!(exec.concurrency, 16);
+    assert_eq!(exec.network, AgentNetwork::Gateway);
+
+    let err = error_of(
+        dir.path(),
+        &format!(
+            "{EXEC}  input: pipe\n  timeout: soon\n  concurrency: 0\n  network: lan\n  \
+             env: {{ OPENAI_API_KEY: x }}\n  budget: {{ calls: 3, cost: 1 }}\n  max_reasks: 2\n  \
+             messages: [{{ role: user, content: hi }}]\n"
+        ),
+    );
+    assert_all(
+        &err,
+        &[
+            "task.command: is required with kind: exec",
+            "task.input: must be stdin, file or args, got 'pipe'",
+            "task.timeout: expected a duration",
+            "task.concurrency: must be between 1 and 4096, got 0",
+            "task.network: must be gateway or open, got 'lan'",
+            "task.env.OPENAI_API_KEY: is set by evalfleet",
+            "task.budget: unknown key 'cost'",
+            "task.messages: is not for kind: exec",
+        ],
+    );
+    let err = error_of(
+        dir.path(),
+        &format!("{EXEC}  command: \"python3 'agent.py\"\n"),
+    );
+    assert_all(&err, &["task.command: has an unclosed single quote"]);
+    // Its keys belong to it alone.
+    let err = error_of(
+        dir.path(),
+        &GOOD.replace("  params:", "  command: x\n  kind: chat\n  params:"),
+    );
+    assert_all(
+        &err,
+        &["task.command: belongs to kind: exec, not kind: chat"],
+    );
+}

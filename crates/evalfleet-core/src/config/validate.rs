@@ -808,12 +808,15 @@ fn task(
         Some(n) if (1..=10_000).contains(&n) => n,
         Some(n) => return p.push("task.n", format!("must be between 1 and 10000, got {n}")),
     };
+    let mut reasks_ok = true;
     if exec && eval.max_reasks > 0 {
         if raw.max_reasks.is_some_and(|n| n > 0) {
-            return p.push(
-                "task.max_reasks",
-                "is not for kind: exec (its program's answer cannot be asked for again; a failed run is retried as `retry` says)",
-            );
+            reasks_ok = p
+                .push::<()>(
+                    "task.max_reasks",
+                    "is not for kind: exec (its program's answer cannot be asked for again; a failed run is retried as `retry` says)",
+                )
+                .is_some();
         }
         eval.max_reasks = 0;
     }
@@ -828,6 +831,9 @@ fn task(
         dir,
         p,
     )?;
+    if !reasks_ok {
+        return None;
+    }
     Some(TaskConfig {
         kind,
         messages: messages?,
