@@ -377,7 +377,6 @@ async fn session(
     // An exec task's agents call the fleet through the gateway, whose
     // calls in flight end with the session.
     let gateway_stop = CancellationToken::new();
-    let _gateway_stops = gateway_stop.clone().drop_guard();
     let agents = match (plan.config.task.kind.exec(), &plan.gateway_host) {
         (Some(settings), Some(host)) => Some(task::Agents {
             gateway: crate::gateway::Gateway::new(
@@ -414,9 +413,14 @@ async fn session(
         endpoints: plan.endpoints,
         fleet: plan.fleet,
         worker: Arc::from(prepared.worker.worker.as_str()),
-        gateway,
+        gateway: gateway.clone(),
     };
-    pipeline::execute(session, open, rows, prepared.progress, stop).await
+    let ended = pipeline::execute(session, open, rows, prepared.progress, stop).await;
+    // Agents' calls still in flight are abandoned with the session.
+    if let Some(gateway) = gateway {
+        gateway.shutdown().await;
+    }
+    ended
 }
 
 /// Records that this worker stopped on an error: the run is interrupted,

@@ -64,22 +64,21 @@ impl evalfleet_core::task::exec::GatewayHost for Host {
         gateway: Arc<Gateway>,
         listener: std::net::TcpListener,
         stop: CancellationToken,
-    ) -> std::io::Result<()> {
+    ) -> std::io::Result<futures_util::future::BoxFuture<'static, ()>> {
         listener.set_nonblocking(true)?;
         let listener = tokio::net::TcpListener::from_std(listener)?;
         let registry = Arc::new(Registry::default());
         registry.add(&gateway);
         self::registry().add(&gateway);
         let app = router(registry);
-        tokio::spawn(async move {
+        Ok(Box::pin(async move {
             let served = axum::serve(listener, app)
                 .with_graceful_shutdown(async move { stop.cancelled().await })
                 .await;
             if let Err(err) = served {
                 tracing::warn!("The gateway stopped serving: {err}");
             }
-        });
-        Ok(())
+        }))
     }
 }
 

@@ -341,8 +341,10 @@ mod tests {
         let refused = Admission::default().refusals(&agent, Path::new("/srv"));
         assert_eq!(refused.len(), 1, "{refused:?}");
         assert_eq!(refused[0].0, "task.command");
-        let mut allowing = Admission::default();
-        allowing.commands = true;
+        let allowing = Admission {
+            commands: true,
+            ..Admission::default()
+        };
         assert!(allowing.refusals(&agent, Path::new("/srv")).is_empty());
         let mut admission = admission(root.path());
         assert_eq!(

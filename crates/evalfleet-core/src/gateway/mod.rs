@@ -54,6 +54,8 @@ pub struct Gateway {
     stop: CancellationToken,
     /// The run's response cache, once the session has linked it.
     cache: std::sync::OnceLock<CacheLink>,
+    /// Its calls in flight, and the servers that serve it.
+    tracker: tokio_util::task::TaskTracker,
 }
 
 /// Looks a key up in the response cache.
@@ -225,11 +227,32 @@ impl Gateway {
             wait,
             stop,
             cache: std::sync::OnceLock::new(),
+            tracker: tokio_util::task::TaskTracker::new(),
         }))
     }
 
     pub fn run_id(&self) -> &str {
         &self.run_id
+    }
+
+    /// Runs `work` (a server of the gateway) until it ends or the gateway
+    /// shuts down.
+    pub fn spawn(&self, work: futures_util::future::BoxFuture<'static, ()>) {
+        let stop = self.stop.clone();
+        self.tracker.spawn(async move {
+            tokio::select! {
+                () = work => {}
+                () = stop.cancelled() => {}
+            }
+        });
+    }
+
+    /// Ends its calls in flight (abandoned) and its servers, and waits for
+    /// them.
+    pub async fn shutdown(&self) {
+        self.stop.cancel();
+        self.tracker.close();
+        self.tracker.wait().await;
     }
 
     /// Answers calls from the session's response cache, and keeps their
@@ -430,7 +453,7 @@ impl Gateway {
             let put = cache_key
                 .clone()
                 .zip(self.cache.get().and_then(|c| c.put.clone()));
-            tokio::spawn(async move {
+            self.tracker.spawn(async move {
                 let mut kept = None;
                 let mut delivered = false;
                 let timeout = for_call.timeout;

@@ -31,13 +31,14 @@ use crate::gateway::Gateway;
 /// Serves a gateway on a listener: the server's part, which this layer
 /// cannot hold.
 pub trait GatewayHost: Send + Sync {
-    /// Serves `gateway` on `listener` until `stop`.
+    /// The server of `gateway` on `listener`, which ends when `stop` is
+    /// cancelled (the gateway runs it).
     fn serve(
         &self,
         gateway: Arc<Gateway>,
         listener: std::net::TcpListener,
         stop: tokio_util::sync::CancellationToken,
-    ) -> std::io::Result<()>;
+    ) -> std::io::Result<futures_util::future::BoxFuture<'static, ()>>;
 }
 
 /// The exec task.
@@ -128,8 +129,10 @@ impl Exec {
             .map_err(|err| ExecError::Gateway(err.to_string()))?
             .port();
         let stop = tokio_util::sync::CancellationToken::new();
-        host.serve(gateway.clone(), listener, stop.clone())
+        let server = host
+            .serve(gateway.clone(), listener, stop.clone())
             .map_err(|err| ExecError::Gateway(err.to_string()))?;
+        gateway.spawn(server);
         let description = sandbox.describe();
         if sandbox.isolation().namespaces {
             tracing::info!("Agents' sandbox: {description}.");
@@ -314,8 +317,10 @@ impl Run {
                             next.step()
                         }))
                     } else {
-                        let mut assessment = evalfleet_types::Assessment::default();
-                        assessment.code = Some(kept);
+                        let assessment = evalfleet_types::Assessment {
+                            code: Some(kept),
+                            ..Default::default()
+                        };
                         Step::Finish(Finish::failed(
                             format!("the agent failed ({tries} attempts): {reason}"),
                             assessment,

@@ -319,7 +319,7 @@ pub async fn start(
             Arc::new(
                 exec::Exec::start(
                     settings,
-                    config.retry.clone(),
+                    config.retry,
                     chat,
                     agents.gateway,
                     &*agents.host,
