@@ -17,7 +17,7 @@
     python3 bench/run.py c1 [--items 1000] [--capacity 32] [--rounds 3]
     python3 bench/run.py v1 [--items 10000] [--rounds 3] [--image-kb 300]
     python3 bench/run.py a1 [--rounds 5] [--variants plain,stream] [--seconds 5] [--latency-ms 50]
-    python3 bench/run.py a2 [--items 2000] [--rounds 3] [--variants urllib,openai] [--python-openai PY]
+    python3 bench/run.py a2 [--items 2000] [--rounds 3] [--variants urllib,openai,c] [--direct] [--python-openai PY]
     python3 bench/run.py r1 [--items 48] [--np 1,4] [--sweep 1,2,4,8] [--max-tokens 128] [--rounds 1] [--python VENV/bin/python]
 
 W1, W5, W6 and J1 take --baseline BIN: another evalfleet binary (an earlier
@@ -2256,10 +2256,60 @@ def timed(cmd, runs, env=None, stdin=b""):
 
 
 A2_AGENTS = {
-    # name: (python, the agent, what it imports before its first call)
+    # name: (python, the agent, what it imports before its first call);
+    # python None: the agent is C, compiled here.
     "urllib": ("/usr/bin/python3", os.path.join(AGENTS, "a2_urllib.py"), "import json, os, sys, urllib.request"),
     "openai": ("/opt/evalfleet-agent/bin/python", os.path.join(ROOT, "examples", "agent", "agent.py"), "import json, sys; from openai import OpenAI"),
+    "c": (None, os.path.join(AGENTS, "a2_c.c"), None),
 }
+
+
+def a2_agent(variant, python, work):
+    """The agent of `variant` in the working folder: (its command as the
+    config gives it, as this machine runs it, its start-up alone)."""
+    _, source, imports = A2_AGENTS[variant]
+    if python is None:
+        binary = os.path.join(work, "a2_c")
+        subprocess.run(["cc", "-O2", "-o", binary, source], check=True)
+        return "./a2_c", [binary], [binary, "--startup"]
+    path = os.path.join(work, f"{variant}_agent.py")
+    subprocess.run(["cp", source, path], check=True)
+    return f"{python} {variant}_agent.py", [python, path], [python, "-c", imports]
+
+
+def a2_direct(here, url, rows, concurrency):
+    """The reference without evalfleet: the same agents, `concurrency` at a
+    time (threads, each running one after another), against the mock
+    directly: no gateway, no sandbox, no store. Returns items/s, CPU
+    seconds per item (the agents') and how many answered right."""
+    import queue
+
+    todo = queue.Queue()
+    for row in rows:
+        todo.put(row)
+    env = dict(os.environ, OPENAI_BASE_URL=url, OPENAI_API_KEY="none")
+    right = []
+
+    def worker():
+        while True:
+            try:
+                row = todo.get_nowait()
+            except queue.Empty:
+                return
+            out = subprocess.run(here, env=env, input=json.dumps(row).encode(), capture_output=True)
+            right.append(out.returncode == 0 and out.stdout.decode().strip() == row["answer"])
+
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.monotonic()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - started
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
+    return {"items_per_s": len(rows) / wall, "wall": wall, "cpu_s_per_item": cpu / len(rows), "right": sum(right)}
 
 
 def a2(args, work):
@@ -2285,16 +2335,17 @@ def a2(args, work):
     results = {}
     try:
         for variant in args.variants.split(","):
-            python, agent, imports = A2_AGENTS[variant]
+            python = A2_AGENTS[variant][0]
             if variant == "openai" and args.python_openai:
                 python = args.python_openai
-            subprocess.run(["cp", agent, os.path.join(work, f"{variant}_agent.py")], check=True)
-            # Start-up alone: the interpreter and the agent's imports, and the
-            # whole agent once against the mock directly (no gateway).
-            startup_s, startup_cpu_s = timed([python, "-c", imports], 10)
+            command, here, startup = a2_agent(variant, python, work)
+            # Start-up alone: the interpreter and the agent's imports (the C
+            # agent: its exec), and the whole agent against the mock
+            # directly (no gateway, no sandbox).
+            startup_s, startup_cpu_s = timed(startup, 10)
             env = dict(os.environ, OPENAI_BASE_URL=mock.url, OPENAI_API_KEY="none")
             item = json.dumps({"question": countries[0]["question"]}).encode()
-            alone_s, alone_cpu_s = timed([python, os.path.join(work, f"{variant}_agent.py")], 5, env=env, stdin=item)
+            alone_s, alone_cpu_s = timed(here, 5, env=env, stdin=item)
             ideal = concurrency / (3 * latency + startup_s)
             config = os.path.join(work, f"a2-{variant}.yaml")
             with open(config, "w") as f:
@@ -2305,13 +2356,19 @@ def a2(args, work):
                     f"  - {{ name: mock, kind: external, base_url: \"{mock.url}\", model: m, concurrency: {2 * concurrency} }}\n"
                     f"task:\n"
                     f"  kind: exec\n"
-                    f"  command: {python} {variant}_agent.py\n"
+                    f"  command: {command}\n"
                     f"  concurrency: {concurrency}\n"
                     f"  timeout: 120s\n"
                     f"  models: {{ \"*\": mock }}\n"
                     f"  metrics:\n"
                     f"    - {{ name: exact_match, reference: \"{{{{ answer }}}}\" }}\n"
                 )
+            direct = None
+            if args.direct:
+                with open(dataset) as f:
+                    rows = [json.loads(line) for line in f]
+                direct = a2_direct(here, mock.url, rows, concurrency)
+                print(json.dumps({"variant": variant, "direct": direct}), file=sys.stderr)
             rounds = []
             for i in range(args.rounds):
                 run_id = f"a2-{variant}-{i}"
@@ -2336,10 +2393,11 @@ def a2(args, work):
                 print(json.dumps({"variant": variant, **round_}), file=sys.stderr)
             med = lambda k: statistics.median(r[k] for r in rounds)
             results[variant] = {
-                "python": python,
+                "command": command,
                 "startup_s": startup_s, "startup_cpu_s": startup_cpu_s,
                 "agent_alone_s": alone_s, "agent_alone_cpu_s": alone_cpu_s,
                 "ideal_items_per_s": ideal,
+                "direct": direct,
                 "items_per_s_median": med("rate"),
                 "fraction_of_ideal_median": med("fraction_of_ideal"),
                 "agents_cpu_s_per_item_median": med("agents_cpu_s_per_item"),
@@ -2352,8 +2410,8 @@ def a2(args, work):
     finally:
         mock.stop()
     print(json.dumps({"workload": "A2", "items": args.items, "concurrency": concurrency, "latency_s": latency, "variants": results}, indent=2))
-    print("\n| agent | start-up alone (wall / CPU) | agent alone, 3 calls direct | ideal 64 / (0.15 s + start-up) | items/s (median) | of the ideal | CPU per item: agents / evalfleet / mock | machine busy | CPU-bound ceiling (cores / CPU per item) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| agent | start-up alone (wall / CPU) | agent alone, 3 calls direct | ideal 64 / (0.15 s + start-up) | items/s (median) | of the ideal | CPU per item: agents / evalfleet / mock | machine busy | CPU-bound ceiling (cores / CPU per item) | without evalfleet (64 at once, direct) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for variant, r in results.items():
         print(
             f"| {variant} | {1000 * r['startup_s']:.0f} ms / {1000 * r['startup_cpu_s']:.0f} ms "
@@ -2361,7 +2419,8 @@ def a2(args, work):
             f"| {r['ideal_items_per_s']:.1f} | {r['items_per_s_median']:.1f} "
             f"(rounds {', '.join('%.1f' % x['rate'] for x in r['rounds'])}) | {100 * r['fraction_of_ideal_median']:.1f}% "
             f"| {1000 * r['agents_cpu_s_per_item_median']:.0f} / {1000 * r['evalfleet_cpu_s_per_item_median']:.1f} / {1000 * r['mock_cpu_s_per_item_median']:.1f} ms "
-            f"| {100 * r['machine_busy_median']:.0f}% | {r['cpu_bound_items_per_s']:.1f} items/s |"
+            f"| {100 * r['machine_busy_median']:.0f}% | {r['cpu_bound_items_per_s']:.1f} items/s "
+            f"| {'%.1f items/s' % r['direct']['items_per_s'] if r['direct'] else 'not run'} |"
         )
 
 
@@ -2416,6 +2475,7 @@ def main():
     parser.add_argument("--image-kb", type=int, default=300, help="V1: the size of each PNG")
     parser.add_argument("--seconds", type=int, default=5, help="A1: seconds of each arm of each round")
     parser.add_argument("--latency-ms", type=int, default=50, help="A1: the slower mock's latency")
+    parser.add_argument("--direct", action="store_true", help="A2: also run the same agents, as many at once, against the mock directly (no evalfleet)")
     parser.add_argument("--python-openai", help="A2: the python of a venv with openai (default /opt/evalfleet-agent/bin/python)")
     parser.add_argument("--baseline", help="W1, W5, W6, J1: another evalfleet binary measured side by side")
     args = parser.parse_args()
