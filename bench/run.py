@@ -16,7 +16,7 @@
     python3 bench/run.py s2 [--items 1000000] [--rounds 3]
     python3 bench/run.py c1 [--items 1000] [--capacity 32] [--rounds 3]
     python3 bench/run.py v1 [--items 10000] [--rounds 3] [--image-kb 300]
-    python3 bench/run.py a1 [--rounds 5] [--variants plain,stream] [--seconds 5] [--latency-ms 50]
+    python3 bench/run.py a1 [--rounds 5] [--variants plain,stream] [--seconds 5] [--latency-ms 50] [--unpinned]
     python3 bench/run.py a2 [--items 2000] [--rounds 3] [--variants urllib,openai,c] [--direct] [--python-openai PY]
     python3 bench/run.py r1 [--items 48] [--np 1,4] [--sweep 1,2,4,8] [--max-tokens 128] [--rounds 1] [--python VENV/bin/python]
 
@@ -2089,8 +2089,9 @@ def a1(args, work):
     open_to_sandbox(work)
     for name in ("a1_load.py", "a1_post.lua"):
         subprocess.run(["cp", os.path.join(AGENTS, name), work], check=True)
-    instant = Mock()
-    slow = Mock("--latency", f"{args.latency_ms}ms")
+    core = None if args.unpinned else SERVER_CORE
+    instant = Mock(core=core)
+    slow = Mock("--latency", f"{args.latency_ms}ms", core=core)
     mocks = {"instant": instant, "slow": slow}
     streams = [v == "stream" for v in args.variants.split(",")]
     cases = []
@@ -2128,7 +2129,7 @@ def a1(args, work):
         )
     db = os.path.join(work, "a1.db")
     try:
-        run = evalfleet(["run", config, "--store", db, "-q", "--run-id", "a1"], work)
+        run = evalfleet(["run", config, "--store", db, "-q", "--run-id", "a1"], work, pin=not args.unpinned)
     finally:
         instant.stop()
         slow.stop()
@@ -2474,6 +2475,7 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=128, help="R1: max_tokens of every call")
     parser.add_argument("--image-kb", type=int, default=300, help="V1: the size of each PNG")
     parser.add_argument("--seconds", type=int, default=5, help="A1: seconds of each arm of each round")
+    parser.add_argument("--unpinned", action="store_true", help="A1: pin nothing (the mocks, the run, its agent and wrk share both cores)")
     parser.add_argument("--latency-ms", type=int, default=50, help="A1: the slower mock's latency")
     parser.add_argument("--direct", action="store_true", help="A2: also run the same agents, as many at once, against the mock directly (no evalfleet)")
     parser.add_argument("--python-openai", help="A2: the python of a venv with openai (default /opt/evalfleet-agent/bin/python)")
