@@ -16,7 +16,7 @@
     python3 bench/run.py s2 [--items 1000000] [--rounds 3]
     python3 bench/run.py c1 [--items 1000] [--capacity 32] [--rounds 3]
     python3 bench/run.py v1 [--items 10000] [--rounds 3] [--image-kb 300]
-    python3 bench/run.py a1 [--rounds 5] [--variants plain,stream] [--seconds 5] [--latency-ms 50] [--unpinned]
+    python3 bench/run.py a1 [--rounds 5] [--variants plain,stream] [--seconds 5] [--latency-ms 50] [--unpinned] [--prompt-kb N]
     python3 bench/run.py a2 [--items 2000] [--rounds 3] [--variants urllib,openai,c] [--direct] [--python-openai PY]
     python3 bench/run.py r1 [--items 48] [--np 1,4] [--sweep 1,2,4,8] [--max-tokens 128] [--rounds 1] [--python VENV/bin/python]
 
@@ -2090,8 +2090,14 @@ def a1(args, work):
     for name in ("a1_load.py", "a1_post.lua"):
         subprocess.run(["cp", os.path.join(AGENTS, name), work], check=True)
     core = None if args.unpinned else SERVER_CORE
-    instant = Mock(core=core)
-    slow = Mock("--latency", f"{args.latency_ms}ms", core=core)
+    # A long prompt (--prompt-kb), as an agent's history grows: the answer
+    # stays short.
+    short = ["--output-tokens", "16"] if args.prompt_kb else []
+    instant = Mock(*short, core=core)
+    slow = Mock("--latency", f"{args.latency_ms}ms", *short, core=core)
+    question = A1_QUESTION
+    if args.prompt_kb:
+        question = (A1_QUESTION + " ") * (args.prompt_kb * 1024 // (len(A1_QUESTION) + 1))
     mocks = {"instant": instant, "slow": slow}
     streams = [v == "stream" for v in args.variants.split(",")]
     cases = []
@@ -2101,7 +2107,7 @@ def a1(args, work):
     with open(dataset, "w") as f:
         for r in range(args.rounds):
             for k, (concurrency, mock, stream) in enumerate(cases):
-                body = {"model": mock, "messages": [{"role": "user", "content": A1_QUESTION}], "max_tokens": 64, "stream": stream}
+                body = {"model": mock, "messages": [{"role": "user", "content": question}], "max_tokens": 64, "stream": stream}
                 if stream:
                     # What the gateway asks of the endpoint: the same here.
                     body["stream_options"] = {"include_usage": True}
@@ -2475,6 +2481,7 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=128, help="R1: max_tokens of every call")
     parser.add_argument("--image-kb", type=int, default=300, help="V1: the size of each PNG")
     parser.add_argument("--seconds", type=int, default=5, help="A1: seconds of each arm of each round")
+    parser.add_argument("--prompt-kb", type=int, default=0, help="A1: a user message of about this many KB (the mock's answers then 16 tokens)")
     parser.add_argument("--unpinned", action="store_true", help="A1: pin nothing (the mocks, the run, its agent and wrk share both cores)")
     parser.add_argument("--latency-ms", type=int, default=50, help="A1: the slower mock's latency")
     parser.add_argument("--direct", action="store_true", help="A2: also run the same agents, as many at once, against the mock directly (no evalfleet)")
