@@ -16,6 +16,8 @@
     python3 bench/run.py s2 [--items 1000000] [--rounds 3]
     python3 bench/run.py c1 [--items 1000] [--capacity 32] [--rounds 3]
     python3 bench/run.py v1 [--items 10000] [--rounds 3] [--image-kb 300]
+    python3 bench/run.py a1 [--rounds 5] [--variants plain,stream] [--seconds 5] [--latency-ms 50] [--unpinned] [--prompt-kb N]
+    python3 bench/run.py a2 [--items 2000] [--rounds 3] [--variants urllib,openai,c] [--direct] [--python-openai PY]
     python3 bench/run.py r1 [--items 48] [--np 1,4] [--sweep 1,2,4,8] [--max-tokens 128] [--rounds 1] [--python VENV/bin/python]
 
 W1, W5, W6 and J1 take --baseline BIN: another evalfleet binary (an earlier
@@ -76,9 +78,10 @@ def free_port():
 class Mock:
     """`evalfleet mock` on the server core."""
 
-    def __init__(self, *args, port=0):
+    def __init__(self, *args, port=0, core=SERVER_CORE):
+        pin = ["taskset", "-c", core] if core is not None else []
         self.proc = subprocess.Popen(
-            ["taskset", "-c", SERVER_CORE, BIN, "mock", "--bind", f"127.0.0.1:{port}", *args],
+            [*pin, BIN, "mock", "--bind", f"127.0.0.1:{port}", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
@@ -2057,6 +2060,377 @@ def v1(args, work):
     )
 
 
+AGENTS = os.path.join(ROOT, "bench", "agents")
+
+
+def open_to_sandbox(work):
+    """The working folder, readable by the sandbox's users (an exec task's
+    agents run as users of their own)."""
+    os.chmod(work, 0o755)
+
+
+def exported(run_id, db, binary=None):
+    proc = subprocess.run([binary or BIN, "export", run_id, "--store", db, "--format", "jsonl"], capture_output=True, text=True, check=True)
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+
+
+A1_QUESTION = "What is 12345 plus 12346? Answer briefly."
+
+
+def a1(args, work):
+    """Gateway overhead: the latency a call gains through an exec task's
+    gateway, against the same call made to the same mock directly. One exec
+    run (`task.network: open`, one agent at a time) whose items are rounds
+    of a load generator (bench/agents/a1_load.py: wrk, one thread) that
+    sends the same request stream to the mock's own address and to
+    $OPENAI_BASE_URL, in turns, first one then the other, alternating. The
+    mocks are pinned to core 0, the run (its gateway, the agent and wrk) to
+    core 1."""
+    open_to_sandbox(work)
+    for name in ("a1_load.py", "a1_post.lua"):
+        subprocess.run(["cp", os.path.join(AGENTS, name), work], check=True)
+    core = None if args.unpinned else SERVER_CORE
+    # A long prompt (--prompt-kb), as an agent's history grows: the answer
+    # stays short.
+    short = ["--output-tokens", "16"] if args.prompt_kb else []
+    instant = Mock(*short, core=core)
+    slow = Mock("--latency", f"{args.latency_ms}ms", *short, core=core)
+    question = A1_QUESTION
+    if args.prompt_kb:
+        question = (A1_QUESTION + " ") * (args.prompt_kb * 1024 // (len(A1_QUESTION) + 1))
+    mocks = {"instant": instant, "slow": slow}
+    streams = [v == "stream" for v in args.variants.split(",")]
+    cases = []
+    for stream in streams:
+        cases += [(1, "instant", stream), (256, "instant", stream), (256, "slow", stream)]
+    dataset = os.path.join(work, "a1.jsonl")
+    with open(dataset, "w") as f:
+        for r in range(args.rounds):
+            for k, (concurrency, mock, stream) in enumerate(cases):
+                body = {"model": mock, "messages": [{"role": "user", "content": question}], "max_tokens": 64, "stream": stream}
+                if stream:
+                    # What the gateway asks of the endpoint: the same here.
+                    body["stream_options"] = {"include_usage": True}
+                order = ["direct", "gateway"] if (r + k) % 2 == 0 else ["gateway", "direct"]
+                f.write(json.dumps({
+                    "id": f"r{r}-c{concurrency}-{mock}-{'stream' if stream else 'plain'}",
+                    "round": r, "concurrency": concurrency, "mock": mock, "stream": stream,
+                    "seconds": args.seconds, "warmup": 1, "body": body, "direct": mocks[mock].url,
+                    "order": order, "lua": os.path.join(work, "a1_post.lua"),
+                }) + "\n")
+    config = os.path.join(work, "a1.yaml")
+    with open(config, "w") as f:
+        f.write(
+            f"name: a1\n"
+            f"dataset: {{ path: {dataset}, id_field: id }}\n"
+            f"endpoints:\n"
+            f"  - {{ name: instant, kind: external, base_url: \"{instant.url}\", model: instant, concurrency: 1024 }}\n"
+            f"  - {{ name: slow, kind: external, base_url: \"{slow.url}\", model: slow, concurrency: 1024 }}\n"
+            f"task:\n"
+            f"  kind: exec\n"
+            f"  command: /usr/bin/python3 a1_load.py\n"
+            f"  network: open\n"
+            f"  concurrency: 1\n"
+            f"  timeout: 10m\n"
+        )
+    db = os.path.join(work, "a1.db")
+    try:
+        run = evalfleet(["run", config, "--store", db, "-q", "--run-id", "a1"], work, pin=not args.unpinned)
+    finally:
+        instant.stop()
+        slow.stop()
+    rows = exported("a1", db)
+    failed = [r["item_id"] for r in rows if r["status"] != "done"]
+    if failed:
+        raise SystemExit(f"A1 items failed: {failed}: {[r.get('error') for r in rows if r['status'] != 'done']}")
+    by_case = {}
+    for row in rows:
+        item, out = row["item"], json.loads(row["output"])
+        d, g = out["direct"], out["gateway"]
+        errors = sum(d["errors"].values()) + sum(g["errors"].values())
+        figures = {
+            "round": item["round"],
+            "first": item["order"][0],
+            "direct_p50_us": d["p50_us"], "gateway_p50_us": g["p50_us"],
+            "direct_p99_us": d["p99_us"], "gateway_p99_us": g["p99_us"],
+            "added_p50_us": g["p50_us"] - d["p50_us"], "added_p99_us": g["p99_us"] - d["p99_us"],
+            "direct_rps": d["requests"] / (d["duration_us"] / 1e6), "gateway_rps": g["requests"] / (g["duration_us"] / 1e6),
+            "direct_busy": d["machine_busy"], "gateway_busy": g["machine_busy"],
+            "errors": errors,
+            "gateway_calls_recorded": row["judge"]["calls"],
+        }
+        by_case.setdefault((item["concurrency"], item["mock"], item["stream"]), []).append(figures)
+        print(json.dumps({"case": row["item_id"], **figures}), file=sys.stderr)
+    results = []
+    for (concurrency, mock, stream), rounds in by_case.items():
+        med = lambda k: statistics.median(r[k] for r in rounds)
+        results.append({
+            "concurrency": concurrency, "mock": mock if mock == "instant" else f"{args.latency_ms} ms", "stream": stream,
+            **{f"{k}_median": med(k) for k in rounds[0] if k not in ("round", "first")},
+            "added_p50_us_rounds": [r["added_p50_us"] for r in rounds],
+            "added_p99_us_rounds": [r["added_p99_us"] for r in rounds],
+            "rounds": rounds,
+        })
+    print(json.dumps({"workload": "A1", "run": run, "cases": results, "wrk": version(["wrk", "-v"])}, indent=2))
+    print("\n| calls at once | mock | streamed | direct p50 / p99 (µs) | gateway p50 / p99 (µs) | added p50 / p99 (µs), median of rounds | rounds (added p50) | req/s direct / gateway | machine busy direct / gateway |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(
+            f"| {r['concurrency']} | {r['mock']} | {'yes' if r['stream'] else 'no'} "
+            f"| {r['direct_p50_us_median']:.0f} / {r['direct_p99_us_median']:.0f} "
+            f"| {r['gateway_p50_us_median']:.0f} / {r['gateway_p99_us_median']:.0f} "
+            f"| {r['added_p50_us_median']:.0f} / {r['added_p99_us_median']:.0f} "
+            f"| {', '.join(str(x) for x in r['added_p50_us_rounds'])} "
+            f"| {r['direct_rps_median']:.0f} / {r['gateway_rps_median']:.0f} "
+            f"| {100 * r['direct_busy_median']:.0f}% / {100 * r['gateway_busy_median']:.0f}% |"
+        )
+
+
+def proc_cpu(pid):
+    """(own, reaped children's) CPU seconds of a live process, or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            line = f.read()
+    except OSError:
+        return None
+    fields = line[line.rfind(")") + 2:].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / tick, (int(fields[13]) + int(fields[14])) / tick
+
+
+def machine_jiffies():
+    """(busy, total) jiffies of every core so far."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return sum(fields) - fields[3] - fields[4], sum(fields)
+
+
+def sampled(cmd, cwd, others=()):
+    """Runs `cmd` (not pinned), reading its CPU (own and its reaped
+    children's, i.e. the agents') and that of the processes `others` every
+    0.1 s; returns the figures and its standard error."""
+    b0, t0 = machine_jiffies()
+    before = [proc_cpu(p) for p in others]
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = []
+    reader = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
+    reader.start()
+    last = (0.0, 0.0)
+    peak = 0.0
+    while proc.poll() is None:
+        now = proc_cpu(proc.pid)
+        if now:
+            last = now
+        try:
+            peak = max(peak, vm_hwm_mb(proc.pid))
+        except OSError:
+            pass
+        time.sleep(0.1)
+    wall = time.monotonic() - started
+    reader.join()
+    b1, t1 = machine_jiffies()
+    after = [proc_cpu(p) for p in others]
+    out = {
+        "code": proc.returncode,
+        "wall": wall,
+        "own_cpu_s": last[0],
+        "children_cpu_s": last[1],
+        "others_cpu_s": [a[0] - b[0] if a and b else None for a, b in zip(after, before)],
+        "machine_busy": (b1 - b0) / max(1, t1 - t0),
+        "peak_rss_mb": peak,
+    }
+    text = "".join(err)
+    for line in text.splitlines():
+        if m := FINISHED.search(line):
+            out.update(done=int(m[1]), failed=int(m[2]), items=int(m[3]), seconds=float(m[4]), rate=float(m[5]))
+    if "rate" not in out:
+        raise SystemExit(f"evalfleet did not finish: {text[-2000:]}")
+    return out
+
+
+def timed(cmd, runs, env=None, stdin=b""):
+    """The median wall time and mean CPU time of `runs` runs of `cmd`."""
+    walls, cpu = [], 0.0
+    for _ in range(runs):
+        r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t = time.monotonic()
+        subprocess.run(cmd, env=env, input=stdin, capture_output=True, check=True)
+        walls.append(time.monotonic() - t)
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu += (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
+    return statistics.median(walls), cpu / runs
+
+
+A2_AGENTS = {
+    # name: (python, the agent, what it imports before its first call);
+    # python None: the agent is C, compiled here.
+    "urllib": ("/usr/bin/python3", os.path.join(AGENTS, "a2_urllib.py"), "import json, os, sys, urllib.request"),
+    "openai": ("/opt/evalfleet-agent/bin/python", os.path.join(ROOT, "examples", "agent", "agent.py"), "import json, sys; from openai import OpenAI"),
+    "c": (None, os.path.join(AGENTS, "a2_c.c"), None),
+}
+
+
+def a2_agent(variant, python, work):
+    """The agent of `variant` in the working folder: (its command as the
+    config gives it, as this machine runs it, its start-up alone)."""
+    _, source, imports = A2_AGENTS[variant]
+    if python is None:
+        binary = os.path.join(work, "a2_c")
+        subprocess.run(["cc", "-O2", "-o", binary, source], check=True)
+        return "./a2_c", [binary], [binary, "--startup"]
+    path = os.path.join(work, f"{variant}_agent.py")
+    subprocess.run(["cp", source, path], check=True)
+    return f"{python} {variant}_agent.py", [python, path], [python, "-c", imports]
+
+
+def a2_direct(here, url, rows, concurrency):
+    """The reference without evalfleet: the same agents, `concurrency` at a
+    time (threads, each running one after another), against the mock
+    directly: no gateway, no sandbox, no store. Returns items/s, CPU
+    seconds per item (the agents') and how many answered right."""
+    import queue
+
+    todo = queue.Queue()
+    for row in rows:
+        todo.put(row)
+    env = dict(os.environ, OPENAI_BASE_URL=url, OPENAI_API_KEY="none")
+    right = []
+
+    def worker():
+        while True:
+            try:
+                row = todo.get_nowait()
+            except queue.Empty:
+                return
+            out = subprocess.run(here, env=env, input=json.dumps(row).encode(), capture_output=True)
+            right.append(out.returncode == 0 and out.stdout.decode().strip() == row["answer"])
+
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.monotonic()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - started
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
+    return {"items_per_s": len(rows) / wall, "wall": wall, "cpu_s_per_item": cpu / len(rows), "right": sum(right)}
+
+
+def a2(args, work):
+    """Agent throughput: `--items` items of a three-call agent (a tool call,
+    a streamed answer, the answer alone) against a 50 ms mock, 64 agents at
+    once, in the default sandbox (`task.network: gateway`), against the
+    ideal 64 / (3 x 50 ms + the agent's start-up measured alone). Nothing
+    is pinned: the agents need both cores. CPU is read from /proc: the
+    run's own, its reaped children's (the agents'), the mock's, and the
+    machine's."""
+    latency, concurrency = 0.05, 64
+    open_to_sandbox(work)
+    answers = os.path.join(work, "answers.jsonl")
+    subprocess.run(["cp", os.path.join(ROOT, "examples", "agent", "answers.jsonl"), answers], check=True)
+    with open(os.path.join(ROOT, "examples", "agent", "countries.jsonl")) as f:
+        countries = [json.loads(line) for line in f]
+    dataset = os.path.join(work, "a2.jsonl")
+    with open(dataset, "w") as f:
+        for i in range(args.items):
+            c = countries[i % len(countries)]
+            f.write(json.dumps({"id": f"a{i}", "question": c["question"], "answer": c["answer"]}) + "\n")
+    mock = Mock("--latency", f"{int(latency * 1000)}ms", "--answers", answers, core=None)
+    results = {}
+    try:
+        for variant in args.variants.split(","):
+            python = A2_AGENTS[variant][0]
+            if variant == "openai" and args.python_openai:
+                python = args.python_openai
+            command, here, startup = a2_agent(variant, python, work)
+            # Start-up alone: the interpreter and the agent's imports (the C
+            # agent: its exec), and the whole agent against the mock
+            # directly (no gateway, no sandbox).
+            startup_s, startup_cpu_s = timed(startup, 10)
+            env = dict(os.environ, OPENAI_BASE_URL=mock.url, OPENAI_API_KEY="none")
+            item = json.dumps({"question": countries[0]["question"]}).encode()
+            alone_s, alone_cpu_s = timed(here, 5, env=env, stdin=item)
+            ideal = concurrency / (3 * latency + startup_s)
+            config = os.path.join(work, f"a2-{variant}.yaml")
+            with open(config, "w") as f:
+                f.write(
+                    f"name: a2\n"
+                    f"dataset: {{ path: {dataset}, id_field: id }}\n"
+                    f"endpoints:\n"
+                    f"  - {{ name: mock, kind: external, base_url: \"{mock.url}\", model: m, concurrency: {2 * concurrency} }}\n"
+                    f"task:\n"
+                    f"  kind: exec\n"
+                    f"  command: {command}\n"
+                    f"  concurrency: {concurrency}\n"
+                    f"  timeout: 120s\n"
+                    f"  models: {{ \"*\": mock }}\n"
+                    f"  metrics:\n"
+                    f"    - {{ name: exact_match, reference: \"{{{{ answer }}}}\" }}\n"
+                )
+            direct = None
+            if args.direct:
+                with open(dataset) as f:
+                    rows = [json.loads(line) for line in f]
+                direct = a2_direct(here, mock.url, rows, concurrency)
+                print(json.dumps({"variant": variant, "direct": direct}), file=sys.stderr)
+            rounds = []
+            for i in range(args.rounds):
+                run_id = f"a2-{variant}-{i}"
+                db = os.path.join(work, f"{run_id}.db")
+                run = sampled([BIN, "run", config, "--store", db, "-q", "--run-id", run_id], work, others=[mock.proc.pid])
+                rows = exported(run_id, db)
+                calls = sum((r.get("judge") or {}).get("calls", 0) for r in rows)
+                right = sum(1 for r in rows if r["status"] == "done" and r["output"] == r["item"]["answer"])
+                cores = os.cpu_count()
+                round_ = {
+                    **run,
+                    "calls": calls,
+                    "right": right,
+                    "fraction_of_ideal": run["rate"] / ideal,
+                    "agents_cpu_s_per_item": run["children_cpu_s"] / args.items,
+                    "evalfleet_cpu_s_per_item": run["own_cpu_s"] / args.items,
+                    "mock_cpu_s_per_item": (run["others_cpu_s"][0] or 0) / args.items,
+                    "ours_share_of_cores": (run["own_cpu_s"] + run["children_cpu_s"] + (run["others_cpu_s"][0] or 0)) / (run["wall"] * cores),
+                }
+                assert run["done"] == args.items, run
+                rounds.append(round_)
+                print(json.dumps({"variant": variant, **round_}), file=sys.stderr)
+            med = lambda k: statistics.median(r[k] for r in rounds)
+            results[variant] = {
+                "command": command,
+                "startup_s": startup_s, "startup_cpu_s": startup_cpu_s,
+                "agent_alone_s": alone_s, "agent_alone_cpu_s": alone_cpu_s,
+                "ideal_items_per_s": ideal,
+                "direct": direct,
+                "items_per_s_median": med("rate"),
+                "fraction_of_ideal_median": med("fraction_of_ideal"),
+                "agents_cpu_s_per_item_median": med("agents_cpu_s_per_item"),
+                "evalfleet_cpu_s_per_item_median": med("evalfleet_cpu_s_per_item"),
+                "mock_cpu_s_per_item_median": med("mock_cpu_s_per_item"),
+                "machine_busy_median": med("machine_busy"),
+                "cpu_bound_items_per_s": os.cpu_count() / (med("agents_cpu_s_per_item") + med("evalfleet_cpu_s_per_item") + med("mock_cpu_s_per_item")),
+                "rounds": rounds,
+            }
+    finally:
+        mock.stop()
+    print(json.dumps({"workload": "A2", "items": args.items, "concurrency": concurrency, "latency_s": latency, "variants": results}, indent=2))
+    print("\n| agent | start-up alone (wall / CPU) | agent alone, 3 calls direct | ideal 64 / (0.15 s + start-up) | items/s (median) | of the ideal | CPU per item: agents / evalfleet / mock | machine busy | CPU-bound ceiling (cores / CPU per item) | without evalfleet (64 at once, direct) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for variant, r in results.items():
+        print(
+            f"| {variant} | {1000 * r['startup_s']:.0f} ms / {1000 * r['startup_cpu_s']:.0f} ms "
+            f"| {1000 * r['agent_alone_s']:.0f} ms ({1000 * r['agent_alone_cpu_s']:.0f} ms CPU) "
+            f"| {r['ideal_items_per_s']:.1f} | {r['items_per_s_median']:.1f} "
+            f"(rounds {', '.join('%.1f' % x['rate'] for x in r['rounds'])}) | {100 * r['fraction_of_ideal_median']:.1f}% "
+            f"| {1000 * r['agents_cpu_s_per_item_median']:.0f} / {1000 * r['evalfleet_cpu_s_per_item_median']:.1f} / {1000 * r['mock_cpu_s_per_item_median']:.1f} ms "
+            f"| {100 * r['machine_busy_median']:.0f}% | {r['cpu_bound_items_per_s']:.1f} items/s "
+            f"| {'%.1f items/s' % r['direct']['items_per_s'] if r['direct'] else 'not run'} |"
+        )
+
+
 WORKLOADS = {
     "w1": (w1, 100_000),
     "w2": (w2, None),
@@ -2074,6 +2448,8 @@ WORKLOADS = {
     "c1": (c1, 1000),
     "r1": (r1, 48),
     "v1": (v1, 10_000),
+    "a1": (a1, None),
+    "a2": (a2, 2000),
 }
 
 
@@ -2104,6 +2480,12 @@ def main():
     parser.add_argument("--sweep", default="1,2,4,8", help="R1: the fixed concurrencies")
     parser.add_argument("--max-tokens", type=int, default=128, help="R1: max_tokens of every call")
     parser.add_argument("--image-kb", type=int, default=300, help="V1: the size of each PNG")
+    parser.add_argument("--seconds", type=int, default=5, help="A1: seconds of each arm of each round")
+    parser.add_argument("--prompt-kb", type=int, default=0, help="A1: a user message of about this many KB (the mock's answers then 16 tokens)")
+    parser.add_argument("--unpinned", action="store_true", help="A1: pin nothing (the mocks, the run, its agent and wrk share both cores)")
+    parser.add_argument("--latency-ms", type=int, default=50, help="A1: the slower mock's latency")
+    parser.add_argument("--direct", action="store_true", help="A2: also run the same agents, as many at once, against the mock directly (no evalfleet)")
+    parser.add_argument("--python-openai", help="A2: the python of a venv with openai (default /opt/evalfleet-agent/bin/python)")
     parser.add_argument("--baseline", help="W1, W5, W6, J1: another evalfleet binary measured side by side")
     args = parser.parse_args()
     if not args.no_build:
@@ -2115,7 +2497,7 @@ def main():
         args.items_given = args.items is not None
         args.items = args.items or default_items
         if args.variants is None:
-            args.variants = {"w7": "plain,stream", "w8": "alone,beside"}.get(args.workload, "")
+            args.variants = {"w7": "plain,stream", "w8": "alone,beside", "a1": "plain,stream", "a2": "urllib,openai"}.get(args.workload, "")
         if args.workload == "startup":
             args.rounds = max(args.rounds, 5)
         run(args, work)
