@@ -96,7 +96,7 @@
     const response = parsed(c.response);
     const parts = [];
     if (request && Array.isArray(request.messages)) {
-      parts.push(h("div", { class: "sub" }, "Sent"), request.messages.map(chatMessage));
+      parts.push(h("div", { class: "sub" }, "Sent"), ...request.messages.map(chatMessage));
       if (Array.isArray(request.tools) && request.tools.length) {
         parts.push(h("div", { class: "sub" }, "Tools offered: ",
           request.tools.map((t) => String((t.function && t.function.name) || t.type || "?")).join(", ")));

@@ -16,7 +16,7 @@ use crate::util::{Env, by_id, external_with, mock, ms, signal, wait_until};
 /// The Python with the `openai` SDK (and LangGraph) that `.ci/run` makes
 /// (`$EVALFLEET_AGENT_PYTHON`, by default /opt/evalfleet-agent/bin/python),
 /// when it imports `modules`; `None`, saying so, when it does not.
-fn agent_python(modules: &str) -> Option<String> {
+pub fn agent_python(modules: &str) -> Option<String> {
     let python = std::env::var("EVALFLEET_AGENT_PYTHON")
         .unwrap_or_else(|_| "/opt/evalfleet-agent/bin/python".to_owned());
     let ok = std::process::Command::new(&python)
@@ -57,19 +57,14 @@ fn calls_of(env: &Env, store: &Path, run_id: &str, item_id: &str) -> Vec<AgentCa
         .calls
 }
 
-/// A plain agent (no SDK: urllib of /usr/bin/python3) that makes `calls`
-/// calls for its item's question, then sleeps `sleep` seconds, and prints
-/// the last answer; a question with `hang` sleeps for ever, one with
-/// `fail` writes to stderr and exits 3.
+/// A plain agent (no SDK: urllib of /usr/bin/python3) that makes `CALLS`
+/// calls for its item's question, then sleeps `SLEEP` seconds, and prints
+/// the last answer; after its calls, a question with `hang` sleeps for
+/// ever, one with `fail` writes to stderr and exits 3.
 const PLAIN_AGENT: &str = r#"
 import json, os, sys, time, urllib.request
 item = json.load(sys.stdin)
 q = item["question"]
-if "hang" in q:
-    time.sleep(3600)
-if "fail" in q:
-    sys.stderr.write("the agent gave up: boom\n")
-    sys.exit(3)
 base = os.environ["OPENAI_BASE_URL"]
 answer = ""
 for i in range(int(os.environ.get("CALLS", "2"))):
@@ -78,6 +73,11 @@ for i in range(int(os.environ.get("CALLS", "2"))):
                                  headers={"Content-Type": "application/json", "traceparent": "00-abc-def-01"})
     with urllib.request.urlopen(req, timeout=60) as r:
         answer = json.load(r)["choices"][0]["message"]["content"]
+if "hang" in q:
+    time.sleep(3600)
+if "fail" in q:
+    sys.stderr.write("the agent gave up: boom\n")
+    sys.exit(3)
 time.sleep(float(os.environ.get("SLEEP", "0")))
 print(answer)
 "#;
@@ -500,9 +500,15 @@ async fn an_agent_that_hangs_is_killed_at_its_timeout_and_one_that_fails_keeps_i
             .unwrap()
             .contains("the agent gave up")
     );
-    // Each failed attempt is stored with its reason.
+    // Each failed attempt is stored with its reason, and with the calls it
+    // made.
     let attempts = env.attempts_by_session(&ran.run_id());
     assert_eq!(attempts.values().sum::<i64>(), 5, "{attempts:?}");
+    for id in ["hangs", "fails"] {
+        let calls = calls_of(&env, &env.store_path(), &ran.run_id(), id);
+        let made: Vec<(u32, u32)> = calls.iter().map(|c| (c.attempt, c.index)).collect();
+        assert_eq!(made, [(1, 1), (1, 2), (2, 1), (2, 2)], "{id}");
+    }
     // The one that hung was killed with its attempts.
     assert!(processes_with(&script).is_empty());
 }

@@ -454,3 +454,63 @@ async fn the_live_page_of_a_running_run_holds_its_memory_for_minutes() {
     assert_eq!(stopped.status(), 202);
     wait_for_state(&base, "long", "interrupted").await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agents_item_page_shows_its_calls_as_a_timeline_with_their_messages() {
+    let Some(browser) = Browser::start().await else {
+        return;
+    };
+    let Some(python) = crate::agents::agent_python("openai") else {
+        return;
+    };
+    let env = Env::new();
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/agent");
+    for name in ["agent.yaml", "agent.py", "countries.jsonl", "answers.jsonl"] {
+        std::fs::copy(format!("{dir}/{name}"), env.path(name)).unwrap();
+    }
+    let ran = env
+        .command(&["run", "agent.yaml", "--run-id", "agent", "--quiet"])
+        .env("EVALFLEET_AGENT_PYTHON", &python)
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(
+        ran.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&ran.stderr)
+    );
+    let (_server, base) = serve(&env, &["--read-only"], None).await;
+    browser.open(&format!("{base}/runs/agent/items/c001")).await;
+    browser.find("#calls tbody tr.call").await;
+    let rows = browser
+        .eval("return [...document.querySelectorAll('#calls tr.call')].map((tr) => [...tr.cells].map((td) => td.textContent));")
+        .await;
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 3, "{rows:?}");
+    let cell = |row: usize, col: usize| rows[row][col].as_str().unwrap().to_owned();
+    assert!(cell(0, 0).ends_with(".1.1"), "{rows:?}");
+    assert_eq!(cell(1, 2), "chat.completions · stream");
+    assert_eq!(cell(0, 3), "mock");
+    assert_eq!(cell(0, 4), "qwen3-4b");
+    assert!(cell(2, 8).starts_with("200"), "{rows:?}");
+    // Its messages on demand: the tool call, then the tool's result sent.
+    browser.find("#calls tr.call button").await.click().await;
+    let first = browser
+        .eval("return document.querySelector('#calls tr.call-detail').hidden;")
+        .await;
+    assert_eq!(first, json!(false));
+    let detail = browser
+        .eval("return document.querySelector('#calls tr.call-detail').textContent;")
+        .await;
+    let detail = detail.as_str().unwrap();
+    assert!(
+        detail.contains("lookup({\"country\":\"France\"})"),
+        "{detail}"
+    );
+    assert!(
+        detail.contains("What is the capital of France?"),
+        "{detail}"
+    );
+    browser.screenshot(&artifacts(), "agent-item").await;
+}

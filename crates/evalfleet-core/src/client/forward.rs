@@ -71,6 +71,9 @@ pub enum Head {
         status: u16,
         content_type: Option<HeaderValue>,
         chunks: mpsc::Receiver<Bytes>,
+        /// Set once the stream has ended whole: a channel closed before
+        /// is a stream cut short, which the agent must see as such.
+        complete: std::sync::Arc<std::sync::atomic::AtomicBool>,
     },
     /// Nothing was sent to the agent: the call failed before the first
     /// byte of an answer (the outcome says how); `status` and `body` are
@@ -98,12 +101,15 @@ impl ChatClient {
     /// Sends `body` (JSON) to `api`, streamed or not; the agent's part goes
     /// to `head` as soon as it is known (a stream's chunks follow on its
     /// channel).
+    /// `delivered` is set as the agent is handed the answer: it stays
+    /// set if this future is dropped (a timeout) after that.
     pub async fn forward(
         &self,
         api: Api,
         body: Bytes,
         stream: bool,
         head: oneshot::Sender<Head>,
+        delivered: &std::sync::atomic::AtomicBool,
     ) -> Forwarded {
         let sent_at = SystemTime::now();
         let started = Instant::now();
@@ -111,7 +117,15 @@ impl ChatClient {
         let mut quota = None;
         let mut head = Some(head);
         let result = self
-            .forward_inner(api, body, stream, &mut head, &mut reading, &mut quota)
+            .forward_inner(
+                api,
+                body,
+                stream,
+                &mut head,
+                &mut reading,
+                &mut quota,
+                delivered,
+            )
             .await;
         if let (Err(_), Some(head)) = (&result, head.take()) {
             // Failed before any byte reached the agent (no response, or one
@@ -145,7 +159,9 @@ impl ChatClient {
         head: &mut Option<oneshot::Sender<Head>>,
         reading: &mut Reading,
         quota: &mut Option<Quota>,
+        delivered: &std::sync::atomic::AtomicBool,
     ) -> Result<Completion, CallError> {
+        use std::sync::atomic::Ordering;
         let url = format!("{}/{}", self.base, api.path());
         let request = self.send(|http| http.post(url.as_str()).body(body.clone()));
         let first_byte_by = reading.started + self.stalls.first_byte;
@@ -191,6 +207,7 @@ impl ChatClient {
             reading.whole(&bytes);
             if let Some(head) = head.take() {
                 reading.delivered = true;
+                delivered.store(true, Ordering::Release);
                 let _ = head.send(Head::Whole {
                     status,
                     content_type,
@@ -209,12 +226,15 @@ impl ChatClient {
         };
         self.pulse.beat();
         let (tx, rx) = mpsc::channel(64);
+        let complete = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         if let Some(head) = head.take() {
             reading.delivered = true;
+            delivered.store(true, Ordering::Release);
             let _ = head.send(Head::Stream {
                 status,
                 content_type,
                 chunks: rx,
+                complete: complete.clone(),
             });
         }
         reading.feed(&first);
@@ -247,7 +267,13 @@ impl ChatClient {
                 send_or_drop(&mut agent, chunk).await;
             }
         }
-        reading.completion(status, false)
+        let completion = reading.completion(status, false);
+        // The agent's stream ends whole only when ours did; otherwise its
+        // connection is cut, as the endpoint's was.
+        if completion.is_ok() || matches!(completion, Err(CallError::Unfinished)) {
+            complete.store(true, Ordering::Release);
+        }
+        completion
     }
 }
 
@@ -542,7 +568,7 @@ impl Reading {
         if self.body.is_some() {
             return self.body.clone();
         }
-        if self.api != Api::ChatCompletions && self.content.is_empty() {
+        if self.content.is_empty() && self.tool_calls.is_empty() {
             return None;
         }
         let mut message = serde_json::json!({"role": "assistant", "content": self.content});

@@ -84,12 +84,36 @@ struct Routes {
 pub struct Grant {
     pub seq: u64,
     pub attempt: u32,
+    /// Which of its row's samples the item is (`task.n`).
+    sample: u32,
     budget: Budget,
     opened: Instant,
     next_index: AtomicU32,
     tokens: AtomicU64,
     calls: Mutex<Vec<AgentCall>>,
+    /// Calls under way (their records not yet kept), and a wake-up when
+    /// one ends.
+    in_flight: AtomicU32,
+    settled: tokio::sync::Notify,
+    /// Set when the attempt has ended: no call is taken any more.
+    closed: std::sync::atomic::AtomicBool,
+    /// Cancels the calls still under way when the attempt ends.
+    abandon: CancellationToken,
 }
+
+/// A call under way for a grant: the grant waits for it to be recorded.
+struct Flight(Arc<Grant>);
+
+impl Drop for Flight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.0.settled.notify_waiters();
+    }
+}
+
+/// How long an ended attempt waits for the records of its calls still
+/// under way (cancelled as it ends).
+const SETTLE: Duration = Duration::from_secs(5);
 
 /// An item's open address at the gateway: its token dies when this is
 /// closed or dropped.
@@ -101,9 +125,29 @@ pub struct Pass {
 }
 
 impl Pass {
-    /// Ends the attempt's address and gives its calls, in order.
-    pub fn close(self) -> Vec<AgentCall> {
+    /// Ends the attempt's address: no call is taken from now on, and those
+    /// still under way (a stream the agent left unread) are cancelled;
+    /// gives its calls, in order, once they are recorded (or after a few
+    /// seconds).
+    pub async fn close(self) -> Vec<AgentCall> {
         self.gateway.forget(&self.grant);
+        self.grant.closed.store(true, Ordering::Release);
+        self.grant.abandon.cancel();
+        let deadline = Instant::now() + SETTLE;
+        loop {
+            let settled = self.grant.settled.notified();
+            if self.grant.in_flight.load(Ordering::Acquire) == 0 {
+                break;
+            }
+            if tokio::time::timeout_at(deadline, settled).await.is_err() {
+                tracing::warn!(
+                    "Item {} attempt {}: calls still under way when it ended were not recorded.",
+                    self.grant.seq,
+                    self.grant.attempt
+                );
+                break;
+            }
+        }
         let mut calls = self
             .grant
             .calls
@@ -263,7 +307,14 @@ impl Gateway {
 
     /// Opens the address of attempt `attempt` of item `seq`, live for at
     /// most `ttl`, with `budget`.
-    pub fn open(self: &Arc<Self>, seq: u64, attempt: u32, budget: Budget, ttl: Duration) -> Pass {
+    pub fn open(
+        self: &Arc<Self>,
+        seq: u64,
+        sample: u32,
+        attempt: u32,
+        budget: Budget,
+        ttl: Duration,
+    ) -> Pass {
         let expires_ms =
             now_ms().saturating_add(i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX));
         let token = self.keys.sign(&Claims {
@@ -275,11 +326,16 @@ impl Gateway {
         let grant = Arc::new(Grant {
             seq,
             attempt,
+            sample,
             budget,
             opened: Instant::now(),
             next_index: AtomicU32::new(0),
             tokens: AtomicU64::new(0),
             calls: Mutex::new(Vec::new()),
+            in_flight: AtomicU32::new(0),
+            settled: tokio::sync::Notify::new(),
+            closed: std::sync::atomic::AtomicBool::new(false),
+            abandon: self.stop.child_token(),
         });
         if let Ok(mut grants) = self.grants.lock() {
             grants.insert((seq, attempt), grant.clone());
@@ -342,6 +398,15 @@ impl Gateway {
 
     /// Makes the call `asked` for the attempt of `grant`.
     pub async fn call(self: &Arc<Self>, grant: Arc<Grant>, asked: Asked) -> Answer {
+        // Counted under way before the attempt can be seen closed: a close
+        // then waits for this call's record.
+        grant.in_flight.fetch_add(1, Ordering::AcqRel);
+        let flight = Arc::new(Flight(grant.clone()));
+        if grant.closed.load(Ordering::Acquire) {
+            return Answer::Error(GatewayError::unauthorized(
+                "the token's attempt has ended: it is no longer valid.",
+            ));
+        }
         let index = grant.next_index.fetch_add(1, Ordering::AcqRel) + 1;
         let mut record = AgentCall {
             seq: grant.seq,
@@ -402,9 +467,15 @@ impl Gateway {
             .final_();
             return self.refuse(&grant, record, error);
         };
-        let cache_key = self.cache_key(asked.api, index, &candidates, &body);
-        if let (Some(key), Some(get)) = (&cache_key, self.cache.get().and_then(|c| c.get.clone()))
-            && let Some(hit) = get(key.clone()).await
+        let cache_key = self.cache_key(asked.api, grant.sample, index, &candidates, &body);
+        // A retry reads nothing from the cache: the answers that made the
+        // attempt before it fail would make it fail again.
+        let reads = grant.attempt == 1;
+        if let (Some(key), Some(get), true) = (
+            &cache_key,
+            self.cache.get().and_then(|c| c.get.clone()),
+            reads,
+        ) && let Some(hit) = get(key.clone()).await
             && let Some(answer) = from_cache(&hit, stream)
         {
             record.cached = true;
@@ -445,7 +516,6 @@ impl Gateway {
             let (head_tx, head_rx) = oneshot::channel();
             let (done_tx, done_rx) = oneshot::channel();
             let fleet = self.fleet.clone();
-            let stop = self.stop.clone();
             let api = asked.api;
             let for_call = endpoint.clone();
             let grant_for = grant.clone();
@@ -453,9 +523,12 @@ impl Gateway {
             let put = cache_key
                 .clone()
                 .zip(self.cache.get().and_then(|c| c.put.clone()));
+            let flight_for = flight.clone();
+            let abandon = grant.abandon.clone();
             self.tracker.spawn(async move {
+                let _flight = flight_for;
                 let mut kept = None;
-                let mut delivered = false;
+                let delivered = std::sync::atomic::AtomicBool::new(false);
                 let timeout = for_call.timeout;
                 let exchange = call::send_with(
                     Call {
@@ -465,17 +538,17 @@ impl Gateway {
                         cost,
                     },
                     async {
-                        let forwarded = client.forward(api, sent, stream, head_tx).await;
+                        let forwarded =
+                            client.forward(api, sent, stream, head_tx, &delivered).await;
                         kept = forwarded.response;
-                        delivered = forwarded.delivered;
                         forwarded.outcome
                     },
                     timeout,
-                    &stop,
+                    &abandon,
                     &fleet,
                 )
                 .await;
-                if delivered {
+                if delivered.load(Ordering::Acquire) {
                     // The agent has (or is reading) this answer: it is the
                     // call's record.
                     partial.response = kept;
@@ -487,15 +560,22 @@ impl Gateway {
                         put(entry);
                     }
                     grant_for.ended(partial);
-                } else {
-                    let _ = done_tx.send((exchange, kept));
+                } else if let Err((exchange, kept)) = done_tx.send((exchange, kept)) {
+                    // Nobody waits for it (the agent went away): recorded
+                    // as it ended.
+                    partial.response = kept;
+                    fill(&mut partial, &exchange, &for_call);
+                    grant_for.ended(partial);
                 }
             });
-            let head = match head_rx.await {
-                Ok(head) => head,
-                // The call was abandoned (the run stops).
-                Err(_) => break,
-            };
+            // No head: the call ended before its first byte without a word
+            // (its time ran out, its endpoint was taken out of service, the
+            // attempt ended): a failure like any other before the first byte.
+            let head = head_rx.await.unwrap_or(Head::Failed {
+                status: None,
+                content_type: None,
+                body: Bytes::new(),
+            });
             match head {
                 Head::Failed {
                     status,
@@ -511,9 +591,13 @@ impl Gateway {
                         content_type,
                         body: error_body,
                     };
+                    // An endpoint's own refusal of evalfleet (its key, a
+                    // model or API it lacks) is its fault, not the agent's.
                     let again = match status {
                         None => true,
-                        Some(status) => status == 429 || status == 408 || status >= 500,
+                        Some(status) => {
+                            matches!(status, 401 | 403 | 404 | 408 | 429) || status >= 500
+                        }
                     };
                     if again && !left.is_empty() {
                         tracing::debug!(
@@ -620,15 +704,16 @@ impl Gateway {
 }
 
 impl Gateway {
-    /// The cache key of call `index` of an attempt: its API, the models
-    /// that may answer it, its place in the attempt (an agent that asks the
-    /// same twice means to ask twice; the same agent run again asks the
-    /// same things in the same order) and its body without the model's
-    /// name. `None` where the cache is not used: it is off, or the API is
+    /// The cache key of call `index` of an attempt of sample `sample` of a
+    /// row: its API, the models that may answer it, its place in the
+    /// attempt (an agent that asks the same twice means to ask twice; the
+    /// same agent run again asks the same things in the same order), the
+    /// sample, and its body without the model's name. `None` where the cache is not used: it is off, or the API is
     /// neither chat completions nor embeddings.
     fn cache_key(
         &self,
         api: Api,
+        sample: u32,
         index: u32,
         candidates: &[usize],
         body: &Map<String, Value>,
@@ -650,7 +735,7 @@ impl Gateway {
         body.remove("stream");
         body.remove("stream_options");
         let text = serde_json::value::to_raw_value(&body).ok()?;
-        Some(crate::cache::key(&identity, 0, &text))
+        Some(crate::cache::key(&identity, sample, &text))
     }
 }
 
@@ -754,6 +839,7 @@ fn from_cache(hit: &CacheEntry, stream: bool) -> Option<Answer> {
         status: 200,
         content_type: Some(HeaderValue::from_static("text/event-stream")),
         chunks: rx,
+        complete: Arc::new(std::sync::atomic::AtomicBool::new(true)),
     }))
 }
 
@@ -828,7 +914,9 @@ impl Routes {
         if let Some((_, targets)) = self.aliases.iter().find(|(n, _)| n == name) {
             return Some(targets.clone());
         }
+        // A judge's endpoint is reached only where task.models names it.
         let named: Vec<usize> = (0..endpoints.len())
+            .filter(|i| endpoints[*i].config.takes_items())
             .filter(|i| endpoints[*i].model == name || endpoints[*i].name == name)
             .collect();
         if !named.is_empty() {
@@ -929,8 +1017,7 @@ fn failure_answer(exchange: &Exchange, failed: Head) -> Answer {
         ..
     } = &failed
         && (400..500).contains(status)
-        && *status != 408
-        && *status != 429
+        && !matches!(*status, 401 | 403 | 408 | 429)
     {
         return Answer::Head(failed);
     }
@@ -951,6 +1038,18 @@ fn failure_answer(exchange: &Exchange, failed: Head) -> Answer {
     };
     let retry_after = error.retry_after().map(|d| d.as_secs().max(1));
     let mut answer = match error {
+        CallError::Status {
+            status: status @ (401 | 403),
+            message,
+            ..
+        } => GatewayError::new(
+            502,
+            "server_error",
+            "endpoint_refused",
+            format!(
+                "The endpoint refused evalfleet's request (HTTP {status}: {message}): check the endpoint's api_key."
+            ),
+        ),
         CallError::Status {
             status: 429,
             message,

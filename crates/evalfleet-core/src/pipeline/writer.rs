@@ -56,7 +56,7 @@ impl Outcome {
             attempt: carry.attempt,
             result: None,
             cache: carry.cache,
-            calls: Vec::new(),
+            calls: carry.calls,
         }
     }
 }

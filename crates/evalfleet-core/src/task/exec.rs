@@ -138,7 +138,7 @@ impl Exec {
             tracing::info!("Agents' sandbox: {description}.");
         } else if settings.network == AgentNetwork::Open {
             tracing::info!(
-                "Agents' sandbox (task.network: open): {description}. The gateway is at 127.0.0.1:{port}."
+                "Agents (task.network: open) run in folders of their own, as users of their own where evalfleet runs as root, with this machine's network and file system; the gateway is at 127.0.0.1:{port}."
             );
         } else {
             tracing::warn!(
@@ -358,21 +358,13 @@ impl Run {
 
     /// Runs the agent once.
     async fn once(&self) -> Outcome {
-        let inner = &*self.inner;
-        let settings = &inner.settings;
-        // The address lives a little longer than the run may: the token's
-        // expiry is a bound, the attempt's end the rule.
-        let pass = inner.gateway.open(
-            self.seq,
-            self.attempt,
-            settings.budget,
-            settings.timeout + Duration::from_secs(60),
-        );
-        let sent_at = std::time::SystemTime::now();
-        let started = Instant::now();
-        let ran = self.execute(&pass.token).await;
-        let calls = pass.close();
-        let elapsed = started.elapsed();
+        let settings = &self.inner.settings;
+        let (ran, calls) = self.execute().await;
+        let (sent_at, elapsed) = match &ran {
+            Ok((_, sent_at, started)) => (*sent_at, started.elapsed()),
+            Err(_) => (std::time::SystemTime::now(), Duration::ZERO),
+        };
+        let ran = ran.map(|(execution, _, _)| execution);
         let (prompt, completion) = calls.iter().fold((0u64, 0u64), |(p, c), call| {
             (
                 p + call.telemetry.prompt_tokens.unwrap_or(0),
@@ -424,10 +416,40 @@ impl Run {
         }
     }
 
-    /// The program, run in a slot of the sandbox with the item's address.
-    async fn execute(&self, token: &str) -> std::io::Result<Execution> {
+    /// The program, run in a slot of the sandbox with the item's address;
+    /// and when it started (once it had its slot).
+    async fn execute(
+        &self,
+    ) -> (
+        std::io::Result<(Execution, std::time::SystemTime, Instant)>,
+        Vec<AgentCall>,
+    ) {
         let inner = &*self.inner;
         let slot = inner.sandbox.slot().await;
+        // The address opens once the agent has its slot, and lives a little
+        // longer than the run may: the token's expiry is a bound, the
+        // attempt's end (closing it) the rule.
+        let pass = inner.gateway.open(
+            self.seq,
+            self.sample,
+            self.attempt,
+            inner.settings.budget,
+            inner.settings.timeout + Duration::from_secs(60),
+        );
+        let sent_at = std::time::SystemTime::now();
+        let started = Instant::now();
+        let ran = self.run_in(&slot, &pass.token).await;
+        let calls = pass.close().await;
+        (ran.map(|execution| (execution, sent_at, started)), calls)
+    }
+
+    /// The program, run in `slot` with the address `token`.
+    async fn run_in(
+        &self,
+        slot: &evalfleet_sandbox::sandbox::Slot<'_>,
+        token: &str,
+    ) -> std::io::Result<Execution> {
+        let inner = &*self.inner;
         let dir = slot.workdir()?;
         let mut argv = inner.argv.clone();
         let mut env = vec![
@@ -466,7 +488,9 @@ fn judge(
     timeout: Duration,
     calls: usize,
 ) -> (Result<String, (String, ErrorClass)>, Value) {
-    let stderr = tail(&execution.stderr, 2000);
+    // An SDK's error names the address it called, the item's token in it:
+    // dead by now, and still not kept.
+    let stderr = redact_tokens(&tail(&execution.stderr, 2000));
     let (exit, signal) = match execution.ended {
         Ended::Exited(code) => (Some(code), None),
         Ended::Signaled(signal) => (None, Some(signal)),
@@ -516,6 +540,16 @@ fn judge(
     (answer, kept)
 }
 
+/// `text` with every gateway token in it replaced by `ef1_…`.
+fn redact_tokens(text: &str) -> String {
+    static TOKEN: std::sync::LazyLock<Option<regex::Regex>> =
+        std::sync::LazyLock::new(|| regex::Regex::new(r"ef1_[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+").ok());
+    match TOKEN.as_ref() {
+        Some(token) => token.replace_all(text, "ef1_…").into_owned(),
+        None => text.to_owned(),
+    }
+}
+
 /// The last `n` bytes of `bytes` as text (from a character's start).
 fn tail(bytes: &[u8], n: usize) -> String {
     let text = String::from_utf8_lossy(bytes);
@@ -546,4 +580,16 @@ pub(super) fn answered_request() -> Request {
 
 fn unreachable_empty() -> Box<serde_json::value::RawValue> {
     serde_json::value::to_raw_value(&Value::Array(Vec::new())).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn tokens_are_not_kept_in_what_an_agent_wrote() {
+        let said = "openai.APIConnectionError: http://127.0.0.1:4000/gw/ef1_MTIzCjQ.AbC-_d9/v1/chat/completions";
+        assert_eq!(
+            super::redact_tokens(said),
+            "openai.APIConnectionError: http://127.0.0.1:4000/gw/ef1_…/v1/chat/completions"
+        );
+    }
 }
