@@ -447,10 +447,20 @@ impl Sandbox {
                 .map(Path::new)
                 .filter(|p| p.is_dir())
                 .collect();
+            // A bound folder's `.env` (where evalfleet's configs keep their
+            // secrets) is seen empty.
+            let hidden: Vec<PathBuf> = binds
+                .iter()
+                .zip(&at)
+                .filter(|((host, _), _)| host.join(".env").is_file())
+                .map(|(_, at)| at.join(".env"))
+                .collect();
+            let hidden: Vec<&Path> = hidden.iter().map(PathBuf::as_path).collect();
             match Namespaces::create(&MountPlan {
                 root: &root,
                 binds: &bind_refs,
                 covered: &covered,
+                hidden: &hidden,
                 loopback: network == Network::Loopback,
             }) {
                 Ok(ns) => Some(ns),

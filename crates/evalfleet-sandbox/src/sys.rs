@@ -69,6 +69,9 @@ pub struct MountPlan<'a> {
     pub binds: &'a [(&'a Path, &'a Path)],
     /// Directories covered by an empty, read-only file system.
     pub covered: &'a [&'a Path],
+    /// Files (as the namespace sees them, under the binds) covered by an
+    /// empty one: secrets beside a bound folder's programs (`.env`).
+    pub hidden: &'a [&'a Path],
     /// Whether the network namespace's loopback is up.
     pub loopback: bool,
 }
@@ -99,6 +102,12 @@ impl Namespaces {
             .iter()
             .map(|p| c_path(p))
             .collect::<io::Result<Vec<_>>>()?;
+        let hidden = plan
+            .hidden
+            .iter()
+            .map(|p| c_path(p))
+            .collect::<io::Result<Vec<_>>>()?;
+        let dev_null = c"/dev/null";
         let tmpfs = c"tmpfs";
         let tmpfs_options = c"size=4k,mode=755";
         let loopback = plan.loopback;
@@ -130,6 +139,15 @@ impl Namespaces {
                         at.as_ptr(),
                         std::ptr::null(),
                         libc::MS_BIND | libc::MS_REC,
+                        std::ptr::null(),
+                    ))?;
+                }
+                for file in &hidden {
+                    check(libc::mount(
+                        dev_null.as_ptr(),
+                        file.as_ptr(),
+                        std::ptr::null(),
+                        libc::MS_BIND,
                         std::ptr::null(),
                     ))?;
                 }

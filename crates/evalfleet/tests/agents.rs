@@ -542,6 +542,10 @@ out["config_folder"] = write(os.path.join(os.path.dirname(os.path.abspath(__file
 out["etc"] = write("/etc/planted")
 out["own_folder"] = write("mine.txt")
 try:
+    out["dotenv"] = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".env")).read()
+except OSError as err:
+    out["dotenv"] = errno.errorcode.get(err.errno, str(err))
+try:
     open(os.environ["STORE"], "rb").read(16)
     out["store"] = "read"
 except OSError as err:
@@ -563,6 +567,8 @@ async fn an_agent_reaches_the_gateway_and_nothing_else() {
     let server = mock(MockSettings::default()).await;
     let endpoints = external_with("m", &server, 4, "");
     env.write("agent.py", ESCAPE_AGENT);
+    // The config's secrets, beside the agent's script.
+    env.write(".env", "EF_AGENT_TEST_SECRET=sk-beside-the-config\n");
     let dataset = env.write(
         "one.jsonl",
         "{\"id\": \"x\", \"question\": \"reach out\"}\n",
@@ -594,6 +600,7 @@ async fn an_agent_reaches_the_gateway_and_nothing_else() {
     assert_eq!(out["config_folder"], "EROFS", "{out}");
     assert_eq!(out["etc"], "EROFS", "{out}");
     assert_eq!(out["own_folder"], "written", "{out}");
+    assert_eq!(out["dotenv"], "", "the config's .env is seen empty: {out}");
     // The store is under /tmp, which the sandbox covers.
     assert_eq!(out["store"], "ENOENT", "{out}");
     assert!(!env.path("planted.txt").exists());
