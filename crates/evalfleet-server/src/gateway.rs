@@ -90,7 +90,7 @@ impl evalfleet_core::task::exec::GatewayHost for Host {
 /// The gateway's routes, over the gateways of `registry`.
 pub fn router(registry: Arc<Registry>) -> Router {
     let api = |api: Api| {
-        move |State(registry): State<Arc<Registry>>, headers: HeaderMap, body: Bytes| async move {
+        move |State(registry): State<Arc<Registry>>, headers: HeaderMap, body: Body| async move {
             let token = bearer(&headers);
             call(&registry, token.as_deref(), api, &headers, body).await
         }
@@ -99,9 +99,7 @@ pub fn router(registry: Arc<Registry>) -> Router {
         move |State(registry): State<Arc<Registry>>,
               Path(token): Path<String>,
               headers: HeaderMap,
-              body: Bytes| async move {
-            call(&registry, Some(&token), api, &headers, body).await
-        }
+              body: Body| async move { call(&registry, Some(&token), api, &headers, body).await }
     };
     let mut router = Router::new()
         .route("/v1/models", get(models))
@@ -180,11 +178,26 @@ async fn call(
     token: Option<&str>,
     api: Api,
     headers: &HeaderMap,
-    body: Bytes,
+    body: Body,
 ) -> Response {
+    // The token first: nobody without one makes the server read a body.
     let (gateway, grant) = match grant(registry, token) {
         Ok(found) => found,
         Err(error) => return refused(&error),
+    };
+    let body = match axum::body::to_bytes(body, BODY_LIMIT).await {
+        Ok(body) => body,
+        Err(err) => {
+            return refused(&GatewayError::new(
+                413,
+                "invalid_request_error",
+                "request_too_large",
+                format!(
+                    "The request body could not be read whole (at most {} MiB): {err}",
+                    BODY_LIMIT >> 20
+                ),
+            ));
+        }
     };
     let traceparent = headers
         .get("traceparent")
