@@ -118,7 +118,6 @@ impl ChatClient {
         let mut head = Some(head);
         let result = self
             .forward_inner(
-                api,
                 body,
                 stream,
                 &mut head,
@@ -151,9 +150,9 @@ impl ChatClient {
         }
     }
 
+    /// [`ChatClient::forward`], for `reading`'s API.
     async fn forward_inner(
         &self,
-        api: Api,
         body: Bytes,
         stream: bool,
         head: &mut Option<oneshot::Sender<Head>>,
@@ -162,7 +161,7 @@ impl ChatClient {
         delivered: &std::sync::atomic::AtomicBool,
     ) -> Result<Completion, CallError> {
         use std::sync::atomic::Ordering;
-        let url = format!("{}/{}", self.base, api.path());
+        let url = format!("{}/{}", self.base, reading.api.path());
         let request = self.send(|http| http.post(url.as_str()).body(body.clone()));
         let first_byte_by = reading.started + self.stalls.first_byte;
         let response = tokio::time::timeout_at(first_byte_by, request)
