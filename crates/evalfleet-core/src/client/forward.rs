@@ -117,14 +117,7 @@ impl ChatClient {
         let mut quota = None;
         let mut head = Some(head);
         let result = self
-            .forward_inner(
-                body,
-                stream,
-                &mut head,
-                &mut reading,
-                &mut quota,
-                delivered,
-            )
+            .forward_inner(body, stream, &mut head, &mut reading, &mut quota, delivered)
             .await;
         if let (Err(_), Some(head)) = (&result, head.take()) {
             // Failed before any byte reached the agent (no response, or one
