@@ -32,6 +32,25 @@ pub fn agent_python(modules: &str) -> Option<String> {
     None
 }
 
+/// Runs `evalfleet ARGS` with the agents' Python, expecting every item
+/// done; the run's id.
+pub async fn run_agents(env: &Env, args: &[&str], python: &str) -> String {
+    let ran = env
+        .command(args)
+        .env("EVALFLEET_AGENT_PYTHON", python)
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&ran.stderr);
+    assert_eq!(ran.status.code(), Some(0), "{stderr}");
+    String::from_utf8_lossy(&ran.stdout)
+        .lines()
+        .next()
+        .unwrap()
+        .trim()
+        .to_owned()
+}
+
 /// The sandbox's walls (its own users, namespaces) need root.
 fn sandboxed() -> bool {
     if evalfleet_testkit::is_root() {
@@ -133,26 +152,18 @@ async fn the_example_openai_agent_runs_per_item_with_every_call_attributed_in_or
     let env = Env::new();
     let store = env.path("agents.db");
     let config = examples().join("agent.yaml");
-    let ran = env
-        .command(&[
+    let run_id = run_agents(
+        &env,
+        &[
             "run",
             config.to_str().unwrap(),
             "--store",
             store.to_str().unwrap(),
             "-y",
-        ])
-        .env("EVALFLEET_AGENT_PYTHON", &python)
-        .output()
-        .await
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&ran.stderr);
-    assert_eq!(ran.status.code(), Some(0), "{stderr}");
-    let run_id = String::from_utf8_lossy(&ran.stdout)
-        .lines()
-        .next()
-        .unwrap()
-        .trim()
-        .to_owned();
+        ],
+        &python,
+    )
+    .await;
     let rows = env
         .evalfleet(&[
             "export",
@@ -692,26 +703,18 @@ async fn a_langgraph_agent_runs_per_item_through_the_gateway() {
     let env = Env::new();
     let store = env.path("langgraph.db");
     let config = examples().join("langgraph.yaml");
-    let ran = env
-        .command(&[
+    let run_id = run_agents(
+        &env,
+        &[
             "run",
             config.to_str().unwrap(),
             "--store",
             store.to_str().unwrap(),
             "-y",
-        ])
-        .env("EVALFLEET_AGENT_PYTHON", &python)
-        .output()
-        .await
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&ran.stderr);
-    assert_eq!(ran.status.code(), Some(0), "{stderr}");
-    let run_id = String::from_utf8_lossy(&ran.stdout)
-        .lines()
-        .next()
-        .unwrap()
-        .trim()
-        .to_owned();
+        ],
+        &python,
+    )
+    .await;
     let counts = evalfleet_store::SqliteStore::open_existing(&store)
         .unwrap()
         .counts(&run_id)
@@ -906,26 +909,7 @@ async fn an_agent_run_again_gets_its_calls_from_the_response_cache_streamed_or_n
     );
     let mut runs = Vec::new();
     for _ in 0..2 {
-        let ran = env
-            .command(&["run", config.to_str().unwrap(), "-y"])
-            .env("EVALFLEET_AGENT_PYTHON", &python)
-            .output()
-            .await
-            .unwrap();
-        assert_eq!(
-            ran.status.code(),
-            Some(0),
-            "{}",
-            String::from_utf8_lossy(&ran.stderr)
-        );
-        runs.push(
-            String::from_utf8_lossy(&ran.stdout)
-                .lines()
-                .next()
-                .unwrap()
-                .trim()
-                .to_owned(),
-        );
+        runs.push(run_agents(&env, &["run", config.to_str().unwrap(), "-y"], &python).await);
     }
     let store = env.store_path();
     let first = by_id(&env.export(&runs[0]).await);

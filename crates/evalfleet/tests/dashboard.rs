@@ -468,18 +468,12 @@ async fn an_agents_item_page_shows_its_calls_as_a_timeline_with_their_messages()
     for name in ["agent.yaml", "agent.py", "countries.jsonl", "answers.jsonl"] {
         std::fs::copy(format!("{dir}/{name}"), env.path(name)).unwrap();
     }
-    let ran = env
-        .command(&["run", "agent.yaml", "--run-id", "agent", "--quiet"])
-        .env("EVALFLEET_AGENT_PYTHON", &python)
-        .output()
-        .await
-        .unwrap();
-    assert_eq!(
-        ran.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&ran.stderr)
-    );
+    crate::agents::run_agents(
+        &env,
+        &["run", "agent.yaml", "--run-id", "agent", "--quiet"],
+        &python,
+    )
+    .await;
     let (_server, base) = serve(&env, &["--read-only"], None).await;
     browser.open(&format!("{base}/runs/agent/items/c001")).await;
     browser.find("#calls tbody tr.call").await;
