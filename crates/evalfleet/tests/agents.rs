@@ -934,3 +934,46 @@ async fn an_agent_run_again_gets_its_calls_from_the_response_cache_streamed_or_n
         );
     }
 }
+
+/// Prints how its item came: as the last argument, or in a file named by
+/// it and by `$EVALFLEET_ITEM_FILE`.
+const INPUT_AGENT: &str = r#"
+import json, os, sys
+if os.environ.get("EVALFLEET_ITEM_FILE"):
+    assert sys.argv[-1] == os.environ["EVALFLEET_ITEM_FILE"], sys.argv
+    item = json.load(open(sys.argv[-1]))
+    how = "file"
+else:
+    item = json.loads(sys.argv[-1])
+    how = "args"
+print(how, sys.argv[1], item["question"], os.environ["EVALFLEET_ITEM_ID"], os.environ["EVALFLEET_ATTEMPT"])
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_item_reaches_its_agent_as_a_file_or_as_an_argument() {
+    let env = Env::new();
+    env.write("input.py", INPUT_AGENT);
+    let dataset = env.dataset("items.jsonl", 3);
+    for input in ["file", "args"] {
+        let config = env.write(
+            &format!("{input}.yaml"),
+            &format!(
+                "name: input-{input}\n\
+                 dataset: {{ path: {}, id_field: id }}\n\
+                 endpoints:\n  - {{ name: m, kind: mock, concurrency: 2 }}\n\
+                 task:\n  kind: exec\n  command: [/usr/bin/python3, input.py, \"first arg\"]\n  \
+                 input: {input}\n",
+                dataset.display()
+            ),
+        );
+        let ran = env
+            .evalfleet(&["run", config.to_str().unwrap(), "-y"])
+            .await;
+        assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+        let rows = by_id(&env.export(&ran.run_id()).await);
+        assert_eq!(
+            rows["item-00001"]["output"],
+            format!("{input} first arg question 1 of 3 item-00001 1")
+        );
+    }
+}
