@@ -279,6 +279,9 @@ async fn send_or_drop(agent: &mut Option<mpsc::Sender<Bytes>>, chunk: Bytes) {
     }
 }
 
+/// The longest line of a stream read on its way (an event's `data:`).
+const LINE_LIMIT: usize = 4 << 20;
+
 /// What is read of an answer on its way to the agent.
 struct Reading {
     api: Api,
@@ -401,7 +404,19 @@ impl Reading {
 
     /// Bytes of a stream.
     fn feed(&mut self, bytes: &[u8]) {
+        if self.bad.is_some() {
+            // Past a line too long to read, the stream is passed on unread.
+            return;
+        }
         self.pending.extend_from_slice(bytes);
+        if self.pending.len() > LINE_LIMIT && !self.pending.contains(&b'\n') {
+            self.pending = Vec::new();
+            self.bad = Some(format!(
+                "a line of the stream is longer than {} MiB",
+                LINE_LIMIT >> 20
+            ));
+            return;
+        }
         while let Some(end) = self.pending.iter().position(|b| *b == b'\n') {
             let line: Vec<u8> = self.pending.drain(..=end).collect();
             let line = String::from_utf8_lossy(&line);
@@ -617,6 +632,21 @@ mod tests {
             kept["tool_calls"][0]["function"]["arguments"],
             "{\"q\":\"x\"}"
         );
+    }
+
+    #[test]
+    fn a_stream_line_without_end_is_not_held_past_its_limit() {
+        let mut reading = Reading::new(Api::ChatCompletions, Instant::now());
+        let chunk = vec![b'x'; 1 << 20];
+        for _ in 0..6 {
+            reading.feed(&chunk);
+        }
+        assert!(reading.pending.capacity() <= LINE_LIMIT + (1 << 20));
+        assert!(reading.pending.is_empty());
+        assert!(matches!(
+            reading.completion(200, false),
+            Err(CallError::BadResponse(_))
+        ));
     }
 
     #[test]
