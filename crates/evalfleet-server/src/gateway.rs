@@ -241,9 +241,6 @@ async fn call(
     }
 }
 
-/// How many bytes of waiting chunks are joined into one write at most.
-const COALESCE_LIMIT: usize = 64 * 1024;
-
 /// A stream of a channel's chunks, which ends in an error (the agent's
 /// connection cut, as the endpoint's stream was) when the channel closes
 /// before `complete` is set.
@@ -257,27 +254,7 @@ fn tokio_stream_of(
             return std::task::Poll::Ready(None);
         }
         match chunks.poll_recv(cx) {
-            std::task::Poll::Ready(Some(chunk)) => {
-                // The chunks already there go out as one write (with
-                // TCP_NODELAY, each write is a segment of its own).
-                let mut more = match chunks.try_recv() {
-                    Ok(next) => next,
-                    Err(_) => return std::task::Poll::Ready(Some(Ok(chunk))),
-                };
-                let mut joined = Vec::with_capacity(chunk.len() + more.len());
-                joined.extend_from_slice(&chunk);
-                loop {
-                    joined.extend_from_slice(&more);
-                    if joined.len() >= COALESCE_LIMIT {
-                        break;
-                    }
-                    match chunks.try_recv() {
-                        Ok(next) => more = next,
-                        Err(_) => break,
-                    }
-                }
-                std::task::Poll::Ready(Some(Ok(Bytes::from(joined))))
-            }
+            std::task::Poll::Ready(Some(chunk)) => std::task::Poll::Ready(Some(Ok(chunk))),
             std::task::Poll::Ready(None) => {
                 ended = true;
                 if complete.load(std::sync::atomic::Ordering::Acquire) {
