@@ -33,6 +33,7 @@ pub use state::{AppState, ServerOptions};
 
 /// The whole service.
 pub fn app(state: Arc<AppState>) -> Router {
+    let hosts = Arc::new(state.hosts.clone());
     let (api, openapi) = api::router();
     let openapi = Arc::new(openapi);
     Router::new()
@@ -61,8 +62,12 @@ pub fn app(state: Arc<AppState>) -> Router {
         ))
         .layer(DefaultBodyLimit::max(state.body_limit))
         .with_state(state)
-        // Agents' calls carry their own credentials (the item's token).
-        .merge(gateway::router(gateway::registry().clone()))
+        // Agents' calls carry their own credentials (the item's token);
+        // they too must be sent to one of the server's names.
+        .merge(
+            gateway::router(gateway::registry().clone())
+                .layer(axum::middleware::from_fn_with_state(hosts, hosts::guard)),
+        )
 }
 
 /// The OpenAPI document.

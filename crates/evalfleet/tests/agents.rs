@@ -829,6 +829,15 @@ async fn evalfleet_serve_answers_an_items_address_while_its_attempt_lives_and_re
     assert_eq!(models.status(), 200);
     let models: Value = models.json().await.unwrap();
     assert_eq!(models["data"][0]["id"], "mock");
+    // Sent to a name the server does not answer to (a rebound one): refused
+    // before the token is looked at.
+    let rebound = client
+        .get(format!("{base}/gw/{token}/v1/models"))
+        .header("host", "rebound.example")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(rebound.status(), 421);
     let answered = client
         .post(format!("{base}/v1/chat/completions"))
         .bearer_auth(&token)
