@@ -51,6 +51,26 @@ pub async fn run_agents(env: &Env, args: &[&str], python: &str) -> String {
         .to_owned()
 }
 
+/// Runs the example config `name` of examples/agent into a store of its
+/// own in `env`: the store and the run's id.
+async fn run_example(env: &Env, name: &str, python: &str) -> (PathBuf, String) {
+    let store = env.path("agents.db");
+    let config = examples().join(name);
+    let run_id = run_agents(
+        env,
+        &[
+            "run",
+            config.to_str().unwrap(),
+            "--store",
+            store.to_str().unwrap(),
+            "-y",
+        ],
+        python,
+    )
+    .await;
+    (store, run_id)
+}
+
 /// The sandbox's walls (its own users, namespaces) need root.
 fn sandboxed() -> bool {
     if evalfleet_testkit::is_root() {
@@ -66,8 +86,7 @@ fn examples() -> PathBuf {
 }
 
 /// Every call of `item_id`'s run, in the order stored.
-fn calls_of(env: &Env, store: &Path, run_id: &str, item_id: &str) -> Vec<AgentCall> {
-    let _ = env;
+fn calls_of(store: &Path, run_id: &str, item_id: &str) -> Vec<AgentCall> {
     let mut store = evalfleet_store::SqliteStore::open_existing(store).expect("the store");
     store
         .item(run_id, item_id)
@@ -150,20 +169,7 @@ async fn the_example_openai_agent_runs_per_item_with_every_call_attributed_in_or
         return;
     };
     let env = Env::new();
-    let store = env.path("agents.db");
-    let config = examples().join("agent.yaml");
-    let run_id = run_agents(
-        &env,
-        &[
-            "run",
-            config.to_str().unwrap(),
-            "--store",
-            store.to_str().unwrap(),
-            "-y",
-        ],
-        &python,
-    )
-    .await;
+    let (store, run_id) = run_example(&env, "agent.yaml", &python).await;
     let rows = env
         .evalfleet(&[
             "export",
@@ -190,7 +196,7 @@ async fn the_example_openai_agent_runs_per_item_with_every_call_attributed_in_or
     assert_eq!(rows["c001"]["output"], "Paris");
     assert_eq!(rows["c001"]["judge"]["exit"], 0);
     for item in rows.keys() {
-        let calls = calls_of(&env, &store, &run_id, item);
+        let calls = calls_of(&store, &run_id, item);
         assert_eq!(calls.len(), 3, "{item}: {calls:?}");
         for (i, call) in calls.iter().enumerate() {
             let index = u32::try_from(i).unwrap() + 1;
@@ -367,7 +373,7 @@ async fn the_openai_sdk_gets_models_streams_errors_and_retries_from_the_gateway(
     // Every call that reached the gateway's routing is the item's, in
     // order: 2 503s and an answer, a 429 and an answer, the 404, and the
     // budget's refusal, which the SDK did not retry.
-    let calls = calls_of(&env, &env.store_path(), &run_id, "only");
+    let calls = calls_of(&env.store_path(), &run_id, "only");
     let statuses: Vec<u16> = calls.iter().map(|c| c.http_status).collect();
     assert_eq!(
         statuses,
@@ -448,7 +454,7 @@ async fn a_killed_run_leaves_no_agent_and_its_resume_finishes_every_item_once() 
         let i: usize = id.trim_start_matches("item-").parse().unwrap();
         assert_eq!(row["output"], format!("question {i} of 60"));
         // The calls of the attempt that gave the answer: two, in order.
-        let calls = calls_of(&env, &env.store_path(), &run_id, id);
+        let calls = calls_of(&env.store_path(), &run_id, id);
         let last = calls.iter().map(|c| c.attempt).max().unwrap();
         let final_calls: Vec<u32> = calls
             .iter()
@@ -516,7 +522,7 @@ async fn an_agent_that_hangs_is_killed_at_its_timeout_and_one_that_fails_keeps_i
     let attempts = env.attempts_by_session(&ran.run_id());
     assert_eq!(attempts.values().sum::<i64>(), 5, "{attempts:?}");
     for id in ["hangs", "fails"] {
-        let calls = calls_of(&env, &env.store_path(), &ran.run_id(), id);
+        let calls = calls_of(&env.store_path(), &ran.run_id(), id);
         let made: Vec<(u32, u32)> = calls.iter().map(|c| (c.attempt, c.index)).collect();
         assert_eq!(made, [(1, 1), (1, 2), (2, 1), (2, 2)], "{id}");
     }
@@ -682,7 +688,7 @@ async fn calls_go_on_elsewhere_when_an_endpoint_is_killed_while_agents_run() {
     let rows = env.export(&run_id).await;
     for row in &rows {
         let id = row["item_id"].as_str().unwrap();
-        for call in calls_of(&env, &store, &run_id, id) {
+        for call in calls_of(&store, &run_id, id) {
             assert_eq!(call.http_status, 200, "{call:?}");
             *by_endpoint.entry(call.telemetry.endpoint).or_default() += 1;
         }
@@ -701,26 +707,13 @@ async fn a_langgraph_agent_runs_per_item_through_the_gateway() {
         return;
     };
     let env = Env::new();
-    let store = env.path("langgraph.db");
-    let config = examples().join("langgraph.yaml");
-    let run_id = run_agents(
-        &env,
-        &[
-            "run",
-            config.to_str().unwrap(),
-            "--store",
-            store.to_str().unwrap(),
-            "-y",
-        ],
-        &python,
-    )
-    .await;
+    let (store, run_id) = run_example(&env, "langgraph.yaml", &python).await;
     let counts = evalfleet_store::SqliteStore::open_existing(&store)
         .unwrap()
         .counts(&run_id)
         .unwrap();
     assert_eq!((counts.done, counts.failed), (12, 0));
-    let calls = calls_of(&env, &store, &run_id, "c001");
+    let calls = calls_of(&store, &run_id, "c001");
     // The ReAct loop: the model calls the tool, then answers with its
     // result.
     assert_eq!(calls.len(), 2, "{calls:#?}");
@@ -926,7 +919,7 @@ async fn an_agent_run_again_gets_its_calls_from_the_response_cache_streamed_or_n
     assert_eq!(second.len(), 12);
     for (id, row) in &second {
         assert_eq!(row["output"], first[id]["output"], "{id}");
-        let calls = calls_of(&env, &store, &runs[1], id);
+        let calls = calls_of(&store, &runs[1], id);
         assert_eq!(calls.len(), 3, "{id}");
         // Every call, the streamed one included, came from the cache.
         assert!(
@@ -936,11 +929,7 @@ async fn an_agent_run_again_gets_its_calls_from_the_response_cache_streamed_or_n
         assert_eq!(calls[0].telemetry.endpoint, "mock");
         let message: Value = serde_json::from_str(calls[0].response.as_deref().unwrap()).unwrap();
         assert_eq!(message["tool_calls"][0]["function"]["name"], "lookup");
-        assert!(
-            calls_of(&env, &store, &runs[0], id)
-                .iter()
-                .all(|c| !c.cached)
-        );
+        assert!(calls_of(&store, &runs[0], id).iter().all(|c| !c.cached));
     }
 }
 

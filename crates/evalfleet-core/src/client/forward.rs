@@ -233,17 +233,7 @@ impl ChatClient {
         // The agent may stop reading (it went away): the stream is read to
         // its end all the same, for its usage.
         let mut agent = Some(tx);
-        let forward = |agent: &mut Option<mpsc::Sender<Bytes>>, chunk: Bytes| {
-            if let Some(tx) = agent.as_ref()
-                && tx.try_send(chunk.clone()).is_err()
-            {
-                return Some(chunk);
-            }
-            None
-        };
-        if let Some(chunk) = forward(&mut agent, first) {
-            send_or_drop(&mut agent, chunk).await;
-        }
+        send_or_drop(&mut agent, first).await;
         loop {
             let next = tokio::time::timeout(self.stalls.idle, chunks.next())
                 .await
@@ -255,9 +245,7 @@ impl ChatClient {
             };
             self.pulse.beat();
             reading.feed(&chunk);
-            if let Some(chunk) = forward(&mut agent, chunk) {
-                send_or_drop(&mut agent, chunk).await;
-            }
+            send_or_drop(&mut agent, chunk).await;
         }
         let completion = reading.completion(status, false);
         // The agent's stream ends whole only when ours did; otherwise its

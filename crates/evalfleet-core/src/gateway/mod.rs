@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use evalfleet_types::{AgentCall, CacheEntry, ErrorClass, Telemetry, ms, now_ms, unix_ms};
+use evalfleet_types::{AgentCall, CacheEntry, ErrorClass, Telemetry, now_ms};
 use reqwest::header::HeaderValue;
 use serde_json::{Map, Value};
 use tokio::sync::oneshot;
@@ -103,6 +103,14 @@ pub struct Grant {
 
 /// A call under way for a grant: the grant waits for it to be recorded.
 struct Flight(Arc<Grant>);
+
+impl Flight {
+    /// A call of `grant` begins.
+    fn enter(grant: &Arc<Grant>) -> Arc<Self> {
+        grant.in_flight.fetch_add(1, Ordering::AcqRel);
+        Arc::new(Self(grant.clone()))
+    }
+}
 
 impl Drop for Flight {
     fn drop(&mut self) {
@@ -400,8 +408,7 @@ impl Gateway {
     pub async fn call(self: &Arc<Self>, grant: Arc<Grant>, asked: Asked) -> Answer {
         // Counted under way before the attempt can be seen closed: a close
         // then waits for this call's record.
-        grant.in_flight.fetch_add(1, Ordering::AcqRel);
-        let flight = Arc::new(Flight(grant.clone()));
+        let flight = Flight::enter(&grant);
         if grant.closed.load(Ordering::Acquire) {
             return Answer::Error(GatewayError::unauthorized(
                 "the token's attempt has ended: it is no longer valid.",
@@ -969,24 +976,15 @@ fn fill(record: &mut AgentCall, exchange: &Exchange, endpoint: &Endpoint) {
         ..Telemetry::default()
     };
     match exchange {
-        Exchange::Done { result, timing, .. } => {
-            record.sent_at_ms = unix_ms(timing.sent_at);
-            record.telemetry.latency_ms = ms(timing.latency);
-            record.telemetry.ttft_ms = timing.ttft.map(ms);
-            match result {
-                Ok(completion) => {
-                    record.http_status = completion.http_status;
-                    record.telemetry.prompt_tokens = completion.prompt_tokens;
-                    record.telemetry.completion_tokens = completion.completion_tokens;
-                    record.telemetry.tokens_estimated = completion.tokens_estimated;
-                    record.telemetry.finish_reason = completion.finish_reason.clone();
-                    record.telemetry.tpot_ms = timing.tpot(completion.completion_tokens).map(ms);
-                }
-                Err(err) => {
-                    record.http_status = err.http_status().unwrap_or(502);
-                    record.error_class = Some(err.class());
-                    record.error = Some(evalfleet_types::error_text(err));
-                }
+        // What the store keeps of any call (an attempt's record), with the
+        // status the agent got.
+        Exchange::Done { .. } => {
+            if let Some(attempt) = exchange.record(endpoint, record.seq, record.attempt, 0) {
+                record.sent_at_ms = attempt.sent_at_ms;
+                record.telemetry = attempt.telemetry;
+                record.http_status = attempt.http_status.unwrap_or(502);
+                record.error_class = attempt.error_class;
+                record.error = attempt.error;
             }
         }
         Exchange::Moved { .. } => {

@@ -569,17 +569,12 @@ fn tail(bytes: &[u8], n: usize) -> String {
 pub(super) fn answered_request() -> Request {
     Request {
         target: Target::Items,
-        messages: serde_json::value::RawValue::from_string("[]".to_owned())
-            .unwrap_or_else(|_| unreachable_empty()),
+        messages: serde_json::value::RawValue::NULL.to_owned(),
         sample: 0,
         rejected: None,
         prompt: None,
         images: Default::default(),
     }
-}
-
-fn unreachable_empty() -> Box<serde_json::value::RawValue> {
-    serde_json::value::to_raw_value(&Value::Array(Vec::new())).unwrap_or_default()
 }
 
 #[cfg(test)]
