@@ -1,8 +1,10 @@
 //! Store backends of [`evalfleet_core::store::Store`], opened by URL: a
 //! path or `sqlite://PATH` is the embedded SQLite store (the default);
-//! `postgres://` will be one more arm. Nothing outside this crate names a
-//! backend's type.
+//! `postgres://` (or `postgresql://`) is a PostgreSQL database, which
+//! workers on many machines share. Nothing outside this crate names a
+//! backend's type, except tests that look inside one.
 
+mod postgres;
 mod sqlite;
 
 use std::fmt;
@@ -10,6 +12,8 @@ use std::path::{Path, PathBuf};
 
 use evalfleet_core::store::{Store, StoreError};
 
+pub use postgres::PgStore;
+pub use postgres::schema::VERSION as POSTGRES_SCHEMA_VERSION;
 pub use sqlite::SqliteStore;
 pub use sqlite::schema::VERSION as SQLITE_SCHEMA_VERSION;
 
@@ -18,7 +22,14 @@ pub use sqlite::schema::VERSION as SQLITE_SCHEMA_VERSION;
 pub enum Location {
     /// A SQLite file.
     Sqlite(PathBuf),
+    /// A PostgreSQL database, by its URL (`postgres://USER@HOST/DB`).
+    Postgres(String),
 }
+
+/// Where a run whose store is a database keeps what it writes beside its
+/// store (engine logs, sandboxes, reports): a folder of the current one,
+/// as beside the default SQLite store.
+const LOCAL_DIR: &str = "runs";
 
 impl Location {
     /// A store from `--store`: a path, or a URL whose scheme names the
@@ -39,13 +50,16 @@ impl Location {
             }
             return Ok(Self::Sqlite(PathBuf::from(path)));
         }
-        if let Some((scheme, _)) = text.split_once("://") {
-            return Err(StoreError::BadLocation(match scheme {
-                "postgres" | "postgresql" => format!(
-                    "'{scheme}://' stores are not built into this evalfleet yet; use a SQLite file (a path or sqlite://PATH)"
-                ),
-                other => format!("unknown store scheme '{other}://' (a path or sqlite://PATH)"),
-            }));
+        if let Some((scheme, rest)) = text.split_once("://") {
+            return match scheme {
+                "postgres" | "postgresql" if rest.is_empty() => Err(StoreError::BadLocation(
+                    format!("'{text}' names no server (postgres://USER@HOST:PORT/DATABASE)"),
+                )),
+                "postgres" | "postgresql" => Ok(Self::Postgres(text.to_owned())),
+                other => Err(StoreError::BadLocation(format!(
+                    "unknown store scheme '{other}://' (a path, sqlite://PATH or postgres://USER@HOST/DATABASE)"
+                ))),
+            };
         }
         Ok(Self::Sqlite(PathBuf::from(text)))
     }
@@ -54,6 +68,9 @@ impl Location {
     pub fn exists(&self) -> bool {
         match self {
             Self::Sqlite(path) => path.is_file(),
+            // A database is made by its administrator: whether it holds a
+            // store is known once connected.
+            Self::Postgres(_) => true,
         }
     }
 
@@ -66,6 +83,7 @@ impl Location {
                 .filter(|p| !p.as_os_str().is_empty())
                 .unwrap_or(Path::new("."))
                 .to_owned(),
+            Self::Postgres(_) => PathBuf::from(LOCAL_DIR),
         }
     }
 
@@ -80,6 +98,7 @@ impl fmt::Display for Location {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Sqlite(path) => write!(f, "{}", path.display()),
+            Self::Postgres(url) => f.write_str(&postgres::masked(url)),
         }
     }
 }
@@ -124,6 +143,16 @@ pub fn open(location: &Location, options: &OpenOptions) -> Result<Box<dyn Store>
             }
             Ok(Box::new(store))
         }
+        Location::Postgres(url) => {
+            if options.cache_file.is_some() {
+                return Err(StoreError::BadLocation(
+                    "cache.path keeps the response cache in a SQLite file of its own; a PostgreSQL store keeps it in its database (leave cache.path out)".to_owned(),
+                ));
+            }
+            // PENDING: every trait of the PostgreSQL store.
+            let _ = PgStore::open(url, options.read_only)?;
+            Err(StoreError::BadLocation("pending".to_owned()))
+        }
     }
 }
 
@@ -143,6 +172,9 @@ pub fn remove(location: &Location) {
                 let _ = std::fs::remove_dir(dir);
             }
         }
+        // A run whose registration failed stored nothing: its transaction
+        // was rolled back.
+        Location::Postgres(_) => {}
     }
 }
 
@@ -164,11 +196,17 @@ mod tests {
             Location::parse("sqlite://a.db").unwrap(),
             Location::Sqlite("a.db".into())
         );
-        let postgres = Location::parse("postgres://localhost/evals").unwrap_err();
-        assert!(
-            postgres.to_string().contains("not built into"),
-            "{postgres}"
+        assert_eq!(
+            Location::parse("postgres://u:secret@localhost/evals").unwrap(),
+            Location::Postgres("postgres://u:secret@localhost/evals".into())
         );
+        assert_eq!(
+            Location::parse("postgres://u:secret@localhost:5432/evals")
+                .unwrap()
+                .to_string(),
+            "postgres://u:***@localhost:5432/evals"
+        );
+        assert!(Location::parse("postgresql://").is_err());
         assert!(Location::parse("redis://x").is_err());
         assert!(Location::parse("sqlite://").is_err());
         assert_eq!(
