@@ -248,8 +248,9 @@ pub struct Claim {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claimed {
     Items(Claim),
-    /// Every pending item is held by another worker's live lease: ask again
-    /// later (they finish, or their lease runs out).
+    /// Every pending item is held by another worker's live lease, or waits
+    /// out a stored wait: ask again later (they finish, their lease runs
+    /// out, the wait passes).
     HeldByOthers,
     /// No pending item is left outside this worker's own claims.
     Nothing,
@@ -265,6 +266,11 @@ pub struct Batch {
     /// Calls agents made through the gateway (`kind: exec`), stored with
     /// the attempts that made them and refused with them.
     pub calls: Vec<(ClaimId, AgentCall)>,
+    /// Items to be sent again no sooner than a while from the commit (a
+    /// server's `Retry-After`, a backoff): the wait is stored with the
+    /// item, so that whichever worker takes it next (this one, or another
+    /// after this one died) waits it out.
+    pub waits: Vec<(ClaimId, NotBefore)>,
 }
 
 impl Batch {
@@ -273,7 +279,17 @@ impl Batch {
             && self.results.is_empty()
             && self.cache.is_empty()
             && self.calls.is_empty()
+            && self.waits.is_empty()
     }
+}
+
+/// An item that is not to be sent again before `wait` has passed, counted
+/// from when its commit is stored (on the store's clock: a worker's clock
+/// may be wrong).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NotBefore {
+    pub seq: u64,
+    pub wait: std::time::Duration,
 }
 
 /// What a commit stored.
@@ -484,7 +500,8 @@ pub trait WorkQueue {
     /// Claims up to `limit` pending items that no live lease holds, in `seq`
     /// order from just after `after` (or from the start), for `lease`.
     /// Expired claims of any worker are dropped first, so their items are
-    /// claimed again.
+    /// claimed again. An item whose stored wait ([`NotBefore`]) has not
+    /// passed is not claimed: it counts as held by others until it has.
     fn claim(
         &mut self,
         run_id: &str,

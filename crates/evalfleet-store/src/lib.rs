@@ -4,6 +4,7 @@
 //! workers on many machines share. Nothing outside this crate names a
 //! backend's type, except tests that look inside one.
 
+mod columns;
 mod postgres;
 mod sqlite;
 

@@ -355,8 +355,10 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
             // after a backoff (all calls moved at once would land together).
             item.tries -= 1;
             item.request = Some(request);
-            if shared.send(Outcome::attempt(claim, record)).await && !shared.halt.is_cancelled() {
-                let wait = shared.retry.backoff(item.tries + 1, None);
+            let wait = shared.retry.backoff(item.tries + 1, None);
+            if shared.send(Outcome::retried(claim, record, wait)).await
+                && !shared.halt.is_cancelled()
+            {
                 retry_later(&shared, item, wait);
             }
         }
@@ -425,7 +427,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
                 } else {
                     tracing::debug!(error = %err, "Retrying in {wait:?}.");
                     item.request = Some(request);
-                    let sent = shared.send(Outcome::attempt(claim, record)).await;
+                    let sent = shared.send(Outcome::retried(claim, record, wait)).await;
                     if !sent || shared.halt.is_cancelled() {
                         // Stopping: the item stays pending for a resume.
                         return;
@@ -777,6 +779,7 @@ async fn end(shared: &Shared, item: Item, finish: Finish, carry: Carry) {
         result: Some(result),
         cache: carry.cache,
         calls: carry.calls,
+        wait: None,
     };
     if shared.send(outcome).await {
         ended.count(&shared.progress);

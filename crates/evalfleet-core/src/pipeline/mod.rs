@@ -313,6 +313,7 @@ fn gateway_cache(
                     result: None,
                     cache: Some(entry),
                     calls: Vec::new(),
+                    wait: None,
                 }));
             }
         });

@@ -216,6 +216,7 @@ impl Reader {
                         result: Some(result),
                         cache: None,
                         calls: Vec::new(),
+                        wait: None,
                     });
                     self.ended.push(ended);
                     return Ok(true);

@@ -18,7 +18,7 @@ use tokio::time::{Instant, sleep_until};
 
 use super::Progress;
 use crate::config::WriterSettings;
-use crate::store::{Batch, ClaimId, Store, StoreError};
+use crate::store::{Batch, ClaimId, NotBefore, Store, StoreError};
 use evalfleet_types::{AttemptRecord, CacheEntry, ResultRecord};
 
 /// How many batches' worth may wait while a commit is in flight.
@@ -35,6 +35,8 @@ pub struct Outcome {
     pub cache: Option<CacheEntry>,
     /// Calls an agent made in its attempt (`kind: exec`).
     pub calls: Vec<evalfleet_types::AgentCall>,
+    /// How long its item waits before its next call (a retry's backoff).
+    pub wait: Option<Duration>,
 }
 
 impl Outcome {
@@ -46,6 +48,16 @@ impl Outcome {
             result: None,
             cache: None,
             calls: Vec::new(),
+            wait: None,
+        }
+    }
+
+    /// An attempt that failed, after which its item waits `wait` before
+    /// it is sent again.
+    pub fn retried(claim: ClaimId, attempt: AttemptRecord, wait: Duration) -> Self {
+        Self {
+            wait: Some(wait),
+            ..Self::attempt(claim, attempt)
         }
     }
 
@@ -57,6 +69,7 @@ impl Outcome {
             result: None,
             cache: carry.cache,
             calls: carry.calls,
+            wait: None,
         }
     }
 }
@@ -75,6 +88,10 @@ pub enum Message {
 
 fn add(batch: &mut Batch, outcome: Outcome) {
     let claim = outcome.claim;
+    if let (Some(wait), Some(attempt)) = (outcome.wait, &outcome.attempt) {
+        let seq = attempt.seq;
+        batch.waits.push((claim, NotBefore { seq, wait }));
+    }
     batch.attempts.extend(outcome.attempt.map(|a| (claim, a)));
     batch.results.extend(outcome.result.map(|r| (claim, r)));
     batch.cache.extend(outcome.cache);

@@ -16,8 +16,8 @@ use evalfleet_core::store::{
 use evalfleet_types::{ErrorClass, ItemStatus, now_ms};
 use rusqlite::{Transaction, params};
 
-use super::results::assessment_columns;
-use super::{SqliteStore, db_err, json_err, opt_u64};
+use super::{SqliteStore, db_err, opt_u64};
+use crate::columns::{assessment_columns, images_column};
 
 /// A live claim's range.
 #[derive(Debug, Clone, Copy)]
@@ -48,13 +48,15 @@ struct Scan {
 }
 
 /// Pending items after `after`, in order, up to `limit`, that no live
-/// claim covers and that follow one another without one in between.
+/// claim covers, whose stored wait has passed at `now`, and that follow
+/// one another without another in between.
 fn scan(
     tx: &Transaction<'_>,
     rid: i64,
     ranges: &[Range],
     after: Option<u64>,
     limit: usize,
+    now: i64,
 ) -> Result<Scan, StoreError> {
     let err = db_err("cannot read pending items");
     let mut found = Scan::default();
@@ -78,12 +80,13 @@ fn scan(
                     max((SELECT COALESCE(MAX(a.attempt), 0) FROM attempts a
                          WHERE a.rid = i.rid AND a.seq = i.seq),
                         (SELECT COALESCE(MAX(c.attempt), 0) FROM agent_calls c
-                         WHERE c.rid = i.rid AND c.seq = i.seq))
+                         WHERE c.rid = i.rid AND c.seq = i.seq)),
+                    i.not_before > ?4
              FROM items i
              WHERE i.rid = ?1 AND i.state = 'pending' AND i.seq > ?2
              ORDER BY i.seq LIMIT ?3"
         } else {
-            "SELECT i.item_id, i.seq, i.line, i.offset, 0
+            "SELECT i.item_id, i.seq, i.line, i.offset, 0, i.not_before > ?4
              FROM items i
              WHERE i.rid = ?1 AND i.state = 'pending' AND i.seq > ?2
              ORDER BY i.seq LIMIT ?3"
@@ -91,14 +94,16 @@ fn scan(
         .map_err(&err)?;
     'pages: loop {
         let page = stmt
-            .query_map(params![rid, cursor, limit as i64], |row| {
-                Ok(PendingItem {
+            .query_map(params![rid, cursor, limit as i64, now], |row| {
+                let item = PendingItem {
                     item_id: row.get(0)?,
                     seq: row.get::<_, i64>(1)? as u64,
                     line: row.get::<_, i64>(2)? as u64,
                     offset: row.get::<_, i64>(3)? as u64,
                     prior_attempts: row.get::<_, i64>(4)? as u32,
-                })
+                };
+                // NULL (no wait) compares as NULL: not waiting.
+                Ok((item, row.get::<_, Option<bool>>(5)?.unwrap_or(false)))
             })
             .map_err(&err)?
             .collect::<Result<Vec<_>, _>>()
@@ -106,7 +111,17 @@ fn scan(
         if page.is_empty() {
             return Ok(found);
         }
-        for item in page {
+        for (item, waiting) in page {
+            if waiting {
+                // It waits out a stored wait: a claim's range ends before
+                // it, as before an item another worker holds.
+                if !found.items.is_empty() {
+                    return Ok(found);
+                }
+                found.held_by_others = true;
+                cursor = item.seq as i64;
+                continue 'pages;
+            }
             match covering(ranges, item.seq) {
                 None => {
                     found.items.push(item);
@@ -161,11 +176,11 @@ impl SqliteStore {
             .collect::<Result<Vec<_>, _>>()
             .map_err(&err)?;
         let limit = limit.max(1);
-        let mut found = scan(&tx, rid, &ranges, after, limit)?;
+        let mut found = scan(&tx, rid, &ranges, after, limit, now)?;
         if found.items.is_empty() && after.is_some() {
             // Past the end: items before `after` may be free again (a lease
             // ran out, a worker stopped, failed items were put back).
-            found = scan(&tx, rid, &ranges, None, limit)?;
+            found = scan(&tx, rid, &ranges, None, limit, now)?;
         }
         let (Some(first), Some(last)) = (found.items.first(), found.items.last()) else {
             tx.commit().map_err(&err)?;
@@ -436,14 +451,7 @@ impl WorkQueue for SqliteStore {
                 let (parsed, verdict, check_error, scores, reasks, judge) =
                     assessment_columns(&r.assessment)?;
                 let t = r.telemetry.as_ref();
-                let images = if r.images.is_empty() {
-                    None
-                } else {
-                    Some(
-                        serde_json::to_string(&r.images)
-                            .map_err(json_err("cannot encode a result's images"))?,
-                    )
-                };
+                let images = images_column(&r.images)?;
                 result
                     .execute(params![
                         rid,
@@ -480,6 +488,24 @@ impl WorkQueue for SqliteStore {
                     ItemStatus::Failed => failed += 1,
                 }
                 touched.insert(*claim);
+            }
+            // Waits are stored with their items (an item that ended in the
+            // same batch has no more use for one).
+            let mut wait = tx
+                .prepare_cached(
+                    "UPDATE items SET not_before = ?3 WHERE rid = ?1 AND seq = ?2 AND state = 'pending'",
+                )
+                .map_err(db_err("cannot prepare the wait update"))?;
+            let now = now_ms();
+            for (claim, w) in &batch.waits {
+                if !held(*claim, w.seq) {
+                    refused.insert(w.seq);
+                    continue;
+                }
+                let until =
+                    now.saturating_add(i64::try_from(w.wait.as_millis()).unwrap_or(i64::MAX));
+                wait.execute(params![rid, w.seq as i64, until])
+                    .map_err(db_err("cannot store an item's wait"))?;
             }
             // A claim whose items have all ended is of no more use.
             let mut open = tx

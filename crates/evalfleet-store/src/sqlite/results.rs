@@ -8,33 +8,7 @@ use evalfleet_types::{Assessment, ErrorClass, ItemStatus, Scores, Verdict, now_m
 use rusqlite::params;
 
 use super::{SqliteStore, db_err, json_column, json_err, unknown};
-
-/// An assessment's columns: parsed, verdict, check_error, scores, reasks,
-/// judge (each JSON as text).
-pub(crate) type AssessmentColumns<'a> = (
-    Option<String>,
-    Option<&'static str>,
-    Option<&'a str>,
-    Option<String>,
-    u32,
-    Option<String>,
-);
-
-pub(crate) fn assessment_columns(a: &Assessment) -> Result<AssessmentColumns<'_>, StoreError> {
-    let scores = if a.scores.is_empty() {
-        None
-    } else {
-        Some(serde_json::to_string(&a.scores).map_err(json_err("cannot encode scores"))?)
-    };
-    Ok((
-        a.parsed.as_ref().map(ToString::to_string),
-        a.verdict.map(Verdict::as_str),
-        a.check_error.as_deref(),
-        scores,
-        a.reasks,
-        a.code.as_ref().map(ToString::to_string),
-    ))
-}
+use crate::columns::assessment_columns;
 
 /// The columns of [`stored_result`].
 const RESULT_COLUMNS: &str = "seq, item_id, status, output, endpoint, model, item, parsed, verdict, \

@@ -279,8 +279,14 @@ CREATE TABLE agent_calls (
 );
 ";
 
+/// 13: how long an item waits before it is sent again (a server's
+/// `Retry-After`, a backoff), as the time it may be claimed from (ms since
+/// the epoch; NULL: at once), so that a worker that takes it after
+/// another stopped waits it out too.
+const NOT_BEFORE: &str = "ALTER TABLE items ADD COLUMN not_before INTEGER;";
+
 /// The schema version a store has once every migration ran.
-pub const VERSION: usize = 12;
+pub const VERSION: usize = 13;
 
 pub fn migrations() -> Migrations<'static> {
     Migrations::new(vec![
@@ -296,6 +302,7 @@ pub fn migrations() -> Migrations<'static> {
         M::up(PROMPT_RULES),
         M::up(IMAGES),
         M::up(AGENT_CALLS),
+        M::up(NOT_BEFORE),
     ])
 }
 
