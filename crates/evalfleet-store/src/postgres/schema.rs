@@ -37,13 +37,16 @@ CREATE TABLE runs (
 );
 -- Items done and failed, and commits made, per worker of a run: each commit
 -- adds to its own worker's row, so that workers committing at once do not
--- queue on one row; a run's counts are the sums of its rows.
+-- queue on one row; a run's counts are the sums of its rows, and it was
+-- last updated at the latest of theirs and its own.
 CREATE TABLE tallies (
     rid        bigint NOT NULL REFERENCES runs(rid),
     worker     text NOT NULL,
     done       bigint NOT NULL DEFAULT 0,
     failed     bigint NOT NULL DEFAULT 0,
     generation bigint NOT NULL DEFAULT 0,
+    -- Its last commit (ms since the epoch, the worker's clock).
+    updated_at bigint NOT NULL DEFAULT 0,
     PRIMARY KEY (rid, worker)
 );
 -- What never changes once an item is registered.

@@ -1,0 +1,531 @@
+//! The work queue of many workers: items claimed one row each with
+//! `FOR UPDATE SKIP LOCKED`, leases on the database's clock, and commits
+//! fenced by the claim.
+//!
+//! - A claim takes up to `limit` pending items whose wait has passed, in
+//!   `seq` order, skipping rows another worker's transaction has locked
+//!   (it is claiming or committing them): workers claiming at once never
+//!   wait for each other and never take the same item. The rows are picked
+//!   in a materialized CTE, so the update touches no more rows than the
+//!   limit, whatever plan the planner would make of a join. Each claimed
+//!   item's `attempt` is raised and its `claim_id` set to the claim's,
+//!   from a sequence: the pair is the fencing token of that claim.
+//! - Leases run on `now()` of the database, never a worker's clock. Any
+//!   worker, when it claims, first returns to pending the items whose
+//!   lease has passed (no leader reaps them).
+//! - One statement per heartbeat renews all of a worker's leases.
+//! - A commit locks the rows of its batch's items, keeps only what was
+//!   made under a claim that still holds its item (`state = 'running'`
+//!   and the same `claim_id`), and in the same transaction moves those
+//!   items to done or failed and stores their results: a worker whose
+//!   lease was taken over (it was paused, cut off, or its clock is wrong)
+//!   commits nothing, and `results`' key allows one result per item.
+//!   Running a commit twice (its connection was lost after `COMMIT` was
+//!   sent) stores it once: what the first run ended is recognized by its
+//!   claim and counted as committed, not refused.
+//!
+//! No transaction is held across a model call or a sandbox run: a claim
+//! and a commit are each one short transaction.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
+
+use evalfleet_core::store::{
+    Batch, Claim, ClaimId, Claimed, Committed, PendingItem, StoreError, WorkQueue,
+};
+use evalfleet_types::{ErrorClass, ItemStatus, now_ms};
+use postgres::Transaction;
+
+use super::{Conn, PgStore, Tx, opt_u64};
+use crate::columns::{assessment_columns, images_column};
+
+/// Leases and waits are passed as milliseconds.
+fn millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// Items whose lease passed, returned to pending, at most this many a
+/// claim (the rest at the next).
+const REAP_LIMIT: i64 = 10_000;
+
+/// Returns to pending the run's items whose lease has passed. Rows locked
+/// by another transaction (a commit under way) are left for later.
+fn reap(tx: &mut Transaction<'_>, rid: i64) -> Result<u64, postgres::Error> {
+    tx.execute(
+        "WITH lapsed AS MATERIALIZED (
+             SELECT seq FROM items
+             WHERE rid = $1 AND state = 'running' AND lease_until < now()
+             LIMIT $2 FOR UPDATE SKIP LOCKED)
+         UPDATE items i SET state = 'pending', owner = NULL, lease_until = NULL
+         FROM lapsed WHERE i.rid = $1 AND i.seq = lapsed.seq",
+        &[&rid, &REAP_LIMIT],
+    )
+}
+
+/// Claims up to `limit` items after `after` for `worker` under claim
+/// `claim`, in `seq` order.
+fn take(
+    tx: &mut Transaction<'_>,
+    rid: i64,
+    claim: i64,
+    worker: &str,
+    after: i64,
+    limit: i64,
+    lease_ms: i64,
+) -> Result<Vec<PendingItem>, postgres::Error> {
+    let rows = tx.query(
+        "WITH picked AS MATERIALIZED (
+             SELECT seq FROM items
+             WHERE rid = $1 AND state = 'pending' AND seq > $2
+               AND (not_before IS NULL OR not_before <= now())
+             ORDER BY seq LIMIT $3
+             FOR UPDATE SKIP LOCKED),
+         claimed AS (
+             UPDATE items i SET state = 'running', attempt = i.attempt + 1, claim_id = $4,
+                 owner = $5, lease_until = now() + $6 * interval '1 millisecond',
+                 not_before = NULL
+             FROM picked WHERE i.rid = $1 AND i.seq = picked.seq
+             RETURNING i.seq)
+         SELECT r.item_id, c.seq, r.line, r.\"offset\",
+                GREATEST((SELECT COALESCE(MAX(a.attempt), 0) FROM attempts a
+                          WHERE a.rid = $1 AND a.seq = c.seq),
+                         (SELECT COALESCE(MAX(k.attempt), 0) FROM agent_calls k
+                          WHERE k.rid = $1 AND k.seq = c.seq))
+         FROM claimed c JOIN item_rows r ON r.rid = $1 AND r.seq = c.seq
+         ORDER BY c.seq",
+        &[&rid, &after, &limit, &claim, &worker, &lease_ms],
+    )?;
+    Ok(rows
+        .iter()
+        .map(|row| PendingItem {
+            item_id: row.get(0),
+            seq: row.get::<_, i64>(1) as u64,
+            line: row.get::<_, i64>(2) as u64,
+            offset: row.get::<_, i64>(3) as u64,
+            prior_attempts: row.get::<_, i32>(4).max(0) as u32,
+        })
+        .collect())
+}
+
+fn claim_once(
+    conn: &mut Conn,
+    run_id: &str,
+    worker: &str,
+    after: Option<u64>,
+    limit: usize,
+    lease: Duration,
+) -> Tx<Claimed> {
+    let rid = conn.rid(run_id)?;
+    let mut tx = conn.client.transaction()?;
+    reap(&mut tx, rid)?;
+    let claim: i64 = tx.query_one("SELECT nextval('claim_ids')", &[])?.get(0);
+    let limit = i64::try_from(limit.max(1)).unwrap_or(i64::MAX);
+    let lease_ms = millis(lease);
+    let from = after.map_or(-1, |seq| seq as i64);
+    let mut items = take(&mut tx, rid, claim, worker, from, limit, lease_ms)?;
+    if items.is_empty() && after.is_some() {
+        // Past the end: items before `after` may be free again (a lease
+        // ran out, a worker stopped, failed items were put back).
+        items = take(&mut tx, rid, claim, worker, -1, limit, lease_ms)?;
+    }
+    if !items.is_empty() {
+        tx.commit()?;
+        return Ok(Claimed::Items(Claim { id: claim, items }));
+    }
+    // Nothing to take: others hold what is left (or are claiming it right
+    // now, or it waits out a wait), or nothing is left but this worker's.
+    let others: bool = tx
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM items WHERE rid = $1 AND state = 'pending')
+                 OR EXISTS (SELECT 1 FROM items
+                            WHERE rid = $1 AND state = 'running' AND owner <> $2)",
+            &[&rid, &worker],
+        )?
+        .get(0);
+    tx.commit()?;
+    Ok(if others {
+        Claimed::HeldByOthers
+    } else {
+        Claimed::Nothing
+    })
+}
+
+/// What a commit found of the items of its batch.
+struct Holds {
+    /// Items still held by the claim their entries were made under.
+    held: HashMap<u64, ClaimId>,
+    /// Items that claim already ended: a run of this same commit whose
+    /// `COMMIT` got through before the connection was lost.
+    ended: HashMap<u64, ClaimId>,
+}
+
+impl Holds {
+    fn holds(&self, claim: ClaimId, seq: u64) -> bool {
+        self.held.get(&seq) == Some(&claim)
+    }
+
+    fn ended(&self, claim: ClaimId, seq: u64) -> bool {
+        self.ended.get(&seq) == Some(&claim)
+    }
+}
+
+/// Locks the rows of the batch's items (in `seq` order, as every commit
+/// does) and reads who holds them.
+fn lock(tx: &mut Transaction<'_>, rid: i64, batch: &Batch) -> Result<Holds, postgres::Error> {
+    let seqs: BTreeSet<i64> = batch
+        .attempts
+        .iter()
+        .map(|(_, a)| a.seq)
+        .chain(batch.results.iter().map(|(_, r)| r.seq))
+        .chain(batch.calls.iter().map(|(_, c)| c.seq))
+        .chain(batch.waits.iter().map(|(_, w)| w.seq))
+        .map(|seq| seq as i64)
+        .collect();
+    let seqs: Vec<i64> = seqs.into_iter().collect();
+    let mut holds = Holds {
+        held: HashMap::new(),
+        ended: HashMap::new(),
+    };
+    if seqs.is_empty() {
+        return Ok(holds);
+    }
+    let rows = tx.query(
+        "SELECT seq, state, claim_id FROM items
+         WHERE rid = $1 AND seq = ANY($2) AND claim_id IS NOT NULL
+         ORDER BY seq FOR UPDATE",
+        &[&rid, &seqs],
+    )?;
+    for row in rows {
+        let seq = row.get::<_, i64>(0) as u64;
+        let state: &str = row.get(1);
+        let claim: i64 = row.get(2);
+        match state {
+            "running" => holds.held.insert(seq, claim),
+            "done" | "failed" => holds.ended.insert(seq, claim),
+            _ => None,
+        };
+    }
+    Ok(holds)
+}
+
+fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx<Committed> {
+    let rid = conn.rid(run_id)?;
+    let mut tx = conn.client.transaction()?;
+    let holds = lock(&mut tx, rid, batch)?;
+    let mut refused = BTreeSet::new();
+    let mut refuse = |claim: ClaimId, seq: u64| {
+        if !holds.ended(claim, seq) {
+            refused.insert(seq);
+        }
+    };
+    let attempt = tx.prepare(
+        "INSERT INTO attempts (rid, seq, attempt, session, endpoint, model, sent_at, latency_ms,
+             ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, http_status,
+             error_class, error, tokens_estimated, worker)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)
+         ON CONFLICT (rid, seq, attempt) DO NOTHING",
+    )?;
+    for (claim, a) in &batch.attempts {
+        if !holds.holds(*claim, a.seq) {
+            refuse(*claim, a.seq);
+            continue;
+        }
+        let t = &a.telemetry;
+        tx.execute(
+            &attempt,
+            &[
+                &rid,
+                &(a.seq as i64),
+                &(a.attempt as i32),
+                &(a.session as i32),
+                &t.endpoint,
+                &t.model,
+                &a.sent_at_ms,
+                &t.latency_ms,
+                &t.ttft_ms,
+                &t.tpot_ms,
+                &opt_u64(t.prompt_tokens),
+                &opt_u64(t.completion_tokens),
+                &t.finish_reason,
+                &a.http_status.map(i32::from),
+                &a.error_class.map(ErrorClass::as_str),
+                &a.error,
+                &t.tokens_estimated,
+                &worker,
+            ],
+        )?;
+    }
+    // A call is keyed by its item, attempt and place: sent again, it
+    // replaces itself (see the SQLite store).
+    let call = tx.prepare(
+        "INSERT INTO agent_calls (rid, seq, attempt, idx, call_id, api, asked_model, sent_at,
+             endpoint, model, latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens,
+             tokens_estimated, finish_reason, stream, cached, http_status, error_class, error,
+             request, request_cut, response, tags)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17,
+                 $18, $19, $20, $21, $22, $23, $24, $25, $26)
+         ON CONFLICT (rid, seq, attempt, idx) DO UPDATE SET
+             call_id = EXCLUDED.call_id, api = EXCLUDED.api, asked_model = EXCLUDED.asked_model,
+             sent_at = EXCLUDED.sent_at, endpoint = EXCLUDED.endpoint, model = EXCLUDED.model,
+             latency_ms = EXCLUDED.latency_ms, ttft_ms = EXCLUDED.ttft_ms,
+             tpot_ms = EXCLUDED.tpot_ms, prompt_tokens = EXCLUDED.prompt_tokens,
+             completion_tokens = EXCLUDED.completion_tokens,
+             tokens_estimated = EXCLUDED.tokens_estimated,
+             finish_reason = EXCLUDED.finish_reason, stream = EXCLUDED.stream,
+             cached = EXCLUDED.cached, http_status = EXCLUDED.http_status,
+             error_class = EXCLUDED.error_class, error = EXCLUDED.error,
+             request = EXCLUDED.request, request_cut = EXCLUDED.request_cut,
+             response = EXCLUDED.response, tags = EXCLUDED.tags",
+    )?;
+    let mut calls_stored = false;
+    for (claim, c) in &batch.calls {
+        if !holds.holds(*claim, c.seq) {
+            refuse(*claim, c.seq);
+            continue;
+        }
+        let t = &c.telemetry;
+        tx.execute(
+            &call,
+            &[
+                &rid,
+                &(c.seq as i64),
+                &(c.attempt as i32),
+                &(c.index as i32),
+                &c.call_id,
+                &c.api,
+                &c.asked_model,
+                &c.sent_at_ms,
+                &t.endpoint,
+                &t.model,
+                &t.latency_ms,
+                &t.ttft_ms,
+                &t.tpot_ms,
+                &opt_u64(t.prompt_tokens),
+                &opt_u64(t.completion_tokens),
+                &t.tokens_estimated,
+                &t.finish_reason,
+                &c.stream,
+                &c.cached,
+                &i32::from(c.http_status),
+                &c.error_class.map(ErrorClass::as_str),
+                &c.error,
+                &c.request,
+                &c.request_cut,
+                &c.response,
+                &c.tags,
+            ],
+        )?;
+        calls_stored = true;
+    }
+    if !batch.cache.is_empty() {
+        let put = tx.prepare(
+            "INSERT INTO cache (key, content, endpoint, model, prompt_tokens, completion_tokens,
+                 finish_reason, latency_ms, created_at)
+             VALUES (decode($1, 'hex'), $2, $3, $4, $5, $6, $7, $8, $9)
+             ON CONFLICT (key) DO UPDATE SET content = EXCLUDED.content,
+                 endpoint = EXCLUDED.endpoint, model = EXCLUDED.model,
+                 prompt_tokens = EXCLUDED.prompt_tokens,
+                 completion_tokens = EXCLUDED.completion_tokens,
+                 finish_reason = EXCLUDED.finish_reason, latency_ms = EXCLUDED.latency_ms,
+                 created_at = EXCLUDED.created_at",
+        )?;
+        for c in &batch.cache {
+            if c.key.len() != 64 || !c.key.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(StoreError::Invariant(format!(
+                    "a cache key is not a hex SHA-256: '{}'",
+                    c.key
+                ))
+                .into());
+            }
+            tx.execute(
+                &put,
+                &[
+                    &c.key,
+                    &c.content,
+                    &c.endpoint,
+                    &c.model,
+                    &opt_u64(c.prompt_tokens),
+                    &opt_u64(c.completion_tokens),
+                    &c.finish_reason,
+                    &c.latency_ms,
+                    &c.created_at_ms,
+                ],
+            )?;
+        }
+    }
+    // Results: the item ends under its claim, and its result is stored
+    // with the claim's attempt number, in the same transaction.
+    let end = tx.prepare(
+        "UPDATE items SET state = $4, owner = NULL, lease_until = NULL, not_before = NULL
+         WHERE rid = $1 AND seq = $2 AND claim_id = $3 AND state = 'running'
+         RETURNING attempt",
+    )?;
+    let result = tx.prepare(
+        "INSERT INTO results (rid, seq, item_id, status, output, error, endpoint, model, attempts,
+             latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, item,
+             finished_at, parsed, verdict, check_error, scores, reasks, judge, cached,
+             tokens_estimated, prompt, images, claim_attempt, worker)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17,
+                 $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29)",
+    )?;
+    let (mut done, mut failed, mut already) = (0i64, 0i64, 0u64);
+    for (claim, r) in &batch.results {
+        if holds.ended(*claim, r.seq) {
+            already += 1;
+            continue;
+        }
+        if !holds.holds(*claim, r.seq) {
+            refuse(*claim, r.seq);
+            continue;
+        }
+        let Some(ended) = tx
+            .query_opt(
+                &end,
+                &[&rid, &(r.seq as i64), claim, &r.status.as_str()],
+            )?
+        else {
+            return Err(StoreError::Invariant(format!(
+                "item '{}' of run '{run_id}' got a second result",
+                r.item_id
+            ))
+            .into());
+        };
+        let claim_attempt: i32 = ended.get(0);
+        let (parsed, verdict, check_error, scores, reasks, judge) =
+            assessment_columns(&r.assessment)?;
+        let images = images_column(&r.images)?;
+        let t = r.telemetry.as_ref();
+        tx.execute(
+            &result,
+            &[
+                &rid,
+                &(r.seq as i64),
+                &r.item_id,
+                &r.status.as_str(),
+                &r.output,
+                &r.error,
+                &t.map(|t| &t.endpoint),
+                &t.map(|t| &t.model),
+                &(r.attempts as i32),
+                &t.map(|t| t.latency_ms),
+                &t.and_then(|t| t.ttft_ms),
+                &t.and_then(|t| t.tpot_ms),
+                &opt_u64(t.and_then(|t| t.prompt_tokens)),
+                &opt_u64(t.and_then(|t| t.completion_tokens)),
+                &t.and_then(|t| t.finish_reason.as_ref()),
+                &r.item,
+                &r.finished_at_ms,
+                &parsed,
+                &verdict,
+                &check_error,
+                &scores,
+                &(reasks as i32),
+                &judge,
+                &(r.cached as i32),
+                &t.is_some_and(|t| t.tokens_estimated),
+                &r.prompt,
+                &images,
+                &claim_attempt,
+                &worker,
+            ],
+        )?;
+        match r.status {
+            ItemStatus::Done => done += 1,
+            ItemStatus::Failed => failed += 1,
+        }
+    }
+    // Waits, for the items that go on under this claim.
+    let wait = tx.prepare(
+        "UPDATE items SET not_before = now() + $4 * interval '1 millisecond'
+         WHERE rid = $1 AND seq = $2 AND claim_id = $3 AND state = 'running'",
+    )?;
+    for (claim, w) in &batch.waits {
+        if !holds.holds(*claim, w.seq) {
+            refuse(*claim, w.seq);
+            continue;
+        }
+        tx.execute(&wait, &[&rid, &(w.seq as i64), claim, &millis(w.wait)])?;
+    }
+    if done + failed > 0 || calls_stored {
+        // The worker's own row: workers committing at once do not wait
+        // for each other here.
+        tx.execute(
+            "INSERT INTO tallies (rid, worker, done, failed, generation, updated_at)
+             VALUES ($1, $2, $3, $4, 1, $5)
+             ON CONFLICT (rid, worker) DO UPDATE SET done = tallies.done + EXCLUDED.done,
+                 failed = tallies.failed + EXCLUDED.failed, generation = tallies.generation + 1,
+                 updated_at = GREATEST(tallies.updated_at, EXCLUDED.updated_at)",
+            &[&rid, &worker, &done, &failed, &now_ms()],
+        )?;
+    }
+    tx.commit()?;
+    Ok(Committed {
+        results: (done + failed) as u64 + already,
+        refused: refused.into_iter().collect(),
+    })
+}
+
+impl WorkQueue for PgStore {
+    fn claim(
+        &mut self,
+        run_id: &str,
+        worker: &str,
+        after: Option<u64>,
+        limit: usize,
+        lease: Duration,
+    ) -> Result<Claimed, StoreError> {
+        self.with("cannot claim items", |conn| {
+            claim_once(conn, run_id, worker, after, limit, lease)
+        })
+    }
+
+    fn renew(&mut self, run_id: &str, worker: &str, lease: Duration) -> Result<u64, StoreError> {
+        let lease_ms = millis(lease);
+        self.with("cannot renew the lease", |conn| {
+            let rid = conn.rid(run_id)?;
+            // One statement: every lease of the worker, and its heartbeat.
+            let row = conn.client.query_one(
+                "WITH renewed AS (
+                     UPDATE items SET lease_until = now() + $3 * interval '1 millisecond'
+                     WHERE rid = $1 AND owner = $2 AND state = 'running'
+                     RETURNING 1),
+                 beat AS (
+                     UPDATE workers SET heartbeat_at = now(), lease_ms = $3
+                     WHERE rid = $1 AND worker = $2
+                     RETURNING 1)
+                 SELECT (SELECT count(*) FROM renewed), (SELECT count(*) FROM beat)",
+                &[&rid, &worker, &lease_ms],
+            )?;
+            Ok(row.get::<_, i64>(0).max(0) as u64)
+        })
+    }
+
+    fn commit(
+        &mut self,
+        run_id: &str,
+        worker: &str,
+        batch: &Batch,
+    ) -> Result<Committed, StoreError> {
+        self.with("cannot commit a batch", |conn| {
+            commit_once(conn, run_id, worker, batch)
+        })
+    }
+
+    fn release(&mut self, run_id: &str, worker: &str) -> Result<(), StoreError> {
+        self.with("cannot release the worker's claims", |conn| {
+            let rid = conn.rid(run_id)?;
+            let mut tx = conn.client.transaction()?;
+            tx.execute(
+                "UPDATE items SET state = 'pending', owner = NULL, lease_until = NULL
+                 WHERE rid = $1 AND owner = $2 AND state = 'running'",
+                &[&rid, &worker],
+            )?;
+            tx.execute(
+                "DELETE FROM workers WHERE rid = $1 AND worker = $2",
+                &[&rid, &worker],
+            )?;
+            tx.commit()?;
+            Ok(())
+        })
+    }
+}
