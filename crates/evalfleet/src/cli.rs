@@ -48,6 +48,20 @@ pub enum Command {
     )]
     Resume(ResumeArgs),
 
+    /// Work on runs of a shared store (PostgreSQL) from this machine: join a run, or wait for runs and join each.
+    ///
+    /// Each worker claims items for a lease, renews it while it works and
+    /// commits their results under it; a worker that dies loses only its
+    /// leases, which others take over once they run out. Every item gets
+    /// exactly one result, whichever workers answer it. The run's dataset
+    /// must be readable here at the path it was registered with. Without
+    /// --run, the worker joins each running run with items left, newest
+    /// first, and waits for the next until stopped (Ctrl-C or SIGTERM).
+    #[command(
+        after_help = "Example:\n  evalfleet worker --store postgres://evals@db.internal/evals\n  evalfleet worker --store postgres://evals@db.internal/evals --run gsm8k-20261126-101500-3fa2 --endpoints local-engines.yaml"
+    )]
+    Worker(WorkerArgs),
+
     /// Simulate conversation episodes (a config with task.kind: conversation): a run like any other, then rewards, strategies and logs.
     ///
     /// Each episode is an item: personas, relation scorer, policy and robot
@@ -194,7 +208,7 @@ impl Command {
 
 #[derive(Debug, Args)]
 pub struct StoreArgs {
-    /// The SQLite store [default: runs/evalfleet.db, or $EVALFLEET_STORE]
+    /// The store: a SQLite file, or a postgres:// URL [default: runs/evalfleet.db, or $EVALFLEET_STORE]
     #[arg(long)]
     pub store: Option<PathBuf>,
 }
@@ -204,7 +218,7 @@ pub struct RunArgs {
     /// The run's YAML config.
     pub config: PathBuf,
 
-    /// The SQLite store [default: the config's `store`, $EVALFLEET_STORE, or runs/evalfleet.db]
+    /// The store: a SQLite file, or a postgres:// URL [default: the config's `store`, $EVALFLEET_STORE, or runs/evalfleet.db]
     #[arg(long)]
     pub store: Option<PathBuf>,
 
@@ -287,7 +301,7 @@ pub struct EnvArgs {
     #[arg(long)]
     pub stay: bool,
 
-    /// The SQLite store [default: the config's `store`, $EVALFLEET_STORE, or runs/evalfleet.db]
+    /// The store: a SQLite file, or a postgres:// URL [default: the config's `store`, $EVALFLEET_STORE, or runs/evalfleet.db]
     #[arg(long)]
     pub store: Option<PathBuf>,
 
@@ -316,7 +330,7 @@ pub struct ResumeArgs {
     /// The run to finish.
     pub run_id: String,
 
-    /// The SQLite store [default: runs/evalfleet.db, or $EVALFLEET_STORE]
+    /// The store: a SQLite file, or a postgres:// URL [default: runs/evalfleet.db, or $EVALFLEET_STORE]
     #[arg(long)]
     pub store: Option<PathBuf>,
 
@@ -331,6 +345,32 @@ pub struct ResumeArgs {
     /// Only these configured endpoints take part.
     #[arg(long, value_delimiter = ',', value_name = "NAME,...")]
     pub endpoints: Vec<String>,
+
+    /// Answer yes to every question.
+    #[arg(short = 'y', long = "yes")]
+    pub yes: bool,
+
+    #[command(flatten)]
+    pub output: OutputArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct WorkerArgs {
+    /// The shared store [default: $EVALFLEET_STORE]
+    #[arg(long)]
+    pub store: Option<PathBuf>,
+
+    /// Join this run only (and exit when it ends); without it, join each running run in turn.
+    #[arg(long, value_name = "RUN_ID")]
+    pub run: Option<String>,
+
+    /// This worker's endpoints (say, the engines of its own host), in place of the run's: a YAML file whose one key is `endpoints:`, written as in a config.
+    #[arg(long, value_name = "FILE")]
+    pub endpoints: Option<PathBuf>,
+
+    /// How often a worker without a run looks for one.
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration, value_name = "DURATION")]
+    pub poll: std::time::Duration,
 
     /// Answer yes to every question.
     #[arg(short = 'y', long = "yes")]
@@ -470,7 +510,7 @@ pub struct BenchArgs {
     #[arg(required = true)]
     pub config: Option<PathBuf>,
 
-    /// The SQLite store [default: the bench file's `store`, runs/evalfleet.db, or $EVALFLEET_STORE]
+    /// The store: a SQLite file, or a postgres:// URL [default: the bench file's `store`, runs/evalfleet.db, or $EVALFLEET_STORE]
     #[arg(long)]
     pub store: Option<PathBuf>,
 
@@ -624,7 +664,7 @@ pub struct CacheArgs {
     #[command(subcommand)]
     pub action: CacheAction,
 
-    /// The SQLite store [default: runs/evalfleet.db, or $EVALFLEET_STORE]
+    /// The store: a SQLite file, or a postgres:// URL [default: runs/evalfleet.db, or $EVALFLEET_STORE]
     #[arg(long, global = true)]
     pub store: Option<PathBuf>,
 }

@@ -111,6 +111,7 @@ fn main() -> ExitCode {
             Command::Simulate(args) => commands::simulate::simulate(args).await,
             Command::Env(args) => commands::env::env(args).await,
             Command::Resume(args) => commands::run::resume(args).await,
+            Command::Worker(args) => commands::worker::worker(args).await,
             Command::Runs(args) => commands::inspect::runs(args),
             Command::Status(args) => commands::inspect::status(args),
             Command::Export(args) => commands::inspect::export(args),

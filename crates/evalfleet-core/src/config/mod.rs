@@ -542,6 +542,56 @@ pub fn load_snapshot(snapshot: &Value, dir: &Path) -> Result<LoadedConfig, Confi
     )
 }
 
+/// Rebuilds a stored config as [`load_snapshot`] does, with the endpoints
+/// of `file` in place of its own: a file whose only key is `endpoints:`,
+/// written as in a config (`evalfleet worker --endpoints FILE`, the
+/// engines of the worker's own host). Its problems are named with its
+/// lines.
+pub fn load_snapshot_with_endpoints(
+    snapshot: &Value,
+    dir: &Path,
+    file: &Path,
+) -> Result<LoadedConfig, ConfigError> {
+    let (document, _) = read_document(file)?;
+    let origin = file.display().to_string();
+    let problem = |line: Option<usize>, message: String| ConfigError::Invalid {
+        origin: origin.clone(),
+        problems: vec![Problem { line, message }],
+    };
+    let Some(map) = document.value.as_object() else {
+        return Err(problem(
+            None,
+            "expected a mapping with one key, `endpoints:` (a list of endpoints, as in a config)"
+                .to_owned(),
+        ));
+    };
+    if let Some(other) = map.keys().find(|key| *key != "endpoints") {
+        return Err(problem(
+            document.lines.get(other.as_str()).copied(),
+            format!("unknown key `{other}`: an endpoints file holds only `endpoints:`"),
+        ));
+    }
+    let Some(endpoints) = map.get("endpoints") else {
+        return Err(problem(None, "no `endpoints:` in the file".to_owned()));
+    };
+    let mut value = snapshot.clone();
+    if let Some(config) = value.as_object_mut() {
+        config.insert("endpoints".to_owned(), endpoints.clone());
+    }
+    let lines = document
+        .lines
+        .into_iter()
+        .filter(|(path, _)| path.starts_with("endpoints"))
+        .collect();
+    validate::load(
+        Document { value, lines },
+        dir,
+        Overrides::default(),
+        origin.clone(),
+        None,
+    )
+}
+
 /// Rebuilds a stored config to read a run's results by (its task, its
 /// metrics, its templates), not to call its endpoints: their secrets
 /// (`api_key`, `headers`, an engine's `env`) are left out, so that a key

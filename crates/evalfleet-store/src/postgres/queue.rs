@@ -378,11 +378,8 @@ fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx
             refuse(*claim, r.seq);
             continue;
         }
-        let Some(ended) = tx
-            .query_opt(
-                &end,
-                &[&rid, &(r.seq as i64), claim, &r.status.as_str()],
-            )?
+        let Some(ended) =
+            tx.query_opt(&end, &[&rid, &(r.seq as i64), claim, &r.status.as_str()])?
         else {
             return Err(StoreError::Invariant(format!(
                 "item '{}' of run '{run_id}' got a second result",

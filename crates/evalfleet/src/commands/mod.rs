@@ -12,6 +12,7 @@ pub mod run;
 pub mod serve;
 pub mod simulate;
 pub mod supervise;
+pub mod worker;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};

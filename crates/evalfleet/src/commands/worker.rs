@@ -1,0 +1,139 @@
+//! `evalfleet worker`: this machine works on runs of a shared store. A
+//! worker joins a run as `resume` does (a session of its own, claiming
+//! items under leases), with the run's stored config or with endpoints of
+//! its own; without `--run` it joins each running run in turn and waits
+//! for the next.
+
+use std::collections::HashSet;
+use std::path::Path;
+
+use evalfleet_core::config;
+use evalfleet_core::store::{RunRecord, StoreError};
+use evalfleet_core::types::RunStatus;
+use evalfleet_store::{Location, OpenOptions};
+
+use super::run::{Attendance, Resumable, execute, resumable_with};
+use super::{stopped_by_signals, store_location};
+use crate::cli::WorkerArgs;
+use crate::{EXIT_FAILED, EXIT_OK, ui};
+
+pub async fn worker(args: WorkerArgs) -> anyhow::Result<u8> {
+    let location = store_location(args.store.clone(), None)?;
+    if let Location::Sqlite(path) = &location {
+        // Allowed (processes of one machine share a SQLite store), but a
+        // worker on another machine needs a database server.
+        tracing::info!(
+            "Working on runs of the SQLite store {}: workers of this machine only; workers on other machines need a shared store (--store postgres://...).",
+            path.display()
+        );
+    }
+    match &args.run {
+        Some(run_id) => join(&location, run_id, &args).await,
+        None => wait_for_runs(&location, &args).await,
+    }
+}
+
+/// Joins the run `run_id` until it ends or this worker is stopped; its exit
+/// code is the session's.
+async fn join(location: &Location, run_id: &str, args: &WorkerArgs) -> anyhow::Result<u8> {
+    let mut store = evalfleet_store::open(location, &OpenOptions::default())?;
+    let record = store.run(run_id)?;
+    let dir = Path::new(&record.config_dir);
+    let loaded = match &args.endpoints {
+        Some(file) => config::load_snapshot_with_endpoints(&record.config, dir, file)?,
+        None => config::load_snapshot(&record.config, dir)?,
+    };
+    match resumable_with(
+        location.clone(),
+        store,
+        &record,
+        loaded,
+        false,
+        &[],
+        args.yes,
+    )
+    .await?
+    {
+        Resumable::Nothing { counts } => {
+            ui::note(&format!(
+                "Run {run_id} has no pending items ({} done, {} failed).",
+                counts.done, counts.failed
+            ));
+            Ok(if counts.failed > 0 {
+                EXIT_FAILED
+            } else {
+                EXIT_OK
+            })
+        }
+        Resumable::Session(session) => {
+            execute(
+                *session,
+                Attendance::Terminal {
+                    quiet: args.output.quiet,
+                },
+            )
+            .await
+        }
+    }
+}
+
+/// The newest running run of the store with items left to claim, of
+/// those not in `skip`.
+fn next_run(location: &Location, skip: &HashSet<String>) -> Result<Option<RunRecord>, StoreError> {
+    let mut store = evalfleet_store::open(location, &OpenOptions::default())?;
+    for run in store.runs()? {
+        if run.status != RunStatus::Running || skip.contains(&run.run_id) {
+            continue;
+        }
+        if store.counts(&run.run_id)?.pending > 0 {
+            return Ok(Some(run));
+        }
+    }
+    Ok(None)
+}
+
+/// Joins each running run with items left, newest first, one at a time,
+/// and waits for the next, until stopped (then exits 0: a worker stopped
+/// by its service manager did nothing wrong).
+async fn wait_for_runs(location: &Location, args: &WorkerArgs) -> anyhow::Result<u8> {
+    let stop = stopped_by_signals()?;
+    let mut waiting = false;
+    // Runs this worker could not work on: not tried again.
+    let mut skip = HashSet::new();
+    while !stop.is_cancelled() {
+        let found = {
+            let (location, skipped) = (location.clone(), skip.clone());
+            tokio::task::spawn_blocking(move || next_run(&location, &skipped)).await??
+        };
+        let Some(run) = found else {
+            if !waiting {
+                ui::note(&format!("Waiting for runs in {location} (Ctrl-C to stop)."));
+                waiting = true;
+            }
+            tokio::select! {
+                () = tokio::time::sleep(args.poll) => {}
+                () = stop.cancelled() => {}
+            }
+            continue;
+        };
+        waiting = false;
+        ui::note(&format!("Joining run {} ({}).", run.run_id, run.name));
+        let code = join(location, &run.run_id, args).await;
+        match code {
+            Ok(code) => tracing::info!("Left run {} (exit code {code}).", run.run_id),
+            // One run's problem (its dataset is not here, its config needs
+            // a variable this host lacks) is not the next one's.
+            Err(err) => {
+                tracing::warn!(
+                    "{}",
+                    format!(
+                        "Could not work on run {} (not tried again): {err:#}",
+                        run.run_id
+                    )
+                );
+                skip.insert(run.run_id);
+            }
+        }
+    }
+    Ok(EXIT_OK)
+}
