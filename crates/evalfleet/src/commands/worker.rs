@@ -125,11 +125,8 @@ async fn wait_for_runs(location: &Location, args: &WorkerArgs) -> anyhow::Result
             // a variable this host lacks) is not the next one's.
             Err(err) => {
                 tracing::warn!(
-                    "{}",
-                    format!(
-                        "Could not work on run {} (not tried again): {err:#}",
-                        run.run_id
-                    )
+                    "Could not work on run {} (not tried again): {err:#}",
+                    run.run_id
                 );
                 skip.insert(run.run_id);
             }
