@@ -449,6 +449,7 @@ pub async fn execute(
             run_id.clone(),
             session.worker.clone(),
             config.timeouts.lease,
+            reader::claim_size(total_slots.max(session.task.work_limit())),
             config.task.samples,
             shared.clone(),
             fresh_tx,

@@ -19,7 +19,19 @@ use crate::dataset::RowReader;
 use crate::store::{Claimed, PendingItem, Store};
 use crate::task::{ItemContext, Step, Target};
 
+/// The most items a claim takes.
 const PAGE: usize = 512;
+/// The fewest (a claim is a transaction: one per item would be slow).
+const PAGE_MIN: usize = 16;
+
+/// How many items a claim takes for a worker that can have `capacity`
+/// items under way: enough to keep it busy until it claims again, and no
+/// more, so that workers sharing a run each take what they can answer
+/// (a fast one comes back sooner and takes more) instead of the first
+/// taking a page that others then wait on.
+pub fn claim_size(capacity: usize) -> usize {
+    capacity.saturating_mul(2).clamp(PAGE_MIN, PAGE)
+}
 
 /// How often a worker with nothing to claim looks again while others hold
 /// the run's last items.
@@ -32,6 +44,8 @@ pub struct Reader {
     /// The worker it claims items for, and for how long.
     worker: Arc<str>,
     lease: Duration,
+    /// Items a claim takes (see [`claim_size`]).
+    page: usize,
     /// `task.n`: with more than 1, item ids carry their sample index.
     samples: u32,
     shared: Arc<Shared>,
@@ -51,6 +65,7 @@ impl Reader {
         run_id: Arc<str>,
         worker: Arc<str>,
         lease: Duration,
+        page: usize,
         samples: u32,
         shared: Arc<Shared>,
         fresh: mpsc::Sender<Item>,
@@ -61,6 +76,7 @@ impl Reader {
             run_id,
             worker,
             lease,
+            page,
             samples,
             shared,
             fresh,
@@ -81,7 +97,7 @@ impl Reader {
             let claim =
                 match self
                     .store
-                    .claim(&self.run_id, &self.worker, after, PAGE, self.lease)?
+                    .claim(&self.run_id, &self.worker, after, self.page, self.lease)?
                 {
                     Claimed::Items(claim) => claim,
                     Claimed::Nothing => return Ok(()),
