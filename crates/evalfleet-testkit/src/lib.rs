@@ -1,5 +1,7 @@
 //! What evalfleet's tests share across crates: skipping a test whose
-//! prerequisite (a dataset, a browser, a compiler, root) is absent.
+//! prerequisite (a dataset, a browser, a compiler, root, a PostgreSQL
+//! server) is absent, and PostgreSQL databases and servers of a test's own
+//! ([`postgres`]).
 //!
 //! `cargo test` shows such a test as passed and hides what it printed, so a
 //! skip here is also written down, one file per skipped test in
@@ -9,6 +11,8 @@
 //! a broken CI, not a reason to pass.
 
 use std::path::PathBuf;
+
+pub mod postgres;
 
 /// Skips the running test: `skip!("g++ is absent"); return;`. Takes
 /// `format!`'s arguments. Prints `skipped: REASON` and records it for
