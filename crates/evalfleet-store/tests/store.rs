@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use evalfleet_core::store::{
     Batch, ClaimId, Claimed, CreateRunError, Explore, ItemPage, ItemQuery, ItemSource, ItemState,
-    KEPT_PER_RUN, NewItem, NewRun, ResponseCache, Results, RunIdentity, Runs, ScoreRange, SortKey,
-    StoreError, WorkQueue, WorkerInfo,
+    KEPT_PER_RUN, NewItem, NewRun, NotBefore, ResponseCache, Results, RunIdentity, Runs,
+    ScoreRange, SortKey, StoreError, WorkQueue, WorkerInfo,
 };
 use evalfleet_store::SqliteStore;
 use evalfleet_types::{
@@ -195,6 +195,7 @@ fn the_cache_answers_by_key_honours_age_and_evicts_the_oldest() {
                 results: vec![],
                 cache: entries.clone(),
                 calls: vec![],
+                waits: vec![],
             },
         )
         .unwrap();
@@ -311,6 +312,7 @@ fn commits_are_exactly_once_and_counters_match_a_recount() {
         ],
         cache: vec![],
         calls: vec![],
+        waits: vec![],
     };
     store.commit("r", "w", &batch).unwrap();
     assert_eq!(
@@ -332,6 +334,7 @@ fn commits_are_exactly_once_and_counters_match_a_recount() {
         ],
         cache: vec![cache_entry("k-again", 1)],
         calls: vec![],
+        waits: vec![],
     };
     assert!(matches!(
         store.commit("r", "w", &again),
@@ -451,6 +454,7 @@ fn a_claim_is_exclusive_while_its_lease_lasts_and_a_commit_under_a_lost_lease_is
         results: vec![(b.id, result(3, "c", ItemStatus::Done))],
         cache: vec![],
         calls: vec![],
+        waits: vec![],
     };
     let refused = second.commit("r", "two", &late).unwrap();
     assert_eq!((refused.results, refused.refused), (0, vec![3]));
@@ -462,6 +466,7 @@ fn a_claim_is_exclusive_while_its_lease_lasts_and_a_commit_under_a_lost_lease_is
         ],
         cache: vec![],
         calls: vec![],
+        waits: vec![],
     };
     assert_eq!(first.commit("r", "one", &on_time).unwrap().results, 2);
     assert_eq!(first.counts("r").unwrap(), recount(&path, "r"));
@@ -495,6 +500,7 @@ fn a_claim_is_exclusive_while_its_lease_lasts_and_a_commit_under_a_lost_lease_is
         ],
         cache: vec![],
         calls: vec![],
+        waits: vec![],
     };
     assert_eq!(second.commit("r", "two", &last).unwrap().results, 2);
     assert_eq!(
@@ -521,6 +527,7 @@ fn an_item_claimed_again_numbers_its_next_attempt_above_every_stored_one() {
         results: vec![],
         cache: vec![],
         calls: vec![],
+        waits: vec![],
     };
     store.commit("r", "one", &batch).unwrap();
     store.release("r", "one").unwrap();
@@ -554,6 +561,7 @@ fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
                 results: vec![(claim, result(1, "a", ItemStatus::Done))],
                 cache: vec![],
                 calls: vec![],
+                waits: vec![],
             },
         )
         .unwrap();
@@ -581,6 +589,7 @@ fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
          ALTER TABLE results DROP COLUMN prompt;
          ALTER TABLE results DROP COLUMN images;
          DROP TABLE agent_calls;
+         ALTER TABLE items DROP COLUMN not_before;
          PRAGMA user_version = 1;",
     )
     .unwrap();
@@ -619,6 +628,7 @@ fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
                 results: vec![(claim, result(2, "b", ItemStatus::Done))],
                 cache: vec![cache_entry("k", 1)],
                 calls: vec![],
+                waits: vec![],
             },
         )
         .unwrap();
@@ -869,6 +879,7 @@ fn a_runs_generation_changes_with_its_results_and_kept_reports_are_replaced() {
         ],
         cache: vec![],
         calls: vec![],
+        waits: vec![],
     };
     store.commit("r", "w", &batch).unwrap();
     let g2 = generation(&mut store);
@@ -1320,4 +1331,81 @@ fn the_agents_figures_are_per_item_means_of_the_stored_calls() {
     assert_eq!(figures.call_ms_per_item.mean, 25.0);
     assert_eq!(figures.attempts_per_item.mean, 1.5);
     assert!(figures.calls_per_item.ci_low < 2.0 && figures.calls_per_item.ci_high > 2.0);
+}
+
+#[test]
+fn an_items_wait_is_stored_with_it_and_whoever_claims_it_next_waits_it_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.db");
+    let mut first = SqliteStore::open(&path).unwrap();
+    let mut second = SqliteStore::open(&path).unwrap();
+    first
+        .create_run(&new_run("r"), &mut items(&["a", "b", "c"], None))
+        .unwrap();
+    first.begin_session("r", &mut worker("one"), false).unwrap();
+    second
+        .begin_session("r", &mut worker("two"), false)
+        .unwrap();
+    let claim = claim_all(&mut first, "r", "one");
+    // Item 2 failed and must wait a long while (a Retry-After), item 3 a
+    // moment; then the worker dies (its claims are released).
+    let waits = Batch {
+        attempts: vec![(claim, attempt(2, 1)), (claim, attempt(3, 1))],
+        waits: vec![
+            (
+                claim,
+                NotBefore {
+                    seq: 2,
+                    wait: Duration::from_secs(600),
+                },
+            ),
+            (
+                claim,
+                NotBefore {
+                    seq: 3,
+                    wait: Duration::from_millis(300),
+                },
+            ),
+        ],
+        ..Batch::default()
+    };
+    assert!(first.commit("r", "one", &waits).unwrap().refused.is_empty());
+    first.release("r", "one").unwrap();
+
+    // The other worker takes item 1 only; the rest wait, held by nobody.
+    let Claimed::Items(now) = second.claim("r", "two", None, 10, LEASE).unwrap() else {
+        panic!("item 1 is free");
+    };
+    assert_eq!(now.items.iter().map(|i| i.seq).collect::<Vec<_>>(), [1]);
+    assert_eq!(
+        second.claim("r", "two", None, 10, LEASE).unwrap(),
+        Claimed::HeldByOthers,
+        "items still waiting are not claimed, nor given up on"
+    );
+    // Once its wait has passed, item 3 is claimed, with its next attempt
+    // numbered after the stored one; item 2 still waits.
+    std::thread::sleep(Duration::from_millis(350));
+    let Claimed::Items(later) = second.claim("r", "two", None, 10, LEASE).unwrap() else {
+        panic!("item 3's wait has passed");
+    };
+    assert_eq!(
+        later
+            .items
+            .iter()
+            .map(|i| (i.seq, i.prior_attempts))
+            .collect::<Vec<_>>(),
+        [(3, 1)]
+    );
+    // A wait sent under a claim that is not the worker's is refused.
+    let stale = Batch {
+        waits: vec![(
+            claim,
+            NotBefore {
+                seq: 3,
+                wait: Duration::from_secs(600),
+            },
+        )],
+        ..Batch::default()
+    };
+    assert_eq!(first.commit("r", "one", &stale).unwrap().refused, vec![3]);
 }
