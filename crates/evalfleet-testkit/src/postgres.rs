@@ -117,6 +117,8 @@ macro_rules! scratch_db {
 pub struct OwnServer {
     dir: PathBuf,
     pub port: u16,
+    /// The addresses it listens on (`listen_addresses`).
+    listen: String,
     child: Option<Child>,
 }
 
@@ -148,8 +150,17 @@ fn free_port() -> Result<u16, String> {
 }
 
 impl OwnServer {
-    /// Makes a cluster and starts it; `Err` says why it could not.
+    /// Makes a cluster and starts it on 127.0.0.1; `Err` says why it
+    /// could not.
     pub fn start() -> Result<Self, String> {
+        Self::start_on("127.0.0.1")
+    }
+
+    /// Makes a cluster that takes connections from any address (trusting
+    /// them: a test's own network) and starts it listening on `listen`
+    /// (PostgreSQL's `listen_addresses`: `*`, or addresses separated by
+    /// commas).
+    pub fn start_on(listen: &str) -> Result<Self, String> {
         let initdb = program("initdb").ok_or("initdb is not installed")?;
         let dir =
             std::env::temp_dir().join(format!("evalfleet-pg-{}-{}", std::process::id(), unique()));
@@ -173,9 +184,14 @@ impl OwnServer {
                 String::from_utf8_lossy(&out.stderr)
             ));
         }
+        let hba = data.join("pg_hba.conf");
+        let mut rules = std::fs::read_to_string(&hba).map_err(|err| format!("{err}"))?;
+        rules.push_str("\nhost all all 0.0.0.0/0 trust\n");
+        std::fs::write(&hba, rules).map_err(|err| format!("{}: {err}", hba.display()))?;
         let mut server = Self {
             dir,
             port: free_port()?,
+            listen: listen.to_owned(),
             child: None,
         };
         server.resume()?;
@@ -184,7 +200,12 @@ impl OwnServer {
 
     /// A URL of its `postgres` database.
     pub fn url(&self) -> String {
-        format!("postgres://root@127.0.0.1:{}/postgres", self.port)
+        self.url_at("127.0.0.1", "postgres")
+    }
+
+    /// A URL of its database `database`, reached at `host`.
+    pub fn url_at(&self, host: &str, database: &str) -> String {
+        format!("postgres://root@{host}:{}/{database}", self.port)
     }
 
     /// Starts it (again) and waits until it takes connections.

@@ -206,10 +206,13 @@ impl PgStore {
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(Duration::from_secs(10));
         }
-        // A worker cut off from the server notices within a minute, rather
-        // than when the kernel gives up on the connection.
+        // A worker cut off from the server notices within a minute (20 s
+        // idle, then 4 probes 10 s apart), rather than when the kernel
+        // gives up on the connection (hours); then it connects again.
         config.keepalives(true);
         config.keepalives_idle(Duration::from_secs(20));
+        config.keepalives_interval(Duration::from_secs(10));
+        config.keepalives_retries(4);
         let mut store = Self {
             conn: None,
             config,
