@@ -213,6 +213,12 @@ impl PgStore {
         config.keepalives_idle(Duration::from_secs(20));
         config.keepalives_interval(Duration::from_secs(10));
         config.keepalives_retries(4);
+        // And one whose data goes unacknowledged for a minute (a request
+        // sent into a cut link) fails, rather than after the kernel's
+        // retransmissions give up (about 15 minutes).
+        if config.get_tcp_user_timeout().is_none() {
+            config.tcp_user_timeout(Duration::from_secs(60));
+        }
         let mut store = Self {
             conn: None,
             config,
