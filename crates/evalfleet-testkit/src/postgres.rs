@@ -223,12 +223,8 @@ impl OwnServer {
         let child = as_owner(root, &postgres)
             .arg("-D")
             .arg(self.dir.join("data"))
-            .args([
-                "-p",
-                &self.port.to_string(),
-                "-c",
-                "listen_addresses=127.0.0.1",
-            ])
+            .args(["-p", &self.port.to_string(), "-c"])
+            .arg(format!("listen_addresses={}", self.listen))
             .args(["-c", "unix_socket_directories=", "-c", "fsync=off"])
             .args(["-c", "max_connections=200"])
             .stdout(Stdio::null())

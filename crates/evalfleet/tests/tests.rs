@@ -21,6 +21,7 @@ mod messages;
 mod prompts;
 mod remote;
 mod run;
+mod scaleout;
 mod security;
 mod serve;
 mod tasks;
