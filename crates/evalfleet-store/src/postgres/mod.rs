@@ -12,6 +12,10 @@
 //! up to [`RECONNECT_FOR`]; transactions are written so that running one
 //! twice stores what running it once does.
 
+mod calls;
+mod kept;
+mod results;
+mod runs;
 pub mod schema;
 
 use std::collections::HashMap;
