@@ -23,11 +23,15 @@ use super::{Fail, PgStore, Tx, json_err, tally, unknown};
 /// little, small enough that a batch's arrays stay a few megabytes.
 const BATCH: usize = 4_000;
 
-/// The columns [`RawRun::from_row`] reads, of `runs r`: its generation is
-/// its own part and its commits' (the sum of its `tallies`).
+/// The columns [`RawRun::from_row`] reads, of `runs r`. Its generation
+/// there is its own part only: its commits' part is the sum of its
+/// `tallies` ([`COMMITS`], or [`tally`]).
 const RUN_COLUMNS: &str = "r.run_id, r.name, r.status, r.created_at, r.updated_at, r.config, r.config_dir, \
-     r.fingerprint, r.dataset, r.total, r.sessions, r.message, \
-     r.generation + COALESCE((SELECT SUM(t.generation) FROM tallies t WHERE t.rid = r.rid), 0)::bigint";
+     r.fingerprint, r.dataset, r.total, r.sessions, r.message, r.generation";
+
+/// The commits' part of run `r`'s generation, as a column.
+const COMMITS: &str =
+    "COALESCE((SELECT SUM(t.generation) FROM tallies t WHERE t.rid = r.rid), 0)::bigint";
 
 /// A run's row as stored, before its JSON columns are read.
 struct RawRun {
@@ -363,12 +367,21 @@ impl Runs for PgStore {
 
     fn run(&mut self, run_id: &str) -> Result<RunRecord, StoreError> {
         let raw = self.with("cannot read the run", |conn| {
-            let row = conn.client.query_opt(
-                &format!("SELECT {RUN_COLUMNS} FROM runs r WHERE r.run_id = $1"),
-                &[&run_id],
+            let rid = conn.rid(run_id)?;
+            let mut tx = conn
+                .client
+                .build_transaction()
+                .read_only(true)
+                .isolation_level(IsolationLevel::RepeatableRead)
+                .start()?;
+            let row = tx.query_one(
+                &format!("SELECT {RUN_COLUMNS} FROM runs r WHERE r.rid = $1"),
+                &[&rid],
             )?;
-            let row = row.ok_or_else(|| StoreError::NoSuchRun(run_id.to_owned()))?;
-            Ok(RawRun::from_row(&row)?)
+            let mut raw = RawRun::from_row(&row)?;
+            raw.generation += tally(&mut tx, rid)?.generation as i64;
+            tx.commit()?;
+            Ok(raw)
         })?;
         raw.decode()
     }
@@ -376,13 +389,19 @@ impl Runs for PgStore {
     fn runs(&mut self) -> Result<Vec<RunRecord>, StoreError> {
         let raws = self.with("cannot list runs", |conn| {
             let rows = conn.client.query(
-                &format!("SELECT {RUN_COLUMNS} FROM runs r ORDER BY r.created_at DESC, r.rid DESC"),
+                &format!(
+                    "SELECT {RUN_COLUMNS}, {COMMITS} FROM runs r
+                     ORDER BY r.created_at DESC, r.rid DESC"
+                ),
                 &[],
             )?;
-            Ok(rows
-                .iter()
-                .map(RawRun::from_row)
-                .collect::<Result<Vec<_>, _>>()?)
+            let mut raws = Vec::with_capacity(rows.len());
+            for row in &rows {
+                let mut raw = RawRun::from_row(row)?;
+                raw.generation += row.try_get::<_, i64>(13)?;
+                raws.push(raw);
+            }
+            Ok(raws)
         })?;
         raws.into_iter().map(RawRun::decode).collect()
     }
