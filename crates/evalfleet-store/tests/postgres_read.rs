@@ -727,3 +727,122 @@ fn kept_reports_are_replaced_and_only_the_latest_stay() {
     assert!(kept[extra..].iter().all(|k| *k), "{kept:?}");
     assert_eq!(kept[..extra].iter().filter(|k| **k).count(), 0, "{kept:?}");
 }
+
+/// Cuts the store's connections to the scratch database (as a server
+/// restart would), from another connection.
+fn cut_connections(db: &Scratch) {
+    let mut admin = postgres::Client::connect(&db.base, postgres::NoTls).unwrap();
+    let cut = admin
+        .query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE datname = $1 AND application_name = 'evalfleet'",
+            &[&db.name],
+        )
+        .unwrap();
+    assert!(!cut.is_empty() && cut.iter().all(|row| row.get::<_, bool>(0)));
+}
+
+#[test]
+fn a_scan_cut_off_goes_on_after_the_last_row_handed_out() {
+    let Some(db) = Scratch::new("a_scan_cut_off") else {
+        return;
+    };
+    let mut pg = db.store();
+    let ids = many(2_500);
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    pg.create_run(&new_run("r", 1), &mut items(&refs, None))
+        .unwrap();
+    db.sql()
+        .batch_execute(
+            "INSERT INTO results (rid, seq, item_id, status, attempts, finished_at, claim_attempt, worker)
+             SELECT rid, seq, item_id, 'done', 1, 1, 1, 'w' FROM item_rows WHERE rid = 1",
+        )
+        .unwrap();
+    let mut seqs = Vec::new();
+    pg.scan_results("r", &mut |r| {
+        seqs.push(r.seq);
+        if r.seq == 1_500 {
+            cut_connections(&db);
+        }
+    })
+    .unwrap();
+    assert_eq!(seqs, (1..=2_500).collect::<Vec<u64>>());
+}
+
+/// Items that cut the store's connections once `cut_at` were pulled.
+struct CutOff<'a> {
+    items: Items,
+    pulled: usize,
+    cut_at: usize,
+    db: &'a Scratch,
+}
+
+impl ItemSource for CutOff<'_> {
+    fn next_item(&mut self) -> Result<Option<NewItem>, CreateRunError> {
+        self.pulled += 1;
+        if self.pulled == self.cut_at {
+            cut_connections(self.db);
+        }
+        self.items.next_item()
+    }
+
+    fn finish(&mut self) -> Result<RunIdentity, CreateRunError> {
+        self.items.finish()
+    }
+
+    fn path(&self) -> String {
+        self.items.path()
+    }
+}
+
+#[test]
+fn a_registration_cut_off_stores_nothing_and_says_so() {
+    let Some(db) = Scratch::new("a_registration_cut_off") else {
+        return;
+    };
+    let mut pg = db.store();
+    let ids = many(9_000);
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    let mut source = CutOff {
+        items: items(&refs, None),
+        pulled: 0,
+        cut_at: 6_000,
+        db: &db,
+    };
+    let err = pg.create_run(&new_run("r", 1), &mut source).unwrap_err();
+    assert!(err.to_string().contains("create the run again"), "{err}");
+    assert!(matches!(pg.run("r"), Err(StoreError::NoSuchRun(_))));
+    // The store works on.
+    pg.create_run(&new_run("r", 1), &mut items(&refs, None))
+        .unwrap();
+    assert_eq!(pg.counts("r").unwrap().pending, 9_000);
+}
+
+/// `cargo test -p evalfleet-store --test postgres_read -- --ignored`:
+/// how long registering many items takes.
+#[test]
+#[ignore = "a measurement"]
+fn registering_many_items_is_fast() {
+    let Some(db) = Scratch::new("registering_many_items") else {
+        return;
+    };
+    let mut pg = db.store();
+    let n: usize = std::env::var("EVALFLEET_TEST_ITEMS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(200_000);
+    let sample = std::env::var("EVALFLEET_TEST_SAMPLE")
+        .ok()
+        .and_then(|n| n.parse().ok());
+    let ids = many(n);
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    let started = std::time::Instant::now();
+    let run = pg
+        .create_run(&new_run("r", 1), &mut items(&refs, sample))
+        .unwrap();
+    println!("registered {} items in {:?}", run.total, started.elapsed());
+    let started = std::time::Instant::now();
+    let mut count = 0;
+    pg.scan_results("r", &mut |_| count += 1).unwrap();
+    println!("scanned {count} results in {:?}", started.elapsed());
+}

@@ -255,11 +255,15 @@ fn create(
     };
     if let Some(n) = identity.sample_n {
         let n = i64::try_from(n).unwrap_or(i64::MAX);
-        // Byte order of the ids breaks ties, as SQLite compares them.
+        // Byte order of the ids breaks ties, as SQLite compares them. The
+        // rows after the first `n` are joined, not looked up in a list of
+        // those kept (which may not fit in memory, and is then searched
+        // row by row).
         tx.execute(
-            r#"DELETE FROM item_rows WHERE rid = $1 AND seq NOT IN (
+            r#"DELETE FROM item_rows r USING (
                    SELECT seq FROM item_rows WHERE rid = $1
-                   ORDER BY sample_key, item_id COLLATE "C" LIMIT $2)"#,
+                   ORDER BY sample_key, item_id COLLATE "C" OFFSET $2) AS gone
+               WHERE r.rid = $1 AND r.seq = gone.seq"#,
             &[&rid, &n],
         )?;
         tx.execute(
