@@ -846,3 +846,51 @@ fn registering_many_items_is_fast() {
     pg.scan_results("r", &mut |_| count += 1).unwrap();
     println!("scanned {count} results in {:?}", started.elapsed());
 }
+
+/// Items that take their time: the first one comes after `pause`.
+struct Slow {
+    items: Items,
+    pause: std::time::Duration,
+}
+
+impl ItemSource for Slow {
+    fn next_item(&mut self) -> Result<Option<NewItem>, CreateRunError> {
+        std::thread::sleep(std::mem::take(&mut self.pause));
+        self.items.next_item()
+    }
+
+    fn finish(&mut self) -> Result<RunIdentity, CreateRunError> {
+        self.items.finish()
+    }
+
+    fn path(&self) -> String {
+        self.items.path()
+    }
+}
+
+#[test]
+fn of_two_processes_making_one_run_the_second_is_told_it_exists() {
+    let Some(db) = Scratch::new("two_processes") else {
+        return;
+    };
+    let mut first = db.store();
+    let mut second = db.store();
+    std::thread::scope(|scope| {
+        let slow = scope.spawn(move || {
+            let mut source = Slow {
+                items: items(&["a", "b"], None),
+                pause: std::time::Duration::from_millis(800),
+            };
+            first
+                .create_run(&new_run("r", 1), &mut source)
+                .map(|r| r.total)
+        });
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        // It waits for the first's transaction, which is still pulling.
+        let err = second
+            .create_run(&new_run("r", 1), &mut items(&["x"], None))
+            .unwrap_err();
+        assert!(matches!(err, CreateRunError::RunExists(id) if id == "r"));
+        assert_eq!(slow.join().unwrap().unwrap(), 2);
+    });
+}

@@ -221,30 +221,27 @@ fn create(
     items: &mut dyn ItemSource,
     pulled: &mut bool,
 ) -> Tx<Result<i64, CreateRunError>> {
-    let exists: bool = tx
-        .query_one(
-            "SELECT EXISTS (SELECT 1 FROM runs WHERE run_id = $1)",
-            &[&run.run_id],
-        )?
-        .try_get(0)?;
-    if exists {
+    // A run of the same id made meanwhile by another process is waited
+    // for: once it is committed, this one is refused, as when the checks
+    // take turns.
+    let made = tx.query_opt(
+        "INSERT INTO runs (run_id, name, status, created_at, updated_at, config, config_dir,
+                           fingerprint, digest, dataset, total)
+         VALUES ($1, $2, 'running', $3, $3, $4, $5, '', '', '', 0)
+         ON CONFLICT (run_id) DO NOTHING
+         RETURNING rid",
+        &[
+            &run.run_id,
+            &run.name,
+            &run.created_at_ms,
+            &config,
+            &run.config_dir,
+        ],
+    )?;
+    let Some(made) = made else {
         return Ok(Err(CreateRunError::RunExists(run.run_id.clone())));
-    }
-    let rid: i64 = tx
-        .query_one(
-            "INSERT INTO runs (run_id, name, status, created_at, updated_at, config, config_dir,
-                               fingerprint, digest, dataset, total)
-             VALUES ($1, $2, 'running', $3, $3, $4, $5, '', '', '', 0)
-             RETURNING rid",
-            &[
-                &run.run_id,
-                &run.name,
-                &run.created_at_ms,
-                &config,
-                &run.config_dir,
-            ],
-        )?
-        .try_get(0)?;
+    };
+    let rid: i64 = made.try_get(0)?;
     *pulled = true;
     if let Err(err) = register(tx, rid, items)? {
         return Ok(Err(err));
