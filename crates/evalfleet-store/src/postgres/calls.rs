@@ -35,6 +35,7 @@ fn unsigned(value: i32) -> u32 {
     value.max(0) as u32
 }
 
+/// A call from the columns [`CALL_COLUMNS`], with its key.
 fn agent_call(row: &Row) -> Result<(CallKey, AgentCall), StoreError> {
     let err = db_err("cannot read agent calls");
     let tokens = |i: usize| -> Result<Option<u64>, StoreError> {
@@ -67,7 +68,7 @@ fn agent_call(row: &Row) -> Result<(CallKey, AgentCall), StoreError> {
         cached: row.try_get(17).map_err(&err)?,
         http_status: u16::try_from(row.try_get::<_, i32>(18).map_err(&err)?).map_err(|_| {
             StoreError::Invariant(format!(
-                "agent call {}.{}.{} has no HTTP status",
+                "agent call {}.{}.{} has an HTTP status out of range",
                 key.0, key.1, key.2
             ))
         })?,

@@ -51,6 +51,7 @@ struct RawRun {
 }
 
 impl RawRun {
+    /// The columns [`RUN_COLUMNS`] of a row.
     fn from_row(row: &Row) -> Result<Self, postgres::Error> {
         Ok(Self {
             run_id: row.try_get(0)?,
@@ -69,6 +70,7 @@ impl RawRun {
         })
     }
 
+    /// The run, its JSON columns read.
     fn decode(self) -> Result<RunRecord, StoreError> {
         Ok(RunRecord {
             status: RunStatus::parse(&self.status).map_err(unknown)?,
