@@ -1,0 +1,896 @@
+//! The PostgreSQL store's runs, results and kept reports, each test in a
+//! scratch database of its own on the server named by
+//! `EVALFLEET_TEST_POSTGRES` (by default the local one), compared with what
+//! the SQLite store gives for the same input. Without a server, each test
+//! says it is skipped and passes.
+//!
+//! The queue is not written yet, so results are put in with SQL.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use evalfleet_core::dataset::DatasetIdentity;
+use evalfleet_core::fingerprint::{DatasetOptions, Fingerprint};
+use evalfleet_core::store::{
+    CreateRunError, ExportRow, ItemSource, KEPT_PER_RUN, KeptReport, KeptReports, NewItem, NewRun,
+    ResultOrder, Results, RunIdentity, Runs, StoreError, WorkerInfo,
+};
+use evalfleet_store::{PgStore, SqliteStore};
+use evalfleet_types::{Assessment, ErrorClass, StateCounts, Verdict, now_ms};
+
+const DEFAULT_URL: &str = "postgres://root@127.0.0.1:5432/test";
+
+/// A database made for one test, dropped when the test ends.
+struct Scratch {
+    base: String,
+    name: String,
+    url: String,
+}
+
+impl Scratch {
+    /// A fresh database, or `None` (the test is skipped) when no server
+    /// answers.
+    fn new(test: &str) -> Option<Self> {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let base = std::env::var("EVALFLEET_TEST_POSTGRES").unwrap_or_else(|_| DEFAULT_URL.into());
+        let mut admin = match postgres::Client::connect(&base, postgres::NoTls) {
+            Ok(client) => client,
+            Err(err) => {
+                println!("skipped {test}: no PostgreSQL server at {base} ({err})");
+                return None;
+            }
+        };
+        let name = format!(
+            "evalfleet_pgread_{}_{}_{}",
+            std::process::id(),
+            now_ms(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        admin
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .unwrap();
+        let (head, _) = base.rsplit_once('/').unwrap();
+        let url = format!("{head}/{name}");
+        Some(Self { base, name, url })
+    }
+
+    fn store(&self) -> PgStore {
+        PgStore::open(&self.url, false).unwrap()
+    }
+
+    /// A plain connection to the scratch database, its tables in reach.
+    fn sql(&self) -> postgres::Client {
+        let mut client = postgres::Client::connect(&self.url, postgres::NoTls).unwrap();
+        client
+            .batch_execute("SET search_path TO evalfleet")
+            .unwrap();
+        client
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if let Ok(mut admin) = postgres::Client::connect(&self.base, postgres::NoTls) {
+            let _ = admin.batch_execute(&format!(
+                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                self.name
+            ));
+        }
+    }
+}
+
+struct Items {
+    items: std::vec::IntoIter<NewItem>,
+    sample_n: Option<u64>,
+}
+
+fn items(ids: &[&str], sample_n: Option<u64>) -> Items {
+    let items: Vec<NewItem> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| NewItem {
+            item_id: (*id).to_owned(),
+            seq: i as u64 + 1,
+            line: i as u64 + 1,
+            offset: i as u64 * 10,
+            sample_key: evalfleet_core::dataset::sample_key(1, id),
+            invalid: id.starts_with("bad").then(|| "broken row".to_owned()),
+        })
+        .collect();
+    Items {
+        items: items.into_iter(),
+        sample_n,
+    }
+}
+
+fn many(n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("id{i}")).collect()
+}
+
+impl ItemSource for Items {
+    fn next_item(&mut self) -> Result<Option<NewItem>, CreateRunError> {
+        Ok(self.items.next())
+    }
+
+    fn finish(&mut self) -> Result<RunIdentity, CreateRunError> {
+        Ok(RunIdentity {
+            fingerprint: Fingerprint {
+                dataset_sha256: "0".repeat(64),
+                dataset_options: DatasetOptions {
+                    format: "jsonl".to_owned(),
+                    id_field: None,
+                    sample_n: self.sample_n,
+                    sample_seed: None,
+                    skip_invalid: true,
+                },
+                messages_sha256: String::new(),
+                params_sha256: String::new(),
+                samples: 1,
+                images_sha256: None,
+            },
+            dataset: DatasetIdentity {
+                path: "data.jsonl".into(),
+                size: 0,
+                mtime_ns: 0,
+                sha256: "0".repeat(64),
+            },
+            sample_n: self.sample_n,
+        })
+    }
+
+    fn path(&self) -> String {
+        "data.jsonl".to_owned()
+    }
+}
+
+fn new_run(id: &str, created_at_ms: i64) -> NewRun {
+    NewRun {
+        run_id: id.to_owned(),
+        name: "test".to_owned(),
+        config: serde_json::json!({"name": "test"}),
+        config_dir: ".".to_owned(),
+        created_at_ms,
+    }
+}
+
+fn worker(name: &str) -> WorkerInfo {
+    WorkerInfo {
+        worker: name.to_owned(),
+        ..evalfleet_core::worker::this_process(std::time::Duration::from_secs(60))
+    }
+}
+
+fn sqlite() -> (tempfile::TempDir, SqliteStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(&dir.path().join("s.db")).unwrap();
+    (dir, store)
+}
+
+fn exported(store: &mut dyn Results, run_id: &str) -> Vec<ExportRow> {
+    let mut rows = Vec::new();
+    store
+        .export(run_id, &mut |row| {
+            rows.push(row);
+            Ok(())
+        })
+        .unwrap();
+    rows
+}
+
+/// The item ids of run `rid` (1 in a fresh database) by state, from the
+/// tables themselves.
+fn states(sql: &mut postgres::Client) -> Vec<(String, String)> {
+    sql.query(
+        "SELECT r.item_id, i.state FROM item_rows r JOIN items i USING (rid, seq)
+         WHERE rid = 1 ORDER BY r.seq",
+        &[],
+    )
+    .unwrap()
+    .iter()
+    .map(|row| (row.get(0), row.get(1)))
+    .collect()
+}
+
+/// Ends item `seq` of run 1 as `worker` did, with a result: what a commit
+/// writes, by hand.
+fn end_item(sql: &mut postgres::Client, seq: i64, status: &str, worker: &str) {
+    let mut tx = sql.transaction().unwrap();
+    tx.execute(
+        "UPDATE items SET state = $2, attempt = attempt + 1 WHERE rid = 1 AND seq = $1",
+        &[&seq, &status],
+    )
+    .unwrap();
+    tx.execute(
+        "INSERT INTO results (rid, seq, item_id, status, output, endpoint, model, attempts,
+                              latency_ms, prompt_tokens, completion_tokens, item, finished_at,
+                              claim_attempt, worker)
+         SELECT 1, seq, item_id, $2, 'answer ' || item_id, 'e', 'm', 1, 1.5, 3, 4,
+                '{\"id\": \"' || item_id || '\"}', 1, 1, $3
+         FROM item_rows WHERE rid = 1 AND seq = $1",
+        &[&seq, &status, &worker],
+    )
+    .unwrap();
+    let (done, failed) = if status == "done" {
+        (1_i64, 0_i64)
+    } else {
+        (0, 1)
+    };
+    tx.execute(
+        "INSERT INTO tallies (rid, worker, done, failed, generation) VALUES (1, $1, $2, $3, 1)
+         ON CONFLICT (rid, worker) DO UPDATE SET done = tallies.done + $2,
+             failed = tallies.failed + $3, generation = tallies.generation + 1",
+        &[&worker, &done, &failed],
+    )
+    .unwrap();
+    if status == "failed" {
+        tx.execute(
+            "INSERT INTO attempts (rid, seq, attempt, session, endpoint, model, sent_at,
+                                   latency_ms, http_status, error_class, error, worker)
+             VALUES (1, $1, 1, 1, 'e', 'm', 1, 2.5, 500, 'retryable', 'HTTP 500', $2)",
+            &[&seq, &worker],
+        )
+        .unwrap();
+    }
+    tx.commit().unwrap();
+}
+
+#[test]
+fn a_run_is_registered_as_in_sqlite_with_its_invalid_rows_failed() {
+    let Some(db) = Scratch::new("a_run_is_registered") else {
+        return;
+    };
+    let mut pg = db.store();
+    let (_dir, mut lite) = sqlite();
+    let ids = ["a", "bad1", "b", "c", "d"];
+    let run = pg
+        .create_run(&new_run("r", 5), &mut items(&ids, None))
+        .unwrap();
+    let other = lite
+        .create_run(&new_run("r", 5), &mut items(&ids, None))
+        .unwrap();
+    assert_eq!(run.total, 5);
+    assert_eq!(run.total, other.total);
+    assert_eq!(run.status, other.status);
+    assert_eq!(run.sessions, other.sessions);
+    assert_eq!(run.fingerprint.digest(), other.fingerprint.digest());
+    assert_eq!(run.config, other.config);
+    assert_eq!(
+        pg.counts("r").unwrap(),
+        StateCounts {
+            pending: 4,
+            done: 0,
+            failed: 1
+        }
+    );
+    assert_eq!(pg.counts("r").unwrap(), lite.counts("r").unwrap());
+    // The invalid row's result says why, as SQLite's does.
+    let rows = exported(&mut pg, "r");
+    assert_eq!(rows.len(), 1);
+    assert_eq!(
+        rows[0].error.as_deref(),
+        Some("invalid dataset row (line 2): broken row")
+    );
+    assert_eq!(rows, exported(&mut lite, "r"));
+    let mut sql = db.sql();
+    assert_eq!(
+        states(&mut sql),
+        [
+            ("a", "pending"),
+            ("bad1", "failed"),
+            ("b", "pending"),
+            ("c", "pending"),
+            ("d", "pending")
+        ]
+        .map(|(a, b)| (a.to_owned(), b.to_owned()))
+    );
+
+    // A second run with the same id is refused; runs come newest first.
+    assert!(matches!(
+        pg.create_run(&new_run("r", 9), &mut items(&["x"], None)),
+        Err(CreateRunError::RunExists(id)) if id == "r"
+    ));
+    pg.create_run(&new_run("s", 9), &mut items(&["x"], None))
+        .unwrap();
+    pg.create_run(&new_run("t", 9), &mut items(&["x"], None))
+        .unwrap();
+    let order: Vec<String> = pg.runs().unwrap().into_iter().map(|r| r.run_id).collect();
+    assert_eq!(order, ["t", "s", "r"]);
+    assert!(matches!(pg.run("nope"), Err(StoreError::NoSuchRun(_))));
+    assert!(matches!(pg.counts("nope"), Err(StoreError::NoSuchRun(_))));
+}
+
+#[test]
+fn a_duplicate_id_is_named_by_its_first_line_and_undoes_everything() {
+    let Some(db) = Scratch::new("a_duplicate_id") else {
+        return;
+    };
+    let mut pg = db.store();
+    let (_dir, mut lite) = sqlite();
+    let ids = many(9_000);
+    let duplicate_lines = |store: &mut dyn Runs, ids: &[&str]| match store
+        .create_run(&new_run("r", 1), &mut items(ids, None))
+        .unwrap_err()
+    {
+        CreateRunError::DuplicateId {
+            id,
+            first_line,
+            second_line,
+            ..
+        } => (id, first_line, second_line),
+        other => panic!("{other:?}"),
+    };
+    let cases: Vec<Vec<&str>> = vec![
+        // Within the first batch.
+        vec!["a", "b", "a"],
+        // Of an earlier batch.
+        {
+            let mut v: Vec<&str> = ids.iter().map(String::as_str).collect();
+            v[6_000] = "id10";
+            v
+        },
+        // Both in one batch: the first in the file's order is named.
+        {
+            let mut v: Vec<&str> = ids.iter().map(String::as_str).collect();
+            v[4_500] = "id4400";
+            v[4_600] = "id3";
+            v
+        },
+        {
+            let mut v: Vec<&str> = ids.iter().map(String::as_str).collect();
+            v[4_500] = "id3";
+            v[4_600] = "id4400";
+            v
+        },
+    ];
+    for ids in &cases {
+        let got = duplicate_lines(&mut pg, ids);
+        assert_eq!(got, duplicate_lines(&mut lite, ids));
+        assert!(matches!(pg.run("r"), Err(StoreError::NoSuchRun(_))));
+        assert!(pg.runs().unwrap().is_empty());
+    }
+    assert_eq!(duplicate_lines(&mut pg, &cases[0]), ("a".into(), 1, 3));
+    let mut sql = db.sql();
+    let left: i64 = sql
+        .query_one(
+            "SELECT (SELECT COUNT(*) FROM item_rows) + (SELECT COUNT(*) FROM items)",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 0, "nothing of a refused run stays");
+}
+
+#[test]
+fn a_sample_keeps_the_same_items_as_sqlite() {
+    let Some(db) = Scratch::new("a_sample") else {
+        return;
+    };
+    let mut pg = db.store();
+    let (_dir, mut lite) = sqlite();
+    let ids = many(50);
+    let mut refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    refs.push("bad1");
+    let run = pg
+        .create_run(&new_run("r", 1), &mut items(&refs, Some(7)))
+        .unwrap();
+    assert_eq!(run.total, 7);
+    lite.create_run(&new_run("r", 1), &mut items(&refs, Some(7)))
+        .unwrap();
+    let mut expected: Vec<(i64, &str)> = refs
+        .iter()
+        .map(|id| (evalfleet_core::dataset::sample_key(1, id), *id))
+        .collect();
+    expected.sort();
+    let mut expected: Vec<&str> = expected.into_iter().take(7).map(|(_, id)| id).collect();
+    expected.sort();
+    let mut kept: Vec<String> = states(&mut db.sql())
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    kept.sort();
+    assert_eq!(kept, expected);
+    assert_eq!(pg.counts("r").unwrap(), lite.counts("r").unwrap());
+    assert_eq!(exported(&mut pg, "r"), exported(&mut lite, "r"));
+}
+
+#[test]
+fn a_session_with_retry_failed_puts_failed_items_back_and_counts_them() {
+    let Some(db) = Scratch::new("retry_failed") else {
+        return;
+    };
+    let mut pg = db.store();
+    pg.create_run(
+        &new_run("r", 1),
+        &mut items(&["a", "bad1", "b", "c", "d"], None),
+    )
+    .unwrap();
+    let g0 = pg.run("r").unwrap().generation;
+    let mut w = worker("w");
+    let start = pg.begin_session("r", &mut w, false).unwrap();
+    assert_eq!((start.session, start.reset, w.session), (1, 0, 1));
+    assert_eq!(start.counts.pending, 4);
+    let g1 = pg.run("r").unwrap().generation;
+    assert!(g1 > g0, "a session changes the generation");
+
+    let mut sql = db.sql();
+    end_item(&mut sql, 1, "done", "w");
+    end_item(&mut sql, 3, "failed", "w");
+    let g2 = pg.run("r").unwrap().generation;
+    assert!(g2 > g1, "a commit (its tally) changes the generation");
+    assert_eq!(
+        pg.counts("r").unwrap(),
+        StateCounts {
+            pending: 2,
+            done: 1,
+            failed: 2
+        }
+    );
+    // A running item is pending to the counts.
+    sql.execute(
+        "UPDATE items SET state = 'running', owner = 'w', lease_until = now() + interval '1 minute'
+         WHERE rid = 1 AND seq = 4",
+        &[],
+    )
+    .unwrap();
+    assert_eq!(pg.counts("r").unwrap().pending, 2);
+    sql.execute(
+        "UPDATE items SET state = 'pending', owner = NULL, lease_until = NULL WHERE rid = 1 AND seq = 4",
+        &[],
+    )
+    .unwrap();
+
+    let mut w3 = worker("w3");
+    let start = pg.begin_session("r", &mut w3, true).unwrap();
+    assert_eq!((start.session, start.reset), (2, 1));
+    assert_eq!(
+        start.counts,
+        StateCounts {
+            pending: 3,
+            done: 1,
+            failed: 1
+        }
+    );
+    assert_eq!(pg.counts("r").unwrap(), start.counts);
+    assert!(pg.run("r").unwrap().generation > g2);
+    assert_eq!(pg.run("r").unwrap().sessions, 2);
+    let rows: Vec<(String, String)> = exported(&mut pg, "r")
+        .into_iter()
+        .map(|row| (row.item_id, row.status.to_string()))
+        .collect();
+    let expected = [("a", "done"), ("bad1", "failed")].map(|(a, b)| (a.to_owned(), b.to_owned()));
+    assert_eq!(rows, expected);
+    assert_eq!(states(&mut sql)[2], ("b".to_owned(), "pending".to_owned()));
+    // The failed count is taken off the worker's tally: the sum is right.
+    let w3_failed: i64 = sql
+        .query_one(
+            "SELECT failed FROM tallies WHERE rid = 1 AND worker = 'w3'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(w3_failed, -1);
+    // Again: nothing left to put back but the invalid row, which stays.
+    let start = pg.begin_session("r", &mut worker("w4"), true).unwrap();
+    assert_eq!((start.session, start.reset), (3, 0));
+    assert_eq!(start.counts.failed, 1);
+}
+
+#[test]
+fn workers_heartbeats_are_read_on_this_machines_clock() {
+    let Some(db) = Scratch::new("workers") else {
+        return;
+    };
+    let mut pg = db.store();
+    pg.create_run(&new_run("r", 1), &mut items(&["a"], None))
+        .unwrap();
+    let mut first = worker("w1");
+    pg.begin_session("r", &mut first, false).unwrap();
+    let mut second = worker("w2");
+    pg.begin_session("r", &mut second, false).unwrap();
+    // w1 last beat 40 s ago by the database's clock, whatever the time
+    // it was told.
+    let mut sql = db.sql();
+    sql.execute(
+        "UPDATE workers SET heartbeat_at = now() - interval '40 seconds' WHERE worker = 'w1'",
+        &[],
+    )
+    .unwrap();
+    let workers = pg.workers("r").unwrap();
+    let names: Vec<(&str, u32)> = workers
+        .iter()
+        .map(|w| (w.worker.as_str(), w.session))
+        .collect();
+    assert_eq!(names, [("w1", 1), ("w2", 2)]);
+    let now = now_ms();
+    let age = now - workers[0].heartbeat_at_ms;
+    assert!((39_000..=42_000).contains(&age), "{age}");
+    assert!(now - workers[1].heartbeat_at_ms < 2_000);
+    assert_eq!(workers[0].pid, first.pid);
+    assert_eq!(workers[0].process_start, first.process_start);
+    assert_eq!(workers[0].started_at_ms, first.started_at_ms);
+    assert_eq!(workers[0].lease_ms, 60_000);
+    assert_eq!(workers[0].host, first.host);
+    // Beginning again replaces its row.
+    pg.begin_session("r", &mut first, false).unwrap();
+    let workers = pg.workers("r").unwrap();
+    assert_eq!(workers.len(), 2);
+    assert_eq!(workers[1].worker, "w1");
+    assert_eq!(workers[1].session, 3);
+}
+
+#[test]
+fn results_are_read_back_paged_and_rescored() {
+    let Some(db) = Scratch::new("results") else {
+        return;
+    };
+    let mut pg = db.store();
+    pg.create_run(&new_run("r", 1), &mut items(&["z", "a", "m", "b"], None))
+        .unwrap();
+    pg.begin_session("r", &mut worker("w"), false).unwrap();
+    let mut sql = db.sql();
+    end_item(&mut sql, 1, "done", "w");
+    end_item(&mut sql, 2, "done", "w");
+    end_item(&mut sql, 4, "failed", "w");
+
+    let mut seen = Vec::new();
+    pg.scan_results("r", &mut |r| {
+        seen.push((r.seq, r.item_id, r.status.to_string(), r.failure))
+    })
+    .unwrap();
+    assert_eq!(
+        seen,
+        [
+            (1, "z".to_owned(), "done".to_owned(), None),
+            (2, "a".to_owned(), "done".to_owned(), None),
+            (
+                4,
+                "b".to_owned(),
+                "failed".to_owned(),
+                Some(ErrorClass::Retryable)
+            ),
+        ]
+    );
+    let mut attempts = Vec::new();
+    pg.scan_attempts("r", &mut |a| attempts.push(a)).unwrap();
+    assert_eq!(attempts.len(), 1);
+    assert!(attempts[0].failed);
+    assert_eq!(attempts[0].error_class, Some(ErrorClass::Retryable));
+
+    // A rescore replaces assessments and changes the generation.
+    let g = pg.run("r").unwrap().generation;
+    let mut scores = evalfleet_types::Scores::new();
+    scores.insert(
+        "exact".to_owned(),
+        evalfleet_types::Score {
+            value: Some(1.0),
+            ..Default::default()
+        },
+    );
+    let assessed = Assessment {
+        parsed: Some(serde_json::json!({"answer": 1})),
+        verdict: Some(Verdict::Ok),
+        scores,
+        ..Assessment::default()
+    };
+    pg.put_assessments(
+        "r",
+        &[
+            (1, Assessment::default()),
+            (2, Assessment::default()),
+            (1, assessed.clone()),
+        ],
+        &serde_json::json!({"rescored": true}),
+    )
+    .unwrap();
+    let run = pg.run("r").unwrap();
+    assert!(run.generation > g);
+    assert_eq!(run.config, serde_json::json!({"rescored": true}));
+    let rows = exported(&mut pg, "r");
+    assert_eq!(rows[0].valid, Some(true));
+    assert_eq!(rows[0].parsed, assessed.parsed);
+    assert_eq!(rows[0].scores.as_ref(), Some(&assessed.scores));
+    assert_eq!(rows[1].valid, None);
+    assert_eq!(rows[0].latency_ms, Some(1.5));
+    assert_eq!(rows[0].item, serde_json::json!({"id": "z"}));
+    let mut stored = Vec::new();
+    pg.scan_results("r", &mut |r| stored.push(r.assessment))
+        .unwrap();
+    assert_eq!(stored[0].verdict, Some(Verdict::Ok));
+
+    // Pages by item id (byte order) and in dataset order.
+    let page = |store: &mut PgStore, order, after: Option<(&str, u64)>, with_item| {
+        let mut seen = Vec::new();
+        store
+            .results_page("r", order, after, 2, with_item, &mut |view| {
+                assert_eq!(view.item.is_some(), with_item);
+                seen.push(view.item_id.to_owned());
+                Ok(())
+            })
+            .unwrap();
+        seen
+    };
+    assert_eq!(page(&mut pg, ResultOrder::Key, None, false), ["a", "b"]);
+    assert_eq!(page(&mut pg, ResultOrder::Key, Some(("b", 4)), true), ["z"]);
+    assert_eq!(page(&mut pg, ResultOrder::Seq, None, false), ["z", "a"]);
+    assert_eq!(
+        page(&mut pg, ResultOrder::Seq, Some(("a", 2)), false),
+        ["b"]
+    );
+    assert!(matches!(
+        pg.results_page("nope", ResultOrder::Seq, None, 2, false, &mut |_| Ok(())),
+        Err(StoreError::NoSuchRun(_))
+    ));
+    // An error of the reader ends the page and is told as it is.
+    let err = pg
+        .results_page("r", ResultOrder::Seq, None, 2, false, &mut |_| {
+            Err(StoreError::Invariant("stop".to_owned()))
+        })
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Invariant(text) if text == "stop"));
+    // So does a failed write of the export.
+    let err = pg
+        .export("r", &mut |_| Err(std::io::Error::other("disk full")))
+        .unwrap_err();
+    assert!(matches!(err, evalfleet_core::store::ExportError::Write(_)));
+}
+
+#[test]
+fn scans_go_on_page_after_page_in_order() {
+    let Some(db) = Scratch::new("scans") else {
+        return;
+    };
+    let mut pg = db.store();
+    let ids = many(2_500);
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    pg.create_run(&new_run("r", 1), &mut items(&refs, None))
+        .unwrap();
+    let mut sql = db.sql();
+    sql.batch_execute(
+        "UPDATE items SET state = 'done' WHERE rid = 1;
+         INSERT INTO results (rid, seq, item_id, status, attempts, finished_at, claim_attempt, worker)
+         SELECT rid, seq, item_id, 'done', 1, 1, 1, 'w' FROM item_rows WHERE rid = 1;
+         INSERT INTO tallies (rid, worker, done) VALUES (1, 'w', 2500);
+         INSERT INTO agent_calls (rid, seq, attempt, idx, call_id, api, asked_model, sent_at,
+                                  endpoint, model, latency_ms, stream, cached, http_status,
+                                  request, request_cut)
+         SELECT 1, s / 3 + 1, 1, s % 3, s::text, 'chat.completions', 'm', 1, 'e', 'm', 1.0,
+                false, false, CASE WHEN s % 2 = 0 THEN 200 ELSE 500 END, '{}', false
+         FROM generate_series(0, 2999) AS s;",
+    )
+    .unwrap();
+    let mut seqs = Vec::new();
+    pg.scan_results("r", &mut |r| seqs.push(r.seq)).unwrap();
+    assert_eq!(seqs, (1..=2_500).collect::<Vec<u64>>());
+    assert_eq!(exported(&mut pg, "r").len(), 2_500);
+    let mut keys = Vec::new();
+    pg.scan_calls("r", &mut |c| keys.push((c.seq, c.attempt, c.index)))
+        .unwrap();
+    let expected: Vec<(u64, u32, u32)> = (0..3_000).map(|s| (s / 3 + 1, 1, s as u32 % 3)).collect();
+    assert_eq!(keys, expected);
+    let mut some = Vec::new();
+    pg.scan_calls_of("r", 10..=11, &mut |c| some.push((c.seq, c.index)))
+        .unwrap();
+    assert_eq!(some, [(10, 0), (10, 1), (10, 2), (11, 0), (11, 1), (11, 2)]);
+    let mut samples = Vec::new();
+    pg.scan_call_samples("r", &mut |s| samples.push(s)).unwrap();
+    assert_eq!(samples.len(), 3_000);
+    assert_eq!(samples.iter().filter(|s| s.failed).count(), 1_500);
+    assert_eq!(pg.counts("r").unwrap().done, 2_500);
+}
+
+#[test]
+fn kept_reports_are_replaced_and_only_the_latest_stay() {
+    let Some(db) = Scratch::new("kept") else {
+        return;
+    };
+    let mut store = db.store();
+    store
+        .create_run(&new_run("r", 1), &mut items(&["a"], None))
+        .unwrap();
+    assert_eq!(store.kept_report("r", "report?by=").unwrap(), None);
+    for (fingerprint, body) in [("r:1", "{\"first\": 1}"), ("r:2", "{\"second\": 2}")] {
+        let report = KeptReport {
+            fingerprint: fingerprint.to_owned(),
+            body: body.to_owned(),
+        };
+        store.keep_report("r", "report?by=", &report).unwrap();
+        assert_eq!(store.kept_report("r", "report?by=").unwrap(), Some(report));
+    }
+    assert!(matches!(
+        store.kept_report("nope", "report?by="),
+        Err(StoreError::NoSuchRun(_))
+    ));
+    let extra = 8;
+    for i in 0..KEPT_PER_RUN + extra {
+        let report = KeptReport {
+            fingerprint: "r:2".to_owned(),
+            body: format!("{{\"by\": {i}}}"),
+        };
+        store
+            .keep_report("r", &format!("report?by=f{i}"), &report)
+            .unwrap();
+        // Asked again, an early one is kept last: it stays.
+        if i == 3 {
+            store.keep_report("r", "report?by=f0", &report).unwrap();
+        }
+    }
+    let kept: Vec<bool> = (0..KEPT_PER_RUN + extra)
+        .map(|i| {
+            store
+                .kept_report("r", &format!("report?by=f{i}"))
+                .unwrap()
+                .is_some()
+        })
+        .collect();
+    assert_eq!(kept.iter().filter(|k| **k).count(), KEPT_PER_RUN);
+    assert!(kept[extra..].iter().all(|k| *k), "{kept:?}");
+    assert_eq!(kept[..extra].iter().filter(|k| **k).count(), 0, "{kept:?}");
+}
+
+/// Cuts the store's connections to the scratch database (as a server
+/// restart would), from another connection.
+fn cut_connections(db: &Scratch) {
+    let mut admin = postgres::Client::connect(&db.base, postgres::NoTls).unwrap();
+    let cut = admin
+        .query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE datname = $1 AND application_name = 'evalfleet'",
+            &[&db.name],
+        )
+        .unwrap();
+    assert!(!cut.is_empty() && cut.iter().all(|row| row.get::<_, bool>(0)));
+}
+
+#[test]
+fn a_scan_cut_off_goes_on_after_the_last_row_handed_out() {
+    let Some(db) = Scratch::new("a_scan_cut_off") else {
+        return;
+    };
+    let mut pg = db.store();
+    let ids = many(2_500);
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    pg.create_run(&new_run("r", 1), &mut items(&refs, None))
+        .unwrap();
+    db.sql()
+        .batch_execute(
+            "INSERT INTO results (rid, seq, item_id, status, attempts, finished_at, claim_attempt, worker)
+             SELECT rid, seq, item_id, 'done', 1, 1, 1, 'w' FROM item_rows WHERE rid = 1",
+        )
+        .unwrap();
+    let mut seqs = Vec::new();
+    pg.scan_results("r", &mut |r| {
+        seqs.push(r.seq);
+        if r.seq == 1_500 {
+            cut_connections(&db);
+        }
+    })
+    .unwrap();
+    assert_eq!(seqs, (1..=2_500).collect::<Vec<u64>>());
+}
+
+/// Items that cut the store's connections once `cut_at` were pulled.
+struct CutOff<'a> {
+    items: Items,
+    pulled: usize,
+    cut_at: usize,
+    db: &'a Scratch,
+}
+
+impl ItemSource for CutOff<'_> {
+    fn next_item(&mut self) -> Result<Option<NewItem>, CreateRunError> {
+        self.pulled += 1;
+        if self.pulled == self.cut_at {
+            cut_connections(self.db);
+        }
+        self.items.next_item()
+    }
+
+    fn finish(&mut self) -> Result<RunIdentity, CreateRunError> {
+        self.items.finish()
+    }
+
+    fn path(&self) -> String {
+        self.items.path()
+    }
+}
+
+#[test]
+fn a_registration_cut_off_stores_nothing_and_says_so() {
+    let Some(db) = Scratch::new("a_registration_cut_off") else {
+        return;
+    };
+    let mut pg = db.store();
+    let ids = many(9_000);
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    let mut source = CutOff {
+        items: items(&refs, None),
+        pulled: 0,
+        cut_at: 6_000,
+        db: &db,
+    };
+    let err = pg.create_run(&new_run("r", 1), &mut source).unwrap_err();
+    assert!(err.to_string().contains("create the run again"), "{err}");
+    assert!(matches!(pg.run("r"), Err(StoreError::NoSuchRun(_))));
+    // The store works on.
+    pg.create_run(&new_run("r", 1), &mut items(&refs, None))
+        .unwrap();
+    assert_eq!(pg.counts("r").unwrap().pending, 9_000);
+}
+
+/// `cargo test -p evalfleet-store --test postgres_read -- --ignored`:
+/// how long registering many items takes.
+#[test]
+#[ignore = "a measurement"]
+fn registering_many_items_is_fast() {
+    let Some(db) = Scratch::new("registering_many_items") else {
+        return;
+    };
+    let mut pg = db.store();
+    let n: usize = std::env::var("EVALFLEET_TEST_ITEMS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(200_000);
+    let sample = std::env::var("EVALFLEET_TEST_SAMPLE")
+        .ok()
+        .and_then(|n| n.parse().ok());
+    let ids = many(n);
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    let started = std::time::Instant::now();
+    let run = pg
+        .create_run(&new_run("r", 1), &mut items(&refs, sample))
+        .unwrap();
+    println!("registered {} items in {:?}", run.total, started.elapsed());
+    let started = std::time::Instant::now();
+    let mut count = 0;
+    pg.scan_results("r", &mut |_| count += 1).unwrap();
+    println!("scanned {count} results in {:?}", started.elapsed());
+}
+
+/// Items that take their time: the first one comes after `pause`.
+struct Slow {
+    items: Items,
+    pause: std::time::Duration,
+}
+
+impl ItemSource for Slow {
+    fn next_item(&mut self) -> Result<Option<NewItem>, CreateRunError> {
+        std::thread::sleep(std::mem::take(&mut self.pause));
+        self.items.next_item()
+    }
+
+    fn finish(&mut self) -> Result<RunIdentity, CreateRunError> {
+        self.items.finish()
+    }
+
+    fn path(&self) -> String {
+        self.items.path()
+    }
+}
+
+#[test]
+fn of_two_processes_making_one_run_the_second_is_told_it_exists() {
+    let Some(db) = Scratch::new("two_processes") else {
+        return;
+    };
+    let mut first = db.store();
+    let mut second = db.store();
+    std::thread::scope(|scope| {
+        let slow = scope.spawn(move || {
+            let mut source = Slow {
+                items: items(&["a", "b"], None),
+                pause: std::time::Duration::from_millis(800),
+            };
+            first
+                .create_run(&new_run("r", 1), &mut source)
+                .map(|r| r.total)
+        });
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        // It waits for the first's transaction, which is still pulling.
+        let err = second
+            .create_run(&new_run("r", 1), &mut items(&["x"], None))
+            .unwrap_err();
+        assert!(matches!(err, CreateRunError::RunExists(id) if id == "r"));
+        assert_eq!(slow.join().unwrap().unwrap(), 2);
+    });
+}
