@@ -580,10 +580,11 @@ fn seqs(rows: &[ItemRow]) -> Vec<u64> {
 
 /// Both stores, holding the rows of [`explored`]; `None` without a server.
 struct Both {
-    _db: Scratch,
-    _dir: tempfile::TempDir,
     pg: PgStore,
     sqlite: SqliteStore,
+    // Dropped after the stores.
+    _dir: tempfile::TempDir,
+    _db: Scratch,
 }
 
 fn both(test: &str) -> Option<Both> {
@@ -597,10 +598,10 @@ fn both(test: &str) -> Option<Both> {
     let sqlite = SqliteStore::open(&path).unwrap();
     sqlite_fill(&path, "r", &items);
     Some(Both {
-        _db: db,
-        _dir: dir,
         pg,
         sqlite,
+        _dir: dir,
+        _db: db,
     })
 }
 

@@ -47,8 +47,8 @@ fn bind(params: &mut Params, value: impl ToSql + Sync + 'static) -> String {
 /// score evalfleet stores (a value is a number, or absent).
 fn score_value(key: &str) -> String {
     format!(
-        "CASE WHEN jsonb_typeof(r.scores::jsonb -> {key} -> 'value') = 'number'
-              THEN (r.scores::jsonb -> {key} ->> 'value')::double precision END"
+        "CASE WHEN jsonb_typeof(r.scores::jsonb -> {key}::text -> 'value') = 'number'
+              THEN (r.scores::jsonb -> {key}::text ->> 'value')::double precision END"
     )
 }
 
@@ -57,9 +57,9 @@ fn score_value(key: &str) -> String {
 /// number as the row writes it, a boolean as 1 or 0, JSON null as NULL.
 fn field_text(key: &str) -> String {
     format!(
-        "CASE json_typeof(r.item::json -> {key})
-              WHEN 'boolean' THEN CASE WHEN (r.item::json ->> {key})::boolean THEN '1' ELSE '0' END
-              ELSE r.item::json ->> {key} END"
+        "CASE json_typeof(r.item::json -> {key}::text)
+              WHEN 'boolean' THEN CASE WHEN (r.item::json ->> {key}::text)::boolean THEN '1' ELSE '0' END
+              ELSE r.item::json ->> {key}::text END"
     )
 }
 
