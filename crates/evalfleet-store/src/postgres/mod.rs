@@ -12,9 +12,14 @@
 //! up to [`RECONNECT_FOR`]; transactions are written so that running one
 //! twice stores what running it once does.
 
+mod cache;
+mod call_row;
 mod calls;
+mod events;
+mod explore;
 mod kept;
 mod queue;
+mod resources;
 mod results;
 mod runs;
 pub mod schema;
@@ -108,6 +113,16 @@ pub(crate) fn opt_u64(value: Option<u64>) -> Option<i64> {
 pub(crate) fn json_column(text: Option<String>) -> Result<Option<serde_json::Value>, StoreError> {
     text.map(|t| serde_json::from_str(&t).map_err(json_err("a stored value is not JSON")))
         .transpose()
+}
+
+/// A read-only transaction that sees one snapshot of the store throughout:
+/// for reads of several statements that must agree with each other.
+pub(crate) fn snapshot(client: &mut Client) -> Result<postgres::Transaction<'_>, postgres::Error> {
+    client
+        .build_transaction()
+        .isolation_level(postgres::IsolationLevel::RepeatableRead)
+        .read_only(true)
+        .start()
 }
 
 /// A connection and what it learned of the store.
