@@ -150,9 +150,7 @@ pub fn open(location: &Location, options: &OpenOptions) -> Result<Box<dyn Store>
                     "cache.path keeps the response cache in a SQLite file of its own; a PostgreSQL store keeps it in its database (leave cache.path out)".to_owned(),
                 ));
             }
-            // PENDING: every trait of the PostgreSQL store.
-            let _ = PgStore::open(url, options.read_only)?;
-            Err(StoreError::BadLocation("pending".to_owned()))
+            Ok(Box::new(PgStore::open(url, options.read_only)?))
         }
     }
 }

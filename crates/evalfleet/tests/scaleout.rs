@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use evalfleet_mock::{MockServer, MockSettings};
-use evalfleet_testkit::postgres::{OwnServer, ScratchDb};
+use evalfleet_testkit::postgres::OwnServer;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};

@@ -156,7 +156,7 @@ pub(crate) fn tally(
 ) -> Result<Tally, postgres::Error> {
     let row = client.query_one(
         "SELECT COALESCE(SUM(done), 0)::bigint, COALESCE(SUM(failed), 0)::bigint,
-                COALESCE(SUM(generation), 0)::bigint, COALESCE(MAX(updated_at), 0)::bigint
+                COALESCE(SUM(generation), 0)::bigint
          FROM tallies WHERE rid = $1",
         &[&rid],
     )?;
@@ -164,7 +164,6 @@ pub(crate) fn tally(
         done: row.get::<_, i64>(0).max(0) as u64,
         failed: row.get::<_, i64>(1).max(0) as u64,
         generation: row.get::<_, i64>(2).max(0) as u64,
-        updated_at_ms: row.get(3),
     })
 }
 
@@ -175,9 +174,6 @@ pub(crate) struct Tally {
     pub failed: u64,
     /// Commits' part of the run's generation (add `runs.generation`).
     pub generation: u64,
-    /// The last commit's time (the run was updated at the later of this
-    /// and `runs.updated_at`).
-    pub updated_at_ms: i64,
 }
 
 /// A PostgreSQL store: one connection, for one thread at a time.

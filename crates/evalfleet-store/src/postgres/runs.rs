@@ -26,7 +26,9 @@ const BATCH: usize = 4_000;
 /// The columns [`RawRun::from_row`] reads, of `runs r`. Its generation
 /// there is its own part only: its commits' part is the sum of its
 /// `tallies` ([`COMMITS`], or [`tally`]).
-const RUN_COLUMNS: &str = "r.run_id, r.name, r.status, r.created_at, r.updated_at, r.config, r.config_dir, \
+const RUN_COLUMNS: &str = "r.run_id, r.name, r.status, r.created_at, \
+     GREATEST(r.updated_at, COALESCE((SELECT MAX(t.updated_at) FROM tallies t WHERE t.rid = r.rid), 0)), \
+     r.config, r.config_dir, \
      r.fingerprint, r.dataset, r.total, r.sessions, r.message, r.generation";
 
 /// The commits' part of run `r`'s generation, as a column.
