@@ -9,6 +9,17 @@ use std::time::{Duration, Instant};
 
 use postgres::{Client, NoTls};
 
+/// Runs `work` on a thread of its own: the blocking `postgres` client
+/// starts a runtime of its own, which it cannot do on a thread of a test's
+/// runtime (and a database dropped while such a test unwinds must not
+/// panic again).
+fn on_own_thread<R: Send>(work: impl FnOnce() -> R + Send) -> R {
+    std::thread::scope(|scope| match scope.spawn(work).join() {
+        Ok(value) => value,
+        Err(panic) => std::panic::resume_unwind(panic),
+    })
+}
+
 /// The server tests use, as a URL of a database on it that exists.
 pub fn server_url() -> String {
     std::env::var("EVALFLEET_TEST_POSTGRES")
@@ -44,6 +55,10 @@ impl ScratchDb {
     /// that exists there); `Err` says why there is none (no server
     /// answers, say).
     pub fn on(server: &str) -> Result<Self, String> {
+        on_own_thread(|| Self::make(server))
+    }
+
+    fn make(server: &str) -> Result<Self, String> {
         let mut admin = Client::connect(server, NoTls)
             .map_err(|err| format!("no PostgreSQL server answers at {server}: {err}"))?;
         let nanos = std::time::SystemTime::now()
@@ -69,7 +84,7 @@ impl ScratchDb {
         Self::on(&server_url())
     }
 
-    /// A connection to it.
+    /// A connection to it (on a thread outside any runtime).
     pub fn connect(&self) -> Client {
         #[allow(clippy::expect_used)] // a test's own database
         Client::connect(&self.url, NoTls).expect("the scratch database takes connections")
@@ -78,12 +93,13 @@ impl ScratchDb {
 
 impl Drop for ScratchDb {
     fn drop(&mut self) {
-        if let Ok(mut admin) = Client::connect(&self.admin, NoTls) {
-            let _ = admin.batch_execute(&format!(
-                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-                self.name
-            ));
-        }
+        let (admin, name) = (&self.admin, &self.name);
+        on_own_thread(|| {
+            if let Ok(mut admin) = Client::connect(admin, NoTls) {
+                let _ =
+                    admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"));
+            }
+        });
     }
 }
 
@@ -233,8 +249,9 @@ impl OwnServer {
             .map_err(|err| format!("postgres did not start: {err}"))?;
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(60);
+        let url = self.url();
         loop {
-            if Client::connect(&self.url(), NoTls).is_ok() {
+            if on_own_thread(|| Client::connect(&url, NoTls).is_ok()) {
                 return Ok(());
             }
             if let Some(child) = self.child.as_mut()

@@ -36,9 +36,19 @@ async fn export(env: &Env, url: &str, run_id: &str) -> Vec<Value> {
         .collect()
 }
 
+/// Runs `work`, which uses a blocking PostgreSQL client (its own runtime
+/// cannot start on a thread of the test's).
+fn blocking<R>(work: impl FnOnce() -> R) -> R {
+    tokio::task::block_in_place(work)
+}
+
 /// Items of the run `run_id` ended so far (0 before it is registered),
 /// read from the database directly.
 fn ended(url: &str, run_id: &str) -> i64 {
+    blocking(|| ended_here(url, run_id))
+}
+
+fn ended_here(url: &str, run_id: &str) -> i64 {
     let Ok(mut client) = postgres::Client::connect(url, postgres::NoTls) else {
         return 0;
     };
@@ -61,6 +71,10 @@ fn check_exactly_once(
     items: usize,
     server: &MockServer,
 ) -> BTreeMap<String, i64> {
+    blocking(|| check_here(url, run_id, items, server))
+}
+
+fn check_here(url: &str, run_id: &str, items: usize, server: &MockServer) -> BTreeMap<String, i64> {
     let mut client = postgres::Client::connect(url, postgres::NoTls).expect("the store answers");
     let row = client
         .query_one(
@@ -400,9 +414,10 @@ async fn three_hosts_share_a_run_through_kills_stalls_cuts_lost_commits_skewed_c
             return;
         }
     };
-    let mut admin = postgres::Client::connect(&pg.url(), postgres::NoTls).unwrap();
-    admin.batch_execute("CREATE DATABASE evals").unwrap();
-    drop(admin);
+    blocking(|| {
+        let mut admin = postgres::Client::connect(&pg.url(), postgres::NoTls).unwrap();
+        admin.batch_execute("CREATE DATABASE evals").unwrap();
+    });
     let local = pg.url_at("127.0.0.1", "evals");
 
     let env = Env::new();

@@ -176,6 +176,24 @@ pub(crate) struct Tally {
     pub generation: u64,
 }
 
+/// Runs `work`, which blocks on the `postgres` client, where blocking is
+/// allowed. The client drives its connection on a runtime of its own,
+/// which cannot be entered from a thread of another runtime: the store's
+/// methods are called from async code too (as SQLite's are, being quick),
+/// so on a worker thread of the process's (multi-threaded) runtime the
+/// work is moved out of it first (`block_in_place`), the thread's other
+/// tasks going to other workers meanwhile. Elsewhere (a blocking thread,
+/// a thread of our own) it runs as it is.
+fn outside_runtime<R>(work: impl FnOnce() -> R) -> R {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current() {
+        Ok(handle) if handle.runtime_flavor() == RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(work)
+        }
+        _ => work(),
+    }
+}
+
 /// A PostgreSQL store: one connection, for one thread at a time.
 pub struct PgStore {
     conn: Option<Conn>,
@@ -214,6 +232,10 @@ impl PgStore {
     /// (creating it in an empty database). With `read_only`, nothing is
     /// written: the schema must be there already.
     pub fn open(url: &str, read_only: bool) -> Result<Self, StoreError> {
+        outside_runtime(|| Self::open_here(url, read_only))
+    }
+
+    fn open_here(url: &str, read_only: bool) -> Result<Self, StoreError> {
         let shown = masked(url);
         let mut config: Config = url.parse().map_err(|err: postgres::Error| {
             StoreError::BadLocation(format!("'{shown}' is not a PostgreSQL URL: {err}"))
@@ -279,6 +301,14 @@ impl PgStore {
     pub(crate) fn with<T>(
         &mut self,
         context: &str,
+        work: impl FnMut(&mut Conn) -> Tx<T>,
+    ) -> Result<T, StoreError> {
+        outside_runtime(|| self.with_here(context, work))
+    }
+
+    fn with_here<T>(
+        &mut self,
+        context: &str,
         mut work: impl FnMut(&mut Conn) -> Tx<T>,
     ) -> Result<T, StoreError> {
         let started = Instant::now();
@@ -324,6 +354,16 @@ impl PgStore {
         });
         tracing::info!("Connected to the store {} again.", self.shown);
         Ok(())
+    }
+}
+
+impl Drop for PgStore {
+    fn drop(&mut self) {
+        // Closing the connection stops the client's runtime, which must
+        // happen where blocking is allowed (see `outside_runtime`).
+        if let Some(conn) = self.conn.take() {
+            outside_runtime(|| drop(conn));
+        }
     }
 }
 

@@ -82,7 +82,7 @@ fn take(
              FOR UPDATE SKIP LOCKED),
          claimed AS (
              UPDATE items i SET state = 'running', attempt = i.attempt + 1, claim_id = $4,
-                 owner = $5, lease_until = now() + $6 * interval '1 millisecond',
+                 owner = $5, lease_until = now() + $6::bigint * interval '1 millisecond',
                  not_before = NULL
              FROM picked WHERE i.rid = $1 AND i.seq = picked.seq
              RETURNING i.seq)
@@ -433,7 +433,7 @@ fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx
     }
     // Waits, for the items that go on under this claim.
     let wait = tx.prepare(
-        "UPDATE items SET not_before = now() + $4 * interval '1 millisecond'
+        "UPDATE items SET not_before = now() + $4::bigint * interval '1 millisecond'
          WHERE rid = $1 AND seq = $2 AND claim_id = $3 AND state = 'running'",
     )?;
     for (claim, w) in &batch.waits {
@@ -483,7 +483,7 @@ impl WorkQueue for PgStore {
             // One statement: every lease of the worker, and its heartbeat.
             let row = conn.client.query_one(
                 "WITH renewed AS (
-                     UPDATE items SET lease_until = now() + $3 * interval '1 millisecond'
+                     UPDATE items SET lease_until = now() + $3::bigint * interval '1 millisecond'
                      WHERE rid = $1 AND owner = $2 AND state = 'running'
                      RETURNING 1),
                  beat AS (
