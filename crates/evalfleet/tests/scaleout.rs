@@ -17,7 +17,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::process::Child;
 
-use crate::util::{Env, by_id, config, external, mock, ms, signal, wait_until};
+use crate::util::{Env, NO_HEALTH, by_id, config, external, mock, ms, signal, wait_until};
 
 /// `evalfleet ARGS --store URL` in `env`.
 async fn on(env: &Env, url: &str, args: &[&str]) -> crate::util::Ran {
@@ -384,7 +384,7 @@ fn endpoints_of_host(env: &Env, i: usize, port: u16) -> std::path::PathBuf {
     env.write(
         &format!("host{i}.yaml"),
         &format!(
-            "endpoints:\n  - {{ name: gpu, kind: external, base_url: \"http://10.231.{i}.1:{port}/v1\", model: m, concurrency: 4 }}\n"
+            "endpoints:\n  - {{ name: gpu, kind: external, base_url: \"http://10.231.{i}.1:{port}/v1\", model: m, concurrency: 4, {NO_HEALTH} }}\n"
         ),
     )
 }
@@ -437,9 +437,9 @@ async fn three_hosts_share_a_run_through_kills_stalls_cuts_lost_commits_skewed_c
         &config(
             &dataset,
             &format!(
-                "  - {{ name: gpu, kind: external, base_url: \"http://10.231.1.1:{port}/v1\", model: m, concurrency: 4 }}\n"
+                "  - {{ name: gpu, kind: external, base_url: \"http://10.231.1.1:{port}/v1\", model: m, concurrency: 4, {NO_HEALTH} }}\n"
             ),
-            "timeouts: { lease: 3s }\nwriter: { batch_size: 16, flush_interval: 20ms }\nhealth: { max_failures: 1000000 }",
+            "timeouts: { lease: 3s }\nwriter: { batch_size: 16, flush_interval: 20ms }",
         ),
     );
     let host2 = endpoints_of_host(&env, 2, port);
@@ -468,6 +468,9 @@ async fn three_hosts_share_a_run_through_kills_stalls_cuts_lost_commits_skewed_c
         ],
     );
     wait_until(ms(60_000), "the run is registered and under way", || {
+        if let Ok(Some(status)) = first.try_wait() {
+            panic!("host 1 exited early ({status})");
+        }
         ended(&local, "shared") >= 20
     })
     .await;
@@ -555,8 +558,17 @@ async fn three_hosts_share_a_run_through_kills_stalls_cuts_lost_commits_skewed_c
         said.contains("Lost the connection"),
         "host 2 noticed its lost connections: {said}"
     );
+    assert!(
+        said.contains("were refused"),
+        "host 2's results made before its stall were refused once it went on: {said}"
+    );
+    eprintln!("host 2 said:\n{said}");
 
     let by_worker = check_exactly_once(&local, "shared", ITEMS, &server);
+    eprintln!(
+        "results by worker: {by_worker:?}; commit answers lost: {}",
+        cutter.cut(3)
+    );
     assert!(
         by_worker.len() >= 3,
         "every host committed results: {by_worker:?}"

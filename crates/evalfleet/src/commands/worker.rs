@@ -101,10 +101,7 @@ async fn wait_for_runs(location: &Location, args: &WorkerArgs) -> anyhow::Result
     // Runs this worker could not work on: not tried again.
     let mut skip = HashSet::new();
     while !stop.is_cancelled() {
-        let found = {
-            let (location, skipped) = (location.clone(), skip.clone());
-            tokio::task::spawn_blocking(move || next_run(&location, &skipped)).await??
-        };
+        let found = next_run(location, &skip)?;
         let Some(run) = found else {
             if !waiting {
                 ui::note(&format!("Waiting for runs in {location} (Ctrl-C to stop)."));
