@@ -14,9 +14,7 @@ impl Events for PgStore {
         if events.is_empty() {
             return Ok(());
         }
-        self.with("cannot record an event", |conn| {
-            let rid = conn.rid(run_id)?;
-            let mut tx = conn.client.transaction()?;
+        self.with_once("cannot record an event", run_id, |tx, rid| {
             let insert = tx.prepare(
                 "INSERT INTO events (rid, at, kind, endpoint, message) VALUES ($1, $2, $3, $4, $5)",
             )?;
@@ -33,9 +31,9 @@ impl Events for PgStore {
                     ],
                 )?;
             }
-            tx.commit()?;
-            Ok(())
-        })
+            Ok(0)
+        })?;
+        Ok(())
     }
 
     fn events(&mut self, run_id: &str) -> Result<Vec<Event>, StoreError> {
@@ -164,9 +162,8 @@ impl FleetMailbox for PgStore {
         run_id: &str,
         change: &FleetChange,
     ) -> Result<FleetChange, StoreError> {
-        let id = self.with("cannot record the fleet change", |conn| {
-            let rid = conn.rid(run_id)?;
-            let row = conn.client.query_one(
+        let id = self.with_once("cannot record the fleet change", run_id, |tx, rid| {
+            let row = tx.query_one(
                 "INSERT INTO fleet_changes (rid, at, action, endpoint) VALUES ($1, $2, $3, $4)
                  RETURNING id",
                 &[

@@ -344,6 +344,54 @@ impl PgStore {
         }
     }
 
+    /// Runs `work` (a write of the run `run_id` that would store something
+    /// twice if run twice: events, a fleet change, resource samples) in
+    /// one transaction, once: when the connection is lost after its
+    /// `COMMIT` reached the server, the run again finds the token this
+    /// call drew and returns what the first run returned (`work`'s value,
+    /// say the id of what it inserted) without running `work` again.
+    pub(crate) fn with_once(
+        &mut self,
+        context: &str,
+        run_id: &str,
+        work: impl FnMut(&mut postgres::Transaction<'_>, i64) -> Tx<i64>,
+    ) -> Result<i64, StoreError> {
+        self.with_token(fastrand::i64(..), context, run_id, work)
+    }
+
+    /// [`PgStore::with_once`] under `token`.
+    fn with_token(
+        &mut self,
+        token: i64,
+        context: &str,
+        run_id: &str,
+        mut work: impl FnMut(&mut postgres::Transaction<'_>, i64) -> Tx<i64>,
+    ) -> Result<i64, StoreError> {
+        self.with(context, |conn| {
+            let rid = conn.rid(run_id)?;
+            let mut tx = conn.client.transaction()?;
+            if let Some(row) =
+                tx.query_opt("SELECT value FROM applied WHERE token = $1", &[&token])?
+            {
+                return Ok(row.get(0));
+            }
+            let value = work(&mut tx, rid)?;
+            tx.execute(
+                "INSERT INTO applied (token, value) VALUES ($1, $2)",
+                &[&token, &value],
+            )?;
+            // Now and then, the tokens of a day ago go.
+            if token % 64 == 0 {
+                tx.execute(
+                    "DELETE FROM applied WHERE at < now() - interval '1 day'",
+                    &[],
+                )?;
+            }
+            tx.commit()?;
+            Ok(value)
+        })
+    }
+
     /// Connects again after the connection was lost.
     fn reconnect(&mut self) -> Tx<()> {
         let mut client = self.config.connect(NoTls)?;
@@ -439,4 +487,57 @@ fn migrate(client: &mut Client) -> Result<(), postgres::Error> {
         &[&schema::VERSION.max(version)],
     )?;
     tx.commit()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_write_run_again_under_its_token_is_stored_once() {
+        let Some(db) = evalfleet_testkit::scratch_db!() else {
+            return;
+        };
+        let mut store = PgStore::open(&db.url, false).unwrap();
+        store
+            .with("a run", |conn| {
+                conn.client.execute(
+                    "INSERT INTO runs (run_id, name, status, created_at, updated_at, config,
+                         config_dir, fingerprint, digest, dataset, total)
+                     VALUES ('r', 'r', 'running', 0, 0, '{}', '.', '{}', '', '{}', 0)",
+                    &[],
+                )?;
+                Ok(())
+            })
+            .unwrap();
+        let mut runs = 0;
+        let mut add = |store: &mut PgStore| {
+            store
+                .with_token(42, "an event", "r", |tx, rid| {
+                    runs += 1;
+                    let row = tx.query_one(
+                        "INSERT INTO events (rid, at, kind, message) VALUES ($1, 1, 'x', 'y')
+                         RETURNING id",
+                        &[&rid],
+                    )?;
+                    Ok(row.get(0))
+                })
+                .unwrap()
+        };
+        // The second call stands for the first run again after its COMMIT
+        // got through unanswered.
+        let first = add(&mut store);
+        let again = add(&mut store);
+        assert_eq!(first, again, "the first run's value comes back");
+        assert_eq!(runs, 1);
+        let events: i64 = store
+            .with("count", |conn| {
+                Ok(conn
+                    .client
+                    .query_one("SELECT count(*) FROM events", &[])?
+                    .get(0))
+            })
+            .unwrap();
+        assert_eq!(events, 1);
+    }
 }

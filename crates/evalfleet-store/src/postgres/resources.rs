@@ -78,9 +78,7 @@ impl Resources for PgStore {
             return Ok(());
         }
         let touched: BTreeSet<&ResourceSeries> = points.iter().map(|p| &p.series).collect();
-        self.with("cannot store resource telemetry", |conn| {
-            let rid = conn.rid(run_id)?;
-            let mut tx = conn.client.transaction()?;
+        self.with_once("cannot store resource telemetry", run_id, |tx, rid| {
             // Locked in one order (the set's), so that two writers never
             // wait for each other's.
             for series in &touched {
@@ -96,7 +94,7 @@ impl Resources for PgStore {
                 )?;
             }
             for point in points {
-                insert(&mut tx, rid, point)?;
+                insert(tx, rid, point)?;
             }
             for series in &touched {
                 let source = series.source.as_str();
@@ -128,12 +126,12 @@ impl Resources for PgStore {
                     &key,
                 )?;
                 for point in &kept {
-                    insert(&mut tx, rid, point)?;
+                    insert(tx, rid, point)?;
                 }
             }
-            tx.commit()?;
-            Ok(())
-        })
+            Ok(0)
+        })?;
+        Ok(())
     }
 
     fn resource_points(

@@ -248,6 +248,15 @@ CREATE TABLE resource_points (
     samples bigint NOT NULL,
     PRIMARY KEY (rid, source, name, metric, at)
 );
+-- Writes that adding twice would change (events, fleet changes, resource
+-- samples), by a token their caller drew: a write run again because its
+-- connection was lost after COMMIT reached the server finds its token and
+-- is not stored twice. Kept a day.
+CREATE TABLE applied (
+    token bigint PRIMARY KEY,
+    value bigint NOT NULL,
+    at    timestamptz NOT NULL DEFAULT now()
+);
 "#;
 
 /// The migrations, in order; the store's version is how many were applied.
