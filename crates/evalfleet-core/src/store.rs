@@ -220,6 +220,14 @@ pub struct WorkerInfo {
     pub lease_ms: i64,
 }
 
+/// What one worker of a run committed: results of items done and failed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+pub struct WorkerWork {
+    pub worker: String,
+    pub done: u64,
+    pub failed: u64,
+}
+
 /// An item a worker claimed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PendingItem {
@@ -493,6 +501,10 @@ pub trait Runs {
     /// The run's registered workers, live or not: whether each still lives
     /// is for the reader to judge (by its process, or its heartbeat).
     fn workers(&mut self, run_id: &str) -> Result<Vec<WorkerInfo>, StoreError>;
+
+    /// What each worker that committed results of the run committed, by
+    /// worker name, whether it still lives or not.
+    fn worker_work(&mut self, run_id: &str) -> Result<Vec<WorkerWork>, StoreError>;
 }
 
 /// The work queue: items handed out by claims with a lease.

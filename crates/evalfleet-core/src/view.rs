@@ -11,7 +11,7 @@ use evalfleet_types::{
     EndpointSample, EndpointSnapshot, Event, Quantiles, RunSample, RunStatus, StateCounts,
 };
 
-use crate::store::{RunRecord, Store, StoreError, WorkerInfo};
+use crate::store::{RunRecord, Store, StoreError, WorkerInfo, WorkerWork};
 use crate::worker;
 
 /// Where a run is, as a person means it.
@@ -90,6 +90,9 @@ pub struct RunDetail {
     pub config: Value,
     pub endpoints: Option<EndpointsView>,
     pub live_workers: Vec<WorkerInfo>,
+    /// What each worker that committed results committed, live or gone:
+    /// which worker did what.
+    pub work_by_worker: Vec<WorkerWork>,
     /// The latest events, oldest first (at most [`EVENTS`]).
     pub events: Vec<Event>,
 }
@@ -167,6 +170,7 @@ pub fn detail(store: &mut dyn Store, run_id: &str) -> Result<RunDetail, StoreErr
         config: run.config.clone(),
         endpoints,
         live_workers,
+        work_by_worker: store.worker_work(run_id)?,
         events,
     })
 }

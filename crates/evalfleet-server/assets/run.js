@@ -48,6 +48,7 @@
   };
   const resourcesNote = h("div", { class: "sub", id: "resources-note" });
   const endpointsTable = h("table", { id: "endpoints" });
+  const workersCard = h("div", { class: "card", id: "workers", style: "display:none" });
   const errors = h("div", { id: "errors" });
   const log = h("div", { class: "log", id: "log" });
   const report = h("div", { id: "report" });
@@ -66,6 +67,7 @@
       h("div", { class: "row" }, h("div", { class: "grow" }, resourceCharts.memory), h("div", { class: "grow" }, resourceCharts.share)),
       resourcesNote),
     h("div", { class: "card" }, h("h2", {}, "Endpoints"), endpointsTable, errors),
+    workersCard,
     h("div", { class: "row" },
       h("div", { class: "card grow" }, h("h2", {}, "Events"), log),
       h("div", { class: "card grow" }, h("h2", {}, "Scores"), report)));
@@ -225,6 +227,21 @@
     errors.className = "sub";
   }
 
+  /** Which worker did what: shown once more than one worker committed results. */
+  function renderWorkers() {
+    const work = run.work_by_worker || [];
+    workersCard.style.display = work.length > 1 ? "" : "none";
+    if (work.length <= 1) return;
+    const live = new Set((run.live_workers || []).map((w) => w.worker));
+    workersCard.replaceChildren(h("h2", {}, "Workers"), h("table", {},
+      h("thead", {}, h("tr", {}, h("th", {}, "Worker"), h("th", { class: "num" }, "Done"),
+        h("th", { class: "num" }, "Failed"), h("th", {}, "Now"))),
+      h("tbody", {}, work.map((w) => h("tr", { "data-worker": w.worker },
+        h("td", {}, w.worker), h("td", { class: "num" }, fmt.int(w.done)),
+        h("td", { class: "num" }, fmt.int(w.failed)),
+        h("td", {}, live.has(w.worker) ? "working" : (run.state === "running" ? "gone" : "–")))))));
+  }
+
   function renderLog() {
     const newest = events.length ? `${events.length}:${events[events.length - 1].at_ms}` : "";
     if (log.dataset.newest === newest) return;
@@ -260,7 +277,7 @@
     });
     source.addEventListener("update", (m) => {
       const u = JSON.parse(m.data);
-      run = { ...run, ...u.run }; endpoints = u.endpoints; events = events.concat(u.events).slice(-LOG);
+      run = { ...run, ...u.run, work_by_worker: u.work_by_worker }; endpoints = u.endpoints; events = events.concat(u.events).slice(-LOG);
       points = points.concat(u.points).slice(-WINDOW);
       renderAll();
       if (u.run.state !== "running") { source.close(); loadReport(); }
@@ -277,7 +294,7 @@
   }
 
   function renderAll() {
-    renderHeader(); renderCharts(); renderEndpoints(); renderLog();
+    renderHeader(); renderCharts(); renderEndpoints(); renderWorkers(); renderLog();
     loadResources(run.state !== "running" && !report.dataset.loaded);
     if (run.state !== "running" && !report.dataset.loaded) { report.dataset.loaded = "1"; loadReport(); }
   }

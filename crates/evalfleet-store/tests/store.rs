@@ -590,6 +590,7 @@ fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
          ALTER TABLE results DROP COLUMN images;
          DROP TABLE agent_calls;
          ALTER TABLE items DROP COLUMN not_before;
+         DROP TABLE worker_tallies;
          PRAGMA user_version = 1;",
     )
     .unwrap();

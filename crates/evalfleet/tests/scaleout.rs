@@ -576,4 +576,17 @@ async fn three_hosts_share_a_run_through_kills_stalls_cuts_lost_commits_skewed_c
     let status = on(&env, &local, &["status", "shared", "--json"]).await;
     let status: Value = serde_json::from_str(&status.stdout).unwrap();
     assert_eq!(status["status"], "finished", "{status}");
+    // Which worker did what, as `status` shows it: the same split.
+    let shown: BTreeMap<String, i64> = status["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| {
+            (
+                w["worker"].as_str().unwrap().to_owned(),
+                w["done"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(shown, by_worker, "{status}");
 }

@@ -100,6 +100,15 @@ async fn two_processes_share_one_sqlite_run_and_finish_it_exactly_once() {
     let record = env.store().run("shared").unwrap();
     assert_eq!(record.status, RunStatus::Finished);
     assert_eq!(record.sessions, 2);
+    // `status` says which worker did what: the two, adding up.
+    let status = env.evalfleet(&["status", "shared", "--json"]).await;
+    let status: serde_json::Value = serde_json::from_str(&status.stdout).unwrap();
+    let workers = status["workers"].as_array().unwrap();
+    assert_eq!(workers.len(), 2, "{status}");
+    let done: u64 = workers.iter().map(|w| w["done"].as_u64().unwrap()).sum();
+    assert_eq!(done, ITEMS as u64, "{status}");
+    let text = env.evalfleet(&["status", "shared"]).await.stdout;
+    assert!(text.contains("WORKER"), "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

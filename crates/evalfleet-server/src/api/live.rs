@@ -146,6 +146,8 @@ pub struct Update {
     pub points: Vec<TimelinePoint>,
     /// New events.
     pub events: Vec<Event>,
+    /// What each worker has committed so far.
+    pub work_by_worker: Vec<evalfleet_core::store::WorkerWork>,
 }
 
 /// What a message of a stream carries, as its `data` (JSON): a
@@ -270,12 +272,14 @@ async fn next(state: &Arc<AppState>, cursor: &mut Cursor) -> Result<Option<SseEv
             let all = store.events(&run_id)?;
             let count = all.len();
             let events = all.into_iter().skip(seen).collect();
+            let work_by_worker = store.worker_work(&run_id)?;
             Ok((
                 Update {
                     run,
                     endpoints,
                     points,
                     events,
+                    work_by_worker,
                 },
                 count,
             ))

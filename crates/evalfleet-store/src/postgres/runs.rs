@@ -12,7 +12,7 @@ use evalfleet_core::dataset::DatasetIdentity;
 use evalfleet_core::fingerprint::Fingerprint;
 use evalfleet_core::store::{
     CreateRunError, ItemSource, NewItem, NewRun, RunRecord, Runs, SessionStart, StoreError,
-    WorkerInfo,
+    WorkerInfo, WorkerWork,
 };
 use evalfleet_types::{RunStatus, StateCounts, now_ms};
 use postgres::{GenericClient, IsolationLevel, Row, Transaction};
@@ -449,12 +449,13 @@ impl Runs for PgStore {
                 )?
                 .try_get(0)?;
             if reset > 0 {
-                // The items put back are no longer failed: taken off this
-                // worker's row, as the sums are what count.
+                // The items put back are no longer failed: taken off the
+                // run's own row (worker ''), as the sums are what count; a
+                // worker's row keeps what it committed.
                 tx.execute(
-                    "INSERT INTO tallies (rid, worker, failed) VALUES ($1, $2, $3)
+                    "INSERT INTO tallies (rid, worker, failed) VALUES ($1, '', $2)
                      ON CONFLICT (rid, worker) DO UPDATE SET failed = tallies.failed + EXCLUDED.failed",
-                    &[&rid, &me.worker, &-(reset as i64)],
+                    &[&rid, &-(reset as i64)],
                 )?;
             }
             tx.execute(
@@ -518,6 +519,25 @@ impl Runs for PgStore {
             let counts = counts_in(&mut tx, rid, run_id)?;
             tx.commit()?;
             Ok(counts)
+        })
+    }
+
+    fn worker_work(&mut self, run_id: &str) -> Result<Vec<WorkerWork>, StoreError> {
+        self.with("cannot read what the workers did", |conn| {
+            let rid = conn.rid(run_id)?;
+            let rows = conn.client.query(
+                "SELECT worker, done, failed FROM tallies
+                 WHERE rid = $1 AND worker <> '' ORDER BY worker",
+                &[&rid],
+            )?;
+            Ok(rows
+                .iter()
+                .map(|row| WorkerWork {
+                    worker: row.get(0),
+                    done: row.get::<_, i64>(1).max(0) as u64,
+                    failed: row.get::<_, i64>(2).max(0) as u64,
+                })
+                .collect())
         })
     }
 

@@ -542,6 +542,15 @@ impl WorkQueue for SqliteStore {
             )
             .map_err(db_err("cannot update the run"))?;
         }
+        if done + failed > 0 {
+            tx.execute(
+                "INSERT INTO worker_tallies (rid, worker, done, failed) VALUES (?1, ?2, ?3, ?4)
+                 ON CONFLICT (rid, worker) DO UPDATE SET done = done + excluded.done,
+                     failed = failed + excluded.failed",
+                params![rid, worker, done, failed],
+            )
+            .map_err(db_err("cannot count the worker's results"))?;
+        }
         tx.commit().map_err(db_err("cannot commit a batch"))?;
         Ok(Committed {
             results: (done + failed) as u64,

@@ -4,6 +4,7 @@ use evalfleet_core::dataset::DatasetIdentity;
 use evalfleet_core::fingerprint::Fingerprint;
 use evalfleet_core::store::{
     CreateRunError, ItemSource, NewRun, RunRecord, Runs, SessionStart, StoreError, WorkerInfo,
+    WorkerWork,
 };
 use evalfleet_types::{RunStatus, StateCounts, now_ms};
 use rusqlite::{ErrorCode, OptionalExtension, Transaction, params};
@@ -320,6 +321,29 @@ impl Runs for SqliteStore {
             done: done as u64,
             failed: failed as u64,
         })
+    }
+
+    fn worker_work(&mut self, run_id: &str) -> Result<Vec<WorkerWork>, StoreError> {
+        let rid = self.rid(run_id)?;
+        let err = db_err("cannot read what the workers did");
+        let mut stmt = self
+            .conn
+            .prepare_cached(
+                "SELECT worker, done, failed FROM worker_tallies WHERE rid = ?1 ORDER BY worker",
+            )
+            .map_err(&err)?;
+        let rows = stmt
+            .query_map([rid], |row| {
+                Ok(WorkerWork {
+                    worker: row.get(0)?,
+                    done: row.get::<_, i64>(1)?.max(0) as u64,
+                    failed: row.get::<_, i64>(2)?.max(0) as u64,
+                })
+            })
+            .map_err(&err)?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(&err);
+        rows
     }
 
     fn workers(&mut self, run_id: &str) -> Result<Vec<WorkerInfo>, StoreError> {

@@ -282,8 +282,18 @@ CREATE TABLE agent_calls (
 /// 13: how long an item waits before it is sent again (a server's
 /// `Retry-After`, a backoff), as the time it may be claimed from (ms since
 /// the epoch; NULL: at once), so that a worker that takes it after
-/// another stopped waits it out too.
-const NOT_BEFORE: &str = "ALTER TABLE items ADD COLUMN not_before INTEGER;";
+/// another stopped waits it out too; and what each worker committed
+/// (results done and failed), kept by its commits.
+const NOT_BEFORE: &str = "
+ALTER TABLE items ADD COLUMN not_before INTEGER;
+CREATE TABLE worker_tallies (
+    rid    INTEGER NOT NULL REFERENCES runs(rid),
+    worker TEXT NOT NULL,
+    done   INTEGER NOT NULL DEFAULT 0,
+    failed INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (rid, worker)
+);
+";
 
 /// The schema version a store has once every migration ran.
 pub const VERSION: usize = 13;

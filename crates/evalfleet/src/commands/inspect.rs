@@ -100,6 +100,11 @@ pub fn status(args: StatusArgs) -> anyhow::Result<u8> {
     let endpoints = report::endpoints(&mut *store, &args.run_id)?;
     let states = store.endpoint_states(&args.run_id)?;
     let events = store.events(&args.run_id)?;
+    let live: Vec<String> = worker::live_workers(&mut *store, &args.run_id)?
+        .into_iter()
+        .map(|w| w.worker)
+        .collect();
+    let by_worker = store.worker_work(&args.run_id)?;
     if args.json {
         let value = json!({
             "run_id": run.run_id,
@@ -120,6 +125,12 @@ pub fn status(args: StatusArgs) -> anyhow::Result<u8> {
                 "live": active,
                 "endpoints": s.endpoints,
             })),
+            "workers": by_worker.iter().map(|w| json!({
+                "worker": w.worker,
+                "done": w.done,
+                "failed": w.failed,
+                "live": live.contains(&w.worker),
+            })).collect::<Vec<_>>(),
             "events": events,
         });
         println!("{}", serde_json::to_string_pretty(&value)?);
@@ -127,6 +138,29 @@ pub fn status(args: StatusArgs) -> anyhow::Result<u8> {
     }
     print_status(&run, &status, counts, &endpoints, states.as_ref(), active);
     let mut out = io::stdout().lock();
+    // Which worker did what, once more than one did.
+    if by_worker.len() > 1 {
+        let _ = writeln!(out, "\nworkers");
+        let mut rows = vec![[
+            "WORKER".to_owned(),
+            "DONE".to_owned(),
+            "FAILED".to_owned(),
+            "NOW".to_owned(),
+        ]];
+        for w in &by_worker {
+            rows.push([
+                w.worker.clone(),
+                w.done.to_string(),
+                w.failed.to_string(),
+                if live.contains(&w.worker) {
+                    "working".to_owned()
+                } else {
+                    "gone".to_owned()
+                },
+            ]);
+        }
+        print_table(&rows);
+    }
     if !events.is_empty() {
         let _ = writeln!(out, "\nevents (last 10 of {}):", events.len());
         for event in events.iter().rev().take(10).rev() {
