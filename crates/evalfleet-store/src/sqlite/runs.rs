@@ -332,18 +332,16 @@ impl Runs for SqliteStore {
                 "SELECT worker, done, failed FROM worker_tallies WHERE rid = ?1 ORDER BY worker",
             )
             .map_err(&err)?;
-        let rows = stmt
-            .query_map([rid], |row| {
-                Ok(WorkerWork {
-                    worker: row.get(0)?,
-                    done: row.get::<_, i64>(1)?.max(0) as u64,
-                    failed: row.get::<_, i64>(2)?.max(0) as u64,
-                })
+        stmt.query_map([rid], |row| {
+            Ok(WorkerWork {
+                worker: row.get(0)?,
+                done: row.get::<_, i64>(1)?.max(0) as u64,
+                failed: row.get::<_, i64>(2)?.max(0) as u64,
             })
-            .map_err(&err)?
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(&err);
-        rows
+        })
+        .map_err(&err)?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(&err)
     }
 
     fn workers(&mut self, run_id: &str) -> Result<Vec<WorkerInfo>, StoreError> {
