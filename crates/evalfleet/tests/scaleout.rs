@@ -590,3 +590,89 @@ async fn three_hosts_share_a_run_through_kills_stalls_cuts_lost_commits_skewed_c
         .collect();
     assert_eq!(shown, by_worker, "{status}");
 }
+
+/// The attempts of item `seq` of run `run_id`: (sent at, HTTP status), in
+/// order, from a SQLite file or a PostgreSQL database.
+fn attempts_of(store: &str, run_id: &str, seq: i64) -> Vec<(i64, Option<i32>)> {
+    const SQL: &str = "SELECT a.sent_at, a.http_status FROM attempts a JOIN runs r ON r.rid = a.rid
+                       WHERE r.run_id = $1 AND a.seq = $2 ORDER BY a.attempt";
+    if store.starts_with("postgres://") {
+        return blocking(|| {
+            let Ok(mut client) = postgres::Client::connect(store, postgres::NoTls) else {
+                return Vec::new();
+            };
+            let sql = SQL
+                .replace("FROM attempts", "FROM evalfleet.attempts")
+                .replace("JOIN runs", "JOIN evalfleet.runs");
+            client
+                .query(&sql, &[&run_id, &seq])
+                .map(|rows| rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+                .unwrap_or_default()
+        });
+    }
+    let Ok(conn) = rusqlite::Connection::open(store) else {
+        return Vec::new();
+    };
+    conn.busy_timeout(Duration::from_secs(30)).unwrap();
+    let Ok(mut stmt) = conn.prepare(&SQL.replace('$', "?")) else {
+        return Vec::new();
+    };
+    stmt.query_map(rusqlite::params![run_id, seq], |row| {
+        Ok((row.get(0)?, row.get(1)?))
+    })
+    .unwrap()
+    .map(Result::unwrap)
+    .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_servers_retry_after_outlives_the_worker_that_heard_it() {
+    let db = evalfleet_testkit::scratch_db!();
+    let env = Env::new();
+    let sqlite = env.path("runs/evalfleet.db").display().to_string();
+    let mut stores = vec![sqlite];
+    stores.extend(db.as_ref().map(|db| db.url.clone()));
+    for (n, store) in stores.iter().enumerate() {
+        // One request every 3 s: the second item is refused with a
+        // Retry-After of about 3 s.
+        let dataset = env.dataset(&format!("items{n}.jsonl"), 2);
+        let server = mock(MockSettings {
+            rpm: Some(20),
+            burst: 1,
+            ..MockSettings::default()
+        })
+        .await;
+        env.write(
+            "run.yaml",
+            &config(
+                &dataset,
+                &external("m", &server, 1),
+                "writer: { batch_size: 1, flush_interval: 10ms }",
+            ),
+        );
+        let run_id = format!("r{n}");
+        let mut first = env.spawn(&[
+            "run", "run.yaml", "-q", "--run-id", &run_id, "--store", store,
+        ]);
+        // The 429 is stored with its wait; the worker dies before the wait
+        // is over.
+        wait_until(ms(30_000), "the second item's 429 is stored", || {
+            attempts_of(store, &run_id, 2)
+                .first()
+                .is_some_and(|a| a.1 == Some(429))
+        })
+        .await;
+        signal(&first, "KILL").await;
+        let _ = first.wait().await;
+        let refused_at = attempts_of(store, &run_id, 2)[0].0;
+        let resumed = on(&env, store, &["resume", &run_id, "-q"]).await;
+        assert_eq!(resumed.code, Some(0), "{store}: {}", resumed.stderr);
+        let tries = attempts_of(store, &run_id, 2);
+        assert!(tries.len() >= 2, "{store}: {tries:?}");
+        assert!(
+            tries[1].0 - refused_at >= 2_900,
+            "{store}: the resumed worker waited out the Retry-After its predecessor heard: {tries:?}"
+        );
+        assert_eq!(tries.last().unwrap().1, Some(200), "{store}: {tries:?}");
+    }
+}
