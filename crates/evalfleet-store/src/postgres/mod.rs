@@ -13,6 +13,7 @@
 //! twice stores what running it once does.
 
 mod queue;
+mod quotas;
 pub mod schema;
 
 use std::collections::HashMap;
