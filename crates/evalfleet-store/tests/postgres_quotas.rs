@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::sync::{Arc, Barrier};
+use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use evalfleet_core::store::{QuotaKind, Quotas, SharedQuota};
@@ -31,32 +31,34 @@ fn race(
     span: Duration,
     nap: Duration,
 ) -> (u64, Duration) {
-    let start = Arc::new(Barrier::new(threads + 1));
-    let workers: Vec<_> = (0..threads)
-        .map(|_| {
-            let (url, quota, start) = (url.to_owned(), quota.clone(), start.clone());
-            std::thread::spawn(move || {
-                let mut store = PgStore::open(&url, false).unwrap();
-                start.wait();
-                let began = Instant::now();
-                let mut granted = 0;
-                while began.elapsed() < span {
-                    let got = store.take_quota(&quota, chunk).unwrap();
-                    assert!(got.units <= chunk);
-                    granted += got.units;
-                    if got.units == 0 {
-                        assert!(!got.wait.is_zero(), "a refusal says how long to wait");
-                        std::thread::sleep(got.wait.min(nap));
+    let start = Barrier::new(threads + 1);
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                let start = &start;
+                scope.spawn(move || {
+                    let mut store = PgStore::open(url, false).unwrap();
+                    start.wait();
+                    let began = Instant::now();
+                    let mut granted = 0;
+                    while began.elapsed() < span {
+                        let got = store.take_quota(quota, chunk).unwrap();
+                        assert!(got.units <= chunk);
+                        granted += got.units;
+                        if got.units == 0 {
+                            assert!(!got.wait.is_zero(), "a refusal says how long to wait");
+                            std::thread::sleep(got.wait.min(nap));
+                        }
                     }
-                }
-                granted
+                    granted
+                })
             })
-        })
-        .collect();
-    start.wait();
-    let began = Instant::now();
-    let granted = workers.into_iter().map(|w| w.join().unwrap()).sum();
-    (granted, began.elapsed())
+            .collect();
+        start.wait();
+        let began = Instant::now();
+        let granted = workers.into_iter().map(|w| w.join().unwrap()).sum();
+        (granted, began.elapsed())
+    })
 }
 
 #[test]
