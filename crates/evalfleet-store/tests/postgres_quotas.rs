@@ -1,15 +1,22 @@
 //! Shared quotas on PostgreSQL: workers taking from one quota at once
 //! together stay within its rate and burst, a cool-down stops every worker,
-//! refunds and charges move what is left. Each test has a database of its
-//! own on the machine's server, and skips when none answers.
+//! refunds and charges move what is left; and the workers' shared rate
+//! limiters, calling as fast as they may, keep together to the quota. Each
+//! test has a database of its own on the machine's server, and skips when
+//! none answers.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::sync::Barrier;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
+use evalfleet_core::config::Secret;
+use evalfleet_core::fleet::{Endpoint, call, shared_rate};
 use evalfleet_core::store::{QuotaKind, Quotas, SharedQuota};
 use evalfleet_store::PgStore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 fn quota(kind: QuotaKind, per_minute: u64) -> SharedQuota {
     SharedQuota {
@@ -177,5 +184,99 @@ fn refunds_give_units_back_and_charges_take_more() {
         owed.wait > Duration::from_millis(1800) && owed.wait <= Duration::from_millis(2100),
         "{:?}",
         owed.wait
+    );
+}
+
+/// A hosted endpoint with API key `key`, at `rpm` calls a minute.
+fn endpoint(key: &str, rpm: u32) -> Arc<Endpoint> {
+    // The config names a dataset that exists; nothing reads it.
+    let dataset = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+    let config = serde_json::json!({
+        "name": "t",
+        "dataset": {"path": dataset, "format": "jsonl"},
+        "endpoints": [{"name": "hosted", "kind": "external",
+                       "base_url": "https://api.example.invalid/v1", "model": "gpt-test"}],
+        "task": {"messages": [{"role": "user", "content": "{{ q }}"}]},
+    });
+    let mut config = evalfleet_core::config::load_snapshot(&config, std::path::Path::new("."))
+        .unwrap()
+        .config
+        .endpoints
+        .remove(0);
+    config.api_key = Some(Secret::new(key));
+    config.rpm = Some(rpm);
+    Arc::new(Endpoint::new(&config, Duration::from_secs(10)))
+}
+
+#[test]
+fn workers_sharing_a_key_keep_together_to_its_rpm() {
+    let Some(db) = evalfleet_testkit::scratch_db!() else {
+        return;
+    };
+    // A PostgreSQL connection blocks: opened here, used and closed on the
+    // blocking pool.
+    let stores: Vec<_> = (0..3)
+        .map(|_| PgStore::open(&db.url, false).unwrap())
+        .collect();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(shared_limiters_keep_to_the_quota(stores));
+}
+
+async fn shared_limiters_keep_to_the_quota(stores: Vec<PgStore>) {
+    // Three workers of one key at 600 a minute (10 a second, a burst of
+    // 10), each calling as fast as its limiters let it, from four tasks:
+    // each alone would send 10 a second.
+    let tracker = TaskTracker::new();
+    let stop = CancellationToken::new();
+    let workers: Vec<Arc<Endpoint>> = stores
+        .into_iter()
+        .map(|store| {
+            let endpoint = endpoint("sk-shared", 600);
+            let sharing = shared_rate::share(
+                std::slice::from_ref(&endpoint),
+                Box::new(store),
+                &tracker,
+                stop.clone(),
+            );
+            assert_eq!(sharing, 1);
+            endpoint
+        })
+        .collect();
+    let sent = Arc::new(AtomicU64::new(0));
+    let span = Duration::from_secs(2);
+    let began = Instant::now();
+    let halt = CancellationToken::new();
+    for endpoint in &workers {
+        for _ in 0..4 {
+            let (endpoint, sent, halt) = (endpoint.clone(), sent.clone(), halt.clone());
+            tracker.spawn(async move {
+                while call::pace(&endpoint, 1, &halt).await {
+                    if began.elapsed() >= span {
+                        return;
+                    }
+                    sent.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+        }
+    }
+    tokio::time::sleep(span).await;
+    let elapsed = began.elapsed();
+    halt.cancel();
+    stop.cancel();
+    tracker.close();
+    tracker.wait().await;
+    let sent = sent.load(Ordering::Relaxed);
+    let most = 10.0 * elapsed.as_secs_f64() + 10.0;
+    assert!(
+        sent as f64 <= most,
+        "{sent} calls in {elapsed:?}: more than {most}"
+    );
+    assert!(
+        sent as f64 >= 0.7 * most,
+        "{sent} calls in {elapsed:?}: far below {most}"
     );
 }

@@ -249,7 +249,8 @@ impl Drop for Taking<'_> {
 /// Runs the store calls, one at a time on the blocking pool, and decides
 /// when the store is out of reach.
 struct Broker {
-    store: Arc<tokio::sync::Mutex<QuotaStore>>,
+    /// `None` once the sweeper has closed it.
+    store: Arc<tokio::sync::Mutex<Option<QuotaStore>>>,
     tracker: TaskTracker,
     reach: Mutex<Reach>,
 }
@@ -263,6 +264,16 @@ struct Reach {
 }
 
 impl Broker {
+    /// Closes the store connection, on the blocking pool: a connection may
+    /// block as it closes (PostgreSQL's says goodbye to the server). Later
+    /// calls get `None`.
+    async fn close(&self) {
+        let store = self.store.lock().await.take();
+        if let Some(store) = store {
+            let _ = self.tracker.spawn_blocking(move || drop(store)).await;
+        }
+    }
+
     fn reach(&self) -> MutexGuard<'_, Reach> {
         self.reach.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -283,7 +294,14 @@ impl Broker {
         let (store, tracker) = (self.store.clone(), self.tracker.clone());
         let work = async move {
             let mut store = store.lock_owned().await;
-            tracker.spawn_blocking(move || op(&mut **store)).await
+            tracker
+                .spawn_blocking(move || match store.as_mut() {
+                    Some(store) => op(&mut **store),
+                    None => Err(StoreError::Invariant(
+                        "the shared quotas' store connection is closed".into(),
+                    )),
+                })
+                .await
         };
         let why = match tokio::time::timeout(PATIENCE, work).await {
             Ok(Ok(Ok(value))) => {
@@ -391,12 +409,6 @@ pub fn share(
     tracker: &TaskTracker,
     stop: CancellationToken,
 ) -> usize {
-    let broker = Arc::new(Broker {
-        store: Arc::new(tokio::sync::Mutex::new(store)),
-        tracker: tracker.clone(),
-        reach: Mutex::new(Reach::default()),
-    });
-    let wake = Arc::new(Notify::new());
     // One pool per key, model and kind, at the lowest limit its endpoints
     // name.
     let mut quotas: HashMap<(String, String, QuotaKind), SharedQuota> = HashMap::new();
@@ -414,6 +426,18 @@ pub fn share(
         .into_iter()
         .map(|(id, quota)| (id, Arc::new(Pool::new(quota))))
         .collect();
+    if pools.is_empty() {
+        // Closed on the blocking pool, as a connection may block as it
+        // closes.
+        tracker.spawn_blocking(move || drop(store));
+        return 0;
+    }
+    let broker = Arc::new(Broker {
+        store: Arc::new(tokio::sync::Mutex::new(Some(store))),
+        tracker: tracker.clone(),
+        reach: Mutex::new(Reach::default()),
+    });
+    let wake = Arc::new(Notify::new());
     let mut sharing = 0;
     for endpoint in endpoints {
         let pool = |kind| {
@@ -435,9 +459,7 @@ pub fn share(
             sharing += 1;
         }
     }
-    if !pools.is_empty() {
-        tracker.spawn(sweep(pools.into_values().collect(), broker, wake, stop));
-    }
+    tracker.spawn(sweep(pools.into_values().collect(), broker, wake, stop));
     sharing
 }
 
@@ -481,6 +503,7 @@ async fn sweep(
             }
         }
         if stopping {
+            broker.close().await;
             return;
         }
     }
