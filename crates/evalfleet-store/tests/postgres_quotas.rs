@@ -280,3 +280,26 @@ async fn shared_limiters_keep_to_the_quota(stores: Vec<PgStore>) {
         "{sent} calls in {elapsed:?}: far below {most}"
     );
 }
+
+#[test]
+fn a_store_made_before_shared_quotas_gets_them_when_opened() {
+    let Some(db) = evalfleet_testkit::scratch_db!() else {
+        return;
+    };
+    drop(PgStore::open(&db.url, false).unwrap());
+    // The store as the first schema left it.
+    db.connect()
+        .batch_execute(
+            "DROP TABLE evalfleet.quotas; UPDATE evalfleet.schema_version SET version = 1",
+        )
+        .unwrap();
+    let mut store = PgStore::open(&db.url, false).unwrap();
+    let requests = quota(QuotaKind::Requests, 60);
+    assert_eq!(store.take_quota(&requests, 5).unwrap().units, 1);
+    let version: i32 = db
+        .connect()
+        .query_one("SELECT version FROM evalfleet.schema_version", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(version, evalfleet_store::POSTGRES_SCHEMA_VERSION);
+}
