@@ -165,6 +165,10 @@ impl Held {
     }
 }
 
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 fn count(units: u64) -> i64 {
     i64::try_from(units).unwrap_or(i64::MAX)
 }
@@ -193,7 +197,7 @@ impl Pool {
     }
 
     fn held(&self) -> MutexGuard<'_, Held> {
-        self.held.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.held)
     }
 
     fn unit(&self) -> Duration {
@@ -252,7 +256,7 @@ struct Broker {
     /// `None` once the sweeper has closed it.
     store: Arc<tokio::sync::Mutex<Option<QuotaStore>>>,
     tracker: TaskTracker,
-    reach: Mutex<Reach>,
+    reach: Arc<Mutex<Reach>>,
 }
 
 #[derive(Debug, Default)]
@@ -261,6 +265,11 @@ struct Reach {
     alone_until: Option<Instant>,
     /// Whether that was said (once, until the store answers again).
     said: bool,
+    /// When the store call under way started (on the blocking pool's
+    /// clock): one that outlived [`PATIENCE`] (a connection being made
+    /// again, for minutes) holds the connection, and the calls after it
+    /// go on without waiting for it.
+    busy_since: Option<std::time::Instant>,
 }
 
 impl Broker {
@@ -275,7 +284,7 @@ impl Broker {
     }
 
     fn reach(&self) -> MutexGuard<'_, Reach> {
-        self.reach.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.reach)
     }
 
     /// Runs `op` on the store; `None` when the store failed or did not
@@ -284,22 +293,33 @@ impl Broker {
         &self,
         op: impl FnOnce(&mut dyn Quotas) -> Result<T, StoreError> + Send + 'static,
     ) -> Option<T> {
-        if self
-            .reach()
-            .alone_until
-            .is_some_and(|until| Instant::now() < until)
         {
-            return None;
+            let reach = self.reach();
+            let alone = reach
+                .alone_until
+                .is_some_and(|until| Instant::now() < until);
+            let stuck = reach
+                .busy_since
+                .is_some_and(|since| since.elapsed() >= PATIENCE);
+            if alone || stuck {
+                return None;
+            }
         }
-        let (store, tracker) = (self.store.clone(), self.tracker.clone());
+        let (store, tracker, reach) =
+            (self.store.clone(), self.tracker.clone(), self.reach.clone());
         let work = async move {
             let mut store = store.lock_owned().await;
             tracker
-                .spawn_blocking(move || match store.as_mut() {
-                    Some(store) => op(&mut **store),
-                    None => Err(StoreError::Invariant(
-                        "the shared quotas' store connection is closed".into(),
-                    )),
+                .spawn_blocking(move || {
+                    lock(&reach).busy_since = Some(std::time::Instant::now());
+                    let done = match store.as_mut() {
+                        Some(store) => op(&mut **store),
+                        None => Err(StoreError::Invariant(
+                            "the shared quotas' store connection is closed".into(),
+                        )),
+                    };
+                    lock(&reach).busy_since = None;
+                    done
                 })
                 .await
         };
@@ -309,7 +329,8 @@ impl Broker {
                 if reach.said {
                     tracing::info!("The store answers again: quotas are shared again.");
                 }
-                *reach = Reach::default();
+                reach.alone_until = None;
+                reach.said = false;
                 return Some(value);
             }
             Ok(Ok(Err(err))) => evalfleet_types::error_text(&err),
@@ -435,7 +456,7 @@ pub fn share(
     let broker = Arc::new(Broker {
         store: Arc::new(tokio::sync::Mutex::new(Some(store))),
         tracker: tracker.clone(),
-        reach: Mutex::new(Reach::default()),
+        reach: Arc::new(Mutex::new(Reach::default())),
     });
     let wake = Arc::new(Notify::new());
     let mut sharing = 0;
@@ -596,6 +617,9 @@ mod tests {
         budget: u64,
         wait: Duration,
         fail: bool,
+        /// The next call blocks this long first (a connection being made
+        /// again).
+        hang: Option<Duration>,
         takes: Vec<(QuotaKind, u64)>,
         refunds: Vec<(QuotaKind, i64)>,
         cools: Vec<(QuotaKind, Duration)>,
@@ -610,6 +634,10 @@ mod tests {
         }
 
         fn called(&self) -> Result<MutexGuard<'_, Script>, StoreError> {
+            let hang = self.script().hang.take();
+            if let Some(hang) = hang {
+                std::thread::sleep(hang);
+            }
             let mut script = self.script();
             script.calls += 1;
             if script.fail {
@@ -858,6 +886,32 @@ mod tests {
         setup.limit(0).acquire(1).await;
         assert_eq!(setup.script().takes, vec![(QuotaKind::Requests, 1)]);
         setup.stop().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_store_that_does_not_answer_is_not_waited_for_long() {
+        // Real time: the store blocks on the blocking pool, for longer
+        // than a call waits for it.
+        let setup = Setup::new(
+            &[(Some(600), None)],
+            Script {
+                budget: u64::MAX,
+                hang: Some(PATIENCE + Duration::from_secs(1)),
+                ..Script::default()
+            },
+        );
+        let began = std::time::Instant::now();
+        setup.limit(0).acquire(1).await;
+        let waited = began.elapsed();
+        assert!(
+            waited >= PATIENCE && waited < PATIENCE + ms(500),
+            "{waited:?}"
+        );
+        // The next calls go at once, without asking.
+        setup.limit(0).acquire(1).await;
+        assert!(began.elapsed() < PATIENCE + ms(500));
+        setup.stop().await;
+        assert_eq!(setup.script().takes, vec![(QuotaKind::Requests, 1)]);
     }
 
     #[test]
