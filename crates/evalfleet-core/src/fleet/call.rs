@@ -50,13 +50,20 @@ pub fn cost(messages: &RawValue, max_tokens: u64) -> u64 {
     messages.get().len() as u64 / 4 + max_tokens
 }
 
-/// Waits for a token of `endpoint`'s rate limits worth `cost`; `false` once
-/// `halt` is cancelled.
+/// Waits for a token of `endpoint`'s rate limits worth `cost`, then for
+/// its share of its API key's quotas when other workers share them;
+/// `false` once `halt` is cancelled.
 pub async fn pace(endpoint: &Endpoint, cost: u64, halt: &CancellationToken) -> bool {
+    let paced = async {
+        endpoint.rate.acquire(cost).await;
+        if let Some(shared) = endpoint.shared.get() {
+            shared.acquire(cost).await;
+        }
+    };
     tokio::select! {
         biased;
         () = halt.cancelled() => false,
-        () = endpoint.rate.acquire(cost) => true,
+        () = paced => true,
     }
 }
 
@@ -217,6 +224,9 @@ pub async fn send_with(
                 (completion.prompt_tokens, completion.completion_tokens)
             {
                 endpoint.rate.correct(cost, prompt + completion);
+                if let Some(shared) = endpoint.shared.get() {
+                    shared.correct(cost, prompt + completion);
+                }
             }
         }
         Err(err) => {
@@ -224,6 +234,9 @@ pub async fn send_with(
             if rate_limited {
                 for event in endpoint.rate.on_rate_limited(now, err.retry_after()) {
                     fleet.rate_event(&endpoint, event);
+                }
+                if let Some(shared) = endpoint.shared.get() {
+                    shared.on_rate_limited(err.retry_after());
                 }
             }
         }

@@ -18,12 +18,13 @@ pub mod procs;
 pub mod prometheus;
 pub mod rate;
 pub mod runtime;
+pub mod shared_rate;
 pub mod turn;
 pub mod watchdog;
 pub mod window;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -167,6 +168,9 @@ pub struct Endpoint {
     pub config: EndpointConfig,
     pub limit: Arc<ConcurrencyLimit>,
     pub rate: RateLimiter,
+    /// Its share of its API key's quotas, when the run's store shares them
+    /// with other workers ([`shared_rate`]): taken as well as `rate`.
+    pub shared: OnceLock<shared_rate::SharedLimit>,
     pub counters: Arc<EndpointCounters>,
     /// Per-attempt timeout.
     pub timeout: Duration,
@@ -227,6 +231,7 @@ impl Endpoint {
             model: config.model.clone(),
             limit,
             rate: RateLimiter::new(config.rpm, config.tpm, now),
+            shared: OnceLock::new(),
             counters: Arc::new(EndpointCounters::default()),
             timeout: config.timeout.unwrap_or(default_timeout),
             client: RwLock::new(None),

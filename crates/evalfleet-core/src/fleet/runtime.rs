@@ -210,6 +210,30 @@ impl Fleet {
         }
     }
 
+    /// Shares the API keys' quotas of the endpoints with the other workers
+    /// of the run, through `store` (a connection of its own), when the store
+    /// shares them (see [`super::shared_rate`]); until this is called, and
+    /// with a store that does not share, each endpoint keeps to its own
+    /// limits. Returns how many endpoints share. Stops with the
+    /// housekeeping, giving back what it holds.
+    pub fn share_quotas(&self, store: Box<dyn Store>) -> usize {
+        if !store.shares_quotas() {
+            return 0;
+        }
+        let sharing = super::shared_rate::share(
+            &self.endpoints,
+            store,
+            &self.housekeeping,
+            self.housekeeping_done.clone(),
+        );
+        if sharing > 0 {
+            tracing::info!(
+                "{sharing} endpoint(s) share their API keys' rpm and tpm with the run's other workers."
+            );
+        }
+        sharing
+    }
+
     /// Cancelled when no endpoint is left to take items.
     pub fn exhausted(&self) -> CancellationToken {
         self.shared.exhausted.clone()

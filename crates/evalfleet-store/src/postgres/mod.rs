@@ -19,6 +19,7 @@ mod events;
 mod explore;
 mod kept;
 mod queue;
+mod quotas;
 mod resources;
 mod results;
 mod runs;

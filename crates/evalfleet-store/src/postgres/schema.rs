@@ -259,8 +259,30 @@ CREATE TABLE applied (
 );
 "#;
 
+/// 2: provider quotas shared by the workers that use one API key (see
+/// `quotas`), over every run of the store.
+const QUOTAS: &str = r#"
+-- A quota of an API key (its SHA-256: the key is never stored) for a model,
+-- in `requests` or `tokens`, as a GCRA cell: `tat` is when the next unit
+-- comes free on the database's clock (now or past: the quota is full). Each
+-- unit taken moves it one unit's time forward, at most a burst ahead of
+-- now. `cool_until` stops every take until then (a 429's Retry-After).
+-- `granted` is what the last take granted, so that the statement that
+-- moved `tat` can say how far. Rows are updated in place many times a
+-- second: the free space keeps the updates on their page.
+CREATE TABLE quotas (
+    key_hash   text NOT NULL,
+    model      text NOT NULL,
+    kind       text NOT NULL CHECK (kind = 'requests' OR kind = 'tokens'),
+    tat        timestamptz NOT NULL,
+    cool_until timestamptz NOT NULL DEFAULT '-infinity',
+    granted    bigint NOT NULL DEFAULT 0,
+    PRIMARY KEY (key_hash, model, kind)
+) WITH (fillfactor = 50, autovacuum_vacuum_cost_delay = 0);
+"#;
+
 /// The migrations, in order; the store's version is how many were applied.
-pub const MIGRATIONS: &[&str] = &[FIRST];
+pub const MIGRATIONS: &[&str] = &[FIRST, QUOTAS];
 
 /// The schema version a store has once every migration ran.
 pub const VERSION: i32 = MIGRATIONS.len() as i32;

@@ -37,6 +37,10 @@ pub struct SqliteStore {
     cache_db: &'static str,
 }
 
+/// A SQLite file is one machine's: no other worker shares its quotas, so
+/// each endpoint's own rate limiter is the only one (the trait's defaults).
+impl evalfleet_core::store::Quotas for SqliteStore {}
+
 pub(crate) fn db_err(context: &str) -> impl Fn(rusqlite::Error) -> StoreError + '_ {
     move |err| StoreError::backend(context, err)
 }

@@ -345,6 +345,10 @@ pub(crate) async fn execute(session: Session, attendance: Attendance) -> anyhow:
         prepared.worker(),
         evalfleet_store::open(&location, &OpenOptions::default())?,
     );
+    // Workers sharing a store share their API keys' quotas through it, on
+    // a connection of the fleet's own (a store that does not share is
+    // dropped at once).
+    fleet.share_quotas(evalfleet_store::open(&location, &OpenOptions::default())?);
     let pending_at_start =
         prepared.progress.total - prepared.progress.done_before - prepared.progress.failed_before;
     let (mode, stop, signals) = match attendance {
