@@ -574,6 +574,7 @@ async fn three_hosts_share_a_run_through_kills_stalls_cuts_lost_commits_skewed_c
         "every host committed results: {by_worker:?}"
     );
     let status = on(&env, &local, &["status", "shared", "--json"]).await;
+    assert_eq!(status.code, Some(0), "{}", status.stderr);
     let status: Value = serde_json::from_str(&status.stdout).unwrap();
     assert_eq!(status["status"], "finished", "{status}");
     // Which worker did what, as `status` shows it: the same split.
