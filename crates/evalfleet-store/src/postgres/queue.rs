@@ -481,16 +481,18 @@ impl WorkQueue for PgStore {
         self.with("cannot renew the lease", |conn| {
             let rid = conn.rid(run_id)?;
             // One statement: every lease of the worker, and its heartbeat.
+            // What it returns is the claims renewed (as SQLite counts
+            // them), not their items.
             let row = conn.client.query_one(
                 "WITH renewed AS (
                      UPDATE items SET lease_until = now() + $3::bigint * interval '1 millisecond'
                      WHERE rid = $1 AND owner = $2 AND state = 'running'
-                     RETURNING 1),
+                     RETURNING claim_id),
                  beat AS (
                      UPDATE workers SET heartbeat_at = now(), lease_ms = $3
                      WHERE rid = $1 AND worker = $2
                      RETURNING 1)
-                 SELECT (SELECT count(*) FROM renewed), (SELECT count(*) FROM beat)",
+                 SELECT (SELECT count(DISTINCT claim_id) FROM renewed), (SELECT count(*) FROM beat)",
                 &[&rid, &worker, &lease_ms],
             )?;
             Ok(row.get::<_, i64>(0).max(0) as u64)
