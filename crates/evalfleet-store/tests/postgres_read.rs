@@ -1,10 +1,11 @@
-//! The PostgreSQL store's runs, results and kept reports, each test in a
+//! The PostgreSQL store's runs and results, each test in a
 //! scratch database of its own on the server named by
 //! `EVALFLEET_TEST_POSTGRES` (by default the local one), compared with what
 //! the SQLite store gives for the same input. Without a server, each test
-//! says it is skipped and passes.
+//! says it is skipped and passes. What both backends must do alike (kept
+//! reports, the work queue, ...) is in the store suite, `tests/store.rs`.
 //!
-//! The queue is not written yet, so results are put in with SQL.
+//! Results are put in with SQL here, to give the reads rows of every kind.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -13,7 +14,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use evalfleet_core::dataset::DatasetIdentity;
 use evalfleet_core::fingerprint::{DatasetOptions, Fingerprint};
 use evalfleet_core::store::{
-    CreateRunError, ExportRow, ItemSource, KEPT_PER_RUN, KeptReport, KeptReports, NewItem, NewRun,
+    CreateRunError, ExportRow, ItemSource, NewItem, NewRun,
     ResultOrder, Results, RunIdentity, Runs, StoreError, WorkerInfo,
 };
 use evalfleet_store::{PgStore, SqliteStore};
@@ -677,55 +678,6 @@ fn scans_go_on_page_after_page_in_order() {
     assert_eq!(samples.len(), 3_000);
     assert_eq!(samples.iter().filter(|s| s.failed).count(), 1_500);
     assert_eq!(pg.counts("r").unwrap().done, 2_500);
-}
-
-#[test]
-fn kept_reports_are_replaced_and_only_the_latest_stay() {
-    let Some(db) = Scratch::new("kept") else {
-        return;
-    };
-    let mut store = db.store();
-    store
-        .create_run(&new_run("r", 1), &mut items(&["a"], None))
-        .unwrap();
-    assert_eq!(store.kept_report("r", "report?by=").unwrap(), None);
-    for (fingerprint, body) in [("r:1", "{\"first\": 1}"), ("r:2", "{\"second\": 2}")] {
-        let report = KeptReport {
-            fingerprint: fingerprint.to_owned(),
-            body: body.to_owned(),
-        };
-        store.keep_report("r", "report?by=", &report).unwrap();
-        assert_eq!(store.kept_report("r", "report?by=").unwrap(), Some(report));
-    }
-    assert!(matches!(
-        store.kept_report("nope", "report?by="),
-        Err(StoreError::NoSuchRun(_))
-    ));
-    let extra = 8;
-    for i in 0..KEPT_PER_RUN + extra {
-        let report = KeptReport {
-            fingerprint: "r:2".to_owned(),
-            body: format!("{{\"by\": {i}}}"),
-        };
-        store
-            .keep_report("r", &format!("report?by=f{i}"), &report)
-            .unwrap();
-        // Asked again, an early one is kept last: it stays.
-        if i == 3 {
-            store.keep_report("r", "report?by=f0", &report).unwrap();
-        }
-    }
-    let kept: Vec<bool> = (0..KEPT_PER_RUN + extra)
-        .map(|i| {
-            store
-                .kept_report("r", &format!("report?by=f{i}"))
-                .unwrap()
-                .is_some()
-        })
-        .collect();
-    assert_eq!(kept.iter().filter(|k| **k).count(), KEPT_PER_RUN);
-    assert!(kept[extra..].iter().all(|k| *k), "{kept:?}");
-    assert_eq!(kept[..extra].iter().filter(|k| **k).count(), 0, "{kept:?}");
 }
 
 /// Cuts the store's connections to the scratch database (as a server

@@ -1687,3 +1687,251 @@ mod sqlite_only {
         assert_eq!(version as usize, evalfleet_store::SQLITE_SCHEMA_VERSION);
     }
 }
+
+/// The PostgreSQL work queue under what only it meets: workers in many
+/// processes claiming and committing at once, a commit run twice after a
+/// lost connection, and a worker whose items were reaped and claimed by
+/// another while it was away. Each worker is a connection of its own.
+mod postgres_only {
+    use std::collections::{BTreeSet, HashMap};
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use super::*;
+
+    /// Counts of the rows a test looks at, from the tables themselves:
+    /// (attempts, results, agent calls, tallies' done, tallies' failed).
+    fn rows(f: &Fixture) -> (i64, i64, i64, i64, i64) {
+        let mut sql = f.sql(f.db.as_ref().unwrap());
+        let row = sql
+            .query_one(
+                "SELECT (SELECT COUNT(*) FROM attempts), (SELECT COUNT(*) FROM results),
+                        (SELECT COUNT(*) FROM agent_calls),
+                        (SELECT COALESCE(SUM(done), 0)::bigint FROM tallies),
+                        (SELECT COALESCE(SUM(failed), 0)::bigint FROM tallies)",
+                &[],
+            )
+            .unwrap();
+        (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4))
+    }
+
+    /// What a worker commits for the items of `claim`: an attempt and a
+    /// result each (every fifth failed).
+    fn answers(claim: &evalfleet_core::store::Claim) -> Batch {
+        let mut batch = Batch::default();
+        for item in &claim.items {
+            let status = if item.seq % 5 == 0 {
+                ItemStatus::Failed
+            } else {
+                ItemStatus::Done
+            };
+            batch
+                .attempts
+                .push((claim.id, attempt(item.seq, item.prior_attempts + 1)));
+            batch
+                .results
+                .push((claim.id, result(item.seq, &item.item_id, status)));
+        }
+        batch
+    }
+
+    #[test]
+    fn workers_claiming_and_committing_at_once_end_every_item_exactly_once() {
+        let Some(f) = Fixture::new(Backend::Postgres) else {
+            return;
+        };
+        const ITEMS: usize = 2_000;
+        let ids: Vec<String> = (0..ITEMS).map(|i| format!("id{i:04}")).collect();
+        let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+        let mut store = f.open();
+        store
+            .create_run(&new_run("r"), &mut items(&refs, None))
+            .unwrap();
+        // Every item a claim returned, and which worker's claim: no lease
+        // runs out here, so an item claimed twice was held by two claims.
+        let claimed: Mutex<HashMap<u64, String>> = Mutex::new(HashMap::new());
+        let committed = AtomicU64::new(0);
+        std::thread::scope(|scope| {
+            for w in 0..6usize {
+                let (f, claimed, committed) = (&f, &claimed, &committed);
+                scope.spawn(move || {
+                    let name = format!("w{w}");
+                    let mut store = f.open();
+                    store
+                        .begin_session("r", &mut worker(&name), false)
+                        .unwrap();
+                    let mut after = None;
+                    loop {
+                        match store.claim("r", &name, after, 5 + w, LEASE).unwrap() {
+                            Claimed::Items(claim) => {
+                                let mut held = claimed.lock().unwrap();
+                                for item in &claim.items {
+                                    if let Some(other) = held.insert(item.seq, name.clone()) {
+                                        panic!("item {} claimed by {name} and {other}", item.seq);
+                                    }
+                                }
+                                drop(held);
+                                after = claim.items.last().map(|i| i.seq);
+                                let done = store.commit("r", &name, &answers(&claim)).unwrap();
+                                assert_eq!(done.refused, Vec::<u64>::new());
+                                assert_eq!(done.results, claim.items.len() as u64);
+                                committed.fetch_add(done.results, Ordering::Relaxed);
+                            }
+                            Claimed::HeldByOthers => {
+                                std::thread::sleep(Duration::from_millis(2));
+                            }
+                            Claimed::Nothing => break,
+                        }
+                    }
+                    store.release("r", &name).unwrap();
+                });
+            }
+        });
+        let claimed = claimed.into_inner().unwrap();
+        assert_eq!(claimed.len(), ITEMS);
+        assert_eq!(committed.load(Ordering::Relaxed), ITEMS as u64);
+        let by: BTreeSet<&String> = claimed.values().collect();
+        assert!(by.len() > 1, "the workers shared the run: {by:?}");
+        let expected = StateCounts {
+            pending: 0,
+            done: ITEMS as u64 * 4 / 5,
+            failed: ITEMS as u64 / 5,
+        };
+        assert_eq!(store.counts("r").unwrap(), expected);
+        assert_eq!(f.recount("r"), expected);
+        let n = ITEMS as i64;
+        assert_eq!(rows(&f), (n, n, 0, n * 4 / 5, n / 5));
+        let mut exported = Vec::new();
+        store
+            .export("r", &mut |row| {
+                exported.push(row.item_id);
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(exported, ids, "one result an item, in dataset order");
+    }
+
+    #[test]
+    fn a_commit_run_twice_after_a_lost_connection_is_stored_once() {
+        let Some(f) = Fixture::new(Backend::Postgres) else {
+            return;
+        };
+        let mut store = f.open();
+        store
+            .create_run(
+                &new_run("r"),
+                &mut items(&["a", "b", "c", "d", "e", "f"], None),
+            )
+            .unwrap();
+        store.begin_session("r", &mut worker("w"), false).unwrap();
+        let claim = claim_all(&mut *store, "r", "w");
+        let batch = Batch {
+            attempts: (1..=4).map(|seq| (claim, attempt(seq, 1))).collect(),
+            results: vec![
+                (claim, result(1, "a", ItemStatus::Done)),
+                (claim, result(2, "b", ItemStatus::Done)),
+                (claim, result(3, "c", ItemStatus::Failed)),
+                (claim, result(4, "d", ItemStatus::Done)),
+            ],
+            cache: vec![cache_entry("k", 1)],
+            calls: vec![(claim, agent_call(1, 1, 1))],
+            waits: vec![],
+        };
+        let first = store.commit("r", "w", &batch).unwrap();
+        assert_eq!((first.results, first.refused.clone()), (4, vec![]));
+        let generation = store.run("r").unwrap().generation;
+        // The same commit again: what a worker does when its connection was
+        // lost after COMMIT reached the server (it cannot know it did).
+        let again = store.commit("r", "w", &batch).unwrap();
+        assert_eq!(again, first, "the same answer: nothing refused");
+        let expected = StateCounts {
+            pending: 2,
+            done: 3,
+            failed: 1,
+        };
+        assert_eq!(store.counts("r").unwrap(), expected, "not doubled");
+        assert_eq!(f.recount("r"), expected);
+        assert_eq!(rows(&f), (4, 4, 1, 3, 1));
+        assert_eq!(store.cache_stats().unwrap().entries, 1);
+        assert_eq!(
+            store.run("r").unwrap().generation,
+            generation,
+            "nothing changed"
+        );
+        // The claim goes on for the items it still holds.
+        let rest = Batch {
+            results: vec![
+                (claim, result(5, "e", ItemStatus::Done)),
+                (claim, result(6, "f", ItemStatus::Done)),
+            ],
+            ..Batch::default()
+        };
+        assert_eq!(store.commit("r", "w", &rest).unwrap().results, 2);
+        assert_eq!(
+            store.claim("r", "w", None, 10, LEASE).unwrap(),
+            Claimed::Nothing
+        );
+        assert_eq!(store.counts("r").unwrap().done, 5);
+    }
+
+    #[test]
+    fn a_commit_of_a_worker_whose_items_were_reaped_and_claimed_again_stores_nothing() {
+        let Some(f) = Fixture::new(Backend::Postgres) else {
+            return;
+        };
+        let mut one = f.open();
+        let mut two = f.open();
+        one.create_run(&new_run("r"), &mut items(&["a", "b", "c"], None))
+            .unwrap();
+        one.begin_session("r", &mut worker("one"), false).unwrap();
+        two.begin_session("r", &mut worker("two"), false).unwrap();
+        let mine = claim_all(&mut *one, "r", "one");
+        // Worker one is away past its lease; worker two reaps its items
+        // and claims them.
+        assert_eq!(one.renew("r", "one", Duration::ZERO).unwrap(), 1);
+        std::thread::sleep(Duration::from_millis(5));
+        let Claimed::Items(theirs) = two.claim("r", "two", None, 10, LEASE).unwrap() else {
+            panic!("the lapsed claim's items are free");
+        };
+        assert_eq!(
+            theirs
+                .items
+                .iter()
+                .map(|i| (i.seq, i.prior_attempts))
+                .collect::<Vec<_>>(),
+            [(1, 0), (2, 0), (3, 0)]
+        );
+        // Worker one comes back with everything it made meanwhile.
+        let late = Batch {
+            attempts: vec![(mine, attempt(1, 1)), (mine, attempt(2, 1))],
+            results: vec![
+                (mine, result(1, "a", ItemStatus::Done)),
+                (mine, result(2, "b", ItemStatus::Failed)),
+            ],
+            cache: vec![],
+            calls: vec![(mine, agent_call(1, 1, 1)), (mine, agent_call(3, 1, 1))],
+            waits: vec![(
+                mine,
+                NotBefore {
+                    seq: 3,
+                    wait: Duration::from_secs(600),
+                },
+            )],
+        };
+        let refused = one.commit("r", "one", &late).unwrap();
+        assert_eq!((refused.results, refused.refused), (0, vec![1, 2, 3]));
+        assert_eq!(rows(&f), (0, 0, 0, 0, 0), "no attempt, result or call");
+        assert_eq!(one.counts("r").unwrap().pending, 3);
+        assert_eq!(one.counts("r").unwrap(), f.recount("r"));
+        for id in ["a", "b", "c"] {
+            let item = two.item("r", id).unwrap().unwrap();
+            assert_eq!(item.row.state, ItemState::Pending);
+            assert!(item.attempt_records.is_empty() && item.calls.is_empty());
+        }
+        // Item 3's call and wait were refused with the rest; worker two,
+        // whose claim holds the items, commits them.
+        assert_eq!(two.commit("r", "two", &answers(&theirs)).unwrap().results, 3);
+        assert_eq!(rows(&f), (3, 3, 0, 3, 0));
+        assert_eq!(two.counts("r").unwrap(), f.recount("r"));
+    }
+}
