@@ -11,8 +11,8 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use evalfleet_core::store::{
-    Events, Explore, FleetMailbox, ItemPage, ItemQuery, ItemRow, ItemState, Resources,
-    ScoreRange, SortKey, StoreError,
+    Events, Explore, FleetMailbox, ItemPage, ItemQuery, ItemRow, ItemState, Resources, ScoreRange,
+    SortKey, StoreError,
 };
 use evalfleet_store::{PgStore, SqliteStore};
 use evalfleet_types::{

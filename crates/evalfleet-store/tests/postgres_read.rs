@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use evalfleet_core::dataset::DatasetIdentity;
 use evalfleet_core::fingerprint::{DatasetOptions, Fingerprint};
 use evalfleet_core::store::{
-    CreateRunError, ExportRow, ItemSource, NewItem, NewRun,
-    ResultOrder, Results, RunIdentity, Runs, StoreError, WorkerInfo,
+    CreateRunError, ExportRow, ItemSource, NewItem, NewRun, ResultOrder, Results, RunIdentity,
+    Runs, StoreError, WorkerInfo,
 };
 use evalfleet_store::{PgStore, SqliteStore};
 use evalfleet_types::{Assessment, ErrorClass, StateCounts, Verdict, now_ms};
@@ -678,6 +678,62 @@ fn scans_go_on_page_after_page_in_order() {
     assert_eq!(samples.len(), 3_000);
     assert_eq!(samples.iter().filter(|s| s.failed).count(), 1_500);
     assert_eq!(pg.counts("r").unwrap().done, 2_500);
+}
+
+/// A page of results in item-id order is read from the index
+/// `results_by_id` (in the ids' byte order, `COLLATE "C"`), not sorted from
+/// the whole run. The statement is `results_page`'s, as `results.rs`
+/// writes it for `ResultOrder::Key`.
+#[test]
+fn a_page_by_item_id_is_read_from_its_index() {
+    let Some(db) = Scratch::new("results_by_id") else {
+        return;
+    };
+    let mut pg = db.store();
+    let ids = many(5_000);
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    for run in ["r", "s"] {
+        pg.create_run(&new_run(run, 1), &mut items(&refs, None))
+            .unwrap();
+    }
+    let mut sql = db.sql();
+    sql.batch_execute(
+        "UPDATE items SET state = 'done';
+         INSERT INTO results (rid, seq, item_id, status, attempts, finished_at, claim_attempt, worker)
+         SELECT rid, seq, item_id, 'done', 1, 1, 1, 'w' FROM item_rows;
+         ANALYZE results;",
+    )
+    .unwrap();
+    let plan: Vec<String> = sql
+        .query(
+            r#"EXPLAIN SELECT r.seq, r.item_id, r.status, r.verdict, r.scores, NULL
+               FROM results r
+               WHERE r.rid = $1 AND r.item_id COLLATE "C" > $2
+               ORDER BY r.item_id COLLATE "C" LIMIT $3"#,
+            &[&1i64, &"id2", &100i64],
+        )
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    let plan = plan.join("\n");
+    assert!(plan.contains("results_by_id"), "{plan}");
+    assert!(!plan.contains("Sort"), "{plan}");
+    // And the page is the ids' byte order.
+    let mut seen = Vec::new();
+    pg.results_page(
+        "r",
+        ResultOrder::Key,
+        Some(("id2", 0)),
+        3,
+        false,
+        &mut |view| {
+            seen.push(view.item_id.to_owned());
+            Ok(())
+        },
+    )
+    .unwrap();
+    assert_eq!(seen, ["id20", "id200", "id2000"]);
 }
 
 /// Cuts the store's connections to the scratch database (as a server

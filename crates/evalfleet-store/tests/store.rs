@@ -425,7 +425,9 @@ fn the_cache_answers_by_key_honours_age_and_evicts_the_oldest(f: &Fixture) {
     let stats = store.cache_stats().unwrap();
     assert_eq!((stats.entries, stats.oldest_ms), (1, Some(1004)));
     assert_eq!(store.cache_evict(Some(0), Some(u64::MAX)).unwrap(), 0);
-    store.commit("r", "w", &with_cache(entries[..2].to_vec())).unwrap();
+    store
+        .commit("r", "w", &with_cache(entries[..2].to_vec()))
+        .unwrap();
     assert_eq!(store.cache_clear().unwrap(), 3);
     let stats = store.cache_stats().unwrap();
     assert_eq!(
@@ -617,7 +619,9 @@ fn a_sample_keeps_the_items_with_the_smallest_keys(f: &Fixture) {
     assert_eq!(kept, expected);
 }
 
-fn a_claim_is_exclusive_while_its_lease_lasts_and_a_commit_under_a_lost_lease_is_refused(f: &Fixture) {
+fn a_claim_is_exclusive_while_its_lease_lasts_and_a_commit_under_a_lost_lease_is_refused(
+    f: &Fixture,
+) {
     let mut first = f.open();
     let mut second = f.open();
     first
@@ -1243,7 +1247,9 @@ fn keys(calls: &[AgentCall]) -> Vec<(u64, u32, u32)> {
     calls.iter().map(|c| (c.seq, c.attempt, c.index)).collect()
 }
 
-fn agent_calls_are_stored_with_their_attempt_refused_under_a_lost_claim_and_read_back_in_order(f: &Fixture) {
+fn agent_calls_are_stored_with_their_attempt_refused_under_a_lost_claim_and_read_back_in_order(
+    f: &Fixture,
+) {
     let mut first = f.open();
     let mut second = f.open();
     first
@@ -1367,7 +1373,9 @@ fn chat_call(
     }
 }
 
-fn trajectories_are_each_items_last_chat_of_its_final_attempt_with_tool_calls_and_results(f: &Fixture) {
+fn trajectories_are_each_items_last_chat_of_its_final_attempt_with_tool_calls_and_results(
+    f: &Fixture,
+) {
     use evalfleet_core::report::trajectories::export_trajectories;
     use serde_json::json;
 
@@ -1757,9 +1765,7 @@ mod postgres_only {
                 scope.spawn(move || {
                     let name = format!("w{w}");
                     let mut store = f.open();
-                    store
-                        .begin_session("r", &mut worker(&name), false)
-                        .unwrap();
+                    store.begin_session("r", &mut worker(&name), false).unwrap();
                     let mut after = None;
                     loop {
                         match store.claim("r", &name, after, 5 + w, LEASE).unwrap() {
@@ -1930,7 +1936,10 @@ mod postgres_only {
         }
         // Item 3's call and wait were refused with the rest; worker two,
         // whose claim holds the items, commits them.
-        assert_eq!(two.commit("r", "two", &answers(&theirs)).unwrap().results, 3);
+        assert_eq!(
+            two.commit("r", "two", &answers(&theirs)).unwrap().results,
+            3
+        );
         assert_eq!(rows(&f), (3, 3, 0, 3, 0));
         assert_eq!(two.counts("r").unwrap(), f.recount("r"));
     }
