@@ -164,6 +164,7 @@ macro_rules! both {
 both!(
     the_cache_answers_by_key_honours_age_and_evicts_the_oldest,
     a_duplicate_id_undoes_the_whole_registration,
+    a_run_id_is_taken_once_and_runs_come_newest_first,
     commits_are_exactly_once_and_counters_match_a_recount,
     a_sample_keeps_the_items_with_the_smallest_keys,
     a_claim_is_exclusive_while_its_lease_lasts_and_a_commit_under_a_lost_lease_is_refused,
@@ -172,6 +173,7 @@ both!(
     items_come_a_page_at_a_time_filtered_and_sorted_in_the_store,
     one_item_comes_whole_with_its_attempts,
     a_runs_generation_changes_with_its_results_and_kept_reports_are_replaced,
+    results_and_attempts_are_scanned_rescored_and_exported,
     a_resource_series_stays_bounded_with_its_peak_and_mean_exact,
     agent_calls_are_stored_with_their_attempt_refused_under_a_lost_claim_and_read_back_in_order,
     trajectories_are_each_items_last_chat_of_its_final_attempt_with_tool_calls_and_results,
@@ -476,6 +478,69 @@ fn a_duplicate_id_undoes_the_whole_registration(f: &Fixture) {
     }
     assert!(matches!(store.run("r"), Err(StoreError::NoSuchRun(_))));
     assert!(store.runs().unwrap().is_empty());
+}
+
+fn a_run_id_is_taken_once_and_runs_come_newest_first(f: &Fixture) {
+    let mut store = f.open();
+    let run = store
+        .create_run(&new_run("r"), &mut items(&["a", "bad1"], None))
+        .unwrap();
+    assert_eq!(
+        (run.total, run.sessions, run.status),
+        (2, 0, RunStatus::Running)
+    );
+    assert_eq!(run.config, serde_json::json!({"name": "test"}));
+    assert!(matches!(
+        store.create_run(&new_run("r"), &mut items(&["x"], None)),
+        Err(CreateRunError::RunExists(id)) if id == "r"
+    ));
+    // The same time: the one made last first.
+    store
+        .create_run(&new_run("s"), &mut items(&["x"], None))
+        .unwrap();
+    let mut later = new_run("t");
+    later.created_at_ms = 5;
+    store.create_run(&later, &mut items(&["x"], None)).unwrap();
+    let order: Vec<String> = store
+        .runs()
+        .unwrap()
+        .into_iter()
+        .map(|r| r.run_id)
+        .collect();
+    assert_eq!(order, ["t", "s", "r"]);
+    assert!(matches!(store.run("nope"), Err(StoreError::NoSuchRun(_))));
+    assert!(matches!(
+        store.counts("nope"),
+        Err(StoreError::NoSuchRun(_))
+    ));
+
+    // A status and its message are stored; a new session clears them.
+    store
+        .set_status("r", RunStatus::Interrupted, Some("stopped"))
+        .unwrap();
+    let stopped = store.run("r").unwrap();
+    assert_eq!(
+        (stopped.status, stopped.message.as_deref()),
+        (RunStatus::Interrupted, Some("stopped"))
+    );
+    let mut w = worker("w");
+    let start = store.begin_session("r", &mut w, false).unwrap();
+    assert_eq!((start.session, w.session), (1, 1));
+    let resumed = store.run("r").unwrap();
+    assert_eq!(
+        (resumed.status, resumed.message, resumed.sessions),
+        (RunStatus::Running, None, 1)
+    );
+    let workers = store.workers("r").unwrap();
+    assert_eq!(workers.len(), 1);
+    assert_eq!(
+        (
+            workers[0].worker.as_str(),
+            workers[0].session,
+            workers[0].pid
+        ),
+        ("w", 1, w.pid)
+    );
 }
 
 fn commits_are_exactly_once_and_counters_match_a_recount(f: &Fixture) {
@@ -1128,6 +1193,121 @@ fn a_runs_generation_changes_with_its_results_and_kept_reports_are_replaced(f: &
         1,
         "of the oldest, only the one kept again: {kept:?}"
     );
+}
+
+fn results_and_attempts_are_scanned_rescored_and_exported(f: &Fixture) {
+    use evalfleet_core::store::{ExportError, ResultOrder};
+    use evalfleet_types::{Score, Scores, Verdict};
+    let mut store = f.open();
+    store
+        .create_run(&new_run("r"), &mut items(&["z", "a", "m", "b"], None))
+        .unwrap();
+    store.begin_session("r", &mut worker("w"), false).unwrap();
+    let claim = claim_all(&mut *store, "r", "w");
+    let mut failed = result(4, "b", ItemStatus::Failed);
+    failed.output = None;
+    failed.error = Some("gave up after 1 attempts: HTTP 500".to_owned());
+    let batch = Batch {
+        attempts: vec![(claim, attempt(4, 1))],
+        results: vec![
+            (claim, result(1, "z", ItemStatus::Done)),
+            (claim, result(2, "a", ItemStatus::Done)),
+            (claim, failed),
+        ],
+        ..Batch::default()
+    };
+    store.commit("r", "w", &batch).unwrap();
+
+    let mut seen = Vec::new();
+    store
+        .scan_results("r", &mut |r| {
+            seen.push((r.seq, r.item_id, r.status.to_string(), r.failure))
+        })
+        .unwrap();
+    assert_eq!(
+        seen,
+        [
+            (1, "z".to_owned(), "done".to_owned(), None),
+            (2, "a".to_owned(), "done".to_owned(), None),
+            (
+                4,
+                "b".to_owned(),
+                "failed".to_owned(),
+                Some(ErrorClass::Retryable)
+            ),
+        ]
+    );
+    let mut attempts = Vec::new();
+    store.scan_attempts("r", &mut |a| attempts.push(a)).unwrap();
+    assert_eq!(attempts.len(), 1);
+    assert!(attempts[0].failed);
+    assert_eq!(attempts[0].error_class, Some(ErrorClass::Retryable));
+
+    // A rescore replaces assessments (the last given for an item wins)
+    // and the stored config.
+    let mut scores = Scores::new();
+    scores.insert("exact".to_owned(), Score::value(1.0));
+    let assessed = Assessment {
+        parsed: Some(serde_json::json!({"answer": 1})),
+        verdict: Some(Verdict::Ok),
+        scores,
+        ..Assessment::default()
+    };
+    store
+        .put_assessments(
+            "r",
+            &[
+                (1, Assessment::default()),
+                (2, Assessment::default()),
+                (1, assessed.clone()),
+            ],
+            &serde_json::json!({"rescored": true}),
+        )
+        .unwrap();
+    assert_eq!(
+        store.run("r").unwrap().config,
+        serde_json::json!({"rescored": true})
+    );
+    let mut rows = Vec::new();
+    store
+        .export("r", &mut |row| {
+            rows.push(row);
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(rows.len(), 3);
+    assert_eq!(rows[0].item_id, "z");
+    assert_eq!(rows[0].valid, Some(true));
+    assert_eq!(rows[0].parsed, assessed.parsed);
+    assert_eq!(rows[0].scores.as_ref(), Some(&assessed.scores));
+    assert_eq!(rows[0].item, serde_json::json!({"id": "z"}));
+    assert_eq!(rows[1].valid, None);
+    assert_eq!(
+        rows[2].error.as_deref(),
+        Some("gave up after 1 attempts: HTTP 500")
+    );
+    let mut stored = Vec::new();
+    store
+        .scan_results("r", &mut |r| stored.push(r.assessment))
+        .unwrap();
+    assert_eq!(stored[0].verdict, Some(Verdict::Ok));
+
+    // Errors: of the run's name, of the reader of a page, of the export's
+    // writer, each told as it is.
+    assert!(matches!(
+        store.results_page("nope", ResultOrder::Seq, None, 2, false, &mut |_| Ok(())),
+        Err(StoreError::NoSuchRun(_))
+    ));
+    let err = store
+        .results_page("r", ResultOrder::Seq, None, 2, false, &mut |_| {
+            Err(StoreError::Invariant("stop".to_owned()))
+        })
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Invariant(text) if text == "stop"));
+    let err = store
+        .export("r", &mut |_| Err(std::io::Error::other("disk full")))
+        .unwrap_err();
+    assert!(matches!(err, ExportError::Write(_)));
 }
 
 fn a_resource_series_stays_bounded_with_its_peak_and_mean_exact(f: &Fixture) {
