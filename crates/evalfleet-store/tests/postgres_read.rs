@@ -18,7 +18,7 @@ use evalfleet_core::store::{
     Runs, StoreError, WorkerInfo,
 };
 use evalfleet_store::{PgStore, SqliteStore};
-use evalfleet_types::{Assessment, ErrorClass, StateCounts, Verdict, now_ms};
+use evalfleet_types::{StateCounts, now_ms};
 
 const DEFAULT_URL: &str = "postgres://root@127.0.0.1:5432/test";
 
@@ -518,122 +518,6 @@ fn workers_heartbeats_are_read_on_this_machines_clock() {
     assert_eq!(workers.len(), 2);
     assert_eq!(workers[1].worker, "w1");
     assert_eq!(workers[1].session, 3);
-}
-
-#[test]
-fn results_are_read_back_paged_and_rescored() {
-    let Some(db) = Scratch::new("results") else {
-        return;
-    };
-    let mut pg = db.store();
-    pg.create_run(&new_run("r", 1), &mut items(&["z", "a", "m", "b"], None))
-        .unwrap();
-    pg.begin_session("r", &mut worker("w"), false).unwrap();
-    let mut sql = db.sql();
-    end_item(&mut sql, 1, "done", "w");
-    end_item(&mut sql, 2, "done", "w");
-    end_item(&mut sql, 4, "failed", "w");
-
-    let mut seen = Vec::new();
-    pg.scan_results("r", &mut |r| {
-        seen.push((r.seq, r.item_id, r.status.to_string(), r.failure))
-    })
-    .unwrap();
-    assert_eq!(
-        seen,
-        [
-            (1, "z".to_owned(), "done".to_owned(), None),
-            (2, "a".to_owned(), "done".to_owned(), None),
-            (
-                4,
-                "b".to_owned(),
-                "failed".to_owned(),
-                Some(ErrorClass::Retryable)
-            ),
-        ]
-    );
-    let mut attempts = Vec::new();
-    pg.scan_attempts("r", &mut |a| attempts.push(a)).unwrap();
-    assert_eq!(attempts.len(), 1);
-    assert!(attempts[0].failed);
-    assert_eq!(attempts[0].error_class, Some(ErrorClass::Retryable));
-
-    // A rescore replaces assessments and changes the generation.
-    let g = pg.run("r").unwrap().generation;
-    let mut scores = evalfleet_types::Scores::new();
-    scores.insert(
-        "exact".to_owned(),
-        evalfleet_types::Score {
-            value: Some(1.0),
-            ..Default::default()
-        },
-    );
-    let assessed = Assessment {
-        parsed: Some(serde_json::json!({"answer": 1})),
-        verdict: Some(Verdict::Ok),
-        scores,
-        ..Assessment::default()
-    };
-    pg.put_assessments(
-        "r",
-        &[
-            (1, Assessment::default()),
-            (2, Assessment::default()),
-            (1, assessed.clone()),
-        ],
-        &serde_json::json!({"rescored": true}),
-    )
-    .unwrap();
-    let run = pg.run("r").unwrap();
-    assert!(run.generation > g);
-    assert_eq!(run.config, serde_json::json!({"rescored": true}));
-    let rows = exported(&mut pg, "r");
-    assert_eq!(rows[0].valid, Some(true));
-    assert_eq!(rows[0].parsed, assessed.parsed);
-    assert_eq!(rows[0].scores.as_ref(), Some(&assessed.scores));
-    assert_eq!(rows[1].valid, None);
-    assert_eq!(rows[0].latency_ms, Some(1.5));
-    assert_eq!(rows[0].item, serde_json::json!({"id": "z"}));
-    let mut stored = Vec::new();
-    pg.scan_results("r", &mut |r| stored.push(r.assessment))
-        .unwrap();
-    assert_eq!(stored[0].verdict, Some(Verdict::Ok));
-
-    // Pages by item id (byte order) and in dataset order.
-    let page = |store: &mut PgStore, order, after: Option<(&str, u64)>, with_item| {
-        let mut seen = Vec::new();
-        store
-            .results_page("r", order, after, 2, with_item, &mut |view| {
-                assert_eq!(view.item.is_some(), with_item);
-                seen.push(view.item_id.to_owned());
-                Ok(())
-            })
-            .unwrap();
-        seen
-    };
-    assert_eq!(page(&mut pg, ResultOrder::Key, None, false), ["a", "b"]);
-    assert_eq!(page(&mut pg, ResultOrder::Key, Some(("b", 4)), true), ["z"]);
-    assert_eq!(page(&mut pg, ResultOrder::Seq, None, false), ["z", "a"]);
-    assert_eq!(
-        page(&mut pg, ResultOrder::Seq, Some(("a", 2)), false),
-        ["b"]
-    );
-    assert!(matches!(
-        pg.results_page("nope", ResultOrder::Seq, None, 2, false, &mut |_| Ok(())),
-        Err(StoreError::NoSuchRun(_))
-    ));
-    // An error of the reader ends the page and is told as it is.
-    let err = pg
-        .results_page("r", ResultOrder::Seq, None, 2, false, &mut |_| {
-            Err(StoreError::Invariant("stop".to_owned()))
-        })
-        .unwrap_err();
-    assert!(matches!(err, StoreError::Invariant(text) if text == "stop"));
-    // So does a failed write of the export.
-    let err = pg
-        .export("r", &mut |_| Err(std::io::Error::other("disk full")))
-        .unwrap_err();
-    assert!(matches!(err, evalfleet_core::store::ExportError::Write(_)));
 }
 
 #[test]

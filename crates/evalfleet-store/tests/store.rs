@@ -1141,6 +1141,28 @@ fn a_runs_generation_changes_with_its_results_and_kept_reports_are_replaced(f: &
         ids(page(&mut *store, ResultOrder::Seq, Some(("a", 2)))),
         ["b"]
     );
+    let mut with_items = Vec::new();
+    store
+        .results_page(
+            "r",
+            ResultOrder::Key,
+            Some(("a", 2)),
+            2,
+            true,
+            &mut |view| {
+                with_items.push((view.item_id.to_owned(), view.item.map(str::to_owned)));
+                Ok(())
+            },
+        )
+        .unwrap();
+    assert_eq!(
+        with_items,
+        [
+            ("b".to_owned(), Some(r#"{"id": "b"}"#.to_owned())),
+            ("z".to_owned(), Some(r#"{"id": "z"}"#.to_owned()))
+        ],
+        "the item when asked for"
+    );
 
     // A kept report is replaced under its key, and read back whole.
     assert_eq!(store.kept_report("r", "report?by=").unwrap(), None);
