@@ -1,8 +1,9 @@
-//! The PostgreSQL store's pages of items, events, mailbox, cache and
-//! resource telemetry, against a live server: each test makes a database
-//! of its own and drops it at the end. Where both backends can hold the
-//! same rows, the same rows are written to a SQLite store too, and both
-//! must answer the same. Without a server (`EVALFLEET_TEST_POSTGRES`, else
+//! The PostgreSQL store's pages of items, events, mailbox and resource
+//! telemetry, against a live server: each test makes a database of its own
+//! and drops it at the end. Where both backends can hold the same rows, the
+//! same rows are written to a SQLite store too, and both must answer the
+//! same. What both backends must do alike (the cache, kept reports, a
+//! bounded resource series, ...) is in the store suite, `tests/store.rs`. Without a server (`EVALFLEET_TEST_POSTGRES`, else
 //! `postgres://root@127.0.0.1:5432/test`), the tests say so and pass.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -10,8 +11,8 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use evalfleet_core::store::{
-    Events, Explore, FleetMailbox, ItemPage, ItemQuery, ItemRow, ItemState, Resources,
-    ResponseCache, ScoreRange, SortKey, StoreError,
+    Events, Explore, FleetMailbox, ItemPage, ItemQuery, ItemRow, ItemState, Resources, ScoreRange,
+    SortKey, StoreError,
 };
 use evalfleet_store::{PgStore, SqliteStore};
 use evalfleet_types::{
@@ -1088,160 +1089,11 @@ fn events_endpoint_states_samples_and_fleet_changes_round_trip() {
     assert_eq!(store.fleet_changes("other", 0).unwrap(), vec![elsewhere]);
 }
 
-/// A cache key (hex SHA-256) named by `label`.
-fn k(label: &str) -> String {
-    let none = serde_json::value::RawValue::from_string("[]".to_owned()).unwrap();
-    evalfleet_core::cache::key(label, 0, &none)
-}
-
-fn cache_entry(label: &str, created_at_ms: i64) -> evalfleet_types::CacheEntry {
-    evalfleet_types::CacheEntry {
-        key: k(label),
-        content: format!("answer for {label} é"),
-        endpoint: "e".to_owned(),
-        model: "m".to_owned(),
-        prompt_tokens: Some(3),
-        completion_tokens: (label != "k1").then_some(4),
-        finish_reason: Some("stop".to_owned()),
-        latency_ms: 12.5,
-        created_at_ms,
-    }
-}
-
+/// The merging of a series that outgrows its bound is the same on both
+/// backends (what it keeps of a series is checked by the store suite,
+/// `tests/store.rs`, on each): the same samples make the same points.
 #[test]
-fn the_cache_answers_by_key_honours_age_and_evicts_the_oldest() {
-    let Some(db) = scratch("cache") else {
-        return;
-    };
-    let (mut store, mut client) = open(&db);
-    // Inserted newest first by time, so that eviction by count (oldest
-    // inserted first) and by age differ.
-    let entries: Vec<evalfleet_types::CacheEntry> = (0..5)
-        .map(|i| cache_entry(&format!("k{i}"), 1000 + i))
-        .collect();
-    for e in &entries {
-        client
-            .execute(
-                "INSERT INTO cache (key, content, endpoint, model, prompt_tokens,
-                     completion_tokens, finish_reason, latency_ms, created_at)
-                 VALUES (decode($1, 'hex'), $2, $3, $4, $5, $6, $7, $8, $9)",
-                &[
-                    &e.key,
-                    &e.content,
-                    &e.endpoint,
-                    &e.model,
-                    &e.prompt_tokens.map(|t| t as i64),
-                    &e.completion_tokens.map(|t| t as i64),
-                    &e.finish_reason,
-                    &e.latency_ms,
-                    &e.created_at_ms,
-                ],
-            )
-            .unwrap();
-    }
-    assert_eq!(
-        store.cache_get(&k("k2"), 0).unwrap(),
-        Some(entries[2].clone())
-    );
-    assert_eq!(
-        store.cache_get(&k("k1"), 0).unwrap(),
-        Some(entries[1].clone())
-    );
-    assert_eq!(
-        store
-            .cache_get(&k("k2").to_uppercase(), 0)
-            .unwrap()
-            .map(|e| e.content),
-        Some(entries[2].content.clone()),
-        "hex in any case"
-    );
-    assert_eq!(store.cache_get(&k("nope"), 0).unwrap(), None);
-    assert_eq!(store.cache_get("not hex", 0).unwrap(), None);
-    assert_eq!(
-        store
-            .cache_get_many(&[&k("k3"), &k("nope"), "zz", &k("k4"), &k("k3")], 0)
-            .unwrap(),
-        vec![
-            Some(entries[3].clone()),
-            None,
-            None,
-            Some(entries[4].clone()),
-            Some(entries[3].clone())
-        ],
-        "a page of keys is looked up at once, answers in the keys' order"
-    );
-    assert_eq!(store.cache_get_many(&[], 0).unwrap(), vec![]);
-    assert_eq!(
-        store.cache_get_many(&[&k("k4"), &k("k2")], 1003).unwrap(),
-        vec![Some(entries[4].clone()), None]
-    );
-    assert_eq!(
-        store.cache_get(&k("k2"), 1003).unwrap(),
-        None,
-        "older than the ttl allows"
-    );
-
-    // Hits: results' counts and attempts marked cached.
-    let rid = pg_run(&mut client, "r", 2);
-    let items = explored();
-    pg_fill(&mut client, rid, &items);
-    let stats = store.cache_stats().unwrap();
-    assert_eq!(
-        (
-            stats.entries,
-            stats.content_bytes,
-            stats.oldest_ms,
-            stats.newest_ms,
-            stats.hits
-        ),
-        (
-            5,
-            entries.iter().map(|e| e.content.len() as u64).sum(),
-            Some(1000),
-            Some(1004),
-            2
-        )
-    );
-
-    assert_eq!(store.cache_evict(None, Some(3)).unwrap(), 2);
-    assert_eq!(
-        store.cache_get(&k("k0"), 0).unwrap(),
-        None,
-        "the oldest went first"
-    );
-    assert_eq!(store.cache_get(&k("k1"), 0).unwrap(), None);
-    assert!(store.cache_get(&k("k2"), 0).unwrap().is_some());
-    assert_eq!(store.cache_evict(None, Some(3)).unwrap(), 0);
-    assert_eq!(store.cache_evict(Some(1004), None).unwrap(), 2);
-    let stats = store.cache_stats().unwrap();
-    assert_eq!((stats.entries, stats.oldest_ms), (1, Some(1004)));
-    assert_eq!(store.cache_evict(Some(0), Some(u64::MAX)).unwrap(), 0);
-    assert_eq!(store.cache_evict(None, Some(0)).unwrap(), 1);
-    assert_eq!(store.cache_stats().unwrap().entries, 0);
-    for e in &entries[..2] {
-        client
-            .execute(
-                "INSERT INTO cache (key, content, endpoint, model, latency_ms, created_at)
-                 VALUES (decode($1, 'hex'), $2, 'e', 'm', 1, $3)",
-                &[&e.key, &e.content, &e.created_at_ms],
-            )
-            .unwrap();
-    }
-    assert_eq!(store.cache_clear().unwrap(), 2);
-    let stats = store.cache_stats().unwrap();
-    assert_eq!(
-        (
-            stats.entries,
-            stats.content_bytes,
-            stats.oldest_ms,
-            stats.newest_ms
-        ),
-        (0, 0, None, None)
-    );
-}
-
-#[test]
-fn a_resource_series_stays_bounded_with_its_peak_and_mean_exact() {
+fn a_resource_series_is_merged_into_the_points_sqlite_makes() {
     use evalfleet_types::{
         POINTS_PER_SERIES, ResourceMetric, ResourcePoint, ResourceSeries, ResourceSource,
     };
@@ -1255,8 +1107,7 @@ fn a_resource_series_stays_bounded_with_its_peak_and_mean_exact() {
     sqlite_fill(&dir.path().join("s.db"), "r", &[]);
     let gpu = ResourceSeries::new(ResourceSource::Gpu, "0", ResourceMetric::GpuMemoryMb);
     let rss = ResourceSeries::new(ResourceSource::Evalfleet, "", ResourceMetric::RssMb);
-    // Ten times the bound, ten samples a write, as the housekeeping writes
-    // a second of 100 ms samples; the GPU peaks once, in the oldest part.
+    // Ten times the bound, ten samples a write; the GPU peaks once.
     let total = 10 * POINTS_PER_SERIES as i64;
     let value = |at: i64| {
         if at == 17 {
@@ -1277,51 +1128,17 @@ fn a_resource_series_stays_bounded_with_its_peak_and_mean_exact() {
         store.add_resource_points("r", &points).unwrap();
         sqlite.add_resource_points("r", &points).unwrap();
     }
-    // A second sample at a time already stored is merged into its point.
     let again = [ResourcePoint::sample(rss.clone(), (total - 1) * 100, 44.0)];
     store.add_resource_points("r", &again).unwrap();
     sqlite.add_resource_points("r", &again).unwrap();
-    store.add_resource_points("r", &[]).unwrap();
-    let points = store.resource_points("r", i64::MIN).unwrap();
-    assert_eq!(points, sqlite.resource_points("r", i64::MIN).unwrap());
-    for series in [&gpu, &rss] {
-        let of: Vec<&ResourcePoint> = points.iter().filter(|p| &p.series == series).collect();
-        assert!(of.len() <= POINTS_PER_SERIES, "{} points", of.len());
-        assert!(of.windows(2).all(|w| w[0].until_ms < w[1].at_ms));
-        assert_eq!(of[0].at_ms, 0);
-        assert_eq!(of.last().unwrap().until_ms, (total - 1) * 100);
-        let most = of.iter().map(|p| p.samples).max().unwrap();
-        let samples: u64 = of.iter().map(|p| p.samples).sum();
-        assert!(
-            most * of.len() as u64 <= 4 * samples,
-            "{most} of {samples} in {} points",
-            of.len()
-        );
-    }
-    let summary = evalfleet_core::report::ResourcesReport::of(&points);
-    let g = summary
-        .get(ResourceSource::Gpu, "0", ResourceMetric::GpuMemoryMb)
-        .unwrap();
-    assert_eq!(g.samples, total as u64);
-    assert_eq!(g.peak, 143_771.0);
-    let mean = (0..total).map(value).sum::<f64>() / total as f64;
-    assert!((g.mean - mean).abs() < 1e-6, "{} against {mean}", g.mean);
-    let r = summary
-        .get(ResourceSource::Evalfleet, "", ResourceMetric::RssMb)
-        .unwrap();
-    assert_eq!(r.samples, total as u64 + 1);
-    assert_eq!(r.peak, 44.0);
-    assert_eq!(summary.gpu_memory_peak_mb, Some(143_771.0));
-    let after = store.resource_points("r", (total - 2) * 100).unwrap();
-    assert_eq!(after.len(), 2);
     assert_eq!(
-        after,
+        store.resource_points("r", i64::MIN).unwrap(),
+        sqlite.resource_points("r", i64::MIN).unwrap()
+    );
+    assert_eq!(
+        store.resource_points("r", (total - 2) * 100).unwrap(),
         sqlite.resource_points("r", (total - 2) * 100).unwrap()
     );
-    assert!(matches!(
-        store.resource_points("nope", 0),
-        Err(StoreError::NoSuchRun(_))
-    ));
 }
 
 #[test]

@@ -1,24 +1,185 @@
-//! The SQLite store on real files: registration, exactly-once commits, counts,
-//! resume bookkeeping and export order.
+//! The store suite: registration, exactly-once commits, counts, the work
+//! queue (exclusive claims, leases, fencing, waits, attempt numbering),
+//! resume bookkeeping, export order, pages of items, the cache, kept
+//! reports, resource series and agent calls. Each test goes through the
+//! store's traits only and runs against both backends (`both!`): as
+//! `NAME::sqlite`, on a SQLite file, and as `NAME::postgres`, on a scratch
+//! database of the PostgreSQL server of `evalfleet_testkit` (skipped, saying
+//! so, when none answers). What is about one backend only is in
+//! `sqlite_only` and `postgres_only`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::path::Path;
+use std::time::Duration;
 
 use evalfleet_core::dataset::DatasetIdentity;
 use evalfleet_core::fingerprint::{DatasetOptions, Fingerprint};
-use std::time::Duration;
-
+use evalfleet_core::store::prelude::*;
 use evalfleet_core::store::{
-    Batch, ClaimId, Claimed, CreateRunError, Explore, ItemPage, ItemQuery, ItemSource, ItemState,
-    KEPT_PER_RUN, NewItem, NewRun, NotBefore, ResponseCache, Results, RunIdentity, Runs,
-    ScoreRange, SortKey, StoreError, WorkQueue, WorkerInfo,
+    Batch, ClaimId, Claimed, CreateRunError, ItemPage, ItemQuery, ItemSource, ItemState,
+    KEPT_PER_RUN, NewItem, NewRun, NotBefore, RunIdentity, ScoreRange, SortKey, StoreError,
+    WorkerInfo,
 };
-use evalfleet_store::SqliteStore;
+use evalfleet_store::{Location, OpenOptions};
+use evalfleet_testkit::postgres::ScratchDb;
 use evalfleet_types::{
     AgentCall, Assessment, AttemptRecord, CacheEntry, ErrorClass, ItemStatus, ResultRecord,
     RunStatus, StateCounts, Telemetry,
 };
+
+/// The backend a test of the suite runs against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+/// The store of one test: a SQLite file in a folder of the test's own, or
+/// a scratch database on the PostgreSQL server; a test opens as many
+/// connections to it as it needs workers.
+struct Fixture {
+    backend: Backend,
+    location: Location,
+    /// The SQLite file's folder (empty for PostgreSQL).
+    _dir: tempfile::TempDir,
+    /// The scratch database, dropped with the fixture.
+    db: Option<ScratchDb>,
+}
+
+impl Fixture {
+    /// An empty store; `None` when no PostgreSQL server answers (the test
+    /// says it is skipped, or fails under `CI=true`).
+    fn new(backend: Backend) -> Option<Self> {
+        let dir = tempfile::tempdir().unwrap();
+        let (location, db) = match backend {
+            Backend::Sqlite => (Location::Sqlite(dir.path().join("store.db")), None),
+            Backend::Postgres => {
+                let db = evalfleet_testkit::scratch_db!()?;
+                (Location::Postgres(db.url.clone()), Some(db))
+            }
+        };
+        Some(Self {
+            backend,
+            location,
+            _dir: dir,
+            db,
+        })
+    }
+
+    /// A new connection to the store, made on the first.
+    fn open(&self) -> Box<dyn Store> {
+        let options = OpenOptions {
+            create: true,
+            ..OpenOptions::default()
+        };
+        evalfleet_store::open(&self.location, &options).unwrap()
+    }
+
+    /// A connection that only reads the store (which exists).
+    fn open_read_only(&self) -> Box<dyn Store> {
+        evalfleet_store::open(&self.location, &OpenOptions::read_only()).unwrap()
+    }
+
+    /// Counts item states the slow way, from the tables behind the traits'
+    /// back, to check the counts the store keeps (SQLite: counters in
+    /// `runs`; PostgreSQL: the sums of `tallies`). On PostgreSQL an item
+    /// `running` (claimed) is pending.
+    fn recount(&self, run_id: &str) -> StateCounts {
+        let rows: Vec<(String, u64)> = match (&self.location, &self.db) {
+            (Location::Sqlite(path), _) => {
+                let conn = rusqlite::Connection::open(path).unwrap();
+                let mut stmt = conn
+                    .prepare(
+                        "SELECT i.state, COUNT(*) FROM items i JOIN runs r ON r.rid = i.rid
+                         WHERE r.run_id = ?1 GROUP BY i.state",
+                    )
+                    .unwrap();
+                stmt.query_map([run_id], |r| {
+                    Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64))
+                })
+                .unwrap()
+                .map(Result::unwrap)
+                .collect()
+            }
+            (Location::Postgres(_), Some(db)) => {
+                let mut sql = self.sql(db);
+                sql.query(
+                    "SELECT CASE i.state WHEN 'running' THEN 'pending' ELSE i.state END,
+                            COUNT(*)
+                     FROM items i JOIN runs r ON r.rid = i.rid
+                     WHERE r.run_id = $1 GROUP BY 1",
+                    &[&run_id],
+                )
+                .unwrap()
+                .iter()
+                .map(|row| (row.get(0), row.get::<_, i64>(1) as u64))
+                .collect()
+            }
+            (Location::Postgres(_), None) => unreachable!("a PostgreSQL fixture has its database"),
+        };
+        let mut counts = StateCounts::default();
+        for (state, n) in rows {
+            match state.as_str() {
+                "pending" => counts.pending += n,
+                "done" => counts.done += n,
+                "failed" => counts.failed += n,
+                other => panic!("an item in state '{other}'"),
+            }
+        }
+        counts
+    }
+
+    /// A plain connection to the scratch database, its tables in reach.
+    fn sql(&self, db: &ScratchDb) -> postgres::Client {
+        let mut client = db.connect();
+        client
+            .batch_execute("SET search_path TO evalfleet")
+            .unwrap();
+        client
+    }
+}
+
+/// Runs each named test (a `fn(&Fixture)`) against both backends: as
+/// `NAME::sqlite` and `NAME::postgres`.
+macro_rules! both {
+    ($($test:ident),+ $(,)?) => {$(
+        mod $test {
+            #[test]
+            fn sqlite() {
+                if let Some(store) = super::Fixture::new(super::Backend::Sqlite) {
+                    super::$test(&store);
+                }
+            }
+
+            #[test]
+            fn postgres() {
+                if let Some(store) = super::Fixture::new(super::Backend::Postgres) {
+                    super::$test(&store);
+                }
+            }
+        }
+    )+};
+}
+
+both!(
+    the_cache_answers_by_key_honours_age_and_evicts_the_oldest,
+    a_duplicate_id_undoes_the_whole_registration,
+    a_run_id_is_taken_once_and_runs_come_newest_first,
+    commits_are_exactly_once_and_counters_match_a_recount,
+    a_sample_keeps_the_items_with_the_smallest_keys,
+    a_claim_is_exclusive_while_its_lease_lasts_and_a_commit_under_a_lost_lease_is_refused,
+    a_commit_whose_lease_ran_out_is_refused_once_another_worker_took_its_items,
+    an_item_claimed_again_numbers_its_next_attempt_above_every_stored_one,
+    items_come_a_page_at_a_time_filtered_and_sorted_in_the_store,
+    one_item_comes_whole_with_its_attempts,
+    a_runs_generation_changes_with_its_results_and_kept_reports_are_replaced,
+    results_and_attempts_are_scanned_rescored_and_exported,
+    a_resource_series_stays_bounded_with_its_peak_and_mean_exact,
+    agent_calls_are_stored_with_their_attempt_refused_under_a_lost_claim_and_read_back_in_order,
+    trajectories_are_each_items_last_chat_of_its_final_attempt_with_tool_calls_and_results,
+    the_agents_figures_are_per_item_means_of_the_stored_calls,
+    an_items_wait_is_stored_with_it_and_whoever_claims_it_next_waits_it_out,
+);
 
 struct Items {
     items: std::vec::IntoIter<NewItem>,
@@ -147,7 +308,7 @@ fn worker(name: &str) -> WorkerInfo {
 const LEASE: Duration = Duration::from_secs(60);
 
 /// Claims every pending item of `run_id` for `name`.
-fn claim_all(store: &mut SqliteStore, run_id: &str, name: &str) -> ClaimId {
+fn claim_all(store: &mut dyn Store, run_id: &str, name: &str) -> ClaimId {
     match store.claim(run_id, name, None, 1000, LEASE).unwrap() {
         Claimed::Items(claim) => claim.id,
         other => panic!("nothing to claim: {other:?}"),
@@ -174,11 +335,8 @@ fn cache_entry(label: &str, created_at_ms: i64) -> CacheEntry {
     }
 }
 
-#[test]
-fn the_cache_answers_by_key_honours_age_and_evicts_the_oldest() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("store.db");
-    let mut store = SqliteStore::open(&path).unwrap();
+fn the_cache_answers_by_key_honours_age_and_evicts_the_oldest(f: &Fixture) {
+    let mut store = f.open();
     store
         .create_run(&new_run("r"), &mut items(&["a"], None))
         .unwrap();
@@ -200,11 +358,28 @@ fn the_cache_answers_by_key_honours_age_and_evicts_the_oldest() {
         )
         .unwrap();
     drop(store);
-    let mut store = SqliteStore::open(&path).unwrap();
+    let mut store = f.open();
     assert_eq!(
         store.cache_get(&k("k2"), 0).unwrap(),
         Some(entries[2].clone()),
         "it survives a reopen"
+    );
+    let stats = store.cache_stats().unwrap();
+    assert_eq!(
+        (
+            stats.entries,
+            stats.content_bytes,
+            stats.oldest_ms,
+            stats.newest_ms,
+            stats.hits
+        ),
+        (
+            5,
+            entries.iter().map(|e| e.content.len() as u64).sum(),
+            Some(1000),
+            Some(1004),
+            0
+        )
     );
     assert_eq!(store.cache_get(&k("nope"), 0).unwrap(), None);
     assert_eq!(
@@ -213,6 +388,26 @@ fn the_cache_answers_by_key_honours_age_and_evicts_the_oldest() {
             .unwrap(),
         vec![Some(entries[3].clone()), None, Some(entries[4].clone())],
         "a page of keys is looked up at once, answers in the keys' order"
+    );
+    assert_eq!(
+        store
+            .cache_get(&k("k2").to_uppercase(), 0)
+            .unwrap()
+            .map(|e| e.content),
+        Some(entries[2].content.clone()),
+        "hex in any case"
+    );
+    assert_eq!(store.cache_get("not hex", 0).unwrap(), None);
+    assert_eq!(
+        store
+            .cache_get_many(&[&k("k3"), "zz", &k("k3")], 0)
+            .unwrap(),
+        vec![Some(entries[3].clone()), None, Some(entries[3].clone())]
+    );
+    assert_eq!(store.cache_get_many(&[], 0).unwrap(), vec![]);
+    assert_eq!(
+        store.cache_get_many(&[&k("k4"), &k("k2")], 1003).unwrap(),
+        vec![Some(entries[4].clone()), None]
     );
     assert_eq!(
         store.cache_get(&k("k2"), 1003).unwrap(),
@@ -227,44 +422,48 @@ fn the_cache_answers_by_key_honours_age_and_evicts_the_oldest() {
     );
     assert_eq!(store.cache_get(&k("k1"), 0).unwrap(), None);
     assert!(store.cache_get(&k("k2"), 0).unwrap().is_some());
+    assert_eq!(store.cache_evict(None, Some(3)).unwrap(), 0);
     assert_eq!(store.cache_evict(Some(1004), None).unwrap(), 2);
     let stats = store.cache_stats().unwrap();
     assert_eq!((stats.entries, stats.oldest_ms), (1, Some(1004)));
-    assert_eq!(store.cache_clear().unwrap(), 1);
-    assert_eq!(store.cache_stats().unwrap().entries, 0);
-}
-
-/// Counts item states the slow way, to check the stored counters.
-fn recount(path: &Path, run_id: &str) -> StateCounts {
-    let conn = rusqlite::Connection::open(path).unwrap();
-    let mut counts = StateCounts::default();
-    let mut stmt = conn
-        .prepare(
-            "SELECT i.state, COUNT(*) FROM items i JOIN runs r ON r.rid = i.rid
-             WHERE r.run_id = ?1 GROUP BY i.state",
-        )
+    assert_eq!(store.cache_evict(Some(0), Some(u64::MAX)).unwrap(), 0);
+    store
+        .commit("r", "w", &with_cache(entries[..2].to_vec()))
         .unwrap();
-    for row in stmt
-        .query_map([run_id], |r| {
-            Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64))
-        })
-        .unwrap()
-    {
-        let (state, n) = row.unwrap();
-        match state.as_str() {
-            "pending" => counts.pending = n,
-            "done" => counts.done = n,
-            _ => counts.failed = n,
-        }
-    }
-    counts
+    assert_eq!(store.cache_clear().unwrap(), 3);
+    let stats = store.cache_stats().unwrap();
+    assert_eq!(
+        (
+            stats.entries,
+            stats.content_bytes,
+            stats.oldest_ms,
+            stats.newest_ms
+        ),
+        (0, 0, None, None)
+    );
+
+    // Hits: the calls results say were answered from the cache.
+    let claim = claim_all(&mut *store, "r", "w");
+    let mut hit = result(1, "a", ItemStatus::Done);
+    hit.cached = 2;
+    let batch = Batch {
+        results: vec![(claim, hit)],
+        ..Batch::default()
+    };
+    store.commit("r", "w", &batch).unwrap();
+    assert_eq!(store.cache_stats().unwrap().hits, 2);
 }
 
-#[test]
-fn a_duplicate_id_undoes_the_whole_registration() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("s.db");
-    let mut store = SqliteStore::open(&path).unwrap();
+/// A batch of cache entries alone.
+fn with_cache(cache: Vec<CacheEntry>) -> Batch {
+    Batch {
+        cache,
+        ..Batch::default()
+    }
+}
+
+fn a_duplicate_id_undoes_the_whole_registration(f: &Fixture) {
+    let mut store = f.open();
     let err = store
         .create_run(&new_run("r"), &mut items(&["a", "b", "a"], None))
         .unwrap_err();
@@ -281,11 +480,71 @@ fn a_duplicate_id_undoes_the_whole_registration() {
     assert!(store.runs().unwrap().is_empty());
 }
 
-#[test]
-fn commits_are_exactly_once_and_counters_match_a_recount() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("s.db");
-    let mut store = SqliteStore::open(&path).unwrap();
+fn a_run_id_is_taken_once_and_runs_come_newest_first(f: &Fixture) {
+    let mut store = f.open();
+    let run = store
+        .create_run(&new_run("r"), &mut items(&["a", "bad1"], None))
+        .unwrap();
+    assert_eq!(
+        (run.total, run.sessions, run.status),
+        (2, 0, RunStatus::Running)
+    );
+    assert_eq!(run.config, serde_json::json!({"name": "test"}));
+    assert!(matches!(
+        store.create_run(&new_run("r"), &mut items(&["x"], None)),
+        Err(CreateRunError::RunExists(id)) if id == "r"
+    ));
+    // The same time: the one made last first.
+    store
+        .create_run(&new_run("s"), &mut items(&["x"], None))
+        .unwrap();
+    let mut later = new_run("t");
+    later.created_at_ms = 5;
+    store.create_run(&later, &mut items(&["x"], None)).unwrap();
+    let order: Vec<String> = store
+        .runs()
+        .unwrap()
+        .into_iter()
+        .map(|r| r.run_id)
+        .collect();
+    assert_eq!(order, ["t", "s", "r"]);
+    assert!(matches!(store.run("nope"), Err(StoreError::NoSuchRun(_))));
+    assert!(matches!(
+        store.counts("nope"),
+        Err(StoreError::NoSuchRun(_))
+    ));
+
+    // A status and its message are stored; a new session clears them.
+    store
+        .set_status("r", RunStatus::Interrupted, Some("stopped"))
+        .unwrap();
+    let stopped = store.run("r").unwrap();
+    assert_eq!(
+        (stopped.status, stopped.message.as_deref()),
+        (RunStatus::Interrupted, Some("stopped"))
+    );
+    let mut w = worker("w");
+    let start = store.begin_session("r", &mut w, false).unwrap();
+    assert_eq!((start.session, w.session), (1, 1));
+    let resumed = store.run("r").unwrap();
+    assert_eq!(
+        (resumed.status, resumed.message, resumed.sessions),
+        (RunStatus::Running, None, 1)
+    );
+    let workers = store.workers("r").unwrap();
+    assert_eq!(workers.len(), 1);
+    assert_eq!(
+        (
+            workers[0].worker.as_str(),
+            workers[0].session,
+            workers[0].pid
+        ),
+        ("w", 1, w.pid)
+    );
+}
+
+fn commits_are_exactly_once_and_counters_match_a_recount(f: &Fixture) {
+    let mut store = f.open();
     let run = store
         .create_run(
             &new_run("r"),
@@ -294,7 +553,7 @@ fn commits_are_exactly_once_and_counters_match_a_recount() {
         .unwrap();
     assert_eq!(run.total, 5);
     assert_eq!(run.status, RunStatus::Running);
-    assert_eq!(store.counts("r").unwrap(), recount(&path, "r"));
+    assert_eq!(store.counts("r").unwrap(), f.recount("r"));
     assert_eq!(
         store.counts("r").unwrap().failed,
         1,
@@ -303,7 +562,7 @@ fn commits_are_exactly_once_and_counters_match_a_recount() {
 
     let start = store.begin_session("r", &mut worker("w"), false).unwrap();
     assert_eq!(start.session, 1);
-    let claim = claim_all(&mut store, "r", "w");
+    let claim = claim_all(&mut *store, "r", "w");
     let batch = Batch {
         attempts: vec![(claim, attempt(1, 1))],
         results: vec![
@@ -323,35 +582,54 @@ fn commits_are_exactly_once_and_counters_match_a_recount() {
             failed: 2
         }
     );
-    assert_eq!(store.counts("r").unwrap(), recount(&path, "r"));
+    assert_eq!(store.counts("r").unwrap(), f.recount("r"));
 
-    // A second result for an item is refused, and nothing of its batch stays.
+    // A second result for an item ended under the same claim is never
+    // stored. SQLite refuses it as a broken invariant, and nothing of its
+    // batch stays. PostgreSQL cannot tell it from the commit that ended
+    // the item run again (its connection was lost after COMMIT reached the
+    // server): it counts the result as committed already and keeps the
+    // first (see `postgres_only` for a whole commit run twice).
     let again = Batch {
         attempts: vec![(claim, attempt(4, 1))],
         results: vec![
             (claim, result(4, "c", ItemStatus::Done)),
-            (claim, result(1, "a", ItemStatus::Done)),
+            (claim, result(1, "a", ItemStatus::Failed)),
         ],
         cache: vec![cache_entry("k-again", 1)],
         calls: vec![],
         waits: vec![],
     };
-    assert!(matches!(
-        store.commit("r", "w", &again),
-        Err(StoreError::Invariant(_))
-    ));
-    assert_eq!(
-        store.cache_stats().unwrap().entries,
-        0,
-        "its cache entry is undone too"
-    );
-    assert_eq!(store.counts("r").unwrap(), recount(&path, "r"));
+    match f.backend {
+        Backend::Sqlite => {
+            assert!(matches!(
+                store.commit("r", "w", &again),
+                Err(StoreError::Invariant(_))
+            ));
+            assert_eq!(
+                store.cache_stats().unwrap().entries,
+                0,
+                "its cache entry is undone too"
+            );
+        }
+        Backend::Postgres => {
+            let replayed = Batch {
+                results: vec![(claim, result(1, "a", ItemStatus::Failed))],
+                ..Batch::default()
+            };
+            let committed = store.commit("r", "w", &replayed).unwrap();
+            assert_eq!((committed.results, committed.refused), (1, vec![]));
+        }
+    }
     assert_eq!(store.counts("r").unwrap().pending, 2);
+    assert_eq!(store.counts("r").unwrap(), f.recount("r"));
+    let a = store.item("r", "a").unwrap().unwrap();
+    assert_eq!(a.row.state, ItemState::Done, "the first result stays");
 
     // Pending items come in order, with their earlier attempts counted by a
     // new connection (a new session).
     store.release("r", "w").unwrap();
-    let mut reader = SqliteStore::open(&path).unwrap();
+    let mut reader = f.open();
     let Claimed::Items(pending) = reader.claim("r", "w2", None, 10, LEASE).unwrap() else {
         panic!("the released items are free");
     };
@@ -369,7 +647,7 @@ fn commits_are_exactly_once_and_counters_match_a_recount() {
     let start = store.begin_session("r", &mut worker("w3"), true).unwrap();
     assert_eq!(start.reset, 1);
     assert_eq!(start.session, 2);
-    assert_eq!(store.counts("r").unwrap(), recount(&path, "r"));
+    assert_eq!(store.counts("r").unwrap(), f.recount("r"));
     assert_eq!(store.counts("r").unwrap().pending, 3);
 
     let mut rows = Vec::new();
@@ -383,11 +661,8 @@ fn commits_are_exactly_once_and_counters_match_a_recount() {
     assert_eq!(rows, expected);
 }
 
-#[test]
-fn a_sample_keeps_the_items_with_the_smallest_keys() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("s.db");
-    let mut store = SqliteStore::open(&path).unwrap();
+fn a_sample_keeps_the_items_with_the_smallest_keys(f: &Fixture) {
+    let mut store = f.open();
     let ids: Vec<String> = (0..50).map(|i| format!("id{i}")).collect();
     let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
     let run = store
@@ -409,12 +684,11 @@ fn a_sample_keeps_the_items_with_the_smallest_keys() {
     assert_eq!(kept, expected);
 }
 
-#[test]
-fn a_claim_is_exclusive_while_its_lease_lasts_and_a_commit_under_a_lost_lease_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("s.db");
-    let mut first = SqliteStore::open(&path).unwrap();
-    let mut second = SqliteStore::open(&path).unwrap();
+fn a_claim_is_exclusive_while_its_lease_lasts_and_a_commit_under_a_lost_lease_is_refused(
+    f: &Fixture,
+) {
+    let mut first = f.open();
+    let mut second = f.open();
     first
         .create_run(&new_run("r"), &mut items(&["a", "b", "c", "d"], None))
         .unwrap();
@@ -469,7 +743,7 @@ fn a_claim_is_exclusive_while_its_lease_lasts_and_a_commit_under_a_lost_lease_is
         waits: vec![],
     };
     assert_eq!(first.commit("r", "one", &on_time).unwrap().results, 2);
-    assert_eq!(first.counts("r").unwrap(), recount(&path, "r"));
+    assert_eq!(first.counts("r").unwrap(), f.recount("r"));
     assert_eq!(first.counts("r").unwrap().done, 2);
 
     // Releasing frees a worker's items at once.
@@ -507,19 +781,83 @@ fn a_claim_is_exclusive_while_its_lease_lasts_and_a_commit_under_a_lost_lease_is
         second.claim("r", "two", None, 10, LEASE).unwrap(),
         Claimed::Nothing
     );
-    assert_eq!(second.counts("r").unwrap(), recount(&path, "r"));
+    assert_eq!(second.counts("r").unwrap(), f.recount("r"));
 }
 
-#[test]
-fn an_item_claimed_again_numbers_its_next_attempt_above_every_stored_one() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("s.db");
-    let mut store = SqliteStore::open(&path).unwrap();
+/// A commit under a lease that ran out. Both backends refuse it once
+/// another worker took its items. Before that they differ, on purpose:
+/// SQLite refuses it whoever holds the items (a claim ends with its
+/// lease), while PostgreSQL fences a commit by its claim (`items.claim_id`
+/// and state `running`), so a late commit whose items nobody reaped,
+/// claimed or released yet is stored: no other worker answers them.
+fn a_commit_whose_lease_ran_out_is_refused_once_another_worker_took_its_items(f: &Fixture) {
+    let mut first = f.open();
+    let mut second = f.open();
+    first
+        .create_run(&new_run("r"), &mut items(&["a", "b"], None))
+        .unwrap();
+    first.begin_session("r", &mut worker("one"), false).unwrap();
+    second
+        .begin_session("r", &mut worker("two"), false)
+        .unwrap();
+    let mine = claim_all(&mut *first, "r", "one");
+    assert_eq!(first.renew("r", "one", Duration::ZERO).unwrap(), 1);
+    std::thread::sleep(Duration::from_millis(5));
+
+    // Nobody took item a yet.
+    let late_a = Batch {
+        attempts: vec![(mine, attempt(1, 1))],
+        results: vec![(mine, result(1, "a", ItemStatus::Done))],
+        ..Batch::default()
+    };
+    let committed = first.commit("r", "one", &late_a).unwrap();
+    match f.backend {
+        Backend::Sqlite => assert_eq!((committed.results, committed.refused), (0, vec![1])),
+        Backend::Postgres => assert_eq!((committed.results, committed.refused), (1, vec![])),
+    }
+
+    // Another worker took item b: its late commit is refused on both, and
+    // nothing of it is stored.
+    let Claimed::Items(theirs) = second.claim("r", "two", None, 10, LEASE).unwrap() else {
+        panic!("the lapsed claim's items are free");
+    };
+    assert!(theirs.items.iter().any(|i| i.seq == 2), "{theirs:?}");
+    let late_b = Batch {
+        attempts: vec![(mine, attempt(2, 1))],
+        results: vec![(mine, result(2, "b", ItemStatus::Done))],
+        calls: vec![(mine, agent_call(2, 1, 1))],
+        ..Batch::default()
+    };
+    let refused = first.commit("r", "one", &late_b).unwrap();
+    assert_eq!((refused.results, refused.refused), (0, vec![2]));
+    let b = second.item("r", "b").unwrap().unwrap();
+    assert_eq!(b.row.state, ItemState::Pending);
+    assert!(b.attempt_records.is_empty() && b.calls.is_empty());
+    assert_eq!(second.counts("r").unwrap(), f.recount("r"));
+
+    // Whoever holds the items now commits them.
+    let results: Vec<(ClaimId, ResultRecord)> = theirs
+        .items
+        .iter()
+        .map(|i| (theirs.id, result(i.seq, &i.item_id, ItemStatus::Done)))
+        .collect();
+    let on_time = Batch {
+        results,
+        ..Batch::default()
+    };
+    let committed = second.commit("r", "two", &on_time).unwrap();
+    assert_eq!(committed.results, theirs.items.len() as u64);
+    assert_eq!(second.counts("r").unwrap().done, 2);
+    assert_eq!(second.counts("r").unwrap(), f.recount("r"));
+}
+
+fn an_item_claimed_again_numbers_its_next_attempt_above_every_stored_one(f: &Fixture) {
+    let mut store = f.open();
     store
         .create_run(&new_run("r"), &mut items(&["a", "b", "c"], None))
         .unwrap();
     store.begin_session("r", &mut worker("one"), false).unwrap();
-    let claim = claim_all(&mut store, "r", "one");
+    let claim = claim_all(&mut *store, "r", "one");
     // Item a's first call was answered from the cache (number 1, no row);
     // its second is stored as attempt 2. Item b has one stored attempt.
     let batch = Batch {
@@ -542,115 +880,9 @@ fn an_item_claimed_again_numbers_its_next_attempt_above_every_stored_one() {
     assert_eq!(prior, vec![(1, 2), (2, 1), (3, 0)]);
 }
 
-#[test]
-fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("old.db");
-    let mut store = SqliteStore::open(&path).unwrap();
-    store
-        .create_run(&new_run("r"), &mut items(&["a", "b"], None))
-        .unwrap();
-    store.begin_session("r", &mut worker("w"), false).unwrap();
-    let claim = claim_all(&mut store, "r", "w");
-    store
-        .commit(
-            "r",
-            "w",
-            &Batch {
-                attempts: vec![(claim, attempt(1, 1))],
-                results: vec![(claim, result(1, "a", ItemStatus::Done))],
-                cache: vec![],
-                calls: vec![],
-                waits: vec![],
-            },
-        )
-        .unwrap();
-    drop(store);
-    // Back to schema 1: what earlier versions of evalfleet wrote.
-    let conn = rusqlite::Connection::open(&path).unwrap();
-    conn.execute_batch(
-        "DROP TABLE claims;
-         DROP TABLE workers;
-         DROP TABLE cache;
-         ALTER TABLE results DROP COLUMN parsed;
-         ALTER TABLE results DROP COLUMN verdict;
-         ALTER TABLE results DROP COLUMN check_error;
-         ALTER TABLE results DROP COLUMN scores;
-         ALTER TABLE results DROP COLUMN reasks;
-         ALTER TABLE results DROP COLUMN judge;
-         ALTER TABLE attempts DROP COLUMN cached;
-         ALTER TABLE results DROP COLUMN cached;
-         ALTER TABLE attempts DROP COLUMN tokens_estimated;
-         ALTER TABLE results DROP COLUMN tokens_estimated;
-         DROP TABLE samples;
-         DROP TABLE kept_reports;
-         ALTER TABLE runs DROP COLUMN generation;
-         DROP TABLE resource_points;
-         ALTER TABLE results DROP COLUMN prompt;
-         ALTER TABLE results DROP COLUMN images;
-         DROP TABLE agent_calls;
-         ALTER TABLE items DROP COLUMN not_before;
-         DROP TABLE worker_tallies;
-         PRAGMA user_version = 1;",
-    )
-    .unwrap();
-    drop(conn);
-
-    let mut store = SqliteStore::open(&path).unwrap();
-    let mut rows = Vec::new();
-    store
-        .export("r", &mut |row| {
-            rows.push(row);
-            Ok(())
-        })
-        .unwrap();
-    assert_eq!(rows.len(), 1);
-    assert_eq!(rows[0].output.as_deref(), Some("answer a"));
-    assert_eq!(
-        (
-            rows[0].parsed.clone(),
-            rows[0].valid,
-            rows[0].scores.clone()
-        ),
-        (None, None, None)
-    );
-    assert_eq!(
-        store.cache_stats().unwrap().entries,
-        0,
-        "the cache table exists"
-    );
-    let claim = claim_all(&mut store, "r", "w");
-    store
-        .commit(
-            "r",
-            "w",
-            &Batch {
-                attempts: vec![],
-                results: vec![(claim, result(2, "b", ItemStatus::Done))],
-                cache: vec![cache_entry("k", 1)],
-                calls: vec![],
-                waits: vec![],
-            },
-        )
-        .unwrap();
-    assert_eq!(
-        store.counts("r").unwrap(),
-        StateCounts {
-            pending: 0,
-            done: 2,
-            failed: 0
-        }
-    );
-    let conn = rusqlite::Connection::open(&path).unwrap();
-    let version: i64 = conn
-        .query_row("PRAGMA user_version", [], |r| r.get(0))
-        .unwrap();
-    assert_eq!(version as usize, evalfleet_store::SQLITE_SCHEMA_VERSION);
-}
-
 /// A run of 30 items: 20 done (latency 100 - seq, score 1 for even seq,
 /// category a or b by seq), 5 failed with a 500 each, 5 pending.
-fn explored_run(store: &mut SqliteStore) {
+fn explored_run(store: &mut dyn Store) {
     let ids: Vec<String> = (1..=30).map(|i| format!("item-{i:02}")).collect();
     let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
     store
@@ -695,11 +927,9 @@ fn seqs(page: &ItemPage) -> Vec<u64> {
     page.rows.iter().map(|r| r.seq).collect()
 }
 
-#[test]
-fn items_come_a_page_at_a_time_filtered_and_sorted_in_the_store() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut store = SqliteStore::open(&dir.path().join("s.db")).unwrap();
-    explored_run(&mut store);
+fn items_come_a_page_at_a_time_filtered_and_sorted_in_the_store(f: &Fixture) {
+    let mut store = f.open();
+    explored_run(&mut *store);
 
     // Dataset order, every state, in pages of 12 that join up exactly.
     let mut query = ItemQuery {
@@ -717,7 +947,7 @@ fn items_come_a_page_at_a_time_filtered_and_sorted_in_the_store() {
     }
     assert_eq!(all, (1..=30).collect::<Vec<u64>>());
 
-    let page = |store: &mut SqliteStore, query: ItemQuery| {
+    let page = |store: &mut dyn Store, query: ItemQuery| {
         store
             .items(
                 "r",
@@ -730,7 +960,7 @@ fn items_come_a_page_at_a_time_filtered_and_sorted_in_the_store() {
     };
     // States.
     let pending = page(
-        &mut store,
+        &mut *store,
         ItemQuery {
             states: vec![ItemState::Pending],
             ..ItemQuery::default()
@@ -740,7 +970,7 @@ fn items_come_a_page_at_a_time_filtered_and_sorted_in_the_store() {
     assert!(pending.rows.iter().all(|r| r.output.is_none()));
     // A dataset field, a score range and a failed call's class.
     let a_right = page(
-        &mut store,
+        &mut *store,
         ItemQuery {
             fields: vec![("category".to_owned(), "a".to_owned())],
             scores: vec![ScoreRange {
@@ -753,7 +983,7 @@ fn items_come_a_page_at_a_time_filtered_and_sorted_in_the_store() {
     );
     assert_eq!(seqs(&a_right), vec![2, 4, 6, 8, 10, 12, 14, 16, 18, 20]);
     let level = page(
-        &mut store,
+        &mut *store,
         ItemQuery {
             fields: vec![("level".to_owned(), "0".to_owned())],
             states: vec![ItemState::Done],
@@ -762,7 +992,7 @@ fn items_come_a_page_at_a_time_filtered_and_sorted_in_the_store() {
     );
     assert_eq!(seqs(&level), vec![3, 6, 9, 12, 15, 18]);
     let retried = page(
-        &mut store,
+        &mut *store,
         ItemQuery {
             error_class: Some(ErrorClass::Retryable),
             ..ItemQuery::default()
@@ -771,7 +1001,7 @@ fn items_come_a_page_at_a_time_filtered_and_sorted_in_the_store() {
     assert_eq!(seqs(&retried), vec![21, 22, 23, 24, 25]);
     // Text in the answer or the error, any case.
     let found = page(
-        &mut store,
+        &mut *store,
         ItemQuery {
             text: Some("HTTP 500 ON ITEM-22".to_owned()),
             ..ItemQuery::default()
@@ -779,7 +1009,7 @@ fn items_come_a_page_at_a_time_filtered_and_sorted_in_the_store() {
     );
     assert_eq!(seqs(&found), vec![22]);
     let found = page(
-        &mut store,
+        &mut *store,
         ItemQuery {
             text: Some("answer item-07".to_owned()),
             ..ItemQuery::default()
@@ -788,7 +1018,7 @@ fn items_come_a_page_at_a_time_filtered_and_sorted_in_the_store() {
     assert_eq!(seqs(&found), vec![7]);
     // Latency and tokens ranges.
     let slow = page(
-        &mut store,
+        &mut *store,
         ItemQuery {
             latency_ms: (Some(95.0), None),
             completion_tokens: (None, Some(3)),
@@ -818,7 +1048,7 @@ fn items_come_a_page_at_a_time_filtered_and_sorted_in_the_store() {
     assert_eq!(by_latency, (1..=25).collect::<Vec<u64>>());
     // By score, best first; items with no score (failed, pending) last.
     let by_score = page(
-        &mut store,
+        &mut *store,
         ItemQuery {
             sort: SortKey::Score("em".to_owned()),
             descending: true,
@@ -831,11 +1061,9 @@ fn items_come_a_page_at_a_time_filtered_and_sorted_in_the_store() {
     assert_eq!(&order[10..20], &[19, 17, 15, 13, 11, 9, 7, 5, 3, 1]);
 }
 
-#[test]
-fn one_item_comes_whole_with_its_attempts() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut store = SqliteStore::open(&dir.path().join("s.db")).unwrap();
-    explored_run(&mut store);
+fn one_item_comes_whole_with_its_attempts(f: &Fixture) {
+    let mut store = f.open();
+    explored_run(&mut *store);
     let failed = store.item("r", "item-23").unwrap().unwrap();
     assert_eq!(failed.row.state, ItemState::Failed);
     assert_eq!(failed.attempt_records.len(), 1);
@@ -857,20 +1085,18 @@ fn one_item_comes_whole_with_its_attempts() {
     ));
 }
 
-#[test]
-fn a_runs_generation_changes_with_its_results_and_kept_reports_are_replaced() {
-    use evalfleet_core::store::{KeptReport, KeptReports, ResultOrder};
-    let dir = tempfile::tempdir().unwrap();
-    let mut store = SqliteStore::open(&dir.path().join("s.db")).unwrap();
+fn a_runs_generation_changes_with_its_results_and_kept_reports_are_replaced(f: &Fixture) {
+    use evalfleet_core::store::{KeptReport, ResultOrder};
+    let mut store = f.open();
     store
         .create_run(&new_run("r"), &mut items(&["z", "a", "m", "b"], None))
         .unwrap();
-    let generation = |store: &mut SqliteStore| store.run("r").unwrap().generation;
-    let g0 = generation(&mut store);
+    let generation = |store: &mut dyn Store| store.run("r").unwrap().generation;
+    let g0 = generation(&mut *store);
     store.begin_session("r", &mut worker("w"), false).unwrap();
-    let g1 = generation(&mut store);
+    let g1 = generation(&mut *store);
     assert!(g1 > g0, "a session changes it");
-    let claim = claim_all(&mut store, "r", "w");
+    let claim = claim_all(&mut *store, "r", "w");
     let batch = Batch {
         attempts: vec![],
         results: vec![
@@ -883,17 +1109,17 @@ fn a_runs_generation_changes_with_its_results_and_kept_reports_are_replaced() {
         waits: vec![],
     };
     store.commit("r", "w", &batch).unwrap();
-    let g2 = generation(&mut store);
+    let g2 = generation(&mut *store);
     assert!(g2 > g1, "a commit of results changes it");
     store.set_status("r", RunStatus::Finished, None).unwrap();
-    assert_eq!(generation(&mut store), g2, "a status alone does not");
+    assert_eq!(generation(&mut *store), g2, "a status alone does not");
     store
         .put_assessments("r", &[(1, Assessment::default())], &serde_json::json!({}))
         .unwrap();
-    assert!(generation(&mut store) > g2, "a rescore changes it");
+    assert!(generation(&mut *store) > g2, "a rescore changes it");
 
     // Results by item id, a page at a time, and in dataset order.
-    let page = |store: &mut SqliteStore, order, after: Option<(&str, u64)>| {
+    let page = |store: &mut dyn Store, order, after: Option<(&str, u64)>| {
         let mut seen = Vec::new();
         store
             .results_page("r", order, after, 2, false, &mut |view| {
@@ -905,15 +1131,37 @@ fn a_runs_generation_changes_with_its_results_and_kept_reports_are_replaced() {
         seen
     };
     let ids = |seen: Vec<(String, u64)>| seen.into_iter().map(|(id, _)| id).collect::<Vec<_>>();
-    assert_eq!(ids(page(&mut store, ResultOrder::Key, None)), ["a", "b"]);
+    assert_eq!(ids(page(&mut *store, ResultOrder::Key, None)), ["a", "b"]);
     assert_eq!(
-        ids(page(&mut store, ResultOrder::Key, Some(("b", 4)))),
+        ids(page(&mut *store, ResultOrder::Key, Some(("b", 4)))),
         ["z"]
     );
-    assert_eq!(ids(page(&mut store, ResultOrder::Seq, None)), ["z", "a"]);
+    assert_eq!(ids(page(&mut *store, ResultOrder::Seq, None)), ["z", "a"]);
     assert_eq!(
-        ids(page(&mut store, ResultOrder::Seq, Some(("a", 2)))),
+        ids(page(&mut *store, ResultOrder::Seq, Some(("a", 2)))),
         ["b"]
+    );
+    let mut with_items = Vec::new();
+    store
+        .results_page(
+            "r",
+            ResultOrder::Key,
+            Some(("a", 2)),
+            2,
+            true,
+            &mut |view| {
+                with_items.push((view.item_id.to_owned(), view.item.map(str::to_owned)));
+                Ok(())
+            },
+        )
+        .unwrap();
+    assert_eq!(
+        with_items,
+        [
+            ("b".to_owned(), Some(r#"{"id": "b"}"#.to_owned())),
+            ("z".to_owned(), Some(r#"{"id": "z"}"#.to_owned()))
+        ],
+        "the item when asked for"
     );
 
     // A kept report is replaced under its key, and read back whole.
@@ -940,9 +1188,18 @@ fn a_runs_generation_changes_with_its_results_and_kept_reports_are_replaced() {
         store
             .keep_report("r", &format!("report?by=f{i}"), &report)
             .unwrap();
+        // Asked again, an early one is kept anew: it stays, and one
+        // more of the oldest goes.
+        if i == extra + 2 {
+            store.keep_report("r", "report?by=f1", &report).unwrap();
+        }
     }
     let first = store.kept_report("r", "report?by=f0").unwrap();
     assert_eq!(first, None, "the oldest went first");
+    assert!(
+        store.kept_report("r", "report?by=f1").unwrap().is_some(),
+        "kept again, it is among the latest"
+    );
     let kept: Vec<bool> = (0..KEPT_PER_RUN + extra)
         .map(|i| {
             store
@@ -952,17 +1209,134 @@ fn a_runs_generation_changes_with_its_results_and_kept_reports_are_replaced() {
         })
         .collect();
     assert_eq!(kept.iter().filter(|k| **k).count(), KEPT_PER_RUN);
-    assert!(kept[extra..].iter().all(|k| *k), "{kept:?}");
+    assert!(kept[extra + 1..].iter().all(|k| *k), "{kept:?}");
+    assert_eq!(
+        kept[..extra + 1].iter().filter(|k| **k).count(),
+        1,
+        "of the oldest, only the one kept again: {kept:?}"
+    );
 }
 
-#[test]
-fn a_resource_series_stays_bounded_with_its_peak_and_mean_exact() {
-    use evalfleet_core::store::Resources;
+fn results_and_attempts_are_scanned_rescored_and_exported(f: &Fixture) {
+    use evalfleet_core::store::{ExportError, ResultOrder};
+    use evalfleet_types::{Score, Scores, Verdict};
+    let mut store = f.open();
+    store
+        .create_run(&new_run("r"), &mut items(&["z", "a", "m", "b"], None))
+        .unwrap();
+    store.begin_session("r", &mut worker("w"), false).unwrap();
+    let claim = claim_all(&mut *store, "r", "w");
+    let mut failed = result(4, "b", ItemStatus::Failed);
+    failed.output = None;
+    failed.error = Some("gave up after 1 attempts: HTTP 500".to_owned());
+    let batch = Batch {
+        attempts: vec![(claim, attempt(4, 1))],
+        results: vec![
+            (claim, result(1, "z", ItemStatus::Done)),
+            (claim, result(2, "a", ItemStatus::Done)),
+            (claim, failed),
+        ],
+        ..Batch::default()
+    };
+    store.commit("r", "w", &batch).unwrap();
+
+    let mut seen = Vec::new();
+    store
+        .scan_results("r", &mut |r| {
+            seen.push((r.seq, r.item_id, r.status.to_string(), r.failure))
+        })
+        .unwrap();
+    assert_eq!(
+        seen,
+        [
+            (1, "z".to_owned(), "done".to_owned(), None),
+            (2, "a".to_owned(), "done".to_owned(), None),
+            (
+                4,
+                "b".to_owned(),
+                "failed".to_owned(),
+                Some(ErrorClass::Retryable)
+            ),
+        ]
+    );
+    let mut attempts = Vec::new();
+    store.scan_attempts("r", &mut |a| attempts.push(a)).unwrap();
+    assert_eq!(attempts.len(), 1);
+    assert!(attempts[0].failed);
+    assert_eq!(attempts[0].error_class, Some(ErrorClass::Retryable));
+
+    // A rescore replaces assessments (the last given for an item wins)
+    // and the stored config.
+    let mut scores = Scores::new();
+    scores.insert("exact".to_owned(), Score::value(1.0));
+    let assessed = Assessment {
+        parsed: Some(serde_json::json!({"answer": 1})),
+        verdict: Some(Verdict::Ok),
+        scores,
+        ..Assessment::default()
+    };
+    store
+        .put_assessments(
+            "r",
+            &[
+                (1, Assessment::default()),
+                (2, Assessment::default()),
+                (1, assessed.clone()),
+            ],
+            &serde_json::json!({"rescored": true}),
+        )
+        .unwrap();
+    assert_eq!(
+        store.run("r").unwrap().config,
+        serde_json::json!({"rescored": true})
+    );
+    let mut rows = Vec::new();
+    store
+        .export("r", &mut |row| {
+            rows.push(row);
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(rows.len(), 3);
+    assert_eq!(rows[0].item_id, "z");
+    assert_eq!(rows[0].valid, Some(true));
+    assert_eq!(rows[0].parsed, assessed.parsed);
+    assert_eq!(rows[0].scores.as_ref(), Some(&assessed.scores));
+    assert_eq!(rows[0].item, serde_json::json!({"id": "z"}));
+    assert_eq!(rows[1].valid, None);
+    assert_eq!(
+        rows[2].error.as_deref(),
+        Some("gave up after 1 attempts: HTTP 500")
+    );
+    let mut stored = Vec::new();
+    store
+        .scan_results("r", &mut |r| stored.push(r.assessment))
+        .unwrap();
+    assert_eq!(stored[0].verdict, Some(Verdict::Ok));
+
+    // Errors: of the run's name, of the reader of a page, of the export's
+    // writer, each told as it is.
+    assert!(matches!(
+        store.results_page("nope", ResultOrder::Seq, None, 2, false, &mut |_| Ok(())),
+        Err(StoreError::NoSuchRun(_))
+    ));
+    let err = store
+        .results_page("r", ResultOrder::Seq, None, 2, false, &mut |_| {
+            Err(StoreError::Invariant("stop".to_owned()))
+        })
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Invariant(text) if text == "stop"));
+    let err = store
+        .export("r", &mut |_| Err(std::io::Error::other("disk full")))
+        .unwrap_err();
+    assert!(matches!(err, ExportError::Write(_)));
+}
+
+fn a_resource_series_stays_bounded_with_its_peak_and_mean_exact(f: &Fixture) {
     use evalfleet_types::{
         POINTS_PER_SERIES, ResourceMetric, ResourcePoint, ResourceSeries, ResourceSource,
     };
-    let dir = tempfile::tempdir().unwrap();
-    let mut store = SqliteStore::open(&dir.path().join("store.db")).unwrap();
+    let mut store = f.open();
     store
         .create_run(&new_run("r"), &mut items(&["a"], None))
         .unwrap();
@@ -1029,6 +1403,12 @@ fn a_resource_series_stays_bounded_with_its_peak_and_mean_exact() {
     // Only the newest: what a page asks for after its last point.
     let after = store.resource_points("r", (total - 2) * 100).unwrap();
     assert_eq!(after.len(), 2);
+    store.add_resource_points("r", &[]).unwrap();
+    assert_eq!(store.resource_points("r", i64::MIN).unwrap(), points);
+    assert!(matches!(
+        store.resource_points("nope", 0),
+        Err(StoreError::NoSuchRun(_))
+    ));
 }
 
 /// Call `index` of attempt `attempt` of item `seq`, as the gateway records
@@ -1069,12 +1449,11 @@ fn keys(calls: &[AgentCall]) -> Vec<(u64, u32, u32)> {
     calls.iter().map(|c| (c.seq, c.attempt, c.index)).collect()
 }
 
-#[test]
-fn agent_calls_are_stored_with_their_attempt_refused_under_a_lost_claim_and_read_back_in_order() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("s.db");
-    let mut first = SqliteStore::open(&path).unwrap();
-    let mut second = SqliteStore::open(&path).unwrap();
+fn agent_calls_are_stored_with_their_attempt_refused_under_a_lost_claim_and_read_back_in_order(
+    f: &Fixture,
+) {
+    let mut first = f.open();
+    let mut second = f.open();
     first
         .create_run(&new_run("r"), &mut items(&["a", "b", "c"], None))
         .unwrap();
@@ -1117,9 +1496,16 @@ fn agent_calls_are_stored_with_their_attempt_refused_under_a_lost_claim_and_read
     };
     assert_eq!(first.commit("r", "one", &finished).unwrap().results, 2);
 
-    // The other worker's lease runs out: its item's calls are refused with
-    // its result, and nothing of them is stored.
+    // The other worker's lease runs out and this one takes its item over:
+    // the other's calls are refused with its result, and nothing of them
+    // is stored. (Taken over first: on PostgreSQL a late commit is refused
+    // only once its items are another's; see
+    // `a_commit_whose_lease_ran_out_is_refused_once_another_worker_took_its_items`.)
     assert_eq!(second.renew("r", "two", Duration::ZERO).unwrap(), 1);
+    std::thread::sleep(Duration::from_millis(5));
+    let Claimed::Items(taken) = first.claim("r", "one", None, 10, LEASE).unwrap() else {
+        panic!("the expired claim's item is free");
+    };
     let late = Batch {
         results: vec![(theirs.id, result(3, "c", ItemStatus::Done))],
         calls: vec![(theirs.id, agent_call(3, 1, 1))],
@@ -1147,9 +1533,6 @@ fn agent_calls_are_stored_with_their_attempt_refused_under_a_lost_claim_and_read
 
     // The item taken over runs its agent once (calls stored, no attempt
     // row, no result) and is claimed again: its next run is attempt 2.
-    let Claimed::Items(taken) = first.claim("r", "one", None, 10, LEASE).unwrap() else {
-        panic!("the expired claim's item is free");
-    };
     let calls_only = Batch {
         calls: vec![(taken.id, agent_call(3, 1, 1))],
         ..Batch::default()
@@ -1192,19 +1575,18 @@ fn chat_call(
     }
 }
 
-#[test]
-fn trajectories_are_each_items_last_chat_of_its_final_attempt_with_tool_calls_and_results() {
+fn trajectories_are_each_items_last_chat_of_its_final_attempt_with_tool_calls_and_results(
+    f: &Fixture,
+) {
     use evalfleet_core::report::trajectories::export_trajectories;
     use serde_json::json;
 
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("s.db");
-    let mut store = SqliteStore::open(&path).unwrap();
+    let mut store = f.open();
     store
         .create_run(&new_run("r"), &mut items(&["a", "b", "c", "d"], None))
         .unwrap();
     store.begin_session("r", &mut worker("one"), false).unwrap();
-    let claim = claim_all(&mut store, "r", "one");
+    let claim = claim_all(&mut *store, "r", "one");
 
     let user = json!({"role": "user", "content": "Who owns example.com?"});
     let tool_call = json!({"role": "assistant", "content": null, "tool_calls": [
@@ -1263,9 +1645,9 @@ fn trajectories_are_each_items_last_chat_of_its_final_attempt_with_tool_calls_an
     store.commit("r", "one", &batch).unwrap();
     drop(store);
 
-    let mut store = SqliteStore::open_read_only(&path).unwrap();
+    let mut store = f.open_read_only();
     let mut lines = Vec::new();
-    let written = export_trajectories(&mut store, "r", &mut |t| {
+    let written = export_trajectories(&mut *store, "r", &mut |t| {
         lines.push(serde_json::to_value(t).unwrap());
         Ok(())
     })
@@ -1296,21 +1678,18 @@ fn trajectories_are_each_items_last_chat_of_its_final_attempt_with_tool_calls_an
     );
 }
 
-#[test]
-fn the_agents_figures_are_per_item_means_of_the_stored_calls() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("s.db");
-    let mut store = SqliteStore::open(&path).unwrap();
+fn the_agents_figures_are_per_item_means_of_the_stored_calls(f: &Fixture) {
+    let mut store = f.open();
     store
         .create_run(&new_run("r"), &mut items(&["a", "b"], None))
         .unwrap();
     assert_eq!(
-        evalfleet_core::report::agents(&mut store, "r").unwrap(),
+        evalfleet_core::report::agents(&mut *store, "r").unwrap(),
         None,
         "no calls, no figures"
     );
     store.begin_session("r", &mut worker("one"), false).unwrap();
-    let claim = claim_all(&mut store, "r", "one");
+    let claim = claim_all(&mut *store, "r", "one");
     // a: three calls over two attempts (the first failed, 503); b: one.
     // Each call: 12.5 ms, 20 + 5 tokens.
     let calls = [(1, 1, 1), (1, 2, 1), (1, 2, 2), (2, 2, 1)]
@@ -1320,7 +1699,7 @@ fn the_agents_figures_are_per_item_means_of_the_stored_calls() {
         ..Batch::default()
     };
     store.commit("r", "one", &batch).unwrap();
-    let figures = evalfleet_core::report::agents(&mut store, "r")
+    let figures = evalfleet_core::report::agents(&mut *store, "r")
         .unwrap()
         .unwrap();
     assert_eq!(
@@ -1334,12 +1713,9 @@ fn the_agents_figures_are_per_item_means_of_the_stored_calls() {
     assert!(figures.calls_per_item.ci_low < 2.0 && figures.calls_per_item.ci_high > 2.0);
 }
 
-#[test]
-fn an_items_wait_is_stored_with_it_and_whoever_claims_it_next_waits_it_out() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("s.db");
-    let mut first = SqliteStore::open(&path).unwrap();
-    let mut second = SqliteStore::open(&path).unwrap();
+fn an_items_wait_is_stored_with_it_and_whoever_claims_it_next_waits_it_out(f: &Fixture) {
+    let mut first = f.open();
+    let mut second = f.open();
     first
         .create_run(&new_run("r"), &mut items(&["a", "b", "c"], None))
         .unwrap();
@@ -1347,7 +1723,7 @@ fn an_items_wait_is_stored_with_it_and_whoever_claims_it_next_waits_it_out() {
     second
         .begin_session("r", &mut worker("two"), false)
         .unwrap();
-    let claim = claim_all(&mut first, "r", "one");
+    let claim = claim_all(&mut *first, "r", "one");
     // Item 2 failed and must wait a long while (a Retry-After), item 3 a
     // moment; then the worker dies (its claims are released).
     let waits = Batch {
@@ -1409,4 +1785,365 @@ fn an_items_wait_is_stored_with_it_and_whoever_claims_it_next_waits_it_out() {
         ..Batch::default()
     };
     assert_eq!(first.commit("r", "one", &stale).unwrap().refused, vec![3]);
+}
+
+/// Tests of what only the SQLite store has: its file's schema versions.
+mod sqlite_only {
+    use super::*;
+    use evalfleet_store::SqliteStore;
+
+    #[test]
+    fn a_schema_1_store_is_upgraded_in_place_and_keeps_its_results() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("old.db");
+        let mut store = SqliteStore::open(&path).unwrap();
+        store
+            .create_run(&new_run("r"), &mut items(&["a", "b"], None))
+            .unwrap();
+        store.begin_session("r", &mut worker("w"), false).unwrap();
+        let claim = claim_all(&mut store, "r", "w");
+        store
+            .commit(
+                "r",
+                "w",
+                &Batch {
+                    attempts: vec![(claim, attempt(1, 1))],
+                    results: vec![(claim, result(1, "a", ItemStatus::Done))],
+                    cache: vec![],
+                    calls: vec![],
+                    waits: vec![],
+                },
+            )
+            .unwrap();
+        drop(store);
+        // Back to schema 1: what earlier versions of evalfleet wrote.
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        conn.execute_batch(
+            "DROP TABLE claims;
+             DROP TABLE workers;
+             DROP TABLE cache;
+             ALTER TABLE results DROP COLUMN parsed;
+             ALTER TABLE results DROP COLUMN verdict;
+             ALTER TABLE results DROP COLUMN check_error;
+             ALTER TABLE results DROP COLUMN scores;
+             ALTER TABLE results DROP COLUMN reasks;
+             ALTER TABLE results DROP COLUMN judge;
+             ALTER TABLE attempts DROP COLUMN cached;
+             ALTER TABLE results DROP COLUMN cached;
+             ALTER TABLE attempts DROP COLUMN tokens_estimated;
+             ALTER TABLE results DROP COLUMN tokens_estimated;
+             DROP TABLE samples;
+             DROP TABLE kept_reports;
+             ALTER TABLE runs DROP COLUMN generation;
+             DROP TABLE resource_points;
+             ALTER TABLE results DROP COLUMN prompt;
+             ALTER TABLE results DROP COLUMN images;
+             DROP TABLE agent_calls;
+             ALTER TABLE items DROP COLUMN not_before;
+             DROP TABLE worker_tallies;
+             PRAGMA user_version = 1;",
+        )
+        .unwrap();
+        drop(conn);
+
+        let mut store = SqliteStore::open(&path).unwrap();
+        let mut rows = Vec::new();
+        store
+            .export("r", &mut |row| {
+                rows.push(row);
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].output.as_deref(), Some("answer a"));
+        assert_eq!(
+            (
+                rows[0].parsed.clone(),
+                rows[0].valid,
+                rows[0].scores.clone()
+            ),
+            (None, None, None)
+        );
+        assert_eq!(
+            store.cache_stats().unwrap().entries,
+            0,
+            "the cache table exists"
+        );
+        let claim = claim_all(&mut store, "r", "w");
+        store
+            .commit(
+                "r",
+                "w",
+                &Batch {
+                    attempts: vec![],
+                    results: vec![(claim, result(2, "b", ItemStatus::Done))],
+                    cache: vec![cache_entry("k", 1)],
+                    calls: vec![],
+                    waits: vec![],
+                },
+            )
+            .unwrap();
+        assert_eq!(
+            store.counts("r").unwrap(),
+            StateCounts {
+                pending: 0,
+                done: 2,
+                failed: 0
+            }
+        );
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        let version: i64 = conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(version as usize, evalfleet_store::SQLITE_SCHEMA_VERSION);
+    }
+}
+
+/// The PostgreSQL work queue under what only it meets: workers in many
+/// processes claiming and committing at once, a commit run twice after a
+/// lost connection, and a worker whose items were reaped and claimed by
+/// another while it was away. Each worker is a connection of its own.
+mod postgres_only {
+    use std::collections::{BTreeSet, HashMap};
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use super::*;
+
+    /// Counts of the rows a test looks at, from the tables themselves:
+    /// (attempts, results, agent calls, tallies' done, tallies' failed).
+    fn rows(f: &Fixture) -> (i64, i64, i64, i64, i64) {
+        let mut sql = f.sql(f.db.as_ref().unwrap());
+        let row = sql
+            .query_one(
+                "SELECT (SELECT COUNT(*) FROM attempts), (SELECT COUNT(*) FROM results),
+                        (SELECT COUNT(*) FROM agent_calls),
+                        (SELECT COALESCE(SUM(done), 0)::bigint FROM tallies),
+                        (SELECT COALESCE(SUM(failed), 0)::bigint FROM tallies)",
+                &[],
+            )
+            .unwrap();
+        (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4))
+    }
+
+    /// What a worker commits for the items of `claim`: an attempt and a
+    /// result each (every fifth failed).
+    fn answers(claim: &evalfleet_core::store::Claim) -> Batch {
+        let mut batch = Batch::default();
+        for item in &claim.items {
+            let status = if item.seq % 5 == 0 {
+                ItemStatus::Failed
+            } else {
+                ItemStatus::Done
+            };
+            batch
+                .attempts
+                .push((claim.id, attempt(item.seq, item.prior_attempts + 1)));
+            batch
+                .results
+                .push((claim.id, result(item.seq, &item.item_id, status)));
+        }
+        batch
+    }
+
+    #[test]
+    fn workers_claiming_and_committing_at_once_end_every_item_exactly_once() {
+        let Some(f) = Fixture::new(Backend::Postgres) else {
+            return;
+        };
+        const ITEMS: usize = 2_000;
+        let ids: Vec<String> = (0..ITEMS).map(|i| format!("id{i:04}")).collect();
+        let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+        let mut store = f.open();
+        store
+            .create_run(&new_run("r"), &mut items(&refs, None))
+            .unwrap();
+        // Every item a claim returned, and which worker's claim: no lease
+        // runs out here, so an item claimed twice was held by two claims.
+        let claimed: Mutex<HashMap<u64, String>> = Mutex::new(HashMap::new());
+        let committed = AtomicU64::new(0);
+        std::thread::scope(|scope| {
+            for w in 0..6usize {
+                let (f, claimed, committed) = (&f, &claimed, &committed);
+                scope.spawn(move || {
+                    let name = format!("w{w}");
+                    let mut store = f.open();
+                    store.begin_session("r", &mut worker(&name), false).unwrap();
+                    let mut after = None;
+                    loop {
+                        match store.claim("r", &name, after, 5 + w, LEASE).unwrap() {
+                            Claimed::Items(claim) => {
+                                let mut held = claimed.lock().unwrap();
+                                for item in &claim.items {
+                                    if let Some(other) = held.insert(item.seq, name.clone()) {
+                                        panic!("item {} claimed by {name} and {other}", item.seq);
+                                    }
+                                }
+                                drop(held);
+                                after = claim.items.last().map(|i| i.seq);
+                                let done = store.commit("r", &name, &answers(&claim)).unwrap();
+                                assert_eq!(done.refused, Vec::<u64>::new());
+                                assert_eq!(done.results, claim.items.len() as u64);
+                                committed.fetch_add(done.results, Ordering::Relaxed);
+                            }
+                            Claimed::HeldByOthers => {
+                                std::thread::sleep(Duration::from_millis(2));
+                            }
+                            Claimed::Nothing => break,
+                        }
+                    }
+                    store.release("r", &name).unwrap();
+                });
+            }
+        });
+        let claimed = claimed.into_inner().unwrap();
+        assert_eq!(claimed.len(), ITEMS);
+        assert_eq!(committed.load(Ordering::Relaxed), ITEMS as u64);
+        let by: BTreeSet<&String> = claimed.values().collect();
+        assert!(by.len() > 1, "the workers shared the run: {by:?}");
+        let expected = StateCounts {
+            pending: 0,
+            done: ITEMS as u64 * 4 / 5,
+            failed: ITEMS as u64 / 5,
+        };
+        assert_eq!(store.counts("r").unwrap(), expected);
+        assert_eq!(f.recount("r"), expected);
+        let n = ITEMS as i64;
+        assert_eq!(rows(&f), (n, n, 0, n * 4 / 5, n / 5));
+        let mut exported = Vec::new();
+        store
+            .export("r", &mut |row| {
+                exported.push(row.item_id);
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(exported, ids, "one result an item, in dataset order");
+    }
+
+    #[test]
+    fn a_commit_run_twice_after_a_lost_connection_is_stored_once() {
+        let Some(f) = Fixture::new(Backend::Postgres) else {
+            return;
+        };
+        let mut store = f.open();
+        store
+            .create_run(
+                &new_run("r"),
+                &mut items(&["a", "b", "c", "d", "e", "f"], None),
+            )
+            .unwrap();
+        store.begin_session("r", &mut worker("w"), false).unwrap();
+        let claim = claim_all(&mut *store, "r", "w");
+        let batch = Batch {
+            attempts: (1..=4).map(|seq| (claim, attempt(seq, 1))).collect(),
+            results: vec![
+                (claim, result(1, "a", ItemStatus::Done)),
+                (claim, result(2, "b", ItemStatus::Done)),
+                (claim, result(3, "c", ItemStatus::Failed)),
+                (claim, result(4, "d", ItemStatus::Done)),
+            ],
+            cache: vec![cache_entry("k", 1)],
+            calls: vec![(claim, agent_call(1, 1, 1))],
+            waits: vec![],
+        };
+        let first = store.commit("r", "w", &batch).unwrap();
+        assert_eq!((first.results, first.refused.clone()), (4, vec![]));
+        let generation = store.run("r").unwrap().generation;
+        // The same commit again: what a worker does when its connection was
+        // lost after COMMIT reached the server (it cannot know it did).
+        let again = store.commit("r", "w", &batch).unwrap();
+        assert_eq!(again, first, "the same answer: nothing refused");
+        let expected = StateCounts {
+            pending: 2,
+            done: 3,
+            failed: 1,
+        };
+        assert_eq!(store.counts("r").unwrap(), expected, "not doubled");
+        assert_eq!(f.recount("r"), expected);
+        assert_eq!(rows(&f), (4, 4, 1, 3, 1));
+        assert_eq!(store.cache_stats().unwrap().entries, 1);
+        assert_eq!(
+            store.run("r").unwrap().generation,
+            generation,
+            "nothing changed"
+        );
+        // The claim goes on for the items it still holds.
+        let rest = Batch {
+            results: vec![
+                (claim, result(5, "e", ItemStatus::Done)),
+                (claim, result(6, "f", ItemStatus::Done)),
+            ],
+            ..Batch::default()
+        };
+        assert_eq!(store.commit("r", "w", &rest).unwrap().results, 2);
+        assert_eq!(
+            store.claim("r", "w", None, 10, LEASE).unwrap(),
+            Claimed::Nothing
+        );
+        assert_eq!(store.counts("r").unwrap().done, 5);
+    }
+
+    #[test]
+    fn a_commit_of_a_worker_whose_items_were_reaped_and_claimed_again_stores_nothing() {
+        let Some(f) = Fixture::new(Backend::Postgres) else {
+            return;
+        };
+        let mut one = f.open();
+        let mut two = f.open();
+        one.create_run(&new_run("r"), &mut items(&["a", "b", "c"], None))
+            .unwrap();
+        one.begin_session("r", &mut worker("one"), false).unwrap();
+        two.begin_session("r", &mut worker("two"), false).unwrap();
+        let mine = claim_all(&mut *one, "r", "one");
+        // Worker one is away past its lease; worker two reaps its items
+        // and claims them.
+        assert_eq!(one.renew("r", "one", Duration::ZERO).unwrap(), 1);
+        std::thread::sleep(Duration::from_millis(5));
+        let Claimed::Items(theirs) = two.claim("r", "two", None, 10, LEASE).unwrap() else {
+            panic!("the lapsed claim's items are free");
+        };
+        assert_eq!(
+            theirs
+                .items
+                .iter()
+                .map(|i| (i.seq, i.prior_attempts))
+                .collect::<Vec<_>>(),
+            [(1, 0), (2, 0), (3, 0)]
+        );
+        // Worker one comes back with everything it made meanwhile.
+        let late = Batch {
+            attempts: vec![(mine, attempt(1, 1)), (mine, attempt(2, 1))],
+            results: vec![
+                (mine, result(1, "a", ItemStatus::Done)),
+                (mine, result(2, "b", ItemStatus::Failed)),
+            ],
+            cache: vec![],
+            calls: vec![(mine, agent_call(1, 1, 1)), (mine, agent_call(3, 1, 1))],
+            waits: vec![(
+                mine,
+                NotBefore {
+                    seq: 3,
+                    wait: Duration::from_secs(600),
+                },
+            )],
+        };
+        let refused = one.commit("r", "one", &late).unwrap();
+        assert_eq!((refused.results, refused.refused), (0, vec![1, 2, 3]));
+        assert_eq!(rows(&f), (0, 0, 0, 0, 0), "no attempt, result or call");
+        assert_eq!(one.counts("r").unwrap().pending, 3);
+        assert_eq!(one.counts("r").unwrap(), f.recount("r"));
+        for id in ["a", "b", "c"] {
+            let item = two.item("r", id).unwrap().unwrap();
+            assert_eq!(item.row.state, ItemState::Pending);
+            assert!(item.attempt_records.is_empty() && item.calls.is_empty());
+        }
+        // Item 3's call and wait were refused with the rest; worker two,
+        // whose claim holds the items, commits them.
+        assert_eq!(
+            two.commit("r", "two", &answers(&theirs)).unwrap().results,
+            3
+        );
+        assert_eq!(rows(&f), (3, 3, 0, 3, 0));
+        assert_eq!(two.counts("r").unwrap(), f.recount("r"));
+    }
 }

@@ -1,5 +1,6 @@
 //! Reading rows of `agent_calls` (and the small conversions every reader
-//! of this schema needs): shared by the modules that read an item's calls.
+//! of this schema needs): the one reader of call rows, used by `explore`
+//! (an item's calls) and `calls` (scans of a run's calls).
 //! Integers that Rust holds unsigned are stored as PostgreSQL's signed
 //! ones; a stored value out of the Rust type's range is an invariant
 //! broken, not a value to wrap.

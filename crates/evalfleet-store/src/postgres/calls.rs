@@ -5,17 +5,12 @@
 use std::ops::RangeInclusive;
 
 use evalfleet_core::store::{CallSample, StoreError};
-use evalfleet_types::{AgentCall, ErrorClass, Telemetry};
+use evalfleet_types::AgentCall;
 use postgres::Row;
 
+use super::call_row::{CALL_COLUMNS, call_from_row};
 use super::results::stored_seq;
-use super::{PgStore, db_err, unknown};
-
-/// The columns [`agent_call`] reads, in its order.
-const CALL_COLUMNS: &str = "seq, attempt, idx, call_id, api, asked_model, sent_at, endpoint, model, \
-                            latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens, \
-                            tokens_estimated, finish_reason, stream, cached, http_status, \
-                            error_class, error, request, request_cut, response, tags";
+use super::{Fail, PgStore, db_err};
 
 /// A call's key: its item, attempt and place, as stored.
 type CallKey = (i64, i32, i32);
@@ -35,55 +30,14 @@ fn unsigned(value: i32) -> u32 {
     value.max(0) as u32
 }
 
-/// A call from the columns [`CALL_COLUMNS`], with its key.
+/// A call from the columns [`CALL_COLUMNS`] (read by the one reader of
+/// `agent_calls` rows, which `explore` uses too), with its key.
 fn agent_call(row: &Row) -> Result<(CallKey, AgentCall), StoreError> {
-    let err = db_err("cannot read agent calls");
-    let tokens = |i: usize| -> Result<Option<u64>, StoreError> {
-        Ok(row
-            .try_get::<_, Option<i64>>(i)
-            .map_err(&err)?
-            .map(|t| t as u64))
-    };
     let key = call_key(row)?;
-    let call = AgentCall {
-        seq: key.0 as u64,
-        attempt: unsigned(key.1),
-        index: unsigned(key.2),
-        call_id: row.try_get(3).map_err(&err)?,
-        api: row.try_get(4).map_err(&err)?,
-        asked_model: row.try_get(5).map_err(&err)?,
-        sent_at_ms: row.try_get(6).map_err(&err)?,
-        telemetry: Telemetry {
-            endpoint: row.try_get(7).map_err(&err)?,
-            model: row.try_get(8).map_err(&err)?,
-            latency_ms: row.try_get(9).map_err(&err)?,
-            ttft_ms: row.try_get(10).map_err(&err)?,
-            tpot_ms: row.try_get(11).map_err(&err)?,
-            prompt_tokens: tokens(12)?,
-            completion_tokens: tokens(13)?,
-            tokens_estimated: row.try_get(14).map_err(&err)?,
-            finish_reason: row.try_get(15).map_err(&err)?,
-        },
-        stream: row.try_get(16).map_err(&err)?,
-        cached: row.try_get(17).map_err(&err)?,
-        http_status: u16::try_from(row.try_get::<_, i32>(18).map_err(&err)?).map_err(|_| {
-            StoreError::Invariant(format!(
-                "agent call {}.{}.{} has an HTTP status out of range",
-                key.0, key.1, key.2
-            ))
-        })?,
-        error_class: row
-            .try_get::<_, Option<&str>>(19)
-            .map_err(&err)?
-            .map(ErrorClass::parse)
-            .transpose()
-            .map_err(unknown)?,
-        error: row.try_get(20).map_err(&err)?,
-        request: row.try_get(21).map_err(&err)?,
-        request_cut: row.try_get(22).map_err(&err)?,
-        response: row.try_get(23).map_err(&err)?,
-        tags: row.try_get(24).map_err(&err)?,
-    };
+    let call = call_from_row(row).map_err(|fail| match fail {
+        Fail::Db(err) => StoreError::backend("cannot read agent calls", err),
+        Fail::Store(err) => err,
+    })?;
     Ok((key, call))
 }
 

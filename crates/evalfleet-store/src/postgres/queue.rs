@@ -22,7 +22,9 @@
 //!   commits nothing, and `results`' key allows one result per item.
 //!   Running a commit twice (its connection was lost after `COMMIT` was
 //!   sent) stores it once: what the first run ended is recognized by its
-//!   claim and counted as committed, not refused.
+//!   claim and counted as committed, not refused. A claim run twice hands
+//!   out what its first run took, found by its id (taken before its
+//!   transaction): no item is left held by a claim its worker never saw.
 //!
 //! No transaction is held across a model call or a sandbox run: a claim
 //! and a commit are each one short transaction.
@@ -74,29 +76,41 @@ fn take(
     lease_ms: i64,
 ) -> Result<Vec<PendingItem>, postgres::Error> {
     let rows = tx.query(
-        "WITH picked AS MATERIALIZED (
-             SELECT seq FROM items
-             WHERE rid = $1 AND state = 'pending' AND seq > $2
-               AND (not_before IS NULL OR not_before <= now())
-             ORDER BY seq LIMIT $3
-             FOR UPDATE SKIP LOCKED),
-         claimed AS (
-             UPDATE items i SET state = 'running', attempt = i.attempt + 1, claim_id = $4,
-                 owner = $5, lease_until = now() + $6::bigint * interval '1 millisecond',
-                 not_before = NULL
-             FROM picked WHERE i.rid = $1 AND i.seq = picked.seq
-             RETURNING i.seq)
-         SELECT r.item_id, c.seq, r.line, r.\"offset\",
-                GREATEST((SELECT COALESCE(MAX(a.attempt), 0) FROM attempts a
-                          WHERE a.rid = $1 AND a.seq = c.seq),
-                         (SELECT COALESCE(MAX(k.attempt), 0) FROM agent_calls k
-                          WHERE k.rid = $1 AND k.seq = c.seq))
-         FROM claimed c JOIN item_rows r ON r.rid = $1 AND r.seq = c.seq
-         ORDER BY c.seq",
+        &format!(
+            "WITH picked AS MATERIALIZED (
+                 SELECT seq FROM items
+                 WHERE rid = $1 AND state = 'pending' AND seq > $2
+                   AND (not_before IS NULL OR not_before <= now())
+                 ORDER BY seq LIMIT $3
+                 FOR UPDATE SKIP LOCKED),
+             claimed AS (
+                 UPDATE items i SET state = 'running', attempt = i.attempt + 1, claim_id = $4,
+                     owner = $5, lease_until = now() + $6::bigint * interval '1 millisecond',
+                     not_before = NULL
+                 FROM picked WHERE i.rid = $1 AND i.seq = picked.seq
+                 RETURNING i.seq)
+             {PENDING_ITEMS}"
+        ),
         &[&rid, &after, &limit, &claim, &worker, &lease_ms],
     )?;
-    Ok(rows
-        .iter()
+    Ok(pending_items(&rows))
+}
+
+/// What a claim hands out of the items in `claimed` (a table of their
+/// `seq`s) of run `$1`, in `seq` order: the columns [`pending_items`]
+/// reads. An item's prior attempts are the highest attempt number stored
+/// for it, of an attempt row or of its agent's calls.
+const PENDING_ITEMS: &str = "SELECT r.item_id, c.seq, r.line, r.\"offset\",
+        GREATEST((SELECT COALESCE(MAX(a.attempt), 0) FROM attempts a
+                  WHERE a.rid = $1 AND a.seq = c.seq),
+                 (SELECT COALESCE(MAX(k.attempt), 0) FROM agent_calls k
+                  WHERE k.rid = $1 AND k.seq = c.seq))
+    FROM claimed c JOIN item_rows r ON r.rid = $1 AND r.seq = c.seq
+    ORDER BY c.seq";
+
+/// Rows of [`PENDING_ITEMS`].
+fn pending_items(rows: &[postgres::Row]) -> Vec<PendingItem> {
+    rows.iter()
         .map(|row| PendingItem {
             item_id: row.get(0),
             seq: row.get::<_, i64>(1) as u64,
@@ -104,9 +118,35 @@ fn take(
             offset: row.get::<_, i64>(3) as u64,
             prior_attempts: row.get::<_, i32>(4).max(0) as u32,
         })
-        .collect())
+        .collect()
 }
 
+/// The items claim `claim` of `worker` holds: what a claim whose
+/// `COMMIT` got through before its connection was lost took.
+fn held(
+    tx: &mut Transaction<'_>,
+    rid: i64,
+    claim: i64,
+    worker: &str,
+) -> Result<Vec<PendingItem>, postgres::Error> {
+    let rows = tx.query(
+        &format!(
+            "WITH claimed AS (
+                 SELECT seq FROM items
+                 WHERE rid = $1 AND claim_id = $2 AND owner = $3 AND state = 'running')
+             {PENDING_ITEMS}"
+        ),
+        &[&rid, &claim, &worker],
+    )?;
+    Ok(pending_items(&rows))
+}
+
+/// Claims items under claim `id`, its id taken from the sequence the first
+/// time (and kept in `id`). The id is taken before the transaction, so
+/// that a claim run again after its connection was lost knows it: if the
+/// first run's `COMMIT` got through, its items are handed out again rather
+/// than left held by a claim that no one knows of (renewed with the
+/// worker's other leases until it stops, and answered by no one).
 fn claim_once(
     conn: &mut Conn,
     run_id: &str,
@@ -114,11 +154,29 @@ fn claim_once(
     after: Option<u64>,
     limit: usize,
     lease: Duration,
+    id: &mut Option<ClaimId>,
 ) -> Tx<Claimed> {
     let rid = conn.rid(run_id)?;
+    let (claim, again) = match *id {
+        Some(claim) => (claim, true),
+        None => {
+            let claim: i64 = conn
+                .client
+                .query_one("SELECT nextval('claim_ids')", &[])?
+                .get(0);
+            *id = Some(claim);
+            (claim, false)
+        }
+    };
     let mut tx = conn.client.transaction()?;
+    if again {
+        let items = held(&mut tx, rid, claim, worker)?;
+        if !items.is_empty() {
+            tx.commit()?;
+            return Ok(Claimed::Items(Claim { id: claim, items }));
+        }
+    }
     reap(&mut tx, rid)?;
-    let claim: i64 = tx.query_one("SELECT nextval('claim_ids')", &[])?.get(0);
     let limit = i64::try_from(limit.max(1)).unwrap_or(i64::MAX);
     let lease_ms = millis(lease);
     let from = after.map_or(-1, |seq| seq as i64);
@@ -471,8 +529,9 @@ impl WorkQueue for PgStore {
         limit: usize,
         lease: Duration,
     ) -> Result<Claimed, StoreError> {
+        let mut id = None;
         self.with("cannot claim items", |conn| {
-            claim_once(conn, run_id, worker, after, limit, lease)
+            claim_once(conn, run_id, worker, after, limit, lease, &mut id)
         })
     }
 
@@ -481,16 +540,18 @@ impl WorkQueue for PgStore {
         self.with("cannot renew the lease", |conn| {
             let rid = conn.rid(run_id)?;
             // One statement: every lease of the worker, and its heartbeat.
+            // What it returns is the claims renewed (as SQLite counts
+            // them), not their items.
             let row = conn.client.query_one(
                 "WITH renewed AS (
                      UPDATE items SET lease_until = now() + $3::bigint * interval '1 millisecond'
                      WHERE rid = $1 AND owner = $2 AND state = 'running'
-                     RETURNING 1),
+                     RETURNING claim_id),
                  beat AS (
                      UPDATE workers SET heartbeat_at = now(), lease_ms = $3
                      WHERE rid = $1 AND worker = $2
                      RETURNING 1)
-                 SELECT (SELECT count(*) FROM renewed), (SELECT count(*) FROM beat)",
+                 SELECT (SELECT count(DISTINCT claim_id) FROM renewed), (SELECT count(*) FROM beat)",
                 &[&rid, &worker, &lease_ms],
             )?;
             Ok(row.get::<_, i64>(0).max(0) as u64)
@@ -524,5 +585,53 @@ impl WorkQueue for PgStore {
             tx.commit()?;
             Ok(())
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+    use super::*;
+
+    /// A claim whose connection was lost after its `COMMIT` reached the
+    /// server is run again by `PgStore::with`; it cannot be made to lose
+    /// its connection at that moment, so its second run is called here as
+    /// `with` calls it: with the claim's id it kept.
+    #[test]
+    fn a_claim_run_again_after_its_commit_got_through_hands_out_the_same_items() {
+        let Some(db) = evalfleet_testkit::scratch_db!() else {
+            return;
+        };
+        let mut store = PgStore::open(&db.url, false).unwrap();
+        let conn = store.conn.as_mut().unwrap();
+        conn.client
+            .batch_execute(
+                "INSERT INTO runs (run_id, name, status, created_at, updated_at, config,
+                                   config_dir, fingerprint, digest, dataset, total)
+                 VALUES ('r', 'r', 'running', 1, 1, '{}', '.', '{}', 'd', '{}', 5);
+                 INSERT INTO item_rows (rid, seq, item_id, line, \"offset\", sample_key)
+                 SELECT 1, s, 'id' || s, s, 0, s FROM generate_series(1, 5) s;
+                 INSERT INTO items (rid, seq, state)
+                 SELECT 1, s, 'pending' FROM generate_series(1, 5) s;",
+            )
+            .unwrap();
+        let lease = Duration::from_secs(60);
+        let seqs = |claimed: &Claimed| match claimed {
+            Claimed::Items(claim) => claim.items.iter().map(|i| i.seq).collect::<Vec<_>>(),
+            other => panic!("{other:?}"),
+        };
+        let mut id = None;
+        let first = claim_once(conn, "r", "w", None, 2, lease, &mut id).unwrap();
+        assert_eq!(seqs(&first), [1, 2]);
+        let again = claim_once(conn, "r", "w", None, 2, lease, &mut id).unwrap();
+        assert_eq!(again, first, "the items it took, not two more");
+        let next = claim_once(conn, "r", "w", None, 2, lease, &mut None).unwrap();
+        assert_eq!(seqs(&next), [3, 4], "a new claim takes the next items");
+        // A first run that did not get through took nothing: run again
+        // under its id, it claims anew.
+        let mut unused = Some(10_000);
+        let fresh = claim_once(conn, "r", "w", None, 2, lease, &mut unused).unwrap();
+        assert_eq!(seqs(&fresh), [5]);
     }
 }

@@ -118,6 +118,10 @@ CREATE TABLE results (
     worker            text NOT NULL,
     PRIMARY KEY (rid, seq)
 );
+-- Pages of results in item-id order (`ResultOrder::Key`, which compares
+-- two runs side by side), read by byte order of the ids whatever the
+-- database's collation: an index scan, not a sort of the whole run.
+CREATE INDEX results_by_id ON results (rid, item_id COLLATE "C");
 CREATE TABLE attempts (
     rid               bigint NOT NULL REFERENCES runs(rid),
     seq               bigint NOT NULL,

@@ -94,7 +94,9 @@ impl ResponseCache for SqliteStore {
                          LIMIT max(0, (SELECT COUNT(*) FROM {db}.cache) - ?1))",
                         db = self.cache_db
                     ),
-                    [max as i64],
+                    // A bound past i64's range keeps everything (cast, it
+                    // would be negative and drop every entry).
+                    [i64::try_from(max).unwrap_or(i64::MAX)],
                 )
                 .map_err(&err)? as u64;
         }
