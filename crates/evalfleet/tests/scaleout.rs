@@ -677,3 +677,53 @@ async fn a_servers_retry_after_outlives_the_worker_that_heard_it() {
         assert_eq!(tries.last().unwrap().1, Some(200), "{store}: {tries:?}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_sharing_an_api_key_share_its_quota() {
+    let Some(db) = evalfleet_testkit::scratch_db!() else {
+        return;
+    };
+    let env = Env::new();
+    const N: usize = 120;
+    let dataset = env.dataset("items.jsonl", N);
+    // The provider's quota: 600 requests a minute for the key, a second's
+    // worth at once; beyond it, 429.
+    let server = mock(MockSettings {
+        rpm: Some(600),
+        burst: 10,
+        ..MockSettings::default()
+    })
+    .await;
+    env.write(
+        "run.yaml",
+        &config(
+            &dataset,
+            &crate::util::external_with("api", &server, 8, "api_key: \"${SHARED_KEY}\", rpm: 600"),
+            "timeouts: { lease: 30s }",
+        ),
+    );
+    // The key, for both workers (a joining worker reads it again).
+    env.write(".env", "SHARED_KEY=sk-shared\n");
+    let mut first = env.spawn(&["run", "run.yaml", "-q", "--run-id", "q", "--store", &db.url]);
+    wait_until(ms(30_000), "the run is under way", || {
+        ended(&db.url, "q") >= 5
+    })
+    .await;
+    let second = on(&env, &db.url, &["worker", "--run", "q", "-q"]).await;
+    assert_eq!(second.code, Some(0), "{}", second.stderr);
+    let first = first.wait().await.unwrap();
+    assert_eq!(first.code(), Some(0));
+    let by_worker = check_exactly_once(&db.url, "q", N, &server);
+    assert_eq!(
+        by_worker.len(),
+        2,
+        "both workers answered items: {by_worker:?}"
+    );
+    // Each paced alone to 600 a minute, the two together would send twice
+    // the quota and meet a 429 about every other call.
+    let stats = server.stats();
+    assert!(
+        stats.rate_limited <= 5,
+        "the two workers kept within the key's quota together: {stats:?}"
+    );
+}
