@@ -765,3 +765,56 @@ fn of_two_processes_making_one_run_the_second_is_told_it_exists() {
         assert_eq!(slow.join().unwrap().unwrap(), 2);
     });
 }
+
+#[test]
+fn retry_failed_beside_a_commit_that_fails_an_item_leaves_that_item_whole() {
+    let Some(db) = Scratch::new("retry_failed_beside_a_commit") else {
+        return;
+    };
+    let mut pg = db.store();
+    pg.create_run(&new_run("r", 1), &mut items(&["a", "b"], None))
+        .unwrap();
+    pg.begin_session("r", &mut worker("w1"), false).unwrap();
+    let mut sql = db.sql();
+    end_item(&mut sql, 1, "failed", "w1");
+    // A worker's commit fails item 2 and has not committed yet when a
+    // session puts the failed items back: the session does not see it, so
+    // item 2 stays as that commit leaves it, failed with its result,
+    // never pending with a result left over.
+    let mut other = db.sql();
+    let mut commit = other.transaction().unwrap();
+    commit
+        .execute(
+            "UPDATE items SET state = 'failed' WHERE rid = 1 AND seq = 2",
+            &[],
+        )
+        .unwrap();
+    commit
+        .execute(
+            "INSERT INTO results (rid, seq, item_id, status, attempts, finished_at, claim_attempt, worker)
+             VALUES (1, 2, 'b', 'failed', 1, 1, 1, 'w1')",
+            &[],
+        )
+        .unwrap();
+    let reset = pg
+        .begin_session("r", &mut worker("w2"), true)
+        .unwrap()
+        .reset;
+    commit.commit().unwrap();
+    assert_eq!(reset, 1);
+    assert_eq!(
+        states(&mut sql),
+        [("a", "pending"), ("b", "failed")].map(|(a, b)| (a.to_owned(), b.to_owned()))
+    );
+    let results: Vec<i64> = sql
+        .query("SELECT seq FROM results ORDER BY seq", &[])
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(
+        results,
+        [2],
+        "only the item that stays failed keeps a result"
+    );
+}

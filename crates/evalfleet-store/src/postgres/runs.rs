@@ -335,7 +335,7 @@ fn counts_in(client: &mut impl GenericClient, rid: i64, run_id: &str) -> Tx<Stat
 fn cut_off(run_id: &str) -> StoreError {
     StoreError::Backend {
         message: format!(
-            "the connection to the store was lost while run '{run_id}' was being registered, and its items cannot be read again: create the run again"
+            "the connection to the store was lost while run '{run_id}' was being registered, and its items cannot be read again here: `evalfleet runs` shows whether it was stored (the connection may have been lost after it was); if not, create it again"
         ),
         source: None,
     }
@@ -423,21 +423,29 @@ impl Runs for PgStore {
             let mut tx = conn.client.transaction()?;
             let mut reset = 0;
             if retry_failed {
+                // The items first: the update waits for a commit that is
+                // ending one of them right now, and once it has them no
+                // commit can end them again (they are pending, their claim
+                // gone). Then their results, by a statement of its own,
+                // whose snapshot sees what such a commit stored.
+                let seqs: Vec<i64> = tx
+                    .query(
+                        "UPDATE items i SET state = 'pending', claim_id = NULL, owner = NULL,
+                             lease_until = NULL, not_before = NULL
+                         FROM item_rows ir
+                         WHERE i.rid = $1 AND ir.rid = $1 AND ir.seq = i.seq
+                           AND i.state = 'failed' AND ir.invalid IS NULL
+                         RETURNING i.seq",
+                        &[&rid],
+                    )?
+                    .iter()
+                    .map(|row| row.get(0))
+                    .collect();
                 tx.execute(
-                    "DELETE FROM results r USING items i, item_rows ir
-                     WHERE r.rid = $1 AND i.rid = $1 AND ir.rid = $1
-                       AND i.seq = r.seq AND ir.seq = r.seq
-                       AND i.state = 'failed' AND ir.invalid IS NULL",
-                    &[&rid],
+                    "DELETE FROM results WHERE rid = $1 AND seq = ANY($2)",
+                    &[&rid, &seqs],
                 )?;
-                reset = tx.execute(
-                    "UPDATE items i SET state = 'pending', claim_id = NULL, owner = NULL,
-                         lease_until = NULL, not_before = NULL
-                     FROM item_rows ir
-                     WHERE i.rid = $1 AND ir.rid = $1 AND ir.seq = i.seq
-                       AND i.state = 'failed' AND ir.invalid IS NULL",
-                    &[&rid],
-                )?;
+                reset = seqs.len() as u64;
             }
             let now = now_ms();
             let session: i32 = tx

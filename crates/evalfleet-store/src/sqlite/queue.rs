@@ -112,17 +112,17 @@ fn scan(
             return Ok(found);
         }
         for (item, waiting) in page {
-            if waiting {
-                // It waits out a stored wait: a claim's range ends before
-                // it, as before an item another worker holds.
-                if !found.items.is_empty() {
-                    return Ok(found);
-                }
-                found.held_by_others = true;
-                cursor = item.seq as i64;
-                continue 'pages;
-            }
             match covering(ranges, item.seq) {
+                // It waits out a stored wait, held by no one: a claim's
+                // range ends before it, as before an item another worker
+                // holds, and the scan goes on past it in this page.
+                None if waiting => {
+                    if !found.items.is_empty() {
+                        return Ok(found);
+                    }
+                    found.held_by_others = true;
+                    cursor = item.seq as i64;
+                }
                 None => {
                     found.items.push(item);
                     if found.items.len() == limit {

@@ -6,6 +6,7 @@
 
 use std::collections::HashSet;
 use std::path::Path;
+use std::time::Duration;
 
 use evalfleet_core::config;
 use evalfleet_core::store::{RunRecord, StoreError};
@@ -92,17 +93,56 @@ fn next_run(location: &Location, skip: &HashSet<String>) -> Result<Option<RunRec
     Ok(None)
 }
 
+/// The longest pause between two looks for work after trouble.
+const PAUSE_MAX: Duration = Duration::from_secs(60);
+
+/// Whether `err` is the store's (it could not be reached, or failed), not
+/// the run's: worth trying again once the store is back.
+fn is_the_stores(err: &anyhow::Error) -> bool {
+    err.chain().any(|cause| {
+        cause
+            .downcast_ref::<StoreError>()
+            .is_some_and(|err| matches!(err, StoreError::Backend { .. }))
+    })
+}
+
 /// Joins each running run with items left, newest first, one at a time,
 /// and waits for the next, until stopped (then exits 0: a worker stopped
-/// by its service manager did nothing wrong).
+/// by its service manager did nothing wrong). A store that cannot be
+/// reached is waited for; a run this host cannot work on (its dataset is
+/// not here, its config needs a variable this host lacks) is said once and
+/// left to others.
 async fn wait_for_runs(location: &Location, args: &WorkerArgs) -> anyhow::Result<u8> {
     let stop = stopped_by_signals()?;
     let mut waiting = false;
-    // Runs this worker could not work on: not tried again.
     let mut skip = HashSet::new();
+    // After trouble (the store unreachable, a session that ended with the
+    // run still going), the next look waits longer, up to PAUSE_MAX.
+    let mut pause = args.poll;
+    let mut troubled = false;
     while !stop.is_cancelled() {
-        let found = next_run(location, &skip)?;
+        if troubled {
+            tokio::select! {
+                () = tokio::time::sleep(pause) => {}
+                () = stop.cancelled() => break,
+            }
+            pause = (pause * 2).min(PAUSE_MAX.max(args.poll));
+        }
+        troubled = false;
+        let found = match next_run(location, &skip) {
+            Ok(found) => found,
+            Err(err) => {
+                tracing::warn!(
+                    "Cannot look for runs in {location}: {}; trying again in {}.",
+                    evalfleet_core::types::error_text(&err),
+                    humantime::format_duration(pause)
+                );
+                troubled = true;
+                continue;
+            }
+        };
         let Some(run) = found else {
+            pause = args.poll;
             if !waiting {
                 ui::note(&format!("Waiting for runs in {location} (Ctrl-C to stop)."));
                 waiting = true;
@@ -115,11 +155,28 @@ async fn wait_for_runs(location: &Location, args: &WorkerArgs) -> anyhow::Result
         };
         waiting = false;
         ui::note(&format!("Joining run {} ({}).", run.run_id, run.name));
-        let code = join(location, &run.run_id, args).await;
-        match code {
-            Ok(code) => tracing::info!("Left run {} (exit code {code}).", run.run_id),
-            // One run's problem (its dataset is not here, its config needs
-            // a variable this host lacks) is not the next one's.
+        match join(location, &run.run_id, args).await {
+            Ok(code @ (EXIT_OK | EXIT_FAILED)) => {
+                // The run ended.
+                tracing::info!("Left run {} (exit code {code}).", run.run_id);
+                pause = args.poll;
+            }
+            Ok(code) => {
+                // It goes on without this worker (its endpoints gave out,
+                // say): not joined again at once.
+                tracing::info!(
+                    "Left run {} (exit code {code}); it goes on without this worker.",
+                    run.run_id
+                );
+                troubled = true;
+            }
+            Err(err) if is_the_stores(&err) => {
+                tracing::warn!(
+                    "Stopped working on run {}: {err:#}; trying again.",
+                    run.run_id
+                );
+                troubled = true;
+            }
             Err(err) => {
                 tracing::warn!(
                     "Could not work on run {} (not tried again): {err:#}",
