@@ -710,7 +710,7 @@ fn a_registration_cut_off_stores_nothing_and_says_so() {
         db: &db,
     };
     let err = pg.create_run(&new_run("r", 1), &mut source).unwrap_err();
-    assert!(err.to_string().contains("create the run again"), "{err}");
+    assert!(err.to_string().contains("if not, create it again"), "{err}");
     assert!(matches!(pg.run("r"), Err(StoreError::NoSuchRun(_))));
     // The store works on.
     pg.create_run(&new_run("r", 1), &mut items(&refs, None))
