@@ -312,18 +312,8 @@ impl Results for PgStore {
         let mut handed = 0;
         for row in &rows {
             let text = |i: usize| row.try_get::<_, Option<&str>>(i).map_err(&err);
-            each(ResultView {
-                seq: row.try_get::<_, i64>(0).map_err(&err)? as u64,
-                item_id: text(1)?.unwrap_or_default(),
-                status: ItemStatus::parse(text(2)?.unwrap_or_default()).map_err(unknown)?,
-                verdict: text(3)?.map(Verdict::parse).transpose().map_err(unknown)?,
-                scores: text(4)?,
-                item: text(5)?,
-                failure: text(6)?
-                    .map(ErrorClass::parse)
-                    .transpose()
-                    .map_err(unknown)?,
-            })?;
+            let seq = row.try_get::<_, i64>(0).map_err(&err)? as u64;
+            each(crate::columns::result_view(seq, text)?)?;
             handed += 1;
         }
         Ok(handed)

@@ -159,18 +159,8 @@ impl Results for SqliteStore {
                     .and_then(|v| v.as_str_or_null().map_err(Into::into))
                     .map_err(&err)
             };
-            each(ResultView {
-                seq: row.get::<_, i64>(0).map_err(&err)? as u64,
-                item_id: text(1)?.unwrap_or_default(),
-                status: ItemStatus::parse(text(2)?.unwrap_or_default()).map_err(unknown)?,
-                verdict: text(3)?.map(Verdict::parse).transpose().map_err(unknown)?,
-                scores: text(4)?,
-                item: text(5)?,
-                failure: text(6)?
-                    .map(ErrorClass::parse)
-                    .transpose()
-                    .map_err(unknown)?,
-            })?;
+            let seq = row.get::<_, i64>(0).map_err(&err)? as u64;
+            each(crate::columns::result_view(seq, text)?)?;
             handed += 1;
         }
         Ok(handed)
