@@ -18,6 +18,9 @@
     python3 bench/run.py v1 [--items 10000] [--rounds 3] [--image-kb 300]
     python3 bench/run.py a1 [--rounds 5] [--variants plain,stream] [--seconds 5] [--latency-ms 50] [--unpinned] [--prompt-kb N]
     python3 bench/run.py a2 [--items 2000] [--rounds 3] [--variants urllib,openai,c] [--direct] [--python-openai PY]
+    python3 bench/run.py w1pg [--items 100000] [--rounds 3]     # W1 into PostgreSQL (127.0.0.1:5432) and SQLite
+    python3 bench/run.py p1 [--copies 8] [--workers 1,2,3] [--variants free,pinned] [--rounds 3]   # root: netns
+    python3 bench/run.py p1latency [--items 10000] [--workers 1,2,4] [--limits 16,64] [--rounds 3]
     python3 bench/run.py r1 [--items 48] [--np 1,4] [--sweep 1,2,4,8] [--max-tokens 128] [--rounds 1] [--python VENV/bin/python]
 
 W1, W5, W6 and J1 take --baseline BIN: another evalfleet binary (an earlier
@@ -28,6 +31,11 @@ W3 and W4 also run the peers with --peers DIR (W7: inspect-ai only), where DIR h
 venv/bin/inspect (pip install inspect-ai openai) and
 node/node_modules/.bin/promptfoo (npm install promptfoo); each runs once
 with its default settings against a fresh mock like ours.
+
+W1pg, P1 and P1latency need PostgreSQL: the machine's server on
+127.0.0.1:5432 (trust, user root; a database of their own made and dropped
+each round), and for P1 initdb and postgres on the PATH (a server of its
+own, started as user postgres, listening on the workers' veth addresses).
 
 Each workload builds the release binary (unless --no-build), runs the mock
 endpoint pinned to core 0 and the client pinned to core 1, measures a
@@ -2431,6 +2439,464 @@ def a2(args, work):
         )
 
 
+# PostgreSQL (issue 25): W1 on PostgreSQL, P1's workers, the queue's latency.
+
+PG_LOCAL = "postgres://root@127.0.0.1:5432"
+
+
+def psql(url, sql):
+    """One statement through psql; its rows as text (`|` between columns)."""
+    proc = subprocess.run(["psql", url, "-v", "ON_ERROR_STOP=1", "-Atc", sql], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"psql {sql!r}: {proc.stderr.strip()}")
+    return proc.stdout.strip()
+
+
+def postmaster_pid(url):
+    """The server's main process, from its data directory's postmaster.pid."""
+    data = psql(url, "SHOW data_directory")
+    with open(os.path.join(data, "postmaster.pid")) as f:
+        return int(f.readline())
+
+
+def server_cpu(pid):
+    """CPU seconds of a PostgreSQL server so far: the postmaster's own, its
+    children's that it has reaped (backends of closed connections) and its
+    live children's."""
+    own, reaped = proc_cpu(pid)
+    total = own + reaped
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                line = f.read()
+        except OSError:
+            continue
+        fields = line[line.rfind(")") + 2:].split()
+        if int(fields[1]) == pid:
+            child = proc_cpu(int(entry))
+            if child:
+                total += child[0] + child[1]
+    return total
+
+
+def run_counts(url, run_id):
+    """(results, distinct items with a result, items not done) of a run."""
+    row = psql(
+        url,
+        "SELECT (SELECT count(*) FROM evalfleet.results r WHERE r.rid = ru.rid),"
+        " (SELECT count(DISTINCT r.seq) FROM evalfleet.results r WHERE r.rid = ru.rid),"
+        " (SELECT count(*) FROM evalfleet.items i WHERE i.rid = ru.rid AND i.state <> 'done')"
+        f" FROM evalfleet.runs ru WHERE ru.run_id = '{run_id}'",
+    )
+    return tuple(int(x) for x in row.split("|"))
+
+
+def w1pg(args, work):
+    """W1's workload (a mock that answers at once, concurrency 64) into a
+    PostgreSQL store (a fresh database of the machine's server each round)
+    and into SQLite, in the same rounds, alternating which goes first."""
+    dataset = os.path.join(work, "w1.jsonl")
+    write_dataset(dataset, args.items)
+    mock = Mock()
+    config = os.path.join(work, "w1.yaml")
+    write_config(config, dataset, mock.url, args.concurrency)
+    server = postmaster_pid(f"{PG_LOCAL}/test")
+    rounds = []
+    try:
+        for i in range(args.rounds):
+            db = f"w1pg_{os.getpid()}_{i}"
+            psql(f"{PG_LOCAL}/test", f"CREATE DATABASE {db}")
+            try:
+                round_ = {}
+                order = ["postgres", "sqlite"] if i % 2 == 0 else ["sqlite", "postgres"]
+                for store in order:
+                    url = f"{PG_LOCAL}/{db}" if store == "postgres" else os.path.join(work, f"w1pg-{i}.db")
+                    pg0 = server_cpu(server)
+                    run = evalfleet(["run", config, "--store", url, "-q", "--run-id", f"w1-{i}"], work)
+                    assert run["done"] == args.items, run
+                    round_[store] = {**run, "server_cpu": server_cpu(server) - pg0}
+                results, distinct, left = run_counts(f"{PG_LOCAL}/{db}", f"w1-{i}")
+                assert (results, distinct, left) == (args.items, args.items, 0), (results, distinct, left)
+            finally:
+                psql(f"{PG_LOCAL}/test", f"DROP DATABASE IF EXISTS {db}")
+            pg, lite = round_["postgres"], round_["sqlite"]
+            round_.update(
+                first=order[0],
+                pg_rate=pg["rate"],
+                sqlite_rate=lite["rate"],
+                ratio=pg["rate"] / lite["rate"],
+                overhead_us=1e6 / pg["rate"] - 1e6 / lite["rate"],
+                pg_client_cpu_us=1e6 * pg["cpu"] / args.items,
+                sqlite_client_cpu_us=1e6 * lite["cpu"] / args.items,
+                pg_server_cpu_us=1e6 * pg["server_cpu"] / args.items,
+                load=os.getloadavg()[0],
+            )
+            rounds.append(round_)
+            print(json.dumps(round_), file=sys.stderr)
+    finally:
+        mock.stop()
+    med = lambda k: statistics.median(r[k] for r in rounds)
+    result = {
+        "workload": "W1 on PostgreSQL",
+        "items": args.items,
+        "concurrency": args.concurrency,
+        "postgres_items_per_s_median": med("pg_rate"),
+        "sqlite_items_per_s_median": med("sqlite_rate"),
+        "ratio_median": med("ratio"),
+        "overhead_us_per_item_median": med("overhead_us"),
+        "pg_client_cpu_us_per_item_median": med("pg_client_cpu_us"),
+        "sqlite_client_cpu_us_per_item_median": med("sqlite_client_cpu_us"),
+        "pg_server_cpu_us_per_item_median": med("pg_server_cpu_us"),
+        "postgres": psql(f"{PG_LOCAL}/test", "SHOW server_version"),
+        "rounds": rounds,
+    }
+    print(json.dumps(result, indent=2))
+    print(
+        f"\n| W1 on PostgreSQL | {args.items} items, concurrency {args.concurrency}, a fresh database on 127.0.0.1 "
+        f"| SQLite in the same rounds {result['sqlite_items_per_s_median']:.0f} items/s "
+        f"| PostgreSQL {result['postgres_items_per_s_median']:.0f} items/s, {result['ratio_median']:.3f} x SQLite, "
+        f"+{result['overhead_us_per_item_median']:.1f} µs per item (rounds "
+        f"{', '.join('%.0f' % r['pg_rate'] for r in rounds)}) |"
+    )
+
+
+class NetHosts:
+    """Network namespaces `host i` (i = 1..count), each reached from here at
+    10.232.i.1 through a veth pair, its own end 10.232.i.2."""
+
+    def __init__(self, count):
+        tag = os.getpid() % 100_000
+        self.names, self.links = [], []
+        try:
+            for i in range(1, count + 1):
+                name, outer, inner = f"efb{tag}h{i}", f"ebo{tag}h{i}", f"ebi{tag}h{i}"
+                ip("netns", "add", name)
+                self.names.append(name)
+                ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+                self.links.append(outer)
+                ip("link", "set", inner, "netns", name)
+                ip("addr", "add", f"10.232.{i}.1/24", "dev", outer)
+                ip("link", "set", outer, "up")
+                ip("-n", name, "addr", "add", f"10.232.{i}.2/24", "dev", inner)
+                ip("-n", name, "link", "set", inner, "up")
+                ip("-n", name, "link", "set", "lo", "up")
+        except BaseException:
+            self.remove()
+            raise
+
+    def remove(self):
+        for link in self.links:
+            subprocess.run(["ip", "link", "del", link], capture_output=True)
+        for name in self.names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        self.links, self.names = [], []
+
+
+def ip(*args):
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"ip {' '.join(args)}: {proc.stderr.strip()}")
+
+
+class OwnPostgres:
+    """A PostgreSQL server of the benchmark's own (initdb as user postgres,
+    trust) listening on `listen`; its defaults but for the connection limit
+    (fsync on, as on the machine's server)."""
+
+    def __init__(self, listen):
+        self.dir = tempfile.mkdtemp(prefix="evalfleet-bench-pg-")
+        os.chmod(self.dir, 0o755)
+        subprocess.run(["chown", "postgres:postgres", self.dir], check=True)
+        data = os.path.join(self.dir, "data")
+        owner = ["setpriv", "--reuid=postgres", "--regid=postgres", "--init-groups"]
+        subprocess.run([*owner, "initdb", "-D", data, "-U", "root", "--auth=trust", "-E", "UTF8"],
+                       check=True, capture_output=True)
+        with open(os.path.join(data, "pg_hba.conf"), "a") as f:
+            f.write("\nhost all all 0.0.0.0/0 trust\n")
+        self.port = free_port()
+        log = open(os.path.join(self.dir, "server.log"), "w")
+        self.proc = subprocess.Popen(
+            [*owner, "postgres", "-D", data, "-p", str(self.port), "-c", f"listen_addresses={listen}",
+             "-c", "unix_socket_directories=", "-c", "max_connections=200"],
+            stdout=subprocess.DEVNULL, stderr=log,
+        )
+        deadline = time.monotonic() + 60
+        while subprocess.run(["psql", self.url("127.0.0.1", "postgres"), "-Atc", "SELECT 1"],
+                             capture_output=True).returncode != 0:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"postgres did not start: {open(os.path.join(self.dir, 'server.log')).read()[-2000:]}")
+            time.sleep(0.1)
+
+    def url(self, host, database):
+        return f"postgres://root@{host}:{self.port}/{database}"
+
+    def stop(self):
+        # setpriv execs postgres: the process is the postmaster; SIGINT is
+        # its fast shutdown.
+        self.proc.send_signal(2)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        subprocess.run(["rm", "-rf", self.dir])
+
+
+def p1_dataset(work, copies):
+    """J1's programs `copies` times over: ids made unique, the same mock
+    answers (the canonical solutions)."""
+    import gzip
+
+    source = os.path.join(ROOT, "..", "shared", "data", "humaneval.jsonl.gz")
+    problems = [json.loads(line) for line in gzip.open(source, "rt")]
+    dataset = os.path.join(work, "p1.jsonl")
+    answers = os.path.join(work, "p1-answers.jsonl")
+    with open(dataset, "w") as d:
+        for c in range(copies):
+            for p in problems:
+                d.write(json.dumps({**p, "task_id": f"{p['task_id']}#{c}"}) + "\n")
+    with open(answers, "w") as a:
+        for p in problems:
+            a.write(json.dumps({"prompt": p["prompt"], "replies": ["```python\n" + p["canonical_solution"] + "\n```"]}) + "\n")
+    return problems, dataset, answers
+
+
+def registered(url, run_id):
+    """Whether the run is in the store (its registration committed)."""
+    proc = subprocess.run(["psql", url, "-Atc", f"SELECT count(*) FROM evalfleet.runs WHERE run_id = '{run_id}'"],
+                          capture_output=True, text=True)
+    return proc.returncode == 0 and proc.stdout.strip() == "1"
+
+
+def p1_endpoint(host, port):
+    return (
+        f"endpoints:\n  - {{ name: mock, kind: external, base_url: \"http://10.232.{host}.1:{port}/v1\", model: m, "
+        f"concurrency: 16, health: {{ max_failures: 1000000 }} }}\n"
+    )
+
+
+def p1_config(path, dataset, port, judge_concurrency):
+    with open(path, "w") as f:
+        f.write(
+            f"name: p1\ndataset: {{ path: {dataset}, id_field: task_id }}\n"
+            + p1_endpoint(1, port)
+            + "task:\n  messages: [ { role: user, content: \"{{ prompt }}\" } ]\n  params: { max_tokens: 1024 }\n"
+            + "  code: { format: humaneval"
+            + (f", judge_concurrency: {judge_concurrency}" if judge_concurrency else "")
+            + " }\n"
+        )
+
+
+TIMED = re.compile(r"^TIME ([\d.]+) ([\d.]+) ([\d.]+) (\d+)$", re.M)
+
+
+def p1_once(args, work, hosts, pg, port, items, k, label, pinned):
+    """One run of `items` by `k` workers (host 1 registers it with `evalfleet
+    run`, hosts 2..k join with `evalfleet worker` once it is registered);
+    from the first start to the last exit."""
+    db = f"p1_{label}"
+    psql(pg.url("127.0.0.1", "postgres"), f"CREATE DATABASE {db}")
+    run_id = f"p1-{label}"
+    cores = os.cpu_count()
+    procs = []
+    try:
+        b0, t0 = machine_jiffies()
+        pg0 = server_cpu(pg.proc.pid)
+        started = time.monotonic()
+        for i in range(1, k + 1):
+            cwd = os.path.join(work, f"{label}-host{i}")
+            os.makedirs(cwd)
+            store = pg.url(f"10.232.{i}.1", db)
+            if i == 1:
+                cmd = ["run", os.path.join(work, f"p1-{'pinned' if pinned else 'free'}.yaml"), "-q", "--run-id", run_id, "--store", store]
+            else:
+                cmd = ["worker", "--run", run_id, "-q", "--endpoints", os.path.join(work, f"host{i}.yaml"), "--store", store]
+                # The run must be registered before a worker can join it.
+                while not registered(pg.url("127.0.0.1", db), run_id):
+                    if procs[0][1].poll() is not None:
+                        raise SystemExit(f"host 1 exited early: {procs[0][1].stderr.read()[-2000:]}")
+                    time.sleep(0.02)
+            pin = ["taskset", "-c", str((i - 1) % cores)] if pinned else []
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", hosts.names[i - 1], *pin, "/usr/bin/time", "-f", "TIME %e %U %S %M", BIN, *cmd],
+                cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            )
+            procs.append((time.monotonic() - started, proc))
+        outs = []
+        for _, proc in procs:
+            err = proc.stderr.read()
+            proc.wait()
+            outs.append((proc.returncode, err))
+        span = time.monotonic() - started
+        b1, t1 = machine_jiffies()
+        pg_cpu = server_cpu(pg.proc.pid) - pg0
+        for i, (code, err) in enumerate(outs, 1):
+            if code != 0:
+                raise SystemExit(f"host {i} exited {code}: {err[-3000:]}")
+        cpu = 0.0
+        for _, err in outs:
+            m = TIMED.search(err)
+            cpu += float(m[2]) + float(m[3])
+        url = pg.url("127.0.0.1", db)
+        results, distinct, left = run_counts(url, run_id)
+        assert (results, distinct, left) == (items, items, 0), (results, distinct, left)
+        by_worker = dict(line.split("|") for line in psql(url, "SELECT worker, count(*) FROM evalfleet.results GROUP BY worker ORDER BY 2 DESC").splitlines())
+        verdicts = dict(line.split("|") for line in psql(url, "SELECT coalesce(verdict, 'none'), count(*) FROM evalfleet.results GROUP BY 1").splitlines())
+        accepted = int(verdicts.get("ok", 0))
+        return {
+            "workers": k,
+            "seconds": span,
+            "items_per_s": items / span,
+            "joined_after_s": [round(at, 3) for at, _ in procs],
+            "results_by_worker": by_worker,
+            "accepted": accepted,
+            "verdicts": verdicts,
+            "workers_cpu_s": cpu,
+            "server_cpu_s": pg_cpu,
+            "machine_busy": (b1 - b0) / max(1, t1 - t0),
+        }
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        psql(pg.url("127.0.0.1", "postgres"), f"DROP DATABASE IF EXISTS {db}")
+
+
+def p1(args, work):
+    """P1: J1's programs many times over, judged by 1, 2, then 3 workers,
+    each an evalfleet process in a network namespace of its own, sharing the
+    run through a PostgreSQL server of the benchmark's own. Reference:
+    linear scaling from 1 worker, measured in the same round; and the
+    machine's bound: the same programs run one after another with python3,
+    over the cores."""
+    counts = [int(x) for x in (args.workers or "1,2,3").split(",")]
+    problems, dataset, answers = p1_dataset(work, args.copies)
+    items = len(problems) * args.copies
+    variants = [v for v in args.variants.split(",") if v]
+    hosts = NetHosts(max(counts))
+    pg = mock = None
+    rounds = []
+    try:
+        pg = OwnPostgres(",".join(["127.0.0.1"] + [f"10.232.{i}.1" for i in range(1, max(counts) + 1)]))
+        mock = subprocess.Popen([BIN, "mock", "--bind", "0.0.0.0:0", "--answers", answers],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        port = int(re.search(r":(\d+)/", mock.stdout.readline())[1])
+        p1_config(os.path.join(work, "p1-free.yaml"), dataset, port, None)
+        p1_config(os.path.join(work, "p1-pinned.yaml"), dataset, port, 1)
+        for i in range(2, max(counts) + 1):
+            with open(os.path.join(work, f"host{i}.yaml"), "w") as f:
+                f.write(p1_endpoint(i, port))
+        for r in range(args.rounds):
+            # The machine's bound: each program once, one after another.
+            serial_started = time.monotonic()
+            for j, p in enumerate(problems):
+                path = os.path.join(work, f"serial-{j}.py")
+                with open(path, "w") as f:
+                    f.write(p["prompt"] + p["canonical_solution"] + "\n" + p["test"] + f"\ncheck({p['entry_point']})\n")
+                subprocess.run(["/usr/bin/python3", path], check=True, capture_output=True)
+            serial = (time.monotonic() - serial_started) * args.copies
+            round_ = {"serial_s": serial, "bound_items_per_s": items / (serial / os.cpu_count()), "load": os.getloadavg()[0]}
+            for variant in variants:
+                runs = {}
+                for k in counts:
+                    runs[k] = p1_once(args, work, hosts, pg, port, items, k, f"{variant}_{r}_{k}", variant == "pinned")
+                    print(json.dumps({"round": r, "variant": variant, **runs[k]}), file=sys.stderr)
+                base = runs[counts[0]]["items_per_s"] / counts[0]
+                for k in counts:
+                    runs[k]["fraction_of_linear"] = runs[k]["items_per_s"] / (k * base)
+                    runs[k]["of_bound"] = runs[k]["items_per_s"] / round_["bound_items_per_s"]
+                round_[variant] = runs
+            rounds.append(round_)
+    finally:
+        if mock:
+            mock.terminate()
+            mock.wait(timeout=30)
+        if pg:
+            pg.stop()
+        hosts.remove()
+    med = lambda f: statistics.median(f(r) for r in rounds)
+    figures = {
+        v: {
+            k: {
+                "items_per_s": med(lambda r: r[v][k]["items_per_s"]),
+                "fraction_of_linear": med(lambda r: r[v][k]["fraction_of_linear"]),
+                "of_bound": med(lambda r: r[v][k]["of_bound"]),
+                "machine_busy": med(lambda r: r[v][k]["machine_busy"]),
+                "workers_cpu_s": med(lambda r: r[v][k]["workers_cpu_s"]),
+                "server_cpu_s": med(lambda r: r[v][k]["server_cpu_s"]),
+            }
+            for k in counts
+        }
+        for v in variants
+    }
+    result = {
+        "workload": "P1",
+        "items": items,
+        "copies": args.copies,
+        "cores": os.cpu_count(),
+        "bound_items_per_s_median": med(lambda r: r["bound_items_per_s"]),
+        "figures": figures,
+        "rounds": rounds,
+    }
+    print(json.dumps(result, indent=2))
+    for v in variants:
+        cells = "; ".join(
+            f"{k}: {f['items_per_s']:.1f} items/s, {f['fraction_of_linear']:.2f} x linear, busy {100 * f['machine_busy']:.0f}%"
+            for k, f in figures[v].items()
+        )
+        print(f"| P1 {v} | {items} programs (164 x {args.copies}) | machine bound {result['bound_items_per_s_median']:.1f} items/s | {cells} |")
+
+
+def p1latency(args, work):
+    """The store's claim and commit transactions timed under load by
+    `crates/evalfleet-store/examples/queue_latency.rs`: PostgreSQL (a fresh
+    database of the machine's server) and SQLite side by side."""
+    target = os.environ.get("CARGO_TARGET_DIR") or os.path.join(ROOT, "target")
+    if not args.no_build:
+        subprocess.run(["cargo", "build", "--release", "-p", "evalfleet-store", "--example", "queue_latency"], cwd=ROOT, check=True)
+    example = os.path.join(target, "release", "examples", "queue_latency")
+    db = f"qlat_{os.getpid()}"
+    rows = []
+    for r in range(args.rounds):
+        psql(f"{PG_LOCAL}/test", f"CREATE DATABASE {db}")
+        try:
+            proc = subprocess.run(
+                [example, "--postgres", f"{PG_LOCAL}/{db}", "--sqlite-dir", work, "--items", str(args.items),
+                 "--threads", args.workers or "1,2,4", "--limits", args.limits],
+                capture_output=True, text=True,
+            )
+        finally:
+            psql(f"{PG_LOCAL}/test", f"DROP DATABASE IF EXISTS {db}")
+        if proc.returncode != 0:
+            raise SystemExit(f"queue_latency failed: {proc.stderr[-3000:]}")
+        for line in proc.stdout.splitlines():
+            row = {"round": r, "load": os.getloadavg()[0], **json.loads(line)}
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr)
+    keys = sorted({(x["store"], x["threads"], x["limit"]) for x in rows}, key=lambda k: (k[1], k[2], k[0]))
+    table = []
+    for store, t, k in keys:
+        mine = [x for x in rows if (x["store"], x["threads"], x["limit"]) == (store, t, k)]
+        med = lambda f: statistics.median(f(x) for x in mine)
+        table.append({
+            "store": store, "threads": t, "limit": k,
+            "claim_p50_us": med(lambda x: x["claim"]["p50_us"]), "claim_p99_us": med(lambda x: x["claim"]["p99_us"]),
+            "commit_p50_us": med(lambda x: x["commit"]["p50_us"]), "commit_p99_us": med(lambda x: x["commit"]["p99_us"]),
+            "items_per_s": med(lambda x: x["items_per_s"]),
+        })
+    print(json.dumps({"workload": "claim and commit", "items": args.items, "table": table, "rounds": rows}, indent=2))
+    print("\n| store | threads | K | claim p50 / p99 | commit p50 / p99 | items/s |")
+    print("|---|---|---|---|---|---|")
+    for x in table:
+        print(
+            f"| {x['store']} | {x['threads']} | {x['limit']} | {x['claim_p50_us'] / 1000:.2f} / {x['claim_p99_us'] / 1000:.2f} ms "
+            f"| {x['commit_p50_us'] / 1000:.2f} / {x['commit_p99_us'] / 1000:.2f} ms | {x['items_per_s']:.0f} |"
+        )
+
+
 WORKLOADS = {
     "w1": (w1, 100_000),
     "w2": (w2, None),
@@ -2450,6 +2916,9 @@ WORKLOADS = {
     "v1": (v1, 10_000),
     "a1": (a1, None),
     "a2": (a2, 2000),
+    "w1pg": (w1pg, 100_000),
+    "p1": (p1, None),
+    "p1latency": (p1latency, 10_000),
 }
 
 
@@ -2466,7 +2935,7 @@ def main():
     parser.add_argument("--waves", type=int, default=20, help="W2: items per concurrency slot")
     parser.add_argument("--keep", action="store_true", help="keep the working directory")
     parser.add_argument("--peers", help="W3, W4 (W7: inspect-ai only): also run inspect-ai and promptfoo installed under this directory")
-    parser.add_argument("--variants", help="W7: plain,stream (default both); W8: alone,beside (default both)")
+    parser.add_argument("--variants", help="W7: plain,stream (default both); W8: alone,beside (default both); P1: free,pinned (default both)")
     parser.add_argument("--peer-timeout", type=float, default=900, help="W7: seconds each inspect-ai run may take before it is killed")
     parser.add_argument("--fixed", type=int, help="W7: a fixed concurrency for evalfleet, and --max-connections for inspect-ai (default: adaptive, inspect-ai's defaults)")
     parser.add_argument("--window", type=float, default=10, help="W3b: the quota's window in seconds (rpm * window / 60 per window)")
@@ -2486,6 +2955,9 @@ def main():
     parser.add_argument("--latency-ms", type=int, default=50, help="A1: the slower mock's latency")
     parser.add_argument("--direct", action="store_true", help="A2: also run the same agents, as many at once, against the mock directly (no evalfleet)")
     parser.add_argument("--python-openai", help="A2: the python of a venv with openai (default /opt/evalfleet-agent/bin/python)")
+    parser.add_argument("--copies", type=int, default=8, help="P1: HumanEval's 164 programs this many times over")
+    parser.add_argument("--workers", help="P1: worker counts; P1latency: thread counts (default 1,2,4)")
+    parser.add_argument("--limits", default="16,64", help="P1latency: items a claim takes")
     parser.add_argument("--baseline", help="W1, W5, W6, J1: another evalfleet binary measured side by side")
     args = parser.parse_args()
     if not args.no_build:
@@ -2497,7 +2969,7 @@ def main():
         args.items_given = args.items is not None
         args.items = args.items or default_items
         if args.variants is None:
-            args.variants = {"w7": "plain,stream", "w8": "alone,beside", "a1": "plain,stream", "a2": "urllib,openai"}.get(args.workload, "")
+            args.variants = {"w7": "plain,stream", "w8": "alone,beside", "a1": "plain,stream", "a2": "urllib,openai", "p1": "free,pinned"}.get(args.workload, "")
         if args.workload == "startup":
             args.rounds = max(args.rounds, 5)
         run(args, work)
