@@ -413,20 +413,25 @@ fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx
     }
     // Results: the item ends under its claim, and its result is stored
     // with the claim's attempt number, in the same transaction.
-    let end = tx.prepare(
-        "UPDATE items SET state = $4, owner = NULL, lease_until = NULL, not_before = NULL
-         WHERE rid = $1 AND seq = $2 AND claim_id = $3 AND state = 'running'
-         RETURNING attempt",
-    )?;
+    // One statement a result: the item ends under its claim, and its
+    // result is stored with the claim's attempt number (-1 when the item
+    // did not end: a broken invariant, the transaction is dropped).
     let result = tx.prepare(
-        "INSERT INTO results (rid, seq, item_id, status, output, error, endpoint, model, attempts,
+        "WITH ended AS (
+             UPDATE items SET state = $4, owner = NULL, lease_until = NULL, not_before = NULL
+             WHERE rid = $1 AND seq = $2 AND claim_id = $29 AND state = 'running'
+             RETURNING attempt)
+         INSERT INTO results (rid, seq, item_id, status, output, error, endpoint, model, attempts,
              latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, item,
              finished_at, parsed, verdict, check_error, scores, reasks, judge, cached,
              tokens_estimated, prompt, images, claim_attempt, worker)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17,
-                 $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29)",
+                 $18, $19, $20, $21, $22, $23, $24, $25, $26, $27,
+                 COALESCE((SELECT attempt FROM ended), -1), $28)
+         RETURNING claim_attempt",
     )?;
     let (mut done, mut failed, mut already) = (0i64, 0i64, 0u64);
+    let mut ended_here = BTreeSet::new();
     for (claim, r) in &batch.results {
         if holds.ended(*claim, r.seq) {
             already += 1;
@@ -436,21 +441,18 @@ fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx
             refuse(*claim, r.seq);
             continue;
         }
-        let Some(ended) =
-            tx.query_opt(&end, &[&rid, &(r.seq as i64), claim, &r.status.as_str()])?
-        else {
+        if !ended_here.insert(r.seq) {
             return Err(StoreError::Invariant(format!(
                 "item '{}' of run '{run_id}' got a second result",
                 r.item_id
             ))
             .into());
-        };
-        let claim_attempt: i32 = ended.get(0);
+        }
         let (parsed, verdict, check_error, scores, reasks, judge) =
             assessment_columns(&r.assessment)?;
         let images = images_column(&r.images)?;
         let t = r.telemetry.as_ref();
-        tx.execute(
+        let stored = tx.query_one(
             &result,
             &[
                 &rid,
@@ -480,10 +482,17 @@ fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx
                 &t.is_some_and(|t| t.tokens_estimated),
                 &r.prompt,
                 &images,
-                &claim_attempt,
                 &worker,
+                claim,
             ],
         )?;
+        if stored.get::<_, i32>(0) < 0 {
+            return Err(StoreError::Invariant(format!(
+                "item '{}' of run '{run_id}' got a second result",
+                r.item_id
+            ))
+            .into());
+        }
         match r.status {
             ItemStatus::Done => done += 1,
             ItemStatus::Failed => failed += 1,
