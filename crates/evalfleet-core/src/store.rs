@@ -300,6 +300,17 @@ pub struct NotBefore {
     pub wait: std::time::Duration,
 }
 
+/// What a heartbeat learned.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Renewal {
+    /// Claims the worker holds.
+    pub claims: u64,
+    /// Items (`seq`) the worker lost since its last heartbeat: what it
+    /// makes of them will be refused (PostgreSQL says; SQLite, whose
+    /// claims are ranges, does not).
+    pub lost: Vec<u64>,
+}
+
 /// What a commit stored.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Committed {
@@ -524,14 +535,16 @@ pub trait WorkQueue {
     ) -> Result<Claimed, StoreError>;
 
     /// Extends every live claim of `worker` (and its heartbeat) by `lease`
-    /// from now; returns how many claims it holds. A claim that already ran
-    /// out stays lost.
+    /// from now; returns how many claims it holds, and the items it lost
+    /// since it last asked (their lease ran out and another worker's claim
+    /// returned them to pending) where the backend keeps track of them. A
+    /// claim that already ran out stays lost.
     fn renew(
         &mut self,
         run_id: &str,
         worker: &str,
         lease: std::time::Duration,
-    ) -> Result<u64, StoreError>;
+    ) -> Result<Renewal, StoreError>;
 
     /// Commits attempts and results, and moves the results' items out of
     /// pending, in one transaction. What was made under a claim that is no

@@ -718,7 +718,7 @@ fn a_claim_is_exclusive_while_its_lease_lasts_and_a_commit_under_a_lost_lease_is
 
     // A claim whose lease has run out is claimed again by another, and
     // its old holder's commit is refused: only one result per item.
-    assert_eq!(second.renew("r", "two", Duration::ZERO).unwrap(), 1);
+    assert_eq!(second.renew("r", "two", Duration::ZERO).unwrap().claims, 1);
     let Claimed::Items(taken) = first.claim("r", "one", None, 10, LEASE).unwrap() else {
         panic!("the expired claim's items are free");
     };
@@ -801,7 +801,7 @@ fn a_commit_whose_lease_ran_out_is_refused_once_another_worker_took_its_items(f:
         .begin_session("r", &mut worker("two"), false)
         .unwrap();
     let mine = claim_all(&mut *first, "r", "one");
-    assert_eq!(first.renew("r", "one", Duration::ZERO).unwrap(), 1);
+    assert_eq!(first.renew("r", "one", Duration::ZERO).unwrap().claims, 1);
     std::thread::sleep(Duration::from_millis(5));
 
     // Nobody took item a yet.
@@ -1501,7 +1501,7 @@ fn agent_calls_are_stored_with_their_attempt_refused_under_a_lost_claim_and_read
     // is stored. (Taken over first: on PostgreSQL a late commit is refused
     // only once its items are another's; see
     // `a_commit_whose_lease_ran_out_is_refused_once_another_worker_took_its_items`.)
-    assert_eq!(second.renew("r", "two", Duration::ZERO).unwrap(), 1);
+    assert_eq!(second.renew("r", "two", Duration::ZERO).unwrap().claims, 1);
     std::thread::sleep(Duration::from_millis(5));
     let Claimed::Items(taken) = first.claim("r", "one", None, 10, LEASE).unwrap() else {
         panic!("the expired claim's item is free");
@@ -2097,7 +2097,7 @@ mod postgres_only {
         let mine = claim_all(&mut *one, "r", "one");
         // Worker one is away past its lease; worker two reaps its items
         // and claims them.
-        assert_eq!(one.renew("r", "one", Duration::ZERO).unwrap(), 1);
+        assert_eq!(one.renew("r", "one", Duration::ZERO).unwrap().claims, 1);
         std::thread::sleep(Duration::from_millis(5));
         let Claimed::Items(theirs) = two.claim("r", "two", None, 10, LEASE).unwrap() else {
             panic!("the lapsed claim's items are free");
@@ -2110,6 +2110,11 @@ mod postgres_only {
                 .collect::<Vec<_>>(),
             [(1, 0), (2, 0), (3, 0)]
         );
+        // Worker one's next heartbeat tells it which items it lost, once.
+        let renewal = one.renew("r", "one", LEASE).unwrap();
+        assert_eq!((renewal.claims, renewal.lost), (0, vec![1, 2, 3]));
+        assert!(one.renew("r", "one", LEASE).unwrap().lost.is_empty());
+        assert!(two.renew("r", "two", LEASE).unwrap().lost.is_empty());
         // Worker one comes back with everything it made meanwhile.
         let late = Batch {
             attempts: vec![(mine, attempt(1, 1)), (mine, attempt(2, 1))],

@@ -562,6 +562,10 @@ async fn three_hosts_share_a_run_through_kills_stalls_cuts_lost_commits_skewed_c
         said.contains("were refused"),
         "host 2's results made before its stall were refused once it went on: {said}"
     );
+    assert!(
+        said.contains("taken over by other workers"),
+        "host 2's heartbeat told it which items it lost: {said}"
+    );
     eprintln!("host 2 said:\n{said}");
 
     let by_worker = check_exactly_once(&local, "shared", ITEMS, &server);

@@ -145,7 +145,15 @@ pub async fn run(
             renew_at = Instant::now() + renew_every;
             let (run_id, worker) = (run_id.clone(), worker.clone());
             committing.spawn_blocking(move || {
-                let result = store.renew(&run_id, &worker, lease).map(|_| 0);
+                let result = store.renew(&run_id, &worker, lease).map(|renewal| {
+                    if !renewal.lost.is_empty() {
+                        tracing::warn!(
+                            "{} items were taken over by other workers after this worker's lease on them ran out; what it makes of them will be refused.",
+                            renewal.lost.len()
+                        );
+                    }
+                    0
+                });
                 (store, result)
             });
             continue;

@@ -13,7 +13,9 @@
 //! - Leases run on `now()` of the database, never a worker's clock. Any
 //!   worker, when it claims, first returns to pending the items whose
 //!   lease has passed (no leader reaps them).
-//! - One statement per heartbeat renews all of a worker's leases.
+//! - One statement per heartbeat renews all of a worker's leases and tells
+//!   it which items it lost since it last asked (the reaper notes whose
+//!   lease it took back, in `lost_by`).
 //! - A commit locks the rows of its batch's items, keeps only what was
 //!   made under a claim that still holds its item (`state = 'running'`
 //!   and the same `claim_id`), and in the same transaction moves those
@@ -33,7 +35,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
 use evalfleet_core::store::{
-    Batch, Claim, ClaimId, Claimed, Committed, PendingItem, StoreError, WorkQueue,
+    Batch, Claim, ClaimId, Claimed, Committed, PendingItem, Renewal, StoreError, WorkQueue,
 };
 use evalfleet_types::{ErrorClass, ItemStatus, now_ms};
 use postgres::Transaction;
@@ -58,7 +60,8 @@ fn reap(tx: &mut Transaction<'_>, rid: i64) -> Result<u64, postgres::Error> {
              SELECT seq FROM items
              WHERE rid = $1 AND state = 'running' AND lease_until < now()
              LIMIT $2 FOR UPDATE SKIP LOCKED)
-         UPDATE items i SET state = 'pending', owner = NULL, lease_until = NULL
+         UPDATE items i SET state = 'pending', lost_by = i.owner, owner = NULL,
+             lease_until = NULL
          FROM lapsed WHERE i.rid = $1 AND i.seq = lapsed.seq",
         &[&rid, &REAP_LIMIT],
     )
@@ -544,26 +547,44 @@ impl WorkQueue for PgStore {
         })
     }
 
-    fn renew(&mut self, run_id: &str, worker: &str, lease: Duration) -> Result<u64, StoreError> {
+    fn renew(
+        &mut self,
+        run_id: &str,
+        worker: &str,
+        lease: Duration,
+    ) -> Result<Renewal, StoreError> {
         let lease_ms = millis(lease);
         self.with("cannot renew the lease", |conn| {
             let rid = conn.rid(run_id)?;
-            // One statement: every lease of the worker, and its heartbeat.
-            // What it returns is the claims renewed (as SQLite counts
-            // them), not their items.
+            // One statement: every lease of the worker, its heartbeat, and
+            // the items it lost since it last asked (told once). Claims
+            // are counted as SQLite counts them, not their items.
             let row = conn.client.query_one(
                 "WITH renewed AS (
                      UPDATE items SET lease_until = now() + $3::bigint * interval '1 millisecond'
                      WHERE rid = $1 AND owner = $2 AND state = 'running'
                      RETURNING claim_id),
+                 lost AS (
+                     UPDATE items SET lost_by = NULL
+                     WHERE rid = $1 AND lost_by = $2
+                     RETURNING seq),
                  beat AS (
                      UPDATE workers SET heartbeat_at = now(), lease_ms = $3
                      WHERE rid = $1 AND worker = $2
                      RETURNING 1)
-                 SELECT (SELECT count(DISTINCT claim_id) FROM renewed), (SELECT count(*) FROM beat)",
+                 SELECT (SELECT count(DISTINCT claim_id) FROM renewed),
+                        (SELECT COALESCE(array_agg(seq ORDER BY seq), '{}') FROM lost),
+                        (SELECT count(*) FROM beat)",
                 &[&rid, &worker, &lease_ms],
             )?;
-            Ok(row.get::<_, i64>(0).max(0) as u64)
+            Ok(Renewal {
+                claims: row.get::<_, i64>(0).max(0) as u64,
+                lost: row
+                    .get::<_, Vec<i64>>(1)
+                    .into_iter()
+                    .map(|seq| seq as u64)
+                    .collect(),
+            })
         })
     }
 

@@ -78,6 +78,9 @@ CREATE TABLE items (
     owner       text,
     lease_until timestamptz,
     not_before  timestamptz,
+    -- The worker whose lapsed lease was reaped, until its heartbeat hears
+    -- of it.
+    lost_by     text,
     PRIMARY KEY (rid, seq)
 ) WITH (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.01,
         autovacuum_analyze_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0);
@@ -86,6 +89,7 @@ CREATE INDEX items_pending ON items (rid, seq) WHERE state = 'pending';
 -- this index small, uses it for that too; a worker's own (renewal,
 -- release) are read off it by owner.
 CREATE INDEX items_running ON items (rid, seq) WHERE state = 'running';
+CREATE INDEX items_lost ON items (rid, lost_by) WHERE lost_by IS NOT NULL;
 CREATE SEQUENCE claim_ids;
 CREATE TABLE results (
     rid               bigint NOT NULL REFERENCES runs(rid),

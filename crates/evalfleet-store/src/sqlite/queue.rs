@@ -11,7 +11,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
 use evalfleet_core::store::{
-    Batch, Claim, ClaimId, Claimed, Committed, PendingItem, StoreError, WorkQueue,
+    Batch, Claim, ClaimId, Claimed, Committed, PendingItem, Renewal, StoreError, WorkQueue,
 };
 use evalfleet_types::{ErrorClass, ItemStatus, now_ms};
 use rusqlite::{Transaction, params};
@@ -263,8 +263,17 @@ impl WorkQueue for SqliteStore {
         self.without_sync(|store| store.claim_now(run_id, worker, after, limit, lease))
     }
 
-    fn renew(&mut self, run_id: &str, worker: &str, lease: Duration) -> Result<u64, StoreError> {
-        self.without_sync(|store| store.renew_now(run_id, worker, lease))
+    fn renew(
+        &mut self,
+        run_id: &str,
+        worker: &str,
+        lease: Duration,
+    ) -> Result<Renewal, StoreError> {
+        let claims = self.without_sync(|store| store.renew_now(run_id, worker, lease))?;
+        Ok(Renewal {
+            claims,
+            lost: Vec::new(),
+        })
     }
 
     fn release(&mut self, run_id: &str, worker: &str) -> Result<(), StoreError> {
