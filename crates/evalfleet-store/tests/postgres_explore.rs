@@ -3,81 +3,22 @@
 //! and drops it at the end. Where both backends can hold the same rows, the
 //! same rows are written to a SQLite store too, and both must answer the
 //! same. What both backends must do alike (the cache, kept reports, a
-//! bounded resource series, ...) is in the store suite, `tests/store.rs`. Without a server (`EVALFLEET_TEST_POSTGRES`, else
-//! `postgres://root@127.0.0.1:5432/test`), the tests say so and pass.
+//! bounded resource series, ...) is in the store suite, `tests/store.rs`. Without a server
+//! (`EVALFLEET_TEST_POSTGRES`, else `postgres://root@127.0.0.1:5432/test`),
+//! the tests are skipped, saying so (and fail under CI).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-use std::sync::atomic::{AtomicU32, Ordering};
 
 use evalfleet_core::store::{
     Events, Explore, FleetMailbox, ItemPage, ItemQuery, ItemRow, ItemState, Resources, ScoreRange,
     SortKey, StoreError,
 };
 use evalfleet_store::{PgStore, SqliteStore};
+use evalfleet_testkit::postgres::ScratchDb as Scratch;
 use evalfleet_types::{
     AgentCall, ErrorClass, Event, EventKind, FleetAction, FleetChange, RunSample, Telemetry,
 };
 use postgres::{Client, NoTls};
-
-/// A database made for one test, dropped with it.
-struct Scratch {
-    base: String,
-    name: String,
-    url: String,
-}
-
-static NEXT: AtomicU32 = AtomicU32::new(0);
-
-/// A fresh database on the test server, or `None` (the test is skipped)
-/// when no server answers.
-fn scratch(test: &str) -> Option<Scratch> {
-    let base = std::env::var("EVALFLEET_TEST_POSTGRES")
-        .unwrap_or_else(|_| "postgres://root@127.0.0.1:5432/test".to_owned());
-    let mut admin = match Client::connect(&base, NoTls) {
-        Ok(client) => client,
-        Err(err) => {
-            eprintln!("skipped {test}: no PostgreSQL server at {base} ({err})");
-            return None;
-        }
-    };
-    let name = format!(
-        "evalfleet_test_{}_{}_{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed),
-        test
-    );
-    admin
-        .batch_execute(&format!("CREATE DATABASE \"{name}\""))
-        .unwrap();
-    let (head, query) = match base.split_once('?') {
-        Some((head, query)) => (head, format!("?{query}")),
-        None => (base.as_str(), String::new()),
-    };
-    let server = match head.split_once("://") {
-        Some((scheme, rest)) => match rest.split_once('/') {
-            Some((authority, _)) => format!("{scheme}://{authority}"),
-            None => head.to_owned(),
-        },
-        None => head.to_owned(),
-    };
-    Some(Scratch {
-        url: format!("{server}/{name}{query}"),
-        base,
-        name,
-    })
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        if let Ok(mut admin) = Client::connect(&self.base, NoTls) {
-            let _ = admin.batch_execute(&format!(
-                "DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)",
-                self.name
-            ));
-        }
-    }
-}
 
 /// A PostgreSQL store in `db`, and a connection of the test's own to it.
 fn open(db: &Scratch) -> (PgStore, Client) {
@@ -588,8 +529,8 @@ struct Both {
     _db: Scratch,
 }
 
-fn both(test: &str) -> Option<Both> {
-    let db = scratch(test)?;
+fn both() -> Option<Both> {
+    let db = evalfleet_testkit::scratch_db!()?;
     let (pg, mut client) = open(&db);
     let items = explored();
     let rid = pg_run(&mut client, "r", items.len() as i64);
@@ -617,7 +558,7 @@ fn same(both: &mut Both, query: &ItemQuery, limit: u32) -> Vec<ItemRow> {
 
 #[test]
 fn pages_of_items_are_those_of_the_sqlite_store_for_every_sort_and_filter() {
-    let Some(mut both) = both("pages") else {
+    let Some(mut both) = both() else {
         return;
     };
     let sorts = [
@@ -880,7 +821,7 @@ fn pages_of_items_are_those_of_the_sqlite_store_for_every_sort_and_filter() {
 
 #[test]
 fn one_item_comes_whole_with_its_attempts_calls_and_answers() {
-    let Some(mut both) = both("item") else {
+    let Some(mut both) = both() else {
         return;
     };
     for id in [
@@ -984,7 +925,7 @@ fn snapshot(endpoint: &str, in_flight: u64) -> evalfleet_types::EndpointSnapshot
 
 #[test]
 fn events_endpoint_states_samples_and_fleet_changes_round_trip() {
-    let Some(db) = scratch("events") else {
+    let Some(db) = evalfleet_testkit::scratch_db!() else {
         return;
     };
     let (mut store, mut client) = open(&db);
@@ -1097,7 +1038,7 @@ fn a_resource_series_is_merged_into_the_points_sqlite_makes() {
     use evalfleet_types::{
         POINTS_PER_SERIES, ResourceMetric, ResourcePoint, ResourceSeries, ResourceSource,
     };
-    let Some(db) = scratch("resources") else {
+    let Some(db) = evalfleet_testkit::scratch_db!() else {
         return;
     };
     let (mut store, mut client) = open(&db);
@@ -1146,7 +1087,7 @@ fn writers_of_one_series_at_once_keep_it_bounded_and_lose_no_sample() {
     use evalfleet_types::{
         POINTS_PER_SERIES, ResourceMetric, ResourcePoint, ResourceSeries, ResourceSource,
     };
-    let Some(db) = scratch("series") else {
+    let Some(db) = evalfleet_testkit::scratch_db!() else {
         return;
     };
     let (_, mut client) = open(&db);

@@ -2,67 +2,39 @@
 //! scratch database of its own on the server named by
 //! `EVALFLEET_TEST_POSTGRES` (by default the local one), compared with what
 //! the SQLite store gives for the same input. Without a server, each test
-//! says it is skipped and passes. What both backends must do alike (kept
+//! is skipped, saying so (and fails under CI). What both backends must do alike (kept
 //! reports, the work queue, ...) is in the store suite, `tests/store.rs`.
 //!
 //! Results are put in with SQL here, to give the reads rows of every kind.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::sync::atomic::{AtomicU32, Ordering};
-
-use evalfleet_core::dataset::DatasetIdentity;
-use evalfleet_core::fingerprint::{DatasetOptions, Fingerprint};
 use evalfleet_core::store::{
     CreateRunError, ExportRow, ItemSource, NewItem, NewRun, ResultOrder, Results, RunIdentity,
-    Runs, StoreError, WorkerInfo,
+    Runs, StoreError,
 };
+mod common;
+
+use common::{Items, items, worker};
 use evalfleet_store::{PgStore, SqliteStore};
+use evalfleet_testkit::postgres::ScratchDb as Scratch;
 use evalfleet_types::{StateCounts, now_ms};
 
-const DEFAULT_URL: &str = "postgres://root@127.0.0.1:5432/test";
-
-/// A database made for one test, dropped when the test ends.
-struct Scratch {
-    base: String,
-    name: String,
-    url: String,
+/// What the tests do with their database (`evalfleet_testkit`'s, made for
+/// each test and dropped with it).
+trait Open {
+    fn store(&self) -> PgStore;
+    /// A plain connection, the store's tables in reach.
+    fn sql(&self) -> postgres::Client;
 }
 
-impl Scratch {
-    /// A fresh database, or `None` (the test is skipped) when no server
-    /// answers.
-    fn new(test: &str) -> Option<Self> {
-        static NEXT: AtomicU32 = AtomicU32::new(0);
-        let base = std::env::var("EVALFLEET_TEST_POSTGRES").unwrap_or_else(|_| DEFAULT_URL.into());
-        let mut admin = match postgres::Client::connect(&base, postgres::NoTls) {
-            Ok(client) => client,
-            Err(err) => {
-                println!("skipped {test}: no PostgreSQL server at {base} ({err})");
-                return None;
-            }
-        };
-        let name = format!(
-            "evalfleet_pgread_{}_{}_{}",
-            std::process::id(),
-            now_ms(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        );
-        admin
-            .batch_execute(&format!("CREATE DATABASE {name}"))
-            .unwrap();
-        let (head, _) = base.rsplit_once('/').unwrap();
-        let url = format!("{head}/{name}");
-        Some(Self { base, name, url })
-    }
-
+impl Open for Scratch {
     fn store(&self) -> PgStore {
         PgStore::open(&self.url, false).unwrap()
     }
 
-    /// A plain connection to the scratch database, its tables in reach.
     fn sql(&self) -> postgres::Client {
-        let mut client = postgres::Client::connect(&self.url, postgres::NoTls).unwrap();
+        let mut client = self.connect();
         client
             .batch_execute("SET search_path TO evalfleet")
             .unwrap();
@@ -70,79 +42,8 @@ impl Scratch {
     }
 }
 
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        if let Ok(mut admin) = postgres::Client::connect(&self.base, postgres::NoTls) {
-            let _ = admin.batch_execute(&format!(
-                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-                self.name
-            ));
-        }
-    }
-}
-
-struct Items {
-    items: std::vec::IntoIter<NewItem>,
-    sample_n: Option<u64>,
-}
-
-fn items(ids: &[&str], sample_n: Option<u64>) -> Items {
-    let items: Vec<NewItem> = ids
-        .iter()
-        .enumerate()
-        .map(|(i, id)| NewItem {
-            item_id: (*id).to_owned(),
-            seq: i as u64 + 1,
-            line: i as u64 + 1,
-            offset: i as u64 * 10,
-            sample_key: evalfleet_core::dataset::sample_key(1, id),
-            invalid: id.starts_with("bad").then(|| "broken row".to_owned()),
-        })
-        .collect();
-    Items {
-        items: items.into_iter(),
-        sample_n,
-    }
-}
-
 fn many(n: usize) -> Vec<String> {
     (0..n).map(|i| format!("id{i}")).collect()
-}
-
-impl ItemSource for Items {
-    fn next_item(&mut self) -> Result<Option<NewItem>, CreateRunError> {
-        Ok(self.items.next())
-    }
-
-    fn finish(&mut self) -> Result<RunIdentity, CreateRunError> {
-        Ok(RunIdentity {
-            fingerprint: Fingerprint {
-                dataset_sha256: "0".repeat(64),
-                dataset_options: DatasetOptions {
-                    format: "jsonl".to_owned(),
-                    id_field: None,
-                    sample_n: self.sample_n,
-                    sample_seed: None,
-                    skip_invalid: true,
-                },
-                messages_sha256: String::new(),
-                params_sha256: String::new(),
-                samples: 1,
-                images_sha256: None,
-            },
-            dataset: DatasetIdentity {
-                path: "data.jsonl".into(),
-                size: 0,
-                mtime_ns: 0,
-                sha256: "0".repeat(64),
-            },
-            sample_n: self.sample_n,
-        })
-    }
-
-    fn path(&self) -> String {
-        "data.jsonl".to_owned()
-    }
 }
 
 fn new_run(id: &str, created_at_ms: i64) -> NewRun {
@@ -152,13 +53,6 @@ fn new_run(id: &str, created_at_ms: i64) -> NewRun {
         config: serde_json::json!({"name": "test"}),
         config_dir: ".".to_owned(),
         created_at_ms,
-    }
-}
-
-fn worker(name: &str) -> WorkerInfo {
-    WorkerInfo {
-        worker: name.to_owned(),
-        ..evalfleet_core::worker::this_process(std::time::Duration::from_secs(60))
     }
 }
 
@@ -238,7 +132,7 @@ fn end_item(sql: &mut postgres::Client, seq: i64, status: &str, worker: &str) {
 
 #[test]
 fn a_run_is_registered_as_in_sqlite_with_its_invalid_rows_failed() {
-    let Some(db) = Scratch::new("a_run_is_registered") else {
+    let Some(db) = evalfleet_testkit::scratch_db!() else {
         return;
     };
     let mut pg = db.store();
@@ -303,7 +197,7 @@ fn a_run_is_registered_as_in_sqlite_with_its_invalid_rows_failed() {
 
 #[test]
 fn a_duplicate_id_is_named_by_its_first_line_and_undoes_everything() {
-    let Some(db) = Scratch::new("a_duplicate_id") else {
+    let Some(db) = evalfleet_testkit::scratch_db!() else {
         return;
     };
     let mut pg = db.store();
@@ -364,7 +258,7 @@ fn a_duplicate_id_is_named_by_its_first_line_and_undoes_everything() {
 
 #[test]
 fn a_sample_keeps_the_same_items_as_sqlite() {
-    let Some(db) = Scratch::new("a_sample") else {
+    let Some(db) = evalfleet_testkit::scratch_db!() else {
         return;
     };
     let mut pg = db.store();
@@ -397,7 +291,7 @@ fn a_sample_keeps_the_same_items_as_sqlite() {
 
 #[test]
 fn a_session_with_retry_failed_puts_failed_items_back_and_counts_them() {
-    let Some(db) = Scratch::new("retry_failed") else {
+    let Some(db) = evalfleet_testkit::scratch_db!() else {
         return;
     };
     let mut pg = db.store();
@@ -487,7 +381,7 @@ fn a_session_with_retry_failed_puts_failed_items_back_and_counts_them() {
 
 #[test]
 fn workers_heartbeats_are_read_on_this_machines_clock() {
-    let Some(db) = Scratch::new("workers") else {
+    let Some(db) = evalfleet_testkit::scratch_db!() else {
         return;
     };
     let mut pg = db.store();
@@ -530,7 +424,7 @@ fn workers_heartbeats_are_read_on_this_machines_clock() {
 
 #[test]
 fn scans_go_on_page_after_page_in_order() {
-    let Some(db) = Scratch::new("scans") else {
+    let Some(db) = evalfleet_testkit::scratch_db!() else {
         return;
     };
     let mut pg = db.store();
@@ -578,7 +472,7 @@ fn scans_go_on_page_after_page_in_order() {
 /// writes it for `ResultOrder::Key`.
 #[test]
 fn a_page_by_item_id_is_read_from_its_index() {
-    let Some(db) = Scratch::new("results_by_id") else {
+    let Some(db) = evalfleet_testkit::scratch_db!() else {
         return;
     };
     let mut pg = db.store();
@@ -631,12 +525,12 @@ fn a_page_by_item_id_is_read_from_its_index() {
 /// Cuts the store's connections to the scratch database (as a server
 /// restart would), from another connection.
 fn cut_connections(db: &Scratch) {
-    let mut admin = postgres::Client::connect(&db.base, postgres::NoTls).unwrap();
-    let cut = admin
+    let cut = db
+        .connect()
         .query(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-             WHERE datname = $1 AND application_name = 'evalfleet'",
-            &[&db.name],
+             WHERE datname = current_database() AND application_name = 'evalfleet'",
+            &[],
         )
         .unwrap();
     assert!(!cut.is_empty() && cut.iter().all(|row| row.get::<_, bool>(0)));
@@ -644,7 +538,7 @@ fn cut_connections(db: &Scratch) {
 
 #[test]
 fn a_scan_cut_off_goes_on_after_the_last_row_handed_out() {
-    let Some(db) = Scratch::new("a_scan_cut_off") else {
+    let Some(db) = evalfleet_testkit::scratch_db!() else {
         return;
     };
     let mut pg = db.store();
@@ -697,7 +591,7 @@ impl ItemSource for CutOff<'_> {
 
 #[test]
 fn a_registration_cut_off_stores_nothing_and_says_so() {
-    let Some(db) = Scratch::new("a_registration_cut_off") else {
+    let Some(db) = evalfleet_testkit::scratch_db!() else {
         return;
     };
     let mut pg = db.store();
@@ -741,7 +635,7 @@ impl ItemSource for Slow {
 
 #[test]
 fn of_two_processes_making_one_run_the_second_is_told_it_exists() {
-    let Some(db) = Scratch::new("two_processes") else {
+    let Some(db) = evalfleet_testkit::scratch_db!() else {
         return;
     };
     let mut first = db.store();
@@ -768,7 +662,7 @@ fn of_two_processes_making_one_run_the_second_is_told_it_exists() {
 
 #[test]
 fn retry_failed_beside_a_commit_that_fails_an_item_leaves_that_item_whole() {
-    let Some(db) = Scratch::new("retry_failed_beside_a_commit") else {
+    let Some(db) = evalfleet_testkit::scratch_db!() else {
         return;
     };
     let mut pg = db.store();

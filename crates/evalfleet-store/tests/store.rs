@@ -12,14 +12,14 @@
 
 use std::time::Duration;
 
-use evalfleet_core::dataset::DatasetIdentity;
-use evalfleet_core::fingerprint::{DatasetOptions, Fingerprint};
 use evalfleet_core::store::prelude::*;
 use evalfleet_core::store::{
-    Batch, ClaimId, Claimed, CreateRunError, ItemPage, ItemQuery, ItemSource, ItemState,
-    KEPT_PER_RUN, NewItem, NewRun, NotBefore, RunIdentity, ScoreRange, SortKey, StoreError,
-    WorkerInfo,
+    Batch, ClaimId, Claimed, CreateRunError, ItemPage, ItemQuery, ItemState, KEPT_PER_RUN, NewRun,
+    NotBefore, ScoreRange, SortKey, StoreError,
 };
+mod common;
+
+use common::{items, worker};
 use evalfleet_store::{Location, OpenOptions};
 use evalfleet_testkit::postgres::ScratchDb;
 use evalfleet_types::{
@@ -181,66 +181,6 @@ both!(
     an_items_wait_is_stored_with_it_and_whoever_claims_it_next_waits_it_out,
 );
 
-struct Items {
-    items: std::vec::IntoIter<NewItem>,
-    sample_n: Option<u64>,
-}
-
-fn items(ids: &[&str], sample_n: Option<u64>) -> Items {
-    let items: Vec<NewItem> = ids
-        .iter()
-        .enumerate()
-        .map(|(i, id)| NewItem {
-            item_id: (*id).to_owned(),
-            seq: i as u64 + 1,
-            line: i as u64 + 1,
-            offset: i as u64 * 10,
-            sample_key: evalfleet_core::dataset::sample_key(1, id),
-            invalid: id.starts_with("bad").then(|| "broken row".to_owned()),
-        })
-        .collect();
-    Items {
-        items: items.into_iter(),
-        sample_n,
-    }
-}
-
-impl ItemSource for Items {
-    fn next_item(&mut self) -> Result<Option<NewItem>, CreateRunError> {
-        Ok(self.items.next())
-    }
-
-    fn finish(&mut self) -> Result<RunIdentity, CreateRunError> {
-        Ok(RunIdentity {
-            fingerprint: Fingerprint {
-                dataset_sha256: "0".repeat(64),
-                dataset_options: DatasetOptions {
-                    format: "jsonl".to_owned(),
-                    id_field: None,
-                    sample_n: self.sample_n,
-                    sample_seed: None,
-                    skip_invalid: true,
-                },
-                messages_sha256: String::new(),
-                params_sha256: String::new(),
-                samples: 1,
-                images_sha256: None,
-            },
-            dataset: DatasetIdentity {
-                path: "data.jsonl".into(),
-                size: 0,
-                mtime_ns: 0,
-                sha256: "0".repeat(64),
-            },
-            sample_n: self.sample_n,
-        })
-    }
-
-    fn path(&self) -> String {
-        "data.jsonl".to_owned()
-    }
-}
-
 fn new_run(id: &str) -> NewRun {
     NewRun {
         run_id: id.to_owned(),
@@ -294,14 +234,6 @@ fn attempt(seq: u64, number: u32) -> AttemptRecord {
         http_status: Some(500),
         error_class: Some(ErrorClass::Retryable),
         error: Some("HTTP 500".to_owned()),
-    }
-}
-
-/// A worker of this process named `name`.
-fn worker(name: &str) -> WorkerInfo {
-    WorkerInfo {
-        worker: name.to_owned(),
-        ..evalfleet_core::worker::this_process(LEASE)
     }
 }
 

@@ -1,0 +1,78 @@
+//! What the store's test files share: a dataset of named items to register
+//! (an id starting with `bad` is an invalid row), and a worker of this
+//! process.
+
+#![allow(dead_code)]
+
+use evalfleet_core::dataset::DatasetIdentity;
+use evalfleet_core::fingerprint::{DatasetOptions, Fingerprint};
+use evalfleet_core::store::{CreateRunError, ItemSource, NewItem, RunIdentity, WorkerInfo};
+
+/// Items for a new run, in the order given.
+pub struct Items {
+    pub items: std::vec::IntoIter<NewItem>,
+    sample_n: Option<u64>,
+}
+
+pub fn items(ids: &[&str], sample_n: Option<u64>) -> Items {
+    let items: Vec<NewItem> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| NewItem {
+            item_id: (*id).to_owned(),
+            seq: i as u64 + 1,
+            line: i as u64 + 1,
+            offset: i as u64 * 10,
+            sample_key: evalfleet_core::dataset::sample_key(1, id),
+            invalid: id.starts_with("bad").then(|| "broken row".to_owned()),
+        })
+        .collect();
+    Items {
+        items: items.into_iter(),
+        sample_n,
+    }
+}
+
+impl ItemSource for Items {
+    fn next_item(&mut self) -> Result<Option<NewItem>, CreateRunError> {
+        Ok(self.items.next())
+    }
+
+    fn finish(&mut self) -> Result<RunIdentity, CreateRunError> {
+        Ok(RunIdentity {
+            fingerprint: Fingerprint {
+                dataset_sha256: "0".repeat(64),
+                dataset_options: DatasetOptions {
+                    format: "jsonl".to_owned(),
+                    id_field: None,
+                    sample_n: self.sample_n,
+                    sample_seed: None,
+                    skip_invalid: true,
+                },
+                messages_sha256: String::new(),
+                params_sha256: String::new(),
+                samples: 1,
+                images_sha256: None,
+            },
+            dataset: DatasetIdentity {
+                path: "data.jsonl".into(),
+                size: 0,
+                mtime_ns: 0,
+                sha256: "0".repeat(64),
+            },
+            sample_n: self.sample_n,
+        })
+    }
+
+    fn path(&self) -> String {
+        "data.jsonl".to_owned()
+    }
+}
+
+/// A worker of this process named `name`, with leases of a minute.
+pub fn worker(name: &str) -> WorkerInfo {
+    WorkerInfo {
+        worker: name.to_owned(),
+        ..evalfleet_core::worker::this_process(std::time::Duration::from_secs(60))
+    }
+}
