@@ -65,3 +65,100 @@ pub(crate) fn result_view<'a>(
             .map_err(unknown)?,
     })
 }
+
+/// A run's row as stored, before its JSON columns are read.
+pub(crate) struct RawRun {
+    pub run_id: String,
+    pub name: String,
+    pub status: String,
+    pub created_at: i64,
+    pub updated_at: i64,
+    pub config: String,
+    pub config_dir: String,
+    pub fingerprint: String,
+    pub dataset: String,
+    pub total: i64,
+    pub sessions: i64,
+    pub message: Option<String>,
+    pub generation: i64,
+}
+
+impl RawRun {
+    /// The run, its JSON columns read.
+    pub(crate) fn decode(self) -> Result<evalfleet_core::store::RunRecord, StoreError> {
+        let json = |what: &'static str| move |err| StoreError::backend(what, err);
+        Ok(evalfleet_core::store::RunRecord {
+            status: evalfleet_types::RunStatus::parse(&self.status)
+                .map_err(|err| StoreError::Invariant(format!("the store holds an {err}")))?,
+            config: serde_json::from_str(&self.config)
+                .map_err(json("the stored config is not JSON"))?,
+            fingerprint: serde_json::from_str(&self.fingerprint)
+                .map_err(json("the stored fingerprint cannot be read"))?,
+            dataset: serde_json::from_str(&self.dataset)
+                .map_err(json("the stored dataset identity cannot be read"))?,
+            run_id: self.run_id,
+            name: self.name,
+            created_at_ms: self.created_at,
+            updated_at_ms: self.updated_at,
+            config_dir: self.config_dir,
+            total: self.total.max(0) as u64,
+            sessions: self.sessions.max(0) as u32,
+            message: self.message,
+            generation: self.generation.max(0) as u64,
+        })
+    }
+}
+
+/// For a failed result (`r`), the class of its item's last failed call:
+/// why it failed, read from the attempts (their key finds them at once).
+pub(crate) const FAILURE: &str = "CASE WHEN r.status = 'failed' THEN (SELECT a.error_class FROM attempts a \
+                       WHERE a.rid = r.rid AND a.seq = r.seq AND a.error_class IS NOT NULL \
+                       ORDER BY a.attempt DESC LIMIT 1) END";
+
+/// A result from its `seq`, its re-asks, and its other columns read as
+/// text by `text`: item_id (1), status, output, endpoint, model, item,
+/// parsed, verdict, check_error, scores (10), judge (12), prompt and the
+/// failure's class ([`FAILURE`], 14).
+pub(crate) fn stored_result<'a>(
+    seq: u64,
+    reasks: u32,
+    text: impl Fn(usize) -> Result<Option<&'a str>, StoreError>,
+) -> Result<evalfleet_core::store::StoredResult, StoreError> {
+    let unknown = |err: evalfleet_types::UnknownName| {
+        StoreError::Invariant(format!("the store holds an {err}"))
+    };
+    let owned = |i: usize| Ok::<_, StoreError>(text(i)?.map(str::to_owned));
+    let json = |i: usize| {
+        text(i)?
+            .map(serde_json::from_str)
+            .transpose()
+            .map_err(|err| StoreError::backend("a stored value is not JSON", err))
+    };
+    let scores = match text(10)? {
+        Some(text) => serde_json::from_str::<evalfleet_types::Scores>(text)
+            .map_err(|err| StoreError::backend("stored scores cannot be read", err))?,
+        None => evalfleet_types::Scores::new(),
+    };
+    Ok(evalfleet_core::store::StoredResult {
+        seq,
+        item_id: text(1)?.unwrap_or_default().to_owned(),
+        status: ItemStatus::parse(text(2)?.unwrap_or_default()).map_err(unknown)?,
+        output: owned(3)?,
+        endpoint: owned(4)?,
+        model: owned(5)?,
+        item: owned(6)?,
+        assessment: Assessment {
+            parsed: json(7)?,
+            verdict: text(8)?.map(Verdict::parse).transpose().map_err(unknown)?,
+            check_error: owned(9)?,
+            scores,
+            reasks,
+            code: json(12)?,
+        },
+        prompt: owned(13)?,
+        failure: text(14)?
+            .map(ErrorClass::parse)
+            .transpose()
+            .map_err(unknown)?,
+    })
+}

@@ -15,6 +15,7 @@ use postgres::Row;
 use postgres::types::ToSql;
 
 use super::{Fail, PgStore, Tx, db_err, json_column, json_err, unknown};
+use crate::columns::FAILURE;
 
 /// Rows read per round trip of a scan.
 const PAGE: i32 = 1_000;
@@ -77,45 +78,15 @@ impl PgStore {
 const RESULT_COLUMNS: &str = "r.seq, r.item_id, r.status, r.output, r.endpoint, r.model, r.item, r.parsed, \
                               r.verdict, r.check_error, r.scores, r.reasks, r.judge, r.prompt";
 
-/// For a failed result (`r`), the class of its item's last failed call:
-/// why it failed, read from the attempts (their key finds them at once).
-const FAILURE: &str = "CASE WHEN r.status = 'failed' THEN (SELECT a.error_class FROM attempts a \
-                       WHERE a.rid = r.rid AND a.seq = r.seq AND a.error_class IS NOT NULL \
-                       ORDER BY a.attempt DESC LIMIT 1) END";
-
 /// A result from the columns [`RESULT_COLUMNS`] and [`FAILURE`].
 fn stored_result(row: &Row) -> Result<StoredResult, StoreError> {
     let err = db_err("cannot read results");
     let text = |i: usize| row.try_get::<_, Option<&str>>(i).map_err(&err);
-    let status = text(2)?.unwrap_or_default();
-    let verdict = text(8)?.map(Verdict::parse).transpose().map_err(unknown)?;
-    let scores = match text(10)? {
-        Some(text) => serde_json::from_str::<Scores>(text)
-            .map_err(json_err("stored scores cannot be read"))?,
-        None => Scores::new(),
-    };
-    Ok(StoredResult {
-        seq: row.try_get::<_, i64>(0).map_err(&err)? as u64,
-        item_id: row.try_get(1).map_err(&err)?,
-        status: ItemStatus::parse(status).map_err(unknown)?,
-        output: row.try_get(3).map_err(&err)?,
-        endpoint: row.try_get(4).map_err(&err)?,
-        model: row.try_get(5).map_err(&err)?,
-        item: row.try_get(6).map_err(&err)?,
-        assessment: Assessment {
-            parsed: json_column(row.try_get(7).map_err(&err)?)?,
-            verdict,
-            check_error: row.try_get(9).map_err(&err)?,
-            scores,
-            reasks: row.try_get::<_, i32>(11).map_err(&err)?.max(0) as u32,
-            code: json_column(row.try_get(12).map_err(&err)?)?,
-        },
-        prompt: row.try_get(13).map_err(&err)?,
-        failure: text(14)?
-            .map(ErrorClass::parse)
-            .transpose()
-            .map_err(unknown)?,
-    })
+    crate::columns::stored_result(
+        row.try_get::<_, i64>(0).map_err(&err)? as u64,
+        row.try_get::<_, i32>(11).map_err(&err)?.max(0) as u32,
+        text,
+    )
 }
 
 /// A row of `export`, from its query's columns.

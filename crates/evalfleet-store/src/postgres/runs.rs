@@ -8,8 +8,6 @@
 
 use std::collections::{HashMap, HashSet};
 
-use evalfleet_core::dataset::DatasetIdentity;
-use evalfleet_core::fingerprint::Fingerprint;
 use evalfleet_core::store::{
     CreateRunError, ItemSource, NewItem, NewRun, RunRecord, Runs, SessionStart, StoreError,
     WorkerInfo, WorkerWork,
@@ -17,13 +15,14 @@ use evalfleet_core::store::{
 use evalfleet_types::{RunStatus, StateCounts, now_ms};
 use postgres::{GenericClient, IsolationLevel, Row, Transaction};
 
-use super::{Fail, PgStore, Tx, json_err, tally, unknown};
+use super::{Fail, PgStore, Tx, json_err, tally};
+use crate::columns::RawRun;
 
 /// Items registered per insert: large enough that round trips cost
 /// little, small enough that a batch's arrays stay a few megabytes.
 const BATCH: usize = 4_000;
 
-/// The columns [`RawRun::from_row`] reads, of `runs r`. Its generation
+/// The columns [`raw_run`] reads, of `runs r`. Its generation
 /// there is its own part only: its commits' part is the sum of its
 /// `tallies` ([`COMMITS`], or [`tally`]).
 const RUN_COLUMNS: &str = "r.run_id, r.name, r.status, r.created_at, \
@@ -35,64 +34,23 @@ const RUN_COLUMNS: &str = "r.run_id, r.name, r.status, r.created_at, \
 const COMMITS: &str =
     "COALESCE((SELECT SUM(t.generation) FROM tallies t WHERE t.rid = r.rid), 0)::bigint";
 
-/// A run's row as stored, before its JSON columns are read.
-struct RawRun {
-    run_id: String,
-    name: String,
-    status: String,
-    created_at: i64,
-    updated_at: i64,
-    config: String,
-    config_dir: String,
-    fingerprint: String,
-    dataset: String,
-    total: i64,
-    sessions: i32,
-    message: Option<String>,
-    generation: i64,
-}
-
-impl RawRun {
-    /// The columns [`RUN_COLUMNS`] of a row.
-    fn from_row(row: &Row) -> Result<Self, postgres::Error> {
-        Ok(Self {
-            run_id: row.try_get(0)?,
-            name: row.try_get(1)?,
-            status: row.try_get(2)?,
-            created_at: row.try_get(3)?,
-            updated_at: row.try_get(4)?,
-            config: row.try_get(5)?,
-            config_dir: row.try_get(6)?,
-            fingerprint: row.try_get(7)?,
-            dataset: row.try_get(8)?,
-            total: row.try_get(9)?,
-            sessions: row.try_get(10)?,
-            message: row.try_get(11)?,
-            generation: row.try_get(12)?,
-        })
-    }
-
-    /// The run, its JSON columns read.
-    fn decode(self) -> Result<RunRecord, StoreError> {
-        Ok(RunRecord {
-            status: RunStatus::parse(&self.status).map_err(unknown)?,
-            config: serde_json::from_str(&self.config)
-                .map_err(json_err("the stored config is not JSON"))?,
-            fingerprint: serde_json::from_str::<Fingerprint>(&self.fingerprint)
-                .map_err(json_err("the stored fingerprint cannot be read"))?,
-            dataset: serde_json::from_str::<DatasetIdentity>(&self.dataset)
-                .map_err(json_err("the stored dataset identity cannot be read"))?,
-            run_id: self.run_id,
-            name: self.name,
-            created_at_ms: self.created_at,
-            updated_at_ms: self.updated_at,
-            config_dir: self.config_dir,
-            total: self.total.max(0) as u64,
-            sessions: self.sessions.max(0) as u32,
-            message: self.message,
-            generation: self.generation.max(0) as u64,
-        })
-    }
+/// The columns [`RUN_COLUMNS`] of a row.
+fn raw_run(row: &Row) -> Result<RawRun, postgres::Error> {
+    Ok(RawRun {
+        run_id: row.try_get(0)?,
+        name: row.try_get(1)?,
+        status: row.try_get(2)?,
+        created_at: row.try_get(3)?,
+        updated_at: row.try_get(4)?,
+        config: row.try_get(5)?,
+        config_dir: row.try_get(6)?,
+        fingerprint: row.try_get(7)?,
+        dataset: row.try_get(8)?,
+        total: row.try_get(9)?,
+        sessions: i64::from(row.try_get::<_, i32>(10)?),
+        message: row.try_get(11)?,
+        generation: row.try_get(12)?,
+    })
 }
 
 /// Registers the items of run `rid` from `items`, a batch at a time. The
@@ -383,7 +341,7 @@ impl Runs for PgStore {
                 &format!("SELECT {RUN_COLUMNS} FROM runs r WHERE r.rid = $1"),
                 &[&rid],
             )?;
-            let mut raw = RawRun::from_row(&row)?;
+            let mut raw = raw_run(&row)?;
             raw.generation += tally(&mut tx, rid)?.generation as i64;
             tx.commit()?;
             Ok(raw)
@@ -402,7 +360,7 @@ impl Runs for PgStore {
             )?;
             let mut raws = Vec::with_capacity(rows.len());
             for row in &rows {
-                let mut raw = RawRun::from_row(row)?;
+                let mut raw = raw_run(row)?;
                 raw.generation += row.try_get::<_, i64>(13)?;
                 raws.push(raw);
             }

@@ -8,58 +8,27 @@ use evalfleet_types::{Assessment, ErrorClass, ItemStatus, Scores, Verdict, now_m
 use rusqlite::params;
 
 use super::{SqliteStore, db_err, json_column, json_err, unknown};
-use crate::columns::assessment_columns;
+use crate::columns::{FAILURE, assessment_columns};
 
 /// The columns of [`stored_result`].
 const RESULT_COLUMNS: &str = "seq, item_id, status, output, endpoint, model, item, parsed, verdict, \
                               check_error, scores, reasks, judge, prompt";
-
-/// For a failed result (`r`), the class of its item's last failed call:
-/// why it failed, read from the attempts (their key finds them at once).
-const FAILURE: &str = "CASE WHEN r.status = 'failed' THEN (SELECT a.error_class FROM attempts a \
-                       WHERE a.rid = r.rid AND a.seq = r.seq AND a.error_class IS NOT NULL \
-                       ORDER BY a.attempt DESC LIMIT 1) END";
 
 /// A result from the columns seq, item_id, status, output, endpoint,
 /// model, item, parsed, verdict, check_error, scores, reasks, judge,
 /// prompt, and [`FAILURE`].
 fn stored_result(row: &rusqlite::Row<'_>) -> Result<StoredResult, StoreError> {
     let err = db_err("cannot read results");
-    // Texts read in place where only their meaning is kept.
     let text = |i: usize| -> Result<Option<&str>, StoreError> {
         row.get_ref(i)
             .and_then(|v| v.as_str_or_null().map_err(Into::into))
             .map_err(&err)
     };
-    let status = text(2)?.unwrap_or_default();
-    let verdict = text(8)?.map(Verdict::parse).transpose().map_err(unknown)?;
-    let scores = match text(10)? {
-        Some(text) => serde_json::from_str::<Scores>(text)
-            .map_err(json_err("stored scores cannot be read"))?,
-        None => Scores::new(),
-    };
-    Ok(StoredResult {
-        seq: row.get::<_, i64>(0).map_err(&err)? as u64,
-        item_id: row.get(1).map_err(&err)?,
-        status: ItemStatus::parse(status).map_err(unknown)?,
-        output: row.get(3).map_err(&err)?,
-        endpoint: row.get(4).map_err(&err)?,
-        model: row.get(5).map_err(&err)?,
-        item: row.get(6).map_err(&err)?,
-        assessment: Assessment {
-            parsed: json_column(row.get(7).map_err(&err)?)?,
-            verdict,
-            check_error: row.get(9).map_err(&err)?,
-            scores,
-            reasks: row.get(11).map_err(&err)?,
-            code: json_column(row.get(12).map_err(&err)?)?,
-        },
-        prompt: row.get(13).map_err(&err)?,
-        failure: text(14)?
-            .map(ErrorClass::parse)
-            .transpose()
-            .map_err(unknown)?,
-    })
+    crate::columns::stored_result(
+        row.get::<_, i64>(0).map_err(&err)? as u64,
+        row.get(11).map_err(&err)?,
+        text,
+    )
 }
 
 impl Results for SqliteStore {

@@ -1,7 +1,5 @@
 //! Runs: registration, sessions, status and counts, and their workers.
 
-use evalfleet_core::dataset::DatasetIdentity;
-use evalfleet_core::fingerprint::Fingerprint;
 use evalfleet_core::store::{
     CreateRunError, ItemSource, NewRun, RunRecord, Runs, SessionStart, StoreError, WorkerInfo,
     WorkerWork,
@@ -9,7 +7,8 @@ use evalfleet_core::store::{
 use evalfleet_types::{RunStatus, StateCounts, now_ms};
 use rusqlite::{ErrorCode, OptionalExtension, Transaction, params};
 
-use super::{SqliteStore, db_err, json_err, unknown};
+use super::{SqliteStore, db_err, json_err};
+use crate::columns::RawRun;
 
 fn register(
     tx: &Transaction<'_>,
@@ -76,45 +75,6 @@ fn run_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<RawRun> {
         message: row.get(11)?,
         generation: row.get(12)?,
     })
-}
-
-struct RawRun {
-    run_id: String,
-    name: String,
-    status: String,
-    created_at: i64,
-    updated_at: i64,
-    config: String,
-    config_dir: String,
-    fingerprint: String,
-    dataset: String,
-    total: i64,
-    sessions: i64,
-    message: Option<String>,
-    generation: i64,
-}
-
-impl RawRun {
-    fn decode(self) -> Result<RunRecord, StoreError> {
-        Ok(RunRecord {
-            status: RunStatus::parse(&self.status).map_err(unknown)?,
-            config: serde_json::from_str(&self.config)
-                .map_err(json_err("the stored config is not JSON"))?,
-            fingerprint: serde_json::from_str::<Fingerprint>(&self.fingerprint)
-                .map_err(json_err("the stored fingerprint cannot be read"))?,
-            dataset: serde_json::from_str::<DatasetIdentity>(&self.dataset)
-                .map_err(json_err("the stored dataset identity cannot be read"))?,
-            run_id: self.run_id,
-            name: self.name,
-            created_at_ms: self.created_at,
-            updated_at_ms: self.updated_at,
-            config_dir: self.config_dir,
-            total: self.total as u64,
-            sessions: self.sessions as u32,
-            message: self.message,
-            generation: self.generation as u64,
-        })
-    }
 }
 
 impl Runs for SqliteStore {
