@@ -162,3 +162,25 @@ pub(crate) fn stored_result<'a>(
             .map_err(unknown)?,
     })
 }
+
+/// A run's endpoint snapshots from their rows (JSON, when written), or
+/// `None` when no worker wrote any.
+pub(crate) fn endpoint_states(
+    rows: Vec<(String, i64)>,
+) -> Result<Option<evalfleet_core::store::EndpointStates>, StoreError> {
+    if rows.is_empty() {
+        return Ok(None);
+    }
+    let updated_at_ms = rows.iter().map(|(_, at)| *at).max().unwrap_or(0);
+    let endpoints = rows
+        .into_iter()
+        .map(|(json, _)| {
+            serde_json::from_str(&json)
+                .map_err(|err| StoreError::backend("a stored endpoint state cannot be read", err))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Some(evalfleet_core::store::EndpointStates {
+        updated_at_ms,
+        endpoints,
+    }))
+}

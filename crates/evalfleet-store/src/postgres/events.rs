@@ -98,21 +98,7 @@ impl Events for PgStore {
                 .map(|row| Ok((row.try_get::<_, String>(0)?, row.try_get::<_, i64>(1)?)))
                 .collect::<super::Tx<Vec<_>>>()
         })?;
-        if rows.is_empty() {
-            return Ok(None);
-        }
-        let updated_at_ms = rows.iter().map(|(_, at)| *at).max().unwrap_or(0);
-        let endpoints = rows
-            .into_iter()
-            .map(|(json, _)| {
-                serde_json::from_str(&json)
-                    .map_err(json_err("a stored endpoint state cannot be read"))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Some(EndpointStates {
-            updated_at_ms,
-            endpoints,
-        }))
+        crate::columns::endpoint_states(rows)
     }
 
     fn add_sample(&mut self, run_id: &str, sample: &RunSample) -> Result<(), StoreError> {

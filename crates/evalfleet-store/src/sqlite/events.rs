@@ -92,21 +92,7 @@ impl Events for SqliteStore {
             .map_err(db_err("cannot read endpoint states"))?
             .collect::<Result<Vec<_>, _>>()
             .map_err(db_err("cannot read endpoint states"))?;
-        if rows.is_empty() {
-            return Ok(None);
-        }
-        let updated_at_ms = rows.iter().map(|(_, at)| *at).max().unwrap_or(0);
-        let endpoints = rows
-            .into_iter()
-            .map(|(json, _)| {
-                serde_json::from_str(&json)
-                    .map_err(json_err("a stored endpoint state cannot be read"))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Some(EndpointStates {
-            updated_at_ms,
-            endpoints,
-        }))
+        crate::columns::endpoint_states(rows)
     }
 
     fn add_sample(&mut self, run_id: &str, sample: &RunSample) -> Result<(), StoreError> {
