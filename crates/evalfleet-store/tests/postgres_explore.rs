@@ -13,6 +13,8 @@ use evalfleet_core::store::{
     Events, Explore, FleetMailbox, ItemPage, ItemQuery, ItemRow, ItemState, Resources, ScoreRange,
     SortKey, StoreError,
 };
+mod common;
+
 use evalfleet_store::{PgStore, SqliteStore};
 use evalfleet_testkit::postgres::ScratchDb as Scratch;
 use evalfleet_types::{
@@ -1035,9 +1037,7 @@ fn events_endpoint_states_samples_and_fleet_changes_round_trip() {
 /// `tests/store.rs`, on each): the same samples make the same points.
 #[test]
 fn a_resource_series_is_merged_into_the_points_sqlite_makes() {
-    use evalfleet_types::{
-        POINTS_PER_SERIES, ResourceMetric, ResourcePoint, ResourceSeries, ResourceSource,
-    };
+    use evalfleet_types::{POINTS_PER_SERIES, ResourcePoint};
     let Some(db) = evalfleet_testkit::scratch_db!() else {
         return;
     };
@@ -1046,28 +1046,12 @@ fn a_resource_series_is_merged_into_the_points_sqlite_makes() {
     let dir = tempfile::tempdir().unwrap();
     let mut sqlite = SqliteStore::open(&dir.path().join("s.db")).unwrap();
     sqlite_fill(&dir.path().join("s.db"), "r", &[]);
-    let gpu = ResourceSeries::new(ResourceSource::Gpu, "0", ResourceMetric::GpuMemoryMb);
-    let rss = ResourceSeries::new(ResourceSource::Evalfleet, "", ResourceMetric::RssMb);
-    // Ten times the bound, ten samples a write; the GPU peaks once.
+    // Ten times the bound (see `resource_writes`).
+    let (writes, _, rss) = common::resource_writes();
     let total = 10 * POINTS_PER_SERIES as i64;
-    let value = |at: i64| {
-        if at == 17 {
-            143_771.0
-        } else {
-            (at % 100) as f64
-        }
-    };
-    for start in (0..total).step_by(10) {
-        let points: Vec<ResourcePoint> = (start..start + 10)
-            .flat_map(|at| {
-                [
-                    ResourcePoint::sample(gpu.clone(), at * 100, value(at)),
-                    ResourcePoint::sample(rss.clone(), at * 100, 42.0),
-                ]
-            })
-            .collect();
-        store.add_resource_points("r", &points).unwrap();
-        sqlite.add_resource_points("r", &points).unwrap();
+    for points in &writes {
+        store.add_resource_points("r", points).unwrap();
+        sqlite.add_resource_points("r", points).unwrap();
     }
     let again = [ResourcePoint::sample(rss.clone(), (total - 1) * 100, 44.0)];
     store.add_resource_points("r", &again).unwrap();

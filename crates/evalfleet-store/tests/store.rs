@@ -1265,35 +1265,16 @@ fn results_and_attempts_are_scanned_rescored_and_exported(f: &Fixture) {
 }
 
 fn a_resource_series_stays_bounded_with_its_peak_and_mean_exact(f: &Fixture) {
-    use evalfleet_types::{
-        POINTS_PER_SERIES, ResourceMetric, ResourcePoint, ResourceSeries, ResourceSource,
-    };
+    use evalfleet_types::{POINTS_PER_SERIES, ResourceMetric, ResourcePoint, ResourceSource};
     let mut store = f.open();
     store
         .create_run(&new_run("r"), &mut items(&["a"], None))
         .unwrap();
-    let gpu = ResourceSeries::new(ResourceSource::Gpu, "0", ResourceMetric::GpuMemoryMb);
-    let rss = ResourceSeries::new(ResourceSource::Evalfleet, "", ResourceMetric::RssMb);
-    // Ten times the bound, ten samples a write, as the housekeeping writes
-    // a second of 100 ms samples; the GPU peaks once, in the oldest part.
+    // Ten times the bound (see `resource_writes`).
+    let (writes, gpu, rss) = common::resource_writes();
     let total = 10 * POINTS_PER_SERIES as i64;
-    let value = |at: i64| {
-        if at == 17 {
-            143_771.0
-        } else {
-            (at % 100) as f64
-        }
-    };
-    for start in (0..total).step_by(10) {
-        let points: Vec<ResourcePoint> = (start..start + 10)
-            .flat_map(|at| {
-                [
-                    ResourcePoint::sample(gpu.clone(), at * 100, value(at)),
-                    ResourcePoint::sample(rss.clone(), at * 100, 42.0),
-                ]
-            })
-            .collect();
-        store.add_resource_points("r", &points).unwrap();
+    for points in &writes {
+        store.add_resource_points("r", points).unwrap();
     }
     // A second sample at a time already stored is merged into its point.
     store
@@ -1324,7 +1305,7 @@ fn a_resource_series_stays_bounded_with_its_peak_and_mean_exact(f: &Fixture) {
         .unwrap();
     assert_eq!(g.samples, total as u64);
     assert_eq!(g.peak, 143_771.0);
-    let mean = (0..total).map(value).sum::<f64>() / total as f64;
+    let mean = (0..total).map(common::gpu_value).sum::<f64>() / total as f64;
     assert!((g.mean - mean).abs() < 1e-6, "{} against {mean}", g.mean);
     let r = summary
         .get(ResourceSource::Evalfleet, "", ResourceMetric::RssMb)
