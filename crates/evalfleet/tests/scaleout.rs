@@ -160,7 +160,14 @@ async fn a_run_on_postgres_answers_exports_and_reports_as_one_on_sqlite() {
     let status: Value = serde_json::from_str(&status.stdout).unwrap();
     assert_eq!(status["counts"]["done"], 200, "{status}");
     let runs = on(&env, &db.url, &["runs"]).await;
-    assert!(runs.stdout.contains('r'), "{}", runs.stdout);
+    assert_eq!(runs.code, Some(0), "{}", runs.stderr);
+    assert!(
+        runs.stdout
+            .lines()
+            .any(|line| line.split_whitespace().next() == Some("r")),
+        "the run is listed: {}",
+        runs.stdout
+    );
     let report = on(&env, &db.url, &["report", "r"]).await;
     assert_eq!(report.code, Some(0), "{}", report.stderr);
     // The URL's password never shows; a bad URL is named.
