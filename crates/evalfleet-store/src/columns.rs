@@ -1,7 +1,29 @@
-//! How values of ours are written to a column, the same in every backend.
+//! How values of ours are written to columns and read back from them, the
+//! same in every backend.
 
 use evalfleet_core::store::{ResultView, StoreError};
 use evalfleet_types::{Assessment, ErrorClass, ImageRef, ItemStatus, Verdict};
+
+/// A store error naming what could not be read or written as JSON.
+pub(crate) fn json_err(context: &str) -> impl Fn(serde_json::Error) -> StoreError + '_ {
+    move |err| StoreError::backend(context, err)
+}
+
+/// A stored name that this evalfleet does not know: the store was written
+/// by another version, or damaged.
+pub(crate) fn unknown(err: evalfleet_types::UnknownName) -> StoreError {
+    StoreError::Invariant(format!("the store holds an {err}"))
+}
+
+pub(crate) fn opt_u64(value: Option<u64>) -> Option<i64> {
+    value.map(|v| v as i64)
+}
+
+/// A column holding JSON text, parsed.
+pub(crate) fn json_column(text: Option<String>) -> Result<Option<serde_json::Value>, StoreError> {
+    text.map(|t| serde_json::from_str(&t).map_err(json_err("a stored value is not JSON")))
+        .transpose()
+}
 
 /// An assessment's columns: parsed, verdict, check_error, scores, reasks,
 /// judge (each JSON as text).

@@ -29,7 +29,6 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use evalfleet_core::store::StoreError;
-use evalfleet_types::UnknownName;
 use postgres::error::SqlState;
 use postgres::{Client, Config, NoTls};
 
@@ -94,27 +93,10 @@ pub(crate) fn db_err(context: &str) -> impl Fn(postgres::Error) -> StoreError + 
     move |err| StoreError::backend(context, err)
 }
 
-pub(crate) fn json_err(context: &str) -> impl Fn(serde_json::Error) -> StoreError + '_ {
-    move |err| StoreError::backend(context, err)
-}
-
-/// A stored name that this evalfleet does not know.
-pub(crate) fn unknown(err: UnknownName) -> StoreError {
-    StoreError::Invariant(format!("the store holds an {err}"))
-}
+pub(crate) use crate::columns::{json_column, json_err, opt_u64, unknown};
 
 // For the modules that write optional counts (the queue's commits, the
 // cache), which are not all here yet.
-#[allow(dead_code)]
-pub(crate) fn opt_u64(value: Option<u64>) -> Option<i64> {
-    value.map(|v| v as i64)
-}
-
-/// A column holding JSON text, parsed.
-pub(crate) fn json_column(text: Option<String>) -> Result<Option<serde_json::Value>, StoreError> {
-    text.map(|t| serde_json::from_str(&t).map_err(json_err("a stored value is not JSON")))
-        .transpose()
-}
 
 /// A read-only transaction that sees one snapshot of the store throughout:
 /// for reads of several statements that must agree with each other.

@@ -24,7 +24,6 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use evalfleet_core::store::StoreError;
-use evalfleet_types::UnknownName;
 use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior};
 
 /// A SQLite store file.
@@ -45,25 +44,7 @@ pub(crate) fn db_err(context: &str) -> impl Fn(rusqlite::Error) -> StoreError + 
     move |err| StoreError::backend(context, err)
 }
 
-pub(crate) fn json_err(context: &str) -> impl Fn(serde_json::Error) -> StoreError + '_ {
-    move |err| StoreError::backend(context, err)
-}
-
-/// A stored name that this evalfleet does not know: the store was written
-/// by another version, or damaged.
-pub(crate) fn unknown(err: UnknownName) -> StoreError {
-    StoreError::Invariant(format!("the store holds an {err}"))
-}
-
-pub(crate) fn opt_u64(value: Option<u64>) -> Option<i64> {
-    value.map(|v| v as i64)
-}
-
-/// A column holding JSON text, parsed.
-pub(crate) fn json_column(text: Option<String>) -> Result<Option<serde_json::Value>, StoreError> {
-    text.map(|t| serde_json::from_str(&t).map_err(json_err("a stored value is not JSON")))
-        .transpose()
-}
+pub(crate) use crate::columns::{json_column, json_err, opt_u64, unknown};
 
 impl SqliteStore {
     /// Opens the store at `path`, creating it (and its directory) when absent.
