@@ -24,6 +24,9 @@ pub struct Tally {
     /// Items claimed and not ended, and one for the reader until it has
     /// claimed its last.
     outstanding: AtomicU64,
+    /// Told each time an item ends: the reader, holding as many items as
+    /// it may, waits on it to claim again.
+    ended: tokio::sync::Notify,
     lost: AtomicU64,
     halt: CancellationToken,
     /// The session's counters (its re-asks are counted where they are
@@ -35,6 +38,7 @@ impl Tally {
     pub fn new(halt: CancellationToken, progress: Arc<super::Progress>) -> Arc<Self> {
         Arc::new(Self {
             outstanding: AtomicU64::new(1),
+            ended: tokio::sync::Notify::new(),
             lost: AtomicU64::new(0),
             halt,
             progress,
@@ -51,6 +55,14 @@ impl Tally {
     pub fn release(&self) {
         if self.outstanding.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.halt.cancel();
+        }
+        self.ended.notify_one();
+    }
+
+    /// Waits until at most `limit` items are outstanding.
+    pub async fn at_most(&self, limit: u64) {
+        while self.outstanding() > limit {
+            self.ended.notified().await;
         }
     }
 

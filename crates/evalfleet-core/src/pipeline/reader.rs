@@ -33,10 +33,6 @@ pub fn claim_size(capacity: usize) -> usize {
     capacity.saturating_mul(2).clamp(PAGE_MIN, PAGE)
 }
 
-/// How often a worker holding two claims' worth of items looks whether it
-/// may claim again.
-const HOLD_POLL: Duration = Duration::from_millis(2);
-
 /// How often a worker with nothing to claim looks again while others hold
 /// the run's last items.
 const OTHERS_POLL: Duration = Duration::from_millis(500);
@@ -103,10 +99,11 @@ impl Reader {
             // sharing a run each hold what they work on (a worker whose
             // calls are answered at once but whose judge is slow would
             // otherwise claim on and hold most of the run).
-            while self.shared.tally.outstanding() > (self.page as u64).saturating_mul(2) {
+            let hold = (self.page as u64).saturating_mul(2);
+            if self.shared.tally.outstanding() > hold {
                 let waited = runtime.block_on(async {
                     tokio::select! {
-                        () = tokio::time::sleep(HOLD_POLL) => true,
+                        () = self.shared.tally.at_most(hold) => true,
                         () = self.shared.halt.cancelled() => false,
                     }
                 });
