@@ -56,7 +56,8 @@ pub struct ConversationSettings {
     /// Default 10.
     pub max_auto_skip: u32,
     pub alarms: AlarmSettings,
-    /// Episodes per line of `batch_summary.jsonl`. Default 10.
+    /// Episodes per line of `batch_summary.jsonl` and `metrics.jsonl` (a
+    /// PPO batch; `evalfleet env --batch-size` overrides it). Default 16.
     pub batch_size: u32,
 }
 
@@ -164,6 +165,8 @@ pub struct AlarmSettings {
     pub max_share: f64,
     /// The window's strategy entropy (bits) below this. Default 1.0.
     pub min_entropy: f64,
+    /// One choice this many decisions in a row. Default 20.
+    pub max_run: u32,
 }
 
 const PERSONA_SYSTEM: &str = "You are {{ name }}, one of three people ({{ name_a }}, {{ name_b }} and {{ name_c }}) talking about: {{ topic }}.\n{{ persona }}\nWhat you need from this conversation: {{ need_text }}.\n{% if landmines %}Subjects that upset you when others raise them: {{ landmines | join(', ') }}.\n{% endif %}A robot mediator may speak too. Reply with your next utterance only: one or two sentences, in character.";
@@ -256,7 +259,8 @@ pub(super) struct RawConversation {
     robot: Option<RawCall>,
     rewards: Option<RawRewards>,
     alarms: Option<RawAlarms>,
-    /// Episodes per line of `batch_summary.jsonl`. Default 10.
+    /// Episodes per line of `batch_summary.jsonl` and `metrics.jsonl` (a
+    /// PPO batch; `evalfleet env --batch-size` overrides it). Default 16.
     batch_size: Option<u32>,
 }
 
@@ -400,6 +404,9 @@ struct RawAlarms {
     /// Alarm when the window's strategy entropy (bits) falls below this.
     /// Default 1.0.
     min_entropy: Option<f64>,
+    /// Alarm when one strategy (or `invalid`) is chosen this many decisions
+    /// in a row, whether or not the window is full. Default 20.
+    max_run: Option<u32>,
 }
 
 const AT: &str = "task.conversation";
@@ -693,7 +700,15 @@ pub(super) fn conversation(
         window: raw_alarms.window.unwrap_or(100),
         max_share: raw_alarms.max_share.unwrap_or(0.8),
         min_entropy: raw_alarms.min_entropy.unwrap_or(1.0),
+        max_run: raw_alarms.max_run.unwrap_or(20),
     };
+    if alarms.max_run < 2 {
+        bad(
+            p,
+            "alarms.max_run",
+            format!("must be at least 2, got {}", alarms.max_run),
+        );
+    }
     if alarms.window == 0 {
         bad(p, "alarms.window", "must be at least 1, got 0".to_owned());
     }
@@ -704,7 +719,7 @@ pub(super) fn conversation(
             format!("must be a share between 0 and 1, got {}", alarms.max_share),
         );
     }
-    let batch_size = raw.batch_size.unwrap_or(10);
+    let batch_size = raw.batch_size.unwrap_or(16);
     if batch_size == 0 {
         bad(p, "batch_size", "must be at least 1, got 0".to_owned());
     }

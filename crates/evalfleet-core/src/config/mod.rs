@@ -363,8 +363,10 @@ pub struct Overrides {
     pub sessions: Option<u64>,
     /// `simulate --max-steps M`: `task.conversation.max_steps`.
     pub max_steps: Option<u32>,
-    /// `env`: `task.conversation.policy: {kind: external}` (a trainer
-    /// decides).
+    /// `env --batch-size N`: `task.conversation.batch_size`.
+    pub batch_size: Option<u32>,
+    /// `env`: `task.conversation.policy.kind: external` (a trainer
+    /// decides; the policy's messages make its prompt).
     pub external_policy: bool,
 }
 

@@ -132,12 +132,7 @@ fn apply_overrides(value: &mut Value, overrides: Overrides, problems: &mut Vec<R
     let conversation = [
         ("sessions", overrides.sessions.map(|n| json!(n))),
         ("max_steps", overrides.max_steps.map(|n| json!(n))),
-        (
-            "policy",
-            overrides
-                .external_policy
-                .then(|| json!({"kind": "external"})),
-        ),
+        ("batch_size", overrides.batch_size.map(|n| json!(n))),
     ];
     for (key, given) in conversation {
         if let Some(given) = given
@@ -145,6 +140,14 @@ fn apply_overrides(value: &mut Value, overrides: Overrides, problems: &mut Vec<R
         {
             section.insert(key.to_owned(), given);
         }
+    }
+    // A trainer decides; the policy's messages stay, since they make the
+    // prompt its observations carry.
+    if overrides.external_policy
+        && let Some(policy) = section(value, &["task", "conversation", "policy"])
+    {
+        policy.insert("kind".to_owned(), json!("external"));
+        policy.remove("strategy");
     }
     if overrides.sample_n.is_none() && overrides.sample_seed.is_none() {
         return;

@@ -19,7 +19,7 @@ use serde_json::Value;
 
 use super::{Episode, Finish, ItemContext, Reply, Request, Step, Target, Task, TaskError};
 use crate::config::{ConversationSettings, PolicyKind};
-use crate::eval::balance::Strategy;
+use crate::eval::balance::{Need, Strategy};
 use crate::template::{Message, Templates};
 use gym::Gym;
 use sim::{Ask, CallKind, Next, Sim};
@@ -116,11 +116,15 @@ impl Task for Conversation {
         let step = match &self.inner.gym {
             // A trainer's episodes begin when one of its places is free.
             Some(gym) => {
-                let starts = gym.starts.clone();
+                let gym = gym.clone();
                 let shared = state.clone();
+                let episode = item.item_id.to_owned();
                 Step::Work(Box::pin(async move {
-                    match starts.acquire_owned().await {
-                        Ok(permit) => lock(&shared).start = Some(permit),
+                    match gym.starts.clone().acquire_owned().await {
+                        Ok(permit) => {
+                            lock(&shared).start = Some(permit);
+                            gym.started(&episode);
+                        }
                         Err(_) => {
                             return Step::Finish(Finish::failed(
                                 "the environment server stopped".to_owned(),
@@ -220,8 +224,16 @@ impl EpisodeState {
                         let strategy = self.sim.random_strategy();
                         self.sim.act(Some(strategy))
                     }
-                    PolicyKind::External if self.abandoned => self.sim.act(None),
-                    PolicyKind::External => return self.hand_over(shared, &decision),
+                    PolicyKind::External => {
+                        if self.inner.gym.as_ref().is_some_and(|g| g.is_closed(&self.episode)) {
+                            return self.closed();
+                        }
+                        if self.abandoned {
+                            self.sim.act_invalid("timeout")
+                        } else {
+                            return self.hand_over(shared, &decision);
+                        }
+                    }
                 },
                 Next::Over => return self.finish(),
             };
@@ -234,51 +246,110 @@ impl EpisodeState {
         let Some(gym) = self.inner.gym.clone() else {
             return self.failed("no trainer takes this run's decisions".to_owned());
         };
-        let (action, acted) = tokio::sync::oneshot::channel();
-        gym.offer(&self.episode, self.transition(Some(decision)), action);
+        let pending = gym.offer(&self.episode, self.transition(Some(decision)));
         let shared = shared.clone();
-        let episode = self.episode.clone();
         Step::Wait(Box::pin(async move {
-            let action = match tokio::time::timeout(gym.action_timeout, acted).await {
-                Ok(Ok(action)) => action,
-                _ => {
-                    gym.forget(&episode);
-                    lock(&shared).abandoned = true;
-                    None
+            let action = gym.decision(pending).await;
+            let mut this = lock(&shared);
+            let next = match action {
+                gym::Action::Strategy(strategy) => this.sim.act(Some(strategy)),
+                gym::Action::Invalid => this.sim.act_invalid("trainer"),
+                gym::Action::TimedOut => {
+                    this.abandoned = true;
+                    this.sim.act_invalid("timeout")
+                }
+                gym::Action::Closed => {
+                    // Recorded, but nothing more is asked.
+                    drop(this.sim.act_invalid("closed"));
+                    return this.closed();
                 }
             };
-            let mut this = lock(&shared);
-            let next = this.sim.act(action);
             this.step(&shared, next)
         }))
     }
 
+    /// The trainer closed the episode: it ends failed (its record so far
+    /// kept as its output), so that it counts in no statistics of played
+    /// episodes and a resume can play it again.
+    fn closed(&self) -> Step {
+        let mut summary = self.sim.summary();
+        summary["closed"] = Value::from(gym::CLOSED);
+        let summary = summary.to_string();
+        let why = gym::CLOSED.to_owned();
+        self.tell_end(Err(why.clone()));
+        Step::Finish(Finish {
+            output: Some(summary),
+            ..Finish::failed(why, Assessment::default())
+        })
+    }
+
+    /// Tells the trainer stepping the episode (if any) that it ended: with
+    /// its record, or failed for a reason.
+    fn tell_end(&self, outcome: Result<Value, String>) {
+        let Some(gym) = &self.inner.gym else {
+            return;
+        };
+        let mut transition = self.transition(None);
+        if let Err(why) = &outcome {
+            // The step under way earned nothing.
+            transition.reward = 0.0;
+            transition.truncated = true;
+            transition.info["reward_parts"] = Value::Null;
+            transition.info["error"] = Value::from(why.as_str());
+        }
+        gym.end(&self.episode, transition, outcome);
+    }
+
     /// What the trainer is told now: the decision due (none at the end),
-    /// and the reward of the step just played.
+    /// with the prompt a model policy would be sent for it, and the reward
+    /// of the step just played with what the analysis of it needs.
     fn transition(&self, decision: Option<&sim::Decision>) -> gym::Transition {
-        let last = self.sim.steps().last();
+        let first = decision.is_some_and(|d| d.step == 0);
+        // The step the trainer's last action began (none before the first).
+        let last = self.sim.steps().last().filter(|_| !first);
         let ending = self.sim.ending();
+        let observation = decision.map(|d| {
+            let mut observation = serde_json::to_value(d).unwrap_or_default();
+            let vars = self.sim.policy_vars();
+            let prompt = self.inner.templates["policy"]
+                .render(&vars)
+                .ok()
+                .and_then(|messages| serde_json::to_value(messages).ok());
+            if let Some(o) = observation.as_object_mut() {
+                o.insert("episode".to_owned(), Value::from(self.episode.as_str()));
+                o.insert(
+                    "turn".to_owned(),
+                    vars.get("turn").cloned().unwrap_or_default(),
+                );
+                o.insert("prompt".to_owned(), prompt.unwrap_or_default());
+            }
+            observation
+        });
+        let mut info = serde_json::json!({"episode": self.episode});
+        if let (Some(step), Some(o)) = (last, info.as_object_mut()) {
+            let preferred = step.target_need.map(Need::strategy);
+            o.insert("preferred_strategy".to_owned(), serde_json::json!(preferred));
+            o.insert(
+                "preference_match".to_owned(),
+                Value::Bool(step.strategy.is_some() && step.strategy == preferred),
+            );
+            if let Ok(Value::Object(record)) = serde_json::to_value(step) {
+                for (key, value) in record {
+                    let key = match key.as_str() {
+                        "reward" => "reward_parts".to_owned(),
+                        "utterances" | "topic" | "policy_reply" | "robot" => continue,
+                        _ => key,
+                    };
+                    o.insert(key, value);
+                }
+            }
+        }
         gym::Transition {
-            observation: decision
-                .and_then(|d| serde_json::to_value(d).ok())
-                .map(|mut v| {
-                    if let Some(o) = v.as_object_mut() {
-                        o.insert("episode".to_owned(), Value::from(self.episode.as_str()));
-                    }
-                    v
-                }),
-            reward: if decision.is_some_and(|d| d.step == 0) {
-                0.0
-            } else {
-                last.map_or(0.0, |s| s.reward.total)
-            },
+            observation,
+            reward: last.map_or(0.0, |s| s.reward.total),
             terminated: ending == Some(sim::Ending::Terminated),
             truncated: ending == Some(sim::Ending::Truncated),
-            info: serde_json::json!({
-                "episode": self.episode,
-                "reward_parts": last.map(|s| s.reward),
-                "strategy": last.and_then(|s| s.strategy),
-            }),
+            info,
         }
     }
 
@@ -360,24 +431,22 @@ impl EpisodeState {
     }
 
     fn failed(&self, why: String) -> Step {
-        if let Some(gym) = &self.inner.gym {
-            // The step under way earned nothing.
-            let mut transition = self.transition(None);
-            transition.reward = 0.0;
-            transition.truncated = true;
-            transition.info["reward_parts"] = Value::Null;
-            transition.info["error"] = Value::from(why.as_str());
-            gym.end(&self.episode, transition);
-        }
+        self.tell_end(Err(why.clone()));
         Step::Finish(Finish::failed(why, Assessment::default()))
     }
 
     /// The episode is over: its record and its totals.
     fn finish(&self) -> Step {
-        if let Some(gym) = &self.inner.gym {
-            gym.end(&self.episode, self.transition(None));
+        if self
+            .inner
+            .gym
+            .as_ref()
+            .is_some_and(|g| g.is_closed(&self.episode))
+        {
+            return self.closed();
         }
         let summary = self.sim.summary();
+        self.tell_end(Ok(summary.clone()));
         let steps = self.sim.steps();
         let count = |keep: &dyn Fn(&sim::StepRecord) -> bool| {
             Score::value(steps.iter().filter(|s| keep(s)).count() as f64)

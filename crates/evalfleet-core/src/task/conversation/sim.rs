@@ -139,6 +139,11 @@ pub struct StepRecord {
     /// None: the policy's reply was not a strategy (invalid).
     pub strategy: Option<Strategy>,
     pub valid: bool,
+    /// Why an invalid decision is: `reply` (a model policy's reply could
+    /// not be read), `trainer` (a trainer's `invalid` action), `timeout`
+    /// (no action came in time) or `closed` (the trainer closed the
+    /// environment).
+    pub invalid_reason: Option<String>,
     pub policy_reply: Option<String>,
     pub robot: Option<String>,
     pub at_horizon: Option<Check>,
@@ -401,6 +406,21 @@ impl Sim {
         }
     }
 
+    /// The variables of the policy's messages at the decision due: what
+    /// its call would be rendered with (a trainer's prompt).
+    pub fn policy_vars(&self) -> Map<String, Value> {
+        self.vars(CallKind::Policy)
+    }
+
+    /// The decision due is invalid for `reason` (see
+    /// [`StepRecord::invalid_reason`]).
+    pub fn act_invalid(&mut self, reason: &str) -> Next {
+        if let Some(current) = &mut self.current {
+            current.invalid_reason = Some(reason.to_owned());
+        }
+        self.act(None)
+    }
+
     /// The policy's call for the decision due (when the policy is a model).
     pub fn ask_policy(&mut self) -> Next {
         self.ask(CallKind::Policy, None)
@@ -414,6 +434,10 @@ impl Sim {
         };
         current.strategy = strategy;
         current.valid = strategy.is_some();
+        current.invalid_reason = match strategy {
+            Some(_) => None,
+            None => current.invalid_reason.take().or(Some("reply".to_owned())),
+        };
         self.step_from = self.history.len();
         self.stage = Stage::Horizon {
             left: self.settings.rewards.evaluation_horizon,
@@ -564,6 +588,7 @@ impl Sim {
             situation: situation.clone(),
             strategy: None,
             valid: false,
+            invalid_reason: None,
             policy_reply: None,
             robot: None,
             at_horizon: None,
@@ -832,6 +857,7 @@ mod tests {
                 window: 10,
                 max_share: 0.8,
                 min_entropy: 1.0,
+                max_run: 20,
             },
             batch_size: 10,
         };
