@@ -11,9 +11,12 @@ or a gymnasium vector of them) can run at once.
 
 Actions are 0..3 (validate, bridge, plan, no_intervention; the server's
 1..4). An observation holds the three relations (AB, BC, CA), the target
-edge and speaker (0 none, else 1..3) and the conversation window as text;
-`info` has the raw observation and the reward's parts. Needs gymnasium and
-numpy (pip install gymnasium).
+edge and speaker (0 none, else 1..3) and the conversation window as text,
+in whatever language it is spoken (its space takes any character);
+`info` has the raw observation (its `prompt`: the policy's chat messages)
+and the step's analysis (reward parts, target need, preferred strategy).
+An environment reset or closed mid-episode gives its episode up
+(`/v1/close`). Needs gymnasium and numpy (pip install gymnasium).
 """
 import argparse
 import copy
@@ -31,7 +34,28 @@ from gymnasium.envs.registration import EnvSpec
 EDGES = ["AB", "BC", "CA"]
 SPEAKERS = ["A", "B", "C"]
 MAX_TEXT = 8192
-CHARSET = frozenset(string.printable)
+
+
+class AnyText(spaces.Text):
+    """Text of any characters, up to `max_length` of them.
+
+    gymnasium's Text holds a fixed charset (by default letters and digits),
+    and a conversation in Japanese or any other language would not be in
+    it; this space holds every string of the right length, so the text
+    reaches the trainer as it was spoken. Its samples are printable ASCII.
+    """
+
+    def __init__(self, max_length, min_length=1):
+        super().__init__(max_length=max_length, min_length=min_length, charset=string.printable)
+
+    def contains(self, x):
+        return isinstance(x, str) and self.min_length <= len(x) <= self.max_length
+
+    def __repr__(self):
+        return f"AnyText({self.min_length}, {self.max_length})"
+
+    def __eq__(self, other):
+        return isinstance(other, AnyText) and (self.min_length, self.max_length) == (other.min_length, other.max_length)
 
 
 class ServerError(RuntimeError):
@@ -54,7 +78,7 @@ class ConversationEnv(gym.Env):
                 "relations": spaces.Box(-1.0, 1.0, shape=(3,), dtype=np.float32),
                 "target_edge": spaces.Discrete(4),
                 "target_speaker": spaces.Discrete(4),
-                "window": spaces.Text(max_length=MAX_TEXT, charset="".join(sorted(CHARSET))),
+                "window": AnyText(max_length=MAX_TEXT),
             }
         )
         # Each reset takes another episode: resets with one seed do not
@@ -71,7 +95,7 @@ class ConversationEnv(gym.Env):
     def _post(self, path, body):
         request = urllib.request.Request(
             self.url + path,
-            data=json.dumps(body).encode(),
+            data=json.dumps(body, ensure_ascii=False).encode("utf-8"),
             headers={"Content-Type": "application/json"},
             method="POST",
         )
@@ -91,7 +115,7 @@ class ConversationEnv(gym.Env):
             return copy.deepcopy(self._last)
         relations = raw.get("relations") or {}
         window = "\n".join(f"{u['speaker']}: {u['text']}" for u in raw.get("window", []))
-        window = "".join(c if c in CHARSET else "?" for c in window)[-MAX_TEXT:] or " "
+        window = window[-MAX_TEXT:] or " "
         edge = raw.get("target_edge")
         speaker = raw.get("target_speaker")
         obs = {
@@ -103,8 +127,20 @@ class ConversationEnv(gym.Env):
         self._last = obs
         return obs
 
+    def close(self):
+        """Gives up the episode under way, if any: the server stops it."""
+        if self.env_id is not None:
+            env_id, self.env_id = self.env_id, None
+            try:
+                self._post("/v1/close", {"env_id": env_id})
+            except ServerError as err:
+                # It ended meanwhile.
+                if err.status != 404:
+                    raise
+
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
+        self.close()
         answer = self._post("/v1/reset", {})
         self.env_id = answer["env_id"]
         info = dict(answer.get("info") or {}, observation=answer["observation"])
@@ -128,6 +164,7 @@ def main():
     parser.add_argument("--episodes", type=int, default=3, help="episodes to play with random actions")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check", action="store_true", help="run gymnasium's check_env first")
+    parser.add_argument("--show-text", action="store_true", help="print each observation's window with the episode")
     args = parser.parse_args()
     env = ConversationEnv(args.url)
     if args.check:
@@ -145,16 +182,22 @@ def main():
                 break
             raise
         episode, actions, rewards = env.env_id, [], []
+        windows, prompts = [env._last["window"]], [info["observation"]["prompt"]]
         while True:
             action = int(rng.integers(4))
-            _, reward, terminated, truncated, info = env.step(action)
+            obs, reward, terminated, truncated, info = env.step(action)
             actions.append(action + 1)
             rewards.append(reward)
             if terminated or truncated:
                 break
+            windows.append(obs["window"])
+            prompts.append(info["observation"]["prompt"])
         played += 1
-        print(json.dumps({"episode": episode, "actions": actions, "rewards": rewards,
-                          "terminated": terminated, "truncated": truncated}), flush=True)
+        line = {"episode": episode, "actions": actions, "rewards": rewards,
+                "terminated": terminated, "truncated": truncated}
+        if args.show_text:
+            line.update(windows=windows, prompts=prompts)
+        print(json.dumps(line, ensure_ascii=False), flush=True)
     print(json.dumps({"episodes": played}), flush=True)
     return 0
 

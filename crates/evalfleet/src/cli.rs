@@ -78,14 +78,19 @@ pub enum Command {
     /// Serve a conversation run as an RL environment: a trainer takes each decision over HTTP (reset, step).
     ///
     /// Prints the server's address. POST /v1/reset gives an episode at its
-    /// first decision ({env_id, observation, info}); POST /v1/step with
-    /// {env_id, action} (1 validate, 2 bridge, 3 plan, 4 no_intervention)
-    /// gives {observation, reward, terminated, truncated, info}. The personas
-    /// and the scorer run on the config's endpoints meanwhile; the run is
-    /// stored like any other. It stops when every episode has ended (with
-    /// --stay, on Ctrl-C). examples/gym_client.py wraps it as a Gymnasium Env.
+    /// first decision ({env_id, observation, info}; the observation's
+    /// `prompt` is the policy's chat messages); POST /v1/step with {env_id,
+    /// action} (1 validate, 2 bridge, 3 plan, 4 no_intervention, or
+    /// "invalid") gives {observation, reward, terminated, truncated, info};
+    /// POST /v1/close with {env_id} gives an episode up. The personas and the
+    /// scorer run on the config's endpoints meanwhile; the run is stored like
+    /// any other, and its logs (batch_summary.jsonl, metrics.jsonl,
+    /// run_events.jsonl) are written as episodes end. It serves until Ctrl-C
+    /// (--exit-when-done: until every episode has ended); --resume RUN_ID
+    /// serves what a stopped one left. examples/gym_client.py wraps it as a
+    /// Gymnasium Env, examples/trl_rollout.py drives it as a PPO rollout.
     #[command(
-        after_help = "Example:\n  evalfleet env examples/conversation.yaml --sessions 1000 --envs 16 --bind 127.0.0.1:8765"
+        after_help = "Example:\n  evalfleet env examples/conversation.yaml --sessions 1000 --envs 16 --bind 127.0.0.1:8765\n  evalfleet env --resume talk-20261126-101500-3fa2 --bind 127.0.0.1:8765"
     )]
     Env(EnvArgs),
 
@@ -266,8 +271,17 @@ pub struct SimulateArgs {
 
 #[derive(Debug, Args)]
 pub struct EnvArgs {
-    /// The run's YAML config (task.kind: conversation; its policy is the trainer).
-    pub config: PathBuf,
+    /// The run's YAML config (task.kind: conversation; its policy is the trainer). With --resume: instead of the stored one.
+    #[arg(required_unless_present = "resume")]
+    pub config: Option<PathBuf>,
+
+    /// Serve the rest of a stopped environment run: its episodes done stay done, the others are served.
+    #[arg(long, value_name = "RUN_ID", conflicts_with_all = ["sessions", "max_steps", "run_id"])]
+    pub resume: Option<String>,
+
+    /// With --resume: serve the run's failed episodes again too (those the trainer closed among them).
+    #[arg(long, requires = "resume")]
+    pub retry_failed: bool,
 
     /// Episodes to serve [default: task.conversation.sessions].
     #[arg(long, value_name = "N")]
@@ -277,6 +291,10 @@ pub struct EnvArgs {
     #[arg(long, value_name = "M")]
     pub max_steps: Option<u32>,
 
+    /// Episodes per line of batch_summary.jsonl and metrics.jsonl, in the order they end (a PPO batch) [default: task.conversation.batch_size, 16].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub batch_size: Option<u32>,
+
     /// Environments a trainer steps at once (episodes up to twice as many wait at a decision).
     #[arg(long, value_name = "N", default_value_t = 16)]
     pub envs: usize,
@@ -285,11 +303,11 @@ pub struct EnvArgs {
     #[arg(long, default_value = "127.0.0.1:8765")]
     pub bind: SocketAddr,
 
-    /// How long an episode waits for its action before the decision counts as invalid.
+    /// How long an episode a trainer holds (after its reset or step) waits for the action before the decision counts as invalid; one waiting for a reset waits as long as it takes.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "10m")]
     pub action_timeout: Duration,
 
-    /// How long a reset waits for an episode to reach its first decision.
+    /// The longest a reset waits for an episode to reach its first decision (a reset's {"wait_s": S} asks for less).
     #[arg(long, value_parser = humantime::parse_duration, default_value = "5m")]
     pub reset_wait: Duration,
 
@@ -297,8 +315,12 @@ pub struct EnvArgs {
     #[arg(long, value_parser = humantime::parse_duration, default_value = "5m")]
     pub step_wait: Duration,
 
-    /// Keep serving after the last episode (resets then answer 410) until Ctrl-C.
+    /// End when every episode has ended, rather than serving on (resets answer 410) until Ctrl-C.
     #[arg(long)]
+    pub exit_when_done: bool,
+
+    /// Serve on after the last episode: the default now; kept for scripts that pass it.
+    #[arg(long, hide = true, conflicts_with = "exit_when_done")]
     pub stay: bool,
 
     /// The store: a SQLite file, or a postgres:// URL [default: the config's `store`, $EVALFLEET_STORE, or runs/evalfleet.db]

@@ -9,7 +9,7 @@ use evalfleet_core::store::prelude::*;
 use evalfleet_mock::MockSettings;
 use serde_json::{Value, json};
 
-use crate::util::{Env, by_id, mock, ms, scripted, wait_until};
+use crate::util::{Env, by_id, mock, ms, scripted, signal, wait_until};
 
 /// The script of the scorer and the policy (by their first user message):
 /// what `docs/conversation.md`'s rules make of it is worked out below.
@@ -386,23 +386,21 @@ async fn a_gymnasium_trainer_takes_the_decisions_through_the_environment_server(
     };
     let env = Env::new();
     let _mocks = spread(&env, 5, "    policy: { kind: random }\n").await;
-    // All 16 episodes reach their first decision at once, and one that no
-    // trainer takes within the action timeout goes on without it: the
-    // trainer (check_env's resets, then 4 episodes) must take its episodes
-    // within that time, however slowly Python starts on a busy machine.
+    // Episodes wait at their first decision as long as it takes Python to
+    // start; check_env's resets give up the episode before (closed), and
+    // the trainer plays the others until none is left.
     let mut server = env.spawn(&[
         "env",
         "spread.yaml",
         "--sessions",
-        "16",
+        "10",
         "--max-steps",
         "2",
         "--bind",
         "127.0.0.1:0",
-        "--action-timeout",
-        "20s",
         "--run-id",
         "gym",
+        "--exit-when-done",
     ]);
     let stdout = server.stdout.take().unwrap();
     let mut out = tokio::io::BufReader::new(stdout).lines();
@@ -424,7 +422,7 @@ async fn a_gymnasium_trainer_takes_the_decisions_through_the_environment_server(
 
     let client = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/gym_client.py");
     let played = tokio::process::Command::new(&python)
-        .args([client, &url, "--episodes", "4", "--check", "--seed", "3"])
+        .args([client, &url, "--episodes", "100", "--check", "--seed", "3"])
         .output()
         .await
         .unwrap();
@@ -439,17 +437,23 @@ async fn a_gymnasium_trainer_takes_the_decisions_through_the_environment_server(
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     assert_eq!(lines[0], json!({"check_env": "passed"}));
-    assert_eq!(lines.last().unwrap(), &json!({"episodes": 4}));
+    let played = lines.len() as u64 - 2;
+    assert_eq!(lines.last().unwrap(), &json!({"episodes": played}));
 
-    // Every episode ends (those no trainer took decide invalid after the
-    // action timeout, twice), and so does the server.
-    let status = tokio::time::timeout(ms(300_000), server.wait())
+    // Every episode ends, and with --exit-when-done so does the server.
+    let status = tokio::time::timeout(ms(120_000), server.wait())
         .await
         .unwrap()
         .unwrap();
     assert!(status.success(), "{status:?}");
     let rows = by_id(&env.export("gym").await);
-    assert_eq!(rows.len(), 16);
+    assert_eq!(rows.len(), 10);
+    let closed = rows
+        .values()
+        .filter(|r| r["status"] == "failed" && r["error"] == "closed by the trainer")
+        .count() as u64;
+    assert!(closed >= 1, "check_env's resets closed none");
+    assert_eq!(played + closed, 10, "{rows:?}");
     // The episodes the trainer played hold its actions and gave it their
     // rewards, step by step.
     for played in &lines[1..lines.len() - 1] {
@@ -481,4 +485,526 @@ async fn a_gymnasium_trainer_takes_the_decisions_through_the_environment_server(
         assert_eq!(rewards, given, "episode {id}");
         assert!(steps.len() <= 2);
     }
+}
+
+/// `evalfleet env ARGS` on a free port, and its address.
+async fn env_server(env: &Env, args: &[&str]) -> (tokio::process::Child, String) {
+    use tokio::io::AsyncBufReadExt;
+    let mut all = vec!["env"];
+    all.extend(args);
+    all.extend(["--bind", "127.0.0.1:0"]);
+    let mut server = env.spawn(&all);
+    let stdout = server.stdout.take().unwrap();
+    let url = tokio::io::BufReader::new(stdout)
+        .lines()
+        .next_line()
+        .await
+        .unwrap()
+        .expect("the server prints its address");
+    (server, url)
+}
+
+/// POSTs `body` to the server's `path`: the status and the JSON answer
+/// (within 20 s: no request waits longer than it asks).
+async fn post(url: &str, path: &str, body: Value) -> (u16, Value) {
+    let answer = tokio::time::timeout(
+        ms(20_000),
+        crate::serve::client()
+            .post(format!("{url}{path}"))
+            .json(&body)
+            .send(),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("{path} {body} waited past 20 s"))
+    .unwrap();
+    let status = answer.status().as_u16();
+    (status, answer.json().await.unwrap())
+}
+
+/// Plays the environment's episode `env_id` from `first` with `action`
+/// until it ends: the actions taken.
+async fn play(url: &str, env_id: &str, action: Value) -> Vec<Value> {
+    let mut answers = Vec::new();
+    loop {
+        let (status, answer) =
+            post(url, "/v1/step", json!({"env_id": env_id, "action": action})).await;
+        assert_eq!(status, 200, "{answer}");
+        let over = answer["terminated"] == true || answer["truncated"] == true;
+        answers.push(answer);
+        if over {
+            return answers;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resets_answer_at_once_and_closed_episodes_stop_and_count_in_no_statistics() {
+    let env = Env::new();
+    let _mocks = spread(&env, 2, "    policy: { kind: random }\n").await;
+    // Two episodes under way at once (--envs 1), three in all; an episode a
+    // trainer holds has 3 s to get its action.
+    let (server, url) = env_server(
+        &env,
+        &[
+            "spread.yaml",
+            "--sessions",
+            "3",
+            "--envs",
+            "1",
+            "--max-steps",
+            "1",
+            "--action-timeout",
+            "3s",
+            "--run-id",
+            "life",
+        ],
+    )
+    .await;
+    let (status, a) = post(&url, "/v1/reset", json!({})).await;
+    assert_eq!(status, 200, "{a}");
+    let (status, b) = post(&url, "/v1/reset", json!({})).await;
+    assert_eq!(status, 200, "{b}");
+    // The third cannot begin while both hold their places: the wait asked
+    // for passes (504), however long the server's --reset-wait.
+    let (status, waited) = post(&url, "/v1/reset", json!({"wait_s": 0.2})).await;
+    assert_eq!(status, 504, "{waited}");
+    let (status, bad) = post(&url, "/v1/reset", json!({"wait_s": "long"})).await;
+    assert_eq!(status, 400, "{bad}");
+    // The observation carries the policy's prompt.
+    let prompt = a["observation"]["prompt"].as_array().unwrap();
+    assert!(
+        prompt
+            .iter()
+            .all(|m| m["role"].is_string() && m["content"].is_string()),
+        "{prompt:?}"
+    );
+    // A is given up: it ends at once, the decision it was at its last.
+    let a_id = a["env_id"].as_str().unwrap().to_owned();
+    let a_turn = a["observation"]["turn"].as_u64().unwrap();
+    let (status, closed) = post(&url, "/v1/close", json!({"env_id": a_id})).await;
+    assert_eq!(status, 200, "{closed}");
+    let (status, again) = post(&url, "/v1/close", json!({"env_id": a_id})).await;
+    assert_eq!(status, 404, "{again}");
+    // B's model gave nothing readable.
+    let b_id = b["env_id"].as_str().unwrap().to_owned();
+    let steps = play(&url, &b_id, json!("invalid")).await;
+    let info = &steps[0]["info"];
+    assert_eq!(info["invalid_reason"], "trainer", "{info}");
+    assert_eq!(info["strategy"], Value::Null);
+    assert_eq!(info["preference_match"], false);
+    // C begins in A's place and waits for a reset past the action timeout:
+    // it is no trainer's yet, so its decision is still due.
+    let deadline = tokio::time::Instant::now() + ms(20_000);
+    loop {
+        let spec = crate::serve::get(&format!("{url}/v1/spec")).await;
+        if spec["now"]["ready"] == 1 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{spec}");
+        tokio::time::sleep(ms(20)).await;
+    }
+    // Longer than the action timeout: time passing, not a wait for it.
+    tokio::time::sleep(ms(3_500)).await;
+    let (status, c) = post(&url, "/v1/reset", json!({"wait_s": 1})).await;
+    assert_eq!(status, 200, "{c}");
+    let c_id = c["env_id"].as_str().unwrap().to_owned();
+    let steps = play(&url, &c_id, json!(2)).await;
+    let info = &steps[0]["info"];
+    assert_eq!(info["strategy"], "bridge", "{info}");
+    assert_eq!(info["invalid_reason"], Value::Null);
+    assert_eq!(
+        info["preference_match"],
+        info["preferred_strategy"] == "bridge",
+        "{info}"
+    );
+    for key in [
+        "target_edge",
+        "target_speaker",
+        "target_need",
+        "reward_parts",
+        "at_horizon",
+        "at_end",
+    ] {
+        assert!(!info[key].is_null(), "{key}: {info}");
+    }
+    assert_eq!(info["at_end"]["stable"].is_boolean(), true, "{info}");
+    // Every episode handed out or ended: 410 at once, and the server
+    // stays up after the last has ended.
+    let (status, gone) = post(&url, "/v1/reset", json!({})).await;
+    assert_eq!(status, 410, "{gone}");
+    let dir = env.path("runs/life");
+    wait_until(ms(20_000), "the session has ended", || {
+        dir.join("config.json").exists()
+    })
+    .await;
+    let (status, gone) = post(&url, "/v1/reset", json!({})).await;
+    assert_eq!(status, 410, "{gone}");
+
+    let rows = by_id(&env.export("life").await);
+    let a_row = &rows[&a_id];
+    assert_eq!(a_row["status"], "failed");
+    assert_eq!(a_row["error"], "closed by the trainer");
+    // Closed at its first decision: its calls were the utterances before
+    // it (topics fixed, relations by rules), and they are stored.
+    assert_eq!(a_row["attempts"].as_u64(), Some(a_turn), "{a_row}");
+    let a_output: Value = serde_json::from_str(a_row["output"].as_str().unwrap()).unwrap();
+    assert_eq!(a_output["steps"], json!([]));
+    let b_output: Value = serde_json::from_str(rows[&b_id]["output"].as_str().unwrap()).unwrap();
+    assert_eq!(b_output["steps"][0]["invalid_reason"], "trainer");
+    let c_output: Value = serde_json::from_str(rows[&c_id]["output"].as_str().unwrap()).unwrap();
+    assert_eq!(c_output["steps"][0]["strategy"], "bridge");
+    assert_eq!(c_output["steps"][0]["valid"], true);
+
+    // The logs hold the played episodes only, written as Python writes
+    // JSON, so the original's grep works.
+    let text = std::fs::read_to_string(dir.join("conversation_summary.jsonl")).unwrap();
+    assert!(text.contains(r#""strategy": "bridge""#), "{text}");
+    assert!(!text.contains(&format!(r#""episode": "{a_id}""#)), "{text}");
+    let batches = lines(&dir.join("batch_summary.jsonl"));
+    assert_eq!(batches.len(), 1, "{batches:?}");
+    assert_eq!(batches[0]["batch_size"], 2);
+    assert_eq!(batches[0]["choice_distributions"]["strategy"]["bridge"], 1);
+    assert_eq!(batches[0]["invalid"], 1);
+    let metrics = lines(&dir.join("metrics.jsonl"));
+    assert_eq!(metrics[0]["strategy/bridge_ratio"], 0.5);
+    assert_eq!(metrics[0]["invalid"], 1);
+    let events = lines(&dir.join("run_events.jsonl"));
+    let of = |kind: &str| -> Vec<&Value> { events.iter().filter(|e| e["kind"] == kind).collect() };
+    assert_eq!(of("episode_started").len(), 3, "{events:?}");
+    let ended = of("episode_ended");
+    assert_eq!(ended.len(), 3, "{events:?}");
+    assert!(
+        ended
+            .iter()
+            .any(|e| e["episode"] == a_id.as_str() && e["error"] == "closed by the trainer"),
+        "{events:?}"
+    );
+    signal(&server, "INT").await;
+    let out = tokio::time::timeout(ms(20_000), server.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", out.status);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("2 episodes (1 failed, 1 of them closed by the trainer), 2 steps"),
+        "{stderr}"
+    );
+}
+
+const NAMES: [&str; 4] = ["validate", "bridge", "plan", "no_intervention"];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ppo_rollout_loop_gets_prompts_sends_digits_and_unreadable_outputs_and_the_stored_rewards()
+ {
+    let env = Env::new();
+    let _mocks = spread(&env, 2, "    policy: { kind: random }\n").await;
+    let (mut server, url) = env_server(
+        &env,
+        &[
+            "spread.yaml",
+            "--sessions",
+            "6",
+            "--max-steps",
+            "2",
+            "--batch-size",
+            "4",
+            "--run-id",
+            "trl",
+            "--exit-when-done",
+        ],
+    )
+    .await;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/trl_rollout.py");
+    let ran = tokio::process::Command::new("python3")
+        .args([script, &url, "--batch-size", "4", "--garble", "3"])
+        .env("PYTHONIOENCODING", "utf-8")
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&ran.stdout);
+    assert!(
+        ran.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&ran.stderr)
+    );
+    let out: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(out.last().unwrap(), &json!({"episodes": 6, "batches": 2}));
+    let status = tokio::time::timeout(ms(60_000), server.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+
+    let rows = by_id(&env.export("trl").await);
+    assert_eq!(rows.len(), 6);
+    let (mut invalid, mut total) = (0, 0.0);
+    for played in out.iter().filter(|l| l.get("episode").is_some()) {
+        let id = played["episode"].as_str().unwrap();
+        assert_eq!(rows[id]["status"], "done", "{id}");
+        let output: Value = serde_json::from_str(rows[id]["output"].as_str().unwrap()).unwrap();
+        let steps = output["steps"].as_array().unwrap();
+        let actions = played["actions"].as_array().unwrap();
+        assert_eq!(steps.len(), actions.len(), "episode {id}");
+        for (step, action) in steps.iter().zip(actions) {
+            match action.as_u64() {
+                Some(digit) => {
+                    assert_eq!(step["strategy"], NAMES[digit as usize - 1], "{id}");
+                }
+                None => {
+                    assert_eq!(action, "invalid");
+                    assert_eq!(step["strategy"], Value::Null, "{id}");
+                    assert_eq!(step["invalid_reason"], "trainer", "{id}");
+                    invalid += 1;
+                }
+            }
+        }
+        let stored: Vec<f64> = steps
+            .iter()
+            .map(|s| s["reward"]["total"].as_f64().unwrap())
+            .collect();
+        let given: Vec<f64> = played["rewards"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r.as_f64().unwrap())
+            .collect();
+        assert_eq!(stored, given, "episode {id}");
+        let sum: f64 = given.iter().sum();
+        assert_eq!(rows[id]["scores"]["reward"]["value"].as_f64(), Some(sum));
+        total += sum;
+    }
+    assert!(invalid > 0, "every third reply was unreadable");
+    // A line per batch of four episodes, in the order they ended.
+    let dir = env.path("runs/trl");
+    let batches = lines(&dir.join("batch_summary.jsonl"));
+    let sizes: Vec<u64> = batches
+        .iter()
+        .map(|b| b["batch_size"].as_u64().unwrap())
+        .collect();
+    assert_eq!(sizes, [4, 2]);
+    let logged: f64 = batches
+        .iter()
+        .map(|b| b["total_reward"].as_f64().unwrap())
+        .sum();
+    assert!((logged - total).abs() < 1e-9, "{logged} {total}");
+    assert_eq!(lines(&dir.join("metrics.jsonl")).len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_environment_run_resumes_with_its_done_episodes_kept() {
+    let env = Env::new();
+    let _mocks = spread(&env, 2, "    policy: { kind: random }\n").await;
+    let (server, url) = env_server(
+        &env,
+        &[
+            "spread.yaml",
+            "--sessions",
+            "3",
+            "--envs",
+            "1",
+            "--max-steps",
+            "1",
+            "--run-id",
+            "res",
+        ],
+    )
+    .await;
+    let (status, first) = post(&url, "/v1/reset", json!({})).await;
+    assert_eq!(status, 200, "{first}");
+    let first_id = first["env_id"].as_str().unwrap().to_owned();
+    play(&url, &first_id, json!(1)).await;
+    wait_until(ms(20_000), "the first episode is stored", || {
+        env.counts("res").done == 1
+    })
+    .await;
+    let before = by_id(&env.export("res").await)[&first_id].clone();
+    signal(&server, "INT").await;
+    let out = tokio::time::timeout(ms(20_000), server.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(130),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(env.counts("res").pending, 2);
+
+    let (mut server, url) = env_server(&env, &["--resume", "res", "--exit-when-done"]).await;
+    let mut served = Vec::new();
+    loop {
+        let (status, answer) = post(&url, "/v1/reset", json!({})).await;
+        if status == 410 {
+            break;
+        }
+        assert_eq!(status, 200, "{answer}");
+        let id = answer["env_id"].as_str().unwrap().to_owned();
+        play(&url, &id, json!(3)).await;
+        served.push(id);
+    }
+    assert_eq!(served.len(), 2);
+    assert!(!served.contains(&first_id));
+    let status = tokio::time::timeout(ms(20_000), server.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+    let rows = by_id(&env.export("res").await);
+    assert_eq!(rows.len(), 3);
+    assert_eq!(rows[&first_id]["output"], before["output"]);
+    for id in &served {
+        let output: Value = serde_json::from_str(rows[id]["output"].as_str().unwrap()).unwrap();
+        assert_eq!(output["steps"][0]["strategy"], "plan", "{id}");
+    }
+    // Nothing is left to serve.
+    let again = env
+        .evalfleet(&["env", "--resume", "res", "--bind", "127.0.0.1:0"])
+        .await;
+    assert_eq!(again.code, Some(0), "{}", again.stderr);
+    assert!(
+        again.stderr.contains("no episode left to serve"),
+        "{}",
+        again.stderr
+    );
+}
+
+const JAPANESE: &str = r#"name: kaiwa
+endpoints:
+  - { name: gpu, kind: external, base_url: "BASE", model: m, concurrency: 4 }
+task:
+  kind: conversation
+  params: { max_tokens: 64 }
+  conversation:
+    max_rounds: 3
+    max_steps: 1
+    topics: ["引っ越しの費用"]
+    personas:
+      - { name: はるか }
+      - { name: けんた }
+      - { name: ゆい }
+    persona_messages: [{ role: user, content: "{{ speaker }} {{ turn }}" }]
+    scorer: { kind: rules }
+    policy:
+      messages:
+        - { role: system, content: "あなたは会話を見守るロボットです。" }
+        - { role: user, content: "{{ target_name }}さんに向けて、1〜4の数字で答えてください。\n{{ history_text }}" }
+    robot: { messages: [{ role: user, content: "robot {{ step }}" }] }
+    rewards: { filter_zero_rewards: false }
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_japanese_episode_round_trips_through_the_gymnasium_client_intact() {
+    let Some(python) = gym_python() else {
+        return;
+    };
+    let env = Env::new();
+    let lines_said = [
+        "正直、その金額は高すぎると思う。",
+        "でも、前の家よりずっと広いよね 🏠",
+        "私はどちらでもいいけど、早く決めたい。",
+    ];
+    let mut answers = Vec::new();
+    for turn in 0..20 {
+        let speaker = ["A", "B", "C"][turn % 3];
+        answers.push(
+            json!({"prompt": format!("{speaker} {turn}"),
+            "replies": [format!("{}（{turn}）", lines_said[turn % 3])]})
+            .to_string(),
+        );
+    }
+    answers.push(
+        json!({"prompt": "robot 0", "replies": ["みなさん、少し落ち着いて話しましょう。"]})
+            .to_string(),
+    );
+    let answers = env.write("answers.jsonl", &answers.join("\n"));
+    let server = scripted(answers).await;
+    env.write("kaiwa.yaml", &JAPANESE.replace("BASE", &server.base_url()));
+    let (mut env_server, url) = env_server(
+        &env,
+        &[
+            "kaiwa.yaml",
+            "--sessions",
+            "6",
+            "--run-id",
+            "kaiwa",
+            "--exit-when-done",
+        ],
+    )
+    .await;
+    let client = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/gym_client.py");
+    let played = tokio::process::Command::new(&python)
+        .args([client, &url, "--episodes", "100", "--check", "--show-text"])
+        .env("PYTHONIOENCODING", "utf-8")
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8(played.stdout).unwrap();
+    assert!(
+        played.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&played.stderr)
+    );
+    let status = tokio::time::timeout(ms(60_000), env_server.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+    let rows = by_id(&env.export("kaiwa").await);
+    let names = ["はるか", "けんた", "ゆい"];
+    let episodes: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|l| l.get("windows").is_some())
+        .collect();
+    assert!(!episodes.is_empty(), "{stdout}");
+    for played in &episodes {
+        let id = played["episode"].as_str().unwrap();
+        let output: Value = serde_json::from_str(rows[id]["output"].as_str().unwrap()).unwrap();
+        let step = &output["steps"][0];
+        let turn = step["turn"].as_u64().unwrap() as usize;
+        let said = &output["conversation"].as_array().unwrap()[..turn];
+        // The window the trainer saw is the stored conversation, character
+        // for character.
+        let window: Vec<String> = said
+            .iter()
+            .map(|u| {
+                format!(
+                    "{}: {}",
+                    u["speaker"].as_str().unwrap(),
+                    u["text"].as_str().unwrap()
+                )
+            })
+            .collect();
+        assert_eq!(played["windows"][0], window.join("\n"), "{id}");
+        assert!(window[1].contains("🏠"), "{window:?}");
+        // The prompt is what the policy's messages make of the decision.
+        let target = step["target_speaker"].as_str().unwrap();
+        let target_name = names[["A", "B", "C"].iter().position(|p| *p == target).unwrap()];
+        let history: Vec<String> = said
+            .iter()
+            .map(|u| {
+                let p = ["A", "B", "C"]
+                    .iter()
+                    .position(|p| *p == u["speaker"])
+                    .unwrap();
+                format!("{}: {}", names[p], u["text"].as_str().unwrap())
+            })
+            .collect();
+        assert_eq!(
+            played["prompts"][0],
+            json!([
+                {"role": "system", "content": "あなたは会話を見守るロボットです。"},
+                {"role": "user", "content": format!("{target_name}さんに向けて、1〜4の数字で答えてください。\n{}", history.join("\n"))},
+            ]),
+            "{id}"
+        );
+    }
+    // The logs keep the text as it was spoken.
+    let text = std::fs::read_to_string(env.path("runs/kaiwa/conversation_summary.jsonl")).unwrap();
+    assert!(text.contains("前の家よりずっと広いよね 🏠"), "{text}");
 }

@@ -154,6 +154,7 @@ pub(crate) fn register(
         active,
         gpu_policy,
         gym: None,
+        journal: None,
     })
 }
 
@@ -268,6 +269,7 @@ pub(crate) async fn resumable_with(
         active,
         gpu_policy,
         gym: None,
+        journal: None,
     })))
 }
 
@@ -283,6 +285,15 @@ pub(crate) struct Session {
     gpu_policy: GpuPolicy,
     /// Where a trainer takes the conversation's decisions (`env`).
     pub gym: Option<Arc<evalfleet_core::task::conversation::gym::Gym>>,
+    /// What writes the gym's episodes to the logs as they end (`env`):
+    /// done once the gym has finished and it has written the last.
+    pub journal: Option<std::pin::Pin<Box<dyn Future<Output = anyhow::Result<()>> + Send>>>,
+}
+
+impl Session {
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
 }
 
 /// Who is watching a session.
@@ -305,11 +316,13 @@ pub(crate) async fn execute(session: Session, attendance: Attendance) -> anyhow:
         active,
         gpu_policy,
         gym,
+        journal,
     } = session;
     let started = Instant::now();
     let grace = config.shutdown_grace;
     let scored = !config.task.eval.metrics.is_empty();
     let conversation = config.task.kind.conversation().cloned();
+    let trainer = gym.clone();
     let options = fleet::options(&config, &location, &run_id, active, gpu_policy)?;
     let mut fleet = Fleet::new(&config, options);
     let plan = SessionPlan {
@@ -351,6 +364,9 @@ pub(crate) async fn execute(session: Session, attendance: Attendance) -> anyhow:
     fleet.share_quotas(evalfleet_store::open(&location, &OpenOptions::default())?);
     let pending_at_start =
         prepared.progress.total - prepared.progress.done_before - prepared.progress.failed_before;
+    if let Some(gym) = &trainer {
+        gym.expect(pending_at_start);
+    }
     let (mode, stop, signals) = match attendance {
         Attendance::Terminal { quiet } => {
             let stop = CancellationToken::new();
@@ -369,6 +385,16 @@ pub(crate) async fn execute(session: Session, attendance: Attendance) -> anyhow:
         .await;
     // The rate counts the session, not the time engines take to stop.
     let elapsed = started.elapsed();
+    // A trainer's resets learn that no episode is left, and the episodes'
+    // log is written to its last line.
+    if let Some(gym) = &trainer {
+        gym.finish();
+    }
+    if let Some(journal) = journal
+        && let Err(err) = journal.await
+    {
+        tracing::warn!("The environment's log could not be written to its end: {err:#}.");
+    }
     display.finish().await;
     if let Some(signals) = signals {
         signals.abort();
@@ -387,7 +413,7 @@ pub(crate) async fn execute(session: Session, attendance: Attendance) -> anyhow:
             });
         }
     };
-    let code = conclude(
+    let mut code = conclude(
         &run_id,
         &location,
         &report,
@@ -396,7 +422,11 @@ pub(crate) async fn execute(session: Session, attendance: Attendance) -> anyhow:
         &progress,
     );
     if let Some(settings) = conversation {
-        super::simulate::conclude(&location, &run_id, &settings)?;
+        let totals = super::simulate::conclude(&location, &run_id, &settings, trainer.is_some())?;
+        // Episodes a trainer gave up are not failures of the run.
+        if code == EXIT_FAILED && totals.failed == totals.closed {
+            code = EXIT_OK;
+        }
     }
     if scored && report.status == RunStatus::Finished {
         return Ok(code.max(scores(&location, &run_id)?));

@@ -6,9 +6,10 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use evalfleet_core::config::{ConversationSettings, Overrides};
-use evalfleet_core::report::conversation::{self, CHOICES, ConversationReport};
+use evalfleet_core::report::conversation::{self, CHOICES, ConversationReport, Line};
 use evalfleet_core::types::{Event, EventKind, now_ms};
 use evalfleet_store::{Location, OpenOptions};
+use serde_json::Value;
 
 use crate::UsageError;
 use crate::cli::SimulateArgs;
@@ -44,16 +45,32 @@ pub fn run_dir(location: &Location, run_id: &str) -> PathBuf {
 }
 
 /// After a session of a conversation run: the logs written again from the
-/// stored episodes, new alarms stored as events, and the totals printed.
+/// stored episodes, new alarms stored as events, and the totals printed
+/// (and returned).
+/// `live`: an environment's session, whose journal wrote the batches,
+/// metrics, events and alarms as its episodes ended (they are left as they
+/// are; its stored alarms are printed).
 pub fn conclude(
     location: &Location,
     run_id: &str,
     settings: &ConversationSettings,
-) -> anyhow::Result<()> {
+    live: bool,
+) -> anyhow::Result<ConversationReport> {
     let dir = run_dir(location, run_id);
-    let report = tokio::task::block_in_place(|| write_logs(location, run_id, settings, &dir))?;
+    let report =
+        tokio::task::block_in_place(|| write_logs(location, run_id, settings, &dir, live))?;
     print(&report, &dir);
-    Ok(())
+    Ok(report)
+}
+
+/// Writes `line` to `file` (a line of JSON as Python writes it), keeping
+/// the first error.
+fn write_line(file: &mut impl Write, line: &Value, failed: &mut Option<std::io::Error>) {
+    if failed.is_none()
+        && let Err(err) = writeln!(file, "{}", conversation::json_line(line))
+    {
+        *failed = Some(err);
+    }
 }
 
 fn write_logs(
@@ -61,6 +78,7 @@ fn write_logs(
     run_id: &str,
     settings: &ConversationSettings,
     dir: &Path,
+    live: bool,
 ) -> anyhow::Result<ConversationReport> {
     let mut store = evalfleet_store::open(location, &OpenOptions::default())?;
     std::fs::create_dir_all(dir)?;
@@ -70,58 +88,74 @@ fn write_logs(
         )?))
     };
     let mut steps = file("conversation_summary.jsonl")?;
-    let mut batches = file("batch_summary.jsonl")?;
-    let (mut step_err, mut batch_err) = (None, None);
-    let report = conversation::scan(
-        &mut *store,
-        run_id,
-        settings,
-        &mut |v| {
-            if step_err.is_none()
-                && let Err(err) = writeln!(steps, "{v}")
-            {
-                step_err = Some(err);
+    let mut batches = if live {
+        None
+    } else {
+        Some((file("batch_summary.jsonl")?, file("metrics.jsonl")?))
+    };
+    let mut failed = None;
+    let mut report = conversation::scan(&mut *store, run_id, settings, &mut |line| match line {
+        Line::Step(v) => write_line(&mut steps, &v, &mut failed),
+        Line::Batch(v) => {
+            if let Some((batch, _)) = &mut batches {
+                write_line(batch, &v, &mut failed);
             }
-        },
-        &mut |v| {
-            if batch_err.is_none()
-                && let Err(err) = writeln!(batches, "{v}")
-            {
-                batch_err = Some(err);
+        }
+        Line::Metrics(v) => {
+            if let Some((_, metrics)) = &mut batches {
+                write_line(metrics, &v, &mut failed);
             }
-        },
-    )?;
-    if let Some(err) = step_err.or(batch_err) {
+        }
+        Line::Alarm(_) => {}
+    })?;
+    if let Some(err) = failed {
         return Err(err.into());
     }
     steps.flush()?;
-    batches.flush()?;
-    // Alarms not stored yet become events.
+    if let Some((mut batch, mut metrics)) = batches {
+        batch.flush()?;
+        metrics.flush()?;
+    }
     let stored = store.events(run_id)?;
-    let new: Vec<Event> = report
-        .alarms
-        .iter()
-        .map(|a| format!("episode {} step {}: {}", a.episode, a.step, a.message))
-        .filter(|message| {
-            !stored
-                .iter()
-                .any(|e| e.kind == EventKind::Alarm && e.message == *message)
-        })
-        .map(|message| Event {
-            at_ms: now_ms(),
-            kind: EventKind::Alarm,
-            endpoint: None,
-            message,
-        })
-        .collect();
-    if !new.is_empty() {
-        store.add_events(run_id, &new)?;
+    if live {
+        // The journal raised them as the episodes ended, in that order.
+        report.alarms = stored
+            .iter()
+            .filter(|e| e.kind == EventKind::Alarm)
+            .map(|e| conversation::Alarm {
+                decisions: 0,
+                episode: String::new(),
+                step: 0,
+                message: e.message.clone(),
+            })
+            .collect();
+    } else {
+        // Alarms not stored yet become events.
+        let new: Vec<Event> = report
+            .alarms
+            .iter()
+            .map(conversation::Alarm::line)
+            .filter(|message| {
+                !stored
+                    .iter()
+                    .any(|e| e.kind == EventKind::Alarm && e.message == *message)
+            })
+            .map(|message| Event {
+                at_ms: now_ms(),
+                kind: EventKind::Alarm,
+                endpoint: None,
+                message,
+            })
+            .collect();
+        if !new.is_empty() {
+            store.add_events(run_id, &new)?;
+        }
+        let mut events = file("run_events.jsonl")?;
+        for event in stored.iter().chain(&new) {
+            writeln!(events, "{}", conversation::json_line(event))?;
+        }
+        events.flush()?;
     }
-    let mut events = file("run_events.jsonl")?;
-    for event in stored.iter().chain(&new) {
-        writeln!(events, "{}", serde_json::to_string(event)?)?;
-    }
-    events.flush()?;
     let run = store.run(run_id)?;
     std::fs::write(
         dir.join("config.json"),
@@ -142,11 +176,16 @@ fn print(report: &ConversationReport, dir: &Path) {
         })
         .collect();
     ui::note(&format!(
-        "Conversation: {} episodes ({} failed), {} steps; reward {:.2} in all, {:.3} per episode (95% CI {:.3} to {:.3}); {} interventions.\n\
+        "Conversation: {} episodes ({} failed{}), {} steps; reward {:.2} in all, {:.3} per episode (95% CI {:.3} to {:.3}); {} interventions.\n\
          Strategies: {}; entropy {:.2} bits.\n\
          Stabilised {:.1}% of steps; the strategy matched the target's need in {:.1}%.",
         report.episodes,
         report.failed,
+        if report.closed > 0 {
+            format!(", {} of them closed by the trainer", report.closed)
+        } else {
+            String::new()
+        },
         report.steps,
         report.total_reward,
         r.mean,
@@ -159,13 +198,15 @@ fn print(report: &ConversationReport, dir: &Path) {
         report.preference_match_rate * 100.0,
     ));
     for alarm in &report.alarms {
-        ui::note(&format!(
-            "Alarm (episode {} step {}): {}",
-            alarm.episode, alarm.step, alarm.message
-        ));
+        let line = if alarm.episode.is_empty() {
+            alarm.message.clone()
+        } else {
+            alarm.line()
+        };
+        ui::note(&format!("Alarm: {line}"));
     }
     ui::note(&format!(
-        "Logs: {}/ (conversation_summary.jsonl, batch_summary.jsonl, run_events.jsonl, config.json)",
+        "Logs: {}/ (conversation_summary.jsonl, batch_summary.jsonl, metrics.jsonl, run_events.jsonl, config.json)",
         dir.display()
     ));
 }

@@ -316,9 +316,13 @@ impl Gym {
         self.changed.notify_waiters();
     }
 
-    /// No more episodes will come: resets get [`GymError::NoEpisodes`].
+    /// No more episodes will come: resets get [`GymError::NoEpisodes`],
+    /// and the journal ends.
     pub fn finish(&self) {
-        self.lock().finished = true;
+        let mut state = self.lock();
+        state.finished = true;
+        state.journal = None;
+        drop(state);
         self.changed.notify_waiters();
     }
 

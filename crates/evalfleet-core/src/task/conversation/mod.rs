@@ -225,7 +225,12 @@ impl EpisodeState {
                         self.sim.act(Some(strategy))
                     }
                     PolicyKind::External => {
-                        if self.inner.gym.as_ref().is_some_and(|g| g.is_closed(&self.episode)) {
+                        if self
+                            .inner
+                            .gym
+                            .as_ref()
+                            .is_some_and(|g| g.is_closed(&self.episode))
+                        {
                             return self.closed();
                         }
                         if self.abandoned {
@@ -328,7 +333,10 @@ impl EpisodeState {
         let mut info = serde_json::json!({"episode": self.episode});
         if let (Some(step), Some(o)) = (last, info.as_object_mut()) {
             let preferred = step.target_need.map(Need::strategy);
-            o.insert("preferred_strategy".to_owned(), serde_json::json!(preferred));
+            o.insert(
+                "preferred_strategy".to_owned(),
+                serde_json::json!(preferred),
+            );
             o.insert(
                 "preference_match".to_owned(),
                 Value::Bool(step.strategy.is_some() && step.strategy == preferred),
