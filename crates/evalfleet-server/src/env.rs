@@ -76,6 +76,16 @@ fn gym_error(err: &GymError) -> Response {
     error(status, err.to_string())
 }
 
+/// A JSON body, or the 400 that says it must be `shape`.
+fn read<T>(body: Result<Json<T>, JsonRejection>, shape: &str) -> Result<T, Response> {
+    body.map(|Json(body)| body).map_err(|rejection| {
+        error(
+            StatusCode::BAD_REQUEST,
+            format!("the body must be JSON {shape}: {rejection}"),
+        )
+    })
+}
+
 /// The wait a reset asks for, in its body (none, empty or `{}`: the
 /// server's), capped by the server's.
 fn reset_wait(body: &[u8], most: Duration) -> Result<Duration, String> {
@@ -128,16 +138,9 @@ async fn step(
     State(env): State<Arc<EnvServer>>,
     body: Result<Json<StepBody>, JsonRejection>,
 ) -> Response {
-    let body = match body {
-        Ok(Json(body)) => body,
-        Err(rejection) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                format!(
-                    "the body must be JSON {{\"env_id\": \"...\", \"action\": 1..4 or \"invalid\"}}: {rejection}"
-                ),
-            );
-        }
+    let body = match read(body, r#"{"env_id": "...", "action": 1..4 or "invalid"}"#) {
+        Ok(body) => body,
+        Err(answer) => return answer,
     };
     let Some(action) = action_of(&body.action) else {
         return error(
@@ -165,14 +168,9 @@ async fn close(
     State(env): State<Arc<EnvServer>>,
     body: Result<Json<CloseBody>, JsonRejection>,
 ) -> Response {
-    let body = match body {
-        Ok(Json(body)) => body,
-        Err(rejection) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                format!("the body must be JSON {{\"env_id\": \"...\"}}: {rejection}"),
-            );
-        }
+    let body = match read(body, r#"{"env_id": "..."}"#) {
+        Ok(body) => body,
+        Err(answer) => return answer,
     };
     match env.gym.close(&body.env_id) {
         Ok(()) => axum::Json(json!({"env_id": body.env_id, "closed": true})).into_response(),

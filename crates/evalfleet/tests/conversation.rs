@@ -209,17 +209,36 @@ async fn scripted_episodes_earn_exactly_the_rewards_worked_out_by_hand() {
     assert_eq!(batches.len(), 1);
     let b = &batches[0];
     assert_eq!(
-        (b["episodes"].as_u64(), b["steps"].as_u64()),
-        (Some(2), Some(3))
+        (
+            b["batch_id"].as_u64(),
+            b["batch_size"].as_u64(),
+            b["steps"].as_u64()
+        ),
+        (Some(1), Some(2), Some(3))
     );
-    assert_eq!(b["strategy_distribution"]["validate"], 2);
-    assert_eq!(b["strategy_distribution"]["plan"], 1);
+    let strategies = &b["choice_distributions"]["strategy"];
+    assert_eq!(
+        strategies,
+        &json!({"validate": 2, "bridge": 0, "plan": 1, "no_intervention": 0})
+    );
     assert_eq!(b["total_reward"], 3.0);
-    assert_eq!(b["interventions"], 3);
+    assert_eq!(b["total_interventions"], 3);
     let h = -(2.0f64 / 3.0) * (2.0f64 / 3.0).log2() - (1.0f64 / 3.0) * (1.0f64 / 3.0).log2();
     assert!(
-        (b["entropy_bits"].as_f64().unwrap() - h).abs() < 1e-9,
+        (b["choice_entropy"]["strategy"].as_f64().unwrap() - h).abs() < 1e-9,
         "{b}"
+    );
+    let metrics = lines(&dir.join("metrics.jsonl"));
+    assert_eq!(metrics.len(), 1);
+    assert_eq!(metrics[0]["reward_mean"], 1.5);
+    assert_eq!(metrics[0]["stabilised_share"].as_f64(), Some(1.0 / 3.0));
+    assert_eq!(metrics[0]["strategy/plan_ratio"].as_f64(), Some(1.0 / 3.0));
+    // Written as Python's json.dumps writes: the original's grep works.
+    let text = std::fs::read_to_string(dir.join("conversation_summary.jsonl")).unwrap();
+    assert_eq!(
+        text.matches(r#""strategy": "validate""#).count(),
+        2,
+        "{text}"
     );
     assert!(!lines(&dir.join("run_events.jsonl")).is_empty());
     let config: Value =
@@ -393,7 +412,7 @@ async fn a_gymnasium_trainer_takes_the_decisions_through_the_environment_server(
         "env",
         "spread.yaml",
         "--sessions",
-        "10",
+        "16",
         "--max-steps",
         "2",
         "--bind",
@@ -447,44 +466,62 @@ async fn a_gymnasium_trainer_takes_the_decisions_through_the_environment_server(
         .unwrap();
     assert!(status.success(), "{status:?}");
     let rows = by_id(&env.export("gym").await);
-    assert_eq!(rows.len(), 10);
+    assert_eq!(rows.len(), 16);
+    // Every episode was played to its end (by the trainer, or by check_env's
+    // steps) or closed by a reset mid-episode.
     let closed = rows
         .values()
         .filter(|r| r["status"] == "failed" && r["error"] == "closed by the trainer")
         .count() as u64;
+    let done = rows.values().filter(|r| r["status"] == "done").count() as u64;
     assert!(closed >= 1, "check_env's resets closed none");
-    assert_eq!(played + closed, 10, "{rows:?}");
+    assert_eq!(done + closed, 16, "{rows:?}");
+    assert!(played >= 1 && played <= done, "{played} {done}");
     // The episodes the trainer played hold its actions and gave it their
     // rewards, step by step.
     for played in &lines[1..lines.len() - 1] {
-        let id = played["episode"].as_str().unwrap();
-        let output: Value = serde_json::from_str(rows[id]["output"].as_str().unwrap()).unwrap();
-        let steps = output["steps"].as_array().unwrap();
-        let names = ["validate", "bridge", "plan", "no_intervention"];
-        let actions: Vec<&str> = played["actions"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|a| names[a.as_u64().unwrap() as usize - 1])
-            .collect();
-        let stored: Vec<&str> = steps
-            .iter()
-            .map(|s| s["strategy"].as_str().unwrap())
-            .collect();
-        assert_eq!(actions, stored, "episode {id}");
-        let rewards: Vec<f64> = steps
-            .iter()
-            .map(|s| s["reward"]["total"].as_f64().unwrap())
-            .collect();
-        let given: Vec<f64> = played["rewards"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|r| r.as_f64().unwrap())
-            .collect();
-        assert_eq!(rewards, given, "episode {id}");
-        assert!(steps.len() <= 2);
+        let (steps, _) = stored_as_played(&rows, played);
+        assert!(steps <= 2);
     }
+}
+
+/// Checks that the stored episode a client played (its line: `episode`,
+/// the `actions` it sent, digits or "invalid", and the `rewards` it got)
+/// is done, holds those actions and gave those rewards: its steps, and
+/// how many of them were invalid.
+fn stored_as_played(rows: &BTreeMap<String, Value>, played: &Value) -> (usize, usize) {
+    let id = played["episode"].as_str().unwrap();
+    assert_eq!(rows[id]["status"], "done", "{id}");
+    let output: Value = serde_json::from_str(rows[id]["output"].as_str().unwrap()).unwrap();
+    let steps = output["steps"].as_array().unwrap();
+    let actions = played["actions"].as_array().unwrap();
+    assert_eq!(steps.len(), actions.len(), "episode {id}");
+    let mut invalid = 0;
+    for (step, action) in steps.iter().zip(actions) {
+        match action.as_u64() {
+            Some(digit) => assert_eq!(step["strategy"], NAMES[digit as usize - 1], "{id}"),
+            None => {
+                assert_eq!(action, "invalid");
+                assert_eq!(step["strategy"], Value::Null, "{id}");
+                assert_eq!(step["invalid_reason"], "trainer", "{id}");
+                invalid += 1;
+            }
+        }
+    }
+    let stored: Vec<f64> = steps
+        .iter()
+        .map(|s| s["reward"]["total"].as_f64().unwrap())
+        .collect();
+    let given: Vec<f64> = played["rewards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_f64().unwrap())
+        .collect();
+    assert_eq!(stored, given, "episode {id}");
+    let sum: f64 = given.iter().sum();
+    assert_eq!(rows[id]["scores"]["reward"]["value"].as_f64(), Some(sum));
+    (steps.len(), invalid)
 }
 
 /// `evalfleet env ARGS` on a free port, and its address.
@@ -743,39 +780,13 @@ async fn a_ppo_rollout_loop_gets_prompts_sends_digits_and_unreadable_outputs_and
     assert_eq!(rows.len(), 6);
     let (mut invalid, mut total) = (0, 0.0);
     for played in out.iter().filter(|l| l.get("episode").is_some()) {
-        let id = played["episode"].as_str().unwrap();
-        assert_eq!(rows[id]["status"], "done", "{id}");
-        let output: Value = serde_json::from_str(rows[id]["output"].as_str().unwrap()).unwrap();
-        let steps = output["steps"].as_array().unwrap();
-        let actions = played["actions"].as_array().unwrap();
-        assert_eq!(steps.len(), actions.len(), "episode {id}");
-        for (step, action) in steps.iter().zip(actions) {
-            match action.as_u64() {
-                Some(digit) => {
-                    assert_eq!(step["strategy"], NAMES[digit as usize - 1], "{id}");
-                }
-                None => {
-                    assert_eq!(action, "invalid");
-                    assert_eq!(step["strategy"], Value::Null, "{id}");
-                    assert_eq!(step["invalid_reason"], "trainer", "{id}");
-                    invalid += 1;
-                }
-            }
-        }
-        let stored: Vec<f64> = steps
-            .iter()
-            .map(|s| s["reward"]["total"].as_f64().unwrap())
-            .collect();
-        let given: Vec<f64> = played["rewards"]
+        invalid += stored_as_played(&rows, played).1;
+        total += played["rewards"]
             .as_array()
             .unwrap()
             .iter()
             .map(|r| r.as_f64().unwrap())
-            .collect();
-        assert_eq!(stored, given, "episode {id}");
-        let sum: f64 = given.iter().sum();
-        assert_eq!(rows[id]["scores"]["reward"]["value"].as_f64(), Some(sum));
-        total += sum;
+            .sum::<f64>();
     }
     assert!(invalid > 0, "every third reply was unreadable");
     // A line per batch of four episodes, in the order they ended.
@@ -929,7 +940,7 @@ async fn a_japanese_episode_round_trips_through_the_gymnasium_client_intact() {
         &[
             "kaiwa.yaml",
             "--sessions",
-            "6",
+            "12",
             "--run-id",
             "kaiwa",
             "--exit-when-done",

@@ -356,7 +356,8 @@ struct RawPolicy {
     /// Required with `kind: fixed`.
     strategy: Option<u8>,
     /// `model`: the policy's messages (`docs/conversation.md` lists their
-    /// variables). Default: built-in messages.
+    /// variables); `external`: rendered the same, they are the `prompt` of
+    /// a trainer's observations. Default: built-in messages.
     messages: Option<Vec<raw::RawMessage>>,
     /// `model`: the endpoint (by name, with `role: judge`) that decides.
     /// Default: the endpoints that answer items.

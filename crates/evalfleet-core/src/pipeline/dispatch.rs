@@ -760,8 +760,9 @@ pub async fn drive(shared: &Arc<Shared>, mut item: Item, mut step: Step, mut car
                 }
                 tokio::select! {
                     step = wait => step,
-                    // Abandoned at shutdown: the item stays pending.
-                    () = shared.abort.cancelled() => return,
+                    // It holds no call: abandoned as soon as the session
+                    // stops (no grace to wait out); the item stays pending.
+                    () = shared.halt.cancelled() => return,
                 }
             }
         };

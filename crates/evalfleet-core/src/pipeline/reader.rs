@@ -291,8 +291,9 @@ impl Reader {
                         async move {
                             let step = tokio::select! {
                                 step = wait => step,
-                                // Abandoned at shutdown: the item stays pending.
-                                () = shared.abort.cancelled() => return,
+                                // It holds no call: abandoned as soon as the
+                                // session stops; the item stays pending.
+                                () = shared.halt.cancelled() => return,
                             };
                             drive(&shared, item, step, Carry::default()).await;
                         },

@@ -429,11 +429,7 @@ impl serde_json::ser::Formatter for PythonStyle {
         writer: &mut W,
         first: bool,
     ) -> std::io::Result<()> {
-        if first {
-            Ok(())
-        } else {
-            writer.write_all(b", ")
-        }
+        between_items(writer, first)
     }
 
     fn begin_object_key<W: ?Sized + std::io::Write>(
@@ -441,11 +437,7 @@ impl serde_json::ser::Formatter for PythonStyle {
         writer: &mut W,
         first: bool,
     ) -> std::io::Result<()> {
-        if first {
-            Ok(())
-        } else {
-            writer.write_all(b", ")
-        }
+        between_items(writer, first)
     }
 
     fn begin_object_value<W: ?Sized + std::io::Write>(
@@ -461,6 +453,14 @@ impl serde_json::ser::Formatter for PythonStyle {
         value: f64,
     ) -> std::io::Result<()> {
         writer.write_all(python_float(value).as_bytes())
+    }
+}
+
+fn between_items<W: ?Sized + std::io::Write>(writer: &mut W, first: bool) -> std::io::Result<()> {
+    if first {
+        Ok(())
+    } else {
+        writer.write_all(b", ")
     }
 }
 

@@ -186,7 +186,8 @@ pub enum Step {
     Work(BoxFuture<'static, Step>),
     /// A wait for something outside the run (a trainer's action), holding
     /// no slot and no place of [`Task::work_limit`]; its outcome is the next
-    /// step. A task that waits so bounds its own waiters.
+    /// step. A task that waits so bounds its own waiters. It is abandoned
+    /// as soon as the session stops (the item stays pending).
     Wait(BoxFuture<'static, Step>),
     /// The item is over.
     Finish(Finish),

@@ -109,7 +109,10 @@ pub async fn env(args: EnvArgs) -> anyhow::Result<u8> {
         },
     )
     .await;
-    if args.exit_when_done || shutdown.is_cancelled() {
+    // Whatever stopped the session, no episode comes any more (and the
+    // journal ends, had the session no time to start).
+    gym.finish();
+    if args.exit_when_done || shutdown.is_cancelled() || code.is_err() {
         shutdown.cancel();
     } else {
         ui::note(&format!(

@@ -225,12 +225,7 @@ impl EpisodeState {
                         self.sim.act(Some(strategy))
                     }
                     PolicyKind::External => {
-                        if self
-                            .inner
-                            .gym
-                            .as_ref()
-                            .is_some_and(|g| g.is_closed(&self.episode))
-                        {
+                        if self.closed_by_trainer() {
                             return self.closed();
                         }
                         if self.abandoned {
@@ -271,6 +266,13 @@ impl EpisodeState {
             };
             this.step(&shared, next)
         }))
+    }
+
+    fn closed_by_trainer(&self) -> bool {
+        self.inner
+            .gym
+            .as_ref()
+            .is_some_and(|gym| gym.is_closed(&self.episode))
     }
 
     /// The trainer closed the episode: it ends failed (its record so far
@@ -445,12 +447,7 @@ impl EpisodeState {
 
     /// The episode is over: its record and its totals.
     fn finish(&self) -> Step {
-        if self
-            .inner
-            .gym
-            .as_ref()
-            .is_some_and(|g| g.is_closed(&self.episode))
-        {
+        if self.closed_by_trainer() {
             return self.closed();
         }
         let summary = self.sim.summary();

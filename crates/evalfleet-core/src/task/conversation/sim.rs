@@ -142,7 +142,8 @@ pub struct StepRecord {
     /// Why an invalid decision is: `reply` (a model policy's reply could
     /// not be read), `trainer` (a trainer's `invalid` action), `timeout`
     /// (no action came in time) or `closed` (the trainer closed the
-    /// environment).
+    /// environment at it: the step never ends, so no stored record holds
+    /// it).
     pub invalid_reason: Option<String>,
     pub policy_reply: Option<String>,
     pub robot: Option<String>,
