@@ -76,14 +76,10 @@ fn gym_error(err: &GymError) -> Response {
     error(status, err.to_string())
 }
 
-/// A JSON body, or the 400 that says it must be `shape`.
-fn read<T>(body: Result<Json<T>, JsonRejection>, shape: &str) -> Result<T, Response> {
-    body.map(|Json(body)| body).map_err(|rejection| {
-        error(
-            StatusCode::BAD_REQUEST,
-            format!("the body must be JSON {shape}: {rejection}"),
-        )
-    })
+/// A JSON body, or why it is not one of `shape` (a 400).
+fn read<T>(body: Result<Json<T>, JsonRejection>, shape: &str) -> Result<T, String> {
+    body.map(|Json(body)| body)
+        .map_err(|rejection| format!("the body must be JSON {shape}: {rejection}"))
 }
 
 /// The wait a reset asks for, in its body (none, empty or `{}`: the
@@ -140,7 +136,7 @@ async fn step(
 ) -> Response {
     let body = match read(body, r#"{"env_id": "...", "action": 1..4 or "invalid"}"#) {
         Ok(body) => body,
-        Err(answer) => return answer,
+        Err(message) => return error(StatusCode::BAD_REQUEST, message),
     };
     let Some(action) = action_of(&body.action) else {
         return error(
@@ -170,7 +166,7 @@ async fn close(
 ) -> Response {
     let body = match read(body, r#"{"env_id": "..."}"#) {
         Ok(body) => body,
-        Err(answer) => return answer,
+        Err(message) => return error(StatusCode::BAD_REQUEST, message),
     };
     match env.gym.close(&body.env_id) {
         Ok(()) => axum::Json(json!({"env_id": body.env_id, "closed": true})).into_response(),

@@ -67,7 +67,7 @@ pub enum Command {
     /// Each episode is an item: personas, relation scorer, policy and robot
     /// are calls over the fleet. Prints total and mean reward, interventions,
     /// the strategy distribution and the stabilisation rate, and writes
-    /// conversation_summary.jsonl, batch_summary.jsonl, run_events.jsonl and
+    /// conversation_summary.jsonl, batch_summary.jsonl, metrics.jsonl, run_events.jsonl and
     /// config.json to RUN_ID/ beside the store. `compare RUN_A RUN_B` puts two
     /// policies side by side.
     #[command(

@@ -275,6 +275,7 @@ task:
     policy: { kind: random }
     robot: { messages: [{ role: user, content: "robot {{ episode }} {{ step }} {{ strategy }}" }] }
     rewards: { filter_zero_rewards: false }
+    alarms: { window: 4 }
 "#;
 
 /// Two mocks answering after `latency_ms` (the items' endpoint and the
@@ -338,8 +339,13 @@ async fn episodes_killed_mid_way_and_resumed_end_as_an_uninterrupted_run() {
     let first = env.counts("killed");
     assert!(first.pending > 0, "killed too late: {first:?}");
     let resumed = env.evalfleet(&["resume", "killed", "-q"]).await;
-    assert_eq!(resumed.code, Some(0), "{}", resumed.stderr);
     let killed = by_id(&env.export("killed").await);
+    let errors: Vec<&Value> = killed
+        .values()
+        .map(|r| &r["error"])
+        .filter(|e| !e.is_null())
+        .collect();
+    assert_eq!(resumed.code, Some(0), "{}\n{errors:?}", resumed.stderr);
     assert_eq!(killed.len(), 24, "every episode exactly once");
     let mut rewards = BTreeMap::new();
     for (id, row) in &clean {
@@ -664,7 +670,7 @@ async fn resets_answer_at_once_and_closed_episodes_stop_and_count_in_no_statisti
     ] {
         assert!(!info[key].is_null(), "{key}: {info}");
     }
-    assert_eq!(info["at_end"]["stable"].is_boolean(), true, "{info}");
+    assert!(info["at_end"]["stable"].is_boolean(), "{info}");
     // Every episode handed out or ended: 410 at once, and the server
     // stays up after the last has ended.
     let (status, gone) = post(&url, "/v1/reset", json!({})).await;
@@ -803,6 +809,30 @@ async fn a_ppo_rollout_loop_gets_prompts_sends_digits_and_unreadable_outputs_and
         .sum();
     assert!((logged - total).abs() < 1e-9, "{logged} {total}");
     assert_eq!(lines(&dir.join("metrics.jsonl")).len(), 2);
+    // Every window of four decisions holds an unreadable reply, so a
+    // strategy is never chosen in it: the alarm is raised as soon as the
+    // window is full, while episodes are still being played, and stored.
+    let events = lines(&dir.join("run_events.jsonl"));
+    let first_alarm = events.iter().position(|e| e["kind"] == "alarm");
+    let last_end = events.iter().rposition(|e| e["kind"] == "episode_ended");
+    assert!(
+        first_alarm < last_end && first_alarm.is_some(),
+        "{events:?}"
+    );
+    assert!(
+        events[first_alarm.unwrap()]["message"]
+            .as_str()
+            .unwrap()
+            .contains("never chosen in the last 4 decisions"),
+        "{events:?}"
+    );
+    let stored = env.store().events("trl").unwrap();
+    assert!(
+        stored
+            .iter()
+            .any(|e| e.kind == evalfleet_core::types::EventKind::Alarm),
+        "{stored:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -845,20 +875,19 @@ async fn a_stopped_environment_run_resumes_with_its_done_episodes_kept() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(env.counts("res").pending, 2);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("env --resume res"), "{said}");
 
     let (mut server, url) = env_server(&env, &["--resume", "res", "--exit-when-done"]).await;
+    // The two left, and then (--exit-when-done) the server ends.
     let mut served = Vec::new();
-    loop {
+    for _ in 0..2 {
         let (status, answer) = post(&url, "/v1/reset", json!({})).await;
-        if status == 410 {
-            break;
-        }
         assert_eq!(status, 200, "{answer}");
         let id = answer["env_id"].as_str().unwrap().to_owned();
         play(&url, &id, json!(3)).await;
         served.push(id);
     }
-    assert_eq!(served.len(), 2);
     assert!(!served.contains(&first_id));
     let status = tokio::time::timeout(ms(20_000), server.wait())
         .await

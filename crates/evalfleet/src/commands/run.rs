@@ -413,6 +413,11 @@ pub(crate) async fn execute(session: Session, attendance: Attendance) -> anyhow:
             });
         }
     };
+    let resume = if trainer.is_some() {
+        "env --resume"
+    } else {
+        "resume"
+    };
     let mut code = conclude(
         &run_id,
         &location,
@@ -420,6 +425,7 @@ pub(crate) async fn execute(session: Session, attendance: Attendance) -> anyhow:
         elapsed,
         pending_at_start,
         &progress,
+        resume,
     );
     if let Some(settings) = conversation {
         let totals = super::simulate::conclude(&location, &run_id, &settings, trainer.is_some())?;
@@ -487,6 +493,7 @@ fn conclude(
     elapsed: Duration,
     pending_at_start: u64,
     progress: &Progress,
+    resume: &str,
 ) -> u8 {
     let counts = report.counts;
     let answered = pending_at_start.saturating_sub(counts.pending);
@@ -520,7 +527,7 @@ fn conclude(
         }
         RunStatus::Interrupted | RunStatus::Running => {
             ui::note(&format!(
-                "Run {run_id} interrupted{}: {} done, {} failed, {} pending. Resume: {program} resume {run_id}{store_flag}",
+                "Run {run_id} interrupted{}: {} done, {} failed, {} pending. Resume: {program} {resume} {run_id}{store_flag}",
                 report
                     .message
                     .as_deref()
