@@ -396,6 +396,10 @@ impl EpisodeState {
                 count(&|s| s.reward.preference_match_bonus > 0.0),
             ),
             ("invalid", count(&|s| !s.valid)),
+            (
+                "clipped_scores",
+                Score::value(f64::from(self.sim.clipped_scores())),
+            ),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))
