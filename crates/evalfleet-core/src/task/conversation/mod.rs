@@ -352,7 +352,9 @@ impl EpisodeState {
         Step::Call(Request {
             target,
             messages: raw,
-            sample: self.sample,
+            // A conversation started again is asked anew, not answered
+            // from the cache with its first opening's lines.
+            sample: self.sample.wrapping_add(self.sim.restarts()),
             rejected,
             prompt: None,
             images: Default::default(),

@@ -315,6 +315,11 @@ impl Sim {
         &self.steps
     }
 
+    /// How often the conversation started again.
+    pub fn restarts(&self) -> u32 {
+        self.restarts.len() as u32
+    }
+
     /// Scores outside [-1, 1] the scorer gave, clipped.
     pub fn clipped_scores(&self) -> u32 {
         self.clipped_scores
