@@ -29,8 +29,10 @@ transformers,
         return [out[0]["generated_text"] for out in outputs]
 
 and a PPO trainer takes each round's (prompts, replies, rewards) where the
-loop below says so (TRL: the prompts through the tokenizer's chat template
-as queries, the replies' tokens as responses, the rewards as tensors).
+loop below says so (TRL's `PPOTrainer.step(queries, responses, scores)`,
+up to TRL 0.11: the prompts through the tokenizer's chat template as
+query tensors, the replies' tokens as response tensors, a tensor per
+reward).
 
 Prints a JSON line per episode (its actions, the model's replies and the
 rewards) and one per batch; needs no package outside the standard library.
@@ -143,8 +145,9 @@ def rollout(url, generate, batch_size, wait_s, out):
                     record["ended"] = "terminated" if answer["terminated"] else "truncated"
                 else:
                     going_on.append((env_id, answer["observation"]))
-            # A PPO trainer steps here: ppo_trainer.step(queries(prompts),
-            # responses(replies), [torch.tensor(r) for r in rewards]).
+            # A PPO trainer steps here, with this round's prompts, replies
+            # and rewards: ppo_trainer.step(queries, responses,
+            # [torch.tensor(r) for r in rewards]).
             batch_reward += sum(rewards)
             live = going_on
         for record in records.values():
