@@ -598,7 +598,7 @@ async fn resets_answer_at_once_and_closed_episodes_stop_and_count_in_no_statisti
     let env = Env::new();
     let _mocks = spread(&env, 2, "    policy: { kind: random }\n").await;
     // Two episodes under way at once (--envs 1), three in all; an episode a
-    // trainer holds has 3 s to get its action.
+    // trainer holds has 4 s to get its action.
     let (server, url) = env_server(
         &env,
         &[
@@ -610,7 +610,7 @@ async fn resets_answer_at_once_and_closed_episodes_stop_and_count_in_no_statisti
             "--max-steps",
             "1",
             "--action-timeout",
-            "3s",
+            "4s",
             "--run-id",
             "life",
         ],
@@ -663,7 +663,7 @@ async fn resets_answer_at_once_and_closed_episodes_stop_and_count_in_no_statisti
         tokio::time::sleep(ms(20)).await;
     }
     // Longer than the action timeout: time passing, not a wait for it.
-    tokio::time::sleep(ms(3_500)).await;
+    tokio::time::sleep(ms(4_500)).await;
     let (status, c) = post(&url, "/v1/reset", json!({"wait_s": 1})).await;
     assert_eq!(status, 200, "{c}");
     let c_id = c["env_id"].as_str().unwrap().to_owned();
