@@ -266,7 +266,10 @@ impl Node {
                     // The first line that is not a comment carries the dash.
                     let mut dashed = false;
                     for line in block.lines() {
-                        if !dashed && !line.trim_start().starts_with('#') {
+                        if !dashed && line.trim_start().starts_with('#') {
+                            out.push_str(&pad);
+                            out.push_str(line.trim_start());
+                        } else if !dashed {
                             out.push_str(&pad);
                             out.push_str("- ");
                             out.push_str(line.get(indent + 2..).unwrap_or(line.trim_start()));
@@ -326,8 +329,29 @@ fn yaml_scalar(value: &Value, indent: usize) -> String {
             }
             return out;
         }
+        if plain(s) {
+            return s.clone();
+        }
     }
     value.to_string()
+}
+
+/// Whether YAML reads `s` unquoted as this very text: words, names,
+/// URLs, model names (`qwen3:8b`), Japanese; nothing that could be read
+/// as a number, a boolean or null, or that holds YAML's signs.
+fn plain(s: &str) -> bool {
+    let Some(first) = s.chars().next() else {
+        return false;
+    };
+    let reserved = [
+        "true", "false", "null", "yes", "no", "on", "off", "y", "n", "~",
+    ];
+    first.is_alphabetic()
+        && !reserved.contains(&s.to_ascii_lowercase().as_str())
+        && !s.ends_with(':')
+        && !s.contains(": ")
+        && s.chars()
+            .all(|c| c.is_alphanumeric() || matches!(c, '_' | '-' | '.' | '/' | ':' | '@'))
 }
 
 /// A server the converted config's endpoints call.

@@ -6,7 +6,7 @@
 use std::io::Write;
 use std::sync::Arc;
 
-use evalfleet_core::config::{self, Overrides};
+use evalfleet_core::config::Overrides;
 use evalfleet_core::task::conversation::gym::Gym;
 use evalfleet_server::env::{EnvServer, serve_env};
 use tokio::net::TcpListener;
@@ -23,7 +23,7 @@ pub async fn env(args: EnvArgs) -> anyhow::Result<u8> {
         external_policy: true,
         ..Overrides::default()
     };
-    let loaded = config::load_file(&args.config, overrides)?;
+    let loaded = super::convert::load(&args.config, overrides)?;
     super::simulate::require_conversation(loaded.config.task.kind.conversation(), &args.config)?;
     let episodes = loaded
         .config
