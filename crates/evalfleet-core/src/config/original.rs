@@ -1225,7 +1225,12 @@ impl Reader<'_> {
             }
         }
         if decay.is_some() || self.present("scorer.use_ema") {
-            fields.push(entry("ema_formula", scalar("adaptive")).said(
+            let from = if decay.is_some() {
+                "scorer.decay_factor"
+            } else {
+                "scorer.use_ema"
+            };
+            fields.push(entry("ema_formula", scalar("adaptive")).from(from).said(
                 "The original's smoothing: alpha = clamp(decay_factor x s / (s + past), 0.01, 1)",
             ));
         }
