@@ -718,14 +718,11 @@ impl Reader<'_> {
         if let Some(messages) = self.topic_messages(&personas) {
             topic.push(messages);
         }
-        match self.boolean("topic_manager.enable") {
-            Some(false) => {
-                self.note(
-                    "topic_manager.enable",
-                    "without a topic generator, give the topics yourself (task.conversation.topics: [...]); without them each episode's topic is asked of the topic call",
-                );
-            }
-            _ => {}
+        if self.boolean("topic_manager.enable") == Some(false) {
+            self.note(
+                "topic_manager.enable",
+                "without a topic generator, give the topics yourself (task.conversation.topics: [...]); without them each episode's topic is asked of the topic call",
+            );
         }
         self.note_rest(
             "topic_manager",
@@ -1216,13 +1213,13 @@ impl Reader<'_> {
             fields.push(entry("use_ema", scalar(on)).from("scorer.use_ema"));
         }
         let decay = self.number("scorer.decay_factor");
-        if let Some(decay) = decay {
-            if decay <= 0.0 {
-                self.problem(
-                    "scorer.decay_factor",
-                    format!("must be above 0, got {decay}"),
-                );
-            }
+        if let Some(decay) = decay
+            && decay <= 0.0
+        {
+            self.problem(
+                "scorer.decay_factor",
+                format!("must be above 0, got {decay}"),
+            );
         }
         if decay.is_some() || self.present("scorer.use_ema") {
             let from = if decay.is_some() {

@@ -221,7 +221,7 @@ impl Lexicon {
             .collect();
         // The longest word first, so that the first one found where the
         // scan stands is the longest there.
-        entries.sort_by(|a, b| b.0.len().cmp(&a.0.len()));
+        entries.sort_by_key(|(word, _)| std::cmp::Reverse(word.len()));
         Self(entries)
     }
 
