@@ -9,18 +9,11 @@ use std::path::Path;
 use evalfleet_mock::MockSettings;
 use serde_json::Value;
 
+use crate::conversation::lines as jsonl;
 use crate::util::{Env, Ran, mock};
 
 fn examples() -> &'static Path {
     Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples"))
-}
-
-fn jsonl(path: &Path) -> Vec<Value> {
-    std::fs::read_to_string(path)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

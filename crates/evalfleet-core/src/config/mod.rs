@@ -535,25 +535,7 @@ fn convert_original(
         .map_err(|message| {
             validate::invalid(origin.clone(), document, vec![(String::new(), message)])
         })?;
-    let stem = file
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let name: String = stem
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') {
-                c
-            } else {
-                '-'
-            }
-        })
-        .collect();
-    let name = if name.trim_matches(['-', '.']).is_empty() {
-        "conversation".to_owned()
-    } else {
-        name
-    };
+    let name = original::run_name(file);
     original::convert(document, &origin, &name, &vars)
         .map_err(|problems| validate::invalid(origin, document, problems))
 }

@@ -627,9 +627,9 @@ impl Reader<'_> {
                         .ok()
                         .and_then(|u| u.host_str().map(str::to_owned))
                         .unwrap_or_default();
-                    format!("ollama-{}", sanitize(&host))
+                    format!("ollama-{}", sanitize(&host, "server"))
                 }
-                Server::Azure(_) => format!("azure-{}", sanitize(&target.model)),
+                Server::Azure(_) => format!("azure-{}", sanitize(&target.model, "model")),
             };
             let mut name = base.clone();
             let mut n = 2;
@@ -1086,32 +1086,21 @@ impl Reader<'_> {
         let fallback = self.whole("env.max_history");
         let mut fields = Vec::new();
         let mut said = Vec::new();
-        let persona = self.whole("env.max_history_human");
-        fields.push(match persona {
-            Some(n) => entry("persona", scalar(n)).from("env.max_history_human"),
-            None => entry("persona", scalar(PERSONA_WINDOW)),
-        });
-        said.push(format!(
-            "persona: env.max_history_human{}",
-            if persona.is_none() {
-                " (the original's default, 12)"
-            } else {
-                ""
+        for (key, at, default) in [
+            ("persona", "env.max_history_human", PERSONA_WINDOW),
+            ("scorer", "env.max_history_relation", SCORER_WINDOW),
+        ] {
+            match self.whole(at) {
+                Some(n) => {
+                    fields.push(entry(key, scalar(n)).from(at));
+                    said.push(format!("{key}: {at}"));
+                }
+                None => {
+                    fields.push(entry(key, scalar(default)));
+                    said.push(format!("{key}: {at} (the original's default, {default})"));
+                }
             }
-        ));
-        let scorer = self.whole("env.max_history_relation");
-        fields.push(match scorer {
-            Some(n) => entry("scorer", scalar(n)).from("env.max_history_relation"),
-            None => entry("scorer", scalar(SCORER_WINDOW)),
-        });
-        said.push(format!(
-            "scorer: env.max_history_relation{}",
-            if scorer.is_none() {
-                " (the original's default, 3)"
-            } else {
-                ""
-            }
-        ));
+        }
         let mut fallback_used = false;
         for (key, at) in [
             ("policy", "env.intervention_max_history"),
@@ -1546,9 +1535,20 @@ fn azure_v1(url: &str) -> String {
     }
 }
 
-/// A name made of letters, digits, `-`, `_` and `.`.
-fn sanitize(model: &str) -> String {
-    let name: String = model
+/// The run's name for a config read from `file`: its name without the
+/// extension, made a name.
+pub(super) fn run_name(file: &std::path::Path) -> String {
+    let stem = file
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    sanitize(&stem, "conversation")
+}
+
+/// `text` made a name of letters, digits, `-`, `_` and `.` (the others
+/// become `-`), or `or` when none of them is left.
+fn sanitize(text: &str, or: &str) -> String {
+    let name: String = text
         .chars()
         .map(|c| {
             if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') {
@@ -1558,8 +1558,8 @@ fn sanitize(model: &str) -> String {
             }
         })
         .collect();
-    if name.trim_matches('-').is_empty() {
-        "model".to_owned()
+    if name.trim_matches(['-', '.']).is_empty() {
+        or.to_owned()
     } else {
         name
     }
