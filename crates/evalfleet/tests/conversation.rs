@@ -26,32 +26,38 @@ fn script() -> String {
         (5, [0.5, 0.4, -0.6]),
         (6, [0.5, 0.4, 0.1]),
         (7, [0.5, 0.4, 0.2]), // horizon: +++ and CA positive
-        (8, [0.5, 0.4, 0.3]),
-        (9, [0.5, 0.4, 0.3]), // end: still so: stable bonus
+        (8, [0.5, 0.4, 0.3]), // still so after each utterance of the
+        (9, [0.5, 0.4, 0.3]), // duration: the stable bonus
         // Stable at 9: skipped. Turn 10: +-+ aimed at BC; C is worse off
         // with A (CA 0.3 < AB 0.5): C again.
         (10, [0.5, -0.2, 0.3]),
         (11, [0.5, -0.2, 0.3]),
         (12, [0.5, 0.1, 0.3]),
-        (13, [0.5, 0.1, 0.3]), // horizon: holds
-        (14, [0.5, 0.1, 0.3]),
-        (15, [0.5, -0.1, 0.3]), // end: lost: no stable bonus
+        (13, [0.5, 0.0, 0.3]),  // horizon: BC at 0 is positive: holds
+        (14, [0.5, -0.1, 0.3]), // a dip: lost, and the step ends here
+        (15, [0.5, 0.2, 0.3]),  // never asked
     ] {
         lines.push(score(0, turn, t));
     }
     lines.push(json!({"prompt": "policy 0 0", "replies": ["3"]}));
     // Not a digit: asked again, then validate.
     lines.push(json!({"prompt": "policy 0 1", "replies": ["I would bridge", "1"]}));
-    // Episode 1. Turn 4: --- aimed at AB (the lowest); of A and B, A is
-    // worse off with C (CA -0.4 < BC -0.3): A (need: recognition).
+    // Episode 1. Turn 4: --- aimed at BC, the edge closest to 0; of B and
+    // C, B is worse off with A (AB -0.5 < CA -0.4): B (need: mediation).
     lines.push(score(1, 4, [-0.5, -0.3, -0.4]));
+    // Unreadable, then the original scorer's way: pairs in any order.
     lines.push(json!({"prompt": "score 1 5",
-        "replies": ["they get along fine", "AB: -0.5, BC: -0.3, CA: -0.4"]}));
-    for turn in 6..=12 {
-        // -+-: stable through BC while the target AB stays negative.
-        lines.push(score(1, turn, [-0.2, 0.6, -0.3]));
+        "replies": ["they get along fine", "B-A: -0.5\nC-B: -0.3\nA-C: -0.4"]}));
+    // A value outside [-1, 1]: clipped, and counted.
+    lines.push(
+        json!({"prompt": "score 1 6", "replies": ["{\"AB\": -0.5, \"BC\": -1.6, \"CA\": -0.4}"]}),
+    );
+    for turn in 7..=12 {
+        // +--: stable through AB while the target BC stays negative: the
+        // step is lost at its horizon (7) and ends there.
+        lines.push(score(1, turn, [0.2, -0.6, -0.3]));
     }
-    lines.push(json!({"prompt": "policy 1 0", "replies": ["1"]}));
+    lines.push(json!({"prompt": "policy 1 0", "replies": ["2"]}));
     lines
         .iter()
         .map(Value::to_string)
@@ -130,9 +136,10 @@ async fn scripted_episodes_earn_exactly_the_rewards_worked_out_by_hand() {
     assert_eq!(s["robot"], "robot 0 0 plan Cy");
     assert_eq!(s["at_horizon"]["stable"], true);
     assert_eq!(s["at_horizon"]["target_positive"], true);
+    assert_eq!(s["checks"].as_array().unwrap().len(), 3);
     assert_eq!(
         s["reward"],
-        json!({"stable_bonus": 2.0, "preference_match_bonus": 0.5, "total": 2.5})
+        json!({"stable_bonus": 2.0, "preference_match_bonus": 0.5, "invalid_penalty": 0.0, "total": 2.5})
     );
     // Five human utterances and the robot's in the step.
     assert_eq!(s["utterances"].as_array().unwrap().len(), 6);
@@ -150,9 +157,11 @@ async fn scripted_episodes_earn_exactly_the_rewards_worked_out_by_hand() {
     assert_eq!(s["policy_reply"], "1");
     assert_eq!(s["at_horizon"]["target_positive"], true);
     assert_eq!(s["at_end"]["target_positive"], false);
+    assert_eq!(s["cut_short"], true);
+    assert_eq!(s["checks"].as_array().unwrap().len(), 2);
     assert_eq!(s["reward"]["total"], 0.0);
-    // A step begun before the last round is played out: 15 utterances.
-    assert_eq!(e0["human_utterances"], 15);
+    // A step begun before the last round runs past it, here to its dip.
+    assert_eq!(e0["human_utterances"], 14);
     assert_eq!(e0["ending"], "terminated");
     let scores = &rows["0"]["scores"];
     assert_eq!(scores["reward"]["value"], 2.5);
@@ -167,23 +176,27 @@ async fn scripted_episodes_earn_exactly_the_rewards_worked_out_by_hand() {
     let s = &steps[0];
     assert_eq!(
         (s["target_edge"].as_str(), s["target_speaker"].as_str()),
-        (Some("AB"), Some("A"))
+        (Some("BC"), Some("B"))
     );
-    assert_eq!(s["strategy"], "validate");
-    // Stable at the horizon and the end, but through BC: no stable bonus.
+    assert_eq!(s["strategy"], "bridge");
+    // Stable at the horizon, but through AB: no stable bonus, and the step
+    // ends at that check.
     assert_eq!(s["at_horizon"]["stable"], true);
     assert_eq!(s["at_horizon"]["target_positive"], false);
+    assert_eq!(s["checks"].as_array().unwrap().len(), 1);
     assert_eq!(
         s["reward"],
-        json!({"stable_bonus": 0.0, "preference_match_bonus": 0.5, "total": 0.5})
+        json!({"stable_bonus": 0.0, "preference_match_bonus": 0.5, "invalid_penalty": 0.0, "total": 0.5})
     );
     assert_eq!(e1["human_utterances"], 12);
     assert_eq!(e1["invalid_scores"], 1);
+    assert_eq!(e1["clipped_scores"], 1);
+    assert_eq!(rows["1"]["scores"]["clipped_scores"]["value"], 1.0);
     assert_eq!(rows["1"]["scores"]["reward"]["value"], 0.5);
 
-    // The calls of an episode are its attempts: 15 utterances, 12
+    // The calls of an episode are its attempts: 14 utterances, 11
     // scores, 3 policy replies (one asked again), 2 robot lines.
-    assert_eq!(rows["0"]["attempts"], 32);
+    assert_eq!(rows["0"]["attempts"], 30);
 
     let dir = env.path("runs/talk");
     let summary = lines(&dir.join("conversation_summary.jsonl"));
@@ -203,7 +216,7 @@ async fn scripted_episodes_earn_exactly_the_rewards_worked_out_by_hand() {
         [
             ("0".to_owned(), 0, "plan".to_owned(), 2.5),
             ("0".to_owned(), 1, "validate".to_owned(), 0.0),
-            ("1".to_owned(), 0, "validate".to_owned(), 0.5),
+            ("1".to_owned(), 0, "bridge".to_owned(), 0.5),
         ]
     );
     let batches = lines(&dir.join("batch_summary.jsonl"));
@@ -213,11 +226,12 @@ async fn scripted_episodes_earn_exactly_the_rewards_worked_out_by_hand() {
         (b["episodes"].as_u64(), b["steps"].as_u64()),
         (Some(2), Some(3))
     );
-    assert_eq!(b["strategy_distribution"]["validate"], 2);
+    assert_eq!(b["strategy_distribution"]["validate"], 1);
+    assert_eq!(b["strategy_distribution"]["bridge"], 1);
     assert_eq!(b["strategy_distribution"]["plan"], 1);
     assert_eq!(b["total_reward"], 3.0);
     assert_eq!(b["interventions"], 3);
-    let h = -(2.0f64 / 3.0) * (2.0f64 / 3.0).log2() - (1.0f64 / 3.0) * (1.0f64 / 3.0).log2();
+    let h = 3.0f64.log2();
     assert!(
         (b["entropy_bits"].as_f64().unwrap() - h).abs() < 1e-9,
         "{b}"

@@ -10,7 +10,7 @@ use serde_json::Value;
 use super::MessageTemplate;
 use super::raw;
 use super::validate::{Problems, message_list};
-use crate::eval::balance::{Need, RewardSettings, Strategy};
+use crate::eval::balance::{Need, RewardSettings, Strategy, TargetRule};
 
 /// `task.conversation:`.
 #[derive(Debug, Clone, PartialEq)]
@@ -50,11 +50,14 @@ pub struct ConversationSettings {
     pub robot: CallSettings,
     pub rewards: RewardSettings,
     /// Skip stable states (which can earn no reward) by letting the humans
-    /// talk on, up to `max_auto_skip` utterances; then a new topic is set
-    /// (before the first decision) or the episode ends. Default true.
+    /// talk on, up to `max_auto_skip` utterances; then the conversation
+    /// starts again on a new topic (before the first decision, as often as
+    /// `topic_restarts`) or the episode ends. Default true.
     pub filter_zero_rewards: bool,
     /// Default 10.
     pub max_auto_skip: u32,
+    /// Default 1.
+    pub topic_restarts: u32,
     pub alarms: AlarmSettings,
     /// Episodes per line of `batch_summary.jsonl`. Default 10.
     pub batch_size: u32,
@@ -137,10 +140,10 @@ pub struct ScorerSettings {
     /// counted, `docs/conversation.md`).
     pub kind: ScorerKind,
     pub call: CallSettings,
-    /// Smooth each edge: `decay_factor x previous + (1 - decay_factor) x
-    /// new`. Default false.
+    /// Smooth each edge with the last (`ema_formula`). Default false.
     pub use_ema: bool,
-    /// Default 0.5.
+    pub ema_formula: EmaFormula,
+    /// Default 0.5 (`fixed`), 1.5 (`adaptive`).
     pub decay_factor: f64,
     /// Nothing is scored (and no reward computed) during the first N human
     /// utterances. Default 3.
@@ -148,6 +151,19 @@ pub struct ScorerSettings {
     /// Re-asks of a reply that cannot be read; then the episode fails.
     /// Default 2.
     pub max_reasks: u32,
+}
+
+/// How `use_ema` smooths a relation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EmaFormula {
+    /// `decay_factor x previous + (1 - decay_factor) x new`.
+    Fixed,
+    /// The original system's: per pair, `alpha = clamp(decay_factor x s /
+    /// (s + past), 0.01, 1)` where `s` is the fewer of the two people's new
+    /// utterances in the scorer's window since the last score and `past`
+    /// the sum of the pair's last three `s`; `alpha x new + (1 - alpha) x
+    /// previous`.
+    Adaptive,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -198,7 +214,7 @@ const TOPIC_SYSTEM: &str = "You suggest topics for a conversation among three pe
 const TOPIC_USER: &str = "Suggest one new topic in under ten words{% if used_topics %}, different from these: {{ used_topics | join('; ') }}{% endif %}. Reply with the topic only.";
 const SCORER_SYSTEM: &str = "You rate the relations between three people in a conversation: A ({{ name_a }}), B ({{ name_b }}) and C ({{ name_c }}).";
 const SCORER_USER: &str = "{{ history_text }}\n\nRate each pair's relation from -1 (hostile) to 1 (warm). Reply with JSON only: {\"AB\": number, \"BC\": number, \"CA\": number}";
-const POLICY_SYSTEM: &str = "You are a robot mediator in a conversation among {{ name_a }} (A), {{ name_b }} (B) and {{ name_c }} (C). Choose how to intervene: 1 validate (acknowledge the feelings of the person addressed), 2 bridge (point out common ground between the two in conflict), 3 plan (propose a concrete next step), 4 no_intervention (stay silent). Reply with the digit only.";
+const POLICY_SYSTEM: &str = "You are a robot mediator in a conversation among {{ name_a }} (A), {{ name_b }} (B) and {{ name_c }} (C). Choose how to intervene: 1 validate (acknowledge the feelings of the person addressed), 2 bridge (point out common ground between the two in conflict), 3 plan (propose a concrete next step), 4 no_intervention (stay silent).\nEach person has an emotional need; infer the addressed person's from what they say, and choose the strategy that answers it:\n- recognition (wants their feelings and views acknowledged): 1 validate\n- mediation (wants the conflict softened and the two brought together): 2 bridge\n- solution (wants a concrete direction or action): 3 plan\n- independence (wants to settle it themselves, without interference): 4 no_intervention\nReply with the digit only.";
 const POLICY_USER: &str = "Conversation:\n{{ history_text }}\n\nRelations: AB {{ relations.AB }}, BC {{ relations.BC }}, CA {{ relations.CA }}. The strained relation is {{ target_edge }}; the person to address is {{ target_name }} ({{ target_speaker }}). Your choice (1-4):";
 const ROBOT_SYSTEM: &str = "You are a robot mediator in a conversation among {{ name_a }} (A), {{ name_b }} (B) and {{ name_c }} (C). Speak briefly: one or two sentences.";
 const ROBOT_USER: &str = "Conversation:\n{{ history_text }}\n\nYour strategy: {{ strategy }} ({{ strategy_text }}). Address {{ target_name }}. Reply with your utterance only.";
@@ -362,11 +378,20 @@ struct RawScorer {
     /// `llm`: the endpoint (by name, with `role: judge`) that scores.
     /// Default: the endpoints that answer items.
     endpoint: Option<String>,
-    /// Smooth each relation: `decay_factor` × previous + (1 −
-    /// `decay_factor`) × new. Default `false`.
+    /// Smooth each relation with the previous score, by `ema_formula`.
+    /// Default `false`.
     use_ema: Option<bool>,
-    /// The weight of the previous score when smoothing, at least 0 and
-    /// below 1. Default 0.5.
+    /// `fixed`: `decay_factor` × previous + (1 − `decay_factor`) × new.
+    /// `adaptive` (the original system's): per pair, alpha =
+    /// clamp(`decay_factor` × s / (s + past), 0.01, 1), where s is the fewer
+    /// of the two people's new utterances in the scorer's window since the
+    /// last score and past the sum of the pair's last three s; then alpha ×
+    /// new + (1 − alpha) × previous. A pair's first score is taken as is.
+    /// Default `fixed`.
+    ema_formula: Option<String>,
+    /// `fixed`: the weight of the previous score, at least 0 and below 1.
+    /// `adaptive`: the factor of alpha, above 0. Default 0.5 (`fixed`), 1.5
+    /// (`adaptive`).
     decay_factor: Option<f64>,
     /// Nothing is scored (and no reward computed) during the first N human
     /// utterances. Default 3.
@@ -406,8 +431,8 @@ struct RawPolicy {
 struct RawRewards {
     /// Earned when, `evaluation_horizon` human utterances after the
     /// decision, the target relation is positive and the triangle is
-    /// stable, and both still hold `terminal_bonus_duration` utterances
-    /// later. Default 2.0.
+    /// stable, and both still hold after each of the next
+    /// `terminal_bonus_duration` utterances. Default 2.0.
     stable_bonus: Option<f64>,
     /// Earned when the strategy answers the need of the target speaker (the
     /// person addressed). Default 0.5.
@@ -415,15 +440,33 @@ struct RawRewards {
     /// Human utterances after a decision at which the target relation and
     /// the triangle are first checked, at least 1. Default 3.
     evaluation_horizon: Option<u32>,
-    /// Human utterances after that for which both must still hold. Default
-    /// 2.
+    /// Human utterances after that through which both must still hold
+    /// (checked after each). Default 2.
     terminal_bonus_duration: Option<u32>,
+    /// The negative relation a decision aims at in an unstable triangle:
+    /// `closest_to_zero` (the cheapest to turn positive, as the original
+    /// system) or `most_negative`. Default `closest_to_zero`.
+    target_edge: Option<String>,
+    /// End a step at the first check that loses the stable bonus (at the
+    /// horizon or inside the duration), rather than playing its remaining
+    /// utterances for a bonus that can no longer be paid. Default `true`.
+    end_step_when_lost: Option<bool>,
+    /// What an invalid decision (a policy reply that is not a strategy, a
+    /// trainer's `invalid` action, or no action in time) costs: its reward
+    /// is minus this, at least 0. Default 1.0.
+    invalid_penalty: Option<f64>,
     /// Skip stable states (which can earn no reward) by letting the humans
-    /// talk on, up to `max_auto_skip` utterances; then a new topic is set
-    /// (before the first decision) or the episode ends. Default `true`.
+    /// talk on, up to `max_auto_skip` utterances; then the conversation
+    /// starts again on a new topic (before the first decision, as often as
+    /// `topic_restarts`) or the episode ends. Default `true`.
     filter_zero_rewards: Option<bool>,
     /// The most utterances skipped that way. Default 10.
     max_auto_skip: Option<u32>,
+    /// How often an opening that stays stable through `max_auto_skip`
+    /// utterances starts again on a new topic (fresh history and
+    /// relations, the round budget restored); then the episode ends.
+    /// Default 1.
+    topic_restarts: Option<u32>,
 }
 
 /// Alarms of policy collapse, over the last `window` decisions of the run.
@@ -616,14 +659,42 @@ pub(super) fn conversation(
                 ScorerKind::Llm
             }
         };
-        let decay_factor = raw.decay_factor.unwrap_or(0.5);
-        if !(0.0..1.0).contains(&decay_factor) {
-            bad(
-                p,
-                "scorer.decay_factor",
-                format!("must be at least 0 and below 1, got {decay_factor}"),
-            );
-        }
+        let ema_formula = match raw.ema_formula.as_deref() {
+            None | Some("fixed") => EmaFormula::Fixed,
+            Some("adaptive") => EmaFormula::Adaptive,
+            Some(other) => {
+                bad(
+                    p,
+                    "scorer.ema_formula",
+                    format!("must be fixed or adaptive, got '{other}'"),
+                );
+                EmaFormula::Fixed
+            }
+        };
+        let decay_factor = match ema_formula {
+            EmaFormula::Fixed => {
+                let d = raw.decay_factor.unwrap_or(0.5);
+                if !(0.0..1.0).contains(&d) {
+                    bad(
+                        p,
+                        "scorer.decay_factor",
+                        format!("must be at least 0 and below 1 (ema_formula: fixed), got {d}"),
+                    );
+                }
+                d
+            }
+            EmaFormula::Adaptive => {
+                let d = raw.decay_factor.unwrap_or(1.5);
+                if !(d.is_finite() && d > 0.0) {
+                    bad(
+                        p,
+                        "scorer.decay_factor",
+                        format!("must be above 0 (ema_formula: adaptive), got {d}"),
+                    );
+                }
+                d
+            }
+        };
         call(
             Some(RawCall {
                 messages: raw.messages,
@@ -638,6 +709,7 @@ pub(super) fn conversation(
             kind,
             call,
             use_ema: raw.use_ema.unwrap_or(false),
+            ema_formula,
             decay_factor,
             start_after: raw.start_relation_check_after_utterances.unwrap_or(3),
             max_reasks: raw.max_reasks.unwrap_or(2),
@@ -715,7 +787,40 @@ pub(super) fn conversation(
         terminal_bonus_duration: raw_rewards
             .terminal_bonus_duration
             .unwrap_or(defaults.terminal_bonus_duration),
+        target_rule: match raw_rewards.target_edge.as_deref() {
+            None => defaults.target_rule,
+            Some(name) => match [TargetRule::ClosestToZero, TargetRule::MostNegative]
+                .into_iter()
+                .find(|r| r.as_str() == name)
+            {
+                Some(rule) => rule,
+                None => {
+                    bad(
+                        p,
+                        "rewards.target_edge",
+                        format!("must be closest_to_zero or most_negative, got '{name}'"),
+                    );
+                    defaults.target_rule
+                }
+            },
+        },
+        end_step_when_lost: raw_rewards
+            .end_step_when_lost
+            .unwrap_or(defaults.end_step_when_lost),
+        invalid_penalty: raw_rewards
+            .invalid_penalty
+            .unwrap_or(defaults.invalid_penalty),
     };
+    if !(rewards.invalid_penalty.is_finite() && rewards.invalid_penalty >= 0.0) {
+        bad(
+            p,
+            "rewards.invalid_penalty",
+            format!(
+                "must be a number at least 0, got {}",
+                rewards.invalid_penalty
+            ),
+        );
+    }
     for (key, value) in [
         ("stable_bonus", rewards.stable_bonus),
         ("preference_match_bonus", rewards.preference_match_bonus),
@@ -771,6 +876,7 @@ pub(super) fn conversation(
         rewards,
         filter_zero_rewards: raw_rewards.filter_zero_rewards.unwrap_or(true),
         max_auto_skip: raw_rewards.max_auto_skip.unwrap_or(10),
+        topic_restarts: raw_rewards.topic_restarts.unwrap_or(1),
         alarms,
         batch_size,
     };

@@ -33,8 +33,8 @@ use serde_json::{Map, Value};
 
 pub use admission::Admission;
 pub use conversation::{
-    AlarmSettings, CallSettings, ConversationSettings, HistoryWindows, Persona, PolicyKind,
-    PolicySettings, ScorerKind, ScorerSettings, ToneWords,
+    AlarmSettings, CallSettings, ConversationSettings, EmaFormula, HistoryWindows, Persona,
+    PolicyKind, PolicySettings, ScorerKind, ScorerSettings, ToneWords,
 };
 pub use endpoint::{
     AimdSettings, EndpointConfig, EndpointKind, EndpointRole, Engine, HealthSettings, LimitMode,

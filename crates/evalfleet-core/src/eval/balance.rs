@@ -3,8 +3,8 @@
 //! `docs/conversation.md` states them. Pure arithmetic: no calls, no clocks.
 //!
 //! - An edge (AB, BC, CA) holds a relation in [-1, 1]; it is **positive**
-//!   when its value is above 0, otherwise **negative** (0 counts as
-//!   negative: no warmth is not a good relation).
+//!   when its value is at least 0, otherwise **negative** (0 counts as
+//!   positive, as in the system evalfleet replaces: `>= 0` is `+`).
 //! - A triangle is **stable** when all three edges are positive or exactly
 //!   one is (+++, +--, -+-, --+); otherwise (++-, +-+, -++, ---) unstable.
 //! - Its **instability** is the least total weight of sign flips that makes
@@ -12,9 +12,11 @@
 //!   flip always suffices (from two positives, flip the negative or one of
 //!   the positives; from none, flip any), so it is the smallest absolute
 //!   value of the three, and 0 for a stable triangle.
-//! - The **target edge** of an unstable triangle is its negative edge of
-//!   lowest value; of equal values, the first in the order AB, BC, CA. A
-//!   stable triangle has none.
+//! - The **target edge** of an unstable triangle is, by default
+//!   ([`TargetRule::ClosestToZero`]), its negative edge closest to 0 (the
+//!   cheapest to turn positive); with [`TargetRule::MostNegative`], its
+//!   negative edge of lowest value. Of equal values, the first in the order
+//!   AB, BC, CA. A stable triangle has none.
 //! - The **target speaker** is the one of the target edge's two people
 //!   whose relation with the third person is the lower (the one worse off
 //!   in the group); of equal values, the edge's first person (A of AB, B of
@@ -131,8 +133,9 @@ impl Triangle {
         }
     }
 
+    /// At least 0: 0 counts as positive.
     pub fn positive(&self, edge: Edge) -> bool {
-        self.get(edge) > 0.0
+        self.get(edge) >= 0.0
     }
 
     /// The signs, in the order AB, BC, CA (`+-+`).
@@ -159,18 +162,23 @@ impl Triangle {
             .fold(f64::INFINITY, f64::min)
     }
 
-    /// The edge an intervention aims at: the lowest negative edge of an
-    /// unstable triangle (ties: the first in AB, BC, CA).
-    pub fn target_edge(&self) -> Option<Edge> {
+    /// The edge an intervention aims at, among the negative edges of an
+    /// unstable triangle, by `rule` (ties: the first in AB, BC, CA).
+    pub fn target_edge(&self, rule: TargetRule) -> Option<Edge> {
         if self.stable() {
             return None;
         }
+        // How far an edge is from being chosen: the lower, the better.
+        let rank = |edge: Edge| match rule {
+            TargetRule::ClosestToZero => self.get(edge).abs(),
+            TargetRule::MostNegative => self.get(edge),
+        };
         let mut best: Option<Edge> = None;
         for edge in Edge::ALL {
             if self.positive(edge) {
                 continue;
             }
-            if best.is_none_or(|b| self.get(edge) < self.get(b)) {
+            if best.is_none_or(|b| rank(edge) < rank(b)) {
                 best = Some(edge);
             }
         }
@@ -198,6 +206,28 @@ impl Triangle {
             mix(self.bc, observed.bc),
             mix(self.ca, observed.ca),
         )
+    }
+}
+
+/// Which negative edge of an unstable triangle an intervention aims at
+/// (`rewards.target_edge`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TargetRule {
+    /// The one closest to 0, the cheapest flip (the original system's
+    /// rule; the default).
+    #[default]
+    ClosestToZero,
+    /// The one of lowest value.
+    MostNegative,
+}
+
+impl TargetRule {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::ClosestToZero => "closest_to_zero",
+            Self::MostNegative => "most_negative",
+        }
     }
 }
 
@@ -300,8 +330,16 @@ pub struct RewardSettings {
     /// Human utterances after the intervention at which the target edge and
     /// the triangle are first checked.
     pub evaluation_horizon: u32,
-    /// Human utterances after that for which both must still hold.
+    /// Human utterances after that through which both must still hold,
+    /// checked after each of them.
     pub terminal_bonus_duration: u32,
+    /// Which negative edge a decision aims at.
+    pub target_rule: TargetRule,
+    /// A step ends at the first check that fails (the bonus can no longer
+    /// be paid), rather than playing out its utterances.
+    pub end_step_when_lost: bool,
+    /// What an invalid decision costs: its reward is minus this.
+    pub invalid_penalty: f64,
 }
 
 impl Default for RewardSettings {
@@ -311,38 +349,62 @@ impl Default for RewardSettings {
             preference_match_bonus: 0.5,
             evaluation_horizon: 3,
             terminal_bonus_duration: 2,
+            target_rule: TargetRule::ClosestToZero,
+            end_step_when_lost: true,
+            invalid_penalty: 1.0,
         }
     }
 }
 
-/// The parts of one intervention's reward.
+/// The parts of one decision's reward.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 pub struct Reward {
     pub stable_bonus: f64,
     pub preference_match_bonus: f64,
+    /// What an invalid decision cost (0 or negative).
+    #[serde(default)]
+    pub invalid_penalty: f64,
     pub total: f64,
 }
 
-/// Whether an intervention aimed at `target` held: the target edge
-/// positive and the triangle stable at the horizon, and both still at the
-/// end of the bonus duration. A triangle made stable through another edge
-/// (the target still negative) earns nothing.
-pub fn held(target: Edge, at_horizon: &Triangle, at_end: &Triangle) -> bool {
-    let holds = |t: &Triangle| t.positive(target) && t.stable();
-    holds(at_horizon) && holds(at_end)
+impl Reward {
+    /// The reward of an invalid decision: the penalty alone.
+    pub fn invalid(settings: &RewardSettings) -> Reward {
+        Reward {
+            invalid_penalty: -settings.invalid_penalty,
+            total: -settings.invalid_penalty,
+            ..Reward::default()
+        }
+    }
+}
+
+/// Whether a triangle at a check keeps the bonus of an intervention aimed
+/// at `target`: the target edge positive and the triangle stable. A
+/// triangle made stable through another edge (the target still negative)
+/// does not.
+pub fn holds(target: Edge, triangle: &Triangle) -> bool {
+    triangle.positive(target) && triangle.stable()
+}
+
+/// Whether an intervention aimed at `target` held: at every check, from
+/// the horizon through each utterance of the bonus duration (`checks`, in
+/// order, all of them: a step cut short at a failed check has fewer than
+/// `1 + terminal_bonus_duration` and does not hold).
+pub fn held(settings: &RewardSettings, target: Edge, checks: &[Triangle]) -> bool {
+    checks.len() == 1 + settings.terminal_bonus_duration as usize
+        && checks.iter().all(|t| holds(target, t))
 }
 
 /// The reward of choosing `strategy` against `target` (spoken by a person
-/// whose need is `need`), given the triangle at the horizon and at the end.
+/// whose need is `need`), given the triangle at each check.
 pub fn reward(
     settings: &RewardSettings,
     strategy: Strategy,
     need: Need,
     target: Edge,
-    at_horizon: &Triangle,
-    at_end: &Triangle,
+    checks: &[Triangle],
 ) -> Reward {
-    let stable_bonus = if held(target, at_horizon, at_end) {
+    let stable_bonus = if held(settings, target, checks) {
         settings.stable_bonus
     } else {
         0.0
@@ -355,19 +417,21 @@ pub fn reward(
     Reward {
         stable_bonus,
         preference_match_bonus,
+        invalid_penalty: 0.0,
         total: stable_bonus + preference_match_bonus,
     }
 }
 
 /// The scores of a conversation episode: their keys, and the metrics they
 /// are stored as.
-pub const EPISODE_SCORES: [(&str, &str); 6] = [
+pub const EPISODE_SCORES: [(&str, &str); 7] = [
     ("reward", "episode_reward"),
     ("steps", "episode_steps"),
     ("interventions", "episode_interventions"),
     ("stabilised", "episode_stabilised"),
     ("preference_matches", "episode_preference_matches"),
     ("invalid", "episode_invalid"),
+    ("clipped_scores", "episode_clipped_scores"),
 ];
 
 /// Shannon entropy, in bits, of counts.
@@ -414,22 +478,34 @@ mod tests {
             let tri = t(v[0], v[1], v[2]);
             assert_eq!(tri.pattern(), pattern);
             assert_eq!(tri.stable(), stable, "{pattern}");
-            assert_eq!(tri.target_edge().is_none(), stable, "{pattern}");
+            assert_eq!(
+                tri.target_edge(TargetRule::ClosestToZero).is_none(),
+                stable,
+                "{pattern}"
+            );
         }
     }
 
     #[test]
-    fn zero_is_not_positive() {
-        // +, +, 0 has two positives: unstable, aimed at the zero edge.
+    fn zero_is_positive() {
+        // +, +, 0 is "+++": stable, nothing to aim at.
         let tri = t(0.4, 0.3, 0.0);
-        assert_eq!(tri.pattern(), "++-");
-        assert!(!tri.stable());
-        assert_eq!(tri.target_edge(), Some(Edge::CA));
+        assert_eq!(tri.pattern(), "+++");
+        assert!(tri.stable());
+        assert_eq!(tri.target_edge(TargetRule::ClosestToZero), None);
         assert_eq!(tri.instability(), 0.0);
-        // 0, 0, 0 is "---": unstable.
-        assert!(!t(0.0, 0.0, 0.0).stable());
-        // One positive and two zeros: stable.
-        assert!(t(0.1, 0.0, 0.0).stable());
+        // 0, 0, 0 is "+++" too.
+        assert!(t(0.0, 0.0, 0.0).stable());
+        // 0 beside two negatives is the one positive of "+--": stable.
+        assert_eq!(t(0.0, -0.2, -0.3).pattern(), "+--");
+        assert!(t(0.0, -0.2, -0.3).stable());
+        // 0 beside one positive and one negative: "++-", unstable, aimed at
+        // the negative one.
+        let tri = t(0.0, 0.5, -0.1);
+        assert_eq!(tri.pattern(), "++-");
+        assert_eq!(tri.target_edge(TargetRule::ClosestToZero), Some(Edge::CA));
+        // A hair below 0 is negative.
+        assert_eq!(t(-1e-9, 0.5, 0.5).pattern(), "-++");
     }
 
     #[test]
@@ -444,16 +520,50 @@ mod tests {
     }
 
     #[test]
-    fn the_target_edge_is_the_lowest_negative_with_ties_in_order() {
-        assert_eq!(t(-0.7, -0.3, -0.5).target_edge(), Some(Edge::AB));
-        assert_eq!(t(-0.3, -0.7, -0.5).target_edge(), Some(Edge::BC));
-        assert_eq!(t(0.5, 0.2, -0.1).target_edge(), Some(Edge::CA));
-        // Ties: the first of AB, BC, CA.
-        assert_eq!(t(-0.5, -0.5, -0.5).target_edge(), Some(Edge::AB));
-        assert_eq!(t(-0.2, -0.5, -0.5).target_edge(), Some(Edge::BC));
-        assert_eq!(t(0.3, -0.4, -0.4).target_edge(), None); // +-- is stable
-        assert_eq!(t(-0.4, 0.3, -0.4).target_edge(), None);
-        assert_eq!(t(-0.1, 0.3, 0.2).target_edge(), Some(Edge::AB));
+    fn the_target_edge_is_the_negative_closest_to_zero_in_every_all_negative_order() {
+        let rule = TargetRule::ClosestToZero;
+        // Every ordering of three distinct negative values: the one closest
+        // to 0 (-0.1) wins wherever it stands, and the cheapest flip
+        // (instability) is its absolute value.
+        let values = [-0.1, -0.4, -0.8];
+        let orders = [
+            [0, 1, 2],
+            [0, 2, 1],
+            [1, 0, 2],
+            [1, 2, 0],
+            [2, 0, 1],
+            [2, 1, 0],
+        ];
+        for order in orders {
+            let v = order.map(|i| values[i]);
+            let tri = t(v[0], v[1], v[2]);
+            assert_eq!(tri.pattern(), "---");
+            let at = order.iter().position(|&i| i == 0).unwrap();
+            assert_eq!(tri.target_edge(rule), Some(Edge::ALL[at]), "{v:?}");
+            assert!((tri.instability() - 0.1).abs() < 1e-12);
+            // The other rule takes the lowest (-0.8).
+            let lowest = order.iter().position(|&i| i == 2).unwrap();
+            assert_eq!(
+                tri.target_edge(TargetRule::MostNegative),
+                Some(Edge::ALL[lowest]),
+                "{v:?}"
+            );
+        }
+        // Ties: the first of AB, BC, CA, under both rules.
+        assert_eq!(t(-0.5, -0.5, -0.5).target_edge(rule), Some(Edge::AB));
+        assert_eq!(t(-0.5, -0.2, -0.2).target_edge(rule), Some(Edge::BC));
+        assert_eq!(t(-0.2, -0.5, -0.2).target_edge(rule), Some(Edge::AB));
+        assert_eq!(t(-0.3, -0.3, -0.1).target_edge(rule), Some(Edge::CA));
+        assert_eq!(
+            t(-0.2, -0.5, -0.5).target_edge(TargetRule::MostNegative),
+            Some(Edge::BC)
+        );
+        // One negative: both rules take it.
+        for rule in [TargetRule::ClosestToZero, TargetRule::MostNegative] {
+            assert_eq!(t(0.5, 0.2, -0.1).target_edge(rule), Some(Edge::CA));
+            assert_eq!(t(-0.1, 0.3, 0.2).target_edge(rule), Some(Edge::AB));
+            assert_eq!(t(0.3, -0.4, -0.4).target_edge(rule), None); // +-- is stable
+        }
     }
 
     #[test]
@@ -475,39 +585,45 @@ mod tests {
     }
 
     #[test]
-    fn rewards_need_the_target_edge_and_stability_at_both_checks() {
+    fn rewards_need_the_target_edge_and_stability_at_every_check() {
         let s = RewardSettings::default();
         let target = Edge::CA;
         let good = t(0.5, 0.4, 0.3);
         let bad = t(0.5, 0.4, -0.3);
-        // Held at the horizon and at the end: the stable bonus.
-        let r = reward(&s, Strategy::Plan, Need::Mediation, target, &good, &good);
+        let r = |checks: &[Triangle]| reward(&s, Strategy::Plan, Need::Mediation, target, checks);
+        // Held at the horizon and after each of the two utterances after it.
+        let got = r(&[good, good, good]);
         assert_eq!(
-            (r.stable_bonus, r.preference_match_bonus, r.total),
+            (got.stable_bonus, got.preference_match_bonus, got.total),
             (2.0, 0.0, 2.0)
         );
-        // Held at the horizon, lost before the end: nothing.
-        let r = reward(&s, Strategy::Plan, Need::Mediation, target, &good, &bad);
-        assert_eq!(r.total, 0.0);
-        // Reached only at the end: nothing.
-        let r = reward(&s, Strategy::Plan, Need::Mediation, target, &bad, &good);
-        assert_eq!(r.total, 0.0);
+        // A dip in between pays nothing, though it holds at both ends.
+        assert_eq!(r(&[good, bad, good]).total, 0.0);
+        // Lost at the end, or reached only after the horizon.
+        assert_eq!(r(&[good, good, bad]).total, 0.0);
+        assert_eq!(r(&[bad, good, good]).total, 0.0);
+        // A step cut short at its failed horizon check.
+        assert_eq!(r(&[bad]).total, 0.0);
         // Stable through another edge (+--, target CA still negative).
         let other = t(0.5, -0.4, -0.3);
         assert!(other.stable());
-        let r = reward(&s, Strategy::Plan, Need::Mediation, target, &other, &other);
-        assert_eq!(r.total, 0.0);
+        assert_eq!(r(&[other, other, other]).total, 0.0);
         // The target positive but the triangle unstable (++- elsewhere).
         let unstable = t(0.5, -0.4, 0.3);
-        let r = reward(
-            &s,
-            Strategy::Plan,
-            Need::Mediation,
-            target,
-            &unstable,
-            &unstable,
-        );
-        assert_eq!(r.total, 0.0);
+        assert_eq!(r(&[unstable, unstable, unstable]).total, 0.0);
+        // The target exactly 0 counts as positive.
+        let zero = t(0.5, 0.4, 0.0);
+        assert_eq!(r(&[zero, zero, zero]).total, 2.0);
+        // With no duration, the horizon alone.
+        let short = RewardSettings {
+            terminal_bonus_duration: 0,
+            ..s
+        };
+        let got = reward(&short, Strategy::Plan, Need::Mediation, target, &[good]);
+        assert_eq!(got.total, 2.0);
+        // An invalid decision costs the penalty.
+        let invalid = Reward::invalid(&s);
+        assert_eq!((invalid.invalid_penalty, invalid.total), (-1.0, -1.0));
     }
 
     #[test]
@@ -516,7 +632,7 @@ mod tests {
         let bad = t(0.5, 0.4, -0.3);
         for need in Need::ALL {
             for strategy in Strategy::ALL {
-                let r = reward(&s, strategy, need, Edge::CA, &bad, &bad);
+                let r = reward(&s, strategy, need, Edge::CA, &[bad, bad, bad]);
                 let expected = match (need, strategy) {
                     (Need::Recognition, Strategy::Validate)
                     | (Need::Mediation, Strategy::Bridge)
@@ -534,8 +650,7 @@ mod tests {
             Strategy::Validate,
             Need::Recognition,
             Edge::CA,
-            &good,
-            &good,
+            &[good, good, good],
         );
         assert_eq!(r.total, 2.5);
     }

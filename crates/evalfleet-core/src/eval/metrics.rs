@@ -105,7 +105,7 @@ pub const REGISTRY: &[MetricInfo] = &[
     },
     MetricInfo {
         name: "episode_reward",
-        version: 1,
+        version: 2,
         params: &[],
         higher_is_better: true,
         summary: "a conversation episode's total reward (kind: conversation)",
@@ -126,14 +126,14 @@ pub const REGISTRY: &[MetricInfo] = &[
     },
     MetricInfo {
         name: "episode_stabilised",
-        version: 1,
+        version: 2,
         params: &[],
         higher_is_better: true,
         summary: "decisions that earned the stable bonus",
     },
     MetricInfo {
         name: "episode_preference_matches",
-        version: 1,
+        version: 2,
         params: &[],
         higher_is_better: true,
         summary: "decisions whose strategy answered the target speaker's need",
@@ -144,6 +144,13 @@ pub const REGISTRY: &[MetricInfo] = &[
         params: &[],
         higher_is_better: false,
         summary: "decisions with no usable policy reply",
+    },
+    MetricInfo {
+        name: "episode_clipped_scores",
+        version: 1,
+        params: &[],
+        higher_is_better: false,
+        summary: "relation scores outside [-1, 1] the scorer gave, clipped",
     },
     MetricInfo {
         name: "llm_judge",
@@ -412,7 +419,8 @@ impl Metric {
             | "episode_interventions"
             | "episode_stabilised"
             | "episode_preference_matches"
-            | "episode_invalid" => Kind::Episode,
+            | "episode_invalid"
+            | "episode_clipped_scores" => Kind::Episode,
             "llm_judge" => {
                 let text = |key: &str| match param(params, key) {
                     Some(Value::String(s)) if !s.trim().is_empty() => Ok(s.clone()),

@@ -352,7 +352,9 @@ impl EpisodeState {
         Step::Call(Request {
             target,
             messages: raw,
-            sample: self.sample,
+            // A conversation started again is asked anew, not answered
+            // from the cache with its first opening's lines.
+            sample: self.sample.wrapping_add(self.sim.restarts()),
             rejected,
             prompt: None,
             images: Default::default(),
@@ -396,6 +398,10 @@ impl EpisodeState {
                 count(&|s| s.reward.preference_match_bonus > 0.0),
             ),
             ("invalid", count(&|s| !s.valid)),
+            (
+                "clipped_scores",
+                Score::value(f64::from(self.sim.clipped_scores())),
+            ),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))

@@ -7,25 +7,53 @@ use std::sync::LazyLock;
 use crate::config::{Persona, ToneWords};
 use crate::eval::balance::{Edge, Person, Triangle};
 
-/// A scorer's reply read as the three relations: a JSON object `{"AB": x,
-/// "BC": y, "CA": z}` (alone, or the first `{...}` in the reply), or
-/// `AB: x, BC: y, CA: z` written out; each a number in [-1, 1].
-pub fn parse(reply: &str) -> Result<Triangle, String> {
+/// A scorer's reply read as the three relations.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Scored {
+    pub relations: Triangle,
+    /// Values outside [-1, 1], clipped to it.
+    pub clipped: u32,
+}
+
+/// A scorer's reply read as the three relations: `PAIR: value` (or `=`)
+/// entries anywhere in it, as JSON (`{"AB": 0.2, "BC": -0.5, "CA": 0.1}`)
+/// or written out one per line or comma. A pair is named by its two people
+/// in either order, by letter (A, B, C, any case) or by name (`names`, A's
+/// B's and C's), with or without a separator: `AB`, `BA`, `A-C`, `C-A`,
+/// `A×B`, `A_B`, `Alex - Casey`. The first value of each pair counts;
+/// values outside [-1, 1] are clipped to it and counted.
+pub fn parse(reply: &str, names: [&str; 3]) -> Result<Scored, String> {
     #[allow(clippy::expect_used)] // a constant pattern
-    static PAIR: LazyLock<Regex> = LazyLock::new(|| {
-        Regex::new(r#"(?i)["']?\b(AB|BC|CA)\b["']?\s*[:=]\s*(-?\d+(?:\.\d+)?(?:[eE]-?\d+)?)"#)
-            .expect("the pair pattern compiles")
+    static NUMBER: LazyLock<Regex> = LazyLock::new(|| {
+        Regex::new(r"^\s*[\[(\x22']?\s*([-+\u{2212}]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)")
+            .expect("the number pattern compiles")
     });
     let mut values: [Option<f64>; 3] = [None; 3];
-    for caps in PAIR.captures_iter(reply) {
-        let edge = match caps[1].to_ascii_uppercase().as_str() {
-            "AB" => 0,
-            "BC" => 1,
-            _ => 2,
+    let mut clipped = 0;
+    for entry in reply.split(['\n', ',', '{', '}', ';', '\u{3001}']) {
+        let Some((key, value)) = entry.split_once([':', '=', '\u{ff1a}']) else {
+            continue;
         };
-        if values[edge].is_none() {
-            values[edge] = caps[2].parse().ok();
+        let Some(edge) = pair(key, names) else {
+            continue;
+        };
+        let Some(number) = NUMBER.captures(value) else {
+            continue;
+        };
+        let slot = &mut values[edge as usize];
+        if slot.is_some() {
+            continue;
         }
+        let Ok(v) = number[1].replace('\u{2212}', "-").parse::<f64>() else {
+            continue;
+        };
+        if !v.is_finite() {
+            continue;
+        }
+        if !(-1.0..=1.0).contains(&v) {
+            clipped += 1;
+        }
+        *slot = Some(v.clamp(-1.0, 1.0));
     }
     let missing: Vec<&str> = Edge::ALL
         .iter()
@@ -40,12 +68,79 @@ pub fn parse(reply: &str) -> Result<Triangle, String> {
         ));
     }
     let [ab, bc, ca] = values.map(|v| v.unwrap_or_default());
-    for (edge, v) in Edge::ALL.iter().zip([ab, bc, ca]) {
-        if !(-1.0..=1.0).contains(&v) {
-            return Err(format!("{edge} is {v}, outside [-1, 1]"));
+    Ok(Scored {
+        relations: Triangle::new(ab, bc, ca),
+        clipped,
+    })
+}
+
+/// The edge a key names: its last words, two different people, each by
+/// letter or name, with quotes, brackets, a list bullet and separators
+/// around them ignored (`Sure! AB` names AB).
+fn pair(key: &str, names: [&str; 3]) -> Option<Edge> {
+    let key = key.trim();
+    let mut previous: Option<char> = None;
+    for (at, c) in key.char_indices() {
+        // A pair begins a word: not inside an English one.
+        if previous.is_none_or(|p| !p.is_ascii_alphanumeric())
+            && let Some(edge) = pair_of(&key[at..], names)
+        {
+            return Some(edge);
+        }
+        previous = Some(c);
+    }
+    None
+}
+
+/// `text` whole as a pair.
+fn pair_of(text: &str, names: [&str; 3]) -> Option<Edge> {
+    let separator = |c: char| {
+        c.is_whitespace()
+            || "\"'`*()[]<>-_/|&+\u{2022}\u{2013}\u{2014}\u{2212}\u{d7}\u{30fb}\u{3000}\u{300c}\u{300d}\u{ff08}\u{ff09}"
+                .contains(c)
+    };
+    let mut rest = text.trim_matches(separator);
+    let mut people = Vec::with_capacity(2);
+    while !rest.is_empty() {
+        let (person, len) = person_at(rest, names)?;
+        people.push(person);
+        rest = rest[len..].trim_start_matches(separator);
+        if people.len() > 2 {
+            return None;
         }
     }
-    Ok(Triangle::new(ab, bc, ca))
+    match people[..] {
+        [x, y] if x != y => Edge::between(x, y),
+        _ => None,
+    }
+}
+
+/// The person whose name (longest first) or letter `text` begins with, and
+/// how many bytes name them.
+fn person_at(text: &str, names: [&str; 3]) -> Option<(Person, usize)> {
+    let mut by_name: Vec<(Person, &str)> = Person::ALL
+        .into_iter()
+        .zip(names)
+        .filter(|(_, n)| !n.is_empty())
+        .collect();
+    by_name.sort_by_key(|(_, n)| std::cmp::Reverse(n.chars().count()));
+    for (person, name) in by_name {
+        let len = name.len();
+        if text.len() >= len
+            && text.is_char_boundary(len)
+            && text[..len].to_lowercase() == name.to_lowercase()
+        {
+            return Some((person, len));
+        }
+    }
+    let letter = text.chars().next()?;
+    let person = match letter.to_ascii_uppercase() {
+        'A' => Person::A,
+        'B' => Person::B,
+        'C' => Person::C,
+        _ => return None,
+    };
+    Some((person, letter.len_utf8()))
 }
 
 /// Words that warm a relation when said by either of its two people
@@ -290,27 +385,71 @@ pub fn by_rules(utterances: &[(Person, &str)], personas: &[Persona]) -> Triangle
 mod tests {
     use super::*;
 
+    const LETTERS: [&str; 3] = ["A", "B", "C"];
+
+    fn read(reply: &str) -> Result<(Triangle, u32), String> {
+        parse(reply, LETTERS).map(|s| (s.relations, s.clipped))
+    }
+
     #[test]
     fn replies_are_read_as_json_or_written_out() {
         assert_eq!(
-            parse(r#"{"AB": 0.5, "BC": -0.25, "CA": 1}"#).unwrap(),
-            Triangle::new(0.5, -0.25, 1.0)
+            read(r#"{"AB": 0.5, "BC": -0.25, "CA": 1}"#).unwrap(),
+            (Triangle::new(0.5, -0.25, 1.0), 0)
         );
         assert_eq!(
-            parse("Sure! AB: -0.3, bc = 0.2\nCA: 0").unwrap(),
-            Triangle::new(-0.3, 0.2, 0.0)
+            read("Sure! AB: -0.3, bc = 0.2\nCA: 0").unwrap(),
+            (Triangle::new(-0.3, 0.2, 0.0), 0)
         );
         assert!(
-            parse(r#"{"AB": 0.5, "BC": -0.25}"#)
+            read(r#"{"AB": 0.5, "BC": -0.25}"#)
                 .unwrap_err()
                 .contains("CA")
         );
-        assert!(
-            parse(r#"{"AB": 1.5, "BC": 0, "CA": 0}"#)
-                .unwrap_err()
-                .contains("outside")
-        );
-        assert!(parse("they get along").is_err());
+        assert!(read("they get along").is_err());
+        assert!(read("AB: none, BC: 0, CA: 0").unwrap_err().contains("AB"));
+    }
+
+    #[test]
+    fn pairs_are_named_in_either_order_with_or_without_a_separator() {
+        // The original scorer's lines: sorted pairs with a hyphen.
+        let lines = "A-B: 0.3\nA-C: -0.4\nB-C: 0.1";
+        assert_eq!(read(lines).unwrap().0, Triangle::new(0.3, 0.1, -0.4));
+        for reply in [
+            r#"{"BA": 0.3, "CB": 0.1, "AC": -0.4}"#,
+            "- C-A: -0.4\n- B - A: 0.3\n- C\u{d7}B: 0.1",
+            "A_B = 0.3; B/C = 0.1; C-A = -0.4",
+            "\u{300c}A\u{30fb}B\u{300d}\u{ff1a}0.3\u{3001}B-C\u{ff1a}0.1\u{3001}C-A\u{ff1a}\u{2212}0.4",
+        ] {
+            assert_eq!(
+                read(reply).unwrap().0,
+                Triangle::new(0.3, 0.1, -0.4),
+                "{reply}"
+            );
+        }
+        // By name, Japanese names included, and a letter beside a name.
+        let names = ["Alex", "\u{82b1}\u{5b50}", "Casey"];
+        let reply = "Alex - \u{82b1}\u{5b50}: 0.2\nCasey-\u{82b1}\u{5b50}: -0.6\nA-Casey: 0.9";
+        let got = parse(reply, names).unwrap().relations;
+        assert_eq!(got, Triangle::new(0.2, -0.6, 0.9));
+        // Not a pair: one person, the same twice, three, or someone else.
+        for key in ["A", "AA", "ABC", "AD", "X-Y", "total"] {
+            let reply = format!("{key}: 0.5, AB: 0.1, BC: 0.1, CA: 0.1");
+            assert_eq!(
+                read(&reply).unwrap().0,
+                Triangle::new(0.1, 0.1, 0.1),
+                "{key}"
+            );
+        }
+    }
+
+    #[test]
+    fn values_outside_the_range_are_clipped_and_counted() {
+        let (t, clipped) = read(r#"{"AB": 1.5, "BC": -3, "CA": 0.2}"#).unwrap();
+        assert_eq!((t, clipped), (Triangle::new(1.0, -1.0, 0.2), 2));
+        // The first value of a pair counts; a repeat is not clipped again.
+        let (t, clipped) = read("AB: 2, BA: 5, BC: 0, CA: 1").unwrap();
+        assert_eq!((t, clipped), (Triangle::new(1.0, 0.0, 1.0), 1));
     }
 
     fn persona(landmines: &[&str], words: ToneWords) -> Persona {

@@ -11,8 +11,8 @@ use serde::Serialize;
 use serde_json::{Map, Value, json};
 
 use super::relations;
-use crate::config::{ConversationSettings, ScorerKind};
-use crate::eval::balance::{self, Edge, Need, Person, Reward, Strategy, Triangle};
+use crate::config::{ConversationSettings, EmaFormula, ScorerKind};
+use crate::eval::balance::{self, Edge, Need, Person, Reward, Strategy, TargetRule, Triangle};
 
 /// The kinds of call an episode makes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,8 +58,8 @@ pub struct Situation {
 }
 
 impl Situation {
-    pub fn of(relations: Triangle) -> Self {
-        let target_edge = relations.target_edge();
+    pub fn of(relations: Triangle, rule: TargetRule) -> Self {
+        let target_edge = relations.target_edge(rule);
         Self {
             relations,
             pattern: relations.pattern(),
@@ -94,7 +94,8 @@ pub enum Next {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Ending {
-    /// `max_rounds` reached, or no unstable state within `max_auto_skip`.
+    /// `max_rounds` reached, or no unstable state within `max_auto_skip`
+    /// (after the opening's restarts).
     Terminated,
     /// `max_steps` decisions made.
     Truncated,
@@ -141,8 +142,16 @@ pub struct StepRecord {
     pub valid: bool,
     pub policy_reply: Option<String>,
     pub robot: Option<String>,
+    /// The check at the horizon (the first of `checks`).
     pub at_horizon: Option<Check>,
+    /// The last check made: at the end of the bonus duration, or the one
+    /// that failed when the step ended there.
     pub at_end: Option<Check>,
+    /// Every check of the step, from the horizon through each utterance of
+    /// the bonus duration.
+    pub checks: Vec<Check>,
+    /// The step ended at a failed check, before its last utterance.
+    pub cut_short: bool,
     pub reward: Reward,
     /// The utterances from the decision to the end of the step.
     pub utterances: Vec<Utterance>,
@@ -210,6 +219,23 @@ impl Draws {
     }
 }
 
+/// The original system's smoothing (`scorer.ema_formula: adaptive`): per
+/// pair, how many utterances each speaker had in the last window, and the
+/// pair's last three counts of new utterances.
+#[derive(Debug, Clone, Default)]
+struct Adaptive {
+    seen: [u32; 3],
+    recent: [std::collections::VecDeque<u32>; 3],
+}
+
+/// A conversation the opening gave up on (stable through `max_auto_skip`),
+/// kept in the record.
+#[derive(Debug, Clone, Serialize)]
+pub struct Restart {
+    pub topic: String,
+    pub conversation: Vec<Utterance>,
+}
+
 /// One episode.
 pub struct Sim {
     settings: Arc<ConversationSettings>,
@@ -234,8 +260,13 @@ pub struct Sim {
     skipped: u32,
     scorer_calls: u32,
     invalid_scores: u32,
+    /// Scores outside [-1, 1], clipped.
+    clipped_scores: u32,
     /// The topic was given (fixed topics, or the item's): it is kept.
     fixed_topic: bool,
+    adaptive: Adaptive,
+    /// Conversations started again on a new topic.
+    restarts: Vec<Restart>,
 }
 
 impl Sim {
@@ -265,6 +296,9 @@ impl Sim {
             skipped: 0,
             scorer_calls: 0,
             invalid_scores: 0,
+            clipped_scores: 0,
+            adaptive: Adaptive::default(),
+            restarts: Vec::new(),
         }
     }
 
@@ -279,6 +313,16 @@ impl Sim {
 
     pub fn steps(&self) -> &[StepRecord] {
         &self.steps
+    }
+
+    /// How often the conversation started again.
+    pub fn restarts(&self) -> u32 {
+        self.restarts.len() as u32
+    }
+
+    /// Scores outside [-1, 1] the scorer gave, clipped.
+    pub fn clipped_scores(&self) -> u32 {
+        self.clipped_scores
     }
 
     pub fn ending(&self) -> Option<Ending> {
@@ -343,7 +387,7 @@ impl Sim {
                                 .filter_map(|u| person_of(&u.speaker).map(|p| (p, u.text.as_str())))
                                 .collect();
                             let observed = relations::by_rules(&said, &self.settings.personas);
-                            self.observe(observed);
+                            self.observe(observed, &window);
                         }
                     }
                 }
@@ -351,10 +395,20 @@ impl Sim {
             }
             CallKind::Score => {
                 self.scorer_calls += 1;
-                match relations::parse(reply) {
-                    Ok(observed) => {
+                let names = [0, 1, 2].map(|i| self.settings.personas[i].name.as_str());
+                match relations::parse(reply, names) {
+                    Ok(scored) => {
                         self.reasks = 0;
-                        self.observe(observed);
+                        if scored.clipped > 0 {
+                            self.clipped_scores += scored.clipped;
+                            tracing::debug!(
+                                episode = %self.episode,
+                                clipped = scored.clipped,
+                                "relation scores outside [-1, 1] clipped"
+                            );
+                        }
+                        let window = self.human_window(self.settings.history.scorer);
+                        self.observe(scored.relations, &window);
                         Ok(self.after_utterance())
                     }
                     Err(why) => {
@@ -405,7 +459,8 @@ impl Sim {
     }
 
     /// The strategy chosen at the decision due; `None`: the policy gave no
-    /// valid one (recorded as invalid: no intervention, no reward).
+    /// valid one (recorded as invalid: no intervention, and its reward is
+    /// the penalty, `rewards.invalid_penalty`).
     pub fn act(&mut self, strategy: Option<Strategy>) -> Next {
         let Some(current) = &mut self.current else {
             return Next::Over;
@@ -433,6 +488,8 @@ impl Sim {
             "human_utterances": self.humans,
             "scorer_calls": self.scorer_calls,
             "invalid_scores": self.invalid_scores,
+            "clipped_scores": self.clipped_scores,
+            "restarts": self.restarts,
             "total_reward": total,
             "steps": self.steps,
             "conversation": self.history,
@@ -467,13 +524,56 @@ impl Sim {
         Next::Over
     }
 
-    fn observe(&mut self, observed: Triangle) {
-        self.relations = Some(match (self.relations, self.settings.scorer.use_ema) {
-            (Some(previous), true) => {
-                previous.smoothed(&observed, self.settings.scorer.decay_factor)
+    /// A new score of the relations, seen over the scorer's `window`,
+    /// smoothed with the last when `scorer.use_ema`.
+    fn observe(&mut self, observed: Triangle, window: &[Utterance]) {
+        let scorer = &self.settings.scorer;
+        let mut seen = [0u32; 3];
+        for u in window {
+            if let Some(p) = person_of(&u.speaker) {
+                seen[p.index()] += 1;
             }
-            _ => observed,
+        }
+        let previous = self.relations.filter(|_| scorer.use_ema);
+        self.relations = Some(match (previous, scorer.ema_formula) {
+            (None, _) => observed,
+            (Some(previous), EmaFormula::Fixed) => {
+                previous.smoothed(&observed, scorer.decay_factor)
+            }
+            (Some(previous), EmaFormula::Adaptive) => {
+                let alphas = Edge::ALL.map(|edge| {
+                    let (x, y) = edge.people();
+                    let new =
+                        |p: Person| seen[p.index()].saturating_sub(self.adaptive.seen[p.index()]);
+                    let fresh = new(x).min(new(y));
+                    let recent = &self.adaptive.recent[edge as usize];
+                    let past: u32 = recent.iter().sum();
+                    let ratio = if fresh + past == 0 {
+                        0.0
+                    } else {
+                        f64::from(fresh) / f64::from(fresh + past)
+                    };
+                    (scorer.decay_factor * ratio).clamp(0.01, 1.0)
+                });
+                let mix = |edge: Edge| {
+                    let a = alphas[edge as usize];
+                    a * observed.get(edge) + (1.0 - a) * previous.get(edge)
+                };
+                Triangle::new(mix(Edge::AB), mix(Edge::BC), mix(Edge::CA))
+            }
         });
+        if scorer.use_ema && scorer.ema_formula == EmaFormula::Adaptive {
+            for edge in Edge::ALL {
+                let (x, y) = edge.people();
+                let new = |p: Person| seen[p.index()].saturating_sub(self.adaptive.seen[p.index()]);
+                let recent = &mut self.adaptive.recent[edge as usize];
+                recent.push_back(new(x).min(new(y)));
+                if recent.len() > 3 {
+                    recent.pop_front();
+                }
+            }
+            self.adaptive.seen = seen;
+        }
     }
 
     /// After a human utterance (and its scoring).
@@ -495,16 +595,13 @@ impl Sim {
                 let skips = skips + 1;
                 let opening = matches!(self.stage, Stage::Opening { .. });
                 if skips > self.settings.max_auto_skip {
-                    if opening && !self.fixed_topic {
-                        // A new topic, and the opening starts over.
-                        self.stage = Stage::Opening { skips: 0 };
-                        return self.ask(CallKind::Topic, None);
+                    // Stable through max_auto_skip utterances: the opening
+                    // starts again on a new topic (as often as
+                    // topic_restarts); otherwise the episode ends.
+                    if opening && (self.restarts.len() as u32) < self.settings.topic_restarts {
+                        return self.restart();
                     }
-                    if !opening {
-                        return self.end(Ending::Terminated);
-                    }
-                    self.stage = Stage::Opening { skips: 0 };
-                    return self.talk();
+                    return self.end(Ending::Terminated);
                 }
                 self.stage = if opening {
                     Stage::Opening { skips }
@@ -513,31 +610,61 @@ impl Sim {
                 };
                 self.talk()
             }
-            Stage::Horizon { left } => {
-                if left > 1 {
-                    self.stage = Stage::Horizon { left: left - 1 };
-                    return self.talk();
-                }
-                let check = self.check();
-                if let Some(current) = &mut self.current {
-                    current.at_horizon = Some(check);
-                }
-                let duration = self.settings.rewards.terminal_bonus_duration;
-                if duration == 0 {
-                    return self.finish_step();
-                }
-                self.stage = Stage::Duration { left: duration };
+            Stage::Horizon { left } if left > 1 => {
+                self.stage = Stage::Horizon { left: left - 1 };
                 self.talk()
             }
-            Stage::Duration { left } => {
-                if left > 1 {
-                    self.stage = Stage::Duration { left: left - 1 };
-                    return self.talk();
-                }
-                self.finish_step()
-            }
+            Stage::Horizon { .. } => self.checkpoint(self.settings.rewards.terminal_bonus_duration),
+            Stage::Duration { left } => self.checkpoint(left.saturating_sub(1)),
             Stage::Deciding | Stage::Over(_) => Next::Over,
         }
+    }
+
+    /// The conversation starts again, on a new topic when topics are asked
+    /// for (on the same one when it is given): fresh history and
+    /// relations, and the round budget restored.
+    fn restart(&mut self) -> Next {
+        let conversation = std::mem::take(&mut self.history);
+        self.restarts.push(Restart {
+            topic: self.topic.clone(),
+            conversation,
+        });
+        self.humans = 0;
+        self.relations = None;
+        self.adaptive = Adaptive::default();
+        self.stage = Stage::Opening { skips: 0 };
+        if self.fixed_topic {
+            self.talk()
+        } else {
+            self.ask(CallKind::Topic, None)
+        }
+    }
+
+    /// A check of the step under way, at the horizon or after an utterance
+    /// of the bonus duration; `left`: the duration's utterances after it.
+    /// The step ends after the last, or (with `end_step_when_lost`) at the
+    /// first check that loses the bonus.
+    fn checkpoint(&mut self, left: u32) -> Next {
+        let check = self.check();
+        let rewards = self.settings.rewards;
+        let Some(current) = &mut self.current else {
+            return Next::Over;
+        };
+        // The bonus can still be paid: a valid decision aimed at a target
+        // that holds now.
+        let payable = current.strategy.is_some()
+            && current
+                .situation
+                .target_edge
+                .is_some_and(|e| balance::holds(e, &check.relations));
+        current.checks.push(check);
+        current.at_horizon.get_or_insert(check);
+        if left == 0 || (!payable && rewards.end_step_when_lost) {
+            current.cut_short = left > 0;
+            return self.finish_step();
+        }
+        self.stage = Stage::Duration { left };
+        self.talk()
     }
 
     fn check(&self) -> Check {
@@ -551,7 +678,7 @@ impl Sim {
     }
 
     fn decide(&mut self, relations: Triangle) -> Next {
-        let situation = Situation::of(relations);
+        let situation = Situation::of(relations, self.settings.rewards.target_rule);
         let step = self.steps.len() as u32;
         self.current = Some(StepRecord {
             step,
@@ -566,6 +693,8 @@ impl Sim {
             robot: None,
             at_horizon: None,
             at_end: None,
+            checks: Vec::new(),
+            cut_short: false,
             reward: Reward::default(),
             utterances: Vec::new(),
         });
@@ -579,27 +708,25 @@ impl Sim {
     }
 
     fn finish_step(&mut self) -> Next {
-        let at_end = self.check();
         let Some(mut current) = self.current.take() else {
             return Next::Over;
         };
-        current.at_end = Some(at_end);
+        current.at_end = current.checks.last().copied();
         current.utterances = self.history[self.step_from..].to_vec();
-        if let (Some(strategy), Some(edge), Some(need), Some(at_horizon)) = (
+        let rewards = &self.settings.rewards;
+        current.reward = match (
             current.strategy,
             current.situation.target_edge,
             current.target_need,
-            current.at_horizon,
         ) {
-            current.reward = balance::reward(
-                &self.settings.rewards,
-                strategy,
-                need,
-                edge,
-                &at_horizon.relations,
-                &at_end.relations,
-            );
-        }
+            (None, _, _) => Reward::invalid(rewards),
+            (Some(strategy), Some(edge), Some(need)) => {
+                let triangles: Vec<Triangle> = current.checks.iter().map(|c| c.relations).collect();
+                balance::reward(rewards, strategy, need, edge, &triangles)
+            }
+            // A stable triangle (unfiltered): no target, nothing to earn.
+            (Some(_), _, _) => Reward::default(),
+        };
         self.steps.push(current);
         let max_steps = self.settings.max_steps;
         if max_steps > 0 && self.steps.len() as u32 >= max_steps {
@@ -814,6 +941,7 @@ mod tests {
                 kind: ScorerKind::Llm,
                 call: call(),
                 use_ema: false,
+                ema_formula: EmaFormula::Fixed,
                 decay_factor: 0.5,
                 start_after: 3,
                 max_reasks: 1,
@@ -827,6 +955,7 @@ mod tests {
             rewards: RewardSettings::default(),
             filter_zero_rewards: true,
             max_auto_skip: 2,
+            topic_restarts: 1,
             alarms: AlarmSettings {
                 window: 10,
                 max_share: 0.8,
@@ -886,24 +1015,304 @@ mod tests {
     }
 
     #[test]
-    fn stable_openings_are_skipped_then_the_topic_changes() {
-        // Scores stay stable: after max_auto_skip (2) skips a third stable
-        // state brings a new topic, and so on until max_rounds.
+    fn a_stable_opening_starts_again_on_a_new_topic_with_its_budget_restored() {
+        // Scores stay stable: stable at 4, 5 and 6 (past max_auto_skip, 2):
+        // the conversation starts again on a new topic, from its first
+        // utterance, with fresh relations and all of max_rounds (3) ahead;
+        // stable again through 6: the episode ends (one restart).
         let s = settings(|s| {
             s.topics.clear();
             s.max_rounds = 3;
         });
         let mut sim = Sim::new(s, "e", None);
         let calls = play(&mut sim, &[STABLE]);
-        // Stable at 4, 5 and 6 (three states, past max_auto_skip): a new
-        // topic; stable at 7 and 8; at 9 the rounds are over, and no topic
-        // is asked for nothing.
-        let topics = calls.iter().filter(|c| **c == "topic").count();
-        assert_eq!(topics, 2, "{calls:?}");
-        assert_eq!(calls.iter().filter(|c| **c == "persona").count(), 9);
+        let count = |kind: &str| calls.iter().filter(|c| **c == kind).count();
+        assert_eq!(count("topic"), 2, "{calls:?}");
+        assert_eq!(count("persona"), 12);
+        // Nothing is scored in the new conversation's first 3 utterances.
+        assert_eq!(count("scorer"), 6);
         assert!(!calls.contains(&"decide"));
         assert_eq!(sim.ending(), Some(Ending::Terminated));
-        assert!(sim.steps().is_empty());
+        let summary = sim.summary();
+        assert_eq!(summary["human_utterances"], 6);
+        assert_eq!(summary["conversation"].as_array().unwrap().len(), 6);
+        let restarts = summary["restarts"].as_array().unwrap();
+        assert_eq!(restarts.len(), 1);
+        assert_eq!(restarts[0]["conversation"].as_array().unwrap().len(), 6);
+        assert_eq!(summary["topics"].as_array().unwrap().len(), 2);
+        assert_ne!(restarts[0]["topic"], summary["topics"][1]);
+        // A restart's new conversation can reach a decision.
+        let s = settings(|s| {
+            s.topics.clear();
+            s.max_rounds = 3;
+            s.max_steps = 1;
+        });
+        let mut sim = Sim::new(s, "e", None);
+        let calls = play(&mut sim, &[STABLE, STABLE, STABLE, UNSTABLE]);
+        let decided = calls.iter().position(|c| *c == "decide").unwrap();
+        // topic, 6 utterances and 3 scores, topic, 4 utterances and a score.
+        assert_eq!(decided, 1 + 6 + 3 + 1 + 4 + 1, "{calls:?}");
+        assert_eq!(sim.steps()[0].turn, 4);
+        // With no restarts left (or none allowed), the opening ends.
+        let s = settings(|s| {
+            s.topic_restarts = 0;
+            s.max_rounds = 3;
+        });
+        let mut sim = Sim::new(s, "e", None);
+        let calls = play(&mut sim, &[STABLE]);
+        assert_eq!(calls.iter().filter(|c| **c == "persona").count(), 6);
+        assert_eq!(sim.ending(), Some(Ending::Terminated));
+        // A given topic is kept when the conversation starts again.
+        let s = settings(|s| s.max_rounds = 3);
+        let mut sim = Sim::new(s, "e", Some("chores".to_owned()));
+        let calls = play(&mut sim, &[STABLE]);
+        assert!(!calls.contains(&"topic"));
+        assert_eq!(calls.iter().filter(|c| **c == "persona").count(), 12);
+        assert_eq!(sim.summary()["restarts"][0]["topic"], "chores");
+    }
+
+    /// The scripted replies of a step: unstable at the decision (the 4th
+    /// utterance), then `after` for the 5th on.
+    fn step_with(edit: impl FnOnce(&mut ConversationSettings), after: &[&'static str]) -> Sim {
+        let s = settings(|s| {
+            s.max_steps = 1;
+            s.max_rounds = 100;
+            edit(s);
+        });
+        let mut sim = Sim::new(s, "e", None);
+        let mut scores = vec![UNSTABLE];
+        scores.extend_from_slice(after);
+        play(&mut sim, &scores);
+        sim
+    }
+
+    #[test]
+    fn the_bonus_needs_stability_after_every_utterance_of_the_duration() {
+        // Horizon at the 7th utterance, duration the 8th and 9th.
+        let held = step_with(|_| {}, &[UNSTABLE, UNSTABLE, STABLE, STABLE, STABLE]);
+        let step = &held.steps()[0];
+        assert_eq!(step.checks.len(), 3);
+        assert!(!step.cut_short);
+        assert_eq!(step.reward.stable_bonus, 2.0);
+        assert_eq!(step.utterances.len(), 1 + 5, "the robot and five humans");
+        // A dip at the 8th: nothing, and the step ends there.
+        let dip = step_with(|_| {}, &[UNSTABLE, UNSTABLE, STABLE, UNSTABLE, STABLE]);
+        let step = &dip.steps()[0];
+        assert_eq!(step.checks.len(), 2);
+        assert!(step.cut_short);
+        assert_eq!(step.reward.stable_bonus, 0.0);
+        assert_eq!(step.reward.preference_match_bonus, 0.5);
+        assert!(!step.at_end.unwrap().stable);
+        assert_eq!(step.utterances.len(), 1 + 4);
+        // Played out on request: stable again at the 9th, still nothing.
+        let played = step_with(
+            |s| s.rewards.end_step_when_lost = false,
+            &[UNSTABLE, UNSTABLE, STABLE, UNSTABLE, STABLE],
+        );
+        let step = &played.steps()[0];
+        assert_eq!(step.checks.len(), 3);
+        assert!(step.at_end.unwrap().stable);
+        assert_eq!(step.reward.stable_bonus, 0.0);
+    }
+
+    #[test]
+    fn a_failed_horizon_check_ends_the_step_there() {
+        let lost = step_with(|_| {}, &[STABLE, STABLE, UNSTABLE, STABLE, STABLE]);
+        let step = &lost.steps()[0];
+        assert_eq!(step.checks.len(), 1);
+        assert!(step.cut_short);
+        assert_eq!(step.at_horizon.unwrap().target_positive, Some(false));
+        assert_eq!(step.reward.total, 0.5);
+        // No duration utterance was played: the robot and three humans.
+        assert_eq!(step.utterances.len(), 1 + 3);
+        assert_eq!(lost.summary()["human_utterances"], 7);
+        let played = step_with(
+            |s| s.rewards.end_step_when_lost = false,
+            &[STABLE, STABLE, UNSTABLE, STABLE, STABLE],
+        );
+        assert_eq!(played.steps()[0].checks.len(), 3);
+        assert_eq!(played.summary()["human_utterances"], 9);
+    }
+
+    #[test]
+    fn zero_is_positive_at_the_decision_and_at_the_checks() {
+        // AB = 0 beside BC + and CA -: "++-", aimed at CA; all zeros at the
+        // checks are "+++", the target positive: the bonus.
+        let zeros = r#"{"AB": 0, "BC": 0, "CA": 0}"#;
+        let s = settings(|s| {
+            s.max_steps = 1;
+            s.max_rounds = 100;
+        });
+        let mut sim = Sim::new(s, "e", None);
+        play(
+            &mut sim,
+            &[
+                r#"{"AB": 0, "BC": 0.5, "CA": -0.5}"#,
+                zeros,
+                zeros,
+                zeros,
+                zeros,
+                zeros,
+            ],
+        );
+        let step = &sim.steps()[0];
+        assert_eq!(step.situation.pattern, "++-");
+        assert_eq!(step.situation.target_edge, Some(Edge::CA));
+        assert_eq!(step.reward.stable_bonus, 2.0);
+    }
+
+    #[test]
+    fn an_all_negative_triangle_is_aimed_at_the_edge_closest_to_zero() {
+        let all_negative = r#"{"AB": -0.7, "BC": -0.2, "CA": -0.5}"#;
+        let aim = |rule: TargetRule| {
+            let s = settings(|s| {
+                s.max_steps = 1;
+                s.rewards.target_rule = rule;
+                for p in &mut s.personas {
+                    p.need = None;
+                }
+                s.personas[0].need = Some(Need::Recognition);
+                s.personas[1].need = Some(Need::Mediation);
+                s.personas[2].need = Some(Need::Solution);
+            });
+            let mut sim = Sim::new(s, "e", None);
+            play(&mut sim, &[all_negative]);
+            let step = sim.steps()[0].clone();
+            (
+                step.situation.target_edge,
+                step.situation.target_speaker,
+                step.target_need,
+                step.reward.preference_match_bonus,
+            )
+        };
+        // BC (-0.2) is closest to 0; of B and C, B is worse off with A
+        // (AB -0.7 < CA -0.5): B, whose need (mediation) bridge answers.
+        assert_eq!(
+            aim(TargetRule::ClosestToZero),
+            (Some(Edge::BC), Some(Person::B), Some(Need::Mediation), 0.5)
+        );
+        // The other rule: AB (-0.7); A is worse off with C (CA -0.5 < BC
+        // -0.2): A, recognition, which bridge does not answer.
+        assert_eq!(
+            aim(TargetRule::MostNegative),
+            (
+                Some(Edge::AB),
+                Some(Person::A),
+                Some(Need::Recognition),
+                0.0
+            )
+        );
+    }
+
+    #[test]
+    fn a_step_begun_before_the_last_round_runs_at_most_horizon_and_duration_past_it() {
+        // max_rounds 2: 6 utterances. Stable at 4, unstable at 5: the
+        // decision at 5, its step to 5 + 3 + 2 = 10 (the bound, 3 x
+        // max_rounds - 1 + evaluation_horizon + terminal_bonus_duration),
+        // then the end: no decision begins past the rounds.
+        let s = settings(|s| {
+            s.max_rounds = 2;
+            s.max_auto_skip = 10;
+        });
+        let mut sim = Sim::new(s, "e", None);
+        let calls = play(&mut sim, &[STABLE, UNSTABLE, STABLE]);
+        assert_eq!(calls.iter().filter(|c| **c == "decide").count(), 1);
+        assert_eq!(sim.summary()["human_utterances"], 3 * 2 - 1 + 3 + 2);
+        assert_eq!(sim.steps()[0].turn, 5);
+        assert_eq!(sim.steps()[0].reward.stable_bonus, 2.0);
+        assert_eq!(sim.ending(), Some(Ending::Terminated));
+    }
+
+    #[test]
+    fn an_invalid_decision_costs_the_penalty_and_its_step_ends_at_the_horizon() {
+        let s = settings(|s| {
+            s.max_steps = 1;
+            s.rewards.invalid_penalty = 0.75;
+        });
+        let mut sim = Sim::new(s, "e", None);
+        let mut next = sim.start();
+        let mut scores = 0;
+        loop {
+            next = match next {
+                Next::Over => break,
+                Next::Decide(_) => sim.act(None),
+                Next::Ask(ask) if ask.kind == CallKind::Score => {
+                    scores += 1;
+                    sim.reply(if scores == 1 { UNSTABLE } else { STABLE })
+                        .unwrap()
+                }
+                Next::Ask(ask) => {
+                    assert_ne!(
+                        ask.kind,
+                        CallKind::Robot,
+                        "no robot for an invalid decision"
+                    );
+                    sim.reply("words").unwrap()
+                }
+            };
+        }
+        let step = &sim.steps()[0];
+        assert!(!step.valid);
+        assert_eq!(step.checks.len(), 1);
+        assert_eq!(
+            (step.reward.invalid_penalty, step.reward.total),
+            (-0.75, -0.75)
+        );
+    }
+
+    #[test]
+    fn the_adaptive_smoothing_weighs_a_pair_by_its_new_utterances() {
+        let s = settings(|s| {
+            s.scorer.use_ema = true;
+            s.scorer.ema_formula = EmaFormula::Adaptive;
+            s.scorer.decay_factor = 1.5;
+        });
+        let mut sim = Sim::new(s, "e", None);
+        let said = |who: &[&str]| -> Vec<Utterance> {
+            who.iter()
+                .map(|w| Utterance {
+                    speaker: (*w).to_owned(),
+                    text: String::new(),
+                })
+                .collect()
+        };
+        // The first score is taken as is; each pair had one new utterance.
+        sim.observe(Triangle::new(0.4, 0.4, 0.4), &said(&["A", "B", "C"]));
+        assert_eq!(sim.relations, Some(Triangle::new(0.4, 0.4, 0.4)));
+        // A and B speak again: AB had 1 new (past 1): alpha = 1.5 x 1/2 =
+        // 0.75; BC and CA had none of C's: alpha = 0.01.
+        sim.observe(
+            Triangle::new(-0.4, 0.8, 0.0),
+            &said(&["A", "B", "C", "A", "B"]),
+        );
+        let t = sim.relations.unwrap();
+        assert!((t.ab - (0.75 * -0.4 + 0.25 * 0.4)).abs() < 1e-12, "{t:?}");
+        assert!((t.bc - (0.01 * 0.8 + 0.99 * 0.4)).abs() < 1e-12, "{t:?}");
+        assert!((t.ca - 0.99 * 0.4).abs() < 1e-12, "{t:?}");
+        // All three speak: every pair 1 new; AB's past is 1 + 1: alpha =
+        // 1.5 x 1/3 = 0.5; BC's and CA's past 1 + 0: 0.75.
+        let before = sim.relations.unwrap();
+        sim.observe(
+            Triangle::new(1.0, 1.0, 1.0),
+            &said(&["A", "B", "C", "A", "B", "C", "A", "B", "C"]),
+        );
+        let t = sim.relations.unwrap();
+        assert!((t.ab - (0.5 + 0.5 * before.ab)).abs() < 1e-12, "{t:?}");
+        assert!((t.bc - (0.75 + 0.25 * before.bc)).abs() < 1e-12, "{t:?}");
+        assert!((t.ca - (0.75 + 0.25 * before.ca)).abs() < 1e-12, "{t:?}");
+    }
+
+    #[test]
+    fn scores_outside_the_range_are_clipped_and_counted() {
+        let s = settings(|s| s.max_steps = 1);
+        let mut sim = Sim::new(s, "e", None);
+        play(&mut sim, &[r#"{"AB": 1.5, "BC": 0.5, "CA": -2}"#, STABLE]);
+        assert_eq!(sim.clipped_scores(), 2);
+        assert_eq!(sim.summary()["clipped_scores"], 2);
+        assert_eq!(
+            sim.steps()[0].situation.relations,
+            Triangle::new(1.0, 0.5, -1.0)
+        );
     }
 
     #[test]
