@@ -204,7 +204,6 @@ async fn an_original_config_converts_with_every_key_without_a_place_named() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "pending: scorer.ema_formula, an adaptive decay_factor and rewards.invalid_penalty come to main from another change"]
 async fn an_original_config_and_its_conversion_load_as_the_same_run() {
     let env = Env::new();
     realistic(&env);

@@ -1309,6 +1309,20 @@ impl Reader<'_> {
                 fields.push(entry(key, Node::Scalar(v)).from(at).said(at));
             }
         }
+        // The original's rules, evalfleet's defaults too: written so that
+        // the run keeps them whatever the defaults become.
+        fields.push(
+            entry("target_edge", scalar("closest_to_zero"))
+                .said("The original's rules: the target is the negative edge closest to 0,"),
+        );
+        fields.push(
+            entry("end_step_when_lost", scalar(true))
+                .said("a step ends at the check that loses the stable bonus,"),
+        );
+        fields.push(
+            entry("topic_restarts", scalar(1u64))
+                .said("and an opening that stays stable starts again once on a new topic."),
+        );
         if let Some(on) = self.boolean("ppo.filter_zero_rewards") {
             fields.push(
                 entry("filter_zero_rewards", scalar(on))

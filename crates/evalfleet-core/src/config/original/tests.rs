@@ -102,6 +102,7 @@ fn each_key_of_a_realistic_config_lands_where_it_should() {
         conv["rewards"],
         json!({"stable_bonus": 2.0, "preference_match_bonus": 0.5, "evaluation_horizon": 3,
                "terminal_bonus_duration": 2, "invalid_penalty": 1.0, "max_auto_skip": 10,
+               "target_edge": "closest_to_zero", "end_step_when_lost": true, "topic_restarts": 1,
                "filter_zero_rewards": true})
     );
     assert_eq!(conv["batch_size"], 16);
@@ -372,4 +373,61 @@ fn only_a_top_level_env_without_task_is_the_original_shape() {
     assert!(!is_original(&json!({"env": {}, "task": {}})));
     assert!(!is_original(&json!({"env": "x"})));
     assert!(!is_original(&json!({"name": "x"})));
+}
+
+#[test]
+fn a_realistic_config_loads_directly_as_its_conversion_does() {
+    use crate::config::{EmaFormula, Overrides, ScorerKind, load_file, load_text};
+    let dir = tempfile::tempdir().unwrap();
+    // The key where the original keeps it: the .env beside the config.
+    std::fs::write(dir.path().join(".env"), "AZURE_API_KEY=sk-from-dotenv\n").unwrap();
+    let file = dir.path().join("config.local.yaml");
+    std::fs::write(&file, REALISTIC).unwrap();
+    let direct = load_file(&file, Overrides::default()).unwrap_or_else(|e| panic!("{e}"));
+    let c = converted(REALISTIC, &[]);
+    let via_yaml = load_text(
+        &c.yaml,
+        dir.path(),
+        Overrides::default(),
+        "converted.yaml",
+        None,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    for loaded in [&direct, &via_yaml] {
+        let settings = loaded.config.task.kind.conversation().unwrap();
+        assert_eq!(settings.scorer.kind, ScorerKind::Llm);
+        assert!(settings.scorer.use_ema);
+        assert_eq!(settings.scorer.ema_formula, EmaFormula::Adaptive);
+        assert_eq!(settings.scorer.decay_factor, 1.5);
+        assert_eq!(settings.rewards.invalid_penalty, 1.0);
+        assert_eq!(settings.max_auto_skip, 10);
+        assert_eq!(settings.batch_size, 16);
+        assert_eq!(settings.history.policy, 9);
+        assert_eq!(settings.personas[1].landmines, ["母親", "実家"]);
+        let policy = loaded
+            .config
+            .endpoints
+            .iter()
+            .find(|e| e.name == "policy")
+            .unwrap();
+        assert_eq!(
+            policy.api_key.as_ref().map(|k| k.expose()),
+            Some("sk-from-dotenv")
+        );
+        // Stored with the reference, not the key.
+        assert!(!loaded.snapshot.to_string().contains("sk-from-dotenv"));
+    }
+    assert_eq!(direct.notes.len(), c.notes.len());
+    assert!(direct.notes[0].ends_with("env.debug: not converted: evalfleet's logging is set with -v or EVALFLEET_LOG; every call is stored with its run"), "{:?}", direct.notes);
+    // A problem found after the conversion points at the original's line.
+    std::fs::write(&file, REALISTIC.replace("max_rounds: 6 ", "max_rounds: 0 ")).unwrap();
+    let err = load_file(&file, Overrides::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(
+            "config.local.yaml:6: task.conversation.max_rounds: must be between 1 and 1000, got 0"
+        ),
+        "{err}"
+    );
 }
