@@ -431,3 +431,41 @@ fn a_realistic_config_loads_directly_as_its_conversion_does() {
         "{err}"
     );
 }
+
+#[test]
+fn awkward_texts_survive_the_yaml_and_stay_literal_in_templates() {
+    let text = r##"env:
+  personas:
+    "yes": { triggers: ["a: b", "# not a comment"] }
+    "123": { triggers: ["${HOME}"] }
+    "名前 with space": null
+scorer: { backend: rule }
+ollama: { base_url: "http://h:1", model: m }
+topic_manager:
+  generation_prompt: "Topics like {trigger_examples}.\n  indented: {{ not a tag }}\n# hash\n"
+"##;
+    let c = converted(text, &[]);
+    let back = parse_yaml(&c.yaml).unwrap_or_else(|e| panic!("{e:?}\n{}", c.yaml));
+    assert_eq!(back.value, c.document.value, "{}", c.yaml);
+    let conv = &c.document.value["task"]["conversation"];
+    let names: Vec<&str> = conv["personas"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["yes", "123", "名前 with space"]);
+    // `${` stays literal when the config's variables are expanded.
+    assert_eq!(conv["personas"][1]["landmines"], json!(["$${HOME}"]));
+    let content = conv["topic"]["messages"][0]["content"].as_str().unwrap();
+    let rendered = minijinja::Environment::new()
+        .render_str(
+            content,
+            minijinja::context! { used_topics => Vec::<String>::new() },
+        )
+        .unwrap();
+    assert_eq!(
+        rendered,
+        "Topics like a: b, # not a comment, $${HOME}.\n  indented: {{ not a tag }}\n# hash\n"
+    );
+}
