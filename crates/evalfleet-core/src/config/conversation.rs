@@ -135,9 +135,10 @@ pub struct HistoryWindows {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ScorerSettings {
     /// `llm` (the default: `messages` sent to `endpoint`, the reply read as
-    /// `{"AB": x, "BC": y, "CA": z}` or `AB: x, ...` with each in [-1, 1],
-    /// re-asked when it cannot be) or `rules` (no call: words and landmines
-    /// counted, `docs/conversation.md`).
+    /// `{"AB": x, "BC": y, "CA": z}` or `A-B: x, ...` with the pairs in any
+    /// order, values outside [-1, 1] clipped and counted, re-asked when a
+    /// pair is missing) or `rules` (no call: words and landmines counted,
+    /// `docs/conversation.md`).
     pub kind: ScorerKind,
     pub call: CallSettings,
     /// Smooth each edge with the last (`ema_formula`). Default false.
@@ -368,8 +369,9 @@ enum RawHistory {
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 struct RawScorer {
     /// `llm` (`messages` sent to `endpoint`, the reply read as `{"AB": x,
-    /// "BC": y, "CA": z}` or `AB: x, ...` with each in [-1, 1], re-asked
-    /// when it cannot be) or `rules` (no call: words and landmines counted,
+    /// "BC": y, "CA": z}` or `A-B: x, ...` with the pairs in any order,
+    /// values outside [-1, 1] clipped and counted, re-asked when a pair is
+    /// missing) or `rules` (no call: words and landmines counted,
     /// `docs/conversation.md`). Default `llm`.
     kind: Option<String>,
     /// `llm`: the scorer's messages (`docs/conversation.md` lists their
@@ -387,7 +389,8 @@ struct RawScorer {
     /// of the two people's new utterances in the scorer's window since the
     /// last score and past the sum of the pair's last three s; then alpha ×
     /// new + (1 − alpha) × previous. A pair's first score is taken as is.
-    /// Default `fixed`.
+    /// Default `fixed`, or `adaptive` when `decay_factor` is 1 or more (as
+    /// the original system's configs set it).
     ema_formula: Option<String>,
     /// `fixed`: the weight of the previous score, at least 0 and below 1.
     /// `adaptive`: the factor of alpha, above 0. Default 0.5 (`fixed`), 1.5
@@ -660,6 +663,9 @@ pub(super) fn conversation(
             }
         };
         let ema_formula = match raw.ema_formula.as_deref() {
+            // The original system's keys (a decay factor of 1 or more,
+            // 1.5 in its configs) mean its formula.
+            None if raw.decay_factor.is_some_and(|d| d >= 1.0) => EmaFormula::Adaptive,
             None | Some("fixed") => EmaFormula::Fixed,
             Some("adaptive") => EmaFormula::Adaptive,
             Some(other) => {

@@ -1029,3 +1029,70 @@ fn an_exec_task_is_checked_key_by_key() {
         &["task.command: belongs to kind: exec, not kind: chat"],
     );
 }
+
+#[test]
+fn a_conversation_s_rule_keys_are_read_and_checked() {
+    use crate::eval::balance::TargetRule;
+    let dir = dir_with_dataset();
+    let load = |conversation: &str| {
+        let text = format!(
+            "name: demo\nendpoints: [{{ name: local, kind: mock }}]\ntask:\n  conversation:\n{conversation}"
+        );
+        load_file(&write(dir.path(), "run.yaml", &text), Overrides::default())
+    };
+    let config = load(
+        "    rewards: { target_edge: most_negative, end_step_when_lost: false, invalid_penalty: 0.25, topic_restarts: 3 }\n    scorer: { use_ema: true, decay_factor: 0.8 }\n",
+    )
+    .unwrap();
+    let c = config.config.task.kind.conversation().unwrap();
+    assert_eq!(c.rewards.target_rule, TargetRule::MostNegative);
+    assert!(!c.rewards.end_step_when_lost);
+    assert_eq!(c.rewards.invalid_penalty, 0.25);
+    assert_eq!(c.topic_restarts, 3);
+    assert_eq!(c.scorer.ema_formula, EmaFormula::Fixed);
+    // The defaults: the original system's rules.
+    let config = load("    sessions: 2\n").unwrap();
+    let c = config.config.task.kind.conversation().unwrap();
+    assert_eq!(c.rewards.target_rule, TargetRule::ClosestToZero);
+    assert!(c.rewards.end_step_when_lost);
+    assert_eq!(c.rewards.invalid_penalty, 1.0);
+    assert_eq!(c.topic_restarts, 1);
+    // The original's keys (decay 1.5) mean its formula; named, either.
+    for scorer in [
+        "{ use_ema: true, decay_factor: 1.5 }",
+        "{ use_ema: true, ema_formula: adaptive }",
+    ] {
+        let config = load(&format!("    scorer: {scorer}\n")).unwrap();
+        let c = config.config.task.kind.conversation().unwrap();
+        assert_eq!(c.scorer.ema_formula, EmaFormula::Adaptive, "{scorer}");
+        assert_eq!(c.scorer.decay_factor, 1.5);
+    }
+    let problems = |conversation: &str| -> Vec<String> {
+        load(conversation)
+            .unwrap_err()
+            .problems()
+            .into_iter()
+            .map(|p| p.message)
+            .collect()
+    };
+    assert_eq!(
+        problems(
+            "    rewards: { target_edge: lowest, invalid_penalty: -1 }\n    scorer: { ema_formula: smooth }\n"
+        ),
+        [
+            "task.conversation.rewards.target_edge: must be closest_to_zero or most_negative, got 'lowest'",
+            "task.conversation.rewards.invalid_penalty: must be a number at least 0, got -1",
+            "task.conversation.scorer.ema_formula: must be fixed or adaptive, got 'smooth'",
+        ]
+    );
+    assert_eq!(
+        problems("    scorer: { ema_formula: fixed, decay_factor: 1.5 }\n"),
+        [
+            "task.conversation.scorer.decay_factor: must be at least 0 and below 1 (ema_formula: fixed), got 1.5"
+        ]
+    );
+    assert_eq!(
+        problems("    scorer: { ema_formula: adaptive, decay_factor: 0 }\n"),
+        ["task.conversation.scorer.decay_factor: must be above 0 (ema_formula: adaptive), got 0"]
+    );
+}

@@ -112,14 +112,14 @@ pub const REGISTRY: &[MetricInfo] = &[
     },
     MetricInfo {
         name: "episode_steps",
-        version: 1,
+        version: 2,
         params: &[],
         higher_is_better: true,
         summary: "a conversation episode's decisions",
     },
     MetricInfo {
         name: "episode_interventions",
-        version: 1,
+        version: 2,
         params: &[],
         higher_is_better: true,
         summary: "decisions on which the robot spoke",
@@ -140,7 +140,7 @@ pub const REGISTRY: &[MetricInfo] = &[
     },
     MetricInfo {
         name: "episode_invalid",
-        version: 1,
+        version: 2,
         params: &[],
         higher_is_better: false,
         summary: "decisions with no usable policy reply",

@@ -17,37 +17,58 @@ pub struct Scored {
 
 /// A scorer's reply read as the three relations: `PAIR: value` (or `=`)
 /// entries anywhere in it, as JSON (`{"AB": 0.2, "BC": -0.5, "CA": 0.1}`)
-/// or written out one per line or comma. A pair is named by its two people
-/// in either order, by letter (A, B, C, any case) or by name (`names`, A's
-/// B's and C's), with or without a separator: `AB`, `BA`, `A-C`, `C-A`,
-/// `A×B`, `A_B`, `Alex - Casey`. The first value of each pair counts;
-/// values outside [-1, 1] are clipped to it and counted.
+/// or written out, one a line, a comma or a space apart, Markdown
+/// emphasis and full-width characters (`ＡＢ：－０．３`) allowed. A pair is
+/// named by its two people in either order, by letter (A, B, C, any case)
+/// or by name (`names`, A's, B's and C's), with or without a separator:
+/// `AB`, `BA`, `A-C`, `C-A`, `A×B`, `A and B`, `AとB`, `Alex - Casey`,
+/// and words after it (`A-B relationship`) or in brackets are ignored. The
+/// first value of each pair counts; values outside [-1, 1] are clipped to
+/// it and counted.
 pub fn parse(reply: &str, names: [&str; 3]) -> Result<Scored, String> {
     #[allow(clippy::expect_used)] // a constant pattern
     static NUMBER: LazyLock<Regex> = LazyLock::new(|| {
-        Regex::new(r"^\s*[\[(\x22']?\s*([-+\u{2212}]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)")
-            .expect("the number pattern compiles")
+        Regex::new(
+            r#"^[\s*`_"'(\[]*([-+\u{2212}\u{2013}]?(?:\d+(?:[.,]\d+)?|\.\d+)(?:[eE][-+]?\d+)?)"#,
+        )
+        .expect("the number pattern compiles")
     });
+    let reply = halfwidth(reply);
+    let names = names.map(halfwidth);
+    let names = [names[0].as_str(), names[1].as_str(), names[2].as_str()];
     let mut values: [Option<f64>; 3] = [None; 3];
     let mut clipped = 0;
-    for entry in reply.split(['\n', ',', '{', '}', ';', '\u{3001}']) {
-        let Some((key, value)) = entry.split_once([':', '=', '\u{ff1a}']) else {
+    // Where the key of the next entry may begin.
+    let mut from = 0;
+    for (at, c) in reply.char_indices() {
+        if at < from {
+            continue;
+        }
+        if matches!(c, '\n' | ',' | '{' | '}' | ';' | '\u{3001}' | '\u{3002}') {
+            from = at + c.len_utf8();
+            continue;
+        }
+        if !matches!(c, ':' | '=') {
+            continue;
+        }
+        let key = &reply[from..at];
+        let after = at + c.len_utf8();
+        from = after;
+        let Some(number) = NUMBER.captures(&reply[after..]) else {
             continue;
         };
+        from = after + number.get(0).map_or(0, |m| m.end());
         let Some(edge) = pair(key, names) else {
             continue;
         };
-        let Some(number) = NUMBER.captures(value) else {
-            continue;
-        };
         let slot = &mut values[edge as usize];
-        if slot.is_some() {
-            continue;
-        }
-        let Ok(v) = number[1].replace('\u{2212}', "-").parse::<f64>() else {
+        let text = number[1]
+            .replace(['\u{2212}', '\u{2013}'], "-")
+            .replace(',', ".");
+        let Ok(v) = text.parse::<f64>() else {
             continue;
         };
-        if !v.is_finite() {
+        if slot.is_some() || !v.is_finite() {
             continue;
         }
         if !(-1.0..=1.0).contains(&v) {
@@ -74,16 +95,46 @@ pub fn parse(reply: &str, names: [&str; 3]) -> Result<Scored, String> {
     })
 }
 
-/// The edge a key names: its last words, two different people, each by
-/// letter or name, with quotes, brackets, a list bullet and separators
-/// around them ignored (`Sure! AB` names AB).
+/// Full-width ASCII (`ＡＢ：０．３`, as Japanese text writes it) as ASCII,
+/// and the ideographic space as a space.
+fn halfwidth(text: &str) -> String {
+    text.chars()
+        .map(|c| match c {
+            '\u{ff01}'..='\u{ff5e}' => char::from_u32(c as u32 - 0xfee0).unwrap_or(c),
+            '\u{3000}' => ' ',
+            _ => c,
+        })
+        .collect()
+}
+
+/// Words and signs that stand between the two people of a pair.
+const JOINS: [&str; 6] = ["and", "vs.", "vs", "with", "\u{3068}", "\u{306e}"];
+
+/// The edge a key names: two different people, each by letter or name,
+/// with quotes, brackets, a list bullet, separators and joining words
+/// between and around them, and any words after them, ignored (`Sure! AB`,
+/// `- A and C`, `A-B relationship`, `A-C (Ann and Cy)` name a pair).
 fn pair(key: &str, names: [&str; 3]) -> Option<Edge> {
-    let key = key.trim();
+    // Bracketed asides are not part of it.
+    let mut plain = String::with_capacity(key.len());
+    let mut depth = 0u32;
+    for c in key.chars() {
+        match c {
+            '(' | '[' | '\u{300c}' | '\u{3010}' if depth > 0 || !plain.trim().is_empty() => {
+                depth += 1
+            }
+            ')' | ']' | '\u{300d}' | '\u{3011}' if depth > 0 => depth -= 1,
+            _ if depth > 0 => {}
+            _ => plain.push(c),
+        }
+    }
+    let key = plain.trim();
     let mut previous: Option<char> = None;
     for (at, c) in key.char_indices() {
-        // A pair begins a word: not inside an English one.
-        if previous.is_none_or(|p| !p.is_ascii_alphanumeric())
-            && let Some(edge) = pair_of(&key[at..], names)
+        // A pair begins after a space (or other script), not inside a
+        // word or after a sign (the `B-C` of `A-B-C` is no pair).
+        if previous.is_none_or(|p| p.is_whitespace() || !p.is_ascii())
+            && let Some(edge) = pair_at(&key[at..], names)
         {
             return Some(edge);
         }
@@ -92,36 +143,56 @@ fn pair(key: &str, names: [&str; 3]) -> Option<Edge> {
     None
 }
 
-/// `text` whole as a pair.
-fn pair_of(text: &str, names: [&str; 3]) -> Option<Edge> {
-    let separator = |c: char| {
-        c.is_whitespace()
-            || "\"'`*()[]<>-_/|&+\u{2022}\u{2013}\u{2014}\u{2212}\u{d7}\u{30fb}\u{3000}\u{300c}\u{300d}\u{ff08}\u{ff09}"
-                .contains(c)
-    };
-    let mut rest = text.trim_matches(separator);
-    let mut people = Vec::with_capacity(2);
-    while !rest.is_empty() {
-        let (person, len) = person_at(rest, names)?;
-        people.push(person);
-        rest = rest[len..].trim_start_matches(separator);
-        if people.len() > 2 {
-            return None;
+fn separator(c: char) -> bool {
+    c.is_whitespace()
+        || "\"'`*()[]<>-_/|&+~:\u{2022}\u{2013}\u{2014}\u{2212}\u{d7}\u{30fb}\u{300c}\u{300d}\u{3010}\u{3011}\u{2194}\u{2192}\u{21d4}"
+            .contains(c)
+}
+
+/// `text` with separators and joining words at its start taken off.
+fn skip_joins(mut text: &str) -> &str {
+    loop {
+        let trimmed = text.trim_start_matches(separator);
+        let joined = JOINS.iter().find_map(|j| {
+            let rest = trimmed.strip_prefix(j)?;
+            // A Latin word ends there.
+            let ascii = j.is_ascii();
+            (!ascii
+                || rest
+                    .chars()
+                    .next()
+                    .is_none_or(|c| !c.is_ascii_alphanumeric()))
+            .then_some(rest)
+        });
+        match joined {
+            Some(rest) => text = rest,
+            None => return trimmed,
         }
-    }
-    match people[..] {
-        [x, y] if x != y => Edge::between(x, y),
-        _ => None,
     }
 }
 
+/// The pair `text` begins with: two different people, and after them
+/// nothing, or words that are not a third person.
+fn pair_at(text: &str, names: [&str; 3]) -> Option<Edge> {
+    let text = text.trim_start_matches(separator);
+    let (x, len) = person_at(text, names)?;
+    let rest = skip_joins(&text[len..]);
+    let (y, len) = person_at(rest, names)?;
+    let rest = skip_joins(&rest[len..]);
+    if person_at(rest, names).is_some() {
+        return None;
+    }
+    (x != y).then(|| Edge::between(x, y)).flatten()
+}
+
 /// The person whose name (longest first) or letter `text` begins with, and
-/// how many bytes name them.
+/// how many bytes name them. A letter stands alone, or beside another
+/// letter (`AB`): not the first of a word (`Alex`).
 fn person_at(text: &str, names: [&str; 3]) -> Option<(Person, usize)> {
     let mut by_name: Vec<(Person, &str)> = Person::ALL
         .into_iter()
         .zip(names)
-        .filter(|(_, n)| !n.is_empty())
+        .filter(|(_, n)| n.chars().count() > 1)
         .collect();
     by_name.sort_by_key(|(_, n)| std::cmp::Reverse(n.chars().count()));
     for (person, name) in by_name {
@@ -133,14 +204,20 @@ fn person_at(text: &str, names: [&str; 3]) -> Option<(Person, usize)> {
             return Some((person, len));
         }
     }
-    let letter = text.chars().next()?;
-    let person = match letter.to_ascii_uppercase() {
+    let mut chars = text.chars();
+    let person = match chars.next()?.to_ascii_uppercase() {
         'A' => Person::A,
         'B' => Person::B,
         'C' => Person::C,
         _ => return None,
     };
-    Some((person, letter.len_utf8()))
+    match chars.next() {
+        Some(next) if next.is_ascii_alphanumeric() && !"ABCabc".contains(next) => None,
+        // `ab` reads as A then B, but not `abc` or `cab`'s letters in a
+        // word: a run of person letters longer than two is a word.
+        _ if text.chars().take_while(|c| "ABCabc".contains(*c)).count() > 2 => None,
+        _ => Some((person, 1)),
+    }
 }
 
 /// Words that warm a relation when said by either of its two people
@@ -441,6 +518,44 @@ mod tests {
                 "{key}"
             );
         }
+    }
+
+    #[test]
+    fn replies_as_models_write_them_are_read() {
+        let want = Triangle::new(0.3, -0.1, 0.2);
+        for reply in [
+            // One line, a space apart.
+            "AB: 0.3 BC: -0.1 CA: 0.2",
+            // Markdown.
+            "**AB:** 0.3\n**BC:** -0.1\n**CA:** **0.2**",
+            "- `A-B`: 0.3\n- `B-C`: -.1\n- `C-A`: +0.2",
+            // Full-width, as Japanese text writes it, and a decimal comma.
+            "\u{ff21}\u{ff22}\u{ff1a}\u{ff10}\u{ff0e}\u{ff13}\u{ff0c}\u{ff22}\u{ff23}\u{ff1a}\u{ff0d}\u{ff10}\u{ff0e}\u{ff11}\u{3002}\u{ff23}\u{ff21}\u{ff1a}0,2",
+            // Words between, around and after the people.
+            "Relations between A and B: 0.3; B vs C = \u{2013}0.1; C with A: 0.2",
+            "A\u{3068}B\u{ff1a}0.3\u{3001}B\u{3068}C\u{ff1a}-0.1\u{3001}C\u{3068}A\u{ff1a}0.2",
+            "A-B relationship: 0.3\nB-C (Ben and Cy): -0.1\nC\u{2194}A score: 0.2",
+        ] {
+            assert_eq!(read(reply).unwrap().0, want, "{reply}");
+        }
+        // A decimal comma is not a list comma.
+        assert_eq!(
+            read("AB: 0,3, BC: 0, CA: 1").unwrap().0,
+            Triangle::new(0.3, 0.0, 1.0)
+        );
+        // Words that begin with a person's letter are no person.
+        assert!(read("Alex: 0.3, Bob: 0.1, Cy: 0.2").is_err());
+        assert!(
+            read("ABC: 0.3, cab: 0.1, CA: 0.2")
+                .unwrap_err()
+                .contains("AB, BC")
+        );
+        // Three people are no pair.
+        assert!(
+            read("A-B-C: 0.3, B and C and A: 0.1, CA: 0.2")
+                .unwrap_err()
+                .contains("AB, BC")
+        );
     }
 
     #[test]

@@ -401,10 +401,12 @@ impl Sim {
                         self.reasks = 0;
                         if scored.clipped > 0 {
                             self.clipped_scores += scored.clipped;
-                            tracing::debug!(
-                                episode = %self.episode,
-                                clipped = scored.clipped,
-                                "relation scores outside [-1, 1] clipped"
+                            tracing::warn!(
+                                "episode {}: the relation scorer gave {} value(s) outside [-1, 1] at utterance {}, clipped (reply: {})",
+                                self.episode,
+                                scored.clipped,
+                                self.humans,
+                                excerpt(reply)
                             );
                         }
                         let window = self.human_window(self.settings.history.scorer);
@@ -581,8 +583,14 @@ impl Sim {
         let scored = self.humans > self.settings.scorer.start_after;
         match self.stage {
             Stage::Opening { skips } | Stage::Between { skips } => {
-                // max_rounds ends the episode: no decision begins at its end.
+                let opening = matches!(self.stage, Stage::Opening { .. });
+                let may_restart = opening && self.restarts() < self.settings.topic_restarts;
+                // max_rounds ends the episode: no decision begins at its
+                // end (an opening that reached it undecided starts again).
                 if self.humans >= self.settings.max_rounds * 3 {
+                    if may_restart {
+                        return self.restart();
+                    }
                     return self.end(Ending::Terminated);
                 }
                 let Some(relations) = self.relations.filter(|_| scored) else {
@@ -593,12 +601,11 @@ impl Sim {
                     return self.decide(relations);
                 }
                 let skips = skips + 1;
-                let opening = matches!(self.stage, Stage::Opening { .. });
                 if skips > self.settings.max_auto_skip {
                     // Stable through max_auto_skip utterances: the opening
                     // starts again on a new topic (as often as
                     // topic_restarts); otherwise the episode ends.
-                    if opening && (self.restarts.len() as u32) < self.settings.topic_restarts {
+                    if may_restart {
                         return self.restart();
                     }
                     return self.end(Ending::Terminated);
@@ -620,9 +627,9 @@ impl Sim {
         }
     }
 
-    /// The conversation starts again, on a new topic when topics are asked
-    /// for (on the same one when it is given): fresh history and
-    /// relations, and the round budget restored.
+    /// The conversation starts again on a new topic: asked for, or the
+    /// next of the fixed `topics` (a dataset row's own topic is kept);
+    /// fresh history and relations, and the round budget restored.
     fn restart(&mut self) -> Next {
         let conversation = std::mem::take(&mut self.history);
         self.restarts.push(Restart {
@@ -633,11 +640,17 @@ impl Sim {
         self.relations = None;
         self.adaptive = Adaptive::default();
         self.stage = Stage::Opening { skips: 0 };
-        if self.fixed_topic {
-            self.talk()
-        } else {
-            self.ask(CallKind::Topic, None)
+        if !self.fixed_topic {
+            return self.ask(CallKind::Topic, None);
         }
+        let list = &self.settings.topics;
+        if let Some(at) = list.iter().position(|t| *t == self.topic) {
+            self.topic = list[(at + 1) % list.len()].clone();
+            if !self.topics.contains(&self.topic) {
+                self.topics.push(self.topic.clone());
+            }
+        }
+        self.talk()
     }
 
     /// A check of the step under way, at the horizon or after an utterance
@@ -858,6 +871,16 @@ impl Sim {
     }
 }
 
+/// The start of a reply, for a message.
+fn excerpt(reply: &str) -> String {
+    const MAX: usize = 160;
+    let flat = reply.split_whitespace().collect::<Vec<_>>().join(" ");
+    match flat.char_indices().nth(MAX) {
+        Some((at, _)) => format!("{}...", &flat[..at]),
+        None => flat,
+    }
+}
+
 fn person_of(speaker: &str) -> Option<Person> {
     Person::ALL.into_iter().find(|p| p.as_str() == speaker)
 }
@@ -1062,13 +1085,69 @@ mod tests {
         let calls = play(&mut sim, &[STABLE]);
         assert_eq!(calls.iter().filter(|c| **c == "persona").count(), 6);
         assert_eq!(sim.ending(), Some(Ending::Terminated));
-        // A given topic is kept when the conversation starts again.
+        // A dataset row's own topic is kept when the conversation starts
+        // again; a fixed list's next one is taken.
         let s = settings(|s| s.max_rounds = 3);
         let mut sim = Sim::new(s, "e", Some("chores".to_owned()));
         let calls = play(&mut sim, &[STABLE]);
         assert!(!calls.contains(&"topic"));
         assert_eq!(calls.iter().filter(|c| **c == "persona").count(), 12);
         assert_eq!(sim.summary()["restarts"][0]["topic"], "chores");
+        assert_eq!(sim.topic(), "chores");
+        let s = settings(|s| {
+            s.max_rounds = 3;
+            s.topics = vec!["t1".to_owned(), "t2".to_owned()];
+        });
+        let mut sim = Sim::new(s.clone(), "e", Some("t2".to_owned()));
+        play(&mut sim, &[STABLE]);
+        assert_eq!(sim.summary()["restarts"][0]["topic"], "t2");
+        assert_eq!(sim.topic(), "t1");
+        assert_eq!(sim.summary()["topics"], json!(["t2", "t1"]));
+        // An opening that reaches max_rounds undecided (the skips not yet
+        // spent) starts again too.
+        let s = settings(|s| {
+            s.max_rounds = 2;
+            s.max_auto_skip = 10;
+        });
+        let mut sim = Sim::new(s, "e", None);
+        let calls = play(&mut sim, &[STABLE]);
+        assert_eq!(calls.iter().filter(|c| **c == "persona").count(), 12);
+        assert_eq!(
+            sim.summary()["restarts"][0]["conversation"]
+                .as_array()
+                .unwrap()
+                .len(),
+            6
+        );
+    }
+
+    #[test]
+    fn the_original_adaptive_smoothing_barely_moves_once_one_person_speaks_at_a_time() {
+        // Scored after each utterance, only the speaker is new: for every
+        // pair the fewer new utterances is 0, so alpha is 0.01 after the
+        // first score (the original system's behaviour, with its keys).
+        let s = settings(|s| {
+            s.scorer.use_ema = true;
+            s.scorer.ema_formula = EmaFormula::Adaptive;
+            s.scorer.decay_factor = 1.5;
+            s.max_steps = 1;
+        });
+        let mut sim = Sim::new(s, "e", None);
+        // Unstable at 4 (CA -0.5), then +++ scores: CA after n of them is
+        // 0.01 x 0.5 + 0.99 x previous.
+        play(
+            &mut sim,
+            &[UNSTABLE, STABLE, STABLE, STABLE, STABLE, STABLE],
+        );
+        let step = &sim.steps()[0];
+        let mut ca = -0.5;
+        for _ in 0..3 {
+            ca = 0.01 * 0.5 + 0.99 * ca;
+        }
+        let at = step.at_horizon.unwrap().relations.ca;
+        assert!((at - ca).abs() < 1e-12, "{at} {ca}");
+        assert_eq!(step.reward.stable_bonus, 0.0);
+        assert!(step.cut_short);
     }
 
     /// The scripted replies of a step: unstable at the decision (the 4th
@@ -1341,6 +1420,7 @@ mod tests {
         let s = settings(|s| {
             s.max_rounds = 2;
             s.max_auto_skip = 10;
+            s.topic_restarts = 0;
         });
         let mut sim = Sim::new(s, "e", None);
         // Stable at 4 and 5; unstable only at 6, the last utterance.
