@@ -581,7 +581,19 @@ impl Reader<'_> {
             None => {}
         }
 
-        let personas = self.personas();
+        let mut personas = self.personas();
+        if personas.is_empty() && !self.present("env.personas") && !self.present("personas") {
+            // The original's three, so that each has its voice's endpoint.
+            personas = ["A", "B", "C"]
+                .into_iter()
+                .map(|name| OriginalPersona {
+                    name: name.to_owned(),
+                    landmines: Vec::new(),
+                    from: "env.personas".to_owned(),
+                    section: "env.personas (not set: A, B and C)".to_owned(),
+                })
+                .collect();
+        }
         let ollama = self.ollama();
         let azure = self.azure();
         if ollama.personas.is_empty() && azure.endpoint.is_none() {

@@ -469,3 +469,20 @@ topic_manager:
         "Topics like a: b, # not a comment, $${HOME}.\n  indented: {{ not a tag }}\n# hash\n"
     );
 }
+
+#[test]
+fn without_personas_the_original_three_speak_each_on_a_server_in_turn() {
+    let c = converted(
+        "env: {}\nscorer: {backend: rule}\nollama: {bases: ['http://g1:1', 'http://g2:1'], model: m}\n",
+        &[],
+    );
+    let personas = &c.document.value["task"]["conversation"]["personas"];
+    let names: Vec<&str> = (0..3)
+        .map(|i| personas[i]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["A", "B", "C"]);
+    let on: Vec<&str> = (0..3)
+        .map(|i| personas[i]["endpoint"].as_str().unwrap())
+        .collect();
+    assert_eq!(on, ["ollama-g1", "ollama-g2", "ollama-g1"]);
+}
