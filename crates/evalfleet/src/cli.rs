@@ -94,6 +94,19 @@ pub enum Command {
     )]
     Env(EnvArgs),
 
+    /// Convert a config of the original Python conversation system (config.local.yaml) to an evalfleet config.
+    ///
+    /// Writes YAML (to --output, else stdout) with comments saying where each
+    /// part came from, and names on stderr every key of the original that has
+    /// no place here, with its line and why. Environment variables override
+    /// the file as they do in the original (OLLAMA_BASES, AZURE_ENDPOINT,
+    /// HUMAN_MODEL, ...); the Azure key stays a reference, ${AZURE_API_KEY}.
+    /// `run`, `simulate`, `env` and `check` read such a file directly too.
+    #[command(
+        after_help = "Example:\n  evalfleet convert app/config.local.yaml -o conversation.yaml\n  evalfleet simulate app/config.local.yaml --sessions 5"
+    )]
+    Convert(ConvertArgs),
+
     /// List the runs in a store.
     #[command(after_help = "Example:\n  evalfleet runs --store runs/evalfleet.db")]
     Runs(StoreArgs),
@@ -206,7 +219,12 @@ impl Command {
     pub fn only_prints(&self) -> bool {
         matches!(
             self,
-            Self::Runs(_) | Self::Status(_) | Self::Export(_) | Self::Report(_) | Self::Compare(_)
+            Self::Runs(_)
+                | Self::Status(_)
+                | Self::Export(_)
+                | Self::Report(_)
+                | Self::Compare(_)
+                | Self::Convert(_)
         )
     }
 }
@@ -466,6 +484,16 @@ pub struct FleetTarget {
 #[derive(Debug, Args)]
 pub struct CheckArgs {
     pub config: PathBuf,
+}
+
+#[derive(Debug, Args)]
+pub struct ConvertArgs {
+    /// The original system's YAML config (top-level `env:`, `scorer:`, `llm:`, ...).
+    pub original: PathBuf,
+
+    /// Write the evalfleet config here instead of stdout.
+    #[arg(short, long)]
+    pub output: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

@@ -116,6 +116,7 @@ fn main() -> ExitCode {
             Command::Status(args) => commands::inspect::status(args),
             Command::Export(args) => commands::inspect::export(args),
             Command::Check(args) => commands::check::check(args).await,
+            Command::Convert(args) => commands::convert::convert(args),
             Command::Metrics(args) => commands::metrics::metrics(args),
             Command::Mock(args) => commands::mock::mock(args).await,
             Command::Serve(args) => commands::serve::serve(args).await,

@@ -84,7 +84,8 @@ task:
     robot: { messages: [{ role: user, content: "robot {{ episode }} {{ step }} {{ strategy }} {{ target_name }}" }] }
 "#;
 
-fn lines(path: &std::path::Path) -> Vec<Value> {
+/// The JSON values of a JSONL file, a line each.
+pub(crate) fn lines(path: &std::path::Path) -> Vec<Value> {
     std::fs::read_to_string(path)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
         .lines()

@@ -18,6 +18,7 @@ mod fleet;
 mod images;
 mod input;
 mod messages;
+mod original;
 mod prompts;
 mod remote;
 mod run;

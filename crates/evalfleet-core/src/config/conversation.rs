@@ -80,6 +80,32 @@ pub struct Persona {
     /// The endpoint (by name, `role: judge`) that speaks for them; default
     /// the endpoints that answer items.
     pub endpoint: Option<String>,
+    /// The words that set the tone of their utterances for the rules
+    /// scorer.
+    pub words: ToneWords,
+}
+
+/// A persona's warm and cold words for the rules scorer (`scorer: {kind:
+/// rules}`): the built-in English and Japanese lists, with the persona's
+/// own added (or alone, without the built-ins).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToneWords {
+    /// `warm_words`: added to the built-in warm words.
+    pub warm: Vec<String>,
+    /// `cold_words`: added to the built-in cold words.
+    pub cold: Vec<String>,
+    /// `builtin_words`: whether the built-in lists count too. Default true.
+    pub builtin: bool,
+}
+
+impl Default for ToneWords {
+    fn default() -> Self {
+        Self {
+            warm: Vec::new(),
+            cold: Vec::new(),
+            builtin: true,
+        }
+    }
 }
 
 /// The messages of one kind of call, and who answers it.
@@ -298,6 +324,18 @@ struct RawPersona {
     /// The endpoint (by name, with `role: judge`) that speaks for them.
     /// Default: the endpoints that answer items.
     endpoint: Option<String>,
+    /// The rules scorer: words that warm their relations when they say
+    /// them, added to the built-in English and Japanese ones (a Japanese
+    /// word counts wherever it appears, a Latin one as a whole word).
+    /// Default: none.
+    warm_words: Option<Vec<String>>,
+    /// The rules scorer: words that cool their relations when they say
+    /// them, added to the built-in ones. Default: none.
+    cold_words: Option<Vec<String>>,
+    /// The rules scorer: whether the built-in warm and cold words count
+    /// for them too; `false` leaves their own `warm_words` and `cold_words`
+    /// alone. Default `true`.
+    builtin_words: Option<bool>,
 }
 
 /// The messages of one kind of call, and who answers it.
@@ -458,6 +496,14 @@ struct RawAlarms {
 
 const AT: &str = "task.conversation";
 
+/// A list of words as given, less the empty ones.
+fn words(list: Option<Vec<String>>) -> Vec<String> {
+    list.unwrap_or_default()
+        .into_iter()
+        .filter(|w| !w.trim().is_empty())
+        .collect()
+}
+
 /// `task.conversation` validated (`value` absent: every default).
 pub(super) fn conversation(
     value: Option<&Value>,
@@ -493,6 +539,7 @@ pub(super) fn conversation(
                 landmines: Vec::new(),
                 need: None,
                 endpoint: None,
+                words: ToneWords::default(),
             })
             .collect(),
         Some(list) if list.len() != 3 => {
@@ -524,13 +571,13 @@ pub(super) fn conversation(
                     .filter(|n| !n.trim().is_empty())
                     .unwrap_or_else(|| letter.to_owned()),
                 prompt: raw.prompt.unwrap_or_default(),
-                landmines: raw
-                    .landmines
-                    .unwrap_or_default()
-                    .into_iter()
-                    .filter(|w| !w.trim().is_empty())
-                    .collect(),
+                landmines: words(raw.landmines),
                 endpoint: raw.endpoint,
+                words: ToneWords {
+                    warm: words(raw.warm_words),
+                    cold: words(raw.cold_words),
+                    builtin: raw.builtin_words.unwrap_or(true),
+                },
             })
             .collect(),
     };

@@ -48,7 +48,7 @@ impl Vars {
         }
     }
 
-    fn get(&self, name: &str) -> Option<String> {
+    pub(super) fn get(&self, name: &str) -> Option<String> {
         if self.only.as_ref().is_some_and(|only| !only.contains(name)) {
             return None;
         }

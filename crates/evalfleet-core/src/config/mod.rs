@@ -15,6 +15,7 @@ mod env;
 mod eval;
 mod exec;
 mod images;
+pub mod original;
 pub mod path;
 mod prompts;
 mod raw;
@@ -33,7 +34,7 @@ use serde_json::{Map, Value};
 pub use admission::Admission;
 pub use conversation::{
     AlarmSettings, CallSettings, ConversationSettings, EmaFormula, HistoryWindows, Persona,
-    PolicyKind, PolicySettings, ScorerKind, ScorerSettings,
+    PolicyKind, PolicySettings, ScorerKind, ScorerSettings, ToneWords,
 };
 pub use endpoint::{
     AimdSettings, EndpointConfig, EndpointKind, EndpointRole, Engine, HealthSettings, LimitMode,
@@ -383,6 +384,10 @@ pub struct LoadedConfig {
     pub origin: String,
     /// The line of each path in the file (none for a stored config).
     lines: std::sync::Arc<std::collections::HashMap<String, usize>>,
+    /// A config of the original system (`original`): each of its keys that
+    /// had no place here, `FILE:LINE: KEY: not converted: WHY`, for the
+    /// command to show.
+    pub notes: Vec<String>,
 }
 
 impl LoadedConfig {
@@ -482,13 +487,59 @@ pub fn load_file_admitted(
     admission: Option<&Admission>,
 ) -> Result<LoadedConfig, ConfigError> {
     let (document, dir) = read_document(file)?;
-    validate::load(
-        document,
-        &dir,
-        overrides,
-        file.display().to_string(),
-        admission,
-    )
+    let origin = file.display().to_string();
+    if original::is_original(&document.value) {
+        let conversion = convert_original(&document, file, &dir, admission)?;
+        let mut loaded = validate::load(
+            conversion.document,
+            &dir,
+            overrides,
+            origin.clone(),
+            admission,
+        )?;
+        loaded.notes = conversion.notes.iter().map(|n| n.render(&origin)).collect();
+        return Ok(loaded);
+    }
+    validate::load(document, &dir, overrides, origin, admission)
+}
+
+/// Reads a config of the original system (`original`) and converts it:
+/// `evalfleet convert`.
+pub fn convert_original_file(file: &Path) -> Result<original::Conversion, ConfigError> {
+    let (document, dir) = read_document(file)?;
+    if !original::is_original(&document.value) {
+        return Err(validate::invalid(
+            file.display().to_string(),
+            &document,
+            vec![(
+                String::new(),
+                "not a config of the original system: it has no top-level `env:` mapping, or it has `task:` (an evalfleet config)".to_owned(),
+            )],
+        ));
+    }
+    convert_original(&document, file, &dir, None)
+}
+
+/// `document`, a config of the original read from `file` in `dir`,
+/// converted with the variables `admission` lets it read.
+fn convert_original(
+    document: &Document,
+    file: &Path,
+    dir: &Path,
+    admission: Option<&Admission>,
+) -> Result<original::Conversion, ConfigError> {
+    let origin = file.display().to_string();
+    let vars = Vars::load(dir)
+        .map(|vars| match admission {
+            Some(admission) => vars.only(admission.env.clone()),
+            None => vars,
+        })
+        .map_err(|message| {
+            validate::invalid(origin.clone(), document, vec![(String::new(), message)])
+        })?;
+    let name = original::run_name(file);
+    original::convert(document, &origin, &name, &vars)
+        .map_err(|problems| validate::invalid(origin, document, problems))
 }
 
 /// A config file's document, and the absolute directory its relative

@@ -83,6 +83,7 @@ pub(super) fn load(
             dir: dir.to_owned(),
             origin,
             lines: std::sync::Arc::new(document.lines),
+            notes: Vec::new(),
         }),
         _ => Err(invalid(origin, &document, problems)),
     }

@@ -29,7 +29,7 @@ fn concurrency(endpoint: &EndpointConfig) -> String {
 }
 
 pub async fn check(args: crate::cli::CheckArgs) -> anyhow::Result<u8> {
-    let loaded = config::load_file(&args.config, Overrides::default())?;
+    let loaded = super::convert::load(&args.config, Overrides::default())?;
     let config = &loaded.config;
     let templates = Templates::compile(&config.task)?;
     tokio::task::block_in_place(|| preflight::check(&loaded, &templates))?;

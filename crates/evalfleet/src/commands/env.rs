@@ -48,7 +48,7 @@ pub async fn env(args: EnvArgs) -> anyhow::Result<u8> {
             let Some(file) = &args.config else {
                 return Err(UsageError("env needs a config, or --resume RUN_ID".to_owned()).into());
             };
-            let loaded = config::load_file(file, overrides)?;
+            let loaded = super::convert::load(file, overrides)?;
             require_conversation(loaded.config.task.kind.conversation(), file)?;
             new_session(
                 loaded,
@@ -138,7 +138,7 @@ async fn resumed(
         store.run(run_id)?
     };
     let loaded = match &args.config {
-        Some(file) => config::load_file(file, overrides)?,
+        Some(file) => super::convert::load(file, overrides)?,
         None => config::load_snapshot(&record.config, Path::new(&record.config_dir))?,
     };
     let external = loaded

@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod check;
+pub mod convert;
 pub mod env;
 pub mod inspect;
 pub mod metrics;

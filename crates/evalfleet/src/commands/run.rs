@@ -44,7 +44,7 @@ pub(crate) async fn start(
         sample_seed: args.seed,
         ..overrides
     };
-    let loaded = config::load_file(&args.config, overrides)?;
+    let loaded = super::convert::load(&args.config, overrides)?;
     if conversation {
         super::simulate::require_conversation(
             loaded.config.task.kind.conversation(),
@@ -222,7 +222,7 @@ pub(crate) async fn resumable(
     let mut store = evalfleet_store::open(&location, &OpenOptions::default())?;
     let record = store.run(run_id)?;
     let loaded = match config {
-        Some(file) => config::load_file(file, Overrides::default())?,
+        Some(file) => super::convert::load(file, Overrides::default())?,
         None => config::load_snapshot(&record.config, Path::new(&record.config_dir))?,
     };
     resumable_with(

@@ -4,6 +4,7 @@
 use regex::Regex;
 use std::sync::LazyLock;
 
+use crate::config::{Persona, ToneWords};
 use crate::eval::balance::{Edge, Person, Triangle};
 
 /// A scorer's reply read as the three relations.
@@ -219,8 +220,9 @@ fn person_at(text: &str, names: [&str; 3]) -> Option<(Person, usize)> {
     }
 }
 
-/// Words that warm a relation when said by either of its two people.
-const WARM: [&str; 18] = [
+/// Words that warm a relation when said by either of its two people
+/// (English, matched as whole words).
+const WARM_EN: [&str; 18] = [
     "agree",
     "thanks",
     "thank",
@@ -240,8 +242,8 @@ const WARM: [&str; 18] = [
     "sure",
     "help",
 ];
-/// Words that cool it.
-const COLD: [&str; 18] = [
+/// Words that cool it (English).
+const COLD_EN: [&str; 18] = [
     "no",
     "not",
     "never",
@@ -261,36 +263,183 @@ const COLD: [&str; 18] = [
     "terrible",
     "selfish",
 ];
+/// Japanese warm words, matched wherever they appear (Japanese is written
+/// without spaces). Stems rather than inflected forms where a word bends
+/// (`助か` for 助かる, 助かった), and none that a cold word holds.
+const WARM_JA: [&str; 22] = [
+    "ありがとう",
+    "感謝",
+    "賛成",
+    "同意",
+    "いいね",
+    "いいと思",
+    "素晴らし",
+    "すばらし",
+    "嬉し",
+    "うれし",
+    "楽し",
+    "好き",
+    "助か",
+    "なるほど",
+    "確かに",
+    "その通り",
+    "分かる",
+    "わかる",
+    "ごめん",
+    "すみません",
+    "一緒に",
+    "協力",
+];
+/// Japanese cold words.
+const COLD_JA: [&str; 24] = [
+    "嫌い",
+    "嫌だ",
+    "いやだ",
+    "むかつ",
+    "ムカつ",
+    "うざ",
+    "最悪",
+    "ひどい",
+    "酷い",
+    "ふざけ",
+    "腹が立",
+    "怒",
+    "反対",
+    "違う",
+    "間違",
+    "無理",
+    "おかしい",
+    "勝手",
+    "わがまま",
+    "のせい",
+    "いいえ",
+    "うるさい",
+    "関係ない",
+    "不公平",
+];
 /// What each warm or cold word is worth.
 const WORD: f64 = 0.2;
 /// What one person raising another's landmine costs their relation.
 const LANDMINE: f64 = 0.5;
 
+/// Whether `c` belongs to a script written without spaces between words
+/// (Japanese kana, CJK ideographs): a word of such letters is matched
+/// wherever it appears.
+fn spaceless(c: char) -> bool {
+    matches!(c,
+        '\u{3005}'                      // 々
+        | '\u{3040}'..='\u{30FF}'       // hiragana, katakana
+        | '\u{31F0}'..='\u{31FF}'       // katakana extensions
+        | '\u{3400}'..='\u{4DBF}'       // CJK extension A
+        | '\u{4E00}'..='\u{9FFF}'       // CJK ideographs
+        | '\u{F900}'..='\u{FAFF}'       // CJK compatibility ideographs
+        | '\u{FF66}'..='\u{FF9F}'       // half-width katakana
+    )
+}
+
+/// A letter of a word written with spaces (Latin and the like): such a
+/// word matches only where no such letter touches it.
+fn spaced_letter(c: char) -> bool {
+    (c.is_alphanumeric() && !spaceless(c)) || c == '\''
+}
+
+/// Whether `word` (lower case) occurs in `text` (lower case) at byte
+/// `at`: a word with a letter of a spaceless script anywhere, a Latin one
+/// only as a whole word.
+fn occurs_at(text: &str, at: usize, word: &str) -> bool {
+    if word.is_empty() || !text[at..].starts_with(word) {
+        return false;
+    }
+    if word.chars().any(spaceless) {
+        return true;
+    }
+    let before = text[..at].chars().next_back();
+    let after = text[at + word.len()..].chars().next();
+    !before.is_some_and(spaced_letter) && !after.is_some_and(spaced_letter)
+}
+
+/// Whether `text` names `word` (both lower case), matched as
+/// [`occurs_at`] says.
+fn mentions(text: &str, word: &str) -> bool {
+    text.match_indices(word)
+        .any(|(at, _)| occurs_at(text, at, word))
+}
+
+/// One speaker's warm and cold words, lower case, each with its weight.
+struct Lexicon(Vec<(String, f64)>);
+
+impl Lexicon {
+    fn of(words: &ToneWords) -> Self {
+        let builtin = |list: &[&[&str]]| -> Vec<String> {
+            if words.builtin {
+                list.iter()
+                    .flat_map(|l| l.iter().map(|w| (*w).to_owned()))
+                    .collect()
+            } else {
+                Vec::new()
+            }
+        };
+        let warm = builtin(&[&WARM_EN, &WARM_JA])
+            .into_iter()
+            .chain(words.warm.iter().cloned());
+        let cold = builtin(&[&COLD_EN, &COLD_JA])
+            .into_iter()
+            .chain(words.cold.iter().cloned());
+        let mut entries: Vec<(String, f64)> = warm
+            .map(|w| (w, WORD))
+            .chain(cold.map(|w| (w, -WORD)))
+            .map(|(w, v)| (w.trim().to_lowercase(), v))
+            .filter(|(w, _)| !w.is_empty())
+            .collect();
+        // The longest word first, so that the first one found where the
+        // scan stands is the longest there.
+        entries.sort_by_key(|(word, _)| std::cmp::Reverse(word.len()));
+        Self(entries)
+    }
+
+    /// The tone of `text` (lower case): scanning it from the start, at
+    /// each place the longest listed word found there counts once and the
+    /// scan goes on after it (so いいえ counts as いいえ, not as いい).
+    fn tone(&self, text: &str) -> f64 {
+        let mut tone = 0.0;
+        let mut at = 0;
+        while at < text.len() {
+            match self.0.iter().find(|(word, _)| occurs_at(text, at, word)) {
+                Some((word, value)) => {
+                    tone += value;
+                    at += word.len();
+                }
+                None => at += text[at..].chars().next().map_or(1, char::len_utf8),
+            }
+        }
+        tone
+    }
+}
+
 /// Relations counted from human utterances (`(speaker, text)`, the
-/// scorer's window): each edge starts at 0, gains 0.2 for each warm word
-/// and loses 0.2 for each cold word either of its two people says, and
-/// loses 0.5 each time one of them names a landmine of the other; then it
-/// is clamped to [-1, 1].
-pub fn by_rules(utterances: &[(Person, &str)], landmines: [&[String]; 3]) -> Triangle {
+/// scorer's window) of `personas` (A, B and C): each edge starts at 0,
+/// gains 0.2 for each warm word and loses 0.2 for each cold word either of
+/// its two people says (each speaker's words: [`ToneWords`]), and loses 0.5
+/// for each landmine of the other that one of them names in an utterance;
+/// then it is clamped to [-1, 1]. A word or landmine with a Japanese
+/// letter in it counts wherever it appears; a Latin one as a whole word.
+pub fn by_rules(utterances: &[(Person, &str)], personas: &[Persona]) -> Triangle {
+    let lexicons: Vec<Lexicon> = personas.iter().map(|p| Lexicon::of(&p.words)).collect();
+    let landmines: Vec<Vec<String>> = personas
+        .iter()
+        .map(|p| {
+            p.landmines
+                .iter()
+                .map(|m| m.trim().to_lowercase())
+                .collect()
+        })
+        .collect();
     let mut value = [0.0f64; 3];
     for &(speaker, text) in utterances {
         let lower = text.to_lowercase();
-        let words: Vec<&str> = lower
-            .split(|c: char| !c.is_alphanumeric() && c != '\'')
-            .filter(|w| !w.is_empty())
-            .collect();
-        let tone: f64 = words
-            .iter()
-            .map(|w| {
-                if WARM.contains(w) {
-                    WORD
-                } else if COLD.contains(w) {
-                    -WORD
-                } else {
-                    0.0
-                }
-            })
-            .sum();
+        let tone = lexicons
+            .get(speaker.index())
+            .map_or(0.0, |lexicon| lexicon.tone(&lower));
         for (i, edge) in Edge::ALL.iter().enumerate() {
             let (x, y) = edge.people();
             if speaker != x && speaker != y {
@@ -298,8 +447,8 @@ pub fn by_rules(utterances: &[(Person, &str)], landmines: [&[String]; 3]) -> Tri
             }
             value[i] += tone;
             let other = if speaker == x { y } else { x };
-            for mine in landmines[other.index()] {
-                if lower.contains(&mine.to_lowercase()) {
+            for mine in landmines.get(other.index()).into_iter().flatten() {
+                if mentions(&lower, mine) {
                     value[i] -= LANDMINE;
                 }
             }
@@ -418,21 +567,105 @@ mod tests {
         assert_eq!((t, clipped), (Triangle::new(1.0, 0.0, 1.0), 1));
     }
 
+    fn persona(landmines: &[&str], words: ToneWords) -> Persona {
+        Persona {
+            name: String::new(),
+            prompt: String::new(),
+            landmines: landmines.iter().map(|w| (*w).to_owned()).collect(),
+            need: None,
+            endpoint: None,
+            words,
+        }
+    }
+
+    fn close(t: Triangle, [ab, bc, ca]: [f64; 3]) -> bool {
+        (t.ab - ab).abs() < 1e-9 && (t.bc - bc).abs() < 1e-9 && (t.ca - ca).abs() < 1e-9
+    }
+
     #[test]
     fn rules_count_tone_and_landmines_per_pair() {
-        let (a, c) = (["money".to_owned()], ["Mother".to_owned()]);
-        let landmines: [&[String]; 3] = [&a, &[], &c];
+        let personas = [
+            persona(&["money"], ToneWords::default()),
+            persona(&[], ToneWords::default()),
+            persona(&["Mother"], ToneWords::default()),
+        ];
         let said = [
             (Person::A, "I agree, thanks."),            // AB, CA +0.4
             (Person::B, "That is wrong. Your mother!"), // AB, BC -0.2; BC -0.5 (C's landmine)
             (Person::C, "Money, money."),               // BC, CA; CA -0.5 (A's landmine, once)
+            (Person::C, "Moneybags know nothing."),     // no whole word: nothing
         ];
-        let t = by_rules(&said, landmines);
-        assert!((t.ab - 0.2).abs() < 1e-9, "{t:?}");
-        assert!((t.bc - -0.7).abs() < 1e-9, "{t:?}");
-        assert!((t.ca - -0.1).abs() < 1e-9, "{t:?}");
+        let t = by_rules(&said, &personas);
+        assert!(close(t, [0.2, -0.7, -0.1]), "{t:?}");
         // Clamped.
         let angry = [(Person::A, "no no no no no no no")];
-        assert_eq!(by_rules(&angry, landmines).ab, -1.0);
+        assert_eq!(by_rules(&angry, &personas).ab, -1.0);
+    }
+
+    #[test]
+    fn japanese_words_count_wherever_they_appear_latin_ones_as_whole_words() {
+        let personas = [
+            persona(&["お金"], ToneWords::default()),
+            persona(
+                &[],
+                ToneWords {
+                    warm: vec!["まあね".to_owned()],
+                    ..ToneWords::default()
+                },
+            ),
+            persona(
+                &["母親", "deadline"],
+                ToneWords {
+                    cold: vec!["はぁ".to_owned()],
+                    builtin: false,
+                    ..ToneWords::default()
+                },
+            ),
+        ];
+        let said = [
+            // ありがとう twice and 賛成: +0.6 to AB and CA.
+            (Person::A, "ありがとう！それ、賛成です。本当にありがとう。"),
+            // いいえ and 間違 (間違い: not 違う as well): -0.4 to AB and
+            // BC; 母親 is C's landmine: BC -0.5.
+            (Person::B, "いいえ、それは間違いだと思う。母親に聞いたら？"),
+            // C counts only their own words: はぁ -0.2 (怒 and 嫌い are
+            // built-in, left out) to BC and CA; お金 is A's: CA -0.5.
+            (Person::C, "はぁ、怒ってないけど、お金の話は嫌い。"),
+            // まあね (B's own) and 一緒に +0.4, the whole word no -0.2:
+            // +0.2 to AB and BC.
+            (Person::B, "まあね、一緒にやろう。OKだよ、no problem"),
+            // wrong -0.2 (no and not are not whole words in nothing) to
+            // AB and CA; deadline is C's: CA -0.5.
+            (Person::A, "Nothing is wrong with the deadline."),
+        ];
+        let t = by_rules(&said, &personas);
+        assert!(close(t, [0.2, -0.9, -0.8]), "{t:?}");
+    }
+
+    #[test]
+    fn the_longest_word_at_a_place_counts_and_repeats_count_each_time() {
+        let own = |warm: &[&str]| ToneWords {
+            warm: warm.iter().map(|w| (*w).to_owned()).collect(),
+            ..ToneWords::default()
+        };
+        let personas = [
+            persona(&[], own(&["いい"])),
+            persona(&[], ToneWords::default()),
+            persona(&[], ToneWords::default()),
+        ];
+        // いいえ (cold) is longer than いい (warm): -0.2, not -0.2 + 0.2.
+        let t = by_rules(&[(Person::A, "いいえ")], &personas);
+        assert!(close(t, [-0.2, 0.0, -0.2]), "{t:?}");
+        // No spaces: each ありがとう counts; いい alone is A's warm word.
+        let t = by_rules(&[(Person::A, "ありがとうありがとう、いい")], &personas);
+        assert!(close(t, [0.6, 0.0, 0.6]), "{t:?}");
+        // お金持ち names お金.
+        let personas = [
+            persona(&[], ToneWords::default()),
+            persona(&["お金"], ToneWords::default()),
+            persona(&[], ToneWords::default()),
+        ];
+        let t = by_rules(&[(Person::A, "お金持ちの話")], &personas);
+        assert!(close(t, [-0.5, 0.0, 0.0]), "{t:?}");
     }
 }

@@ -392,9 +392,7 @@ impl Sim {
                                 .iter()
                                 .filter_map(|u| person_of(&u.speaker).map(|p| (p, u.text.as_str())))
                                 .collect();
-                            let landmines =
-                                [0, 1, 2].map(|i| self.settings.personas[i].landmines.as_slice());
-                            let observed = relations::by_rules(&said, landmines);
+                            let observed = relations::by_rules(&said, &self.settings.personas);
                             self.observe(observed, &window);
                         }
                     }
@@ -976,6 +974,7 @@ mod tests {
                     landmines: Vec::new(),
                     need: Some(Need::Mediation),
                     endpoint: None,
+                    words: Default::default(),
                 })
                 .collect(),
             persona_messages: Vec::new(),

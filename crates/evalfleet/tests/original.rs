@@ -1,0 +1,335 @@
+//! Japanese conversations and configs of the original Python system: the
+//! Japanese example runs with its text intact in the store and the logs;
+//! an original config converts and loads directly, every key without a
+//! place named; a bad one is told which key and what.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use evalfleet_mock::MockSettings;
+use serde_json::Value;
+
+use crate::conversation::lines as jsonl;
+use crate::util::{Env, Ran, mock};
+
+fn examples() -> &'static Path {
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_japanese_example_keeps_its_text_intact_in_the_store_and_the_logs() {
+    let env = Env::new();
+    let config = examples().join("conversation-ja.yaml");
+    let ran = env
+        .evalfleet(&["simulate", config.to_str().unwrap(), "--run-id", "ja", "-q"])
+        .await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert!(
+        ran.stderr.contains("6 episodes (0 failed)"),
+        "{}",
+        ran.stderr
+    );
+
+    // Every line the mock could say, as written in its answers file.
+    let answers = jsonl(&examples().join("conversation-ja-answers.jsonl"));
+    let said: BTreeSet<String> = answers
+        .iter()
+        .flat_map(|a| a["samples"].as_array().unwrap().iter())
+        .map(|s| s.as_str().unwrap().to_owned())
+        .collect();
+    let topics = [
+        "週末の家族旅行の行き先",
+        "シェアハウスの家事の分担",
+        "新しいプロジェクトのリーダー決め",
+    ];
+
+    // The stored episodes: every utterance one of those lines, exactly.
+    let rows = env.export("ja").await;
+    assert_eq!(rows.len(), 6);
+    let mut heard = BTreeSet::new();
+    for row in &rows {
+        let record: Value = serde_json::from_str(row["output"].as_str().unwrap()).unwrap();
+        let text = record.to_string();
+        assert!(topics.iter().any(|t| text.contains(t)), "{text}");
+        for step in record["steps"].as_array().unwrap() {
+            for u in step["utterances"].as_array().unwrap() {
+                let line = u["text"].as_str().unwrap();
+                assert!(said.contains(line), "{line:?} is not a line of the answers");
+                heard.insert(line.to_owned());
+            }
+        }
+    }
+    // Each persona and the robot spoke.
+    for (i, answer) in answers.iter().enumerate().filter(|(i, _)| *i != 3) {
+        assert!(
+            answer["samples"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|s| heard.contains(s.as_str().unwrap())),
+            "nothing of answer line {i} was heard"
+        );
+    }
+
+    // The log: the same text, written as it is (not escaped).
+    let log = env.path("runs/ja/conversation_summary.jsonl");
+    let raw = std::fs::read_to_string(&log).unwrap();
+    let steps = jsonl(&log);
+    assert!(!steps.is_empty());
+    for step in &steps {
+        assert!(topics.contains(&step["topic"].as_str().unwrap()), "{step}");
+        if let Some(robot) = step["robot"].as_str() {
+            assert!(said.contains(robot), "{robot:?}");
+            assert!(raw.contains(robot));
+        }
+        for u in step["utterances"].as_array().unwrap() {
+            assert!(said.contains(u["text"].as_str().unwrap()), "{u}");
+        }
+    }
+    // The Japanese rules counted: some relation is neither 0 nor the
+    // same for every pair.
+    assert!(
+        steps
+            .iter()
+            .any(|s| s["relations"]["AB"] != s["relations"]["BC"]),
+        "{raw}"
+    );
+}
+
+/// The realistic config of the original, copied into `env`.
+fn realistic(env: &Env) {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/original/config.local.yaml"
+    ))
+    .unwrap();
+    env.write("config.local.yaml", &text);
+}
+
+/// The keys of the realistic config that have no place, with their lines.
+const NOT_CONVERTED: [(&str, usize); 35] = [
+    ("env.debug", 12),
+    ("env.reward_backend", 13),
+    ("env.time_penalty", 17),
+    ("env.terminal_bonus", 18),
+    ("env.intervention_cost", 19),
+    ("env.min_robot_intervention_lookback", 21),
+    ("ollama.model_rl", 41),
+    ("ollama.reward_base", 47),
+    ("ollama.gen_options.num_ctx", 51),
+    ("llm.azure_api_key", 56),
+    ("llm.azure_api_version", 57),
+    ("llm.azure_model", 58),
+    ("llm.azure_embedding_deployment", 59),
+    ("llm.azure_embedding_api_version", 60),
+    ("llm.reasoning_effort", 61),
+    ("llm.human_model", 65),
+    ("llm.relation_model", 66),
+    ("ppo.lr", 73),
+    ("ppo.grad_accum_steps", 75),
+    ("ppo.kl_coef", 76),
+    ("ppo.kl_estimator", 77),
+    ("ppo.target_kl", 78),
+    ("ppo.num_mini_batches", 79),
+    ("ppo.temperature", 81),
+    ("ppo.top_p", 82),
+    ("ppo.entropy_floor", 83),
+    ("ppo.entropy_patience", 84),
+    ("ppo.vf_coef", 85),
+    ("ppo.gamma", 86),
+    ("ppo.whiten_rewards", 88),
+    ("ppo.device_map_strategy", 89),
+    ("wandb.enabled", 99),
+    ("wandb.project", 100),
+    ("wandb.entity", 101),
+    ("wandb.table_log_frequency", 102),
+];
+
+fn names_every_key_not_converted(stderr: &str, prefix: &str) {
+    for (key, line) in NOT_CONVERTED {
+        let named = format!("{prefix}config.local.yaml:{line}: {key}: not converted: ");
+        assert!(stderr.contains(&named), "{named}\nnot in\n{stderr}");
+    }
+    assert!(stderr.contains(
+        "config.local.yaml:73: ppo.lr: not converted: training setting, not the environment's"
+    ));
+    assert!(stderr.contains(
+        "config.local.yaml:100: wandb.project: not converted: wandb is not used; the logs are in RUN_ID/"
+    ));
+    assert!(stderr.contains(
+        "config.local.yaml:17: env.time_penalty: not converted: obsolete reward (time_penalty)"
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_original_config_converts_with_every_key_without_a_place_named() {
+    let env = Env::new();
+    realistic(&env);
+    let ran = env
+        .evalfleet(&["convert", "config.local.yaml", "-o", "converted.yaml"])
+        .await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    names_every_key_not_converted(&ran.stderr, "");
+    assert!(
+        ran.stderr
+            .contains("Wrote converted.yaml from config.local.yaml (35 of its keys not converted"),
+        "{}",
+        ran.stderr
+    );
+    let written = std::fs::read_to_string(env.path("converted.yaml")).unwrap();
+    // Where each part came from, the key a reference, the names as written.
+    assert!(
+        written.contains(
+            "# ppo.batch_size: episodes per line of batch_summary.jsonl\n    batch_size: 16\n"
+        ),
+        "{written}"
+    );
+    assert!(
+        written.contains("      # env.output_error_penalty\n      invalid_penalty: 1.0\n"),
+        "{written}"
+    );
+    assert!(
+        written.contains("api_key: \"${AZURE_API_KEY}\""),
+        "{written}"
+    );
+    assert!(
+        written.contains("- name: 花子\n        landmines: [\"お金\",\"給料\"]\n"),
+        "{written}"
+    );
+    // Without -o, the YAML goes to stdout and the keys to stderr.
+    let ran = env.evalfleet(&["convert", "config.local.yaml"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert_eq!(ran.stdout, written);
+    names_every_key_not_converted(&ran.stderr, "");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_original_config_and_its_conversion_load_as_the_same_run() {
+    let env = Env::new();
+    realistic(&env);
+    let converted = env
+        .evalfleet(&["convert", "config.local.yaml", "-o", "converted.yaml"])
+        .await;
+    assert_eq!(converted.code, Some(0), "{}", converted.stderr);
+    let dry = |config: &'static str| {
+        let mut command = env.command(&["simulate", config, "--dry-run"]);
+        command.env("AZURE_API_KEY", "sk-test");
+        async move { Ran::from(command.output().await.unwrap()) }
+    };
+    let direct = dry("config.local.yaml").await;
+    assert_eq!(direct.code, Some(0), "{}", direct.stderr);
+    names_every_key_not_converted(&direct.stderr, "  ");
+    assert!(
+        direct
+            .stderr
+            .contains("config.local.yaml: a config of the original system, converted"),
+        "{}",
+        direct.stderr
+    );
+    let via_file = dry("converted.yaml").await;
+    assert_eq!(via_file.code, Some(0), "{}", via_file.stderr);
+    assert_eq!(direct.stdout, via_file.stdout);
+    for endpoint in [
+        "endpoint policy (external):\n  base_url: https://rl-convo.openai.azure.com/openai/v1",
+        "endpoint ollama-ollama_a (external):\n  base_url: http://ollama_a:11434/v1",
+        "endpoint ollama-ollama_d (external):",
+        "endpoint azure-gpt-5-mini (external):",
+    ] {
+        assert!(
+            direct.stdout.contains(endpoint),
+            "{endpoint}\nnot in\n{}",
+            direct.stdout
+        );
+    }
+}
+
+/// An original config of the kind that runs on Ollama alone: its servers
+/// are not reachable, and the environment points the run at mocks.
+const ON_OLLAMA: &str = "\
+# Ollama だけで動かす設定
+env:
+  max_rounds: 2
+  max_steps: 1
+  personas: [さくら, ゆうと, はるか]
+scorer:
+  backend: rule
+ollama:
+  base_url: http://ollama_unreachable:11434
+  model: qwen3:4b
+  gen_options: { temperature: 0.7 }
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_original_config_runs_on_the_servers_its_environment_variables_name() {
+    let env = Env::new();
+    env.write("ollama.yaml", ON_OLLAMA);
+    let voices = mock(MockSettings::default()).await;
+    let others = mock(MockSettings::default()).await;
+    let base = |m: &evalfleet_mock::MockServer| m.base_url().trim_end_matches("/v1").to_owned();
+    let mut command = env.command(&[
+        "simulate",
+        "ollama.yaml",
+        "--sessions",
+        "2",
+        "--run-id",
+        "o",
+        "-q",
+    ]);
+    command
+        .env("OLLAMA_BASES", base(&voices))
+        .env("OLLAMA_BASE", base(&others))
+        .env_remove("AZURE_ENDPOINT");
+    let ran = Ran::from(command.output().await.unwrap());
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert!(
+        ran.stderr.contains("2 episodes (0 failed)"),
+        "{}",
+        ran.stderr
+    );
+    // The personas spoke on OLLAMA_BASES, the policy, topics and robot
+    // went to OLLAMA_BASE; the file's server was never called.
+    assert!(voices.stats().requests >= 2 * 6, "{:?}", voices.stats());
+    assert!(others.stats().requests >= 2, "{:?}", others.stats());
+    let rows = env.export("o").await;
+    assert_eq!(rows.len(), 2);
+    assert!(rows.iter().all(|r| r["status"] == "done"), "{rows:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_original_config_is_told_which_key_and_what() {
+    let env = Env::new();
+    env.write(
+        "bad.yaml",
+        "env:\n  personas: [A, B, C]\n  max_rounds: six\nscorer:\n  backend: gpt4\nllm:\n  azure_endpoint: https://x.openai.azure.com\n",
+    );
+    for command in ["simulate", "convert"] {
+        let ran = env.evalfleet(&[command, "bad.yaml"]).await;
+        assert_eq!(ran.code, Some(2), "{command}: {}", ran.stderr);
+        assert!(
+            ran.stderr.contains(
+                "bad.yaml:3: env.max_rounds: must be a whole number at least 0, got \"six\""
+            ),
+            "{command}: {}",
+            ran.stderr
+        );
+        assert!(
+            ran.stderr.contains(
+                "bad.yaml:5: scorer.backend: must be rule, ollama, azure or openai, got 'gpt4'"
+            ),
+            "{command}: {}",
+            ran.stderr
+        );
+    }
+    // An evalfleet config is not converted.
+    env.write(
+        "ours.yaml",
+        "name: x\ntask: {kind: conversation}\nenv: {}\n",
+    );
+    let ran = env.evalfleet(&["convert", "ours.yaml"]).await;
+    assert_eq!(ran.code, Some(2), "{}", ran.stderr);
+    assert!(
+        ran.stderr.contains("not a config of the original system"),
+        "{}",
+        ran.stderr
+    );
+}
