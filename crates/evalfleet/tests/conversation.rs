@@ -424,7 +424,7 @@ async fn a_gymnasium_trainer_takes_the_decisions_through_the_environment_server(
         return;
     };
     let env = Env::new();
-    let _mocks = spread(&env, 5, "    policy: { kind: random }\n").await;
+    let _mocks = spread(&env, 5, TRAINER).await;
     // Episodes wait at their first decision as long as it takes Python to
     // start; check_env's resets give up the episode before (closed), and
     // the trainer plays the others until none is left.
@@ -544,6 +544,10 @@ fn stored_as_played(rows: &BTreeMap<String, Value>, played: &Value) -> (usize, u
     (steps.len(), invalid)
 }
 
+/// The line of `spread.yaml` that `env` runs without (its policy is the
+/// trainer's).
+const TRAINER: &str = "    policy: { kind: random }\n";
+
 /// `evalfleet env ARGS` on a free port, and its address.
 async fn env_server(env: &Env, args: &[&str]) -> (tokio::process::Child, String) {
     use tokio::io::AsyncBufReadExt;
@@ -578,8 +582,15 @@ async fn post(url: &str, path: &str, body: Value) -> (u16, Value) {
     (status, answer.json().await.unwrap())
 }
 
-/// Plays the environment's episode `env_id` from `first` with `action`
-/// until it ends: the actions taken.
+/// A reset that hands out an episode: its answer.
+async fn reset(url: &str) -> Value {
+    let (status, answer) = post(url, "/v1/reset", json!({})).await;
+    assert_eq!(status, 200, "{answer}");
+    answer
+}
+
+/// Steps the environment's episode `env_id` with `action` until it ends:
+/// the steps' answers.
 async fn play(url: &str, env_id: &str, action: Value) -> Vec<Value> {
     let mut answers = Vec::new();
     loop {
@@ -597,7 +608,7 @@ async fn play(url: &str, env_id: &str, action: Value) -> Vec<Value> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resets_answer_at_once_and_closed_episodes_stop_and_count_in_no_statistics() {
     let env = Env::new();
-    let _mocks = spread(&env, 2, "    policy: { kind: random }\n").await;
+    let _mocks = spread(&env, 2, TRAINER).await;
     // Two episodes under way at once (--envs 1), three in all; an episode a
     // trainer holds has 4 s to get its action.
     let (server, url) = env_server(
@@ -617,10 +628,8 @@ async fn resets_answer_at_once_and_closed_episodes_stop_and_count_in_no_statisti
         ],
     )
     .await;
-    let (status, a) = post(&url, "/v1/reset", json!({})).await;
-    assert_eq!(status, 200, "{a}");
-    let (status, b) = post(&url, "/v1/reset", json!({})).await;
-    assert_eq!(status, 200, "{b}");
+    let a = reset(&url).await;
+    let b = reset(&url).await;
     // The third cannot begin while both hold their places: the wait asked
     // for passes (504), however long the server's --reset-wait.
     let (status, waited) = post(&url, "/v1/reset", json!({"wait_s": 0.2})).await;
@@ -763,7 +772,7 @@ const NAMES: [&str; 4] = ["validate", "bridge", "plan", "no_intervention"];
 async fn a_ppo_rollout_loop_gets_prompts_sends_digits_and_unreadable_outputs_and_the_stored_rewards()
  {
     let env = Env::new();
-    let _mocks = spread(&env, 2, "    policy: { kind: random }\n").await;
+    let _mocks = spread(&env, 2, TRAINER).await;
     let (mut server, url) = env_server(
         &env,
         &[
@@ -860,7 +869,7 @@ async fn a_ppo_rollout_loop_gets_prompts_sends_digits_and_unreadable_outputs_and
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_environment_run_resumes_with_its_done_episodes_kept() {
     let env = Env::new();
-    let _mocks = spread(&env, 2, "    policy: { kind: random }\n").await;
+    let _mocks = spread(&env, 2, TRAINER).await;
     let (server, url) = env_server(
         &env,
         &[
@@ -876,8 +885,7 @@ async fn a_stopped_environment_run_resumes_with_its_done_episodes_kept() {
         ],
     )
     .await;
-    let (status, first) = post(&url, "/v1/reset", json!({})).await;
-    assert_eq!(status, 200, "{first}");
+    let first = reset(&url).await;
     let first_id = first["env_id"].as_str().unwrap().to_owned();
     play(&url, &first_id, json!(1)).await;
     wait_until(ms(20_000), "the first episode is stored", || {
@@ -904,8 +912,7 @@ async fn a_stopped_environment_run_resumes_with_its_done_episodes_kept() {
     // The two left, and then (--exit-when-done) the server ends.
     let mut served = Vec::new();
     for _ in 0..2 {
-        let (status, answer) = post(&url, "/v1/reset", json!({})).await;
-        assert_eq!(status, 200, "{answer}");
+        let answer = reset(&url).await;
         let id = answer["env_id"].as_str().unwrap().to_owned();
         play(&url, &id, json!(3)).await;
         served.push(id);
