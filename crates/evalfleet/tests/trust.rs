@@ -817,3 +817,39 @@ async fn compare_pairs_runs_on_the_items_they_share_by_category() {
     let alone = env.evalfleet(&["compare", "a"]).await;
     assert_eq!(alone.code, Some(2), "{}", alone.stderr);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn judge_calls_wait_for_an_endpoint_still_starting_without_spending_their_tries() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 4);
+    let answering = mock(MockSettings::default()).await;
+    let judging = mock(MockSettings::default()).await;
+    // The judge's start takes 4 s: longer than its calls' two tries of a
+    // down endpoint (a second each) would wait.
+    let endpoints = external("m", &answering, 4)
+        + &format!(
+            "  - {{ name: judge, kind: external, role: judge, base_url: \"{}\", model: m, start_cmd: \"sleep 4\" }}\n",
+            judging.base_url()
+        );
+    let text = crate::util::config(
+        &dataset,
+        &endpoints,
+        "  metrics:\n\
+         \x20   - { name: llm_judge, as: quality, endpoint: judge, rubric: \"Rate {{ answer }}.\" }\n\
+         retry: { max_attempts: 2, backoff_base: 10ms, backoff_max: 20ms }",
+    );
+    env.write("run.yaml", &text);
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    // Every item was judged: the judge (an echo) was asked each time, and
+    // no call gave up on it (its echo holds no score: the metric says so).
+    assert_eq!(judging.stats().requests, 4, "{}", ran.stderr);
+    let rows = crate::util::by_id(&env.export(&ran.run_id()).await);
+    assert_eq!(rows.len(), 4);
+    for row in rows.values() {
+        assert_eq!(row["status"], "done", "{row}");
+        let error = row["scores"]["quality"]["error"]
+            .as_str()
+            .unwrap_or_default();
+        assert!(!error.contains("not taking calls"), "{row}");
+    }
+}

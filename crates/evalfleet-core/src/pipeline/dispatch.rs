@@ -133,10 +133,15 @@ pub async fn dispatch(
                     permit = &mut admit => break Admitted::from(permit),
                     () = excluded.cancelled() => break Admitted::Excluded,
                     _ = sweep.tick() => {
-                        if !endpoint.accepting() {
-                            // Calls addressed here wait while it is down
-                            // (unhealthy, stopped, not started), but not
-                            // for ever: each sweep is one of their tries.
+                        // Calls addressed here wait while it is down
+                        // (unhealthy, stopped, not started), but not for
+                        // ever: each sweep is one of their tries. While it
+                        // is being started they wait, spending none: its
+                        // start ends (it takes calls, or it is out of the
+                        // run and they fail), however slow the machine.
+                        if !endpoint.accepting()
+                            && endpoint.state() != evalfleet_types::EndpointState::Starting
+                        {
                             while let Ok(item) = inbox.try_recv() {
                                 shared.tracker.spawn(unavailable(shared.clone(), endpoint.clone(), item));
                             }
