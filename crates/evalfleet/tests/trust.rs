@@ -416,25 +416,36 @@ async fn an_llm_judge_scores_answers_through_its_own_endpoint_and_cache() {
     assert_eq!(judging.stats().requests, 6);
 }
 
+/// A run of `dataset` answered by `answering`, whose `quality` metric is
+/// asked of the judge endpoint `judging` (with `judge_keys` added to it),
+/// its calls tried twice.
+fn judged(
+    dataset: &std::path::Path,
+    answering: &evalfleet_mock::MockServer,
+    judging: &evalfleet_mock::MockServer,
+    judge_keys: &str,
+) -> String {
+    let endpoints = external("m", answering, 4)
+        + &format!(
+            "  - {{ name: judge, kind: external, role: judge, base_url: \"{}\", model: m{judge_keys} }}\n",
+            judging.base_url()
+        );
+    crate::util::config(
+        dataset,
+        &endpoints,
+        "  metrics:\n\
+         \x20   - { name: llm_judge, as: quality, endpoint: judge, rubric: \"Rate {{ answer }}.\" }\n\
+         retry: { max_attempts: 2, backoff_base: 10ms, backoff_max: 20ms }",
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn judge_calls_to_an_endpoint_that_is_not_running_fail_and_the_run_ends() {
     let env = Env::new();
     let dataset = env.dataset("items.jsonl", 4);
     let answering = mock(MockSettings::default()).await;
     let judging = mock(MockSettings::default()).await;
-    let endpoints = external("m", &answering, 4)
-        + &format!(
-            "  - {{ name: judge, kind: external, role: judge, base_url: \"{}\", model: m }}\n",
-            judging.base_url()
-        );
-    let text = crate::util::config(
-        &dataset,
-        &endpoints,
-        "  metrics:\n\
-         \x20   - { name: llm_judge, as: quality, endpoint: judge, rubric: \"Rate {{ answer }}.\" }\n\
-         retry: { max_attempts: 2, backoff_base: 10ms, backoff_max: 20ms }",
-    );
-    env.write("run.yaml", &text);
+    env.write("run.yaml", &judged(&dataset, &answering, &judging, ""));
     // The judge is configured but left out of the run: its calls wait for
     // it a few tries, then fail; the items are done and the run ends, and
     // says the judge's metric could score nothing (exit 1).
@@ -826,19 +837,8 @@ async fn judge_calls_wait_for_an_endpoint_still_starting_without_spending_their_
     let judging = mock(MockSettings::default()).await;
     // The judge's start takes 4 s: longer than its calls' two tries of a
     // down endpoint (a second each) would wait.
-    let endpoints = external("m", &answering, 4)
-        + &format!(
-            "  - {{ name: judge, kind: external, role: judge, base_url: \"{}\", model: m, start_cmd: \"sleep 4\" }}\n",
-            judging.base_url()
-        );
-    let text = crate::util::config(
-        &dataset,
-        &endpoints,
-        "  metrics:\n\
-         \x20   - { name: llm_judge, as: quality, endpoint: judge, rubric: \"Rate {{ answer }}.\" }\n\
-         retry: { max_attempts: 2, backoff_base: 10ms, backoff_max: 20ms }",
-    );
-    env.write("run.yaml", &text);
+    let judge = judged(&dataset, &answering, &judging, ", start_cmd: \"sleep 4\"");
+    env.write("run.yaml", &judge);
     let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
     // Every item was judged: the judge (an echo) was asked each time, and
     // no call gave up on it (its echo holds no score: the metric says so).
