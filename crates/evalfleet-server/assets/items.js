@@ -73,9 +73,16 @@
   /** An answer cell: a conversation episode's record shows its first turns, not its JSON. */
   function answerText(r) {
     const text = r.output || r.error || "";
-    if (r.output && r.output.startsWith('{"conversation":[')) {
-      const turns = [...r.output.matchAll(/"speaker":"([^"]*)","text":"((?:[^"\\]|\\.)*)"/g)]
-        .map((m) => `${m[1]}: ${m[2].replace(/\\"/g, '"').replace(/\\n/g, " ")}`);
+    // The page holds the record's first characters: its turns are read in
+    // place, one after another, from the start of its conversation.
+    const at = r.output && r.output.startsWith("{") ? r.output.indexOf('"conversation":[') : -1;
+    if (at >= 0) {
+      const turn = /\{"speaker":"([^"]*)","text":"((?:[^"\\]|\\.)*)"\},?/y;
+      turn.lastIndex = at + '"conversation":['.length;
+      const turns = [];
+      for (let m = turn.exec(r.output); m; m = turn.exec(r.output)) {
+        turns.push(`${m[1]}: ${m[2].replace(/\\"/g, '"').replace(/\\n/g, " ")}`);
+      }
       if (turns.length) return turns.join("  ·  ");
     }
     return text;
