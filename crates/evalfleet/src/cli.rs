@@ -8,13 +8,23 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use evalfleet_mock::MockSettings;
 
+/// The version and the commit it was built from (build.rs): `0.1.0
+/// (3fa2c1d)`, `0.1.0 (3fa2c1d-dirty)`, or `0.1.0 (unknown)` when built
+/// outside a git checkout.
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (",
+    env!("EVALFLEET_COMMIT"),
+    ")"
+);
+
 /// Run large LLM evaluation and batch-inference jobs across a fleet of
 /// OpenAI-compatible endpoints, durably and fast.
 ///
 /// Exit codes: 0 every item done; 1 the run finished with failed items (or an
 /// unexpected error); 2 bad usage, config or input; 130 interrupted (resumable).
 #[derive(Debug, Parser)]
-#[command(name = "evalfleet", version, propagate_version = true)]
+#[command(name = "evalfleet", version = VERSION, propagate_version = true)]
 pub struct Cli {
     /// More logging (-v debug, -vv trace). EVALFLEET_LOG (e.g.
     /// `info,evalfleet_core=debug`) overrides it.
@@ -190,6 +200,28 @@ pub enum Command {
     )]
     Bench(BenchArgs),
 
+    /// Write a commented starter config for an endpoint kind and a task kind, with a tiny dataset beside it.
+    ///
+    /// Writes FILE, FILE's stem + `-items.jsonl` (the dataset) and, with the
+    /// mock, `-answers.jsonl` (its scripted replies). With `--endpoint mock`
+    /// the config runs as written; with the others, the lines marked EDIT
+    /// name a server, host or model of yours first. Existing files are left
+    /// alone unless --force.
+    #[command(
+        after_help = "Example:\n  evalfleet init && evalfleet run evalfleet.yaml\n  evalfleet init --endpoint external --task json -o evals/extract.yaml"
+    )]
+    Init(InitArgs),
+
+    /// Print a shell's completion script for evalfleet.
+    #[command(
+        after_help = "Example:\n  evalfleet completions bash > ~/.local/share/bash-completion/completions/evalfleet\n  evalfleet completions zsh > ~/.zfunc/_evalfleet"
+    )]
+    Completions(CompletionsArgs),
+
+    /// Write man pages: evalfleet.1 and one page per command (evalfleet-run.1, ...).
+    #[command(after_help = "Example:\n  evalfleet man -o ~/.local/share/man/man1")]
+    Man(ManArgs),
+
     /// Run one engine command so that it never outlives its run (internal).
     #[command(hide = true)]
     Supervise(SuperviseArgs),
@@ -225,8 +257,64 @@ impl Command {
                 | Self::Report(_)
                 | Self::Compare(_)
                 | Self::Convert(_)
+                | Self::Completions(_)
         )
     }
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum InitEndpoint {
+    /// The built-in mock, started inside the run: runs as written.
+    Mock,
+    /// An OpenAI-compatible server someone else runs, at a base URL.
+    External,
+    /// An engine (vLLM, SGLang, llama.cpp, Ollama) started on this machine.
+    Local,
+    /// An engine started on another host over SSH.
+    Remote,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum InitTask {
+    /// One call per item, the answer scored by exact match.
+    Chat,
+    /// The answer parsed as JSON, checked against a schema, scored field by field.
+    Json,
+    /// The answer a program, judged against the item's tests in the sandbox.
+    Code,
+}
+
+#[derive(Debug, Args)]
+pub struct InitArgs {
+    /// The kind of endpoint that answers.
+    #[arg(long, value_enum, default_value = "mock")]
+    pub endpoint: InitEndpoint,
+
+    /// What the task does with an item.
+    #[arg(long, value_enum, default_value = "chat")]
+    pub task: InitTask,
+
+    /// The config to write (the dataset goes beside it).
+    #[arg(short, long, value_name = "FILE", default_value = "evalfleet.yaml")]
+    pub output: PathBuf,
+
+    /// Overwrite files that exist.
+    #[arg(long)]
+    pub force: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct CompletionsArgs {
+    /// The shell.
+    #[arg(value_enum)]
+    pub shell: clap_complete::Shell,
+}
+
+#[derive(Debug, Args)]
+pub struct ManArgs {
+    /// The folder to write the pages to.
+    #[arg(short, long, value_name = "DIR", default_value = ".")]
+    pub out: PathBuf,
 }
 
 #[derive(Debug, Args)]

@@ -126,6 +126,9 @@ fn main() -> ExitCode {
             Command::Compare(args) => commands::report::compare(args),
             Command::Cache(args) => commands::report::cache(args),
             Command::Bench(args) => commands::bench::bench(args).await,
+            Command::Init(args) => commands::init::init(args),
+            Command::Completions(args) => commands::shell::completions(args),
+            Command::Man(args) => commands::shell::man(args),
             Command::Supervise(args) => commands::supervise::supervise(args).await,
         }
     });

@@ -17,6 +17,7 @@ mod failures;
 mod fleet;
 mod images;
 mod input;
+mod install;
 mod messages;
 mod original;
 mod prompts;
