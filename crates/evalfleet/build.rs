@@ -42,11 +42,19 @@ fn watch_head(dir: &Path) {
     if let Some(branch) = git(dir, &["symbolic-ref", "-q", "HEAD"])
         && let Some(reference) = path(&["rev-parse", "--git-path", &branch])
     {
-        // A packed ref has no file of its own: watch packed-refs instead.
         if reference.exists() {
             println!("cargo:rerun-if-changed={}", reference.display());
-        } else if let Some(packed) = path(&["rev-parse", "--git-path", "packed-refs"]) {
-            println!("cargo:rerun-if-changed={}", packed.display());
+        } else {
+            // A packed ref (as in a fresh clone) has no file of its own
+            // until the next commit writes one: watch packed-refs, and the
+            // nearest folder above where that file will be (a path that
+            // does not exist would run the script on every build).
+            if let Some(packed) = path(&["rev-parse", "--git-path", "packed-refs"]) {
+                println!("cargo:rerun-if-changed={}", packed.display());
+            }
+            if let Some(folder) = reference.ancestors().skip(1).find(|a| a.is_dir()) {
+                println!("cargo:rerun-if-changed={}", folder.display());
+            }
         }
     }
 }
