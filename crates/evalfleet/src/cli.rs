@@ -202,8 +202,9 @@ pub enum Command {
 
     /// Write a commented starter config for an endpoint kind and a task kind, with a tiny dataset beside it.
     ///
-    /// Writes FILE, FILE's stem + `-items.jsonl` (the dataset) and, with the
-    /// mock, `-answers.jsonl` (its scripted replies). With `--endpoint mock`
+    /// Writes FILE, FILE's stem + `-items.jsonl` (the dataset; a
+    /// conversation has none) and, with the mock, `-answers.jsonl` (its
+    /// scripted replies). With `--endpoint mock`
     /// the config runs as written; with the others, the lines marked EDIT
     /// name a server, host or model of yours first. Existing files are left
     /// alone unless --force.
@@ -282,6 +283,8 @@ pub enum InitTask {
     Json,
     /// The answer a program, judged against the item's tests in the sandbox.
     Code,
+    /// Simulated three-person conversations with a robot that may intervene (no dataset: episodes are made up).
+    Conversation,
 }
 
 #[derive(Debug, Args)]
@@ -294,7 +297,7 @@ pub struct InitArgs {
     #[arg(long, value_enum, default_value = "chat")]
     pub task: InitTask,
 
-    /// The config to write (the dataset goes beside it).
+    /// The config to write (the dataset, and the mock's replies, go beside it).
     #[arg(short, long, value_name = "FILE", default_value = "evalfleet.yaml")]
     pub output: PathBuf,
 

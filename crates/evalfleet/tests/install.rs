@@ -76,7 +76,7 @@ async fn version_names_the_release_and_the_commit() {
 
 /// Every endpoint kind and task kind `init` offers.
 const ENDPOINTS: [&str; 4] = ["mock", "external", "local", "remote"];
-const TASKS: [&str; 3] = ["chat", "json", "code"];
+const TASKS: [&str; 4] = ["chat", "json", "code", "conversation"];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_starter_config_loads_and_the_mock_ones_run() {
@@ -90,7 +90,14 @@ async fn every_starter_config_loads_and_the_mock_ones_run() {
             assert_eq!(ran.code, Some(0), "init {endpoint} {task}: {}", ran.stderr);
             let text = std::fs::read_to_string(env.path(&file)).unwrap();
             assert!(text.starts_with("# A starter config"), "commented: {text}");
-            assert!(env.path(&format!("{endpoint}/{task}-items.jsonl")).exists());
+            // A conversation's episodes are made up: it has no dataset.
+            let items = env.path(&format!("{endpoint}/{task}-items.jsonl"));
+            assert_eq!(
+                items.exists(),
+                task != "conversation",
+                "{}",
+                items.display()
+            );
             // Loaded and resolved (every endpoint's command shown), no
             // server needed.
             let dry = env.evalfleet(&["run", "--dry-run", &file]).await;
@@ -101,6 +108,16 @@ async fn every_starter_config_loads_and_the_mock_ones_run() {
             }
             let run = env.evalfleet(&["run", &file]).await;
             assert_eq!(run.code, Some(0), "{file} runs: {}", run.stderr);
+            if task == "conversation" {
+                // Every episode ends, each decision read from the script.
+                assert!(
+                    run.stderr.contains("Conversation: 4 episodes (0 failed)")
+                        && run.stderr.contains("invalid 0 (0%)"),
+                    "{}",
+                    run.stderr
+                );
+                continue;
+            }
             let reasks = if task == "json" { 1 } else { 0 };
             assert!(
                 run.stderr.contains(&format!(" {reasks} re-asks")),

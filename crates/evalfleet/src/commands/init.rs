@@ -26,16 +26,16 @@ pub fn init(args: InitArgs) -> anyhow::Result<u8> {
     let answers = format!("{stem}-answers.jsonl");
     let mock = matches!(args.endpoint, InitEndpoint::Mock);
 
-    let mut files = vec![
-        Written {
-            path: args.output.clone(),
-            text: config(&stem, args.endpoint, args.task, &items, &answers),
-        },
-        Written {
+    let mut files = vec![Written {
+        path: args.output.clone(),
+        text: config(&stem, args.endpoint, args.task, &items, &answers),
+    }];
+    if let Some(text) = dataset(args.task) {
+        files.push(Written {
             path: dir.join(&items),
-            text: dataset(args.task).to_owned(),
-        },
-    ];
+            text: text.to_owned(),
+        });
+    }
     if mock {
         files.push(Written {
             path: dir.join(&answers),
@@ -105,15 +105,22 @@ fn config(
          # Task: {what}.\n\
          # Endpoint: {on}.\n\
          # {ready}\n\
-         # Every key is in docs/config.md; the dataset is {items}, beside this file.\n\
+         # Every key is in docs/config.md.\n\
          name: {name}\n\
-         dataset:\n  \
-           path: {items}   # JSONL or CSV, relative to this file\n  \
-           id_field: id\n\
+         {dataset}\
          endpoints:\n{endpoint}\
          task:\n{task}",
         what = task_label(task),
         on = endpoint_label(endpoint),
+        dataset = if dataset(task).is_some() {
+            format!(
+                "dataset:\n  \
+                   path: {items}   # JSONL or CSV, relative to this file\n  \
+                   id_field: id\n"
+            )
+        } else {
+            String::new()
+        },
         endpoint = endpoint_yaml(endpoint, task, answers),
         task = task_yaml(task),
     )
@@ -124,6 +131,9 @@ fn task_label(task: InitTask) -> &'static str {
         InitTask::Chat => "chat task: one question, one short answer, exact match",
         InitTask::Json => "JSON task: answers checked against a schema, scored field by field",
         InitTask::Code => "code task: programs judged against tests in the sandbox",
+        InitTask::Conversation => {
+            "conversation: three personas talk, a policy chooses how a robot intervenes (docs/conversation.md)"
+        }
     }
 }
 
@@ -137,14 +147,18 @@ fn endpoint_label(endpoint: InitEndpoint) -> &'static str {
 }
 
 fn endpoint_yaml(endpoint: InitEndpoint, task: InitTask, answers: &str) -> String {
-    let concurrency = if matches!(task, InitTask::Code) { 4 } else { 8 };
+    let concurrency = match task {
+        InitTask::Code => 4,
+        InitTask::Conversation => 16,
+        _ => 8,
+    };
     match endpoint {
         InitEndpoint::Mock => format!(
             "  - name: mock\n    \
                kind: mock                 # the built-in mock, started inside the run\n    \
                concurrency: {concurrency}\n    \
                model: starter\n    \
-               # Scripted replies (a JSONL of {{prompt, replies}}); other prompts get filler text.\n    \
+               # Scripted replies (JSONL: {{prompt, replies}} or {{prompt, samples}}); other prompts get filler text.\n    \
                mock: {{ answers: {answers}, latency: 20ms }}\n"
         ),
         InitEndpoint::External => "  - name: server\n    \
@@ -206,11 +220,41 @@ fn task_yaml(task: InitTask) -> &'static str {
                format: stdio              # each item's `tests`: [{input, output}, ...]\n    \
                timeout: 2s                # CPU time per test\n"
         }
+        // Every call (personas, scorer, policy) goes to the endpoint above;
+        // `endpoint: NAME` on each sends it to one with `role: judge`.
+        InitTask::Conversation => {
+            "  kind: conversation\n  \
+               params: { max_tokens: 96, temperature: 0.7 }\n  \
+               conversation:\n    \
+               sessions: 4                # episodes; `evalfleet simulate --sessions N` overrides\n    \
+               max_rounds: 4\n    \
+               seed: 1\n    \
+               topics: [\"sharing the flat's chores\", \"where to go on holiday\"]\n    \
+               personas:\n      \
+               - { name: Alex, prompt: \"You are direct and impatient.\", landmines: [money] }\n      \
+               - { name: Blair, prompt: \"You avoid conflict.\", landmines: [mother] }\n      \
+               - { name: Casey, prompt: \"You like plans and lists.\", landmines: [deadline] }\n    \
+               # Short prompts, which the mock's script answers; drop persona_messages and\n    \
+               # the scorer's and policy's messages to use the default prompts.\n    \
+               persona_messages:\n      \
+               - { role: system, content: \"You are {{ name }}. {{ persona }} Topic: {{ topic }}. What you need: {{ need_text }}.\\n{{ history_text }}\" }\n      \
+               - { role: user, content: \"Speak as {{ name }}.\" }\n    \
+               scorer:\n      \
+               messages:\n        \
+               - { role: system, content: \"{{ history_text }}\" }\n        \
+               - { role: user, content: \"Rate the relations.\" }\n    \
+               policy:\n      \
+               messages:\n        \
+               - { role: system, content: \"{{ history_text }}\\nStrained: {{ target_edge }}; address {{ target_name }}.\" }\n        \
+               - { role: user, content: \"Choose a strategy.\" }\n"
+        }
     }
 }
 
-fn dataset(task: InitTask) -> &'static str {
-    match task {
+/// The starter's dataset; a conversation's episodes are made up.
+fn dataset(task: InitTask) -> Option<&'static str> {
+    Some(match task {
+        InitTask::Conversation => return None,
         InitTask::Chat => concat!(
             "{\"id\": \"q1\", \"category\": \"geography\", \"question\": \"What is the capital of Italy?\", \"answer\": \"Rome\"}\n",
             "{\"id\": \"q2\", \"category\": \"arithmetic\", \"question\": \"What is 7 times 6?\", \"answer\": \"42\"}\n",
@@ -224,7 +268,7 @@ fn dataset(task: InitTask) -> &'static str {
             "{\"id\": \"add\", \"question\": \"Read two integers on one line and print their sum.\", \"tests\": [{\"input\": \"1 2\\n\", \"output\": \"3\\n\"}, {\"input\": \"-4 4\\n\", \"output\": \"0\\n\"}]}\n",
             "{\"id\": \"upper\", \"question\": \"Read a line and print it in upper case.\", \"tests\": [{\"input\": \"abc\\n\", \"output\": \"ABC\\n\"}]}\n",
         ),
-    }
+    })
 }
 
 /// What the mock replies to each item's prompt: mostly right, one wrong, as
@@ -243,6 +287,13 @@ fn mock_answers(task: InitTask) -> &'static str {
         InitTask::Code => concat!(
             "{\"prompt\": \"Read two integers on one line and print their sum.\", \"replies\": [\"```python\\na, b = map(int, input().split())\\nprint(a + b)\\n```\"]}\n",
             "{\"prompt\": \"Read a line and print it in upper case.\", \"replies\": [\"```python\\nprint(input().lower())\\n```\"]}\n",
+        ),
+        InitTask::Conversation => concat!(
+            "{\"prompt\": \"Speak as Alex.\", \"samples\": [\"No, that is wrong, and it is about money again.\", \"Fine, I agree with Blair on that.\", \"Thanks, that helps.\"]}\n",
+            "{\"prompt\": \"Speak as Blair.\", \"samples\": [\"I understand, let us keep it calm.\", \"Please do not bring up my mother.\", \"I am glad we agree.\"]}\n",
+            "{\"prompt\": \"Speak as Casey.\", \"samples\": [\"We need a plan before the deadline.\", \"That is ridiculous, Alex.\", \"I like that idea.\"]}\n",
+            "{\"prompt\": \"Rate the relations.\", \"samples\": [\"{\\\"AB\\\": 0.4, \\\"BC\\\": 0.3, \\\"CA\\\": -0.5}\", \"{\\\"AB\\\": 0.5, \\\"BC\\\": 0.2, \\\"CA\\\": 0.3}\", \"{\\\"AB\\\": -0.4, \\\"BC\\\": 0.5, \\\"CA\\\": -0.2}\"]}\n",
+            "{\"prompt\": \"Choose a strategy.\", \"samples\": [\"2\", \"1\", \"3\", \"4\"]}\n",
         ),
     }
 }
