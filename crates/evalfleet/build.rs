@@ -66,6 +66,16 @@ fn main() {
     let commit = commit(&dir);
     if commit.is_some() {
         watch_head(&dir);
+    } else {
+        // Outside a checkout, run again on every build: cargo keys a
+        // workspace's crates by their path inside it, so a checkout built
+        // later in the same target folder (after an sdist) would otherwise
+        // keep `unknown`. The workspace's .git is absent there, which cargo
+        // takes as changed.
+        println!(
+            "cargo:rerun-if-changed={}",
+            dir.join("../../.git").display()
+        );
     }
     println!(
         "cargo:rustc-env=EVALFLEET_COMMIT={}",
