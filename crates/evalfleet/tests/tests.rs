@@ -19,6 +19,7 @@ mod images;
 mod input;
 mod messages;
 mod original;
+mod parquet;
 mod prompts;
 mod remote;
 mod run;
