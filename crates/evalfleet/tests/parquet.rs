@@ -223,3 +223,86 @@ async fn a_parquet_file_in_a_codec_not_built_in_is_refused_naming_it() {
         ran.stderr
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parquet_export_has_typed_columns_and_reads_back_as_a_dataset() {
+    let env = Env::new();
+    let dataset = env.path("items.parquet");
+    write_items(&dataset, 20, 8);
+    let server = mock(MockSettings::default()).await;
+    let metric = "  metrics:\n    - { name: exact_match, reference: \"{{ question }}\" }";
+    env.write(
+        "run.yaml",
+        &config(&dataset, &external("only", &server, 8), metric),
+    );
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let exported = env.path("out.parquet");
+    let export = env
+        .evalfleet(&[
+            "export",
+            &ran.run_id(),
+            "--format",
+            "parquet",
+            "-o",
+            exported.to_str().unwrap(),
+        ])
+        .await;
+    assert_eq!(export.code, Some(0), "{}", export.stderr);
+
+    // The export is a dataset: a run over it sees every column.
+    env.write(
+        "again.yaml",
+        &config(&exported, &external("only", &server, 8), "")
+            .replace("id_field: id", "id_field: item_id")
+            .replace("{{ question }}", "{{ output }}"),
+    );
+    let again = env.evalfleet(&["run", "again.yaml", "-q"]).await;
+    assert_eq!(again.code, Some(0), "{}", again.stderr);
+    let rows = by_id(&env.export(&again.run_id()).await);
+    assert_eq!(rows.len(), 20);
+    let row = &rows["p13"]["item"];
+    assert_eq!(rows["p13"]["output"], "what is 13?");
+    assert_eq!(row["status"], "done");
+    assert_eq!(row["attempts"], 1);
+    assert_eq!(row["score.exact_match@1"], 1.0);
+    assert_eq!(row["valid"], true);
+    assert_eq!(row["tokens_estimated"], false);
+    assert!(row["latency_ms"].as_f64().unwrap() > 0.0, "{row}");
+    assert!(row["completion_tokens"].as_i64().unwrap() > 0, "{row}");
+    let item: Value = serde_json::from_str(row["item"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        item,
+        serde_json::json!({"id": "p13", "question": "what is 13?", "level": 13})
+    );
+
+    let Some(py) = pyarrow_python() else {
+        return;
+    };
+    let schema = python(
+        &py,
+        "import sys, json, pyarrow.parquet as pq\n\
+         t = pq.read_table(sys.argv[1])\n\
+         print(json.dumps({'rows': t.num_rows, 'types': {f.name: str(f.type) for f in t.schema}}))",
+        &[&exported],
+    );
+    let schema: Value = serde_json::from_str(&schema).unwrap();
+    assert_eq!(schema["rows"], 20);
+    let types = &schema["types"];
+    for (column, kind) in [
+        ("item_id", "string"),
+        ("status", "string"),
+        ("output", "string"),
+        ("attempts", "int64"),
+        ("latency_ms", "double"),
+        ("ttft_ms", "double"),
+        ("prompt_tokens", "int64"),
+        ("completion_tokens", "int64"),
+        ("tokens_estimated", "bool"),
+        ("valid", "bool"),
+        ("item", "string"),
+        ("score.exact_match@1", "double"),
+    ] {
+        assert_eq!(types[column], kind, "{column}: {types}");
+    }
+}
