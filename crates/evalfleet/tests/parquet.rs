@@ -76,44 +76,31 @@ async fn a_parquet_dataset_is_answered_item_by_item_and_its_resume_is_checked() 
 async fn a_corrupt_parquet_dataset_is_refused_naming_the_file() {
     let env = Env::new();
     let dataset = env.write("items.parquet", "PAR1 not really");
-    let server = mock(MockSettings::default()).await;
-    env.write(
-        "run.yaml",
-        &config(&dataset, &external("only", &server, 8), ""),
-    );
-    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
-    assert_eq!(ran.code, Some(2), "{}", ran.stderr);
+    let said = refused(&env, &dataset).await;
     assert!(
-        ran.stderr.contains(&format!(
+        said.contains(&format!(
             "{}: not a readable Parquet file",
             dataset.display()
         )),
-        "{}",
-        ran.stderr
+        "{said}"
     );
 }
 
-/// The Python with pyarrow that `.ci/run` prepares
-/// (`$EVALFLEET_PYARROW_PYTHON`), else `python3` when it has pyarrow;
-/// `None`, saying so, when neither does.
-fn pyarrow_python() -> Option<String> {
-    let candidates = std::env::var("EVALFLEET_PYARROW_PYTHON")
-        .ok()
-        .into_iter()
-        .chain(["python3".to_owned()]);
-    for python in candidates {
-        let ok = std::process::Command::new(&python)
-            .args(["-c", "import pyarrow.parquet"])
-            .status()
-            .is_ok_and(|s| s.success());
-        if ok {
-            return Some(python);
-        }
-    }
-    evalfleet_testkit::skip!(
-        "no Python with pyarrow (set EVALFLEET_PYARROW_PYTHON; .ci/run makes one)"
+/// What a run over `dataset` says when it is refused as bad input.
+async fn refused(env: &Env, dataset: &Path) -> String {
+    let server = mock(MockSettings::default()).await;
+    env.write(
+        "run.yaml",
+        &config(dataset, &external("only", &server, 8), ""),
     );
-    None
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(2), "{}", ran.stderr);
+    ran.stderr
+}
+
+/// The Python with pyarrow that `.ci/run` prepares.
+fn pyarrow_python() -> Option<String> {
+    crate::util::python_with("EVALFLEET_PYARROW_PYTHON", "pyarrow.parquet", "pyarrow")
 }
 
 fn python(python: &str, script: &str, args: &[&Path]) -> String {
@@ -210,17 +197,10 @@ async fn a_parquet_file_in_a_codec_not_built_in_is_refused_naming_it() {
          pq.write_table(pa.table({'id': ['a'], 'question': ['q']}), sys.argv[1], compression='zstd')",
         &[&dataset],
     );
-    let server = mock(MockSettings::default()).await;
-    env.write(
-        "run.yaml",
-        &config(&dataset, &external("only", &server, 8), ""),
-    );
-    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
-    assert_eq!(ran.code, Some(2), "{}", ran.stderr);
+    let said = refused(&env, &dataset).await;
     assert!(
-        ran.stderr.contains(&format!("{}: ", dataset.display())) && ran.stderr.contains("zstd"),
-        "{}",
-        ran.stderr
+        said.contains(&format!("{}: ", dataset.display())) && said.contains("zstd"),
+        "{said}"
     );
 }
 
