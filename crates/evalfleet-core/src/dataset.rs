@@ -283,8 +283,9 @@ impl Scanner {
             }
             DatasetFormat::Parquet => {
                 let rows = ParquetRows::open(parquet::shards(&path, config.split.as_deref())?)?;
-                // Rows are not read in the files' order, so the hash is a
-                // pass of its own.
+                // Rows are decoded from column chunks, not read as one
+                // stream of the file's bytes, so the hash is a pass of its
+                // own.
                 sha256 = Some(hash_file(&path).map_err(|source| DatasetError::Read {
                     path: path.clone(),
                     source,
