@@ -1,7 +1,14 @@
-//! Streaming JSONL and CSV readers. Memory does not grow with the file: a run
-//! scans its dataset once (ids, line numbers, byte offsets and a content
-//! hash, all written to the store), then reads each pending row again by its
-//! offset when it is dispatched.
+//! Streaming JSONL, CSV and Parquet readers. Memory does not grow with the
+//! file: a run scans its dataset once (ids, line numbers, byte offsets and a
+//! content hash, all written to the store), then reads each pending row
+//! again by its offset when it is dispatched. A Parquet row's "line" is its
+//! row number (from 1) and its "offset" its index (from 0), across the
+//! shards of its split.
+
+mod parquet;
+
+use parquet::ParquetRows;
+pub use parquet::{ColumnKind, ColumnValues, DEFAULT_SPLIT, TableWriter};
 
 use evalfleet_types::Fault;
 use std::collections::BTreeSet;
@@ -46,9 +53,12 @@ pub enum DatasetError {
     },
     #[error("{}: {message}", path.display())]
     Header { path: PathBuf, message: String },
+    /// A Parquet file or folder that cannot be read: the file and why.
+    #[error("{}: {message}", path.display())]
+    Parquet { path: PathBuf, message: String },
     /// Not one row: nothing to run.
     #[error(
-        "{}: the dataset has no items (a JSONL file has one JSON object a line; a CSV file a header line and a row a line)",
+        "{}: the dataset has no items (a JSONL file has one JSON object a line; a CSV file a header line and a row a line; a Parquet file rows)",
         path.display()
     )]
     Empty { path: PathBuf },
@@ -122,22 +132,42 @@ impl DatasetIdentity {
     }
 }
 
-/// SHA-256 of a file's bytes, hex.
+/// SHA-256 of a file's bytes, hex; of a folder of Parquet shards, of all
+/// its `.parquet` files' bytes one after the other, in the order of their
+/// paths (every split, so that any change is seen).
 pub fn hash_file(path: &Path) -> io::Result<String> {
     let mut hasher = Sha256::new();
-    let mut file = File::open(path)?;
-    io::copy(&mut file, &mut HashWriter(&mut hasher))?;
+    for file in dataset_files(path)? {
+        io::copy(&mut File::open(file)?, &mut HashWriter(&mut hasher))?;
+    }
     Ok(hex::encode(hasher.finalize()))
 }
 
+/// The files whose bytes make up the dataset at `path`.
+fn dataset_files(path: &Path) -> io::Result<Vec<PathBuf>> {
+    if path.is_dir() {
+        parquet::files_under(path)
+    } else {
+        Ok(vec![path.to_owned()])
+    }
+}
+
+/// Size and modification time; of a folder, the sum of its files' sizes and
+/// the latest of their times.
 fn stat(path: &Path) -> io::Result<(u64, u128)> {
-    let meta = std::fs::metadata(path)?;
-    let mtime_ns = meta
-        .modified()?
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    Ok((meta.len(), mtime_ns))
+    let mut size = 0;
+    let mut latest = 0;
+    for file in dataset_files(path)? {
+        let meta = std::fs::metadata(file)?;
+        let mtime_ns = meta
+            .modified()?
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        size += meta.len();
+        latest = latest.max(mtime_ns);
+    }
+    Ok((size, latest))
 }
 
 struct HashWriter<'a>(&'a mut Sha256);
@@ -194,6 +224,8 @@ pub struct Scanner {
     path: PathBuf,
     id_field: Option<String>,
     format: Scan,
+    /// A Parquet dataset's hash, taken when it was opened.
+    sha256: Option<String>,
     fields: BTreeSet<String>,
     rows: u64,
     size: u64,
@@ -212,6 +244,10 @@ enum Scan {
         headers: Vec<String>,
         record: csv::StringRecord,
     },
+    Parquet {
+        rows: Box<ParquetRows>,
+        next: u64,
+    },
 }
 
 impl Scanner {
@@ -223,24 +259,40 @@ impl Scanner {
             source,
         };
         let (size, mtime_ns) = stat(&path).map_err(open_err)?;
-        let file = File::open(&path).map_err(open_err)?;
-        let hashing = HashingReader {
-            inner: file,
-            hasher: Sha256::new(),
+        let hashing = || -> Result<_, DatasetError> {
+            Ok(HashingReader {
+                inner: File::open(&path).map_err(open_err)?,
+                hasher: Sha256::new(),
+            })
         };
+        let mut sha256 = None;
         let format = match config.format {
             DatasetFormat::Jsonl => Scan::Jsonl {
-                reader: BufReader::with_capacity(BUFFER, hashing),
+                reader: BufReader::with_capacity(BUFFER, hashing()?),
                 buf: Vec::new(),
                 offset: 0,
                 line: 0,
             },
             DatasetFormat::Csv => {
-                let (reader, headers) = open_csv(&path, hashing)?;
+                let (reader, headers) = open_csv(&path, hashing()?)?;
                 Scan::Csv {
                     reader,
                     headers,
                     record: csv::StringRecord::new(),
+                }
+            }
+            DatasetFormat::Parquet => {
+                let rows = ParquetRows::open(parquet::shards(&path, config.split.as_deref())?)?;
+                // Rows are decoded from column chunks, not read as one
+                // stream of the file's bytes, so the hash is a pass of its
+                // own.
+                sha256 = Some(hash_file(&path).map_err(|source| DatasetError::Read {
+                    path: path.clone(),
+                    source,
+                })?);
+                Scan::Parquet {
+                    rows: Box::new(rows),
+                    next: 0,
                 }
             }
         };
@@ -248,6 +300,7 @@ impl Scanner {
             path,
             id_field: config.id_field.clone(),
             format,
+            sha256,
             fields: BTreeSet::new(),
             rows: 0,
             size,
@@ -259,7 +312,7 @@ impl Scanner {
     pub fn columns(&self) -> Option<&[String]> {
         match &self.format {
             Scan::Csv { headers, .. } => Some(headers),
-            Scan::Jsonl { .. } => None,
+            Scan::Jsonl { .. } | Scan::Parquet { .. } => None,
         }
     }
 
@@ -317,6 +370,14 @@ impl Scanner {
                     },
                 }
             }
+            Scan::Parquet { rows, next } => {
+                let Some(row) = rows.get(*next)? else {
+                    return Ok(None);
+                };
+                let row = row.clone();
+                *next += 1;
+                (*next, *next - 1, Ok(row))
+            }
         };
         self.rows += 1;
         let scanned = match parsed.and_then(|row| {
@@ -356,13 +417,17 @@ impl Scanner {
                 let _ = io::copy(&mut inner, &mut io::sink());
                 inner.hasher
             }
+            Scan::Parquet { .. } => Sha256::new(),
         };
+        let sha256 = self
+            .sha256
+            .unwrap_or_else(|| hex::encode(hasher.finalize()));
         ScanSummary {
             identity: DatasetIdentity {
                 path: self.path,
                 size: self.size,
                 mtime_ns: self.mtime_ns,
-                sha256: hex::encode(hasher.finalize()),
+                sha256,
             },
             fields: self.fields,
             rows: self.rows,
@@ -539,30 +604,36 @@ enum RowSource {
         headers: Vec<String>,
         record: csv::StringRecord,
     },
+    Parquet(Box<ParquetRows>),
 }
 
 impl RowReader {
     pub fn open(config: &DatasetConfig) -> Result<Self, DatasetError> {
         materialized(config)?;
         let path = config.path.clone();
-        let file = File::open(&path).map_err(|source| DatasetError::Open {
-            path: path.clone(),
-            source,
-        })?;
+        let file = || {
+            File::open(&path).map_err(|source| DatasetError::Open {
+                path: path.clone(),
+                source,
+            })
+        };
         let inner = match config.format {
             DatasetFormat::Jsonl => RowSource::Jsonl {
-                reader: BufReader::with_capacity(BUFFER, file),
+                reader: BufReader::with_capacity(BUFFER, file()?),
                 position: 0,
                 buf: Vec::new(),
             },
             DatasetFormat::Csv => {
-                let (reader, headers) = open_csv(&path, file)?;
+                let (reader, headers) = open_csv(&path, file()?)?;
                 RowSource::Csv {
                     reader,
                     headers,
                     record: csv::StringRecord::new(),
                 }
             }
+            DatasetFormat::Parquet => RowSource::Parquet(Box::new(ParquetRows::open(
+                parquet::shards(&path, config.split.as_deref())?,
+            )?)),
         };
         Ok(Self {
             path,
@@ -638,6 +709,16 @@ impl RowReader {
                     Err(err) => return Err(row_err(csv_message(&err))),
                 }
             }
+            RowSource::Parquet(rows) => {
+                let total = rows.len();
+                let Some(row) = rows.get(offset)? else {
+                    return Err(row_err(format!(
+                        "the dataset has {total} rows now: the dataset changed after the run started"
+                    )));
+                };
+                let json = serde_json::to_string(row).unwrap_or_default();
+                (row.clone(), json)
+            }
         };
         let id = item_id(&row, self.id_field.as_deref()).map_err(row_err)?;
         if id != expected_id {
@@ -680,6 +761,7 @@ mod tests {
         DatasetConfig {
             path,
             format,
+            split: None,
             id_field: id_field.map(str::to_owned),
             episodes: None,
             sample: None,

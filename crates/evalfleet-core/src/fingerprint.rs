@@ -17,6 +17,10 @@ pub struct DatasetOptions {
     pub sample_n: Option<u64>,
     pub sample_seed: Option<u64>,
     pub skip_invalid: bool,
+    /// A Parquet folder's `dataset.split`, as given (absent from older
+    /// runs' fingerprints, and when not given).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub split: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -117,6 +121,7 @@ impl Fingerprint {
                 sample_n: dataset.sample.map(|s| s.n),
                 sample_seed: dataset.sample.map(|s| s.seed),
                 skip_invalid: dataset.skip_invalid,
+                split: dataset.split.clone(),
             },
             messages_sha256: canonical_sha256(&prompts_value(config, messages)),
             params_sha256: canonical_sha256(&Value::Object(config.task.params.clone())),
@@ -157,6 +162,7 @@ impl Fingerprint {
             a.skip_invalid.to_string(),
             b.skip_invalid.to_string(),
         );
+        option("split", show(&a.split), show(&b.split));
         if self.messages_sha256 != current.messages_sha256 {
             out.push("task.messages changed (or task.prompts)".to_owned());
         }

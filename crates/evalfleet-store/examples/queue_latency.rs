@@ -75,6 +75,7 @@ impl ItemSource for Items {
                     sample_n: None,
                     sample_seed: None,
                     skip_invalid: false,
+                    split: None,
                 },
                 messages_sha256: String::new(),
                 params_sha256: String::new(),

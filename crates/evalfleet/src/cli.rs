@@ -527,6 +527,9 @@ pub struct StatusArgs {
 pub enum ExportFormat {
     Jsonl,
     Csv,
+    /// Typed columns (text, integers, floats, booleans), a float column
+    /// `score.NAME` per metric, the input row as JSON text in `item`.
+    Parquet,
     /// Each item's agent run (`kind: exec`) as a chat-format conversation
     /// (messages with tool calls and results, tools, status and scores),
     /// one JSON line an item.

@@ -19,11 +19,7 @@ use crate::util::{Env, by_id, external_with, mock, ms, signal, wait_until};
 pub fn agent_python(modules: &str) -> Option<String> {
     let python = std::env::var("EVALFLEET_AGENT_PYTHON")
         .unwrap_or_else(|_| "/opt/evalfleet-agent/bin/python".to_owned());
-    let ok = std::process::Command::new(&python)
-        .args(["-c", &format!("import {modules}")])
-        .status()
-        .is_ok_and(|s| s.success());
-    if ok {
+    if crate::util::imports(&python, modules) {
         return Some(python);
     }
     evalfleet_testkit::skip!(

@@ -394,27 +394,9 @@ async fn episodes_killed_mid_way_and_resumed_end_as_an_uninterrupted_run() {
     assert!(rewards.values().any(|r| *r > 0.0), "{rewards:?}");
 }
 
-/// The Python with gymnasium that `.ci/run` prepares
-/// (`$EVALFLEET_GYM_PYTHON`), else `python3` when it has gymnasium; `None`,
-/// saying so, when neither does.
+/// The Python with gymnasium that `.ci/run` prepares.
 fn gym_python() -> Option<String> {
-    let candidates = std::env::var("EVALFLEET_GYM_PYTHON")
-        .ok()
-        .into_iter()
-        .chain(["python3".to_owned()]);
-    for python in candidates {
-        let ok = std::process::Command::new(&python)
-            .args(["-c", "import gymnasium, numpy"])
-            .status()
-            .is_ok_and(|s| s.success());
-        if ok {
-            return Some(python);
-        }
-    }
-    evalfleet_testkit::skip!(
-        "no Python with gymnasium (set EVALFLEET_GYM_PYTHON; .ci/run makes one)"
-    );
-    None
+    crate::util::python_with("EVALFLEET_GYM_PYTHON", "gymnasium, numpy", "gymnasium")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

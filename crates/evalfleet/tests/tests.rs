@@ -20,6 +20,7 @@ mod input;
 mod install;
 mod messages;
 mod original;
+mod parquet;
 mod prompts;
 mod remote;
 mod run;

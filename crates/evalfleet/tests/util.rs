@@ -276,3 +276,27 @@ pub async fn cache_stats(env: &Env, store: &Path) -> Value {
         .await;
     serde_json::from_str(&ran.stdout).unwrap()
 }
+
+/// The Python that `.ci/run` prepares in `$VAR`, else `python3`, whichever
+/// first imports `modules`; `None`, saying so, when neither does.
+pub fn python_with(var: &str, modules: &str, what: &str) -> Option<String> {
+    let candidates = std::env::var(var)
+        .ok()
+        .into_iter()
+        .chain(["python3".to_owned()]);
+    for python in candidates {
+        if imports(&python, modules) {
+            return Some(python);
+        }
+    }
+    evalfleet_testkit::skip!("no Python with {what} (set {var}; .ci/run makes one)");
+    None
+}
+
+/// Whether `python` runs and imports `modules`.
+pub fn imports(python: &str, modules: &str) -> bool {
+    std::process::Command::new(python)
+        .args(["-c", &format!("import {modules}")])
+        .status()
+        .is_ok_and(|s| s.success())
+}

@@ -124,11 +124,15 @@ impl Config {
 /// `dataset:` where items come from.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DatasetConfig {
-    /// The file, resolved against the config file's directory.
+    /// The file (or, for Parquet, the folder of shards), resolved against
+    /// the config file's directory.
     pub path: PathBuf,
-    /// `jsonl` or `csv`; by default from the file's extension (`.jsonl`,
-    /// `.ndjson`, `.csv`).
+    /// `jsonl`, `csv` or `parquet`; by default from the file's extension
+    /// (`.jsonl`, `.ndjson`, `.csv`, `.parquet`; a folder is Parquet).
     pub format: DatasetFormat,
+    /// Of a folder of Parquet shards, the split to read; `None`: the only
+    /// split, else `train`.
+    pub split: Option<String>,
     /// The field that holds each item's id. Without it an item's id is a hash
     /// of its content, which is stable across shuffles, samples and resumes.
     pub id_field: Option<String>,
@@ -147,6 +151,7 @@ pub struct DatasetConfig {
 pub enum DatasetFormat {
     Jsonl,
     Csv,
+    Parquet,
 }
 
 impl DatasetFormat {
@@ -154,6 +159,7 @@ impl DatasetFormat {
         match self {
             Self::Jsonl => "jsonl",
             Self::Csv => "csv",
+            Self::Parquet => "parquet",
         }
     }
 }

@@ -64,11 +64,19 @@ pub struct RawConfig {
 /// are made up (`task.conversation.sessions`).
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 pub struct RawDataset {
-    /// The file, relative to the config file. Required.
+    /// The file, relative to the config file: JSONL, CSV or Parquet; for
+    /// Parquet also a folder of shards in the Hugging Face layout
+    /// (`data/train-00000-of-00003.parquet`, ...). Required.
     pub path: Option<String>,
-    /// `jsonl` or `csv`. Default: from the file's extension (`.jsonl` and
-    /// `.ndjson` are JSONL, `.csv` is CSV).
+    /// `jsonl`, `csv` or `parquet`. Default: from the file's extension
+    /// (`.jsonl` and `.ndjson` are JSONL, `.csv` is CSV, `.parquet` is
+    /// Parquet); a folder is Parquet.
     pub format: Option<String>,
+    /// Of a folder of Parquet shards, the split to read: the shards whose
+    /// file name starts with `SPLIT-` or is `SPLIT.parquet`, or that lie in
+    /// a folder named `SPLIT`. Default: the folder's only split, else
+    /// `train`. Only for a folder.
+    pub split: Option<String>,
     /// The field that holds each item's id. Without it an item's id is a hash
     /// of its content, which is stable across shuffles, samples and resumes.
     /// Default: none (the hash).
@@ -563,7 +571,7 @@ mod tests {
             .unwrap();
         assert_eq!(
             unknown.1,
-            "dataset: unknown key 'colour' (known: format, id_field, path, sample, skip_invalid)"
+            "dataset: unknown key 'colour' (known: format, id_field, path, sample, skip_invalid, split)"
         );
         let nested = problems
             .iter()

@@ -576,7 +576,7 @@ task:
         messages[..2],
         [
             "config: unknown key 'colour' (known: cache, dataset, endpoints, name, report, retry, shutdown_grace, store, task, telemetry, timeouts, writer)",
-            "dataset: unknown key 'colour' (known: format, id_field, path, sample, skip_invalid)",
+            "dataset: unknown key 'colour' (known: format, id_field, path, sample, skip_invalid, split)",
         ]
     );
     // Places with many keys send the reader to the reference.
@@ -1095,4 +1095,47 @@ fn a_conversation_s_rule_keys_are_read_and_checked() {
         problems("    scorer: { ema_formula: adaptive, decay_factor: 0 }\n"),
         ["task.conversation.scorer.decay_factor: must be above 0 (ema_formula: adaptive), got 0"]
     );
+}
+
+#[test]
+fn a_folder_is_a_parquet_dataset_and_split_is_only_for_one() {
+    let dir = dir_with_dataset();
+    write(dir.path(), ".env", "EF_CFG_TEST_KEY=sk-from-dotenv\n");
+    std::fs::create_dir(dir.path().join("hub")).unwrap();
+    write(dir.path(), "one.parquet", "");
+    let config = |dataset: &str| GOOD.replace("  path: items.jsonl\n", dataset);
+    let file = write(
+        dir.path(),
+        "run.yaml",
+        &config("  path: hub\n  split: test\n"),
+    );
+    let loaded = load_file(&file, Overrides::default()).unwrap();
+    assert_eq!(loaded.config.dataset.format, DatasetFormat::Parquet);
+    assert_eq!(loaded.config.dataset.split.as_deref(), Some("test"));
+    let file = write(dir.path(), "run.yaml", &config("  path: one.parquet\n"));
+    let loaded = load_file(&file, Overrides::default()).unwrap();
+    assert_eq!(loaded.config.dataset.format, DatasetFormat::Parquet);
+    assert_eq!(loaded.config.dataset.split, None);
+
+    let problems = |dataset: &str| {
+        let file = write(dir.path(), "bad.yaml", &config(dataset));
+        let err = load_file(&file, Overrides::default()).unwrap_err();
+        err.problems()
+            .iter()
+            .map(|p| p.message.clone())
+            .collect::<Vec<_>>()
+    };
+    let said = problems("  path: one.parquet\n  split: train\n");
+    assert!(
+        said[0].starts_with("dataset.split: only a folder of Parquet shards has splits"),
+        "{said:?}"
+    );
+    let said = problems("  path: hub\n  format: csv\n");
+    assert!(
+        said[0].starts_with("dataset.path: ")
+            && said[0].ends_with("only a Parquet dataset may be a folder of shards"),
+        "{said:?}"
+    );
+    let said = problems("  path: items.jsonl\n  split: \" \"\n");
+    assert_eq!(said, ["dataset.split: must not be empty"]);
 }

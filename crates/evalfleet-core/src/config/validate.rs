@@ -216,6 +216,7 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
             Some(DatasetConfig {
                 path: std::path::PathBuf::new(),
                 format: DatasetFormat::Jsonl,
+                split: None,
                 id_field: Some("episode".to_owned()),
                 sample: None,
                 skip_invalid: false,
@@ -585,6 +586,18 @@ fn dataset(raw: RawDataset, dir: &Path, p: &mut Problems<'_>) -> Option<DatasetC
             let resolved = dir.join(s);
             if resolved.is_file() {
                 Some(resolved)
+            } else if resolved.is_dir() && matches!(raw.format.as_deref(), None | Some("parquet")) {
+                // A folder of Parquet shards; which ones is the dataset
+                // reader's business.
+                Some(resolved)
+            } else if resolved.is_dir() {
+                p.push(
+                    "dataset.path",
+                    format!(
+                        "{} is a folder: only a Parquet dataset may be a folder of shards",
+                        resolved.display()
+                    ),
+                )
             } else {
                 p.push(
                     "dataset.path",
@@ -596,9 +609,10 @@ fn dataset(raw: RawDataset, dir: &Path, p: &mut Problems<'_>) -> Option<DatasetC
     let format = match raw.format.as_deref() {
         Some("jsonl") => Some(DatasetFormat::Jsonl),
         Some("csv") => Some(DatasetFormat::Csv),
+        Some("parquet") => Some(DatasetFormat::Parquet),
         Some(other) => p.push(
             "dataset.format",
-            format!("must be 'jsonl' or 'csv', got '{other}'"),
+            format!("must be 'jsonl', 'csv' or 'parquet', got '{other}'"),
         ),
         None => match raw
             .path
@@ -610,10 +624,12 @@ fn dataset(raw: RawDataset, dir: &Path, p: &mut Problems<'_>) -> Option<DatasetC
         {
             Some("jsonl" | "ndjson") => Some(DatasetFormat::Jsonl),
             Some("csv") => Some(DatasetFormat::Csv),
+            Some("parquet") => Some(DatasetFormat::Parquet),
             _ if raw.path.is_none() => None,
+            _ if path.as_ref().is_some_and(|p| p.is_dir()) => Some(DatasetFormat::Parquet),
             _ => p.push(
                 "dataset.format",
-                "cannot tell the format from the file's extension; set format: jsonl or csv",
+                "cannot tell the format from the file's extension; set format: jsonl, csv or parquet",
             ),
         },
     };
@@ -632,9 +648,20 @@ fn dataset(raw: RawDataset, dir: &Path, p: &mut Problems<'_>) -> Option<DatasetC
         },
         None => Some(None),
     };
+    let split = match raw.split {
+        Some(s) if s.trim().is_empty() => p.push("dataset.split", "must not be empty"),
+        Some(s) if path.as_ref().is_some_and(|p| p.is_file()) => p.push(
+            "dataset.split",
+            format!(
+                "only a folder of Parquet shards has splits; dataset.path is a file, so leave out split: {s}"
+            ),
+        ),
+        other => Some(other),
+    };
     Some(DatasetConfig {
         path: path?,
         format: format?,
+        split: split?,
         id_field: id_field?,
         sample: sample?,
         skip_invalid: raw.skip_invalid.unwrap_or(false),

@@ -48,6 +48,7 @@ impl ItemSource for Items {
                     sample_n: self.sample_n,
                     sample_seed: None,
                     skip_invalid: true,
+                    split: None,
                 },
                 messages_sha256: String::new(),
                 params_sha256: String::new(),

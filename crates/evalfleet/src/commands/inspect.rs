@@ -389,7 +389,7 @@ pub fn export(args: ExportArgs) -> anyhow::Result<u8> {
             result?;
         }
         None => {
-            let mut writer = BufWriter::new(io::stdout().lock());
+            let mut writer = BufWriter::new(io::stdout());
             write_export(&mut *store, &args, &mut writer)?;
             writer.flush()?;
         }
@@ -406,9 +406,10 @@ fn temp_path(file: &Path) -> std::path::PathBuf {
 fn write_export(
     store: &mut dyn Store,
     args: &ExportArgs,
-    out: &mut dyn Write,
+    out: &mut (dyn Write + Send),
 ) -> anyhow::Result<()> {
     match args.format {
+        ExportFormat::Parquet => write_parquet(store, &args.run_id, out)?,
         ExportFormat::Jsonl => {
             store.export(&args.run_id, &mut |row| {
                 serde_json::to_writer(&mut *out, &row).map_err(io::Error::other)?;
@@ -454,6 +455,136 @@ fn write_export(
         }
     }
     Ok(())
+}
+
+/// Rows in each row group of a Parquet export: memory holds one group.
+const PARQUET_GROUP: usize = 4096;
+
+/// A Parquet export: the contract's columns typed (text, integers, floats,
+/// booleans), one float column `score.NAME` per metric, and the JSON values
+/// (`parsed`, `scores`, `judge`, the input row `item`, `images`) as JSON
+/// text. A first pass finds the metrics' names.
+fn write_parquet(
+    store: &mut dyn Store,
+    run_id: &str,
+    out: impl Write + Send,
+) -> anyhow::Result<()> {
+    use evalfleet_core::dataset::{ColumnKind as K, ColumnValues as V, TableWriter};
+
+    let mut metrics = BTreeSet::new();
+    store.export(run_id, &mut |row| {
+        metrics.extend(row.scores.iter().flat_map(|s| s.keys().cloned()));
+        Ok(())
+    })?;
+    let fixed = [
+        ("item_id", K::Text),
+        ("status", K::Text),
+        ("output", K::Text),
+        ("error", K::Text),
+        ("endpoint", K::Text),
+        ("model", K::Text),
+        ("attempts", K::Int),
+        ("latency_ms", K::Float),
+        ("ttft_ms", K::Float),
+        ("tpot_ms", K::Float),
+        ("prompt_tokens", K::Int),
+        ("completion_tokens", K::Int),
+        ("tokens_estimated", K::Bool),
+        ("parsed", K::Text),
+        ("valid", K::Bool),
+        ("scores", K::Text),
+        ("judge", K::Text),
+        ("check_error", K::Text),
+        ("prompt", K::Text),
+        ("item", K::Text),
+        (IMAGES, K::Text),
+    ];
+    let columns: Vec<(String, K)> = fixed
+        .iter()
+        .map(|(name, kind)| ((*name).to_owned(), *kind))
+        .chain(metrics.iter().map(|m| (format!("score.{m}"), K::Float)))
+        .collect();
+    let mut values: Vec<V> = columns.iter().map(|(_, kind)| V::new(*kind)).collect();
+    let mut table = TableWriter::new(out, &columns)?;
+    let json = |v: &Option<Value>| v.as_ref().map(Value::to_string);
+    let int = |v: Option<u64>| v.and_then(|n| i64::try_from(n).ok());
+    store.export(run_id, &mut |row| {
+        let texts = [
+            Some(row.item_id.clone()),
+            Some(row.status.to_string()),
+            row.output.clone(),
+            row.error.clone(),
+            row.endpoint.clone(),
+            row.model.clone(),
+        ];
+        let mut at = 0;
+        // The cells below follow the columns above, kind for kind.
+        let mut push = |value: Cell| -> io::Result<()> {
+            match (&mut values[at], value) {
+                (V::Text(v), Cell::Text(x)) => v.push(x),
+                (V::Float(v), Cell::Float(x)) => v.push(x),
+                (V::Int(v), Cell::Int(x)) => v.push(x),
+                (V::Bool(v), Cell::Bool(x)) => v.push(x),
+                _ => {
+                    return Err(io::Error::other(format!(
+                        "column {} of the export got a value of another kind",
+                        columns[at].0
+                    )));
+                }
+            }
+            at += 1;
+            Ok(())
+        };
+        for text in texts {
+            push(Cell::Text(text))?;
+        }
+        push(Cell::Int(Some(i64::from(row.attempts))))?;
+        push(Cell::Float(row.latency_ms))?;
+        push(Cell::Float(row.ttft_ms))?;
+        push(Cell::Float(row.tpot_ms))?;
+        push(Cell::Int(int(row.prompt_tokens)))?;
+        push(Cell::Int(int(row.completion_tokens)))?;
+        push(Cell::Bool(Some(row.tokens_estimated)))?;
+        push(Cell::Text(json(&row.parsed)))?;
+        push(Cell::Bool(row.valid))?;
+        push(Cell::Text(
+            row.scores
+                .as_ref()
+                .map(|s| serde_json::to_string(s).unwrap_or_default()),
+        ))?;
+        push(Cell::Text(json(&row.judge)))?;
+        push(Cell::Text(row.check_error.clone()))?;
+        push(Cell::Text(row.prompt.clone()))?;
+        push(Cell::Text(Some(row.item.to_string())))?;
+        push(Cell::Text((!row.images.is_empty()).then(|| {
+            serde_json::to_string(&row.images).unwrap_or_default()
+        })))?;
+        for metric in &metrics {
+            push(Cell::Float(
+                row.scores
+                    .as_ref()
+                    .and_then(|s| s.get(metric))
+                    .and_then(|s| s.value),
+            ))?;
+        }
+        if values[0].len() >= PARQUET_GROUP {
+            table.write_group(&mut values).map_err(io::Error::other)?;
+        }
+        Ok(())
+    })?;
+    if !values[0].is_empty() {
+        table.write_group(&mut values)?;
+    }
+    table.finish()?;
+    Ok(())
+}
+
+/// One value of a Parquet export's row.
+enum Cell {
+    Text(Option<String>),
+    Float(Option<f64>),
+    Int(Option<i64>),
+    Bool(Option<bool>),
 }
 
 /// The last CSV column, after the item's: the request's images as JSON
