@@ -474,19 +474,29 @@ async fn judge_calls_to_an_endpoint_that_is_not_running_fail_and_the_run_ends() 
         "{}",
         report.stdout
     );
-    let rows = crate::util::by_id(&env.export(&ran.run_id()).await);
-    assert_eq!(rows.len(), 4);
-    for row in rows.values() {
-        assert_eq!(row["status"], "done", "{row}");
-        let error = row["scores"]["quality"]["error"]
-            .as_str()
-            .unwrap_or_default();
+    for error in quality_errors(&env, &ran.run_id()).await {
         assert!(
             error.contains("the judge failed")
                 && error.contains("endpoint judge is not taking calls"),
-            "{row}"
+            "{error}"
         );
     }
+}
+
+/// Each of the run's 4 items, done, with why its `quality` could not be
+/// scored (empty when it was).
+async fn quality_errors(env: &Env, run_id: &str) -> Vec<String> {
+    let rows = crate::util::by_id(&env.export(run_id).await);
+    assert_eq!(rows.len(), 4);
+    rows.values()
+        .map(|row| {
+            assert_eq!(row["status"], "done", "{row}");
+            row["scores"]["quality"]["error"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -843,13 +853,7 @@ async fn judge_calls_wait_for_an_endpoint_still_starting_without_spending_their_
     // Every item was judged: the judge (an echo) was asked each time, and
     // no call gave up on it (its echo holds no score: the metric says so).
     assert_eq!(judging.stats().requests, 4, "{}", ran.stderr);
-    let rows = crate::util::by_id(&env.export(&ran.run_id()).await);
-    assert_eq!(rows.len(), 4);
-    for row in rows.values() {
-        assert_eq!(row["status"], "done", "{row}");
-        let error = row["scores"]["quality"]["error"]
-            .as_str()
-            .unwrap_or_default();
-        assert!(!error.contains("not taking calls"), "{row}");
+    for error in quality_errors(&env, &ran.run_id()).await {
+        assert!(!error.contains("not taking calls"), "{error}");
     }
 }

@@ -35,7 +35,15 @@ pub fn parse(reply: &str, names: [&str; 3]) -> Result<Scored, String> {
     });
     let reply = halfwidth(reply);
     let names = names.map(halfwidth);
-    let names = [names[0].as_str(), names[1].as_str(), names[2].as_str()];
+    // Names of more than one letter, longest first (a letter is read as
+    // one anyway): matched against every place a key may begin.
+    let mut by_name: Vec<(Person, &str)> = Person::ALL
+        .into_iter()
+        .zip(names.iter().map(String::as_str))
+        .filter(|(_, n)| n.chars().count() > 1)
+        .collect();
+    by_name.sort_by_key(|(_, n)| std::cmp::Reverse(n.chars().count()));
+    let names = by_name.as_slice();
     let mut values: [Option<f64>; 3] = [None; 3];
     let mut clipped = 0;
     // Where the key of the next entry may begin.
@@ -114,7 +122,7 @@ const JOINS: [&str; 6] = ["and", "vs.", "vs", "with", "\u{3068}", "\u{306e}"];
 /// with quotes, brackets, a list bullet, separators and joining words
 /// between and around them, and any words after them, ignored (`Sure! AB`,
 /// `- A and C`, `A-B relationship`, `A-C (Ann and Cy)` name a pair).
-fn pair(key: &str, names: [&str; 3]) -> Option<Edge> {
+fn pair(key: &str, names: &[(Person, &str)]) -> Option<Edge> {
     // Bracketed asides are not part of it.
     let mut plain = String::with_capacity(key.len());
     let mut depth = 0u32;
@@ -173,7 +181,7 @@ fn skip_joins(mut text: &str) -> &str {
 
 /// The pair `text` begins with: two different people, and after them
 /// nothing, or words that are not a third person.
-fn pair_at(text: &str, names: [&str; 3]) -> Option<Edge> {
+fn pair_at(text: &str, names: &[(Person, &str)]) -> Option<Edge> {
     let text = text.trim_start_matches(separator);
     let (x, len) = person_at(text, names)?;
     let rest = skip_joins(&text[len..]);
@@ -185,17 +193,11 @@ fn pair_at(text: &str, names: [&str; 3]) -> Option<Edge> {
     (x != y).then(|| Edge::between(x, y)).flatten()
 }
 
-/// The person whose name (longest first) or letter `text` begins with, and
-/// how many bytes name them. A letter stands alone, or beside another
-/// letter (`AB`): not the first of a word (`Alex`).
-fn person_at(text: &str, names: [&str; 3]) -> Option<(Person, usize)> {
-    let mut by_name: Vec<(Person, &str)> = Person::ALL
-        .into_iter()
-        .zip(names)
-        .filter(|(_, n)| n.chars().count() > 1)
-        .collect();
-    by_name.sort_by_key(|(_, n)| std::cmp::Reverse(n.chars().count()));
-    for (person, name) in by_name {
+/// The person whose name (`names`: longest first) or letter `text` begins
+/// with, and how many bytes name them. A letter stands alone, or beside
+/// another letter (`AB`): not the first of a word (`Alex`).
+fn person_at(text: &str, names: &[(Person, &str)]) -> Option<(Person, usize)> {
+    for &(person, name) in names {
         let len = name.len();
         if text.len() >= len
             && text.is_char_boundary(len)

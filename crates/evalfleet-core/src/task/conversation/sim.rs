@@ -561,6 +561,13 @@ impl Sim {
                 seen[p.index()] += 1;
             }
         }
+        // Per pair, the fewer of its two people's utterances new in the
+        // window since the last score (the adaptive formula's `s`).
+        let fresh = Edge::ALL.map(|edge| {
+            let (x, y) = edge.people();
+            let new = |p: Person| seen[p.index()].saturating_sub(self.adaptive.seen[p.index()]);
+            new(x).min(new(y))
+        });
         let previous = self.relations.filter(|_| scorer.use_ema);
         self.relations = Some(match (previous, scorer.ema_formula) {
             (None, _) => observed,
@@ -568,33 +575,23 @@ impl Sim {
                 previous.smoothed(&observed, scorer.decay_factor)
             }
             (Some(previous), EmaFormula::Adaptive) => {
-                let alphas = Edge::ALL.map(|edge| {
-                    let (x, y) = edge.people();
-                    let new =
-                        |p: Person| seen[p.index()].saturating_sub(self.adaptive.seen[p.index()]);
-                    let fresh = new(x).min(new(y));
-                    let recent = &self.adaptive.recent[edge as usize];
-                    let past: u32 = recent.iter().sum();
-                    let ratio = if fresh + past == 0 {
+                let mix = |edge: Edge| {
+                    let s = fresh[edge as usize];
+                    let past: u32 = self.adaptive.recent[edge as usize].iter().sum();
+                    let ratio = if s + past == 0 {
                         0.0
                     } else {
-                        f64::from(fresh) / f64::from(fresh + past)
+                        f64::from(s) / f64::from(s + past)
                     };
-                    (scorer.decay_factor * ratio).clamp(0.01, 1.0)
-                });
-                let mix = |edge: Edge| {
-                    let a = alphas[edge as usize];
+                    let a = (scorer.decay_factor * ratio).clamp(0.01, 1.0);
                     a * observed.get(edge) + (1.0 - a) * previous.get(edge)
                 };
                 Triangle::new(mix(Edge::AB), mix(Edge::BC), mix(Edge::CA))
             }
         });
         if scorer.use_ema && scorer.ema_formula == EmaFormula::Adaptive {
-            for edge in Edge::ALL {
-                let (x, y) = edge.people();
-                let new = |p: Person| seen[p.index()].saturating_sub(self.adaptive.seen[p.index()]);
-                let recent = &mut self.adaptive.recent[edge as usize];
-                recent.push_back(new(x).min(new(y)));
+            for (recent, s) in self.adaptive.recent.iter_mut().zip(fresh) {
+                recent.push_back(s);
                 if recent.len() > 3 {
                     recent.pop_front();
                 }
