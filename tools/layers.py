@@ -38,7 +38,9 @@ LAYERS = {
         ["pipeline"],
         # Creating, resuming and finishing runs; reports; benchmark
         # matrices above runs.
-        ["run", "report", "rescore", "view", "bench"],
+        # Google Sheets as a dataset and as the results' place: read before
+        # a run, written from its committed results.
+        ["run", "report", "rescore", "view", "bench", "sheets"],
     ],
     "evalfleet": [
         ["cli", "ui", "fleet"],

@@ -18,6 +18,7 @@ pub mod preflight;
 pub mod report;
 pub mod rescore;
 pub mod run;
+pub mod sheets;
 pub mod store;
 pub mod task;
 pub mod template;
@@ -51,6 +52,7 @@ pub fn fault_of(err: &(dyn std::error::Error + 'static)) -> Option<types::Fault>
         report::ReportError,
         rescore::RescoreError,
         sandbox::CodeJudgeError,
+        sheets::SheetError,
     );
     None
 }

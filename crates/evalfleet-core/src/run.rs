@@ -265,6 +265,8 @@ pub struct SessionPlan {
     /// What serves an exec task's gateway (the binary's server); `None`
     /// where this process serves none.
     pub gateway_host: Option<Arc<dyn task::exec::GatewayHost>>,
+    /// Told of each result once it is committed (a sheet's sink).
+    pub on_result: Option<crate::pipeline::ResultTap>,
 }
 
 /// The live counters of a session about to run, for a progress display.
@@ -414,6 +416,7 @@ async fn session(
         fleet: plan.fleet,
         worker: Arc::from(prepared.worker.worker.as_str()),
         gateway: gateway.clone(),
+        on_result: plan.on_result,
     };
     let ended = pipeline::execute(session, open, rows, prepared.progress, stop).await;
     // Agents' calls still in flight are abandoned with the session.

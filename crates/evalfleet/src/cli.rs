@@ -133,6 +133,15 @@ pub enum Command {
     )]
     Export(ExportArgs),
 
+    /// Write a run's stored results to its Google Sheet where the sheet lacks them.
+    ///
+    /// For a run whose dataset is a sheet with `dataset.sheet.write`: reads
+    /// the sheet, and writes each stored result whose cells do not hold its
+    /// values yet, into rows that still hold the item the run read. Exits 1
+    /// when some rows had changed and were not written.
+    #[command(after_help = "Example:\n  evalfleet sync RUN_ID")]
+    Sync(SyncArgs),
+
     /// Validate a config and probe every endpoint (reachable, models served, latency).
     #[command(after_help = "Example:\n  evalfleet check examples/quickstart.yaml")]
     Check(CheckArgs),
@@ -534,6 +543,19 @@ pub enum ExportFormat {
     /// (messages with tool calls and results, tools, status and scores),
     /// one JSON line an item.
     Trajectories,
+}
+
+#[derive(Debug, Args)]
+pub struct SyncArgs {
+    pub run_id: String,
+
+    #[command(flatten)]
+    pub store: StoreArgs,
+
+    /// Use this config's dataset.sheet instead of the run's stored one (a
+    /// new key variable, another api_url).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

@@ -115,6 +115,7 @@ fn main() -> ExitCode {
             Command::Runs(args) => commands::inspect::runs(args),
             Command::Status(args) => commands::inspect::status(args),
             Command::Export(args) => commands::inspect::export(args),
+            Command::Sync(args) => commands::sheets::sync(args).await,
             Command::Check(args) => commands::check::check(args).await,
             Command::Convert(args) => commands::convert::convert(args),
             Command::Metrics(args) => commands::metrics::metrics(args),

@@ -92,6 +92,17 @@ impl Admission {
             );
             out.push((at, message));
         }
+        if document
+            .get("dataset")
+            .and_then(|dataset| dataset.get("sheet"))
+            .is_some()
+        {
+            let at = "dataset.sheet".to_owned();
+            let message = format!(
+                "{at}: a config sent to this server may not read or write a Google Sheet (it would do so with the server's service-account key)"
+            );
+            out.push((at, message));
+        }
         let task = document.get("task");
         let exec = task
             .and_then(|task| task.get("kind"))

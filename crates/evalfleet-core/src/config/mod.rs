@@ -21,6 +21,7 @@ mod prompts;
 mod raw;
 pub mod reference;
 pub mod schema;
+mod sheets;
 mod telemetry;
 mod validate;
 mod yaml;
@@ -52,6 +53,10 @@ pub use evalfleet_types::RetryPolicy;
 pub use exec::{AgentNetwork, Budget, ExecInput, ExecSettings, split_words};
 pub use images::{ImageFormat, ImageSettings, Part, PdfPages};
 pub use prompts::{DEFAULT_PROMPT, PromptRule, glob_matches};
+pub use sheets::{
+    Blocks, DEFAULT_KEY_ENV, ID_FIELD as SHEET_ID_FIELD, SHEETS_API, SheetConfig, WriteValue,
+    column_index, column_letters,
+};
 pub use telemetry::{GpuSelection, TelemetryLimits, TelemetrySettings};
 pub use yaml::{Document, YamlError, parse as parse_yaml};
 
@@ -145,6 +150,10 @@ pub struct DatasetConfig {
     /// (`task.conversation.sessions`): items `{"episode": i}`, written to
     /// `path` by the command that starts the run.
     pub episodes: Option<u64>,
+    /// A Google Sheet as the dataset (and the results' place): its rows are
+    /// read into `path` (JSONL, ids in `_id`) by the command that starts or
+    /// resumes the run.
+    pub sheet: Option<SheetConfig>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

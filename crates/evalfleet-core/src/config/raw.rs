@@ -66,7 +66,8 @@ pub struct RawConfig {
 pub struct RawDataset {
     /// The file, relative to the config file: JSONL, CSV or Parquet; for
     /// Parquet also a folder of shards in the Hugging Face layout
-    /// (`data/train-00000-of-00003.parquet`, ...). Required.
+    /// (`data/train-00000-of-00003.parquet`, ...). Required, unless the
+    /// dataset is a Google Sheet (`sheet`).
     pub path: Option<String>,
     /// `jsonl`, `csv` or `parquet`. Default: from the file's extension
     /// (`.jsonl` and `.ndjson` are JSONL, `.csv` is CSV, `.parquet` is
@@ -85,6 +86,7 @@ pub struct RawDataset {
     /// Record a malformed row as a failed item and go on, instead of refusing
     /// the dataset. Default `false`.
     pub skip_invalid: Option<bool>,
+    pub sheet: Option<super::sheets::RawSheet>,
 }
 
 /// A deterministic sample of the items: the same `n` and `seed` pick the same

@@ -221,6 +221,7 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
                 sample: None,
                 skip_invalid: false,
                 episodes: Some(0),
+                sheet: None,
             })
         }
         None => p.push(
@@ -578,7 +579,10 @@ impl Problems<'_> {
     }
 }
 
-fn dataset(raw: RawDataset, dir: &Path, p: &mut Problems<'_>) -> Option<DatasetConfig> {
+fn dataset(mut raw: RawDataset, dir: &Path, p: &mut Problems<'_>) -> Option<DatasetConfig> {
+    if let Some(sheet) = raw.sheet.take() {
+        return sheet_dataset(sheet, raw, p);
+    }
     let path = match raw.path.as_deref() {
         None => p.push("dataset.path", "is required"),
         Some(s) if s.trim().is_empty() => p.push("dataset.path", "must not be empty"),
@@ -637,17 +641,7 @@ fn dataset(raw: RawDataset, dir: &Path, p: &mut Problems<'_>) -> Option<DatasetC
         Some(f) if f.is_empty() => p.push("dataset.id_field", "must not be empty"),
         other => Some(other),
     };
-    let sample = match raw.sample {
-        Some(s) => match s.n {
-            Some(0) => p.push("dataset.sample.n", "must be at least 1, got 0"),
-            Some(n) => Some(Some(Sample {
-                n,
-                seed: s.seed.unwrap_or(0),
-            })),
-            None => p.push("dataset.sample.n", "is required in a sample"),
-        },
-        None => Some(None),
-    };
+    let sample = sample(raw.sample, p);
     let split = match raw.split {
         Some(s) if s.trim().is_empty() => p.push("dataset.split", "must not be empty"),
         Some(s) if path.as_ref().is_some_and(|p| p.is_file()) => p.push(
@@ -666,6 +660,62 @@ fn dataset(raw: RawDataset, dir: &Path, p: &mut Problems<'_>) -> Option<DatasetC
         sample: sample?,
         skip_invalid: raw.skip_invalid.unwrap_or(false),
         episodes: None,
+        sheet: None,
+    })
+}
+
+/// `dataset.sample`, validated.
+fn sample(raw: Option<super::raw::RawSample>, p: &mut Problems<'_>) -> Option<Option<Sample>> {
+    match raw {
+        Some(s) => match s.n {
+            Some(0) => p.push("dataset.sample.n", "must be at least 1, got 0"),
+            Some(n) => Some(Some(Sample {
+                n,
+                seed: s.seed.unwrap_or(0),
+            })),
+            None => p.push("dataset.sample.n", "is required in a sample"),
+        },
+        None => Some(None),
+    }
+}
+
+/// A dataset read from a Google Sheet: its rows are kept in a JSONL file
+/// of their own, named after what is read, with each item's id (its row,
+/// and block) in `_id`.
+fn sheet_dataset(
+    sheet: super::sheets::RawSheet,
+    raw: RawDataset,
+    p: &mut Problems<'_>,
+) -> Option<DatasetConfig> {
+    let mut clash = false;
+    for (key, set) in [
+        ("path", raw.path.is_some()),
+        ("format", raw.format.is_some()),
+        ("split", raw.split.is_some()),
+        ("id_field", raw.id_field.is_some()),
+    ] {
+        if set {
+            clash = true;
+            p.push::<()>(
+                &format!("dataset.{key}"),
+                "a dataset read from a sheet (dataset.sheet) has no file of its own: leave it out",
+            );
+        }
+    }
+    let sample = sample(raw.sample, p);
+    let sheet = super::sheets::sheet(sheet, p)?;
+    if clash {
+        return None;
+    }
+    Some(DatasetConfig {
+        path: super::sheets::snapshot_path(&sheet),
+        format: DatasetFormat::Jsonl,
+        split: None,
+        id_field: Some(super::sheets::ID_FIELD.to_owned()),
+        sample: sample?,
+        skip_invalid: raw.skip_invalid.unwrap_or(false),
+        episodes: None,
+        sheet: Some(sheet),
     })
 }
 

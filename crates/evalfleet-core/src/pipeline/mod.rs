@@ -39,6 +39,7 @@ use crate::task::{Request, Target, Task};
 use evalfleet_types::RetryBudget;
 use item::{Backlog, Item, Tally};
 use reader::Reader;
+pub use writer::ResultTap;
 use writer::{Message, Outcome};
 
 /// Live counters of a session, read by progress displays.
@@ -118,6 +119,8 @@ pub struct Session {
     pub worker: Arc<str>,
     /// An exec task's gateway, which answers from the session's cache.
     pub gateway: Option<Arc<crate::gateway::Gateway>>,
+    /// Told of each result once it is committed.
+    pub on_result: Option<ResultTap>,
 }
 
 /// Opens a connection to the session's store (each thread of the session
@@ -379,6 +382,7 @@ pub async fn execute(
             },
             config.writer,
             progress.clone(),
+            session.on_result.clone(),
         );
         tracker.spawn(async move {
             let result = task.await;

@@ -21,6 +21,10 @@ use crate::config::WriterSettings;
 use crate::store::{Batch, ClaimId, NotBefore, Store, StoreError};
 use evalfleet_types::{AttemptRecord, CacheEntry, ResultRecord};
 
+/// What is told of each result once it is committed (a Google Sheet's
+/// sink): called on the commit's thread, so it must be quick.
+pub type ResultTap = Arc<dyn Fn(&ResultRecord) + Send + Sync>;
+
 /// How many batches' worth may wait while a commit is in flight.
 const GROUP_LIMIT: usize = 16;
 
@@ -124,6 +128,7 @@ pub async fn run(
     worker: Worker,
     settings: WriterSettings,
     progress: Arc<Progress>,
+    tap: Option<ResultTap>,
 ) -> Result<Box<dyn Store>, StoreError> {
     let Worker {
         run_id,
@@ -168,6 +173,7 @@ pub async fn run(
             let batch = std::mem::take(&mut batch);
             due = None;
             let (run_id, worker) = (run_id.clone(), worker.clone());
+            let tap = tap.clone();
             committing.spawn_blocking(move || {
                 let result = store.commit(&run_id, &worker, &batch).map(|committed| {
                     if !committed.refused.is_empty() {
@@ -175,6 +181,13 @@ pub async fn run(
                             "{} results were refused: this worker's lease on them ran out; their items are answered again under a new claim.",
                             committed.refused.len()
                         );
+                    }
+                    if let Some(tap) = &tap {
+                        batch
+                            .results
+                            .iter()
+                            .filter(|(_, r)| !committed.refused.contains(&r.seq))
+                            .for_each(|(_, r)| tap(r));
                     }
                     committed.results
                 });

@@ -59,6 +59,7 @@ pub async fn check(args: crate::cli::CheckArgs) -> anyhow::Result<u8> {
     }
 
     let mut ready = true;
+    super::sheets::read(config).await?;
     let (rows, invalid) = tokio::task::block_in_place(|| -> anyhow::Result<(u64, u64)> {
         let mut scanner = Scanner::open(&config.dataset)?;
         if let Some(columns) = scanner.columns() {

@@ -12,6 +12,7 @@ pub mod mock;
 pub mod report;
 pub mod run;
 pub mod serve;
+pub mod sheets;
 pub mod shell;
 pub mod simulate;
 pub mod supervise;

@@ -55,6 +55,7 @@ pub(crate) async fn start(
         fleet::dry_run(&loaded.config);
         return Ok(EXIT_OK);
     }
+    super::sheets::read(&loaded.config).await?;
     let session = new_session(
         loaded,
         &args.endpoints,
@@ -248,6 +249,7 @@ pub(crate) async fn resumable_with(
     yes: bool,
 ) -> anyhow::Result<Resumable> {
     let run_id = record.run_id.as_str();
+    super::sheets::read(&loaded.config).await?;
     run::check_resume(record, &loaded.config)?;
     let counts = store.counts(run_id)?;
     if counts.pending == 0 && !(retry_failed && counts.failed > 0) {
@@ -324,6 +326,10 @@ pub(crate) async fn execute(session: Session, attendance: Attendance) -> anyhow:
     let conversation = config.task.kind.conversation().cloned();
     let trainer = gym.clone();
     let options = fleet::options(&config, &location, &run_id, active, gpu_policy)?;
+    let (sheet, on_result) = match super::sheets::start(&config, &mut *store, &run_id).await? {
+        Some((live, tap)) => (Some(live), Some(tap)),
+        None => (None, None),
+    };
     let mut fleet = Fleet::new(&config, options);
     let plan = SessionPlan {
         run_id: run_id.clone(),
@@ -335,6 +341,7 @@ pub(crate) async fn execute(session: Session, attendance: Attendance) -> anyhow:
         sandbox_dir: super::sandbox_dir(&location, &run_id),
         gym,
         gateway_host: Some(Arc::new(evalfleet_server::gateway::Host)),
+        on_result,
     };
     let prepared = run::prepare(&mut *store, &plan)?;
     // The writer's and the reader's connections use the cache.
@@ -400,6 +407,12 @@ pub(crate) async fn execute(session: Session, attendance: Attendance) -> anyhow:
         signals.abort();
     }
     fleet.stop().await;
+    // The session's writer, and with it the sheet's tap, is gone: what
+    // waits is written.
+    let sheet_written = match sheet {
+        Some(live) => live.finish().await,
+        None => true,
+    };
 
     let report = match result {
         Ok(report) => report,
@@ -433,6 +446,9 @@ pub(crate) async fn execute(session: Session, attendance: Attendance) -> anyhow:
         if code == EXIT_FAILED && totals.failed == totals.closed {
             code = EXIT_OK;
         }
+    }
+    if !sheet_written {
+        code = code.max(EXIT_FAILED);
     }
     if scored && report.status == RunStatus::Finished {
         return Ok(code.max(scores(&location, &run_id)?));
