@@ -766,6 +766,7 @@ mod tests {
             episodes: None,
             sample: None,
             skip_invalid: false,
+            sheet: None,
         }
     }
 

@@ -491,6 +491,7 @@ mod tests {
             sample: None,
             skip_invalid: false,
             episodes: None,
+            sheet: None,
         }
     }
 
