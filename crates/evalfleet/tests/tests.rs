@@ -27,6 +27,7 @@ mod run;
 mod scaleout;
 mod security;
 mod serve;
+mod sheets;
 mod tasks;
 mod telemetry;
 mod trajectories;

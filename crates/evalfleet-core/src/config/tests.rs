@@ -1139,3 +1139,62 @@ fn a_folder_is_a_parquet_dataset_and_split_is_only_for_one() {
     let said = problems("  path: items.jsonl\n  split: \" \"\n");
     assert_eq!(said, ["dataset.split: must not be empty"]);
 }
+
+#[test]
+fn a_sheet_dataset_validates_and_names_its_problems() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), ".env", "EF_CFG_TEST_KEY=sk-from-dotenv\n");
+    let good = GOOD.replace(
+        "  path: items.jsonl\n",
+        "  sheet:\n    spreadsheet: https://docs.google.com/spreadsheets/d/1Abc-_x/edit#gid=0\n    columns: { text: B, category: C }\n    blocks: { count: 3, stride: 2, fields: [category] }\n    write: { D: score.exact_match, e: answer }\n",
+    );
+    let file = write(dir.path(), "run.yaml", &good);
+    let loaded = load_file(&file, Overrides::default()).unwrap();
+    let dataset = &loaded.config.dataset;
+    let sheet = dataset.sheet.as_ref().unwrap();
+    assert_eq!(sheet.spreadsheet_id, "1Abc-_x");
+    assert_eq!(sheet.tab, "Sheet1");
+    assert_eq!((sheet.header_row, sheet.first_row), (1, 2));
+    assert_eq!(
+        sheet.write,
+        vec![
+            (3, WriteValue::Score("exact_match".to_owned())),
+            (4, WriteValue::Answer)
+        ]
+    );
+    assert_eq!(sheet.key_env, DEFAULT_KEY_ENV);
+    assert_eq!(sheet.flush_rows, 50);
+    assert_eq!(sheet.flush_interval, Duration::from_secs(2));
+    assert_eq!(sheet.retries, 5);
+    assert_eq!(dataset.format, DatasetFormat::Jsonl);
+    assert_eq!(dataset.id_field.as_deref(), Some(SHEET_ID_FIELD));
+    assert!(dataset.path.starts_with(std::env::temp_dir()));
+
+    let bad = GOOD.replace(
+        "  path: items.jsonl\n",
+        "  path: items.jsonl\n  sheet:\n    spreadsheet: \"not an id\"\n    columns: { text: B1 }\n    blocks: { count: 2, stride: 0, fields: [missing] }\n    write: { B: answer, F: scores.x }\n    key_env: \"BAD-NAME\"\n    flush_rows: 0\n",
+    );
+    let err = error_of(dir.path(), &bad);
+    assert_all(
+        &err,
+        &[
+            "dataset.path: a dataset read from a sheet",
+            "dataset.sheet.spreadsheet: 'not an id' is neither a spreadsheet id",
+            "dataset.sheet.columns.text: 'B1' is not a column",
+            "dataset.sheet.blocks.stride: must be at least 1",
+            "dataset.sheet.blocks.fields: missing not in dataset.sheet.columns",
+            "dataset.sheet.write.F: 'scores.x' is not a value to write",
+            "dataset.sheet.key_env: 'BAD-NAME' is not a variable name",
+            "dataset.sheet.flush_rows: must be 1 to 1000, got 0",
+        ],
+    );
+    let clash = GOOD.replace(
+        "  path: items.jsonl\n",
+        "  sheet:\n    spreadsheet: abc\n    columns: { text: B }\n    write: { B: answer }\n",
+    );
+    let err = error_of(dir.path(), &clash);
+    assert!(
+        err.contains("dataset.sheet.write.B: column B is the field 'text' read from the sheet"),
+        "{err}"
+    );
+}

@@ -1,0 +1,365 @@
+//! Google Sheets as a run's dataset and as its results' place, against the
+//! stand-in of the Sheets API and of Google's token endpoint
+//! (`evalfleet_mock::sheets`), which checks the signed token requests and
+//! records every write.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use evalfleet_mock::MockSettings;
+use evalfleet_mock::sheets::{StandIn, Trusted};
+use serde_json::{Value, json};
+
+use crate::util::{Env, by_id, external, mock, wait_until};
+
+const SHEET: &str = "1TestSheetIdForEvalfleet_x";
+const KEY_VAR: &str = "EVALFLEET_TEST_SHEET_KEY";
+
+/// A service account's key file made for the test (a fresh RSA key from
+/// `openssl`), and the stand-in trusting it, serving on 127.0.0.1:0.
+struct Google {
+    standin: StandIn,
+    url: String,
+    key_file: std::path::PathBuf,
+    /// The private key's PEM, to look for where it must never be.
+    pem: String,
+}
+
+async fn google(env: &Env) -> Google {
+    let pem_path = env.path("key.pem");
+    let made = std::process::Command::new("openssl")
+        .args(["genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out"])
+        .arg(&pem_path)
+        .output()
+        .expect("openssl runs (apt install openssl)");
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let pem = std::fs::read_to_string(&pem_path).unwrap();
+    std::fs::remove_file(&pem_path).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let key = json!({
+        "type": "service_account",
+        "project_id": "evalfleet-test",
+        "private_key_id": "k1",
+        "private_key": pem,
+        "client_email": "runner@evalfleet-test.iam.gserviceaccount.com",
+        "client_id": "1",
+        "token_uri": format!("{url}/token"),
+    })
+    .to_string();
+    let key_file = env.write("service-account.json", &key);
+    let standin = StandIn::new(Trusted::from_key_json(&key).unwrap());
+    tokio::spawn(standin.clone().serve(listener));
+    Google {
+        standin,
+        url,
+        key_file,
+        pem,
+    }
+}
+
+/// A run over tab `Items` of the stand-in's sheet, the mock echoing the
+/// question, `exact_match` against `reference`; `sheet` adds keys to
+/// `dataset.sheet`.
+fn sheet_config(google: &Google, endpoint: &str, sheet: &str) -> String {
+    format!(
+        "name: sheet\n\
+         dataset:\n  sheet:\n    spreadsheet: https://docs.google.com/spreadsheets/d/{SHEET}/edit#gid=0\n    tab: Items\n    key_env: {KEY_VAR}\n    api_url: {}\n    retry_backoff: 10ms\n{sheet}\n\
+         endpoints:\n{endpoint}\n\
+         task:\n  messages:\n    - {{ role: user, content: \"{{{{ question }}}}\" }}\n  params: {{ max_tokens: 64 }}\n  metrics:\n    - {{ name: exact_match, reference: \"{{{{ reference }}}}\" }}\n",
+        google.url
+    )
+}
+
+/// Rows 2..=n+1 of a tab: `question`, `reference` (wrong for every third
+/// row), and the columns results go to (C, D) empty.
+fn items(n: usize) -> Vec<Vec<Value>> {
+    let mut rows = vec![vec![json!("question"), json!("reference"), json!("answer"), json!("score")]];
+    for i in 0..n {
+        let reference = if i % 3 == 0 { format!("no {i}") } else { format!("q{i}") };
+        rows.push(vec![json!(format!("q{i}")), json!(reference)]);
+    }
+    rows
+}
+
+const WRITE: &str = "    write: { C: answer, D: score.exact_match }";
+
+impl Env {
+    async fn with_key(&self, google: &Google, args: &[&str]) -> crate::util::Ran {
+        let mut command = self.command(args);
+        command.env(KEY_VAR, &google.key_file);
+        command.output().await.expect("evalfleet runs").into()
+    }
+}
+
+/// What the sheet should hold for `n` items of [`items`].
+fn expected(n: usize) -> BTreeMap<u32, (Value, Value)> {
+    (0..n)
+        .map(|i| {
+            let score = if i % 3 == 0 { json!(0.0) } else { json!(1.0) };
+            (u32::try_from(i).unwrap() + 2, (json!(format!("q{i}")), score))
+        })
+        .collect()
+}
+
+/// The results the tab holds, by row.
+fn written(google: &Google, tab: &str) -> BTreeMap<u32, (Value, Value)> {
+    google
+        .standin
+        .tab(SHEET, tab)
+        .into_iter()
+        .enumerate()
+        .skip(1)
+        .filter(|(_, row)| row.len() > 2)
+        .map(|(i, row)| {
+            let score = row.get(3).cloned().unwrap_or(Value::Null);
+            (u32::try_from(i).unwrap() + 1, (row[2].clone(), score))
+        })
+        .collect()
+}
+
+fn twice(google: &Google) -> Vec<(String, u32, u32)> {
+    google
+        .standin
+        .cell_writes()
+        .into_iter()
+        .filter(|(_, n)| *n > 1)
+        .map(|(cell, _)| cell)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sheet_is_read_answered_and_its_results_written_back_fifty_rows_a_write() {
+    let env = Env::new();
+    let google = google(&env).await;
+    google.standin.put_tab(SHEET, "Items", items(120));
+    let server = mock(MockSettings::default()).await;
+    // Only the row count and the end flush a write: the interval is long.
+    env.write(
+        "run.yaml",
+        &sheet_config(&google, &external("m", &server, 8), &format!("{WRITE}\n    flush_interval: 1h")),
+    );
+    let checked = env.with_key(&google, &["check", "run.yaml"]).await;
+    assert!(checked.stdout.contains("120 rows, 0 invalid"), "{}{}", checked.stdout, checked.stderr);
+    let ran = env.with_key(&google, &["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert_eq!(written(&google, "Items"), expected(120));
+    assert!(twice(&google).is_empty(), "cells written twice: {:?}", twice(&google));
+    let writes = google.standin.writes();
+    let rows: Vec<usize> = writes.iter().map(|w| w.rows).collect();
+    assert_eq!(rows.iter().sum::<usize>(), 120, "{rows:?}");
+    assert!(writes.iter().all(|w| w.status == 200), "{rows:?}");
+    // Every write but the end's waited for 50 rows.
+    assert!(rows.len() >= 2, "results are written as they come, not only at the end: {rows:?}");
+    assert!(rows[..rows.len() - 1].iter().all(|r| *r >= 50), "{rows:?}");
+
+    // The items are the sheet's rows, by place; the export says so.
+    let exported = by_id(&env.export(&ran.run_id()).await);
+    assert_eq!(exported["r5"]["item"]["question"], "q3");
+    assert_eq!(exported["r5"]["item"]["reference"], "q3");
+
+    // The key is in no output, no stored byte, and never sent.
+    let mut stored = std::fs::read(env.store_path()).unwrap();
+    for wal in ["-wal", "-shm"] {
+        let mut path = env.store_path().into_os_string();
+        path.push(wal);
+        stored.extend(std::fs::read(path).unwrap_or_default());
+    }
+    let secret: &str = google.pem.lines().nth(3).unwrap();
+    assert!(secret.len() > 40);
+    let stored = String::from_utf8_lossy(&stored);
+    for (place, text) in [
+        ("the store", stored.as_ref()),
+        ("stdout", &ran.stdout),
+        ("stderr", &ran.stderr),
+        ("the requests", &google.standin.seen_text()),
+    ] {
+        assert!(!text.contains(secret), "the private key is in {place}");
+        assert!(!text.contains("PRIVATE KEY"), "the private key is in {place}");
+    }
+    assert!(stored.contains(KEY_VAR), "the stored config names the key's variable");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_are_written_every_flush_interval_when_results_come_slowly() {
+    let env = Env::new();
+    let google = google(&env).await;
+    google.standin.put_tab(SHEET, "Items", items(12));
+    let server = mock(MockSettings {
+        latency: Duration::from_millis(150),
+        ..MockSettings::default()
+    })
+    .await;
+    env.write(
+        "run.yaml",
+        &sheet_config(&google, &external("m", &server, 1), &format!("{WRITE}\n    flush_interval: 500ms")),
+    );
+    let ran = env.with_key(&google, &["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert_eq!(written(&google, "Items"), expected(12));
+    let rows: Vec<usize> = google.standin.writes().iter().map(|w| w.rows).collect();
+    // Far fewer than 50 rows came, so only the interval wrote before the end.
+    assert!(rows.len() >= 2, "{rows:?}");
+    assert_eq!(rows.iter().sum::<usize>(), 12, "{rows:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_go_on_through_429s_and_500s_and_nothing_is_written_twice() {
+    let env = Env::new();
+    let google = google(&env).await;
+    google.standin.put_tab(SHEET, "Items", items(60));
+    google.standin.fail_next(&[429, 500, 503, 429]);
+    let server = mock(MockSettings::default()).await;
+    env.write(
+        "run.yaml",
+        &sheet_config(&google, &external("m", &server, 8), &format!("{WRITE}\n    flush_rows: 10")),
+    );
+    let ran = env.with_key(&google, &["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert_eq!(written(&google, "Items"), expected(60));
+    assert!(twice(&google).is_empty(), "{:?}", twice(&google));
+    let statuses: Vec<u16> = google.standin.writes().iter().map(|w| w.status).collect();
+    assert_eq!(statuses[..4], [429, 500, 503, 429], "{statuses:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sheet_that_keeps_failing_stops_its_writes_not_the_run_and_sync_writes_them_later() {
+    let env = Env::new();
+    let google = google(&env).await;
+    google.standin.put_tab(SHEET, "Items", items(30));
+    google.standin.fail_always(Some(500));
+    let server = mock(MockSettings::default()).await;
+    env.write(
+        "run.yaml",
+        &sheet_config(&google, &external("m", &server, 8), &format!("{WRITE}\n    retries: 2")),
+    );
+    let ran = env.with_key(&google, &["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
+    assert!(ran.stderr.contains("500"), "{}", ran.stderr);
+    assert!(ran.stderr.contains(&format!("evalfleet sync {}", ran.run_id())), "{}", ran.stderr);
+    let run_id = ran.run_id();
+    assert_eq!(env.counts(&run_id).done, 30, "every result is in the store");
+    let tried = google.standin.writes().len();
+    assert_eq!(tried, 3, "one write, tried again twice, then no more: {tried}");
+    assert!(written(&google, "Items").is_empty());
+
+    // Someone edits row 4 meanwhile: its results no longer belong there.
+    let mut tab = google.standin.tab(SHEET, "Items");
+    tab[3][0] = json!("edited");
+    google.standin.put_tab(SHEET, "Items", tab);
+    google.standin.fail_always(None);
+    let synced = env.with_key(&google, &["sync", &run_id]).await;
+    assert_eq!(synced.code, Some(1), "{}{}", synced.stdout, synced.stderr);
+    assert!(synced.stdout.contains("29 written, 0 already in the sheet, 1 not written"), "{}", synced.stdout);
+    assert!(synced.stderr.contains("r4"), "{}", synced.stderr);
+    let mut want = expected(30);
+    want.remove(&4);
+    assert_eq!(written(&google, "Items"), want);
+
+    // Again: nothing is missing, nothing is written.
+    let calls = google.standin.writes().len();
+    let again = env.with_key(&google, &["sync", &run_id]).await;
+    assert!(again.stdout.contains("0 written, 29 already in the sheet"), "{}", again.stdout);
+    assert_eq!(google.standin.writes().len(), calls);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_killed_mid_way_resumes_writing_only_the_rows_the_sheet_lacks() {
+    let env = Env::new();
+    let google = google(&env).await;
+    let n = 300;
+    google.standin.put_tab(SHEET, "Items", items(n));
+    let server = mock(MockSettings {
+        latency: Duration::from_millis(20),
+        ..MockSettings::default()
+    })
+    .await;
+    env.write(
+        "run.yaml",
+        &sheet_config(&google, &external("m", &server, 4), &format!("{WRITE}\n    flush_rows: 10")),
+    );
+    let mut child = env
+        .command(&["run", "run.yaml", "-q", "--run-id", "killed"])
+        .env(KEY_VAR, &google.key_file)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let standin = google.standin.clone();
+    wait_until(Duration::from_secs(60), "a few writes", || {
+        standin.writes().iter().filter(|w| w.status == 200).count() >= 3
+    })
+    .await;
+    child.kill().await.unwrap();
+    let at_kill = written(&google, "Items");
+    assert!(at_kill.len() < n, "killed too late to test anything");
+    let resumed = env.with_key(&google, &["resume", "killed"]).await;
+    assert_eq!(resumed.code, Some(0), "{}", resumed.stderr);
+    assert_eq!(written(&google, "Items"), expected(n));
+    assert!(twice(&google).is_empty(), "cells written twice: {:?}", twice(&google));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_of_a_row_are_items_of_their_own_written_to_their_own_columns() {
+    let env = Env::new();
+    let google = google(&env).await;
+    // A text, then three blocks of (category, verdict).
+    google.standin.put_tab(
+        SHEET,
+        "Items",
+        vec![
+            vec![json!("text"), json!("c1"), json!("v1"), json!("c2"), json!("v2"), json!("c3"), json!("v3")],
+            vec![json!("t1"), json!("tone"), json!(""), json!("topic"), json!(""), json!("length")],
+            vec![json!("t2"), json!("tone")],
+        ],
+    );
+    let server = mock(MockSettings::default()).await;
+    env.write(
+        "run.yaml",
+        &format!(
+            "name: blocks\n\
+             dataset:\n  sheet:\n    spreadsheet: {SHEET}\n    tab: Items\n    key_env: {KEY_VAR}\n    api_url: {}\n    columns: {{ text: A, category: B }}\n    blocks: {{ count: 3, stride: 2, fields: [category] }}\n    write: {{ C: answer }}\n\
+             endpoints:\n{}\n\
+             task:\n  messages:\n    - {{ role: user, content: \"{{{{ text }}}}/{{{{ category }}}}\" }}\n",
+            google.url,
+            external("m", &server, 4)
+        ),
+    );
+    let ran = env.with_key(&google, &["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let tab = google.standin.tab(SHEET, "Items");
+    assert_eq!(tab[1][2], "t1/tone");
+    assert_eq!(tab[1][4], "t1/topic");
+    assert_eq!(tab[1][6], "t1/length");
+    assert_eq!(tab[2][2], "t2/tone");
+    assert_eq!(tab[2].len(), 3, "row 3's empty blocks are no items: {:?}", tab[2]);
+    assert_eq!(env.counts(&ran.run_id()).done, 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_or_foreign_key_is_refused_before_the_run_saying_why() {
+    let env = Env::new();
+    let google = google(&env).await;
+    google.standin.put_tab(SHEET, "Items", items(3));
+    let server = mock(MockSettings::default()).await;
+    env.write("run.yaml", &sheet_config(&google, &external("m", &server, 1), WRITE));
+    let unset = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(unset.code, Some(2), "{}", unset.stderr);
+    assert!(unset.stderr.contains(&format!("{KEY_VAR}: is not set")), "{}", unset.stderr);
+
+    // A key the stand-in does not trust, sent to its token endpoint: the
+    // token is refused.
+    let other = Env::new();
+    let stranger = self::google(&other).await;
+    let mut key: Value =
+        serde_json::from_str(&std::fs::read_to_string(&stranger.key_file).unwrap()).unwrap();
+    key["token_uri"] = json!(format!("{}/token", google.url));
+    let foreign = env.write("foreign.json", &key.to_string());
+    let mut command = env.command(&["run", "run.yaml", "-q"]);
+    command.env(KEY_VAR, &foreign);
+    let refused: crate::util::Ran = command.output().await.unwrap().into();
+    assert_ne!(refused.code, Some(0), "{}", refused.stderr);
+    assert!(refused.stderr.contains("refused a token"), "{}", refused.stderr);
+    assert!(!refused.stderr.contains(stranger.pem.lines().nth(3).unwrap()));
+    assert!(google.standin.writes().is_empty());
+}
