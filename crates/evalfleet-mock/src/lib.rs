@@ -19,3 +19,6 @@ pub use settings::{Fault, MockSettings, Outage, Quota, QuotaMode};
 mod server;
 #[cfg(feature = "server")]
 pub use server::{MockServer, Stats, StatsSnapshot, app, serve};
+/// A stand-in of the Google Sheets API and Google's token endpoint.
+#[cfg(feature = "server")]
+pub mod sheets;
