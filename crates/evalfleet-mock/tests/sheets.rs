@@ -29,22 +29,28 @@ fn keys() -> Option<&'static (String, String)> {
 }
 
 fn openssl_key() -> Option<String> {
+    let pem = openssl(&[
+        "genpkey",
+        "-algorithm",
+        "RSA",
+        "-pkeyopt",
+        "rsa_keygen_bits:2048",
+    ])?;
+    Some(String::from_utf8(pem).unwrap())
+}
+
+/// What the openssl CLI writes on stdout, or `None` when it cannot start.
+fn openssl(args: &[&str]) -> Option<Vec<u8>> {
     let out = std::process::Command::new("openssl")
-        .args([
-            "genpkey",
-            "-algorithm",
-            "RSA",
-            "-pkeyopt",
-            "rsa_keygen_bits:2048",
-        ])
+        .args(args)
         .output()
         .ok()?;
     assert!(
         out.status.success(),
-        "{}",
+        "openssl {args:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    Some(String::from_utf8(out.stdout).unwrap())
+    Some(out.stdout)
 }
 
 /// A service-account key file's JSON around `pem`, its token_uri at `base`.
@@ -128,24 +134,29 @@ async fn start() -> Option<Running> {
     })
 }
 
+/// Sends `request`: its status and its body as JSON (a body that is not
+/// JSON comes back as a string).
+async fn answer(request: reqwest::RequestBuilder) -> (u16, Value) {
+    let response = request.send().await.unwrap();
+    let status = response.status().as_u16();
+    let bytes = response.bytes().await.unwrap();
+    let body = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+    (status, body)
+}
+
 impl Running {
     async fn token_request(&self, assertion: &str) -> (u16, Value) {
         let body = format!(
             "grant_type=urn%3Aietf%3Aparams%3Aoauth%3Agrant-type%3Ajwt-bearer&assertion={assertion}"
         );
-        let response = self
-            .http
-            .post(format!("{}/token", self.base))
-            .header("content-type", "application/x-www-form-urlencoded")
-            .body(body)
-            .send()
-            .await
-            .unwrap();
-        let status = response.status().as_u16();
-        (
-            status,
-            serde_json::from_slice(&response.bytes().await.unwrap()).unwrap(),
+        answer(
+            self.http
+                .post(format!("{}/token", self.base))
+                .header("content-type", "application/x-www-form-urlencoded")
+                .body(body),
         )
+        .await
     }
 
     /// A token for the trusted key.
@@ -167,21 +178,15 @@ impl Running {
                 }
             })
             .collect();
-        let response = self
-            .http
-            .get(format!(
-                "{}/v4/spreadsheets/{id}/values/{range}?{query}",
-                self.base
-            ))
-            .bearer_auth(token)
-            .send()
-            .await
-            .unwrap();
-        let status = response.status().as_u16();
-        (
-            status,
-            serde_json::from_slice(&response.bytes().await.unwrap()).unwrap(),
+        answer(
+            self.http
+                .get(format!(
+                    "{}/v4/spreadsheets/{id}/values/{range}?{query}",
+                    self.base
+                ))
+                .bearer_auth(token),
         )
+        .await
     }
 
     async fn batch(&self, token: &str, id: &str, body: &Value) -> (u16, Value) {
@@ -189,24 +194,17 @@ impl Running {
     }
 
     async fn batch_raw(&self, token: &str, id: &str, body: String) -> (u16, Value) {
-        let response = self
-            .http
-            .post(format!(
-                "{}/v4/spreadsheets/{id}/values:batchUpdate",
-                self.base
-            ))
-            .bearer_auth(token)
-            .header("content-type", "application/json")
-            .body(body)
-            .send()
-            .await
-            .unwrap();
-        let status = response.status().as_u16();
-        let text = response.text().await.unwrap();
-        (
-            status,
-            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        answer(
+            self.http
+                .post(format!(
+                    "{}/v4/spreadsheets/{id}/values:batchUpdate",
+                    self.base
+                ))
+                .bearer_auth(token)
+                .header("content-type", "application/json")
+                .body(body),
         )
+        .await
     }
 }
 
@@ -238,20 +236,18 @@ async fn the_public_key_is_derived_from_the_key_file_as_openssl_derives_it() {
     let dir = tempfile::tempdir().unwrap();
     let key = dir.path().join("key.pem");
     std::fs::write(&key, pem).unwrap();
-    let out = std::process::Command::new("openssl")
-        .args(["rsa", "-in"])
-        .arg(&key)
-        .args(["-RSAPublicKey_out", "-outform", "DER"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let public = openssl(&[
+        "rsa",
+        "-in",
+        key.to_str().unwrap(),
+        "-RSAPublicKey_out",
+        "-outform",
+        "DER",
+    ])
+    .unwrap();
     let trusted = Trusted::from_key_json(&key_json(pem, "http://x")).unwrap();
     assert_eq!(trusted.client_email, EMAIL);
-    assert_eq!(trusted.public_key_der, out.stdout);
+    assert_eq!(trusted.public_key_der, public);
 
     for (bad, why) in [
         ("{", "not JSON"),
@@ -629,16 +625,8 @@ async fn cell_writes_count_each_cell_of_each_successful_write() {
         ]
         .into()
     );
-    let stats: Value = run
-        .http
-        .get(format!("{}/_standin/stats", run.base))
-        .send()
-        .await
-        .unwrap()
-        .bytes()
-        .await
-        .map(|b| serde_json::from_slice(&b).unwrap())
-        .unwrap();
+    let (status, stats) = answer(run.http.get(format!("{}/_standin/stats", run.base))).await;
+    assert_eq!(status, 200);
     assert_eq!(stats["cell_writes_total"], 3);
     assert_eq!(stats["cells_written_twice"], 1);
     assert_eq!(stats["tokens_issued"], 1);

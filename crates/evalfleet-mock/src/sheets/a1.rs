@@ -128,9 +128,7 @@ fn cells_of(text: &str) -> Option<Area> {
             // `A:5` mixes a column with a row: Sheets cannot read it.
             let columns_only = a.row.is_none() || b.row.is_none();
             let rows_only = a.col.is_none() || b.col.is_none();
-            if (a.row.is_none() && a.col.is_none() && b.row.is_some() && b.col.is_some())
-                || (columns_only && rows_only)
-            {
+            if columns_only && rows_only {
                 return None;
             }
             let (first_row, last_row) = order(a.row, b.row);

@@ -317,8 +317,9 @@ impl StandIn {
         }
     }
 
-    /// `Ok` when the request carries a live access token.
-    fn authorise(&self, headers: &HeaderMap) -> Result<(), Response> {
+    /// `Ok` when the request carries a live access token; `Err` is the
+    /// 401 to answer.
+    fn authorise(&self, headers: &HeaderMap) -> Result<(), Unauthenticated> {
         let token = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
@@ -341,12 +342,21 @@ impl StandIn {
                 }
             },
         };
-        let mut response = google_error(StatusCode::UNAUTHORIZED, refusal);
+        Err(Unauthenticated(refusal))
+    }
+}
+
+/// A request without a live access token, and why.
+struct Unauthenticated(&'static str);
+
+impl IntoResponse for Unauthenticated {
+    fn into_response(self) -> Response {
+        let mut response = google_error(StatusCode::UNAUTHORIZED, self.0);
         response.headers_mut().insert(
             header::WWW_AUTHENTICATE,
             header::HeaderValue::from_static("Bearer realm=\"https://accounts.google.com/\""),
         );
-        Err(response)
+        response
     }
 }
 
@@ -371,6 +381,11 @@ fn google_error(status: StatusCode, message: &str) -> Response {
         body.to_string(),
     )
         .into_response()
+}
+
+/// What Google answers for a spreadsheet id it does not know.
+fn no_spreadsheet() -> Response {
+    google_error(StatusCode::NOT_FOUND, "Requested entity was not found.")
 }
 
 /// The message Google sends with a status injected by `fail_*`.
@@ -528,15 +543,15 @@ async fn values_api(State(standin): State<StandIn>, request: Request) -> Respons
     };
     match route(&parts.method, parts.uri.path()) {
         Some(Call::Get { id, range }) => {
-            if let Err(response) = standin.authorise(&parts.headers) {
-                return response;
+            if let Err(refusal) = standin.authorise(&parts.headers) {
+                return refusal.into_response();
             }
             get_values(&standin, &id, &range, parts.uri.query().unwrap_or(""))
         }
         Some(Call::BatchUpdate { id }) => {
             let at_ms = standin.since_start_ms();
             let (response, record) = match standin.authorise(&parts.headers) {
-                Err(response) => (response, values::summary(&body)),
+                Err(refusal) => (refusal.into_response(), values::summary(&body)),
                 Ok(()) => batch_update(&standin, &id, &body),
             };
             let (ranges, rows, cells) = record;
@@ -596,10 +611,10 @@ fn get_values(standin: &StandIn, id: &str, range: &str, query: &str) -> Response
     }
     let state = standin.state();
     let Some(tabs) = state.spreadsheets.get(id) else {
-        return google_error(StatusCode::NOT_FOUND, "Requested entity was not found.");
+        return no_spreadsheet();
     };
     let (tab, bounds) = match resolve(tabs, range) {
-        Ok(found) => found,
+        Ok((index, _, bounds)) => (&tabs[index], bounds),
         Err(message) => return google_error(StatusCode::BAD_REQUEST, &message),
     };
     let mut rows = values::read(&tab.cells, bounds, |v| values::render(v, render));
@@ -618,23 +633,29 @@ fn get_values(standin: &StandIn, id: &str, range: &str, query: &str) -> Response
 
 /// The tab and cells `range` names, within the tab's grid; `Err` is the
 /// message of a 400.
-fn resolve<'a>(tabs: &'a [Tab], range: &str) -> Result<(&'a Tab, Bounds), String> {
+fn resolve(tabs: &[Tab], range: &str) -> Result<(usize, Area, Bounds), String> {
     let unparsable = || format!("Unable to parse range: {range}");
     let parsed = a1::parse(range).ok_or_else(unparsable)?;
-    let (tab, area) = match tabs.iter().find(|t| t.name == parsed.tab) {
-        Some(tab) => (tab, parsed.area),
-        None => match (parsed.or_first_tab, tabs.first()) {
-            (Some(area), Some(first)) => (first, area),
+    let (index, area) = match tabs.iter().position(|t| t.name == parsed.tab) {
+        Some(index) => (index, parsed.area),
+        None => match parsed.or_first_tab {
+            Some(area) if !tabs.is_empty() => (0, area),
             _ => return Err(unparsable()),
         },
     };
-    let bounds = area.bounds(tab.rows, tab.cols).ok_or_else(|| {
-        format!(
-            "Range ({range}) exceeds grid limits. Max rows: {}, max columns: {}",
-            tab.rows, tab.cols
-        )
-    })?;
-    Ok((tab, bounds))
+    let tab = &tabs[index];
+    let bounds = area
+        .bounds(tab.rows, tab.cols)
+        .ok_or_else(|| exceeds_grid(range, tab))?;
+    Ok((index, area, bounds))
+}
+
+/// The message of a range that reaches past its tab's grid.
+fn exceeds_grid(range: &str, tab: &Tab) -> String {
+    format!(
+        "Range ({range}) exceeds grid limits. Max rows: {}, max columns: {}",
+        tab.rows, tab.cols
+    )
 }
 
 /// `values.batchUpdate`'s body.
@@ -690,7 +711,7 @@ fn batch_update(
         .or_else(|| {
             state
                 .fail_every
-                .filter(|(every, _)| state.write_calls_seen % every == 0)
+                .filter(|(every, _)| state.write_calls_seen.is_multiple_of(*every))
                 .map(|(_, status)| status)
         });
     if let Some(status) = injected {
@@ -724,10 +745,7 @@ fn batch_update(
         }
     };
     let Some(tabs) = state.spreadsheets.get(id) else {
-        return (
-            google_error(StatusCode::NOT_FOUND, "Requested entity was not found."),
-            record,
-        );
+        return (no_spreadsheet(), record);
     };
     // Every range is checked before any cell changes: a batch is applied
     // whole or not at all.
@@ -747,10 +765,7 @@ fn batch_update(
         ..
     } = &mut *state;
     let Some(tabs) = spreadsheets.get_mut(id) else {
-        return (
-            google_error(StatusCode::NOT_FOUND, "Requested entity was not found."),
-            record,
-        );
+        return (no_spreadsheet(), record);
     };
     for planned in plan {
         let Some(tab) = tabs.get_mut(planned.tab) else {
@@ -842,22 +857,8 @@ fn plan_range(tabs: &[Tab], i: usize, data: ValueRange, typed: bool) -> Result<P
         }
     };
     let range = data.range.as_str();
-    let unparsable = || format!("Unable to parse range: {range}");
-    let parsed = a1::parse(range).ok_or_else(unparsable)?;
-    let (index, area) = match tabs.iter().position(|t| t.name == parsed.tab) {
-        Some(index) => (index, parsed.area),
-        None => match parsed.or_first_tab {
-            Some(area) if !tabs.is_empty() => (0, area),
-            _ => return Err(unparsable()),
-        },
-    };
+    let (index, area, _) = resolve(tabs, range)?;
     let tab = &tabs[index];
-    if area.bounds(tab.rows, tab.cols).is_none() {
-        return Err(format!(
-            "Range ({range}) exceeds grid limits. Max rows: {}, max columns: {}",
-            tab.rows, tab.cols
-        ));
-    }
     let mut rows = data.values;
     if columns {
         rows = values::transpose(&rows);
@@ -899,10 +900,7 @@ fn plan_range(tabs: &[Tab], i: usize, data: ValueRange, typed: bool) -> Result<P
     if area == Area::Whole && height == 0 {
         // Nothing to write; the range only has to exist.
     } else if last_row > u64::from(tab.rows) || last_col > u64::from(tab.cols) {
-        return Err(format!(
-            "Range ({range}) exceeds grid limits. Max rows: {}, max columns: {}",
-            tab.rows, tab.cols
-        ));
+        return Err(exceeds_grid(range, tab));
     }
     Ok(Planned {
         tab: index,
