@@ -404,6 +404,24 @@ async fn reads_render_values_formatted_or_not_over_ranges_of_every_shape() {
         .get(&token, "sheet-1", "Data!A1:B2", "majorDimension=COLUMNS")
         .await;
     assert_eq!(body["values"], json!([["id", "1"], ["question", "2+2?"]]));
+    // A column whose first cells are empty: they read as "".
+    run.standin.put_tab(
+        "sheet-1",
+        "Ragged",
+        vec![vec![json!("a")], vec![json!("b"), json!("c")]],
+    );
+    let (_, body) = run
+        .get(&token, "sheet-1", "Ragged!A1:B2", "majorDimension=COLUMNS")
+        .await;
+    assert_eq!(body["values"], json!([["a", "b"], ["", "c"]]));
+    let (_, body) = run
+        .get(&token, "sheet-1", "Data!B3:B4", "majorDimension=COLUMNS")
+        .await;
+    assert_eq!(body["values"], json!([["half?"]]));
+    let (_, body) = run
+        .get(&token, "sheet-1", "Data!B4:C4", "majorDimension=COLUMNS")
+        .await;
+    assert_eq!(body["values"], json!([[], ["TRUE"]]));
     // A bare range is on the first tab.
     let (_, body) = run.get(&token, "sheet-1", "B2", "").await;
     assert_eq!(body["range"], "Data!B2");

@@ -619,7 +619,7 @@ fn get_values(standin: &StandIn, id: &str, range: &str, query: &str) -> Response
     };
     let mut rows = values::read(&tab.cells, bounds, |v| values::render(v, render));
     if columns {
-        rows = values::transpose(&rows);
+        rows = values::transpose(&rows, &Value::String(String::new()));
     }
     let mut body = json!({
         "range": a1::format(&tab.name, bounds),
@@ -861,7 +861,7 @@ fn plan_range(tabs: &[Tab], i: usize, data: ValueRange, typed: bool) -> Result<P
     let tab = &tabs[index];
     let mut rows = data.values;
     if columns {
-        rows = values::transpose(&rows);
+        rows = values::transpose(&rows, &Value::Null);
     }
     for (r, row) in rows.iter_mut().enumerate() {
         for (c, cell) in row.iter_mut().enumerate() {

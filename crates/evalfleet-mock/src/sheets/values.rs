@@ -124,14 +124,15 @@ pub(crate) fn read(
     rows
 }
 
-/// Rows become columns (ragged rows padded with empty cells, whose
-/// trailing ones are then trimmed).
-pub(crate) fn transpose(rows: &[Vec<Value>]) -> Vec<Vec<Value>> {
+/// Rows become columns, a short row padded with `pad` (`""` in a read,
+/// `null` in a write, where it leaves the cell alone); each column's
+/// trailing empties are trimmed.
+pub(crate) fn transpose(rows: &[Vec<Value>], pad: &Value) -> Vec<Vec<Value>> {
     let width = rows.iter().map(Vec::len).max().unwrap_or(0);
     let mut columns: Vec<Vec<Value>> = (0..width)
         .map(|c| {
             rows.iter()
-                .map(|row| row.get(c).cloned().unwrap_or(Value::Null))
+                .map(|row| row.get(c).unwrap_or(pad).clone())
                 .collect()
         })
         .collect();
