@@ -83,6 +83,11 @@ fn now() -> i64 {
 /// A JWT with `claims`, signed RS256 with `pem` by ring.
 fn jwt(pem: &str, claims: &Value) -> String {
     let header = json!({"alg": "RS256", "typ": "JWT", "kid": "0123456789abcdef"});
+    jwt_with(pem, &header, claims)
+}
+
+/// The same with `header`, whatever it says.
+fn jwt_with(pem: &str, header: &Value, claims: &Value) -> String {
     let signed = format!(
         "{}.{}",
         URL_SAFE_NO_PAD.encode(header.to_string()),
@@ -323,6 +328,11 @@ async fn a_jwt_signed_by_the_trusted_key_gets_a_token_and_others_are_refused() {
         ),
         (jwt(pem, &with("iat", json!(t + 600))), "short-lived"),
         (jwt(pem, &with("exp", json!(t + 7200))), "short-lived"),
+        (
+            jwt_with(pem, &json!({"alg": "HS256", "typ": "JWT"}), &good),
+            "RS256",
+        ),
+        (jwt_with(pem, &json!({"alg": "none"}), &good), "RS256"),
         ("not-a-jwt".to_owned(), "three"),
         ("a.b.c".to_owned(), "base64url"),
     ];
@@ -622,6 +632,17 @@ async fn injected_failures_answer_in_order_then_always_then_stop() {
     );
     // Reads are never failed.
     assert_eq!(run.get(&token, "sheet-1", "Data", "").await.0, 200);
+
+    // Every third write call from now on fails (the benchmark's process
+    // sets this from --fail-every).
+    run.standin.fail_every(3, 503);
+    let mut statuses = Vec::new();
+    for _ in 0..6 {
+        statuses.push(run.batch(&token, "sheet-1", &write).await.0);
+    }
+    assert_eq!(statuses, [200, 200, 503, 200, 200, 503]);
+    run.standin.fail_every(0, 503);
+    assert_eq!(run.batch(&token, "sheet-1", &write).await.0, 200);
 }
 
 #[tokio::test]

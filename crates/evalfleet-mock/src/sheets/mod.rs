@@ -101,15 +101,22 @@ struct SheetsState {
     token_refusals: Vec<String>,
     fail_next: VecDeque<u16>,
     fail_always: Option<u16>,
-    /// Every `n`th write call (counted from the first) fails with the status.
-    fail_every: Option<(u64, u16)>,
-    write_calls_seen: u64,
+    /// Every `n`th write call since it was set fails with the status.
+    fail_every: Option<FailEvery>,
     writes: Vec<WriteCall>,
     cell_writes: BTreeMap<(String, u32, u32), u32>,
     seen: String,
     /// Where `serve` listens: the token endpoint's own address is a valid
     /// audience whatever `Host` says.
     local: Option<SocketAddr>,
+}
+
+/// [`StandIn::fail_every`]'s setting, and the write calls counted since.
+#[derive(Clone, Copy)]
+struct FailEvery {
+    every: u64,
+    status: u16,
+    seen: u64,
 }
 
 /// One tab: its cells (row-major from A1; `Null` is empty) and its grid.
@@ -225,7 +232,11 @@ impl StandIn {
     /// Every `every`th write call from now on (counting calls that passed
     /// the token check) answers `status`; `every` 0 turns it off.
     pub fn fail_every(&self, every: u64, status: u16) {
-        self.state().fail_every = (every > 0).then_some((every, status));
+        self.state().fail_every = (every > 0).then_some(FailEvery {
+            every,
+            status,
+            seen: 0,
+        });
     }
 
     /// Every write call received, in order.
@@ -703,17 +714,11 @@ fn batch_update(
         google_error(status, injected_message(status.as_u16()))
     };
     let mut state = standin.state();
-    state.write_calls_seen += 1;
-    let injected = state
-        .fail_next
-        .pop_front()
-        .or(state.fail_always)
-        .or_else(|| {
-            state
-                .fail_every
-                .filter(|(every, _)| state.write_calls_seen.is_multiple_of(*every))
-                .map(|(_, status)| status)
-        });
+    let every = state.fail_every.as_mut().and_then(|f| {
+        f.seen += 1;
+        f.seen.is_multiple_of(f.every).then_some(f.status)
+    });
+    let injected = state.fail_next.pop_front().or(state.fail_always).or(every);
     if let Some(status) = injected {
         return (fail(status), record);
     }
