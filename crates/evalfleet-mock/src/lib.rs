@@ -9,6 +9,10 @@
 //! from the prompt (by default the last user message, verbatim), so a test can
 //! tell which item an answer belongs to. Every random decision is seeded.
 //!
+//! [`sheets`] is a stand-in of the Google Sheets API and of Google's token
+//! endpoint, which the Sheets dataset source and results sink are tested
+//! and benchmarked against.
+//!
 //! Without the `server` feature the crate is only [`MockSettings`] and the
 //! types of its fields.
 
@@ -19,3 +23,6 @@ pub use settings::{Fault, MockSettings, Outage, Quota, QuotaMode};
 mod server;
 #[cfg(feature = "server")]
 pub use server::{MockServer, Stats, StatsSnapshot, app, serve};
+/// A stand-in of the Google Sheets API and Google's token endpoint.
+#[cfg(feature = "server")]
+pub mod sheets;
