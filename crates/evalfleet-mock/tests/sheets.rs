@@ -593,6 +593,31 @@ async fn requests_without_a_live_token_get_401() {
 }
 
 #[tokio::test]
+async fn a_read_only_token_reads_but_may_not_write() {
+    let Some(run) = start().await else { return };
+    dataset(&run.standin);
+    let (pem, _) = keys().unwrap();
+    let mut read_only = claims(&run.base);
+    read_only["scope"] = json!(format!("{SCOPE}.readonly"));
+    let (status, body) = run.token_request(&jwt(pem, &read_only)).await;
+    assert_eq!(status, 200, "{body}");
+    let token = body["access_token"].as_str().unwrap();
+    assert_eq!(run.get(token, "sheet-1", "Data", "").await.0, 200);
+    let (status, body) = run
+        .batch(token, "sheet-1", &raw("Data!A1", json!([[1]])))
+        .await;
+    assert_eq!(
+        (status, &body["error"]["status"]),
+        (403, &json!("PERMISSION_DENIED"))
+    );
+    assert!(run.standin.cell_writes().is_empty());
+    let mut other = claims(&run.base);
+    other["scope"] = json!("https://www.googleapis.com/auth/drive");
+    let (status, body) = run.token_request(&jwt(pem, &other)).await;
+    assert_eq!(status, 400, "{body}");
+}
+
+#[tokio::test]
 async fn injected_failures_answer_in_order_then_always_then_stop() {
     let Some(run) = start().await else { return };
     dataset(&run.standin);

@@ -28,11 +28,22 @@ struct Google {
 async fn google(env: &Env) -> Google {
     let pem_path = env.path("key.pem");
     let made = std::process::Command::new("openssl")
-        .args(["genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out"])
+        .args([
+            "genpkey",
+            "-algorithm",
+            "RSA",
+            "-pkeyopt",
+            "rsa_keygen_bits:2048",
+            "-out",
+        ])
         .arg(&pem_path)
         .output()
         .expect("openssl runs (apt install openssl)");
-    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
     let pem = std::fs::read_to_string(&pem_path).unwrap();
     std::fs::remove_file(&pem_path).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -74,9 +85,18 @@ fn sheet_config(google: &Google, endpoint: &str, sheet: &str) -> String {
 /// Rows 2..=n+1 of a tab: `question`, `reference` (wrong for every third
 /// row), and the columns results go to (C, D) empty.
 fn items(n: usize) -> Vec<Vec<Value>> {
-    let mut rows = vec![vec![json!("question"), json!("reference"), json!("answer"), json!("score")]];
+    let mut rows = vec![vec![
+        json!("question"),
+        json!("reference"),
+        json!("answer"),
+        json!("score"),
+    ]];
     for i in 0..n {
-        let reference = if i % 3 == 0 { format!("no {i}") } else { format!("q{i}") };
+        let reference = if i % 3 == 0 {
+            format!("no {i}")
+        } else {
+            format!("q{i}")
+        };
         rows.push(vec![json!(format!("q{i}")), json!(reference)]);
     }
     rows
@@ -97,7 +117,10 @@ fn expected(n: usize) -> BTreeMap<u32, (Value, Value)> {
     (0..n)
         .map(|i| {
             let score = if i % 3 == 0 { json!(0.0) } else { json!(1.0) };
-            (u32::try_from(i).unwrap() + 2, (json!(format!("q{i}")), score))
+            (
+                u32::try_from(i).unwrap() + 2,
+                (json!(format!("q{i}")), score),
+            )
         })
         .collect()
 }
@@ -137,26 +160,43 @@ async fn a_sheet_is_read_answered_and_its_results_written_back_fifty_rows_a_writ
     // Only the row count and the end flush a write: the interval is long.
     env.write(
         "run.yaml",
-        &sheet_config(&google, &external("m", &server, 8), &format!("{WRITE}\n    flush_interval: 1h")),
+        &sheet_config(
+            &google,
+            &external("m", &server, 8),
+            &format!("{WRITE}\n    flush_interval: 1h"),
+        ),
     );
     let checked = env.with_key(&google, &["check", "run.yaml"]).await;
-    assert!(checked.stdout.contains("120 rows, 0 invalid"), "{}{}", checked.stdout, checked.stderr);
+    assert!(
+        checked.stdout.contains("120 rows, 0 invalid"),
+        "{}{}",
+        checked.stdout,
+        checked.stderr
+    );
     let ran = env.with_key(&google, &["run", "run.yaml", "-q"]).await;
     assert_eq!(ran.code, Some(0), "{}", ran.stderr);
     assert_eq!(written(&google, "Items"), expected(120));
-    assert!(twice(&google).is_empty(), "cells written twice: {:?}", twice(&google));
+    assert!(
+        twice(&google).is_empty(),
+        "cells written twice: {:?}",
+        twice(&google)
+    );
     let writes = google.standin.writes();
     let rows: Vec<usize> = writes.iter().map(|w| w.rows).collect();
     assert_eq!(rows.iter().sum::<usize>(), 120, "{rows:?}");
     assert!(writes.iter().all(|w| w.status == 200), "{rows:?}");
     // Every write but the end's waited for 50 rows.
-    assert!(rows.len() >= 2, "results are written as they come, not only at the end: {rows:?}");
+    assert!(
+        rows.len() >= 2,
+        "results are written as they come, not only at the end: {rows:?}"
+    );
     assert!(rows[..rows.len() - 1].iter().all(|r| *r >= 50), "{rows:?}");
 
     // The items are the sheet's rows, by place; the export says so.
     let exported = by_id(&env.export(&ran.run_id()).await);
-    assert_eq!(exported["r5"]["item"]["question"], "q3");
-    assert_eq!(exported["r5"]["item"]["reference"], "q3");
+    assert_eq!(exported["r6"]["item"]["question"], "q4");
+    assert_eq!(exported["r6"]["item"]["reference"], "q4");
+    assert_eq!(exported["r5"]["item"]["reference"], "no 3");
 
     // The key is in no output, no stored byte, and never sent.
     let mut stored = std::fs::read(env.store_path()).unwrap();
@@ -175,9 +215,15 @@ async fn a_sheet_is_read_answered_and_its_results_written_back_fifty_rows_a_writ
         ("the requests", &google.standin.seen_text()),
     ] {
         assert!(!text.contains(secret), "the private key is in {place}");
-        assert!(!text.contains("PRIVATE KEY"), "the private key is in {place}");
+        assert!(
+            !text.contains("PRIVATE KEY"),
+            "the private key is in {place}"
+        );
     }
-    assert!(stored.contains(KEY_VAR), "the stored config names the key's variable");
+    assert!(
+        stored.contains(KEY_VAR),
+        "the stored config names the key's variable"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -192,7 +238,11 @@ async fn rows_are_written_every_flush_interval_when_results_come_slowly() {
     .await;
     env.write(
         "run.yaml",
-        &sheet_config(&google, &external("m", &server, 1), &format!("{WRITE}\n    flush_interval: 500ms")),
+        &sheet_config(
+            &google,
+            &external("m", &server, 1),
+            &format!("{WRITE}\n    flush_interval: 500ms"),
+        ),
     );
     let ran = env.with_key(&google, &["run", "run.yaml", "-q"]).await;
     assert_eq!(ran.code, Some(0), "{}", ran.stderr);
@@ -212,7 +262,11 @@ async fn writes_go_on_through_429s_and_500s_and_nothing_is_written_twice() {
     let server = mock(MockSettings::default()).await;
     env.write(
         "run.yaml",
-        &sheet_config(&google, &external("m", &server, 8), &format!("{WRITE}\n    flush_rows: 10")),
+        &sheet_config(
+            &google,
+            &external("m", &server, 8),
+            &format!("{WRITE}\n    flush_rows: 10"),
+        ),
     );
     let ran = env.with_key(&google, &["run", "run.yaml", "-q"]).await;
     assert_eq!(ran.code, Some(0), "{}", ran.stderr);
@@ -231,16 +285,28 @@ async fn a_sheet_that_keeps_failing_stops_its_writes_not_the_run_and_sync_writes
     let server = mock(MockSettings::default()).await;
     env.write(
         "run.yaml",
-        &sheet_config(&google, &external("m", &server, 8), &format!("{WRITE}\n    retries: 2")),
+        &sheet_config(
+            &google,
+            &external("m", &server, 8),
+            &format!("{WRITE}\n    retries: 2"),
+        ),
     );
     let ran = env.with_key(&google, &["run", "run.yaml", "-q"]).await;
     assert_eq!(ran.code, Some(1), "{}", ran.stderr);
     assert!(ran.stderr.contains("500"), "{}", ran.stderr);
-    assert!(ran.stderr.contains(&format!("evalfleet sync {}", ran.run_id())), "{}", ran.stderr);
+    assert!(
+        ran.stderr
+            .contains(&format!("evalfleet sync {}", ran.run_id())),
+        "{}",
+        ran.stderr
+    );
     let run_id = ran.run_id();
     assert_eq!(env.counts(&run_id).done, 30, "every result is in the store");
     let tried = google.standin.writes().len();
-    assert_eq!(tried, 3, "one write, tried again twice, then no more: {tried}");
+    assert_eq!(
+        tried, 3,
+        "one write, tried again twice, then no more: {tried}"
+    );
     assert!(written(&google, "Items").is_empty());
 
     // Someone edits row 4 meanwhile: its results no longer belong there.
@@ -250,7 +316,13 @@ async fn a_sheet_that_keeps_failing_stops_its_writes_not_the_run_and_sync_writes
     google.standin.fail_always(None);
     let synced = env.with_key(&google, &["sync", &run_id]).await;
     assert_eq!(synced.code, Some(1), "{}{}", synced.stdout, synced.stderr);
-    assert!(synced.stdout.contains("29 written, 0 already in the sheet, 1 not written"), "{}", synced.stdout);
+    assert!(
+        synced
+            .stdout
+            .contains("29 written, 0 already in the sheet, 1 not written"),
+        "{}",
+        synced.stdout
+    );
     assert!(synced.stderr.contains("r4"), "{}", synced.stderr);
     let mut want = expected(30);
     want.remove(&4);
@@ -259,7 +331,11 @@ async fn a_sheet_that_keeps_failing_stops_its_writes_not_the_run_and_sync_writes
     // Again: nothing is missing, nothing is written.
     let calls = google.standin.writes().len();
     let again = env.with_key(&google, &["sync", &run_id]).await;
-    assert!(again.stdout.contains("0 written, 29 already in the sheet"), "{}", again.stdout);
+    assert!(
+        again.stdout.contains("0 written, 29 already in the sheet"),
+        "{}",
+        again.stdout
+    );
     assert_eq!(google.standin.writes().len(), calls);
 }
 
@@ -276,7 +352,11 @@ async fn a_run_killed_mid_way_resumes_writing_only_the_rows_the_sheet_lacks() {
     .await;
     env.write(
         "run.yaml",
-        &sheet_config(&google, &external("m", &server, 4), &format!("{WRITE}\n    flush_rows: 10")),
+        &sheet_config(
+            &google,
+            &external("m", &server, 4),
+            &format!("{WRITE}\n    flush_rows: 10"),
+        ),
     );
     let mut child = env
         .command(&["run", "run.yaml", "-q", "--run-id", "killed"])
@@ -296,7 +376,11 @@ async fn a_run_killed_mid_way_resumes_writing_only_the_rows_the_sheet_lacks() {
     let resumed = env.with_key(&google, &["resume", "killed"]).await;
     assert_eq!(resumed.code, Some(0), "{}", resumed.stderr);
     assert_eq!(written(&google, "Items"), expected(n));
-    assert!(twice(&google).is_empty(), "cells written twice: {:?}", twice(&google));
+    assert!(
+        twice(&google).is_empty(),
+        "cells written twice: {:?}",
+        twice(&google)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -308,8 +392,23 @@ async fn blocks_of_a_row_are_items_of_their_own_written_to_their_own_columns() {
         SHEET,
         "Items",
         vec![
-            vec![json!("text"), json!("c1"), json!("v1"), json!("c2"), json!("v2"), json!("c3"), json!("v3")],
-            vec![json!("t1"), json!("tone"), json!(""), json!("topic"), json!(""), json!("length")],
+            vec![
+                json!("text"),
+                json!("c1"),
+                json!("v1"),
+                json!("c2"),
+                json!("v2"),
+                json!("c3"),
+                json!("v3"),
+            ],
+            vec![
+                json!("t1"),
+                json!("tone"),
+                json!(""),
+                json!("topic"),
+                json!(""),
+                json!("length"),
+            ],
             vec![json!("t2"), json!("tone")],
         ],
     );
@@ -332,7 +431,12 @@ async fn blocks_of_a_row_are_items_of_their_own_written_to_their_own_columns() {
     assert_eq!(tab[1][4], "t1/topic");
     assert_eq!(tab[1][6], "t1/length");
     assert_eq!(tab[2][2], "t2/tone");
-    assert_eq!(tab[2].len(), 3, "row 3's empty blocks are no items: {:?}", tab[2]);
+    assert_eq!(
+        tab[2].len(),
+        3,
+        "row 3's empty blocks are no items: {:?}",
+        tab[2]
+    );
     assert_eq!(env.counts(&ran.run_id()).done, 4);
 }
 
@@ -342,10 +446,17 @@ async fn a_missing_or_foreign_key_is_refused_before_the_run_saying_why() {
     let google = google(&env).await;
     google.standin.put_tab(SHEET, "Items", items(3));
     let server = mock(MockSettings::default()).await;
-    env.write("run.yaml", &sheet_config(&google, &external("m", &server, 1), WRITE));
+    env.write(
+        "run.yaml",
+        &sheet_config(&google, &external("m", &server, 1), WRITE),
+    );
     let unset = env.evalfleet(&["run", "run.yaml", "-q"]).await;
     assert_eq!(unset.code, Some(2), "{}", unset.stderr);
-    assert!(unset.stderr.contains(&format!("{KEY_VAR}: is not set")), "{}", unset.stderr);
+    assert!(
+        unset.stderr.contains(&format!("{KEY_VAR}: is not set")),
+        "{}",
+        unset.stderr
+    );
 
     // A key the stand-in does not trust, sent to its token endpoint: the
     // token is refused.
@@ -359,7 +470,15 @@ async fn a_missing_or_foreign_key_is_refused_before_the_run_saying_why() {
     command.env(KEY_VAR, &foreign);
     let refused: crate::util::Ran = command.output().await.unwrap().into();
     assert_ne!(refused.code, Some(0), "{}", refused.stderr);
-    assert!(refused.stderr.contains("refused a token"), "{}", refused.stderr);
-    assert!(!refused.stderr.contains(stranger.pem.lines().nth(3).unwrap()));
+    assert!(
+        refused.stderr.contains("refused a token"),
+        "{}",
+        refused.stderr
+    );
+    assert!(
+        !refused
+            .stderr
+            .contains(stranger.pem.lines().nth(3).unwrap())
+    );
     assert!(google.standin.writes().is_empty());
 }

@@ -116,9 +116,14 @@ pub(crate) async fn read_limited(response: reqwest::Response) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// `'Tab'!A1:C9` (a tab's name quoted, its quotes doubled).
+/// A whole tab: its name quoted, its quotes doubled.
+pub fn tab(name: &str) -> String {
+    format!("'{}'", name.replace('\'', "''"))
+}
+
+/// `'Tab'!A1:C9`, `'Tab'!A2:C` (to the last row with values), `'Tab'!E5`.
 pub fn a1(tab: &str, from: (u32, u32), to: Option<(u32, Option<u32>)>) -> String {
-    let tab = format!("'{}'", tab.replace('\'', "''"));
+    let tab = self::tab(tab);
     let cell = |(col, row): (u32, u32)| format!("{}{row}", column_letters(col));
     match to {
         None => format!("{tab}!{}", cell(from)),

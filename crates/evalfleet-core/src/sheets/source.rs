@@ -10,7 +10,7 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use super::{SheetError, SheetsApi, a1, width};
+use super::{SheetError, SheetsApi, a1, tab, width};
 use crate::config::{DatasetConfig, SheetConfig, column_letters};
 use crate::dataset::Row;
 
@@ -59,14 +59,19 @@ pub async fn read(api: &SheetsApi, config: &SheetConfig) -> Result<SheetItems, S
     } else {
         config.first_row
     };
-    // Every column up to the furthest read or written; when the header
-    // names the fields, as far as the sheet has values.
-    let last_column = if config.columns.is_empty() {
-        18_277
-    } else {
-        width(config, &config.columns) - 1
-    };
-    let range = a1(&config.tab, (0, top), Some((last_column, config.last_row)));
+    if config.columns.is_empty() {
+        // The header names the fields: the whole tab, as wide as its
+        // values go (a range past the tab's columns would be refused).
+        let grid = api.get(&tab(&config.tab), false).await?;
+        let from = (top as usize - 1).min(grid.len());
+        return items_of(config, &grid[from..], top);
+    }
+    // Every column up to the furthest read or written.
+    let range = a1(
+        &config.tab,
+        (0, top),
+        Some((width(config, &config.columns) - 1, config.last_row)),
+    );
     let grid = api.get(&range, false).await?;
     items_of(config, &grid, top)
 }

@@ -9,6 +9,8 @@ use serde_json::Value;
 
 /// The scope that reading and writing spreadsheets needs.
 pub(crate) const SHEETS_SCOPE: &str = "https://www.googleapis.com/auth/spreadsheets";
+/// The scope that reading them needs.
+pub(crate) const SHEETS_READ_SCOPE: &str = "https://www.googleapis.com/auth/spreadsheets.readonly";
 
 /// How far in the future `iat` may be (clock skew), in seconds.
 const SKEW_S: i64 = 60;
@@ -77,7 +79,7 @@ pub(crate) fn check(
     trusted: &Trusted,
     now: i64,
     audience_ok: impl Fn(&str) -> bool,
-) -> Result<(), String> {
+) -> Result<bool, String> {
     let mut parts = assertion.split('.');
     let (Some(header), Some(claims), Some(sig), None) =
         (parts.next(), parts.next(), parts.next(), parts.next())
@@ -116,9 +118,11 @@ pub(crate) fn check(
         ));
     }
     let scope = claims_json.get("scope").and_then(Value::as_str);
-    if !scope.is_some_and(|s| s.split_whitespace().any(|s| s == SHEETS_SCOPE)) {
+    let has = |wanted: &str| scope.is_some_and(|s| s.split_whitespace().any(|s| s == wanted));
+    let writes = has(SHEETS_SCOPE);
+    if !writes && !has(SHEETS_READ_SCOPE) {
         return Err(format!(
-            "invalid_scope: scope {scope:?} does not include {SHEETS_SCOPE}"
+            "invalid_scope: scope {scope:?} includes neither {SHEETS_SCOPE} nor {SHEETS_READ_SCOPE}"
         ));
     }
     let time = |name: &str| {
@@ -134,7 +138,7 @@ pub(crate) fn check(
              timeframe. Check your iat and exp values in the JWT claim. (iat {iat}, exp {exp}, now {now})"
         ));
     }
-    Ok(())
+    Ok(writes)
 }
 
 fn decode_json(part: &str, what: &str) -> Result<Value, String> {

@@ -96,7 +96,8 @@ struct Inner {
 struct SheetsState {
     spreadsheets: HashMap<String, Vec<Tab>>,
     /// Access tokens issued, and when each expires.
-    tokens: HashMap<String, Instant>,
+    /// Access tokens: until when each lives, and whether it may write.
+    tokens: HashMap<String, (Instant, bool)>,
     tokens_issued: usize,
     token_refusals: Vec<String>,
     fail_next: VecDeque<u16>,
@@ -265,7 +266,7 @@ impl StandIn {
     /// would: the next call with one gets 401.
     pub fn expire_tokens(&self) {
         let now = Instant::now();
-        for expiry in self.state().tokens.values_mut() {
+        for (expiry, _) in self.state().tokens.values_mut() {
             *expiry = now;
         }
     }
@@ -328,9 +329,10 @@ impl StandIn {
         }
     }
 
-    /// `Ok` when the request carries a live access token; `Err` is the
-    /// 401 to answer.
-    fn authorise(&self, headers: &HeaderMap) -> Result<(), Unauthenticated> {
+    /// `Ok` when the request carries a live access token, of the
+    /// read-write scope when it `writes`; `Err` is the 401 (or 403) to
+    /// answer.
+    fn authorise(&self, headers: &HeaderMap, writes: bool) -> Result<(), Unauthenticated> {
         let token = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
@@ -343,7 +345,12 @@ impl StandIn {
                      access token, login cookie or other valid authentication credential."
             }
             Some(token) => match self.state().tokens.get(token) {
-                Some(&expiry) if expiry > Instant::now() => return Ok(()),
+                Some(&(expiry, may_write)) if expiry > Instant::now() => {
+                    if writes && !may_write {
+                        return Err(Unauthenticated::Scope);
+                    }
+                    return Ok(());
+                }
                 Some(_) => {
                     "Request had invalid authentication credentials. The access token has expired."
                 }
@@ -353,16 +360,29 @@ impl StandIn {
                 }
             },
         };
-        Err(Unauthenticated(refusal))
+        Err(Unauthenticated::Token(refusal))
     }
 }
 
-/// A request without a live access token, and why.
-struct Unauthenticated(&'static str);
+/// A request without a live access token, and why; or with a token that
+/// may only read, for a write.
+enum Unauthenticated {
+    Token(&'static str),
+    Scope,
+}
 
 impl IntoResponse for Unauthenticated {
     fn into_response(self) -> Response {
-        let mut response = google_error(StatusCode::UNAUTHORIZED, self.0);
+        let why = match self {
+            Self::Token(why) => why,
+            Self::Scope => {
+                return google_error(
+                    StatusCode::FORBIDDEN,
+                    "Request had insufficient authentication scopes.",
+                );
+            }
+        };
+        let mut response = google_error(StatusCode::UNAUTHORIZED, why);
         response.headers_mut().insert(
             header::WWW_AUTHENTICATE,
             header::HeaderValue::from_static("Bearer realm=\"https://accounts.google.com/\""),
@@ -494,9 +514,10 @@ async fn token(State(standin): State<StandIn>, request: Request) -> Response {
             .is_some_and(|h| h.eq_ignore_ascii_case(authority))
             || local.is_some_and(|l| l.to_string() == authority)
     };
-    if let Err(why) = jwt::check(assertion, &standin.inner.trusted, unix_now(), audience_ok) {
-        return refuse("invalid_grant", why);
-    }
+    let writes = match jwt::check(assertion, &standin.inner.trusted, unix_now(), audience_ok) {
+        Ok(writes) => writes,
+        Err(why) => return refuse("invalid_grant", why),
+    };
     let mut bytes = [0u8; 32];
     if ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes).is_err() {
         return google_error(
@@ -508,7 +529,7 @@ async fn token(State(standin): State<StandIn>, request: Request) -> Response {
     let mut state = standin.state();
     state.tokens.insert(
         access_token.clone(),
-        Instant::now() + Duration::from_secs(TOKEN_LIFE_S),
+        (Instant::now() + Duration::from_secs(TOKEN_LIFE_S), writes),
     );
     state.tokens_issued += 1;
     drop(state);
@@ -554,14 +575,14 @@ async fn values_api(State(standin): State<StandIn>, request: Request) -> Respons
     };
     match route(&parts.method, parts.uri.path()) {
         Some(Call::Get { id, range }) => {
-            if let Err(refusal) = standin.authorise(&parts.headers) {
+            if let Err(refusal) = standin.authorise(&parts.headers, false) {
                 return refusal.into_response();
             }
             get_values(&standin, &id, &range, parts.uri.query().unwrap_or(""))
         }
         Some(Call::BatchUpdate { id }) => {
             let at_ms = standin.since_start_ms();
-            let (response, record) = match standin.authorise(&parts.headers) {
+            let (response, record) = match standin.authorise(&parts.headers, true) {
                 Err(refusal) => (refusal.into_response(), values::summary(&body)),
                 Ok(()) => batch_update(&standin, &id, &body),
             };
