@@ -482,3 +482,20 @@ async fn a_missing_or_foreign_key_is_refused_before_the_run_saying_why() {
     );
     assert!(google.standin.writes().is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sheet_example_is_a_valid_config() {
+    let env = Env::new();
+    let example =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/sheets.yaml");
+    let checked = env
+        .evalfleet(&["run", example.to_str().unwrap(), "--dry-run"])
+        .await;
+    assert_eq!(
+        checked.code,
+        Some(0),
+        "{}{}",
+        checked.stdout,
+        checked.stderr
+    );
+}

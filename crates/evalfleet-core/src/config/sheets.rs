@@ -23,6 +23,7 @@ pub const DEFAULT_KEY_ENV: &str = "GOOGLE_APPLICATION_CREDENTIALS";
 /// is never stored, logged or shown. The rows read are kept in a file of
 /// their own (the run's dataset file); a resume reads the sheet again and
 /// refuses to go on when the rows read have changed. Without `dataset.path`.
+/// Default: none (the dataset is `dataset.path`).
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 pub struct RawSheet {
     /// The spreadsheet: its id, or its address as the browser shows it
