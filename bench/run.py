@@ -21,6 +21,7 @@
     python3 bench/run.py w1pg [--items 100000] [--rounds 3]     # W1 into PostgreSQL (127.0.0.1:5432) and SQLite
     python3 bench/run.py p1 [--copies 8] [--workers 1,2,3] [--variants free,pinned] [--rounds 3]   # root: netns
     python3 bench/run.py p1latency [--items 10000] [--workers 1,2,4] [--limits 16,64] [--rounds 3]
+    python3 bench/run.py d2 [--items 10000] [--rounds 3] [--concurrency 64]   # the Sheets sink, against the stand-in (needs openssl)
     python3 bench/run.py r1 [--items 48] [--np 1,4] [--sweep 1,2,4,8] [--max-tokens 128] [--rounds 1] [--python VENV/bin/python]
 
 W1, W5, W6 and J1 take --baseline BIN: another evalfleet binary (an earlier
@@ -2897,6 +2898,134 @@ def p1latency(args, work):
         )
 
 
+STANDIN = os.path.join(os.path.dirname(BIN), "examples", "sheets_standin")
+
+
+def build_standin():
+    subprocess.run(
+        ["cargo", "build", "--release", "-p", "evalfleet-mock", "--features", "cli", "--example", "sheets_standin"],
+        cwd=ROOT,
+        check=True,
+    )
+
+
+class SheetsStandIn:
+    """The Sheets API stand-in (evalfleet-mock's example) on the server
+    core, trusting `key`, its tab `Items` loaded from `csv_path`."""
+
+    def __init__(self, key, csv_path):
+        self.proc = subprocess.Popen(
+            ["taskset", "-c", SERVER_CORE, STANDIN, "--key", key, "--csv", csv_path, "--spreadsheet", "D2bench", "--tab", "Items"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        line = self.proc.stdout.readline().strip()
+        if not line.startswith("listening on http://"):
+            raise SystemExit("the Sheets stand-in did not start")
+        self.url = line.split()[-1]
+
+    def stats(self):
+        with urllib.request.urlopen(self.url + "/_standin/stats") as r:
+            return json.load(r)
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def d2(args, work):
+    """D2: the Sheets sink at --items rows. Each round runs the same sheet
+    dataset twice against the same mock, with `write:` (results written back
+    through the stand-in) and without (the reference), taking turns at going
+    first; each on a fresh stand-in. Reports writes per row, rows a write,
+    cells written twice, and the time the sink adds."""
+    if not args.no_build:
+        build_standin()
+    pem = os.path.join(work, "key.pem")
+    subprocess.run(["openssl", "genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", pem], check=True, capture_output=True)
+    with open(pem) as f:
+        private_key = f.read()
+    rows = os.path.join(work, "items.csv")
+    with open(rows, "w") as f:
+        f.write("question,reference,answer,score\n")
+        for i in range(args.items):
+            f.write(f"What is {i} plus {i + 1}? Answer briefly.,What is {i} plus {i + 1}? Answer briefly.\n")
+    mock = Mock()
+    rounds = []
+    try:
+        for i in range(args.rounds):
+            round_ = {}
+            arms = ["sink", "reference"] if i % 2 == 0 else ["reference", "sink"]
+            for arm in arms:
+                standin = fresh_standin(work, private_key, rows)
+                config = os.path.join(work, f"d2-{arm}.yaml")
+                write = "    write: { C: answer, D: score.exact_match }\n" if arm == "sink" else ""
+                with open(config, "w") as f:
+                    f.write(
+                        f"name: d2\n"
+                        f"dataset:\n  sheet:\n    spreadsheet: D2bench\n    tab: Items\n    key_env: D2_KEY\n    api_url: {standin.url}\n{write}"
+                        f"endpoints:\n  - {{ name: mock, kind: external, base_url: \"{mock.url}\", model: m, concurrency: {args.concurrency} }}\n"
+                        f"task:\n  messages: [ {{ role: user, content: \"{{{{ question }}}}\" }} ]\n  params: {{ max_tokens: 64 }}\n"
+                        f"  metrics: [ {{ name: exact_match, reference: \"{{{{ reference }}}}\" }} ]\n"
+                    )
+                os.environ["D2_KEY"] = os.path.join(work, "key.json")
+                run = evalfleet(["run", config, "--store", os.path.join(work, f"d2-{arm}-{i}.db"), "-q"], work)
+                stats = standin.stats()
+                standin.stop()
+                assert run["code"] == 0 and run["done"] == args.items, run
+                writes = [w for w in stats["writes"] if w["status"] == 200]
+                round_[arm] = {
+                    "wall": run["wall"],
+                    "rss_mb": run["rss_mb"],
+                    "writes": len(writes),
+                    "rows_written": sum(w["rows"] for w in writes),
+                    "cells_written_twice": stats["cells_written_twice"],
+                }
+            sink = round_["sink"]
+            assert sink["rows_written"] == args.items, sink
+            round_["added_s"] = sink["wall"] - round_["reference"]["wall"]
+            round_["writes_per_row"] = sink["writes"] / args.items
+            rounds.append(round_)
+            print(json.dumps(round_), file=sys.stderr)
+    finally:
+        mock.stop()
+    med = lambda f: statistics.median(f(r) for r in rounds)
+    result = {
+        "workload": "D2",
+        "items": args.items,
+        "concurrency": args.concurrency,
+        "reference_wall_s_median": med(lambda r: r["reference"]["wall"]),
+        "sink_wall_s_median": med(lambda r: r["sink"]["wall"]),
+        "added_s_median": med(lambda r: r["added_s"]),
+        "writes_median": med(lambda r: r["sink"]["writes"]),
+        "writes_per_row_median": med(lambda r: r["writes_per_row"]),
+        "cells_written_twice_max": max(r["sink"]["cells_written_twice"] for r in rounds),
+        "sink_rss_mb_median": med(lambda r: r["sink"]["rss_mb"]),
+        "reference_rss_mb_median": med(lambda r: r["reference"]["rss_mb"]),
+        "rounds": rounds,
+    }
+    print(json.dumps(result, indent=2))
+    print(
+        f"\n| D2 | {args.items} rows, concurrency {args.concurrency} | {result['reference_wall_s_median']:.2f} s without writing "
+        f"| {result['sink_wall_s_median']:.2f} s (+{result['added_s_median']:.2f} s) | {result['writes_median']:.0f} writes, "
+        f"1/{1 / result['writes_per_row_median']:.0f} of a call a row | {result['cells_written_twice_max']} cells twice |"
+    )
+
+
+def fresh_standin(work, private_key, rows):
+    """A fresh stand-in, and the key file pointing at its token endpoint."""
+    key_json = os.path.join(work, "key.json")
+    # The stand-in reads the key to trust it; its address is known only once
+    # it listens, so the token_uri is written after.
+    with open(key_json, "w") as f:
+        json.dump({"type": "service_account", "client_email": "bench@d2.iam.gserviceaccount.com", "private_key_id": "d2", "private_key": private_key, "token_uri": "http://127.0.0.1:1/token"}, f)
+    standin = SheetsStandIn(key_json, rows)
+    with open(key_json, "w") as f:
+        json.dump({"type": "service_account", "client_email": "bench@d2.iam.gserviceaccount.com", "private_key_id": "d2", "private_key": private_key, "token_uri": standin.url + "/token"}, f)
+    return standin
+
+
 WORKLOADS = {
     "w1": (w1, 100_000),
     "w2": (w2, None),
@@ -2919,6 +3048,7 @@ WORKLOADS = {
     "w1pg": (w1pg, 100_000),
     "p1": (p1, None),
     "p1latency": (p1latency, 10_000),
+    "d2": (d2, 10_000),
 }
 
 

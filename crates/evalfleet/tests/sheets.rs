@@ -107,7 +107,9 @@ const WRITE: &str = "    write: { C: answer, D: score.exact_match }";
 impl Env {
     async fn with_key(&self, google: &Google, args: &[&str]) -> crate::util::Ran {
         let mut command = self.command(args);
-        command.env(KEY_VAR, &google.key_file);
+        command
+            .env(KEY_VAR, &google.key_file)
+            .env("XDG_CACHE_HOME", self.path("cache"));
         command.output().await.expect("evalfleet runs").into()
     }
 }
@@ -191,6 +193,19 @@ async fn a_sheet_is_read_answered_and_its_results_written_back_fifty_rows_a_writ
         "results are written as they come, not only at the end: {rows:?}"
     );
     assert!(rows[..rows.len() - 1].iter().all(|r| *r >= 50), "{rows:?}");
+    // No two writes closer than min_write_interval (1 s by default).
+    let at: Vec<u64> = writes.iter().map(|w| w.at_ms).collect();
+    assert!(at.windows(2).all(|w| w[1] - w[0] >= 990), "{at:?}");
+    // The rows read are kept where only their owner reads them.
+    let snapshots = env.path("cache/evalfleet/sheets");
+    let mode = |p: &std::path::Path| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(p).unwrap().permissions().mode() & 0o777
+    };
+    assert_eq!(mode(&snapshots), 0o700);
+    for file in std::fs::read_dir(&snapshots).unwrap() {
+        assert_eq!(mode(&file.unwrap().path()), 0o600);
+    }
 
     // The items are the sheet's rows, by place; the export says so.
     let exported = by_id(&env.export(&ran.run_id()).await);
@@ -343,24 +358,27 @@ async fn a_sheet_that_keeps_failing_stops_its_writes_not_the_run_and_sync_writes
 async fn a_run_killed_mid_way_resumes_writing_only_the_rows_the_sheet_lacks() {
     let env = Env::new();
     let google = google(&env).await;
-    let n = 300;
+    let n = 120;
     google.standin.put_tab(SHEET, "Items", items(n));
+    // Results are committed (and so written) as they come: killed after
+    // the third write, long before the end (120 answers, 2 at a time,
+    // 100 ms each).
     let server = mock(MockSettings {
-        latency: Duration::from_millis(20),
+        latency: Duration::from_millis(100),
         ..MockSettings::default()
     })
     .await;
-    env.write(
-        "run.yaml",
-        &sheet_config(
-            &google,
-            &external("m", &server, 4),
-            &format!("{WRITE}\n    flush_rows: 10"),
-        ),
+    let mut config = sheet_config(
+        &google,
+        &external("m", &server, 2),
+        &format!("{WRITE}\n    flush_rows: 10\n    min_write_interval: 100ms"),
     );
+    config.push_str("writer: { batch_size: 8, flush_interval: 50ms }\n");
+    env.write("run.yaml", &config);
     let mut child = env
         .command(&["run", "run.yaml", "-q", "--run-id", "killed"])
         .env(KEY_VAR, &google.key_file)
+        .env("XDG_CACHE_HOME", env.path("cache"))
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -372,7 +390,17 @@ async fn a_run_killed_mid_way_resumes_writing_only_the_rows_the_sheet_lacks() {
     .await;
     child.kill().await.unwrap();
     let at_kill = written(&google, "Items");
-    assert!(at_kill.len() < n, "killed too late to test anything");
+    assert!(
+        at_kill.len() < n,
+        "killed too late to test anything: {} rows written, writes {:?}",
+        at_kill.len(),
+        google
+            .standin
+            .writes()
+            .iter()
+            .map(|w| (w.at_ms, w.rows))
+            .collect::<Vec<_>>()
+    );
     let resumed = env.with_key(&google, &["resume", "killed"]).await;
     assert_eq!(resumed.code, Some(0), "{}", resumed.stderr);
     assert_eq!(written(&google, "Items"), expected(n));
@@ -385,12 +413,13 @@ async fn a_run_killed_mid_way_resumes_writing_only_the_rows_the_sheet_lacks() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocks_of_a_row_are_items_of_their_own_written_to_their_own_columns() {
+    const TAB: &str = "Reviewer's items";
     let env = Env::new();
     let google = google(&env).await;
     // A text, then three blocks of (category, verdict).
     google.standin.put_tab(
         SHEET,
-        "Items",
+        TAB,
         vec![
             vec![
                 json!("text"),
@@ -417,7 +446,7 @@ async fn blocks_of_a_row_are_items_of_their_own_written_to_their_own_columns() {
         "run.yaml",
         &format!(
             "name: blocks\n\
-             dataset:\n  sheet:\n    spreadsheet: {SHEET}\n    tab: Items\n    key_env: {KEY_VAR}\n    api_url: {}\n    columns: {{ text: A, category: B }}\n    blocks: {{ count: 3, stride: 2, fields: [category] }}\n    write: {{ C: answer }}\n\
+             dataset:\n  sheet:\n    spreadsheet: {SHEET}\n    tab: \"{TAB}\"\n    key_env: {KEY_VAR}\n    api_url: {}\n    columns: {{ text: A, category: B }}\n    blocks: {{ count: 3, stride: 2, fields: [category] }}\n    write: {{ C: answer }}\n\
              endpoints:\n{}\n\
              task:\n  messages:\n    - {{ role: user, content: \"{{{{ text }}}}/{{{{ category }}}}\" }}\n",
             google.url,
@@ -426,7 +455,7 @@ async fn blocks_of_a_row_are_items_of_their_own_written_to_their_own_columns() {
     );
     let ran = env.with_key(&google, &["run", "run.yaml", "-q"]).await;
     assert_eq!(ran.code, Some(0), "{}", ran.stderr);
-    let tab = google.standin.tab(SHEET, "Items");
+    let tab = google.standin.tab(SHEET, TAB);
     assert_eq!(tab[1][2], "t1/tone");
     assert_eq!(tab[1][4], "t1/topic");
     assert_eq!(tab[1][6], "t1/length");
@@ -498,4 +527,120 @@ async fn the_sheet_example_is_a_valid_config() {
         checked.stdout,
         checked.stderr
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_the_api_refuses_is_halved_down_to_the_row_it_refuses() {
+    let env = Env::new();
+    let google = google(&env).await;
+    google.standin.put_tab(SHEET, "Items", items(4));
+    // The batch of 4, then its first half, then that half's first row.
+    google.standin.fail_next(&[400, 400, 400]);
+    let server = mock(MockSettings::default()).await;
+    env.write(
+        "run.yaml",
+        &sheet_config(
+            &google,
+            &external("m", &server, 4),
+            &format!(
+                "{WRITE}\n    flush_rows: 4\n    flush_interval: 1h\n    min_write_interval: 0s"
+            ),
+        ),
+    );
+    let ran = env.with_key(&google, &["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
+    assert!(
+        ran.stderr.contains("refused 1 rows' cells"),
+        "{}",
+        ran.stderr
+    );
+    assert!(ran.stderr.contains("'Items'!C2:D2"), "{}", ran.stderr);
+    let rows: Vec<(u16, usize)> = google
+        .standin
+        .writes()
+        .iter()
+        .map(|w| (w.status, w.rows))
+        .collect();
+    assert_eq!(rows, [(400, 4), (400, 2), (400, 1), (200, 1), (200, 2)]);
+    let mut want = expected(4);
+    want.remove(&2);
+    assert_eq!(written(&google, "Items"), want);
+    // The row was left out, not lost: sync writes it.
+    let synced = env.with_key(&google, &["sync", &ran.run_id()]).await;
+    assert_eq!(synced.code, Some(0), "{}{}", synced.stdout, synced.stderr);
+    assert!(
+        synced.stdout.contains("1 written, 3 already in the sheet"),
+        "{}",
+        synced.stdout
+    );
+    assert_eq!(written(&google, "Items"), expected(4));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sheet_edited_before_a_resume_is_refused_naming_the_sheet() {
+    let env = Env::new();
+    let google = google(&env).await;
+    google.standin.put_tab(SHEET, "Items", items(6));
+    let server = mock(MockSettings::default()).await;
+    env.write(
+        "run.yaml",
+        &sheet_config(&google, &external("m", &server, 2), WRITE),
+    );
+    let ran = env.with_key(&google, &["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    // A row inserted at the top: every item moves down one row.
+    let mut tab = google.standin.tab(SHEET, "Items");
+    tab.insert(1, vec![json!("new"), json!("new")]);
+    google.standin.put_tab(SHEET, "Items", tab);
+    let resumed = env
+        .with_key(&google, &["resume", &ran.run_id(), "--retry-failed"])
+        .await;
+    assert_eq!(resumed.code, Some(2), "{}", resumed.stderr);
+    assert!(
+        resumed
+            .stderr
+            .contains("the rows read from the sheet are not those run"),
+        "{}",
+        resumed.stderr
+    );
+    // sync writes nowhere: every item's row now holds another item.
+    let synced = env.with_key(&google, &["sync", &ran.run_id()]).await;
+    assert_eq!(synced.code, Some(1));
+    assert!(synced.stdout.contains("0 written"), "{}", synced.stdout);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_given_as_json_in_the_variable_works_and_is_never_shown() {
+    let env = Env::new();
+    let google = google(&env).await;
+    google.standin.put_tab(SHEET, "Items", items(3));
+    let server = mock(MockSettings::default()).await;
+    env.write(
+        "run.yaml",
+        &sheet_config(&google, &external("m", &server, 1), WRITE),
+    );
+    let key = std::fs::read_to_string(&google.key_file).unwrap();
+    let mut command = env.command(&["run", "run.yaml", "-q"]);
+    command
+        .env(KEY_VAR, &key)
+        .env("XDG_CACHE_HOME", env.path("cache"));
+    let ran: crate::util::Ran = command.output().await.unwrap().into();
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert_eq!(written(&google, "Items"), expected(3));
+
+    // JSON that is not a key: the message says what is wrong, not what it holds.
+    let broken = key.replace("service_account", "authorized_user");
+    let mut command = env.command(&["run", "run.yaml", "-q"]);
+    command
+        .env(KEY_VAR, &broken)
+        .env("XDG_CACHE_HOME", env.path("cache"));
+    let refused: crate::util::Ran = command.output().await.unwrap().into();
+    assert_eq!(refused.code, Some(2), "{}", refused.stderr);
+    assert!(
+        refused.stderr.contains("holds JSON, not a usable key"),
+        "{}",
+        refused.stderr
+    );
+    assert!(!refused.stderr.contains(google.pem.lines().nth(3).unwrap()));
+    assert!(!refused.stderr.contains("PRIVATE KEY"));
 }

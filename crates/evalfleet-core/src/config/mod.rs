@@ -55,7 +55,7 @@ pub use images::{ImageFormat, ImageSettings, Part, PdfPages};
 pub use prompts::{DEFAULT_PROMPT, PromptRule, glob_matches};
 pub use sheets::{
     Blocks, DEFAULT_KEY_ENV, ID_FIELD as SHEET_ID_FIELD, SHEETS_API, SheetConfig, WriteValue,
-    column_index, column_letters,
+    column_index, column_letters, snapshot_dir,
 };
 pub use telemetry::{GpuSelection, TelemetryLimits, TelemetrySettings};
 pub use yaml::{Document, YamlError, parse as parse_yaml};

@@ -65,6 +65,11 @@ pub struct RawSheet {
     /// `2s`.
     #[schemars(with = "Option<super::schema::Duration>")]
     pub flush_interval: Option<String>,
+    /// Writes are at least this far apart; rows that come meanwhile join the
+    /// next write (Google allows an account 60 writes a minute). Default
+    /// `1s`.
+    #[schemars(with = "Option<super::schema::Duration>")]
+    pub min_write_interval: Option<String>,
     /// A write that fails (429, 5xx, no answer) is tried again this many
     /// times, 0 to 10, with exponential backoff and jitter, the rows kept
     /// meanwhile; then writing stops, saying so (the results stay in the
@@ -159,6 +164,7 @@ pub struct SheetConfig {
     pub api_url: String,
     pub flush_rows: usize,
     pub flush_interval: Duration,
+    pub min_write_interval: Duration,
     pub retries: u32,
     pub retry_backoff: Duration,
 }
@@ -167,12 +173,30 @@ pub struct SheetConfig {
 /// `r5b2` for its second block.
 pub const ID_FIELD: &str = "_id";
 
-/// Where the rows read from `sheet` are kept: a file in the temporary
-/// folder named after what is read (the spreadsheet, the tab, the rows and
-/// the columns), so that a resume reads the sheet into the same file.
+/// The folder that keeps the rows read from sheets: the user's cache
+/// (`$XDG_CACHE_HOME/evalfleet/sheets`, else `~/.cache/evalfleet/sheets`),
+/// made readable by its owner only when it is made (rows of a sheet may be
+/// private).
+pub fn snapshot_dir() -> std::path::PathBuf {
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .filter(|v| !v.is_empty())
+        .map(std::path::PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME")
+                .filter(|v| !v.is_empty())
+                .map(|home| std::path::PathBuf::from(home).join(".cache"))
+        })
+        .unwrap_or_else(std::env::temp_dir);
+    cache.join("evalfleet").join("sheets")
+}
+
+/// Where the rows read from `sheet` are kept until they are read (the
+/// reader names the file after its content: see
+/// `sheets::source::read_dataset`); named after what is read.
 pub fn snapshot_path(sheet: &SheetConfig) -> std::path::PathBuf {
     use sha2::{Digest, Sha256};
     let what = serde_json::json!([
+        sheet.api_url,
         sheet.spreadsheet_id,
         sheet.tab,
         sheet.header_row,
@@ -186,7 +210,7 @@ pub fn snapshot_path(sheet: &SheetConfig) -> std::path::PathBuf {
         sheet.write.iter().map(|(c, _)| c).collect::<Vec<_>>(),
     ]);
     let digest = hex::encode(Sha256::digest(what.to_string().as_bytes()));
-    std::env::temp_dir().join(format!("evalfleet-sheet-{}.jsonl", &digest[..16]))
+    snapshot_dir().join(format!("unread-{}.jsonl", &digest[..16]))
 }
 
 /// Column letters (`A`, `Z`, `AA`, ...) to a column from 0.
@@ -225,11 +249,13 @@ const MAX_COLUMN: u32 = 18_277;
 /// The id in a spreadsheet's address, or the text itself when it is an id.
 fn spreadsheet_id(text: &str) -> Option<String> {
     let text = text.trim();
-    let id = match text.find("/spreadsheets/d/") {
-        Some(at) => text[at + "/spreadsheets/d/".len()..]
-            .split(['/', '?', '#'])
-            .next()
-            .unwrap_or(""),
+    // `/spreadsheets/d/ID/...`, also under an account (`/spreadsheets/u/0/d/ID`).
+    let id = match text.find("/spreadsheets/") {
+        Some(at) => {
+            let rest = &text[at + "/spreadsheets/".len()..];
+            let after_d = rest.find("d/").map_or("", |d| &rest[d + 2..]);
+            after_d.split(['/', '?', '#']).next().unwrap_or("")
+        }
         None => text,
     };
     let ok = !id.is_empty()
@@ -309,15 +335,7 @@ pub(super) fn sheet(raw: RawSheet, p: &mut Problems<'_>) -> Option<SheetConfig> 
             continue;
         };
         match WriteValue::parse(what.trim()) {
-            Ok(value) => {
-                if let Some((name, _)) = columns.iter().find(|(_, col)| *col == c) {
-                    p.push::<()>(
-                        &at(&key),
-                        format!("column {letters} is the field '{name}' read from the sheet; results go to columns of their own"),
-                    );
-                }
-                write.push((c, value));
-            }
+            Ok(value) => write.push((c, value)),
             Err(message) => {
                 p.push::<()>(&at(&key), message);
             }
@@ -328,18 +346,8 @@ pub(super) fn sheet(raw: RawSheet, p: &mut Problems<'_>) -> Option<SheetConfig> 
         None => Some(None),
         Some(b) => blocks(b, &columns, p).map(Some),
     };
-    if let Some(Some(b)) = &blocks {
-        let furthest = columns
-            .iter()
-            .map(|(_, c)| *c)
-            .chain(write.iter().map(|(c, _)| *c))
-            .max()
-            .unwrap_or(0);
-        if u64::from(furthest) + u64::from(b.count - 1) * u64::from(b.stride)
-            > u64::from(MAX_COLUMN)
-        {
-            p.push::<()>(&at("blocks"), "the last block lies past column ZZZ");
-        }
+    if let Some(b) = blocks.as_ref() {
+        overlaps(&columns, b.as_ref(), &write, p);
     }
     let key_env = match raw.key_env {
         Some(name) if !super::is_variable_name(&name) => p.push(
@@ -363,6 +371,10 @@ pub(super) fn sheet(raw: RawSheet, p: &mut Problems<'_>) -> Option<SheetConfig> 
         other => Some(other.unwrap_or(50)),
     };
     let flush_interval = p.duration(&at("flush_interval"), raw.flush_interval.as_deref(), "2s");
+    let min_write_interval = match raw.min_write_interval.as_deref() {
+        Some("0" | "0s" | "0ms") => Some(Duration::ZERO),
+        other => p.duration(&at("min_write_interval"), other, "1s"),
+    };
     let retries = match raw.retries {
         Some(n) if n > 10 => p.push(&at("retries"), format!("must be 0 to 10, got {n}")),
         other => Some(other.unwrap_or(5)),
@@ -384,9 +396,61 @@ pub(super) fn sheet(raw: RawSheet, p: &mut Problems<'_>) -> Option<SheetConfig> 
         api_url: api_url?,
         flush_rows: flush_rows?,
         flush_interval: flush_interval?,
+        min_write_interval: min_write_interval?,
         retries: retries?,
         retry_backoff: retry_backoff?,
     })
+}
+
+/// Refuses a layout in which two things of different blocks (a field read,
+/// a value written) share a column, or one lies past column ZZZ: each
+/// column is named with the blocks that meet there.
+fn overlaps(
+    columns: &[(String, u32)],
+    blocks: Option<&Blocks>,
+    write: &[(u32, WriteValue)],
+    p: &mut Problems<'_>,
+) {
+    let (count, stride) = blocks.map_or((1, 0), |b| (b.count, b.stride));
+    let moves = |name: &str| blocks.is_some_and(|b| b.fields.iter().any(|f| f == name));
+    let mut taken: BTreeMap<u64, String> = BTreeMap::new();
+    let mut place = |column: u64, what: String, p: &mut Problems<'_>| {
+        if column > u64::from(MAX_COLUMN) {
+            p.push::<()>(
+                "dataset.sheet.blocks",
+                format!("{what} lies past column ZZZ"),
+            );
+        } else if let Some(first) = taken.get(&column) {
+            let letters = column_letters(u32::try_from(column).unwrap_or(MAX_COLUMN));
+            p.push::<()>(
+                "dataset.sheet",
+                format!("column {letters} is both {first} and {what}; move the columns or change blocks.stride"),
+            );
+        } else {
+            taken.insert(column, what);
+        }
+    };
+    for (name, column) in columns {
+        if moves(name) {
+            for block in 0..count {
+                let at = u64::from(*column) + u64::from(block) * u64::from(stride);
+                place(at, format!("field '{name}' of block {}", block + 1), p);
+            }
+        } else {
+            place(u64::from(*column), format!("field '{name}'"), p);
+        }
+    }
+    for (column, _) in write {
+        for block in 0..count {
+            let at = u64::from(*column) + u64::from(block) * u64::from(stride);
+            let what = if blocks.is_some() {
+                format!("write.{} of block {}", column_letters(*column), block + 1)
+            } else {
+                format!("write.{}", column_letters(*column))
+            };
+            place(at, what, p);
+        }
+    }
 }
 
 fn blocks(raw: RawBlocks, columns: &[(String, u32)], p: &mut Problems<'_>) -> Option<Blocks> {
@@ -463,6 +527,8 @@ mod tests {
         let id = "1BxiMVs0XRA5nFMdKvBdBZjgmUUqptlbs74OgvE2upms";
         assert_eq!(spreadsheet_id(id).as_deref(), Some(id));
         let url = format!("https://docs.google.com/spreadsheets/d/{id}/edit#gid=0");
+        assert_eq!(spreadsheet_id(&url).as_deref(), Some(id));
+        let url = format!("https://docs.google.com/spreadsheets/u/0/d/{id}/edit");
         assert_eq!(spreadsheet_id(&url).as_deref(), Some(id));
         assert_eq!(spreadsheet_id("a b"), None);
         assert_eq!(

@@ -1166,9 +1166,21 @@ fn a_sheet_dataset_validates_and_names_its_problems() {
     assert_eq!(sheet.flush_rows, 50);
     assert_eq!(sheet.flush_interval, Duration::from_secs(2));
     assert_eq!(sheet.retries, 5);
+    assert_eq!(sheet.min_write_interval, Duration::from_secs(1));
     assert_eq!(dataset.format, DatasetFormat::Jsonl);
     assert_eq!(dataset.id_field.as_deref(), Some(SHEET_ID_FIELD));
-    assert!(dataset.path.starts_with(std::env::temp_dir()));
+    assert!(dataset.path.starts_with(snapshot_dir()));
+
+    // Blocks whose columns run into each other's, or into a field's.
+    let overlapping = good.replace("stride: 2", "stride: 1");
+    let err = error_of(dir.path(), &overlapping);
+    assert_all(
+        &err,
+        &[
+            "column D is both field 'category' of block 2 and write.D of block 1",
+            "column E is both field 'category' of block 3 and write.D of block 2",
+        ],
+    );
 
     let bad = GOOD.replace(
         "  path: items.jsonl\n",
@@ -1194,7 +1206,7 @@ fn a_sheet_dataset_validates_and_names_its_problems() {
     );
     let err = error_of(dir.path(), &clash);
     assert!(
-        err.contains("dataset.sheet.write.B: column B is the field 'text' read from the sheet"),
+        err.contains("dataset.sheet: column B is both field 'text' and write.B"),
         "{err}"
     );
 }

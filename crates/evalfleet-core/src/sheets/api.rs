@@ -15,7 +15,9 @@ use super::auth::{SCOPE_READ, SCOPE_WRITE, ServiceKey, Tokens};
 use crate::config::SheetConfig;
 
 /// How long one call may take.
-const CALL_TIMEOUT: Duration = Duration::from_secs(60);
+const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// The longest `Retry-After` heeded.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
 
 /// One range written, as the API takes it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -209,8 +211,17 @@ impl SheetsApi {
             .get("retry-after")
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.trim().parse::<u64>().ok())
-            .map(Duration::from_secs);
-        let body = super::read_limited(response).await;
+            .map(|s| Duration::from_secs(s).min(MAX_RETRY_AFTER));
+        let body = super::read_limited(response)
+            .await
+            .map_err(|error| Failed {
+                error: SheetError::Api {
+                    what: what.to_owned(),
+                    status,
+                    message: error,
+                },
+                retry: Retry::Never,
+            })?;
         if (200..300).contains(&status) {
             return Ok(body);
         }

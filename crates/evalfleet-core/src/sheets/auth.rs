@@ -55,13 +55,15 @@ impl std::fmt::Debug for ServiceKey {
 }
 
 impl ServiceKey {
-    /// The key in the file that the variable `var` names.
+    /// The key in the file that the variable `var` names, or in the
+    /// variable itself when it holds the file's JSON (as CI secrets often
+    /// do). Messages never show the variable's value when it is JSON.
     pub fn from_env(var: &str) -> Result<Self, SheetError> {
         let bad = |message: String| SheetError::Key {
             var: var.to_owned(),
             message,
         };
-        let path = std::env::var_os(var)
+        let value = std::env::var_os(var)
             .filter(|p| !p.is_empty())
             .ok_or_else(|| {
                 bad(
@@ -69,7 +71,12 @@ impl ServiceKey {
                         .to_owned(),
                 )
             })?;
-        let path = std::path::PathBuf::from(path);
+        let value = value.to_string_lossy();
+        if value.trim_start().starts_with('{') {
+            return Self::from_json(&value)
+                .map_err(|message| bad(format!("holds JSON, not a usable key: {message}")));
+        }
+        let path = std::path::PathBuf::from(value.as_ref());
         let text = std::fs::read_to_string(&path)
             .map_err(|err| bad(format!("cannot read {}: {err}", path.display())))?;
         Self::from_json(&text).map_err(|message| bad(format!("{}: {message}", path.display())))
@@ -236,7 +243,7 @@ impl Tokens {
                 retry: true,
             })?;
         let status = response.status();
-        let text = super::read_limited(response).await;
+        let text = super::read_limited(response).await.unwrap_or_default();
         let answer: Option<TokenAnswer> = serde_json::from_str(&text).ok();
         match answer {
             Some(TokenAnswer {
@@ -255,10 +262,17 @@ impl Tokens {
                         (None, d) => d,
                     })
                     .unwrap_or_else(|| format!("HTTP {status}"));
-                Err(SheetError::Token(format!(
-                    "{uri} refused a token to {} ({why})",
-                    self.key.client_email
-                )))
+                let message = format!("{uri} refused a token to {} ({why})", self.key.client_email);
+                if status.as_u16() == 429 || status.is_server_error() {
+                    // Busy or down for a moment: tried again.
+                    Err(SheetError::Transport {
+                        what: "the token request".to_owned(),
+                        message,
+                        retry: true,
+                    })
+                } else {
+                    Err(SheetError::Token(message))
+                }
             }
         }
     }

@@ -100,20 +100,29 @@ pub(crate) fn transport_message(err: &reqwest::Error) -> String {
     }
 }
 
-/// The body of an answer, up to 64 MB (a range's values are read whole: a
-/// tab of 10,000 rows of text is a few MB; past the limit the body is cut,
-/// and so not JSON).
-pub(crate) async fn read_limited(response: reqwest::Response) -> String {
+/// The body of an answer, up to 64 MB (a range's values are read whole:
+/// a tab of 10,000 rows of text is a few MB); a larger one is an error
+/// that says so.
+pub(crate) async fn read_limited(response: reqwest::Response) -> Result<String, String> {
     const LIMIT: usize = 64 * 1024 * 1024;
     let mut response = response;
     let mut out = Vec::new();
-    while let Ok(Some(chunk)) = response.chunk().await {
-        if out.len() + chunk.len() > LIMIT {
-            break;
+    loop {
+        match response.chunk().await {
+            Ok(Some(chunk)) => {
+                if out.len() + chunk.len() > LIMIT {
+                    return Err(
+                        "the answer is larger than 64 MB; read fewer rows at once (dataset.sheet.last_row)"
+                            .to_owned(),
+                    );
+                }
+                out.extend_from_slice(&chunk);
+            }
+            Ok(None) => break,
+            Err(err) => return Err(format!("the answer was cut ({})", transport_message(&err))),
         }
-        out.extend_from_slice(&chunk);
     }
-    String::from_utf8_lossy(&out).into_owned()
+    Ok(String::from_utf8_lossy(&out).into_owned())
 }
 
 /// A whole tab: its name quoted, its quotes doubled.
@@ -132,18 +141,17 @@ pub fn a1(tab: &str, from: (u32, u32), to: Option<(u32, Option<u32>)>) -> String
     }
 }
 
-/// The first column past every column `config` reads or writes, over all
-/// its blocks.
-fn width(config: &SheetConfig, fields: &[(String, u32)]) -> u32 {
+/// The first column past every column `config` writes, over all its
+/// blocks.
+fn written_width(config: &SheetConfig) -> u32 {
     let extra = config
         .blocks
         .as_ref()
         .map_or(0, |b| (b.count - 1) * b.stride);
-    fields
+    config
+        .write
         .iter()
-        .map(|(_, c)| *c)
-        .chain(config.write.iter().map(|(c, _)| *c))
-        .map(|c| c + extra + 1)
+        .map(|(c, _)| c + extra + 1)
         .max()
         .unwrap_or(1)
 }

@@ -23,7 +23,7 @@ use tokio::time::{Instant, sleep_until};
 
 use super::api::ValueRange;
 use super::source::{self, Place};
-use super::{SheetError, SheetsApi, a1, width};
+use super::{SheetError, SheetsApi, a1, written_width};
 use crate::config::{SheetConfig, WriteValue};
 use crate::dataset::Row;
 use crate::pipeline::ResultTap;
@@ -33,6 +33,9 @@ use crate::store::{ExportRow, Store};
 const CELL_LIMIT: usize = 50_000;
 /// The most rows one write carries.
 const MAX_ROWS_PER_WRITE: usize = 1000;
+/// The most bytes of values one write carries (Google advises requests
+/// of at most 2 MB).
+const MAX_BYTES_PER_WRITE: usize = 2_000_000;
 
 /// What an item's result gives its cells.
 #[derive(Debug, Clone, Copy)]
@@ -93,10 +96,15 @@ pub fn cells(config: &SheetConfig, answer: &Answer<'_>) -> Option<Cells> {
             WriteValue::Score(metric) => answer
                 .scores
                 .and_then(|scores| {
+                    // The metric's key itself, else its newest version
+                    // (`exact_match@2` over `exact_match@1`).
                     scores.get(metric).or_else(|| {
                         scores
                             .iter()
-                            .find(|(key, _)| key.split('@').next() == Some(metric.as_str()))
+                            .filter(|(key, _)| key.split('@').next() == Some(metric.as_str()))
+                            .max_by_key(|(key, _)| {
+                                key.rsplit('@').next().and_then(|v| v.parse::<u64>().ok())
+                            })
                             .map(|(_, score)| score)
                     })
                 })
@@ -184,6 +192,9 @@ pub struct CatchUp {
     pub changed: Vec<String>,
     /// Writes (`batchUpdate` calls) made.
     pub calls: u64,
+    /// Items whose cells the API refused on their own (a 400 for their
+    /// row alone): their ids and why.
+    pub refused: Vec<(String, String)>,
 }
 
 /// How a sink's live writing ended.
@@ -197,6 +208,8 @@ pub struct SinkReport {
     pub stopped: Option<String>,
     /// Results not written because writing had stopped.
     pub unwritten: u64,
+    /// Items whose cells the API refused on their own: ids and why.
+    pub refused: Vec<(String, String)>,
 }
 
 /// The stored results of `run_id`, each with the row it came from.
@@ -255,7 +268,7 @@ impl SheetSink {
         let outputs = a1(
             &config.tab,
             (0, config.first_row),
-            Some((width(config, &now.fields) - 1, config.last_row)),
+            Some((written_width(config) - 1, config.last_row)),
         );
         let grid = self.api.get(&outputs, true).await?;
         let mut missing = Vec::new();
@@ -275,10 +288,18 @@ impl SheetSink {
                 missing.push(cells);
             }
         }
-        for chunk in missing.chunks(MAX_ROWS_PER_WRITE) {
-            let data: Vec<ValueRange> = chunk.iter().map(|c| range(config, c)).collect();
-            self.api.batch_update(&data).await?;
-            report.written += chunk.len() as u64;
+        let mut pace = Pace::new(config.min_write_interval);
+        let mut missing = missing;
+        while !missing.is_empty() {
+            let batch = take_batch(&mut missing, config);
+            pace.wait().await;
+            let wrote = write_batch(&self.api, batch).await;
+            pace.mark();
+            report.written += wrote.written;
+            report.refused.extend(wrote.refused);
+            if let Some(err) = wrote.stopped {
+                return Err(err);
+            }
         }
         report.calls = self.api.write_calls() - calls_before;
         Ok(report)
@@ -320,7 +341,7 @@ impl SheetSink {
 }
 
 /// The live writer: receives cells until the tap is dropped, and writes
-/// them in batches.
+/// them in batches, no two writes closer than `min_write_interval`.
 async fn write_live(
     api: Arc<SheetsApi>,
     config: Arc<SheetConfig>,
@@ -330,41 +351,52 @@ async fn write_live(
     // The latest values of each place waiting (an item answered again
     // replaces its older values).
     let mut waiting: BTreeMap<Place, Cells> = BTreeMap::new();
+    // When the oldest waiting row must be written.
     let mut due: Option<Instant> = None;
+    let mut pace = Pace::new(config.min_write_interval);
     let mut open = true;
     loop {
-        let ready = waiting.len() >= config.flush_rows
-            || due.is_some_and(|at| at <= Instant::now())
-            || !open;
-        if ready && !waiting.is_empty() && report.stopped.is_none() {
-            let mut batch: Vec<Cells> = std::mem::take(&mut waiting).into_values().collect();
-            due = None;
-            if batch.len() > MAX_ROWS_PER_WRITE {
-                // More waited than one write carries (they came while a
-                // write was retried): the rest go next, at once.
-                for cells in batch.split_off(MAX_ROWS_PER_WRITE) {
-                    waiting.insert(cells.place, cells);
+        let flush = !waiting.is_empty()
+            && report.stopped.is_none()
+            && (waiting.len() >= config.flush_rows
+                || due.is_some_and(|at| at <= Instant::now())
+                || !open);
+        let mut wake = due;
+        if flush {
+            match pace.earliest() {
+                Some(at) if at > Instant::now() => wake = Some(at),
+                _ => {
+                    let mut rows: Vec<Cells> = std::mem::take(&mut waiting).into_values().collect();
+                    let batch = take_batch(&mut rows, &config);
+                    due = None;
+                    if !rows.is_empty() {
+                        // More waited than one write carries: the rest
+                        // go next.
+                        waiting.extend(rows.into_iter().map(|c| (c.place, c)));
+                        due = Some(Instant::now());
+                    }
+                    let wrote = write_batch(&api, batch).await;
+                    pace.mark();
+                    report.written += wrote.written;
+                    report.refused.extend(wrote.refused);
+                    if let Some(err) = wrote.stopped {
+                        tracing::error!(
+                            "Writing results to the sheet stopped: {err}{}. The run goes on and keeps every result in its store; `evalfleet sync RUN_ID` writes them to the sheet once it takes writes again.",
+                            permission_hint(&err, api.account())
+                        );
+                        report.unwritten += wrote.unwritten;
+                        report.stopped =
+                            Some(format!("{err}{}", permission_hint(&err, api.account())));
+                    }
+                    continue;
                 }
-                due = Some(Instant::now());
             }
-            let data: Vec<ValueRange> = batch.iter().map(|c| range(&config, c)).collect();
-            match api.batch_update(&data).await {
-                Ok(()) => report.written += batch.len() as u64,
-                Err(err) => {
-                    tracing::error!(
-                        "Writing results to the sheet stopped: {err}. The run goes on and keeps every result in its store; `evalfleet sync RUN_ID` writes them to the sheet once it takes writes again."
-                    );
-                    report.unwritten += batch.len() as u64;
-                    report.stopped = Some(err.to_string());
-                }
-            }
-            continue;
         }
-        if !open {
+        if !open && (waiting.is_empty() || report.stopped.is_some()) {
             break;
         }
         tokio::select! {
-            received = inbox.recv() => match received {
+            received = inbox.recv(), if open => match received {
                 Some(cells) => {
                     if report.stopped.is_some() {
                         report.unwritten += 1;
@@ -375,11 +407,122 @@ async fn write_live(
                 }
                 None => open = false,
             },
-            () = sleep_until(due.unwrap_or_else(Instant::now)), if due.is_some() => {}
+            () = sleep_until(wake.unwrap_or_else(Instant::now)), if wake.is_some() => {}
         }
     }
     report.unwritten += waiting.len() as u64;
     report
+}
+
+/// What to do about a 403: share the sheet.
+fn permission_hint(err: &SheetError, account: &str) -> String {
+    match err {
+        SheetError::Api { status: 403, .. } => {
+            format!(" (share the sheet with {account} as an Editor)")
+        }
+        _ => String::new(),
+    }
+}
+
+/// Keeps writes at least `min` apart.
+struct Pace {
+    min: std::time::Duration,
+    last: Option<Instant>,
+}
+
+impl Pace {
+    fn new(min: std::time::Duration) -> Self {
+        Self { min, last: None }
+    }
+
+    /// When the next write may start; `None`: now.
+    fn earliest(&self) -> Option<Instant> {
+        self.last.map(|at| at + self.min)
+    }
+
+    async fn wait(&self) {
+        if let Some(at) = self.earliest() {
+            sleep_until(at).await;
+        }
+    }
+
+    fn mark(&mut self) {
+        self.last = Some(Instant::now());
+    }
+}
+
+/// Takes the first rows of `rows` that one write carries (by count and by
+/// bytes; at least one).
+fn take_batch(rows: &mut Vec<Cells>, config: &SheetConfig) -> Vec<ValueRange> {
+    let mut bytes = 0;
+    let mut n = 0;
+    for cells in rows.iter() {
+        let size: usize = cells
+            .values
+            .iter()
+            .map(|v| v.to_string().len() + 1)
+            .sum::<usize>()
+            + 64;
+        if n > 0 && (n == MAX_ROWS_PER_WRITE || bytes + size > MAX_BYTES_PER_WRITE) {
+            break;
+        }
+        bytes += size;
+        n += 1;
+    }
+    rows.drain(..n).map(|c| range(config, &c)).collect()
+}
+
+/// How one batch went.
+#[derive(Default)]
+struct Wrote {
+    written: u64,
+    refused: Vec<(String, String)>,
+    /// Why writing must stop (the tries are spent, or the sheet refuses
+    /// every write), and how many rows were left unwritten by it.
+    stopped: Option<SheetError>,
+    unwritten: u64,
+}
+
+/// Writes `batch` in one `batchUpdate`. When the API refuses it as a whole
+/// (400, 413: a bad cell, too large), the halves are written on their own,
+/// down to the single row it refuses, which is left out and named; the
+/// other rows are written.
+async fn write_batch(api: &SheetsApi, batch: Vec<ValueRange>) -> Wrote {
+    let mut wrote = Wrote::default();
+    let mut pending = vec![batch];
+    while let Some(part) = pending.pop() {
+        if wrote.stopped.is_some() {
+            wrote.unwritten += part.len() as u64;
+            continue;
+        }
+        match api.batch_update(&part).await {
+            Ok(()) => wrote.written += part.len() as u64,
+            Err(SheetError::Api {
+                status: 400 | 413,
+                message,
+                ..
+            }) if part.len() == 1 => {
+                let cells = part[0].range.clone();
+                tracing::warn!(
+                    "The Sheets API refused the cells {cells} ({message}); they are left as they were."
+                );
+                wrote.refused.push((cells, message));
+            }
+            Err(SheetError::Api {
+                status: 400 | 413, ..
+            }) => {
+                let mut first = part;
+                let second = first.split_off(first.len() / 2);
+                pending.push(second);
+                pending.push(first);
+            }
+            Err(err) => {
+                wrote.unwritten += part.len() as u64;
+                wrote.stopped = Some(err);
+            }
+        }
+    }
+    wrote
 }
 
 #[cfg(test)]

@@ -9,8 +9,9 @@ use std::io::Write;
 use std::path::Path;
 
 use serde_json::{Map, Value};
+use sha2::{Digest, Sha256};
 
-use super::{SheetError, SheetsApi, a1, tab, width};
+use super::{SheetError, SheetsApi, a1, tab};
 use crate::config::{DatasetConfig, SheetConfig, column_letters};
 use crate::dataset::Row;
 
@@ -54,39 +55,50 @@ pub struct SheetItems {
 
 /// Reads `config`'s rows through `api`.
 pub async fn read(api: &SheetsApi, config: &SheetConfig) -> Result<SheetItems, SheetError> {
-    let top = if config.header_row > 0 {
-        config.header_row
-    } else {
-        config.first_row
-    };
-    if config.columns.is_empty() {
-        // The header names the fields: the whole tab, as wide as its
-        // values go (a range past the tab's columns would be refused).
-        let grid = api.get(&tab(&config.tab), false).await?;
-        let from = (top as usize - 1).min(grid.len());
-        return items_of(config, &grid[from..], top);
-    }
-    // Every column up to the furthest read or written.
-    let range = a1(
-        &config.tab,
-        (0, top),
-        Some((width(config, &config.columns) - 1, config.last_row)),
-    );
-    let grid = api.get(&range, false).await?;
-    items_of(config, &grid, top)
-}
-
-/// The items of `grid`, the tab's cells from row `top` on.
-pub fn items_of(
-    config: &SheetConfig,
-    grid: &[Vec<Value>],
-    top: u32,
-) -> Result<SheetItems, SheetError> {
     let fields = if config.columns.is_empty() {
-        header_fields(config, grid.first().map_or(&[][..], Vec::as_slice))?
+        // The header names the fields: its row first, then only their
+        // columns (not the results written beside them).
+        let header = config.header_row;
+        let row = api
+            .get(&format!("{}!{header}:{header}", tab(&config.tab)), false)
+            .await?;
+        header_fields(config, row.first().map_or(&[][..], Vec::as_slice))?
     } else {
         config.columns.clone()
     };
+    let last_column = fields_width(config, &fields) - 1;
+    let range = a1(
+        &config.tab,
+        (0, config.first_row),
+        Some((last_column, config.last_row)),
+    );
+    let grid = api.get(&range, false).await?;
+    Ok(SheetItems {
+        items: items_of(config, &fields, &grid, config.first_row),
+        fields,
+    })
+}
+
+/// The first column past every field's, over all the blocks.
+fn fields_width(config: &SheetConfig, fields: &[(String, u32)]) -> u32 {
+    let moving = config.blocks.as_ref();
+    fields
+        .iter()
+        .map(|(name, c)| match moving {
+            Some(b) if b.fields.contains(name) => c + (b.count - 1) * b.stride + 1,
+            _ => c + 1,
+        })
+        .max()
+        .unwrap_or(1)
+}
+
+/// The items of `grid`, the cells of `fields` from row `top` on.
+pub fn items_of(
+    config: &SheetConfig,
+    fields: &[(String, u32)],
+    grid: &[Vec<Value>],
+    top: u32,
+) -> BTreeMap<Place, Row> {
     let blocks = config.blocks.as_ref();
     let mut items = BTreeMap::new();
     for (i, cells) in grid.iter().enumerate() {
@@ -97,7 +109,7 @@ pub fn items_of(
         for block in 0..blocks.map_or(1, |b| b.count) {
             let mut item = Map::new();
             let mut any = false;
-            for (name, column) in &fields {
+            for (name, column) in fields {
                 let moves = blocks.is_some_and(|b| b.fields.contains(name));
                 let column = match blocks {
                     Some(b) if moves => column + block * b.stride,
@@ -121,7 +133,7 @@ pub fn items_of(
             }
         }
     }
-    Ok(SheetItems { items, fields })
+    items
 }
 
 /// A cell as text, as the sheet shows it (`FORMATTED_VALUE` gives text;
@@ -164,10 +176,12 @@ fn header_fields(config: &SheetConfig, header: &[Value]) -> Result<Vec<(String, 
     Ok(fields)
 }
 
-/// Reads the sheet of `dataset` (when it is one) into its file, which is
-/// rewritten only when what was read differs from what it holds. Returns
-/// how many items it holds.
-pub async fn read_dataset(dataset: &DatasetConfig) -> Result<Option<usize>, SheetError> {
+/// Reads the sheet of `dataset` (when it is one) into a file of the
+/// snapshot folder named after its content, which becomes the dataset's
+/// `path`: a file is never rewritten with other rows (runs read their rows
+/// again by offset while they go on), and a resume that reads the same
+/// rows finds the same file. Returns how many items it holds.
+pub async fn read_dataset(dataset: &mut DatasetConfig) -> Result<Option<usize>, SheetError> {
     let Some(config) = &dataset.sheet else {
         return Ok(None);
     };
@@ -195,21 +209,35 @@ pub async fn read_dataset(dataset: &DatasetConfig) -> Result<Option<usize>, Shee
         serde_json::to_writer(&mut text, item).map_err(|err| SheetError::Sheet(err.to_string()))?;
         text.push(b'\n');
     }
-    keep(&dataset.path, &text).map_err(|source| SheetError::Snapshot {
-        path: dataset.path.clone(),
+    let dir = crate::config::snapshot_dir();
+    let digest = hex::encode(Sha256::digest(&text));
+    let path = dir.join(format!("sheet-{}.jsonl", &digest[..32]));
+    keep(&dir, &path, &text).map_err(|source| SheetError::Snapshot {
+        path: path.clone(),
         source,
     })?;
+    dataset.path = path;
     Ok(Some(read.items.len()))
 }
 
-/// Writes `text` to `path` unless it holds it already (so that its time
-/// stays, and a resume finds it unchanged at once).
-fn keep(path: &Path, text: &[u8]) -> std::io::Result<()> {
+/// Writes `text` to `path` in `dir` (made readable by its owner only)
+/// unless it is there already.
+fn keep(dir: &Path, path: &Path, text: &[u8]) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
     if std::fs::read(path).is_ok_and(|held| held == text) {
         return Ok(());
     }
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
     let partial = path.with_extension(format!("{}.part", std::process::id()));
-    let mut file = std::fs::File::create(&partial)?;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&partial)?;
     file.write_all(text)?;
     file.sync_all()?;
     std::fs::rename(&partial, path)
@@ -262,12 +290,10 @@ mod tests {
             vec![],
             vec![json!("2+2")],
         ];
-        let read = items_of(&config(), &grid, 1).unwrap_or_default();
-        assert_eq!(
-            read.fields,
-            vec![("q".to_owned(), 0), ("ref".to_owned(), 1)]
-        );
-        let items: Vec<&Row> = read.items.values().collect();
+        let fields = header_fields(&config(), &grid[0]).unwrap_or_default();
+        assert_eq!(fields, vec![("q".to_owned(), 0), ("ref".to_owned(), 1)]);
+        let read = items_of(&config(), &fields, &grid[1..], 2);
+        let items: Vec<&Row> = read.values().collect();
         assert_eq!(items.len(), 2, "the empty row 3 is no item");
         assert_eq!(
             Value::Object(items[0].clone()),
@@ -277,8 +303,8 @@ mod tests {
             Value::Object(items[1].clone()),
             json!({"q": "2+2", "ref": "", "_id": "r4"})
         );
-        let twice = vec![vec![json!("q"), json!("q")]];
-        let err = items_of(&config(), &twice, 1)
+        let twice = vec![json!("q"), json!("q")];
+        let err = header_fields(&config(), &twice)
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default();
@@ -307,10 +333,15 @@ mod tests {
             vec![json!("hello"), json!("tone"), json!(""), json!("topic")],
             vec![json!("no blocks")],
         ];
-        let read = items_of(&config, &grid, 1).unwrap_or_default();
-        let ids: Vec<String> = read.items.keys().map(|p| p.id(true)).collect();
+        assert_eq!(
+            fields_width(&config, &config.columns),
+            6,
+            "block 3's category is in F"
+        );
+        let read = items_of(&config, &config.columns, &grid[1..], 2);
+        let ids: Vec<String> = read.keys().map(|p| p.id(true)).collect();
         assert_eq!(ids, ["r2b1", "r2b2"]);
-        let second = &read.items[&Place { row: 2, block: 1 }];
+        let second = &read[&Place { row: 2, block: 1 }];
         assert_eq!(second["category"], json!("topic"));
         assert_eq!(second["text"], json!("hello"));
     }

@@ -29,7 +29,8 @@ fn concurrency(endpoint: &EndpointConfig) -> String {
 }
 
 pub async fn check(args: crate::cli::CheckArgs) -> anyhow::Result<u8> {
-    let loaded = super::convert::load(&args.config, Overrides::default())?;
+    let mut loaded = super::convert::load(&args.config, Overrides::default())?;
+    super::sheets::read(&mut loaded.config).await?;
     let config = &loaded.config;
     let templates = Templates::compile(&config.task)?;
     tokio::task::block_in_place(|| preflight::check(&loaded, &templates))?;
@@ -59,7 +60,6 @@ pub async fn check(args: crate::cli::CheckArgs) -> anyhow::Result<u8> {
     }
 
     let mut ready = true;
-    super::sheets::read(config).await?;
     let (rows, invalid) = tokio::task::block_in_place(|| -> anyhow::Result<(u64, u64)> {
         let mut scanner = Scanner::open(&config.dataset)?;
         if let Some(columns) = scanner.columns() {

@@ -55,7 +55,6 @@ pub(crate) async fn start(
         fleet::dry_run(&loaded.config);
         return Ok(EXIT_OK);
     }
-    super::sheets::read(&loaded.config).await?;
     let session = new_session(
         loaded,
         &args.endpoints,
@@ -79,13 +78,14 @@ pub(crate) async fn start(
 /// endpoints taking part (`endpoints`, else all), the GPUs (`yes`: start on
 /// one in use), its store (`store`, else the config's ...).
 pub(crate) async fn new_session(
-    loaded: LoadedConfig,
+    mut loaded: LoadedConfig,
     endpoints: &[String],
     yes: bool,
     store: Option<std::path::PathBuf>,
     run_id: Option<String>,
     started: Instant,
 ) -> anyhow::Result<Session> {
+    super::sheets::read(&mut loaded.config).await?;
     let templates = checked_templates(&loaded)?;
     let active = fleet::active(&loaded.config, endpoints)?;
     let gpu_policy = fleet::check_gpus(&loaded.config, active.as_deref(), yes).await?;
@@ -243,14 +243,24 @@ pub(crate) async fn resumable_with(
     location: Location,
     mut store: Box<dyn Store>,
     record: &RunRecord,
-    loaded: LoadedConfig,
+    mut loaded: LoadedConfig,
     retry_failed: bool,
     endpoints: &[String],
     yes: bool,
 ) -> anyhow::Result<Resumable> {
     let run_id = record.run_id.as_str();
-    super::sheets::read(&loaded.config).await?;
-    run::check_resume(record, &loaded.config)?;
+    super::sheets::read(&mut loaded.config).await?;
+    run::check_resume(record, &loaded.config).map_err(|err| {
+        let sheet = loaded.config.dataset.sheet.is_some();
+        let err = anyhow::Error::new(err);
+        if sheet {
+            err.context(format!(
+                "the rows read from the sheet are not those run {run_id} read (a cell of an item edited, rows inserted or removed, or a column named in the header added): its results cannot go back to their rows"
+            ))
+        } else {
+            err
+        }
+    })?;
     let counts = store.counts(run_id)?;
     if counts.pending == 0 && !(retry_failed && counts.failed > 0) {
         if record.status != RunStatus::Finished {

@@ -14,18 +14,18 @@ use crate::cli::SyncArgs;
 use crate::{EXIT_FAILED, EXIT_OK, ui};
 
 /// Reads the sheet of `config`'s dataset, when it is one, into the
-/// dataset's file.
-pub(crate) async fn read(config: &Config) -> anyhow::Result<()> {
-    let Some(sheet) = &config.dataset.sheet else {
+/// dataset's file (which becomes `config.dataset.path`).
+pub(crate) async fn read(config: &mut Config) -> anyhow::Result<()> {
+    let Some(sheet) = config.dataset.sheet.clone() else {
         return Ok(());
     };
-    let items = sheets::read_dataset(&config.dataset)
+    let items = sheets::read_dataset(&mut config.dataset)
         .await
-        .with_context(|| describe(sheet))?;
+        .with_context(|| describe(&sheet))?;
     tracing::info!(
         "Read {} items from {}.",
         items.unwrap_or(0),
-        describe(sheet)
+        describe(&sheet)
     );
     Ok(())
 }
@@ -123,10 +123,41 @@ fn say_caught_up(caught: &sheets::CatchUp, sheet: &SheetConfig) {
 }
 
 impl Live {
-    /// Writes what waits; says how writing went, and whether it failed.
+    /// Writes what waits; says how writing went, and whether it failed. A
+    /// Ctrl-C meanwhile gives up the writing (the results are in the
+    /// store: `sync` writes them).
     pub(crate) async fn finish(self) -> bool {
-        let report: SinkReport = self.sink.finish().await;
+        let run_id = self.run_id.clone();
+        let report: SinkReport = tokio::select! {
+            report = self.sink.finish() => report,
+            _ = tokio::signal::ctrl_c() => {
+                ui::note(&format!(
+                    "Stopped writing results to the sheet; every result is in the store: `evalfleet sync {run_id}` writes what the sheet lacks."
+                ));
+                return false;
+            }
+        };
+        if !report.refused.is_empty() {
+            let shown: Vec<&str> = report
+                .refused
+                .iter()
+                .take(5)
+                .map(|(cells, _)| cells.as_str())
+                .collect();
+            ui::note(&format!(
+                "error: the Sheets API refused {} rows' cells, left as they were: {}{} (first: {})",
+                report.refused.len(),
+                shown.join(", "),
+                if report.refused.len() > shown.len() {
+                    ", ..."
+                } else {
+                    ""
+                },
+                report.refused[0].1
+            ));
+        }
         match self.stopped.or(report.stopped) {
+            None if !report.refused.is_empty() => false,
             None => {
                 tracing::info!(
                     "Wrote {} results to the sheet in {} writes.",
@@ -175,12 +206,13 @@ pub async fn sync(args: SyncArgs) -> anyhow::Result<u8> {
     })?;
     say_caught_up(&caught, sheet);
     println!(
-        "{} written, {} already in the sheet, {} not written (row changed)",
+        "{} written, {} already in the sheet, {} not written (row changed), {} refused by the API",
         caught.written,
         caught.held,
-        caught.changed.len()
+        caught.changed.len(),
+        caught.refused.len()
     );
-    Ok(if caught.changed.is_empty() {
+    Ok(if caught.changed.is_empty() && caught.refused.is_empty() {
         EXIT_OK
     } else {
         EXIT_FAILED
