@@ -576,7 +576,7 @@ task:
         messages[..2],
         [
             "config: unknown key 'colour' (known: cache, dataset, endpoints, name, report, retry, shutdown_grace, store, task, telemetry, timeouts, writer)",
-            "dataset: unknown key 'colour' (known: format, id_field, path, sample, skip_invalid, split)",
+            "dataset: unknown key 'colour' (known: format, id_field, path, sample, sheet, skip_invalid, split)",
         ]
     );
     // Places with many keys send the reader to the reference.
@@ -1146,7 +1146,7 @@ fn a_sheet_dataset_validates_and_names_its_problems() {
     write(dir.path(), ".env", "EF_CFG_TEST_KEY=sk-from-dotenv\n");
     let good = GOOD.replace(
         "  path: items.jsonl\n",
-        "  sheet:\n    spreadsheet: https://docs.google.com/spreadsheets/d/1Abc-_x/edit#gid=0\n    columns: { text: B, category: C }\n    blocks: { count: 3, stride: 2, fields: [category] }\n    write: { D: score.exact_match, e: answer }\n",
+        "  sheet:\n    spreadsheet: https://docs.google.com/spreadsheets/d/1Abc-_x/edit#gid=0\n    columns: { text: B, category: C }\n    blocks: { count: 3, stride: 3, fields: [category] }\n    write: { D: score.exact_match, e: answer }\n",
     );
     let file = write(dir.path(), "run.yaml", &good);
     let loaded = load_file(&file, Overrides::default()).unwrap();
@@ -1172,7 +1172,7 @@ fn a_sheet_dataset_validates_and_names_its_problems() {
     assert!(dataset.path.starts_with(snapshot_dir()));
 
     // Blocks whose columns run into each other's, or into a field's.
-    let overlapping = good.replace("stride: 2", "stride: 1");
+    let overlapping = good.replace("stride: 3", "stride: 1");
     let err = error_of(dir.path(), &overlapping);
     assert_all(
         &err,

@@ -552,6 +552,7 @@ mod tests {
             api_url: "http://127.0.0.1:1".to_owned(),
             flush_rows: 50,
             flush_interval: std::time::Duration::from_secs(2),
+            min_write_interval: std::time::Duration::ZERO,
             retries: 5,
             retry_backoff: std::time::Duration::from_secs(1),
         }
@@ -644,6 +645,37 @@ mod tests {
         assert!(!holds(None, &json!(0)));
         assert!(!holds(Some(&json!("0.5")), &json!(0.5)));
         assert!(!holds(Some(&json!("old")), &json!("new")));
+    }
+
+    #[test]
+    fn a_write_carries_at_most_a_thousand_rows_and_two_megabytes() {
+        let mut config = config();
+        config.blocks = None;
+        config.write = vec![(2, WriteValue::Answer)];
+        let row = |i: u32, size: usize| Cells {
+            place: Place {
+                row: i + 2,
+                block: 0,
+            },
+            values: vec![json!("x".repeat(size))],
+        };
+        let mut small: Vec<Cells> = (0..2500).map(|i| row(i, 10)).collect();
+        assert_eq!(take_batch(&mut small, &config).len(), 1000);
+        assert_eq!(small.len(), 1500);
+        assert_eq!(small[0].place.row, 1002, "the rest wait in order");
+        let mut large: Vec<Cells> = (0..100).map(|i| row(i, 45_000)).collect();
+        let batch = take_batch(&mut large, &config);
+        assert_eq!(
+            batch.len(),
+            44,
+            "44 rows of 45 kB are under 2 MB, 45 are not"
+        );
+        let mut huge = vec![row(0, 3_000_000)];
+        assert_eq!(
+            take_batch(&mut huge, &config).len(),
+            1,
+            "a row alone goes, whatever its size"
+        );
     }
 
     #[test]

@@ -263,6 +263,7 @@ mod tests {
             api_url: "http://127.0.0.1:1".to_owned(),
             flush_rows: 50,
             flush_interval: std::time::Duration::from_secs(2),
+            min_write_interval: std::time::Duration::ZERO,
             retries: 5,
             retry_backoff: std::time::Duration::from_secs(1),
         }
