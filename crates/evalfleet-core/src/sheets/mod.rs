@@ -63,7 +63,10 @@ impl SheetError {
         use evalfleet_types::Fault;
         match self {
             Self::Key { .. } | Self::Sheet(_) => Fault::BadInput,
-            Self::Api { status, .. } if matches!(status, 400 | 403 | 404) => Fault::BadInput,
+            Self::Api {
+                status: 400 | 403 | 404,
+                ..
+            } => Fault::BadInput,
             Self::Store(err) => err.fault(),
             _ => Fault::Failure,
         }

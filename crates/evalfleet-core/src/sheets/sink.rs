@@ -289,7 +289,6 @@ impl SheetSink {
             }
         }
         let mut pace = Pace::new(config.min_write_interval);
-        let mut missing = missing;
         while !missing.is_empty() {
             let batch = take_batch(&mut missing, config);
             pace.wait().await;

@@ -285,7 +285,7 @@ mod tests {
 
     #[test]
     fn header_names_the_fields_but_not_the_written_columns() {
-        let grid = vec![
+        let grid = [
             vec![json!("q"), json!("ref"), json!(""), json!("answer")],
             vec![json!("1+1"), json!("2"), json!(""), json!("old")],
             vec![],
@@ -322,7 +322,7 @@ mod tests {
             fields: vec!["category".to_owned()],
         });
         config.write = vec![(2, WriteValue::Answer)];
-        let grid = vec![
+        let grid = [
             vec![
                 json!("text"),
                 json!("c1"),
