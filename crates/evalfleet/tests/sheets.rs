@@ -104,6 +104,16 @@ fn items(n: usize) -> Vec<Vec<Value>> {
 
 const WRITE: &str = "    write: { C: answer, D: score.exact_match }";
 
+/// Runs [`sheet_config`] over a fresh echoing mock at `concurrency`.
+async fn run_sheet(env: &Env, google: &Google, concurrency: u32, sheet: &str) -> crate::util::Ran {
+    let server = mock(MockSettings::default()).await;
+    env.write(
+        "run.yaml",
+        &sheet_config(google, &external("m", &server, concurrency), sheet),
+    );
+    env.with_key(google, &["run", "run.yaml", "-q"]).await
+}
+
 impl Env {
     async fn with_key(&self, google: &Google, args: &[&str]) -> crate::util::Ran {
         let mut command = self.command(args);
@@ -274,16 +284,7 @@ async fn writes_go_on_through_429s_and_500s_and_nothing_is_written_twice() {
     let google = google(&env).await;
     google.standin.put_tab(SHEET, "Items", items(60));
     google.standin.fail_next(&[429, 500, 503, 429]);
-    let server = mock(MockSettings::default()).await;
-    env.write(
-        "run.yaml",
-        &sheet_config(
-            &google,
-            &external("m", &server, 8),
-            &format!("{WRITE}\n    flush_rows: 10"),
-        ),
-    );
-    let ran = env.with_key(&google, &["run", "run.yaml", "-q"]).await;
+    let ran = run_sheet(&env, &google, 8, &format!("{WRITE}\n    flush_rows: 10")).await;
     assert_eq!(ran.code, Some(0), "{}", ran.stderr);
     assert_eq!(written(&google, "Items"), expected(60));
     assert!(twice(&google).is_empty(), "{:?}", twice(&google));
@@ -297,16 +298,7 @@ async fn a_sheet_that_keeps_failing_stops_its_writes_not_the_run_and_sync_writes
     let google = google(&env).await;
     google.standin.put_tab(SHEET, "Items", items(30));
     google.standin.fail_always(Some(500));
-    let server = mock(MockSettings::default()).await;
-    env.write(
-        "run.yaml",
-        &sheet_config(
-            &google,
-            &external("m", &server, 8),
-            &format!("{WRITE}\n    retries: 2"),
-        ),
-    );
-    let ran = env.with_key(&google, &["run", "run.yaml", "-q"]).await;
+    let ran = run_sheet(&env, &google, 8, &format!("{WRITE}\n    retries: 2")).await;
     assert_eq!(ran.code, Some(1), "{}", ran.stderr);
     assert!(ran.stderr.contains("500"), "{}", ran.stderr);
     assert!(
@@ -536,18 +528,13 @@ async fn a_batch_the_api_refuses_is_halved_down_to_the_row_it_refuses() {
     google.standin.put_tab(SHEET, "Items", items(4));
     // The batch of 4, then its first half, then that half's first row.
     google.standin.fail_next(&[400, 400, 400]);
-    let server = mock(MockSettings::default()).await;
-    env.write(
-        "run.yaml",
-        &sheet_config(
-            &google,
-            &external("m", &server, 4),
-            &format!(
-                "{WRITE}\n    flush_rows: 4\n    flush_interval: 1h\n    min_write_interval: 0s"
-            ),
-        ),
-    );
-    let ran = env.with_key(&google, &["run", "run.yaml", "-q"]).await;
+    let ran = run_sheet(
+        &env,
+        &google,
+        4,
+        &format!("{WRITE}\n    flush_rows: 4\n    flush_interval: 1h\n    min_write_interval: 0s"),
+    )
+    .await;
     assert_eq!(ran.code, Some(1), "{}", ran.stderr);
     assert!(
         ran.stderr.contains("refused 1 rows' cells"),
@@ -581,12 +568,7 @@ async fn a_sheet_edited_before_a_resume_is_refused_naming_the_sheet() {
     let env = Env::new();
     let google = google(&env).await;
     google.standin.put_tab(SHEET, "Items", items(6));
-    let server = mock(MockSettings::default()).await;
-    env.write(
-        "run.yaml",
-        &sheet_config(&google, &external("m", &server, 2), WRITE),
-    );
-    let ran = env.with_key(&google, &["run", "run.yaml", "-q"]).await;
+    let ran = run_sheet(&env, &google, 2, WRITE).await;
     assert_eq!(ran.code, Some(0), "{}", ran.stderr);
     // A row inserted at the top: every item moves down one row.
     let mut tab = google.standin.tab(SHEET, "Items");

@@ -159,6 +159,29 @@ fn written_width(config: &SheetConfig) -> u32 {
         .unwrap_or(1)
 }
 
+/// A sheet's settings for unit tests: tab `T`, header row 1, no columns,
+/// blocks or writes, writes not paced.
+#[cfg(test)]
+pub(crate) fn test_config() -> SheetConfig {
+    SheetConfig {
+        spreadsheet_id: "s".to_owned(),
+        tab: "T".to_owned(),
+        header_row: 1,
+        first_row: 2,
+        last_row: None,
+        columns: Vec::new(),
+        blocks: None,
+        write: Vec::new(),
+        key_env: "K".to_owned(),
+        api_url: "http://127.0.0.1:1".to_owned(),
+        flush_rows: 50,
+        flush_interval: std::time::Duration::from_secs(2),
+        min_write_interval: std::time::Duration::ZERO,
+        retries: 5,
+        retry_backoff: std::time::Duration::from_secs(1),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -532,11 +532,6 @@ mod tests {
 
     fn config() -> SheetConfig {
         SheetConfig {
-            spreadsheet_id: "s".to_owned(),
-            tab: "T".to_owned(),
-            header_row: 1,
-            first_row: 2,
-            last_row: None,
             columns: vec![("text".to_owned(), 0), ("category".to_owned(), 1)],
             blocks: Some(crate::config::Blocks {
                 count: 3,
@@ -547,13 +542,7 @@ mod tests {
                 (2, WriteValue::Score("exact_match".to_owned())),
                 (3, WriteValue::Parsed(Some("label.name".to_owned()))),
             ],
-            key_env: "K".to_owned(),
-            api_url: "http://127.0.0.1:1".to_owned(),
-            flush_rows: 50,
-            flush_interval: std::time::Duration::from_secs(2),
-            min_write_interval: std::time::Duration::ZERO,
-            retries: 5,
-            retry_backoff: std::time::Duration::from_secs(1),
+            ..crate::sheets::test_config()
         }
     }
 

@@ -251,21 +251,8 @@ mod tests {
 
     fn config() -> SheetConfig {
         SheetConfig {
-            spreadsheet_id: "s".to_owned(),
-            tab: "T".to_owned(),
-            header_row: 1,
-            first_row: 2,
-            last_row: None,
-            columns: Vec::new(),
-            blocks: None,
             write: vec![(3, WriteValue::Answer)],
-            key_env: "K".to_owned(),
-            api_url: "http://127.0.0.1:1".to_owned(),
-            flush_rows: 50,
-            flush_interval: std::time::Duration::from_secs(2),
-            min_write_interval: std::time::Duration::ZERO,
-            retries: 5,
-            retry_backoff: std::time::Duration::from_secs(1),
+            ..crate::sheets::test_config()
         }
     }
 
