@@ -29,7 +29,8 @@ pub struct RawSheet {
     /// The spreadsheet: its id, or its address as the browser shows it
     /// (`https://docs.google.com/spreadsheets/d/ID/edit`). Required.
     pub spreadsheet: Option<String>,
-    /// The tab (sheet) to read. Default `Sheet1`.
+    /// The tab (sheet) to read, by the name it shows at the bottom of the
+    /// sheet. Default `Sheet1` (the first tab of a sheet made in English).
     pub tab: Option<String>,
     /// The row holding the columns' names (from 1), or 0 when there is
     /// none (then `columns` names every field). Default 1.
