@@ -31,8 +31,9 @@ use crate::store::{ExportRow, Store};
 
 /// The most characters a cell holds (Google Sheets refuses more).
 const CELL_LIMIT: usize = 50_000;
-/// The most rows one write carries.
-const MAX_ROWS_PER_WRITE: usize = 1000;
+/// The most rows one write carries (besides its bytes: a row of a few
+/// short cells is some 100 bytes).
+const MAX_ROWS_PER_WRITE: usize = 10_000;
 /// The most bytes of values one write carries (Google advises requests
 /// of at most 2 MB).
 const MAX_BYTES_PER_WRITE: usize = 2_000_000;
@@ -362,8 +363,10 @@ async fn write_live(
                 || !open);
         let mut wake = due;
         if flush {
+            // The last write, once the run has ended, goes at once: one
+            // write sooner than the pace cannot pass the quota.
             match pace.earliest() {
-                Some(at) if at > Instant::now() => wake = Some(at),
+                Some(at) if at > Instant::now() && open => wake = Some(at),
                 _ => {
                     let mut rows: Vec<Cells> = std::mem::take(&mut waiting).into_values().collect();
                     let batch = take_batch(&mut rows, &config);
@@ -636,7 +639,7 @@ mod tests {
     }
 
     #[test]
-    fn a_write_carries_at_most_a_thousand_rows_and_two_megabytes() {
+    fn a_write_carries_at_most_ten_thousand_rows_and_two_megabytes() {
         let mut config = config();
         config.blocks = None;
         config.write = vec![(2, WriteValue::Answer)];
@@ -647,10 +650,10 @@ mod tests {
             },
             values: vec![json!("x".repeat(size))],
         };
-        let mut small: Vec<Cells> = (0..2500).map(|i| row(i, 10)).collect();
-        assert_eq!(take_batch(&mut small, &config).len(), 1000);
-        assert_eq!(small.len(), 1500);
-        assert_eq!(small[0].place.row, 1002, "the rest wait in order");
+        let mut small: Vec<Cells> = (0..12_500).map(|i| row(i, 10)).collect();
+        assert_eq!(take_batch(&mut small, &config).len(), 10_000);
+        assert_eq!(small.len(), 2500);
+        assert_eq!(small[0].place.row, 10_002, "the rest wait in order");
         let mut large: Vec<Cells> = (0..100).map(|i| row(i, 45_000)).collect();
         let batch = take_batch(&mut large, &config);
         assert_eq!(
