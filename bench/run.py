@@ -21,7 +21,7 @@
     python3 bench/run.py w1pg [--items 100000] [--rounds 3]     # W1 into PostgreSQL (127.0.0.1:5432) and SQLite
     python3 bench/run.py p1 [--copies 8] [--workers 1,2,3] [--variants free,pinned] [--rounds 3]   # root: netns
     python3 bench/run.py p1latency [--items 10000] [--workers 1,2,4] [--limits 16,64] [--rounds 3]
-    python3 bench/run.py d2 [--items 10000] [--rounds 3] [--concurrency 64]   # the Sheets sink, against the stand-in (needs openssl)
+    python3 bench/run.py d2 [--items 10000] [--rounds 3] [--concurrency 64] [--variants fast,slow] [--latency-ms 50]   # the Sheets sink, against the stand-in (needs openssl)
     python3 bench/run.py r1 [--items 48] [--np 1,4] [--sweep 1,2,4,8] [--max-tokens 128] [--rounds 1] [--python VENV/bin/python]
 
 W1, W5, W6 and J1 take --baseline BIN: another evalfleet binary (an earlier
@@ -2939,7 +2939,8 @@ def d2(args, work):
     dataset twice against the same mock, with `write:` (results written back
     through the stand-in) and without (the reference), taking turns at going
     first; each on a fresh stand-in. Reports writes per row, rows a write,
-    cells written twice, and the time the sink adds."""
+    cells written twice, and the time the sink adds. Variants: `fast` (the
+    mock answers at once) and `slow` (--latency-ms per answer)."""
     if not args.no_build:
         build_standin()
     pem = os.path.join(work, "key.pem")
@@ -2951,48 +2952,55 @@ def d2(args, work):
         f.write("question,reference,answer,score\n")
         for i in range(args.items):
             f.write(f"What is {i} plus {i + 1}? Answer briefly.,What is {i} plus {i + 1}? Answer briefly.\n")
-    mock = Mock()
+    for variant in args.variants.split(","):
+        mock = Mock(*(["--latency", f"{args.latency_ms}ms"] if variant == "slow" else []))
+        try:
+            d2_variant(args, work, mock, rows, private_key, variant)
+        finally:
+            mock.stop()
+
+
+def d2_variant(args, work, mock, rows, private_key, variant):
     rounds = []
-    try:
-        for i in range(args.rounds):
-            round_ = {}
-            arms = ["sink", "reference"] if i % 2 == 0 else ["reference", "sink"]
-            for arm in arms:
-                standin = fresh_standin(work, private_key, rows)
-                config = os.path.join(work, f"d2-{arm}.yaml")
-                write = "    write: { C: answer, D: score.exact_match }\n" if arm == "sink" else ""
-                with open(config, "w") as f:
-                    f.write(
-                        f"name: d2\n"
-                        f"dataset:\n  sheet:\n    spreadsheet: D2bench\n    tab: Items\n    key_env: D2_KEY\n    api_url: {standin.url}\n{write}"
-                        f"endpoints:\n  - {{ name: mock, kind: external, base_url: \"{mock.url}\", model: m, concurrency: {args.concurrency} }}\n"
-                        f"task:\n  messages: [ {{ role: user, content: \"{{{{ question }}}}\" }} ]\n  params: {{ max_tokens: 64 }}\n"
-                        f"  metrics: [ {{ name: exact_match, reference: \"{{{{ reference }}}}\" }} ]\n"
-                    )
-                os.environ["D2_KEY"] = os.path.join(work, "key.json")
-                run = evalfleet(["run", config, "--store", os.path.join(work, f"d2-{arm}-{i}.db"), "-q"], work)
-                stats = standin.stats()
-                standin.stop()
-                assert run["code"] == 0 and run["done"] == args.items, run
-                writes = [w for w in stats["writes"] if w["status"] == 200]
-                round_[arm] = {
-                    "wall": run["wall"],
-                    "rss_mb": run["rss_mb"],
-                    "writes": len(writes),
-                    "rows_written": sum(w["rows"] for w in writes),
-                    "cells_written_twice": stats["cells_written_twice"],
-                }
-            sink = round_["sink"]
-            assert sink["rows_written"] == args.items, sink
-            round_["added_s"] = sink["wall"] - round_["reference"]["wall"]
-            round_["writes_per_row"] = sink["writes"] / args.items
-            rounds.append(round_)
-            print(json.dumps(round_), file=sys.stderr)
-    finally:
-        mock.stop()
+    for i in range(args.rounds):
+        round_ = {}
+        arms = ["sink", "reference"] if i % 2 == 0 else ["reference", "sink"]
+        for arm in arms:
+            standin = fresh_standin(work, private_key, rows)
+            config = os.path.join(work, f"d2-{arm}.yaml")
+            write = "    write: { C: answer, D: score.exact_match }\n" if arm == "sink" else ""
+            with open(config, "w") as f:
+                f.write(
+                    f"name: d2\n"
+                    f"dataset:\n  sheet:\n    spreadsheet: D2bench\n    tab: Items\n    key_env: D2_KEY\n    api_url: {standin.url}\n{write}"
+                    f"endpoints:\n  - {{ name: mock, kind: external, base_url: \"{mock.url}\", model: m, concurrency: {args.concurrency} }}\n"
+                    f"task:\n  messages: [ {{ role: user, content: \"{{{{ question }}}}\" }} ]\n  params: {{ max_tokens: 64 }}\n"
+                    f"  metrics: [ {{ name: exact_match, reference: \"{{{{ reference }}}}\" }} ]\n"
+                )
+            os.environ["D2_KEY"] = os.path.join(work, "key.json")
+            run = evalfleet(["run", config, "--store", os.path.join(work, f"d2-{arm}-{i}.db"), "-q"], work)
+            stats = standin.stats()
+            standin.stop()
+            assert run["code"] == 0 and run["done"] == args.items, run
+            writes = [w for w in stats["writes"] if w["status"] == 200]
+            round_[arm] = {
+                "wall": run["wall"],
+                "rss_mb": run["rss_mb"],
+                "writes": len(writes),
+                "rows_written": sum(w["rows"] for w in writes),
+                "cells_written_twice": stats["cells_written_twice"],
+            }
+        sink = round_["sink"]
+        assert sink["rows_written"] == args.items, sink
+        round_["added_s"] = sink["wall"] - round_["reference"]["wall"]
+        round_["writes_per_row"] = sink["writes"] / args.items
+        rounds.append(round_)
+        print(json.dumps(round_), file=sys.stderr)
     med = lambda f: statistics.median(f(r) for r in rounds)
     result = {
         "workload": "D2",
+        "variant": variant,
+        "latency_ms": args.latency_ms if variant == "slow" else 0,
         "items": args.items,
         "concurrency": args.concurrency,
         "reference_wall_s_median": med(lambda r: r["reference"]["wall"]),
@@ -3007,7 +3015,7 @@ def d2(args, work):
     }
     print(json.dumps(result, indent=2))
     print(
-        f"\n| D2 | {args.items} rows, concurrency {args.concurrency} | {result['reference_wall_s_median']:.2f} s without writing "
+        f"\n| D2 {variant} | {args.items} rows, concurrency {args.concurrency}, mock latency {result['latency_ms']} ms | {result['reference_wall_s_median']:.2f} s without writing "
         f"| {result['sink_wall_s_median']:.2f} s (+{result['added_s_median']:.2f} s) | {result['writes_median']:.0f} writes, "
         f"1/{1 / result['writes_per_row_median']:.0f} of a call a row | {result['cells_written_twice_max']} cells twice |"
     )
@@ -3099,7 +3107,7 @@ def main():
         args.items_given = args.items is not None
         args.items = args.items or default_items
         if args.variants is None:
-            args.variants = {"w7": "plain,stream", "w8": "alone,beside", "a1": "plain,stream", "a2": "urllib,openai", "p1": "free,pinned"}.get(args.workload, "")
+            args.variants = {"w7": "plain,stream", "w8": "alone,beside", "a1": "plain,stream", "a2": "urllib,openai", "p1": "free,pinned", "d2": "fast,slow"}.get(args.workload, "")
         if args.workload == "startup":
             args.rounds = max(args.rounds, 5)
         run(args, work)
