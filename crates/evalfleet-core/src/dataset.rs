@@ -247,6 +247,8 @@ enum Scan {
     Parquet {
         rows: Box<ParquetRows>,
         next: u64,
+        /// The top-level columns: a whole row's keys.
+        columns: Vec<String>,
     },
 }
 
@@ -282,7 +284,14 @@ impl Scanner {
                 }
             }
             DatasetFormat::Parquet => {
-                let rows = ParquetRows::open(parquet::shards(&path, config.split.as_deref())?)?;
+                // The scan needs a row's id, not the rest of it: with an id
+                // field only that column is decoded, and the field names
+                // are the schema's.
+                let rows = ParquetRows::open(
+                    parquet::shards(&path, config.split.as_deref())?,
+                    config.id_field.as_deref(),
+                )?;
+                let columns = rows.columns();
                 // Rows are decoded from column chunks, not read as one
                 // stream of the file's bytes, so the hash is a pass of its
                 // own.
@@ -293,6 +302,7 @@ impl Scanner {
                 Scan::Parquet {
                     rows: Box::new(rows),
                     next: 0,
+                    columns,
                 }
             }
         };
@@ -370,11 +380,10 @@ impl Scanner {
                     },
                 }
             }
-            Scan::Parquet { rows, next } => {
-                let Some(row) = rows.get(*next)? else {
+            Scan::Parquet { rows, next, .. } => {
+                let Some(row) = rows.take(*next)? else {
                     return Ok(None);
                 };
-                let row = row.clone();
                 *next += 1;
                 (*next, *next - 1, Ok(row))
             }
@@ -383,7 +392,17 @@ impl Scanner {
         let scanned = match parsed.and_then(|row| {
             let id = item_id(&row, self.id_field.as_deref())?;
             if self.fields.len() < MAX_FIELD_NAMES {
-                self.fields.extend(row.keys().cloned());
+                match &self.format {
+                    // The row may hold the id column alone.
+                    Scan::Parquet { columns, .. } => {
+                        if self.fields.is_empty() {
+                            self.fields.extend(columns.iter().cloned());
+                        }
+                    }
+                    Scan::Jsonl { .. } | Scan::Csv { .. } => {
+                        self.fields.extend(row.keys().cloned());
+                    }
+                }
             }
             Ok(id)
         }) {
@@ -633,6 +652,7 @@ impl RowReader {
             }
             DatasetFormat::Parquet => RowSource::Parquet(Box::new(ParquetRows::open(
                 parquet::shards(&path, config.split.as_deref())?,
+                None,
             )?)),
         };
         Ok(Self {

@@ -286,3 +286,73 @@ async fn a_parquet_export_has_typed_columns_and_reads_back_as_a_dataset() {
         assert_eq!(types[column], kind, "{column}: {types}");
     }
 }
+
+/// Runs `evalfleet ARGS` in `dir` from `python`, which then reads its one
+/// child's peak resident memory (`getrusage`): its exit code, its stderr
+/// and that peak in MiB.
+fn peak_rss(python: &str, dir: &Path, args: &[&str]) -> (i32, String, f64) {
+    let out = std::process::Command::new(python)
+        .arg("-c")
+        .arg(
+            "import json, resource, subprocess, sys\n\
+             ran = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n\
+             peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n\
+             print(json.dumps([ran.returncode, ran.stderr, peak / 1024]))",
+        )
+        .arg(crate::util::BIN)
+        .args(args)
+        .current_dir(dir)
+        .env_remove("EVALFLEET_STORE")
+        .env_remove("EVALFLEET_LOG")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// A file of 200,000 rows in one row group (pyarrow writes a million rows
+/// to a group unless told otherwise) is checked and run with memory that
+/// does not hold the group: decoded whole, it takes some 350 MiB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parquet_file_of_one_large_row_group_is_read_with_flat_memory() {
+    let Some(py) = pyarrow_python() else {
+        return;
+    };
+    let env = Env::new();
+    let dataset = env.path("items.parquet");
+    python(
+        &py,
+        "import sys, pyarrow as pa, pyarrow.parquet as pq\n\
+         n = 200_000\n\
+         pq.write_table(pa.table({\n\
+             'id': [f'r{i}' for i in range(n)],\n\
+             'question': [f'What is {i} plus {i % 97}? Answer with the number.' for i in range(n)],\n\
+             'level': [i % 5 for i in range(n)],\n\
+         }), sys.argv[1], row_group_size=n)",
+        &[&dataset],
+    );
+    let server = mock(MockSettings::default()).await;
+    env.write(
+        "run.yaml",
+        &config(&dataset, &external("only", &server, 8), ""),
+    );
+    const BOUND_MIB: f64 = 100.0;
+
+    // The scan: every row's id.
+    let (code, stderr, peak) = peak_rss(&py, env.dir.path(), &["check", "run.yaml"]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(peak < BOUND_MIB, "check took {peak:.0} MiB");
+
+    // The row reader: a sample's rows, spread over the group, read forward.
+    let (code, stderr, peak) = peak_rss(
+        &py,
+        env.dir.path(),
+        &["run", "run.yaml", "-q", "--n-sample", "20", "--seed", "1"],
+    );
+    assert_eq!(code, 0, "{stderr}");
+    assert!(peak < BOUND_MIB, "the run took {peak:.0} MiB");
+}
