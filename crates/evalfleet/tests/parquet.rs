@@ -288,8 +288,8 @@ async fn a_parquet_export_has_typed_columns_and_reads_back_as_a_dataset() {
 }
 
 /// Runs `evalfleet ARGS` in `dir` from `python`, which then reads its one
-/// child's peak resident memory (`getrusage`): its exit code, its stderr
-/// and that peak in MiB.
+/// child's peak resident memory (`getrusage`): its exit code, what it
+/// printed (stdout, then stderr) and that peak in MiB.
 fn peak_rss(python: &str, dir: &Path, args: &[&str]) -> (i32, String, f64) {
     let out = std::process::Command::new(python)
         .arg("-c")
@@ -297,7 +297,7 @@ fn peak_rss(python: &str, dir: &Path, args: &[&str]) -> (i32, String, f64) {
             "import json, resource, subprocess, sys\n\
              ran = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n\
              peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n\
-             print(json.dumps([ran.returncode, ran.stderr, peak / 1024]))",
+             print(json.dumps([ran.returncode, ran.stdout + ran.stderr, peak / 1024]))",
         )
         .arg(crate::util::BIN)
         .args(args)
@@ -343,16 +343,17 @@ async fn a_parquet_file_of_one_large_row_group_is_read_with_flat_memory() {
     const BOUND_MIB: f64 = 100.0;
 
     // The scan: every row's id.
-    let (code, stderr, peak) = peak_rss(&py, env.dir.path(), &["check", "run.yaml"]);
-    assert_eq!(code, 0, "{stderr}");
+    let (_, said, peak) = peak_rss(&py, env.dir.path(), &["check", "run.yaml"]);
+    assert!(said.contains("items.parquet: 200000 rows, 0 invalid"), "{said}");
     assert!(peak < BOUND_MIB, "check took {peak:.0} MiB");
 
     // The row reader: a sample's rows, spread over the group, read forward.
-    let (code, stderr, peak) = peak_rss(
+    let (code, said, peak) = peak_rss(
         &py,
         env.dir.path(),
         &["run", "run.yaml", "-q", "--n-sample", "20", "--seed", "1"],
     );
-    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(code, 0, "{said}");
+    assert!(said.contains("finished: 20 done, 0 failed"), "{said}");
     assert!(peak < BOUND_MIB, "the run took {peak:.0} MiB");
 }

@@ -646,6 +646,55 @@ mod tests {
     }
 
     #[test]
+    fn rows_of_one_large_group_are_read_forward_back_and_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("one.parquet");
+        let n = 3000;
+        let file = File::create(&path).unwrap();
+        let mut writer = TableWriter::new(
+            file,
+            &[
+                ("id".to_owned(), ColumnKind::Text),
+                ("n".to_owned(), ColumnKind::Int),
+            ],
+        )
+        .unwrap();
+        writer
+            .write_group(&mut [
+                ColumnValues::Text((0..n).map(|i| Some(format!("r{i}"))).collect()),
+                ColumnValues::Int((0..n).map(|i| (i % 7 != 0).then_some(i)).collect()),
+            ])
+            .unwrap();
+        writer.finish().unwrap();
+
+        // The scan decodes the id column alone; the fields are every column.
+        let cfg = config(&path, None);
+        let mut scanner = Scanner::open(&cfg).unwrap();
+        let mut last = None;
+        while let Some(row) = scanner.next_row().unwrap() {
+            last = Some(row);
+        }
+        let last = last.unwrap();
+        assert_eq!((last.id.as_str(), last.line, last.offset), ("r2999", 3000, 2999));
+        let summary = scanner.finish();
+        assert_eq!(summary.rows, 3000);
+        assert_eq!(
+            summary.fields.iter().collect::<Vec<_>>(),
+            [&"id".to_owned(), &"n".to_owned()]
+        );
+
+        // Forward with gaps, the same row twice, back, and forward again.
+        let mut reader = RowReader::open(&cfg).unwrap();
+        for i in [0u64, 5, 1500, 1500, 2999, 7, 8, 2000] {
+            let row = reader.read(i, i + 1, &format!("r{i}")).unwrap();
+            let n = if i % 7 == 0 { json!(null) } else { json!(i) };
+            assert_eq!(Value::Object(row), json!({"id": format!("r{i}"), "n": n}));
+        }
+        let err = reader.read(3000, 3001, "r3000").unwrap_err().to_string();
+        assert!(err.contains("the dataset has 3000 rows now"), "{err}");
+    }
+
+    #[test]
     fn a_folder_of_shards_reads_the_chosen_split_in_path_order() {
         let dir = tempfile::tempdir().unwrap();
         let data = dir.path().join("data");
