@@ -2914,7 +2914,7 @@ pq.write_table(table, f"{folder}/d1-groups.parquet", row_group_size=10_000)
 pq.write_table(table, f"{folder}/d1-one.parquet", row_group_size=n)
 with open(f"{folder}/d1.jsonl", "w") as f:
     for row in zip(*columns.values()):
-        f.write(json.dumps(dict(zip(columns, row))) + "\n")
+        f.write(json.dumps(dict(zip(columns, row))) + "\\n")
 print(pa.__version__, pq.ParquetFile(f"{folder}/d1-one.parquet").num_row_groups)
 """
 
@@ -2991,7 +2991,13 @@ def d1(args, work):
     sizes = {}
     for key, name, _ in D1_DATASETS:
         sizes[key] = os.path.getsize(os.path.join(work, name))
-        write_config(os.path.join(work, f"d1-{key}.yaml"), os.path.join(work, name), mock.url, args.concurrency)
+        config = os.path.join(work, f"d1-{key}.yaml")
+        write_config(config, os.path.join(work, name), mock.url, args.concurrency)
+        # The model the mock says it serves, so that `check` finds it ready.
+        with open(config) as f:
+            text = f.read().replace("model: m,", "model: mock,")
+        with open(config, "w") as f:
+            f.write(text)
     rounds = []
     try:
         for round_ in range(args.rounds):

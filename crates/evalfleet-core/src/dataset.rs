@@ -552,7 +552,7 @@ pub fn item_id(row: &Row, id_field: Option<&str>) -> Result<String, String> {
         },
         None => {
             let mut canonical = Vec::with_capacity(256);
-            write_canonical(&Value::Object(row.clone()), &mut canonical);
+            write_canonical_object(row, &mut canonical);
             Ok(hex::encode(&Sha256::digest(&canonical)[..8]))
         }
     }
@@ -561,21 +561,7 @@ pub fn item_id(row: &Row, id_field: Option<&str>) -> Result<String, String> {
 /// JSON with object keys sorted at every level, whatever order the map keeps.
 pub fn write_canonical(value: &Value, out: &mut Vec<u8>) {
     match value {
-        Value::Object(map) => {
-            let mut keys: Vec<&String> = map.keys().collect();
-            keys.sort();
-            out.push(b'{');
-            for (i, key) in keys.into_iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                // Serialising a string cannot fail.
-                serde_json::to_writer(&mut *out, key).ok();
-                out.push(b':');
-                write_canonical(&map[key], out);
-            }
-            out.push(b'}');
-        }
+        Value::Object(map) => write_canonical_object(map, out),
         Value::Array(items) => {
             out.push(b'[');
             for (i, item) in items.iter().enumerate() {
@@ -590,6 +576,24 @@ pub fn write_canonical(value: &Value, out: &mut Vec<u8>) {
             serde_json::to_writer(&mut *out, scalar).ok();
         }
     }
+}
+
+/// [`write_canonical`] of an object, without wrapping it in a [`Value`]
+/// (a row is hashed this way, and a copy of it costs more than the hash).
+fn write_canonical_object(map: &Row, out: &mut Vec<u8>) {
+    let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+    entries.sort_unstable_by_key(|(key, _)| *key);
+    out.push(b'{');
+    for (i, (key, value)) in entries.into_iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        // Serialising a string cannot fail.
+        serde_json::to_writer(&mut *out, key).ok();
+        out.push(b':');
+        write_canonical(value, out);
+    }
+    out.push(b'}');
 }
 
 /// The key that orders items for sampling: the `n` items with the smallest

@@ -20,6 +20,7 @@ use parquet::errors::ParquetError;
 use parquet::file::properties::WriterProperties;
 use parquet::file::reader::{FileReader, SerializedFileReader};
 use parquet::file::writer::SerializedFileWriter;
+use parquet::record::Field;
 use parquet::record::reader::{ReaderIter, TreeBuilder};
 use parquet::schema::types::{SchemaDescriptor, Type};
 use serde_json::Value;
@@ -264,12 +265,7 @@ impl ParquetRows {
             };
             cursor.next += 1;
             if cursor.next > index {
-                let row = match row.to_json_value() {
-                    Value::Object(map) => map,
-                    // A row is a group of columns, so always an object.
-                    _ => Row::new(),
-                };
-                return Ok((cursor, row));
+                return Ok((cursor, row_to_json(row)));
             }
         }
     }
@@ -320,6 +316,23 @@ impl ParquetRows {
             rows,
         }))
     }
+}
+
+/// A decoded row as a JSON object, as the record API's `to_json_value`
+/// makes it, with the column names and the text of text columns moved
+/// rather than copied.
+fn row_to_json(row: parquet::record::Row) -> Row {
+    row.into_columns()
+        .into_iter()
+        .map(|(name, field)| {
+            let value = match field {
+                Field::Str(text) => Value::String(text),
+                Field::Group(group) => Value::Object(row_to_json(group)),
+                other => other.to_json_value(),
+            };
+            (name, value)
+        })
+        .collect()
 }
 
 /// What a column of a [`TableWriter`] holds; every column may hold nulls.
