@@ -344,7 +344,10 @@ async fn a_parquet_file_of_one_large_row_group_is_read_with_flat_memory() {
 
     // The scan: every row's id.
     let (_, said, peak) = peak_rss(&py, env.dir.path(), &["check", "run.yaml"]);
-    assert!(said.contains("items.parquet: 200000 rows, 0 invalid"), "{said}");
+    assert!(
+        said.contains("items.parquet: 200000 rows, 0 invalid"),
+        "{said}"
+    );
     assert!(peak < BOUND_MIB, "check took {peak:.0} MiB");
 
     // The row reader: a sample's rows, spread over the group, read forward.

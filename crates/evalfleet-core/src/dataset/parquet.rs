@@ -305,9 +305,7 @@ impl ParquetRows {
             None => schema,
         };
         let reader = shard.reader.get_row_group(group).map_err(bad)?;
-        let rows = TreeBuilder::new()
-            .as_iter(schema, &*reader)
-            .map_err(bad)?;
+        let rows = TreeBuilder::new().as_iter(schema, &*reader).map_err(bad)?;
         Ok(Some(Cursor {
             shard: at,
             group,
@@ -688,7 +686,10 @@ mod tests {
             last = Some(row);
         }
         let last = last.unwrap();
-        assert_eq!((last.id.as_str(), last.line, last.offset), ("r2999", 3000, 2999));
+        assert_eq!(
+            (last.id.as_str(), last.line, last.offset),
+            ("r2999", 3000, 2999)
+        );
         let summary = scanner.finish();
         assert_eq!(summary.rows, 3000);
         assert_eq!(
