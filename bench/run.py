@@ -22,9 +22,10 @@
     python3 bench/run.py p1 [--copies 8] [--workers 1,2,3] [--variants free,pinned] [--rounds 3]   # root: netns
     python3 bench/run.py p1latency [--items 10000] [--workers 1,2,4] [--limits 16,64] [--rounds 3]
     python3 bench/run.py d2 [--items 10000] [--rounds 3] [--concurrency 64] [--variants fast,slow] [--latency-ms 50]   # the Sheets sink, against the stand-in (needs openssl)
+    python3 bench/run.py d1 [--items 1000000] [--rounds 3] [--pyarrow-python PY]   # Parquet against JSONL
     python3 bench/run.py r1 [--items 48] [--np 1,4] [--sweep 1,2,4,8] [--max-tokens 128] [--rounds 1] [--python VENV/bin/python]
 
-W1, W5, W6 and J1 take --baseline BIN: another evalfleet binary (an earlier
+W1, W5, W6, J1 and D1 take --baseline BIN: another evalfleet binary (an earlier
 commit's) measured in the same rounds against the same mocks, alternating
 which goes first, so that a change is judged side by side.
 
@@ -41,7 +42,8 @@ own, started as user postgres, listening on the workers' veth addresses).
 Each workload builds the release binary (unless --no-build), runs the mock
 endpoint pinned to core 0 and the client pinned to core 1, measures a
 reference in the same run, and prints the figures as JSON and as a Markdown
-table for docs/benchmarks.md. Only the standard library is used.
+table for docs/benchmarks.md. Only the standard library is used (D1 writes
+its data with a Python that has pyarrow).
 """
 
 import argparse
@@ -3034,6 +3036,136 @@ def fresh_standin(work, private_key, rows):
     return standin
 
 
+D1_WRITE = """
+import json, sys
+import pyarrow as pa, pyarrow.parquet as pq
+n, folder = int(sys.argv[1]), sys.argv[2]
+columns = {
+    "id": [f"r{i}" for i in range(n)],
+    "question": [f"What is {i} plus {i % 97}? Answer with the number." for i in range(n)],
+    "answer": [i + i % 97 for i in range(n)],
+    "level": [i % 5 for i in range(n)],
+}
+table = pa.table(columns)
+pq.write_table(table, f"{folder}/d1-groups.parquet", row_group_size=10_000)
+pq.write_table(table, f"{folder}/d1-one.parquet", row_group_size=n)
+with open(f"{folder}/d1.jsonl", "w") as f:
+    for row in zip(*columns.values()):
+        f.write(json.dumps(dict(zip(columns, row))) + "\\n")
+print(pa.__version__, pq.ParquetFile(f"{folder}/d1-one.parquet").num_row_groups)
+"""
+
+D1_DATASETS = [
+    ("jsonl", "d1.jsonl", "JSONL"),
+    ("groups", "d1-groups.parquet", "Parquet, row groups of 10,000 rows"),
+    ("one", "d1-one.parquet", "Parquet, one row group"),
+]
+
+REGISTERED = re.compile(r"items registered in .* \(([\d.]+)s\)")
+
+
+def d1_register(binary, config, db, work):
+    """`evalfleet run` until its items are registered (the log line), then
+    killed before it answers any: the seconds to that line and the peak RSS
+    by then (read from /proc while it runs)."""
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        ["taskset", "-c", CLIENT_CORE, binary, "run", config, "--store", db],
+        cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    seen = threading.Event()
+    said = []
+
+    def read():
+        for line in proc.stderr:
+            said.append(line)
+            if REGISTERED.search(line):
+                seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    peak = 0.0
+    while not seen.wait(0.02):
+        try:
+            peak = max(peak, vm_hwm_mb(proc.pid))
+        except OSError:
+            pass
+        if proc.poll() is not None and not seen.is_set():
+            raise SystemExit(f"the run ended before registering: {''.join(said)[-2000:]}")
+    wall = time.monotonic() - started
+    peak = max(peak, vm_hwm_mb(proc.pid))
+    proc.kill()
+    proc.wait()
+    logged = next(float(m[1]) for line in said if (m := REGISTERED.search(line)))
+    for path in (db, db + "-wal", db + "-shm"):
+        if os.path.exists(path):
+            os.remove(path)
+    return {"register_wall_s": wall, "register_logged_s": logged, "register_peak_rss_mb": peak}
+
+
+def d1_check(binary, config, work):
+    """`evalfleet check`: wall, CPU and peak RSS (`/usr/bin/time`)."""
+    proc = subprocess.run(
+        ["taskset", "-c", CLIENT_CORE, "/usr/bin/time", "-f", "TIME %e %U %S %M", binary, "check", config],
+        cwd=work, capture_output=True, text=True,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"check failed: {proc.stdout}{proc.stderr[-2000:]}")
+    wall, user, sys_, rss = proc.stderr.splitlines()[-1].split()[1:]
+    return {"check_wall_s": float(wall), "check_cpu_s": float(user) + float(sys_), "check_sys_s": float(sys_), "check_peak_rss_mb": int(rss) / 1024}
+
+
+def d1(args, work):
+    """D1: a Parquet dataset of --items rows (row groups of 10,000; one
+    group) against the same rows as JSONL: registration (a run against the
+    mock, killed once its items are registered) and `evalfleet check`."""
+    python = args.pyarrow_python or os.environ.get("EVALFLEET_PYARROW_PYTHON") or "python3"
+    made = subprocess.run([python, "-c", D1_WRITE, str(args.items), work], capture_output=True, text=True)
+    if made.returncode != 0:
+        raise SystemExit(f"cannot write the data with {python} (pyarrow): {made.stderr[-2000:]}")
+    pyarrow_version, one_groups = made.stdout.split()
+    mock = Mock()
+    sizes = {}
+    for key, name, _ in D1_DATASETS:
+        sizes[key] = os.path.getsize(os.path.join(work, name))
+        config = os.path.join(work, f"d1-{key}.yaml")
+        write_config(config, os.path.join(work, name), mock.url, args.concurrency)
+        # The model the mock says it serves, so that `check` finds it ready.
+        with open(config) as f:
+            text = f.read().replace("model: m,", "model: mock,")
+        with open(config, "w") as f:
+            f.write(text)
+    rounds = []
+    try:
+        for round_ in range(args.rounds):
+            # Each round takes the datasets in another order.
+            order = D1_DATASETS[round_ % 3:] + D1_DATASETS[:round_ % 3]
+            figures = {}
+            for label, binary in binaries(args, round_):
+                for key, _, _ in order:
+                    config = os.path.join(work, f"d1-{key}.yaml")
+                    db = os.path.join(work, f"d1-{key}-{label}.db")
+                    figures[f"{label}/{key}"] = {**d1_check(binary, config, work), **d1_register(binary, config, db, work)}
+            rounds.append(figures)
+            print(json.dumps({"round": round_ + 1, "figures": figures}), file=sys.stderr)
+    finally:
+        mock.stop()
+    result = {"workload": "D1", "items": args.items, "pyarrow": pyarrow_version, "row_groups_of_one": int(one_groups), "bytes": sizes, "rounds": rounds}
+    medians = {}
+    for cell in rounds[0]:
+        medians[cell] = {k: statistics.median(r[cell][k] for r in rounds) for k in rounds[0][cell]}
+    result["medians"] = medians
+    print(json.dumps(result, indent=2))
+    for label, _ in binaries(args, 0):
+        for key, name, what in D1_DATASETS:
+            m = medians[f"{label}/{key}"]
+            ratio = statistics.median(r[f"{label}/{key}"]["check_wall_s"] / r[f"{label}/jsonl"]["check_wall_s"] for r in rounds)
+            print(
+                f"| {what} ({label}) | {sizes[key] / 1e6:.1f} MB | {m['register_wall_s']:.2f} s | {m['register_peak_rss_mb']:.1f} MiB "
+                f"| {m['check_wall_s']:.2f} s ({ratio:.2f} x JSONL) | {m['check_cpu_s']:.2f} s ({m['check_sys_s']:.2f} s sys) | {m['check_peak_rss_mb']:.1f} MiB |"
+            )
+
+
 WORKLOADS = {
     "w1": (w1, 100_000),
     "w2": (w2, None),
@@ -3057,6 +3189,7 @@ WORKLOADS = {
     "p1": (p1, None),
     "p1latency": (p1latency, 10_000),
     "d2": (d2, 10_000),
+    "d1": (d1, 1_000_000),
 }
 
 
@@ -3096,7 +3229,8 @@ def main():
     parser.add_argument("--copies", type=int, default=8, help="P1: HumanEval's 164 programs this many times over")
     parser.add_argument("--workers", help="P1: worker counts; P1latency: thread counts (default 1,2,4)")
     parser.add_argument("--limits", default="16,64", help="P1latency: items a claim takes")
-    parser.add_argument("--baseline", help="W1, W5, W6, J1: another evalfleet binary measured side by side")
+    parser.add_argument("--baseline", help="W1, W5, W6, J1, D1: another evalfleet binary measured side by side")
+    parser.add_argument("--pyarrow-python", help="D1: a Python with pyarrow, to write the data (default $EVALFLEET_PYARROW_PYTHON, else python3)")
     args = parser.parse_args()
     if not args.no_build:
         build()

@@ -247,6 +247,8 @@ enum Scan {
     Parquet {
         rows: Box<ParquetRows>,
         next: u64,
+        /// The top-level columns: a whole row's keys.
+        columns: Vec<String>,
     },
 }
 
@@ -282,7 +284,14 @@ impl Scanner {
                 }
             }
             DatasetFormat::Parquet => {
-                let rows = ParquetRows::open(parquet::shards(&path, config.split.as_deref())?)?;
+                // The scan needs a row's id, not the rest of it: with an id
+                // field only that column is decoded, and the field names
+                // are the schema's.
+                let rows = ParquetRows::open(
+                    parquet::shards(&path, config.split.as_deref())?,
+                    config.id_field.as_deref(),
+                )?;
+                let columns = rows.columns();
                 // Rows are decoded from column chunks, not read as one
                 // stream of the file's bytes, so the hash is a pass of its
                 // own.
@@ -293,6 +302,7 @@ impl Scanner {
                 Scan::Parquet {
                     rows: Box::new(rows),
                     next: 0,
+                    columns,
                 }
             }
         };
@@ -370,11 +380,10 @@ impl Scanner {
                     },
                 }
             }
-            Scan::Parquet { rows, next } => {
-                let Some(row) = rows.get(*next)? else {
+            Scan::Parquet { rows, next, .. } => {
+                let Some(row) = rows.take(*next)? else {
                     return Ok(None);
                 };
-                let row = row.clone();
                 *next += 1;
                 (*next, *next - 1, Ok(row))
             }
@@ -383,7 +392,17 @@ impl Scanner {
         let scanned = match parsed.and_then(|row| {
             let id = item_id(&row, self.id_field.as_deref())?;
             if self.fields.len() < MAX_FIELD_NAMES {
-                self.fields.extend(row.keys().cloned());
+                match &self.format {
+                    // The row may hold the id column alone.
+                    Scan::Parquet { columns, .. } => {
+                        if self.fields.is_empty() {
+                            self.fields.extend(columns.iter().cloned());
+                        }
+                    }
+                    Scan::Jsonl { .. } | Scan::Csv { .. } => {
+                        self.fields.extend(row.keys().cloned());
+                    }
+                }
             }
             Ok(id)
         }) {
@@ -533,7 +552,7 @@ pub fn item_id(row: &Row, id_field: Option<&str>) -> Result<String, String> {
         },
         None => {
             let mut canonical = Vec::with_capacity(256);
-            write_canonical(&Value::Object(row.clone()), &mut canonical);
+            write_canonical_object(row, &mut canonical);
             Ok(hex::encode(&Sha256::digest(&canonical)[..8]))
         }
     }
@@ -542,21 +561,7 @@ pub fn item_id(row: &Row, id_field: Option<&str>) -> Result<String, String> {
 /// JSON with object keys sorted at every level, whatever order the map keeps.
 pub fn write_canonical(value: &Value, out: &mut Vec<u8>) {
     match value {
-        Value::Object(map) => {
-            let mut keys: Vec<&String> = map.keys().collect();
-            keys.sort();
-            out.push(b'{');
-            for (i, key) in keys.into_iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                // Serialising a string cannot fail.
-                serde_json::to_writer(&mut *out, key).ok();
-                out.push(b':');
-                write_canonical(&map[key], out);
-            }
-            out.push(b'}');
-        }
+        Value::Object(map) => write_canonical_object(map, out),
         Value::Array(items) => {
             out.push(b'[');
             for (i, item) in items.iter().enumerate() {
@@ -571,6 +576,24 @@ pub fn write_canonical(value: &Value, out: &mut Vec<u8>) {
             serde_json::to_writer(&mut *out, scalar).ok();
         }
     }
+}
+
+/// [`write_canonical`] of an object, without wrapping it in a [`Value`]
+/// (a row is hashed this way, and a copy of it costs more than the hash).
+fn write_canonical_object(map: &Row, out: &mut Vec<u8>) {
+    let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+    entries.sort_unstable_by_key(|(key, _)| *key);
+    out.push(b'{');
+    for (i, (key, value)) in entries.into_iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        // Serialising a string cannot fail.
+        serde_json::to_writer(&mut *out, key).ok();
+        out.push(b':');
+        write_canonical(value, out);
+    }
+    out.push(b'}');
 }
 
 /// The key that orders items for sampling: the `n` items with the smallest
@@ -633,6 +656,7 @@ impl RowReader {
             }
             DatasetFormat::Parquet => RowSource::Parquet(Box::new(ParquetRows::open(
                 parquet::shards(&path, config.split.as_deref())?,
+                None,
             )?)),
         };
         Ok(Self {

@@ -1,8 +1,9 @@
 //! Parquet datasets: one file, or a folder of shards in the Hugging Face
-//! layout with a split chosen by name. Rows are decoded one row group at a
-//! time (a group is the unit Parquet compresses), so memory holds one group,
-//! never a file. A row's place is its index across the split's shards, in
-//! the order of their paths.
+//! layout with a split chosen by name. Rows are decoded as a stream, a page
+//! of each column at a time, so memory holds neither a file nor a row group
+//! (pyarrow writes a million rows to a group unless told otherwise). A row's
+//! place is its index across the split's shards, in the order of their
+//! paths.
 //!
 //! Each row becomes a JSON object: a struct a nested object, a list an
 //! array, a map an object, a null `null`, binary data base64 text (which an
@@ -19,7 +20,9 @@ use parquet::errors::ParquetError;
 use parquet::file::properties::WriterProperties;
 use parquet::file::reader::{FileReader, SerializedFileReader};
 use parquet::file::writer::SerializedFileWriter;
-use parquet::schema::types::Type;
+use parquet::record::Field;
+use parquet::record::reader::{ReaderIter, TreeBuilder};
+use parquet::schema::types::{SchemaDescriptor, Type};
 use serde_json::Value;
 
 use super::{DatasetError, Row};
@@ -120,17 +123,39 @@ struct Shard {
     groups: Vec<u64>,
 }
 
-/// A split's rows, by index, decoded one row group at a time.
+/// Where the rows are being decoded: a row group's rows, streamed page by
+/// page, and the index of the row they yield next.
+struct Cursor {
+    shard: usize,
+    group: usize,
+    /// Index (across the shards) of the row `rows` yields next.
+    next: u64,
+    /// Index of the first row after the group.
+    end: u64,
+    rows: ReaderIter,
+}
+
+/// A split's rows, by index. A row group is decoded as a stream (each
+/// column a page at a time), so memory holds a page of each column and one
+/// row, whatever the size of the group. Reading forward costs nothing
+/// more than the rows passed over; going back reopens the group and decodes
+/// it from its start to the row.
 pub(super) struct ParquetRows {
     shards: Vec<Shard>,
-    /// The decoded group: the index of its first row, and its rows.
-    group: Option<(u64, Vec<Row>)>,
+    /// With a name: rows hold only that top-level column, where a shard
+    /// has it (the scan needs the id, not the rest of the row).
+    only: Option<String>,
+    cursor: Option<Cursor>,
+    /// The row read last, kept for the next read of the same row (the
+    /// items of `task.n` > 1 read one row several times in a row).
+    last: Option<(u64, Row)>,
     total: u64,
 }
 
 impl ParquetRows {
-    /// Opens each of `files` and reads its footer.
-    pub(super) fn open(files: Vec<PathBuf>) -> Result<Self, DatasetError> {
+    /// Opens each of `files` and reads its footer. With `only`, rows hold
+    /// that column alone, in the shards that have it.
+    pub(super) fn open(files: Vec<PathBuf>, only: Option<&str>) -> Result<Self, DatasetError> {
         let mut shards = Vec::with_capacity(files.len());
         let mut start = 0;
         for path in files {
@@ -159,7 +184,9 @@ impl ParquetRows {
         }
         Ok(Self {
             shards,
-            group: None,
+            only: only.map(str::to_owned),
+            cursor: None,
+            last: None,
             total: start,
         })
     }
@@ -169,32 +196,90 @@ impl ParquetRows {
         self.total
     }
 
-    /// Row `index` (0-based, across the shards); `None` past the end.
-    /// Reading in order decodes each group once.
-    pub(super) fn get(&mut self, index: u64) -> Result<Option<&Row>, DatasetError> {
-        let cached = matches!(&self.group, Some((start, rows)) if (*start..*start + rows.len() as u64).contains(&index));
-        if !cached {
-            if index >= self.total {
-                return Ok(None);
+    /// The top-level columns of the shards, each once, in the order of the
+    /// shards and of their schemas: the keys of a whole row.
+    pub(super) fn columns(&self) -> Vec<String> {
+        let mut names: Vec<String> = Vec::new();
+        for shard in &self.shards {
+            let schema = shard.reader.metadata().file_metadata().schema();
+            for field in schema.get_fields() {
+                if !names.iter().any(|n| n == field.name()) {
+                    names.push(field.name().to_owned());
+                }
             }
-            self.group = None;
-            self.group = Some(self.decode_group_of(index)?);
         }
-        Ok(self
-            .group
-            .as_ref()
-            .and_then(|(start, rows)| rows.get(usize::try_from(index - start).ok()?)))
+        names
     }
 
-    /// Decodes the row group that holds row `index`.
-    fn decode_group_of(&self, index: u64) -> Result<(u64, Vec<Row>), DatasetError> {
-        let Some(shard) = self
+    /// Row `index` (0-based, across the shards); `None` past the end. The
+    /// same row asked for twice in a row is decoded once.
+    pub(super) fn get(&mut self, index: u64) -> Result<Option<&Row>, DatasetError> {
+        if !matches!(&self.last, Some((at, _)) if *at == index) {
+            self.last = None;
+            let Some(row) = self.take(index)? else {
+                return Ok(None);
+            };
+            self.last = Some((index, row));
+        }
+        Ok(self.last.as_ref().map(|(_, row)| row))
+    }
+
+    /// Decodes row `index` and hands it over; `None` past the end. Rows
+    /// between the cursor and `index` in its group are decoded and dropped.
+    pub(super) fn take(&mut self, index: u64) -> Result<Option<Row>, DatasetError> {
+        if index >= self.total {
+            return Ok(None);
+        }
+        let cursor = match self.cursor.take() {
+            Some(cursor) if (cursor.next..cursor.end).contains(&index) => cursor,
+            _ => match self.open_group_of(index)? {
+                Some(cursor) => cursor,
+                None => return Ok(None),
+            },
+        };
+        // The cursor goes back only when the row was read: a row group
+        // that fails to decode is opened again at the next read.
+        let (cursor, row) = self.read_at(cursor, index)?;
+        self.cursor = Some(cursor);
+        Ok(Some(row))
+    }
+
+    /// Moves `cursor` to row `index` of its group and decodes that row.
+    fn read_at(&self, mut cursor: Cursor, index: u64) -> Result<(Cursor, Row), DatasetError> {
+        let shard = &self.shards[cursor.shard];
+        let group = cursor.group;
+        let bad = |message: String| DatasetError::Parquet {
+            path: shard.path.clone(),
+            message: format!("cannot read row group {group}: {message}"),
+        };
+        loop {
+            let row = match cursor.rows.next() {
+                Some(row) => row.map_err(|err| bad(err.to_string()))?,
+                None => {
+                    return Err(bad(format!(
+                        "it ends before row {} of {}",
+                        cursor.next - shard.start,
+                        cursor.end - shard.start
+                    )));
+                }
+            };
+            cursor.next += 1;
+            if cursor.next > index {
+                return Ok((cursor, row_to_json(row)));
+            }
+        }
+    }
+
+    /// Opens the row group that holds row `index`, its cursor at the
+    /// group's first row.
+    fn open_group_of(&self, index: u64) -> Result<Option<Cursor>, DatasetError> {
+        let Some((at, shard)) = self
             .shards
             .iter()
-            .rev()
-            .find(|s| s.start <= index && !s.groups.is_empty())
+            .enumerate()
+            .find(|(_, s)| index < s.start + s.groups.iter().sum::<u64>())
         else {
-            return Ok((index, Vec::new()));
+            return Ok(None);
         };
         let mut start = shard.start;
         let mut group = 0;
@@ -202,21 +287,50 @@ impl ParquetRows {
             start += shard.groups[group];
             group += 1;
         }
-        let bad = |err: parquet::errors::ParquetError| DatasetError::Parquet {
+        let bad = |err: ParquetError| DatasetError::Parquet {
             path: shard.path.clone(),
             message: format!("cannot read row group {group}: {err}"),
         };
+        let schema = shard.reader.metadata().file_metadata().schema_descr_ptr();
+        let root = schema.root_schema();
+        let projected = self.only.as_deref().and_then(|name| {
+            let field = root.get_fields().iter().find(|f| f.name() == name)?;
+            Type::group_type_builder(root.name())
+                .with_fields(vec![Arc::clone(field)])
+                .build()
+                .ok()
+        });
+        let schema = match projected {
+            Some(projected) => Arc::new(SchemaDescriptor::new(Arc::new(projected))),
+            None => schema,
+        };
         let reader = shard.reader.get_row_group(group).map_err(bad)?;
-        let mut rows = Vec::with_capacity(usize::try_from(shard.groups[group]).unwrap_or(0));
-        for row in reader.get_row_iter(None).map_err(bad)? {
-            match row.map_err(bad)?.to_json_value() {
-                Value::Object(map) => rows.push(map),
-                // A row is a group of columns, so always an object.
-                _ => rows.push(Row::new()),
-            }
-        }
-        Ok((start, rows))
+        let rows = TreeBuilder::new().as_iter(schema, &*reader).map_err(bad)?;
+        Ok(Some(Cursor {
+            shard: at,
+            group,
+            next: start,
+            end: start + shard.groups[group],
+            rows,
+        }))
     }
+}
+
+/// A decoded row as a JSON object, as the record API's `to_json_value`
+/// makes it, with the column names and the text of text columns moved
+/// rather than copied.
+fn row_to_json(row: parquet::record::Row) -> Row {
+    row.into_columns()
+        .into_iter()
+        .map(|(name, field)| {
+            let value = match field {
+                Field::Str(text) => Value::String(text),
+                Field::Group(group) => Value::Object(row_to_json(group)),
+                other => other.to_json_value(),
+            };
+            (name, value)
+        })
+        .collect()
 }
 
 /// What a column of a [`TableWriter`] holds; every column may hold nulls.
@@ -541,6 +655,58 @@ mod tests {
         );
         let err = reader.read(0, 1, "2").unwrap_err().to_string();
         assert!(err.contains("the dataset changed"), "{err}");
+    }
+
+    #[test]
+    fn rows_of_one_large_group_are_read_forward_back_and_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("one.parquet");
+        let n = 3000;
+        let file = File::create(&path).unwrap();
+        let mut writer = TableWriter::new(
+            file,
+            &[
+                ("id".to_owned(), ColumnKind::Text),
+                ("n".to_owned(), ColumnKind::Int),
+            ],
+        )
+        .unwrap();
+        writer
+            .write_group(&mut [
+                ColumnValues::Text((0..n).map(|i| Some(format!("r{i}"))).collect()),
+                ColumnValues::Int((0..n).map(|i| (i % 7 != 0).then_some(i)).collect()),
+            ])
+            .unwrap();
+        writer.finish().unwrap();
+
+        // The scan decodes the id column alone; the fields are every column.
+        let cfg = config(&path, None);
+        let mut scanner = Scanner::open(&cfg).unwrap();
+        let mut last = None;
+        while let Some(row) = scanner.next_row().unwrap() {
+            last = Some(row);
+        }
+        let last = last.unwrap();
+        assert_eq!(
+            (last.id.as_str(), last.line, last.offset),
+            ("r2999", 3000, 2999)
+        );
+        let summary = scanner.finish();
+        assert_eq!(summary.rows, 3000);
+        assert_eq!(
+            summary.fields.iter().collect::<Vec<_>>(),
+            [&"id".to_owned(), &"n".to_owned()]
+        );
+
+        // Forward with gaps, the same row twice, back, and forward again.
+        let mut reader = RowReader::open(&cfg).unwrap();
+        for i in [0u64, 5, 1500, 1500, 2999, 7, 8, 2000] {
+            let row = reader.read(i, i + 1, &format!("r{i}")).unwrap();
+            let n = if i % 7 == 0 { json!(null) } else { json!(i) };
+            assert_eq!(Value::Object(row), json!({"id": format!("r{i}"), "n": n}));
+        }
+        let err = reader.read(3000, 3001, "r3000").unwrap_err().to_string();
+        assert!(err.contains("the dataset has 3000 rows now"), "{err}");
     }
 
     #[test]
