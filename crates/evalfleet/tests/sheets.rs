@@ -6,11 +6,11 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use evalfleet_mock::MockSettings;
 use evalfleet_mock::sheets::{StandIn, Trusted};
+use evalfleet_mock::{MockServer, MockSettings};
 use serde_json::{Value, json};
 
-use crate::util::{Env, by_id, external, mock, wait_until};
+use crate::util::{Env, Ran, by_id, external, mock, wait_until};
 
 const SHEET: &str = "1TestSheetIdForEvalfleet_x";
 const KEY_VAR: &str = "EVALFLEET_TEST_SHEET_KEY";
@@ -104,24 +104,51 @@ fn items(n: usize) -> Vec<Vec<Value>> {
 
 const WRITE: &str = "    write: { C: answer, D: score.exact_match }";
 
+/// Writes `run.yaml`: [`sheet_config`] over a fresh echoing mock that
+/// answers in `latency`, at `concurrency`, with `top` (top-level keys)
+/// after it. The mock serves while it is kept.
+async fn write_run(
+    env: &Env,
+    google: &Google,
+    latency: Duration,
+    concurrency: u32,
+    sheet: &str,
+    top: &str,
+) -> MockServer {
+    let server = mock(MockSettings {
+        latency,
+        ..MockSettings::default()
+    })
+    .await;
+    let config = sheet_config(google, &external("m", &server, concurrency), sheet);
+    env.write("run.yaml", &format!("{config}{top}"));
+    server
+}
+
 /// Runs [`sheet_config`] over a fresh echoing mock at `concurrency`.
-async fn run_sheet(env: &Env, google: &Google, concurrency: u32, sheet: &str) -> crate::util::Ran {
-    let server = mock(MockSettings::default()).await;
-    env.write(
-        "run.yaml",
-        &sheet_config(google, &external("m", &server, concurrency), sheet),
-    );
+async fn run_sheet(env: &Env, google: &Google, concurrency: u32, sheet: &str) -> Ran {
+    let _server = write_run(env, google, Duration::ZERO, concurrency, sheet, "").await;
     env.with_key(google, &["run", "run.yaml", "-q"]).await
 }
 
 impl Env {
-    async fn with_key(&self, google: &Google, args: &[&str]) -> crate::util::Ran {
+    /// The binary with `args`, the key's variable holding `key` (a path,
+    /// or the key's JSON), and a cache folder of the test's own.
+    fn keyed(&self, key: impl AsRef<std::ffi::OsStr>, args: &[&str]) -> tokio::process::Command {
         let mut command = self.command(args);
         command
-            .env(KEY_VAR, &google.key_file)
+            .env(KEY_VAR, key)
             .env("XDG_CACHE_HOME", self.path("cache"));
-        command.output().await.expect("evalfleet runs").into()
+        command
     }
+
+    async fn with_key(&self, google: &Google, args: &[&str]) -> Ran {
+        run(self.keyed(&google.key_file, args)).await
+    }
+}
+
+async fn run(mut command: tokio::process::Command) -> Ran {
+    command.output().await.expect("evalfleet runs").into()
 }
 
 /// What the sheet should hold for `n` items of [`items`].
@@ -168,16 +195,9 @@ async fn a_sheet_is_read_answered_and_its_results_written_back_fifty_rows_a_writ
     let env = Env::new();
     let google = google(&env).await;
     google.standin.put_tab(SHEET, "Items", items(120));
-    let server = mock(MockSettings::default()).await;
     // Only the row count and the end flush a write: the interval is long.
-    env.write(
-        "run.yaml",
-        &sheet_config(
-            &google,
-            &external("m", &server, 8),
-            &format!("{WRITE}\n    flush_interval: 1h"),
-        ),
-    );
+    let sheet = format!("{WRITE}\n    flush_interval: 1h");
+    let _server = write_run(&env, &google, Duration::ZERO, 8, &sheet, "").await;
     let checked = env.with_key(&google, &["check", "run.yaml"]).await;
     assert!(
         checked.stdout.contains("120 rows, 0 invalid"),
@@ -254,18 +274,15 @@ async fn rows_are_written_every_flush_interval_when_results_come_slowly() {
     let google = google(&env).await;
     google.standin.put_tab(SHEET, "Items", items(20));
     // 20 answers one at a time, 150 ms each, each committed at once: 3 s.
-    let server = mock(MockSettings {
-        latency: Duration::from_millis(150),
-        ..MockSettings::default()
-    })
-    .await;
-    let mut config = sheet_config(
+    let _server = write_run(
+        &env,
         &google,
-        &external("m", &server, 1),
+        Duration::from_millis(150),
+        1,
         &format!("{WRITE}\n    flush_interval: 500ms"),
-    );
-    config.push_str("writer: { batch_size: 1, flush_interval: 10ms }\n");
-    env.write("run.yaml", &config);
+        "writer: { batch_size: 1, flush_interval: 10ms }\n",
+    )
+    .await;
     let ran = env.with_key(&google, &["run", "run.yaml", "-q"]).await;
     assert_eq!(ran.code, Some(0), "{}", ran.stderr);
     assert_eq!(written(&google, "Items"), expected(20));
@@ -357,22 +374,20 @@ async fn a_run_killed_mid_way_resumes_writing_only_the_rows_the_sheet_lacks() {
     // Results are committed (and so written) as they come: killed after
     // the third write, long before the end (120 answers, 2 at a time,
     // 100 ms each).
-    let server = mock(MockSettings {
-        latency: Duration::from_millis(100),
-        ..MockSettings::default()
-    })
-    .await;
-    let mut config = sheet_config(
+    let _server = write_run(
+        &env,
         &google,
-        &external("m", &server, 2),
+        Duration::from_millis(100),
+        2,
         &format!("{WRITE}\n    flush_rows: 10\n    min_write_interval: 100ms"),
-    );
-    config.push_str("writer: { batch_size: 8, flush_interval: 50ms }\n");
-    env.write("run.yaml", &config);
+        "writer: { batch_size: 8, flush_interval: 50ms }\n",
+    )
+    .await;
     let mut child = env
-        .command(&["run", "run.yaml", "-q", "--run-id", "killed"])
-        .env(KEY_VAR, &google.key_file)
-        .env("XDG_CACHE_HOME", env.path("cache"))
+        .keyed(
+            &google.key_file,
+            &["run", "run.yaml", "-q", "--run-id", "killed"],
+        )
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -468,11 +483,7 @@ async fn a_missing_or_foreign_key_is_refused_before_the_run_saying_why() {
     let env = Env::new();
     let google = google(&env).await;
     google.standin.put_tab(SHEET, "Items", items(3));
-    let server = mock(MockSettings::default()).await;
-    env.write(
-        "run.yaml",
-        &sheet_config(&google, &external("m", &server, 1), WRITE),
-    );
+    let _server = write_run(&env, &google, Duration::ZERO, 1, WRITE, "").await;
     let unset = env.evalfleet(&["run", "run.yaml", "-q"]).await;
     assert_eq!(unset.code, Some(2), "{}", unset.stderr);
     assert!(
@@ -489,9 +500,7 @@ async fn a_missing_or_foreign_key_is_refused_before_the_run_saying_why() {
         serde_json::from_str(&std::fs::read_to_string(&stranger.key_file).unwrap()).unwrap();
     key["token_uri"] = json!(format!("{}/token", google.url));
     let foreign = env.write("foreign.json", &key.to_string());
-    let mut command = env.command(&["run", "run.yaml", "-q"]);
-    command.env(KEY_VAR, &foreign);
-    let refused: crate::util::Ran = command.output().await.unwrap().into();
+    let refused = run(env.keyed(&foreign, &["run", "run.yaml", "-q"])).await;
     assert_ne!(refused.code, Some(0), "{}", refused.stderr);
     assert!(
         refused.stderr.contains("refused a token"),
@@ -598,27 +607,15 @@ async fn a_key_given_as_json_in_the_variable_works_and_is_never_shown() {
     let env = Env::new();
     let google = google(&env).await;
     google.standin.put_tab(SHEET, "Items", items(3));
-    let server = mock(MockSettings::default()).await;
-    env.write(
-        "run.yaml",
-        &sheet_config(&google, &external("m", &server, 1), WRITE),
-    );
+    let _server = write_run(&env, &google, Duration::ZERO, 1, WRITE, "").await;
     let key = std::fs::read_to_string(&google.key_file).unwrap();
-    let mut command = env.command(&["run", "run.yaml", "-q"]);
-    command
-        .env(KEY_VAR, &key)
-        .env("XDG_CACHE_HOME", env.path("cache"));
-    let ran: crate::util::Ran = command.output().await.unwrap().into();
+    let ran = run(env.keyed(&key, &["run", "run.yaml", "-q"])).await;
     assert_eq!(ran.code, Some(0), "{}", ran.stderr);
     assert_eq!(written(&google, "Items"), expected(3));
 
     // JSON that is not a key: the message says what is wrong, not what it holds.
     let broken = key.replace("service_account", "authorized_user");
-    let mut command = env.command(&["run", "run.yaml", "-q"]);
-    command
-        .env(KEY_VAR, &broken)
-        .env("XDG_CACHE_HOME", env.path("cache"));
-    let refused: crate::util::Ran = command.output().await.unwrap().into();
+    let refused = run(env.keyed(&broken, &["run", "run.yaml", "-q"])).await;
     assert_eq!(refused.code, Some(2), "{}", refused.stderr);
     assert!(
         refused.stderr.contains("holds JSON, not a usable key"),

@@ -191,27 +191,10 @@ pub fn snapshot_dir() -> std::path::PathBuf {
     cache.join("evalfleet").join("sheets")
 }
 
-/// Where the rows read from `sheet` are kept until they are read (the
-/// reader names the file after its content: see
-/// `sheets::source::read_dataset`); named after what is read.
-pub fn snapshot_path(sheet: &SheetConfig) -> std::path::PathBuf {
-    use sha2::{Digest, Sha256};
-    let what = serde_json::json!([
-        sheet.api_url,
-        sheet.spreadsheet_id,
-        sheet.tab,
-        sheet.header_row,
-        sheet.first_row,
-        sheet.last_row,
-        sheet.columns,
-        sheet
-            .blocks
-            .as_ref()
-            .map(|b| (b.count, b.stride, &b.fields)),
-        sheet.write.iter().map(|(c, _)| c).collect::<Vec<_>>(),
-    ]);
-    let digest = hex::encode(Sha256::digest(what.to_string().as_bytes()));
-    snapshot_dir().join(format!("unread-{}.jsonl", &digest[..16]))
+/// The dataset file of a sheet not read yet: reading it
+/// (`sheets::source::read_dataset`) names the file after the rows read.
+pub fn unread_path() -> std::path::PathBuf {
+    snapshot_dir().join("not-read-yet.jsonl")
 }
 
 /// Column letters (`A`, `Z`, `AA`, ...) to a column from 0.

@@ -708,7 +708,7 @@ fn sheet_dataset(
         return None;
     }
     Some(DatasetConfig {
-        path: super::sheets::snapshot_path(&sheet),
+        path: super::sheets::unread_path(),
         format: DatasetFormat::Jsonl,
         split: None,
         id_field: Some(super::sheets::ID_FIELD.to_owned()),

@@ -19,7 +19,7 @@ pub use api::SheetsApi;
 pub use sink::{Answer, CatchUp, SheetSink, SinkReport};
 pub use source::read_dataset;
 
-use crate::config::{SheetConfig, column_letters};
+use crate::config::column_letters;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SheetError {
@@ -46,14 +46,13 @@ pub enum SheetError {
     /// What the sheet holds cannot be used.
     #[error("{0}")]
     Sheet(String),
-    #[error("cannot write {path}: {source}")]
+    /// The file the rows read are kept in.
+    #[error("{}: {source}", path.display())]
     Snapshot {
         path: std::path::PathBuf,
         #[source]
         source: std::io::Error,
     },
-    #[error(transparent)]
-    Store(#[from] crate::store::StoreError),
     #[error(transparent)]
     Export(#[from] crate::store::ExportError),
 }
@@ -67,7 +66,6 @@ impl SheetError {
                 status: 400 | 403 | 404,
                 ..
             } => Fault::BadInput,
-            Self::Store(err) => err.fault(),
             _ => Fault::Failure,
         }
     }
@@ -144,26 +142,11 @@ pub fn a1(tab: &str, from: (u32, u32), to: Option<(u32, Option<u32>)>) -> String
     }
 }
 
-/// The first column past every column `config` writes, over all its
-/// blocks.
-fn written_width(config: &SheetConfig) -> u32 {
-    let extra = config
-        .blocks
-        .as_ref()
-        .map_or(0, |b| (b.count - 1) * b.stride);
-    config
-        .write
-        .iter()
-        .map(|(c, _)| c + extra + 1)
-        .max()
-        .unwrap_or(1)
-}
-
 /// A sheet's settings for unit tests: tab `T`, header row 1, no columns,
 /// blocks or writes, writes not paced.
 #[cfg(test)]
-pub(crate) fn test_config() -> SheetConfig {
-    SheetConfig {
+pub(crate) fn test_config() -> crate::config::SheetConfig {
+    crate::config::SheetConfig {
         spreadsheet_id: "s".to_owned(),
         tab: "T".to_owned(),
         header_row: 1,

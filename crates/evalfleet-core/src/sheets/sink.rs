@@ -23,7 +23,7 @@ use tokio::time::{Instant, sleep_until};
 
 use super::api::ValueRange;
 use super::source::{self, Place};
-use super::{SheetError, SheetsApi, a1, written_width};
+use super::{SheetError, SheetsApi, a1};
 use crate::config::{SheetConfig, WriteValue};
 use crate::dataset::Row;
 use crate::pipeline::ResultTap;
@@ -138,6 +138,21 @@ pub fn cells(config: &SheetConfig, answer: &Answer<'_>) -> Option<Cells> {
     Some(Cells { place, values })
 }
 
+/// The first column past every column `config` writes, over all its
+/// blocks.
+fn written_width(config: &SheetConfig) -> u32 {
+    let extra = config
+        .blocks
+        .as_ref()
+        .map_or(0, |b| (b.count - 1) * b.stride);
+    config
+        .write
+        .iter()
+        .map(|(c, _)| c + extra + 1)
+        .max()
+        .unwrap_or(1)
+}
+
 /// `text` cut to what a cell holds.
 fn clip(text: &str) -> String {
     match text.char_indices().nth(CELL_LIMIT) {
@@ -235,7 +250,8 @@ pub fn stored(
 pub struct SheetSink {
     api: Arc<SheetsApi>,
     config: Arc<SheetConfig>,
-    live: Option<(mpsc::UnboundedSender<Cells>, JoinHandle<SinkReport>)>,
+    /// The live writer, once started; it ends when the tap is dropped.
+    live: Option<JoinHandle<SinkReport>>,
 }
 
 impl SheetSink {
@@ -251,21 +267,26 @@ impl SheetSink {
         })
     }
 
-    /// The service account's email.
-    pub fn account(&self) -> &str {
-        self.api.account()
+    /// The items the sheet holds now, by place.
+    pub async fn read_rows(&self) -> Result<BTreeMap<Place, Row>, SheetError> {
+        Ok(source::read(&self.api, &self.config).await?.items)
     }
 
     /// Writes the `stored` results the sheet does not hold yet, into rows
-    /// that still hold their item.
-    pub async fn catch_up(&self, stored: Vec<(Row, Cells)>) -> Result<CatchUp, SheetError> {
+    /// that still hold their item: `rows`, the items the sheet holds now
+    /// (as [`read_rows`](Self::read_rows) reads them, or as the dataset's
+    /// file holds them right after the sheet was read into it).
+    pub async fn catch_up(
+        &self,
+        stored: Vec<(Row, Cells)>,
+        rows: &BTreeMap<Place, Row>,
+    ) -> Result<CatchUp, SheetError> {
         let config = &*self.config;
         let calls_before = self.api.write_calls();
         let mut report = CatchUp::default();
         if stored.is_empty() {
             return Ok(report);
         }
-        let now = source::read(&self.api, config).await?;
         let outputs = a1(
             &config.tab,
             (0, config.first_row),
@@ -274,7 +295,7 @@ impl SheetSink {
         let grid = self.api.get(&outputs, true).await?;
         let mut missing = Vec::new();
         for (item, cells) in stored {
-            if now.items.get(&cells.place) != Some(&item) {
+            if rows.get(&cells.place) != Some(&item) {
                 report.changed.push(cells.place.id(config.blocks.is_some()));
                 continue;
             }
@@ -312,7 +333,7 @@ impl SheetSink {
         // Awaited by `finish`, which the session's owner always calls.
         #[allow(clippy::disallowed_methods)]
         let task = tokio::spawn(write_live(self.api.clone(), self.config.clone(), rx));
-        self.live = Some((tx.clone(), task));
+        self.live = Some(task);
         let config = self.config.clone();
         Arc::new(move |result: &ResultRecord| {
             if let Some(cells) = cells(&config, &Answer::of_result(result)) {
@@ -322,15 +343,16 @@ impl SheetSink {
         })
     }
 
-    /// Writes what waits and ends: how it went.
+    /// Writes what waits and ends: how it went. The live writer ends when
+    /// the tap [`start`](Self::start) gave is dropped (with the session's
+    /// writer), so this is called after.
     pub async fn finish(mut self) -> SinkReport {
-        let Some((tx, task)) = self.live.take() else {
+        let Some(task) = self.live.take() else {
             return SinkReport {
                 calls: self.api.write_calls(),
                 ..SinkReport::default()
             };
         };
-        drop(tx);
         let mut report = task.await.unwrap_or_else(|err| SinkReport {
             stopped: Some(format!("the sheet's writer failed: {err}")),
             ..SinkReport::default()
@@ -382,13 +404,12 @@ async fn write_live(
                     report.written += wrote.written;
                     report.refused.extend(wrote.refused);
                     if let Some(err) = wrote.stopped {
+                        let why = format!("{err}{}", permission_hint(&err, api.account()));
                         tracing::error!(
-                            "Writing results to the sheet stopped: {err}{}. The run goes on and keeps every result in its store; `evalfleet sync RUN_ID` writes them to the sheet once it takes writes again.",
-                            permission_hint(&err, api.account())
+                            "Writing results to the sheet stopped: {why}. The run goes on and keeps every result in its store; `evalfleet sync RUN_ID` writes them to the sheet once it takes writes again."
                         );
                         report.unwritten += wrote.unwritten;
-                        report.stopped =
-                            Some(format!("{err}{}", permission_hint(&err, api.account())));
+                        report.stopped = Some(why);
                     }
                     continue;
                 }

@@ -220,6 +220,22 @@ pub async fn read_dataset(dataset: &mut DatasetConfig) -> Result<Option<usize>, 
     Ok(Some(read.items.len()))
 }
 
+/// The items of a dataset file `read_dataset` wrote, by place.
+pub fn rows_of_file(path: &Path) -> Result<BTreeMap<Place, Row>, SheetError> {
+    let text = std::fs::read_to_string(path).map_err(|source| SheetError::Snapshot {
+        path: path.to_owned(),
+        source,
+    })?;
+    Ok(text
+        .lines()
+        .filter_map(|line| serde_json::from_str::<Row>(line).ok())
+        .filter_map(|row| {
+            let id = row.get(crate::config::SHEET_ID_FIELD)?.as_str()?;
+            Some((Place::of_id(id)?, row))
+        })
+        .collect())
+}
+
 /// Writes `text` to `path` in `dir` (made readable by its owner only)
 /// unless it is there already.
 fn keep(dir: &Path, path: &Path, text: &[u8]) -> std::io::Result<()> {

@@ -73,7 +73,13 @@ pub(crate) async fn start(
     let stopped = if stored.is_empty() {
         None
     } else {
-        match sink.catch_up(stored).await {
+        // The sheet was read into the dataset's file as this session
+        // started: the rows it holds now.
+        let caught = match sheets::source::rows_of_file(&config.dataset.path) {
+            Ok(rows) => sink.catch_up(stored, &rows).await,
+            Err(err) => Err(err),
+        };
+        match caught {
             Ok(caught) => {
                 say_caught_up(&caught, sheet);
                 None
@@ -197,7 +203,11 @@ pub async fn sync(args: SyncArgs) -> anyhow::Result<u8> {
         .with_context(|| format!("cannot write results to {}", describe(sheet)))?;
     let stored =
         tokio::task::block_in_place(|| sheets::sink::stored(&mut *store, &args.run_id, sheet))?;
-    let caught = sink.catch_up(stored).await.with_context(|| {
+    let rows = sink
+        .read_rows()
+        .await
+        .with_context(|| format!("reading {}", describe(sheet)))?;
+    let caught = sink.catch_up(stored, &rows).await.with_context(|| {
         format!(
             "writing run {}'s results to {}",
             args.run_id,
