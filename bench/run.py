@@ -2979,7 +2979,6 @@ def d2_variant(args, work, mock, rows, private_key, variant):
                     f"task:\n  messages: [ {{ role: user, content: \"{{{{ question }}}}\" }} ]\n  params: {{ max_tokens: 64 }}\n"
                     f"  metrics: [ {{ name: exact_match, reference: \"{{{{ reference }}}}\" }} ]\n"
                 )
-            os.environ["D2_KEY"] = os.path.join(work, "key.json")
             run = evalfleet(["run", config, "--store", os.path.join(work, f"d2-{arm}-{i}.db"), "-q"], work)
             stats = standin.stats()
             standin.stop()
@@ -3024,15 +3023,19 @@ def d2_variant(args, work, mock, rows, private_key, variant):
 
 
 def fresh_standin(work, private_key, rows):
-    """A fresh stand-in, and the key file pointing at its token endpoint."""
+    """A fresh stand-in, and the key file (D2_KEY) pointing at its token
+    endpoint: the stand-in reads the key to trust it, and its address is
+    known only once it listens, so the file is written again after."""
     key_json = os.path.join(work, "key.json")
-    # The stand-in reads the key to trust it; its address is known only once
-    # it listens, so the token_uri is written after.
-    with open(key_json, "w") as f:
-        json.dump({"type": "service_account", "client_email": "bench@d2.iam.gserviceaccount.com", "private_key_id": "d2", "private_key": private_key, "token_uri": "http://127.0.0.1:1/token"}, f)
+
+    def write_key(token_uri):
+        with open(key_json, "w") as f:
+            json.dump({"type": "service_account", "client_email": "bench@d2.iam.gserviceaccount.com", "private_key_id": "d2", "private_key": private_key, "token_uri": token_uri}, f)
+
+    write_key("http://127.0.0.1:1/token")
     standin = SheetsStandIn(key_json, rows)
-    with open(key_json, "w") as f:
-        json.dump({"type": "service_account", "client_email": "bench@d2.iam.gserviceaccount.com", "private_key_id": "d2", "private_key": private_key, "token_uri": standin.url + "/token"}, f)
+    write_key(standin.url + "/token")
+    os.environ["D2_KEY"] = key_json
     return standin
 
 
