@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Computes the reference vectors that evalfleet's metric tests compare with.
 
-    python3 tools/metric_vectors.py SQUAD_EVAL_V11 > crates/evalfleet-core/tests/data/metric_vectors.json
+    python3 tools/metric_vectors.py SQUAD_EVAL_V11 > crates/evalfleet-reports/tests/data/metric_vectors.json
 
 It needs the reference implementations themselves, not ours:
 - SQUAD_EVAL_V11: the official SQuAD v1.1 evaluation script (evaluate-v1.1.py),

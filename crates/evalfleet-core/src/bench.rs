@@ -10,11 +10,11 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::bench::{BenchCell, BenchConfig};
-use crate::config::{EndpointConfig, MASK, Secret};
-use crate::report::{self, ReportError, metrics::ALL};
-use crate::store::{ItemQuery, SortKey, Store, StoreError};
-use crate::worker;
+use evalfleet_config::bench::{BenchCell, BenchConfig};
+use evalfleet_config::{EndpointConfig, MASK, Secret};
+use evalfleet_reports::{self as report, ReportError, metrics::ALL};
+use evalfleet_store::worker;
+use evalfleet_store::{ItemQuery, SortKey, Store, StoreError};
 use evalfleet_types::{Event, EventKind, ResourceMetric, ResourcePoint, ResourceSource, RunStatus};
 
 /// The most GPU memory in use at once during a cell (see
@@ -97,7 +97,7 @@ pub fn check_cell_run(record: &RecordOf, cell: &BenchCell) -> Result<(), String>
     ))
 }
 
-type RecordOf = crate::store::RunRecord;
+type RecordOf = evalfleet_store::RunRecord;
 
 /// Secrets shorter than this are not looked for in a message (an engine's
 /// `env` holds settings like `1` too; masking every `1` would say nothing).
@@ -659,7 +659,7 @@ mod tests {
              task: {messages: [{role: user, content: '{{ q }}'}]}\n",
         )
         .unwrap();
-        let bench = crate::config::bench::load_bench(&file).unwrap();
+        let bench = evalfleet_config::bench::load_bench(&file).unwrap();
         let endpoint = &bench.models[0].endpoint;
         let shown = redact_engine(
             "args: Namespace(api_key='sk-cmd-0001') key=sk-key-0002 on port 1",

@@ -10,10 +10,10 @@
 
 use serde_json::Value;
 
-use crate::config::{LoadedConfig, TaskKind};
-use crate::dataset::{Row, RowReader, Scanner};
-use crate::eval::{Assessor, Checked};
-use crate::template::{RenderedPart, Templates};
+use evalfleet_config::{LoadedConfig, TaskKind};
+use evalfleet_eval::{Assessor, Checked};
+use evalfleet_io::dataset::{Row, RowReader, Scanner};
+use evalfleet_io::template::{RenderedPart, Templates};
 
 /// Rows of the dataset every template is rendered for.
 pub const ROWS: usize = 10;
@@ -25,7 +25,7 @@ pub const ROWS: usize = 10;
 pub fn check(
     loaded: &LoadedConfig,
     templates: &Templates,
-) -> Result<(), crate::config::ConfigError> {
+) -> Result<(), evalfleet_config::ConfigError> {
     let config = &loaded.config;
     let Ok(rows) = first_rows(config) else {
         return Ok(());
@@ -34,7 +34,7 @@ pub fn check(
     // A prompt that does not compile is reported with the config's problems.
     let refine = match &config.task.kind {
         TaskKind::Refine(settings) => {
-            crate::jinja::AnswerTemplate::new("task.refine.prompt", &settings.prompt).ok()
+            evalfleet_jinja::AnswerTemplate::new("task.refine.prompt", &settings.prompt).ok()
         }
         _ => None,
     };
@@ -80,7 +80,7 @@ pub fn check(
                     };
                     for value in values {
                         if let Err(err) =
-                            crate::images::load(value, None, base, &config.task.images)
+                            evalfleet_io::images::load(value, None, base, &config.task.images)
                         {
                             report(at, index, *line, &err.to_string());
                         }
@@ -140,8 +140,8 @@ pub fn check(
 
 /// The first [`ROWS`] usable rows, each with its line.
 fn first_rows(
-    config: &crate::config::Config,
-) -> Result<Vec<(u64, Row)>, crate::dataset::DatasetError> {
+    config: &evalfleet_config::Config,
+) -> Result<Vec<(u64, Row)>, evalfleet_io::dataset::DatasetError> {
     let mut scanner = Scanner::open(&config.dataset)?;
     let mut reader = RowReader::open(&config.dataset)?;
     let mut rows = Vec::with_capacity(ROWS);

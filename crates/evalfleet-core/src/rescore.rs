@@ -13,11 +13,11 @@ use evalfleet_types::{Assessment, ItemStatus, Verdict};
 use futures_util::StreamExt;
 use serde_json::{Map, Value};
 
-use crate::config::{self, ConfigError, LoadedConfig};
-use crate::dataset::Row;
-use crate::eval::Assessor;
-use crate::store::{Store, StoreError, StoredResult};
-use crate::task::code;
+use evalfleet_config::{self as config, ConfigError, LoadedConfig};
+use evalfleet_eval::Assessor;
+use evalfleet_io::dataset::Row;
+use evalfleet_pipeline::task::code;
+use evalfleet_store::{Store, StoreError, StoredResult};
 
 /// The task keys a new config's `task` replaces: its checking and scoring.
 const ASSESSMENT_KEYS: [&str; 8] = [
@@ -44,7 +44,7 @@ pub enum RescoreError {
     #[error("the code judge cannot start")]
     CodeJudge(#[source] evalfleet_sandbox::CodeJudgeError),
     #[error(transparent)]
-    MetricBackend(#[from] crate::metric_backend::BackendError),
+    MetricBackend(#[from] evalfleet_eval::metric_backend::BackendError),
 }
 
 impl RescoreError {
@@ -82,7 +82,7 @@ impl Plan {
         rejudge: bool,
     ) -> Result<Self, RescoreError> {
         let run = store.run(run_id)?;
-        if !crate::worker::live_workers(store, run_id)?.is_empty() {
+        if !evalfleet_store::worker::live_workers(store, run_id)?.is_empty() {
             return Err(RescoreError::Unfit(format!(
                 "run {run_id} is running; score it when it has stopped"
             )));
@@ -153,7 +153,7 @@ impl Plan {
     pub fn backends(&self) -> Vec<String> {
         let mut names: Vec<String> = Vec::new();
         for m in self.assessor.metrics() {
-            let crate::eval::metrics::Kind::Backend { backend, .. } = &m.kind else {
+            let evalfleet_eval::metrics::Kind::Backend { backend, .. } = &m.kind else {
                 continue;
             };
             let chosen = self.only.as_ref().is_none_or(|only| only.contains(&m.key));
@@ -201,7 +201,7 @@ impl Plan {
         })?;
         let code_key = assessor
             .metrics()
-            .find(|m| matches!(m.kind, crate::eval::metrics::Kind::CodeAccepted))
+            .find(|m| matches!(m.kind, evalfleet_eval::metrics::Kind::CodeAccepted))
             .map(|m| m.key.clone());
         let mut assessed: Vec<(u64, Assessment)> = Vec::with_capacity(stored.len());
         // The usable answers of a code task to judge again: (place in
@@ -228,7 +228,7 @@ impl Plan {
                 &mut |request| {
                     let identity = judge_identities.get(&request.endpoint)?;
                     let messages = request.messages.as_ref().ok()?;
-                    match store.cache_get(&crate::cache::key(identity, 0, messages), 0) {
+                    match store.cache_get(&evalfleet_config::cache::key(identity, 0, messages), 0) {
                         Ok(hit) => hit.map(|h| h.content),
                         Err(err) => {
                             lookup_error.get_or_insert(err);
@@ -291,7 +291,7 @@ impl Plan {
 fn backend_errors(assessor: &Assessor, assessed: &[(u64, Assessment)]) -> (u64, Option<String>) {
     let keys: Vec<&str> = assessor
         .metrics()
-        .filter(|m| m.backend() != crate::eval::backend::NATIVE)
+        .filter(|m| m.backend() != evalfleet_eval::backend::NATIVE)
         .map(|m| m.key.as_str())
         .collect();
     let mut count = 0;
@@ -318,7 +318,8 @@ async fn score_with_backends(
     only: Option<&[String]>,
 ) -> Result<u64, RescoreError> {
     let wanted = assessor.metrics().any(|m| {
-        m.backend() != crate::eval::backend::NATIVE && only.is_none_or(|only| only.contains(&m.key))
+        m.backend() != evalfleet_eval::backend::NATIVE
+            && only.is_none_or(|only| only.contains(&m.key))
     });
     if !wanted {
         return Ok(0);
@@ -328,7 +329,7 @@ async fn score_with_backends(
         if a.verdict != Some(Verdict::Ok) {
             continue;
         }
-        let checked = crate::eval::Checked {
+        let checked = evalfleet_eval::Checked {
             parsed: a.parsed.clone(),
             valid: true,
             error: None,
@@ -353,7 +354,7 @@ async fn score_with_backends(
     }
     let used: Vec<&str> = used.iter().map(String::as_str).collect();
     let Some(backends) =
-        crate::metric_backend::Backends::start(&assessor.spec().backends, &used).await?
+        evalfleet_eval::metric_backend::Backends::start(&assessor.spec().backends, &used).await?
     else {
         return Ok(0);
     };

@@ -6,19 +6,19 @@ use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Config, LoadedConfig};
-use crate::dataset::{DatasetError, RowReader, Scanner, hash_file, sample_id, sample_key};
-use crate::fingerprint::Fingerprint;
-use crate::fleet::Endpoint;
-use crate::fleet::runtime::FleetHandle;
-use crate::pipeline::{self, OpenStore, PipelineError, Progress, Session};
-use crate::store::WorkerInfo;
-use crate::store::{
+use evalfleet_config::{Config, LoadedConfig};
+use evalfleet_fleet::Endpoint;
+use evalfleet_fleet::runtime::FleetHandle;
+use evalfleet_io::dataset::{DatasetError, RowReader, Scanner, hash_file, sample_id, sample_key};
+use evalfleet_io::fingerprint::Fingerprint;
+use evalfleet_io::template::Templates;
+use evalfleet_pipeline::task;
+use evalfleet_pipeline::{self as pipeline, OpenStore, PipelineError, Progress, Session};
+use evalfleet_store::WorkerInfo;
+use evalfleet_store::worker;
+use evalfleet_store::{
     CreateRunError, ItemSource, NewItem, NewRun, RunIdentity, RunRecord, Store, StoreError,
 };
-use crate::task;
-use crate::template::Templates;
-use crate::worker;
 use evalfleet_types::{Event, EventKind, RunStatus, StateCounts, now_ms};
 
 /// The items of a dataset, read once, for [`Store::create_run`].
@@ -207,7 +207,7 @@ impl ResumeError {
 /// dataset content and reading options, the same task.
 pub fn check_resume(record: &RunRecord, config: &Config) -> Result<(), ResumeError> {
     let path = &config.dataset.path;
-    crate::dataset::materialize(&config.dataset).map_err(|source| ResumeError::Dataset {
+    evalfleet_io::dataset::materialize(&config.dataset).map_err(|source| ResumeError::Dataset {
         path: path.clone(),
         source,
     })?;
@@ -266,7 +266,7 @@ pub struct SessionPlan {
     /// where this process serves none.
     pub gateway_host: Option<Arc<dyn task::exec::GatewayHost>>,
     /// Told of each result once it is committed (a sheet's sink).
-    pub on_result: Option<crate::pipeline::ResultTap>,
+    pub on_result: Option<evalfleet_pipeline::ResultTap>,
 }
 
 /// The live counters of a session about to run, for a progress display.
@@ -381,7 +381,7 @@ async fn session(
     let gateway_stop = CancellationToken::new();
     let agents = match (plan.config.task.kind.exec(), &plan.gateway_host) {
         (Some(settings), Some(host)) => Some(task::Agents {
-            gateway: crate::gateway::Gateway::new(
+            gateway: evalfleet_gateway::Gateway::new(
                 &plan.run_id,
                 plan.endpoints.clone(),
                 plan.fleet.clone(),

@@ -5,7 +5,7 @@
 use std::future::Future;
 use std::pin::Pin;
 
-use evalfleet_core::config::LoadedConfig;
+use evalfleet_config::LoadedConfig;
 
 use serde::{Deserialize, Serialize};
 

@@ -4,9 +4,9 @@
 use axum::Json;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use evalfleet_core::config::ConfigError;
-use evalfleet_core::report::ReportError;
-use evalfleet_core::store::StoreError;
+use evalfleet_config::ConfigError;
+use evalfleet_reports::ReportError;
+use evalfleet_store::StoreError;
 use serde::Serialize;
 
 /// Why a request failed.
@@ -96,10 +96,7 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status();
         if status.is_server_error() {
-            tracing::warn!(
-                "A request failed: {}.",
-                evalfleet_core::types::error_text(&self)
-            );
+            tracing::warn!("A request failed: {}.", evalfleet_types::error_text(&self));
         }
         let problems = match &self {
             Self::Config(err) => err
@@ -119,7 +116,7 @@ impl IntoResponse for ApiError {
         let message = if status.is_server_error() {
             "the server failed to answer (its log says why)".to_owned()
         } else {
-            evalfleet_core::types::error_text(&self)
+            evalfleet_types::error_text(&self)
         };
         let mut response = (
             status,

@@ -17,8 +17,8 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::serve::ListenerExt;
-use evalfleet_core::client::{Api, Head};
-use evalfleet_core::gateway::{Answer, Asked, Gateway, GatewayError, token};
+use evalfleet_fleet::client::{Api, Head};
+use evalfleet_gateway::{Answer, Asked, Gateway, GatewayError, token};
 use tokio_util::sync::CancellationToken;
 
 /// The largest request body an agent may send (images inlined as data
@@ -58,7 +58,7 @@ pub fn registry() -> &'static Arc<Registry> {
 #[derive(Default, Clone)]
 pub struct Host;
 
-impl evalfleet_core::task::exec::GatewayHost for Host {
+impl evalfleet_pipeline::task::exec::GatewayHost for Host {
     fn serve(
         &self,
         gateway: Arc<Gateway>,
@@ -143,7 +143,7 @@ fn bearer(headers: &HeaderMap) -> Option<String> {
 fn grant(
     registry: &Registry,
     token: Option<&str>,
-) -> Result<(Arc<Gateway>, Arc<evalfleet_core::gateway::Grant>), GatewayError> {
+) -> Result<(Arc<Gateway>, Arc<evalfleet_gateway::Grant>), GatewayError> {
     let Some(token) = token.filter(|t| !t.is_empty()) else {
         return Err(GatewayError::unauthorized(
             "No token: use the address evalfleet gave (OPENAI_BASE_URL), or its token as the API key.",

@@ -12,14 +12,14 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
-use evalfleet_core::store::Store;
+use evalfleet_store::Store;
 use std::collections::BTreeMap;
 
-use evalfleet_core::types::{
+use evalfleet_reports::view::{self, RunSummary};
+use evalfleet_types::{
     BUCKETS_MS, Buckets, EndpointSnapshot, ResourceMetric, ResourcePoint, ResourceSeries,
     ResourceSource, now_ms,
 };
-use evalfleet_core::view::{self, RunSummary};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;

@@ -9,7 +9,7 @@ use axum::Form;
 use axum::extract::{Path, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{Html, IntoResponse, Redirect, Response};
-use evalfleet_core::report::Report;
+use evalfleet_reports::Report;
 use serde::Deserialize;
 
 use crate::auth;

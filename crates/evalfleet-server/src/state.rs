@@ -7,12 +7,12 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use evalfleet_core::pipeline::OpenStore;
-use evalfleet_core::store::{Store, StoreError};
-use evalfleet_core::template::Templates;
+use evalfleet_io::template::Templates;
+use evalfleet_pipeline::OpenStore;
+use evalfleet_store::{Store, StoreError};
 use tokio_util::task::TaskTracker;
 
-use evalfleet_core::config::Admission;
+use evalfleet_config::Admission;
 
 use crate::control::RunControl;
 use crate::error::ApiError;
@@ -67,7 +67,7 @@ pub struct AppState {
     tracker: TaskTracker,
     /// Reports a read-only server computed, kept here since it writes
     /// nothing to the store.
-    kept: evalfleet_core::report::KeptInMemory,
+    kept: evalfleet_reports::KeptInMemory,
     /// Each run's message templates, compiled once.
     templates: Mutex<HashMap<String, Arc<Templates>>>,
 }
@@ -110,7 +110,7 @@ impl AppState {
         }
         let run = store.run(run_id).map_err(|err| err.to_string())?;
         let loaded =
-            evalfleet_core::config::load_snapshot_to_read(&run.config, Path::new(&run.config_dir))
+            evalfleet_config::load_snapshot_to_read(&run.config, Path::new(&run.config_dir))
                 .map_err(|err| err.to_string())?;
         let templates =
             Arc::new(Templates::compile(&loaded.config.task).map_err(|err| err.to_string())?);
@@ -123,11 +123,11 @@ impl AppState {
 
     /// Where this server keeps the reports it computes: in the store, or
     /// in its memory when it may write nothing (`--read-only`).
-    pub(crate) fn keeping(&self) -> evalfleet_core::report::Keeping<'_> {
+    pub(crate) fn keeping(&self) -> evalfleet_reports::Keeping<'_> {
         if self.read_only {
-            evalfleet_core::report::Keeping::Memory(&self.kept)
+            evalfleet_reports::Keeping::Memory(&self.kept)
         } else {
-            evalfleet_core::report::Keeping::Store
+            evalfleet_reports::Keeping::Store
         }
     }
 

@@ -437,8 +437,8 @@ async fn a_runs_timeline_and_stream_begin_with_everything_and_end_when_it_stops(
 
 #[tokio::test]
 async fn an_items_agent_calls_come_with_it_in_order_and_the_report_counts_them() {
-    use evalfleet_core::store::{Batch, Claimed};
-    use evalfleet_core::types::{AgentCall, Telemetry};
+    use evalfleet_store::{Batch, Claimed};
+    use evalfleet_types::{AgentCall, Telemetry};
 
     let fixture = Fixture::new();
     fixture.run("a", |_| true);
@@ -446,7 +446,7 @@ async fn an_items_agent_calls_come_with_it_in_order_and_the_report_counts_them()
     // gateway twice: a tool call, then the answer after the tool's result.
     let mut store = fixture.store();
     let lease = std::time::Duration::from_secs(60);
-    let mut worker = evalfleet_core::worker::this_process(lease);
+    let mut worker = evalfleet_store::worker::this_process(lease);
     store.begin_session("a", &mut worker, false).unwrap();
     let Claimed::Items(claim) = store.claim("a", &worker.worker, None, 10, lease).unwrap() else {
         panic!("item 'no' is pending");

@@ -5,16 +5,16 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use evalfleet_core::config::{self, Overrides};
-use evalfleet_core::store::prelude::*;
-use evalfleet_core::store::{Batch, Claimed};
-use evalfleet_core::template::Templates;
-use evalfleet_core::types::{
+use evalfleet_config::{self as config, Overrides};
+use evalfleet_io::template::Templates;
+use evalfleet_server::{AppState, ServerOptions};
+use evalfleet_store::prelude::*;
+use evalfleet_store::{Batch, Claimed};
+use evalfleet_store::{Location, OpenOptions};
+use evalfleet_types::{
     Assessment, AttemptRecord, EndpointSample, EndpointState, ErrorClass, ItemStatus, Quantiles,
     ResultRecord, RunSample, RunStatus, Score, StateCounts, Telemetry,
 };
-use evalfleet_server::{AppState, ServerOptions};
-use evalfleet_store::{Location, OpenOptions};
 
 pub struct Fixture {
     pub dir: tempfile::TempDir,
@@ -97,7 +97,7 @@ impl Fixture {
         let templates = Templates::compile(&loaded.config.task).unwrap();
         let mut store = self.store();
         evalfleet_core::run::create(&mut *store, &loaded, &templates, run_id).unwrap();
-        let mut worker = evalfleet_core::worker::this_process(Duration::from_secs(60));
+        let mut worker = evalfleet_store::worker::this_process(Duration::from_secs(60));
         store.begin_session(run_id, &mut worker, false).unwrap();
         let Claimed::Items(claim) = store
             .claim(run_id, &worker.worker, None, 100, Duration::from_secs(60))
@@ -222,7 +222,7 @@ impl Fixture {
             open: Arc::new(move || evalfleet_store::open(&location, &OpenOptions::default())),
             api_key: api_key.map(str::to_owned),
             hosts: evalfleet_server::HostPolicy::loopback(),
-            admission: evalfleet_core::config::Admission {
+            admission: evalfleet_config::Admission {
                 roots: vec![std::fs::canonicalize(self.dir.path()).unwrap()],
                 ..Default::default()
             },

@@ -5,9 +5,9 @@
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use evalfleet_core::report;
-use evalfleet_core::store::KeptReport;
-use evalfleet_core::types::{Assessment, Score};
+use evalfleet_reports as report;
+use evalfleet_store::KeptReport;
+use evalfleet_types::{Assessment, Score};
 use serde_json::Value;
 use tower::ServiceExt;
 
@@ -160,7 +160,7 @@ async fn a_rescore_or_a_new_session_makes_the_kept_report_stale() {
     assert!(kept, "and the new report is kept in turn");
     // A resume: the run is running again, its report is computed each time
     // and never kept while it runs.
-    let mut worker = evalfleet_core::worker::this_process(std::time::Duration::from_secs(60));
+    let mut worker = evalfleet_store::worker::this_process(std::time::Duration::from_secs(60));
     store.begin_session("a", &mut worker, false).unwrap();
     for _ in 0..2 {
         let (status, _, _, kept) = get(&app, "/api/v1/runs/a/report").await;

@@ -27,11 +27,9 @@ use std::path::PathBuf;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-use evalfleet_core::dataset::DatasetIdentity;
-use evalfleet_core::fingerprint::{DatasetOptions, Fingerprint};
-use evalfleet_core::store::{
-    Batch, Claimed, CreateRunError, ItemSource, NewItem, NewRun, RunIdentity,
-};
+use evalfleet_io::dataset::DatasetIdentity;
+use evalfleet_io::fingerprint::{DatasetOptions, Fingerprint};
+use evalfleet_store::{Batch, Claimed, CreateRunError, ItemSource, NewItem, NewRun, RunIdentity};
 use evalfleet_store::{Location, OpenOptions};
 use evalfleet_types::{AttemptRecord, ItemStatus, ResultRecord, Telemetry, now_ms};
 use hdrhistogram::Histogram;
@@ -56,7 +54,7 @@ impl ItemSource for Items {
         self.next += 1;
         let id = format!("q{i}");
         Ok(Some(NewItem {
-            sample_key: evalfleet_core::dataset::sample_key(1, &id),
+            sample_key: evalfleet_io::dataset::sample_key(1, &id),
             item_id: id,
             seq: i + 1,
             line: i + 1,
@@ -113,7 +111,7 @@ fn telemetry() -> Telemetry {
 
 /// One attempt and one result per claimed item, as the writer commits an
 /// item answered at the first call.
-fn batch_for(claim: &evalfleet_core::store::Claim) -> Batch {
+fn batch_for(claim: &evalfleet_store::Claim) -> Batch {
     let mut batch = Batch::default();
     for item in &claim.items {
         batch.attempts.push((
@@ -181,7 +179,7 @@ fn work(
 ) -> Fallible<Timings> {
     let mut store = evalfleet_store::open(location, &OpenOptions::default())
         .map_err(|e| format!("thread {name} cannot open the store: {e}"))?;
-    let mut me = evalfleet_core::worker::this_process(LEASE);
+    let mut me = evalfleet_store::worker::this_process(LEASE);
     me.worker = name.to_owned();
     store
         .begin_session(run_id, &mut me, false)

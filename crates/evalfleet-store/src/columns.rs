@@ -1,7 +1,7 @@
 //! How values of ours are written to columns and read back from them, the
 //! same in every backend.
 
-use evalfleet_core::store::{ResultView, StoreError};
+use crate::{ResultView, StoreError};
 use evalfleet_types::{Assessment, ErrorClass, ImageRef, ItemStatus, Verdict};
 
 /// A store error naming what could not be read or written as JSON.
@@ -107,9 +107,9 @@ pub(crate) struct RawRun {
 
 impl RawRun {
     /// The run, its JSON columns read.
-    pub(crate) fn decode(self) -> Result<evalfleet_core::store::RunRecord, StoreError> {
+    pub(crate) fn decode(self) -> Result<crate::RunRecord, StoreError> {
         let json = |what: &'static str| move |err| StoreError::backend(what, err);
-        Ok(evalfleet_core::store::RunRecord {
+        Ok(crate::RunRecord {
             status: evalfleet_types::RunStatus::parse(&self.status)
                 .map_err(|err| StoreError::Invariant(format!("the store holds an {err}")))?,
             config: serde_json::from_str(&self.config)
@@ -145,7 +145,7 @@ pub(crate) fn stored_result<'a>(
     seq: u64,
     reasks: u32,
     text: impl Fn(usize) -> Result<Option<&'a str>, StoreError>,
-) -> Result<evalfleet_core::store::StoredResult, StoreError> {
+) -> Result<crate::StoredResult, StoreError> {
     let unknown = |err: evalfleet_types::UnknownName| {
         StoreError::Invariant(format!("the store holds an {err}"))
     };
@@ -161,7 +161,7 @@ pub(crate) fn stored_result<'a>(
             .map_err(|err| StoreError::backend("stored scores cannot be read", err))?,
         None => evalfleet_types::Scores::new(),
     };
-    Ok(evalfleet_core::store::StoredResult {
+    Ok(crate::StoredResult {
         seq,
         item_id: text(1)?.unwrap_or_default().to_owned(),
         status: ItemStatus::parse(text(2)?.unwrap_or_default()).map_err(unknown)?,
@@ -189,7 +189,7 @@ pub(crate) fn stored_result<'a>(
 /// `None` when no worker wrote any.
 pub(crate) fn endpoint_states(
     rows: Vec<(String, i64)>,
-) -> Result<Option<evalfleet_core::store::EndpointStates>, StoreError> {
+) -> Result<Option<crate::EndpointStates>, StoreError> {
     if rows.is_empty() {
         return Ok(None);
     }
@@ -201,7 +201,7 @@ pub(crate) fn endpoint_states(
                 .map_err(|err| StoreError::backend("a stored endpoint state cannot be read", err))
         })
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(Some(evalfleet_core::store::EndpointStates {
+    Ok(Some(crate::EndpointStates {
         updated_at_ms,
         endpoints,
     }))

@@ -1,18 +1,20 @@
-//! Store backends of [`evalfleet_core::store::Store`], opened by URL: a
+//! What a run stores ([`Store`] and the records it takes and gives), and
+//! its backends, opened by URL: a
 //! path or `sqlite://PATH` is the embedded SQLite store (the default);
 //! `postgres://` (or `postgresql://`) is a PostgreSQL database, which
 //! workers on many machines share. Nothing outside this crate names a
 //! backend's type, except tests that look inside one.
 
+mod api;
 mod columns;
 mod postgres;
 mod sqlite;
+pub mod worker;
 
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use evalfleet_core::store::{Store, StoreError};
-
+pub use api::*;
 pub use postgres::PgStore;
 pub use postgres::schema::VERSION as POSTGRES_SCHEMA_VERSION;
 pub use sqlite::SqliteStore;

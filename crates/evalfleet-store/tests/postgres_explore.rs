@@ -9,7 +9,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use evalfleet_core::store::{
+use evalfleet_store::{
     Events, Explore, FleetMailbox, ItemPage, ItemQuery, ItemRow, ItemState, Resources, ScoreRange,
     SortKey, StoreError,
 };
@@ -495,7 +495,7 @@ fn walk(
     store: &mut dyn Explore,
     query: &ItemQuery,
     limit: u32,
-) -> (Vec<ItemRow>, Vec<evalfleet_core::store::ItemCursor>) {
+) -> (Vec<ItemRow>, Vec<evalfleet_store::ItemCursor>) {
     let mut query = ItemQuery {
         limit,
         after: None,

@@ -11,10 +11,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use evalfleet_core::config::Secret;
-use evalfleet_core::fleet::{Endpoint, call, shared_rate};
-use evalfleet_core::store::{QuotaKind, Quotas, SharedQuota};
+use evalfleet_config::Secret;
+use evalfleet_fleet::{Endpoint, call, shared_rate};
 use evalfleet_store::PgStore;
+use evalfleet_store::{QuotaKind, Quotas, SharedQuota};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -198,7 +198,7 @@ fn endpoint(key: &str, rpm: u32) -> Arc<Endpoint> {
                        "base_url": "https://api.example.invalid/v1", "model": "gpt-test"}],
         "task": {"messages": [{"role": "user", "content": "{{ q }}"}]},
     });
-    let mut config = evalfleet_core::config::load_snapshot(&config, std::path::Path::new("."))
+    let mut config = evalfleet_config::load_snapshot(&config, std::path::Path::new("."))
         .unwrap()
         .config
         .endpoints

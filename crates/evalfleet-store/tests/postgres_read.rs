@@ -9,7 +9,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use evalfleet_core::store::{
+use evalfleet_store::{
     CreateRunError, ExportRow, ItemSource, NewItem, NewRun, ResultOrder, Results, RunIdentity,
     Runs, StoreError,
 };
@@ -274,7 +274,7 @@ fn a_sample_keeps_the_same_items_as_sqlite() {
         .unwrap();
     let mut expected: Vec<(i64, &str)> = refs
         .iter()
-        .map(|id| (evalfleet_core::dataset::sample_key(1, id), *id))
+        .map(|id| (evalfleet_io::dataset::sample_key(1, id), *id))
         .collect();
     expected.sort();
     let mut expected: Vec<&str> = expected.into_iter().take(7).map(|(_, id)| id).collect();

@@ -12,8 +12,8 @@
 
 use std::time::Duration;
 
-use evalfleet_core::store::prelude::*;
-use evalfleet_core::store::{
+use evalfleet_store::prelude::*;
+use evalfleet_store::{
     Batch, ClaimId, Claimed, CreateRunError, ItemPage, ItemQuery, ItemState, KEPT_PER_RUN, NewRun,
     NotBefore, ScoreRange, SortKey, StoreError,
 };
@@ -250,7 +250,7 @@ fn claim_all(store: &mut dyn Store, run_id: &str, name: &str) -> ClaimId {
 /// A cache key (hex SHA-256) named by `label`.
 fn k(label: &str) -> String {
     let none = serde_json::value::RawValue::from_string("[]".to_owned()).unwrap();
-    evalfleet_core::cache::key(label, 0, &none)
+    evalfleet_config::cache::key(label, 0, &none)
 }
 
 fn cache_entry(label: &str, created_at_ms: i64) -> CacheEntry {
@@ -603,7 +603,7 @@ fn a_sample_keeps_the_items_with_the_smallest_keys(f: &Fixture) {
     assert_eq!(run.total, 7);
     let mut expected: Vec<(i64, &str)> = refs
         .iter()
-        .map(|id| (evalfleet_core::dataset::sample_key(1, id), *id))
+        .map(|id| (evalfleet_io::dataset::sample_key(1, id), *id))
         .collect();
     expected.sort();
     let mut expected: Vec<&str> = expected.into_iter().take(7).map(|(_, id)| id).collect();
@@ -637,7 +637,7 @@ fn a_claim_is_exclusive_while_its_lease_lasts_and_a_commit_under_a_lost_lease_is
     let Claimed::Items(b) = second.claim("r", "two", None, 10, LEASE).unwrap() else {
         panic!("items are pending");
     };
-    let seqs = |c: &evalfleet_core::store::Claim| c.items.iter().map(|i| i.seq).collect::<Vec<_>>();
+    let seqs = |c: &evalfleet_store::Claim| c.items.iter().map(|i| i.seq).collect::<Vec<_>>();
     assert_eq!((seqs(&a), seqs(&b)), (vec![1, 2], vec![3, 4]));
     assert_eq!(
         second.claim("r", "two", None, 10, LEASE).unwrap(),
@@ -1018,7 +1018,7 @@ fn one_item_comes_whole_with_its_attempts(f: &Fixture) {
 }
 
 fn a_runs_generation_changes_with_its_results_and_kept_reports_are_replaced(f: &Fixture) {
-    use evalfleet_core::store::{KeptReport, ResultOrder};
+    use evalfleet_store::{KeptReport, ResultOrder};
     let mut store = f.open();
     store
         .create_run(&new_run("r"), &mut items(&["z", "a", "m", "b"], None))
@@ -1150,7 +1150,7 @@ fn a_runs_generation_changes_with_its_results_and_kept_reports_are_replaced(f: &
 }
 
 fn results_and_attempts_are_scanned_rescored_and_exported(f: &Fixture) {
-    use evalfleet_core::store::{ExportError, ResultOrder};
+    use evalfleet_store::{ExportError, ResultOrder};
     use evalfleet_types::{Score, Scores, Verdict};
     let mut store = f.open();
     store
@@ -1299,7 +1299,7 @@ fn a_resource_series_stays_bounded_with_its_peak_and_mean_exact(f: &Fixture) {
             of.len()
         );
     }
-    let summary = evalfleet_core::report::ResourcesReport::of(&points);
+    let summary = evalfleet_reports::ResourcesReport::of(&points);
     let g = summary
         .get(ResourceSource::Gpu, "0", ResourceMetric::GpuMemoryMb)
         .unwrap();
@@ -1491,7 +1491,7 @@ fn chat_call(
 fn trajectories_are_each_items_last_chat_of_its_final_attempt_with_tool_calls_and_results(
     f: &Fixture,
 ) {
-    use evalfleet_core::report::trajectories::export_trajectories;
+    use evalfleet_reports::trajectories::export_trajectories;
     use serde_json::json;
 
     let mut store = f.open();
@@ -1597,7 +1597,7 @@ fn the_agents_figures_are_per_item_means_of_the_stored_calls(f: &Fixture) {
         .create_run(&new_run("r"), &mut items(&["a", "b"], None))
         .unwrap();
     assert_eq!(
-        evalfleet_core::report::agents(&mut *store, "r").unwrap(),
+        evalfleet_reports::agents(&mut *store, "r").unwrap(),
         None,
         "no calls, no figures"
     );
@@ -1612,7 +1612,7 @@ fn the_agents_figures_are_per_item_means_of_the_stored_calls(f: &Fixture) {
         ..Batch::default()
     };
     store.commit("r", "one", &batch).unwrap();
-    let figures = evalfleet_core::report::agents(&mut *store, "r")
+    let figures = evalfleet_reports::agents(&mut *store, "r")
         .unwrap()
         .unwrap();
     assert_eq!(
@@ -1841,7 +1841,7 @@ mod postgres_only {
 
     /// What a worker commits for the items of `claim`: an attempt and a
     /// result each (every fifth failed).
-    fn answers(claim: &evalfleet_core::store::Claim) -> Batch {
+    fn answers(claim: &evalfleet_store::Claim) -> Batch {
         let mut batch = Batch::default();
         for item in &claim.items {
             let status = if item.seq % 5 == 0 {

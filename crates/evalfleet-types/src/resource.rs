@@ -1,6 +1,6 @@
 //! Resource telemetry: what a run's GPUs, engines and evalfleet itself
 //! used while it ran, as bounded series of points (see
-//! `evalfleet_core::fleet::watchdog` for what is sampled, and
+//! `evalfleet_fleet::watchdog` for what is sampled, and
 //! [`merge_evenly`] for the bound).
 
 use serde::{Deserialize, Serialize};

@@ -27,7 +27,7 @@ pub const VERSION: &str = concat!(
 #[command(name = "evalfleet", version = VERSION, propagate_version = true)]
 pub struct Cli {
     /// More logging (-v debug, -vv trace). EVALFLEET_LOG (e.g.
-    /// `info,evalfleet_core=debug`) overrides it.
+    /// `info,evalfleet_fleet=debug`) overrides it.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     pub verbose: u8,
 

@@ -6,10 +6,10 @@ use std::io::{IsTerminal, Write};
 use std::pin::Pin;
 use std::sync::Arc;
 
-use evalfleet_core::config::{Config, EndpointKind, MockSettings};
-use evalfleet_core::fleet::engine::{Launcher, Owner, REMOTE_STATE, RemoteCommands, shell_join};
-use evalfleet_core::fleet::gpu::{self, GpuReport};
-use evalfleet_core::fleet::runtime::{FleetOptions, GpuPolicy, MockGuard, MockStarter};
+use evalfleet_config::{Config, EndpointKind, MockSettings};
+use evalfleet_fleet::engine::{Launcher, Owner, REMOTE_STATE, RemoteCommands, shell_join};
+use evalfleet_fleet::gpu::{self, GpuReport};
+use evalfleet_fleet::runtime::{FleetOptions, GpuPolicy, MockGuard, MockStarter};
 use evalfleet_mock::MockServer;
 
 use crate::UsageError;

@@ -10,7 +10,7 @@ mod ui;
 use std::process::ExitCode;
 
 use clap::Parser;
-use evalfleet_core::types::Fault;
+use evalfleet_types::Fault;
 
 use crate::cli::{Cli, Command};
 
@@ -59,11 +59,11 @@ fn is_broken_pipe(err: &anyhow::Error) -> bool {
 /// the store it was looked for in and how to list its runs, and hints that
 /// name the program as it was invoked.
 fn explain(err: &anyhow::Error) -> String {
-    let mut text = evalfleet_core::types::error_text(err.as_ref());
+    let mut text = evalfleet_types::error_text(err.as_ref());
     let missing_run = err.chain().any(|cause| {
         matches!(
-            cause.downcast_ref::<evalfleet_core::store::StoreError>(),
-            Some(evalfleet_core::store::StoreError::NoSuchRun(_))
+            cause.downcast_ref::<evalfleet_store::StoreError>(),
+            Some(evalfleet_store::StoreError::NoSuchRun(_))
         )
     });
     if missing_run && let Some(location) = commands::store_chosen() {

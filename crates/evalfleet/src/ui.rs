@@ -6,8 +6,8 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use evalfleet_core::fleet::{Endpoint, Phase};
-use evalfleet_core::pipeline::Progress;
+use evalfleet_fleet::{Endpoint, Phase};
+use evalfleet_pipeline::Progress;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tokio_util::sync::CancellationToken;
 use tracing_subscriber::filter::{LevelFilter, Targets};
@@ -48,7 +48,7 @@ impl<'a> MakeWriter<'a> for LogWriter {
 }
 
 /// Logging to stderr: warnings and up by default, more with `-v`; the
-/// `EVALFLEET_LOG` variable (`info,evalfleet_core=debug`) overrides both.
+/// `EVALFLEET_LOG` variable (`info,evalfleet_fleet=debug`) overrides both.
 pub fn init_logging(verbose: u8) {
     let level = match verbose {
         0 => LevelFilter::INFO,

@@ -6,9 +6,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use evalfleet_core::store::prelude::*;
-use evalfleet_core::types::AgentCall;
 use evalfleet_mock::MockSettings;
+use evalfleet_store::prelude::*;
+use evalfleet_types::AgentCall;
 use serde_json::Value;
 
 use crate::util::{Env, by_id, external_with, mock, ms, signal, wait_until};

@@ -4,9 +4,9 @@
 
 use std::collections::BTreeMap;
 
-use evalfleet_core::store::prelude::*;
-use evalfleet_core::store::{ItemQuery, StoreError};
 use evalfleet_store::SqliteStore;
+use evalfleet_store::prelude::*;
+use evalfleet_store::{ItemQuery, StoreError};
 
 use crate::fleet::{alive, with_arg};
 use crate::util::*;

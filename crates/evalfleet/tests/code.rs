@@ -193,10 +193,10 @@ async fn score_keeps_judgements_and_rejudges_when_asked_or_when_task_code_change
     let run_id = ran.run_id();
     assert_eq!(accepted_mean(&env, &run_id).await, 0.5);
     // The results table carries each answer's verdict and tests passed.
-    let page = evalfleet_core::store::Explore::items(
+    let page = evalfleet_store::Explore::items(
         &mut env.store(),
         &run_id,
-        &evalfleet_core::store::ItemQuery {
+        &evalfleet_store::ItemQuery {
             limit: 10,
             ..Default::default()
         },

@@ -5,8 +5,8 @@
 
 use std::collections::BTreeMap;
 
-use evalfleet_core::store::prelude::*;
 use evalfleet_mock::MockSettings;
+use evalfleet_store::prelude::*;
 use serde_json::{Value, json};
 
 use crate::util::{Env, by_id, mock, ms, scripted, signal, wait_until};
@@ -843,7 +843,7 @@ async fn a_ppo_rollout_loop_gets_prompts_sends_digits_and_unreadable_outputs_and
     assert!(
         stored
             .iter()
-            .any(|e| e.kind == evalfleet_core::types::EventKind::Alarm),
+            .any(|e| e.kind == evalfleet_types::EventKind::Alarm),
         "{stored:?}"
     );
 }

@@ -1,9 +1,9 @@
 //! The process is killed or interrupted at any moment; a resume finishes the
 //! run with every item exactly once.
 
-use evalfleet_core::store::prelude::*;
-use evalfleet_core::types::RunStatus;
 use evalfleet_mock::MockSettings;
+use evalfleet_store::prelude::*;
+use evalfleet_types::RunStatus;
 use tokio::io::AsyncBufReadExt;
 
 use crate::util::{Env, by_id, config, external, mock, ms, signal, wait_until};

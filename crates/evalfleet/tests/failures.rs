@@ -1,9 +1,9 @@
 //! Endpoints that misbehave: 5xx bursts, 429 with Retry-After, hangs past
 //! the attempt timeout, truncated streams, and errors that never stop.
 
-use evalfleet_core::store::prelude::*;
-use evalfleet_core::types::EventKind;
 use evalfleet_mock::MockSettings;
+use evalfleet_store::prelude::*;
+use evalfleet_types::EventKind;
 
 use crate::util::{Env, NO_HEALTH, by_id, config, external, external_with, mock, ms};
 
@@ -73,7 +73,7 @@ async fn transient_errors_are_retried_until_every_item_is_done() {
     assert!(cut.stats().truncated > 0, "no stream was ever cut");
 
     // Every failed attempt is on record with its class.
-    let summary = evalfleet_core::report::endpoints(&mut env.store(), &ran.run_id()).unwrap();
+    let summary = evalfleet_reports::endpoints(&mut env.store(), &ran.run_id()).unwrap();
     let errors = |name: &str, class: &str| {
         summary
             .iter()
@@ -239,7 +239,7 @@ async fn answers_a_server_cuts_short_are_never_results_and_it_is_sent_fewer() {
         assert_eq!(row["tokens_estimated"], true, "{id}: {row}");
     }
     // Each cut answer is on record as a failed attempt of its own.
-    let summary = evalfleet_core::report::endpoints(&mut env.store(), &ran.run_id()).unwrap();
+    let summary = evalfleet_reports::endpoints(&mut env.store(), &ran.run_id()).unwrap();
     let bad = summary[0].errors.get("bad_response").copied().unwrap_or(0);
     assert!(bad > 0, "{summary:?}");
     // Cut answers that followed another call's arrival are back pressure:
@@ -522,7 +522,7 @@ async fn a_stream_that_closes_after_its_finish_reason_without_done_is_retried() 
     // Unended streams are on record as failed attempts (each one the mock
     // left unended, unless the client gave it up as stalled before its
     // close on a busy machine).
-    let summary = evalfleet_core::report::endpoints(&mut env.store(), &ran.run_id()).unwrap();
+    let summary = evalfleet_reports::endpoints(&mut env.store(), &ran.run_id()).unwrap();
     let bad = summary[0].errors.get("bad_response").copied().unwrap_or(0);
     assert!(bad > 0 && bad <= unended, "{bad} of {unended}: {summary:?}");
 }

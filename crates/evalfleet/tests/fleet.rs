@@ -3,8 +3,8 @@
 
 use std::path::Path;
 
-use evalfleet_core::store::prelude::*;
 use evalfleet_mock::MockSettings;
+use evalfleet_store::prelude::*;
 use serde_json::Value;
 use tokio::process::{Child, Command};
 

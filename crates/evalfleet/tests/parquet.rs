@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use evalfleet_core::dataset::{ColumnKind, ColumnValues, TableWriter};
+use evalfleet_io::dataset::{ColumnKind, ColumnValues, TableWriter};
 use evalfleet_mock::MockSettings;
 use serde_json::Value;
 

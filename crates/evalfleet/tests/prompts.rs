@@ -2,7 +2,7 @@
 //! document type: every metric and how the answers turned out (structural
 //! fidelity), by `doc_type` and overall.
 
-use evalfleet_core::store::prelude::*;
+use evalfleet_store::prelude::*;
 use serde_json::Value;
 
 use crate::util::*;

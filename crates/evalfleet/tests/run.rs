@@ -144,7 +144,7 @@ async fn status_summarises_a_run_while_it_runs_and_after() {
         store_path.exists()
             && evalfleet_store::SqliteStore::open_existing(&store_path)
                 .ok()
-                .and_then(|mut s| evalfleet_core::store::Runs::counts(&mut s, "watched").ok())
+                .and_then(|mut s| evalfleet_store::Runs::counts(&mut s, "watched").ok())
                 .is_some_and(|c| c.done > 0)
     })
     .await;
@@ -257,7 +257,7 @@ async fn the_mock_command_prints_its_address_and_serves_models() {
         url.starts_with("http://127.0.0.1:") && url.ends_with("/v1"),
         "{url}"
     );
-    let client = evalfleet_core::client::http_client(1).unwrap();
+    let client = evalfleet_fleet::client::http_client(1).unwrap();
     let body = client
         .get(format!("{url}/models"))
         .send()

@@ -374,6 +374,6 @@ async fn a_read_only_server_refuses_every_route_that_would_change_something() {
     let runs = get_keyed(&format!("{base}/api/v1/runs"), None).await;
     assert_eq!(runs.as_array().unwrap().len(), 1, "{runs}");
     let changes =
-        evalfleet_core::store::FleetMailbox::fleet_changes(&mut env.store(), "done", 0).unwrap();
+        evalfleet_store::FleetMailbox::fleet_changes(&mut env.store(), "done", 0).unwrap();
     assert!(changes.is_empty(), "{changes:?}");
 }

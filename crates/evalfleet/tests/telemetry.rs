@@ -5,15 +5,15 @@
 
 use std::path::{Path, PathBuf};
 
-use evalfleet_core::store::prelude::*;
-use evalfleet_core::types::{EventKind, ResourceMetric, ResourceSource};
+use evalfleet_store::prelude::*;
+use evalfleet_types::{EventKind, ResourceMetric, ResourceSource};
 use serde_json::Value;
 
 use crate::util::{BIN, Env, config};
 
 /// The recorded outputs of a real H200 (see their README).
 fn h200() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../evalfleet-core/tests/data/gpu/h200")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../evalfleet-fleet/tests/data/gpu/h200")
 }
 
 /// A stand-in `nvidia-smi` in `dir`/bin: the H200 holding a process, which
@@ -80,7 +80,7 @@ async fn a_run_samples_its_gpu_engine_and_itself_and_reports_peaks_and_means() {
 
     let mut store = env.store();
     let points = store.resource_points("t", i64::MIN).unwrap();
-    let summary = evalfleet_core::report::ResourcesReport::of(&points);
+    let summary = evalfleet_reports::ResourcesReport::of(&points);
     let series = |source, name: &str, metric| {
         summary
             .get(source, name, metric)

@@ -5,11 +5,11 @@
 
 use std::time::Duration;
 
-use evalfleet_core::config::{self, Overrides};
-use evalfleet_core::store::prelude::*;
-use evalfleet_core::store::{Batch, Claimed};
-use evalfleet_core::template::Templates;
-use evalfleet_core::types::{AgentCall, Assessment, ItemStatus, ResultRecord, Score, Telemetry};
+use evalfleet_config::{self as config, Overrides};
+use evalfleet_io::template::Templates;
+use evalfleet_store::prelude::*;
+use evalfleet_store::{Batch, Claimed};
+use evalfleet_types::{AgentCall, Assessment, ItemStatus, ResultRecord, Score, Telemetry};
 use serde_json::{Value, json};
 
 use crate::util::{Env, config};
@@ -62,7 +62,7 @@ async fn trajectories_and_the_report_show_each_items_agent_calls() {
     let mut store = evalfleet_store::SqliteStore::open(&env.store_path()).unwrap();
     evalfleet_core::run::create(&mut store, &loaded, &templates, "agents").unwrap();
     let lease = Duration::from_secs(60);
-    let mut worker = evalfleet_core::worker::this_process(lease);
+    let mut worker = evalfleet_store::worker::this_process(lease);
     store.begin_session("agents", &mut worker, false).unwrap();
     let Claimed::Items(claim) = store
         .claim("agents", &worker.worker, None, 10, lease)

@@ -6,10 +6,10 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 use std::time::Duration;
 
-use evalfleet_core::store::prelude::*;
-use evalfleet_core::types::StateCounts;
 use evalfleet_mock::{MockServer, MockSettings};
 use evalfleet_store::SqliteStore;
+use evalfleet_store::prelude::*;
+use evalfleet_types::StateCounts;
 use serde_json::Value;
 use tokio::process::{Child, Command};
 

@@ -2,9 +2,9 @@
 //! lease, and every item is answered and stored exactly once, whichever
 //! worker answers it, whether a worker dies or stalls past its lease.
 
-use evalfleet_core::store::prelude::*;
-use evalfleet_core::types::RunStatus;
 use evalfleet_mock::MockSettings;
+use evalfleet_store::prelude::*;
+use evalfleet_types::RunStatus;
 
 use crate::util::{Env, by_id, config, external, mock, ms, signal, wait_until};
 

@@ -7,11 +7,9 @@ use axum::Json;
 use axum::extract::State;
 
 use crate::extract::{Path, Query};
-use evalfleet_core::store::{
-    ItemCursor, ItemQuery, ItemRecord, ItemRow, ItemState, ScoreRange, SortKey,
-};
-use evalfleet_core::template::Message;
-use evalfleet_core::types::ErrorClass;
+use evalfleet_io::template::Message;
+use evalfleet_store::{ItemCursor, ItemQuery, ItemRecord, ItemRow, ItemState, ScoreRange, SortKey};
+use evalfleet_types::ErrorClass;
 use serde::Serialize;
 
 use crate::error::{ApiError, ErrorBody};
@@ -298,7 +296,7 @@ impl AppState {
     /// The messages `run_id`'s templates make of `row`.
     fn render(
         &self,
-        store: &mut dyn evalfleet_core::store::Store,
+        store: &mut dyn evalfleet_store::Store,
         run_id: &str,
         row: &serde_json::Value,
     ) -> Result<Vec<MessageBody>, String> {

@@ -12,10 +12,12 @@ use axum::extract::State;
 
 use crate::extract::{Path, Query};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
-use evalfleet_core::report::ResourcesReport;
-use evalfleet_core::store::Store;
-use evalfleet_core::types::{Event, ResourcePoint};
-use evalfleet_core::view::{self, EndpointsView, RunDetail, RunState, RunSummary, TimelinePoint};
+use evalfleet_reports::ResourcesReport;
+use evalfleet_reports::view::{
+    self, EndpointsView, RunDetail, RunState, RunSummary, TimelinePoint,
+};
+use evalfleet_store::Store;
+use evalfleet_types::{Event, ResourcePoint};
 use futures_util::Stream;
 use serde::{Deserialize, Serialize};
 
@@ -147,7 +149,7 @@ pub struct Update {
     /// New events.
     pub events: Vec<Event>,
     /// What each worker has committed so far.
-    pub work_by_worker: Vec<evalfleet_core::store::WorkerWork>,
+    pub work_by_worker: Vec<evalfleet_store::WorkerWork>,
 }
 
 /// What a message of a stream carries, as its `data` (JSON): a

@@ -9,7 +9,7 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 
 use crate::extract::{Path, Query};
-use evalfleet_core::report::{self, Compared, KeptBody, Report};
+use evalfleet_reports::{self as report, Compared, KeptBody, Report};
 use serde::Deserialize;
 
 use crate::error::{ApiError, ErrorBody};

@@ -9,9 +9,9 @@ use axum::extract::State;
 
 use crate::extract::{Path, Query};
 use axum::http::StatusCode;
-use evalfleet_core::config::{self, Overrides};
-use evalfleet_core::types::{Event, FleetAction, FleetChange, now_ms};
-use evalfleet_core::view::{self, RunDetail, RunState, RunSummary};
+use evalfleet_config::{self as config, Overrides};
+use evalfleet_reports::view::{self, RunDetail, RunState, RunSummary};
+use evalfleet_types::{Event, FleetAction, FleetChange, now_ms};
 use serde::{Deserialize, Serialize};
 
 use crate::control::{CreateRun, RescoreRequest, Rescored, StartRun};

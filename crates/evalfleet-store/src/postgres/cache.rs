@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use evalfleet_core::store::{CacheStats, ResponseCache, StoreError};
+use crate::{CacheStats, ResponseCache, StoreError};
 use evalfleet_types::CacheEntry;
 use postgres::Row;
 

@@ -5,7 +5,7 @@
 //! ones; a stored value out of the Rust type's range is an invariant
 //! broken, not a value to wrap.
 
-use evalfleet_core::store::StoreError;
+use crate::StoreError;
 use evalfleet_types::{AgentCall, ErrorClass, Telemetry};
 use postgres::Row;
 

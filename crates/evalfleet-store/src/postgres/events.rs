@@ -2,7 +2,7 @@
 //! ordered by its bytes (`COLLATE "C"`), as SQLite orders it, whatever the
 //! database's own collation.
 
-use evalfleet_core::store::{EndpointStates, Events, FleetMailbox, StoreError};
+use crate::{EndpointStates, Events, FleetMailbox, StoreError};
 use evalfleet_types::{
     EndpointSnapshot, Event, EventKind, FleetAction, FleetChange, RunSample, now_ms,
 };

@@ -13,7 +13,7 @@
 //! first); a dataset field compares as the text SQLite makes of it (a
 //! string unquoted, a number as written, `true`/`false` as 1/0).
 
-use evalfleet_core::store::{
+use crate::{
     Explore, ItemCursor, ItemPage, ItemQuery, ItemRecord, ItemRow, ItemState, JudgedRow,
     OUTPUT_PREVIEW, SortKey, StoreError,
 };

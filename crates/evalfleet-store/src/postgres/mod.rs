@@ -5,7 +5,7 @@
 //! was made under (`queue`), so every item gets exactly one result whoever
 //! answers it and whatever dies meanwhile.
 //!
-//! Each concern of [`evalfleet_core::store`] is implemented in a module of
+//! Each concern of [`crate`] is implemented in a module of
 //! its own, as for SQLite. Every method is one transaction, run by
 //! [`PgStore::with`]: when the connection is lost (the server restarted,
 //! the network cut), it connects again and runs the transaction again, for
@@ -28,7 +28,7 @@ pub mod schema;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use evalfleet_core::store::StoreError;
+use crate::StoreError;
 use postgres::error::SqlState;
 use postgres::{Client, Config, NoTls};
 

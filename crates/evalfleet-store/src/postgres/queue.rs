@@ -34,7 +34,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
-use evalfleet_core::store::{
+use crate::{
     Batch, Claim, ClaimId, Claimed, Committed, PendingItem, Renewal, StoreError, WorkQueue,
 };
 use evalfleet_types::{ErrorClass, ItemStatus, now_ms};

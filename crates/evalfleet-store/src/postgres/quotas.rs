@@ -31,7 +31,7 @@
 
 use std::time::Duration;
 
-use evalfleet_core::store::{Granted, Quotas, SharedQuota, StoreError};
+use crate::{Granted, Quotas, SharedQuota, StoreError};
 
 use super::PgStore;
 

@@ -6,7 +6,7 @@
 //! last row handed out, so that a scan run again after a lost connection
 //! goes on after it: no row is handed out twice.
 
-use evalfleet_core::store::{
+use crate::{
     AttemptSample, ExportError, ExportRow, ResultOrder, ResultView, Results, StoreError,
     StoredResult,
 };
@@ -337,7 +337,7 @@ impl Results for PgStore {
     fn scan_call_samples(
         &mut self,
         run_id: &str,
-        each: &mut dyn FnMut(evalfleet_core::store::CallSample),
+        each: &mut dyn FnMut(crate::CallSample),
     ) -> Result<(), StoreError> {
         let rid = self.with("cannot read agent calls", |conn| conn.rid(run_id))?;
         self.call_samples_of(rid, each)

@@ -8,7 +8,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use evalfleet_core::store::{
+use crate::{
     CreateRunError, ItemSource, NewItem, NewRun, RunRecord, Runs, SessionStart, StoreError,
     WorkerInfo, WorkerWork,
 };

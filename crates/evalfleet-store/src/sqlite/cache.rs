@@ -1,6 +1,6 @@
 //! The response cache.
 
-use evalfleet_core::store::{CacheStats, ResponseCache, StoreError};
+use crate::{CacheStats, ResponseCache, StoreError};
 use evalfleet_types::CacheEntry;
 use rusqlite::{OptionalExtension, params};
 

@@ -3,7 +3,7 @@
 
 use std::ops::RangeInclusive;
 
-use evalfleet_core::store::{CallSample, StoreError};
+use crate::{CallSample, StoreError};
 use evalfleet_types::{AgentCall, ErrorClass, Telemetry};
 use rusqlite::params;
 

@@ -1,6 +1,6 @@
 //! Events, endpoint snapshots and the fleet mailbox.
 
-use evalfleet_core::store::{EndpointStates, Events, FleetMailbox, StoreError};
+use crate::{EndpointStates, Events, FleetMailbox, StoreError};
 use evalfleet_types::{
     EndpointSnapshot, Event, EventKind, FleetAction, FleetChange, RunSample, now_ms,
 };

@@ -7,7 +7,7 @@
 //! and stops at the page's last row; filters are tested row by row on the
 //! way (a filter that few rows pass reads more of them).
 
-use evalfleet_core::store::{
+use crate::{
     Explore, ItemCursor, ItemPage, ItemQuery, ItemRecord, ItemRow, ItemState, JudgedRow,
     OUTPUT_PREVIEW, SortKey, StoreError,
 };

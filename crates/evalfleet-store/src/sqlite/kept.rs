@@ -1,7 +1,7 @@
 //! Reports and comparisons computed once and kept (see the `kept_reports`
 //! table in `schema`).
 
-use evalfleet_core::store::{KEPT_PER_RUN, KeptReport, KeptReports, StoreError};
+use crate::{KEPT_PER_RUN, KeptReport, KeptReports, StoreError};
 use evalfleet_types::now_ms;
 use rusqlite::{OptionalExtension, params};
 

@@ -3,7 +3,7 @@
 //! `synchronous = FULL`, so a committed result survives a crash or a power
 //! loss and an uncommitted one is simply still pending.
 //!
-//! Each concern of [`evalfleet_core::store`] is implemented in a module of
+//! Each concern of [`crate`] is implemented in a module of
 //! its own: `runs`, `queue` (claims and commits), `results`, `cache`,
 //! `events` (with the fleet mailbox), `explore` (pages of items), `kept`
 //! (reports computed once) and `calls` (agents' calls read back).
@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use evalfleet_core::store::StoreError;
+use crate::StoreError;
 use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior};
 
 /// A SQLite store file.
@@ -38,7 +38,7 @@ pub struct SqliteStore {
 
 /// A SQLite file is one machine's: no other worker shares its quotas, so
 /// each endpoint's own rate limiter is the only one (the trait's defaults).
-impl evalfleet_core::store::Quotas for SqliteStore {}
+impl crate::Quotas for SqliteStore {}
 
 pub(crate) fn db_err(context: &str) -> impl Fn(rusqlite::Error) -> StoreError + '_ {
     move |err| StoreError::backend(context, err)

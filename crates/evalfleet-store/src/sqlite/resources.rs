@@ -2,7 +2,7 @@
 
 use std::collections::BTreeSet;
 
-use evalfleet_core::store::{Resources, StoreError};
+use crate::{Resources, StoreError};
 use evalfleet_types::{
     POINTS_PER_SERIES, ResourceMetric, ResourcePoint, ResourceSeries, ResourceSource, merge_evenly,
 };

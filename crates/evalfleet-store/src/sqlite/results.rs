@@ -1,6 +1,6 @@
 //! Results and attempts read back, and new assessments of stored answers.
 
-use evalfleet_core::store::{
+use crate::{
     AttemptSample, ExportError, ExportRow, ResultOrder, ResultView, Results, StoreError,
     StoredResult,
 };
@@ -229,7 +229,7 @@ impl Results for SqliteStore {
     fn scan_call_samples(
         &mut self,
         run_id: &str,
-        each: &mut dyn FnMut(evalfleet_core::store::CallSample),
+        each: &mut dyn FnMut(crate::CallSample),
     ) -> Result<(), StoreError> {
         let rid = self.rid(run_id)?;
         self.call_samples_of(rid, each)

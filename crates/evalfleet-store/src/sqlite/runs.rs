@@ -1,6 +1,6 @@
 //! Runs: registration, sessions, status and counts, and their workers.
 
-use evalfleet_core::store::{
+use crate::{
     CreateRunError, ItemSource, NewRun, RunRecord, Runs, SessionStart, StoreError, WorkerInfo,
     WorkerWork,
 };

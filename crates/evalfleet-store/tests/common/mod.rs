@@ -4,9 +4,9 @@
 
 #![allow(dead_code)]
 
-use evalfleet_core::dataset::DatasetIdentity;
-use evalfleet_core::fingerprint::{DatasetOptions, Fingerprint};
-use evalfleet_core::store::{CreateRunError, ItemSource, NewItem, RunIdentity, WorkerInfo};
+use evalfleet_io::dataset::DatasetIdentity;
+use evalfleet_io::fingerprint::{DatasetOptions, Fingerprint};
+use evalfleet_store::{CreateRunError, ItemSource, NewItem, RunIdentity, WorkerInfo};
 
 /// Items for a new run, in the order given.
 pub struct Items {
@@ -23,7 +23,7 @@ pub fn items(ids: &[&str], sample_n: Option<u64>) -> Items {
             seq: i as u64 + 1,
             line: i as u64 + 1,
             offset: i as u64 * 10,
-            sample_key: evalfleet_core::dataset::sample_key(1, id),
+            sample_key: evalfleet_io::dataset::sample_key(1, id),
             invalid: id.starts_with("bad").then(|| "broken row".to_owned()),
         })
         .collect();
@@ -74,7 +74,7 @@ impl ItemSource for Items {
 pub fn worker(name: &str) -> WorkerInfo {
     WorkerInfo {
         worker: name.to_owned(),
-        ..evalfleet_core::worker::this_process(std::time::Duration::from_secs(60))
+        ..evalfleet_store::worker::this_process(std::time::Duration::from_secs(60))
     }
 }
 

@@ -10,17 +10,17 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use evalfleet_config::bench::{BenchCell, BenchConfig, BenchModel, load_bench};
+use evalfleet_config::{Config, EndpointConfig, EndpointKind, GpuSelection};
 use evalfleet_core::bench::{self, BenchReport, CELL_FAILED, CellState, CellStatus, Manifest};
-use evalfleet_core::config::bench::{BenchCell, BenchConfig, BenchModel, load_bench};
-use evalfleet_core::config::{Config, EndpointConfig, EndpointKind, GpuSelection};
-use evalfleet_core::fleet::engine::Launcher;
-use evalfleet_core::fleet::runtime::GpuPolicy;
-use evalfleet_core::fleet::turn::EngineTurn;
 use evalfleet_core::run;
-use evalfleet_core::store::prelude::*;
-use evalfleet_core::store::{RunRecord, StoreError};
-use evalfleet_core::types::{Event, EventKind, RunStatus, now_ms};
+use evalfleet_fleet::engine::Launcher;
+use evalfleet_fleet::runtime::GpuPolicy;
+use evalfleet_fleet::turn::EngineTurn;
+use evalfleet_store::prelude::*;
 use evalfleet_store::{Location, OpenOptions};
+use evalfleet_store::{RunRecord, StoreError};
+use evalfleet_types::{Event, EventKind, RunStatus, now_ms};
 use tokio_util::sync::CancellationToken;
 
 use super::run::{Attendance, Resumable, checked_templates, execute, register, resumable_with};

@@ -2,16 +2,16 @@
 
 use std::time::{Duration, Instant};
 
-use evalfleet_core::client::ChatClient;
-use evalfleet_core::config::{self, EndpointConfig, EndpointKind, Overrides};
-use evalfleet_core::dataset::Scanner;
-use evalfleet_core::fleet::gpu::{self, GpuReport};
-use evalfleet_core::fleet::runtime::MockStarter;
-use evalfleet_core::fleet::{LimitMode, runtime::health_url};
-use evalfleet_core::metric_backend::Backends;
+use evalfleet_config::{self as config, EndpointConfig, EndpointKind, Overrides};
 use evalfleet_core::preflight;
-use evalfleet_core::task::code;
-use evalfleet_core::template::Templates;
+use evalfleet_eval::metric_backend::Backends;
+use evalfleet_fleet::client::ChatClient;
+use evalfleet_fleet::gpu::{self, GpuReport};
+use evalfleet_fleet::runtime::MockStarter;
+use evalfleet_fleet::{LimitMode, runtime::health_url};
+use evalfleet_io::dataset::Scanner;
+use evalfleet_io::template::Templates;
+use evalfleet_pipeline::task::code;
 
 use crate::fleet::InProcessMocks;
 use crate::{EXIT_FAILED, EXIT_OK};
@@ -249,7 +249,7 @@ async fn probe(
         }
         Ok(Err(err)) => {
             *ready = false;
-            format!("unreachable: {}", evalfleet_core::types::error_text(&err))
+            format!("unreachable: {}", evalfleet_types::error_text(&err))
         }
         Err(_) => {
             *ready = false;

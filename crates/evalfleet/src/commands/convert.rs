@@ -5,7 +5,7 @@
 use std::io::Write;
 use std::path::Path;
 
-use evalfleet_core::config::{self, LoadedConfig, Overrides};
+use evalfleet_config::{self as config, LoadedConfig, Overrides};
 
 use crate::cli::ConvertArgs;
 

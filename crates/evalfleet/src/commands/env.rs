@@ -12,13 +12,13 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use evalfleet_core::config::{self, ConversationSettings, Overrides, PolicyKind};
-use evalfleet_core::report::conversation::{Line, Logbook, json_line};
-use evalfleet_core::store::prelude::*;
-use evalfleet_core::task::conversation::gym::{Gym, Happening};
-use evalfleet_core::types::{Event, EventKind, now_ms};
+use evalfleet_config::{self as config, ConversationSettings, Overrides, PolicyKind};
+use evalfleet_pipeline::task::conversation::gym::{Gym, Happening};
+use evalfleet_reports::conversation::{Line, Logbook, json_line};
 use evalfleet_server::env::{EnvServer, serve_env};
+use evalfleet_store::prelude::*;
 use evalfleet_store::{Location, OpenOptions};
+use evalfleet_types::{Event, EventKind, now_ms};
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;

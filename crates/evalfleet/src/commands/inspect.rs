@@ -7,11 +7,11 @@ use std::io::{self, BufWriter, Write};
 use std::path::Path;
 
 use anyhow::Context;
-use evalfleet_core::report::{self, EndpointSummary, Percentiles};
-use evalfleet_core::store::{EndpointStates, ExportRow, RunRecord, Store};
-use evalfleet_core::types::{ErrorClass, FleetAction, FleetChange, StateCounts};
-use evalfleet_core::view::{self, RunState};
-use evalfleet_core::worker;
+use evalfleet_reports::view::{self, RunState};
+use evalfleet_reports::{self as report, EndpointSummary, Percentiles};
+use evalfleet_store::worker;
+use evalfleet_store::{EndpointStates, ExportRow, RunRecord, Store};
+use evalfleet_types::{ErrorClass, FleetAction, FleetChange, StateCounts};
 use serde_json::{Value, json};
 
 use super::{open_existing, open_to_read, timestamp};
@@ -331,7 +331,7 @@ pub fn fleet(args: FleetArgs) -> anyhow::Result<u8> {
             id: 0,
             action,
             endpoint: target.endpoint.clone(),
-            at_ms: evalfleet_core::types::now_ms(),
+            at_ms: evalfleet_types::now_ms(),
         },
     )?;
     println!(
@@ -469,7 +469,7 @@ fn write_parquet(
     run_id: &str,
     out: impl Write + Send,
 ) -> anyhow::Result<()> {
-    use evalfleet_core::dataset::{ColumnKind as K, ColumnValues as V, TableWriter};
+    use evalfleet_io::dataset::{ColumnKind as K, ColumnValues as V, TableWriter};
 
     let mut metrics = BTreeSet::new();
     store.export(run_id, &mut |row| {

@@ -1,7 +1,7 @@
 //! `evalfleet metrics`: the metric registry, with a config's backends.
 
-use evalfleet_core::config::{self, Overrides};
-use evalfleet_core::eval::metrics::listing;
+use evalfleet_config::{self as config, Overrides};
+use evalfleet_eval::metrics::listing;
 
 use crate::EXIT_OK;
 use crate::cli::MetricsArgs;

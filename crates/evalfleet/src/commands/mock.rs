@@ -39,7 +39,7 @@ pub async fn mock(args: MockArgs) -> anyhow::Result<u8> {
             writeln!(
                 out,
                 "{what} {} {}",
-                evalfleet_core::types::now_ms(),
+                evalfleet_types::now_ms(),
                 std::process::id()
             )?;
         }

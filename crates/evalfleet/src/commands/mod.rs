@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, UNIX_EPOCH};
 
-use evalfleet_core::store::prelude::*;
+use evalfleet_store::prelude::*;
 use evalfleet_store::{Location, OpenOptions};
 
 use crate::UsageError;

@@ -1,6 +1,6 @@
 //! `evalfleet score`, `report` and `compare`: what the stored answers are
 //! worth. None of them calls a model. The figures are the core's
-//! (`evalfleet_core::report`, `evalfleet_core::rescore`); this module only
+//! (`evalfleet_reports`, `evalfleet_core::rescore`); this module only
 //! renders them as tables, CSV and JSON.
 
 use std::fs;
@@ -8,13 +8,13 @@ use std::io::Write;
 use std::path::Path;
 
 use anyhow::Context;
-use evalfleet_core::config::{self, Overrides};
-use evalfleet_core::eval::Metric;
-use evalfleet_core::report::metrics::Summary;
-use evalfleet_core::report::{self, Report};
+use evalfleet_config::{self as config, Overrides};
 use evalfleet_core::rescore::Plan;
-use evalfleet_core::store::StoredResult;
+use evalfleet_eval::Metric;
+use evalfleet_reports::metrics::Summary;
+use evalfleet_reports::{self as report, Report};
 use evalfleet_store::OpenOptions;
+use evalfleet_store::StoredResult;
 
 use super::inspect::{percentiles, print_table};
 use super::{open_existing, open_to_read};

@@ -6,16 +6,16 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime};
 
-use evalfleet_core::config::{self, Config, LoadedConfig, Overrides};
-use evalfleet_core::fleet::runtime::{Fleet, GpuPolicy};
-use evalfleet_core::pipeline::{OpenStore, PipelineError, Progress};
+use evalfleet_config::{self as config, Config, LoadedConfig, Overrides};
 use evalfleet_core::preflight;
 use evalfleet_core::run::{self, SessionPlan, SessionReport};
-use evalfleet_core::store::RunRecord;
-use evalfleet_core::store::prelude::*;
-use evalfleet_core::template::Templates;
-use evalfleet_core::types::RunStatus;
+use evalfleet_fleet::runtime::{Fleet, GpuPolicy};
+use evalfleet_io::template::Templates;
+use evalfleet_pipeline::{OpenStore, PipelineError, Progress};
+use evalfleet_store::RunRecord;
+use evalfleet_store::prelude::*;
 use evalfleet_store::{Location, OpenOptions};
+use evalfleet_types::RunStatus;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -205,7 +205,7 @@ pub async fn resume(args: ResumeArgs) -> anyhow::Result<u8> {
 pub(crate) enum Resumable {
     /// Nothing: every item ended (the run is marked finished).
     Nothing {
-        counts: evalfleet_core::types::StateCounts,
+        counts: evalfleet_types::StateCounts,
     },
     Session(Box<Session>),
 }
@@ -296,7 +296,7 @@ pub(crate) struct Session {
     active: Option<Vec<String>>,
     gpu_policy: GpuPolicy,
     /// Where a trainer takes the conversation's decisions (`env`).
-    pub gym: Option<Arc<evalfleet_core::task::conversation::gym::Gym>>,
+    pub gym: Option<Arc<evalfleet_pipeline::task::conversation::gym::Gym>>,
     /// What writes the gym's episodes to the logs as they end (`env`):
     /// done once the gym has finished and it has written the last.
     pub journal: Option<std::pin::Pin<Box<dyn Future<Output = anyhow::Result<()>> + Send>>>,
@@ -362,7 +362,7 @@ pub(crate) async fn execute(session: Session, attendance: Attendance) -> anyhow:
             .cache
             .path
             .clone()
-            .filter(|_| plan.config.cache.mode != evalfleet_core::cache::CacheMode::Off),
+            .filter(|_| plan.config.cache.mode != evalfleet_config::cache::CacheMode::Off),
         read_only: false,
     };
     drop(store);
@@ -472,7 +472,7 @@ fn scores(location: &Location, run_id: &str) -> anyhow::Result<u8> {
     let report = tokio::task::block_in_place(|| {
         let mut store = evalfleet_store::open(location, &OpenOptions::default())?;
         // The metrics only: no endpoint summary (it reads every attempt).
-        anyhow::Ok(evalfleet_core::report::report_with(
+        anyhow::Ok(evalfleet_reports::report_with(
             &mut *store,
             run_id,
             &[],
@@ -483,7 +483,7 @@ fn scores(location: &Location, run_id: &str) -> anyhow::Result<u8> {
     for s in report
         .metrics
         .iter()
-        .filter(|s| s.group == evalfleet_core::report::metrics::ALL)
+        .filter(|s| s.group == evalfleet_reports::metrics::ALL)
     {
         let mean = if s.status == "not scored" {
             "not scored".to_owned()

@@ -6,12 +6,12 @@ use std::io::Write;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
-use evalfleet_core::config::{Admission, ConfigError};
-use evalfleet_core::pipeline::OpenStore;
+use evalfleet_config::{Admission, ConfigError};
 use evalfleet_core::rescore::{Plan, RescoreError};
-use evalfleet_core::store::CreateRunError;
+use evalfleet_pipeline::OpenStore;
 use evalfleet_server::control::{Pending, Rescored};
 use evalfleet_server::{ApiError, AppState, HostPolicy, RunControl, ServerOptions, StartRun};
+use evalfleet_store::CreateRunError;
 use evalfleet_store::{Location, OpenOptions};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -67,7 +67,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<u8> {
         Arc::new(move || evalfleet_store::open(&location, &OpenOptions::default()))
     };
     for name in &args.allow_env {
-        if !evalfleet_core::config::is_variable_name(name) {
+        if !evalfleet_config::is_variable_name(name) {
             return Err(UsageError(format!(
                 "--allow-env {name}: not a variable's name (letters, digits and '_')"
             ))
@@ -161,7 +161,7 @@ fn api_error(err: anyhow::Error) -> ApiError {
         return ApiError::BadRequest(usage.to_string());
     }
     match crate::fault_of(&err) {
-        evalfleet_core::types::Fault::BadInput => ApiError::Invalid(format!("{err:#}")),
+        evalfleet_types::Fault::BadInput => ApiError::Invalid(format!("{err:#}")),
         _ => ApiError::Internal(format!("{err:#}")),
     }
 }
@@ -208,11 +208,9 @@ impl RunControl for ControlHandle {
                 false,
             )
             .await
-            .map_err(|err| {
-                match err.downcast::<evalfleet_core::store::StoreError>() {
-                    Ok(store) => ApiError::Store(store),
-                    Err(err) => api_error(err),
-                }
+            .map_err(|err| match err.downcast::<evalfleet_store::StoreError>() {
+                Ok(store) => ApiError::Store(store),
+                Err(err) => api_error(err),
             })?;
             match resumed {
                 Resumable::Nothing { counts } => Err(ApiError::Conflict(format!(
@@ -255,7 +253,7 @@ impl RunControl for ControlHandle {
                 RescoreError::Store(store) => ApiError::Store(store),
                 RescoreError::Unfit(why) if why.contains("is running") => ApiError::Conflict(why),
                 other => match other.fault() {
-                    evalfleet_core::types::Fault::BadInput => ApiError::Invalid(other.to_string()),
+                    evalfleet_types::Fault::BadInput => ApiError::Invalid(other.to_string()),
                     _ => ApiError::Internal(other.to_string()),
                 },
             };

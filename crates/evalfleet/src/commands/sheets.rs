@@ -3,10 +3,10 @@
 //! runs, and `evalfleet sync`, which writes what the sheet lacks.
 
 use anyhow::Context;
-use evalfleet_core::config::{self, Config, SheetConfig};
-use evalfleet_core::pipeline::ResultTap;
-use evalfleet_core::sheets::{self, SheetSink, SinkReport};
-use evalfleet_core::store::Store;
+use evalfleet_config::{self as config, Config, SheetConfig};
+use evalfleet_pipeline::ResultTap;
+use evalfleet_sheets::{self as sheets, SheetSink, SinkReport};
+use evalfleet_store::Store;
 use evalfleet_store::{Location, OpenOptions};
 
 use super::store_location;

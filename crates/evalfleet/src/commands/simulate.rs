@@ -5,10 +5,10 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use evalfleet_core::config::{ConversationSettings, Overrides};
-use evalfleet_core::report::conversation::{self, CHOICES, ConversationReport, Line};
-use evalfleet_core::types::{Event, EventKind, now_ms};
+use evalfleet_config::{ConversationSettings, Overrides};
+use evalfleet_reports::conversation::{self, CHOICES, ConversationReport, Line};
 use evalfleet_store::{Location, OpenOptions};
+use evalfleet_types::{Event, EventKind, now_ms};
 use serde_json::Value;
 
 use crate::UsageError;

@@ -8,10 +8,10 @@ use std::collections::HashSet;
 use std::path::Path;
 use std::time::Duration;
 
-use evalfleet_core::config;
-use evalfleet_core::store::{RunRecord, StoreError};
-use evalfleet_core::types::RunStatus;
+use evalfleet_config as config;
 use evalfleet_store::{Location, OpenOptions};
+use evalfleet_store::{RunRecord, StoreError};
+use evalfleet_types::RunStatus;
 
 use super::run::{Attendance, Resumable, execute, resumable_with};
 use super::{stopped_by_signals, store_location};
@@ -134,7 +134,7 @@ async fn wait_for_runs(location: &Location, args: &WorkerArgs) -> anyhow::Result
             Err(err) => {
                 tracing::warn!(
                     "Cannot look for runs in {location}: {}; trying again in {}.",
-                    evalfleet_core::types::error_text(&err),
+                    evalfleet_types::error_text(&err),
                     humantime::format_duration(pause)
                 );
                 troubled = true;

@@ -1,0 +1,1189 @@
+//! The adaptive concurrency controller: it looks for the fewest calls in
+//! flight that get the most work out of an endpoint, and holds there.
+//!
+//! It sees what each call's outcome says: a successful call's round trip
+//! (to its first token when streamed), its whole latency and the tokens it
+//! brought; that the endpoint pushed back (429, 503, 408, a timeout, a
+//! refused connection); or that a stream was cut when another call arrived.
+//! At the end of each interval (one round trip long) it decides once.
+//!
+//! **Throughput, not latency, says when to stop.** Each call that started
+//! with the limit reached counts towards that level of the limit; by
+//! Little's law a level's throughput is `level x work / latency` over its
+//! calls (work: completion tokens, or one answer where they are unknown).
+//! On a server that batches (vLLM, SGLang, llama.cpp's slots), latency
+//! grows with the calls in flight while throughput grows too, so a rule that
+//! cut on rising round trips kept such servers far below what they can do.
+//! Once a level has calls enough to be judged:
+//!
+//! - it is compared with the best level below it: the limit grows only
+//!   while throughput grows by at least `gain` (0.2) of what the step would
+//!   give if every added call were served as fast as the others. Where it
+//!   does not (a queue: throughput flat; or falling), the limit goes back
+//!   to the fewest calls that got within [`NEAR`] of the best throughput
+//!   seen, and is held there, probing upward again only after a hold that
+//!   doubles with each probe that found nothing ([`FLAT_HOLD`] first,
+//!   [`FLAT_HOLD_MAX`] at most);
+//! - the first level judged with nothing known below it is compared with
+//!   half of it once (a server that queues from its first call is found
+//!   from above as well as from below);
+//! - while the limit is reached and throughput grows it doubles (slow start,
+//!   until the first cut), then grows by one, or along CUBIC's curve after
+//!   a cut for back pressure; steps are a tenth of the limit at least, so
+//!   that no step is judged on noise alone.
+//!
+//! **Streams cut when another call arrives** (servers that serve one call
+//! at a time and end the running stream for the next, as llama-cpp-python's)
+//! are the clearest sign there is: when they are most of an interval's
+//! back pressure, the limit goes to its least at once and stays there for
+//! [`CUT_HOLD`], doubling with each probe that cuts again (up to
+//! [`CUT_HOLD_MAX`]): one cut stream per several minutes at most.
+//!
+//! **Back pressure** beyond what comes whatever the load cuts the limit to
+//! the share of calls that got through (by `decrease_ratio` at least, by
+//! half at most); afterwards the limit grows back along CUBIC's curve:
+//! quickly towards where it was cut, flattening as it gets there, then
+//! probing past it faster and faster.
+//!
+//! Some endpoints refuse a share of calls at any load (a 503 or 408 now and
+//! then, with no quota behind it). Cutting the limit for each would bring it
+//! down to nothing. Overload shows as a share of refusals that grows with
+//! the limit once it passes what the endpoint takes; sporadic refusals keep
+//! their share whatever the limit. So the controller keeps the share of
+//! back pressure seen at each level of the limit (recent intervals weigh
+//! most), takes the share over the lowest levels, as many as it takes to
+//! have seen a thousand calls, as the background, and counts an interval's
+//! back pressure only when its share is clearly above it: by [`Z`]
+//! standard errors of the difference of two shares, the interval's and the
+//! background's (a background known from few calls is uncertain too; with
+//! a test on the interval's share alone, one in a few intervals crossed the
+//! line at 7% sporadic refusals, and each crossing cut the limit).
+//!
+//! **An engine that reports its own state** (llama.cpp's slots, vLLM's and
+//! SGLang's queue) is believed over all of this: its capacity is where the
+//! limit starts, and calls waiting in its queue while the limit is reached
+//! bring the limit down by as many, held as for a flat throughput.
+//!
+//! The round trip that sets the interval follows the lower envelope of the
+//! intervals' mean round trips: it falls at once and rises slowly.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+pub use evalfleet_config::AimdSettings;
+
+/// Weight of a shorter interval latency in the baseline (it falls fast).
+const ALPHA_DOWN: f64 = 0.5;
+/// Weight of a longer one (it climbs slowly).
+const ALPHA_UP: f64 = 0.05;
+/// The interval before any RTT is known.
+const FIRST_INTERVAL: Duration = Duration::from_millis(100);
+/// A share of back pressure that always counts, whatever the background.
+const MOSTLY: f64 = 0.5;
+/// Each interval, what is known of every level of the limit fades by this.
+const LEVEL_FADE: f64 = 0.99;
+/// Calls (faded) the background is taken over.
+const LEVEL_KNOWN: f64 = 200.0;
+/// Standard errors by which an interval's share of back pressure must
+/// exceed the background's to count.
+const Z: f64 = 3.5;
+/// CUBIC's constant, in limit units per round trip cubed.
+const CUBIC_C: f64 = 0.4;
+/// The most the curve may raise the limit in one round trip, as a share of
+/// it (past where it was cut, the curve steepens; refusals show only at the
+/// next decision).
+const CUBIC_STEP: f64 = 0.25;
+/// The background share assumed in the test of an interval, at least (so
+/// that one refusal among a handful of calls is not proof of overload).
+const BACKGROUND_FLOOR: f64 = 0.05;
+/// Levels whose throughput is within this share of the best are as good:
+/// the fewest calls among them is where the limit goes.
+const NEAR: f64 = 0.97;
+/// Calls a level needs before it is judged: at least this many...
+const JUDGE_MIN: f64 = 8.0;
+/// ...and this share of the level (a round trip's worth, at most
+/// [`JUDGE_MAX`]).
+const JUDGE_SHARE: f64 = 0.5;
+const JUDGE_MAX: f64 = 32.0;
+/// A level's throughput is that of about this many round trips' worth of
+/// its latest calls...
+const RATE_MEMORY: f64 = 2.0;
+/// ...and of this many calls at least.
+const RATE_MEMORY_MIN: f64 = 16.0;
+/// The first hold below a level whose throughput was flat, and the most.
+const FLAT_HOLD: Duration = Duration::from_secs(15);
+const FLAT_HOLD_MAX: Duration = Duration::from_secs(300);
+/// The first hold after streams were cut, and the most.
+const CUT_HOLD: Duration = Duration::from_secs(300);
+const CUT_HOLD_MAX: Duration = Duration::from_secs(1800);
+
+/// A step up from `level`: a tenth of it, one at least (a step of one at a
+/// large level would be judged on noise).
+fn tenth(level: usize) -> usize {
+    (level / 10).max(1)
+}
+
+/// The furthest one step of growth goes from `level`.
+fn step_past(level: usize) -> usize {
+    ((level as f64 * (1.0 + CUBIC_STEP)) as usize).max(level + tenth(level))
+}
+
+/// What a successful call tells the controller.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sample {
+    /// The whole call, to its last token: a decision waits that long, so
+    /// that the calls of the level it judges are back (a first token comes
+    /// long before what a level of the limit brings is known).
+    pub latency: Duration,
+    /// The work it brought: completion tokens, or 1 (an answer) where they
+    /// are not known.
+    pub work: f64,
+}
+
+impl Sample {
+    /// A call of one unit of work that took `latency`.
+    pub fn of(latency: Duration) -> Self {
+        Self { latency, work: 1.0 }
+    }
+}
+
+/// What a finished call tells the controller.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Signal {
+    /// A successful call.
+    Success(Sample),
+    /// The endpoint pushed back: 429, 503, 408, a timeout, a refused connection.
+    BackPressure,
+    /// The stream was ended without a `finish_reason` after another call
+    /// started: the server ends a running stream for the next call (or cut
+    /// it by chance: only a share beyond the background counts).
+    Cut,
+    /// Neither (a 500, a malformed answer): no evidence about load.
+    Neutral,
+}
+
+/// Why the limit moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    SlowStart,
+    Increase,
+    BackPressure,
+    /// Throughput stopped growing (or fell) with more calls in flight.
+    Flat,
+    /// A look below the first level judged.
+    ProbeDown,
+    /// Streams were cut when other calls arrived.
+    Cut,
+    /// The engine said how many calls it serves at once.
+    EngineCapacity,
+    /// The engine's own queue held calls.
+    EngineQueue,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::SlowStart => "slow start",
+            Self::Increase => "throughput grew at the limit",
+            Self::BackPressure => "back pressure",
+            Self::Flat => "throughput stopped growing with more calls in flight",
+            Self::ProbeDown => "measuring the throughput of fewer calls",
+            Self::Cut => "streams were cut when another call arrived (one call at a time)",
+            Self::EngineCapacity => "the engine's reported capacity",
+            Self::EngineQueue => "calls waited in the engine's queue",
+        }
+    }
+}
+
+/// A change of the limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decision {
+    pub from: usize,
+    pub to: usize,
+    pub reason: Reason,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Regain {
+    /// The limit the cut came from (CUBIC's W_max).
+    from: f64,
+    /// Round trips until the curve is back there (CUBIC's K).
+    k: f64,
+    /// Round trips since the cut.
+    intervals: u32,
+}
+
+impl Regain {
+    fn new(from: usize, to: usize) -> Self {
+        let from = from as f64;
+        let k = ((from - to as f64).max(0.0) / CUBIC_C).cbrt();
+        Self {
+            from,
+            k,
+            intervals: 0,
+        }
+    }
+
+    /// The limit on the curve one more round trip on.
+    fn next(&mut self) -> f64 {
+        self.intervals += 1;
+        let t = f64::from(self.intervals) - self.k;
+        self.from + CUBIC_C * t * t * t
+    }
+}
+
+/// What the calls started at one level of the limit brought (the latest
+/// weigh most).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Rate {
+    /// Calls ever seen (judging needs enough of them; fading does not
+    /// make a level unknown again, it makes its figure recent).
+    seen: f64,
+    calls: f64,
+    work: f64,
+    /// Seconds of latency.
+    busy: f64,
+}
+
+/// Why the limit is held, and until when.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Hold {
+    /// The limit may not pass this...
+    at: usize,
+    /// ...before then; after, one step past it is a probe.
+    until: Instant,
+    /// Probes past it that found nothing, in a row.
+    strikes: u32,
+    cut: bool,
+}
+
+impl Hold {
+    fn length(cut: bool, strikes: u32) -> Duration {
+        let (first, most) = if cut {
+            (CUT_HOLD, CUT_HOLD_MAX)
+        } else {
+            (FLAT_HOLD, FLAT_HOLD_MAX)
+        };
+        first.saturating_mul(1 << strikes.min(10)).min(most)
+    }
+}
+
+/// The controller's state. Time is passed in, so it runs on any clock.
+#[derive(Debug, Clone)]
+pub struct Aimd {
+    settings: AimdSettings,
+    limit: usize,
+    slow_start: bool,
+    interval_end: Instant,
+    samples: u32,
+    latency_sum: f64,
+    /// Calls that ended in this interval, those that pushed back, and those
+    /// of them that were cut streams.
+    ended: u32,
+    pushed_back: u32,
+    cut: u32,
+    /// Per level of the limit (eight a doubling): calls seen and those
+    /// that pushed back, fading.
+    levels: Vec<(i32, f64, f64)>,
+    /// Per limit: the calls started there with the limit reached.
+    rates: BTreeMap<usize, Rate>,
+    reached: bool,
+    /// Since the last cut for back pressure: the limit before it, and the
+    /// round trips since (CUBIC's regain).
+    regain: Option<Regain>,
+    hold: Option<Hold>,
+    /// Whether the last level judged paid for its step.
+    growing: bool,
+    /// The lowest level looked below (each is looked below once).
+    looked_below: Option<usize>,
+    /// What the engine said it runs at once: the limit never passes it.
+    capacity: Option<usize>,
+    /// The engine's queue at its last reading.
+    engine_last: Option<f64>,
+    /// Calls waiting in the engine's queue, as it last said.
+    engine_waiting: Option<f64>,
+    baseline: Option<f64>,
+}
+
+impl Aimd {
+    pub fn new(settings: AimdSettings, now: Instant) -> Self {
+        let limit = settings
+            .initial
+            .clamp(settings.min.max(1), settings.max.max(1));
+        Self {
+            settings,
+            limit,
+            slow_start: limit < settings.max,
+            interval_end: now + FIRST_INTERVAL,
+            samples: 0,
+            latency_sum: 0.0,
+            ended: 0,
+            pushed_back: 0,
+            cut: 0,
+            levels: Vec::new(),
+            rates: BTreeMap::new(),
+            reached: false,
+            regain: None,
+            hold: None,
+            looked_below: None,
+            growing: false,
+            capacity: None,
+            engine_waiting: None,
+            engine_last: None,
+            baseline: None,
+        }
+    }
+
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// The baseline latency of a whole call (the decision interval), once
+    /// known.
+    pub fn baseline_latency(&self) -> Option<Duration> {
+        self.baseline.map(Duration::from_secs_f64)
+    }
+
+    /// Called when a call starts, with the calls in flight counting it.
+    pub fn on_start(&mut self, in_flight: usize) {
+        if in_flight >= self.limit {
+            self.reached = true;
+        }
+    }
+
+    /// The engine said it serves `capacity` calls at once: the limit starts
+    /// there (within its bounds) and does not pass it; the search goes on
+    /// below it.
+    pub fn on_capacity(&mut self, capacity: usize) -> Option<Decision> {
+        let floor = self.settings.min.max(1);
+        let to = capacity.clamp(floor, self.settings.max.max(floor));
+        self.slow_start = false;
+        self.capacity = Some(to);
+        self.set(to, Reason::EngineCapacity)
+    }
+
+    /// The engine said how many calls wait in its queue (all clients'); the
+    /// next decision takes it into account.
+    pub fn on_engine_queue(&mut self, waiting: f64) {
+        // Counted as the least of the last two readings: a queue that
+        // lasts, not a batch's prefill that waits a few steps.
+        self.engine_waiting = Some(self.engine_last.map_or(0.0, |last| last.min(waiting)));
+        self.engine_last = Some(waiting);
+    }
+
+    /// Called when a call ends; decides when an interval is over. `level`
+    /// is the limit when the call started, if the start reached it.
+    pub fn on_end(
+        &mut self,
+        now: Instant,
+        signal: Signal,
+        level: Option<usize>,
+    ) -> Option<Decision> {
+        self.ended += 1;
+        match signal {
+            Signal::Success(sample) => {
+                self.samples += 1;
+                self.latency_sum += sample.latency.as_secs_f64();
+                // A call teaches about its level only if the limit stayed
+                // there while it ran: one that outlived its level ran
+                // beside more calls, or fewer, than the level says.
+                if let Some(level) = level.filter(|level| *level == self.limit) {
+                    // Each level's figure is that of its last calls: the
+                    // endpoint may change (another job takes the GPU).
+                    let rate = self.rates.entry(level).or_default();
+                    let keep = 1.0 - 1.0 / (level as f64 * RATE_MEMORY).max(RATE_MEMORY_MIN);
+                    rate.seen += 1.0;
+                    rate.calls = rate.calls * keep + 1.0;
+                    rate.work = rate.work * keep + sample.work.max(0.0);
+                    rate.busy = rate.busy * keep + sample.latency.as_secs_f64().max(1e-6);
+                }
+            }
+            Signal::BackPressure => self.pushed_back += 1,
+            Signal::Cut => {
+                self.pushed_back += 1;
+                self.cut += 1;
+            }
+            Signal::Neutral => {}
+        }
+        // Cut streams are decided on at once: at a probe past a hold for
+        // cuts, the first; else as soon as they are most of half a round
+        // trip's calls (a few cut by chance at the start of an interval
+        // are not).
+        let cuts_now = signal == Signal::Cut && self.one_at_a_time();
+        if now < self.interval_end && !cuts_now {
+            return None;
+        }
+        self.decide(now)
+    }
+
+    /// Whether this interval's cut streams say the server serves one call
+    /// at a time: at a probe past a hold for cuts, the first; else when
+    /// they are most of half a round trip's calls, three at least (a few
+    /// cut by chance, however the interval falls, are not).
+    fn one_at_a_time(&self) -> bool {
+        let probing_cuts = self
+            .hold
+            .is_some_and(|hold| hold.cut && self.limit > hold.at);
+        let most =
+            self.cut >= 3 && 2 * self.cut > self.ended && 2 * self.ended as usize >= self.limit;
+        self.cut > 0 && (probing_cuts || most)
+    }
+
+    /// The share of back pressure at the lowest levels of the limit seen
+    /// lately, over at least [`LEVEL_KNOWN`] calls where there were as
+    /// many, and the calls it is taken over.
+    fn background(&self) -> (f64, f64) {
+        let (mut calls, mut pushed) = (0.0, 0.0);
+        for (_, c, p) in &self.levels {
+            if calls >= LEVEL_KNOWN {
+                break;
+            }
+            calls += c;
+            pushed += p;
+        }
+        if calls > 0.0 {
+            (pushed / calls, calls)
+        } else {
+            (0.0, 0.0)
+        }
+    }
+
+    /// Adds the interval's calls to what is known of the limit's level
+    /// `limit` (unless `overloaded`: refusals that counted as overload are
+    /// not background, and learning them as such would make overload look
+    /// like the norm), and fades the rest.
+    fn learn_level(&mut self, limit: usize, overloaded: bool) {
+        let level = (8.0 * (limit.max(1) as f64).log2()).round() as i32;
+        for entry in &mut self.levels {
+            entry.1 *= LEVEL_FADE;
+            entry.2 *= LEVEL_FADE;
+        }
+        self.levels.retain(|(_, calls, _)| *calls >= 1.0);
+        if overloaded {
+            return;
+        }
+        let (ended, pushed) = (f64::from(self.ended), f64::from(self.pushed_back));
+        match self.levels.iter_mut().find(|(l, _, _)| *l == level) {
+            Some(entry) => {
+                entry.1 += ended;
+                entry.2 += pushed;
+            }
+            None if ended > 0.0 => {
+                self.levels.push((level, ended, pushed));
+                self.levels.sort_by_key(|(level, _, _)| *level);
+            }
+            None => {}
+        }
+    }
+
+    /// The share of this interval's calls pushed back beyond the
+    /// background, when it is clearly beyond (or most calls were: that is
+    /// never background).
+    fn excess(&self) -> Option<f64> {
+        let (background, known) = self.background();
+        let n = f64::from(self.ended.max(1));
+        let share = f64::from(self.pushed_back) / n;
+        let p = background.max(BACKGROUND_FLOOR);
+        let beyond = known > 0.0
+            && share > background + Z * (p * (1.0 - p) * (1.0 / n + 1.0 / known)).sqrt();
+        // Most of a handful of calls is proof only where the handful is
+        // the limit's worth (a short interval may see one call end).
+        let mostly = share > MOSTLY && self.ended as usize >= self.limit.min(3);
+        (self.pushed_back > 0 && (beyond || mostly)).then_some((share - background).max(0.0))
+    }
+
+    /// A level's throughput (work a second), once it has calls enough to
+    /// be judged.
+    fn throughput(&self, level: usize) -> Option<f64> {
+        let rate = self.rates.get(&level)?;
+        let needed = (level as f64 * JUDGE_SHARE).clamp(JUDGE_MIN, JUDGE_MAX);
+        (rate.seen >= needed && rate.busy > 0.0).then(|| level as f64 * rate.work / rate.busy)
+    }
+
+    /// What the throughput of the level now says: `Some(to)` where the
+    /// limit should go down to (or stay at: `to == from`) for want of
+    /// growth, `None` where it may grow; `Err(())` where it is not known
+    /// yet.
+    fn judge(&self, from: usize) -> Result<Option<(usize, Reason)>, ()> {
+        let Some(now) = self.throughput(from) else {
+            return Err(());
+        };
+        let below = self
+            .known()
+            .take_while(|(level, _)| *level < from)
+            .max_by(|a, b| a.1.total_cmp(&b.1));
+        let floor = self.settings.min.max(1);
+        let lowest = self.known().next().map_or(from, |(level, _)| level);
+        // Nothing is known below the lowest level that serves as well as
+        // any: look at half of it, once.
+        let look_down = |at: usize| {
+            (at == lowest && at > floor && self.looked_below.is_none_or(|l| at < l))
+                .then_some(((at / 2).max(floor), Reason::ProbeDown))
+        };
+        let Some((reference, best_below)) = below else {
+            let best = self.known().map(|(_, x)| x).fold(now, f64::max);
+            return Ok(if now >= NEAR * best {
+                look_down(from)
+            } else {
+                None
+            });
+        };
+        let step = from as f64 / reference as f64 - 1.0;
+        let gain = (now / best_below - 1.0) / step;
+        if gain >= self.settings.gain {
+            return Ok(None);
+        }
+        // The step did not pay: back to the fewest calls that did as well
+        // as the best level below.
+        let to = self
+            .known()
+            .find(|(level, x)| *level <= reference && *x >= NEAR * best_below)
+            .map_or(reference, |(level, _)| level);
+        Ok(Some(look_down(to).unwrap_or((to.max(floor), Reason::Flat))))
+    }
+
+    /// The levels whose throughput is known, fewest calls first.
+    fn known(&self) -> impl Iterator<Item = (usize, f64)> + '_ {
+        self.rates
+            .keys()
+            .filter_map(|level| Some((*level, self.throughput(*level)?)))
+    }
+
+    /// The limit one step up from `from`, within the hold.
+    fn grow(&mut self, from: usize, now: Instant) -> Option<(usize, Reason)> {
+        let settings = self.settings;
+        if from >= settings.max {
+            return None;
+        }
+        let (to, reason) = if self.slow_start {
+            ((from * 2).min(settings.max), Reason::SlowStart)
+        } else {
+            let curve = self.regain.as_mut().map_or(0.0, Regain::next);
+            let step = (from as f64 * (1.0 + CUBIC_STEP)) as usize;
+            (
+                (from + tenth(from))
+                    .max((curve as usize).min(step))
+                    .min(settings.max),
+                Reason::Increase,
+            )
+        };
+        let to = match self.hold {
+            Some(hold) if now < hold.until => to.min(hold.at),
+            // The hold is over: one step past it, to see.
+            Some(hold) => to.min(hold.at + tenth(hold.at)),
+            None => to,
+        };
+        Some((to.min(self.capacity.unwrap_or(usize::MAX)), reason))
+    }
+
+    /// Holds the limit at `at` after a probe past `from` found nothing.
+    fn hold_at(&mut self, at: usize, cut: bool, now: Instant) {
+        let strikes = match self.hold {
+            Some(hold) if hold.cut == cut && at <= hold.at => hold.strikes + 1,
+            _ => 0,
+        };
+        self.hold = Some(Hold {
+            at,
+            until: now + Hold::length(cut, strikes),
+            strikes,
+            cut,
+        });
+    }
+
+    fn decide(&mut self, now: Instant) -> Option<Decision> {
+        let current = (self.samples > 0).then(|| self.latency_sum / f64::from(self.samples));
+        let from = self.limit;
+        let settings = self.settings;
+        let floor = settings.min.max(1);
+        let excess = self.excess();
+        self.learn_level(from, excess.is_some());
+        let waiting = self
+            .engine_waiting
+            .take()
+            .filter(|w| *w >= tenth(from) as f64);
+        let decision = if self.one_at_a_time() {
+            // Most streams cut as other calls arrived: the server serves
+            // one at a time.
+            self.slow_start = false;
+            self.regain = None;
+            self.hold_at(floor, true, now);
+            Some((floor, Reason::Cut))
+        } else if let Some(excess) = excess {
+            self.slow_start = false;
+            // Back to what the endpoint took: the calls beyond it were
+            // the excess; by `decrease_ratio` at least, by half at most.
+            let factor = (1.0 - excess).max(0.5).min(settings.decrease_ratio);
+            let to = ((from as f64 * factor) as usize).max(floor);
+            // Cut again below where the last cut came from: the
+            // endpoint takes less than it did, so aim lower (CUBIC's
+            // fast convergence).
+            let peak = match self.regain {
+                Some(regain) if (from as f64) < regain.from => {
+                    (from as f64 * (1.0 + factor) / 2.0) as usize
+                }
+                _ => from,
+            };
+            self.regain = Some(Regain::new(peak, to));
+            Some((to, Reason::BackPressure))
+        } else if let Some(waiting) = waiting.filter(|_| self.reached) {
+            self.slow_start = false;
+            self.regain = None;
+            let to = (from.saturating_sub(waiting.ceil() as usize)).max(floor);
+            self.hold_at(to, false, now);
+            Some((to, Reason::EngineQueue))
+        } else if self.reached {
+            // Past slow start, steps are small and the limit moves on
+            // before its level's calls are back: while growing, the highest
+            // level known stands for it.
+            let own = self.judge(from);
+            let judged = match own {
+                // (Not at a probe past a hold: that is judged on its own.)
+                Err(()) if !self.slow_start && self.growing && self.hold.is_none() => {
+                    let below: Vec<(usize, f64)> = self
+                        .known()
+                        .take_while(|(level, _)| *level < from)
+                        .collect();
+                    match below.last() {
+                        // One step past the last level judged against
+                        // another, no further.
+                        Some(&(level, _)) if below.len() >= 2 && from <= step_past(level) => {
+                            self.judge(level)
+                        }
+                        _ => Err(()),
+                    }
+                }
+                judged => judged,
+            };
+            match judged {
+                Err(()) => None,
+                Ok(Some((to, Reason::ProbeDown))) => {
+                    let lowest = self.known().next().map(|(level, _)| level);
+                    self.looked_below = lowest;
+                    Some((to, Reason::ProbeDown))
+                }
+                Ok(Some((to, reason))) => {
+                    self.growing = false;
+                    self.slow_start = false;
+                    self.regain = None;
+                    self.hold_at(to, false, now);
+                    Some((to, reason))
+                }
+                Ok(None) => {
+                    self.growing = true;
+                    // A probe past a hold that found growth ends the hold.
+                    if own.is_ok() && self.hold.is_some_and(|hold| from > hold.at) {
+                        self.hold = None;
+                    }
+                    self.grow(from, now)
+                }
+            }
+        } else {
+            None
+        };
+
+        if let Some(current) = current {
+            self.baseline = Some(match self.baseline {
+                None => current,
+                Some(base) => {
+                    let alpha = if current < base { ALPHA_DOWN } else { ALPHA_UP };
+                    base + alpha * (current - base)
+                }
+            });
+        }
+        // One decision per round trip as it is now: after a cut, the calls
+        // that queued before it must come back before the next decision.
+        let interval = self
+            .baseline
+            .map_or(FIRST_INTERVAL, |b| {
+                Duration::from_secs_f64(b.max(current.unwrap_or(0.0)))
+            })
+            .clamp(Duration::from_millis(1), Duration::from_secs(30));
+        self.interval_end = now + interval;
+        self.samples = 0;
+        self.latency_sum = 0.0;
+        self.ended = 0;
+        self.pushed_back = 0;
+        self.cut = 0;
+        self.reached = false;
+
+        let (to, reason) = decision?;
+        self.set(to, reason)
+    }
+
+    fn set(&mut self, to: usize, reason: Reason) -> Option<Decision> {
+        let from = self.limit;
+        if to == from {
+            return None;
+        }
+        // A level is judged on calls made since the limit came to it: what
+        // it did before may be stale (another job has left the GPU, or
+        // come).
+        self.rates.remove(&to);
+        if to >= self.settings.max {
+            self.slow_start = false;
+        }
+        self.limit = to;
+        Some(Decision { from, to, reason })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+
+    use super::*;
+
+    fn settings() -> AimdSettings {
+        AimdSettings {
+            initial: 4,
+            min: 1,
+            max: 64,
+            decrease_ratio: 0.7,
+            gain: 0.2,
+        }
+    }
+
+    fn ok(ms: u64) -> Signal {
+        Signal::Success(Sample::of(Duration::from_millis(ms)))
+    }
+
+    /// Runs one round trip: the limit's worth of calls started (reaching
+    /// it) and ended with `signal`; the decision it brought.
+    fn interval(c: &mut Aimd, now: &mut Instant, signal: Signal) -> Option<Decision> {
+        let limit = c.limit();
+        let round = c.baseline_latency().unwrap_or(FIRST_INTERVAL);
+        let mut decision = None;
+        for k in 0..limit {
+            c.on_start(k + 1);
+        }
+        for k in 0..limit {
+            let at = *now + round * (k as u32 + 1) / limit as u32;
+            decision = decision.or(c.on_end(at, signal, Some(limit)));
+        }
+        *now += round;
+        decision
+    }
+
+    #[test]
+    fn slow_start_doubles_until_the_first_decrease_then_regains_along_a_cubic() {
+        let mut now = Instant::now();
+        let mut c = Aimd::new(settings(), now);
+        // The first level judged is compared with half of it, once; then
+        // doubling while each doubling doubles the throughput.
+        let mut seen = Vec::new();
+        while c.limit() < 16 {
+            if let Some(d) = interval(&mut c, &mut now, ok(100)) {
+                seen.push((d.to, d.reason));
+            }
+        }
+        assert_eq!(
+            seen,
+            vec![
+                (2, Reason::ProbeDown),
+                (4, Reason::SlowStart),
+                (8, Reason::SlowStart),
+                (16, Reason::SlowStart)
+            ]
+        );
+        // Every call of the interval pushed back: half of 16 (the least
+        // the cut keeps), not 16 x 0.7.
+        let cut = interval(&mut c, &mut now, Signal::BackPressure).unwrap();
+        assert_eq!((cut.to, cut.reason), (8, Reason::BackPressure));
+        // Back towards 16 quickly (by a quarter a round trip at most),
+        // flat near it, then probing past it, faster and faster.
+        let mut limits = Vec::new();
+        for _ in 0..7 {
+            let up = interval(&mut c, &mut now, ok(100)).unwrap();
+            assert_eq!(up.reason, Reason::Increase);
+            limits.push(up.to);
+        }
+        assert_eq!(limits, vec![10, 12, 15, 16, 20, 25, 31]);
+    }
+
+    #[test]
+    fn nothing_changes_below_the_limit_and_limits_hold() {
+        let mut now = Instant::now();
+        let mut c = Aimd::new(settings(), now);
+        now += Duration::from_secs(1);
+        assert_eq!(c.on_end(now, ok(10), None), None);
+        for _ in 0..20 {
+            interval(&mut c, &mut now, Signal::BackPressure);
+        }
+        assert_eq!(c.limit(), 1);
+        for _ in 0..400 {
+            interval(&mut c, &mut now, ok(10));
+        }
+        assert_eq!(c.limit(), 64);
+    }
+
+    #[test]
+    fn an_engine_that_says_its_capacity_starts_there_and_is_not_passed() {
+        let mut now = Instant::now();
+        let mut c = Aimd::new(
+            AimdSettings {
+                initial: 8,
+                ..settings()
+            },
+            now,
+        );
+        let d = c.on_capacity(4).unwrap();
+        assert_eq!((d.from, d.to, d.reason), (8, 4, Reason::EngineCapacity));
+        for _ in 0..200 {
+            interval(&mut c, &mut now, ok(100));
+            assert!(c.limit() <= 4, "{}", c.limit());
+        }
+        assert_eq!(c.limit(), 4, "calls that all scale well keep it at 4");
+        // Calls waiting in the engine's queue at the limit bring it down by
+        // as many.
+        // One reading is a moment (a batch's prefill); two in a row are a
+        // queue.
+        c.on_engine_queue(2.0);
+        assert_eq!(interval(&mut c, &mut now, ok(100)), None);
+        c.on_engine_queue(2.0);
+        c.on_engine_queue(3.0);
+        let d = interval(&mut c, &mut now, ok(100)).unwrap();
+        assert_eq!((d.to, d.reason), (2, Reason::EngineQueue));
+    }
+
+    /// How a simulated server serves calls.
+    #[derive(Clone, Copy)]
+    enum Server {
+        /// One call at a time; a call that arrives ends the running
+        /// stream (llama-cpp-python's server).
+        CutsOnArrival,
+        /// Up to `slots` at once, each slower by `slowdown` for every other
+        /// call beside it (continuous batching); the rest wait in a queue.
+        Batching { slots: usize, slowdown: f64 },
+    }
+
+    struct Job {
+        started: Instant,
+        level: Option<usize>,
+        /// Seconds of service left at full speed.
+        left: f64,
+        tokens: f64,
+    }
+
+    /// What a simulation came to.
+    struct Outcome {
+        /// Tokens of whole answers a second, over the second half.
+        throughput: f64,
+        cuts: u32,
+        /// Seconds spent at each limit over the second half.
+        time_at: BTreeMap<usize, f64>,
+    }
+
+    impl Outcome {
+        fn share_within(&self, low: usize, high: usize) -> f64 {
+            let total: f64 = self.time_at.values().sum();
+            let within: f64 = self.time_at.range(low..=high).map(|(_, t)| t).sum();
+            within / total
+        }
+    }
+
+    /// Runs `server` for `seconds` (in steps of 10 ms) with as many calls
+    /// waiting as the limit lets through, each of 50 to 300 tokens at
+    /// `per_token` seconds each when served alone.
+    fn simulate_server(
+        server: Server,
+        per_token: f64,
+        seconds: u64,
+        settings: AimdSettings,
+        capacity: Option<usize>,
+    ) -> Outcome {
+        let step = Duration::from_millis(10);
+        let start = Instant::now();
+        let mut now = start;
+        let mut c = Aimd::new(settings, now);
+        if let Some(capacity) = capacity {
+            c.on_capacity(capacity);
+        }
+        let mut rng = fastrand::Rng::with_seed(11);
+        let (mut serving, mut queue) = (Vec::<Job>::new(), VecDeque::<Job>::new());
+        // Streams cut, which the client sees end at the next step.
+        let mut cut = Vec::<Job>::new();
+        let (mut tokens, mut cuts) = (0.0, 0);
+        let mut time_at = BTreeMap::new();
+        let half = start + Duration::from_secs(seconds / 2);
+        while now < start + Duration::from_secs(seconds) {
+            // Calls start while the limit lets them.
+            while serving.len() + queue.len() + cut.len() < c.limit() {
+                let in_flight = serving.len() + queue.len() + cut.len() + 1;
+                let level = (in_flight >= c.limit()).then_some(c.limit());
+                c.on_start(in_flight);
+                let n = rng.u32(50..=300);
+                let job = Job {
+                    started: now,
+                    level,
+                    left: f64::from(n) * per_token,
+                    tokens: f64::from(n),
+                };
+                match server {
+                    Server::CutsOnArrival => {
+                        cuts += serving.len() as u32;
+                        cut.append(&mut serving);
+                        serving.push(job);
+                    }
+                    Server::Batching { .. } => queue.push_back(job),
+                }
+            }
+            if let Server::Batching { slots, .. } = server {
+                while serving.len() < slots
+                    && let Some(job) = queue.pop_front()
+                {
+                    serving.push(job);
+                }
+            }
+            let speed = match server {
+                Server::CutsOnArrival => 1.0,
+                Server::Batching { slowdown, .. } => {
+                    1.0 / (1.0 + slowdown * serving.len().saturating_sub(1) as f64)
+                }
+            };
+            now += step;
+            for job in cut.drain(..) {
+                c.on_end(now, Signal::Cut, job.level);
+            }
+            for job in &mut serving {
+                job.left -= step.as_secs_f64() * speed;
+            }
+            let (done, rest): (Vec<Job>, Vec<Job>) =
+                serving.drain(..).partition(|job| job.left <= 0.0);
+            serving = rest;
+            for job in done {
+                if now >= half {
+                    tokens += job.tokens;
+                }
+                let latency = now - job.started;
+                let sample = Sample {
+                    latency,
+                    work: job.tokens,
+                };
+                c.on_end(now, Signal::Success(sample), job.level);
+            }
+            if now >= half {
+                *time_at.entry(c.limit()).or_insert(0.0) += step.as_secs_f64();
+            }
+        }
+        Outcome {
+            throughput: tokens / (seconds as f64 / 2.0),
+            cuts,
+            time_at,
+        }
+    }
+
+    fn adaptive() -> AimdSettings {
+        AimdSettings {
+            initial: 8,
+            max: 1024,
+            ..settings()
+        }
+    }
+
+    /// Tokens a second of a server with `slots` slots served `n` at a time.
+    fn served(n: usize, slowdown: f64, per_token: f64) -> f64 {
+        n as f64 / (1.0 + slowdown * (n - 1) as f64) / per_token
+    }
+
+    #[test]
+    fn a_server_that_cuts_streams_on_arrival_is_held_at_one_and_probed_rarely() {
+        // 175 tokens of 20 ms: 3.5 s a call, 40 minutes.
+        let out = simulate_server(Server::CutsOnArrival, 0.02, 2400, adaptive(), None);
+        // The first 8 calls cut 7; then one probe at 5 minutes, one at 15,
+        // one at 35 (the hold doubles).
+        assert!(out.cuts <= 10, "{} cuts", out.cuts);
+        assert!(out.share_within(1, 1) > 0.97, "{:?}", out.time_at);
+        let serial = 1.0 / 0.02;
+        assert!(
+            out.throughput > 0.9 * serial,
+            "{} vs {serial}",
+            out.throughput
+        );
+    }
+
+    #[test]
+    fn a_server_that_queues_without_batching_is_held_at_one() {
+        let server = Server::Batching {
+            slots: 1,
+            slowdown: 0.0,
+        };
+        let out = simulate_server(server, 0.02, 1200, adaptive(), None);
+        assert!(out.share_within(1, 2) > 0.9, "{:?}", out.time_at);
+        assert!(out.share_within(1, 1) > 0.7, "{:?}", out.time_at);
+        let serial = 1.0 / 0.02;
+        assert!(
+            out.throughput > 0.95 * serial,
+            "{} vs {serial}",
+            out.throughput
+        );
+    }
+
+    #[test]
+    fn a_batching_server_is_driven_to_its_knee_though_latency_grows() {
+        // Eight slots; each call 15% slower for each other beside it:
+        // throughput grows 3.9-fold from one call to eight, latency 2-fold.
+        let server = Server::Batching {
+            slots: 8,
+            slowdown: 0.15,
+        };
+        let out = simulate_server(server, 0.02, 1200, adaptive(), None);
+        assert!(out.share_within(7, 12) > 0.8, "{:?}", out.time_at);
+        let best = served(8, 0.15, 0.02);
+        assert!(out.throughput > 0.9 * best, "{} vs {best}", out.throughput);
+    }
+
+    #[test]
+    fn an_engine_with_hundreds_of_slots_is_held_where_more_calls_stop_paying() {
+        // vLLM-like: 256 slots, no queue to speak of, each call 15% slower
+        // for each other beside it; the first token comes at once. Past
+        // about 25 calls a step brings less than a fifth of its share, so
+        // the limit must stop there, not run up to its maximum.
+        let server = Server::Batching {
+            slots: 256,
+            slowdown: 0.15,
+        };
+        let out = simulate_server(server, 0.02, 600, adaptive(), None);
+        assert!(out.share_within(10, 60) > 0.9, "{:?}", out.time_at);
+        let best = served(256, 0.15, 0.02);
+        assert!(out.throughput > 0.8 * best, "{} vs {best}", out.throughput);
+    }
+
+    #[test]
+    fn a_server_with_many_slots_and_a_queue_is_held_near_its_slots() {
+        // W4's backend: 32 slots, a call's time whatever the load.
+        let server = Server::Batching {
+            slots: 32,
+            slowdown: 0.0,
+        };
+        let out = simulate_server(server, 0.001, 300, adaptive(), None);
+        assert!(out.share_within(29, 40) > 0.9, "{:?}", out.time_at);
+        let best = served(32, 0.0, 0.001);
+        assert!(out.throughput > 0.9 * best, "{} vs {best}", out.throughput);
+    }
+
+    #[test]
+    fn an_engine_that_said_its_slots_is_kept_at_them() {
+        let server = Server::Batching {
+            slots: 4,
+            slowdown: 0.3,
+        };
+        let out = simulate_server(server, 0.02, 600, adaptive(), Some(4));
+        assert!(out.share_within(3, 4) > 0.9, "{:?}", out.time_at);
+        let best = served(4, 0.3, 0.02);
+        assert!(out.throughput > 0.9 * best, "{} vs {best}", out.throughput);
+    }
+
+    /// Runs `intervals` round trips of 100 ms with the limit's worth of
+    /// calls each; `refused(i, limit, draw)` says whether call `i` of an
+    /// interval pushed back. Returns the limits seen over the last half.
+    fn simulate(intervals: usize, refused: impl Fn(usize, usize, f64) -> bool) -> (usize, usize) {
+        let mut now = Instant::now();
+        let mut c = Aimd::new(
+            AimdSettings {
+                initial: 8,
+                max: 128,
+                decrease_ratio: 0.9,
+                ..settings()
+            },
+            now,
+        );
+        let mut rng = fastrand::Rng::with_seed(7);
+        let mut seen = Vec::new();
+        for round in 0..intervals {
+            let limit = c.limit();
+            for _ in 0..limit {
+                c.on_start(limit);
+            }
+            // Their ends spread over the round trip, in a random order.
+            let start = now;
+            let mut order: Vec<usize> = (0..limit).collect();
+            rng.shuffle(&mut order);
+            for (k, i) in order.into_iter().enumerate() {
+                now = start + Duration::from_millis(100) * (k as u32 + 1) / limit as u32;
+                let signal = if refused(i, limit, rng.f64()) {
+                    Signal::BackPressure
+                } else {
+                    ok(100)
+                };
+                c.on_end(now, signal, Some(limit));
+            }
+            if round >= intervals / 2 {
+                seen.push(c.limit());
+            }
+        }
+        (*seen.iter().min().unwrap(), *seen.iter().max().unwrap())
+    }
+
+    #[test]
+    fn refusals_that_come_at_any_load_do_not_hold_the_limit_down() {
+        // 7% of calls refused (503, 408) whatever the load.
+        let (low, _) = simulate(400, |_, _, draw| draw < 0.07);
+        assert!(low >= 100, "the limit fell to {low}");
+    }
+
+    #[test]
+    fn refusals_that_come_with_load_still_cut_the_limit() {
+        // An endpoint that takes 40 at once and refuses the rest, with 7%
+        // refused at any load besides.
+        let (low, high) = simulate(400, |i, _, draw| i >= 40 || draw < 0.07);
+        // (Past where it was last cut, CUBIC's curve probes by a quarter a
+        // round trip: one probe may reach 1.6 x what the endpoint takes.)
+        assert!(high <= 64, "the limit rose to {high}");
+        assert!(low >= 25, "the limit fell to {low}");
+    }
+
+    #[test]
+    fn streams_cut_now_and_then_at_any_load_are_not_taken_for_a_one_call_server() {
+        // W7's streaming faults: 5% of streams cut, whatever the load.
+        let mut now = Instant::now();
+        let mut c = Aimd::new(
+            AimdSettings {
+                max: 128,
+                ..adaptive()
+            },
+            now,
+        );
+        let mut rng = fastrand::Rng::with_seed(3);
+        for _ in 0..300 {
+            let limit = c.limit();
+            for k in 0..limit {
+                c.on_start(k + 1);
+            }
+            for k in 0..limit {
+                let at = now + Duration::from_millis(100) * (k as u32 + 1) / limit as u32;
+                // Streamed, the first token long before the end: decisions
+                // still wait for whole calls.
+                let signal = if rng.f64() < 0.05 {
+                    Signal::Cut
+                } else {
+                    Signal::Success(Sample {
+                        latency: Duration::from_millis(100),
+                        work: 1.0,
+                    })
+                };
+                c.on_end(at, signal, Some(limit));
+            }
+            now += Duration::from_millis(100);
+        }
+        assert!(c.limit() >= 100, "the limit fell to {}", c.limit());
+    }
+
+    #[test]
+    fn a_decrease_ratio_below_one_half_is_kept_to() {
+        let mut now = Instant::now();
+        let mut c = Aimd::new(
+            AimdSettings {
+                initial: 20,
+                decrease_ratio: 0.3,
+                ..settings()
+            },
+            now,
+        );
+        // An interval of refusals: the cut is by the ratio (x 0.3), which
+        // is deeper than the half a cut keeps otherwise.
+        let cut = interval(&mut c, &mut now, Signal::BackPressure).unwrap();
+        assert_eq!((cut.to, cut.reason), (6, Reason::BackPressure));
+    }
+}

@@ -1,0 +1,219 @@
+//! How many calls an endpoint may have in flight: a pool of slots whose size
+//! is fixed, or moved by the [`Aimd`] controller as calls report their
+//! outcome. A free slot is what lets an endpoint take the next item.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+
+use super::aimd::{Aimd, Decision, Signal};
+pub use evalfleet_config::LimitMode;
+
+#[derive(Debug)]
+struct State {
+    limit: usize,
+    /// Slots to withdraw as they come back (the limit was cut while they
+    /// were in use).
+    debt: usize,
+    in_flight: usize,
+    controller: Option<Aimd>,
+}
+
+#[derive(Debug)]
+pub struct ConcurrencyLimit {
+    slots: Arc<Semaphore>,
+    state: Mutex<State>,
+}
+
+/// One slot, held for the length of a call. Report the call's outcome with
+/// [`Permit::finish`]; dropping it without does not teach the controller.
+#[derive(Debug)]
+pub struct Permit {
+    limit: Arc<ConcurrencyLimit>,
+    slot: Option<OwnedSemaphorePermit>,
+    /// The limit when the call started, if it started with the limit
+    /// reached: what the call teaches is about that level.
+    level: Option<usize>,
+}
+
+impl ConcurrencyLimit {
+    pub fn new(mode: LimitMode) -> Arc<Self> {
+        let (limit, controller) = match mode {
+            LimitMode::Fixed(n) => (n.max(1), None),
+            LimitMode::Adaptive(settings) => {
+                let controller = Aimd::new(settings, Instant::now());
+                (controller.limit(), Some(controller))
+            }
+        };
+        Arc::new(Self {
+            slots: Arc::new(Semaphore::new(limit)),
+            state: Mutex::new(State {
+                limit,
+                debt: 0,
+                in_flight: 0,
+                controller,
+            }),
+        })
+    }
+
+    /// A limit that never changes.
+    pub fn fixed(limit: usize) -> Arc<Self> {
+        Self::new(LimitMode::Fixed(limit))
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Waits for a free slot.
+    pub async fn acquire(self: &Arc<Self>) -> Permit {
+        let slot = match self.slots.clone().acquire_owned().await {
+            Ok(slot) => slot,
+            // The semaphore is never closed; the caller's cancellation ends
+            // this wait.
+            Err(_) => std::future::pending().await,
+        };
+        let mut state = self.state();
+        state.in_flight += 1;
+        let in_flight = state.in_flight;
+        // Only a call that starts with the limit reached runs at that
+        // level: the calls that fill a limit just raised run beside fewer.
+        let level = (in_flight >= state.limit).then_some(state.limit);
+        if let Some(controller) = state.controller.as_mut() {
+            controller.on_start(in_flight);
+        }
+        drop(state);
+        Permit {
+            limit: self.clone(),
+            slot: Some(slot),
+            level,
+        }
+    }
+
+    /// The limit now.
+    pub fn current(&self) -> usize {
+        self.state().limit
+    }
+
+    /// Calls in flight now.
+    pub fn in_flight(&self) -> usize {
+        self.state().in_flight
+    }
+
+    pub fn is_adaptive(&self) -> bool {
+        self.state().controller.is_some()
+    }
+
+    /// The engine says it serves `capacity` calls at once: an adaptive
+    /// limit starts there and does not pass it.
+    pub fn engine_capacity(&self, capacity: usize) -> Option<Decision> {
+        let mut state = self.state();
+        let decision = state
+            .controller
+            .as_mut()
+            .and_then(|c| c.on_capacity(capacity));
+        if let Some(decision) = decision {
+            self.resize(&mut state, decision.to);
+        }
+        decision
+    }
+
+    /// The engine says `waiting` calls wait in its queue.
+    pub fn engine_queue(&self, waiting: f64) {
+        if let Some(controller) = self.state().controller.as_mut() {
+            controller.on_engine_queue(waiting);
+        }
+    }
+
+    fn resize(&self, state: &mut State, to: usize) {
+        let from = state.limit;
+        if to > from {
+            let grow = to - from;
+            let repaid = grow.min(state.debt);
+            state.debt -= repaid;
+            self.slots.add_permits(grow - repaid);
+        } else if to < from {
+            let shrink = from - to;
+            let free = self.slots.available_permits().min(shrink);
+            if free > 0
+                && let Ok(taken) = self.slots.try_acquire_many(free as u32)
+            {
+                taken.forget();
+                state.debt += shrink - free;
+            } else {
+                state.debt += shrink;
+            }
+        }
+        state.limit = to;
+    }
+}
+
+impl Permit {
+    /// Frees the slot and tells the controller how the call went; returns the
+    /// change of limit it decided, if any.
+    pub fn finish(self, signal: Signal) -> Option<Decision> {
+        let limit = self.limit.clone();
+        let mut state = limit.state();
+        let decision = state
+            .controller
+            .as_mut()
+            .and_then(|c| c.on_end(Instant::now(), signal, self.level));
+        if let Some(decision) = decision {
+            limit.resize(&mut state, decision.to);
+        }
+        drop(state);
+        drop(self);
+        decision
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        let Some(slot) = self.slot.take() else { return };
+        let mut state = self.limit.state();
+        state.in_flight -= 1;
+        if state.debt > 0 {
+            state.debt -= 1;
+            slot.forget();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_fixed_limit_gives_out_that_many_slots() {
+        let limit = ConcurrencyLimit::fixed(2);
+        let a = limit.acquire().await;
+        let _b = limit.acquire().await;
+        let third = tokio::time::timeout(Duration::from_secs(1), limit.acquire()).await;
+        assert!(third.is_err(), "a third slot was handed out");
+        drop(a);
+        let third = tokio::time::timeout(Duration::from_secs(1), limit.acquire()).await;
+        assert!(third.is_ok(), "a freed slot was not handed out again");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cut_while_slots_are_busy_is_repaid_as_they_return() {
+        let limit = ConcurrencyLimit::fixed(4);
+        let held: Vec<Permit> =
+            futures_util::future::join_all((0..4).map(|_| limit.acquire())).await;
+        {
+            let mut state = limit.state();
+            limit.resize(&mut state, 2);
+        }
+        drop(held);
+        assert_eq!(limit.slots.available_permits(), 2);
+        assert_eq!(limit.state().debt, 0);
+        {
+            let mut state = limit.state();
+            limit.resize(&mut state, 5);
+        }
+        assert_eq!(limit.slots.available_permits(), 5);
+        assert_eq!(limit.in_flight(), 0);
+    }
+}

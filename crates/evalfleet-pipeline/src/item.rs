@@ -1,0 +1,382 @@
+//! An item on its way through a session, and the queues endpoints pull
+//! items from: the backlog (fresh items from the reader, bounded so that
+//! the reader waits when the fleet is busy, and items back for a retry,
+//! which go first) that every endpoint answering items shares, and one
+//! queue per endpoint for calls addressed to it by name.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use evalfleet_types::{CacheEntry, ItemStatus, ResultRecord, Telemetry, Verdict, now_ms};
+use tokio::sync::{Mutex, mpsc};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::task::{Episode, Finish, ItemContext, Reply, Request, Step, Target};
+use evalfleet_io::dataset::Row;
+use evalfleet_store::ClaimId;
+
+/// The session's count of items that have not ended: when it reaches
+/// zero, the session is over. An item dropped before it ended (a bug, unless
+/// the session is stopping) is counted as lost and logged, so that it
+/// cannot hold the session open or go unnoticed.
+pub struct Tally {
+    /// Items claimed and not ended, and one for the reader until it has
+    /// claimed its last.
+    outstanding: AtomicU64,
+    /// Told each time an item ends: the reader, holding as many items as
+    /// it may, waits on it to claim again.
+    ended: tokio::sync::Notify,
+    lost: AtomicU64,
+    halt: CancellationToken,
+    /// The session's counters (its re-asks are counted where they are
+    /// made, whether their answer comes from a call or the cache).
+    progress: Arc<super::Progress>,
+}
+
+impl Tally {
+    pub fn new(halt: CancellationToken, progress: Arc<super::Progress>) -> Arc<Self> {
+        Arc::new(Self {
+            outstanding: AtomicU64::new(1),
+            ended: tokio::sync::Notify::new(),
+            lost: AtomicU64::new(0),
+            halt,
+            progress,
+        })
+    }
+
+    /// Items claimed (now outstanding).
+    pub fn claimed(&self, n: u64) {
+        self.outstanding.fetch_add(n, Ordering::AcqRel);
+    }
+
+    /// One item (or the reader's hold) is no longer outstanding; when none
+    /// is, the session is over.
+    pub fn release(&self) {
+        if self.outstanding.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.halt.cancel();
+        }
+        self.ended.notify_one();
+    }
+
+    /// Waits until at most `limit` items are outstanding.
+    pub async fn at_most(&self, limit: u64) {
+        while self.outstanding() > limit {
+            self.ended.notified().await;
+        }
+    }
+
+    pub fn outstanding(&self) -> u64 {
+        self.outstanding.load(Ordering::Acquire)
+    }
+
+    /// Items dropped before they ended while the session was not stopping.
+    pub fn lost(&self) -> u64 {
+        self.lost.load(Ordering::Acquire)
+    }
+}
+
+/// An item in a session.
+pub struct Item {
+    tally: Arc<Tally>,
+    /// Set once its end is handed on: dropping it is then no loss.
+    ended: bool,
+    /// The claim it was handed out under: what it commits under.
+    pub claim: ClaimId,
+    pub item_id: String,
+    pub seq: u64,
+    /// The input row as JSON text, stored with the result.
+    pub row_json: String,
+    /// The row, parsed again only when a step asks for it: held by every
+    /// item in flight, it would cost memory and cache most tasks do not
+    /// use.
+    row: std::cell::OnceCell<Row>,
+    /// Which of its row's `task.n` samples it is (0 when n is 1).
+    pub sample: u32,
+    /// Attempts made in earlier sessions (the highest number stored).
+    pub prior_attempts: u32,
+    /// Its calls in this session, those answered from the cache included.
+    pub calls: u32,
+    /// Calls answered from the cache.
+    pub cached: u32,
+    /// Tries of the request it waits on: `retry.max_attempts` is each
+    /// request's budget (a call moved to another endpoint, or an answer's
+    /// call refused by a quota, is not one). It starts at the attempts
+    /// stored by earlier sessions, so that a resume gives an item only the
+    /// tries it has left (and always one).
+    pub tries: u32,
+    /// Its next call is a retry the session's retry budget paid for; any
+    /// other call pays into the budget.
+    pub retry_paid: bool,
+    /// When its first call in this session was sent (its deadline counts
+    /// from here).
+    pub first_sent: Option<Instant>,
+    /// The call that gave its answer so far (or the last that failed).
+    pub answer: Option<Telemetry>,
+    pub episode: Box<dyn Episode>,
+    /// The call it waits for.
+    pub request: Option<Request>,
+    /// The rule of `task.prompts` that made its messages.
+    pub prompt: Option<std::sync::Arc<str>>,
+    /// The images its first request with images sent: kept with its
+    /// result.
+    images: Vec<evalfleet_types::ImageRef>,
+}
+
+/// An item as it was claimed.
+pub struct Claimed {
+    pub claim: ClaimId,
+    pub item_id: String,
+    pub seq: u64,
+    pub row_json: String,
+    pub sample: u32,
+    pub prior_attempts: u32,
+}
+
+impl Item {
+    /// A claimed item, starting on its task.
+    pub fn new(tally: Arc<Tally>, claimed: Claimed, episode: Box<dyn Episode>) -> Self {
+        Self {
+            tally,
+            ended: false,
+            claim: claimed.claim,
+            item_id: claimed.item_id,
+            seq: claimed.seq,
+            row: std::cell::OnceCell::new(),
+            row_json: claimed.row_json,
+            sample: claimed.sample,
+            prior_attempts: claimed.prior_attempts,
+            calls: 0,
+            cached: 0,
+            // Tries made before a resume count: `retry.max_attempts` means
+            // the same however often a run is resumed.
+            tries: claimed.prior_attempts,
+            retry_paid: false,
+            first_sent: None,
+            answer: None,
+            episode,
+            request: None,
+            prompt: None,
+            images: Vec::new(),
+        }
+    }
+
+    /// The number of its next attempt, over every session.
+    pub fn number(&self) -> u32 {
+        self.prior_attempts + self.calls + 1
+    }
+
+    /// The step after `request`'s reply; a re-ask (a call after an answer
+    /// that could not be used) is counted here, once.
+    pub fn next(&mut self, request: Request, reply: Reply) -> Step {
+        if self.images.is_empty() && !request.images.is_empty() {
+            self.images = request.images.references();
+        }
+        let item = ItemContext::new(&self.item_id, &self.row, &self.row_json, self.sample)
+            .numbered(self.seq, self.number());
+        let step = self.episode.next(&item, request, reply);
+        if let Step::Call(next) = &step
+            && next.rejected.is_some()
+        {
+            self.tally.progress.reasks.fetch_add(1, Ordering::Relaxed);
+        }
+        step
+    }
+
+    /// The step after `request` was answered from the cache by `hit`.
+    pub fn answered_from_cache(&mut self, request: Request, hit: CacheEntry) -> Step {
+        self.calls += 1;
+        self.cached += 1;
+        if request.target == Target::Items {
+            self.answer = Some(Telemetry {
+                endpoint: hit.endpoint,
+                model: hit.model,
+                latency_ms: 0.0,
+                ttft_ms: None,
+                tpot_ms: None,
+                prompt_tokens: hit.prompt_tokens,
+                completion_tokens: hit.completion_tokens,
+                tokens_estimated: false,
+                finish_reason: hit.finish_reason,
+            });
+        }
+        self.next(request, Reply::Answer(hit.content))
+    }
+
+    /// The item's result: it ends as `finish` says. The caller counts it
+    /// as ended ([`Ended::count`]) once the result is handed on.
+    pub fn finish(mut self, finish: Finish) -> (ResultRecord, Ended) {
+        self.ended = true;
+        let result = ResultRecord {
+            seq: self.seq,
+            item_id: std::mem::take(&mut self.item_id),
+            status: finish.status,
+            output: finish.output,
+            error: finish.error,
+            telemetry: self.answer.take(),
+            attempts: self.prior_attempts + self.calls,
+            cached: self.cached,
+            item: Some(std::mem::take(&mut self.row_json)),
+            finished_at_ms: now_ms(),
+            assessment: finish.assessment,
+            prompt: self.prompt.take().map(|p| p.to_string()),
+            images: std::mem::take(&mut self.images),
+        };
+        let ended = Ended {
+            tally: self.tally.clone(),
+            status: finish.status,
+            verdict: result.assessment.verdict,
+        };
+        (result, ended)
+    }
+}
+
+impl Drop for Item {
+    fn drop(&mut self) {
+        if self.ended {
+            return;
+        }
+        if !self.tally.halt.is_cancelled() {
+            self.tally.lost.fetch_add(1, Ordering::AcqRel);
+            tracing::error!(
+                "Item {} was dropped without a result (a bug): it stays pending for a resume.",
+                self.item_id
+            );
+        }
+        self.tally.release();
+    }
+}
+
+/// An item whose result is on its way to the store.
+pub struct Ended {
+    tally: Arc<Tally>,
+    pub status: ItemStatus,
+    /// Whether its answer could be used, when the task checks answers.
+    verdict: Option<Verdict>,
+}
+
+impl Ended {
+    /// Counts the item as ended (after its result was handed to the writer:
+    /// the session may end at once).
+    pub fn count(self, progress: &super::Progress) {
+        progress.ended(self.status, self.verdict);
+        self.tally.release();
+    }
+}
+
+/// A second call for an item whose call is late on an endpoint that was
+/// taken out of service while it was in flight: made on another endpoint;
+/// the first answer wins and the other call is cancelled (and recorded).
+pub struct Hedge {
+    pub claim: ClaimId,
+    pub seq: u64,
+    /// Its attempt number (taken from the item's when it was made).
+    pub number: u32,
+    pub messages: Box<serde_json::value::RawValue>,
+    pub images: evalfleet_io::images::Images,
+    /// The endpoint of the call it hedges, which is not to make it.
+    pub from: String,
+    /// The item's deadline.
+    pub deadline: Instant,
+    /// Cancelled when the call it hedges answered first.
+    pub cancel: CancellationToken,
+    /// Where its outcome goes, when it was made.
+    pub reply: tokio::sync::oneshot::Sender<Hedged>,
+}
+
+/// What a hedge came to: its call's outcome, on which endpoint, and what
+/// the store keeps of it.
+pub struct Hedged {
+    pub exchange: evalfleet_fleet::call::Exchange,
+    pub endpoint: Arc<evalfleet_fleet::Endpoint>,
+    pub record: Option<evalfleet_types::AttemptRecord>,
+}
+
+impl Hedge {
+    /// What its call sends.
+    pub fn outgoing(&self) -> evalfleet_fleet::call::Prompt<'_> {
+        evalfleet_fleet::call::Prompt {
+            messages: &self.messages,
+            images: &self.images,
+        }
+    }
+}
+
+/// What an endpoint's free slot takes next. Nearly every job is an item,
+/// moved once from a queue to its call: boxing items to even out the sizes
+/// would cost an allocation per call.
+#[allow(clippy::large_enum_variant)]
+pub enum Job {
+    Item(Item),
+    Hedge(Hedge),
+}
+
+struct Receivers {
+    fresh: mpsc::Receiver<Item>,
+    fresh_open: bool,
+    retry: mpsc::UnboundedReceiver<Item>,
+    hedges: mpsc::UnboundedReceiver<Hedge>,
+}
+
+/// The items waiting for any endpoint that answers items, and hedges of
+/// late calls.
+pub struct Backlog {
+    receivers: Mutex<Receivers>,
+    retry_tx: mpsc::UnboundedSender<Item>,
+    hedge_tx: mpsc::UnboundedSender<Hedge>,
+}
+
+impl Backlog {
+    /// A backlog fed by `fresh`.
+    pub fn new(fresh: mpsc::Receiver<Item>) -> Self {
+        let (retry_tx, retry) = mpsc::unbounded_channel();
+        let (hedge_tx, hedges) = mpsc::unbounded_channel();
+        Self {
+            receivers: Mutex::new(Receivers {
+                fresh,
+                fresh_open: true,
+                retry,
+                hedges,
+            }),
+            retry_tx,
+            hedge_tx,
+        }
+    }
+
+    /// Puts an item back for another call. The retry channel holds at most
+    /// the items in flight, so it needs no bound of its own.
+    pub fn retry(&self, item: Item) {
+        // The receiver lives as long as the backlog, so this cannot fail.
+        let _ = self.retry_tx.send(item);
+    }
+
+    /// Asks for a hedge of a late call (at most one per call in flight).
+    pub fn hedge(&self, hedge: Hedge) {
+        let _ = self.hedge_tx.send(hedge);
+    }
+
+    /// The next job: hedges (a call is late), then retries, then fresh
+    /// items; `None` once `halt` is cancelled. Waiters are served in the
+    /// order they came (the mutex is fair), so every free slot of every
+    /// endpoint gets its turn.
+    pub async fn next(&self, halt: &CancellationToken) -> Option<Job> {
+        let mut guard = tokio::select! {
+            biased;
+            () = halt.cancelled() => return None,
+            guard = self.receivers.lock() => guard,
+        };
+        let receivers = &mut *guard;
+        loop {
+            tokio::select! {
+                biased;
+                () = halt.cancelled() => return None,
+                Some(hedge) = receivers.hedges.recv() => return Some(Job::Hedge(hedge)),
+                Some(item) = receivers.retry.recv() => return Some(Job::Item(item)),
+                item = receivers.fresh.recv(), if receivers.fresh_open => match item {
+                    Some(item) => return Some(Job::Item(item)),
+                    None => receivers.fresh_open = false,
+                },
+            }
+        }
+    }
+}

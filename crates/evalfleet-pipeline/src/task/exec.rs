@@ -1,0 +1,590 @@
+//! `kind: exec`: the user's own program (an agent, in any language) runs
+//! once per item, in the sandbox, with the item as JSON and
+//! `OPENAI_BASE_URL`/`OPENAI_API_KEY` set to the item's address at the
+//! run's gateway, so that every model call it makes is the item's. Its
+//! standard output is the answer, checked and scored as a chat task's is;
+//! its exit status and the tail of its standard error are kept with the
+//! result (`judge`). A run that exits non-zero, is killed, or outlives
+//! `task.timeout` is a failed attempt, retried as `retry` says; each
+//! attempt is stored with the calls it made.
+//!
+//! The sandbox's network namespace has its loopback up, and on it a single
+//! listening socket, made inside the namespace by us: the gateway's. The
+//! agent reaches `http://127.0.0.1:PORT` and nothing else. Where the
+//! sandbox cannot be had (evalfleet not run as root), the gateway listens
+//! on the host's loopback and the agent's network is not closed (the log
+//! says so).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use evalfleet_sandbox::sandbox::{Ended, Execution, Isolation, Limits, Network, Sandbox};
+use evalfleet_types::{AgentCall, AttemptRecord, ErrorClass, RetryPolicy, Telemetry, ms, unix_ms};
+use serde_json::Value;
+
+use super::chat::Chat;
+use super::{Attempted, Episode, Finish, ItemContext, Reply, Request, Step, Target, Task};
+use evalfleet_config::{AgentNetwork, ExecInput, ExecSettings};
+use evalfleet_gateway::Gateway;
+
+/// Serves a gateway on a listener: the server's part, which this layer
+/// cannot hold.
+pub trait GatewayHost: Send + Sync {
+    /// The server of `gateway` on `listener`, which ends when `stop` is
+    /// cancelled (the gateway runs it).
+    fn serve(
+        &self,
+        gateway: Arc<Gateway>,
+        listener: std::net::TcpListener,
+        stop: tokio_util::sync::CancellationToken,
+    ) -> std::io::Result<futures_util::future::BoxFuture<'static, ()>>;
+}
+
+/// The exec task.
+pub struct Exec {
+    inner: Arc<Inner>,
+    chat: Chat,
+}
+
+struct Inner {
+    settings: ExecSettings,
+    retry: RetryPolicy,
+    sandbox: Sandbox,
+    gateway: Arc<Gateway>,
+    /// `http://127.0.0.1:PORT`, as the agent reaches the gateway.
+    base: String,
+    /// The command, its files of the config's folder given as the agent
+    /// sees them.
+    argv: Vec<String>,
+    limits: Limits,
+    /// Ends the gateway's listener with the task.
+    stop: tokio_util::sync::CancellationToken,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// Why the exec task cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    #[error("cannot make the agents' sandbox under {dir}: {source}")]
+    Sandbox {
+        dir: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot serve the gateway to the agents: {0}")]
+    Gateway(String),
+}
+
+impl Exec {
+    /// Makes the sandbox (under `sandbox_dir`) and serves `gateway` in it
+    /// with `host`.
+    pub async fn start(
+        settings: &ExecSettings,
+        retry: RetryPolicy,
+        chat: Chat,
+        gateway: Arc<Gateway>,
+        host: &dyn GatewayHost,
+        sandbox_dir: &std::path::Path,
+    ) -> Result<Self, ExecError> {
+        let dir = sandbox_dir.join(format!("agents-{}", std::process::id()));
+        // The config's folder is bound read-only for the agents (they may
+        // not reach it otherwise: a home folder is closed to other users).
+        let agent_dir = settings
+            .dir
+            .canonicalize()
+            .unwrap_or_else(|_| settings.dir.clone());
+        // `network: open`: no namespaces (the host's network and file
+        // system), still a user of its own per slot.
+        let wanted = match settings.network {
+            AgentNetwork::Gateway => Isolation::ALL,
+            AgentNetwork::Open => Isolation {
+                namespaces: false,
+                read_only: false,
+                own_uids: true,
+            },
+        };
+        let sandbox = Sandbox::with_network(
+            &dir,
+            settings.concurrency,
+            std::slice::from_ref(&agent_dir),
+            wanted,
+            Network::Loopback,
+        )
+        .await
+        .map_err(|source| ExecError::Sandbox {
+            dir: dir.clone(),
+            source,
+        })?;
+        let listener = sandbox
+            .listen()
+            .map_err(|err| ExecError::Gateway(err.to_string()))?;
+        let port = listener
+            .local_addr()
+            .map_err(|err| ExecError::Gateway(err.to_string()))?
+            .port();
+        let stop = tokio_util::sync::CancellationToken::new();
+        let server = host
+            .serve(gateway.clone(), listener, stop.clone())
+            .map_err(|err| ExecError::Gateway(err.to_string()))?;
+        gateway.spawn(server);
+        let description = sandbox.describe();
+        if sandbox.isolation().namespaces {
+            tracing::info!("Agents' sandbox: {description}.");
+        } else if settings.network == AgentNetwork::Open {
+            tracing::info!(
+                "Agents (task.network: open) run in folders of their own, as users of their own where evalfleet runs as root, with this machine's network and file system; the gateway is at 127.0.0.1:{port}."
+            );
+        } else {
+            tracing::warn!(
+                "Agents' sandbox: {description}. The agents' network is not closed: they reach the gateway on this machine's 127.0.0.1:{port}, and everything else too."
+            );
+        }
+        let inside_dir = sandbox.toolchain(0).unwrap_or_else(|| agent_dir.clone());
+        let argv = settings
+            .command
+            .iter()
+            .enumerate()
+            .map(|(i, word)| given_as(word, i, &agent_dir, &inside_dir))
+            .collect();
+        let timeout = settings.timeout;
+        let limits = Limits {
+            wall: timeout,
+            cpu: timeout,
+            memory_mb: 16 * 1024,
+            output_bytes: 16 << 20,
+            file_bytes: 256 << 20,
+            processes: 512,
+        };
+        Ok(Self {
+            inner: Arc::new(Inner {
+                settings: settings.clone(),
+                retry,
+                sandbox,
+                gateway,
+                base: format!("http://127.0.0.1:{port}"),
+                argv,
+                limits,
+                stop,
+            }),
+            chat,
+        })
+    }
+}
+
+/// `word` of the command as the agent is given it: a relative path that
+/// names a file of the config's folder, as the agent sees that file.
+fn given_as(
+    word: &str,
+    index: usize,
+    host_dir: &std::path::Path,
+    inside_dir: &std::path::Path,
+) -> String {
+    let path = std::path::Path::new(word);
+    let looks_like_path = index > 0 || word.contains('/');
+    if !word.starts_with('-')
+        && path.is_relative()
+        && looks_like_path
+        && host_dir.join(path).is_file()
+    {
+        return inside_dir.join(path).to_string_lossy().into_owned();
+    }
+    word.to_owned()
+}
+
+impl Task for Exec {
+    fn begin(&self, item: &ItemContext<'_>) -> (Box<dyn Episode>, Step) {
+        let shared = Arc::new(std::sync::Mutex::new(Scoring {
+            chat: self.chat.episode(),
+            kept: None,
+        }));
+        let run = Run {
+            inner: self.inner.clone(),
+            scoring: shared.clone(),
+            seq: item.seq,
+            item_id: item.item_id.to_owned(),
+            row_json: Value::Object(item.row().clone()).to_string(),
+            sample: item.sample,
+            attempt: item.attempt,
+        };
+        (Box::new(ExecEpisode { scoring: shared }), run.step())
+    }
+
+    /// Agents running at once, and answers waiting on outside backends.
+    fn work_limit(&self) -> usize {
+        self.inner.settings.concurrency + self.chat.backend_queue()
+    }
+}
+
+/// How an agent's answer is checked and scored: as a chat task's answer
+/// (LLM judges included); what is kept of the run that gave it goes with
+/// the item's result.
+struct Scoring {
+    chat: super::chat::ChatEpisode,
+    kept: Option<Value>,
+}
+
+/// An item's episode: the scoring of its answer, shared with the work that
+/// runs its agent.
+struct ExecEpisode {
+    scoring: Arc<std::sync::Mutex<Scoring>>,
+}
+
+impl Episode for ExecEpisode {
+    fn next(&mut self, item: &ItemContext<'_>, asked: Request, reply: Reply) -> Step {
+        let Ok(mut scoring) = self.scoring.lock() else {
+            return Step::Finish(Finish::failed(
+                "internal error: the item's scoring was poisoned".to_owned(),
+                evalfleet_types::Assessment::default(),
+            ));
+        };
+        let step = scoring.chat.next(item, asked, reply);
+        let kept = scoring.kept.clone();
+        keeping(step, kept)
+    }
+}
+
+/// `step`, whose finish keeps `kept` (the agent's exit and stderr) as the
+/// result's `judge`.
+fn keeping(step: Step, kept: Option<Value>) -> Step {
+    match step {
+        Step::Finish(mut finish) => {
+            if finish.assessment.code.is_none() {
+                finish.assessment.code = kept;
+            }
+            Step::Finish(finish)
+        }
+        Step::Work(work) => Step::Work(Box::pin(async move { keeping(work.await, kept) })),
+        Step::Wait(wait) => Step::Wait(Box::pin(async move { keeping(wait.await, kept) })),
+        Step::Attempted(mut attempted) => {
+            attempted.then = keeping(attempted.then, kept);
+            Step::Attempted(attempted)
+        }
+        call @ Step::Call(_) => call,
+    }
+}
+
+/// An item's run of its agent.
+struct Run {
+    inner: Arc<Inner>,
+    scoring: Arc<std::sync::Mutex<Scoring>>,
+    seq: u64,
+    item_id: String,
+    row_json: String,
+    sample: u32,
+    attempt: u32,
+}
+
+/// How a run of the agent went.
+struct Outcome {
+    answer: Result<String, (String, ErrorClass)>,
+    record: AttemptRecord,
+    calls: Vec<AgentCall>,
+    /// What is kept of it with the result: exit status, stderr's tail.
+    kept: Value,
+}
+
+impl Run {
+    /// The work of this attempt, and of the next ones while they fail and
+    /// tries are left.
+    fn step(self) -> Step {
+        Step::Work(Box::pin(async move {
+            let outcome = self.once().await;
+            let Outcome {
+                answer,
+                record,
+                calls,
+                kept,
+            } = outcome;
+            let then = match answer {
+                Ok(answer) => self.score(answer, kept),
+                Err((reason, class)) => {
+                    let tries = self.attempt;
+                    let retryable = class.is_retryable();
+                    if retryable && tries < self.inner.retry.max_attempts {
+                        let wait = self.inner.retry.backoff(tries, None);
+                        let next = Run {
+                            attempt: self.attempt + 1,
+                            ..self
+                        };
+                        Step::Work(Box::pin(async move {
+                            tokio::time::sleep(wait).await;
+                            next.step()
+                        }))
+                    } else {
+                        let assessment = evalfleet_types::Assessment {
+                            code: Some(kept),
+                            ..Default::default()
+                        };
+                        Step::Finish(Finish::failed(
+                            format!("the agent failed ({tries} attempts): {reason}"),
+                            assessment,
+                        ))
+                    }
+                }
+            };
+            Step::Attempted(Box::new(Attempted {
+                record,
+                calls,
+                then,
+            }))
+        }))
+    }
+
+    /// The agent's answer, checked and scored as a chat task's: an LLM
+    /// judge's call, if any, is the pipeline's, whose reply comes back to
+    /// the item's episode.
+    fn score(&self, answer: String, kept: Value) -> Step {
+        let row = std::cell::OnceCell::new();
+        let item = ItemContext::new(&self.item_id, &row, &self.row_json, self.sample)
+            .numbered(self.seq, self.attempt);
+        let Ok(mut scoring) = self.scoring.lock() else {
+            return Step::Finish(Finish::failed(
+                "internal error: the item's scoring was poisoned".to_owned(),
+                evalfleet_types::Assessment::default(),
+            ));
+        };
+        scoring.kept = Some(kept.clone());
+        let step = scoring
+            .chat
+            .next(&item, answered_request(), Reply::Answer(answer));
+        keeping(step, Some(kept))
+    }
+
+    /// Runs the agent once.
+    async fn once(&self) -> Outcome {
+        let settings = &self.inner.settings;
+        let (ran, calls) = self.execute().await;
+        let (sent_at, elapsed) = match &ran {
+            Ok((_, sent_at, started)) => (*sent_at, started.elapsed()),
+            Err(_) => (std::time::SystemTime::now(), Duration::ZERO),
+        };
+        let ran = ran.map(|(execution, _, _)| execution);
+        let (prompt, completion) = calls.iter().fold((0u64, 0u64), |(p, c), call| {
+            (
+                p + call.telemetry.prompt_tokens.unwrap_or(0),
+                c + call.telemetry.completion_tokens.unwrap_or(0),
+            )
+        });
+        let last_endpoint = calls
+            .iter()
+            .rev()
+            .find(|c| !c.telemetry.endpoint.is_empty())
+            .map(|c| (c.telemetry.endpoint.clone(), c.telemetry.model.clone()))
+            .unwrap_or_default();
+        let telemetry = Telemetry {
+            endpoint: last_endpoint.0,
+            model: last_endpoint.1,
+            latency_ms: ms(elapsed),
+            ttft_ms: None,
+            tpot_ms: None,
+            prompt_tokens: Some(prompt),
+            completion_tokens: Some(completion),
+            tokens_estimated: false,
+            finish_reason: None,
+        };
+        let (answer, kept) = match ran {
+            Ok(execution) => judge(&execution, settings.timeout, calls.len()),
+            Err(err) => (
+                Err((format!("cannot run the agent: {err}"), ErrorClass::Fatal)),
+                serde_json::json!({"error": err.to_string(), "calls": calls.len()}),
+            ),
+        };
+        let (error_class, error) = match &answer {
+            Ok(_) => (None, None),
+            Err((reason, class)) => (Some(*class), Some(reason.clone())),
+        };
+        Outcome {
+            answer,
+            record: AttemptRecord {
+                seq: self.seq,
+                attempt: self.attempt,
+                session: 0,
+                sent_at_ms: unix_ms(sent_at),
+                telemetry,
+                http_status: None,
+                error_class,
+                error,
+            },
+            calls,
+            kept,
+        }
+    }
+
+    /// The program, run in a slot of the sandbox with the item's address;
+    /// and when it started (once it had its slot).
+    async fn execute(
+        &self,
+    ) -> (
+        std::io::Result<(Execution, std::time::SystemTime, Instant)>,
+        Vec<AgentCall>,
+    ) {
+        let inner = &*self.inner;
+        let slot = inner.sandbox.slot().await;
+        // The address opens once the agent has its slot, and lives a little
+        // longer than the run may: the token's expiry is a bound, the
+        // attempt's end (closing it) the rule.
+        let pass = inner.gateway.open(
+            self.seq,
+            self.sample,
+            self.attempt,
+            inner.settings.budget,
+            inner.settings.timeout + Duration::from_secs(60),
+        );
+        let sent_at = std::time::SystemTime::now();
+        let started = Instant::now();
+        let ran = self.run_in(&slot, &pass.token).await;
+        let calls = pass.close().await;
+        (ran.map(|execution| (execution, sent_at, started)), calls)
+    }
+
+    /// The program, run in `slot` with the address `token`.
+    async fn run_in(
+        &self,
+        slot: &evalfleet_sandbox::sandbox::Slot<'_>,
+        token: &str,
+    ) -> std::io::Result<Execution> {
+        let inner = &*self.inner;
+        let dir = slot.workdir()?;
+        let mut argv = inner.argv.clone();
+        let mut env = vec![
+            (
+                "OPENAI_BASE_URL".to_owned(),
+                format!("{}/gw/{token}/v1", inner.base),
+            ),
+            ("OPENAI_API_KEY".to_owned(), token.to_owned()),
+            ("EVALFLEET_ITEM_ID".to_owned(), self.item_id.clone()),
+            ("EVALFLEET_ATTEMPT".to_owned(), self.attempt.to_string()),
+        ];
+        let mut stdin: &[u8] = &[];
+        match inner.settings.input {
+            ExecInput::Stdin => stdin = self.row_json.as_bytes(),
+            ExecInput::Args => argv.push(self.row_json.clone()),
+            ExecInput::File => {
+                dir.write_file("item.json", self.row_json.as_bytes())?;
+                let path = dir
+                    .inside()
+                    .join("item.json")
+                    .to_string_lossy()
+                    .into_owned();
+                env.push(("EVALFLEET_ITEM_FILE".to_owned(), path.clone()));
+                argv.push(path);
+            }
+        }
+        env.extend(inner.settings.env.iter().cloned());
+        slot.run_with(&argv, &dir, stdin, &inner.limits, &env).await
+    }
+}
+
+/// What a run of the agent came to: its answer (standard output), or why
+/// it failed and how that counts; and what is kept of it.
+fn judge(
+    execution: &Execution,
+    timeout: Duration,
+    calls: usize,
+) -> (Result<String, (String, ErrorClass)>, Value) {
+    // An SDK's error names the address it called, the item's token in it:
+    // dead by now, and still not kept.
+    let stderr = redact_tokens(&tail(&execution.stderr, 2000));
+    let (exit, signal) = match execution.ended {
+        Ended::Exited(code) => (Some(code), None),
+        Ended::Signaled(signal) => (None, Some(signal)),
+        _ => (None, None),
+    };
+    let kept = serde_json::json!({
+        "exit": exit,
+        "signal": signal,
+        "ended": format!("{:?}", execution.ended),
+        "elapsed_ms": ms(execution.elapsed),
+        "stderr": stderr,
+        "calls": calls,
+    });
+    let with_stderr = |what: String| {
+        if stderr.trim().is_empty() {
+            what
+        } else {
+            format!("{what}; stderr: {}", stderr.trim())
+        }
+    };
+    let answer = match execution.ended {
+        Ended::Exited(0) => Ok(String::from_utf8_lossy(&execution.stdout).trim().to_owned()),
+        Ended::Exited(code) => Err((
+            with_stderr(format!("exited with status {code}")),
+            ErrorClass::Retryable,
+        )),
+        Ended::Signaled(signal) => Err((
+            with_stderr(format!("killed by signal {signal}")),
+            ErrorClass::Retryable,
+        )),
+        Ended::TimedOut => Err((
+            with_stderr(format!(
+                "still running after task.timeout ({}): killed",
+                humantime::format_duration(timeout)
+            )),
+            ErrorClass::Retryable,
+        )),
+        Ended::CpuLimit => Err((
+            with_stderr("past its CPU-time limit: killed".to_owned()),
+            ErrorClass::Retryable,
+        )),
+        Ended::OutputLimit => Err((
+            "wrote more than 16 MiB of output: killed".to_owned(),
+            ErrorClass::Fatal,
+        )),
+    };
+    (answer, kept)
+}
+
+/// `text` with every gateway token in it replaced by `ef1_…`.
+fn redact_tokens(text: &str) -> String {
+    static TOKEN: std::sync::LazyLock<Option<regex::Regex>> =
+        std::sync::LazyLock::new(|| regex::Regex::new(r"ef1_[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+").ok());
+    match TOKEN.as_ref() {
+        Some(token) => token.replace_all(text, "ef1_…").into_owned(),
+        None => text.to_owned(),
+    }
+}
+
+/// The last `n` bytes of `bytes` as text (from a character's start).
+fn tail(bytes: &[u8], n: usize) -> String {
+    let text = String::from_utf8_lossy(bytes);
+    if text.len() <= n {
+        return text.into_owned();
+    }
+    let mut start = text.len() - n;
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    text[start..].to_owned()
+}
+
+/// The request an agent's answer stands for, to the chat task's episode
+/// (which reads nothing of it but its images and sample, an exec answer
+/// being asked for again never).
+pub(super) fn answered_request() -> Request {
+    Request {
+        target: Target::Items,
+        messages: serde_json::value::RawValue::NULL.to_owned(),
+        sample: 0,
+        rejected: None,
+        prompt: None,
+        images: Default::default(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn tokens_are_not_kept_in_what_an_agent_wrote() {
+        let said = "openai.APIConnectionError: http://127.0.0.1:4000/gw/ef1_MTIzCjQ.AbC-_d9/v1/chat/completions";
+        assert_eq!(
+            super::redact_tokens(said),
+            "openai.APIConnectionError: http://127.0.0.1:4000/gw/ef1_…/v1/chat/completions"
+        );
+    }
+}

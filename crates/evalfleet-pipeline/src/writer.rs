@@ -1,0 +1,235 @@
+//! The one writer: it owns the store during a session and commits attempts
+//! and results in batches, one transaction each, when a batch reaches its
+//! size or its oldest entry has waited the flush interval.
+//!
+//! Commits run on a blocking thread, and the writer keeps receiving while one
+//! is in flight: what arrives meanwhile goes into the next transaction (group
+//! commit), so a slow `fsync` makes batches larger instead of stalling every
+//! call. Only past [`GROUP_LIMIT`] batches' worth do senders wait.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tokio::time::{Instant, sleep_until};
+
+use super::Progress;
+use evalfleet_config::WriterSettings;
+use evalfleet_store::{Batch, ClaimId, NotBefore, Store, StoreError};
+use evalfleet_types::{AttemptRecord, CacheEntry, ResultRecord};
+
+/// What is told of each result once it is committed (a Google Sheet's
+/// sink): called on the commit's thread, so it must be quick.
+pub type ResultTap = Arc<dyn Fn(&ResultRecord) + Send + Sync>;
+
+/// How many batches' worth may wait while a commit is in flight.
+const GROUP_LIMIT: usize = 16;
+
+/// What an attempt task hands to the writer.
+#[derive(Debug)]
+pub struct Outcome {
+    /// The claim its item was handed out under.
+    pub claim: ClaimId,
+    pub attempt: Option<AttemptRecord>,
+    pub result: Option<ResultRecord>,
+    /// A successful answer for the cache.
+    pub cache: Option<CacheEntry>,
+    /// Calls an agent made in its attempt (`kind: exec`).
+    pub calls: Vec<evalfleet_types::AgentCall>,
+    /// How long its item waits before its next call (a retry's backoff).
+    pub wait: Option<Duration>,
+}
+
+impl Outcome {
+    /// An attempt alone (its item goes on).
+    pub fn attempt(claim: ClaimId, attempt: AttemptRecord) -> Self {
+        Self {
+            claim,
+            attempt: Some(attempt),
+            result: None,
+            cache: None,
+            calls: Vec::new(),
+            wait: None,
+        }
+    }
+
+    /// An attempt that failed, after which its item waits `wait` before
+    /// it is sent again.
+    pub fn retried(claim: ClaimId, attempt: AttemptRecord, wait: Duration) -> Self {
+        Self {
+            wait: Some(wait),
+            ..Self::attempt(claim, attempt)
+        }
+    }
+
+    /// What an item carried from its last call, sent before it goes on.
+    pub fn carried(claim: ClaimId, carry: super::dispatch::Carry) -> Self {
+        Self {
+            claim,
+            attempt: carry.attempt,
+            result: None,
+            cache: carry.cache,
+            calls: carry.calls,
+            wait: None,
+        }
+    }
+}
+
+/// What the writer receives: one outcome (an attempt task), or many at
+/// once (the reader's cache hits, a page at a time, so that the writer
+/// wakes once per page rather than once per item).
+// `One` is the hot path (every call); boxing it would cost an allocation
+// per call, and channel slots were this size before `Many` existed.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+pub enum Message {
+    One(Outcome),
+    Many(Vec<Outcome>),
+}
+
+fn add(batch: &mut Batch, outcome: Outcome) {
+    let claim = outcome.claim;
+    if let (Some(wait), Some(attempt)) = (outcome.wait, &outcome.attempt) {
+        let seq = attempt.seq;
+        batch.waits.push((claim, NotBefore { seq, wait }));
+    }
+    batch.attempts.extend(outcome.attempt.map(|a| (claim, a)));
+    batch.results.extend(outcome.result.map(|r| (claim, r)));
+    batch.cache.extend(outcome.cache);
+    batch
+        .calls
+        .extend(outcome.calls.into_iter().map(|c| (claim, c)));
+}
+
+/// What a blocking store task gives back: the store, and how many results
+/// it committed.
+type Returned = (Box<dyn Store>, Result<u64, StoreError>);
+
+fn size(batch: &Batch) -> usize {
+    batch.results.len().max(batch.attempts.len())
+}
+
+/// Whose work the writer commits, and how long its claims last.
+pub struct Worker {
+    pub run_id: Arc<str>,
+    pub worker: Arc<str>,
+    pub lease: Duration,
+}
+
+/// Runs until every sender is dropped, then commits what is left, releases
+/// the worker's claims and gives the store back. Meanwhile it renews the
+/// worker's lease every third of it.
+pub async fn run(
+    mut inbox: mpsc::Receiver<Message>,
+    store: Box<dyn Store>,
+    worker: Worker,
+    settings: WriterSettings,
+    progress: Arc<Progress>,
+    tap: Option<ResultTap>,
+) -> Result<Box<dyn Store>, StoreError> {
+    let Worker {
+        run_id,
+        worker,
+        lease,
+    } = worker;
+    let mut idle = Some(store);
+    let mut committing: JoinSet<Returned> = JoinSet::new();
+    let mut batch = Batch::default();
+    // When the oldest uncommitted entry must be committed.
+    let mut due: Option<Instant> = None;
+    let renew_every = lease / 3;
+    let mut renew_at = Instant::now() + renew_every;
+    let mut open = true;
+    loop {
+        if renew_at <= Instant::now()
+            && let Some(mut store) = idle.take()
+        {
+            renew_at = Instant::now() + renew_every;
+            let (run_id, worker) = (run_id.clone(), worker.clone());
+            committing.spawn_blocking(move || {
+                let result = store.renew(&run_id, &worker, lease).map(|renewal| {
+                    if !renewal.lost.is_empty() {
+                        tracing::warn!(
+                            "{} items were taken over by other workers after this worker's lease on them ran out; what it makes of them will be refused.",
+                            renewal.lost.len()
+                        );
+                    }
+                    0
+                });
+                (store, result)
+            });
+            continue;
+        }
+        let ready = size(&batch) >= settings.batch_size
+            || due.is_some_and(|at| at <= Instant::now())
+            || !open;
+        if !batch.is_empty()
+            && ready
+            && let Some(mut store) = idle.take()
+        {
+            let batch = std::mem::take(&mut batch);
+            due = None;
+            let (run_id, worker) = (run_id.clone(), worker.clone());
+            let tap = tap.clone();
+            committing.spawn_blocking(move || {
+                let result = store.commit(&run_id, &worker, &batch).map(|committed| {
+                    if !committed.refused.is_empty() {
+                        tracing::warn!(
+                            "{} results were refused: this worker's lease on them ran out; their items are answered again under a new claim.",
+                            committed.refused.len()
+                        );
+                    }
+                    if let Some(tap) = &tap {
+                        batch
+                            .results
+                            .iter()
+                            .filter(|(_, r)| !committed.refused.contains(&r.seq))
+                            .for_each(|(_, r)| tap(r));
+                    }
+                    committed.results
+                });
+                (store, result)
+            });
+            continue;
+        }
+        if !open && batch.is_empty() && committing.is_empty() {
+            break;
+        }
+        let room = size(&batch) < settings.batch_size * GROUP_LIMIT;
+        tokio::select! {
+            outcome = inbox.recv(), if open && room => match outcome {
+                Some(message) => {
+                    match message {
+                        Message::One(outcome) => add(&mut batch, outcome),
+                        Message::Many(outcomes) => outcomes.into_iter().for_each(|o| add(&mut batch, o)),
+                    }
+                    due.get_or_insert_with(|| Instant::now() + settings.flush_interval);
+                }
+                None => open = false,
+            },
+            Some(joined) = committing.join_next() => {
+                let (store, result) = joined
+                    .map_err(|err| StoreError::Invariant(format!("the writer's commit task failed: {err}")))?;
+                idle = Some(store);
+                progress.committed.fetch_add(result?, Ordering::Relaxed);
+            }
+            () = sleep_until(due.unwrap_or_else(Instant::now)), if due.is_some() && idle.is_some() => {}
+            () = sleep_until(renew_at), if idle.is_some() => {}
+        }
+    }
+    let mut store =
+        idle.ok_or_else(|| StoreError::Invariant("the writer lost its store".to_owned()))?;
+    committing.spawn_blocking(move || {
+        let result = store.release(&run_id, &worker).map(|()| 0);
+        (store, result)
+    });
+    let joined = committing.join_next().await;
+    let (store, released) = joined
+        .ok_or_else(|| StoreError::Invariant("the writer lost its store".to_owned()))?
+        .map_err(|err| StoreError::Invariant(format!("the writer's release failed: {err}")))?;
+    released?;
+    Ok(store)
+}
