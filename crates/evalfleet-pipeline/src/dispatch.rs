@@ -15,7 +15,7 @@ use tokio_util::task::TaskTracker;
 
 use super::Shared;
 use super::item::{Hedge, Hedged, Item, Job};
-use super::writer::Outcome;
+use super::outcome::{Carry, Outcome};
 use crate::task::{Finish, Reply, Request, Step, Target};
 use evalfleet_fleet::call::{self, Call, Exchange};
 use evalfleet_fleet::{Endpoint, Permit, Phase};
@@ -53,22 +53,6 @@ pub fn cache_lookups(
         }
     });
     tx
-}
-
-/// What an attempt leaves for the writer when the item goes on: its record
-/// and the answer for the cache, sent with whatever the item sends next.
-#[derive(Default)]
-pub struct Carry {
-    pub attempt: Option<AttemptRecord>,
-    pub cache: Option<CacheEntry>,
-    /// Calls an agent made in the attempt carried.
-    pub calls: Vec<evalfleet_types::AgentCall>,
-}
-
-impl Carry {
-    fn is_empty(&self) -> bool {
-        self.attempt.is_none() && self.cache.is_none() && self.calls.is_empty()
-    }
 }
 
 /// How often a dispatcher whose endpoint takes no calls counts a try

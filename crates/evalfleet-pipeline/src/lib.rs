@@ -16,6 +16,7 @@
 
 mod dispatch;
 mod item;
+mod outcome;
 mod reader;
 pub mod task;
 mod writer;
@@ -39,9 +40,9 @@ use evalfleet_io::dataset::{DatasetError, RowReader};
 use evalfleet_store::{Store, StoreError};
 use evalfleet_types::RetryBudget;
 use item::{Backlog, Item, Tally};
+use outcome::{Message, Outcome};
 use reader::Reader;
 pub use writer::ResultTap;
-use writer::{Message, Outcome};
 
 /// Live counters of a session, read by progress displays.
 pub struct Progress {
@@ -293,7 +294,7 @@ fn max_tokens(config: &Config) -> u64 {
 fn gateway_cache(
     lookups: Option<&mpsc::UnboundedSender<dispatch::Lookup>>,
     cache: &CacheUse,
-    writer: &mpsc::Sender<writer::Message>,
+    writer: &mpsc::Sender<Message>,
 ) -> evalfleet_gateway::CacheLink {
     // Weak senders: the lookup thread and the writer end with the
     // session's own senders, whoever holds the gateway.
@@ -311,7 +312,7 @@ fn gateway_cache(
             if let Some(writer) = writer.upgrade() {
                 // A full writer drops the entry: the cache is not the
                 // run's record.
-                let _ = writer.try_send(writer::Message::One(Outcome {
+                let _ = writer.try_send(Message::One(Outcome {
                     claim: 0,
                     attempt: None,
                     result: None,

@@ -11,9 +11,10 @@ use evalfleet_types::CacheEntry;
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 
-use super::dispatch::{Carry, drive};
+use super::dispatch::drive;
 use super::item::{Claimed as ClaimedItem, Ended, Item};
-use super::writer::{Message, Outcome};
+use super::outcome::Carry;
+use super::outcome::{Message, Outcome};
 use super::{PipelineError, Shared};
 use crate::task::{ItemContext, Step, Target};
 use evalfleet_io::dataset::RowReader;

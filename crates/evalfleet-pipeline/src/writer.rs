@@ -18,8 +18,10 @@ use tokio::time::{Instant, sleep_until};
 
 use super::Progress;
 use evalfleet_config::WriterSettings;
-use evalfleet_store::{Batch, ClaimId, NotBefore, Store, StoreError};
-use evalfleet_types::{AttemptRecord, CacheEntry, ResultRecord};
+use evalfleet_store::{Batch, NotBefore, Store, StoreError};
+use evalfleet_types::ResultRecord;
+
+use super::outcome::{Message, Outcome};
 
 /// What is told of each result once it is committed (a Google Sheet's
 /// sink): called on the commit's thread, so it must be quick.
@@ -27,68 +29,6 @@ pub type ResultTap = Arc<dyn Fn(&ResultRecord) + Send + Sync>;
 
 /// How many batches' worth may wait while a commit is in flight.
 const GROUP_LIMIT: usize = 16;
-
-/// What an attempt task hands to the writer.
-#[derive(Debug)]
-pub struct Outcome {
-    /// The claim its item was handed out under.
-    pub claim: ClaimId,
-    pub attempt: Option<AttemptRecord>,
-    pub result: Option<ResultRecord>,
-    /// A successful answer for the cache.
-    pub cache: Option<CacheEntry>,
-    /// Calls an agent made in its attempt (`kind: exec`).
-    pub calls: Vec<evalfleet_types::AgentCall>,
-    /// How long its item waits before its next call (a retry's backoff).
-    pub wait: Option<Duration>,
-}
-
-impl Outcome {
-    /// An attempt alone (its item goes on).
-    pub fn attempt(claim: ClaimId, attempt: AttemptRecord) -> Self {
-        Self {
-            claim,
-            attempt: Some(attempt),
-            result: None,
-            cache: None,
-            calls: Vec::new(),
-            wait: None,
-        }
-    }
-
-    /// An attempt that failed, after which its item waits `wait` before
-    /// it is sent again.
-    pub fn retried(claim: ClaimId, attempt: AttemptRecord, wait: Duration) -> Self {
-        Self {
-            wait: Some(wait),
-            ..Self::attempt(claim, attempt)
-        }
-    }
-
-    /// What an item carried from its last call, sent before it goes on.
-    pub fn carried(claim: ClaimId, carry: super::dispatch::Carry) -> Self {
-        Self {
-            claim,
-            attempt: carry.attempt,
-            result: None,
-            cache: carry.cache,
-            calls: carry.calls,
-            wait: None,
-        }
-    }
-}
-
-/// What the writer receives: one outcome (an attempt task), or many at
-/// once (the reader's cache hits, a page at a time, so that the writer
-/// wakes once per page rather than once per item).
-// `One` is the hot path (every call); boxing it would cost an allocation
-// per call, and channel slots were this size before `Many` existed.
-#[allow(clippy::large_enum_variant)]
-#[derive(Debug)]
-pub enum Message {
-    One(Outcome),
-    Many(Vec<Outcome>),
-}
 
 fn add(batch: &mut Batch, outcome: Outcome) {
     let claim = outcome.claim;

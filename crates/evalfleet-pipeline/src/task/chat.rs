@@ -307,7 +307,7 @@ fn finish(
     reasks: u32,
 ) -> Step {
     match (&chat.code, &chat.assessor) {
-        (Some(code), Some(assessor)) if checked.valid => super::code::judge_then_finish(
+        (Some(code), Some(assessor)) if checked.valid => super::judge::judge_then_finish(
             code.clone(),
             assessor.clone(),
             checked,

@@ -20,6 +20,7 @@ pub mod code;
 pub mod conversation;
 pub mod exec;
 pub mod images;
+mod judge;
 pub mod refine;
 
 use std::sync::Arc;
