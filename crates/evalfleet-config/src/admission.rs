@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use super::path;
-use super::raw::RawProblem;
+use super::problems::RawProblem;
 
 /// What a config from outside may do.
 #[derive(Debug, Clone, Default)]

@@ -14,7 +14,8 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use super::raw::{self, RawProblem};
+use super::problems::RawProblem;
+use super::read;
 use super::yaml::Document;
 use super::{ConfigError, EndpointConfig, LoadedConfig, Overrides, Problem, path, validate};
 
@@ -93,7 +94,7 @@ pub struct RawBenchModel {
     pub params: Option<Map<String, Value>>,
     /// The messages sent to this model, instead of each task's `messages`.
     /// Default: the task's.
-    #[schemars(with = "Option<Vec<super::raw::RawMessage>>")]
+    #[schemars(with = "Option<Vec<super::request::RawMessage>>")]
     pub messages: Option<Value>,
 }
 
@@ -219,7 +220,7 @@ fn entries<T: serde::de::DeserializeOwned + JsonSchema>(
             problems.push((at.clone(), format!("{at}: expected a mapping")));
             continue;
         };
-        let Some(raw) = raw::section::<T>(value, &at, problems) else {
+        let Some(raw) = read::section::<T>(value, &at, problems) else {
             continue;
         };
         let name_at = path::key(&at, "name");
@@ -317,7 +318,7 @@ fn bench(document: &Document, dir: &Path, origin: String) -> Result<BenchConfig,
             )],
         ));
     }
-    let raw = raw::section::<RawBench>(&root, "", &mut problems).unwrap_or_default();
+    let raw = read::section::<RawBench>(&root, "", &mut problems).unwrap_or_default();
     let name = match &raw.name {
         None => {
             problems.push(("name".to_owned(), "name: required".to_owned()));
@@ -363,7 +364,7 @@ fn bench(document: &Document, dir: &Path, origin: String) -> Result<BenchConfig,
     }
     let mut sweep: Vec<usize> = Vec::new();
     if let Some(value) = &raw.sweep
-        && let Some(parsed) = raw::section::<RawSweep>(value, "sweep", &mut problems)
+        && let Some(parsed) = read::section::<RawSweep>(value, "sweep", &mut problems)
     {
         match parsed.concurrency {
             None => problems.push((

@@ -8,8 +8,9 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::MessageTemplate;
-use super::raw;
-use super::validate::{Problems, message_list};
+use super::problems::Problems;
+use super::read;
+use super::request::{RawMessage, message_list};
 use evalfleet_eval::balance::{Need, RewardSettings, Strategy, TargetRule};
 
 /// `task.conversation:`.
@@ -280,7 +281,7 @@ pub(super) struct RawConversation {
     /// call's variables, its `name`, `persona`, `need`, `need_text` and
     /// `landmines` among them (`docs/conversation.md` lists them). Default:
     /// built-in messages.
-    persona_messages: Option<Vec<raw::RawMessage>>,
+    persona_messages: Option<Vec<RawMessage>>,
     /// Fixed topics, episode i taking topic i mod their number (a dataset
     /// row's `topic` field overrides). Default: none (each episode's topic
     /// is asked of `topic`).
@@ -343,7 +344,7 @@ struct RawPersona {
 struct RawCall {
     /// Chat messages, minijinja templates over the call's variables
     /// (`docs/conversation.md` lists them). Default: built-in messages.
-    messages: Option<Vec<raw::RawMessage>>,
+    messages: Option<Vec<RawMessage>>,
     /// The endpoint (by name, with `role: judge`) that answers. Default: the
     /// endpoints that answer items.
     endpoint: Option<String>,
@@ -351,7 +352,7 @@ struct RawCall {
 
 // An untagged enum reads its value whole, so no unknown key of it reaches
 // serde_ignored: the schema's closed mapping has them taken out and
-// reported instead (`raw::section`).
+// reported instead (`read::section`).
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(untagged, deny_unknown_fields)]
 enum RawHistory {
@@ -380,7 +381,7 @@ struct RawScorer {
     kind: Option<String>,
     /// `llm`: the scorer's messages (`docs/conversation.md` lists their
     /// variables). Default: built-in messages.
-    messages: Option<Vec<raw::RawMessage>>,
+    messages: Option<Vec<RawMessage>>,
     /// `llm`: the endpoint (by name, with `role: judge`) that scores.
     /// Default: the endpoints that answer items.
     endpoint: Option<String>,
@@ -424,7 +425,7 @@ struct RawPolicy {
     /// `model`: the policy's messages (`docs/conversation.md` lists their
     /// variables); `external`: rendered the same, they are the `prompt` of
     /// a trainer's observations. Default: built-in messages.
-    messages: Option<Vec<raw::RawMessage>>,
+    messages: Option<Vec<RawMessage>>,
     /// `model`: the endpoint (by name, with `role: judge`) that decides.
     /// Default: the endpoints that answer items.
     endpoint: Option<String>,
@@ -510,7 +511,7 @@ pub(super) fn conversation(
     p: &mut Problems<'_>,
 ) -> Option<ConversationSettings> {
     let raw = match value {
-        Some(value) => raw::section::<RawConversation>(value, AT, p.0)?,
+        Some(value) => read::section::<RawConversation>(value, AT, p.0)?,
         None => RawConversation::default(),
     };
     let mut ok = true;

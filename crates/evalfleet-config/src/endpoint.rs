@@ -5,12 +5,15 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use schemars::JsonSchema;
+use std::borrow::Cow;
+
+use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use super::raw;
-use super::validate::{Problems, params};
+use super::problems::Problems;
+use super::read;
+use super::request::params;
 use super::{MASK, MockSettings, Secret, path};
 
 /// `endpoints[]`: one OpenAI-compatible server.
@@ -442,7 +445,7 @@ pub(super) struct RawEndpoint {
     /// itself, backing off when round trips grow or the server pushes
     /// back), a fixed number (1 to 100000), or the adaptive limit's
     /// bounds as a mapping. Default `adaptive`.
-    #[schemars(with = "Option<super::schema::Concurrency>")]
+    #[schemars(with = "Option<Concurrency>")]
     concurrency: Option<Value>,
     /// Requests per minute allowed (a token bucket). Default: none (no
     /// limit).
@@ -629,6 +632,27 @@ pub(super) struct RawAdaptive {
     rtt_tolerance: Option<f64>,
 }
 
+/// `endpoints[].concurrency`: `adaptive`, a number of calls, or bounds.
+pub(super) struct Concurrency;
+
+impl JsonSchema for Concurrency {
+    fn schema_name() -> Cow<'static, str> {
+        "Concurrency".into()
+    }
+
+    fn inline_schema() -> bool {
+        true
+    }
+
+    fn json_schema(generator: &mut SchemaGenerator) -> Schema {
+        json_schema!({"anyOf": [
+            {"const": "adaptive"},
+            {"type": "integer", "minimum": 1},
+            generator.subschema_for::<RawAdaptive>(),
+        ]})
+    }
+}
+
 const MAX_CONCURRENCY: u64 = 100_000;
 
 pub(super) fn endpoints(
@@ -641,8 +665,8 @@ pub(super) fn endpoints(
     let mut complete = true;
     for (i, value) in items.iter().enumerate() {
         let at = path::index("endpoints", i);
-        let parsed =
-            raw::section::<RawEndpoint>(value, &at, p.0).and_then(|raw| endpoint(raw, &at, dir, p));
+        let parsed = read::section::<RawEndpoint>(value, &at, p.0)
+            .and_then(|raw| endpoint(raw, &at, dir, p));
         match parsed {
             Some(endpoint) => {
                 if let Some((_, first)) = names.iter().find(|(n, _)| *n == endpoint.name) {
@@ -778,7 +802,7 @@ fn endpoint(
         ),
         Some("mock") => {
             let settings = match &raw.mock {
-                Some(value) => raw::section::<MockSettings>(value, &field("mock"), p.0),
+                Some(value) => read::section::<MockSettings>(value, &field("mock"), p.0),
                 None => Some(MockSettings::default()),
             };
             settings.and_then(|mut settings| {
@@ -903,7 +927,7 @@ fn endpoint(
     });
     let params = params(raw.params.clone(), &field("params"), p);
     let health = match &raw.health {
-        Some(value) => raw::section::<RawHealth>(value, &field("health"), p.0)
+        Some(value) => read::section::<RawHealth>(value, &field("health"), p.0)
             .and_then(|h| health(h, &field("health"), p)),
         None => Some(HealthSettings::default()),
     };
@@ -913,7 +937,7 @@ fn endpoint(
         _ => None,
     };
     let load = match &raw.load {
-        Some(value) => raw::section::<RawLoad>(value, &field("load"), p.0)
+        Some(value) => read::section::<RawLoad>(value, &field("load"), p.0)
             .and_then(|l| load(l, default_engine, &field("load"), p)),
         None => Some(LoadSettings {
             engine: default_engine,
@@ -996,7 +1020,7 @@ fn concurrency(raw: Option<&Value>, at: &str, p: &mut Problems<'_>) -> Option<Li
             None => p.push(at, format!("must be a whole number of at least 1, got {n}")),
         },
         Some(value @ Value::Object(_)) => {
-            let raw = raw::section::<RawAdaptive>(value, at, p.0)?;
+            let raw = read::section::<RawAdaptive>(value, at, p.0)?;
             let min = raw.min.unwrap_or(adaptive.min);
             let max = raw.max.unwrap_or(adaptive.max.max(min));
             // Not `clamp`: min and max are not checked yet.

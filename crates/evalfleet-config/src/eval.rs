@@ -7,8 +7,9 @@ use evalfleet_eval::text::Pattern;
 use serde_json::{Map, Value};
 
 use super::path;
+use super::problems::Problems;
 use super::raw::{RawBackendMetric, RawMetricBackend, RawTask};
-use super::validate::Problems;
+use super::read;
 use evalfleet_eval::backend::{BackendMetric, BackendSpec, NATIVE};
 use evalfleet_eval::metrics::REGISTRY;
 use evalfleet_eval::{EvalSpec, Metric, MetricSpec, Parser};
@@ -92,7 +93,7 @@ fn names_native(name: &str) -> bool {
 /// `task.metric_backends`.
 fn backends(value: &Value, dir: &Path, p: &mut Problems<'_>) -> Option<Vec<BackendSpec>> {
     const AT: &str = "task.metric_backends";
-    let list = super::raw::section::<Vec<RawMetricBackend>>(value, AT, p.0)?;
+    let list = read::section::<Vec<RawMetricBackend>>(value, AT, p.0)?;
     let mut out = Vec::with_capacity(list.len());
     let mut ok = true;
     for (i, raw) in list.into_iter().enumerate() {
@@ -210,7 +211,7 @@ fn backend_metrics(list: Vec<Value>, at: &str, p: &mut Problems<'_>) -> Option<V
                 higher_is_better: true,
                 summary: String::new(),
             }),
-            value @ Value::Object(_) => super::raw::section::<RawBackendMetric>(&value, &at, p.0)
+            value @ Value::Object(_) => read::section::<RawBackendMetric>(&value, &at, p.0)
                 .and_then(|raw| match raw.name {
                     Some(name) => Some(BackendMetric {
                         name,

@@ -9,7 +9,8 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::validate::Problems;
+use super::problems::Problems;
+use super::read;
 
 /// How an item reaches the program.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -205,7 +206,7 @@ pub(super) fn exec(raw: RawExec, dir: &Path, p: &mut Problems<'_>) -> Option<Exe
     let budget = match &raw.budget {
         None => Some(Budget::default()),
         Some(value) => {
-            let raw_budget = super::raw::section::<RawBudget>(value, "task.budget", p.0)?;
+            let raw_budget = read::section::<RawBudget>(value, "task.budget", p.0)?;
             let time = match raw_budget.time.as_deref() {
                 None => Some(None),
                 Some(text) => p.duration("task.budget.time", Some(text), "1s").map(Some),

@@ -7,7 +7,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::path;
-use super::validate::Problems;
+use super::problems::Problems;
 
 /// One part of a message's content, as written.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde_json::{Map, Value};
 
 use super::env::Vars;
-use super::raw::RawProblem;
+use super::problems::RawProblem;
 use super::{Document, path};
 
 /// The original's Azure deployment when none is named (its README's

@@ -14,8 +14,9 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use super::raw::RawMessage;
-use super::validate::{Problems, message_list};
+use super::problems::Problems;
+use super::read;
+use super::request::{RawMessage, message_list};
 use super::{EndpointConfig, MessageTemplate, path};
 
 /// A rule of `task.prompts`: the messages for the items (and the model)
@@ -142,7 +143,7 @@ pub(super) fn prompts(
     let mut ok = true;
     for (i, value) in raw.iter().enumerate() {
         let at = path::index("task.prompts", i);
-        match super::raw::section::<RawPrompt>(value, &at, p.0).and_then(|r| rule(r, &at, p)) {
+        match read::section::<RawPrompt>(value, &at, p.0).and_then(|r| rule(r, &at, p)) {
             Some(mut rule) => {
                 if let Some(model) = &rule.model {
                     // Without valid endpoints the config is refused anyway.

@@ -8,17 +8,14 @@
 //! its own, its default (`Default ...`) or that it is required
 //! (`Required ...`); the validator applies the defaults.
 
-use schemars::JsonSchema;
+use std::borrow::Cow;
+
+use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
 use serde::Deserialize;
-use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
+use super::request::RawMessage;
 use super::schema;
-use super::{path, schema::Segment};
-
-/// A problem found while reading raw sections: the path it is at (to find its
-/// line) and the whole message, which starts with the path.
-pub type RawProblem = (String, String);
 
 /// A run's config: one YAML file. Paths in it are relative to the file;
 /// `${VAR}` reads the environment, then a `.env` file beside the config
@@ -57,6 +54,11 @@ pub struct RawConfig {
     pub store: Option<String>,
     #[schemars(with = "Option<super::telemetry::RawTelemetry>")]
     pub telemetry: Option<Value>,
+}
+
+/// The schema of a whole config, every subschema in place (no `$ref`).
+pub fn config() -> Value {
+    schema::of::<RawConfig>()
 }
 
 /// Where the items come from: one row of the file is one item, whose fields
@@ -253,7 +255,7 @@ pub struct RawMetricBackend {
     pub queue: Option<u32>,
     /// The metrics it gives: names, or mappings with `name`,
     /// `higher_is_better` (default `true`) and `summary`. Required.
-    #[schemars(with = "Option<Vec<schema::BackendMetric>>")]
+    #[schemars(with = "Option<Vec<BackendMetric>>")]
     pub metrics: Option<Vec<Value>>,
 }
 
@@ -267,6 +269,27 @@ pub struct RawBackendMetric {
     pub higher_is_better: Option<bool>,
     /// What it measures, in one line (`evalfleet metrics`). Default: none.
     pub summary: Option<String>,
+}
+
+/// `task.metric_backends[].metrics[]`: a metric's name, or a mapping with
+/// its name.
+pub(super) struct BackendMetric;
+
+impl JsonSchema for BackendMetric {
+    fn schema_name() -> Cow<'static, str> {
+        "BackendMetric".into()
+    }
+
+    fn inline_schema() -> bool {
+        true
+    }
+
+    fn json_schema(generator: &mut SchemaGenerator) -> Schema {
+        json_schema!({"anyOf": [
+            {"type": "string"},
+            generator.subschema_for::<RawBackendMetric>(),
+        ]})
+    }
 }
 
 /// `kind: refine`: ask, then ask the model `rounds` times to improve its
@@ -347,26 +370,6 @@ pub struct RawCode {
 pub enum OneOrMany {
     One(String),
     Many(Vec<String>),
-}
-
-/// A chat message.
-#[derive(Debug, Default, Deserialize, JsonSchema)]
-pub struct RawMessage {
-    /// `system`, `developer`, `user`, `assistant` or `tool`. Required.
-    pub role: Option<String>,
-    /// A minijinja template over the item's fields (`{{ question }}`),
-    /// checked before the run starts; or a list of parts, each `text: TEMPLATE`
-    /// or `image: TEMPLATE` (see `task.images`), sent in their order as
-    /// OpenAI content parts. Required.
-    #[schemars(with = "Option<super::images::ContentShape>")]
-    pub content: Option<Value>,
-    /// A template giving the message's images (one value, or a lone
-    /// expression giving a list: `"{{ pages }}"`), placed before or after
-    /// the text of `content` (`images_at`): the shorthand of a content of
-    /// two parts. Default: none.
-    pub images: Option<String>,
-    /// Where `images` go: `before` or `after` the text. Default `before`.
-    pub images_at: Option<String>,
 }
 
 /// How failed calls are retried. Default: every key's default.
@@ -482,103 +485,4 @@ pub struct RawCache {
     /// The most entries kept; the oldest go first. Default: none (no
     /// limit).
     pub max_entries: Option<u64>,
-}
-
-/// Deserialises `value` (found at `at`) as `T`, recording unknown keys (each
-/// with the nearest known key, from `T`'s schema) and a type error, each with
-/// its full path. Returns `None` on a type error.
-pub fn section<T: DeserializeOwned + JsonSchema>(
-    value: &Value,
-    at: &str,
-    problems: &mut Vec<RawProblem>,
-) -> Option<T> {
-    let schema = schema::of::<T>();
-    // Keys of closed mappings (`deny_unknown_fields`) are taken out first, so
-    // that they are reported like the others and do not hide other problems.
-    let mut value = value.clone();
-    let mut unknown = schema::take_unknown(&mut value, &schema);
-    let result: Result<T, _> = {
-        let mut record = |p: serde_ignored::Path<'_>| unknown.push(segments(&p));
-        let de = serde_ignored::Deserializer::new(&value, &mut record);
-        serde_path_to_error::deserialize(de)
-    };
-    for key_path in unknown {
-        let Some((Segment::Key(key), parent)) = key_path.split_last() else {
-            continue;
-        };
-        let place = schema::render(at, parent);
-        let known = schema::keys_at(&schema, parent);
-        let message = schema::unknown_key(
-            if place.is_empty() { "config" } else { &place },
-            key,
-            &known,
-        );
-        problems.push((path::key(&place, key), message));
-    }
-    match result {
-        Ok(value) => Some(value),
-        Err(err) => {
-            let mut full = at.to_owned();
-            for segment in err.path().iter() {
-                full = match segment {
-                    serde_path_to_error::Segment::Seq { index } => path::index(&full, *index),
-                    serde_path_to_error::Segment::Map { key } => path::key(&full, key),
-                    serde_path_to_error::Segment::Enum { variant } => path::key(&full, variant),
-                    serde_path_to_error::Segment::Unknown => full,
-                };
-            }
-            let message = format!("{full}: {}", err.into_inner());
-            problems.push((full, message));
-            None
-        }
-    }
-}
-
-/// Where serde_ignored found a key, from the section's root.
-fn segments(p: &serde_ignored::Path<'_>) -> Vec<Segment> {
-    match p {
-        serde_ignored::Path::Root => Vec::new(),
-        serde_ignored::Path::Seq { parent, index } => {
-            let mut out = segments(parent);
-            out.push(Segment::Index(*index));
-            out
-        }
-        serde_ignored::Path::Map { parent, key } => {
-            let mut out = segments(parent);
-            out.push(Segment::Key(key.clone()));
-            out
-        }
-        serde_ignored::Path::Some { parent }
-        | serde_ignored::Path::NewtypeStruct { parent }
-        | serde_ignored::Path::NewtypeVariant { parent } => segments(parent),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn unknown_keys_and_type_errors_carry_full_paths() {
-        let value = serde_json::json!({"path": "d.jsonl", "colour": "red", "sample": {"a": 1, "n": "many"}});
-        let mut problems = Vec::new();
-        let parsed: Option<RawDataset> = section(&value, "dataset", &mut problems);
-        assert!(parsed.is_none());
-        let paths: Vec<_> = problems.iter().map(|(p, _)| p.as_str()).collect();
-        assert!(paths.contains(&"dataset.colour"), "{problems:?}");
-        assert!(paths.contains(&"dataset.sample.n"), "{problems:?}");
-        let unknown = problems
-            .iter()
-            .find(|(p, _)| p == "dataset.colour")
-            .unwrap();
-        assert_eq!(
-            unknown.1,
-            "dataset: unknown key 'colour' (known: format, id_field, path, sample, sheet, skip_invalid, split)"
-        );
-        let nested = problems
-            .iter()
-            .find(|(p, _)| p == "dataset.sample.a")
-            .unwrap();
-        assert_eq!(nested.1, "dataset.sample: unknown key 'a' (known: n, seed)");
-    }
 }

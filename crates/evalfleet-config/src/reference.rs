@@ -7,6 +7,7 @@
 
 use serde_json::Value;
 
+use super::raw;
 use super::schema::{self, alternatives};
 
 /// Where the page lives, from the workspace's root.
@@ -45,7 +46,7 @@ pub struct Key {
 /// The config's sections: the top level first, then each mapping after the
 /// one that holds it.
 pub fn sections() -> Vec<Section> {
-    sections_of(&schema::config())
+    sections_of(&raw::config())
 }
 
 /// The sections of any schema (its root is the top level).

@@ -21,11 +21,6 @@ pub enum Segment {
     Index(usize),
 }
 
-/// The schema of a whole config, every subschema in place (no `$ref`).
-pub fn config() -> Value {
-    of::<super::raw::RawConfig>()
-}
-
 /// `T`'s schema, every subschema in place.
 pub(super) fn of<T: JsonSchema>() -> Value {
     SchemaSettings::draft2020_12()
@@ -224,27 +219,6 @@ impl JsonSchema for AnyJson {
     }
 }
 
-/// `endpoints[].concurrency`: `adaptive`, a number of calls, or bounds.
-pub(super) struct Concurrency;
-
-impl JsonSchema for Concurrency {
-    fn schema_name() -> Cow<'static, str> {
-        "Concurrency".into()
-    }
-
-    fn inline_schema() -> bool {
-        true
-    }
-
-    fn json_schema(generator: &mut SchemaGenerator) -> Schema {
-        json_schema!({"anyOf": [
-            {"const": "adaptive"},
-            {"type": "integer", "minimum": 1},
-            generator.subschema_for::<super::endpoint::RawAdaptive>(),
-        ]})
-    }
-}
-
 /// `endpoints[].gpu`: an index, or indexes separated by commas.
 pub(super) struct Gpu;
 
@@ -333,27 +307,6 @@ impl JsonSchema for Metric {
     }
 }
 
-/// `task.metric_backends[].metrics[]`: a metric's name, or a mapping with
-/// its name.
-pub(super) struct BackendMetric;
-
-impl JsonSchema for BackendMetric {
-    fn schema_name() -> Cow<'static, str> {
-        "BackendMetric".into()
-    }
-
-    fn inline_schema() -> bool {
-        true
-    }
-
-    fn json_schema(generator: &mut SchemaGenerator) -> Schema {
-        json_schema!({"anyOf": [
-            {"type": "string"},
-            generator.subschema_for::<super::raw::RawBackendMetric>(),
-        ]})
-    }
-}
-
 /// A metric with its settings: `name`, `reference` and `as` for every
 /// metric, and the parameters of its own (`docs/metrics.md` defines each
 /// metric; a parameter another metric takes is refused).
@@ -422,6 +375,7 @@ pub(super) struct MetricEntry {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::raw::config;
 
     fn keys(list: &[&str]) -> Vec<String> {
         list.iter().map(|k| (*k).to_owned()).collect()

@@ -7,7 +7,7 @@ use std::time::Duration;
 use schemars::JsonSchema;
 use serde::Deserialize;
 
-use super::validate::Problems;
+use super::problems::Problems;
 
 /// The Sheets API's address.
 pub const SHEETS_API: &str = "https://sheets.googleapis.com";

@@ -6,8 +6,8 @@ use std::time::Duration;
 use schemars::JsonSchema;
 use serde::Deserialize;
 
+use super::problems::Problems;
 use super::schema;
-use super::validate::Problems;
 
 /// Resource telemetry: while the run runs, a watchdog samples its GPUs
 /// (`nvidia-smi`: memory in use and utilisation, and each process's memory

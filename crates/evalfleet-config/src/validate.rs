@@ -2,23 +2,19 @@
 
 use std::collections::HashSet;
 use std::path::Path;
-use std::time::Duration;
 
 use serde_json::{Map, Value, json};
 
 use super::env::{self, Vars};
-use super::raw::{
-    self, RawConfig, RawDataset, RawProblem, RawRetry, RawTask, RawTimeouts, RawWriter,
-};
+use super::problems::{Problems, RawProblem};
+use super::raw::{self, RawConfig, RawDataset, RawRetry, RawTask, RawTimeouts, RawWriter};
+use super::read;
+use super::request::{message_list, params};
 use super::{
     Admission, BudgetSettings, Config, ConfigError, DatasetConfig, DatasetFormat, Document,
-    LoadedConfig, MASK, MessageTemplate, Overrides, Part, Problem, RetryPolicy, Sample, TaskConfig,
-    TaskKind, Timeouts, WriterSettings, endpoint, path,
+    LoadedConfig, MASK, Overrides, Problem, RetryPolicy, Sample, TaskConfig, TaskKind, Timeouts,
+    WriterSettings, endpoint,
 };
-
-/// Body fields evalfleet sets itself; `params` may not override them.
-const RESERVED_PARAMS: [&str; 4] = ["model", "messages", "stream", "stream_options"];
-const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
 pub(super) fn load(
     mut document: Document,
@@ -70,7 +66,7 @@ pub(super) fn load(
         Err(message) => problems.push((String::new(), message)),
     }
 
-    let mut config = raw::section::<RawConfig>(&value, "", &mut problems)
+    let mut config = read::section::<RawConfig>(&value, "", &mut problems)
         .and_then(|raw| validate(raw, dir, &mut problems));
     // Images are named by the dataset's rows: they are confined when read.
     if let (Some(config), Some(admission)) = (&mut config, admission) {
@@ -205,7 +201,7 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
     };
     let dataset = match &raw.dataset {
         Some(value) => {
-            raw::section::<RawDataset>(value, "dataset", p.0).and_then(|d| dataset(d, dir, &mut p))
+            read::section::<RawDataset>(value, "dataset", p.0).and_then(|d| dataset(d, dir, &mut p))
         }
         // A conversation's episodes may be made up (`sessions`).
         None if raw.task.as_ref().is_some_and(|t| {
@@ -236,34 +232,36 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
         None => p.push("endpoints", "is required (at least one endpoint)"),
     };
     let task = match &raw.task {
-        Some(value) => raw::section::<RawTask>(value, "task", p.0)
+        Some(value) => read::section::<RawTask>(value, "task", p.0)
             .and_then(|t| task(t, dir, endpoints.as_deref(), &mut p)),
         None => p.push("task", "is required (task.messages says what to send)"),
     };
     let retry = match &raw.retry {
-        Some(value) => raw::section::<RawRetry>(value, "retry", p.0).and_then(|r| retry(r, &mut p)),
+        Some(value) => {
+            read::section::<RawRetry>(value, "retry", p.0).and_then(|r| retry(r, &mut p))
+        }
         None => retry(RawRetry::default(), &mut p),
     };
     let timeouts = match &raw.timeouts {
         Some(value) => {
-            raw::section::<RawTimeouts>(value, "timeouts", p.0).and_then(|t| timeouts(t, &mut p))
+            read::section::<RawTimeouts>(value, "timeouts", p.0).and_then(|t| timeouts(t, &mut p))
         }
         None => timeouts(RawTimeouts::default(), &mut p),
     };
     let writer = match &raw.writer {
         Some(value) => {
-            raw::section::<RawWriter>(value, "writer", p.0).and_then(|w| writer(w, &mut p))
+            read::section::<RawWriter>(value, "writer", p.0).and_then(|w| writer(w, &mut p))
         }
         None => writer(RawWriter::default(), &mut p),
     };
     let cache = match &raw.cache {
         Some(value) => {
-            raw::section::<raw::RawCache>(value, "cache", p.0).and_then(|c| cache(c, &mut p))
+            read::section::<raw::RawCache>(value, "cache", p.0).and_then(|c| cache(c, &mut p))
         }
         None => Some(crate::cache::CacheSettings::default()),
     };
     let report = match &raw.report {
-        Some(value) => raw::section::<raw::RawReport>(value, "report", p.0).and_then(|r| {
+        Some(value) => read::section::<raw::RawReport>(value, "report", p.0).and_then(|r| {
             let by = match r.by {
                 None => Some(None),
                 Some(raw::OneOrMany::One(field)) => Some(Some(vec![field])),
@@ -291,7 +289,7 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
         None => Some(super::ReportSettings::default()),
     };
     let telemetry = match &raw.telemetry {
-        Some(value) => raw::section::<super::telemetry::RawTelemetry>(value, "telemetry", p.0)
+        Some(value) => read::section::<super::telemetry::RawTelemetry>(value, "telemetry", p.0)
             .and_then(|t| super::telemetry::telemetry(t, &mut p)),
         None => Some(super::TelemetrySettings::default()),
     };
@@ -389,7 +387,7 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
 fn code(value: &Value, p: &mut Problems<'_>) -> Option<evalfleet_sandbox::CodeSettings> {
     use evalfleet_sandbox::sandbox::Limits;
     use evalfleet_sandbox::{Backend, CodeSettings, Format, Language};
-    let raw = raw::section::<raw::RawCode>(value, "task.code", p.0)?;
+    let raw = read::section::<raw::RawCode>(value, "task.code", p.0)?;
     let format = match raw.format.as_deref() {
         None => p.push("task.code.format", "is required: humaneval, mbpp or stdio"),
         Some(f) => Format::parse(f).or_else(|| {
@@ -543,42 +541,6 @@ fn cache(raw: raw::RawCache, p: &mut Problems<'_>) -> Option<crate::cache::Cache
     })
 }
 
-/// Collects problems; `push` returns `None` so that a field can be
-/// `Some(value)` or a recorded problem in one expression.
-pub(super) struct Problems<'a>(pub(super) &'a mut Vec<RawProblem>);
-
-impl Problems<'_> {
-    pub(super) fn push<T>(&mut self, at: &str, message: impl std::fmt::Display) -> Option<T> {
-        self.0.push((at.to_owned(), format!("{at}: {message}")));
-        None
-    }
-
-    /// `key`, unknown at `place` where the keys are `known`: reported with
-    /// the nearest known key, as the raw sections' unknown keys are.
-    pub(super) fn unknown_key<T>(&mut self, place: &str, key: &str, known: &[String]) -> Option<T> {
-        let message = super::schema::unknown_key(place, key, known);
-        self.0.push((path::key(place, key), message));
-        None
-    }
-
-    pub(super) fn duration(
-        &mut self,
-        at: &str,
-        text: Option<&str>,
-        default: &str,
-    ) -> Option<Duration> {
-        let text = text.unwrap_or(default);
-        match humantime::parse_duration(text) {
-            Ok(d) if d.is_zero() => self.push(at, "must be longer than zero"),
-            Ok(d) => Some(d),
-            Err(_) => self.push(
-                at,
-                format!("expected a duration like 500ms, 30s or 5m, got '{text}'"),
-            ),
-        }
-    }
-}
-
 fn dataset(mut raw: RawDataset, dir: &Path, p: &mut Problems<'_>) -> Option<DatasetConfig> {
     if let Some(sheet) = raw.sheet.take() {
         return sheet_dataset(sheet, raw, p);
@@ -717,87 +679,6 @@ fn sheet_dataset(
         episodes: None,
         sheet: Some(sheet),
     })
-}
-
-pub(super) fn params(
-    raw: Option<Map<String, Value>>,
-    at: &str,
-    p: &mut Problems<'_>,
-) -> Option<Map<String, Value>> {
-    let raw = raw.unwrap_or_default();
-    let mut ok = true;
-    for key in RESERVED_PARAMS {
-        if raw.contains_key(key) {
-            ok = p
-                .push::<()>(
-                    &path::key(at, key),
-                    "is set by evalfleet and cannot be given in params",
-                )
-                .is_some();
-        }
-    }
-    ok.then_some(raw)
-}
-
-/// A list of chat messages, each a template checked here (`at`: where the
-/// list is).
-pub(super) fn message_list(
-    list: Vec<raw::RawMessage>,
-    at: &str,
-    p: &mut Problems<'_>,
-) -> Option<Vec<MessageTemplate>> {
-    if list.is_empty() {
-        return p.push(at, "must hold at least one message");
-    }
-    let mut out = Vec::with_capacity(list.len());
-    let mut ok = true;
-    let checker = evalfleet_jinja::environment();
-    for (i, message) in list.into_iter().enumerate() {
-        let at = path::index(at, i);
-        let role = match message.role {
-            Some(role) if ROLES.contains(&role.as_str()) => Some(role),
-            Some(role) => p.push(
-                &path::key(&at, "role"),
-                format!("must be one of {}, got '{role}'", ROLES.join(", ")),
-            ),
-            None => p.push(&path::key(&at, "role"), "is required"),
-        };
-        let content = match message.content {
-            Some(content) => super::images::parts(
-                content,
-                message.images,
-                message.images_at.as_deref(),
-                &at,
-                p,
-            )
-            .and_then(|(content, parts)| {
-                let mut good = true;
-                if parts.is_empty()
-                    && let Err(err) = evalfleet_jinja::check(&checker, &content)
-                {
-                    good = p.push::<()>(&path::key(&at, "content"), err).is_some();
-                }
-                for (j, part) in parts.iter().enumerate() {
-                    let (Part::Text(t) | Part::Image(t)) = part;
-                    if let Err(err) = evalfleet_jinja::check(&checker, t) {
-                        let part_at = path::index(&path::key(&at, "content"), j);
-                        good = p.push::<()>(&part_at, err).is_some();
-                    }
-                }
-                good.then_some((content, parts))
-            }),
-            None => p.push(&path::key(&at, "content"), "is required"),
-        };
-        match (role, content) {
-            (Some(role), Some((content, parts))) => out.push(MessageTemplate {
-                role,
-                content,
-                parts,
-            }),
-            _ => ok = false,
-        }
-    }
-    ok.then_some(out)
 }
 
 fn task(
@@ -991,7 +872,7 @@ fn task_kind(
         },
         "refine" => {
             let raw = match &refine {
-                Some(value) => raw::section::<raw::RawRefine>(value, "task.refine", p.0)?,
+                Some(value) => read::section::<raw::RawRefine>(value, "task.refine", p.0)?,
                 None => raw::RawRefine::default(),
             };
             let prompt = raw
