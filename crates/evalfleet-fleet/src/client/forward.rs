@@ -16,9 +16,11 @@ use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
+#[cfg(test)]
+use super::sse::LINE_LIMIT;
 use super::{
     CallError, CallOutcome, ChatClient, Completion, ERROR_BODY_LIMIT, Quota, Timing, error_message,
-    quota_headers, request_error, retry_after,
+    quota_headers, request_error, retry_after, sse,
 };
 
 /// The APIs the gateway forwards.
@@ -267,16 +269,13 @@ async fn send_or_drop(agent: &mut Option<mpsc::Sender<Bytes>>, chunk: Bytes) {
     }
 }
 
-/// The longest line of a stream read on its way (an event's `data:`).
-const LINE_LIMIT: usize = 4 << 20;
-
 /// What is read of an answer on its way to the agent.
 struct Reading {
     api: Api,
     started: Instant,
     ttft: Option<Duration>,
-    /// Bytes of a stream not yet split into lines.
-    pending: Vec<u8>,
+    /// What of a stream makes no whole event yet.
+    pending: sse::Decoder,
     done: bool,
     /// A whole answer's body, kept (cut) for the record.
     body: Option<String>,
@@ -298,7 +297,7 @@ impl Reading {
             api,
             started,
             ttft: None,
-            pending: Vec::new(),
+            pending: sse::Decoder::default(),
             done: false,
             body: None,
             content: String::new(),
@@ -393,29 +392,23 @@ impl Reading {
     /// Bytes of a stream.
     fn feed(&mut self, bytes: &[u8]) {
         if self.bad.is_some() {
-            // Past a line too long to read, the stream is passed on unread.
+            // Past what makes the answer bad (a line too long, an event
+            // not JSON, an error), the stream is passed on unread.
             return;
         }
-        self.pending.extend_from_slice(bytes);
-        if self.pending.len() > LINE_LIMIT && !self.pending.contains(&b'\n') {
-            self.pending = Vec::new();
-            self.bad = Some(format!(
-                "a line of the stream is longer than {} MiB",
-                LINE_LIMIT >> 20
-            ));
-            return;
-        }
-        while let Some(end) = self.pending.iter().position(|b| *b == b'\n') {
-            let line: Vec<u8> = self.pending.drain(..=end).collect();
-            let line = String::from_utf8_lossy(&line);
-            let line = line.trim_end_matches(['\n', '\r']);
-            if let Some(data) = line.strip_prefix("data:") {
-                self.event(data.trim());
+        self.pending.push(bytes);
+        while let Some(event) = self.pending.next() {
+            match event {
+                Ok(data) => self.event(data.trim()),
+                Err(err) => {
+                    self.bad = Some(err.to_string());
+                    return;
+                }
             }
         }
     }
 
-    /// One `data:` of a stream.
+    /// The data of one event of a stream.
     fn event(&mut self, data: &str) {
         if data == "[DONE]" {
             self.done = true;
@@ -635,6 +628,17 @@ mod tests {
             reading.completion(200, false),
             Err(CallError::BadResponse(_))
         ));
+    }
+
+    #[test]
+    fn an_event_of_several_data_lines_is_read_whole_as_an_sdk_reads_it() {
+        let mut reading = Reading::new(Api::ChatCompletions, Instant::now());
+        reading.feed(b": keep-alive\n\ndata: {\"choices\":[{\"delta\":\r\n");
+        reading.feed(b"data: {\"content\":\"hi\"},\"finish_reason\":\"stop\"}]}\r\n\r\n");
+        reading.feed(b"data: [DONE]\n\n");
+        let completion = reading.completion(200, false).unwrap();
+        assert_eq!(completion.content, "hi");
+        assert_eq!(completion.finish_reason.as_deref(), Some("stop"));
     }
 
     #[test]

@@ -7,7 +7,6 @@ use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use evalfleet_types::{ErrorClass, FadingMax};
-use eventsource_stream::Eventsource;
 use futures_util::StreamExt;
 use reqwest::header::{
     AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER,
@@ -21,6 +20,7 @@ use evalfleet_config::EndpointConfig;
 use evalfleet_io::images::Images;
 
 mod forward;
+mod sse;
 pub use forward::{Api, Forwarded, Head, cut_body};
 
 /// Why a call failed.
@@ -943,7 +943,7 @@ async fn read_stream(
     }
 
     let status = response.status().as_u16();
-    let mut events = response.bytes_stream().eventsource();
+    let mut events = sse::Events::new(response.bytes_stream());
     let mut content = String::new();
     let mut finish_reason = None;
     let mut usage = None;
@@ -1001,11 +1001,13 @@ async fn read_stream(
             quiet.as_mut().reset(quiet_until);
         }
         let event = event.map_err(|err| match err {
-            eventsource_stream::EventStreamError::Transport(_) => CallError::Truncated,
-            other => CallError::BadResponse(format!("invalid event stream: {other}")),
+            sse::Broken::Transport(_) => CallError::Truncated,
+            sse::Broken::TooLong(err) => {
+                CallError::BadResponse(format!("invalid event stream: {err}"))
+            }
         })?;
         pulse.beat();
-        let data = event.data.trim();
+        let data = event.trim();
         if data == "[DONE]" {
             done = true;
             break;
