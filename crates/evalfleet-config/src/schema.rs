@@ -4,7 +4,9 @@
 //!
 //! A few keys take more than one shape (`concurrency: adaptive`, `8` or a
 //! mapping); the raw structs read them as JSON values, and the types here
-//! describe their shapes to the schema only.
+//! describe their shapes to the schema only. A shape that names a section's
+//! raw struct lives beside that struct (`Concurrency`, `BackendMetric`), so
+//! that this module stays below the sections.
 
 use std::borrow::Cow;
 
