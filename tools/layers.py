@@ -57,16 +57,31 @@ MODULES = {
     "evalfleet-pipeline": [
         # One module per kind of task.
         ["task"],
+        # What an item is to the pipeline; what the writer is handed.
+        ["item", "outcome"],
         # Drives items through their task's steps.
-        ["item", "reader", "writer", "dispatch"],
+        ["reader", "writer", "dispatch"],
     ],
     "evalfleet-core": [
-        ["preflight"],
+        # What the front end lends; every template rendered before a run.
+        ["frontend", "preflight"],
+        # Creating, resuming and finishing runs; scoring stored answers
+        # again.
         ["run", "rescore"],
+        # Why a session failed; a sheet's part in one; a conversation's logs.
+        ["error"],
+        ["sheet", "conversation"],
+        # A session from its config to its end.
+        ["session"],
+        # A benchmark matrix's plan and report; the matrix run above
+        # sessions.
         ["bench"],
+        ["matrix"],
     ],
     "evalfleet": [
         ["cli", "ui", "fleet"],
+        # A session as the terminal or a server attends it.
+        ["attend"],
         ["commands"],
     ],
     "evalfleet-server": [

@@ -5,9 +5,17 @@
 //! reports); this crate puts them together.
 
 pub mod bench;
+pub mod conversation;
+mod error;
+pub mod frontend;
+pub mod matrix;
 pub mod preflight;
 pub mod rescore;
 pub mod run;
+pub mod session;
+pub mod sheet;
+
+pub use frontend::{Frontend, UsageError};
 
 /// What kind of failure `err` is, when it is one of the library's errors
 /// (each error type says its own kind).
@@ -32,6 +40,8 @@ pub fn fault_of(err: &(dyn std::error::Error + 'static)) -> Option<evalfleet_typ
         evalfleet_eval::metric_backend::BackendError,
         evalfleet_reports::ReportError,
         rescore::RescoreError,
+        session::SessionError,
+        frontend::UsageError,
         evalfleet_sandbox::CodeJudgeError,
         evalfleet_sheets::SheetError,
     );

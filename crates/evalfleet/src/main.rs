@@ -2,6 +2,7 @@
 //! of failure it is; `exit_code` turns that into the exit code: 2 for what
 //! the user must fix, 130 for an interruption, 1 for the rest.
 
+mod attend;
 mod cli;
 mod commands;
 mod fleet;
@@ -20,9 +21,7 @@ pub const EXIT_BAD_INPUT: u8 = 2;
 pub const EXIT_INTERRUPTED: u8 = 130;
 
 /// Bad usage: exit code 2.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct UsageError(pub String);
+pub use evalfleet_core::UsageError;
 
 /// What kind of failure an error is: the first error of its chain that
 /// says (each error type says its own kind), else a failure.
@@ -66,10 +65,10 @@ fn explain(err: &anyhow::Error) -> String {
             Some(evalfleet_store::StoreError::NoSuchRun(_))
         )
     });
-    if missing_run && let Some(location) = commands::store_chosen() {
+    if missing_run && let Some(location) = evalfleet_core::frontend::store_chosen() {
         text.push_str(&format!(
             " ({location}); `evalfleet runs{}` lists its runs",
-            commands::store_flag(&location)
+            attend::store_flag(&location)
         ));
     }
     ui::with_program(&text)

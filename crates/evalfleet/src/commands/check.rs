@@ -13,6 +13,7 @@ use evalfleet_io::dataset::Scanner;
 use evalfleet_io::template::Templates;
 use evalfleet_pipeline::task::code;
 
+use crate::attend::Lift;
 use crate::fleet::InProcessMocks;
 use crate::{EXIT_FAILED, EXIT_OK};
 
@@ -29,8 +30,10 @@ fn concurrency(endpoint: &EndpointConfig) -> String {
 }
 
 pub async fn check(args: crate::cli::CheckArgs) -> anyhow::Result<u8> {
-    let mut loaded = super::convert::load(&args.config, Overrides::default())?;
-    super::sheets::read(&mut loaded.config).await?;
+    let mut loaded = crate::attend::load(&args.config, Overrides::default())?;
+    evalfleet_core::sheet::read(&mut loaded.config)
+        .await
+        .lift()?;
     let config = &loaded.config;
     let templates = Templates::compile(&config.task)?;
     tokio::task::block_in_place(|| preflight::check(&loaded, &templates))?;

@@ -6,27 +6,25 @@
 //! `--batch-size` episodes (`batch_summary.jsonl`, `metrics.jsonl`), their
 //! steps, their start and end, and policy-collapse alarms at once.
 
-use std::fs::File;
-use std::io::{BufRead, BufWriter, Write};
+use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use evalfleet_config::{self as config, ConversationSettings, Overrides, PolicyKind};
-use evalfleet_pipeline::task::conversation::gym::{Gym, Happening};
-use evalfleet_reports::conversation::{Line, Logbook, json_line};
+use evalfleet_config::{self as config, Overrides, PolicyKind};
+use evalfleet_pipeline::task::conversation::gym::Gym;
 use evalfleet_server::env::{EnvServer, serve_env};
-use evalfleet_store::prelude::*;
-use evalfleet_store::{Location, OpenOptions};
-use evalfleet_types::{Event, EventKind, now_ms};
-use serde_json::{Value, json};
+use evalfleet_store::OpenOptions;
 use tokio::net::TcpListener;
-use tokio::sync::mpsc;
 use tokio_util::task::TaskTracker;
 
-use super::run::{Attendance, Resumable, Session, new_session, resumable_with};
-use super::simulate::{require_conversation, run_dir};
+use evalfleet_core::conversation::Journal;
+use evalfleet_core::session::{
+    NewSession, Resumable, Resume, Session, new_session, require_conversation, resumable_with,
+};
+
 use super::store_location;
+use crate::attend::{self, Attendance, Lift};
 use crate::cli::EnvArgs;
 use crate::{EXIT_FAILED, EXIT_OK, UsageError, ui};
 
@@ -48,17 +46,21 @@ pub async fn env(args: EnvArgs) -> anyhow::Result<u8> {
             let Some(file) = &args.config else {
                 return Err(UsageError("env needs a config, or --resume RUN_ID".to_owned()).into());
             };
-            let loaded = super::convert::load(file, overrides)?;
+            let loaded = attend::load(file, overrides)?;
             require_conversation(loaded.config.task.kind.conversation(), file)?;
             new_session(
                 loaded,
-                &args.endpoints,
-                args.yes,
-                args.store.clone(),
-                args.run_id.clone(),
-                started,
+                NewSession {
+                    endpoints: &args.endpoints,
+                    yes: args.yes,
+                    store: args.store.clone(),
+                    run_id: args.run_id.clone(),
+                    started,
+                },
+                &attend::frontend()?,
             )
-            .await?
+            .await
+            .lift()?
         }
         Some(run_id) => match resumed(&args, run_id, overrides).await? {
             Ok(session) => session,
@@ -82,9 +84,10 @@ pub async fn env(args: EnvArgs) -> anyhow::Result<u8> {
         &run_id,
         &settings,
         args.batch_size.unwrap_or(settings.batch_size),
-    )?;
+    )
+    .lift()?;
     let journaling = tracker.spawn(journal.follow(gym.journal()));
-    session.journal = Some(Box::pin(async move { journaling.await? }));
+    let journal: attend::Journal = Box::pin(async move { journaling.await?.lift() });
     // The first line of stdout is the server's address, for scripts.
     println!("http://{addr}");
     std::io::stdout().flush()?;
@@ -102,11 +105,12 @@ pub async fn env(args: EnvArgs) -> anyhow::Result<u8> {
     // It outlives the session: trainers are told 410 until a signal.
     let serving = tracker.spawn(serve_env(listener, Arc::new(server), shutdown.clone()));
     tracker.close();
-    let code = super::run::execute(
+    let code = attend::execute(
         session,
         Attendance::Server {
             stop: shutdown.clone(),
         },
+        Some(journal),
     )
     .await;
     // Whatever stopped the session, no episode comes any more (and the
@@ -138,7 +142,7 @@ async fn resumed(
         store.run(run_id)?
     };
     let loaded = match &args.config {
-        Some(file) => super::convert::load(file, overrides)?,
+        Some(file) => attend::load(file, overrides)?,
         None => config::load_snapshot(&record.config, Path::new(&record.config_dir))?,
     };
     let external = loaded
@@ -158,11 +162,15 @@ async fn resumed(
         store,
         &record,
         loaded,
-        args.retry_failed,
-        &args.endpoints,
-        args.yes,
+        Resume {
+            retry_failed: args.retry_failed,
+            endpoints: &args.endpoints,
+            yes: args.yes,
+        },
+        &attend::frontend()?,
     )
-    .await?;
+    .await
+    .lift()?;
     match resumable {
         Resumable::Session(session) => Ok(Ok(*session)),
         Resumable::Nothing { counts } => {
@@ -183,173 +191,4 @@ async fn resumed(
             }))
         }
     }
-}
-
-/// The environment's log, written as its episodes end.
-struct Journal {
-    location: Location,
-    run_id: String,
-    book: Logbook,
-    events: BufWriter<File>,
-    steps: BufWriter<File>,
-    batches: BufWriter<File>,
-    metrics: BufWriter<File>,
-    started_ms: i64,
-}
-
-impl Journal {
-    /// Opens the logs of `run_id` to add to them (a resumed run's go on,
-    /// its batches numbered after the last).
-    fn open(
-        location: &Location,
-        run_id: &str,
-        settings: &ConversationSettings,
-        batch_size: u32,
-    ) -> anyhow::Result<Self> {
-        let dir = run_dir(location, run_id);
-        std::fs::create_dir_all(&dir)?;
-        let append = |name: &str| -> std::io::Result<BufWriter<File>> {
-            let file = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(dir.join(name))?;
-            Ok(BufWriter::new(file))
-        };
-        let written = match File::open(dir.join("batch_summary.jsonl")) {
-            Ok(file) => std::io::BufReader::new(file).lines().count() as u64,
-            Err(_) => 0,
-        };
-        let settings = ConversationSettings {
-            batch_size,
-            ..settings.clone()
-        };
-        Ok(Self {
-            location: location.clone(),
-            run_id: run_id.to_owned(),
-            book: Logbook::new(&settings, written),
-            events: append("run_events.jsonl")?,
-            steps: append("conversation_summary.jsonl")?,
-            batches: append("batch_summary.jsonl")?,
-            metrics: append("metrics.jsonl")?,
-            started_ms: now_ms(),
-        })
-    }
-
-    /// Writes what `happenings` tell until the gym finishes, then the
-    /// batch begun and the session's other events.
-    async fn follow(
-        mut self,
-        mut happenings: mpsc::UnboundedReceiver<Happening>,
-    ) -> anyhow::Result<()> {
-        let mut store = evalfleet_store::open(&self.location, &OpenOptions::default())?;
-        while let Some(happening) = happenings.recv().await {
-            let lines = self.lines(happening);
-            tokio::task::block_in_place(|| self.write(&mut *store, lines))?;
-        }
-        let mut book = Vec::new();
-        self.book.flush(&mut |line| book.push(line));
-        let mut rest = lines_of(book);
-        tokio::task::block_in_place(|| -> anyhow::Result<()> {
-            // The session's other events (its start and end, endpoints').
-            for event in store.events(&self.run_id)? {
-                if event.at_ms >= self.started_ms && event.kind != EventKind::Alarm {
-                    rest.push(Written::Event(serde_json::to_value(&event)?));
-                }
-            }
-            self.write(&mut *store, rest)
-        })?;
-        Ok(())
-    }
-
-    /// The lines `happening` makes.
-    fn lines(&mut self, happening: Happening) -> Vec<Written> {
-        let at_ms = now_ms();
-        match happening {
-            Happening::Started { episode } => vec![Written::Event(
-                json!({"at_ms": at_ms, "kind": "episode_started", "episode": episode}),
-            )],
-            Happening::Ended { episode, outcome } => {
-                let mut ended =
-                    json!({"at_ms": at_ms, "kind": "episode_ended", "episode": episode});
-                let mut book = Vec::new();
-                match &outcome {
-                    Ok(summary) => {
-                        ended["status"] = json!("done");
-                        ended["ending"] = summary["ending"].clone();
-                        ended["steps"] = json!(summary["steps"].as_array().map_or(0, Vec::len));
-                        ended["total_reward"] = summary["total_reward"].clone();
-                        self.book
-                            .episode(&episode, summary, &mut |line| book.push(line));
-                    }
-                    Err(why) => {
-                        ended["status"] = json!("failed");
-                        ended["error"] = json!(why);
-                    }
-                }
-                let mut lines = vec![Written::Event(ended)];
-                lines.extend(lines_of(book));
-                lines
-            }
-        }
-    }
-
-    fn write(&mut self, store: &mut dyn Store, lines: Vec<Written>) -> anyhow::Result<()> {
-        let alarms: Vec<Event> = lines
-            .iter()
-            .filter_map(|line| match line {
-                Written::Alarm(event) => Some(event.clone()),
-                _ => None,
-            })
-            .collect();
-        if !alarms.is_empty() {
-            store.add_events(&self.run_id, &alarms)?;
-        }
-        for line in &lines {
-            let (file, text) = match line {
-                Written::Event(v) => (&mut self.events, json_line(v)),
-                Written::Alarm(event) => (&mut self.events, json_line(event)),
-                Written::Step(v) => (&mut self.steps, json_line(v)),
-                Written::Batch(v) => (&mut self.batches, json_line(v)),
-                Written::Metrics(v) => (&mut self.metrics, json_line(v)),
-            };
-            writeln!(file, "{text}")?;
-        }
-        for file in [
-            &mut self.events,
-            &mut self.steps,
-            &mut self.batches,
-            &mut self.metrics,
-        ] {
-            file.flush()?;
-        }
-        Ok(())
-    }
-}
-
-/// A line of the journal, by the file it goes to.
-enum Written {
-    /// `run_events.jsonl`.
-    Event(Value),
-    /// `run_events.jsonl`, and stored as an event.
-    Alarm(Event),
-    Step(Value),
-    Batch(Value),
-    Metrics(Value),
-}
-
-fn lines_of(lines: Vec<Line>) -> Vec<Written> {
-    lines
-        .into_iter()
-        .map(|line| match line {
-            Line::Step(v) => Written::Step(v),
-            Line::Batch(v) => Written::Batch(v),
-            Line::Metrics(v) => Written::Metrics(v),
-            Line::Alarm(alarm) => Written::Alarm(Event {
-                at_ms: now_ms(),
-                kind: EventKind::Alarm,
-                endpoint: None,
-                message: alarm.line(),
-            }),
-        })
-        .collect()
 }

@@ -19,38 +19,17 @@ pub mod supervise;
 pub mod worker;
 
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, UNIX_EPOCH};
 
 use evalfleet_store::prelude::*;
 use evalfleet_store::{Location, OpenOptions};
 
-use crate::UsageError;
+pub use evalfleet_core::frontend::sandbox_dir;
 
-/// Where the store is when nothing says otherwise.
-pub const DEFAULT_STORE: &str = "runs/evalfleet.db";
-
-/// `--store`, else the config's `store`, else `$EVALFLEET_STORE`, else
-/// [`DEFAULT_STORE`]: a path (relative to the current directory) or a URL.
+/// `--store`, else the config's `store`, else `$EVALFLEET_STORE`, else the
+/// default (see `evalfleet_core::frontend::store_location`).
 pub fn store_location(flag: Option<PathBuf>, config: Option<&Path>) -> anyhow::Result<Location> {
-    let chosen = flag
-        .or_else(|| config.map(Path::to_owned))
-        .or_else(|| std::env::var_os("EVALFLEET_STORE").map(PathBuf::from))
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_STORE));
-    let location = Location::parse(&chosen.to_string_lossy())?;
-    *CHOSEN.lock().unwrap_or_else(PoisonError::into_inner) = Some(location.clone());
-    Ok(location)
-}
-
-/// The store this command chose last, for its error messages.
-static CHOSEN: Mutex<Option<Location>> = Mutex::new(None);
-
-/// The store this command chose (see [`store_location`]), if it chose one.
-pub fn store_chosen() -> Option<Location> {
-    CHOSEN
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .clone()
+    Ok(evalfleet_core::frontend::store_location(flag, config)?)
 }
 
 /// Opens an existing store (`--store`, ...), for commands that change it.
@@ -66,40 +45,6 @@ pub fn open_to_read(flag: Option<PathBuf>) -> anyhow::Result<(Location, Box<dyn 
     let location = store_location(flag, None)?;
     let store = evalfleet_store::open(&location, &OpenOptions::read_only())?;
     Ok((location, store))
-}
-
-/// Where the code judge of `name` (a run, or a run's rescoring) keeps its
-/// sandbox: `sandbox/NAME` beside the store.
-pub fn sandbox_dir(store: &Location, name: &str) -> PathBuf {
-    store.dir().join("sandbox").join(name)
-}
-
-/// What a command must be told to find this store again: nothing for the
-/// default one.
-pub fn store_flag(store: &Location) -> String {
-    if store.is(Path::new(DEFAULT_STORE)) {
-        String::new()
-    } else {
-        format!(" --store {store}")
-    }
-}
-
-/// Run ids name files (engine logs, sandboxes, reports), so they are kept to
-/// a safe alphabet.
-pub fn validate_run_id(id: String) -> Result<String, UsageError> {
-    let valid = !id.is_empty()
-        && id.len() <= 120
-        && id
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-        && !id.starts_with(['.', '-']);
-    if valid {
-        Ok(id)
-    } else {
-        Err(UsageError(format!(
-            "--run-id '{id}': use 1 to 120 letters, digits, '-', '_' or '.', not starting with '.' or '-'"
-        )))
-    }
 }
 
 /// Cancelled on the first SIGINT or SIGTERM: how a server of its own

@@ -19,7 +19,7 @@ use evalfleet_store::StoredResult;
 use super::inspect::{percentiles, print_table};
 use super::{open_existing, open_to_read};
 use crate::cli::{CacheAction, CacheArgs, CompareArgs, ReportArgs, ScoreArgs};
-use crate::{EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK};
+use crate::{EXIT_INTERRUPTED, EXIT_OK};
 
 /// `evalfleet score`: parses, checks and scores the stored outputs again;
 /// with `--rejudge` (or a changed `task.code`), runs the code judge again.
@@ -172,7 +172,7 @@ pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
             );
         }
     }
-    Ok(unusable_scores(&report))
+    Ok(crate::attend::unusable_scores(&report))
 }
 
 /// The report by group, one row a group (overall first): each metric's
@@ -210,19 +210,6 @@ fn print_groups(report: &Report) {
     }
     println!("\nBy {}:", report.group_by.join(" / "));
     print_table(&table);
-}
-
-/// Says on stderr which metrics could not score their answers, and
-/// whether that makes the scores unusable (exit 1).
-pub fn unusable_scores(report: &Report) -> u8 {
-    for problem in &report.problems {
-        eprintln!("error: {problem}");
-    }
-    if report.problems.is_empty() {
-        EXIT_OK
-    } else {
-        EXIT_FAILED
-    }
 }
 
 fn print_report(report: &Report) {

@@ -17,10 +17,12 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::run::{self, Attendance, Resumable, Session};
+use evalfleet_core::session::{self, Resumable, Resume, Session};
+
 use super::store_location;
+use crate::attend::{self, Attendance, session_error};
 use crate::cli::ServeArgs;
-use crate::{EXIT_OK, UsageError, fleet};
+use crate::{EXIT_OK, UsageError};
 
 /// The largest request body taken (a config sent as text).
 const BODY_LIMIT: usize = 4 << 20;
@@ -127,7 +129,7 @@ impl Control {
         self.runs().insert(run_id.clone(), stop.clone());
         let this = self.clone();
         self.tracker.spawn(async move {
-            match run::execute(session, Attendance::Server { stop }).await {
+            match attend::execute(session, Attendance::Server { stop }, None).await {
                 Ok(code) => tracing::info!("Run {run_id} ended (exit code {code})."),
                 Err(err) => tracing::warn!("Run {run_id} stopped: {err:#}."),
             }
@@ -171,11 +173,13 @@ impl RunControl for ControlHandle {
         let control = self.0.clone();
         Box::pin(async move {
             let loaded = *request.config;
-            let templates = run::checked_templates(&loaded).map_err(api_error)?;
-            let gpu_policy = fleet::check_gpus(&loaded.config, None, false)
+            let frontend = attend::frontend().map_err(|err| api_error(err.into()))?;
+            let templates =
+                session::checked_templates(&loaded).map_err(|err| api_error(session_error(err)))?;
+            let gpu_policy = session::check_gpus(&loaded.config, None, false, &frontend)
                 .await
-                .map_err(api_error)?;
-            let session = run::register(
+                .map_err(|err| api_error(session_error(err)))?;
+            let session = session::register(
                 loaded,
                 templates,
                 control.location.clone(),
@@ -184,7 +188,7 @@ impl RunControl for ControlHandle {
                 gpu_policy,
                 Instant::now(),
             )
-            .map_err(api_error)?;
+            .map_err(|err| api_error(session_error(err)))?;
             let run_id = session.run_id.clone();
             control.launch(session);
             Ok(run_id)
@@ -199,15 +203,20 @@ impl RunControl for ControlHandle {
                     "run {run_id} is running in this server already"
                 )));
             }
-            let resumed = run::resumable(
+            let frontend = attend::frontend().map_err(|err| api_error(err.into()))?;
+            let resumed = session::resumable(
                 control.location.clone(),
                 &run_id,
                 None,
-                retry_failed,
-                &[],
-                false,
+                Resume {
+                    retry_failed,
+                    endpoints: &[],
+                    yes: false,
+                },
+                &frontend,
             )
             .await
+            .map_err(session_error)
             .map_err(|err| match err.downcast::<evalfleet_store::StoreError>() {
                 Ok(store) => ApiError::Store(store),
                 Err(err) => api_error(err),

@@ -1,187 +1,17 @@
-//! A run whose dataset is a Google Sheet (`dataset.sheet`): the sheet read
-//! before the run starts or resumes, its results written back while it
-//! runs, and `evalfleet sync`, which writes what the sheet lacks.
+//! `evalfleet sync`: writes to a run's Google Sheet the stored results it
+//! lacks (a run's sessions write them as they go: see
+//! `evalfleet_core::sheet`).
 
 use anyhow::Context;
-use evalfleet_config::{self as config, Config, SheetConfig};
-use evalfleet_pipeline::ResultTap;
-use evalfleet_sheets::{self as sheets, SheetSink, SinkReport};
-use evalfleet_store::Store;
+use evalfleet_config as config;
+use evalfleet_core::sheet::{describe, say_caught_up, target};
+use evalfleet_sheets as sheets;
 use evalfleet_store::{Location, OpenOptions};
 
 use super::store_location;
+use crate::attend::Lift;
 use crate::cli::SyncArgs;
-use crate::{EXIT_FAILED, EXIT_OK, ui};
-
-/// Reads the sheet of `config`'s dataset, when it is one, into the
-/// dataset's file (which becomes `config.dataset.path`).
-pub(crate) async fn read(config: &mut Config) -> anyhow::Result<()> {
-    let Some(sheet) = config.dataset.sheet.clone() else {
-        return Ok(());
-    };
-    let items = sheets::read_dataset(&mut config.dataset)
-        .await
-        .with_context(|| describe(&sheet))?;
-    tracing::info!(
-        "Read {} items from {}.",
-        items.unwrap_or(0),
-        describe(&sheet)
-    );
-    Ok(())
-}
-
-fn describe(sheet: &SheetConfig) -> String {
-    format!(
-        "tab '{}' of spreadsheet {}",
-        sheet.tab, sheet.spreadsheet_id
-    )
-}
-
-/// The sheet `config`'s results go to, when they go to one.
-fn target(config: &Config) -> Option<&SheetConfig> {
-    config
-        .dataset
-        .sheet
-        .as_ref()
-        .filter(|s| !s.write.is_empty())
-}
-
-/// A session's writer of results into its sheet.
-pub(crate) struct Live {
-    sink: SheetSink,
-    /// Why the catch-up before the session failed, if it did.
-    stopped: Option<String>,
-    run_id: String,
-}
-
-/// Opens the sink of `config`'s sheet (when it has one) for a session of
-/// `run_id`: what the store holds and the sheet lacks is written first;
-/// the tap then writes each result as it is committed. A sheet that cannot
-/// be written does not stop the run: the results stay in the store.
-pub(crate) async fn start(
-    config: &Config,
-    store: &mut dyn Store,
-    run_id: &str,
-) -> anyhow::Result<Option<(Live, ResultTap)>> {
-    let Some(sheet) = target(config) else {
-        return Ok(None);
-    };
-    let mut sink = SheetSink::open(sheet)
-        .await
-        .with_context(|| format!("cannot write results to {}", describe(sheet)))?;
-    let stored = tokio::task::block_in_place(|| sheets::sink::stored(store, run_id, sheet))?;
-    let stopped = if stored.is_empty() {
-        None
-    } else {
-        // The sheet was read into the dataset's file as this session
-        // started: the rows it holds now.
-        let caught = match sheets::source::rows_of_file(&config.dataset.path) {
-            Ok(rows) => sink.catch_up(stored, &rows).await,
-            Err(err) => Err(err),
-        };
-        match caught {
-            Ok(caught) => {
-                say_caught_up(&caught, sheet);
-                None
-            }
-            Err(err) => {
-                tracing::error!(
-                    "Could not write the stored results to {}: {err}. The run goes on and keeps every result in its store; `evalfleet sync {run_id}` writes them later.",
-                    describe(sheet)
-                );
-                Some(err.to_string())
-            }
-        }
-    };
-    let tap = sink.start();
-    Ok(Some((
-        Live {
-            sink,
-            stopped,
-            run_id: run_id.to_owned(),
-        },
-        tap,
-    )))
-}
-
-fn say_caught_up(caught: &sheets::CatchUp, sheet: &SheetConfig) {
-    tracing::info!(
-        "{}: {} stored results written, {} already there ({} writes).",
-        describe(sheet),
-        caught.written,
-        caught.held,
-        caught.calls
-    );
-    if !caught.changed.is_empty() {
-        let shown: Vec<&str> = caught.changed.iter().take(10).map(String::as_str).collect();
-        tracing::warn!(
-            "{}: {} items were not written because their row no longer holds what the run read (edited, moved or deleted since): {}{}.",
-            describe(sheet),
-            caught.changed.len(),
-            shown.join(", "),
-            if caught.changed.len() > shown.len() {
-                ", ..."
-            } else {
-                ""
-            }
-        );
-    }
-}
-
-impl Live {
-    /// Writes what waits; says how writing went, and whether it failed. A
-    /// Ctrl-C meanwhile gives up the writing (the results are in the
-    /// store: `sync` writes them).
-    pub(crate) async fn finish(self) -> bool {
-        let run_id = self.run_id.clone();
-        let report: SinkReport = tokio::select! {
-            report = self.sink.finish() => report,
-            _ = tokio::signal::ctrl_c() => {
-                ui::note(&format!(
-                    "Stopped writing results to the sheet; every result is in the store: `evalfleet sync {run_id}` writes what the sheet lacks."
-                ));
-                return false;
-            }
-        };
-        if !report.refused.is_empty() {
-            let shown: Vec<&str> = report
-                .refused
-                .iter()
-                .take(5)
-                .map(|(cells, _)| cells.as_str())
-                .collect();
-            ui::note(&format!(
-                "error: the Sheets API refused {} rows' cells, left as they were: {}{} (first: {})",
-                report.refused.len(),
-                shown.join(", "),
-                if report.refused.len() > shown.len() {
-                    ", ..."
-                } else {
-                    ""
-                },
-                report.refused[0].1
-            ));
-        }
-        match self.stopped.or(report.stopped) {
-            None if !report.refused.is_empty() => false,
-            None => {
-                tracing::info!(
-                    "Wrote {} results to the sheet in {} writes.",
-                    report.written,
-                    report.calls
-                );
-                true
-            }
-            Some(why) => {
-                ui::note(&format!(
-                    "error: the results were not all written to the sheet ({why}); {} written, {} not. Every result is in the store: `evalfleet sync {}` writes what the sheet lacks.",
-                    report.written, report.unwritten, self.run_id
-                ));
-                false
-            }
-        }
-    }
-}
+use crate::{EXIT_FAILED, EXIT_OK};
 
 /// `evalfleet sync RUN_ID`: writes the stored results the sheet lacks.
 pub async fn sync(args: SyncArgs) -> anyhow::Result<u8> {
@@ -189,7 +19,7 @@ pub async fn sync(args: SyncArgs) -> anyhow::Result<u8> {
     let mut store = evalfleet_store::open(&location, &OpenOptions::default())?;
     let record = store.run(&args.run_id)?;
     let loaded = match &args.config {
-        Some(file) => super::convert::load(file, config::Overrides::default())?,
+        Some(file) => crate::attend::load(file, config::Overrides::default())?,
         None => config::load_snapshot(&record.config, std::path::Path::new(&record.config_dir))?,
     };
     let Some(sheet) = target(&loaded.config) else {
@@ -198,9 +28,7 @@ pub async fn sync(args: SyncArgs) -> anyhow::Result<u8> {
             args.run_id
         );
     };
-    let sink = SheetSink::open(sheet)
-        .await
-        .with_context(|| format!("cannot write results to {}", describe(sheet)))?;
+    let sink = evalfleet_core::sheet::open(sheet).await.lift()?;
     let stored =
         tokio::task::block_in_place(|| sheets::sink::stored(&mut *store, &args.run_id, sheet))?;
     let rows = sink

@@ -13,8 +13,10 @@ use evalfleet_store::{Location, OpenOptions};
 use evalfleet_store::{RunRecord, StoreError};
 use evalfleet_types::RunStatus;
 
-use super::run::{Attendance, Resumable, execute, resumable_with};
+use evalfleet_core::session::{Resumable, Resume, resumable_with};
+
 use super::{stopped_by_signals, store_location};
+use crate::attend::{self, Attendance, Lift};
 use crate::cli::WorkerArgs;
 use crate::{EXIT_FAILED, EXIT_OK, ui};
 
@@ -49,11 +51,15 @@ async fn join(location: &Location, run_id: &str, args: &WorkerArgs) -> anyhow::R
         store,
         &record,
         loaded,
-        false,
-        &[],
-        args.yes,
+        Resume {
+            retry_failed: false,
+            endpoints: &[],
+            yes: args.yes,
+        },
+        &attend::frontend()?,
     )
-    .await?
+    .await
+    .lift()?
     {
         Resumable::Nothing { counts } => {
             ui::note(&format!(
@@ -67,11 +73,12 @@ async fn join(location: &Location, run_id: &str, args: &WorkerArgs) -> anyhow::R
             })
         }
         Resumable::Session(session) => {
-            execute(
+            attend::execute(
                 *session,
                 Attendance::Terminal {
                     quiet: args.output.quiet,
                 },
+                None,
             )
             .await
         }
