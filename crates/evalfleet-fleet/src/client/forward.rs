@@ -16,12 +16,11 @@ use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
+use super::error::{CallError, ERROR_BODY_LIMIT, body_error, error_message, request_error};
+use super::headers::{Quota, quota_headers, retry_after};
 #[cfg(test)]
 use super::sse::LINE_LIMIT;
-use super::{
-    CallError, CallOutcome, ChatClient, Completion, ERROR_BODY_LIMIT, Quota, Timing, error_message,
-    quota_headers, request_error, retry_after, sse,
-};
+use super::{CallOutcome, ChatClient, Completion, Timing, sse};
 
 /// The APIs the gateway forwards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -196,7 +195,7 @@ impl ChatClient {
         }
         let status = status.as_u16();
         if !stream {
-            let bytes = response.bytes().await.map_err(super::body_error)?;
+            let bytes = response.bytes().await.map_err(body_error)?;
             self.pulse.beat();
             reading.whole(&bytes);
             if let Some(head) = head.take() {
