@@ -1,0 +1,454 @@
+use std::collections::VecDeque;
+
+use super::*;
+
+fn settings() -> AimdSettings {
+    AimdSettings {
+        initial: 4,
+        min: 1,
+        max: 64,
+        decrease_ratio: 0.7,
+        gain: 0.2,
+    }
+}
+
+fn ok(ms: u64) -> Signal {
+    Signal::Success(Sample::of(Duration::from_millis(ms)))
+}
+
+/// Runs one round trip: the limit's worth of calls started (reaching
+/// it) and ended with `signal`; the decision it brought.
+fn interval(c: &mut Aimd, now: &mut Instant, signal: Signal) -> Option<Decision> {
+    let limit = c.limit();
+    let round = c.baseline_latency().unwrap_or(FIRST_INTERVAL);
+    let mut decision = None;
+    for k in 0..limit {
+        c.on_start(k + 1);
+    }
+    for k in 0..limit {
+        let at = *now + round * (k as u32 + 1) / limit as u32;
+        decision = decision.or(c.on_end(at, signal, Some(limit)));
+    }
+    *now += round;
+    decision
+}
+
+#[test]
+fn slow_start_doubles_until_the_first_decrease_then_regains_along_a_cubic() {
+    let mut now = Instant::now();
+    let mut c = Aimd::new(settings(), now);
+    // The first level judged is compared with half of it, once; then
+    // doubling while each doubling doubles the throughput.
+    let mut seen = Vec::new();
+    while c.limit() < 16 {
+        if let Some(d) = interval(&mut c, &mut now, ok(100)) {
+            seen.push((d.to, d.reason));
+        }
+    }
+    assert_eq!(
+        seen,
+        vec![
+            (2, Reason::ProbeDown),
+            (4, Reason::SlowStart),
+            (8, Reason::SlowStart),
+            (16, Reason::SlowStart)
+        ]
+    );
+    // Every call of the interval pushed back: half of 16 (the least
+    // the cut keeps), not 16 x 0.7.
+    let cut = interval(&mut c, &mut now, Signal::BackPressure).unwrap();
+    assert_eq!((cut.to, cut.reason), (8, Reason::BackPressure));
+    // Back towards 16 quickly (by a quarter a round trip at most),
+    // flat near it, then probing past it, faster and faster.
+    let mut limits = Vec::new();
+    for _ in 0..7 {
+        let up = interval(&mut c, &mut now, ok(100)).unwrap();
+        assert_eq!(up.reason, Reason::Increase);
+        limits.push(up.to);
+    }
+    assert_eq!(limits, vec![10, 12, 15, 16, 20, 25, 31]);
+}
+
+#[test]
+fn nothing_changes_below_the_limit_and_limits_hold() {
+    let mut now = Instant::now();
+    let mut c = Aimd::new(settings(), now);
+    now += Duration::from_secs(1);
+    assert_eq!(c.on_end(now, ok(10), None), None);
+    for _ in 0..20 {
+        interval(&mut c, &mut now, Signal::BackPressure);
+    }
+    assert_eq!(c.limit(), 1);
+    for _ in 0..400 {
+        interval(&mut c, &mut now, ok(10));
+    }
+    assert_eq!(c.limit(), 64);
+}
+
+#[test]
+fn an_engine_that_says_its_capacity_starts_there_and_is_not_passed() {
+    let mut now = Instant::now();
+    let mut c = Aimd::new(
+        AimdSettings {
+            initial: 8,
+            ..settings()
+        },
+        now,
+    );
+    let d = c.on_capacity(4).unwrap();
+    assert_eq!((d.from, d.to, d.reason), (8, 4, Reason::EngineCapacity));
+    for _ in 0..200 {
+        interval(&mut c, &mut now, ok(100));
+        assert!(c.limit() <= 4, "{}", c.limit());
+    }
+    assert_eq!(c.limit(), 4, "calls that all scale well keep it at 4");
+    // Calls waiting in the engine's queue at the limit bring it down by
+    // as many.
+    // One reading is a moment (a batch's prefill); two in a row are a
+    // queue.
+    c.on_engine_queue(2.0);
+    assert_eq!(interval(&mut c, &mut now, ok(100)), None);
+    c.on_engine_queue(2.0);
+    c.on_engine_queue(3.0);
+    let d = interval(&mut c, &mut now, ok(100)).unwrap();
+    assert_eq!((d.to, d.reason), (2, Reason::EngineQueue));
+}
+
+/// How a simulated server serves calls.
+#[derive(Clone, Copy)]
+enum Server {
+    /// One call at a time; a call that arrives ends the running
+    /// stream (llama-cpp-python's server).
+    CutsOnArrival,
+    /// Up to `slots` at once, each slower by `slowdown` for every other
+    /// call beside it (continuous batching); the rest wait in a queue.
+    Batching { slots: usize, slowdown: f64 },
+}
+
+struct Job {
+    started: Instant,
+    level: Option<usize>,
+    /// Seconds of service left at full speed.
+    left: f64,
+    tokens: f64,
+}
+
+/// What a simulation came to.
+struct Outcome {
+    /// Tokens of whole answers a second, over the second half.
+    throughput: f64,
+    cuts: u32,
+    /// Seconds spent at each limit over the second half.
+    time_at: BTreeMap<usize, f64>,
+}
+
+impl Outcome {
+    fn share_within(&self, low: usize, high: usize) -> f64 {
+        let total: f64 = self.time_at.values().sum();
+        let within: f64 = self.time_at.range(low..=high).map(|(_, t)| t).sum();
+        within / total
+    }
+}
+
+/// Runs `server` for `seconds` (in steps of 10 ms) with as many calls
+/// waiting as the limit lets through, each of 50 to 300 tokens at
+/// `per_token` seconds each when served alone.
+fn simulate_server(
+    server: Server,
+    per_token: f64,
+    seconds: u64,
+    settings: AimdSettings,
+    capacity: Option<usize>,
+) -> Outcome {
+    let step = Duration::from_millis(10);
+    let start = Instant::now();
+    let mut now = start;
+    let mut c = Aimd::new(settings, now);
+    if let Some(capacity) = capacity {
+        c.on_capacity(capacity);
+    }
+    let mut rng = fastrand::Rng::with_seed(11);
+    let (mut serving, mut queue) = (Vec::<Job>::new(), VecDeque::<Job>::new());
+    // Streams cut, which the client sees end at the next step.
+    let mut cut = Vec::<Job>::new();
+    let (mut tokens, mut cuts) = (0.0, 0);
+    let mut time_at = BTreeMap::new();
+    let half = start + Duration::from_secs(seconds / 2);
+    while now < start + Duration::from_secs(seconds) {
+        // Calls start while the limit lets them.
+        while serving.len() + queue.len() + cut.len() < c.limit() {
+            let in_flight = serving.len() + queue.len() + cut.len() + 1;
+            let level = (in_flight >= c.limit()).then_some(c.limit());
+            c.on_start(in_flight);
+            let n = rng.u32(50..=300);
+            let job = Job {
+                started: now,
+                level,
+                left: f64::from(n) * per_token,
+                tokens: f64::from(n),
+            };
+            match server {
+                Server::CutsOnArrival => {
+                    cuts += serving.len() as u32;
+                    cut.append(&mut serving);
+                    serving.push(job);
+                }
+                Server::Batching { .. } => queue.push_back(job),
+            }
+        }
+        if let Server::Batching { slots, .. } = server {
+            while serving.len() < slots
+                && let Some(job) = queue.pop_front()
+            {
+                serving.push(job);
+            }
+        }
+        let speed = match server {
+            Server::CutsOnArrival => 1.0,
+            Server::Batching { slowdown, .. } => {
+                1.0 / (1.0 + slowdown * serving.len().saturating_sub(1) as f64)
+            }
+        };
+        now += step;
+        for job in cut.drain(..) {
+            c.on_end(now, Signal::Cut, job.level);
+        }
+        for job in &mut serving {
+            job.left -= step.as_secs_f64() * speed;
+        }
+        let (done, rest): (Vec<Job>, Vec<Job>) = serving.drain(..).partition(|job| job.left <= 0.0);
+        serving = rest;
+        for job in done {
+            if now >= half {
+                tokens += job.tokens;
+            }
+            let latency = now - job.started;
+            let sample = Sample {
+                latency,
+                work: job.tokens,
+            };
+            c.on_end(now, Signal::Success(sample), job.level);
+        }
+        if now >= half {
+            *time_at.entry(c.limit()).or_insert(0.0) += step.as_secs_f64();
+        }
+    }
+    Outcome {
+        throughput: tokens / (seconds as f64 / 2.0),
+        cuts,
+        time_at,
+    }
+}
+
+fn adaptive() -> AimdSettings {
+    AimdSettings {
+        initial: 8,
+        max: 1024,
+        ..settings()
+    }
+}
+
+/// Tokens a second of a server with `slots` slots served `n` at a time.
+fn served(n: usize, slowdown: f64, per_token: f64) -> f64 {
+    n as f64 / (1.0 + slowdown * (n - 1) as f64) / per_token
+}
+
+#[test]
+fn a_server_that_cuts_streams_on_arrival_is_held_at_one_and_probed_rarely() {
+    // 175 tokens of 20 ms: 3.5 s a call, 40 minutes.
+    let out = simulate_server(Server::CutsOnArrival, 0.02, 2400, adaptive(), None);
+    // The first 8 calls cut 7; then one probe at 5 minutes, one at 15,
+    // one at 35 (the hold doubles).
+    assert!(out.cuts <= 10, "{} cuts", out.cuts);
+    assert!(out.share_within(1, 1) > 0.97, "{:?}", out.time_at);
+    let serial = 1.0 / 0.02;
+    assert!(
+        out.throughput > 0.9 * serial,
+        "{} vs {serial}",
+        out.throughput
+    );
+}
+
+#[test]
+fn a_server_that_queues_without_batching_is_held_at_one() {
+    let server = Server::Batching {
+        slots: 1,
+        slowdown: 0.0,
+    };
+    let out = simulate_server(server, 0.02, 1200, adaptive(), None);
+    assert!(out.share_within(1, 2) > 0.9, "{:?}", out.time_at);
+    assert!(out.share_within(1, 1) > 0.7, "{:?}", out.time_at);
+    let serial = 1.0 / 0.02;
+    assert!(
+        out.throughput > 0.95 * serial,
+        "{} vs {serial}",
+        out.throughput
+    );
+}
+
+#[test]
+fn a_batching_server_is_driven_to_its_knee_though_latency_grows() {
+    // Eight slots; each call 15% slower for each other beside it:
+    // throughput grows 3.9-fold from one call to eight, latency 2-fold.
+    let server = Server::Batching {
+        slots: 8,
+        slowdown: 0.15,
+    };
+    let out = simulate_server(server, 0.02, 1200, adaptive(), None);
+    assert!(out.share_within(7, 12) > 0.8, "{:?}", out.time_at);
+    let best = served(8, 0.15, 0.02);
+    assert!(out.throughput > 0.9 * best, "{} vs {best}", out.throughput);
+}
+
+#[test]
+fn an_engine_with_hundreds_of_slots_is_held_where_more_calls_stop_paying() {
+    // vLLM-like: 256 slots, no queue to speak of, each call 15% slower
+    // for each other beside it; the first token comes at once. Past
+    // about 25 calls a step brings less than a fifth of its share, so
+    // the limit must stop there, not run up to its maximum.
+    let server = Server::Batching {
+        slots: 256,
+        slowdown: 0.15,
+    };
+    let out = simulate_server(server, 0.02, 600, adaptive(), None);
+    assert!(out.share_within(10, 60) > 0.9, "{:?}", out.time_at);
+    let best = served(256, 0.15, 0.02);
+    assert!(out.throughput > 0.8 * best, "{} vs {best}", out.throughput);
+}
+
+#[test]
+fn a_server_with_many_slots_and_a_queue_is_held_near_its_slots() {
+    // W4's backend: 32 slots, a call's time whatever the load.
+    let server = Server::Batching {
+        slots: 32,
+        slowdown: 0.0,
+    };
+    let out = simulate_server(server, 0.001, 300, adaptive(), None);
+    assert!(out.share_within(29, 40) > 0.9, "{:?}", out.time_at);
+    let best = served(32, 0.0, 0.001);
+    assert!(out.throughput > 0.9 * best, "{} vs {best}", out.throughput);
+}
+
+#[test]
+fn an_engine_that_said_its_slots_is_kept_at_them() {
+    let server = Server::Batching {
+        slots: 4,
+        slowdown: 0.3,
+    };
+    let out = simulate_server(server, 0.02, 600, adaptive(), Some(4));
+    assert!(out.share_within(3, 4) > 0.9, "{:?}", out.time_at);
+    let best = served(4, 0.3, 0.02);
+    assert!(out.throughput > 0.9 * best, "{} vs {best}", out.throughput);
+}
+
+/// Runs `intervals` round trips of 100 ms with the limit's worth of
+/// calls each; `refused(i, limit, draw)` says whether call `i` of an
+/// interval pushed back. Returns the limits seen over the last half.
+fn simulate(intervals: usize, refused: impl Fn(usize, usize, f64) -> bool) -> (usize, usize) {
+    let mut now = Instant::now();
+    let mut c = Aimd::new(
+        AimdSettings {
+            initial: 8,
+            max: 128,
+            decrease_ratio: 0.9,
+            ..settings()
+        },
+        now,
+    );
+    let mut rng = fastrand::Rng::with_seed(7);
+    let mut seen = Vec::new();
+    for round in 0..intervals {
+        let limit = c.limit();
+        for _ in 0..limit {
+            c.on_start(limit);
+        }
+        // Their ends spread over the round trip, in a random order.
+        let start = now;
+        let mut order: Vec<usize> = (0..limit).collect();
+        rng.shuffle(&mut order);
+        for (k, i) in order.into_iter().enumerate() {
+            now = start + Duration::from_millis(100) * (k as u32 + 1) / limit as u32;
+            let signal = if refused(i, limit, rng.f64()) {
+                Signal::BackPressure
+            } else {
+                ok(100)
+            };
+            c.on_end(now, signal, Some(limit));
+        }
+        if round >= intervals / 2 {
+            seen.push(c.limit());
+        }
+    }
+    (*seen.iter().min().unwrap(), *seen.iter().max().unwrap())
+}
+
+#[test]
+fn refusals_that_come_at_any_load_do_not_hold_the_limit_down() {
+    // 7% of calls refused (503, 408) whatever the load.
+    let (low, _) = simulate(400, |_, _, draw| draw < 0.07);
+    assert!(low >= 100, "the limit fell to {low}");
+}
+
+#[test]
+fn refusals_that_come_with_load_still_cut_the_limit() {
+    // An endpoint that takes 40 at once and refuses the rest, with 7%
+    // refused at any load besides.
+    let (low, high) = simulate(400, |i, _, draw| i >= 40 || draw < 0.07);
+    // (Past where it was last cut, CUBIC's curve probes by a quarter a
+    // round trip: one probe may reach 1.6 x what the endpoint takes.)
+    assert!(high <= 64, "the limit rose to {high}");
+    assert!(low >= 25, "the limit fell to {low}");
+}
+
+#[test]
+fn streams_cut_now_and_then_at_any_load_are_not_taken_for_a_one_call_server() {
+    // W7's streaming faults: 5% of streams cut, whatever the load.
+    let mut now = Instant::now();
+    let mut c = Aimd::new(
+        AimdSettings {
+            max: 128,
+            ..adaptive()
+        },
+        now,
+    );
+    let mut rng = fastrand::Rng::with_seed(3);
+    for _ in 0..300 {
+        let limit = c.limit();
+        for k in 0..limit {
+            c.on_start(k + 1);
+        }
+        for k in 0..limit {
+            let at = now + Duration::from_millis(100) * (k as u32 + 1) / limit as u32;
+            // Streamed, the first token long before the end: decisions
+            // still wait for whole calls.
+            let signal = if rng.f64() < 0.05 {
+                Signal::Cut
+            } else {
+                Signal::Success(Sample {
+                    latency: Duration::from_millis(100),
+                    work: 1.0,
+                })
+            };
+            c.on_end(at, signal, Some(limit));
+        }
+        now += Duration::from_millis(100);
+    }
+    assert!(c.limit() >= 100, "the limit fell to {}", c.limit());
+}
+
+#[test]
+fn a_decrease_ratio_below_one_half_is_kept_to() {
+    let mut now = Instant::now();
+    let mut c = Aimd::new(
+        AimdSettings {
+            initial: 20,
+            decrease_ratio: 0.3,
+            ..settings()
+        },
+        now,
+    );
+    // An interval of refusals: the cut is by the ratio (x 0.3), which
+    // is deeper than the half a cut keeps otherwise.
+    let cut = interval(&mut c, &mut now, Signal::BackPressure).unwrap();
+    assert_eq!((cut.to, cut.reason), (6, Reason::BackPressure));
+}
