@@ -1,0 +1,163 @@
+//! Runs: a new run and its items registered, a run as stored, the
+//! sessions and workers that work on it.
+
+use serde::Serialize;
+use serde_json::Value;
+
+use evalfleet_types::{RunStatus, StateCounts};
+
+use evalfleet_io::dataset::DatasetIdentity;
+use evalfleet_io::fingerprint::Fingerprint;
+
+use super::errors::{CreateRunError, StoreError};
+
+/// A run about to be created.
+#[derive(Debug, Clone)]
+pub struct NewRun {
+    pub run_id: String,
+    pub name: String,
+    /// The config snapshot (secrets masked).
+    pub config: Value,
+    /// The directory the config's relative paths are resolved against.
+    pub config_dir: String,
+    pub created_at_ms: i64,
+}
+
+/// One item registered with a new run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewItem {
+    pub item_id: String,
+    /// Position among the dataset's rows; items are dispatched in this order.
+    pub seq: u64,
+    pub line: u64,
+    pub offset: u64,
+    /// Orders items for sampling (see [`evalfleet_io::dataset::sample_key`]).
+    pub sample_key: i64,
+    /// Why the row cannot be used: the item is registered as failed.
+    pub invalid: Option<String>,
+}
+
+/// What a finished registration learned, stored with the run.
+#[derive(Debug, Clone)]
+pub struct RunIdentity {
+    pub fingerprint: Fingerprint,
+    pub dataset: DatasetIdentity,
+    /// Keep only the `n` items with the smallest sample keys.
+    pub sample_n: Option<u64>,
+}
+
+/// Items for a new run, pulled by [`Runs::create_run`] inside its
+/// transaction.
+pub trait ItemSource {
+    fn next_item(&mut self) -> Result<Option<NewItem>, CreateRunError>;
+    /// Called after the last item; an error here still undoes everything.
+    fn finish(&mut self) -> Result<RunIdentity, CreateRunError>;
+    /// The dataset's path, for messages.
+    fn path(&self) -> String;
+}
+
+/// A stored run.
+#[derive(Debug, Clone)]
+pub struct RunRecord {
+    pub run_id: String,
+    pub name: String,
+    pub status: RunStatus,
+    pub created_at_ms: i64,
+    pub updated_at_ms: i64,
+    pub config: Value,
+    pub config_dir: String,
+    pub fingerprint: Fingerprint,
+    pub dataset: DatasetIdentity,
+    /// Items in the run (after sampling).
+    pub total: u64,
+    /// How many sessions worked on it (the run, resumes, workers that
+    /// joined).
+    pub sessions: u32,
+    /// Why it stopped, when it stopped early.
+    pub message: Option<String>,
+    /// Changes whenever its results may have: each commit of results, each
+    /// new session (a resume, `--retry-failed`, a worker joining) and each
+    /// rescore. What was computed from its results at one generation holds
+    /// until the next.
+    pub generation: u64,
+}
+
+/// The start of a session (a run, a resume, a worker joining).
+#[derive(Debug, Clone, Copy)]
+pub struct SessionStart {
+    /// 1 for the first run, 2 for the next session, ...
+    pub session: u32,
+    /// Failed items put back to pending (`--retry-failed`).
+    pub reset: u64,
+    pub counts: StateCounts,
+}
+
+/// A worker of a run: one session of one process, as it registered.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+pub struct WorkerInfo {
+    /// Unique among the run's workers.
+    pub worker: String,
+    pub session: u32,
+    pub host: String,
+    pub pid: u32,
+    /// When the process started, in the kernel's clock ticks since boot: with
+    /// the pid, it tells the process from a later one that got its pid.
+    pub process_start: u64,
+    pub started_at_ms: i64,
+    /// Its last renewal.
+    pub heartbeat_at_ms: i64,
+    /// How long its claims last without a renewal.
+    pub lease_ms: i64,
+}
+
+/// What one worker of a run committed: results of items done and failed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+pub struct WorkerWork {
+    pub worker: String,
+    pub done: u64,
+    pub failed: u64,
+}
+
+/// Runs and their registration.
+pub trait Runs {
+    /// Creates a run and registers its items in one transaction: on any error
+    /// nothing is stored. A duplicate id is a [`CreateRunError::DuplicateId`].
+    fn create_run(
+        &mut self,
+        run: &NewRun,
+        items: &mut dyn ItemSource,
+    ) -> Result<RunRecord, CreateRunError>;
+
+    fn run(&mut self, run_id: &str) -> Result<RunRecord, StoreError>;
+
+    /// Every run, newest first.
+    fn runs(&mut self) -> Result<Vec<RunRecord>, StoreError>;
+
+    /// Marks the run running, counts a new session and registers `worker`
+    /// for it (its `session` is set here); with `retry_failed`, failed
+    /// items (but not invalid rows) go back to pending and lose their
+    /// result.
+    fn begin_session(
+        &mut self,
+        run_id: &str,
+        worker: &mut WorkerInfo,
+        retry_failed: bool,
+    ) -> Result<SessionStart, StoreError>;
+
+    fn set_status(
+        &mut self,
+        run_id: &str,
+        status: RunStatus,
+        message: Option<&str>,
+    ) -> Result<(), StoreError>;
+
+    fn counts(&mut self, run_id: &str) -> Result<StateCounts, StoreError>;
+
+    /// The run's registered workers, live or not: whether each still lives
+    /// is for the reader to judge (by its process, or its heartbeat).
+    fn workers(&mut self, run_id: &str) -> Result<Vec<WorkerInfo>, StoreError>;
+
+    /// What each worker that committed results of the run committed, by
+    /// worker name, whether it still lives or not.
+    fn worker_work(&mut self, run_id: &str) -> Result<Vec<WorkerWork>, StoreError>;
+}
