@@ -281,14 +281,20 @@ async fn relay(client: TcpStream, server: TcpStream, cuts: Arc<AtomicU32>) -> st
 }
 
 /// Network namespaces joined to this one by veth pairs, as hosts: host
-/// `i` is 10.231.`i`.2 and reaches this one at 10.231.`i`.1. Removed on
-/// drop.
+/// `i` is `A.B.i.2` and reaches this one at `A.B.i.1`, where `A.B.0.0/16`
+/// is a network that no address or route of this machine touches. Their
+/// names hold the process id and a count, and are names no namespace or
+/// link has yet, so that runs at once and leftovers of a crashed run do
+/// not collide. Removed on drop.
 struct Hosts {
+    /// The first two bytes of the hosts' addresses.
+    net: [u8; 2],
     names: Vec<String>,
     links: Vec<String>,
 }
 
-fn ip(args: &[&str]) {
+/// Runs `ip ARGS`, which must succeed; what it prints.
+fn ip(args: &[&str]) -> String {
     let out = std::process::Command::new("ip")
         .args(args)
         .output()
@@ -299,18 +305,99 @@ fn ip(args: &[&str]) {
         args.join(" "),
         String::from_utf8_lossy(&out.stderr)
     );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The IPv4 networks this machine's addresses and routes (of every
+/// table) cover, as (address, prefix length); gateways, sources and
+/// broadcast addresses count as /32s. The default route covers
+/// everything and is left out.
+fn networks_in_use() -> Vec<(u32, u32)> {
+    let addrs = ip(&["-o", "-4", "addr", "show"]);
+    let routes = ip(&["-4", "route", "show", "table", "all"]);
+    addrs
+        .split_whitespace()
+        .chain(routes.split_whitespace())
+        .filter_map(|word| {
+            let (addr, len) = word.split_once('/').unwrap_or((word, "32"));
+            let addr: std::net::Ipv4Addr = addr.parse().ok()?;
+            let len: u32 = len.parse().ok()?;
+            (1..=32).contains(&len).then_some((u32::from(addr), len))
+        })
+        .collect()
+}
+
+/// Whether two networks share an address.
+fn overlap(a: (u32, u32), b: (u32, u32)) -> bool {
+    let mask = u32::MAX << (32 - a.1.min(b.1));
+    a.0 & mask == b.0 & mask
+}
+
+/// A private /16 that no address or route of this machine touches:
+/// 10.231 (the tests' own, where it is free), else another of 10.200 to
+/// 10.254 or 172.16 to 172.31.
+fn free_net() -> [u8; 2] {
+    let used = networks_in_use();
+    (231..=254)
+        .chain(200..231)
+        .map(|b| [10, b])
+        .chain((16..=31).map(|b| [172, b]))
+        .find(|&[a, b]| {
+            let net = (u32::from(std::net::Ipv4Addr::new(a, b, 0, 0)), 16);
+            !used.iter().any(|&other| overlap(net, other))
+        })
+        .unwrap_or_else(|| panic!("no free /16 for the hosts; in use: {used:?}"))
+}
+
+/// Sets of hosts this process has named.
+static NAMED: AtomicU32 = AtomicU32::new(0);
+
+/// Names for `count` hosts that no namespace or link has yet: each
+/// host's namespace, its link here and its link there.
+fn free_names(count: usize) -> Vec<(String, String, String)> {
+    let tag = std::process::id() % 100_000;
+    loop {
+        let set = NAMED.fetch_add(1, Ordering::Relaxed);
+        let names: Vec<_> = (1..=count)
+            .map(|i| {
+                (
+                    format!("efw{tag}n{set}h{i}"),
+                    format!("efo{tag}n{set}h{i}"),
+                    format!("efi{tag}n{set}h{i}"),
+                )
+            })
+            .collect();
+        let taken = names.iter().any(|(name, outer, inner)| {
+            Path::new("/run/netns").join(name).exists()
+                || Path::new("/sys/class/net").join(outer).exists()
+                || Path::new("/sys/class/net").join(inner).exists()
+        });
+        if !taken {
+            // A link's name holds at most 15 bytes.
+            assert!(
+                names
+                    .iter()
+                    .all(|(_, outer, inner)| outer.len() <= 15 && inner.len() <= 15)
+            );
+            return names;
+        }
+    }
 }
 
 impl Hosts {
     fn make(count: usize) -> Self {
-        let tag = std::process::id() % 100_000;
+        // Another run's hosts hold their network once made: choosing and
+        // making are one step for runs at once.
+        std::fs::create_dir_all("/run/lock").expect("/run/lock is made");
+        let lock = std::fs::File::create("/run/lock/evalfleet-scaleout.lock")
+            .expect("the lock file opens");
+        lock.lock().expect("the lock is taken");
         let mut hosts = Self {
+            net: free_net(),
             names: Vec::new(),
             links: Vec::new(),
         };
-        for i in 1..=count {
-            let name = format!("efw{tag}h{i}");
-            let (outer, inner) = (format!("efo{tag}h{i}"), format!("efi{tag}h{i}"));
+        for (i, (name, outer, inner)) in (1..=count).zip(free_names(count)) {
             ip(&["netns", "add", &name]);
             hosts.names.push(name.clone());
             ip(&[
@@ -318,21 +405,43 @@ impl Hosts {
             ]);
             hosts.links.push(outer.clone());
             ip(&["link", "set", &inner, "netns", &name]);
-            ip(&["addr", "add", &format!("10.231.{i}.1/24"), "dev", &outer]);
+            ip(&[
+                "addr",
+                "add",
+                &format!("{}/24", hosts.here(i)),
+                "dev",
+                &outer,
+            ]);
             ip(&["link", "set", &outer, "up"]);
             ip(&[
                 "-n",
                 &name,
                 "addr",
                 "add",
-                &format!("10.231.{i}.2/24"),
+                &format!("{}/24", hosts.there(i)),
                 "dev",
                 &inner,
             ]);
             ip(&["-n", &name, "link", "set", &inner, "up"]);
             ip(&["-n", &name, "link", "set", "lo", "up"]);
         }
+        eprintln!(
+            "hosts {:?} on {}.{}.0.0/16",
+            hosts.names, hosts.net[0], hosts.net[1]
+        );
         hosts
+    }
+
+    /// The address host `i` reaches this one at.
+    fn here(&self, i: usize) -> String {
+        let [a, b] = self.net;
+        format!("{a}.{b}.{i}.1")
+    }
+
+    /// Host `i`'s address.
+    fn there(&self, i: usize) -> String {
+        let [a, b] = self.net;
+        format!("{a}.{b}.{i}.2")
     }
 
     /// Host `i`'s link: up or cut.
@@ -387,11 +496,12 @@ impl Drop for Hosts {
 }
 
 /// The config's endpoint as host `i` reaches the mock.
-fn endpoints_of_host(env: &Env, i: usize, port: u16) -> std::path::PathBuf {
+fn endpoints_of_host(env: &Env, hosts: &Hosts, i: usize, port: u16) -> std::path::PathBuf {
     env.write(
         &format!("host{i}.yaml"),
         &format!(
-            "endpoints:\n  - {{ name: gpu, kind: external, base_url: \"http://10.231.{i}.1:{port}/v1\", model: m, concurrency: 4, {NO_HEALTH} }}\n"
+            "endpoints:\n  - {{ name: gpu, kind: external, base_url: \"http://{here}:{port}/v1\", model: m, concurrency: 4, {NO_HEALTH} }}\n",
+            here = hosts.here(i),
         ),
     )
 }
@@ -414,7 +524,12 @@ async fn three_hosts_share_a_run_through_kills_stalls_cuts_lost_commits_skewed_c
         return;
     }
     let hosts = Hosts::make(3);
-    let mut pg = match OwnServer::start_on("127.0.0.1,10.231.1.1,10.231.2.1,10.231.3.1") {
+    let mut pg = match OwnServer::start_on(&format!(
+        "127.0.0.1,{},{},{}",
+        hosts.here(1),
+        hosts.here(2),
+        hosts.here(3)
+    )) {
         Ok(pg) => pg,
         Err(why) => {
             evalfleet_testkit::skip!("no PostgreSQL server of the test's own: {why}");
@@ -444,18 +559,23 @@ async fn three_hosts_share_a_run_through_kills_stalls_cuts_lost_commits_skewed_c
         &config(
             &dataset,
             &format!(
-                "  - {{ name: gpu, kind: external, base_url: \"http://10.231.1.1:{port}/v1\", model: m, concurrency: 4, {NO_HEALTH} }}\n"
+                "  - {{ name: gpu, kind: external, base_url: \"http://{here}:{port}/v1\", model: m, concurrency: 4, {NO_HEALTH} }}\n",
+                here = hosts.here(1),
             ),
             "timeouts: { lease: 3s }\nwriter: { batch_size: 16, flush_interval: 20ms }",
         ),
     );
-    let host2 = endpoints_of_host(&env, 2, port);
-    let host3 = endpoints_of_host(&env, 3, port);
+    let host2 = endpoints_of_host(&env, &hosts, 2, port);
+    let host3 = endpoints_of_host(&env, &hosts, 3, port);
     // Host 2 reaches the database through a proxy that loses the answer to
     // some of its commits.
     let upstream = std::net::SocketAddr::from(([127, 0, 0, 1], pg.port));
-    let cutter = CommitCutter::start("10.231.2.1:0", upstream, 3).await;
-    let via_cutter = format!("postgres://root@10.231.2.1:{}/evals", cutter.addr.port());
+    let cutter = CommitCutter::start(&format!("{}:0", hosts.here(2)), upstream, 3).await;
+    let via_cutter = format!(
+        "postgres://root@{}:{}/evals",
+        hosts.here(2),
+        cutter.addr.port()
+    );
 
     // Host 1 registers the run and works on it, its clock 4 minutes
     // behind; hosts 2 and 3 join with endpoints of their own, host 3's
@@ -471,7 +591,7 @@ async fn three_hosts_share_a_run_through_kills_stalls_cuts_lost_commits_skewed_c
             "--run-id",
             "shared",
             "--store",
-            &pg.url_at("10.231.1.1", "evals"),
+            &pg.url_at(&hosts.here(1), "evals"),
         ],
     );
     wait_until(ms(60_000), "the run is registered and under way", || {
@@ -510,7 +630,7 @@ async fn three_hosts_share_a_run_through_kills_stalls_cuts_lost_commits_skewed_c
             "--endpoints",
             &host3,
             "--store",
-            &pg.url_at("10.231.3.1", "evals"),
+            &pg.url_at(&hosts.here(3), "evals"),
         ],
     );
     let at = |share: f64| (ITEMS as f64 * share) as i64;
