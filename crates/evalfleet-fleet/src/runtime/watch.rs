@@ -16,7 +16,6 @@ use crate::client::http_client;
 use crate::engine::Supervised;
 use crate::{Endpoint, Phase, Transition};
 
-/// A URL's scheme, host and port.
 /// Where an endpoint is probed.
 pub fn health_url(config: &EndpointConfig, base_url: &str) -> String {
     let path = config
