@@ -565,12 +565,43 @@ pub struct ExportArgs {
     #[command(flatten)]
     pub store: StoreArgs,
 
+    /// The format; without it, the one `-o`'s name ends with (`.jsonl`,
+    /// `.csv`, `.parquet`).
     #[arg(long, value_enum)]
-    pub format: ExportFormat,
+    pub format: Option<ExportFormat>,
 
     /// Write here (atomically) instead of to standard output.
     #[arg(short, long, value_name = "FILE")]
     pub output: Option<PathBuf>,
+}
+
+impl ExportArgs {
+    /// `--format`, else the format `-o`'s name ends with.
+    pub fn format(&self) -> Result<ExportFormat, crate::UsageError> {
+        if let Some(format) = self.format {
+            return Ok(format);
+        }
+        let extension = self
+            .output
+            .as_deref()
+            .and_then(|file| file.extension())
+            .map(|e| e.to_string_lossy().to_ascii_lowercase());
+        match extension.as_deref() {
+            Some("jsonl") => Ok(ExportFormat::Jsonl),
+            Some("csv") => Ok(ExportFormat::Csv),
+            Some("parquet") => Ok(ExportFormat::Parquet),
+            _ => Err(crate::UsageError(format!(
+                "export: give --format (jsonl, csv, parquet or trajectories){}",
+                match &self.output {
+                    Some(file) => format!(
+                        ": {} does not end with .jsonl, .csv or .parquet",
+                        file.display()
+                    ),
+                    None => ", or -o FILE ending with .jsonl, .csv or .parquet".to_owned(),
+                }
+            ))),
+        }
+    }
 }
 
 #[derive(Debug, Args)]

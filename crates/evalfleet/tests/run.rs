@@ -101,6 +101,81 @@ async fn a_csv_dataset_is_answered_without_streaming() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn export_takes_its_format_from_the_output_s_name_unless_one_is_given() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 5);
+    let server = mock(MockSettings::default()).await;
+    env.write(
+        "run.yaml",
+        &config(&dataset, &external("only", &server, 4), ""),
+    );
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let run_id = ran.run_id();
+    async fn export_of(env: &Env, run_id: &str, args: &[&str]) -> crate::util::Ran {
+        let mut all = vec!["export", run_id];
+        all.extend_from_slice(args);
+        env.evalfleet(&all).await
+    }
+    for (name, first) in [
+        ("out.csv", b'i'),
+        ("OUT.JSONL", b'{'),
+        ("out.parquet", b'P'),
+    ] {
+        let file = env.path(name);
+        let done = export_of(&env, &run_id, &["-o", file.to_str().unwrap()]).await;
+        assert_eq!(done.code, Some(0), "{name}: {}", done.stderr);
+        let bytes = std::fs::read(&file).unwrap();
+        assert_eq!(bytes[0], first, "{name} starts with {:?}", bytes[0] as char);
+    }
+    let csv = std::fs::read_to_string(env.path("out.csv")).unwrap();
+    assert!(csv.starts_with("item_id,status,output"), "{csv}");
+    assert_eq!(csv.lines().count(), 6);
+    let jsonl = std::fs::read_to_string(env.path("OUT.JSONL")).unwrap();
+    assert_eq!(jsonl.lines().count(), 5);
+    assert!(
+        jsonl
+            .lines()
+            .all(|l| serde_json::from_str::<Value>(l).is_ok())
+    );
+    assert!(
+        std::fs::read(env.path("out.parquet"))
+            .unwrap()
+            .starts_with(b"PAR1")
+    );
+
+    // An explicit --format wins over the name.
+    let file = env.path("named.csv");
+    let done = export_of(
+        &env,
+        &run_id,
+        &["--format", "jsonl", "-o", file.to_str().unwrap()],
+    )
+    .await;
+    assert_eq!(done.code, Some(0), "{}", done.stderr);
+    assert!(std::fs::read_to_string(&file).unwrap().starts_with('{'));
+
+    // A name that says no format, or no name and no --format, is bad usage
+    // naming the formats; nothing is written.
+    let file = env.path("out.txt");
+    let refused = export_of(&env, &run_id, &["-o", file.to_str().unwrap()]).await;
+    assert_eq!(refused.code, Some(2), "{}", refused.stderr);
+    assert!(
+        refused.stderr.contains("--format") && refused.stderr.contains("out.txt"),
+        "{}",
+        refused.stderr
+    );
+    assert!(!file.exists());
+    let refused = export_of(&env, &run_id, &[]).await;
+    assert_eq!(refused.code, Some(2), "{}", refused.stderr);
+    assert!(
+        refused.stderr.contains(".jsonl, .csv or .parquet"),
+        "{}",
+        refused.stderr
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sample_is_the_same_for_the_same_seed_and_differs_for_another() {
     let env = Env::new();
     let dataset = env.dataset("items.jsonl", 200);

@@ -365,6 +365,7 @@ const COLUMNS: [&str; 19] = [
 ];
 
 pub fn export(args: ExportArgs) -> anyhow::Result<u8> {
+    let format = args.format()?;
     let (_, mut store) = open_to_read(args.store.store.clone())?;
     store.run(&args.run_id)?;
     match &args.output {
@@ -374,7 +375,7 @@ pub fn export(args: ExportArgs) -> anyhow::Result<u8> {
                 .with_context(|| format!("cannot create {}", tmp.display()))
                 .and_then(|f| {
                     let mut writer = BufWriter::new(f);
-                    write_export(&mut *store, &args, &mut writer)?;
+                    write_export(&mut *store, &args.run_id, format, &mut writer)?;
                     writer.flush()?;
                     writer.get_ref().sync_all()?;
                     Ok(())
@@ -390,7 +391,7 @@ pub fn export(args: ExportArgs) -> anyhow::Result<u8> {
         }
         None => {
             let mut writer = BufWriter::new(io::stdout());
-            write_export(&mut *store, &args, &mut writer)?;
+            write_export(&mut *store, &args.run_id, format, &mut writer)?;
             writer.flush()?;
         }
     }
@@ -405,23 +406,23 @@ fn temp_path(file: &Path) -> std::path::PathBuf {
 
 fn write_export(
     store: &mut dyn Store,
-    args: &ExportArgs,
+    run_id: &str,
+    format: ExportFormat,
     out: &mut (dyn Write + Send),
 ) -> anyhow::Result<()> {
-    match args.format {
-        ExportFormat::Parquet => write_parquet(store, &args.run_id, out)?,
+    match format {
+        ExportFormat::Parquet => write_parquet(store, run_id, out)?,
         ExportFormat::Jsonl => {
-            store.export(&args.run_id, &mut |row| {
+            store.export(run_id, &mut |row| {
                 serde_json::to_writer(&mut *out, &row).map_err(io::Error::other)?;
                 out.write_all(b"\n")
             })?;
         }
         ExportFormat::Trajectories => {
-            let written =
-                report::trajectories::export_trajectories(store, &args.run_id, &mut |line| {
-                    serde_json::to_writer(&mut *out, line).map_err(io::Error::other)?;
-                    out.write_all(b"\n")
-                })?;
+            let written = report::trajectories::export_trajectories(store, run_id, &mut |line| {
+                serde_json::to_writer(&mut *out, line).map_err(io::Error::other)?;
+                out.write_all(b"\n")
+            })?;
             let left_out = written.no_chat + written.unreadable;
             if left_out > 0 {
                 eprintln!(
@@ -433,7 +434,7 @@ fn write_export(
         ExportFormat::Csv => {
             // A first pass finds every item field, so that each becomes a column.
             let mut fields = BTreeSet::new();
-            store.export(&args.run_id, &mut |row| {
+            store.export(run_id, &mut |row| {
                 if let Value::Object(item) = &row.item {
                     fields.extend(item.keys().cloned());
                 }
@@ -447,7 +448,7 @@ fn write_export(
                 .chain(std::iter::once(IMAGES.to_owned()))
                 .collect();
             csv.write_record(&header)?;
-            store.export(&args.run_id, &mut |row| {
+            store.export(run_id, &mut |row| {
                 csv.write_record(csv_record(&row, &fields))
                     .map_err(io::Error::other)
             })?;
