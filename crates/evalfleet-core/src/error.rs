@@ -6,7 +6,7 @@ use evalfleet_io::dataset::DatasetError;
 use evalfleet_io::template::TemplateError;
 use evalfleet_pipeline::PipelineError;
 use evalfleet_sheets::SheetError;
-use evalfleet_store::{CreateRunError, ExportError, StoreError};
+use evalfleet_store::{CreateRunError, StoreError};
 use evalfleet_types::Fault;
 
 use crate::frontend::UsageError;
@@ -25,8 +25,6 @@ pub enum SessionError {
     Store(#[from] StoreError),
     #[error(transparent)]
     CreateRun(#[from] CreateRunError),
-    #[error(transparent)]
-    Export(#[from] ExportError),
     #[error(transparent)]
     Resume(#[from] ResumeError),
     #[error(transparent)]
@@ -81,7 +79,6 @@ impl SessionError {
             Self::Template(e) => e.fault(),
             Self::Store(e) => e.fault(),
             Self::CreateRun(e) => e.fault(),
-            Self::Export(e) => e.fault(),
             Self::Resume(e) | Self::SheetChanged { source: e, .. } => e.fault(),
             Self::Sheets(e) | Self::Sheet { source: e, .. } => e.fault(),
             Self::Dataset { source, .. } => source.fault(),

@@ -34,7 +34,6 @@ pub fn session_error(err: SessionError) -> anyhow::Error {
         SessionError::Template(e) => e.into(),
         SessionError::Store(e) => e.into(),
         SessionError::CreateRun(e) => e.into(),
-        SessionError::Export(e) => e.into(),
         SessionError::Resume(e) => e.into(),
         SessionError::Sheets(e) => e.into(),
         SessionError::Io(e) => e.into(),

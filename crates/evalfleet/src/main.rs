@@ -24,15 +24,11 @@ pub const EXIT_INTERRUPTED: u8 = 130;
 pub use evalfleet_core::UsageError;
 
 /// What kind of failure an error is: the first error of its chain that
-/// says (each error type says its own kind), else a failure.
+/// says (each error type says its own kind, `UsageError` among them), else
+/// a failure.
 fn fault_of(err: &anyhow::Error) -> Fault {
     err.chain()
-        .find_map(|cause| {
-            if cause.is::<UsageError>() {
-                return Some(Fault::BadInput);
-            }
-            evalfleet_core::fault_of(cause)
-        })
+        .find_map(evalfleet_core::fault_of)
         .unwrap_or(Fault::Failure)
 }
 
