@@ -140,6 +140,7 @@ pub async fn start(args: RunArgs, overrides: Overrides, conversation: bool) -> a
             quiet: args.output.quiet,
         },
         None,
+        &frontend,
     )
     .await
 }
@@ -157,19 +158,19 @@ pub enum Attendance {
 /// once its gym has finished and it has written the last.
 pub type Journal = Pin<Box<dyn Future<Output = anyhow::Result<()>> + Send>>;
 
-/// Runs `session` to its end as `attendance` watches it; its last lines
-/// and exit code.
+/// Runs `session` to its end as `attendance` watches it, with what
+/// `frontend` lends it; its last lines and exit code.
 pub async fn execute(
     session: Session,
     attendance: Attendance,
     journal: Option<Journal>,
+    frontend: &Frontend,
 ) -> anyhow::Result<u8> {
-    let frontend = frontend()?;
     let stop = match &attendance {
         Attendance::Terminal { .. } => CancellationToken::new(),
         Attendance::Server { stop } => stop.clone(),
     };
-    let launched = session.launch(&frontend, stop.clone()).await.lift()?;
+    let launched = session.launch(frontend, stop.clone()).await.lift()?;
     let (mode, signals) = match attendance {
         Attendance::Terminal { quiet } => {
             let ending = launched.ending();

@@ -8,6 +8,7 @@ use std::pin::Pin;
 
 use anyhow::Context;
 use evalfleet_config::bench::load_bench;
+use evalfleet_core::Frontend;
 use evalfleet_core::bench::{self, BenchReport, CellState, CellStatus, Manifest};
 use evalfleet_core::matrix::{CellEnd, CellRunner, Matrix, run_matrix};
 use evalfleet_core::session::Session;
@@ -46,7 +47,7 @@ async fn run_bench(file: &Path, store: Option<PathBuf>, yes: bool) -> anyhow::Re
         yes,
         stop: &stop,
         frontend: &frontend,
-        cells: &AttendedCells,
+        cells: &AttendedCells(frontend.clone()),
     };
     let tally = run_matrix(&bench, matrix).await;
     signals.abort();
@@ -89,7 +90,7 @@ async fn run_bench(file: &Path, store: Option<PathBuf>, yes: bool) -> anyhow::Re
 
 /// A cell's session runs as a server's does (no display), with its last
 /// lines.
-struct AttendedCells;
+struct AttendedCells(Frontend);
 
 impl CellRunner for AttendedCells {
     fn run(
@@ -98,7 +99,7 @@ impl CellRunner for AttendedCells {
         stop: CancellationToken,
     ) -> Pin<Box<dyn Future<Output = Result<CellEnd, String>> + Send + '_>> {
         Box::pin(async move {
-            match attend::execute(session, Attendance::Server { stop }, None).await {
+            match attend::execute(session, Attendance::Server { stop }, None, &self.0).await {
                 Ok(EXIT_INTERRUPTED) => Ok(CellEnd::Interrupted),
                 Ok(_) => Ok(CellEnd::Ended),
                 Err(err) => Err(format!("{err:#}")),

@@ -18,6 +18,7 @@ use evalfleet_store::OpenOptions;
 use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 
+use evalfleet_core::Frontend;
 use evalfleet_core::conversation::Journal;
 use evalfleet_core::session::{
     NewSession, Resumable, Resume, Session, new_session, require_conversation, resumable_with,
@@ -41,6 +42,7 @@ pub async fn env(args: EnvArgs) -> anyhow::Result<u8> {
         .await
         .map_err(|err| UsageError(format!("cannot listen on {}: {err}", args.bind)))?;
     let addr = listener.local_addr()?;
+    let frontend = attend::frontend()?;
     let mut session = match &args.resume {
         None => {
             let Some(file) = &args.config else {
@@ -57,12 +59,12 @@ pub async fn env(args: EnvArgs) -> anyhow::Result<u8> {
                     run_id: args.run_id.clone(),
                     started,
                 },
-                &attend::frontend()?,
+                &frontend,
             )
             .await
             .lift()?
         }
-        Some(run_id) => match resumed(&args, run_id, overrides).await? {
+        Some(run_id) => match resumed(&args, run_id, overrides, &frontend).await? {
             Ok(session) => session,
             Err(code) => return Ok(code),
         },
@@ -111,6 +113,7 @@ pub async fn env(args: EnvArgs) -> anyhow::Result<u8> {
             stop: shutdown.clone(),
         },
         Some(journal),
+        &frontend,
     )
     .await;
     // Whatever stopped the session, no episode comes any more (and the
@@ -134,6 +137,7 @@ async fn resumed(
     args: &EnvArgs,
     run_id: &str,
     overrides: Overrides,
+    frontend: &Frontend,
 ) -> anyhow::Result<Result<Session, u8>> {
     let location = store_location(args.store.clone(), None)?;
     let store = evalfleet_store::open(&location, &OpenOptions::default())?;
@@ -167,7 +171,7 @@ async fn resumed(
             endpoints: &args.endpoints,
             yes: args.yes,
         },
-        &attend::frontend()?,
+        frontend,
     )
     .await
     .lift()?;

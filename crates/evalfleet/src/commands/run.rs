@@ -15,6 +15,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
 
 pub async fn resume(args: ResumeArgs) -> anyhow::Result<u8> {
     let location = store_location(args.store, None)?;
+    let frontend = attend::frontend()?;
     let resumed = session::resumable(
         location,
         &args.run_id,
@@ -24,7 +25,7 @@ pub async fn resume(args: ResumeArgs) -> anyhow::Result<u8> {
             endpoints: &args.endpoints,
             yes: args.yes,
         },
-        &attend::frontend()?,
+        &frontend,
     )
     .await
     .lift()?;
@@ -54,6 +55,7 @@ pub async fn resume(args: ResumeArgs) -> anyhow::Result<u8> {
                     quiet: args.output.quiet,
                 },
                 None,
+                &frontend,
             )
             .await
         }

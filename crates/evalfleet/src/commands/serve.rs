@@ -17,6 +17,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use evalfleet_core::Frontend;
 use evalfleet_core::session::{self, Resumable, Resume, Session};
 
 use super::store_location;
@@ -60,6 +61,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<u8> {
     };
     let control = Arc::new(Control {
         location: location.clone(),
+        frontend: attend::frontend()?,
         allow_commands: args.allow_commands,
         runs: Mutex::new(HashMap::new()),
         tracker: TaskTracker::new(),
@@ -111,6 +113,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<u8> {
 /// The runs this process answers for the server.
 struct Control {
     location: Location,
+    /// What the runs answered here are lent.
+    frontend: Frontend,
     /// `--allow-commands`: a rescore may start metric backends.
     allow_commands: bool,
     runs: Mutex<HashMap<String, CancellationToken>>,
@@ -129,7 +133,8 @@ impl Control {
         self.runs().insert(run_id.clone(), stop.clone());
         let this = self.clone();
         self.tracker.spawn(async move {
-            match attend::execute(session, Attendance::Server { stop }, None).await {
+            match attend::execute(session, Attendance::Server { stop }, None, &this.frontend).await
+            {
                 Ok(code) => tracing::info!("Run {run_id} ended (exit code {code})."),
                 Err(err) => tracing::warn!("Run {run_id} stopped: {err:#}."),
             }
@@ -173,10 +178,10 @@ impl RunControl for ControlHandle {
         let control = self.0.clone();
         Box::pin(async move {
             let loaded = *request.config;
-            let frontend = attend::frontend().map_err(|err| api_error(err.into()))?;
+            let frontend = &control.frontend;
             let templates =
                 session::checked_templates(&loaded).map_err(|err| api_error(session_error(err)))?;
-            let gpu_policy = session::check_gpus(&loaded.config, None, false, &frontend)
+            let gpu_policy = session::check_gpus(&loaded.config, None, false, frontend)
                 .await
                 .map_err(|err| api_error(session_error(err)))?;
             let session = session::register(
@@ -203,7 +208,6 @@ impl RunControl for ControlHandle {
                     "run {run_id} is running in this server already"
                 )));
             }
-            let frontend = attend::frontend().map_err(|err| api_error(err.into()))?;
             let resumed = session::resumable(
                 control.location.clone(),
                 &run_id,
@@ -213,7 +217,7 @@ impl RunControl for ControlHandle {
                     endpoints: &[],
                     yes: false,
                 },
-                &frontend,
+                &control.frontend,
             )
             .await
             .map_err(session_error)

@@ -46,6 +46,7 @@ async fn join(location: &Location, run_id: &str, args: &WorkerArgs) -> anyhow::R
         Some(file) => config::load_snapshot_with_endpoints(&record.config, dir, file)?,
         None => config::load_snapshot(&record.config, dir)?,
     };
+    let frontend = attend::frontend()?;
     match resumable_with(
         location.clone(),
         store,
@@ -56,7 +57,7 @@ async fn join(location: &Location, run_id: &str, args: &WorkerArgs) -> anyhow::R
             endpoints: &[],
             yes: args.yes,
         },
-        &attend::frontend()?,
+        &frontend,
     )
     .await
     .lift()?
@@ -79,6 +80,7 @@ async fn join(location: &Location, run_id: &str, args: &WorkerArgs) -> anyhow::R
                     quiet: args.output.quiet,
                 },
                 None,
+                &frontend,
             )
             .await
         }
