@@ -16,24 +16,22 @@ def modpath(src, f):
     rel = list(f.relative_to(src).parts)
     rel[-1] = rel[-1][:-3]
     if rel[-1] in ("lib", "main", "mod"): rel = rel[:-1]
-    return rel, f.name in ("lib.rs", "main.rs", "mod.rs")
+    return rel
 for src in sorted(root.glob("crates/*/src")):
     files = list(src.rglob("*.rs"))
     mods = set()
     for f in files:
-        p, _ = modpath(src, f)
+        p = modpath(src, f)
         for i in range(len(p) + 1): mods.add(tuple(p[:i]))
     edges = collections.defaultdict(lambda: collections.defaultdict(set))
     for f in files:
-        me, isdir = modpath(src, f)
+        me = modpath(src, f)
         if me and me[-1] == "tests": continue
         text = re.sub(r"#\[cfg\(test\)\][\s\S]*", "", f.read_text(errors="ignore"))
         text = re.sub(r"//[^\n]*", "", text)
         refs = []
         for m in re.finditer(r"\b(crate|super|self)((?:::\w+)+)(::\{([^}]*)\})?", text):
-            base = {"crate": [], "self": list(me) if isdir else list(me),
-                    "super": (list(me[:-1]) if me else [])}[m.group(1)]
-            if m.group(1) == "self" and not isdir: base = list(me)
+            base = {"crate": [], "self": list(me), "super": list(me[:-1])}[m.group(1)]
             segs = [s for s in m.group(2).split("::") if s]
             # super::super
             while segs and segs[0] == "super":
