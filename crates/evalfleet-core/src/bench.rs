@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use evalfleet_config::bench::{BenchCell, BenchConfig};
 use evalfleet_config::{EndpointConfig, MASK, Secret};
-use evalfleet_reports::{self as report, ReportError, metrics::ALL};
+use evalfleet_reports::{self as report, Outcome, ReportError, metrics::ALL};
 use evalfleet_store::worker;
 use evalfleet_store::{ItemQuery, SortKey, Store, StoreError};
 use evalfleet_types::{Event, EventKind, ResourceMetric, ResourcePoint, ResourceSource, RunStatus};
@@ -447,6 +447,33 @@ pub struct CellReport {
     /// How long the model's engine took to load for this cell's last
     /// turn, from its process's start to its first health answer (ms).
     pub engine_start_ms: Option<i64>,
+    /// What its run came to, with its counts and causes (`None` before
+    /// its run exists).
+    pub outcome: Option<Outcome>,
+}
+
+impl CellReport {
+    /// Where it stands in a word: its state, or once its run has
+    /// finished, its outcome (`complete`, `incomplete`, `failed`).
+    pub fn standing(&self) -> &'static str {
+        match (&self.status.state, &self.outcome) {
+            (CellState::Done, Some(outcome)) => outcome.outcome.as_str(),
+            (state, _) => state.as_str(),
+        }
+    }
+
+    /// Whether its numbers are over every item: its run finished
+    /// complete. Every surface marks a cell that is not.
+    pub fn is_complete(&self) -> bool {
+        self.status.state == CellState::Done && self.outcome.as_ref().is_some_and(Outcome::is_complete)
+    }
+
+    /// Items with a usable, scored answer, and items that failed.
+    pub fn scored_and_failed(&self) -> (u64, u64) {
+        self.outcome
+            .as_ref()
+            .map_or((0, self.status.failed), |o| (o.scored, o.failed))
+    }
 }
 
 /// From one model's last answer to the next model's first call.
@@ -549,16 +576,18 @@ pub fn report(store: &mut dyn Store, manifest: &Manifest) -> Result<BenchReport,
             tokens_per_second: None,
             peak_gpu_memory_mb: None,
             engine_start_ms: None,
+            outcome: None,
         };
         if cell.status.total == 0 {
             cells.push(cell);
             continue;
         }
         let run = report::report(store, &run_id, &manifest.group_by, None)?;
+        cell.outcome = Some(run.outcome.clone());
         if let Some(first) = run.metrics.first() {
             let metric = first.metric.clone();
             for summary in run.metrics.iter().filter(|s| s.metric == metric) {
-                if summary.status == "not scored" {
+                if !summary.has_value() {
                     continue;
                 }
                 let score = Score {

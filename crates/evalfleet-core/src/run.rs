@@ -30,7 +30,14 @@ pub struct DatasetItems<'a> {
     /// With `task.n` > 1: the row whose samples are being registered, and
     /// the next sample's index.
     repeating: Option<(NewItem, u32)>,
+    /// Rows whose templates cannot be rendered: the first few (line and
+    /// why), and how many in all.
+    unrenderable: Vec<(u64, String)>,
+    unrenderable_count: u64,
 }
+
+/// Rows without their templates' fields named when a run is refused.
+const UNRENDERABLE_NAMED: usize = 5;
 
 impl<'a> DatasetItems<'a> {
     /// Opens the dataset; for CSV, checks the templates against its columns
@@ -47,6 +54,8 @@ impl<'a> DatasetItems<'a> {
             scanner: Some(scanner),
             seq: 0,
             repeating: None,
+            unrenderable: Vec::new(),
+            unrenderable_count: 0,
         })
     }
 }
@@ -91,9 +100,26 @@ impl DatasetItems<'_> {
         let Some(scanner) = self.scanner.as_mut() else {
             return Ok(None);
         };
-        let Some(row) = scanner.next_row()? else {
+        // A row that lacks a field its templates use is rendered to see
+        // whether it matters (a field used under `{% if %}` does not): the
+        // templates of most rows are not rendered here, only looked up.
+        let templates = self.templates;
+        let variables = templates.variables();
+        let mut check = |row: &evalfleet_io::dataset::Row| {
+            if variables.iter().all(|v| row.contains_key(v)) {
+                return None;
+            }
+            templates.render_parts(row).err()
+        };
+        let Some(row) = scanner.next_row_checked(&mut check)? else {
             return Ok(None);
         };
+        if let Some(problem) = row.problem {
+            self.unrenderable_count += 1;
+            if self.unrenderable.len() < UNRENDERABLE_NAMED {
+                self.unrenderable.push((row.line, problem));
+            }
+        }
         let dataset = &self.config.dataset;
         if let Some(message) = &row.invalid
             && !dataset.skip_invalid
@@ -135,6 +161,29 @@ impl DatasetItems<'_> {
         if !csv && self.seq > 0 && summary.fields.len() < 4096 {
             self.templates
                 .check_fields(&summary.fields, "no row of the dataset has")?;
+        }
+        if let Some((_, first)) = self.unrenderable.first() {
+            let file = self.config.dataset.path.display();
+            let lines: Vec<String> = self
+                .unrenderable
+                .iter()
+                .map(|(line, _)| line.to_string())
+                .collect();
+            let more = self.unrenderable_count - self.unrenderable.len() as u64;
+            return Err(evalfleet_io::template::TemplateError {
+                path: "task.messages".to_owned(),
+                message: format!(
+                    "{} row(s) of {file} cannot be rendered, the first at line(s) {}{}: {first}",
+                    self.unrenderable_count,
+                    lines.join(", "),
+                    if more > 0 {
+                        format!(" and {more} more")
+                    } else {
+                        String::new()
+                    }
+                ),
+            }
+            .into());
         }
         Ok(RunIdentity {
             fingerprint: Fingerprint::new(self.config, summary.identity.sha256.clone()),

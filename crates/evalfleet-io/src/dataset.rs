@@ -207,6 +207,9 @@ pub struct ScannedRow {
     pub offset: u64,
     /// Why the row cannot be used, when it cannot.
     pub invalid: Option<String>,
+    /// What the check of [`Scanner::next_row_checked`] found wrong with
+    /// the row (a JSONL row: the others are checked by their columns).
+    pub problem: Option<String>,
 }
 
 /// What a finished scan learned about the file.
@@ -329,6 +332,15 @@ impl Scanner {
     /// The next row, or `None` at the end. Only I/O errors are errors: a
     /// malformed row comes back with `invalid` set.
     pub fn next_row(&mut self) -> Result<Option<ScannedRow>, DatasetError> {
+        self.next_row_checked(&mut |_| None)
+    }
+
+    /// [`Scanner::next_row`], with `check` asked about each valid JSONL
+    /// row as it is read (its answer is the row's `problem`).
+    pub fn next_row_checked(
+        &mut self,
+        check: &mut dyn FnMut(&Row) -> Option<String>,
+    ) -> Result<Option<ScannedRow>, DatasetError> {
         let read_err = |path: &Path, source| DatasetError::Read {
             path: path.to_owned(),
             source,
@@ -389,8 +401,13 @@ impl Scanner {
             }
         };
         self.rows += 1;
+        let jsonl = matches!(self.format, Scan::Jsonl { .. });
+        let mut problem = None;
         let scanned = match parsed.and_then(|row| {
             let id = item_id(&row, self.id_field.as_deref())?;
+            if jsonl {
+                problem = check(&row);
+            }
             if self.fields.len() < MAX_FIELD_NAMES {
                 match &self.format {
                     // The row may hold the id column alone.
@@ -411,12 +428,14 @@ impl Scanner {
                 line,
                 offset,
                 invalid: None,
+                problem,
             },
             Err(message) => ScannedRow {
                 id: format!("line:{line}"),
                 line,
                 offset,
                 invalid: Some(message),
+                problem: None,
             },
         };
         Ok(Some(scanned))

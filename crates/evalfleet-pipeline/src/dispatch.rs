@@ -394,6 +394,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
             let class = err.class();
             let tries = item.tries;
             let said = evalfleet_types::error_text(&err);
+            item.refused = !class.is_retryable();
             let reason = if !class.is_retryable() {
                 said
             } else if tries >= shared.retry.max_attempts {
@@ -761,6 +762,14 @@ pub async fn drive(shared: &Arc<Shared>, mut item: Item, mut step: Step, mut car
 /// Hands an item's result (and what it carries) to the writer, and counts
 /// the item as ended.
 async fn end(shared: &Shared, item: Item, finish: Finish, carry: Carry) {
+    let alike = item.refused || item.calls == 0;
+    if let Some(cause) = shared.first_failures.ended(&finish, alike) {
+        shared.fleet.give_up(format!(
+            "The first {} items to end all failed the same way, and none was answered: {cause}. \
+             Fix the cause, then resume with --retry-failed to answer them again.",
+            crate::item::FirstFailures::SAME
+        ));
+    }
     let claim = item.claim;
     let (result, ended) = item.finish(finish);
     let outcome = Outcome {

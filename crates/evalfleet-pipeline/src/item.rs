@@ -76,6 +76,65 @@ impl Tally {
     }
 }
 
+/// Watches how a session's first items end: when the first
+/// [`FirstFailures::SAME`] to end all failed the same way and none was
+/// answered (a wrong key, a mistyped model, a request every call gets
+/// refused, an agent that fails at once), the session gives up at once,
+/// naming the cause, instead of failing every item of the run the same way.
+/// Once an item is answered it says nothing more.
+#[derive(Default)]
+pub struct FirstFailures {
+    answered: std::sync::atomic::AtomicBool,
+    /// The first failure's words and how many failed with them.
+    same: std::sync::Mutex<Option<(String, u32)>>,
+}
+
+impl FirstFailures {
+    /// Failures alike, and no answer, that give a session up.
+    pub const SAME: u32 = 5;
+
+    /// An item ended as `finish` says; `alike`: a failure that can be
+    /// one of many alike (a call refused for good, or work of the task's
+    /// own that made no call, such as an agent's run), not a server's
+    /// error retried to the end. The cause to give up for, once.
+    pub fn ended(&self, finish: &Finish, alike: bool) -> Option<String> {
+        if self.answered.load(Ordering::Relaxed) {
+            return None;
+        }
+        // A failed item with an output was played (an episode its trainer
+        // closed): something answered.
+        if finish.status != ItemStatus::Failed || finish.output.is_some() {
+            self.answered.store(true, Ordering::Relaxed);
+            return None;
+        }
+        if !alike {
+            self.answered.store(true, Ordering::Relaxed);
+            return None;
+        }
+        let error = finish.error.as_deref().unwrap_or("no reason recorded");
+        let words = error.lines().next().unwrap_or_default();
+        let mut same = self
+            .same
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match &mut *same {
+            Some((first, count)) if first == words => {
+                *count += 1;
+                (*count == Self::SAME).then(|| first.clone())
+            }
+            Some(_) => {
+                // Failures of different kinds: not one cause to name.
+                self.answered.store(true, Ordering::Relaxed);
+                None
+            }
+            None => {
+                *same = Some((words.to_owned(), 1));
+                None
+            }
+        }
+    }
+}
+
 /// An item in a session.
 pub struct Item {
     tally: Arc<Tally>,
@@ -111,6 +170,9 @@ pub struct Item {
     /// When its first call in this session was sent (its deadline counts
     /// from here).
     pub first_sent: Option<Instant>,
+    /// Its last call was refused with an answer no retry changes (a 4xx
+    /// other than 408 and 429).
+    pub refused: bool,
     /// The call that gave its answer so far (or the last that failed).
     pub answer: Option<Telemetry>,
     pub episode: Box<dyn Episode>,
@@ -153,6 +215,7 @@ impl Item {
             tries: claimed.prior_attempts,
             retry_paid: false,
             first_sent: None,
+            refused: false,
             answer: None,
             episode,
             request: None,

@@ -256,6 +256,8 @@ struct Shared {
     tracker: TaskTracker,
     /// Items not ended.
     tally: Arc<Tally>,
+    /// Whether the first items all failed alike (then the session gives up).
+    first_failures: item::FirstFailures,
     progress: Arc<Progress>,
     fleet: FleetHandle,
 }
@@ -444,6 +446,7 @@ pub async fn execute(
         abort: abort.clone(),
         tracker: tracker.clone(),
         tally: tally.clone(),
+        first_failures: item::FirstFailures::default(),
         progress: progress.clone(),
         fleet: session.fleet.clone(),
     });

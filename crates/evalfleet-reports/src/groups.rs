@@ -47,7 +47,7 @@ pub struct GroupMetric {
     pub metric: String,
     pub n: u64,
     pub scored: u64,
-    /// `scored`, `partly scored` or `not scored`.
+    /// `scored`, `partly scored`, `not scored` or `no answers`.
     pub status: &'static str,
     #[serde(flatten)]
     pub estimate: Estimate,

@@ -141,7 +141,7 @@ fn kept_or(
 
 /// What a report by `by` is kept under.
 pub fn report_key(by: &[String]) -> String {
-    format!("report?by={}", by.join(","))
+    format!("report/2?by={}", by.join(","))
 }
 
 /// What a comparison is kept under (under its first run).

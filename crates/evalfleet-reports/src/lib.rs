@@ -15,6 +15,7 @@ pub mod endpoints;
 pub mod groups;
 pub mod kept;
 pub mod metrics;
+pub mod outcome;
 pub mod resources;
 pub mod samples;
 pub mod stats;
@@ -34,6 +35,7 @@ pub use endpoints::{EndpointSummary, Percentiles, endpoints};
 pub use groups::{GroupFigures, GroupMetric};
 pub use kept::{Keeping, KeptBody, KeptInMemory, kept_compare, kept_report};
 pub use metrics::Summary;
+pub use outcome::{Cause, CauseKind, Outcome, OutcomeKind};
 pub use resources::{ResourcesReport, SeriesSummary, resources};
 pub use samples::SamplesSummary;
 
@@ -57,13 +59,16 @@ pub enum ReportError {
     /// What was asked of a comparison cannot be done.
     #[error("{0}")]
     Compare(String),
+    /// A grouping by a field no item has.
+    #[error("{0}")]
+    Group(String),
 }
 
 impl ReportError {
     pub fn fault(&self) -> evalfleet_types::Fault {
         match self {
             Self::Store(err) => err.fault(),
-            Self::Config { .. } | Self::Metrics(_) | Self::Compare(_) => {
+            Self::Config { .. } | Self::Metrics(_) | Self::Compare(_) | Self::Group(_) => {
                 evalfleet_types::Fault::BadInput
             }
         }
@@ -116,6 +121,8 @@ pub struct Report {
     pub name: String,
     /// Items in the run.
     pub items: u64,
+    /// What the run came to (complete, incomplete, failed) and why.
+    pub outcome: Outcome,
     /// Results by the model that answered them.
     pub models: BTreeMap<String, u64>,
     /// Results by the rule of `task.prompts` that made their messages
@@ -341,6 +348,48 @@ pub fn grouping(
     Ok(if has { doc_type.to_vec() } else { Vec::new() })
 }
 
+/// Refuses a grouping by a field no item has (every group says `(none)`
+/// for it), naming the fields the items have.
+fn check_grouping<'a>(
+    store: &mut dyn Store,
+    run_id: &str,
+    by: &[String],
+    groups: impl Iterator<Item = &'a String> + Clone,
+) -> Result<(), ReportError> {
+    let absent = by.iter().enumerate().find(|(i, field)| {
+        *field != groups::PROMPT
+            && groups
+                .clone()
+                .all(|g| g.split(" / ").nth(*i) == Some("(none)"))
+    });
+    let Some((_, field)) = absent else {
+        return Ok(());
+    };
+    let mut fields: Vec<String> = Vec::new();
+    store.results_page(
+        run_id,
+        evalfleet_store::ResultOrder::Seq,
+        None,
+        1,
+        true,
+        &mut |result| {
+            if let Some(Ok(Value::Object(row))) = result.item.map(serde_json::from_str::<Value>) {
+                fields = row.keys().cloned().collect();
+            }
+            Ok(())
+        },
+    )?;
+    Err(ReportError::Group(format!(
+        "--by {field}: no item has the field '{field}' (the items have: {}{})",
+        fields.join(", "),
+        if by.iter().any(|f| f == groups::PROMPT) {
+            String::new()
+        } else {
+            "; @prompt groups by the rule of task.prompts".to_owned()
+        }
+    )))
+}
+
 /// Reads every result of `run_id` in dataset order, each with its category
 /// for `by`.
 pub fn scan(
@@ -393,8 +442,11 @@ pub fn report_with(
     let mut prompts: BTreeMap<String, u64> = BTreeMap::new();
     let mut models: BTreeMap<String, u64> = BTreeMap::new();
     let mut verdicts: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
+    let keys: Vec<&str> = judged.metrics.iter().map(|m| m.key.as_str()).collect();
+    let mut outcome = Outcome::counting(judged.run.total);
     scan(store, run_id, by, &mut |result, group| {
         each(&judged.metrics, result, group);
+        outcome.add(result, &keys);
         summaries.add(
             metrics::Row {
                 failed: result.status == ItemStatus::Failed,
@@ -468,6 +520,9 @@ pub fn report_with(
             samples.add(row, values, vote);
         }
     })?;
+    if !by.is_empty() && fidelity.total() > 0 {
+        check_grouping(store, run_id, by, fidelity_by.keys())?;
+    }
     let metrics = summaries.finish();
     fidelity_by.insert(metrics::ALL.to_owned(), fidelity);
     let groups = groups::groups(&metrics, &fidelity_by);
@@ -475,6 +530,7 @@ pub fn report_with(
         run_id: judged.run.run_id.clone(),
         name: judged.run.name.clone(),
         items: judged.run.total,
+        outcome: outcome.finish(),
         models,
         prompts,
         group_by: by.to_vec(),

@@ -49,8 +49,9 @@ pub struct Summary {
     /// Items not scored for reasons beyond those listed.
     #[serde(skip_serializing_if = "is_zero")]
     pub other_reasons: u64,
-    /// `scored`, `partly scored` (some items could not be scored) or `not
-    /// scored` (none could).
+    /// `scored`, `partly scored` (some items could not be scored), `not
+    /// scored` (none could) or `no answers` (no item was answered: there is
+    /// no score, see [`Summary::value_text`]).
     pub status: &'static str,
     /// Over the `n − errors − lost` items the metric could judge, one
     /// without a usable answer (failed for the model's sake, unparsed,
@@ -79,7 +80,7 @@ pub struct Reason {
 /// items compare equal. A quote opens after a space (or at the start) and
 /// closes before a space, punctuation or the end, so that an apostrophe
 /// inside a quoted text (`'it's'`) does not end it.
-fn shape_of(reason: &str) -> String {
+pub(crate) fn shape_of(reason: &str) -> String {
     let chars: Vec<char> = reason.chars().collect();
     let mut out = String::with_capacity(reason.len());
     let mut quoted = false;
@@ -101,6 +102,10 @@ fn shape_of(reason: &str) -> String {
     out
 }
 
+/// A metric's status when no item of its group was answered: it has no
+/// score (not the worst one).
+pub const NO_ANSWERS: &str = "no answers";
+
 /// Distinct reasons kept per metric and group.
 const REASONS: usize = 3;
 
@@ -116,6 +121,22 @@ impl Summary {
             0.0
         } else {
             self.errors as f64 / judged as f64
+        }
+    }
+
+    /// Whether it has a value to show: some item was scored, or answered
+    /// and counted at the worst value.
+    pub fn has_value(&self) -> bool {
+        self.status != NO_ANSWERS && self.status != "not scored"
+    }
+
+    /// Its mean with `decimals`, or why there is none: `no score: 0 of 5
+    /// answered`, `not scored`.
+    pub fn value_text(&self, decimals: usize) -> String {
+        match self.status {
+            NO_ANSWERS => format!("no score: 0 of {} answered", self.n),
+            "not scored" => "not scored".to_owned(),
+            _ => format!("{:.decimals$}", self.estimate.mean),
         }
     }
 
@@ -345,9 +366,12 @@ impl Accumulator {
     }
 
     pub fn finish(self, metric: &Metric, group: &str) -> Summary {
-        // Every answer failed (no error of the metric's): that is a score,
-        // the worst one, and the table says why in FAILED/UNPARSED.
+        let n = self.values.n + self.errors + self.lost;
+        // No item answered at all: there is no score to give, not the worst
+        // one. Some answered, all unusable: that is a score, the worst one,
+        // and the table says why in UNPARSED/INVALID.
         let status = match (self.errors, self.scored, self.values.n) {
+            _ if n > 0 && self.failed == n => NO_ANSWERS,
             (0, _, 1..) => "scored",
             (_, 0, _) => "not scored",
             _ => "partly scored",
@@ -355,7 +379,7 @@ impl Accumulator {
         Summary {
             metric: metric.key.clone(),
             group: group.to_owned(),
-            n: self.values.n + self.errors + self.lost,
+            n,
             scored: self.scored,
             failed: self.failed,
             lost: self.lost,

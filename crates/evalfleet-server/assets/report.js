@@ -55,6 +55,33 @@ const EFReport = (() => {
     return () => clearInterval(timer);
   }
 
+  /** Whether a metric's summary has a value to show (some item answered, and scored or counted at the worst value). */
+  function valued(s) {
+    return s.status !== "no answers" && s.status !== "not scored";
+  }
+
+  /** Why a metric has no value: no item was answered, or none could be scored. */
+  function noValue(s) {
+    return s.status === "no answers" ? `no score: 0 of ${fmt.int(s.n)} answered` : "not scored";
+  }
+
+  /** The run's outcome (complete, incomplete, failed) first, with its causes when it is not complete. */
+  function outcome(report) {
+    const o = report.outcome;
+    if (!o) return null;
+    const parts = [["failed", o.failed], ["unusable", o.unusable], ["not scored", o.not_scored], ["pending", o.pending]]
+      .filter(([, n]) => n > 0).map(([what, n]) => `${fmt.int(n)} ${what}`);
+    const head = o.outcome === "failed"
+      ? `Failed: 0 of ${fmt.int(o.items)} items answered`
+      : `${o.outcome === "complete" ? "Complete" : "Incomplete"}: ${fmt.int(o.scored)} of ${fmt.int(o.items)} items scored`;
+    const line = parts.length ? `${head} (${parts.join(", ")})` : head;
+    if (o.outcome === "complete") return h("div", { class: "note outcome", "data-outcome": o.outcome }, line);
+    return h("div", { class: "error-banner outcome", "data-outcome": o.outcome }, h("strong", {}, line),
+      h("ul", {}, [...o.causes.map((c) => h("li", {}, `${fmt.int(c.count)} × ${c.cause.replace("_", " ")}: ${c.reason}`,
+        c.example ? h("span", { class: "sub" }, ` (e.g. item ${c.example})`) : "")),
+      ...(o.other_causes ? [h("li", {}, `${fmt.int(o.other_causes)} × other causes`)] : [])]));
+  }
+
   function metrics(report) {
     if (!report.metrics.length) return h("div", { class: "note" }, "The task has no metrics (task.metrics).");
     const range = (s) => (s.higher_is_better === false || s.mean > 1 || s.ci_high > 1 ? [Math.min(0, s.ci_low), Math.max(1, s.ci_high)] : [0, 1]);
@@ -65,9 +92,9 @@ const EFReport = (() => {
         const [lo, hi] = range(s);
         return h("tr", { "data-metric": s.metric, "data-group": s.group },
           h("td", { class: "mono" }, s.metric), h("td", {}, s.group), h("td", { class: "num" }, fmt.int(s.n)),
-          h("td", { class: "num" }, fmt.num(s.mean, 4)),
-          h("td", { class: "num mono" }, `[${fmt.num(s.ci_low, 3)}, ${fmt.num(s.ci_high, 3)}]`),
-          h("td", {}, interval(s.mean, s.ci_low, s.ci_high, lo, hi)),
+          h("td", { class: "num" }, valued(s) ? fmt.num(s.mean, 4) : noValue(s)),
+          h("td", { class: "num mono" }, valued(s) ? `[${fmt.num(s.ci_low, 3)}, ${fmt.num(s.ci_high, 3)}]` : "–"),
+          h("td", {}, valued(s) ? interval(s.mean, s.ci_low, s.ci_high, lo, hi) : ""),
           h("td", {}, s.status, s.errors ? h("div", { class: "sub" }, `${s.errors} not scored`) : ""));
       }))));
   }
@@ -132,7 +159,7 @@ const EFReport = (() => {
           h("th", { class: "num" }, "Invalid"), h("th", { class: "num" }, "Failed"))),
         h("tbody", {}, report.groups.map((g) => h("tr", { "data-group": g.group },
           h("td", {}, g.group), h("td", { class: "num" }, fmt.int(g.items)),
-          ...g.metrics.map((m) => h("td", { class: "num mono" }, `${fmt.num(m.mean, 4)} [${fmt.num(m.ci_low, 3)}, ${fmt.num(m.ci_high, 3)}]`)),
+          ...g.metrics.map((m) => h("td", { class: "num mono" }, valued(m) ? `${fmt.num(m.mean, 4)} [${fmt.num(m.ci_low, 3)}, ${fmt.num(m.ci_high, 3)}]` : noValue(m))),
           h("td", { class: "mono" }, share(g.valid_first)), h("td", { class: "mono" }, share(g.valid_final)),
           h("td", { class: "num" }, fmt.int(g.fidelity.valid_after_reasks)),
           h("td", { class: "num" }, fmt.int(g.fidelity.unparsed + g.fidelity.invalid)),
@@ -162,6 +189,7 @@ const EFReport = (() => {
     const table = endpoints(report);
     const used = resources(report);
     container.replaceChildren(...[
+      outcome(report),
       fidelity(report),
       ...(report.problems || []).map((p) => h("div", { class: "error-banner" }, p)),
       metrics(report),
@@ -174,5 +202,5 @@ const EFReport = (() => {
     ].filter(Boolean));
   }
 
-  return { render, interval, svg, waiting, fit };
+  return { render, interval, svg, waiting, fit, valued, noValue };
 })();

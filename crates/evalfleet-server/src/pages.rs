@@ -344,18 +344,38 @@ pub fn bench_html(report: &evalfleet_core::bench::BenchReport, link_runs: bool) 
                 )
             })
             .collect();
+        let (scored, failed) = cell.scored_and_failed();
+        // A cell whose numbers are over fewer items than it has is marked.
+        let mark = if cell.outcome.is_some() && !cell.is_complete() {
+            " class=\"incomplete\""
+        } else {
+            ""
+        };
+        let headline = if mark.is_empty() {
+            headline
+        } else {
+            format!("{headline} <strong>*</strong>")
+        };
         rows.push_str(&format!(
-            "<tr><td>{model}</td><td>{dataset}</td><td>{conc}</td><td>{state}{message}</td><td>{ended}/{total}</td>\
+            "<tr{mark}><td>{model}</td><td>{dataset}</td><td>{conc}</td><td>{state}{message}</td><td>{ended}/{total}</td><td>{scored}/{failed}</td>\
              <td>{metric}</td><td>{headline}</td><td>{groups}</td><td>{p50}</td><td>{ttft}</td><td>{tpot}</td><td>{tps}</td>\
              <td>{gpu}</td><td>{start}</td><td class=\"mono\">{run}</td></tr>",
             model = escape(&s.plan.model),
             dataset = escape(&s.plan.dataset),
             conc = s.plan.concurrency.map_or_else(|| "–".to_owned(), |n| n.to_string()),
-            state = s.state.as_str(),
+            state = cell.standing(),
             message = s
                 .message
-                .as_deref()
-                .map_or_else(String::new, |m| format!("<br><small>{}</small>", escape(m))),
+                .iter()
+                .cloned()
+                .chain(
+                    cell.outcome
+                        .iter()
+                        .filter(|o| !o.is_complete())
+                        .flat_map(|o| o.cause_lines().into_iter().take(3))
+                )
+                .map(|m| format!("<br><small>{}</small>", escape(&m)))
+                .collect::<String>(),
             ended = s.done + s.failed,
             total = s.total,
             metric = escape(cell.metric.as_deref().unwrap_or("–")),
@@ -389,8 +409,8 @@ pub fn bench_html(report: &evalfleet_core::bench::BenchReport, link_runs: bool) 
          <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
          <title>{name} · evalfleet bench</title><style>{css}</style></head><body>\
          <header class=\"top\"><span class=\"brand\">evalfleet</span><span>bench {name}</span></header>\
-         <main><h1>{name}</h1><div class=\"sub\">{models} model(s) × {datasets} dataset(s); headline: each dataset's first metric, with its 95% interval; latency, TTFT and TPOT are medians (ms); GPU MB is the most GPU memory in use during the cell (telemetry); start is the engine's load time (s).</div>\
-         <div class=\"card\"><table><thead><tr><th>model</th><th>dataset</th><th>concurrency</th><th>state</th><th>items</th><th>metric</th><th>headline</th><th>by category</th>\
+         <main><h1>{name}</h1><div class=\"sub\">{models} model(s) × {datasets} dataset(s); headline: each dataset's first metric, with its 95% interval; latency, TTFT and TPOT are medians (ms); GPU MB is the most GPU memory in use during the cell (telemetry); start is the engine's load time (s); * marks a cell that is not complete: its numbers are over fewer items than it has.</div>\
+         <div class=\"card\"><table><thead><tr><th>model</th><th>dataset</th><th>concurrency</th><th>state</th><th>items</th><th>scored/failed</th><th>metric</th><th>headline</th><th>by category</th>\
          <th>latency p50</th><th>TTFT p50</th><th>TPOT p50</th><th>tokens/s</th><th>GPU MB</th><th>start</th><th>run</th></tr></thead><tbody>{rows}</tbody></table></div>\
          <ul>{handovers}</ul></main></body></html>",
         name = escape(&report.name),

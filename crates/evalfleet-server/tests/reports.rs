@@ -88,7 +88,7 @@ async fn a_finished_runs_report_is_kept_in_the_store_and_served_from_it() {
     assert!(!kept, "the first report is computed");
     let row = fixture
         .store()
-        .kept_report("a", "report?by=")
+        .kept_report("a", evalfleet_reports::kept::report_key(&[]).as_str())
         .unwrap()
         .expect("the report is kept in the store");
     assert_eq!(row.body, text);
@@ -100,7 +100,7 @@ async fn a_finished_runs_report_is_kept_in_the_store_and_served_from_it() {
         .store()
         .keep_report(
             "a",
-            "report?by=",
+            evalfleet_reports::kept::report_key(&[]).as_str(),
             &KeptReport {
                 fingerprint: row.fingerprint.clone(),
                 body: "{\"kept\": \"this very row\"}".to_owned(),

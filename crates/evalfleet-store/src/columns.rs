@@ -139,8 +139,8 @@ pub(crate) const FAILURE: &str = "CASE WHEN r.status = 'failed' THEN (SELECT a.e
 
 /// A result from its `seq`, its re-asks, and its other columns read as
 /// text by `text`: item_id (1), status, output, endpoint, model, item,
-/// parsed, verdict, check_error, scores (10), judge (12), prompt and the
-/// failure's class ([`FAILURE`], 14).
+/// parsed, verdict, check_error, scores (10), judge (12), prompt, the
+/// failure's class ([`FAILURE`], 14) and the error (15).
 pub(crate) fn stored_result<'a>(
     seq: u64,
     reasks: u32,
@@ -182,6 +182,7 @@ pub(crate) fn stored_result<'a>(
             .map(ErrorClass::parse)
             .transpose()
             .map_err(unknown)?,
+        error: owned(15)?,
     })
 }
 

@@ -218,7 +218,7 @@ pub async fn execute(
         ending.pending_at_start,
         &progress,
         resume,
-    );
+    )?;
     if let Some(settings) = &ending.conversation {
         let totals = conversation_totals(
             &ending.location,
@@ -234,18 +234,17 @@ pub async fn execute(
     if !sheet_written {
         code = code.max(EXIT_FAILED);
     }
-    if ending.scored && report.status == RunStatus::Finished {
-        return Ok(code.max(scores(&ending.location, &ending.run_id)?));
-    }
     Ok(code)
 }
 
-/// The finished run's scores in a line per metric, and whether they can be
-/// used (exit 1 when a metric could not score its answers).
-fn scores(location: &Location, run_id: &str) -> anyhow::Result<u8> {
-    let report = tokio::task::block_in_place(|| {
+/// The finished run's report: its outcome and metrics (no endpoint
+/// summary: it reads every attempt).
+fn finished_report(
+    location: &Location,
+    run_id: &str,
+) -> anyhow::Result<evalfleet_reports::Report> {
+    tokio::task::block_in_place(|| {
         let mut store = evalfleet_store::open(location, &OpenOptions::default())?;
-        // The metrics only: no endpoint summary (it reads every attempt).
         anyhow::Ok(evalfleet_reports::report_with(
             &mut *store,
             run_id,
@@ -253,17 +252,22 @@ fn scores(location: &Location, run_id: &str) -> anyhow::Result<u8> {
             None,
             &mut |_, _, _| {},
         )?)
-    })?;
+    })
+}
+
+/// The finished run's scores in a line per metric: its mean, or why it
+/// has none.
+fn print_scores(report: &evalfleet_reports::Report) {
     for s in report
         .metrics
         .iter()
         .filter(|s| s.group == evalfleet_reports::metrics::ALL)
     {
-        let mean = if s.status == "not scored" {
-            "not scored".to_owned()
-        } else {
-            format!("{:.4}", s.estimate.mean)
-        };
+        let value = s.value_text(4);
+        if !s.has_value() {
+            ui::note(&format!("  {}: {value}", s.metric));
+            continue;
+        }
         let unscored = if s.errors > 0 {
             format!("; {} not scored: {}", s.errors, s.reasons_line())
         } else {
@@ -278,12 +282,30 @@ fn scores(location: &Location, run_id: &str) -> anyhow::Result<u8> {
             String::new()
         };
         ui::note(&format!(
-            "  {}: {mean} over {} items{unscored}{lost}",
+            "  {}: {value} over {} items{unscored}{lost}",
             s.metric,
             s.n - s.errors - s.lost
         ));
     }
-    Ok(unusable_scores(&report))
+}
+
+/// The causes of an outcome that is not complete, a line each.
+pub fn print_causes(outcome: &evalfleet_reports::Outcome) {
+    for line in outcome.cause_lines() {
+        ui::note(&format!("  {line}"));
+    }
+}
+
+/// The exit code of a command that ran or scored a run whose report is
+/// `report`: 0 when its outcome is complete and its metrics could score
+/// their answers, else 1 (each problem said).
+pub fn outcome_code(report: &evalfleet_reports::Report) -> u8 {
+    let code = if report.outcome.is_complete() {
+        EXIT_OK
+    } else {
+        EXIT_FAILED
+    };
+    code.max(unusable_scores(report))
 }
 
 /// Says each problem of `report`'s scores; exit 1 when there is one.
@@ -298,6 +320,9 @@ pub fn unusable_scores(report: &evalfleet_reports::Report) -> u8 {
     }
 }
 
+/// The session's last lines; its exit code: 0 when the run finished
+/// complete, 1 when it finished incomplete or failed (or a metric could
+/// not score enough of its answers), 130 when it stopped before its end.
 fn conclude(
     run_id: &str,
     location: &Location,
@@ -306,7 +331,7 @@ fn conclude(
     pending_at_start: u64,
     progress: &Progress,
     resume: &str,
-) -> u8 {
+) -> anyhow::Result<u8> {
     let counts = report.counts;
     let answered = pending_at_start.saturating_sub(counts.pending);
     let rate = answered as f64 / elapsed.as_secs_f64().max(1e-9);
@@ -314,14 +339,16 @@ fn conclude(
     let program = ui::program();
     match report.status {
         RunStatus::Finished => {
+            let finished = finished_report(location, run_id)?;
+            let outcome = &finished.outcome;
             ui::note(&format!(
-                "Run {run_id} finished: {} done, {} failed; {answered} items in {:.1}s ({rate:.1} items/s; {}).\n\
-                 Results: {program} export {run_id}{store_flag} --format jsonl",
-                counts.done,
-                counts.failed,
+                "Run {run_id} finished, {}; {answered} items in {:.1}s ({rate:.1} items/s; {}).",
+                outcome.line(),
                 elapsed.as_secs_f64(),
                 ui::calls_line(progress),
             ));
+            print_causes(outcome);
+            print_scores(&finished);
             let unusable = progress.unparsed.load(Ordering::Relaxed)
                 + progress.invalid.load(Ordering::Relaxed);
             let ended = progress.done.load(Ordering::Relaxed);
@@ -331,11 +358,15 @@ fn conclude(
                      compare an answer with the parse rule ({program} export {run_id}{store_flag} --format jsonl | head -1); see docs/troubleshooting.md"
                 ));
             }
-            if counts.failed > 0 {
-                EXIT_FAILED
-            } else {
-                EXIT_OK
+            ui::note(&format!(
+                "Results: {program} export {run_id}{store_flag} --format jsonl"
+            ));
+            if outcome.failed > 0 {
+                ui::note(&format!(
+                    "Answer the failed items again: {program} resume {run_id}{store_flag} --retry-failed"
+                ));
             }
+            Ok(outcome_code(&finished))
         }
         RunStatus::Interrupted | RunStatus::Running => {
             ui::note(&format!(
@@ -348,7 +379,7 @@ fn conclude(
                 counts.failed,
                 counts.pending
             ));
-            EXIT_INTERRUPTED
+            Ok(EXIT_INTERRUPTED)
         }
     }
 }

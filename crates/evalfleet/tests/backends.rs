@@ -192,7 +192,9 @@ async fn a_backend_that_crashes_gives_errors_with_its_stderr_not_zeros() {
     // process scores 4 answers and leaves the fifth unscored.
     let backend = format!("{}, queue: 1", command(&["--crash-after", "4"]));
     let (ran, rows) = run_with(&env, 30, &backend).await;
-    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    // Some answers are not scored: the run is incomplete, and says so.
+    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
+    assert!(ran.stderr.contains("finished, incomplete: "), "{}", ran.stderr);
     let errors = same_or_errors(&rows);
     assert_eq!(errors.len(), 60 / 5, "{errors:?}");
 }
@@ -208,7 +210,9 @@ async fn a_backend_that_hangs_times_out_into_errors_and_is_started_again() {
         command(&["--hang-on", "item-00003"])
     );
     let (ran, rows) = run_with(&env, 12, &backend).await;
-    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    // Some answers are not scored: the run is incomplete, and says so.
+    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
+    assert!(ran.stderr.contains("finished, incomplete: "), "{}", ran.stderr);
     let errors = same_or_errors(&rows);
     let hung: Vec<&String> = errors
         .iter()
@@ -272,7 +276,9 @@ async fn garbage_lines_give_errors_that_name_the_line() {
         ])
     );
     let (ran, rows) = run_with(&env, 9, &backend).await;
-    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    // Some answers are not scored: the run is incomplete, and says so.
+    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
+    assert!(ran.stderr.contains("finished, incomplete: "), "{}", ran.stderr);
     let errors = same_or_errors(&rows);
     let of = |item: &str| -> Vec<&str> {
         errors
@@ -317,7 +323,9 @@ async fn a_line_too_long_is_an_error_of_its_answer_and_not_held() {
     let env = Env::new();
     let backend = format!("{}, queue: 1", command(&["--huge-on", "item-00001"]));
     let (ran, rows) = run_with(&env, 4, &backend).await;
-    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    // Some answers are not scored: the run is incomplete, and says so.
+    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
+    assert!(ran.stderr.contains("finished, incomplete: "), "{}", ran.stderr);
     let errors = same_or_errors(&rows);
     assert_eq!(errors.len(), 1, "{errors:?}");
     let (item, error) = &errors[0];

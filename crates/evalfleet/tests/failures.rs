@@ -1,6 +1,7 @@
 //! Endpoints that misbehave: 5xx bursts, 429 with Retry-After, hangs past
 //! the attempt timeout, truncated streams, and errors that never stop.
 
+use serde_json::Value;
 use evalfleet_mock::MockSettings;
 use evalfleet_store::prelude::*;
 use evalfleet_types::EventKind;
@@ -135,13 +136,25 @@ async fn an_item_fails_with_its_reason_once_its_attempts_run_out() {
         90,
         "exactly max_attempts calls per item"
     );
-    assert!(ran.stderr.contains("0 done, 30 failed"), "{}", ran.stderr);
+    // The outcome first, then its one cause, counted once with an example.
+    assert!(
+        ran.stderr
+            .contains("finished, failed: 0 of 30 items answered (30 failed)"),
+        "{}",
+        ran.stderr
+    );
+    assert!(
+        ran.stderr
+            .contains("30 × failed: HTTP 500: injected error (e.g. item item-"),
+        "{}",
+        ran.stderr
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fatal_status_fails_the_item_without_a_retry() {
     let env = Env::new();
-    let dataset = env.dataset("items.jsonl", 10);
+    let dataset = env.dataset("items.jsonl", 4);
     let refusing = mock(MockSettings {
         error_rate: 1.0,
         error_status: 400,
@@ -160,7 +173,78 @@ async fn a_fatal_status_fails_the_item_without_a_retry() {
             .all(|r| r["status"] == "failed" && r["attempts"] == 1)
     );
     assert_eq!(rows["item-00003"]["error"], "HTTP 400: injected error");
-    assert_eq!(refusing.stats().requests, 10);
+    assert_eq!(refusing.stats().requests, 4);
+    assert!(
+        ran.stderr.contains("finished, failed: 0 of 4 items answered")
+            && ran.stderr.contains("4 × failed: HTTP 400: injected error"),
+        "{}",
+        ran.stderr
+    );
+}
+
+/// A run whose first calls are all refused alike (a wrong key, a mistyped
+/// model) stops within its first items, naming the answer, instead of
+/// failing every item; fixed, `resume --retry-failed` answers every item.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_first_calls_are_all_refused_alike_stops_naming_it_and_resumes() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 200);
+    let refusing = mock(MockSettings {
+        error_rate: 1.0,
+        error_status: 404,
+        ..MockSettings::default()
+    })
+    .await;
+    env.write(
+        "run.yaml",
+        &config(&dataset, &external("refusing", &refusing, 4), ""),
+    );
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(130), "stopped, resumable: {}", ran.stderr);
+    assert!(
+        ran.stderr.contains(
+            "The first 5 items to end all failed the same way, and none was answered: HTTP 404: injected error"
+        ),
+        "{}",
+        ran.stderr
+    );
+    // Calls in flight when it gave up may finish; no more are sent.
+    let sent = refusing.stats().requests;
+    assert!((5..=12).contains(&sent), "{sent} calls");
+    let status = env
+        .evalfleet(&["status", &ran.run_id(), "--json"])
+        .await;
+    let status: Value = serde_json::from_str(&status.stdout).unwrap();
+    assert_eq!(status["status"], "interrupted");
+    assert!(
+        status["message"]
+            .as_str()
+            .unwrap()
+            .contains("HTTP 404: injected error"),
+        "{status}"
+    );
+    assert_eq!(status["outcome"]["outcome"], "failed");
+    assert_eq!(status["outcome"]["causes"][0]["cause"], "failed");
+    assert!(status["outcome"]["pending"].as_u64().unwrap() >= 188);
+
+    // The endpoint fixed, the failed items and the pending ones are answered.
+    let fixed = mock(MockSettings::default()).await;
+    env.write(
+        "run.yaml",
+        &config(&dataset, &external("refusing", &fixed, 4), ""),
+    );
+    let resumed = env
+        .evalfleet(&["resume", &ran.run_id(), "--retry-failed", "--config", "run.yaml", "-q"])
+        .await;
+    assert_eq!(resumed.code, Some(0), "{}", resumed.stderr);
+    assert!(
+        resumed
+            .stderr
+            .contains("finished, complete: 200 of 200 items scored"),
+        "{}",
+        resumed.stderr
+    );
+    assert_eq!(fixed.stats().completed, 200);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

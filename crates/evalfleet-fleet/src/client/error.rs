@@ -163,6 +163,24 @@ pub(super) async fn status_error(response: reqwest::Response) -> CallError {
     }
 }
 
+/// What an answer that is a web page says: the address is a site's, not
+/// the API's (most often a `base_url` without its `/v1`).
+pub(crate) const HTML_HINT: &str = "answered HTML, not JSON: does base_url end in /v1?";
+
+/// Whether a response says it is a web page.
+pub(crate) fn is_html(headers: &reqwest::header::HeaderMap) -> bool {
+    headers
+        .get(reqwest::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().to_ascii_lowercase().starts_with("text/html"))
+}
+
+/// Whether a body is a web page (it opens with `<!doctype` or `<html`).
+fn looks_like_html(text: &str) -> bool {
+    let head: String = text.chars().take(16).collect::<String>().to_ascii_lowercase();
+    head.starts_with("<!doctype") || head.starts_with("<html")
+}
+
 /// The message of an error body: OpenAI's `error.message` when present.
 pub(crate) fn error_message(body: &[u8]) -> String {
     if let Ok(value) = serde_json::from_slice::<Value>(body) {
@@ -179,6 +197,8 @@ pub(crate) fn error_message(body: &[u8]) -> String {
     let text = text.trim();
     if text.is_empty() {
         "(no message)".to_owned()
+    } else if looks_like_html(text) {
+        HTML_HINT.to_owned()
     } else {
         text.chars().take(300).collect()
     }
@@ -217,6 +237,10 @@ mod tests {
             "slow down"
         );
         assert_eq!(error_message(b"plain text"), "plain text");
+        assert_eq!(
+            error_message(b"\n<!DOCTYPE html><html><body>Not Found</body></html>"),
+            HTML_HINT
+        );
         assert_eq!(error_message(b""), "(no message)");
     }
 }

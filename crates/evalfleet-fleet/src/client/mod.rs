@@ -270,6 +270,9 @@ impl ChatClient {
         if !status.is_success() {
             return Err(status_error(response).await);
         }
+        if error::is_html(response.headers()) {
+            return Err(CallError::BadResponse(error::HTML_HINT.to_owned()));
+        }
         if self.stream {
             let idle = self.gaps.limit(self.stalls.idle);
             let (completion, longest) = read_stream(
@@ -302,6 +305,9 @@ impl ChatClient {
             .map_err(request_error)?;
         if !response.status().is_success() {
             return Err(status_error(response).await);
+        }
+        if error::is_html(response.headers()) {
+            return Err(CallError::BadResponse(error::HTML_HINT.to_owned()));
         }
         let bytes = response.bytes().await.map_err(body_error)?;
         #[derive(Deserialize)]

@@ -342,6 +342,13 @@ impl FleetHandle {
         self.0.exhausted.clone()
     }
 
+    /// Gives the run up for `reason`, as when no endpoint is left: it
+    /// stops taking items (calls in flight may finish) and ends
+    /// interrupted, its reason stored, resumable.
+    pub fn give_up(&self, reason: String) {
+        self.0.exhaust(reason);
+    }
+
     pub fn exhausted_reason(&self) -> Option<String> {
         self.0
             .reason

@@ -67,6 +67,8 @@ pub struct StoredResult {
     pub failure: Option<ErrorClass>,
     /// The rule of `task.prompts` that made its messages.
     pub prompt: Option<String>,
+    /// Why a failed item failed, as stored.
+    pub error: Option<String>,
 }
 
 /// The order of a page of results.

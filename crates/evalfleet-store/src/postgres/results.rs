@@ -227,7 +227,7 @@ impl Results for PgStore {
         self.scan_pages(
             "cannot read results",
             &format!(
-                "SELECT {RESULT_COLUMNS}, {FAILURE} FROM results r
+                "SELECT {RESULT_COLUMNS}, {FAILURE}, r.error FROM results r
                  WHERE r.rid = $1 AND r.seq > $2 ORDER BY r.seq"
             ),
             -1_i64,

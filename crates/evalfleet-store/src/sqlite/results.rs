@@ -79,7 +79,7 @@ impl Results for SqliteStore {
         let mut stmt = self
             .conn
             .prepare(&format!(
-                "SELECT {RESULT_COLUMNS}, {FAILURE} FROM results r WHERE r.rid = ?1 ORDER BY r.seq"
+                "SELECT {RESULT_COLUMNS}, {FAILURE}, r.error FROM results r WHERE r.rid = ?1 ORDER BY r.seq"
             ))
             .map_err(&err)?;
         let mut rows = stmt.query([rid]).map_err(&err)?;

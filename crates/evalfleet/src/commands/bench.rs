@@ -52,12 +52,14 @@ async fn run_bench(file: &Path, store: Option<PathBuf>, yes: bool) -> anyhow::Re
     let tally = run_matrix(&bench, matrix).await;
     signals.abort();
     let tally = tally.lift()?;
-    let statuses = read_status(&location, &Manifest::of(&bench))?;
+    let manifest = Manifest::of(&bench);
+    let statuses = read_status(&location, &manifest)?;
     print_status(&statuses);
     let unfinished = statuses
         .iter()
         .filter(|s| s.state != CellState::Done)
         .count();
+    let incomplete = incomplete_cells(&location, &manifest)?;
     let program = ui::program();
     let again = format!(
         "{program} bench {}{}",
@@ -74,6 +76,17 @@ async fn run_bench(file: &Path, store: Option<PathBuf>, yes: bool) -> anyhow::Re
             EXIT_FAILED,
             format!("{unfinished} cell(s) not done. Running it again tries them again: {again}"),
         )
+    } else if !incomplete.is_empty() {
+        (
+            EXIT_FAILED,
+            format!(
+                "done, but {} cell(s) incomplete (their numbers are over fewer items than they have):\n  {}\nSee: {program} bench report {}{}",
+                incomplete.len(),
+                incomplete.join("\n  "),
+                bench.name,
+                crate::attend::store_flag(&location)
+            ),
+        )
     } else {
         (
             EXIT_OK,
@@ -86,6 +99,25 @@ async fn run_bench(file: &Path, store: Option<PathBuf>, yes: bool) -> anyhow::Re
     };
     ui::note(&format!("Bench {} {message}", bench.name));
     Ok(code)
+}
+
+/// Each finished cell whose outcome is not complete, in a line: its
+/// model, dataset and outcome.
+fn incomplete_cells(location: &Location, manifest: &Manifest) -> anyhow::Result<Vec<String>> {
+    let mut store = evalfleet_store::open(location, &OpenOptions::read_only())?;
+    let report = tokio::task::block_in_place(|| bench::report(&mut *store, manifest))?;
+    Ok(report
+        .cells
+        .iter()
+        .filter(|c| c.status.state == CellState::Done && !c.is_complete())
+        .map(|c| {
+            let why = c.outcome.as_ref().map_or_else(String::new, |o| {
+                let first = o.cause_lines().into_iter().next().unwrap_or_default();
+                format!("{}; {first}", o.line())
+            });
+            format!("{} on {}: {why}", c.status.plan.model, c.status.plan.dataset)
+        })
+        .collect())
 }
 
 /// A cell's session runs as a server's does (no display), with its last
@@ -172,12 +204,12 @@ fn status(args: BenchStatusArgs) -> anyhow::Result<u8> {
 
 fn print_status(statuses: &[CellStatus]) {
     println!(
-        "{:<12} {:<12} {:<12} {:>5} {:>15}  run",
-        "state", "model", "dataset", "conc", "items ended"
+        "{:<12} {:<12} {:<12} {:>5} {:>15} {:>7}  run",
+        "state", "model", "dataset", "conc", "items ended", "failed"
     );
     for s in statuses {
         println!(
-            "{:<12} {:<12} {:<12} {:>5} {:>15}  {}{}",
+            "{:<12} {:<12} {:<12} {:>5} {:>15} {:>7}  {}{}",
             s.state.as_str(),
             s.plan.model,
             s.plan.dataset,
@@ -185,6 +217,7 @@ fn print_status(statuses: &[CellStatus]) {
                 .concurrency
                 .map_or_else(|| "-".to_owned(), |n| n.to_string()),
             format!("{}/{}", s.done + s.failed, s.total),
+            s.failed,
             s.plan.run_id,
             s.message
                 .as_deref()
@@ -218,7 +251,7 @@ fn number(value: Option<f64>, digits: usize) -> String {
 /// and category.
 fn csv(report: &BenchReport) -> String {
     let mut out = String::from(
-        "model,dataset,concurrency,group,state,items_ended,items,metric,mean,ci_low,ci_high,n,latency_p50_ms,ttft_p50_ms,tpot_p50_ms,tokens_per_second,peak_gpu_memory_mb,engine_start_ms,run_id\n",
+        "model,dataset,concurrency,group,state,items_ended,items,scored,failed,metric,mean,ci_low,ci_high,n,latency_p50_ms,ttft_p50_ms,tpot_p50_ms,tokens_per_second,peak_gpu_memory_mb,engine_start_ms,run_id\n",
     );
     let field = |text: &str| {
         if text.contains([',', '"', '\n']) {
@@ -234,6 +267,7 @@ fn csv(report: &BenchReport) -> String {
                 .iter()
                 .map(|g| (g.group.clone(), Some(g.score.clone()))),
         );
+        let (scored, failed) = cell.scored_and_failed();
         for (group, score) in rows {
             let line = [
                 field(&s.plan.model),
@@ -242,9 +276,11 @@ fn csv(report: &BenchReport) -> String {
                     .concurrency
                     .map_or_else(String::new, |n| n.to_string()),
                 field(&group),
-                s.state.as_str().to_owned(),
+                cell.standing().to_owned(),
                 (s.done + s.failed).to_string(),
                 s.total.to_string(),
+                scored.to_string(),
+                failed.to_string(),
                 field(cell.metric.as_deref().unwrap_or("")),
                 number(score.as_ref().map(|x| x.mean), 6),
                 number(score.as_ref().map(|x| x.ci_low), 6),
@@ -270,11 +306,12 @@ fn csv(report: &BenchReport) -> String {
 fn print_report(report: &BenchReport) {
     println!("Bench {}", report.name);
     println!(
-        "{:<12} {:<12} {:>5} {:<12} {:>24} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9}",
+        "{:<12} {:<12} {:>5} {:<12} {:>13} {:>25} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9}",
         "model",
         "dataset",
         "conc",
         "state",
+        "scored/failed",
         "headline (95% CI)",
         "p50 ms",
         "TTFT ms",
@@ -285,10 +322,13 @@ fn print_report(report: &BenchReport) {
     );
     for cell in &report.cells {
         let s = &cell.status;
+        // A cell whose numbers are over fewer items than it has is marked.
+        let mark = if cell.is_complete() { " " } else { "*" };
         let headline = cell.headline.as_ref().map_or_else(
             || "-".to_owned(),
-            |h| format!("{:.3} [{:.3}, {:.3}]", h.mean, h.ci_low, h.ci_high),
+            |h| format!("{:.3} [{:.3}, {:.3}]{mark}", h.mean, h.ci_low, h.ci_high),
         );
+        let (scored, failed) = cell.scored_and_failed();
         let or_dash = |text: String| {
             if text.is_empty() {
                 "-".to_owned()
@@ -297,13 +337,14 @@ fn print_report(report: &BenchReport) {
             }
         };
         println!(
-            "{:<12} {:<12} {:>5} {:<12} {:>24} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9}",
+            "{:<12} {:<12} {:>5} {:<12} {:>13} {:>25} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9}",
             s.plan.model,
             s.plan.dataset,
             s.plan
                 .concurrency
                 .map_or_else(|| "-".to_owned(), |n| n.to_string()),
-            s.state.as_str(),
+            cell.standing(),
+            format!("{scored}/{failed}"),
             headline,
             or_dash(number(cell.latency_p50_ms, 1)),
             or_dash(number(cell.ttft_p50_ms, 1)),
@@ -316,18 +357,42 @@ fn print_report(report: &BenchReport) {
         );
         for group in &cell.groups {
             println!(
-                "{:<12} {:<12} {:>5} {:<12} {:>24}  {} (n={})",
+                "{:<12} {:<12} {:>5} {:<12} {:>13} {:>25}  {} (n={})",
+                "",
                 "",
                 "",
                 "",
                 "",
                 format!(
-                    "{:.3} [{:.3}, {:.3}]",
+                    "{:.3} [{:.3}, {:.3}]{mark}",
                     group.score.mean, group.score.ci_low, group.score.ci_high
                 ),
                 group.group,
                 group.score.n
             );
+        }
+    }
+    let incomplete: Vec<&bench::CellReport> = report
+        .cells
+        .iter()
+        .filter(|c| c.outcome.is_some() && !c.is_complete())
+        .collect();
+    if !incomplete.is_empty() {
+        println!(
+            "* incomplete: its numbers are over fewer items than the cell has; compare it with the others with care"
+        );
+        for cell in incomplete {
+            if let Some(outcome) = &cell.outcome {
+                println!(
+                    "{} on {}: {}",
+                    cell.status.plan.model,
+                    cell.status.plan.dataset,
+                    outcome.line()
+                );
+                for line in outcome.cause_lines() {
+                    println!("  {line}");
+                }
+            }
         }
     }
     if let Some(metric) = report.cells.iter().find_map(|c| c.metric.as_deref()) {

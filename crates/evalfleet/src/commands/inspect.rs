@@ -105,6 +105,11 @@ pub fn status(args: StatusArgs) -> anyhow::Result<u8> {
         .map(|w| w.worker)
         .collect();
     let by_worker = store.worker_work(&args.run_id)?;
+    // What the run came to so far, and why; a report that cannot be made
+    // (a stored config this evalfleet cannot read) is said, not fatal.
+    let outcome = report::report_with(&mut *store, &args.run_id, &[], None, &mut |_, _, _| {})
+        .map(|r| r.outcome)
+        .map_err(|err| format!("{:#}", anyhow::Error::from(err)));
     if args.json {
         let value = json!({
             "run_id": run.run_id,
@@ -117,6 +122,8 @@ pub fn status(args: StatusArgs) -> anyhow::Result<u8> {
             "sessions": run.sessions,
             "total": run.total,
             "counts": counts,
+            "outcome": outcome.as_ref().ok(),
+            "outcome_error": outcome.as_ref().err(),
             "dataset": {"path": run.dataset.path, "sha256": run.dataset.sha256},
             "fingerprint": run.fingerprint.digest(),
             "endpoints": endpoints,
@@ -136,7 +143,15 @@ pub fn status(args: StatusArgs) -> anyhow::Result<u8> {
         println!("{}", serde_json::to_string_pretty(&value)?);
         return Ok(EXIT_OK);
     }
-    print_status(&run, &status, counts, &endpoints, states.as_ref(), active);
+    print_status(
+        &run,
+        &status,
+        counts,
+        &outcome,
+        &endpoints,
+        states.as_ref(),
+        active,
+    );
     let mut out = io::stdout().lock();
     // Which worker did what, once more than one did.
     if by_worker.len() > 1 {
@@ -174,6 +189,7 @@ fn print_status(
     run: &RunRecord,
     status: &str,
     counts: StateCounts,
+    outcome: &Result<report::Outcome, String>,
     endpoints: &[EndpointSummary],
     states: Option<&EndpointStates>,
     active: bool,
@@ -189,6 +205,17 @@ fn print_status(
         "items        {} total: {} done, {} failed, {} pending",
         run.total, counts.done, counts.failed, counts.pending
     );
+    match outcome {
+        Ok(outcome) => {
+            let _ = writeln!(out, "outcome      {}", outcome.line());
+            for line in outcome.cause_lines() {
+                let _ = writeln!(out, "             {line}");
+            }
+        }
+        Err(err) => {
+            let _ = writeln!(out, "outcome      unknown: {err}");
+        }
+    }
     let _ = writeln!(
         out,
         "dataset      {} (sha256 {})",

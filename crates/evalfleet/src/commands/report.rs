@@ -91,7 +91,10 @@ pub async fn score(args: ScoreArgs) -> anyhow::Result<u8> {
             done.unreadable
         );
     }
-    Ok(EXIT_OK)
+    let scored = report::report_with(&mut *store, &args.run_id, &[], None, &mut |_, _, _| {})?;
+    crate::ui::note(&format!("Run {}: {}", args.run_id, scored.outcome.line()));
+    crate::attend::print_causes(&scored.outcome);
+    Ok(crate::attend::outcome_code(&scored))
 }
 
 fn fmt(v: f64) -> String {
@@ -193,13 +196,15 @@ fn print_groups(report: &Report) {
     let mut table = vec![header];
     for g in &report.groups {
         let mut row = vec![g.group.clone(), g.items.to_string()];
-        row.extend(g.metrics.iter().map(|m| {
-            format!(
+        row.extend(g.metrics.iter().map(|m| match m.status {
+            report::metrics::NO_ANSWERS => "no score: 0 answered".to_owned(),
+            "not scored" => "not scored".to_owned(),
+            _ => format!(
                 "{} [{}, {}]",
                 fmt(m.estimate.mean),
                 fmt(m.estimate.ci_low),
                 fmt(m.estimate.ci_high)
-            )
+            ),
         }));
         let f = &g.fidelity;
         row.push(f.valid_first_try.to_string());
@@ -219,6 +224,10 @@ fn print_report(report: &Report) {
         report.items,
         report.models.keys().cloned().collect::<Vec<_>>().join(", ")
     );
+    println!("Outcome: {}", report.outcome.line());
+    for line in report.outcome.cause_lines() {
+        println!("  {line}");
+    }
     if report.metrics.is_empty() {
         println!(
             "\nNo metrics: add task.metrics to the config and run `evalfleet score {} --config FILE`.",
@@ -242,18 +251,22 @@ fn print_report(report: &Report) {
             .map(str::to_owned),
         ];
         for s in &report.metrics {
-            let not_scored = s.status == "not scored";
+            let dash = || "-".to_owned();
             table.push([
                 s.metric.clone(),
                 s.group.clone(),
                 s.n.to_string(),
-                if not_scored {
-                    "not scored".to_owned()
+                s.value_text(4),
+                if s.has_value() {
+                    fmt(s.estimate.stderr)
                 } else {
-                    fmt(s.estimate.mean)
+                    dash()
                 },
-                fmt(s.estimate.stderr),
-                format!("{} – {}", fmt(s.estimate.ci_low), fmt(s.estimate.ci_high)),
+                if s.has_value() {
+                    format!("{} – {}", fmt(s.estimate.ci_low), fmt(s.estimate.ci_high))
+                } else {
+                    dash()
+                },
                 s.scored.to_string(),
                 s.errors.to_string(),
                 s.failed.to_string(),
