@@ -465,7 +465,8 @@ impl CellReport {
     /// Whether its numbers are over every item: its run finished
     /// complete. Every surface marks a cell that is not.
     pub fn is_complete(&self) -> bool {
-        self.status.state == CellState::Done && self.outcome.as_ref().is_some_and(Outcome::is_complete)
+        self.status.state == CellState::Done
+            && self.outcome.as_ref().is_some_and(Outcome::is_complete)
     }
 
     /// Items with a usable, scored answer, and items that failed.

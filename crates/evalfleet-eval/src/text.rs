@@ -83,8 +83,9 @@ pub fn token_f1(prediction: &str, reference: &str) -> f64 {
     2.0 * precision * recall / (precision + recall)
 }
 
-/// Edits and reference length of a word error rate, with jiwer's default
-/// transform: surrounding whitespace removed, words split on whitespace.
+/// Edits and reference length of a word error rate: words split on any
+/// run of whitespace (jiwer's default transform splits on spaces only, so
+/// a tab or a newline inside a word run differs; docs/metrics.md says so).
 pub fn word_edits(reference: &str, hypothesis: &str) -> (usize, usize) {
     let reference: Vec<&str> = reference.split_whitespace().collect();
     let hypothesis: Vec<&str> = hypothesis.split_whitespace().collect();

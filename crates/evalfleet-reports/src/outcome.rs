@@ -166,14 +166,14 @@ impl Outcome {
     /// items scored (3 failed)`, `failed: 0 of 5 items answered`.
     pub fn line(&self) -> String {
         match self.outcome {
-            OutcomeKind::Failed => format!(
-                "failed: 0 of {} items answered{}",
-                self.items,
-                self.parts()
-            ),
+            OutcomeKind::Failed => {
+                format!("failed: 0 of {} items answered{}", self.items, self.parts())
+            }
             _ => format!(
                 "{}: {} of {} items scored{}",
-                self.outcome, self.scored, self.items,
+                self.outcome,
+                self.scored,
+                self.items,
                 self.parts()
             ),
         }
@@ -426,7 +426,10 @@ mod tests {
             lines[1],
             "1 × not scored: exact_match: the judge server could not be reached (e.g. item b)"
         );
-        assert_eq!(lines[2], "2 × pending: not run yet (resume the run to run it)");
+        assert_eq!(
+            lines[2],
+            "2 × pending: not run yet (resume the run to run it)"
+        );
     }
 
     #[test]

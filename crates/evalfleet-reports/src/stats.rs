@@ -42,6 +42,9 @@ pub struct Moments {
     sum_sq: i128,
     /// Every value so far is 0 or 1.
     binary: bool,
+    /// Every value so far is between 0 and 1 (a share, a similarity): its
+    /// mean's interval is kept there.
+    unit: bool,
 }
 
 impl Default for Moments {
@@ -51,6 +54,7 @@ impl Default for Moments {
             sum: 0,
             sum_sq: 0,
             binary: true,
+            unit: true,
         }
     }
 }
@@ -66,6 +70,7 @@ impl Moments {
         self.sum = self.sum.saturating_add(fixed(v));
         self.sum_sq = self.sum_sq.saturating_add(fixed(v * v));
         self.binary &= v == 0.0 || v == 1.0;
+        self.unit &= (0.0..=1.0).contains(&v);
     }
 
     /// Empty sums of quantities (counts, tokens, times): their interval is
@@ -74,6 +79,7 @@ impl Moments {
     pub fn quantities() -> Self {
         Self {
             binary: false,
+            unit: false,
             ..Self::default()
         }
     }
@@ -87,6 +93,7 @@ impl Moments {
             sum: ones,
             sum_sq: ones,
             binary: true,
+            unit: true,
         }
     }
 
@@ -142,6 +149,12 @@ pub fn estimate(m: &Moments) -> Estimate {
     let (mean, stderr) = (m.mean(), m.stderr());
     let (ci_low, ci_high) = if m.binary {
         wilson(mean, m.n as f64)
+    } else if m.unit {
+        // Values between 0 and 1 have a mean between 0 and 1.
+        (
+            (mean - Z95 * stderr).max(0.0),
+            (mean + Z95 * stderr).min(1.0),
+        )
     } else {
         (mean - Z95 * stderr, mean + Z95 * stderr)
     };
@@ -317,6 +330,17 @@ mod tests {
         let spread = estimate(&Moments::of(&[0.5, 0.7, 0.9]));
         assert!((spread.mean - 0.7).abs() < 1e-12);
         assert!((spread.ci_high - spread.mean - Z95 * spread.stderr).abs() < 1e-12);
+        // Similarities near 1 (ANLS): the interval stays inside [0, 1].
+        let near_one = estimate(&Moments::of(&[1.0, 1.0, 0.93, 1.0, 0.99]));
+        assert!(
+            near_one.mean < 1.0 && near_one.ci_high == 1.0,
+            "{near_one:?}"
+        );
+        let near_zero = estimate(&Moments::of(&[0.0, 0.0, 0.2, 0.01]));
+        assert_eq!(near_zero.ci_low, 0.0, "{near_zero:?}");
+        // Values past 1 (an error rate over 100%) keep the normal interval.
+        let past = estimate(&Moments::of(&[1.5, 0.0, 0.2]));
+        assert!(past.ci_low < 0.0, "{past:?}");
     }
 
     #[test]

@@ -239,10 +239,7 @@ pub async fn execute(
 
 /// The finished run's report: its outcome and metrics (no endpoint
 /// summary: it reads every attempt).
-fn finished_report(
-    location: &Location,
-    run_id: &str,
-) -> anyhow::Result<evalfleet_reports::Report> {
+fn finished_report(location: &Location, run_id: &str) -> anyhow::Result<evalfleet_reports::Report> {
     tokio::task::block_in_place(|| {
         let mut store = evalfleet_store::open(location, &OpenOptions::default())?;
         anyhow::Ok(evalfleet_reports::report_with(

@@ -194,7 +194,11 @@ async fn a_backend_that_crashes_gives_errors_with_its_stderr_not_zeros() {
     let (ran, rows) = run_with(&env, 30, &backend).await;
     // Some answers are not scored: the run is incomplete, and says so.
     assert_eq!(ran.code, Some(1), "{}", ran.stderr);
-    assert!(ran.stderr.contains("finished, incomplete: "), "{}", ran.stderr);
+    assert!(
+        ran.stderr.contains("finished, incomplete: "),
+        "{}",
+        ran.stderr
+    );
     let errors = same_or_errors(&rows);
     assert_eq!(errors.len(), 60 / 5, "{errors:?}");
 }
@@ -212,7 +216,11 @@ async fn a_backend_that_hangs_times_out_into_errors_and_is_started_again() {
     let (ran, rows) = run_with(&env, 12, &backend).await;
     // Some answers are not scored: the run is incomplete, and says so.
     assert_eq!(ran.code, Some(1), "{}", ran.stderr);
-    assert!(ran.stderr.contains("finished, incomplete: "), "{}", ran.stderr);
+    assert!(
+        ran.stderr.contains("finished, incomplete: "),
+        "{}",
+        ran.stderr
+    );
     let errors = same_or_errors(&rows);
     let hung: Vec<&String> = errors
         .iter()
@@ -278,7 +286,11 @@ async fn garbage_lines_give_errors_that_name_the_line() {
     let (ran, rows) = run_with(&env, 9, &backend).await;
     // Some answers are not scored: the run is incomplete, and says so.
     assert_eq!(ran.code, Some(1), "{}", ran.stderr);
-    assert!(ran.stderr.contains("finished, incomplete: "), "{}", ran.stderr);
+    assert!(
+        ran.stderr.contains("finished, incomplete: "),
+        "{}",
+        ran.stderr
+    );
     let errors = same_or_errors(&rows);
     let of = |item: &str| -> Vec<&str> {
         errors
@@ -325,7 +337,11 @@ async fn a_line_too_long_is_an_error_of_its_answer_and_not_held() {
     let (ran, rows) = run_with(&env, 4, &backend).await;
     // Some answers are not scored: the run is incomplete, and says so.
     assert_eq!(ran.code, Some(1), "{}", ran.stderr);
-    assert!(ran.stderr.contains("finished, incomplete: "), "{}", ran.stderr);
+    assert!(
+        ran.stderr.contains("finished, incomplete: "),
+        "{}",
+        ran.stderr
+    );
     let errors = same_or_errors(&rows);
     assert_eq!(errors.len(), 1, "{errors:?}");
     let (item, error) = &errors[0];

@@ -343,3 +343,98 @@ async fn a_run_that_holds_a_cell_s_id_but_is_not_that_cell_is_refused_and_left_a
     assert_eq!(finished_at(&mut store, "m-a-short"), before, "left alone");
     assert_eq!(store.run("m-a-short").unwrap().sessions, 1);
 }
+
+/// A cell whose answers are not all usable ends incomplete: the bench
+/// exits 1 naming it, and its report marks it wherever it is shown, with
+/// its scored and failed counts, beside a complete one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_incomplete_cell_is_marked_on_every_surface_and_fails_the_bench() {
+    let env = Env::new();
+    // The engine echoes the question: the parse rule reads a number from
+    // 3 of the 4 rows of `some`, from every row of `all`.
+    env.write(
+        "some.jsonl",
+        "{\"id\": \"s1\", \"question\": \"#### 1\"}\n{\"id\": \"s2\", \"question\": \"#### 2\"}\n\
+         {\"id\": \"s3\", \"question\": \"#### 3\"}\n{\"id\": \"s4\", \"question\": \"no number\"}\n",
+    );
+    env.write(
+        "all.jsonl",
+        "{\"id\": \"a1\", \"question\": \"#### 1\"}\n{\"id\": \"a2\", \"question\": \"#### 2\"}\n",
+    );
+    let dataset = |name: &str| {
+        format!(
+            "  - name: {name}\n    dataset: {{path: {name}.jsonl, id_field: id}}\n    task:\n      \
+             messages: [{{role: user, content: '{{{{ question }}}}'}}]\n      \
+             parse: {{regex: '#### (\\d+)'}}\n      max_reasks: 0\n      \
+             metrics: [{{name: exact_match, reference: '{{{{ question[5:] }}}}'}}]\n"
+        )
+    };
+    env.write(
+        "bench.yaml",
+        &format!(
+            "name: inc\nmodels:\n  - name: a\n    endpoint:\n      kind: local\n      model: a\n      \
+             command: \"{BIN} mock --bind 127.0.0.1:{{port}} --model {{model}}\"\n      concurrency: 2\n\
+             datasets:\n{}{}",
+            dataset("some"),
+            dataset("all")
+        ),
+    );
+    let ran = env.evalfleet(&["bench", "bench.yaml"]).await;
+    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
+    assert!(
+        ran.stderr.contains("1 cell(s) incomplete")
+            && ran
+                .stderr
+                .contains("a on some: incomplete: 3 of 4 items scored (1 unusable); 1 × unparsed"),
+        "{}",
+        ran.stderr
+    );
+    let table = env.evalfleet(&["bench", "report", "inc"]).await;
+    assert_eq!(table.code, Some(0), "{}", table.stderr);
+    let row = |dataset: &str| {
+        table
+            .stdout
+            .lines()
+            .find(|l| l.starts_with("a ") && l.contains(dataset))
+            .unwrap_or_else(|| panic!("{}", table.stdout))
+            .to_owned()
+    };
+    assert!(
+        row("some").contains("incomplete") && row("some").contains("3/0"),
+        "{}",
+        table.stdout
+    );
+    assert!(row("some").contains("]*"), "marked: {}", table.stdout);
+    assert!(
+        row("all").contains("complete") && !row("all").contains("]*"),
+        "{}",
+        table.stdout
+    );
+    let csv = env
+        .evalfleet(&["bench", "report", "inc", "--format", "csv"])
+        .await;
+    let header: Vec<&str> = csv.stdout.lines().next().unwrap().split(',').collect();
+    let line = csv.stdout.lines().find(|l| l.contains(",some,")).unwrap();
+    let cells: Vec<&str> = line.split(',').collect();
+    let at = |name: &str| cells[header.iter().position(|h| *h == name).unwrap()];
+    assert_eq!(
+        (at("state"), at("scored"), at("failed")),
+        ("incomplete", "3", "0")
+    );
+    let json = env
+        .evalfleet(&["bench", "report", "inc", "--format", "json"])
+        .await;
+    let report: serde_json::Value = serde_json::from_str(&json.stdout).unwrap();
+    assert_eq!(report["cells"][0]["outcome"]["outcome"], "incomplete");
+    assert_eq!(
+        report["cells"][0]["outcome"]["causes"][0]["cause"],
+        "unparsed"
+    );
+    assert_eq!(report["cells"][1]["outcome"]["outcome"], "complete");
+    let html = env.path("inc.html");
+    env.evalfleet(&["bench", "report", "inc", "--html", html.to_str().unwrap()])
+        .await;
+    let page = std::fs::read_to_string(&html).unwrap();
+    assert!(page.contains("<tr class=\"incomplete\">"), "{page}");
+    assert!(page.contains("1 × unparsed"), "{page}");
+}

@@ -1,10 +1,10 @@
 //! Endpoints that misbehave: 5xx bursts, 429 with Retry-After, hangs past
 //! the attempt timeout, truncated streams, and errors that never stop.
 
-use serde_json::Value;
 use evalfleet_mock::MockSettings;
 use evalfleet_store::prelude::*;
 use evalfleet_types::EventKind;
+use serde_json::Value;
 
 use crate::util::{Env, NO_HEALTH, by_id, config, external, external_with, mock, ms};
 
@@ -175,7 +175,8 @@ async fn a_fatal_status_fails_the_item_without_a_retry() {
     assert_eq!(rows["item-00003"]["error"], "HTTP 400: injected error");
     assert_eq!(refusing.stats().requests, 4);
     assert!(
-        ran.stderr.contains("finished, failed: 0 of 4 items answered")
+        ran.stderr
+            .contains("finished, failed: 0 of 4 items answered")
             && ran.stderr.contains("4 × failed: HTTP 400: injected error"),
         "{}",
         ran.stderr
@@ -211,9 +212,7 @@ async fn a_run_whose_first_calls_are_all_refused_alike_stops_naming_it_and_resum
     // Calls in flight when it gave up may finish; no more are sent.
     let sent = refusing.stats().requests;
     assert!((5..=12).contains(&sent), "{sent} calls");
-    let status = env
-        .evalfleet(&["status", &ran.run_id(), "--json"])
-        .await;
+    let status = env.evalfleet(&["status", &ran.run_id(), "--json"]).await;
     let status: Value = serde_json::from_str(&status.stdout).unwrap();
     assert_eq!(status["status"], "interrupted");
     assert!(
@@ -234,7 +233,14 @@ async fn a_run_whose_first_calls_are_all_refused_alike_stops_naming_it_and_resum
         &config(&dataset, &external("refusing", &fixed, 4), ""),
     );
     let resumed = env
-        .evalfleet(&["resume", &ran.run_id(), "--retry-failed", "--config", "run.yaml", "-q"])
+        .evalfleet(&[
+            "resume",
+            &ran.run_id(),
+            "--retry-failed",
+            "--config",
+            "run.yaml",
+            "-q",
+        ])
         .await;
     assert_eq!(resumed.code, Some(0), "{}", resumed.stderr);
     assert!(

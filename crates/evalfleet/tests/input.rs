@@ -180,30 +180,46 @@ async fn a_template_field_no_row_has_is_refused_before_any_call() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_item_missing_a_field_fails_alone_with_the_reason() {
+async fn a_row_past_the_first_that_lacks_a_field_refuses_the_run_naming_its_line() {
     let env = Env::new();
     let server = mock(MockSettings::default()).await;
-    // The first rows are checked before the run (the next test); a later
-    // row that lacks a field fails alone.
+    // The first rows are rendered before the run (the next test); every
+    // row is checked as the run is registered, so a later row that lacks a
+    // field refuses the run before any call, rather than scoring as a
+    // wrong answer.
     let mut rows = String::new();
-    for i in 0..preflight::ROWS {
+    for i in 0..14 {
         rows.push_str(&format!("{{\"id\": \"a{i}\", \"question\": \"q{i}\"}}\n"));
     }
     rows.push_str("{\"id\": \"b\", \"prompt\": \"q2\"}\n");
+    const { assert!(preflight::ROWS < 15) };
     let dataset = env.write("items.jsonl", &rows);
     env.write(
         "run.yaml",
         &config(&dataset, &external("only", &server, 2), ""),
     );
     let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
-    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
-    let rows = by_id(&env.export(&ran.run_id()).await);
-    assert_eq!(rows["a0"]["status"], "done");
-    assert_eq!(
-        rows["b"]["error"],
-        "template: task.messages[0].content: this item has no field 'question'"
+    assert_eq!(ran.code, Some(2), "{}", ran.stderr);
+    assert!(
+        ran.stderr.contains("1 row(s) of ")
+            && ran.stderr.contains(
+                "items.jsonl cannot be rendered, the first at line(s) 15: task.messages[0].content: this item has no field 'question'"
+            ),
+        "{}",
+        ran.stderr
     );
-    assert_eq!(server.stats().requests, preflight::ROWS as u64);
+    assert_eq!(server.stats().requests, 0);
+    assert!(!env.path("runs").exists(), "nothing is stored");
+
+    // A field used only under `{% if %}` may be absent.
+    let text = config(&dataset, &external("only", &server, 2), "").replace(
+        "content: \"{{ question }}\"",
+        "content: \"{% if question %}{{ question }}{% else %}{{ prompt }}{% endif %}\"",
+    );
+    env.write("run.yaml", &text);
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert_eq!(server.stats().requests, 15);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -404,5 +420,102 @@ async fn secrets_reach_neither_the_store_nor_the_export_nor_the_logs() {
             .contains("endpoints[0].headers.X-Org-Token: was written literally in the config"),
         "{}",
         resumed.stderr
+    );
+}
+
+/// An address that answers web pages (a site's root, not the API's: a
+/// `base_url` without `/v1`) is named as such, from a real HTTP server
+/// (Python's own) that answers HTML.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_address_that_answers_html_says_so_and_suggests_v1() {
+    use std::io::BufRead;
+    let env = Env::new();
+    let mut site = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import http.server\n\
+             s = http.server.HTTPServer(('127.0.0.1', 0), http.server.SimpleHTTPRequestHandler)\n\
+             print(s.server_address[1], flush=True)\n\
+             s.serve_forever()",
+        ])
+        .current_dir(env.path(""))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("python3 starts");
+    // It listens before it prints its port.
+    let mut port = String::new();
+    std::io::BufReader::new(site.stdout.take().unwrap())
+        .read_line(&mut port)
+        .unwrap();
+    let dataset = env.dataset("items.jsonl", 3);
+    let endpoint = format!(
+        "  - {{ name: site, kind: external, base_url: \"http://127.0.0.1:{}\", model: m, concurrency: 2, {NO_HEALTH} }}\n",
+        port.trim()
+    );
+    // Its health probe (GET /models) is answered 404 with a page: the
+    // endpoint is unhealthy, and says why; the run stops once no endpoint
+    // could take items for `timeouts.no_endpoint`.
+    env.write(
+        "run.yaml",
+        &config(&dataset, &endpoint, "timeouts: { no_endpoint: 2s }"),
+    );
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(130), "{}", ran.stderr);
+    assert!(
+        ran.stderr.contains(
+            "Endpoint site is unhealthy (HTTP 404: answered HTML, not JSON: does base_url end in /v1?)"
+        ),
+        "{}",
+        ran.stderr
+    );
+    // Its calls (POST, answered 501 with a page) say the same.
+    let endpoint = endpoint.replace(NO_HEALTH, "health: { path: /, max_failures: 1000000 }");
+    env.write(
+        "run.yaml",
+        &config(
+            &dataset,
+            &endpoint,
+            "retry: { max_attempts: 2, backoff_base: 5ms, backoff_max: 20ms }",
+        ),
+    );
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    let _ = site.kill();
+    let _ = site.wait();
+    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
+    assert!(
+        ran.stderr
+            .contains("finished, failed: 0 of 3 items answered")
+            && ran.stderr.contains(
+                "3 × failed: HTTP 501: answered HTML, not JSON: does base_url end in /v1?"
+            ),
+        "{}",
+        ran.stderr
+    );
+}
+
+/// `report --by` a field no item has is an error naming the fields there
+/// are, not a table of one group `(none)`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn report_by_a_field_no_item_has_names_the_fields_there_are() {
+    let env = Env::new();
+    let server = mock(MockSettings::default()).await;
+    let dataset = env.dataset("items.jsonl", 3);
+    env.write(
+        "run.yaml",
+        &config(&dataset, &external("only", &server, 2), ""),
+    );
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let report = env
+        .evalfleet(&["report", &ran.run_id(), "--by", "catgeory"])
+        .await;
+    assert_eq!(report.code, Some(2), "{}", report.stderr);
+    assert!(
+        report.stderr.contains(
+            "--by catgeory: no item has the field 'catgeory' (the items have: id, question"
+        ),
+        "{}",
+        report.stderr
     );
 }

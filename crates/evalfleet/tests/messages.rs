@@ -308,7 +308,11 @@ async fn a_run_whose_answers_mostly_fail_to_parse_says_so_and_where_to_look() {
     let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
     // Some answers are not scored: the run is incomplete, and says so.
     assert_eq!(ran.code, Some(1), "{}", ran.stderr);
-    assert!(ran.stderr.contains("finished, incomplete: "), "{}", ran.stderr);
+    assert!(
+        ran.stderr.contains("finished, incomplete: "),
+        "{}",
+        ran.stderr
+    );
     assert!(
         ran.stderr.contains("0 retries, 8 re-asks, 8 unparsed"),
         "{}",

@@ -389,7 +389,11 @@ report:
     let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
     // Some answers are not scored: the run is incomplete, and says so.
     assert_eq!(ran.code, Some(1), "{}", ran.stderr);
-    assert!(ran.stderr.contains("finished, incomplete: "), "{}", ran.stderr);
+    assert!(
+        ran.stderr.contains("finished, incomplete: "),
+        "{}",
+        ran.stderr
+    );
     let report = report_json(&env, &ran.run_id(), &[]).await;
     assert_eq!(report["group_by"], serde_json::json!(["doc_type"]));
     let fidelity = |g: &str| group(&report, g)["fidelity"].clone();

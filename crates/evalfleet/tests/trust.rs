@@ -83,7 +83,11 @@ async fn gsm8k_accuracy_is_the_known_fraction_and_malformed_answers_are_reasked(
     let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
     // Some answers are not scored: the run is incomplete, and says so.
     assert_eq!(ran.code, Some(1), "{}", ran.stderr);
-    assert!(ran.stderr.contains("finished, incomplete: "), "{}", ran.stderr);
+    assert!(
+        ran.stderr.contains("finished, incomplete: "),
+        "{}",
+        ran.stderr
+    );
     let run_id = ran.run_id();
     let n = items.len() as u64;
     let fifth = n / 5;
@@ -176,7 +180,12 @@ async fn gsm8k_accuracy_is_the_known_fraction_and_malformed_answers_are_reasked(
     // included, with the same figures.
     let calls = server.stats().requests;
     let again = env.evalfleet(&["run", "run.yaml", "-q"]).await;
-    assert_eq!(again.code, Some(1), "incomplete as before: {}", again.stderr);
+    assert_eq!(
+        again.code,
+        Some(1),
+        "incomplete as before: {}",
+        again.stderr
+    );
     assert_eq!(
         server.stats().requests,
         calls,
@@ -212,7 +221,9 @@ async fn gsm8k_accuracy_is_the_known_fraction_and_malformed_answers_are_reasked(
     // Still 40 unparsed answers: the run stays incomplete, and `score` says so.
     assert_eq!(scored.code, Some(1), "{}", scored.stderr);
     assert!(
-        scored.stderr.contains("incomplete: 160 of 200 items scored (40 unusable)"),
+        scored
+            .stderr
+            .contains("incomplete: 160 of 200 items scored (40 unusable)"),
         "{}",
         scored.stderr
     );
@@ -359,7 +370,11 @@ async fn an_llm_judge_scores_answers_through_its_own_endpoint_and_cache() {
     let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
     // Some answers are not scored: the run is incomplete, and says so.
     assert_eq!(ran.code, Some(1), "{}", ran.stderr);
-    assert!(ran.stderr.contains("finished, incomplete: "), "{}", ran.stderr);
+    assert!(
+        ran.stderr.contains("finished, incomplete: "),
+        "{}",
+        ran.stderr
+    );
     assert_eq!(answering.stats().completed, 6, "the judge takes no items");
     assert_eq!(judging.stats().completed, 6, "one judge call per item");
     let rows = crate::util::by_id(&env.export(&ran.run_id()).await);
@@ -407,7 +422,12 @@ async fn an_llm_judge_scores_answers_through_its_own_endpoint_and_cache() {
 
     // Again: the answers and the judge's replies come from the cache.
     let again = env.evalfleet(&["run", "run.yaml", "-q"]).await;
-    assert_eq!(again.code, Some(1), "incomplete as before: {}", again.stderr);
+    assert_eq!(
+        again.code,
+        Some(1),
+        "incomplete as before: {}",
+        again.stderr
+    );
     assert_eq!(
         (answering.stats().requests, judging.stats().requests),
         (6, 6)
@@ -421,7 +441,9 @@ async fn an_llm_judge_scores_answers_through_its_own_endpoint_and_cache() {
     // The judge's reply that has no score still has none.
     assert_eq!(scored.code, Some(1), "{}", scored.stderr);
     assert!(
-        scored.stderr.contains("1 × not scored: quality: the judge's reply has no score"),
+        scored
+            .stderr
+            .contains("1 × not scored: quality: the judge's reply has no score"),
         "{}",
         scored.stderr
     );

@@ -177,7 +177,11 @@ pub(crate) fn is_html(headers: &reqwest::header::HeaderMap) -> bool {
 
 /// Whether a body is a web page (it opens with `<!doctype` or `<html`).
 fn looks_like_html(text: &str) -> bool {
-    let head: String = text.chars().take(16).collect::<String>().to_ascii_lowercase();
+    let head: String = text
+        .chars()
+        .take(16)
+        .collect::<String>()
+        .to_ascii_lowercase();
     head.starts_with("<!doctype") || head.starts_with("<html")
 }
 

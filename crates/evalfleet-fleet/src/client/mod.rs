@@ -24,6 +24,7 @@ mod stream;
 mod whole;
 
 pub use error::{CallError, Unanswered};
+pub(crate) use error::{HTML_HINT, is_html};
 pub use forward::{Api, Forwarded, Head, cut_body};
 pub use headers::{Quota, parse_reset, quota_headers, retry_after};
 pub use http::{POOL_IDLE, http_client};

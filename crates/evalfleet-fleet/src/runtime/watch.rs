@@ -54,6 +54,12 @@ pub(super) async fn probe(
             endpoint.tried(Ok(()));
             if response.status().is_success() {
                 Ok(())
+            } else if crate::client::is_html(response.headers()) {
+                Err(format!(
+                    "HTTP {}: {}",
+                    response.status().as_u16(),
+                    crate::client::HTML_HINT
+                ))
             } else {
                 Err(format!("HTTP {}", response.status().as_u16()))
             }

@@ -115,7 +115,10 @@ fn incomplete_cells(location: &Location, manifest: &Manifest) -> anyhow::Result<
                 let first = o.cause_lines().into_iter().next().unwrap_or_default();
                 format!("{}; {first}", o.line())
             });
-            format!("{} on {}: {why}", c.status.plan.model, c.status.plan.dataset)
+            format!(
+                "{} on {}: {why}",
+                c.status.plan.model, c.status.plan.dataset
+            )
         })
         .collect())
 }
