@@ -681,6 +681,11 @@ pub async fn drive(shared: &Arc<Shared>, mut item: Item, mut step: Step, mut car
                 return;
             }
             Step::Call(request) => {
+                // The rule of task.prompts that made its messages, when
+                // they came after work (its images read).
+                if item.prompt.is_none() {
+                    item.prompt.clone_from(&request.prompt);
+                }
                 if !carry.is_empty() {
                     let sent = std::mem::take(&mut carry);
                     if !shared.send(Outcome::carried(item.claim, sent)).await {

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use evalfleet_mock::MockServer;
+use evalfleet_mock::{MockServer, MockSettings};
 use sha2::{Digest, Sha256};
 
 use crate::util::*;
@@ -385,5 +385,59 @@ async fn the_image_example_runs_on_the_mock_with_every_cer_0() {
     assert_eq!(
         pages, 5,
         "two pages of the PDF, and one image per other document"
+    );
+}
+
+/// The rule of `task.prompts` chosen for an item is recorded when its
+/// messages carry images (read before its first call), as it is for text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_prompt_rule_of_an_item_with_images_is_recorded() {
+    let env = Env::new();
+    let mut rows = String::new();
+    for (i, doc_type) in ["invoice", "form", "invoice", "letter"].iter().enumerate() {
+        std::fs::write(env.path(&format!("p{i}.png")), png(8, 8, i as u8 + 1)).unwrap();
+        rows.push_str(&format!(
+            "{{\"id\": \"d{i}\", \"doc_type\": \"{doc_type}\", \"page\": \"p{i}.png\"}}\n"
+        ));
+    }
+    let dataset = env.write("docs.jsonl", &rows);
+    let server = mock(MockSettings::default()).await;
+    env.write(
+        "run.yaml",
+        &format!(
+            "name: images\n\
+             dataset: {{ path: {}, id_field: id }}\n\
+             endpoints:\n{}\
+             task:\n\
+             \x20 messages:\n\
+             \x20   - {{ role: user, content: \"Read this.\", images: \"{{{{ page }}}}\" }}\n\
+             \x20 prompts:\n\
+             \x20   - name: money\n\
+             \x20     when: {{ doc_type: invoice }}\n\
+             \x20     messages:\n\
+             \x20       - {{ role: user, content: \"Read the invoice.\", images: \"{{{{ page }}}}\" }}\n",
+            dataset.display(),
+            external("m", &server, 2),
+        ),
+    );
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert_eq!(server.stats().images, 4);
+    let rows = by_id(&env.export(&ran.run_id()).await);
+    for (id, prompt) in [
+        ("d0", "money"),
+        ("d1", "default"),
+        ("d2", "money"),
+        ("d3", "default"),
+    ] {
+        assert_eq!(rows[id]["prompt"], prompt, "{}", rows[id]);
+    }
+    let report = env
+        .evalfleet(&["report", &ran.run_id(), "--by", "@prompt", "--json"])
+        .await;
+    let report: serde_json::Value = serde_json::from_str(&report.stdout).unwrap();
+    assert_eq!(
+        report["prompts"],
+        serde_json::json!({"default": 2, "money": 2})
     );
 }
