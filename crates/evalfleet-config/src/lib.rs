@@ -147,6 +147,8 @@ pub struct DatasetConfig {
     pub id_field: Option<String>,
     /// A deterministic sample: the same `n` and `seed` pick the same items.
     pub sample: Option<Sample>,
+    /// Only the first this many rows are items (`--limit N`).
+    pub limit: Option<u64>,
     /// Record a malformed line as a failed item and go on, instead of refusing
     /// the dataset. Default `false`.
     pub skip_invalid: bool,
@@ -373,12 +375,16 @@ impl Default for ReportSettings {
 }
 
 /// Command-line settings that replace the file's.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Overrides {
     /// `--n-sample N`.
     pub sample_n: Option<u64>,
     /// `--seed S`.
     pub sample_seed: Option<u64>,
+    /// `--limit N`: `dataset.limit`.
+    pub limit: Option<u64>,
+    /// `--set KEY=VALUE`, each: any key of the document.
+    pub sets: Vec<String>,
     /// `simulate --sessions N`: `task.conversation.sessions`.
     pub sessions: Option<u64>,
     /// `simulate --max-steps M`: `task.conversation.max_steps`.

@@ -85,6 +85,10 @@ pub struct RawDataset {
     /// Default: none (the hash).
     pub id_field: Option<String>,
     pub sample: Option<RawSample>,
+    /// Only the first N rows of the file are items (`--limit N` sets it),
+    /// for a quick look at a task before the whole run. Not with `sample`.
+    /// Default: none (every row).
+    pub limit: Option<u64>,
     /// Record a malformed row as a failed item and go on, instead of refusing
     /// the dataset. Default `false`.
     pub skip_invalid: Option<bool>,

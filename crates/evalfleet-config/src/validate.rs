@@ -129,6 +129,16 @@ fn section<'v>(value: &'v mut Value, path: &[&str]) -> Option<&'v mut Map<String
 }
 
 fn apply_overrides(value: &mut Value, overrides: Overrides, problems: &mut Vec<RawProblem>) {
+    for set in &overrides.sets {
+        if let Err(message) = set_key(value, set) {
+            problems.push((String::new(), format!("--set {set}: {message}")));
+        }
+    }
+    if let Some(limit) = overrides.limit
+        && let Some(dataset) = section(value, &["dataset"])
+    {
+        dataset.insert("limit".to_owned(), json!(limit));
+    }
     let conversation = [
         ("sessions", overrides.sessions.map(|n| json!(n))),
         ("max_steps", overrides.max_steps.map(|n| json!(n))),
@@ -167,6 +177,63 @@ fn apply_overrides(value: &mut Value, overrides: Overrides, problems: &mut Vec<R
             "--seed picks a sample, so it needs --n-sample (or dataset.sample.n)".to_owned(),
         ));
     }
+}
+
+/// Sets the key of `KEY=VALUE` in the document: a dotted path, a list's
+/// item named by its index or by its `name`; mappings on the way are made
+/// when absent. The value is JSON when it reads as JSON, else text.
+fn set_key(value: &mut Value, set: &str) -> Result<(), String> {
+    let Some((key, text)) = set.split_once('=') else {
+        return Err("give KEY=VALUE".to_owned());
+    };
+    let parts: Vec<&str> = key.trim().split('.').collect();
+    if parts.iter().any(|p| p.is_empty()) {
+        return Err(format!("'{key}' is not a dotted path of keys"));
+    }
+    let given = serde_json::from_str::<Value>(text.trim())
+        .unwrap_or_else(|_| Value::String(text.to_owned()));
+    let mut at = value;
+    for (i, part) in parts.iter().enumerate() {
+        let last = i + 1 == parts.len();
+        let done = &parts[..i];
+        at = match at {
+            Value::Object(map) => {
+                if last {
+                    map.insert((*part).to_owned(), given);
+                    return Ok(());
+                }
+                map.entry((*part).to_owned())
+                    .or_insert_with(|| Value::Object(serde_json::Map::new()))
+            }
+            Value::Array(items) => {
+                let index = match part.parse::<usize>() {
+                    Ok(index) if index < items.len() => index,
+                    _ => items
+                        .iter()
+                        .position(|item| item.get("name").and_then(Value::as_str) == Some(part))
+                        .ok_or_else(|| {
+                            format!(
+                                "{} has no item '{part}' (give its index, 0 to {}, or its name)",
+                                done.join("."),
+                                items.len().saturating_sub(1)
+                            )
+                        })?,
+                };
+                if last {
+                    items[index] = given;
+                    return Ok(());
+                }
+                &mut items[index]
+            }
+            _ => {
+                return Err(format!(
+                    "{} is not a mapping or a list, so it has no key '{part}'",
+                    done.join(".")
+                ));
+            }
+        };
+    }
+    Ok(())
 }
 
 /// The document with every literal secret replaced by [`MASK`]; references to
@@ -218,6 +285,7 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
                 split: None,
                 id_field: Some("episode".to_owned()),
                 sample: None,
+                limit: None,
                 skip_invalid: false,
                 episodes: Some(0),
                 sheet: None,

@@ -97,6 +97,14 @@ impl ItemSource for DatasetItems<'_> {
 
 impl DatasetItems<'_> {
     fn next_row(&mut self) -> Result<Option<NewItem>, CreateRunError> {
+        if self
+            .config
+            .dataset
+            .limit
+            .is_some_and(|limit| self.seq >= limit)
+        {
+            return Ok(None);
+        }
         let Some(scanner) = self.scanner.as_mut() else {
             return Ok(None);
         };

@@ -808,6 +808,7 @@ mod tests {
             id_field: id_field.map(str::to_owned),
             episodes: None,
             sample: None,
+            limit: None,
             skip_invalid: false,
             sheet: None,
         }

@@ -109,6 +109,8 @@ pub async fn start(args: RunArgs, overrides: Overrides, conversation: bool) -> a
     let overrides = Overrides {
         sample_n: args.n_sample,
         sample_seed: args.seed,
+        limit: args.limit,
+        sets: args.set.clone(),
         ..overrides
     };
     let frontend = frontend()?;

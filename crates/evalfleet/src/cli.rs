@@ -357,6 +357,18 @@ pub struct RunArgs {
     #[arg(long, value_name = "S")]
     pub seed: Option<u64>,
 
+    /// Answer only the dataset's first N rows (`dataset.limit`).
+    #[arg(long, value_name = "N")]
+    pub limit: Option<u64>,
+
+    /// Set any config key, recorded with the run: a dotted path (a list's
+    /// item by its index or its `name`: `endpoints.vllm.model`,
+    /// `task.params.temperature`, `task.max_tokens`), and a value read as
+    /// JSON when it is JSON (`0.7`, `true`, `[1, 2]`), else as text. Repeat
+    /// it for several keys.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+
     /// Answer yes to every question (e.g. start an engine on a GPU someone else is using).
     #[arg(short = 'y', long = "yes")]
     pub yes: bool,

@@ -2,6 +2,7 @@
 //! not, sampling, status, the commands' help.
 
 use evalfleet_mock::MockSettings;
+use evalfleet_store::prelude::*;
 use serde_json::Value;
 
 use crate::util::{Env, by_id, config, external, mock, ms, wait_until};
@@ -404,4 +405,51 @@ async fn the_quickstart_ends_with_scores_and_two_runs_compare() {
         second.contains("0.9000") && second.contains("+0.2800"),
         "{second}"
     );
+}
+
+/// lm-eval's and inspect's habits: `--limit N` answers the first N rows,
+/// `--set KEY=VALUE` changes any key (a list's item by its name), and both
+/// are recorded with the run, so that its resume and its report use them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limit_and_set_change_the_run_and_are_recorded_with_it() {
+    let env = Env::new();
+    let server = mock(MockSettings::default()).await;
+    let dataset = env.dataset("items.jsonl", 20);
+    env.write(
+        "run.yaml",
+        &config(&dataset, &external("fast", &server, 2), ""),
+    );
+    let ran = env
+        .evalfleet(&[
+            "run",
+            "run.yaml",
+            "-q",
+            "--limit",
+            "7",
+            "--set",
+            "task.params.temperature=0.25",
+            "--set",
+            "endpoints.fast.concurrency=3",
+        ])
+        .await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert_eq!(env.export(&ran.run_id()).await.len(), 7);
+    assert_eq!(server.stats().requests, 7);
+    let stored = env.store().run(&ran.run_id()).unwrap().config;
+    assert_eq!(stored["dataset"]["limit"], 7);
+    assert_eq!(stored["task"]["params"]["temperature"], 0.25);
+    assert_eq!(stored["endpoints"][0]["concurrency"], 3);
+
+    // A key that names nothing is refused, naming it; nothing is stored.
+    let bad = env
+        .evalfleet(&["run", "run.yaml", "--set", "endpoints.slow.model=x"])
+        .await;
+    assert_eq!(bad.code, Some(2), "{}", bad.stderr);
+    assert!(
+        bad.stderr
+            .contains("--set endpoints.slow.model=x: endpoints has no item 'slow'"),
+        "{}",
+        bad.stderr
+    );
+    assert_eq!(env.store().runs().unwrap().len(), 1);
 }

@@ -73,7 +73,9 @@ pub(super) fn dataset(
         Some(f) if f.is_empty() => p.push("dataset.id_field", "must not be empty"),
         other => Some(other),
     };
+    let raw_has_sample = raw.sample.is_some();
     let sample = sample(raw.sample, p);
+    let limit = limit(raw.limit, raw_has_sample, p);
     let split = match raw.split {
         Some(s) if s.trim().is_empty() => p.push("dataset.split", "must not be empty"),
         Some(s) if path.as_ref().is_some_and(|p| p.is_file()) => p.push(
@@ -90,10 +92,23 @@ pub(super) fn dataset(
         split: split?,
         id_field: id_field?,
         sample: sample?,
+        limit: limit?,
         skip_invalid: raw.skip_invalid.unwrap_or(false),
         episodes: None,
         sheet: None,
     })
+}
+
+/// `dataset.limit`, validated (`sample`: the dataset has one too).
+fn limit(raw: Option<u64>, sample: bool, p: &mut Problems<'_>) -> Option<Option<u64>> {
+    match raw {
+        Some(0) => p.push("dataset.limit", "must be at least 1, got 0"),
+        Some(_) if sample => p.push(
+            "dataset.limit",
+            "picks the first rows, dataset.sample (or --n-sample) a sample of them all: use one",
+        ),
+        other => Some(other),
+    }
 }
 
 /// `dataset.sample`, validated.
@@ -134,7 +149,9 @@ fn sheet_dataset(
             );
         }
     }
+    let raw_has_sample = raw.sample.is_some();
     let sample = sample(raw.sample, p);
+    let limit = limit(raw.limit, raw_has_sample, p);
     let sheet = sheets::sheet(sheet, p)?;
     if clash {
         return None;
@@ -145,6 +162,7 @@ fn sheet_dataset(
         split: None,
         id_field: Some(sheets::ID_FIELD.to_owned()),
         sample: sample?,
+        limit: limit?,
         skip_invalid: raw.skip_invalid.unwrap_or(false),
         episodes: None,
         sheet: Some(sheet),

@@ -603,6 +603,7 @@ mod tests {
             split: split.map(str::to_owned),
             id_field: Some("id".to_owned()),
             sample: None,
+            limit: None,
             skip_invalid: false,
             episodes: None,
             sheet: None,
