@@ -100,7 +100,7 @@ mod tests {
             .unwrap();
         assert_eq!(
             unknown.1,
-            "dataset: unknown key 'colour' (known: format, id_field, path, sample, sheet, skip_invalid, split)"
+            "dataset: unknown key 'colour' (known: format, id_field, limit, path, sample, sheet, skip_invalid, split)"
         );
         let nested = problems
             .iter()

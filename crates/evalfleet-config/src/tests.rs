@@ -576,7 +576,7 @@ task:
         messages[..2],
         [
             "config: unknown key 'colour' (known: cache, dataset, endpoints, name, report, retry, shutdown_grace, store, task, telemetry, timeouts, writer)",
-            "dataset: unknown key 'colour' (known: format, id_field, path, sample, sheet, skip_invalid, split)",
+            "dataset: unknown key 'colour' (known: format, id_field, limit, path, sample, sheet, skip_invalid, split)",
         ]
     );
     // Places with many keys send the reader to the reference.
