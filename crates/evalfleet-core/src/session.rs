@@ -282,7 +282,9 @@ pub async fn resumable(
     frontend: &Frontend,
 ) -> Result<Resumable, SessionError> {
     let mut store = evalfleet_store::open(&location, &OpenOptions::default())?;
-    let record = store.run(run_id)?;
+    // `latest`, or the beginning of one run's id.
+    let run_id = evalfleet_store::resolve_run_id(&mut *store, run_id)?;
+    let record = store.run(&run_id)?;
     let loaded = match config {
         Some(file) => load_config(file, Overrides::default(), frontend)?,
         None => config::load_snapshot(&record.config, Path::new(&record.config_dir))?,

@@ -453,3 +453,44 @@ async fn limit_and_set_change_the_run_and_are_recorded_with_it() {
     );
     assert_eq!(env.store().runs().unwrap().len(), 1);
 }
+
+/// A run may be named `latest` or by the beginning of its id, as long as
+/// one run's id begins so; a prefix of several names them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn latest_and_a_unique_prefix_name_a_run() {
+    let env = Env::new();
+    let server = mock(MockSettings::default()).await;
+    let dataset = env.dataset("items.jsonl", 3);
+    env.write(
+        "run.yaml",
+        &config(&dataset, &external("fast", &server, 2), ""),
+    );
+    for id in ["alpha-1", "alpha-2", "beta-1"] {
+        let ran = env
+            .evalfleet(&["run", "run.yaml", "-q", "--run-id", id])
+            .await;
+        assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    }
+    let latest = env.evalfleet(&["status", "latest", "--json"]).await;
+    assert_eq!(latest.code, Some(0), "{}", latest.stderr);
+    let latest: Value = serde_json::from_str(&latest.stdout).unwrap();
+    assert_eq!(latest["run_id"], "beta-1");
+    let beta = env.evalfleet(&["status", "bet", "--json"]).await;
+    let beta: Value = serde_json::from_str(&beta.stdout).unwrap();
+    assert_eq!(beta["run_id"], "beta-1");
+    let both = env.evalfleet(&["report", "alpha"]).await;
+    assert_eq!(both.code, Some(2), "{}", both.stderr);
+    assert!(
+        both.stderr
+            .contains("'alpha' begins the ids of 2 runs: alpha-1, alpha-2; give more of it"),
+        "{}",
+        both.stderr
+    );
+    let export = env
+        .evalfleet(&["export", "alpha-2", "--format", "jsonl"])
+        .await;
+    assert_eq!(export.stdout.lines().count(), 3);
+    let none = env.evalfleet(&["status", "gamma"]).await;
+    assert_eq!(none.code, Some(2), "{}", none.stderr);
+    assert!(none.stderr.contains("no run 'gamma'"), "{}", none.stderr);
+}

@@ -17,6 +17,9 @@ pub enum StoreError {
     },
     #[error("no run '{0}' in this store")]
     NoSuchRun(String),
+    /// A prefix of more than one run's id.
+    #[error("'{given}' begins the ids of {} runs: {}; give more of it", matches.len(), matches.join(", "))]
+    AmbiguousRun { given: String, matches: Vec<String> },
     #[error("no store at {} (pass --store PATH to name another)", .0.display())]
     NoStore(std::path::PathBuf),
     /// The file is there, but it is not an evalfleet store.
@@ -46,6 +49,7 @@ impl StoreError {
     pub fn fault(&self) -> Fault {
         match self {
             Self::NoSuchRun(_)
+            | Self::AmbiguousRun { .. }
             | Self::NoStore(_)
             | Self::NotAStore { .. }
             | Self::NewerStore { .. }

@@ -161,3 +161,38 @@ pub trait Runs {
     /// worker name, whether it still lives or not.
     fn worker_work(&mut self, run_id: &str) -> Result<Vec<WorkerWork>, StoreError>;
 }
+
+/// The run a command was given: an id as it is, `latest` (the run made
+/// last), or the beginning of exactly one run's id, as lm-eval's and
+/// inspect's users name runs.
+pub fn resolve_run_id(store: &mut dyn super::Store, given: &str) -> Result<String, StoreError> {
+    match store.run(given) {
+        Ok(run) => return Ok(run.run_id),
+        Err(StoreError::NoSuchRun(_)) => {}
+        Err(err) => return Err(err),
+    }
+    let runs = store.runs()?;
+    if given == "latest" {
+        return runs
+            .iter()
+            .max_by_key(|r| (r.created_at_ms, r.run_id.clone()))
+            .map(|r| r.run_id.clone())
+            .ok_or_else(|| StoreError::NoSuchRun(given.to_owned()));
+    }
+    let mut matches: Vec<String> = runs
+        .into_iter()
+        .filter(|r| !given.is_empty() && r.run_id.starts_with(given))
+        .map(|r| r.run_id)
+        .collect();
+    match matches.len() {
+        0 => Err(StoreError::NoSuchRun(given.to_owned())),
+        1 => Ok(matches.remove(0)),
+        _ => {
+            matches.sort();
+            Err(StoreError::AmbiguousRun {
+                given: given.to_owned(),
+                matches,
+            })
+        }
+    }
+}

@@ -92,8 +92,9 @@ pub(crate) fn percentiles(p: &Option<Percentiles>) -> String {
     }
 }
 
-pub fn status(args: StatusArgs) -> anyhow::Result<u8> {
+pub fn status(mut args: StatusArgs) -> anyhow::Result<u8> {
     let (_, mut store) = open_to_read(args.store.store)?;
+    args.run_id = evalfleet_store::resolve_run_id(&mut *store, &args.run_id)?;
     let run = store.run(&args.run_id)?;
     let counts = store.counts(&args.run_id)?;
     let (status, active) = status_text(&mut *store, &run)?;
@@ -320,11 +321,12 @@ fn print_status(
 /// `evalfleet fleet add|remove`: asks the running process to change its
 /// fleet.
 pub fn fleet(args: FleetArgs) -> anyhow::Result<u8> {
-    let (action, target) = match args.action {
+    let (action, mut target) = match args.action {
         crate::cli::FleetAction::Add(target) => (FleetAction::Add, target),
         crate::cli::FleetAction::Remove(target) => (FleetAction::Remove, target),
     };
     let (_, mut store) = open_existing(target.store.store)?;
+    target.run_id = evalfleet_store::resolve_run_id(&mut *store, &target.run_id)?;
     let run = store.run(&target.run_id)?;
     let configured: Vec<String> = run
         .config
@@ -391,10 +393,10 @@ const COLUMNS: [&str; 19] = [
     "prompt",
 ];
 
-pub fn export(args: ExportArgs) -> anyhow::Result<u8> {
+pub fn export(mut args: ExportArgs) -> anyhow::Result<u8> {
     let format = args.format()?;
     let (_, mut store) = open_to_read(args.store.store.clone())?;
-    store.run(&args.run_id)?;
+    args.run_id = evalfleet_store::resolve_run_id(&mut *store, &args.run_id)?;
     match &args.output {
         Some(file) => {
             let tmp = temp_path(file);

@@ -23,8 +23,9 @@ use crate::{EXIT_INTERRUPTED, EXIT_OK};
 
 /// `evalfleet score`: parses, checks and scores the stored outputs again;
 /// with `--rejudge` (or a changed `task.code`), runs the code judge again.
-pub async fn score(args: ScoreArgs) -> anyhow::Result<u8> {
+pub async fn score(mut args: ScoreArgs) -> anyhow::Result<u8> {
     let (location, mut store) = open_existing(args.store.store)?;
+    args.run_id = evalfleet_store::resolve_run_id(&mut *store, &args.run_id)?;
     let new = match &args.config {
         Some(file) => Some(config::load_file(file, Overrides::default())?),
         None => None,
@@ -106,10 +107,10 @@ fn fmt(v: f64) -> String {
 }
 
 /// `evalfleet report`: a table in the terminal, and CSV and JSON files.
-pub fn report(args: ReportArgs) -> anyhow::Result<u8> {
+pub fn report(mut args: ReportArgs) -> anyhow::Result<u8> {
     let (location, mut store) = open_to_read(args.store.store)?;
     // The run must exist before anything is made for it.
-    store.run(&args.run_id)?;
+    args.run_id = evalfleet_store::resolve_run_id(&mut *store, &args.run_id)?;
     // The files go to `--out`, else beside the store; a store the user may
     // not write still has its report, in the terminal.
     let dir = match &args.out {
@@ -579,8 +580,11 @@ impl DetailedCsv {
 
 /// `evalfleet compare`: runs side by side per metric and category, each
 /// against the first on the items they share.
-pub fn compare(args: CompareArgs) -> anyhow::Result<u8> {
+pub fn compare(mut args: CompareArgs) -> anyhow::Result<u8> {
     let (_, mut store) = open_to_read(args.store.store)?;
+    for run in &mut args.runs {
+        *run = evalfleet_store::resolve_run_id(&mut *store, run)?;
+    }
     let compared = report::compare(&mut *store, &args.runs, &args.by, None, 0)?;
     // Runs of different items are compared on the items they share: said
     // first, on stderr, so that `--json` stays the comparisons alone.

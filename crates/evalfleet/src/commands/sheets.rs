@@ -14,9 +14,10 @@ use crate::cli::SyncArgs;
 use crate::{EXIT_FAILED, EXIT_OK};
 
 /// `evalfleet sync RUN_ID`: writes the stored results the sheet lacks.
-pub async fn sync(args: SyncArgs) -> anyhow::Result<u8> {
+pub async fn sync(mut args: SyncArgs) -> anyhow::Result<u8> {
     let location: Location = store_location(args.store.store.clone(), None)?;
     let mut store = evalfleet_store::open(&location, &OpenOptions::default())?;
+    args.run_id = evalfleet_store::resolve_run_id(&mut *store, &args.run_id)?;
     let record = store.run(&args.run_id)?;
     let loaded = match &args.config {
         Some(file) => crate::attend::load(file, config::Overrides::default())?,
