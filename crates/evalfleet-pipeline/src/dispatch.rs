@@ -768,9 +768,9 @@ pub async fn drive(shared: &Arc<Shared>, mut item: Item, mut step: Step, mut car
 /// the item as ended.
 async fn end(shared: &Shared, item: Item, finish: Finish, carry: Carry) {
     let alike = item.refused || item.calls == 0;
-    if let Some(cause) = shared.first_failures.ended(&finish, alike) {
+    if let Some(cause) = shared.first_failures.ended(item.number, &finish, alike) {
         shared.fleet.give_up(format!(
-            "The first {} items to end all failed the same way, and none was answered: {cause}. \
+            "The first {} items all failed the same way, and none was answered: {cause}. \
              Fix the cause, then resume with --retry-failed to answer them again.",
             crate::item::FirstFailures::SAME
         ));

@@ -77,27 +77,38 @@ impl Tally {
 }
 
 /// Watches how a session's first items end: when the first
-/// [`FirstFailures::SAME`] to end all failed the same way and none was
-/// answered (a wrong key, a mistyped model, a request every call gets
-/// refused, an agent that fails at once), the session gives up at once,
-/// naming the cause, instead of failing every item of the run the same way.
-/// Once an item is answered it says nothing more.
+/// [`FirstFailures::SAME`] items it took (in the order it took them, not
+/// the order they ended: refusals come back faster than answers) all
+/// failed the same way and no item was answered (a wrong key, a mistyped
+/// model, a request every call gets refused, an agent that fails at once),
+/// the session gives up at once, naming the cause, instead of failing every
+/// item of the run the same way. Once an item is answered, or one of the
+/// first fails otherwise, it says nothing more.
 #[derive(Default)]
 pub struct FirstFailures {
+    /// Items taken so far: each item's number in the session.
+    taken: AtomicU64,
     answered: std::sync::atomic::AtomicBool,
-    /// The first failure's words and how many failed with them.
+    /// The first failure's words and how many of the first items failed
+    /// with them.
     same: std::sync::Mutex<Option<(String, u32)>>,
 }
 
 impl FirstFailures {
-    /// Failures alike, and no answer, that give a session up.
+    /// Failures alike of the first items, and no answer, that give a
+    /// session up.
     pub const SAME: u32 = 5;
 
-    /// An item ended as `finish` says; `alike`: a failure that can be
+    /// The next item's number in the session (0 for its first).
+    pub fn number(&self) -> u64 {
+        self.taken.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Item `number` ended as `finish` says; `alike`: a failure that can be
     /// one of many alike (a call refused for good, or work of the task's
     /// own that made no call, such as an agent's run), not a server's
     /// error retried to the end. The cause to give up for, once.
-    pub fn ended(&self, finish: &Finish, alike: bool) -> Option<String> {
+    pub fn ended(&self, number: u64, finish: &Finish, alike: bool) -> Option<String> {
         if self.answered.load(Ordering::Relaxed) {
             return None;
         }
@@ -105,6 +116,9 @@ impl FirstFailures {
         // closed): something answered.
         if finish.status != ItemStatus::Failed || finish.output.is_some() {
             self.answered.store(true, Ordering::Relaxed);
+            return None;
+        }
+        if number >= u64::from(Self::SAME) {
             return None;
         }
         if !alike {
@@ -129,7 +143,7 @@ impl FirstFailures {
             }
             None => {
                 *same = Some((words.to_owned(), 1));
-                None
+                (Self::SAME == 1).then(|| words.to_owned())
             }
         }
     }
@@ -173,6 +187,9 @@ pub struct Item {
     /// Its last call was refused with an answer no retry changes (a 4xx
     /// other than 408 and 429).
     pub refused: bool,
+    /// Its number among the items the session took (see
+    /// [`FirstFailures`]).
+    pub number: u64,
     /// The call that gave its answer so far (or the last that failed).
     pub answer: Option<Telemetry>,
     pub episode: Box<dyn Episode>,
@@ -216,6 +233,7 @@ impl Item {
             retry_paid: false,
             first_sent: None,
             refused: false,
+            number: u64::MAX,
             answer: None,
             episode,
             request: None,

@@ -196,6 +196,7 @@ impl Reader {
             },
             episode,
         );
+        item.number = self.shared.first_failures.number();
         if let Step::Call(request) = &step {
             item.prompt = request.prompt.clone();
         }

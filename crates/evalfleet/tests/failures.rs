@@ -183,6 +183,35 @@ async fn a_fatal_status_fails_the_item_without_a_retry() {
     );
 }
 
+/// Refusals come back faster than answers: a run where some items are
+/// refused (a prompt past the model's context) and the others answered
+/// slowly is not given up, however the first to end were refusals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fast_refusals_among_slow_answers_do_not_give_a_run_up() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 40);
+    let mixed = mock(MockSettings {
+        error_rate: 0.3,
+        error_status: 400,
+        latency: ms(100),
+        seed: 4,
+        ..MockSettings::default()
+    })
+    .await;
+    env.write(
+        "run.yaml",
+        &config(&dataset, &external("mixed", &mixed, 8), ""),
+    );
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(1), "finished incomplete: {}", ran.stderr);
+    assert!(
+        ran.stderr.contains("finished, incomplete: "),
+        "{}",
+        ran.stderr
+    );
+    assert_eq!(env.counts(&ran.run_id()).pending, 0);
+}
+
 /// A run whose first calls are all refused alike (a wrong key, a mistyped
 /// model) stops within its first items, naming the answer, instead of
 /// failing every item; fixed, `resume --retry-failed` answers every item.
@@ -204,7 +233,7 @@ async fn a_run_whose_first_calls_are_all_refused_alike_stops_naming_it_and_resum
     assert_eq!(ran.code, Some(130), "stopped, resumable: {}", ran.stderr);
     assert!(
         ran.stderr.contains(
-            "The first 5 items to end all failed the same way, and none was answered: HTTP 404: injected error"
+            "The first 5 items all failed the same way, and none was answered: HTTP 404: injected error"
         ),
         "{}",
         ran.stderr
