@@ -356,3 +356,44 @@ async fn a_parquet_file_of_one_large_row_group_is_read_with_flat_memory() {
     );
     assert!(peak < BOUND_MIB, "the run took {peak:.0} MiB");
 }
+
+/// Files compressed as pyarrow and polars write them are read: zstd (polars'
+/// default), gzip, snappy (pyarrow's) and lz4; a codec it does not read is
+/// named, with what to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parquet_files_compressed_with_zstd_gzip_snappy_or_lz4_are_read() {
+    let Some(py) = pyarrow_python() else {
+        return;
+    };
+    let env = Env::new();
+    let server = mock(MockSettings::default()).await;
+    for codec in ["zstd", "gzip", "snappy", "lz4", "brotli"] {
+        let dataset = env.path(&format!("{codec}.parquet"));
+        python(
+            &py,
+            "import sys, pyarrow as pa, pyarrow.parquet as pq\n\
+             t = pa.table({'id': ['a', 'b', 'c'], 'question': ['x', 'y', 'z']})\n\
+             pq.write_table(t, sys.argv[1], compression=sys.argv[2])",
+            &[dataset.as_os_str(), std::ffi::OsStr::new(codec)],
+        );
+        env.write(
+            "run.yaml",
+            &config(&dataset, &external("only", &server, 2), ""),
+        );
+        let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+        if codec == "brotli" {
+            assert_eq!(ran.code, Some(2), "{}", ran.stderr);
+            assert!(
+                ran.stderr.contains(
+                    "it is compressed with brotli, which evalfleet does not read (it reads snappy, zstd, gzip and lz4"
+                ),
+                "{}",
+                ran.stderr
+            );
+            continue;
+        }
+        assert_eq!(ran.code, Some(0), "{codec}: {}", ran.stderr);
+        let rows = by_id(&env.export(&ran.run_id()).await);
+        assert_eq!(rows["b"]["output"], "y", "{codec}");
+    }
+}

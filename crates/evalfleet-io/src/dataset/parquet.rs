@@ -250,7 +250,7 @@ impl ParquetRows {
         let group = cursor.group;
         let bad = |message: String| DatasetError::Parquet {
             path: shard.path.clone(),
-            message: format!("cannot read row group {group}: {message}"),
+            message: format!("cannot read row group {group}: {}", codec_hint(&message)),
         };
         loop {
             let row = match cursor.rows.next() {
@@ -289,7 +289,7 @@ impl ParquetRows {
         }
         let bad = |err: ParquetError| DatasetError::Parquet {
             path: shard.path.clone(),
-            message: format!("cannot read row group {group}: {err}"),
+            message: format!("cannot read row group {group}: {}", codec_hint(&err.to_string())),
         };
         let schema = shard.reader.metadata().file_metadata().schema_descr_ptr();
         let root = schema.root_schema();
@@ -479,6 +479,19 @@ impl<W: Write + Send> TableWriter<W> {
     /// Writes the footer; the table is complete.
     pub fn finish(self) -> Result<W, ParquetError> {
         self.inner.into_inner()
+    }
+}
+
+/// A decoding error, or what to do when it says the file is compressed
+/// with a codec this build does not read.
+fn codec_hint(message: &str) -> String {
+    const DISABLED: &str = "Disabled feature at compile time: ";
+    match message.split_once(DISABLED) {
+        Some((_, codec)) => format!(
+            "it is compressed with {}, which evalfleet does not read (it reads snappy, zstd, gzip and lz4, and files not compressed): write it again with one of them (pyarrow: compression='zstd'; polars writes zstd by default)",
+            codec.trim()
+        ),
+        None => message.to_owned(),
     }
 }
 
