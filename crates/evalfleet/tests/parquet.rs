@@ -397,3 +397,39 @@ async fn parquet_files_compressed_with_zstd_gzip_snappy_or_lz4_are_read() {
         assert_eq!(rows["b"]["output"], "y", "{codec}");
     }
 }
+
+/// A folder the `datasets` library's `save_to_disk` wrote (Arrow files, a
+/// `Dataset` or a `DatasetDict`) is refused with what to write instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_save_to_disk_folder_is_refused_with_the_to_parquet_hint() {
+    let Some(py) = crate::util::python_with("EVALFLEET_PYARROW_PYTHON", "datasets", "datasets")
+    else {
+        return;
+    };
+    let env = Env::new();
+    let server = mock(MockSettings::default()).await;
+    python(
+        &py,
+        "import sys, datasets\n\
+         d = datasets.Dataset.from_dict({'id': ['a', 'b'], 'question': ['x', 'y']})\n\
+         d.save_to_disk(sys.argv[1] + '/one')\n\
+         datasets.DatasetDict({'train': d, 'test': d}).save_to_disk(sys.argv[1] + '/dict')",
+        &[env.path("")],
+    );
+    for folder in ["one", "dict"] {
+        env.write(
+            "run.yaml",
+            &config(&env.path(folder), &external("only", &server, 2), ""),
+        );
+        let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+        assert_eq!(ran.code, Some(2), "{}", ran.stderr);
+        assert!(
+            ran.stderr
+                .contains("was written by the datasets library's save_to_disk")
+                && ran.stderr.contains("ds.to_parquet('items.parquet')"),
+            "{}",
+            ran.stderr
+        );
+    }
+    assert_eq!(server.stats().requests, 0);
+}

@@ -67,6 +67,29 @@ fn split_of(file: &Path) -> String {
     }
 }
 
+/// Whether the folder `path` is one the `datasets` library's
+/// `save_to_disk` wrote: its `state.json` or `dataset_dict.json`, or Arrow
+/// files, there or a level down (a `DatasetDict`'s splits).
+fn saved_by_datasets(path: &Path) -> bool {
+    let marks = |dir: &Path| {
+        std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|entry| {
+                let name = entry.file_name();
+                let name = name.to_string_lossy();
+                name == "state.json" || name == "dataset_dict.json" || name.ends_with(".arrow")
+            })
+    };
+    marks(path)
+        || std::fs::read_dir(path)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|entry| entry.path().is_dir() && marks(&entry.path()))
+}
+
 /// The files of the dataset at `path`: the file itself, or the shards of
 /// `split` in a folder.
 pub(super) fn shards(path: &Path, split: Option<&str>) -> Result<Vec<PathBuf>, DatasetError> {
@@ -82,6 +105,14 @@ pub(super) fn shards(path: &Path, split: Option<&str>) -> Result<Vec<PathBuf>, D
         message,
     };
     if files.is_empty() {
+        if saved_by_datasets(path) {
+            return Err(bad(
+                "the folder was written by the datasets library's save_to_disk (Arrow files), which evalfleet does not read: \
+                 write it as Parquet instead (ds.to_parquet('items.parquet'), or for each split of a DatasetDict \
+                 ds[split].to_parquet(f'data/{split}-00000-of-00001.parquet')) and name that"
+                    .to_owned(),
+            ));
+        }
         return Err(bad("the folder holds no .parquet file".to_owned()));
     }
     let mut splits: Vec<String> = files.iter().map(|f| split_of(f)).collect();
@@ -289,7 +320,10 @@ impl ParquetRows {
         }
         let bad = |err: ParquetError| DatasetError::Parquet {
             path: shard.path.clone(),
-            message: format!("cannot read row group {group}: {}", codec_hint(&err.to_string())),
+            message: format!(
+                "cannot read row group {group}: {}",
+                codec_hint(&err.to_string())
+            ),
         };
         let schema = shard.reader.metadata().file_metadata().schema_descr_ptr();
         let root = schema.root_schema();
