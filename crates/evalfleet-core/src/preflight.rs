@@ -138,6 +138,76 @@ pub fn check(
     }
 }
 
+/// The requests the first `n` usable rows of `loaded`'s dataset would
+/// send (`run --dry-run`), as JSON in OpenAI's form: the model of the first
+/// endpoint that takes items, the messages (an image as the value the row
+/// gives, not read), the task's parameters, and the rule of `task.prompts`
+/// chosen, with the row's line. A row whose templates cannot be rendered
+/// gives its reason instead.
+pub fn first_requests(
+    loaded: &LoadedConfig,
+    templates: &Templates,
+    n: usize,
+) -> Result<Vec<(u64, Result<Value, String>)>, evalfleet_io::dataset::DatasetError> {
+    let config = &loaded.config;
+    let model = config
+        .endpoints
+        .iter()
+        .find(|e| e.takes_items())
+        .map(|e| e.model.clone())
+        .unwrap_or_default();
+    let rows = first_rows(config)?;
+    let n = config
+        .dataset
+        .limit
+        .map_or(n, |limit| n.min(usize::try_from(limit).unwrap_or(n)));
+    Ok(rows
+        .iter()
+        .take(n)
+        .map(|(line, row)| {
+            let request = templates.render_parts_prompt(row).map(|(prompt, messages)| {
+                let messages: Vec<Value> = messages
+                    .iter()
+                    .map(|m| {
+                        let parts: Vec<Value> = m
+                            .parts
+                            .iter()
+                            .flat_map(|part| match part {
+                                RenderedPart::Text(text) => {
+                                    vec![serde_json::json!({"type": "text", "text": text})]
+                                }
+                                RenderedPart::Images { values, .. } => values
+                                    .iter()
+                                    .map(|v| {
+                                        serde_json::json!({"type": "image_url", "image_url": {"url": v}})
+                                    })
+                                    .collect(),
+                            })
+                            .collect();
+                        let content = match (m.as_parts, parts.as_slice()) {
+                            (false, [one]) => one["text"].clone(),
+                            _ => Value::Array(parts),
+                        };
+                        serde_json::json!({"role": m.role, "content": content})
+                    })
+                    .collect();
+                let mut body = serde_json::Map::new();
+                body.insert("model".to_owned(), Value::String(model.clone()));
+                body.insert("messages".to_owned(), Value::Array(messages));
+                for (key, value) in &config.task.params {
+                    body.insert(key.clone(), value.clone());
+                }
+                let mut shown = serde_json::json!({"request": body});
+                if let Some(prompt) = prompt {
+                    shown["prompt"] = Value::String(prompt.to_string());
+                }
+                shown
+            });
+            (*line, request)
+        })
+        .collect())
+}
+
 /// The first [`ROWS`] usable rows, each with its line.
 fn first_rows(
     config: &evalfleet_config::Config,

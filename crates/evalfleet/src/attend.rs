@@ -120,6 +120,7 @@ pub async fn start(args: RunArgs, overrides: Overrides, conversation: bool) -> a
     }
     if args.dry_run {
         fleet::dry_run(&loaded.config);
+        dry_requests(&loaded)?;
         return Ok(EXIT_OK);
     }
     let session = session::new_session(
@@ -145,6 +146,40 @@ pub async fn start(args: RunArgs, overrides: Overrides, conversation: bool) -> a
         &frontend,
     )
     .await
+}
+
+/// `run --dry-run`: the requests the first rows would send, each with its
+/// row's line (a conversation's and an agent's are made as they go).
+fn dry_requests(loaded: &evalfleet_config::LoadedConfig) -> anyhow::Result<()> {
+    use evalfleet_config::TaskKind;
+    if !matches!(
+        loaded.config.task.kind,
+        TaskKind::Chat | TaskKind::Refine(_) | TaskKind::Code(_)
+    ) {
+        return Ok(());
+    }
+    let templates = session::checked_templates(loaded).lift()?;
+    const SHOWN: usize = 3;
+    let requests = tokio::task::block_in_place(|| {
+        evalfleet_core::preflight::first_requests(loaded, &templates, SHOWN)
+    })?;
+    let file = loaded.config.dataset.path.display();
+    for (line, request) in requests {
+        match request {
+            Ok(shown) => {
+                let rule = shown
+                    .get("prompt")
+                    .and_then(serde_json::Value::as_str)
+                    .map_or_else(String::new, |p| format!(", prompt rule {p}"));
+                println!(
+                    "request for line {line} of {file}{rule}:\n{}",
+                    serde_json::to_string_pretty(&shown["request"])?
+                );
+            }
+            Err(why) => println!("line {line} of {file}: cannot be rendered: {why}"),
+        }
+    }
+    Ok(())
 }
 
 /// Who is watching a session.

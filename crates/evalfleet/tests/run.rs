@@ -494,3 +494,48 @@ async fn latest_and_a_unique_prefix_name_a_run() {
     assert_eq!(none.code, Some(2), "{}", none.stderr);
     assert!(none.stderr.contains("no run 'gamma'"), "{}", none.stderr);
 }
+
+/// `run --dry-run` shows the requests the first rows would send, as the
+/// endpoint would get them, and stores nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dry_run_shows_the_first_rendered_requests_and_stores_nothing() {
+    let env = Env::new();
+    let server = mock(MockSettings::default()).await;
+    let dataset = env.dataset("items.jsonl", 10);
+    env.write(
+        "run.yaml",
+        &config(&dataset, &external("fast", &server, 2), ""),
+    );
+    let ran = env
+        .evalfleet(&[
+            "run",
+            "run.yaml",
+            "--dry-run",
+            "--set",
+            "task.params.temperature=0",
+        ])
+        .await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert!(
+        ran.stdout.contains("request for line 1 of ")
+            && ran.stdout.contains("request for line 3 of ")
+            && !ran.stdout.contains("request for line 4 of "),
+        "{}",
+        ran.stdout
+    );
+    let first: Value = serde_json::from_str(
+        ran.stdout
+            .split("request for line 1 of ")
+            .nth(1)
+            .and_then(|rest| rest.split_once('\n'))
+            .map(|(_, json)| json.split("\nrequest for line").next().unwrap())
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(first["messages"][0]["content"], "question 0 of 10");
+    assert_eq!(first["model"], "m");
+    assert_eq!(first["temperature"], 0);
+    assert_eq!(first["max_tokens"], 64);
+    assert_eq!(server.stats().requests, 0);
+    assert!(!env.path("runs").exists(), "nothing is stored");
+}
