@@ -138,6 +138,9 @@ pub fn check(
     }
 }
 
+/// A row's line, and the request it would send (or why it cannot).
+pub type DryRequest = (u64, Result<Value, String>);
+
 /// The requests the first `n` usable rows of `loaded`'s dataset would
 /// send (`run --dry-run`), as JSON in OpenAI's form: the model of the first
 /// endpoint that takes items, the messages (an image as the value the row
@@ -148,7 +151,7 @@ pub fn first_requests(
     loaded: &LoadedConfig,
     templates: &Templates,
     n: usize,
-) -> Result<Vec<(u64, Result<Value, String>)>, evalfleet_io::dataset::DatasetError> {
+) -> Result<Vec<DryRequest>, evalfleet_io::dataset::DatasetError> {
     let config = &loaded.config;
     let model = config
         .endpoints
