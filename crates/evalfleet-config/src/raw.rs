@@ -363,9 +363,15 @@ pub struct RawCode {
     /// The SandboxFusion server's address, like `http://host:8080`. Required
     /// with `backend: sandboxfusion`.
     pub sandbox_url: Option<String>,
-    /// `backend: sandboxfusion`: how many times a failed call to the server
-    /// is tried again. Default 3.
+    /// `backend: sandboxfusion`: at most how many times a failed call to
+    /// the server (the network, its own errors, overload) is tried again.
+    /// Default: as many as `sandbox_retry_for` allows.
     pub sandbox_retries: Option<u32>,
+    /// `backend: sandboxfusion`: how long a failed call to the server is
+    /// tried again for, waiting 1, 2, 4, 8, then 16 s (with jitter, never
+    /// less than its `Retry-After`), so that a server that restarts is
+    /// ridden out. Default `2m`.
+    pub sandbox_retry_for: Option<String>,
 }
 
 /// A text, or a list of texts.

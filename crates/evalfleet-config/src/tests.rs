@@ -441,10 +441,14 @@ fn a_code_task_is_checked_key_by_key() {
         code.backend,
         evalfleet_sandbox::Backend::SandboxFusion {
             url: "http://sandbox:8080".to_owned(),
-            retries: 5
+            retries: Some(5),
+            retry_for: Duration::from_secs(120),
         }
     );
-    assert_eq!(code.concurrency, 32, "a remote sandbox's own default");
+    assert_eq!(
+        code.concurrency, 20,
+        "a remote sandbox's own default (seed 003's)"
+    );
     assert_eq!(code.compile_timeout, Duration::from_secs(30));
 }
 

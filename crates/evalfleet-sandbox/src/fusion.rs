@@ -34,6 +34,8 @@ pub enum FusionError {
         url: String,
         status: u16,
         body: String,
+        /// The server's `Retry-After`, when it gave one.
+        retry_after: Option<Duration>,
     },
     #[error("SandboxFusion at {url} answered with what is not a run_code result: {detail}")]
     Protocol { url: String, detail: String },
@@ -49,6 +51,13 @@ impl FusionError {
             Self::Http { .. } | Self::Sandbox { .. } => true,
             Self::Status { status, .. } => *status >= 500 || *status == 429 || *status == 408,
             Self::Protocol { .. } => false,
+        }
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Self::Status { retry_after, .. } => *retry_after,
+            _ => None,
         }
     }
 }
@@ -102,22 +111,31 @@ pub struct Fusion {
     http: reqwest::Client,
     url: String,
     retry: RetryPolicy,
+    /// How long a call is tried again for.
+    retry_for: Duration,
 }
 
 impl Fusion {
-    /// A client of the server at `base` (`http://host:8080`), trying each
-    /// call up to `retries` more times when the network or the server
-    /// fails.
-    pub fn new(http: reqwest::Client, base: &str, retries: u32) -> Self {
+    /// A client of the server at `base` (`http://host:8080`), trying a
+    /// call again when the network or the server fails, for up to
+    /// `retry_for` after its first try (and at most `retries` more times,
+    /// when given), waiting as SandboxFusion's own client does (1, 2, 4, 8
+    /// s, then 16 s; with jitter), and never less than a `Retry-After`.
+    pub fn new(
+        http: reqwest::Client,
+        base: &str,
+        retries: Option<u32>,
+        retry_for: Duration,
+    ) -> Self {
         Self {
             http,
             url: format!("{}/run_code", base.trim_end_matches('/')),
-            // Exponential backoff with full jitter, from 400 ms.
             retry: RetryPolicy {
-                max_attempts: retries.saturating_add(1),
-                backoff_base: Duration::from_millis(400),
-                backoff_max: Duration::from_millis(12_800),
+                max_attempts: retries.map_or(u32::MAX, |r| r.saturating_add(1)),
+                backoff_base: Duration::from_secs(1),
+                backoff_max: Duration::from_secs(16),
             },
+            retry_for,
         }
     }
 
@@ -151,11 +169,12 @@ impl Fusion {
         // The server's own limits plus time for the call itself.
         let deadline = compile_timeout + limits.cpu + Duration::from_secs(60);
         self.retry
-            .run(
+            .run_within(
+                self.retry_for,
                 || self.once(&body, deadline),
                 |err| {
                     if err.retryable() {
-                        Retry::After(None)
+                        Retry::After(err.retry_after())
                     } else {
                         Retry::Never
                     }
@@ -179,6 +198,13 @@ impl Fusion {
             .await
             .map_err(http_err)?;
         let status = response.status();
+        // Whole seconds, as servers behind a proxy send it.
+        let retry_after = response
+            .headers()
+            .get(reqwest::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map(Duration::from_secs);
         let bytes = response.bytes().await.map_err(http_err)?;
         if !status.is_success() {
             let text = String::from_utf8_lossy(&bytes[..bytes.len().min(ERROR_BODY)]);
@@ -186,6 +212,7 @@ impl Fusion {
                 url: self.url.clone(),
                 status: status.as_u16(),
                 body: text.trim().to_owned(),
+                retry_after,
             });
         }
         let answer: RunCodeResponse =

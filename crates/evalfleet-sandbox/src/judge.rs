@@ -26,7 +26,14 @@ pub enum Backend {
     Local,
     /// A SandboxFusion server (`task.code.sandbox_url`), each call tried up
     /// to `retries` more times when the network or the server fails.
-    SandboxFusion { url: String, retries: u32 },
+    SandboxFusion {
+        url: String,
+        /// At most this many more tries of a call (none: as many as
+        /// `retry_for` allows).
+        retries: Option<u32>,
+        /// How long a failed call is tried again for.
+        retry_for: std::time::Duration,
+    },
 }
 
 /// The judge's settings (`task.code`).
@@ -143,12 +150,16 @@ impl CodeJudge {
                 }
                 Runner::Local { sandbox, toolchain }
             }
-            Backend::SandboxFusion { url, retries } => {
+            Backend::SandboxFusion {
+                url,
+                retries,
+                retry_for,
+            } => {
                 let http = http.ok_or_else(|| {
                     CodeJudgeError::Setup("a SandboxFusion backend needs an HTTP client".to_owned())
                 })?;
                 Runner::Remote {
-                    fusion: Fusion::new(http, url, *retries),
+                    fusion: Fusion::new(http, url, *retries, *retry_for),
                     slots: Semaphore::new(settings.concurrency),
                 }
             }

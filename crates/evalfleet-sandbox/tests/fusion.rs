@@ -160,7 +160,8 @@ fn remote(url: &str, format: Format, language: Language) -> evalfleet_sandbox::C
     s.tool = None;
     s.backend = Backend::SandboxFusion {
         url: url.to_owned(),
-        retries: 3,
+        retries: Some(3),
+        retry_for: std::time::Duration::from_secs(120),
     };
     s
 }
@@ -265,7 +266,8 @@ async fn an_unreachable_sandboxfusion_stops_the_judge_at_its_start() {
     );
     settings.backend = Backend::SandboxFusion {
         url: format!("http://127.0.0.1:{port}"),
-        retries: 0,
+        retries: Some(0),
+        retry_for: std::time::Duration::from_secs(120),
     };
     let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fusion-none");
     let err = CodeJudge::new(settings, &dir, http()).await.err().unwrap();

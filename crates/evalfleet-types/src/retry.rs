@@ -67,6 +67,42 @@ impl RetryPolicy {
     }
 }
 
+impl RetryPolicy {
+    /// [`run`](Self::run), bounded by time as well: it tries again while
+    /// the next try would start within `within` of the first (a server
+    /// restarting is ridden out, however many tries that takes, up to
+    /// `max_attempts`).
+    pub async fn run_within<T, E, F, Fut>(
+        &self,
+        within: Duration,
+        mut op: F,
+        verdict: impl Fn(&E) -> Retry,
+    ) -> Result<T, E>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        let first = Instant::now();
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match op().await {
+                Ok(value) => return Ok(value),
+                Err(err) => match verdict(&err) {
+                    Retry::After(retry_after) if tries < self.max_attempts => {
+                        let wait = self.backoff(tries, retry_after);
+                        if first.elapsed() + wait > within {
+                            return Err(err);
+                        }
+                        tokio::time::sleep(wait).await;
+                    }
+                    _ => return Err(err),
+                },
+            }
+        }
+    }
+}
+
 /// A [`RetryBudget`]'s settings (`retry.budget`, `retry.budget_floor`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BudgetSettings {
@@ -235,6 +271,54 @@ mod tests {
         }
         let in_window = t0 + Duration::from_secs(12);
         assert_eq!((0..20).filter(|_| budget.try_retry(in_window)).count(), 5);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn run_within_rides_out_an_outage_of_its_time_and_no_longer() {
+        let policy = RetryPolicy {
+            max_attempts: u32::MAX,
+            backoff_base: Duration::from_secs(1),
+            backoff_max: Duration::from_secs(16),
+        };
+        // Down for 40 s: a minute's retries outlast it.
+        let start = Instant::now();
+        let tries = std::cell::Cell::new(0);
+        let ridden: Result<u32, &str> = policy
+            .run_within(
+                Duration::from_secs(60),
+                || async {
+                    tries.set(tries.get() + 1);
+                    if start.elapsed() < Duration::from_secs(40) {
+                        Err("down")
+                    } else {
+                        Ok(tries.get())
+                    }
+                },
+                |_| Retry::After(None),
+            )
+            .await;
+        assert!(ridden.is_ok(), "{ridden:?}");
+        // Down for good: it gives up within its minute.
+        let start = Instant::now();
+        let spent: Result<(), &str> = policy
+            .run_within(
+                Duration::from_secs(60),
+                || async { Err("down") },
+                |_| Retry::After(None),
+            )
+            .await;
+        assert_eq!(spent, Err("down"));
+        assert!(start.elapsed() <= Duration::from_secs(60));
+        // A Retry-After past the minute ends it at once.
+        let start = Instant::now();
+        let _: Result<(), &str> = policy
+            .run_within(
+                Duration::from_secs(60),
+                || async { Err("later") },
+                |_| Retry::After(Some(Duration::from_secs(600))),
+            )
+            .await;
+        assert_eq!(start.elapsed(), Duration::ZERO);
     }
 
     #[tokio::test(start_paused = true)]

@@ -291,6 +291,11 @@ fn code(value: &Value, p: &mut Problems<'_>) -> Option<evalfleet_sandbox::CodeSe
         raw.compile_timeout.as_deref(),
         "30s",
     );
+    let retry_for = p.duration(
+        "task.code.sandbox_retry_for",
+        raw.sandbox_retry_for.as_deref(),
+        "2m",
+    );
     let backend = match (raw.backend.as_deref(), raw.sandbox_url) {
         (None | Some("local"), None) => Some(Backend::Local),
         (None | Some("local"), Some(_)) => p.push(
@@ -300,7 +305,8 @@ fn code(value: &Value, p: &mut Problems<'_>) -> Option<evalfleet_sandbox::CodeSe
         (Some("sandboxfusion"), Some(url)) => match reqwest::Url::parse(&url) {
             Ok(u) if matches!(u.scheme(), "http" | "https") => Some(Backend::SandboxFusion {
                 url,
-                retries: raw.sandbox_retries.unwrap_or(3),
+                retries: raw.sandbox_retries,
+                retry_for: retry_for?,
             }),
             _ => p.push(
                 "task.code.sandbox_url",
@@ -320,8 +326,8 @@ fn code(value: &Value, p: &mut Problems<'_>) -> Option<evalfleet_sandbox::CodeSe
     let concurrency = match (raw.judge_concurrency, &backend) {
         (Some(0), _) => p.push("task.code.judge_concurrency", "must be at least 1, got 0"),
         (Some(n), _) => Some(n),
-        // A remote sandbox has cores of its own.
-        (None, Some(Backend::SandboxFusion { .. })) => Some(32),
+        // A remote sandbox has cores of its own: the seed's default.
+        (None, Some(Backend::SandboxFusion { .. })) => Some(20),
         (None, _) => Some(cores),
     };
     let float_tolerance = match raw.float_tolerance {
