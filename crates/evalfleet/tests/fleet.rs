@@ -778,3 +778,50 @@ async fn an_endpoint_reads_its_engines_load_while_it_serves_and_one_that_reports
     assert_eq!(unread.stats().load_readings, 0);
     assert!(silent.stats().completed > 0 && unread.stats().completed > 0);
 }
+
+/// An engine whose completions hang while its health route answers is
+/// found by its progress (calls in flight, none answering for
+/// `health.hang_after`), restarted, and its items answered by the new
+/// process: the run ends complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_whose_calls_hang_while_it_answers_probes_is_restarted() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 12);
+    // The first process answers its health route and hangs every
+    // completion; the next ones answer.
+    let script = env.write(
+        "engine.sh",
+        &format!(
+            "if [ -e \"$0.started\" ]; then exec {BIN} mock --bind 127.0.0.1:$1; \
+             else touch \"$0.started\"; exec {BIN} mock --bind 127.0.0.1:$1 --hang-rate 1; fi\n"
+        ),
+    );
+    let endpoint = format!(
+        "  - name: engine\n    kind: local\n    command: \"sh {} {{port}}\"\n    \
+         model: mock\n    concurrency: 4\n    restart_delay: 200ms\n    stop_grace: 2s\n    \
+         health: {{ interval: 200ms, timeout: 500ms, hang_after: 400ms }}\n",
+        script.display()
+    );
+    env.write(
+        "run.yaml",
+        &config(&dataset, &endpoint, "retry: { backoff_base: 20ms }"),
+    );
+    let ran = env
+        .evalfleet(&["run", "run.yaml", "-q", "--run-id", "h"])
+        .await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert!(
+        ran.stderr.contains(
+            "Endpoint engine is hung: its calls in flight have shown no sign of life for"
+        ),
+        "{}",
+        ran.stderr
+    );
+    assert!(
+        ran.stderr
+            .contains("finished, complete: 12 of 12 items scored"),
+        "{}",
+        ran.stderr
+    );
+    assert!(engine_pids(&env, "h").len() >= 2, "restarted");
+}

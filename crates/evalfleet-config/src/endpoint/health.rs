@@ -34,6 +34,11 @@ pub struct HealthSettings {
     /// time; each ejection soon after another lasts one more of these
     /// (up to ten). Default `30s`.
     pub ejection: Duration,
+    /// An engine evalfleet started is hung when calls are in flight and
+    /// none has shown a sign of life for this long (four times its calls'
+    /// usual latency when that is longer; five times this before any call
+    /// has answered), even while it answers probes. Default `60s`.
+    pub hang_after: Duration,
 }
 
 impl Default for HealthSettings {
@@ -45,6 +50,7 @@ impl Default for HealthSettings {
             max_failures: 3,
             recover_after: 2,
             ejection: Duration::from_secs(30),
+            hang_after: Duration::from_secs(60),
         }
     }
 }
@@ -84,6 +90,14 @@ pub(super) struct RawHealth {
     /// to ten). Default `30s`.
     #[schemars(with = "Option<crate::schema::Duration>")]
     ejection: Option<String>,
+    /// For an engine evalfleet starts (`local`, `remote`): how long its
+    /// calls may be in flight with none showing a sign of life (an answer,
+    /// a streamed token) before it is taken for hung, even while it
+    /// answers probes, and restarted (its calls go again). Four times its
+    /// calls' usual latency when that is longer; five times this before
+    /// any of its calls has answered. Default `60s`.
+    #[schemars(with = "Option<crate::schema::Duration>")]
+    hang_after: Option<String>,
 }
 
 pub(super) fn health(raw: RawHealth, at: &str, p: &mut Problems<'_>) -> Option<HealthSettings> {
@@ -98,6 +112,7 @@ pub(super) fn health(raw: RawHealth, at: &str, p: &mut Problems<'_>) -> Option<H
     let interval = p.duration(&field("interval"), raw.interval.as_deref(), "5s");
     let timeout = p.duration(&field("timeout"), raw.timeout.as_deref(), "10s");
     let ejection = p.duration(&field("ejection"), raw.ejection.as_deref(), "30s");
+    let hang_after = p.duration(&field("hang_after"), raw.hang_after.as_deref(), "60s");
     let max_failures = match raw.max_failures {
         Some(0) => p.push(&field("max_failures"), "must be at least 1, got 0"),
         other => Some(other.unwrap_or(defaults.max_failures)),
@@ -113,5 +128,6 @@ pub(super) fn health(raw: RawHealth, at: &str, p: &mut Problems<'_>) -> Option<H
         max_failures: max_failures?,
         recover_after: recover_after?,
         ejection: ejection?,
+        hang_after: hang_after?,
     })
 }

@@ -339,6 +339,22 @@ async fn keep_engine(shared: &Shared, endpoint: &Endpoint, stop: &CancellationTo
                                     EventKind::Died,
                                     format!("Engine of {} {how}.", endpoint.name),
                                 );
+                            } else if let Ended::Hung(silent) = ended {
+                                last_failure = format!(
+                                    "its calls hung ({} without a sign of life while it answered probes)",
+                                    humantime::format_duration(Duration::from_secs(
+                                        silent.as_secs()
+                                    ))
+                                );
+                                shared.event(
+                                    endpoint,
+                                    EventKind::Unhealthy,
+                                    format!(
+                                        "Endpoint {} is hung: its calls in flight have shown no sign of life for {} while it answers probes; restarting it (its calls go again).",
+                                        endpoint.name,
+                                        humantime::format_duration(Duration::from_secs(silent.as_secs()))
+                                    ),
+                                );
                             } else if let Ended::StayedUnhealthy = ended {
                                 last_failure = format!(
                                     "it stayed unhealthy for {}",

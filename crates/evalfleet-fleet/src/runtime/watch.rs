@@ -74,6 +74,9 @@ pub(super) enum Ended {
     Died(String),
     /// Unhealthy for longer than allowed (managed engines).
     StayedUnhealthy,
+    /// Calls in flight, none showing a sign of life for this long, while
+    /// it answers probes (managed engines).
+    Hung(Duration),
 }
 
 /// Watches the endpoint while it serves, until stopped, the process dies,
@@ -110,6 +113,8 @@ pub(super) async fn watch(
         )
     };
     let mut probed = Instant::now();
+    // Since when calls have been in flight without a pause.
+    let mut busy_since: Option<Instant> = None;
     loop {
         let exited = async {
             match process.as_mut() {
@@ -147,7 +152,35 @@ pub(super) async fn watch(
         {
             return Ended::StayedUnhealthy;
         }
+        if restart_after.is_some()
+            && let Some(silent) = hung(endpoint, &mut busy_since, Instant::now())
+        {
+            return Ended::Hung(silent);
+        }
     }
+}
+
+/// Whether `endpoint`'s calls are hung: calls are in flight, and none has
+/// shown a sign of life (nor has it been idle) for its `health.hang_after`
+/// (see [`evalfleet_config::HealthSettings::hang_after`]); how long, when
+/// they are. `busy_since` keeps when calls were last seen in flight
+/// without a pause.
+fn hung(endpoint: &Endpoint, busy_since: &mut Option<Instant>, now: Instant) -> Option<Duration> {
+    if endpoint.limit.in_flight() == 0 {
+        *busy_since = None;
+        return None;
+    }
+    let busy = *busy_since.get_or_insert(now);
+    let hang_after = endpoint.config.health.hang_after;
+    let limit = match endpoint.normal_latency() {
+        Some(normal) => hang_after.max(normal * 4),
+        None => hang_after * 5,
+    };
+    let last = endpoint
+        .last_sign_of_life()
+        .map_or(busy, |life| life.max(busy));
+    let silent = now.saturating_duration_since(last);
+    (silent >= limit).then_some(silent)
 }
 
 /// When an endpoint whose breaker is in `state`, last probed at `probed`,
