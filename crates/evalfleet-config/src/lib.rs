@@ -687,5 +687,38 @@ pub fn load_snapshot_to_read(snapshot: &Value, dir: &Path) -> Result<LoadedConfi
     load_snapshot(&snapshot, dir)
 }
 
+/// Rebuilds a stored config to report a run's stored results by (its
+/// task, its metrics, its templates, its report settings), needing nothing
+/// but the store: each endpoint stands as a mock of its name (its address,
+/// model, secrets and engine are not read; an LLM judge's metric still
+/// names its endpoint), and no `${VAR}` is read from the environment: each
+/// is kept as the text it is, so that a variable set when the run ran and
+/// not where it is reported does not stand in the way.
+pub fn load_snapshot_to_report(snapshot: &Value, dir: &Path) -> Result<LoadedConfig, ConfigError> {
+    let mut snapshot = snapshot.clone();
+    if let Some(endpoints) = snapshot.get_mut("endpoints").and_then(Value::as_array_mut) {
+        for endpoint in endpoints.iter_mut() {
+            let name = endpoint.get("name").cloned().unwrap_or(Value::Null);
+            *endpoint = serde_json::json!({"name": name, "kind": "mock"});
+        }
+    }
+    keep_references(&mut snapshot);
+    load_snapshot(&snapshot, dir)
+}
+
+fn keep_references(value: &mut Value) {
+    match value {
+        Value::String(text) if text.contains("${") => {
+            *text = text
+                .replace("$${", "\u{0}")
+                .replace("${", "$${")
+                .replace("\u{0}", "$${");
+        }
+        Value::Array(items) => items.iter_mut().for_each(keep_references),
+        Value::Object(map) => map.values_mut().for_each(keep_references),
+        _ => {}
+    }
+}
+
 #[cfg(test)]
 mod tests;

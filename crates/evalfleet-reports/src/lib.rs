@@ -196,7 +196,7 @@ impl Judged {
     /// The run `run_id` and its stored task.
     pub fn load(store: &mut dyn Store, run_id: &str) -> Result<Self, ReportError> {
         let run = store.run(run_id)?;
-        let config = config::load_snapshot_to_read(&run.config, Path::new(&run.config_dir))
+        let config = config::load_snapshot_to_report(&run.config, Path::new(&run.config_dir))
             .map_err(|source| ReportError::Config {
                 run_id: run_id.to_owned(),
                 source,

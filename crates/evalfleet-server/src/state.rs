@@ -110,7 +110,7 @@ impl AppState {
         }
         let run = store.run(run_id).map_err(|err| err.to_string())?;
         let loaded =
-            evalfleet_config::load_snapshot_to_read(&run.config, Path::new(&run.config_dir))
+            evalfleet_config::load_snapshot_to_report(&run.config, Path::new(&run.config_dir))
                 .map_err(|err| err.to_string())?;
         let templates =
             Arc::new(Templates::compile(&loaded.config.task).map_err(|err| err.to_string())?);

@@ -539,3 +539,46 @@ async fn a_dry_run_shows_the_first_rendered_requests_and_stores_nothing() {
     assert_eq!(server.stats().requests, 0);
     assert!(!env.path("runs").exists(), "nothing is stored");
 }
+
+/// A run's report needs nothing but the store: the `${VAR}`s its config
+/// used (an endpoint's model, its key, its address) need not be set where
+/// it is reported, nor compared, nor shown on the dashboard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_needs_none_of_the_variables_its_run_used() {
+    let env = Env::new();
+    let server = mock(MockSettings::default()).await;
+    let dataset = env.dataset("items.jsonl", 4);
+    let endpoint = "  - { name: fast, kind: external, base_url: \"${EF_TEST_BASE}\", model: \"${EF_TEST_MODEL}\", api_key: \"${EF_TEST_KEY}\" }\n";
+    env.write(
+        "run.yaml",
+        &config(
+            &dataset,
+            endpoint,
+            "  metrics: [{ name: exact_match, reference: \"{{ question }}\" }]",
+        ),
+    );
+    let ran: crate::util::Ran = env
+        .command(&["run", "run.yaml", "-q", "--run-id", "vars"])
+        .env("EF_TEST_BASE", server.base_url())
+        .env("EF_TEST_MODEL", "m")
+        .env("EF_TEST_KEY", "sk-test")
+        .output()
+        .await
+        .unwrap()
+        .into();
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let report = env.evalfleet(&["report", "vars", "--json"]).await;
+    assert_eq!(report.code, Some(0), "{}", report.stderr);
+    let report: Value = serde_json::from_str(&report.stdout).unwrap();
+    assert_eq!(report["outcome"]["outcome"], "complete");
+    assert_eq!(report["metrics"][0]["mean"], 1.0);
+    let status = env.evalfleet(&["status", "vars"]).await;
+    assert!(
+        status
+            .stdout
+            .contains("outcome      complete: 4 of 4 items scored"),
+        "{}{}",
+        status.stdout,
+        status.stderr
+    );
+}
