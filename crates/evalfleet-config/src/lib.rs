@@ -698,8 +698,14 @@ pub fn load_snapshot_to_report(snapshot: &Value, dir: &Path) -> Result<LoadedCon
     let mut snapshot = snapshot.clone();
     if let Some(endpoints) = snapshot.get_mut("endpoints").and_then(Value::as_array_mut) {
         for endpoint in endpoints.iter_mut() {
-            let name = endpoint.get("name").cloned().unwrap_or(Value::Null);
-            *endpoint = serde_json::json!({"name": name, "kind": "mock"});
+            let mut mock = serde_json::json!({"kind": "mock"});
+            // Its name and role: what the task's keys name it by.
+            for key in ["name", "role"] {
+                if let Some(value) = endpoint.get(key) {
+                    mock[key] = value.clone();
+                }
+            }
+            *endpoint = mock;
         }
     }
     keep_references(&mut snapshot);

@@ -80,6 +80,12 @@ pub struct RawSheet {
     /// times it. Default `1s`.
     #[schemars(with = "Option<super::schema::Duration>")]
     pub retry_backoff: Option<String>,
+    /// How long a write answered 429 without a `Retry-After` waits before
+    /// it is tried again: Google's write quota is a minute's, per user,
+    /// shared by every run and worker writing as the same service account,
+    /// so the wait outlasts its window. Default `60s`.
+    #[schemars(with = "Option<super::schema::Duration>")]
+    pub quota_wait: Option<String>,
 }
 
 /// Several items in one row: groups of columns alike, side by side (the
@@ -168,6 +174,7 @@ pub struct SheetConfig {
     pub min_write_interval: Duration,
     pub retries: u32,
     pub retry_backoff: Duration,
+    pub quota_wait: Duration,
 }
 
 /// The field of a sheet's rows that holds each item's id: `r5` for row 5,
@@ -364,6 +371,7 @@ pub(super) fn sheet(raw: RawSheet, p: &mut Problems<'_>) -> Option<SheetConfig> 
         other => Some(other.unwrap_or(5)),
     };
     let retry_backoff = p.duration(&at("retry_backoff"), raw.retry_backoff.as_deref(), "1s");
+    let quota_wait = p.duration(&at("quota_wait"), raw.quota_wait.as_deref(), "60s");
     if p.0.len() > problems_before {
         return None;
     }
@@ -383,6 +391,7 @@ pub(super) fn sheet(raw: RawSheet, p: &mut Problems<'_>) -> Option<SheetConfig> 
         min_write_interval: min_write_interval?,
         retries: retries?,
         retry_backoff: retry_backoff?,
+        quota_wait: quota_wait?,
     })
 }
 

@@ -38,6 +38,8 @@ pub struct SheetsApi {
     policy: RetryPolicy,
     /// `batchUpdate` calls sent, retries included.
     writes: AtomicU64,
+    /// What a 429 without a `Retry-After` waits (`quota_wait`).
+    quota_wait: Duration,
 }
 
 /// How a call failed, and whether another try may do better.
@@ -69,6 +71,7 @@ impl SheetsApi {
                 backoff_max: config.retry_backoff.saturating_mul(64),
             },
             writes: AtomicU64::new(0),
+            quota_wait: config.quota_wait,
         })
     }
 
@@ -231,7 +234,11 @@ impl SheetsApi {
             self.tokens.forget().await;
         }
         let retry = match status {
-            401 | 408 | 429 | 500..=599 => Retry::After(retry_after),
+            // Google's write quota is a minute's (60 writes a minute per
+            // user, shared by every writer of the account): a 429 without
+            // a Retry-After waits out the window, not a backoff's seconds.
+            429 => Retry::After(Some(retry_after.unwrap_or(self.quota_wait))),
+            401 | 408 | 500..=599 => Retry::After(retry_after),
             _ => Retry::Never,
         };
         Err(Failed {

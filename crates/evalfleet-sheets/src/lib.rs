@@ -162,6 +162,7 @@ pub(crate) fn test_config() -> evalfleet_config::SheetConfig {
         min_write_interval: std::time::Duration::ZERO,
         retries: 5,
         retry_backoff: std::time::Duration::from_secs(1),
+        quota_wait: std::time::Duration::from_secs(60),
     }
 }
 

@@ -49,6 +49,9 @@ pub struct Answer<'a> {
     pub scores: Option<&'a Scores>,
     pub model: Option<&'a str>,
     pub latency_ms: Option<f64>,
+    /// It has an answer that could be used (it did not fail, and its
+    /// answer parsed and met the schema, or was not checked).
+    pub usable: bool,
 }
 
 impl<'a> Answer<'a> {
@@ -62,6 +65,10 @@ impl<'a> Answer<'a> {
             scores: Some(&r.assessment.scores),
             model: r.telemetry.as_ref().map(|t| t.model.as_str()),
             latency_ms: r.telemetry.as_ref().map(|t| t.latency_ms),
+            usable: r.status == ItemStatus::Done
+                && r.assessment
+                    .verdict
+                    .is_none_or(evalfleet_types::Verdict::is_ok),
         }
     }
 
@@ -75,6 +82,7 @@ impl<'a> Answer<'a> {
             scores: r.scores.as_ref(),
             model: r.model.as_deref(),
             latency_ms: r.latency_ms,
+            usable: r.status == ItemStatus::Done && r.valid != Some(false),
         }
     }
 }
@@ -90,6 +98,13 @@ pub struct Cells {
 pub fn cells(config: &SheetConfig, answer: &Answer<'_>) -> Option<Cells> {
     let place = Place::of_id(answer.item_id)?;
     let text = |s: Option<&str>| Value::String(clip(s.unwrap_or("")));
+    // An item without a usable answer leaves the cells it has no value
+    // for as they are (`null` is skipped by the API), never emptied over
+    // what they held; its status says what happened.
+    let lacking = |value: Value| match &value {
+        Value::String(s) if s.is_empty() && !answer.usable => Value::Null,
+        _ => value,
+    };
     let values = config
         .write
         .iter()
@@ -125,7 +140,13 @@ pub fn cells(config: &SheetConfig, answer: &Answer<'_>) -> Option<Cells> {
                     Some(other) => Value::String(clip(&other.to_string())),
                 }
             }
-            WriteValue::Status => Value::String(answer.status.to_string()),
+            WriteValue::Status => {
+                Value::String(if answer.status == ItemStatus::Done && !answer.usable {
+                    "unusable".to_owned()
+                } else {
+                    answer.status.to_string()
+                })
+            }
             WriteValue::Error => text(answer.error),
             WriteValue::Model => text(answer.model),
             WriteValue::LatencyMs => answer
@@ -134,6 +155,7 @@ pub fn cells(config: &SheetConfig, answer: &Answer<'_>) -> Option<Cells> {
                 .map_or_else(|| Value::String(String::new()), Value::Number),
             WriteValue::ItemId => Value::String(answer.item_id.to_owned()),
         })
+        .map(lacking)
         .collect();
     Some(Cells { place, values })
 }
@@ -188,6 +210,8 @@ fn range(config: &SheetConfig, cells: &Cells) -> ValueRange {
 /// Whether a cell read back (unformatted) holds `value`.
 fn holds(cell: Option<&Value>, value: &Value) -> bool {
     match (cell, value) {
+        // Left as it is: whatever it holds.
+        (_, Value::Null) => true,
         (None | Some(Value::Null), Value::String(s)) => s.is_empty(),
         (Some(Value::String(a)), Value::String(b)) => a == b,
         (Some(Value::Number(a)), Value::Number(b)) => a.as_f64() == b.as_f64(),
@@ -590,6 +614,7 @@ mod tests {
             scores: Some(&scores),
             model: None,
             latency_ms: None,
+            usable: true,
         };
         let Some(cells) = cells(&config(), &answer) else {
             panic!("r7b2 names a place")
@@ -606,14 +631,24 @@ mod tests {
             status: ItemStatus::Failed,
             scores: None,
             parsed: None,
+            usable: false,
             ..answer
         };
-        let cleared = cells_of(&failed);
+        let kept = cells_of(&failed);
         assert_eq!(
-            cleared,
-            vec![json!(""), json!("")],
-            "a value the item lacks clears its cell"
+            kept,
+            vec![Value::Null, Value::Null],
+            "a value a failed item lacks leaves its cell as it is"
         );
+        let unusable = Answer {
+            status: ItemStatus::Done,
+            parsed: None,
+            scores: None,
+            usable: false,
+            ..answer
+        };
+        assert_eq!(cells_of(&unusable), vec![Value::Null, Value::Null]);
+        assert!(holds(Some(&json!("earlier")), &Value::Null));
         assert!(
             super::cells(
                 &config(),

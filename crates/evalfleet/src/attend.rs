@@ -158,11 +158,21 @@ fn dry_requests(loaded: &evalfleet_config::LoadedConfig) -> anyhow::Result<()> {
     ) {
         return Ok(());
     }
+    if loaded.config.dataset.sheet.is_some() {
+        println!("(the first requests are shown once the sheet is read: run it)");
+        return Ok(());
+    }
     let templates = session::checked_templates(loaded).lift()?;
     const SHOWN: usize = 3;
-    let requests = tokio::task::block_in_place(|| {
+    let requests = match tokio::task::block_in_place(|| {
         evalfleet_core::preflight::first_requests(loaded, &templates, SHOWN)
-    })?;
+    }) {
+        Ok(requests) => requests,
+        Err(err) => {
+            println!("(the first requests cannot be shown: {err})");
+            return Ok(());
+        }
+    };
     let file = loaded.config.dataset.path.display();
     for (line, request) in requests {
         match request {

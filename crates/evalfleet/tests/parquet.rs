@@ -196,21 +196,6 @@ async fn a_pyarrow_written_folder_of_shards_runs_by_split() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_parquet_file_in_a_codec_not_built_in_is_refused_naming_it() {
-    let Some((_, env, dataset)) = pyarrow_items(
-        "import sys, pyarrow as pa, pyarrow.parquet as pq\n\
-         pq.write_table(pa.table({'id': ['a'], 'question': ['q']}), sys.argv[1], compression='zstd')",
-    ) else {
-        return;
-    };
-    let said = refused(&env, &dataset).await;
-    assert!(
-        said.contains(&format!("{}: ", dataset.display())) && said.contains("zstd"),
-        "{said}"
-    );
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_parquet_export_has_typed_columns_and_reads_back_as_a_dataset() {
     let env = Env::new();
     let dataset = env.path("items.parquet");

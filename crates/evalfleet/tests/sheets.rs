@@ -75,7 +75,7 @@ async fn google(env: &Env) -> Google {
 fn sheet_config(google: &Google, endpoint: &str, sheet: &str) -> String {
     format!(
         "name: sheet\n\
-         dataset:\n  sheet:\n    spreadsheet: https://docs.google.com/spreadsheets/d/{SHEET}/edit#gid=0\n    tab: Items\n    key_env: {KEY_VAR}\n    api_url: {}\n    retry_backoff: 10ms\n{sheet}\n\
+         dataset:\n  sheet:\n    spreadsheet: https://docs.google.com/spreadsheets/d/{SHEET}/edit#gid=0\n    tab: Items\n    key_env: {KEY_VAR}\n    api_url: {}\n    retry_backoff: 10ms\n    quota_wait: 50ms\n{sheet}\n\
          endpoints:\n{endpoint}\n\
          task:\n  messages:\n    - {{ role: user, content: \"{{{{ question }}}}\" }}\n  params: {{ max_tokens: 64 }}\n  metrics:\n    - {{ name: exact_match, reference: \"{{{{ reference }}}}\" }}\n",
         google.url
@@ -624,4 +624,50 @@ async fn a_key_given_as_json_in_the_variable_works_and_is_never_shown() {
     );
     assert!(!refused.stderr.contains(google.pem.lines().nth(3).unwrap()));
     assert!(!refused.stderr.contains("PRIVATE KEY"));
+}
+
+/// An answer that cannot be used (it does not parse) leaves the cells it
+/// has no value for as they were (no empty update over earlier values, as
+/// seed 001 asks), and the status column says what happened; the run is
+/// incomplete, and says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unusable_answer_keeps_the_earlier_values_of_its_row_and_says_so() {
+    let env = Env::new();
+    let google = google(&env).await;
+    let mut rows = items(6);
+    rows[0].push(json!("status"));
+    for row in rows.iter_mut().skip(1) {
+        row.truncate(2);
+        row.extend([json!("earlier"), json!("earlier"), json!("")]);
+    }
+    google.standin.put_tab(SHEET, "Items", rows);
+    // The mock echoes `q0`..`q5`: only q0 to q2 parse.
+    let sheet = "    write: { C: parsed, D: score.exact_match, E: status }";
+    let _server = write_run(&env, &google, Duration::ZERO, 2, sheet, "").await;
+    let config = std::fs::read_to_string(env.path("run.yaml"))
+        .unwrap()
+        .replace(
+            "  params: { max_tokens: 64 }\n",
+            "  params: { max_tokens: 64 }\n  parse: { regex: \"^(q[0-2])$\" }\n  max_reasks: 0\n",
+        );
+    env.write("run.yaml", &config);
+    let ran = env.with_key(&google, &["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
+    assert!(
+        ran.stderr
+            .contains("finished, incomplete: 3 of 6 items scored (3 unusable)"),
+        "{}",
+        ran.stderr
+    );
+    let tab = google.standin.tab(SHEET, "Items");
+    for (i, row) in tab.iter().enumerate().skip(1) {
+        if i <= 3 {
+            assert_eq!(row[2], json!(format!("q{}", i - 1)), "row {i}: {row:?}");
+            assert_eq!(row[4], json!("done"), "row {i}: {row:?}");
+        } else {
+            assert_eq!(row[2], json!("earlier"), "kept: row {i}: {row:?}");
+            assert_eq!(row[3], json!("earlier"), "kept: row {i}: {row:?}");
+            assert_eq!(row[4], json!("unusable"), "row {i}: {row:?}");
+        }
+    }
 }
