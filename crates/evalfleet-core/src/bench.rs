@@ -14,7 +14,7 @@ use evalfleet_config::bench::{BenchCell, BenchConfig};
 use evalfleet_config::{EndpointConfig, MASK, Secret};
 use evalfleet_reports::{self as report, Outcome, ReportError, metrics::ALL};
 use evalfleet_store::worker;
-use evalfleet_store::{ItemQuery, SortKey, Store, StoreError};
+use evalfleet_store::{ItemQuery, Location, SortKey, Store, StoreError};
 use evalfleet_types::{Event, EventKind, ResourceMetric, ResourcePoint, ResourceSource, RunStatus};
 
 /// The most GPU memory in use at once during a cell (see
@@ -198,6 +198,10 @@ pub struct Manifest {
     pub sweep: Vec<usize>,
     pub group_by: Vec<String>,
     pub cells: Vec<CellPlan>,
+    /// The store its runs are in ([`Manifest::store_key`]); none in a plan
+    /// made before it was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store: Option<String>,
 }
 
 /// One cell of the plan.
@@ -237,6 +241,27 @@ impl Manifest {
                     concurrency: c.concurrency,
                 })
                 .collect(),
+            store: None,
+        }
+    }
+
+    /// Whether its runs are in the store at `location` (a plan that does
+    /// not say is taken to be).
+    pub fn is_over(&self, location: &Location) -> bool {
+        self.store
+            .as_deref()
+            .is_none_or(|store| store == Self::store_key(location))
+    }
+
+    /// What a plan keeps of its store: a SQLite file's name (the plan lies
+    /// in its folder, however the folder is named), else the location.
+    pub fn store_key(location: &Location) -> String {
+        match location {
+            Location::Sqlite(path) => path.file_name().map_or_else(
+                || location.to_string(),
+                |n| n.to_string_lossy().into_owned(),
+            ),
+            _ => location.to_string(),
         }
     }
 
@@ -272,7 +297,10 @@ impl Manifest {
     }
 
     /// The benches kept beside the store at `store_dir`, by name.
-    pub fn list(store_dir: &Path) -> Vec<String> {
+    /// The benches over the store at `location`, by name (two stores in
+    /// one folder keep their plans side by side: each lists its own).
+    pub fn list(location: &Location) -> Vec<String> {
+        let store_dir = location.dir();
         let mut names: Vec<String> = std::fs::read_dir(store_dir.join("bench"))
             .into_iter()
             .flatten()
@@ -284,6 +312,7 @@ impl Manifest {
                     .map(str::to_owned)
             })
             .filter(|n| is_bench_name(n))
+            .filter(|n| Self::read(&store_dir, n).is_ok_and(|m| m.is_over(location)))
             .collect();
         names.sort();
         names

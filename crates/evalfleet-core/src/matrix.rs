@@ -73,12 +73,15 @@ pub async fn run_matrix(bench: &BenchConfig, matrix: Matrix<'_>) -> Result<Tally
         source,
     })?;
     check_cells_runs(location, bench)?;
-    Manifest::of(bench)
-        .write(&dir)
-        .map_err(|source| SessionError::Write {
-            what: format!("cannot write the bench's plan beside {location}"),
-            source,
-        })?;
+    Manifest {
+        store: Some(Manifest::store_key(location)),
+        ..Manifest::of(bench)
+    }
+    .write(&dir)
+    .map_err(|source| SessionError::Write {
+        what: format!("cannot write the bench's plan beside {location}"),
+        source,
+    })?;
     let launcher = Launcher {
         program: matrix.frontend.supervisor.clone(),
         log_dir: dir.join("bench").join(&bench.name),

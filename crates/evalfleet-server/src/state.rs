@@ -40,9 +40,10 @@ pub struct ServerOptions {
     pub read_only: bool,
     /// The largest request body taken.
     pub body_limit: usize,
-    /// The store's folder, where benchmark matrices keep their plans
-    /// (`bench/NAME.json`); `None`: no matrix is shown.
-    pub bench_dir: Option<std::path::PathBuf>,
+    /// The store whose benchmark matrices are shown: their plans lie
+    /// beside it (`bench/NAME.json`), and only those made over this store
+    /// are its; `None`: no matrix is shown.
+    pub benches: Option<evalfleet_store::Location>,
 }
 
 /// Connections kept for the next request.
@@ -62,7 +63,7 @@ pub struct AppState {
     pub(crate) control: Option<Arc<dyn RunControl>>,
     pub(crate) read_only: bool,
     pub(crate) body_limit: usize,
-    pub(crate) bench_dir: Option<std::path::PathBuf>,
+    pub(crate) benches: Option<evalfleet_store::Location>,
     /// Blocking work of requests.
     tracker: TaskTracker,
     /// Reports a read-only server computed, kept here since it writes
@@ -87,7 +88,7 @@ impl AppState {
             control: options.control,
             read_only: options.read_only,
             body_limit: options.body_limit,
-            bench_dir: options.bench_dir,
+            benches: options.benches,
             tracker: TaskTracker::new(),
             kept: Default::default(),
             templates: Mutex::new(HashMap::new()),

@@ -229,7 +229,7 @@ impl Fixture {
             control: None,
             read_only,
             body_limit: 1 << 16,
-            bench_dir: Some(self.location.dir()),
+            benches: Some(self.location.clone()),
         })
     }
 

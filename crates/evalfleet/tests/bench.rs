@@ -260,6 +260,29 @@ async fn an_engine_that_does_not_start_fails_its_model_s_cells_and_the_bench_goe
         "{page}"
     );
     assert!(page.contains("no GPU for me"), "{page}");
+
+    // Another store in the same folder has no bench: the plans beside it
+    // are the first store's.
+    let (_other, other) = crate::serve::serve(&env, &["--store", "runs/other.db"], None).await;
+    let names = crate::serve::get(&format!("{other}/api/v1/benches")).await;
+    assert_eq!(names, serde_json::json!([]));
+    let missing = crate::serve::client()
+        .get(format!("{other}/api/v1/benches/m"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(missing.status(), 404);
+    let elsewhere = env
+        .evalfleet(&["bench", "report", "m", "--store", "runs/other.db"])
+        .await;
+    assert_eq!(elsewhere.code, Some(2), "{}", elsewhere.stderr);
+    assert!(
+        elsewhere
+            .stderr
+            .contains("bench m's runs are in the store evalfleet.db beside runs/other.db"),
+        "{}",
+        elsewhere.stderr
+    );
     for bad in ["..%2Fevalfleet", "m%3Cscript%3E", "nothing"] {
         let answer = crate::serve::client()
             .get(format!("{base}/api/v1/benches/{bad}"))

@@ -825,3 +825,30 @@ async fn an_engine_whose_calls_hang_while_it_answers_probes_is_restarted() {
     );
     assert!(engine_pids(&env, "h").len() >= 2, "restarted");
 }
+
+/// An external endpoint's `start_cmd` may start a server that takes a
+/// while to serve (a model loading): its calls wait until it answers its
+/// health path, so that none is sent to a server not yet there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_wait_for_what_an_external_start_cmd_started_to_answer() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 8);
+    let port = free_port();
+    let pid_file = env.path("server.pid");
+    let endpoint = format!(
+        "  - {{ name: slow, kind: external, base_url: \"http://127.0.0.1:{port}/v1\", model: m, concurrency: 4,\n      \
+         start_cmd: \"(sleep 1; exec {BIN} mock --bind 127.0.0.1:{port}) > /dev/null 2>&1 & echo $! > {pid}\",\n      \
+         stop_cmd: \"kill $(cat {pid})\" }}\n",
+        pid = pid_file.display()
+    );
+    env.write("run.yaml", &config(&dataset, &endpoint, ""));
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert!(
+        ran.stderr
+            .contains("finished, complete: 8 of 8 items scored")
+            && ran.stderr.contains("; 0 retries,"),
+        "no call went to a server not yet there: {}",
+        ran.stderr
+    );
+}

@@ -83,6 +83,12 @@ pub(super) async fn keep(shared: Arc<Shared>, endpoint: Arc<Endpoint>, stop: Can
                         return;
                     }
                 }
+                // What it started may take a while to serve (a server
+                // loading its model): its calls wait until it answers.
+                if let Err(err) = answering(&endpoint, base_url, START_CMD_READY, &stop).await {
+                    exclude(&shared, &endpoint, err);
+                    return;
+                }
             }
             if let Err(err) = serve(&shared, &endpoint, base_url, None) {
                 exclude(&shared, &endpoint, err);
@@ -199,6 +205,40 @@ pub(crate) async fn launch(
             Ok(Running { process, base_url })
         }
         _ => Err("not an engine".to_owned()),
+    }
+}
+
+/// How long what an external endpoint's `start_cmd` started may take to
+/// answer its health path.
+const START_CMD_READY: Duration = Duration::from_secs(600);
+
+/// Waits until the external endpoint at `base_url` answers its health
+/// path (after its `start_cmd`), the run stops, or `timeout` passes.
+async fn answering(
+    endpoint: &Endpoint,
+    base_url: &str,
+    timeout: Duration,
+    stop: &CancellationToken,
+) -> Result<(), String> {
+    let url = health_url(&endpoint.config, base_url);
+    let http = http_client(1).map_err(|err| err.to_string())?;
+    let deadline = Instant::now() + timeout;
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return Err("the run is stopping".to_owned()),
+            _ = tick.tick() => {}
+        }
+        match probe(endpoint, &http, &url, Duration::from_secs(5)).await {
+            Ok(()) => return Ok(()),
+            Err(err) if Instant::now() >= deadline => {
+                return Err(format!(
+                    "what its start_cmd started did not answer {url} within {} (last: {err})",
+                    humantime::format_duration(timeout)
+                ));
+            }
+            Err(_) => {}
+        }
     }
 }
 

@@ -14,7 +14,7 @@ use crate::state::AppState;
 /// The report of bench `name`, its plan read from beside the store; the
 /// files and the store are read off the async threads.
 pub(crate) async fn report(state: &Arc<AppState>, name: String) -> Result<BenchReport, ApiError> {
-    let Some(dir) = state.bench_dir.clone() else {
+    let Some(location) = state.benches.clone() else {
         return Err(ApiError::NotFound(
             "this server shows no benches".to_owned(),
         ));
@@ -24,8 +24,10 @@ pub(crate) async fn report(state: &Arc<AppState>, name: String) -> Result<BenchR
     }
     state
         .with_store(move |store| {
-            let manifest = Manifest::read(&dir, &name)
-                .map_err(|_| ApiError::NotFound(format!("no bench '{name}'")))?;
+            let manifest = Manifest::read(&location.dir(), &name)
+                .ok()
+                .filter(|m| m.is_over(&location))
+                .ok_or_else(|| ApiError::NotFound(format!("no bench '{name}'")))?;
             Ok(bench::report(store, &manifest)?)
         })
         .await
@@ -41,9 +43,9 @@ pub(crate) async fn report(state: &Arc<AppState>, name: String) -> Result<BenchR
 pub async fn list_benches(
     State(state): State<Arc<AppState>>,
 ) -> Result<Json<Vec<String>>, ApiError> {
-    let dir = state.bench_dir.clone();
+    let location = state.benches.clone();
     state
-        .blocking(move || Ok(dir.map(|dir| Manifest::list(&dir)).unwrap_or_default()))
+        .blocking(move || Ok(location.map(|l| Manifest::list(&l)).unwrap_or_default()))
         .await
         .map(Json)
 }

@@ -183,6 +183,14 @@ fn manifest(bench: &str, store: Option<PathBuf>) -> anyhow::Result<(Location, Ma
     }
     let location = store_location(store, None)?;
     let manifest = Manifest::read(&location.dir(), bench).map_err(UsageError)?;
+    if !manifest.is_over(&location) {
+        let theirs = manifest.store.as_deref().unwrap_or_default();
+        return Err(UsageError(format!(
+            "bench {bench}'s runs are in the store {theirs} beside {location}, not in {location}: pass --store {}",
+            location.dir().join(theirs).display()
+        ))
+        .into());
+    }
     Ok((location, manifest))
 }
 

@@ -90,7 +90,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<u8> {
         control: (!args.read_only).then(|| Arc::new(ControlHandle(control.clone())) as _),
         read_only: args.read_only,
         body_limit: BODY_LIMIT,
-        bench_dir: Some(location.dir()),
+        benches: Some(location.clone()),
     });
     let listener = TcpListener::bind(args.bind)
         .await
