@@ -68,9 +68,22 @@ pub struct Plan {
     /// Metric keys to score again (the others keep their scores).
     only: Option<Vec<String>>,
     rejudge: bool,
+    /// Of the answers, judge again only those the judge could not judge.
+    unjudged: bool,
 }
 
 impl Plan {
+    /// The code judge runs again over the answers it could not judge (its
+    /// server unreachable, its sandbox failing), and only those: the run's
+    /// other judgements stand.
+    pub fn unjudged_only(self) -> Self {
+        Self {
+            rejudge: self.rejudge || self.loaded.config.task.kind.code().is_some(),
+            unjudged: true,
+            ..self
+        }
+    }
+
     /// Plans scoring run `run_id` again, with the checking and scoring of
     /// `config` when given, only `metrics` (names or keys; all when empty),
     /// and the code judge run again with `rejudge`.
@@ -145,6 +158,7 @@ impl Plan {
             assessor,
             only,
             rejudge,
+            unjudged: false,
         })
     }
 
@@ -184,6 +198,7 @@ impl Plan {
             assessor,
             only,
             rejudge,
+            unjudged,
         } = self;
         // LLM-judge metrics read their judges' replies from the cache.
         let judge_identities: HashMap<String, String> = loaded
@@ -237,7 +252,14 @@ impl Plan {
                     }
                 },
             );
-            if rejudge && new.verdict == Some(Verdict::Ok) {
+            // An answer the judge could not judge has no code score.
+            let judged = code_key.as_ref().is_some_and(|key| {
+                r.assessment
+                    .scores
+                    .get(key)
+                    .is_some_and(|s| s.value.is_some())
+            });
+            if rejudge && new.verdict == Some(Verdict::Ok) && !(unjudged && judged) {
                 programs.push((
                     assessed.len() as u64,
                     Value::Object(item),

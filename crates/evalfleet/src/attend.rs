@@ -410,6 +410,15 @@ fn conclude(
                     "Answer the failed items again: {program} resume {run_id}{store_flag} --retry-failed"
                 ));
             }
+            let unjudged = outcome.causes.iter().any(|c| {
+                c.cause == evalfleet_reports::CauseKind::NotScored
+                    && c.reason.starts_with("code_accepted")
+            });
+            if unjudged {
+                ui::note(&format!(
+                    "Judge the answers the code judge could not judge, and only those: {program} score {run_id}{store_flag} --unjudged"
+                ));
+            }
             Ok(outcome_code(&finished))
         }
         RunStatus::Interrupted | RunStatus::Running => {

@@ -808,6 +808,13 @@ pub struct ScoreArgs {
     /// code task keeps its stored judgements.
     #[arg(long)]
     pub rejudge: bool,
+
+    /// Run the code judge again over the answers it could not judge (its
+    /// server unreachable or restarting, its sandbox failing), and only
+    /// those: the other judgements stand. What finishes a run left
+    /// incomplete by its judge.
+    #[arg(long, conflicts_with = "rejudge")]
+    pub unjudged: bool,
 }
 
 #[derive(Debug, Args)]

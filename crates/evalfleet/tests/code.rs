@@ -361,3 +361,64 @@ async fn check_starts_the_judge_and_run_refuses_a_missing_compiler() {
     assert_eq!(ran.code, Some(2), "{}", ran.stderr);
     assert!(ran.stderr.contains("/nonexistent/c++"), "{}", ran.stderr);
 }
+
+/// Answers the judge could not judge (its server down) leave the run
+/// incomplete, saying so; `score --unjudged` judges those again, and only
+/// those, and the run is complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn score_unjudged_judges_only_what_the_judge_could_not_judge() {
+    use evalfleet_store::prelude::*;
+    let env = Env::new();
+    let (dataset, server) = python_thirds(&env).await;
+    env.write(
+        "run.yaml",
+        &stdio_config(&dataset, &external("m", &server, 4), "timeout: 10s"),
+    );
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let run_id = ran.run_id();
+    // Two answers as a judge that could not be reached leaves them.
+    let mut store = env.store();
+    let mut assessments = Vec::new();
+    let mut key = String::new();
+    store
+        .scan_results(&run_id, &mut |r| {
+            let mut a = r.assessment.clone();
+            if r.seq <= 2 {
+                for (k, score) in a.scores.iter_mut() {
+                    key.clone_from(k);
+                    score.value = None;
+                    score.error = Some("the code judge could not be reached".to_owned());
+                }
+                a.code = None;
+                assessments.push((r.seq, a));
+            }
+        })
+        .unwrap();
+    let config = store.run(&run_id).unwrap().config;
+    store
+        .put_assessments(&run_id, &assessments, &config)
+        .unwrap();
+    drop(store);
+    let status = env.evalfleet(&["status", &run_id]).await;
+    assert!(
+        status
+            .stdout
+            .contains("outcome      incomplete: 4 of 6 items scored (2 not scored)")
+            && status.stdout.contains(&format!(
+                "2 × not scored: {key}: the code judge could not be reached"
+            )),
+        "{}",
+        status.stdout
+    );
+    let scored = env.evalfleet(&["score", &run_id, "--unjudged"]).await;
+    assert_eq!(scored.code, Some(0), "{}", scored.stderr);
+    assert!(
+        scored.stderr.contains("Judged 2 programs again")
+            && scored.stderr.contains("complete: 6 of 6 items scored"),
+        "{}",
+        scored.stderr
+    );
+    assert_eq!(accepted_mean(&env, &run_id).await, 0.5);
+    assert_eq!(server.stats().completed, 6, "no model was called again");
+}

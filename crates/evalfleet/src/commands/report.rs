@@ -37,6 +37,11 @@ pub async fn score(mut args: ScoreArgs) -> anyhow::Result<u8> {
         &args.metrics,
         args.rejudge,
     )?;
+    let plan = if args.unjudged {
+        plan.unjudged_only()
+    } else {
+        plan
+    };
     if let Some(file) = plan.cache_file() {
         store = evalfleet_store::open(
             &location,
