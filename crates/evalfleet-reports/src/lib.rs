@@ -328,8 +328,23 @@ pub fn grouping(
     if let Some(by) = &config.report.by {
         return Ok(by.clone());
     }
-    let doc_type = [groups::DOC_TYPE.to_owned()];
-    let mut has = false;
+    let has = first_item(store, run_id)?
+        .and_then(|item| item.get(groups::DOC_TYPE).cloned())
+        .is_some_and(|v| !v.is_null());
+    Ok(if has {
+        vec![groups::DOC_TYPE.to_owned()]
+    } else {
+        Vec::new()
+    })
+}
+
+/// The input row of the run's first result (in dataset order), when it
+/// has one that is a JSON object.
+fn first_item(
+    store: &mut dyn Store,
+    run_id: &str,
+) -> Result<Option<serde_json::Map<String, Value>>, StoreError> {
+    let mut first = None;
     store.results_page(
         run_id,
         evalfleet_store::ResultOrder::Seq,
@@ -337,15 +352,13 @@ pub fn grouping(
         1,
         true,
         &mut |result| {
-            has = result.item.is_some_and(|item| {
-                fields_of(item, &doc_type)
-                    .first()
-                    .is_some_and(|v| v.as_ref().is_some_and(|v| !v.is_null()))
-            });
+            if let Some(Ok(Value::Object(row))) = result.item.map(serde_json::from_str::<Value>) {
+                first = Some(row);
+            }
             Ok(())
         },
     )?;
-    Ok(if has { doc_type.to_vec() } else { Vec::new() })
+    Ok(first)
 }
 
 /// Refuses a grouping by a field no item has (every group says `(none)`
@@ -365,20 +378,9 @@ fn check_grouping<'a>(
     let Some((_, field)) = absent else {
         return Ok(());
     };
-    let mut fields: Vec<String> = Vec::new();
-    store.results_page(
-        run_id,
-        evalfleet_store::ResultOrder::Seq,
-        None,
-        1,
-        true,
-        &mut |result| {
-            if let Some(Ok(Value::Object(row))) = result.item.map(serde_json::from_str::<Value>) {
-                fields = row.keys().cloned().collect();
-            }
-            Ok(())
-        },
-    )?;
+    let fields: Vec<String> = first_item(store, run_id)?
+        .map(|row| row.keys().cloned().collect())
+        .unwrap_or_default();
     Err(ReportError::Group(format!(
         "--by {field}: no item has the field '{field}' (the items have: {}{})",
         fields.join(", "),

@@ -46,28 +46,14 @@ impl RetryPolicy {
 
     /// Runs `op` until it succeeds, `verdict` says its error is final, or
     /// the tries are spent; between tries it waits its backoff.
-    pub async fn run<T, E, F, Fut>(&self, mut op: F, verdict: impl Fn(&E) -> Retry) -> Result<T, E>
+    pub async fn run<T, E, F, Fut>(&self, op: F, verdict: impl Fn(&E) -> Retry) -> Result<T, E>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        let mut tries = 0;
-        loop {
-            tries += 1;
-            match op().await {
-                Ok(value) => return Ok(value),
-                Err(err) => match verdict(&err) {
-                    Retry::After(retry_after) if tries < self.max_attempts => {
-                        tokio::time::sleep(self.backoff(tries, retry_after)).await;
-                    }
-                    _ => return Err(err),
-                },
-            }
-        }
+        self.run_within(Duration::MAX, op, verdict).await
     }
-}
 
-impl RetryPolicy {
     /// [`run`](Self::run), bounded by time as well: it tries again while
     /// the next try would start within `within` of the first (a server
     /// restarting is ridden out, however many tries that takes, up to
@@ -91,7 +77,7 @@ impl RetryPolicy {
                 Err(err) => match verdict(&err) {
                     Retry::After(retry_after) if tries < self.max_attempts => {
                         let wait = self.backoff(tries, retry_after);
-                        if first.elapsed() + wait > within {
+                        if first.elapsed().saturating_add(wait) > within {
                             return Err(err);
                         }
                         tokio::time::sleep(wait).await;
