@@ -37,6 +37,9 @@ type Family<'a> = (&'a str, Vec<(Labels, f64)>);
 #[derive(Debug)]
 struct Scrape {
     runs: Vec<RunSummary>,
+    /// Each stopped run's outcome (`complete`, `incomplete`, `failed`)
+    /// and its items scored.
+    outcomes: Vec<(String, String, u64)>,
     /// Each running run's endpoints, as its workers last wrote them.
     endpoints: Vec<(String, Vec<EndpointSnapshot>)>,
     cache_hits: u64,
@@ -106,8 +109,27 @@ fn resource_label(source: ResourceSource) -> Option<&'static str> {
     }
 }
 
-fn read(store: &mut dyn Store) -> Result<Scrape, ApiError> {
+fn read(store: &mut dyn Store, state: &AppState) -> Result<Scrape, ApiError> {
     let runs = view::summaries(store)?;
+    // A stopped run's outcome comes from its report, kept once computed.
+    let mut outcomes = Vec::new();
+    for run in runs.iter().filter(|r| r.workers == 0) {
+        let Ok(kept) = evalfleet_reports::kept_report(store, state.keeping(), &run.run_id, &[])
+        else {
+            continue;
+        };
+        let Ok(report) = serde_json::from_str::<serde_json::Value>(&kept.body) else {
+            continue;
+        };
+        let outcome = &report["outcome"];
+        if let Some(kind) = outcome["outcome"].as_str() {
+            outcomes.push((
+                run.run_id.clone(),
+                kind.to_owned(),
+                outcome["scored"].as_u64().unwrap_or(0),
+            ));
+        }
+    }
     let mut endpoints = Vec::new();
     for run in runs.iter().filter(|r| r.workers > 0) {
         if let Some(states) = store.endpoint_states(&run.run_id)? {
@@ -126,6 +148,7 @@ fn read(store: &mut dyn Store) -> Result<Scrape, ApiError> {
     let cache = store.cache_stats()?;
     Ok(Scrape {
         runs,
+        outcomes,
         resources,
         endpoints,
         cache_hits: cache.hits,
@@ -211,6 +234,32 @@ impl Collector for Scrape {
             "Items of each run by state.",
             MetricType::Gauge,
             &items,
+        )?;
+        // 1 for each stopped run's outcome, 0 for the others it could have.
+        let mut outcomes = Vec::new();
+        let mut scored = Vec::new();
+        for (run, kind, n) in &self.outcomes {
+            for each in ["complete", "incomplete", "failed"] {
+                outcomes.push((
+                    labels(&[("run", run), ("outcome", each)]),
+                    f64::from(u8::from(each == kind)),
+                ));
+            }
+            scored.push((labels(&[("run", run)]), *n as f64));
+        }
+        family(
+            &mut encoder,
+            "evalfleet_run_outcome",
+            "What each stopped run came to: complete (every item scored), incomplete or failed (no item answered).",
+            MetricType::Gauge,
+            &outcomes,
+        )?;
+        family(
+            &mut encoder,
+            "evalfleet_run_scored_items",
+            "Items of each stopped run with a usable, scored answer.",
+            MetricType::Gauge,
+            &scored,
         )?;
         let running: Vec<(Labels, f64)> = self
             .runs
@@ -349,7 +398,8 @@ impl Collector for Scrape {
 
 /// `GET /metrics`.
 pub async fn metrics(State(state): State<Arc<AppState>>) -> Result<Response, ApiError> {
-    let scrape = state.with_store(read).await?;
+    let reading = state.clone();
+    let scrape = state.with_store(move |store| read(store, &reading)).await?;
     let mut registry = Registry::default();
     registry.register_collector(Box::new(scrape));
     let mut text = String::new();

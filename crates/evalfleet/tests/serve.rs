@@ -407,3 +407,47 @@ async fn a_runs_live_stream_follows_it_second_by_second_to_its_end() {
         .collect();
     assert!(events.iter().any(|e| e["kind"] == "finished"), "{text}");
 }
+
+/// Prometheus shows each stopped run's outcome, as every other surface
+/// does: 1 for the one it came to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prometheus_shows_each_stopped_run_s_outcome() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 4);
+    let endpoint = "  - { name: m, kind: mock }\n";
+    env.write("run.yaml", &crate::util::config(&dataset, endpoint, ""));
+    let whole = env
+        .evalfleet(&["run", "run.yaml", "-q", "--run-id", "whole"])
+        .await;
+    assert_eq!(whole.code, Some(0), "{}", whole.stderr);
+    env.write(
+        "run.yaml",
+        &crate::util::config(
+            &dataset,
+            endpoint,
+            "  parse: { regex: \"^(question [01]) \" }\n  max_reasks: 0",
+        ),
+    );
+    let part = env
+        .evalfleet(&["run", "run.yaml", "-q", "--run-id", "part"])
+        .await;
+    assert_eq!(part.code, Some(1), "{}", part.stderr);
+    let (_server, base) = serve(&env, &["--read-only"], None).await;
+    let metrics = client()
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for expected in [
+        "evalfleet_run_outcome{run=\"whole\",outcome=\"complete\"} 1",
+        "evalfleet_run_outcome{run=\"whole\",outcome=\"incomplete\"} 0",
+        "evalfleet_run_outcome{run=\"part\",outcome=\"incomplete\"} 1",
+        "evalfleet_run_scored_items{run=\"part\"} 2",
+        "evalfleet_run_scored_items{run=\"whole\"} 4",
+    ] {
+        assert!(metrics.contains(expected), "no {expected} in:\n{metrics}");
+    }
+}
