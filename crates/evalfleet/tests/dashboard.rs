@@ -347,6 +347,17 @@ async fn pages_show_verdicts_tests_turns_and_failed_runs_as_they_are() {
         .eval("return document.querySelector('#state .badge').textContent + ' ' + document.querySelector('#state .badge').className;")
         .await;
     assert_eq!(state, "failed badge failed");
+    // Its report opens with its outcome and the cause, no score shown.
+    let outcome = browser
+        .find("#report .outcome[data-outcome='failed']")
+        .await
+        .text()
+        .await;
+    assert!(
+        outcome.contains("Failed: 0 of 5 items answered (5 failed)")
+            && outcome.contains("5 × failed: HTTP 500"),
+        "{outcome}"
+    );
     browser.open(&format!("{base}/")).await;
     browser.find("#runs tbody tr").await;
     let listed = browser.find("#runs").await.text().await;
