@@ -125,9 +125,19 @@ pub const PREVIEW: usize = 300;
 /// disagrees with the first on.
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct Compared {
+    /// What each run came to, in the order given: a run not complete is
+    /// compared over fewer items than it has, and is marked.
+    pub outcomes: Vec<RunOutcome>,
     pub coverage: Vec<Coverage>,
     pub comparisons: Vec<Comparison>,
     pub disagreements: Vec<Disagreements>,
+}
+
+/// A run's outcome, in a comparison.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct RunOutcome {
+    pub run_id: String,
+    pub outcome: super::Outcome,
 }
 
 /// Results read a page at a time.
@@ -461,7 +471,16 @@ pub fn compare(
             ))
         })?,
     };
+    let mut outcomes = Vec::with_capacity(runs.len());
+    for run_id in runs {
+        let report = super::report_with(store, run_id, &[], None, &mut |_, _, _| {})?;
+        outcomes.push(RunOutcome {
+            run_id: run_id.clone(),
+            outcome: report.outcome,
+        });
+    }
     let mut out = Compared {
+        outcomes,
         coverage: Vec::new(),
         comparisons: Vec::new(),
         disagreements: Vec::new(),

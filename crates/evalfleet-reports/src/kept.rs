@@ -147,7 +147,7 @@ pub fn report_key(by: &[String]) -> String {
 /// What a comparison is kept under (under its first run).
 pub fn compare_key(runs: &[String], by: &[String], metric: Option<&str>, limit: usize) -> String {
     format!(
-        "compare?runs={}&by={}&metric={}&limit={limit}",
+        "compare/2?runs={}&by={}&metric={}&limit={limit}",
         runs.join(","),
         by.join(","),
         metric.unwrap_or("")

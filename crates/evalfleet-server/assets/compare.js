@@ -165,7 +165,11 @@
             h("td", { class: "mono" }, h("a", { href: `/runs/${encodeURIComponent(d.a)}/items/${encodeURIComponent(x.item_id)}` }, x.item_id)),
             h("td", {}, x.group), h("td", { class: "num" }, fmt.num(x.a, 3)), h("td", { class: "num" }, fmt.num(x.b, 3)),
             h("td", { class: "msg" }, x.output_a || ""), h("td", { class: "msg" }, x.output_b || ""))))))));
-      result.replaceChildren(...coverage, ...sections, tradeoff, ...disagreements);
+      // A run not complete is compared over fewer items than it has: said first.
+      const outcomes = (body.outcomes || []).filter((o) => o.outcome.outcome !== "complete")
+        .map((o) => h("div", { class: "error-banner", "data-outcome-run": o.run_id },
+          `Run ${o.run_id} is ${o.outcome.outcome}: ${fmt.int(o.outcome.scored)} of ${fmt.int(o.outcome.items)} items scored (${fmt.int(o.outcome.failed)} failed); its figures are over fewer items than it has.`));
+      result.replaceChildren(...outcomes, ...coverage, ...sections, tradeoff, ...disagreements);
     } catch (e) {
       done();
       result.replaceChildren();

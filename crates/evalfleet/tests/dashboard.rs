@@ -169,6 +169,20 @@ async fn the_comparison_page_shows_two_runs_with_their_intervals() {
             == json!(0),
         "runs of the same items carry no warning"
     );
+    // The run whose items partly failed is said to be incomplete, first.
+    let marked = browser
+        .find("[data-outcome-run='flaky']")
+        .await
+        .text()
+        .await;
+    assert!(marked.contains("Run flaky is incomplete"), "{marked}");
+    assert!(
+        browser
+            .eval("return document.querySelectorAll('[data-outcome-run]').length;")
+            .await
+            == json!(1),
+        "the complete run is not marked"
+    );
     browser.screenshot(&artifacts(), "compare").await;
     // A run of half the items (a dataset of its own): the page says so
     // before any figure, with how many each has and how many were paired.

@@ -396,10 +396,18 @@ async fn the_quickstart_ends_with_scores_and_two_runs_compare() {
     // The second run is better on the same items, and says by how much.
     let compare = env.evalfleet(&["compare", &a.run_id(), &b.run_id()]).await;
     assert_eq!(compare.code, Some(0), "{}", compare.stderr);
+    // Each run's outcome first, then the table.
+    assert!(
+        compare
+            .stdout
+            .contains(&format!("{}: complete: ", b.run_id())),
+        "{}",
+        compare.stdout
+    );
     let second = compare
         .stdout
         .lines()
-        .find(|l| l.contains(&b.run_id()))
+        .find(|l| l.contains(&b.run_id()) && !l.contains("items scored"))
         .unwrap_or_else(|| panic!("{}", compare.stdout));
     assert!(
         second.contains("0.9000") && second.contains("+0.2800"),

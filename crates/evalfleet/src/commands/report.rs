@@ -603,6 +603,27 @@ pub fn compare(mut args: CompareArgs) -> anyhow::Result<u8> {
         println!("{}", serde_json::to_string_pretty(&comparisons)?);
         return Ok(EXIT_OK);
     }
+    // Each run's outcome first; a run not complete is marked in the table.
+    let incomplete: std::collections::HashSet<&str> = compared
+        .outcomes
+        .iter()
+        .filter(|o| !o.outcome.is_complete())
+        .map(|o| o.run_id.as_str())
+        .collect();
+    for o in &compared.outcomes {
+        println!("{}: {}", o.run_id, o.outcome.line());
+    }
+    if !incomplete.is_empty() {
+        println!("* not complete: its figures are over fewer items than it has");
+    }
+    println!();
+    let marked = |run: &str| {
+        if incomplete.contains(run) {
+            format!("{run} *")
+        } else {
+            run.to_owned()
+        }
+    };
     let mut table = vec![
         [
             "METRIC",
@@ -624,7 +645,7 @@ pub fn compare(mut args: CompareArgs) -> anyhow::Result<u8> {
             table.push([
                 c.metric.clone(),
                 c.group.clone(),
-                c.a.clone(),
+                marked(&c.a),
                 c.n.to_string(),
                 fmt(c.mean_a),
                 "-".into(),
@@ -637,7 +658,7 @@ pub fn compare(mut args: CompareArgs) -> anyhow::Result<u8> {
         table.push([
             c.metric.clone(),
             c.group.clone(),
-            c.b.clone(),
+            marked(&c.b),
             c.n.to_string(),
             fmt(c.mean_b),
             format!("{:+.4}", p.diff),
