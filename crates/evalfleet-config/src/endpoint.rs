@@ -60,6 +60,11 @@ pub struct EndpointConfig {
     pub load: LoadSettings,
     /// `role`: what the endpoint is for.
     pub role: EndpointRole,
+    /// The process of the engine serving an `external` endpoint that
+    /// evalfleet started outside the run (a bench's loaded model): its
+    /// process tree is sampled (`telemetry:`) as a local engine's is. Not
+    /// a key of the config.
+    pub engine_pid: Option<u32>,
 }
 
 /// `role:` what an endpoint is for.
@@ -559,6 +564,7 @@ fn endpoint(
         params: params?,
         health: health?,
         load: load?,
+        engine_pid: None,
     })
 }
 

@@ -335,8 +335,10 @@ fn sample_the_engine_s_gpus(config: &mut Config) {
 }
 
 /// The cell's endpoint, served by the engine the bench loaded at
-/// `base_url` (the stored config keeps the endpoint as written).
-fn served_by_turn(endpoint: &mut EndpointConfig, base_url: &str) {
+/// `base_url`, its process `pid` sampled as the run's own engine's would
+/// be (the stored config keeps the endpoint as written).
+fn served_by_turn(endpoint: &mut EndpointConfig, base_url: &str, pid: Option<u32>) {
+    endpoint.engine_pid = pid;
     let health = endpoint.kind.engine().map(|e| e.health_path().to_owned());
     endpoint.health.path = endpoint.health.path.take().or(health);
     endpoint.kind = EndpointKind::External {
@@ -403,7 +405,7 @@ async fn cell_session(
     let mut loaded = cell.loaded.clone();
     if let Some(turn) = turn {
         sample_the_engine_s_gpus(&mut loaded.config);
-        served_by_turn(&mut loaded.config.endpoints[0], &turn.base_url);
+        served_by_turn(&mut loaded.config.endpoints[0], &turn.base_url, turn.pid);
     }
     let mut store = open_or_create(location)?;
     let session = match stored_run(&mut *store, &cell.run_id)? {

@@ -232,8 +232,14 @@ impl Watchdog {
         let roots: Vec<(String, u32)> = self
             .endpoints
             .iter()
-            .filter(|e| matches!(e.config.kind, EndpointKind::Local(_)))
-            .filter_map(|e| e.pid().map(|pid| (e.name.clone(), pid)))
+            .filter_map(|e| {
+                let pid = match e.config.kind {
+                    EndpointKind::Local(_) => e.pid(),
+                    // An engine started outside the run (a bench's).
+                    _ => e.config.engine_pid,
+                };
+                pid.map(|pid| (e.name.clone(), pid))
+            })
             .collect();
         let reading = tracker
             .spawn_blocking(move || read_procs(roots))

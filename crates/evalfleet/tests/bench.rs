@@ -178,6 +178,19 @@ async fn a_bench_loads_one_engine_at_a_time_and_after_a_kill_reruns_only_unfinis
 
     // Finished cells untouched; every item once.
     let mut store = env.store();
+    // The engine the bench loaded is sampled in its cells' runs, as a
+    // run's own engine is (its memory, so that engine limits apply).
+    let engine_rss = store
+        .resource_points("m-b-long", i64::MIN)
+        .unwrap()
+        .into_iter()
+        .filter(|p| {
+            p.series.source == evalfleet_types::ResourceSource::Endpoint
+                && p.series.name == "b"
+                && p.series.metric == evalfleet_types::ResourceMetric::RssMb
+        })
+        .count();
+    assert!(engine_rss > 0, "the cell's run sampled its engine");
     assert_eq!(finished_at(&mut store, "m-a-short"), short_before);
     assert_eq!(store.run("m-a-short").unwrap().sessions, 1);
     let long_after = finished_at(&mut store, "m-a-long");
