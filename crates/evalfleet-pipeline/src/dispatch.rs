@@ -741,6 +741,13 @@ pub async fn drive(shared: &Arc<Shared>, mut item: Item, mut step: Step, mut car
                 }
                 record.session = shared.session;
                 item.calls += 1;
+                // An attempt that failed (an agent's run) is a failure that
+                // may be one of many alike; tried again, it is a retry.
+                let failed = record.error_class.is_some();
+                item.refused = failed;
+                if failed && !matches!(then, Step::Finish(_)) {
+                    shared.progress.retries.fetch_add(1, Ordering::Relaxed);
+                }
                 item.answer = Some(record.telemetry.clone());
                 carry.attempt = Some(record);
                 carry.calls.extend(calls);

@@ -105,9 +105,9 @@ impl FirstFailures {
     }
 
     /// Item `number` ended as `finish` says; `alike`: a failure that can be
-    /// one of many alike (a call refused for good, or work of the task's
-    /// own that made no call, such as an agent's run), not a server's
-    /// error retried to the end. The cause to give up for, once.
+    /// one of many alike (a call refused for good, an agent's run that
+    /// failed, or work of the task's own that made no call), not a
+    /// server's error retried to the end. The cause to give up for, once.
     pub fn ended(&self, number: u64, finish: &Finish, alike: bool) -> Option<String> {
         if self.answered.load(Ordering::Relaxed) {
             return None;
@@ -185,7 +185,8 @@ pub struct Item {
     /// from here).
     pub first_sent: Option<Instant>,
     /// Its last call was refused with an answer no retry changes (a 4xx
-    /// other than 408 and 429).
+    /// other than 408 and 429), or its last attempt (an agent's run)
+    /// failed: a failure that may be one of many alike.
     pub refused: bool,
     /// Its number among the items the session took (see
     /// [`FirstFailures`]).

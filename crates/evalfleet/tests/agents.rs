@@ -495,6 +495,9 @@ async fn an_agent_that_hangs_is_killed_at_its_timeout_and_one_that_fails_keeps_i
     assert_eq!(ran.code, Some(1), "{}", ran.stderr);
     // Two attempts of 2 s for the one that hangs, not an hour.
     assert!(started.elapsed() < Duration::from_secs(60));
+    // The second attempts of the one that hangs and the one that fails
+    // are retries, and are counted so.
+    assert!(ran.stderr.contains("; 2 retries,"), "{}", ran.stderr);
     let rows = by_id(&env.export(&ran.run_id()).await);
     assert_eq!(rows["ok"]["status"], "done");
     assert_eq!(rows["ok"]["output"], "fine");
@@ -970,4 +973,46 @@ async fn an_item_reaches_its_agent_as_a_file_or_as_an_argument() {
             format!("{input} first arg question 1 of 3 item-00001 1")
         );
     }
+}
+
+/// Agents that all fail the same way (a module missing where they run)
+/// stop the run once its first items have, naming the failure, instead of
+/// failing every item; their attempts tried again count as retries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_that_all_fail_alike_stop_the_run_naming_it() {
+    let env = Env::new();
+    let server = mock(MockSettings::default()).await;
+    let endpoints = external_with("m", &server, 4, "");
+    let script = agent_name(&env);
+    env.write(
+        &script,
+        "import sys\nsys.stderr.write(\"ModuleNotFoundError: No module named 'openai'\\n\")\nsys.exit(1)\n",
+    );
+    let dataset = env.dataset("items.jsonl", 40);
+    let config = env.write(
+        "agent.yaml",
+        &format!(
+            "name: agents\n\
+             dataset: {{ path: {}, id_field: id }}\n\
+             endpoints:\n{endpoints}\n\
+             retry: {{ max_attempts: 2, backoff_base: 10ms, backoff_max: 10ms }}\n\
+             task:\n  kind: exec\n  command: /usr/bin/python3 {script}\n  timeout: 20s\n",
+            dataset.display()
+        ),
+    );
+    let ran = env
+        .evalfleet(&["run", config.to_str().unwrap(), "-y"])
+        .await;
+    assert_eq!(ran.code, Some(130), "{}", ran.stderr);
+    assert!(
+        ran.stderr
+            .contains("The first 5 items all failed the same way, and none was answered: the agent failed (2 attempts)"),
+        "{}",
+        ran.stderr
+    );
+    let counts = env.counts(&ran.run_id());
+    assert!(
+        counts.pending > 0,
+        "it stopped before failing every item: {counts:?}"
+    );
 }
