@@ -81,6 +81,9 @@ pub struct Cause {
     pub count: u64,
     /// The id of one item it took (empty for pending items).
     pub example: String,
+    /// The metric that could not score (a `not_scored` cause's key).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metric: Option<String>,
     #[serde(skip)]
     shape: String,
 }
@@ -227,7 +230,7 @@ pub struct OutcomeCounter {
 }
 
 impl OutcomeCounter {
-    fn cause(&mut self, cause: CauseKind, reason: &str, example: &str) {
+    fn cause(&mut self, cause: CauseKind, reason: &str, example: &str, metric: Option<&str>) {
         let reason = one_line(reason);
         let shape = shape_of(&reason);
         let causes = &mut self.outcome.causes;
@@ -242,6 +245,7 @@ impl OutcomeCounter {
                 reason,
                 count: 1,
                 example: example.to_owned(),
+                metric: metric.map(str::to_owned),
                 shape,
             });
         } else {
@@ -260,6 +264,7 @@ impl OutcomeCounter {
                 CauseKind::Failed,
                 failure_reason(result.error.as_deref()),
                 id,
+                None,
             );
             return;
         }
@@ -273,7 +278,7 @@ impl OutcomeCounter {
                 } else {
                     (CauseKind::Invalid, "the answer is not of the task's schema")
                 };
-                self.cause(kind, a.check_error.as_deref().unwrap_or(default), id);
+                self.cause(kind, a.check_error.as_deref().unwrap_or(default), id, None);
                 return;
             }
             _ => {}
@@ -287,7 +292,12 @@ impl OutcomeCounter {
             Some((key, error)) => {
                 self.outcome.not_scored += 1;
                 let why = error.unwrap_or("no score was stored for it");
-                self.cause(CauseKind::NotScored, &format!("{key}: {why}"), id);
+                self.cause(
+                    CauseKind::NotScored,
+                    &format!("{key}: {why}"),
+                    id,
+                    Some(key),
+                );
             }
             None => self.outcome.scored += 1,
         }
@@ -304,6 +314,7 @@ impl OutcomeCounter {
                 reason: "not run yet (resume the run to run it)".to_owned(),
                 count: pending,
                 example: String::new(),
+                metric: None,
                 shape: String::new(),
             };
             o.causes.push(cause);

@@ -410,9 +410,11 @@ fn conclude(
                     "Answer the failed items again: {program} resume {run_id}{store_flag} --retry-failed"
                 ));
             }
+            // The code judge's metric could not score some answers.
             let unjudged = outcome.causes.iter().any(|c| {
-                c.cause == evalfleet_reports::CauseKind::NotScored
-                    && c.reason.starts_with("code_accepted")
+                c.metric
+                    .as_deref()
+                    .is_some_and(|key| key.split('@').next() == Some("code_accepted"))
             });
             if unjudged {
                 ui::note(&format!(

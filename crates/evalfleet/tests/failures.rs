@@ -151,13 +151,21 @@ async fn an_item_fails_with_its_reason_once_its_attempts_run_out() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_fatal_status_fails_the_item_without_a_retry() {
-    let env = Env::new();
-    let dataset = env.dataset("items.jsonl", 4);
+/// A run of `n` items over an endpoint that answers every call `status`:
+/// its dataset, the endpoint, and what the run said.
+async fn run_refused(
+    env: &Env,
+    n: usize,
+    status: u16,
+) -> (
+    std::path::PathBuf,
+    evalfleet_mock::MockServer,
+    crate::util::Ran,
+) {
+    let dataset = env.dataset("items.jsonl", n);
     let refusing = mock(MockSettings {
         error_rate: 1.0,
-        error_status: 400,
+        error_status: status,
         ..MockSettings::default()
     })
     .await;
@@ -166,6 +174,13 @@ async fn a_fatal_status_fails_the_item_without_a_retry() {
         &config(&dataset, &external("refusing", &refusing, 4), ""),
     );
     let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    (dataset, refusing, ran)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fatal_status_fails_the_item_without_a_retry() {
+    let env = Env::new();
+    let (_, refusing, ran) = run_refused(&env, 4, 400).await;
     assert_eq!(ran.code, Some(1), "{}", ran.stderr);
     let rows = by_id(&env.export(&ran.run_id()).await);
     assert!(
@@ -218,18 +233,7 @@ async fn fast_refusals_among_slow_answers_do_not_give_a_run_up() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_whose_first_calls_are_all_refused_alike_stops_naming_it_and_resumes() {
     let env = Env::new();
-    let dataset = env.dataset("items.jsonl", 200);
-    let refusing = mock(MockSettings {
-        error_rate: 1.0,
-        error_status: 404,
-        ..MockSettings::default()
-    })
-    .await;
-    env.write(
-        "run.yaml",
-        &config(&dataset, &external("refusing", &refusing, 4), ""),
-    );
-    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    let (dataset, refusing, ran) = run_refused(&env, 200, 404).await;
     assert_eq!(ran.code, Some(130), "stopped, resumable: {}", ran.stderr);
     assert!(
         ran.stderr.contains(

@@ -59,7 +59,7 @@ async fn run_bench(file: &Path, store: Option<PathBuf>, yes: bool) -> anyhow::Re
         .iter()
         .filter(|s| s.state != CellState::Done)
         .count();
-    let incomplete = incomplete_cells(&location, &manifest)?;
+    let incomplete = incomplete_cells(&location, &statuses)?;
     let program = ui::program();
     let again = format!(
         "{program} bench {}{}",
@@ -103,24 +103,34 @@ async fn run_bench(file: &Path, store: Option<PathBuf>, yes: bool) -> anyhow::Re
 
 /// Each finished cell whose outcome is not complete, in a line: its
 /// model, dataset and outcome.
-fn incomplete_cells(location: &Location, manifest: &Manifest) -> anyhow::Result<Vec<String>> {
+/// (Only the cells' outcomes are read: not their endpoints, resources or
+/// events, which the bench's report adds.)
+fn incomplete_cells(location: &Location, statuses: &[CellStatus]) -> anyhow::Result<Vec<String>> {
     let mut store = evalfleet_store::open(location, &OpenOptions::read_only())?;
-    let report = tokio::task::block_in_place(|| bench::report(&mut *store, manifest))?;
-    Ok(report
-        .cells
-        .iter()
-        .filter(|c| c.status.state == CellState::Done && !c.is_complete())
-        .map(|c| {
-            let why = c.outcome.as_ref().map_or_else(String::new, |o| {
-                let first = o.cause_lines().into_iter().next().unwrap_or_default();
-                format!("{}; {first}", o.line())
-            });
-            format!(
-                "{} on {}: {why}",
-                c.status.plan.model, c.status.plan.dataset
+    let mut lines = Vec::new();
+    for s in statuses.iter().filter(|s| s.state == CellState::Done) {
+        let report = tokio::task::block_in_place(|| {
+            evalfleet_reports::report_with(
+                &mut *store,
+                &s.plan.run_id,
+                &[],
+                None,
+                &mut |_, _, _| {},
             )
-        })
-        .collect())
+        })?;
+        let o = &report.outcome;
+        if o.is_complete() {
+            continue;
+        }
+        let first = o.cause_lines().into_iter().next().unwrap_or_default();
+        lines.push(format!(
+            "{} on {}: {}; {first}",
+            s.plan.model,
+            s.plan.dataset,
+            o.line()
+        ));
+    }
+    Ok(lines)
 }
 
 /// A cell's session runs as a server's does (no display), with its last
