@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
 use super::Shared;
-use super::item::{Hedge, Hedged, Item, Job};
+use super::item::{FirstEnd, Hedge, Hedged, Item, Job};
 use super::outcome::{Carry, Outcome};
 use crate::task::{Finish, Reply, Request, Step, Target};
 use evalfleet_fleet::call::{self, Call, Exchange};
@@ -193,6 +193,10 @@ pub async fn dispatch(
                 }
                 continue;
             }
+        };
+        let Some(item) = shared.first_failures.hold(item) else {
+            // Held back until the verdict on the session's first items.
+            continue;
         };
         let Some(request) = &item.request else {
             // An item in a queue always waits for a call.
@@ -773,15 +777,9 @@ pub async fn drive(shared: &Arc<Shared>, mut item: Item, mut step: Step, mut car
 
 /// Hands an item's result (and what it carries) to the writer, and counts
 /// the item as ended.
-async fn end(shared: &Shared, item: Item, finish: Finish, carry: Carry) {
+async fn end(shared: &Arc<Shared>, item: Item, finish: Finish, carry: Carry) {
     let alike = item.refused || item.calls == 0;
-    if let Some(cause) = shared.first_failures.ended(item.number, &finish, alike) {
-        shared.fleet.give_up(format!(
-            "The first {} items all failed the same way, and none was answered: {cause}. \
-             Fix the cause, then resume with --retry-failed to answer them again.",
-            crate::item::FirstFailures::SAME
-        ));
-    }
+    first_ended(shared, item.number, &finish, alike);
     let claim = item.claim;
     let (result, ended) = item.finish(finish);
     let outcome = Outcome {
@@ -794,6 +792,25 @@ async fn end(shared: &Shared, item: Item, finish: Finish, carry: Carry) {
     };
     if shared.send(outcome).await {
         ended.count(&shared.progress);
+    }
+}
+
+/// Tells the watch on the session's first items that item `number` ended
+/// (see [`crate::item::FirstFailures`]): gives the session up, or lets the
+/// items it held back go on.
+pub fn first_ended(shared: &Arc<Shared>, number: u64, finish: &Finish, alike: bool) {
+    match shared.first_failures.ended(number, finish, alike) {
+        FirstEnd::Nothing => {}
+        FirstEnd::GiveUp(cause) => shared.fleet.give_up(format!(
+            "The first {} items all failed the same way, and none was answered: {cause}. \
+             Fix the cause, then resume with --retry-failed to answer them again.",
+            crate::item::FirstFailures::SAME
+        )),
+        FirstEnd::GoOn(held) => {
+            for item in held {
+                requeue(shared, item);
+            }
+        }
     }
 }
 

@@ -84,14 +84,40 @@ impl Tally {
 /// the session gives up at once, naming the cause, instead of failing every
 /// item of the run the same way. Once an item is answered, or one of the
 /// first fails otherwise, it says nothing more.
+///
+/// While one of the first items has failed so and none was answered, later
+/// items wait for the verdict before their first call ([`Self::hold`]), so
+/// that a run given up has sent the first items' calls and the few already
+/// in flight, not as many as its endpoints could send meanwhile.
 #[derive(Default)]
 pub struct FirstFailures {
     /// Items taken so far: each item's number in the session.
     taken: AtomicU64,
-    answered: std::sync::atomic::AtomicBool,
+    /// The verdict is in: an item was answered, or the first failed in
+    /// different ways (or it gave up).
+    settled: std::sync::atomic::AtomicBool,
+    watch: std::sync::Mutex<Watch>,
+}
+
+#[derive(Default)]
+struct Watch {
     /// The first failure's words and how many of the first items failed
     /// with them.
-    same: std::sync::Mutex<Option<(String, u32)>>,
+    same: Option<(String, u32)>,
+    gave_up: bool,
+    /// Items held back from their first call until the verdict.
+    held: Vec<Item>,
+}
+
+/// What an item's end means for the first items' verdict.
+pub enum FirstEnd {
+    /// Nothing to do.
+    Nothing,
+    /// Give the session up, for this cause.
+    GiveUp(String),
+    /// Some item was answered (or the first failed in different ways): the
+    /// items held back go on.
+    GoOn(Vec<Item>),
 }
 
 impl FirstFailures {
@@ -104,48 +130,80 @@ impl FirstFailures {
         self.taken.fetch_add(1, Ordering::Relaxed)
     }
 
+    fn watch(&self) -> std::sync::MutexGuard<'_, Watch> {
+        self.watch
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The verdict is in: the items held back, to go on.
+    fn settle(&self, watch: &mut Watch) -> FirstEnd {
+        self.settled.store(true, Ordering::Release);
+        FirstEnd::GoOn(std::mem::take(&mut watch.held))
+    }
+
     /// Item `number` ended as `finish` says; `alike`: a failure that can be
     /// one of many alike (a call refused for good, an agent's run that
     /// failed, or work of the task's own that made no call), not a
-    /// server's error retried to the end. The cause to give up for, once.
-    pub fn ended(&self, number: u64, finish: &Finish, alike: bool) -> Option<String> {
-        if self.answered.load(Ordering::Relaxed) {
-            return None;
+    /// server's error retried to the end.
+    pub fn ended(&self, number: u64, finish: &Finish, alike: bool) -> FirstEnd {
+        if self.settled.load(Ordering::Acquire) {
+            return FirstEnd::Nothing;
+        }
+        let mut watch = self.watch();
+        if watch.gave_up || self.settled.load(Ordering::Acquire) {
+            return FirstEnd::Nothing;
         }
         // A failed item with an output was played (an episode its trainer
         // closed): something answered.
         if finish.status != ItemStatus::Failed || finish.output.is_some() {
-            self.answered.store(true, Ordering::Relaxed);
-            return None;
+            return self.settle(&mut watch);
         }
         if number >= u64::from(Self::SAME) {
-            return None;
+            return FirstEnd::Nothing;
         }
         if !alike {
-            self.answered.store(true, Ordering::Relaxed);
-            return None;
+            return self.settle(&mut watch);
         }
         let error = finish.error.as_deref().unwrap_or("no reason recorded");
         let words = error.lines().next().unwrap_or_default();
-        let mut same = self
-            .same
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        match &mut *same {
+        let count = match &mut watch.same {
             Some((first, count)) if first == words => {
                 *count += 1;
-                (*count == Self::SAME).then(|| first.clone())
+                *count
             }
-            Some(_) => {
-                // Failures of different kinds: not one cause to name.
-                self.answered.store(true, Ordering::Relaxed);
-                None
-            }
+            // Failures of different kinds: not one cause to name.
+            Some(_) => return self.settle(&mut watch),
             None => {
-                *same = Some((words.to_owned(), 1));
-                (Self::SAME == 1).then(|| words.to_owned())
+                watch.same = Some((words.to_owned(), 1));
+                1
             }
+        };
+        if count == Self::SAME {
+            // The items held back stay held: the session stops.
+            watch.gave_up = true;
+            return FirstEnd::GiveUp(words.to_owned());
         }
+        FirstEnd::Nothing
+    }
+
+    /// `item`, about to be sent, when it may go on; `None` when it is held
+    /// back until the verdict on the first items (then handed back by
+    /// [`Self::ended`]). Only a later item's first call waits, and only
+    /// once one of the first items failed alike with none answered.
+    pub fn hold(&self, item: Item) -> Option<Item> {
+        if item.calls > 0
+            || item.number < u64::from(Self::SAME)
+            || self.settled.load(Ordering::Acquire)
+        {
+            return Some(item);
+        }
+        let mut watch = self.watch();
+        if watch.same.is_none() || self.settled.load(Ordering::Acquire) {
+            return Some(item);
+        }
+        watch.held.push(item);
+        None
     }
 }
 

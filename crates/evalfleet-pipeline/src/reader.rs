@@ -244,6 +244,12 @@ impl Reader {
             step = match step {
                 Step::Finish(finish) => {
                     let claim = item.claim;
+                    {
+                        // Items it held back may be queued again.
+                        let _runtime = runtime.enter();
+                        let alike = item.refused || item.calls == 0;
+                        crate::dispatch::first_ended(&self.shared, item.number, &finish, alike);
+                    }
                     let (result, ended) = item.finish(finish);
                     self.results.push(Outcome {
                         claim,
