@@ -671,6 +671,43 @@ async fn injected_failures_answer_in_order_then_always_then_stop() {
 }
 
 #[tokio::test]
+async fn an_accounts_writes_past_its_quota_get_429_until_the_window_moves_on() {
+    let Some(run) = start().await else { return };
+    dataset(&run.standin);
+    // Two tokens of one account: the quota is the account's, not a token's.
+    let (first, second) = (run.token().await, run.token().await);
+    let window = std::time::Duration::from_millis(400);
+    run.standin.write_quota(Some((3, window)));
+    let write = raw("Data!E2", json!([[1]]));
+    let mut seen = Vec::new();
+    for token in [&first, &second, &first, &second, &first] {
+        seen.push(run.batch(token, "sheet-1", &write).await);
+    }
+    let statuses: Vec<u16> = seen.iter().map(|(status, _)| *status).collect();
+    assert_eq!(statuses, [200, 200, 200, 429, 429]);
+    assert_eq!(seen[3].1["error"]["status"], "RESOURCE_EXHAUSTED");
+    assert!(
+        seen[3].1["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("'Write requests per minute per user'"),
+        "{}",
+        seen[3].1
+    );
+    // Refused calls applied nothing, and did not count against the quota.
+    assert_eq!(
+        run.standin.cell_writes(),
+        [(("Data".to_owned(), 2, 5), 3)].into()
+    );
+    tokio::time::sleep(window).await;
+    assert_eq!(run.batch(&second, "sheet-1", &write).await.0, 200);
+    run.standin.write_quota(None);
+    for _ in 0..5 {
+        assert_eq!(run.batch(&first, "sheet-1", &write).await.0, 200);
+    }
+}
+
+#[tokio::test]
 async fn cell_writes_count_each_cell_of_each_successful_write() {
     let Some(run) = start().await else { return };
     dataset(&run.standin);

@@ -95,15 +95,20 @@ struct Inner {
 #[derive(Default)]
 struct SheetsState {
     spreadsheets: HashMap<String, Vec<Tab>>,
-    /// Access tokens issued, and when each expires.
-    /// Access tokens: until when each lives, and whether it may write.
-    tokens: HashMap<String, (Instant, bool)>,
+    /// Access tokens: until when each lives, whether it may write, and
+    /// the account it was issued to.
+    tokens: HashMap<String, (Instant, bool, String)>,
     tokens_issued: usize,
     token_refusals: Vec<String>,
     fail_next: VecDeque<u16>,
     fail_always: Option<u16>,
     /// Every `n`th write call since it was set fails with the status.
     fail_every: Option<FailEvery>,
+    /// Write calls an account may make in a window, as
+    /// [`StandIn::write_quota`] sets it.
+    write_quota: Option<(usize, Duration)>,
+    /// When each account's write calls within the quota's window came.
+    quota_used: HashMap<String, VecDeque<Instant>>,
     writes: Vec<WriteCall>,
     cell_writes: BTreeMap<(String, u32, u32), u32>,
     seen: String,
@@ -240,6 +245,18 @@ impl StandIn {
         });
     }
 
+    /// At most `limit` write calls of one account (a service account's
+    /// tokens, whatever spreadsheet they write) in any `window`; the calls
+    /// past it answer 429 and apply nothing, as Google's "write requests
+    /// per minute per user" do (60 in a minute): without a `Retry-After`,
+    /// and without counting against the quota. `None`: no quota (the
+    /// default).
+    pub fn write_quota(&self, quota: Option<(usize, Duration)>) {
+        let mut state = self.state();
+        state.write_quota = quota;
+        state.quota_used.clear();
+    }
+
     /// Every write call received, in order.
     pub fn writes(&self) -> Vec<WriteCall> {
         self.state().writes.clone()
@@ -266,7 +283,7 @@ impl StandIn {
     /// would: the next call with one gets 401.
     pub fn expire_tokens(&self) {
         let now = Instant::now();
-        for (expiry, _) in self.state().tokens.values_mut() {
+        for (expiry, _, _) in self.state().tokens.values_mut() {
             *expiry = now;
         }
     }
@@ -286,6 +303,28 @@ impl StandIn {
             cells_written_twice: state.cell_writes.values().filter(|&&n| n > 1).count() as u64,
             tokens_issued: state.tokens_issued,
         }
+    }
+
+    /// Whether `account` may make a write call now; one that may is
+    /// counted.
+    fn within_quota(&self, account: &str) -> bool {
+        let mut state = self.state();
+        let Some((limit, window)) = state.write_quota else {
+            return true;
+        };
+        let now = Instant::now();
+        let used = state.quota_used.entry(account.to_owned()).or_default();
+        while used
+            .front()
+            .is_some_and(|at| now.duration_since(*at) >= window)
+        {
+            used.pop_front();
+        }
+        if used.len() >= limit {
+            return false;
+        }
+        used.push_back(now);
+        true
     }
 
     fn since_start_ms(&self) -> u64 {
@@ -329,10 +368,10 @@ impl StandIn {
         }
     }
 
-    /// `Ok` when the request carries a live access token, of the
-    /// read-write scope when it `writes`; `Err` is the 401 (or 403) to
+    /// The account whose live access token the request carries (of the
+    /// read-write scope when it `writes`); `Err` is the 401 (or 403) to
     /// answer.
-    fn authorise(&self, headers: &HeaderMap, writes: bool) -> Result<(), Unauthenticated> {
+    fn authorise(&self, headers: &HeaderMap, writes: bool) -> Result<String, Unauthenticated> {
         let token = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
@@ -345,11 +384,11 @@ impl StandIn {
                      access token, login cookie or other valid authentication credential."
             }
             Some(token) => match self.state().tokens.get(token) {
-                Some(&(expiry, may_write)) if expiry > Instant::now() => {
+                Some((expiry, may_write, account)) if *expiry > Instant::now() => {
                     if writes && !may_write {
                         return Err(Unauthenticated::Scope);
                     }
-                    return Ok(());
+                    return Ok(account.clone());
                 }
                 Some(_) => {
                     "Request had invalid authentication credentials. The access token has expired."
@@ -527,9 +566,14 @@ async fn token(State(standin): State<StandIn>, request: Request) -> Response {
     }
     let access_token = format!("ya29.standin-{}", hex::encode(bytes));
     let mut state = standin.state();
+    let account = standin.inner.trusted.client_email.clone();
     state.tokens.insert(
         access_token.clone(),
-        (Instant::now() + Duration::from_secs(TOKEN_LIFE_S), writes),
+        (
+            Instant::now() + Duration::from_secs(TOKEN_LIFE_S),
+            writes,
+            account,
+        ),
     );
     state.tokens_issued += 1;
     drop(state);
@@ -584,7 +628,11 @@ async fn values_api(State(standin): State<StandIn>, request: Request) -> Respons
             let at_ms = standin.since_start_ms();
             let (response, record) = match standin.authorise(&parts.headers, true) {
                 Err(refusal) => (refusal.into_response(), values::summary(&body)),
-                Ok(()) => batch_update(&standin, &id, &body),
+                Ok(account) if !standin.within_quota(&account) => (
+                    google_error(StatusCode::TOO_MANY_REQUESTS, injected_message(429)),
+                    values::summary(&body),
+                ),
+                Ok(_) => batch_update(&standin, &id, &body),
             };
             let (ranges, rows, cells) = record;
             standin.state().writes.push(WriteCall {
