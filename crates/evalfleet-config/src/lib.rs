@@ -104,6 +104,10 @@ pub struct Config {
     /// 0.5) and `retry.budget_floor` (retries a second allowed whatever,
     /// default 10): an outage does not multiply the load.
     pub retry_budget: BudgetSettings,
+    /// `retry.judge_for`: how long a call to a named endpoint (an LLM
+    /// judge's) is tried again whatever `max_attempts` says, while it fails
+    /// in a way a retry may fix or its endpoint is down. Default 2 minutes.
+    pub judge_retry_for: std::time::Duration,
     pub timeouts: Timeouts,
     pub writer: WriterSettings,
     /// `cache: {mode, ttl, max_entries}`: answers stored by request, in the

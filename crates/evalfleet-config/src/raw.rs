@@ -404,6 +404,14 @@ pub struct RawRetry {
     pub budget: Option<f64>,
     /// Retries a second allowed whatever the budget. Default 10.
     pub budget_floor: Option<f64>,
+    /// How long a judge's call (a call addressed to a named endpoint, as an
+    /// LLM judge's are) is tried again, however many tries that takes, when
+    /// it fails in a way a retry may fix or its endpoint is down (unhealthy,
+    /// restarting): a judge that restarts is ridden out instead of leaving
+    /// answers unjudged. An endpoint left out of the run fails its calls
+    /// after `max_attempts` tries. Default `2m`.
+    #[schemars(with = "Option<schema::Duration>")]
+    pub judge_for: Option<String>,
 }
 
 /// How long calls, items and the run may take. Default: every key's

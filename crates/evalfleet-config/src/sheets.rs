@@ -67,8 +67,8 @@ pub struct RawSheet {
     #[schemars(with = "Option<super::schema::Duration>")]
     pub flush_interval: Option<String>,
     /// Writes are at least this far apart; rows that come meanwhile join the
-    /// next write (Google allows an account 60 writes a minute). Default
-    /// `1s`.
+    /// next write (Google allows an account 60 writes a minute: see
+    /// `writes_per_minute`). Default `1s`.
     #[schemars(with = "Option<super::schema::Duration>")]
     pub min_write_interval: Option<String>,
     /// A write that fails (429, 5xx, no answer) is tried again this many
@@ -86,6 +86,16 @@ pub struct RawSheet {
     /// so the wait outlasts its window. Default `60s`.
     #[schemars(with = "Option<super::schema::Duration>")]
     pub quota_wait: Option<String>,
+    /// The service account's write quota: write requests a minute, tries
+    /// again included. Google allows 60 a minute per account, shared by
+    /// every run and worker writing as it, whatever sheet each writes to.
+    /// Every write request takes its turn: with a PostgreSQL store, from
+    /// the quota the store keeps for the account, so that all the runs and
+    /// workers of the store keep within it together (a 429 pauses it for
+    /// all of them); with SQLite, each run paces its own writes to it. A
+    /// store that does not answer slows writes down, never stops them.
+    /// 1 to 100000. Default 60.
+    pub writes_per_minute: Option<u32>,
 }
 
 /// Several items in one row: groups of columns alike, side by side (the
@@ -175,6 +185,7 @@ pub struct SheetConfig {
     pub retries: u32,
     pub retry_backoff: Duration,
     pub quota_wait: Duration,
+    pub writes_per_minute: u32,
 }
 
 /// The field of a sheet's rows that holds each item's id: `r5` for row 5,
@@ -372,6 +383,13 @@ pub(super) fn sheet(raw: RawSheet, p: &mut Problems<'_>) -> Option<SheetConfig> 
     };
     let retry_backoff = p.duration(&at("retry_backoff"), raw.retry_backoff.as_deref(), "1s");
     let quota_wait = p.duration(&at("quota_wait"), raw.quota_wait.as_deref(), "60s");
+    let writes_per_minute = match raw.writes_per_minute {
+        Some(n) if !(1..=100_000).contains(&n) => p.push(
+            &at("writes_per_minute"),
+            format!("must be 1 to 100000, got {n}"),
+        ),
+        other => Some(other.unwrap_or(60)),
+    };
     if p.0.len() > problems_before {
         return None;
     }
@@ -392,6 +410,7 @@ pub(super) fn sheet(raw: RawSheet, p: &mut Problems<'_>) -> Option<SheetConfig> 
         retries: retries?,
         retry_backoff: retry_backoff?,
         quota_wait: quota_wait?,
+        writes_per_minute: writes_per_minute?,
     })
 }
 

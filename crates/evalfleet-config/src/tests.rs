@@ -1171,6 +1171,7 @@ fn a_sheet_dataset_validates_and_names_its_problems() {
     assert_eq!(sheet.flush_interval, Duration::from_secs(2));
     assert_eq!(sheet.retries, 5);
     assert_eq!(sheet.min_write_interval, Duration::from_secs(1));
+    assert_eq!(sheet.writes_per_minute, 60);
     assert_eq!(dataset.format, DatasetFormat::Jsonl);
     assert_eq!(dataset.id_field.as_deref(), Some(SHEET_ID_FIELD));
     assert!(dataset.path.starts_with(snapshot_dir()));
@@ -1188,7 +1189,7 @@ fn a_sheet_dataset_validates_and_names_its_problems() {
 
     let bad = GOOD.replace(
         "  path: items.jsonl\n",
-        "  path: items.jsonl\n  sheet:\n    spreadsheet: \"not an id\"\n    columns: { text: B1 }\n    blocks: { count: 2, stride: 0, fields: [missing] }\n    write: { B: answer, F: scores.x }\n    key_env: \"BAD-NAME\"\n    flush_rows: 0\n",
+        "  path: items.jsonl\n  sheet:\n    spreadsheet: \"not an id\"\n    columns: { text: B1 }\n    blocks: { count: 2, stride: 0, fields: [missing] }\n    write: { B: answer, F: scores.x }\n    key_env: \"BAD-NAME\"\n    flush_rows: 0\n    writes_per_minute: 0\n",
     );
     let err = error_of(dir.path(), &bad);
     assert_all(
@@ -1202,6 +1203,7 @@ fn a_sheet_dataset_validates_and_names_its_problems() {
             "dataset.sheet.write.F: 'scores.x' is not a value to write",
             "dataset.sheet.key_env: 'BAD-NAME' is not a variable name",
             "dataset.sheet.flush_rows: must be 1 to 1000, got 0",
+            "dataset.sheet.writes_per_minute: must be 1 to 100000, got 0",
         ],
     );
     let clash = GOOD.replace(

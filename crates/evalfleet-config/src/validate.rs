@@ -445,6 +445,7 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
         task: task?,
         retry: retry?.0,
         retry_budget: retry?.1,
+        judge_retry_for: retry?.2,
         timeouts: timeouts?,
         writer: writer?,
         cache: cache?,
@@ -486,7 +487,10 @@ fn cache(raw: raw::RawCache, p: &mut Problems<'_>) -> Option<crate::cache::Cache
     })
 }
 
-fn retry(raw: RawRetry, p: &mut Problems<'_>) -> Option<(RetryPolicy, BudgetSettings)> {
+fn retry(
+    raw: RawRetry,
+    p: &mut Problems<'_>,
+) -> Option<(RetryPolicy, BudgetSettings, std::time::Duration)> {
     let defaults = BudgetSettings::default();
     let share = match raw.budget {
         Some(share) if !share.is_finite() || share < 0.0 => p.push(
@@ -508,6 +512,7 @@ fn retry(raw: RawRetry, p: &mut Problems<'_>) -> Option<(RetryPolicy, BudgetSett
     };
     let backoff_base = p.duration("retry.backoff_base", raw.backoff_base.as_deref(), "100ms");
     let backoff_max = p.duration("retry.backoff_max", raw.backoff_max.as_deref(), "30s");
+    let judge_for = p.duration("retry.judge_for", raw.judge_for.as_deref(), "2m");
     if let (Some(base), Some(max)) = (backoff_base, backoff_max)
         && max < base
     {
@@ -530,6 +535,7 @@ fn retry(raw: RawRetry, p: &mut Problems<'_>) -> Option<(RetryPolicy, BudgetSett
             share: share?,
             floor: floor?,
         },
+        judge_for?,
     ))
 }
 

@@ -761,8 +761,10 @@ impl Metric {
         match raw {
             Some(raw) => json!({"value": ((raw - low) / (high - low)).clamp(0.0, 1.0), "raw": raw}),
             None => {
+                // Quoted, so that replies without a score group as one
+                // reason wherever reasons are counted.
                 let excerpt: String = reply.chars().take(200).collect();
-                json!({"error": format!("the judge's reply has no score matching /{}/: {excerpt}", pattern.as_str())})
+                json!({"error": format!("the judge's reply has no score matching /{}/: '{excerpt}'", pattern.as_str())})
             }
         }
     }

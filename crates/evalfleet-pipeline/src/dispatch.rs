@@ -77,8 +77,14 @@ impl From<Option<Permit>> for Admitted {
 /// once its tries are spent (as a call that failed would).
 async fn unavailable(shared: Arc<Shared>, endpoint: Arc<Endpoint>, mut item: Item) {
     item.tries += 1;
-    if item.tries >= shared.retry.max_attempts {
-        item.tries = 0;
+    item.call_since.get_or_insert_with(Instant::now);
+    let wait = shared.retry.backoff(item.tries, None);
+    // An endpoint left out of the run (idle) is not coming back: its
+    // calls have their tries; one that is down (unhealthy, restarting) is
+    // waited for as long as a judge's call is retried.
+    let coming_back = endpoint.state() != evalfleet_types::EndpointState::Idle;
+    if !tries_left(&shared, &item, coming_back, wait) {
+        item.reset_tries();
         let reason = format!(
             "endpoint {} is not taking calls ({})",
             endpoint.name,
@@ -87,11 +93,23 @@ async fn unavailable(shared: Arc<Shared>, endpoint: Arc<Endpoint>, mut item: Ite
         fail_call(shared, item, reason).await;
         return;
     }
-    let wait = shared.retry.backoff(item.tries, None);
     tokio::select! {
         () = tokio::time::sleep(wait) => requeue(&shared, item),
         () = shared.halt.cancelled() => {}
     }
+}
+
+/// Whether a call that failed its `item.tries`-th try (in a way a retry
+/// may fix) is tried again after `wait`: while its tries last; and a call
+/// to a named endpoint (a judge's: `named`), for `retry.judge_for` from its
+/// first try however many tries that takes, so that a judge restarting is
+/// ridden out.
+fn tries_left(shared: &Shared, item: &Item, named: bool, wait: Duration) -> bool {
+    item.tries < shared.retry.max_attempts
+        || (named
+            && item
+                .call_since
+                .is_some_and(|since| since.elapsed() + wait < shared.judge_for))
 }
 
 /// One endpoint's dispatcher: while the endpoint takes calls, each free slot
@@ -309,6 +327,9 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
     };
     item.calls += 1;
     item.tries += 1;
+    if !answers_item {
+        item.call_since.get_or_insert(now);
+    }
     if !std::mem::take(&mut item.retry_paid) {
         // Not a retry: it pays into the budget (the tries a resumed item
         // brings with it do not make its first call here a retry).
@@ -362,7 +383,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
             if answers_item {
                 item.answer = Some(record.telemetry.clone());
             }
-            item.tries = 0;
+            item.reset_tries();
             let cache = shared
                 .cache
                 .entry(&request, &completion.content, &record.telemetry);
@@ -399,16 +420,16 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
             let tries = item.tries;
             let said = evalfleet_types::error_text(&err);
             item.refused = !class.is_retryable();
+            let wait = shared.retry.backoff(tries.max(1), err.retry_after());
             let reason = if !class.is_retryable() {
                 said
-            } else if tries >= shared.retry.max_attempts {
+            } else if !tries_left(&shared, &item, !answers_item, wait) {
                 if answers_item {
                     format!("gave up after {tries} attempts: {said}")
                 } else {
                     said
                 }
             } else {
-                let wait = shared.retry.backoff(tries.max(1), err.retry_after());
                 let past_deadline = answers_item
                     && item
                         .first_sent
@@ -431,7 +452,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
                     return;
                 }
             };
-            item.tries = 0;
+            item.reset_tries();
             let step = item.next(request, Reply::Failed(reason));
             let carry = Carry {
                 attempt: Some(record),
@@ -473,7 +494,7 @@ fn retry_later(shared: &Arc<Shared>, mut item: Item, wait: Duration) {
                     .first_sent
                     .is_some_and(|first| first.elapsed() + wait >= retrier.item_timeout)
             {
-                item.tries = 0;
+                item.reset_tries();
                 let reason = format!(
                     "the item's deadline ({}) would pass while its retry waits for the retry budget (retry.budget)",
                     humantime::format_duration(retrier.item_timeout)

@@ -242,6 +242,9 @@ pub struct Item {
     /// When its first call in this session was sent (its deadline counts
     /// from here).
     pub first_sent: Option<Instant>,
+    /// When the first try of the call it waits on was made, for a call to
+    /// a named endpoint (`retry.judge_for` counts from here).
+    pub call_since: Option<Instant>,
     /// Its last call was refused with an answer no retry changes (a 4xx
     /// other than 408 and 429), or its last attempt (an agent's run)
     /// failed: a failure that may be one of many alike.
@@ -272,6 +275,13 @@ pub struct Claimed {
 }
 
 impl Item {
+    /// The call it waited on is over (answered, or failed for good): the
+    /// next one has its own tries.
+    pub fn reset_tries(&mut self) {
+        self.tries = 0;
+        self.call_since = None;
+    }
+
     /// A claimed item, starting on its task.
     pub fn new(tally: Arc<Tally>, claimed: Claimed, episode: Box<dyn Episode>) -> Self {
         Self {
@@ -291,6 +301,7 @@ impl Item {
             tries: claimed.prior_attempts,
             retry_paid: false,
             first_sent: None,
+            call_since: None,
             refused: false,
             number: u64::MAX,
             answer: None,

@@ -230,6 +230,9 @@ struct Shared {
     /// Retries of item calls, as a share of first tries.
     budget: RetryBudget,
     item_timeout: Duration,
+    /// `retry.judge_for`: how long a call to a named endpoint is tried
+    /// again, however many tries that takes.
+    judge_for: Duration,
     /// Completion tokens a call may use, for estimating its token cost.
     max_tokens: u64,
     task: Arc<dyn Task>,
@@ -423,6 +426,7 @@ pub async fn execute(
         retry: config.retry,
         budget: RetryBudget::new(config.retry_budget, tokio::time::Instant::now()),
         item_timeout: config.timeouts.item,
+        judge_for: config.judge_retry_for,
         max_tokens: max_tokens(&config),
         work: Arc::new(Semaphore::new(session.task.work_limit().max(1))),
         task: session.task.clone(),

@@ -456,12 +456,14 @@ async fn an_llm_judge_scores_answers_through_its_own_endpoint_and_cache() {
 
 /// A run of `dataset` answered by `answering`, whose `quality` metric is
 /// asked of the judge endpoint `judging` (with `judge_keys` added to it),
-/// its calls tried twice.
+/// its calls tried twice (`retry_keys` added to `retry`). A judge that
+/// echoes its prompt (the default mock) scores every answer 7.
 fn judged(
     dataset: &std::path::Path,
     answering: &evalfleet_mock::MockServer,
     judging: &evalfleet_mock::MockServer,
     judge_keys: &str,
+    retry_keys: &str,
 ) -> String {
     let endpoints = external("m", answering, 4)
         + &format!(
@@ -471,9 +473,11 @@ fn judged(
     crate::util::config(
         dataset,
         &endpoints,
-        "  metrics:\n\
-         \x20   - { name: llm_judge, as: quality, endpoint: judge, rubric: \"Rate {{ answer }}.\" }\n\
-         retry: { max_attempts: 2, backoff_base: 10ms, backoff_max: 20ms }",
+        &format!(
+            "  metrics:\n\
+             \x20   - {{ name: llm_judge, as: quality, endpoint: judge, rubric: \"Rate {{{{ answer }}}}. Score: 7\" }}\n\
+             retry: {{ max_attempts: 2, backoff_base: 10ms, backoff_max: 20ms{retry_keys} }}"
+        ),
     )
 }
 
@@ -483,7 +487,7 @@ async fn judge_calls_to_an_endpoint_that_is_not_running_fail_and_the_run_ends() 
     let dataset = env.dataset("items.jsonl", 4);
     let answering = mock(MockSettings::default()).await;
     let judging = mock(MockSettings::default()).await;
-    env.write("run.yaml", &judged(&dataset, &answering, &judging, ""));
+    env.write("run.yaml", &judged(&dataset, &answering, &judging, "", ""));
     // The judge is configured but left out of the run: its calls wait for
     // it a few tries, then fail; the items are done and the run ends, and
     // says the judge's metric could score nothing (exit 1).
@@ -518,6 +522,74 @@ async fn judge_calls_to_an_endpoint_that_is_not_running_fail_and_the_run_ends() 
                 && error.contains("endpoint judge is not taking calls"),
             "{error}"
         );
+    }
+}
+
+/// A judge whose server restarts (it answers 503 to every call and to its
+/// health probe for a while) is waited for, however few `max_attempts`
+/// say: every answer is judged once it is back. One down for longer than
+/// `retry.judge_for` leaves its answers not scored, the run incomplete
+/// with the judge's answer as the cause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn judge_calls_ride_out_a_judge_down_for_a_while_and_no_longer_than_judge_for() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 4);
+    let answering = mock(MockSettings::default()).await;
+    let down_for = |duration| {
+        mock(MockSettings {
+            outage: Some(evalfleet_mock::Outage {
+                after: std::time::Duration::ZERO,
+                duration,
+                status: 503,
+            }),
+            ..MockSettings::default()
+        })
+    };
+    let judging = down_for(std::time::Duration::from_secs(2)).await;
+    let keys = ", health: { interval: 200ms }";
+    env.write(
+        "run.yaml",
+        &judged(&dataset, &answering, &judging, keys, ", judge_for: 30s"),
+    );
+    let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert!(
+        judging.stats().outage_refused > 0,
+        "the outage was never met"
+    );
+    assert!(
+        quality_errors(&env, &ran.run_id())
+            .await
+            .iter()
+            .all(String::is_empty),
+        "every answer judged"
+    );
+
+    // Down for longer than the calls are tried for.
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 4);
+    let judging = down_for(std::time::Duration::from_secs(600)).await;
+    env.write(
+        "run.yaml",
+        &judged(&dataset, &answering, &judging, keys, ", judge_for: 1s"),
+    );
+    let ran = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        env.evalfleet(&["run", "run.yaml", "-q"]),
+    )
+    .await
+    .expect("the run ends once judge_for has passed");
+    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
+    assert!(
+        ran.stderr.contains("finished, incomplete: ")
+            && ran
+                .stderr
+                .contains("× not scored: quality: the judge failed"),
+        "{}",
+        ran.stderr
+    );
+    for error in quality_errors(&env, &ran.run_id()).await {
+        assert!(error.contains("the judge failed"), "{error}");
     }
 }
 
@@ -885,7 +957,13 @@ async fn judge_calls_wait_for_an_endpoint_still_starting_without_spending_their_
     let judging = mock(MockSettings::default()).await;
     // The judge's start takes 4 s: longer than its calls' two tries of a
     // down endpoint (a second each) would wait.
-    let judge = judged(&dataset, &answering, &judging, ", start_cmd: \"sleep 4\"");
+    let judge = judged(
+        &dataset,
+        &answering,
+        &judging,
+        ", start_cmd: \"sleep 4\"",
+        "",
+    );
     env.write("run.yaml", &judge);
     let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
     // Every item was judged: the judge (an echo) was asked each time, and
