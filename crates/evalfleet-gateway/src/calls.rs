@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::Bytes;
-use evalfleet_types::{AgentCall, ErrorClass, Telemetry, now_ms};
+use evalfleet_types::{AgentCall, ErrorClass, Failover, Telemetry, now_ms};
 use serde_json::{Map, Value};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
@@ -231,6 +231,11 @@ impl Gateway {
                             record.call_id,
                             endpoint.name
                         );
+                        // Kept with the call: the endpoint's failure is
+                        // its own, whoever answered the agent in the end.
+                        record
+                            .failovers
+                            .push(failover(&record, &exchange, &endpoint));
                         last = Some((exchange, endpoint, failed));
                         continue;
                     }
@@ -244,6 +249,9 @@ impl Gateway {
             }
         }
         if let Some((exchange, endpoint, failed)) = last {
+            // The last try failed too: it is the call's own outcome, not a
+            // failover.
+            record.failovers.pop();
             fill(&mut record, &exchange, &endpoint);
             let answer = failure_answer(&exchange, failed);
             grant.ended(record);
@@ -369,6 +377,24 @@ fn tags(body: &Map<String, Value>, traceparent: Option<&str>) -> Option<String> 
 }
 
 /// Fills `record` with what `exchange` on `endpoint` came to.
+/// What a try of `record`'s call that failed on `endpoint` before its
+/// first byte came to, as [`fill`] would record it.
+fn failover(record: &AgentCall, exchange: &Exchange, endpoint: &Endpoint) -> Failover {
+    let mut tried = AgentCall {
+        seq: record.seq,
+        attempt: record.attempt,
+        ..AgentCall::default()
+    };
+    fill(&mut tried, exchange, endpoint);
+    Failover {
+        endpoint: tried.telemetry.endpoint,
+        latency_ms: tried.telemetry.latency_ms,
+        http_status: Some(tried.http_status).filter(|s| *s != 0),
+        error_class: tried.error_class,
+        error: tried.error,
+    }
+}
+
 fn fill(record: &mut AgentCall, exchange: &Exchange, endpoint: &Endpoint) {
     record.telemetry = Telemetry {
         endpoint: endpoint.name.clone(),

@@ -157,6 +157,7 @@ mod tests {
             completion_tokens: None,
             cached: false,
             failed: false,
+            ..CallSample::default()
         }
     }
 

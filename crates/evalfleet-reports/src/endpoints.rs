@@ -2,12 +2,13 @@
 //! latency percentiles, from HDR histograms (constant memory however many
 //! attempts there are).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Serialize;
 
 use evalfleet_fleet::window::Recorder;
 use evalfleet_store::{AttemptSample, Results, StoreError};
+use evalfleet_types::ErrorClass;
 
 /// Percentiles of one measure, in milliseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, utoipa::ToSchema)]
@@ -84,13 +85,18 @@ impl Accumulator {
     }
 }
 
-/// Summarises every attempt of a run, per endpoint, in name order.
+/// Summarises every call of a run, per endpoint, in name order. In a run of
+/// agents (`kind: exec`) an item's attempt is a run of its agent, not a
+/// call: the endpoints' figures are then those of the calls the agents made
+/// through the gateway (with their tries that failed on an endpoint before
+/// the gateway made them on another), and of the calls the pipeline made
+/// itself (a judge's).
 pub fn endpoints(
     store: &mut dyn Results,
     run_id: &str,
 ) -> Result<Vec<EndpointSummary>, StoreError> {
     let mut by_endpoint: BTreeMap<String, Accumulator> = BTreeMap::new();
-    store.scan_attempts(run_id, &mut |sample| {
+    let mut add = |sample: &AttemptSample| {
         by_endpoint
             .entry(sample.endpoint.clone())
             .or_insert_with(|| Accumulator {
@@ -102,7 +108,51 @@ pub fn endpoints(
                 ttft: Recorder::new(3),
                 tpot: Recorder::new(3),
             })
-            .add(&sample);
+            .add(sample);
+    };
+    // The endpoints agents called: an attempt on one of them (or on none)
+    // is an agent's run.
+    let mut called: BTreeSet<String> = BTreeSet::new();
+    let mut agents = false;
+    store.scan_call_samples(run_id, &mut |call| {
+        agents = true;
+        for tried in &call.failovers {
+            called.insert(tried.endpoint.clone());
+            add(&AttemptSample {
+                endpoint: tried.endpoint.clone(),
+                latency_ms: tried.latency_ms,
+                ttft_ms: None,
+                tpot_ms: None,
+                completion_tokens: None,
+                error_class: tried.error_class,
+                failed: true,
+            });
+        }
+        // Answered from the cache, or refused before any endpoint was
+        // asked: no endpoint's call.
+        if call.cached || call.endpoint.is_empty() {
+            return;
+        }
+        called.insert(call.endpoint.clone());
+        add(&AttemptSample {
+            endpoint: call.endpoint,
+            latency_ms: call.latency_ms,
+            ttft_ms: call.ttft_ms,
+            tpot_ms: call.tpot_ms,
+            completion_tokens: call.completion_tokens,
+            // A status the endpoint answered that is no success, with no
+            // class of its own, is the endpoint's refusal.
+            error_class: call
+                .error_class
+                .or(call.failed.then_some(ErrorClass::Fatal)),
+            failed: call.failed,
+        });
+    })?;
+    store.scan_attempts(run_id, &mut |sample| {
+        if agents && (sample.endpoint.is_empty() || called.contains(&sample.endpoint)) {
+            return;
+        }
+        add(&sample);
     })?;
     Ok(by_endpoint
         .into_iter()

@@ -124,6 +124,7 @@ fn call(seq: u64, attempt: u32, index: u32) -> AgentCall {
         request_cut: index == 2,
         response: Some(r#"{"role":"assistant","content":"ok"}"#.to_owned()),
         tags: (index == 1).then(|| r#"{"user":"u"}"#.to_owned()),
+        failovers: Vec::new(),
     }
 }
 

@@ -290,7 +290,8 @@ fn a_store_made_before_shared_quotas_gets_them_when_opened() {
     // The store as the first schema left it.
     db.connect()
         .batch_execute(
-            "DROP TABLE evalfleet.quotas; UPDATE evalfleet.schema_version SET version = 1",
+            "DROP TABLE evalfleet.quotas; ALTER TABLE evalfleet.agent_calls DROP COLUMN failovers;
+             UPDATE evalfleet.schema_version SET version = 1",
         )
         .unwrap();
     let mut store = PgStore::open(&db.url, false).unwrap();

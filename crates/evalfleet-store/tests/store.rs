@@ -1355,6 +1355,19 @@ fn agent_call(seq: u64, attempt: u32, index: u32) -> AgentCall {
         request_cut: false,
         response: Some(r#"{"role":"assistant","content":"ok"}"#.to_owned()),
         tags: Some(r#"{"user":"u"}"#.to_owned()),
+        // A call the gateway made again elsewhere after a refusal: its
+        // tries are read back as they were.
+        failovers: if index == 2 {
+            vec![evalfleet_types::Failover {
+                endpoint: "f".to_owned(),
+                latency_ms: 4.0,
+                http_status: Some(503),
+                error_class: Some(ErrorClass::Retryable),
+                error: Some("HTTP 503: busy".to_owned()),
+            }]
+        } else {
+            Vec::new()
+        },
     }
 }
 

@@ -28,8 +28,8 @@ pub use event::{Event, EventKind, FleetAction, FleetChange};
 pub use fading::FadingMax;
 pub use fault::{Fault, error_text, root_cause};
 pub use record::{
-    AgentCall, AttemptRecord, BODY_KEPT, CacheEntry, ImageRef, ItemStatus, ResultRecord, RunStatus,
-    StateCounts, Telemetry,
+    AgentCall, AttemptRecord, BODY_KEPT, CacheEntry, Failover, ImageRef, ItemStatus, ResultRecord,
+    RunStatus, StateCounts, Telemetry,
 };
 pub use resource::{
     POINTS_PER_SERIES, ResourceMetric, ResourcePoint, ResourceSeries, ResourceSource, merge_evenly,

@@ -129,6 +129,23 @@ pub struct AgentCall {
     /// Tags the agent sent: `traceparent`, `user`, `metadata` (a JSON
     /// object), when it sent any.
     pub tags: Option<String>,
+    /// Tries of the call that failed before their first byte on another
+    /// endpoint, after which the gateway tried the next one (the agent saw
+    /// only the last): in the order they were made.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub failovers: Vec<Failover>,
+}
+
+/// A try of an agent's call that failed on one endpoint before its first
+/// byte, and was made again on another (see [`AgentCall::failovers`]).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Failover {
+    pub endpoint: String,
+    pub latency_ms: f64,
+    /// The endpoint's status, when it answered one.
+    pub http_status: Option<u16>,
+    pub error_class: Option<ErrorClass>,
+    pub error: Option<String>,
 }
 
 /// How much of a call's request or response body is kept.

@@ -391,6 +391,88 @@ async fn the_openai_sdk_gets_models_streams_errors_and_retries_from_the_gateway(
     assert_eq!(tags["traceparent"], "00-trace-span-01");
 }
 
+/// In a run of agents, an endpoint's figures are those of the calls it was
+/// sent: one that refused half of them shows each refusal (the gateway
+/// made those calls again on its peer, and keeps the refused tries with
+/// them), and latencies are the calls', not the agents' runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_refusing_agents_calls_shows_its_errors_and_the_calls_latencies() {
+    if !sandboxed() {
+        return;
+    }
+    let env = Env::new();
+    let steady = mock(MockSettings::default()).await;
+    let flaky = mock(MockSettings {
+        error_rate: 0.5,
+        error_status: 503,
+        seed: 7,
+        ..MockSettings::default()
+    })
+    .await;
+    let endpoints = [
+        external_with("steady", &steady, 4, ""),
+        external_with("flaky", &flaky, 4, "health: { max_failures: 1000 }"),
+    ]
+    .concat();
+    let config = plain_config(&env, &endpoints, "  env: { CALLS: \"4\", SLEEP: \"1\" }", 6);
+    let ran = env
+        .evalfleet(&["run", config.to_str().unwrap(), "-y", "-q"])
+        .await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let run_id = ran.run_id();
+    let refused = flaky.stats().injected_errors;
+    assert!(refused > 0, "the flaky endpoint was sent no call");
+
+    let status = env.evalfleet(&["status", &run_id, "--json"]).await;
+    let status: Value = serde_json::from_str(&status.stdout).unwrap();
+    let summary = |name: &str| {
+        status["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["endpoint"] == name)
+            .unwrap_or_else(|| panic!("no endpoint {name}: {status}"))
+            .clone()
+    };
+    let (flaky_seen, steady_seen) = (summary("flaky"), summary("steady"));
+    let errors: u64 = flaky_seen["errors"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|n| n.as_u64().unwrap())
+        .sum();
+    assert_eq!(errors, refused, "{flaky_seen}");
+    assert_eq!(
+        flaky_seen["successes"].as_u64(),
+        Some(flaky.stats().completed)
+    );
+    assert_eq!(
+        flaky_seen["successes"].as_u64().unwrap() + steady_seen["successes"].as_u64().unwrap(),
+        6 * 4,
+        "every call of every agent, once"
+    );
+    // Each agent ran for a second and more; its calls took far less.
+    for seen in [&flaky_seen, &steady_seen] {
+        assert!(
+            seen["latency_ms"]["p50"].as_f64().unwrap() < 1000.0,
+            "{seen}"
+        );
+    }
+    // The refused tries are kept with the calls the peer answered.
+    let mut store = evalfleet_store::SqliteStore::open_existing(&env.store_path()).unwrap();
+    let mut failovers = Vec::new();
+    store
+        .scan_calls(&run_id, &mut |call| failovers.extend(call.failovers))
+        .unwrap();
+    assert_eq!(failovers.len() as u64, refused);
+    assert!(
+        failovers
+            .iter()
+            .all(|f| f.endpoint == "flaky" && f.http_status == Some(503)),
+        "{failovers:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_run_leaves_no_agent_and_its_resume_finishes_every_item_once() {
     if !sandboxed() {

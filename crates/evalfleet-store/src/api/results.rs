@@ -4,7 +4,7 @@
 use serde::Serialize;
 use serde_json::Value;
 
-use evalfleet_types::{AgentCall, Assessment, ErrorClass, ItemStatus, Scores, Verdict};
+use evalfleet_types::{AgentCall, Assessment, ErrorClass, Failover, ItemStatus, Scores, Verdict};
 
 use super::errors::{ExportError, StoreError};
 
@@ -111,13 +111,20 @@ pub struct AttemptSample {
 }
 
 /// What a report needs of an agent's call: its item, attempt and API, and
-/// what it cost.
-#[derive(Debug, Clone, PartialEq)]
+/// what it cost; which endpoint answered it, and its tries that failed on
+/// others.
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct CallSample {
     pub seq: u64,
     pub attempt: u32,
     pub api: String,
+    /// The endpoint that answered (empty when none did, or the cache).
+    pub endpoint: String,
     pub latency_ms: f64,
+    pub ttft_ms: Option<f64>,
+    pub tpot_ms: Option<f64>,
+    pub error_class: Option<ErrorClass>,
+    pub failovers: Vec<Failover>,
     pub prompt_tokens: Option<u64>,
     pub completion_tokens: Option<u64>,
     /// Answered from the response cache.
@@ -127,6 +134,22 @@ pub struct CallSample {
     pub failed: bool,
 }
 
+/// An agent call's failovers as a column holds them: JSON, or NULL for
+/// none.
+pub fn failovers_column(failovers: &[Failover]) -> Option<String> {
+    (!failovers.is_empty()).then(|| serde_json::to_string(failovers).unwrap_or_default())
+}
+
+/// A failovers column read back (see [`failovers_column`]).
+pub fn failovers_of(column: Option<String>) -> Result<Vec<Failover>, StoreError> {
+    match column {
+        None => Ok(Vec::new()),
+        Some(text) => serde_json::from_str(&text).map_err(|err| {
+            StoreError::Invariant(format!("an agent call's failovers are not readable: {err}"))
+        }),
+    }
+}
+
 impl CallSample {
     /// The sample of a whole call.
     pub fn of(call: &AgentCall) -> Self {
@@ -134,7 +157,12 @@ impl CallSample {
             seq: call.seq,
             attempt: call.attempt,
             api: call.api.clone(),
+            endpoint: call.telemetry.endpoint.clone(),
             latency_ms: call.telemetry.latency_ms,
+            ttft_ms: call.telemetry.ttft_ms,
+            tpot_ms: call.telemetry.tpot_ms,
+            error_class: call.error_class,
+            failovers: call.failovers.clone(),
             prompt_tokens: call.telemetry.prompt_tokens,
             completion_tokens: call.telemetry.completion_tokens,
             cached: call.cached,

@@ -16,7 +16,7 @@ pub(crate) const CALL_COLUMNS: &str = "seq, attempt, idx, call_id, api, asked_mo
                                        endpoint, model, latency_ms, ttft_ms, tpot_ms, \
                                        prompt_tokens, completion_tokens, tokens_estimated, \
                                        finish_reason, stream, cached, http_status, error_class, \
-                                       error, request, request_cut, response, tags";
+                                       error, request, request_cut, response, tags, failovers";
 
 /// An unsigned count or number stored as a signed integer.
 pub(crate) fn unsigned<T: TryFrom<i64>>(value: i64, what: &str) -> Tx<T> {
@@ -84,5 +84,6 @@ pub(crate) fn call_from_row(row: &Row) -> Tx<AgentCall> {
         request_cut: row.try_get(22)?,
         response: row.try_get(23)?,
         tags: row.try_get(24)?,
+        failovers: crate::failovers_of(row.try_get(25)?)?,
     })
 }

@@ -91,7 +91,8 @@ impl PgStore {
         self.scan_pages(
             "cannot read agent calls",
             "SELECT seq, attempt, idx, api, latency_ms, prompt_tokens, completion_tokens, cached,
-                    error_class IS NOT NULL OR http_status < 200 OR http_status >= 300
+                    error_class IS NOT NULL OR http_status < 200 OR http_status >= 300,
+                    endpoint, ttft_ms, tpot_ms, error_class, failovers
              FROM agent_calls WHERE rid = $1 AND (seq, attempt, idx) > ($2, $3, $4)
              ORDER BY seq, attempt, idx",
             FIRST,
@@ -120,6 +121,17 @@ impl PgStore {
                         .map(|t| t as u64),
                     cached: row.try_get(7).map_err(&err)?,
                     failed: row.try_get(8).map_err(&err)?,
+                    endpoint: row.try_get(9).map_err(&err)?,
+                    ttft_ms: row.try_get(10).map_err(&err)?,
+                    tpot_ms: row.try_get(11).map_err(&err)?,
+                    error_class: row
+                        .try_get::<_, Option<String>>(12)
+                        .map_err(&err)?
+                        .as_deref()
+                        .map(evalfleet_types::ErrorClass::parse)
+                        .transpose()
+                        .map_err(crate::columns::unknown)?,
+                    failovers: crate::failovers_of(row.try_get(13).map_err(&err)?)?,
                 };
                 Ok((key, sample))
             },

@@ -322,9 +322,9 @@ fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx
         "INSERT INTO agent_calls (rid, seq, attempt, idx, call_id, api, asked_model, sent_at,
              endpoint, model, latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens,
              tokens_estimated, finish_reason, stream, cached, http_status, error_class, error,
-             request, request_cut, response, tags)
+             request, request_cut, response, tags, failovers)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17,
-                 $18, $19, $20, $21, $22, $23, $24, $25, $26)
+                 $18, $19, $20, $21, $22, $23, $24, $25, $26, $27)
          ON CONFLICT (rid, seq, attempt, idx) DO UPDATE SET
              call_id = EXCLUDED.call_id, api = EXCLUDED.api, asked_model = EXCLUDED.asked_model,
              sent_at = EXCLUDED.sent_at, endpoint = EXCLUDED.endpoint, model = EXCLUDED.model,
@@ -336,7 +336,8 @@ fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx
              cached = EXCLUDED.cached, http_status = EXCLUDED.http_status,
              error_class = EXCLUDED.error_class, error = EXCLUDED.error,
              request = EXCLUDED.request, request_cut = EXCLUDED.request_cut,
-             response = EXCLUDED.response, tags = EXCLUDED.tags",
+             response = EXCLUDED.response, tags = EXCLUDED.tags,
+             failovers = EXCLUDED.failovers",
     )?;
     let mut calls_stored = false;
     for (claim, c) in &batch.calls {
@@ -374,6 +375,7 @@ fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx
                 &c.request_cut,
                 &c.response,
                 &c.tags,
+                &crate::failovers_column(&c.failovers),
             ],
         )?;
         calls_stored = true;

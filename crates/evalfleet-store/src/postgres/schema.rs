@@ -292,8 +292,12 @@ CREATE TABLE quotas (
 ) WITH (fillfactor = 50, autovacuum_vacuum_cost_delay = 0);
 "#;
 
+/// 3: an agent call's tries that failed on other endpoints before the
+/// gateway made it on the one that answered (JSON; NULL for none).
+const FAILOVERS: &str = "ALTER TABLE agent_calls ADD COLUMN IF NOT EXISTS failovers text;";
+
 /// The migrations, in order; the store's version is how many were applied.
-pub const MIGRATIONS: &[&str] = &[FIRST, QUOTAS];
+pub const MIGRATIONS: &[&str] = &[FIRST, QUOTAS, FAILOVERS];
 
 /// The schema version a store has once every migration ran.
 pub const VERSION: i32 = MIGRATIONS.len() as i32;

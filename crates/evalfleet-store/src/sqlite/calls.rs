@@ -13,7 +13,7 @@ use super::{SqliteStore, db_err, unknown};
 const CALL_COLUMNS: &str = "seq, attempt, idx, call_id, api, asked_model, sent_at, endpoint, model, \
                             latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens, \
                             tokens_estimated, finish_reason, stream, cached, http_status, \
-                            error_class, error, request, request_cut, response, tags";
+                            error_class, error, request, request_cut, response, tags, failovers";
 
 fn agent_call(row: &rusqlite::Row<'_>) -> Result<AgentCall, StoreError> {
     let err = db_err("cannot read agent calls");
@@ -57,6 +57,7 @@ fn agent_call(row: &rusqlite::Row<'_>) -> Result<AgentCall, StoreError> {
         request_cut: row.get(22).map_err(&err)?,
         response: row.get(23).map_err(&err)?,
         tags: row.get(24).map_err(&err)?,
+        failovers: crate::failovers_of(row.get(25).map_err(&err)?)?,
     })
 }
 
@@ -101,7 +102,8 @@ impl SqliteStore {
             .conn
             .prepare_cached(
                 "SELECT seq, attempt, api, latency_ms, prompt_tokens, completion_tokens, cached,
-                        error_class IS NOT NULL OR http_status < 200 OR http_status >= 300
+                        error_class IS NOT NULL OR http_status < 200 OR http_status >= 300,
+                        endpoint, ttft_ms, tpot_ms, error_class, failovers
                  FROM agent_calls WHERE rid = ?1
                  ORDER BY seq, attempt, idx",
             )
@@ -123,6 +125,17 @@ impl SqliteStore {
                     .map(|t| t as u64),
                 cached: row.get(6).map_err(&err)?,
                 failed: row.get(7).map_err(&err)?,
+                endpoint: row.get(8).map_err(&err)?,
+                ttft_ms: row.get(9).map_err(&err)?,
+                tpot_ms: row.get(10).map_err(&err)?,
+                error_class: row
+                    .get::<_, Option<String>>(11)
+                    .map_err(&err)?
+                    .as_deref()
+                    .map(ErrorClass::parse)
+                    .transpose()
+                    .map_err(unknown)?,
+                failovers: crate::failovers_of(row.get(12).map_err(&err)?)?,
             });
         }
         Ok(())

@@ -362,9 +362,9 @@ impl WorkQueue for SqliteStore {
                     "INSERT OR REPLACE INTO agent_calls (rid, seq, attempt, idx, call_id, api, asked_model,
                          sent_at, endpoint, model, latency_ms, ttft_ms, tpot_ms, prompt_tokens,
                          completion_tokens, tokens_estimated, finish_reason, stream, cached, http_status,
-                         error_class, error, request, request_cut, response, tags)
+                         error_class, error, request, request_cut, response, tags, failovers)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17,
-                             ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26)",
+                             ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27)",
                 )
                 .map_err(db_err("cannot prepare the agent call insert"))?;
             for (claim, c) in &batch.calls {
@@ -400,6 +400,7 @@ impl WorkQueue for SqliteStore {
                     c.request_cut,
                     c.response,
                     c.tags,
+                    crate::failovers_column(&c.failovers),
                 ])
                 .map_err(db_err("cannot record an agent call"))?;
                 calls_stored = true;

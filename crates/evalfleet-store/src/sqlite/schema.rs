@@ -295,8 +295,12 @@ CREATE TABLE worker_tallies (
 );
 ";
 
+/// 14: an agent call's tries that failed on other endpoints before the
+/// gateway made it on the one that answered (JSON; NULL for none).
+const FAILOVERS: &str = "ALTER TABLE agent_calls ADD COLUMN failovers TEXT;";
+
 /// The schema version a store has once every migration ran.
-pub const VERSION: usize = 13;
+pub const VERSION: usize = 14;
 
 pub fn migrations() -> Migrations<'static> {
     Migrations::new(vec![
@@ -313,6 +317,7 @@ pub fn migrations() -> Migrations<'static> {
         M::up(IMAGES),
         M::up(AGENT_CALLS),
         M::up(NOT_BEFORE),
+        M::up(FAILOVERS),
     ])
 }
 
