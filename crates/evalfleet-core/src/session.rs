@@ -378,11 +378,18 @@ impl Session {
         let conversation = config.task.kind.conversation().cloned();
         let grace = config.shutdown_grace;
         let options = fleet_options(&config, &location, &run_id, active, gpu_policy, frontend)?;
-        let (sheet, on_result) =
-            match sheet::start(&config, &mut *store, &run_id, frontend.say.clone()).await? {
-                Some((live, tap)) => (Some(live), Some(tap)),
-                None => (None, None),
-            };
+        let (sheet, on_result) = match sheet::start(
+            &config,
+            &mut *store,
+            &location,
+            &run_id,
+            frontend.say.clone(),
+        )
+        .await?
+        {
+            Some((live, tap)) => (Some(live), Some(tap)),
+            None => (None, None),
+        };
         let mut fleet = Fleet::new(&config, options);
         let plan = SessionPlan {
             run_id: run_id.clone(),

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use evalfleet_config::{Config, SheetConfig};
 use evalfleet_pipeline::ResultTap;
 use evalfleet_sheets::{self as sheets, SheetError, SheetSink, SinkReport};
-use evalfleet_store::Store;
+use evalfleet_store::{Location, OpenOptions, Store};
 
 use crate::error::SessionError;
 use crate::frontend::Say;
@@ -64,13 +64,14 @@ pub struct Live {
 pub async fn start(
     config: &Config,
     store: &mut dyn Store,
+    location: &Location,
     run_id: &str,
     say: Arc<Say>,
 ) -> Result<Option<(Live, ResultTap)>, SessionError> {
     let Some(sheet) = target(config) else {
         return Ok(None);
     };
-    let mut sink = open(sheet).await?;
+    let mut sink = open(sheet, location).await?;
     let stored = tokio::task::block_in_place(|| sheets::sink::stored(store, run_id, sheet))?;
     let stopped = if stored.is_empty() {
         None
@@ -187,14 +188,28 @@ impl Live {
     }
 }
 
-/// Opens the sink of `sheet`, for writing.
-pub async fn open(sheet: &SheetConfig) -> Result<SheetSink, SessionError> {
-    SheetSink::open(sheet)
+/// Opens the sink of `sheet`, for writing: its writes share the service
+/// account's write quota with the other runs and workers of the store at
+/// `location`, when it shares quotas (on a connection of the sink's own).
+/// `finish` it when done, so that what it holds of the quota goes back.
+pub async fn open(sheet: &SheetConfig, location: &Location) -> Result<SheetSink, SessionError> {
+    let sink = SheetSink::open(sheet)
         .await
         .map_err(|source| SessionError::Sheet {
             what: format!("cannot write results to {}", describe(sheet)),
             source,
-        })
+        })?;
+    // A store that does not share (SQLite) is closed at once.
+    match evalfleet_store::open(location, &OpenOptions::default()) {
+        Ok(store) => {
+            sink.share_quota(store);
+        }
+        Err(err) => tracing::warn!(
+            "Cannot share the sheet's write quota through the store ({}): this run keeps to dataset.sheet.writes_per_minute on its own.",
+            evalfleet_types::error_text(&err)
+        ),
+    }
+    Ok(sink)
 }
 
 impl From<SheetError> for SessionError {

@@ -273,6 +273,14 @@ struct Reach {
 }
 
 impl Broker {
+    fn new(store: QuotaStore, tracker: &TaskTracker) -> Arc<Self> {
+        Arc::new(Self {
+            store: Arc::new(tokio::sync::Mutex::new(Some(store))),
+            tracker: tracker.clone(),
+            reach: Arc::new(Mutex::new(Reach::default())),
+        })
+    }
+
     /// Closes the store connection, on the blocking pool: a connection may
     /// block as it closes (PostgreSQL's says goodbye to the server). Later
     /// calls get `None`.
@@ -453,11 +461,7 @@ pub fn share(
         tracker.spawn_blocking(move || drop(store));
         return 0;
     }
-    let broker = Arc::new(Broker {
-        store: Arc::new(tokio::sync::Mutex::new(Some(store))),
-        tracker: tracker.clone(),
-        reach: Arc::new(Mutex::new(Reach::default())),
-    });
+    let broker = Broker::new(store, tracker);
     let wake = Arc::new(Notify::new());
     let mut sharing = 0;
     for endpoint in endpoints {
@@ -482,6 +486,38 @@ pub fn share(
     }
     tracker.spawn(sweep(pools.into_values().collect(), broker, wake, stop));
     sharing
+}
+
+/// Shares one quota that is no endpoint's (a Google service account's
+/// writes, say) through `store` (a connection of its own), as [`share`]
+/// shares endpoints': the limit's [`acquire`](SharedLimit::acquire) takes
+/// one of `quota`'s units (its `kind` is taken to be
+/// [`QuotaKind::Requests`]), and a sweeper task (on `tracker`, until
+/// `stop`) gives back what lapses.
+pub fn share_quota(
+    quota: SharedQuota,
+    store: QuotaStore,
+    tracker: &TaskTracker,
+    stop: CancellationToken,
+) -> SharedLimit {
+    let pool = Arc::new(Pool::new(SharedQuota {
+        kind: QuotaKind::Requests,
+        ..quota
+    }));
+    let broker = Broker::new(store, tracker);
+    let wake = Arc::new(Notify::new());
+    tracker.spawn(sweep(
+        vec![pool.clone()],
+        broker.clone(),
+        wake.clone(),
+        stop,
+    ));
+    SharedLimit {
+        requests: Some(pool),
+        tokens: None,
+        broker,
+        wake,
+    }
 }
 
 /// Every [`SWEEP`] (and when woken): sends the pools' cool-downs, lapsed

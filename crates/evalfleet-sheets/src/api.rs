@@ -12,6 +12,7 @@ use serde_json::Value;
 
 use super::SheetError;
 use super::auth::{SCOPE_READ, SCOPE_WRITE, ServiceKey, Tokens};
+use super::quota::WriteQuota;
 use evalfleet_config::SheetConfig;
 
 /// How long one call may take.
@@ -40,6 +41,8 @@ pub struct SheetsApi {
     writes: AtomicU64,
     /// What a 429 without a `Retry-After` waits (`quota_wait`).
     quota_wait: Duration,
+    /// The account's write quota: every write request takes its turn.
+    quota: WriteQuota,
 }
 
 /// How a call failed, and whether another try may do better.
@@ -60,6 +63,7 @@ impl SheetsApi {
                 retry: false,
             })?;
         let scope = if write { SCOPE_WRITE } else { SCOPE_READ };
+        let quota = WriteQuota::new(&key.client_email, config.writes_per_minute);
         Ok(Self {
             tokens: Tokens::new(key, scope, http.clone()),
             http,
@@ -72,7 +76,13 @@ impl SheetsApi {
             },
             writes: AtomicU64::new(0),
             quota_wait: config.quota_wait,
+            quota,
         })
+    }
+
+    /// The account's write quota.
+    pub fn quota(&self) -> &WriteQuota {
+        &self.quota
     }
 
     /// The service account's email (to share the sheet with).
@@ -136,7 +146,9 @@ impl SheetsApi {
     }
 
     /// Writes `data` in one `batchUpdate` (values as they are: `RAW`, so
-    /// that no answer becomes a formula), tried again as the policy says.
+    /// that no answer becomes a formula), tried again as the policy says;
+    /// each try waits for its turn at the account's write quota, and a 429
+    /// pauses the quota for every writer of the account.
     pub async fn batch_update(&self, data: &[ValueRange]) -> Result<(), SheetError> {
         let url = self.url(&["values:batchUpdate"])?;
         let body = serde_json::to_vec(&serde_json::json!({
@@ -151,14 +163,23 @@ impl SheetsApi {
         let what = format!("writing {} ranges", data.len());
         self.policy
             .run(
-                || {
+                || async {
+                    self.quota.acquire().await;
                     self.writes.fetch_add(1, Ordering::Relaxed);
                     let request = self
                         .http
                         .post(url.clone())
                         .header("content-type", "application/json")
                         .body(body.clone());
-                    self.send(request, &what)
+                    let sent = self.send(request, &what).await;
+                    if let Err(Failed {
+                        error: SheetError::Api { status: 429, .. },
+                        retry: Retry::After(Some(wait)),
+                    }) = &sent
+                    {
+                        self.quota.rate_limited(*wait);
+                    }
+                    sent
                 },
                 |f: &Failed| f.retry,
             )

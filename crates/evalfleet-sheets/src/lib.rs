@@ -8,10 +8,11 @@
 //!   retried, and never written where the sheet already holds them, so
 //!   that a resume or `evalfleet sync` writes only what is missing.
 //! - [`api`] and [`auth`]: the Sheets API v4 and a service account's
-//!   tokens.
+//!   tokens; [`quota`]: the account's write quota, shared by its writers.
 
 pub mod api;
 pub mod auth;
+pub mod quota;
 pub mod sink;
 pub mod source;
 
@@ -163,6 +164,7 @@ pub(crate) fn test_config() -> evalfleet_config::SheetConfig {
         retries: 5,
         retry_backoff: std::time::Duration::from_secs(1),
         quota_wait: std::time::Duration::from_secs(60),
+        writes_per_minute: 60,
     }
 }
 

@@ -5,6 +5,9 @@
 //!   committed them ([`SheetSink::start`] gives the writer a tap); they wait
 //!   in a buffer written in one `batchUpdate` when `flush_rows` rows wait,
 //!   when the oldest has waited `flush_interval`, and at the end.
+//! - Each write request (each try) takes its turn at the service account's
+//!   write quota, which every run and worker of a PostgreSQL store writing
+//!   as the account shares ([`crate::quota`], [`SheetSink::share_quota`]).
 //! - A write that fails is tried again (429, 5xx, no answer) with backoff,
 //!   the rows kept; when the tries are spent, the sink stops and says so,
 //!   and the run goes on: every result is in the store.
@@ -20,11 +23,14 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use super::api::ValueRange;
 use super::source::{self, Place};
 use super::{SheetError, SheetsApi, a1};
 use evalfleet_config::{SheetConfig, WriteValue};
+use evalfleet_fleet::shared_rate::QuotaStore;
 use evalfleet_io::dataset::Row;
 use evalfleet_pipeline::ResultTap;
 use evalfleet_store::{ExportRow, Store};
@@ -276,6 +282,15 @@ pub struct SheetSink {
     config: Arc<SheetConfig>,
     /// The live writer, once started; it ends when the tap is dropped.
     live: Option<JoinHandle<SinkReport>>,
+    /// The shared write quota's sweeper, stopped by `finish` (or a drop).
+    quota_tasks: TaskTracker,
+    quota_stop: CancellationToken,
+}
+
+impl Drop for SheetSink {
+    fn drop(&mut self) {
+        self.quota_stop.cancel();
+    }
 }
 
 impl SheetSink {
@@ -288,7 +303,28 @@ impl SheetSink {
             api: Arc::new(api),
             config: Arc::new(config.clone()),
             live: None,
+            quota_tasks: TaskTracker::new(),
+            quota_stop: CancellationToken::new(),
         })
+    }
+
+    /// Takes the account's write quota from `store` (a connection of the
+    /// sink's own) as well, when the store shares quotas with the other
+    /// runs and workers of the account (see [`crate::quota`]). Whether it
+    /// does.
+    pub fn share_quota(&self, store: QuotaStore) -> bool {
+        let shared = self
+            .api
+            .quota()
+            .share(store, &self.quota_tasks, self.quota_stop.clone());
+        if shared {
+            tracing::info!(
+                "Writes to the sheet share {}'s quota ({} a minute) with the store's other runs and workers.",
+                self.api.account(),
+                self.api.quota().per_minute()
+            );
+        }
+        shared
     }
 
     /// The items the sheet holds now, by place.
@@ -371,17 +407,18 @@ impl SheetSink {
     /// the tap [`start`](Self::start) gave is dropped (with the session's
     /// writer), so this is called after.
     pub async fn finish(mut self) -> SinkReport {
-        let Some(task) = self.live.take() else {
-            return SinkReport {
-                calls: self.api.write_calls(),
+        let mut report = match self.live.take() {
+            Some(task) => task.await.unwrap_or_else(|err| SinkReport {
+                stopped: Some(format!("the sheet's writer failed: {err}")),
                 ..SinkReport::default()
-            };
+            }),
+            None => SinkReport::default(),
         };
-        let mut report = task.await.unwrap_or_else(|err| SinkReport {
-            stopped: Some(format!("the sheet's writer failed: {err}")),
-            ..SinkReport::default()
-        });
         report.calls = self.api.write_calls();
+        // What the shared quota holds goes back to the store.
+        self.quota_stop.cancel();
+        self.quota_tasks.close();
+        self.quota_tasks.wait().await;
         report
     }
 }
@@ -425,10 +462,18 @@ async fn write_live(
                     }
                     let wrote = write_batch(&api, batch).await;
                     pace.mark();
+                    // Rows that came while the write went on (waiting for
+                    // its turn at the account's quota, for one) wait for
+                    // the next, as they would have had the loop received
+                    // them meanwhile.
+                    while let Ok(cells) = inbox.try_recv() {
+                        waiting.insert(cells.place, cells);
+                        due.get_or_insert_with(|| Instant::now() + config.flush_interval);
+                    }
                     report.written += wrote.written;
                     report.refused.extend(wrote.refused);
                     if let Some(err) = wrote.stopped {
-                        let why = format!("{err}{}", permission_hint(&err, api.account()));
+                        let why = format!("{err}{}", hint(&err, &api, &config));
                         tracing::error!(
                             "Writing results to the sheet stopped: {why}. The run goes on and keeps every result in its store; `evalfleet sync RUN_ID` writes them to the sheet once it takes writes again."
                         );
@@ -461,12 +506,19 @@ async fn write_live(
     report
 }
 
-/// What to do about a 403: share the sheet.
-fn permission_hint(err: &SheetError, account: &str) -> String {
+/// What a 403 asks for (share the sheet), and what a 429 means: the
+/// account's write quota stayed spent for as long as the sink waits.
+fn hint(err: &SheetError, api: &SheetsApi, config: &SheetConfig) -> String {
     match err {
         SheetError::Api { status: 403, .. } => {
-            format!(" (share the sheet with {account} as an Editor)")
+            format!(" (share the sheet with {} as an Editor)", api.account())
         }
+        SheetError::Api { status: 429, .. } => format!(
+            " (the write quota of {}, {} writes a minute shared by every run and worker writing as it, stayed spent through {} tries; dataset.sheet.writes_per_minute, retries and quota_wait say how far writes keep to it and wait for it)",
+            api.account(),
+            api.quota().per_minute(),
+            config.retries + 1
+        ),
         _ => String::new(),
     }
 }

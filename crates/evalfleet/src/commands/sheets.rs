@@ -29,14 +29,17 @@ pub async fn sync(mut args: SyncArgs) -> anyhow::Result<u8> {
             args.run_id
         );
     };
-    let sink = evalfleet_core::sheet::open(sheet).await.lift()?;
+    let sink = evalfleet_core::sheet::open(sheet, &location).await.lift()?;
     let stored =
         tokio::task::block_in_place(|| sheets::sink::stored(&mut *store, &args.run_id, sheet))?;
     let rows = sink
         .read_rows()
         .await
         .with_context(|| format!("reading {}", describe(sheet)))?;
-    let caught = sink.catch_up(stored, &rows).await.with_context(|| {
+    let caught = sink.catch_up(stored, &rows).await;
+    // What the sink holds of the account's write quota goes back.
+    sink.finish().await;
+    let caught = caught.with_context(|| {
         format!(
             "writing run {}'s results to {}",
             args.run_id,
