@@ -71,11 +71,12 @@ async fn google(env: &Env) -> Google {
 
 /// A run over tab `Items` of the stand-in's sheet, the mock echoing the
 /// question, `exact_match` against `reference`; `sheet` adds keys to
-/// `dataset.sheet`.
+/// `dataset.sheet`. Tries again soon, and its writes are paced to 100 a
+/// second, not Google's one.
 fn sheet_config(google: &Google, endpoint: &str, sheet: &str) -> String {
     format!(
         "name: sheet\n\
-         dataset:\n  sheet:\n    spreadsheet: https://docs.google.com/spreadsheets/d/{SHEET}/edit#gid=0\n    tab: Items\n    key_env: {KEY_VAR}\n    api_url: {}\n    retry_backoff: 10ms\n    quota_wait: 50ms\n{sheet}\n\
+         dataset:\n  sheet:\n    spreadsheet: https://docs.google.com/spreadsheets/d/{SHEET}/edit#gid=0\n    tab: Items\n    key_env: {KEY_VAR}\n    api_url: {}\n    retry_backoff: 10ms\n    quota_wait: 50ms\n    writes_per_minute: 6000\n{sheet}\n\
          endpoints:\n{endpoint}\n\
          task:\n  messages:\n    - {{ role: user, content: \"{{{{ question }}}}\" }}\n  params: {{ max_tokens: 64 }}\n  metrics:\n    - {{ name: exact_match, reference: \"{{{{ reference }}}}\" }}\n",
         google.url
@@ -670,4 +671,131 @@ async fn an_unusable_answer_keeps_the_earlier_values_of_its_row_and_says_so() {
             assert_eq!(row[4], json!("unusable"), "row {i}: {row:?}");
         }
     }
+}
+
+/// Two runs at once, writing as one service account, each to a tab of its
+/// own (`A`, `B`: `n` items each), run `a` with the store `stores[0]` and
+/// `b` with `stores[1]`. The account may write 17 times in any 2 s (the
+/// stand-in's quota, Google's 60 a minute scaled down); the runs each keep
+/// to 300 writes a minute (5 a second, 5 at once: at most 15 in 2 s),
+/// writing each result as it comes (some 25 a second each), or with the
+/// next write when it comes while one waits for its turn. Checks that
+/// every result is written; returns the writes answered 429 and the
+/// seconds it took.
+async fn two_writers(env: &Env, google: &Google, stores: [&str; 2], n: usize) -> (usize, f64) {
+    let server = mock(MockSettings {
+        latency: Duration::from_millis(40),
+        ..MockSettings::default()
+    })
+    .await;
+    let sheet =
+        format!("{WRITE}\n    flush_rows: 1\n    flush_interval: 10ms\n    min_write_interval: 0s");
+    let config = sheet_config(google, &external("m", &server, 1), &sheet)
+        .replace("writes_per_minute: 6000", "writes_per_minute: 300")
+        // A 429 waits out the quota's window, as Google's minute is.
+        .replace("quota_wait: 50ms", "quota_wait: 2s");
+    let config = format!("{config}writer: {{ batch_size: 1, flush_interval: 10ms }}\n");
+    for tab in ["A", "B"] {
+        google.standin.put_tab(SHEET, tab, items(n));
+        env.write(
+            &format!("{tab}.yaml"),
+            &config.replace("tab: Items", &format!("tab: {tab}")),
+        );
+    }
+    google
+        .standin
+        .write_quota(Some((17, Duration::from_secs(2))));
+    let before = google.standin.writes().len();
+    let started = std::time::Instant::now();
+    let args = |file, store| ["run", file, "-q", "--store", store];
+    let (a, b) = (args("A.yaml", stores[0]), args("B.yaml", stores[1]));
+    let (a, b) = tokio::join!(env.with_key(google, &a), env.with_key(google, &b));
+    let took = started.elapsed().as_secs_f64();
+    for (tab, ran) in [("A", a), ("B", b)] {
+        assert_eq!(ran.code, Some(0), "{tab}: {}", ran.stderr);
+        assert_eq!(written(google, tab), expected(n), "{tab}");
+    }
+    google.standin.write_quota(None);
+    let writes = google.standin.writes();
+    let refused = writes[before..].iter().filter(|w| w.status == 429).count();
+    eprintln!(
+        "DEBUG {:?}",
+        writes[before..]
+            .iter()
+            .map(|w| (w.at_ms, w.status, w.rows))
+            .collect::<Vec<_>>()
+    );
+    (refused, took)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_writing_as_one_account_share_its_write_quota_through_postgres() {
+    let Some(db) = evalfleet_testkit::scratch_db!() else {
+        return;
+    };
+    let env = Env::new();
+    let google = google(&env).await;
+    const N: usize = 60;
+    // Each on a SQLite store of its own, the runs share nothing: each
+    // keeps to the quota alone, and together they pass it.
+    let (alone, alone_took) = two_writers(&env, &google, ["a.db", "b.db"], N).await;
+    // On one PostgreSQL store, they take turns at the account's quota.
+    let (shared, shared_took) = two_writers(&env, &google, [&db.url, &db.url], N).await;
+    eprintln!("429s: {alone} alone ({alone_took:.1} s), {shared} sharing ({shared_took:.1} s)");
+    let quotas: i64 = tokio::task::block_in_place(|| {
+        let mut client = postgres::Client::connect(&db.url, postgres::NoTls).unwrap();
+        client
+            .query_one(
+                "SELECT count(*) FROM evalfleet.quotas WHERE model = 'google-sheets'",
+                &[],
+            )
+            .unwrap()
+            .get(0)
+    });
+    assert_eq!(quotas, 1, "the store keeps one write quota, the account's");
+    assert!(
+        alone >= 2,
+        "pacing alone, the two runs pass the account's quota: {alone} 429s"
+    );
+    assert!(
+        shared <= 1,
+        "sharing the quota, the two runs keep within it: {shared} 429s"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_quota_spent_for_longer_than_the_sink_waits_stops_its_writes_naming_it() {
+    let env = Env::new();
+    let google = google(&env).await;
+    google.standin.put_tab(SHEET, "Items", items(20));
+    // Other writers of the account have spent its quota, for an hour.
+    google
+        .standin
+        .write_quota(Some((0, Duration::from_secs(3600))));
+    let ran = run_sheet(&env, &google, 4, &format!("{WRITE}\n    retries: 2")).await;
+    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
+    for said in [
+        "Write requests per minute per user",
+        "the write quota of runner@evalfleet-test.iam.gserviceaccount.com, 6000 writes a minute",
+        "through 3 tries",
+        &format!("evalfleet sync {}", ran.run_id()),
+    ] {
+        assert!(ran.stderr.contains(said), "{said}: {}", ran.stderr);
+    }
+    let run_id = ran.run_id();
+    assert_eq!(env.counts(&run_id).done, 20, "the run went on");
+    let statuses: Vec<u16> = google.standin.writes().iter().map(|w| w.status).collect();
+    assert_eq!(statuses, [429; 3], "one write, tried again twice");
+    assert!(written(&google, "Items").is_empty());
+
+    // The quota comes back: sync writes what the sheet lacks.
+    google.standin.write_quota(None);
+    let synced = env.with_key(&google, &["sync", &run_id]).await;
+    assert_eq!(synced.code, Some(0), "{}{}", synced.stdout, synced.stderr);
+    assert!(
+        synced.stdout.contains("20 written, 0 already in the sheet"),
+        "{}",
+        synced.stdout
+    );
+    assert_eq!(written(&google, "Items"), expected(20));
 }
