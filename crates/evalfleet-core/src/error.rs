@@ -51,6 +51,14 @@ pub enum SessionError {
         #[source]
         source: DatasetError,
     },
+    #[error(
+        "run {run_id} stopped: its store cannot be written. What was committed before is kept: fix the store (free space on its disk, or make it writable), then `evalfleet resume {run_id}` goes on from there"
+    )]
+    StoreUnwritable {
+        run_id: String,
+        #[source]
+        source: Box<PipelineError>,
+    },
     #[error("run {run_id} stopped")]
     Stopped {
         run_id: String,
@@ -82,7 +90,7 @@ impl SessionError {
             Self::Resume(e) | Self::SheetChanged { source: e, .. } => e.fault(),
             Self::Sheets(e) | Self::Sheet { source: e, .. } => e.fault(),
             Self::Dataset { source, .. } => source.fault(),
-            Self::Stopped { source, .. } => source.fault(),
+            Self::Stopped { source, .. } | Self::StoreUnwritable { source, .. } => source.fault(),
             Self::Io(_) | Self::Json(_) | Self::Write { .. } => Fault::Failure,
         }
     }

@@ -552,6 +552,12 @@ impl Ran {
             let run_id = ended.run_id.clone();
             match err {
                 PipelineError::Dataset(source) => SessionError::Dataset { run_id, source },
+                source @ PipelineError::Store(evalfleet_store::StoreError::Unwritable {
+                    ..
+                }) => SessionError::StoreUnwritable {
+                    run_id,
+                    source: Box::new(source),
+                },
                 source => SessionError::Stopped {
                     run_id,
                     source: Box::new(source),

@@ -190,3 +190,101 @@ async fn a_second_ctrl_c_aborts_at_once_and_another_fleet_finishes_the_run() {
     assert_eq!(rows.len(), 50);
     assert!(rows.values().all(|r| r["endpoint"] == "working"));
 }
+
+/// A tmpfs of `size` mounted at `dir` for as long as it lives.
+struct Disk(std::path::PathBuf);
+
+impl Disk {
+    fn mount(dir: std::path::PathBuf, size: &str) -> Self {
+        std::fs::create_dir_all(&dir).unwrap();
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(&dir)
+            .status()
+            .expect("mount runs");
+        assert!(
+            mounted.success(),
+            "cannot mount a tmpfs at {}",
+            dir.display()
+        );
+        Self(dir)
+    }
+}
+
+impl Drop for Disk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+/// The disk under the store fills up mid-run: the run stops at once,
+/// naming the store and the full disk with what to do, keeps what it had
+/// committed, and once there is room again `resume` finishes every item
+/// exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_whose_disk_fills_stops_the_run_saying_so_and_resume_finishes_it() {
+    if !evalfleet_testkit::is_root() {
+        evalfleet_testkit::skip!("a disk that fills up is a tmpfs mounted as root");
+        return;
+    }
+    let env = Env::new();
+    // The store's folder is a disk of its own.
+    let disk = Disk::mount(env.path("runs"), "16m");
+    let dataset = env.dataset("items.jsonl", ITEMS);
+    let server = mock(MockSettings {
+        latency: ms(50),
+        ..MockSettings::default()
+    })
+    .await;
+    let extra = "writer: { batch_size: 64, flush_interval: 50ms }";
+    env.write(
+        "run.yaml",
+        &config(&dataset, &external("gpu", &server, 24), extra),
+    );
+    let child = env.spawn(&["run", "run.yaml", "-q", "--run-id", "full"]);
+    // The store appears once the run has registered its items.
+    let done = |env: &Env| {
+        evalfleet_store::SqliteStore::open_existing(&env.store_path())
+            .and_then(|mut s| s.counts("full"))
+            .map_or(0, |c| c.done)
+    };
+    wait_until(ms(30_000), "300 items are done", || done(&env) >= 300).await;
+    // Filled to the last byte.
+    let filler = disk.0.join("filler");
+    {
+        use std::io::Write;
+        let mut file = std::fs::File::create(&filler).unwrap();
+        let block = vec![0u8; 64 * 1024];
+        while file.write_all(&block).is_ok() {}
+        let _ = file.flush();
+    }
+    let ran = crate::util::Ran::from(child.wait_with_output().await.unwrap());
+    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
+    assert!(
+        ran.stderr
+            .contains("run full stopped: its store cannot be written")
+            && ran.stderr.contains("the disk holding it is full")
+            && ran.stderr.contains("resume full"),
+        "{}",
+        ran.stderr
+    );
+    assert_eq!(
+        ran.stderr.matches("cannot be written").count(),
+        1,
+        "said once: {}",
+        ran.stderr
+    );
+    std::fs::remove_file(&filler).unwrap();
+    let kept = env.counts("full");
+    assert!(kept.done >= 300 && kept.pending > 0, "{kept:?}");
+
+    let resumed = env.evalfleet(&["resume", "full", "-q"]).await;
+    assert_eq!(resumed.code, Some(0), "{}", resumed.stderr);
+    let rows = by_id(&env.export("full").await);
+    assert_eq!(rows.len(), ITEMS, "every item exactly once");
+    assert!(rows.values().all(|r| r["status"] == "done"));
+    assert_eq!(env.store().run("full").unwrap().status, RunStatus::Finished);
+}

@@ -43,6 +43,11 @@ pub enum StoreError {
     BadLocation(String),
     #[error("store invariant broken: {0}")]
     Invariant(String),
+    /// The store refuses writes (its disk full, its file or folder
+    /// read-only, its database in read-only mode): nothing of the write was
+    /// kept, and what was committed before stays.
+    #[error("store: {message}: {reason}")]
+    Unwritable { message: String, reason: String },
 }
 
 impl StoreError {
@@ -54,7 +59,7 @@ impl StoreError {
             | Self::NotAStore { .. }
             | Self::NewerStore { .. }
             | Self::BadLocation(_) => Fault::BadInput,
-            Self::Backend { .. } | Self::Invariant(_) => Fault::Failure,
+            Self::Backend { .. } | Self::Invariant(_) | Self::Unwritable { .. } => Fault::Failure,
         }
     }
 

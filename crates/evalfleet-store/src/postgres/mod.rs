@@ -90,7 +90,28 @@ fn transient(err: &postgres::Error) -> bool {
 
 /// A store error naming what could not be done.
 pub(crate) fn db_err(context: &str) -> impl Fn(postgres::Error) -> StoreError + '_ {
-    move |err| StoreError::backend(context, err)
+    move |err| match unwritable(&err) {
+        Some(reason) => StoreError::Unwritable {
+            message: context.to_owned(),
+            reason: format!("{reason} ({err})"),
+        },
+        None => StoreError::backend(context, err),
+    }
+}
+
+/// Why the server refused a write, when `err` says it cannot write at all.
+fn unwritable(err: &postgres::Error) -> Option<&'static str> {
+    use postgres::error::SqlState;
+    let code = err.code()?;
+    if *code == SqlState::DISK_FULL {
+        Some("the server's disk is full")
+    } else if *code == SqlState::READ_ONLY_SQL_TRANSACTION {
+        Some("the server takes no writes (a read-only server or replica)")
+    } else if *code == SqlState::INSUFFICIENT_RESOURCES || *code == SqlState::OUT_OF_MEMORY {
+        Some("the server is out of resources")
+    } else {
+        None
+    }
 }
 
 pub(crate) use crate::columns::{json_column, json_err, opt_u64, unknown};
@@ -310,7 +331,7 @@ impl PgStore {
                 Err(Fail::Db(err)) => err,
             };
             if !transient(&err) || started.elapsed() >= RECONNECT_FOR {
-                return Err(StoreError::backend(context.to_owned(), err));
+                return Err(db_err(context)(err));
             }
             if let Some(conn) = &self.conn
                 && conn.client.is_closed()

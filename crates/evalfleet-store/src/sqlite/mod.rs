@@ -41,7 +41,27 @@ pub struct SqliteStore {
 impl crate::Quotas for SqliteStore {}
 
 pub(crate) fn db_err(context: &str) -> impl Fn(rusqlite::Error) -> StoreError + '_ {
-    move |err| StoreError::backend(context, err)
+    move |err| match unwritable(&err) {
+        Some(reason) => StoreError::Unwritable {
+            message: context.to_owned(),
+            reason: format!("{reason} ({err})"),
+        },
+        None => StoreError::backend(context, err),
+    }
+}
+
+/// Why SQLite refused a write, when `err` says it cannot write at all.
+fn unwritable(err: &rusqlite::Error) -> Option<&'static str> {
+    use rusqlite::ErrorCode;
+    match err.sqlite_error_code()? {
+        ErrorCode::DiskFull => Some("the disk holding it is full"),
+        ErrorCode::ReadOnly => Some("its file or folder is read-only"),
+        ErrorCode::CannotOpen | ErrorCode::PermissionDenied => {
+            Some("its file or folder cannot be written")
+        }
+        ErrorCode::SystemIoFailure => Some("its disk failed a write (or is full)"),
+        _ => None,
+    }
 }
 
 pub(crate) use crate::columns::{json_column, json_err, opt_u64, unknown};
