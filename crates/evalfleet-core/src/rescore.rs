@@ -3,10 +3,13 @@
 //! or its definition changed. LLM-judge metrics read their judge's replies
 //! from the cache (without one a stored score is kept); a code task keeps
 //! its judgements unless asked to run the programs again (or its
-//! `task.code` changed).
+//! `task.code` changed). With `--unjudged`, the judges are asked again for
+//! the answers they could not judge in the run, and only those: the code
+//! judge runs their programs, an LLM judge is called.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use evalfleet_types::{Assessment, ItemStatus, Verdict};
@@ -15,6 +18,7 @@ use serde_json::{Map, Value};
 
 use evalfleet_config::{self as config, ConfigError, LoadedConfig};
 use evalfleet_eval::Assessor;
+use evalfleet_fleet::runtime::MockStarter;
 use evalfleet_io::dataset::Row;
 use evalfleet_pipeline::task::code;
 use evalfleet_store::{Store, StoreError, StoredResult};
@@ -70,16 +74,27 @@ pub struct Plan {
     rejudge: bool,
     /// Of the answers, judge again only those the judge could not judge.
     unjudged: bool,
+    /// The folder the run's config was in (its relative paths).
+    config_dir: PathBuf,
+    /// Starts a `kind: mock` judge endpoint to ask again (`--unjudged`).
+    mocks: Option<Arc<dyn MockStarter>>,
 }
 
 impl Plan {
     /// The code judge runs again over the answers it could not judge (its
     /// server unreachable, its sandbox failing), and only those: the run's
     /// other judgements stand.
-    pub fn unjudged_only(self) -> Self {
+    ///
+    /// LLM judges are asked again for the answers whose judge call failed
+    /// (its endpoint down past `retry.judge_for`, its answers errors): the
+    /// judge endpoint must be reachable (`kind: external`) or the built-in
+    /// mock (started with `mocks`); the endpoint's secrets are read from the
+    /// environment as the run read them.
+    pub fn unjudged_only(self, mocks: Arc<dyn MockStarter>) -> Self {
         Self {
             rejudge: self.rejudge || self.loaded.config.task.kind.code().is_some(),
             unjudged: true,
+            mocks: Some(mocks),
             ..self
         }
     }
@@ -159,6 +174,8 @@ impl Plan {
             only,
             rejudge,
             unjudged: false,
+            config_dir: PathBuf::from(&run.config_dir),
+            mocks: None,
         })
     }
 
@@ -199,6 +216,8 @@ impl Plan {
             only,
             rejudge,
             unjudged,
+            config_dir,
+            mocks,
         } = self;
         // LLM-judge metrics read their judges' replies from the cache.
         let judge_identities: HashMap<String, String> = loaded
@@ -214,6 +233,21 @@ impl Plan {
                 stored.push(r);
             }
         })?;
+        // The LLM judges' replies to the answers they could not judge in the
+        // run, asked again (`--unjudged`).
+        let asked_again = match (&mocks, unjudged) {
+            (Some(mocks), true) => {
+                let again = JudgeAgain {
+                    snapshot: &snapshot,
+                    config_dir: &config_dir,
+                    loaded: &loaded,
+                    assessor: &assessor,
+                    only: only.as_deref(),
+                };
+                again.ask(&stored, mocks.clone()).await?
+            }
+            _ => AskedAgain::default(),
+        };
         let code_key = assessor
             .metrics()
             .find(|m| matches!(m.kind, evalfleet_eval::metrics::Kind::CodeAccepted))
@@ -241,8 +275,14 @@ impl Plan {
                 only.as_deref(),
                 &r.assessment.scores,
                 &mut |request| {
-                    let identity = judge_identities.get(&request.endpoint)?;
                     let messages = request.messages.as_ref().ok()?;
+                    if let Some(reply) = asked_again
+                        .replies
+                        .get(&(request.key.clone(), messages.get().to_owned()))
+                    {
+                        return Some(reply.clone());
+                    }
+                    let identity = judge_identities.get(&request.endpoint)?;
                     match store.cache_get(&evalfleet_config::cache::key(identity, 0, messages), 0) {
                         Ok(hit) => hit.map(|h| h.content),
                         Err(err) => {
@@ -296,6 +336,8 @@ impl Plan {
         let (backend_errors, backend_error) = backend_errors(&assessor, &assessed);
         store.put_assessments(&run_id, &assessed, &snapshot)?;
         Ok(Rescored {
+            judged_again: asked_again.calls,
+            judged_again_failed: asked_again.failed,
             answers: assessed.len() as u64,
             usable: assessed.iter().filter(|(_, a)| a.usable()).count() as u64,
             metrics: assessor.metrics().map(|m| m.key.clone()).collect(),
@@ -305,6 +347,165 @@ impl Plan {
             backend_errors,
             backend_error,
         })
+    }
+}
+
+/// What a judge's score says when its call failed in the run.
+const JUDGE_FAILED: &str = "the judge failed";
+
+/// The LLM judges' replies asked again, by metric key and messages.
+#[derive(Default)]
+struct AskedAgain {
+    replies: HashMap<(String, String), String>,
+    calls: u64,
+    failed: u64,
+}
+
+/// Asks the LLM judges again for the answers they could not judge in the
+/// run (`score --unjudged`).
+struct JudgeAgain<'a> {
+    snapshot: &'a Value,
+    config_dir: &'a Path,
+    loaded: &'a LoadedConfig,
+    assessor: &'a Assessor,
+    only: Option<&'a [String]>,
+}
+
+impl JudgeAgain<'_> {
+    async fn ask(
+        &self,
+        stored: &[StoredResult],
+        mocks: Arc<dyn MockStarter>,
+    ) -> Result<AskedAgain, RescoreError> {
+        // The calls to make again: one per metric and distinct messages.
+        let mut wanted: Vec<(String, String, Box<serde_json::value::RawValue>)> = Vec::new();
+        let mut seen: HashSet<(String, String)> = HashSet::new();
+        for r in stored {
+            let Some(output) = r.output.as_deref() else {
+                continue;
+            };
+            let item: Row = r
+                .item
+                .as_deref()
+                .and_then(|t| serde_json::from_str(t).ok())
+                .unwrap_or_default();
+            let checked = self.assessor.check(output);
+            for call in self.assessor.llm_judge_calls(&checked, &item) {
+                if self.only.is_some_and(|only| !only.contains(&call.key)) {
+                    continue;
+                }
+                let failed = r.assessment.scores.get(&call.key).is_some_and(|score| {
+                    score.value.is_none()
+                        && score
+                            .error
+                            .as_deref()
+                            .is_some_and(|e| e.starts_with(JUDGE_FAILED))
+                });
+                let Ok(messages) = call.messages else {
+                    continue;
+                };
+                let key = (call.key.clone(), messages.get().to_owned());
+                if failed && seen.insert(key) {
+                    wanted.push((call.endpoint, call.key, messages));
+                }
+            }
+        }
+        let mut asked = AskedAgain::default();
+        if wanted.is_empty() {
+            return Ok(asked);
+        }
+        // The judge's endpoint as the run had it, its secrets read again.
+        let config = config::load_snapshot(self.snapshot, self.config_dir)
+            .map_err(|err| {
+                RescoreError::Unfit(format!(
+                    "--unjudged asks the judge again, with the endpoint the run used: {err}"
+                ))
+            })?
+            .config;
+        let mut clients = HashMap::new();
+        let mut guards = Vec::new();
+        for (name, _, _) in &wanted {
+            if clients.contains_key(name) {
+                continue;
+            }
+            let endpoint = config
+                .endpoints
+                .iter()
+                .find(|e| &e.name == name)
+                .ok_or_else(|| {
+                    RescoreError::Unfit(format!(
+                        "--unjudged: no endpoint '{name}' in the run's config"
+                    ))
+                })?;
+            let url = match &endpoint.kind {
+                config::EndpointKind::External { base_url, .. } => base_url.clone(),
+                config::EndpointKind::Mock(settings) => {
+                    let (url, guard) = mocks.start((**settings).clone()).await.map_err(|err| {
+                        RescoreError::Unfit(format!(
+                            "--unjudged: the judge's mock did not start: {err}"
+                        ))
+                    })?;
+                    guards.push(guard);
+                    url
+                }
+                kind => {
+                    return Err(RescoreError::Unfit(format!(
+                        "--unjudged: judge endpoint '{name}' is an engine evalfleet starts (kind: {}); start it, then name it as kind: external in a config given with --config, or resume the run",
+                        kind.name()
+                    )));
+                }
+            };
+            let client = evalfleet_fleet::client::ChatClient::new(
+                endpoint,
+                &url,
+                &config.task.params,
+                false,
+            )
+            .map_err(|err| RescoreError::Unfit(format!("--unjudged: endpoint '{name}': {err}")))?;
+            let slots = Arc::new(tokio::sync::Semaphore::new(
+                endpoint.max_concurrency().clamp(1, 64),
+            ));
+            clients.insert(name.clone(), (Arc::new(client), slots));
+        }
+        let (retry, within) = (self.loaded.config.retry, self.loaded.config.judge_retry_for);
+        let calls = wanted.into_iter().map(|(name, key, messages)| {
+            let (client, slots) = clients[&name].clone();
+            async move {
+                let _slot = slots.acquire_owned().await.ok();
+                let reply = retry
+                    .run_within(
+                        within,
+                        || async { client.complete(&messages).await.result },
+                        |err| {
+                            if err.class().is_retryable() {
+                                evalfleet_types::retry::Retry::After(err.retry_after())
+                            } else {
+                                evalfleet_types::retry::Retry::Never
+                            }
+                        },
+                    )
+                    .await;
+                (key, messages.get().to_owned(), reply)
+            }
+        });
+        let mut replies = futures_util::stream::iter(calls).buffer_unordered(64);
+        while let Some((key, messages, reply)) = replies.next().await {
+            asked.calls += 1;
+            match reply {
+                Ok(completion) => {
+                    asked.replies.insert((key, messages), completion.content);
+                }
+                Err(err) => {
+                    asked.failed += 1;
+                    tracing::warn!(
+                        "The judge failed again for metric {key}: {}",
+                        evalfleet_types::error_text(&err)
+                    );
+                }
+            }
+        }
+        drop(guards);
+        Ok(asked)
     }
 }
 
@@ -419,6 +620,10 @@ fn chooses(name: &str, key: &str) -> bool {
 /// What scoring again did.
 #[derive(Debug, Clone)]
 pub struct Rescored {
+    /// Judge calls made again (`--unjudged`), and of those, the ones that
+    /// failed again (those answers stay not scored).
+    pub judged_again: u64,
+    pub judged_again_failed: u64,
     /// Done items scored again, and of those, usable answers.
     pub answers: u64,
     pub usable: u64,

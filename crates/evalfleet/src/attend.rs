@@ -410,15 +410,17 @@ fn conclude(
                     "Answer the failed items again: {program} resume {run_id}{store_flag} --retry-failed"
                 ));
             }
-            // The code judge's metric could not score some answers.
+            // The code judge's metric could not score some answers, or an
+            // LLM judge's call failed.
             let unjudged = outcome.causes.iter().any(|c| {
                 c.metric
                     .as_deref()
                     .is_some_and(|key| key.split('@').next() == Some("code_accepted"))
+                    || c.reason.contains("the judge failed")
             });
             if unjudged {
                 ui::note(&format!(
-                    "Judge the answers the code judge could not judge, and only those: {program} score {run_id}{store_flag} --unjudged"
+                    "Judge the answers the judge could not judge, and only those: {program} score {run_id}{store_flag} --unjudged"
                 ));
             }
             Ok(outcome_code(&finished))

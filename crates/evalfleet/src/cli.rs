@@ -809,10 +809,13 @@ pub struct ScoreArgs {
     #[arg(long)]
     pub rejudge: bool,
 
-    /// Run the code judge again over the answers it could not judge (its
-    /// server unreachable or restarting, its sandbox failing), and only
-    /// those: the other judgements stand. What finishes a run left
-    /// incomplete by its judge.
+    /// Judge again the answers the judges could not judge, and only those
+    /// (the other judgements stand): the code judge runs their programs
+    /// again (its server was unreachable or restarting, its sandbox
+    /// failing), and LLM judges are asked again where their call failed
+    /// (a judge endpoint of kind external, or the built-in mock; its
+    /// secrets come from the environment as the run's did). What finishes a
+    /// run left incomplete by its judge.
     #[arg(long, conflicts_with = "rejudge")]
     pub unjudged: bool,
 }

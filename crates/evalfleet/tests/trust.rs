@@ -568,7 +568,7 @@ async fn judge_calls_ride_out_a_judge_down_for_a_while_and_no_longer_than_judge_
     // Down for longer than the calls are tried for.
     let env = Env::new();
     let dataset = env.dataset("items.jsonl", 4);
-    let judging = down_for(std::time::Duration::from_secs(600)).await;
+    let judging = down_for(std::time::Duration::from_secs(5)).await;
     env.write(
         "run.yaml",
         &judged(&dataset, &answering, &judging, keys, ", judge_for: 1s"),
@@ -584,13 +584,56 @@ async fn judge_calls_ride_out_a_judge_down_for_a_while_and_no_longer_than_judge_
         ran.stderr.contains("finished, incomplete: ")
             && ran
                 .stderr
-                .contains("× not scored: quality: the judge failed"),
+                .contains("× not scored: quality: the judge failed")
+            && ran.stderr.contains("score test-")
+            && ran.stderr.contains("--unjudged"),
         "{}",
         ran.stderr
     );
     for error in quality_errors(&env, &ran.run_id()).await {
         assert!(error.contains("the judge failed"), "{error}");
     }
+    // Once it is back, `score --unjudged` asks it again for those answers.
+    let health = format!("http://{}/health", judging.addr());
+    let client = crate::serve::client();
+    let mut back = false;
+    for _ in 0..600 {
+        if client
+            .get(&health)
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success())
+        {
+            back = true;
+            break;
+        }
+        tokio::task::yield_now().await;
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(back, "the judge never came back");
+    let asked = judging.stats().completed;
+    let scored = env.evalfleet(&["score", &ran.run_id(), "--unjudged"]).await;
+    assert_eq!(scored.code, Some(0), "{}", scored.stderr);
+    assert!(
+        scored
+            .stderr
+            .contains("Asked the LLM judges again for 4 answers they could not judge in the run.")
+            && scored.stderr.contains("complete: 4 of 4 items scored"),
+        "{}",
+        scored.stderr
+    );
+    assert_eq!(judging.stats().completed, asked + 4);
+    assert!(
+        quality_errors(&env, &ran.run_id())
+            .await
+            .iter()
+            .all(String::is_empty),
+        "every answer judged"
+    );
+    // Nothing is left to ask: a second time calls no judge.
+    let again = env.evalfleet(&["score", &ran.run_id(), "--unjudged"]).await;
+    assert_eq!(again.code, Some(0), "{}", again.stderr);
+    assert_eq!(judging.stats().completed, asked + 4);
 }
 
 /// Each of the run's 4 items, done, with why its `quality` could not be

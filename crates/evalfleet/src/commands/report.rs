@@ -38,7 +38,7 @@ pub async fn score(mut args: ScoreArgs) -> anyhow::Result<u8> {
         args.rejudge,
     )?;
     let plan = if args.unjudged {
-        plan.unjudged_only()
+        plan.unjudged_only(std::sync::Arc::new(crate::fleet::InProcessMocks))
     } else {
         plan
     };
@@ -68,8 +68,22 @@ pub async fn score(mut args: ScoreArgs) -> anyhow::Result<u8> {
             took.as_secs_f64()
         );
     }
+    if done.judged_again > 0 {
+        eprintln!(
+            "Asked the LLM judges again for {} answers they could not judge in the run{}.",
+            done.judged_again,
+            if done.judged_again_failed > 0 {
+                format!(
+                    "; {} failed again and stay not scored",
+                    done.judged_again_failed
+                )
+            } else {
+                String::new()
+            }
+        );
+    }
     eprintln!(
-        "Scored {} answers of run {} ({} usable) with {}; no model was called.",
+        "Scored {} answers of run {} ({} usable) with {}; {}.",
         done.answers,
         args.run_id,
         done.usable,
@@ -77,6 +91,11 @@ pub async fn score(mut args: ScoreArgs) -> anyhow::Result<u8> {
             "no metrics".to_owned()
         } else {
             done.metrics.join(", ")
+        },
+        if done.judged_again > 0 {
+            "no model but the judges was called"
+        } else {
+            "no model was called"
         }
     );
     if done.backend_scored > 0 {
