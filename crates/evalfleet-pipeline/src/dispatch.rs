@@ -822,17 +822,22 @@ async fn end(shared: &Arc<Shared>, item: Item, finish: Finish, carry: Carry) {
 pub fn first_ended(shared: &Arc<Shared>, number: u64, finish: &Finish, alike: bool) {
     match shared.first_failures.ended(number, finish, alike) {
         FirstEnd::Nothing => {}
-        FirstEnd::GiveUp(cause) => shared.fleet.give_up(format!(
-            "The first {} items all failed the same way, and none was answered: {cause}. \
-             Fix the cause, then resume with --retry-failed to answer them again.",
-            crate::item::FirstFailures::SAME
-        )),
+        FirstEnd::GiveUp(cause) => give_up(shared, &cause),
         FirstEnd::GoOn(held) => {
             for item in held {
                 requeue(shared, item);
             }
         }
     }
+}
+
+/// Gives the session up: its first items all failed alike, for `cause`.
+pub fn give_up(shared: &Shared, cause: &str) {
+    shared.fleet.give_up(format!(
+        "The first {} items all failed the same way, and none was answered: {cause}. \
+         Fix the cause, then resume with --retry-failed to answer them again.",
+        crate::item::FirstFailures::SAME
+    ));
 }
 
 /// Follows `step` as [`drive`] does; an item that ends at once (the common

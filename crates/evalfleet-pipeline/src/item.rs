@@ -105,6 +105,10 @@ struct Watch {
     /// with them.
     same: Option<(String, u32)>,
     gave_up: bool,
+    /// The cause to give up for once a later item is taken: when the first
+    /// items failed alike and no other was taken (yet), there is nothing
+    /// to spare, and a session of no more items ends failed, not given up.
+    deferred: Option<String>,
     /// Items held back from their first call until the verdict.
     held: Vec<Item>,
 }
@@ -125,9 +129,14 @@ impl FirstFailures {
     /// session up.
     pub const SAME: u32 = 5;
 
-    /// The next item's number in the session (0 for its first).
-    pub fn number(&self) -> u64 {
-        self.taken.fetch_add(1, Ordering::Relaxed)
+    /// The next item's number in the session (0 for its first), and the
+    /// cause to give the session up for, when it is to be given up now.
+    pub fn number(&self) -> (u64, Option<String>) {
+        let number = self.taken.fetch_add(1, Ordering::AcqRel);
+        if number < u64::from(Self::SAME) || self.settled.load(Ordering::Acquire) {
+            return (number, None);
+        }
+        (number, self.watch().deferred.take())
     }
 
     fn watch(&self) -> std::sync::MutexGuard<'_, Watch> {
@@ -180,9 +189,13 @@ impl FirstFailures {
             }
         };
         if count == Self::SAME {
-            // The items held back stay held: the session stops.
+            // The items held back stay held: the session stops, once it
+            // has a later item to spare.
             watch.gave_up = true;
-            return FirstEnd::GiveUp(words.to_owned());
+            if self.taken.load(Ordering::Acquire) > u64::from(Self::SAME) {
+                return FirstEnd::GiveUp(words.to_owned());
+            }
+            watch.deferred = Some(words.to_owned());
         }
         FirstEnd::Nothing
     }

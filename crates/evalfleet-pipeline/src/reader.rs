@@ -196,7 +196,11 @@ impl Reader {
             },
             episode,
         );
-        item.number = self.shared.first_failures.number();
+        let (number, give_up) = self.shared.first_failures.number();
+        item.number = number;
+        if let Some(cause) = give_up {
+            crate::dispatch::give_up(&self.shared, &cause);
+        }
         if let Step::Call(request) = &step {
             item.prompt = request.prompt.clone();
         }

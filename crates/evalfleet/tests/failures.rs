@@ -177,22 +177,26 @@ async fn run_refused(
     (dataset, refusing, ran)
 }
 
+/// A refusal is not retried. A run of no more items than the give-up
+/// watches (5), all refused alike, ends failed, not given up: it has
+/// nothing left to spare.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fatal_status_fails_the_item_without_a_retry() {
     let env = Env::new();
-    let (_, refusing, ran) = run_refused(&env, 4, 400).await;
+    let (_, refusing, ran) = run_refused(&env, 5, 400).await;
     assert_eq!(ran.code, Some(1), "{}", ran.stderr);
     let rows = by_id(&env.export(&ran.run_id()).await);
     assert!(
         rows.values()
             .all(|r| r["status"] == "failed" && r["attempts"] == 1)
     );
-    assert_eq!(rows["item-00003"]["error"], "HTTP 400: injected error");
-    assert_eq!(refusing.stats().requests, 4);
+    assert_eq!(rows["item-00004"]["error"], "HTTP 400: injected error");
+    assert_eq!(refusing.stats().requests, 5);
     assert!(
         ran.stderr
-            .contains("finished, failed: 0 of 4 items answered")
-            && ran.stderr.contains("4 × failed: HTTP 400: injected error"),
+            .contains("finished, failed: 0 of 5 items answered")
+            && ran.stderr.contains("5 × failed: HTTP 400: injected error")
+            && !ran.stderr.contains("all failed the same way"),
         "{}",
         ran.stderr
     );
