@@ -49,6 +49,9 @@ pub struct ExecSettings {
     /// config's folder (`agent.py`) is given as that file's path.
     pub command: Vec<String>,
     pub input: ExecInput,
+    /// `task.input.fields`: the item's fields the program gets. `None`:
+    /// every field but those the task's references read.
+    pub fields: Option<Vec<String>>,
     /// How long one run of the program may take before it (with every
     /// process it started) is killed: a failed attempt.
     pub timeout: Duration,
@@ -97,7 +100,7 @@ pub struct RawBudget {
 #[derive(Debug, Default)]
 pub struct RawExec {
     pub command: Option<Value>,
-    pub input: Option<String>,
+    pub input: Option<Value>,
     pub timeout: Option<String>,
     pub concurrency: Option<u32>,
     pub network: Option<String>,
@@ -154,13 +157,58 @@ pub(super) fn exec(raw: RawExec, dir: &Path, p: &mut Problems<'_>) -> Option<Exe
             format!("must be a command line or a list of strings, got {other}"),
         ),
     };
-    let input = match raw.input.as_deref() {
+    let how = |text: Option<&str>, at: &str, p: &mut Problems<'_>| match text {
         None | Some("stdin") => Some(ExecInput::Stdin),
         Some("file") => Some(ExecInput::File),
         Some("args") => Some(ExecInput::Args),
-        Some(other) => p.push(
-            "task.input",
-            format!("must be stdin, file or args, got '{other}'"),
+        Some(other) => p.push(at, format!("must be stdin, file or args, got '{other}'")),
+    };
+    let (input, fields) = match &raw.input {
+        None => (Some(ExecInput::Stdin), Some(None)),
+        Some(Value::String(text)) => (how(Some(text), "task.input", p), Some(None)),
+        Some(Value::Object(map)) => {
+            let mut fields = Some(None);
+            for key in map.keys() {
+                if key != "via" && key != "fields" {
+                    fields = p.push(
+                        &format!("task.input.{key}"),
+                        "is not a key of task.input (via, fields)",
+                    );
+                }
+            }
+            let via = match map.get("via") {
+                None => how(None, "task.input.via", p),
+                Some(Value::String(text)) => how(Some(text), "task.input.via", p),
+                Some(other) => p.push(
+                    "task.input.via",
+                    format!("must be stdin, file or args, got {other}"),
+                ),
+            };
+            if fields.is_some() {
+                fields = match map.get("fields") {
+                    None => Some(None),
+                    Some(Value::Array(list)) => {
+                        let names: Option<Vec<String>> =
+                            list.iter().map(|v| v.as_str().map(str::to_owned)).collect();
+                        match names {
+                            Some(names) => Some(Some(names)),
+                            None => p.push("task.input.fields", "must be a list of field names"),
+                        }
+                    }
+                    Some(other) => p.push(
+                        "task.input.fields",
+                        format!("must be a list of field names, got {other}"),
+                    ),
+                };
+            }
+            (via, fields)
+        }
+        Some(other) => (
+            p.push(
+                "task.input",
+                format!("must be stdin, file or args, or {{via, fields}}, got {other}"),
+            ),
+            Some(None),
         ),
     };
     let timeout = p.duration("task.timeout", raw.timeout.as_deref(), "10m");
@@ -239,6 +287,7 @@ pub(super) fn exec(raw: RawExec, dir: &Path, p: &mut Problems<'_>) -> Option<Exe
     Some(ExecSettings {
         command: command?,
         input: input?,
+        fields: fields?,
         timeout: timeout?,
         concurrency: concurrency?,
         network: network?,

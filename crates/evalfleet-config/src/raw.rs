@@ -190,8 +190,13 @@ pub struct RawTask {
     /// `kind: exec`: how the item reaches the program: `stdin` (one JSON
     /// object), `file` (`item.json`, its path the last argument and
     /// `$EVALFLEET_ITEM_FILE`) or `args` (the JSON text, the last
-    /// argument). Default `stdin`.
-    pub input: Option<String>,
+    /// argument); or `{via: stdin|file|args, fields: [NAME, ...]}`, the
+    /// item's fields the program gets. Without `fields` it gets every field
+    /// but those the metrics' references read (`task.metrics[].reference`),
+    /// so that no agent is handed its answer key.
+    /// Default `stdin`.
+    #[schemars(with = "Option<schema::AgentInput>")]
+    pub input: Option<Value>,
     /// `kind: exec`: how long one run of the program may take before it,
     /// with every process it started, is killed (a failed attempt, retried
     /// as `retry` says). Default `10m`.

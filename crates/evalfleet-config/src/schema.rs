@@ -204,6 +204,31 @@ impl JsonSchema for Command {
     }
 }
 
+/// An agent's input: how it comes, or how and with which fields.
+pub(super) struct AgentInput;
+
+impl JsonSchema for AgentInput {
+    fn schema_name() -> Cow<'static, str> {
+        "AgentInput".into()
+    }
+
+    fn inline_schema() -> bool {
+        true
+    }
+
+    fn json_schema(_: &mut SchemaGenerator) -> Schema {
+        json_schema!({"oneOf": [
+            {"type": "string", "enum": ["stdin", "file", "args"]},
+            {"type": "object", "properties": {
+                "via": {"type": "string", "enum": ["stdin", "file", "args"],
+                        "description": "How the item reaches the program, as `task.input` alone says. Default `stdin`."},
+                "fields": {"type": "array", "items": {"type": "string"},
+                           "description": "The item's fields the program gets, exactly those (a field the references read included, when named). Default: every field but those the metrics' references read."}
+            }, "additionalProperties": false}
+        ]})
+    }
+}
+
 /// Any JSON value.
 pub(super) struct AnyJson;
 

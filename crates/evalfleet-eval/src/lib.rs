@@ -264,6 +264,24 @@ impl Assessor {
         out
     }
 
+    /// The item fields the metrics' reference templates read: an item's
+    /// answer key, which a program under evaluation is not given.
+    pub fn reference_fields(&self) -> std::collections::BTreeSet<String> {
+        let mut fields = std::collections::BTreeSet::new();
+        for (i, form) in self.references.iter().enumerate() {
+            if form.is_none() {
+                continue;
+            }
+            if let Ok(template) = self
+                .env
+                .get_template(&format!("task.metrics[{i}].reference"))
+            {
+                fields.extend(template.undeclared_variables(false));
+            }
+        }
+        fields
+    }
+
     /// The references of metric `i` for `item`: what its template gives,
     /// or why it gives none.
     pub fn references(&self, i: usize, item: &Row) -> Result<Vec<Value>, String> {

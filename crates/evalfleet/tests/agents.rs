@@ -391,6 +391,62 @@ async fn the_openai_sdk_gets_models_streams_errors_and_retries_from_the_gateway(
     assert_eq!(tags["traceparent"], "00-trace-span-01");
 }
 
+/// An agent is not handed its answer key: the fields the metrics'
+/// references read are withheld from the item it gets (an agent printing
+/// one scores 0), unless `task.input.fields` names them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_gets_its_item_without_the_fields_its_references_read() {
+    if !sandboxed() {
+        return;
+    }
+    let env = Env::new();
+    let mut rows = String::new();
+    for i in 0..4 {
+        rows.push_str(&format!(
+            "{{\"id\": \"q{i}\", \"question\": \"capital {i}\", \"answer\": \"city {i}\"}}\n"
+        ));
+    }
+    let dataset = env.write("items.jsonl", &rows);
+    env.write(
+        "cheat.py",
+        "import json, sys\nitem = json.load(sys.stdin)\n\
+         print(item.get('answer', 'withheld:' + ','.join(sorted(item))))\n",
+    );
+    let server = mock(MockSettings::default()).await;
+    let endpoints = external_with("m", &server, 4, "");
+    let config = |input: &str| {
+        format!(
+            "name: cheat\n\
+             dataset: {{ path: {}, id_field: id }}\n\
+             endpoints:\n{endpoints}\n\
+             task:\n  kind: exec\n  command: /usr/bin/python3 cheat.py\n{input}  \
+             metrics:\n    - {{ name: exact_match, reference: \"{{{{ answer }}}}\" }}\n",
+            dataset.display()
+        )
+    };
+    env.write("withheld.yaml", &config(""));
+    let ran = env.evalfleet(&["run", "withheld.yaml", "-q"]).await;
+    let rows = by_id(&env.export(&ran.run_id()).await);
+    assert_eq!(rows.len(), 4);
+    for row in rows.values() {
+        assert_eq!(row["output"], "withheld:id,question", "{row}");
+        assert_eq!(row["scores"]["exact_match@1"]["value"], 0.0, "{row}");
+    }
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+
+    // Named, the field is given.
+    env.write(
+        "given.yaml",
+        &config("  input: { via: stdin, fields: [question, answer] }\n"),
+    );
+    let ran = env.evalfleet(&["run", "given.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let rows = by_id(&env.export(&ran.run_id()).await);
+    for row in rows.values() {
+        assert_eq!(row["scores"]["exact_match@1"]["value"], 1.0, "{row}");
+    }
+}
+
 /// In a run of agents, an endpoint's figures are those of the calls it was
 /// sent: one that refused half of them shows each refusal (the gateway
 /// made those calls again on its peer, and keeps the refused tries with

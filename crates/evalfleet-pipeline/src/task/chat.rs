@@ -48,6 +48,16 @@ impl Chat {
         }
     }
 
+    /// The item fields its metrics' references read (see
+    /// [`Assessor::reference_fields`]).
+    pub fn reference_fields(&self) -> std::collections::BTreeSet<String> {
+        self.inner
+            .assessor
+            .as_ref()
+            .map(|a| a.reference_fields())
+            .unwrap_or_default()
+    }
+
     /// The same task, whose usable answers `backends` score too.
     pub(super) fn scoring_with(self, backends: Option<Arc<Backends>>) -> Self {
         Self {

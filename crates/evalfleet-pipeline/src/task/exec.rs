@@ -57,9 +57,37 @@ struct Inner {
     /// The command, its files of the config's folder given as the agent
     /// sees them.
     argv: Vec<String>,
+    /// What of an item the agent is given.
+    given: Given,
     limits: Limits,
     /// Ends the gateway's listener with the task.
     stop: tokio_util::sync::CancellationToken,
+}
+
+/// The fields of an item an agent is given.
+enum Given {
+    /// Those named (`task.input.fields`).
+    Only(Vec<String>),
+    /// All but these (the answer key: what the references read).
+    AllBut(std::collections::BTreeSet<String>),
+}
+
+impl Given {
+    /// The item as the agent gets it: JSON text of its fields given.
+    fn of(&self, row: &evalfleet_io::dataset::Row) -> String {
+        let given: serde_json::Map<String, Value> = match self {
+            Self::Only(names) => names
+                .iter()
+                .filter_map(|name| row.get(name).map(|v| (name.clone(), v.clone())))
+                .collect(),
+            Self::AllBut(withheld) => row
+                .iter()
+                .filter(|(name, _)| !withheld.contains(*name))
+                .map(|(name, v)| (name.clone(), v.clone()))
+                .collect(),
+        };
+        Value::Object(given).to_string()
+    }
 }
 
 impl Drop for Inner {
@@ -161,6 +189,11 @@ impl Exec {
             file_bytes: 256 << 20,
             processes: 512,
         };
+        // No agent is handed its answer key, unless its fields are named.
+        let given = match &settings.fields {
+            Some(names) => Given::Only(names.clone()),
+            None => Given::AllBut(chat.reference_fields()),
+        };
         Ok(Self {
             inner: Arc::new(Inner {
                 settings: settings.clone(),
@@ -169,6 +202,7 @@ impl Exec {
                 gateway,
                 base: format!("http://127.0.0.1:{port}"),
                 argv,
+                given,
                 limits,
                 stop,
             }),
@@ -209,6 +243,7 @@ impl Task for Exec {
             seq: item.seq,
             item_id: item.item_id.to_owned(),
             row_json: Value::Object(item.row().clone()).to_string(),
+            given_json: self.inner.given.of(item.row()),
             sample: item.sample,
             attempt: item.attempt,
         };
@@ -276,6 +311,8 @@ struct Run {
     seq: u64,
     item_id: String,
     row_json: String,
+    /// The item as the agent gets it (its answer key withheld).
+    given_json: String,
     sample: u32,
     attempt: u32,
 }
@@ -463,10 +500,10 @@ impl Run {
         ];
         let mut stdin: &[u8] = &[];
         match inner.settings.input {
-            ExecInput::Stdin => stdin = self.row_json.as_bytes(),
-            ExecInput::Args => argv.push(self.row_json.clone()),
+            ExecInput::Stdin => stdin = self.given_json.as_bytes(),
+            ExecInput::Args => argv.push(self.given_json.clone()),
             ExecInput::File => {
-                dir.write_file("item.json", self.row_json.as_bytes())?;
+                dir.write_file("item.json", self.given_json.as_bytes())?;
                 let path = dir
                     .inside()
                     .join("item.json")
