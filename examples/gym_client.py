@@ -21,6 +21,7 @@ An environment reset or closed mid-episode gives its episode up
 import argparse
 import copy
 import json
+import os
 import string
 import sys
 import urllib.error
@@ -56,6 +57,16 @@ class AnyText(spaces.Text):
 
     def __eq__(self, other):
         return isinstance(other, AnyText) and (self.min_length, self.max_length) == (other.min_length, other.max_length)
+
+
+def _headers():
+    """JSON, and the server's key when EVALFLEET_API_KEY is set (a server
+    on any address but a loopback one asks for it)."""
+    headers = {"Content-Type": "application/json"}
+    key = os.environ.get("EVALFLEET_API_KEY", "").strip()
+    if key:
+        headers["X-API-Key"] = key
+    return headers
 
 
 class ServerError(RuntimeError):
@@ -96,7 +107,7 @@ class ConversationEnv(gym.Env):
         request = urllib.request.Request(
             self.url + path,
             data=json.dumps(body, ensure_ascii=False).encode("utf-8"),
-            headers={"Content-Type": "application/json"},
+            headers=_headers(),
             method="POST",
         )
         try:

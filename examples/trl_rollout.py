@@ -40,12 +40,23 @@ rewards) and one per batch; needs no package outside the standard library.
 import argparse
 import hashlib
 import json
+import os
 import re
 import sys
 import urllib.error
 import urllib.request
 
 ACTION = re.compile(r"\s*([1-4])\s*")
+
+
+def _headers():
+    """JSON, and the server's key when EVALFLEET_API_KEY is set (a server
+    on any address but a loopback one asks for it)."""
+    headers = {"Content-Type": "application/json"}
+    key = os.environ.get("EVALFLEET_API_KEY", "").strip()
+    if key:
+        headers["X-API-Key"] = key
+    return headers
 
 
 class ServerError(RuntimeError):
@@ -60,7 +71,7 @@ def post(url, path, body, timeout=900.0):
     request = urllib.request.Request(
         url + path,
         data=json.dumps(body, ensure_ascii=False).encode("utf-8"),
-        headers={"Content-Type": "application/json"},
+        headers=_headers(),
         method="POST",
     )
     try:

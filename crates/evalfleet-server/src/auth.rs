@@ -23,7 +23,7 @@ use crate::state::AppState;
 pub const COOKIE: &str = "evalfleet_key";
 
 /// The key a request carries in a header, if any.
-fn header_key(headers: &HeaderMap) -> Option<String> {
+pub(crate) fn header_key(headers: &HeaderMap) -> Option<String> {
     if let Some(key) = headers.get("x-api-key").and_then(|v| v.to_str().ok()) {
         return Some(key.trim().to_owned());
     }

@@ -11,6 +11,10 @@
 //! - `POST /v1/close` with `{env_id}`: the trainer gives the episode up;
 //! - `GET /v1/spec`: the actions, the run and live counts.
 //!
+//! With an API key (`EVALFLEET_API_KEY`, which any address but a loopback
+//! one needs), every request carries it as `X-API-Key` or
+//! `Authorization: Bearer`; without, 401.
+//!
 //! Many environments at once: each reset hands out another episode, and
 //! each episode runs its personas and scorer through the fleet meanwhile.
 
@@ -39,6 +43,9 @@ pub struct EnvServer {
     pub reset_wait: Duration,
     /// How long a step waits for the episode's next decision.
     pub step_wait: Duration,
+    /// The key every request must carry (`None`: none is asked for, which
+    /// [`crate::open_bind_refusal`] allows on a loopback address only).
+    pub api_key: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -191,14 +198,35 @@ async fn spec(State(env): State<Arc<EnvServer>>) -> Response {
     .into_response()
 }
 
+/// Refuses a request without the server's key, when it has one.
+async fn keyed(
+    State(expected): State<Arc<Option<[u8; 32]>>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Some(expected) = expected.as_ref() {
+        let given = crate::auth::header_key(request.headers());
+        if !given.is_some_and(|key| crate::keys::same(expected, &crate::keys::digest(&key))) {
+            return error(
+                StatusCode::UNAUTHORIZED,
+                "an API key is required: send it as X-API-Key or Authorization: Bearer",
+            );
+        }
+    }
+    next.run(request).await
+}
+
 /// The environment server's routes, answering only requests addressed to
-/// `hosts` (a page whose name was rebound to the loopback cannot play).
+/// `hosts` (a page whose name was rebound to the loopback cannot play) and
+/// carrying the server's key, when it has one.
 pub fn env_app(env: Arc<EnvServer>, hosts: crate::HostPolicy) -> Router {
+    let key = Arc::new(env.api_key.as_deref().map(crate::keys::digest));
     Router::new()
         .route("/v1/reset", post(reset))
         .route("/v1/step", post(step))
         .route("/v1/close", post(close))
         .route("/v1/spec", get(spec))
+        .layer(axum::middleware::from_fn_with_state(key, keyed))
         .layer(axum::middleware::from_fn_with_state(
             Arc::new(hosts),
             crate::hosts::guard,

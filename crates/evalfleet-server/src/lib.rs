@@ -29,6 +29,7 @@ use tokio_util::sync::CancellationToken;
 pub use control::{RunControl, StartRun};
 pub use error::ApiError;
 pub use hosts::HostPolicy;
+pub use keys::open_bind_refusal;
 pub use state::{AppState, ServerOptions};
 
 /// The whole service.

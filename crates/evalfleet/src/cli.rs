@@ -429,7 +429,9 @@ pub struct EnvArgs {
     #[arg(long, value_name = "N", default_value_t = 16)]
     pub envs: usize,
 
-    /// Where to listen.
+    /// Where to listen. Any address but a loopback one needs an API key
+    /// (EVALFLEET_API_KEY), which every request then sends as X-API-Key or
+    /// Authorization: Bearer.
     #[arg(long, default_value = "127.0.0.1:8765")]
     pub bind: SocketAddr,
 

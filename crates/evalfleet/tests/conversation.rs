@@ -294,7 +294,11 @@ task:
 
 /// Two mocks answering after `latency_ms` (the items' endpoint and the
 /// voices'), and `spread.yaml` over them without the line `drop`.
-async fn spread(env: &Env, latency_ms: u64, drop: &str) -> [evalfleet_mock::MockServer; 2] {
+pub(crate) async fn spread(
+    env: &Env,
+    latency_ms: u64,
+    drop: &str,
+) -> [evalfleet_mock::MockServer; 2] {
     let start = || {
         mock(MockSettings {
             latency: ms(latency_ms),
@@ -528,7 +532,7 @@ fn stored_as_played(rows: &BTreeMap<String, Value>, played: &Value) -> (usize, u
 
 /// The line of `spread.yaml` that `env` runs without (its policy is the
 /// trainer's).
-const TRAINER: &str = "    policy: { kind: random }\n";
+pub(crate) const TRAINER: &str = "    policy: { kind: random }\n";
 
 /// `evalfleet env ARGS` on a free port, and its address.
 async fn env_server(env: &Env, args: &[&str]) -> (tokio::process::Child, String) {

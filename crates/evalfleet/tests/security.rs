@@ -377,3 +377,69 @@ async fn a_read_only_server_refuses_every_route_that_would_change_something() {
         evalfleet_store::FleetMailbox::fleet_changes(&mut env.store(), "done", 0).unwrap();
     assert!(changes.is_empty(), "{changes:?}");
 }
+
+/// `evalfleet env` as `serve`: any address but a loopback one needs a key
+/// (it does not start without one), and with a key every request carries it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_environment_server_on_another_address_needs_a_key_and_asks_for_it() {
+    use tokio::io::AsyncBufReadExt;
+    let env = Env::new();
+    let _mocks = crate::conversation::spread(&env, 2, crate::conversation::TRAINER).await;
+    // Were it to start, it would serve until stopped.
+    let ran = tokio::time::timeout(
+        Duration::from_secs(30),
+        env.command(&["env", "spread.yaml", "--bind", "0.0.0.0:0"])
+            .env_remove("EVALFLEET_API_KEY")
+            .output(),
+    )
+    .await
+    .expect("it refuses to start")
+    .unwrap();
+    assert_eq!(ran.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&ran.stderr);
+    assert!(stderr.contains("EVALFLEET_API_KEY"), "{stderr}");
+
+    let key = "env-key-77d1";
+    let mut server = env
+        .command(&[
+            "env",
+            "spread.yaml",
+            "--bind",
+            "0.0.0.0:0",
+            "--sessions",
+            "2",
+        ])
+        .env("EVALFLEET_API_KEY", key)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = server.stdout.take().unwrap();
+    let url = tokio::io::BufReader::new(stdout)
+        .lines()
+        .next_line()
+        .await
+        .unwrap()
+        .expect("the server prints its address");
+    let base = format!("http://127.0.0.1:{}", port(&url));
+    let spec = format!("{base}/v1/spec");
+    for wrong in [None, Some("env-key-77d2"), Some("")] {
+        let mut request = client().get(&spec);
+        if let Some(wrong) = wrong {
+            request = request.header("x-api-key", wrong);
+        }
+        assert_eq!(request.send().await.unwrap().status(), 401, "{wrong:?}");
+        let reset = client()
+            .post(format!("{base}/v1/reset"))
+            .bearer_auth(wrong.unwrap_or("x"))
+            .json(&json!({"wait_s": 0}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(reset.status(), 401, "{wrong:?}");
+    }
+    let keyed = client().get(&spec).header("x-api-key", key).send().await;
+    assert_eq!(keyed.unwrap().status(), 200);
+    let bearer = client().get(&spec).bearer_auth(key).send().await;
+    assert_eq!(bearer.unwrap().status(), 200);
+}

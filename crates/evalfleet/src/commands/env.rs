@@ -38,6 +38,12 @@ pub async fn env(args: EnvArgs) -> anyhow::Result<u8> {
         external_policy: true,
         ..Overrides::default()
     };
+    let key = std::env::var("EVALFLEET_API_KEY")
+        .ok()
+        .filter(|k| !k.trim().is_empty());
+    if let Some(refusal) = evalfleet_server::open_bind_refusal(args.bind, key.as_deref()) {
+        return Err(UsageError(refusal).into());
+    }
     let listener = TcpListener::bind(args.bind)
         .await
         .map_err(|err| UsageError(format!("cannot listen on {}: {err}", args.bind)))?;
@@ -103,6 +109,7 @@ pub async fn env(args: EnvArgs) -> anyhow::Result<u8> {
         episodes,
         reset_wait: args.reset_wait,
         step_wait: args.step_wait,
+        api_key: key,
     };
     // It outlives the session: trainers are told 410 until a signal.
     let serving = tracker.spawn(serve_env(listener, Arc::new(server), shutdown.clone()));

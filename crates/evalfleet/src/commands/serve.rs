@@ -32,12 +32,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<u8> {
     let key = std::env::var("EVALFLEET_API_KEY")
         .ok()
         .filter(|k| !k.trim().is_empty());
-    if !args.bind.ip().is_loopback() && key.is_none() {
-        return Err(UsageError(format!(
-            "--bind {}: an address other than a loopback one needs an API key: set EVALFLEET_API_KEY, which requests then send as X-API-Key or Authorization: Bearer",
-            args.bind
-        ))
-        .into());
+    if let Some(refusal) = evalfleet_server::open_bind_refusal(args.bind, key.as_deref()) {
+        return Err(UsageError(refusal).into());
     }
     let location = store_location(args.store, None)?;
     evalfleet_store::open(
