@@ -391,6 +391,86 @@ async fn the_openai_sdk_gets_models_streams_errors_and_retries_from_the_gateway(
     assert_eq!(tags["traceparent"], "00-trace-span-01");
 }
 
+/// A folder of the test's own outside the config's folder, removed with it.
+struct Outside(PathBuf);
+
+impl Drop for Outside {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A program the agents cannot reach is refused before the first item,
+/// saying why and what to do: one under /tmp (each agent has a /tmp of its
+/// own), one behind a folder closed to other users (the agents run as users
+/// of their own), a program their PATH lacks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_program_the_agents_cannot_reach_is_refused_before_the_first_item() {
+    use std::os::unix::fs::PermissionsExt;
+    if !sandboxed() {
+        return;
+    }
+    let env = Env::new();
+    let unique = env
+        .dir
+        .path()
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .to_string();
+    let server = mock(MockSettings::default()).await;
+    let endpoints = external_with("m", &server, 4, "");
+    let dataset = env.dataset("items.jsonl", 3);
+    let config = |command: &str| {
+        format!(
+            "name: unreachable\n\
+             dataset: {{ path: {}, id_field: id }}\n\
+             endpoints:\n{endpoints}\n\
+             task:\n  kind: exec\n  command: {command}\n",
+            dataset.display()
+        )
+    };
+    let script = "#!/bin/sh\necho hi\n";
+    let hidden = Outside(PathBuf::from(format!("/tmp/evalfleet-hidden-{unique}")));
+    std::fs::create_dir_all(&hidden.0).unwrap();
+    std::fs::write(hidden.0.join("agent.py"), "print('hi')\n").unwrap();
+    let closed = Outside(PathBuf::from(format!("/opt/evalfleet-closed-{unique}")));
+    std::fs::create_dir_all(closed.0.join("bin")).unwrap();
+    let program = closed.0.join("bin/agent.sh");
+    std::fs::write(&program, script).unwrap();
+    std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&closed.0, std::fs::Permissions::from_mode(0o700)).unwrap();
+    for (command, said) in [
+        (
+            format!("/usr/bin/python3 {}", hidden.0.join("agent.py").display()),
+            "agent.py is under /tmp, which agents do not see".to_owned(),
+        ),
+        (
+            program.display().to_string(),
+            format!("{} is closed to other users (mode 700)", closed.0.display()),
+        ),
+        (
+            "no-such-agent-program".to_owned(),
+            "no 'no-such-agent-program' in /usr/local/bin, /usr/bin or /bin".to_owned(),
+        ),
+    ] {
+        env.write("agent.yaml", &config(&command));
+        let ran = env.evalfleet(&["run", "agent.yaml", "-q"]).await;
+        assert_eq!(ran.code, Some(2), "{command}: {}", ran.stderr);
+        assert!(
+            ran.stderr.contains("task.command: ") && ran.stderr.contains(&said),
+            "{command}: {}",
+            ran.stderr
+        );
+        assert_eq!(server.stats().requests, 0);
+    }
+    // Opened to others, the same program runs.
+    std::fs::set_permissions(&closed.0, std::fs::Permissions::from_mode(0o755)).unwrap();
+    env.write("agent.yaml", &config(&program.display().to_string()));
+    let ran = env.evalfleet(&["run", "agent.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+}
+
 /// An agent is not handed its answer key: the fields the metrics'
 /// references read are withheld from the item it gets (an agent printing
 /// one scores 0), unless `task.input.fields` names them.

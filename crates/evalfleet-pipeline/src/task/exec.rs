@@ -107,6 +107,9 @@ pub enum ExecError {
     },
     #[error("cannot serve the gateway to the agents: {0}")]
     Gateway(String),
+    /// The program, or a file it is given, is out of the agents' reach.
+    #[error("task.command: {0}")]
+    Unreachable(String),
 }
 
 impl Exec {
@@ -173,6 +176,9 @@ impl Exec {
                 "Agents' sandbox: {description}. The agents' network is not closed: they reach the gateway on this machine's 127.0.0.1:{port}, and everything else too."
             );
         }
+        if let Some(why) = out_of_reach(&settings.command, sandbox.isolation(), &agent_dir) {
+            return Err(ExecError::Unreachable(why));
+        }
         let inside_dir = sandbox.toolchain(0).unwrap_or_else(|| agent_dir.clone());
         let argv = settings
             .command
@@ -211,8 +217,9 @@ impl Exec {
     }
 }
 
-/// `word` of the command as the agent is given it: a relative path that
-/// names a file of the config's folder, as the agent sees that file.
+/// `word` of the command as the agent is given it: a path that names a
+/// file of the config's folder (relative to it, or absolute), as the agent
+/// sees that file.
 fn given_as(
     word: &str,
     index: usize,
@@ -221,14 +228,110 @@ fn given_as(
 ) -> String {
     let path = std::path::Path::new(word);
     let looks_like_path = index > 0 || word.contains('/');
-    if !word.starts_with('-')
-        && path.is_relative()
-        && looks_like_path
-        && host_dir.join(path).is_file()
-    {
+    if word.starts_with('-') || !looks_like_path {
+        return word.to_owned();
+    }
+    if path.is_relative() && host_dir.join(path).is_file() {
         return inside_dir.join(path).to_string_lossy().into_owned();
     }
+    if let Ok(within) = path.strip_prefix(host_dir)
+        && path.is_file()
+    {
+        return inside_dir.join(within).to_string_lossy().into_owned();
+    }
     word.to_owned()
+}
+
+/// Folders each agent has a private, empty copy of (the sandbox's mount
+/// namespace covers them): a host path under one is not seen.
+const PRIVATE_TO_AGENTS: [&str; 4] = ["/tmp", "/var/tmp", "/dev/shm", "/run/lock"];
+
+/// Why the agents cannot run `command` (found before the first item), if
+/// they cannot: its program, or a file it names by absolute path, is under
+/// a folder the sandbox gives each agent a private copy of, or (the agents
+/// running as users of their own) behind a folder closed to other users, or
+/// not readable or runnable by them. Files of the config's folder are given
+/// to agents, wherever it is.
+fn out_of_reach(
+    command: &[String],
+    isolation: Isolation,
+    host_dir: &std::path::Path,
+) -> Option<String> {
+    use std::os::unix::fs::PermissionsExt;
+    use std::path::{Path, PathBuf};
+    for (i, word) in command.iter().enumerate() {
+        let path: PathBuf = if i == 0 && !word.contains('/') {
+            // As the sandbox finds it (the agents' PATH).
+            match ["/usr/local/bin", "/usr/bin", "/bin"]
+                .iter()
+                .map(|dir| Path::new(dir).join(word))
+                .find(|p| p.is_file())
+            {
+                Some(found) => found,
+                None => {
+                    return Some(format!(
+                        "no '{word}' in /usr/local/bin, /usr/bin or /bin, where agents find programs: name it by its path"
+                    ));
+                }
+            }
+        } else if word.starts_with('/') {
+            PathBuf::from(word)
+        } else if i == 0 {
+            host_dir.join(word)
+        } else {
+            continue;
+        };
+        if path.starts_with(host_dir) || !path.exists() {
+            if i == 0 && !path.exists() {
+                return Some(format!("{} does not exist", path.display()));
+            }
+            continue;
+        }
+        if isolation.namespaces
+            && let Some(private) = PRIVATE_TO_AGENTS.iter().find(|p| path.starts_with(p))
+        {
+            return Some(format!(
+                "{} is under {private}, which agents do not see (each has an empty {private} of its own): put it in the config's folder ({}), or outside {}",
+                path.display(),
+                host_dir.display(),
+                PRIVATE_TO_AGENTS.join(", ")
+            ));
+        }
+        if !isolation.own_uids {
+            continue;
+        }
+        // Every folder on the way must let others through, and the file be
+        // readable (a script, a file given) or runnable (the program).
+        let real = path.canonicalize().unwrap_or(path.clone());
+        for dir in real.ancestors().skip(1) {
+            let Ok(meta) = std::fs::metadata(dir) else {
+                continue;
+            };
+            if meta.permissions().mode() & 0o001 == 0 {
+                return Some(format!(
+                    "agents run as users of their own, who cannot reach {}: {} is closed to other users (mode {:o}). Name a program they can run (/usr/bin/python3), or keep it in a folder others may enter (python3 -m venv /opt/agent-env)",
+                    real.display(),
+                    dir.display(),
+                    meta.permissions().mode() & 0o7777
+                ));
+            }
+        }
+        let mode = std::fs::metadata(&real).map_or(0, |m| m.permissions().mode());
+        let (bit, what) = if i == 0 {
+            (0o001, "run")
+        } else {
+            (0o004, "read")
+        };
+        if mode & bit == 0 {
+            return Some(format!(
+                "agents run as users of their own, who may not {what} {} (mode {:o}): chmod o+{} it",
+                real.display(),
+                mode & 0o7777,
+                if i == 0 { "rx" } else { "r" }
+            ));
+        }
+    }
+    None
 }
 
 impl Task for Exec {

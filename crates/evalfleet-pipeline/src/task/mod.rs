@@ -251,6 +251,7 @@ impl TaskError {
             Self::Invalid(_) => evalfleet_types::Fault::BadInput,
             Self::CodeJudge(err) => err.fault(),
             Self::MetricBackend(err) => err.fault(),
+            Self::Exec(exec::ExecError::Unreachable(_)) => evalfleet_types::Fault::BadInput,
             Self::Exec(_) => evalfleet_types::Fault::Failure,
             Self::Stopped => evalfleet_types::Fault::Interrupted,
         }
