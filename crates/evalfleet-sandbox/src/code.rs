@@ -468,16 +468,24 @@ impl Judgement {
     }
 
     /// The judgement of a program that did not compile: every test gets
-    /// the compile error, and none is run.
+    /// the compile error and is listed, none is run. The compiler's
+    /// complaint is the first test's message (and `compile`'s); the others
+    /// point to it rather than repeat it.
     pub fn not_compiled(total: usize, extraction: Extraction, compile: Compilation) -> Self {
-        let failed = TestResult {
-            index: 0,
-            verdict: Verdict::CompileError,
-            message: compile.message.clone(),
-            expected: None,
-            got: None,
-            seconds: 0.0,
-        };
+        let failed = (0..total)
+            .map(|index| TestResult {
+                index,
+                verdict: Verdict::CompileError,
+                message: if index == 0 {
+                    compile.message.clone()
+                } else {
+                    Some("did not compile (the compiler's message: test 0, compile)".to_owned())
+                },
+                expected: None,
+                got: None,
+                seconds: 0.0,
+            })
+            .collect();
         Self {
             verdict: Verdict::CompileError,
             accepted: false,
@@ -486,7 +494,7 @@ impl Judgement {
             extraction,
             compile: Some(compile),
             error_type_counts: [(Verdict::CompileError.as_str(), total)].into(),
-            test_case_errors: vec![failed],
+            test_case_errors: failed,
         }
     }
 }

@@ -12,9 +12,7 @@ use futures_util::stream::FuturesUnordered;
 use serde_json::Value;
 use tokio::sync::Semaphore;
 
-use crate::code::{
-    self, Compilation, Extraction, Format, Judgement, TestCase, TestResult, Verdict,
-};
+use crate::code::{self, Compilation, Extraction, Format, Judgement, TestCase, Verdict};
 use crate::fusion::{Fusion, FusionError, RemoteRun};
 use crate::lang::{Language, Toolchain};
 use crate::sandbox::{Execution, Limits, Sandbox, Workdir};
@@ -110,8 +108,12 @@ enum Prepared {
 
 /// One test's run.
 enum Ran {
-    Executed(Execution),
-    NotCompiled(String),
+    /// It ran; compiled first in so long where the remote sandbox compiles
+    /// each test's program.
+    Executed(Execution, Option<Duration>),
+    /// It did not compile (remotely): what the compiler said, and how long
+    /// it took.
+    NotCompiled(Compilation),
 }
 
 /// The judge of a run.
@@ -192,7 +194,7 @@ impl CodeJudge {
         };
         let stop = AtomicBool::new(false);
         match self.execute(&prepared, &case, &stop).await {
-            Ok(Some(Ran::Executed(run))) => {
+            Ok(Some(Ran::Executed(run, _))) => {
                 // Judged like any test, expecting `ok`.
                 let result = code::test_result(0, &run, case.expected.as_deref(), None);
                 if result.verdict == Verdict::Success {
@@ -206,7 +208,9 @@ impl CodeJudge {
                     code::excerpt(&run.stderr)
                 )))
             }
-            Ok(Some(Ran::NotCompiled(message))) => Err(failed(message)),
+            Ok(Some(Ran::NotCompiled(compilation))) => {
+                Err(failed(compilation.message.unwrap_or_default()))
+            }
             Ok(None) => Ok(()),
             Err(err) => Err(failed(err.to_string())),
         }
@@ -289,35 +293,48 @@ impl CodeJudge {
                 let stop = &stop;
                 async move {
                     let ran = self.execute(prepared, case, stop).await?;
-                    Ok::<_, CodeJudgeError>(ran.map(|ran| match ran {
-                        Ran::Executed(run) => code::test_result(
-                            index,
-                            &run,
-                            case.expected.as_deref(),
-                            self.settings.float_tolerance,
-                        ),
-                        Ran::NotCompiled(message) => TestResult {
-                            index,
-                            verdict: Verdict::CompileError,
-                            message: Some(message),
-                            expected: None,
-                            got: None,
-                            seconds: 0.0,
-                        },
-                    }))
+                    Ok::<_, CodeJudgeError>(ran.map(|ran| (index, ran)))
                 }
             })
             .collect();
         let mut results = Vec::with_capacity(cases.len());
-        while let Some(result) = running.next().await {
-            let Some(result) = result? else { continue };
-            // A compile error is the same for every test: one is enough.
-            if (result.verdict != Verdict::Success && self.settings.early_exit)
-                || result.verdict == Verdict::CompileError
-            {
-                stop.store(true, Ordering::Relaxed);
+        let mut compilation = compilation;
+        let mut not_compiled = None;
+        while let Some(ran) = running.next().await {
+            let Some((index, ran)) = ran? else { continue };
+            let case = &cases[index];
+            match ran {
+                Ran::Executed(run, compiled) => {
+                    // A remote sandbox compiles for each test: the first
+                    // compilation reported stands for the program's.
+                    if let (None, Some(took)) = (&compilation, compiled) {
+                        compilation = Some(Compilation {
+                            ok: true,
+                            seconds: took.as_secs_f64(),
+                            message: None,
+                        });
+                    }
+                    let result = code::test_result(
+                        index,
+                        &run,
+                        case.expected.as_deref(),
+                        self.settings.float_tolerance,
+                    );
+                    if result.verdict != Verdict::Success && self.settings.early_exit {
+                        stop.store(true, Ordering::Relaxed);
+                    }
+                    results.push(result);
+                }
+                Ran::NotCompiled(failed) => {
+                    // The same program for every test: one compile error
+                    // is the problem's, as when it is compiled here once.
+                    stop.store(true, Ordering::Relaxed);
+                    not_compiled.get_or_insert(failed);
+                }
             }
-            results.push(result);
+        }
+        if let Some(failed) = not_compiled {
+            return Ok(Judgement::not_compiled(cases.len(), extraction, failed));
         }
         Ok(Judgement::of(results, cases.len(), extraction, compilation))
     }
@@ -402,7 +419,7 @@ impl CodeJudge {
                     .run(&argv, &dir, case.stdin.as_bytes(), &self.settings.limits)
                     .await
                     .map_err(CodeJudgeError::Sandbox)?;
-                Ok(Some(Ran::Executed(run)))
+                Ok(Some(Ran::Executed(run, None)))
             }
             Runner::Remote { fusion, slots } => {
                 let _permit = slots.acquire().await.ok();
@@ -419,8 +436,12 @@ impl CodeJudge {
                     )
                     .await?;
                 Ok(Some(match ran {
-                    RemoteRun::Executed(run) => Ran::Executed(run),
-                    RemoteRun::NotCompiled(message) => Ran::NotCompiled(message),
+                    RemoteRun::Executed { run, compiled } => Ran::Executed(run, compiled),
+                    RemoteRun::NotCompiled { message, seconds } => Ran::NotCompiled(Compilation {
+                        ok: false,
+                        seconds,
+                        message: Some(message),
+                    }),
                 }))
             }
         }

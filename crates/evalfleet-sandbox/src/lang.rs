@@ -79,7 +79,19 @@ pub struct Toolchain {
     pub tool: String,
     /// A directory of this machine the tool needs bound into the sandbox.
     pub host_dir: Option<PathBuf>,
+    /// C++: the libraries of [`CPP_OPTIONAL_LIBRARIES`] this compiler can
+    /// link, linked into every program as SandboxFusion links them.
+    pub libraries: Vec<&'static str>,
 }
+
+/// What C++ programs are compiled with, as SandboxFusion (at 469de08,
+/// `run_cpp`) compiles them: the standard, and no optimisation, so that a
+/// program is as fast (and its verdict the same) on either backend.
+pub const CPP_FLAGS: &[&str] = &["-std=c++17"];
+
+/// Libraries SandboxFusion links into C++ programs when its compiler can
+/// link them (it tries each once, at its start).
+pub const CPP_OPTIONAL_LIBRARIES: &[&str] = &["-lcrypto", "-lssl", "-lpthread"];
 
 impl Toolchain {
     /// Finds the tool for `language`. `rustc` is found through its sysroot:
@@ -88,11 +100,21 @@ impl Toolchain {
     /// bound into the sandbox instead.
     pub async fn resolve(language: Language, tool: Option<&str>) -> Result<Self, String> {
         let named = tool.unwrap_or(language.default_tool()).to_owned();
+        if language == Language::Cpp {
+            let libraries = linkable(&named).await;
+            return Ok(Self {
+                language,
+                tool: named,
+                host_dir: None,
+                libraries,
+            });
+        }
         if language != Language::Rust {
             return Ok(Self {
                 language,
                 tool: named,
                 host_dir: None,
+                libraries: Vec::new(),
             });
         }
         let output = tokio::process::Command::new(&named)
@@ -117,6 +139,7 @@ impl Toolchain {
             language,
             tool: sysroot.join("bin/rustc").to_string_lossy().into_owned(),
             host_dir: Some(sysroot),
+            libraries: Vec::new(),
         })
     }
 
@@ -130,13 +153,18 @@ impl Toolchain {
     /// The command that compiles `source_file` into `main` in the working
     /// directory; `None` for an interpreted language.
     pub fn compile_argv(&self) -> Option<Vec<String>> {
-        let args: &[&str] = match self.language {
-            Language::Python => return None,
-            Language::Cpp => &["-O2", "-std=gnu++17", "-pipe", "-o", "main", "main.cpp"],
-            Language::Rust => &["--edition=2021", "-O", "-o", "main", "main.rs"],
-        };
         let mut argv = vec![self.tool.clone()];
-        argv.extend(args.iter().map(|a| (*a).to_owned()));
+        match self.language {
+            Language::Python => return None,
+            Language::Cpp => {
+                argv.extend(CPP_FLAGS.iter().map(|a| (*a).to_owned()));
+                argv.extend(["main.cpp", "-o", "main"].map(str::to_owned));
+                argv.extend(self.libraries.iter().map(|a| (*a).to_owned()));
+            }
+            Language::Rust => {
+                argv.extend(["--edition=2021", "-O", "-o", "main", "main.rs"].map(str::to_owned));
+            }
+        }
         Some(argv)
     }
 
@@ -148,4 +176,30 @@ impl Toolchain {
             None => vec![self.tool.clone(), self.language.source_file().to_owned()],
         }
     }
+}
+
+/// Which of [`CPP_OPTIONAL_LIBRARIES`] `compiler` links: each tried once on
+/// an empty program, at once, as SandboxFusion does at its start.
+async fn linkable(compiler: &str) -> Vec<&'static str> {
+    let tries = CPP_OPTIONAL_LIBRARIES.iter().map(|library| async move {
+        let mut child = tokio::process::Command::new(compiler)
+            .args(["-x", "c++", "-", "-o", "/dev/null", library])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .ok()?;
+        if let Some(mut input) = child.stdin.take() {
+            use tokio::io::AsyncWriteExt;
+            input.write_all(b"int main() { return 0; }\n").await.ok()?;
+        }
+        let linked = child.wait().await.ok()?.success();
+        linked.then_some(*library)
+    });
+    futures_util::future::join_all(tries)
+        .await
+        .into_iter()
+        .flatten()
+        .collect()
 }

@@ -75,6 +75,17 @@ pub struct Limits {
     pub processes: u32,
 }
 
+impl Limits {
+    /// The CPU-time limit as the kernel takes it, in whole seconds (at
+    /// least one): SIGXCPU at the first, SIGKILL at the second for a program
+    /// that goes on. The same on every backend, so that a verdict means the
+    /// same wherever the program ran.
+    pub fn cpu_seconds(&self) -> (u64, u64) {
+        let soft = self.cpu.as_secs().max(1);
+        (soft, soft + 1)
+    }
+}
+
 impl Default for Limits {
     fn default() -> Self {
         Self {
@@ -705,13 +716,11 @@ impl Slot<'_> {
             environment.retain(|e| !e.as_bytes().starts_with(prefix.as_bytes()));
             environment.push(cstring(format!("{prefix}{value}").as_bytes())?);
         }
-        let cpu = limits.cpu.as_secs().max(1);
         let setup = ChildSetup {
             namespaces: self.sandbox.namespaces.as_ref().map(Namespaces::raw),
             cwd: cstring(inside)?,
             limits: Some(Rlimits {
-                // Soft limit: SIGXCPU; one second later the hard limit kills.
-                cpu_seconds: (cpu, cpu + 1),
+                cpu_seconds: limits.cpu_seconds(),
                 address_space: limits.memory_mb.saturating_mul(1024 * 1024),
                 file_size: limits.file_bytes,
                 processes: u64::from(limits.processes),
