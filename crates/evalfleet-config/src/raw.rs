@@ -325,14 +325,16 @@ pub struct RawCode {
     /// `python`, `cpp` or `rust`; C++ and Rust are judged on `stdio` tests
     /// only. Default `python`.
     pub language: Option<String>,
-    /// CPU time a program may take on one test. Default `10s`.
+    /// CPU time a program may take on one test, in whole seconds (on
+    /// SandboxFusion too: the program sets it itself). Default `10s`.
     #[schemars(with = "Option<schema::Duration>")]
     pub timeout: Option<String>,
-    /// Wall-clock time a program may take on one test. Default: three times
-    /// `timeout`.
+    /// Wall-clock time a program may take on one test (SandboxFusion's
+    /// `run_timeout`). Default: three times `timeout`.
     #[schemars(with = "Option<schema::Duration>")]
     pub wall_timeout: Option<String>,
-    /// Memory a program may use, in MB. Default 1024.
+    /// Memory (address space) a program may use, in MB (on SandboxFusion
+    /// too: the program sets it itself). Default 1024.
     pub memory_mb: Option<u64>,
     /// Bytes of output (stdout and stderr) a program may write; past them it
     /// is killed. Default 1048576 (1 MiB).
@@ -341,8 +343,8 @@ pub struct RawCode {
     /// `false`.
     pub early_exit: Option<bool>,
     /// Programs run (or sent to the sandbox server) at once over the whole
-    /// run. Default: the machine's cores, or 32 with `backend:
-    /// sandboxfusion`.
+    /// run. Default: the machine's cores, or 20 (seed 003's) with
+    /// `backend: sandboxfusion`.
     pub judge_concurrency: Option<usize>,
     /// `stdio`: numbers in the output may differ from the expected ones by
     /// this much (absolute or relative). Default: none (the text must be
