@@ -164,6 +164,10 @@ pub struct DatasetConfig {
     /// read into `path` (JSONL, ids in `_id`) by the command that starts or
     /// resumes the run.
     pub sheet: Option<SheetConfig>,
+    /// A config from outside (`evalfleet serve`): the roots its files are
+    /// opened beneath (`--allow-root`), links never leading out. `None`: a
+    /// config of the user's own, whose files are opened as named.
+    pub roots: Option<Vec<PathBuf>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -72,8 +72,11 @@ pub(super) fn load(
     let mut config = read::section::<RawConfig>(&value, "", &mut problems)
         .and_then(|raw| validate(raw, dir, &mut problems));
     // Images are named by the dataset's rows: they are confined when read.
+    // The dataset's files are opened beneath the roots, as they were
+    // checked: no link swapped in since leads out.
     if let (Some(config), Some(admission)) = (&mut config, admission) {
         config.task.images.roots = Some(admission.roots.clone());
+        config.dataset.roots = Some(admission.roots.clone());
     }
     match config {
         Some(config) if problems.is_empty() => Ok(LoadedConfig {
@@ -289,6 +292,7 @@ fn validate(raw: RawConfig, dir: &Path, problems: &mut Vec<RawProblem>) -> Optio
                 skip_invalid: false,
                 episodes: Some(0),
                 sheet: None,
+                roots: None,
             })
         }
         None => p.push(

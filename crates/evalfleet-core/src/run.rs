@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use evalfleet_config::{Config, LoadedConfig};
 use evalfleet_fleet::Endpoint;
 use evalfleet_fleet::runtime::FleetHandle;
-use evalfleet_io::dataset::{DatasetError, RowReader, Scanner, hash_file, sample_id, sample_key};
+use evalfleet_io::dataset::{DatasetError, RowReader, Scanner, hash_within, sample_id, sample_key};
 use evalfleet_io::fingerprint::Fingerprint;
 use evalfleet_io::template::Templates;
 use evalfleet_pipeline::task;
@@ -268,11 +268,13 @@ pub fn check_resume(record: &RunRecord, config: &Config) -> Result<(), ResumeErr
         path: path.clone(),
         source,
     })?;
+    // A config from outside reads beneath its roots only.
+    let confine = evalfleet_io::confine::Confine::of(config.dataset.roots.as_deref());
     let same_file = if record.dataset.path == *path {
-        record.dataset.matches(path)
+        record.dataset.matches_within(&confine, path)
     } else {
         // Another path (the dataset moved): compare content.
-        hash_file(path).map(|sha| sha == record.dataset.sha256)
+        hash_within(&confine, path).map(|sha| sha == record.dataset.sha256)
     }
     .map_err(|source| ResumeError::Dataset {
         path: path.clone(),
@@ -281,7 +283,7 @@ pub fn check_resume(record: &RunRecord, config: &Config) -> Result<(), ResumeErr
     let dataset_sha = if same_file {
         record.dataset.sha256.clone()
     } else {
-        hash_file(path).map_err(|source| ResumeError::Dataset {
+        hash_within(&confine, path).map_err(|source| ResumeError::Dataset {
             path: path.clone(),
             source,
         })?

@@ -7,6 +7,7 @@
 
 mod parquet;
 
+use crate::confine::Confine;
 use parquet::ParquetRows;
 pub use parquet::{ColumnKind, ColumnValues, DEFAULT_SPLIT, TableWriter};
 
@@ -121,14 +122,19 @@ impl DatasetIdentity {
     /// Whether `path` still holds this content. The size and modification
     /// time answer at once when unchanged; otherwise the file is hashed again.
     pub fn matches(&self, path: &Path) -> io::Result<bool> {
-        let (size, mtime_ns) = stat(path)?;
+        self.matches_within(&Confine::default(), path)
+    }
+
+    /// [`Self::matches`], its files opened as `confine` allows.
+    pub fn matches_within(&self, confine: &Confine, path: &Path) -> io::Result<bool> {
+        let (size, mtime_ns) = stat(confine, path)?;
         if size == self.size && mtime_ns == self.mtime_ns {
             return Ok(true);
         }
         if size != self.size {
             return Ok(false);
         }
-        Ok(hash_file(path)? == self.sha256)
+        Ok(hash_within(confine, path)? == self.sha256)
     }
 }
 
@@ -136,17 +142,22 @@ impl DatasetIdentity {
 /// its `.parquet` files' bytes one after the other, in the order of their
 /// paths (every split, so that any change is seen).
 pub fn hash_file(path: &Path) -> io::Result<String> {
+    hash_within(&Confine::default(), path)
+}
+
+/// [`hash_file`], its files opened as `confine` allows.
+pub fn hash_within(confine: &Confine, path: &Path) -> io::Result<String> {
     let mut hasher = Sha256::new();
-    for file in dataset_files(path)? {
-        io::copy(&mut File::open(file)?, &mut HashWriter(&mut hasher))?;
+    for file in dataset_files(confine, path)? {
+        io::copy(&mut confine.open(&file)?, &mut HashWriter(&mut hasher))?;
     }
     Ok(hex::encode(hasher.finalize()))
 }
 
 /// The files whose bytes make up the dataset at `path`.
-fn dataset_files(path: &Path) -> io::Result<Vec<PathBuf>> {
-    if path.is_dir() {
-        parquet::files_under(path)
+fn dataset_files(confine: &Confine, path: &Path) -> io::Result<Vec<PathBuf>> {
+    if confine.is_dir(path) {
+        parquet::files_under(confine, path)
     } else {
         Ok(vec![path.to_owned()])
     }
@@ -154,11 +165,11 @@ fn dataset_files(path: &Path) -> io::Result<Vec<PathBuf>> {
 
 /// Size and modification time; of a folder, the sum of its files' sizes and
 /// the latest of their times.
-fn stat(path: &Path) -> io::Result<(u64, u128)> {
+fn stat(confine: &Confine, path: &Path) -> io::Result<(u64, u128)> {
     let mut size = 0;
     let mut latest = 0;
-    for file in dataset_files(path)? {
-        let meta = std::fs::metadata(file)?;
+    for file in dataset_files(confine, path)? {
+        let meta = confine.open(&file)?.metadata()?;
         let mtime_ns = meta
             .modified()?
             .duration_since(UNIX_EPOCH)
@@ -263,10 +274,11 @@ impl Scanner {
             path: path.clone(),
             source,
         };
-        let (size, mtime_ns) = stat(&path).map_err(open_err)?;
+        let confine = Confine::of(config.roots.as_deref());
+        let (size, mtime_ns) = stat(&confine, &path).map_err(open_err)?;
         let hashing = || -> Result<_, DatasetError> {
             Ok(HashingReader {
-                inner: File::open(&path).map_err(open_err)?,
+                inner: confine.open(&path).map_err(open_err)?,
                 hasher: Sha256::new(),
             })
         };
@@ -291,17 +303,21 @@ impl Scanner {
                 // field only that column is decoded, and the field names
                 // are the schema's.
                 let rows = ParquetRows::open(
-                    parquet::shards(&path, config.split.as_deref())?,
+                    &confine,
+                    parquet::shards(&confine, &path, config.split.as_deref())?,
                     config.id_field.as_deref(),
                 )?;
                 let columns = rows.columns();
                 // Rows are decoded from column chunks, not read as one
                 // stream of the file's bytes, so the hash is a pass of its
                 // own.
-                sha256 = Some(hash_file(&path).map_err(|source| DatasetError::Read {
-                    path: path.clone(),
-                    source,
-                })?);
+                sha256 =
+                    Some(
+                        hash_within(&confine, &path).map_err(|source| DatasetError::Read {
+                            path: path.clone(),
+                            source,
+                        })?,
+                    );
                 Scan::Parquet {
                     rows: Box::new(rows),
                     next: 0,
@@ -653,8 +669,9 @@ impl RowReader {
     pub fn open(config: &DatasetConfig) -> Result<Self, DatasetError> {
         materialized(config)?;
         let path = config.path.clone();
+        let confine = Confine::of(config.roots.as_deref());
         let file = || {
-            File::open(&path).map_err(|source| DatasetError::Open {
+            confine.open(&path).map_err(|source| DatasetError::Open {
                 path: path.clone(),
                 source,
             })
@@ -674,7 +691,8 @@ impl RowReader {
                 }
             }
             DatasetFormat::Parquet => RowSource::Parquet(Box::new(ParquetRows::open(
-                parquet::shards(&path, config.split.as_deref())?,
+                &confine,
+                parquet::shards(&confine, &path, config.split.as_deref())?,
                 None,
             )?)),
         };
@@ -811,6 +829,7 @@ mod tests {
             limit: None,
             skip_invalid: false,
             sheet: None,
+            roots: None,
         }
     }
 

@@ -2,6 +2,7 @@
 //! images its messages carry, its templates, and the fingerprint of what
 //! determines its results.
 
+pub mod confine;
 pub mod dataset;
 pub mod fingerprint;
 pub mod images;

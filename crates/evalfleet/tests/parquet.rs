@@ -10,7 +10,7 @@ use crate::util::{Env, by_id, config, external, mock};
 
 /// `n` items (`id` p0.., `question`, `level` an integer) in row groups of
 /// `group` rows.
-fn write_items(path: &Path, n: usize, group: usize) {
+pub(crate) fn write_items(path: &Path, n: usize, group: usize) {
     let columns = [
         ("id".to_owned(), ColumnKind::Text),
         ("question".to_owned(), ColumnKind::Text),

@@ -204,6 +204,39 @@ async fn a_config_sent_over_http_runs_no_command_and_reads_nothing_outside_its_r
     assert_eq!(cancelled.status(), 202);
 }
 
+/// A posted config's Parquet folder lies under the roots, and holds a link
+/// to a shard outside them: the run reads the shards under the roots only,
+/// never what a link leads out to (its files are opened beneath the roots,
+/// links never followed out, whenever they are opened).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_posted_run_reads_no_parquet_shard_a_link_leads_out_to() {
+    let env = Env::new();
+    let outside = tempfile::tempdir().unwrap();
+    std::fs::create_dir(env.path("shards")).unwrap();
+    crate::parquet::write_items(&env.path("shards/train-00000-of-00002.parquet"), 3, 3);
+    // Read too, its ids would be the inside shard's again: the run would
+    // stop on a duplicate id.
+    let secret = outside.path().join("train-00001-of-00002.parquet");
+    crate::parquet::write_items(&secret, 5, 5);
+    std::os::unix::fs::symlink(&secret, env.path("shards/train-00001-of-00002.parquet")).unwrap();
+    let (_server, base) = serve_with(&env, &[], &[]).await;
+    let text = config(&env, 3, "1ms", 1, "").replace(
+        &env.path("items.jsonl").display().to_string(),
+        &env.path("shards").display().to_string(),
+    );
+    let (status, body) = create(&base, None, json!({"config": text, "run_id": "linked"})).await;
+    assert_eq!(status, 201, "{body}");
+    let run = crate::serve::wait_for_state(&base, "linked", "finished").await;
+    assert_eq!(run["total"], 3, "{run}");
+
+    // The same folder in a config of the user's own follows the link (and
+    // meets the duplicate ids).
+    env.write("own.yaml", &text);
+    let own = env.evalfleet(&["run", "own.yaml", "-q"]).await;
+    assert_eq!(own.code, Some(2), "{}", own.stderr);
+    assert!(own.stderr.contains("duplicate"), "{}", own.stderr);
+}
+
 /// The bench whose report and page [`everything_shown`] reads.
 const BENCH: &str = "sec";
 

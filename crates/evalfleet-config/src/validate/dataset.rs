@@ -96,6 +96,7 @@ pub(super) fn dataset(
         skip_invalid: raw.skip_invalid.unwrap_or(false),
         episodes: None,
         sheet: None,
+        roots: None,
     })
 }
 
@@ -166,5 +167,6 @@ fn sheet_dataset(
         skip_invalid: raw.skip_invalid.unwrap_or(false),
         episodes: None,
         sheet: Some(sheet),
+        roots: None,
     })
 }

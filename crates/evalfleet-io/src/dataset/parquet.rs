@@ -26,27 +26,18 @@ use parquet::schema::types::{SchemaDescriptor, Type};
 use serde_json::Value;
 
 use super::{DatasetError, Row};
+use crate::confine::Confine;
 
 /// The split read from a folder whose shards hold several, unless one is
 /// named.
 pub const DEFAULT_SPLIT: &str = "train";
 
 /// Every `.parquet` file under `dir` (in sub-folders too), sorted by path.
-pub(super) fn files_under(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
-    let mut out = Vec::new();
-    let mut pending = vec![dir.to_owned()];
-    while let Some(folder) = pending.pop() {
-        for entry in std::fs::read_dir(&folder)? {
-            let path = entry?.path();
-            if path.is_dir() {
-                pending.push(path);
-            } else if path.extension().is_some_and(|e| e == "parquet") {
-                out.push(path);
-            }
-        }
-    }
-    out.sort();
-    Ok(out)
+/// Confined (a config from outside), no link is followed.
+pub(super) fn files_under(confine: &Confine, dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+    confine.files_under(dir, &|path| {
+        path.extension().is_some_and(|e| e == "parquet")
+    })
 }
 
 /// The split a shard belongs to: its file name up to the first `-`
@@ -92,11 +83,15 @@ fn saved_by_datasets(path: &Path) -> bool {
 
 /// The files of the dataset at `path`: the file itself, or the shards of
 /// `split` in a folder.
-pub(super) fn shards(path: &Path, split: Option<&str>) -> Result<Vec<PathBuf>, DatasetError> {
-    if !path.is_dir() {
+pub(super) fn shards(
+    confine: &Confine,
+    path: &Path,
+    split: Option<&str>,
+) -> Result<Vec<PathBuf>, DatasetError> {
+    if !confine.is_dir(path) {
         return Ok(vec![path.to_owned()]);
     }
-    let files = files_under(path).map_err(|source| DatasetError::Open {
+    let files = files_under(confine, path).map_err(|source| DatasetError::Open {
         path: path.to_owned(),
         source,
     })?;
@@ -186,11 +181,15 @@ pub(super) struct ParquetRows {
 impl ParquetRows {
     /// Opens each of `files` and reads its footer. With `only`, rows hold
     /// that column alone, in the shards that have it.
-    pub(super) fn open(files: Vec<PathBuf>, only: Option<&str>) -> Result<Self, DatasetError> {
+    pub(super) fn open(
+        confine: &Confine,
+        files: Vec<PathBuf>,
+        only: Option<&str>,
+    ) -> Result<Self, DatasetError> {
         let mut shards = Vec::with_capacity(files.len());
         let mut start = 0;
         for path in files {
-            let file = File::open(&path).map_err(|source| DatasetError::Open {
+            let file = confine.open(&path).map_err(|source| DatasetError::Open {
                 path: path.clone(),
                 source,
             })?;
@@ -654,6 +653,7 @@ mod tests {
             skip_invalid: false,
             episodes: None,
             sheet: None,
+            roots: None,
         }
     }
 
