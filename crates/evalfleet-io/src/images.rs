@@ -207,13 +207,19 @@ pub fn too_large(max: u64) -> String {
 
 /// The bytes of the file at `path`, refused past `max` bytes (read no
 /// further than that, should it grow while read).
-fn read_file(path: PathBuf, shown: &str, max: u64) -> Result<Vec<u8>, ImageError> {
+fn read_file(
+    confine: &crate::confine::Confine,
+    path: PathBuf,
+    shown: &str,
+    max: u64,
+) -> Result<Vec<u8>, ImageError> {
     use std::io::Read as _;
     let fail = |source| ImageError::Read {
         path: path.clone(),
         source,
     };
-    let file = std::fs::File::open(&path).map_err(fail)?;
+    // A config from outside: opened beneath its roots, as it was checked.
+    let file = confine.open(&path).map_err(fail)?;
     let size = file.metadata().map_err(fail)?.len();
     if size > max {
         return Err(ImageError::bad(shown, too_large(max)));
@@ -364,7 +370,8 @@ pub fn load(
                     "is not under the directories this server reads from (--allow-root)",
                 ));
             };
-            read_file(path, &shown, settings.max_bytes)?
+            let confine = crate::confine::Confine::of(settings.roots.as_deref());
+            read_file(&confine, path, &shown, settings.max_bytes)?
         }
         (Source::DataUrl(_, data) | Source::Base64(data), None) => {
             // Refused before it is decoded when it cannot fit.
