@@ -16,12 +16,16 @@
 //!   (`--allow-env`), and only where a secret belongs (an endpoint's
 //!   `api_key`, `headers` and `env`, which are masked wherever they are
 //!   kept or shown), so that no secret reaches a template, an item, a page
-//!   or a response.
+//!   or a response;
+//! - sends such a variable only to the hosts the server names for it
+//!   (`--allow-env NAME=HOST,...`): an `external` endpoint that uses it
+//!   must have a `base_url` on one of them, so that a config cannot point
+//!   its endpoint at a server of its own and receive the secret there.
 //!
 //! The checks run on the document as sent, before anything is expanded,
 //! read or validated, and every refusal is reported at once.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -36,6 +40,11 @@ pub struct Admission {
     pub roots: Vec<PathBuf>,
     /// Variables `${NAME}` may name, in an endpoint's secrets only.
     pub env: BTreeSet<String>,
+    /// The hosts (lower-case names or IP addresses) each variable of `env`
+    /// may be sent to: an endpoint using it must have its `base_url` on
+    /// one of them. A variable with none may be used only by endpoints
+    /// that send nothing out (`mock`).
+    pub destinations: BTreeMap<String, BTreeSet<String>>,
     /// Whether it may run commands: start engines (`local`, `remote`) and
     /// run an external endpoint's `start_cmd` and `stop_cmd`.
     pub commands: bool,
@@ -72,6 +81,12 @@ enum Relative {
 }
 
 impl Admission {
+    /// A host as [`Self::destinations`] holds it: lower-case, without
+    /// brackets or a trailing dot.
+    pub fn host(name: &str) -> String {
+        normalize_host(name)
+    }
+
     /// Why `document` (as sent, before `${VAR}` expansion) may not be run,
     /// each reason with the path it is at; empty when it may.
     pub(super) fn refusals(&self, document: &Value, dir: &Path) -> Vec<RawProblem> {
@@ -145,6 +160,7 @@ impl Admission {
             for (keys, relative) in ENDPOINT_PATHS {
                 self.file(endpoint, keys, &at, relative, dir, &mut out);
             }
+            self.destination(endpoint, &at, &mut out);
             if self.commands {
                 continue;
             }
@@ -207,6 +223,70 @@ impl Admission {
         }
     }
 
+    /// Refuses an endpoint that would send an allowed variable (in its
+    /// secrets) to a host the server did not name for it. Endpoints that
+    /// start engines are left to `--allow-commands` (which, allowing any
+    /// command, allows reading any secret); a mock sends nothing out.
+    fn destination(&self, endpoint: &Value, at: &str, out: &mut Vec<RawProblem>) {
+        let kind = endpoint.get("kind").and_then(Value::as_str);
+        if matches!(kind, Some("mock" | "local" | "remote")) {
+            return;
+        }
+        let mut used = BTreeMap::new();
+        for key in SECRETS {
+            let Some(value) = endpoint.get(key) else {
+                continue;
+            };
+            let texts: Vec<(&str, String)> = match value {
+                Value::String(text) => vec![(text.as_str(), path::key(at, key))],
+                Value::Object(map) => map
+                    .iter()
+                    .filter_map(|(name, v)| {
+                        Some((v.as_str()?, path::key(&path::key(at, key), name)))
+                    })
+                    .collect(),
+                _ => Vec::new(),
+            };
+            for (text, place) in texts {
+                for name in super::env::references(text) {
+                    if self.env.contains(&name) {
+                        used.entry(name).or_insert(place.clone());
+                    }
+                }
+            }
+        }
+        if used.is_empty() {
+            return;
+        }
+        let url = endpoint.get("base_url").and_then(Value::as_str);
+        let host = url.and_then(url_host);
+        for (name, place) in used {
+            let hosts = self.destinations.get(&name);
+            let allowed =
+                hosts.is_some_and(|hosts| host.as_ref().is_some_and(|h| hosts.contains(h)));
+            if allowed {
+                continue;
+            }
+            let named = match hosts {
+                Some(hosts) if !hosts.is_empty() => {
+                    hosts.iter().cloned().collect::<Vec<_>>().join(", ")
+                }
+                _ => "no host".to_owned(),
+            };
+            let sent_to = match (&host, url) {
+                (Some(host), _) => format!("to {host} (this endpoint's base_url)"),
+                (None, Some(url)) => {
+                    format!("to '{url}' (this endpoint's base_url, which names no host)")
+                }
+                (None, None) => "to an endpoint without a base_url".to_owned(),
+            };
+            let message = format!(
+                "{place}: ${{{name}}} may be sent only to {named} (the server names them with --allow-env {name}=HOST,...), not {sent_to}"
+            );
+            out.push((place, message));
+        }
+    }
+
     /// Refuses the file named at `keys` under `value` unless it is under a
     /// root.
     fn file(
@@ -260,6 +340,29 @@ impl Admission {
     }
 }
 
+/// A host as `--allow-env NAME=HOST` names it: lower-case, without
+/// brackets or a trailing dot.
+fn normalize_host(host: &str) -> String {
+    host.trim()
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .trim_end_matches('.')
+        .to_ascii_lowercase()
+}
+
+/// The host of an http(s) URL, normalized; `None` when it is not one (or
+/// still holds a `${VAR}`).
+fn url_host(url: &str) -> Option<String> {
+    if url.contains("${") {
+        return None;
+    }
+    let parsed = reqwest::Url::parse(url.trim()).ok()?;
+    if !matches!(parsed.scheme(), "http" | "https") {
+        return None;
+    }
+    Some(normalize_host(parsed.host_str()?))
+}
+
 /// `path` with every link and `..` of its existing part resolved; `None`
 /// when nothing of it exists, when its missing part climbs (`..`), or when
 /// it passes through a link that leads nowhere (writing through it would
@@ -293,6 +396,10 @@ mod tests {
         Admission {
             roots: vec![std::fs::canonicalize(root).unwrap()],
             env: BTreeSet::from(["EF_ALLOWED_KEY".to_owned()]),
+            destinations: BTreeMap::from([(
+                "EF_ALLOWED_KEY".to_owned(),
+                BTreeSet::from(["api.example.com".to_owned(), "::1".to_owned()]),
+            )]),
             commands: false,
         }
     }
@@ -381,6 +488,7 @@ mod tests {
             "name": "${EF_ALLOWED_KEY}",
             "endpoints": [{
                 "name": "a", "kind": "external", "model": "${EF_ALLOWED_KEY}",
+                "base_url": "https://api.example.com/v1",
                 "api_key": "${EF_ALLOWED_KEY}",
                 "headers": {"x-token": "${EF_OTHER}", "x-ok": "Bearer ${EF_ALLOWED_KEY}"},
             }],
@@ -398,6 +506,73 @@ mod tests {
                 "task.messages[0].content"
             ]
         );
+    }
+
+    #[test]
+    fn an_allowed_variable_goes_only_to_the_hosts_named_for_it() {
+        let root = tempfile::tempdir().unwrap();
+        let admission = admission(root.path());
+        let endpoint = |base_url: Value, secret: (&str, Value)| {
+            let mut endpoint = json!({"name": "a", "kind": "external", "model": "m"});
+            if !base_url.is_null() {
+                endpoint["base_url"] = base_url;
+            }
+            endpoint[secret.0] = secret.1;
+            json!({"endpoints": [endpoint]})
+        };
+        let key = ("api_key", json!("${EF_ALLOWED_KEY}"));
+        for ok in [
+            "https://api.example.com/v1",
+            "http://API.Example.com.:8443/v1",
+            "http://[::1]:9/v1",
+        ] {
+            let problems = admission.refusals(&endpoint(json!(ok), key.clone()), root.path());
+            assert!(problems.is_empty(), "{ok}: {problems:?}");
+        }
+        for (base_url, secret) in [
+            (json!("https://attacker.example/v1"), key.clone()),
+            (
+                json!("https://api.example.com.attacker.example/v1"),
+                key.clone(),
+            ),
+            (json!("http://127.0.0.1:9/v1"), key.clone()),
+            (json!("not a url"), key.clone()),
+            (Value::Null, key.clone()),
+            (
+                json!("https://attacker.example/v1"),
+                ("headers", json!({"x-key": "Bearer ${EF_ALLOWED_KEY}"})),
+            ),
+        ] {
+            let problems = admission.refusals(&endpoint(base_url.clone(), secret), root.path());
+            assert_eq!(problems.len(), 1, "{base_url}: {problems:?}");
+            let message = &problems[0].1;
+            assert!(
+                message.contains("${EF_ALLOWED_KEY}") && message.contains("api.example.com"),
+                "{message}"
+            );
+        }
+        let refused = admission.refusals(
+            &endpoint(json!("https://attacker.example/v1"), key.clone()),
+            root.path(),
+        );
+        assert!(
+            refused[0].1.contains("not to attacker.example"),
+            "{:?}",
+            refused[0]
+        );
+        // A variable allowed with no host goes nowhere; a mock sends nothing.
+        let nowhere = Admission {
+            destinations: BTreeMap::new(),
+            ..admission.clone()
+        };
+        let problems = nowhere.refusals(
+            &endpoint(json!("https://api.example.com/v1"), key.clone()),
+            root.path(),
+        );
+        assert!(problems[0].1.contains("only to no host"), "{problems:?}");
+        let mock =
+            json!({"endpoints": [{"name": "m", "kind": "mock", "api_key": "${EF_ALLOWED_KEY}"}]});
+        assert!(nowhere.refusals(&mock, root.path()).is_empty());
     }
 
     #[test]

@@ -1,15 +1,19 @@
 //! Who may ask: with an API key set, every request carries it (`X-API-Key`,
-//! `Authorization: Bearer`, or the cookie the dashboard's sign-in sets);
-//! keys are compared by their SHA-256 digests in constant time, so neither
-//! a key's length nor its first wrong byte shows in the time an answer
-//! takes. A request that changes something must come from the server's own
+//! `Authorization: Bearer`), or the cookie of a session the dashboard's
+//! sign-in opened (a random token, see [`crate::sessions`]); keys are
+//! compared by their SHA-256 digests in constant time, so neither a key's
+//! length nor its first wrong byte shows in the time an answer takes. A
+//! client that offers too many wrong keys waits before the next is looked
+//! at (429). A request that changes something must come from the server's own
 //! pages or a client that is not a browser: a browser sends `Origin` with
 //! it, and one naming another site is refused (CORS is closed: no
 //! cross-site reads, and no cross-site writes either).
 
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
+use std::time::Instant;
 
-use axum::extract::{Request, State};
+use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{HeaderMap, Method, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -19,8 +23,8 @@ use crate::hosts;
 use crate::keys::{digest, same};
 use crate::state::AppState;
 
-/// The cookie the dashboard's sign-in sets.
-pub const COOKIE: &str = "evalfleet_key";
+/// The cookie the dashboard's sign-in sets: its session's token.
+pub const COOKIE: &str = "evalfleet_session";
 
 /// The key a request carries in a header, if any.
 pub(crate) fn header_key(headers: &HeaderMap) -> Option<String> {
@@ -48,27 +52,52 @@ fn cookie(headers: &HeaderMap) -> Option<String> {
         })
 }
 
-/// Whether `key` is the server's (always, when it has none).
-pub fn accepts(state: &AppState, key: Option<&str>) -> bool {
-    match (&state.key_digest, key) {
-        (None, _) => true,
-        (Some(expected), Some(key)) => same(expected, &digest(key)),
-        (Some(_), None) => false,
+/// The address of the client that sent `request`; one address (`::`)
+/// stands for every client whose address is not known (a server without a
+/// socket, in tests).
+pub(crate) fn client_of(extensions: &axum::http::Extensions) -> IpAddr {
+    extensions
+        .get::<ConnectInfo<SocketAddr>>()
+        .map_or(IpAddr::V6(Ipv6Addr::UNSPECIFIED), |info| info.0.ip())
+}
+
+/// Judges a key `client` offered at `now`: while the client must wait
+/// (after too many wrong ones), it is not looked at; a wrong one counts.
+pub(crate) fn offered(
+    state: &AppState,
+    client: IpAddr,
+    key: &str,
+    now: Instant,
+) -> Result<(), ApiError> {
+    let Some(expected) = &state.key_digest else {
+        return Ok(());
+    };
+    if let Some(wait) = state.attempts.wait(client, now) {
+        let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+        return Err(ApiError::TooManyTries(seconds.max(1)));
+    }
+    if same(expected, &digest(key)) {
+        state.attempts.succeeded(client);
+        Ok(())
+    } else {
+        state.attempts.failed(client, now);
+        Err(ApiError::Unauthorized)
     }
 }
 
 /// Whether a request may be served: no key is set, or it carries the key
-/// (a header) or the session cookie of a sign-in.
-fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
-    let Some(expected) = &state.key_digest else {
-        return true;
-    };
-    if let Some(key) = header_key(headers) {
-        return same(expected, &digest(&key));
+/// (a header) or the cookie of an open session.
+fn authorized(state: &AppState, request: &Request, now: Instant) -> Result<(), ApiError> {
+    if state.key_digest.is_none() {
+        return Ok(());
     }
-    match (cookie(headers), &state.session_digest) {
-        (Some(token), Some(session)) => same(session, &digest(&token)),
-        _ => false,
+    let headers = request.headers();
+    if let Some(key) = header_key(headers) {
+        return offered(state, client_of(request.extensions()), &key, now);
+    }
+    match cookie(headers) {
+        Some(token) if state.sessions.check(&token, now) => Ok(()),
+        _ => Err(ApiError::Unauthorized),
     }
 }
 
@@ -114,12 +143,14 @@ pub async fn guard(State(state): State<Arc<AppState>>, request: Request, next: N
         .into_response();
     }
     let open = path == "/login" || path.starts_with("/assets/");
-    if !open && !authorized(&state, request.headers()) {
-        if request.method() == Method::GET && !path.starts_with("/api") && path != "/metrics" {
+    if !open && let Err(refused) = authorized(&state, &request, Instant::now()) {
+        let page =
+            request.method() == Method::GET && !path.starts_with("/api") && path != "/metrics";
+        if page && matches!(refused, ApiError::Unauthorized) {
             // A person at a page: to the sign-in.
             return axum::response::Redirect::to("/login").into_response();
         }
-        return ApiError::Unauthorized.into_response();
+        return refused.into_response();
     }
     if let Some(why) = foreign_origin(request.method(), request.headers(), host.as_deref()) {
         return ApiError::Forbidden(why).into_response();
@@ -135,14 +166,12 @@ mod tests {
     fn keys_are_read_from_any_of_their_places() {
         let mut headers = HeaderMap::new();
         assert_eq!(header_key(&headers), None);
-        headers.insert(header::COOKIE, "a=b; evalfleet_key=k3".parse().unwrap());
+        headers.insert(header::COOKIE, "a=b; evalfleet_session=k3".parse().unwrap());
         assert_eq!(cookie(&headers).as_deref(), Some("k3"));
         headers.insert(header::AUTHORIZATION, "Bearer k2".parse().unwrap());
         assert_eq!(header_key(&headers).as_deref(), Some("k2"));
         headers.insert("x-api-key", "k1".parse().unwrap());
         assert_eq!(header_key(&headers).as_deref(), Some("k1"));
-        assert_ne!(crate::keys::session_token("k1"), "k1");
-        assert_eq!(crate::keys::session_token("k1").len(), 64);
     }
 
     #[test]

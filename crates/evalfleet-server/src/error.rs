@@ -29,6 +29,10 @@ pub enum ApiError {
     Invalid(String),
     #[error("an API key is required: send it as X-API-Key or Authorization: Bearer")]
     Unauthorized,
+    /// Too many wrong keys from this client: none is looked at for this
+    /// many seconds.
+    #[error("too many wrong keys from this address: try again in {0} s")]
+    TooManyTries(u64),
     #[error("{0}")]
     Forbidden(String),
     /// Addressed to a name that is not the server's (DNS rebinding).
@@ -83,6 +87,7 @@ impl ApiError {
             }
             Self::Conflict(_) => StatusCode::CONFLICT,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::TooManyTries(_) => StatusCode::TOO_MANY_REQUESTS,
             Self::Forbidden(_) => StatusCode::FORBIDDEN,
             Self::Misdirected(_) => StatusCode::MISDIRECTED_REQUEST,
             Self::NotHere(_) => StatusCode::FORBIDDEN,
@@ -134,6 +139,13 @@ impl IntoResponse for ApiError {
                 axum::http::header::WWW_AUTHENTICATE,
                 axum::http::HeaderValue::from_static("Bearer"),
             );
+        }
+        if let Self::TooManyTries(seconds) = self
+            && let Ok(value) = axum::http::HeaderValue::from_str(&seconds.to_string())
+        {
+            response
+                .headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, value);
         }
         response
     }

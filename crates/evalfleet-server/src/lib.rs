@@ -16,6 +16,7 @@ mod hosts;
 mod keys;
 mod metrics;
 pub mod pages;
+mod sessions;
 mod state;
 
 use std::sync::Arc;
@@ -88,6 +89,8 @@ pub async fn serve(
     let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
         let _ = tcp.set_nodelay(true);
     });
+    // Each client's address, for how many wrong keys it may offer.
+    let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
     axum::serve(listener, app)
         .with_graceful_shutdown(async move { shutdown.cancelled().await })
         .await

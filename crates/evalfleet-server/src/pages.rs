@@ -252,23 +252,53 @@ pub struct Login {
     key: String,
 }
 
-/// A sign-in: a right key sets the session cookie (a digest of the key, not
-/// the key) and goes to the runs.
-pub async fn login(State(state): State<Arc<AppState>>, Form(form): Form<Login>) -> Response {
+/// A sign-in: a right key opens a session (a random token in the cookie,
+/// kept by this process until it expires) and goes to the runs. A client
+/// that offered too many wrong keys waits first (429, its key not looked
+/// at).
+pub async fn login(
+    State(state): State<Arc<AppState>>,
+    extensions: axum::http::Extensions,
+    Form(form): Form<Login>,
+) -> Response {
     if state.key_digest.is_none() {
         return Redirect::to("/").into_response();
     }
-    if !auth::accepts(&state, Some(&form.key)) {
-        return (
-            StatusCode::UNAUTHORIZED,
-            Html(login_html(Some("That is not this server's key."))),
-        )
-            .into_response();
+    let now = std::time::Instant::now();
+    match auth::offered(&state, auth::client_of(&extensions), &form.key, now) {
+        Ok(()) => {}
+        Err(crate::ApiError::TooManyTries(seconds)) => {
+            let mut response = (
+                StatusCode::TOO_MANY_REQUESTS,
+                Html(login_html(Some(&format!(
+                    "Too many wrong keys from this address: try again in {seconds} s."
+                )))),
+            )
+                .into_response();
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+            return response;
+        }
+        Err(_) => {
+            return (
+                StatusCode::UNAUTHORIZED,
+                Html(login_html(Some("That is not this server's key."))),
+            )
+                .into_response();
+        }
     }
+    let token = match state.sessions.open(now) {
+        Ok(token) => token,
+        Err(err) => {
+            return crate::ApiError::Internal(format!("no session could be opened: {err}"))
+                .into_response();
+        }
+    };
     let cookie = format!(
-        "{}={}; Path=/; HttpOnly; SameSite=Strict",
+        "{}={token}; Path=/; HttpOnly; SameSite=Strict; Max-Age={}",
         auth::COOKIE,
-        crate::keys::session_token(&form.key)
+        crate::sessions::LIFETIME.as_secs()
     );
     let mut response = Redirect::to("/").into_response();
     if let Ok(value) = HeaderValue::from_str(&cookie) {

@@ -56,8 +56,10 @@ pub struct AppState {
     /// SHA-256 of the API key: requests' keys are compared by digest, in
     /// constant time.
     pub(crate) key_digest: Option<[u8; 32]>,
-    /// SHA-256 of the session cookie a sign-in sets.
-    pub(crate) session_digest: Option<[u8; 32]>,
+    /// The sessions the dashboard's sign-in opened.
+    pub(crate) sessions: crate::sessions::Sessions,
+    /// Each client's wrong keys.
+    pub(crate) attempts: crate::sessions::Attempts,
     pub(crate) hosts: HostPolicy,
     pub(crate) admission: Admission,
     pub(crate) control: Option<Arc<dyn RunControl>>,
@@ -79,10 +81,8 @@ impl AppState {
             open: options.open,
             pool: Mutex::new(Vec::new()),
             key_digest: options.api_key.as_deref().map(digest),
-            session_digest: options
-                .api_key
-                .as_deref()
-                .map(|key| digest(&crate::keys::session_token(key))),
+            sessions: Default::default(),
+            attempts: Default::default(),
             hosts: options.hosts,
             admission: options.admission,
             control: options.control,

@@ -692,9 +692,11 @@ pub struct ServeArgs {
     pub allow_hosts: Vec<String>,
 
     /// An environment variable a config sent to the server may read as
-    /// `${NAME}`, in an endpoint's api_key, headers or env only; repeat for
-    /// more [default: none].
-    #[arg(long = "allow-env", value_name = "NAME")]
+    /// `${NAME}`, in an endpoint's api_key, headers or env only, and the
+    /// hosts it may be sent to: an endpoint using it must have its base_url
+    /// on one of them (e.g. OPENAI_API_KEY=api.openai.com); repeat for more
+    /// [default: none].
+    #[arg(long = "allow-env", value_name = "NAME=HOST[,HOST]")]
     pub allow_env: Vec<String>,
 
     /// Let a config sent to the server run commands on this machine as the

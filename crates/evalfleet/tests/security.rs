@@ -328,7 +328,8 @@ async fn a_run_started_over_http_reads_only_allowed_variables_and_shows_no_secre
     for secret in [allowed, other] {
         assert!(!bench.stderr.contains(secret), "{}", bench.stderr);
     }
-    let (_server, base) = serve_with(&env, &["--allow-env", "EF_ALLOWED_SECRET"], &vars).await;
+    let (_server, base) =
+        serve_with(&env, &["--allow-env", "EF_ALLOWED_SECRET=127.0.0.1"], &vars).await;
     let good = config(&env, 4, "1ms", 2, ", api_key: \"${EF_ALLOWED_SECRET}\"");
     let refused = [
         good.replace("{{ question }}\"", "{{ question }} ${EVALFLEET_API_KEY}\""),
@@ -475,4 +476,275 @@ async fn an_environment_server_on_another_address_needs_a_key_and_asks_for_it() 
     assert_eq!(keyed.unwrap().status(), 200);
     let bearer = client().get(&spec).bearer_auth(key).send().await;
     assert_eq!(bearer.unwrap().status(), 200);
+}
+
+/// A sign-in with the key: its session cookie, from `Set-Cookie`.
+async fn sign_in(base: &str, key: &str) -> reqwest::Response {
+    let _ = client();
+    let browser = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let body = format!("key={}", key.replace(' ', "+"));
+    browser
+        .post(format!("{base}/login"))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// The session cookie `evalfleet_session=TOKEN` a sign-in set, and the
+/// whole `Set-Cookie`.
+fn session_cookie(response: &reqwest::Response) -> (String, String) {
+    let set = response.headers()["set-cookie"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let pair = set.split(';').next().unwrap().trim().to_owned();
+    assert!(pair.starts_with("evalfleet_session="), "{set}");
+    (pair, set)
+}
+
+async fn runs_with_cookie(base: &str, cookie: &str) -> u16 {
+    client()
+        .get(format!("{base}/api/v1/runs"))
+        .header("cookie", cookie)
+        .send()
+        .await
+        .unwrap()
+        .status()
+        .as_u16()
+}
+
+/// Sign-in (issue 38, part 13): a session is a random token the server
+/// keeps (none survives a restart), and a client that offers wrong keys in
+/// a burst has only a few looked at.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sign_ins_open_random_sessions_and_a_burst_of_wrong_keys_is_mostly_refused_unread() {
+    let env = Env::new();
+    let key = "sign-in-key-5e1a";
+    let (server, base) = crate::serve::serve(&env, &[], Some(key)).await;
+    let first = sign_in(&base, key).await;
+    assert_eq!(first.status(), 303);
+    let (cookie, set) = session_cookie(&first);
+    assert!(
+        set.contains("HttpOnly") && set.contains("Max-Age=604800"),
+        "{set}"
+    );
+    let (again, _) = session_cookie(&sign_in(&base, key).await);
+    assert_ne!(cookie, again, "each sign-in opens a session of its own");
+    assert!(!cookie.contains(key));
+    assert_eq!(runs_with_cookie(&base, &cookie).await, 200);
+    assert_eq!(runs_with_cookie(&base, &again).await, 200);
+    let forged = format!("evalfleet_session={}", "0".repeat(64));
+    assert_eq!(runs_with_cookie(&base, &forged).await, 401);
+    // A restart ends every session.
+    drop(server);
+    let (_server, base) = crate::serve::serve(&env, &[], Some(key)).await;
+    assert_eq!(runs_with_cookie(&base, &cookie).await, 401);
+
+    // 40 wrong keys at once: 5 are free, the 6th makes the client wait a
+    // second, and those sent meanwhile are not looked at.
+    let (mut looked_at, mut refused) = (0, 0);
+    for i in 0..40 {
+        let response = sign_in(&base, &format!("wrong-{i}")).await;
+        match response.status().as_u16() {
+            401 => looked_at += 1,
+            429 => {
+                refused += 1;
+                let retry: u64 = response.headers()["retry-after"]
+                    .to_str()
+                    .unwrap()
+                    .parse()
+                    .unwrap();
+                assert!((1..=2).contains(&retry), "{retry}");
+            }
+            other => panic!("a wrong key got {other}"),
+        }
+    }
+    assert!(
+        (6..=7).contains(&looked_at),
+        "{looked_at} wrong keys looked at"
+    );
+    assert_eq!(looked_at + refused, 40);
+    // Meanwhile the right key is not looked at either, by header or sign-in.
+    let keyed = client()
+        .get(format!("{base}/api/v1/runs"))
+        .header("x-api-key", key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(keyed.status(), 429);
+    assert_eq!(sign_in(&base, key).await.status(), 429);
+    // Wrong keys in a header count alike.
+    let wrong = client()
+        .get(format!("{base}/api/v1/runs"))
+        .bearer_auth("wrong-header-key")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), 429);
+    // Once the wait is over the right key is taken, and forgets the wrong.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = sign_in(&base, key).await.status();
+        if status == 303 {
+            break;
+        }
+        assert_eq!(status, 429);
+        assert!(tokio::time::Instant::now() < deadline, "still refused");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(sign_in(&base, "wrong-again").await.status(), 401);
+}
+
+/// A stand-in endpoint on 127.0.0.1 that keeps the head (request line and
+/// headers) of every request it gets and answers each with `status` and
+/// `body`: its port and what it got.
+async fn recorder(
+    status: u16,
+    body: &'static str,
+) -> (u16, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let heads = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let kept = heads.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut stream, _)) = listener.accept().await else {
+                return;
+            };
+            let kept = kept.clone();
+            tokio::spawn(async move {
+                let mut read = Vec::new();
+                let mut buf = [0u8; 4096];
+                loop {
+                    let Ok(n) = stream.read(&mut buf).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    read.extend_from_slice(&buf[..n]);
+                    let text = String::from_utf8_lossy(&read).into_owned();
+                    let Some(end) = text.find("\r\n\r\n") else {
+                        continue;
+                    };
+                    let length: usize = text[..end]
+                        .lines()
+                        .find_map(|l| {
+                            let (name, value) = l.split_once(':')?;
+                            name.eq_ignore_ascii_case("content-length")
+                                .then(|| value.trim().parse().ok())?
+                        })
+                        .unwrap_or(0);
+                    if read.len() < end + 4 + length {
+                        continue;
+                    }
+                    kept.lock().unwrap().push(text[..end].to_owned());
+                    read.drain(..end + 4 + length);
+                    let answer = format!(
+                        "HTTP/1.1 {status} Whatever\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    if stream.write_all(answer.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (port, heads)
+}
+
+/// The served config with its endpoint at `base_url`, given `secrets`
+/// (`api_key: ...`, `headers: {...}`).
+fn external_config(env: &Env, items: usize, base_url: &str, secrets: &str) -> String {
+    config(env, items, "1ms", 1, "")
+        .replace(", mock: { latency: 1ms }", "")
+        .replace(
+            "kind: mock,",
+            &format!("kind: external, base_url: \"{base_url}\", model: m, {secrets},"),
+        )
+}
+
+/// `--allow-env NAME=HOST` (issue 38, part 9): a posted config may use the
+/// secret only in an endpoint on one of the hosts; one pointing elsewhere
+/// is refused before anything is sent, and a listener there sees nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allowed_secret_is_sent_only_to_the_hosts_its_operator_named() {
+    let env = Env::new();
+    let secret = "sk-bound-6a0f3c";
+    // A variable allowed with no host: the server does not start.
+    let ran = tokio::time::timeout(
+        Duration::from_secs(30),
+        env.command(&[
+            "serve",
+            "--bind",
+            "127.0.0.1:0",
+            "--allow-env",
+            "EF_BOUND_SECRET",
+        ])
+        .output(),
+    )
+    .await
+    .expect("it refuses to start")
+    .unwrap();
+    assert_eq!(ran.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&ran.stderr);
+    assert!(
+        stderr.contains("--allow-env EF_BOUND_SECRET=HOST"),
+        "{stderr}"
+    );
+
+    let (theirs, their_heads) = recorder(400, r#"{"error": "no"}"#).await;
+    let (ours, our_heads) = recorder(400, r#"{"error": "no"}"#).await;
+    let (_server, base) = serve_with(
+        &env,
+        &["--allow-env", "EF_BOUND_SECRET=127.0.0.1"],
+        &[("EF_BOUND_SECRET", secret)],
+    )
+    .await;
+    let attacker = format!("http://localhost:{theirs}/v1");
+    for secrets in [
+        "api_key: \"${EF_BOUND_SECRET}\"",
+        "headers: { x-custom: \"token ${EF_BOUND_SECRET}\" }",
+    ] {
+        let text = external_config(&env, 2, &attacker, secrets);
+        let (status, body) = create(&base, None, json!({"config": text})).await;
+        assert_eq!(status, 403, "{secrets}: {body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("${EF_BOUND_SECRET}") && message.contains("not to localhost"),
+            "{message}"
+        );
+        assert!(!message.contains(secret), "{message}");
+    }
+    // On the named host, the key goes as it should.
+    let text = external_config(
+        &env,
+        1,
+        &format!("http://127.0.0.1:{ours}/v1"),
+        "api_key: \"${EF_BOUND_SECRET}\"",
+    );
+    let (status, body) = create(&base, None, json!({"config": text, "run_id": "ok"})).await;
+    assert_eq!(status, 201, "{body}");
+    let bearer = format!("bearer {secret}");
+    wait_until(
+        Duration::from_secs(30),
+        "the named host gets the key",
+        || {
+            our_heads
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|head| head.to_ascii_lowercase().contains(&bearer))
+        },
+    )
+    .await;
+    let theirs = their_heads.lock().unwrap();
+    assert!(theirs.is_empty(), "the other host got {theirs:?}");
 }

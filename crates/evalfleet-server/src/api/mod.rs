@@ -88,8 +88,9 @@ pub fn router() -> (axum::Router<Arc<AppState>>, OpenApi) {
 /// (401), what this server does not do or allow (403), no such run or item
 /// (404), a body too large (413) or not JSON (415), a request addressed
 /// to a name that is not the server's (421), what cannot be used
-/// (422), and a failure of the store (500).
-const ERRORS: [(&str, &str); 9] = [
+/// (422), too many wrong keys from this client (429, with `Retry-After`),
+/// and a failure of the store (500).
+const ERRORS: [(&str, &str); 10] = [
     ("400", "A parameter or the body is wrong"),
     ("401", "An API key is required"),
     ("403", "Not allowed, or not done by this server"),
@@ -101,6 +102,10 @@ const ERRORS: [(&str, &str); 9] = [
         "Not addressed to one of this server's names (its Host)",
     ),
     ("422", "What was sent cannot be used"),
+    (
+        "429",
+        "Too many wrong keys from this address: Retry-After says when the next is looked at",
+    ),
     ("500", "The store failed"),
 ];
 

@@ -66,21 +66,15 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<u8> {
         let location = location.clone();
         Arc::new(move || evalfleet_store::open(&location, &OpenOptions::default()))
     };
-    for name in &args.allow_env {
-        if !evalfleet_config::is_variable_name(name) {
-            return Err(UsageError(format!(
-                "--allow-env {name}: not a variable's name (letters, digits and '_')"
-            ))
-            .into());
-        }
-    }
+    let destinations = allowed_env(&args.allow_env).map_err(UsageError)?;
     let state = AppState::new(ServerOptions {
         open,
         api_key: key,
         hosts: HostPolicy::new(args.bind, &args.allow_hosts),
         admission: Admission {
             roots,
-            env: args.allow_env.into_iter().collect(),
+            env: destinations.keys().cloned().collect(),
+            destinations,
             commands: args.allow_commands,
         },
         control: (!args.read_only).then(|| Arc::new(ControlHandle(control.clone())) as _),
@@ -104,6 +98,41 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<u8> {
     control.tracker.close();
     control.tracker.wait().await;
     Ok(EXIT_OK)
+}
+
+/// What `--allow-env NAME=HOST[,HOST]` allows: each variable, and the
+/// hosts it may be sent to. A variable without hosts is refused: a config
+/// sent to the server chooses its endpoint's `base_url`, so a secret
+/// allowed everywhere would be sent wherever the requester likes.
+fn allowed_env(
+    given: &[String],
+) -> Result<std::collections::BTreeMap<String, std::collections::BTreeSet<String>>, String> {
+    let mut out = std::collections::BTreeMap::new();
+    for arg in given {
+        let Some((name, hosts)) = arg.split_once('=') else {
+            return Err(format!(
+                "--allow-env {arg}: name the hosts the secret may be sent to, as --allow-env {arg}=HOST[,HOST] (e.g. {arg}=api.openai.com): an endpoint of a config sent to the server may use ${{{arg}}} only when its base_url is on one of them"
+            ));
+        };
+        let name = name.trim();
+        if !evalfleet_config::is_variable_name(name) {
+            return Err(format!(
+                "--allow-env {arg}: '{name}' is not a variable's name (letters, digits and '_')"
+            ));
+        }
+        let entry: &mut std::collections::BTreeSet<String> =
+            out.entry(name.to_owned()).or_default();
+        for host in hosts.split(',') {
+            let host = Admission::host(host);
+            if host.is_empty() || host.contains(['/', ' ', '@']) || host.contains("://") {
+                return Err(format!(
+                    "--allow-env {arg}: hosts are names or IP addresses, without scheme, port or path, separated by ','"
+                ));
+            }
+            entry.insert(host);
+        }
+    }
+    Ok(out)
 }
 
 /// The runs this process answers for the server.
