@@ -15,6 +15,14 @@ pub(crate) fn unknown(err: evalfleet_types::UnknownName) -> StoreError {
     StoreError::Invariant(format!("the store holds an {err}"))
 }
 
+/// An error class column, parsed.
+pub(crate) fn error_class_column(text: Option<String>) -> Result<Option<ErrorClass>, StoreError> {
+    text.as_deref()
+        .map(ErrorClass::parse)
+        .transpose()
+        .map_err(unknown)
+}
+
 pub(crate) fn opt_u64(value: Option<u64>) -> Option<i64> {
     value.map(|v| v as i64)
 }

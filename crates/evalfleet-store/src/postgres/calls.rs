@@ -124,13 +124,9 @@ impl PgStore {
                     endpoint: row.try_get(9).map_err(&err)?,
                     ttft_ms: row.try_get(10).map_err(&err)?,
                     tpot_ms: row.try_get(11).map_err(&err)?,
-                    error_class: row
-                        .try_get::<_, Option<String>>(12)
-                        .map_err(&err)?
-                        .as_deref()
-                        .map(evalfleet_types::ErrorClass::parse)
-                        .transpose()
-                        .map_err(crate::columns::unknown)?,
+                    error_class: crate::columns::error_class_column(
+                        row.try_get(12).map_err(&err)?,
+                    )?,
                     failovers: crate::failovers_of(row.try_get(13).map_err(&err)?)?,
                 };
                 Ok((key, sample))

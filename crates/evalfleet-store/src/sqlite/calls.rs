@@ -4,10 +4,10 @@
 use std::ops::RangeInclusive;
 
 use crate::{CallSample, StoreError};
-use evalfleet_types::{AgentCall, ErrorClass, Telemetry};
+use evalfleet_types::{AgentCall, Telemetry};
 use rusqlite::params;
 
-use super::{SqliteStore, db_err, unknown};
+use super::{SqliteStore, db_err};
 
 /// The columns [`agent_call`] reads, in its order.
 const CALL_COLUMNS: &str = "seq, attempt, idx, call_id, api, asked_model, sent_at, endpoint, model, \
@@ -45,13 +45,7 @@ fn agent_call(row: &rusqlite::Row<'_>) -> Result<AgentCall, StoreError> {
         stream: row.get(16).map_err(&err)?,
         cached: row.get(17).map_err(&err)?,
         http_status: row.get(18).map_err(&err)?,
-        error_class: row
-            .get::<_, Option<String>>(19)
-            .map_err(&err)?
-            .as_deref()
-            .map(ErrorClass::parse)
-            .transpose()
-            .map_err(unknown)?,
+        error_class: crate::columns::error_class_column(row.get(19).map_err(&err)?)?,
         error: row.get(20).map_err(&err)?,
         request: row.get(21).map_err(&err)?,
         request_cut: row.get(22).map_err(&err)?,
@@ -128,13 +122,7 @@ impl SqliteStore {
                 endpoint: row.get(8).map_err(&err)?,
                 ttft_ms: row.get(9).map_err(&err)?,
                 tpot_ms: row.get(10).map_err(&err)?,
-                error_class: row
-                    .get::<_, Option<String>>(11)
-                    .map_err(&err)?
-                    .as_deref()
-                    .map(ErrorClass::parse)
-                    .transpose()
-                    .map_err(unknown)?,
+                error_class: crate::columns::error_class_column(row.get(11).map_err(&err)?)?,
                 failovers: crate::failovers_of(row.get(12).map_err(&err)?)?,
             });
         }
