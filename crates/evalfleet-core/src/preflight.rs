@@ -15,6 +15,10 @@ use evalfleet_eval::{Assessor, Checked};
 use evalfleet_io::dataset::{Row, RowReader, Scanner};
 use evalfleet_io::template::{RenderedPart, Templates};
 
+/// The longest the renders of the first rows may take together: the rows
+/// not reached by then are not checked beforehand.
+const CHECK_TIME: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Rows of the dataset every template is rendered for.
 pub const ROWS: usize = 10;
 
@@ -60,7 +64,15 @@ pub fn check(
         .path
         .parent()
         .unwrap_or(std::path::Path::new(""));
+    let started = std::time::Instant::now();
     for (index, (line, row)) in rows.iter().enumerate() {
+        // Each render is bounded (evalfleet_jinja::FUEL); all of them
+        // together too, so that a config sent to a server is answered
+        // soon whatever its templates do: the rows left are checked as
+        // they are answered.
+        if index > 0 && started.elapsed() > CHECK_TIME {
+            break;
+        }
         match templates.render_parts(row) {
             Err(err) => {
                 // The messages of the rule of task.prompts chosen, or task.messages.

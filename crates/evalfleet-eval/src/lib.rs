@@ -307,8 +307,7 @@ impl Assessor {
             .env
             .get_template(&name)
             .map_err(|e| format!("{name}: {}", evalfleet_jinja::describe(&e)))?;
-        let rendered = template
-            .render(context)
+        let rendered = evalfleet_jinja::render(&template, context)
             .map_err(|e| format!("{name}: {}", evalfleet_jinja::explain(&e, &template, item)))?;
         let json = m.metric.wants_json_reference();
         let references = match form {
@@ -400,8 +399,11 @@ impl Assessor {
             let request = self
                 .env
                 .get_template(&name)
-                .and_then(|t| t.render(minijinja::Value::from(minijinja::value::Serde(&context))))
-                .map_err(|e| format!("{name}: {e}"))
+                .and_then(|t| {
+                    let context = minijinja::Value::from(minijinja::value::Serde(&context));
+                    evalfleet_jinja::render(&t, &context)
+                })
+                .map_err(|e| format!("{name}: {}", evalfleet_jinja::describe(&e)))
                 .and_then(|text| {
                     serde_json::value::to_raw_value(
                         &serde_json::json!([{"role": "user", "content": text}]),

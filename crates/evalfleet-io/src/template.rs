@@ -308,9 +308,9 @@ impl Templates {
                     format!("{name}: {}", evalfleet_jinja::explain(&err, &template, row))
                 };
                 parts.push(match part {
-                    CompiledPart::Text(_) => {
-                        RenderedPart::Text(template.render(&context).map_err(explain)?)
-                    }
+                    CompiledPart::Text(_) => RenderedPart::Text(
+                        evalfleet_jinja::render(&template, &context).map_err(explain)?,
+                    ),
                     CompiledPart::Image(_, Some(expression)) => {
                         let value = self
                             .env
@@ -324,7 +324,9 @@ impl Templates {
                     }
                     CompiledPart::Image(_, None) => RenderedPart::Images {
                         at: name.clone(),
-                        values: vec![template.render(&context).map_err(explain)?],
+                        values: vec![
+                            evalfleet_jinja::render(&template, &context).map_err(explain)?,
+                        ],
                     },
                 });
             }

@@ -7,21 +7,38 @@
 //!
 //! A printed field that an item lacks is an error; testing it
 //! (`{% if hint %}`) or giving it a default (`hint | default('')`) is not.
+//!
+//! Every render has a budget, whoever wrote the template: at most [`FUEL`]
+//! steps of the template engine (a few hundred milliseconds; loops nested
+//! to run forever stop there) and [`MOST_OUTPUT`] bytes of text. A template
+//! over its budget fails as any other render error does, naming itself.
 
 use std::collections::BTreeSet;
 
 use minijinja::machinery::{Instruction, Instructions};
 use minijinja::value::{Kwargs, Rest, ValueOrKwargs};
-use minijinja::{Environment, ErrorKind, State, UndefinedBehavior, Value};
+use minijinja::{Environment, ErrorKind, State, Template, UndefinedBehavior, Value};
 
 /// The filter a reference's expression is passed through, so that its
 /// value (a list of answers, an object) comes out as JSON rather than as
 /// printed text.
 const AS_JSON: &str = "__evalfleet_as_json";
 
-/// An environment with everything templates may use.
+/// The steps (minijinja's fuel: about one per instruction) one render of
+/// a template may take: a template looping over a few thousand values
+/// needs a few hundred thousand; 2 million take about 50 ms (a few hundred
+/// in a debug build).
+pub const FUEL: u64 = 2_000_000;
+
+/// The most text one render of a template may give (16 MiB, several
+/// million tokens: more than any model reads).
+pub const MOST_OUTPUT: usize = 16 << 20;
+
+/// An environment with everything templates may use, its renders within
+/// [`FUEL`].
 pub fn environment() -> Environment<'static> {
     let mut env = Environment::new();
+    env.set_fuel(Some(FUEL));
     env.set_undefined_behavior(UndefinedBehavior::SemiStrict);
     minijinja_contrib::add_to_environment(&mut env);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
@@ -105,6 +122,46 @@ fn as_json(value: &Value) -> Result<String, minijinja::Error> {
         .map_err(|err| minijinja::Error::new(ErrorKind::InvalidOperation, err.to_string()))
 }
 
+/// Text that refuses to grow past [`MOST_OUTPUT`] bytes.
+#[derive(Default)]
+struct Capped {
+    text: Vec<u8>,
+    over: bool,
+}
+
+impl std::io::Write for Capped {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        if self.text.len() + bytes.len() > MOST_OUTPUT {
+            self.over = true;
+            return Err(std::io::Error::other("the rendered text is too long"));
+        }
+        self.text.extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// `template` rendered with `context` within its budget: [`FUEL`] (set on
+/// the environment) and at most [`MOST_OUTPUT`] bytes of text.
+pub fn render(template: &Template<'_, '_>, context: &Value) -> Result<String, minijinja::Error> {
+    let mut out = Capped::default();
+    match template.render_captured_to(context.clone(), &mut out) {
+        Ok(_) => String::from_utf8(out.text)
+            .map_err(|err| minijinja::Error::new(ErrorKind::InvalidOperation, err.to_string())),
+        Err(_) if out.over => Err(minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!(
+                "the rendered text passed {} MiB, the most a template may give",
+                MOST_OUTPUT >> 20
+            ),
+        )),
+        Err(err) => Err(err),
+    }
+}
+
 /// A template over an item's fields and its answer (`answer`), compiled
 /// once: the refine prompt.
 pub struct AnswerTemplate {
@@ -134,8 +191,7 @@ impl AnswerTemplate {
             "answer".to_owned(),
             serde_json::Value::String(answer.to_owned()),
         );
-        template
-            .render(Value::from(minijinja::value::Serde(&context)))
+        render(&template, &Value::from(minijinja::value::Serde(&context)))
             .map_err(|e| explain(&e, &template, &context))
     }
 }
@@ -210,6 +266,11 @@ pub fn unknown_names(env: &Environment<'_>, source: &str) -> Result<Vec<String>,
 /// A compile or render error in one line: its message and, when known,
 /// where in the template.
 pub fn describe(err: &minijinja::Error) -> String {
+    if err.kind() == ErrorKind::OutOfFuel {
+        return format!(
+            "the template took more than {FUEL} steps to render, the most one may take (a loop that runs too long?)"
+        );
+    }
     let detail = err.detail().map(|d| format!(": {d}")).unwrap_or_default();
     let kind = err.kind().to_string();
     match err.line() {
@@ -366,6 +427,34 @@ mod tests {
         );
         let syntax = unknown_names(&env, "{{ a | }}").unwrap_err();
         assert!(syntax.contains("syntax error"), "{syntax}");
+    }
+
+    #[test]
+    fn a_render_stops_at_its_budget_quickly() {
+        let env = environment();
+        let nested = "{% for i in range(100000) %}{% for j in range(100000) %}{% for k in range(100000) %}{{ k }}{% endfor %}{% endfor %}{% endfor %}";
+        let silent =
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}";
+        for source in [nested, silent] {
+            let started = std::time::Instant::now();
+            let template = env.template_from_str(source).unwrap();
+            let err = super::render(&template, &minijinja::context! {}).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::OutOfFuel);
+            assert!(describe(&err).contains("steps"), "{}", describe(&err));
+            assert!(started.elapsed() < std::time::Duration::from_secs(10));
+        }
+        // A string grown past the cap within the fuel.
+        let big = env
+            .template_from_str("{% for i in range(40) %}{{ 'x' * 1000000 }}{% endfor %}")
+            .unwrap();
+        let err = super::render(&big, &minijinja::context! {}).unwrap_err();
+        assert!(describe(&err).contains("16 MiB"), "{}", describe(&err));
+        // Ordinary templates are far within.
+        let list = env
+            .template_from_str("{% for x in xs %}{{ loop.index }}. {{ x | upper }}\n{% endfor %}")
+            .unwrap();
+        let xs: Vec<String> = (0..5000).map(|i| format!("item {i}")).collect();
+        assert!(super::render(&list, &minijinja::context! { xs }).is_ok());
     }
 
     #[test]

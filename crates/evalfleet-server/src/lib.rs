@@ -19,6 +19,7 @@ pub mod pages;
 mod sessions;
 mod state;
 
+use std::future::IntoFuture;
 use std::sync::Arc;
 
 use axum::Json;
@@ -77,8 +78,12 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
     api::router().1
 }
 
+/// How long requests in progress at a shutdown have to finish: the server
+/// stops then however busy it is.
+pub const GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Serves [`app`] on `listener` until `shutdown`; requests in progress then
-/// get a few seconds to finish.
+/// get [`GRACE`] to finish, and those still going are dropped.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<AppState>,
@@ -91,7 +96,21 @@ pub async fn serve(
     });
     // Each client's address, for how many wrong keys it may offer.
     let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move { shutdown.cancelled().await })
-        .await
+    let stopping = shutdown.clone();
+    let serving = axum::serve(listener, app)
+        .with_graceful_shutdown(async move { stopping.cancelled().await })
+        .into_future();
+    tokio::select! {
+        served = serving => served,
+        () = async {
+            shutdown.cancelled().await;
+            tokio::time::sleep(GRACE).await;
+        } => {
+            tracing::warn!(
+                "Requests still in progress {} s after the shutdown began were dropped.",
+                GRACE.as_secs()
+            );
+            Ok(())
+        }
+    }
 }

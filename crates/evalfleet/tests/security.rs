@@ -748,3 +748,54 @@ async fn an_allowed_secret_is_sent_only_to_the_hosts_its_operator_named() {
     let theirs = their_heads.lock().unwrap();
     assert!(theirs.is_empty(), "the other host got {theirs:?}");
 }
+
+/// Three nested loops of 100000, which would render for ever.
+const FOREVER: &str = "{% for i in range(100000) %}{% for j in range(100000) %}{% for k in range(100000) %}{{ question }}{% endfor %}{% endfor %}{% endfor %}";
+
+/// A template that would render for ever (issue 38, part 8): a posted
+/// config of a few hundred bytes is refused soon, naming its template, and
+/// SIGTERM stops the server within its grace while another is in progress.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_that_would_render_for_ever_is_refused_soon_and_sigterm_stops_the_server() {
+    let env = Env::new();
+    let (mut server, base) = serve_with(&env, &[], &[]).await;
+    let text = config(&env, 3, "1ms", 1, "").replacen(
+        "content: \"{{ question }}\"",
+        &format!("content: \"{FOREVER}\""),
+        1,
+    );
+    assert!(text.contains(FOREVER) && text.len() < 700, "{text}");
+    let started = std::time::Instant::now();
+    let (status, body) = tokio::time::timeout(
+        Duration::from_secs(60),
+        create(&base, None, json!({"config": text})),
+    )
+    .await
+    .expect("the server answers");
+    assert_eq!(status, 422, "{body}");
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(15), "answered after {took:?}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("task.messages[0].content") && message.contains("steps"),
+        "{message}"
+    );
+    let runs = crate::serve::get(&format!("{base}/api/v1/runs")).await;
+    assert_eq!(runs, json!([]), "no run was registered");
+
+    // Another on its way: SIGTERM stops the server within its grace
+    // (5 s) all the same.
+    let posting = tokio::spawn({
+        let base = base.clone();
+        async move { create(&base, None, json!({"config": text})).await }
+    });
+    // Long enough for the request to be under way, not to wait for it.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    crate::util::signal(&server, "TERM").await;
+    let exited = tokio::time::timeout(Duration::from_secs(10), server.wait())
+        .await
+        .expect("the server stops within its grace")
+        .unwrap();
+    assert!(exited.success() || exited.code().is_some(), "{exited:?}");
+    drop(posting);
+}
