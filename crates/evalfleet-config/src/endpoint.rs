@@ -65,6 +65,12 @@ pub struct EndpointConfig {
     /// process tree is sampled (`telemetry:`) as a local engine's is. Not
     /// a key of the config.
     pub engine_pid: Option<u32>,
+    /// Whether the endpoint's error answers are told by their status and
+    /// reason phrase only, never their body: set for the runs `evalfleet
+    /// serve` answers, whose config came from whoever could reach it (an
+    /// endpoint at an internal address would otherwise have its replies
+    /// read back through the items' errors). Not a key of the config.
+    pub quiet_errors: bool,
 }
 
 /// `role:` what an endpoint is for.
@@ -565,6 +571,7 @@ fn endpoint(
         health: health?,
         load: load?,
         engine_pid: None,
+        quiet_errors: false,
     })
 }
 

@@ -355,6 +355,16 @@ impl Session {
         &self.config
     }
 
+    /// Tells the endpoints' errors without what they wrote (their status
+    /// and reason only): for a run whose config came from a request, so
+    /// that an endpoint at an address the requester cannot reach is not
+    /// read through the items' errors.
+    pub fn quiet_endpoint_errors(&mut self) {
+        for endpoint in &mut self.config.endpoints {
+            endpoint.quiet_errors = true;
+        }
+    }
+
     /// Starts the session's fleet and readies its pipeline; it runs when
     /// [`Launched::run`] is awaited, and stops when `stop` is cancelled.
     pub async fn launch(

@@ -799,3 +799,88 @@ async fn a_template_that_would_render_for_ever_is_refused_soon_and_sigterm_stops
     assert!(exited.success() || exited.code().is_some(), "{exited:?}");
     drop(posting);
 }
+
+/// What an internal service at the endpoint's address replies.
+const INTERNAL_REPLY: &str =
+    r#"{"error": {"message": "internal-reply-5c1d: db=prod password=hunter2"}}"#;
+
+/// An endpoint's error body (issue 38, part 11): a posted config whose
+/// endpoint is an internal service reads nothing of its reply through the
+/// item's error (only the status and its reason); a run of the user's own
+/// still shows the endpoint's message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_posted_run_reads_no_endpoint_error_body_back() {
+    let env = Env::new();
+    let (internal, heads) = recorder(400, INTERNAL_REPLY).await;
+    let base_url = format!("http://127.0.0.1:{internal}/v1");
+    let (_server, base) = serve_with(&env, &[], &[]).await;
+    let text = external_config(&env, 1, &base_url, "rpm: 600");
+    let (status, body) = create(&base, None, json!({"config": text, "run_id": "probe"})).await;
+    assert_eq!(status, 201, "{body}");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let run = crate::serve::get(&format!("{base}/api/v1/runs/probe")).await;
+        if run["counts"]["failed"] == 1 && run["state"] != "running" {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{run}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(!heads.lock().unwrap().is_empty(), "the service was asked");
+    let item = crate::serve::get(&format!("{base}/api/v1/runs/probe/items/item-00000")).await;
+    let error = item.to_string();
+    assert!(error.contains("HTTP 400: Bad Request"), "{item}");
+    let openapi = crate::serve::get(&format!("{base}/api/openapi.json")).await;
+    let mut urls: Vec<String> = openapi["paths"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(path, ops)| ops.get("get").is_some() && !path.contains("{name}"))
+        .map(|(path, _)| {
+            let path = path
+                .replace("{run_id}", "probe")
+                .replace("{item_id}", "item-00000");
+            format!("{base}/api/v1{path}")
+        })
+        .collect();
+    for page in [
+        "/runs/probe",
+        "/runs/probe/items",
+        "/runs/probe/items/item-00000",
+    ] {
+        urls.push(format!("{base}{page}"));
+    }
+    assert!(urls.len() >= 10, "{urls:?}");
+    let mut shown = Vec::new();
+    for url in urls {
+        let body = client()
+            .get(&url)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        shown.push((url, body));
+    }
+    for (url, body) in &shown {
+        assert!(
+            !body.contains("internal-reply-5c1d") && !body.contains("hunter2"),
+            "{url} shows the service's reply: {body}"
+        );
+    }
+
+    // The user's own run tells the endpoint's message, as before.
+    env.write("own.yaml", &text);
+    let own = env
+        .evalfleet(&["run", "own.yaml", "--run-id", "own", "-q"])
+        .await;
+    assert_ne!(own.code, Some(0), "{}", own.stderr);
+    let exported = env.export("own").await;
+    assert!(
+        exported
+            .iter()
+            .any(|row| row.to_string().contains("internal-reply-5c1d")),
+        "{exported:?}"
+    );
+}

@@ -74,6 +74,39 @@ impl CallError {
         }
     }
 
+    /// The same error without anything the endpoint wrote: an error
+    /// answer by its status and reason phrase, a bad response by what was
+    /// wrong, not what it held (a parser's message quotes the values it
+    /// met). For endpoints whose replies are not the reader's to see.
+    #[must_use]
+    pub fn quieted(self) -> Self {
+        match self {
+            Self::Status {
+                status,
+                retry_after,
+                ..
+            } => {
+                let reason = reqwest::StatusCode::from_u16(status)
+                    .ok()
+                    .and_then(|s| s.canonical_reason())
+                    .unwrap_or("error");
+                Self::Status {
+                    status,
+                    message: format!("{reason} (the endpoint's message is not shown)"),
+                    retry_after,
+                }
+            }
+            Self::BadResponse(message) => {
+                let what = message
+                    .split_once(": ")
+                    .map_or(message.as_str(), |(what, _)| what);
+                let what: String = what.chars().take(60).collect();
+                Self::BadResponse(format!("{what} (the endpoint's message is not shown)"))
+            }
+            other => other,
+        }
+    }
+
     pub fn http_status(&self) -> Option<u16> {
         match self {
             Self::Status { status, .. } => Some(*status),
@@ -232,6 +265,34 @@ mod tests {
             ErrorClass::BackPressure
         );
         assert!(!ErrorClass::Fatal.is_retryable());
+    }
+
+    #[test]
+    fn a_quieted_error_tells_nothing_the_endpoint_wrote() {
+        let status = CallError::Status {
+            status: 400,
+            message: "internal reply: db password hunter2".to_owned(),
+            retry_after: Some(Duration::from_secs(3)),
+        }
+        .quieted();
+        assert_eq!(
+            status.to_string(),
+            "HTTP 400: Bad Request (the endpoint's message is not shown)"
+        );
+        assert_eq!(status.class(), ErrorClass::Fatal);
+        assert_eq!(status.retry_after(), Some(Duration::from_secs(3)));
+        let bad = CallError::BadResponse(
+            "not a chat completion: invalid type: string \"hunter2\"".to_owned(),
+        )
+        .quieted();
+        assert_eq!(
+            bad.to_string(),
+            "bad response: not a chat completion (the endpoint's message is not shown)"
+        );
+        assert!(matches!(
+            CallError::Truncated.quieted(),
+            CallError::Truncated
+        ));
     }
 
     #[test]

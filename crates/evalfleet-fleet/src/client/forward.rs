@@ -119,7 +119,8 @@ impl ChatClient {
         let mut head = Some(head);
         let result = self
             .forward_inner(body, stream, &mut head, &mut reading, &mut quota, delivered)
-            .await;
+            .await
+            .map_err(|err| self.told(err));
         if let (Err(_), Some(head)) = (&result, head.take()) {
             // Failed before any byte reached the agent (no response, or one
             // cut before its first chunk).

@@ -110,6 +110,9 @@ pub struct ChatClient {
     stalls: Stalls,
     gaps: std::sync::Arc<Gaps>,
     pulse: std::sync::Arc<Pulse>,
+    /// Errors are told without what the endpoint wrote
+    /// (`EndpointConfig::quiet_errors`).
+    quiet: bool,
 }
 
 impl ChatClient {
@@ -178,6 +181,7 @@ impl ChatClient {
             stalls: Stalls::default(),
             gaps: std::sync::Arc::default(),
             pulse: std::sync::Arc::default(),
+            quiet: endpoint.quiet_errors,
         })
     }
 
@@ -227,7 +231,8 @@ impl ChatClient {
         let mut quota = None;
         let result = self
             .call(messages, images, started, &mut ttft, &mut quota)
-            .await;
+            .await
+            .map_err(|err| self.told(err));
         CallOutcome {
             result,
             timing: Timing {
@@ -298,8 +303,18 @@ impl ChatClient {
         }
     }
 
+    /// `err` as this client tells it: without what the endpoint wrote, when
+    /// its replies are not the reader's to see.
+    pub(crate) fn told(&self, err: CallError) -> CallError {
+        if self.quiet { err.quieted() } else { err }
+    }
+
     /// `GET /models`: the model ids the endpoint serves.
     pub async fn models(&self) -> Result<Vec<String>, CallError> {
+        self.list_models().await.map_err(|err| self.told(err))
+    }
+
+    async fn list_models(&self) -> Result<Vec<String>, CallError> {
         let response = self
             .send(|http| http.get(self.models_url.clone()))
             .await

@@ -152,7 +152,10 @@ impl Control {
     }
 
     /// Answers `session` in the background until it ends or is stopped.
-    fn launch(self: &Arc<Self>, session: Session) {
+    /// Every run this server answers was started or resumed by a request:
+    /// its endpoints' error answers are told by status and reason only.
+    fn launch(self: &Arc<Self>, mut session: Session) {
+        session.quiet_endpoint_errors();
         let run_id = session.run_id.clone();
         let stop = CancellationToken::new();
         self.runs().insert(run_id.clone(), stop.clone());
