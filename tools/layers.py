@@ -51,6 +51,8 @@ CRATES = [
 
 MODULES = {
     "evalfleet-io": [
+        # Where a run's files may be opened from.
+        ["confine"],
         ["dataset", "images"],
         ["template", "fingerprint"],
     ],
@@ -91,6 +93,8 @@ MODULES = {
         # The gateway's routes, which carry their own credentials (items'
         # tokens).
         ["gateway"],
+        # Sign-in sessions and wrong keys counted.
+        ["sessions"],
         # Shared state, and who may ask.
         ["state", "auth"],
         # The JSON API, and the dashboard's pages.
