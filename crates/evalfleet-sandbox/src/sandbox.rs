@@ -58,8 +58,19 @@ use crate::sys::{self, ChildSetup, MountPlan, Namespaces, Rlimits};
 pub const UID_BASE: u32 = 1_900_000_000;
 /// How many uids it may choose from.
 pub const UID_SPAN: u32 = 1 << 20;
-/// Directories where anyone may write, covered inside the mount namespace.
-const SHARED_WRITABLE: [&str; 5] = ["/tmp", "/var/tmp", "/dev/shm", "/dev/mqueue", "/run/lock"];
+/// Directories covered by an empty, read-only file system inside the mount
+/// namespace: where anyone may write, and the host's run-time directories,
+/// where its services' unix sockets are (a socket's file mode, not the
+/// read-only mount, decides who connects: PostgreSQL's and MySQL's let
+/// everyone). `/var/run` is most often a link to `/run`.
+pub const COVERED: [&str; 6] = [
+    "/tmp",
+    "/var/tmp",
+    "/dev/shm",
+    "/dev/mqueue",
+    "/run",
+    "/var/run",
+];
 
 /// What an execution may use.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -111,6 +122,15 @@ pub enum Network {
     /// The loopback, up, on which only the listeners that
     /// [`Sandbox::listen`] makes listen (agents and their gateway).
     Loopback,
+}
+
+/// What a sandbox is made with besides its slots and toolchains.
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    pub network: Network,
+    /// Files and folders under the toolchains (host paths) that programs
+    /// see empty: a store and its folder, beside an agent's program.
+    pub hide: Vec<PathBuf>,
 }
 
 /// What the sandbox enforces on this machine.
@@ -165,9 +185,9 @@ impl Isolation {
                 }
             });
             on.push(if self.read_only {
-                "read-only file system but for its directory, empty /tmp (mount namespace)"
+                "read-only file system but for its directory, empty /tmp and /run (no unix socket of this machine's services) (mount namespace)"
             } else {
-                "empty read-only /tmp, /var/tmp and /dev/shm (mount namespace; the kernel cannot make the rest read-only)"
+                "empty read-only /tmp, /var/tmp, /dev/shm and /run (mount namespace; the kernel cannot make the rest read-only)"
             });
         } else {
             off.push(match network {
@@ -428,7 +448,23 @@ impl Sandbox {
         wanted: Isolation,
         network: Network,
     ) -> std::io::Result<Self> {
+        let options = Options {
+            network,
+            ..Options::default()
+        };
+        Self::with_options(root, slots, toolchains, wanted, options).await
+    }
+
+    /// The same, with `options`.
+    pub async fn with_options(
+        root: &Path,
+        slots: usize,
+        toolchains: &[PathBuf],
+        wanted: Isolation,
+        options: Options,
+    ) -> std::io::Result<Self> {
         use std::os::unix::fs::PermissionsExt;
+        let network = options.network;
         std::fs::create_dir_all(root)?;
         let root = root.canonicalize()?;
         // Programs may pass through to their own directory, not list it.
@@ -453,25 +489,41 @@ impl Sandbox {
                 .zip(&at)
                 .map(|((host, _), at)| (host.as_path(), at.as_path()))
                 .collect();
-            let covered: Vec<&Path> = SHARED_WRITABLE
+            let covered: Vec<&Path> = COVERED
                 .iter()
                 .map(Path::new)
-                .filter(|p| p.is_dir())
+                .filter(|p| std::fs::symlink_metadata(p).is_ok_and(|m| m.is_dir()))
                 .collect();
             // A bound folder's `.env` (where evalfleet's configs keep their
             // secrets) is seen empty.
-            let hidden: Vec<PathBuf> = binds
+            let mut hidden: Vec<PathBuf> = binds
                 .iter()
                 .zip(&at)
                 .filter(|((host, _), _)| host.join(".env").is_file())
                 .map(|(_, at)| at.join(".env"))
                 .collect();
+            // What `options.hide` names, where programs would see it.
+            let mut hidden_dirs = Vec::new();
+            for path in &options.hide {
+                let Some(seen) = binds.iter().zip(&at).find_map(|((host, _), at)| {
+                    path.strip_prefix(host).ok().map(|rest| at.join(rest))
+                }) else {
+                    continue;
+                };
+                match std::fs::symlink_metadata(path) {
+                    Ok(meta) if meta.is_dir() => hidden_dirs.push(seen),
+                    Ok(meta) if meta.is_file() => hidden.push(seen),
+                    _ => {}
+                }
+            }
             let hidden: Vec<&Path> = hidden.iter().map(PathBuf::as_path).collect();
+            let hidden_dirs: Vec<&Path> = hidden_dirs.iter().map(PathBuf::as_path).collect();
             match Namespaces::create(&MountPlan {
                 root: &root,
                 binds: &bind_refs,
                 covered: &covered,
                 hidden: &hidden,
+                hidden_dirs: &hidden_dirs,
                 loopback: network == Network::Loopback,
             }) {
                 Ok(ns) => Some(ns),
@@ -579,7 +631,22 @@ impl Sandbox {
 
     /// What is enforced, in words, the network included.
     pub fn describe(&self) -> String {
-        self.isolation().describe_network(self.network)
+        let mut text = self.isolation().describe_network(self.network);
+        if self.own_pids() {
+            text = text.replacen(
+                "sandbox: ",
+                "sandbox: its own processes only, each ending with evalfleet (PID namespace), ",
+                1,
+            );
+        }
+        text
+    }
+
+    /// Whether programs run in a PID namespace of the sandbox's: they see
+    /// the processes of their own uid only, and every process they start
+    /// ends when evalfleet does, however it ends.
+    pub fn own_pids(&self) -> bool {
+        self.namespaces.as_ref().is_some_and(Namespaces::own_pids)
     }
 
     /// The network its programs were given.

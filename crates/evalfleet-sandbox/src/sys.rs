@@ -49,13 +49,26 @@ pub fn is_root() -> bool {
 }
 
 /// A network namespace with nothing in it (its loopback down, or up where
-/// asked, with nothing listening on it but what [`listen_in`] makes) and a
+/// asked, with nothing listening on it but what [`listen_in`] makes), a
 /// mount namespace in which the whole tree is read-only, the shared
-/// temporary directories are empty, and the sandbox's directory is seen,
-/// writable, at `/mnt`. Made once; every execution enters them.
+/// temporary directories and the host's run-time directories (its unix
+/// sockets) are empty, and the sandbox's directory is seen, writable, at
+/// `/mnt`; and a PID namespace whose `/proc` shows each program only the
+/// processes of its own uid. Made once; every execution enters them.
+///
+/// The PID namespace's first process is a tiny init of ours (see
+/// [`init_main`]): it reaps what programs leave, and ends when the pipe
+/// whose other end only we hold closes: when the sandbox is dropped, or
+/// evalfleet ends however it ends (a SIGKILL included). When it ends the
+/// kernel kills every process of the namespace: nothing a program started
+/// outlives evalfleet, whatever session or process group it went to.
 pub struct Namespaces {
     net: OwnedFd,
     mnt: OwnedFd,
+    /// The PID namespace (`None` where the kernel refused one).
+    pid: Option<OwnedFd>,
+    /// Our end of the init's pipe: closed, the namespace ends.
+    _alive: Option<OwnedFd>,
     /// The tree outside `/mnt` is read-only (`mount_setattr`, Linux 5.12).
     pub read_only: bool,
 }
@@ -70,8 +83,12 @@ pub struct MountPlan<'a> {
     /// Directories covered by an empty, read-only file system.
     pub covered: &'a [&'a Path],
     /// Files (as the namespace sees them, under the binds) covered by an
-    /// empty one: secrets beside a bound folder's programs (`.env`).
+    /// empty one: secrets beside a bound folder's programs (`.env`), a
+    /// store.
     pub hidden: &'a [&'a Path],
+    /// Directories under the binds (as the namespace sees them) covered by
+    /// an empty, read-only file system: a store's folder.
+    pub hidden_dirs: &'a [&'a Path],
     /// Whether the network namespace's loopback is up.
     pub loopback: bool,
 }
@@ -80,15 +97,19 @@ impl Namespaces {
     /// Makes the namespaces with a helper process that sets them up before
     /// its `exec`, keeps handles on them, and ends the helper.
     pub fn create(plan: &MountPlan<'_>) -> io::Result<Self> {
-        match Self::create_with(plan, true) {
-            Ok(ns) => Ok(ns),
+        Self::create_with(plan, true, true)
+            .or_else(|err| {
+                tracing::warn!(
+                    "The sandbox cannot make a PID namespace of its own ({err}): its programs see this machine's processes, and what they start may outlive evalfleet."
+                );
+                Self::create_with(plan, true, false)
+            })
             // A kernel without mount_setattr: the covered directories still
             // keep programs from the places anyone may write.
-            Err(_) => Self::create_with(plan, false),
-        }
+            .or_else(|_| Self::create_with(plan, false, false))
     }
 
-    fn create_with(plan: &MountPlan<'_>, read_only: bool) -> io::Result<Self> {
+    fn create_with(plan: &MountPlan<'_>, read_only: bool, pids: bool) -> io::Result<Self> {
         let root = c_path(plan.root)?;
         let mnt_point = c_path(Path::new("/mnt"))?;
         let slash = c_path(Path::new("/"))?;
@@ -107,10 +128,23 @@ impl Namespaces {
             .iter()
             .map(|p| c_path(p))
             .collect::<io::Result<Vec<_>>>()?;
+        let hidden_dirs = plan
+            .hidden_dirs
+            .iter()
+            .map(|p| c_path(p))
+            .collect::<io::Result<Vec<_>>>()?;
         let dev_null = c"/dev/null";
         let tmpfs = c"tmpfs";
         let tmpfs_options = c"size=4k,mode=755";
         let loopback = plan.loopback;
+        // The init's pipes: its life (our end), its first word (its own).
+        let (alive_init, alive_ours) = pipe()?;
+        let (ready_ours, ready_init) = pipe()?;
+        let (alive_fd, ready_fd, ready_read) = (
+            alive_init.as_raw_fd(),
+            ready_init.as_raw_fd(),
+            ready_ours.as_raw_fd(),
+        );
         let setup = move || -> io::Result<()> {
             // SAFETY: each call gets NUL-terminated strings that live in this
             // closure, or null where the call allows it; none allocates.
@@ -161,7 +195,7 @@ impl Namespaces {
                     attr.attr_clr = libc::MOUNT_ATTR_RDONLY;
                     mount_setattr(&mnt_point, 0, &attr)?;
                 }
-                for dir in &covered {
+                for dir in covered.iter().chain(&hidden_dirs) {
                     check(libc::mount(
                         tmpfs.as_ptr(),
                         dir.as_ptr(),
@@ -169,6 +203,32 @@ impl Namespaces {
                         libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
                         tmpfs_options.as_ptr().cast(),
                     ))?;
+                }
+                if pids {
+                    // The first child from here is the namespace's init; it
+                    // mounts its /proc and says how that went.
+                    check(libc::unshare(libc::CLONE_NEWPID))?;
+                    let init = libc::syscall(
+                        libc::SYS_clone,
+                        libc::c_long::from(libc::SIGCHLD),
+                        0,
+                        0,
+                        0,
+                        0,
+                    );
+                    if init == 0 {
+                        init_main(alive_fd, ready_fd);
+                    }
+                    check(init)?;
+                    libc::close(ready_fd);
+                    let mut word = [0u8; 4];
+                    if libc::read(ready_read, word.as_mut_ptr().cast(), word.len()) != 4 {
+                        return Err(io::Error::other("the sandbox's init ended at once"));
+                    }
+                    let errno = i32::from_ne_bytes(word);
+                    if errno != 0 {
+                        return Err(io::Error::from_raw_os_error(errno));
+                    }
                 }
             }
             Ok(())
@@ -187,26 +247,116 @@ impl Namespaces {
             let file = std::fs::File::open(format!("/proc/{}/ns/{kind}", child.id()))?;
             Ok(OwnedFd::from(file))
         };
-        let fds = open("net").and_then(|net| Ok((net, open("mnt")?)));
+        let fds = open("net").and_then(|net| {
+            let pid = if pids {
+                Some(open("pid_for_children")?)
+            } else {
+                None
+            };
+            Ok((net, open("mnt")?, pid))
+        });
         let _ = child.kill();
         let _ = child.wait();
-        let (net, mnt) = fds?;
+        drop((alive_init, ready_init, ready_ours));
+        let (net, mnt, pid) = fds?;
         Ok(Self {
             net,
             mnt,
+            _alive: pid.is_some().then_some(alive_ours),
+            pid,
             read_only,
         })
     }
 
-    /// The handles a child enters them with: network, mount.
-    pub fn raw(&self) -> (RawFd, RawFd) {
-        (self.net.as_raw_fd(), self.mnt.as_raw_fd())
+    /// The handles a child enters them with: network, mount, PID.
+    pub fn raw(&self) -> Entry {
+        Entry {
+            net: self.net.as_raw_fd(),
+            mnt: self.mnt.as_raw_fd(),
+            pid: self.pid.as_ref().map(AsRawFd::as_raw_fd),
+        }
+    }
+
+    /// Whether programs run in a PID namespace of their own.
+    pub fn own_pids(&self) -> bool {
+        self.pid.is_some()
     }
 
     /// A TCP listener on `127.0.0.1:0` inside the network namespace (whose
     /// loopback must be up): see [`listen_in`].
     pub fn listen(&self) -> io::Result<std::net::TcpListener> {
         listen_in(&self.net)
+    }
+}
+
+/// The namespaces' handles, as a child enters them.
+#[derive(Debug, Clone, Copy)]
+pub struct Entry {
+    pub net: RawFd,
+    pub mnt: RawFd,
+    /// Entered by the spawner thread for its children (a process cannot
+    /// move itself into another PID namespace, only its children).
+    pub pid: Option<RawFd>,
+}
+
+/// A no-op handler: SIGCHLD wakes the init's wait.
+extern "C" fn on_child(_: libc::c_int) {}
+
+/// The PID namespace's init: mounts the namespace's `/proc` (each program
+/// sees the processes of its own uid only: `hidepid=2`), writes 0 (or the
+/// errno that failed) to `ready`, keeps only `alive` open, then reaps
+/// whatever ends in the namespace until `alive` reads its end (the other
+/// end is ours alone, and closes when we end, however we end). Its end
+/// ends the namespace: the kernel kills every process in it.
+///
+/// # Safety
+/// Only in the forked child that is a new PID namespace's first process.
+unsafe fn init_main(alive: RawFd, ready: RawFd) -> ! {
+    // SAFETY: system calls on static strings and local structures only.
+    unsafe {
+        let tell = |errno: i32| {
+            libc::write(ready, errno.to_ne_bytes().as_ptr().cast(), 4);
+        };
+        if libc::mount(
+            c"proc".as_ptr(),
+            c"/proc".as_ptr(),
+            c"proc".as_ptr(),
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            c"hidepid=2".as_ptr().cast(),
+        ) == -1
+        {
+            tell(*libc::__errno_location());
+            libc::_exit(1);
+        }
+        if libc::dup2(alive, 0) == -1 {
+            tell(*libc::__errno_location());
+            libc::_exit(1);
+        }
+        tell(0);
+        // Nothing of ours stays open in it: not our pipes, files, sockets.
+        libc::syscall(libc::SYS_close_range, 1u32, u32::MAX, 0u32);
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = on_child as extern "C" fn(libc::c_int) as libc::sighandler_t;
+        action.sa_flags = libc::SA_NOCLDSTOP;
+        libc::sigaction(libc::SIGCHLD, &raw const action, std::ptr::null_mut());
+        let mut chld: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&raw mut chld);
+        libc::sigaddset(&raw mut chld, libc::SIGCHLD);
+        libc::sigprocmask(libc::SIG_BLOCK, &raw const chld, std::ptr::null_mut());
+        let mut open: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&raw mut open);
+        loop {
+            while libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG | libc::__WALL) > 0 {}
+            let mut fd = libc::pollfd {
+                fd: 0,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SIGCHLD is let through only here, so none is missed.
+            if libc::ppoll(&raw mut fd, 1, std::ptr::null(), &raw const open) > 0 {
+                libc::_exit(0);
+            }
+        }
     }
 }
 
@@ -287,7 +437,7 @@ pub struct Rlimits {
 /// How a child enters the sandbox before it runs its program.
 #[derive(Clone)]
 pub struct ChildSetup {
-    pub namespaces: Option<(RawFd, RawFd)>,
+    pub namespaces: Option<Entry>,
     /// Its working directory, as seen from inside.
     pub cwd: CString,
     pub limits: Option<Rlimits>,
@@ -308,16 +458,16 @@ impl ChildSetup {
         // SAFETY: system calls on strings and numbers prepared before the
         // clone; the namespace handles are open until the exec.
         unsafe {
-            if let Some((net, mnt)) = self.namespaces {
+            if let Some(ns) = self.namespaces {
                 step(
                     Stage::Namespaces,
-                    libc::setns(net, libc::CLONE_NEWNET).into(),
+                    libc::setns(ns.net, libc::CLONE_NEWNET).into(),
                 )?;
                 // Entering a mount namespace moves the working directory to
                 // its root: the chdir comes after.
                 step(
                     Stage::Namespaces,
-                    libc::setns(mnt, libc::CLONE_NEWNS).into(),
+                    libc::setns(ns.mnt, libc::CLONE_NEWNS).into(),
                 )?;
             }
             step(Stage::Directory, libc::chdir(self.cwd.as_ptr()).into())?;
@@ -569,6 +719,15 @@ fn spawn_here(
         above_stdio(stderr_child)?,
         above_stdio(report_child)?,
     );
+    // Its PID namespace is chosen here: the kernel puts a thread's children
+    // in the namespace it last entered. Chosen before each program, so
+    // that none lands in another sandbox's.
+    let own_pids = setup.namespaces.and_then(|ns| ns.pid);
+    if let Some(pid_ns) = own_pids.or_else(host_pid_namespace) {
+        // SAFETY: setns on an open namespace handle; it changes which PID
+        // namespace this thread's next children are made in.
+        check(unsafe { libc::setns(pid_ns, libc::CLONE_NEWPID) })?;
+    }
     let args = ChildArgs {
         setup,
         path: path.as_ptr(),
@@ -580,8 +739,14 @@ fn spawn_here(
             stderr_child.as_raw_fd(),
         ],
         report: report_child.as_raw_fd(),
+        // In a PID namespace of its own, its parent (outside) is pid 0 to
+        // it; one that died would leave it the namespace's init's (1).
         // SAFETY: getpid has no preconditions and cannot fail.
-        parent: unsafe { libc::getpid() },
+        parent: if own_pids.is_some() {
+            0
+        } else {
+            unsafe { libc::getpid() }
+        },
     };
     // SAFETY: `child_main` reads only `args`, which lives until the child
     // has called exec or exited.
@@ -626,6 +791,20 @@ fn spawn_here(
         stdout: stdout_ours,
         stderr: stderr_ours,
     })
+}
+
+/// A handle on our own PID namespace, where programs without one of their
+/// own are made (`None` where it cannot be opened: then no sandbox could
+/// have made one either).
+fn host_pid_namespace() -> Option<RawFd> {
+    static HOST: std::sync::OnceLock<Option<OwnedFd>> = std::sync::OnceLock::new();
+    HOST.get_or_init(|| {
+        std::fs::File::open("/proc/self/ns/pid")
+            .ok()
+            .map(OwnedFd::from)
+    })
+    .as_ref()
+    .map(AsRawFd::as_raw_fd)
 }
 
 /// How a child ended (its exit code, or the signal that ended it), once

@@ -258,7 +258,12 @@ async fn orphan_helper() {
         let read = |name: &str| std::fs::read_to_string(dir.path().join(name)).ok();
         loop {
             if let (Some(pid), Some(grandchild)) = (read("pid"), read("grandchild")) {
-                println!("PIDS {} {} {uid}", pid.trim(), grandchild.trim());
+                // As the program saw them (in its PID namespace, if any):
+                // here, as this machine sees them.
+                let pid = host_pid(pid.trim().parse().unwrap(), uid);
+                let grandchild = host_pid(grandchild.trim().parse().unwrap(), uid);
+                let own_pids = u32::from(sandbox.own_pids());
+                println!("PIDS {pid} {grandchild} {uid} {own_pids}");
                 break;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -269,6 +274,31 @@ async fn orphan_helper() {
         _ = run => panic!("the program ended before it was killed"),
         () = report => {}
     }
+}
+
+/// The pid on this machine of the process of `uid` whose pid in its own
+/// PID namespace is `inside` (the last of its status's `NSpid`).
+fn host_pid(inside: u32, uid: u32) -> u32 {
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(status) = std::fs::read_to_string(entry.path().join("status")) else {
+            continue;
+        };
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .map(|v| v.split_whitespace().map(str::to_owned).collect::<Vec<_>>())
+                .unwrap_or_default()
+        };
+        let (ns_pids, uids) = (field("NSpid:"), field("Uid:"));
+        if uids.first().map(String::as_str) == Some(&uid.to_string())
+            && ns_pids.last().map(String::as_str) == Some(&inside.to_string())
+            && let Some(host) = ns_pids.first()
+        {
+            return host.parse().unwrap();
+        }
+    }
+    panic!("no process of uid {uid} is pid {inside} in its namespace");
 }
 
 /// Whether process `pid` is gone (or a zombie: dead, not yet reaped).
@@ -315,12 +345,20 @@ async fn no_agent_outlives_a_killed_evalfleet() {
         .skip(1)
         .map(|n| n.parse().unwrap())
         .collect();
-    let (child, grandchild, uid) = (numbers[0], numbers[1], numbers[2]);
+    let (child, grandchild, uid, own_pids) = (numbers[0], numbers[1], numbers[2], numbers[3]);
     assert!(!gone(child) && !gone(grandchild));
     // As SIGKILL by the kernel or a user's kill -9: nothing of ours runs.
     helper.kill().unwrap();
     helper.wait().unwrap();
     assert!(wait_gone(child).await, "the program {child} outlived us");
+    if own_pids == 1 {
+        // The sandbox's PID namespace ended with us, and all in it.
+        assert!(
+            wait_gone(grandchild).await,
+            "the grandchild {grandchild} outlived us"
+        );
+        return;
+    }
 
     // Its grandchild (PR_SET_PDEATHSIG is not inherited) is ended when its
     // uid is next claimed (or used: the new sandbox's probe may run as

@@ -1234,3 +1234,223 @@ async fn agents_that_all_fail_alike_stop_the_run_naming_it() {
         "it stopped before failing every item: {counts:?}"
     );
 }
+
+/// An agent that tries one wall (`WALL`) and prints what it found as JSON
+/// (issue 38): the host's unix sockets, its /proc, a store under the
+/// config's folder, children that outlive it, the disk, the gateway's cap.
+const WALLS_AGENT: &str = r#"
+import errno, json, os, socket, subprocess, sys, time, urllib.error, urllib.request
+item = json.load(sys.stdin)
+out = {}
+here = os.path.dirname(os.path.abspath(__file__))
+def err(e):
+    return errno.errorcode.get(e.errno, str(e))
+def unix(path, say):
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(5)
+    try:
+        s.connect(path)
+        s.sendall(say)
+        return "talked: " + s.recv(64).decode(errors="replace")
+    except OSError as e:
+        return err(e)
+    finally:
+        s.close()
+wall = os.environ["WALL"]
+if wall == "sockets":
+    # PostgreSQL's SSLRequest: it answers one byte, S or N.
+    out["postgres"] = unix("/var/run/postgresql/.s.PGSQL.5432", b"\0\0\0\x08\x04\xd2\x16\x2f")
+    out["planted"] = unix(os.environ["PLANTED"], b"ping")
+    out["run"] = sorted(os.listdir("/run"))
+elif wall == "proc":
+    mine, seen = os.getuid(), []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                cmd = open("/proc/%s/cmdline" % p, "rb").read().replace(b"\0", b" ").decode(errors="replace")
+                seen.append((os.stat("/proc/" + p).st_uid, cmd))
+            except OSError:
+                pass
+    out["others"] = [c for (u, c) in seen if u != mine]
+    out["mine"] = len(seen)
+    out["marker"] = any(os.environ["MARKER"] in c for (_, c) in seen)
+elif wall == "store":
+    for name in ["evalfleet.db", "evalfleet.db-wal"]:
+        try:
+            data = open(os.path.join(here, "runs", name), "rb").read(16)
+            out[name] = "read %d bytes" % len(data)
+        except OSError as e:
+            out[name] = err(e)
+    try:
+        out["listing"] = os.listdir(os.path.join(here, "runs"))
+    except OSError as e:
+        out["listing"] = err(e)
+elif wall == "children":
+    marker = os.environ["MARKER"]
+    sleeper = lambda how: [sys.executable, "-c", "import time; time.sleep(600)", marker + "-" + how]
+    subprocess.Popen(sleeper("plain"))
+    subprocess.Popen(sleeper("setsid"), start_new_session=True)
+    if os.fork() == 0:
+        if os.fork() == 0:
+            os.setsid()
+            os.execv(sys.executable, sleeper("daemon"))
+        os._exit(0)
+    time.sleep(600)
+elif wall == "disk":
+    written = 0
+    try:
+        for i in range(1000):
+            with open("fill-%d" % i, "wb") as f:
+                for _ in range(8):
+                    f.write(b"\1" * (1 << 20))
+                    written += 1
+    except OSError as e:
+        sys.stderr.write("cannot write past %d MiB: %s\n" % (written, err(e)))
+        sys.exit(4)
+    out["written_mib"] = written
+elif wall == "body":
+    base = os.environ["OPENAI_BASE_URL"]
+    size = int(os.environ["BODY_MIB"]) << 20
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * size + b'"}]}'
+    req = urllib.request.Request(base + "/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            out["status"] = r.status
+    except urllib.error.HTTPError as e:
+        out["status"] = e.code
+        out["error"] = json.load(e).get("error", {}).get("message", "")
+print(json.dumps(out))
+"#;
+
+/// Runs the walls agent once with `WALL=wall` and `env` (YAML pairs); the
+/// finished run.
+async fn try_wall(env: &Env, wall: &str, extra_env: &str) -> crate::util::Ran {
+    let server = mock(MockSettings::default()).await;
+    let endpoints = external_with("m", &server, 4, "");
+    env.write("walls.py", WALLS_AGENT);
+    let dataset = env.write("one.jsonl", "{\"id\": \"x\", \"question\": \"walls\"}\n");
+    let config = env.write(
+        "walls.yaml",
+        &format!(
+            "name: walls\n\
+             dataset: {{ path: {}, id_field: id }}\n\
+             endpoints:\n{endpoints}\n\
+             retry: {{ max_attempts: 1 }}\n\
+             task:\n  kind: exec\n  command: /usr/bin/python3 walls.py\n  timeout: 60s\n  \
+             env: {{ WALL: {wall}{extra_env} }}\n",
+            dataset.display(),
+        ),
+    );
+    env.evalfleet(&["run", config.to_str().unwrap(), "-y"])
+        .await
+}
+
+/// The walls agent's report: its output, as JSON.
+async fn wall_report(env: &Env, ran: &crate::util::Ran) -> Value {
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let rows = env.export(&ran.run_id()).await;
+    serde_json::from_str(rows[0]["output"].as_str().unwrap()).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_reaches_no_unix_socket_of_the_host() {
+    if !sandboxed() {
+        return;
+    }
+    let env = Env::new();
+    // A listener of the host's, under /run, that answers whoever connects.
+    let planted = PathBuf::from(format!(
+        "/run/evalfleet-walls-{}.sock",
+        env.dir.path().file_name().unwrap().to_string_lossy()
+    ));
+    let _ = std::fs::remove_file(&planted);
+    let listener = std::os::unix::net::UnixListener::bind(&planted).unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&planted, std::fs::Permissions::from_mode(0o777)).unwrap();
+    }
+    std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        for mut conn in listener.incoming().flatten() {
+            let mut buf = [0u8; 4];
+            let _ = conn.read(&mut buf);
+            let _ = conn.write_all(b"pong");
+        }
+    });
+    let ran = try_wall(
+        &env,
+        "sockets",
+        &format!(", PLANTED: \"{}\"", planted.display()),
+    )
+    .await;
+    let out = wall_report(&env, &ran).await;
+    let _ = std::fs::remove_file(&planted);
+    assert_eq!(out["planted"], "ENOENT", "{out}");
+    assert_eq!(out["run"], serde_json::json!([]), "{out}");
+    // The machine's PostgreSQL, where it runs (its socket trusts local
+    // users), is as far out of reach.
+    if Path::new("/var/run/postgresql/.s.PGSQL.5432").exists() {
+        assert_eq!(out["postgres"], "ENOENT", "{out}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_sees_only_its_own_processes() {
+    if !sandboxed() {
+        return;
+    }
+    let env = Env::new();
+    // A process of the host's whose command line holds a secret.
+    let marker = format!("--api-key=sk-{}", agent_name(&env));
+    let mut host = std::process::Command::new("/bin/sh")
+        .args(["-c", "sleep 600; :", &marker])
+        .spawn()
+        .unwrap();
+    let ran = try_wall(&env, "proc", &format!(", MARKER: \"{marker}\"")).await;
+    let _ = host.kill();
+    let _ = host.wait();
+    let out = wall_report(&env, &ran).await;
+    assert_eq!(out["marker"], false, "{out}");
+    assert_eq!(out["others"], serde_json::json!([]), "{out}");
+    // Itself, at least.
+    assert!(out["mine"].as_u64().unwrap() >= 1, "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_an_agent_started_outlives_a_killed_run() {
+    if !sandboxed() {
+        return;
+    }
+    let env = Env::new();
+    let server = mock(MockSettings::default()).await;
+    let endpoints = external_with("m", &server, 4, "");
+    env.write("walls.py", WALLS_AGENT);
+    let dataset = env.write("one.jsonl", "{\"id\": \"x\", \"question\": \"walls\"}\n");
+    let marker = format!("walls-{}", agent_name(&env));
+    let config = env.write(
+        "walls.yaml",
+        &format!(
+            "name: walls\n\
+             dataset: {{ path: {}, id_field: id }}\n\
+             endpoints:\n{endpoints}\n\
+             task:\n  kind: exec\n  command: /usr/bin/python3 walls.py\n  timeout: 600s\n  \
+             env: {{ WALL: children, MARKER: {marker} }}\n",
+            dataset.display(),
+        ),
+    );
+    let mut child = env.spawn(&["run", config.to_str().unwrap(), "-y"]);
+    // A plain child, one in a session of its own, and a daemon (double
+    // fork, setsid): their command lines end in the marker and how.
+    wait_until(ms(60_000), "the agent's three children run", || {
+        ["plain", "setsid", "daemon"]
+            .iter()
+            .all(|how| !processes_with(&format!("{marker}-{how}")).is_empty())
+    })
+    .await;
+    signal(&child, "KILL").await;
+    let _ = child.wait().await;
+    wait_until(ms(10_000), "no process of the agent's is left", || {
+        processes_with(&marker).is_empty()
+    })
+    .await;
+}

@@ -244,7 +244,7 @@ fn given_as(
 
 /// Folders each agent has a private, empty copy of (the sandbox's mount
 /// namespace covers them): a host path under one is not seen.
-const PRIVATE_TO_AGENTS: [&str; 4] = ["/tmp", "/var/tmp", "/dev/shm", "/run/lock"];
+const PRIVATE_TO_AGENTS: [&str; 6] = evalfleet_sandbox::sandbox::COVERED;
 
 /// Why the agents cannot run `command` (found before the first item), if
 /// they cannot: its program, or a file it names by absolute path, is under
