@@ -318,6 +318,9 @@ pub struct SessionPlan {
     pub retry_failed: bool,
     /// Where the code judge's sandboxes go.
     pub sandbox_dir: std::path::PathBuf,
+    /// What the run's agents must not see, wherever it lies: the store
+    /// (its file and its folder) and the response cache.
+    pub hidden: Vec<std::path::PathBuf>,
     /// Where a conversation's decisions go when a trainer takes them
     /// (`evalfleet env`).
     pub gym: Option<Arc<task::conversation::gym::Gym>>,
@@ -458,6 +461,7 @@ async fn session(
         &plan.config,
         plan.templates.clone(),
         &plan.sandbox_dir,
+        &plan.hidden,
         used_topics,
         plan.gym.clone(),
         agents,

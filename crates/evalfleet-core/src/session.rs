@@ -22,6 +22,26 @@ use tracing::Instrument;
 
 pub use crate::error::SessionError;
 use crate::frontend::{Frontend, UsageError, sandbox_dir, store_location, validate_run_id};
+
+/// What a run's agents must not see: the store's folder (where its runs'
+/// logs and sandboxes are too), the store's files (its folder may be the
+/// agent's own), and the response cache's.
+fn hidden_from_agents(location: &Location, config: &config::Config) -> Vec<std::path::PathBuf> {
+    let mut hidden = vec![location.dir()];
+    let mut files = Vec::new();
+    if let Location::Sqlite(path) = location {
+        files.push(path.clone());
+    }
+    files.extend(config.cache.path.clone());
+    for file in files {
+        for suffix in ["", "-wal", "-shm", "-journal"] {
+            let mut name = file.clone().into_os_string();
+            name.push(suffix);
+            hidden.push(name.into());
+        }
+    }
+    hidden
+}
 use crate::run::{self, SessionPlan, SessionReport};
 use crate::{preflight, sheet};
 
@@ -401,6 +421,7 @@ impl Session {
             None => (None, None),
         };
         let mut fleet = Fleet::new(&config, options);
+        let hidden = hidden_from_agents(&location, &config);
         let plan = SessionPlan {
             run_id: run_id.clone(),
             config: Arc::new(config),
@@ -409,6 +430,7 @@ impl Session {
             fleet: fleet.handle(),
             retry_failed,
             sandbox_dir: sandbox_dir(&location, &run_id),
+            hidden,
             gym: gym.clone(),
             gateway_host: frontend.gateway.clone(),
             on_result,

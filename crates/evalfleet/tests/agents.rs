@@ -1454,3 +1454,53 @@ async fn nothing_an_agent_started_outlives_a_killed_run() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_cannot_open_a_store_under_its_config_folder() {
+    if !sandboxed() {
+        return;
+    }
+    // The default store, runs/evalfleet.db, run from the agent's folder:
+    // inside the folder bound into every agent.
+    let env = Env::new();
+    let ran = try_wall(&env, "store", "").await;
+    assert!(env.store_path().is_file());
+    let out = wall_report(&env, &ran).await;
+    assert_eq!(out["evalfleet.db"], "ENOENT", "{out}");
+    assert_eq!(out["evalfleet.db-wal"], "ENOENT", "{out}");
+    assert_eq!(out["listing"], serde_json::json!([]), "{out}");
+    // A store of its own name right in the config's folder: its file is
+    // seen empty.
+    let env = Env::new();
+    let server = mock(MockSettings::default()).await;
+    let endpoints = external_with("m", &server, 4, "");
+    env.write("walls.py", &WALLS_AGENT.replace("\"runs\", name", "name"));
+    let dataset = env.write("one.jsonl", "{\"id\": \"x\", \"question\": \"walls\"}\n");
+    let config = env.write(
+        "walls.yaml",
+        &format!(
+            "name: walls\n\
+             dataset: {{ path: {}, id_field: id }}\n\
+             endpoints:\n{endpoints}\n\
+             task:\n  kind: exec\n  command: /usr/bin/python3 walls.py\n  \
+             env: {{ WALL: store }}\n",
+            dataset.display(),
+        ),
+    );
+    let ran = env
+        .evalfleet(&[
+            "run",
+            config.to_str().unwrap(),
+            "--store",
+            "evalfleet.db",
+            "-y",
+        ])
+        .await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let store = env.path("evalfleet.db");
+    let mut opened = evalfleet_store::SqliteStore::open_existing(&store).unwrap();
+    let item = opened.item(&ran.run_id(), "x").unwrap().unwrap();
+    let out: Value = serde_json::from_str(item.row.output.as_deref().unwrap()).unwrap();
+    // Opened, it reads nothing: /dev/null is bound over it.
+    assert_eq!(out["evalfleet.db"], "read 0 bytes", "{out}");
+}

@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use evalfleet_sandbox::sandbox::{Ended, Execution, Isolation, Limits, Network, Sandbox};
+use evalfleet_sandbox::sandbox::{Ended, Execution, Isolation, Limits, Network, Options, Sandbox};
 use evalfleet_types::{AgentCall, AttemptRecord, ErrorClass, RetryPolicy, Telemetry, ms, unix_ms};
 use serde_json::Value;
 
@@ -114,7 +114,9 @@ pub enum ExecError {
 
 impl Exec {
     /// Makes the sandbox (under `sandbox_dir`) and serves `gateway` in it
-    /// with `host`.
+    /// with `host`. What of `hidden` (the store, its folder, the response
+    /// cache) lies in the config's folder, which agents see, they see
+    /// empty.
     pub async fn start(
         settings: &ExecSettings,
         retry: RetryPolicy,
@@ -122,6 +124,7 @@ impl Exec {
         gateway: Arc<Gateway>,
         host: &dyn GatewayHost,
         sandbox_dir: &std::path::Path,
+        hidden: &[PathBuf],
     ) -> Result<Self, ExecError> {
         let dir = sandbox_dir.join(format!("agents-{}", std::process::id()));
         // The config's folder is bound read-only for the agents (they may
@@ -140,12 +143,23 @@ impl Exec {
                 own_uids: true,
             },
         };
-        let sandbox = Sandbox::with_network(
+        // The store's folder is made now (the sandbox's is in it), so that
+        // it is found where the agents would see it.
+        let _ = std::fs::create_dir_all(&dir);
+        let hide = hidden
+            .iter()
+            .filter_map(|path| path.canonicalize().ok())
+            .filter(|path| path.starts_with(&agent_dir) && *path != agent_dir)
+            .collect();
+        let sandbox = Sandbox::with_options(
             &dir,
             settings.concurrency,
             std::slice::from_ref(&agent_dir),
             wanted,
-            Network::Loopback,
+            Options {
+                network: Network::Loopback,
+                hide,
+            },
         )
         .await
         .map_err(|source| ExecError::Sandbox {

@@ -266,6 +266,7 @@ pub async fn start(
     config: &Config,
     templates: Arc<Templates>,
     sandbox_dir: &std::path::Path,
+    hidden: &[std::path::PathBuf],
     used_topics: Vec<String>,
     gym: Option<Arc<conversation::gym::Gym>>,
     gateway: Option<Agents>,
@@ -327,6 +328,7 @@ pub async fn start(
                     agents.gateway,
                     &*agents.host,
                     sandbox_dir,
+                    hidden,
                 )
                 .await?,
             )
