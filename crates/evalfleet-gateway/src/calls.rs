@@ -45,7 +45,10 @@ impl Gateway {
             request_cut: asked.body.len() > evalfleet_types::BODY_KEPT,
             ..AgentCall::default()
         };
-        if let Some(refused) = grant.over_budget(index) {
+        if let Some(refused) = grant
+            .too_large(asked.body.len())
+            .or_else(|| grant.over_budget(index))
+        {
             return self.refuse(&grant, record, refused);
         }
         let body = match serde_json::from_slice::<Value>(&asked.body) {

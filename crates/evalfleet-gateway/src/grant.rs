@@ -25,6 +25,8 @@ pub struct Grant {
     pub(crate) opened: Instant,
     pub(crate) next_index: AtomicU32,
     pub(crate) tokens: AtomicU64,
+    /// Bytes of request bodies sent so far.
+    pub(crate) sent: AtomicU64,
     pub(crate) calls: Mutex<Vec<AgentCall>>,
     /// Calls under way (their records not yet kept), and a wake-up when
     /// one ends.
@@ -135,6 +137,33 @@ impl Grant {
         None
     }
 
+    /// The refusal of a request body of `len` bytes: past
+    /// [`crate::BODY_LIMIT`], or past [`crate::ATTEMPT_BODY_LIMIT`] with
+    /// the attempt's earlier ones.
+    pub(crate) fn too_large(&self, len: usize) -> Option<GatewayError> {
+        let refuse = |what: String| {
+            Some(
+                GatewayError::new(413, "invalid_request_error", "request_too_large", what).final_(),
+            )
+        };
+        if len > crate::BODY_LIMIT {
+            return refuse(format!(
+                "The request body is {:.1} MiB: the gateway takes at most {} MiB.",
+                len as f64 / f64::from(1 << 20),
+                crate::BODY_LIMIT >> 20
+            ));
+        }
+        let len = len as u64;
+        let sent = self.sent.fetch_add(len, Ordering::AcqRel) + len;
+        if sent > crate::ATTEMPT_BODY_LIMIT {
+            return refuse(format!(
+                "This item's requests came to more than {} MiB: the gateway takes no more from it.",
+                crate::ATTEMPT_BODY_LIMIT >> 20
+            ));
+        }
+        None
+    }
+
     /// A call ended: its record is kept and its tokens counted.
     pub(crate) fn ended(&self, record: AgentCall) {
         let tokens = record.telemetry.prompt_tokens.unwrap_or(0)
@@ -173,6 +202,7 @@ impl Gateway {
             opened: Instant::now(),
             next_index: AtomicU32::new(0),
             tokens: AtomicU64::new(0),
+            sent: AtomicU64::new(0),
             calls: Mutex::new(Vec::new()),
             in_flight: AtomicU32::new(0),
             settled: tokio::sync::Notify::new(),

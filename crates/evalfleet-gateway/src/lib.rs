@@ -38,6 +38,15 @@ use evalfleet_fleet::Endpoint;
 use evalfleet_fleet::client::{Api, Head};
 use evalfleet_fleet::runtime::FleetHandle;
 use routes::Routes;
+
+/// The largest request body the gateway takes (413 past it): a model's
+/// request, images inlined, fits; what an agent sends is held in memory
+/// while its call is made.
+pub const BODY_LIMIT: usize = 16 << 20;
+
+/// The request bodies one attempt may send in all (413 past it): agents
+/// running at once cannot take the run's memory with them.
+pub const ATTEMPT_BODY_LIMIT: u64 = 256 << 20;
 use token::Keys;
 
 pub use cache::{CacheGet, CacheLink, CachePut};

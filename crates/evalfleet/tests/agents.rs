@@ -1504,3 +1504,20 @@ async fn an_agent_cannot_open_a_store_under_its_config_folder() {
     // Opened, it reads nothing: /dev/null is bound over it.
     assert_eq!(out["evalfleet.db"], "read 0 bytes", "{out}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_body_past_the_gateways_cap_is_refused_with_413() {
+    let env = Env::new();
+    let ran = try_wall(&env, "body", ", BODY_MIB: \"17\"").await;
+    let out = wall_report(&env, &ran).await;
+    assert_eq!(out["status"], 413, "{out}");
+    assert!(
+        out["error"].as_str().unwrap().contains("at most 16 MiB"),
+        "{out}"
+    );
+    // Just under it, the call is made.
+    let env = Env::new();
+    let ran = try_wall(&env, "body", ", BODY_MIB: \"15\"").await;
+    let out = wall_report(&env, &ran).await;
+    assert_eq!(out["status"], 200, "{out}");
+}
