@@ -21,9 +21,9 @@ use evalfleet_fleet::client::{Api, Head};
 use evalfleet_gateway::{Answer, Asked, Gateway, GatewayError, token};
 use tokio_util::sync::CancellationToken;
 
-/// The largest request body an agent may send (images inlined as data
-/// URLs are large).
-const BODY_LIMIT: usize = 64 << 20;
+/// The largest request body an agent may send: the gateway's own cap, read
+/// no further.
+const BODY_LIMIT: usize = evalfleet_gateway::BODY_LIMIT;
 
 /// The gateways a server answers for, by run.
 #[derive(Default)]
