@@ -57,6 +57,9 @@ pub struct ExecSettings {
     pub timeout: Duration,
     /// Programs running at once.
     pub concurrency: usize,
+    /// `task.memory_mb`: what one run may use, all its processes together
+    /// where the sandbox has memory cgroups.
+    pub memory_mb: u64,
     pub network: AgentNetwork,
     /// More environment variables for the program.
     pub env: Vec<(String, String)>,
@@ -103,6 +106,7 @@ pub struct RawExec {
     pub input: Option<Value>,
     pub timeout: Option<String>,
     pub concurrency: Option<u32>,
+    pub memory_mb: Option<u64>,
     pub network: Option<String>,
     pub env: Option<serde_json::Map<String, Value>>,
     pub budget: Option<Value>,
@@ -118,6 +122,7 @@ impl RawExec {
             ("input", self.input.is_some()),
             ("timeout", self.timeout.is_some()),
             ("concurrency", self.concurrency.is_some()),
+            ("memory_mb", self.memory_mb.is_some()),
             ("network", self.network.is_some()),
             ("env", self.env.is_some()),
             ("budget", self.budget.is_some()),
@@ -220,6 +225,14 @@ pub(super) fn exec(raw: RawExec, dir: &Path, p: &mut Problems<'_>) -> Option<Exe
             format!("must be between 1 and 4096, got {n}"),
         ),
     };
+    let memory_mb = match raw.memory_mb {
+        None => Some(16 * 1024),
+        Some(n) if n >= 64 => Some(n),
+        Some(n) => p.push(
+            "task.memory_mb",
+            format!("must be at least 64 (MiB), got {n}"),
+        ),
+    };
     let network = match raw.network.as_deref() {
         None | Some("gateway") => Some(AgentNetwork::Gateway),
         Some("open") => Some(AgentNetwork::Open),
@@ -290,6 +303,7 @@ pub(super) fn exec(raw: RawExec, dir: &Path, p: &mut Problems<'_>) -> Option<Exe
         fields: fields?,
         timeout: timeout?,
         concurrency: concurrency?,
+        memory_mb: memory_mb?,
         network: network?,
         env,
         budget: budget?,

@@ -204,6 +204,12 @@ pub struct RawTask {
     pub timeout: Option<String>,
     /// `kind: exec`: programs running at once, 1 to 4096. Default 16.
     pub concurrency: Option<u32>,
+    /// `kind: exec`: the memory, in MiB, that one run of the program may
+    /// use, its processes (children, daemons) all together where evalfleet
+    /// can make a memory cgroup per slot (as root; else each process
+    /// alone); past it the kernel kills one and the attempt fails. At least
+    /// 64. Default 16384.
+    pub memory_mb: Option<u64>,
     /// `kind: exec`: what the program may reach: `gateway` (the run's
     /// gateway and nothing else: a network namespace of the sandbox whose
     /// loopback only the gateway listens on; the file system read-only but

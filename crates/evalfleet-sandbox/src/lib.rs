@@ -3,6 +3,7 @@
 //! in a sandbox on this machine or on a SandboxFusion server, and judged:
 //! a verdict per test, one per problem.
 
+pub mod cgroup;
 pub mod code;
 pub mod fusion;
 pub mod judge;

@@ -217,6 +217,9 @@ pub enum Ended {
     CpuLimit,
     /// Past the wall-clock limit.
     TimedOut,
+    /// Its processes together went past the memory of their slot's group
+    /// ([`Sandbox::limit_memory`]): the kernel killed one of them.
+    MemoryLimit,
     /// Wrote more than `output_bytes`.
     OutputLimit,
 }
@@ -256,6 +259,9 @@ pub struct Sandbox {
     /// Toolchain directories bound into the mount namespace: host path and
     /// the path programs see.
     binds: Vec<(PathBuf, PathBuf)>,
+    /// A memory cgroup per slot's uid, when one limit holds for all the
+    /// processes of an execution together ([`Sandbox::limit_memory`]).
+    memory: Option<std::collections::HashMap<u32, crate::cgroup::Group>>,
 }
 
 impl Drop for Sandbox {
@@ -577,6 +583,7 @@ impl Sandbox {
             uids,
             slots: Semaphore::new(slots),
             binds,
+            memory: None,
         };
         // What the kernel refused only shows when a program runs: drop the
         // parts that keep a trivial one from running, saying so.
@@ -630,6 +637,25 @@ impl Sandbox {
     }
 
     /// What is enforced, in words, the network included.
+    /// One limit of `bytes` for all the processes of an execution together
+    /// (its children, daemons and new sessions included), with a memory
+    /// cgroup per slot. Why not, where groups cannot be made (not root, no
+    /// memory controller evalfleet may use): each process then has only
+    /// its own `RLIMIT_AS`.
+    pub fn limit_memory(&mut self, bytes: u64) -> Result<(), String> {
+        let Some(pool) = &self.uids else {
+            return Err("the sandbox has no users of its own (evalfleet is not root)".to_owned());
+        };
+        let uids: Vec<u32> = pool
+            .lock()
+            .map_err(|_| "the sandbox's users are poisoned".to_owned())?
+            .iter()
+            .map(|(uid, _)| *uid)
+            .collect();
+        self.memory = Some(crate::cgroup::groups(&uids, bytes)?.into_iter().collect());
+        Ok(())
+    }
+
     pub fn describe(&self) -> String {
         let mut text = self.isolation().describe_network(self.network);
         if self.own_pids() {
@@ -783,7 +809,14 @@ impl Slot<'_> {
             environment.retain(|e| !e.as_bytes().starts_with(prefix.as_bytes()));
             environment.push(cstring(format!("{prefix}{value}").as_bytes())?);
         }
+        // Its slot's memory group, and the kills the kernel made in it so
+        // far: one more by the end is this execution's.
+        let group = self
+            .uid()
+            .and_then(|uid| self.sandbox.memory.as_ref()?.get(&uid));
+        let kills_before = group.map(crate::cgroup::Group::oom_kills);
         let setup = ChildSetup {
+            cgroup: group.map(crate::cgroup::Group::procs_fd),
             namespaces: self.sandbox.namespaces.as_ref().map(Namespaces::raw),
             cwd: cstring(inside)?,
             limits: Some(Rlimits {
@@ -875,6 +908,12 @@ impl Slot<'_> {
         };
         reaper.reap();
         process.reap(&exit).await;
+        // A process of the execution killed for the group's memory: the
+        // execution went past it, however it ended.
+        let ended = match (group, kills_before) {
+            (Some(group), Some(before)) if group.oom_kills() > before => Ended::MemoryLimit,
+            _ => ended,
+        };
         Ok(Execution {
             ended,
             stdout,

@@ -437,6 +437,8 @@ pub struct Rlimits {
 /// How a child enters the sandbox before it runs its program.
 #[derive(Clone)]
 pub struct ChildSetup {
+    /// A memory cgroup's `cgroup.procs` it enters first.
+    pub cgroup: Option<RawFd>,
     pub namespaces: Option<Entry>,
     /// Its working directory, as seen from inside.
     pub cwd: CString,
@@ -458,6 +460,11 @@ impl ChildSetup {
         // SAFETY: system calls on strings and numbers prepared before the
         // clone; the namespace handles are open until the exec.
         unsafe {
+            if let Some(fd) = self.cgroup
+                && !enter_cgroup(fd)
+            {
+                return Err(Stage::Namespaces);
+            }
             if let Some(ns) = self.namespaces {
                 step(
                     Stage::Namespaces,
@@ -976,4 +983,27 @@ pub fn try_lock(fd: RawFd) -> io::Result<bool> {
     } else {
         Err(err)
     }
+}
+
+/// Writes the calling process's pid to `fd` (a group's `cgroup.procs`),
+/// with no allocation: for a child between its fork and its `exec`.
+///
+/// # Safety
+/// `fd` is open.
+unsafe fn enter_cgroup(fd: RawFd) -> bool {
+    let mut digits = [0u8; 20];
+    // SAFETY: getpid cannot fail.
+    let mut pid = unsafe { libc::getpid() } as u64;
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (pid % 10) as u8;
+        pid /= 10;
+        if pid == 0 {
+            break;
+        }
+    }
+    let text = &digits[at..];
+    // SAFETY: a write of a buffer of ours to an open descriptor.
+    unsafe { libc::write(fd, text.as_ptr().cast(), text.len()) == text.len() as isize }
 }

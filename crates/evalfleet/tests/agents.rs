@@ -471,6 +471,54 @@ async fn a_program_the_agents_cannot_reach_is_refused_before_the_first_item() {
     assert_eq!(ran.code, Some(0), "{}", ran.stderr);
 }
 
+/// One memory limit holds for all the processes of a run of an agent: three
+/// children of 150 MiB each go past `task.memory_mb: 300` together (each
+/// alone is well within it), the kernel kills one, and the attempt fails
+/// saying why; with room for them, the same agent answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agents_processes_together_are_held_to_its_memory() {
+    if !sandboxed() {
+        return;
+    }
+    let env = Env::new();
+    env.write(
+        "hungry.py",
+        "import json, subprocess, sys\n\
+         json.load(sys.stdin)\n\
+         code = 'b = bytearray(150 << 20)\\nfor i in range(0, len(b), 4096): b[i] = 1\\nimport time; time.sleep(3)'\n\
+         kids = [subprocess.Popen([sys.executable, '-c', code]) for _ in range(3)]\n\
+         print([k.wait() for k in kids])\n",
+    );
+    let server = mock(MockSettings::default()).await;
+    let endpoints = external_with("m", &server, 4, "");
+    let dataset = env.dataset("items.jsonl", 1);
+    let config = |memory: u32| {
+        format!(
+            "name: hungry\n\
+             dataset: {{ path: {}, id_field: id }}\n\
+             endpoints:\n{endpoints}\n\
+             retry: {{ max_attempts: 1 }}\n\
+             task:\n  kind: exec\n  command: /usr/bin/python3 hungry.py\n  memory_mb: {memory}\n",
+            dataset.display()
+        )
+    };
+    env.write("agent.yaml", &config(300));
+    let ran = env.evalfleet(&["run", "agent.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
+    let rows = by_id(&env.export(&ran.run_id()).await);
+    let error = rows["item-00000"]["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("its processes together went past task.memory_mb"),
+        "{}",
+        rows["item-00000"]
+    );
+    env.write("agent.yaml", &config(2048));
+    let ran = env.evalfleet(&["run", "agent.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let rows = by_id(&env.export(&ran.run_id()).await);
+    assert_eq!(rows["item-00000"]["output"], "[0, 0, 0]");
+}
+
 /// An agent is not handed its answer key: the fields the metrics'
 /// references read are withheld from the item it gets (an agent printing
 /// one scores 0), unless `task.input.fields` names them.

@@ -25,6 +25,7 @@ pub(super) fn task(
         input: raw.input.take(),
         timeout: raw.timeout.take(),
         concurrency: raw.concurrency.take(),
+        memory_mb: raw.memory_mb.take(),
         network: raw.network.take(),
         env: raw.env.take(),
         budget: raw.budget.take(),

@@ -151,7 +151,7 @@ impl Exec {
             .filter_map(|path| path.canonicalize().ok())
             .filter(|path| path.starts_with(&agent_dir) && *path != agent_dir)
             .collect();
-        let sandbox = Sandbox::with_options(
+        let mut sandbox = Sandbox::with_options(
             &dir,
             settings.concurrency,
             std::slice::from_ref(&agent_dir),
@@ -166,6 +166,10 @@ impl Exec {
             dir: dir.clone(),
             source,
         })?;
+        // One memory limit for all the processes of a run of the agent.
+        if let Err(why) = sandbox.limit_memory(settings.memory_mb.saturating_mul(1 << 20)) {
+            tracing::info!("Agents' memory (task.memory_mb) is limited per process only: {why}.");
+        }
         let listener = sandbox
             .listen()
             .map_err(|err| ExecError::Gateway(err.to_string()))?;
@@ -204,7 +208,7 @@ impl Exec {
         let limits = Limits {
             wall: timeout,
             cpu: timeout,
-            memory_mb: 16 * 1024,
+            memory_mb: settings.memory_mb,
             output_bytes: 16 << 20,
             file_bytes: 256 << 20,
             processes: 512,
@@ -689,6 +693,12 @@ fn judge(
         Ended::OutputLimit => Err((
             "wrote more than 16 MiB of output: killed".to_owned(),
             ErrorClass::Fatal,
+        )),
+        Ended::MemoryLimit => Err((
+            with_stderr(
+                "its processes together went past task.memory_mb: the kernel killed one".to_owned(),
+            ),
+            ErrorClass::Retryable,
         )),
     };
     (answer, kept)
