@@ -432,6 +432,7 @@ async fn cell_session(
                 retry_failed: false,
                 endpoints: &[],
                 yes: true,
+                roots: None,
             };
             match resumable_with(location.clone(), store, &record, loaded, asked, frontend).await? {
                 Resumable::Nothing { .. } => return Ok(None),

@@ -467,7 +467,13 @@ impl JudgeAgain<'_> {
             ));
             clients.insert(name.clone(), (Arc::new(client), slots));
         }
-        let (retry, within) = (self.loaded.config.retry, self.loaded.config.judge_retry_for);
+        // Tried again for `retry.judge_for`, however few `max_attempts`
+        // (as in a run).
+        let retry = evalfleet_types::RetryPolicy {
+            max_attempts: u32::MAX,
+            ..self.loaded.config.retry
+        };
+        let within = self.loaded.config.judge_retry_for;
         let calls = wanted.into_iter().map(|(name, key, messages)| {
             let (client, slots) = clients[&name].clone();
             async move {

@@ -290,6 +290,10 @@ pub struct Resume<'a> {
     pub endpoints: &'a [String],
     /// `-y`: start engines on GPUs in use without asking.
     pub yes: bool,
+    /// A resume asked for from outside (`evalfleet serve`): the roots the
+    /// run's files (its dataset, its rows' images) are opened beneath, as
+    /// a config from outside's are. `None`: a resume of the user's own.
+    pub roots: Option<&'a [std::path::PathBuf]>,
 }
 
 /// A new session of the stored run `run_id`, with its stored config (or
@@ -309,6 +313,11 @@ pub async fn resumable(
         Some(file) => load_config(file, Overrides::default(), frontend)?,
         None => config::load_snapshot(&record.config, Path::new(&record.config_dir))?,
     };
+    let mut loaded = loaded;
+    if let Some(roots) = asked.roots {
+        loaded.config.dataset.roots = Some(roots.to_vec());
+        loaded.config.task.images.roots = Some(roots.to_vec());
+    }
     resumable_with(location, store, &record, loaded, asked, frontend).await
 }
 

@@ -263,6 +263,8 @@ pub fn requeue(shared: &Arc<Shared>, item: Item) {
 /// The call an item waits for cannot be made, for `reason`.
 async fn fail_call(shared: Arc<Shared>, mut item: Item, reason: String) {
     item.retry_paid = false;
+    // The call is over: the next one has its own tries.
+    item.reset_tries();
     if let Some(request) = item.request.take() {
         let step = item.next(request, Reply::Failed(reason));
         drive(&shared, item, step, Carry::default()).await;
@@ -729,6 +731,7 @@ pub async fn drive(shared: &Arc<Shared>, mut item: Item, mut step: Step, mut car
                             let Some(request) = item.request.take() else {
                                 return;
                             };
+                            item.reset_tries();
                             item.next(request, Reply::Failed(reason))
                         }
                     }

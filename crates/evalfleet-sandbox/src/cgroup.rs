@@ -4,7 +4,7 @@
 //! `RLIMIT_AS` holds for each process alone. Made under evalfleet's own
 //! memory cgroup (cgroup v1's `memory` hierarchy, or v2 where its parent
 //! delegates the memory controller), when evalfleet may make groups there
-//! (as root); else there is none, and [`crate::sandbox::Sandbox::describe`]
+//! (as root); else there is none, and the sandbox
 //! says so.
 
 use std::fs::File;
@@ -116,6 +116,12 @@ fn own_memory_cgroup() -> Option<(PathBuf, bool)> {
         .split_whitespace()
         .any(|c| c == "memory")
         .then_some((dir, true))
+}
+
+/// Whether evalfleet has a memory cgroup it could make groups under (as
+/// root).
+pub fn available() -> bool {
+    own_memory_cgroup().is_some()
 }
 
 /// A group for each of `slots` (named by them), `limit` bytes each, under

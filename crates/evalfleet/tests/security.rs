@@ -228,6 +228,23 @@ async fn a_posted_run_reads_no_parquet_shard_a_link_leads_out_to() {
     assert_eq!(status, 201, "{body}");
     let run = crate::serve::wait_for_state(&base, "linked", "finished").await;
     assert_eq!(run["total"], 3, "{run}");
+    // Resumed at a request, it reads its dataset as it did: the same
+    // three items (nothing to resume), not a dataset grown by the link.
+    let response = client()
+        .post(format!("{base}/api/v1/runs/linked/resume"))
+        .json(&json!({"retry_failed": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 409);
+    let body: Value = response.json().await.unwrap();
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("nothing to resume"),
+        "{body}"
+    );
 
     // The same folder in a config of the user's own follows the link (and
     // meets the duplicate ids).

@@ -177,6 +177,7 @@ async fn resumed(
             retry_failed: args.retry_failed,
             endpoints: &args.endpoints,
             yes: args.yes,
+            roots: None,
         },
         frontend,
     )

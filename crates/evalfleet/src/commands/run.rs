@@ -24,6 +24,7 @@ pub async fn resume(args: ResumeArgs) -> anyhow::Result<u8> {
             retry_failed: args.retry_failed,
             endpoints: &args.endpoints,
             yes: args.yes,
+            roots: None,
         },
         &frontend,
     )

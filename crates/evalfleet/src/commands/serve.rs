@@ -56,6 +56,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<u8> {
         roots
     };
     let control = Arc::new(Control {
+        roots: roots.clone(),
         location: location.clone(),
         frontend: attend::frontend()?,
         allow_commands: args.allow_commands,
@@ -142,6 +143,9 @@ struct Control {
     frontend: Frontend,
     /// `--allow-commands`: a rescore may start metric backends.
     allow_commands: bool,
+    /// `--allow-root`: what a run resumed here may read, as a config sent
+    /// here may.
+    roots: Vec<std::path::PathBuf>,
     runs: Mutex<HashMap<String, CancellationToken>>,
     tracker: TaskTracker,
 }
@@ -244,6 +248,9 @@ impl RunControl for ControlHandle {
                     retry_failed,
                     endpoints: &[],
                     yes: false,
+                    // Resumed at a request: its files are read as a
+                    // config sent here reads them.
+                    roots: Some(&control.roots),
                 },
                 &control.frontend,
             )

@@ -56,6 +56,7 @@ async fn join(location: &Location, run_id: &str, args: &WorkerArgs) -> anyhow::R
             retry_failed: false,
             endpoints: &[],
             yes: args.yes,
+            roots: None,
         },
         &frontend,
     )
