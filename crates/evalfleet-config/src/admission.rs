@@ -332,10 +332,18 @@ impl Admission {
         self.confined(path).is_some()
     }
 
-    /// `path` resolved (links and `..` followed), when it is under one of
-    /// the roots: what to open, so that a link changed after the check
-    /// cannot lead out.
+    /// `path` resolved (links followed), when it is under one of the
+    /// roots: what to open, so that a link changed after the check cannot
+    /// lead out. A path with `..` in it is refused as it stands: resolving
+    /// it through a folder outside the roots would tell, by the answer,
+    /// whether that folder exists.
     pub fn confined(&self, path: &Path) -> Option<PathBuf> {
+        if path
+            .components()
+            .any(|c| matches!(c, std::path::Component::ParentDir))
+        {
+            return None;
+        }
         resolved(path).filter(|resolved| self.roots.iter().any(|root| resolved.starts_with(root)))
     }
 }

@@ -120,6 +120,14 @@ impl Confine {
         } else {
             std::env::current_dir()?.join(path)
         };
+        // `..` is refused as it stands: followed through a folder outside
+        // the roots, the answer would tell whether that folder exists.
+        if absolute
+            .components()
+            .any(|c| matches!(c, Component::ParentDir))
+        {
+            return Err(outside(path));
+        }
         let lexical: PathBuf = absolute
             .components()
             .filter(|c| !matches!(c, Component::CurDir))
@@ -210,6 +218,8 @@ mod tests {
             root.join("data/out.parquet"),
             root.join("data/outdir/s.parquet"),
             root.join("data/../../secret/s.parquet"),
+            // Within the root too: `..` is refused as it stands.
+            root.join("data/sub/../a.parquet"),
             tmp.path().join("secret/s.parquet"),
         ] {
             let err = read(&out).unwrap_err();

@@ -118,6 +118,29 @@ fn own_memory_cgroup() -> Option<(PathBuf, bool)> {
         .then_some((dir, true))
 }
 
+/// Removes the groups under `parent` that an evalfleet whose process is
+/// gone left behind (a crash, a SIGKILL): their processes are gone with
+/// their sandbox's PID namespace, so they are empty.
+fn remove_orphans(parent: &Path) {
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("evalfleet-"))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir(entry.path());
+        }
+    }
+}
+
 /// Whether evalfleet has a memory cgroup it could make groups under (as
 /// root).
 pub fn available() -> bool {
@@ -131,6 +154,7 @@ pub fn groups(slots: &[u32], limit: u64) -> Result<Vec<(u32, Group)>, String> {
     let Some((parent, v2)) = own_memory_cgroup() else {
         return Err("no memory cgroup evalfleet may make groups under".to_owned());
     };
+    remove_orphans(&parent);
     let mut out = Vec::with_capacity(slots.len());
     for &slot in slots {
         let name = format!("evalfleet-{}-{slot}", std::process::id());

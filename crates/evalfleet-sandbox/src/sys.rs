@@ -463,7 +463,7 @@ impl ChildSetup {
             if let Some(fd) = self.cgroup
                 && !enter_cgroup(fd)
             {
-                return Err(Stage::Namespaces);
+                return Err(Stage::Cgroup);
             }
             if let Some(ns) = self.namespaces {
                 step(
@@ -524,6 +524,7 @@ enum Stage {
     Limits,
     User,
     Exec,
+    Cgroup,
 }
 
 impl Stage {
@@ -534,6 +535,7 @@ impl Stage {
             3 => "cannot enter its directory",
             4 => "cannot set its limits",
             5 => "cannot take the sandbox's uid",
+            7 => "cannot enter its slot's memory cgroup",
             _ => "cannot run it",
         }
     }
