@@ -450,7 +450,7 @@ impl JudgeAgain<'_> {
                 }
                 kind => {
                     return Err(RescoreError::Unfit(format!(
-                        "--unjudged: judge endpoint '{name}' is an engine evalfleet starts (kind: {}); start it, then name it as kind: external in a config given with --config, or resume the run",
+                        "--unjudged: judge endpoint '{name}' is an engine evalfleet starts (kind: {}), which score does not start: judge those answers again in a run of its own (resume the run with the engine up)",
                         kind.name()
                     )));
                 }

@@ -925,7 +925,7 @@ impl Slot<'_> {
 
 /// Finds a program named without a directory on the sandbox's PATH (the
 /// same directories inside the sandbox as here).
-fn resolve(program: &str) -> std::io::Result<PathBuf> {
+pub fn resolve(program: &str) -> std::io::Result<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
     if program.contains('/') {
         return Ok(PathBuf::from(program));

@@ -471,36 +471,6 @@ async fn a_program_the_agents_cannot_reach_is_refused_before_the_first_item() {
     assert_eq!(ran.code, Some(0), "{}", ran.stderr);
 }
 
-/// Whether this process is in a memory cgroup the sandbox may make groups
-/// under (cgroup v1's memory hierarchy, or v2 delegating memory), as
-/// `evalfleet_sandbox::cgroup` finds it.
-fn memory_cgroups() -> bool {
-    let Ok(text) = std::fs::read_to_string("/proc/self/cgroup") else {
-        return false;
-    };
-    text.lines().any(|line| {
-        let mut parts = line.splitn(3, ':');
-        let (_, controllers, path) = (parts.next(), parts.next(), parts.next());
-        let path = path.unwrap_or("").trim_start_matches('/');
-        match controllers {
-            Some("") => std::fs::read_to_string(
-                Path::new("/sys/fs/cgroup")
-                    .join(path)
-                    .join("cgroup.subtree_control"),
-            )
-            .is_ok_and(|c| c.split_whitespace().any(|c| c == "memory")),
-            Some(list) => {
-                list.split(',').any(|c| c == "memory")
-                    && Path::new("/sys/fs/cgroup/memory")
-                        .join(path)
-                        .join("memory.limit_in_bytes")
-                        .exists()
-            }
-            None => false,
-        }
-    })
-}
-
 /// One memory limit holds for all the processes of a run of an agent: three
 /// children of 150 MiB each go past `task.memory_mb: 300` together (each
 /// alone is well within it), the kernel kills one, and the attempt fails
@@ -510,7 +480,7 @@ async fn an_agents_processes_together_are_held_to_its_memory() {
     if !sandboxed() {
         return;
     }
-    if !memory_cgroups() {
+    if !evalfleet_sandbox::cgroup::available() {
         evalfleet_testkit::skip!("no memory cgroup to make the agents' groups under");
         return;
     }

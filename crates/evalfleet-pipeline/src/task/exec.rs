@@ -276,19 +276,15 @@ fn out_of_reach(
     host_dir: &std::path::Path,
 ) -> Option<String> {
     use std::os::unix::fs::PermissionsExt;
-    use std::path::{Path, PathBuf};
+    use std::path::PathBuf;
     for (i, word) in command.iter().enumerate() {
         let path: PathBuf = if i == 0 && !word.contains('/') {
             // As the sandbox finds it (the agents' PATH).
-            match ["/usr/local/bin", "/usr/bin", "/bin"]
-                .iter()
-                .map(|dir| Path::new(dir).join(word))
-                .find(|p| p.is_file())
-            {
-                Some(found) => found,
-                None => {
+            match evalfleet_sandbox::sandbox::resolve(word) {
+                Ok(found) => found,
+                Err(err) => {
                     return Some(format!(
-                        "no '{word}' in /usr/local/bin, /usr/bin or /bin, where agents find programs: name it by its path"
+                        "{err}, where agents find programs: name it by its path"
                     ));
                 }
             }
