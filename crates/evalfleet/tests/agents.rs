@@ -125,6 +125,26 @@ fn agent_name(env: &Env) -> String {
     )
 }
 
+/// A run `name` of `dataset` by an agent: its `endpoints`, then `top`
+/// (top-level lines), then `task:` of `kind: exec` running `command`, with
+/// the `task` lines (indented, each ending with a newline) after it.
+fn exec_config(
+    name: &str,
+    dataset: &Path,
+    endpoints: &str,
+    top: &str,
+    command: &str,
+    task: &str,
+) -> String {
+    format!(
+        "name: {name}\n\
+         dataset: {{ path: {}, id_field: id }}\n\
+         endpoints:\n{endpoints}\n\
+         {top}task:\n  kind: exec\n  command: {command}\n{task}",
+        dataset.display()
+    )
+}
+
 fn plain_config(env: &Env, endpoints: &str, extra: &str, n: usize) -> PathBuf {
     let script = agent_name(env);
     env.write(&script, PLAIN_AGENT);
@@ -421,15 +441,7 @@ async fn a_program_the_agents_cannot_reach_is_refused_before_the_first_item() {
     let server = mock(MockSettings::default()).await;
     let endpoints = external_with("m", &server, 4, "");
     let dataset = env.dataset("items.jsonl", 3);
-    let config = |command: &str| {
-        format!(
-            "name: unreachable\n\
-             dataset: {{ path: {}, id_field: id }}\n\
-             endpoints:\n{endpoints}\n\
-             task:\n  kind: exec\n  command: {command}\n",
-            dataset.display()
-        )
-    };
+    let config = |command: &str| exec_config("unreachable", &dataset, &endpoints, "", command, "");
     let script = "#!/bin/sh\necho hi\n";
     let hidden = Outside(PathBuf::from(format!("/tmp/evalfleet-hidden-{unique}")));
     std::fs::create_dir_all(&hidden.0).unwrap();
@@ -497,13 +509,13 @@ async fn an_agents_processes_together_are_held_to_its_memory() {
     let endpoints = external_with("m", &server, 4, "");
     let dataset = env.dataset("items.jsonl", 1);
     let config = |memory: u32| {
-        format!(
-            "name: hungry\n\
-             dataset: {{ path: {}, id_field: id }}\n\
-             endpoints:\n{endpoints}\n\
-             retry: {{ max_attempts: 1 }}\n\
-             task:\n  kind: exec\n  command: /usr/bin/python3 hungry.py\n  memory_mb: {memory}\n",
-            dataset.display()
+        exec_config(
+            "hungry",
+            &dataset,
+            &endpoints,
+            "retry: { max_attempts: 1 }\n",
+            "/usr/bin/python3 hungry.py",
+            &format!("  memory_mb: {memory}\n"),
         )
     };
     env.write("agent.yaml", &config(300));
@@ -547,13 +559,15 @@ async fn an_agent_gets_its_item_without_the_fields_its_references_read() {
     let server = mock(MockSettings::default()).await;
     let endpoints = external_with("m", &server, 4, "");
     let config = |input: &str| {
-        format!(
-            "name: cheat\n\
-             dataset: {{ path: {}, id_field: id }}\n\
-             endpoints:\n{endpoints}\n\
-             task:\n  kind: exec\n  command: /usr/bin/python3 cheat.py\n{input}  \
-             metrics:\n    - {{ name: exact_match, reference: \"{{{{ answer }}}}\" }}\n",
-            dataset.display()
+        exec_config(
+            "cheat",
+            &dataset,
+            &endpoints,
+            "",
+            "/usr/bin/python3 cheat.py",
+            &format!(
+                "{input}  metrics:\n    - {{ name: exact_match, reference: \"{{{{ answer }}}}\" }}\n"
+            ),
         )
     };
     env.write("withheld.yaml", &config(""));
@@ -1383,14 +1397,13 @@ async fn try_wall(env: &Env, wall: &str, extra_env: &str) -> crate::util::Ran {
     let dataset = env.write("one.jsonl", "{\"id\": \"x\", \"question\": \"walls\"}\n");
     let config = env.write(
         "walls.yaml",
-        &format!(
-            "name: walls\n\
-             dataset: {{ path: {}, id_field: id }}\n\
-             endpoints:\n{endpoints}\n\
-             retry: {{ max_attempts: 1 }}\n\
-             task:\n  kind: exec\n  command: /usr/bin/python3 walls.py\n  timeout: 60s\n  \
-             env: {{ WALL: {wall}{extra_env} }}\n",
-            dataset.display(),
+        &exec_config(
+            "walls",
+            &dataset,
+            &endpoints,
+            "retry: { max_attempts: 1 }\n",
+            "/usr/bin/python3 walls.py",
+            &format!("  timeout: 60s\n  env: {{ WALL: {wall}{extra_env} }}\n"),
         ),
     );
     env.evalfleet(&["run", config.to_str().unwrap(), "-y"])
@@ -1481,13 +1494,13 @@ async fn nothing_an_agent_started_outlives_a_killed_run() {
     let marker = format!("walls-{}", agent_name(&env));
     let config = env.write(
         "walls.yaml",
-        &format!(
-            "name: walls\n\
-             dataset: {{ path: {}, id_field: id }}\n\
-             endpoints:\n{endpoints}\n\
-             task:\n  kind: exec\n  command: /usr/bin/python3 walls.py\n  timeout: 600s\n  \
-             env: {{ WALL: children, MARKER: {marker} }}\n",
-            dataset.display(),
+        &exec_config(
+            "walls",
+            &dataset,
+            &endpoints,
+            "",
+            "/usr/bin/python3 walls.py",
+            &format!("  timeout: 600s\n  env: {{ WALL: children, MARKER: {marker} }}\n"),
         ),
     );
     let mut child = env.spawn(&["run", config.to_str().unwrap(), "-y"]);
@@ -1530,13 +1543,13 @@ async fn an_agent_cannot_open_a_store_under_its_config_folder() {
     let dataset = env.write("one.jsonl", "{\"id\": \"x\", \"question\": \"walls\"}\n");
     let config = env.write(
         "walls.yaml",
-        &format!(
-            "name: walls\n\
-             dataset: {{ path: {}, id_field: id }}\n\
-             endpoints:\n{endpoints}\n\
-             task:\n  kind: exec\n  command: /usr/bin/python3 walls.py\n  \
-             env: {{ WALL: store }}\n",
-            dataset.display(),
+        &exec_config(
+            "walls",
+            &dataset,
+            &endpoints,
+            "",
+            "/usr/bin/python3 walls.py",
+            "  env: { WALL: store }\n",
         ),
     );
     let ran = env
