@@ -10,12 +10,13 @@ use crate::util::{Env, by_id, config, external, mock, ms, signal, wait_until};
 
 const ITEMS: usize = 3000;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigkill_at_several_points_then_resume_gives_the_export_of_a_clean_run() {
-    let env = Env::new();
+/// `run.yaml` in `env`: ITEMS items answered by a mock taking
+/// `latency_ms` a call (24 at once), results committed in small batches;
+/// the mock, to keep while the run goes on.
+async fn write_run(env: &Env, latency_ms: u64) -> evalfleet_mock::MockServer {
     let dataset = env.dataset("items.jsonl", ITEMS);
     let server = mock(MockSettings {
-        latency: ms(15),
+        latency: ms(latency_ms),
         ..MockSettings::default()
     })
     .await;
@@ -24,6 +25,13 @@ async fn sigkill_at_several_points_then_resume_gives_the_export_of_a_clean_run()
         "run.yaml",
         &config(&dataset, &external("gpu", &server, 24), extra),
     );
+    server
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_at_several_points_then_resume_gives_the_export_of_a_clean_run() {
+    let env = Env::new();
+    let _server = write_run(&env, 15).await;
 
     let clean = env
         .evalfleet(&["run", "run.yaml", "-q", "--run-id", "clean"])
@@ -233,17 +241,7 @@ async fn a_store_whose_disk_fills_stops_the_run_saying_so_and_resume_finishes_it
     let env = Env::new();
     // The store's folder is a disk of its own.
     let disk = Disk::mount(env.path("runs"), "16m");
-    let dataset = env.dataset("items.jsonl", ITEMS);
-    let server = mock(MockSettings {
-        latency: ms(50),
-        ..MockSettings::default()
-    })
-    .await;
-    let extra = "writer: { batch_size: 64, flush_interval: 50ms }";
-    env.write(
-        "run.yaml",
-        &config(&dataset, &external("gpu", &server, 24), extra),
-    );
+    let _server = write_run(&env, 50).await;
     let child = env.spawn(&["run", "run.yaml", "-q", "--run-id", "full"]);
     // The store appears once the run has registered its items.
     let done = |env: &Env| {
