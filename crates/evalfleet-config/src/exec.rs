@@ -60,6 +60,9 @@ pub struct ExecSettings {
     /// `task.memory_mb`: what one run may use, all its processes together
     /// where the sandbox has memory cgroups.
     pub memory_mb: u64,
+    /// `task.disk_mb`: what one run may write in its folder, all its files
+    /// together, where the sandbox has a mount namespace.
+    pub disk_mb: u64,
     pub network: AgentNetwork,
     /// More environment variables for the program.
     pub env: Vec<(String, String)>,
@@ -107,6 +110,7 @@ pub struct RawExec {
     pub timeout: Option<String>,
     pub concurrency: Option<u32>,
     pub memory_mb: Option<u64>,
+    pub disk_mb: Option<u64>,
     pub network: Option<String>,
     pub env: Option<serde_json::Map<String, Value>>,
     pub budget: Option<Value>,
@@ -123,6 +127,7 @@ impl RawExec {
             ("timeout", self.timeout.is_some()),
             ("concurrency", self.concurrency.is_some()),
             ("memory_mb", self.memory_mb.is_some()),
+            ("disk_mb", self.disk_mb.is_some()),
             ("network", self.network.is_some()),
             ("env", self.env.is_some()),
             ("budget", self.budget.is_some()),
@@ -233,6 +238,14 @@ pub(super) fn exec(raw: RawExec, dir: &Path, p: &mut Problems<'_>) -> Option<Exe
             format!("must be at least 64 (MiB), got {n}"),
         ),
     };
+    let disk_mb = match raw.disk_mb {
+        None => Some(2048),
+        Some(n) if (1..=1 << 20).contains(&n) => Some(n),
+        Some(n) => p.push(
+            "task.disk_mb",
+            format!("must be between 1 and 1048576 (MiB), got {n}"),
+        ),
+    };
     let network = match raw.network.as_deref() {
         None | Some("gateway") => Some(AgentNetwork::Gateway),
         Some("open") => Some(AgentNetwork::Open),
@@ -304,6 +317,7 @@ pub(super) fn exec(raw: RawExec, dir: &Path, p: &mut Problems<'_>) -> Option<Exe
         timeout: timeout?,
         concurrency: concurrency?,
         memory_mb: memory_mb?,
+        disk_mb: disk_mb?,
         network: network?,
         env,
         budget: budget?,

@@ -210,6 +210,14 @@ pub struct RawTask {
     /// alone); past it the kernel kills one and the attempt fails. At least
     /// 64. Default 16384.
     pub memory_mb: Option<u64>,
+    /// `kind: exec`: the space, in MiB, that one run of the program may
+    /// fill in its folder (its working directory, `HOME` and `TMPDIR`), all
+    /// its files together: the folder is a file system in memory of that
+    /// size, made for the run and gone with it (its bytes count towards
+    /// `memory_mb` too); past it a write fails with "No space left on
+    /// device". Enforced where the sandbox has a mount namespace (as root).
+    /// 1 to 1048576. Default 2048.
+    pub disk_mb: Option<u64>,
     /// `kind: exec`: what the program may reach: `gateway` (the run's
     /// gateway and nothing else: a network namespace of the sandbox whose
     /// loopback only the gateway listens on; the file system read-only but

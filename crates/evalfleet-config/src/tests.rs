@@ -995,12 +995,13 @@ fn an_exec_task_is_checked_key_by_key() {
     assert_eq!(exec.input, ExecInput::Stdin);
     assert_eq!(exec.timeout, Duration::from_secs(600));
     assert_eq!(exec.concurrency, 16);
+    assert_eq!(exec.disk_mb, 2048);
     assert_eq!(exec.network, AgentNetwork::Gateway);
 
     let err = error_of(
         dir.path(),
         &format!(
-            "{EXEC}  input: pipe\n  timeout: soon\n  concurrency: 0\n  network: lan\n  \
+            "{EXEC}  input: pipe\n  timeout: soon\n  concurrency: 0\n  disk_mb: 0\n  network: lan\n  \
              env: {{ OPENAI_API_KEY: x }}\n  budget: {{ calls: 3, cost: 1 }}\n  max_reasks: 2\n  \
              messages: [{{ role: user, content: hi }}]\n"
         ),
@@ -1012,6 +1013,7 @@ fn an_exec_task_is_checked_key_by_key() {
             "task.input: must be stdin, file or args, got 'pipe'",
             "task.timeout: expected a duration",
             "task.concurrency: must be between 1 and 4096, got 0",
+            "task.disk_mb: must be between 1 and 1048576 (MiB), got 0",
             "task.network: must be gateway or open, got 'lan'",
             "task.env.OPENAI_API_KEY: is set by evalfleet",
             "task.budget: unknown key 'cost'",

@@ -86,7 +86,7 @@ impl CodeJudgeError {
 
 enum Runner {
     Local {
-        sandbox: Sandbox,
+        sandbox: Box<Sandbox>,
         toolchain: Toolchain,
     },
     Remote {
@@ -150,7 +150,10 @@ impl CodeJudge {
                 if let Some(inside) = sandbox.toolchain(0) {
                     toolchain.bound_at(&inside);
                 }
-                Runner::Local { sandbox, toolchain }
+                Runner::Local {
+                    sandbox: Box::new(sandbox),
+                    toolchain,
+                }
             }
             Backend::SandboxFusion {
                 url,

@@ -131,6 +131,11 @@ pub struct Options {
     /// Files and folders under the toolchains (host paths) that programs
     /// see empty: a store and its folder, beside an agent's program.
     pub hide: Vec<PathBuf>,
+    /// Bytes that the files of one slot's folders may hold together: each
+    /// slot's folders are on a file system in memory of this size, seen
+    /// only in the mount namespace (so not enforced without one). `None`:
+    /// folders on this machine's disk, each file held to `file_bytes`.
+    pub disk_bytes: Option<u64>,
 }
 
 /// What the sandbox enforces on this machine.
@@ -262,6 +267,19 @@ pub struct Sandbox {
     /// A memory cgroup per slot's uid, when one limit holds for all the
     /// processes of an execution together ([`Sandbox::limit_memory`]).
     memory: Option<std::collections::HashMap<u32, crate::cgroup::Group>>,
+    /// The sized folders that slots make their directories in (when
+    /// `Options::disk_bytes` holds in the mount namespace): free ones.
+    disks: Option<Mutex<Vec<Disk>>>,
+    /// The size asked for, enforced or not.
+    disk_bytes: Option<u64>,
+}
+
+/// A slot's sized folder: its mount point on this machine (an empty
+/// directory here), and where it is reached from here and seen inside.
+struct Disk {
+    point: PathBuf,
+    here: PathBuf,
+    inside: PathBuf,
 }
 
 impl Drop for Sandbox {
@@ -271,6 +289,13 @@ impl Drop for Sandbox {
         for (_, point) in &self.binds {
             let _ = std::fs::remove_dir(point);
         }
+        // A mount point of another namespace may be removed here: the
+        // kernel then takes the mount off it there.
+        if let Some(disks) = self.disks.as_ref().and_then(|d| d.lock().ok()) {
+            for disk in disks.iter() {
+                let _ = std::fs::remove_dir(&disk.point);
+            }
+        }
         let _ = std::fs::remove_dir(&self.root);
     }
 }
@@ -279,11 +304,17 @@ impl Drop for Sandbox {
 pub struct Slot<'a> {
     sandbox: &'a Sandbox,
     uid: Option<(u32, File)>,
+    disk: Option<Disk>,
     _permit: Option<SemaphorePermit<'a>>,
 }
 
 impl Drop for Slot<'_> {
     fn drop(&mut self) {
+        if let (Some(disk), Some(pool)) = (self.disk.take(), &self.sandbox.disks)
+            && let Ok(mut pool) = pool.lock()
+        {
+            pool.push(disk);
+        }
         if let (Some(uid), Some(pool)) = (self.uid.take(), &self.sandbox.uids)
             && let Ok(mut pool) = pool.lock()
         {
@@ -482,6 +513,15 @@ impl Sandbox {
             std::fs::create_dir_all(&point)?;
             binds.push((host.clone(), point));
         }
+        // The slots' sized folders' mount points (seen inside at /mnt/...).
+        let mut disk_points = Vec::new();
+        if options.disk_bytes.is_some() && root_user && wanted.namespaces {
+            for index in 0..slots {
+                let point = root.join(format!(".slot-{index}"));
+                std::fs::create_dir_all(&point)?;
+                disk_points.push(point);
+            }
+        }
         let namespaces = if root_user && wanted.namespaces && Path::new("/mnt").is_dir() {
             // Bound where programs see them: under /mnt.
             let at: Vec<PathBuf> = binds
@@ -524,12 +564,19 @@ impl Sandbox {
             }
             let hidden: Vec<&Path> = hidden.iter().map(PathBuf::as_path).collect();
             let hidden_dirs: Vec<&Path> = hidden_dirs.iter().map(PathBuf::as_path).collect();
+            let sized: Vec<PathBuf> = disk_points
+                .iter()
+                .map(|point| Path::new("/mnt").join(point.strip_prefix(&root).unwrap_or(point)))
+                .collect();
+            let sized: Vec<&Path> = sized.iter().map(PathBuf::as_path).collect();
             match Namespaces::create(&MountPlan {
                 root: &root,
                 binds: &bind_refs,
                 covered: &covered,
                 hidden: &hidden,
                 hidden_dirs: &hidden_dirs,
+                sized: &sized,
+                sized_bytes: options.disk_bytes.unwrap_or(0),
                 loopback: network == Network::Loopback,
             }) {
                 Ok(ns) => Some(ns),
@@ -576,6 +623,21 @@ impl Sandbox {
         } else {
             root
         };
+        let disks = namespaces.as_ref().and_then(|ns| {
+            let disks: Vec<Disk> = disk_points
+                .into_iter()
+                .map(|point| {
+                    let inside =
+                        Path::new("/mnt").join(point.strip_prefix(&root).unwrap_or(&point));
+                    Disk {
+                        here: ns.seen_from_here(&inside),
+                        inside,
+                        point,
+                    }
+                })
+                .collect();
+            (!disks.is_empty()).then(|| Mutex::new(disks))
+        });
         let mut sandbox = Self {
             root,
             namespaces,
@@ -584,6 +646,8 @@ impl Sandbox {
             slots: Semaphore::new(slots),
             binds,
             memory: None,
+            disks,
+            disk_bytes: options.disk_bytes,
         };
         // What the kernel refused only shows when a program runs: drop the
         // parts that keep a trivial one from running, saying so.
@@ -596,6 +660,7 @@ impl Sandbox {
                         "A program cannot run in the sandbox's namespaces ({err}); going on without them."
                     );
                     sandbox.namespaces = None;
+                    sandbox.disks = None;
                 }
                 Err(err) if sandbox.uids.is_some() => {
                     tracing::warn!(
@@ -656,8 +721,33 @@ impl Sandbox {
         Ok(())
     }
 
+    /// Whether one slot's folders are held to `Options::disk_bytes`.
+    pub fn disk_limited(&self) -> bool {
+        self.disks.is_some()
+    }
+
     pub fn describe(&self) -> String {
         let mut text = self.isolation().describe_network(self.network);
+        match (self.disk_bytes, self.disks.is_some()) {
+            (Some(bytes), true) => text = text.replacen(
+                "own directory",
+                &format!(
+                    "own directory (its files together at most {} MiB: a file system in memory)",
+                    bytes >> 20
+                ),
+                1,
+            ),
+            (Some(_), false) => {
+                let sep = if text.contains("; NOT enforced: ") {
+                    "; "
+                } else {
+                    "; NOT enforced: "
+                };
+                text.push_str(sep);
+                text.push_str("a size for its directory's files together (needs the mount namespace: each file alone is held to its size)");
+            }
+            (None, _) => {}
+        }
         if self.own_pids() {
             text = text.replacen(
                 "sandbox: ",
@@ -726,9 +816,14 @@ impl Sandbox {
             .uids
             .as_ref()
             .and_then(|pool| pool.lock().ok().and_then(|mut pool| pool.pop()));
+        let disk = self
+            .disks
+            .as_ref()
+            .and_then(|pool| pool.lock().ok().and_then(|mut pool| pool.pop()));
         Slot {
             sandbox: self,
             uid,
+            disk,
             _permit: permit,
         }
     }
@@ -742,11 +837,24 @@ impl Slot<'_> {
     /// A fresh directory that this slot's programs may write.
     pub fn workdir(&self) -> std::io::Result<Workdir> {
         use std::os::unix::fs::PermissionsExt;
-        let path = random_dir(&self.sandbox.root, "sbx")?;
-        let dir = Workdir {
-            inside: self.sandbox.inside(&path),
-            path,
-            owner: self.uid(),
+        let dir = match &self.disk {
+            Some(disk) => {
+                let path = random_dir(&disk.here, "sbx")?;
+                let name = path.file_name().unwrap_or_default();
+                Workdir {
+                    inside: disk.inside.join(name),
+                    path,
+                    owner: self.uid(),
+                }
+            }
+            None => {
+                let path = random_dir(&self.sandbox.root, "sbx")?;
+                Workdir {
+                    inside: self.sandbox.inside(&path),
+                    path,
+                    owner: self.uid(),
+                }
+            }
         };
         if let Some(uid) = self.uid() {
             std::os::unix::fs::chown(&dir.path, Some(uid), Some(uid))?;

@@ -71,6 +71,10 @@ pub struct Namespaces {
     _alive: Option<OwnedFd>,
     /// The tree outside `/mnt` is read-only (`mount_setattr`, Linux 5.12).
     pub read_only: bool,
+    /// The namespace's root directory, opened from here: a path under
+    /// `/proc/self/fd/<it>` is resolved in the namespace's tree, its mounts
+    /// included (the sized folders that exist only there).
+    view: OwnedFd,
 }
 
 /// What the namespaces' mount tree holds besides the read-only system.
@@ -89,6 +93,12 @@ pub struct MountPlan<'a> {
     /// Directories under the binds (as the namespace sees them) covered by
     /// an empty, read-only file system: a store's folder.
     pub hidden_dirs: &'a [&'a Path],
+    /// Directories under `/mnt` (as the namespace sees them) on which a
+    /// file system in memory of `sized_bytes` is mounted, writable, seen
+    /// only in the namespace: a slot's folders, all their files together
+    /// held to that size.
+    pub sized: &'a [&'a Path],
+    pub sized_bytes: u64,
     /// Whether the network namespace's loopback is up.
     pub loopback: bool,
 }
@@ -133,6 +143,13 @@ impl Namespaces {
             .iter()
             .map(|p| c_path(p))
             .collect::<io::Result<Vec<_>>>()?;
+        let sized = plan
+            .sized
+            .iter()
+            .map(|p| c_path(p))
+            .collect::<io::Result<Vec<_>>>()?;
+        let sized_options = CString::new(format!("size={},mode=711", plan.sized_bytes.max(4096)))
+            .map_err(|_| io::Error::other("a mount option holds a NUL byte"))?;
         let dev_null = c"/dev/null";
         let tmpfs = c"tmpfs";
         let tmpfs_options = c"size=4k,mode=755";
@@ -195,6 +212,17 @@ impl Namespaces {
                     attr.attr_clr = libc::MOUNT_ATTR_RDONLY;
                     mount_setattr(&mnt_point, 0, &attr)?;
                 }
+                // Mounted after the tree was made read-only: they stay
+                // writable.
+                for dir in &sized {
+                    check(libc::mount(
+                        tmpfs.as_ptr(),
+                        dir.as_ptr(),
+                        tmpfs.as_ptr(),
+                        libc::MS_NOSUID | libc::MS_NODEV,
+                        sized_options.as_ptr().cast(),
+                    ))?;
+                }
                 for dir in covered.iter().chain(&hidden_dirs) {
                     check(libc::mount(
                         tmpfs.as_ptr(),
@@ -253,18 +281,21 @@ impl Namespaces {
             } else {
                 None
             };
-            Ok((net, open("mnt")?, pid))
+            // The helper's root is the mount namespace's.
+            let root = std::fs::File::open(format!("/proc/{}/root", child.id()))?;
+            Ok((net, open("mnt")?, pid, OwnedFd::from(root)))
         });
         let _ = child.kill();
         let _ = child.wait();
         drop((alive_init, ready_init, ready_ours));
-        let (net, mnt, pid) = fds?;
+        let (net, mnt, pid, view) = fds?;
         Ok(Self {
             net,
             mnt,
             _alive: pid.is_some().then_some(alive_ours),
             pid,
             read_only,
+            view,
         })
     }
 
@@ -275,6 +306,14 @@ impl Namespaces {
             mnt: self.mnt.as_raw_fd(),
             pid: self.pid.as_ref().map(AsRawFd::as_raw_fd),
         }
+    }
+
+    /// Where this process reaches `inside`, an absolute path as the
+    /// namespace sees it: through the namespace's root, so that what is
+    /// mounted only there (the sized folders) is what it reaches.
+    pub fn seen_from_here(&self, inside: &Path) -> std::path::PathBuf {
+        let rest = inside.strip_prefix("/").unwrap_or(inside);
+        Path::new(&format!("/proc/self/fd/{}", self.view.as_raw_fd())).join(rest)
     }
 
     /// Whether programs run in a PID namespace of their own.

@@ -6,7 +6,7 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use evalfleet_sandbox::sandbox::{Ended, Execution, Isolation, Limits, Network, Sandbox};
+use evalfleet_sandbox::sandbox::{Ended, Execution, Isolation, Limits, Network, Options, Sandbox};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const PYTHON: &str = "/usr/bin/python3";
@@ -382,5 +382,68 @@ async fn no_agent_outlives_a_killed_evalfleet() {
         let _ = std::process::Command::new("kill")
             .args(["-9", &grandchild.to_string()])
             .status();
+    }
+}
+
+/// With `disk_bytes`, the files an execution writes in its directory are
+/// held to that size together (many files, each under `file_bytes`), the
+/// space is whole again for the slot's next execution, and what the host
+/// wrote there is what the program reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executions_files_together_are_held_to_its_disk() {
+    let sandbox = Sandbox::with_options(
+        &parent("disk-sandbox"),
+        1,
+        &[],
+        Isolation::ALL,
+        Options {
+            network: Network::Loopback,
+            hide: Vec::new(),
+            disk_bytes: Some(32 << 20),
+        },
+    )
+    .await
+    .unwrap();
+    eprintln!("{}", sandbox.describe());
+    if !sandbox.disk_limited() {
+        assert!(sandbox.describe().contains("NOT enforced"));
+        evalfleet_testkit::skip!("the sandbox has no mount namespace here (not root)");
+        return;
+    }
+    assert!(sandbox.describe().contains("at most 32 MiB"));
+    // 8 MiB files until a write fails: 32 MiB hold at most 4.
+    let fill = "echo \"$(cat given)\"; i=0; while head -c 8388608 /dev/zero > f$i; do i=$((i+1)); done; echo $i";
+    for round in 0..2 {
+        let slot = sandbox.slot().await;
+        let dir = slot.workdir().unwrap();
+        dir.write_file("given", format!("round {round}").as_bytes())
+            .unwrap();
+        let argv = ["/bin/sh", "-c", fill].map(String::from);
+        let run = slot.run(&argv, &dir, b"", &limits()).await.unwrap();
+        let out = String::from_utf8_lossy(&run.stdout).into_owned();
+        let mut lines = out.lines();
+        assert_eq!(
+            lines.next(),
+            Some(format!("round {round}").as_str()),
+            "{}",
+            said(&run)
+        );
+        let whole: u32 = lines
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{}", said(&run)));
+        assert!(
+            (3..=4).contains(&whole),
+            "round {round}: {whole} files of 8 MiB: {}",
+            said(&run)
+        );
+        assert!(
+            String::from_utf8_lossy(&run.stderr).contains("No space left on device"),
+            "{}",
+            said(&run)
+        );
+        // The files are in the namespace's file system, not on this disk.
+        let point = parent("disk-sandbox").join(".slot-0");
+        assert_eq!(std::fs::read_dir(&point).unwrap().count(), 0);
     }
 }

@@ -535,6 +535,74 @@ async fn an_agents_processes_together_are_held_to_its_memory() {
     assert_eq!(rows["item-00000"]["output"], "[0, 0, 0]");
 }
 
+/// The files of a run of an agent together are held to `task.disk_mb`: an
+/// agent writing 384 MiB in files of 16 MiB (each within the per-file cap)
+/// in its folder fails once 64 MiB are full, saying its folder was full;
+/// given 512 MiB, it writes them all, and none of it lands on this disk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agents_files_together_are_held_to_its_disk() {
+    if !sandboxed() {
+        return;
+    }
+    let env = Env::new();
+    env.write(
+        "writer.py",
+        "import json, os, sys\n\
+         json.load(sys.stdin)\n\
+         block = b'x' * (16 << 20)\n\
+         for i in range(24):\n\
+         \x20   with open(os.path.join(os.environ['TMPDIR'], f'f{i}'), 'wb') as f:\n\
+         \x20       f.write(block)\n\
+         print(sum(os.path.getsize(f'f{i}') for i in range(24)) >> 20)\n",
+    );
+    let server = mock(MockSettings::default()).await;
+    let endpoints = external_with("m", &server, 4, "");
+    let dataset = env.dataset("items.jsonl", 1);
+    let config = |disk: u32| {
+        exec_config(
+            "writer",
+            &dataset,
+            &endpoints,
+            "retry: { max_attempts: 1 }\n",
+            "/usr/bin/python3 writer.py",
+            &format!("  disk_mb: {disk}\n"),
+        )
+    };
+    env.write("agent.yaml", &config(64));
+    let ran = env.evalfleet(&["run", "agent.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
+    let rows = by_id(&env.export(&ran.run_id()).await);
+    let error = rows["item-00000"]["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("its folder was full") && error.contains("No space left on device"),
+        "{}",
+        rows["item-00000"]
+    );
+    env.write("agent.yaml", &config(512));
+    let ran = env.evalfleet(&["run", "agent.yaml", "-q"]).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let rows = by_id(&env.export(&ran.run_id()).await);
+    assert_eq!(rows["item-00000"]["output"], "384");
+    // The sandbox's folder (in the store's) holds none of it.
+    let written: u64 = walk_sizes(&env.path("runs"));
+    assert!(written < 64 << 20, "{written} bytes under runs/");
+}
+
+/// The bytes of the regular files under `dir`, links not followed.
+fn walk_sizes(dir: &Path) -> u64 {
+    let mut total = 0;
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        match entry.file_type() {
+            Ok(kind) if kind.is_dir() => total += walk_sizes(&entry.path()),
+            Ok(kind) if kind.is_file() => {
+                total += entry.metadata().map(|m| m.len()).unwrap_or(0);
+            }
+            _ => {}
+        }
+    }
+    total
+}
+
 /// An agent is not handed its answer key: the fields the metrics'
 /// references read are withheld from the item it gets (an agent printing
 /// one scores 0), unless `task.input.fields` names them.

@@ -26,6 +26,7 @@ pub(super) fn task(
         timeout: raw.timeout.take(),
         concurrency: raw.concurrency.take(),
         memory_mb: raw.memory_mb.take(),
+        disk_mb: raw.disk_mb.take(),
         network: raw.network.take(),
         env: raw.env.take(),
         budget: raw.budget.take(),

@@ -159,6 +159,7 @@ impl Exec {
             Options {
                 network: Network::Loopback,
                 hide,
+                disk_bytes: Some(settings.disk_mb.saturating_mul(1 << 20)),
             },
         )
         .await
@@ -667,6 +668,12 @@ fn judge(
     };
     let answer = match execution.ended {
         Ended::Exited(0) => Ok(String::from_utf8_lossy(&execution.stdout).trim().to_owned()),
+        Ended::Exited(code) if stderr.contains("No space left on device") => Err((
+            with_stderr(format!(
+                "exited with status {code} (its folder was full: its files together may hold task.disk_mb)"
+            )),
+            ErrorClass::Retryable,
+        )),
         Ended::Exited(code) => Err((
             with_stderr(format!("exited with status {code}")),
             ErrorClass::Retryable,
