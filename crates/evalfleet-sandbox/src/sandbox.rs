@@ -412,6 +412,37 @@ fn random_dir(parent: &Path, prefix: &str) -> std::io::Result<PathBuf> {
     Err(std::io::Error::other("cannot create a sandbox directory"))
 }
 
+/// The unix sockets this machine's services listen on (bound to a path,
+/// in our network namespace: `/proc/net/unix`) outside `covered`, which the
+/// mount namespace hides already: a socket's file mode, not the read-only
+/// mount, decides who may connect, and many let everyone.
+fn host_sockets(covered: &[&Path]) -> Vec<PathBuf> {
+    use std::os::unix::fs::FileTypeExt;
+    let Ok(table) = std::fs::read_to_string("/proc/net/unix") else {
+        return Vec::new();
+    };
+    let covered: Vec<PathBuf> = covered
+        .iter()
+        .filter_map(|dir| dir.canonicalize().ok())
+        .collect();
+    let mut sockets: Vec<PathBuf> = table
+        .lines()
+        .skip(1)
+        .filter_map(|line| line.split_whitespace().nth(7))
+        .filter(|path| path.starts_with('/'))
+        .map(PathBuf::from)
+        .filter(|path| {
+            std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket())
+                && !path
+                    .canonicalize()
+                    .is_ok_and(|real| covered.iter().any(|dir| real.starts_with(dir)))
+        })
+        .collect();
+    sockets.sort();
+    sockets.dedup();
+    sockets
+}
+
 /// Whether everyone may pass through every directory above `path`.
 fn open_to_others(path: &Path) -> bool {
     use std::os::unix::fs::PermissionsExt;
@@ -569,6 +600,8 @@ impl Sandbox {
                 .map(|point| Path::new("/mnt").join(point.strip_prefix(&root).unwrap_or(point)))
                 .collect();
             let sized: Vec<&Path> = sized.iter().map(PathBuf::as_path).collect();
+            let sockets = host_sockets(&covered);
+            let sockets: Vec<&Path> = sockets.iter().map(PathBuf::as_path).collect();
             match Namespaces::create(&MountPlan {
                 root: &root,
                 binds: &bind_refs,
@@ -577,6 +610,7 @@ impl Sandbox {
                 hidden_dirs: &hidden_dirs,
                 sized: &sized,
                 sized_bytes: options.disk_bytes.unwrap_or(0),
+                sockets: &sockets,
                 loopback: network == Network::Loopback,
             }) {
                 Ok(ns) => Some(ns),

@@ -99,6 +99,10 @@ pub struct MountPlan<'a> {
     /// held to that size.
     pub sized: &'a [&'a Path],
     pub sized_bytes: u64,
+    /// This machine's listening unix sockets outside the covered
+    /// directories, covered by `/dev/null` where the kernel lets us (one it
+    /// refuses is left as it is).
+    pub sockets: &'a [&'a Path],
     /// Whether the network namespace's loopback is up.
     pub loopback: bool,
 }
@@ -140,6 +144,11 @@ impl Namespaces {
             .collect::<io::Result<Vec<_>>>()?;
         let hidden_dirs = plan
             .hidden_dirs
+            .iter()
+            .map(|p| c_path(p))
+            .collect::<io::Result<Vec<_>>>()?;
+        let sockets = plan
+            .sockets
             .iter()
             .map(|p| c_path(p))
             .collect::<io::Result<Vec<_>>>()?;
@@ -201,6 +210,15 @@ impl Namespaces {
                         libc::MS_BIND,
                         std::ptr::null(),
                     ))?;
+                }
+                for socket in &sockets {
+                    libc::mount(
+                        dev_null.as_ptr(),
+                        socket.as_ptr(),
+                        std::ptr::null(),
+                        libc::MS_BIND,
+                        std::ptr::null(),
+                    );
                 }
                 if read_only {
                     let mut attr: libc::mount_attr = std::mem::zeroed();

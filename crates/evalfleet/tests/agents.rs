@@ -1371,7 +1371,7 @@ async fn agents_that_all_fail_alike_stop_the_run_naming_it() {
 
 /// An agent that tries one wall (`WALL`) and prints what it found as JSON
 /// (issue 38): the host's unix sockets, its /proc, a store under the
-/// config's folder, children that outlive it, the disk, the gateway's cap.
+/// config's folder, children that outlive it, the gateway's cap.
 const WALLS_AGENT: &str = r#"
 import errno, json, os, socket, subprocess, sys, time, urllib.error, urllib.request
 item = json.load(sys.stdin)
@@ -1395,6 +1395,7 @@ if wall == "sockets":
     # PostgreSQL's SSLRequest: it answers one byte, S or N.
     out["postgres"] = unix("/var/run/postgresql/.s.PGSQL.5432", b"\0\0\0\x08\x04\xd2\x16\x2f")
     out["planted"] = unix(os.environ["PLANTED"], b"ping")
+    out["elsewhere"] = unix(os.environ["ELSEWHERE"], b"ping")
     out["run"] = sorted(os.listdir("/run"))
 elif wall == "proc":
     mine, seen = os.getuid(), []
@@ -1430,18 +1431,6 @@ elif wall == "children":
             os.execv(sys.executable, sleeper("daemon"))
         os._exit(0)
     time.sleep(600)
-elif wall == "disk":
-    written = 0
-    try:
-        for i in range(1000):
-            with open("fill-%d" % i, "wb") as f:
-                for _ in range(8):
-                    f.write(b"\1" * (1 << 20))
-                    written += 1
-    except OSError as e:
-        sys.stderr.write("cannot write past %d MiB: %s\n" % (written, err(e)))
-        sys.exit(4)
-    out["written_mib"] = written
 elif wall == "body":
     base = os.environ["OPENAI_BASE_URL"]
     size = int(os.environ["BODY_MIB"]) << 20
@@ -1491,17 +1480,62 @@ async fn an_agent_reaches_no_unix_socket_of_the_host() {
         return;
     }
     let env = Env::new();
-    // A listener of the host's, under /run, that answers whoever connects.
-    let planted = PathBuf::from(format!(
-        "/run/evalfleet-walls-{}.sock",
-        env.dir.path().file_name().unwrap().to_string_lossy()
-    ));
-    let _ = std::fs::remove_file(&planted);
-    let listener = std::os::unix::net::UnixListener::bind(&planted).unwrap();
-    {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&planted, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let name = env
+        .dir
+        .path()
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    // Listeners of the host's that answer whoever connects: one under
+    // /run, one in a folder anyone may pass through outside the covered
+    // ones (listening before the run starts, as a service's would).
+    let planted = PathBuf::from(format!("/run/evalfleet-walls-{name}.sock"));
+    let folder = PathBuf::from(format!("/var/lib/evalfleet-walls-{name}"));
+    std::fs::create_dir_all(&folder).unwrap();
+    let elsewhere = folder.join("service.sock");
+    for path in [&planted, &elsewhere] {
+        plant_listener(path);
     }
+    let ran = try_wall(
+        &env,
+        "sockets",
+        &format!(
+            ", PLANTED: \"{}\", ELSEWHERE: \"{}\"",
+            planted.display(),
+            elsewhere.display()
+        ),
+    )
+    .await;
+    // This machine still reaches its own service.
+    let mut here = std::os::unix::net::UnixStream::connect(&elsewhere).unwrap();
+    {
+        use std::io::{Read, Write};
+        here.write_all(b"ping").unwrap();
+        let mut answer = [0u8; 4];
+        here.read_exact(&mut answer).unwrap();
+        assert_eq!(&answer, b"pong");
+    }
+    let _ = std::fs::remove_file(&planted);
+    let _ = std::fs::remove_dir_all(&folder);
+    let out = wall_report(&env, &ran).await;
+    assert_eq!(out["planted"], "ENOENT", "{out}");
+    // Covered by an empty file: no socket to connect to.
+    assert_eq!(out["elsewhere"], "ECONNREFUSED", "{out}");
+    assert_eq!(out["run"], serde_json::json!([]), "{out}");
+    // The machine's PostgreSQL, where it runs (its socket trusts local
+    // users), is as far out of reach.
+    if Path::new("/var/run/postgresql/.s.PGSQL.5432").exists() {
+        assert_eq!(out["postgres"], "ENOENT", "{out}");
+    }
+}
+
+/// A unix socket at `path` that anyone may connect to, answering `pong`.
+fn plant_listener(path: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let _ = std::fs::remove_file(path);
+    let listener = std::os::unix::net::UnixListener::bind(path).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o777)).unwrap();
     std::thread::spawn(move || {
         use std::io::{Read, Write};
         for mut conn in listener.incoming().flatten() {
@@ -1510,21 +1544,6 @@ async fn an_agent_reaches_no_unix_socket_of_the_host() {
             let _ = conn.write_all(b"pong");
         }
     });
-    let ran = try_wall(
-        &env,
-        "sockets",
-        &format!(", PLANTED: \"{}\"", planted.display()),
-    )
-    .await;
-    let out = wall_report(&env, &ran).await;
-    let _ = std::fs::remove_file(&planted);
-    assert_eq!(out["planted"], "ENOENT", "{out}");
-    assert_eq!(out["run"], serde_json::json!([]), "{out}");
-    // The machine's PostgreSQL, where it runs (its socket trusts local
-    // users), is as far out of reach.
-    if Path::new("/var/run/postgresql/.s.PGSQL.5432").exists() {
-        assert_eq!(out["postgres"], "ENOENT", "{out}");
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
