@@ -33,6 +33,16 @@ pub enum AgentNetwork {
     Open,
 }
 
+/// How the agent's program runs (`task.mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AgentMode {
+    /// Once per item (an attempt), the item on its input.
+    PerItem,
+    /// `processes` programs each serve many items over evalfleet's agent
+    /// protocol (JSON lines), started once.
+    Server { processes: usize },
+}
+
 /// What an item's agent may use through the gateway, per attempt; past any
 /// of them its calls are answered 429 (`budget_exhausted`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -49,6 +59,8 @@ pub struct ExecSettings {
     /// config's folder (`agent.py`) is given as that file's path.
     pub command: Vec<String>,
     pub input: ExecInput,
+    /// `task.mode` (and `task.servers`).
+    pub mode: AgentMode,
     /// `task.input.fields`: the item's fields the program gets. `None`:
     /// every field but those the task's references read.
     pub fields: Option<Vec<String>>,
@@ -111,6 +123,8 @@ pub struct RawExec {
     pub concurrency: Option<u32>,
     pub memory_mb: Option<u64>,
     pub disk_mb: Option<u64>,
+    pub mode: Option<String>,
+    pub servers: Option<u32>,
     pub network: Option<String>,
     pub env: Option<serde_json::Map<String, Value>>,
     pub budget: Option<Value>,
@@ -128,6 +142,8 @@ impl RawExec {
             ("concurrency", self.concurrency.is_some()),
             ("memory_mb", self.memory_mb.is_some()),
             ("disk_mb", self.disk_mb.is_some()),
+            ("mode", self.mode.is_some()),
+            ("servers", self.servers.is_some()),
             ("network", self.network.is_some()),
             ("env", self.env.is_some()),
             ("budget", self.budget.is_some()),
@@ -246,6 +262,36 @@ pub(super) fn exec(raw: RawExec, dir: &Path, p: &mut Problems<'_>) -> Option<Exe
             format!("must be between 1 and 1048576 (MiB), got {n}"),
         ),
     };
+    let servers = match raw.servers {
+        None => Some(1),
+        Some(n) if (1..=256).contains(&n) => Some(n as usize),
+        Some(n) => p.push(
+            "task.servers",
+            format!("must be between 1 and 256, got {n}"),
+        ),
+    };
+    let mode = match (raw.mode.as_deref(), servers) {
+        (None | Some("item"), _) => {
+            if raw.servers.is_some() {
+                p.push::<()>("task.servers", "is for task.mode: server");
+            }
+            Some(AgentMode::PerItem)
+        }
+        (Some("server"), Some(processes)) => {
+            if matches!(input, Some(ExecInput::File | ExecInput::Args)) {
+                p.push::<()>(
+                    "task.input",
+                    "a server (task.mode: server) gets its items in the agent protocol's lines: only task.input.fields applies",
+                );
+            }
+            Some(AgentMode::Server { processes })
+        }
+        (Some("server"), None) => None,
+        (Some(other), _) => p.push(
+            "task.mode",
+            format!("must be item or server, got '{other}'"),
+        ),
+    };
     let network = match raw.network.as_deref() {
         None | Some("gateway") => Some(AgentNetwork::Gateway),
         Some("open") => Some(AgentNetwork::Open),
@@ -313,6 +359,7 @@ pub(super) fn exec(raw: RawExec, dir: &Path, p: &mut Problems<'_>) -> Option<Exe
     Some(ExecSettings {
         command: command?,
         input: input?,
+        mode: mode?,
         fields: fields?,
         timeout: timeout?,
         concurrency: concurrency?,

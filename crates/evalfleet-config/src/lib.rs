@@ -54,7 +54,7 @@ use evalfleet_types::Fault;
 /// 10: with the retry budget bounding retries, a 20% fault rate fails
 /// one call in 10^7), `backoff_base` (default `100ms`), `backoff_max` (default `30s`).
 pub use evalfleet_types::RetryPolicy;
-pub use exec::{AgentNetwork, Budget, ExecInput, ExecSettings, split_words};
+pub use exec::{AgentMode, AgentNetwork, Budget, ExecInput, ExecSettings, split_words};
 pub use images::{ImageFormat, ImageSettings, Part, PdfPages};
 pub use prompts::{DEFAULT_PROMPT, PromptRule, glob_matches};
 pub use sheets::{

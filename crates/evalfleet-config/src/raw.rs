@@ -218,6 +218,18 @@ pub struct RawTask {
     /// device". Enforced where the sandbox has a mount namespace (as root).
     /// 1 to 1048576. Default 2048.
     pub disk_mb: Option<u64>,
+    /// `kind: exec`: how the program runs: `item` (once per item, the item
+    /// on its input, its answer on its output) or `server` (started once,
+    /// `task.servers` of it, each serving many items at once over
+    /// evalfleet's agent protocol: JSON lines on its standard input and
+    /// output, each item with its own address at the gateway; for Python,
+    /// `python3 -m evalfleet_agent agent.py solve` serves a function
+    /// `solve(item, client)`; see docs/agents.md). In `server` mode the
+    /// limits (`memory_mb`, `disk_mb`) hold per process. Default `item`.
+    pub mode: Option<String>,
+    /// `kind: exec` with `task.mode: server`: how many agent processes
+    /// serve the items, 1 to 256 (items go to the least busy). Default 1.
+    pub servers: Option<u32>,
     /// `kind: exec`: what the program may reach: `gateway` (the run's
     /// gateway and nothing else: a network namespace of the sandbox whose
     /// loopback only the gateway listens on; the file system read-only but

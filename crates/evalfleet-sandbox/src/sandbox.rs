@@ -920,73 +920,14 @@ impl Slot<'_> {
         limits: &Limits,
         env: &[(String, String)],
     ) -> std::io::Result<Execution> {
-        let Some(program) = argv.first() else {
-            return Err(std::io::Error::other("nothing to run"));
-        };
-        let cstring = |text: &[u8]| {
-            CString::new(text).map_err(|_| std::io::Error::other("an argument holds a NUL byte"))
-        };
-        let path = cstring(resolve(program)?.as_os_str().as_encoded_bytes())?;
-        let args = argv
-            .iter()
-            .map(|a| cstring(a.as_bytes()))
-            .collect::<std::io::Result<Vec<_>>>()?;
-        let inside = dir.inside().as_os_str().as_encoded_bytes();
-        let mut environment = vec![
-            cstring(b"PATH=/usr/local/bin:/usr/bin:/bin")?,
-            cstring(b"LANG=C.UTF-8")?,
-            cstring(b"PYTHONDONTWRITEBYTECODE=1")?,
-        ];
-        for key in ["HOME", "TMPDIR"] {
-            environment.push(cstring(&[key.as_bytes(), b"=", inside].concat())?);
-        }
-        for (name, value) in env {
-            if name.is_empty() || name.contains('=') {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::InvalidInput,
-                    format!("'{name}' is not an environment variable's name"),
-                ));
-            }
-            let prefix = format!("{name}=");
-            environment.retain(|e| !e.as_bytes().starts_with(prefix.as_bytes()));
-            environment.push(cstring(format!("{prefix}{value}").as_bytes())?);
-        }
-        // Its slot's memory group, and the kills the kernel made in it so
-        // far: one more by the end is this execution's.
-        let group = self
-            .uid()
-            .and_then(|uid| self.sandbox.memory.as_ref()?.get(&uid));
-        let kills_before = group.map(crate::cgroup::Group::oom_kills);
-        let setup = ChildSetup {
-            cgroup: group.map(crate::cgroup::Group::procs_fd),
-            namespaces: self.sandbox.namespaces.as_ref().map(Namespaces::raw),
-            cwd: cstring(inside)?,
-            limits: Some(Rlimits {
-                cpu_seconds: limits.cpu_seconds(),
-                address_space: limits.memory_mb.saturating_mul(1024 * 1024),
-                file_size: limits.file_bytes,
-                processes: u64::from(limits.processes),
-            }),
-            ids: self.uid().map(|uid| (uid, uid)),
-        };
-        let started = Instant::now();
-        let child = sys::spawn(sys::Spawn {
-            path,
-            argv: args,
-            env: environment,
-            setup,
-        })
-        .map_err(|e| std::io::Error::new(e.kind(), format!("cannot start '{program}': {e}")))?;
-        let mut process = Process {
-            pid: child.pid,
-            reaped: false,
-        };
-        // Whatever happens to this future from here, what the program
-        // started is ended.
-        let mut reaper = Reaper {
-            pgid: u32::try_from(child.pid).ok(),
-            uid: self.uid(),
-        };
+        let Spawned {
+            child,
+            mut process,
+            mut reaper,
+            group,
+            kills_before,
+            started,
+        } = self.spawn(argv, dir, limits, env)?;
         let exit = sys::exit_watcher(child.pidfd)?;
         let mut input = pipe::Sender::from_owned_fd_unchecked(child.stdin)?;
         let out = pipe::Receiver::from_owned_fd_unchecked(child.stdout)?;
@@ -1062,6 +1003,199 @@ impl Slot<'_> {
             stderr,
             elapsed: started.elapsed(),
         })
+    }
+
+    /// Starts `argv` in `dir` as [`Slot::run_with`] does, and hands back
+    /// the running program with its standard streams, for a program that
+    /// serves many requests (a persistent agent) rather than one input. No
+    /// wall-clock limit holds; `limits`' others do. Dropped, or
+    /// [`Running::end`]ed, it is killed with every process it started.
+    pub fn start(
+        &self,
+        argv: &[String],
+        dir: &Workdir,
+        limits: &Limits,
+        env: &[(String, String)],
+    ) -> std::io::Result<Running<'_>> {
+        let Spawned {
+            child,
+            process,
+            reaper,
+            group,
+            kills_before,
+            ..
+        } = self.spawn(argv, dir, limits, env)?;
+        Ok(Running {
+            exit: sys::exit_watcher(child.pidfd)?,
+            stdin: Some(pipe::Sender::from_owned_fd_unchecked(child.stdin)?),
+            stdout: Some(pipe::Receiver::from_owned_fd_unchecked(child.stdout)?),
+            stderr: Some(pipe::Receiver::from_owned_fd_unchecked(child.stderr)?),
+            process,
+            reaper,
+            group,
+            kills_before,
+            ended: None,
+        })
+    }
+
+    /// Starts `argv` in `dir`, within `limits`, with `env` added: the
+    /// program, and what ends it and everything it starts.
+    fn spawn(
+        &self,
+        argv: &[String],
+        dir: &Workdir,
+        limits: &Limits,
+        env: &[(String, String)],
+    ) -> std::io::Result<Spawned<'_>> {
+        let Some(program) = argv.first() else {
+            return Err(std::io::Error::other("nothing to run"));
+        };
+        let cstring = |text: &[u8]| {
+            CString::new(text).map_err(|_| std::io::Error::other("an argument holds a NUL byte"))
+        };
+        let path = cstring(resolve(program)?.as_os_str().as_encoded_bytes())?;
+        let args = argv
+            .iter()
+            .map(|a| cstring(a.as_bytes()))
+            .collect::<std::io::Result<Vec<_>>>()?;
+        let inside = dir.inside().as_os_str().as_encoded_bytes();
+        let mut environment = vec![
+            cstring(b"PATH=/usr/local/bin:/usr/bin:/bin")?,
+            cstring(b"LANG=C.UTF-8")?,
+            cstring(b"PYTHONDONTWRITEBYTECODE=1")?,
+        ];
+        for key in ["HOME", "TMPDIR"] {
+            environment.push(cstring(&[key.as_bytes(), b"=", inside].concat())?);
+        }
+        for (name, value) in env {
+            if name.is_empty() || name.contains('=') {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("'{name}' is not an environment variable's name"),
+                ));
+            }
+            let prefix = format!("{name}=");
+            environment.retain(|e| !e.as_bytes().starts_with(prefix.as_bytes()));
+            environment.push(cstring(format!("{prefix}{value}").as_bytes())?);
+        }
+        // Its slot's memory group, and the kills the kernel made in it so
+        // far: one more by the end is this execution's.
+        let group = self
+            .uid()
+            .and_then(|uid| self.sandbox.memory.as_ref()?.get(&uid));
+        let kills_before = group.map(crate::cgroup::Group::oom_kills);
+        let setup = ChildSetup {
+            cgroup: group.map(crate::cgroup::Group::procs_fd),
+            namespaces: self.sandbox.namespaces.as_ref().map(Namespaces::raw),
+            cwd: cstring(inside)?,
+            limits: Some(Rlimits {
+                cpu_seconds: limits.cpu_seconds(),
+                address_space: limits.memory_mb.saturating_mul(1024 * 1024),
+                file_size: limits.file_bytes,
+                processes: u64::from(limits.processes),
+            }),
+            ids: self.uid().map(|uid| (uid, uid)),
+        };
+        let started = Instant::now();
+        let child = sys::spawn(sys::Spawn {
+            path,
+            argv: args,
+            env: environment,
+            setup,
+        })
+        .map_err(|e| std::io::Error::new(e.kind(), format!("cannot start '{program}': {e}")))?;
+        let process = Process {
+            pid: child.pid,
+            reaped: false,
+        };
+        // Whatever happens to this future from here, what the program
+        // started is ended.
+        let reaper = Reaper {
+            pgid: u32::try_from(child.pid).ok(),
+            uid: self.uid(),
+        };
+        Ok(Spawned {
+            child,
+            process,
+            reaper,
+            group,
+            kills_before,
+            started,
+        })
+    }
+}
+
+/// A program just started, and what ends it and what it started.
+struct Spawned<'a> {
+    child: sys::Started,
+    process: Process,
+    reaper: Reaper,
+    /// Its slot's memory group, and the kills the kernel had made in it.
+    group: Option<&'a crate::cgroup::Group>,
+    kills_before: Option<u64>,
+    started: Instant,
+}
+
+/// A program that runs until it ends or is ended ([`Slot::start`]): its
+/// standard streams are taken once each.
+pub struct Running<'a> {
+    exit: AsyncFd<std::os::fd::OwnedFd>,
+    stdin: Option<pipe::Sender>,
+    stdout: Option<pipe::Receiver>,
+    stderr: Option<pipe::Receiver>,
+    process: Process,
+    reaper: Reaper,
+    group: Option<&'a crate::cgroup::Group>,
+    kills_before: Option<u64>,
+    /// How it ended, once it has.
+    ended: Option<Ended>,
+}
+
+impl Running<'_> {
+    /// Its standard input, output and error (each `None` once taken).
+    pub fn streams(
+        &mut self,
+    ) -> (
+        Option<pipe::Sender>,
+        Option<pipe::Receiver>,
+        Option<pipe::Receiver>,
+    ) {
+        (self.stdin.take(), self.stdout.take(), self.stderr.take())
+    }
+
+    /// Waits for it to end by itself (what it started is then ended), and
+    /// says how.
+    pub async fn wait(&mut self) -> Ended {
+        if let Some(ended) = self.ended {
+            return ended;
+        }
+        let status = self.process.wait(&self.exit).await.ok();
+        self.finish(status).await
+    }
+
+    /// Ends it, and every process it started, now (if it has not ended).
+    pub async fn end(mut self) -> Ended {
+        if let Some(ended) = self.ended {
+            return ended;
+        }
+        self.finish(None).await
+    }
+
+    async fn finish(&mut self, status: Option<(Option<i32>, Option<i32>)>) -> Ended {
+        self.reaper.reap();
+        self.process.reap(&self.exit).await;
+        let ended = match status {
+            Some((Some(code), _)) => Ended::Exited(code),
+            Some((None, Some(libc::SIGXCPU))) => Ended::CpuLimit,
+            Some((None, Some(signal))) => Ended::Signaled(signal),
+            _ => Ended::Signaled(libc::SIGKILL),
+        };
+        let ended = match (self.group, self.kills_before) {
+            (Some(group), Some(before)) if group.oom_kills() > before => Ended::MemoryLimit,
+            _ => ended,
+        };
+        self.ended = Some(ended);
+        ended
     }
 }
 

@@ -68,7 +68,7 @@ async fn run_example(env: &Env, name: &str, python: &str) -> (PathBuf, String) {
 }
 
 /// The sandbox's walls (its own users, namespaces) need root.
-fn sandboxed() -> bool {
+pub fn sandboxed() -> bool {
     if evalfleet_testkit::is_root() {
         return true;
     }
@@ -1052,33 +1052,37 @@ async fn calls_go_on_elsewhere_when_an_endpoint_is_killed_while_agents_run() {
     assert_eq!(by_endpoint.values().sum::<u32>(), 240);
 }
 
+/// The LangGraph example, run once per item and served (one process for
+/// every item, `task.mode: server`): the same answers and calls either way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_langgraph_agent_runs_per_item_through_the_gateway() {
+async fn a_langgraph_agent_runs_per_item_or_served_through_the_gateway() {
     let Some(python) = agent_python("langgraph, langchain_openai") else {
         return;
     };
-    let env = Env::new();
-    let (store, run_id) = run_example(&env, "langgraph.yaml", &python).await;
-    let counts = evalfleet_store::SqliteStore::open_existing(&store)
-        .unwrap()
-        .counts(&run_id)
-        .unwrap();
-    assert_eq!((counts.done, counts.failed), (12, 0));
-    let calls = calls_of(&store, &run_id, "c001");
-    // The ReAct loop: the model calls the tool, then answers with its
-    // result.
-    assert_eq!(calls.len(), 2, "{calls:#?}");
-    let first: Value = serde_json::from_str(calls[0].response.as_deref().unwrap()).unwrap();
-    assert_eq!(first["tool_calls"][0]["function"]["name"], "lookup");
-    let second: Value = serde_json::from_str(&calls[1].request).unwrap();
-    let last = second["messages"]
-        .as_array()
-        .unwrap()
-        .last()
-        .unwrap()
-        .clone();
-    assert_eq!(last["role"], "tool");
-    assert_eq!(last["content"], "Paris");
+    for example in ["langgraph.yaml", "langgraph-server.yaml"] {
+        let env = Env::new();
+        let (store, run_id) = run_example(&env, example, &python).await;
+        let counts = evalfleet_store::SqliteStore::open_existing(&store)
+            .unwrap()
+            .counts(&run_id)
+            .unwrap();
+        assert_eq!((counts.done, counts.failed), (12, 0), "{example}");
+        let calls = calls_of(&store, &run_id, "c001");
+        // The ReAct loop: the model calls the tool, then answers with its
+        // result.
+        assert_eq!(calls.len(), 2, "{example}: {calls:#?}");
+        let first: Value = serde_json::from_str(calls[0].response.as_deref().unwrap()).unwrap();
+        assert_eq!(first["tool_calls"][0]["function"]["name"], "lookup");
+        let second: Value = serde_json::from_str(&calls[1].request).unwrap();
+        let last = second["messages"]
+            .as_array()
+            .unwrap()
+            .last()
+            .unwrap()
+            .clone();
+        assert_eq!(last["role"], "tool");
+        assert_eq!(last["content"], "Paris");
+    }
 }
 
 /// An agent that hands its token to the test (through a folder it may

@@ -21,6 +21,7 @@ mod install;
 mod messages;
 mod original;
 mod parquet;
+mod persistent;
 mod prompts;
 mod remote;
 mod run;

@@ -27,6 +27,8 @@ pub(super) fn task(
         concurrency: raw.concurrency.take(),
         memory_mb: raw.memory_mb.take(),
         disk_mb: raw.disk_mb.take(),
+        mode: raw.mode.take(),
+        servers: raw.servers.take(),
         network: raw.network.take(),
         env: raw.env.take(),
         budget: raw.budget.take(),

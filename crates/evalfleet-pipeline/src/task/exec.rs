@@ -23,9 +23,10 @@ use evalfleet_sandbox::sandbox::{Ended, Execution, Isolation, Limits, Network, O
 use evalfleet_types::{AgentCall, AttemptRecord, ErrorClass, RetryPolicy, Telemetry, ms, unix_ms};
 use serde_json::Value;
 
+use super::agent_server::{self, Reply as ServerReply, Servers};
 use super::chat::Chat;
 use super::{Attempted, Episode, Finish, ItemContext, Reply, Request, Step, Target, Task};
-use evalfleet_config::{AgentNetwork, ExecInput, ExecSettings};
+use evalfleet_config::{AgentMode, AgentNetwork, ExecInput, ExecSettings};
 use evalfleet_gateway::Gateway;
 
 /// Serves a gateway on a listener: the server's part, which this layer
@@ -50,7 +51,9 @@ pub struct Exec {
 struct Inner {
     settings: ExecSettings,
     retry: RetryPolicy,
-    sandbox: Sandbox,
+    sandbox: Arc<Sandbox>,
+    /// `task.mode: server`: the agent's processes, which serve every item.
+    servers: Option<Servers>,
     gateway: Arc<Gateway>,
     /// `http://127.0.0.1:PORT`, as the agent reaches the gateway.
     base: String,
@@ -151,9 +154,14 @@ impl Exec {
             .filter_map(|path| path.canonicalize().ok())
             .filter(|path| path.starts_with(&agent_dir) && *path != agent_dir)
             .collect();
+        // A slot per agent process: one per item at once, or per server.
+        let slots = match settings.mode {
+            AgentMode::PerItem => settings.concurrency,
+            AgentMode::Server { processes } => processes,
+        };
         let mut sandbox = Sandbox::with_options(
             &dir,
-            settings.concurrency,
+            slots,
             std::slice::from_ref(&agent_dir),
             wanted,
             Options {
@@ -199,7 +207,7 @@ impl Exec {
             return Err(ExecError::Unreachable(why));
         }
         let inside_dir = sandbox.toolchain(0).unwrap_or_else(|| agent_dir.clone());
-        let argv = settings
+        let argv: Vec<String> = settings
             .command
             .iter()
             .enumerate()
@@ -214,6 +222,36 @@ impl Exec {
             file_bytes: 256 << 20,
             processes: 512,
         };
+        let sandbox = Arc::new(sandbox);
+        let base = format!("http://127.0.0.1:{port}");
+        let servers = match settings.mode {
+            AgentMode::PerItem => None,
+            AgentMode::Server { processes } => {
+                let mut env = vec![
+                    ("EVALFLEET_GATEWAY".to_owned(), base.clone()),
+                    (
+                        "EVALFLEET_CONCURRENCY".to_owned(),
+                        settings.concurrency.div_ceil(processes).to_string(),
+                    ),
+                ];
+                env.extend(settings.env.iter().cloned());
+                let spec = agent_server::Spec {
+                    argv: argv.clone(),
+                    env,
+                    // It lives as long as the run: no CPU-time bound; its
+                    // items' threads and children count as its processes.
+                    limits: Limits {
+                        cpu: Duration::from_secs(1 << 40),
+                        processes: 4096,
+                        ..limits
+                    },
+                };
+                let gateway = gateway.clone();
+                Some(Servers::start(&sandbox, processes, spec, move |work| {
+                    gateway.spawn(work);
+                }))
+            }
+        };
         // No agent is handed its answer key, unless its fields are named.
         let given = match &settings.fields {
             Some(names) => Given::Only(names.clone()),
@@ -224,8 +262,9 @@ impl Exec {
                 settings: settings.clone(),
                 retry,
                 sandbox,
+                servers,
                 gateway,
-                base: format!("http://127.0.0.1:{port}"),
+                base,
                 argv,
                 given,
                 limits,
@@ -544,7 +583,8 @@ impl Run {
             finish_reason: None,
         };
         let (answer, kept) = match ran {
-            Ok(execution) => judge(&execution, settings.timeout, calls.len()),
+            Ok(Ran::Program(execution)) => judge(&execution, settings.timeout, calls.len()),
+            Ok(Ran::Server(reply)) => judge_reply(reply, settings.timeout, calls.len(), elapsed),
             Err(err) => (
                 Err((format!("cannot run the agent: {err}"), ErrorClass::Fatal)),
                 serde_json::json!({"error": err.to_string(), "calls": calls.len()}),
@@ -576,10 +616,35 @@ impl Run {
     async fn execute(
         &self,
     ) -> (
-        std::io::Result<(Execution, std::time::SystemTime, Instant)>,
+        std::io::Result<(Ran, std::time::SystemTime, Instant)>,
         Vec<AgentCall>,
     ) {
         let inner = &*self.inner;
+        if let Some(servers) = &inner.servers {
+            let pass = inner.gateway.open(
+                self.seq,
+                self.sample,
+                self.attempt,
+                inner.settings.budget,
+                inner.settings.timeout + Duration::from_secs(60),
+            );
+            let sent_at = std::time::SystemTime::now();
+            let started = Instant::now();
+            let key = format!("{}-{}-{}", self.seq, self.sample, self.attempt);
+            let line = format!(
+                "{{\"type\":\"item\",\"key\":{},\"item\":{},\"item_id\":{},\"attempt\":{},\"base_url\":{},\"api_key\":{},\"timeout_s\":{}}}",
+                Value::String(key.clone()),
+                self.given_json,
+                Value::String(self.item_id.clone()),
+                self.attempt,
+                Value::String(format!("{}/gw/{}/v1", inner.base, pass.token)),
+                Value::String(pass.token.clone()),
+                inner.settings.timeout.as_secs_f64(),
+            );
+            let reply = servers.ask(key, line, inner.settings.timeout).await;
+            let calls = pass.close().await;
+            return (Ok((Ran::Server(reply), sent_at, started)), calls);
+        }
         let slot = inner.sandbox.slot().await;
         // The address opens once the agent has its slot, and lives a little
         // longer than the run may: the token's expiry is a bound, the
@@ -595,7 +660,10 @@ impl Run {
         let started = Instant::now();
         let ran = self.run_in(&slot, &pass.token).await;
         let calls = pass.close().await;
-        (ran.map(|execution| (execution, sent_at, started)), calls)
+        (
+            ran.map(|execution| (Ran::Program(execution), sent_at, started)),
+            calls,
+        )
     }
 
     /// The program, run in `slot` with the address `token`.
@@ -634,6 +702,50 @@ impl Run {
         env.extend(inner.settings.env.iter().cloned());
         slot.run_with(&argv, &dir, stdin, &inner.limits, &env).await
     }
+}
+
+/// An agent's run for one attempt: its program's, or a server's reply.
+enum Ran {
+    Program(Execution),
+    Server(ServerReply),
+}
+
+/// What a persistent agent's reply came to, as [`judge`] says of a run.
+fn judge_reply(
+    reply: ServerReply,
+    timeout: Duration,
+    calls: usize,
+    elapsed: Duration,
+) -> (Result<String, (String, ErrorClass)>, Value) {
+    let mut kept = serde_json::json!({
+        "mode": "server",
+        "elapsed_ms": ms(elapsed),
+        "calls": calls,
+    });
+    let answer = match reply {
+        ServerReply::Output(text) => Ok(text.trim().to_owned()),
+        ServerReply::Error(said) => {
+            let said = redact_tokens(&said);
+            kept["error"] = Value::String(said.clone());
+            Err((
+                format!("the agent failed the item: {said}"),
+                ErrorClass::Retryable,
+            ))
+        }
+        ServerReply::Ended(why) => {
+            let why = redact_tokens(&why);
+            kept["error"] = Value::String(why.clone());
+            Err((why, ErrorClass::Retryable))
+        }
+        ServerReply::TimedOut => Err((
+            format!(
+                "still running after task.timeout ({}): the agent was told to cancel it",
+                humantime::format_duration(timeout)
+            ),
+            ErrorClass::Retryable,
+        )),
+    };
+    (answer, kept)
 }
 
 /// What a run of the agent came to: its answer (standard output), or why

@@ -15,6 +15,7 @@
 //! - [`conversation`]: an episode of a simulated three-person conversation
 //!   with a robot that may intervene; many calls an item.
 
+mod agent_server;
 pub mod chat;
 pub mod code;
 pub mod conversation;

@@ -1,0 +1,194 @@
+//! Persistent agents (`task.mode: server`): one process serves many items
+//! over evalfleet's agent protocol, each item with its own address at the
+//! gateway; a crash retries the items it held and starts it again; a hung
+//! item is cancelled without ending the others.
+
+use std::collections::BTreeSet;
+
+use evalfleet_mock::MockSettings;
+use serde_json::Value;
+
+use crate::util::{Env, by_id, external_with, mock};
+
+/// An agent served by the helper (`from evalfleet_agent import serve`): it
+/// calls the model once through its item's own address (plain urllib: the
+/// client's `base_url` and `api_key`), and answers with its pid and the
+/// count of items its process saw. Item 3 on its first attempt ends the
+/// process; item 5 on its first attempt hangs.
+const SERVED: &str = r#"
+import json, os, threading, time, urllib.request
+from evalfleet_agent import serve
+
+SEEN = [0]
+LOCK = threading.Lock()
+
+def solve(item, client):
+    with LOCK:
+        SEEN[0] += 1
+    attempt = client.attempt
+    if item["id"] == "item-00003" and attempt == 1:
+        os._exit(3)
+    if item["id"] == "item-00005" and attempt == 1:
+        time.sleep(3600)
+    body = {"model": "m", "messages": [{"role": "user", "content": item["question"]}]}
+    req = urllib.request.Request(str(client.base_url).rstrip("/") + "/chat/completions",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": "Bearer " + client.api_key})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        json.load(r)
+    print("a stray print goes to stderr, not the protocol")
+    return {"pid": os.getpid(), "seen": SEEN[0], "id": item["id"]}
+
+serve(solve)
+"#;
+
+fn config(env: &Env, endpoints: &str, n: usize, task: &str) -> std::path::PathBuf {
+    let dataset = env.dataset("items.jsonl", n);
+    env.write(
+        "agent.yaml",
+        &format!(
+            "name: served\n\
+             dataset: {{ path: {}, id_field: id }}\n\
+             endpoints:\n{endpoints}\n\
+             retry: {{ max_attempts: 3, backoff_base: 10ms, backoff_max: 50ms }}\n\
+             task:\n  kind: exec\n{task}",
+            dataset.display()
+        ),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_process_serves_the_items_a_crash_is_retried_and_a_hung_item_cancelled() {
+    if !crate::agents::sandboxed() {
+        return;
+    }
+    let env = Env::new();
+    env.write("served.py", SERVED);
+    let server = mock(MockSettings::default()).await;
+    let endpoints = external_with("m", &server, 8, "");
+    let config = config(
+        &env,
+        &endpoints,
+        12,
+        "  command: /usr/bin/python3 served.py\n  mode: server\n  concurrency: 4\n  timeout: 3s\n",
+    );
+    let ran = env
+        .evalfleet(&["run", config.to_str().unwrap(), "-q"])
+        .await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let rows = by_id(&env.export(&ran.run_id()).await);
+    assert_eq!(rows.len(), 12);
+    let mut outputs = std::collections::BTreeMap::new();
+    for (id, row) in &rows {
+        let output: Value = serde_json::from_str(row["output"].as_str().unwrap_or("null"))
+            .unwrap_or_else(|_| panic!("{id}: {row}"));
+        assert_eq!(output["id"], id.as_str(), "{row}");
+        outputs.insert(id.clone(), output);
+    }
+    // Item 3 ended the process on its first attempt: it (and the items
+    // the process held with it) were answered by the process started again.
+    assert_eq!(rows["item-00003"]["attempts"], 2, "{}", rows["item-00003"]);
+    // Item 5 hung on its first attempt: cancelled at its timeout, answered
+    // on its second by the same process, which had served every other item
+    // meanwhile (its set-up paid once for them all).
+    assert_eq!(rows["item-00005"]["attempts"], 2, "{}", rows["item-00005"]);
+    let seen = outputs["item-00005"]["seen"].as_u64().unwrap();
+    assert!(seen >= 10, "{}", rows["item-00005"]);
+    assert_eq!(outputs["item-00005"]["pid"], outputs["item-00011"]["pid"]);
+    // Every answered item made its one call through its own address: the
+    // calls the mock saw are those of the items' answering attempts.
+    assert_eq!(server.stats().requests, 12);
+    let status = env.evalfleet(&["report", &ran.run_id()]).await;
+    assert_eq!(status.code, Some(0), "{}", status.stderr);
+}
+
+/// `python3 -m evalfleet_agent FILE solve --fork`: each item in a child
+/// forked from the loaded agent (its globals as they were at the fork),
+/// and the same function served on threads shares one process's globals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_helper_serves_a_plain_function_on_threads_or_a_child_per_item() {
+    if !crate::agents::sandboxed() {
+        return;
+    }
+    let env = Env::new();
+    env.write(
+        "plain.py",
+        "import os\nCOUNT = [0]\n\
+         def solve(item, client):\n\
+         \x20   COUNT[0] += 1\n\
+         \x20   assert client.api_key and '/gw/' in str(client.base_url)\n\
+         \x20   return '%d %d %s' % (os.getpid(), COUNT[0], item['question'])\n",
+    );
+    let server = mock(MockSettings::default()).await;
+    let endpoints = external_with("m", &server, 8, "");
+    for (fork, processes) in [("", 1), (" --fork", 8)] {
+        let config = config(
+            &env,
+            &endpoints,
+            8,
+            &format!(
+                "  command: /usr/bin/python3 -m evalfleet_agent plain.py solve{fork}\n  mode: server\n  concurrency: 2\n"
+            ),
+        );
+        let ran = env
+            .evalfleet(&["run", config.to_str().unwrap(), "-q"])
+            .await;
+        assert_eq!(ran.code, Some(0), "{fork}: {}", ran.stderr);
+        let rows = by_id(&env.export(&ran.run_id()).await);
+        let mut pids = BTreeSet::new();
+        let mut counts = BTreeSet::new();
+        for row in rows.values() {
+            let output = row["output"].as_str().unwrap().to_owned();
+            let words: Vec<&str> = output.splitn(3, ' ').collect();
+            assert!(words[2].starts_with("question "), "{output}");
+            pids.insert(words[0].to_owned());
+            counts.insert(words[1].to_owned());
+        }
+        assert_eq!(pids.len(), processes, "{fork}: {pids:?}");
+        if fork.is_empty() {
+            // One process's globals: every count from 1 to 8 once.
+            assert_eq!(counts.len(), 8, "{counts:?}");
+        } else {
+            // Each child starts from the loaded agent's globals.
+            assert_eq!(counts, BTreeSet::from(["1".to_owned()]));
+        }
+    }
+}
+
+/// A server that cannot serve (it exits at once, every time) fails its
+/// items with what it wrote, after its tries, and the run ends failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_ends_at_once_fails_its_items_saying_why() {
+    if !crate::agents::sandboxed() {
+        return;
+    }
+    let env = Env::new();
+    env.write(
+        "broken.py",
+        "import sys\nsys.stderr.write('cannot load the model weights\\n')\nsys.exit(5)\n",
+    );
+    let server = mock(MockSettings::default()).await;
+    let endpoints = external_with("m", &server, 8, "");
+    let config = config(
+        &env,
+        &endpoints,
+        3,
+        "  command: /usr/bin/python3 broken.py\n  mode: server\n",
+    );
+    let ran = env
+        .evalfleet(&["run", config.to_str().unwrap(), "-q"])
+        .await;
+    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
+    let rows = by_id(&env.export(&ran.run_id()).await);
+    for row in rows.values() {
+        let error = row["error"].as_str().unwrap_or_default();
+        assert!(
+            error.contains("exited with status 5")
+                && error.contains("cannot load the model weights"),
+            "{row}"
+        );
+        assert!(row["output"].is_null(), "{row}");
+    }
+    assert_eq!(server.stats().requests, 0);
+}
