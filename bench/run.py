@@ -68,7 +68,19 @@ BIN = os.environ.get("EVALFLEET_BIN") or os.path.join(
 SERVER_CORE = "0"
 CLIENT_CORE = "1"
 
-FINISHED = re.compile(r"finished: (\d+) done, (\d+) failed; (\d+) items in ([\d.]+)s \(([\d.]+) items/s[;)]")
+# The run's last line: `Run X finished, complete: 10 of 10 items scored;
+# 10 items in 0.5s (20.0 items/s; ...)`, with ` (3 failed, 2 pending)` after
+# "scored" (or "answered") where some are.
+FINISHED = re.compile(
+    r"finished, \w+: \d+ of (\d+) items (?:scored|answered)(?: \(([^)]*)\))?; (\d+) items in ([\d.]+)s \(([\d.]+) items/s[;)]"
+)
+
+
+def finished(m):
+    """The figures of a FINISHED match: done, failed, items, seconds, rate."""
+    parts = dict((what, int(n)) for n, what in re.findall(r"(\d+) (failed|pending)", m[2] or ""))
+    failed = parts.get("failed", 0)
+    return dict(done=int(m[1]) - failed - parts.get("pending", 0), failed=failed, items=int(m[3]), seconds=float(m[4]), rate=float(m[5]))
 
 
 def build():
@@ -138,7 +150,7 @@ def evalfleet(args, cwd, pin=True, binary=None):
     out = {"code": proc.returncode}
     for line in proc.stderr.splitlines():
         if m := FINISHED.search(line):
-            out.update(done=int(m[1]), failed=int(m[2]), items=int(m[3]), seconds=float(m[4]), rate=float(m[5]))
+            out.update(finished(m))
         if line.startswith("TIME "):
             wall, user, sys_, rss = line.split()[1:]
             out.update(wall=float(wall), cpu=float(user) + float(sys_), rss_mb=int(rss) / 1024)
@@ -2254,7 +2266,7 @@ def sampled(cmd, cwd, others=()):
     text = "".join(err)
     for line in text.splitlines():
         if m := FINISHED.search(line):
-            out.update(done=int(m[1]), failed=int(m[2]), items=int(m[3]), seconds=float(m[4]), rate=float(m[5]))
+            out.update(finished(m))
     if "rate" not in out:
         raise SystemExit(f"evalfleet did not finish: {text[-2000:]}")
     return out
@@ -2440,6 +2452,137 @@ def a2(args, work):
             f"| {100 * r['machine_busy_median']:.0f}% | {r['cpu_bound_items_per_s']:.1f} items/s "
             f"| {'%.1f items/s' % r['direct']['items_per_s'] if r['direct'] else 'not run'} |"
         )
+
+
+# A3 (issue 39): a LangGraph agent served (task.mode: server) against the
+# same agent function in a plain asyncio loop of one process.
+
+A3_LOOP = r"""
+import asyncio, json, os, resource, sys, time
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[1])))
+import langgraph_agent
+
+async def main():
+    rows = [json.loads(line) for line in open(sys.argv[2])]
+    url, concurrency = sys.argv[3], int(sys.argv[4])
+    gate = asyncio.Semaphore(concurrency)
+    # As many threads as items at once (asyncio's default is cores + 4).
+    import concurrent.futures
+    asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(concurrency))
+    right = 0
+    async def one(row):
+        nonlocal right
+        async with gate:
+            out = await asyncio.to_thread(langgraph_agent.answer, row, url, "none")
+        right += out.strip() == row["answer"]
+    started = time.monotonic()
+    await asyncio.gather(*(one(row) for row in rows))
+    wall = time.monotonic() - started
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    print(json.dumps({"wall": wall, "items_per_s": len(rows) / wall, "right": right,
+                      "cpu_s": usage.ru_utime + usage.ru_stime}))
+
+asyncio.run(main())
+"""
+
+
+def a3(args, work):
+    """The LangGraph ReAct agent of examples/ on `--items` items at
+    concurrency 32 against a 50 ms mock: served by evalfleet (`task.mode:
+    server`, one process), against the same agent function in a plain
+    asyncio loop of one process (threads for its blocking invoke, 32 at
+    once) on the same mock, in the same run; and per item (today's mode)
+    on `--per-item-items` items beside them."""
+    latency, concurrency = 0.05, 32
+    python = args.python_openai or os.environ.get("EVALFLEET_AGENT_PYTHON", "/opt/evalfleet-agent/bin/python")
+    open_to_sandbox(work)
+    for name in ["langgraph_agent.py", "langgraph-answers.jsonl"]:
+        subprocess.run(["cp", os.path.join(ROOT, "examples", "agent", name), work], check=True)
+    with open(os.path.join(ROOT, "examples", "agent", "countries.jsonl")) as f:
+        countries = [json.loads(line) for line in f]
+
+    def dataset(n, name):
+        path = os.path.join(work, name)
+        with open(path, "w") as f:
+            for i in range(n):
+                c = countries[i % len(countries)]
+                f.write(json.dumps({"id": f"a{i}", "question": c["question"], "answer": c["answer"]}) + "\n")
+        return path
+
+    served_rows = dataset(args.items, "a3.jsonl")
+    per_item_rows = dataset(args.per_item_items, "a3-per-item.jsonl")
+    loop = os.path.join(work, "a3_loop.py")
+    with open(loop, "w") as f:
+        f.write(A3_LOOP)
+    mock = Mock("--latency", f"{int(latency * 1000)}ms", "--answers", os.path.join(work, "langgraph-answers.jsonl"), core=None)
+
+    def config(mode, rows):
+        path = os.path.join(work, f"a3-{mode}.yaml")
+        command = f"{python} -m evalfleet_agent langgraph_agent.py solve" if mode == "server" else f"{python} langgraph_agent.py"
+        with open(path, "w") as f:
+            f.write(
+                f"name: a3\n"
+                f"dataset: {{ path: {rows}, id_field: id }}\n"
+                f"endpoints:\n"
+                f"  - {{ name: mock, kind: external, base_url: \"{mock.url}\", model: m, concurrency: {4 * concurrency} }}\n"
+                f"task:\n"
+                f"  kind: exec\n"
+                f"  command: {command}\n"
+                f"  mode: {'server' if mode == 'server' else 'item'}\n"
+                f"  concurrency: {concurrency}\n"
+                f"  timeout: 300s\n"
+                f"  models: {{ \"*\": m }}\n"
+                f"  metrics:\n"
+                f"    - {{ name: exact_match, reference: \"{{{{ answer }}}}\" }}\n"
+            )
+        return path
+
+    def evalfleet(mode, rows, n, i):
+        run_id = f"a3-{mode}-{i}"
+        db = os.path.join(work, f"{run_id}.db")
+        run = sampled([BIN, "run", config(mode, rows), "--store", db, "-q", "--run-id", run_id], work, others=[mock.proc.pid])
+        out = exported(run_id, db)
+        right = sum(1 for r in out if r["status"] == "done" and r["output"] == r["item"]["answer"])
+        # A served agent is reaped only at the run's end, after the last
+        # sample: its CPU is the machine's, less the mock's and evalfleet's.
+        machine_cpu = run["machine_busy"] * run["wall"] * os.cpu_count()
+        agents_cpu = max(run["children_cpu_s"], machine_cpu - (run["others_cpu_s"][0] or 0) - run["own_cpu_s"])
+        return {
+            "items_per_s": run["rate"], "wall": run["wall"], "right": right, "items": n,
+            "agent_cpu_s_per_item": agents_cpu / n,
+            "evalfleet_cpu_s_per_item": run["own_cpu_s"] / n,
+            "machine_busy": run["machine_busy"],
+        }
+
+    rounds = []
+    try:
+        for i in range(args.rounds):
+            proc = subprocess.run([python, loop, os.path.join(work, "langgraph_agent.py"), served_rows, mock.url, str(concurrency)],
+                                  cwd=work, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"the asyncio loop failed: {proc.stderr[-2000:]}")
+            plain = json.loads(proc.stdout.strip().splitlines()[-1])
+            plain["cpu_s_per_item"] = plain["cpu_s"] / args.items
+            served = evalfleet("server", served_rows, args.items, i)
+            round_ = {
+                "loop": plain, "served": served,
+                "throughput_ratio": served["items_per_s"] / plain["items_per_s"],
+                "cpu_ratio": (served["agent_cpu_s_per_item"] + served["evalfleet_cpu_s_per_item"]) / plain["cpu_s_per_item"],
+            }
+            rounds.append(round_)
+            print(json.dumps(round_), file=sys.stderr)
+        per_item = evalfleet("item", per_item_rows, args.per_item_items, 0) if args.per_item_items else None
+    finally:
+        mock.stop()
+    med = lambda f: statistics.median(f(r) for r in rounds)
+    print(json.dumps({"workload": "A3", "items": args.items, "concurrency": concurrency, "rounds": rounds, "per_item": per_item}, indent=2))
+    print("\n| | items/s (median) | CPU per item | right |")
+    print("|---|---|---|---|")
+    print(f"| plain asyncio loop, one process | {med(lambda r: r['loop']['items_per_s']):.1f} | {1000 * med(lambda r: r['loop']['cpu_s_per_item']):.1f} ms | {rounds[-1]['loop']['right']}/{args.items} |")
+    print(f"| evalfleet, task.mode: server | {med(lambda r: r['served']['items_per_s']):.1f} | {1000 * med(lambda r: r['served']['agent_cpu_s_per_item']):.1f} ms agent + {1000 * med(lambda r: r['served']['evalfleet_cpu_s_per_item']):.1f} ms evalfleet | {rounds[-1]['served']['right']}/{args.items} |")
+    if per_item:
+        print(f"| evalfleet, per item ({per_item['items']} items) | {per_item['items_per_s']:.1f} | {1000 * per_item['agent_cpu_s_per_item']:.0f} ms agent + {1000 * per_item['evalfleet_cpu_s_per_item']:.1f} ms evalfleet | {per_item['right']}/{per_item['items']} |")
+    print(f"\nserved / loop: throughput {med(lambda r: r['throughput_ratio']):.2f} x (goal at least 0.8), CPU per item {med(lambda r: r['cpu_ratio']):.2f} x (goal at most 1.5)")
 
 
 # PostgreSQL (issue 25): W1 on PostgreSQL, P1's workers, the queue's latency.
@@ -3188,6 +3331,7 @@ WORKLOADS = {
     "v1": (v1, 10_000),
     "a1": (a1, None),
     "a2": (a2, 2000),
+    "a3": (a3, 1000),
     "w1pg": (w1pg, 100_000),
     "p1": (p1, None),
     "p1latency": (p1latency, 10_000),
@@ -3228,7 +3372,8 @@ def main():
     parser.add_argument("--unpinned", action="store_true", help="A1: pin nothing (the mocks, the run, its agent and wrk share both cores)")
     parser.add_argument("--latency-ms", type=int, default=50, help="A1: the slower mock's latency")
     parser.add_argument("--direct", action="store_true", help="A2: also run the same agents, as many at once, against the mock directly (no evalfleet)")
-    parser.add_argument("--python-openai", help="A2: the python of a venv with openai (default /opt/evalfleet-agent/bin/python)")
+    parser.add_argument("--python-openai", help="A2: the python of a venv with openai (default /opt/evalfleet-agent/bin/python); A3: with langgraph and langchain-openai (default $EVALFLEET_AGENT_PYTHON)")
+    parser.add_argument("--per-item-items", type=int, default=64, help="A3: items of the per-item run beside the served one (0: none)")
     parser.add_argument("--copies", type=int, default=8, help="P1: HumanEval's 164 programs this many times over")
     parser.add_argument("--workers", help="P1: worker counts; P1latency: thread counts (default 1,2,4)")
     parser.add_argument("--limits", default="16,64", help="P1latency: items a claim takes")

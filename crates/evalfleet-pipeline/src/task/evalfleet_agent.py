@@ -15,10 +15,11 @@ paid once per process, not once per item:
 
 or, with no code of its own, `python3 -m evalfleet_agent agent.py solve`.
 
-`item` is the item as the agent is given it; `client` is an `openai.OpenAI`
-(an `openai.AsyncOpenAI` for an `async def`) pointed at the item's own
-address at the run's gateway, or, where the openai package is absent, an
-object with `base_url`, `api_key`, `item_id` and `attempt`. The return value
+`item` is the item as the agent is given it; `client` has `base_url`,
+`api_key`, `item_id` and `attempt`, and is used as an `openai.OpenAI` (an
+`openai.AsyncOpenAI` for an `async def`) pointed at the item's own address
+at the run's gateway: `client.chat.completions.create(...)` (the SDK's
+client is made on first use). The return value
 is the answer (a value that is not a string is sent as JSON); an exception
 fails the attempt with its message.
 
@@ -53,17 +54,31 @@ class Context:
         self.attempt = request.get("attempt")
 
 
+class _Client(Context):
+    """The item's client: an `openai.OpenAI` (`AsyncOpenAI`) made on first
+    use, so that an agent that makes its own (LangChain's ChatOpenAI from
+    `base_url` and `api_key`) does not pay for one it never uses."""
+
+    def __init__(self, request, asynchronous):
+        super().__init__(request)
+        self._asynchronous = asynchronous
+        self._real = None
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("_real", "_asynchronous"):
+            raise AttributeError(name)
+        if self._real is None:
+            import openai
+
+            kind = openai.AsyncOpenAI if self._asynchronous else openai.OpenAI
+            # evalfleet's gateway retries what may be retried; the SDK
+            # does not.
+            self._real = kind(base_url=self.base_url, api_key=self.api_key, max_retries=0)
+        return getattr(self._real, name)
+
+
 def _client(request, asynchronous):
-    try:
-        import openai
-    except ImportError:
-        return Context(request)
-    kind = openai.AsyncOpenAI if asynchronous else openai.OpenAI
-    # evalfleet's gateway retries what may be retried; the SDK does not.
-    client = kind(base_url=request["base_url"], api_key=request["api_key"], max_retries=0)
-    client.item_id = request.get("item_id")
-    client.attempt = request.get("attempt")
-    return client
+    return _Client(request, asynchronous)
 
 
 def _answer_of(value):
