@@ -620,33 +620,12 @@ impl Run {
         Vec<AgentCall>,
     ) {
         let inner = &*self.inner;
-        if let Some(servers) = &inner.servers {
-            let pass = inner.gateway.open(
-                self.seq,
-                self.sample,
-                self.attempt,
-                inner.settings.budget,
-                inner.settings.timeout + Duration::from_secs(60),
-            );
-            let sent_at = std::time::SystemTime::now();
-            let started = Instant::now();
-            let key = format!("{}-{}-{}", self.seq, self.sample, self.attempt);
-            let line = format!(
-                "{{\"type\":\"item\",\"key\":{},\"item\":{},\"item_id\":{},\"attempt\":{},\"base_url\":{},\"api_key\":{},\"timeout_s\":{}}}",
-                Value::String(key.clone()),
-                self.given_json,
-                Value::String(self.item_id.clone()),
-                self.attempt,
-                Value::String(format!("{}/gw/{}/v1", inner.base, pass.token)),
-                Value::String(pass.token.clone()),
-                inner.settings.timeout.as_secs_f64(),
-            );
-            let reply = servers.ask(key, line, inner.settings.timeout).await;
-            let calls = pass.close().await;
-            return (Ok((Ran::Server(reply), sent_at, started)), calls);
-        }
-        let slot = inner.sandbox.slot().await;
-        // The address opens once the agent has its slot, and lives a little
+        // A program run per item waits for its slot; a server holds its own.
+        let slot = match inner.servers {
+            None => Some(inner.sandbox.slot().await),
+            Some(_) => None,
+        };
+        // The address opens once the agent can start, and lives a little
         // longer than the run may: the token's expiry is a bound, the
         // attempt's end (closing it) the rule.
         let pass = inner.gateway.open(
@@ -658,12 +637,33 @@ impl Run {
         );
         let sent_at = std::time::SystemTime::now();
         let started = Instant::now();
-        let ran = self.run_in(&slot, &pass.token).await;
+        let ran = match (&slot, &inner.servers) {
+            (Some(slot), _) => self.run_in(slot, &pass.token).await.map(Ran::Program),
+            (None, Some(servers)) => Ok(Ran::Server(self.ask(servers, &pass.token).await)),
+            (None, None) => Err(std::io::Error::other(
+                "the agent has neither a slot nor a server",
+            )),
+        };
         let calls = pass.close().await;
-        (
-            ran.map(|execution| (Ran::Program(execution), sent_at, started)),
-            calls,
-        )
+        (ran.map(|ran| (ran, sent_at, started)), calls)
+    }
+
+    /// The item handed to a persistent agent with the address `token`, and
+    /// its reply.
+    async fn ask(&self, servers: &Servers, token: &str) -> ServerReply {
+        let inner = &*self.inner;
+        let key = format!("{}-{}-{}", self.seq, self.sample, self.attempt);
+        let line = format!(
+            "{{\"type\":\"item\",\"key\":{},\"item\":{},\"item_id\":{},\"attempt\":{},\"base_url\":{},\"api_key\":{},\"timeout_s\":{}}}",
+            Value::String(key.clone()),
+            self.given_json,
+            Value::String(self.item_id.clone()),
+            self.attempt,
+            Value::String(format!("{}/gw/{token}/v1", inner.base)),
+            Value::String(token.to_owned()),
+            inner.settings.timeout.as_secs_f64(),
+        );
+        servers.ask(key, line, inner.settings.timeout).await
     }
 
     /// The program, run in `slot` with the address `token`.
