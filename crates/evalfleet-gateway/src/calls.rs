@@ -134,7 +134,9 @@ impl Gateway {
             .collect();
         let mut last: Option<(Exchange, Arc<Endpoint>, Head)> = None;
         while !left.is_empty() {
-            let Some((endpoint, permit, client)) = self.admit_any(&left).await else {
+            let home = grant.home.lock().ok().and_then(|home| home.clone());
+            let Some((endpoint, permit, client)) = self.admit_any(&left, home.as_deref()).await
+            else {
                 break;
             };
             left.retain(|e| !Arc::ptr_eq(e, &endpoint));
@@ -291,6 +293,7 @@ impl Gateway {
     async fn admit_any(
         &self,
         endpoints: &[Arc<Endpoint>],
+        home: Option<&str>,
     ) -> Option<(
         Arc<Endpoint>,
         Permit,
@@ -298,12 +301,19 @@ impl Gateway {
     )> {
         let deadline = Instant::now() + self.wait;
         loop {
-            // The least loaded first (in flight for its limit; ties drawn
-            // at random): the first of them with a free slot takes the call.
+            // The item's home first, while it takes calls and has room;
+            // then the least loaded (in flight for its limit; ties drawn at
+            // random): the first of them with a free slot takes the call.
             let mut ordered: Vec<(f64, u64, &Arc<Endpoint>)> = endpoints
                 .iter()
                 .map(|e| {
-                    let load = e.limit.in_flight() as f64 / e.limit.current().max(1) as f64;
+                    let (in_flight, limit) = (e.limit.in_flight(), e.limit.current().max(1));
+                    let load =
+                        if home == Some(e.name.as_str()) && in_flight < limit && e.accepting() {
+                            -1.0
+                        } else {
+                            in_flight as f64 / limit as f64
+                        };
                     (load, fastrand::u64(..), e)
                 })
                 .collect();

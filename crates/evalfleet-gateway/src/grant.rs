@@ -28,6 +28,10 @@ pub struct Grant {
     /// Bytes of request bodies sent so far.
     pub(crate) sent: AtomicU64,
     pub(crate) calls: Mutex<Vec<AgentCall>>,
+    /// The endpoint that answered its first call (not from the cache): its
+    /// next calls go there while it is healthy and has room, so that an
+    /// engine's prefix cache serves the next turn.
+    pub(crate) home: Mutex<Option<String>>,
     /// Calls under way (their records not yet kept), and a wake-up when
     /// one ends.
     pub(crate) in_flight: AtomicU32,
@@ -169,6 +173,14 @@ impl Grant {
         let tokens = record.telemetry.prompt_tokens.unwrap_or(0)
             + record.telemetry.completion_tokens.unwrap_or(0);
         self.tokens.fetch_add(tokens, Ordering::AcqRel);
+        if record.http_status == 200
+            && !record.cached
+            && !record.telemetry.endpoint.is_empty()
+            && let Ok(mut home) = self.home.lock()
+            && home.is_none()
+        {
+            *home = Some(record.telemetry.endpoint.clone());
+        }
         if let Ok(mut calls) = self.calls.lock() {
             calls.push(record);
         }
@@ -204,6 +216,7 @@ impl Gateway {
             tokens: AtomicU64::new(0),
             sent: AtomicU64::new(0),
             calls: Mutex::new(Vec::new()),
+            home: Mutex::new(None),
             in_flight: AtomicU32::new(0),
             settled: tokio::sync::Notify::new(),
             closed: std::sync::atomic::AtomicBool::new(false),

@@ -1052,6 +1052,50 @@ async fn calls_go_on_elsewhere_when_an_endpoint_is_killed_while_agents_run() {
     assert_eq!(by_endpoint.values().sum::<u32>(), 240);
 }
 
+/// An item's turns stay on the endpoint that served its first call while
+/// it has room (an engine's prefix cache serves the next turn): two healthy
+/// endpoints, 64 items of two calls each, every item's calls on one of them,
+/// both endpoints used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_items_turns_stay_on_the_endpoint_of_its_first_call() {
+    if !sandboxed() {
+        return;
+    }
+    let env = Env::new();
+    let a = mock(MockSettings::default()).await;
+    let b = mock(MockSettings::default()).await;
+    let endpoints = format!(
+        "{}{}",
+        external_with("a", &a, 16, ""),
+        external_with("b", &b, 16, "")
+    );
+    let config = plain_config(
+        &env,
+        &endpoints,
+        "  concurrency: 8\n  env: { CALLS: \"2\" }",
+        64,
+    );
+    let ran = env
+        .evalfleet(&["run", config.to_str().unwrap(), "-q"])
+        .await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let store = env.store_path();
+    let run_id = ran.run_id();
+    let mut used = std::collections::BTreeSet::new();
+    let mut scattered = Vec::new();
+    for row in env.export(&run_id).await {
+        let id = row["item_id"].as_str().unwrap().to_owned();
+        let calls = calls_of(&store, &run_id, &id);
+        assert_eq!(calls.len(), 2, "{id}");
+        used.extend(calls.iter().map(|c| c.telemetry.endpoint.clone()));
+        if calls[0].telemetry.endpoint != calls[1].telemetry.endpoint {
+            scattered.push(id);
+        }
+    }
+    assert_eq!(scattered, Vec::<String>::new());
+    assert_eq!(used.len(), 2, "{used:?}");
+}
+
 /// The LangGraph example, run once per item and served (one process for
 /// every item, `task.mode: server`): the same answers and calls either way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -130,7 +130,7 @@ async fn the_helper_serves_a_plain_function_on_threads_or_a_child_per_item() {
         "import os\nCOUNT = [0]\n\
          def solve(item, client):\n\
          \x20   COUNT[0] += 1\n\
-         \x20   assert client.api_key and '/gw/' in str(client.base_url)\n\
+         \x20   assert client.api_key and str(client.base_url).rstrip('/').endswith('/v1')\n\
          \x20   return '%d %d %s' % (os.getpid(), COUNT[0], item['question'])\n",
     );
     let server = mock(MockSettings::default()).await;

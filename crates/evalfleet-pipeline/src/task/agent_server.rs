@@ -9,7 +9,7 @@
 //! The protocol (docs/agents.md), one JSON object per line:
 //!
 //! - to the agent: `{"type": "item", "key": K, "item": {...}, "item_id":
-//!   ..., "attempt": N, "base_url": ".../gw/<token>/v1", "api_key":
+//!   ..., "attempt": N, "base_url": "http://127.0.0.1:PORT/v1", "api_key":
 //!   "<token>", "timeout_s": S}`; and `{"type": "cancel", "key": K}` when
 //!   the item's time is up or its run stops (its address is closed by then:
 //!   its calls are refused);

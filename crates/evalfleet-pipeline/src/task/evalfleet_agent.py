@@ -72,9 +72,35 @@ class _Client(Context):
 
             kind = openai.AsyncOpenAI if self._asynchronous else openai.OpenAI
             # evalfleet's gateway retries what may be retried; the SDK
-            # does not.
-            self._real = kind(base_url=self.base_url, api_key=self.api_key, max_retries=0)
+            # does not. Items share the process's connections.
+            self._real = kind(
+                base_url=self.base_url,
+                api_key=self.api_key,
+                max_retries=0,
+                http_client=_http(self._asynchronous),
+            )
         return getattr(self._real, name)
+
+
+_HTTP = {}
+_HTTP_LOCK = threading.Lock()
+
+
+def _http(asynchronous):
+    """The process's HTTP client for the SDK (an async one per event loop):
+    made once, not once per item (each costs a TLS context)."""
+    import openai
+
+    if asynchronous:
+        key = id(asyncio.get_running_loop())
+        make = openai.DefaultAsyncHttpxClient
+    else:
+        key = "sync"
+        make = openai.DefaultHttpxClient
+    with _HTTP_LOCK:
+        if key not in _HTTP:
+            _HTTP[key] = make()
+        return _HTTP[key]
 
 
 def _client(request, asynchronous):

@@ -659,7 +659,10 @@ impl Run {
             self.given_json,
             Value::String(self.item_id.clone()),
             self.attempt,
-            Value::String(format!("{}/gw/{token}/v1", inner.base)),
+            // One address for every item, the item told by its key (the
+            // token as the bearer): clients that keep a connection pool per
+            // address (LangChain's ChatOpenAI) keep one for the process.
+            Value::String(format!("{}/v1", inner.base)),
             Value::String(token.to_owned()),
             inner.settings.timeout.as_secs_f64(),
         );
