@@ -2290,6 +2290,9 @@ A2_AGENTS = {
     # python None: the agent is C, compiled here.
     "urllib": ("/usr/bin/python3", os.path.join(AGENTS, "a2_urllib.py"), "import json, os, sys, urllib.request"),
     "openai": ("/opt/evalfleet-agent/bin/python", os.path.join(ROOT, "examples", "agent", "agent.py"), "import json, sys; from openai import OpenAI"),
+    # The same agent's `solve`, served by evalfleet's helper (task.mode:
+    # server): its start-up is paid once for the run.
+    "openai-served": ("/opt/evalfleet-agent/bin/python", os.path.join(ROOT, "examples", "agent", "agent.py"), "import json, sys; from openai import OpenAI"),
     "c": (None, os.path.join(AGENTS, "a2_c.c"), None),
 }
 
@@ -2304,6 +2307,8 @@ def a2_agent(variant, python, work):
         return "./a2_c", [binary], [binary, "--startup"]
     path = os.path.join(work, f"{variant}_agent.py")
     subprocess.run(["cp", source, path], check=True)
+    if variant.endswith("-served"):
+        return f"{python} -m evalfleet_agent {variant}_agent.py solve", [python, path], [python, "-c", imports]
     return f"{python} {variant}_agent.py", [python, path], [python, "-c", imports]
 
 
@@ -2366,7 +2371,8 @@ def a2(args, work):
     try:
         for variant in args.variants.split(","):
             python = A2_AGENTS[variant][0]
-            if variant == "openai" and args.python_openai:
+            served = variant.endswith("-served")
+            if variant.startswith("openai") and args.python_openai:
                 python = args.python_openai
             command, here, startup = a2_agent(variant, python, work)
             # Start-up alone: the interpreter and the agent's imports (the C
@@ -2376,7 +2382,8 @@ def a2(args, work):
             env = dict(os.environ, OPENAI_BASE_URL=mock.url, OPENAI_API_KEY="none")
             item = json.dumps({"question": countries[0]["question"]}).encode()
             alone_s, alone_cpu_s = timed(here, 5, env=env, stdin=item)
-            ideal = concurrency / (3 * latency + startup_s)
+            # Served, the start-up is paid once for the run, not per item.
+            ideal = concurrency / (3 * latency + (0 if served else startup_s))
             config = os.path.join(work, f"a2-{variant}.yaml")
             with open(config, "w") as f:
                 f.write(
@@ -2387,14 +2394,16 @@ def a2(args, work):
                     f"task:\n"
                     f"  kind: exec\n"
                     f"  command: {command}\n"
-                    f"  concurrency: {concurrency}\n"
+                    f"  mode: {'server' if served else 'item'}\n"
+                    + (f"  servers: {args.servers}\n" if served else "")
+                    + f"  concurrency: {concurrency}\n"
                     f"  timeout: 120s\n"
                     f"  models: {{ \"*\": mock }}\n"
                     f"  metrics:\n"
                     f"    - {{ name: exact_match, reference: \"{{{{ answer }}}}\" }}\n"
                 )
             direct = None
-            if args.direct:
+            if args.direct and not served:
                 with open(dataset) as f:
                     rows = [json.loads(line) for line in f]
                 direct = a2_direct(here, mock.url, rows, concurrency)
@@ -2413,7 +2422,13 @@ def a2(args, work):
                     "calls": calls,
                     "right": right,
                     "fraction_of_ideal": run["rate"] / ideal,
-                    "agents_cpu_s_per_item": run["children_cpu_s"] / args.items,
+                    # A served agent is reaped at the run's end, after the
+                    # last sample: its CPU is the machine's, less the
+                    # mock's and evalfleet's.
+                    "agents_cpu_s_per_item": (
+                        max(run["children_cpu_s"], run["machine_busy"] * run["wall"] * os.cpu_count() - (run["others_cpu_s"][0] or 0) - run["own_cpu_s"])
+                        if served else run["children_cpu_s"]
+                    ) / args.items,
                     "evalfleet_cpu_s_per_item": run["own_cpu_s"] / args.items,
                     "mock_cpu_s_per_item": (run["others_cpu_s"][0] or 0) / args.items,
                     "ours_share_of_cores": (run["own_cpu_s"] + run["children_cpu_s"] + (run["others_cpu_s"][0] or 0)) / (run["wall"] * cores),
@@ -3373,6 +3388,7 @@ def main():
     parser.add_argument("--latency-ms", type=int, default=50, help="A1: the slower mock's latency")
     parser.add_argument("--direct", action="store_true", help="A2: also run the same agents, as many at once, against the mock directly (no evalfleet)")
     parser.add_argument("--python-openai", help="A2: the python of a venv with openai (default /opt/evalfleet-agent/bin/python); A3: with langgraph and langchain-openai (default $EVALFLEET_AGENT_PYTHON)")
+    parser.add_argument("--servers", type=int, default=1, help="A2: task.servers of the served variants (openai-served)")
     parser.add_argument("--per-item-items", type=int, default=64, help="A3: items of the per-item run beside the served one (0: none)")
     parser.add_argument("--copies", type=int, default=8, help="P1: HumanEval's 164 programs this many times over")
     parser.add_argument("--workers", help="P1: worker counts; P1latency: thread counts (default 1,2,4)")

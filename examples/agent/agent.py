@@ -36,10 +36,10 @@ def lookup(country):
     return CAPITALS.get(country, "no entry for " + country)
 
 
-def main():
-    item = json.load(sys.stdin)
-    # OPENAI_BASE_URL and OPENAI_API_KEY come from the environment.
-    client = OpenAI()
+def solve(item, client):
+    """The agent on one item, with `client` at the item's address: run once
+    per item (main, below), or served by evalfleet's helper
+    (`python3 -m evalfleet_agent agent.py solve`, task.mode: server)."""
     messages = [
         {"role": "system", "content": "Answer questions about countries. Use the lookup tool."},
         {"role": "user", "content": item["question"]},
@@ -67,7 +67,13 @@ def main():
     # 3. It is asked for the answer alone.
     messages.append({"role": "user", "content": "Reply with the capital's name alone."})
     last = client.chat.completions.create(model="agent-model", messages=messages)
-    print(last.choices[0].message.content.strip())
+    return last.choices[0].message.content.strip()
+
+
+def main():
+    item = json.load(sys.stdin)
+    # OPENAI_BASE_URL and OPENAI_API_KEY come from the environment.
+    print(solve(item, OpenAI()))
 
 
 if __name__ == "__main__":
