@@ -849,11 +849,14 @@ def inspect_capped(args, mock_args, dataset, items, work, label, connections=Non
 
 
 W7_FAULTS = ["--fault", "500:0.08", "--fault", "503:0.05:1s", "--fault", "408:0.02"]
+# W7 with 429s (issue 39): the 503s' place taken by 2% 429s with
+# Retry-After: 1 and no quota headers, sporadic as the 503s were.
+W7_429_FAULTS = ["--fault", "500:0.08", "--fault", "429:0.02:1s", "--fault", "408:0.02"]
 W7_STREAM_FAULTS = ["--cut-rate", "0.05", "--stall-rate", "0.01", "--stall", "20s"]
 
 
 def retry_after_floor(db, latency_s=0.05, retry_after_s=1.0):
-    """The least time any client that honours each 503's `Retry-After` for
+    """The least time any client that honours each 503's (and 429's) `Retry-After` for
     that call could take on the faults the mock drew in this run (the mock
     draws them per prompt and per time it was seen, so every client meets
     the same ones): per item, its answered call's `latency_s` plus
@@ -863,7 +866,7 @@ def retry_after_floor(db, latency_s=0.05, retry_after_s=1.0):
     conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
         rows = conn.execute(
-            "SELECT seq, SUM(CASE WHEN http_status = 503 THEN 1 ELSE 0 END) FROM attempts GROUP BY seq"
+            "SELECT seq, SUM(CASE WHEN http_status IN (429, 503) THEN 1 ELSE 0 END) FROM attempts GROUP BY seq"
         ).fetchall()
     finally:
         conn.close()
@@ -939,7 +942,7 @@ def w7(args, work):
     results = {}
     for variant in variants:
         stream = variant == "stream"
-        faulty_args = W7_FAULTS + (W7_STREAM_FAULTS if stream else [])
+        faulty_args = (W7_429_FAULTS if variant == "plain429" else W7_FAULTS) + (W7_STREAM_FAULTS if stream else [])
         rounds = []
         for i in range(args.rounds):
             seed = ["--seed", str(i)]
@@ -993,7 +996,7 @@ def w7(args, work):
         }
     print(json.dumps(result, indent=2))
     for variant, r in results.items():
-        what = "8% 500, 5% 503 (Retry-After 1), 2% 408" + (", streaming, 5% cut, 1% stalled 20 s" if variant == "stream" else "")
+        what = ("8% 500, 2% 429 (Retry-After 1), 2% 408" if variant == "plain429" else "8% 500, 5% 503 (Retry-After 1), 2% 408") + (", streaming, 5% cut, 1% stalled 20 s" if variant == "stream" else "")
         what += f", concurrency {w7_concurrency(args)}"
         print(
             f"\n| W7 | {args.items} items, 50 ms, {what} | fault-free {r['reference_seconds_median']:.2f} s "

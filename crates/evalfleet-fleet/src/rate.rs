@@ -15,8 +15,14 @@
 //!   it is taken: then it comes back in windows, and a spent one waits for
 //!   its window's end. A configured `rpm` or `tpm` is authoritative: the
 //!   matching headers are then not paced to.
-//! - With no `rpm` given and no quota announced, a 429 teaches a request
-//!   rate: the higher of the rate calls succeeded at just before it and one
+//! - With no `rpm` given and no quota announced, a 429 is a quota's only
+//!   when it says so: with a precise `Retry-After` (under a second: a
+//!   bucket that ran out), or when 429s are sustained (at least 3 in the
+//!   last few seconds, and at least a tenth of the answers). A sporadic one
+//!   (a whole-second or no `Retry-After`, amid answers) delays only its own
+//!   call, as a 503 does: it neither pauses the endpoint nor caps its rate.
+//!   A quota's 429 pauses the endpoint for its `Retry-After` and teaches a
+//!   request rate: the higher of the rate calls succeeded at just before it and one
 //!   call per `Retry-After` (a token bucket that has just run out asks to
 //!   wait one token's time). Until the next 429 it probes upward fast (+5%
 //!   a quiet second from a precise Retry-After, +25% without); after that
@@ -53,6 +59,10 @@ const LEARNED_PROBE: f64 = 1.01;
 const REGAIN: f64 = 0.00625;
 /// Success counts kept for learning, one slot per second.
 const WINDOW: usize = 4;
+/// 429s are sustained (a quota's) with at least this many in the window...
+const SUSTAINED_429S: u32 = 3;
+/// ...that are at least this share of its answers (429s and successes).
+const SUSTAINED_SHARE: f64 = 0.1;
 
 #[derive(Debug, Clone)]
 struct Bucket {
@@ -299,6 +309,8 @@ struct State {
     announced_tokens: Option<Announced>,
     /// Successes per second over the last few seconds, to learn from.
     successes: [u32; WINDOW],
+    /// 429s per second over the same seconds.
+    limited: [u32; WINDOW],
     second: Instant,
     created: Instant,
 }
@@ -331,6 +343,7 @@ impl RateLimiter {
                 announced_requests: None,
                 announced_tokens: None,
                 successes: [0; WINDOW],
+                limited: [0; WINDOW],
                 second: now,
                 created: now,
             }),
@@ -416,6 +429,14 @@ impl RateLimiter {
         Some(RateEvent::Paused(wait))
     }
 
+    /// Whether the window's 429s are a quota's: enough of them, and a
+    /// large enough share of its answers.
+    fn sustained(state: &State) -> bool {
+        let limited: u32 = state.limited.iter().sum();
+        let answered = limited + state.successes.iter().sum::<u32>();
+        limited >= SUSTAINED_429S && f64::from(limited) >= SUSTAINED_SHARE * f64::from(answered)
+    }
+
     fn roll(state: &mut State, now: Instant) {
         let seconds = now.saturating_duration_since(state.second).as_secs() as usize;
         if seconds == 0 {
@@ -424,6 +445,8 @@ impl RateLimiter {
         for _ in 0..seconds.min(WINDOW) {
             state.successes.rotate_right(1);
             state.successes[0] = 0;
+            state.limited.rotate_right(1);
+            state.limited[0] = 0;
         }
         state.second += Duration::from_secs(seconds as u64);
     }
@@ -461,6 +484,14 @@ impl RateLimiter {
     pub fn on_rate_limited(&self, now: Instant, retry_after: Option<Duration>) -> Vec<RateEvent> {
         let mut state = self.state();
         Self::roll(&mut state, now);
+        state.limited[0] += 1;
+        let trusted = state.requests.is_some() || state.announced_requests.is_some();
+        let precise = retry_after.is_some_and(|w| !w.is_zero() && w < Duration::from_secs(1));
+        if !trusted && state.learned.is_none() && !precise && !Self::sustained(&state) {
+            // A sporadic 429: its call waits its Retry-After; the endpoint
+            // goes on.
+            return Vec::new();
+        }
         let mut events = Vec::new();
         if let Some(wait) = retry_after {
             events.extend(Self::pause(&mut state, now, wait));
@@ -787,9 +818,19 @@ mod tests {
     fn a_rate_is_learned_from_429s_and_probed_upward() {
         let t0 = Instant::now();
         let limiter = RateLimiter::new(None, None, t0);
-        // Ten calls a second succeed for two seconds, then a 429.
+        // Ten calls a second succeed for two seconds, then 429s: the first
+        // two may be sporadic (they teach nothing, pause nothing); the third
+        // makes them a tenth of the answers: a quota's.
         for i in 0..20 {
             limiter.on_success(t0 + Duration::from_millis(i * 100));
+        }
+        for at in [1990, 1995] {
+            let events = limiter.on_rate_limited(t0 + Duration::from_millis(at), None);
+            assert_eq!(events, vec![]);
+            assert_eq!(
+                limiter.try_take(t0 + Duration::from_millis(at), 0),
+                Duration::ZERO
+            );
         }
         let events = limiter.on_rate_limited(t0 + Duration::from_millis(2000), None);
         assert_eq!(events, vec![RateEvent::Learned(9.5)]);
@@ -825,6 +866,46 @@ mod tests {
         limiter.on_success(t0 + Duration::from_millis(5100) + Duration::from_secs_f64(k + 1.011));
         let probed = limiter.learned_rate().unwrap();
         assert!((probed - 11.0 * 1.01).abs() < 1e-9, "{probed}");
+    }
+
+    #[test]
+    fn sporadic_429s_delay_only_their_calls_and_sustained_ones_teach_a_rate() {
+        let t0 = Instant::now();
+        let limiter = RateLimiter::new(None, None, t0);
+        // 50 answers a second for 20 s, 2% of them 429s with Retry-After:
+        // 1 (whole seconds): no pause, no rate learned.
+        for second in 0..20u64 {
+            for i in 0..50u64 {
+                let now = t0 + Duration::from_millis(second * 1000 + i * 20);
+                if i == 25 {
+                    assert_eq!(
+                        limiter.on_rate_limited(now, Some(Duration::from_secs(1))),
+                        vec![]
+                    );
+                } else {
+                    limiter.on_success(now);
+                }
+                assert_eq!(limiter.try_take(now, 0), Duration::ZERO);
+            }
+        }
+        assert_eq!(limiter.learned_rate(), None);
+        // Then a quarter of the answers are 429s: a quota's, within two
+        // seconds (a tenth of the last four seconds' answers).
+        let t1 = t0 + Duration::from_secs(20);
+        let mut events = Vec::new();
+        for i in 0..100u64 {
+            let now = t1 + Duration::from_millis(i * 20);
+            if i % 4 == 0 {
+                events.extend(limiter.on_rate_limited(now, Some(Duration::from_secs(1))));
+            } else {
+                limiter.on_success(now);
+            }
+        }
+        assert!(
+            events.contains(&RateEvent::Paused(Duration::from_secs(1))),
+            "{events:?}"
+        );
+        assert!(limiter.learned_rate().is_some(), "{events:?}");
     }
 
     #[test]
