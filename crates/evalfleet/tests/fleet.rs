@@ -2,6 +2,7 @@
 //! and stops, remote engines over SSH, changes during a run, quotas.
 
 use std::path::Path;
+use std::time::Duration;
 
 use evalfleet_mock::MockSettings;
 use evalfleet_store::prelude::*;
@@ -676,6 +677,54 @@ async fn a_quota_pauses_the_endpoint_instead_of_collecting_429s() {
         serde_json::from_str(&env.evalfleet(&["status", "q", "--json"]).await.stdout).unwrap();
     let state = &status["endpoint_states"]["endpoints"][0];
     assert!(state["learned_rate"].as_f64().is_some(), "{state}");
+}
+
+/// Sporadic 429s (2%, `Retry-After: 1`, no quota headers) delay their own
+/// calls, as 503s do: no rate is learned, the endpoint is never paused, and
+/// the run is not held to a cap (issue 39: a learned cap of 0.5 to 10
+/// requests/s followed such 429s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sporadic_429s_delay_their_calls_without_capping_the_endpoint() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 400);
+    let flaky = mock(MockSettings {
+        latency: Duration::from_millis(10),
+        faults: vec![evalfleet_mock::Fault {
+            status: 429,
+            rate: 0.02,
+            retry_after: Some(Duration::from_secs(1)),
+        }],
+        seed: 7,
+        ..MockSettings::default()
+    })
+    .await;
+    env.write(
+        "run.yaml",
+        &config(
+            &dataset,
+            &external_with("hosted", &flaky, 16, "health: { max_failures: 1000000 }"),
+            "",
+        ),
+    );
+    let ran = env
+        .evalfleet(&["run", "run.yaml", "-q", "--run-id", "s"])
+        .await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let stats = flaky.stats();
+    assert_eq!(stats.completed, 400);
+    assert!(
+        stats.faults_by_status.get(&429).copied().unwrap_or(0) >= 3,
+        "the mock sent too few 429s: {stats:?}"
+    );
+    let quota: Vec<(String, String)> = events(&env, "s")
+        .into_iter()
+        .filter(|(kind, _)| kind == "quota")
+        .collect();
+    assert!(quota.is_empty(), "{quota:?}");
+    let status: Value =
+        serde_json::from_str(&env.evalfleet(&["status", "s", "--json"]).await.stdout).unwrap();
+    let state = &status["endpoint_states"]["endpoints"][0];
+    assert!(state["learned_rate"].is_null(), "{state}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
