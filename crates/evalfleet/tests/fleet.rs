@@ -647,18 +647,7 @@ async fn a_quota_pauses_the_endpoint_instead_of_collecting_429s() {
         ..MockSettings::default()
     })
     .await;
-    env.write(
-        "run.yaml",
-        &config(
-            &dataset,
-            &external_with("hosted", &quota, 16, "health: { max_failures: 1000000 }"),
-            "",
-        ),
-    );
-    let ran = env
-        .evalfleet(&["run", "run.yaml", "-q", "--run-id", "q"])
-        .await;
-    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let (quota_events, state) = run_hosted(&env, &dataset, &quota, "q").await;
     let stats = quota.stats();
     assert_eq!(stats.completed, 80);
     let per_success = stats.rate_limited as f64 / stats.completed as f64;
@@ -667,16 +656,39 @@ async fn a_quota_pauses_the_endpoint_instead_of_collecting_429s() {
         "{} 429s for 80 answers",
         stats.rate_limited
     );
-    let learned: Vec<String> = events(&env, "q")
+    assert!(!quota_events.is_empty(), "no quota event");
+    assert!(state["learned_rate"].as_f64().is_some(), "{state}");
+}
+
+/// Runs `dataset` against `mock` as one endpoint (never marked unhealthy)
+/// as run `run_id`, which must finish complete; its quota events and its
+/// endpoint's state as `status --json` gives it.
+async fn run_hosted(
+    env: &Env,
+    dataset: &Path,
+    mock: &evalfleet_mock::MockServer,
+    run_id: &str,
+) -> (Vec<String>, Value) {
+    env.write(
+        "run.yaml",
+        &config(
+            dataset,
+            &external_with("hosted", mock, 16, "health: { max_failures: 1000000 }"),
+            "",
+        ),
+    );
+    let ran = env
+        .evalfleet(&["run", "run.yaml", "-q", "--run-id", run_id])
+        .await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let quota = events(env, run_id)
         .into_iter()
         .filter(|(kind, _)| kind == "quota")
         .map(|(_, m)| m)
         .collect();
-    assert!(!learned.is_empty(), "no quota event");
     let status: Value =
-        serde_json::from_str(&env.evalfleet(&["status", "q", "--json"]).await.stdout).unwrap();
-    let state = &status["endpoint_states"]["endpoints"][0];
-    assert!(state["learned_rate"].as_f64().is_some(), "{state}");
+        serde_json::from_str(&env.evalfleet(&["status", run_id, "--json"]).await.stdout).unwrap();
+    (quota, status["endpoint_states"]["endpoints"][0].clone())
 }
 
 /// Sporadic 429s (2%, `Retry-After: 1`, no quota headers) delay their own
@@ -698,32 +710,14 @@ async fn sporadic_429s_delay_their_calls_without_capping_the_endpoint() {
         ..MockSettings::default()
     })
     .await;
-    env.write(
-        "run.yaml",
-        &config(
-            &dataset,
-            &external_with("hosted", &flaky, 16, "health: { max_failures: 1000000 }"),
-            "",
-        ),
-    );
-    let ran = env
-        .evalfleet(&["run", "run.yaml", "-q", "--run-id", "s"])
-        .await;
-    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let (quota, state) = run_hosted(&env, &dataset, &flaky, "s").await;
     let stats = flaky.stats();
     assert_eq!(stats.completed, 400);
     assert!(
         stats.faults_by_status.get(&429).copied().unwrap_or(0) >= 3,
         "the mock sent too few 429s: {stats:?}"
     );
-    let quota: Vec<(String, String)> = events(&env, "s")
-        .into_iter()
-        .filter(|(kind, _)| kind == "quota")
-        .collect();
     assert!(quota.is_empty(), "{quota:?}");
-    let status: Value =
-        serde_json::from_str(&env.evalfleet(&["status", "s", "--json"]).await.stdout).unwrap();
-    let state = &status["endpoint_states"]["endpoints"][0];
     assert!(state["learned_rate"].is_null(), "{state}");
 }
 
