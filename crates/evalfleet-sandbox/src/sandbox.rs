@@ -272,12 +272,13 @@ pub struct Sandbox {
     disks: Option<Mutex<Vec<Disk>>>,
     /// The size asked for, enforced or not.
     disk_bytes: Option<u64>,
+    /// The sized folders' mount points on this machine (removed with the
+    /// sandbox, whether they were used or not).
+    disk_points: Vec<PathBuf>,
 }
 
-/// A slot's sized folder: its mount point on this machine (an empty
-/// directory here), and where it is reached from here and seen inside.
+/// A slot's sized folder: where it is reached from here and seen inside.
 struct Disk {
-    point: PathBuf,
     here: PathBuf,
     inside: PathBuf,
 }
@@ -291,10 +292,8 @@ impl Drop for Sandbox {
         }
         // A mount point of another namespace may be removed here: the
         // kernel then takes the mount off it there.
-        if let Some(disks) = self.disks.as_ref().and_then(|d| d.lock().ok()) {
-            for disk in disks.iter() {
-                let _ = std::fs::remove_dir(&disk.point);
-            }
+        for point in &self.disk_points {
+            let _ = std::fs::remove_dir(point);
         }
         let _ = std::fs::remove_dir(&self.root);
     }
@@ -413,30 +412,20 @@ fn random_dir(parent: &Path, prefix: &str) -> std::io::Result<PathBuf> {
 }
 
 /// The unix sockets this machine's services listen on (bound to a path,
-/// in our network namespace: `/proc/net/unix`) outside `covered`, which the
-/// mount namespace hides already: a socket's file mode, not the read-only
-/// mount, decides who may connect, and many let everyone.
-fn host_sockets(covered: &[&Path]) -> Vec<PathBuf> {
+/// in our network namespace: `/proc/net/unix`): a socket's file mode, not
+/// the read-only mount, decides who may connect, and many let everyone.
+fn host_sockets() -> Vec<PathBuf> {
     use std::os::unix::fs::FileTypeExt;
     let Ok(table) = std::fs::read_to_string("/proc/net/unix") else {
         return Vec::new();
     };
-    let covered: Vec<PathBuf> = covered
-        .iter()
-        .filter_map(|dir| dir.canonicalize().ok())
-        .collect();
     let mut sockets: Vec<PathBuf> = table
         .lines()
         .skip(1)
         .filter_map(|line| line.split_whitespace().nth(7))
         .filter(|path| path.starts_with('/'))
         .map(PathBuf::from)
-        .filter(|path| {
-            std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket())
-                && !path
-                    .canonicalize()
-                    .is_ok_and(|real| covered.iter().any(|dir| real.starts_with(dir)))
-        })
+        .filter(|path| std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()))
         .collect();
     sockets.sort();
     sockets.dedup();
@@ -600,7 +589,30 @@ impl Sandbox {
                 .map(|point| Path::new("/mnt").join(point.strip_prefix(&root).unwrap_or(point)))
                 .collect();
             let sized: Vec<&Path> = sized.iter().map(PathBuf::as_path).collect();
-            let sockets = host_sockets(&covered);
+            // Each where programs reach it: at its own path, and under a
+            // bound folder (a socket in the agent's folder).
+            let listening = host_sockets();
+            let under_binds: Vec<PathBuf> = listening
+                .iter()
+                .flat_map(|socket| {
+                    binds.iter().zip(&at).filter_map(move |((host, _), at)| {
+                        socket.strip_prefix(host).ok().map(|rest| at.join(rest))
+                    })
+                })
+                .collect();
+            let covered_real: Vec<PathBuf> = covered
+                .iter()
+                .filter_map(|dir| dir.canonicalize().ok())
+                .collect();
+            let mut sockets: Vec<PathBuf> = listening
+                .into_iter()
+                .filter(|socket| {
+                    !socket
+                        .canonicalize()
+                        .is_ok_and(|real| covered_real.iter().any(|dir| real.starts_with(dir)))
+                })
+                .collect();
+            sockets.extend(under_binds);
             let sockets: Vec<&Path> = sockets.iter().map(PathBuf::as_path).collect();
             match Namespaces::create(&MountPlan {
                 root: &root,
@@ -657,6 +669,7 @@ impl Sandbox {
         } else {
             root
         };
+        let points = disk_points.clone();
         let disks = namespaces.as_ref().and_then(|ns| {
             let disks: Vec<Disk> = disk_points
                 .into_iter()
@@ -666,7 +679,6 @@ impl Sandbox {
                     Disk {
                         here: ns.seen_from_here(&inside),
                         inside,
-                        point,
                     }
                 })
                 .collect();
@@ -682,6 +694,7 @@ impl Sandbox {
             memory: None,
             disks,
             disk_bytes: options.disk_bytes,
+            disk_points: points,
         };
         // What the kernel refused only shows when a program runs: drop the
         // parts that keep a trivial one from running, saying so.

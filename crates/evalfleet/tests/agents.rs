@@ -1444,6 +1444,7 @@ if wall == "sockets":
     out["postgres"] = unix("/var/run/postgresql/.s.PGSQL.5432", b"\0\0\0\x08\x04\xd2\x16\x2f")
     out["planted"] = unix(os.environ["PLANTED"], b"ping")
     out["elsewhere"] = unix(os.environ["ELSEWHERE"], b"ping")
+    out["in_folder"] = unix(os.path.join(here, "service.sock"), b"ping")
     out["run"] = sorted(os.listdir("/run"))
 elif wall == "proc":
     mine, seen = os.getuid(), []
@@ -1542,7 +1543,10 @@ async fn an_agent_reaches_no_unix_socket_of_the_host() {
     let folder = PathBuf::from(format!("/var/lib/evalfleet-walls-{name}"));
     std::fs::create_dir_all(&folder).unwrap();
     let elsewhere = folder.join("service.sock");
-    for path in [&planted, &elsewhere] {
+    // And one in the agent's own folder (a dev server's, an editor's),
+    // which the agent reaches through its folder's place in the sandbox.
+    let in_folder = env.path("service.sock");
+    for path in [&planted, &elsewhere, &in_folder] {
         plant_listener(path);
     }
     let ran = try_wall(
@@ -1570,6 +1574,7 @@ async fn an_agent_reaches_no_unix_socket_of_the_host() {
     assert_eq!(out["planted"], "ENOENT", "{out}");
     // Covered by an empty file: no socket to connect to.
     assert_eq!(out["elsewhere"], "ECONNREFUSED", "{out}");
+    assert_eq!(out["in_folder"], "ECONNREFUSED", "{out}");
     assert_eq!(out["run"], serde_json::json!([]), "{out}");
     // The machine's PostgreSQL, where it runs (its socket trusts local
     // users), is as far out of reach.

@@ -205,3 +205,53 @@ async fn a_server_that_ends_at_once_fails_its_items_saying_why() {
     }
     assert_eq!(server.stats().requests, 0);
 }
+
+/// The helper keeps the protocol's streams from the agent's code: an
+/// answer that JSON cannot carry fails its item at once (not at its
+/// timeout), and a tool the agent starts reads an empty input rather than
+/// the items' lines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_helpers_streams_are_its_own_and_an_unsendable_answer_fails_at_once() {
+    if !crate::agents::sandboxed() {
+        return;
+    }
+    let env = Env::new();
+    env.write(
+        "odd.py",
+        "import subprocess\n\
+         def solve(item, client):\n\
+         \x20   if item['id'] == 'item-00000':\n\
+         \x20       return object()\n\
+         \x20   if item['id'] == 'item-00001':\n\
+         \x20       return 'cat read %d bytes' % len(subprocess.run(['cat'], capture_output=True).stdout)\n\
+         \x20   return 'fine'\n",
+    );
+    let server = mock(MockSettings::default()).await;
+    let endpoints = external_with("m", &server, 8, "");
+    let config = config(
+        &env,
+        &endpoints,
+        8,
+        "  command: /usr/bin/python3 -m evalfleet_agent odd.py solve\n  mode: server\n  concurrency: 4\n  timeout: 60s\n",
+    )
+    .to_string_lossy()
+    .into_owned();
+    // One attempt each: a retry would hide what the first one did.
+    let text = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("max_attempts: 3", "max_attempts: 1");
+    std::fs::write(&config, text).unwrap();
+    let ran = env.evalfleet(&["run", &config, "-q"]).await;
+    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
+    let rows = by_id(&env.export(&ran.run_id()).await);
+    let error = rows["item-00000"]["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("cannot be sent as JSON"),
+        "{}",
+        rows["item-00000"]
+    );
+    assert_eq!(rows["item-00001"]["output"], "cat read 0 bytes");
+    for i in 2..8 {
+        assert_eq!(rows[&format!("item-{i:05}")]["output"], "fine");
+    }
+}

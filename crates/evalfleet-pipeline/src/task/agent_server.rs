@@ -56,8 +56,11 @@ pub enum Reply {
     Output(String),
     /// The agent said it failed.
     Error(String),
-    /// Its process ended (or could not start) while it held the item.
+    /// Its process ended while it held the item.
     Ended(String),
+    /// Its process could not be started (a missing program, a sandbox that
+    /// refuses it): no retry will do better.
+    CannotStart(String),
     /// `task.timeout` passed: the agent was told to cancel it.
     TimedOut,
 }
@@ -340,7 +343,7 @@ fn ended_in_words(ended: Ended) -> String {
 fn fail_waiting(inbox: &mut mpsc::UnboundedReceiver<Message>, why: &str) {
     while let Ok(message) = inbox.try_recv() {
         if let Message::Item { reply, .. } = message {
-            let _ = reply.send(Reply::Ended(why.to_owned()));
+            let _ = reply.send(Reply::CannotStart(why.to_owned()));
         }
     }
 }

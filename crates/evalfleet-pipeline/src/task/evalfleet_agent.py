@@ -112,14 +112,23 @@ def _answer_of(value):
 
 
 class _Protocol:
-    """The protocol's output: one whole line at a time."""
+    """The protocol's streams, kept from the agent's code: its requests
+    come on a descriptor of their own, its replies go out one whole line at
+    a time."""
 
     def __init__(self):
-        # The protocol keeps the real standard output; everything else
-        # written to fd 1 (prints, child processes) goes to standard error.
+        # The protocol keeps the real standard input and output; the agent's
+        # code and the programs it starts read an empty input and write to
+        # standard error, so that a tool's `cat` or a stray print takes or
+        # spoils no line.
         self._out = os.fdopen(os.dup(1), "w", encoding="utf-8")
+        self.requests = os.fdopen(os.dup(0), "rb")
         os.dup2(2, 1)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
         sys.stdout = sys.stderr
+        sys.stdin = open(os.devnull, "r")
         self._lock = threading.Lock()
 
     def reply(self, key, output=None, error=None):
@@ -127,7 +136,10 @@ class _Protocol:
         if error is not None:
             message["error"] = error
         else:
-            message["output"] = _answer_of(output)
+            try:
+                message["output"] = _answer_of(output)
+            except (TypeError, ValueError) as exc:
+                message["error"] = "its answer cannot be sent as JSON: %s" % exc
         line = json.dumps(message, ensure_ascii=False) + "\n"
         with self._lock:
             self._out.write(line)
@@ -152,7 +164,7 @@ def serve(solve, fork=False, concurrency=None):
         runner = _Async(solve, protocol, limit)
     else:
         runner = _Threads(solve, protocol, limit)
-    for raw in sys.stdin.buffer:
+    for raw in protocol.requests:
         try:
             request = json.loads(raw)
         except ValueError:
@@ -177,6 +189,11 @@ class _Threads:
 
     def _run(self, request):
         key = request["key"]
+        with self._lock:
+            if key in self._cancelled:
+                # Cancelled while it waited for a thread: not started.
+                self._cancelled.discard(key)
+                return
         try:
             output = self._solve(request["item"], _client(request, False))
             result = {"output": output}
@@ -252,6 +269,7 @@ class _Forking:
         self._solve, self._asynchronous, self._protocol = solve, asynchronous, protocol
         self._gate = threading.Semaphore(limit)
         self._children = {}
+        self._cancelled = set()
         self._lock = threading.Lock()
         self._threads = []
 
@@ -263,10 +281,17 @@ class _Forking:
     def _run(self, request):
         key = request["key"]
         with self._gate:
+            with self._lock:
+                if key in self._cancelled:
+                    self._cancelled.discard(key)
+                    return
             read, write = os.pipe()
             pid = os.fork()
             if pid == 0:
-                os.close(read)
+                # Only its own pipe's end stays open: not another item's
+                # (forked by another thread meanwhile), not the protocol's.
+                os.closerange(3, write)
+                os.closerange(write + 1, 1 << 16)
                 code = 0
                 try:
                     client = _client(request, self._asynchronous)
@@ -286,9 +311,11 @@ class _Forking:
                 self._children[key] = pid
             with os.fdopen(read, "r", encoding="utf-8") as got:
                 text = got.read()
-            _, status = os.waitpid(pid, 0)
+            # Forgotten before it is reaped: a cancel from now on signals
+            # no pid (which, once reaped, could be another process's).
             with self._lock:
                 cancelled = self._children.pop(key, None) is None
+            _, status = os.waitpid(pid, 0)
         if cancelled:
             return
         try:
@@ -300,6 +327,9 @@ class _Forking:
     def cancel(self, key):
         with self._lock:
             pid = self._children.pop(key, None)
+            if pid is None:
+                # Not forked yet: it will not be.
+                self._cancelled.add(key)
         if pid is not None:
             try:
                 os.kill(pid, signal.SIGKILL)

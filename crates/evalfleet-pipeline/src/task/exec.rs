@@ -178,6 +178,13 @@ impl Exec {
         // One memory limit for all the processes of a run of the agent.
         if let Err(why) = sandbox.limit_memory(settings.memory_mb.saturating_mul(1 << 20)) {
             tracing::info!("Agents' memory (task.memory_mb) is limited per process only: {why}.");
+            if sandbox.disk_limited() {
+                tracing::warn!(
+                    "Agents' folders are file systems in memory of task.disk_mb ({} MiB) each, {} of them, not held to task.memory_mb here: lower task.disk_mb if this machine cannot spare that memory.",
+                    settings.disk_mb,
+                    slots
+                );
+            }
         }
         let listener = sandbox
             .listen()
@@ -739,6 +746,10 @@ fn judge_reply(
             let why = redact_tokens(&why);
             kept["error"] = Value::String(why.clone());
             Err((why, ErrorClass::Retryable))
+        }
+        ServerReply::CannotStart(why) => {
+            kept["error"] = Value::String(why.clone());
+            Err((why, ErrorClass::Fatal))
         }
         ServerReply::TimedOut => Err((
             format!(
