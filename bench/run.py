@@ -2315,6 +2315,14 @@ def a2_agent(variant, python, work):
     return f"{python} {variant}_agent.py", [python, path], [python, "-c", imports]
 
 
+def served_agents_cpu(run):
+    """The agents' CPU seconds in a `sampled` run whose agent is served: it
+    is reaped only at the run's end, after the last sample, so its CPU is
+    the machine's less the mock's (the first of `others`) and evalfleet's."""
+    machine_cpu = run["machine_busy"] * run["wall"] * os.cpu_count()
+    return max(run["children_cpu_s"], machine_cpu - (run["others_cpu_s"][0] or 0) - run["own_cpu_s"])
+
+
 def a2_direct(here, url, rows, concurrency):
     """The reference without evalfleet: the same agents, `concurrency` at a
     time (threads, each running one after another), against the mock
@@ -2425,13 +2433,7 @@ def a2(args, work):
                     "calls": calls,
                     "right": right,
                     "fraction_of_ideal": run["rate"] / ideal,
-                    # A served agent is reaped at the run's end, after the
-                    # last sample: its CPU is the machine's, less the
-                    # mock's and evalfleet's.
-                    "agents_cpu_s_per_item": (
-                        max(run["children_cpu_s"], run["machine_busy"] * run["wall"] * os.cpu_count() - (run["others_cpu_s"][0] or 0) - run["own_cpu_s"])
-                        if served else run["children_cpu_s"]
-                    ) / args.items,
+                    "agents_cpu_s_per_item": (served_agents_cpu(run) if served else run["children_cpu_s"]) / args.items,
                     "evalfleet_cpu_s_per_item": run["own_cpu_s"] / args.items,
                     "mock_cpu_s_per_item": (run["others_cpu_s"][0] or 0) / args.items,
                     "ours_share_of_cores": (run["own_cpu_s"] + run["children_cpu_s"] + (run["others_cpu_s"][0] or 0)) / (run["wall"] * cores),
@@ -2561,10 +2563,7 @@ def a3(args, work):
         run = sampled([BIN, "run", config(mode, rows), "--store", db, "-q", "--run-id", run_id], work, others=[mock.proc.pid])
         out = exported(run_id, db)
         right = sum(1 for r in out if r["status"] == "done" and r["output"] == r["item"]["answer"])
-        # A served agent is reaped only at the run's end, after the last
-        # sample: its CPU is the machine's, less the mock's and evalfleet's.
-        machine_cpu = run["machine_busy"] * run["wall"] * os.cpu_count()
-        agents_cpu = max(run["children_cpu_s"], machine_cpu - (run["others_cpu_s"][0] or 0) - run["own_cpu_s"])
+        agents_cpu = served_agents_cpu(run)
         return {
             "items_per_s": run["rate"], "wall": run["wall"], "right": right, "items": n,
             "agent_cpu_s_per_item": agents_cpu / n,

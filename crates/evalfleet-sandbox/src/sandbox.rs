@@ -1006,10 +1006,7 @@ impl Slot<'_> {
         process.reap(&exit).await;
         // A process of the execution killed for the group's memory: the
         // execution went past it, however it ended.
-        let ended = match (group, kills_before) {
-            (Some(group), Some(before)) if group.oom_kills() > before => Ended::MemoryLimit,
-            _ => ended,
-        };
+        let ended = past_memory(ended, group, kills_before);
         Ok(Execution {
             ended,
             stdout,
@@ -1203,12 +1200,23 @@ impl Running<'_> {
             Some((None, Some(signal))) => Ended::Signaled(signal),
             _ => Ended::Signaled(libc::SIGKILL),
         };
-        let ended = match (self.group, self.kills_before) {
-            (Some(group), Some(before)) if group.oom_kills() > before => Ended::MemoryLimit,
-            _ => ended,
-        };
+        let ended = past_memory(ended, self.group, self.kills_before);
         self.ended = Some(ended);
         ended
+    }
+}
+
+/// `ended`, unless the kernel killed a process in its memory `group` since
+/// it held `kills_before` kills: then the execution went past its memory,
+/// however it ended.
+fn past_memory(
+    ended: Ended,
+    group: Option<&crate::cgroup::Group>,
+    kills_before: Option<u64>,
+) -> Ended {
+    match (group, kills_before) {
+        (Some(group), Some(before)) if group.oom_kills() > before => Ended::MemoryLimit,
+        _ => ended,
     }
 }
 

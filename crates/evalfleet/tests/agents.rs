@@ -505,34 +505,36 @@ async fn an_agents_processes_together_are_held_to_its_memory() {
          kids = [subprocess.Popen([sys.executable, '-c', code]) for _ in range(3)]\n\
          print([k.wait() for k in kids])\n",
     );
+    let row = one_item(&env, "hungry.py", "  memory_mb: 300\n", Some(1)).await;
+    let error = row["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("its processes together went past task.memory_mb"),
+        "{row}"
+    );
+    let row = one_item(&env, "hungry.py", "  memory_mb: 2048\n", Some(0)).await;
+    assert_eq!(row["output"], "[0, 0, 0]");
+}
+
+/// One item run once (no retry) by `/usr/bin/python3 script` with the
+/// `task` lines added, the run ending with `code`: the item's row.
+async fn one_item(env: &Env, script: &str, task: &str, code: Option<i32>) -> Value {
     let server = mock(MockSettings::default()).await;
     let endpoints = external_with("m", &server, 4, "");
     let dataset = env.dataset("items.jsonl", 1);
-    let config = |memory: u32| {
-        exec_config(
-            "hungry",
+    env.write(
+        "agent.yaml",
+        &exec_config(
+            "one-item",
             &dataset,
             &endpoints,
             "retry: { max_attempts: 1 }\n",
-            "/usr/bin/python3 hungry.py",
-            &format!("  memory_mb: {memory}\n"),
-        )
-    };
-    env.write("agent.yaml", &config(300));
-    let ran = env.evalfleet(&["run", "agent.yaml", "-q"]).await;
-    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
-    let rows = by_id(&env.export(&ran.run_id()).await);
-    let error = rows["item-00000"]["error"].as_str().unwrap_or_default();
-    assert!(
-        error.contains("its processes together went past task.memory_mb"),
-        "{}",
-        rows["item-00000"]
+            &format!("/usr/bin/python3 {script}"),
+            task,
+        ),
     );
-    env.write("agent.yaml", &config(2048));
     let ran = env.evalfleet(&["run", "agent.yaml", "-q"]).await;
-    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
-    let rows = by_id(&env.export(&ran.run_id()).await);
-    assert_eq!(rows["item-00000"]["output"], "[0, 0, 0]");
+    assert_eq!(ran.code, code, "{}", ran.stderr);
+    by_id(&env.export(&ran.run_id()).await)["item-00000"].clone()
 }
 
 /// The files of a run of an agent together are held to `task.disk_mb`: an
@@ -555,34 +557,14 @@ async fn an_agents_files_together_are_held_to_its_disk() {
          \x20       f.write(block)\n\
          print(sum(os.path.getsize(f'f{i}') for i in range(24)) >> 20)\n",
     );
-    let server = mock(MockSettings::default()).await;
-    let endpoints = external_with("m", &server, 4, "");
-    let dataset = env.dataset("items.jsonl", 1);
-    let config = |disk: u32| {
-        exec_config(
-            "writer",
-            &dataset,
-            &endpoints,
-            "retry: { max_attempts: 1 }\n",
-            "/usr/bin/python3 writer.py",
-            &format!("  disk_mb: {disk}\n"),
-        )
-    };
-    env.write("agent.yaml", &config(64));
-    let ran = env.evalfleet(&["run", "agent.yaml", "-q"]).await;
-    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
-    let rows = by_id(&env.export(&ran.run_id()).await);
-    let error = rows["item-00000"]["error"].as_str().unwrap_or_default();
+    let row = one_item(&env, "writer.py", "  disk_mb: 64\n", Some(1)).await;
+    let error = row["error"].as_str().unwrap_or_default();
     assert!(
         error.contains("its folder was full") && error.contains("No space left on device"),
-        "{}",
-        rows["item-00000"]
+        "{row}"
     );
-    env.write("agent.yaml", &config(512));
-    let ran = env.evalfleet(&["run", "agent.yaml", "-q"]).await;
-    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
-    let rows = by_id(&env.export(&ran.run_id()).await);
-    assert_eq!(rows["item-00000"]["output"], "384");
+    let row = one_item(&env, "writer.py", "  disk_mb: 512\n", Some(0)).await;
+    assert_eq!(row["output"], "384");
     // The sandbox's folder (in the store's) holds none of it.
     let written: u64 = walk_sizes(&env.path("runs"));
     assert!(written < 64 << 20, "{written} bytes under runs/");

@@ -3,7 +3,7 @@
 //! gateway; a crash retries the items it held and starts it again; a hung
 //! item is cancelled without ending the others.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use evalfleet_mock::MockSettings;
 use serde_json::Value;
@@ -44,19 +44,34 @@ def solve(item, client):
 serve(solve)
 "#;
 
-fn config(env: &Env, endpoints: &str, n: usize, task: &str) -> std::path::PathBuf {
+/// A run of `n` items by an agent served as `task` says (its `command`,
+/// `mode` and the rest), each item tried at most `attempts` times, which
+/// must end with `code`: its rows by item id.
+async fn served(
+    env: &Env,
+    endpoints: &str,
+    n: usize,
+    attempts: u32,
+    task: &str,
+    code: Option<i32>,
+) -> BTreeMap<String, Value> {
     let dataset = env.dataset("items.jsonl", n);
-    env.write(
+    let config = env.write(
         "agent.yaml",
         &format!(
             "name: served\n\
              dataset: {{ path: {}, id_field: id }}\n\
              endpoints:\n{endpoints}\n\
-             retry: {{ max_attempts: 3, backoff_base: 10ms, backoff_max: 50ms }}\n\
+             retry: {{ max_attempts: {attempts}, backoff_base: 10ms, backoff_max: 50ms }}\n\
              task:\n  kind: exec\n{task}",
             dataset.display()
         ),
-    )
+    );
+    let ran = env
+        .evalfleet(&["run", config.to_str().unwrap(), "-q"])
+        .await;
+    assert_eq!(ran.code, code, "{task}: {}", ran.stderr);
+    by_id(&env.export(&ran.run_id()).await)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -70,21 +85,12 @@ async fn one_process_serves_the_items_a_crash_is_retried_and_a_hung_item_cancell
     let endpoints = external_with("m", &server, 8, "");
     let mut answered = 0;
     for try_ in ["crash", "hang"] {
-        let config = config(
-            &env,
-            &endpoints,
-            12,
-            &format!(
-                "  command: /usr/bin/python3 served.py\n  mode: server\n  concurrency: 4\n  timeout: 3s\n  env: {{ TRY: {try_} }}\n"
-            ),
+        let task = format!(
+            "  command: /usr/bin/python3 served.py\n  mode: server\n  concurrency: 4\n  timeout: 3s\n  env: {{ TRY: {try_} }}\n"
         );
-        let ran = env
-            .evalfleet(&["run", config.to_str().unwrap(), "-q"])
-            .await;
-        assert_eq!(ran.code, Some(0), "{try_}: {}", ran.stderr);
-        let rows = by_id(&env.export(&ran.run_id()).await);
+        let rows = served(&env, &endpoints, 12, 3, &task, Some(0)).await;
         assert_eq!(rows.len(), 12);
-        let mut outputs = std::collections::BTreeMap::new();
+        let mut outputs = BTreeMap::new();
         for (id, row) in &rows {
             let output: Value = serde_json::from_str(row["output"].as_str().unwrap_or("null"))
                 .unwrap_or_else(|_| panic!("{id}: {row}"));
@@ -136,19 +142,10 @@ async fn the_helper_serves_a_plain_function_on_threads_or_a_child_per_item() {
     let server = mock(MockSettings::default()).await;
     let endpoints = external_with("m", &server, 8, "");
     for (fork, processes) in [("", 1), (" --fork", 8)] {
-        let config = config(
-            &env,
-            &endpoints,
-            8,
-            &format!(
-                "  command: /usr/bin/python3 -m evalfleet_agent plain.py solve{fork}\n  mode: server\n  concurrency: 2\n"
-            ),
+        let task = format!(
+            "  command: /usr/bin/python3 -m evalfleet_agent plain.py solve{fork}\n  mode: server\n  concurrency: 2\n"
         );
-        let ran = env
-            .evalfleet(&["run", config.to_str().unwrap(), "-q"])
-            .await;
-        assert_eq!(ran.code, Some(0), "{fork}: {}", ran.stderr);
-        let rows = by_id(&env.export(&ran.run_id()).await);
+        let rows = served(&env, &endpoints, 8, 3, &task, Some(0)).await;
         let mut pids = BTreeSet::new();
         let mut counts = BTreeSet::new();
         for row in rows.values() {
@@ -183,17 +180,8 @@ async fn a_server_that_ends_at_once_fails_its_items_saying_why() {
     );
     let server = mock(MockSettings::default()).await;
     let endpoints = external_with("m", &server, 8, "");
-    let config = config(
-        &env,
-        &endpoints,
-        3,
-        "  command: /usr/bin/python3 broken.py\n  mode: server\n",
-    );
-    let ran = env
-        .evalfleet(&["run", config.to_str().unwrap(), "-q"])
-        .await;
-    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
-    let rows = by_id(&env.export(&ran.run_id()).await);
+    let task = "  command: /usr/bin/python3 broken.py\n  mode: server\n";
+    let rows = served(&env, &endpoints, 3, 3, task, Some(1)).await;
     for row in rows.values() {
         let error = row["error"].as_str().unwrap_or_default();
         assert!(
@@ -228,22 +216,9 @@ async fn the_helpers_streams_are_its_own_and_an_unsendable_answer_fails_at_once(
     );
     let server = mock(MockSettings::default()).await;
     let endpoints = external_with("m", &server, 8, "");
-    let config = config(
-        &env,
-        &endpoints,
-        8,
-        "  command: /usr/bin/python3 -m evalfleet_agent odd.py solve\n  mode: server\n  concurrency: 4\n  timeout: 60s\n",
-    )
-    .to_string_lossy()
-    .into_owned();
     // One attempt each: a retry would hide what the first one did.
-    let text = std::fs::read_to_string(&config)
-        .unwrap()
-        .replace("max_attempts: 3", "max_attempts: 1");
-    std::fs::write(&config, text).unwrap();
-    let ran = env.evalfleet(&["run", &config, "-q"]).await;
-    assert_eq!(ran.code, Some(1), "{}", ran.stderr);
-    let rows = by_id(&env.export(&ran.run_id()).await);
+    let task = "  command: /usr/bin/python3 -m evalfleet_agent odd.py solve\n  mode: server\n  concurrency: 4\n  timeout: 60s\n";
+    let rows = served(&env, &endpoints, 8, 1, task, Some(1)).await;
     let error = rows["item-00000"]["error"].as_str().unwrap_or_default();
     assert!(
         error.contains("cannot be sent as JSON"),

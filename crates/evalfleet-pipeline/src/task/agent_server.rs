@@ -327,11 +327,13 @@ async fn serve_once(
 /// SIGKILL: how we end a process (so no news of how it ended by itself).
 const SIGKILL: i32 = 9;
 
-fn ended_in_words(ended: Ended) -> String {
+/// How an agent's process ended, in the words of its item's error (an
+/// agent run per item's too).
+pub(super) fn ended_in_words(ended: Ended) -> String {
     match ended {
         Ended::Exited(code) => format!("exited with status {code}"),
         Ended::Signaled(signal) => format!("killed by signal {signal}"),
-        Ended::CpuLimit => "past its CPU-time limit".to_owned(),
+        Ended::CpuLimit => "past its CPU-time limit: killed".to_owned(),
         Ended::MemoryLimit => {
             "its processes together went past task.memory_mb: the kernel killed one".to_owned()
         }

@@ -794,18 +794,15 @@ fn judge(
     };
     let answer = match execution.ended {
         Ended::Exited(0) => Ok(String::from_utf8_lossy(&execution.stdout).trim().to_owned()),
-        Ended::Exited(code) if stderr.contains("No space left on device") => Err((
+        Ended::Exited(_) if stderr.contains("No space left on device") => Err((
             with_stderr(format!(
-                "exited with status {code} (its folder was full: its files together may hold task.disk_mb)"
+                "{} (its folder was full: its files together may hold task.disk_mb)",
+                agent_server::ended_in_words(execution.ended)
             )),
             ErrorClass::Retryable,
         )),
-        Ended::Exited(code) => Err((
-            with_stderr(format!("exited with status {code}")),
-            ErrorClass::Retryable,
-        )),
-        Ended::Signaled(signal) => Err((
-            with_stderr(format!("killed by signal {signal}")),
+        Ended::Exited(_) | Ended::Signaled(_) | Ended::CpuLimit | Ended::MemoryLimit => Err((
+            with_stderr(agent_server::ended_in_words(execution.ended)),
             ErrorClass::Retryable,
         )),
         Ended::TimedOut => Err((
@@ -815,19 +812,9 @@ fn judge(
             )),
             ErrorClass::Retryable,
         )),
-        Ended::CpuLimit => Err((
-            with_stderr("past its CPU-time limit: killed".to_owned()),
-            ErrorClass::Retryable,
-        )),
         Ended::OutputLimit => Err((
             "wrote more than 16 MiB of output: killed".to_owned(),
             ErrorClass::Fatal,
-        )),
-        Ended::MemoryLimit => Err((
-            with_stderr(
-                "its processes together went past task.memory_mb: the kernel killed one".to_owned(),
-            ),
-            ErrorClass::Retryable,
         )),
     };
     (answer, kept)
