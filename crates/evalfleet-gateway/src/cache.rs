@@ -61,12 +61,15 @@ impl Gateway {
     }
 }
 
+/// The longest answer the cache keeps (longer ones are made again).
+const CACHED_AT_MOST: usize = 256 * 1024;
+
 /// A call's answer as the cache keeps it: a whole response body (a chat
 /// completion, put together from a stream's message; embeddings as they
 /// came).
 pub(crate) fn to_cache(key: String, api: Api, record: &AgentCall) -> Option<CacheEntry> {
     let response = record.response.as_deref()?;
-    if response.len() >= evalfleet_types::BODY_KEPT {
+    if response.len() >= CACHED_AT_MOST {
         return None;
     }
     let content = match api {

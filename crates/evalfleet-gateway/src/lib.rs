@@ -42,7 +42,7 @@ use routes::Routes;
 /// The largest request body the gateway takes (413 past it): a model's
 /// request, images inlined, fits; what an agent sends is held in memory
 /// while its call is made.
-pub const BODY_LIMIT: usize = 16 << 20;
+pub const BODY_LIMIT: usize = evalfleet_types::BODY_KEPT;
 
 /// The request bodies one attempt may send in all (413 past it): agents
 /// running at once cannot take the run's memory with them.

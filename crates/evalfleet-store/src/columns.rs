@@ -215,3 +215,37 @@ pub(crate) fn endpoint_states(
         endpoints,
     }))
 }
+
+/// Bodies shorter than this are stored as text; longer ones compressed.
+const PACK_FROM: usize = 1024;
+
+/// zstd's level for stored bodies: its default, fast to write (an agent's
+/// history sent again each turn compresses well at any level).
+const PACK_LEVEL: i32 = 3;
+
+/// An agent call's body (request or response) as it is stored, whole:
+/// as text when short, else compressed (zstd), in a column beside it.
+pub(crate) fn pack(text: &str) -> (Option<&str>, Option<Vec<u8>>) {
+    if text.len() < PACK_FROM {
+        return (Some(text), None);
+    }
+    match zstd::bulk::compress(text.as_bytes(), PACK_LEVEL) {
+        Ok(packed) if packed.len() < text.len() => (None, Some(packed)),
+        _ => (Some(text), None),
+    }
+}
+
+/// A body stored by [`pack`]: its text column, or its compressed one.
+pub(crate) fn unpack(
+    text: Option<String>,
+    packed: Option<Vec<u8>>,
+) -> Result<Option<String>, StoreError> {
+    let Some(packed) = packed else {
+        return Ok(text);
+    };
+    let bytes = zstd::stream::decode_all(packed.as_slice())
+        .map_err(|err| StoreError::backend("a stored call's body cannot be decompressed", err))?;
+    String::from_utf8(bytes)
+        .map(Some)
+        .map_err(|err| StoreError::backend("a stored call's body is not UTF-8", err))
+}

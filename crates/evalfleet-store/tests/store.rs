@@ -1351,9 +1351,22 @@ fn agent_call(seq: u64, attempt: u32, index: u32) -> AgentCall {
         http_status: 200,
         error_class: (attempt == 1).then_some(ErrorClass::Retryable),
         error: (attempt == 1).then(|| "HTTP 503".to_owned()),
-        request: format!(r#"{{"messages":[{{"role":"user","content":"call {index}"}}]}}"#),
+        // Call 2 carries a long history (past what was once cut at 256
+        // KiB) and a long answer: both come back whole.
+        request: if index == 2 {
+            long_history(6_000)
+        } else {
+            format!(r#"{{"messages":[{{"role":"user","content":"call {index}"}}]}}"#)
+        },
         request_cut: false,
-        response: Some(r#"{"role":"assistant","content":"ok"}"#.to_owned()),
+        response: Some(if index == 2 {
+            format!(
+                r#"{{"role":"assistant","content":{}}}"#,
+                serde_json::Value::String("«ok» \"quoted\" ".repeat(20_000))
+            )
+        } else {
+            r#"{"role":"assistant","content":"ok"}"#.to_owned()
+        }),
         tags: Some(r#"{"user":"u"}"#.to_owned()),
         // A call the gateway made again elsewhere after a refusal: its
         // tries are read back as they were.
@@ -1368,6 +1381,50 @@ fn agent_call(seq: u64, attempt: u32, index: u32) -> AgentCall {
         } else {
             Vec::new()
         },
+    }
+}
+
+/// A chat request of `turns` tool-calling turns (unicode and quotes in
+/// it), as an agent with a long history sends it.
+fn long_history(turns: usize) -> String {
+    let mut messages =
+        vec![serde_json::json!({"role": "user", "content": "Which «domain» first?"})];
+    for turn in 0..turns {
+        messages.push(serde_json::json!({
+            "role": "assistant", "content": null,
+            "tool_calls": [{"id": format!("call_{turn}"), "type": "function",
+                            "function": {"name": "lookup", "arguments": format!("{{\"q\":\"d{turn}\"}}")}}]
+        }));
+        messages.push(serde_json::json!({
+            "role": "tool", "tool_call_id": format!("call_{turn}"),
+            "content": format!("domain {turn}: «{}» \"ok\"", turn * 7919 % 104_729)
+        }));
+    }
+    serde_json::json!({"model": "gpt-4o", "messages": messages}).to_string()
+}
+
+/// Bytes the store holds of call `idx` of item `seq` (its text and its
+/// compressed bodies).
+fn stored_body_bytes(f: &Fixture, seq: u64, idx: u32) -> i64 {
+    let sql = "SELECT COALESCE(LENGTH(request), 0) + COALESCE(LENGTH(response), 0)
+                      + COALESCE(LENGTH(request_z), 0) + COALESCE(LENGTH(response_z), 0)
+               FROM agent_calls WHERE seq = $1 AND attempt = 1 AND idx = $2";
+    match (&f.location, &f.db) {
+        (Location::Sqlite(path), _) => rusqlite::Connection::open(path)
+            .unwrap()
+            .query_row(
+                &sql.replace('$', "?"),
+                rusqlite::params![seq as i64, idx],
+                |r| r.get(0),
+            )
+            .unwrap(),
+        (Location::Postgres(_), Some(db)) => f
+            .sql(db)
+            .query_one(sql, &[&(seq as i64), &(idx as i32)])
+            .unwrap()
+            .get::<_, i32>(0)
+            .into(),
+        (Location::Postgres(_), None) => unreachable!("a PostgreSQL fixture has its database"),
     }
 }
 
@@ -1443,6 +1500,14 @@ fn agent_calls_are_stored_with_their_attempt_refused_under_a_lost_claim_and_read
     let a = first.item("r", "a").unwrap().unwrap();
     assert_eq!(keys(&a.calls), vec![(1, 1, 1), (1, 1, 2), (1, 2, 1)]);
     assert_eq!(a.calls[1], agent_call(1, 1, 2), "every field comes back");
+    let whole = agent_call(1, 1, 2);
+    let whole_len = whole.request.len() + whole.response.as_ref().map_or(0, String::len);
+    assert!(whole.request.len() > 455_000, "{}", whole.request.len());
+    let stored = stored_body_bytes(f, 1, 2);
+    assert!(
+        stored > 0 && (stored as usize) < whole_len / 4,
+        "{whole_len} bytes of bodies are stored compressed, in {stored}"
+    );
     let c = first.item("r", "c").unwrap().unwrap();
     assert!(c.calls.is_empty(), "refused calls are not stored");
     let json = serde_json::to_value(&c).unwrap();

@@ -118,13 +118,15 @@ pub struct AgentCall {
     pub http_status: u16,
     pub error_class: Option<ErrorClass>,
     pub error: Option<String>,
-    /// The request body as the agent sent it (JSON text; cut to
-    /// `BODY_KEPT` bytes, then not valid JSON: `request_cut` says so).
+    /// The request body as the agent sent it (JSON text), whole: stored
+    /// compressed when long. Cut to `BODY_KEPT` bytes only where the
+    /// gateway refused it as too large, or in a store written before
+    /// bodies were kept whole (then not valid JSON): `request_cut` says so.
     pub request: String,
     pub request_cut: bool,
     /// What the agent got: for a chat completion the assistant's message
     /// (content and tool calls), assembled from a stream; else the response
-    /// body (JSON text, cut as the request is).
+    /// body (JSON text, whole up to `BODY_KEPT` bytes).
     pub response: Option<String>,
     /// Tags the agent sent: `traceparent`, `user`, `metadata` (a JSON
     /// object), when it sent any.
@@ -148,8 +150,10 @@ pub struct Failover {
     pub error: Option<String>,
 }
 
-/// How much of a call's request or response body is kept.
-pub const BODY_KEPT: usize = 256 * 1024;
+/// How much of a call's request or response body is kept: as much as the
+/// gateway takes in a request, so that every request it takes is kept
+/// whole.
+pub const BODY_KEPT: usize = 16 << 20;
 
 /// An item's terminal outcome.
 #[derive(Debug, Clone, PartialEq)]

@@ -16,7 +16,8 @@ pub(crate) const CALL_COLUMNS: &str = "seq, attempt, idx, call_id, api, asked_mo
                                        endpoint, model, latency_ms, ttft_ms, tpot_ms, \
                                        prompt_tokens, completion_tokens, tokens_estimated, \
                                        finish_reason, stream, cached, http_status, error_class, \
-                                       error, request, request_cut, response, tags, failovers";
+                                       error, request, request_cut, response, tags, failovers, \
+                                       request_z, response_z";
 
 /// An unsigned count or number stored as a signed integer.
 pub(crate) fn unsigned<T: TryFrom<i64>>(value: i64, what: &str) -> Tx<T> {
@@ -80,9 +81,9 @@ pub(crate) fn call_from_row(row: &Row) -> Tx<AgentCall> {
         http_status: unsigned(i64::from(row.try_get::<_, i32>(18)?), "an HTTP status")?,
         error_class: error_class(row.try_get(19)?)?,
         error: row.try_get(20)?,
-        request: row.try_get(21)?,
+        request: crate::columns::unpack(row.try_get(21)?, row.try_get(26)?)?.unwrap_or_default(),
         request_cut: row.try_get(22)?,
-        response: row.try_get(23)?,
+        response: crate::columns::unpack(row.try_get(23)?, row.try_get(27)?)?,
         tags: row.try_get(24)?,
         failovers: crate::failovers_of(row.try_get(25)?)?,
     })

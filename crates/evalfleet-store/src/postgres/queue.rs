@@ -322,9 +322,9 @@ fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx
         "INSERT INTO agent_calls (rid, seq, attempt, idx, call_id, api, asked_model, sent_at,
              endpoint, model, latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens,
              tokens_estimated, finish_reason, stream, cached, http_status, error_class, error,
-             request, request_cut, response, tags, failovers)
+             request, request_cut, response, tags, failovers, request_z, response_z)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17,
-                 $18, $19, $20, $21, $22, $23, $24, $25, $26, $27)
+                 $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29)
          ON CONFLICT (rid, seq, attempt, idx) DO UPDATE SET
              call_id = EXCLUDED.call_id, api = EXCLUDED.api, asked_model = EXCLUDED.asked_model,
              sent_at = EXCLUDED.sent_at, endpoint = EXCLUDED.endpoint, model = EXCLUDED.model,
@@ -337,7 +337,8 @@ fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx
              error_class = EXCLUDED.error_class, error = EXCLUDED.error,
              request = EXCLUDED.request, request_cut = EXCLUDED.request_cut,
              response = EXCLUDED.response, tags = EXCLUDED.tags,
-             failovers = EXCLUDED.failovers",
+             failovers = EXCLUDED.failovers, request_z = EXCLUDED.request_z,
+             response_z = EXCLUDED.response_z",
     )?;
     let mut calls_stored = false;
     for (claim, c) in &batch.calls {
@@ -346,6 +347,11 @@ fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx
             continue;
         }
         let t = &c.telemetry;
+        let (request, request_z) = crate::columns::pack(&c.request);
+        let (response, response_z) = match c.response.as_deref() {
+            Some(text) => crate::columns::pack(text),
+            None => (None, None),
+        };
         tx.execute(
             &call,
             &[
@@ -371,11 +377,13 @@ fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx
                 &i32::from(c.http_status),
                 &c.error_class.map(ErrorClass::as_str),
                 &c.error,
-                &c.request,
+                &request.unwrap_or(""),
                 &c.request_cut,
-                &c.response,
+                &response,
                 &c.tags,
                 &crate::failovers_column(&c.failovers),
+                &request_z,
+                &response_z,
             ],
         )?;
         calls_stored = true;

@@ -296,8 +296,14 @@ CREATE TABLE quotas (
 /// gateway made it on the one that answered (JSON; NULL for none).
 const FAILOVERS: &str = "ALTER TABLE agent_calls ADD COLUMN IF NOT EXISTS failovers text;";
 
+/// 4: an agent call's request and response kept whole: a long one
+/// compressed (zstd) in these columns, its text column then empty
+/// (`request`) or NULL (`response`).
+const WHOLE_BODIES: &str = "ALTER TABLE agent_calls ADD COLUMN IF NOT EXISTS request_z bytea, \
+                            ADD COLUMN IF NOT EXISTS response_z bytea;";
+
 /// The migrations, in order; the store's version is how many were applied.
-pub const MIGRATIONS: &[&str] = &[FIRST, QUOTAS, FAILOVERS];
+pub const MIGRATIONS: &[&str] = &[FIRST, QUOTAS, FAILOVERS, WHOLE_BODIES];
 
 /// The schema version a store has once every migration ran.
 pub const VERSION: i32 = MIGRATIONS.len() as i32;

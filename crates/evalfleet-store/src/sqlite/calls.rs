@@ -13,7 +13,8 @@ use super::{SqliteStore, db_err};
 const CALL_COLUMNS: &str = "seq, attempt, idx, call_id, api, asked_model, sent_at, endpoint, model, \
                             latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens, \
                             tokens_estimated, finish_reason, stream, cached, http_status, \
-                            error_class, error, request, request_cut, response, tags, failovers";
+                            error_class, error, request, request_cut, response, tags, failovers, \
+                            request_z, response_z";
 
 fn agent_call(row: &rusqlite::Row<'_>) -> Result<AgentCall, StoreError> {
     let err = db_err("cannot read agent calls");
@@ -47,9 +48,10 @@ fn agent_call(row: &rusqlite::Row<'_>) -> Result<AgentCall, StoreError> {
         http_status: row.get(18).map_err(&err)?,
         error_class: crate::columns::error_class_column(row.get(19).map_err(&err)?)?,
         error: row.get(20).map_err(&err)?,
-        request: row.get(21).map_err(&err)?,
+        request: crate::columns::unpack(row.get(21).map_err(&err)?, row.get(26).map_err(&err)?)?
+            .unwrap_or_default(),
         request_cut: row.get(22).map_err(&err)?,
-        response: row.get(23).map_err(&err)?,
+        response: crate::columns::unpack(row.get(23).map_err(&err)?, row.get(27).map_err(&err)?)?,
         tags: row.get(24).map_err(&err)?,
         failovers: crate::failovers_of(row.get(25).map_err(&err)?)?,
     })

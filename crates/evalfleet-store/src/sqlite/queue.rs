@@ -362,9 +362,10 @@ impl WorkQueue for SqliteStore {
                     "INSERT OR REPLACE INTO agent_calls (rid, seq, attempt, idx, call_id, api, asked_model,
                          sent_at, endpoint, model, latency_ms, ttft_ms, tpot_ms, prompt_tokens,
                          completion_tokens, tokens_estimated, finish_reason, stream, cached, http_status,
-                         error_class, error, request, request_cut, response, tags, failovers)
+                         error_class, error, request, request_cut, response, tags, failovers,
+                         request_z, response_z)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17,
-                             ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27)",
+                             ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29)",
                 )
                 .map_err(db_err("cannot prepare the agent call insert"))?;
             for (claim, c) in &batch.calls {
@@ -373,6 +374,11 @@ impl WorkQueue for SqliteStore {
                     continue;
                 }
                 let t = &c.telemetry;
+                let (request, request_z) = crate::columns::pack(&c.request);
+                let (response, response_z) = match c.response.as_deref() {
+                    Some(text) => crate::columns::pack(text),
+                    None => (None, None),
+                };
                 call.execute(params![
                     rid,
                     c.seq as i64,
@@ -396,11 +402,13 @@ impl WorkQueue for SqliteStore {
                     c.http_status,
                     c.error_class.map(ErrorClass::as_str),
                     c.error,
-                    c.request,
+                    request.unwrap_or(""),
                     c.request_cut,
-                    c.response,
+                    response,
                     c.tags,
                     crate::failovers_column(&c.failovers),
+                    request_z,
+                    response_z,
                 ])
                 .map_err(db_err("cannot record an agent call"))?;
                 calls_stored = true;

@@ -299,8 +299,16 @@ CREATE TABLE worker_tallies (
 /// gateway made it on the one that answered (JSON; NULL for none).
 const FAILOVERS: &str = "ALTER TABLE agent_calls ADD COLUMN failovers TEXT;";
 
+/// 15: an agent call's request and response kept whole: a long one
+/// compressed (zstd) in these columns, its text column then empty
+/// (`request`) or NULL (`response`).
+const WHOLE_BODIES: &str = "
+ALTER TABLE agent_calls ADD COLUMN request_z BLOB;
+ALTER TABLE agent_calls ADD COLUMN response_z BLOB;
+";
+
 /// The schema version a store has once every migration ran.
-pub const VERSION: usize = 14;
+pub const VERSION: usize = 15;
 
 pub fn migrations() -> Migrations<'static> {
     Migrations::new(vec![
@@ -318,6 +326,7 @@ pub fn migrations() -> Migrations<'static> {
         M::up(AGENT_CALLS),
         M::up(NOT_BEFORE),
         M::up(FAILOVERS),
+        M::up(WHOLE_BODIES),
     ])
 }
 
