@@ -15,6 +15,33 @@ use super::Gateway;
 use super::error::GatewayError;
 use super::token::Claims;
 
+/// Where an attempt's calls are stored as each ends, so that none is lost
+/// with the attempt (an agent killed, the run stopped or killed): takes a
+/// call, or gives it back when it cannot take it now (it then goes with
+/// the attempt's end, [`Pass::close`]).
+pub type Keep = Arc<dyn Fn(AgentCall) -> Option<AgentCall> + Send + Sync>;
+
+/// What an attempt's calls came to, whether they were kept as they ended
+/// or are handed over at its end.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Made {
+    /// Calls made (refused ones included).
+    pub calls: u32,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    /// The endpoint (and its model) that answered the last call answered
+    /// by one.
+    pub last: Option<(String, String)>,
+}
+
+/// An attempt's calls at its end: what they came to, and those not kept
+/// yet (in order), for the caller to store.
+#[derive(Debug, Default)]
+pub struct Closed {
+    pub made: Made,
+    pub calls: Vec<AgentCall>,
+}
+
 /// One item's attempt, as the gateway knows it while it runs.
 pub struct Grant {
     pub seq: u64,
@@ -27,7 +54,10 @@ pub struct Grant {
     pub(crate) tokens: AtomicU64,
     /// Bytes of request bodies sent so far.
     pub(crate) sent: AtomicU64,
+    /// Its calls not yet kept (all of them, without `keep`).
     pub(crate) calls: Mutex<Vec<AgentCall>>,
+    pub(crate) made: Mutex<Made>,
+    pub(crate) keep: Option<Keep>,
     /// The endpoint that answered its first call (not from the cache): its
     /// next calls go there while it is healthy and has room, so that an
     /// engine's prefix cache serves the next turn.
@@ -76,9 +106,10 @@ pub struct Pass {
 impl Pass {
     /// Ends the attempt's address: no call is taken from now on, and those
     /// still under way (a stream the agent left unread) are cancelled;
-    /// gives its calls, in order, once they are recorded (or after a few
-    /// seconds).
-    pub async fn close(self) -> Vec<AgentCall> {
+    /// gives what its calls came to and those not kept yet, in order, once
+    /// they are recorded (or after a few seconds: a call recorded later is
+    /// still kept).
+    pub async fn close(self) -> Closed {
         self.gateway.forget(&self.grant);
         self.grant.closed.store(true, Ordering::Release);
         self.grant.abandon.cancel();
@@ -97,20 +128,40 @@ impl Pass {
                 break;
             }
         }
-        let mut calls = self
-            .grant
-            .calls
-            .lock()
-            .map(|mut calls| std::mem::take(&mut *calls))
-            .unwrap_or_default();
+        let mut calls = self.grant.take_calls();
         calls.sort_by_key(|c| c.index);
-        calls
+        let made = self
+            .grant
+            .made
+            .lock()
+            .map(|m| m.clone())
+            .unwrap_or_default();
+        Closed { made, calls }
     }
 }
 
 impl Drop for Pass {
+    /// Closed or not (its attempt abandoned: the run stopped), its calls
+    /// not yet kept are offered to the store.
     fn drop(&mut self) {
         self.gateway.forget(&self.grant);
+        self.grant.closed.store(true, Ordering::Release);
+        self.grant.abandon.cancel();
+        if let Some(keep) = &self.grant.keep {
+            let lost = self
+                .grant
+                .take_calls()
+                .into_iter()
+                .filter_map(|call| keep(call))
+                .count();
+            if lost > 0 {
+                tracing::warn!(
+                    "Item {} attempt {}: {lost} calls of its abandoned attempt could not be stored.",
+                    self.grant.seq,
+                    self.grant.attempt
+                );
+            }
+        }
     }
 }
 
@@ -168,11 +219,32 @@ impl Grant {
         None
     }
 
-    /// A call ended: its record is kept and its tokens counted.
+    fn take_calls(&self) -> Vec<AgentCall> {
+        self.calls
+            .lock()
+            .map(|mut calls| std::mem::take(&mut *calls))
+            .unwrap_or_default()
+    }
+
+    /// A call ended: its tokens are counted and its record kept (stored
+    /// now where it can be, else held for the attempt's end).
     pub(crate) fn ended(&self, record: AgentCall) {
-        let tokens = record.telemetry.prompt_tokens.unwrap_or(0)
-            + record.telemetry.completion_tokens.unwrap_or(0);
-        self.tokens.fetch_add(tokens, Ordering::AcqRel);
+        let (prompt, completion) = (
+            record.telemetry.prompt_tokens.unwrap_or(0),
+            record.telemetry.completion_tokens.unwrap_or(0),
+        );
+        self.tokens.fetch_add(prompt + completion, Ordering::AcqRel);
+        if let Ok(mut made) = self.made.lock() {
+            made.calls += 1;
+            made.prompt_tokens += prompt;
+            made.completion_tokens += completion;
+            if !record.telemetry.endpoint.is_empty() {
+                made.last = Some((
+                    record.telemetry.endpoint.clone(),
+                    record.telemetry.model.clone(),
+                ));
+            }
+        }
         if record.http_status == 200
             && !record.cached
             && !record.telemetry.endpoint.is_empty()
@@ -181,7 +253,13 @@ impl Grant {
         {
             *home = Some(record.telemetry.endpoint.clone());
         }
-        if let Ok(mut calls) = self.calls.lock() {
+        let held = match &self.keep {
+            Some(keep) => keep(record),
+            None => Some(record),
+        };
+        if let Some(record) = held
+            && let Ok(mut calls) = self.calls.lock()
+        {
             calls.push(record);
         }
     }
@@ -189,7 +267,7 @@ impl Grant {
 
 impl Gateway {
     /// Opens the address of attempt `attempt` of item `seq`, live for at
-    /// most `ttl`, with `budget`.
+    /// most `ttl`, with `budget`; its calls go to `keep` as they end.
     pub fn open(
         self: &Arc<Self>,
         seq: u64,
@@ -197,6 +275,7 @@ impl Gateway {
         attempt: u32,
         budget: Budget,
         ttl: Duration,
+        keep: Option<Keep>,
     ) -> Pass {
         let expires_ms =
             now_ms().saturating_add(i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX));
@@ -216,6 +295,8 @@ impl Gateway {
             tokens: AtomicU64::new(0),
             sent: AtomicU64::new(0),
             calls: Mutex::new(Vec::new()),
+            made: Mutex::new(Made::default()),
+            keep,
             home: Mutex::new(None),
             in_flight: AtomicU32::new(0),
             settled: tokio::sync::Notify::new(),

@@ -51,7 +51,7 @@ use token::Keys;
 
 pub use cache::{CacheGet, CacheLink, CachePut};
 pub use error::GatewayError;
-pub use grant::{Grant, Pass};
+pub use grant::{Closed, Grant, Keep, Made, Pass};
 
 /// A run's gateway.
 pub struct Gateway {

@@ -176,7 +176,7 @@ both!(
     results_and_attempts_are_scanned_rescored_and_exported,
     a_resource_series_stays_bounded_with_its_peak_and_mean_exact,
     agent_calls_are_stored_with_their_attempt_refused_under_a_lost_claim_and_read_back_in_order,
-    trajectories_are_each_items_last_chat_of_its_final_attempt_with_tool_calls_and_results,
+    trajectories_are_each_conversation_of_an_attempt_with_its_steps_and_how_the_attempt_ended,
     the_agents_figures_are_per_item_means_of_the_stored_calls,
     an_items_wait_is_stored_with_it_and_whoever_claims_it_next_waits_it_out,
 );
@@ -1566,15 +1566,15 @@ fn chat_call(
     }
 }
 
-fn trajectories_are_each_items_last_chat_of_its_final_attempt_with_tool_calls_and_results(
+fn trajectories_are_each_conversation_of_an_attempt_with_its_steps_and_how_the_attempt_ended(
     f: &Fixture,
 ) {
-    use evalfleet_reports::trajectories::export_trajectories;
+    use evalfleet_reports::trajectories::{Attempts, export_trajectories};
     use serde_json::json;
 
     let mut store = f.open();
     store
-        .create_run(&new_run("r"), &mut items(&["a", "b", "c", "d"], None))
+        .create_run(&new_run("r"), &mut items(&["a", "b", "c", "d", "e"], None))
         .unwrap();
     store.begin_session("r", &mut worker("one"), false).unwrap();
     let claim = claim_all(&mut *store, "r", "one");
@@ -1583,40 +1583,70 @@ fn trajectories_are_each_items_last_chat_of_its_final_attempt_with_tool_calls_an
     let tool_call = json!({"role": "assistant", "content": null, "tool_calls": [
         {"id": "t1", "type": "function", "function": {"name": "lookup", "arguments": "{\"domain\":\"example.com\"}"}}
     ]});
+    // The tool call as the agent's framework sends it back: content "",
+    // its arguments re-serialised.
+    let tool_call_back = json!({"role": "assistant", "content": "", "tool_calls": [
+        {"id": "t1", "type": "function", "function": {"name": "lookup", "arguments": "{\"domain\": \"example.com\"}"}}
+    ]});
     let tool_result = json!({"role": "tool", "tool_call_id": "t1", "content": "IANA"});
     let last_answer = json!({"role": "assistant", "content": "IANA owns it.", "tool_calls": null});
+    let solver = json!({"role": "system", "content": "Solve: «IANA»"});
     let mut scored = result(1, "a", ItemStatus::Done);
     scored.assessment.scores.insert(
         "exact_match".to_owned(),
         serde_json::from_value(json!({"value": 1.0})).unwrap(),
     );
+    let answered = |seq, number| AttemptRecord {
+        error_class: None,
+        error: None,
+        http_status: None,
+        ..attempt(seq, number)
+    };
     let batch = Batch {
         results: vec![
             (claim, scored),
             (claim, result(2, "b", ItemStatus::Done)),
             (claim, result(3, "c", ItemStatus::Failed)),
+            (claim, result(5, "e", ItemStatus::Done)),
+        ],
+        attempts: vec![
+            (claim, attempt(1, 1)),
+            (claim, answered(1, 3)),
+            (claim, answered(5, 2)),
         ],
         calls: vec![
-            // a: a first run that failed, then a run of two chat calls (a
-            // tool call, then the answer after the tool's result) and an
+            // a: a first run that failed; a second cut short by a stop (no
+            // record); then a run holding two conversations side by side (a
+            // planner's tool call and answer, a solver's question), and an
             // embedding.
             (
                 claim,
                 chat_call(1, 1, 1, json!([user]), json!({"content": "wrong run"})),
             ),
             (claim, chat_call(1, 2, 1, json!([user]), tool_call.clone())),
+            (claim, chat_call(1, 3, 1, json!([user]), tool_call.clone())),
             (
                 claim,
-                chat_call(1, 2, 2, json!([user, tool_call, tool_result]), last_answer),
+                chat_call(1, 3, 2, json!([solver]), json!({"content": "solved"})),
+            ),
+            (
+                claim,
+                chat_call(
+                    1,
+                    3,
+                    3,
+                    json!([user, tool_call_back, tool_result]),
+                    last_answer,
+                ),
             ),
             (
                 claim,
                 AgentCall {
                     api: "embeddings".to_owned(),
-                    ..agent_call(1, 2, 3)
+                    ..agent_call(1, 3, 4)
                 },
             ),
-            // b: its one chat call was cut when stored.
+            // b: its one chat call was cut when stored (an older store).
             (
                 claim,
                 AgentCall {
@@ -1630,6 +1660,20 @@ fn trajectories_are_each_items_last_chat_of_its_final_attempt_with_tool_calls_an
                 claim,
                 chat_call(4, 1, 1, json!([user]), json!({"content": "x"})),
             ),
+            // e: a call that failed, made again in the same conversation.
+            (
+                claim,
+                AgentCall {
+                    http_status: 500,
+                    error: Some("HTTP 500".to_owned()),
+                    response: None,
+                    ..chat_call(5, 2, 1, json!([user]), json!(null))
+                },
+            ),
+            (
+                claim,
+                chat_call(5, 2, 2, json!([user]), json!({"content": "IANA"})),
+            ),
         ],
         ..Batch::default()
     };
@@ -1637,36 +1681,135 @@ fn trajectories_are_each_items_last_chat_of_its_final_attempt_with_tool_calls_an
     drop(store);
 
     let mut store = f.open_read_only();
-    let mut lines = Vec::new();
-    let written = export_trajectories(&mut *store, "r", &mut |t| {
-        lines.push(serde_json::to_value(t).unwrap());
-        Ok(())
-    })
-    .unwrap();
+    let mut export = |attempts| {
+        let mut lines = Vec::new();
+        let written = export_trajectories(&mut *store, "r", attempts, &mut |t| {
+            lines.push(serde_json::to_value(t).unwrap());
+            Ok(())
+        })
+        .unwrap();
+        (written, lines)
+    };
+    let (written, lines) = export(Attempts::Final);
     assert_eq!(
-        (written.items, written.unreadable, written.no_chat),
-        (1, 1, 1),
-        "a is written, b's request was cut, c made no call"
+        (
+            written.lines,
+            written.items,
+            written.unreadable,
+            written.no_chat
+        ),
+        (3, 2, 1, 2),
+        "a's two conversations and e's are written, b's request was cut, b and c have none"
+    );
+    let planner = &lines[0];
+    assert_eq!(
+        (
+            &planner["item_id"],
+            &planner["attempt"],
+            &planner["conversation"],
+            &planner["conversations"],
+            &planner["calls"],
+            &planner["final"],
+        ),
+        (
+            &json!("a"),
+            &json!(3),
+            &json!(0),
+            &json!(2),
+            &json!(4),
+            &json!(true)
+        )
+    );
+    assert_eq!(planner["scores"], json!({"exact_match": 1.0}));
+    assert_eq!(
+        planner["messages"],
+        json!([
+            {"role": "user", "content": "Who owns example.com?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "t1", "type": "function", "function": {"name": "lookup", "arguments": "{\"domain\": \"example.com\"}"}}
+            ]},
+            {"role": "tool", "tool_call_id": "t1", "content": "IANA"},
+            {"role": "assistant", "content": "IANA owns it."},
+        ])
     );
     assert_eq!(
-        lines,
-        vec![json!({
-            "item_id": "a",
-            "status": "done",
-            "scores": {"exact_match": 1.0},
-            "attempt": 2,
-            "messages": [
-                {"role": "user", "content": "Who owns example.com?"},
-                {"role": "assistant", "content": null, "tool_calls": [
-                    {"id": "t1", "type": "function", "function": {"name": "lookup", "arguments": "{\"domain\":\"example.com\"}"}}
-                ]},
-                {"role": "tool", "tool_call_id": "t1", "content": "IANA"},
-                {"role": "assistant", "content": "IANA owns it."},
-            ],
-            "tools": [{"type": "function", "function": {"name": "lookup", "parameters": {}}}],
-            "calls": 3,
-        })]
+        planner["tools"],
+        json!([{"type": "function", "function": {"name": "lookup", "parameters": {}}}])
     );
+    let steps = planner["steps"].as_array().unwrap();
+    assert_eq!(
+        steps
+            .iter()
+            .map(|s| (s["call_id"].clone(), s["message"].clone()))
+            .collect::<Vec<_>>(),
+        vec![(json!("1.3.1"), json!(1)), (json!("1.3.3"), json!(3))],
+        "each step says where its answer is"
+    );
+    assert_eq!(
+        (
+            &steps[1]["prompt_tokens"],
+            &steps[1]["completion_tokens"],
+            &steps[1]["endpoint"],
+            &steps[1]["finish_reason"],
+            &steps[1]["latency_ms"],
+        ),
+        (
+            &json!(20),
+            &json!(5),
+            &json!("e"),
+            &json!("stop"),
+            &json!(12.5)
+        )
+    );
+    let solver_line = &lines[1];
+    assert_eq!(
+        (&solver_line["conversation"], &solver_line["messages"]),
+        (
+            &json!(1),
+            &json!([
+                {"role": "system", "content": "Solve: «IANA»"},
+                {"role": "assistant", "content": "solved"},
+            ])
+        )
+    );
+    let retried = &lines[2];
+    assert_eq!(retried["item_id"], "e");
+    assert_eq!(
+        retried["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| (s["http_status"].clone(), s["message"].clone()))
+            .collect::<Vec<_>>(),
+        vec![(json!(500), json!(null)), (json!(200), json!(1))],
+        "a failed call and its retry are steps of one conversation"
+    );
+
+    let (written, lines) = export(Attempts::All);
+    let ends: Vec<_> = lines
+        .iter()
+        .map(|l| {
+            (
+                l["item_id"].as_str().unwrap(),
+                l["attempt"].as_u64().unwrap(),
+                l["attempt_status"].as_str().unwrap(),
+                l["attempt_error"].clone(),
+                l["final"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        ends,
+        vec![
+            ("a", 1, "failed", json!("HTTP 500"), false),
+            ("a", 2, "unfinished", json!(null), false),
+            ("a", 3, "answered", json!(null), true),
+            ("a", 3, "answered", json!(null), true),
+            ("e", 2, "answered", json!(null), true),
+        ],
+        "every attempt's conversations, each saying how its attempt ended"
+    );
+    assert_eq!((written.lines, written.items), (5, 2));
 }
 
 fn the_agents_figures_are_per_item_means_of_the_stored_calls(f: &Fixture) {

@@ -587,6 +587,19 @@ pub struct ExportArgs {
     /// Write here (atomically) instead of to standard output.
     #[arg(short, long, value_name = "FILE")]
     pub output: Option<PathBuf>,
+
+    /// With `--format trajectories`: the conversations of each item's
+    /// final attempt, or of every attempt (failed and unfinished ones
+    /// included, each line saying how its attempt ended).
+    #[arg(long, value_enum, value_name = "WHICH")]
+    pub attempts: Option<TrajectoryAttempts>,
+}
+
+/// Which attempts' conversations `export --format trajectories` writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TrajectoryAttempts {
+    Final,
+    All,
 }
 
 impl ExportArgs {

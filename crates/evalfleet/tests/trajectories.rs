@@ -161,9 +161,18 @@ async fn trajectories_and_the_report_show_each_items_agent_calls() {
     );
     assert_eq!(first["messages"][2]["tool_call_id"], "call_1");
     assert_eq!(first["tools"][0]["function"]["name"], "whois");
+    assert_eq!(
+        first["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| (s["message"].clone(), s["prompt_tokens"].clone()))
+            .collect::<Vec<_>>(),
+        vec![(json!(1), json!(40)), (json!(3), json!(40))]
+    );
     assert_eq!(lines[1]["item_id"], "item-00001");
     assert!(
-        ran.stderr.contains("1 left out"),
+        ran.stderr.contains("1 item(s) left out"),
         "the item without calls is said to be left out: {}",
         ran.stderr
     );

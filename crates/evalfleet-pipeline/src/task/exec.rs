@@ -27,6 +27,7 @@ use super::agent_server::{self, Reply as ServerReply, Servers};
 use super::chat::Chat;
 use super::{Attempted, Episode, Finish, ItemContext, Reply, Request, Step, Target, Task};
 use evalfleet_config::{AgentMode, AgentNetwork, ExecInput, ExecSettings};
+use evalfleet_gateway::Closed;
 use evalfleet_gateway::Gateway;
 
 /// Serves a gateway on a listener: the server's part, which this layer
@@ -410,6 +411,7 @@ impl Task for Exec {
             given_json: self.inner.given.of(item.row()),
             sample: item.sample,
             attempt: item.attempt,
+            keeper: item.keeper.cloned(),
         };
         (Box::new(ExecEpisode { scoring: shared }), run.step())
     }
@@ -479,6 +481,8 @@ struct Run {
     given_json: String,
     sample: u32,
     attempt: u32,
+    /// Where its calls are stored as they end.
+    keeper: Option<crate::outcome::CallKeeper>,
 }
 
 /// How a run of the agent went.
@@ -560,24 +564,15 @@ impl Run {
     /// Runs the agent once.
     async fn once(&self) -> Outcome {
         let settings = &self.inner.settings;
-        let (ran, calls) = self.execute().await;
+        let (ran, Closed { made, calls }) = self.execute().await;
         let (sent_at, elapsed) = match &ran {
             Ok((_, sent_at, started)) => (*sent_at, started.elapsed()),
             Err(_) => (std::time::SystemTime::now(), Duration::ZERO),
         };
         let ran = ran.map(|(execution, _, _)| execution);
-        let (prompt, completion) = calls.iter().fold((0u64, 0u64), |(p, c), call| {
-            (
-                p + call.telemetry.prompt_tokens.unwrap_or(0),
-                c + call.telemetry.completion_tokens.unwrap_or(0),
-            )
-        });
-        let last_endpoint = calls
-            .iter()
-            .rev()
-            .find(|c| !c.telemetry.endpoint.is_empty())
-            .map(|c| (c.telemetry.endpoint.clone(), c.telemetry.model.clone()))
-            .unwrap_or_default();
+        let (prompt, completion) = (made.prompt_tokens, made.completion_tokens);
+        let last_endpoint = made.last.unwrap_or_default();
+        let made_calls = made.calls as usize;
         let telemetry = Telemetry {
             endpoint: last_endpoint.0,
             model: last_endpoint.1,
@@ -590,11 +585,11 @@ impl Run {
             finish_reason: None,
         };
         let (answer, kept) = match ran {
-            Ok(Ran::Program(execution)) => judge(&execution, settings.timeout, calls.len()),
-            Ok(Ran::Server(reply)) => judge_reply(reply, settings.timeout, calls.len(), elapsed),
+            Ok(Ran::Program(execution)) => judge(&execution, settings.timeout, made_calls),
+            Ok(Ran::Server(reply)) => judge_reply(reply, settings.timeout, made_calls, elapsed),
             Err(err) => (
                 Err((format!("cannot run the agent: {err}"), ErrorClass::Fatal)),
-                serde_json::json!({"error": err.to_string(), "calls": calls.len()}),
+                serde_json::json!({"error": err.to_string(), "calls": made_calls}),
             ),
         };
         let (error_class, error) = match &answer {
@@ -624,7 +619,7 @@ impl Run {
         &self,
     ) -> (
         std::io::Result<(Ran, std::time::SystemTime, Instant)>,
-        Vec<AgentCall>,
+        Closed,
     ) {
         let inner = &*self.inner;
         // A program run per item waits for its slot; a server holds its own.
@@ -641,6 +636,7 @@ impl Run {
             self.attempt,
             inner.settings.budget,
             inner.settings.timeout + Duration::from_secs(60),
+            self.keeper.as_ref().map(crate::outcome::CallKeeper::keep),
         );
         let sent_at = std::time::SystemTime::now();
         let started = Instant::now();
@@ -651,8 +647,8 @@ impl Run {
                 "the agent has neither a slot nor a server",
             )),
         };
-        let calls = pass.close().await;
-        (ran.map(|ran| (ran, sent_at, started)), calls)
+        let closed = pass.close().await;
+        (ran.map(|ran| (ran, sent_at, started)), closed)
     }
 
     /// The item handed to a persistent agent with the address `token`, and

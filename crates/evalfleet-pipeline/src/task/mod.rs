@@ -51,6 +51,8 @@ pub struct ItemContext<'a> {
     pub seq: u64,
     /// The number of its next attempt, over every session of the run.
     pub attempt: u32,
+    /// Where its agent's calls are stored as they end (when it begins).
+    pub keeper: Option<&'a crate::outcome::CallKeeper>,
 }
 
 impl<'a> ItemContext<'a> {
@@ -70,6 +72,15 @@ impl<'a> ItemContext<'a> {
             line: None,
             seq: 0,
             attempt: 1,
+            keeper: None,
+        }
+    }
+
+    /// The same item, whose agent's calls go to `keeper` as they end.
+    pub fn keeping(self, keeper: &'a crate::outcome::CallKeeper) -> Self {
+        Self {
+            keeper: Some(keeper),
+            ..self
         }
     }
 

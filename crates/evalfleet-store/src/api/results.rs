@@ -171,6 +171,15 @@ impl CallSample {
     }
 }
 
+/// How one of an item's attempts ended, as its record has it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttemptEnd {
+    pub seq: u64,
+    pub attempt: u32,
+    /// Why it failed; `None` when it succeeded.
+    pub error: Option<String>,
+}
+
 /// Results and attempts, read back; and new assessments of stored answers.
 pub trait Results {
     /// Calls `each` for every attempt of the run.
@@ -235,6 +244,16 @@ pub trait Results {
         run_id: &str,
         seqs: std::ops::RangeInclusive<u64>,
         each: &mut dyn FnMut(AgentCall),
+    ) -> Result<(), StoreError>;
+
+    /// How the attempts of the items whose `seq` is in `seqs` ended, in
+    /// (`seq`, `attempt`) order (an attempt still running, or cut short by
+    /// a stop or a crash, has no record: it is not there).
+    fn attempt_ends_of(
+        &mut self,
+        run_id: &str,
+        seqs: std::ops::RangeInclusive<u64>,
+        each: &mut dyn FnMut(AttemptEnd),
     ) -> Result<(), StoreError>;
 
     /// Replaces results' assessments and the run's stored config, in one

@@ -324,6 +324,33 @@ impl Results for PgStore {
         Ok(scanned?)
     }
 
+    fn attempt_ends_of(
+        &mut self,
+        run_id: &str,
+        seqs: std::ops::RangeInclusive<u64>,
+        each: &mut dyn FnMut(crate::AttemptEnd),
+    ) -> Result<(), StoreError> {
+        let context = "cannot read attempts";
+        let rid = self.with(context, |conn| conn.rid(run_id))?;
+        let (from, to) = (stored_seq(*seqs.start()), stored_seq(*seqs.end()));
+        let rows = self.with(context, |conn| {
+            Ok(conn.client.query(
+                "SELECT seq, attempt, error FROM attempts
+                 WHERE rid = $1 AND seq BETWEEN $2 AND $3 ORDER BY seq, attempt",
+                &[&rid, &from, &to],
+            )?)
+        })?;
+        let err = db_err(context);
+        for row in rows {
+            each(crate::AttemptEnd {
+                seq: u64::try_from(row.try_get::<_, i64>(0).map_err(&err)?).unwrap_or(0),
+                attempt: u32::try_from(row.try_get::<_, i32>(1).map_err(&err)?).unwrap_or(0),
+                error: row.try_get(2).map_err(&err)?,
+            });
+        }
+        Ok(())
+    }
+
     fn scan_calls_of(
         &mut self,
         run_id: &str,

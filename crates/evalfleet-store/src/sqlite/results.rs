@@ -216,6 +216,35 @@ impl Results for SqliteStore {
         Ok(())
     }
 
+    fn attempt_ends_of(
+        &mut self,
+        run_id: &str,
+        seqs: std::ops::RangeInclusive<u64>,
+        each: &mut dyn FnMut(crate::AttemptEnd),
+    ) -> Result<(), StoreError> {
+        let rid = self.rid(run_id)?;
+        let err = db_err("cannot read attempts");
+        let clamp = |seq: u64| i64::try_from(seq).unwrap_or(i64::MAX);
+        let mut stmt = self
+            .conn
+            .prepare_cached(
+                "SELECT seq, attempt, error FROM attempts
+                 WHERE rid = ?1 AND seq BETWEEN ?2 AND ?3 ORDER BY seq, attempt",
+            )
+            .map_err(&err)?;
+        let mut rows = stmt
+            .query(params![rid, clamp(*seqs.start()), clamp(*seqs.end())])
+            .map_err(&err)?;
+        while let Some(row) = rows.next().map_err(&err)? {
+            each(crate::AttemptEnd {
+                seq: row.get::<_, i64>(0).map_err(&err)? as u64,
+                attempt: row.get(1).map_err(&err)?,
+                error: row.get(2).map_err(&err)?,
+            });
+        }
+        Ok(())
+    }
+
     fn scan_calls_of(
         &mut self,
         run_id: &str,

@@ -15,7 +15,7 @@ use evalfleet_types::{ErrorClass, FleetAction, FleetChange, StateCounts};
 use serde_json::{Value, json};
 
 use super::{open_existing, open_to_read, timestamp};
-use crate::cli::{ExportArgs, ExportFormat, FleetArgs, StatusArgs, StoreArgs};
+use crate::cli::{ExportArgs, ExportFormat, FleetArgs, StatusArgs, StoreArgs, TrajectoryAttempts};
 use crate::{EXIT_OK, UsageError};
 
 /// What a stored status means now: a `running` run whose process is gone
@@ -395,6 +395,18 @@ const COLUMNS: [&str; 19] = [
 
 pub fn export(mut args: ExportArgs) -> anyhow::Result<u8> {
     let format = args.format()?;
+    let attempts = match (args.attempts, format) {
+        (None | Some(TrajectoryAttempts::Final), _) => report::trajectories::Attempts::Final,
+        (Some(TrajectoryAttempts::All), ExportFormat::Trajectories) => {
+            report::trajectories::Attempts::All
+        }
+        (Some(TrajectoryAttempts::All), _) => {
+            return Err(crate::UsageError(
+                "export: --attempts is for --format trajectories (the other formats give each item's result)".to_owned(),
+            )
+            .into());
+        }
+    };
     let (_, mut store) = open_to_read(args.store.store.clone())?;
     args.run_id = evalfleet_store::resolve_run_id(&mut *store, &args.run_id)?;
     match &args.output {
@@ -404,7 +416,7 @@ pub fn export(mut args: ExportArgs) -> anyhow::Result<u8> {
                 .with_context(|| format!("cannot create {}", tmp.display()))
                 .and_then(|f| {
                     let mut writer = BufWriter::new(f);
-                    write_export(&mut *store, &args.run_id, format, &mut writer)?;
+                    write_export(&mut *store, &args.run_id, format, attempts, &mut writer)?;
                     writer.flush()?;
                     writer.get_ref().sync_all()?;
                     Ok(())
@@ -420,7 +432,7 @@ pub fn export(mut args: ExportArgs) -> anyhow::Result<u8> {
         }
         None => {
             let mut writer = BufWriter::new(io::stdout());
-            write_export(&mut *store, &args.run_id, format, &mut writer)?;
+            write_export(&mut *store, &args.run_id, format, attempts, &mut writer)?;
             writer.flush()?;
         }
     }
@@ -437,6 +449,7 @@ fn write_export(
     store: &mut dyn Store,
     run_id: &str,
     format: ExportFormat,
+    attempts: report::trajectories::Attempts,
     out: &mut (dyn Write + Send),
 ) -> anyhow::Result<()> {
     match format {
@@ -448,15 +461,21 @@ fn write_export(
             })?;
         }
         ExportFormat::Trajectories => {
-            let written = report::trajectories::export_trajectories(store, run_id, &mut |line| {
-                serde_json::to_writer(&mut *out, line).map_err(io::Error::other)?;
-                out.write_all(b"\n")
-            })?;
-            let left_out = written.no_chat + written.unreadable;
-            if left_out > 0 {
+            let written =
+                report::trajectories::export_trajectories(store, run_id, attempts, &mut |line| {
+                    serde_json::to_writer(&mut *out, line).map_err(io::Error::other)?;
+                    out.write_all(b"\n")
+                })?;
+            if written.no_chat > 0 {
                 eprintln!(
-                    "note: {} item(s) written; {left_out} left out: {} made no answered chat completion in their last attempt, {} had their last request cut when stored",
-                    written.items, written.no_chat, written.unreadable
+                    "note: {} conversation(s) of {} item(s) written; {} item(s) left out: their last attempt made no chat completion",
+                    written.lines, written.items, written.no_chat
+                );
+            }
+            if written.unreadable > 0 {
+                eprintln!(
+                    "note: {} chat completion(s) left out of their conversations: their request cannot be read (cut when stored by an older evalfleet, or not JSON)",
+                    written.unreadable
                 );
             }
         }
