@@ -725,6 +725,36 @@ async fn an_endpoint_refusing_agents_calls_shows_its_errors_and_the_calls_latenc
     );
 }
 
+/// The stored calls (item, attempt, place) of the first run in `store`
+/// whose attempt has no record: still running, or cut short by a kill.
+fn calls_of_open_attempts(store: &Path) -> std::collections::BTreeSet<(u64, u32, u32)> {
+    let mut open = std::collections::BTreeSet::new();
+    let Ok(mut s) = evalfleet_store::SqliteStore::open_existing(store) else {
+        return open;
+    };
+    let Some(run_id) = s
+        .runs()
+        .ok()
+        .and_then(|r| r.first().map(|r| r.run_id.clone()))
+    else {
+        return open;
+    };
+    // The calls first: an attempt that ends after they were read has its
+    // record read after them.
+    let mut calls = Vec::new();
+    let _ = s.scan_calls(&run_id, &mut |c| calls.push((c.seq, c.attempt, c.index)));
+    let mut ended = std::collections::HashSet::new();
+    let _ = s.attempt_ends_of(&run_id, 0..=u64::MAX, &mut |e| {
+        ended.insert((e.seq, e.attempt));
+    });
+    open.extend(
+        calls
+            .into_iter()
+            .filter(|(seq, attempt, _)| !ended.contains(&(*seq, *attempt))),
+    );
+    open
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_run_leaves_no_agent_and_its_resume_finishes_every_item_once() {
     if !sandboxed() {
@@ -763,8 +793,16 @@ async fn a_killed_run_leaves_no_agent_and_its_resume_finishes_every_item_once() 
         !processes_with(&marker).is_empty()
     })
     .await;
+    // An agent's calls are stored as each ends, not with its attempt's end:
+    // those of agents still running are in the store (each agent sleeps
+    // after its calls).
+    wait_until(ms(30_000), "calls of running agents are stored", || {
+        !calls_of_open_attempts(&store).is_empty()
+    })
+    .await;
     signal(&child, "KILL").await;
     let _ = child.wait().await;
+    let cut_short = calls_of_open_attempts(&store);
     wait_until(ms(10_000), "no agent is left", || {
         processes_with(&marker).is_empty()
     })
@@ -796,6 +834,48 @@ async fn a_killed_run_leaves_no_agent_and_its_resume_finishes_every_item_once() 
     // Every item was asked at least twice (once per call of its agent).
     assert!(server.stats().requests >= 120);
     assert!(processes_with(&marker).is_empty());
+
+    // The calls of the attempts the kill cut short are kept (the resume's
+    // attempts took new numbers), and the trajectories of every attempt
+    // say those attempts are unfinished.
+    let mut kept = std::collections::BTreeSet::new();
+    env.store()
+        .scan_calls(&run_id, &mut |c| {
+            kept.insert((c.seq, c.attempt, c.index));
+        })
+        .unwrap();
+    assert!(
+        cut_short.is_subset(&kept),
+        "{cut_short:?} kept after the resume"
+    );
+    let ran = env
+        .evalfleet(&[
+            "export",
+            &run_id,
+            "--format",
+            "trajectories",
+            "--attempts",
+            "all",
+        ])
+        .await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let mut unfinished = std::collections::BTreeSet::new();
+    for line in ran.stdout.lines() {
+        let line: Value = serde_json::from_str(line).unwrap();
+        if line["attempt_status"] == "unfinished" {
+            let id = line["item_id"].as_str().unwrap();
+            let seq = calls_of(&env.store_path(), &run_id, id)[0].seq;
+            unfinished.insert((seq, line["attempt"].as_u64().unwrap() as u32));
+        } else {
+            assert_eq!(line["attempt_status"], "answered", "{line}");
+        }
+    }
+    let cut_attempts: std::collections::BTreeSet<(u64, u32)> = cut_short
+        .iter()
+        .map(|(seq, attempt, _)| (*seq, *attempt))
+        .collect();
+    assert!(!cut_attempts.is_empty());
+    assert_eq!(unfinished, cut_attempts);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
