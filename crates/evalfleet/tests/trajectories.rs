@@ -195,3 +195,170 @@ async fn trajectories_and_the_report_show_each_items_agent_calls() {
         ran.stdout
     );
 }
+
+/// An agent (urllib of /usr/bin/python3) that holds two conversations: a
+/// planner's one call, then a solver's two, whose history of `TURNS` tool
+/// calls and results (unicode and quotes in them) runs past half a
+/// megabyte.
+const TWO_CONVERSATIONS: &str = r#"
+import json, os, sys, urllib.request
+item = json.load(sys.stdin)
+base = os.environ["OPENAI_BASE_URL"]
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string"}}}}}]
+def ask(messages, tools=None):
+    body = {"model": "any-name", "messages": messages}
+    if tools:
+        body["tools"] = tools
+    req = urllib.request.Request(base + "/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.load(r)["choices"][0]["message"]
+ask([{"role": "system", "content": "Plan."}, {"role": "user", "content": item["question"]}])
+history = [{"role": "user", "content": "Solve «" + item["question"] + "»"}]
+for i in range(int(os.environ["TURNS"])):
+    cid = "call_%d" % i
+    history.append({"role": "assistant", "content": None, "tool_calls": [
+        {"id": cid, "type": "function", "function": {"name": "lookup", "arguments": json.dumps({"q": "d%d" % i})}}]})
+    history.append({"role": "tool", "tool_call_id": cid, "content": "result %d: «é» \"quoted\" %s" % (i, "x" * 200)})
+first = ask(history, TOOLS)
+history.append({"role": "assistant", "content": first.get("content")})
+history.append({"role": "user", "content": "And then?"})
+print(ask(history, TOOLS).get("content") or "")
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agents_conversations_are_exported_whole_and_load_as_a_trl_dataset() {
+    if !crate::agents::sandboxed() {
+        return;
+    }
+    const TURNS: usize = 1_500;
+    let env = Env::new();
+    let server = crate::util::mock(evalfleet_mock::MockSettings::default()).await;
+    env.write("agent.py", TWO_CONVERSATIONS);
+    let dataset = env.dataset("items.jsonl", 3);
+    let config_path = env.write(
+        "run.yaml",
+        &format!(
+            "name: agents\n\
+             dataset: {{ path: {}, id_field: id }}\n\
+             endpoints:\n{}\n\
+             task:\n  kind: exec\n  command: /usr/bin/python3 agent.py\n  env: {{ TURNS: \"{TURNS}\" }}\n",
+            dataset.display(),
+            crate::util::external_with("m", &server, 8, ""),
+        ),
+    );
+    let ran = env
+        .evalfleet(&["run", config_path.to_str().unwrap(), "-y"])
+        .await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let run_id = ran.stdout.lines().next().unwrap().trim().to_owned();
+
+    let out = env.path("trajectories.jsonl");
+    let ran = env
+        .evalfleet(&[
+            "export",
+            &run_id,
+            "--format",
+            "trajectories",
+            "-o",
+            out.to_str().unwrap(),
+        ])
+        .await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let text = std::fs::read_to_string(&out).unwrap();
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 6, "two conversations an item");
+    let long = |i: usize| format!("result {i}: «é» \"quoted\" {}", "x".repeat(200));
+    for pair in lines.chunks(2) {
+        let (planner, solver) = (&pair[0], &pair[1]);
+        assert_eq!(planner["item_id"], solver["item_id"]);
+        assert_eq!(
+            (&planner["conversation"], &solver["conversation"]),
+            (&json!(0), &json!(1))
+        );
+        assert_eq!(
+            (&planner["calls"], &solver["calls"]),
+            (&json!(3), &json!(3))
+        );
+        let roles: Vec<&str> = planner["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["role"].as_str().unwrap())
+            .collect();
+        assert_eq!(roles, ["system", "user", "assistant"]);
+        // The solver's history whole, byte for byte, its two steps where
+        // their answers are.
+        let messages = solver["messages"].as_array().unwrap();
+        assert_eq!(messages.len(), 1 + 2 * TURNS + 3);
+        assert_eq!(messages[2 * TURNS]["content"], long(TURNS - 1));
+        assert_eq!(
+            messages[2 * TURNS - 1]["tool_calls"][0]["function"]["arguments"],
+            format!("{{\"q\": \"d{}\"}}", TURNS - 1)
+        );
+        assert_eq!(messages[2 * TURNS + 2]["content"], "And then?");
+        let at: Vec<&Value> = solver["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| &s["message"])
+            .collect();
+        assert_eq!(at, [&json!(1 + 2 * TURNS), &json!(3 + 2 * TURNS)]);
+        for step in solver["steps"].as_array().unwrap() {
+            assert_eq!(step["endpoint"], "m");
+            assert!(step["prompt_tokens"].as_u64().unwrap() > 0, "{step}");
+            assert!(step["latency_ms"].as_f64().unwrap() > 0.0, "{step}");
+        }
+        assert_eq!(solver["tools"][0]["function"]["name"], "lookup");
+    }
+    // Stored whole: past the 256 KiB that were once kept.
+    let calls = {
+        let mut store = env.store();
+        store.item(&run_id, "item-00000").unwrap().unwrap().calls
+    };
+    assert!(calls[2].request.len() > 455_000 && !calls[2].request_cut);
+
+    // Loaded as SFT users load it: a `datasets` table in TRL's
+    // conversational format, rendered by a chat template.
+    let Some(python) = crate::util::python_with(
+        "EVALFLEET_PYARROW_PYTHON",
+        "datasets, transformers, trl.data_utils",
+        "datasets, transformers and trl",
+    ) else {
+        return;
+    };
+    let loader = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../examples/agent/load_trajectories.py");
+    let loaded = tokio::process::Command::new(&python)
+        .arg(&loader)
+        .arg(&out)
+        .env("HF_DATASETS_CACHE", env.path("hf-cache"))
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        loaded.status.success(),
+        "{}",
+        String::from_utf8_lossy(&loaded.stderr)
+    );
+    let loaded: Value = serde_json::from_slice(&loaded.stdout).unwrap();
+    assert_eq!(loaded["rows"], 6);
+    for key in ["messages", "tools", "steps", "scores", "attempt_status"] {
+        assert!(
+            loaded["columns"].as_array().unwrap().contains(&json!(key)),
+            "{key}: {}",
+            loaded["columns"]
+        );
+    }
+    let solver_text = loaded["texts"][1].as_str().unwrap();
+    assert!(solver_text.contains(&long(TURNS - 1)));
+    assert!(solver_text.contains(&format!(
+        "<call lookup>{{\"q\": \"d{}\"}}</call>",
+        TURNS - 1
+    )));
+}
