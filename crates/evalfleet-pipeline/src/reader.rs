@@ -178,10 +178,13 @@ impl Reader {
             .rows
             .read_with_json(pending.offset, pending.line, row_id)?;
         let parsed = std::cell::OnceCell::from(row);
-        let keeper = crate::outcome::CallKeeper {
-            claim,
-            writer: self.shared.writer.clone(),
-        };
+        let keeper = crate::task::CallSink(
+            crate::outcome::CallKeeper {
+                claim,
+                writer: self.shared.writer.clone(),
+            }
+            .keep(),
+        );
         let (episode, step) = self.shared.task.begin(
             &ItemContext::new(&pending.item_id, &parsed, &row_json, sample)
                 .at_line(pending.line)

@@ -848,17 +848,7 @@ async fn a_killed_run_leaves_no_agent_and_its_resume_finishes_every_item_once() 
         cut_short.is_subset(&kept),
         "{cut_short:?} kept after the resume"
     );
-    let ran = env
-        .evalfleet(&[
-            "export",
-            &run_id,
-            "--format",
-            "trajectories",
-            "--attempts",
-            "all",
-        ])
-        .await;
-    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let ran = crate::trajectories::export_trajectories(&env, &run_id, &["--attempts", "all"]).await;
     let mut unfinished = std::collections::BTreeSet::new();
     for line in ran.stdout.lines() {
         let line: Value = serde_json::from_str(line).unwrap();

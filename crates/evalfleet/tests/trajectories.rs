@@ -45,6 +45,16 @@ fn chat(seq: u64, index: u32, messages: Value, answer: Value) -> AgentCall {
     }
 }
 
+/// `evalfleet export RUN_ID --format trajectories` with `extra`, which
+/// succeeds.
+pub async fn export_trajectories(env: &Env, run_id: &str, extra: &[&str]) -> crate::util::Ran {
+    let mut args = vec!["export", run_id, "--format", "trajectories"];
+    args.extend(extra);
+    let ran = env.evalfleet(&args).await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    ran
+}
+
 #[tokio::test]
 async fn trajectories_and_the_report_show_each_items_agent_calls() {
     let env = Env::new();
@@ -132,9 +142,16 @@ async fn trajectories_and_the_report_show_each_items_agent_calls() {
     drop(store);
 
     let ran = env
-        .evalfleet(&["export", "agents", "--format", "trajectories"])
+        .evalfleet(&["export", "agents", "--format", "jsonl", "--attempts", "all"])
         .await;
-    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert_ne!(ran.code, Some(0));
+    assert!(
+        ran.stderr
+            .contains("--attempts is for --format trajectories"),
+        "{}",
+        ran.stderr
+    );
+    let ran = export_trajectories(&env, "agents", &[]).await;
     let lines: Vec<Value> = ran
         .stdout
         .lines()
@@ -255,17 +272,7 @@ async fn an_agents_conversations_are_exported_whole_and_load_as_a_trl_dataset() 
     let run_id = ran.stdout.lines().next().unwrap().trim().to_owned();
 
     let out = env.path("trajectories.jsonl");
-    let ran = env
-        .evalfleet(&[
-            "export",
-            &run_id,
-            "--format",
-            "trajectories",
-            "-o",
-            out.to_str().unwrap(),
-        ])
-        .await;
-    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    export_trajectories(&env, &run_id, &["-o", out.to_str().unwrap()]).await;
     let text = std::fs::read_to_string(&out).unwrap();
     let lines: Vec<Value> = text
         .lines()

@@ -482,7 +482,7 @@ struct Run {
     sample: u32,
     attempt: u32,
     /// Where its calls are stored as they end.
-    keeper: Option<crate::outcome::CallKeeper>,
+    keeper: Option<super::CallSink>,
 }
 
 /// How a run of the agent went.
@@ -636,7 +636,7 @@ impl Run {
             self.attempt,
             inner.settings.budget,
             inner.settings.timeout + Duration::from_secs(60),
-            self.keeper.as_ref().map(crate::outcome::CallKeeper::keep),
+            self.keeper.as_ref().map(|sink| sink.0.clone()),
         );
         let sent_at = std::time::SystemTime::now();
         let started = Instant::now();

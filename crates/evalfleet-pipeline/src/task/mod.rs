@@ -52,7 +52,18 @@ pub struct ItemContext<'a> {
     /// The number of its next attempt, over every session of the run.
     pub attempt: u32,
     /// Where its agent's calls are stored as they end (when it begins).
-    pub keeper: Option<&'a crate::outcome::CallKeeper>,
+    pub keeper: Option<&'a CallSink>,
+}
+
+/// Where an item's agent calls go as each ends (`kind: exec`): the
+/// gateway's sink, made by the pipeline for the item's claim.
+#[derive(Clone)]
+pub struct CallSink(pub evalfleet_gateway::Keep);
+
+impl std::fmt::Debug for CallSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CallSink")
+    }
 }
 
 impl<'a> ItemContext<'a> {
@@ -77,7 +88,7 @@ impl<'a> ItemContext<'a> {
     }
 
     /// The same item, whose agent's calls go to `keeper` as they end.
-    pub fn keeping(self, keeper: &'a crate::outcome::CallKeeper) -> Self {
+    pub fn keeping(self, keeper: &'a CallSink) -> Self {
         Self {
             keeper: Some(keeper),
             ..self
