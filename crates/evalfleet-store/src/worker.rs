@@ -20,6 +20,7 @@ pub fn this_process(lease: Duration) -> WorkerInfo {
         session: 0,
         host,
         pid,
+        pid_scope: pid_scope(),
         process_start: process_start(pid).unwrap_or(0),
         started_at_ms: now_ms(),
         heartbeat_at_ms: now_ms(),
@@ -29,7 +30,14 @@ pub fn this_process(lease: Duration) -> WorkerInfo {
 
 /// Whether `worker` still lives (see the module's doc).
 pub fn is_alive(worker: &WorkerInfo) -> bool {
-    if worker.host == hostname() {
+    // Its pid names a process here only in the same scope (a worker
+    // registered before scopes were kept: on the same host).
+    let pid_here = if worker.pid_scope.is_empty() {
+        worker.host == hostname()
+    } else {
+        worker.pid_scope == pid_scope()
+    };
+    if pid_here {
         return process_start(worker.pid).is_some_and(|start| start == worker.process_start);
     }
     worker.heartbeat_at_ms.saturating_add(worker.lease_ms) > now_ms()
@@ -75,6 +83,27 @@ fn hostname() -> String {
     .clone()
 }
 
+/// Where this process's pid means it: the kernel's boot id and its pid
+/// namespace (read once; empty when neither can be read).
+fn pid_scope() -> String {
+    static SCOPE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SCOPE
+        .get_or_init(|| {
+            let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+                .map(|b| b.trim().to_owned())
+                .unwrap_or_default();
+            let namespace = std::fs::read_link("/proc/self/ns/pid")
+                .map(|ns| ns.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            if boot.is_empty() && namespace.is_empty() {
+                String::new()
+            } else {
+                format!("{boot}/{namespace}")
+            }
+        })
+        .clone()
+}
+
 /// When process `pid` started, in clock ticks since boot (`/proc/PID/stat`,
 /// field 22); `None` when there is no such process, or it has ended and
 /// only waits to be reaped (a zombie).
@@ -107,12 +136,25 @@ mod tests {
             ..me.clone()
         };
         assert!(!is_alive(&gone));
+        // Another container of the same hostname: its pid means nothing
+        // here (pid 1 is someone else), its heartbeat says.
         let elsewhere = WorkerInfo {
-            host: "another-host".to_owned(),
-            heartbeat_at_ms: now_ms() - 60_000,
-            ..me
+            pid: 1,
+            pid_scope: "another-boot/pid:[1]".to_owned(),
+            ..me.clone()
         };
-        assert!(!is_alive(&elsewhere), "its lease ran out");
+        assert!(is_alive(&elsewhere), "its lease runs");
+        let lapsed = WorkerInfo {
+            heartbeat_at_ms: now_ms() - 60_000,
+            ..elsewhere
+        };
+        assert!(!is_alive(&lapsed), "its lease ran out");
+        // Registered before scopes were kept: by host, as before.
+        let unscoped = WorkerInfo {
+            pid_scope: String::new(),
+            ..reused
+        };
+        assert!(!is_alive(&unscoped));
     }
 
     #[test]

@@ -200,3 +200,46 @@ async fn a_killed_workers_items_go_to_the_other_before_its_lease_runs_out() {
         RunStatus::Finished
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_in_another_pid_namespace_under_the_same_hostname_keeps_its_items() {
+    // Two containers of one image: the same hostname, their own pids (each
+    // worker may well be pid 1 in its own). One worker cannot tell by pid
+    // whether the other lives, and must not free its items.
+    if !evalfleet_testkit::is_root() {
+        evalfleet_testkit::skip!("a pid namespace of its own needs root");
+        return;
+    }
+    let env = Env::new();
+    let server = shared_run(&env, "10m").await;
+    let mut first = tokio::process::Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc", crate::util::BIN])
+        .args(["run", "run.yaml", "-q", "--run-id", "shared"])
+        .current_dir(env.dir.path())
+        .env_remove("EVALFLEET_STORE")
+        .env_remove("EVALFLEET_LOG")
+        .stdout(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    wait_until(ms(30_000), "the first worker has answered 50 items", || {
+        done(&env, "shared") >= 50
+    })
+    .await;
+    let workers = env.store().workers("shared").unwrap();
+    assert_eq!(
+        workers[0].pid, 1,
+        "it is pid 1 in its namespace: {workers:?}"
+    );
+    let second = env.evalfleet(&["resume", "shared", "-q"]).await;
+    assert_eq!(second.code, Some(0), "{}", second.stderr);
+    let first = first.wait().await.unwrap();
+    assert_eq!(first.code(), Some(0));
+    let rows = by_id(&env.export("shared").await);
+    assert_eq!(rows.len(), ITEMS, "every item exactly once");
+    assert_eq!(
+        server.stats().completed,
+        ITEMS as u64,
+        "no item was answered twice"
+    );
+}

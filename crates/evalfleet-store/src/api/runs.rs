@@ -100,6 +100,11 @@ pub struct WorkerInfo {
     pub session: u32,
     pub host: String,
     pub pid: u32,
+    /// Where its pid means it: the kernel it runs on and its pid
+    /// namespace (`BOOT_ID/pid:[INODE]`). Only a worker of the same scope
+    /// can tell by pid whether it lives; containers that share a hostname
+    /// do not share it. Empty for workers registered before it was kept.
+    pub pid_scope: String,
     /// When the process started, in the kernel's clock ticks since boot: with
     /// the pid, it tells the process from a later one that got its pid.
     pub process_start: u64,

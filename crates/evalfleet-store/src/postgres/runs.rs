@@ -426,10 +426,10 @@ impl Runs for PgStore {
             }
             tx.execute(
                 "INSERT INTO workers (rid, worker, session, host, pid, process_start, started_at,
-                                      heartbeat_at, lease_ms)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, now(), $8)
+                                      heartbeat_at, lease_ms, pid_scope)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, now(), $8, $9)
                  ON CONFLICT (rid, worker) DO UPDATE SET session = EXCLUDED.session,
-                     host = EXCLUDED.host, pid = EXCLUDED.pid,
+                     host = EXCLUDED.host, pid = EXCLUDED.pid, pid_scope = EXCLUDED.pid_scope,
                      process_start = EXCLUDED.process_start, started_at = EXCLUDED.started_at,
                      heartbeat_at = EXCLUDED.heartbeat_at, lease_ms = EXCLUDED.lease_ms",
                 &[
@@ -441,6 +441,7 @@ impl Runs for PgStore {
                     &(me.process_start as i64),
                     &now,
                     &me.lease_ms,
+                    &me.pid_scope,
                 ],
             )?;
             let counts = counts_in(&mut tx, rid, run_id)?;
@@ -515,7 +516,8 @@ impl Runs for PgStore {
             // still judges by it whether a worker lives.
             let rows = conn.client.query(
                 "SELECT worker, session, host, pid, process_start, started_at,
-                        (EXTRACT(EPOCH FROM (now() - heartbeat_at)) * 1000)::bigint, lease_ms
+                        (EXTRACT(EPOCH FROM (now() - heartbeat_at)) * 1000)::bigint, lease_ms,
+                        pid_scope
                  FROM workers WHERE rid = $1 ORDER BY session, worker",
                 &[&rid],
             )?;
@@ -531,6 +533,7 @@ impl Runs for PgStore {
                         started_at_ms: row.try_get(5)?,
                         heartbeat_at_ms: now - row.try_get::<_, i64>(6)?,
                         lease_ms: row.try_get(7)?,
+                        pid_scope: row.try_get(8)?,
                     })
                 })
                 .collect()

@@ -302,8 +302,12 @@ const FAILOVERS: &str = "ALTER TABLE agent_calls ADD COLUMN IF NOT EXISTS failov
 const WHOLE_BODIES: &str = "ALTER TABLE agent_calls ADD COLUMN IF NOT EXISTS request_z bytea, \
                             ADD COLUMN IF NOT EXISTS response_z bytea;";
 
+/// 5: where a worker's pid means it (see `WorkerInfo::pid_scope`).
+const PID_SCOPE: &str =
+    "ALTER TABLE workers ADD COLUMN IF NOT EXISTS pid_scope text NOT NULL DEFAULT '';";
+
 /// The migrations, in order; the store's version is how many were applied.
-pub const MIGRATIONS: &[&str] = &[FIRST, QUOTAS, FAILOVERS, WHOLE_BODIES];
+pub const MIGRATIONS: &[&str] = &[FIRST, QUOTAS, FAILOVERS, WHOLE_BODIES, PID_SCOPE];
 
 /// The schema version a store has once every migration ran.
 pub const VERSION: i32 = MIGRATIONS.len() as i32;

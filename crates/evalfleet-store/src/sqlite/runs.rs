@@ -222,8 +222,8 @@ impl Runs for SqliteStore {
         worker.heartbeat_at_ms = now;
         tx.execute(
             "INSERT OR REPLACE INTO workers (rid, worker, session, host, pid, process_start, started_at,
-                 heartbeat_at, lease_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, ?8)",
+                 heartbeat_at, lease_ms, pid_scope)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, ?8, ?9)",
             params![
                 rid,
                 worker.worker,
@@ -232,7 +232,8 @@ impl Runs for SqliteStore {
                 worker.pid,
                 worker.process_start as i64,
                 now,
-                worker.lease_ms
+                worker.lease_ms,
+                worker.pid_scope
             ],
         )
         .map_err(db_err("cannot register the worker"))?;
@@ -310,7 +311,8 @@ impl Runs for SqliteStore {
         let mut stmt = self
             .conn
             .prepare_cached(
-                "SELECT worker, session, host, pid, process_start, started_at, heartbeat_at, lease_ms
+                "SELECT worker, session, host, pid, process_start, started_at, heartbeat_at, lease_ms,
+                        pid_scope
                  FROM workers WHERE rid = ?1 ORDER BY session",
             )
             .map_err(&err)?;
@@ -324,6 +326,7 @@ impl Runs for SqliteStore {
                 started_at_ms: row.get(5)?,
                 heartbeat_at_ms: row.get(6)?,
                 lease_ms: row.get(7)?,
+                pid_scope: row.get(8)?,
             })
         })
         .map_err(&err)?

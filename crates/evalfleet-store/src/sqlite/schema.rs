@@ -299,6 +299,9 @@ CREATE TABLE worker_tallies (
 /// gateway made it on the one that answered (JSON; NULL for none).
 const FAILOVERS: &str = "ALTER TABLE agent_calls ADD COLUMN failovers TEXT;";
 
+/// 16: where a worker's pid means it (see `WorkerInfo::pid_scope`).
+const PID_SCOPE: &str = "ALTER TABLE workers ADD COLUMN pid_scope TEXT NOT NULL DEFAULT '';";
+
 /// 15: an agent call's request and response kept whole: a long one
 /// compressed (zstd) in these columns, its text column then empty
 /// (`request`) or NULL (`response`).
@@ -308,7 +311,7 @@ ALTER TABLE agent_calls ADD COLUMN response_z BLOB;
 ";
 
 /// The schema version a store has once every migration ran.
-pub const VERSION: usize = 15;
+pub const VERSION: usize = 16;
 
 pub fn migrations() -> Migrations<'static> {
     Migrations::new(vec![
@@ -327,6 +330,7 @@ pub fn migrations() -> Migrations<'static> {
         M::up(NOT_BEFORE),
         M::up(FAILOVERS),
         M::up(WHOLE_BODIES),
+        M::up(PID_SCOPE),
     ])
 }
 
