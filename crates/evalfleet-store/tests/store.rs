@@ -169,6 +169,7 @@ both!(
     a_sample_keeps_the_items_with_the_smallest_keys,
     a_claim_is_exclusive_while_its_lease_lasts_and_a_commit_under_a_lost_lease_is_refused,
     a_commit_whose_lease_ran_out_is_refused_once_another_worker_took_its_items,
+    the_items_of_a_lapsed_claim_are_taken_next_not_after_the_claimers_own,
     an_item_claimed_again_numbers_its_next_attempt_above_every_stored_one,
     items_come_a_page_at_a_time_filtered_and_sorted_in_the_store,
     one_item_comes_whole_with_its_attempts,
@@ -722,6 +723,38 @@ fn a_claim_is_exclusive_while_its_lease_lasts_and_a_commit_under_a_lost_lease_is
 /// lease), while PostgreSQL fences a commit by its claim (`items.claim_id`
 /// and state `running`), so a late commit whose items nobody reaped,
 /// claimed or released yet is stored: no other worker answers them.
+fn the_items_of_a_lapsed_claim_are_taken_next_not_after_the_claimers_own(f: &Fixture) {
+    let ids: Vec<String> = (0..30).map(|i| format!("i{i:02}")).collect();
+    let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+    let mut first = f.open();
+    let mut second = f.open();
+    first
+        .create_run(&new_run("r"), &mut items(&ids, None))
+        .unwrap();
+    first.begin_session("r", &mut worker("one"), false).unwrap();
+    second
+        .begin_session("r", &mut worker("two"), false)
+        .unwrap();
+    let seqs = |claimed: Claimed| match claimed {
+        Claimed::Items(claim) => claim.items.iter().map(|i| i.seq).collect::<Vec<_>>(),
+        other => panic!("items are pending: {other:?}"),
+    };
+    let mine = seqs(first.claim("r", "one", None, 10, LEASE).unwrap());
+    let theirs = seqs(second.claim("r", "two", None, 10, LEASE).unwrap());
+    assert_eq!((mine[0], theirs[0]), (1, 11));
+    // The first worker dies: its lease runs out. The second, whose cursor
+    // is past its items, takes them next, not after the rest of the run.
+    assert_eq!(first.renew("r", "one", Duration::ZERO).unwrap().claims, 1);
+    std::thread::sleep(Duration::from_millis(5));
+    let next = seqs(second.claim("r", "two", Some(20), 5, LEASE).unwrap());
+    assert_eq!(next, vec![1, 2, 3, 4, 5]);
+    // Then on from there: the rest of the lapsed claim, then (PostgreSQL
+    // claims items, SQLite a range without others' items in it) the run's.
+    let then = seqs(second.claim("r", "two", Some(5), 10, LEASE).unwrap());
+    assert_eq!(then[..5], [6, 7, 8, 9, 10], "{then:?}");
+    assert!(then[5..].iter().all(|seq| *seq > 20), "{then:?}");
+}
+
 fn a_commit_whose_lease_ran_out_is_refused_once_another_worker_took_its_items(f: &Fixture) {
     let mut first = f.open();
     let mut second = f.open();

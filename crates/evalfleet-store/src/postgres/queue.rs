@@ -54,17 +54,22 @@ const REAP_LIMIT: i64 = 10_000;
 
 /// Returns to pending the run's items whose lease has passed. Rows locked
 /// by another transaction (a commit under way) are left for later.
-fn reap(tx: &mut Transaction<'_>, rid: i64) -> Result<u64, postgres::Error> {
-    tx.execute(
+/// Puts back the items whose lease ran out; the first of them, if any.
+fn reap(tx: &mut Transaction<'_>, rid: i64) -> Result<Option<i64>, postgres::Error> {
+    let row = tx.query_one(
         "WITH lapsed AS MATERIALIZED (
              SELECT seq FROM items
              WHERE rid = $1 AND state = 'running' AND lease_until < now()
-             LIMIT $2 FOR UPDATE SKIP LOCKED)
-         UPDATE items i SET state = 'pending', lost_by = i.owner, owner = NULL,
-             lease_until = NULL
-         FROM lapsed WHERE i.rid = $1 AND i.seq = lapsed.seq",
+             LIMIT $2 FOR UPDATE SKIP LOCKED),
+         put_back AS (
+             UPDATE items i SET state = 'pending', lost_by = i.owner, owner = NULL,
+                 lease_until = NULL
+             FROM lapsed WHERE i.rid = $1 AND i.seq = lapsed.seq
+             RETURNING i.seq)
+         SELECT MIN(seq) FROM put_back",
         &[&rid, &REAP_LIMIT],
-    )
+    )?;
+    row.try_get(0)
 }
 
 /// Claims up to `limit` items after `after` for `worker` under claim
@@ -179,10 +184,15 @@ fn claim_once(
             return Ok(Claimed::Items(Claim { id: claim, items }));
         }
     }
-    reap(&mut tx, rid)?;
+    let lapsed = reap(&mut tx, rid)?;
     let limit = i64::try_from(limit.max(1)).unwrap_or(i64::MAX);
     let lease_ms = millis(lease);
-    let from = after.map_or(-1, |seq| seq as i64);
+    // Items whose lease ran out (their worker died or stalled) are taken
+    // next, before the items after `after`, not at the end of the run.
+    let from = match (lapsed, after) {
+        (Some(first), Some(cursor)) if first <= cursor as i64 => first - 1,
+        _ => after.map_or(-1, |seq| seq as i64),
+    };
     let mut items = take(&mut tx, rid, claim, worker, from, limit, lease_ms)?;
     if items.is_empty() && after.is_some() {
         // Past the end: items before `after` may be free again (a lease

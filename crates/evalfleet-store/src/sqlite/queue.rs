@@ -155,11 +155,27 @@ impl SqliteStore {
         let err = db_err("cannot claim items");
         let tx = self.write("cannot claim items")?;
         let now = now_ms();
+        // Claims whose lease ran out (their worker died or stalled): their
+        // pending items are free again, and taken next, before the items
+        // after `after`, not at the end of the run.
+        let lapsed: Option<i64> = tx
+            .prepare_cached(
+                "SELECT MIN(first_seq) FROM claims WHERE rid = ?1 AND lease_until <= ?2",
+            )
+            .map_err(&err)?
+            .query_row(params![rid, now], |row| row.get(0))
+            .map_err(&err)?;
         tx.execute(
             "DELETE FROM claims WHERE rid = ?1 AND lease_until <= ?2",
             params![rid, now],
         )
         .map_err(&err)?;
+        let after = match (lapsed, after) {
+            (Some(first), Some(cursor)) if (first as u64) <= cursor => {
+                first.checked_sub(1).map(|s| s as u64)
+            }
+            _ => after,
+        };
         let ranges: Vec<Range> = tx
             .prepare_cached(
                 "SELECT first_seq, last_seq, worker FROM claims WHERE rid = ?1 ORDER BY first_seq",
