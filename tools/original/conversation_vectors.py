@@ -67,12 +67,14 @@ What is replaced by scripted replies, and why:
   env.relation_snapshot() and resets. In TRL the real trainer fetched a
   batch of prompts before stepping any of them; a batch of one is the
   sequential reading of the same code.
+- humans_ollama.human_reply and RelationScorer.get_scores are wrapped only
+  to record what they return (the line as spoken, after the original's
+  hiragana check; each scorer call's caller, logs and scores).
 - Python's random is seeded per scenario (random.seed(seed) before the env is
   made) and every draw of random.random/random.choice is recorded, with the
   function of the original that drew it.
 Debug prints of the original (env.debug is true in its config) are
-discarded. RelationScorer.get_scores is wrapped only to record each call
-(caller, update_state, logs seen, scores returned, scorer LLM calls made).
+discarded.
 
 The output holds the scenarios' inputs as played and, per scenario, every
 event in order (reset, driver snapshot, policy prompt, decision with
@@ -396,6 +398,21 @@ def main() -> int:
 
     relation_scorer.RelationScorer.get_scores = get_scores
 
+    real_human_reply = convo_env.human_reply
+
+    def human_reply(*a, **kw):
+        replies = real_human_reply(*a, **kw)
+        script: Script = CURRENT["script"]
+        for reply in replies:
+            for record in reversed(script.spoken):
+                if "spoken" not in record:
+                    record["spoken"] = reply.get("utterance")
+                    record["speaker"] = reply.get("speaker")
+                    break
+        return replies
+
+    convo_env.human_reply = human_reply
+
     real_random, real_choice = random.random, random.choice
 
     def rec_random():
@@ -443,9 +460,29 @@ def main() -> int:
         "scenarios_file": "crates/evalfleet/tests/data/original/conversation_scenarios.json",
         "scenarios": results,
     }
-    args.out.write_text(json.dumps(out, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    args.out.write_text(dump(out) + "\n", encoding="utf-8")
     print(f"{len(results)} scenarios, {sum(len(r['events']) for r in results)} events -> {args.out}", file=sys.stderr)
     return 0
+
+
+def dump(value, level: int = 0) -> str:
+    """JSON with one line per record of an event's lists (scorer calls,
+    draws, utterances) and one key per line above them."""
+    pad = " " * level
+    if isinstance(value, dict) and value and level < 8:
+        items = []
+        for key, item in value.items():
+            if key in ("scorer_calls", "draws", "utterances") and isinstance(item, list) and item:
+                inner = ",\n".join(pad + "  " + json.dumps(x, ensure_ascii=False) for x in item)
+                items.append(f'{pad} {json.dumps(key)}: [\n{inner}\n{pad} ]')
+            elif key in ("info", "needs", "aggressive", "env_after", "edges", "components", "sha256", "packages", "original"):
+                items.append(f"{pad} {json.dumps(key)}: {json.dumps(item, ensure_ascii=False)}")
+            else:
+                items.append(f"{pad} {json.dumps(key)}: {dump(item, level + 1)}")
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    if isinstance(value, list) and value and level < 8 and all(isinstance(x, dict) for x in value):
+        return "[\n" + ",\n".join(pad + " " + dump(x, level + 1) for x in value) + "\n" + pad + "]"
+    return json.dumps(value, ensure_ascii=False)
 
 
 def package_versions() -> dict:
