@@ -455,6 +455,8 @@ impl Session {
                 .clone()
                 .filter(|_| plan.config.cache.mode != config::cache::CacheMode::Off),
             read_only: false,
+            // A worker rides out a database outage of any length.
+            ride_out_outages: true,
         };
         drop(store);
         let open: Arc<OpenStore> = {

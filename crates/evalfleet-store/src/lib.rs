@@ -118,6 +118,10 @@ pub struct OpenOptions {
     /// Only read it (an existing store): nothing is written, so a store the
     /// user may not write can be read.
     pub read_only: bool,
+    /// Wait for a database that cannot be reached for as long as it takes
+    /// (a run's working connections: a worker rides out an outage of any
+    /// length), instead of `EVALFLEET_STORE_WAIT` (default 2 minutes).
+    pub ride_out_outages: bool,
 }
 
 impl OpenOptions {
@@ -152,7 +156,11 @@ pub fn open(location: &Location, options: &OpenOptions) -> Result<Box<dyn Store>
                     "cache.path keeps the response cache in a SQLite file of its own; a PostgreSQL store keeps it in its database (leave cache.path out)".to_owned(),
                 ));
             }
-            Ok(Box::new(PgStore::open(url, options.read_only)?))
+            let mut store = PgStore::open(url, options.read_only)?;
+            if options.ride_out_outages {
+                store.ride_out_outages();
+            }
+            Ok(Box::new(store))
         }
     }
 }

@@ -10,6 +10,10 @@ pub enum Fault {
     /// Stopped before the end; what was committed is safe and the run
     /// resumes.
     Interrupted,
+    /// The store could not be reached (a database down or unreachable,
+    /// past how long the command waits for it): nothing committed is
+    /// lost; run the command again once it is back.
+    Unreachable,
     /// Anything else: the store, the machine, a broken invariant.
     Failure,
 }

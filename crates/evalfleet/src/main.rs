@@ -18,6 +18,7 @@ use crate::cli::{Cli, Command};
 pub const EXIT_OK: u8 = 0;
 pub const EXIT_FAILED: u8 = 1;
 pub const EXIT_BAD_INPUT: u8 = 2;
+pub const EXIT_UNREACHABLE: u8 = 3;
 pub const EXIT_INTERRUPTED: u8 = 130;
 
 /// Bad usage: exit code 2.
@@ -37,6 +38,7 @@ fn exit_code(fault: Fault) -> u8 {
     match fault {
         Fault::BadInput => EXIT_BAD_INPUT,
         Fault::Interrupted => EXIT_INTERRUPTED,
+        Fault::Unreachable => EXIT_UNREACHABLE,
         Fault::Failure => EXIT_FAILED,
     }
 }

@@ -858,3 +858,67 @@ async fn workers_sharing_an_api_key_share_its_quota() {
         "the two workers kept within the key's quota together: {stats:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_rides_out_a_database_outage_longer_than_a_command_waits() {
+    let mut pg = match OwnServer::start() {
+        Ok(pg) => pg,
+        Err(why) => {
+            evalfleet_testkit::skip!("no PostgreSQL server of the test's own: {why}");
+            return;
+        }
+    };
+    let url = pg.url();
+    const N: usize = 600;
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", N);
+    let server = mock(MockSettings {
+        latency: ms(20),
+        ..MockSettings::default()
+    })
+    .await;
+    env.write(
+        "run.yaml",
+        &config(
+            &dataset,
+            &external("m", &server, 4),
+            "writer: { batch_size: 16, flush_interval: 20ms }",
+        ),
+    );
+    // Commands give up on the database after 2 s; a worker never does.
+    let mut worker = env
+        .command(&["run", "run.yaml", "-q", "--run-id", "r", "--store", &url])
+        .env("EVALFLEET_STORE_WAIT", "2s")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_until(ms(30_000), "the worker has ended 50 items", || {
+        ended(&url, "r") >= 50
+    })
+    .await;
+    pg.crash();
+    // A command cannot reach it: exit 3, saying so.
+    let status = env
+        .command(&["status", "r", "--store", &url])
+        .env("EVALFLEET_STORE_WAIT", "2s")
+        .output()
+        .await
+        .unwrap();
+    let said = String::from_utf8_lossy(&status.stderr);
+    assert_eq!(status.status.code(), Some(3), "{said}");
+    assert!(said.contains("cannot connect to the store"), "{said}");
+    // The outage lasts well past the commands' 2 s.
+    tokio::time::sleep(ms(6_000)).await;
+    pg.resume().expect("the database comes back");
+    let out = tokio::time::timeout(Duration::from_secs(120), worker.wait())
+        .await
+        .expect("the worker finishes the run")
+        .unwrap();
+    let mut stderr = String::new();
+    if let Some(mut err) = worker.stderr.take() {
+        err.read_to_string(&mut stderr).await.unwrap();
+    }
+    assert_eq!(out.code(), Some(0), "{stderr}");
+    check_exactly_once(&url, "r", N, &server);
+}

@@ -43,6 +43,14 @@ pub enum StoreError {
     BadLocation(String),
     #[error("store invariant broken: {0}")]
     Invariant(String),
+    /// The store could not be reached for as long as the command waits
+    /// for it (`EVALFLEET_STORE_WAIT`): nothing committed is lost.
+    #[error("store: {message}")]
+    Unreachable {
+        message: String,
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
     /// The store refuses writes (its disk full, its file or folder
     /// read-only, its database in read-only mode): nothing of the write was
     /// kept, and what was committed before stays.
@@ -59,6 +67,7 @@ impl StoreError {
             | Self::NotAStore { .. }
             | Self::NewerStore { .. }
             | Self::BadLocation(_) => Fault::BadInput,
+            Self::Unreachable { .. } => Fault::Unreachable,
             Self::Backend { .. } | Self::Invariant(_) | Self::Unwritable { .. } => Fault::Failure,
         }
     }

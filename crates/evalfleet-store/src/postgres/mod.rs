@@ -9,8 +9,10 @@
 //! its own, as for SQLite. Every method is one transaction, run by
 //! [`PgStore::with`]: when the connection is lost (the server restarted,
 //! the network cut), it connects again and runs the transaction again, for
-//! up to [`RECONNECT_FOR`]; transactions are written so that running one
-//! twice stores what running it once does.
+//! up to [`RECONNECT_FOR`] (`EVALFLEET_STORE_WAIT`), or for as long as it
+//! takes for a run's working connections (a worker rides out an outage of
+//! any length); transactions are written so that running one twice stores
+//! what running it once does.
 
 mod cache;
 mod call_row;
@@ -33,8 +35,19 @@ use postgres::error::SqlState;
 use postgres::{Client, Config, NoTls};
 
 /// How long a store keeps connecting again after it lost its connection,
-/// before the method fails.
+/// before the method fails (`EVALFLEET_STORE_WAIT` says otherwise).
 pub const RECONNECT_FOR: Duration = Duration::from_secs(120);
+/// How often a store that keeps trying says so.
+const STILL_TRYING_EVERY: Duration = Duration::from_secs(30);
+
+/// How long a store keeps trying: `EVALFLEET_STORE_WAIT` (a duration,
+/// `2m`, `30s`), else [`RECONNECT_FOR`].
+fn store_wait() -> Duration {
+    std::env::var("EVALFLEET_STORE_WAIT")
+        .ok()
+        .and_then(|text| humantime::parse_duration(text.trim()).ok())
+        .unwrap_or(RECONNECT_FOR)
+}
 /// The longest wait between two tries.
 const RECONNECT_PAUSE_MAX: Duration = Duration::from_secs(2);
 
@@ -205,6 +218,9 @@ pub struct PgStore {
     /// The URL without its password, for messages.
     shown: String,
     read_only: bool,
+    /// How long a transaction keeps trying while the server cannot be
+    /// reached; `None`: for as long as it takes.
+    wait: Option<Duration>,
 }
 
 impl std::fmt::Debug for PgStore {
@@ -265,12 +281,21 @@ impl PgStore {
         }
         let mut store = Self {
             conn: None,
+            wait: Some(store_wait()),
             config,
             shown,
             read_only,
         };
         let client = store.config.connect(NoTls).map_err(|err| {
-            StoreError::backend(format!("cannot connect to the store {}", store.shown), err)
+            let message = format!("cannot connect to the store {}", store.shown);
+            if transient(&err) {
+                StoreError::Unreachable {
+                    message,
+                    source: Some(Box::new(err)),
+                }
+            } else {
+                StoreError::backend(message, err)
+            }
         })?;
         store.conn = Some(Conn {
             client,
@@ -278,6 +303,12 @@ impl PgStore {
         });
         store.prepare()?;
         Ok(store)
+    }
+
+    /// From now on a transaction keeps trying while the server cannot be
+    /// reached for as long as it takes (a run's working connections).
+    pub fn ride_out_outages(&mut self) {
+        self.wait = None;
     }
 
     /// The URL, without its password.
@@ -317,6 +348,7 @@ impl PgStore {
     ) -> Result<T, StoreError> {
         let started = Instant::now();
         let mut pause = Duration::from_millis(50);
+        let mut said = Duration::ZERO;
         loop {
             let outcome = match self.conn.as_mut() {
                 Some(conn) => work(conn),
@@ -330,8 +362,29 @@ impl PgStore {
                 Err(Fail::Store(err)) => return Err(err),
                 Err(Fail::Db(err)) => err,
             };
-            if !transient(&err) || started.elapsed() >= RECONNECT_FOR {
+            if !transient(&err) {
                 return Err(db_err(context)(err));
+            }
+            let waited = started.elapsed();
+            if let Some(wait) = self.wait
+                && waited >= wait
+            {
+                return Err(StoreError::Unreachable {
+                    message: format!(
+                        "{context}: the store {} could not be reached for {} (EVALFLEET_STORE_WAIT); nothing committed is lost",
+                        self.shown,
+                        humantime::format_duration(Duration::from_secs(wait.as_secs()))
+                    ),
+                    source: Some(Box::new(err)),
+                });
+            }
+            if waited >= said + STILL_TRYING_EVERY {
+                said = waited;
+                tracing::warn!(
+                    "The store {} has not answered for {}: still trying ({context}; the run goes on once it is back).",
+                    self.shown,
+                    humantime::format_duration(Duration::from_secs(waited.as_secs()))
+                );
             }
             if let Some(conn) = &self.conn
                 && conn.client.is_closed()

@@ -48,7 +48,7 @@ pub async fn score(mut args: ScoreArgs) -> anyhow::Result<u8> {
             &OpenOptions {
                 create: false,
                 cache_file: Some(file.clone()),
-                read_only: false,
+                ..OpenOptions::default()
             },
         )?;
     }

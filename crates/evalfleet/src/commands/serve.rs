@@ -323,7 +323,7 @@ impl RunControl for ControlHandle {
                     &OpenOptions {
                         create: false,
                         cache_file: Some(file.clone()),
-                        read_only: false,
+                        ..OpenOptions::default()
                     },
                 )?;
             }
