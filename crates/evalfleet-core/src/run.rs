@@ -512,7 +512,9 @@ fn stopped_by_error(
             }],
         );
     }
-    store.set_status(run_id, RunStatus::Interrupted, Some(message))
+    store
+        .set_status(run_id, RunStatus::Interrupted, Some(message))
+        .map(|_| ())
 }
 
 /// Runs a prepared session and stores how it ended.
@@ -600,18 +602,22 @@ pub async fn run_session(
             Some(format!("stopped with {} items pending", counts.pending)),
         )
     };
-    store.set_status(&run_id, status, message.as_deref())?;
-    store.add_events(
-        &run_id,
-        &[Event {
-            at_ms: now_ms(),
-            kind,
-            endpoint: None,
-            message: message.clone().unwrap_or_else(|| {
-                format!("Finished: {} done, {} failed.", counts.done, counts.failed)
-            }),
-        }],
-    )?;
+    let changed = store.set_status(&run_id, status, message.as_deref())?;
+    // The run's end is logged once: by the worker that ended it, not by
+    // each worker that finds it over.
+    if changed || status != RunStatus::Finished {
+        store.add_events(
+            &run_id,
+            &[Event {
+                at_ms: now_ms(),
+                kind,
+                endpoint: None,
+                message: message.clone().unwrap_or_else(|| {
+                    format!("Finished: {} done, {} failed.", counts.done, counts.failed)
+                }),
+            }],
+        )?;
+    }
     Ok(SessionReport {
         status,
         counts,

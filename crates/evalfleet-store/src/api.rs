@@ -82,10 +82,12 @@ pub trait Events {
 
     fn events(&mut self, run_id: &str) -> Result<Vec<Event>, StoreError>;
 
-    /// Replaces the run's snapshots of these endpoints.
+    /// Replaces `worker`'s snapshots of these endpoints (each worker keeps
+    /// its own: what several saw of one endpoint is summed when read).
     fn put_endpoint_states(
         &mut self,
         run_id: &str,
+        worker: &str,
         states: &[EndpointSnapshot],
     ) -> Result<(), StoreError>;
 

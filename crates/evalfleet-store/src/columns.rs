@@ -194,6 +194,10 @@ pub(crate) fn stored_result<'a>(
     })
 }
 
+/// How recent a worker's snapshot must be (against the newest) for its
+/// figures of the moment to count.
+const SNAPSHOT_CURRENT_MS: i64 = 10_000;
+
 /// A run's endpoint snapshots from their rows (JSON, when written), or
 /// `None` when no worker wrote any.
 pub(crate) fn endpoint_states(
@@ -203,13 +207,35 @@ pub(crate) fn endpoint_states(
         return Ok(None);
     }
     let updated_at_ms = rows.iter().map(|(_, at)| *at).max().unwrap_or(0);
-    let endpoints = rows
-        .into_iter()
-        .map(|(json, _)| {
-            serde_json::from_str(&json)
-                .map_err(|err| StoreError::backend("a stored endpoint state cannot be read", err))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    // Rows come by endpoint, a row per worker that saw it: summed, the
+    // figures of the moment (limit, calls in flight, state) only from the
+    // workers whose snapshot is current.
+    let mut endpoints: Vec<evalfleet_types::EndpointSnapshot> = Vec::new();
+    let mut first_live: Vec<bool> = Vec::new();
+    for (json, at) in rows {
+        let snapshot: evalfleet_types::EndpointSnapshot = serde_json::from_str(&json)
+            .map_err(|err| StoreError::backend("a stored endpoint state cannot be read", err))?;
+        let live = at >= updated_at_ms - SNAPSHOT_CURRENT_MS;
+        match endpoints.last_mut() {
+            Some(last) if last.endpoint == snapshot.endpoint => {
+                let was_live = first_live.last().copied().unwrap_or(true);
+                if !was_live && live {
+                    // The first row was stale: the current one leads.
+                    let stale = std::mem::replace(last, snapshot);
+                    last.merge(&stale, false);
+                    if let Some(flag) = first_live.last_mut() {
+                        *flag = true;
+                    }
+                } else {
+                    last.merge(&snapshot, live);
+                }
+            }
+            _ => {
+                endpoints.push(snapshot);
+                first_live.push(live);
+            }
+        }
+    }
     Ok(Some(crate::EndpointStates {
         updated_at_ms,
         endpoints,

@@ -972,10 +972,10 @@ fn events_endpoint_states_samples_and_fleet_changes_round_trip() {
 
     assert_eq!(store.endpoint_states("r").unwrap(), None);
     store
-        .put_endpoint_states("r", &[snapshot("b", 1), snapshot("a", 2)])
+        .put_endpoint_states("r", "w1", &[snapshot("b", 1), snapshot("a", 2)])
         .unwrap();
     store
-        .put_endpoint_states("r", &[snapshot("b", 3), snapshot("B", 0)])
+        .put_endpoint_states("r", "w1", &[snapshot("b", 3), snapshot("B", 0)])
         .unwrap();
     let states = store.endpoint_states("r").unwrap().unwrap();
     assert_eq!(

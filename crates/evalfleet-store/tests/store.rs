@@ -170,6 +170,7 @@ both!(
     a_claim_is_exclusive_while_its_lease_lasts_and_a_commit_under_a_lost_lease_is_refused,
     a_commit_whose_lease_ran_out_is_refused_once_another_worker_took_its_items,
     the_items_of_a_lapsed_claim_are_taken_next_not_after_the_claimers_own,
+    what_workers_saw_of_one_endpoint_is_summed,
     an_item_claimed_again_numbers_its_next_attempt_above_every_stored_one,
     items_come_a_page_at_a_time_filtered_and_sorted_in_the_store,
     one_item_comes_whole_with_its_attempts,
@@ -723,6 +724,60 @@ fn a_claim_is_exclusive_while_its_lease_lasts_and_a_commit_under_a_lost_lease_is
 /// lease), while PostgreSQL fences a commit by its claim (`items.claim_id`
 /// and state `running`), so a late commit whose items nobody reaped,
 /// claimed or released yet is stored: no other worker answers them.
+fn what_workers_saw_of_one_endpoint_is_summed(f: &Fixture) {
+    let mut store = f.open();
+    store
+        .create_run(&new_run("r"), &mut items(&["a"], None))
+        .unwrap();
+    let none = vec![0u64; 17];
+    let seen = |endpoint: &str, calls: u64, in_flight: u64, state: &str| {
+        let mut answered = none.clone();
+        answered[3] = calls - calls / 10;
+        serde_json::from_value::<evalfleet_types::EndpointSnapshot>(serde_json::json!({
+            "endpoint": endpoint, "kind": "external", "state": state, "limit": 8,
+            "adaptive": true, "in_flight": in_flight, "requests_per_minute": 60,
+            "errors": {"retryable": calls / 10}, "restarts": 0, "calls": calls,
+            "successes": calls - calls / 10,
+            "timings": {"latency": {"counts": answered, "sum_ms": 40.0 * (calls - calls / 10) as f64},
+                        "ttft": {"counts": none, "sum_ms": 0.0}, "tpot": {"counts": none, "sum_ms": 0.0}},
+        }))
+        .unwrap()
+    };
+    // Two workers call one hosted API; a third saw only its own engine.
+    store
+        .put_endpoint_states("r", "one", &[seen("api", 100, 3, "healthy")])
+        .unwrap();
+    store
+        .put_endpoint_states("r", "two", &[seen("api", 200, 5, "unhealthy")])
+        .unwrap();
+    store
+        .put_endpoint_states("r", "three", &[seen("gpu", 50, 1, "healthy")])
+        .unwrap();
+    // A later snapshot of a worker replaces its own, not the others'.
+    store
+        .put_endpoint_states("r", "one", &[seen("api", 108, 2, "healthy")])
+        .unwrap();
+    let states = store.endpoint_states("r").unwrap().unwrap();
+    let api = &states.endpoints[0];
+    assert_eq!(api.endpoint, "api");
+    assert_eq!(
+        (api.calls, api.successes, api.in_flight, api.limit),
+        (308, 108 - 10 + 200 - 20, 7, 16)
+    );
+    assert_eq!(api.errors[&ErrorClass::Retryable], 30);
+    let latency = &api.timings.as_ref().unwrap().latency;
+    assert_eq!(latency.counts[3], 278);
+    assert_eq!(api.state, evalfleet_types::EndpointState::Healthy);
+    assert_eq!(
+        (
+            states.endpoints[1].endpoint.as_str(),
+            states.endpoints[1].calls
+        ),
+        ("gpu", 50)
+    );
+    assert_eq!(states.endpoints.len(), 2);
+}
+
 fn the_items_of_a_lapsed_claim_are_taken_next_not_after_the_claimers_own(f: &Fixture) {
     let ids: Vec<String> = (0..30).map(|i| format!("i{i:02}")).collect();
     let ids: Vec<&str> = ids.iter().map(String::as_str).collect();

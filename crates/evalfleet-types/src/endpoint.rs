@@ -68,6 +68,46 @@ pub struct EndpointSnapshot {
     pub timings: Option<Timings>,
 }
 
+impl EndpointSnapshot {
+    /// Adds what another worker saw of the same endpoint: its calls,
+    /// errors, timings and restarts are summed, and so are its limit, calls
+    /// in flight and rate when `live` (its worker's snapshot is current);
+    /// the state is the one that takes items if either does.
+    pub fn merge(&mut self, other: &EndpointSnapshot, live: bool) {
+        self.calls += other.calls;
+        self.successes += other.successes;
+        self.quota_pauses += other.quota_pauses;
+        self.restarts += other.restarts;
+        for (class, n) in &other.errors {
+            *self.errors.entry(*class).or_default() += n;
+        }
+        match (&mut self.timings, &other.timings) {
+            (Some(mine), Some(theirs)) => {
+                mine.latency.merge(&theirs.latency);
+                mine.ttft.merge(&theirs.ttft);
+                mine.tpot.merge(&theirs.tpot);
+            }
+            (None, Some(theirs)) => self.timings = Some(theirs.clone()),
+            _ => {}
+        }
+        if live {
+            self.limit += other.limit;
+            self.in_flight += other.in_flight;
+            self.requests_per_minute += other.requests_per_minute;
+            if other.state == EndpointState::Healthy {
+                self.state = EndpointState::Healthy;
+            }
+        }
+        self.adaptive |= other.adaptive;
+        if self.learned_rate.is_none() {
+            self.learned_rate = other.learned_rate;
+        }
+        if self.base_url.is_none() {
+            self.base_url.clone_from(&other.base_url);
+        }
+    }
+}
+
 /// The upper bounds of [`Buckets`], in ms.
 pub const BUCKETS_MS: [f64; 16] = [
     5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1_000.0, 2_500.0, 5_000.0, 10_000.0, 30_000.0,
@@ -93,6 +133,17 @@ impl Default for Buckets {
 }
 
 impl Buckets {
+    /// Adds `other`'s counts to these.
+    pub fn merge(&mut self, other: &Buckets) {
+        if self.counts.len() < other.counts.len() {
+            self.counts.resize(other.counts.len(), 0);
+        }
+        for (mine, theirs) in self.counts.iter_mut().zip(&other.counts) {
+            *mine += theirs;
+        }
+        self.sum_ms += other.sum_ms;
+    }
+
     pub fn record(&mut self, ms: f64) {
         let at = BUCKETS_MS
             .iter()

@@ -170,11 +170,12 @@ async fn a_run_on_postgres_answers_exports_and_reports_as_one_on_sqlite() {
     );
     let report = on(&env, &db.url, &["report", "r"]).await;
     assert_eq!(report.code, Some(0), "{}", report.stderr);
-    // The URL's password never shows; a bad URL is named.
+    // The URL's password never shows; a store that cannot be reached is
+    // named, with a code of its own.
     let bad = env
         .evalfleet(&["runs", "--store", "postgres://u:hunter2@127.0.0.1:1/x"])
         .await;
-    assert_eq!(bad.code, Some(1), "{}", bad.stderr);
+    assert_eq!(bad.code, Some(3), "{}", bad.stderr);
     assert!(
         bad.stderr.contains("postgres://u:***@127.0.0.1:1/x"),
         "{}",

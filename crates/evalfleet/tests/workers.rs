@@ -107,6 +107,19 @@ async fn two_processes_share_one_sqlite_run_and_finish_it_exactly_once() {
     assert_eq!(workers.len(), 2, "{status}");
     let done: u64 = workers.iter().map(|w| w["done"].as_u64().unwrap()).sum();
     assert_eq!(done, ITEMS as u64, "{status}");
+    // Its endpoint's figures are both workers' calls, not the last one's.
+    let endpoints = status["endpoint_states"]["endpoints"].as_array().unwrap();
+    assert_eq!(endpoints.len(), 1, "{status}");
+    assert_eq!(endpoints[0]["calls"], ITEMS as u64, "{status}");
+    assert_eq!(endpoints[0]["successes"], ITEMS as u64, "{status}");
+    // Its end is logged once, by the worker that ended it.
+    let finished = status["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["kind"] == "finished")
+        .count();
+    assert_eq!(finished, 1, "{status}");
     let text = env.evalfleet(&["status", "shared"]).await.stdout;
     assert!(text.contains("WORKER"), "{text}");
 }

@@ -112,7 +112,7 @@ pub(super) async fn housekeep(
                 }
                 let outcome = owned
                     .add_events(&id, &events)
-                    .and_then(|()| owned.put_endpoint_states(&id, &snapshots))
+                    .and_then(|()| owned.put_endpoint_states(&id, &me, &snapshots))
                     .and_then(|()| owned.counts(&id))
                     .and_then(|counts| {
                         owned.add_sample(

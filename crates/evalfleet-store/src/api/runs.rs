@@ -149,12 +149,15 @@ pub trait Runs {
         retry_failed: bool,
     ) -> Result<SessionStart, StoreError>;
 
+    /// Sets the run's status and message; whether the status changed (of
+    /// two workers that end a run at once, one changes it: the other's
+    /// status was already set).
     fn set_status(
         &mut self,
         run_id: &str,
         status: RunStatus,
         message: Option<&str>,
-    ) -> Result<(), StoreError>;
+    ) -> Result<bool, StoreError>;
 
     fn counts(&mut self, run_id: &str) -> Result<StateCounts, StoreError>;
 

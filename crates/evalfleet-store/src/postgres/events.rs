@@ -60,6 +60,7 @@ impl Events for PgStore {
     fn put_endpoint_states(
         &mut self,
         run_id: &str,
+        worker: &str,
         states: &[EndpointSnapshot],
     ) -> Result<(), StoreError> {
         let snapshots = states
@@ -75,11 +76,12 @@ impl Events for PgStore {
             let rid = conn.rid(run_id)?;
             let mut tx = conn.client.transaction()?;
             let upsert = tx.prepare(
-                "INSERT INTO endpoint_states (rid, endpoint, snapshot, updated_at) VALUES ($1, $2, $3, $4)
-                 ON CONFLICT (rid, endpoint) DO UPDATE SET snapshot = $3, updated_at = $4",
+                "INSERT INTO endpoint_states (rid, endpoint, worker, snapshot, updated_at)
+                 VALUES ($1, $2, $5, $3, $4)
+                 ON CONFLICT (rid, endpoint, worker) DO UPDATE SET snapshot = $3, updated_at = $4",
             )?;
             for (endpoint, json) in &snapshots {
-                tx.execute(&upsert, &[&rid, endpoint, json, &now])?;
+                tx.execute(&upsert, &[&rid, endpoint, json, &now, &worker])?;
             }
             tx.commit()?;
             Ok(())
@@ -91,7 +93,7 @@ impl Events for PgStore {
             let rid = conn.rid(run_id)?;
             let rows = conn.client.query(
                 "SELECT snapshot, updated_at FROM endpoint_states WHERE rid = $1
-                 ORDER BY endpoint COLLATE \"C\"",
+                 ORDER BY endpoint COLLATE \"C\", worker COLLATE \"C\"",
                 &[&rid],
             )?;
             rows.iter()

@@ -463,14 +463,21 @@ impl Runs for PgStore {
         run_id: &str,
         status: RunStatus,
         message: Option<&str>,
-    ) -> Result<(), StoreError> {
+    ) -> Result<bool, StoreError> {
         self.with("cannot set the run's status", |conn| {
             let rid = conn.rid(run_id)?;
-            conn.client.execute(
-                "UPDATE runs SET status = $2, message = $3, updated_at = $4 WHERE rid = $1",
+            let changed = conn.client.execute(
+                "UPDATE runs SET status = $2, message = $3, updated_at = $4
+                 WHERE rid = $1 AND status <> $2",
                 &[&rid, &status.as_str(), &message, &now_ms()],
             )?;
-            Ok(())
+            if changed == 0 {
+                conn.client.execute(
+                    "UPDATE runs SET message = $2, updated_at = $3 WHERE rid = $1",
+                    &[&rid, &message, &now_ms()],
+                )?;
+            }
+            Ok(changed > 0)
         })
     }
 

@@ -306,8 +306,23 @@ const WHOLE_BODIES: &str = "ALTER TABLE agent_calls ADD COLUMN IF NOT EXISTS req
 const PID_SCOPE: &str =
     "ALTER TABLE workers ADD COLUMN IF NOT EXISTS pid_scope text NOT NULL DEFAULT '';";
 
+/// 6: each worker keeps its own snapshot of an endpoint (they are summed
+/// when read): one worker's no longer replaces another's.
+const ENDPOINT_STATES_PER_WORKER: &str = "
+ALTER TABLE endpoint_states ADD COLUMN IF NOT EXISTS worker text NOT NULL DEFAULT '';
+ALTER TABLE endpoint_states DROP CONSTRAINT IF EXISTS endpoint_states_pkey;
+ALTER TABLE endpoint_states ADD PRIMARY KEY (rid, endpoint, worker);
+";
+
 /// The migrations, in order; the store's version is how many were applied.
-pub const MIGRATIONS: &[&str] = &[FIRST, QUOTAS, FAILOVERS, WHOLE_BODIES, PID_SCOPE];
+pub const MIGRATIONS: &[&str] = &[
+    FIRST,
+    QUOTAS,
+    FAILOVERS,
+    WHOLE_BODIES,
+    PID_SCOPE,
+    ENDPOINT_STATES_PER_WORKER,
+];
 
 /// The schema version a store has once every migration ran.
 pub const VERSION: i32 = MIGRATIONS.len() as i32;

@@ -72,9 +72,10 @@ impl Events for SqliteStore {
     fn put_endpoint_states(
         &mut self,
         run_id: &str,
+        worker: &str,
         states: &[EndpointSnapshot],
     ) -> Result<(), StoreError> {
-        self.without_sync(|store| store.put_endpoint_states_now(run_id, states))
+        self.without_sync(|store| store.put_endpoint_states_now(run_id, worker, states))
     }
 
     fn endpoint_states(&mut self, run_id: &str) -> Result<Option<EndpointStates>, StoreError> {
@@ -82,7 +83,8 @@ impl Events for SqliteStore {
         let mut stmt = self
             .conn
             .prepare(
-                "SELECT snapshot, updated_at FROM endpoint_states WHERE rid = ?1 ORDER BY endpoint",
+                "SELECT snapshot, updated_at FROM endpoint_states WHERE rid = ?1
+                 ORDER BY endpoint, worker",
             )
             .map_err(db_err("cannot read endpoint states"))?;
         let rows = stmt
@@ -144,6 +146,7 @@ impl SqliteStore {
     fn put_endpoint_states_now(
         &mut self,
         run_id: &str,
+        worker: &str,
         states: &[EndpointSnapshot],
     ) -> Result<(), StoreError> {
         let rid = self.rid(run_id)?;
@@ -151,8 +154,9 @@ impl SqliteStore {
         {
             let mut upsert = tx
                 .prepare_cached(
-                    "INSERT INTO endpoint_states (rid, endpoint, snapshot, updated_at) VALUES (?1, ?2, ?3, ?4)
-                     ON CONFLICT (rid, endpoint) DO UPDATE SET snapshot = ?3, updated_at = ?4",
+                    "INSERT INTO endpoint_states (rid, endpoint, worker, snapshot, updated_at)
+                     VALUES (?1, ?2, ?5, ?3, ?4)
+                     ON CONFLICT (rid, endpoint, worker) DO UPDATE SET snapshot = ?3, updated_at = ?4",
                 )
                 .map_err(db_err("cannot store endpoint states"))?;
             let now = now_ms();
@@ -160,7 +164,7 @@ impl SqliteStore {
                 let json = serde_json::to_string(state)
                     .map_err(json_err("cannot encode an endpoint state"))?;
                 upsert
-                    .execute(params![rid, state.endpoint, json, now])
+                    .execute(params![rid, state.endpoint, json, now, worker])
                     .map_err(db_err("cannot store endpoint states"))?;
             }
         }

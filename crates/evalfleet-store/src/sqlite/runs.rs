@@ -251,15 +251,26 @@ impl Runs for SqliteStore {
         run_id: &str,
         status: RunStatus,
         message: Option<&str>,
-    ) -> Result<(), StoreError> {
+    ) -> Result<bool, StoreError> {
         let rid = self.rid(run_id)?;
-        self.conn
+        let err = db_err("cannot set the run's status");
+        let changed = self
+            .conn
             .execute(
-                "UPDATE runs SET status = ?2, message = ?3, updated_at = ?4 WHERE rid = ?1",
+                "UPDATE runs SET status = ?2, message = ?3, updated_at = ?4
+                 WHERE rid = ?1 AND status <> ?2",
                 params![rid, status.as_str(), message, now_ms()],
             )
-            .map_err(db_err("cannot set the run's status"))?;
-        Ok(())
+            .map_err(&err)?;
+        if changed == 0 {
+            self.conn
+                .execute(
+                    "UPDATE runs SET message = ?2, updated_at = ?3 WHERE rid = ?1",
+                    params![rid, message, now_ms()],
+                )
+                .map_err(&err)?;
+        }
+        Ok(changed > 0)
     }
 
     fn counts(&mut self, run_id: &str) -> Result<StateCounts, StoreError> {

@@ -302,6 +302,23 @@ const FAILOVERS: &str = "ALTER TABLE agent_calls ADD COLUMN failovers TEXT;";
 /// 16: where a worker's pid means it (see `WorkerInfo::pid_scope`).
 const PID_SCOPE: &str = "ALTER TABLE workers ADD COLUMN pid_scope TEXT NOT NULL DEFAULT '';";
 
+/// 17: each worker keeps its own snapshot of an endpoint (they are summed
+/// when read): one worker's no longer replaces another's.
+const ENDPOINT_STATES_PER_WORKER: &str = "
+CREATE TABLE endpoint_states_per_worker (
+    rid        INTEGER NOT NULL REFERENCES runs(rid),
+    endpoint   TEXT NOT NULL,
+    worker     TEXT NOT NULL DEFAULT '',
+    snapshot   TEXT NOT NULL,
+    updated_at INTEGER NOT NULL,
+    PRIMARY KEY (rid, endpoint, worker)
+);
+INSERT INTO endpoint_states_per_worker (rid, endpoint, snapshot, updated_at)
+    SELECT rid, endpoint, snapshot, updated_at FROM endpoint_states;
+DROP TABLE endpoint_states;
+ALTER TABLE endpoint_states_per_worker RENAME TO endpoint_states;
+";
+
 /// 15: an agent call's request and response kept whole: a long one
 /// compressed (zstd) in these columns, its text column then empty
 /// (`request`) or NULL (`response`).
@@ -311,7 +328,7 @@ ALTER TABLE agent_calls ADD COLUMN response_z BLOB;
 ";
 
 /// The schema version a store has once every migration ran.
-pub const VERSION: usize = 16;
+pub const VERSION: usize = 17;
 
 pub fn migrations() -> Migrations<'static> {
     Migrations::new(vec![
@@ -331,6 +348,7 @@ pub fn migrations() -> Migrations<'static> {
         M::up(FAILOVERS),
         M::up(WHOLE_BODIES),
         M::up(PID_SCOPE),
+        M::up(ENDPOINT_STATES_PER_WORKER),
     ])
 }
 
