@@ -313,6 +313,17 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
     let Some(request) = item.request.take() else {
         return;
     };
+    // Sent only while its claim surely holds: after a stall past the lease
+    // (a stopped process, a frozen machine), the next renewal says whether
+    // it is still this worker's; one lost is let go, not called for.
+    let admitted = tokio::select! {
+        admitted = shared.leases.admit(item.claim, item.seq) => admitted,
+        () = shared.abort.cancelled() => return,
+    };
+    if !admitted {
+        item.let_go();
+        return;
+    }
     let endpoint = call.endpoint.clone();
     let answers_item = request.target == Target::Items;
     let number = item.number();

@@ -395,6 +395,19 @@ impl Item {
     }
 }
 
+impl Item {
+    /// Its claim ran out and another worker may hold it now: this session
+    /// lets it go (no result, no call more); it is not lost.
+    pub fn let_go(mut self) {
+        tracing::debug!(
+            "Item {}: this worker's lease on it ran out; it is left to the worker that holds it now.",
+            self.item_id
+        );
+        self.ended = true;
+        self.tally.release();
+    }
+}
+
 impl Drop for Item {
     fn drop(&mut self) {
         if self.ended {

@@ -16,6 +16,7 @@
 
 mod dispatch;
 mod item;
+mod lease;
 mod outcome;
 mod reader;
 pub mod task;
@@ -263,6 +264,8 @@ struct Shared {
     first_failures: item::FirstFailures,
     progress: Arc<Progress>,
     fleet: FleetHandle,
+    /// Until when the session's claims hold, and which it lost.
+    leases: Arc<lease::LeaseGate>,
 }
 
 impl Shared {
@@ -376,6 +379,7 @@ pub async fn execute(
     let tracker = TaskTracker::new();
     let tally = Tally::new(halt.clone(), progress.clone());
     let cache = cache_use(&config, &session.endpoints);
+    let leases = Arc::new(lease::LeaseGate::new(config.timeouts.lease));
 
     let writer_task = {
         let (halt, abort) = (halt.clone(), abort.clone());
@@ -390,6 +394,7 @@ pub async fn execute(
             config.writer,
             progress.clone(),
             session.on_result.clone(),
+            leases.clone(),
         );
         tracker.spawn(async move {
             let result = task.await;
@@ -453,6 +458,7 @@ pub async fn execute(
         first_failures: item::FirstFailures::default(),
         progress: progress.clone(),
         fleet: session.fleet.clone(),
+        leases,
     });
 
     let reader_task = {

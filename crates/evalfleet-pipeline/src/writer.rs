@@ -69,6 +69,7 @@ pub async fn run(
     settings: WriterSettings,
     progress: Arc<Progress>,
     tap: Option<ResultTap>,
+    leases: Arc<crate::lease::LeaseGate>,
 ) -> Result<Box<dyn Store>, StoreError> {
     let Worker {
         run_id,
@@ -89,8 +90,11 @@ pub async fn run(
         {
             renew_at = Instant::now() + renew_every;
             let (run_id, worker) = (run_id.clone(), worker.clone());
+            let leases = leases.clone();
             committing.spawn_blocking(move || {
+                let started = tokio::time::Instant::now();
                 let result = store.renew(&run_id, &worker, lease).map(|renewal| {
+                    leases.renewed(started, lease, &renewal.held, &renewal.lost);
                     if !renewal.lost.is_empty() {
                         tracing::warn!(
                             "{} items were taken over by other workers after this worker's lease on them ran out; what it makes of them will be refused.",

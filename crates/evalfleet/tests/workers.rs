@@ -157,10 +157,20 @@ async fn a_stalled_worker_loses_its_lease_and_its_late_results_are_refused() {
     let other = env.evalfleet(&["resume", "shared", "-q"]).await;
     assert_eq!(other.code, Some(0), "{}", other.stderr);
     assert_eq!(env.counts("shared").pending, 0);
-    // Woken, it finds its answers refused and nothing left to claim.
+    // Woken, it finds its answers refused and nothing left to claim; and
+    // it sends no new call for the items it held, which the other worker
+    // answered (at most the calls it had begun sending when it stopped
+    // reach the server after).
+    let before = server.stats().requests;
     signal(&stalled, "CONT").await;
     let late = stalled.wait_with_output().await.unwrap();
     assert_eq!(late.status.code(), Some(0));
+    let sent_late = server.stats().requests - before;
+    assert!(
+        sent_late <= 4,
+        "{sent_late} calls sent after it woke: {}",
+        String::from_utf8_lossy(&late.stderr)
+    );
     let said = String::from_utf8_lossy(&late.stderr);
     assert!(
         said.contains("lease on them ran out"),

@@ -82,6 +82,9 @@ pub struct NotBefore {
 pub struct Renewal {
     /// Claims the worker holds.
     pub claims: u64,
+    /// Those claims: a claim of the worker's that is not among them ran
+    /// out (its items may be another's now).
+    pub held: Vec<ClaimId>,
     /// Items (`seq`) the worker lost since its last heartbeat: what it
     /// makes of them will be refused (PostgreSQL says; SQLite, whose
     /// claims are ranges, does not).

@@ -594,11 +594,13 @@ impl WorkQueue for PgStore {
                      RETURNING 1)
                  SELECT (SELECT count(DISTINCT claim_id) FROM renewed),
                         (SELECT COALESCE(array_agg(seq ORDER BY seq), '{}') FROM lost),
-                        (SELECT count(*) FROM beat)",
+                        (SELECT count(*) FROM beat),
+                        (SELECT COALESCE(array_agg(DISTINCT claim_id), '{}') FROM renewed)",
                 &[&rid, &worker, &lease_ms],
             )?;
             Ok(Renewal {
                 claims: row.get::<_, i64>(0).max(0) as u64,
+                held: row.get::<_, Vec<i64>>(3),
                 lost: row
                     .get::<_, Vec<i64>>(1)
                     .into_iter()

@@ -224,16 +224,22 @@ impl SqliteStore {
         run_id: &str,
         worker: &str,
         lease: Duration,
-    ) -> Result<u64, StoreError> {
+    ) -> Result<Vec<ClaimId>, StoreError> {
         let rid = self.rid(run_id)?;
         let err = db_err("cannot renew the lease");
         let tx = self.write("cannot renew the lease")?;
         let now = now_ms();
-        let renewed = tx
-            .execute(
-                "UPDATE claims SET lease_until = ?4 WHERE rid = ?1 AND worker = ?2 AND lease_until > ?3",
-                params![rid, worker, now, lease_until(now, lease)],
+        let renewed: Vec<ClaimId> = tx
+            .prepare_cached(
+                "UPDATE claims SET lease_until = ?4 WHERE rid = ?1 AND worker = ?2 AND lease_until > ?3
+                 RETURNING claim_id",
             )
+            .map_err(&err)?
+            .query_map(params![rid, worker, now, lease_until(now, lease)], |row| {
+                row.get(0)
+            })
+            .map_err(&err)?
+            .collect::<Result<_, _>>()
             .map_err(&err)?;
         tx.execute(
             "UPDATE workers SET heartbeat_at = ?3, lease_ms = ?4 WHERE rid = ?1 AND worker = ?2",
@@ -246,7 +252,7 @@ impl SqliteStore {
         )
         .map_err(&err)?;
         tx.commit().map_err(&err)?;
-        Ok(renewed as u64)
+        Ok(renewed)
     }
 
     fn release_now(&mut self, run_id: &str, worker: &str) -> Result<(), StoreError> {
@@ -285,9 +291,10 @@ impl WorkQueue for SqliteStore {
         worker: &str,
         lease: Duration,
     ) -> Result<Renewal, StoreError> {
-        let claims = self.without_sync(|store| store.renew_now(run_id, worker, lease))?;
+        let held = self.without_sync(|store| store.renew_now(run_id, worker, lease))?;
         Ok(Renewal {
-            claims,
+            claims: held.len() as u64,
+            held,
             lost: Vec::new(),
         })
     }

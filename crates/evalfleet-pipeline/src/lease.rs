@@ -1,0 +1,144 @@
+//! What a session knows of its leases: until when its claims surely hold,
+//! and which it lost. A call is sent for an item only while its claim
+//! holds: a worker that stalled past its lease (stopped, frozen, cut from
+//! the database) waits for its next renewal to learn which items are still
+//! its own, and sends nothing for the others, which another worker may be
+//! answering already.
+
+use std::collections::HashSet;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use evalfleet_store::ClaimId;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+pub struct LeaseGate {
+    /// Times are kept as ms since this instant.
+    base: Instant,
+    /// Until when every claim of the session surely holds: the last
+    /// renewal's start (or the session's) plus the lease.
+    holds_until_ms: AtomicU64,
+    /// Claims handed out in this session and not known lost.
+    issued: Mutex<HashSet<ClaimId>>,
+    /// Claims and items known lost (another worker may hold them).
+    lost_claims: Mutex<HashSet<ClaimId>>,
+    lost_items: Mutex<HashSet<u64>>,
+    any_lost: AtomicBool,
+    renewed: Notify,
+}
+
+impl LeaseGate {
+    /// A session whose claims last `lease`, starting now.
+    pub fn new(lease: Duration) -> Self {
+        let gate = Self {
+            base: Instant::now(),
+            holds_until_ms: AtomicU64::new(0),
+            issued: Mutex::new(HashSet::new()),
+            lost_claims: Mutex::new(HashSet::new()),
+            lost_items: Mutex::new(HashSet::new()),
+            any_lost: AtomicBool::new(false),
+            renewed: Notify::new(),
+        };
+        gate.holds_until_ms
+            .store(gate.ms(Instant::now() + lease), Ordering::Release);
+        gate
+    }
+
+    fn ms(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.base).as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The reader took `claim`.
+    pub fn claimed(&self, claim: ClaimId) {
+        if let Ok(mut issued) = self.issued.lock() {
+            issued.insert(claim);
+        }
+    }
+
+    /// A renewal that began at `started` renewed `held` (the worker's
+    /// claims that still hold) and says `lost` items were taken from it.
+    pub fn renewed(&self, started: Instant, lease: Duration, held: &[ClaimId], lost: &[u64]) {
+        let held: HashSet<ClaimId> = held.iter().copied().collect();
+        let gone: Vec<ClaimId> = match self.issued.lock() {
+            Ok(mut issued) => {
+                let gone = issued.difference(&held).copied().collect();
+                issued.retain(|claim| held.contains(claim));
+                gone
+            }
+            Err(_) => Vec::new(),
+        };
+        if !gone.is_empty()
+            && let Ok(mut lost_claims) = self.lost_claims.lock()
+        {
+            lost_claims.extend(gone);
+            self.any_lost.store(true, Ordering::Release);
+        }
+        if !lost.is_empty()
+            && let Ok(mut lost_items) = self.lost_items.lock()
+        {
+            lost_items.extend(lost);
+            self.any_lost.store(true, Ordering::Release);
+        }
+        self.holds_until_ms
+            .store(self.ms(started + lease), Ordering::Release);
+        self.renewed.notify_waiters();
+    }
+
+    /// Whether item `seq` of `claim` is known lost.
+    pub fn lost(&self, claim: ClaimId, seq: u64) -> bool {
+        if !self.any_lost.load(Ordering::Acquire) {
+            return false;
+        }
+        self.lost_claims
+            .lock()
+            .is_ok_and(|claims| claims.contains(&claim))
+            || self
+                .lost_items
+                .lock()
+                .is_ok_and(|items| items.contains(&seq))
+    }
+
+    /// Waits until item `seq` of `claim` surely holds (a renewal after a
+    /// stall says so); `false` when it was lost.
+    pub async fn admit(&self, claim: ClaimId, seq: u64) -> bool {
+        loop {
+            let renewed = self.renewed.notified();
+            if self.lost(claim, seq) {
+                return false;
+            }
+            if self.ms(Instant::now()) < self.holds_until_ms.load(Ordering::Acquire) {
+                return true;
+            }
+            renewed.await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_past_the_lease_waits_for_the_renewal_that_says_whether_its_claim_holds() {
+        let lease = Duration::from_secs(3);
+        let gate = std::sync::Arc::new(LeaseGate::new(lease));
+        gate.claimed(1);
+        gate.claimed(2);
+        assert!(gate.admit(1, 10).await, "within the lease");
+        // A stall past the lease: calls wait for the next renewal.
+        tokio::time::advance(Duration::from_secs(4)).await;
+        let waiting = {
+            let gate = gate.clone();
+            tokio::spawn(async move { (gate.admit(1, 10).await, gate.admit(2, 20).await) })
+        };
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished());
+        // It renews claim 2 only: claim 1 ran out, and item 21 was taken.
+        gate.renewed(Instant::now(), lease, &[2], &[21]);
+        assert_eq!(waiting.await.unwrap(), (false, true));
+        assert!(!gate.admit(2, 21).await);
+        assert!(gate.admit(2, 22).await);
+    }
+}
