@@ -129,9 +129,10 @@ mod tests {
         assert!(gate.admit(1, 10).await, "within the lease");
         // A stall past the lease: calls wait for the next renewal.
         tokio::time::advance(Duration::from_secs(4)).await;
+        let tracker = tokio_util::task::TaskTracker::new();
         let waiting = {
             let gate = gate.clone();
-            tokio::spawn(async move { (gate.admit(1, 10).await, gate.admit(2, 20).await) })
+            tracker.spawn(async move { (gate.admit(1, 10).await, gate.admit(2, 20).await) })
         };
         tokio::task::yield_now().await;
         assert!(!waiting.is_finished());
