@@ -42,6 +42,20 @@ fn blocking<R>(work: impl FnOnce() -> R) -> R {
     tokio::task::block_in_place(work)
 }
 
+/// How `child` (`what`) ended, within five minutes: its exit code and
+/// what it wrote to stderr, when that was piped.
+async fn ended_with(child: &mut Child, what: &str) -> (Option<i32>, String) {
+    let status = tokio::time::timeout(Duration::from_secs(300), child.wait())
+        .await
+        .unwrap_or_else(|_| panic!("{what} does not finish"))
+        .unwrap();
+    let mut said = String::new();
+    if let Some(mut err) = child.stderr.take() {
+        err.read_to_string(&mut said).await.unwrap();
+    }
+    (status.code(), said)
+}
+
 /// Items of the run `run_id` ended so far (0 before it is registered),
 /// read from the database directly.
 fn ended(url: &str, run_id: &str) -> i64 {
@@ -667,20 +681,10 @@ async fn three_hosts_share_a_run_through_kills_stalls_cuts_lost_commits_skewed_c
     tokio::time::sleep(ms(1_000)).await;
     pg.resume().expect("the database comes back");
 
-    let first_out = tokio::time::timeout(Duration::from_secs(300), first.wait())
-        .await
-        .expect("host 1 finishes")
-        .unwrap();
-    let second_out = tokio::time::timeout(Duration::from_secs(300), second.wait())
-        .await
-        .expect("host 2 finishes")
-        .unwrap();
-    let mut said = String::new();
-    if let Some(mut err) = second.stderr.take() {
-        err.read_to_string(&mut said).await.unwrap();
-    }
-    assert_eq!(first_out.code(), Some(0), "host 1");
-    assert_eq!(second_out.code(), Some(0), "host 2: {said}");
+    let (first_code, _) = ended_with(&mut first, "host 1").await;
+    let (second_code, said) = ended_with(&mut second, "host 2").await;
+    assert_eq!(first_code, Some(0), "host 1");
+    assert_eq!(second_code, Some(0), "host 2: {said}");
     assert!(cutter.cut(3) >= 1, "a commit's answer was lost");
     assert!(
         said.contains("Lost the connection"),
@@ -870,22 +874,8 @@ async fn a_worker_rides_out_a_database_outage_longer_than_a_command_waits() {
         }
     };
     let url = pg.url();
-    const N: usize = 600;
     let env = Env::new();
-    let dataset = env.dataset("items.jsonl", N);
-    let server = mock(MockSettings {
-        latency: ms(20),
-        ..MockSettings::default()
-    })
-    .await;
-    env.write(
-        "run.yaml",
-        &config(
-            &dataset,
-            &external("m", &server, 4),
-            "writer: { batch_size: 16, flush_interval: 20ms }",
-        ),
-    );
+    let server = crate::workers::shared_run(&env, "10m").await;
     // Commands give up on the database after 2 s; a worker never does.
     let mut worker = env
         .command(&["run", "run.yaml", "-q", "--run-id", "r", "--store", &url])
@@ -912,14 +902,7 @@ async fn a_worker_rides_out_a_database_outage_longer_than_a_command_waits() {
     // The outage lasts well past the commands' 2 s.
     tokio::time::sleep(ms(6_000)).await;
     pg.resume().expect("the database comes back");
-    let out = tokio::time::timeout(Duration::from_secs(120), worker.wait())
-        .await
-        .expect("the worker finishes the run")
-        .unwrap();
-    let mut stderr = String::new();
-    if let Some(mut err) = worker.stderr.take() {
-        err.read_to_string(&mut stderr).await.unwrap();
-    }
-    assert_eq!(out.code(), Some(0), "{stderr}");
-    check_exactly_once(&url, "r", N, &server);
+    let (code, stderr) = ended_with(&mut worker, "the worker").await;
+    assert_eq!(code, Some(0), "{stderr}");
+    check_exactly_once(&url, "r", crate::workers::ITEMS, &server);
 }

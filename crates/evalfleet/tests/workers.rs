@@ -8,7 +8,7 @@ use evalfleet_types::RunStatus;
 
 use crate::util::{Env, by_id, config, external, mock, ms, signal, wait_until};
 
-const ITEMS: usize = 1200;
+pub(crate) const ITEMS: usize = 1200;
 
 /// Items done so far (0 before the run is registered).
 fn done(env: &Env, run_id: &str) -> u64 {
@@ -45,7 +45,7 @@ fn lock_is_free(env: &Env) -> bool {
 
 /// A config of `ITEMS` items, 4 calls at once, 20 ms each, leases of
 /// `lease`.
-async fn shared_run(env: &Env, lease: &str) -> evalfleet_mock::MockServer {
+pub(crate) async fn shared_run(env: &Env, lease: &str) -> evalfleet_mock::MockServer {
     let dataset = env.dataset("items.jsonl", ITEMS);
     let server = mock(MockSettings {
         latency: ms(20),
