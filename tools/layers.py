@@ -59,8 +59,9 @@ MODULES = {
     "evalfleet-pipeline": [
         # One module per kind of task.
         ["task"],
-        # What an item is to the pipeline; what the writer is handed.
-        ["item", "outcome"],
+        # What an item is to the pipeline; what the writer is handed; until
+        # when the session's claims hold.
+        ["item", "outcome", "lease"],
         # Drives items through their task's steps.
         ["reader", "writer", "dispatch"],
     ],
