@@ -24,6 +24,71 @@ use evalfleet_config::{ImageFormat, ImageSettings, PdfPages};
 /// the hash.
 pub const PLACEHOLDER: &str = "evalfleet-image:sha256:";
 
+/// Pixels decoded at once in this process, whatever the images and however
+/// many items read them at once: a decoded image takes up to 4 bytes a
+/// pixel (and its scaled copy less), so decoding stays within about
+/// 4 x this many bytes (192 MiB) beside the files' own bytes. An image of
+/// more pixels than this is decoded alone.
+pub const DECODE_PIXELS: u64 = 48_000_000;
+
+/// The pixels being decoded now, over every thread.
+struct PixelBudget {
+    used: std::sync::Mutex<u64>,
+    freed: std::sync::Condvar,
+    limit: u64,
+}
+
+/// A share of a [`PixelBudget`], given back when dropped.
+struct Decoding<'a> {
+    budget: &'a PixelBudget,
+    pixels: u64,
+}
+
+impl PixelBudget {
+    const fn new(limit: u64) -> Self {
+        Self {
+            used: std::sync::Mutex::new(0),
+            freed: std::sync::Condvar::new(),
+            limit,
+        }
+    }
+
+    /// Waits until `pixels` more may be decoded (at once when nothing is
+    /// being decoded, however many they are).
+    fn take(&self, pixels: u64) -> Decoding<'_> {
+        let pixels = pixels.min(self.limit);
+        let mut used = self
+            .used
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        while *used > 0 && *used + pixels > self.limit {
+            used = self
+                .freed
+                .wait(used)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+        *used += pixels;
+        Decoding {
+            budget: self,
+            pixels,
+        }
+    }
+}
+
+impl Drop for Decoding<'_> {
+    fn drop(&mut self) {
+        let mut used = self
+            .budget
+            .used
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *used -= self.pixels;
+        self.budget.freed.notify_all();
+    }
+}
+
+static DECODING: PixelBudget = PixelBudget::new(DECODE_PIXELS);
+
 /// One image, ready to send.
 #[derive(Clone, Debug)]
 pub struct Image {
@@ -422,6 +487,8 @@ fn prepare(
         Some(format) if !too_big && kind.sendable() == Some(format) => (format, bytes),
         _ => {
             let format = target.unwrap_or(ImageFormat::Png);
+            // Held until the image is encoded again and its pixels freed.
+            let _decoding = DECODING.take(u64::from(width) * u64::from(height));
             let mut decoded = reader()
                 .decode()
                 .map_err(|err| ImageError::bad(shown, format!("cannot be decoded: {err}")))?;
@@ -547,6 +614,40 @@ fn render_pdf(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn decodes_at_once_stay_within_the_pixel_budget_and_a_larger_image_goes_alone() {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let budget = PixelBudget::new(100);
+        let now = AtomicU64::new(0);
+        let most = AtomicU64::new(0);
+        let alone = AtomicU64::new(0);
+        std::thread::scope(|scope| {
+            for i in 0..16u64 {
+                let (budget, now, most, alone) = (&budget, &now, &most, &alone);
+                scope.spawn(move || {
+                    // Images of 30 pixels, and two of 250 (past the budget).
+                    let pixels = if i % 8 == 0 { 250 } else { 30 };
+                    let _held = budget.take(pixels);
+                    let counted = pixels.min(100);
+                    let at = now.fetch_add(counted, Ordering::SeqCst) + counted;
+                    most.fetch_max(at, Ordering::SeqCst);
+                    if pixels > 100 && at == 100 {
+                        alone.fetch_add(1, Ordering::SeqCst);
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                    now.fetch_sub(counted, Ordering::SeqCst);
+                });
+            }
+        });
+        assert!(most.load(Ordering::SeqCst) <= 100, "{most:?}");
+        assert_eq!(
+            alone.load(Ordering::SeqCst),
+            2,
+            "a large image is decoded alone"
+        );
+        assert_eq!(*budget.used.lock().unwrap(), 0);
+    }
 
     fn png(width: u32, height: u32) -> Vec<u8> {
         let image = image::RgbImage::from_fn(width, height, |x, y| {
