@@ -2021,6 +2021,75 @@ def write_pngs(folder, n, kb):
     return len(png)
 
 
+def write_large_png(path, side):
+    """A `side` x `side` RGB PNG of gradients with sparse noise (about
+    10 MB at 8,000 x 8,000): a scan of a large poster, say."""
+    import random
+    import struct
+    import zlib
+
+    rng = random.Random(1)
+    width = side * 3
+    noise = bytes(rng.getrandbits(8) for _ in range(width))
+    rows = [bytes(((x + y) // 32) % 256 for x in range(width)) for y in range(64)]
+    comp = zlib.compressobj(6)
+    parts = []
+    for y in range(side):
+        row = bytearray(rows[y % 64])
+        off = (y * 7) % width
+        spots = (noise[off:] + noise[:off])[::64]
+        row[::64] = spots[: len(row[::64])]
+        parts.append(comp.compress(b"\x00" + bytes(row)))
+    parts.append(comp.flush())
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    with open(path, "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n")
+        f.write(chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)))
+        f.write(chunk(b"IDAT", b"".join(parts)))
+        f.write(chunk(b"IEND", b""))
+    return os.path.getsize(path)
+
+
+def v3(args, work):
+    """Large images re-encoded at once (issue 42): `--items` items (8) of
+    one 8,000 x 8,000 PNG at concurrency 8 with `max_side: 1568`, against
+    the built-in mock; peak RSS of evalfleet (and of `--baseline`'s, in
+    the same rounds)."""
+    size = write_large_png(os.path.join(work, "large.png"), 8000)
+    dataset = os.path.join(work, "v3.jsonl")
+    with open(dataset, "w") as f:
+        for i in range(args.items):
+            f.write(json.dumps({"id": f"p{i}", "image": "large.png"}) + "\n")
+    config = os.path.join(work, "v3.yaml")
+    with open(config, "w") as f:
+        f.write(
+            "name: v3\n"
+            f"dataset: {{ path: {dataset}, id_field: id }}\n"
+            "endpoints:\n  - { name: m, kind: mock, concurrency: 8 }\n"
+            "task:\n  images: { max_side: 1568 }\n"
+            "  messages: [ { role: user, content: \"Read it.\", images: \"{{ image }}\" } ]\n"
+            "  params: { max_tokens: 16 }\n"
+        )
+    binaries = [("this", None)] + ([("baseline", os.path.abspath(args.baseline))] if args.baseline else [])
+    rounds = []
+    for i in range(args.rounds):
+        round_ = {}
+        for label, binary in binaries if i % 2 == 0 else binaries[::-1]:
+            run = evalfleet(["run", config, "--store", os.path.join(work, f"v3-{label}-{i}.db"), "-q"], work, pin=False, binary=binary)
+            round_[label] = {"seconds": run["wall"], "rss_mb": run["rss_mb"], "done": run.get("done")}
+        rounds.append(round_)
+    result = {"workload": "V3", "items": args.items, "png_bytes": size, "rounds": rounds}
+    print(json.dumps(result, indent=2))
+    for label, _ in binaries:
+        rss = [r[label]["rss_mb"] for r in rounds]
+        secs = [r[label]["seconds"] for r in rounds]
+        print(f"| V3 {label} | {args.items} items of one 8000 x 8000 PNG ({size / 1e6:.1f} MB), max_side 1568, concurrency 8 | peak RSS {', '.join(f'{r:.0f}' for r in rss)} MB; {', '.join(f'{s:.1f}' for s in secs)} s |")
+    return result
+
+
 def v1(args, work):
     """10,000 items each with its own PNG, against the mock, beside the same
     items as text only; peak RSS of evalfleet."""
@@ -3346,6 +3415,7 @@ WORKLOADS = {
     "c1": (c1, 1000),
     "r1": (r1, 48),
     "v1": (v1, 10_000),
+    "v3": (v3, 8),
     "a1": (a1, None),
     "a2": (a2, 2000),
     "a3": (a3, 1000),

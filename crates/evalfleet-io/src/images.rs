@@ -25,10 +25,12 @@ use evalfleet_config::{ImageFormat, ImageSettings, PdfPages};
 pub const PLACEHOLDER: &str = "evalfleet-image:sha256:";
 
 /// Pixels decoded at once in this process, whatever the images and however
-/// many items read them at once: a decoded image takes up to 4 bytes a
-/// pixel (and its scaled copy less), so decoding stays within about
-/// 4 x this many bytes (192 MiB) beside the files' own bytes. An image of
-/// more pixels than this is decoded alone.
+/// many items read them at once: a decoded image takes 3 or 4 bytes a
+/// pixel and scaling it down about as much again, so decoding stays within
+/// a few hundred MB (8 items of one 8,000 x 8,000 PNG at concurrency 8:
+/// 565-569 MB peak RSS for the whole run, against 1,985 MB unbounded; V3
+/// in docs/benchmarks.md). An image of more pixels than this is decoded
+/// alone.
 pub const DECODE_PIXELS: u64 = 48_000_000;
 
 /// The pixels being decoded now, over every thread.
