@@ -179,19 +179,24 @@ impl Reader {
             .rows
             .read_with_json(pending.offset, pending.line, row_id)?;
         let parsed = std::cell::OnceCell::from(row);
-        let keeper = crate::task::CallSink(
-            crate::outcome::CallKeeper {
-                claim,
-                writer: self.shared.writer.clone(),
-            }
-            .keep(),
-        );
-        let (episode, step) = self.shared.task.begin(
-            &ItemContext::new(&pending.item_id, &parsed, &row_json, sample)
-                .at_line(pending.line)
-                .numbered(pending.seq, pending.prior_attempts + 1)
-                .keeping(&keeper),
-        );
+        // Agents' calls are stored as each ends (a sink for the item's
+        // claim); other tasks make none.
+        let keeper = self.shared.task.keeps_calls().then(|| {
+            crate::task::CallSink(
+                crate::outcome::CallKeeper {
+                    claim,
+                    writer: self.shared.writer.clone(),
+                }
+                .keep(),
+            )
+        });
+        let context = ItemContext::new(&pending.item_id, &parsed, &row_json, sample)
+            .at_line(pending.line)
+            .numbered(pending.seq, pending.prior_attempts + 1);
+        let (episode, step) = self.shared.task.begin(&match &keeper {
+            Some(keeper) => context.keeping(keeper),
+            None => context,
+        });
         drop(parsed);
         let mut item = Item::new(
             self.shared.tally.clone(),

@@ -420,6 +420,10 @@ impl Task for Exec {
     fn work_limit(&self) -> usize {
         self.inner.settings.concurrency + self.chat.backend_queue()
     }
+
+    fn keeps_calls(&self) -> bool {
+        true
+    }
 }
 
 /// How an agent's answer is checked and scored: as a chat task's answer

@@ -246,6 +246,12 @@ pub trait Task: Send + Sync {
     fn work_limit(&self) -> usize {
         1
     }
+
+    /// Whether its items' calls go through the gateway, to be stored as
+    /// each ends ([`ItemContext::keeper`]).
+    fn keeps_calls(&self) -> bool {
+        false
+    }
 }
 
 /// Why a task cannot start.
