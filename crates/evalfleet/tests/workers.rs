@@ -65,6 +65,27 @@ pub(crate) async fn shared_run(env: &Env, lease: &str) -> evalfleet_mock::MockSe
     server
 }
 
+/// A second worker joins the run `shared` that `first` works on, and both
+/// finish it: every item answered and stored exactly once. The results.
+async fn joined_and_finished(
+    env: &Env,
+    mut first: tokio::process::Child,
+    server: &evalfleet_mock::MockServer,
+) -> std::collections::BTreeMap<String, serde_json::Value> {
+    let second = env.evalfleet(&["resume", "shared", "-q"]).await;
+    assert_eq!(second.code, Some(0), "{}", second.stderr);
+    let first = first.wait().await.unwrap();
+    assert_eq!(first.code(), Some(0));
+    let rows = by_id(&env.export("shared").await);
+    assert_eq!(rows.len(), ITEMS, "every item exactly once");
+    assert_eq!(
+        server.stats().completed,
+        ITEMS as u64,
+        "no item was answered twice"
+    );
+    rows
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_processes_share_one_sqlite_run_and_finish_it_exactly_once() {
     let env = Env::new();
@@ -77,19 +98,8 @@ async fn two_processes_share_one_sqlite_run_and_finish_it_exactly_once() {
         done(&env, "shared") >= 50
     })
     .await;
-    let second = env.evalfleet(&["resume", "shared", "-q"]).await;
-    assert_eq!(second.code, Some(0), "{}", second.stderr);
-    let first = first.wait().await.unwrap();
-    assert_eq!(first.code(), Some(0));
-
-    let rows = by_id(&env.export("shared").await);
-    assert_eq!(rows.len(), ITEMS, "every item exactly once");
+    let rows = joined_and_finished(&env, first, &server).await;
     assert!(rows.values().all(|r| r["status"] == "done"));
-    assert_eq!(
-        server.stats().completed,
-        ITEMS as u64,
-        "no item was answered twice"
-    );
     let sessions = env.attempts_by_session("shared");
     assert_eq!(
         sessions.len(),
@@ -254,15 +264,5 @@ async fn a_worker_in_another_pid_namespace_under_the_same_hostname_keeps_its_ite
         workers[0].pid, 1,
         "it is pid 1 in its namespace: {workers:?}"
     );
-    let second = env.evalfleet(&["resume", "shared", "-q"]).await;
-    assert_eq!(second.code, Some(0), "{}", second.stderr);
-    let first = first.wait().await.unwrap();
-    assert_eq!(first.code(), Some(0));
-    let rows = by_id(&env.export("shared").await);
-    assert_eq!(rows.len(), ITEMS, "every item exactly once");
-    assert_eq!(
-        server.stats().completed,
-        ITEMS as u64,
-        "no item was answered twice"
-    );
+    joined_and_finished(&env, first, &server).await;
 }
