@@ -93,7 +93,7 @@ async fn two_processes_share_one_sqlite_run_and_finish_it_exactly_once() {
     // late must not hand a live worker's items to the other, which would
     // answer them twice.
     let server = shared_run(&env, "10m").await;
-    let mut first = env.spawn(&["run", "run.yaml", "-q", "--run-id", "shared"]);
+    let first = env.spawn(&["run", "run.yaml", "-q", "--run-id", "shared"]);
     wait_until(ms(30_000), "the first worker has answered 50 items", || {
         done(&env, "shared") >= 50
     })
