@@ -245,7 +245,7 @@ async fn a_worker_in_another_pid_namespace_under_the_same_hostname_keeps_its_ite
     }
     let env = Env::new();
     let server = shared_run(&env, "10m").await;
-    let mut first = tokio::process::Command::new("unshare")
+    let first = tokio::process::Command::new("unshare")
         .args(["--pid", "--fork", "--mount-proc", crate::util::BIN])
         .args(["run", "run.yaml", "-q", "--run-id", "shared"])
         .current_dir(env.dir.path())
