@@ -5,7 +5,7 @@
 //! its own, and sends nothing for the others, which another worker may be
 //! answering already.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -20,8 +20,10 @@ pub struct LeaseGate {
     /// Until when every claim of the session surely holds: the last
     /// renewal's start (or the session's) plus the lease.
     holds_until_ms: AtomicU64,
-    /// Claims handed out in this session and not known lost.
-    issued: Mutex<HashSet<ClaimId>>,
+    /// Claims handed out in this session and not known lost, with when
+    /// the reader had them (a renewal that began before then may not know
+    /// them yet).
+    issued: Mutex<HashMap<ClaimId, Instant>>,
     /// Claims and items known lost (another worker may hold them).
     lost_claims: Mutex<HashSet<ClaimId>>,
     lost_items: Mutex<HashSet<u64>>,
@@ -35,7 +37,7 @@ impl LeaseGate {
         let gate = Self {
             base: Instant::now(),
             holds_until_ms: AtomicU64::new(0),
-            issued: Mutex::new(HashSet::new()),
+            issued: Mutex::new(HashMap::new()),
             lost_claims: Mutex::new(HashSet::new()),
             lost_items: Mutex::new(HashSet::new()),
             any_lost: AtomicBool::new(false),
@@ -53,18 +55,24 @@ impl LeaseGate {
     /// The reader took `claim`.
     pub fn claimed(&self, claim: ClaimId) {
         if let Ok(mut issued) = self.issued.lock() {
-            issued.insert(claim);
+            issued.insert(claim, Instant::now());
         }
     }
 
     /// A renewal that began at `started` renewed `held` (the worker's
-    /// claims that still hold) and says `lost` items were taken from it.
+    /// claims that still hold) and says `lost` items were taken from it. A
+    /// claim the reader had before the renewal began and that it did not
+    /// renew ran out; one it took since may not be known to it yet.
     pub fn renewed(&self, started: Instant, lease: Duration, held: &[ClaimId], lost: &[u64]) {
         let held: HashSet<ClaimId> = held.iter().copied().collect();
         let gone: Vec<ClaimId> = match self.issued.lock() {
             Ok(mut issued) => {
-                let gone = issued.difference(&held).copied().collect();
-                issued.retain(|claim| held.contains(claim));
+                let gone: Vec<ClaimId> = issued
+                    .iter()
+                    .filter(|(claim, had)| **had < started && !held.contains(claim))
+                    .map(|(claim, _)| *claim)
+                    .collect();
+                issued.retain(|claim, _| !gone.contains(claim));
                 gone
             }
             Err(_) => Vec::new(),
@@ -142,10 +150,19 @@ mod tests {
         };
         tokio::task::yield_now().await;
         assert!(!waiting.is_finished());
+        // A claim taken while the renewal runs is not among those it
+        // renewed, and is not lost for that.
+        let renewal = Instant::now();
+        tokio::time::advance(Duration::from_millis(5)).await;
+        gate.claimed(3);
         // It renews claim 2 only: claim 1 ran out, and item 21 was taken.
-        gate.renewed(Instant::now(), lease, &[2], &[21]);
+        gate.renewed(renewal, lease, &[2], &[21]);
         assert_eq!(waiting.await.unwrap(), (false, true));
         assert!(!gate.admit(2, 21).await);
         assert!(gate.admit(2, 22).await);
+        assert!(
+            gate.admit(3, 30).await,
+            "a claim newer than the renewal holds"
+        );
     }
 }
