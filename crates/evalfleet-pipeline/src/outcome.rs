@@ -24,40 +24,34 @@ impl Carry {
     }
 }
 
-/// Where an item's agent calls go as each ends (`kind: exec`): to the
-/// writer, under the item's claim, ahead of its result, so that a call is
-/// stored even when its attempt never ends (the run stopped or was
-/// killed).
-#[derive(Debug, Clone)]
-pub struct CallKeeper {
-    pub claim: ClaimId,
-    pub writer: tokio::sync::mpsc::Sender<Message>,
-}
-
-impl CallKeeper {
-    /// The gateway's sink for the calls of one of the item's attempts:
-    /// each goes to the writer when it has room; else it is given back, to
-    /// go with the attempt's record. It does not hold the writer open (a
-    /// call that ends after the writer does is given back).
-    pub fn keep(&self) -> evalfleet_gateway::Keep {
-        let (claim, writer) = (self.claim, self.writer.downgrade());
-        std::sync::Arc::new(move |call| {
-            let Some(writer) = writer.upgrade() else {
-                return Some(call);
-            };
-            let outcome = Outcome {
-                calls: vec![call],
-                ..Outcome::empty(claim)
-            };
-            match writer.try_send(Message::One(outcome)) {
-                Ok(()) => None,
-                Err(err) => match err.into_inner() {
-                    Message::One(mut outcome) => outcome.calls.pop(),
-                    Message::Many(_) => None,
-                },
-            }
-        })
-    }
+/// Where an item's agent calls go as each ends (`kind: exec`): the
+/// gateway's sink for the item of `claim`, which hands each call to the
+/// writer, ahead of the item's result, so that a call is stored even when
+/// its attempt never ends (the run stopped or was killed). A call the
+/// writer has no room for now is given back, to go with the attempt's
+/// record; the sink does not hold the writer open (a call that ends after
+/// the writer does is given back too).
+pub fn call_sink(
+    claim: ClaimId,
+    writer: &tokio::sync::mpsc::Sender<Message>,
+) -> evalfleet_gateway::Keep {
+    let writer = writer.downgrade();
+    std::sync::Arc::new(move |call| {
+        let Some(writer) = writer.upgrade() else {
+            return Some(call);
+        };
+        let outcome = Outcome {
+            calls: vec![call],
+            ..Outcome::empty(claim)
+        };
+        match writer.try_send(Message::One(outcome)) {
+            Ok(()) => None,
+            Err(err) => match err.into_inner() {
+                Message::One(mut outcome) => outcome.calls.pop(),
+                Message::Many(_) => None,
+            },
+        }
+    })
 }
 
 /// What an attempt task hands to the writer.

@@ -181,15 +181,10 @@ impl Reader {
         let parsed = std::cell::OnceCell::from(row);
         // Agents' calls are stored as each ends (a sink for the item's
         // claim); other tasks make none.
-        let keeper = self.shared.task.keeps_calls().then(|| {
-            crate::task::CallSink(
-                crate::outcome::CallKeeper {
-                    claim,
-                    writer: self.shared.writer.clone(),
-                }
-                .keep(),
-            )
-        });
+        let keeper =
+            self.shared.task.keeps_calls().then(|| {
+                crate::task::CallSink(crate::outcome::call_sink(claim, &self.shared.writer))
+            });
         let context = ItemContext::new(&pending.item_id, &parsed, &row_json, sample)
             .at_line(pending.line)
             .numbered(pending.seq, pending.prior_attempts + 1);

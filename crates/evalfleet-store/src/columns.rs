@@ -209,32 +209,25 @@ pub(crate) fn endpoint_states(
     let updated_at_ms = rows.iter().map(|(_, at)| *at).max().unwrap_or(0);
     // Rows come by endpoint, a row per worker that saw it: summed, the
     // figures of the moment (limit, calls in flight, state) only from the
-    // workers whose snapshot is current.
-    let mut endpoints: Vec<evalfleet_types::EndpointSnapshot> = Vec::new();
-    let mut first_live: Vec<bool> = Vec::new();
-    for (json, at) in rows {
-        let snapshot: evalfleet_types::EndpointSnapshot = serde_json::from_str(&json)
-            .map_err(|err| StoreError::backend("a stored endpoint state cannot be read", err))?;
-        let live = at >= updated_at_ms - SNAPSHOT_CURRENT_MS;
-        match endpoints.last_mut() {
-            Some(last) if last.endpoint == snapshot.endpoint => {
-                let was_live = first_live.last().copied().unwrap_or(true);
-                if !was_live && live {
-                    // The first row was stale: the current one leads.
-                    let stale = std::mem::replace(last, snapshot);
-                    last.merge(&stale, false);
-                    if let Some(flag) = first_live.last_mut() {
-                        *flag = true;
-                    }
-                } else {
-                    last.merge(&snapshot, live);
-                }
-            }
-            _ => {
-                endpoints.push(snapshot);
-                first_live.push(live);
+    // workers whose snapshot is current; a current one leads.
+    let seen = rows
+        .into_iter()
+        .map(|(json, at)| {
+            serde_json::from_str::<evalfleet_types::EndpointSnapshot>(&json)
+                .map(|snapshot| (snapshot, at >= updated_at_ms - SNAPSHOT_CURRENT_MS))
+                .map_err(|err| StoreError::backend("a stored endpoint state cannot be read", err))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut endpoints = Vec::new();
+    for rows in seen.chunk_by(|a, b| a.0.endpoint == b.0.endpoint) {
+        let lead = rows.iter().position(|(_, live)| *live).unwrap_or(0);
+        let mut summed = rows[lead].0.clone();
+        for (i, (snapshot, live)) in rows.iter().enumerate() {
+            if i != lead {
+                summed.merge(snapshot, *live);
             }
         }
+        endpoints.push(summed);
     }
     Ok(Some(crate::EndpointStates {
         updated_at_ms,

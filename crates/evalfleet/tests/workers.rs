@@ -46,9 +46,24 @@ fn lock_is_free(env: &Env) -> bool {
 /// A config of `ITEMS` items, 4 calls at once, 20 ms each, leases of
 /// `lease`.
 pub(crate) async fn shared_run(env: &Env, lease: &str) -> evalfleet_mock::MockServer {
-    let dataset = env.dataset("items.jsonl", ITEMS);
+    run_yaml(env, ITEMS, 20, 4, lease, 32, 20).await
+}
+
+/// `run.yaml`: `items` items, `concurrency` calls at once to a mock of
+/// `latency_ms`, leases of `lease`, batches of `batch` committed at least
+/// every `flush_ms`.
+async fn run_yaml(
+    env: &Env,
+    items: usize,
+    latency_ms: u64,
+    concurrency: u32,
+    lease: &str,
+    batch: usize,
+    flush_ms: u64,
+) -> evalfleet_mock::MockServer {
+    let dataset = env.dataset("items.jsonl", items);
     let server = mock(MockSettings {
-        latency: ms(20),
+        latency: ms(latency_ms),
         ..MockSettings::default()
     })
     .await;
@@ -56,9 +71,9 @@ pub(crate) async fn shared_run(env: &Env, lease: &str) -> evalfleet_mock::MockSe
         "run.yaml",
         &config(
             &dataset,
-            &external("gpu", &server, 4),
+            &external("gpu", &server, concurrency),
             &format!(
-                "timeouts: {{ lease: {lease} }}\nwriter: {{ batch_size: 32, flush_interval: 20ms }}"
+                "timeouts: {{ lease: {lease} }}\nwriter: {{ batch_size: {batch}, flush_interval: {flush_ms}ms }}"
             ),
         ),
     );
@@ -277,20 +292,7 @@ async fn a_run_whose_claims_come_while_its_leases_are_renewed_finishes_every_ite
     // build (the W6 bench's first run, 200,000 items in release, caught it
     // 2 times in 3).
     let env = Env::new();
-    let dataset = env.dataset("items.jsonl", 6_000);
-    let server = mock(MockSettings {
-        latency: ms(2),
-        ..MockSettings::default()
-    })
-    .await;
-    env.write(
-        "run.yaml",
-        &config(
-            &dataset,
-            &external("m", &server, 32),
-            "timeouts: { lease: 300ms }\nwriter: { batch_size: 64, flush_interval: 5ms }",
-        ),
-    );
+    let _server = run_yaml(&env, 6_000, 2, 32, "300ms", 64, 5).await;
     let ran = env
         .evalfleet(&["run", "run.yaml", "-q", "--run-id", "r"])
         .await;

@@ -14,6 +14,7 @@ use evalfleet_types::{Assessment, ErrorClass, ItemStatus, Scores, Verdict, now_m
 use postgres::Row;
 use postgres::types::ToSql;
 
+use super::call_row::{get_u32, unsigned};
 use super::{Fail, PgStore, Tx, db_err, json_column, json_err, unknown};
 use crate::columns::FAILURE;
 
@@ -333,21 +334,26 @@ impl Results for PgStore {
         let context = "cannot read attempts";
         let rid = self.with(context, |conn| conn.rid(run_id))?;
         let (from, to) = (stored_seq(*seqs.start()), stored_seq(*seqs.end()));
-        let rows = self.with(context, |conn| {
-            Ok(conn.client.query(
-                "SELECT seq, attempt, error FROM attempts
-                 WHERE rid = $1 AND seq BETWEEN $2 AND $3 ORDER BY seq, attempt",
-                &[&rid, &from, &to],
-            )?)
+        // Read and checked as every reader of these columns is (a stored
+        // number out of range is an invariant broken, not one to wrap).
+        let ends = self.with(context, |conn| {
+            conn.client
+                .query(
+                    "SELECT seq, attempt, error FROM attempts
+                     WHERE rid = $1 AND seq BETWEEN $2 AND $3 ORDER BY seq, attempt",
+                    &[&rid, &from, &to],
+                )?
+                .iter()
+                .map(|row| {
+                    Ok(crate::AttemptEnd {
+                        seq: unsigned(row.try_get::<_, i64>(0)?, "an item's seq")?,
+                        attempt: get_u32(row, 1, "an attempt number")?,
+                        error: row.try_get(2)?,
+                    })
+                })
+                .collect::<Tx<Vec<_>>>()
         })?;
-        let err = db_err(context);
-        for row in rows {
-            each(crate::AttemptEnd {
-                seq: u64::try_from(row.try_get::<_, i64>(0).map_err(&err)?).unwrap_or(0),
-                attempt: u32::try_from(row.try_get::<_, i32>(1).map_err(&err)?).unwrap_or(0),
-                error: row.try_get(2).map_err(&err)?,
-            });
-        }
+        ends.into_iter().for_each(each);
         Ok(())
     }
 
