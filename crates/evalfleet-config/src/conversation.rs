@@ -16,6 +16,14 @@ use evalfleet_eval::balance::{Need, RewardSettings, Strategy, TargetRule};
 /// `task.conversation:`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ConversationSettings {
+    /// Whose rules the episode follows: the original system's, step for
+    /// step (`docs/conversation.md`, "rules: original"), or evalfleet's
+    /// corrections of them. Default `corrected`.
+    pub rules: Rules,
+    /// `rules: original`: a persona line without hiragana is replaced by
+    /// the original's fallback line, as its human simulator does (it
+    /// speaks Japanese). Default false; `evalfleet convert` sets it.
+    pub require_hiragana: bool,
     /// Episodes to simulate when the config has no `dataset:` (each an
     /// item `{"episode": i}`); `evalfleet simulate --sessions N` overrides
     /// it. Default 10.
@@ -63,6 +71,26 @@ pub struct ConversationSettings {
     /// Episodes per line of `batch_summary.jsonl` and `metrics.jsonl` (a
     /// PPO batch; `evalfleet env --batch-size` overrides it). Default 16.
     pub batch_size: u32,
+}
+
+/// Whose rules an episode follows (`task.conversation.rules`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Rules {
+    /// The original system's (yoshinari0312/policyRL_relation_robot at
+    /// aa1a845), its quirks included.
+    Original,
+    /// evalfleet's: the original's bugs fixed, each a named option.
+    #[default]
+    Corrected,
+}
+
+impl Rules {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Original => "original",
+            Self::Corrected => "corrected",
+        }
+    }
 }
 
 /// One human persona.
@@ -260,6 +288,15 @@ impl ConversationSettings {
 /// the rules of balance and reward). Default: every key's default.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 pub(super) struct RawConversation {
+    /// `original`: every rule as the original system's code plays it,
+    /// step for step, its quirks included (`docs/conversation.md`);
+    /// `corrected`: evalfleet's rules, the original's bugs fixed (each
+    /// difference listed there). Default `corrected`.
+    rules: Option<String>,
+    /// `rules: original`: replace a persona line without hiragana by the
+    /// original's fallback line (its human simulator speaks Japanese).
+    /// Default `false`.
+    require_hiragana: Option<bool>,
     /// Episodes to simulate when the config has no `dataset:` (each an item
     /// `{"episode": i}`); `evalfleet simulate --sessions N` overrides it.
     /// Default 10.
@@ -523,6 +560,23 @@ pub(super) fn conversation(
     if sessions == 0 {
         bad(p, "sessions", "must be at least 1, got 0".to_owned());
     }
+    let rules = match raw.rules.as_deref() {
+        None => Rules::default(),
+        Some(name) => match [Rules::Original, Rules::Corrected]
+            .into_iter()
+            .find(|r| r.as_str() == name)
+        {
+            Some(rules) => rules,
+            None => {
+                bad(
+                    p,
+                    "rules",
+                    format!("must be original or corrected, got '{name}'"),
+                );
+                Rules::default()
+            }
+        },
+    };
     let max_rounds = raw.max_rounds.unwrap_or(6);
     if !(1..=1000).contains(&max_rounds) {
         bad(
@@ -884,6 +938,8 @@ pub(super) fn conversation(
         bad(p, "batch_size", "must be at least 1, got 0".to_owned());
     }
     let settings = ConversationSettings {
+        rules,
+        require_hiragana: raw.require_hiragana.unwrap_or(false),
         persona_messages: persona_call?.messages,
         sessions,
         max_rounds,

@@ -39,7 +39,7 @@ use serde_json::{Map, Value};
 pub use admission::Admission;
 pub use conversation::{
     AlarmSettings, CallSettings, ConversationSettings, EmaFormula, HistoryWindows, Persona,
-    PolicyKind, PolicySettings, ScorerKind, ScorerSettings, ToneWords,
+    PolicyKind, PolicySettings, Rules, ScorerKind, ScorerSettings, ToneWords,
 };
 pub use endpoint::{
     AimdSettings, EndpointConfig, EndpointKind, EndpointRole, Engine, HealthSettings, LimitMode,

@@ -8,6 +8,8 @@
 //! that the environment server can drive the same episodes step by step.
 
 pub mod gym;
+pub mod original;
+mod pyrandom;
 pub mod relations;
 pub mod sim;
 
@@ -313,7 +315,8 @@ impl EpisodeState {
     fn transition(&self, decision: Option<&sim::Decision>) -> gym::Transition {
         let first = decision.is_some_and(|d| d.step == 0);
         // The step the trainer's last action began (none before the first).
-        let last = self.sim.steps().last().filter(|_| !first);
+        let steps = self.sim.steps();
+        let last = steps.last().filter(|_| !first);
         let ending = self.sim.ending();
         let observation = decision.map(|d| {
             let mut observation = serde_json::to_value(d).unwrap_or_default();

@@ -1,6 +1,6 @@
 use super::*;
 use evalfleet_config::{
-    AlarmSettings, CallSettings, HistoryWindows, Persona, PolicyKind, PolicySettings,
+    AlarmSettings, CallSettings, HistoryWindows, Persona, PolicyKind, PolicySettings, Rules,
     ScorerSettings,
 };
 use evalfleet_eval::balance::RewardSettings;
@@ -14,6 +14,8 @@ fn call() -> CallSettings {
 
 fn settings(edit: impl FnOnce(&mut ConversationSettings)) -> Arc<ConversationSettings> {
     let mut s = ConversationSettings {
+        rules: Rules::Corrected,
+        require_hiragana: false,
         sessions: 1,
         max_rounds: 6,
         max_steps: 0,
@@ -425,7 +427,7 @@ fn the_adaptive_smoothing_weighs_a_pair_by_its_new_utterances() {
         s.scorer.ema_formula = EmaFormula::Adaptive;
         s.scorer.decay_factor = 1.5;
     });
-    let mut sim = Sim::new(s, "e", None);
+    let mut sim = Corrected::new(s, "e", None);
     let said = |who: &[&str]| -> Vec<Utterance> {
         who.iter()
             .map(|w| Utterance {
@@ -554,7 +556,7 @@ fn smoothing_mixes_each_score_with_the_last() {
 #[test]
 fn windows_hold_the_last_human_utterances_and_the_robots_among_them() {
     let s = settings(|s| s.history.persona = 2);
-    let mut sim = Sim::new(s, "e", None);
+    let mut sim = Corrected::new(s, "e", None);
     for (speaker, text) in [
         ("A", "a1"),
         ("robot", "r0"),
