@@ -306,7 +306,10 @@ pub(super) struct RawConversation {
     /// end. Default 6.
     max_rounds: Option<u32>,
     /// Decisions after which an episode ends (truncated); 0: no limit.
-    /// `--max-steps` overrides it. Default 0.
+    /// With `rules: original`, the environment's steps (decisions and the
+    /// trainer's steps in stable states) after which it ends, at least 1
+    /// (`max_rounds` is unused there, as in the original). `--max-steps`
+    /// overrides it. Default 0 (`rules: original`: 8).
     max_steps: Option<u32>,
     /// Seed of every random draw (needs, a random policy): an episode's
     /// draws depend only on it and the episode's id. Default 0.
@@ -937,13 +940,23 @@ pub(super) fn conversation(
     if batch_size == 0 {
         bad(p, "batch_size", "must be at least 1, got 0".to_owned());
     }
+    let max_steps = raw
+        .max_steps
+        .unwrap_or(if rules == Rules::Original { 8 } else { 0 });
+    if rules == Rules::Original && max_steps == 0 {
+        bad(
+            p,
+            "max_steps",
+            "must be at least 1 with rules: original, which ends an episode only there (the original's config has 8)".to_owned(),
+        );
+    }
     let settings = ConversationSettings {
         rules,
         require_hiragana: raw.require_hiragana.unwrap_or(false),
         persona_messages: persona_call?.messages,
         sessions,
         max_rounds,
-        max_steps: raw.max_steps.unwrap_or(0),
+        max_steps,
         seed: raw.seed.unwrap_or(0),
         personas,
         topics,

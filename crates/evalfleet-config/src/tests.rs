@@ -1091,6 +1091,25 @@ fn a_conversation_s_rule_keys_are_read_and_checked() {
             "task.conversation.scorer.ema_formula: must be fixed or adaptive, got 'smooth'",
         ]
     );
+    // rules: original ends episodes at max_steps only: 8 by default, and
+    // never 0.
+    let config = load("    rules: original\n").unwrap();
+    let c = config.config.task.kind.conversation().unwrap();
+    assert_eq!(c.rules, crate::Rules::Original);
+    assert_eq!(c.max_steps, 8);
+    let config = load("    sessions: 2\n").unwrap();
+    let c = config.config.task.kind.conversation().unwrap();
+    assert_eq!((c.rules, c.max_steps), (crate::Rules::Corrected, 0));
+    assert_eq!(
+        problems("    rules: originel\n"),
+        ["task.conversation.rules: must be original or corrected, got 'originel'"]
+    );
+    assert_eq!(
+        problems("    rules: original\n    max_steps: 0\n"),
+        [
+            "task.conversation.max_steps: must be at least 1 with rules: original, which ends an episode only there (the original's config has 8)"
+        ]
+    );
     assert_eq!(
         problems("    scorer: { ema_formula: fixed, decay_factor: 1.5 }\n"),
         [

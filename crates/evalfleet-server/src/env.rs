@@ -52,7 +52,11 @@ pub struct EnvServer {
 #[serde(deny_unknown_fields)]
 struct StepBody {
     env_id: String,
+    #[serde(default)]
     action: Value,
+    /// The model's raw output instead of an action: read by the rules of
+    /// the run.
+    output: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -141,11 +145,24 @@ async fn step(
     State(env): State<Arc<EnvServer>>,
     body: Result<Json<StepBody>, JsonRejection>,
 ) -> Response {
-    let body = match read(body, r#"{"env_id": "...", "action": 1..4 or "invalid"}"#) {
+    let body = match read(
+        body,
+        r#"{"env_id": "...", "action": 1..4 or "invalid"} or {"env_id": "...", "output": "the model's raw output"}"#,
+    ) {
         Ok(body) => body,
         Err(message) => return error(StatusCode::BAD_REQUEST, message),
     };
-    let Some(action) = action_of(&body.action) else {
+    let action = match body.output {
+        Some(output) if body.action.is_null() => Some(Action::Output(output)),
+        Some(_) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "give an action or the model's output, not both",
+            );
+        }
+        None => action_of(&body.action),
+    };
+    let Some(action) = action else {
         return error(
             StatusCode::BAD_REQUEST,
             format!(

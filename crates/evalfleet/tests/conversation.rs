@@ -535,7 +535,7 @@ fn stored_as_played(rows: &BTreeMap<String, Value>, played: &Value) -> (usize, u
 pub(crate) const TRAINER: &str = "    policy: { kind: random }\n";
 
 /// `evalfleet env ARGS` on a free port, and its address.
-async fn env_server(env: &Env, args: &[&str]) -> (tokio::process::Child, String) {
+pub(crate) async fn env_server(env: &Env, args: &[&str]) -> (tokio::process::Child, String) {
     use tokio::io::AsyncBufReadExt;
     let mut all = vec!["env"];
     all.extend(args);
@@ -553,7 +553,7 @@ async fn env_server(env: &Env, args: &[&str]) -> (tokio::process::Child, String)
 
 /// POSTs `body` to the server's `path`: the status and the JSON answer
 /// (within 20 s: no request waits longer than it asks).
-async fn post(url: &str, path: &str, body: Value) -> (u16, Value) {
+pub(crate) async fn post(url: &str, path: &str, body: Value) -> (u16, Value) {
     let answer = tokio::time::timeout(
         ms(20_000),
         crate::serve::client()
@@ -569,7 +569,7 @@ async fn post(url: &str, path: &str, body: Value) -> (u16, Value) {
 }
 
 /// A reset that hands out an episode: its answer.
-async fn reset(url: &str) -> Value {
+pub(crate) async fn reset(url: &str) -> Value {
     let (status, answer) = post(url, "/v1/reset", json!({})).await;
     assert_eq!(status, 200, "{answer}");
     answer

@@ -333,3 +333,257 @@ async fn a_bad_original_config_is_told_which_key_and_what() {
         ran.stderr
     );
 }
+
+/// The original's triggers (app/config.local.yaml at aa1a845): fifteen
+/// every persona holds, five each pair holds.
+fn original_triggers() -> [Vec<&'static str>; 3] {
+    let all = [
+        "お金",
+        "外見",
+        "時間や締め切り",
+        "健康",
+        "仕事",
+        "恋愛",
+        "政治",
+        "宗教",
+        "法律・権利",
+        "自然・環境",
+        "家族",
+        "友人",
+        "交通",
+        "天気",
+        "プライバシー・セキュリティ",
+    ];
+    let ab = ["勉強", "研究", "読書", "歴史", "宇宙"];
+    let bc = ["ゲーム", "アニメ", "ドラマ", "音楽", "動物・ペット"];
+    let ca = ["旅行", "温泉", "食べ物", "映画", "国際・異文化"];
+    [
+        [&all[..], &ab, &ca].concat(),
+        [&all[..], &ab, &bc].concat(),
+        [&all[..], &bc, &ca].concat(),
+    ]
+}
+
+/// A scenario's config under `rules: original`: every call's message says
+/// what the scripted mock answers (the scorer's and the personas' by the
+/// utterances spoken so far, as the vectors' script keys them).
+fn scenario_config(scenario: &Value, base_url: &str, dataset: &Path) -> String {
+    let env = &scenario["config"]["env"];
+    let num = |key: &str, default: u64| env[key].as_u64().unwrap_or(default);
+    let personas: Vec<String> = ["A", "B", "C"]
+        .iter()
+        .zip(original_triggers())
+        .map(|(name, t)| {
+            format!(
+                "      - {{ name: {name}, landmines: {} }}",
+                serde_json::to_string(&t).unwrap()
+            )
+        })
+        .collect();
+    format!(
+        r#"name: original
+dataset: {{ path: "{}", id_field: id }}
+endpoints:
+  - {{ name: gpu, kind: external, base_url: "{base_url}", model: m, concurrency: 1 }}
+task:
+  kind: conversation
+  params: {{ max_tokens: 64 }}
+  conversation:
+    rules: original
+    require_hiragana: true
+    max_steps: {}
+    personas:
+{}
+    history: {{ persona: 12, scorer: 3, policy: 3, robot: 6 }}
+    persona_messages: [{{ role: user, content: "say {{{{ spoken }}}}" }}]
+    topic: {{ messages: [{{ role: user, content: "topic" }}] }}
+    scorer:
+      messages: [{{ role: user, content: "score {{{{ spoken }}}}" }}]
+      use_ema: {}
+      ema_formula: adaptive
+      decay_factor: 1.5
+      start_relation_check_after_utterances: {}
+    policy: {{ kind: external, messages: [{{ role: user, content: "{{{{ observation }}}}" }}] }}
+    robot: {{ messages: [{{ role: user, content: "robot" }}] }}
+    rewards:
+      stable_bonus: 2.0
+      preference_match_bonus: 0.5
+      evaluation_horizon: 3
+      terminal_bonus_duration: 2
+      invalid_penalty: 1.0
+      filter_zero_rewards: true
+      max_auto_skip: {}
+"#,
+        dataset.display(),
+        num("max_steps", 8),
+        personas.join("\n"),
+        scenario["config"]["scorer"]["use_ema"]
+            .as_bool()
+            .unwrap_or(false),
+        num("start_relation_check_after_utterances", 3),
+        num("max_auto_skip", 10),
+    )
+}
+
+/// The mock's script of a scenario: the persona line and the scorer's
+/// reply for each number of utterances spoken, the robot's and the
+/// topic's lines in turn (the vectors script's defaults).
+fn scenario_answers(scenario: &Value) -> String {
+    let utterances = scenario["utterances"].as_array().unwrap();
+    let replies = scenario["scorer_replies"].as_object().unwrap();
+    let mut lines = Vec::new();
+    for (n, line) in utterances.iter().enumerate() {
+        lines.push(serde_json::json!({"prompt": format!("say {n}"), "replies": [line]}));
+    }
+    for n in 0..=utterances.len() {
+        let at = replies
+            .keys()
+            .filter_map(|k| k.parse::<usize>().ok())
+            .filter(|&k| k <= n)
+            .max();
+        if let Some(at) = at {
+            lines.push(serde_json::json!({"prompt": format!("score {n}"), "replies": [replies[&at.to_string()]]}));
+        }
+    }
+    let robot: Vec<String> = (1..=40)
+        .map(|i| format!("ロボットの介入その{i}です。"))
+        .collect();
+    let topics: Vec<String> = (1..=10).map(|i| format!("話題その{i}")).collect();
+    lines.push(serde_json::json!({"prompt": "robot", "samples": robot}));
+    lines.push(serde_json::json!({"prompt": "topic", "samples": topics}));
+    lines
+        .iter()
+        .map(Value::to_string)
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_originals_scenarios_play_through_the_environment_server_as_its_code_played_them() {
+    use crate::conversation::{env_server, post, reset};
+    use serde_json::json;
+    let data = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/original"));
+    let read = |name: &str| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(data.join(name)).unwrap()).unwrap()
+    };
+    let scenarios = read("conversation_scenarios.json");
+    let vectors = read("conversation_vectors.json");
+    let mut played = 0;
+    for (scenario, vector) in scenarios["scenarios"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(vectors["scenarios"].as_array().unwrap())
+    {
+        let name = scenario["name"].as_str().unwrap();
+        // The original's first episode: its events to the first `done`.
+        let events = vector["events"].as_array().unwrap();
+        let end = events
+            .iter()
+            .position(|e| e["done"] == true)
+            .map_or(events.len(), |i| i + 1);
+        let first = &events[..end];
+        let prompts: Vec<&str> = first
+            .iter()
+            .filter(|e| e["event"] == "policy_prompt")
+            .map(|e| e["observation"].as_str().unwrap())
+            .collect();
+        if prompts.is_empty() {
+            // An episode that ends before any decision has nothing to
+            // hand a trainer (stable_step_to_done: played by the unit
+            // test).
+            continue;
+        }
+        let rewards: Vec<f64> = first
+            .iter()
+            .filter(|e| e["event"] == "decision")
+            .map(|e| e["total_reward"].as_f64().unwrap())
+            .collect();
+        let spoken: Vec<&str> = first
+            .iter()
+            .flat_map(|e| e["utterances"].as_array().into_iter().flatten())
+            .map(|u| u["spoken"].as_str().unwrap())
+            .collect();
+        let scorer_calls: u64 = first
+            .iter()
+            .flat_map(|e| e["scorer_calls"].as_array().into_iter().flatten())
+            .map(|c| c["llm_calls"].as_u64().unwrap())
+            .sum();
+
+        let env = Env::new();
+        let answers = env.write("answers.jsonl", &scenario_answers(scenario));
+        let mock = crate::util::scripted(answers).await;
+        let dataset = env.write(
+            "episodes.jsonl",
+            &format!("{}\n", json!({"id": "e0", "seed": scenario["seed"]})),
+        );
+        env.write(
+            "original.yaml",
+            &scenario_config(scenario, &mock.base_url(), &dataset),
+        );
+        let (mut server, url) = env_server(
+            &env,
+            &["original.yaml", "--run-id", "orig", "--exit-when-done"],
+        )
+        .await;
+        let mut answer = reset(&url).await;
+        let env_id = answer["env_id"].as_str().unwrap().to_owned();
+        let actions = scenario["actions"].as_array().unwrap();
+        let mut got_prompts = Vec::new();
+        let mut got_rewards = Vec::new();
+        for action in actions {
+            let prompt = answer["observation"]["prompt"][0]["content"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{name}: no prompt in {answer}"))
+                .to_owned();
+            got_prompts.push(prompt);
+            let (status, next) = post(
+                &url,
+                "/v1/step",
+                json!({"env_id": env_id, "output": action}),
+            )
+            .await;
+            assert_eq!(status, 200, "{name}: {next}");
+            got_rewards.push(next["reward"].as_f64().unwrap());
+            answer = next;
+            if answer["terminated"] == true || answer["truncated"] == true {
+                break;
+            }
+        }
+        assert_eq!(got_prompts, prompts, "{name}: the policy's prompts");
+        assert_eq!(got_rewards, rewards, "{name}: the rewards");
+        let status = tokio::time::timeout(crate::util::ms(30_000), server.wait())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(status.success(), "{name}: {status:?}");
+        let rows = env.export("orig").await;
+        assert_eq!(rows.len(), 1, "{name}");
+        assert_eq!(rows[0]["status"], "done", "{name}: {}", rows[0]);
+        let output: Value = serde_json::from_str(rows[0]["output"].as_str().unwrap()).unwrap();
+        let mut stored: Vec<&str> = Vec::new();
+        for restart in output["restarts"].as_array().unwrap() {
+            stored.extend(
+                restart["conversation"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .filter(|u| u["speaker"] != "robot")
+                    .map(|u| u["text"].as_str().unwrap()),
+            );
+        }
+        stored.extend(
+            output["conversation"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|u| u["speaker"] != "robot")
+                .map(|u| u["text"].as_str().unwrap()),
+        );
+        assert_eq!(stored, spoken, "{name}: the persona lines");
+        assert_eq!(output["scorer_calls"], scorer_calls, "{name}: scorer calls");
+        assert_eq!(output["rules"], "original", "{name}");
+        played += 1;
+    }
+    assert!(played >= 18, "{played} scenarios played");
+}

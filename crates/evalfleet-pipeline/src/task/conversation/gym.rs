@@ -38,10 +38,15 @@ pub struct Transition {
 }
 
 /// What became of a decision handed to the trainer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
     /// The trainer chose a strategy.
     Strategy(Strategy),
+    /// The trainer's model's raw output, for the environment to read as
+    /// its rules do (`rules: original`: as the original trainer did, think
+    /// tags stripped and the first digit 1-4 taken; `corrected`: one digit
+    /// alone).
+    Output(String),
     /// The trainer's model gave nothing it could read (`"invalid"`).
     Invalid,
     /// The trainer closed the environment: the episode stops.

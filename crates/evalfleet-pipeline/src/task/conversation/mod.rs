@@ -102,7 +102,8 @@ impl Task for Conversation {
             }
             _ => None,
         };
-        let mut sim = Sim::new(settings.clone(), item.item_id, topic);
+        let seed = row.get("seed").and_then(Value::as_u64);
+        let mut sim = Sim::seeded(settings.clone(), item.item_id, topic, seed);
         let next = sim.start();
         let state = Arc::new(Mutex::new(EpisodeState {
             inner: self.inner.clone(),
@@ -255,6 +256,7 @@ impl EpisodeState {
             let mut this = lock(&shared);
             let next = match action {
                 gym::Action::Strategy(strategy) => this.sim.act(Some(strategy)),
+                gym::Action::Output(output) => this.sim.act_output(&output),
                 gym::Action::Invalid => this.sim.act_invalid("trainer"),
                 gym::Action::TimedOut => {
                     this.abandoned = true;

@@ -516,6 +516,8 @@ impl Env {
         vars.insert("topic".to_owned(), json!(self.topic));
         vars.insert("turn".to_owned(), json!(humans(&self.logs)));
         vars.insert("step".to_owned(), json!(self.steps.len()));
+        // Human utterances spoken in the episode so far (restarts too).
+        vars.insert("spoken".to_owned(), json!(self.human_utterances));
         for (key, p) in [("name_a", 0), ("name_b", 1), ("name_c", 2)] {
             vars.insert(key.to_owned(), json!(self.settings.personas[p].name));
         }
@@ -1750,6 +1752,12 @@ impl Original {
             None => Choice::Invalid("reply".to_owned()),
         };
         self.resume(Some(Input::Choice(choice)))
+    }
+
+    /// The decision due from a model's raw output, read as reward_fn reads
+    /// it.
+    pub fn act_output(&mut self, output: &str) -> Next {
+        self.resume(Some(Input::Choice(Choice::Reply(output.to_owned()))))
     }
 
     pub fn act_invalid(&mut self, reason: &str) -> Next {

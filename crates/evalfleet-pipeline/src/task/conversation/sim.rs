@@ -262,8 +262,23 @@ impl Sim {
     /// Episode `episode`; `topic` when it is given (fixed topics, or the
     /// dataset's row), else it is asked for.
     pub fn new(settings: Arc<ConversationSettings>, episode: &str, topic: Option<String>) -> Self {
+        Self::seeded(settings, episode, topic, None)
+    }
+
+    /// The same, with the episode's own seed (a dataset row's `seed`):
+    /// under `rules: original`, what Python's `random.seed` is given
+    /// before the environment is made.
+    pub fn seeded(
+        settings: Arc<ConversationSettings>,
+        episode: &str,
+        topic: Option<String>,
+        seed: Option<u64>,
+    ) -> Self {
         match settings.rules {
-            Rules::Original => Self::Original(Box::new(Original::new(settings, episode, topic))),
+            Rules::Original => Self::Original(Box::new(match seed {
+                Some(seed) => Original::seeded(settings, episode, topic, seed, 1),
+                None => Original::new(settings, episode, topic),
+            })),
             Rules::Corrected => Self::Corrected(Box::new(Corrected::new(settings, episode, topic))),
         }
     }
@@ -325,6 +340,21 @@ impl Sim {
     /// The policy's call for the decision due (when the policy is a model).
     pub fn ask_policy(&mut self) -> Next {
         both!(self, sim => sim.ask_policy())
+    }
+
+    /// The decision due, from a model's raw `output` read by the episode's
+    /// rules (a trainer's `output`).
+    pub fn act_output(&mut self, output: &str) -> Next {
+        match self {
+            Sim::Corrected(sim) => {
+                let strategy = Strategy::parse_reply(output);
+                if let Some(current) = &mut sim.current {
+                    current.policy_reply = Some(output.to_owned());
+                }
+                sim.act(strategy)
+            }
+            Sim::Original(sim) => sim.act_output(output),
+        }
     }
 
     /// The strategy chosen at the decision due; `None`: invalid.
