@@ -35,7 +35,7 @@ use evalfleet_eval::balance::{Edge, Need, Person, Reward, Strategy, Triangle};
 
 /// The robot's name in the original's logs and prompts.
 pub const ROBOT: &str = "ロボット";
-/// `humans_ollama.py:347`: what a persona says when its model gave no line
+/// `humans_ollama.py:305`: what a persona says when its model gave no line
 /// with hiragana.
 pub const PERSONA_FALLBACK: &str = "すみません、落ち着いて話を続けましょう。";
 /// `convo_env.py:1167`: the topic when the topic model gave nothing.
@@ -43,7 +43,7 @@ const TOPIC_FALLBACK: &str = "最近の出来事について";
 /// `ppo_train.py` reward_fn: what an invalid policy output is sent to the
 /// environment as.
 const OUTPUT_ERROR: &str = "output_error";
-/// `ppo_train.py:1237`: the trainer's action in a stable state.
+/// `ppo_train.py:1230`: the trainer's action in a stable state.
 const STABLE_ACTION: &str = "{\"intervene_now\": false}";
 /// `config.local.yaml` `llm.max_attempts`: tries of a call whose reply is
 /// empty.
@@ -241,7 +241,7 @@ fn ascii_digits(s: &str) -> String {
         .collect()
 }
 
-/// `relation_scorer.py:44` `_SPEAKER_ALIASES`.
+/// `relation_scorer.py:46` `_SPEAKER_ALIASES`.
 fn alias(name: &str) -> &str {
     match name {
         "robot" | "Robot" | "ROBOT" | "pepper" | "Pepper" => ROBOT,
@@ -323,7 +323,7 @@ fn contains_hiragana(text: &str) -> bool {
     text.chars().any(|c| ('\u{3040}'..='\u{309f}').contains(&c))
 }
 
-/// `relation_scorer.py:230` `RelationScorer`: with `use_ema`, the smoothed
+/// `relation_scorer.py:228` `RelationScorer`: with `use_ema`, the smoothed
 /// scores it keeps.
 #[derive(Debug, Clone, Default)]
 struct Scorer {
@@ -658,8 +658,8 @@ impl Env {
         vars
     }
 
-    /// `convo_env.py:1149`'s target and partner, and the directive of the
-    /// robot's call (`convo_env.py:1381`).
+    /// `convo_env.py:1349`'s target and partner, and the directive of the
+    /// robot's call (`convo_env.py:1386`).
     fn robot_vars(&self, plan: &Plan) -> Map<String, Value> {
         let mut vars = self.base_vars();
         let target = plan.target;
@@ -981,7 +981,7 @@ impl Runner {
             Input::Choice(choice) => choice,
             Input::Text(text) => Choice::Reply(text),
         };
-        // reward_fn (ppo_train.py:2587-2666): think tags stripped, the
+        // reward_fn (ppo_train.py:2620-2666): think tags stripped, the
         // first digit 1-4 taken, else the action is "output_error" and
         // costs the penalty.
         let (action, strategy, reply, reason) = match choice {
@@ -1041,7 +1041,7 @@ impl Runner {
                 .map(check)
                 .collect();
             // The trainer's total: the environment's bonuses, or minus the
-            // penalty alone (ppo_train.py:2660).
+            // penalty alone (ppo_train.py:2665).
             record.reward = if record.valid {
                 Reward {
                     stable_bonus: out.stable_bonus,
@@ -1062,7 +1062,7 @@ impl Runner {
         out.done.then_some(Ending::Truncated)
     }
 
-    /// The trainer's step in a stable state (`ppo_train.py:1237`).
+    /// The trainer's step in a stable state (`ppo_train.py:1230`).
     async fn stable_step(&self) -> Option<Ending> {
         let out = self.step(STABLE_ACTION).await;
         let mut env = self.env();
@@ -1113,7 +1113,7 @@ impl Runner {
         self.new_topic().await;
         let horizon = self.env().settings.rewards.evaluation_horizon;
         self.bootstrap(horizon, false, [false; 3]).await;
-        // convo_env.py:368: the opening's auto-skip.
+        // convo_env.py:367: the opening's auto-skip.
         let (max_auto_skip, start, window) = {
             let env = self.env();
             (
@@ -1139,7 +1139,7 @@ impl Runner {
             self.human_reply(false, [false; 3]).await;
         }
         if count >= max_auto_skip {
-            // convo_env.py:421: a new topic, the log and scorer cleared.
+            // convo_env.py:419: a new topic, the log and scorer cleared.
             {
                 let mut env = self.env();
                 let conversation = std::mem::take(&mut env.conversation);
@@ -1430,7 +1430,7 @@ impl Runner {
         } else {
             0
         };
-        // convo_env.py:503: a snapshot without metrics is evaluated again.
+        // convo_env.py:519: a snapshot without metrics is evaluated again.
         if skip_stable && !matches!(before, Before::Snapshot(_)) {
             let filtered = {
                 let env = self.env();
@@ -1448,7 +1448,7 @@ impl Runner {
             }
             count += 1;
             self.human_reply(false, [false; 3]).await;
-            // convo_env.py:562: the whole log, robot lines included.
+            // convo_env.py:574: the whole log, robot lines included.
             let logs = self.env().logs.clone();
             let metrics = Metrics::of(self.get_scores(logs, true).await);
             before = Before::Snapshot(metrics);
@@ -1458,7 +1458,7 @@ impl Runner {
         let unstable = before.metrics().map_or(0, |m| m.unstable_triads);
         let incomplete = !before.metrics().is_some_and(|m| m.has_edges());
         if unstable == 0 && !incomplete {
-            // convo_env.py:644: stable, no reward.
+            // convo_env.py:627: stable, no reward.
             self.make_observation().await;
             let mut env = self.env();
             env.steps_since_last_intervention += 1;
@@ -1488,7 +1488,7 @@ impl Runner {
             };
             let empty = self.env().logs.is_empty();
             if metrics.unstable_triads == 0 && !empty {
-                // convo_env.py:741: stable after all: no reward, not done.
+                // convo_env.py:742: stable after all: no reward, not done.
                 {
                     let mut env = self.env();
                     env.steps_since_last_intervention += 1;
@@ -1551,7 +1551,7 @@ impl Runner {
             ..StepOut::default()
         };
         if metrics_after.unstable_triads == 0 && score_after > 0.0 {
-            // convo_env.py:906: the duration, then one check.
+            // convo_env.py:910: the duration, then one check.
             self.bootstrap(duration, true, flags).await;
             let counted = humans(&self.env().logs);
             if counted >= start {
