@@ -16,7 +16,7 @@ in whatever language it is spoken (its space takes any character);
 `info` has the raw observation (its `prompt`: the policy's chat messages)
 and the step's analysis (reward parts, target need, preferred strategy).
 An environment reset or closed mid-episode gives its episode up
-(`/v1/close`). Needs gymnasium and numpy (pip install gymnasium).
+(`/v1/close`): the server starts it over for a later reset. Needs gymnasium and numpy (pip install gymnasium).
 """
 import argparse
 import copy

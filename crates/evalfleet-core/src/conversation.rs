@@ -208,6 +208,9 @@ impl Journal {
             Happening::Started { episode } => vec![Written::Event(
                 json!({"at_ms": at_ms, "kind": "episode_started", "episode": episode}),
             )],
+            Happening::Withdrawn { episode } => vec![Written::Event(
+                json!({"at_ms": at_ms, "kind": "episode_withdrawn", "episode": episode}),
+            )],
             Happening::Ended { episode, outcome } => {
                 let mut ended =
                     json!({"at_ms": at_ms, "kind": "episode_ended", "episode": episode});

@@ -262,6 +262,10 @@ pub fn requeue(shared: &Arc<Shared>, item: Item) {
 
 /// The call an item waits for cannot be made, for `reason`.
 async fn fail_call(shared: Arc<Shared>, mut item: Item, reason: String) {
+    if shared.halt.is_cancelled() {
+        // Stopping: the item stays pending for a resume.
+        return;
+    }
     item.retry_paid = false;
     // The call is over: the next one has its own tries.
     item.reset_tries();
@@ -736,6 +740,11 @@ pub async fn drive(shared: &Arc<Shared>, mut item: Item, mut step: Step, mut car
                     item.request = Some(request);
                     match route(shared, item) {
                         Ok(()) => return,
+                        Err(_) if shared.halt.is_cancelled() => {
+                            // Stopping: the endpoints take no more calls,
+                            // and the item stays pending for a resume.
+                            return;
+                        }
                         Err(refused) => {
                             let (back, reason) = *refused;
                             item = back;

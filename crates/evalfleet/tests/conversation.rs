@@ -412,8 +412,8 @@ async fn a_gymnasium_trainer_takes_the_decisions_through_the_environment_server(
     let env = Env::new();
     let _mocks = spread(&env, 5, TRAINER).await;
     // Episodes wait at their first decision as long as it takes Python to
-    // start; check_env's resets give up the episode before (closed), and
-    // the trainer plays the others until none is left.
+    // start; check_env's resets give up the episode before (closed: it
+    // starts over), and the trainer plays them all until none is left.
     let mut server = env.spawn(&[
         "env",
         "spread.yaml",
@@ -473,16 +473,22 @@ async fn a_gymnasium_trainer_takes_the_decisions_through_the_environment_server(
     assert!(status.success(), "{status:?}");
     let rows = by_id(&env.export("gym").await);
     assert_eq!(rows.len(), 16);
-    // Every episode was played to its end (by the trainer, or by check_env's
-    // steps) or closed by a reset mid-episode.
-    let closed = rows
-        .values()
-        .filter(|r| r["status"] == "failed" && r["error"] == "closed by the trainer")
-        .count() as u64;
-    let done = rows.values().filter(|r| r["status"] == "done").count() as u64;
-    assert!(closed >= 1, "check_env's resets closed none");
-    assert_eq!(done + closed, 16, "{rows:?}");
-    assert!(played >= 1 && played <= done, "{played} {done}");
+    // Every episode was played to its end, by the trainer or by check_env's
+    // steps: those check_env's resets closed mid-episode were withdrawn and
+    // played again from their start.
+    assert!(rows.values().all(|r| r["status"] == "done"), "{rows:?}");
+    let events = crate::conversation::lines(&env.path("runs/gym").join("run_events.jsonl"));
+    let withdrawn = events
+        .iter()
+        .filter(|e| e["kind"] == "episode_withdrawn")
+        .count();
+    assert!(withdrawn >= 1, "check_env's resets closed none: {events:?}");
+    let ended: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["kind"] == "episode_ended")
+        .collect();
+    assert_eq!(ended.len(), 16, "{events:?}");
+    assert!((1..=16).contains(&played), "{played}");
     // The episodes the trainer played hold its actions and gave it their
     // rewards, step by step.
     for played in &lines[1..lines.len() - 1] {
@@ -592,7 +598,7 @@ async fn play(url: &str, env_id: &str, action: Value) -> Vec<Value> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn resets_answer_at_once_and_closed_episodes_stop_and_count_in_no_statistics() {
+async fn resets_answer_at_once_and_closed_episodes_start_over_and_count_once() {
     let env = Env::new();
     let _mocks = spread(&env, 2, TRAINER).await;
     // Two episodes under way at once (--envs 1), three in all; an episode a
@@ -630,9 +636,9 @@ async fn resets_answer_at_once_and_closed_episodes_stop_and_count_in_no_statisti
             .all(|m| m["role"].is_string() && m["content"].is_string()),
         "{prompt:?}"
     );
-    // A is given up: it ends at once, the decision it was at its last.
+    // A is given up: it stops at once, and is withdrawn: it starts over, to
+    // be handed out again.
     let a_id = a["env_id"].as_str().unwrap().to_owned();
-    let a_turn = a["observation"]["turn"].as_u64().unwrap();
     let (status, closed) = post(&url, "/v1/close", json!({"env_id": a_id})).await;
     assert_eq!(status, 200, "{closed}");
     let (status, again) = post(&url, "/v1/close", json!({"env_id": a_id})).await;
@@ -647,12 +653,14 @@ async fn resets_answer_at_once_and_closed_episodes_stop_and_count_in_no_statisti
     // An invalid decision costs rewards.invalid_penalty (1.0).
     assert_eq!(steps[0]["reward"], -1.0, "{}", steps[0]);
     assert_eq!(info["reward_parts"]["invalid_penalty"], -1.0, "{info}");
-    // C begins in A's place and waits for a reset past the action timeout:
-    // it is no trainer's yet, so its decision is still due.
+    // C and A (from its start) begin in the places A and B left and wait
+    // for a reset past the action timeout: they are no trainer's yet, so
+    // their decisions are still due.
     let deadline = tokio::time::Instant::now() + ms(20_000);
     loop {
         let spec = crate::serve::get(&format!("{url}/v1/spec")).await;
-        if spec["now"]["ready"] == 1 {
+        if spec["now"]["ready"] == 2 {
+            assert_eq!(spec["now"]["closed"], 1, "{spec}");
             break;
         }
         assert!(tokio::time::Instant::now() < deadline, "{spec}");
@@ -660,34 +668,44 @@ async fn resets_answer_at_once_and_closed_episodes_stop_and_count_in_no_statisti
     }
     // Longer than the action timeout: time passing, not a wait for it.
     tokio::time::sleep(ms(4_500)).await;
-    let (status, c) = post(&url, "/v1/reset", json!({"wait_s": 1})).await;
-    assert_eq!(status, 200, "{c}");
-    let c_id = c["env_id"].as_str().unwrap().to_owned();
-    let steps = play(&url, &c_id, json!(2)).await;
-    let info = &steps[0]["info"];
-    assert_eq!(info["strategy"], "bridge", "{info}");
-    assert_eq!(info["invalid_reason"], Value::Null);
-    assert_eq!(
-        info["preference_match"],
-        info["preferred_strategy"] == "bridge",
-        "{info}"
-    );
-    // What the step is analysed by (a target is null when the state
-    // decided was stable).
-    for key in [
-        "target_edge",
-        "target_speaker",
-        "target_need",
-        "preferred_strategy",
-        "reward_parts",
-        "at_horizon",
-        "at_end",
-        "checks",
-    ] {
-        assert!(info.get(key).is_some(), "{key}: {info}");
+    let mut c_id = String::new();
+    for _ in 0..2 {
+        let (status, next) = post(&url, "/v1/reset", json!({"wait_s": 1})).await;
+        assert_eq!(status, 200, "{next}");
+        let id = next["env_id"].as_str().unwrap().to_owned();
+        // A plays plan this time, C bridge.
+        let digit = if id == a_id { 3 } else { 2 };
+        let steps = play(&url, &id, json!(digit)).await;
+        let info = &steps[0]["info"];
+        assert_eq!(info["strategy"], NAMES[digit - 1], "{info}");
+        assert_eq!(info["invalid_reason"], Value::Null);
+        assert_eq!(
+            info["preference_match"],
+            info["preferred_strategy"] == NAMES[digit - 1],
+            "{info}"
+        );
+        if id == a_id {
+            continue;
+        }
+        c_id = id;
+        // What the step is analysed by (a target is null when the state
+        // decided was stable).
+        for key in [
+            "target_edge",
+            "target_speaker",
+            "target_need",
+            "preferred_strategy",
+            "reward_parts",
+            "at_horizon",
+            "at_end",
+            "checks",
+        ] {
+            assert!(info.get(key).is_some(), "{key}: {info}");
+        }
+        assert!(info["reward_parts"]["total"].is_number(), "{info}");
+        assert!(info["at_end"]["stable"].is_boolean(), "{info}");
     }
-    assert!(info["reward_parts"]["total"].is_number(), "{info}");
-    assert!(info["at_end"]["stable"].is_boolean(), "{info}");
+    assert!(!c_id.is_empty() && c_id != a_id && c_id != b_id);
     // Every episode handed out or ended: 410 at once, and the server
     // stays up after the last has ended.
     let (status, gone) = post(&url, "/v1/reset", json!({})).await;
@@ -700,45 +718,47 @@ async fn resets_answer_at_once_and_closed_episodes_stop_and_count_in_no_statisti
     let (status, gone) = post(&url, "/v1/reset", json!({})).await;
     assert_eq!(status, 410, "{gone}");
 
+    // A closed episode is no failure: A was played again, to its end.
     let rows = by_id(&env.export("life").await);
-    let a_row = &rows[&a_id];
-    assert_eq!(a_row["status"], "failed");
-    assert_eq!(a_row["error"], "closed by the trainer");
-    // Closed at its first decision: its calls were the utterances before
-    // it (topics fixed, relations by rules), and they are stored.
-    assert_eq!(a_row["attempts"].as_u64(), Some(a_turn), "{a_row}");
-    let a_output: Value = serde_json::from_str(a_row["output"].as_str().unwrap()).unwrap();
-    assert_eq!(a_output["steps"], json!([]));
+    for row in rows.values() {
+        assert_eq!(row["status"], "done", "{row}");
+    }
+    let a_output: Value = serde_json::from_str(rows[&a_id]["output"].as_str().unwrap()).unwrap();
+    assert_eq!(a_output["steps"][0]["strategy"], "plan");
     let b_output: Value = serde_json::from_str(rows[&b_id]["output"].as_str().unwrap()).unwrap();
     assert_eq!(b_output["steps"][0]["invalid_reason"], "trainer");
     let c_output: Value = serde_json::from_str(rows[&c_id]["output"].as_str().unwrap()).unwrap();
     assert_eq!(c_output["steps"][0]["strategy"], "bridge");
     assert_eq!(c_output["steps"][0]["valid"], true);
 
-    // The logs hold the played episodes only, written as Python writes
-    // JSON, so the original's grep works.
+    // The logs hold the played episodes only (A once, as played to its
+    // end), written as Python writes JSON, so the original's grep works.
     let text = std::fs::read_to_string(dir.join("conversation_summary.jsonl")).unwrap();
     assert!(text.contains(r#""strategy": "bridge""#), "{text}");
-    assert!(!text.contains(&format!(r#""episode": "{a_id}""#)), "{text}");
+    assert_eq!(
+        text.matches(&format!(r#""episode": "{a_id}""#)).count(),
+        1,
+        "{text}"
+    );
     let batches = lines(&dir.join("batch_summary.jsonl"));
     assert_eq!(batches.len(), 1, "{batches:?}");
-    assert_eq!(batches[0]["batch_size"], 2);
+    assert_eq!(batches[0]["batch_size"], 3);
     assert_eq!(batches[0]["choice_distributions"]["strategy"]["bridge"], 1);
+    assert_eq!(batches[0]["choice_distributions"]["strategy"]["plan"], 1);
     assert_eq!(batches[0]["invalid"], 1);
     let metrics = lines(&dir.join("metrics.jsonl"));
-    assert_eq!(metrics[0]["strategy/bridge_ratio"], 0.5);
+    assert_eq!(metrics[0]["strategy/bridge_ratio"], 1.0 / 3.0);
     assert_eq!(metrics[0]["invalid"], 1);
     let events = lines(&dir.join("run_events.jsonl"));
     let of = |kind: &str| -> Vec<&Value> { events.iter().filter(|e| e["kind"] == kind).collect() };
-    assert_eq!(of("episode_started").len(), 3, "{events:?}");
+    // A began twice, was withdrawn once and ended once.
+    assert_eq!(of("episode_started").len(), 4, "{events:?}");
+    let withdrawn = of("episode_withdrawn");
+    assert_eq!(withdrawn.len(), 1, "{events:?}");
+    assert_eq!(withdrawn[0]["episode"], a_id.as_str());
     let ended = of("episode_ended");
     assert_eq!(ended.len(), 3, "{events:?}");
-    assert!(
-        ended
-            .iter()
-            .any(|e| e["episode"] == a_id.as_str() && e["error"] == "closed by the trainer"),
-        "{events:?}"
-    );
+    assert!(ended.iter().all(|e| e["status"] == "done"), "{events:?}");
     signal(&server, "INT").await;
     let out = tokio::time::timeout(ms(20_000), server.wait_with_output())
         .await
@@ -747,7 +767,7 @@ async fn resets_answer_at_once_and_closed_episodes_stop_and_count_in_no_statisti
     assert!(out.status.success(), "{:?}", out.status);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        stderr.contains("2 episodes (1 failed, 1 of them closed by the trainer), 2 steps"),
+        stderr.contains("3 episodes (0 failed), 3 steps"),
         "{stderr}"
     );
 }
@@ -1065,4 +1085,78 @@ async fn a_japanese_episode_round_trips_through_the_gymnasium_client_intact() {
     // The logs keep the text as it was spoken.
     let text = std::fs::read_to_string(env.path("runs/kaiwa/conversation_summary.jsonl")).unwrap();
     assert!(text.contains("前の家よりずっと広いよね 🏠"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctrl_c_while_episodes_wait_for_their_calls_leaves_them_pending() {
+    let env = Env::new();
+    // Every call takes 300 ms: when the trainer's actions are in, the
+    // episodes' robot, persona and scorer calls are under way.
+    let _mocks = spread(&env, 300, TRAINER).await;
+    let (server, url) = env_server(
+        &env,
+        &[
+            "spread.yaml",
+            "--sessions",
+            "12",
+            "--envs",
+            "4",
+            "--run-id",
+            "int",
+        ],
+    )
+    .await;
+    let mut ids = Vec::new();
+    for _ in 0..4 {
+        ids.push(reset(&url).await["env_id"].as_str().unwrap().to_owned());
+    }
+    let steps: Vec<_> = ids
+        .iter()
+        .map(|id| {
+            let (url, id) = (url.clone(), id.clone());
+            tokio::spawn(async move {
+                crate::serve::client()
+                    .post(format!("{url}/v1/step"))
+                    .json(&json!({"env_id": id, "action": 2}))
+                    .send()
+                    .await
+            })
+        })
+        .collect();
+    // The steps are in once the mock has their calls.
+    wait_until(ms(20_000), "the steps' calls are under way", || {
+        _mocks
+            .iter()
+            .map(|m| {
+                let s = m.stats();
+                s.requests - s.completed
+            })
+            .sum::<u64>()
+            >= 2
+    })
+    .await;
+    signal(&server, "INT").await;
+    let out = tokio::time::timeout(ms(30_000), server.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(130),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for step in steps {
+        let _ = step.await;
+    }
+    let counts = env.counts("int");
+    let failed: Vec<Value> = env
+        .export("int")
+        .await
+        .into_iter()
+        .filter(|r| r["status"] == "failed")
+        .map(|r| r["error"].clone())
+        .collect();
+    assert_eq!(counts.failed, 0, "{counts:?}: {failed:?}");
+    assert_eq!(counts.pending + counts.done, 12, "{counts:?}");
 }

@@ -79,6 +79,8 @@ pub enum GymError {
 pub enum Happening {
     /// The episode got its place and began.
     Started { episode: String },
+    /// The trainer closed it: it starts over, to be handed out again.
+    Withdrawn { episode: String },
     /// It ended: its record (it is done), or why it failed.
     Ended {
         episode: String,
@@ -132,6 +134,9 @@ struct State {
     handed: u64,
     /// Episodes that ended before any trainer took them.
     ended_unhanded: u64,
+    /// Episodes handed out, closed and started over (to be handed out
+    /// again).
+    withdrawn: u64,
     closed_total: u64,
     finished: bool,
     journal: Option<mpsc::UnboundedSender<Happening>>,
@@ -142,9 +147,9 @@ impl State {
     fn exhausted(&self) -> bool {
         self.ready.is_empty()
             && (self.finished
-                || self
-                    .expected
-                    .is_some_and(|n| self.handed + self.ended_unhanded >= n))
+                || self.expected.is_some_and(|n| {
+                    self.handed.saturating_sub(self.withdrawn) + self.ended_unhanded >= n
+                }))
     }
 
     fn tell(&self, happening: Happening) {
@@ -393,9 +398,27 @@ impl Gym {
         }
     }
 
+    /// The trainer closed `episode` and it has stopped: it is no trainer's
+    /// and starts over from its beginning, to be handed out again.
+    pub fn withdraw(&self, episode: &str) {
+        let mut state = self.lock();
+        state.waiting.remove(episode);
+        state.ready.retain(|r| r.episode != episode);
+        state.replies.remove(episode);
+        state.closed.remove(episode);
+        if state.live.remove(episode) {
+            state.withdrawn += 1;
+        }
+        state.tell(Happening::Withdrawn {
+            episode: episode.to_owned(),
+        });
+        drop(state);
+        self.changed.notify_waiters();
+    }
+
     /// The trainer gives environment `episode` up: the episode makes no
-    /// call after its next decision (at once when it is at one) and ends
-    /// failed with [`CLOSED`].
+    /// call after its next decision (at once when it is at one), is
+    /// withdrawn ([`Gym::withdraw`]) and starts over for a later reset.
     pub fn close(&self, episode: &str) -> Result<(), GymError> {
         let mut state = self.lock();
         if !state.live.contains(episode) || state.closed.contains(episode) {

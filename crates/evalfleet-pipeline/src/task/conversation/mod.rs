@@ -11,6 +11,7 @@ pub mod gym;
 pub mod original;
 mod pyrandom;
 pub mod relations;
+pub mod rules;
 pub mod sim;
 
 use std::collections::HashMap;
@@ -24,7 +25,8 @@ use evalfleet_config::{ConversationSettings, PolicyKind};
 use evalfleet_eval::balance::{Need, Strategy};
 use evalfleet_io::template::{Message, Templates};
 use gym::Gym;
-use sim::{Ask, CallKind, Next, Sim};
+use rules::Sim;
+use sim::{Ask, CallKind, Next};
 
 /// How many of the run's topics a topic request lists to avoid.
 const AVOID_TOPICS: usize = 50;
@@ -103,11 +105,14 @@ impl Task for Conversation {
             _ => None,
         };
         let seed = row.get("seed").and_then(Value::as_u64);
+        let topic_given = topic.clone();
         let mut sim = Sim::seeded(settings.clone(), item.item_id, topic, seed);
         let next = sim.start();
         let state = Arc::new(Mutex::new(EpisodeState {
             inner: self.inner.clone(),
             episode: item.item_id.to_owned(),
+            topic: topic_given,
+            seed,
             sim,
             sample: sample_of(item.item_id),
             last: None,
@@ -117,27 +122,7 @@ impl Task for Conversation {
         }));
         let step = lock(&state).step(&state, next);
         let step = match &self.inner.gym {
-            // A trainer's episodes begin when one of its places is free.
-            Some(gym) => {
-                let gym = gym.clone();
-                let shared = state.clone();
-                let episode = item.item_id.to_owned();
-                Step::Work(Box::pin(async move {
-                    match gym.starts.clone().acquire_owned().await {
-                        Ok(permit) => {
-                            lock(&shared).start = Some(permit);
-                            gym.started(&episode);
-                        }
-                        Err(_) => {
-                            return Step::Finish(Finish::failed(
-                                "the environment server stopped".to_owned(),
-                                Assessment::default(),
-                            ));
-                        }
-                    }
-                    step
-                }))
-            }
+            Some(gym) => begin_when_free(gym.clone(), &state, step),
             None => step,
         };
         (Box::new(ConversationEpisode { state }), step)
@@ -147,6 +132,28 @@ impl Task for Conversation {
     fn work_limit(&self) -> usize {
         self.inner.gym.as_ref().map_or(1, |gym| gym.capacity)
     }
+}
+
+/// A trainer's episodes begin when one of its places is free: `step`, the
+/// episode's first, once it has one.
+fn begin_when_free(gym: Arc<Gym>, state: &Arc<Mutex<EpisodeState>>, step: Step) -> Step {
+    let shared = state.clone();
+    Step::Work(Box::pin(async move {
+        match gym.starts.clone().acquire_owned().await {
+            Ok(permit) => {
+                let mut this = lock(&shared);
+                this.start = Some(permit);
+                gym.started(&this.episode);
+            }
+            Err(_) => {
+                return Step::Finish(Finish::failed(
+                    "the environment server stopped".to_owned(),
+                    Assessment::default(),
+                ));
+            }
+        }
+        step
+    }))
 }
 
 /// Keeps the cache's answers of one episode apart from another's (the same
@@ -165,6 +172,9 @@ struct ConversationEpisode {
 struct EpisodeState {
     inner: Arc<Inner>,
     episode: String,
+    /// What it began with (to start over from).
+    topic: Option<String>,
+    seed: Option<u64>,
     sim: Sim,
     sample: u32,
     /// The kind and messages of the call asked last, and its reply (for a
@@ -229,7 +239,7 @@ impl EpisodeState {
                     }
                     PolicyKind::External => {
                         if self.closed_by_trainer() {
-                            return self.closed();
+                            return self.withdraw(shared);
                         }
                         if self.abandoned {
                             self.sim.act_invalid("timeout")
@@ -238,7 +248,12 @@ impl EpisodeState {
                         }
                     }
                 },
-                Next::Over => return self.finish(),
+                Next::Over => {
+                    if self.closed_by_trainer() {
+                        return self.withdraw(shared);
+                    }
+                    return self.finish();
+                }
             };
         }
     }
@@ -262,11 +277,7 @@ impl EpisodeState {
                     this.abandoned = true;
                     this.sim.act_invalid("timeout")
                 }
-                gym::Action::Closed => {
-                    // Recorded, but nothing more is asked.
-                    drop(this.sim.act_invalid("closed"));
-                    return this.closed();
-                }
+                gym::Action::Closed => return this.withdraw(&shared),
             };
             this.step(&shared, next)
         }))
@@ -279,19 +290,29 @@ impl EpisodeState {
             .is_some_and(|gym| gym.is_closed(&self.episode))
     }
 
-    /// The trainer closed the episode: it ends failed (its record so far
-    /// kept as its output), so that it counts in no statistics of played
-    /// episodes and a resume can play it again.
-    fn closed(&self) -> Step {
-        let mut summary = self.sim.summary();
-        summary["closed"] = Value::from(gym::CLOSED);
-        let summary = summary.to_string();
-        let why = gym::CLOSED.to_owned();
-        self.tell_end(Err(why.clone()));
-        Step::Finish(Finish {
-            output: Some(summary),
-            ..Finish::failed(why, Assessment::default())
-        })
+    /// The trainer closed the episode: it is withdrawn and starts over
+    /// from its beginning (the same seed, so the same draws), to be handed
+    /// to a later reset; what it played so far stays among its calls and
+    /// counts nowhere else.
+    fn withdraw(&mut self, shared: &Arc<Mutex<EpisodeState>>) -> Step {
+        let Some(gym) = self.inner.gym.clone() else {
+            return self.failed("no trainer takes this run's decisions".to_owned());
+        };
+        gym.withdraw(&self.episode);
+        // Its place goes to the next episode waiting for one.
+        self.start = None;
+        self.sim = Sim::seeded(
+            self.inner.settings.clone(),
+            &self.episode,
+            self.topic.clone(),
+            self.seed,
+        );
+        self.last = None;
+        self.last_reply = None;
+        self.abandoned = false;
+        let next = self.sim.start();
+        let step = self.step(shared, next);
+        begin_when_free(gym, shared, step)
     }
 
     /// Tells the trainer stepping the episode (if any) that it ended: with
@@ -454,9 +475,6 @@ impl EpisodeState {
 
     /// The episode is over: its record and its totals.
     fn finish(&self) -> Step {
-        if self.closed_by_trainer() {
-            return self.closed();
-        }
         let summary = self.sim.summary();
         self.tell_end(Ok(summary.clone()));
         let steps = self.sim.steps();

@@ -77,7 +77,7 @@ const UNSTABLE: &str = r#"{"AB": 0.5, "BC": 0.5, "CA": -0.5}"#;
 /// Plays an episode: persona and robot calls get a line, scorer calls
 /// the next of `scores` (the last again when they run out), decisions
 /// bridge. Returns the calls made, by kind.
-fn play(sim: &mut Sim, scores: &[&str]) -> Vec<&'static str> {
+fn play(sim: &mut Corrected, scores: &[&str]) -> Vec<&'static str> {
     let mut calls = Vec::new();
     let mut next = sim.start();
     let mut scored = 0;
@@ -107,7 +107,7 @@ fn play(sim: &mut Sim, scores: &[&str]) -> Vec<&'static str> {
 
 #[test]
 fn nothing_is_scored_in_the_first_utterances() {
-    let mut sim = Sim::new(settings(|_| {}), "e", None);
+    let mut sim = Corrected::new(settings(|_| {}), "e", None);
     let calls = play(&mut sim, &[UNSTABLE]);
     // The topic, three utterances unscored, then scores follow each.
     assert_eq!(
@@ -128,7 +128,7 @@ fn a_stable_opening_starts_again_on_a_new_topic_with_its_budget_restored() {
         s.topics.clear();
         s.max_rounds = 3;
     });
-    let mut sim = Sim::new(s, "e", None);
+    let mut sim = Corrected::new(s, "e", None);
     let calls = play(&mut sim, &[STABLE]);
     let count = |kind: &str| calls.iter().filter(|c| **c == kind).count();
     assert_eq!(count("topic"), 2, "{calls:?}");
@@ -151,7 +151,7 @@ fn a_stable_opening_starts_again_on_a_new_topic_with_its_budget_restored() {
         s.max_rounds = 3;
         s.max_steps = 1;
     });
-    let mut sim = Sim::new(s, "e", None);
+    let mut sim = Corrected::new(s, "e", None);
     let calls = play(&mut sim, &[STABLE, STABLE, STABLE, UNSTABLE]);
     let decided = calls.iter().position(|c| *c == "decide").unwrap();
     // topic, 6 utterances and 3 scores, topic, 4 utterances and a score.
@@ -162,14 +162,14 @@ fn a_stable_opening_starts_again_on_a_new_topic_with_its_budget_restored() {
         s.topic_restarts = 0;
         s.max_rounds = 3;
     });
-    let mut sim = Sim::new(s, "e", None);
+    let mut sim = Corrected::new(s, "e", None);
     let calls = play(&mut sim, &[STABLE]);
     assert_eq!(calls.iter().filter(|c| **c == "persona").count(), 6);
     assert_eq!(sim.ending(), Some(Ending::Terminated));
     // A dataset row's own topic is kept when the conversation starts
     // again; a fixed list's next one is taken.
     let s = settings(|s| s.max_rounds = 3);
-    let mut sim = Sim::new(s, "e", Some("chores".to_owned()));
+    let mut sim = Corrected::new(s, "e", Some("chores".to_owned()));
     let calls = play(&mut sim, &[STABLE]);
     assert!(!calls.contains(&"topic"));
     assert_eq!(calls.iter().filter(|c| **c == "persona").count(), 12);
@@ -179,7 +179,7 @@ fn a_stable_opening_starts_again_on_a_new_topic_with_its_budget_restored() {
         s.max_rounds = 3;
         s.topics = vec!["t1".to_owned(), "t2".to_owned()];
     });
-    let mut sim = Sim::new(s.clone(), "e", Some("t2".to_owned()));
+    let mut sim = Corrected::new(s.clone(), "e", Some("t2".to_owned()));
     play(&mut sim, &[STABLE]);
     assert_eq!(sim.summary()["restarts"][0]["topic"], "t2");
     assert_eq!(sim.topic(), "t1");
@@ -190,7 +190,7 @@ fn a_stable_opening_starts_again_on_a_new_topic_with_its_budget_restored() {
         s.max_rounds = 2;
         s.max_auto_skip = 10;
     });
-    let mut sim = Sim::new(s, "e", None);
+    let mut sim = Corrected::new(s, "e", None);
     let calls = play(&mut sim, &[STABLE]);
     assert_eq!(calls.iter().filter(|c| **c == "persona").count(), 12);
     assert_eq!(
@@ -213,7 +213,7 @@ fn the_original_adaptive_smoothing_barely_moves_once_one_person_speaks_at_a_time
         s.scorer.decay_factor = 1.5;
         s.max_steps = 1;
     });
-    let mut sim = Sim::new(s, "e", None);
+    let mut sim = Corrected::new(s, "e", None);
     // Unstable at 4 (CA -0.5), then +++ scores: CA after n of them is
     // 0.01 x 0.5 + 0.99 x previous.
     play(
@@ -233,13 +233,13 @@ fn the_original_adaptive_smoothing_barely_moves_once_one_person_speaks_at_a_time
 
 /// The scripted replies of a step: unstable at the decision (the 4th
 /// utterance), then `after` for the 5th on.
-fn step_with(edit: impl FnOnce(&mut ConversationSettings), after: &[&'static str]) -> Sim {
+fn step_with(edit: impl FnOnce(&mut ConversationSettings), after: &[&'static str]) -> Corrected {
     let s = settings(|s| {
         s.max_steps = 1;
         s.max_rounds = 100;
         edit(s);
     });
-    let mut sim = Sim::new(s, "e", None);
+    let mut sim = Corrected::new(s, "e", None);
     let mut scores = vec![UNSTABLE];
     scores.extend_from_slice(after);
     play(&mut sim, &scores);
@@ -303,7 +303,7 @@ fn zero_is_positive_at_the_decision_and_at_the_checks() {
         s.max_steps = 1;
         s.max_rounds = 100;
     });
-    let mut sim = Sim::new(s, "e", None);
+    let mut sim = Corrected::new(s, "e", None);
     play(
         &mut sim,
         &[
@@ -335,7 +335,7 @@ fn an_all_negative_triangle_is_aimed_at_the_edge_closest_to_zero() {
             s.personas[1].need = Some(Need::Mediation);
             s.personas[2].need = Some(Need::Solution);
         });
-        let mut sim = Sim::new(s, "e", None);
+        let mut sim = Corrected::new(s, "e", None);
         play(&mut sim, &[all_negative]);
         let step = sim.steps()[0].clone();
         (
@@ -374,7 +374,7 @@ fn a_step_begun_before_the_last_round_runs_at_most_horizon_and_duration_past_it(
         s.max_rounds = 2;
         s.max_auto_skip = 10;
     });
-    let mut sim = Sim::new(s, "e", None);
+    let mut sim = Corrected::new(s, "e", None);
     let calls = play(&mut sim, &[STABLE, UNSTABLE, STABLE]);
     assert_eq!(calls.iter().filter(|c| **c == "decide").count(), 1);
     assert_eq!(sim.summary()["human_utterances"], 3 * 2 - 1 + 3 + 2);
@@ -389,7 +389,7 @@ fn an_invalid_decision_costs_the_penalty_and_its_step_ends_at_the_horizon() {
         s.max_steps = 1;
         s.rewards.invalid_penalty = 0.75;
     });
-    let mut sim = Sim::new(s, "e", None);
+    let mut sim = Corrected::new(s, "e", None);
     let mut next = sim.start();
     let mut scores = 0;
     loop {
@@ -465,7 +465,7 @@ fn the_adaptive_smoothing_weighs_a_pair_by_its_new_utterances() {
 #[test]
 fn scores_outside_the_range_are_clipped_and_counted() {
     let s = settings(|s| s.max_steps = 1);
-    let mut sim = Sim::new(s, "e", None);
+    let mut sim = Corrected::new(s, "e", None);
     play(&mut sim, &[r#"{"AB": 1.5, "BC": 0.5, "CA": -2}"#, STABLE]);
     assert_eq!(sim.clipped_scores(), 2);
     assert_eq!(sim.summary()["clipped_scores"], 2);
@@ -479,7 +479,7 @@ fn scores_outside_the_range_are_clipped_and_counted() {
 fn after_a_step_stable_states_are_skipped_at_most_max_auto_skip_times() {
     // Unstable at the first check, stable ever after.
     let s = settings(|s| s.max_rounds = 100);
-    let mut sim = Sim::new(s, "e", None);
+    let mut sim = Corrected::new(s, "e", None);
     let mut scores = vec![UNSTABLE];
     scores.extend([STABLE; 50]);
     let calls = play(&mut sim, &scores);
@@ -503,7 +503,7 @@ fn no_decision_begins_once_the_rounds_are_over() {
         s.max_auto_skip = 10;
         s.topic_restarts = 0;
     });
-    let mut sim = Sim::new(s, "e", None);
+    let mut sim = Corrected::new(s, "e", None);
     // Stable at 4 and 5; unstable only at 6, the last utterance.
     let calls = play(&mut sim, &[STABLE, STABLE, UNSTABLE]);
     assert!(!calls.contains(&"decide"), "{calls:?}");
@@ -517,7 +517,7 @@ fn max_steps_truncates_and_unfiltered_stable_states_are_decided() {
         s.max_steps = 2;
         s.filter_zero_rewards = false;
     });
-    let mut sim = Sim::new(s, "e", None);
+    let mut sim = Corrected::new(s, "e", None);
     let calls = play(&mut sim, &[STABLE]);
     assert_eq!(calls.iter().filter(|c| **c == "decide").count(), 2);
     assert_eq!(sim.ending(), Some(Ending::Truncated));
@@ -535,7 +535,7 @@ fn smoothing_mixes_each_score_with_the_last() {
         s.scorer.decay_factor = 0.75;
         s.max_steps = 1;
     });
-    let mut sim = Sim::new(s, "e", None);
+    let mut sim = Corrected::new(s, "e", None);
     play(
         &mut sim,
         &[
@@ -578,7 +578,7 @@ fn windows_hold_the_last_human_utterances_and_the_robots_among_them() {
 
 #[test]
 fn a_scorer_reply_that_cannot_be_read_is_asked_again_then_fails_the_episode() {
-    let mut sim = Sim::new(settings(|_| {}), "e", None);
+    let mut sim = Corrected::new(settings(|_| {}), "e", None);
     let mut next = sim.start();
     loop {
         match next {
@@ -605,7 +605,7 @@ fn the_same_seed_and_episode_draw_the_same_needs() {
             p.need = None;
         }
     });
-    let needs = |id: &str| Sim::new(s.clone(), id, None).needs();
+    let needs = |id: &str| Corrected::new(s.clone(), id, None).needs();
     assert_eq!(needs("7"), needs("7"));
     let all: std::collections::HashSet<_> = (0..40).flat_map(|i| needs(&i.to_string())).collect();
     assert_eq!(all.len(), 4, "every need is drawn: {all:?}");
