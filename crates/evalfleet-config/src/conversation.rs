@@ -8,6 +8,12 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::MessageTemplate;
+
+mod original_prompts;
+
+/// The topics proposed so far, as the original tells its topic generator
+/// (`rules: original`'s built-in topic message; a converted config's).
+pub(crate) const TOPIC_USED_JA: &str = original_prompts::TOPIC_USER;
 use super::problems::Problems;
 use super::read;
 use super::request::{RawMessage, message_list};
@@ -22,7 +28,7 @@ pub struct ConversationSettings {
     pub rules: Rules,
     /// `rules: original`: a persona line without hiragana is replaced by
     /// the original's fallback line, as its human simulator does (it
-    /// speaks Japanese). Default false; `evalfleet convert` sets it.
+    /// speaks Japanese). Default true with `rules: original`.
     pub require_hiragana: bool,
     /// Episodes to simulate when the config has no `dataset:` (each an
     /// item `{"episode": i}`); `evalfleet simulate --sessions N` overrides
@@ -295,7 +301,8 @@ pub(super) struct RawConversation {
     rules: Option<String>,
     /// `rules: original`: replace a persona line without hiragana by the
     /// original's fallback line (its human simulator speaks Japanese).
-    /// Default `false`.
+    /// Default `true` with `rules: original` (whose built-in messages are
+    /// Japanese).
     require_hiragana: Option<bool>,
     /// Episodes to simulate when the config has no `dataset:` (each an item
     /// `{"episode": i}`); `evalfleet simulate --sessions N` overrides it.
@@ -327,18 +334,20 @@ pub(super) struct RawConversation {
     /// is asked of `topic`).
     topics: Option<Vec<String>>,
     /// The topic generator's call: it is told the topics the run used
-    /// already. Default: built-in messages, answered by the endpoints that
+    /// already. Default: built-in messages (Japanese with `rules: original`), answered by the endpoints that
     /// answer items.
     topic: Option<RawCall>,
     /// How many of the last human utterances each call sees: one number
     /// for every call, or a mapping with one for each. The personas, the
     /// policy and the robot see the robot's utterances among them; the
-    /// scorer sees the human ones only. Default 6.
+    /// scorer sees the human ones only. Default 6 (`rules: original`: the
+    /// original's 12 for the personas, 3 for the scorer, 6 for the policy
+    /// and the robot).
     history: Option<RawHistory>,
     scorer: Option<RawScorer>,
     policy: Option<RawPolicy>,
     /// The robot's utterance for the chosen strategy (none for
-    /// `no_intervention`). Default: built-in messages, answered by the
+    /// `no_intervention`). Default: built-in messages (Japanese with `rules: original`), answered by the
     /// endpoints that answer items.
     robot: Option<RawCall>,
     rewards: Option<RawRewards>,
@@ -383,7 +392,7 @@ struct RawPersona {
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 struct RawCall {
     /// Chat messages, minijinja templates over the call's variables
-    /// (`docs/conversation.md` lists them). Default: built-in messages.
+    /// (`docs/conversation.md` lists them). Default: built-in messages (Japanese with `rules: original`).
     messages: Option<Vec<RawMessage>>,
     /// The endpoint (by name, with `role: judge`) that answers. Default: the
     /// endpoints that answer items.
@@ -420,7 +429,7 @@ struct RawScorer {
     /// `docs/conversation.md`). Default `llm`.
     kind: Option<String>,
     /// `llm`: the scorer's messages (`docs/conversation.md` lists their
-    /// variables). Default: built-in messages.
+    /// variables). Default: built-in messages (Japanese with `rules: original`).
     messages: Option<Vec<RawMessage>>,
     /// `llm`: the endpoint (by name, with `role: judge`) that scores.
     /// Default: the endpoints that answer items.
@@ -464,7 +473,7 @@ struct RawPolicy {
     strategy: Option<u8>,
     /// `model`: the policy's messages (`docs/conversation.md` lists their
     /// variables); `external`: rendered the same, they are the `prompt` of
-    /// a trainer's observations. Default: built-in messages.
+    /// a trainer's observations. Default: built-in messages (Japanese with `rules: original`).
     messages: Option<Vec<RawMessage>>,
     /// `model`: the endpoint (by name, with `role: judge`) that decides.
     /// Default: the endpoints that answer items.
@@ -643,44 +652,83 @@ pub(super) fn conversation(
     if topics.iter().any(|t| t.trim().is_empty()) {
         bad(p, "topics", "must not hold an empty topic".to_owned());
     }
-    let call = |raw: Option<RawCall>, at: &str, system: &str, user: &str, p: &mut Problems<'_>| {
-        let raw = raw.unwrap_or_default();
-        let messages = match raw.messages {
-            None => Some(default_messages(system, user)),
-            Some(list) => message_list(list, &format!("{AT}.{at}"), p).and_then(|messages| {
-                // A conversation's calls carry text only.
-                match messages.iter().position(|m| !m.parts.is_empty()) {
-                    Some(i) => p.push(
-                        &format!("{AT}.{at}[{i}]"),
-                        "a conversation's messages are text only (no parts or images)",
-                    ),
-                    None => Some(messages),
-                }
-            }),
+    // The built-in messages: English, or under rules: original Japanese
+    // as the original speaks (the scorer's one user message).
+    let defaults = |english: (&str, &str), original: (&str, &str)| -> Vec<MessageTemplate> {
+        let (system, user) = match rules {
+            Rules::Original => original,
+            Rules::Corrected => english,
         };
-        messages.map(|messages| CallSettings {
-            messages,
-            endpoint: raw.endpoint,
-        })
+        if system.is_empty() {
+            vec![MessageTemplate::text("user", user)]
+        } else {
+            default_messages(system, user)
+        }
     };
-    let topic = call(raw.topic, "topic.messages", TOPIC_SYSTEM, TOPIC_USER, p);
-    let robot = call(raw.robot, "robot.messages", ROBOT_SYSTEM, ROBOT_USER, p);
+    let call =
+        |raw: Option<RawCall>, at: &str, defaults: Vec<MessageTemplate>, p: &mut Problems<'_>| {
+            let raw = raw.unwrap_or_default();
+            let messages = match raw.messages {
+                None => Some(defaults),
+                Some(list) => message_list(list, &format!("{AT}.{at}"), p).and_then(|messages| {
+                    // A conversation's calls carry text only.
+                    match messages.iter().position(|m| !m.parts.is_empty()) {
+                        Some(i) => p.push(
+                            &format!("{AT}.{at}[{i}]"),
+                            "a conversation's messages are text only (no parts or images)",
+                        ),
+                        None => Some(messages),
+                    }
+                }),
+            };
+            messages.map(|messages| CallSettings {
+                messages,
+                endpoint: raw.endpoint,
+            })
+        };
+    use original_prompts as ja;
+    let topic = call(
+        raw.topic,
+        "topic.messages",
+        defaults(
+            (TOPIC_SYSTEM, TOPIC_USER),
+            (ja::TOPIC_SYSTEM, ja::TOPIC_USER),
+        ),
+        p,
+    );
+    let robot = call(
+        raw.robot,
+        "robot.messages",
+        defaults(
+            (ROBOT_SYSTEM, ROBOT_USER),
+            (ja::ROBOT_SYSTEM, ja::ROBOT_USER),
+        ),
+        p,
+    );
     let persona_call = call(
         Some(RawCall {
             messages: raw.persona_messages,
             endpoint: None,
         }),
         "persona_messages",
-        PERSONA_SYSTEM,
-        PERSONA_USER,
+        defaults(
+            (PERSONA_SYSTEM, PERSONA_USER),
+            (ja::PERSONA_SYSTEM, ja::PERSONA_USER),
+        ),
         p,
     );
+    // The original's windows (max_history_human 12, max_history_relation
+    // 3, max_history 6) under rules: original; 6 each otherwise.
+    let window = |original: u32| match rules {
+        Rules::Original => original,
+        Rules::Corrected => 6,
+    };
     let history = match raw.history {
         None => HistoryWindows {
-            persona: 6,
-            scorer: 6,
-            policy: 6,
-            robot: 6,
+            persona: window(12),
+            scorer: window(3),
+            policy: window(6),
+            robot: window(6),
         },
         Some(RawHistory::All(n)) => HistoryWindows {
             persona: n,
@@ -694,10 +742,10 @@ pub(super) fn conversation(
             policy,
             robot,
         }) => HistoryWindows {
-            persona: persona.unwrap_or(6),
-            scorer: scorer.unwrap_or(6),
-            policy: policy.unwrap_or(6),
-            robot: robot.unwrap_or(6),
+            persona: persona.unwrap_or(window(12)),
+            scorer: scorer.unwrap_or(window(3)),
+            policy: policy.unwrap_or(window(6)),
+            robot: robot.unwrap_or(window(6)),
         },
     };
     if [
@@ -773,8 +821,7 @@ pub(super) fn conversation(
                 endpoint: raw.endpoint,
             }),
             "scorer.messages",
-            SCORER_SYSTEM,
-            SCORER_USER,
+            defaults((SCORER_SYSTEM, SCORER_USER), ("", ja::SCORER_USER)),
             p,
         )
         .map(|call| ScorerSettings {
@@ -833,8 +880,10 @@ pub(super) fn conversation(
                 endpoint: raw.endpoint,
             }),
             "policy.messages",
-            POLICY_SYSTEM,
-            POLICY_USER,
+            defaults(
+                (POLICY_SYSTEM, POLICY_USER),
+                (ja::POLICY_SYSTEM, ja::POLICY_USER),
+            ),
             p,
         );
         match (kind, call) {
@@ -952,7 +1001,7 @@ pub(super) fn conversation(
     }
     let settings = ConversationSettings {
         rules,
-        require_hiragana: raw.require_hiragana.unwrap_or(false),
+        require_hiragana: raw.require_hiragana.unwrap_or(rules == Rules::Original),
         persona_messages: persona_call?.messages,
         sessions,
         max_rounds,

@@ -183,6 +183,19 @@ impl Reader<'_> {
         self.lookup(at).is_some()
     }
 
+    /// Whether the file has the key `at`, null included (a key set to null
+    /// reads as unset, and is named all the same).
+    fn in_file(&self, at: &str) -> bool {
+        let mut value = &self.doc.value;
+        for part in at.split('.') {
+            match value.as_object().and_then(|m| m.get(part)) {
+                Some(v) => value = v,
+                None => return false,
+            }
+        }
+        true
+    }
+
     fn problem(&mut self, at: &str, message: impl std::fmt::Display) {
         self.problems
             .push((at.to_owned(), format!("{at}: {message}")));
@@ -253,7 +266,7 @@ impl Reader<'_> {
 
     /// `at` has no place here, for `why` (when it is in the file).
     fn note(&mut self, at: &str, why: &str) {
-        if self.lookup(at).is_some() && !self.notes.iter().any(|n| n.key == at) {
+        if self.in_file(at) && !self.notes.iter().any(|n| n.key == at) {
             self.used.insert(at.to_owned());
             self.notes.push(Note {
                 key: at.to_owned(),
@@ -329,13 +342,21 @@ impl Reader<'_> {
             "says how each key maps.".to_owned(),
         ];
 
-        // The episode.
-        for key in ["max_steps", "max_rounds"] {
-            let at = format!("env.{key}");
-            if let Some(n) = self.whole(&at) {
-                conversation.push(entry(key, scalar(n)).from(&at).said(format!("env.{key}")));
-            }
+        // The episode: the original's rules, step for step.
+        conversation.push(entry("rules", scalar("original")).said(
+            "The original's rules, step for step (docs/conversation.md, \"rules: original\")",
+        ));
+        if let Some(n) = self.whole("env.max_steps") {
+            conversation.push(
+                entry("max_steps", scalar(n))
+                    .from("env.max_steps")
+                    .said("env.max_steps"),
+            );
         }
+        self.note(
+            "env.max_rounds",
+            "unused by the original (its environment ends at env.max_steps only), and so by rules: original",
+        );
         match self.boolean("env.include_robot") {
             Some(false) => {
                 self.note(
@@ -494,7 +515,7 @@ impl Reader<'_> {
                 text(&judge(&mut endpoints, target, "The topic generator")),
             ));
         }
-        if let Some(messages) = self.topic_messages(&personas) {
+        if let Some(messages) = self.topic_messages() {
             topic.push(messages);
         }
         if self.boolean("topic_manager.enable") == Some(false) {

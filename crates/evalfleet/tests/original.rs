@@ -107,7 +107,8 @@ fn realistic(env: &Env) {
 }
 
 /// The keys of the realistic config that have no place, with their lines.
-const NOT_CONVERTED: [(&str, usize); 35] = [
+const NOT_CONVERTED: [(&str, usize); 36] = [
+    ("env.max_rounds", 6),
     ("env.debug", 12),
     ("env.reward_backend", 13),
     ("env.time_penalty", 17),
@@ -172,7 +173,7 @@ async fn an_original_config_converts_with_every_key_without_a_place_named() {
     names_every_key_not_converted(&ran.stderr, "");
     assert!(
         ran.stderr
-            .contains("Wrote converted.yaml from config.local.yaml (35 of its keys not converted"),
+            .contains("Wrote converted.yaml from config.local.yaml (36 of its keys not converted"),
         "{}",
         ran.stderr
     );
@@ -300,14 +301,14 @@ async fn a_bad_original_config_is_told_which_key_and_what() {
     let env = Env::new();
     env.write(
         "bad.yaml",
-        "env:\n  personas: [A, B, C]\n  max_rounds: six\nscorer:\n  backend: gpt4\nllm:\n  azure_endpoint: https://x.openai.azure.com\n",
+        "env:\n  personas: [A, B, C]\n  max_steps: six\nscorer:\n  backend: gpt4\nllm:\n  azure_endpoint: https://x.openai.azure.com\n",
     );
     for command in ["simulate", "convert"] {
         let ran = env.evalfleet(&[command, "bad.yaml"]).await;
         assert_eq!(ran.code, Some(2), "{command}: {}", ran.stderr);
         assert!(
             ran.stderr.contains(
-                "bad.yaml:3: env.max_rounds: must be a whole number at least 0, got \"six\""
+                "bad.yaml:3: env.max_steps: must be a whole number at least 0, got \"six\""
             ),
             "{command}: {}",
             ran.stderr
@@ -586,4 +587,241 @@ async fn the_originals_scenarios_play_through_the_environment_server_as_its_code
         played += 1;
     }
     assert!(played >= 18, "{played} scenarios played");
+}
+
+/// An original config of three personas A, B and C on Ollama, whose
+/// servers the environment names.
+const ORIGINAL_JA: &str = "\
+env:
+  max_steps: 2
+  max_rounds: 6
+  personas:
+    A: { triggers: [お金, 家族] }
+    B: { triggers: [お金, 仕事] }
+    C: { triggers: [家族, 仕事] }
+  evaluation_horizon: 3
+  terminal_bonus_duration: 2
+  start_relation_check_after_utterances: 3
+scorer:
+  backend: ollama
+  use_ema: false
+  decay_factor: 1.5
+topic_manager:
+  enable: true
+  generation_prompt: |
+    三人で話す話題を一つ提案してください。カテゴリー：{trigger_examples}
+ollama:
+  base_url: http://ollama_unreachable:11434
+  model: qwen3:4b
+ppo:
+  filter_zero_rewards: true
+";
+
+/// A chat server that answers each kind of call of an original episode in
+/// Japanese (by what its messages ask) and keeps every request's
+/// messages.
+async fn japanese_server() -> (String, std::sync::Arc<std::sync::Mutex<Vec<Value>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let kept = seen.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut socket, _)) = listener.accept().await else {
+                return;
+            };
+            let kept = kept.clone();
+            tokio::spawn(async move {
+                let mut data = Vec::new();
+                let mut buf = [0u8; 8192];
+                let (head, body) = loop {
+                    let n = socket.read(&mut buf).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    data.extend_from_slice(&buf[..n]);
+                    if let Some(at) = data.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&data[..at]).to_string();
+                        let length = head
+                            .lines()
+                            .find_map(|l| {
+                                let (k, v) = l.split_once(':')?;
+                                k.eq_ignore_ascii_case("content-length")
+                                    .then(|| v.trim().parse::<usize>().ok())?
+                            })
+                            .unwrap_or(0);
+                        while data.len() < at + 4 + length {
+                            let n = socket.read(&mut buf).await.unwrap_or(0);
+                            if n == 0 {
+                                return;
+                            }
+                            data.extend_from_slice(&buf[..n]);
+                        }
+                        break (head, data[at + 4..at + 4 + length].to_vec());
+                    }
+                };
+                let answer = if head.starts_with("GET") {
+                    serde_json::json!({"object": "list", "data": [{"id": "qwen3:4b", "object": "model"}]})
+                } else {
+                    let request: Value = serde_json::from_slice(&body).unwrap_or_default();
+                    let messages = request["messages"].clone();
+                    let all: String = messages
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|m| m["content"].as_str())
+                        .collect::<Vec<_>>()
+                        .join("\n");
+                    kept.lock().unwrap().push(messages);
+                    let text = if all.contains("[あなたの返答]") {
+                        "そうですね、わたしはもう少し話し合いたいです。".to_owned()
+                    } else if all.contains("答えの形式") {
+                        // AB negative, the others positive: ++- unstable.
+                        "A-B: -0.4\nA-C: 0.5\nB-C: 0.6".to_owned()
+                    } else if all.contains("[既に提案した話題]") {
+                        "家族旅行の計画について".to_owned()
+                    } else if all.contains("数字1桁") {
+                        "2".to_owned()
+                    } else {
+                        "AさんとBさん、お二人には同じ願いがありますね。".to_owned()
+                    };
+                    serde_json::json!({
+                        "id": "c", "object": "chat.completion", "model": "qwen3:4b",
+                        "choices": [{"index": 0, "finish_reason": "stop",
+                                     "message": {"role": "assistant", "content": text}}],
+                        "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
+                    })
+                };
+                let body = answer.to_string();
+                let reply = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = socket.write_all(reply.as_bytes()).await;
+                let _ = socket.shutdown().await;
+            });
+        }
+    });
+    (url, seen)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_converted_original_config_plays_its_episodes_in_japanese() {
+    let env = Env::new();
+    env.write("original.yaml", ORIGINAL_JA);
+    let (url, seen) = japanese_server().await;
+    // The servers its environment names, as the original reads them.
+    let mut command = env.command(&["convert", "original.yaml", "-o", "converted.yaml"]);
+    command
+        .env("OLLAMA_BASES", &url)
+        .env("OLLAMA_BASE", &url)
+        .env_remove("AZURE_ENDPOINT");
+    let converted = Ran::from(command.output().await.unwrap());
+    assert_eq!(converted.code, Some(0), "{}", converted.stderr);
+    assert!(
+        converted
+            .stderr
+            .contains("env.max_rounds: not converted: unused by the original"),
+        "{}",
+        converted.stderr
+    );
+    let written = std::fs::read_to_string(env.path("converted.yaml")).unwrap();
+    assert!(written.contains("rules: original"), "{written}");
+    assert!(!written.contains("    max_rounds:"), "{written}");
+    let mut command = env.command(&[
+        "simulate",
+        "converted.yaml",
+        "--sessions",
+        "2",
+        "--run-id",
+        "ja",
+        "-q",
+    ]);
+    command.env_remove("AZURE_ENDPOINT");
+    let ran = Ran::from(command.output().await.unwrap());
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    let rows = env.export("ja").await;
+    assert_eq!(rows.len(), 2);
+    for row in &rows {
+        assert_eq!(row["status"], "done", "{row}");
+        let output: Value = serde_json::from_str(row["output"].as_str().unwrap()).unwrap();
+        assert_eq!(output["rules"], "original");
+        assert_eq!(output["topics"][0], "家族旅行の計画について");
+        // Two steps of the environment, each a decision of 2 (bridge) on
+        // AB, the only negative edge.
+        let steps = output["steps"].as_array().unwrap();
+        assert_eq!(steps.len(), 2, "{output}");
+        for step in steps {
+            assert_eq!(step["strategy"], "bridge");
+            assert_eq!(step["target_edge"], "AB");
+            assert_eq!(
+                step["robot"],
+                "AさんとBさん、お二人には同じ願いがありますね。"
+            );
+        }
+        // Every persona line is the model's (it has hiragana).
+        for line in output["conversation"].as_array().unwrap() {
+            if line["speaker"] != "robot" {
+                assert_eq!(
+                    line["text"],
+                    "そうですね、わたしはもう少し話し合いたいです。"
+                );
+            }
+        }
+    }
+    // What the calls were told: the original's prompts in Japanese.
+    let seen = seen.lock().unwrap();
+    let contents = |m: &Value| -> String {
+        m.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x["content"].as_str().unwrap_or_default().to_owned())
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let texts: Vec<String> = seen.iter().map(contents).collect();
+    let persona: Vec<&String> = texts
+        .iter()
+        .filter(|t| t.contains("[あなたの返答]"))
+        .collect();
+    assert!(
+        persona
+            .iter()
+            .all(|t| t.contains("テーマ：家族旅行の計画について"))
+    );
+    assert!(
+        persona
+            .iter()
+            .any(|t| t.contains("[ロボット] AさんとBさん")),
+        "the robot's line in the history"
+    );
+    assert!(
+        persona.iter().any(|t| t.contains("心の中で")),
+        "a need told after a decision"
+    );
+    let topic: Vec<&String> = texts
+        .iter()
+        .filter(|t| t.contains("[既に提案した話題]"))
+        .collect();
+    assert_eq!(topic.len(), 2);
+    assert!(
+        topic.iter().all(|t| ["お金", "家族", "仕事"]
+            .iter()
+            .any(|w| t.contains(&format!("カテゴリー：{w}")))),
+        "{topic:?}"
+    );
+    let scorer: Vec<&String> = texts.iter().filter(|t| t.contains("答えの形式")).collect();
+    assert!(
+        scorer.iter().all(|t| t.ends_with("A-B:\nA-C:\nB-C:")),
+        "{scorer:?}"
+    );
+    let policy: Vec<&String> = texts.iter().filter(|t| t.contains("数字1桁")).collect();
+    assert_eq!(policy.len(), 4);
+    assert!(
+        policy
+            .iter()
+            .all(|t| t.contains("改善すべきエッジ: AB (現在: -0.40)")),
+        "{policy:?}"
+    );
 }

@@ -273,51 +273,36 @@ impl Reader<'_> {
         entry("scorer", Node::Map(fields)).said(comment)
     }
 
-    /// `topic.messages` from `topic_manager.generation_prompt`: its
-    /// `{trigger_examples}` lists the personas' landmines.
-    pub(super) fn topic_messages(&mut self, personas: &[OriginalPersona]) -> Option<Entry> {
+    /// `topic.messages` from `topic_manager.generation_prompt`: the system
+    /// message, its `{trigger_examples}` the trigger drawn for the topic
+    /// (one of the personas' landmines not used yet, as the original
+    /// draws it); the user message lists the topics proposed so far, as the
+    /// original does.
+    pub(super) fn topic_messages(&mut self) -> Option<Entry> {
         let prompt = self.text("topic_manager.generation_prompt")?;
         let placeholder = "{trigger_examples}";
         let mut template = String::new();
-        if prompt.contains(placeholder) {
-            let words: Vec<Value> = personas
-                .iter()
-                .flat_map(|p| p.landmines.iter().map(|w| Value::String(w.clone())))
-                .collect();
-            template.push_str(&format!(
-                "{{% set trigger_examples = {} %}}",
-                Value::Array(words)
-            ));
-        }
-        let japanese = prompt
-            .chars()
-            .any(|c| ('\u{3040}'..='\u{9FFF}').contains(&c));
-        let parts: Vec<&str> = prompt.split(placeholder).collect();
-        for (i, part) in parts.iter().enumerate() {
+        for (i, part) in prompt.split(placeholder).enumerate() {
             if i > 0 {
-                template.push_str(if japanese {
-                    "{{ trigger_examples | join('、') }}"
-                } else {
-                    "{{ trigger_examples | join(', ') }}"
-                });
+                template.push_str("{{ trigger if trigger else \"様々なテーマ\" }}");
             }
             template.push_str(&literal(part));
         }
-        // The original tells the generator the topics used so far too.
-        template.push_str(if japanese {
-            "{% if used_topics %}\n（既に使った話題: {{ used_topics | join('、') }}）{% endif %}"
-        } else {
-            "{% if used_topics %}\n(Topics used already: {{ used_topics | join('; ') }}){% endif %}"
-        });
         Some(
             entry(
                 "messages",
-                Node::Seq(vec![Node::Map(vec![
-                    entry("role", scalar("user")),
-                    entry("content", text(&template)).from("topic_manager.generation_prompt"),
-                ])]),
+                Node::Seq(vec![
+                    Node::Map(vec![
+                        entry("role", scalar("system")),
+                        entry("content", text(&template)).from("topic_manager.generation_prompt"),
+                    ]),
+                    Node::Map(vec![
+                        entry("role", scalar("user")),
+                        entry("content", text(crate::conversation::TOPIC_USED_JA)),
+                    ]),
+                ]),
             )
-            .said("topic_manager.generation_prompt ({trigger_examples}: the personas' landmines)"),
+            .said("topic_manager.generation_prompt ({trigger_examples}: the trigger drawn for the topic)"),
         )
     }
 
@@ -349,20 +334,6 @@ impl Reader<'_> {
                 fields.push(entry(key, Node::Scalar(v)).from(at).said(at));
             }
         }
-        // The original's rules, evalfleet's defaults too: written so that
-        // the run keeps them whatever the defaults become.
-        fields.push(
-            entry("target_edge", scalar("closest_to_zero"))
-                .said("The original's rules: the target is the negative edge closest to 0,"),
-        );
-        fields.push(
-            entry("end_step_when_lost", scalar(true))
-                .said("a step ends at the check that loses the stable bonus,"),
-        );
-        fields.push(
-            entry("topic_restarts", scalar(1u64))
-                .said("and an opening that stays stable starts again once on a new topic."),
-        );
         if let Some(on) = self.boolean("ppo.filter_zero_rewards") {
             fields.push(
                 entry("filter_zero_rewards", scalar(on))

@@ -50,8 +50,10 @@ fn each_key_of_a_realistic_config_lands_where_it_should() {
     let conv = &v["task"]["conversation"];
     assert_eq!(v["name"], "config.local");
     assert_eq!(v["task"]["kind"], "conversation");
+    // The original's rules; max_rounds, unused there, is named.
+    assert_eq!(conv["rules"], "original");
     assert_eq!(conv["max_steps"], 8);
-    assert_eq!(conv["max_rounds"], 6);
+    assert_eq!(conv["max_rounds"], Value::Null);
     // Windows: the policy's own, the robot's from the deprecated fallback.
     assert_eq!(
         conv["history"],
@@ -102,7 +104,6 @@ fn each_key_of_a_realistic_config_lands_where_it_should() {
         conv["rewards"],
         json!({"stable_bonus": 2.0, "preference_match_bonus": 0.5, "evaluation_horizon": 3,
                "terminal_bonus_duration": 2, "invalid_penalty": 1.0, "max_auto_skip": 10,
-               "target_edge": "closest_to_zero", "end_step_when_lost": true, "topic_restarts": 1,
                "filter_zero_rewards": true})
     );
     assert_eq!(conv["batch_size"], 16);
@@ -110,32 +111,29 @@ fn each_key_of_a_realistic_config_lands_where_it_should() {
         v["retry"],
         json!({"max_attempts": 5, "backoff_base": "1500ms"})
     );
-    // The topic prompt, its placeholder a template over the landmines.
+    // The topic prompt, its placeholder the trigger drawn for the topic;
+    // the topics proposed so far in a message of their own.
     let content = conv["topic"]["messages"][0]["content"].as_str().unwrap();
+    assert_eq!(conv["topic"]["messages"][0]["role"], "system");
     assert!(
-        content.starts_with(
-            "{% set trigger_examples = [\"お金\",\"給料\",\"母親\",\"実家\",\"締め切り\"] %}3人が"
-        ),
+        content.contains("望ましいです: {{ trigger if trigger else \"様々なテーマ\" }}\n"),
         "{content}"
     );
+    let render = |content: &str, trigger: Option<&str>| {
+        minijinja::Environment::new()
+            .render_str(
+                content,
+                minijinja::context! { used_topics => ["家事の分担"], trigger => trigger },
+            )
+            .unwrap()
+    };
     assert!(
-        content.contains("望ましいです: {{ trigger_examples | join('、') }}\n"),
+        render(content, Some("給料")).contains("望ましいです: 給料\n"),
         "{content}"
     );
-    let rendered = minijinja::Environment::new()
-        .render_str(
-            content,
-            minijinja::context! { used_topics => ["家事の分担"] },
-        )
-        .unwrap();
-    assert!(
-        rendered.contains("望ましいです: お金、給料、母親、実家、締め切り\n"),
-        "{rendered}"
-    );
-    assert!(
-        rendered.ends_with("（既に使った話題: 家事の分担）"),
-        "{rendered}"
-    );
+    assert!(render(content, None).contains("望ましいです: 様々なテーマ\n"));
+    let used = conv["topic"]["messages"][1]["content"].as_str().unwrap();
+    assert_eq!(render(used, None), "[既に提案した話題]\n- 家事の分担\n");
     // A key written in the file is never copied.
     let c = converted(
         &REALISTIC.replace(r#"azure_api_key: """#, r#"azure_api_key: "sk-clear-123""#),
@@ -151,6 +149,7 @@ fn every_key_with_no_place_is_named_with_its_line_and_why() {
     let c = converted(REALISTIC, &[]);
     let keys: BTreeSet<&str> = c.notes.iter().map(|n| n.key.as_str()).collect();
     let mut expected: BTreeSet<&str> = [
+        "env.max_rounds",
         "env.debug",
         "env.reward_backend",
         "env.time_penalty",
@@ -225,7 +224,7 @@ fn the_yaml_written_reads_back_as_the_config_and_says_where_parts_came_from() {
     let c = converted(REALISTIC, &[]);
     let back = parse_yaml(&c.yaml).unwrap_or_else(|e| panic!("{e:?}\n{}", c.yaml));
     assert_eq!(back.value, c.document.value, "{}", c.yaml);
-    assert!(c.yaml.contains("# env.max_rounds\n"), "{}", c.yaml);
+    assert!(c.yaml.contains("# env.max_steps\n"), "{}", c.yaml);
     assert!(
         c.yaml.contains("# ppo.batch_size: episodes per line"),
         "{}",
@@ -238,7 +237,7 @@ fn the_yaml_written_reads_back_as_the_config_and_says_where_parts_came_from() {
     );
     // The converted config's keys carry the lines of the keys they came
     // from, so that its problems point into the original.
-    assert_eq!(c.document.lines["task.conversation.max_rounds"], 6);
+    assert_eq!(c.document.lines["task.conversation.max_steps"], 5);
     assert_eq!(
         c.document.lines["task.conversation.rewards.invalid_penalty"],
         20
@@ -324,12 +323,14 @@ fn unknown_keys_are_named_not_dropped() {
         named,
         [
             ("env.personas.A.mood", Some(2)),
+            ("env.max_rounds", Some(3)),
             ("env.colour", Some(4)),
             ("logging", Some(5))
         ],
     );
+    assert!(c.notes[1].why.starts_with("unused by the original"));
     assert!(
-        c.notes[2]
+        c.notes[3]
             .why
             .starts_with("not a section of the original's config")
     );
@@ -341,7 +342,6 @@ fn a_bad_original_config_is_told_which_key_and_what() {
         "env:\n  max_rounds: six\n  personas: [A, B]\n  stable_bonus: true\nscorer:\n  backend: gpt\n  decay_factor: -1\nllm:\n  provider: bedrock\n  azure_endpoint: https://x.openai.azure.com\n  max_attempts: -2\n",
     );
     for expected in [
-        "env.max_rounds: must be a whole number at least 0, got \"six\"",
         "env.personas: must name three personas (A, B and C, in that order), got 2",
         "env.stable_bonus: must be a number, got true",
         "scorer.backend: must be rule, ollama, azure or openai, got 'gpt'",
@@ -418,15 +418,16 @@ fn a_realistic_config_loads_directly_as_its_conversion_does() {
         assert!(!loaded.snapshot.to_string().contains("sk-from-dotenv"));
     }
     assert_eq!(direct.notes.len(), c.notes.len());
-    assert!(direct.notes[0].ends_with("env.debug: not converted: evalfleet's logging is set with -v or EVALFLEET_LOG; every call is stored with its run"), "{:?}", direct.notes);
+    assert!(direct.notes[0].ends_with("env.max_rounds: not converted: unused by the original (its environment ends at env.max_steps only), and so by rules: original"), "{:?}", direct.notes);
+    assert!(direct.notes[1].ends_with("env.debug: not converted: evalfleet's logging is set with -v or EVALFLEET_LOG; every call is stored with its run"), "{:?}", direct.notes);
     // A problem found after the conversion points at the original's line.
-    std::fs::write(&file, REALISTIC.replace("max_rounds: 6 ", "max_rounds: 0 ")).unwrap();
+    std::fs::write(&file, REALISTIC.replace("max_steps: 8 ", "max_steps: 0 ")).unwrap();
     let err = load_file(&file, Overrides::default())
         .unwrap_err()
         .to_string();
     assert!(
         err.contains(
-            "config.local.yaml:6: task.conversation.max_rounds: must be between 1 and 1000, got 0"
+            "config.local.yaml:5: task.conversation.max_steps: must be at least 1 with rules: original"
         ),
         "{err}"
     );
@@ -459,14 +460,11 @@ topic_manager:
     assert_eq!(conv["personas"][1]["landmines"], json!(["$${HOME}"]));
     let content = conv["topic"]["messages"][0]["content"].as_str().unwrap();
     let rendered = minijinja::Environment::new()
-        .render_str(
-            content,
-            minijinja::context! { used_topics => Vec::<String>::new() },
-        )
+        .render_str(content, minijinja::context! { trigger => "a: b" })
         .unwrap();
     assert_eq!(
         rendered,
-        "Topics like a: b, # not a comment, $${HOME}.\n  indented: {{ not a tag }}\n# hash\n"
+        "Topics like a: b.\n  indented: {{ not a tag }}\n# hash\n"
     );
 }
 

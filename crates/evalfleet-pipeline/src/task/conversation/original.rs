@@ -30,7 +30,7 @@ use super::sim::{
     Ask, CallKind, Check, Decision, Draws, Ending, Next, Restart, Situation, StepRecord, Utterance,
     need_text, strategy_text,
 };
-use evalfleet_config::ConversationSettings;
+use evalfleet_config::{ConversationSettings, ScorerKind};
 use evalfleet_eval::balance::{Edge, Need, Person, Reward, Strategy, Triangle};
 
 /// The robot's name in the original's logs and prompts.
@@ -794,6 +794,44 @@ impl Env {
         (edge, speaker)
     }
 
+    /// `relation_scorer.py:83` `_scores_rule`: per pair, 0.1 per place the
+    /// two names occur in one line, 0.05 per warm word less cold words in
+    /// the whole text, and a uniform draw in [-0.1, 0.1], clipped.
+    fn rule_scores(&mut self, lines: &[Line], people: &[Person]) -> Scores {
+        const WARM: [&str; 7] = [
+            "そうだね",
+            "なるほど",
+            "いいね",
+            "ありがとう",
+            "同意",
+            "共感",
+            "助かる",
+        ];
+        const COLD: [&str; 7] = ["違う", "いや", "無理", "嫌", "おかしい", "間違い", "怒る"];
+        let text = lines
+            .iter()
+            .map(|l| {
+                let speaker = l.speaker.map_or(ROBOT, |p| self.name(p));
+                format!("[{speaker}] {}", l.text)
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
+        let count =
+            |words: &[&str]| -> i64 { words.iter().map(|w| text.matches(w).count() as i64).sum() };
+        let tone = count(&WARM) - count(&COLD);
+        let mut out: Scores = [None; 3];
+        for i in pairs_of(people) {
+            let (a, b) = PAIRS[i];
+            let (a, b) = (regex::escape(self.name(a)), regex::escape(self.name(b)));
+            let near = regex::Regex::new(&format!("{a}.*?{b}|{b}.*?{a}"))
+                .map_or(0, |r| r.find_iter(&text).count());
+            let base = 0.1 * near as f64 + 0.05 * tone as f64;
+            let noise = -0.1 + 0.2 * self.random();
+            out[i] = Some((base + noise).clamp(-1.0, 1.0));
+        }
+        out
+    }
+
     fn record_step(&mut self, record: StepRecord) {
         self.steps.push(record);
         self.skipped = 0;
@@ -1258,8 +1296,12 @@ impl Runner {
         }
     }
 
-    /// One call of the scorer (`_instant`): its reply parsed.
+    /// One reading of the scorer (`_instant`): a call, its reply parsed;
+    /// with `scorer.kind: rules` (the original's `backend: rule`), its rule.
     async fn instant(&self, lines: &[Line], people: &[Person]) -> Scores {
+        if self.env().settings.scorer.kind == ScorerKind::Rules {
+            return self.env().rule_scores(lines, people);
+        }
         let vars = self.env().scorer_vars(lines, people);
         let reply = self.ask(CallKind::Score, vars).await;
         let mut env = self.env();

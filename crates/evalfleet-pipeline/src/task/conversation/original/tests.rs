@@ -483,3 +483,187 @@ fn every_scenario_plays_as_the_originals_own_code_played_it() {
         );
     }
 }
+
+/// The settings a config with `rules: original` and nothing else about
+/// the calls loads as: the built-in Japanese messages.
+fn loaded_original(max_auto_skip: u32) -> Arc<ConversationSettings> {
+    let dir = tempfile::tempdir().unwrap();
+    let [a, b, c] = triggers();
+    let persona = |name: &str, t: &[String]| {
+        format!(
+            "      - {{ name: {name}, landmines: {} }}\n",
+            serde_json::to_string(t).unwrap()
+        )
+    };
+    let text = format!(
+        "name: ja\nendpoints: [{{ name: local, kind: mock }}]\ntask:\n  kind: conversation\n  conversation:\n    rules: original\n    max_steps: 2\n    personas:\n{}{}{}    rewards: {{ max_auto_skip: {max_auto_skip} }}\n",
+        persona("A", &a),
+        persona("B", &b),
+        persona("C", &c),
+    );
+    let path = dir.path().join("ja.yaml");
+    std::fs::write(&path, text).unwrap();
+    let loaded = evalfleet_config::load_file(&path, Default::default()).unwrap();
+    Arc::new(loaded.config.task.kind.conversation().unwrap().clone())
+}
+
+#[test]
+fn the_built_in_japanese_messages_render_every_call_of_an_original_episode() {
+    use evalfleet_io::template::Templates;
+    let settings = loaded_original(10);
+    assert!(settings.require_hiragana);
+    assert_eq!(
+        (
+            settings.history.persona,
+            settings.history.scorer,
+            settings.history.policy
+        ),
+        (12, 3, 6)
+    );
+    let compile = |messages: &[evalfleet_config::MessageTemplate], at: &str| {
+        Templates::from_messages(messages, at).unwrap()
+    };
+    let persona = compile(&settings.persona_messages, "persona");
+    let scorer = compile(&settings.scorer.call.messages, "scorer");
+    let policy = compile(&settings.policy.call.messages, "policy");
+    let robot = compile(&settings.robot.messages, "robot");
+    let topic = compile(&settings.topic.messages, "topic");
+    // tie_ab_ac's script: a decision of 1 (validate) on AB, target B,
+    // whose need (recognition) it answers: B hears the recovery line.
+    let scenario = data("conversation_scenarios.json")["scenarios"][0].clone();
+    assert_eq!(scenario["name"], "tie_ab_ac");
+    let mut sim = Original::seeded(settings.clone(), "ja", None, 1, 1);
+    let utterances = scenario["utterances"].as_array().unwrap().clone();
+    let mut spoken = 0;
+    let mut seen: Vec<(CallKind, String)> = Vec::new();
+    let mut next = sim.start();
+    while !matches!(next, Next::Over) {
+        next = match next {
+            Next::Decide(_) => {
+                let vars = sim.policy_vars();
+                let messages = policy.render(&vars).unwrap();
+                assert_eq!(messages.last().unwrap().content, sim.env().observation);
+                assert!(
+                    messages[0].content.contains("1〜4の数字1桁"),
+                    "{messages:?}"
+                );
+                match sim.ask_policy() {
+                    Next::Ask(_) => sim.reply("1").unwrap(),
+                    other => other,
+                }
+            }
+            Next::Ask(ask) => {
+                let templates = match ask.kind {
+                    CallKind::Speak(_) => &persona,
+                    CallKind::Score => &scorer,
+                    CallKind::Robot => &robot,
+                    CallKind::Topic => &topic,
+                    CallKind::Policy => &policy,
+                };
+                let text: String = templates
+                    .render(&ask.vars)
+                    .unwrap_or_else(|e| panic!("{:?}: {e}", ask.kind))
+                    .iter()
+                    .map(|m| m.content.clone())
+                    .collect::<Vec<_>>()
+                    .join("\n");
+                seen.push((ask.kind, text));
+                let reply = match ask.kind {
+                    CallKind::Speak(_) if spoken < utterances.len() => {
+                        spoken += 1;
+                        utterances[spoken - 1].as_str().unwrap().to_owned()
+                    }
+                    CallKind::Speak(_) => "え、もう話すことはありません。".to_owned(),
+                    CallKind::Score => {
+                        let table = scenario["scorer_replies"].as_object().unwrap();
+                        let at = table
+                            .keys()
+                            .filter_map(|k| k.parse::<usize>().ok())
+                            .filter(|&k| k <= spoken)
+                            .max()
+                            .unwrap();
+                        table[&at.to_string()].as_str().unwrap().to_owned()
+                    }
+                    CallKind::Robot => "Bさん、その気持ちはよくわかります。".to_owned(),
+                    _ => "最近の物価高について".to_owned(),
+                };
+                sim.reply(&reply).unwrap()
+            }
+            Next::Over => Next::Over,
+        };
+    }
+    let of = |kind: CallKind| -> Vec<&String> {
+        seen.iter()
+            .filter(|(k, _)| *k == kind)
+            .map(|(_, t)| t)
+            .collect()
+    };
+    let topics = of(CallKind::Topic);
+    assert!(
+        topics[0].contains("[既に提案した話題]\n(なし)"),
+        "{}",
+        topics[0]
+    );
+    let scores = of(CallKind::Score);
+    assert!(scores[0].contains("A-B:\nA-C:\nB-C:"), "{}", scores[0]);
+    assert!(scores[0].contains("- A × B"), "{}", scores[0]);
+    assert!(
+        scores[0].contains("[A] あ、これは1番目の発話です。"),
+        "{}",
+        scores[0]
+    );
+    let robot_lines = of(CallKind::Robot);
+    assert_eq!(robot_lines.len(), 1);
+    assert!(
+        robot_lines[0].contains("Bさんの気持ちや意見"),
+        "{}",
+        robot_lines[0]
+    );
+    assert!(robot_lines[0].contains("Aさん"), "{}", robot_lines[0]);
+    let speak = of(CallKind::Speak(Person::B));
+    // Before the decision B is told no need; after it, its need, and the
+    // recovery line (the robot spoke in the last five lines).
+    assert!(!speak[0].contains("心の中で"), "{}", speak[0]);
+    assert!(!speak[0].contains("気持ちの変化"), "{}", speak[0]);
+    assert!(speak[1].contains("認めてほしい"), "{}", speak[1]);
+    assert!(speak[1].contains("【気持ちの変化】"), "{}", speak[1]);
+    assert!(
+        speak[1].contains("[ロボット] Bさん、その気持ちはよくわかります。"),
+        "{}",
+        speak[1]
+    );
+    // Every persona line of the episode names the topic.
+    for (kind, text) in &seen {
+        if matches!(kind, CallKind::Speak(_)) {
+            assert!(text.contains("テーマ：最近の物価高について"), "{text}");
+        }
+    }
+    assert_eq!(sim.steps().len(), 1);
+    assert_eq!(sim.steps()[0].reward.total, 2.5);
+}
+
+/// The original's rule scorer (`backend: rule`), against what its own
+/// `relation_scorer._scores_rule` gave for these lines after
+/// `random.seed(7)` (aa1a845, Python 3.11).
+#[test]
+fn the_rule_scorer_draws_and_counts_as_the_originals() {
+    let mut env = Env::new(settings(&Value::Null), "e", 7, None);
+    let line = |p: Person, text: &str| Line {
+        speaker: Some(p),
+        text: text.to_owned(),
+    };
+    let lines = [
+        line(Person::A, "Bさん、そうだね、ありがとう"),
+        line(Person::B, "いや、違うよ、Cさん"),
+        line(Person::C, "なるほど"),
+    ];
+    let scores = env.rule_scores(&lines, &Person::ALL);
+    assert_eq!(
+        scores,
+        [
+            Some(0.114_766_552_966_632_49),
+            Some(-0.019_830_165_215_099_615),
+            Some(0.180_186_894_607_970_77)
+        ]
+    );
+}
