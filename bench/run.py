@@ -1798,6 +1798,7 @@ task:
   kind: conversation
   params: { max_tokens: 96 }
   conversation:
+    rules: corrected
     max_rounds: 6
     seed: 1
     topics: ["sharing the flat's chores", "where to go on holiday", "who leads the new project"]

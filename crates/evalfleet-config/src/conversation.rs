@@ -24,7 +24,7 @@ use evalfleet_eval::balance::{Need, RewardSettings, Strategy, TargetRule};
 pub struct ConversationSettings {
     /// Whose rules the episode follows: the original system's, step for
     /// step (`docs/conversation.md`, "rules: original"), or evalfleet's
-    /// corrections of them. Default `corrected`.
+    /// corrections of them. Default `original`.
     pub rules: Rules,
     /// `rules: original`: a persona line without hiragana is replaced by
     /// the original's fallback line, as its human simulator does (it
@@ -84,9 +84,9 @@ pub struct ConversationSettings {
 pub enum Rules {
     /// The original system's (yoshinari0312/policyRL_relation_robot at
     /// aa1a845), its quirks included.
-    Original,
-    /// evalfleet's: the original's bugs fixed, each a named option.
     #[default]
+    Original,
+    /// evalfleet's: the original's bugs fixed.
     Corrected,
 }
 
@@ -297,7 +297,7 @@ pub(super) struct RawConversation {
     /// `original`: every rule as the original system's code plays it,
     /// step for step, its quirks included (`docs/conversation.md`);
     /// `corrected`: evalfleet's rules, the original's bugs fixed (each
-    /// difference listed there). Default `corrected`.
+    /// difference listed there). Default `original`.
     rules: Option<String>,
     /// `rules: original`: replace a persona line without hiragana by the
     /// original's fallback line (its human simulator speaks Japanese).

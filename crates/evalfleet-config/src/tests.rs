@@ -1097,7 +1097,11 @@ fn a_conversation_s_rule_keys_are_read_and_checked() {
     let c = config.config.task.kind.conversation().unwrap();
     assert_eq!(c.rules, crate::Rules::Original);
     assert_eq!(c.max_steps, 8);
+    // The default is the original's rules.
     let config = load("    sessions: 2\n").unwrap();
+    let c = config.config.task.kind.conversation().unwrap();
+    assert_eq!((c.rules, c.max_steps), (crate::Rules::Original, 8));
+    let config = load("    rules: corrected\n").unwrap();
     let c = config.config.task.kind.conversation().unwrap();
     assert_eq!((c.rules, c.max_steps), (crate::Rules::Corrected, 0));
     assert_eq!(

@@ -72,6 +72,7 @@ task:
   kind: conversation
   params: { max_tokens: 64 }
   conversation:
+    rules: corrected
     max_rounds: 4
     topics: ["the shared flat"]
     personas:
@@ -275,6 +276,7 @@ task:
   kind: conversation
   params: { max_tokens: 64 }
   conversation:
+    rules: corrected
     max_rounds: 5
     seed: 7
     topics: ["a trip", "the budget", "a new job"]
@@ -955,6 +957,7 @@ task:
   kind: conversation
   params: { max_tokens: 64 }
   conversation:
+    rules: corrected
     max_rounds: 3
     max_steps: 1
     topics: ["引っ越しの費用"]

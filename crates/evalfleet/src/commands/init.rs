@@ -226,6 +226,7 @@ fn task_yaml(task: InitTask) -> &'static str {
             "  kind: conversation\n  \
                params: { max_tokens: 96, temperature: 0.7 }\n  \
                conversation:\n    \
+               rules: corrected           # evalfleet's rules (the default, original, plays the original system's episodes in Japanese)\n    \
                sessions: 4                # episodes; `evalfleet simulate --sessions N` overrides\n    \
                max_rounds: 4\n    \
                seed: 1\n    \
