@@ -353,7 +353,9 @@ pub(super) struct RawConversation {
     rewards: Option<RawRewards>,
     alarms: Option<RawAlarms>,
     /// Episodes per line of `batch_summary.jsonl` and `metrics.jsonl` (a
-    /// PPO batch; `evalfleet env --batch-size` overrides it). Default 16.
+    /// PPO batch; `evalfleet env --batch-size` overrides it); with `rules:
+    /// original`, `batch_summary.jsonl` is the original trainer's, a record
+    /// per `batch_size` decisions. Default 16.
     batch_size: Option<u32>,
 }
 

@@ -543,13 +543,25 @@ impl Reader<'_> {
 
         // Rewards.
         conversation.push(self.rewards());
-        if let Some(n) = self.whole("ppo.batch_size") {
-            conversation.push(
-                entry("batch_size", scalar(n))
-                    .from("ppo.batch_size")
-                    .said("ppo.batch_size: episodes per line of batch_summary.jsonl"),
-            );
+        // The original's trainer writes a batch summary per effective batch
+        // of decisions: per_device_train_batch_size x grad_accum_steps x 2
+        // (each 1 when not set).
+        let per_device = self.whole("ppo.per_device_train_batch_size");
+        let accumulation = self.whole("ppo.grad_accum_steps");
+        let n = per_device.unwrap_or(1).max(1) * accumulation.unwrap_or(1).max(1) * 2;
+        let mut batch = entry("batch_size", scalar(n)).said(
+            "decisions per record of batch_summary.jsonl: ppo.per_device_train_batch_size x ppo.grad_accum_steps x 2, the original's effective batch",
+        );
+        if per_device.is_some() {
+            batch = batch.from("ppo.per_device_train_batch_size");
+        } else if accumulation.is_some() {
+            batch = batch.from("ppo.grad_accum_steps");
         }
+        conversation.push(batch);
+        self.note(
+            "ppo.batch_size",
+            "not read by the original's trainer (its batch is per_device_train_batch_size x grad_accum_steps x 2, the converted batch_size)",
+        );
 
         if endpoints
             .iter()

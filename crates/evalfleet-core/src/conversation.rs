@@ -8,6 +8,7 @@ use std::path::Path;
 
 use evalfleet_config::ConversationSettings;
 use evalfleet_pipeline::task::conversation::gym::Happening;
+use evalfleet_reports::conversation::original::File as OriginalFile;
 use evalfleet_reports::conversation::{self, ConversationReport, Line, Logbook, json_line};
 use evalfleet_store::prelude::*;
 use evalfleet_store::{Location, OpenOptions};
@@ -65,6 +66,18 @@ pub fn write_logs(
         Line::Metrics(v) => {
             if let Some((_, metrics)) = &mut batches {
                 write_line(metrics, &v, &mut failed);
+            }
+        }
+        Line::Original(which, text) => {
+            let file = match which {
+                OriginalFile::ConversationSummary => Some(&mut steps),
+                OriginalFile::BatchSummary => batches.as_mut().map(|(batch, _)| batch),
+            };
+            if let Some(file) = file
+                && failed.is_none()
+                && let Err(err) = file.write_all(text.as_bytes())
+            {
+                failed = Some(err);
             }
         }
         Line::Alarm(_) => {}
@@ -254,6 +267,14 @@ impl Journal {
                 Written::Step(v) => (&mut self.steps, json_line(v)),
                 Written::Batch(v) => (&mut self.batches, json_line(v)),
                 Written::Metrics(v) => (&mut self.metrics, json_line(v)),
+                Written::Original(which, text) => {
+                    let file = match which {
+                        OriginalFile::ConversationSummary => &mut self.steps,
+                        OriginalFile::BatchSummary => &mut self.batches,
+                    };
+                    file.write_all(text.as_bytes())?;
+                    continue;
+                }
             };
             writeln!(file, "{text}")?;
         }
@@ -278,6 +299,8 @@ enum Written {
     Step(Value),
     Batch(Value),
     Metrics(Value),
+    /// A record in the original trainer's shape, as written.
+    Original(OriginalFile, String),
 }
 
 fn lines_of(lines: Vec<Line>) -> Vec<Written> {
@@ -287,6 +310,7 @@ fn lines_of(lines: Vec<Line>) -> Vec<Written> {
             Line::Step(v) => Written::Step(v),
             Line::Batch(v) => Written::Batch(v),
             Line::Metrics(v) => Written::Metrics(v),
+            Line::Original(file, text) => Written::Original(file, text),
             Line::Alarm(alarm) => Written::Alarm(Event {
                 at_ms: now_ms(),
                 kind: EventKind::Alarm,

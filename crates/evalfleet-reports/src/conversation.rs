@@ -7,6 +7,8 @@
 //! crash and played again after a resume is counted once; only episodes
 //! played to their end (done) count.
 
+pub mod original;
+
 use std::collections::{BTreeMap, VecDeque};
 
 use evalfleet_types::ItemStatus;
@@ -186,12 +188,18 @@ pub enum Line {
     /// A line of `metrics.jsonl`.
     Metrics(Value),
     Alarm(Alarm),
+    /// `rules: original`: a record of `conversation_summary.jsonl` or
+    /// `batch_summary.jsonl` in the original trainer's shape (its text,
+    /// separator included), in place of the lines above of those files.
+    Original(original::File, String),
 }
 
 /// Follows a run's episodes played to their end, one at a time, into the
 /// lines of its logs and its totals.
 pub struct Logbook {
     watch: Watch,
+    /// `rules: original`: the original's records.
+    original: Option<original::OriginalLog>,
     batch: Batch,
     batch_size: u64,
     /// Batches written so far (those of earlier sessions included).
@@ -211,6 +219,8 @@ impl Logbook {
     /// numbering them).
     pub fn new(settings: &ConversationSettings, batches: u64) -> Self {
         Self {
+            original: (settings.rules == evalfleet_config::Rules::Original)
+                .then(|| original::OriginalLog::new(u64::from(settings.batch_size.max(1)))),
             watch: Watch::new(settings.alarms),
             batch: Batch::default(),
             batch_size: u64::from(settings.batch_size.max(1)),
@@ -267,7 +277,15 @@ impl Logbook {
             if let (Some(line), Some(step)) = (line.as_object_mut(), step.as_object()) {
                 line.extend(step.clone());
             }
-            out(Line::Step(line));
+            if self.original.is_none() {
+                out(Line::Step(line));
+            }
+        }
+        if let Some(log) = &mut self.original {
+            let now = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string();
+            log.episode(summary, &now, &mut |file, text| {
+                out(Line::Original(file, text))
+            });
         }
         self.rewards.add(episode_reward);
         self.total_reward += episode_reward;
@@ -285,7 +303,9 @@ impl Logbook {
         }
         self.batches += 1;
         let batch = std::mem::take(&mut self.batch);
-        out(Line::Batch(batch.line(self.batches)));
+        if self.original.is_none() {
+            out(Line::Batch(batch.line(self.batches)));
+        }
         out(Line::Metrics(batch.metrics(self.batches)));
     }
 
@@ -467,7 +487,7 @@ fn between_items<W: ?Sized + std::io::Write>(writer: &mut W, first: bool) -> std
 /// A finite float as Python's `repr` writes it: the shortest digits that
 /// read back the same, positional from 1e-4 up to 1e16, else with an
 /// exponent of at least two digits (`1e-05`, `1.5e+16`).
-fn python_float(value: f64) -> String {
+pub(crate) fn python_float(value: f64) -> String {
     if !value.is_finite() {
         return "null".to_owned();
     }

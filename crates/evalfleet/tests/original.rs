@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 
 use evalfleet_mock::MockSettings;
-use serde_json::Value;
+use serde_json::{Value, json};
 
 use crate::conversation::lines as jsonl;
 use crate::util::{Env, Ran, mock};
@@ -127,7 +127,7 @@ const NOT_CONVERTED: [(&str, usize); 36] = [
     ("llm.human_model", 65),
     ("llm.relation_model", 66),
     ("ppo.lr", 73),
-    ("ppo.grad_accum_steps", 75),
+    ("ppo.batch_size", 74),
     ("ppo.kl_coef", 76),
     ("ppo.kl_estimator", 77),
     ("ppo.target_kl", 78),
@@ -181,7 +181,7 @@ async fn an_original_config_converts_with_every_key_without_a_place_named() {
     // Where each part came from, the key a reference, the names as written.
     assert!(
         written.contains(
-            "# ppo.batch_size: episodes per line of batch_summary.jsonl\n    batch_size: 16\n"
+            "# decisions per record of batch_summary.jsonl: ppo.per_device_train_batch_size x ppo.grad_accum_steps x 2, the original's effective batch\n    batch_size: 4\n"
         ),
         "{written}"
     );
@@ -615,6 +615,8 @@ ollama:
   model: qwen3:4b
 ppo:
   filter_zero_rewards: true
+  per_device_train_batch_size: 1
+  grad_accum_steps: 1
 ";
 
 /// A chat server that answers each kind of call of an original episode in
@@ -824,4 +826,57 @@ async fn a_converted_original_config_plays_its_episodes_in_japanese() {
             .all(|t| t.contains("改善すべきエッジ: AB (現在: -0.40)")),
         "{policy:?}"
     );
+
+    // The logs are the original trainer's: records read as its analysis
+    // scripts read them (split at the lines of 80 `=`, each a JSON object).
+    let records = |name: &str| -> Vec<Value> {
+        let text = std::fs::read_to_string(env.path("runs/ja").join(name)).unwrap();
+        assert!(text.ends_with(&format!("\n{}\n", "=".repeat(80))), "{text}");
+        text.split(&"=".repeat(80))
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .map(|t| serde_json::from_str(t).unwrap_or_else(|e| panic!("{e}: {t}")))
+            .collect()
+    };
+    let decisions = records("conversation_summary.jsonl");
+    assert_eq!(decisions.len(), 4, "{decisions:?}");
+    for (i, d) in decisions.iter().enumerate() {
+        assert_eq!(d["interaction_id"], i as u64 + 1);
+        assert_eq!(d["episode"], i as u64 / 2 + 1);
+        assert_eq!(d["turn"], i as u64 % 2 + 1);
+        assert_eq!(d["intervention"]["intervened"], true, "{d}");
+        assert_eq!(d["intervention"]["strategy"], "bridge", "{d}");
+        assert_eq!(d["intervention"]["llm_raw_output"], "2", "{d}");
+        assert_eq!(d["relation"]["is_stable"], false, "{d}");
+        assert_eq!(d["relation"]["edges"]["A,B"], -0.4, "{d}");
+        assert_eq!(d["relations_after_horizon"]["is_stable"], false, "{d}");
+        assert_eq!(d["chosen_strategy"], "bridge");
+        assert!(d["reward"]["total"].is_number(), "{d}");
+        assert_eq!(d.get("episode_summary").is_some(), i % 2 == 1, "{d}");
+        assert!(d["timestamp"].as_str().unwrap().ends_with('Z'));
+    }
+    // The first decision of an episode has its opening and its moods.
+    assert_eq!(
+        decisions[0]["initial_conversation"]
+            .as_array()
+            .unwrap()
+            .len(),
+        3
+    );
+    assert_eq!(
+        decisions[0]["episode_info"]["topic"],
+        "家族旅行の計画について"
+    );
+    // A batch per two decisions (1 x 1 x 2), written before the decision
+    // that fills it, all four strategies counted as the original does.
+    let batches = records("batch_summary.jsonl");
+    assert_eq!(batches.len(), 2, "{batches:?}");
+    for (i, b) in batches.iter().enumerate() {
+        assert_eq!(b["batch_summary"]["batch_id"], i as u64 + 1);
+        assert_eq!(b["batch_summary"]["batch_size"], 2);
+        assert_eq!(b["batch_summary"]["strategy_counts"], json!({"bridge": 2}));
+        assert_eq!(b["batch_summary"]["total_interventions"], 2);
+        assert_eq!(b["batch_summary"]["choice_entropy"]["strategy"], 0.0);
+        assert_eq!(b["step"], i as u64 * 2 + 2);
+    }
 }

@@ -106,7 +106,8 @@ fn each_key_of_a_realistic_config_lands_where_it_should() {
                "terminal_bonus_duration": 2, "invalid_penalty": 1.0, "max_auto_skip": 10,
                "filter_zero_rewards": true})
     );
-    assert_eq!(conv["batch_size"], 16);
+    // The original trainer's effective batch: 1 x grad_accum_steps 2 x 2.
+    assert_eq!(conv["batch_size"], 4);
     assert_eq!(
         v["retry"],
         json!({"max_attempts": 5, "backoff_base": "1500ms"})
@@ -171,7 +172,7 @@ fn every_key_with_no_place_is_named_with_its_line_and_why() {
     .into();
     for key in [
         "lr",
-        "grad_accum_steps",
+        "batch_size",
         "kl_coef",
         "kl_estimator",
         "target_kl",
@@ -226,7 +227,7 @@ fn the_yaml_written_reads_back_as_the_config_and_says_where_parts_came_from() {
     assert_eq!(back.value, c.document.value, "{}", c.yaml);
     assert!(c.yaml.contains("# env.max_steps\n"), "{}", c.yaml);
     assert!(
-        c.yaml.contains("# ppo.batch_size: episodes per line"),
+        c.yaml.contains("# decisions per record of batch_summary.jsonl: ppo.per_device_train_batch_size x ppo.grad_accum_steps x 2"),
         "{}",
         c.yaml
     );
@@ -401,7 +402,7 @@ fn a_realistic_config_loads_directly_as_its_conversion_does() {
         assert_eq!(settings.scorer.decay_factor, 1.5);
         assert_eq!(settings.rewards.invalid_penalty, 1.0);
         assert_eq!(settings.max_auto_skip, 10);
-        assert_eq!(settings.batch_size, 16);
+        assert_eq!(settings.batch_size, 4);
         assert_eq!(settings.history.policy, 9);
         assert_eq!(settings.personas[1].landmines, ["母親", "実家"]);
         let policy = loaded

@@ -423,6 +423,14 @@ pub struct Env {
     due: Option<(Decision, Map<String, Value>)>,
     /// Where the step under way began in `conversation`.
     step_from: usize,
+    /// The opening's human lines before any restart (`initial_conversation_log`).
+    initial: Vec<Line>,
+    /// What the original's trainer logs of each decision and of an episode
+    /// a stable step ended (`conversation_summary.jsonl` records, without
+    /// their interaction id, episode number and timestamp).
+    log: Vec<Value>,
+    /// The episode's totals as reward_fn counts them (`episode_stats`).
+    stats: EpisodeStats,
     /// The step under way.
     current: Option<StepRecord>,
 }
@@ -470,6 +478,9 @@ impl Env {
             due: None,
             step_from: 0,
             current: None,
+            initial: Vec::new(),
+            log: Vec::new(),
+            stats: EpisodeStats::default(),
         }
     }
 
@@ -832,6 +843,232 @@ impl Env {
         out
     }
 
+    /// `{speaker, utterance}` of each human line.
+    fn utterances_json(&self, lines: &[Line]) -> Value {
+        Value::Array(
+            lines
+                .iter()
+                .filter_map(|l| {
+                    l.speaker
+                        .map(|p| json!({"speaker": self.name(p), "utterance": l.text}))
+                })
+                .collect(),
+        )
+    }
+
+    /// A metrics' edges as the trainer writes them: `"A,B": score`.
+    fn edges_json(&self, metrics: Option<&Metrics>) -> Value {
+        let mut edges = Map::new();
+        if let Some(m) = metrics {
+            for (i, (x, y)) in PAIRS.iter().enumerate() {
+                if let Some(score) = m.scores[i] {
+                    edges.insert(format!("{},{}", self.name(*x), self.name(*y)), json!(score));
+                }
+            }
+        }
+        Value::Object(edges)
+    }
+
+    /// `{is_stable, edges}` of relations (`{}` for none).
+    fn relation_json(&self, metrics: Option<&Metrics>) -> Value {
+        json!({
+            "is_stable": metrics.is_none_or(|m| m.unstable_triads == 0),
+            "edges": self.edges_json(metrics),
+        })
+    }
+
+    /// reward_fn's `log_payload` of a decision (`ppo_train.py:2726-2955`),
+    /// without its interaction id and episode number.
+    fn decision_log(
+        &mut self,
+        out: &StepOut,
+        total: f64,
+        strategy: Option<Strategy>,
+        raw: &str,
+    ) -> Value {
+        let info = &out.info;
+        let mut log = Map::new();
+        // What the trainer's batch collector counts (not written).
+        let decision = match strategy {
+            None => "output_error",
+            Some(s) => s.as_str(),
+        };
+        log.insert("decision".to_owned(), json!(decision));
+        log.insert("turn".to_owned(), json!(self.t));
+        log.insert("done".to_owned(), json!(out.done));
+        if self.t == 1 {
+            let mut episode_info = Map::new();
+            episode_info.insert("topic".to_owned(), json!(self.topic));
+            if let Some(trigger) = &self.trigger {
+                episode_info.insert("selected_trigger".to_owned(), json!(trigger));
+                let holders: Vec<&str> = Person::ALL
+                    .into_iter()
+                    .filter(|p| {
+                        self.settings.personas[p.index()]
+                            .landmines
+                            .contains(trigger)
+                    })
+                    .map(|p| self.name(p))
+                    .collect();
+                if !holders.is_empty() {
+                    episode_info.insert("personas_with_trigger".to_owned(), json!(holders));
+                }
+            }
+            let mood: Map<String, Value> = Person::ALL
+                .into_iter()
+                .map(|p| {
+                    let word = if self.aggressive[p.index()] {
+                        "過激"
+                    } else {
+                        "マイルド"
+                    };
+                    (self.name(p).to_owned(), json!(word))
+                })
+                .collect();
+            episode_info.insert("speaker_aggressiveness".to_owned(), Value::Object(mood));
+            log.insert("episode_info".to_owned(), Value::Object(episode_info));
+            if info.judged.is_some() {
+                let needs: Map<String, Value> = Person::ALL
+                    .into_iter()
+                    .map(|p| {
+                        (
+                            self.name(p).to_owned(),
+                            json!(self.needs[p.index()].as_str()),
+                        )
+                    })
+                    .collect();
+                log.insert("emotional_needs".to_owned(), Value::Object(needs));
+            }
+            let initial = self.utterances_json(&self.initial);
+            if initial.as_array().is_some_and(|a| !a.is_empty()) {
+                log.insert("initial_conversation".to_owned(), initial);
+            }
+        } else if !info.before.is_empty() {
+            log.insert(
+                "human_utterances".to_owned(),
+                self.utterances_json(&info.before),
+            );
+        }
+        let mut relation = self.relation_json(info.status.as_ref());
+        if info.status.is_none_or(|m| !m.has_edges()) {
+            relation["debug_note"] = json!("edges_empty_at_step_start");
+        }
+        let stable_before = info.status.is_none_or(|m| m.unstable_triads == 0);
+        log.insert("relation".to_owned(), relation);
+        // The plan the trainer logs: the environment's, with what the
+        // trainer read of the output (reward_fn merges them).
+        let (edge, target) = self.target.unwrap_or((Edge::AB, Person::A));
+        let plan_strategy = match strategy {
+            None => Some("output_error"),
+            Some(s) if s.intervenes() => Some(s.as_str()),
+            Some(_) => None,
+        };
+        if !stable_before {
+            let mut intervention = Map::new();
+            if info.intervened {
+                intervention.insert("intervened".to_owned(), json!(true));
+                intervention.insert("robot_utterance".to_owned(), json!(out.robot));
+                if let Some(s) = plan_strategy {
+                    intervention.insert("strategy".to_owned(), json!(s));
+                }
+                intervention.insert("edge_to_change".to_owned(), json!(edge.as_str()));
+                intervention.insert("target_speaker".to_owned(), json!(target.as_str()));
+                intervention.insert("llm_raw_output".to_owned(), json!(raw));
+                let after = self.utterances_json(&info.replies);
+                if after.as_array().is_some_and(|a| !a.is_empty()) {
+                    intervention.insert("utterances_after_intervention".to_owned(), after);
+                }
+                log.insert("intervention".to_owned(), Value::Object(intervention));
+                if let Some(m) = &out.after_horizon {
+                    log.insert(
+                        "relations_after_horizon".to_owned(),
+                        self.relation_json(Some(m)),
+                    );
+                }
+            } else {
+                intervention.insert("intervened".to_owned(), json!(false));
+                let intervene = strategy.is_some_and(Strategy::intervenes);
+                intervention.insert("intervene_now".to_owned(), json!(intervene));
+                intervention.insert("edge_to_change".to_owned(), json!(edge.as_str()));
+                intervention.insert("target_speaker".to_owned(), json!(target.as_str()));
+                intervention.insert("llm_raw_output".to_owned(), json!(raw));
+                let heard = self.utterances_json(&info.replies);
+                if heard.as_array().is_some_and(|a| !a.is_empty()) {
+                    intervention.insert("human_utterances".to_owned(), heard);
+                }
+                log.insert("intervention".to_owned(), Value::Object(intervention));
+            }
+        }
+        let mut breakdown = Map::new();
+        if strategy.is_none() {
+            breakdown.insert("output_errorペナルティ".to_owned(), json!(total));
+        }
+        log.insert(
+            "reward".to_owned(),
+            json!({"total": total, "breakdown": Value::Object(breakdown)}),
+        );
+        if let Some(j) = &info.judged {
+            log.insert("target_speaker".to_owned(), json!(j.target.as_str()));
+            log.insert("chosen_strategy".to_owned(), json!(j.strategy));
+            log.insert("preferred_strategy".to_owned(), json!(j.preferred));
+            log.insert(
+                "preference_match".to_owned(),
+                json!(j.strategy == j.preferred),
+            );
+            log.insert("edge_to_change".to_owned(), json!(j.edge.as_str()));
+            log.insert("target_edge_score_after".to_owned(), json!(j.score_after));
+            log.insert(
+                "target_edge_positive_after".to_owned(),
+                json!(j.score_after > 0.0),
+            );
+        }
+        self.stats.total_reward += total;
+        if info.intervened {
+            self.stats.interventions += 1;
+        }
+        if !stable_before && !info.intervened {
+            self.stats.unstable_no_intervention += 1;
+        }
+        if info.plan_error {
+            self.stats.plan_errors += 1;
+        }
+        if out.done {
+            log.insert(
+                "episode_summary".to_owned(),
+                json!({
+                    "total_reward": self.stats.total_reward,
+                    "total_interventions": self.stats.interventions,
+                    "unstable_no_intervention": self.stats.unstable_no_intervention,
+                    "plan_errors": self.stats.plan_errors,
+                }),
+            );
+        }
+        Value::Object(log)
+    }
+
+    /// The trainer's record of an episode a stable step ended
+    /// (`ppo_train.py:1236-1257`).
+    fn stable_end_log(&self, out: &StepOut) -> Value {
+        let mut log = Map::new();
+        log.insert("turn".to_owned(), json!(self.t));
+        log.insert("skipped".to_owned(), json!(true));
+        log.insert(
+            "reason".to_owned(),
+            json!("stable_state_max_auto_skip_reached"),
+        );
+        log.insert("done".to_owned(), json!(true));
+        if !out.info.before.is_empty() {
+            log.insert(
+                "human_utterances".to_owned(),
+                self.utterances_json(&out.info.before),
+            );
+        }
+        if let Some(m) = &out.info.rel {
+            log.insert("relation".to_owned(), self.relation_json(Some(m)));
+        }
+        Value::Object(log)
+    }
+
     fn record_step(&mut self, record: StepRecord) {
         self.steps.push(record);
         self.skipped = 0;
@@ -1022,6 +1259,11 @@ impl Runner {
         // reward_fn (ppo_train.py:2620-2666): think tags stripped, the
         // first digit 1-4 taken, else the action is "output_error" and
         // costs the penalty.
+        let raw = match &choice {
+            Choice::Reply(raw) => raw.clone(),
+            Choice::Strategy(s) => s.digit().to_string(),
+            Choice::Invalid(_) => String::new(),
+        };
         let (action, strategy, reply, reason) = match choice {
             Choice::Reply(raw) => {
                 let visible = strip_think_tags(&raw);
@@ -1060,6 +1302,13 @@ impl Runner {
         let out = self.step(&action).await;
         let mut env = self.env();
         let penalty = env.settings.rewards.invalid_penalty;
+        let total = if strategy.is_some() {
+            out.reward
+        } else {
+            -penalty
+        };
+        let payload = env.decision_log(&out, total, strategy, &raw);
+        env.log.push(payload);
         let step_from = env.step_from;
         let utterances = env.conversation[step_from..].to_vec();
         if let Some(mut record) = env.current.take() {
@@ -1109,6 +1358,10 @@ impl Runner {
         if !out.done {
             return None;
         }
+        // ppo_train.py:1233: the trainer logs the episode a stable step
+        // ended.
+        let payload = env.stable_end_log(&out);
+        env.log.push(payload);
         Some(if out.stable_end {
             Ending::Terminated
         } else {
@@ -1175,6 +1428,16 @@ impl Runner {
             }
             count += 1;
             self.human_reply(false, [false; 3]).await;
+        }
+        {
+            let mut env = self.env();
+            env.initial = env
+                .logs
+                .iter()
+                .filter(|l| l.speaker.is_some())
+                .cloned()
+                .collect();
+            env.stats = EpisodeStats::default();
         }
         if count >= max_auto_skip {
             // convo_env.py:419: a new topic, the log and scorer cleared.
@@ -1438,6 +1701,7 @@ impl Runner {
 
     /// `convo_env.py:436` `step`.
     async fn step(&self, action: &str) -> StepOut {
+        let began = self.env().logs.len();
         let (skip_generation, previous) = {
             let env = self.env();
             let previous = if env.previous_intervened {
@@ -1497,6 +1761,15 @@ impl Runner {
             fresh = Some(metrics);
         }
         let reached_max_auto_skip = count >= max_auto_skip;
+        let mut info = Info {
+            before: self.env().logs[began..]
+                .iter()
+                .filter(|l| l.speaker.is_some())
+                .cloned()
+                .collect(),
+            status: before.metrics(),
+            ..Info::default()
+        };
         let unstable = before.metrics().map_or(0, |m| m.unstable_triads);
         let incomplete = !before.metrics().is_some_and(|m| m.has_edges());
         if unstable == 0 && !incomplete {
@@ -1512,9 +1785,14 @@ impl Runner {
             env.previous_intervened = false;
             env.previous_rel_after_horizon = None;
             env.previous_rel_after_bonus = None;
+            info.rel = match before {
+                Before::Snapshot(m) => Some(m),
+                _ => None,
+            };
             return StepOut {
                 done: stable_end || at_max,
                 stable_end,
+                info,
                 ..StepOut::default()
             };
         }
@@ -1538,10 +1816,16 @@ impl Runner {
                     env.t += 1;
                 }
                 self.make_observation().await;
-                return StepOut::default();
+                info.rel = Some(metrics);
+                return StepOut {
+                    info,
+                    ..StepOut::default()
+                };
             }
         }
+        let snapshot_len = self.env().logs.len();
         let (plan, direct) = self.env().parse_plan(action);
+        info.plan_error = plan.is_none();
         let mut robot: Option<String> = None;
         let mut intervened = false;
         if let Some(plan) = plan.as_ref().filter(|p| p.intervene) {
@@ -1592,6 +1876,8 @@ impl Runner {
             after_horizon: Some(metrics_after),
             ..StepOut::default()
         };
+        info.plan = plan.clone();
+        info.intervened = intervened;
         if metrics_after.unstable_triads == 0 && score_after > 0.0 {
             // convo_env.py:910: the duration, then one check.
             self.bootstrap(duration, true, flags).await;
@@ -1610,6 +1896,15 @@ impl Runner {
         if strategy == preferred {
             out.preference_bonus = preference_bonus;
         }
+        info.judged = Some(Judged {
+            target,
+            strategy,
+            preferred,
+            edge,
+            score_after,
+        });
+        info.replies = self.env().logs[snapshot_len..].to_vec();
+        out.info = info;
         out.reward = out.stable_bonus + out.preference_bonus;
         {
             let mut env = self.env();
@@ -1624,7 +1919,8 @@ impl Runner {
             out.done = max_steps > 0 && env.t >= max_steps;
         }
         // convo_env.py:993: the final relations, an update.
-        self.rescore(start, window).await;
+        let last = self.rescore(start, window).await;
+        out.info.rel = Some(Metrics::of(last));
         self.make_observation().await;
         let mut env = self.env();
         env.previous_intervened = intervened;
@@ -1668,6 +1964,45 @@ struct StepOut {
     robot: Option<String>,
     after_horizon: Option<Metrics>,
     after_bonus: Option<Metrics>,
+    info: Info,
+}
+
+/// What the original's `info` holds of a step, as far as its trainer logs
+/// it.
+#[derive(Debug, Clone, Default)]
+struct Info {
+    /// `human_utterance_before_relation`.
+    before: Vec<Line>,
+    /// `status`: the relations the step began from (None: `{}`).
+    status: Option<Metrics>,
+    /// `rel` of a step that returned stable.
+    rel: Option<Metrics>,
+    plan: Option<Plan>,
+    /// `plan_error` (an action that is neither a digit nor JSON).
+    plan_error: bool,
+    intervened: bool,
+    /// `replies`: the lines after the step's snapshot of the log.
+    replies: Vec<Line>,
+    /// Of a step that judged an intervention.
+    judged: Option<Judged>,
+}
+
+#[derive(Debug, Clone)]
+struct Judged {
+    target: Person,
+    strategy: &'static str,
+    preferred: &'static str,
+    edge: Edge,
+    score_after: f64,
+}
+
+/// reward_fn's `episode_stats` of one episode.
+#[derive(Debug, Clone, Copy, Default)]
+struct EpisodeStats {
+    total_reward: f64,
+    interventions: u32,
+    unstable_no_intervention: u32,
+    plan_errors: u32,
 }
 
 type Play = Pin<Box<dyn Future<Output = Ending> + Send>>;
@@ -1863,6 +2198,9 @@ impl Original {
             "total_reward": total,
             "steps": env.steps,
             "conversation": env.conversation,
+            // What the original's trainer logs (conversation_summary.jsonl
+            // and batch_summary.jsonl in its shape).
+            "original_log": env.log,
         })
     }
 }
