@@ -1226,25 +1226,14 @@ impl Runner {
                 topic: env.topic.clone(),
             };
             let need = env.needs[speaker.index()];
-            env.current = Some(StepRecord {
+            env.current = Some(StepRecord::begun(
                 step,
-                topic: env.topic.clone(),
-                turn: humans(&env.logs),
-                auto_skips: env.skipped,
+                env.topic.clone(),
+                humans(&env.logs),
+                env.skipped,
                 situation,
-                target_need: Some(need),
-                strategy: None,
-                valid: false,
-                invalid_reason: None,
-                policy_reply: None,
-                robot: None,
-                at_horizon: None,
-                at_end: None,
-                checks: Vec::new(),
-                cut_short: false,
-                reward: Reward::default(),
-                utterances: Vec::new(),
-            });
+                Some(need),
+            ));
             env.due = Some((decision.clone(), Map::new()));
             let vars = env.policy_vars();
             if let Some(due) = &mut env.due {

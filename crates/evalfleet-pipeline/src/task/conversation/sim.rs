@@ -163,6 +163,39 @@ pub struct StepRecord {
     pub utterances: Vec<Utterance>,
 }
 
+impl StepRecord {
+    /// A decision's record as it begins: what was decided on, nothing yet
+    /// of what came of it.
+    pub fn begun(
+        step: u32,
+        topic: String,
+        turn: u32,
+        auto_skips: u32,
+        situation: Situation,
+        target_need: Option<Need>,
+    ) -> Self {
+        Self {
+            step,
+            topic,
+            turn,
+            auto_skips,
+            situation,
+            target_need,
+            strategy: None,
+            valid: false,
+            invalid_reason: None,
+            policy_reply: None,
+            robot: None,
+            at_horizon: None,
+            at_end: None,
+            checks: Vec::new(),
+            cut_short: false,
+            reward: Reward::default(),
+            utterances: Vec::new(),
+        }
+    }
+}
+
 /// Where the episode is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stage {
@@ -715,25 +748,14 @@ impl Corrected {
     fn decide(&mut self, relations: Triangle) -> Next {
         let situation = Situation::of(relations, self.settings.rewards.target_rule);
         let step = self.steps.len() as u32;
-        self.current = Some(StepRecord {
+        self.current = Some(StepRecord::begun(
             step,
-            topic: self.topic.clone(),
-            turn: self.humans,
-            auto_skips: self.skipped,
-            target_need: situation.target_speaker.map(|p| self.needs[p.index()]),
-            situation: situation.clone(),
-            strategy: None,
-            valid: false,
-            invalid_reason: None,
-            policy_reply: None,
-            robot: None,
-            at_horizon: None,
-            at_end: None,
-            checks: Vec::new(),
-            cut_short: false,
-            reward: Reward::default(),
-            utterances: Vec::new(),
-        });
+            self.topic.clone(),
+            self.humans,
+            self.skipped,
+            situation.clone(),
+            situation.target_speaker.map(|p| self.needs[p.index()]),
+        ));
         self.stage = Stage::Deciding;
         Next::Decide(Decision {
             step,

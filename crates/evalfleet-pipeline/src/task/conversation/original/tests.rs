@@ -22,35 +22,17 @@ fn data(name: &str) -> Value {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-/// The original config's triggers (app/config.local.yaml at aa1a845):
-/// fifteen every persona holds, five each pair holds.
+/// The original config's triggers (triggers.json beside the vectors).
 fn triggers() -> [Vec<String>; 3] {
-    let all = [
-        "お金",
-        "外見",
-        "時間や締め切り",
-        "健康",
-        "仕事",
-        "恋愛",
-        "政治",
-        "宗教",
-        "法律・権利",
-        "自然・環境",
-        "家族",
-        "友人",
-        "交通",
-        "天気",
-        "プライバシー・セキュリティ",
-    ];
-    let ab = ["勉強", "研究", "読書", "歴史", "宇宙"];
-    let bc = ["ゲーム", "アニメ", "ドラマ", "音楽", "動物・ペット"];
-    let ca = ["旅行", "温泉", "食べ物", "映画", "国際・異文化"];
-    let list = |parts: [&[&str]; 3]| parts.concat().iter().map(|s| (*s).to_owned()).collect();
-    [
-        list([&all, &ab, &ca]),
-        list([&all, &ab, &bc]),
-        list([&all, &bc, &ca]),
-    ]
+    let doc = data("triggers.json");
+    ["A", "B", "C"].map(|p| {
+        doc[p]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_str().unwrap().to_owned())
+            .collect()
+    })
 }
 
 fn call() -> CallSettings {
