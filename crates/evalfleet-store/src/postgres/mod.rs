@@ -146,9 +146,30 @@ pub(crate) fn snapshot(client: &mut Client) -> Result<postgres::Transaction<'_>,
 pub(crate) struct Conn {
     pub client: Client,
     rids: HashMap<String, i64>,
+    /// Statements prepared on this connection, by their text: each is
+    /// prepared once per connection, not once per transaction.
+    statements: HashMap<&'static str, postgres::Statement>,
 }
 
 impl Conn {
+    pub fn new(client: Client) -> Self {
+        Self {
+            client,
+            rids: HashMap::new(),
+            statements: HashMap::new(),
+        }
+    }
+
+    /// `sql` prepared on this connection (the first time it is asked for).
+    pub fn statement(&mut self, sql: &'static str) -> Result<postgres::Statement, postgres::Error> {
+        if let Some(statement) = self.statements.get(sql) {
+            return Ok(statement.clone());
+        }
+        let statement = self.client.prepare(sql)?;
+        self.statements.insert(sql, statement.clone());
+        Ok(statement)
+    }
+
     /// The run's row id.
     pub fn rid(&mut self, run_id: &str) -> Tx<i64> {
         if let Some(rid) = self.rids.get(run_id) {
@@ -297,10 +318,7 @@ impl PgStore {
                 StoreError::backend(message, err)
             }
         })?;
-        store.conn = Some(Conn {
-            client,
-            rids: HashMap::new(),
-        });
+        store.conn = Some(Conn::new(client));
         store.prepare()?;
         Ok(store)
     }
@@ -453,10 +471,7 @@ impl PgStore {
     fn reconnect(&mut self) -> Tx<()> {
         let mut client = self.config.connect(NoTls)?;
         setup(&mut client, self.read_only, &self.shown)?;
-        self.conn = Some(Conn {
-            client,
-            rids: HashMap::new(),
-        });
+        self.conn = Some(Conn::new(client));
         tracing::info!("Connected to the store {} again.", self.shown);
         Ok(())
     }

@@ -37,11 +37,11 @@ use std::time::Duration;
 use crate::{
     Batch, Claim, ClaimId, Claimed, Committed, PendingItem, Renewal, StoreError, WorkQueue,
 };
-use evalfleet_types::{ErrorClass, ItemStatus, now_ms};
+use evalfleet_types::{AttemptRecord, ErrorClass, ItemStatus, ResultRecord, now_ms};
 use postgres::Transaction;
 
 use super::{Conn, PgStore, Tx, opt_u64};
-use crate::columns::{assessment_columns, images_column};
+use crate::columns::{AssessmentColumns, assessment_columns, images_column};
 
 /// Leases and waits are passed as milliseconds.
 fn millis(duration: Duration) -> i64 {
@@ -279,8 +279,55 @@ fn lock(tx: &mut Transaction<'_>, rid: i64, batch: &Batch) -> Result<Holds, post
     Ok(holds)
 }
 
+/// The batch's attempts, from arrays of their columns.
+const INSERT_ATTEMPTS: &str =
+    "INSERT INTO attempts (rid, seq, attempt, session, endpoint, model, sent_at,
+         latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason,
+         http_status, error_class, error, tokens_estimated, worker)
+     SELECT $1, u.*, $2 FROM UNNEST($3::bigint[], $4::int[], $5::int[], $6::text[], $7::text[],
+         $8::bigint[], $9::float8[], $10::float8[], $11::float8[], $12::bigint[], $13::bigint[],
+         $14::text[], $15::int[], $16::text[], $17::text[], $18::bool[]) AS u
+     ON CONFLICT (rid, seq, attempt) DO NOTHING";
+
+/// The batch's results: each item still running under its claim ends, and
+/// its result is stored with the claim's attempt number; the seqs stored
+/// come back.
+const INSERT_RESULTS: &str = "WITH u AS (
+         SELECT * FROM UNNEST($3::bigint[], $4::bigint[], $5::text[], $6::text[], $7::text[],
+             $8::text[], $9::text[], $10::text[], $11::int[], $12::float8[], $13::float8[],
+             $14::float8[], $15::bigint[], $16::bigint[], $17::text[], $18::text[], $19::bigint[],
+             $20::text[], $21::text[], $22::text[], $23::text[], $24::int[], $25::text[],
+             $26::int[], $27::bool[], $28::text[], $29::text[])
+             AS u(seq, claim, item_id, status, output, error, endpoint, model, attempts,
+                  latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason,
+                  item, finished_at, parsed, verdict, check_error, scores, reasks, judge, cached,
+                  tokens_estimated, prompt, images)),
+     ended AS (
+         UPDATE items i SET state = u.status, owner = NULL, lease_until = NULL, not_before = NULL
+         FROM u
+         WHERE i.rid = $1 AND i.seq = u.seq AND i.claim_id = u.claim AND i.state = 'running'
+         RETURNING i.seq, i.attempt)
+     INSERT INTO results (rid, seq, item_id, status, output, error, endpoint, model, attempts,
+         latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, item,
+         finished_at, parsed, verdict, check_error, scores, reasks, judge, cached,
+         tokens_estimated, prompt, images, claim_attempt, worker)
+     SELECT $1, u.seq, u.item_id, u.status, u.output, u.error, u.endpoint, u.model, u.attempts,
+         u.latency_ms, u.ttft_ms, u.tpot_ms, u.prompt_tokens, u.completion_tokens,
+         u.finish_reason, u.item, u.finished_at, u.parsed, u.verdict, u.check_error, u.scores,
+         u.reasks, u.judge, u.cached, u.tokens_estimated, u.prompt, u.images, ended.attempt, $2
+     FROM u JOIN ended ON ended.seq = u.seq
+     RETURNING seq";
+
+/// Waits of items that go on under their claim.
+const SET_WAITS: &str = "UPDATE items i SET not_before = now() + u.wait * interval '1 millisecond'
+     FROM UNNEST($2::bigint[], $3::bigint[], $4::bigint[]) AS u(seq, claim, wait)
+     WHERE i.rid = $1 AND i.seq = u.seq AND i.claim_id = u.claim AND i.state = 'running'";
+
 fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx<Committed> {
     let rid = conn.rid(run_id)?;
+    let attempts = conn.statement(INSERT_ATTEMPTS)?;
+    let results = conn.statement(INSERT_RESULTS)?;
+    let wait = conn.statement(SET_WAITS)?;
     let mut tx = conn.client.transaction()?;
     let holds = lock(&mut tx, rid, batch)?;
     let mut refused = BTreeSet::new();
@@ -289,40 +336,66 @@ fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx
             refused.insert(seq);
         }
     };
-    let attempt = tx.prepare(
-        "INSERT INTO attempts (rid, seq, attempt, session, endpoint, model, sent_at, latency_ms,
-             ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, http_status,
-             error_class, error, tokens_estimated, worker)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)
-         ON CONFLICT (rid, seq, attempt) DO NOTHING",
-    )?;
-    for (claim, a) in &batch.attempts {
-        if !holds.holds(*claim, a.seq) {
-            refuse(*claim, a.seq);
-            continue;
-        }
-        let t = &a.telemetry;
+    // The batch's attempts in one statement, its columns as arrays.
+    let held: Vec<&AttemptRecord> = batch
+        .attempts
+        .iter()
+        .filter_map(|(claim, a)| {
+            if holds.holds(*claim, a.seq) {
+                Some(a)
+            } else {
+                refuse(*claim, a.seq);
+                None
+            }
+        })
+        .collect();
+    if !held.is_empty() {
+        let telemetry: Vec<_> = held.iter().map(|a| &a.telemetry).collect();
         tx.execute(
-            &attempt,
+            &attempts,
             &[
                 &rid,
-                &(a.seq as i64),
-                &(a.attempt as i32),
-                &(a.session as i32),
-                &t.endpoint,
-                &t.model,
-                &a.sent_at_ms,
-                &t.latency_ms,
-                &t.ttft_ms,
-                &t.tpot_ms,
-                &opt_u64(t.prompt_tokens),
-                &opt_u64(t.completion_tokens),
-                &t.finish_reason,
-                &a.http_status.map(i32::from),
-                &a.error_class.map(ErrorClass::as_str),
-                &a.error,
-                &t.tokens_estimated,
                 &worker,
+                &held.iter().map(|a| a.seq as i64).collect::<Vec<_>>(),
+                &held.iter().map(|a| a.attempt as i32).collect::<Vec<_>>(),
+                &held.iter().map(|a| a.session as i32).collect::<Vec<_>>(),
+                &telemetry
+                    .iter()
+                    .map(|t| t.endpoint.as_str())
+                    .collect::<Vec<_>>(),
+                &telemetry
+                    .iter()
+                    .map(|t| t.model.as_str())
+                    .collect::<Vec<_>>(),
+                &held.iter().map(|a| a.sent_at_ms).collect::<Vec<_>>(),
+                &telemetry.iter().map(|t| t.latency_ms).collect::<Vec<_>>(),
+                &telemetry.iter().map(|t| t.ttft_ms).collect::<Vec<_>>(),
+                &telemetry.iter().map(|t| t.tpot_ms).collect::<Vec<_>>(),
+                &telemetry
+                    .iter()
+                    .map(|t| opt_u64(t.prompt_tokens))
+                    .collect::<Vec<_>>(),
+                &telemetry
+                    .iter()
+                    .map(|t| opt_u64(t.completion_tokens))
+                    .collect::<Vec<_>>(),
+                &telemetry
+                    .iter()
+                    .map(|t| t.finish_reason.as_deref())
+                    .collect::<Vec<_>>(),
+                &held
+                    .iter()
+                    .map(|a| a.http_status.map(i32::from))
+                    .collect::<Vec<_>>(),
+                &held
+                    .iter()
+                    .map(|a| a.error_class.map(ErrorClass::as_str))
+                    .collect::<Vec<_>>(),
+                &held.iter().map(|a| a.error.as_deref()).collect::<Vec<_>>(),
+                &telemetry
+                    .iter()
+                    .map(|t| t.tokens_estimated)
+                    .collect::<Vec<_>>(),
             ],
         )?;
     }
@@ -434,27 +507,18 @@ fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx
             )?;
         }
     }
-    // Results: the item ends under its claim, and its result is stored
-    // with the claim's attempt number, in the same transaction.
-    // One statement a result: the item ends under its claim, and its
-    // result is stored with the claim's attempt number (-1 when the item
-    // did not end: a broken invariant, the transaction is dropped).
-    let result = tx.prepare(
-        "WITH ended AS (
-             UPDATE items SET state = $4, owner = NULL, lease_until = NULL, not_before = NULL
-             WHERE rid = $1 AND seq = $2 AND claim_id = $29 AND state = 'running'
-             RETURNING attempt)
-         INSERT INTO results (rid, seq, item_id, status, output, error, endpoint, model, attempts,
-             latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, item,
-             finished_at, parsed, verdict, check_error, scores, reasks, judge, cached,
-             tokens_estimated, prompt, images, claim_attempt, worker)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17,
-                 $18, $19, $20, $21, $22, $23, $24, $25, $26, $27,
-                 COALESCE((SELECT attempt FROM ended), -1), $28)
-         RETURNING claim_attempt",
-    )?;
+    // Results: each item ends under its claim, and its result is stored
+    // with the claim's attempt number, in the same transaction: one
+    // statement for the batch. An item that did not end (a broken
+    // invariant) has no row back, and the transaction is dropped.
     let (mut done, mut failed, mut already) = (0i64, 0i64, 0u64);
     let mut ended_here = BTreeSet::new();
+    let mut rows: Vec<(
+        ClaimId,
+        &ResultRecord,
+        AssessmentColumns<'_>,
+        Option<String>,
+    )> = Vec::new();
     for (claim, r) in &batch.results {
         if holds.ended(*claim, r.seq) {
             already += 1;
@@ -471,67 +535,165 @@ fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx
             ))
             .into());
         }
-        let (parsed, verdict, check_error, scores, reasks, judge) =
-            assessment_columns(&r.assessment)?;
-        let images = images_column(&r.images)?;
-        let t = r.telemetry.as_ref();
-        let stored = tx.query_one(
-            &result,
+        rows.push((
+            *claim,
+            r,
+            assessment_columns(&r.assessment)?,
+            images_column(&r.images)?,
+        ));
+    }
+    if !rows.is_empty() {
+        let telemetry: Vec<_> = rows
+            .iter()
+            .map(|(_, r, _, _)| r.telemetry.as_ref())
+            .collect();
+        let stored = tx.query(
+            &results,
             &[
                 &rid,
-                &(r.seq as i64),
-                &r.item_id,
-                &r.status.as_str(),
-                &r.output,
-                &r.error,
-                &t.map(|t| &t.endpoint),
-                &t.map(|t| &t.model),
-                &(r.attempts as i32),
-                &t.map(|t| t.latency_ms),
-                &t.and_then(|t| t.ttft_ms),
-                &t.and_then(|t| t.tpot_ms),
-                &opt_u64(t.and_then(|t| t.prompt_tokens)),
-                &opt_u64(t.and_then(|t| t.completion_tokens)),
-                &t.and_then(|t| t.finish_reason.as_ref()),
-                &r.item,
-                &r.finished_at_ms,
-                &parsed,
-                &verdict,
-                &check_error,
-                &scores,
-                &(reasks as i32),
-                &judge,
-                &(r.cached as i32),
-                &t.is_some_and(|t| t.tokens_estimated),
-                &r.prompt,
-                &images,
                 &worker,
-                claim,
+                &rows
+                    .iter()
+                    .map(|(_, r, _, _)| r.seq as i64)
+                    .collect::<Vec<_>>(),
+                &rows.iter().map(|(c, _, _, _)| *c).collect::<Vec<_>>(),
+                &rows
+                    .iter()
+                    .map(|(_, r, _, _)| r.item_id.as_str())
+                    .collect::<Vec<_>>(),
+                &rows
+                    .iter()
+                    .map(|(_, r, _, _)| r.status.as_str())
+                    .collect::<Vec<_>>(),
+                &rows
+                    .iter()
+                    .map(|(_, r, _, _)| r.output.as_deref())
+                    .collect::<Vec<_>>(),
+                &rows
+                    .iter()
+                    .map(|(_, r, _, _)| r.error.as_deref())
+                    .collect::<Vec<_>>(),
+                &telemetry
+                    .iter()
+                    .map(|t| t.map(|t| t.endpoint.as_str()))
+                    .collect::<Vec<_>>(),
+                &telemetry
+                    .iter()
+                    .map(|t| t.map(|t| t.model.as_str()))
+                    .collect::<Vec<_>>(),
+                &rows
+                    .iter()
+                    .map(|(_, r, _, _)| r.attempts as i32)
+                    .collect::<Vec<_>>(),
+                &telemetry
+                    .iter()
+                    .map(|t| t.map(|t| t.latency_ms))
+                    .collect::<Vec<_>>(),
+                &telemetry
+                    .iter()
+                    .map(|t| t.and_then(|t| t.ttft_ms))
+                    .collect::<Vec<_>>(),
+                &telemetry
+                    .iter()
+                    .map(|t| t.and_then(|t| t.tpot_ms))
+                    .collect::<Vec<_>>(),
+                &telemetry
+                    .iter()
+                    .map(|t| opt_u64(t.and_then(|t| t.prompt_tokens)))
+                    .collect::<Vec<_>>(),
+                &telemetry
+                    .iter()
+                    .map(|t| opt_u64(t.and_then(|t| t.completion_tokens)))
+                    .collect::<Vec<_>>(),
+                &telemetry
+                    .iter()
+                    .map(|t| t.and_then(|t| t.finish_reason.as_deref()))
+                    .collect::<Vec<_>>(),
+                &rows
+                    .iter()
+                    .map(|(_, r, _, _)| r.item.as_deref())
+                    .collect::<Vec<_>>(),
+                &rows
+                    .iter()
+                    .map(|(_, r, _, _)| r.finished_at_ms)
+                    .collect::<Vec<_>>(),
+                &rows
+                    .iter()
+                    .map(|(_, _, a, _)| a.0.as_deref())
+                    .collect::<Vec<_>>(),
+                &rows.iter().map(|(_, _, a, _)| a.1).collect::<Vec<_>>(),
+                &rows.iter().map(|(_, _, a, _)| a.2).collect::<Vec<_>>(),
+                &rows
+                    .iter()
+                    .map(|(_, _, a, _)| a.3.as_deref())
+                    .collect::<Vec<_>>(),
+                &rows
+                    .iter()
+                    .map(|(_, _, a, _)| a.4 as i32)
+                    .collect::<Vec<_>>(),
+                &rows
+                    .iter()
+                    .map(|(_, _, a, _)| a.5.as_deref())
+                    .collect::<Vec<_>>(),
+                &rows
+                    .iter()
+                    .map(|(_, r, _, _)| r.cached as i32)
+                    .collect::<Vec<_>>(),
+                &telemetry
+                    .iter()
+                    .map(|t| t.is_some_and(|t| t.tokens_estimated))
+                    .collect::<Vec<_>>(),
+                &rows
+                    .iter()
+                    .map(|(_, r, _, _)| r.prompt.as_deref())
+                    .collect::<Vec<_>>(),
+                &rows
+                    .iter()
+                    .map(|(_, _, _, i)| i.as_deref())
+                    .collect::<Vec<_>>(),
             ],
         )?;
-        if stored.get::<_, i32>(0) < 0 {
+        if stored.len() != rows.len() {
+            let back: BTreeSet<i64> = stored.iter().map(|row| row.get::<_, i64>(0)).collect();
+            let missing = rows
+                .iter()
+                .find(|(_, r, _, _)| !back.contains(&(r.seq as i64)))
+                .map_or("?", |(_, r, _, _)| r.item_id.as_str());
             return Err(StoreError::Invariant(format!(
-                "item '{}' of run '{run_id}' got a second result",
-                r.item_id
+                "item '{missing}' of run '{run_id}' got a second result"
             ))
             .into());
         }
-        match r.status {
-            ItemStatus::Done => done += 1,
-            ItemStatus::Failed => failed += 1,
+        for (_, r, _, _) in &rows {
+            match r.status {
+                ItemStatus::Done => done += 1,
+                ItemStatus::Failed => failed += 1,
+            }
         }
     }
-    // Waits, for the items that go on under this claim.
-    let wait = tx.prepare(
-        "UPDATE items SET not_before = now() + $4::bigint * interval '1 millisecond'
-         WHERE rid = $1 AND seq = $2 AND claim_id = $3 AND state = 'running'",
-    )?;
-    for (claim, w) in &batch.waits {
-        if !holds.holds(*claim, w.seq) {
-            refuse(*claim, w.seq);
-            continue;
-        }
-        tx.execute(&wait, &[&rid, &(w.seq as i64), claim, &millis(w.wait)])?;
+    // Waits, for the items that go on under this claim: one statement.
+    let waits: Vec<(ClaimId, i64, i64)> = batch
+        .waits
+        .iter()
+        .filter_map(|(claim, w)| {
+            if holds.holds(*claim, w.seq) {
+                Some((*claim, w.seq as i64, millis(w.wait)))
+            } else {
+                refuse(*claim, w.seq);
+                None
+            }
+        })
+        .collect();
+    if !waits.is_empty() {
+        tx.execute(
+            &wait,
+            &[
+                &rid,
+                &waits.iter().map(|w| w.1).collect::<Vec<_>>(),
+                &waits.iter().map(|w| w.0).collect::<Vec<_>>(),
+                &waits.iter().map(|w| w.2).collect::<Vec<_>>(),
+            ],
+        )?;
     }
     if done + failed > 0 || calls_stored {
         // The worker's own row: workers committing at once do not wait
