@@ -55,9 +55,7 @@ const REAP_LIMIT: i64 = 10_000;
 /// Returns to pending the run's items whose lease has passed. Rows locked
 /// by another transaction (a commit under way) are left for later.
 /// Puts back the items whose lease ran out; the first of them, if any.
-fn reap(tx: &mut Transaction<'_>, rid: i64) -> Result<Option<i64>, postgres::Error> {
-    let row = tx.query_one(
-        "WITH lapsed AS MATERIALIZED (
+const REAP: &str = "WITH lapsed AS MATERIALIZED (
              SELECT seq FROM items
              WHERE rid = $1 AND state = 'running' AND lease_until < now()
              LIMIT $2 FOR UPDATE SKIP LOCKED),
@@ -66,16 +64,75 @@ fn reap(tx: &mut Transaction<'_>, rid: i64) -> Result<Option<i64>, postgres::Err
                  lease_until = NULL
              FROM lapsed WHERE i.rid = $1 AND i.seq = lapsed.seq
              RETURNING i.seq)
-         SELECT MIN(seq) FROM put_back",
-        &[&rid, &REAP_LIMIT],
-    )?;
+         SELECT MIN(seq) FROM put_back";
+
+fn reap(
+    tx: &mut Transaction<'_>,
+    statements: &Statements,
+    rid: i64,
+) -> Result<Option<i64>, postgres::Error> {
+    let row = tx.query_one(&statements.reap, &[&rid, &REAP_LIMIT])?;
     row.try_get(0)
 }
 
+/// The claim's statements, prepared once per connection.
+struct Statements {
+    reap: postgres::Statement,
+    take: postgres::Statement,
+    held: postgres::Statement,
+    others: postgres::Statement,
+}
+
+impl Statements {
+    fn of(conn: &mut Conn) -> Result<Self, postgres::Error> {
+        Ok(Self {
+            reap: conn.statement(REAP)?,
+            take: conn.statement(TAKE.as_str())?,
+            held: conn.statement(HELD.as_str())?,
+            others: conn.statement(OTHERS)?,
+        })
+    }
+}
+
+/// Claims: up to `$3` pending items after `$2`, in `seq` order.
+static TAKE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "WITH picked AS MATERIALIZED (
+             SELECT seq FROM items
+             WHERE rid = $1 AND state = 'pending' AND seq > $2
+               AND (not_before IS NULL OR not_before <= now())
+             ORDER BY seq LIMIT $3
+             FOR UPDATE SKIP LOCKED),
+         claimed AS (
+             UPDATE items i SET state = 'running', attempt = i.attempt + 1, claim_id = $4,
+                 owner = $5, lease_until = now() + $6::bigint * interval '1 millisecond',
+                 not_before = NULL
+             FROM picked WHERE i.rid = $1 AND i.seq = picked.seq
+             RETURNING i.seq)
+         {PENDING_ITEMS}"
+    )
+});
+
+/// The items a claim holds.
+static HELD: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "WITH claimed AS (
+             SELECT seq FROM items
+             WHERE rid = $1 AND claim_id = $2 AND owner = $3 AND state = 'running')
+         {PENDING_ITEMS}"
+    )
+});
+
+/// Whether others hold what is left (or it is pending).
+const OTHERS: &str = "SELECT EXISTS (SELECT 1 FROM items WHERE rid = $1 AND state = 'pending')
+         OR EXISTS (SELECT 1 FROM items WHERE rid = $1 AND state = 'running' AND owner <> $2)";
+
 /// Claims up to `limit` items after `after` for `worker` under claim
 /// `claim`, in `seq` order.
+#[allow(clippy::too_many_arguments)]
 fn take(
     tx: &mut Transaction<'_>,
+    statements: &Statements,
     rid: i64,
     claim: i64,
     worker: &str,
@@ -84,21 +141,7 @@ fn take(
     lease_ms: i64,
 ) -> Result<Vec<PendingItem>, postgres::Error> {
     let rows = tx.query(
-        &format!(
-            "WITH picked AS MATERIALIZED (
-                 SELECT seq FROM items
-                 WHERE rid = $1 AND state = 'pending' AND seq > $2
-                   AND (not_before IS NULL OR not_before <= now())
-                 ORDER BY seq LIMIT $3
-                 FOR UPDATE SKIP LOCKED),
-             claimed AS (
-                 UPDATE items i SET state = 'running', attempt = i.attempt + 1, claim_id = $4,
-                     owner = $5, lease_until = now() + $6::bigint * interval '1 millisecond',
-                     not_before = NULL
-                 FROM picked WHERE i.rid = $1 AND i.seq = picked.seq
-                 RETURNING i.seq)
-             {PENDING_ITEMS}"
-        ),
+        &statements.take,
         &[&rid, &after, &limit, &claim, &worker, &lease_ms],
     )?;
     Ok(pending_items(&rows))
@@ -133,19 +176,12 @@ fn pending_items(rows: &[postgres::Row]) -> Vec<PendingItem> {
 /// `COMMIT` got through before its connection was lost took.
 fn held(
     tx: &mut Transaction<'_>,
+    statements: &Statements,
     rid: i64,
     claim: i64,
     worker: &str,
 ) -> Result<Vec<PendingItem>, postgres::Error> {
-    let rows = tx.query(
-        &format!(
-            "WITH claimed AS (
-                 SELECT seq FROM items
-                 WHERE rid = $1 AND claim_id = $2 AND owner = $3 AND state = 'running')
-             {PENDING_ITEMS}"
-        ),
-        &[&rid, &claim, &worker],
-    )?;
+    let rows = tx.query(&statements.held, &[&rid, &claim, &worker])?;
     Ok(pending_items(&rows))
 }
 
@@ -165,6 +201,7 @@ fn claim_once(
     id: &mut Option<ClaimId>,
 ) -> Tx<Claimed> {
     let rid = conn.rid(run_id)?;
+    let statements = Statements::of(conn)?;
     let (claim, again) = match *id {
         Some(claim) => (claim, true),
         None => {
@@ -178,13 +215,13 @@ fn claim_once(
     };
     let mut tx = conn.client.transaction()?;
     if again {
-        let items = held(&mut tx, rid, claim, worker)?;
+        let items = held(&mut tx, &statements, rid, claim, worker)?;
         if !items.is_empty() {
             tx.commit()?;
             return Ok(Claimed::Items(Claim { id: claim, items }));
         }
     }
-    let lapsed = reap(&mut tx, rid)?;
+    let lapsed = reap(&mut tx, &statements, rid)?;
     let limit = i64::try_from(limit.max(1)).unwrap_or(i64::MAX);
     let lease_ms = millis(lease);
     // Items whose lease ran out (their worker died or stalled) are taken
@@ -193,11 +230,29 @@ fn claim_once(
         (Some(first), Some(cursor)) if first <= cursor as i64 => first - 1,
         _ => after.map_or(-1, |seq| seq as i64),
     };
-    let mut items = take(&mut tx, rid, claim, worker, from, limit, lease_ms)?;
+    let mut items = take(
+        &mut tx,
+        &statements,
+        rid,
+        claim,
+        worker,
+        from,
+        limit,
+        lease_ms,
+    )?;
     if items.is_empty() && after.is_some() {
         // Past the end: items before `after` may be free again (a lease
         // ran out, a worker stopped, failed items were put back).
-        items = take(&mut tx, rid, claim, worker, -1, limit, lease_ms)?;
+        items = take(
+            &mut tx,
+            &statements,
+            rid,
+            claim,
+            worker,
+            -1,
+            limit,
+            lease_ms,
+        )?;
     }
     if !items.is_empty() {
         tx.commit()?;
@@ -205,14 +260,7 @@ fn claim_once(
     }
     // Nothing to take: others hold what is left (or are claiming it right
     // now, or it waits out a wait), or nothing is left but this worker's.
-    let others: bool = tx
-        .query_one(
-            "SELECT EXISTS (SELECT 1 FROM items WHERE rid = $1 AND state = 'pending')
-                 OR EXISTS (SELECT 1 FROM items
-                            WHERE rid = $1 AND state = 'running' AND owner <> $2)",
-            &[&rid, &worker],
-        )?
-        .get(0);
+    let others: bool = tx.query_one(&statements.others, &[&rid, &worker])?.get(0);
     tx.commit()?;
     Ok(if others {
         Claimed::HeldByOthers
