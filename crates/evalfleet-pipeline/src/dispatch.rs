@@ -362,14 +362,25 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
         }
         (made.exchange, made.endpoint, made.number)
     } else {
+        // Cancelled when the item is known lost while the call runs.
+        let flight =
+            crate::lease::LeaseGate::flight(&shared.leases, claim, item.seq, &shared.abort);
         let exchange = call::send(
             call,
             request.outgoing(),
             limit,
-            &shared.abort,
+            flight.token(),
             &shared.fleet,
         )
         .await;
+        if matches!(exchange, Exchange::Abandoned)
+            && !shared.abort.is_cancelled()
+            && shared.leases.lost(claim, item.seq)
+        {
+            // Another worker may be answering it: this one lets it go.
+            item.let_go();
+            return;
+        }
         (exchange, endpoint, number)
     };
     let Some(mut record) = exchange.record(&endpoint, item.seq, number, shared.session) else {

@@ -6,13 +6,14 @@
 //! answering already.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use evalfleet_store::ClaimId;
 use tokio::sync::Notify;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 pub struct LeaseGate {
     /// Times are kept as ms since this instant.
@@ -29,6 +30,30 @@ pub struct LeaseGate {
     lost_items: Mutex<HashSet<u64>>,
     any_lost: AtomicBool,
     renewed: Notify,
+    /// Calls under way, by item: cancelled when their item is known lost.
+    flights: Mutex<HashMap<u64, (ClaimId, CancellationToken)>>,
+}
+
+/// A call under way for an item: its token is cancelled when the item is
+/// known lost (or the session aborts); it is forgotten when dropped.
+pub struct Flight {
+    gate: Arc<LeaseGate>,
+    seq: u64,
+    token: CancellationToken,
+}
+
+impl Flight {
+    pub fn token(&self) -> &CancellationToken {
+        &self.token
+    }
+}
+
+impl Drop for Flight {
+    fn drop(&mut self) {
+        if let Ok(mut flights) = self.gate.flights.lock() {
+            flights.remove(&self.seq);
+        }
+    }
 }
 
 impl LeaseGate {
@@ -42,6 +67,7 @@ impl LeaseGate {
             lost_items: Mutex::new(HashSet::new()),
             any_lost: AtomicBool::new(false),
             renewed: Notify::new(),
+            flights: Mutex::new(HashMap::new()),
         };
         gate.holds_until_ms
             .store(gate.ms(Instant::now() + lease), Ordering::Release);
@@ -91,7 +117,40 @@ impl LeaseGate {
         }
         self.holds_until_ms
             .store(self.ms(started + lease), Ordering::Release);
+        if self.any_lost.load(Ordering::Acquire)
+            && let Ok(flights) = self.flights.lock()
+        {
+            // Calls under way for items lost: another worker may be
+            // answering them; this one stops paying for them.
+            for (seq, (claim, token)) in flights.iter() {
+                if self.lost(*claim, *seq) {
+                    token.cancel();
+                }
+            }
+        }
         self.renewed.notify_waiters();
+    }
+
+    /// A call for item `seq` of `claim` begins: its token, a child of
+    /// `parent`, is cancelled once the item is known lost.
+    pub fn flight(
+        gate: &Arc<Self>,
+        claim: ClaimId,
+        seq: u64,
+        parent: &CancellationToken,
+    ) -> Flight {
+        let token = parent.child_token();
+        if gate.lost(claim, seq) {
+            token.cancel();
+        }
+        if let Ok(mut flights) = gate.flights.lock() {
+            flights.insert(seq, (claim, token.clone()));
+        }
+        Flight {
+            gate: gate.clone(),
+            seq,
+            token,
+        }
     }
 
     /// Whether item `seq` of `claim` is known lost.
@@ -133,6 +192,37 @@ impl LeaseGate {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_under_way_is_cancelled_when_its_item_or_claim_is_known_lost() {
+        let lease = Duration::from_secs(3);
+        let gate = Arc::new(LeaseGate::new(lease));
+        let abort = CancellationToken::new();
+        gate.claimed(1);
+        gate.claimed(2);
+        let a = LeaseGate::flight(&gate, 1, 10, &abort);
+        let b = LeaseGate::flight(&gate, 2, 20, &abort);
+        let c = LeaseGate::flight(&gate, 2, 21, &abort);
+        tokio::time::advance(Duration::from_millis(10)).await;
+        // Claim 1 ran out; item 21 of claim 2 was taken by another worker.
+        gate.renewed(Instant::now(), lease, &[2], &[21]);
+        assert!(a.token().is_cancelled());
+        assert!(!b.token().is_cancelled());
+        assert!(c.token().is_cancelled());
+        // A call begun for a lost item is cancelled at once; a dropped
+        // flight is forgotten.
+        assert!(
+            LeaseGate::flight(&gate, 1, 11, &abort)
+                .token()
+                .is_cancelled()
+        );
+        drop(b);
+        assert!(!gate.flights.lock().unwrap().contains_key(&20));
+        // The session's abort reaches every call.
+        let d = LeaseGate::flight(&gate, 2, 22, &abort);
+        abort.cancel();
+        assert!(d.token().is_cancelled());
+    }
 
     #[tokio::test(start_paused = true)]
     async fn a_call_past_the_lease_waits_for_the_renewal_that_says_whether_its_claim_holds() {
