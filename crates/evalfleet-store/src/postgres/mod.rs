@@ -497,7 +497,12 @@ fn lost(shown: &str) -> StoreError {
 /// What every connection does first: its tables are in `evalfleet`, and
 /// the schema is brought up to date (created in a database without one).
 fn setup(client: &mut Client, read_only: bool, shown: &str) -> Tx<()> {
-    client.batch_execute("SET search_path TO evalfleet")?;
+    // Statements are prepared once per connection (no parse per call),
+    // and planned for the values of each call: a generic plan would not
+    // know a claim's cursor or a commit's few items and could scan the
+    // run's items.
+    client
+        .batch_execute("SET search_path TO evalfleet; SET plan_cache_mode = force_custom_plan")?;
     let version = schema_version(client)?;
     if version > schema::VERSION {
         return Err(Fail::Store(StoreError::BadLocation(format!(

@@ -205,10 +205,8 @@ fn claim_once(
     let (claim, again) = match *id {
         Some(claim) => (claim, true),
         None => {
-            let claim: i64 = conn
-                .client
-                .query_one("SELECT nextval('claim_ids')", &[])?
-                .get(0);
+            let next = conn.statement("SELECT nextval('claim_ids')")?;
+            let claim: i64 = conn.client.query_one(&next, &[])?.get(0);
             *id = Some(claim);
             (claim, false)
         }
@@ -290,7 +288,24 @@ impl Holds {
 
 /// Locks the rows of the batch's items (in `seq` order, as every commit
 /// does) and reads who holds them.
-fn lock(tx: &mut Transaction<'_>, rid: i64, batch: &Batch) -> Result<Holds, postgres::Error> {
+/// The rows of a batch's items, locked in `seq` order, and who holds them.
+const LOCK: &str = "SELECT seq, state, claim_id FROM items
+     WHERE rid = $1 AND seq = ANY($2) AND claim_id IS NOT NULL
+     ORDER BY seq FOR UPDATE";
+
+/// A worker's tally of the items it ended.
+const TALLY: &str = "INSERT INTO tallies (rid, worker, done, failed, generation, updated_at)
+     VALUES ($1, $2, $3, $4, 1, $5)
+     ON CONFLICT (rid, worker) DO UPDATE SET done = tallies.done + EXCLUDED.done,
+         failed = tallies.failed + EXCLUDED.failed, generation = tallies.generation + 1,
+         updated_at = GREATEST(tallies.updated_at, EXCLUDED.updated_at)";
+
+fn lock(
+    tx: &mut Transaction<'_>,
+    statement: &postgres::Statement,
+    rid: i64,
+    batch: &Batch,
+) -> Result<Holds, postgres::Error> {
     let seqs: BTreeSet<i64> = batch
         .attempts
         .iter()
@@ -308,12 +323,7 @@ fn lock(tx: &mut Transaction<'_>, rid: i64, batch: &Batch) -> Result<Holds, post
     if seqs.is_empty() {
         return Ok(holds);
     }
-    let rows = tx.query(
-        "SELECT seq, state, claim_id FROM items
-         WHERE rid = $1 AND seq = ANY($2) AND claim_id IS NOT NULL
-         ORDER BY seq FOR UPDATE",
-        &[&rid, &seqs],
-    )?;
+    let rows = tx.query(statement, &[&rid, &seqs])?;
     for row in rows {
         let seq = row.get::<_, i64>(0) as u64;
         let state: &str = row.get(1);
@@ -353,7 +363,8 @@ const INSERT_RESULTS: &str = "WITH u AS (
      ended AS (
          UPDATE items i SET state = u.status, owner = NULL, lease_until = NULL, not_before = NULL
          FROM u
-         WHERE i.rid = $1 AND i.seq = u.seq AND i.claim_id = u.claim AND i.state = 'running'
+         WHERE i.rid = $1 AND i.seq = ANY($3) AND i.seq = u.seq AND i.claim_id = u.claim
+           AND i.state = 'running'
          RETURNING i.seq, i.attempt)
      INSERT INTO results (rid, seq, item_id, status, output, error, endpoint, model, attempts,
          latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, item,
@@ -369,15 +380,18 @@ const INSERT_RESULTS: &str = "WITH u AS (
 /// Waits of items that go on under their claim.
 const SET_WAITS: &str = "UPDATE items i SET not_before = now() + u.wait * interval '1 millisecond'
      FROM UNNEST($2::bigint[], $3::bigint[], $4::bigint[]) AS u(seq, claim, wait)
-     WHERE i.rid = $1 AND i.seq = u.seq AND i.claim_id = u.claim AND i.state = 'running'";
+     WHERE i.rid = $1 AND i.seq = ANY($2) AND i.seq = u.seq AND i.claim_id = u.claim
+       AND i.state = 'running'";
 
 fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx<Committed> {
     let rid = conn.rid(run_id)?;
     let attempts = conn.statement(INSERT_ATTEMPTS)?;
     let results = conn.statement(INSERT_RESULTS)?;
     let wait = conn.statement(SET_WAITS)?;
+    let locking = conn.statement(LOCK)?;
+    let tally = conn.statement(TALLY)?;
     let mut tx = conn.client.transaction()?;
-    let holds = lock(&mut tx, rid, batch)?;
+    let holds = lock(&mut tx, &locking, rid, batch)?;
     let mut refused = BTreeSet::new();
     let mut refuse = |claim: ClaimId, seq: u64| {
         if !holds.ended(claim, seq) {
@@ -746,14 +760,7 @@ fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx
     if done + failed > 0 || calls_stored {
         // The worker's own row: workers committing at once do not wait
         // for each other here.
-        tx.execute(
-            "INSERT INTO tallies (rid, worker, done, failed, generation, updated_at)
-             VALUES ($1, $2, $3, $4, 1, $5)
-             ON CONFLICT (rid, worker) DO UPDATE SET done = tallies.done + EXCLUDED.done,
-                 failed = tallies.failed + EXCLUDED.failed, generation = tallies.generation + 1,
-                 updated_at = GREATEST(tallies.updated_at, EXCLUDED.updated_at)",
-            &[&rid, &worker, &done, &failed, &now_ms()],
-        )?;
+        tx.execute(&tally, &[&rid, &worker, &done, &failed, &now_ms()])?;
     }
     tx.commit()?;
     Ok(Committed {
