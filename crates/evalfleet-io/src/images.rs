@@ -26,11 +26,11 @@ pub const PLACEHOLDER: &str = "evalfleet-image:sha256:";
 
 /// Pixels decoded at once in this process, whatever the images and however
 /// many items read them at once: a decoded image takes 3 or 4 bytes a
-/// pixel and scaling it down about as much again, so decoding stays within
-/// a few hundred MB (8 items of one 8,000 x 8,000 PNG at concurrency 8:
-/// 565-569 MB peak RSS for the whole run, against 1,985 MB unbounded; V3
-/// in docs/benchmarks.md). An image of more pixels than this is decoded
-/// alone.
+/// pixel (and scaling it down, by averaging, little more), so decoding
+/// stays within a few hundred MB (8 items of one 8,000 x 8,000 PNG at
+/// concurrency 8: 384-402 MB peak RSS for the whole run, against 1,985 MB
+/// unbounded; V3 in docs/benchmarks.md). An image of more pixels than this
+/// is decoded alone.
 pub const DECODE_PIXELS: u64 = 48_000_000;
 
 /// The pixels being decoded now, over every thread.
@@ -495,7 +495,7 @@ fn prepare(
                 .decode()
                 .map_err(|err| ImageError::bad(shown, format!("cannot be decoded: {err}")))?;
             if let Some(side) = settings.max_side.filter(|_| too_big) {
-                decoded = decoded.resize(side, side, image::imageops::FilterType::Triangle);
+                decoded = scale_down(&decoded, side);
             }
             (format, encode(decoded, format, settings.quality, shown)?)
         }
@@ -513,6 +513,19 @@ fn prepare(
             bytes: Bytes::from(bytes),
         },
     })
+}
+
+/// `image` scaled down to fit `side`. Halved or more, each pixel of the
+/// result averages the source pixels it covers (`thumbnail`: no buffer
+/// beside the two images, where a filtered resize keeps one of floats the
+/// width of the source, some hundreds of MB for a 64-megapixel scan);
+/// less than halved, a triangle filter, whose buffer is then small.
+fn scale_down(image: &image::DynamicImage, side: u32) -> image::DynamicImage {
+    if image.width().max(image.height()) >= side.saturating_mul(2) {
+        image.thumbnail(side, side)
+    } else {
+        image.resize(side, side, image::imageops::FilterType::Triangle)
+    }
 }
 
 fn encode(
@@ -660,6 +673,32 @@ mod tests {
             .write_with_encoder(image::codecs::png::PngEncoder::new(&mut out))
             .unwrap();
         out
+    }
+
+    #[test]
+    fn an_image_scaled_down_keeps_its_shape_and_its_colours_on_average() {
+        // A checkerboard of black and white pixels, 4,000 x 2,000: halved
+        // or more, each pixel averages what it covers (grey); a little
+        // smaller, the triangle filter.
+        let board = image::RgbImage::from_fn(4000, 2000, |x, y| {
+            if (x + y) % 2 == 0 {
+                image::Rgb([0, 0, 0])
+            } else {
+                image::Rgb([255, 255, 255])
+            }
+        });
+        let image = image::DynamicImage::ImageRgb8(board);
+        let small = scale_down(&image, 1000).to_rgb8();
+        assert_eq!(small.dimensions(), (1000, 500));
+        let mean = |img: &image::RgbImage| {
+            img.pixels().map(|p| f64::from(p[0])).sum::<f64>()
+                / f64::from(img.width() * img.height())
+        };
+        assert!((mean(&small) - 127.5).abs() < 2.0, "{}", mean(&small));
+        assert!(small.pixels().all(|p| (120..=135).contains(&p[0])));
+        let near = scale_down(&image, 3000).to_rgb8();
+        assert_eq!(near.dimensions(), (3000, 1500));
+        assert!((mean(&near) - 127.5).abs() < 2.0, "{}", mean(&near));
     }
 
     #[test]
