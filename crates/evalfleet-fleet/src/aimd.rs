@@ -284,6 +284,12 @@ pub struct Aimd {
     ended: u32,
     pushed_back: u32,
     cut: u32,
+    /// The last calls that ended at this limit (as many as the limit,
+    /// three at least), whether each was a cut stream, whatever the
+    /// intervals: a server that cuts every running stream may end calls
+    /// farther apart than an interval lasts (no answer comes whole to
+    /// time a round trip by), and its cuts must still add up.
+    recent: std::collections::VecDeque<bool>,
     /// Per level of the limit (eight a doubling): calls seen and those
     /// that pushed back, fading.
     levels: Vec<(i32, f64, f64)>,
@@ -322,6 +328,7 @@ impl Aimd {
             ended: 0,
             pushed_back: 0,
             cut: 0,
+            recent: std::collections::VecDeque::new(),
             levels: Vec::new(),
             rates: BTreeMap::new(),
             reached: false,
@@ -382,6 +389,10 @@ impl Aimd {
         level: Option<usize>,
     ) -> Option<Decision> {
         self.ended += 1;
+        self.recent.push_back(signal == Signal::Cut);
+        while self.recent.len() > self.limit.max(3) {
+            self.recent.pop_front();
+        }
         match signal {
             Signal::Success(sample) => {
                 self.samples += 1;
@@ -426,9 +437,13 @@ impl Aimd {
         let probing_cuts = self
             .hold
             .is_some_and(|hold| hold.cut && self.limit > hold.at);
-        let most =
+        let in_interval =
             self.cut >= 3 && 2 * self.cut > self.ended && 2 * self.ended as usize >= self.limit;
-        self.cut > 0 && (probing_cuts || most)
+        // The same over the last calls, however the intervals fell.
+        let cuts = self.recent.iter().filter(|cut| **cut).count();
+        let lately =
+            cuts >= 3 && 2 * cuts > self.recent.len() && 2 * self.recent.len() >= self.limit;
+        self.cut > 0 && (probing_cuts || in_interval || lately)
     }
 
     /// The share of back pressure at the lowest levels of the limit seen
@@ -721,6 +736,8 @@ impl Aimd {
         // it did before may be stale (another job has left the GPU, or
         // come).
         self.rates.remove(&to);
+        // What ended at the old limit says nothing of the new one.
+        self.recent.clear();
         if to >= self.settings.max {
             self.slow_start = false;
         }

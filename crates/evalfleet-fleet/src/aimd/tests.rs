@@ -452,3 +452,33 @@ fn a_decrease_ratio_below_one_half_is_kept_to() {
     let cut = interval(&mut c, &mut now, Signal::BackPressure).unwrap();
     assert_eq!((cut.to, cut.reason), (6, Reason::BackPressure));
 }
+
+#[test]
+fn cut_streams_ending_farther_apart_than_an_interval_still_take_the_limit_to_one() {
+    // As llama-cpp-python's server at the start of a run: eight calls sent
+    // at once, each new arrival cutting the stream running, so calls end
+    // one every 300 ms with no answer whole yet (no round trip known: the
+    // interval is the first one, 100 ms). Counted per interval, each end
+    // would be an interval's only call and never most of half a round
+    // trip's; counted over the last calls, the cuts add up.
+    let mut now = Instant::now();
+    let mut c = Aimd::new(
+        AimdSettings {
+            initial: 8,
+            ..settings()
+        },
+        now,
+    );
+    for k in 0..8 {
+        c.on_start(k + 1);
+    }
+    let mut decision = None;
+    for _ in 0..8 {
+        now += Duration::from_millis(300);
+        decision = decision.or(c.on_end(now, Signal::Cut, Some(8)));
+    }
+    let decision = decision.expect("the cuts brought a decision");
+    assert_eq!((decision.from, decision.to), (8, 1));
+    assert_eq!(decision.reason, Reason::Cut);
+    assert_eq!(c.limit(), 1);
+}
