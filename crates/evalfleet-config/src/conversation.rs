@@ -39,7 +39,8 @@ pub struct ConversationSettings {
     /// Default 6.
     pub max_rounds: u32,
     /// Decisions after which an episode ends (truncated); 0: no limit.
-    /// `--max-steps` overrides it. Default 0.
+    /// `--max-steps` overrides it. Default 8 under `rules: original`
+    /// (its environment's steps), 0 under `rules: corrected`.
     pub max_steps: u32,
     /// Seed of every random draw (needs, a random policy): an episode's
     /// draws depend only on it and the episode's id. Default 0.
@@ -316,7 +317,8 @@ pub(super) struct RawConversation {
     /// With `rules: original`, the environment's steps (decisions and the
     /// trainer's steps in stable states) after which it ends, at least 1
     /// (`max_rounds` is unused there, as in the original). `--max-steps`
-    /// overrides it. Default 0 (`rules: original`: 8).
+    /// overrides it. Default 8 under `rules: original` (the default), 0
+    /// under `rules: corrected`.
     max_steps: Option<u32>,
     /// Seed of every random draw (needs, a random policy): an episode's
     /// draws depend only on it and the episode's id. Default 0.
@@ -340,9 +342,9 @@ pub(super) struct RawConversation {
     /// How many of the last human utterances each call sees: one number
     /// for every call, or a mapping with one for each. The personas, the
     /// policy and the robot see the robot's utterances among them; the
-    /// scorer sees the human ones only. Default 6 (`rules: original`: the
-    /// original's 12 for the personas, 3 for the scorer, 6 for the policy
-    /// and the robot).
+    /// scorer sees the human ones only. Default: under `rules: original`
+    /// (the default) the original's, 12 for the personas, 3 for the scorer,
+    /// 6 for the policy and the robot; under `rules: corrected`, 6 each.
     history: Option<RawHistory>,
     scorer: Option<RawScorer>,
     policy: Option<RawPolicy>,
