@@ -1858,6 +1858,23 @@ def r1_tools(python):
     return server, model
 
 
+def wait_ready(proc, url, log, what):
+    """Waits (5 minutes at most) until GET `url` answers 200 from the
+    server `proc`, whose output goes to `log`."""
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited; see {log.name}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{what} was not ready within 300 s")
+
+
 class LlamaServer:
     """llama.cpp's server with `slots` slots, on every core."""
 
@@ -1871,18 +1888,7 @@ class LlamaServer:
             stdout=self.log, stderr=subprocess.STDOUT, env=env,
         )
         self.url = f"http://127.0.0.1:{self.port}/v1"
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"llama-server exited; see {self.log.name}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise SystemExit("llama-server was not ready within 300 s")
+        wait_ready(self.proc, f"http://127.0.0.1:{self.port}/health", self.log, "llama-server")
 
     def stop(self):
         self.proc.terminate()
@@ -1890,7 +1896,7 @@ class LlamaServer:
         self.log.close()
 
 
-class LlamaCppPythonServer:
+class LlamaCppPythonServer(LlamaServer):
     """llama-cpp-python's server (`python -m llama_cpp.server`): one call at
     a time, and the running stream cut when another request arrives."""
 
@@ -1903,23 +1909,7 @@ class LlamaCppPythonServer:
             stdout=self.log, stderr=subprocess.STDOUT,
         )
         self.url = f"http://127.0.0.1:{self.port}/v1"
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"llama-cpp-python's server exited; see {self.log.name}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/models", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise SystemExit("llama-cpp-python's server was not ready within 300 s")
-
-    def stop(self):
-        self.proc.terminate()
-        self.proc.wait()
-        self.log.close()
+        wait_ready(self.proc, f"{self.url}/models", self.log, "llama-cpp-python's server")
 
 
 def r1_config(path, dataset, url, concurrency, max_tokens):

@@ -298,37 +298,40 @@ impl Node {
     }
 
     fn write(&self, out: &mut String, level: usize) {
-        let pad = |n: usize| "  ".repeat(n);
+        // An object's entries and an array's items, each on its line.
+        let container =
+            |out: &mut String, (open, close): (char, char), items: Vec<(Option<&str>, &Node)>| {
+                if items.is_empty() {
+                    out.push(open);
+                    out.push(close);
+                    return;
+                }
+                out.push(open);
+                out.push('\n');
+                let last = items.len() - 1;
+                for (i, (key, node)) in items.into_iter().enumerate() {
+                    out.push_str(&"  ".repeat(level + 1));
+                    if let Some(key) = key {
+                        out.push_str(&Value::from(key).to_string());
+                        out.push_str(": ");
+                    }
+                    node.write(out, level + 1);
+                    if i < last {
+                        out.push(',');
+                    }
+                    out.push('\n');
+                }
+                out.push_str(&"  ".repeat(level));
+                out.push(close);
+            };
         match self {
-            Node::Obj(entries) if entries.is_empty() => out.push_str("{}"),
-            Node::Arr(items) if items.is_empty() => out.push_str("[]"),
-            Node::Obj(entries) => {
-                out.push_str("{\n");
-                for (i, (k, v)) in entries.iter().enumerate() {
-                    out.push_str(&pad(level + 1));
-                    out.push_str(&Value::from(k.as_str()).to_string());
-                    out.push_str(": ");
-                    v.write(out, level + 1);
-                    if i + 1 < entries.len() {
-                        out.push(',');
-                    }
-                    out.push('\n');
-                }
-                out.push_str(&pad(level));
-                out.push('}');
-            }
+            Node::Obj(entries) => container(
+                out,
+                ('{', '}'),
+                entries.iter().map(|(k, v)| (Some(k.as_str()), v)).collect(),
+            ),
             Node::Arr(items) => {
-                out.push_str("[\n");
-                for (i, v) in items.iter().enumerate() {
-                    out.push_str(&pad(level + 1));
-                    v.write(out, level + 1);
-                    if i + 1 < items.len() {
-                        out.push(',');
-                    }
-                    out.push('\n');
-                }
-                out.push_str(&pad(level));
-                out.push(']');
+                container(out, ('[', ']'), items.iter().map(|v| (None, v)).collect())
             }
             Node::Leaf(Value::Number(n)) if n.is_f64() => {
                 out.push_str(&python_float(round_float(n.as_f64().unwrap_or(0.0))));

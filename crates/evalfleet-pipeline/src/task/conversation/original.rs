@@ -22,7 +22,6 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, Waker};
 
-use serde::Serialize;
 use serde_json::{Map, Value, json};
 
 use super::pyrandom::PyRandom;
@@ -144,10 +143,9 @@ type Scores = [Option<f64>; 3];
 
 /// What `network_metrics.py` makes of scores, as far as the episode uses
 /// it.
-#[derive(Debug, Clone, Copy, Serialize)]
+#[derive(Debug, Clone, Copy)]
 pub struct Metrics {
     pub unstable_triads: u32,
-    #[serde(skip)]
     scores: Scores,
 }
 
@@ -368,14 +366,13 @@ pub enum Choice {
     /// A model's raw output, read as the trainer reads it.
     Reply(String),
     Strategy(Strategy),
-    /// Invalid, for a reason (`trainer`, `timeout`, `closed`).
+    /// Invalid, for a reason (`trainer`, `timeout`).
     Invalid(String),
 }
 
 /// One draw of the episode's random source, as the original's vectors
 /// record them.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[serde(tag = "fn", rename_all = "snake_case")]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Draw {
     Random { value: f64 },
     Choice { among: usize, index: usize },
@@ -392,7 +389,6 @@ pub struct Env {
     pub episode: u32,
     episode_step: u32,
     pub t: u32,
-    steps_since_last_intervention: u32,
     previous_intervened: bool,
     previous_rel_after_horizon: Option<Metrics>,
     previous_rel_after_bonus: Option<Metrics>,
@@ -404,6 +400,8 @@ pub struct Env {
     trigger: Option<String>,
     fixed_topic: Option<String>,
     scorer: Scorer,
+    /// The rule scorer's patterns of the pairs' names (compiled once).
+    near: Option<[Option<regex::Regex>; 3]>,
     target: Option<(Edge, Person)>,
     /// The observation made last (`_last_observation`).
     pub observation: String,
@@ -451,7 +449,6 @@ impl Env {
             episode: 0,
             episode_step: 0,
             t: 0,
-            steps_since_last_intervention: 0,
             previous_intervened: false,
             previous_rel_after_horizon: None,
             previous_rel_after_bonus: None,
@@ -463,6 +460,7 @@ impl Env {
             trigger: None,
             fixed_topic: topic,
             scorer: Scorer::default(),
+            near: None,
             target: None,
             observation: String::new(),
             steps: Vec::new(),
@@ -830,12 +828,16 @@ impl Env {
         let count =
             |words: &[&str]| -> i64 { words.iter().map(|w| text.matches(w).count() as i64).sum() };
         let tone = count(&WARM) - count(&COLD);
+        if self.near.is_none() {
+            self.near = Some(PAIRS.map(|(a, b)| {
+                let (a, b) = (regex::escape(self.name(a)), regex::escape(self.name(b)));
+                regex::Regex::new(&format!("{a}.*?{b}|{b}.*?{a}")).ok()
+            }));
+        }
         let mut out: Scores = [None; 3];
         for i in pairs_of(people) {
-            let (a, b) = PAIRS[i];
-            let (a, b) = (regex::escape(self.name(a)), regex::escape(self.name(b)));
-            let near = regex::Regex::new(&format!("{a}.*?{b}|{b}.*?{a}"))
-                .map_or(0, |r| r.find_iter(&text).count());
+            let near = self.near.as_ref().and_then(|n| n[i].as_ref());
+            let near = near.map_or(0, |r| r.find_iter(&text).count());
             let base = 0.1 * near as f64 + 0.05 * tone as f64;
             let noise = -0.1 + 0.2 * self.random();
             out[i] = Some((base + noise).clamp(-1.0, 1.0));
@@ -1258,19 +1260,16 @@ impl Runner {
                 let visible = strip_think_tags(&raw);
                 match first_digit(&visible) {
                     Some(s) => (s.digit().to_string(), Some(s), Some(raw), None),
-                    None => (OUTPUT_ERROR.to_owned(), None, Some(raw), Some("reply")),
+                    None => (
+                        OUTPUT_ERROR.to_owned(),
+                        None,
+                        Some(raw),
+                        Some("reply".to_owned()),
+                    ),
                 }
             }
             Choice::Strategy(s) => (s.digit().to_string(), Some(s), None, None),
-            Choice::Invalid(reason) => {
-                let reason: &'static str = match reason.as_str() {
-                    "trainer" => "trainer",
-                    "timeout" => "timeout",
-                    "closed" => "closed",
-                    _ => "reply",
-                };
-                (OUTPUT_ERROR.to_owned(), None, None, Some(reason))
-            }
+            Choice::Invalid(reason) => (OUTPUT_ERROR.to_owned(), None, None, Some(reason)),
         };
         {
             let mut env = self.env();
@@ -1279,12 +1278,9 @@ impl Runner {
             if let Some(current) = &mut env.current {
                 current.strategy = strategy;
                 current.valid = strategy.is_some();
-                current.invalid_reason = reason.map(str::to_owned);
+                current.invalid_reason = reason;
                 current.policy_reply = reply;
             }
-        }
-        if reason == Some("closed") {
-            return None;
         }
         // reward_fn's state_before.
         self.planning_context().await;
@@ -1377,7 +1373,6 @@ impl Runner {
             }
             env.logs.clear();
             env.scorer = Scorer::default();
-            env.steps_since_last_intervention = 0;
             env.previous_intervened = false;
             env.previous_rel_after_horizon = None;
             env.previous_rel_after_bonus = None;
@@ -1765,7 +1760,6 @@ impl Runner {
             // convo_env.py:627: stable, no reward.
             self.make_observation().await;
             let mut env = self.env();
-            env.steps_since_last_intervention += 1;
             env.episode_step += 1;
             env.t += 1;
             let max_steps = env.settings.max_steps;
@@ -1800,7 +1794,6 @@ impl Runner {
                 // convo_env.py:742: stable after all: no reward, not done.
                 {
                     let mut env = self.env();
-                    env.steps_since_last_intervention += 1;
                     env.episode_step += 1;
                     env.t += 1;
                 }
@@ -1897,11 +1890,6 @@ impl Runner {
         out.reward = out.stable_bonus + out.preference_bonus;
         {
             let mut env = self.env();
-            if intervened {
-                env.steps_since_last_intervention = 0;
-            } else {
-                env.steps_since_last_intervention += 1;
-            }
             env.episode_step += 1;
             env.t += 1;
             let max_steps = env.settings.max_steps;

@@ -3,6 +3,7 @@
 //! [`Original`] (the original system's, [`super::original`]), behind one
 //! interface for the task and the environment server.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use serde_json::{Map, Value};
@@ -61,8 +62,13 @@ impl Sim {
         both!(self, sim => sim.needs())
     }
 
-    pub fn steps(&self) -> Vec<StepRecord> {
-        both!(self, sim => sim.steps().to_vec())
+    /// The decisions so far (borrowed under `corrected`; the original's
+    /// episode keeps them behind its lock, and gives a copy).
+    pub fn steps(&self) -> Cow<'_, [StepRecord]> {
+        match self {
+            Sim::Corrected(sim) => Cow::Borrowed(sim.steps()),
+            Sim::Original(sim) => Cow::Owned(sim.steps()),
+        }
     }
 
     /// How often the conversation started again.

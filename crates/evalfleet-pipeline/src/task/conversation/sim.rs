@@ -141,10 +141,9 @@ pub struct StepRecord {
     pub strategy: Option<Strategy>,
     pub valid: bool,
     /// Why an invalid decision is: `reply` (a model policy's reply could
-    /// not be read), `trainer` (a trainer's `invalid` action), `timeout`
-    /// (no action came in time) or `closed` (the trainer closed the
-    /// environment at it: the step never ends, so no stored record holds
-    /// it).
+    /// not be read), `trainer` (a trainer's `invalid` action) or `timeout`
+    /// (no action came in time). (A decision the trainer closes is no
+    /// decision: the episode starts over.)
     pub invalid_reason: Option<String>,
     pub policy_reply: Option<String>,
     pub robot: Option<String>,
