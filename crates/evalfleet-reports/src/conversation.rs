@@ -273,11 +273,12 @@ impl Logbook {
                 self.alarms.push(alarm.clone());
                 out(Line::Alarm(alarm));
             }
-            let mut line = json!({"episode": episode});
-            if let (Some(line), Some(step)) = (line.as_object_mut(), step.as_object()) {
-                line.extend(step.clone());
-            }
+            // Under `rules: original` the steps are the original's records.
             if self.original.is_none() {
+                let mut line = json!({"episode": episode});
+                if let (Some(line), Some(step)) = (line.as_object_mut(), step.as_object()) {
+                    line.extend(step.clone());
+                }
                 out(Line::Step(line));
             }
         }
