@@ -26,11 +26,16 @@
 //!   [`FLAT_HOLD_MAX`] at most);
 //! - the first level judged with nothing known below it is compared with
 //!   half of it once (a server that queues from its first call is found
-//!   from above as well as from below);
+//!   from above as well as from below), unless its first calls, sent at
+//!   once, took about as long each for their work (no queue: fewer calls
+//!   could only do less);
 //! - while the limit is reached and throughput grows it doubles (slow start,
 //!   until the first cut), then grows by one, or along CUBIC's curve after
 //!   a cut for back pressure; steps are a tenth of the limit at least, so
-//!   that no step is judged on noise alone.
+//!   that no step is judged on noise alone. In slow start a level is
+//!   judged on the calls that filled it as well, as soon as they are back:
+//!   a doubling a round trip (W7's mock is filled from 8 to 1,024 calls in
+//!   0.25 s, not 1.5 s).
 //!
 //! **Streams cut when another call arrives** (servers that serve one call
 //! at a time and end the running stream for the next, as llama-cpp-python's)
@@ -57,7 +62,8 @@
 //! standard errors of the difference of two shares, the interval's and the
 //! background's (a background known from few calls is uncertain too; with
 //! a test on the interval's share alone, one in a few intervals crossed the
-//! line at 7% sporadic refusals, and each crossing cut the limit).
+//! line at 7% sporadic refusals, and each crossing cut the limit), in two
+//! intervals in a row, or by [`Z_ALONE`] in one.
 //!
 //! **An engine that reports its own state** (llama.cpp's slots, vLLM's and
 //! SGLang's queue) is believed over all of this: its capacity is where the
@@ -89,6 +95,9 @@ const LEVEL_KNOWN: f64 = 200.0;
 /// Standard errors by which an interval's share of back pressure must
 /// exceed the background's to count.
 const Z: f64 = 3.5;
+/// Standard errors beyond which one interval's back pressure counts
+/// without the interval before beyond as well.
+const Z_ALONE: f64 = 5.0;
 /// CUBIC's constant, in limit units per round trip cubed.
 const CUBIC_C: f64 = 0.4;
 /// The most the curve may raise the limit in one round trip, as a share of
@@ -98,6 +107,12 @@ const CUBIC_STEP: f64 = 0.25;
 /// The background share assumed in the test of an interval, at least (so
 /// that one refusal among a handful of calls is not proof of overload).
 const BACKGROUND_FLOOR: f64 = 0.05;
+/// The most a level's slowest call may take for a unit of work, as a
+/// multiple of its fastest, for its calls to count as served without a
+/// queue (a server that queues from its first call gives the last of a
+/// level's calls several times the first's time; one that serves them
+/// side by side, about the same, short answers' prefill aside).
+const QUEUE_SPREAD: f64 = 2.0;
 /// Levels whose throughput is within this share of the best are as good:
 /// the fewest calls among them is where the limit goes.
 const NEAR: f64 = 0.97;
@@ -123,6 +138,11 @@ const CUT_HOLD_MAX: Duration = Duration::from_secs(1800);
 /// large level would be judged on noise).
 fn tenth(level: usize) -> usize {
     (level / 10).max(1)
+}
+
+/// Calls a level needs before it is judged.
+fn needed(level: usize) -> f64 {
+    (level as f64 * JUDGE_SHARE).clamp(JUDGE_MIN, JUDGE_MAX)
 }
 
 /// The furthest one step of growth goes from `level`.
@@ -290,6 +310,14 @@ pub struct Aimd {
     /// farther apart than an interval lasts (no answer comes whole to
     /// time a round trip by), and its cuts must still add up.
     recent: std::collections::VecDeque<bool>,
+    /// Until the limit first moves: the least and the most seconds a unit
+    /// of work took in one call. Calls sent at once to a server that
+    /// serves fewer at a time wait in its queue, the last several times as
+    /// long as the first; served side by side, they take about as long.
+    opening: Option<(f64, f64)>,
+    /// Whether the last interval's back pressure was clearly beyond the
+    /// background (see [`Aimd::excess`]).
+    beyond_before: bool,
     /// Per level of the limit (eight a doubling): calls seen and those
     /// that pushed back, fading.
     levels: Vec<(i32, f64, f64)>,
@@ -329,6 +357,8 @@ impl Aimd {
             pushed_back: 0,
             cut: 0,
             recent: std::collections::VecDeque::new(),
+            beyond_before: false,
+            opening: Some((f64::INFINITY, 0.0)),
             levels: Vec::new(),
             rates: BTreeMap::new(),
             reached: false,
@@ -353,11 +383,21 @@ impl Aimd {
         self.baseline.map(Duration::from_secs_f64)
     }
 
-    /// Called when a call starts, with the calls in flight counting it.
-    pub fn on_start(&mut self, in_flight: usize) {
+    /// Called when a call starts, with the calls in flight counting it;
+    /// the level of the limit the call will teach about, if any. A call
+    /// counts towards the limit when it starts with the limit reached
+    /// (the calls that fill a limit just raised run beside fewer, and
+    /// where the knee is, a few calls make the difference); in slow start,
+    /// also when it starts above the level before: the calls that fill a
+    /// doubled limit run beside about as many as it allows, whether a
+    /// doubling pays shows in them as well, and waiting for the calls
+    /// that replace them costs a round trip each doubling.
+    pub fn on_start(&mut self, in_flight: usize) -> Option<usize> {
         if in_flight >= self.limit {
             self.reached = true;
         }
+        let filling = self.slow_start && 2 * in_flight > self.limit;
+        (in_flight >= self.limit || filling).then_some(self.limit)
     }
 
     /// The engine said it serves `capacity` calls at once: the limit starts
@@ -395,6 +435,11 @@ impl Aimd {
         }
         match signal {
             Signal::Success(sample) => {
+                if let Some(opening) = self.opening.as_mut() {
+                    let per_work = sample.latency.as_secs_f64() / sample.work.max(1e-9);
+                    opening.0 = opening.0.min(per_work);
+                    opening.1 = opening.1.max(per_work);
+                }
                 self.samples += 1;
                 self.latency_sum += sample.latency.as_secs_f64();
                 // A call teaches about its level only if the limit stayed
@@ -423,7 +468,17 @@ impl Aimd {
         // trip's calls (a few cut by chance at the start of an interval
         // are not).
         let cuts_now = signal == Signal::Cut && self.one_at_a_time();
-        if now < self.interval_end && !cuts_now {
+        // In slow start, a level is judged as soon as its calls are back:
+        // waiting for the interval's end too would cost up to a round trip
+        // each doubling.
+        // (With the interval's calls as many as the level needs: the
+        // test of its back pressure is not made on a handful.)
+        let judged_now = self.slow_start
+            && self.reached
+            && level.is_some_and(|level| level == self.limit)
+            && f64::from(self.ended) >= needed(self.limit)
+            && self.throughput(self.limit).is_some();
+        if now < self.interval_end && !cuts_now && !judged_now {
             return None;
         }
         self.decide(now)
@@ -494,27 +549,40 @@ impl Aimd {
     }
 
     /// The share of this interval's calls pushed back beyond the
-    /// background, when it is clearly beyond (or most calls were: that is
-    /// never background).
-    fn excess(&self) -> Option<f64> {
+    /// background, when it is clearly beyond in this interval and the one
+    /// before (or most calls were: that is never background); and whether
+    /// this interval's share alone was clearly beyond.
+    ///
+    /// One interval beyond the line is not enough: at a 7% background,
+    /// one interval in some hundreds crosses it by chance (the tail of a
+    /// share of a few dozen calls is wider than the normal test assumes),
+    /// and a run of a minute has a thousand intervals. Overload lasts;
+    /// chance seldom crosses twice in a row. A share beyond by
+    /// [`Z_ALONE`] standard errors counts at once (a step of a quarter
+    /// past what the endpoint takes is that far beyond).
+    fn excess(&self) -> (Option<f64>, bool) {
         let (background, known) = self.background();
         let n = f64::from(self.ended.max(1));
         let share = f64::from(self.pushed_back) / n;
         let p = background.max(BACKGROUND_FLOOR);
-        let beyond = known > 0.0
-            && share > background + Z * (p * (1.0 - p) * (1.0 / n + 1.0 / known)).sqrt();
+        let error = (p * (1.0 - p) * (1.0 / n + 1.0 / known)).sqrt();
+        let beyond = self.pushed_back > 0 && known > 0.0 && share > background + Z * error;
+        let far_beyond = beyond && share > background + Z_ALONE * error;
         // Most of a handful of calls is proof only where the handful is
         // the limit's worth (a short interval may see one call end).
         let mostly = share > MOSTLY && self.ended as usize >= self.limit.min(3);
-        (self.pushed_back > 0 && (beyond || mostly)).then_some((share - background).max(0.0))
+        let excess = (self.pushed_back > 0
+            && (beyond && self.beyond_before || far_beyond || mostly))
+            .then_some((share - background).max(0.0));
+        (excess, beyond)
     }
 
     /// A level's throughput (work a second), once it has calls enough to
     /// be judged.
     fn throughput(&self, level: usize) -> Option<f64> {
         let rate = self.rates.get(&level)?;
-        let needed = (level as f64 * JUDGE_SHARE).clamp(JUDGE_MIN, JUDGE_MAX);
-        (rate.seen >= needed && rate.busy > 0.0).then(|| level as f64 * rate.work / rate.busy)
+        (rate.seen >= needed(level) && rate.busy > 0.0)
+            .then(|| level as f64 * rate.work / rate.busy)
     }
 
     /// What the throughput of the level now says: `Some(to)` where the
@@ -538,8 +606,16 @@ impl Aimd {
                 .then_some(((at / 2).max(floor), Reason::ProbeDown))
         };
         let Some((reference, best_below)) = below else {
+            // In slow start, the level above says first: a server that
+            // queues shows flat there, and the look below follows (the
+            // look at once would cost every run two levels' round trips).
+            // (Not where the level's calls show no queue: at fewer calls
+            // the server could only do less.)
             let best = self.known().map(|(_, x)| x).fold(now, f64::max);
-            return Ok(if now >= NEAR * best {
+            let unqueued = self
+                .opening
+                .is_some_and(|(fastest, slowest)| slowest <= QUEUE_SPREAD * fastest);
+            return Ok(if now >= NEAR * best && !unqueued {
                 look_down(from)
             } else {
                 None
@@ -612,8 +688,9 @@ impl Aimd {
         let from = self.limit;
         let settings = self.settings;
         let floor = settings.min.max(1);
-        let excess = self.excess();
-        self.learn_level(from, excess.is_some());
+        let (excess, beyond) = self.excess();
+        self.beyond_before = beyond;
+        self.learn_level(from, excess.is_some() || beyond);
         let waiting = self
             .engine_waiting
             .take()
@@ -738,6 +815,7 @@ impl Aimd {
         self.rates.remove(&to);
         // What ended at the old limit says nothing of the new one.
         self.recent.clear();
+        self.opening = None;
         if to >= self.settings.max {
             self.slow_start = false;
         }

@@ -15,6 +15,10 @@ pub mod gpu;
 pub mod limit;
 pub mod load;
 pub mod outlier;
+
+/// The share of failed calls below which an endpoint's failures are
+/// sporadic ([`Endpoint::fails_sporadically`]).
+const SPORADIC_SHARE: f64 = 0.5;
 pub mod procs;
 pub mod prometheus;
 pub mod rate;
@@ -460,6 +464,15 @@ impl Endpoint {
     pub fn outcomes(&self) -> Tally {
         let second = self.second();
         self.status().outcomes.totals(second)
+    }
+
+    /// Whether its calls fail now and then rather than broadly: over the
+    /// last seconds it made [`outlier::MIN_CALLS`] calls at least and most
+    /// were answered. One call's fault then says nothing of the next
+    /// call's, and a retry needs no longer wait than a first one.
+    pub fn fails_sporadically(&self) -> bool {
+        let tally = self.outcomes();
+        tally.calls >= outlier::MIN_CALLS && tally.share() < SPORADIC_SHARE
     }
 
     /// When its calls last showed that it works (an answer that was not a

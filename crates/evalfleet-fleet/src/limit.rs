@@ -77,12 +77,12 @@ impl ConcurrencyLimit {
         let mut state = self.state();
         state.in_flight += 1;
         let in_flight = state.in_flight;
-        // Only a call that starts with the limit reached runs at that
-        // level: the calls that fill a limit just raised run beside fewer.
-        let level = (in_flight >= state.limit).then_some(state.limit);
-        if let Some(controller) = state.controller.as_mut() {
-            controller.on_start(in_flight);
-        }
+        // What level of the limit the call runs at, if the controller
+        // counts it towards one.
+        let level = state
+            .controller
+            .as_mut()
+            .and_then(|controller| controller.on_start(in_flight));
         drop(state);
         Permit {
             limit: self.clone(),

@@ -448,7 +448,18 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
             let tries = item.tries;
             let said = evalfleet_types::error_text(&err);
             item.refused = !class.is_retryable();
-            let wait = shared.retry.backoff(tries.max(1), err.retry_after());
+            // A fault of the call alone (a 500, a broken or stalled
+            // stream), where the endpoint answers most calls: the next try
+            // waits as a first retry would. The backoff doubles with each
+            // try where faults are broad, and for back pressure (the
+            // endpoint asks for less) whatever the share.
+            let sporadic = matches!(
+                class,
+                ErrorClass::Retryable | ErrorClass::BadResponse | ErrorClass::Stalled
+            ) && endpoint.fails_sporadically();
+            let wait = shared
+                .retry
+                .backoff(if sporadic { 1 } else { tries.max(1) }, err.retry_after());
             let reason = if !class.is_retryable() {
                 said
             } else if !tries_left(&shared, &item, !answers_item, wait) {

