@@ -425,7 +425,9 @@ pub struct RawRetry {
     /// them. Default 10.
     pub max_attempts: Option<u32>,
     /// The first backoff's ceiling; it doubles with each retry, with full
-    /// jitter. Default `100ms`.
+    /// jitter (not for a fault of the call alone, a 500 or a broken
+    /// stream, where its endpoint answers most calls: that retry waits as
+    /// a first one). Default `100ms`.
     #[schemars(with = "Option<schema::Duration>")]
     pub backoff_base: Option<String>,
     /// The longest backoff; at least `backoff_base`. Default `30s`.

@@ -1014,3 +1014,63 @@ async fn llama_cpp_python_s_one_slot_server_as_a_local_engine_answers_every_item
         "llama-cpp-python's server outlived the run: {left:?}"
     );
 }
+
+/// A 500 now and then from an endpoint that answers most calls is a fault
+/// of that call, not of the endpoint: the item's next try waits as a
+/// first retry would (up to `backoff_base`), not twice as long for each
+/// try it already had (W7: an item that met five 500s in a row waited 2.5 s
+/// before its last try, on an endpoint answering 85% of calls).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sporadic_fault_s_retry_waits_as_a_first_retry_whatever_the_tries() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 400);
+    let flaky = mock(MockSettings {
+        latency: Duration::from_millis(10),
+        faults: vec![evalfleet_mock::Fault {
+            status: 500,
+            rate: 0.3,
+            retry_after: None,
+        }],
+        seed: 3,
+        ..MockSettings::default()
+    })
+    .await;
+    env.write(
+        "run.yaml",
+        &config(
+            &dataset,
+            &external_with("flaky", &flaky, 16, "health: { max_failures: 1000000 }"),
+            "retry: { backoff_base: 1s, max_attempts: 10 }",
+        ),
+    );
+    let ran = env
+        .evalfleet(&["run", "run.yaml", "-q", "--run-id", "s"])
+        .await;
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert_eq!(env.counts("s").done, 400);
+
+    // The wait between a 500 and the item's next try, for tries after the
+    // second (whose backoff, doubling, could reach 2 s, 4 s, ...).
+    let conn = rusqlite::Connection::open(env.store_path()).unwrap();
+    let attempts: Vec<(i64, i64, i64, f64, Option<i64>)> = conn
+        .prepare("SELECT seq, attempt, sent_at, latency_ms, http_status FROM attempts ORDER BY seq, attempt")
+        .unwrap()
+        .query_map([], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?, row.get(4)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    let waits: Vec<f64> = attempts
+        .windows(2)
+        .filter(|w| w[0].0 == w[1].0 && w[0].1 >= 2 && w[0].4 == Some(500))
+        .map(|w| (w[1].2 as f64 - (w[0].2 as f64 + w[0].3)) / 1000.0)
+        .collect();
+    assert!(
+        waits.len() >= 10,
+        "too few items met two 500s in a row: {waits:?}"
+    );
+    // 1 s of backoff at most, and scheduling.
+    assert!(
+        waits.iter().all(|wait| *wait < 1.3),
+        "a sporadic fault's retry waited longer than a first retry: {waits:?}"
+    );
+}
