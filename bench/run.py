@@ -855,31 +855,20 @@ W7_429_FAULTS = ["--fault", "500:0.08", "--fault", "429:0.02:1s", "--fault", "40
 W7_STREAM_FAULTS = ["--cut-rate", "0.05", "--stall-rate", "0.01", "--stall", "20s"]
 
 
-def retry_after_floor(db, latency_s=0.05, retry_after_s=1.0):
-    """The least time any client that honours each 503's (and 429's) `Retry-After` for
-    that call could take on the faults the mock drew in this run (the mock
-    draws them per prompt and per time it was seen, so every client meets
-    the same ones): per item, its answered call's `latency_s` plus
-    `retry_after_s` for each 503 before it, other failures taking no time;
-    the largest over the items, as if every item started at once with
-    unlimited concurrency."""
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        rows = conn.execute(
-            "SELECT seq, SUM(CASE WHEN http_status IN (429, 503) THEN 1 ELSE 0 END) FROM attempts GROUP BY seq"
-        ).fetchall()
-    finally:
-        conn.close()
-    return max((latency_s + retry_after_s * n503 for _, n503 in rows), default=0.0)
-
-
-def started_floor(db, latency_s=0.05, retry_after_s=1.0):
-    """The same floor given when this run first sent each item (seconds
-    from its first call): an item first sent at t that met n 503s (or
-    429s) could not be done before t + latency + n x Retry-After. What the
-    run took beyond it is time lost after the first tries; what this floor
-    has beyond `retry_after_floor` is the first pass (items are sent as
-    the limit lets them, not all at once)."""
+def retry_after_floors(db, latency_s=0.05, retry_after_s=1.0):
+    """The least time any client that honours each 503's (and 429's)
+    `Retry-After` for that call could take on the faults the mock drew in
+    this run (the mock draws them per prompt and per time it was seen, so
+    every client meets the same ones): per item, its answered call's
+    `latency_s` plus `retry_after_s` for each 503 before it, other failures
+    taking no time; the largest over the items, as if every item started
+    at once with unlimited concurrency. And the same floor given when this
+    run first sent each item (seconds from its first call): an item first
+    sent at t that met n 503s (or 429s) could not be done before t +
+    latency + n x Retry-After. What the run took beyond the second is time
+    lost after the first tries; what the second has beyond the first is
+    the first pass (items are sent as the limit lets them, not all at
+    once)."""
     conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
         rows = conn.execute(
@@ -888,9 +877,11 @@ def started_floor(db, latency_s=0.05, retry_after_s=1.0):
     finally:
         conn.close()
     if not rows:
-        return 0.0
+        return 0.0, 0.0
     t0 = min(first for first, _ in rows)
-    return max((first - t0) / 1000 + latency_s + retry_after_s * n for first, n in rows)
+    at_once = max(latency_s + retry_after_s * n for _, n in rows)
+    started = max((first - t0) / 1000 + latency_s + retry_after_s * n for first, n in rows)
+    return at_once, started
 
 
 def w7_concurrency(args):
@@ -910,6 +901,7 @@ def w7_once(args, work, dataset, name, mock_args, stream):
         mock.stop()
     counts = status(name, db, work)["counts"]
     attempts = attempts_summary(db)
+    floors = retry_after_floors(db)
     return {
         "seconds": precise_seconds(run),
         "served_span": served_span(stats),
@@ -927,8 +919,8 @@ def w7_once(args, work, dataset, name, mock_args, stream):
         "aborted": attempts["aborted"],
         "attempts": attempts["attempts"],
         "attempts_by_outcome": attempts["by_outcome"],
-        "retry_after_floor": retry_after_floor(db),
-        "started_floor": started_floor(db),
+        "retry_after_floor": floors[0],
+        "started_floor": floors[1],
         "rss_mb": run["rss_mb"],
     }
 

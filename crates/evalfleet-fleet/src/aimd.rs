@@ -35,7 +35,7 @@
 //!   that no step is judged on noise alone. In slow start a level is
 //!   judged on the calls that filled it as well, as soon as they are back:
 //!   a doubling a round trip (W7's mock is filled from 8 to 1,024 calls in
-//!   0.25 s, not 1.5 s).
+//!   about 0.4 s, not 1.5 s).
 //!
 //! **Streams cut when another call arrives** (servers that serve one call
 //! at a time and end the running stream for the next, as llama-cpp-python's)
@@ -606,11 +606,9 @@ impl Aimd {
                 .then_some(((at / 2).max(floor), Reason::ProbeDown))
         };
         let Some((reference, best_below)) = below else {
-            // In slow start, the level above says first: a server that
-            // queues shows flat there, and the look below follows (the
-            // look at once would cost every run two levels' round trips).
-            // (Not where the level's calls show no queue: at fewer calls
-            // the server could only do less.)
+            // (Not where the first calls showed no queue: at fewer calls
+            // the server could only do less, and the look would cost
+            // every run two levels' round trips.)
             let best = self.known().map(|(_, x)| x).fold(now, f64::max);
             let unqueued = self
                 .opening

@@ -691,6 +691,27 @@ async fn run_hosted(
     (quota, status["endpoint_states"]["endpoints"][0].clone())
 }
 
+/// A mock answering in 10 ms that answers a share `rate` of calls with
+/// `status` (and `retry_after`), drawn from `seed`.
+async fn faulty(
+    status: u16,
+    rate: f64,
+    retry_after: Option<Duration>,
+    seed: u64,
+) -> evalfleet_mock::MockServer {
+    mock(MockSettings {
+        latency: Duration::from_millis(10),
+        faults: vec![evalfleet_mock::Fault {
+            status,
+            rate,
+            retry_after,
+        }],
+        seed,
+        ..MockSettings::default()
+    })
+    .await
+}
+
 /// Sporadic 429s (2%, `Retry-After: 1`, no quota headers) delay their own
 /// calls, as 503s do: no rate is learned, the endpoint is never paused, and
 /// the run is not held to a cap (issue 39: a learned cap of 0.5 to 10
@@ -699,17 +720,7 @@ async fn run_hosted(
 async fn sporadic_429s_delay_their_calls_without_capping_the_endpoint() {
     let env = Env::new();
     let dataset = env.dataset("items.jsonl", 400);
-    let flaky = mock(MockSettings {
-        latency: Duration::from_millis(10),
-        faults: vec![evalfleet_mock::Fault {
-            status: 429,
-            rate: 0.02,
-            retry_after: Some(Duration::from_secs(1)),
-        }],
-        seed: 7,
-        ..MockSettings::default()
-    })
-    .await;
+    let flaky = faulty(429, 0.02, Some(Duration::from_secs(1)), 7).await;
     let (quota, state) = run_hosted(&env, &dataset, &flaky, "s").await;
     let stats = flaky.stats();
     assert_eq!(stats.completed, 400);
@@ -1024,17 +1035,7 @@ async fn llama_cpp_python_s_one_slot_server_as_a_local_engine_answers_every_item
 async fn a_sporadic_fault_s_retry_waits_as_a_first_retry_whatever_the_tries() {
     let env = Env::new();
     let dataset = env.dataset("items.jsonl", 400);
-    let flaky = mock(MockSettings {
-        latency: Duration::from_millis(10),
-        faults: vec![evalfleet_mock::Fault {
-            status: 500,
-            rate: 0.3,
-            retry_after: None,
-        }],
-        seed: 3,
-        ..MockSettings::default()
-    })
-    .await;
+    let flaky = faulty(500, 0.3, None, 3).await;
     env.write(
         "run.yaml",
         &config(
