@@ -353,8 +353,20 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
         shared.budget.first_try(now);
     }
     let claim = item.claim;
+    // Cancelled when the item is known lost while the call runs (its hedge
+    // with it).
+    let flight = crate::lease::LeaseGate::flight(&shared.leases, claim, item.seq, &shared.abort);
     let (exchange, endpoint, number) = if answers_item && shared.hedging {
-        let made = race(&shared, call, &mut item, &request, limit, number).await;
+        let made = race(
+            &shared,
+            call,
+            &mut item,
+            &request,
+            limit,
+            number,
+            flight.token(),
+        )
+        .await;
         for lost in made.lost {
             if !shared.send(Outcome::attempt(claim, lost)).await {
                 return;
@@ -362,9 +374,6 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
         }
         (made.exchange, made.endpoint, made.number)
     } else {
-        // Cancelled when the item is known lost while the call runs.
-        let flight =
-            crate::lease::LeaseGate::flight(&shared.leases, claim, item.seq, &shared.abort);
         let exchange = call::send(
             call,
             request.outgoing(),
@@ -373,16 +382,17 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
             &shared.fleet,
         )
         .await;
-        if matches!(exchange, Exchange::Abandoned)
-            && !shared.abort.is_cancelled()
-            && shared.leases.lost(claim, item.seq)
-        {
-            // Another worker may be answering it: this one lets it go.
-            item.let_go();
-            return;
-        }
         (exchange, endpoint, number)
     };
+    if matches!(exchange, Exchange::Abandoned)
+        && !shared.abort.is_cancelled()
+        && shared.leases.lost(claim, item.seq)
+    {
+        // Another worker may be answering it: this one lets it go.
+        item.let_go();
+        return;
+    }
+    drop(flight);
     let Some(mut record) = exchange.record(&endpoint, item.seq, number, shared.session) else {
         // Abandoned at shutdown: nothing is recorded and the item stays
         // pending.
@@ -569,17 +579,12 @@ async fn race(
     request: &Request,
     limit: Duration,
     number: u32,
+    flight: &tokio_util::sync::CancellationToken,
 ) -> Raced {
     let endpoint = call.endpoint.clone();
     let started = Instant::now();
     let sent_at = std::time::SystemTime::now();
-    let send = call::send(
-        call,
-        request.outgoing(),
-        limit,
-        &shared.abort,
-        &shared.fleet,
-    );
+    let send = call::send(call, request.outgoing(), limit, flight, &shared.fleet);
     tokio::pin!(send);
     let alone = |exchange| Raced {
         exchange,
@@ -597,7 +602,8 @@ async fn race(
     }
     let hedge_number = item.number();
     item.calls += 1;
-    let cancel = tokio_util::sync::CancellationToken::new();
+    // (Cancelled with the call when the item is lost.)
+    let cancel = flight.child_token();
     let (reply, mut hedged) = oneshot::channel::<Hedged>();
     shared.backlog.hedge(Hedge {
         claim: item.claim,
