@@ -666,7 +666,15 @@ async fn an_endpoint_refusing_agents_calls_shows_its_errors_and_the_calls_latenc
         external_with("flaky", &flaky, 4, "health: { max_failures: 1000 }"),
     ]
     .concat();
-    let config = plain_config(&env, &endpoints, "  env: { CALLS: \"4\", SLEEP: \"1\" }", 6);
+    // 16 agents: each one's first call goes to the less loaded endpoint
+    // (ties drawn), and its next calls follow it while it has room; with
+    // 6, all six first calls went to the steady one once under CI's load.
+    let config = plain_config(
+        &env,
+        &endpoints,
+        "  env: { CALLS: \"4\", SLEEP: \"1\" }",
+        16,
+    );
     let ran = env
         .evalfleet(&["run", config.to_str().unwrap(), "-y", "-q"])
         .await;
@@ -700,7 +708,7 @@ async fn an_endpoint_refusing_agents_calls_shows_its_errors_and_the_calls_latenc
     );
     assert_eq!(
         flaky_seen["successes"].as_u64().unwrap() + steady_seen["successes"].as_u64().unwrap(),
-        6 * 4,
+        16 * 4,
         "every call of every agent, once"
     );
     // Each agent ran for a second and more; its calls took far less.
