@@ -34,8 +34,8 @@
 //!   a cut for back pressure; steps are a tenth of the limit at least, so
 //!   that no step is judged on noise alone. In slow start a level is
 //!   judged on the calls that filled it as well, as soon as they are back:
-//!   a doubling a round trip (W7's mock is filled from 8 to 1,024 calls in
-//!   about 0.4 s, not 1.5 s).
+//!   a doubling a round trip (a W7 run went from 8 to 1,024 calls half a
+//!   second after its start; before, 1.7 s after its first decision).
 //!
 //! **Streams cut when another call arrives** (servers that serve one call
 //! at a time and end the running stream for the next, as llama-cpp-python's)
@@ -554,9 +554,11 @@ impl Aimd {
     /// this interval's share alone was clearly beyond.
     ///
     /// One interval beyond the line is not enough: at a 7% background,
-    /// one interval in some hundreds crosses it by chance (the tail of a
-    /// share of a few dozen calls is wider than the normal test assumes),
-    /// and a run of a minute has a thousand intervals. Overload lasts;
+    /// an interval of a few dozen calls crosses it by chance now and then
+    /// (the tail of such a share is wider than the normal test assumes;
+    /// in the minute of the scenario of sporadic faults on a 64-slot
+    /// queue, 12 refusals of 61 did), and a run of a minute has a
+    /// thousand intervals. Overload lasts;
     /// chance seldom crosses twice in a row. A share beyond by
     /// [`Z_ALONE`] standard errors counts at once (a step of a quarter
     /// past what the endpoint takes is that far beyond).

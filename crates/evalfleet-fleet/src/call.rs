@@ -391,14 +391,7 @@ fn signal(result: &Result<Completion, CallError>, timing: &Timing, overtaken: bo
         Err(CallError::Connect(_)) => Signal::BackPressure,
         Err(CallError::Unfinished) if overtaken => Signal::Cut,
         Err(CallError::Truncated | CallError::Unended) if overtaken => Signal::BackPressure,
-        Err(err)
-            if matches!(
-                err.class(),
-                ErrorClass::BackPressure | ErrorClass::FirstByteTimeout
-            ) =>
-        {
-            Signal::BackPressure
-        }
+        Err(err) if err.class().is_back_pressure() => Signal::BackPressure,
         Err(_) => Signal::Neutral,
     }
 }

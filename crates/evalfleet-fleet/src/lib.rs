@@ -15,10 +15,6 @@ pub mod gpu;
 pub mod limit;
 pub mod load;
 pub mod outlier;
-
-/// The share of failed calls below which an endpoint's failures are
-/// sporadic ([`Endpoint::fails_sporadically`]).
-const SPORADIC_SHARE: f64 = 0.5;
 pub mod procs;
 pub mod prometheus;
 pub mod rate;
@@ -471,6 +467,8 @@ impl Endpoint {
     /// were answered. One call's fault then says nothing of the next
     /// call's, and a retry needs no longer wait than a first one.
     pub fn fails_sporadically(&self) -> bool {
+        /// The share of failed calls below which they are sporadic.
+        const SPORADIC_SHARE: f64 = 0.5;
         let tally = self.outcomes();
         tally.calls >= outlier::MIN_CALLS && tally.share() < SPORADIC_SHARE
     }

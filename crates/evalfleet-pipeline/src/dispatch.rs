@@ -463,10 +463,8 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
             // waits as a first retry would. The backoff doubles with each
             // try where faults are broad, and for back pressure (the
             // endpoint asks for less) whatever the share.
-            let sporadic = matches!(
-                class,
-                ErrorClass::Retryable | ErrorClass::BadResponse | ErrorClass::Stalled
-            ) && endpoint.fails_sporadically();
+            let sporadic =
+                class.is_retryable() && !class.is_back_pressure() && endpoint.fails_sporadically();
             let wait = shared
                 .retry
                 .backoff(if sporadic { 1 } else { tries.max(1) }, err.retry_after());

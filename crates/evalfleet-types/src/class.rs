@@ -51,6 +51,13 @@ impl ErrorClass {
         !matches!(self, Self::Fatal)
     }
 
+    /// Whether the endpoint asked for less (a 429, 503 or 408, no first
+    /// byte in time): a sign of its load, where the other failures are
+    /// faults of the call alone.
+    pub fn is_back_pressure(self) -> bool {
+        matches!(self, Self::BackPressure | Self::FirstByteTimeout)
+    }
+
     /// Whether a call that failed so says nothing of the model: the server
     /// refused it, cut it, let it time out, or answered with an error of
     /// its own (5xx, 429) or with no valid completion. An item whose last

@@ -984,14 +984,17 @@ async fn llama_cpp_python_s_one_slot_server_as_a_local_engine_answers_every_item
     let counts = env.counts("l");
     assert_eq!((counts.done, counts.failed), (12, 0), "{counts:?}");
     let conn = rusqlite::Connection::open(env.store_path()).unwrap();
-    let attempts: Vec<(Option<String>, Option<String>)> = conn
-        .prepare("SELECT finish_reason, error FROM attempts ORDER BY sent_at, seq, attempt")
+    // (When each was sent, in ms: the first calls share one.)
+    let attempts: Vec<(i64, Option<String>, Option<String>)> = conn
+        .prepare(
+            "SELECT sent_at, finish_reason, error FROM attempts ORDER BY sent_at, seq, attempt",
+        )
         .unwrap()
-        .query_map([], |row| Ok((row.get(0)?, row.get(1)?)))
+        .query_map([], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))
         .unwrap()
         .map(Result::unwrap)
         .collect();
-    let is_whole = |(finish, error): &(Option<String>, Option<String>)| {
+    let is_whole = |(_, finish, error): &(i64, Option<String>, Option<String>)| {
         error.is_none() && matches!(finish.as_deref(), Some("stop" | "length"))
     };
     let whole = attempts.iter().filter(|a| is_whole(a)).count();
@@ -999,15 +1002,13 @@ async fn llama_cpp_python_s_one_slot_server_as_a_local_engine_answers_every_item
     // The first calls, sent at once, cut each other until the limit is
     // one; the last of them comes back whole, and from then on calls go
     // one at a time: none sent after it is cut.
-    let first_whole = attempts.iter().position(is_whole).unwrap();
+    let first_whole = attempts.iter().find(|a| is_whole(a)).unwrap().0;
     assert!(
-        attempts[first_whole..].iter().all(is_whole),
+        attempts.iter().filter(|a| a.0 > first_whole).all(is_whole),
         "a call was cut after the limit came to one: {attempts:?}"
     );
-    assert!(
-        first_whole <= 16,
-        "{first_whole} calls cut first: {attempts:?}"
-    );
+    let cut = attempts.len() - whole;
+    assert!(cut <= 16, "{cut} calls cut first: {attempts:?}");
     let rows = by_id(&env.export("l").await);
     assert!(
         rows.len() == 12

@@ -286,8 +286,6 @@ impl Holds {
     }
 }
 
-/// Locks the rows of the batch's items (in `seq` order, as every commit
-/// does) and reads who holds them.
 /// The rows of a batch's items, locked in `seq` order, and who holds them.
 const LOCK: &str = "SELECT seq, state, claim_id FROM items
      WHERE rid = $1 AND seq = ANY($2) AND claim_id IS NOT NULL
@@ -300,6 +298,8 @@ const TALLY: &str = "INSERT INTO tallies (rid, worker, done, failed, generation,
          failed = tallies.failed + EXCLUDED.failed, generation = tallies.generation + 1,
          updated_at = GREATEST(tallies.updated_at, EXCLUDED.updated_at)";
 
+/// Locks the rows of the batch's items (in `seq` order, as every commit
+/// does) and reads who holds them.
 fn lock(
     tx: &mut Transaction<'_>,
     statement: &postgres::Statement,
