@@ -30,12 +30,18 @@
 //!   once, took about as long each for their work (no queue: fewer calls
 //!   could only do less);
 //! - while the limit is reached and throughput grows it doubles (slow start,
-//!   until the first cut), then grows by one, or along CUBIC's curve after
-//!   a cut for back pressure; steps are a tenth of the limit at least, so
-//!   that no step is judged on noise alone. In slow start a level is
-//!   judged on the calls that filled it as well, as soon as they are back:
-//!   a doubling a round trip (a W7 run went from 8 to 1,024 calls half a
-//!   second after its start; before, 1.7 s after its first decision).
+//!   until the first cut), or quadruples where the calls it added were
+//!   served about as fast as the others ([`FAST_GAIN`]); then it grows by
+//!   one, or along CUBIC's curve after a cut for back pressure; steps are a
+//!   tenth of the limit at least, so that no step is judged on noise alone.
+//!   In slow start a level is judged on the calls that filled it as well,
+//!   as soon as they are back (the first level's on all its calls): a
+//!   step a round trip (a W7 run went from 8 to 1,024 calls in 0.3 s, in
+//!   four steps; with doublings, half a second; before, 1.7 s after its
+//!   first decision). A fourfold step that did not pay leaves a gap below
+//!   it: the limit looks halfway down and grows from there in small steps.
+//!   A cut out of slow start goes back at most to where the last step came
+//!   from, and the curve starts flat there.
 //!
 //! **Streams cut when another call arrives** (servers that serve one call
 //! at a time and end the running stream for the next, as llama-cpp-python's)
@@ -113,6 +119,14 @@ const BACKGROUND_FLOOR: f64 = 0.05;
 /// level's calls several times the first's time; one that serves them
 /// side by side, about the same, short answers' prefill aside).
 const QUEUE_SPREAD: f64 = 2.0;
+/// In slow start, a level whose added calls were served at least this
+/// share as fast as the others (or a first level whose calls showed no
+/// queue) is followed by [`FAST_FACTOR`] times as many calls, not twice:
+/// an endpoint with room for every call is filled in half the round trips,
+/// and one with a knee is passed by no more than where a doubling from
+/// below the knee would have gone twice.
+const FAST_GAIN: f64 = 0.8;
+const FAST_FACTOR: usize = 4;
 /// Levels whose throughput is within this share of the best are as good:
 /// the fewest calls among them is where the limit goes.
 const NEAR: f64 = 0.97;
@@ -304,6 +318,10 @@ pub struct Aimd {
     ended: u32,
     pushed_back: u32,
     cut: u32,
+    /// Calls that started in this interval.
+    started: u32,
+    /// The factor of slow start's last step.
+    step: usize,
     /// The last calls that ended at this limit (as many as the limit,
     /// three at least), whether each was a cut stream, whatever the
     /// intervals: a server that cuts every running stream may end calls
@@ -354,6 +372,8 @@ impl Aimd {
             samples: 0,
             latency_sum: 0.0,
             ended: 0,
+            started: 0,
+            step: 2,
             pushed_back: 0,
             cut: 0,
             recent: std::collections::VecDeque::new(),
@@ -393,10 +413,15 @@ impl Aimd {
     /// doubling pays shows in them as well, and waiting for the calls
     /// that replace them costs a round trip each doubling.
     pub fn on_start(&mut self, in_flight: usize) -> Option<usize> {
+        self.started += 1;
         if in_flight >= self.limit {
             self.reached = true;
         }
-        let filling = self.slow_start && 2 * in_flight > self.limit;
+        // (The first level's calls all go out at once, and run beside
+        // each other: all of them count, and the first level is judged as
+        // soon as they are back, not a round trip or two later.)
+        let filling =
+            self.slow_start && (2 * in_flight > self.limit || self.opening.is_some());
         (in_flight >= self.limit || filling).then_some(self.limit)
     }
 
@@ -564,15 +589,25 @@ impl Aimd {
     /// past what the endpoint takes is that far beyond).
     fn excess(&self) -> (Option<f64>, bool) {
         let (background, known) = self.background();
-        let n = f64::from(self.ended.max(1));
-        let share = f64::from(self.pushed_back) / n;
+        // Whether it is beyond is tested over the calls that ended, or in
+        // slow start those sent when more: a refusal comes back at once,
+        // an answer after the model's time, so as the limit doubles or
+        // quadruples, a burst's sporadic refusals are back before any of
+        // its answers (three 503s of 96 calls just sent, alone in a short
+        // interval, were "most of its calls", and cut the limit from 128
+        // to 85). Past slow start, steps are a quarter at most. How far
+        // beyond is the share of the calls that ended.
+        let sent = if self.slow_start { self.started } else { 0 };
+        let n = f64::from(self.ended.max(sent).max(1));
+        let tested = f64::from(self.pushed_back) / n;
+        let share = f64::from(self.pushed_back) / f64::from(self.ended.max(1));
         let p = background.max(BACKGROUND_FLOOR);
         let error = (p * (1.0 - p) * (1.0 / n + 1.0 / known)).sqrt();
-        let beyond = self.pushed_back > 0 && known > 0.0 && share > background + Z * error;
-        let far_beyond = beyond && share > background + Z_ALONE * error;
+        let beyond = self.pushed_back > 0 && known > 0.0 && tested > background + Z * error;
+        let far_beyond = beyond && tested > background + Z_ALONE * error;
         // Most of a handful of calls is proof only where the handful is
         // the limit's worth (a short interval may see one call end).
-        let mostly = share > MOSTLY && self.ended as usize >= self.limit.min(3);
+        let mostly = tested > MOSTLY && self.ended as usize >= self.limit.min(3);
         let excess = (self.pushed_back > 0
             && (beyond && self.beyond_before || far_beyond || mostly))
             .then_some((share - background).max(0.0));
@@ -612,10 +647,7 @@ impl Aimd {
             // the server could only do less, and the look would cost
             // every run two levels' round trips.)
             let best = self.known().map(|(_, x)| x).fold(now, f64::max);
-            let unqueued = self
-                .opening
-                .is_some_and(|(fastest, slowest)| slowest <= QUEUE_SPREAD * fastest);
-            return Ok(if now >= NEAR * best && !unqueued {
+            return Ok(if now >= NEAR * best && !self.unqueued() {
                 look_down(from)
             } else {
                 None
@@ -632,7 +664,47 @@ impl Aimd {
             .known()
             .find(|(level, x)| *level <= reference && *x >= NEAR * best_below)
             .map_or(reference, |(level, _)| level);
+        // A fourfold step of slow start left nothing known between it and
+        // the level it came from: the knee may lie anywhere there, and the
+        // fewest calls that serve as well may be far fewer. Look halfway
+        // down, and grow from there in small steps.
+        let under = self
+            .known()
+            .take_while(|(level, _)| *level < to)
+            .last()
+            .map(|(level, _)| level);
+        if under.is_some_and(|under| to > 2 * under) {
+            return Ok(Some((to / 2, Reason::ProbeDown)));
+        }
         Ok(Some(look_down(to).unwrap_or((to.max(floor), Reason::Flat))))
+    }
+
+    /// Whether the level `from` got about as much more work out of the
+    /// endpoint as it added calls: by [`FAST_GAIN`] of a perfect step at
+    /// least over the best level below, or, with none below, its first
+    /// calls showed no queue.
+    fn scales(&self, from: usize) -> bool {
+        let Some(now) = self.throughput(from) else {
+            return false;
+        };
+        let below = self
+            .known()
+            .take_while(|(level, _)| *level < from)
+            .max_by(|a, b| a.1.total_cmp(&b.1));
+        match below {
+            Some((reference, best_below)) => {
+                let step = from as f64 / reference as f64 - 1.0;
+                (now / best_below - 1.0) / step >= FAST_GAIN
+            }
+            None => self.unqueued(),
+        }
+    }
+
+    /// Whether the calls before the limit first moved, sent at once, took
+    /// about as long each for their work: no queue.
+    fn unqueued(&self) -> bool {
+        self.opening
+            .is_some_and(|(fastest, slowest)| slowest <= QUEUE_SPREAD * fastest)
     }
 
     /// The levels whose throughput is known, fewest calls first.
@@ -649,7 +721,8 @@ impl Aimd {
             return None;
         }
         let (to, reason) = if self.slow_start {
-            ((from * 2).min(settings.max), Reason::SlowStart)
+            self.step = if self.scales(from) { FAST_FACTOR } else { 2 };
+            ((from * self.step).min(settings.max), Reason::SlowStart)
         } else {
             let curve = self.regain.as_mut().map_or(0.0, Regain::next);
             let step = (from as f64 * (1.0 + CUBIC_STEP)) as usize;
@@ -703,15 +776,25 @@ impl Aimd {
             self.hold_at(floor, true, now);
             Some((floor, Reason::Cut))
         } else if let Some(excess) = excess {
-            self.slow_start = false;
+            let was_slow = std::mem::replace(&mut self.slow_start, false);
             // Back to what the endpoint took: the calls beyond it were
-            // the excess; by `decrease_ratio` at least, by half at most.
-            let factor = (1.0 - excess).max(0.5).min(settings.decrease_ratio);
+            // the excess; by `decrease_ratio` at least, by half at most
+            // (out of slow start, as far as the level its last step came
+            // from: the step may have been fourfold).
+            let deepest = if was_slow {
+                1.0 / self.step as f64
+            } else {
+                0.5
+            };
+            let factor = (1.0 - excess).max(deepest).min(settings.decrease_ratio);
             let to = ((from as f64 * factor) as usize).max(floor);
             // Cut again below where the last cut came from: the
             // endpoint takes less than it did, so aim lower (CUBIC's
-            // fast convergence).
+            // fast convergence). Out of slow start, what got through is
+            // where the endpoint's room ended: the curve starts flat
+            // there, not bent back towards an overshoot.
             let peak = match self.regain {
+                _ if was_slow => to,
                 Some(regain) if (from as f64) < regain.from => {
                     (from as f64 * (1.0 + factor) / 2.0) as usize
                 }
@@ -752,7 +835,14 @@ impl Aimd {
                 Err(()) => None,
                 Ok(Some((to, Reason::ProbeDown))) => {
                     let lowest = self.known().next().map(|(level, _)| level);
-                    self.looked_below = lowest;
+                    if lowest.is_some_and(|lowest| to < lowest) {
+                        self.looked_below = lowest;
+                    } else {
+                        // Between two levels known: slow start is over.
+                        self.growing = false;
+                        self.slow_start = false;
+                        self.regain = None;
+                    }
                     Some((to, Reason::ProbeDown))
                 }
                 Ok(Some((to, reason))) => {
@@ -796,6 +886,7 @@ impl Aimd {
         self.samples = 0;
         self.latency_sum = 0.0;
         self.ended = 0;
+        self.started = 0;
         self.pushed_back = 0;
         self.cut = 0;
         self.reached = false;

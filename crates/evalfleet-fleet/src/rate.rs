@@ -311,6 +311,8 @@ struct State {
     successes: [u32; WINDOW],
     /// 429s per second over the same seconds.
     limited: [u32; WINDOW],
+    /// Calls sent per second over the same seconds.
+    sent: [u32; WINDOW],
     second: Instant,
     created: Instant,
 }
@@ -344,6 +346,7 @@ impl RateLimiter {
                 announced_tokens: None,
                 successes: [0; WINDOW],
                 limited: [0; WINDOW],
+                sent: [0; WINDOW],
                 second: now,
                 created: now,
             }),
@@ -377,6 +380,8 @@ impl RateLimiter {
             wait = wait.max(announced.wait(now, tokens as f64));
         }
         if wait.is_zero() {
+            Self::roll(&mut state, now);
+            state.sent[0] += 1;
             if let Some(announced) = state.announced_requests.as_mut() {
                 announced.level -= 1.0;
             }
@@ -430,11 +435,16 @@ impl RateLimiter {
     }
 
     /// Whether the window's 429s are a quota's: enough of them, and a
-    /// large enough share of its answers.
+    /// large enough share of its calls: of those answered, or of those
+    /// sent when more (a 429 comes back at once, a success after the
+    /// model's time: as the first calls go out in growing bursts, the
+    /// sporadic 429s of a burst are back before any of its successes, and
+    /// among the answers alone they looked three times their share).
     fn sustained(state: &State) -> bool {
         let limited: u32 = state.limited.iter().sum();
         let answered = limited + state.successes.iter().sum::<u32>();
-        limited >= SUSTAINED_429S && f64::from(limited) >= SUSTAINED_SHARE * f64::from(answered)
+        let calls = answered.max(state.sent.iter().sum());
+        limited >= SUSTAINED_429S && f64::from(limited) >= SUSTAINED_SHARE * f64::from(calls)
     }
 
     fn roll(state: &mut State, now: Instant) {
@@ -447,6 +457,8 @@ impl RateLimiter {
             state.successes[0] = 0;
             state.limited.rotate_right(1);
             state.limited[0] = 0;
+            state.sent.rotate_right(1);
+            state.sent[0] = 0;
         }
         state.second += Duration::from_secs(seconds as u64);
     }
@@ -866,6 +878,39 @@ mod tests {
         limiter.on_success(t0 + Duration::from_millis(5100) + Duration::from_secs_f64(k + 1.011));
         let probed = limiter.learned_rate().unwrap();
         assert!((probed - 11.0 * 1.01).abs() < 1e-9, "{probed}");
+    }
+
+    #[test]
+    fn the_sporadic_429s_of_a_burst_back_before_its_successes_teach_nothing() {
+        // A run's first burst: 128 calls out at once; three sporadic 429s
+        // come back at once, then the first 20 successes. Among the
+        // answers, 3 of 23 (a quota's share); among the calls, 3 of 128.
+        let t0 = Instant::now();
+        let limiter = RateLimiter::new(None, None, t0);
+        for _ in 0..128 {
+            assert_eq!(limiter.try_take(t0, 0), Duration::ZERO);
+        }
+        for i in 0..3u64 {
+            let now = t0 + Duration::from_millis(1 + i);
+            assert_eq!(
+                limiter.on_rate_limited(now, Some(Duration::from_secs(1))),
+                vec![]
+            );
+        }
+        for i in 0..20u64 {
+            limiter.on_success(t0 + Duration::from_millis(50 + i));
+        }
+        assert_eq!(limiter.learned_rate(), None);
+        // A quota's 429s are most of the burst: learned at once.
+        let limiter = RateLimiter::new(None, None, t0);
+        for _ in 0..16 {
+            limiter.try_take(t0, 0);
+        }
+        let mut events = Vec::new();
+        for i in 0..8u64 {
+            events.extend(limiter.on_rate_limited(t0 + Duration::from_millis(1 + i), Some(Duration::from_secs(1))));
+        }
+        assert!(events.iter().any(|e| matches!(e, RateEvent::Learned(_))), "{events:?}");
     }
 
     #[test]

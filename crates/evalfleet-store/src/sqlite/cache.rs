@@ -45,23 +45,29 @@ impl ResponseCache for SqliteStore {
         let err = db_err("cannot read the cache");
         // One read transaction for the page: each lookup is a point query on
         // the key's index, without taking and dropping the database's read
-        // lock for every one.
+        // lock for every one. The keys are looked up in the index's order
+        // (hex sorts as the bytes do): hashes are spread over the whole
+        // index, and in order each descent finds the pages of the last one
+        // in the page cache.
+        let mut order: Vec<usize> = (0..keys.len()).collect();
+        order.sort_unstable_by_key(|&i| keys[i]);
+        let mut found = vec![None; keys.len()];
         let tx = self.conn.transaction().map_err(&err)?;
-        let found = {
+        {
             let mut stmt = tx
                 .prepare_cached(&format!(
                     "SELECT {ENTRY_COLUMNS} FROM {db}.cache WHERE key = unhex(?1) AND created_at >= ?2",
                     db = self.cache_db
                 ))
                 .map_err(&err)?;
-            keys.iter()
-                .map(|key| {
-                    stmt.query_row(params![key, since_ms], |row| entry_from_row(key, row))
-                        .optional()
-                        .map_err(&err)
-                })
-                .collect::<Result<Vec<_>, _>>()?
-        };
+            for i in order {
+                let key = keys[i];
+                found[i] = stmt
+                    .query_row(params![key, since_ms], |row| entry_from_row(key, row))
+                    .optional()
+                    .map_err(&err)?;
+            }
+        }
         tx.commit().map_err(&err)?;
         Ok(found)
     }
