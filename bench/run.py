@@ -20,6 +20,7 @@
     python3 bench/run.py a2 [--items 2000] [--rounds 3] [--variants urllib,openai,c] [--direct] [--python-openai PY]
     python3 bench/run.py w1pg [--items 100000] [--rounds 3]     # W1 into PostgreSQL (127.0.0.1:5432) and SQLite
     python3 bench/run.py p1 [--copies 8] [--workers 1,2,3] [--variants free,pinned] [--rounds 3]   # root: netns
+    python3 bench/run.py p2 [--items 6000] [--outage 180]   # root: pid namespaces, own postgres
     python3 bench/run.py p1latency [--items 10000] [--workers 1,2,4] [--limits 16,64] [--rounds 3]
     python3 bench/run.py d2 [--items 10000] [--rounds 3] [--concurrency 64] [--variants fast,slow] [--latency-ms 50]   # the Sheets sink, against the stand-in (needs openssl)
     python3 bench/run.py d1 [--items 1000000] [--rounds 3] [--pyarrow-python PY]   # Parquet against JSONL
@@ -51,6 +52,7 @@ import json
 import os
 import re
 import resource
+import signal
 import socket
 import sqlite3
 import statistics
@@ -2897,9 +2899,16 @@ class OwnPostgres:
         with open(os.path.join(data, "pg_hba.conf"), "a") as f:
             f.write("\nhost all all 0.0.0.0/0 trust\n")
         self.port = free_port()
-        log = open(os.path.join(self.dir, "server.log"), "w")
+        self.listen = listen
+        self.start()
+
+    def start(self):
+        """Starts the server (again, after `down`), and waits for it."""
+        owner = ["setpriv", "--reuid=postgres", "--regid=postgres", "--init-groups"]
+        data = os.path.join(self.dir, "data")
+        log = open(os.path.join(self.dir, "server.log"), "a")
         self.proc = subprocess.Popen(
-            [*owner, "postgres", "-D", data, "-p", str(self.port), "-c", f"listen_addresses={listen}",
+            [*owner, "postgres", "-D", data, "-p", str(self.port), "-c", f"listen_addresses={self.listen}",
              "-c", "unix_socket_directories=", "-c", "max_connections=200"],
             stdout=subprocess.DEVNULL, stderr=log,
         )
@@ -2913,16 +2922,144 @@ class OwnPostgres:
     def url(self, host, database):
         return f"postgres://root@{host}:{self.port}/{database}"
 
-    def stop(self):
-        # setpriv execs postgres: the process is the postmaster; SIGINT is
-        # its fast shutdown.
-        self.proc.send_signal(2)
+    def down(self, signal_number=2):
+        """Stops the server, its data kept. setpriv execs postgres: the
+        process is the postmaster; SIGINT is its fast shutdown, SIGQUIT its
+        immediate one (a crash: recovery at the next start)."""
+        self.proc.send_signal(signal_number)
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+    def stop(self):
+        self.down()
         subprocess.run(["rm", "-rf", self.dir])
+
+
+def p2_count(url, sql):
+    """One integer from the database, or None while it cannot be reached."""
+    proc = subprocess.run(["psql", url, "-Atc", sql], capture_output=True, text=True)
+    return int(proc.stdout.strip()) if proc.returncode == 0 and proc.stdout.strip() else None
+
+
+def p2(args, work):
+    """P2: workers through a database outage. A run of --items items (200 ms
+    a call, 8 calls at once a worker, `timeouts.lease` 10 s) shared by 3
+    workers through a PostgreSQL server of the benchmark's own, each worker
+    in a pid namespace of its own (as on machines of their own: a dead one
+    is found by its lease, not by its pid). With 5% of the items done, one
+    worker is killed (SIGKILL); with half done, the database goes down
+    (immediate shutdown, as in a crash) for --outage seconds (default 180)
+    and comes back on the same data. Nobody restarts a worker. Measured:
+    the run finishes with every item answered exactly once; the killed
+    worker's items (those it held when killed) are all answered so many
+    seconds after the kill (goal: within 2 leases); the workers' exit codes
+    (0: the run finished); calls the mock received per item."""
+    items = args.items
+    lease_s = 10
+    outage_s = args.outage
+    dataset = os.path.join(work, "p2.jsonl")
+    write_dataset(dataset, items)
+    pg = OwnPostgres("127.0.0.1")
+    mock = Mock("--latency", "200ms")
+    db, run_id = "p2", "p2-run"
+    url = pg.url("127.0.0.1", db)
+    procs = []
+    try:
+        psql(pg.url("127.0.0.1", "postgres"), f"CREATE DATABASE {db}")
+        config = os.path.join(work, "p2.yaml")
+        write_config(config, dataset, mock.url, 8)
+        with open(config, "a") as f:
+            f.write(f"timeouts: {{ lease: {lease_s}s }}\n")
+        started = time.monotonic()
+        for i in range(3):
+            cmd = (["run", config, "--run-id", run_id] if i == 0 else ["worker", "--run", run_id, "--endpoints", config])
+            if i > 0:
+                while not registered(url, run_id):
+                    if procs[0].poll() is not None:
+                        raise SystemExit(f"the first worker exited early: {procs[0].stderr.read()[-2000:]}")
+                    time.sleep(0.05)
+            procs.append(subprocess.Popen(
+                ["unshare", "--pid", "--fork", "--mount-proc", BIN, *cmd, "-q", "--store", url],
+                cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            ))
+        done_sql = f"SELECT count(*) FROM evalfleet.items i JOIN evalfleet.runs r USING (rid) WHERE r.run_id = '{run_id}' AND i.state = 'done'"
+
+        def wait_done(share):
+            while (p2_count(url, done_sql) or 0) < share * items:
+                if any(p.poll() is not None for p in procs):
+                    raise SystemExit("a worker exited before the run's end: " + " / ".join(
+                        (p.stderr.read() or "")[-1500:] for p in procs if p.poll() is not None))
+                time.sleep(0.1)
+
+        # The kill: the evalfleet process is the child of `unshare`.
+        wait_done(0.05)
+        victim = procs[2]
+        child = int(subprocess.run(["pgrep", "-P", str(victim.pid)], capture_output=True, text=True).stdout.split()[0])
+        with open(f"/proc/{child}/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        os.kill(child, signal.SIGKILL)
+        killed_at = time.monotonic()
+        victim.wait()
+        held_sql = (f"SELECT count(*) FROM evalfleet.items i JOIN evalfleet.runs r USING (rid) "
+                    f"JOIN evalfleet.workers w ON w.rid = i.rid AND w.worker = i.owner "
+                    f"WHERE r.run_id = '{run_id}' AND w.process_start = {start_ticks}")
+        held = p2_count(url, held_sql + " AND i.state = 'running'")
+        seqs = psql(url, held_sql.replace("SELECT count(*)", "SELECT string_agg(i.seq::text, ',')") + " AND i.state = 'running'")
+        reclaim_s = None
+        if held:
+            left_sql = (f"SELECT count(*) FROM evalfleet.items i JOIN evalfleet.runs r USING (rid) "
+                        f"WHERE r.run_id = '{run_id}' AND i.seq IN ({seqs}) AND i.state <> 'done'")
+            while (p2_count(url, left_sql) or 0) > 0:
+                time.sleep(0.1)
+            reclaim_s = time.monotonic() - killed_at
+        # The outage.
+        wait_done(0.5)
+        outage_from = time.monotonic() - started
+        pg.down(signal.SIGQUIT)
+        time.sleep(outage_s)
+        pg.start()
+        outage_to = time.monotonic() - started
+        codes, tails = [], []
+        for p in procs[:2]:
+            err = p.stderr.read()
+            p.wait()
+            codes.append(p.returncode)
+            tails.append(err[-600:])
+        seconds = time.monotonic() - started
+        stats = mock.stats()
+        results, distinct, left = run_counts(url, run_id)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        mock.stop()
+        pg.stop()
+    result = {
+        "workload": "P2",
+        "items": items,
+        "lease_s": lease_s,
+        "outage_s": outage_s,
+        "outage_from_s": outage_from,
+        "outage_to_s": outage_to,
+        "seconds": seconds,
+        "after_outage_s": seconds - outage_to,
+        "killed_held_items": held,
+        "killed_items_answered_after_s": reclaim_s,
+        "in_leases": reclaim_s / lease_s if reclaim_s is not None else None,
+        "exit_codes": codes,
+        "results": results,
+        "distinct_items": distinct,
+        "not_done": left,
+        "exactly_once": (results, distinct, left) == (items, items, 0),
+        "requests_per_item": stats["requests"] / items,
+        "stderr_tails": tails,
+    }
+    print(json.dumps(result, indent=2))
+    return result
 
 
 def p1_dataset(work, copies):
@@ -3470,6 +3607,7 @@ WORKLOADS = {
     "a3": (a3, 1000),
     "w1pg": (w1pg, 100_000),
     "p1": (p1, None),
+    "p2": (p2, 6000),
     "p1latency": (p1latency, 10_000),
     "d2": (d2, 10_000),
     "d1": (d1, 1_000_000),
@@ -3511,6 +3649,7 @@ def main():
     parser.add_argument("--python-openai", help="A2: the python of a venv with openai (default /opt/evalfleet-agent/bin/python); A3: with langgraph and langchain-openai (default $EVALFLEET_AGENT_PYTHON)")
     parser.add_argument("--servers", type=int, default=1, help="A2: task.servers of the served variants (openai-served)")
     parser.add_argument("--per-item-items", type=int, default=64, help="A3: items of the per-item run beside the served one (0: none)")
+    parser.add_argument("--outage", type=float, default=180.0, help="P2: seconds the database is down")
     parser.add_argument("--copies", type=int, default=8, help="P1: HumanEval's 164 programs this many times over")
     parser.add_argument("--workers", help="P1: worker counts; P1latency: thread counts (default 1,2,4)")
     parser.add_argument("--limits", default="16,64", help="P1latency: items a claim takes")

@@ -665,15 +665,16 @@ impl Aimd {
             .find(|(level, x)| *level <= reference && *x >= NEAR * best_below)
             .map_or(reference, |(level, _)| level);
         // A fourfold step of slow start left nothing known between it and
-        // the level it came from: the knee may lie anywhere there, and the
-        // fewest calls that serve as well may be far fewer. Look halfway
-        // down, and grow from there in small steps.
-        let under = self
-            .known()
-            .take_while(|(level, _)| *level < to)
-            .last()
-            .map(|(level, _)| level);
-        if under.is_some_and(|under| to > 2 * under) {
+        // the level it came from: where that step did not scale, the knee
+        // lies somewhere between, and the fewest calls that serve as well
+        // may be far fewer. Look halfway down, and grow from there in
+        // small steps.
+        let under = self.known().take_while(|(level, _)| *level < to).last();
+        let to_rate = self.throughput(to).unwrap_or(0.0);
+        if let Some((under, under_rate)) = under
+            && to > 2 * under
+            && (to_rate / under_rate - 1.0) / (to as f64 / under as f64 - 1.0) < FAST_GAIN
+        {
             return Ok(Some((to / 2, Reason::ProbeDown)));
         }
         Ok(Some(look_down(to).unwrap_or((to.max(floor), Reason::Flat))))
