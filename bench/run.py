@@ -2975,27 +2975,27 @@ def p2(args, work):
             f.write(f"timeouts: {{ lease: {lease_s}s }}\n")
         started = time.monotonic()
         for i in range(3):
-            cmd = (["run", config, "--run-id", run_id] if i == 0 else ["worker", "--run", run_id, "--endpoints", config])
+            cmd = ["run", config, "--run-id", run_id] if i == 0 else ["worker", "--run", run_id]
             if i > 0:
                 while not registered(url, run_id):
                     if procs[0].poll() is not None:
                         raise SystemExit(f"the first worker exited early: {procs[0].stderr.read()[-2000:]}")
                     time.sleep(0.05)
             procs.append(subprocess.Popen(
-                ["unshare", "--pid", "--fork", "--mount-proc", BIN, *cmd, "-q", "--store", url],
+                ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", BIN, *cmd, "-q", "--store", url],
                 cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             ))
         done_sql = f"SELECT count(*) FROM evalfleet.items i JOIN evalfleet.runs r USING (rid) WHERE r.run_id = '{run_id}' AND i.state = 'done'"
 
-        def wait_done(share):
+        def wait_done(share, live):
             while (p2_count(url, done_sql) or 0) < share * items:
-                if any(p.poll() is not None for p in procs):
+                if any(p.poll() is not None for p in live):
                     raise SystemExit("a worker exited before the run's end: " + " / ".join(
-                        (p.stderr.read() or "")[-1500:] for p in procs if p.poll() is not None))
+                        (p.stderr.read() or "")[-1500:] for p in live if p.poll() is not None))
                 time.sleep(0.1)
 
         # The kill: the evalfleet process is the child of `unshare`.
-        wait_done(0.05)
+        wait_done(0.05, procs)
         victim = procs[2]
         child = int(subprocess.run(["pgrep", "-P", str(victim.pid)], capture_output=True, text=True).stdout.split()[0])
         with open(f"/proc/{child}/stat") as f:
@@ -3016,7 +3016,7 @@ def p2(args, work):
                 time.sleep(0.1)
             reclaim_s = time.monotonic() - killed_at
         # The outage.
-        wait_done(0.5)
+        wait_done(0.5, procs[:2])
         outage_from = time.monotonic() - started
         pg.down(signal.SIGQUIT)
         time.sleep(outage_s)

@@ -32,7 +32,8 @@ and a PPO trainer takes each round's (prompts, replies, rewards) where the
 loop below says so (TRL's `PPOTrainer.step(queries, responses, scores)`,
 up to TRL 0.11: the prompts through the tokenizer's chat template as
 query tensors, the replies' tokens as response tensors, a tensor per
-reward).
+reward). From TRL 0.12 on, `PPOTrainer.train()` runs the loop itself:
+examples/trl_ppo.py trains with TRL 0.23 that way.
 
 Prints a JSON line per episode (its actions, the model's replies and the
 rewards) and one per batch; needs no package outside the standard library.
