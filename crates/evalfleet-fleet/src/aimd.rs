@@ -420,8 +420,7 @@ impl Aimd {
         // (The first level's calls all go out at once, and run beside
         // each other: all of them count, and the first level is judged as
         // soon as they are back, not a round trip or two later.)
-        let filling =
-            self.slow_start && (2 * in_flight > self.limit || self.opening.is_some());
+        let filling = self.slow_start && (2 * in_flight > self.limit || self.opening.is_some());
         (in_flight >= self.limit || filling).then_some(self.limit)
     }
 

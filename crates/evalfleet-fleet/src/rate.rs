@@ -908,9 +908,15 @@ mod tests {
         }
         let mut events = Vec::new();
         for i in 0..8u64 {
-            events.extend(limiter.on_rate_limited(t0 + Duration::from_millis(1 + i), Some(Duration::from_secs(1))));
+            events.extend(limiter.on_rate_limited(
+                t0 + Duration::from_millis(1 + i),
+                Some(Duration::from_secs(1)),
+            ));
         }
-        assert!(events.iter().any(|e| matches!(e, RateEvent::Learned(_))), "{events:?}");
+        assert!(
+            events.iter().any(|e| matches!(e, RateEvent::Learned(_))),
+            "{events:?}"
+        );
     }
 
     #[test]

@@ -118,6 +118,25 @@ impl Reader {
                     .claim(&self.run_id, &self.worker, after, self.page, self.lease)?
                 {
                     Claimed::Items(claim) => claim,
+                    // Nothing left but this worker's own items: they may
+                    // still be lost to another worker (a lease that ran
+                    // out while the store was down), and then this worker
+                    // waits for that one's end as for any other's. It
+                    // looks again as soon as its own are done.
+                    Claimed::Nothing if self.shared.tally.outstanding() > 1 => {
+                        let waited = runtime.block_on(async {
+                            tokio::select! {
+                                () = self.shared.tally.at_most(1) => true,
+                                () = tokio::time::sleep(OTHERS_POLL) => true,
+                                () = self.shared.halt.cancelled() => false,
+                            }
+                        });
+                        if !waited {
+                            return Ok(());
+                        }
+                        after = None;
+                        continue;
+                    }
                     Claimed::Nothing => return Ok(()),
                     Claimed::HeldByOthers => {
                         // Workers whose process is gone free their items now.

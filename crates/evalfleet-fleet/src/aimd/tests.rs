@@ -533,4 +533,3 @@ fn a_server_that_queues_from_its_first_call_is_still_looked_below() {
     let decision = decision.unwrap();
     assert_eq!((decision.to, decision.reason), (4, Reason::ProbeDown));
 }
-
