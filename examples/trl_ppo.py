@@ -40,47 +40,14 @@ reward, TRL's logged statistics) and one at the end.
 import argparse
 import json
 import os
-import re
 import sys
 import tempfile
-import urllib.error
-import urllib.request
 from collections import deque
 
-ACTION = re.compile(r"\s*([1-4])\s*")
-
-
-class ServerError(RuntimeError):
-    """The environment server refused a request (the status and its message)."""
-
-    def __init__(self, status, message):
-        super().__init__(f"{status}: {message}")
-        self.status = status
-
-
-def post(url, path, body, timeout=900.0):
-    headers = {"Content-Type": "application/json"}
-    key = os.environ.get("EVALFLEET_API_KEY", "").strip()
-    if key:
-        headers["X-API-Key"] = key
-    request = urllib.request.Request(
-        url + path, data=json.dumps(body, ensure_ascii=False).encode("utf-8"), headers=headers, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.load(response)
-    except urllib.error.HTTPError as err:
-        try:
-            message = json.load(err).get("error", "")
-        except ValueError:
-            message = ""
-        raise ServerError(err.code, message) from None
-
-
-def action_of(reply):
-    """The action for a model's reply: its digit, or "invalid"."""
-    match = ACTION.fullmatch(reply)
-    return int(match.group(1)) if match else "invalid"
+# The server's protocol, as the rollout example speaks it (this folder is
+# on the path when the script runs).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from trl_rollout import ServerError, action_of, post  # noqa: E402
 
 
 class Episodes:

@@ -86,6 +86,26 @@ impl Reader {
         }
     }
 
+    /// Waits before claiming again while others hold the run's last items
+    /// (or, `own`, this worker does: it looks again as soon as its own are
+    /// done); `false` when the session is stopping.
+    fn look_again(&self, runtime: &Handle, own: bool) -> bool {
+        let tally = &self.shared.tally;
+        runtime.block_on(async {
+            tokio::select! {
+                () = async {
+                    if own {
+                        tally.at_most(1).await;
+                    } else {
+                        std::future::pending::<()>().await;
+                    }
+                } => true,
+                () = tokio::time::sleep(OTHERS_POLL) => true,
+                () = self.shared.halt.cancelled() => false,
+            }
+        })
+    }
+
     /// Claims and starts items until no pending item is left to claim or
     /// `halt` is cancelled. While other workers hold every pending item it
     /// waits for them, claiming what their leases leave behind.
@@ -124,14 +144,7 @@ impl Reader {
                     // waits for that one's end as for any other's. It
                     // looks again as soon as its own are done.
                     Claimed::Nothing if self.shared.tally.outstanding() > 1 => {
-                        let waited = runtime.block_on(async {
-                            tokio::select! {
-                                () = self.shared.tally.at_most(1) => true,
-                                () = tokio::time::sleep(OTHERS_POLL) => true,
-                                () = self.shared.halt.cancelled() => false,
-                            }
-                        });
-                        if !waited {
+                        if !self.look_again(runtime, true) {
                             return Ok(());
                         }
                         after = None;
@@ -141,13 +154,7 @@ impl Reader {
                     Claimed::HeldByOthers => {
                         // Workers whose process is gone free their items now.
                         evalfleet_store::worker::release_dead(&mut *self.store, &self.run_id)?;
-                        let waited = runtime.block_on(async {
-                            tokio::select! {
-                                () = tokio::time::sleep(OTHERS_POLL) => true,
-                                () = self.shared.halt.cancelled() => false,
-                            }
-                        });
-                        if !waited {
+                        if !self.look_again(runtime, false) {
                             return Ok(());
                         }
                         after = None;
