@@ -712,3 +712,38 @@ fn retry_failed_beside_a_commit_that_fails_an_item_leaves_that_item_whole() {
         "only the item that stays failed keeps a result"
     );
 }
+
+#[test]
+fn a_worker_whose_lapsed_items_another_is_reaping_is_told_others_hold_them() {
+    use evalfleet_store::{Claimed, WorkQueue};
+    // w's lease on the run's last item ran out while the database was
+    // down; another worker's claim is reaping it (its rows locked, not yet
+    // committed). w, having let the item go, claims: it must hear that
+    // others hold what is left, not that nothing is (it would end its
+    // session with the run unfinished).
+    let Some(db) = evalfleet_testkit::scratch_db!() else {
+        return;
+    };
+    let mut pg = db.store();
+    pg.create_run(&new_run("r", 1), &mut items(&["a"], None))
+        .unwrap();
+    let mut w = worker("w");
+    pg.begin_session("r", &mut w, false).unwrap();
+    let lease = std::time::Duration::from_secs(60);
+    let Claimed::Items(_) = pg.claim("r", "w", None, 10, lease).unwrap() else {
+        panic!("the item was not claimed");
+    };
+    let mut sql = db.sql();
+    sql.execute(
+        "UPDATE items SET lease_until = now() - interval '1 second' WHERE rid = 1",
+        &[],
+    )
+    .unwrap();
+    let mut reaper = db.sql();
+    let mut tx = reaper.transaction().unwrap();
+    tx.query("SELECT seq FROM items WHERE rid = 1 FOR UPDATE", &[])
+        .unwrap();
+    let claimed = pg.claim("r", "w", Some(1), 10, lease).unwrap();
+    assert!(matches!(claimed, Claimed::HeldByOthers), "{claimed:?}");
+    tx.rollback().unwrap();
+}

@@ -123,9 +123,14 @@ static HELD: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     )
 });
 
-/// Whether others hold what is left (or it is pending).
+/// Whether others hold what is left (or it is pending), or this worker's
+/// lease on some of it ran out: such items are another worker's to take
+/// once the reap that holds them now commits (the reap and the take skip
+/// rows another transaction has locked, and this worker, its own items let
+/// go, would otherwise take "nothing left but mine" for the run's end).
 const OTHERS: &str = "SELECT EXISTS (SELECT 1 FROM items WHERE rid = $1 AND state = 'pending')
-         OR EXISTS (SELECT 1 FROM items WHERE rid = $1 AND state = 'running' AND owner <> $2)";
+         OR EXISTS (SELECT 1 FROM items WHERE rid = $1 AND state = 'running'
+                    AND (owner <> $2 OR lease_until < now()))";
 
 /// Claims up to `limit` items after `after` for `worker` under claim
 /// `claim`, in `seq` order.
