@@ -3023,11 +3023,14 @@ def p2(args, work):
         pg.start()
         outage_to = time.monotonic() - started
         codes, tails = [], []
-        for p in procs[:2]:
+        for i, p in enumerate(procs[:2]):
             err = p.stderr.read()
             p.wait()
             codes.append(p.returncode)
             tails.append(err[-600:])
+            if args.keep_logs:
+                with open(os.path.join(args.keep_logs, f"p2-worker{i + 1}.log"), "w") as f:
+                    f.write(err)
         seconds = time.monotonic() - started
         stats = mock.stats()
         results, distinct, left = run_counts(url, run_id)
@@ -3650,6 +3653,7 @@ def main():
     parser.add_argument("--servers", type=int, default=1, help="A2: task.servers of the served variants (openai-served)")
     parser.add_argument("--per-item-items", type=int, default=64, help="A3: items of the per-item run beside the served one (0: none)")
     parser.add_argument("--outage", type=float, default=180.0, help="P2: seconds the database is down")
+    parser.add_argument("--keep-logs", help="P2: a folder to write each surviving worker's whole log to")
     parser.add_argument("--copies", type=int, default=8, help="P1: HumanEval's 164 programs this many times over")
     parser.add_argument("--workers", help="P1: worker counts; P1latency: thread counts (default 1,2,4)")
     parser.add_argument("--limits", default="16,64", help="P1latency: items a claim takes")

@@ -25,9 +25,14 @@ pub struct LeaseGate {
     /// the reader had them (a renewal that began before then may not know
     /// them yet).
     issued: Mutex<HashMap<ClaimId, Instant>>,
-    /// Claims and items known lost (another worker may hold them).
+    /// Claims and items known lost (another worker may hold them); an
+    /// item with when the renewal that told of it began: it was lost
+    /// under the claims the reader had by then, not under one that took
+    /// it back since.
     lost_claims: Mutex<HashSet<ClaimId>>,
-    lost_items: Mutex<HashSet<u64>>,
+    lost_items: Mutex<HashMap<u64, Instant>>,
+    /// When the reader had each claim of the session.
+    claimed_at: Mutex<HashMap<ClaimId, Instant>>,
     any_lost: AtomicBool,
     renewed: Notify,
     /// Calls under way, by item: cancelled when their item is known lost.
@@ -64,7 +69,8 @@ impl LeaseGate {
             holds_until_ms: AtomicU64::new(0),
             issued: Mutex::new(HashMap::new()),
             lost_claims: Mutex::new(HashSet::new()),
-            lost_items: Mutex::new(HashSet::new()),
+            lost_items: Mutex::new(HashMap::new()),
+            claimed_at: Mutex::new(HashMap::new()),
             any_lost: AtomicBool::new(false),
             renewed: Notify::new(),
             flights: Mutex::new(HashMap::new()),
@@ -80,8 +86,12 @@ impl LeaseGate {
 
     /// The reader took `claim`.
     pub fn claimed(&self, claim: ClaimId) {
+        let now = Instant::now();
         if let Ok(mut issued) = self.issued.lock() {
-            issued.insert(claim, Instant::now());
+            issued.insert(claim, now);
+        }
+        if let Ok(mut claimed_at) = self.claimed_at.lock() {
+            claimed_at.insert(claim, now);
         }
     }
 
@@ -112,7 +122,7 @@ impl LeaseGate {
         if !lost.is_empty()
             && let Ok(mut lost_items) = self.lost_items.lock()
         {
-            lost_items.extend(lost);
+            lost_items.extend(lost.iter().map(|seq| (*seq, started)));
             self.any_lost.store(true, Ordering::Release);
         }
         self.holds_until_ms
@@ -158,13 +168,26 @@ impl LeaseGate {
         if !self.any_lost.load(Ordering::Acquire) {
             return false;
         }
-        self.lost_claims
+        if self
+            .lost_claims
             .lock()
             .is_ok_and(|claims| claims.contains(&claim))
-            || self
-                .lost_items
-                .lock()
-                .is_ok_and(|items| items.contains(&seq))
+        {
+            return true;
+        }
+        let Some(told) = self
+            .lost_items
+            .lock()
+            .ok()
+            .and_then(|items| items.get(&seq).copied())
+        else {
+            return false;
+        };
+        // Lost under a claim the reader had when the renewal that told of
+        // it began (a claim it took since may have taken the item back).
+        self.claimed_at
+            .lock()
+            .is_ok_and(|claimed_at| claimed_at.get(&claim).is_none_or(|had| *had < told))
     }
 
     /// Waits until item `seq` of `claim` surely holds (a renewal after a
@@ -222,6 +245,32 @@ mod tests {
         let d = LeaseGate::flight(&gate, 2, 22, &abort);
         abort.cancel();
         assert!(d.token().is_cancelled());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_item_taken_back_under_a_later_claim_is_not_lost_with_the_first() {
+        // Item 10 of claim 1 was lost while the store was down; this
+        // worker's own claim 2 took it back after the renewal that told
+        // of it began. Its calls under claim 2 go on; those under claim 1
+        // do not.
+        let lease = Duration::from_secs(3);
+        let gate = Arc::new(LeaseGate::new(lease));
+        let abort = CancellationToken::new();
+        gate.claimed(1);
+        tokio::time::advance(Duration::from_millis(10)).await;
+        let told = Instant::now();
+        tokio::time::advance(Duration::from_millis(10)).await;
+        gate.claimed(2);
+        gate.renewed(told, lease, &[1, 2], &[10]);
+        assert!(gate.lost(1, 10));
+        assert!(!gate.lost(2, 10));
+        assert!(
+            !LeaseGate::flight(&gate, 2, 10, &abort)
+                .token()
+                .is_cancelled()
+        );
+        assert!(gate.admit(2, 10).await);
+        assert!(!gate.admit(1, 10).await);
     }
 
     #[tokio::test(start_paused = true)]

@@ -113,6 +113,7 @@ impl Reader {
         let mut after = None;
         loop {
             if !self.flush() || self.shared.halt.is_cancelled() {
+                tracing::debug!("Reader: the session stops.");
                 return Ok(());
             }
             // A worker holds no more items than two claims' worth: it
@@ -150,7 +151,10 @@ impl Reader {
                         after = None;
                         continue;
                     }
-                    Claimed::Nothing => return Ok(()),
+                    Claimed::Nothing => {
+                        tracing::debug!("Reader: no item is left to claim.");
+                        return Ok(());
+                    }
                     Claimed::HeldByOthers => {
                         // Workers whose process is gone free their items now.
                         evalfleet_store::worker::release_dead(&mut *self.store, &self.run_id)?;

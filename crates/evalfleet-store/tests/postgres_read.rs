@@ -747,3 +747,60 @@ fn a_worker_whose_lapsed_items_another_is_reaping_is_told_others_hold_them() {
     assert!(matches!(claimed, Claimed::HeldByOthers), "{claimed:?}");
     tx.rollback().unwrap();
 }
+
+#[test]
+fn a_worker_that_takes_back_an_item_it_lost_is_not_told_it_lost_it() {
+    // w's lease ran out while the database was down; its own next claim
+    // put the item back and took it again. Its renewal must not say the
+    // item was lost (w would let go of the item of its new claim, which
+    // would then be held, renewed and answered by no one).
+    use evalfleet_store::{Claimed, WorkQueue};
+    let Some(db) = evalfleet_testkit::scratch_db!() else {
+        return;
+    };
+    let mut pg = db.store();
+    pg.create_run(&new_run("r", 1), &mut items(&["a"], None))
+        .unwrap();
+    let mut w = worker("w");
+    pg.begin_session("r", &mut w, false).unwrap();
+    let lease = std::time::Duration::from_secs(60);
+    let Claimed::Items(first) = pg.claim("r", "w", None, 10, lease).unwrap() else {
+        panic!("the item was not claimed");
+    };
+    db.sql()
+        .execute(
+            "UPDATE items SET lease_until = now() - interval '1 second' WHERE rid = 1",
+            &[],
+        )
+        .unwrap();
+    let Claimed::Items(again) = pg.claim("r", "w", Some(1), 10, lease).unwrap() else {
+        panic!("the lapsed item was not taken back");
+    };
+    assert_ne!(first.id, again.id);
+    // Nothing is left to tell: a renewal's statement that both renews an
+    // item and clears its `lost_by` makes only one of the two changes,
+    // and which is not said.
+    let lost_by: Option<String> = db
+        .sql()
+        .query_one("SELECT lost_by FROM items WHERE rid = 1", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(lost_by, None);
+    let renewal = pg.renew("r", "w", lease).unwrap();
+    eprintln!(
+        "RENEWAL {renewal:?} {:?}",
+        db.sql()
+            .query("SELECT seq, state, owner, lost_by FROM items", &[])
+            .unwrap()
+            .iter()
+            .map(|r| (
+                r.get::<_, i64>(0),
+                r.get::<_, String>(1),
+                r.get::<_, Option<String>>(2),
+                r.get::<_, Option<String>>(3)
+            ))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(renewal.lost, Vec::<u64>::new());
+    assert_eq!(renewal.held, vec![again.id]);
+}

@@ -106,7 +106,10 @@ static TAKE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
          claimed AS (
              UPDATE items i SET state = 'running', attempt = i.attempt + 1, claim_id = $4,
                  owner = $5, lease_until = now() + $6::bigint * interval '1 millisecond',
-                 not_before = NULL
+                 not_before = NULL,
+                 -- A worker that takes back an item it lost is not told
+                 -- it lost it (it would let go of its new claim's item).
+                 lost_by = NULLIF(i.lost_by, $5)
              FROM picked WHERE i.rid = $1 AND i.seq = picked.seq
              RETURNING i.seq)
          {PENDING_ITEMS}"
