@@ -104,11 +104,22 @@ pub(super) async fn watch(
     let mut changes = endpoint.changes();
     // When the next probe is due, the last one made at `probed`.
     let due = |probed| {
+        // With calls in flight, their own silence says more than a probe,
+        // which on a server that serves one request at a time cuts the
+        // running stream (llama-cpp-python's: a call on a loaded machine
+        // may show nothing for longer than an interval before its first
+        // token): a probe comes only once they are silent long enough to
+        // be called hung.
+        let quiet = if endpoint.limit.in_flight() > 0 {
+            health.interval.max(hang_limit(endpoint))
+        } else {
+            health.interval
+        };
         probe_due(
             endpoint.breaker_state(),
             probed,
             endpoint.last_sign_of_life(),
-            health.interval,
+            quiet,
             recovering,
         )
     };
@@ -160,6 +171,17 @@ pub(super) async fn watch(
     }
 }
 
+/// How long calls in flight may show nothing before they are hung: the
+/// endpoint's `health.hang_after`, or four times what its calls normally
+/// take when more (five times `hang_after` until that is known).
+fn hang_limit(endpoint: &Endpoint) -> Duration {
+    let hang_after = endpoint.config.health.hang_after;
+    match endpoint.normal_latency() {
+        Some(normal) => hang_after.max(normal * 4),
+        None => hang_after * 5,
+    }
+}
+
 /// Whether `endpoint`'s calls are hung: calls are in flight, and none has
 /// shown a sign of life (nor has it been idle) for its `health.hang_after`
 /// (see [`evalfleet_config::HealthSettings::hang_after`]); how long, when
@@ -171,11 +193,7 @@ fn hung(endpoint: &Endpoint, busy_since: &mut Option<Instant>, now: Instant) -> 
         return None;
     }
     let busy = *busy_since.get_or_insert(now);
-    let hang_after = endpoint.config.health.hang_after;
-    let limit = match endpoint.normal_latency() {
-        Some(normal) => hang_after.max(normal * 4),
-        None => hang_after * 5,
-    };
+    let limit = hang_limit(endpoint);
     let last = endpoint
         .last_sign_of_life()
         .map_or(busy, |life| life.max(busy));
@@ -184,22 +202,23 @@ fn hung(endpoint: &Endpoint, busy_since: &mut Option<Instant>, now: Instant) -> 
 }
 
 /// When an endpoint whose breaker is in `state`, last probed at `probed`,
-/// is due for its next probe. While it takes items, `interval` after it
+/// is due for its next probe. While it takes items, `quiet` after it
 /// last showed a sign of life, its last probe's or its calls' (`life`): an
 /// endpoint whose calls go well is never probed, one that is idle, or whose
-/// calls fail or hang, once an interval; no probe competes with calls that
-/// go well (on a server that serves one request at a time, a probe that
-/// waits cuts the running stream). While unhealthy, `recovering` after its
-/// last probe.
+/// calls fail or hang, once a `quiet` (its health interval; with calls in
+/// flight, the time they may show nothing before they are hung); no probe
+/// competes with calls that go well (on a server that serves one request
+/// at a time, a probe that waits cuts the running stream). While
+/// unhealthy, `recovering` after its last probe.
 fn probe_due(
     state: crate::BreakerState,
     probed: Instant,
     life: Option<Instant>,
-    interval: Duration,
+    quiet: Duration,
     recovering: Duration,
 ) -> Instant {
     if state == crate::BreakerState::Closed {
-        life.map_or(probed, |life| life.max(probed)) + interval
+        life.map_or(probed, |life| life.max(probed)) + quiet
     } else {
         probed + recovering
     }
