@@ -397,6 +397,12 @@ impl Aimd {
         self.limit
     }
 
+    /// Whether streams cut as other calls arrived brought the limit to
+    /// its least (and hold it there).
+    pub fn serves_one_at_a_time(&self) -> bool {
+        self.hold.is_some_and(|hold| hold.cut)
+    }
+
     /// The baseline latency of a whole call (the decision interval), once
     /// known.
     pub fn baseline_latency(&self) -> Option<Duration> {

@@ -105,6 +105,15 @@ impl ConcurrencyLimit {
         self.state().controller.is_some()
     }
 
+    /// Whether the controller found that the endpoint serves one call at
+    /// a time (streams cut when another call arrived).
+    pub fn serves_one_at_a_time(&self) -> bool {
+        self.state()
+            .controller
+            .as_ref()
+            .is_some_and(Aimd::serves_one_at_a_time)
+    }
+
     /// The engine says it serves `capacity` calls at once: an adaptive
     /// limit starts there and does not pass it.
     pub fn engine_capacity(&self, capacity: usize) -> Option<Decision> {

@@ -104,13 +104,13 @@ pub(super) async fn watch(
     let mut changes = endpoint.changes();
     // When the next probe is due, the last one made at `probed`.
     let due = |probed| {
-        // With calls in flight, their own silence says more than a probe,
-        // which on a server that serves one request at a time cuts the
-        // running stream (llama-cpp-python's: a call on a loaded machine
-        // may show nothing for longer than an interval before its first
-        // token): a probe comes only once they are silent long enough to
-        // be called hung.
-        let quiet = if endpoint.limit.in_flight() > 0 {
+        // On a server found to serve one request at a time, a probe cuts
+        // the running stream (llama-cpp-python's ends it for any request,
+        // and a call on a loaded machine may show nothing for longer than
+        // an interval before its first token): with a call in flight
+        // there, a probe comes only once it is silent long enough to be
+        // called hung.
+        let quiet = if endpoint.limit.in_flight() > 0 && endpoint.limit.serves_one_at_a_time() {
             health.interval.max(hang_limit(endpoint))
         } else {
             health.interval
