@@ -713,6 +713,28 @@ fn retry_failed_beside_a_commit_that_fails_an_item_leaves_that_item_whole() {
     );
 }
 
+/// A run of one item, claimed by worker `w` (its claim's id), whose lease
+/// then ran out (the database down past it).
+fn one_item_claimed_then_lapsed(db: &Scratch, pg: &mut PgStore) -> evalfleet_store::ClaimId {
+    use evalfleet_store::{Claimed, WorkQueue};
+    pg.create_run(&new_run("r", 1), &mut items(&["a"], None))
+        .unwrap();
+    let mut w = worker("w");
+    pg.begin_session("r", &mut w, false).unwrap();
+    let Claimed::Items(first) = pg.claim("r", "w", None, 10, LEASE).unwrap() else {
+        panic!("the item was not claimed");
+    };
+    db.sql()
+        .execute(
+            "UPDATE items SET lease_until = now() - interval '1 second' WHERE rid = 1",
+            &[],
+        )
+        .unwrap();
+    first.id
+}
+
+const LEASE: std::time::Duration = std::time::Duration::from_secs(60);
+
 #[test]
 fn a_worker_whose_lapsed_items_another_is_reaping_is_told_others_hold_them() {
     use evalfleet_store::{Claimed, WorkQueue};
@@ -725,25 +747,12 @@ fn a_worker_whose_lapsed_items_another_is_reaping_is_told_others_hold_them() {
         return;
     };
     let mut pg = db.store();
-    pg.create_run(&new_run("r", 1), &mut items(&["a"], None))
-        .unwrap();
-    let mut w = worker("w");
-    pg.begin_session("r", &mut w, false).unwrap();
-    let lease = std::time::Duration::from_secs(60);
-    let Claimed::Items(_) = pg.claim("r", "w", None, 10, lease).unwrap() else {
-        panic!("the item was not claimed");
-    };
-    let mut sql = db.sql();
-    sql.execute(
-        "UPDATE items SET lease_until = now() - interval '1 second' WHERE rid = 1",
-        &[],
-    )
-    .unwrap();
+    one_item_claimed_then_lapsed(&db, &mut pg);
     let mut reaper = db.sql();
     let mut tx = reaper.transaction().unwrap();
     tx.query("SELECT seq FROM items WHERE rid = 1 FOR UPDATE", &[])
         .unwrap();
-    let claimed = pg.claim("r", "w", Some(1), 10, lease).unwrap();
+    let claimed = pg.claim("r", "w", Some(1), 10, LEASE).unwrap();
     assert!(matches!(claimed, Claimed::HeldByOthers), "{claimed:?}");
     tx.rollback().unwrap();
 }
@@ -759,24 +768,11 @@ fn a_worker_that_takes_back_an_item_it_lost_is_not_told_it_lost_it() {
         return;
     };
     let mut pg = db.store();
-    pg.create_run(&new_run("r", 1), &mut items(&["a"], None))
-        .unwrap();
-    let mut w = worker("w");
-    pg.begin_session("r", &mut w, false).unwrap();
-    let lease = std::time::Duration::from_secs(60);
-    let Claimed::Items(first) = pg.claim("r", "w", None, 10, lease).unwrap() else {
-        panic!("the item was not claimed");
-    };
-    db.sql()
-        .execute(
-            "UPDATE items SET lease_until = now() - interval '1 second' WHERE rid = 1",
-            &[],
-        )
-        .unwrap();
-    let Claimed::Items(again) = pg.claim("r", "w", Some(1), 10, lease).unwrap() else {
+    let first = one_item_claimed_then_lapsed(&db, &mut pg);
+    let Claimed::Items(again) = pg.claim("r", "w", Some(1), 10, LEASE).unwrap() else {
         panic!("the lapsed item was not taken back");
     };
-    assert_ne!(first.id, again.id);
+    assert_ne!(first, again.id);
     // Nothing is left to tell: a renewal's statement that both renews an
     // item and clears its `lost_by` makes only one of the two changes,
     // and which is not said.
@@ -786,21 +782,7 @@ fn a_worker_that_takes_back_an_item_it_lost_is_not_told_it_lost_it() {
         .unwrap()
         .get(0);
     assert_eq!(lost_by, None);
-    let renewal = pg.renew("r", "w", lease).unwrap();
-    eprintln!(
-        "RENEWAL {renewal:?} {:?}",
-        db.sql()
-            .query("SELECT seq, state, owner, lost_by FROM items", &[])
-            .unwrap()
-            .iter()
-            .map(|r| (
-                r.get::<_, i64>(0),
-                r.get::<_, String>(1),
-                r.get::<_, Option<String>>(2),
-                r.get::<_, Option<String>>(3)
-            ))
-            .collect::<Vec<_>>()
-    );
+    let renewal = pg.renew("r", "w", LEASE).unwrap();
     assert_eq!(renewal.lost, Vec::<u64>::new());
     assert_eq!(renewal.held, vec![again.id]);
 }
