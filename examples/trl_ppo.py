@@ -108,16 +108,12 @@ def tiny_model(episodes, workdir):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
-    texts = []
-    probe = Episodes(episodes.url, episodes.wait_s)
-    prompt = probe.next_prompt()
+    prompt = episodes.next_prompt()
     if prompt is None:
         raise SystemExit("the server has no episode to learn a tokenizer from")
-    texts.extend(message["content"] for message in prompt)
-    # Hand the probed decision to the trainer's episodes: it is open there.
-    episodes.free.extend((env_id, {"prompt": prompt}) for env_id in probe.open)
-    episodes.episodes += probe.episodes
-    texts.extend(["1", "2", "3", "4"])
+    # The decision read stays the trainer's first.
+    episodes.free.appendleft((episodes.open.pop(), {"prompt": prompt}))
+    texts = [message["content"] for message in prompt] + ["1", "2", "3", "4"]
     special = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
     bpe = Tokenizer(models.BPE(unk_token=None))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

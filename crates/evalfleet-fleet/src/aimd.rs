@@ -159,6 +159,13 @@ fn needed(level: usize) -> f64 {
     (level as f64 * JUDGE_SHARE).clamp(JUDGE_MIN, JUDGE_MAX)
 }
 
+/// The share of a perfect step's gain that going from `reference` calls
+/// (`below` work a second) to `level` calls (`now`) brought: 1 where every
+/// added call was served as fast as the others.
+fn gain(reference: usize, below: f64, level: usize, now: f64) -> f64 {
+    (now / below - 1.0) / (level as f64 / reference as f64 - 1.0)
+}
+
 /// The furthest one step of growth goes from `level`.
 fn step_past(level: usize) -> usize {
     ((level as f64 * (1.0 + CUBIC_STEP)) as usize).max(level + tenth(level))
@@ -658,9 +665,7 @@ impl Aimd {
                 None
             });
         };
-        let step = from as f64 / reference as f64 - 1.0;
-        let gain = (now / best_below - 1.0) / step;
-        if gain >= self.settings.gain {
+        if gain(reference, best_below, from, now) >= self.settings.gain {
             return Ok(None);
         }
         // The step did not pay: back to the fewest calls that did as well
@@ -678,7 +683,7 @@ impl Aimd {
         let to_rate = self.throughput(to).unwrap_or(0.0);
         if let Some((under, under_rate)) = under
             && to > 2 * under
-            && (to_rate / under_rate - 1.0) / (to as f64 / under as f64 - 1.0) < FAST_GAIN
+            && gain(under, under_rate, to, to_rate) < FAST_GAIN
         {
             return Ok(Some((to / 2, Reason::ProbeDown)));
         }
@@ -698,10 +703,7 @@ impl Aimd {
             .take_while(|(level, _)| *level < from)
             .max_by(|a, b| a.1.total_cmp(&b.1));
         match below {
-            Some((reference, best_below)) => {
-                let step = from as f64 / reference as f64 - 1.0;
-                (now / best_below - 1.0) / step >= FAST_GAIN
-            }
+            Some((reference, best_below)) => gain(reference, best_below, from, now) >= FAST_GAIN,
             None => self.unqueued(),
         }
     }

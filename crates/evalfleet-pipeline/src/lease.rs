@@ -31,8 +31,6 @@ pub struct LeaseGate {
     /// it back since.
     lost_claims: Mutex<HashSet<ClaimId>>,
     lost_items: Mutex<HashMap<u64, Instant>>,
-    /// When the reader had each claim of the session.
-    claimed_at: Mutex<HashMap<ClaimId, Instant>>,
     any_lost: AtomicBool,
     renewed: Notify,
     /// Calls under way, by item: cancelled when their item is known lost.
@@ -70,7 +68,6 @@ impl LeaseGate {
             issued: Mutex::new(HashMap::new()),
             lost_claims: Mutex::new(HashSet::new()),
             lost_items: Mutex::new(HashMap::new()),
-            claimed_at: Mutex::new(HashMap::new()),
             any_lost: AtomicBool::new(false),
             renewed: Notify::new(),
             flights: Mutex::new(HashMap::new()),
@@ -86,12 +83,8 @@ impl LeaseGate {
 
     /// The reader took `claim`.
     pub fn claimed(&self, claim: ClaimId) {
-        let now = Instant::now();
         if let Ok(mut issued) = self.issued.lock() {
-            issued.insert(claim, now);
-        }
-        if let Ok(mut claimed_at) = self.claimed_at.lock() {
-            claimed_at.insert(claim, now);
+            issued.insert(claim, Instant::now());
         }
     }
 
@@ -184,10 +177,11 @@ impl LeaseGate {
             return false;
         };
         // Lost under a claim the reader had when the renewal that told of
-        // it began (a claim it took since may have taken the item back).
-        self.claimed_at
+        // it began (a claim it took since may have taken the item back; a
+        // claim no longer issued is among the lost claims above).
+        self.issued
             .lock()
-            .is_ok_and(|claimed_at| claimed_at.get(&claim).is_none_or(|had| *had < told))
+            .is_ok_and(|issued| issued.get(&claim).is_none_or(|had| *had < told))
     }
 
     /// Waits until item `seq` of `claim` surely holds (a renewal after a

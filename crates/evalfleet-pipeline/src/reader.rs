@@ -93,13 +93,7 @@ impl Reader {
         let tally = &self.shared.tally;
         runtime.block_on(async {
             tokio::select! {
-                () = async {
-                    if own {
-                        tally.at_most(1).await;
-                    } else {
-                        std::future::pending::<()>().await;
-                    }
-                } => true,
+                () = tally.at_most(1), if own => true,
                 () = tokio::time::sleep(OTHERS_POLL) => true,
                 () = self.shared.halt.cancelled() => false,
             }
