@@ -647,7 +647,10 @@ async fn race(
             Err(_) => return Raced { exchange: send.await, endpoint: endpoint.clone(), number, lost },
         },
     };
-    if own.answered() {
+    if own.answered() || flight.is_cancelled() {
+        // Answered: the hedge is cut off. Or the item was lost (or the
+        // session aborts): the hedge was cut with the call, and is not
+        // waited for (it may sit in the queue with no endpoint free).
         cancel.cancel();
         return Raced {
             exchange: own,
@@ -714,7 +717,11 @@ async fn hedge_attempt(shared: Arc<Shared>, call: Call, hedge: Hedge) {
         exchange = call::send(call, hedge.outgoing(), limit, &shared.abort, &shared.fleet) => exchange,
         () = hedge.cancel.cancelled() => Exchange::Cancelled {
             sent_at,
-            why: format!("the call it hedged on {} answered first", hedge.from),
+            why: if shared.leases.lost(hedge.claim, hedge.seq) {
+                "another worker took its item".to_owned()
+            } else {
+                format!("the call it hedged on {} answered first", hedge.from)
+            },
         },
     };
     let record = exchange.record(&endpoint, hedge.seq, hedge.number, shared.session);

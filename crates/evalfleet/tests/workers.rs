@@ -6,7 +6,9 @@ use evalfleet_mock::MockSettings;
 use evalfleet_store::prelude::*;
 use evalfleet_types::RunStatus;
 
-use crate::util::{Env, by_id, config, external, mock, ms, signal, wait_until};
+use crate::util::{
+    Env, NO_HEALTH, by_id, config, external, external_with, mock, ms, signal, wait_until,
+};
 
 pub(crate) const ITEMS: usize = 1200;
 
@@ -299,4 +301,119 @@ async fn a_run_whose_claims_come_while_its_leases_are_renewed_finishes_every_ite
     assert_eq!(ran.code, Some(0), "{}", ran.stderr);
     let counts = env.counts("r");
     assert_eq!((counts.done, counts.pending), (6_000, 0), "{}", ran.stderr);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_items_call_and_its_hedge_are_both_cut_when_its_worker_learns_it_lost_it() {
+    // Items 0 to 7 hang on both endpoints of the first worker. `bad` fails
+    // half its calls and is ejected, so its hung calls are hedged on
+    // `good`, where they hang too. The worker stalls past its lease and a
+    // second worker, with an endpoint of its own, answers them. Woken, the
+    // first learns it lost them: every call it held for them (the calls
+    // and their hedges) is cut at once, not waited for until the attempt
+    // timeout, and it ends.
+    const ITEMS: usize = 200;
+    const HUNG: usize = 8;
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", ITEMS);
+    let script: String = (0..HUNG)
+        .map(|i| {
+            format!(
+                "{{\"prompt\": \"question {i} of {ITEMS}\", \"replies\": [\"x\"], \"hang_from\": 0}}\n"
+            )
+        })
+        .collect();
+    let answers = env.write("hang.jsonl", &script);
+    let bad = mock(MockSettings {
+        latency: ms(5),
+        faults: vec![evalfleet_mock::Fault {
+            status: 500,
+            rate: 0.5,
+            retry_after: None,
+        }],
+        answers: Some(answers.clone()),
+        seed: 3,
+        ..MockSettings::default()
+    })
+    .await;
+    let good = mock(MockSettings {
+        latency: ms(5),
+        answers: Some(answers),
+        ..MockSettings::default()
+    })
+    .await;
+    let fast = mock(MockSettings::default()).await;
+    env.write(
+        "run.yaml",
+        &config(
+            &dataset,
+            // `bad` is ejected for its faults, never found down (its calls
+            // in flight would be moved instead of hedged).
+            &(external_with("bad", &bad, 16, NO_HEALTH) + &external("good", &good, 32)),
+            "timeouts: { lease: 2s, attempt: 600s }\n\
+             retry: { max_attempts: 50, backoff_base: 10ms, backoff_max: 100ms }\n\
+             writer: { batch_size: 16, flush_interval: 20ms }",
+        ),
+    );
+    let other = env.write(
+        "other.yaml",
+        &format!("endpoints:\n{}", external("fast", &fast, 8)),
+    );
+    let log = std::fs::File::create(env.path("first.log")).unwrap();
+    let mut first = env
+        .command(&["run", "run.yaml", "-q", "--run-id", "shared"])
+        .env("EVALFLEET_LOG", "warn,evalfleet_pipeline=debug")
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let in_flight = || bad.stats().in_flight + good.stats().in_flight;
+    wait_until(
+        ms(60_000),
+        "every other item is done and a hung call is hedged",
+        || done(&env, "shared") == (ITEMS - HUNG) as u64 && in_flight() > HUNG as u64,
+    )
+    .await;
+    let pid = first.id().unwrap();
+    for tries in 0.. {
+        signal(&first, "STOP").await;
+        wait_until(ms(10_000), "the worker is stopped", || stopped(pid)).await;
+        if lock_is_free(&env) {
+            break;
+        }
+        assert!(
+            tries < 100,
+            "the worker was always stopped holding the lock"
+        );
+        signal(&first, "CONT").await;
+        tokio::time::sleep(ms(20)).await;
+    }
+    let second = env
+        .evalfleet(&[
+            "worker",
+            "--run",
+            "shared",
+            "-q",
+            "--endpoints",
+            other.to_str().unwrap(),
+        ])
+        .await;
+    assert_eq!(second.code, Some(0), "{}", second.stderr);
+    assert_eq!(fast.stats().completed, HUNG as u64, "{}", second.stderr);
+    assert!(in_flight() > HUNG as u64, "the stalled worker's calls hold");
+    signal(&first, "CONT").await;
+    wait_until(ms(30_000), "the lost items' calls are cut", || {
+        in_flight() == 0
+    })
+    .await;
+    let ended = tokio::time::timeout(ms(60_000), first.wait())
+        .await
+        .expect("the first worker ends once its items are lost")
+        .unwrap();
+    let said = std::fs::read_to_string(env.path("first.log")).unwrap();
+    assert_eq!(ended.code(), Some(0), "{said}");
+    assert!(said.contains("Hedged a call late on bad"), "{said}");
+    let rows = by_id(&env.export("shared").await);
+    assert_eq!(rows.len(), ITEMS, "every item exactly once");
+    assert!(rows.values().all(|r| r["status"] == "done"));
 }
