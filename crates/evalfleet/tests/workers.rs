@@ -45,6 +45,28 @@ fn lock_is_free(env: &Env) -> bool {
     conn.execute_batch("BEGIN IMMEDIATE; ROLLBACK;").is_ok()
 }
 
+/// Stops `worker` (SIGSTOP) between two of its write transactions.
+/// Stopped inside one, it would hold SQLite's lock for good (a lease frees
+/// items, not the lock) and no other worker could write, which a busy
+/// machine makes likely: it goes on and is stopped again until it is
+/// stopped with the lock free.
+async fn stop_between_transactions(env: &Env, worker: &tokio::process::Child) {
+    let pid = worker.id().unwrap();
+    for tries in 0.. {
+        signal(worker, "STOP").await;
+        wait_until(ms(10_000), "the worker is stopped", || stopped(pid)).await;
+        if lock_is_free(env) {
+            return;
+        }
+        assert!(
+            tries < 100,
+            "the worker was always stopped holding the lock"
+        );
+        signal(worker, "CONT").await;
+        tokio::time::sleep(ms(20)).await;
+    }
+}
+
 /// A config of `ITEMS` items, 4 calls at once, 20 ms each, leases of
 /// `lease`.
 pub(crate) async fn shared_run(env: &Env, lease: &str) -> evalfleet_mock::MockServer {
@@ -161,25 +183,8 @@ async fn a_stalled_worker_loses_its_lease_and_its_late_results_are_refused() {
     })
     .await;
     // Stopped, its process is alive but renews nothing: once its lease runs
-    // out, another worker takes its items, in flight ones included. Stopped
-    // inside a write transaction, it would hold SQLite's lock for good (a
-    // lease frees items, not the lock) and the other could write nothing,
-    // which a busy machine makes likely: it goes on and is stopped again
-    // until it is stopped between two transactions.
-    let pid = stalled.id().unwrap();
-    for tries in 0.. {
-        signal(&stalled, "STOP").await;
-        wait_until(ms(10_000), "the worker is stopped", || stopped(pid)).await;
-        if lock_is_free(&env) {
-            break;
-        }
-        assert!(
-            tries < 100,
-            "the worker was always stopped holding the lock"
-        );
-        signal(&stalled, "CONT").await;
-        tokio::time::sleep(ms(20)).await;
-    }
+    // out, another worker takes its items, in flight ones included.
+    stop_between_transactions(&env, &stalled).await;
     let stopped_at = done(&env, "shared");
     let other = env.evalfleet(&["resume", "shared", "-q"]).await;
     assert_eq!(other.code, Some(0), "{}", other.stderr);
@@ -374,20 +379,7 @@ async fn a_lost_items_call_and_its_hedge_are_both_cut_when_its_worker_learns_it_
         || done(&env, "shared") == (ITEMS - HUNG) as u64 && in_flight() > HUNG as u64,
     )
     .await;
-    let pid = first.id().unwrap();
-    for tries in 0.. {
-        signal(&first, "STOP").await;
-        wait_until(ms(10_000), "the worker is stopped", || stopped(pid)).await;
-        if lock_is_free(&env) {
-            break;
-        }
-        assert!(
-            tries < 100,
-            "the worker was always stopped holding the lock"
-        );
-        signal(&first, "CONT").await;
-        tokio::time::sleep(ms(20)).await;
-    }
+    stop_between_transactions(&env, &first).await;
     let second = env
         .evalfleet(&[
             "worker",
