@@ -10,8 +10,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use evalfleet_store::{
-    CreateRunError, ExportRow, ItemSource, NewItem, NewRun, ResultOrder, Results, RunIdentity,
-    Runs, StoreError,
+    Claimed, CreateRunError, ExportRow, ItemSource, NewItem, NewRun, ResultOrder, Results,
+    RunIdentity, Runs, StoreError, WorkQueue,
 };
 mod common;
 
@@ -716,7 +716,6 @@ fn retry_failed_beside_a_commit_that_fails_an_item_leaves_that_item_whole() {
 /// A run of one item, claimed by worker `w` (its claim's id), whose lease
 /// then ran out (the database down past it).
 fn one_item_claimed_then_lapsed(db: &Scratch, pg: &mut PgStore) -> evalfleet_store::ClaimId {
-    use evalfleet_store::{Claimed, WorkQueue};
     pg.create_run(&new_run("r", 1), &mut items(&["a"], None))
         .unwrap();
     let mut w = worker("w");
@@ -737,7 +736,6 @@ const LEASE: std::time::Duration = std::time::Duration::from_secs(60);
 
 #[test]
 fn a_worker_whose_lapsed_items_another_is_reaping_is_told_others_hold_them() {
-    use evalfleet_store::{Claimed, WorkQueue};
     // w's lease on the run's last item ran out while the database was
     // down; another worker's claim is reaping it (its rows locked, not yet
     // committed). w, having let the item go, claims: it must hear that
@@ -763,7 +761,6 @@ fn a_worker_that_takes_back_an_item_it_lost_is_not_told_it_lost_it() {
     // put the item back and took it again. Its renewal must not say the
     // item was lost (w would let go of the item of its new claim, which
     // would then be held, renewed and answered by no one).
-    use evalfleet_store::{Claimed, WorkQueue};
     let Some(db) = evalfleet_testkit::scratch_db!() else {
         return;
     };
