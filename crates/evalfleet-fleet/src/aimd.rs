@@ -50,6 +50,16 @@
 //! [`CUT_HOLD`], doubling with each probe that cuts again (up to
 //! [`CUT_HOLD_MAX`]): one cut stream per several minutes at most.
 //!
+//! Such a server cuts the calls sent at once at the start as well: each of
+//! the first eight ends the one before it after its prompt and a token, and
+//! those already sent go on cutting each other after the limit is one (a
+//! run of 24 items lost 4 s of 46 so). So a **streamed** endpoint whose
+//! engine said nothing of its capacity opens at two calls: the second's
+//! arrival cuts the first at once where the server serves one at a time
+//! (one cut, and the limit is one, held as above), and where two streams
+//! flow at once, or two calls come back whole, the limit goes on from where
+//! it would have started (see [`Aimd::open_streamed`]).
+//!
 //! **Back pressure** beyond what comes whatever the load cuts the limit to
 //! the share of calls that got through (by `decrease_ratio` at least, by
 //! half at most); afterwards the limit grows back along CUBIC's curve:
@@ -221,6 +231,11 @@ pub enum Reason {
     EngineCapacity,
     /// The engine's own queue held calls.
     EngineQueue,
+    /// A streamed endpoint's first calls, two at once, until they show
+    /// whether it serves more than one.
+    StreamOpening,
+    /// They did: the limit goes where it would have started.
+    StreamOpened,
 }
 
 impl Reason {
@@ -234,6 +249,10 @@ impl Reason {
             Self::Cut => "streams were cut when another call arrived (one call at a time)",
             Self::EngineCapacity => "the engine's reported capacity",
             Self::EngineQueue => "calls waited in the engine's queue",
+            Self::StreamOpening => {
+                "two streams first, to see whether the server serves more than one at a time"
+            }
+            Self::StreamOpened => "two streams were served at once",
         }
     }
 }
@@ -311,6 +330,23 @@ impl Hold {
     }
 }
 
+/// A streamed endpoint's first calls, two at once (see
+/// [`Aimd::open_streamed`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct StreamOpening {
+    /// Where the limit goes once two streams were served at once.
+    target: usize,
+    /// Streams whose first token came and that have not ended.
+    flowing: usize,
+    /// Calls that came back whole, and the others that ended.
+    whole: u32,
+    ended: u32,
+}
+
+/// Calls of the opening that ended neither whole nor cut (errors) after
+/// which it is over: what they say is the controller's to judge.
+const OPENING_ENDED: u32 = 4;
+
 /// The controller's state. Time is passed in, so it runs on any clock.
 #[derive(Debug, Clone)]
 pub struct Aimd {
@@ -359,6 +395,10 @@ pub struct Aimd {
     looked_below: Option<usize>,
     /// What the engine said it runs at once: the limit never passes it.
     capacity: Option<usize>,
+    /// A streamed endpoint's first calls, while they are two at once.
+    stream_opening: Option<StreamOpening>,
+    /// Whether they ever were (an endpoint opens so once).
+    stream_opened: bool,
     /// The engine's queue at its last reading.
     engine_last: Option<f64>,
     /// Calls waiting in the engine's queue, as it last said.
@@ -394,6 +434,8 @@ impl Aimd {
             looked_below: None,
             growing: false,
             capacity: None,
+            stream_opening: None,
+            stream_opened: false,
             engine_waiting: None,
             engine_last: None,
             baseline: None,
@@ -437,6 +479,100 @@ impl Aimd {
         (in_flight >= self.limit || filling).then_some(self.limit)
     }
 
+    /// The endpoint's calls are streamed and nothing has been sent yet: two
+    /// calls first. A server that serves one stream at a time cuts the
+    /// first as the second arrives (one cut: the limit goes to its least
+    /// and is held, as for cuts); one where two streams flow at once, or
+    /// two calls come back whole, takes the limit where it would have
+    /// started. Not where the engine said its capacity.
+    pub fn open_streamed(&mut self) -> Option<Decision> {
+        if self.capacity.is_some()
+            || std::mem::replace(&mut self.stream_opened, true)
+            || self.ended > 0
+            || !self.rates.is_empty()
+            || self.limit <= 2
+        {
+            return None;
+        }
+        self.stream_opening = Some(StreamOpening {
+            target: self.limit,
+            flowing: 0,
+            whole: 0,
+            ended: 0,
+        });
+        let decision = self.set(2, Reason::StreamOpening);
+        // The first level is still to come.
+        self.opening = Some((f64::INFINITY, 0.0));
+        decision
+    }
+
+    /// Whether the first calls of a streamed endpoint are watched (their
+    /// first tokens are told with [`Aimd::on_first_token`]).
+    pub fn stream_opening(&self) -> bool {
+        self.stream_opening.is_some()
+    }
+
+    /// A streamed call's first token came, while the first calls are
+    /// watched.
+    pub fn on_first_token(&mut self, now: Instant) -> Option<Decision> {
+        let opening = self.stream_opening.as_mut()?;
+        opening.flowing += 1;
+        // Two streams flow at once: the server serves more than one.
+        (opening.flowing >= 2).then(|| self.opened(now)).flatten()
+    }
+
+    /// The opening is over without a cut: the limit goes where it would
+    /// have started, and slow start judges it as a first level.
+    fn opened(&mut self, now: Instant) -> Option<Decision> {
+        let opening = self.stream_opening.take()?;
+        self.interval_end = now + FIRST_INTERVAL;
+        self.samples = 0;
+        self.latency_sum = 0.0;
+        self.ended = 0;
+        self.started = 0;
+        self.pushed_back = 0;
+        self.cut = 0;
+        self.reached = false;
+        let decision = self.set(opening.target, Reason::StreamOpened);
+        self.opening = Some((f64::INFINITY, 0.0));
+        decision
+    }
+
+    /// A call of the opening ended (`flowed`: its first token had come).
+    fn opening_end(&mut self, now: Instant, signal: Signal, flowed: bool) -> Option<Decision> {
+        let opening = self.stream_opening.as_mut()?;
+        if flowed {
+            opening.flowing = opening.flowing.saturating_sub(1);
+        }
+        match signal {
+            Signal::Cut => {
+                // The second call's arrival ended the first: one at a time.
+                self.stream_opening = None;
+                let floor = self.settings.min.max(1);
+                self.slow_start = false;
+                self.regain = None;
+                self.hold_at(floor, true, now);
+                self.interval_end = now + FIRST_INTERVAL;
+                self.ended = 0;
+                self.started = 0;
+                self.pushed_back = 0;
+                self.cut = 0;
+                self.reached = false;
+                self.set(floor, Reason::Cut)
+            }
+            Signal::Success(_) => {
+                opening.whole += 1;
+                (opening.whole >= 2).then(|| self.opened(now)).flatten()
+            }
+            Signal::BackPressure | Signal::Neutral => {
+                opening.ended += 1;
+                (opening.ended >= OPENING_ENDED)
+                    .then(|| self.opened(now))
+                    .flatten()
+            }
+        }
+    }
+
     /// The engine said it serves `capacity` calls at once: the limit starts
     /// there (within its bounds) and does not pass it; the search goes on
     /// below it.
@@ -445,6 +581,7 @@ impl Aimd {
         let to = capacity.clamp(floor, self.settings.max.max(floor));
         self.slow_start = false;
         self.capacity = Some(to);
+        self.stream_opening = None;
         self.set(to, Reason::EngineCapacity)
     }
 
@@ -464,6 +601,18 @@ impl Aimd {
         now: Instant,
         signal: Signal,
         level: Option<usize>,
+    ) -> Option<Decision> {
+        self.on_stream_end(now, signal, level, false)
+    }
+
+    /// [`Aimd::on_end`] for a call whose first token had come (`flowed`)
+    /// or not.
+    pub fn on_stream_end(
+        &mut self,
+        now: Instant,
+        signal: Signal,
+        level: Option<usize>,
+        flowed: bool,
     ) -> Option<Decision> {
         self.ended += 1;
         self.recent.push_back(signal == Signal::Cut);
@@ -499,6 +648,9 @@ impl Aimd {
                 self.cut += 1;
             }
             Signal::Neutral => {}
+        }
+        if self.stream_opening.is_some() {
+            return self.opening_end(now, signal, flowed);
         }
         // Cut streams are decided on at once: at a probe past a hold for
         // cuts, the first; else as soon as they are most of half a round

@@ -114,9 +114,10 @@ pub async fn send(
     fleet: &FleetHandle,
 ) -> Exchange {
     let client = call.client.clone();
+    let first = call.permit.first_token();
     send_with(
         call,
-        client.complete_with(prompt.messages, prompt.images),
+        client.complete_watched(prompt.messages, prompt.images, &first),
         limit,
         abort,
         fleet,

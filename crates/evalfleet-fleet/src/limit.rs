@@ -2,6 +2,7 @@
 //! is fixed, or moved by the [`Aimd`] controller as calls report their
 //! outcome. A free slot is what lets an endpoint take the next item.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -35,6 +36,46 @@ pub struct Permit {
     /// The limit when the call started, if it started with the limit
     /// reached: what the call teaches is about that level.
     level: Option<usize>,
+    /// While a streamed endpoint's first calls are watched: whether this
+    /// call's first token came (see [`Permit::first_token`]).
+    flowed: Option<Arc<AtomicBool>>,
+}
+
+/// Tells the limit that a streamed call's first token came; does nothing
+/// but for the first calls of a streamed endpoint (see
+/// [`super::aimd::Aimd::open_streamed`]).
+#[derive(Debug, Clone, Default)]
+pub struct FirstToken(Option<(Arc<ConcurrencyLimit>, Arc<AtomicBool>)>);
+
+impl FirstToken {
+    /// Nothing to tell.
+    pub fn none() -> Self {
+        Self(None)
+    }
+
+    /// The call's first token came (once is told; later calls do nothing).
+    pub fn came(&self) {
+        let Some((limit, flowed)) = &self.0 else {
+            return;
+        };
+        if flowed.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let mut state = limit.state();
+        let decision = state
+            .controller
+            .as_mut()
+            .and_then(|c| c.on_first_token(Instant::now()));
+        if let Some(decision) = decision {
+            tracing::debug!(
+                "Concurrency limit {} -> {} ({}).",
+                decision.from,
+                decision.to,
+                decision.reason.as_str()
+            );
+            limit.resize(&mut state, decision.to);
+        }
+    }
 }
 
 impl ConcurrencyLimit {
@@ -83,12 +124,27 @@ impl ConcurrencyLimit {
             .controller
             .as_mut()
             .and_then(|controller| controller.on_start(in_flight));
+        let watched = state.controller.as_ref().is_some_and(Aimd::stream_opening);
         drop(state);
         Permit {
             limit: self.clone(),
             slot: Some(slot),
             level,
+            flowed: watched.then(Arc::default),
         }
+    }
+
+    /// The endpoint's calls are streamed: an adaptive limit opens at two
+    /// calls until they show whether the server serves more than one
+    /// stream at a time (before any call; see
+    /// [`super::aimd::Aimd::open_streamed`]).
+    pub fn open_streamed(&self) -> Option<Decision> {
+        let mut state = self.state();
+        let decision = state.controller.as_mut().and_then(Aimd::open_streamed);
+        if let Some(decision) = decision {
+            self.resize(&mut state, decision.to);
+        }
+        decision
     }
 
     /// The limit now.
@@ -159,15 +215,28 @@ impl ConcurrencyLimit {
 }
 
 impl Permit {
+    /// What the call tells when its first token comes (a stream's).
+    pub fn first_token(&self) -> FirstToken {
+        FirstToken(
+            self.flowed
+                .as_ref()
+                .map(|flowed| (self.limit.clone(), flowed.clone())),
+        )
+    }
+
     /// Frees the slot and tells the controller how the call went; returns the
     /// change of limit it decided, if any.
     pub fn finish(self, signal: Signal) -> Option<Decision> {
         let limit = self.limit.clone();
+        let flowed = self
+            .flowed
+            .as_ref()
+            .is_some_and(|flowed| flowed.load(Ordering::Relaxed));
         let mut state = limit.state();
         let decision = state
             .controller
             .as_mut()
-            .and_then(|c| c.on_end(Instant::now(), signal, self.level));
+            .and_then(|c| c.on_stream_end(Instant::now(), signal, self.level, flowed));
         if let Some(decision) = decision {
             limit.resize(&mut state, decision.to);
         }
@@ -224,5 +293,47 @@ mod tests {
         }
         assert_eq!(limit.slots.available_permits(), 5);
         assert_eq!(limit.in_flight(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_streamed_endpoint_gives_out_two_slots_until_two_streams_flow() {
+        let limit = ConcurrencyLimit::new(LimitMode::Adaptive(evalfleet_config::AimdSettings {
+            initial: 8,
+            ..Default::default()
+        }));
+        let opened = limit.open_streamed().unwrap();
+        assert_eq!((opened.from, opened.to), (8, 2));
+        let a = limit.acquire().await;
+        let b = limit.acquire().await;
+        let third = tokio::time::timeout(Duration::from_secs(1), limit.acquire()).await;
+        assert!(third.is_err(), "a third call went out during the opening");
+        // One stream's first token, told twice, is one stream.
+        a.first_token().came();
+        a.first_token().came();
+        assert_eq!(limit.current(), 2);
+        b.first_token().came();
+        assert_eq!(limit.current(), 8);
+        assert_eq!(limit.slots.available_permits(), 6);
+        // Later calls have nothing to tell.
+        let c = limit.acquire().await;
+        assert!(c.first_token().0.is_none());
+        assert_eq!(limit.open_streamed(), None, "opened once");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cut_at_the_opening_leaves_one_slot() {
+        let limit = ConcurrencyLimit::new(LimitMode::Adaptive(evalfleet_config::AimdSettings {
+            initial: 8,
+            ..Default::default()
+        }));
+        limit.open_streamed();
+        let a = limit.acquire().await;
+        let b = limit.acquire().await;
+        a.first_token().came();
+        let cut = a.finish(Signal::Cut).unwrap();
+        assert_eq!(cut.to, 1);
+        assert!(limit.serves_one_at_a_time());
+        drop(b);
+        assert_eq!(limit.slots.available_permits(), 1);
     }
 }

@@ -940,10 +940,11 @@ fn llama_cpp_python() -> Option<(String, String)> {
 /// llama-cpp-python's own server (0.3.16, PyPI) serves one call at a time
 /// and ends the running stream, `[DONE]` after chunks without a
 /// `finish_reason`, whenever another call arrives. Started by evalfleet as a
-/// `local` engine with an adaptive limit, streamed: the first calls, sent
-/// at once, cut each other, then the limit holds at one and every answer
-/// comes whole (issue 42: 20 of 24 items failed when the controller kept 8
-/// calls on such a server).
+/// `local` engine with an adaptive limit, streamed: the limit opens at two
+/// calls, the second's arrival cuts the first, then the limit holds at one
+/// and every answer comes whole (issue 42: 20 of 24 items failed when the
+/// controller kept 8 calls on such a server; before the opening at two, the
+/// first eight calls cut each other, 10 cuts in a run of 24 items).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn llama_cpp_python_s_one_slot_server_as_a_local_engine_answers_every_item_whole() {
     let Some((python, model)) = llama_cpp_python() else {
@@ -999,16 +1000,18 @@ async fn llama_cpp_python_s_one_slot_server_as_a_local_engine_answers_every_item
     };
     let whole = attempts.iter().filter(|a| is_whole(a)).count();
     assert_eq!(whole, 12, "every item's answer whole, once: {attempts:?}");
-    // The first calls, sent at once, cut each other until the limit is
-    // one; the last of them comes back whole, and from then on calls go
-    // one at a time: none sent after it is cut.
+    // The first two calls, sent at once, cut one stream; the other comes
+    // back whole, and from then on calls go one at a time: none sent
+    // after it is cut.
     let first_whole = attempts.iter().find(|a| is_whole(a)).unwrap().0;
     assert!(
         attempts.iter().filter(|a| a.0 > first_whole).all(is_whole),
         "a call was cut after the limit came to one: {attempts:?}"
     );
     let cut = attempts.len() - whole;
-    assert!(cut <= 16, "{cut} calls cut first: {attempts:?}");
+    // (One, and at most one more should a probe of the server's model
+    // list have met a stream.)
+    assert!(cut <= 2, "{cut} calls cut first: {attempts:?}");
     let rows = by_id(&env.export("l").await);
     assert!(
         rows.len() == 12

@@ -131,6 +131,8 @@ struct Job {
     /// Seconds of service left at full speed.
     left: f64,
     tokens: f64,
+    /// Whether its first token came (streamed runs: after a step served).
+    flowed: bool,
 }
 
 /// What a simulation came to.
@@ -162,12 +164,28 @@ fn simulate_server(
     settings: AimdSettings,
     capacity: Option<usize>,
 ) -> Outcome {
+    simulate_calls(server, per_token, seconds, settings, capacity, false)
+}
+
+/// [`simulate_server`] with calls streamed or not: streamed, the
+/// controller opens at two calls and hears of each first token.
+fn simulate_calls(
+    server: Server,
+    per_token: f64,
+    seconds: u64,
+    settings: AimdSettings,
+    capacity: Option<usize>,
+    streamed: bool,
+) -> Outcome {
     let step = Duration::from_millis(10);
     let start = Instant::now();
     let mut now = start;
     let mut c = Aimd::new(settings, now);
     if let Some(capacity) = capacity {
         c.on_capacity(capacity);
+    }
+    if streamed {
+        c.open_streamed();
     }
     let mut rng = fastrand::Rng::with_seed(11);
     let (mut serving, mut queue) = (Vec::<Job>::new(), VecDeque::<Job>::new());
@@ -188,6 +206,7 @@ fn simulate_server(
                 level,
                 left: f64::from(n) * per_token,
                 tokens: f64::from(n),
+                flowed: false,
             };
             match server {
                 Server::CutsOnArrival => {
@@ -213,10 +232,14 @@ fn simulate_server(
         };
         now += step;
         for job in cut.drain(..) {
-            c.on_end(now, Signal::Cut, job.level);
+            c.on_stream_end(now, Signal::Cut, job.level, job.flowed);
         }
         for job in &mut serving {
             job.left -= step.as_secs_f64() * speed;
+            if streamed && !job.flowed {
+                job.flowed = true;
+                c.on_first_token(now);
+            }
         }
         let (done, rest): (Vec<Job>, Vec<Job>) = serving.drain(..).partition(|job| job.left <= 0.0);
         serving = rest;
@@ -229,7 +252,7 @@ fn simulate_server(
                 latency,
                 work: job.tokens,
             };
-            c.on_end(now, Signal::Success(sample), job.level);
+            c.on_stream_end(now, Signal::Success(sample), job.level, job.flowed);
         }
         if now >= half {
             *time_at.entry(c.limit()).or_insert(0.0) += step.as_secs_f64();
@@ -532,4 +555,109 @@ fn a_server_that_queues_from_its_first_call_is_still_looked_below() {
     }
     let decision = decision.unwrap();
     assert_eq!((decision.to, decision.reason), (4, Reason::ProbeDown));
+}
+
+#[test]
+fn a_streamed_endpoint_opens_at_two_calls_and_one_cut_takes_it_to_one() {
+    let mut now = Instant::now();
+    let mut c = Aimd::new(adaptive(), now);
+    let opened = c.open_streamed().unwrap();
+    assert_eq!(
+        (opened.from, opened.to, opened.reason),
+        (8, 2, Reason::StreamOpening)
+    );
+    let first = c.on_start(1);
+    let second = c.on_start(2);
+    // The first streams; the second's arrival ends it after a token.
+    assert_eq!(c.on_first_token(now), None);
+    now += Duration::from_millis(300);
+    let cut = c.on_stream_end(now, Signal::Cut, first, true).unwrap();
+    assert_eq!((cut.to, cut.reason), (1, Reason::Cut));
+    assert!(c.serves_one_at_a_time());
+    // The second is served alone and comes back whole; so do the calls
+    // after it, one at a time, for the length of the hold.
+    assert_eq!(c.on_first_token(now), None, "the opening is over");
+    now += Duration::from_secs(2);
+    c.on_stream_end(now, ok(2000), second, true);
+    for _ in 0..100 {
+        assert_eq!(c.limit(), 1);
+        interval(&mut c, &mut now, ok(2000));
+    }
+}
+
+#[test]
+fn two_streams_flowing_at_once_take_the_limit_where_it_would_have_started() {
+    let now = Instant::now();
+    let mut c = Aimd::new(adaptive(), now);
+    c.open_streamed();
+    c.on_start(1);
+    c.on_start(2);
+    assert_eq!(c.on_first_token(now), None);
+    let opened = c.on_first_token(now + Duration::from_millis(40)).unwrap();
+    assert_eq!(
+        (opened.from, opened.to, opened.reason),
+        (2, 8, Reason::StreamOpened)
+    );
+    assert!(!c.stream_opening() && !c.serves_one_at_a_time());
+}
+
+#[test]
+fn a_server_that_queues_streams_is_opened_by_two_whole_answers() {
+    // One at a time, the next waiting (no cut): the second flows only
+    // once the first is back.
+    let mut now = Instant::now();
+    let mut c = Aimd::new(adaptive(), now);
+    c.open_streamed();
+    let (first, second) = (c.on_start(1), c.on_start(2));
+    c.on_first_token(now);
+    now += Duration::from_secs(1);
+    assert_eq!(c.on_stream_end(now, ok(1000), first, true), None);
+    assert_eq!(c.on_first_token(now), None);
+    now += Duration::from_secs(1);
+    let opened = c.on_stream_end(now, ok(2000), second, true).unwrap();
+    assert_eq!((opened.to, opened.reason), (8, Reason::StreamOpened));
+}
+
+#[test]
+fn calls_that_fail_end_the_opening_and_an_engine_s_capacity_skips_it() {
+    let now = Instant::now();
+    let mut c = Aimd::new(adaptive(), now);
+    c.open_streamed();
+    let mut opened = None;
+    for k in 0..OPENING_ENDED {
+        let level = c.on_start(1);
+        opened = opened.or(c.on_stream_end(now, Signal::Neutral, level, k % 2 == 0));
+    }
+    assert_eq!(opened.map(|d| d.to), Some(8));
+    let mut c = Aimd::new(adaptive(), now);
+    c.on_capacity(4);
+    assert_eq!(c.open_streamed(), None);
+    assert_eq!(c.limit(), 4);
+}
+
+#[test]
+fn streamed_calls_to_a_server_that_cuts_on_arrival_cut_one_stream_at_the_start() {
+    // 175 tokens of 20 ms: 3.5 s a call, 40 minutes; the calls streamed.
+    let out = simulate_calls(Server::CutsOnArrival, 0.02, 2400, adaptive(), None, true);
+    // One cut at the start (eight, sent at once, cut seven), then a probe
+    // at 5 minutes, one at 15, one at 35.
+    assert!(out.cuts <= 4, "{} cuts", out.cuts);
+    assert!(out.share_within(1, 1) > 0.97, "{:?}", out.time_at);
+}
+
+#[test]
+fn streamed_calls_to_a_batching_server_reach_its_knee_as_fast() {
+    let server = Server::Batching {
+        slots: 8,
+        slowdown: 0.15,
+    };
+    let plain = simulate_calls(server, 0.02, 1200, adaptive(), None, false);
+    let streamed = simulate_calls(server, 0.02, 1200, adaptive(), None, true);
+    assert!(
+        streamed.throughput > 0.97 * plain.throughput,
+        "{} against {}",
+        streamed.throughput,
+        plain.throughput
+    );
+    assert!(streamed.share_within(7, 12) > 0.8, "{:?}", streamed.time_at);
 }

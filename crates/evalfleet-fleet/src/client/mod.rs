@@ -14,6 +14,8 @@ use tokio::time::Instant;
 use evalfleet_config::EndpointConfig;
 use evalfleet_io::images::Images;
 
+use crate::limit::FirstToken;
+
 mod error;
 mod forward;
 mod headers;
@@ -225,12 +227,24 @@ impl ChatClient {
 
     /// Sends one chat completion request whose messages name `images`.
     pub async fn complete_with(&self, messages: &RawValue, images: &Images) -> CallOutcome {
+        self.complete_watched(messages, images, &FirstToken::none())
+            .await
+    }
+
+    /// [`ChatClient::complete_with`], telling `first` when a stream's
+    /// first token comes.
+    pub async fn complete_watched(
+        &self,
+        messages: &RawValue,
+        images: &Images,
+        first: &FirstToken,
+    ) -> CallOutcome {
         let sent_at = SystemTime::now();
         let started = Instant::now();
         let mut ttft = None;
         let mut quota = None;
         let result = self
-            .call(messages, images, started, &mut ttft, &mut quota)
+            .call(messages, images, started, (&mut ttft, first), &mut quota)
             .await
             .map_err(|err| self.told(err));
         CallOutcome {
@@ -249,7 +263,7 @@ impl ChatClient {
         messages: &RawValue,
         images: &Images,
         started: Instant,
-        ttft: &mut Option<Duration>,
+        (ttft, first): (&mut Option<Duration>, &FirstToken),
         quota: &mut Option<Quota>,
     ) -> Result<Completion, CallError> {
         let request = self.send(|http| {
@@ -284,7 +298,7 @@ impl ChatClient {
             let (completion, longest) = read_stream(
                 response,
                 started,
-                ttft,
+                (ttft, first),
                 Stalls {
                     first_byte: self.stalls.first_byte,
                     idle,

@@ -19,7 +19,7 @@ use super::{Completion, Usage};
 pub(super) async fn read_stream(
     response: reqwest::Response,
     started: Instant,
-    ttft: &mut Option<Duration>,
+    (ttft, first): (&mut Option<Duration>, &crate::limit::FirstToken),
     stalls: Stalls,
     first_byte_by: Instant,
     gaps: &Gaps,
@@ -144,6 +144,7 @@ pub(super) async fn read_stream(
                     pieces += 1;
                     if ttft.is_none() {
                         *ttft = Some(started.elapsed());
+                        first.came();
                     }
                 }
                 content.push_str(&piece);

@@ -391,6 +391,42 @@ const SET_WAITS: &str = "UPDATE items i SET not_before = now() + u.wait * interv
      WHERE i.rid = $1 AND i.seq = ANY($2) AND i.seq = u.seq AND i.claim_id = u.claim
        AND i.state = 'running'";
 
+/// A call of an agent, keyed by its item, attempt and place: sent again, it
+/// replaces itself (see the SQLite store).
+const INSERT_CALL: &str =
+    "INSERT INTO agent_calls (rid, seq, attempt, idx, call_id, api, asked_model, sent_at,
+             endpoint, model, latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens,
+             tokens_estimated, finish_reason, stream, cached, http_status, error_class, error,
+             request, request_cut, response, tags, failovers, request_z, response_z)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17,
+                 $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29)
+         ON CONFLICT (rid, seq, attempt, idx) DO UPDATE SET
+             call_id = EXCLUDED.call_id, api = EXCLUDED.api, asked_model = EXCLUDED.asked_model,
+             sent_at = EXCLUDED.sent_at, endpoint = EXCLUDED.endpoint, model = EXCLUDED.model,
+             latency_ms = EXCLUDED.latency_ms, ttft_ms = EXCLUDED.ttft_ms,
+             tpot_ms = EXCLUDED.tpot_ms, prompt_tokens = EXCLUDED.prompt_tokens,
+             completion_tokens = EXCLUDED.completion_tokens,
+             tokens_estimated = EXCLUDED.tokens_estimated,
+             finish_reason = EXCLUDED.finish_reason, stream = EXCLUDED.stream,
+             cached = EXCLUDED.cached, http_status = EXCLUDED.http_status,
+             error_class = EXCLUDED.error_class, error = EXCLUDED.error,
+             request = EXCLUDED.request, request_cut = EXCLUDED.request_cut,
+             response = EXCLUDED.response, tags = EXCLUDED.tags,
+             failovers = EXCLUDED.failovers, request_z = EXCLUDED.request_z,
+             response_z = EXCLUDED.response_z";
+
+/// A response kept in the cache (the last one for a key wins).
+const PUT_CACHE: &str =
+    "INSERT INTO cache (key, content, endpoint, model, prompt_tokens, completion_tokens,
+                 finish_reason, latency_ms, created_at)
+             VALUES (decode($1, 'hex'), $2, $3, $4, $5, $6, $7, $8, $9)
+             ON CONFLICT (key) DO UPDATE SET content = EXCLUDED.content,
+                 endpoint = EXCLUDED.endpoint, model = EXCLUDED.model,
+                 prompt_tokens = EXCLUDED.prompt_tokens,
+                 completion_tokens = EXCLUDED.completion_tokens,
+                 finish_reason = EXCLUDED.finish_reason, latency_ms = EXCLUDED.latency_ms,
+                 created_at = EXCLUDED.created_at";
+
 fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx<Committed> {
     let rid = conn.rid(run_id)?;
     let attempts = conn.statement(INSERT_ATTEMPTS)?;
@@ -398,6 +434,17 @@ fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx
     let wait = conn.statement(SET_WAITS)?;
     let locking = conn.statement(LOCK)?;
     let tally = conn.statement(TALLY)?;
+    // Prepared once per connection, and only when a batch has such rows.
+    let call = if batch.calls.is_empty() {
+        None
+    } else {
+        Some(conn.statement(INSERT_CALL)?)
+    };
+    let put = if batch.cache.is_empty() {
+        None
+    } else {
+        Some(conn.statement(PUT_CACHE)?)
+    };
     let mut tx = conn.client.transaction()?;
     let holds = lock(&mut tx, &locking, rid, batch)?;
     let mut refused = BTreeSet::new();
@@ -469,32 +516,10 @@ fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx
             ],
         )?;
     }
-    // A call is keyed by its item, attempt and place: sent again, it
-    // replaces itself (see the SQLite store).
-    let call = tx.prepare(
-        "INSERT INTO agent_calls (rid, seq, attempt, idx, call_id, api, asked_model, sent_at,
-             endpoint, model, latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens,
-             tokens_estimated, finish_reason, stream, cached, http_status, error_class, error,
-             request, request_cut, response, tags, failovers, request_z, response_z)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17,
-                 $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29)
-         ON CONFLICT (rid, seq, attempt, idx) DO UPDATE SET
-             call_id = EXCLUDED.call_id, api = EXCLUDED.api, asked_model = EXCLUDED.asked_model,
-             sent_at = EXCLUDED.sent_at, endpoint = EXCLUDED.endpoint, model = EXCLUDED.model,
-             latency_ms = EXCLUDED.latency_ms, ttft_ms = EXCLUDED.ttft_ms,
-             tpot_ms = EXCLUDED.tpot_ms, prompt_tokens = EXCLUDED.prompt_tokens,
-             completion_tokens = EXCLUDED.completion_tokens,
-             tokens_estimated = EXCLUDED.tokens_estimated,
-             finish_reason = EXCLUDED.finish_reason, stream = EXCLUDED.stream,
-             cached = EXCLUDED.cached, http_status = EXCLUDED.http_status,
-             error_class = EXCLUDED.error_class, error = EXCLUDED.error,
-             request = EXCLUDED.request, request_cut = EXCLUDED.request_cut,
-             response = EXCLUDED.response, tags = EXCLUDED.tags,
-             failovers = EXCLUDED.failovers, request_z = EXCLUDED.request_z,
-             response_z = EXCLUDED.response_z",
-    )?;
     let mut calls_stored = false;
     for (claim, c) in &batch.calls {
+        // (Prepared when the batch has calls.)
+        let Some(statement) = &call else { break };
         if !holds.holds(*claim, c.seq) {
             refuse(*claim, c.seq);
             continue;
@@ -506,7 +531,7 @@ fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx
             None => (None, None),
         };
         tx.execute(
-            &call,
+            statement,
             &[
                 &rid,
                 &(c.seq as i64),
@@ -541,18 +566,7 @@ fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx
         )?;
         calls_stored = true;
     }
-    if !batch.cache.is_empty() {
-        let put = tx.prepare(
-            "INSERT INTO cache (key, content, endpoint, model, prompt_tokens, completion_tokens,
-                 finish_reason, latency_ms, created_at)
-             VALUES (decode($1, 'hex'), $2, $3, $4, $5, $6, $7, $8, $9)
-             ON CONFLICT (key) DO UPDATE SET content = EXCLUDED.content,
-                 endpoint = EXCLUDED.endpoint, model = EXCLUDED.model,
-                 prompt_tokens = EXCLUDED.prompt_tokens,
-                 completion_tokens = EXCLUDED.completion_tokens,
-                 finish_reason = EXCLUDED.finish_reason, latency_ms = EXCLUDED.latency_ms,
-                 created_at = EXCLUDED.created_at",
-        )?;
+    if let Some(put) = &put {
         for c in &batch.cache {
             if c.key.len() != 64 || !c.key.bytes().all(|b| b.is_ascii_hexdigit()) {
                 return Err(StoreError::Invariant(format!(
@@ -562,7 +576,7 @@ fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx
                 .into());
             }
             tx.execute(
-                &put,
+                put,
                 &[
                     &c.key,
                     &c.content,
