@@ -525,14 +525,7 @@ impl Aimd {
     /// have started, and slow start judges it as a first level.
     fn opened(&mut self, now: Instant) -> Option<Decision> {
         let opening = self.stream_opening.take()?;
-        self.interval_end = now + FIRST_INTERVAL;
-        self.samples = 0;
-        self.latency_sum = 0.0;
-        self.ended = 0;
-        self.started = 0;
-        self.pushed_back = 0;
-        self.cut = 0;
-        self.reached = false;
+        self.new_interval(now + FIRST_INTERVAL);
         let decision = self.set(opening.target, Reason::StreamOpened);
         self.opening = Some((f64::INFINITY, 0.0));
         decision
@@ -552,12 +545,7 @@ impl Aimd {
                 self.slow_start = false;
                 self.regain = None;
                 self.hold_at(floor, true, now);
-                self.interval_end = now + FIRST_INTERVAL;
-                self.ended = 0;
-                self.started = 0;
-                self.pushed_back = 0;
-                self.cut = 0;
-                self.reached = false;
+                self.new_interval(now + FIRST_INTERVAL);
                 self.set(floor, Reason::Cut)
             }
             Signal::Success(_) => {
@@ -1042,7 +1030,15 @@ impl Aimd {
                 Duration::from_secs_f64(b.max(current.unwrap_or(0.0)))
             })
             .clamp(Duration::from_millis(1), Duration::from_secs(30));
-        self.interval_end = now + interval;
+        self.new_interval(now + interval);
+
+        let (to, reason) = decision?;
+        self.set(to, reason)
+    }
+
+    /// A new interval, until `end`: what the last one counted is forgotten.
+    fn new_interval(&mut self, end: Instant) {
+        self.interval_end = end;
         self.samples = 0;
         self.latency_sum = 0.0;
         self.ended = 0;
@@ -1050,9 +1046,6 @@ impl Aimd {
         self.pushed_back = 0;
         self.cut = 0;
         self.reached = false;
-
-        let (to, reason) = decision?;
-        self.set(to, reason)
     }
 
     fn set(&mut self, to: usize, reason: Reason) -> Option<Decision> {
