@@ -57,8 +57,10 @@
 //! engine said nothing of its capacity opens at two calls: the second's
 //! arrival cuts the first at once where the server serves one at a time
 //! (one cut, and the limit is one, held as above), and where two streams
-//! flow at once, or two calls come back whole, the limit goes on from where
-//! it would have started (see [`Aimd::open_streamed`]).
+//! flow at once, two calls come back whole, or four fail, the limit goes on
+//! from where it would have started (see [`Aimd::open_streamed`]). A cut
+//! by chance before the second stream's first token is taken for such a
+//! server too: the hold's probes find out.
 //!
 //! **Back pressure** beyond what comes whatever the load cuts the limit to
 //! the share of calls that got through (by `decrease_ratio` at least, by
@@ -234,7 +236,8 @@ pub enum Reason {
     /// A streamed endpoint's first calls, two at once, until they show
     /// whether it serves more than one.
     StreamOpening,
-    /// They did: the limit goes where it would have started.
+    /// They were not cut (two flowed at once, two came back whole, or
+    /// calls failed): the limit goes where it would have started.
     StreamOpened,
 }
 
@@ -252,7 +255,9 @@ impl Reason {
             Self::StreamOpening => {
                 "two streams first, to see whether the server serves more than one at a time"
             }
-            Self::StreamOpened => "two streams were served at once",
+            Self::StreamOpened => {
+                "the first streams were not cut (two flowed at once, two came back whole, or calls failed)"
+            }
         }
     }
 }
@@ -486,11 +491,13 @@ impl Aimd {
     /// two calls come back whole, takes the limit where it would have
     /// started. Not where the engine said its capacity.
     pub fn open_streamed(&mut self) -> Option<Decision> {
+        // Two calls, or the least the settings allow.
+        let two = self.settings.min.max(2);
         if self.capacity.is_some()
             || std::mem::replace(&mut self.stream_opened, true)
             || self.ended > 0
             || !self.rates.is_empty()
-            || self.limit <= 2
+            || self.limit <= two
         {
             return None;
         }
@@ -500,7 +507,7 @@ impl Aimd {
             whole: 0,
             ended: 0,
         });
-        let decision = self.set(2, Reason::StreamOpening);
+        let decision = self.set(two, Reason::StreamOpening);
         // The first level is still to come.
         self.opening = Some((f64::INFINITY, 0.0));
         decision
@@ -529,6 +536,13 @@ impl Aimd {
         let decision = self.set(opening.target, Reason::StreamOpened);
         self.opening = Some((f64::INFINITY, 0.0));
         decision
+    }
+
+    /// A call of the opening was dropped before it ended (moved to another
+    /// endpoint, a hedge that lost, abandoned): it no longer flows, and
+    /// counts as a call that ended without an answer.
+    pub fn on_dropped(&mut self, now: Instant, flowed: bool) -> Option<Decision> {
+        self.opening_end(now, Signal::Neutral, flowed)
     }
 
     /// A call of the opening ended (`flowed`: its first token had come).
@@ -609,7 +623,11 @@ impl Aimd {
         }
         match signal {
             Signal::Success(sample) => {
-                if let Some(opening) = self.opening.as_mut() {
+                // (The first level's calls only: those of a streamed
+                // opening, at two, may end after it.)
+                if let Some(opening) = self.opening.as_mut()
+                    && level == Some(self.limit)
+                {
                     let per_work = sample.latency.as_secs_f64() / sample.work.max(1e-9);
                     opening.0 = opening.0.min(per_work);
                     opening.1 = opening.1.max(per_work);

@@ -226,11 +226,12 @@ impl Permit {
 
     /// Frees the slot and tells the controller how the call went; returns the
     /// change of limit it decided, if any.
-    pub fn finish(self, signal: Signal) -> Option<Decision> {
+    pub fn finish(mut self, signal: Signal) -> Option<Decision> {
         let limit = self.limit.clone();
+        // (Taken: dropped now, the permit has nothing more to tell.)
         let flowed = self
             .flowed
-            .as_ref()
+            .take()
             .is_some_and(|flowed| flowed.load(Ordering::Relaxed));
         let mut state = limit.state();
         let decision = state
@@ -250,6 +251,17 @@ impl Drop for Permit {
     fn drop(&mut self) {
         let Some(slot) = self.slot.take() else { return };
         let mut state = self.limit.state();
+        // A call of a streamed endpoint's opening dropped without its end
+        // told (moved, a hedge that lost, abandoned).
+        if let Some(flowed) = self.flowed.take() {
+            let decision = state
+                .controller
+                .as_mut()
+                .and_then(|c| c.on_dropped(Instant::now(), flowed.load(Ordering::Relaxed)));
+            if let Some(decision) = decision {
+                self.limit.resize(&mut state, decision.to);
+            }
+        }
         state.in_flight -= 1;
         if state.debt > 0 {
             state.debt -= 1;
@@ -318,6 +330,42 @@ mod tests {
         let c = limit.acquire().await;
         assert!(c.first_token().0.is_none());
         assert_eq!(limit.open_streamed(), None, "opened once");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_of_the_opening_dropped_after_its_first_token_no_longer_flows() {
+        let limit = ConcurrencyLimit::new(LimitMode::Adaptive(evalfleet_config::AimdSettings {
+            initial: 8,
+            ..Default::default()
+        }));
+        limit.open_streamed();
+        let a = limit.acquire().await;
+        let b = limit.acquire().await;
+        // A flows, then is moved (dropped without its end told); B's
+        // first token alone is not two streams at once.
+        a.first_token().came();
+        drop(a);
+        b.first_token().came();
+        assert_eq!(limit.current(), 2);
+        assert_eq!(limit.slots.available_permits(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_least_of_three_opens_at_three() {
+        let limit = ConcurrencyLimit::new(LimitMode::Adaptive(evalfleet_config::AimdSettings {
+            initial: 8,
+            min: 3,
+            ..Default::default()
+        }));
+        let opened = limit.open_streamed().unwrap();
+        assert_eq!(opened.to, 3);
+        let limit = ConcurrencyLimit::new(LimitMode::Adaptive(evalfleet_config::AimdSettings {
+            initial: 8,
+            min: 8,
+            ..Default::default()
+        }));
+        assert_eq!(limit.open_streamed(), None);
+        assert_eq!(limit.current(), 8);
     }
 
     #[tokio::test(start_paused = true)]
