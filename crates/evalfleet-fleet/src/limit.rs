@@ -307,12 +307,18 @@ mod tests {
         assert_eq!(limit.in_flight(), 0);
     }
 
+    /// An adaptive limit starting at 8 calls, at least `min`.
+    fn adaptive(min: usize) -> Arc<ConcurrencyLimit> {
+        ConcurrencyLimit::new(LimitMode::Adaptive(evalfleet_config::AimdSettings {
+            initial: 8,
+            min,
+            ..Default::default()
+        }))
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_streamed_endpoint_gives_out_two_slots_until_two_streams_flow() {
-        let limit = ConcurrencyLimit::new(LimitMode::Adaptive(evalfleet_config::AimdSettings {
-            initial: 8,
-            ..Default::default()
-        }));
+        let limit = adaptive(1);
         let opened = limit.open_streamed().unwrap();
         assert_eq!((opened.from, opened.to), (8, 2));
         let a = limit.acquire().await;
@@ -334,10 +340,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_call_of_the_opening_dropped_after_its_first_token_no_longer_flows() {
-        let limit = ConcurrencyLimit::new(LimitMode::Adaptive(evalfleet_config::AimdSettings {
-            initial: 8,
-            ..Default::default()
-        }));
+        let limit = adaptive(1);
         limit.open_streamed();
         let a = limit.acquire().await;
         let b = limit.acquire().await;
@@ -352,28 +355,17 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_least_of_three_opens_at_three() {
-        let limit = ConcurrencyLimit::new(LimitMode::Adaptive(evalfleet_config::AimdSettings {
-            initial: 8,
-            min: 3,
-            ..Default::default()
-        }));
+        let limit = adaptive(3);
         let opened = limit.open_streamed().unwrap();
         assert_eq!(opened.to, 3);
-        let limit = ConcurrencyLimit::new(LimitMode::Adaptive(evalfleet_config::AimdSettings {
-            initial: 8,
-            min: 8,
-            ..Default::default()
-        }));
+        let limit = adaptive(8);
         assert_eq!(limit.open_streamed(), None);
         assert_eq!(limit.current(), 8);
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_cut_at_the_opening_leaves_one_slot() {
-        let limit = ConcurrencyLimit::new(LimitMode::Adaptive(evalfleet_config::AimdSettings {
-            initial: 8,
-            ..Default::default()
-        }));
+        let limit = adaptive(1);
         limit.open_streamed();
         let a = limit.acquire().await;
         let b = limit.acquire().await;
