@@ -545,28 +545,20 @@ impl Aimd {
         self.opening_end(now, Signal::Neutral, flowed)
     }
 
-    /// A call of the opening ended (`flowed`: its first token had come).
+    /// A call of the opening ended other than cut (`flowed`: its first
+    /// token had come); a cut is decided on as any other (see
+    /// [`Aimd::one_at_a_time`]).
     fn opening_end(&mut self, now: Instant, signal: Signal, flowed: bool) -> Option<Decision> {
         let opening = self.stream_opening.as_mut()?;
         if flowed {
             opening.flowing = opening.flowing.saturating_sub(1);
         }
         match signal {
-            Signal::Cut => {
-                // The second call's arrival ended the first: one at a time.
-                self.stream_opening = None;
-                let floor = self.settings.min.max(1);
-                self.slow_start = false;
-                self.regain = None;
-                self.hold_at(floor, true, now);
-                self.new_interval(now + FIRST_INTERVAL);
-                self.set(floor, Reason::Cut)
-            }
             Signal::Success(_) => {
                 opening.whole += 1;
                 (opening.whole >= 2).then(|| self.opened(now)).flatten()
             }
-            Signal::BackPressure | Signal::Neutral => {
+            Signal::BackPressure | Signal::Neutral | Signal::Cut => {
                 opening.ended += 1;
                 (opening.ended >= OPENING_ENDED)
                     .then(|| self.opened(now))
@@ -655,7 +647,7 @@ impl Aimd {
             }
             Signal::Neutral => {}
         }
-        if self.stream_opening.is_some() {
+        if self.stream_opening.is_some() && signal != Signal::Cut {
             return self.opening_end(now, signal, flowed);
         }
         // Cut streams are decided on at once: at a probe past a hold for
@@ -680,9 +672,10 @@ impl Aimd {
     }
 
     /// Whether this interval's cut streams say the server serves one call
-    /// at a time: at a probe past a hold for cuts, the first; else when
-    /// they are most of half a round trip's calls, three at least (a few
-    /// cut by chance, however the interval falls, are not).
+    /// at a time: at a probe past a hold for cuts, or among a streamed
+    /// endpoint's first two calls, the first; else when they are most of
+    /// half a round trip's calls, three at least (a few cut by chance,
+    /// however the interval falls, are not).
     fn one_at_a_time(&self) -> bool {
         let probing_cuts = self
             .hold
@@ -693,7 +686,7 @@ impl Aimd {
         let cuts = self.recent.iter().filter(|cut| **cut).count();
         let lately =
             cuts >= 3 && 2 * cuts > self.recent.len() && 2 * self.recent.len() >= self.limit;
-        self.cut > 0 && (probing_cuts || in_interval || lately)
+        self.cut > 0 && (self.stream_opening.is_some() || probing_cuts || in_interval || lately)
     }
 
     /// The share of back pressure at the lowest levels of the limit seen
@@ -937,6 +930,7 @@ impl Aimd {
         let decision = if self.one_at_a_time() {
             // Most streams cut as other calls arrived: the server serves
             // one at a time.
+            self.stream_opening = None;
             self.slow_start = false;
             self.regain = None;
             self.hold_at(floor, true, now);

@@ -191,14 +191,8 @@ pub async fn send_with(
         let overtaken = counters.attempts.load(Ordering::Relaxed) > before + 1;
         signal(&result, &timing, overtaken)
     };
-    if let Some(decision) = permit.finish(signal) {
-        tracing::debug!(
-            "Concurrency limit {} -> {} ({}).",
-            decision.from,
-            decision.to,
-            decision.reason.as_str()
-        );
-    }
+    // (The limit logs what it decides.)
+    permit.finish(signal);
     if let Some(reach) = reached(&result) {
         endpoint.tried(reach);
     }

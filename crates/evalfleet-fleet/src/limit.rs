@@ -61,20 +61,7 @@ impl FirstToken {
         if flowed.swap(true, Ordering::Relaxed) {
             return;
         }
-        let mut state = limit.state();
-        let decision = state
-            .controller
-            .as_mut()
-            .and_then(|c| c.on_first_token(Instant::now()));
-        if let Some(decision) = decision {
-            tracing::debug!(
-                "Concurrency limit {} -> {} ({}).",
-                decision.from,
-                decision.to,
-                decision.reason.as_str()
-            );
-            limit.resize(&mut state, decision.to);
-        }
+        limit.control(&mut limit.state(), |c| c.on_first_token(Instant::now()));
     }
 }
 
@@ -139,12 +126,25 @@ impl ConcurrencyLimit {
     /// stream at a time (before any call; see
     /// [`super::aimd::Aimd::open_streamed`]).
     pub fn open_streamed(&self) -> Option<Decision> {
-        let mut state = self.state();
-        let decision = state.controller.as_mut().and_then(Aimd::open_streamed);
-        if let Some(decision) = decision {
-            self.resize(&mut state, decision.to);
-        }
-        decision
+        self.control(&mut self.state(), Aimd::open_streamed)
+    }
+
+    /// Tells the controller (if the limit is adaptive) what `event` says,
+    /// and moves the limit where it decides.
+    fn control(
+        &self,
+        state: &mut State,
+        event: impl FnOnce(&mut Aimd) -> Option<Decision>,
+    ) -> Option<Decision> {
+        let decision = state.controller.as_mut().and_then(event)?;
+        tracing::debug!(
+            "Concurrency limit {} -> {} ({}).",
+            decision.from,
+            decision.to,
+            decision.reason.as_str()
+        );
+        self.resize(state, decision.to);
+        Some(decision)
     }
 
     /// The limit now.
@@ -173,15 +173,7 @@ impl ConcurrencyLimit {
     /// The engine says it serves `capacity` calls at once: an adaptive
     /// limit starts there and does not pass it.
     pub fn engine_capacity(&self, capacity: usize) -> Option<Decision> {
-        let mut state = self.state();
-        let decision = state
-            .controller
-            .as_mut()
-            .and_then(|c| c.on_capacity(capacity));
-        if let Some(decision) = decision {
-            self.resize(&mut state, decision.to);
-        }
-        decision
+        self.control(&mut self.state(), |c| c.on_capacity(capacity))
     }
 
     /// The engine says `waiting` calls wait in its queue.
@@ -233,15 +225,9 @@ impl Permit {
             .flowed
             .take()
             .is_some_and(|flowed| flowed.load(Ordering::Relaxed));
-        let mut state = limit.state();
-        let decision = state
-            .controller
-            .as_mut()
-            .and_then(|c| c.on_stream_end(Instant::now(), signal, self.level, flowed));
-        if let Some(decision) = decision {
-            limit.resize(&mut state, decision.to);
-        }
-        drop(state);
+        let decision = limit.control(&mut limit.state(), |c| {
+            c.on_stream_end(Instant::now(), signal, self.level, flowed)
+        });
         drop(self);
         decision
     }
@@ -254,13 +240,9 @@ impl Drop for Permit {
         // A call of a streamed endpoint's opening dropped without its end
         // told (moved, a hedge that lost, abandoned).
         if let Some(flowed) = self.flowed.take() {
-            let decision = state
-                .controller
-                .as_mut()
-                .and_then(|c| c.on_dropped(Instant::now(), flowed.load(Ordering::Relaxed)));
-            if let Some(decision) = decision {
-                self.limit.resize(&mut state, decision.to);
-            }
+            self.limit.control(&mut state, |c| {
+                c.on_dropped(Instant::now(), flowed.load(Ordering::Relaxed))
+            });
         }
         state.in_flight -= 1;
         if state.debt > 0 {

@@ -1009,8 +1009,8 @@ async fn llama_cpp_python_s_one_slot_server_as_a_local_engine_answers_every_item
         "a call was cut after the limit came to one: {attempts:?}"
     );
     let cut = attempts.len() - whole;
-    // (One, and at most one more should a probe of the server's model
-    // list have met a stream.)
+    // (One; R1's rounds on this server saw two now and then, a cause not
+    // yet found. Eight calls at once cut seven.)
     assert!(cut <= 2, "{cut} calls cut first: {attempts:?}");
     let rows = by_id(&env.export("l").await);
     assert!(

@@ -37,16 +37,8 @@ fn serve(
     .with_stalls(shared.stalls);
     // A server that serves one stream at a time and cuts the running one
     // for the next is found with two calls, not eight.
-    if shared.stream
-        && let Some(decision) = endpoint.limit.open_streamed()
-    {
-        tracing::debug!(
-            "{}: concurrency limit {} -> {} ({}).",
-            endpoint.name,
-            decision.from,
-            decision.to,
-            decision.reason.as_str()
-        );
+    if shared.stream {
+        endpoint.limit.open_streamed();
     }
     endpoint.set_client(client, base_url.to_owned(), pid);
     endpoint.set_phase(Phase::Ready);

@@ -435,16 +435,12 @@ fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx
     let locking = conn.statement(LOCK)?;
     let tally = conn.statement(TALLY)?;
     // Prepared once per connection, and only when a batch has such rows.
-    let call = if batch.calls.is_empty() {
-        None
-    } else {
-        Some(conn.statement(INSERT_CALL)?)
-    };
-    let put = if batch.cache.is_empty() {
-        None
-    } else {
-        Some(conn.statement(PUT_CACHE)?)
-    };
+    let call = (!batch.calls.is_empty())
+        .then(|| conn.statement(INSERT_CALL))
+        .transpose()?;
+    let put = (!batch.cache.is_empty())
+        .then(|| conn.statement(PUT_CACHE))
+        .transpose()?;
     let mut tx = conn.client.transaction()?;
     let holds = lock(&mut tx, &locking, rid, batch)?;
     let mut refused = BTreeSet::new();
@@ -517,54 +513,54 @@ fn commit_once(conn: &mut Conn, run_id: &str, worker: &str, batch: &Batch) -> Tx
         )?;
     }
     let mut calls_stored = false;
-    for (claim, c) in &batch.calls {
-        // (Prepared when the batch has calls.)
-        let Some(statement) = &call else { break };
-        if !holds.holds(*claim, c.seq) {
-            refuse(*claim, c.seq);
-            continue;
+    if let Some(statement) = &call {
+        for (claim, c) in &batch.calls {
+            if !holds.holds(*claim, c.seq) {
+                refuse(*claim, c.seq);
+                continue;
+            }
+            let t = &c.telemetry;
+            let (request, request_z) = crate::columns::pack(&c.request);
+            let (response, response_z) = match c.response.as_deref() {
+                Some(text) => crate::columns::pack(text),
+                None => (None, None),
+            };
+            tx.execute(
+                statement,
+                &[
+                    &rid,
+                    &(c.seq as i64),
+                    &(c.attempt as i32),
+                    &(c.index as i32),
+                    &c.call_id,
+                    &c.api,
+                    &c.asked_model,
+                    &c.sent_at_ms,
+                    &t.endpoint,
+                    &t.model,
+                    &t.latency_ms,
+                    &t.ttft_ms,
+                    &t.tpot_ms,
+                    &opt_u64(t.prompt_tokens),
+                    &opt_u64(t.completion_tokens),
+                    &t.tokens_estimated,
+                    &t.finish_reason,
+                    &c.stream,
+                    &c.cached,
+                    &i32::from(c.http_status),
+                    &c.error_class.map(ErrorClass::as_str),
+                    &c.error,
+                    &request.unwrap_or(""),
+                    &c.request_cut,
+                    &response,
+                    &c.tags,
+                    &crate::failovers_column(&c.failovers),
+                    &request_z,
+                    &response_z,
+                ],
+            )?;
+            calls_stored = true;
         }
-        let t = &c.telemetry;
-        let (request, request_z) = crate::columns::pack(&c.request);
-        let (response, response_z) = match c.response.as_deref() {
-            Some(text) => crate::columns::pack(text),
-            None => (None, None),
-        };
-        tx.execute(
-            statement,
-            &[
-                &rid,
-                &(c.seq as i64),
-                &(c.attempt as i32),
-                &(c.index as i32),
-                &c.call_id,
-                &c.api,
-                &c.asked_model,
-                &c.sent_at_ms,
-                &t.endpoint,
-                &t.model,
-                &t.latency_ms,
-                &t.ttft_ms,
-                &t.tpot_ms,
-                &opt_u64(t.prompt_tokens),
-                &opt_u64(t.completion_tokens),
-                &t.tokens_estimated,
-                &t.finish_reason,
-                &c.stream,
-                &c.cached,
-                &i32::from(c.http_status),
-                &c.error_class.map(ErrorClass::as_str),
-                &c.error,
-                &request.unwrap_or(""),
-                &c.request_cut,
-                &response,
-                &c.tags,
-                &crate::failovers_column(&c.failovers),
-                &request_z,
-                &response_z,
-            ],
-        )?;
-        calls_stored = true;
     }
     if let Some(put) = &put {
         for c in &batch.cache {
