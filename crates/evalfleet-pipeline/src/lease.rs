@@ -81,10 +81,14 @@ impl LeaseGate {
         u64::try_from(at.saturating_duration_since(self.base).as_millis()).unwrap_or(u64::MAX)
     }
 
-    /// The reader took `claim`.
+    /// The reader took `claim`. An id the store gives again names a new
+    /// claim (the one it named before is gone), which is not lost with it.
     pub fn claimed(&self, claim: ClaimId) {
         if let Ok(mut issued) = self.issued.lock() {
             issued.insert(claim, Instant::now());
+        }
+        if let Ok(mut lost_claims) = self.lost_claims.lock() {
+            lost_claims.remove(&claim);
         }
     }
 
@@ -265,6 +269,22 @@ mod tests {
         );
         assert!(gate.admit(2, 10).await);
         assert!(!gate.admit(1, 10).await);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_claim_id_given_again_names_a_claim_that_is_not_lost() {
+        // Claim 1 ran out; a store that gives its id to a new claim gives
+        // a claim that holds (a SQLite store did, and the new claim's
+        // items were let go while the store held them for this worker).
+        let lease = Duration::from_secs(3);
+        let gate = Arc::new(LeaseGate::new(lease));
+        gate.claimed(1);
+        tokio::time::advance(Duration::from_millis(10)).await;
+        gate.renewed(Instant::now(), lease, &[], &[]);
+        assert!(!gate.admit(1, 10).await);
+        gate.claimed(1);
+        assert!(!gate.lost(1, 11));
+        assert!(gate.admit(1, 11).await);
     }
 
     #[tokio::test(start_paused = true)]

@@ -170,6 +170,7 @@ both!(
     a_claim_is_exclusive_while_its_lease_lasts_and_a_commit_under_a_lost_lease_is_refused,
     a_commit_whose_lease_ran_out_is_refused_once_another_worker_took_its_items,
     the_items_of_a_lapsed_claim_are_taken_next_not_after_the_claimers_own,
+    a_claims_id_is_never_given_again_once_the_claim_is_gone,
     what_workers_saw_of_one_endpoint_is_summed,
     an_item_claimed_again_numbers_its_next_attempt_above_every_stored_one,
     items_come_a_page_at_a_time_filtered_and_sorted_in_the_store,
@@ -808,6 +809,42 @@ fn the_items_of_a_lapsed_claim_are_taken_next_not_after_the_claimers_own(f: &Fix
     let then = seqs(second.claim("r", "two", Some(5), 10, LEASE).unwrap());
     assert_eq!(then[..5], [6, 7, 8, 9, 10], "{then:?}");
     assert!(then[5..].iter().all(|seq| *seq > 20), "{then:?}");
+}
+
+fn a_claims_id_is_never_given_again_once_the_claim_is_gone(f: &Fixture) {
+    // A worker that learned a claim was lost takes every later claim of
+    // that id for lost too: ids name one claim for good. The newest claim
+    // is the one dropped each time, the case where an id would come back.
+    let mut store = f.open();
+    store
+        .create_run(&new_run("r"), &mut items(&["a", "b", "c", "d"], None))
+        .unwrap();
+    store.begin_session("r", &mut worker("one"), false).unwrap();
+    let claim =
+        |store: &mut Box<dyn Store>, after| match store.claim("r", "one", after, 1, LEASE).unwrap()
+        {
+            Claimed::Items(claim) => claim,
+            other => panic!("items are pending: {other:?}"),
+        };
+    // Dropped once its items have all ended.
+    let first = claim(&mut store, None);
+    let done = Batch {
+        results: vec![(first.id, result(1, "a", ItemStatus::Done))],
+        ..Batch::default()
+    };
+    assert_eq!(store.commit("r", "one", &done).unwrap().results, 1);
+    let second = claim(&mut store, Some(1));
+    // Dropped once its lease ran out, by the claim that takes its item.
+    assert_eq!(store.renew("r", "one", Duration::ZERO).unwrap().claims, 1);
+    std::thread::sleep(Duration::from_millis(5));
+    let third = claim(&mut store, Some(2));
+    assert_eq!(
+        (second.items[0].seq, third.items[0].seq),
+        (2, 2),
+        "the lapsed claim's item is taken again"
+    );
+    let ids = std::collections::BTreeSet::from([first.id, second.id, third.id]);
+    assert_eq!(ids.len(), 3, "{:?}", [first.id, second.id, third.id]);
 }
 
 fn a_commit_whose_lease_ran_out_is_refused_once_another_worker_took_its_items(f: &Fixture) {

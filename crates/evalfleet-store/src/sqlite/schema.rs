@@ -327,8 +327,29 @@ ALTER TABLE agent_calls ADD COLUMN request_z BLOB;
 ALTER TABLE agent_calls ADD COLUMN response_z BLOB;
 ";
 
+/// 18: a claim's id is never given again once its claim is gone (a claim
+/// is dropped when its items have all ended, or when its lease ran out):
+/// a worker that learned a claim was lost took every later claim of the
+/// same id for lost too, and let its items go while the store still held
+/// them for it (a run of 200,000 items ended with 57,344 pending).
+const UNIQUE_CLAIM_IDS: &str = "
+CREATE TABLE claims_unique (
+    claim_id    INTEGER PRIMARY KEY AUTOINCREMENT,
+    rid         INTEGER NOT NULL REFERENCES runs(rid),
+    worker      TEXT NOT NULL,
+    first_seq   INTEGER NOT NULL,
+    last_seq    INTEGER NOT NULL,
+    lease_until INTEGER NOT NULL
+);
+INSERT INTO claims_unique (claim_id, rid, worker, first_seq, last_seq, lease_until)
+    SELECT claim_id, rid, worker, first_seq, last_seq, lease_until FROM claims;
+DROP TABLE claims;
+ALTER TABLE claims_unique RENAME TO claims;
+CREATE INDEX claims_by_run ON claims (rid, first_seq);
+";
+
 /// The schema version a store has once every migration ran.
-pub const VERSION: usize = 17;
+pub const VERSION: usize = 18;
 
 pub fn migrations() -> Migrations<'static> {
     Migrations::new(vec![
@@ -349,6 +370,7 @@ pub fn migrations() -> Migrations<'static> {
         M::up(WHOLE_BODIES),
         M::up(PID_SCOPE),
         M::up(ENDPOINT_STATES_PER_WORKER),
+        M::up(UNIQUE_CLAIM_IDS),
     ])
 }
 
