@@ -27,6 +27,13 @@ pub struct Tally {
     /// Told each time an item ends: the reader, holding as many items as
     /// it may, waits on it to claim again.
     ended: tokio::sync::Notify,
+    /// Results made and not yet committed (or refused) by the writer: a
+    /// result refused at commit (this worker's lease on it ran out) leaves
+    /// its item pending, so the reader claims again once these are settled
+    /// before it says it has nothing left.
+    unsettled: AtomicU64,
+    /// Told each time the writer settles a batch's results.
+    settled: tokio::sync::Notify,
     lost: AtomicU64,
     halt: CancellationToken,
     /// The session's counters (its re-asks are counted where they are
@@ -39,6 +46,8 @@ impl Tally {
         Arc::new(Self {
             outstanding: AtomicU64::new(1),
             ended: tokio::sync::Notify::new(),
+            unsettled: AtomicU64::new(0),
+            settled: tokio::sync::Notify::new(),
             lost: AtomicU64::new(0),
             halt,
             progress,
@@ -68,6 +77,26 @@ impl Tally {
 
     pub fn outstanding(&self) -> u64 {
         self.outstanding.load(Ordering::Acquire)
+    }
+
+    /// The writer has committed (or refused) `n` results.
+    pub fn settled(&self, n: u64) {
+        if n > 0 {
+            self.unsettled.fetch_sub(n, Ordering::AcqRel);
+            self.settled.notify_one();
+        }
+    }
+
+    /// Waits until every result made so far is committed or refused.
+    pub async fn all_settled(&self) {
+        while self.unsettled.load(Ordering::Acquire) > 0 {
+            self.settled.notified().await;
+        }
+    }
+
+    /// Whether results are on their way to the store.
+    pub fn unsettled(&self) -> bool {
+        self.unsettled.load(Ordering::Acquire) > 0
     }
 
     /// Items dropped before they ended while the session was not stopping.
@@ -371,6 +400,9 @@ impl Item {
     /// as ended ([`Ended::count`]) once the result is handed on.
     pub fn finish(mut self, finish: Finish) -> (ResultRecord, Ended) {
         self.ended = true;
+        // Counted before the writer can see it, so that its commit never
+        // settles a result not yet counted.
+        self.tally.unsettled.fetch_add(1, Ordering::AcqRel);
         let result = ResultRecord {
             seq: self.seq,
             item_id: std::mem::take(&mut self.item_id),

@@ -395,6 +395,7 @@ pub async fn execute(
             progress.clone(),
             session.on_result.clone(),
             leases.clone(),
+            tally.clone(),
         );
         tracker.spawn(async move {
             let result = task.await;

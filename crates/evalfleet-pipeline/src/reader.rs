@@ -145,6 +145,24 @@ impl Reader {
                         after = None;
                         continue;
                     }
+                    // Results still on their way to the store may be
+                    // refused there (this worker's lease on them ran out
+                    // while it was busy): their items would stay pending
+                    // with no one to answer them. It looks again once
+                    // every result is committed or refused.
+                    Claimed::Nothing if self.shared.tally.unsettled() => {
+                        let settled = runtime.block_on(async {
+                            tokio::select! {
+                                () = self.shared.tally.all_settled() => true,
+                                () = self.shared.halt.cancelled() => false,
+                            }
+                        });
+                        if !settled {
+                            return Ok(());
+                        }
+                        after = None;
+                        continue;
+                    }
                     Claimed::Nothing => {
                         tracing::debug!("Reader: no item is left to claim.");
                         return Ok(());

@@ -70,6 +70,7 @@ pub async fn run(
     progress: Arc<Progress>,
     tap: Option<ResultTap>,
     leases: Arc<crate::lease::LeaseGate>,
+    tally: Arc<crate::item::Tally>,
 ) -> Result<Box<dyn Store>, StoreError> {
     let Worker {
         run_id,
@@ -118,6 +119,7 @@ pub async fn run(
             due = None;
             let (run_id, worker) = (run_id.clone(), worker.clone());
             let tap = tap.clone();
+            let tally = tally.clone();
             committing.spawn_blocking(move || {
                 let result = store.commit(&run_id, &worker, &batch).map(|committed| {
                     if !committed.refused.is_empty() {
@@ -133,6 +135,7 @@ pub async fn run(
                             .filter(|(_, r)| !committed.refused.contains(&r.seq))
                             .for_each(|(_, r)| tap(r));
                     }
+                    tally.settled(batch.results.len() as u64);
                     committed.results
                 });
                 (store, result)
