@@ -328,10 +328,11 @@ ALTER TABLE agent_calls ADD COLUMN response_z BLOB;
 ";
 
 /// 18: a claim's id is never given again once its claim is gone (a claim
-/// is dropped when its items have all ended, or when its lease ran out):
-/// a worker that learned a claim was lost took every later claim of the
-/// same id for lost too, and let its items go while the store still held
-/// them for it (a run of 200,000 items ended with 57,344 pending).
+/// is dropped when its items have all ended, or when its lease ran out).
+/// A worker's renewal takes each claim it handed out that the store no
+/// longer has for lost, and a new claim that got such an id back was
+/// taken for lost too: its items were let go while the store held them
+/// for the worker (a run of 200,000 items ended with 57,344 pending).
 const UNIQUE_CLAIM_IDS: &str = "
 CREATE TABLE claims_unique (
     claim_id    INTEGER PRIMARY KEY AUTOINCREMENT,
