@@ -392,10 +392,12 @@ pub async fn execute(
                 lease: config.timeouts.lease,
             },
             config.writer,
-            progress.clone(),
-            session.on_result.clone(),
-            leases.clone(),
-            tally.clone(),
+            writer::Told {
+                progress: progress.clone(),
+                tap: session.on_result.clone(),
+                leases: leases.clone(),
+                tally: tally.clone(),
+            },
         );
         tracker.spawn(async move {
             let result = task.await;

@@ -59,6 +59,18 @@ pub struct Worker {
     pub lease: Duration,
 }
 
+/// Who the writer tells of what it committed and renewed.
+pub struct Told {
+    /// The session's counters (results committed).
+    pub progress: Arc<Progress>,
+    /// Each result once committed.
+    pub tap: Option<ResultTap>,
+    /// Which claims still hold, after each renewal.
+    pub leases: Arc<crate::lease::LeaseGate>,
+    /// How many results are settled (committed or refused).
+    pub tally: Arc<crate::item::Tally>,
+}
+
 /// Runs until every sender is dropped, then commits what is left, releases
 /// the worker's claims and gives the store back. Meanwhile it renews the
 /// worker's lease every third of it.
@@ -67,16 +79,19 @@ pub async fn run(
     store: Box<dyn Store>,
     worker: Worker,
     settings: WriterSettings,
-    progress: Arc<Progress>,
-    tap: Option<ResultTap>,
-    leases: Arc<crate::lease::LeaseGate>,
-    tally: Arc<crate::item::Tally>,
+    told: Told,
 ) -> Result<Box<dyn Store>, StoreError> {
     let Worker {
         run_id,
         worker,
         lease,
     } = worker;
+    let Told {
+        progress,
+        tap,
+        leases,
+        tally,
+    } = told;
     let mut idle = Some(store);
     let mut committing: JoinSet<Returned> = JoinSet::new();
     let mut batch = Batch::default();
