@@ -34,6 +34,9 @@ pub struct Tally {
     unsettled: AtomicU64,
     /// Told each time the writer settles a batch's results.
     settled: tokio::sync::Notify,
+    /// Tells the writer to commit what it holds now, not at its flush
+    /// interval: the reader waits on it to end the session.
+    flush: tokio::sync::Notify,
     lost: AtomicU64,
     halt: CancellationToken,
     /// The session's counters (its re-asks are counted where they are
@@ -48,6 +51,7 @@ impl Tally {
             ended: tokio::sync::Notify::new(),
             unsettled: AtomicU64::new(0),
             settled: tokio::sync::Notify::new(),
+            flush: tokio::sync::Notify::new(),
             lost: AtomicU64::new(0),
             halt,
             progress,
@@ -87,11 +91,19 @@ impl Tally {
         }
     }
 
-    /// Waits until every result made so far is committed or refused.
+    /// Waits until every result made so far is committed or refused,
+    /// asking the writer to commit at once.
     pub async fn all_settled(&self) {
+        self.flush.notify_one();
         while self.unsettled.load(Ordering::Acquire) > 0 {
             self.settled.notified().await;
         }
+    }
+
+    /// Waits until the reader asks for what the writer holds to be
+    /// committed at once.
+    pub async fn flush_asked(&self) {
+        self.flush.notified().await;
     }
 
     /// Whether results are on their way to the store.

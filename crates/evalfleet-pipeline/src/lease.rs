@@ -87,8 +87,12 @@ impl LeaseGate {
         if let Ok(mut issued) = self.issued.lock() {
             issued.insert(claim, Instant::now());
         }
-        if let Ok(mut lost_claims) = self.lost_claims.lock() {
-            lost_claims.remove(&claim);
+        if let Ok(mut lost_claims) = self.lost_claims.lock()
+            && lost_claims.remove(&claim)
+        {
+            tracing::warn!(
+                "The store gave claim id {claim} again (a bug of its own): the new claim is not taken for lost."
+            );
         }
     }
 

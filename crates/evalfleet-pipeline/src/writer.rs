@@ -180,6 +180,12 @@ pub async fn run(
             }
             () = sleep_until(due.unwrap_or_else(Instant::now)), if due.is_some() && idle.is_some() => {}
             () = sleep_until(renew_at), if idle.is_some() => {}
+            // The session waits on its last results: commit them now.
+            () = tally.flush_asked() => {
+                if due.is_some() {
+                    due = Some(Instant::now());
+                }
+            }
         }
     }
     let mut store =

@@ -328,12 +328,22 @@ ALTER TABLE agent_calls ADD COLUMN response_z BLOB;
 ";
 
 /// 18: a claim's id is never given again once its claim is gone (a claim
-/// is dropped when its items have all ended, or when its lease ran out).
+/// is dropped when its items have all ended, when its worker releases it,
+/// or by the next claim once its lease ran out).
 /// A worker's renewal takes each claim it handed out that the store no
 /// longer has for lost, and a new claim that got such an id back was
 /// taken for lost too: its items were let go while the store held them
 /// for the worker (a run of 200,000 items ended with 57,344 pending).
+///
+/// Two processes opening a store of version 17 at once may both run it
+/// (the version is read before the write lock is taken): the second
+/// fails on its guard instead of dropping the new table's sequence, and
+/// finds the store current.
 const UNIQUE_CLAIM_IDS: &str = "
+CREATE TEMP TABLE claims_not_yet_unique (n INTEGER CHECK (n = 0));
+INSERT INTO claims_not_yet_unique SELECT count(*) FROM sqlite_master
+    WHERE type = 'table' AND name = 'claims' AND sql LIKE '%AUTOINCREMENT%';
+DROP TABLE claims_not_yet_unique;
 CREATE TABLE claims_unique (
     claim_id    INTEGER PRIMARY KEY AUTOINCREMENT,
     rid         INTEGER NOT NULL REFERENCES runs(rid),
@@ -386,5 +396,41 @@ mod tests {
             .query_row("PRAGMA user_version", [], |row| row.get(0))
             .unwrap();
         assert_eq!(version, super::VERSION as i64);
+    }
+
+    #[test]
+    fn claims_keep_their_ids_across_migration_18_and_no_id_comes_back() {
+        let mut conn = rusqlite::Connection::open_in_memory().unwrap();
+        super::migrations().to_version(&mut conn, 17).unwrap();
+        conn.execute_batch(
+            "INSERT INTO runs (rid, run_id, name, status, created_at, updated_at, config, config_dir,
+                 fingerprint, digest, dataset, total)
+                 VALUES (1, 'r', 'r', 'running', 0, 0, '{}', '.', '', '', '', 20);
+             INSERT INTO claims VALUES (5, 1, 'w', 1, 10, 0), (7, 1, 'w', 11, 20, 0);",
+        )
+        .unwrap();
+        super::migrations().to_latest(&mut conn).unwrap();
+        let ids = |conn: &rusqlite::Connection| -> Vec<i64> {
+            let mut ids = conn
+                .prepare("SELECT claim_id FROM claims ORDER BY claim_id")
+                .unwrap();
+            ids.query_map([], |row| row.get(0))
+                .unwrap()
+                .collect::<Result<_, _>>()
+                .unwrap()
+        };
+        assert_eq!(ids(&conn), [5, 7]);
+        // The newest claim dropped: the next is not given its id.
+        let add = "INSERT INTO claims (rid, worker, first_seq, last_seq, lease_until) VALUES (1, 'w', 21, 30, 0)";
+        conn.execute_batch(add).unwrap();
+        conn.execute_batch("DELETE FROM claims WHERE claim_id = 8")
+            .unwrap();
+        conn.execute_batch(add).unwrap();
+        assert_eq!(ids(&conn), [5, 7, 9]);
+        // Run again (two processes migrating at once), it fails on its
+        // guard and leaves the table and its sequence as they were.
+        assert!(conn.execute_batch(super::UNIQUE_CLAIM_IDS).is_err());
+        conn.execute_batch(add).unwrap();
+        assert_eq!(ids(&conn), [5, 7, 9, 10]);
     }
 }
