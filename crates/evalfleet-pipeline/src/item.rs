@@ -42,10 +42,16 @@ pub struct Tally {
     /// The session's counters (its re-asks are counted where they are
     /// made, whether their answer comes from a call or the cache).
     progress: Arc<super::Progress>,
+    /// Told of each item that ends, by its claim.
+    leases: Arc<crate::lease::LeaseGate>,
 }
 
 impl Tally {
-    pub fn new(halt: CancellationToken, progress: Arc<super::Progress>) -> Arc<Self> {
+    pub fn new(
+        halt: CancellationToken,
+        progress: Arc<super::Progress>,
+        leases: Arc<crate::lease::LeaseGate>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             outstanding: AtomicU64::new(1),
             ended: tokio::sync::Notify::new(),
@@ -55,6 +61,7 @@ impl Tally {
             lost: AtomicU64::new(0),
             halt,
             progress,
+            leases,
         })
     }
 
@@ -454,6 +461,8 @@ impl Item {
 
 impl Drop for Item {
     fn drop(&mut self) {
+        // However it ends, it makes no more calls under its claim.
+        self.tally.leases.item_ended(self.claim);
         if self.ended {
             return;
         }

@@ -21,10 +21,9 @@ pub struct LeaseGate {
     /// Until when every claim of the session surely holds: the last
     /// renewal's start (or the session's) plus the lease.
     holds_until_ms: AtomicU64,
-    /// Claims handed out in this session and not known lost, with when
-    /// the reader had them (a renewal that began before then may not know
-    /// them yet).
-    issued: Mutex<HashMap<ClaimId, Instant>>,
+    /// Claims handed out in this session, not known lost and with items
+    /// that have not all ended here.
+    issued: Mutex<HashMap<ClaimId, Issued>>,
     /// Claims and items known lost (another worker may hold them); an
     /// item with when the renewal that told of it began: it was lost
     /// under the claims the reader had by then, not under one that took
@@ -35,6 +34,15 @@ pub struct LeaseGate {
     renewed: Notify,
     /// Calls under way, by item: cancelled when their item is known lost.
     flights: Mutex<HashMap<u64, (ClaimId, CancellationToken)>>,
+}
+
+/// A claim the session holds items of.
+struct Issued {
+    /// When the reader had it (a renewal that began before then may not
+    /// know it yet).
+    had: Instant,
+    /// Its items that have not ended here.
+    left: u64,
 }
 
 /// A call under way for an item: its token is cancelled when the item is
@@ -81,11 +89,18 @@ impl LeaseGate {
         u64::try_from(at.saturating_duration_since(self.base).as_millis()).unwrap_or(u64::MAX)
     }
 
-    /// The reader took `claim`. An id the store gives again names a new
-    /// claim (the one it named before is gone), which is not lost with it.
-    pub fn claimed(&self, claim: ClaimId) {
+    /// The reader took `claim`, of `items` items. An id the store gives
+    /// again names a new claim (the one it named before is gone), which is
+    /// not lost with it.
+    pub fn claimed(&self, claim: ClaimId, items: u64) {
         if let Ok(mut issued) = self.issued.lock() {
-            issued.insert(claim, Instant::now());
+            issued.insert(
+                claim,
+                Issued {
+                    had: Instant::now(),
+                    left: items,
+                },
+            );
         }
         if let Ok(mut lost_claims) = self.lost_claims.lock()
             && lost_claims.remove(&claim)
@@ -93,6 +108,22 @@ impl LeaseGate {
             tracing::warn!(
                 "The store gave claim id {claim} again (a bug of its own): the new claim is not taken for lost."
             );
+        }
+    }
+
+    /// An item of `claim` ended here (answered, failed, let go, or dropped
+    /// as the session stopped): it makes no more calls. A claim whose
+    /// items have all ended is forgotten: the store drops it, and the
+    /// renewals that no longer find it must not take it for lost (every
+    /// call would then look up what was lost, for nothing).
+    pub fn item_ended(&self, claim: ClaimId) {
+        if let Ok(mut issued) = self.issued.lock()
+            && let Some(entry) = issued.get_mut(&claim)
+        {
+            entry.left = entry.left.saturating_sub(1);
+            if entry.left == 0 {
+                issued.remove(&claim);
+            }
         }
     }
 
@@ -106,7 +137,7 @@ impl LeaseGate {
             Ok(mut issued) => {
                 let gone: Vec<ClaimId> = issued
                     .iter()
-                    .filter(|(claim, had)| **had < started && !held.contains(claim))
+                    .filter(|(claim, issued)| issued.had < started && !held.contains(claim))
                     .map(|(claim, _)| *claim)
                     .collect();
                 issued.retain(|claim, _| !gone.contains(claim));
@@ -186,10 +217,10 @@ impl LeaseGate {
         };
         // Lost under a claim the reader had when the renewal that told of
         // it began (a claim it took since may have taken the item back; a
-        // claim no longer issued is among the lost claims above).
+        // claim no longer issued is lost, or has no item making calls).
         self.issued
             .lock()
-            .is_ok_and(|issued| issued.get(&claim).is_none_or(|had| *had < told))
+            .is_ok_and(|issued| issued.get(&claim).is_none_or(|issued| issued.had < told))
     }
 
     /// Waits until item `seq` of `claim` surely holds (a renewal after a
@@ -223,8 +254,8 @@ mod tests {
         let lease = Duration::from_secs(3);
         let gate = Arc::new(LeaseGate::new(lease));
         let abort = CancellationToken::new();
-        gate.claimed(1);
-        gate.claimed(2);
+        gate.claimed(1, 10);
+        gate.claimed(2, 10);
         let a = LeaseGate::flight(&gate, 1, 10, &abort);
         let b = LeaseGate::flight(&gate, 2, 20, &abort);
         let c = LeaseGate::flight(&gate, 2, 21, &abort);
@@ -258,11 +289,11 @@ mod tests {
         let lease = Duration::from_secs(3);
         let gate = Arc::new(LeaseGate::new(lease));
         let abort = CancellationToken::new();
-        gate.claimed(1);
+        gate.claimed(1, 10);
         tokio::time::advance(Duration::from_millis(10)).await;
         let told = Instant::now();
         tokio::time::advance(Duration::from_millis(10)).await;
-        gate.claimed(2);
+        gate.claimed(2, 10);
         gate.renewed(told, lease, &[1, 2], &[10]);
         assert!(gate.lost(1, 10));
         assert!(!gate.lost(2, 10));
@@ -282,21 +313,43 @@ mod tests {
         // items were let go while the store held them for this worker).
         let lease = Duration::from_secs(3);
         let gate = Arc::new(LeaseGate::new(lease));
-        gate.claimed(1);
+        gate.claimed(1, 10);
         tokio::time::advance(Duration::from_millis(10)).await;
         gate.renewed(Instant::now(), lease, &[], &[]);
         assert!(!gate.admit(1, 10).await);
-        gate.claimed(1);
+        gate.claimed(1, 10);
         assert!(!gate.lost(1, 11));
         assert!(gate.admit(1, 11).await);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_claim_whose_items_all_ended_is_not_taken_for_lost_when_the_store_drops_it() {
+        // The store drops a claim once its items have all ended; the
+        // renewals after no longer find it. Nothing was lost: calls stay
+        // on the fast path, and the next claim's calls go out.
+        let lease = Duration::from_secs(3);
+        let gate = Arc::new(LeaseGate::new(lease));
+        gate.claimed(1, 2);
+        gate.claimed(2, 1);
+        gate.item_ended(1);
+        gate.item_ended(1);
+        tokio::time::advance(Duration::from_millis(10)).await;
+        gate.renewed(Instant::now(), lease, &[2], &[]);
+        assert!(!gate.any_lost.load(Ordering::Acquire));
+        assert!(gate.admit(2, 20).await);
+        // A claim with an item still under way that the renewal does not
+        // find ran out.
+        tokio::time::advance(Duration::from_millis(10)).await;
+        gate.renewed(Instant::now(), lease, &[], &[]);
+        assert!(!gate.admit(2, 20).await);
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_call_past_the_lease_waits_for_the_renewal_that_says_whether_its_claim_holds() {
         let lease = Duration::from_secs(3);
         let gate = std::sync::Arc::new(LeaseGate::new(lease));
-        gate.claimed(1);
-        gate.claimed(2);
+        gate.claimed(1, 10);
+        gate.claimed(2, 10);
         assert!(gate.admit(1, 10).await, "within the lease");
         // A stall past the lease: calls wait for the next renewal.
         tokio::time::advance(Duration::from_secs(4)).await;
@@ -311,7 +364,7 @@ mod tests {
         // renewed, and is not lost for that.
         let renewal = Instant::now();
         tokio::time::advance(Duration::from_millis(5)).await;
-        gate.claimed(3);
+        gate.claimed(3, 10);
         // It renews claim 2 only: claim 1 ran out, and item 21 was taken.
         gate.renewed(renewal, lease, &[2], &[21]);
         assert_eq!(waiting.await.unwrap(), (false, true));

@@ -377,9 +377,9 @@ pub async fn execute(
     let halt = stop.child_token();
     let abort = CancellationToken::new();
     let tracker = TaskTracker::new();
-    let tally = Tally::new(halt.clone(), progress.clone());
-    let cache = cache_use(&config, &session.endpoints);
     let leases = Arc::new(lease::LeaseGate::new(config.timeouts.lease));
+    let tally = Tally::new(halt.clone(), progress.clone(), leases.clone());
+    let cache = cache_use(&config, &session.endpoints);
 
     let writer_task = {
         let (halt, abort) = (halt.clone(), abort.clone());

@@ -178,7 +178,9 @@ impl Reader {
                     }
                 };
             after = claim.items.last().map(|p| p.seq);
-            self.shared.leases.claimed(claim.id);
+            self.shared
+                .leases
+                .claimed(claim.id, claim.items.len() as u64);
             self.shared.tally.claimed(claim.items.len() as u64);
             if !self.shared.cache.reads {
                 // Each item goes on as soon as it is read.

@@ -330,10 +330,12 @@ ALTER TABLE agent_calls ADD COLUMN response_z BLOB;
 /// 18: a claim's id is never given again once its claim is gone (a claim
 /// is dropped when its items have all ended, when its worker releases it,
 /// or by the next claim once its lease ran out).
-/// A worker's renewal takes each claim it handed out that the store no
-/// longer has for lost, and a new claim that got such an id back was
-/// taken for lost too: its items were let go while the store held them
-/// for the worker (a run of 200,000 items ended with 57,344 pending).
+/// A worker's renewal took each claim it handed out that the store no
+/// longer had for lost (finished ones too, until the worker learned to
+/// forget a claim whose items have all ended), and a new claim that got
+/// such an id back was taken for lost too: its items were let go while
+/// the store held them for the worker (a run of 200,000 items ended with
+/// 57,344 pending).
 ///
 /// Two processes opening a store of version 17 at once may both run it
 /// (the version is read before the write lock is taken): the second
