@@ -558,7 +558,9 @@ impl Aimd {
                 opening.whole += 1;
                 (opening.whole >= 2).then(|| self.opened(now)).flatten()
             }
-            Signal::BackPressure | Signal::Neutral | Signal::Cut => {
+            // (Not passed: a cut is decided on by the rule for cuts.)
+            Signal::Cut => None,
+            Signal::BackPressure | Signal::Neutral => {
                 opening.ended += 1;
                 (opening.ended >= OPENING_ENDED)
                     .then(|| self.opened(now))
