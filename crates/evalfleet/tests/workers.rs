@@ -310,14 +310,18 @@ async fn a_run_whose_claims_come_while_its_leases_are_renewed_finishes_every_ite
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_items_call_and_its_hedge_are_both_cut_when_its_worker_learns_it_lost_it() {
-    // Items 0 to 7 hang on both endpoints of the first worker. `bad` fails
-    // half its calls and is ejected, so its hung calls are hedged on
-    // `good`, where they hang too. The worker stalls past its lease and a
-    // second worker, with an endpoint of its own, answers them. Woken, the
-    // first learns it lost them: every call it held for them (the calls
-    // and their hedges) is cut at once, not waited for until the attempt
-    // timeout, and it ends.
-    const ITEMS: usize = 200;
+    // Items 0 to 7 hang on both endpoints of the first worker. It starts
+    // on `bad` alone, which fails half its calls, so every one of them
+    // ends up hung there (a call that fails is tried again on `bad`: the
+    // only endpoint). Then `good` joins, `bad` is ejected for its faults,
+    // and its hung calls are hedged on `good`, where they hang too. (Had
+    // both served from the start, which took items 0 to 7 first would be
+    // a race: `good` taking them all left nothing to hedge.) The worker
+    // stalls past its lease and a second worker, with an endpoint of its
+    // own, answers them. Woken, the first learns it lost them: every call
+    // it held for them (the calls and their hedges) is cut at once, not
+    // waited for until the attempt timeout, and it ends.
+    const ITEMS: usize = 1_000;
     const HUNG: usize = 8;
     let env = Env::new();
     let dataset = env.dataset("items.jsonl", ITEMS);
@@ -353,10 +357,16 @@ async fn a_lost_items_call_and_its_hedge_are_both_cut_when_its_worker_learns_it_
         &config(
             &dataset,
             // `bad` is ejected for its faults, never found down (its calls
-            // in flight would be moved instead of hedged).
-            &(external_with("bad", &bad, 16, NO_HEALTH) + &external("good", &good, 32)),
+            // in flight would be moved instead of hedged). Once items 0 to
+            // 7 hang on it, one slot is left for the others: `good` joins
+            // long before they are done, and enough of them are left for
+            // the comparison that ejects `bad`. The retry budget is wide,
+            // so that the retries of `bad`'s faults leave room for the
+            // hedges.
+            &(external_with("bad", &bad, HUNG as u32 + 1, NO_HEALTH)
+                + &external("good", &good, 32)),
             "timeouts: { lease: 2s, attempt: 600s }\n\
-             retry: { max_attempts: 50, backoff_base: 10ms, backoff_max: 100ms }\n\
+             retry: { max_attempts: 50, backoff_base: 10ms, backoff_max: 100ms, budget: 10 }\n\
              writer: { batch_size: 16, flush_interval: 20ms }",
         ),
     );
@@ -366,12 +376,27 @@ async fn a_lost_items_call_and_its_hedge_are_both_cut_when_its_worker_learns_it_
     );
     let log = std::fs::File::create(env.path("first.log")).unwrap();
     let mut first = env
-        .command(&["run", "run.yaml", "-q", "--run-id", "shared"])
+        .command(&[
+            "run",
+            "run.yaml",
+            "-q",
+            "--run-id",
+            "shared",
+            "--endpoints",
+            "bad",
+        ])
         .env("EVALFLEET_LOG", "warn,evalfleet_pipeline=debug")
         .stdout(std::process::Stdio::null())
         .stderr(log)
         .spawn()
         .unwrap();
+    wait_until(ms(30_000), "items 0 to 7 hang on bad", || {
+        bad.stats().hung == HUNG as u64
+    })
+    .await;
+    assert_eq!(good.stats().requests, 0, "good is not in the run yet");
+    let added = env.evalfleet(&["fleet", "add", "shared", "good"]).await;
+    assert_eq!(added.code, Some(0), "{}", added.stderr);
     let in_flight = || bad.stats().in_flight + good.stats().in_flight;
     wait_until(
         ms(60_000),
