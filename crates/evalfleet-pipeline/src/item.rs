@@ -90,6 +90,11 @@ impl Tally {
         self.outstanding.load(Ordering::Acquire)
     }
 
+    /// A result is made, on its way to the writer.
+    pub fn made(&self) {
+        self.unsettled.fetch_add(1, Ordering::AcqRel);
+    }
+
     /// The writer has committed (or refused) `n` results.
     pub fn settled(&self, n: u64) {
         if n > 0 {
@@ -421,7 +426,7 @@ impl Item {
         self.ended = true;
         // Counted before the writer can see it, so that its commit never
         // settles a result not yet counted.
-        self.tally.unsettled.fetch_add(1, Ordering::AcqRel);
+        self.tally.made();
         let result = ResultRecord {
             seq: self.seq,
             item_id: std::mem::take(&mut self.item_id),

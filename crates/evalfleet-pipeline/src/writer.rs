@@ -100,6 +100,12 @@ pub async fn run(
     let renew_every = lease / 3;
     let mut renew_at = Instant::now() + renew_every;
     let mut open = true;
+    // The reader waits for every result made so far to be committed (it
+    // asked once): until none is left unsettled, what arrives is committed
+    // at once, not after the flush interval. A result that was on its way
+    // when the reader asked would otherwise wait the whole interval, and
+    // the session's end with it.
+    let mut hurry = false;
     loop {
         if renew_at <= Instant::now()
             && let Some(mut store) = idle.take()
@@ -168,7 +174,11 @@ pub async fn run(
                         Message::One(outcome) => add(&mut batch, outcome),
                         Message::Many(outcomes) => outcomes.into_iter().for_each(|o| add(&mut batch, o)),
                     }
-                    due.get_or_insert_with(|| Instant::now() + settings.flush_interval);
+                    if hurry {
+                        due = Some(Instant::now());
+                    } else {
+                        due.get_or_insert_with(|| Instant::now() + settings.flush_interval);
+                    }
                 }
                 None => open = false,
             },
@@ -177,11 +187,13 @@ pub async fn run(
                     .map_err(|err| StoreError::Invariant(format!("the writer's commit task failed: {err}")))?;
                 idle = Some(store);
                 progress.committed.fetch_add(result?, Ordering::Relaxed);
+                hurry &= tally.unsettled();
             }
             () = sleep_until(due.unwrap_or_else(Instant::now)), if due.is_some() && idle.is_some() => {}
             () = sleep_until(renew_at), if idle.is_some() => {}
             // The session waits on its last results: commit them now.
             () = tally.flush_asked() => {
+                hurry = tally.unsettled();
                 if due.is_some() {
                     due = Some(Instant::now());
                 }
@@ -200,4 +212,166 @@ pub async fn run(
         .map_err(|err| StoreError::Invariant(format!("the writer's release failed: {err}")))?;
     released?;
     Ok(store)
+}
+
+#[cfg(test)]
+// The writer under test runs outside any session's task tracker.
+#[allow(clippy::disallowed_methods)]
+mod tests {
+    use super::*;
+    use evalfleet_io::dataset::DatasetIdentity;
+    use evalfleet_io::fingerprint::{DatasetOptions, Fingerprint};
+    use evalfleet_store::{
+        Claimed, CreateRunError, ItemSource, Location, NewItem, NewRun, OpenOptions, RunIdentity,
+        WorkerInfo,
+    };
+    use evalfleet_types::{Assessment, ItemStatus};
+
+    /// One item, `a`.
+    struct OneItem(bool);
+
+    impl ItemSource for OneItem {
+        fn next_item(&mut self) -> Result<Option<NewItem>, CreateRunError> {
+            Ok(std::mem::take(&mut self.0).then(|| NewItem {
+                item_id: "a".to_owned(),
+                seq: 1,
+                line: 1,
+                offset: 0,
+                sample_key: 0,
+                invalid: None,
+            }))
+        }
+
+        fn finish(&mut self) -> Result<RunIdentity, CreateRunError> {
+            Ok(RunIdentity {
+                fingerprint: Fingerprint {
+                    dataset_sha256: "0".repeat(64),
+                    dataset_options: DatasetOptions {
+                        format: "jsonl".to_owned(),
+                        id_field: None,
+                        sample_n: None,
+                        sample_seed: None,
+                        skip_invalid: true,
+                        split: None,
+                    },
+                    messages_sha256: String::new(),
+                    params_sha256: String::new(),
+                    samples: 1,
+                    images_sha256: None,
+                },
+                dataset: DatasetIdentity {
+                    path: "data.jsonl".into(),
+                    size: 0,
+                    mtime_ns: 0,
+                    sha256: "0".repeat(64),
+                },
+                sample_n: None,
+            })
+        }
+
+        fn path(&self) -> String {
+            "data.jsonl".to_owned()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_result_on_its_way_when_the_reader_asks_for_the_last_commit_is_committed_at_once() {
+        // The reader asks for what is made to be committed (it has nothing
+        // left to claim and waits for the results in flight) while the
+        // last result is still on its way to the writer: that result is
+        // committed as soon as it arrives, not after the flush interval
+        // (the session's end waited on it: 200 ms by default).
+        const FLUSH: Duration = Duration::from_secs(3_600);
+        let dir = tempfile::tempdir().unwrap();
+        let location = Location::Sqlite(dir.path().join("store.db"));
+        let options = OpenOptions {
+            create: true,
+            ..OpenOptions::default()
+        };
+        let mut store = evalfleet_store::open(&location, &options).unwrap();
+        let new_run = NewRun {
+            run_id: "r".to_owned(),
+            name: "test".to_owned(),
+            config: serde_json::json!({"name": "test"}),
+            config_dir: ".".to_owned(),
+            created_at_ms: 1,
+        };
+        store.create_run(&new_run, &mut OneItem(true)).unwrap();
+        let lease = 10 * FLUSH;
+        let mut me = WorkerInfo {
+            worker: "w".to_owned(),
+            ..evalfleet_store::worker::this_process(lease)
+        };
+        store.begin_session("r", &mut me, false).unwrap();
+        let claim = match store.claim("r", "w", None, 10, lease).unwrap() {
+            Claimed::Items(claim) => claim.id,
+            other => panic!("the item is pending: {other:?}"),
+        };
+        let halt = tokio_util::sync::CancellationToken::new();
+        let progress = Arc::new(Progress::new(1, 0, 0, &[]));
+        let leases = Arc::new(crate::lease::LeaseGate::new(lease));
+        let tally = crate::item::Tally::new(halt, progress.clone(), leases.clone());
+        let (results, inbox) = mpsc::channel(8);
+        let writer = tokio::spawn(run(
+            inbox,
+            store,
+            Worker {
+                run_id: "r".into(),
+                worker: "w".into(),
+                lease,
+            },
+            WriterSettings {
+                batch_size: 512,
+                flush_interval: FLUSH,
+            },
+            Told {
+                progress: progress.clone(),
+                tap: None,
+                leases,
+                tally: tally.clone(),
+            },
+        ));
+        // The item ends; then, before its result reaches the writer, the
+        // reader asks (this runtime has one thread: each yield lets the
+        // writer take what it was told).
+        tally.made();
+        tokio::task::yield_now().await;
+        let asked = Instant::now();
+        let waiting = tokio::spawn({
+            let tally = tally.clone();
+            async move { tally.all_settled().await }
+        });
+        for _ in 0..4 {
+            tokio::task::yield_now().await;
+        }
+        let result = evalfleet_types::ResultRecord {
+            seq: 1,
+            item_id: "a".to_owned(),
+            status: ItemStatus::Done,
+            output: Some("x".to_owned()),
+            error: None,
+            telemetry: None,
+            attempts: 1,
+            cached: 0,
+            item: Some("{}".to_owned()),
+            finished_at_ms: 1,
+            assessment: Assessment::default(),
+            prompt: None,
+            images: Vec::new(),
+        };
+        let mut outcome = Outcome::empty(claim);
+        outcome.result = Some(result);
+        results.send(Message::One(outcome)).await.unwrap();
+        waiting.await.unwrap();
+        // (The clock is paused: it moves on only to timers that fire, so
+        // a commit that waited for the flush interval shows here in full.)
+        assert!(
+            asked.elapsed() < FLUSH,
+            "the last result waited {:?} for the flush interval",
+            asked.elapsed()
+        );
+        assert_eq!(progress.committed.load(Ordering::Relaxed), 1);
+        drop(results);
+        writer.await.unwrap().unwrap();
+    }
 }
