@@ -426,8 +426,9 @@ pub struct RawRetry {
     pub max_attempts: Option<u32>,
     /// The first backoff's ceiling; it doubles with each retry, with full
     /// jitter (not for a fault of the call alone, a 500 or a broken
-    /// stream, where its endpoint answers most calls: that retry waits as
-    /// a first one). Default `100ms`.
+    /// stream without `Retry-After`, where its endpoint answers most
+    /// calls: that retry is sent at once, within the retry budget).
+    /// Default `100ms`.
     #[schemars(with = "Option<schema::Duration>")]
     pub backoff_base: Option<String>,
     /// The longest backoff; at least `backoff_base`. Default `30s`.
