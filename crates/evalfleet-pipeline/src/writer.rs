@@ -219,60 +219,10 @@ pub async fn run(
 #[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
-    use evalfleet_io::dataset::DatasetIdentity;
-    use evalfleet_io::fingerprint::{DatasetOptions, Fingerprint};
     use evalfleet_store::{
-        Claimed, CreateRunError, ItemSource, Location, NewItem, NewRun, OpenOptions, RunIdentity,
-        WorkerInfo,
+        Claimed, ListedItems, Location, NewItem, NewRun, OpenOptions, WorkerInfo,
     };
     use evalfleet_types::{Assessment, ItemStatus};
-
-    /// One item, `a`.
-    struct OneItem(bool);
-
-    impl ItemSource for OneItem {
-        fn next_item(&mut self) -> Result<Option<NewItem>, CreateRunError> {
-            Ok(std::mem::take(&mut self.0).then(|| NewItem {
-                item_id: "a".to_owned(),
-                seq: 1,
-                line: 1,
-                offset: 0,
-                sample_key: 0,
-                invalid: None,
-            }))
-        }
-
-        fn finish(&mut self) -> Result<RunIdentity, CreateRunError> {
-            Ok(RunIdentity {
-                fingerprint: Fingerprint {
-                    dataset_sha256: "0".repeat(64),
-                    dataset_options: DatasetOptions {
-                        format: "jsonl".to_owned(),
-                        id_field: None,
-                        sample_n: None,
-                        sample_seed: None,
-                        skip_invalid: true,
-                        split: None,
-                    },
-                    messages_sha256: String::new(),
-                    params_sha256: String::new(),
-                    samples: 1,
-                    images_sha256: None,
-                },
-                dataset: DatasetIdentity {
-                    path: "data.jsonl".into(),
-                    size: 0,
-                    mtime_ns: 0,
-                    sha256: "0".repeat(64),
-                },
-                sample_n: None,
-            })
-        }
-
-        fn path(&self) -> String {
-            "data.jsonl".to_owned()
-        }
-    }
 
     #[tokio::test(start_paused = true)]
     async fn a_result_on_its_way_when_the_reader_asks_for_the_last_commit_is_committed_at_once() {
@@ -296,7 +246,17 @@ mod tests {
             config_dir: ".".to_owned(),
             created_at_ms: 1,
         };
-        store.create_run(&new_run, &mut OneItem(true)).unwrap();
+        let item = NewItem {
+            item_id: "a".to_owned(),
+            seq: 1,
+            line: 1,
+            offset: 0,
+            sample_key: 0,
+            invalid: None,
+        };
+        store
+            .create_run(&new_run, &mut ListedItems::new(vec![item], None))
+            .unwrap();
         let lease = 10 * FLUSH;
         let mut me = WorkerInfo {
             worker: "w".to_owned(),

@@ -27,8 +27,6 @@ use std::path::PathBuf;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-use evalfleet_io::dataset::DatasetIdentity;
-use evalfleet_io::fingerprint::{DatasetOptions, Fingerprint};
 use evalfleet_store::{Batch, Claimed, CreateRunError, ItemSource, NewItem, NewRun, RunIdentity};
 use evalfleet_store::{Location, OpenOptions};
 use evalfleet_types::{AttemptRecord, ItemStatus, ResultRecord, Telemetry, now_ms};
@@ -64,30 +62,7 @@ impl ItemSource for Items {
     }
 
     fn finish(&mut self) -> Result<RunIdentity, CreateRunError> {
-        Ok(RunIdentity {
-            fingerprint: Fingerprint {
-                dataset_sha256: "0".repeat(64),
-                dataset_options: DatasetOptions {
-                    format: "jsonl".to_owned(),
-                    id_field: None,
-                    sample_n: None,
-                    sample_seed: None,
-                    skip_invalid: false,
-                    split: None,
-                },
-                messages_sha256: String::new(),
-                params_sha256: String::new(),
-                samples: 1,
-                images_sha256: None,
-            },
-            dataset: DatasetIdentity {
-                path: "queue-latency.jsonl".into(),
-                size: 0,
-                mtime_ns: 0,
-                sha256: "0".repeat(64),
-            },
-            sample_n: None,
-        })
+        Ok(RunIdentity::of_no_file(&self.path(), None))
     }
 
     fn path(&self) -> String {

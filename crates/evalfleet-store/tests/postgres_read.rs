@@ -15,8 +15,8 @@ use evalfleet_store::{
 };
 mod common;
 
-use common::{Items, items, worker};
-use evalfleet_store::{PgStore, SqliteStore};
+use common::{items, worker};
+use evalfleet_store::{ListedItems, PgStore, SqliteStore};
 use evalfleet_testkit::postgres::ScratchDb as Scratch;
 use evalfleet_types::{StateCounts, now_ms};
 
@@ -565,7 +565,7 @@ fn a_scan_cut_off_goes_on_after_the_last_row_handed_out() {
 
 /// Items that cut the store's connections once `cut_at` were pulled.
 struct CutOff<'a> {
-    items: Items,
+    items: ListedItems,
     pulled: usize,
     cut_at: usize,
     db: &'a Scratch,
@@ -614,7 +614,7 @@ fn a_registration_cut_off_stores_nothing_and_says_so() {
 
 /// Items that take their time: the first one comes after `pause`.
 struct Slow {
-    items: Items,
+    items: ListedItems,
     pause: std::time::Duration,
 }
 

@@ -56,6 +56,70 @@ pub trait ItemSource {
     fn path(&self) -> String;
 }
 
+impl RunIdentity {
+    /// The identity of items that come from no dataset file (tests,
+    /// benchmarks): a file `path`, empty, hashed as zeros, its invalid
+    /// rows skipped; `sample_n` kept.
+    pub fn of_no_file(path: &str, sample_n: Option<u64>) -> Self {
+        use evalfleet_io::fingerprint::DatasetOptions;
+        Self {
+            fingerprint: Fingerprint {
+                dataset_sha256: "0".repeat(64),
+                dataset_options: DatasetOptions {
+                    format: "jsonl".to_owned(),
+                    id_field: None,
+                    sample_n,
+                    sample_seed: None,
+                    skip_invalid: true,
+                    split: None,
+                },
+                messages_sha256: String::new(),
+                params_sha256: String::new(),
+                samples: 1,
+                images_sha256: None,
+            },
+            dataset: DatasetIdentity {
+                path: path.into(),
+                size: 0,
+                mtime_ns: 0,
+                sha256: "0".repeat(64),
+            },
+            sample_n,
+        }
+    }
+}
+
+/// Items registered from a list, as from a file `data.jsonl` that is not
+/// there (tests, benchmarks: see [`RunIdentity::of_no_file`]).
+pub struct ListedItems {
+    items: std::vec::IntoIter<NewItem>,
+    sample_n: Option<u64>,
+}
+
+impl ListedItems {
+    /// `items` in their order; `sample_n`: keep only so many.
+    pub fn new(items: Vec<NewItem>, sample_n: Option<u64>) -> Self {
+        Self {
+            items: items.into_iter(),
+            sample_n,
+        }
+    }
+}
+
+impl ItemSource for ListedItems {
+    fn next_item(&mut self) -> Result<Option<NewItem>, CreateRunError> {
+        Ok(self.items.next())
+    }
+
+    fn finish(&mut self) -> Result<RunIdentity, CreateRunError> {
+        Ok(RunIdentity::of_no_file(&self.path(), self.sample_n))
+    }
+
+    fn path(&self) -> String {
+        "data.jsonl".to_owned()
+    }
+}
+
 /// A stored run.
 #[derive(Debug, Clone)]
 pub struct RunRecord {

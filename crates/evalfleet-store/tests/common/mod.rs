@@ -4,17 +4,10 @@
 
 #![allow(dead_code)]
 
-use evalfleet_io::dataset::DatasetIdentity;
-use evalfleet_io::fingerprint::{DatasetOptions, Fingerprint};
-use evalfleet_store::{CreateRunError, ItemSource, NewItem, RunIdentity, WorkerInfo};
+use evalfleet_store::{ListedItems, NewItem, WorkerInfo};
 
 /// Items for a new run, in the order given.
-pub struct Items {
-    pub items: std::vec::IntoIter<NewItem>,
-    sample_n: Option<u64>,
-}
-
-pub fn items(ids: &[&str], sample_n: Option<u64>) -> Items {
+pub fn items(ids: &[&str], sample_n: Option<u64>) -> ListedItems {
     let items: Vec<NewItem> = ids
         .iter()
         .enumerate()
@@ -27,47 +20,7 @@ pub fn items(ids: &[&str], sample_n: Option<u64>) -> Items {
             invalid: id.starts_with("bad").then(|| "broken row".to_owned()),
         })
         .collect();
-    Items {
-        items: items.into_iter(),
-        sample_n,
-    }
-}
-
-impl ItemSource for Items {
-    fn next_item(&mut self) -> Result<Option<NewItem>, CreateRunError> {
-        Ok(self.items.next())
-    }
-
-    fn finish(&mut self) -> Result<RunIdentity, CreateRunError> {
-        Ok(RunIdentity {
-            fingerprint: Fingerprint {
-                dataset_sha256: "0".repeat(64),
-                dataset_options: DatasetOptions {
-                    format: "jsonl".to_owned(),
-                    id_field: None,
-                    sample_n: self.sample_n,
-                    sample_seed: None,
-                    skip_invalid: true,
-                    split: None,
-                },
-                messages_sha256: String::new(),
-                params_sha256: String::new(),
-                samples: 1,
-                images_sha256: None,
-            },
-            dataset: DatasetIdentity {
-                path: "data.jsonl".into(),
-                size: 0,
-                mtime_ns: 0,
-                sha256: "0".repeat(64),
-            },
-            sample_n: self.sample_n,
-        })
-    }
-
-    fn path(&self) -> String {
-        "data.jsonl".to_owned()
-    }
+    ListedItems::new(items, sample_n)
 }
 
 /// A worker of this process named `name`, with leases of a minute.
