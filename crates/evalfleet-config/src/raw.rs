@@ -425,10 +425,11 @@ pub struct RawRetry {
     /// them. Default 10.
     pub max_attempts: Option<u32>,
     /// The first backoff's ceiling; it doubles with each retry, with full
-    /// jitter (not for a fault of the call alone, a 500 or a broken
-    /// stream without `Retry-After`, where its endpoint answers most
-    /// calls: that retry is sent at once, within the retry budget).
-    /// Default `100ms`.
+    /// jitter (not for a fault of the call alone, such as a 500, a reset
+    /// connection or a broken stream, where its endpoint answers most
+    /// calls: the call's first retry is sent at once when no `Retry-After`
+    /// says otherwise, within the retry budget, and its later ones wait
+    /// as a first one). Default `100ms`.
     #[schemars(with = "Option<schema::Duration>")]
     pub backoff_base: Option<String>,
     /// The longest backoff; at least `backoff_base`. Default `30s`.

@@ -463,18 +463,20 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
             let tries = item.tries;
             let said = evalfleet_types::error_text(&err);
             item.refused = !class.is_retryable();
-            // A fault of the call alone (a 500, a broken or stalled
-            // stream, with no Retry-After), where the endpoint answers most
-            // calls: the next try is sent at once (the retry budget bounds
-            // how many are). The backoff doubles with each try where faults
-            // are broad, and for back pressure (the endpoint asks for less)
-            // whatever the share.
+            // A fault of the call alone (a 5xx other than a 503, a reset
+            // connection, a broken or stalled stream), where the endpoint
+            // answers most calls: the call's first retry is sent at once
+            // (with no Retry-After; the retry budget bounds how many are),
+            // its later ones wait as a first retry would. The backoff
+            // doubles with each try where faults are broad, and for back
+            // pressure (the endpoint asks for less) whatever the share.
             let sporadic =
                 class.is_retryable() && !class.is_back_pressure() && endpoint.fails_sporadically();
-            let wait = if sporadic && err.retry_after().is_none() {
-                Duration::ZERO
-            } else {
-                shared.retry.backoff(tries.max(1), err.retry_after())
+            let wait = match err.retry_after() {
+                None if sporadic && tries == 1 => Duration::ZERO,
+                retry_after => shared
+                    .retry
+                    .backoff(if sporadic { 1 } else { tries.max(1) }, retry_after),
             };
             let reason = if !class.is_retryable() {
                 said

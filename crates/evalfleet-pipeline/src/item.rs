@@ -34,6 +34,11 @@ pub struct Tally {
     unsettled: AtomicU64,
     /// Told each time the writer settles a batch's results.
     settled: tokio::sync::Notify,
+    /// Results made, and settled, since the session began (the writer
+    /// hurries until the second reaches what the first was when the
+    /// reader asked).
+    made_total: AtomicU64,
+    settled_total: AtomicU64,
     /// Tells the writer to commit what it holds now, not at its flush
     /// interval: the reader waits on it to end the session.
     flush: tokio::sync::Notify,
@@ -57,6 +62,8 @@ impl Tally {
             ended: tokio::sync::Notify::new(),
             unsettled: AtomicU64::new(0),
             settled: tokio::sync::Notify::new(),
+            made_total: AtomicU64::new(0),
+            settled_total: AtomicU64::new(0),
             flush: tokio::sync::Notify::new(),
             lost: AtomicU64::new(0),
             halt,
@@ -92,15 +99,30 @@ impl Tally {
 
     /// A result is made, on its way to the writer.
     pub fn made(&self) {
+        self.made_total.fetch_add(1, Ordering::AcqRel);
         self.unsettled.fetch_add(1, Ordering::AcqRel);
     }
 
     /// The writer has committed (or refused) `n` results.
     pub fn settled(&self, n: u64) {
         if n > 0 {
+            self.settled_total.fetch_add(n, Ordering::AcqRel);
             self.unsettled.fetch_sub(n, Ordering::AcqRel);
             self.settled.notify_one();
         }
+    }
+
+    /// What the writer settles before it stops hurrying, when the reader
+    /// asks now: every result made so far (`None` once they all are).
+    pub fn settle_target(&self) -> Option<u64> {
+        let target = self.made_total.load(Ordering::Acquire);
+        (self.settled_total.load(Ordering::Acquire) < target).then_some(target)
+    }
+
+    /// Whether every result made before the reader asked (`target`) is
+    /// settled.
+    pub fn reached(&self, target: u64) -> bool {
+        self.settled_total.load(Ordering::Acquire) >= target
     }
 
     /// Waits until every result made so far is committed or refused,

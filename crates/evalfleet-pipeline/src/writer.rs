@@ -101,11 +101,11 @@ pub async fn run(
     let mut renew_at = Instant::now() + renew_every;
     let mut open = true;
     // The reader waits for every result made so far to be committed (it
-    // asked once): until none is left unsettled, what arrives is committed
-    // at once, not after the flush interval. A result that was on its way
-    // when the reader asked would otherwise wait the whole interval, and
-    // the session's end with it.
-    let mut hurry = false;
+    // asked once): until the results made before it asked are settled,
+    // what arrives is committed at once, not after the flush interval. A
+    // result that was on its way when the reader asked would otherwise
+    // wait the whole interval, and the session's end with it.
+    let mut hurry: Option<u64> = None;
     loop {
         if renew_at <= Instant::now()
             && let Some(mut store) = idle.take()
@@ -174,7 +174,7 @@ pub async fn run(
                         Message::One(outcome) => add(&mut batch, outcome),
                         Message::Many(outcomes) => outcomes.into_iter().for_each(|o| add(&mut batch, o)),
                     }
-                    if hurry {
+                    if hurry.is_some() {
                         due = Some(Instant::now());
                     } else {
                         due.get_or_insert_with(|| Instant::now() + settings.flush_interval);
@@ -187,13 +187,13 @@ pub async fn run(
                     .map_err(|err| StoreError::Invariant(format!("the writer's commit task failed: {err}")))?;
                 idle = Some(store);
                 progress.committed.fetch_add(result?, Ordering::Relaxed);
-                hurry &= tally.unsettled();
+                hurry = hurry.filter(|target| !tally.reached(*target));
             }
             () = sleep_until(due.unwrap_or_else(Instant::now)), if due.is_some() && idle.is_some() => {}
             () = sleep_until(renew_at), if idle.is_some() => {}
             // The session waits on its last results: commit them now.
             () = tally.flush_asked() => {
-                hurry = tally.unsettled();
+                hurry = tally.settle_target();
                 if due.is_some() {
                     due = Some(Instant::now());
                 }
@@ -330,8 +330,8 @@ mod tests {
             "the last result waited {:?} for the flush interval",
             asked.elapsed()
         );
-        assert_eq!(progress.committed.load(Ordering::Relaxed), 1);
         drop(results);
         writer.await.unwrap().unwrap();
+        assert_eq!(progress.committed.load(Ordering::Relaxed), 1);
     }
 }
