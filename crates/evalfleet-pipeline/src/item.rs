@@ -27,18 +27,16 @@ pub struct Tally {
     /// Told each time an item ends: the reader, holding as many items as
     /// it may, waits on it to claim again.
     ended: tokio::sync::Notify,
-    /// Results made and not yet committed (or refused) by the writer: a
-    /// result refused at commit (this worker's lease on it ran out) leaves
-    /// its item pending, so the reader claims again once these are settled
-    /// before it says it has nothing left.
-    unsettled: AtomicU64,
-    /// Told each time the writer settles a batch's results.
-    settled: tokio::sync::Notify,
-    /// Results made, and settled, since the session began (the writer
-    /// hurries until the second reaches what the first was when the
-    /// reader asked).
+    /// Results made, and results the writer committed or refused, since
+    /// the session began. Those made and not yet settled matter: a result
+    /// refused at commit (this worker's lease on it ran out) leaves its
+    /// item pending, so the reader claims again once they are settled
+    /// before it says it has nothing left; and the writer hurries until
+    /// the settled reach what was made when the reader asked.
     made_total: AtomicU64,
     settled_total: AtomicU64,
+    /// Told each time the writer settles a batch's results.
+    settled: tokio::sync::Notify,
     /// Tells the writer to commit what it holds now, not at its flush
     /// interval: the reader waits on it to end the session.
     flush: tokio::sync::Notify,
@@ -60,10 +58,9 @@ impl Tally {
         Arc::new(Self {
             outstanding: AtomicU64::new(1),
             ended: tokio::sync::Notify::new(),
-            unsettled: AtomicU64::new(0),
-            settled: tokio::sync::Notify::new(),
             made_total: AtomicU64::new(0),
             settled_total: AtomicU64::new(0),
+            settled: tokio::sync::Notify::new(),
             flush: tokio::sync::Notify::new(),
             lost: AtomicU64::new(0),
             halt,
@@ -100,14 +97,12 @@ impl Tally {
     /// A result is made, on its way to the writer.
     pub fn made(&self) {
         self.made_total.fetch_add(1, Ordering::AcqRel);
-        self.unsettled.fetch_add(1, Ordering::AcqRel);
     }
 
     /// The writer has committed (or refused) `n` results.
     pub fn settled(&self, n: u64) {
         if n > 0 {
             self.settled_total.fetch_add(n, Ordering::AcqRel);
-            self.unsettled.fetch_sub(n, Ordering::AcqRel);
             self.settled.notify_one();
         }
     }
@@ -129,7 +124,7 @@ impl Tally {
     /// asking the writer to commit at once.
     pub async fn all_settled(&self) {
         self.flush.notify_one();
-        while self.unsettled.load(Ordering::Acquire) > 0 {
+        while self.unsettled() {
             self.settled.notified().await;
         }
     }
@@ -142,7 +137,10 @@ impl Tally {
 
     /// Whether results are on their way to the store.
     pub fn unsettled(&self) -> bool {
-        self.unsettled.load(Ordering::Acquire) > 0
+        // The settled first: a result is settled only once it was made, so
+        // the made read after can only be as many or more.
+        let settled = self.settled_total.load(Ordering::Acquire);
+        self.made_total.load(Ordering::Acquire) > settled
     }
 
     /// Items dropped before they ended while the session was not stopping.
