@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 
 pub use api::*;
 pub use postgres::PgStore;
+pub use postgres::REAP_EVERY as POSTGRES_REAP_EVERY;
 pub use postgres::schema::VERSION as POSTGRES_SCHEMA_VERSION;
 pub use sqlite::SqliteStore;
 pub use sqlite::schema::VERSION as SQLITE_SCHEMA_VERSION;

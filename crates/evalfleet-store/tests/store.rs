@@ -242,6 +242,13 @@ fn attempt(seq: u64, number: u32) -> AttemptRecord {
 
 const LEASE: Duration = Duration::from_secs(60);
 
+/// Until a claim looks for lapsed items again whatever else it finds: the
+/// PostgreSQL store reaps at most once an interval per connection, and at
+/// every claim that finds nothing else (SQLite at every claim).
+fn wait_for_reap() {
+    std::thread::sleep(evalfleet_store::POSTGRES_REAP_EVERY + Duration::from_millis(5));
+}
+
 /// Claims every pending item of `run_id` for `name`.
 fn claim_all(store: &mut dyn Store, run_id: &str, name: &str) -> ClaimId {
     match store.claim(run_id, name, None, 1000, LEASE).unwrap() {
@@ -801,7 +808,9 @@ fn the_items_of_a_lapsed_claim_are_taken_next_not_after_the_claimers_own(f: &Fix
     // The first worker dies: its lease runs out. The second, whose cursor
     // is past its items, takes them next, not after the rest of the run.
     assert_eq!(first.renew("r", "one", Duration::ZERO).unwrap().claims, 1);
-    std::thread::sleep(Duration::from_millis(5));
+    // Once the second looks for lapsed items (PostgreSQL: at most once a
+    // reap interval, which its first claim began).
+    wait_for_reap();
     let next = seqs(second.claim("r", "two", Some(20), 5, LEASE).unwrap());
     assert_eq!(next, vec![1, 2, 3, 4, 5]);
     // Then on from there: the rest of the lapsed claim, then (PostgreSQL
@@ -836,7 +845,7 @@ fn a_claims_id_is_never_given_again_once_the_claim_is_gone(f: &Fixture) {
     let second = claim(&mut store, Some(1));
     // Dropped once its lease ran out, by the claim that takes its item.
     assert_eq!(store.renew("r", "one", Duration::ZERO).unwrap().claims, 1);
-    std::thread::sleep(Duration::from_millis(5));
+    wait_for_reap();
     let third = claim(&mut store, Some(2));
     assert_eq!(
         (second.items[0].seq, third.items[0].seq),

@@ -27,6 +27,8 @@ mod results;
 mod runs;
 pub mod schema;
 
+pub use queue::REAP_EVERY;
+
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -149,6 +151,9 @@ pub(crate) struct Conn {
     /// Statements prepared on this connection, by their text: each is
     /// prepared once per connection, not once per transaction.
     statements: HashMap<&'static str, postgres::Statement>,
+    /// When a claim on this connection last returned lapsed items to
+    /// pending (see `queue::reap`).
+    pub reaped_at: Option<std::time::Instant>,
 }
 
 impl Conn {
@@ -157,6 +162,7 @@ impl Conn {
             client,
             rids: HashMap::new(),
             statements: HashMap::new(),
+            reaped_at: None,
         }
     }
 

@@ -174,6 +174,20 @@ fn insert_batch(
     Ok(None)
 }
 
+/// Brings the planner's statistics of the queue's tables up to date after
+/// a run's items were added. Until it has them (autovacuum analyzes a
+/// table some time after it grew, or never where it is off), the planner
+/// takes `items` for nearly empty and reads a commit's or a claim's
+/// hundreds of items by scanning every row of the run: a run of 100,000
+/// items spent 16 ms a commit locking its rows, against 0.8 ms with them.
+/// A failure is no reason to stop (ANALYZE of a table this role does not
+/// own only warns): the run goes on, slower.
+fn analyze(conn: &mut super::Conn) {
+    if let Err(err) = conn.client.batch_execute("ANALYZE items, item_rows") {
+        tracing::debug!("Could not analyze the queue's tables: {err}");
+    }
+}
+
 /// Registers the run and its items in `tx`; returns its row id. The inner
 /// error is final (see [`register`]).
 fn create(
@@ -318,6 +332,7 @@ impl Runs for PgStore {
             match create(&mut tx, run, &config, items, &mut pulled)? {
                 Ok(rid) => {
                     tx.commit()?;
+                    analyze(conn);
                     Ok(Ok(rid))
                 }
                 // Dropping the transaction undoes everything.
