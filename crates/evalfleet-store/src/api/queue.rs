@@ -106,8 +106,10 @@ pub struct Committed {
 pub trait WorkQueue {
     /// Claims up to `limit` pending items that no live lease holds, in `seq`
     /// order from just after `after` (or from the start), for `lease`.
-    /// Expired claims of any worker are dropped first, so their items are
-    /// claimed again. An item whose stored wait ([`NotBefore`]) has not
+    /// Expired claims of any worker are dropped, so their items are claimed
+    /// again, first (PostgreSQL looks for them before taking at most once
+    /// a [`crate::POSTGRES_REAP_EVERY`] per connection and run, and
+    /// whenever a claim finds nothing else). An item whose stored wait ([`NotBefore`]) has not
     /// passed is not claimed: it counts as held by others until it has.
     fn claim(
         &mut self,

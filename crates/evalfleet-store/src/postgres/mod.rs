@@ -151,9 +151,10 @@ pub(crate) struct Conn {
     /// Statements prepared on this connection, by their text: each is
     /// prepared once per connection, not once per transaction.
     statements: HashMap<&'static str, postgres::Statement>,
-    /// When a claim on this connection last returned lapsed items to
-    /// pending (see `queue::reap`).
-    pub reaped_at: Option<std::time::Instant>,
+    /// When a claim on this connection last looked for lapsed items to
+    /// return to pending, by run (see `queue::reap`): set once its
+    /// transaction committed.
+    pub reaped_at: HashMap<i64, Instant>,
 }
 
 impl Conn {
@@ -162,7 +163,7 @@ impl Conn {
             client,
             rids: HashMap::new(),
             statements: HashMap::new(),
-            reaped_at: None,
+            reaped_at: HashMap::new(),
         }
     }
 

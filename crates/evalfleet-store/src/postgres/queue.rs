@@ -7,17 +7,18 @@
 //!   (it is claiming or committing them): workers claiming at once never
 //!   wait for each other and never take the same item. The rows are picked
 //!   in a materialized CTE, so the update touches no more rows than the
-//!   limit, whatever plan the planner would make of a join. Each claimed
+//!   limit, and updated by their keys. Each claimed
 //!   item's `attempt` is raised and its `claim_id` set to the claim's,
 //!   from a sequence: the pair is the fencing token of that claim.
 //! - Leases run on `now()` of the database, never a worker's clock. Any
-//!   worker, when it claims, first returns to pending the items whose
-//!   lease has passed (no leader reaps them): at most once a second (an
-//!   eighth of the lease where that is shorter), and whenever a claim
-//!   finds nothing else to take. The search walks every running item and
-//!   every index entry that ever was one, until a vacuum clears them: run
-//!   at each claim, it took a third of the database's time in a run of
-//!   100,000 items.
+//!   worker's claim returns to pending the items whose lease has passed
+//!   (no leader reaps them), and takes them before the items after its
+//!   cursor: before it takes, where its connection has not looked for
+//!   them in the run for [`REAP_EVERY`] (an eighth of the lease where that
+//!   is shorter), and after it found nothing else to take. The search
+//!   walks every running item and every index entry that ever was one,
+//!   until a vacuum clears them: run at each claim, it took a third of the
+//!   database's time in a run of 100,000 items.
 //! - One statement per heartbeat renews all of a worker's leases and tells
 //!   it which items it lost since it last asked (the reaper notes whose
 //!   lease it took back, in `lost_by`).
@@ -57,14 +58,17 @@ fn millis(duration: Duration) -> i64 {
 /// claim (the rest at the next).
 const REAP_LIMIT: i64 = 10_000;
 
-/// The longest a connection's claims go without reaping (an eighth of the
-/// lease where that is shorter): what a lapsed item may wait beyond its
-/// lease before it is taken again.
+/// How long a connection's claims in a run go before they look for lapsed
+/// leases again before taking (an eighth of the lease where that is
+/// shorter; a claim that finds nothing else looks at once): what a lapsed
+/// item may wait beyond its lease while a worker claims, at most.
 pub const REAP_EVERY: Duration = Duration::from_secs(1);
 
-/// Whether a claim on `conn` under `lease` reaps before it takes.
-fn reap_due(conn: &Conn, lease: Duration) -> bool {
+/// Whether a claim on `conn` in run `rid` under `lease` reaps before it
+/// takes.
+fn reap_due(conn: &Conn, rid: i64, lease: Duration) -> bool {
     conn.reaped_at
+        .get(&rid)
         .is_none_or(|at| at.elapsed() >= REAP_EVERY.min(lease / 8))
 }
 
@@ -178,10 +182,11 @@ fn take(
 ///
 /// The rows of a claim's items are looked up by their keys (`= ANY` of
 /// an array), here and in the claim's update, not joined to the claimed
-/// set: a prepared statement's generic plan knows neither the limit nor
-/// the cursor, and with the tables' statistics it took a claim for a few
-/// hundred rows and hashed every row of the run to join them (3.5 ms a
-/// claim of 128 items at 10,000 items, against 1.2 ms).
+/// set: with the tables' statistics, the planner, pricing each lookup of
+/// a key as a read from disk, hashed every row of a run of 10,000 items
+/// to join a claim's 128 (3.5 ms a claim, against 1.2 ms); it cannot see
+/// how many keys an array built in the statement holds, and looks them
+/// up.
 const PENDING_ITEMS: &str = "SELECT r.item_id, r.seq, r.line, r.\"offset\",
         GREATEST((SELECT COALESCE(MAX(a.attempt), 0) FROM attempts a
                   WHERE a.rid = $1 AND a.seq = r.seq),
@@ -242,7 +247,9 @@ fn claim_once(
             (claim, false)
         }
     };
-    let reaped = reap_due(conn, lease);
+    let reaped = reap_due(conn, rid, lease);
+    // When this claim looked for lapsed items, noted once it commits.
+    let mut looked = None;
     let mut tx = conn.client.transaction()?;
     if again {
         let items = held(&mut tx, &statements, rid, claim, worker)?;
@@ -252,7 +259,7 @@ fn claim_once(
         }
     }
     let lapsed = if reaped {
-        conn.reaped_at = Some(std::time::Instant::now());
+        looked = Some(std::time::Instant::now());
         reap(&mut tx, &statements, rid)?
     } else {
         None
@@ -278,7 +285,7 @@ fn claim_once(
     if items.is_empty() && !reaped {
         // Nothing else to take: lapsed items are looked for now, not at
         // the next reap.
-        conn.reaped_at = Some(std::time::Instant::now());
+        looked = Some(std::time::Instant::now());
         let lapsed = reap(&mut tx, &statements, rid)?;
         if lapsed.is_some() {
             items = take(
@@ -309,12 +316,18 @@ fn claim_once(
     }
     if !items.is_empty() {
         tx.commit()?;
+        if let Some(at) = looked {
+            conn.reaped_at.insert(rid, at);
+        }
         return Ok(Claimed::Items(Claim { id: claim, items }));
     }
     // Nothing to take: others hold what is left (or are claiming it right
     // now, or it waits out a wait), or nothing is left but this worker's.
     let others: bool = tx.query_one(&statements.others, &[&rid, &worker])?.get(0);
     tx.commit()?;
+    if let Some(at) = looked {
+        conn.reaped_at.insert(rid, at);
+    }
     Ok(if others {
         Claimed::HeldByOthers
     } else {

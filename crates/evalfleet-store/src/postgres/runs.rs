@@ -181,10 +181,12 @@ fn insert_batch(
 /// hundreds of items by scanning every row of the run: a run of 100,000
 /// items spent 16 ms a commit locking its rows, against 0.8 ms with them.
 /// A failure is no reason to stop (ANALYZE of a table this role does not
-/// own only warns): the run goes on, slower.
+/// own only warns, in the server's log): the run goes on, slower.
 fn analyze(conn: &mut super::Conn) {
     if let Err(err) = conn.client.batch_execute("ANALYZE items, item_rows") {
-        tracing::debug!("Could not analyze the queue's tables: {err}");
+        tracing::warn!(
+            "Could not analyze the store's queue tables ({err}): claims and commits may be slow until autovacuum does."
+        );
     }
 }
 
