@@ -2072,20 +2072,22 @@ def write_pngs(folder, n, kb):
     return len(png)
 
 
-def write_large_png(path, side):
-    """A `side` x `side` RGB PNG of gradients with sparse noise (about
-    10 MB at 8,000 x 8,000): a scan of a large poster, say."""
+def write_large_png(path, side, height=None, seed=1):
+    """A `side` x `side` (or `side` x `height`) RGB PNG of gradients with
+    sparse noise (about 10 MB at 8,000 x 8,000): a scan of a large poster,
+    say. `seed` draws the noise (each seed its own image)."""
     import random
     import struct
     import zlib
 
-    rng = random.Random(1)
+    rng = random.Random(seed)
+    height = height or side
     width = side * 3
     noise = bytes(rng.getrandbits(8) for _ in range(width))
     rows = [bytes(((x + y) // 32) % 256 for x in range(width)) for y in range(64)]
     comp = zlib.compressobj(6)
     parts = []
-    for y in range(side):
+    for y in range(height):
         row = bytearray(rows[y % 64])
         off = (y * 7) % width
         spots = (noise[off:] + noise[:off])[::64]
@@ -2098,23 +2100,52 @@ def write_large_png(path, side):
 
     with open(path, "wb") as f:
         f.write(b"\x89PNG\r\n\x1a\n")
-        f.write(chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)))
+        f.write(chunk(b"IHDR", struct.pack(">IIBBBBB", side, height, 8, 2, 0, 0, 0)))
         f.write(chunk(b"IDAT", b"".join(parts)))
         f.write(chunk(b"IEND", b""))
     return os.path.getsize(path)
 
 
+# A4 at 300 dpi, in pixels.
+A4_300DPI = (2480, 3508)
+
+
 def v3(args, work):
-    """Large images re-encoded at once (issue 42): `--items` items (8) of
-    one 8,000 x 8,000 PNG at concurrency 8 with `max_side: 1568`, against
-    the built-in mock; peak RSS of evalfleet (and of `--baseline`'s, in
-    the same rounds)."""
-    size = write_large_png(os.path.join(work, "large.png"), 8000)
-    dataset = os.path.join(work, "v3.jsonl")
+    """Large images re-encoded at once (issue 42), at concurrency 8 with
+    `max_side: 1568`, against the built-in mock: `--items` items (8) of
+    one 8,000 x 8,000 PNG (variant `poster`), and 64 A4 pages scanned at
+    300 dpi, each its own PNG (variant `scans`); peak RSS of evalfleet
+    (and of `--baseline`'s, in the same rounds)."""
+    variants = (args.variants or "poster,scans").split(",")
+    results = {}
+    for variant in variants:
+        if variant == "poster":
+            size = write_large_png(os.path.join(work, "large.png"), 8000)
+            rows = [{"id": f"p{i}", "image": "large.png"} for i in range(args.items)]
+            shown = f"{args.items} items of one 8000 x 8000 PNG ({size / 1e6:.1f} MB)"
+        elif variant == "scans":
+            sizes = [
+                write_large_png(os.path.join(work, f"scan{i}.png"), A4_300DPI[0], A4_300DPI[1], seed=i)
+                for i in range(64)
+            ]
+            rows = [{"id": f"s{i}", "image": f"scan{i}.png"} for i in range(64)]
+            shown = f"64 A4 pages at 300 dpi ({A4_300DPI[0]} x {A4_300DPI[1]}), each its own PNG ({sum(sizes) / 1e6:.0f} MB in all)"
+        else:
+            raise SystemExit(f"V3: no variant {variant!r} (poster, scans)")
+        results[variant] = v3_once(args, work, variant, rows, shown)
+    print(json.dumps({"workload": "V3", "variants": results}, indent=2))
+    for variant, result in results.items():
+        for label, line in result["lines"].items():
+            print(line)
+    return results
+
+
+def v3_once(args, work, variant, rows, shown):
+    dataset = os.path.join(work, f"v3-{variant}.jsonl")
     with open(dataset, "w") as f:
-        for i in range(args.items):
-            f.write(json.dumps({"id": f"p{i}", "image": "large.png"}) + "\n")
-    config = os.path.join(work, "v3.yaml")
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    config = os.path.join(work, f"v3-{variant}.yaml")
     with open(config, "w") as f:
         f.write(
             "name: v3\n"
@@ -2129,16 +2160,16 @@ def v3(args, work):
     for i in range(args.rounds):
         round_ = {}
         for label, binary in binaries if i % 2 == 0 else binaries[::-1]:
-            run = evalfleet(["run", config, "--store", os.path.join(work, f"v3-{label}-{i}.db"), "-q"], work, pin=False, binary=binary)
+            run = evalfleet(["run", config, "--store", os.path.join(work, f"v3-{variant}-{label}-{i}.db"), "-q"], work, pin=False, binary=binary)
+            assert run.get("done") == len(rows), run
             round_[label] = {"seconds": run["wall"], "rss_mb": run["rss_mb"], "done": run.get("done")}
         rounds.append(round_)
-    result = {"workload": "V3", "items": args.items, "png_bytes": size, "rounds": rounds}
-    print(json.dumps(result, indent=2))
+    lines = {}
     for label, _ in binaries:
         rss = [r[label]["rss_mb"] for r in rounds]
         secs = [r[label]["seconds"] for r in rounds]
-        print(f"| V3 {label} | {args.items} items of one 8000 x 8000 PNG ({size / 1e6:.1f} MB), max_side 1568, concurrency 8 | peak RSS {', '.join(f'{r:.0f}' for r in rss)} MB; {', '.join(f'{s:.1f}' for s in secs)} s |")
-    return result
+        lines[label] = f"| V3 {variant} {label} | {shown}, max_side 1568, concurrency 8 | peak RSS {', '.join(f'{r:.0f}' for r in rss)} MB; {', '.join(f'{s:.1f}' for s in secs)} s |"
+    return {"items": len(rows), "rounds": rounds, "lines": lines}
 
 
 def v1(args, work):
@@ -3630,7 +3661,7 @@ def main():
     parser.add_argument("--waves", type=int, default=20, help="W2: items per concurrency slot")
     parser.add_argument("--keep", action="store_true", help="keep the working directory")
     parser.add_argument("--peers", help="W3, W4 (W7: inspect-ai only): also run inspect-ai and promptfoo installed under this directory")
-    parser.add_argument("--variants", help="W7: plain,stream (default both); W8: alone,beside (default both); P1: free,pinned (default both)")
+    parser.add_argument("--variants", help="W7: plain,stream (default both); W8: alone,beside (default both); P1: free,pinned (default both); V3: poster,scans (default both)")
     parser.add_argument("--peer-timeout", type=float, default=900, help="W7: seconds each inspect-ai run may take before it is killed")
     parser.add_argument("--fixed", type=int, help="W7: a fixed concurrency for evalfleet, and --max-connections for inspect-ai (default: adaptive, inspect-ai's defaults)")
     parser.add_argument("--window", type=float, default=10, help="W3b: the quota's window in seconds (rpm * window / 60 per window)")
