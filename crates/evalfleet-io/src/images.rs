@@ -28,8 +28,8 @@ pub const PLACEHOLDER: &str = "evalfleet-image:sha256:";
 /// many items read them at once: a decoded image takes 3 or 4 bytes a
 /// pixel (and scaling it down, by averaging, little more), so decoding
 /// stays within a few hundred MB (8 items of one 8,000 x 8,000 PNG at
-/// concurrency 8: 314-323 MB peak RSS for the whole run, against 1,985 MB
-/// unbounded; 64 A4 pages scanned at 300 dpi, 243-257 MB; V3 in
+/// concurrency 8: 279-285 MB peak RSS for the whole run, against 1,985 MB
+/// unbounded; 64 A4 pages scanned at 300 dpi, 239-255 MB; V3 in
 /// docs/benchmarks.md). An image of more pixels than this is decoded
 /// alone. (Such buffers go back to the system when freed: the binary
 /// sets glibc's threshold for mapping them, see its `main`.)

@@ -91,14 +91,13 @@ fn end_quietly_when_the_reader_stops() {
 /// freed. glibc's allocator otherwise raises its threshold for mapping to
 /// the size of the first such buffer freed and serves the next ones from
 /// its heaps, which keep what was freed: 64 such scans read 4 at a time
-/// peaked at 448 to 473 MB, against 243 to 257 MB so, and 8 items of one
-/// 8,000 x 8,000 PNG at 365 to 381 MB against 314 to 323 (V3 in
+/// peaked at 389 to 500 MB, against 239 to 255 MB so, and 8 items of one
+/// 8,000 x 8,000 PNG at 356 to 378 MB against 279 to 285 (V3 in
 /// docs/benchmarks.md), at 0.5 s more for the 64 scans (pages mapped
-/// afresh). A threshold of 16 MiB left the 8,000 x 8,000 image's
-/// smaller buffers on the heaps: 380 to 397 MB. Freed memory at the top
-/// of a heap is kept up to 64 MiB, as glibc's own adjustment would have
-/// it after such a buffer, not the 128 KiB it falls back to once the
-/// threshold is set.
+/// afresh). A threshold of 16 MiB left the larger image's smaller buffers
+/// on the heaps (380 to 397 MB). Once the threshold is set, glibc gives
+/// back the top of a heap beyond 128 KiB free, which made V1's items of
+/// 300 KB images 30% slower: 8 MiB are kept.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
 fn keep_large_buffers_off_the_heap() {
@@ -106,7 +105,7 @@ fn keep_large_buffers_off_the_heap() {
     // mallopt only sets two of the allocator's parameters.
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 4 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 64 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 8 << 20);
     }
 }
 
