@@ -272,47 +272,23 @@ fn claim_once(
         (Some(first), Some(cursor)) if first <= cursor as i64 => first - 1,
         _ => after.map_or(-1, |seq| seq as i64),
     };
-    let mut items = take(
-        &mut tx,
-        &statements,
-        rid,
-        claim,
-        worker,
-        from(lapsed),
-        limit,
-        lease_ms,
-    )?;
+    let take_from = |tx: &mut Transaction<'_>, from: i64| {
+        take(tx, &statements, rid, claim, worker, from, limit, lease_ms)
+    };
+    let mut items = take_from(&mut tx, from(lapsed))?;
     if items.is_empty() && !reaped {
         // Nothing else to take: lapsed items are looked for now, not at
         // the next reap.
         looked = Some(std::time::Instant::now());
         let lapsed = reap(&mut tx, &statements, rid)?;
         if lapsed.is_some() {
-            items = take(
-                &mut tx,
-                &statements,
-                rid,
-                claim,
-                worker,
-                from(lapsed),
-                limit,
-                lease_ms,
-            )?;
+            items = take_from(&mut tx, from(lapsed))?;
         }
     }
     if items.is_empty() && after.is_some() {
         // Past the end: items before `after` may be free again (a lease
         // ran out, a worker stopped, failed items were put back).
-        items = take(
-            &mut tx,
-            &statements,
-            rid,
-            claim,
-            worker,
-            -1,
-            limit,
-            lease_ms,
-        )?;
+        items = take_from(&mut tx, -1)?;
     }
     if !items.is_empty() {
         tx.commit()?;
