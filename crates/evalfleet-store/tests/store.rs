@@ -244,9 +244,13 @@ const LEASE: Duration = Duration::from_secs(60);
 
 /// Until a claim looks for lapsed items again whatever else it finds: the
 /// PostgreSQL store reaps at most once an interval per connection, and at
-/// every claim that finds nothing else (SQLite at every claim).
-fn wait_for_reap() {
-    std::thread::sleep(evalfleet_store::POSTGRES_REAP_EVERY + Duration::from_millis(5));
+/// every claim that finds nothing else (SQLite at every claim: there, only
+/// until the lease has passed).
+fn wait_for_reap(f: &Fixture) {
+    std::thread::sleep(match f.backend {
+        Backend::Postgres => evalfleet_store::POSTGRES_REAP_EVERY + Duration::from_millis(5),
+        Backend::Sqlite => Duration::from_millis(5),
+    });
 }
 
 /// Claims every pending item of `run_id` for `name`.
@@ -810,7 +814,7 @@ fn the_items_of_a_lapsed_claim_are_taken_next_not_after_the_claimers_own(f: &Fix
     assert_eq!(first.renew("r", "one", Duration::ZERO).unwrap().claims, 1);
     // Once the second looks for lapsed items (PostgreSQL: at most once a
     // reap interval, which its first claim began).
-    wait_for_reap();
+    wait_for_reap(f);
     let next = seqs(second.claim("r", "two", Some(20), 5, LEASE).unwrap());
     assert_eq!(next, vec![1, 2, 3, 4, 5]);
     // Then on from there: the rest of the lapsed claim, then (PostgreSQL
@@ -845,7 +849,7 @@ fn a_claims_id_is_never_given_again_once_the_claim_is_gone(f: &Fixture) {
     let second = claim(&mut store, Some(1));
     // Dropped once its lease ran out, by the claim that takes its item.
     assert_eq!(store.renew("r", "one", Duration::ZERO).unwrap().claims, 1);
-    wait_for_reap();
+    wait_for_reap(f);
     let third = claim(&mut store, Some(2));
     assert_eq!(
         (second.items[0].seq, third.items[0].seq),

@@ -290,25 +290,24 @@ fn claim_once(
         // ran out, a worker stopped, failed items were put back).
         items = take_from(&mut tx, -1)?;
     }
-    if !items.is_empty() {
-        tx.commit()?;
-        if let Some(at) = looked {
-            conn.reaped_at.insert(rid, at);
-        }
-        return Ok(Claimed::Items(Claim { id: claim, items }));
-    }
-    // Nothing to take: others hold what is left (or are claiming it right
-    // now, or it waits out a wait), or nothing is left but this worker's.
-    let others: bool = tx.query_one(&statements.others, &[&rid, &worker])?.get(0);
+    let claimed = if !items.is_empty() {
+        Claimed::Items(Claim { id: claim, items })
+    } else if tx
+        .query_one(&statements.others, &[&rid, &worker])?
+        .get::<_, bool>(0)
+    {
+        // Nothing to take: others hold what is left (or are claiming it
+        // right now, or it waits out a wait)...
+        Claimed::HeldByOthers
+    } else {
+        // ...or nothing is left but this worker's.
+        Claimed::Nothing
+    };
     tx.commit()?;
     if let Some(at) = looked {
         conn.reaped_at.insert(rid, at);
     }
-    Ok(if others {
-        Claimed::HeldByOthers
-    } else {
-        Claimed::Nothing
-    })
+    Ok(claimed)
 }
 
 /// What a commit found of the items of its batch.
