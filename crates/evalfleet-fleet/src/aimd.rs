@@ -667,7 +667,18 @@ impl Aimd {
             && level.is_some_and(|level| level == self.limit)
             && f64::from(self.ended) >= needed(self.limit)
             && self.throughput(self.limit).is_some();
-        if now < self.interval_end && !cuts_now && !judged_now {
+        // The first level is judged on all its calls, once they are back,
+        // however late: the first interval counts from the controller's
+        // start (the run may register its items for a while before its
+        // first call), and a decision at its end would start a new one
+        // with the calls already back forgotten, so that the level waited
+        // for the next round trip's calls (every run's opening lost a
+        // round trip so: 50 ms in W7, a whole generation on an engine).
+        let first_level_out = self.opening.is_some()
+            && self.stream_opening.is_none()
+            && self.reached
+            && f64::from(self.ended) < needed(self.limit);
+        if (now < self.interval_end || first_level_out) && !cuts_now && !judged_now {
             return None;
         }
         self.decide(now)

@@ -662,3 +662,30 @@ fn streamed_calls_to_a_batching_server_reach_its_knee_as_fast() {
     );
     assert!(streamed.share_within(7, 12) > 0.8, "{:?}", streamed.time_at);
 }
+
+#[test]
+fn the_first_level_is_judged_on_all_its_calls_when_they_come_after_the_first_interval() {
+    // The controller starts before the run's first call (the endpoint is
+    // set up while the run registers its items): its first interval is
+    // over before the first level's calls are back. The first of them to
+    // end must not start a new interval that forgets it and its level.
+    let start = Instant::now();
+    let settings = AimdSettings {
+        initial: 8,
+        min: 1,
+        max: 1024,
+        ..settings()
+    };
+    let mut c = Aimd::new(settings, start);
+    let sent = start + FIRST_INTERVAL * 2;
+    let levels: Vec<_> = (0..8).map(|k| c.on_start(k + 1)).collect();
+    let mut decisions = Vec::new();
+    for (k, level) in levels.into_iter().enumerate() {
+        let at = sent + Duration::from_millis(50 + k as u64);
+        decisions.push(c.on_end(at, ok(50), level).map(|d| (d.to, d.reason)));
+    }
+    // Judged at the last of its calls: four times as many (no queue).
+    let mut expected = vec![None; 7];
+    expected.push(Some((32, Reason::SlowStart)));
+    assert_eq!(decisions, expected);
+}
