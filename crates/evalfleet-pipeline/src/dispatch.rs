@@ -465,19 +465,25 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
             item.refused = !class.is_retryable();
             // A fault of the call alone (a 5xx other than a 503, a reset
             // connection, a broken or stalled stream), where the endpoint
-            // answers most calls: the call's first retry is sent at once
-            // (with no Retry-After; the retry budget bounds how many are),
-            // its later ones wait as a first retry would. The backoff
-            // doubles with each try where faults are broad, and for back
-            // pressure (the endpoint asks for less) whatever the share.
+            // answers most calls: the call is sent again at once (with no
+            // Retry-After; the retry budget bounds how many are), unless
+            // its last try failed so too: a second fault in a row waits as
+            // a first retry would (the call itself may be what fails). A
+            // fault after a 503's wait is the first in a row: that wait
+            // spaced the tries already (W7: a 500, a 503, a 500 and a 503
+            // lost 50 ms to a backoff before the second 503's second).
+            // The backoff doubles with each try where faults are broad,
+            // and for back pressure (the endpoint asks for less) whatever
+            // the share.
             let sporadic =
                 class.is_retryable() && !class.is_back_pressure() && endpoint.fails_sporadically();
             let wait = match err.retry_after() {
-                None if sporadic && tries == 1 => Duration::ZERO,
+                None if sporadic && !item.faulted_last => Duration::ZERO,
                 retry_after => shared
                     .retry
                     .backoff(if sporadic { 1 } else { tries.max(1) }, retry_after),
             };
+            item.faulted_last = sporadic;
             let reason = if !class.is_retryable() {
                 said
             } else if !tries_left(&shared, &item, !answers_item, wait) {

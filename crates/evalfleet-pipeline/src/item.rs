@@ -322,6 +322,11 @@ pub struct Item {
     /// stored by earlier sessions, so that a resume gives an item only the
     /// tries it has left (and always one).
     pub tries: u32,
+    /// The last try of the call it waits on failed with a fault of that
+    /// call alone (a sporadic 5xx other than a 503, a reset connection):
+    /// a second such fault in a row backs off (the call itself may be
+    /// what fails), where one after any other outcome is retried at once.
+    pub faulted_last: bool,
     /// Its next call is a retry the session's retry budget paid for; any
     /// other call pays into the budget.
     pub retry_paid: bool,
@@ -365,6 +370,7 @@ impl Item {
     /// next one has its own tries.
     pub fn reset_tries(&mut self) {
         self.tries = 0;
+        self.faulted_last = false;
         self.call_since = None;
     }
 
@@ -385,6 +391,7 @@ impl Item {
             // Tries made before a resume count: `retry.max_attempts` means
             // the same however often a run is resumed.
             tries: claimed.prior_attempts,
+            faulted_last: false,
             retry_paid: false,
             first_sent: None,
             call_since: None,

@@ -1031,17 +1031,32 @@ async fn llama_cpp_python_s_one_slot_server_as_a_local_engine_answers_every_item
 }
 
 /// A 500 now and then from an endpoint that answers most calls is a fault
-/// of that call, not of the endpoint: the call's first retry is sent at
-/// once (W7's chains of a 500 then two 503s lost 50 ms on average to a
-/// backoff), and its later ones wait as a first retry would (up to
-/// `backoff_base`), not twice as long for each try it already had (W7: an
-/// item that met five 500s in a row waited 2.5 s before its last try, on
-/// an endpoint answering 85% of calls).
+/// of that call, not of the endpoint: the call is sent again at once (W7's
+/// chains of a 500 then two 503s lost 50 ms on average to a backoff), and
+/// so is a 500 after a 503's wait (W7: a 500, a 503, a 500 and a 503 lost
+/// 50 ms before the last 503's second); a second 500 in a row waits as a
+/// first retry would (up to `backoff_base`), not twice as long for each
+/// try it already had (W7: an item that met five 500s in a row waited 2.5
+/// s before its last try, on an endpoint answering 85% of calls).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sporadic_fault_s_first_retry_is_sent_at_once_and_later_ones_never_wait_longer() {
+async fn a_sporadic_fault_is_retried_at_once_and_a_second_in_a_row_never_waits_longer() {
     let env = Env::new();
-    let dataset = env.dataset("items.jsonl", 400);
-    let flaky = faulty(500, 0.3, None, 3).await;
+    let dataset = env.dataset("items.jsonl", 600);
+    let fault = |status, rate, retry_after| evalfleet_mock::Fault {
+        status,
+        rate,
+        retry_after,
+    };
+    let flaky = mock(MockSettings {
+        latency: Duration::from_millis(10),
+        faults: vec![
+            fault(500, 0.25, None),
+            fault(503, 0.1, Some(Duration::from_secs(1))),
+        ],
+        seed: 3,
+        ..MockSettings::default()
+    })
+    .await;
     env.write(
         "run.yaml",
         &config(
@@ -1054,11 +1069,12 @@ async fn a_sporadic_fault_s_first_retry_is_sent_at_once_and_later_ones_never_wai
         .evalfleet(&["run", "run.yaml", "-q", "--run-id", "s"])
         .await;
     assert_eq!(ran.code, Some(0), "{}", ran.stderr);
-    assert_eq!(env.counts("s").done, 400);
+    assert_eq!(env.counts("s").done, 600);
 
-    // The wait between a 500 and the item's next try, by the try that
-    // failed. The endpoint's first 100 calls are left out: until it has
-    // made enough calls, its faults are not known to be sporadic.
+    // The wait between a 500 and the item's next try, by what the try
+    // before the 500 met: none (a first try), a 503, or a 500. The
+    // endpoint's first 100 calls are left out: until it has made enough
+    // calls, its faults are not known to be sporadic.
     let conn = rusqlite::Connection::open(env.store_path()).unwrap();
     let attempts: Vec<(i64, i64, i64, f64, Option<i64>)> = conn
         .prepare("SELECT seq, attempt, sent_at, latency_ms, http_status FROM attempts ORDER BY seq, attempt")
@@ -1070,29 +1086,40 @@ async fn a_sporadic_fault_s_first_retry_is_sent_at_once_and_later_ones_never_wai
     let mut sent: Vec<i64> = attempts.iter().map(|a| a.2).collect();
     sent.sort_unstable();
     let known = sent[100];
-    let waits = |first: bool| -> Vec<f64> {
+    let waits = |before: Option<i64>| -> Vec<f64> {
         attempts
-            .windows(2)
-            .filter(|w| w[0].0 == w[1].0 && w[0].4 == Some(500) && w[0].2 >= known)
-            .filter(|w| (w[0].1 == 1) == first)
-            .map(|w| (w[1].2 as f64 - (w[0].2 as f64 + w[0].3)) / 1000.0)
+            .windows(3)
+            .filter(|w| w[1].0 == w[2].0 && w[1].4 == Some(500) && w[1].2 >= known)
+            .filter(|w| {
+                let previous = (w[0].0 == w[1].0).then_some(w[0].4).flatten();
+                previous == before
+            })
+            .map(|w| (w[2].2 as f64 - (w[1].2 as f64 + w[1].3)) / 1000.0)
             .collect()
     };
-    let (at_once, later) = (waits(true), waits(false));
+    let (first, after_503, after_500) = (waits(None), waits(Some(503)), waits(Some(500)));
     assert!(
-        at_once.len() >= 20 && later.len() >= 10,
-        "too few items met 500s: {at_once:?} {later:?}"
+        first.len() >= 20 && after_503.len() >= 5 && after_500.len() >= 10,
+        "too few items met 500s: {first:?} {after_503:?} {after_500:?}"
     );
-    // No backoff after a first try (a first retry's, drawn up to 1 s,
-    // would be over half a second for about half of them): scheduling
-    // alone.
-    assert!(
-        at_once.iter().all(|wait| *wait < 0.5),
-        "a sporadic fault's first retry waited for a backoff: {at_once:?}"
-    );
+    // No backoff after a first try, nor after a 503 (a backoff, drawn up
+    // to 1 s, would be over half a second for about half of them):
+    // scheduling alone.
+    for (waited, after) in [(&first, "a first try"), (&after_503, "a 503")] {
+        assert!(
+            waited.iter().all(|wait| *wait < 0.5),
+            "a sporadic fault after {after} waited for a backoff: {waited:?}"
+        );
+    }
     // 1 s of backoff at most, and scheduling.
     assert!(
-        later.iter().all(|wait| *wait < 1.3),
-        "a sporadic fault's later retry waited longer than a first retry: {later:?}"
+        after_500.iter().all(|wait| *wait < 1.3),
+        "a second sporadic fault in a row waited longer than a first retry: {after_500:?}"
+    );
+    // And it does back off: some of them waited past scheduling alone
+    // (all ten under 0.3 s: one time in 170,000).
+    assert!(
+        after_500.iter().any(|wait| *wait >= 0.3),
+        "no second fault in a row backed off: {after_500:?}"
     );
 }
