@@ -1030,6 +1030,34 @@ async fn llama_cpp_python_s_one_slot_server_as_a_local_engine_answers_every_item
     );
 }
 
+/// A machine without CA certificates (a slim container image) still runs
+/// against `http://` engines: no client reads the system's certificates
+/// before a TLS handshake needs them (each client read them when it was
+/// made, and where there were none the endpoint was left out of the run
+/// with "builder error").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_machine_without_ca_certificates_still_reaches_plain_http_endpoints() {
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 20);
+    let server = mock(MockSettings::default()).await;
+    env.write(
+        "run.yaml",
+        &config(&dataset, &external("m", &server, 4), ""),
+    );
+    std::fs::create_dir(env.path("no-certs")).unwrap();
+    let no_certs = env.write("no-certs/none.pem", "");
+    let ran: crate::util::Ran = env
+        .command(&["run", "run.yaml", "-q", "--run-id", "r"])
+        .env("SSL_CERT_FILE", &no_certs)
+        .env("SSL_CERT_DIR", no_certs.parent().unwrap())
+        .output()
+        .await
+        .expect("the evalfleet binary runs")
+        .into();
+    assert_eq!(ran.code, Some(0), "{}", ran.stderr);
+    assert_eq!(env.counts("r").done, 20);
+}
+
 /// A 500 now and then from an endpoint that answers most calls is a fault
 /// of that call, not of the endpoint: the call is sent again at once (W7's
 /// chains of a 500 then two 503s lost 50 ms on average to a backoff), and

@@ -32,10 +32,13 @@ pub fn http_client(pool_size: usize) -> Result<reqwest::Client, reqwest::Error> 
 }
 
 /// The settings of every HTTP client evalfleet makes: at most `pool_size`
-/// idle connections to a host, each reused only within `idle`.
+/// idle connections to a host, each reused only within `idle`; TLS whose
+/// root certificates are read once, at the first handshake
+/// ([`super::tls`]).
 pub(super) fn http_builder(pool_size: usize, idle: Duration) -> reqwest::ClientBuilder {
     install_crypto();
     reqwest::Client::builder()
+        .tls_backend_preconfigured(super::tls::config())
         .pool_max_idle_per_host(pool_size)
         .pool_idle_timeout(idle)
         .tcp_nodelay(true)

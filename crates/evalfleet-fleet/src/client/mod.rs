@@ -23,6 +23,7 @@ mod http;
 mod sse;
 mod stalls;
 mod stream;
+mod tls;
 mod whole;
 
 pub use error::{CallError, Unanswered};
