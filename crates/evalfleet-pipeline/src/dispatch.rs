@@ -77,6 +77,9 @@ impl From<Option<Permit>> for Admitted {
 /// once its tries are spent (as a call that failed would).
 async fn unavailable(shared: Arc<Shared>, endpoint: Arc<Endpoint>, mut item: Item) {
     item.tries += 1;
+    // The wait spaces the call's tries: a fault after it is the first in a
+    // row.
+    item.faulted_last = false;
     item.call_since.get_or_insert_with(Instant::now);
     let wait = shared.retry.backoff(item.tries, None);
     // An endpoint left out of the run (idle) is not coming back: its
@@ -410,6 +413,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
             // of the call's tries, and another endpoint takes the call
             // after a backoff (all calls moved at once would land together).
             item.tries -= 1;
+            item.faulted_last = false;
             item.request = Some(request);
             let wait = shared.retry.backoff(item.tries + 1, None);
             if shared.send(Outcome::retried(claim, record, wait)).await

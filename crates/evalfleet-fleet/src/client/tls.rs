@@ -129,7 +129,10 @@ mod tests {
         let roots = SystemRoots::new(Arc::new(rustls::crypto::ring::default_provider()));
         let cert = CertificateDer::from(&include_bytes!("testdata/self-signed.der")[..]);
         let name = ServerName::try_from("evalfleet-test.invalid").unwrap();
-        let verdict = roots.verify_server_cert(&cert, &[], &name, &[], UnixTime::now());
+        // A time within the certificate's validity (from 2026-12-07, for a
+        // hundred years), whatever the machine's clock says.
+        let during = UnixTime::since_unix_epoch(std::time::Duration::from_secs(1_900_000_000));
+        let verdict = roots.verify_server_cert(&cert, &[], &name, &[], during);
         match verdict {
             Err(rustls::Error::InvalidCertificate(why)) => {
                 assert_eq!(why, rustls::CertificateError::UnknownIssuer);
