@@ -427,9 +427,10 @@ pub struct RawRetry {
     /// The first backoff's ceiling; it doubles with each retry, with full
     /// jitter (not for a fault of the call alone, such as a 500, a reset
     /// connection or a broken stream, where its endpoint answers most
-    /// calls: the call's first retry is sent at once when no `Retry-After`
-    /// says otherwise, within the retry budget, and its later ones wait
-    /// as a first one). Default `100ms`.
+    /// calls: the call is sent again at once when no `Retry-After` says
+    /// otherwise, within the retry budget, unless its last try failed so
+    /// too: a second such fault in a row waits as a first retry would).
+    /// Default `100ms`.
     #[schemars(with = "Option<schema::Duration>")]
     pub backoff_base: Option<String>,
     /// The longest backoff; at least `backoff_base`. Default `30s`.
