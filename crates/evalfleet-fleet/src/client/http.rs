@@ -2,22 +2,12 @@
 //! connections are reused only while the server keeps them, and a request
 //! sent again at once when its connection was closed under it.
 
-use std::sync::Once;
 use std::time::Duration;
 
 use reqwest::header::HeaderMap;
 
 use super::ChatClient;
 use super::headers::keep_alive_timeout;
-
-/// Installs the TLS crypto provider once per process.
-fn install_crypto() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        // Fails only when another provider was installed first, which is fine.
-        let _ = rustls::crypto::ring::default_provider().install_default();
-    });
-}
 
 /// Connections idle for longer than this are not reused: less than the 5 s
 /// for which uvicorn (vLLM, SGLang, llama-cpp-python), llama.cpp's server,
@@ -36,7 +26,6 @@ pub fn http_client(pool_size: usize) -> Result<reqwest::Client, reqwest::Error> 
 /// root certificates are read once, at the first handshake
 /// ([`super::tls`]).
 pub(super) fn http_builder(pool_size: usize, idle: Duration) -> reqwest::ClientBuilder {
-    install_crypto();
     reqwest::Client::builder()
         .tls_backend_preconfigured(super::tls::config())
         .pool_max_idle_per_host(pool_size)

@@ -15,7 +15,8 @@ use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{DigitallySignedStruct, SignatureScheme};
 
 /// The TLS configuration of every client (cheap to clone: its parts are
-/// shared).
+/// shared), with its own crypto provider (ring): reqwest, handed it, needs
+/// no process-wide default.
 pub(super) fn config() -> rustls::ClientConfig {
     static CONFIG: OnceLock<rustls::ClientConfig> = OnceLock::new();
     CONFIG
