@@ -1058,6 +1058,155 @@ async fn a_machine_without_ca_certificates_still_reaches_plain_http_endpoints() 
     assert_eq!(env.counts("r").done, 20);
 }
 
+/// A real TLS server (Python's `http.server` behind its `ssl` module, a
+/// certificate for localhost signed by a CA made for the test): a run
+/// reaches it once that CA is the system's trust store (`SSL_CERT_FILE`),
+/// and answers every item; trusting another CA, the handshake fails, the
+/// run stops with the reason named and no item answered; with no CA
+/// certificates at all, the reason says to install them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_endpoints_are_verified_against_the_trust_store_and_a_failure_says_why() {
+    use tokio::io::AsyncBufReadExt;
+    let env = Env::new();
+    let dir = env.path("");
+    let openssl = |args: &str| {
+        let status = std::process::Command::new("openssl")
+            .args(args.split_whitespace())
+            .current_dir(&dir)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .expect("openssl runs");
+        assert!(status.success(), "openssl {args}");
+    };
+    let new_ca = |name: &str| {
+        openssl(&format!(
+            "req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 \
+             -subj /CN={name} -keyout {name}.key -out {name}.pem \
+             -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign"
+        ))
+    };
+    new_ca("test-ca");
+    new_ca("other-ca");
+    env.write(
+        "server.ext",
+        "subjectAltName=DNS:localhost\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n",
+    );
+    openssl(
+        "req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj /CN=localhost \
+         -keyout server.key -out server.csr",
+    );
+    openssl(
+        "x509 -req -in server.csr -CA test-ca.pem -CAkey test-ca.key -CAcreateserial \
+         -days 2 -out server.pem -extfile server.ext",
+    );
+    env.write(
+        "server.py",
+        r#"import http.server, json, ssl
+class Chat(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *args):
+        pass
+    def reply(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def do_GET(self):
+        self.reply({"object": "list", "data": [{"id": "m", "object": "model"}]})
+    def do_POST(self):
+        asked = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.reply({"id": "c", "object": "chat.completion", "created": 0, "model": "m",
+                    "choices": [{"index": 0, "finish_reason": "stop",
+                                 "message": {"role": "assistant", "content": asked["messages"][-1]["content"]}}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Chat)
+context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+context.load_cert_chain("server.pem", "server.key")
+server.socket = context.wrap_socket(server.socket, server_side=True)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"#,
+    );
+    // (Killed when the test ends, however it ends.)
+    let mut server = Command::new("python3")
+        .arg("server.py")
+        .current_dir(&dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("python3 starts");
+    // It listens before it prints its port.
+    let mut port = String::new();
+    tokio::io::BufReader::new(server.stdout.take().unwrap())
+        .read_line(&mut port)
+        .await
+        .unwrap();
+    let dataset = env.dataset("items.jsonl", 5);
+    let endpoint = format!(
+        "  - {{ name: tls, kind: external, base_url: \"https://localhost:{}/v1\", model: m, concurrency: 2 }}\n",
+        port.trim()
+    );
+    env.write(
+        "run.yaml",
+        &config(
+            &dataset,
+            &endpoint,
+            "timeouts: { first_answer: 2s, no_endpoint: 2s }",
+        ),
+    );
+    std::fs::create_dir(env.path("no-certs")).unwrap();
+    let no_certs = env.write("no-certs/none.pem", "");
+    let run = |trusted: &str, run_id: &str| {
+        let trusted = env.path(trusted);
+        let no_dir = no_certs.parent().unwrap().to_owned();
+        let mut command = env.command(&["run", "run.yaml", "-q", "--run-id", run_id]);
+        command
+            .env("SSL_CERT_FILE", trusted)
+            .env("SSL_CERT_DIR", no_dir);
+        async move {
+            let ran: crate::util::Ran = command
+                .output()
+                .await
+                .expect("the evalfleet binary runs")
+                .into();
+            ran
+        }
+    };
+
+    let trusted = run("test-ca.pem", "trusted").await;
+    assert_eq!(trusted.code, Some(0), "{}", trusted.stderr);
+    assert_eq!(env.counts("trusted").done, 5);
+    // Each answer is its own item's question, echoed by the server.
+    for row in env.export("trusted").await {
+        assert_eq!(row["output"], row["item"]["question"], "{row}");
+    }
+
+    // A certificate no trusted root signed: no answer is made of it.
+    let untrusted = run("other-ca.pem", "untrusted").await;
+    assert_eq!(untrusted.code, Some(130), "{}", untrusted.stderr);
+    assert!(
+        untrusted.stderr.contains("UnknownIssuer"),
+        "{}",
+        untrusted.stderr
+    );
+    let counts = env.counts("untrusted");
+    assert_eq!((counts.done, counts.pending), (0, 5));
+
+    let bare = run("no-certs/none.pem", "bare").await;
+    assert_eq!(bare.code, Some(130), "{}", bare.stderr);
+    assert!(
+        bare.stderr
+            .contains("the system's CA certificates cannot be read"),
+        "{}",
+        bare.stderr
+    );
+    assert_eq!(env.counts("bare").done, 0);
+}
+
 /// A 500 now and then from an endpoint that answers most calls is a fault
 /// of that call, not of the endpoint: the call is sent again at once (W7's
 /// chains of a 500 then two 503s lost 50 ms on average to a backoff), and
