@@ -475,7 +475,7 @@ async fn attempt(shared: Arc<Shared>, call: Call, mut item: Item) {
             // a first retry would (the call itself may be what fails). A
             // fault after a 503's wait is the first in a row: that wait
             // spaced the tries already (W7: a 500, a 503, a 500 and a 503
-            // lost 50 ms to a backoff before the second 503's second).
+            // lost 51 and 97 ms to a backoff in two traced runs).
             // The backoff doubles with each try where faults are broad,
             // and for back pressure (the endpoint asks for less) whatever
             // the share.

@@ -1211,7 +1211,7 @@ server.serve_forever()
 /// of that call, not of the endpoint: the call is sent again at once (W7's
 /// chains of a 500 then two 503s lost 50 ms on average to a backoff), and
 /// so is a 500 after a 503's wait (W7: a 500, a 503, a 500 and a 503 lost
-/// 50 ms before the last 503's second); a second 500 in a row waits as a
+/// 51 and 97 ms to a backoff in two traced runs); a second 500 in a row waits as a
 /// first retry would (up to `backoff_base`), not twice as long for each
 /// try it already had (W7: an item that met five 500s in a row waited 2.5
 /// s before its last try, on an endpoint answering 85% of calls).
