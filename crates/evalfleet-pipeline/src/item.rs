@@ -28,11 +28,13 @@ pub struct Tally {
     /// what the reader waits for ([`Tally::at_most`]): holding as many
     /// items as it may, it waits on it to claim again.
     ended: tokio::sync::Notify,
-    /// The most items outstanding that the reader waits for (0 while it
-    /// waits for none). Told of every end instead, the reader's thread
-    /// woke for each item, found it still held too many and slept again:
-    /// two context switches an item (8,688 for W7's 5,000 calls), on the
-    /// core that makes the calls.
+    /// The most items outstanding that the reader waits for: 0 before its
+    /// first wait and after each that ended, the last limit after a wait
+    /// given up (a `select!` that took another branch), which costs at
+    /// most a wake-up it does not need. Told of every end instead, the
+    /// reader's thread woke for each item, found it still held too many
+    /// and slept again: two context switches an item (8,688 for 5,000
+    /// calls at 1,024 in flight), on the core that makes the calls.
     wake_at: AtomicU64,
     /// Results made, and results the writer committed or refused, since
     /// the session began. Those made and not yet settled matter: a result

@@ -1066,7 +1066,6 @@ async fn a_machine_without_ca_certificates_still_reaches_plain_http_endpoints() 
 /// certificates at all, the reason says to install them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn https_endpoints_are_verified_against_the_trust_store_and_a_failure_says_why() {
-    use tokio::io::AsyncBufReadExt;
     let env = Env::new();
     let dir = env.path("");
     let openssl = |args: &str| {
@@ -1130,25 +1129,10 @@ print(server.server_address[1], flush=True)
 server.serve_forever()
 "#,
     );
-    // (Killed when the test ends, however it ends.)
-    let mut server = Command::new("python3")
-        .arg("server.py")
-        .current_dir(&dir)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("python3 starts");
-    // It listens before it prints its port.
-    let mut port = String::new();
-    tokio::io::BufReader::new(server.stdout.take().unwrap())
-        .read_line(&mut port)
-        .await
-        .unwrap();
+    let (_server, port) = env.python_server(&["server.py"]).await;
     let dataset = env.dataset("items.jsonl", 5);
     let endpoint = format!(
-        "  - {{ name: tls, kind: external, base_url: \"https://localhost:{}/v1\", model: m, concurrency: 2 }}\n",
-        port.trim()
+        "  - {{ name: tls, kind: external, base_url: \"https://localhost:{port}/v1\", model: m, concurrency: 2 }}\n"
     );
     env.write(
         "run.yaml",
@@ -1296,8 +1280,8 @@ async fn a_sporadic_fault_is_retried_at_once_and_a_second_in_a_row_never_waits_l
         "a second sporadic fault in a row waited longer than a first retry: {after_500:?}"
     );
     // And it does back off: some of them waited past scheduling alone
-    // (twenty or more all under 0.3 s: one time in 10^10; seed 3 gives 137
-    // first tries, 25 after a 503 and 70 after a 500).
+    // (twenty or more all under 0.3 s: 0.3^20, under one time in 10^10;
+    // seed 3 gives 137 first tries, 25 after a 503 and 70 after a 500).
     assert!(
         after_500.iter().any(|wait| *wait >= 0.3),
         "no second fault in a row backed off: {after_500:?}"

@@ -428,30 +428,19 @@ async fn secrets_reach_neither_the_store_nor_the_export_nor_the_logs() {
 /// (Python's own) that answers HTML.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_address_that_answers_html_says_so_and_suggests_v1() {
-    use std::io::BufRead;
     let env = Env::new();
-    let mut site = std::process::Command::new("python3")
-        .args([
+    let (site, port) = env
+        .python_server(&[
             "-c",
             "import http.server\n\
              s = http.server.HTTPServer(('127.0.0.1', 0), http.server.SimpleHTTPRequestHandler)\n\
              print(s.server_address[1], flush=True)\n\
              s.serve_forever()",
         ])
-        .current_dir(env.path(""))
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("python3 starts");
-    // It listens before it prints its port.
-    let mut port = String::new();
-    std::io::BufReader::new(site.stdout.take().unwrap())
-        .read_line(&mut port)
-        .unwrap();
+        .await;
     let dataset = env.dataset("items.jsonl", 3);
     let endpoint = format!(
-        "  - {{ name: site, kind: external, base_url: \"http://127.0.0.1:{}\", model: m, concurrency: 2, {NO_HEALTH} }}\n",
-        port.trim()
+        "  - {{ name: site, kind: external, base_url: \"http://127.0.0.1:{port}\", model: m, concurrency: 2, {NO_HEALTH} }}\n"
     );
     // Its health probe (GET /models) is answered 404 with a page: the
     // endpoint is unhealthy, and says why; the run stops once no endpoint
@@ -480,8 +469,7 @@ async fn an_address_that_answers_html_says_so_and_suggests_v1() {
         ),
     );
     let ran = env.evalfleet(&["run", "run.yaml", "-q"]).await;
-    let _ = site.kill();
-    let _ = site.wait();
+    drop(site);
     assert_eq!(ran.code, Some(1), "{}", ran.stderr);
     assert!(
         ran.stderr

@@ -97,6 +97,32 @@ impl Env {
             .into()
     }
 
+    /// Starts `python3 ARGS` in the test's folder: a server that prints
+    /// its port once it listens. Its port, and the process, killed when
+    /// dropped however the test ends.
+    pub async fn python_server(&self, args: &[&str]) -> (Child, u16) {
+        use tokio::io::AsyncBufReadExt;
+        let mut server = Command::new("python3")
+            .args(args)
+            .current_dir(self.dir.path())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("python3 starts");
+        // It listens before it prints its port.
+        let mut line = String::new();
+        tokio::io::BufReader::new(server.stdout.take().unwrap())
+            .read_line(&mut line)
+            .await
+            .unwrap();
+        let port = line
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("python3 {args:?} printed no port: {line:?}"));
+        (server, port)
+    }
+
     /// Starts the binary without waiting for it.
     pub fn spawn(&self, args: &[&str]) -> Child {
         self.command(args)
