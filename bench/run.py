@@ -40,7 +40,8 @@ W1pg, P1 and P1latency need PostgreSQL: the machine's server on
 each round), and for P1 initdb and postgres on the PATH (a server of its
 own, started as user postgres, listening on the workers' veth addresses).
 
-Each workload builds the release binary (unless --no-build), runs the mock
+Each workload builds the binary (the `dist` profile, the wheels'; unless
+--no-build; BENCH_PROFILE picks another, EVALFLEET_BIN a binary), runs the mock
 endpoint pinned to core 0 and the client pinned to core 1, measures a
 reference in the same run, and prints the figures as JSON and as a Markdown
 table for docs/benchmarks.md. Only the standard library is used (D1 writes
@@ -64,8 +65,14 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The Cargo profile the binary is built with: `dist` (what the wheels
+# ship: fat LTO, one codegen unit; about 15 minutes from nothing on 2
+# cores, and again after each change), or BENCH_PROFILE=release
+# (incremental: seconds after a change, the client's CPU a call about a
+# tenth higher) while trying things.
+PROFILE = os.environ.get("BENCH_PROFILE") or "dist"
 BIN = os.environ.get("EVALFLEET_BIN") or os.path.join(
-    os.environ.get("CARGO_TARGET_DIR") or os.path.join(ROOT, "target"), "release", "evalfleet"
+    os.environ.get("CARGO_TARGET_DIR") or os.path.join(ROOT, "target"), PROFILE, "evalfleet"
 )
 SERVER_CORE = "0"
 CLIENT_CORE = "1"
@@ -86,7 +93,7 @@ def finished(m):
 
 
 def build():
-    subprocess.run(["cargo", "build", "--release", "-p", "evalfleet"], cwd=ROOT, check=True)
+    subprocess.run(["cargo", "build", "--profile", PROFILE, "-p", "evalfleet"], cwd=ROOT, check=True)
 
 
 def raise_fd_limit():
