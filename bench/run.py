@@ -66,7 +66,7 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The Cargo profile the binary is built with: `dist` (what the wheels
-# ship: fat LTO, one codegen unit; about 15 minutes from nothing on 2
+# ship: fat LTO, one codegen unit; 12 to 15 minutes from nothing on 2
 # cores, and again after each change), or BENCH_PROFILE=release
 # (incremental: seconds after a change, the client's CPU a call about a
 # tenth higher) while trying things.
