@@ -68,8 +68,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The Cargo profile the binary is built with: `dist` (what the wheels
 # ship: fat LTO, one codegen unit; 12 to 15 minutes from nothing on 2
 # cores, and again after each change), or BENCH_PROFILE=release
-# (incremental: seconds after a change, the client's CPU a call about a
-# tenth higher) while trying things.
+# (incremental: seconds after a change; W1 took 1.2 to 1.4 x the CPU of
+# the dist build, docs/benchmarks.md, session 17) while trying things.
 PROFILE = os.environ.get("BENCH_PROFILE") or "dist"
 BIN = os.environ.get("EVALFLEET_BIN") or os.path.join(
     os.environ.get("CARGO_TARGET_DIR") or os.path.join(ROOT, "target"), PROFILE, "evalfleet"
@@ -3700,6 +3700,13 @@ def main():
     args = parser.parse_args()
     if not args.no_build:
         build()
+    elif not os.path.exists(BIN):
+        # (The default binary is the dist profile's since session 17: a
+        # checkout with only a release build has none there.)
+        raise SystemExit(
+            f"--no-build: no binary at {BIN}; build it with `cargo build --profile {PROFILE} -p evalfleet`, "
+            "or pick another with BENCH_PROFILE=release or EVALFLEET_BIN=PATH"
+        )
     raise_fd_limit()
     work = tempfile.mkdtemp(prefix=f"evalfleet-{args.workload}-")
     try:
