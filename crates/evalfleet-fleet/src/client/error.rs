@@ -9,6 +9,7 @@ use futures_util::StreamExt;
 use serde_json::Value;
 
 use super::headers::retry_after;
+use super::http::SendError;
 
 /// Why a call failed.
 #[derive(Debug, thiserror::Error)]
@@ -123,17 +124,20 @@ impl CallError {
 /// (SendRequest)") say nothing of why, and the URL they show may carry a
 /// key in its query.
 #[derive(Debug)]
-pub struct Unanswered(reqwest::Error);
+pub struct Unanswered {
+    error: Box<dyn std::error::Error + Send + Sync>,
+    url: Option<reqwest::Url>,
+}
 
 impl Unanswered {
     /// The URL the request went to.
     pub fn url(&self) -> Option<&reqwest::Url> {
-        self.0.url()
+        self.url.as_ref()
     }
 
     /// The innermost error under the client's.
     fn cause(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        let mut cause = std::error::Error::source(&self.0)?;
+        let mut cause = self.error.source()?;
         while let Some(inner) = cause.source() {
             cause = inner;
         }
@@ -145,7 +149,7 @@ impl std::fmt::Display for Unanswered {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.cause() {
             Some(cause) => std::fmt::Display::fmt(cause, f),
-            None => std::fmt::Display::fmt(&self.0, f),
+            None => std::fmt::Display::fmt(&self.error, f),
         }
     }
 }
@@ -159,11 +163,22 @@ impl std::error::Error for Unanswered {
 /// Bodies of error responses are read up to this size for their message.
 pub(crate) const ERROR_BODY_LIMIT: usize = 8 * 1024;
 
-pub(crate) fn request_error(err: reqwest::Error) -> CallError {
-    if err.is_connect() {
-        CallError::Connect(Unanswered(err))
+pub(crate) fn request_error(err: SendError) -> CallError {
+    let connect = err.is_connect();
+    let unanswered = match err {
+        SendError::Reqwest(err) => Unanswered {
+            url: err.url().cloned(),
+            error: Box::new(err),
+        },
+        SendError::Direct(err, url) => Unanswered {
+            error: Box::new(err),
+            url: Some(url),
+        },
+    };
+    if connect {
+        CallError::Connect(unanswered)
     } else {
-        CallError::Transport(Unanswered(err))
+        CallError::Transport(unanswered)
     }
 }
 

@@ -156,8 +156,9 @@ impl ChatClient {
         delivered: &std::sync::atomic::AtomicBool,
     ) -> Result<Completion, CallError> {
         use std::sync::atomic::Ordering;
-        let url = format!("{}/{}", self.base, reading.api.path());
-        let request = self.send(|http| http.post(url.as_str()).body(body.clone()));
+        let url = super::http::Target::parse(&format!("{}/{}", self.base, reading.api.path()))
+            .map_err(CallError::BadResponse)?;
+        let request = self.send(Some(&body), &url);
         let first_byte_by = reading.started + self.stalls.first_byte;
         let response = tokio::time::timeout_at(first_byte_by, request)
             .await

@@ -1,9 +1,23 @@
 //! The HTTP clients and their connections: TLS, pools whose idle
 //! connections are reused only while the server keeps them, and a request
 //! sent again at once when its connection was closed under it.
+//!
+//! A plain `http://` endpoint reached without a proxy (a vLLM, SGLang or
+//! llama.cpp server on the LAN, where the client's CPU bounds a fast
+//! endpoint's throughput) is called on hyper's pooled client directly:
+//! reqwest wraps every client in a redirect layer that parses each
+//! request's URL twice, IDNA included, even with redirects off (4.5% of
+//! the client's CPU in W1's profile), and converts its own URL to a URI at
+//! every request. TLS endpoints, any endpoint behind a proxy (`HTTP_PROXY`,
+//! `ALL_PROXY`) and URLs with a user and password go through reqwest.
 
 use std::time::Duration;
 
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper_util::client::legacy::Client as Pooled;
+use hyper_util::client::legacy::connect::HttpConnector;
+use reqwest::ResponseBuilderExt;
 use reqwest::header::HeaderMap;
 
 use super::ChatClient;
@@ -37,9 +51,174 @@ pub(super) fn http_builder(pool_size: usize, idle: Duration) -> reqwest::ClientB
         .redirect(reqwest::redirect::Policy::none())
 }
 
+/// hyper's client on plain TCP, pooled as [`http_builder`]'s.
+type Direct = Pooled<HttpConnector, Full<Bytes>>;
+
+fn direct(pool_size: usize, idle: Duration) -> Direct {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(Duration::from_secs(10)));
+    Pooled::builder(hyper_util::rt::TokioExecutor::new())
+        .pool_timer(hyper_util::rt::TokioTimer::new())
+        .pool_max_idle_per_host(pool_size)
+        .pool_idle_timeout(idle)
+        .build(connector)
+}
+
+/// Environment variables naming a proxy that reqwest would follow for an
+/// `http://` URL.
+const PROXY_VARS: [&str; 4] = ["HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"];
+
+/// How a client sends its requests.
+#[derive(Clone)]
+pub(super) enum Transport {
+    /// hyper's pooled client: a plain `http://` endpoint with no proxy.
+    Direct(Direct),
+    /// reqwest: TLS, proxies.
+    Reqwest(reqwest::Client),
+}
+
+impl Transport {
+    /// The transport for `url` with these pool settings and `headers` on
+    /// every request.
+    pub(super) fn new(
+        url: &reqwest::Url,
+        pool_size: usize,
+        idle: Duration,
+        headers: &HeaderMap,
+    ) -> Result<Self, reqwest::Error> {
+        let proxied = PROXY_VARS
+            .iter()
+            .any(|var| std::env::var_os(var).is_some_and(|value| !value.is_empty()));
+        // (A user and password in the URL are reqwest's to send as Basic
+        // authorization.)
+        let userinfo = !url.username().is_empty() || url.password().is_some();
+        if url.scheme() == "http" && !proxied && !userinfo {
+            return Ok(Self::Direct(direct(pool_size, idle)));
+        }
+        http_builder(pool_size, idle)
+            .default_headers(headers.clone())
+            .build()
+            .map(Self::Reqwest)
+    }
+
+    /// Whether requests go on hyper's client directly.
+    #[cfg(test)]
+    pub(super) fn is_direct(&self) -> bool {
+        matches!(self, Self::Direct(_))
+    }
+
+    async fn request(
+        &self,
+        post: Option<&Bytes>,
+        url: &Target,
+        headers: &HeaderMap,
+    ) -> Result<reqwest::Response, SendError> {
+        match self {
+            Self::Reqwest(http) => {
+                let request = match post {
+                    Some(body) => http.post(url.url.clone()).body(body.clone()),
+                    None => http.get(url.url.clone()),
+                };
+                request.send().await.map_err(SendError::Reqwest)
+            }
+            Self::Direct(http) => {
+                let mut request = http::Request::new(Full::new(post.cloned().unwrap_or_default()));
+                if post.is_some() {
+                    *request.method_mut() = http::Method::POST;
+                }
+                *request.uri_mut() = url.uri.clone();
+                *request.headers_mut() = headers.clone();
+                let response = http
+                    .request(request)
+                    .await
+                    .map_err(|err| SendError::Direct(err, url.url.clone()))?;
+                Ok(answer(response, &url.url))
+            }
+        }
+    }
+}
+
+/// hyper's answer as reqwest's, which the reading code takes: its URL
+/// kept (error messages name it), its body read as it comes.
+fn answer(
+    response: http::Response<hyper::body::Incoming>,
+    url: &reqwest::Url,
+) -> reqwest::Response {
+    let (mut parts, body) = response.into_parts();
+    if let Ok(tagged) = http::Response::builder().url(url.clone()).body(()) {
+        parts.extensions.extend(tagged.into_parts().0.extensions);
+    }
+    reqwest::Response::from(http::Response::from_parts(parts, reqwest::Body::wrap(body)))
+}
+
+/// A request's address, parsed once: as reqwest's URL and as hyper's URI.
+#[derive(Debug, Clone)]
+pub(super) struct Target {
+    pub(super) url: reqwest::Url,
+    uri: http::Uri,
+}
+
+impl Target {
+    pub(super) fn parse(address: &str) -> Result<Self, String> {
+        let url = reqwest::Url::parse(address).map_err(|err| format!("{address}: {err}"))?;
+        let uri = url
+            .as_str()
+            .parse()
+            .map_err(|err| format!("{address}: {err}"))?;
+        Ok(Self { url, uri })
+    }
+}
+
+/// A request that got no answer.
+#[derive(Debug)]
+pub(crate) enum SendError {
+    Reqwest(reqwest::Error),
+    Direct(hyper_util::client::legacy::Error, reqwest::Url),
+}
+
+impl SendError {
+    /// No connection could be made.
+    pub(super) fn is_connect(&self) -> bool {
+        match self {
+            Self::Reqwest(err) => err.is_connect(),
+            Self::Direct(err, _) => err.is_connect(),
+        }
+    }
+
+    fn is_timeout(&self) -> bool {
+        match self {
+            Self::Reqwest(err) => err.is_timeout(),
+            Self::Direct(..) => false,
+        }
+    }
+
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Reqwest(err) => std::error::Error::source(err),
+            Self::Direct(err, _) => std::error::Error::source(err),
+        }
+    }
+}
+
+impl std::fmt::Display for SendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Reqwest(err) => err.fmt(f),
+            Self::Direct(err, _) => err.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for SendError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        SendError::source(self)
+    }
+}
+
 impl ChatClient {
     /// The client whose pooled connections the server keeps open.
-    fn pooled(&self) -> &reqwest::Client {
+    fn pooled(&self) -> &Transport {
         self.http_short.get().unwrap_or(&self.http)
     }
 
@@ -57,9 +236,12 @@ impl ChatClient {
         if idle >= POOL_IDLE {
             return;
         }
-        let built = http_builder(self.pool_size, idle)
-            .default_headers(self.headers.clone())
-            .build();
+        let built = Transport::new(
+            &self.completions_url.url,
+            self.pool_size,
+            idle,
+            &self.headers,
+        );
         let client = match built {
             Ok(client) => {
                 tracing::debug!(
@@ -80,21 +262,22 @@ impl ChatClient {
         let _ = self.http_short.set(client);
     }
 
-    /// Sends the request `build` makes on a pooled connection; when that
-    /// connection was closed under it (the server's keep-alive ended as it
-    /// was sent), once more at once on a new connection: the server never
-    /// took it up, so it costs no attempt.
+    /// Sends a request to `url` (a POST of `post`, else a GET) on a pooled
+    /// connection; when that connection was closed under it (the server's
+    /// keep-alive ended as it was sent), once more at once on a new
+    /// connection: the server never took it up, so it costs no attempt.
     pub(super) async fn send(
         &self,
-        build: impl Fn(&reqwest::Client) -> reqwest::RequestBuilder,
-    ) -> Result<reqwest::Response, reqwest::Error> {
-        match build(self.pooled()).send().await {
+        post: Option<&Bytes>,
+        url: &Target,
+    ) -> Result<reqwest::Response, SendError> {
+        match self.pooled().request(post, url, &self.headers).await {
             Err(err) if closed_under_it(&err) => {
                 tracing::debug!(
                     "The connection was closed as the request was sent ({}); sending it again on a new one.",
                     evalfleet_types::root_cause(&err)
                 );
-                build(&self.http_fresh).send().await
+                self.http_fresh.request(post, url, &self.headers).await
             }
             Ok(response) => {
                 self.learn_keep_alive(response.headers());
@@ -110,11 +293,11 @@ impl ChatClient {
 /// than because no connection could be made: what a server does to a
 /// connection it keeps idle when its keep-alive ends just as a request is
 /// sent on it. Such a request was never taken up by the server.
-fn closed_under_it(err: &reqwest::Error) -> bool {
+fn closed_under_it(err: &SendError) -> bool {
     if err.is_connect() || err.is_timeout() {
         return false;
     }
-    let mut cause = std::error::Error::source(err);
+    let mut cause = err.source();
     while let Some(inner) = cause {
         if inner
             .downcast_ref::<hyper::Error>()

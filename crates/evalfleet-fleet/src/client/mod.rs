@@ -5,7 +5,7 @@
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use reqwest::header::{AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue};
+use reqwest::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
@@ -34,7 +34,7 @@ pub use http::{POOL_IDLE, http_client};
 pub use stalls::{Gaps, Pulse, Stalls};
 
 use error::{body_error, request_error, status_error};
-use http::http_builder;
+use http::{Target, Transport};
 use stream::read_stream;
 use whole::parse_completion;
 
@@ -91,18 +91,19 @@ pub struct CallOutcome {
 #[derive(Clone)]
 pub struct ChatClient {
     /// Keeps connections for [`POOL_IDLE`].
-    http: reqwest::Client,
+    http: Transport,
     /// Keeps them for less, once the server said it does
     /// (`Keep-Alive: timeout=N`); then used instead of `http`.
-    http_short: std::sync::Arc<std::sync::OnceLock<reqwest::Client>>,
+    http_short: std::sync::Arc<std::sync::OnceLock<Transport>>,
     /// Keeps none: a request sent again after its connection was closed
     /// under it goes on a new one.
-    http_fresh: reqwest::Client,
-    /// What the clients are made with, to make `http_short`.
+    http_fresh: Transport,
+    /// Sent with every request; what the clients are made with, to make
+    /// `http_short`.
     headers: HeaderMap,
     pool_size: usize,
-    completions_url: reqwest::Url,
-    models_url: reqwest::Url,
+    completions_url: Target,
+    models_url: Target,
     /// The base URL, without its last `/`.
     base: String,
     /// `{"model":"NAME","messages":` — the body up to the messages.
@@ -129,6 +130,7 @@ impl ChatClient {
     ) -> Result<Self, String> {
         let mut headers = HeaderMap::new();
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        headers.insert(ACCEPT, HeaderValue::from_static("*/*"));
         if let Some(key) = &endpoint.api_key {
             headers.insert(
                 AUTHORIZATION,
@@ -140,10 +142,10 @@ impl ChatClient {
             headers.insert(name, secret_header(value.expose())?);
         }
         let pool_size = endpoint.max_concurrency();
+        let base = base_url.trim_end_matches('/');
+        let completions_url = Target::parse(&format!("{base}/chat/completions"))?;
         let build = |pool_size, idle| {
-            http_builder(pool_size, idle)
-                .default_headers(headers.clone())
-                .build()
+            Transport::new(&completions_url.url, pool_size, idle, &headers)
                 .map_err(|err| err.to_string())
         };
         let http = build(pool_size, POOL_IDLE)?;
@@ -164,19 +166,14 @@ impl ChatClient {
         } else {
             tail.push_str(",\"stream\":false}");
         }
-        let base = base_url.trim_end_matches('/');
-        let url = |path: &str| {
-            reqwest::Url::parse(&format!("{base}/{path}"))
-                .map_err(|err| format!("{base}/{path}: {err}"))
-        };
         Ok(Self {
             http,
             http_short: std::sync::Arc::default(),
             http_fresh,
             headers,
             pool_size,
-            completions_url: url("chat/completions")?,
-            models_url: url("models")?,
+            completions_url,
+            models_url: Target::parse(&format!("{base}/models"))?,
             base: base.to_owned(),
             body_head: Bytes::from(head),
             body_tail: Bytes::from(tail),
@@ -267,10 +264,8 @@ impl ChatClient {
         (ttft, first): (&mut Option<Duration>, &FirstToken),
         quota: &mut Option<Quota>,
     ) -> Result<Completion, CallError> {
-        let request = self.send(|http| {
-            http.post(self.completions_url.clone())
-                .body(self.body(messages, images))
-        });
+        let body = Bytes::from(self.body(messages, images));
+        let request = self.send(Some(&body), &self.completions_url);
         // A stream's first byte (its headers, then its first event) is due
         // by then.
         let first_byte_by = started + self.stalls.first_byte;
@@ -331,7 +326,7 @@ impl ChatClient {
 
     async fn list_models(&self) -> Result<Vec<String>, CallError> {
         let response = self
-            .send(|http| http.get(self.models_url.clone()))
+            .send(None, &self.models_url)
             .await
             .map_err(request_error)?;
         if !response.status().is_success() {

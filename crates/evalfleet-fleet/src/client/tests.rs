@@ -448,3 +448,130 @@ async fn a_stream_quiet_while_its_neighbours_are_answered_in_full_has_stalled() 
         .unwrap_err();
     assert!(matches!(err, CallError::Stalled(_)), "{err}");
 }
+
+/// A server on 127.0.0.1:0 that reads one request whole, answers it
+/// with a completion, and sends what it read (head and body) back to the
+/// test.
+async fn capture_one() -> (String, tokio::sync::oneshot::Receiver<String>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    // The test's own server: it ends with the connection.
+    #[allow(clippy::disallowed_methods)]
+    tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let mut request = Vec::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            let n = socket.read(&mut buf).await.unwrap();
+            assert!(n > 0, "the client closed before its request was whole");
+            request.extend_from_slice(&buf[..n]);
+            let text = String::from_utf8_lossy(&request).into_owned();
+            let Some(end) = text.find("\r\n\r\n") else {
+                continue;
+            };
+            let length = text[..end]
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().parse::<usize>().unwrap())
+                })
+                .unwrap_or(0);
+            if request.len() >= end + 4 + length {
+                break;
+            }
+        }
+        let body = r#"{"choices":[{"message":{"content":"ok"},"finish_reason":"stop"}]}"#;
+        let answer = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        socket.write_all(answer.as_bytes()).await.unwrap();
+        let _ = tx.send(String::from_utf8(request).unwrap());
+    });
+    (format!("http://{addr}/v1"), rx)
+}
+
+#[tokio::test]
+async fn a_plain_http_endpoint_is_called_directly_with_every_header_of_the_endpoint() {
+    let (url, request) = capture_one().await;
+    let dataset = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+    let config = serde_json::json!({
+        "name": "t",
+        "dataset": {"path": dataset, "format": "jsonl"},
+        "endpoints": [{"name": "e", "kind": "external", "base_url": url, "model": "m",
+                       "api_key": "sk-test", "headers": {"X-Team": "evals"}}],
+        "task": {"messages": [{"role": "user", "content": "{{ q }}"}]},
+    });
+    let loaded = evalfleet_config::load_snapshot(&config, std::path::Path::new(".")).unwrap();
+    let client = ChatClient::new(&loaded.config.endpoints[0], &url, &Map::new(), false).unwrap();
+    assert!(
+        client.http.is_direct(),
+        "http:// with no proxy goes on hyper's client"
+    );
+    let outcome = client.complete(&hi()).await;
+    assert_eq!(outcome.result.unwrap().content, "ok");
+    let request = request.await.unwrap();
+    let (head, body) = request.split_once("\r\n\r\n").unwrap();
+    let mut lines = head.lines();
+    // Origin-form, as servers expect from a client that is not a proxy.
+    assert_eq!(
+        lines.next(),
+        Some("POST /v1/chat/completions HTTP/1.1"),
+        "{head}"
+    );
+    let headers: Vec<String> = lines.map(str::to_ascii_lowercase).collect();
+    let port = url.trim_start_matches("http://").trim_end_matches("/v1");
+    for expected in [
+        format!("host: {port}"),
+        "content-type: application/json".to_owned(),
+        "authorization: bearer sk-test".to_owned(),
+        "x-team: evals".to_owned(),
+        "accept: */*".to_owned(),
+        format!("content-length: {}", body.len()),
+    ] {
+        assert!(headers.contains(&expected), "{expected} not in {headers:?}");
+    }
+    assert_eq!(
+        body,
+        r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":false}"#
+    );
+}
+
+#[tokio::test]
+async fn tls_and_userinfo_go_through_reqwest_and_a_refused_connection_names_its_address() {
+    let tls = client("https://127.0.0.1:9/v1", false, Stalls::default());
+    assert!(!tls.http.is_direct());
+    let basic = client(
+        "http://user:secret@127.0.0.1:9/v1",
+        false,
+        Stalls::default(),
+    );
+    assert!(
+        !basic.http.is_direct(),
+        "reqwest sends the URL's user as Basic auth"
+    );
+    // A port nothing listens on: no connection, the address and the
+    // cause said (the key in a query left out).
+    let port = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().port()
+    };
+    let url = format!("http://127.0.0.1:{port}/v1");
+    let err = complete(&url, false, Stalls::default()).await.unwrap_err();
+    let CallError::Connect(unanswered) = &err else {
+        panic!("{err:?}");
+    };
+    assert_eq!(
+        unanswered.url().map(shown_url).as_deref(),
+        Some(format!("{url}/chat/completions").as_str())
+    );
+    let text = err.to_string();
+    assert!(
+        text.starts_with("cannot connect: ") && text.contains("refused"),
+        "{text}"
+    );
+    assert_eq!(err.class(), ErrorClass::Retryable);
+}
