@@ -53,15 +53,19 @@ type Seen = std::sync::Arc<std::sync::Mutex<Vec<(usize, usize)>>>;
 /// Reads one request (headers, then a body of Content-Length bytes) from
 /// `socket`; `false` when the client closed the connection first.
 async fn read_request(socket: &mut tokio::net::TcpStream) -> bool {
+    read_whole_request(socket).await.is_some()
+}
+
+/// The bytes of one request read whole from `socket`; `None` when the
+/// client closed the connection first.
+async fn read_whole_request(socket: &mut tokio::net::TcpStream) -> Option<Vec<u8>> {
     use tokio::io::AsyncReadExt;
     let mut request = Vec::new();
     let mut buf = [0u8; 4096];
     loop {
-        let Ok(n) = socket.read(&mut buf).await else {
-            return false;
-        };
+        let n = socket.read(&mut buf).await.ok()?;
         if n == 0 {
-            return false;
+            return None;
         }
         request.extend_from_slice(&buf[..n]);
         let text = String::from_utf8_lossy(&request);
@@ -75,7 +79,7 @@ async fn read_request(socket: &mut tokio::net::TcpStream) -> bool {
                 })
                 .unwrap_or(0);
             if request.len() >= end + 4 + length {
-                return true;
+                return Some(request);
             }
         }
     }
@@ -453,7 +457,7 @@ async fn a_stream_quiet_while_its_neighbours_are_answered_in_full_has_stalled() 
 /// with a completion, and sends what it read (head and body) back to the
 /// test.
 async fn capture_one() -> (String, tokio::sync::oneshot::Receiver<String>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel();
@@ -461,28 +465,9 @@ async fn capture_one() -> (String, tokio::sync::oneshot::Receiver<String>) {
     #[allow(clippy::disallowed_methods)]
     tokio::spawn(async move {
         let (mut socket, _) = listener.accept().await.unwrap();
-        let mut request = Vec::new();
-        let mut buf = [0u8; 4096];
-        loop {
-            let n = socket.read(&mut buf).await.unwrap();
-            assert!(n > 0, "the client closed before its request was whole");
-            request.extend_from_slice(&buf[..n]);
-            let text = String::from_utf8_lossy(&request).into_owned();
-            let Some(end) = text.find("\r\n\r\n") else {
-                continue;
-            };
-            let length = text[..end]
-                .lines()
-                .find_map(|l| {
-                    l.to_ascii_lowercase()
-                        .strip_prefix("content-length:")
-                        .map(|v| v.trim().parse::<usize>().unwrap())
-                })
-                .unwrap_or(0);
-            if request.len() >= end + 4 + length {
-                break;
-            }
-        }
+        let request = read_whole_request(&mut socket)
+            .await
+            .expect("the client closed before its request was whole");
         let body = r#"{"choices":[{"message":{"content":"ok"},"finish_reason":"stop"}]}"#;
         let answer = format!(
             "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
