@@ -32,6 +32,19 @@ pub enum Api {
 }
 
 impl Api {
+    /// Every API, in the order of [`Api::index`].
+    pub(super) const ALL: [Api; 4] = [
+        Self::ChatCompletions,
+        Self::Completions,
+        Self::Responses,
+        Self::Embeddings,
+    ];
+
+    /// Its place in [`Api::ALL`].
+    pub(super) fn index(self) -> usize {
+        self as usize
+    }
+
     /// Its path under the base URL.
     pub fn path(self) -> &'static str {
         match self {
@@ -156,9 +169,7 @@ impl ChatClient {
         delivered: &std::sync::atomic::AtomicBool,
     ) -> Result<Completion, CallError> {
         use std::sync::atomic::Ordering;
-        let url = super::http::Target::parse(&format!("{}/{}", self.base, reading.api.path()))
-            .map_err(CallError::BadResponse)?;
-        let request = self.send(Some(&body), &url);
+        let request = self.send(Some(&body), &self.forward_urls[reading.api.index()]);
         let first_byte_by = reading.started + self.stalls.first_byte;
         let response = tokio::time::timeout_at(first_byte_by, request)
             .await

@@ -52,22 +52,90 @@ pub(super) fn http_builder(pool_size: usize, idle: Duration) -> reqwest::ClientB
 }
 
 /// hyper's client on plain TCP, pooled as [`http_builder`]'s.
-type Direct = Pooled<HttpConnector, Full<Bytes>>;
+type Direct = Pooled<Timed<HttpConnector>, Full<Bytes>>;
+
+/// How long a connection may take to be made, the name's lookup included.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 fn direct(pool_size: usize, idle: Duration) -> Direct {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(Duration::from_secs(10)));
+    // What reqwest sets: a server that went away without a word (powered
+    // off, or a firewall that drops) fails the call within about 30 to
+    // 45 s as a broken connection, not at the attempt's timeout as back
+    // pressure.
+    connector.set_keepalive(Some(Duration::from_secs(15)));
+    connector.set_keepalive_interval(Some(Duration::from_secs(15)));
+    connector.set_keepalive_retries(Some(3));
+    #[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
+    connector.set_tcp_user_timeout(Some(Duration::from_secs(30)));
     Pooled::builder(hyper_util::rt::TokioExecutor::new())
         .pool_timer(hyper_util::rt::TokioTimer::new())
         .pool_max_idle_per_host(pool_size)
         .pool_idle_timeout(idle)
-        .build(connector)
+        .build(Timed {
+            inner: connector,
+            limit: CONNECT_TIMEOUT,
+        })
+}
+
+/// A connector whose connections must be made within `limit`, the name's
+/// lookup included (hyper's own timeout covers the TCP connect only: a
+/// resolver that hangs would hold the call to its attempt's timeout).
+#[derive(Debug, Clone)]
+pub(super) struct Timed<C> {
+    inner: C,
+    limit: Duration,
+}
+
+/// No connection within the connect timeout.
+#[derive(Debug, thiserror::Error)]
+#[error("no connection within {}", humantime::format_duration(*.0))]
+struct ConnectTimeout(Duration);
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+impl<C> tower_service::Service<http::Uri> for Timed<C>
+where
+    C: tower_service::Service<http::Uri>,
+    C::Response: Send + 'static,
+    C::Future: Send + 'static,
+    C::Error: Into<BoxError>,
+{
+    type Response = C::Response;
+    type Error = BoxError;
+    type Future =
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<C::Response, BoxError>> + Send>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Self::Future {
+        let connecting = self.inner.call(uri);
+        let limit = self.limit;
+        Box::pin(async move {
+            match tokio::time::timeout(limit, connecting).await {
+                Ok(connected) => connected.map_err(Into::into),
+                Err(_) => Err(ConnectTimeout(limit).into()),
+            }
+        })
+    }
 }
 
 /// Environment variables naming a proxy that reqwest would follow for an
 /// `http://` URL.
 const PROXY_VARS: [&str; 4] = ["HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"];
+
+/// Whether the environment names a proxy for `http://` URLs.
+pub(super) fn env_proxy() -> bool {
+    PROXY_VARS
+        .iter()
+        .any(|var| std::env::var_os(var).is_some_and(|value| !value.is_empty()))
+}
 
 /// How a client sends its requests.
 #[derive(Clone)]
@@ -87,9 +155,7 @@ impl Transport {
         idle: Duration,
         headers: &HeaderMap,
     ) -> Result<Self, reqwest::Error> {
-        let proxied = PROXY_VARS
-            .iter()
-            .any(|var| std::env::var_os(var).is_some_and(|value| !value.is_empty()));
+        let proxied = env_proxy();
         // (A user and password in the URL are reqwest's to send as Basic
         // authorization.)
         let userinfo = !url.username().is_empty() || url.password().is_some();
@@ -330,6 +396,59 @@ fn reuse_within(timeout: Duration) -> Duration {
 mod tests {
     use super::*;
     use reqwest::header::HeaderValue;
+    use tower_service::Service;
+
+    /// A connector whose connections come after `after` (never: `None`).
+    #[derive(Clone)]
+    struct Slow(Option<Duration>);
+
+    impl Service<http::Uri> for Slow {
+        type Response = &'static str;
+        type Error = std::io::Error;
+        type Future = std::pin::Pin<
+            Box<dyn std::future::Future<Output = std::io::Result<&'static str>> + Send>,
+        >;
+
+        fn poll_ready(
+            &mut self,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, _: http::Uri) -> Self::Future {
+            let after = self.0;
+            Box::pin(async move {
+                match after {
+                    Some(after) => {
+                        tokio::time::sleep(after).await;
+                        Ok("connected")
+                    }
+                    None => std::future::pending().await,
+                }
+            })
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_not_made_within_the_timeout_fails_whatever_held_it() {
+        // A lookup or a connect that never ends fails at the limit...
+        let uri: http::Uri = "http://engine.internal:8000/v1".parse().unwrap();
+        let mut timed = Timed {
+            inner: Slow(None),
+            limit: CONNECT_TIMEOUT,
+        };
+        let started = tokio::time::Instant::now();
+        let err = timed.call(uri.clone()).await.unwrap_err();
+        assert_eq!(started.elapsed(), CONNECT_TIMEOUT);
+        assert_eq!(err.to_string(), "no connection within 10s");
+        // ...and one made in time is the connection.
+        let mut timed = Timed {
+            inner: Slow(Some(Duration::from_secs(9))),
+            limit: CONNECT_TIMEOUT,
+        };
+        assert_eq!(timed.call(uri).await.unwrap(), "connected");
+    }
 
     #[test]
     fn a_keep_alive_header_says_how_long_connections_may_be_reused() {

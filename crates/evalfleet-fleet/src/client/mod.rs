@@ -104,8 +104,8 @@ pub struct ChatClient {
     pool_size: usize,
     completions_url: Target,
     models_url: Target,
-    /// The base URL, without its last `/`.
-    base: String,
+    /// Where the gateway forwards each API's requests, by [`Api::index`].
+    forward_urls: std::sync::Arc<[Target; 4]>,
     /// `{"model":"NAME","messages":` — the body up to the messages.
     body_head: Bytes,
     /// `,"param":value,...,"stream":...}` — the body after the messages.
@@ -174,7 +174,11 @@ impl ChatClient {
             pool_size,
             completions_url,
             models_url: Target::parse(&format!("{base}/models"))?,
-            base: base.to_owned(),
+            forward_urls: {
+                let [chat, completions, responses, embeddings] =
+                    Api::ALL.map(|api| Target::parse(&format!("{base}/{}", api.path())));
+                std::sync::Arc::new([chat?, completions?, responses?, embeddings?])
+            },
             body_head: Bytes::from(head),
             body_tail: Bytes::from(tail),
             stream,
