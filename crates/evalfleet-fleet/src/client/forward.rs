@@ -169,7 +169,7 @@ impl ChatClient {
         delivered: &std::sync::atomic::AtomicBool,
     ) -> Result<Completion, CallError> {
         use std::sync::atomic::Ordering;
-        let request = self.send(Some(&body), &self.forward_urls[reading.api.index()]);
+        let request = self.send(Some(&body), self.api_url(reading.api));
         let first_byte_by = reading.started + self.stalls.first_byte;
         let response = tokio::time::timeout_at(first_byte_by, request)
             .await
@@ -594,6 +594,13 @@ pub fn cut_body(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_api_has_its_own_place() {
+        for (at, api) in Api::ALL.iter().enumerate() {
+            assert_eq!(api.index(), at, "{api:?}");
+        }
+    }
 
     #[test]
     fn a_streamed_tool_call_is_assembled_from_its_pieces() {

@@ -35,40 +35,54 @@ pub fn http_client(pool_size: usize) -> Result<reqwest::Client, reqwest::Error> 
     http_builder(pool_size, POOL_IDLE).build()
 }
 
+/// How long a connection may take to be made, the name's lookup included.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// TCP keepalive on every connection (idle time before the first probe,
+/// between probes, probes) and how long sent data may go unacknowledged
+/// (`TCP_USER_TIMEOUT`, Linux): a server that went away without a word
+/// (powered off, or behind a firewall that drops) fails the call within
+/// about 30 to 45 s as a broken connection, not at the attempt's timeout
+/// as back pressure. (reqwest's own defaults, set on both transports.)
+const KEEPALIVE: Duration = Duration::from_secs(15);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(15);
+const KEEPALIVE_RETRIES: u32 = 3;
+#[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
+const USER_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// The settings of every HTTP client evalfleet makes: at most `pool_size`
 /// idle connections to a host, each reused only within `idle`; TLS whose
 /// root certificates are read once, at the first handshake
 /// ([`super::tls`]).
 pub(super) fn http_builder(pool_size: usize, idle: Duration) -> reqwest::ClientBuilder {
-    reqwest::Client::builder()
+    let builder = reqwest::Client::builder()
         .tls_backend_preconfigured(super::tls::config())
         .pool_max_idle_per_host(pool_size)
         .pool_idle_timeout(idle)
         .tcp_nodelay(true)
-        .connect_timeout(Duration::from_secs(10))
+        .connect_timeout(CONNECT_TIMEOUT)
+        .tcp_keepalive(KEEPALIVE)
+        .tcp_keepalive_interval(KEEPALIVE_INTERVAL)
+        .tcp_keepalive_retries(KEEPALIVE_RETRIES)
         // An API answers where it is asked; a redirect of a POST is a
         // misconfigured base URL, better reported than followed.
-        .redirect(reqwest::redirect::Policy::none())
+        .redirect(reqwest::redirect::Policy::none());
+    #[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
+    let builder = builder.tcp_user_timeout(USER_TIMEOUT);
+    builder
 }
 
-/// hyper's client on plain TCP, pooled as [`http_builder`]'s.
+/// hyper's client on plain TCP, pooled and connected as [`http_builder`]'s.
 type Direct = Pooled<Timed<HttpConnector>, Full<Bytes>>;
-
-/// How long a connection may take to be made, the name's lookup included.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 fn direct(pool_size: usize, idle: Duration) -> Direct {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
-    // What reqwest sets: a server that went away without a word (powered
-    // off, or a firewall that drops) fails the call within about 30 to
-    // 45 s as a broken connection, not at the attempt's timeout as back
-    // pressure.
-    connector.set_keepalive(Some(Duration::from_secs(15)));
-    connector.set_keepalive_interval(Some(Duration::from_secs(15)));
-    connector.set_keepalive_retries(Some(3));
+    connector.set_keepalive(Some(KEEPALIVE));
+    connector.set_keepalive_interval(Some(KEEPALIVE_INTERVAL));
+    connector.set_keepalive_retries(Some(KEEPALIVE_RETRIES));
     #[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
-    connector.set_tcp_user_timeout(Some(Duration::from_secs(30)));
+    connector.set_tcp_user_timeout(Some(USER_TIMEOUT));
     Pooled::builder(hyper_util::rt::TokioExecutor::new())
         .pool_timer(hyper_util::rt::TokioTimer::new())
         .pool_max_idle_per_host(pool_size)
@@ -205,8 +219,10 @@ impl Transport {
     }
 }
 
-/// hyper's answer as reqwest's, which the reading code takes: its URL
-/// kept (error messages name it), its body read as it comes.
+/// hyper's answer as reqwest's, which the reading code takes, its body
+/// read as it comes. Its URL is set through reqwest's own extension
+/// (the only public way): a response without one gets a placeholder URL
+/// parsed anew for each answer, the very work this client avoids.
 fn answer(
     response: http::Response<hyper::body::Incoming>,
     url: &reqwest::Url,
@@ -258,13 +274,6 @@ impl SendError {
             Self::Direct(..) => false,
         }
     }
-
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            Self::Reqwest(err) => std::error::Error::source(err),
-            Self::Direct(err, _) => std::error::Error::source(err),
-        }
-    }
 }
 
 impl std::fmt::Display for SendError {
@@ -278,7 +287,10 @@ impl std::fmt::Display for SendError {
 
 impl std::error::Error for SendError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        SendError::source(self)
+        match self {
+            Self::Reqwest(err) => err.source(),
+            Self::Direct(err, _) => err.source(),
+        }
     }
 }
 
@@ -303,7 +315,7 @@ impl ChatClient {
             return;
         }
         let built = Transport::new(
-            &self.completions_url.url,
+            &self.completions_url().url,
             self.pool_size,
             idle,
             &self.headers,
@@ -363,7 +375,7 @@ fn closed_under_it(err: &SendError) -> bool {
     if err.is_connect() || err.is_timeout() {
         return false;
     }
-    let mut cause = err.source();
+    let mut cause = std::error::Error::source(err);
     while let Some(inner) = cause {
         if inner
             .downcast_ref::<hyper::Error>()

@@ -102,10 +102,10 @@ pub struct ChatClient {
     /// `http_short`.
     headers: HeaderMap,
     pool_size: usize,
-    completions_url: Target,
     models_url: Target,
-    /// Where the gateway forwards each API's requests, by [`Api::index`].
-    forward_urls: std::sync::Arc<[Target; 4]>,
+    /// Where each API's requests go, by [`Api::index`] (chat completions
+    /// for the task's calls; all of them for the gateway's).
+    api_urls: std::sync::Arc<[Target]>,
     /// `{"model":"NAME","messages":` — the body up to the messages.
     body_head: Bytes,
     /// `,"param":value,...,"stream":...}` — the body after the messages.
@@ -143,7 +143,11 @@ impl ChatClient {
         }
         let pool_size = endpoint.max_concurrency();
         let base = base_url.trim_end_matches('/');
-        let completions_url = Target::parse(&format!("{base}/chat/completions"))?;
+        let api_urls = Api::ALL
+            .iter()
+            .map(|api| Target::parse(&format!("{base}/{}", api.path())))
+            .collect::<Result<std::sync::Arc<[Target]>, String>>()?;
+        let completions_url = &api_urls[Api::ChatCompletions.index()];
         let build = |pool_size, idle| {
             Transport::new(&completions_url.url, pool_size, idle, &headers)
                 .map_err(|err| err.to_string())
@@ -172,13 +176,8 @@ impl ChatClient {
             http_fresh,
             headers,
             pool_size,
-            completions_url,
             models_url: Target::parse(&format!("{base}/models"))?,
-            forward_urls: {
-                let [chat, completions, responses, embeddings] =
-                    Api::ALL.map(|api| Target::parse(&format!("{base}/{}", api.path())));
-                std::sync::Arc::new([chat?, completions?, responses?, embeddings?])
-            },
+            api_urls,
             body_head: Bytes::from(head),
             body_tail: Bytes::from(tail),
             stream,
@@ -187,6 +186,16 @@ impl ChatClient {
             pulse: std::sync::Arc::default(),
             quiet: endpoint.quiet_errors,
         })
+    }
+
+    /// Where chat completions are asked for.
+    fn completions_url(&self) -> &Target {
+        self.api_url(Api::ChatCompletions)
+    }
+
+    /// Where `api`'s requests go.
+    fn api_url(&self, api: Api) -> &Target {
+        &self.api_urls[api.index()]
     }
 
     /// When the endpoint last showed it works (see [`Pulse`]).
@@ -269,7 +278,7 @@ impl ChatClient {
         quota: &mut Option<Quota>,
     ) -> Result<Completion, CallError> {
         let body = Bytes::from(self.body(messages, images));
-        let request = self.send(Some(&body), &self.completions_url);
+        let request = self.send(Some(&body), self.completions_url());
         // A stream's first byte (its headers, then its first event) is due
         // by then.
         let first_byte_by = started + self.stalls.first_byte;
