@@ -144,6 +144,8 @@ struct Outcome {
     time_at: BTreeMap<usize, f64>,
     /// When the limit first came to its maximum, from the start.
     at_max: Option<Duration>,
+    /// The limits it went through, in order, from the first.
+    path: Vec<usize>,
 }
 
 impl Outcome {
@@ -194,6 +196,7 @@ fn simulate_calls(
     let (mut tokens, mut cuts) = (0.0, 0);
     let mut time_at = BTreeMap::new();
     let mut at_max = None;
+    let mut path = vec![c.limit()];
     let half = start + Duration::from_secs(seconds / 2);
     while now < start + Duration::from_secs(seconds) {
         // Calls start while the limit lets them.
@@ -257,6 +260,9 @@ fn simulate_calls(
         if now >= half {
             *time_at.entry(c.limit()).or_insert(0.0) += step.as_secs_f64();
         }
+        if path.last() != Some(&c.limit()) {
+            path.push(c.limit());
+        }
         if c.limit() >= settings.max && at_max.is_none() {
             at_max = Some(now - start);
         }
@@ -266,6 +272,7 @@ fn simulate_calls(
         cuts,
         time_at,
         at_max,
+        path,
     }
 }
 
@@ -531,6 +538,24 @@ fn a_server_with_room_for_every_call_is_filled_a_doubling_a_round_trip() {
         "the limit came to 1,024 after {:?}",
         out.at_max
     );
+    // Each level that scaled after a fast step makes the next step twice
+    // as big: three steps from 8, not four.
+    assert_eq!(out.path[..4], [8, 32, 256, 1024], "{:?}", out.path);
+}
+
+#[test]
+fn a_server_whose_knee_lies_inside_a_big_step_is_brought_back_near_it() {
+    // 100 slots, a call's time whatever the load, a queue beyond: the
+    // step from 32 (which scaled) goes eightfold, past the knee.
+    let server = Server::Batching {
+        slots: 100,
+        slowdown: 0.0,
+    };
+    let out = simulate_server(server, 0.001, 300, adaptive(), None);
+    assert!(out.path.starts_with(&[8, 32, 256]), "{:?}", out.path);
+    assert!(out.share_within(90, 130) > 0.9, "{:?}", out.time_at);
+    let best = served(100, 0.0, 0.001);
+    assert!(out.throughput > 0.9 * best, "{} vs {best}", out.throughput);
 }
 
 #[test]
