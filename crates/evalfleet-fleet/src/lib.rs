@@ -14,6 +14,7 @@ pub mod engine;
 pub mod gpu;
 pub mod limit;
 pub mod load;
+pub mod open_files;
 pub mod outlier;
 pub mod procs;
 pub mod prometheus;

@@ -116,6 +116,9 @@ fn main() -> ExitCode {
     keep_large_buffers_off_the_heap();
     let cli = Cli::parse();
     ui::init_logging(cli.verbose);
+    // A call in flight is an open file: the soft limit (1,024 on most
+    // systems) would stop an adaptive limit short of its 1,024 calls.
+    evalfleet_fleet::open_files::raise();
     if cli.command.only_prints() {
         end_quietly_when_the_reader_stops();
     }

@@ -1287,3 +1287,95 @@ async fn a_sporadic_fault_is_retried_at_once_and_a_second_in_a_row_never_waits_l
         "no second fault in a row backed off: {after_500:?}"
     );
 }
+
+/// Runs `evalfleet ARGS` in `env`'s folder under `ulimit LIMIT` (as `sh`
+/// sets it: `-n 256` both limits, `-Sn 256` the soft one alone).
+async fn run_under_ulimit(env: &Env, limit: &str, args: &[&str]) -> crate::util::Ran {
+    Command::new("sh")
+        .arg("-c")
+        .arg(format!("ulimit {limit} && exec \"$0\" \"$@\""))
+        .arg(BIN)
+        .args(args)
+        .current_dir(env.dir.path())
+        .env_remove("EVALFLEET_STORE")
+        .env_remove("EVALFLEET_LOG")
+        .kill_on_drop(true)
+        .output()
+        .await
+        .expect("sh runs the binary")
+        .into()
+}
+
+/// The attempts of run `run_id` that failed, by their error.
+fn failed_attempts(env: &Env, run_id: &str) -> Vec<String> {
+    let conn = rusqlite::Connection::open(env.store_path()).unwrap();
+    let mut stmt = conn
+        .prepare(
+            "SELECT a.error FROM attempts a JOIN runs r ON r.rid = a.rid
+             WHERE r.run_id = ?1 AND a.error IS NOT NULL",
+        )
+        .unwrap();
+    stmt.query_map([run_id], |row| row.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_open_files_limit_bounds_the_calls_in_flight_instead_of_failing_connects() {
+    // A mock at 50 ms: an adaptive limit climbs past 256 calls within a
+    // few round trips (8, 32, 256, 1,024), each call a socket.
+    let env = Env::new();
+    let dataset = env.dataset("items.jsonl", 3000);
+    let (mut mock, url) = mock_process(&["--latency", "50ms"]).await;
+    let endpoint = format!("  - {{ name: m, kind: external, base_url: \"{url}\", model: m }}\n");
+    env.write("run.yaml", &config(&dataset, &endpoint, ""));
+
+    // Both limits at 256 files: the endpoint's limit stays within what is
+    // left after the reserve (128), and no connect fails for want of files.
+    let low = run_under_ulimit(&env, "-n 256", &["run", "run.yaml", "--run-id", "low"]).await;
+    assert_eq!(low.code, Some(0), "{}", low.stderr);
+    assert!(
+        low.stderr
+            .contains("Endpoint m: at most 128 calls at once (adaptive)"),
+        "{}",
+        low.stderr
+    );
+    assert_eq!(env.counts("low").done, 3000);
+    assert_eq!(failed_attempts(&env, "low"), Vec::<String>::new());
+
+    // The soft limit alone at 256: the process raises it to the hard one,
+    // and more calls than 256 files would allow go out at once.
+    let hard: u64 = String::from_utf8(
+        std::process::Command::new("sh")
+            .args(["-c", "ulimit -Hn"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap()
+    .trim()
+    .parse()
+    .unwrap_or(u64::MAX);
+    mock.kill().await.unwrap();
+    let (_mock, url) = mock_process(&["--latency", "50ms"]).await;
+    let endpoint = format!("  - {{ name: m, kind: external, base_url: \"{url}\", model: m }}\n");
+    env.write("run.yaml", &config(&dataset, &endpoint, ""));
+    let soft = run_under_ulimit(&env, "-Sn 256", &["run", "run.yaml", "--run-id", "soft"]).await;
+    assert_eq!(soft.code, Some(0), "{}", soft.stderr);
+    assert_eq!(env.counts("soft").done, 3000);
+    assert_eq!(failed_attempts(&env, "soft"), Vec::<String>::new());
+    // (Where the hard limit is itself low, the bound above holds instead.)
+    if hard >= 2048 {
+        let stats: Value = crate::serve::client()
+            .get(format!("{}/mock/stats", url.trim_end_matches("/v1")))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let most = stats["max_in_flight"].as_u64().unwrap();
+        assert!(most > 256, "at most {most} calls at once");
+    }
+}

@@ -141,10 +141,19 @@ pub struct Fleet {
 
 impl Fleet {
     pub fn new(config: &Config, options: FleetOptions) -> Self {
+        // Every call in flight holds a socket: the endpoints' limits stay
+        // within the open files the process may keep.
+        let most = crate::open_files::calls_allowed(
+            crate::open_files::soft_limit(),
+            config.endpoints.len(),
+        );
         let endpoints: Vec<_> = config
             .endpoints
             .iter()
-            .map(|e| Arc::new(Endpoint::new(e, config.timeouts.attempt)))
+            .map(|e| {
+                let e = crate::open_files::within(e, most);
+                Arc::new(Endpoint::new(&e, config.timeouts.attempt))
+            })
             .collect();
         let (events, receiver) = mpsc::unbounded_channel();
         let watchdog = super::watchdog::Watchdog::new(&config.telemetry, &endpoints);

@@ -1,0 +1,112 @@
+//! The open files a process may keep, and the calls in flight they allow.
+//!
+//! Every call in flight holds a socket, and a socket is an open file. Most
+//! Linux systems give a process a soft limit of 1,024 open files (its hard
+//! limit is often far higher), and an adaptive limit climbs to 1,024 calls
+//! on a fast endpoint: past the soft limit, connects fail with "Too many
+//! open files", which says nothing of the endpoint, yet would count against
+//! it (a run of 5,000 items at 50 ms took 9.7 s instead of 0.6, its endpoint
+//! marked unhealthy for 9 s). So the process raises its soft limit to its
+//! hard one at start ([`raise`]), and the endpoints' limits are kept within
+//! what is left after a reserve for everything else ([`calls_allowed`]).
+
+use std::borrow::Cow;
+
+use evalfleet_config::{EndpointConfig, LimitMode};
+use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+
+/// Files kept for everything but calls: the store and its log and shared
+/// memory files, the dataset, logs, the dashboard's and the gateway's
+/// sockets, agents' pipes.
+pub const RESERVE: u64 = 128;
+
+/// The most the soft limit is raised to, however high the hard one.
+const MOST: u64 = 1 << 20;
+
+/// Raises the soft limit on open files to the hard one (at most
+/// [`MOST`]); where the system refuses, it stays. Processes this one
+/// starts (engines, agents) inherit it. The soft limit after.
+pub fn raise() -> Option<u64> {
+    let limit = getrlimit(Resource::Nofile);
+    let current = limit.current?;
+    let wanted = limit.maximum.unwrap_or(MOST).min(MOST);
+    if wanted > current {
+        let raised = Rlimit {
+            current: Some(wanted),
+            maximum: limit.maximum,
+        };
+        if let Err(err) = setrlimit(Resource::Nofile, raised) {
+            tracing::debug!("The open files limit stays at {current}: {err}.");
+            return Some(current);
+        }
+        return Some(wanted);
+    }
+    Some(current)
+}
+
+/// The soft limit on open files now (`None`: unlimited).
+pub fn soft_limit() -> Option<u64> {
+    getrlimit(Resource::Nofile).current
+}
+
+/// The calls in flight each of `endpoints` endpoints may hold within a
+/// soft limit of `soft` open files (`None`: no bound): what is left after
+/// [`RESERVE`], shared evenly, one at least.
+pub fn calls_allowed(soft: Option<u64>, endpoints: usize) -> Option<usize> {
+    let left = soft?.saturating_sub(RESERVE);
+    let each = left / endpoints.max(1) as u64;
+    Some(usize::try_from(each).unwrap_or(usize::MAX).max(1))
+}
+
+/// `endpoint` with its concurrency within `most` calls at once (its
+/// settings, unchanged, where they are within already). A fixed
+/// concurrency lowered is warned of; an adaptive limit's maximum lowered
+/// is said once, as information.
+pub fn within(endpoint: &EndpointConfig, most: Option<usize>) -> Cow<'_, EndpointConfig> {
+    let Some(most) = most else {
+        return Cow::Borrowed(endpoint);
+    };
+    let soft = soft_limit().map_or_else(|| "unlimited".to_owned(), |n| n.to_string());
+    let concurrency = match endpoint.concurrency {
+        LimitMode::Fixed(n) if n > most => {
+            tracing::warn!(
+                "Endpoint {}: concurrency {n} lowered to {most}: this process may keep {soft} \
+                 files open (`ulimit -n`), {RESERVE} of them kept for the store, logs and \
+                 agents, the rest shared by the endpoints; raise the limit for more.",
+                endpoint.name
+            );
+            LimitMode::Fixed(most)
+        }
+        LimitMode::Adaptive(mut settings) if settings.max > most => {
+            tracing::info!(
+                "Endpoint {}: at most {most} calls at once (adaptive): this process may keep \
+                 {soft} files open (`ulimit -n`), {RESERVE} of them kept for the store, logs \
+                 and agents, the rest shared by the endpoints.",
+                endpoint.name
+            );
+            settings.max = most;
+            settings.initial = settings.initial.min(most);
+            settings.min = settings.min.min(most);
+            LimitMode::Adaptive(settings)
+        }
+        _ => return Cow::Borrowed(endpoint),
+    };
+    Cow::Owned(EndpointConfig {
+        concurrency,
+        ..endpoint.clone()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_files_left_after_the_reserve_are_shared_by_the_endpoints() {
+        assert_eq!(calls_allowed(None, 3), None);
+        assert_eq!(calls_allowed(Some(1024), 1), Some(896));
+        assert_eq!(calls_allowed(Some(1024), 4), Some(224));
+        // Never none at all.
+        assert_eq!(calls_allowed(Some(100), 2), Some(1));
+    }
+}
