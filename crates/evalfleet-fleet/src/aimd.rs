@@ -42,7 +42,10 @@
 //!   by fours only, 0.31 s; by doublings, half a second; before levels
 //!   were judged on the calls that filled them, 1.7 s after the first
 //!   decision). A big step that did not pay leaves a gap below it: the
-//!   limit looks halfway down and grows from there in small steps.
+//!   limit goes where Little's law puts the knee (the work a second the
+//!   step's calls did, times what a unit of work took at the level below,
+//!   unqueued), or looks halfway down, and grows from there in small
+//!   steps.
 //!   A cut out of slow start goes back at most to where the last step came
 //!   from, and the curve starts flat there.
 //!
@@ -846,11 +849,22 @@ impl Aimd {
             .known()
             .find(|(level, x)| *level <= reference && *x >= NEAR * best_below)
             .map_or(reference, |(level, _)| level);
-        // A fourfold step of slow start left nothing known between it and
+        // A big step of slow start left nothing known between it and
         // the level it came from: where that step did not scale, the knee
         // lies somewhere between, and the fewest calls that serve as well
         // may be far fewer. Look halfway down, and grow from there in
         // small steps.
+        // A big step up from it did not pay: the knee lies between, maybe
+        // far above it. The calls the server serves at once are about the
+        // work a second it did at `from` times what a unit of work took at
+        // `to`, unqueued (Little's law): look there, and grow from there
+        // in small steps.
+        if from > 2 * to
+            && let Some(knee) = self.calls_served(to, now)
+            && 10 * knee > 11 * to
+        {
+            return Ok(Some((knee.min(from / 2), Reason::ProbeDown)));
+        }
         let under = self.known().take_while(|(level, _)| *level < to).last();
         let to_rate = self.throughput(to).unwrap_or(0.0);
         if let Some((under, under_rate)) = under
@@ -860,6 +874,13 @@ impl Aimd {
             return Ok(Some((to / 2, Reason::ProbeDown)));
         }
         Ok(Some(look_down(to).unwrap_or((to.max(floor), Reason::Flat))))
+    }
+
+    /// The calls a server that does `rate` work a second keeps busy at once
+    /// when each takes as long for its work as at `level` (Little's law).
+    fn calls_served(&self, level: usize, rate: f64) -> Option<usize> {
+        let at = self.rates.get(&level)?;
+        (at.work > 0.0).then(|| (rate * at.busy / at.work).round() as usize)
     }
 
     /// Whether the level `from` got about as much more work out of the
@@ -965,7 +986,7 @@ impl Aimd {
             // Back to what the endpoint took: the calls beyond it were
             // the excess; by `decrease_ratio` at least, by half at most
             // (out of slow start, as far as the level its last step came
-            // from: the step may have been fourfold).
+            // from: the step may have been up to sixteenfold).
             let deepest = if was_slow {
                 1.0 / self.step as f64
             } else {

@@ -544,6 +544,34 @@ fn a_server_with_room_for_every_call_is_filled_a_doubling_a_round_trip() {
 }
 
 #[test]
+fn a_big_step_that_did_not_pay_looks_where_little_s_law_puts_the_knee() {
+    // 60 slots, a queue beyond, 100 ms a call: 8 and 32 calls are served
+    // at once, then 256 take 427 ms each (the queue), 1.9 times 32's
+    // throughput: a gain of 0.125 of a perfect step (the bar is 0.2).
+    // The knee is not taken for 32: 256 calls did 600 calls' work a
+    // second, each at 32's 100 ms: 60 calls at once.
+    let mut now = Instant::now();
+    let mut c = Aimd::new(adaptive(), now);
+    let mut path = vec![c.limit()];
+    let decision = loop {
+        let latency = if c.limit() > 60 {
+            (c.limit() as u64 * 100).div_ceil(60)
+        } else {
+            100
+        };
+        if let Some(d) = interval(&mut c, &mut now, ok(latency)) {
+            path.push(d.to);
+            if d.reason != Reason::SlowStart {
+                break d;
+            }
+        }
+        assert!(path.len() < 6, "{path:?}");
+    };
+    assert_eq!(path, [8, 32, 256, 60], "{decision:?}");
+    assert_eq!(decision.reason, Reason::ProbeDown);
+}
+
+#[test]
 fn a_server_whose_knee_lies_inside_a_big_step_is_brought_back_near_it() {
     // 100 slots, a call's time whatever the load, a queue beyond: the
     // step from 32 (which scaled) goes eightfold, past the knee.
