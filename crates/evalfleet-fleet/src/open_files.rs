@@ -9,6 +9,10 @@
 //! marked unhealthy for 9 s). So the process raises its soft limit to its
 //! hard one at start ([`raise`]), and the endpoints' limits are kept within
 //! what is left after a reserve for everything else ([`calls_allowed`]).
+//!
+//! Not covered: a process that runs several sessions at once (`serve`)
+//! gives each the whole allowance, and a connect that still finds no file
+//! left counts against its endpoint as a refused connect does.
 
 use std::borrow::Cow;
 
@@ -23,23 +27,39 @@ pub const RESERVE: u64 = 128;
 /// The most the soft limit is raised to, however high the hard one.
 const MOST: u64 = 1 << 20;
 
+/// What it is raised to where the system refuses more (macOS's
+/// `OPEN_MAX`, under an unlimited hard limit).
+const FALLBACK: u64 = 10_240;
+
+/// Open files a call in flight may hold: its socket, and the other end's
+/// where the endpoint is served in this process (`kind: mock`) or the
+/// call comes through the gateway from an agent.
+const PER_CALL: u64 = 2;
+
 /// Raises the soft limit on open files to the hard one (at most
-/// [`MOST`]); where the system refuses, it stays. Processes this one
-/// starts (engines, agents) inherit it. The soft limit after.
+/// [`MOST`]; where the system refuses that, [`FALLBACK`]; where it
+/// refuses both, it stays). Engines and agents this process starts inherit
+/// it; sandboxed programs get 1,024. The soft limit after.
 pub fn raise() -> Option<u64> {
     let limit = getrlimit(Resource::Nofile);
     let current = limit.current?;
     let wanted = limit.maximum.unwrap_or(MOST).min(MOST);
-    if wanted > current {
+    let mut last = None;
+    for to in [wanted, wanted.min(FALLBACK)] {
+        if to <= current {
+            break;
+        }
         let raised = Rlimit {
-            current: Some(wanted),
+            current: Some(to),
             maximum: limit.maximum,
         };
-        if let Err(err) = setrlimit(Resource::Nofile, raised) {
-            tracing::debug!("The open files limit stays at {current}: {err}.");
-            return Some(current);
+        match setrlimit(Resource::Nofile, raised) {
+            Ok(()) => return Some(to),
+            Err(err) => last = Some(err),
         }
-        return Some(wanted);
+    }
+    if let Some(err) = last {
+        tracing::debug!("The open files limit stays at {current}: {err}.");
     }
     Some(current)
 }
@@ -51,9 +71,9 @@ pub fn soft_limit() -> Option<u64> {
 
 /// The calls in flight each of `endpoints` endpoints may hold within a
 /// soft limit of `soft` open files (`None`: no bound): what is left after
-/// [`RESERVE`], shared evenly, one at least.
+/// [`RESERVE`], [`PER_CALL`] files a call, shared evenly, one at least.
 pub fn calls_allowed(soft: Option<u64>, endpoints: usize) -> Option<usize> {
-    let left = soft?.saturating_sub(RESERVE);
+    let left = soft?.saturating_sub(RESERVE) / PER_CALL;
     let each = left / endpoints.max(1) as u64;
     Some(usize::try_from(each).unwrap_or(usize::MAX).max(1))
 }
@@ -72,7 +92,8 @@ pub fn within(endpoint: &EndpointConfig, most: Option<usize>) -> Cow<'_, Endpoin
             tracing::warn!(
                 "Endpoint {}: concurrency {n} lowered to {most}: this process may keep {soft} \
                  files open (`ulimit -n`), {RESERVE} of them kept for the store, logs and \
-                 agents, the rest shared by the endpoints; raise the limit for more.",
+                 agents, the rest shared by the endpoints' calls ({PER_CALL} files a call); \
+                 raise the limit for more.",
                 endpoint.name
             );
             LimitMode::Fixed(most)
@@ -81,7 +102,7 @@ pub fn within(endpoint: &EndpointConfig, most: Option<usize>) -> Cow<'_, Endpoin
             tracing::info!(
                 "Endpoint {}: at most {most} calls at once (adaptive): this process may keep \
                  {soft} files open (`ulimit -n`), {RESERVE} of them kept for the store, logs \
-                 and agents, the rest shared by the endpoints.",
+                 and agents, the rest shared by the endpoints' calls ({PER_CALL} files a call).",
                 endpoint.name
             );
             settings.max = most;
@@ -104,8 +125,8 @@ mod tests {
     #[test]
     fn the_files_left_after_the_reserve_are_shared_by_the_endpoints() {
         assert_eq!(calls_allowed(None, 3), None);
-        assert_eq!(calls_allowed(Some(1024), 1), Some(896));
-        assert_eq!(calls_allowed(Some(1024), 4), Some(224));
+        assert_eq!(calls_allowed(Some(1024), 1), Some(448));
+        assert_eq!(calls_allowed(Some(1024), 4), Some(112));
         // Never none at all.
         assert_eq!(calls_allowed(Some(100), 2), Some(1));
     }

@@ -28,6 +28,9 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::process::Stdio;
 
+/// The open files a sandboxed program may keep (soft and hard).
+const OPEN_FILES: u64 = 1024;
+
 /// A system call's result: -1 is its errno.
 fn check(ret: impl Into<libc::c_long>) -> io::Result<()> {
     if ret.into() == -1 {
@@ -547,6 +550,9 @@ impl ChildSetup {
                 set(libc::RLIMIT_AS, l.address_space, l.address_space)?;
                 set(libc::RLIMIT_FSIZE, l.file_size, l.file_size)?;
                 set(libc::RLIMIT_NPROC, l.processes, l.processes)?;
+                // The open files a process gets by default: not the many
+                // evalfleet raised its own limit to for its calls.
+                set(libc::RLIMIT_NOFILE, OPEN_FILES, OPEN_FILES)?;
                 set(libc::RLIMIT_CORE, 0, 0)?;
             }
             if let Some((uid, gid)) = self.ids {

@@ -115,6 +115,16 @@ async fn hostile_programs_are_contained() {
     assert_eq!(ok.ended, Ended::Exited(0), "{}", said(&ok));
     assert_eq!(ok.stdout, b"hi\n");
 
+    // The open files a program may keep: 1,024, whatever evalfleet raised
+    // its own limit to.
+    let files = python(
+        &sandbox,
+        "import resource\nprint(resource.getrlimit(resource.RLIMIT_NOFILE))",
+        &limits,
+    )
+    .await;
+    assert_eq!(files.stdout, b"(1024, 1024)\n", "{}", said(&files));
+
     // A sandbox whose directory is under /tmp: still reachable, though /tmp
     // is covered inside.
     let under_tmp = Sandbox::new(
