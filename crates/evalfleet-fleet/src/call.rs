@@ -396,6 +396,8 @@ fn signal(result: &Result<Completion, CallError>, timing: &Timing, overtaken: bo
 /// not, and why; a timeout or a connection lost on the way says neither.
 fn reached(result: &Result<Completion, CallError>) -> Option<Result<(), String>> {
     match result {
+        // This process had no file left for the connection: nothing tried.
+        Err(err) if err.out_of_files() => None,
         Err(CallError::Connect(err)) => Some(Err(format!(
             "POST {}: {}",
             err.url().map_or_else(String::new, crate::client::shown_url),
@@ -416,8 +418,43 @@ fn reached(result: &Result<Completion, CallError>) -> Option<Result<(), String>>
 fn health(result: &Result<Completion, CallError>) -> Health {
     match result {
         Ok(_) => Health::Up,
+        // This process had no file left for the connection: its own fault.
+        Err(err) if err.out_of_files() => Health::Silent,
         Err(CallError::Connect(_)) => Health::Down,
         Err(CallError::Status { status, .. }) if *status < 500 => Health::Silent,
         Err(_) => Health::Fault,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::client::Unanswered;
+
+    fn refused(code: i32) -> Result<Completion, CallError> {
+        // As hyper's connector wraps it.
+        let io = std::io::Error::from_raw_os_error(code);
+        let wrapped = std::io::Error::other(io);
+        Err(CallError::Connect(Unanswered::new(Box::new(wrapped), None)))
+    }
+
+    #[test]
+    fn a_connect_without_a_file_left_is_no_fault_of_the_endpoint() {
+        let out_of_files = refused(rustix::io::Errno::MFILE.raw_os_error());
+        assert_eq!(health(&out_of_files), Health::Silent);
+        assert_eq!(reached(&out_of_files), None);
+        // The limit is still cut: fewer calls hold fewer files.
+        let timing = Timing {
+            sent_at: std::time::SystemTime::now(),
+            ttft: None,
+            latency: std::time::Duration::from_millis(1),
+        };
+        assert_eq!(signal(&out_of_files, &timing, false), Signal::BackPressure);
+        let system_wide = refused(rustix::io::Errno::NFILE.raw_os_error());
+        assert_eq!(health(&system_wide), Health::Silent);
+        // A refused connection is the endpoint's.
+        let refused = refused(rustix::io::Errno::CONNREFUSED.raw_os_error());
+        assert_eq!(health(&refused), Health::Down);
+        assert!(matches!(reached(&refused), Some(Err(_))));
     }
 }

@@ -10,9 +10,11 @@
 //! hard one at start ([`raise`]), and the endpoints' limits are kept within
 //! what is left after a reserve for everything else ([`calls_allowed`]).
 //!
-//! Not covered: a process that runs several sessions at once (`serve`)
-//! gives each the whole allowance, and a connect that still finds no file
-//! left counts against its endpoint as a refused connect does.
+//! A connect that still finds no file left (EMFILE, ENFILE: see
+//! [`crate::client::Unanswered::out_of_files`]) is retried and cuts the
+//! endpoint's limit, but says nothing of the endpoint's health. Not
+//! covered: a process that runs several sessions at once (`serve`) gives
+//! each the whole allowance.
 
 use std::borrow::Cow;
 

@@ -108,6 +108,12 @@ impl CallError {
         }
     }
 
+    /// A connection this process could not open for want of files (see
+    /// [`Unanswered::out_of_files`]).
+    pub fn out_of_files(&self) -> bool {
+        matches!(self, Self::Connect(unanswered) if unanswered.out_of_files())
+    }
+
     pub fn http_status(&self) -> Option<u16> {
         match self {
             Self::Status { status, .. } => Some(*status),
@@ -130,6 +136,19 @@ pub struct Unanswered {
 }
 
 impl Unanswered {
+    pub(crate) fn new(
+        error: Box<dyn std::error::Error + Send + Sync>,
+        url: Option<reqwest::Url>,
+    ) -> Self {
+        Self { error, url }
+    }
+
+    /// Whether this process had no open file left for the connection
+    /// (EMFILE, ENFILE): its own fault, not the endpoint's.
+    pub fn out_of_files(&self) -> bool {
+        out_of_files(&*self.error)
+    }
+
     /// The URL the request went to.
     pub fn url(&self) -> Option<&reqwest::Url> {
         self.url.as_ref()
@@ -143,6 +162,27 @@ impl Unanswered {
         }
         Some(cause)
     }
+}
+
+/// Whether `err`, or an error under it, is EMFILE or ENFILE (an
+/// `io::Error` that wraps another is looked into as well: its `source`
+/// skips what it wraps).
+fn out_of_files(err: &(dyn std::error::Error + 'static)) -> bool {
+    if let Some(io) = err.downcast_ref::<std::io::Error>() {
+        let code = io.raw_os_error();
+        if [rustix::io::Errno::MFILE, rustix::io::Errno::NFILE]
+            .iter()
+            .any(|errno| Some(errno.raw_os_error()) == code)
+        {
+            return true;
+        }
+        if let Some(inner) = io.get_ref()
+            && out_of_files(inner)
+        {
+            return true;
+        }
+    }
+    err.source().is_some_and(out_of_files)
 }
 
 impl std::fmt::Display for Unanswered {
@@ -166,14 +206,11 @@ pub(crate) const ERROR_BODY_LIMIT: usize = 8 * 1024;
 pub(crate) fn request_error(err: SendError) -> CallError {
     let connect = err.is_connect();
     let unanswered = match err {
-        SendError::Reqwest(err) => Unanswered {
-            url: err.url().cloned(),
-            error: Box::new(err),
-        },
-        SendError::Direct(err, url) => Unanswered {
-            error: Box::new(err),
-            url: Some(url),
-        },
+        SendError::Reqwest(err) => {
+            let url = err.url().cloned();
+            Unanswered::new(Box::new(err), url)
+        }
+        SendError::Direct(err, url) => Unanswered::new(Box::new(err), Some(url)),
     };
     if connect {
         CallError::Connect(unanswered)
