@@ -71,13 +71,31 @@ pub fn soft_limit() -> Option<u64> {
     getrlimit(Resource::Nofile).current
 }
 
-/// The calls in flight each of `endpoints` endpoints may hold within a
-/// soft limit of `soft` open files (`None`: no bound): what is left after
-/// [`RESERVE`], [`PER_CALL`] files a call, shared evenly, one at least.
-pub fn calls_allowed(soft: Option<u64>, endpoints: usize) -> Option<usize> {
-    let left = soft?.saturating_sub(RESERVE) / PER_CALL;
-    let each = left / endpoints.max(1) as u64;
-    Some(usize::try_from(each).unwrap_or(usize::MAX).max(1))
+/// The most calls each endpoint may keep in flight, given the most each
+/// asks for (`wants`: its fixed concurrency, or its adaptive limit's
+/// maximum), within a soft limit of `soft` open files (`None`: no bound).
+/// What is left after [`RESERVE`], at [`PER_CALL`] files a call, is shared
+/// by the endpoints: one that asks for less than an even share keeps what
+/// it asks, and leaves the rest to the others; one call each at least.
+pub fn calls_allowed(soft: Option<u64>, wants: &[usize]) -> Option<Vec<usize>> {
+    let mut left = usize::try_from(soft?.saturating_sub(RESERVE) / PER_CALL).unwrap_or(usize::MAX);
+    let mut order: Vec<usize> = (0..wants.len()).collect();
+    order.sort_by_key(|&i| wants[i]);
+    let mut allowed = vec![0; wants.len()];
+    for (k, i) in order.into_iter().enumerate() {
+        let share = left / (wants.len() - k);
+        allowed[i] = wants[i].min(share).max(1);
+        left = left.saturating_sub(allowed[i]);
+    }
+    Some(allowed)
+}
+
+/// The most calls `endpoint` asks to keep in flight.
+pub fn wanted(endpoint: &EndpointConfig) -> usize {
+    match endpoint.concurrency {
+        LimitMode::Fixed(n) => n,
+        LimitMode::Adaptive(settings) => settings.max,
+    }
 }
 
 /// `endpoint` with its concurrency within `most` calls at once (its
@@ -126,10 +144,21 @@ mod tests {
 
     #[test]
     fn the_files_left_after_the_reserve_are_shared_by_the_endpoints() {
-        assert_eq!(calls_allowed(None, 3), None);
-        assert_eq!(calls_allowed(Some(1024), 1), Some(448));
-        assert_eq!(calls_allowed(Some(1024), 4), Some(112));
+        assert_eq!(calls_allowed(None, &[1024, 8]), None);
+        // (1,024 - 128) / 2 = 448 calls.
+        assert_eq!(calls_allowed(Some(1024), &[1024]), Some(vec![448]));
+        assert_eq!(calls_allowed(Some(1024), &[1024; 4]), Some(vec![112; 4]));
+        // A judge at 4 calls leaves the rest to the others.
+        assert_eq!(
+            calls_allowed(Some(1024), &[1024, 4, 1024]),
+            Some(vec![222, 4, 222])
+        );
+        // What every endpoint asks for, where there is room.
+        assert_eq!(
+            calls_allowed(Some(1 << 20), &[1024, 64]),
+            Some(vec![1024, 64])
+        );
         // Never none at all.
-        assert_eq!(calls_allowed(Some(100), 2), Some(1));
+        assert_eq!(calls_allowed(Some(100), &[8, 8]), Some(vec![1, 1]));
     }
 }
