@@ -849,11 +849,6 @@ impl Aimd {
             .known()
             .find(|(level, x)| *level <= reference && *x >= NEAR * best_below)
             .map_or(reference, |(level, _)| level);
-        // A big step of slow start left nothing known between it and
-        // the level it came from: where that step did not scale, the knee
-        // lies somewhere between, and the fewest calls that serve as well
-        // may be far fewer. Look halfway down, and grow from there in
-        // small steps.
         // A big step up from it did not pay: the knee lies between, maybe
         // far above it. The calls the server serves at once are about the
         // work a second it did at `from` times what a unit of work took at
@@ -865,6 +860,11 @@ impl Aimd {
         {
             return Ok(Some((knee.min(from / 2), Reason::ProbeDown)));
         }
+        // A big step of slow start left nothing known between it and
+        // the level it came from: where that step did not scale, the knee
+        // lies somewhere between, and the fewest calls that serve as well
+        // may be far fewer. Look halfway down, and grow from there in
+        // small steps.
         let under = self.known().take_while(|(level, _)| *level < to).last();
         let to_rate = self.throughput(to).unwrap_or(0.0);
         if let Some((under, under_rate)) = under

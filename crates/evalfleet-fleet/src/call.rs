@@ -432,10 +432,15 @@ mod tests {
     use crate::client::Unanswered;
 
     fn refused(code: i32) -> Result<Completion, CallError> {
-        // As hyper's connector wraps it.
         let io = std::io::Error::from_raw_os_error(code);
-        let wrapped = std::io::Error::other(io);
-        Err(CallError::Connect(Unanswered::new(Box::new(wrapped), None)))
+        Err(CallError::Connect(Unanswered::new(Box::new(io), None)))
+    }
+
+    /// The same under an `io::Error` that wraps it (whose `source` skips
+    /// what it wraps).
+    fn refused_wrapped(code: i32) -> Result<Completion, CallError> {
+        let io = std::io::Error::other(std::io::Error::from_raw_os_error(code));
+        Err(CallError::Connect(Unanswered::new(Box::new(io), None)))
     }
 
     #[test]
@@ -452,6 +457,8 @@ mod tests {
         assert_eq!(signal(&out_of_files, &timing, false), Signal::BackPressure);
         let system_wide = refused(rustix::io::Errno::NFILE.raw_os_error());
         assert_eq!(health(&system_wide), Health::Silent);
+        let wrapped = refused_wrapped(rustix::io::Errno::MFILE.raw_os_error());
+        assert_eq!(health(&wrapped), Health::Silent);
         // A refused connection is the endpoint's.
         let refused = refused(rustix::io::Errno::CONNREFUSED.raw_os_error());
         assert_eq!(health(&refused), Health::Down);

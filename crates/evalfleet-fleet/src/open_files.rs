@@ -8,7 +8,7 @@
 //! it (a run of 5,000 items at 50 ms took 9.7 s instead of 0.6, its endpoint
 //! marked unhealthy for 9 s). So the process raises its soft limit to its
 //! hard one at start ([`raise`]), and the endpoints' limits are kept within
-//! what is left after a reserve for everything else ([`calls_allowed`]).
+//! what is left after a reserve for everything else ([`bound`]).
 //!
 //! A connect that still finds no file left (EMFILE, ENFILE: see
 //! [`crate::client::Unanswered::out_of_files`]) is retried and cuts the
@@ -41,10 +41,12 @@ const PER_CALL: u64 = 2;
 /// Raises the soft limit on open files to the hard one (at most
 /// [`MOST`]; where the system refuses that, [`FALLBACK`]; where it
 /// refuses both, it stays). Engines and agents this process starts inherit
-/// it; sandboxed programs get 1,024. The soft limit after.
-pub fn raise() -> Option<u64> {
+/// it; sandboxed programs get 1,024.
+pub fn raise() {
     let limit = getrlimit(Resource::Nofile);
-    let current = limit.current?;
+    let Some(current) = limit.current else {
+        return;
+    };
     let wanted = limit.maximum.unwrap_or(MOST).min(MOST);
     let mut last = None;
     for to in [wanted, wanted.min(FALLBACK)] {
@@ -56,19 +58,29 @@ pub fn raise() -> Option<u64> {
             maximum: limit.maximum,
         };
         match setrlimit(Resource::Nofile, raised) {
-            Ok(()) => return Some(to),
+            Ok(()) => return,
             Err(err) => last = Some(err),
         }
     }
     if let Some(err) = last {
         tracing::debug!("The open files limit stays at {current}: {err}.");
     }
-    Some(current)
 }
 
-/// The soft limit on open files now (`None`: unlimited).
-pub fn soft_limit() -> Option<u64> {
-    getrlimit(Resource::Nofile).current
+/// `endpoints`, each with its concurrency within its share of the calls
+/// the soft limit on open files allows (see [`calls_allowed`]); those
+/// within it already, as they are.
+pub fn bound(endpoints: &[EndpointConfig]) -> Vec<Cow<'_, EndpointConfig>> {
+    let soft = getrlimit(Resource::Nofile).current;
+    let wants: Vec<usize> = endpoints.iter().map(wanted).collect();
+    match (soft, calls_allowed(soft, &wants)) {
+        (Some(soft), Some(allowed)) => endpoints
+            .iter()
+            .zip(allowed)
+            .map(|(endpoint, most)| within(endpoint, most, soft))
+            .collect(),
+        _ => endpoints.iter().map(Cow::Borrowed).collect(),
+    }
 }
 
 /// The most calls each endpoint may keep in flight, given the most each
@@ -77,7 +89,7 @@ pub fn soft_limit() -> Option<u64> {
 /// What is left after [`RESERVE`], at [`PER_CALL`] files a call, is shared
 /// by the endpoints: one that asks for less than an even share keeps what
 /// it asks, and leaves the rest to the others; one call each at least.
-pub fn calls_allowed(soft: Option<u64>, wants: &[usize]) -> Option<Vec<usize>> {
+fn calls_allowed(soft: Option<u64>, wants: &[usize]) -> Option<Vec<usize>> {
     let mut left = usize::try_from(soft?.saturating_sub(RESERVE) / PER_CALL).unwrap_or(usize::MAX);
     let mut order: Vec<usize> = (0..wants.len()).collect();
     order.sort_by_key(|&i| wants[i]);
@@ -91,22 +103,18 @@ pub fn calls_allowed(soft: Option<u64>, wants: &[usize]) -> Option<Vec<usize>> {
 }
 
 /// The most calls `endpoint` asks to keep in flight.
-pub fn wanted(endpoint: &EndpointConfig) -> usize {
+fn wanted(endpoint: &EndpointConfig) -> usize {
     match endpoint.concurrency {
         LimitMode::Fixed(n) => n,
         LimitMode::Adaptive(settings) => settings.max,
     }
 }
 
-/// `endpoint` with its concurrency within `most` calls at once (its
-/// settings, unchanged, where they are within already). A fixed
-/// concurrency lowered is warned of; an adaptive limit's maximum lowered
-/// is said once, as information.
-pub fn within(endpoint: &EndpointConfig, most: Option<usize>) -> Cow<'_, EndpointConfig> {
-    let Some(most) = most else {
-        return Cow::Borrowed(endpoint);
-    };
-    let soft = soft_limit().map_or_else(|| "unlimited".to_owned(), |n| n.to_string());
+/// `endpoint` with its concurrency within `most` calls at once, under a
+/// soft limit of `soft` open files (its settings, unchanged, where they
+/// are within already). A fixed concurrency lowered is warned of; an
+/// adaptive limit's maximum lowered is said once, as information.
+fn within(endpoint: &EndpointConfig, most: usize, soft: u64) -> Cow<'_, EndpointConfig> {
     let concurrency = match endpoint.concurrency {
         LimitMode::Fixed(n) if n > most => {
             tracing::warn!(

@@ -1291,15 +1291,12 @@ async fn a_sporadic_fault_is_retried_at_once_and_a_second_in_a_row_never_waits_l
 /// Runs `evalfleet ARGS` in `env`'s folder under `ulimit LIMIT` (as `sh`
 /// sets it: `-n 256` both limits, `-Sn 256` the soft one alone).
 async fn run_under_ulimit(env: &Env, limit: &str, args: &[&str]) -> crate::util::Ran {
-    Command::new("sh")
-        .arg("-c")
-        .arg(format!("ulimit {limit} && exec \"$0\" \"$@\""))
-        .arg(BIN)
-        .args(args)
-        .current_dir(env.dir.path())
-        .env_remove("EVALFLEET_STORE")
-        .env_remove("EVALFLEET_LOG")
-        .kill_on_drop(true)
+    let script = format!("ulimit {limit} && exec \"$0\" \"$@\"");
+    let argv: Vec<&str> = ["-c", script.as_str(), BIN]
+        .into_iter()
+        .chain(args.iter().copied())
+        .collect();
+    env.program("sh", &argv)
         .output()
         .await
         .expect("sh runs the binary")

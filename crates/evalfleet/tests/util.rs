@@ -79,7 +79,13 @@ impl Env {
     }
 
     pub fn command(&self, args: &[&str]) -> Command {
-        let mut command = Command::new(BIN);
+        self.program(BIN, args)
+    }
+
+    /// `program ARGS` in the test's folder, with the environment
+    /// [`Env::command`] gives the binary.
+    pub fn program(&self, program: &str, args: &[&str]) -> Command {
+        let mut command = Command::new(program);
         command
             .args(args)
             .current_dir(self.dir.path())

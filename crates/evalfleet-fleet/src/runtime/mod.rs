@@ -143,21 +143,9 @@ impl Fleet {
     pub fn new(config: &Config, options: FleetOptions) -> Self {
         // Every call in flight holds a socket: the endpoints' limits stay
         // within the open files the process may keep.
-        let wants: Vec<usize> = config
-            .endpoints
+        let endpoints: Vec<_> = crate::open_files::bound(&config.endpoints)
             .iter()
-            .map(crate::open_files::wanted)
-            .collect();
-        let allowed = crate::open_files::calls_allowed(crate::open_files::soft_limit(), &wants);
-        let endpoints: Vec<_> = config
-            .endpoints
-            .iter()
-            .enumerate()
-            .map(|(i, e)| {
-                let most = allowed.as_ref().map(|allowed| allowed[i]);
-                let e = crate::open_files::within(e, most);
-                Arc::new(Endpoint::new(&e, config.timeouts.attempt))
-            })
+            .map(|e| Arc::new(Endpoint::new(e, config.timeouts.attempt)))
             .collect();
         let (events, receiver) = mpsc::unbounded_channel();
         let watchdog = super::watchdog::Watchdog::new(&config.telemetry, &endpoints);
