@@ -465,8 +465,12 @@ pub async fn execute(
     });
 
     let reader_task = {
+        let mut store = open()?;
+        if shared.cache.reads {
+            store.prepare_for_lookups()?;
+        }
         let reader = Reader::new(
-            open()?,
+            store,
             rows,
             run_id.clone(),
             session.worker.clone(),

@@ -34,6 +34,13 @@ pub fn claim_size(capacity: usize) -> usize {
     capacity.saturating_mul(2).clamp(PAGE_MIN, PAGE)
 }
 
+/// The most items a claim takes while the cache answers every item of the
+/// pages before it: such items end as they are read, so the claim is not
+/// work the worker holds but the reader's own cost (a transaction, and a
+/// read of the cache whose pages every commit of the writer leaves to be
+/// read again), paid once per page.
+const CACHED_PAGE: usize = 4096;
+
 /// How often a worker with nothing to claim looks again while others hold
 /// the run's last items.
 const OTHERS_POLL: Duration = Duration::from_millis(500);
@@ -47,6 +54,12 @@ pub struct Reader {
     lease: Duration,
     /// Items a claim takes (see [`claim_size`]).
     page: usize,
+    /// Items the next claim takes: `page`, doubled up to [`CACHED_PAGE`]
+    /// after each page the cache answered whole.
+    next_page: usize,
+    /// Items that ended in this thread, without a call (counted to tell a
+    /// page the cache answered whole).
+    ended_here: usize,
     /// `task.n`: with more than 1, item ids carry their sample index.
     samples: u32,
     shared: Arc<Shared>,
@@ -78,6 +91,8 @@ impl Reader {
             worker,
             lease,
             page,
+            next_page: page,
+            ended_here: 0,
             samples,
             shared,
             fresh,
@@ -115,7 +130,7 @@ impl Reader {
             // sharing a run each hold what they work on (a worker whose
             // calls are answered at once but whose judge is slow would
             // otherwise claim on and hold most of the run).
-            let hold = (self.page as u64).saturating_mul(2);
+            let hold = (self.next_page as u64).saturating_mul(2);
             if self.shared.tally.outstanding() > hold {
                 let waited = runtime.block_on(async {
                     tokio::select! {
@@ -127,56 +142,58 @@ impl Reader {
                     return Ok(());
                 }
             }
-            let claim =
-                match self
-                    .store
-                    .claim(&self.run_id, &self.worker, after, self.page, self.lease)?
-                {
-                    Claimed::Items(claim) => claim,
-                    // Nothing left but this worker's own items: they may
-                    // still be lost to another worker (a lease that ran
-                    // out while the store was down), and then this worker
-                    // waits for that one's end as for any other's. It
-                    // looks again as soon as its own are done.
-                    Claimed::Nothing if self.shared.tally.outstanding() > 1 => {
-                        if !self.look_again(runtime, true) {
-                            return Ok(());
-                        }
-                        after = None;
-                        continue;
-                    }
-                    // Results still on their way to the store may be
-                    // refused there (this worker's lease on them ran out
-                    // while it was busy): their items would stay pending
-                    // with no one to answer them. It looks again once
-                    // every result is committed or refused.
-                    Claimed::Nothing if self.shared.tally.unsettled() => {
-                        let settled = runtime.block_on(async {
-                            tokio::select! {
-                                () = self.shared.tally.all_settled() => true,
-                                () = self.shared.halt.cancelled() => false,
-                            }
-                        });
-                        if !settled {
-                            return Ok(());
-                        }
-                        after = None;
-                        continue;
-                    }
-                    Claimed::Nothing => {
-                        tracing::debug!("Reader: no item is left to claim.");
+            let claim = match self.store.claim(
+                &self.run_id,
+                &self.worker,
+                after,
+                self.next_page,
+                self.lease,
+            )? {
+                Claimed::Items(claim) => claim,
+                // Nothing left but this worker's own items: they may
+                // still be lost to another worker (a lease that ran
+                // out while the store was down), and then this worker
+                // waits for that one's end as for any other's. It
+                // looks again as soon as its own are done.
+                Claimed::Nothing if self.shared.tally.outstanding() > 1 => {
+                    if !self.look_again(runtime, true) {
                         return Ok(());
                     }
-                    Claimed::HeldByOthers => {
-                        // Workers whose process is gone free their items now.
-                        evalfleet_store::worker::release_dead(&mut *self.store, &self.run_id)?;
-                        if !self.look_again(runtime, false) {
-                            return Ok(());
+                    after = None;
+                    continue;
+                }
+                // Results still on their way to the store may be
+                // refused there (this worker's lease on them ran out
+                // while it was busy): their items would stay pending
+                // with no one to answer them. It looks again once
+                // every result is committed or refused.
+                Claimed::Nothing if self.shared.tally.unsettled() => {
+                    let settled = runtime.block_on(async {
+                        tokio::select! {
+                            () = self.shared.tally.all_settled() => true,
+                            () = self.shared.halt.cancelled() => false,
                         }
-                        after = None;
-                        continue;
+                    });
+                    if !settled {
+                        return Ok(());
                     }
-                };
+                    after = None;
+                    continue;
+                }
+                Claimed::Nothing => {
+                    tracing::debug!("Reader: no item is left to claim.");
+                    return Ok(());
+                }
+                Claimed::HeldByOthers => {
+                    // Workers whose process is gone free their items now.
+                    evalfleet_store::worker::release_dead(&mut *self.store, &self.run_id)?;
+                    if !self.look_again(runtime, false) {
+                        return Ok(());
+                    }
+                    after = None;
+                    continue;
+                }
+            };
             after = claim.items.last().map(|p| p.seq);
             self.shared
                 .leases
@@ -199,12 +216,18 @@ impl Reader {
                 started.push(self.start(claim.id, pending)?);
             }
             let hits = self.prefetch(&started)?;
+            let (claimed, ended_before) = (started.len(), self.ended_here);
             for ((item, step), hit) in started.into_iter().zip(hits) {
                 if !self.drive(item, step, hit, runtime)? {
                     self.flush();
                     return Ok(());
                 }
             }
+            self.next_page = if self.ended_here - ended_before == claimed {
+                (self.next_page * 2).clamp(self.page, CACHED_PAGE.max(self.page))
+            } else {
+                self.page
+            };
         }
     }
 
@@ -308,6 +331,7 @@ impl Reader {
                         crate::dispatch::first_ended(&self.shared, item.number, &finish, alike);
                     }
                     let (result, ended) = item.finish(finish);
+                    self.ended_here += 1;
                     self.results.push(Outcome {
                         claim,
                         attempt: None,

@@ -44,6 +44,13 @@ pub struct CacheStats {
 /// The response cache, shared by every run of the store (or kept in a file
 /// of its own).
 pub trait ResponseCache {
+    /// This connection is about to look up many answers (a run that reads
+    /// the cache): a backend may read differently for it. Nothing by
+    /// default.
+    fn prepare_for_lookups(&mut self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
     /// The cached answer for `key`, if stored at or after `since_ms`.
     fn cache_get(&mut self, key: &str, since_ms: i64) -> Result<Option<CacheEntry>, StoreError>;
 

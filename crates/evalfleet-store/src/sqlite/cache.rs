@@ -24,6 +24,10 @@ fn entry_from_row(key: &str, row: &rusqlite::Row<'_>) -> rusqlite::Result<CacheE
 }
 
 impl ResponseCache for SqliteStore {
+    fn prepare_for_lookups(&mut self) -> Result<(), StoreError> {
+        super::map_reads(&self.conn)
+    }
+
     fn cache_get(&mut self, key: &str, since_ms: i64) -> Result<Option<CacheEntry>, StoreError> {
         let err = db_err("cannot read the cache");
         self.conn
