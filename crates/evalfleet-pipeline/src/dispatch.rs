@@ -44,9 +44,7 @@ pub fn cache_lookups(
 ) -> mpsc::UnboundedSender<Lookup> {
     let (tx, mut rx) = mpsc::unbounded_channel::<Lookup>();
     tracker.spawn_blocking(move || {
-        if let Err(err) = store.prepare_for_lookups() {
-            tracing::debug!("The cache is read as other tables are: {err}.");
-        }
+        store.prepare_for_lookups();
         while let Some(Lookup { key, reply }) = rx.blocking_recv() {
             let entry = store.cache_get(&key, since_ms).unwrap_or_else(|err| {
                 tracing::warn!("Cannot read the cache (the call is made): {err}.");

@@ -467,7 +467,7 @@ pub async fn execute(
     let reader_task = {
         let mut store = open()?;
         if shared.cache.reads {
-            store.prepare_for_lookups()?;
+            store.prepare_for_lookups();
         }
         let reader = Reader::new(
             store,

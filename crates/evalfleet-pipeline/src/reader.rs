@@ -41,6 +41,16 @@ pub fn claim_size(capacity: usize) -> usize {
 /// read again), paid once per page.
 const CACHED_PAGE: usize = 4096;
 
+/// Items the claim after a page of `page` takes: twice as many (up to
+/// [`CACHED_PAGE`]) when the cache answered that page whole, else `base`.
+fn next_page(page: usize, base: usize, answered_whole: bool) -> usize {
+    if answered_whole {
+        (page * 2).clamp(base, CACHED_PAGE.max(base))
+    } else {
+        base
+    }
+}
+
 /// How often a worker with nothing to claim looks again while others hold
 /// the run's last items.
 const OTHERS_POLL: Duration = Duration::from_millis(500);
@@ -52,11 +62,12 @@ pub struct Reader {
     /// The worker it claims items for, and for how long.
     worker: Arc<str>,
     lease: Duration,
-    /// Items a claim takes (see [`claim_size`]).
+    /// Items a claim takes unless the cache answers whole pages (see
+    /// [`claim_size`]).
+    base_page: usize,
+    /// Items the next claim takes: `base_page`, doubled up to
+    /// [`CACHED_PAGE`] after each page the cache answered whole.
     page: usize,
-    /// Items the next claim takes: `page`, doubled up to [`CACHED_PAGE`]
-    /// after each page the cache answered whole.
-    next_page: usize,
     /// Items that ended in this thread, without a call (counted to tell a
     /// page the cache answered whole).
     ended_here: usize,
@@ -90,8 +101,8 @@ impl Reader {
             run_id,
             worker,
             lease,
+            base_page: page,
             page,
-            next_page: page,
             ended_here: 0,
             samples,
             shared,
@@ -130,7 +141,7 @@ impl Reader {
             // sharing a run each hold what they work on (a worker whose
             // calls are answered at once but whose judge is slow would
             // otherwise claim on and hold most of the run).
-            let hold = (self.next_page as u64).saturating_mul(2);
+            let hold = (self.page as u64).saturating_mul(2);
             if self.shared.tally.outstanding() > hold {
                 let waited = runtime.block_on(async {
                     tokio::select! {
@@ -142,58 +153,56 @@ impl Reader {
                     return Ok(());
                 }
             }
-            let claim = match self.store.claim(
-                &self.run_id,
-                &self.worker,
-                after,
-                self.next_page,
-                self.lease,
-            )? {
-                Claimed::Items(claim) => claim,
-                // Nothing left but this worker's own items: they may
-                // still be lost to another worker (a lease that ran
-                // out while the store was down), and then this worker
-                // waits for that one's end as for any other's. It
-                // looks again as soon as its own are done.
-                Claimed::Nothing if self.shared.tally.outstanding() > 1 => {
-                    if !self.look_again(runtime, true) {
-                        return Ok(());
-                    }
-                    after = None;
-                    continue;
-                }
-                // Results still on their way to the store may be
-                // refused there (this worker's lease on them ran out
-                // while it was busy): their items would stay pending
-                // with no one to answer them. It looks again once
-                // every result is committed or refused.
-                Claimed::Nothing if self.shared.tally.unsettled() => {
-                    let settled = runtime.block_on(async {
-                        tokio::select! {
-                            () = self.shared.tally.all_settled() => true,
-                            () = self.shared.halt.cancelled() => false,
+            let claim =
+                match self
+                    .store
+                    .claim(&self.run_id, &self.worker, after, self.page, self.lease)?
+                {
+                    Claimed::Items(claim) => claim,
+                    // Nothing left but this worker's own items: they may
+                    // still be lost to another worker (a lease that ran
+                    // out while the store was down), and then this worker
+                    // waits for that one's end as for any other's. It
+                    // looks again as soon as its own are done.
+                    Claimed::Nothing if self.shared.tally.outstanding() > 1 => {
+                        if !self.look_again(runtime, true) {
+                            return Ok(());
                         }
-                    });
-                    if !settled {
+                        after = None;
+                        continue;
+                    }
+                    // Results still on their way to the store may be
+                    // refused there (this worker's lease on them ran out
+                    // while it was busy): their items would stay pending
+                    // with no one to answer them. It looks again once
+                    // every result is committed or refused.
+                    Claimed::Nothing if self.shared.tally.unsettled() => {
+                        let settled = runtime.block_on(async {
+                            tokio::select! {
+                                () = self.shared.tally.all_settled() => true,
+                                () = self.shared.halt.cancelled() => false,
+                            }
+                        });
+                        if !settled {
+                            return Ok(());
+                        }
+                        after = None;
+                        continue;
+                    }
+                    Claimed::Nothing => {
+                        tracing::debug!("Reader: no item is left to claim.");
                         return Ok(());
                     }
-                    after = None;
-                    continue;
-                }
-                Claimed::Nothing => {
-                    tracing::debug!("Reader: no item is left to claim.");
-                    return Ok(());
-                }
-                Claimed::HeldByOthers => {
-                    // Workers whose process is gone free their items now.
-                    evalfleet_store::worker::release_dead(&mut *self.store, &self.run_id)?;
-                    if !self.look_again(runtime, false) {
-                        return Ok(());
+                    Claimed::HeldByOthers => {
+                        // Workers whose process is gone free their items now.
+                        evalfleet_store::worker::release_dead(&mut *self.store, &self.run_id)?;
+                        if !self.look_again(runtime, false) {
+                            return Ok(());
+                        }
+                        after = None;
+                        continue;
                     }
-                    after = None;
-                    continue;
-                }
-            };
+                };
             after = claim.items.last().map(|p| p.seq);
             self.shared
                 .leases
@@ -223,11 +232,11 @@ impl Reader {
                     return Ok(());
                 }
             }
-            self.next_page = if self.ended_here - ended_before == claimed {
-                (self.next_page * 2).clamp(self.page, CACHED_PAGE.max(self.page))
-            } else {
-                self.page
-            };
+            self.page = next_page(
+                self.page,
+                self.base_page,
+                self.ended_here - ended_before == claimed,
+            );
         }
     }
 
@@ -461,5 +470,26 @@ impl Reader {
             ended.count(&self.shared.progress);
         }
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{CACHED_PAGE, next_page};
+
+    #[test]
+    fn a_claim_doubles_while_the_cache_answers_its_pages_and_comes_back_after_a_call() {
+        let path: Vec<usize> =
+            std::iter::successors(Some(128), |&page| Some(next_page(page, 128, true)))
+                .take(7)
+                .collect();
+        assert_eq!(path, [128, 256, 512, 1024, 2048, CACHED_PAGE, CACHED_PAGE]);
+        assert_eq!(
+            next_page(CACHED_PAGE, 128, false),
+            128,
+            "a page with a call"
+        );
+        // A claim already bigger than the cap keeps its own size.
+        assert_eq!(next_page(8192, 8192, true), 8192);
     }
 }

@@ -45,11 +45,9 @@ pub struct CacheStats {
 /// of its own).
 pub trait ResponseCache {
     /// This connection is about to look up many answers (a run that reads
-    /// the cache): a backend may read differently for it. Nothing by
-    /// default.
-    fn prepare_for_lookups(&mut self) -> Result<(), StoreError> {
-        Ok(())
-    }
+    /// the cache): a backend may read differently for it, and reads as
+    /// before where it cannot. Nothing by default.
+    fn prepare_for_lookups(&mut self) {}
 
     /// The cached answer for `key`, if stored at or after `since_ms`.
     fn cache_get(&mut self, key: &str, since_ms: i64) -> Result<Option<CacheEntry>, StoreError>;

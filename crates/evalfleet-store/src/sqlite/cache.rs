@@ -24,8 +24,8 @@ fn entry_from_row(key: &str, row: &rusqlite::Row<'_>) -> rusqlite::Result<CacheE
 }
 
 impl ResponseCache for SqliteStore {
-    fn prepare_for_lookups(&mut self) -> Result<(), StoreError> {
-        super::map_reads(&self.conn)
+    fn prepare_for_lookups(&mut self) {
+        super::map_reads(&self.conn);
     }
 
     fn cache_get(&mut self, key: &str, since_ms: i64) -> Result<Option<CacheEntry>, StoreError> {
@@ -149,5 +149,29 @@ impl ResponseCache for SqliteStore {
             .execute(&format!("DELETE FROM {db}.cache", db = self.cache_db), [])
             .map(|n| n as u64)
             .map_err(db_err("cannot clear the cache"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SqliteStore;
+    use crate::ResponseCache;
+
+    fn mapped_bytes(store: &SqliteStore) -> i64 {
+        store
+            .conn
+            .query_row("PRAGMA mmap_size", [], |row| row.get(0))
+            .unwrap()
+    }
+
+    #[test]
+    fn only_a_connection_prepared_for_lookups_reads_through_a_map() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("store.db");
+        let mut looking = SqliteStore::open(&path).unwrap();
+        let other = SqliteStore::open(&path).unwrap();
+        looking.prepare_for_lookups();
+        assert_eq!(mapped_bytes(&looking), super::super::MAP_BYTES);
+        assert_eq!(mapped_bytes(&other), 0);
     }
 }

@@ -16,7 +16,7 @@ use crate::{
 use evalfleet_types::{ErrorClass, ItemStatus, now_ms};
 use rusqlite::{Transaction, params};
 
-use super::{SqliteStore, db_err, opt_u64};
+use super::{SqliteStore, db_err, execute_cached, opt_u64};
 use crate::columns::{assessment_columns, images_column};
 
 /// A live claim's range.
@@ -165,9 +165,12 @@ impl SqliteStore {
             .map_err(&err)?
             .query_row(params![rid, now], |row| row.get(0))
             .map_err(&err)?;
-        tx.prepare_cached("DELETE FROM claims WHERE rid = ?1 AND lease_until <= ?2")
-            .and_then(|mut stmt| stmt.execute(params![rid, now]))
-            .map_err(&err)?;
+        execute_cached(
+            &tx,
+            "DELETE FROM claims WHERE rid = ?1 AND lease_until <= ?2",
+            params![rid, now],
+        )
+        .map_err(&err)?;
         let after = match (lapsed, after) {
             (Some(first), Some(cursor)) if (first as u64) <= cursor => {
                 first.checked_sub(1).map(|s| s as u64)
@@ -204,18 +207,11 @@ impl SqliteStore {
                 Claimed::Nothing
             });
         };
-        tx.prepare_cached(
+        execute_cached(
+            &tx,
             "INSERT INTO claims (rid, worker, first_seq, last_seq, lease_until) VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![rid, worker, first.seq as i64, last.seq as i64, lease_until(now, lease)],
         )
-        .and_then(|mut stmt| {
-            stmt.execute(params![
-                rid,
-                worker,
-                first.seq as i64,
-                last.seq as i64,
-                lease_until(now, lease)
-            ])
-        })
         .map_err(&err)?;
         let id = tx.last_insert_rowid();
         tx.commit().map_err(&err)?;
@@ -581,21 +577,23 @@ impl WorkQueue for SqliteStore {
         if done + failed > 0 || calls_stored {
             // Calls change what a report says of the run (its agents'
             // figures) even before their item's result comes.
-            tx.prepare_cached(
+            execute_cached(
+                &tx,
                 "UPDATE runs SET updated_at = ?2, done = done + ?3, failed = failed + ?4,
                      generation = generation + 1
                  WHERE rid = ?1",
+                params![rid, now_ms(), done, failed],
             )
-            .and_then(|mut stmt| stmt.execute(params![rid, now_ms(), done, failed]))
             .map_err(db_err("cannot update the run"))?;
         }
         if done + failed > 0 {
-            tx.prepare_cached(
+            execute_cached(
+                &tx,
                 "INSERT INTO worker_tallies (rid, worker, done, failed) VALUES (?1, ?2, ?3, ?4)
                  ON CONFLICT (rid, worker) DO UPDATE SET done = done + excluded.done,
                      failed = failed + excluded.failed",
+                params![rid, worker, done, failed],
             )
-            .and_then(|mut stmt| stmt.execute(params![rid, worker, done, failed]))
             .map_err(db_err("cannot count the worker's results"))?;
         }
         tx.commit().map_err(db_err("cannot commit a batch"))?;
