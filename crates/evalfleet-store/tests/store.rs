@@ -166,6 +166,7 @@ both!(
     a_duplicate_id_undoes_the_whole_registration,
     a_run_id_is_taken_once_and_runs_come_newest_first,
     commits_are_exactly_once_and_counters_match_a_recount,
+    a_batch_of_many_results_is_stored_row_for_row,
     a_sample_keeps_the_items_with_the_smallest_keys,
     a_claim_is_exclusive_while_its_lease_lasts_and_a_commit_under_a_lost_lease_is_refused,
     a_commit_whose_lease_ran_out_is_refused_once_another_worker_took_its_items,
@@ -487,6 +488,107 @@ fn a_run_id_is_taken_once_and_runs_come_newest_first(f: &Fixture) {
         ),
         ("w", 1, w.pid)
     );
+}
+
+/// A batch of many results, as a run's commits make them (the SQLite store
+/// writes many rows a statement): every result is stored with its own
+/// columns, and on SQLite a second result anywhere in such a batch is
+/// refused, naming its item, with nothing of the batch kept.
+fn a_batch_of_many_results_is_stored_row_for_row(f: &Fixture) {
+    let mut store = f.open();
+    let ids: Vec<String> = (0..80).map(|i| format!("i{i}")).collect();
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    store
+        .create_run(&new_run("r"), &mut items(&refs, None))
+        .unwrap();
+    store.begin_session("r", &mut worker("w"), false).unwrap();
+    let claim = claim_all(&mut *store, "r", "w");
+    // 45 items end, the failed ones among the done ones: 38 done, 7 failed.
+    let ended: Vec<ResultRecord> = (1..=45u64)
+        .map(|seq| {
+            let id = &ids[seq as usize - 1];
+            let status = if seq % 7 == 3 {
+                ItemStatus::Failed
+            } else {
+                ItemStatus::Done
+            };
+            let mut r = result(seq, id, status);
+            r.prompt = Some(format!("prompt of {id}"));
+            r.error = (status == ItemStatus::Failed).then(|| format!("error of {id}"));
+            r.telemetry.as_mut().unwrap().model = format!("model of {id}");
+            r
+        })
+        .collect();
+    let batch = Batch {
+        results: ended.iter().map(|r| (claim, r.clone())).collect(),
+        ..Batch::default()
+    };
+    assert_eq!(store.commit("r", "w", &batch).unwrap().results, 45);
+    assert_eq!(
+        store.counts("r").unwrap(),
+        StateCounts {
+            pending: 35,
+            done: 38,
+            failed: 7
+        }
+    );
+    assert_eq!(store.counts("r").unwrap(), f.recount("r"));
+    let mut stored = Vec::new();
+    store
+        .scan_results("r", &mut |r| {
+            stored.push((
+                r.seq, r.item_id, r.status, r.output, r.model, r.item, r.prompt, r.error,
+            ))
+        })
+        .unwrap();
+    stored.sort_by_key(|r| r.0);
+    let committed: Vec<_> = ended
+        .iter()
+        .map(|r| {
+            (
+                r.seq,
+                r.item_id.clone(),
+                r.status,
+                r.output.clone(),
+                r.telemetry.as_ref().map(|t| t.model.clone()),
+                r.item.clone(),
+                r.prompt.clone(),
+                r.error.clone(),
+            )
+        })
+        .collect();
+    assert_eq!(stored, committed);
+
+    if f.backend != Backend::Sqlite {
+        return;
+    }
+    // 33 pending items end, and with them one that ended above (the 18th
+    // of the batch) or one of them twice: refused, naming the item.
+    let pending: Vec<(ClaimId, ResultRecord)> = (46..=78u64)
+        .map(|seq| (claim, result(seq, &ids[seq as usize - 1], ItemStatus::Done)))
+        .collect();
+    let mut ended_before = pending.clone();
+    ended_before.insert(17, (claim, result(10, "i9", ItemStatus::Done)));
+    let mut twice = pending.clone();
+    twice.insert(20, (claim, result(50, "i49", ItemStatus::Done)));
+    for (results, named) in [(ended_before, "i9"), (twice, "i49")] {
+        let again = Batch {
+            results,
+            ..Batch::default()
+        };
+        match store.commit("r", "w", &again) {
+            Err(StoreError::Invariant(message)) => {
+                assert!(message.contains(&format!("item '{named}'")), "{message}")
+            }
+            other => panic!("a second result was not refused: {other:?}"),
+        }
+        assert_eq!(
+            store.counts("r").unwrap().pending,
+            35,
+            "nothing of it stays"
+        );
+        assert_eq!(store.counts("r").unwrap(), f.recount("r"));
+    }
 }
 
 fn commits_are_exactly_once_and_counters_match_a_recount(f: &Fixture) {
