@@ -490,7 +490,7 @@ fn a_run_id_is_taken_once_and_runs_come_newest_first(f: &Fixture) {
     );
 }
 
-/// A batch of many results, as a run's commits make them (the SQLite store
+/// A batch of many attempts and results, as a run's commits make them (the SQLite store
 /// writes many rows a statement): every result is stored with its own
 /// columns, and on SQLite a second result anywhere in such a batch is
 /// refused, naming its item, with nothing of the batch kept.
@@ -519,11 +519,42 @@ fn a_batch_of_many_results_is_stored_row_for_row(f: &Fixture) {
             r
         })
         .collect();
+    // Their attempts: one each, and a second for every fifth.
+    let attempts: Vec<AttemptRecord> = (1..=45u64)
+        .flat_map(|seq| (1..=if seq % 5 == 0 { 2 } else { 1 }).map(move |n| (seq, n)))
+        .map(|(seq, n)| {
+            let mut a = attempt(seq, n);
+            a.telemetry.endpoint = format!("e{seq}");
+            a.telemetry.latency_ms = (seq * 10 + u64::from(n)) as f64;
+            a
+        })
+        .collect();
     let batch = Batch {
+        attempts: attempts.iter().map(|a| (claim, a.clone())).collect(),
         results: ended.iter().map(|r| (claim, r.clone())).collect(),
         ..Batch::default()
     };
     assert_eq!(store.commit("r", "w", &batch).unwrap().results, 45);
+    let mut stored_attempts = Vec::new();
+    store
+        .scan_attempts("r", &mut |a| {
+            stored_attempts.push((a.endpoint, a.latency_ms as u64, a.error_class))
+        })
+        .unwrap();
+    stored_attempts.sort();
+    let mut committed_attempts: Vec<_> = attempts
+        .iter()
+        .map(|a| {
+            (
+                a.telemetry.endpoint.clone(),
+                a.telemetry.latency_ms as u64,
+                a.error_class,
+            )
+        })
+        .collect();
+    committed_attempts.sort();
+    assert_eq!(stored_attempts.len(), 54);
+    assert_eq!(stored_attempts, committed_attempts);
     assert_eq!(
         store.counts("r").unwrap(),
         StateCounts {

@@ -14,7 +14,7 @@ use std::time::Duration;
 use crate::{
     Batch, Claim, ClaimId, Claimed, Committed, PendingItem, Renewal, StoreError, WorkQueue,
 };
-use evalfleet_types::{ErrorClass, ItemStatus, ResultRecord, now_ms};
+use evalfleet_types::{AttemptRecord, ErrorClass, ItemStatus, ResultRecord, now_ms};
 use rusqlite::{Transaction, params};
 
 use super::{SqliteStore, db_err, execute_cached, opt_u64};
@@ -341,42 +341,15 @@ impl WorkQueue for SqliteStore {
         let mut failed = 0i64;
         let mut calls_stored = false;
         {
-            let mut attempt = tx
-                .prepare_cached(
-                    "INSERT INTO attempts (rid, seq, attempt, session, endpoint, model, sent_at, latency_ms,
-                         ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, http_status,
-                         error_class, error, tokens_estimated)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)",
-                )
-                .map_err(db_err("cannot prepare the attempt insert"))?;
+            let mut attempts: Vec<&AttemptRecord> = Vec::with_capacity(batch.attempts.len());
             for (claim, a) in &batch.attempts {
-                if !held(*claim, a.seq) {
+                if held(*claim, a.seq) {
+                    attempts.push(a);
+                } else {
                     refused.insert(a.seq);
-                    continue;
                 }
-                let t = &a.telemetry;
-                attempt
-                    .execute(params![
-                        rid,
-                        a.seq as i64,
-                        a.attempt,
-                        a.session,
-                        t.endpoint,
-                        t.model,
-                        a.sent_at_ms,
-                        t.latency_ms,
-                        t.ttft_ms,
-                        t.tpot_ms,
-                        opt_u64(t.prompt_tokens),
-                        opt_u64(t.completion_tokens),
-                        t.finish_reason,
-                        a.http_status,
-                        a.error_class.map(ErrorClass::as_str),
-                        a.error,
-                        t.tokens_estimated,
-                    ])
-                    .map_err(db_err("cannot record an attempt"))?;
             }
+            store_rows(&tx, rid, &attempts, &ATTEMPTS)?;
             // A call is keyed by its item, attempt and place: the same call
             // sent again (a batch retried after its commit failed) replaces
             // itself rather than failing the batch, and a later version of
@@ -474,7 +447,8 @@ impl WorkQueue for SqliteStore {
                 }
             }
             end_items(&tx, rid, run_id, &ending)?;
-            store_results(&tx, rid, &ending)?;
+            let results: Vec<&ResultRecord> = ending.iter().map(|(_, r)| *r).collect();
+            store_rows(&tx, rid, &results, &RESULTS)?;
             for (claim, r) in &ending {
                 match r.status {
                     ItemStatus::Done => done += 1,
@@ -581,13 +555,8 @@ fn in_chunks<T>(
     Ok(())
 }
 
-/// The statement of each size in [`SIZES`], made by `make` once.
-fn sized(
-    cell: &'static OnceLock<[String; 3]>,
-    make: fn(usize) -> String,
-    rows: usize,
-) -> &'static str {
-    let all = cell.get_or_init(|| SIZES.map(make));
+/// Of statements made for each size of [`SIZES`], the one for `rows`.
+fn of_size(all: &[String; 3], rows: usize) -> &str {
     let at = SIZES
         .iter()
         .position(|&size| size == rows)
@@ -605,28 +574,125 @@ fn end_sql(rows: usize) -> String {
     )
 }
 
-/// Result columns after `rid`, in the order [`bind_result`] binds them.
-const RESULT_COLUMNS: usize = 26;
+/// A table a commit inserts many rows into at once: its statement's
+/// head, its columns after `rid`, and how a row's values are bound.
+struct Rows<T: 'static> {
+    insert: &'static str,
+    columns: usize,
+    bind: fn(&mut rusqlite::Statement<'_>, usize, &T) -> Result<(), StoreError>,
+    what: &'static str,
+    /// The statement of each size of [`SIZES`], made once.
+    sql: OnceLock<[String; 3]>,
+}
 
-/// The insert of `rows` results (`?1` the run, then [`RESULT_COLUMNS`]
-/// parameters a row).
-fn result_sql(rows: usize) -> String {
-    let values: Vec<String> = (0..rows)
-        .map(|row| {
-            let first = 2 + row * RESULT_COLUMNS;
-            let params: Vec<String> = (first..first + RESULT_COLUMNS)
-                .map(|i| format!("?{i}"))
-                .collect();
-            format!("(?1, {})", params.join(", "))
-        })
-        .collect();
-    format!(
-        "INSERT INTO results (rid, seq, item_id, status, output, error, endpoint, model, attempts,
-             latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, item,
-             finished_at, parsed, verdict, check_error, scores, reasks, judge, cached,
-             tokens_estimated, prompt, images)
-         VALUES {}",
-        values.join(", ")
+impl<T> Rows<T> {
+    /// The insert of `rows` rows: `?1` the run, then `columns` parameters
+    /// a row.
+    fn sql(&self, rows: usize) -> &str {
+        let all = self.sql.get_or_init(|| {
+            SIZES.map(|rows| {
+                let values: Vec<String> = (0..rows)
+                    .map(|row| {
+                        let first = 2 + row * self.columns;
+                        let params: Vec<String> = (first..first + self.columns)
+                            .map(|i| format!("?{i}"))
+                            .collect();
+                        format!("(?1, {})", params.join(", "))
+                    })
+                    .collect();
+                format!("{} VALUES {}", self.insert, values.join(", "))
+            })
+        });
+        of_size(all, rows)
+    }
+}
+
+static RESULTS: Rows<ResultRecord> = Rows {
+    insert: "INSERT INTO results (rid, seq, item_id, status, output, error, endpoint, model, attempts,
+                 latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, item,
+                 finished_at, parsed, verdict, check_error, scores, reasks, judge, cached,
+                 tokens_estimated, prompt, images)",
+    columns: 26,
+    bind: bind_result,
+    what: "cannot record a result",
+    sql: OnceLock::new(),
+};
+
+static ATTEMPTS: Rows<AttemptRecord> = Rows {
+    insert:
+        "INSERT INTO attempts (rid, seq, attempt, session, endpoint, model, sent_at, latency_ms,
+                 ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, http_status,
+                 error_class, error, tokens_estimated)",
+    columns: 16,
+    bind: bind_attempt,
+    what: "cannot record an attempt",
+    sql: OnceLock::new(),
+};
+
+/// Inserts `rows` into `table`, [`ROWS_AT_ONCE`] rows a statement.
+fn store_rows<T>(
+    tx: &Transaction<'_>,
+    rid: i64,
+    rows: &[&T],
+    table: &'static Rows<T>,
+) -> Result<(), StoreError> {
+    in_chunks(rows, |chunk| {
+        let mut stmt = tx
+            .prepare_cached(table.sql(chunk.len()))
+            .map_err(db_err(table.what))?;
+        stmt.raw_bind_parameter(1, rid)
+            .map_err(db_err(table.what))?;
+        for (row, value) in chunk.iter().enumerate() {
+            (table.bind)(&mut stmt, 2 + row * table.columns, value)?;
+        }
+        stmt.raw_execute().map_err(db_err(table.what))?;
+        Ok(())
+    })
+}
+
+/// Binds `values` from parameter `first` on.
+fn bind_all(
+    stmt: &mut rusqlite::Statement<'_>,
+    first: usize,
+    values: &[&dyn rusqlite::ToSql],
+    what: &'static str,
+) -> Result<(), StoreError> {
+    for (i, value) in values.iter().enumerate() {
+        stmt.raw_bind_parameter(first + i, value)
+            .map_err(db_err(what))?;
+    }
+    Ok(())
+}
+
+/// Binds an attempt's 16 columns after `rid` from parameter `first` on.
+fn bind_attempt(
+    stmt: &mut rusqlite::Statement<'_>,
+    first: usize,
+    a: &AttemptRecord,
+) -> Result<(), StoreError> {
+    let t = &a.telemetry;
+    bind_all(
+        stmt,
+        first,
+        &[
+            &(a.seq as i64),
+            &a.attempt,
+            &a.session,
+            &t.endpoint,
+            &t.model,
+            &a.sent_at_ms,
+            &t.latency_ms,
+            &t.ttft_ms,
+            &t.tpot_ms,
+            &opt_u64(t.prompt_tokens),
+            &opt_u64(t.completion_tokens),
+            &t.finish_reason,
+            &a.http_status,
+            &a.error_class.map(ErrorClass::as_str),
+            &a.error,
+            &t.tokens_estimated,
+        ],
+        ATTEMPTS.what,
     )
 }
 
@@ -649,7 +715,7 @@ fn end_items(
             .collect();
         in_chunks(&rows, |chunk| {
             let mut stmt = tx
-                .prepare_cached(sized(&SQL, end_sql, chunk.len()))
+                .prepare_cached(of_size(SQL.get_or_init(|| SIZES.map(end_sql)), chunk.len()))
                 .map_err(db_err("cannot prepare the state update"))?;
             stmt.raw_bind_parameter(1, rid)
                 .and_then(|()| stmt.raw_bind_parameter(2, status.as_str()))
@@ -700,29 +766,7 @@ fn second_result(
         .map_or_else(|| "?".to_owned(), |r| r.item_id.clone())
 }
 
-/// Stores the results of `ending`, [`ROWS_AT_ONCE`] rows a statement.
-fn store_results(
-    tx: &Transaction<'_>,
-    rid: i64,
-    ending: &[(ClaimId, &ResultRecord)],
-) -> Result<(), StoreError> {
-    static SQL: OnceLock<[String; 3]> = OnceLock::new();
-    in_chunks(ending, |chunk| {
-        let mut stmt = tx
-            .prepare_cached(sized(&SQL, result_sql, chunk.len()))
-            .map_err(db_err("cannot prepare the result insert"))?;
-        stmt.raw_bind_parameter(1, rid)
-            .map_err(db_err("cannot record a result"))?;
-        for (row, (_, r)) in chunk.iter().enumerate() {
-            bind_result(&mut stmt, 2 + row * RESULT_COLUMNS, r)?;
-        }
-        stmt.raw_execute()
-            .map_err(db_err("cannot record a result"))?;
-        Ok(())
-    })
-}
-
-/// Binds a result's [`RESULT_COLUMNS`] columns from parameter `first` on.
+/// Binds a result's 26 columns after `rid` from parameter `first` on.
 fn bind_result(
     stmt: &mut rusqlite::Statement<'_>,
     first: usize,
@@ -731,39 +775,39 @@ fn bind_result(
     let (parsed, verdict, check_error, scores, reasks, judge) = assessment_columns(&r.assessment)?;
     let images = images_column(&r.images)?;
     let t = r.telemetry.as_ref();
-    let values: [&dyn rusqlite::ToSql; RESULT_COLUMNS] = [
-        &(r.seq as i64),
-        &r.item_id,
-        &r.status.as_str(),
-        &r.output,
-        &r.error,
-        &t.map(|t| &t.endpoint),
-        &t.map(|t| &t.model),
-        &r.attempts,
-        &t.map(|t| t.latency_ms),
-        &t.and_then(|t| t.ttft_ms),
-        &t.and_then(|t| t.tpot_ms),
-        &opt_u64(t.and_then(|t| t.prompt_tokens)),
-        &opt_u64(t.and_then(|t| t.completion_tokens)),
-        &t.and_then(|t| t.finish_reason.as_ref()),
-        &r.item,
-        &r.finished_at_ms,
-        &parsed,
-        &verdict,
-        &check_error,
-        &scores,
-        &reasks,
-        &judge,
-        &r.cached,
-        &t.is_some_and(|t| t.tokens_estimated),
-        &r.prompt,
-        &images,
-    ];
-    for (i, value) in values.into_iter().enumerate() {
-        stmt.raw_bind_parameter(first + i, value)
-            .map_err(db_err("cannot record a result"))?;
-    }
-    Ok(())
+    bind_all(
+        stmt,
+        first,
+        &[
+            &(r.seq as i64),
+            &r.item_id,
+            &r.status.as_str(),
+            &r.output,
+            &r.error,
+            &t.map(|t| &t.endpoint),
+            &t.map(|t| &t.model),
+            &r.attempts,
+            &t.map(|t| t.latency_ms),
+            &t.and_then(|t| t.ttft_ms),
+            &t.and_then(|t| t.tpot_ms),
+            &opt_u64(t.and_then(|t| t.prompt_tokens)),
+            &opt_u64(t.and_then(|t| t.completion_tokens)),
+            &t.and_then(|t| t.finish_reason.as_ref()),
+            &r.item,
+            &r.finished_at_ms,
+            &parsed,
+            &verdict,
+            &check_error,
+            &scores,
+            &reasks,
+            &judge,
+            &r.cached,
+            &t.is_some_and(|t| t.tokens_estimated),
+            &r.prompt,
+            &images,
+        ],
+        RESULTS.what,
+    )
 }
 
 #[cfg(test)]
