@@ -593,17 +593,29 @@ fn a_batch_of_many_results_is_stored_row_for_row(f: &Fixture) {
     if f.backend != Backend::Sqlite {
         return;
     }
-    // 33 pending items end, and with them one that ended above (the 18th
-    // of the batch) or one of them twice: refused, naming the item.
+    // 33 pending items end, and with them a second result: of an item
+    // that ended above, in the first statement of 32 (the 18th), or alone
+    // in its status's slice; of one of them twice, in one statement, in
+    // two (the 34th: the last ones go one by one), or once done and once
+    // failed. Refused, naming the item; nothing of the batch stays, its
+    // attempts included.
     let pending: Vec<(ClaimId, ResultRecord)> = (46..=78u64)
         .map(|seq| (claim, result(seq, &ids[seq as usize - 1], ItemStatus::Done)))
         .collect();
-    let mut ended_before = pending.clone();
-    ended_before.insert(17, (claim, result(10, "i9", ItemStatus::Done)));
-    let mut twice = pending.clone();
-    twice.insert(20, (claim, result(50, "i49", ItemStatus::Done)));
-    for (results, named) in [(ended_before, "i9"), (twice, "i49")] {
+    let with = |at: usize, seq: u64, status: ItemStatus| {
+        let mut results = pending.clone();
+        results.insert(at, (claim, result(seq, &ids[seq as usize - 1], status)));
+        results
+    };
+    for (results, named) in [
+        (with(17, 10, ItemStatus::Done), "i9"),
+        (with(20, 3, ItemStatus::Failed), "i2"),
+        (with(20, 50, ItemStatus::Done), "i49"),
+        (with(33, 60, ItemStatus::Done), "i59"),
+        (with(5, 47, ItemStatus::Failed), "i46"),
+    ] {
         let again = Batch {
+            attempts: vec![(claim, attempt(46, 1)), (claim, attempt(47, 1))],
             results,
             ..Batch::default()
         };
@@ -619,6 +631,9 @@ fn a_batch_of_many_results_is_stored_row_for_row(f: &Fixture) {
             "nothing of it stays"
         );
         assert_eq!(store.counts("r").unwrap(), f.recount("r"));
+        let mut attempts = 0;
+        store.scan_attempts("r", &mut |_| attempts += 1).unwrap();
+        assert_eq!(attempts, 54, "its attempts are undone too");
     }
 }
 

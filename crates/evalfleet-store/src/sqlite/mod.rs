@@ -258,7 +258,7 @@ fn wait_for_locks(conn: &Connection) -> Result<(), StoreError> {
 /// ...and its page cache (set once the file is known to be a store).
 fn size_the_cache(conn: &Connection) -> Result<(), StoreError> {
     // Room for every statement a connection prepares once and keeps (a
-    // writer's commit alone uses a dozen; rusqlite keeps 16 by default and
+    // writer's commit alone uses about twenty; rusqlite keeps 16 by default and
     // parses again whatever it dropped).
     conn.set_prepared_statement_cache_capacity(64);
     // 8 MiB of page cache per connection: batches append near the end of

@@ -535,7 +535,7 @@ impl WorkQueue for SqliteStore {
 const ROWS_AT_ONCE: usize = 32;
 
 /// Statement sizes, largest first: a batch's rows go in statements of
-/// [`ROWS_AT_ONCE`] rows, then of 8, then one by one, so that at most 14
+/// [`ROWS_AT_ONCE`] rows, then of 8, then one by one, so that at most 10
 /// statements take the rest, from a few prepared statements.
 const SIZES: [usize; 3] = [ROWS_AT_ONCE, 8, 1];
 
@@ -609,12 +609,16 @@ impl<T> Rows<T> {
     }
 }
 
+/// Columns after `rid`, bound by [`bind_result`] and [`bind_attempt`].
+const RESULT_COLUMNS: usize = 26;
+const ATTEMPT_COLUMNS: usize = 16;
+
 static RESULTS: Rows<ResultRecord> = Rows {
     insert: "INSERT INTO results (rid, seq, item_id, status, output, error, endpoint, model, attempts,
                  latency_ms, ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, item,
                  finished_at, parsed, verdict, check_error, scores, reasks, judge, cached,
                  tokens_estimated, prompt, images)",
-    columns: 26,
+    columns: RESULT_COLUMNS,
     bind: bind_result,
     what: "cannot record a result",
     sql: OnceLock::new(),
@@ -625,7 +629,7 @@ static ATTEMPTS: Rows<AttemptRecord> = Rows {
         "INSERT INTO attempts (rid, seq, attempt, session, endpoint, model, sent_at, latency_ms,
                  ttft_ms, tpot_ms, prompt_tokens, completion_tokens, finish_reason, http_status,
                  error_class, error, tokens_estimated)",
-    columns: 16,
+    columns: ATTEMPT_COLUMNS,
     bind: bind_attempt,
     what: "cannot record an attempt",
     sql: OnceLock::new(),
@@ -644,6 +648,7 @@ fn store_rows<T>(
             .map_err(db_err(table.what))?;
         stmt.raw_bind_parameter(1, rid)
             .map_err(db_err(table.what))?;
+        debug_assert_eq!(stmt.parameter_count(), 1 + chunk.len() * table.columns);
         for (row, value) in chunk.iter().enumerate() {
             (table.bind)(&mut stmt, 2 + row * table.columns, value)?;
         }
@@ -666,36 +671,33 @@ fn bind_all(
     Ok(())
 }
 
-/// Binds an attempt's 16 columns after `rid` from parameter `first` on.
+/// Binds an attempt's [`ATTEMPT_COLUMNS`] columns after `rid` from
+/// parameter `first` on.
 fn bind_attempt(
     stmt: &mut rusqlite::Statement<'_>,
     first: usize,
     a: &AttemptRecord,
 ) -> Result<(), StoreError> {
     let t = &a.telemetry;
-    bind_all(
-        stmt,
-        first,
-        &[
-            &(a.seq as i64),
-            &a.attempt,
-            &a.session,
-            &t.endpoint,
-            &t.model,
-            &a.sent_at_ms,
-            &t.latency_ms,
-            &t.ttft_ms,
-            &t.tpot_ms,
-            &opt_u64(t.prompt_tokens),
-            &opt_u64(t.completion_tokens),
-            &t.finish_reason,
-            &a.http_status,
-            &a.error_class.map(ErrorClass::as_str),
-            &a.error,
-            &t.tokens_estimated,
-        ],
-        ATTEMPTS.what,
-    )
+    let values: [&dyn rusqlite::ToSql; ATTEMPT_COLUMNS] = [
+        &(a.seq as i64),
+        &a.attempt,
+        &a.session,
+        &t.endpoint,
+        &t.model,
+        &a.sent_at_ms,
+        &t.latency_ms,
+        &t.ttft_ms,
+        &t.tpot_ms,
+        &opt_u64(t.prompt_tokens),
+        &opt_u64(t.completion_tokens),
+        &t.finish_reason,
+        &a.http_status,
+        &a.error_class.map(ErrorClass::as_str),
+        &a.error,
+        &t.tokens_estimated,
+    ];
+    bind_all(stmt, first, &values, ATTEMPTS.what)
 }
 
 /// Ends the items of `ending` (their state from pending to their status),
@@ -709,13 +711,18 @@ fn end_items(
     ending: &[(ClaimId, &ResultRecord)],
 ) -> Result<(), StoreError> {
     static SQL: OnceLock<[String; 3]> = OnceLock::new();
-    for status in [ItemStatus::Done, ItemStatus::Failed] {
-        let rows: Vec<&ResultRecord> = ending
-            .iter()
-            .map(|(_, r)| *r)
-            .filter(|r| r.status == status)
-            .collect();
-        in_chunks(&rows, |chunk| {
+    // The items by the status they end in, in the batch's order.
+    let mut by_status: Vec<(ItemStatus, Vec<&ResultRecord>)> = Vec::new();
+    for (_, r) in ending {
+        match by_status.iter_mut().find(|(status, _)| *status == r.status) {
+            Some((_, rows)) => rows.push(r),
+            None => by_status.push((r.status, vec![r])),
+        }
+    }
+    for (group, (status, rows)) in by_status.iter().enumerate() {
+        // Items of this status ended by the statements before.
+        let mut ended = 0;
+        in_chunks(rows, |chunk| {
             let mut stmt = tx
                 .prepare_cached(of_size(SQL.get_or_init(|| SIZES.map(end_sql)), chunk.len()))
                 .map_err(db_err("cannot prepare the state update"))?;
@@ -730,45 +737,49 @@ fn end_items(
                 .raw_execute()
                 .map_err(db_err("cannot update an item's state"))?;
             if changed == chunk.len() {
+                ended += chunk.len();
                 return Ok(());
             }
+            let before = by_status[..group]
+                .iter()
+                .flat_map(|(_, rows)| rows.iter())
+                .chain(&rows[..ended]);
             Err(StoreError::Invariant(format!(
                 "item '{}' of run '{run_id}' got a second result",
-                second_result(tx, rid, ending, chunk)
+                second_result(tx, rid, before, chunk)
             )))
         })?;
     }
     Ok(())
 }
 
-/// Which item of `chunk` (a slice of `ending` whose state update changed
-/// fewer rows than it has) was not pending: one that comes twice in the
-/// batch, else one with a result stored before the batch.
-fn second_result(
+/// Which item of `chunk` (a slice whose state update changed fewer rows
+/// than it has) was not pending, the first in the order they were ended:
+/// one ended by an update `before` it or earlier in the slice, one with a
+/// result stored before the batch, or one that is not an item of the run.
+fn second_result<'a>(
     tx: &Transaction<'_>,
     rid: i64,
-    ending: &[(ClaimId, &ResultRecord)],
+    before: impl Iterator<Item = &'a &'a ResultRecord>,
     chunk: &[&ResultRecord],
 ) -> String {
-    let mut seen = std::collections::HashSet::new();
-    if let Some((_, twice)) = ending.iter().find(|(_, r)| !seen.insert(r.seq)) {
-        return twice.item_id.clone();
-    }
-    let stored = |seq: u64| {
-        tx.query_row(
-            "SELECT 1 FROM results WHERE rid = ?1 AND seq = ?2",
-            params![rid, seq as i64],
-            |_| Ok(()),
-        )
-        .is_ok()
+    let mut seen: std::collections::HashSet<u64> = before.map(|r| r.seq).collect();
+    let exists = |sql: &str, seq: u64| {
+        tx.query_row(sql, params![rid, seq as i64], |_| Ok(()))
+            .is_ok()
     };
     chunk
         .iter()
-        .find(|r| stored(r.seq))
+        .find(|r| {
+            !seen.insert(r.seq)
+                || exists("SELECT 1 FROM results WHERE rid = ?1 AND seq = ?2", r.seq)
+                || !exists("SELECT 1 FROM items WHERE rid = ?1 AND seq = ?2", r.seq)
+        })
         .map_or_else(|| "?".to_owned(), |r| r.item_id.clone())
 }
 
-/// Binds a result's 26 columns after `rid` from parameter `first` on.
+/// Binds a result's [`RESULT_COLUMNS`] columns after `rid` from parameter
+/// `first` on.
 fn bind_result(
     stmt: &mut rusqlite::Statement<'_>,
     first: usize,
@@ -777,39 +788,35 @@ fn bind_result(
     let (parsed, verdict, check_error, scores, reasks, judge) = assessment_columns(&r.assessment)?;
     let images = images_column(&r.images)?;
     let t = r.telemetry.as_ref();
-    bind_all(
-        stmt,
-        first,
-        &[
-            &(r.seq as i64),
-            &r.item_id,
-            &r.status.as_str(),
-            &r.output,
-            &r.error,
-            &t.map(|t| &t.endpoint),
-            &t.map(|t| &t.model),
-            &r.attempts,
-            &t.map(|t| t.latency_ms),
-            &t.and_then(|t| t.ttft_ms),
-            &t.and_then(|t| t.tpot_ms),
-            &opt_u64(t.and_then(|t| t.prompt_tokens)),
-            &opt_u64(t.and_then(|t| t.completion_tokens)),
-            &t.and_then(|t| t.finish_reason.as_ref()),
-            &r.item,
-            &r.finished_at_ms,
-            &parsed,
-            &verdict,
-            &check_error,
-            &scores,
-            &reasks,
-            &judge,
-            &r.cached,
-            &t.is_some_and(|t| t.tokens_estimated),
-            &r.prompt,
-            &images,
-        ],
-        RESULTS.what,
-    )
+    let values: [&dyn rusqlite::ToSql; RESULT_COLUMNS] = [
+        &(r.seq as i64),
+        &r.item_id,
+        &r.status.as_str(),
+        &r.output,
+        &r.error,
+        &t.map(|t| &t.endpoint),
+        &t.map(|t| &t.model),
+        &r.attempts,
+        &t.map(|t| t.latency_ms),
+        &t.and_then(|t| t.ttft_ms),
+        &t.and_then(|t| t.tpot_ms),
+        &opt_u64(t.and_then(|t| t.prompt_tokens)),
+        &opt_u64(t.and_then(|t| t.completion_tokens)),
+        &t.and_then(|t| t.finish_reason.as_ref()),
+        &r.item,
+        &r.finished_at_ms,
+        &parsed,
+        &verdict,
+        &check_error,
+        &scores,
+        &reasks,
+        &judge,
+        &r.cached,
+        &t.is_some_and(|t| t.tokens_estimated),
+        &r.prompt,
+        &images,
+    ];
+    bind_all(stmt, first, &values, RESULTS.what)
 }
 
 #[cfg(test)]
