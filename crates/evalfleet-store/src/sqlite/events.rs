@@ -102,14 +102,13 @@ impl Events for SqliteStore {
         let json = serde_json::to_string(sample).map_err(json_err("cannot encode a sample"))?;
         // A second of the timeline is worth no sync of its own.
         self.without_sync(|store| {
-            store
-                .conn
-                .prepare_cached(
-                    "INSERT OR REPLACE INTO samples (rid, at, worker, sample) VALUES (?1, ?2, ?3, ?4)",
-                )
-                .and_then(|mut insert| insert.execute(params![rid, sample.at_ms, sample.worker, json]))
-                .map(|_| ())
-                .map_err(db_err("cannot store a sample"))
+            super::execute_cached(
+                &store.conn,
+                "INSERT OR REPLACE INTO samples (rid, at, worker, sample) VALUES (?1, ?2, ?3, ?4)",
+                params![rid, sample.at_ms, sample.worker, json],
+            )
+            .map(|_| ())
+            .map_err(db_err("cannot store a sample"))
         })
     }
 

@@ -438,24 +438,21 @@ impl WorkQueue for SqliteStore {
             }
             // Results: each item ends (pending to its status) and its
             // result is stored, many rows a statement (see `in_chunks`).
-            let mut ending: Vec<(ClaimId, &ResultRecord)> = Vec::with_capacity(batch.results.len());
+            let mut ending: Vec<&ResultRecord> = Vec::with_capacity(batch.results.len());
             for (claim, r) in &batch.results {
-                if held(*claim, r.seq) {
-                    ending.push((*claim, r));
-                } else {
+                if !held(*claim, r.seq) {
                     refused.insert(r.seq);
+                    continue;
                 }
-            }
-            end_items(&tx, rid, run_id, &ending)?;
-            let results: Vec<&ResultRecord> = ending.iter().map(|(_, r)| *r).collect();
-            store_rows(&tx, rid, &results, &RESULTS)?;
-            for (claim, r) in &ending {
                 match r.status {
                     ItemStatus::Done => done += 1,
                     ItemStatus::Failed => failed += 1,
                 }
                 touched.insert(*claim);
+                ending.push(r);
             }
+            end_items(&tx, rid, run_id, &ending)?;
+            store_rows(&tx, rid, &ending, &RESULTS)?;
             // Waits are stored with their items (an item that ended in the
             // same batch has no more use for one).
             let mut wait = tx
@@ -555,15 +552,25 @@ fn in_chunks<T>(
     Ok(())
 }
 
-/// Of statements made for each size of [`SIZES`], the one for `rows` (a
-/// size [`in_chunks`] gives; any other gets the one-row statement, whose
-/// binding past its parameters fails).
-fn of_size(all: &[String; 3], rows: usize) -> &str {
-    let at = SIZES
-        .iter()
-        .position(|&size| size == rows)
-        .unwrap_or(SIZES.len() - 1);
-    &all[at]
+/// A statement made once for each size of [`SIZES`].
+struct BySize(OnceLock<[String; 3]>);
+
+impl BySize {
+    const fn new() -> Self {
+        Self(OnceLock::new())
+    }
+
+    /// The statement for `rows` rows (a size [`in_chunks`] gives; any other
+    /// gets the one-row statement, whose binding past its parameters
+    /// fails), made by `make` for every size the first time.
+    fn get(&self, rows: usize, make: impl FnMut(usize) -> String) -> &str {
+        let all = self.0.get_or_init(|| SIZES.map(make));
+        let at = SIZES
+            .iter()
+            .position(|&size| size == rows)
+            .unwrap_or(SIZES.len() - 1);
+        &all[at]
+    }
 }
 
 /// The state update of `rows` items (`?1` the run, `?2` the state, then
@@ -578,34 +585,30 @@ fn end_sql(rows: usize) -> String {
 
 /// A table a commit inserts many rows into at once: its statement's
 /// head, its columns after `rid`, and how a row's values are bound.
-struct Rows<T: 'static> {
+struct Rows<T> {
     insert: &'static str,
     columns: usize,
     bind: fn(&mut rusqlite::Statement<'_>, usize, &T) -> Result<(), StoreError>,
     what: &'static str,
-    /// The statement of each size of [`SIZES`], made once.
-    sql: OnceLock<[String; 3]>,
+    sql: BySize,
 }
 
 impl<T> Rows<T> {
     /// The insert of `rows` rows: `?1` the run, then `columns` parameters
     /// a row.
     fn sql(&self, rows: usize) -> &str {
-        let all = self.sql.get_or_init(|| {
-            SIZES.map(|rows| {
-                let values: Vec<String> = (0..rows)
-                    .map(|row| {
-                        let first = 2 + row * self.columns;
-                        let params: Vec<String> = (first..first + self.columns)
-                            .map(|i| format!("?{i}"))
-                            .collect();
-                        format!("(?1, {})", params.join(", "))
-                    })
-                    .collect();
-                format!("{} VALUES {}", self.insert, values.join(", "))
-            })
-        });
-        of_size(all, rows)
+        self.sql.get(rows, |rows| {
+            let values: Vec<String> = (0..rows)
+                .map(|row| {
+                    let first = 2 + row * self.columns;
+                    let params: Vec<String> = (first..first + self.columns)
+                        .map(|i| format!("?{i}"))
+                        .collect();
+                    format!("(?1, {})", params.join(", "))
+                })
+                .collect();
+            format!("{} VALUES {}", self.insert, values.join(", "))
+        })
     }
 }
 
@@ -621,7 +624,7 @@ static RESULTS: Rows<ResultRecord> = Rows {
     columns: RESULT_COLUMNS,
     bind: bind_result,
     what: "cannot record a result",
-    sql: OnceLock::new(),
+    sql: BySize::new(),
 };
 
 static ATTEMPTS: Rows<AttemptRecord> = Rows {
@@ -632,7 +635,7 @@ static ATTEMPTS: Rows<AttemptRecord> = Rows {
     columns: ATTEMPT_COLUMNS,
     bind: bind_attempt,
     what: "cannot record an attempt",
-    sql: OnceLock::new(),
+    sql: BySize::new(),
 };
 
 /// Inserts `rows` into `table`, [`ROWS_AT_ONCE`] rows a statement.
@@ -640,7 +643,7 @@ fn store_rows<T>(
     tx: &Transaction<'_>,
     rid: i64,
     rows: &[&T],
-    table: &'static Rows<T>,
+    table: &Rows<T>,
 ) -> Result<(), StoreError> {
     in_chunks(rows, |chunk| {
         let mut stmt = tx
@@ -669,6 +672,47 @@ fn bind_all(
             .map_err(db_err(what))?;
     }
     Ok(())
+}
+
+/// Binds a result's [`RESULT_COLUMNS`] columns after `rid` from parameter
+/// `first` on.
+fn bind_result(
+    stmt: &mut rusqlite::Statement<'_>,
+    first: usize,
+    r: &ResultRecord,
+) -> Result<(), StoreError> {
+    let (parsed, verdict, check_error, scores, reasks, judge) = assessment_columns(&r.assessment)?;
+    let images = images_column(&r.images)?;
+    let t = r.telemetry.as_ref();
+    let values: [&dyn rusqlite::ToSql; RESULT_COLUMNS] = [
+        &(r.seq as i64),
+        &r.item_id,
+        &r.status.as_str(),
+        &r.output,
+        &r.error,
+        &t.map(|t| &t.endpoint),
+        &t.map(|t| &t.model),
+        &r.attempts,
+        &t.map(|t| t.latency_ms),
+        &t.and_then(|t| t.ttft_ms),
+        &t.and_then(|t| t.tpot_ms),
+        &opt_u64(t.and_then(|t| t.prompt_tokens)),
+        &opt_u64(t.and_then(|t| t.completion_tokens)),
+        &t.and_then(|t| t.finish_reason.as_ref()),
+        &r.item,
+        &r.finished_at_ms,
+        &parsed,
+        &verdict,
+        &check_error,
+        &scores,
+        &reasks,
+        &judge,
+        &r.cached,
+        &t.is_some_and(|t| t.tokens_estimated),
+        &r.prompt,
+        &images,
+    ];
+    bind_all(stmt, first, &values, RESULTS.what)
 }
 
 /// Binds an attempt's [`ATTEMPT_COLUMNS`] columns after `rid` from
@@ -708,12 +752,12 @@ fn end_items(
     tx: &Transaction<'_>,
     rid: i64,
     run_id: &str,
-    ending: &[(ClaimId, &ResultRecord)],
+    ending: &[&ResultRecord],
 ) -> Result<(), StoreError> {
-    static SQL: OnceLock<[String; 3]> = OnceLock::new();
+    static SQL: BySize = BySize::new();
     // The items by the status they end in, in the batch's order.
     let mut by_status: Vec<(ItemStatus, Vec<&ResultRecord>)> = Vec::new();
-    for (_, r) in ending {
+    for &r in ending {
         match by_status.iter_mut().find(|(status, _)| *status == r.status) {
             Some((_, rows)) => rows.push(r),
             None => by_status.push((r.status, vec![r])),
@@ -724,7 +768,7 @@ fn end_items(
         let mut ended = 0;
         in_chunks(rows, |chunk| {
             let mut stmt = tx
-                .prepare_cached(of_size(SQL.get_or_init(|| SIZES.map(end_sql)), chunk.len()))
+                .prepare_cached(SQL.get(chunk.len(), end_sql))
                 .map_err(db_err("cannot prepare the state update"))?;
             stmt.raw_bind_parameter(1, rid)
                 .and_then(|()| stmt.raw_bind_parameter(2, status.as_str()))
@@ -776,47 +820,6 @@ fn second_result<'a>(
                 || !exists("SELECT 1 FROM items WHERE rid = ?1 AND seq = ?2", r.seq)
         })
         .map_or_else(|| "?".to_owned(), |r| r.item_id.clone())
-}
-
-/// Binds a result's [`RESULT_COLUMNS`] columns after `rid` from parameter
-/// `first` on.
-fn bind_result(
-    stmt: &mut rusqlite::Statement<'_>,
-    first: usize,
-    r: &ResultRecord,
-) -> Result<(), StoreError> {
-    let (parsed, verdict, check_error, scores, reasks, judge) = assessment_columns(&r.assessment)?;
-    let images = images_column(&r.images)?;
-    let t = r.telemetry.as_ref();
-    let values: [&dyn rusqlite::ToSql; RESULT_COLUMNS] = [
-        &(r.seq as i64),
-        &r.item_id,
-        &r.status.as_str(),
-        &r.output,
-        &r.error,
-        &t.map(|t| &t.endpoint),
-        &t.map(|t| &t.model),
-        &r.attempts,
-        &t.map(|t| t.latency_ms),
-        &t.and_then(|t| t.ttft_ms),
-        &t.and_then(|t| t.tpot_ms),
-        &opt_u64(t.and_then(|t| t.prompt_tokens)),
-        &opt_u64(t.and_then(|t| t.completion_tokens)),
-        &t.and_then(|t| t.finish_reason.as_ref()),
-        &r.item,
-        &r.finished_at_ms,
-        &parsed,
-        &verdict,
-        &check_error,
-        &scores,
-        &reasks,
-        &judge,
-        &r.cached,
-        &t.is_some_and(|t| t.tokens_estimated),
-        &r.prompt,
-        &images,
-    ];
-    bind_all(stmt, first, &values, RESULTS.what)
 }
 
 #[cfg(test)]

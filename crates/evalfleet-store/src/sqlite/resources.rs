@@ -24,8 +24,10 @@ fn insert(
     rid: i64,
     point: &ResourcePoint,
 ) -> Result<(), rusqlite::Error> {
-    tx.prepare_cached(INSERT)?
-        .execute(params![
+    super::execute_cached(
+        tx,
+        INSERT,
+        params![
             rid,
             point.series.source.as_str(),
             point.series.name,
@@ -35,8 +37,9 @@ fn insert(
             point.mean,
             point.peak,
             point.samples as i64,
-        ])
-        .map(|_| ())
+        ],
+    )
+    .map(|_| ())
 }
 
 type Row = (String, String, String, i64, i64, f64, f64, i64);
@@ -115,10 +118,11 @@ impl Resources for SqliteStore {
                     .map_err(&err)?;
                 let mut kept = rows.into_iter().map(point).collect::<Result<Vec<_>, _>>()?;
                 merge_evenly(&mut kept, POINTS_PER_SERIES);
-                tx.prepare_cached(
+                super::execute_cached(
+                    &tx,
                     "DELETE FROM resource_points WHERE rid = ?1 AND source = ?2 AND name = ?3 AND metric = ?4",
+                    key,
                 )
-                .and_then(|mut q| q.execute(key))
                 .map_err(&err)?;
                 for point in &kept {
                     insert(&tx, rid, point).map_err(&err)?;
