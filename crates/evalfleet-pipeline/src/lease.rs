@@ -131,16 +131,29 @@ impl LeaseGate {
     /// claims that still hold) and says `lost` items were taken from it. A
     /// claim the reader had before the renewal began and that it did not
     /// renew ran out; one it took since may not be known to it yet.
-    pub fn renewed(&self, started: Instant, lease: Duration, held: &[ClaimId], lost: &[u64]) {
+    ///
+    /// Returns how many items it newly knows lost: those of the claims
+    /// that ran out not yet ended here, and the items taken singly.
+    pub fn renewed(
+        &self,
+        started: Instant,
+        lease: Duration,
+        held: &[ClaimId],
+        lost: &[u64],
+    ) -> u64 {
         let held: HashSet<ClaimId> = held.iter().copied().collect();
+        let mut items_lost = lost.len() as u64;
         let gone: Vec<ClaimId> = match self.issued.lock() {
             Ok(mut issued) => {
-                let gone: Vec<ClaimId> = issued
-                    .iter()
-                    .filter(|(claim, issued)| issued.had < started && !held.contains(claim))
-                    .map(|(claim, _)| *claim)
-                    .collect();
-                issued.retain(|claim, _| !gone.contains(claim));
+                let mut gone = Vec::new();
+                issued.retain(|claim, issued| {
+                    let ran_out = issued.had < started && !held.contains(claim);
+                    if ran_out {
+                        gone.push(*claim);
+                        items_lost += issued.left;
+                    }
+                    !ran_out
+                });
                 gone
             }
             Err(_) => Vec::new(),
@@ -171,6 +184,7 @@ impl LeaseGate {
             }
         }
         self.renewed.notify_waiters();
+        items_lost
     }
 
     /// A call for item `seq` of `claim` begins: its token, a child of
@@ -260,8 +274,9 @@ mod tests {
         let b = LeaseGate::flight(&gate, 2, 20, &abort);
         let c = LeaseGate::flight(&gate, 2, 21, &abort);
         tokio::time::advance(Duration::from_millis(10)).await;
-        // Claim 1 ran out; item 21 of claim 2 was taken by another worker.
-        gate.renewed(Instant::now(), lease, &[2], &[21]);
+        // Claim 1 ran out; item 21 of claim 2 was taken by another worker:
+        // claim 1's ten items and item 21 are known lost.
+        assert_eq!(gate.renewed(Instant::now(), lease, &[2], &[21]), 11);
         assert!(a.token().is_cancelled());
         assert!(!b.token().is_cancelled());
         assert!(c.token().is_cancelled());
@@ -334,13 +349,14 @@ mod tests {
         gate.item_ended(1);
         gate.item_ended(1);
         tokio::time::advance(Duration::from_millis(10)).await;
-        gate.renewed(Instant::now(), lease, &[2], &[]);
+        assert_eq!(gate.renewed(Instant::now(), lease, &[2], &[]), 0);
         assert!(!gate.any_lost.load(Ordering::Acquire));
         assert!(gate.admit(2, 20).await);
         // A claim with an item still under way that the renewal does not
-        // find ran out.
+        // find ran out, with its one item, once.
         tokio::time::advance(Duration::from_millis(10)).await;
-        gate.renewed(Instant::now(), lease, &[], &[]);
+        assert_eq!(gate.renewed(Instant::now(), lease, &[], &[]), 1);
+        assert_eq!(gate.renewed(Instant::now(), lease, &[], &[]), 0);
         assert!(!gate.admit(2, 20).await);
     }
 

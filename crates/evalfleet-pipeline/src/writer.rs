@@ -116,11 +116,14 @@ pub async fn run(
             committing.spawn_blocking(move || {
                 let started = tokio::time::Instant::now();
                 let result = store.renew(&run_id, &worker, lease).map(|renewal| {
-                    leases.renewed(started, lease, &renewal.held, &renewal.lost);
-                    if !renewal.lost.is_empty() {
+                    // Items of claims that ran out are lost as surely as
+                    // items taken singly: the user is told of both (a
+                    // worker that woke from a stall may learn of its loss
+                    // here, before any result of those items is refused).
+                    let lost = leases.renewed(started, lease, &renewal.held, &renewal.lost);
+                    if lost > 0 {
                         tracing::warn!(
-                            "{} items were taken over by other workers after this worker's lease on them ran out; what it makes of them will be refused.",
-                            renewal.lost.len()
+                            "{lost} items were taken over by other workers after this worker's lease on them ran out; it makes no more calls for them, and what it has made of them will be refused."
                         );
                     }
                     0
