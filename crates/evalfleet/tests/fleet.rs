@@ -1355,8 +1355,13 @@ async fn the_open_files_limit_bounds_the_calls_in_flight_instead_of_failing_conn
     .trim()
     .parse()
     .unwrap_or(u64::MAX);
+    // Calls of 500 ms here: more than 256 at once then asks the client to
+    // send 257 calls within half a second, which a loaded machine does as
+    // surely as an idle one (at 50 ms, a client starved of its core by other
+    // work sent too slowly to have 256 in flight, and the test failed for
+    // that alone).
     mock.kill().await.unwrap();
-    let (_mock, url) = mock_process(&["--latency", "50ms"]).await;
+    let (_mock, url) = mock_process(&["--latency", "500ms"]).await;
     let endpoint = format!("  - {{ name: m, kind: external, base_url: \"{url}\", model: m }}\n");
     env.write("run.yaml", &config(&dataset, &endpoint, ""));
     let soft = run_under_ulimit(&env, "-Sn 256", &["run", "run.yaml", "--run-id", "soft"]).await;
