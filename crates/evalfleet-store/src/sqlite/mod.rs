@@ -19,9 +19,11 @@ mod results;
 mod runs;
 pub mod schema;
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::StoreError;
 use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior};
@@ -207,10 +209,12 @@ impl SqliteStore {
     /// A write transaction that takes the file's write lock at once (one
     /// that read first could fail to take it later); `context` names what
     /// could not begin.
-    fn write(&mut self, context: &str) -> Result<rusqlite::Transaction<'_>, StoreError> {
-        self.conn
+    fn write(&mut self, context: &str) -> Result<Write<'_>, StoreError> {
+        let tx = self
+            .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(db_err(context))
+            .map_err(db_err(context))?;
+        Ok(Write { tx, ended: Ended })
     }
 
     fn rid(&mut self, run_id: &str) -> Result<i64, StoreError> {
@@ -232,19 +236,106 @@ impl SqliteStore {
 
 /// How long a connection waits for another's write lock before it gives up.
 const LOCK_WAIT: Duration = Duration::from_secs(30);
-/// How often it looks again meanwhile.
+/// How often it looks again meanwhile, at the latest.
 const LOCK_POLL: Duration = Duration::from_micros(250);
 
-/// SQLite's busy handler: waits `LOCK_POLL` and tries again, for up to
-/// `LOCK_WAIT`. A session's connections take turns at the write lock many
-/// times a second (the writer's commits, the reader's claims); SQLite's
-/// own timeout backs off to sleeps of tens of milliseconds, long enough to
-/// leave the endpoints without work.
+/// A write transaction of this process (see [`SqliteStore::write`]): when
+/// it ends, committed or not, the connections of this process waiting for
+/// the write lock look again at once.
+pub(super) struct Write<'c> {
+    /// Dropped first: rolled back where it was not committed...
+    tx: rusqlite::Transaction<'c>,
+    /// ...then the waiters are told.
+    ended: Ended,
+}
+
+/// Tells the waiters for the write lock that a write transaction ended.
+struct Ended;
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        LOCK_FREED.tell();
+    }
+}
+
+impl<'c> std::ops::Deref for Write<'c> {
+    type Target = rusqlite::Transaction<'c>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.tx
+    }
+}
+
+impl Write<'_> {
+    pub(super) fn commit(self) -> rusqlite::Result<()> {
+        let Self { tx, ended } = self;
+        let committed = tx.commit();
+        drop(ended);
+        committed
+    }
+}
+
+/// How many write transactions of this process have ended, and a wait for
+/// the next to end.
+struct Freed {
+    ended: Mutex<u64>,
+    changed: Condvar,
+}
+
+static LOCK_FREED: Freed = Freed {
+    ended: Mutex::new(0),
+    changed: Condvar::new(),
+};
+
+impl Freed {
+    fn tell(&self) {
+        if let Ok(mut ended) = self.ended.lock() {
+            *ended = ended.wrapping_add(1);
+        }
+        self.changed.notify_all();
+    }
+
+    /// Waits until a write transaction of this process ends, for at most
+    /// `limit`; whether one ended.
+    fn wait(&self, limit: Duration) -> bool {
+        let Ok(ended) = self.ended.lock() else {
+            std::thread::sleep(limit);
+            return false;
+        };
+        let seen = *ended;
+        self.changed
+            .wait_timeout_while(ended, limit, |ended| *ended == seen)
+            .is_ok_and(|(_, waited)| !waited.timed_out())
+    }
+}
+
+thread_local! {
+    /// When this thread's connection began to wait for the write lock.
+    static WAITING_SINCE: Cell<Option<Instant>> = const { Cell::new(None) };
+}
+
+/// SQLite's busy handler: waits for another's write lock for up to
+/// `LOCK_WAIT`, trying again as soon as a write transaction of this
+/// process ends, and every `LOCK_POLL` at the latest (for a lock another
+/// process holds). A session's connections take turns at the write lock
+/// many times a second (the writer's commits, the reader's claims):
+/// SQLite's own timeout backs off to sleeps of tens of milliseconds, long
+/// enough to leave the endpoints without work; and a plain sleep of
+/// `LOCK_POLL` kept a claim that waited for a commit asleep after the lock
+/// was free (a run of 200,000 cached items: hundreds of such waits of the
+/// reader's claims, counted with strace).
 fn wait_for_the_lock(tries: i32) -> bool {
-    if LOCK_POLL * u32::try_from(tries).unwrap_or(u32::MAX) >= LOCK_WAIT {
+    let now = Instant::now();
+    let since = WAITING_SINCE.with(|since| {
+        if tries == 0 || since.get().is_none() {
+            since.set(Some(now));
+        }
+        since.get().unwrap_or(now)
+    });
+    if now.duration_since(since) >= LOCK_WAIT {
         return false;
     }
-    std::thread::sleep(LOCK_POLL);
+    LOCK_FREED.wait(LOCK_POLL);
     true
 }
 
@@ -471,4 +562,48 @@ fn migrate(conn: &mut Connection, path: &Path) -> Result<(), StoreError> {
         format!("cannot bring the tables of {} up to date", path.display()),
         err,
     ))
+}
+
+#[cfg(test)]
+mod lock_tests {
+    use super::*;
+
+    #[test]
+    fn a_wait_for_the_write_lock_ends_when_a_write_of_this_process_ends() {
+        let freed = Freed {
+            ended: Mutex::new(0),
+            changed: Condvar::new(),
+        };
+        std::thread::scope(|scope| {
+            let waiter = scope.spawn(|| freed.wait(Duration::from_secs(600)));
+            // Told until it returns: a write that ended before it began to
+            // wait does not wake it.
+            while !waiter.is_finished() {
+                freed.tell();
+                std::thread::yield_now();
+            }
+            assert!(
+                waiter.join().unwrap(),
+                "woken by the end of a write, not by its limit"
+            );
+        });
+        // With no write ending, it waits out its limit.
+        assert!(!freed.wait(Duration::from_millis(1)));
+    }
+
+    #[test]
+    fn the_wait_for_the_write_lock_is_bounded_in_time_not_in_tries() {
+        // Woken early by every write of this process, a connection counts
+        // its tries faster than its time: it gives up after `LOCK_WAIT`
+        // since its first try, however many.
+        assert!(wait_for_the_lock(0));
+        assert!(wait_for_the_lock(1_000_000));
+        let long_ago = Instant::now()
+            .checked_sub(LOCK_WAIT + Duration::from_secs(1))
+            .expect("a clock past its first half minute");
+        WAITING_SINCE.with(|since| since.set(Some(long_ago)));
+        assert!(!wait_for_the_lock(3));
+        // A new wait starts its own count.
+        assert!(wait_for_the_lock(0));
+    }
 }
