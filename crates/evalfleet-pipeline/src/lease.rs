@@ -132,8 +132,12 @@ impl LeaseGate {
     /// claim the reader had before the renewal began and that it did not
     /// renew ran out; one it took since may not be known to it yet.
     ///
-    /// Returns how many items it newly knows lost: those of the claims
-    /// that ran out not yet ended here, and the items taken singly.
+    /// Returns how many items it newly knows lost. A store that names the
+    /// items taken from the worker (PostgreSQL) names those of a claim that
+    /// ran out with them; one that does not (SQLite) only lets the claim
+    /// run out, whose items not yet ended here are then lost. The larger
+    /// of the two counts, not their sum, which would count PostgreSQL's
+    /// items twice.
     pub fn renewed(
         &self,
         started: Instant,
@@ -142,7 +146,7 @@ impl LeaseGate {
         lost: &[u64],
     ) -> u64 {
         let held: HashSet<ClaimId> = held.iter().copied().collect();
-        let mut items_lost = lost.len() as u64;
+        let mut of_claims = 0;
         let gone: Vec<ClaimId> = match self.issued.lock() {
             Ok(mut issued) => {
                 let mut gone = Vec::new();
@@ -150,7 +154,7 @@ impl LeaseGate {
                     let ran_out = issued.had < started && !held.contains(claim);
                     if ran_out {
                         gone.push(*claim);
-                        items_lost += issued.left;
+                        of_claims += issued.left;
                     }
                     !ran_out
                 });
@@ -184,7 +188,7 @@ impl LeaseGate {
             }
         }
         self.renewed.notify_waiters();
-        items_lost
+        of_claims.max(lost.len() as u64)
     }
 
     /// A call for item `seq` of `claim` begins: its token, a child of
@@ -275,8 +279,9 @@ mod tests {
         let c = LeaseGate::flight(&gate, 2, 21, &abort);
         tokio::time::advance(Duration::from_millis(10)).await;
         // Claim 1 ran out; item 21 of claim 2 was taken by another worker:
-        // claim 1's ten items and item 21 are known lost.
-        assert_eq!(gate.renewed(Instant::now(), lease, &[2], &[21]), 11);
+        // claim 1's ten items are known lost (a store that names item 21
+        // would name claim 1's items too).
+        assert_eq!(gate.renewed(Instant::now(), lease, &[2], &[21]), 10);
         assert!(a.token().is_cancelled());
         assert!(!b.token().is_cancelled());
         assert!(c.token().is_cancelled());
@@ -358,6 +363,24 @@ mod tests {
         assert_eq!(gate.renewed(Instant::now(), lease, &[], &[]), 1);
         assert_eq!(gate.renewed(Instant::now(), lease, &[], &[]), 0);
         assert!(!gate.admit(2, 20).await);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_items_a_renewal_says_lost_are_counted_once_whether_the_store_names_them_or_not() {
+        let lease = Duration::from_secs(3);
+        // PostgreSQL: claim 1's two items not ended here were taken, and
+        // the renewal names them as its claim runs out: two, not four.
+        let gate = LeaseGate::new(lease);
+        gate.claimed(1, 3);
+        gate.item_ended(1);
+        tokio::time::advance(Duration::from_millis(10)).await;
+        assert_eq!(gate.renewed(Instant::now(), lease, &[], &[11, 12]), 2);
+        // SQLite: the claim runs out and names nothing.
+        let gate = LeaseGate::new(lease);
+        gate.claimed(1, 3);
+        gate.item_ended(1);
+        tokio::time::advance(Duration::from_millis(10)).await;
+        assert_eq!(gate.renewed(Instant::now(), lease, &[], &[]), 2);
     }
 
     #[tokio::test(start_paused = true)]
