@@ -278,34 +278,61 @@ impl Write<'_> {
 /// How many write transactions of this process have ended, and a wait for
 /// the next to end.
 struct Freed {
-    ended: Mutex<u64>,
+    state: Mutex<FreedState>,
     changed: Condvar,
 }
 
-static LOCK_FREED: Freed = Freed {
-    ended: Mutex::new(0),
-    changed: Condvar::new(),
-};
+struct FreedState {
+    ended: u64,
+    /// Connections waiting: a write that ends with none wakes no one (no
+    /// system call at every commit of a process that never waits).
+    waiting: u32,
+}
+
+static LOCK_FREED: Freed = Freed::new();
 
 impl Freed {
-    fn tell(&self) {
-        if let Ok(mut ended) = self.ended.lock() {
-            *ended = ended.wrapping_add(1);
+    const fn new() -> Self {
+        Self {
+            state: Mutex::new(FreedState {
+                ended: 0,
+                waiting: 0,
+            }),
+            changed: Condvar::new(),
         }
-        self.changed.notify_all();
+    }
+
+    fn tell(&self) {
+        let Ok(mut state) = self.state.lock() else {
+            return;
+        };
+        state.ended = state.ended.wrapping_add(1);
+        if state.waiting > 0 {
+            self.changed.notify_all();
+        }
     }
 
     /// Waits until a write transaction of this process ends, for at most
     /// `limit`; whether one ended.
     fn wait(&self, limit: Duration) -> bool {
-        let Ok(ended) = self.ended.lock() else {
+        let Ok(mut state) = self.state.lock() else {
             std::thread::sleep(limit);
             return false;
         };
-        let seen = *ended;
-        self.changed
-            .wait_timeout_while(ended, limit, |ended| *ended == seen)
-            .is_ok_and(|(_, waited)| !waited.timed_out())
+        let seen = state.ended;
+        state.waiting += 1;
+        let (mut state, woken) = match self
+            .changed
+            .wait_timeout_while(state, limit, |state| state.ended == seen)
+        {
+            Ok((state, waited)) => (state, !waited.timed_out()),
+            Err(poisoned) => {
+                let (state, _) = poisoned.into_inner();
+                (state, false)
+            }
+        };
+        state.waiting -= 1;
+        woken
     }
 }
 
@@ -570,25 +597,27 @@ mod lock_tests {
 
     #[test]
     fn a_wait_for_the_write_lock_ends_when_a_write_of_this_process_ends() {
-        let freed = Freed {
-            ended: Mutex::new(0),
-            changed: Condvar::new(),
-        };
+        let freed = Freed::new();
         std::thread::scope(|scope| {
-            let waiter = scope.spawn(|| freed.wait(Duration::from_secs(600)));
+            // A limit past the test's deadline: only a write's end returns
+            // it in time.
+            let waiter = scope.spawn(|| freed.wait(Duration::from_secs(60)));
             // Told until it returns: a write that ended before it began to
             // wait does not wake it.
-            while !waiter.is_finished() {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !waiter.is_finished() && Instant::now() < deadline {
                 freed.tell();
                 std::thread::yield_now();
             }
             assert!(
-                waiter.join().unwrap(),
-                "woken by the end of a write, not by its limit"
+                waiter.is_finished(),
+                "the waiter was not woken by the end of a write"
             );
+            assert!(waiter.join().unwrap());
         });
-        // With no write ending, it waits out its limit.
+        // With no write ending, it waits out its limit; no one waits after.
         assert!(!freed.wait(Duration::from_millis(1)));
+        assert_eq!(freed.state.lock().unwrap().waiting, 0);
     }
 
     #[test]
