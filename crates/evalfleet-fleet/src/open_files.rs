@@ -12,11 +12,13 @@
 //!
 //! A connect that still finds no file left (EMFILE, ENFILE: see
 //! [`crate::client::Unanswered::out_of_files`]) is retried and cuts the
-//! endpoint's limit, but says nothing of the endpoint's health. Not
-//! covered: a process that runs several sessions at once (`serve`) gives
-//! each the whole allowance.
+//! endpoint's limit, but says nothing of the endpoint's health. A process
+//! that runs several sessions at once (`serve`) shares the allowance: each
+//! fleet takes its calls' files from what the fleets alive before it left
+//! ([`Taken`]), and gives them back when it ends.
 
 use std::borrow::Cow;
+use std::sync::{Mutex, PoisonError};
 
 use evalfleet_config::{EndpointConfig, LimitMode};
 use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
@@ -67,20 +69,87 @@ pub fn raise() {
     }
 }
 
-/// `endpoints`, each with its concurrency within its share of the calls
-/// the soft limit on open files allows (see [`calls_allowed`]); those
-/// within it already, as they are.
-pub fn bound(endpoints: &[EndpointConfig]) -> Vec<Cow<'_, EndpointConfig>> {
-    let soft = getrlimit(Resource::Nofile).current;
-    let wants: Vec<usize> = endpoints.iter().map(wanted).collect();
-    match (soft, calls_allowed(soft, &wants)) {
-        (Some(soft), Some(allowed)) => endpoints
-            .iter()
-            .zip(allowed)
-            .map(|(endpoint, most)| within(endpoint, most, soft))
-            .collect(),
-        _ => endpoints.iter().map(Cow::Borrowed).collect(),
+/// The open files that the fleets alive in a process have taken for their
+/// calls.
+#[derive(Debug, Default)]
+pub struct Ledger(Mutex<u64>);
+
+impl Ledger {
+    pub const fn new() -> Self {
+        Self(Mutex::new(0))
     }
+
+    fn taken(&self) -> std::sync::MutexGuard<'_, u64> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// This process's ledger.
+static LEDGER: Ledger = Ledger::new();
+
+/// The open files one fleet's endpoints took for their calls, given back
+/// to its ledger when it is dropped (the fleet ends).
+#[derive(Debug)]
+pub struct Taken<'l> {
+    ledger: &'l Ledger,
+    files: u64,
+}
+
+impl Taken<'_> {
+    /// The files taken.
+    pub fn files(&self) -> u64 {
+        self.files
+    }
+}
+
+impl Drop for Taken<'_> {
+    fn drop(&mut self) {
+        let mut taken = self.ledger.taken();
+        *taken = taken.saturating_sub(self.files);
+    }
+}
+
+/// `endpoints`, each with its concurrency within its share of the calls
+/// the soft limit on open files allows (see [`calls_allowed`]), less what
+/// the other fleets alive in this process took; those within it already,
+/// as they are. The files the endpoints' calls may hold are taken until
+/// the [`Taken`] is dropped.
+pub fn bound(endpoints: &[EndpointConfig]) -> (Vec<Cow<'_, EndpointConfig>>, Taken<'static>) {
+    bound_within(&LEDGER, getrlimit(Resource::Nofile).current, endpoints)
+}
+
+/// [`bound`] under a soft limit of `soft` open files (`None`: no bound),
+/// sharing it through `ledger`.
+fn bound_within<'e, 'l>(
+    ledger: &'l Ledger,
+    soft: Option<u64>,
+    endpoints: &'e [EndpointConfig],
+) -> (Vec<Cow<'e, EndpointConfig>>, Taken<'l>) {
+    let wants: Vec<usize> = endpoints.iter().map(wanted).collect();
+    let mut taken = ledger.taken();
+    let others = *taken;
+    let Some((soft, allowed)) = soft.and_then(|soft| {
+        Some((
+            soft,
+            calls_allowed(Some(soft.saturating_sub(others)), &wants)?,
+        ))
+    }) else {
+        return (
+            endpoints.iter().map(Cow::Borrowed).collect(),
+            Taken { ledger, files: 0 },
+        );
+    };
+    let bounded: Vec<_> = endpoints
+        .iter()
+        .zip(&allowed)
+        .map(|(endpoint, most)| within(endpoint, *most, soft, others))
+        .collect();
+    let files = bounded
+        .iter()
+        .map(|e| wanted(e) as u64 * PER_CALL)
+        .sum::<u64>();
+    *taken = taken.saturating_add(files);
+    (bounded, Taken { ledger, files })
 }
 
 /// The most calls each endpoint may keep in flight, given the most each
@@ -114,14 +183,25 @@ fn wanted(endpoint: &EndpointConfig) -> usize {
 /// soft limit of `soft` open files (its settings, unchanged, where they
 /// are within already). A fixed concurrency lowered is warned of; an
 /// adaptive limit's maximum lowered is said once, as information.
-fn within(endpoint: &EndpointConfig, most: usize, soft: u64) -> Cow<'_, EndpointConfig> {
+fn within(
+    endpoint: &EndpointConfig,
+    most: usize,
+    soft: u64,
+    others: u64,
+) -> Cow<'_, EndpointConfig> {
+    // Other runs of this process (`serve`) hold files of their own.
+    let shared = if others > 0 {
+        format!(", {others} more taken by the other runs of this process")
+    } else {
+        String::new()
+    };
     let concurrency = match endpoint.concurrency {
         LimitMode::Fixed(n) if n > most => {
             tracing::warn!(
                 "Endpoint {}: concurrency {n} lowered to {most}: this process may keep {soft} \
                  files open (`ulimit -n`), {RESERVE} of them kept for the store, logs and \
-                 agents, the rest shared by the endpoints' calls ({PER_CALL} files a call); \
-                 raise the limit for more.",
+                 agents{shared}, the rest shared by the endpoints' calls ({PER_CALL} files a \
+                 call); raise the limit for more.",
                 endpoint.name
             );
             LimitMode::Fixed(most)
@@ -130,7 +210,8 @@ fn within(endpoint: &EndpointConfig, most: usize, soft: u64) -> Cow<'_, Endpoint
             tracing::info!(
                 "Endpoint {}: at most {most} calls at once (adaptive): this process may keep \
                  {soft} files open (`ulimit -n`), {RESERVE} of them kept for the store, logs \
-                 and agents, the rest shared by the endpoints' calls ({PER_CALL} files a call).",
+                 and agents{shared}, the rest shared by the endpoints' calls ({PER_CALL} files a \
+                 call).",
                 endpoint.name
             );
             settings.max = most;
@@ -168,5 +249,62 @@ mod tests {
         );
         // Never none at all.
         assert_eq!(calls_allowed(Some(100), &[8, 8]), Some(vec![1, 1]));
+    }
+
+    /// An endpoint with an adaptive limit of at most `max` calls.
+    fn adaptive(name: &str, max: usize) -> EndpointConfig {
+        // The config names a dataset that exists; nothing reads it.
+        let dataset = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+        let config = serde_json::json!({
+            "name": "t",
+            "dataset": {"path": dataset, "format": "jsonl"},
+            "endpoints": [{"name": name, "kind": "external", "base_url": "http://127.0.0.1:9/v1",
+                           "model": "m", "concurrency": "adaptive"}],
+            "task": {"messages": [{"role": "user", "content": "{{ q }}"}]},
+        });
+        let mut endpoint = evalfleet_config::load_snapshot(&config, std::path::Path::new("."))
+            .unwrap_or_else(|err| panic!("{err}"))
+            .config
+            .endpoints
+            .remove(0);
+        match &mut endpoint.concurrency {
+            LimitMode::Adaptive(settings) => settings.max = max,
+            LimitMode::Fixed(_) => panic!("the endpoint's limit is not adaptive"),
+        }
+        endpoint
+    }
+
+    fn most(endpoint: &EndpointConfig) -> usize {
+        wanted(endpoint)
+    }
+
+    /// Runs of one process (`serve`) share its open files: a second fleet
+    /// gets what the first left, and all of it again once the first ends.
+    #[test]
+    fn fleets_alive_at_once_share_the_open_files() {
+        let ledger = Ledger::new();
+        let one = [adaptive("a", 1024)];
+        let (first, taken) = bound_within(&ledger, Some(2048), &one);
+        // (2,048 - 128) / 2 = 960 calls, 1,920 files.
+        assert_eq!(most(&first[0]), 960);
+        assert_eq!(taken.files(), 1920);
+        // 2,048 - 1,920 taken leaves 128, all of it the reserve: one call.
+        let (second, also) = bound_within(&ledger, Some(2048), &one);
+        assert_eq!(most(&second[0]), 1);
+        assert_eq!(also.files(), 2);
+        drop(taken);
+        let (third, _) = bound_within(&ledger, Some(2048), &one);
+        assert_eq!(most(&third[0]), (2048 - 2 - 128) / 2);
+        drop(also);
+        // Where the limit leaves room for every call, each takes what it
+        // asks for.
+        let (other, few) = (Ledger::new(), [adaptive("b", 64)]);
+        let (wide, _) = bound_within(&other, Some(1 << 20), &few);
+        assert_eq!(most(&wide[0]), 64);
+        // No limit: nothing is bound or taken.
+        let unbounded = Ledger::new();
+        let (free, none) = bound_within(&unbounded, None, &one);
+        assert_eq!(most(&free[0]), 1024);
+        assert_eq!(none.files(), 0);
     }
 }

@@ -137,19 +137,24 @@ pub struct Fleet {
     housekeeping_done: CancellationToken,
     /// Samples the run's resources (`telemetry:`), when on.
     watchdog: Option<super::watchdog::Watchdog>,
+    /// The open files the endpoints' calls may hold, taken from what this
+    /// process's other fleets left until this one is dropped.
+    _files: crate::open_files::Taken<'static>,
 }
 
 impl Fleet {
     pub fn new(config: &Config, options: FleetOptions) -> Self {
         // Every call in flight holds a socket: the endpoints' limits stay
         // within the open files the process may keep.
-        let endpoints: Vec<_> = crate::open_files::bound(&config.endpoints)
+        let (bounded, files) = crate::open_files::bound(&config.endpoints);
+        let endpoints: Vec<_> = bounded
             .iter()
             .map(|e| Arc::new(Endpoint::new(e, config.timeouts.attempt)))
             .collect();
         let (events, receiver) = mpsc::unbounded_channel();
         let watchdog = super::watchdog::Watchdog::new(&config.telemetry, &endpoints);
         Self {
+            _files: files,
             watchdog,
             endpoints: endpoints.clone(),
             shared: Arc::new(Shared {
