@@ -451,3 +451,83 @@ async fn prometheus_shows_each_stopped_run_s_outcome() {
         assert!(metrics.contains(expected), "no {expected} in:\n{metrics}");
     }
 }
+
+/// The endpoint limit that run `run_id`'s last snapshot in `env`'s store
+/// holds (`status --json`).
+async fn stored_limit(env: &Env, run_id: &str) -> u64 {
+    let state = env.evalfleet(&["status", run_id, "--json"]).await;
+    assert_eq!(state.code, Some(0), "{}", state.stderr);
+    let state: Value = serde_json::from_str(&state.stdout).unwrap();
+    state["endpoint_states"]["endpoints"][0]["limit"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no endpoint limit stored: {state}"))
+}
+
+/// Posts `text` as a run to `base`; its id.
+async fn start_run(base: &str, text: &str) -> String {
+    let response = client()
+        .post(format!("{base}/api/v1/runs"))
+        .json(&json!({"config": text}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 201);
+    response.json::<Value>().await.unwrap()["run_id"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_served_side_by_side_share_the_open_files() {
+    // A server that may keep 1,024 files open: (1,024 - 128) / 2 = 448
+    // calls at once, two files a call to its built-in mock.
+    let env = Env::new();
+    let mut command = Command::new("sh");
+    command
+        .args([
+            "-c",
+            "ulimit -n 1024 && exec \"$0\" serve --bind 127.0.0.1:0",
+            BIN,
+        ])
+        .current_dir(env.dir.path())
+        .env_remove("EVALFLEET_STORE")
+        .env_remove("EVALFLEET_API_KEY")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true);
+    let mut server = command.spawn().unwrap();
+    let stdout = server.stdout.take().unwrap();
+    let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
+    let base = lines.next_line().await.unwrap().unwrap();
+
+    // A long run takes its 448 calls' files...
+    let long = start_run(&base, &config(&env, 1500, "1s", 1000, "")).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let run = get(&format!("{base}/api/v1/runs/{long}")).await;
+        if run["counts"]["done"].as_u64().unwrap_or(0) > 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no item done: {run}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // ...and a run started beside it gets what is left: one call.
+    let beside = start_run(&base, &config(&env, 10, "5ms", 1000, "")).await;
+    wait_for_state(&base, &beside, "finished").await;
+    let long_run = get(&format!("{base}/api/v1/runs/{long}")).await;
+    assert_eq!(
+        long_run["state"], "running",
+        "the long run ended first: {long_run}"
+    );
+    wait_for_state(&base, &long, "finished").await;
+    assert_eq!(stored_limit(&env, &long).await, 448);
+    assert_eq!(stored_limit(&env, &beside).await, 1);
+    // Once both have ended, their files are back: a new run gets 448.
+    let after = start_run(&base, &config(&env, 10, "5ms", 1000, "")).await;
+    wait_for_state(&base, &after, "finished").await;
+    assert_eq!(stored_limit(&env, &after).await, 448);
+}
