@@ -20,7 +20,14 @@ pub async fn serve_with(env: &Env, args: &[&str], vars: &[(&str, &str)]) -> (Chi
     command
         .arg("serve")
         .args(["--bind", "127.0.0.1:0"])
-        .args(args)
+        .args(args);
+    started(command, env, vars).await
+}
+
+/// `command` (a server, or what execs one) started in `env` with the
+/// environment variables `vars`, and the address its server printed.
+async fn started(mut command: Command, env: &Env, vars: &[(&str, &str)]) -> (Child, String) {
+    command
         .current_dir(env.dir.path())
         .env_remove("EVALFLEET_STORE")
         .env_remove("EVALFLEET_API_KEY")
@@ -98,17 +105,7 @@ async fn a_run_started_over_http_is_answered_and_shows_no_secret() {
     let env = Env::new();
     let (_server, base) = serve(&env, &[], None).await;
     let text = config(&env, 40, "5ms", 4, ", api_key: sk-literal-secret");
-    let response = client()
-        .post(format!("{base}/api/v1/runs"))
-        .json(&json!({"config": text}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 201);
-    let run_id = response.json::<Value>().await.unwrap()["run_id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let run_id = start_run(&base, &text).await;
     let run = wait_for_state(&base, &run_id, "finished").await;
     assert_eq!(
         run["counts"],
@@ -484,22 +481,12 @@ async fn runs_served_side_by_side_share_the_open_files() {
     // calls at once, two files a call to its built-in mock.
     let env = Env::new();
     let mut command = Command::new("sh");
-    command
-        .args([
-            "-c",
-            "ulimit -n 1024 && exec \"$0\" serve --bind 127.0.0.1:0",
-            BIN,
-        ])
-        .current_dir(env.dir.path())
-        .env_remove("EVALFLEET_STORE")
-        .env_remove("EVALFLEET_API_KEY")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true);
-    let mut server = command.spawn().unwrap();
-    let stdout = server.stdout.take().unwrap();
-    let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
-    let base = lines.next_line().await.unwrap().unwrap();
+    command.args([
+        "-c",
+        "ulimit -n 1024 && exec \"$0\" serve --bind 127.0.0.1:0",
+        BIN,
+    ]);
+    let (_server, base) = started(command, &env, &[]).await;
 
     // A long run takes its 448 calls' files...
     let long = start_run(&base, &config(&env, 1500, "1s", 1000, "")).await;
