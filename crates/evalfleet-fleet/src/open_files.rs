@@ -71,11 +71,11 @@ pub fn raise() {
 
 /// The open files that the fleets alive in a process have taken for their
 /// calls.
-#[derive(Debug, Default)]
-pub struct Ledger(Mutex<u64>);
+#[derive(Debug)]
+struct Ledger(Mutex<u64>);
 
 impl Ledger {
-    pub const fn new() -> Self {
+    const fn new() -> Self {
         Self(Mutex::new(0))
     }
 
@@ -93,13 +93,6 @@ static LEDGER: Ledger = Ledger::new();
 pub struct Taken<'l> {
     ledger: &'l Ledger,
     files: u64,
-}
-
-impl Taken<'_> {
-    /// The files taken.
-    pub fn files(&self) -> u64 {
-        self.files
-    }
 }
 
 impl Drop for Taken<'_> {
@@ -128,12 +121,8 @@ fn bound_within<'e, 'l>(
     let wants: Vec<usize> = endpoints.iter().map(wanted).collect();
     let mut taken = ledger.taken();
     let others = *taken;
-    let Some((soft, allowed)) = soft.and_then(|soft| {
-        Some((
-            soft,
-            calls_allowed(Some(soft.saturating_sub(others)), &wants)?,
-        ))
-    }) else {
+    let left = soft.map(|soft| soft.saturating_sub(others));
+    let (Some(soft), Some(allowed)) = (soft, calls_allowed(left, &wants)) else {
         return (
             endpoints.iter().map(Cow::Borrowed).collect(),
             Taken { ledger, files: 0 },
@@ -274,10 +263,6 @@ mod tests {
         endpoint
     }
 
-    fn most(endpoint: &EndpointConfig) -> usize {
-        wanted(endpoint)
-    }
-
     /// Runs of one process (`serve`) share its open files: a second fleet
     /// gets what the first left, and all of it again once the first ends.
     #[test]
@@ -286,25 +271,25 @@ mod tests {
         let one = [adaptive("a", 1024)];
         let (first, taken) = bound_within(&ledger, Some(2048), &one);
         // (2,048 - 128) / 2 = 960 calls, 1,920 files.
-        assert_eq!(most(&first[0]), 960);
-        assert_eq!(taken.files(), 1920);
+        assert_eq!(wanted(&first[0]), 960);
+        assert_eq!(taken.files, 1920);
         // 2,048 - 1,920 taken leaves 128, all of it the reserve: one call.
         let (second, also) = bound_within(&ledger, Some(2048), &one);
-        assert_eq!(most(&second[0]), 1);
-        assert_eq!(also.files(), 2);
+        assert_eq!(wanted(&second[0]), 1);
+        assert_eq!(also.files, 2);
         drop(taken);
         let (third, _) = bound_within(&ledger, Some(2048), &one);
-        assert_eq!(most(&third[0]), (2048 - 2 - 128) / 2);
+        assert_eq!(wanted(&third[0]), (2048 - 2 - 128) / 2);
         drop(also);
         // Where the limit leaves room for every call, each takes what it
         // asks for.
         let (other, few) = (Ledger::new(), [adaptive("b", 64)]);
         let (wide, _) = bound_within(&other, Some(1 << 20), &few);
-        assert_eq!(most(&wide[0]), 64);
+        assert_eq!(wanted(&wide[0]), 64);
         // No limit: nothing is bound or taken.
         let unbounded = Ledger::new();
         let (free, none) = bound_within(&unbounded, None, &one);
-        assert_eq!(most(&free[0]), 1024);
-        assert_eq!(none.files(), 0);
+        assert_eq!(wanted(&free[0]), 1024);
+        assert_eq!(none.files, 0);
     }
 }
